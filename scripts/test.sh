@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Runs the test suite with .venv. Default: all tests not marked slow. `--all`: every test.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+  echo "tpurec: .venv is missing; run 'make install' first" >&2
+  exit 1
+fi
+# No TPU here: keep jax on CPU and stop a torch_tpu install from autoloading or querying metadata.
+export JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 TORCH_DEVICE_BACKEND_AUTOLOAD=0
+# Two cores: one intra-op thread per process keeps multi-rank tests from oversubscribing.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+marker=(-m "not slow and not tpu")
+if [ "${1:-}" = "--all" ]; then shift; marker=(-m "not tpu"); fi
+exec .venv/bin/python -m pytest "${marker[@]}" "$@"

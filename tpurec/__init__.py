@@ -1,0 +1,23 @@
+"""tpurec: TorchRec on TPU.
+
+Importing tpurec is cheap and never imports torch_tpu, libtpu or jax: everything TPU-specific is
+loaded lazily, behind `tpurec.device`, only when a TPU is actually used.
+"""
+from tpurec import device as _device
+
+__version__ = "0.1.0"
+
+# Must run before anything imports torch: a torch_tpu install on a host without a usable TPU would
+# otherwise abort `import torch` or wait on the cloud metadata server (see docs/tpu.md).
+_device.apply_safe_env()
+
+__all__ = ["__version__", "DistributedModelParallel"]
+
+
+def __getattr__(name):
+    # Lazy so that `import tpurec` stays light; the DMP wrapper pulls in torchrec.distributed.
+    if name == "DistributedModelParallel":
+        from tpurec.sharding.dmp import DistributedModelParallel
+
+        return DistributedModelParallel
+    raise AttributeError(f"module 'tpurec' has no attribute {name!r}")

@@ -1,0 +1,43 @@
+"""The `tpurec` command.
+
+Each subcommand lives in its own module, which exposes `register(subparsers)` (builds its argparse
+parser without importing anything heavy, so `tpurec --help` is instant) and `run(args) -> int`.
+A subcommand appears in the help only once its module is listed below.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+import tpurec
+
+# name -> module implementing it. Add a line here when a subcommand lands.
+SUBCOMMANDS: dict[str, str] = {
+    "env": "tpurec.env_report",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tpurec",
+        description="TorchRec on TPU: SparseCore embedding kernels, sharding planner, DLRM pipeline.",
+    )
+    parser.add_argument("--version", action="version", version=f"tpurec {tpurec.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module in SUBCOMMANDS.items():
+        importlib.import_module(module).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "run", None):
+        parser.print_help()
+        return 0 if args.command is None else 2
+    return int(args.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Criteo-style Parquet data: schema, converter, streaming reader, synthetic generator."""

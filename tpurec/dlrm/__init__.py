@@ -1,0 +1,1 @@
+"""DLRM / DLRM-DCNv2 reference training pipeline."""

@@ -1,0 +1,1 @@
+"""SparseCore embedding-bag kernels: input preprocessing, MOD table layout, lookup and fused updates."""

@@ -1,0 +1,54 @@
+"""`tpurec env`: versions and TPU readiness, for bug reports.
+
+Reads installed versions from package metadata, so it never imports torch_tpu, libtpu or jax.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import sys
+
+import tpurec
+from tpurec import device
+
+_PACKAGES = ("torch", "torchrec", "fbgemm-gpu-cpu", "fbgemm-gpu", "torch-tpu", "libtpu", "jax", "numpy", "pyarrow")
+
+
+def collect() -> dict:
+    status = device.tpu_status()
+    return {
+        "tpurec": tpurec.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "packages": {name: device._installed(name) for name in _PACKAGES},
+        "torch_tpu_installed": bool(status.torch_tpu),
+        "libtpu_installed": bool(status.libtpu),
+        "tpu_device_nodes": list(status.device_nodes),
+        "tpu_usable": status.usable,
+        "kernel_backend": device.kernel_backend(),
+        "missing_for_tpu": status.missing(),
+    }
+
+
+def register(sub) -> None:
+    p = sub.add_parser("env", help="print versions, TPU readiness and the kernel backend that would run")
+    p.add_argument("--json", action="store_true", help="one JSON document instead of text")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    info = collect()
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"tpurec        {info['tpurec']}")
+    print(f"python        {info['python']} ({info['platform']})")
+    for name, ver in info["packages"].items():
+        print(f"{name:<13} {ver or 'not installed'}")
+    print(f"TPU devices   {', '.join(info['tpu_device_nodes']) or 'none'}")
+    print(f"kernels       {info['kernel_backend']}"
+          + ("" if info["tpu_usable"] else "  (SparseCore needs: " + "; ".join(info["missing_for_tpu"]) + ")"))
+    if info["packages"]["fbgemm-gpu"]:
+        print("warning: the CUDA fbgemm-gpu is installed; it shadows fbgemm-gpu-cpu (see docs/install.md)",
+              file=sys.stderr)
+    return 0

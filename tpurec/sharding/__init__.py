@@ -1,0 +1,1 @@
+"""TorchRec integration: sharder, DistributedModelParallel wrapper, TPU topology and planner."""
