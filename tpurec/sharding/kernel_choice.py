@@ -1,0 +1,22 @@
+"""Which TorchRec compute-kernel value and sharding types tpurec's SparseCore kernel answers to.
+
+`EmbeddingComputeKernel` is a closed enum checked by TorchRec's planner and sharded modules, so we
+reuse a value instead of patching it. We take CUSTOMIZED_KERNEL: it is TorchRec's documented hook
+for kernels it does not know, and it makes the sharded EBC leave state_dict handling to the kernel,
+which we need because the SparseCore table is stored MOD-partitioned, not in natural row order.
+UNFUSED_TPU is avoided: TorchRec wires it to its own unfused Pallas kernel and GPU placeholder costs.
+"""
+from torchrec.distributed.types import ShardingType
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+
+COMPUTE_KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
+
+# Data-parallel is excluded: it replicates the table and leaves updates to a dense optimizer after
+# an all-reduce of a dense gradient, which is exactly what a fused SparseCore update avoids.
+SHARDING_TYPES = [
+    ShardingType.TABLE_WISE.value,
+    ShardingType.COLUMN_WISE.value,
+    ShardingType.TABLE_COLUMN_WISE.value,
+    ShardingType.ROW_WISE.value,
+    ShardingType.TABLE_ROW_WISE.value,
+]
