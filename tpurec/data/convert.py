@@ -1,0 +1,289 @@
+"""Criteo text (raw TSV day files, plain or .gz, or CSV with a header) -> tpurec Parquet.
+
+Streams each input in blocks (bounded memory: one text block plus one row group), validates and
+transforms the columns with vectorised numpy (tpurec/data/parse.py), and writes one Parquet file per
+input, converting several inputs in parallel processes. Outputs are written under a temporary name
+and renamed only when every input converted, so a failed run never leaves a half-written dataset.
+"""
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from tpurec.data import parse
+from tpurec.data.schema import (
+    CAT_HASH, DENSE_LOG1P, DataError, DataSchema, list_parquet_files, write_dataset_json,
+)
+
+NUM_COLUMNS = 40  # label + 13 dense + 26 categorical, the raw Criteo layout
+_MAX_EXAMPLES = 5  # bad lines quoted in the report
+
+
+@dataclass
+class ConvertOptions:
+    schema: DataSchema
+    input_format: str = "auto"  # "tsv" (no header), "csv" (header line), or by file name
+    row_group_size: int = 65536
+    skip_bad_lines: bool = False
+    compression: str = "snappy"
+    block_size: int = 16 << 20  # bytes of text parsed at a time
+
+
+@dataclass
+class FileResult:
+    input: str
+    output: str
+    rows: int = 0
+    bad_lines: int = 0
+    bad_examples: list[str] = field(default_factory=list)
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+
+def detect_format(path: str) -> str:
+    name = Path(path).name.lower().removesuffix(".gz")
+    return "csv" if name.endswith(".csv") else "tsv"
+
+
+class _LineMap:
+    """Maps a data row's index (among rows pyarrow kept) to its 1-based line number in the file."""
+
+    def __init__(self, header_lines: int):
+        self.header = header_lines
+        self.dropped: list[int] = []  # line numbers pyarrow's invalid-row handler dropped, ascending
+
+    def line(self, row_index: int) -> int:
+        line = self.header + row_index + 1
+        for d in self.dropped:  # few (bad lines only), so a linear pass is fine
+            if d <= line:
+                line += 1
+        return line
+
+
+def _open_text(path: str, fmt: str, opts: ConvertOptions, on_invalid):
+    import pyarrow as pa
+    import pyarrow.csv as pcsv
+
+    raw = pa.OSFile(path, "rb")
+    stream = pa.CompressedInputStream(raw, "gzip") if path.endswith(".gz") else raw
+    names = [f"c{i}" for i in range(NUM_COLUMNS)]
+    read = pcsv.ReadOptions(
+        column_names=names, skip_rows=1 if fmt == "csv" else 0, block_size=opts.block_size,
+        use_threads=False,
+    )
+    parse_opts = pcsv.ParseOptions(
+        delimiter="," if fmt == "csv" else "\t", quote_char=False, ignore_empty_lines=False,
+        invalid_row_handler=on_invalid,
+    )
+    conv = pcsv.ConvertOptions(column_types={n: pa.string() for n in names}, strings_can_be_null=False)
+    return raw, pcsv.open_csv(stream, read_options=read, parse_options=parse_opts, convert_options=conv)
+
+
+def _check_header(path: str, fmt: str) -> None:
+    if fmt != "csv":
+        return
+    import gzip
+
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        header = f.readline().rstrip("\r\n").split(",")
+    if len(header) != NUM_COLUMNS:
+        raise DataError(f"{path}:1: CSV header has {len(header)} columns, expected {NUM_COLUMNS} "
+                        "(label, 13 dense, 26 categorical)")
+
+
+def _transform_block(batch, schema: DataSchema):
+    """One text block -> (dict of numpy columns, bad mask, first bad reason per row index)."""
+    n = batch.num_rows
+    bad = np.zeros(n, dtype=bool)
+    reasons: dict[int, str] = {}
+
+    def note(mask, column, what):
+        nonlocal bad
+        new = mask & ~bad
+        if new.any():
+            for i in np.flatnonzero(new)[:_MAX_EXAMPLES]:
+                reasons[int(i)] = f"column {column}: {what}"
+        bad |= mask
+
+    out: dict[str, np.ndarray] = {}
+    labels, lbad = parse.parse_labels(batch.column(0))
+    note(lbad, schema.label, "label must be 0 or 1")
+    out[schema.label] = labels
+    for j, name in enumerate(schema.dense):
+        x, dbad = parse.parse_numbers(batch.column(1 + j))
+        note(dbad, name, "not a number")
+        out[name] = parse.dense_log1p(x) if schema.dense_transform == DENSE_LOG1P else x.astype(np.float32)
+    for j, feat in enumerate(schema.sparse):
+        raw, empty, cbad = parse.parse_hex(batch.column(14 + j))
+        note(cbad, feat.name, "not a hex string of at most 16 digits")
+        if schema.categorical == CAT_HASH:
+            out[feat.name] = parse.hash_ids(raw, empty, feat.num_embeddings)
+        else:
+            out[feat.name] = raw.astype(np.int64)  # raw hex values; empty is 0 already
+    return out, bad, reasons
+
+
+def convert_file(in_path: str, out_path: str, opts: ConvertOptions, progress=None) -> FileResult:
+    """Convert one text file to one Parquet file at ``out_path`` (the caller renames it)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = opts.schema
+    fmt = opts.input_format if opts.input_format != "auto" else detect_format(in_path)
+    _check_header(in_path, fmt)
+    res = FileResult(in_path, out_path, bytes_in=os.path.getsize(in_path))
+    lines = _LineMap(1 if fmt == "csv" else 0)
+    first_invalid: list[str] = []
+
+    def on_invalid(row):
+        # Wrong column count (or an unparsable line): pyarrow's handler sees it before we do.
+        msg = (f"{in_path}:{row.number}: expected {row.expected_columns} columns, "
+               f"got {row.actual_columns}: {row.text[:80]!r}")
+        if not opts.skip_bad_lines:
+            first_invalid.append(msg)
+            return "error"
+        lines.dropped.append(row.number)
+        res.bad_lines += 1
+        if len(res.bad_examples) < _MAX_EXAMPLES:
+            res.bad_examples.append(msg)
+        return "skip"
+
+    arrow_schema = schema.arrow_schema()
+    raw, reader = _open_text(in_path, fmt, opts, on_invalid)
+    writer = pq.ParquetWriter(out_path, arrow_schema, compression=opts.compression)
+    pending: list[pa.Table] = []
+    pending_rows = 0
+    seen = 0  # rows pyarrow kept so far (line mapping)
+    last_pos = 0
+    try:
+        while True:
+            try:
+                batch = reader.read_next_batch()
+            except StopIteration:
+                break
+            except pa.ArrowInvalid as e:
+                if first_invalid:
+                    raise DataError(f"malformed line {first_invalid[0]}") from None
+                raise DataError(f"{in_path}: cannot parse: {e}") from None
+            cols, bad, reasons = _transform_block(batch, schema)
+            if bad.any():
+                idx = np.flatnonzero(bad)
+                if not opts.skip_bad_lines:
+                    i = int(idx[0])
+                    raise DataError(f"malformed line {in_path}:{lines.line(seen + i)}: {reasons[i]}")
+                for i in idx:
+                    if len(res.bad_examples) < _MAX_EXAMPLES:
+                        res.bad_examples.append(f"{in_path}:{lines.line(seen + int(i))}: "
+                                                f"{reasons.get(int(i), 'bad value')}")
+                res.bad_lines += len(idx)
+                keep = ~bad
+                cols = {k: v[keep] for k, v in cols.items()}
+            seen += batch.num_rows
+            table = pa.Table.from_arrays([pa.array(cols[f.name]) for f in arrow_schema], schema=arrow_schema)
+            pending.append(table)
+            pending_rows += table.num_rows
+            res.rows += table.num_rows
+            if pending_rows >= opts.row_group_size:
+                pending, pending_rows = _flush(writer, pending, opts.row_group_size, final=False)
+            if progress is not None:
+                pos = raw.tell()
+                progress(pos - last_pos)
+                last_pos = pos
+        _flush(writer, pending, opts.row_group_size, final=True)
+    finally:
+        writer.close()
+        raw.close()
+    if progress is not None:
+        progress(res.bytes_in - last_pos)
+    res.bytes_out = os.path.getsize(out_path)
+    return res
+
+
+def _flush(writer, pending, rg: int, final: bool):
+    """Write whole row groups of exactly ``rg`` rows (and the rest when ``final``); return the rest."""
+    import pyarrow as pa
+
+    if not pending:
+        return [], 0
+    table = pa.concat_tables(pending)
+    full = table.num_rows if final else (table.num_rows // rg) * rg
+    if full:
+        writer.write_table(table.slice(0, full), row_group_size=rg)
+    rest = table.slice(full)
+    return ([rest] if rest.num_rows else []), rest.num_rows
+
+
+def _convert_one(args):
+    in_path, tmp_path, opts = args
+    return convert_file(in_path, tmp_path, opts)
+
+
+def convert(inputs: list[str], out_dir: str, opts: ConvertOptions, jobs: int | None = None,
+            show_progress: bool = True, overwrite: bool = False) -> dict:
+    """Convert every input to ``out_dir/part-NNNNN.parquet`` and write ``dataset.json``.
+
+    Returns the summary (rows, files, bytes in/out, seconds, MB/s, bad lines).
+    """
+    from tqdm import tqdm
+
+    for p in inputs:
+        if not os.path.isfile(p):
+            raise DataError(f"{p}: no such input file")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    existing = sorted(out.glob("*.parquet"))
+    if existing and not overwrite:
+        raise DataError(f"{out_dir} already holds {len(existing)} .parquet files; use --overwrite")
+    for f in existing:
+        f.unlink()
+    finals = [out / f"part-{i:05d}.parquet" for i in range(len(inputs))]
+    tmps = [f.with_suffix(".parquet.tmp") for f in finals]
+    total_bytes = sum(os.path.getsize(p) for p in inputs)
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(inputs)))
+    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="convert", disable=not show_progress)
+    t0 = time.perf_counter()
+    results: list[FileResult] = []
+    try:
+        if jobs == 1:
+            for p, t in zip(inputs, tmps):
+                results.append(convert_file(p, str(t), opts, progress=bar.update))
+        else:
+            import multiprocessing as mp
+
+            with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as ex:
+                futs = [ex.submit(_convert_one, (p, str(t), opts)) for p, t in zip(inputs, tmps)]
+                for fut in as_completed(futs):
+                    r = fut.result()
+                    bar.update(r.bytes_in)
+                    results.append(r)
+    except BaseException:
+        for t in tmps:
+            t.unlink(missing_ok=True)
+        raise
+    finally:
+        bar.close()
+    for t, f in zip(tmps, finals):
+        t.replace(f)
+    seconds = time.perf_counter() - t0
+    results.sort(key=lambda r: r.input)
+    summary = {
+        "rows": sum(r.rows for r in results),
+        "files": len(results),
+        "bytes_in": total_bytes,
+        "bytes_out": sum(r.bytes_out for r in results),
+        "seconds": round(seconds, 3),
+        "mb_per_s": round(total_bytes / 1e6 / max(seconds, 1e-9), 2),
+        "bad_lines": sum(r.bad_lines for r in results),
+        "bad_examples": [e for r in results for e in r.bad_examples][:_MAX_EXAMPLES],
+        "out_dir": str(out),
+    }
+    write_dataset_json(out, opts.schema, rows=summary["rows"], files=[f.name for f in finals],
+                       source=[os.path.basename(p) for p in inputs], bad_lines=summary["bad_lines"])
+    list_parquet_files(out)  # sanity: the outputs are there
+    return summary

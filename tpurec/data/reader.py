@@ -1,0 +1,404 @@
+"""ParquetReader: streaming, rank-sharded, shuffled, resumable batches of torchrec ``Batch``.
+
+Pipeline: this rank's units (shards.assign) -> epoch-seeded unit order -> windows of units holding at
+least ``shuffle_buffer`` rows, each decoded by pyarrow and permuted in memory -> batches cut from the
+stream of windows. Windows are decoded in a background thread (pyarrow and numpy release the GIL),
+so decoding overlaps with the training step.
+
+Everything is deterministic in (seed, epoch, rank, world_size), and the position is the number of
+rows of this rank's epoch stream already returned; ``load_state_dict`` finds the window holding that
+row without decoding the ones before it, so a resumed run sees exactly the rows it had not seen.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from tpurec.data import shards
+from tpurec.data.schema import DataError, DataSchema
+
+
+@dataclass
+class _Feature:
+    """One categorical feature of a window: flat ids, per-row lengths/offsets, optional weights."""
+
+    values: np.ndarray  # int64
+    lengths: np.ndarray | None  # int32 per row; None = one id per row
+    offsets: np.ndarray | None  # int64, len rows + 1; None = one id per row
+    weights: np.ndarray | None  # float32, aligned with values
+
+
+@dataclass
+class _Window:
+    rows: int
+    labels: np.ndarray  # float32 [rows]
+    dense: np.ndarray  # float32 [rows, num_dense], row-major
+    ids: np.ndarray | None  # int64 [num_features, rows] when every feature is one-hot (fast path)
+    features: list[_Feature] | None  # otherwise, per feature
+
+
+def _check_column(path, rg, name, arr, want) -> None:
+    import pyarrow as pa
+
+    t = arr.type
+    ok = {
+        "int": pa.types.is_integer(t),
+        "number": pa.types.is_integer(t) or pa.types.is_floating(t),
+        "int_list": (pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_integer(t.value_type),
+        "float_list": (pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_floating(t.value_type),
+    }[want]
+    if not ok:
+        raise DataError(f"{path}: row group {rg}: column {name!r} has type {t}, expected {want.replace('_', ' ')}")
+    if arr.null_count:
+        raise DataError(f"{path}: row group {rg}: column {name!r} has {arr.null_count} nulls")
+
+
+def _list_parts(arr):
+    """A (chunked) list array -> (flat values, int64 offsets starting at 0)."""
+    import pyarrow as pa
+
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks()
+    off = arr.offsets.to_numpy().astype(np.int64)
+    vals = arr.values.slice(off[0], off[-1] - off[0]).to_numpy(zero_copy_only=False)
+    return vals, off - off[0]
+
+
+class _Decoder:
+    """Reads units into windows, validating as it goes; owns the open ParquetFile handles."""
+
+    def __init__(self, schema: DataSchema):
+        self.schema = schema
+        self.files: dict[str, object] = {}
+        self.columns = [schema.label, *schema.dense]
+        for f in schema.sparse:
+            self.columns.append(f.name)
+            if f.weights:
+                self.columns.append(f.weights)
+        self.one_hot = all(not f.multi_hot for f in schema.sparse) and not any(f.weights for f in schema.sparse)
+
+    def _file(self, path):
+        import pyarrow.parquet as pq
+
+        if path not in self.files:
+            try:
+                pf = pq.ParquetFile(path)
+            except Exception as e:
+                raise DataError(f"{path}: not a readable Parquet file ({e})") from None
+            missing = [c for c in self.columns if c not in pf.schema_arrow.names]
+            if missing:
+                raise DataError(f"{path}: missing column(s) {', '.join(map(repr, missing))}")
+            self.files[path] = pf
+        return self.files[path]
+
+    def read_unit(self, u: shards.Unit):
+        try:
+            t = self._file(u.path).read_row_group(u.row_group, columns=self.columns, use_threads=False)
+        except DataError:
+            raise
+        except Exception as e:  # truncated pages, bad compression, ...
+            raise DataError(f"{u.path}: row group {u.row_group}: cannot decode ({e})") from None
+        if u.start or u.stop != t.num_rows:
+            t = t.slice(u.start, u.rows)
+        s = self.schema
+        _check_column(u.path, u.row_group, s.label, t.column(s.label), "int")
+        for n in s.dense:
+            _check_column(u.path, u.row_group, n, t.column(n), "number")
+        for f in s.sparse:
+            _check_column(u.path, u.row_group, f.name, t.column(f.name), "int_list" if f.multi_hot else "int")
+            if f.weights:
+                _check_column(u.path, u.row_group, f.weights, t.column(f.weights), "float_list")
+        return t
+
+    def window(self, units: list[shards.Unit]) -> _Window:
+        import pyarrow as pa
+
+        tables = [self.read_unit(u) for u in units]
+        t = tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+        n = t.num_rows
+        s = self.schema
+        labels = t.column(s.label).to_numpy().astype(np.float32)
+        dense = np.empty((n, len(s.dense)), dtype=np.float32)
+        for j, name in enumerate(s.dense):
+            dense[:, j] = t.column(name).to_numpy()
+        where = f"{units[0].path}: row group {units[0].row_group}" + (
+            f" (window of {len(units)} row groups)" if len(units) > 1 else "")
+        if self.one_hot:
+            ids = np.empty((len(s.sparse), n), dtype=np.int64)
+            for j, f in enumerate(s.sparse):
+                ids[j] = t.column(f.name).to_numpy()
+            lo, hi = ids.min(axis=1, initial=0), ids.max(axis=1, initial=0)
+            for j, f in enumerate(s.sparse):
+                self._check_range(where, f, lo[j], hi[j])
+            return _Window(n, labels, dense, ids, None)
+        feats = []
+        for f in s.sparse:
+            col = t.column(f.name)
+            if f.multi_hot:
+                vals, off = _list_parts(col)
+                vals = vals.astype(np.int64, copy=False)
+                lengths = np.diff(off).astype(np.int32)
+            else:
+                vals, off, lengths = col.to_numpy().astype(np.int64, copy=False), None, None
+            if len(vals):
+                self._check_range(where, f, vals.min(), vals.max())
+            w = None
+            if f.weights:
+                w, woff = _list_parts(t.column(f.weights))
+                if not np.array_equal(woff, off if off is not None else np.arange(n + 1)):
+                    raise DataError(f"{where}: column {f.weights!r} does not have one weight per id of {f.name!r}")
+                w = w.astype(np.float32, copy=False)
+            feats.append(_Feature(vals, lengths, off, w))
+        return _Window(n, labels, dense, None, feats)
+
+    @staticmethod
+    def _check_range(where, f, lo, hi):
+        if lo < 0 or (f.num_embeddings is not None and hi >= f.num_embeddings):
+            bad = lo if lo < 0 else hi
+            raise DataError(f"{where}: column {f.name!r}: id {int(bad)} out of range "
+                            f"[0, {f.num_embeddings})")
+
+
+def _permute(w: _Window, perm: np.ndarray) -> _Window:
+    if w.ids is not None:
+        return _Window(w.rows, w.labels[perm], w.dense[perm], w.ids[:, perm], None)
+    feats = []
+    for f in w.features:
+        if f.offsets is None:
+            feats.append(_Feature(f.values[perm], None, None, None if f.weights is None else f.weights[perm]))
+            continue
+        lengths = f.lengths[perm]
+        off = np.zeros(len(perm) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=off[1:])
+        # Gather each row's id range: source start of row i, repeated, plus position within row.
+        idx = np.repeat(f.offsets[:-1][perm] - off[:-1], lengths) + np.arange(off[-1])
+        feats.append(_Feature(f.values[idx], lengths, off, None if f.weights is None else f.weights[idx]))
+    return _Window(w.rows, w.labels[perm], w.dense[perm], None, feats)
+
+
+class ParquetReader:
+    """Batches of ``torchrec.datasets.utils.Batch`` from tpurec Parquet files.
+
+    Args:
+        paths: a dataset directory, a list of files/directories, or a list of ``shards.Unit``
+            (e.g. one side of ``split_train_eval``).
+        batch_size: rows per batch.
+        rank, world_size: this rank takes a disjoint, row-balanced share of the row groups.
+        shuffle: epoch-seeded shuffle of row-group order and of rows within a window of at least
+            ``shuffle_buffer`` rows. Off: rows come in file order.
+        seed: shuffle seed (the epoch is mixed in, so each epoch has its own order).
+        drop_last: drop the last partial batch. Otherwise it is returned short, or, with
+            ``pad_last``, padded to ``batch_size`` with rows having no ids, zero dense and label 0
+            (``last_padding`` tells how many rows of the last batch are padding).
+        prefetch: windows decoded ahead in a background thread (0: decode inline).
+
+    Iterating runs the rest of the current epoch; a full pass moves to the next epoch. Stopping
+    mid-epoch and iterating again continues where it stopped, and ``state_dict``/``load_state_dict``
+    carry that position to a new process.
+    """
+
+    def __init__(self, paths, batch_size: int, rank: int = 0, world_size: int = 1, *, shuffle: bool = False,
+                 seed: int = 0, drop_last: bool = False, pad_last: bool = False,
+                 shuffle_buffer: int = 262_144, prefetch: int = 2):
+        if batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
+        if paths and isinstance(paths, (list, tuple)) and isinstance(paths[0], shards.Unit):
+            files = sorted({u.path for u in paths})
+            self.schema, _ = shards.scan(files)
+            all_units = list(paths)
+        else:
+            self.schema, all_units = shards.scan(paths)
+        self.units = shards.assign(all_units, rank, world_size)
+        self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
+        self.shuffle, self.seed = shuffle, seed
+        self.drop_last, self.pad_last = drop_last, pad_last
+        self.shuffle_buffer, self.prefetch = shuffle_buffer, prefetch
+        self.num_rows = sum(u.rows for u in self.units)  # this rank's rows per epoch
+        self.epoch = 0
+        self._consumed = 0  # rows of this epoch's stream already returned
+        self.last_padding = 0
+        self._decoder = _Decoder(self.schema)
+        self.keys = self.schema.sparse_names
+        self._ones = None
+
+    # ----- position -----------------------------------------------------------------------------
+    def __len__(self) -> int:
+        full, rest = divmod(self.num_rows, self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def _epoch_rows(self) -> int:
+        return (self.num_rows // self.batch_size) * self.batch_size if self.drop_last else self.num_rows
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self._consumed = int(epoch), 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "rows_consumed": self._consumed, "seed": self.seed,
+                "shuffle": self.shuffle, "rank": self.rank, "world_size": self.world_size,
+                "num_rows": self.num_rows}
+
+    def load_state_dict(self, state: dict) -> None:
+        for k in ("seed", "shuffle", "rank", "world_size", "num_rows"):
+            if state[k] != getattr(self, k):
+                raise ValueError(f"cannot resume: reader state has {k}={state[k]!r}, this reader {getattr(self, k)!r}")
+        self.epoch, self._consumed = int(state["epoch"]), int(state["rows_consumed"])
+
+    # ----- windows ------------------------------------------------------------------------------
+    def _windows_plan(self, epoch: int) -> list[list[shards.Unit]]:
+        units = list(self.units)
+        if not self.shuffle:
+            return [[u] for u in units]
+        rng = np.random.default_rng([self.seed, epoch, self.rank])
+        units = [units[i] for i in rng.permutation(len(units))]
+        plan, cur, rows = [], [], 0
+        for u in units:
+            cur.append(u)
+            rows += u.rows
+            if rows >= self.shuffle_buffer:
+                plan.append(cur)
+                cur, rows = [], 0
+        if cur:
+            plan.append(cur)
+        return plan
+
+    def _load(self, epoch: int, index: int, units) -> _Window:
+        w = self._decoder.window(units)
+        if self.shuffle:
+            w = _permute(w, np.random.default_rng([self.seed, epoch, self.rank, index, 1]).permutation(w.rows))
+        return w
+
+    def _window_stream(self, epoch, plan, first):
+        """Yields windows plan[first:], decoded ``prefetch`` ahead in a background thread."""
+        if self.prefetch <= 0:
+            for i in range(first, len(plan)):
+                yield self._load(epoch, i, plan[i])
+            return
+        q: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        stop = threading.Event()
+
+        def produce():
+            try:
+                for i in range(first, len(plan)):
+                    w = self._load(epoch, i, plan[i])
+                    while not stop.is_set():
+                        try:
+                            q.put(w, timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+                    if stop.is_set():
+                        return
+                q.put(None)
+            except BaseException as e:  # handed to the consumer, raised there
+                q.put(e)
+
+        th = threading.Thread(target=produce, daemon=True, name="tpurec-data-prefetch")
+        th.start()
+        try:
+            while True:
+                item = q.get()
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            stop.set()
+            th.join()
+
+    # ----- batches ------------------------------------------------------------------------------
+    def __iter__(self):
+        epoch = self.epoch
+        end = self._epoch_rows()
+        plan = self._windows_plan(epoch)
+        # Skip whole windows before the resume position without decoding them.
+        first, skip = 0, self._consumed
+        while first < len(plan) and skip >= sum(u.rows for u in plan[first]):
+            skip -= sum(u.rows for u in plan[first])
+            first += 1
+        pieces: list[tuple[_Window, int, int]] = []
+        have = 0
+        self.last_padding = 0
+        for w in self._window_stream(epoch, plan, first):
+            pos = skip
+            skip = 0
+            while pos < w.rows and self._consumed + have < end:
+                want = min(self.batch_size - have, w.rows - pos, end - self._consumed - have)
+                pieces.append((w, pos, pos + want))
+                pos += want
+                have += want
+                if have == self.batch_size or self._consumed + have == end:
+                    batch = self._build(pieces, have)
+                    self._consumed += have
+                    pieces, have = [], 0
+                    yield batch
+            if self._consumed + have >= end:
+                break
+        if pieces:  # only if the plan ran out early; cannot happen with consistent units
+            raise DataError("internal: rows left over at the end of an epoch")
+        self.epoch, self._consumed = epoch + 1, 0
+
+    def _build(self, pieces, n):
+        import torch
+        from torchrec.datasets.utils import Batch
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        pad = self.batch_size - n if (self.pad_last and n < self.batch_size) else 0
+        self.last_padding = pad
+        total = n + pad
+
+        def cat(arrs, axis=0):
+            return arrs[0] if len(arrs) == 1 else np.concatenate(arrs, axis=axis)
+
+        labels = cat([w.labels[s:e] for w, s, e in pieces])
+        dense = cat([w.dense[s:e] for w, s, e in pieces])
+        if pad:
+            labels = np.concatenate([labels, np.zeros(pad, np.float32)])
+            dense = np.concatenate([dense, np.zeros((pad, dense.shape[1]), np.float32)])
+        nf = len(self.keys)
+        w0 = pieces[0][0]
+        weights = None
+        if w0.ids is not None:
+            ids = cat([w.ids[:, s:e] for w, s, e in pieces], axis=1)
+            values = np.ascontiguousarray(ids).reshape(-1)
+            if pad:
+                lengths = np.zeros((nf, total), np.int32)
+                lengths[:, :n] = 1
+                lengths = torch.from_numpy(lengths.reshape(-1))
+            else:
+                if self._ones is None or len(self._ones) < nf * n:
+                    self._ones = torch.ones(nf * max(n, self.batch_size), dtype=torch.int32)
+                lengths = self._ones[: nf * n]
+            length_per_key = [n] * nf
+        else:
+            vals, lens, wts, length_per_key = [], [], [], []
+            for j in range(nf):
+                count = 0
+                for w, s, e in pieces:
+                    f = w.features[j]
+                    if f.offsets is None:
+                        lo, hi = s, e
+                        lens.append(np.ones(e - s, np.int32))
+                    else:
+                        lo, hi = int(f.offsets[s]), int(f.offsets[e])
+                        lens.append(f.lengths[s:e])
+                    vals.append(f.values[lo:hi])
+                    wts.append(f.weights[lo:hi] if f.weights is not None else np.ones(hi - lo, np.float32))
+                    count += hi - lo
+                if pad:
+                    lens.append(np.zeros(pad, np.int32))
+                length_per_key.append(count)
+            values = np.concatenate(vals)
+            lengths = torch.from_numpy(np.concatenate(lens))
+            if any(f.weights is not None for f in w0.features):
+                weights = torch.from_numpy(np.concatenate(wts))
+        offset_per_key = np.concatenate([[0], np.cumsum(length_per_key)]).tolist()
+        kjt = KeyedJaggedTensor(
+            keys=self.keys, values=torch.from_numpy(values), lengths=lengths, weights=weights,
+            stride=total, length_per_key=length_per_key, offset_per_key=offset_per_key,
+        )
+        return Batch(dense_features=torch.from_numpy(dense), sparse_features=kjt,
+                     labels=torch.from_numpy(labels))

@@ -1,0 +1,169 @@
+"""The Criteo-style Parquet schema and the metadata that travels with every file.
+
+A dataset is a directory of Parquet files. Every file carries the same JSON document under the
+Parquet key-value metadata key ``tpurec`` (column names, table sizes, the dense transform and the
+categorical hashing that were applied), so a reader never has to guess what the numbers mean.
+The directory also holds ``dataset.json``: the same document plus dataset-wide facts known only at
+the end of writing (total rows, files, and ``oracle_auc`` for synthetic data).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+FORMAT_VERSION = 1
+METADATA_KEY = b"tpurec"
+DATASET_JSON = "dataset.json"
+
+# Transforms, recorded by name so a reader (or a person) knows what was applied.
+DENSE_LOG1P = "log1p_clamp0"  # log(max(x, 0) + 1); empty -> 0
+DENSE_RAW = "raw"  # the number as written; empty -> 0
+CAT_HASH = "mod_reserve0"  # empty -> 0; otherwise 1 + (int(hex, 16) mod (num_embeddings - 1))
+CAT_RAW = "raw_hex"  # int(hex, 16); empty -> 0
+EMPTY_ID = 0  # the id every empty categorical becomes, in both modes
+
+
+class DataError(ValueError):
+    """Bad input data: the message names the file (and row group / line, column when known)."""
+
+
+@dataclass(frozen=True)
+class SparseFeature:
+    name: str  # Parquet column name and KJT key
+    num_embeddings: int | None  # ids are in [0, num_embeddings); None when raw (unbounded)
+    multi_hot: bool = False  # list<int> column instead of one int per row
+    weights: str | None = None  # name of a list<float32> column of per-id weights, if any
+
+
+@dataclass
+class DataSchema:
+    label: str = "label"
+    dense: list[str] = field(default_factory=lambda: [f"I{i}" for i in range(1, 14)])
+    sparse: list[SparseFeature] = field(default_factory=list)
+    dense_transform: str = DENSE_LOG1P
+    categorical: str = CAT_HASH
+    extra: dict = field(default_factory=dict)  # dataset-specific facts (table_set, source, ...)
+
+    @property
+    def sparse_names(self) -> list[str]:
+        return [f.name for f in self.sparse]
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["format_version"] = FORMAT_VERSION
+        d["empty_id"] = EMPTY_ID
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "DataSchema":
+        if d.get("format_version") != FORMAT_VERSION:
+            raise DataError(f"unsupported tpurec data format_version {d.get('format_version')!r}")
+        return cls(
+            label=d["label"], dense=list(d["dense"]),
+            sparse=[SparseFeature(**f) for f in d["sparse"]],
+            dense_transform=d["dense_transform"], categorical=d["categorical"],
+            extra=dict(d.get("extra") or {}),
+        )
+
+    def arrow_schema(self):
+        """The Parquet schema files with this layout have (ids as int64, dense as float32)."""
+        import pyarrow as pa
+
+        fields = [pa.field(self.label, pa.int8(), nullable=False)]
+        fields += [pa.field(n, pa.float32(), nullable=False) for n in self.dense]
+        for f in self.sparse:
+            t = pa.list_(pa.int64()) if f.multi_hot else pa.int64()
+            fields.append(pa.field(f.name, t, nullable=False))
+            if f.weights:
+                fields.append(pa.field(f.weights, pa.list_(pa.float32()), nullable=False))
+        return pa.schema(fields, metadata={METADATA_KEY: json.dumps(self.to_json()).encode()})
+
+
+def criteo_schema(
+    table_sizes: list[int] | None = None,
+    *,
+    dense_names: list[str] | None = None,
+    sparse_names: list[str] | None = None,
+    label: str = "label",
+    multi_hot: list[bool] | None = None,
+    dense_transform: str = DENSE_LOG1P,
+    categorical: str = CAT_HASH,
+) -> DataSchema:
+    """The Criteo layout: label, 13 dense, 26 categorical, with Merlin/HugeCTR names by default.
+
+    ``dense_names``/``sparse_names`` rename columns (e.g. torchrec's ``int_0..``/``cat_0..``).
+    ``table_sizes`` defaults to the Criteo Kaggle vocabulary sizes (tpurec/dlrm/table_sets.py).
+    """
+    from tpurec.dlrm.table_sets import CRITEO_KAGGLE_ROWS, FEATURE_NAMES
+
+    dense_names = dense_names or [f"I{i}" for i in range(1, 14)]
+    sparse_names = sparse_names or list(FEATURE_NAMES)
+    sizes = list(table_sizes or CRITEO_KAGGLE_ROWS)
+    if len(sizes) != len(sparse_names):
+        raise ValueError(f"{len(sizes)} table sizes for {len(sparse_names)} categorical columns")
+    if categorical == CAT_HASH and min(sizes) < 2:
+        raise ValueError("hashed tables need num_embeddings >= 2 (id 0 is reserved for empty)")
+    mh = multi_hot or [False] * len(sparse_names)
+    sparse = [
+        SparseFeature(n, None if categorical == CAT_RAW else int(s), bool(m))
+        for n, s, m in zip(sparse_names, sizes, mh)
+    ]
+    return DataSchema(label, list(dense_names), sparse, dense_transform, categorical)
+
+
+def list_parquet_files(paths) -> list[str]:
+    """A directory (all ``*.parquet`` in it, sorted) or a list of files/directories."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    out: list[str] = []
+    for p in paths:
+        p = Path(p)
+        if p.is_dir():
+            out += sorted(str(f) for f in p.glob("*.parquet"))
+        elif p.exists():
+            out.append(str(p))
+        else:
+            raise DataError(f"{p}: no such file or directory")
+    if not out:
+        raise DataError(f"no .parquet files in {', '.join(map(str, paths))}")
+    return out
+
+
+def read_file_schema(path: str) -> DataSchema:
+    """The DataSchema recorded in one Parquet file's footer."""
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.read_metadata(path)
+    except Exception as e:  # truncated / not Parquet
+        raise DataError(f"{path}: not a readable Parquet file ({e})") from None
+    raw = (meta.metadata or {}).get(METADATA_KEY)
+    if raw is None:
+        raise DataError(f"{path}: no tpurec metadata in the Parquet footer (not written by tpurec data?)")
+    return DataSchema.from_json(json.loads(raw))
+
+
+def dataset_metadata(path) -> dict:
+    """Everything recorded about a dataset: schema, transforms, table sizes, rows, ``oracle_auc``.
+
+    ``path`` is the dataset directory (reads ``dataset.json``; falls back to the first file's footer)
+    or a Parquet file.
+    """
+    p = Path(path)
+    if p.is_dir() and (p / DATASET_JSON).exists():
+        return json.loads((p / DATASET_JSON).read_text())
+    first = list_parquet_files([p])[0]
+    d = read_file_schema(first).to_json()
+    return d
+
+
+def write_dataset_json(out_dir, schema: DataSchema, **facts) -> dict:
+    d = schema.to_json()
+    d.update(facts)
+    d["table_sizes"] = {f.name: f.num_embeddings for f in schema.sparse}
+    tmp = Path(out_dir) / (DATASET_JSON + ".tmp")
+    tmp.write_text(json.dumps(d, indent=2) + "\n")
+    tmp.replace(Path(out_dir) / DATASET_JSON)
+    return d

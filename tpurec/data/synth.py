@@ -1,0 +1,175 @@
+"""Synthetic Criteo-shaped data whose best achievable AUC is known.
+
+Ids are Zipf-distributed per table (hot ids scattered over the table by an affine bijection), dense
+features are log1p of log-normal counts, and each label is drawn from a hidden logistic model:
+``logit = bias + sum_f mean_j w_f(id_fj) + dense . v``, where ``w_f(id)`` is a pseudo-random weight
+computed by hashing (seed, feature, id), so even 40M-row tables need no weight table in memory.
+Because labels are drawn from the true probabilities, scoring the rows with those probabilities
+gives the best AUC any model can reach on them; it is measured on the generated rows and recorded
+as ``oracle_auc``. Rows are generated in chunks seeded by (seed, chunk), so the output depends only
+on the seed and the sizes, not on timing.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tpurec.data.schema import CAT_HASH, DENSE_LOG1P, DataError, DataSchema, SparseFeature, write_dataset_json
+
+ZIPF_EXPONENT = 1.1
+SPARSE_SCALE = 0.25  # spread of each feature's hidden weights
+DENSE_SCALE = 0.25
+BIAS = -1.6  # gives a positive rate near Criteo's ~25%
+_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    x = (x + np.uint64(0x9E3779B97F4A7C15)) & _M64
+    x = ((x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _M64
+    x = ((x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _M64
+    return x ^ (x >> np.uint64(31))
+
+
+def hidden_weight(seed: int, feature: int, ids: np.ndarray) -> np.ndarray:
+    """The hidden model's weight of each id of one feature: uniform with unit variance."""
+    key = np.uint64((seed * 1_000_003 + feature * 7919 + 1) & 0xFFFFFFFFFFFFFFFF)
+    with np.errstate(over="ignore"):
+        h = _splitmix64(ids.astype(np.uint64) ^ _splitmix64(np.array([key], np.uint64))[0])
+    u = (h >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+    return (u - 0.5) * np.sqrt(12.0)
+
+
+def zipf_ids(rng, n: int, size, a: float = ZIPF_EXPONENT) -> np.ndarray:
+    """Ids in [0, n) whose popularity ranks follow a (continuous-approximation) Zipf law."""
+    u = rng.random(size)
+    top = (n + 1.0) ** (1.0 - a)
+    ranks = np.floor(((top - 1.0) * u + 1.0) ** (1.0 / (1.0 - a))).astype(np.int64) - 1
+    return np.clip(ranks, 0, n - 1)
+
+
+def _scatter(ranks: np.ndarray, n: int, feature: int) -> np.ndarray:
+    """An affine bijection of [0, n), so the hot ids are not simply 0, 1, 2, ..."""
+    mult = 2_654_435_761 % n or 1
+    while np.gcd(mult, n) != 1:
+        mult += 1
+    return (ranks * mult + 17 * feature + 1) % n
+
+
+def auc(scores: np.ndarray, labels: np.ndarray) -> float:
+    """ROC AUC by the rank-sum formula, ties given their average rank."""
+    labels = labels.astype(bool)
+    pos = int(labels.sum())
+    neg = len(labels) - pos
+    if pos == 0 or neg == 0:
+        return float("nan")
+    _, inv, counts = np.unique(scores, return_inverse=True, return_counts=True)
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    avg_rank = first + (counts + 1) / 2.0  # 1-based average rank of each distinct score
+    ranks = avg_rank[inv]
+    return float((ranks[labels].sum() - pos * (pos + 1) / 2.0) / (pos * neg))
+
+
+def synth_schema(table_set: str) -> tuple[DataSchema, list[int]]:
+    """The schema for a named table set (tpurec/dlrm/table_sets.py) and its ids per sample."""
+    from tpurec.dlrm.table_sets import get_table_set
+
+    ts = get_table_set(table_set)
+    hots = [max(1, int(round(t.pooling_factor))) for t in ts.tables]
+    sparse = [SparseFeature(t.feature, t.num_embeddings, h > 1) for t, h in zip(ts.tables, hots)]
+    schema = DataSchema(sparse=sparse, dense_transform=DENSE_LOG1P, categorical=CAT_HASH,
+                        extra={"synthetic": True, "table_set": table_set})
+    return schema, hots
+
+
+def generate_chunk(seed: int, chunk: int, rows: int, schema: DataSchema, hots: list[int]):
+    """One chunk of rows: (pyarrow columns dict, true probabilities, labels)."""
+    import pyarrow as pa
+
+    rng = np.random.default_rng([seed, chunk])
+    drng = np.random.default_rng([seed, 2**31 - 1])  # per-dataset constants, not per chunk
+    mu = drng.uniform(0.0, 4.0, len(schema.dense))
+    sigma = drng.uniform(0.5, 2.0, len(schema.dense))
+    v = drng.normal(0.0, 1.0, len(schema.dense)) * DENSE_SCALE
+    raw = np.floor(np.exp(rng.normal(mu, sigma, (rows, len(schema.dense)))))
+    dense = np.log1p(raw).astype(np.float32)
+    # Standardise with the known log-normal moments, so the dense part has a stable scale.
+    logit = BIAS + ((dense - mu) / sigma) @ v
+    cols: dict[str, pa.Array] = {}
+    for j, (f, h) in enumerate(zip(schema.sparse, hots)):
+        ids = _scatter(zipf_ids(rng, f.num_embeddings, (rows, h)), f.num_embeddings, j)
+        logit = logit + SPARSE_SCALE * hidden_weight(seed, j, ids).mean(axis=1)
+        if f.multi_hot:
+            offsets = pa.array(np.arange(0, rows * h + 1, h, dtype=np.int32))
+            cols[f.name] = pa.ListArray.from_arrays(offsets, pa.array(ids.reshape(-1)))
+        else:
+            cols[f.name] = pa.array(ids[:, 0])
+    p = 1.0 / (1.0 + np.exp(-logit))
+    labels = (rng.random(rows) < p).astype(np.int8)
+    cols[schema.label] = pa.array(labels)
+    for j, name in enumerate(schema.dense):
+        cols[name] = pa.array(dense[:, j])
+    return cols, p, labels
+
+
+def synthesize(rows: int, out_dir: str, *, seed: int = 0, table_set: str = "dlrm-tiny",
+               rows_per_file: int = 1_000_000, row_group_size: int = 65536, compression: str = "snappy",
+               show_progress: bool = True, overwrite: bool = False) -> dict:
+    """Write ``rows`` synthetic rows to ``out_dir`` and return the dataset summary with oracle_auc."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from tqdm import tqdm
+
+    if rows < 1:
+        raise DataError("--rows must be >= 1")
+    schema, hots = synth_schema(table_set)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    existing = sorted(out.glob("*.parquet"))
+    if existing and not overwrite:
+        raise DataError(f"{out_dir} already holds {len(existing)} .parquet files; use --overwrite")
+    for f in existing:
+        f.unlink()
+    arrow_schema = schema.arrow_schema()
+    rows_per_file = max(row_group_size, (rows_per_file // row_group_size) * row_group_size)
+    t0 = time.perf_counter()
+    probs, labels_all, files, tmps = [], [], [], []
+    bar = tqdm(total=rows, unit="rows", unit_scale=True, desc="synth", disable=not show_progress)
+    chunk = 0
+    try:
+        for fi, start in enumerate(range(0, rows, rows_per_file)):
+            final = out / f"part-{fi:05d}.parquet"
+            tmp = final.with_suffix(".parquet.tmp")
+            tmps.append((tmp, final))
+            with pq.ParquetWriter(tmp, arrow_schema, compression=compression) as w:
+                for s in range(start, min(rows, start + rows_per_file), row_group_size):
+                    n = min(row_group_size, rows - s, start + rows_per_file - s)
+                    cols, p, y = generate_chunk(seed, chunk, n, schema, hots)
+                    chunk += 1
+                    w.write_table(pa.Table.from_arrays([cols[f.name] for f in arrow_schema], schema=arrow_schema),
+                                  row_group_size=row_group_size)
+                    probs.append(p)
+                    labels_all.append(y)
+                    bar.update(n)
+            files.append(final.name)
+    except BaseException:
+        for tmp, _ in tmps:
+            tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        bar.close()
+    for tmp, final in tmps:
+        tmp.replace(final)
+    p, y = np.concatenate(probs), np.concatenate(labels_all)
+    summary = {
+        "rows": rows, "files": len(files), "seed": seed, "table_set": table_set,
+        "oracle_auc": round(auc(p, y), 6), "label_rate": round(float(y.mean()), 6),
+        "bytes_out": sum(os.path.getsize(out / f) for f in files),
+        "seconds": round(time.perf_counter() - t0, 3), "out_dir": str(out),
+    }
+    write_dataset_json(out, schema, rows=rows, files=files, seed=seed, table_set=table_set,
+                       synthetic=True, oracle_auc=summary["oracle_auc"], label_rate=summary["label_rate"],
+                       zipf_exponent=ZIPF_EXPONENT)
+    return summary
