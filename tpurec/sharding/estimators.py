@@ -1,0 +1,189 @@
+"""What one embedding shard costs on a TPU device: HBM bytes and step time.
+
+`shard_cost` is the single cost model; the torchrec estimator classes below and the inspector
+both call it, so the planner optimises exactly what `tpurec plan` prints. Formulas and their
+assumptions are written out in docs/planner.md.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+from torchrec.distributed.planner.types import (
+    ParameterConstraints,
+    Perf,
+    ShardEstimator,
+    ShardingOption,
+    Storage,
+    Topology,
+)
+from torchrec.distributed.types import ShardingType
+
+from tpurec.embedding.constraints import (
+    OPTIMIZER_STATE_PER_ROW,
+    csr_buffer_bytes,
+    optimizer_state_bytes,
+    padded_rows,
+    worst_case_max_ids_per_partition,
+)
+from tpurec.sharding.topology import SliceSpec, cpu_spec
+
+ID_BYTES = 4  # int32 ids on the wire and in the SparseCore buffers
+ROW_WISE = (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value)
+
+
+@dataclass(frozen=True)
+class ShardCost:
+    weights: int  # table rows after MOD padding over the device's SparseCores
+    optimizer: int
+    buffers: int  # SparseCore CSR/COO input buffers sized by the worst-case id limit
+    activations: int  # pooled output of this shard for the global batch, and its gradient
+    lookup_ms: float
+    update_ms: float
+    input_comm_ms: float  # ids to the shard (all-to-all)
+    output_comm_ms: float  # pooled embeddings out (all-to-all / reduce-scatter)
+    grad_comm_ms: float  # their gradients back
+
+    @property
+    def bytes(self) -> int:
+        return self.weights + self.optimizer + self.buffers + self.activations
+
+    @property
+    def comm_ms(self) -> float:
+        return self.input_comm_ms + self.output_comm_ms + self.grad_comm_ms
+
+    @property
+    def time_ms(self) -> float:
+        return self.lookup_ms + self.update_ms + self.comm_ms
+
+
+def _collective_ms(nbytes: float, group: int, spec: SliceSpec, spans_slices: bool) -> float:
+    """Time for a device to exchange `nbytes` with a group of `group` devices.
+
+    The (group-1)/group share that leaves the device goes over ICI at the all-to-all efficiency;
+    when the group spans slices, the (S-1)/S share bound for other slices goes over DCN instead.
+    The two are summed (no overlap assumed, a conservative choice).
+    """
+    if group <= 1 or nbytes == 0:
+        return 0.0
+    gen = spec.generation
+    outgoing = nbytes * (group - 1) / group
+    ici = gen.ici_bw_per_chip / gen.devices_per_chip * spec.a2a_efficiency
+    slices = spec.num_slices if spans_slices else 1
+    dcn = spec.dcn_bw_per_host / spec.devices_per_host
+    seconds = outgoing / slices / ici + (outgoing * (slices - 1) / slices / dcn if slices > 1 else 0.0)
+    return seconds * 1e3
+
+
+def shard_cost(
+    *,
+    sharding_type: str,
+    rows: int,
+    cols: int,
+    pooling_factor: float,
+    batch_per_device: int,
+    world_size: int,
+    num_shards: int,
+    spec: SliceSpec,
+    optimizer: str,
+    elem_bytes: int = 4,
+) -> ShardCost:
+    """Cost of one shard of `rows` x `cols` on its device.
+
+    `num_shards` counts the table's shards (the row-shard group for RW/TWRW).
+    """
+    ns = max(1, spec.generation.sparsecores)
+    samples = batch_per_device * world_size  # every shard serves the global batch
+    local_rows = padded_rows(rows, ns)
+    weights = local_rows * cols * elem_bytes
+    opt = optimizer_state_bytes(optimizer, local_rows, cols)
+    max_ids = worst_case_max_ids_per_partition(samples, pooling_factor, ns)
+    buffers = csr_buffer_bytes(max_ids, ns)
+    pooled = samples * cols * elem_bytes
+
+    if sharding_type == ShardingType.DATA_PARALLEL.value:
+        # Only to score torchrec's own plans: every rank holds the table and serves its own batch;
+        # backward all-reduces the dense table gradient.
+        ids = batch_per_device * pooling_factor
+        pooled = batch_per_device * cols * elem_bytes
+        grad_ms = 2 * _collective_ms(rows * cols * elem_bytes, world_size, spec, True)
+        in_ms = out_ms = 0.0
+    else:
+        row_group = num_shards if sharding_type in ROW_WISE else 1
+        ids = samples * pooling_factor / row_group  # ids spread uniformly over row shards
+        spans = sharding_type != ShardingType.TABLE_ROW_WISE.value
+        # ids come from every rank; pooled rows go back to every rank (RW: reduce-scatter of
+        # partial sums, same volume per device).
+        in_ms = _collective_ms(ids * ID_BYTES + samples * ID_BYTES / row_group, world_size, spec, spans)
+        out_ms = _collective_ms(pooled, world_size, spec, spans)
+        grad_ms = out_ms
+    sc_bw = spec.generation.hbm_bw * spec.sc_gather_fraction
+    row_bytes = cols * elem_bytes
+    state_bytes = 4 * OPTIMIZER_STATE_PER_ROW[optimizer](cols)
+    lookup_ms = ids * row_bytes / sc_bw * 1e3
+    # Fused update per id: read gradient, read + write the row, read + write optimizer state.
+    update_ms = ids * (3 * row_bytes + 2 * state_bytes) / sc_bw * 1e3
+    return ShardCost(weights, opt, buffers, 2 * pooled, lookup_ms, update_ms, in_ms, out_ms, grad_ms)
+
+
+def spec_of(topology: Topology) -> SliceSpec:
+    """The tpurec SliceSpec of a topology; a CPU-like stand-in for plain torchrec topologies."""
+    spec = getattr(topology, "spec", None)
+    if spec is not None:
+        return spec
+    return cpu_spec(topology.world_size, devices_per_host=topology.local_world_size)
+
+
+def option_costs(option: ShardingOption, spec: SliceSpec, world_size: int, optimizer: str) -> List[ShardCost]:
+    pooling = float(sum(option.input_lengths)) if option.input_lengths else 1.0
+    return [
+        shard_cost(
+            sharding_type=option.sharding_type, rows=shard.size[0], cols=shard.size[1],
+            pooling_factor=pooling, batch_per_device=option.batch_size, world_size=world_size,
+            num_shards=option.num_shards, spec=spec, optimizer=optimizer,
+            elem_bytes=option.tensor.element_size(),
+        )
+        for shard in option.shards
+    ]
+
+
+class _TpuEstimator(ShardEstimator):
+    def __init__(
+        self,
+        topology: Topology,
+        constraints: Optional[Dict[str, ParameterConstraints]] = None,
+        optimizer: str = "sgd",
+    ) -> None:
+        if optimizer not in OPTIMIZER_STATE_PER_ROW:
+            raise ValueError(f"unknown optimizer {optimizer!r}; one of {sorted(OPTIMIZER_STATE_PER_ROW)}")
+        self._topology = topology
+        self._constraints = constraints
+        self._optimizer = optimizer
+        self._spec = spec_of(topology)
+
+
+class TpuStorageEstimator(_TpuEstimator):
+    """HBM per shard: padded table + optimizer state + SparseCore buffers + pooled activations."""
+
+    def estimate(self, sharding_options: List[ShardingOption], sharder_data_map=None) -> None:
+        on_cpu = self._topology.compute_device == "cpu"
+        for option in sharding_options:
+            for shard, cost in zip(option.shards, option_costs(option, self._spec, self._topology.world_size,
+                                                               self._optimizer)):
+                shard.storage = Storage(hbm=0, ddr=cost.bytes) if on_cpu else Storage(hbm=cost.bytes, ddr=0)
+
+
+class TpuPerfEstimator(_TpuEstimator):
+    """Step time per shard: SparseCore lookup (fwd), fused update (bwd) and the collectives."""
+
+    def estimate(self, sharding_options: List[ShardingOption], sharder_data_map=None) -> None:
+        for option in sharding_options:
+            for shard, cost in zip(option.shards, option_costs(option, self._spec, self._topology.world_size,
+                                                               self._optimizer)):
+                shard.perf = Perf(
+                    fwd_compute=cost.lookup_ms,
+                    fwd_comms=cost.input_comm_ms + cost.output_comm_ms,
+                    bwd_compute=cost.update_ms,
+                    bwd_comms=cost.grad_comm_ms,
+                    input_dist_comms=cost.input_comm_ms,
+                )

@@ -1,0 +1,156 @@
+"""`tpurec plan`: plan a table set on a TPU slice offline, or show / diff saved plans.
+
+Forms:
+  tpurec plan --model mlperf-dcnv2 --topology v5p-128 [--format text|json|html|png] [--out FILE]
+  tpurec plan show PLAN.json
+  tpurec plan diff A.json B.json
+Exit code 2 when the plan does not fit. Heavy imports happen in run(), so `tpurec --help` stays fast.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
+_MODELS = ("dlrm-tiny", "criteo-kaggle", "mlperf-dcnv2")  # tpurec/dlrm/table_sets.py (not imported: speed)
+
+_EPILOG = """\
+examples:
+  tpurec plan --model mlperf-dcnv2 --topology v5p-128
+  tpurec plan --tables my_tables.yaml --topology v6e-256 --optimizer adam --format png --out plan.png
+  tpurec plan --model dlrm-tiny --topology cpu-2 --format json --out plan.json   # CPU dry run
+  tpurec plan show plan.json
+  tpurec plan diff a.json b.json
+
+slice names: v5p-N (N TensorCores, v5p-128 = 64 devices), v6e-N (N chips), v7x-N (N chips, 2 devices
+each), 2xv5p-128 (two slices over DCN), cpu-N (N CPU ranks, dry run).
+--tables FILE: JSON or YAML list (or {"tables": [...]}) of {name, num_embeddings, embedding_dim,
+pooling_factor (default 1), feature (default name)}.
+A `--format json` report is also a plan file: tpurec.sharding.plan_io.load_plan reads it.
+"""
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "plan", help="plan embedding sharding for a TPU slice, or show / diff saved plans",
+        description="Plan embedding-table sharding for a TPU slice with tpurec's HBM and time model "
+                    "(no TPU needed), or inspect saved plans: 'tpurec plan show PLAN.json', "
+                    "'tpurec plan diff A.json B.json'.",
+        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("action", nargs="?", choices=("show", "diff"),
+                   help="omit to plan; 'show PLAN.json' re-reports a saved plan; 'diff A.json B.json' compares two")
+    p.add_argument("files", nargs="*", metavar="PLAN.json", help="plan files for show / diff")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", choices=_MODELS, help="a named table set")
+    src.add_argument("--tables", metavar="FILE", help="tables from a .json / .yaml file")
+    p.add_argument("--topology", metavar="SLICE", help="slice name, e.g. v5p-128, v6e-256, v7x-64, cpu-8")
+    p.add_argument("--batch-size", type=int, default=256, help="batch size per device (default 256)")
+    p.add_argument("--optimizer", choices=_OPTIMIZERS, default="rowwise_adagrad",
+                   help="fused embedding optimizer, for optimizer-state bytes (default rowwise_adagrad)")
+    p.add_argument("--format", choices=("text", "json", "html", "png"), default="text")
+    p.add_argument("--out", metavar="FILE", help="write here instead of stdout (required for png)")
+    p.add_argument("--sc-gather-fraction", type=float, default=None,
+                   help="assumed SparseCore gather bandwidth as a fraction of HBM bandwidth (default 0.3)")
+    p.add_argument("--dcn-gbps", type=float, default=None,
+                   help="assumed DCN bandwidth per host in GB/s across slices (default 25)")
+    p.add_argument("--headroom", type=float, default=None,
+                   help="fraction of HBM kept free for runtime and fragmentation (default 0.05)")
+    p.set_defaults(run=run)
+
+
+def _load_tables(path: str):
+    from tpurec.dlrm.table_sets import TableSpec
+
+    with open(path) as f:
+        if path.endswith((".yaml", ".yml")):
+            import yaml
+
+            doc = yaml.safe_load(f)
+        else:
+            doc = json.load(f)
+    items = doc["tables"] if isinstance(doc, dict) else doc
+    out = []
+    for i, t in enumerate(items):
+        try:
+            name = t["name"]
+            rows = int(t.get("num_embeddings", t.get("rows")))
+            dim = int(t.get("embedding_dim", t.get("dim")))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{path}: table #{i} needs name, num_embeddings and embedding_dim") from e
+        out.append(TableSpec(name, t.get("feature", name), rows, dim, float(t.get("pooling_factor", 1.0))))
+    return out
+
+
+def _emit(report: dict, fmt: str, out: str | None) -> None:
+    from tpurec.sharding import inspect, render
+
+    if fmt == "png":
+        data = render.png_bytes(report)
+        with open(out or "plan.png", "wb") as f:
+            f.write(data)
+        print(f"wrote {out or 'plan.png'}", file=sys.stderr)
+        return
+    text = {"text": inspect.format_text, "html": render.html_page,
+            "json": lambda r: json.dumps(r, indent=1)}[fmt](report)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")
+        print(f"wrote {out}", file=sys.stderr)
+    else:
+        print(text)
+
+
+def _plan(args) -> int:
+    from tpurec.sharding import inspect
+
+    if not (args.model or args.tables) or not args.topology:
+        print("tpurec plan: give --model or --tables, and --topology (see tpurec plan --help)", file=sys.stderr)
+        return 2
+    if args.model:
+        from tpurec.dlrm.table_sets import get_table_set
+
+        tables, model = list(get_table_set(args.model).tables), args.model
+    else:
+        tables, model = _load_tables(args.tables), args.tables
+    try:
+        report = inspect.plan_tables(
+            tables, args.topology, batch_size=args.batch_size, optimizer=args.optimizer, model=model,
+            sc_gather_fraction=args.sc_gather_fraction,
+            dcn_bw_per_host=args.dcn_gbps * 1e9 if args.dcn_gbps else None, headroom_fraction=args.headroom,
+        )
+    except inspect.PlanDoesNotFit as e:
+        print(f"tpurec plan: {e}", file=sys.stderr)
+        return 2
+    _emit(report, args.format, args.out)
+    return 0
+
+
+def run(args) -> int:
+    import logging
+
+    # torchrec warns that our Topology is not built by its TopologyFactory; not actionable here.
+    logging.getLogger("torchrec.distributed.planner").setLevel(logging.ERROR)
+    try:
+        if args.action is None:
+            if args.files:
+                print(f"tpurec plan: unexpected arguments {args.files}; did you mean 'show' or 'diff'?",
+                      file=sys.stderr)
+                return 2
+            return _plan(args)
+        from tpurec.sharding import inspect
+
+        want = 1 if args.action == "show" else 2
+        if len(args.files) != want:
+            print(f"tpurec plan {args.action}: needs {want} plan file(s)", file=sys.stderr)
+            return 2
+        reports = [inspect.report_from_file(f) for f in args.files]
+        if args.action == "show":
+            _emit(reports[0], args.format, args.out)
+        else:
+            print(inspect.diff_reports(*reports))
+        return 0
+    except (ValueError, OSError) as e:
+        print(f"tpurec plan: {e}", file=sys.stderr)
+        return 2

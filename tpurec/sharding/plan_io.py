@@ -1,0 +1,125 @@
+"""Save a torchrec ShardingPlan as JSON and load it back.
+
+torchrec has only a private `_serialize` and no loader, so this is our own versioned schema:
+
+    {"format": "tpurec-sharding-plan", "version": 1,
+     "modules": {module_path: {param: {"sharding_type", "compute_kernel", "ranks",
+                                       "shards": [{"offsets", "sizes", "placement"}] | null,
+                                       "enforce_hbm", "stochastic_rounding", "bounds_check_mode",
+                                       "output_dtype"}}},
+     "meta": {...}}   # free-form: topology, batch size, tables... (used by `tpurec plan show`)
+
+A `tpurec plan --format json` report embeds the same object under "plan", so either file loads.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+FORMAT = "tpurec-sharding-plan"
+VERSION = 1
+
+
+def plan_to_dict(plan, meta: Optional[dict] = None) -> dict:
+    from torchrec.distributed.types import EnumerableShardingSpec
+
+    modules: dict[str, Any] = {}
+    for path, module_plan in plan.plan.items():
+        params = {}
+        for name, ps in module_plan.items():
+            if ps.cache_params is not None or ps.key_value_params is not None:
+                raise ValueError(f"{path}.{name}: cache_params / key_value_params are not serializable here")
+            spec = ps.sharding_spec
+            if spec is not None and not isinstance(spec, EnumerableShardingSpec):
+                raise ValueError(f"{path}.{name}: only EnumerableShardingSpec is supported, got {type(spec).__name__}")
+            params[name] = {
+                "sharding_type": ps.sharding_type,
+                "compute_kernel": ps.compute_kernel,
+                "ranks": list(ps.ranks) if ps.ranks is not None else None,
+                "shards": None if spec is None else [
+                    {"offsets": list(s.shard_offsets), "sizes": list(s.shard_sizes), "placement": str(s.placement)}
+                    for s in spec.shards
+                ],
+                "enforce_hbm": ps.enforce_hbm,
+                "stochastic_rounding": ps.stochastic_rounding,
+                "bounds_check_mode": ps.bounds_check_mode.name if ps.bounds_check_mode is not None else None,
+                "output_dtype": ps.output_dtype.name if ps.output_dtype is not None else None,
+            }
+        modules[path] = params
+    out = {"format": FORMAT, "version": VERSION, "modules": modules}
+    if meta is not None:
+        out["meta"] = meta
+    return out
+
+
+def _placement(text: str):
+    from torch.distributed._remote_device import _remote_device
+
+    if "/tpu" in text:  # torch.device("tpu") only parses once the backend has its name
+        from tpurec.sharding.topology import _enable_offline_tpu
+
+        _enable_offline_tpu()
+    return _remote_device(text)
+
+
+def plan_from_dict(doc: dict):
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torchrec.distributed.types import (
+        EmbeddingModuleShardingPlan,
+        EnumerableShardingSpec,
+        ParameterSharding,
+        ShardingPlan,
+    )
+    from torchrec.types import DataType
+
+    if "plan" in doc and doc.get("format") != FORMAT:  # a `tpurec plan` report
+        doc = doc["plan"]
+    if doc.get("format") != FORMAT:
+        raise ValueError(f"not a tpurec sharding plan (format={doc.get('format')!r})")
+    if doc.get("version") != VERSION:
+        raise ValueError(f"unsupported plan version {doc.get('version')!r}; this tpurec reads version {VERSION}")
+    plan = {}
+    for path, params in doc["modules"].items():
+        module_plan = EmbeddingModuleShardingPlan()
+        for name, p in params.items():
+            spec = None
+            if p["shards"] is not None:
+                spec = EnumerableShardingSpec([
+                    ShardMetadata(shard_offsets=list(s["offsets"]), shard_sizes=list(s["sizes"]),
+                                  placement=_placement(s["placement"]))
+                    for s in p["shards"]
+                ])
+            module_plan[name] = ParameterSharding(
+                sharding_type=p["sharding_type"],
+                compute_kernel=p["compute_kernel"],
+                ranks=list(p["ranks"]) if p["ranks"] is not None else None,
+                sharding_spec=spec,
+                enforce_hbm=p.get("enforce_hbm"),
+                stochastic_rounding=p.get("stochastic_rounding"),
+                bounds_check_mode=BoundsCheckMode[p["bounds_check_mode"]] if p.get("bounds_check_mode") else None,
+                output_dtype=DataType[p["output_dtype"]] if p.get("output_dtype") else None,
+            )
+        plan[path] = module_plan
+    return ShardingPlan(plan)
+
+
+def save_plan(plan, path, meta: Optional[dict] = None) -> None:
+    Path(path).write_text(json.dumps(plan_to_dict(plan, meta), indent=1) + "\n")
+
+
+def read_doc(path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def load_plan(path):
+    """The ShardingPlan saved by save_plan (or embedded in a `tpurec plan --format json` report)."""
+    return plan_from_dict(read_doc(path))
+
+
+def load_meta(path) -> dict:
+    doc = read_doc(path)
+    if doc.get("format") != FORMAT and "plan" in doc:
+        return doc.get("meta") or doc["plan"].get("meta") or {}
+    return doc.get("meta") or {}

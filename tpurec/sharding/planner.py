@@ -1,0 +1,262 @@
+"""TPU-aware sharding planner: torchrec's EmbeddingShardingPlanner with tpurec's cost model.
+
+Nothing is forked: we hand torchrec's planner our estimators (estimators.py), a storage
+reservation for what is not an embedding shard, an enumerator that drops options the SparseCore
+kernel cannot run, and a planning-time sharder that offers only our kernel and sharding types.
+The result is a standard `ShardingPlan`.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Dict, List, Optional
+
+import torch
+from torch import nn
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.planner import EmbeddingShardingPlanner
+from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
+from torchrec.distributed.planner.types import (
+    ParameterConstraints,
+    PlannerError,
+    ShardingOption,
+    StorageReservation,
+    Topology,
+)
+from torchrec.distributed.types import ModuleSharder, ShardingPlan
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+from tpurec.embedding.constraints import DIM_ALIGN, OPTIMIZER_STATE_PER_ROW, check_dim
+from tpurec.sharding.estimators import TpuPerfEstimator, TpuStorageEstimator, shard_cost, spec_of
+from tpurec.sharding.kernel_choice import COMPUTE_KERNEL, SHARDING_TYPES
+
+GiB = 1024**3
+# Share of each device kept free for the XLA runtime, compiled programs and fragmentation; an
+# assumption (docs/planner.md), overridable per call.
+DEFAULT_HEADROOM_FRACTION = 0.05
+# Dense parameters cost weights + gradients + two Adam moments (the usual dense optimizer).
+DENSE_BYTES_PER_PARAM_BYTE = 4
+
+
+class PlanDoesNotFit(ValueError):
+    """The tables cannot be placed in the devices' memory; the message says by how much."""
+
+
+class TpuPlanningSharder(EmbeddingBagCollectionSharder):
+    """Offers torchrec's planner only what the SparseCore kernel runs: COMPUTE_KERNEL and
+    SHARDING_TYPES (no data-parallel). The real sharder (sharder.py) may be passed instead."""
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        return list(SHARDING_TYPES)
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        return [COMPUTE_KERNEL]
+
+
+class TpuEnumerator(EmbeddingEnumerator):
+    """Rejects tables whose dim the kernel cannot take, and drops options with column shards that
+    are not multiples of 8, data-parallel, or kernels other than ours."""
+
+    def enumerate(self, module: nn.Module, sharders: List[ModuleSharder[nn.Module]]) -> List[ShardingOption]:
+        for name, dim in _table_dims(module).items():
+            check_dim(name, dim)
+        options = super().enumerate(module, sharders)
+        return [
+            o for o in options
+            if o.sharding_type in SHARDING_TYPES and o.compute_kernel == COMPUTE_KERNEL
+            and all(s.size[1] % DIM_ALIGN == 0 for s in o.shards)
+        ]
+
+
+def _table_dims(module: nn.Module) -> Dict[str, int]:
+    dims = {}
+    for m in module.modules():
+        if isinstance(m, EmbeddingBagCollection):
+            dims.update({c.name: c.embedding_dim for c in m.embedding_bag_configs()})
+    return dims
+
+
+def _table_configs(module: nn.Module):
+    return [c for m in module.modules() if isinstance(m, EmbeddingBagCollection) for c in m.embedding_bag_configs()]
+
+
+class TpuStorageReservation(StorageReservation):
+    """Per device: dense parameters (x4: weights, grads, Adam moments), the pooled embeddings every
+    rank receives for its local batch and their gradients, plus a headroom fraction."""
+
+    def __init__(self, headroom_fraction: float = DEFAULT_HEADROOM_FRACTION, dense_bytes: int = 0) -> None:
+        self._headroom = headroom_fraction
+        self._extra = dense_bytes
+        self._last: Optional[Topology] = None
+        self.reserved_bytes = 0
+
+    def reserve(self, topology: Topology, batch_size: int, module: nn.Module,
+                sharders: List[ModuleSharder[nn.Module]],
+                constraints: Optional[Dict[str, ParameterConstraints]] = None) -> Topology:
+        reserved = copy.deepcopy(topology)
+        on_cpu = topology.compute_device == "cpu"
+        for device in reserved.devices:
+            cap = device.storage.ddr if on_cpu else device.storage.hbm
+            amount = min(cap, self.amount(module, batch_size, cap))
+            if on_cpu:
+                device.storage.ddr -= amount
+            else:
+                device.storage.hbm -= amount
+            self.reserved_bytes = amount
+        self._last = reserved
+        return reserved
+
+    def amount(self, module: nn.Module, batch_size: int, capacity: int) -> int:
+        sharded = {id(p) for m in module.modules() if isinstance(m, EmbeddingBagCollection) for p in m.parameters()}
+        dense = sum(p.numel() * p.element_size() for p in module.parameters() if id(p) not in sharded)
+        pooled = batch_size * sum(c.embedding_dim for c in _table_configs(module)) * 4 * 2
+        return int(dense * DENSE_BYTES_PER_PARAM_BYTE + pooled + self._extra + self._headroom * capacity)
+
+    @property
+    def last_reserved_topology(self) -> Optional[Topology]:
+        return copy.deepcopy(self._last)
+
+
+_OPTIMIZER_NAMES = {
+    # torch / torchrec optimizer classes (apply_optimizer_in_backward)
+    "SGD": "sgd", "Adagrad": "adagrad", "RowWiseAdagrad": "rowwise_adagrad", "Adam": "adam",
+    # fbgemm EmbOptimType values (sharder fused_params["optimizer"])
+    "sgd": "sgd", "exact_sgd": "sgd", "exact_adagrad": "adagrad", "adagrad": "adagrad",
+    "exact_row_wise_adagrad": "rowwise_adagrad", "row_wise_adagrad": "rowwise_adagrad",
+    "rowwise_adagrad": "rowwise_adagrad", "adam": "adam",
+}
+
+
+def infer_optimizer(module: nn.Module, sharders: Optional[List[ModuleSharder]] = None) -> Optional[str]:
+    """The fused optimizer the tables will train with, from apply_optimizer_in_backward settings
+    or sharder fused_params; the one with the most state if tables differ; None if unknown."""
+    found = set()
+    for m in module.modules():
+        if isinstance(m, EmbeddingBagCollection):
+            for p in m.parameters():
+                for cls in getattr(p, "_optimizer_classes", []) or []:
+                    found.add(_OPTIMIZER_NAMES.get(cls.__name__, cls.__name__))
+    for sharder in sharders or []:
+        opt = (getattr(sharder, "fused_params", None) or {}).get("optimizer")
+        if opt is not None:
+            key = getattr(opt, "value", opt)
+            found.add(_OPTIMIZER_NAMES.get(str(key), str(key)))
+    unknown = found - set(OPTIMIZER_STATE_PER_ROW)
+    if unknown:
+        raise ValueError(f"optimizer(s) {sorted(unknown)} not supported by the fused SparseCore update; "
+                         f"one of {sorted(OPTIMIZER_STATE_PER_ROW)}")
+    if not found:
+        return None
+    return max(found, key=lambda o: OPTIMIZER_STATE_PER_ROW[o](DIM_ALIGN))
+
+
+def make_planner(topology: Topology, *, batch_size: int, constraints=None, optimizer: str = "sgd",
+                 storage_reservation: Optional[StorageReservation] = None) -> EmbeddingShardingPlanner:
+    estimators = [TpuPerfEstimator(topology, constraints, optimizer),
+                  TpuStorageEstimator(topology, constraints, optimizer)]
+    return EmbeddingShardingPlanner(
+        topology=topology,
+        batch_size=batch_size,
+        enumerator=TpuEnumerator(topology=topology, batch_size=batch_size, constraints=constraints,
+                                 estimator=estimators),
+        storage_reservation=storage_reservation or TpuStorageReservation(),
+        constraints=constraints,
+        debug=False,
+    )
+
+
+def _fmt(nbytes: float) -> str:
+    return f"{nbytes / GiB:.2f} GiB"
+
+
+def _refusal(module, topology, batch_size, constraints, optimizer, reservation) -> str:
+    """Name the largest table, what it needs on one device, and what the best device has free."""
+    spec = spec_of(topology)
+    on_cpu = topology.compute_device == "cpu"
+    caps = [d.storage.ddr if on_cpu else d.storage.hbm for d in topology.devices]
+    reserved = [reservation.amount(module, batch_size, c) for c in caps]
+    free = [c - r for c, r in zip(caps, reserved)]
+    best = max(range(len(free)), key=free.__getitem__)
+    costs = {}
+    for cfg in _table_configs(module):
+        pf = sum((constraints or {}).get(cfg.name, ParameterConstraints()).pooling_factors or [1.0])
+        costs[cfg.name] = (cfg, shard_cost(
+            sharding_type="table_wise", rows=cfg.num_embeddings, cols=cfg.embedding_dim, pooling_factor=pf,
+            batch_per_device=batch_size, world_size=topology.world_size, num_shards=1, spec=spec,
+            optimizer=optimizer))
+    name, (cfg, c) = max(costs.items(), key=lambda kv: kv[1][1].bytes)
+    at_least = sum(x.weights + x.optimizer for _, x in costs.values())
+    return (
+        f"plan does not fit on {spec.name} ({topology.world_size} devices of {_fmt(caps[best])}, "
+        f"optimizer {optimizer}): the largest table {name} ({cfg.num_embeddings:,} x {cfg.embedding_dim}) needs "
+        f"{_fmt(c.bytes)} (weights {_fmt(c.weights)}, optimizer state {_fmt(c.optimizer)}, SparseCore buffers "
+        f"{_fmt(c.buffers)}, activations {_fmt(c.activations)}); the best device (rank {best}) has "
+        f"{_fmt(free[best])} free of {_fmt(caps[best])} after reserving {_fmt(reserved[best])}; "
+        f"all {len(costs)} tables need at least {_fmt(at_least)} of weights and optimizer state against "
+        f"{_fmt(sum(free))} free on the whole slice"
+    )
+
+
+def pooling_constraints(pooling: Dict[str, float], base=None) -> Dict[str, ParameterConstraints]:
+    """ParameterConstraints carrying each table's mean pooling factor (ids per sample)."""
+    out = dict(base or {})
+    for name, pf in pooling.items():
+        c = copy.copy(out.get(name, ParameterConstraints()))
+        c.pooling_factors = [float(pf)]
+        out[name] = c
+    return out
+
+
+def plan(
+    module: nn.Module,
+    topology: Topology,
+    *,
+    batch_size: int,
+    constraints: Optional[Dict[str, ParameterConstraints]] = None,
+    sharders: Optional[List[ModuleSharder[nn.Module]]] = None,
+    optimizer: Optional[str] = None,
+    pg=None,
+    storage_reservation: Optional[TpuStorageReservation] = None,
+) -> ShardingPlan:
+    """Plan `module` (a model holding EmbeddingBagCollections, meta tensors fine) on `topology`.
+
+    `batch_size` is per device. `optimizer` defaults to what apply_optimizer_in_backward or the
+    sharders' fused_params say, else SGD. With `pg`, rank 0 plans and broadcasts.
+    Raises PlanDoesNotFit when the tables cannot fit.
+    """
+    optimizer = optimizer or infer_optimizer(module, sharders) or "sgd"
+    sharders = sharders or [TpuPlanningSharder()]
+    reservation = storage_reservation or TpuStorageReservation()
+    planner = make_planner(topology, batch_size=batch_size, constraints=constraints, optimizer=optimizer,
+                           storage_reservation=reservation)
+    # Fast refusal: weights + optimizer state alone exceed the slice's free memory.
+    refusal = _refusal(module, topology, batch_size, constraints, optimizer, reservation)
+    caps = [d.storage.ddr if topology.compute_device == "cpu" else d.storage.hbm for d in topology.devices]
+    free = sum(c - reservation.amount(module, batch_size, c) for c in caps)
+    need = _lower_bound_bytes(module, spec_of(topology), optimizer)
+    if need > free:
+        raise PlanDoesNotFit(refusal)
+    try:
+        if pg is not None and torch.distributed.is_initialized():
+            return planner.collective_plan(module, sharders, pg)
+        return planner.plan(module, sharders)
+    except PlannerError as e:
+        raise PlanDoesNotFit(refusal) from e
+
+
+def _lower_bound_bytes(module: nn.Module, spec, optimizer: str) -> int:
+    from tpurec.embedding.constraints import optimizer_state_bytes
+
+    total = 0
+    for cfg in _table_configs(module):
+        total += cfg.num_embeddings * cfg.embedding_dim * 4
+        total += optimizer_state_bytes(optimizer, cfg.num_embeddings, cfg.embedding_dim)
+    return total
+
+
+def largest_tables(module: nn.Module, n: int = 5) -> List[str]:
+    cfgs = sorted(_table_configs(module), key=lambda c: -c.num_embeddings * c.embedding_dim)
+    return [c.name for c in cfgs[:n]]
+
+
+__all__ = ["plan", "make_planner", "PlanDoesNotFit", "TpuPlanningSharder", "TpuEnumerator",
+           "TpuStorageReservation", "infer_optimizer", "pooling_constraints"]

@@ -1,0 +1,244 @@
+"""TPU generations, slice names, and the torchrec `Topology` the planner plans against.
+
+Everything here is plain data plus parsing: no TPU, TorchTPU or JAX is needed, so a laptop can plan
+for a v5p-128. Units: bytes and bytes per second here; torchrec's `Topology` wants bytes per
+millisecond, converted in `make_topology`. One device = one torch rank.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass, replace
+
+logger = logging.getLogger(__name__)
+
+GiB = 1024**3
+GB = 10**9
+
+# Assumptions with no published per-device figure (see docs/planner.md, "Perf model").
+# DCN between slices: Cloud TPU multislice docs describe data-center-network links per host; we
+# assume 25 GB/s per host (one 200 Gbps NIC). Configurable per call.
+DEFAULT_DCN_BW_PER_HOST = 25 * GB
+# SparseCore gather/scatter reaches only part of HBM bandwidth (small random rows); no published
+# figure, so we assume 30% of HBM bandwidth. Configurable per call, reported in every plan JSON.
+DEFAULT_SC_GATHER_FRACTION = 0.3
+# All-to-all on a torus is bisection-bound: assume a device sustains half its ICI bandwidth.
+DEFAULT_A2A_EFFICIENCY = 0.5
+
+
+@dataclass(frozen=True)
+class Generation:
+    name: str
+    hbm_bytes: int  # per device
+    hbm_bw: float  # bytes/s per device
+    bf16_flops: float  # per device
+    ici_bw_per_chip: float  # bytes/s, bidirectional
+    ici_shape: str
+    sparsecores: int  # usable SparseCores per device (0: the kernel cannot run)
+    chips_per_host: int
+    devices_per_chip: int
+    name_counts: str  # "tensorcores" (2 per chip) or "chips": what N in "<gen>-N" counts
+    source: str
+
+    @property
+    def devices_per_host(self) -> int:
+        return self.chips_per_host * self.devices_per_chip
+
+
+GENERATIONS: dict[str, Generation] = {
+    # Source: cloud.google.com/tpu/docs/v5p (95 GiB HBM2e, 2765 GB/s, 459 bf16 TFLOPs, ICI 1200 GB/s
+    # bidirectional per chip, 3D torus, 4 chips per host, slice names count TensorCores: v5p-8 = 4
+    # chips); jax/_src/tpu_info.py; SparseCores per device from jax-tpu-embedding NUM_SC_PER_DEVICE_MAP.
+    # Megacore: the 2 TensorCores of a chip are one device, so one torch rank per chip.
+    "v5p": Generation("v5p", 95 * GiB, 2765 * GB, 459e12, 1200 * GB, "3D torus", 4, 4, 1, "tensorcores",
+                      "cloud.google.com/tpu/docs/v5p; jax/_src/tpu_info.py; jax-tpu-embedding NUM_SC_PER_DEVICE_MAP"),
+    # Source: cloud.google.com/tpu/docs/v6e (32 GB HBM, 1638 GB/s, 918 bf16 TFLOPs, ICI 800 GB/s
+    # bidirectional, 2D torus, v6e-8 host = 8 chips, names count chips); SparseCores:
+    # jax-tpu-embedding NUM_SC_PER_DEVICE_MAP (2).
+    "v6e": Generation("v6e", 32 * GB, 1638 * GB, 918e12, 800 * GB, "2D torus", 2, 8, 1, "chips",
+                      "cloud.google.com/tpu/docs/v6e; jax/_src/tpu_info.py; jax-tpu-embedding NUM_SC_PER_DEVICE_MAP"),
+    # Source: cloud.google.com/tpu/docs/tpu7x (per chip: 192 GiB HBM, 7.37 TB/s, 2307 bf16 TFLOPs,
+    # ICI 1.2 TB/s bidirectional, 3D torus; 2 TensorCores exposed as 2 devices per chip; 4 chips per
+    # host; names count chips). Per-device values below are per-chip / 2. SparseCores per device:
+    # jax-tpu-embedding NUM_SC_PER_DEVICE_MAP (2).
+    "v7x": Generation("v7x", 96 * GiB, 3685 * GB, 1153.5e12, 1200 * GB, "3D torus", 2, 4, 2, "chips",
+                      "cloud.google.com/tpu/docs/tpu7x; jax/_src/tpu_info.py; jax-tpu-embedding NUM_SC_PER_DEVICE_MAP"),
+    # Source: cloud.google.com/tpu/docs/v5e (16 GB HBM, 819 GB/s, 197 bf16 TFLOPs, ICI 400 GB/s,
+    # 2D torus, up to 8 chips per host, v5litepod-N counts chips). No SparseCore.
+    "v5e": Generation("v5e", 16 * GB, 819 * GB, 197e12, 400 * GB, "2D torus", 0, 8, 1, "chips",
+                      "cloud.google.com/tpu/docs/v5e; jax/_src/tpu_info.py"),
+    # Source: cloud.google.com/tpu/docs/v4 (32 GiB HBM, 1200 GB/s, 275 bf16 TFLOPs, 3D torus, 4 chips
+    # per host, megacore, names count TensorCores: v4-8 = 4 chips). ICI 300 GB/s per chip is an
+    # ASSUMPTION from the v4 docs' link figures. v4 has SparseCores, but no public API drives them,
+    # so 0 usable.
+    "v4": Generation("v4", 32 * GiB, 1200 * GB, 275e12, 300 * GB, "3D torus", 0, 4, 1, "tensorcores",
+                     "cloud.google.com/tpu/docs/v4; jax/_src/tpu_info.py"),
+}
+_ALIASES = {"tpu7x": "v7x", "v5litepod": "v5e"}
+
+SLICE_FORMS = (
+    "v5p-N (N = TensorCores, even: v5p-8 is 4 chips), v6e-N (N = chips), v7x-N or tpu7x-N (N = chips, "
+    "2 devices each), v5e-N / v5litepod-N (chips), v4-N (TensorCores); optional multislice prefix "
+    "'Kx' as in 2xv5p-128"
+)
+_SLICE_RE = re.compile(r"^(?:(\d+)x)?([a-z0-9]+)-(\d+)$")
+
+
+@dataclass(frozen=True)
+class SliceSpec:
+    """A set of identical TPU slices (1 unless multislice), and the cost-model assumptions."""
+
+    name: str
+    generation: Generation
+    chips_per_slice: int
+    num_slices: int = 1
+    dcn_bw_per_host: float = DEFAULT_DCN_BW_PER_HOST
+    sc_gather_fraction: float = DEFAULT_SC_GATHER_FRACTION
+    a2a_efficiency: float = DEFAULT_A2A_EFFICIENCY
+
+    @property
+    def devices_per_slice(self) -> int:
+        return self.chips_per_slice * self.generation.devices_per_chip
+
+    @property
+    def world_size(self) -> int:
+        return self.devices_per_slice * self.num_slices
+
+    @property
+    def devices_per_host(self) -> int:
+        # Sub-host slices (v6e-4, v5p-4) put every device on one host.
+        return min(self.generation.devices_per_host, self.devices_per_slice)
+
+    @property
+    def hosts(self) -> int:
+        return self.world_size // self.devices_per_host
+
+
+def parse_slice(name: str, **assumptions) -> SliceSpec:
+    """Parse 'v5p-128', 'v6e-256', 'v7x-64', '2xv5p-128' ... into a SliceSpec."""
+    m = _SLICE_RE.match(name.strip().lower())
+    if not m:
+        raise ValueError(f"malformed TPU slice name {name!r}; valid forms: {SLICE_FORMS}")
+    slices, gen_name, count = int(m.group(1) or 1), m.group(2), int(m.group(3))
+    gen_name = _ALIASES.get(gen_name, gen_name)
+    if gen_name not in GENERATIONS:
+        raise ValueError(f"unknown TPU generation {m.group(2)!r} in {name!r}; valid forms: {SLICE_FORMS}")
+    gen = GENERATIONS[gen_name]
+    if count <= 0 or slices <= 0:
+        raise ValueError(f"slice size must be positive in {name!r}; valid forms: {SLICE_FORMS}")
+    if gen.name_counts == "tensorcores":
+        if count % 2:
+            raise ValueError(f"{gen.name} slice names count TensorCores (2 per chip), so N must be even: {name!r}")
+        chips = count // 2
+    else:
+        chips = count
+    if chips > gen.chips_per_host and chips % gen.chips_per_host:
+        raise ValueError(
+            f"{name!r}: a {gen.name} slice larger than one host must be whole hosts of {gen.chips_per_host} chips"
+        )
+    return SliceSpec(name=name.strip().lower(), generation=gen, chips_per_slice=chips, num_slices=slices,
+                     **assumptions)
+
+
+def cpu_spec(world_size: int, *, devices_per_host: int | None = None, num_sc_per_device: int = 4,
+             memory_bytes: int = 64 * GiB) -> SliceSpec:
+    """A dry-run 'generation' for compute_device="cpu": the CPU reference kernel emulates
+    `num_sc_per_device` SparseCores per rank; memory is DDR (64 GiB per rank by default, an
+    arbitrary but sane dry-run figure), bandwidths are nominal host figures (assumptions)."""
+    gen = Generation("cpu", memory_bytes, 50 * GB, 1e12, 50 * GB, "host", num_sc_per_device,
+                     devices_per_host or world_size, 1, "chips", "dry-run defaults (assumptions)")
+    return SliceSpec(name=f"cpu-{world_size}", generation=gen, chips_per_slice=world_size)
+
+
+try:  # torchrec is a hard dependency; keep this module importable for `--help` speed anyway
+    from torchrec.distributed.planner.types import Topology as _TorchrecTopology
+except ImportError:  # pragma: no cover
+    _TorchrecTopology = object  # type: ignore[misc,assignment]
+
+
+class TpuTopology(_TorchrecTopology):  # type: ignore[misc,valid-type]
+    """A torchrec Topology that also carries the SliceSpec the tpurec estimators read."""
+
+    def __init__(self, spec: SliceSpec, compute_device: str, **kwargs) -> None:
+        self.spec = spec
+        super().__init__(compute_device=compute_device, **kwargs)
+
+
+def _enable_offline_tpu() -> None:
+    """torchrec places shards on torch.device("tpu"), which only parses once a PrivateUse1 backend
+    is named "tpu". Without torch_tpu nothing names it, so planning crashes; naming it ourselves is
+    harmless (it only registers the name) but may be done once per process and not if another
+    backend already claimed PrivateUse1."""
+    import torch
+
+    current = torch._C._get_privateuse1_backend_name()
+    if current == "tpu":
+        return
+    if current != "privateuseone":
+        raise RuntimeError(f"PrivateUse1 backend is already named {current!r}; cannot plan for 'tpu'")
+    torch.utils.rename_privateuse1_backend("tpu")
+
+
+def _spec_from_environment() -> SliceSpec | None:
+    # Set by Cloud TPU VMs, e.g. TPU_ACCELERATOR_TYPE=v5p-128.
+    name = os.environ.get("TPU_ACCELERATOR_TYPE")
+    return parse_slice(name) if name else None
+
+
+def make_topology(
+    spec: str | SliceSpec | None,
+    world_size: int | None = None,
+    compute_device: str = "tpu",
+    *,
+    dcn_bw_per_host: float | None = None,
+    sc_gather_fraction: float | None = None,
+    hbm_cap: int | None = None,
+    num_sc_per_device: int = 4,
+) -> TpuTopology:
+    """Topology for a slice name ('v5p-8'), or, with spec=None, a generic one for `compute_device`
+    with `world_size` devices (the TPU_ACCELERATOR_TYPE generation if set, else v5p with a warning;
+    CPU: a dry-run topology where tables live in DDR)."""
+    if compute_device not in ("tpu", "cpu"):
+        raise ValueError(f"compute_device must be 'tpu' or 'cpu', not {compute_device!r}")
+    if isinstance(spec, str):
+        spec = parse_slice(spec)
+    if spec is None:
+        if world_size is None:
+            raise ValueError("make_topology(None, ...) needs world_size")
+        if compute_device == "cpu":
+            spec = cpu_spec(world_size, num_sc_per_device=num_sc_per_device)
+        else:
+            env = _spec_from_environment()
+            gen = env.generation if env else GENERATIONS["v5p"]
+            if env is None:
+                logger.warning("no TPU slice given and TPU_ACCELERATOR_TYPE unset: planning for v5p devices")
+            chips = -(-world_size // gen.devices_per_chip)
+            spec = SliceSpec(name=f"{gen.name}x{world_size}dev", generation=gen, chips_per_slice=chips)
+    if world_size is not None and world_size != spec.world_size:
+        raise ValueError(f"{spec.name} has {spec.world_size} devices but world_size={world_size}")
+    if compute_device == "tpu" and spec.generation.name != "cpu" and spec.generation.sparsecores == 0:
+        raise ValueError(
+            f"{spec.generation.name} has no usable SparseCores; tpurec's embedding kernel needs v5p, v6e or v7x"
+        )
+    overrides = {k: v for k, v in (("dcn_bw_per_host", dcn_bw_per_host),
+                                   ("sc_gather_fraction", sc_gather_fraction)) if v is not None}
+    spec = replace(spec, **overrides)
+    gen = spec.generation
+    cap = hbm_cap if hbm_cap is not None else gen.hbm_bytes
+    if compute_device == "tpu":
+        _enable_offline_tpu()
+        memory = {"hbm_cap": cap, "ddr_cap": 0}
+    else:
+        memory = {"hbm_cap": 0, "ddr_cap": cap}
+    per_ms = 1e-3
+    return TpuTopology(
+        spec,
+        compute_device,
+        world_size=spec.world_size,
+        local_world_size=spec.devices_per_host,
+        hbm_mem_bw=gen.hbm_bw * per_ms,
+        intra_host_bw=gen.ici_bw_per_chip / gen.devices_per_chip * per_ms,
+        inter_host_bw=spec.dcn_bw_per_host / spec.devices_per_host * per_ms,
+        **memory,
+    )
