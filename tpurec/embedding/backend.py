@@ -1,0 +1,33 @@
+"""Which kernels run: the TPU adapter on a TPU device, the CPU reference everywhere else.
+
+The choice follows the device the tables live on (the ops dispatch on it); this module resolves the
+user's device argument and, for a TPU device only, loads the adapter that registers the TPU kernels.
+"""
+from __future__ import annotations
+
+import torch
+
+from tpurec import device as _device
+
+_tpu_loaded = False
+
+
+def load_tpu_backend() -> None:
+    """Register the TPU kernels of torch.ops.tpurec.* (idempotent). Needs a usable TPU host."""
+    global _tpu_loaded
+    if _tpu_loaded:
+        return
+    from tpurec.embedding import tpu  # imported here only: it is never needed on a CPU-only host
+
+    tpu.register()
+    _tpu_loaded = True
+
+
+def select_device(device: torch.device | str | None) -> torch.device:
+    """None means: a TPU if this host has a usable one, else the CPU."""
+    if device is None:
+        device = "tpu" if _device.tpu_status().usable else "cpu"
+    resolved = _device.resolve_device(device)
+    if resolved.type not in ("cpu", "meta"):
+        load_tpu_backend()
+    return resolved

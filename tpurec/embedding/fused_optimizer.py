@@ -1,0 +1,75 @@
+"""The torchrec `FusedOptimizer` view of a SparseCoreKernel's optimizer.
+
+Updates happen inside backward, so step() and zero_grad() do nothing. What this object gives is
+what TorchRec users expect of a fused optimizer: `param_groups` with a learning rate that LR
+schedulers may change (the kernel reads it at every update), and a keyed `state_dict()` /
+`load_state_dict()` for checkpoints. The SparseCore stores tables and state partition-major, so
+state is exposed through natural-order copies, refreshed before every state_dict() and written
+back after every load (`post_load_state_dict`), so nothing is lost either way.
+"""
+from __future__ import annotations
+
+import torch
+from torchrec.optim.fused import FusedOptimizer
+
+from tpurec.embedding.kernel import SparseCoreKernel
+
+
+class SparseCoreFusedOptimizer(FusedOptimizer):
+    def __init__(self, kernel: SparseCoreKernel, param_prefix: str = "embedding_bags.") -> None:
+        self._kernel = kernel
+        spec = kernel.optimizer
+        params: dict[str, torch.Tensor] = {}
+        state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+        self._keys: list[tuple[str, torch.Tensor]] = []
+        for t in kernel.tables:
+            key = f"{param_prefix}{t.name}.weight"
+            snapshot = kernel.read_weight(t.name)
+            params[key] = snapshot
+            self._keys.append((t.name, snapshot))
+            entry = {f"{t.name}.{s}": kernel.read_state(t.name, s) for s in spec.state_names}
+            if spec.kind == "adam":
+                entry[f"{t.name}.step"] = torch.tensor(0.0)
+            state[snapshot] = entry
+        group = {"params": list(params.values()), "lr": spec.lr}
+        if spec.kind != "sgd":
+            group["eps"] = spec.eps
+        if spec.kind == "adam":
+            group["betas"] = (spec.beta1, spec.beta2)
+        super().__init__(params, state, [group])
+        kernel._lr_group = group
+
+    def _refresh(self) -> None:
+        """Copy the kernel's current tables and state into the natural-order snapshots."""
+        k = self._kernel
+        with torch.no_grad():
+            for name, snap in self._keys:
+                snap.copy_(k.read_weight(name))
+                entry = self.state[snap]
+                for s in k.optimizer.state_names:
+                    entry[f"{name}.{s}"].copy_(k.read_state(name, s))
+                if f"{name}.step" in entry:
+                    entry[f"{name}.step"].fill_(k.steps[k._locate(name)[0]])
+
+    def state_dict(self):
+        self._refresh()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self._refresh()
+        super().load_state_dict(state_dict)
+
+    def post_load_state_dict(self) -> None:
+        k = self._kernel
+        for name, snap in self._keys:
+            entry = self.state[snap]
+            for s in k.optimizer.state_names:
+                k.write_state(name, s, entry[f"{name}.{s}"])
+            if f"{name}.step" in entry:
+                k.steps[k._locate(name)[0]] = int(entry[f"{name}.step"].item())
+
+    def step(self, closure=None) -> None:  # updates are fused into backward
+        return None
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        return None

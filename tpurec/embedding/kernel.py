@@ -1,0 +1,275 @@
+"""SparseCoreKernel: the embedding bags of one device, in the SparseCore layout, with the fused update.
+
+The building block shared by the standalone `SparseCoreEmbeddingBagCollection` and by the sharded
+lookups under `DistributedModelParallel`. It takes a KeyedJaggedTensor and returns the pooled
+embeddings [batch, sum of dims] in feature order; backward through that output runs the fused
+optimizer update op of every stack, in place, without materialising a dense table gradient.
+
+Per stack (tables of one dim stored together), one forward builds one SparseCore input: features
+are laid feature-major along the stacked batch (feature k's samples are rows k*B'..k*B'+B'-1,
+B' = batch padded to a multiple of the SparseCore count), ids are shifted by their table's offset in
+the stack, and gains carry per-id weights and the 1/bag-length of mean pooling.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from tpurec.embedding import ops  # noqa: F401  (registers torch.ops.tpurec.*)
+from tpurec.embedding.constraints import round_up
+from tpurec.embedding.layout import StackLayout, build_stacks
+from tpurec.embedding.optimizers import FusedOptimizerSpec
+from tpurec.embedding.preprocess import PreprocessStats, SparseCoreInput, preprocess
+
+
+@dataclass(frozen=True)
+class KernelTable:
+    """A table as this device sees it (under sharding: the local shard's rows and columns)."""
+
+    name: str
+    num_embeddings: int
+    embedding_dim: int
+    feature_names: tuple[str, ...]
+    pooling: str = "sum"  # "sum" | "mean"
+
+
+@dataclass
+class _StackPlan:
+    layout: StackLayout
+    features: list[tuple[str, str]] = field(default_factory=list)  # (feature, table) in stacked order
+
+
+class SparseCoreKernel(nn.Module):
+    def __init__(
+        self,
+        tables: Sequence[KernelTable],
+        optimizer: FusedOptimizerSpec,
+        num_sc_per_device: int,
+        *,
+        is_weighted: bool = False,
+        device: torch.device | str | None = None,
+        max_ids_per_partition: int | None = None,
+        max_unique_ids_per_partition: int | None = None,
+        allow_id_dropping: bool = False,
+        stack_tables: bool = True,
+    ) -> None:
+        super().__init__()
+        if num_sc_per_device < 1:
+            raise ValueError(f"num_sc_per_device must be >= 1, got {num_sc_per_device}")
+        self.tables = list(tables)
+        self.optimizer = optimizer
+        self.num_sc = num_sc_per_device
+        self.is_weighted = is_weighted
+        self.max_ids_per_partition = max_ids_per_partition
+        self.max_unique_ids_per_partition = max_unique_ids_per_partition
+        self.allow_id_dropping = allow_id_dropping
+        # Optimizer steps taken per stack (Adam's bias correction); stacks update independently
+        # because autograd may run their backward in any order.
+        self.steps: list[int] = []
+        self.last_stats: dict[str, PreprocessStats] = {}
+        self.dropped_id_count = 0
+
+        names = [t.name for t in self.tables]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate table names: {names}")
+        self._table = {t.name: t for t in self.tables}
+        self._feature_table: dict[str, KernelTable] = {}
+        for t in self.tables:
+            if t.pooling not in ("sum", "mean"):
+                raise ValueError(f"table {t.name!r}: pooling {t.pooling!r} is not supported (sum or mean)")
+            for f in t.feature_names:
+                if f in self._feature_table:
+                    raise ValueError(f"feature {f!r} is used by tables {self._feature_table[f].name!r} and {t.name!r}")
+                self._feature_table[f] = t
+        # Output order = EBC's: tables in order, each table's features in order.
+        self.feature_order = [f for t in self.tables for f in t.feature_names]
+        self.feature_dims = [self._feature_table[f].embedding_dim for f in self.feature_order]
+
+        layouts = build_stacks([(t.name, t.num_embeddings, t.embedding_dim) for t in self.tables],
+                               num_sc_per_device, stack=stack_tables)
+        self.stacks: list[_StackPlan] = []
+        for lay in layouts:
+            plan = _StackPlan(lay)
+            for ts in lay.tables:
+                plan.features.extend((f, ts.name) for f in self._table[ts.name].feature_names)
+            self.stacks.append(plan)
+            self.steps.append(0)
+
+        # Physical storage: one partition-major table per stack plus its optimizer state. Buffers
+        # (not parameters): a dense optimizer must never touch them; state_dict hooks of the owning
+        # module expose them per table in natural row order.
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        for i, plan in enumerate(self.stacks):
+            lay = plan.layout
+            self.register_buffer(f"weight_{i}", torch.zeros(lay.total_rows, lay.dim, device=device), persistent=False)
+            for s in optimizer.state_names:
+                init = optimizer.initial_accumulator_value if s == "momentum1" and optimizer.kind != "adam" else 0.0
+                shape = optimizer.state_shape(s, lay.total_rows, lay.dim)
+                self.register_buffer(f"{s}_{i}", torch.full(shape, init, device=device), persistent=False)
+        self.reset_parameters()
+
+    # -- storage access ------------------------------------------------------------------------
+    def stack_weight(self, i: int) -> torch.Tensor:
+        return getattr(self, f"weight_{i}")
+
+    def stack_state(self, i: int, name: str) -> torch.Tensor:
+        return getattr(self, f"{name}_{i}")
+
+    def _locate(self, table: str) -> tuple[int, StackLayout]:
+        for i, plan in enumerate(self.stacks):
+            if any(t.name == table for t in plan.layout.tables):
+                return i, plan.layout
+        raise KeyError(f"unknown table {table!r}; tables: {[t.name for t in self.tables]}")
+
+    def read_weight(self, table: str) -> torch.Tensor:
+        """[num_embeddings, dim] in natural row order (a copy)."""
+        i, lay = self._locate(table)
+        return lay.read_table(self.stack_weight(i), table)
+
+    def write_weight(self, table: str, value: torch.Tensor) -> None:
+        i, lay = self._locate(table)
+        lay.write_table(self.stack_weight(i), table, value.to(self.stack_weight(i).device))
+
+    def read_state(self, table: str, name: str) -> torch.Tensor:
+        i, lay = self._locate(table)
+        return lay.read_table(self.stack_state(i, name), table)
+
+    def write_state(self, table: str, name: str, value: torch.Tensor) -> None:
+        i, lay = self._locate(table)
+        lay.write_table(self.stack_state(i, name), table, value.to(self.stack_state(i, name).device))
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """TorchRec EBC's default init: uniform(-sqrt(1/rows), sqrt(1/rows)) per table; padding rows 0."""
+        for t in self.tables:
+            i, _ = self._locate(t.name)
+            if self.stack_weight(i).is_meta:
+                continue
+            bound = (1.0 / t.num_embeddings) ** 0.5
+            w = torch.empty(t.num_embeddings, t.embedding_dim).uniform_(-bound, bound)
+            self.write_weight(t.name, w)
+
+    # -- forward -------------------------------------------------------------------------------
+    def forward(self, features) -> torch.Tensor:
+        """features: KeyedJaggedTensor (stride = batch size). Returns [batch, sum(dims)] f32."""
+        by_key = self._split(features)
+        batch = features.stride()
+        padded = round_up(max(batch, 1), self.num_sc)
+        pooled: dict[str, torch.Tensor] = {}
+        trigger = _trigger() if torch.is_grad_enabled() else None
+        for i, plan in enumerate(self.stacks):
+            csr = self._stack_input(plan, by_key, batch, padded)
+            out = _FusedLookup.apply(trigger, self, i, csr)
+            out = out.view(len(plan.features), padded, -1)[:, :batch]
+            for k, (f, _) in enumerate(plan.features):
+                pooled[f] = out[k]
+        if not self.feature_order:
+            return torch.zeros(batch, 0)
+        return torch.cat([pooled[f] for f in self.feature_order], dim=1)
+
+    def _split(self, features) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        keys = features.keys()
+        missing = [f for f in self.feature_order if f not in keys]
+        if missing:
+            raise KeyError(f"KeyedJaggedTensor lacks features {missing}; it has {keys}")
+        values = features.values()
+        if values.is_floating_point() or values.dtype == torch.bool:
+            raise TypeError(f"embedding ids must be integers, got dtype {values.dtype}")
+        weights = features.weights_or_none()
+        if self.is_weighted and weights is None:
+            raise ValueError("this kernel is weighted (is_weighted=True) but the KeyedJaggedTensor has no weights")
+        lengths = features.lengths()
+        batch = features.stride()
+        value_offsets = [0] + list(torch.tensor(features.length_per_key()).cumsum(0).tolist())
+        out = {}
+        for k, f in enumerate(keys):
+            if f not in self._feature_table:
+                continue
+            lo, hi = value_offsets[k], value_offsets[k + 1]
+            ids = values[lo:hi]
+            table = self._feature_table[f]
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= table.num_embeddings):
+                raise IndexError(
+                    f"feature {f!r} (table {table.name!r}): ids must be in [0, {table.num_embeddings}), "
+                    f"got min {int(ids.min())}, max {int(ids.max())}"
+                )
+            w = weights[lo:hi] if (weights is not None and self.is_weighted) else None
+            out[f] = (ids, lengths[k * batch:(k + 1) * batch], w)
+        return out
+
+    def _stack_input(self, plan: _StackPlan, by_key, batch: int, padded: int) -> SparseCoreInput:
+        lay = plan.layout
+        ids_l, smp_l, gain_l = [], [], []
+        for k, (f, tname) in enumerate(plan.features):
+            ids, lengths, w = by_key[f]
+            samples = torch.repeat_interleave(torch.arange(batch, device=ids.device), lengths.long())
+            gains = w.to(torch.float32) if w is not None else torch.ones(ids.numel(), device=ids.device)
+            if self._table[tname].pooling == "mean":
+                gains = gains / lengths.clamp(min=1).to(torch.float32).index_select(0, samples)
+            ids_l.append(ids.to(torch.int64) + lay.table(tname).offset)
+            smp_l.append(samples + k * padded)
+            gain_l.append(gains)
+        csr, stats = preprocess(
+            torch.cat(ids_l), torch.cat(smp_l), torch.cat(gain_l),
+            device_batch_size=len(plan.features) * padded, num_sc_per_device=self.num_sc,
+            max_ids_per_partition=self.max_ids_per_partition,
+            max_unique_ids_per_partition=self.max_unique_ids_per_partition,
+            allow_id_dropping=self.allow_id_dropping, table_name=lay.name,
+        )
+        self.last_stats[lay.name] = stats
+        self.dropped_id_count += stats.dropped_id_count
+        return csr
+
+    # -- fused update --------------------------------------------------------------------------
+    def apply_update(self, i: int, csr: SparseCoreInput, grad: torch.Tensor, lr: float) -> None:
+        spec = self.optimizer
+        table = self.stack_weight(i)
+        common = (csr.device_batch_size, csr.num_sc_per_device, csr.num_partitions,
+                  csr.max_ids_per_partition, csr.max_unique_ids_per_partition)
+        head = (csr.row_pointers, csr.embedding_ids, csr.sample_ids, csr.gains, table)
+        grad = grad.to(torch.float32).contiguous()
+        self.steps[i] += 1
+        if spec.kind == "sgd":
+            torch.ops.tpurec.sparse_dense_matmul_grad_with_sgd(*head, grad, lr, *common)
+        elif spec.kind in ("adagrad", "rowwise_adagrad"):
+            torch.ops.tpurec.sparse_dense_matmul_grad_with_adagrad(
+                *head, self.stack_state(i, "momentum1"), grad, lr, spec.eps, *common)
+        else:
+            from tpurec.embedding.reference import adam_hyperparameters
+
+            alpha_t, eps_hat = adam_hyperparameters(lr, spec.beta1, spec.beta2, spec.eps, self.steps[i])
+            torch.ops.tpurec.sparse_dense_matmul_grad_with_adam(
+                *head, self.stack_state(i, "momentum1"), self.stack_state(i, "exp_avg_sq"), grad,
+                alpha_t, spec.beta1, spec.beta2, eps_hat, *common)
+
+    # The learning rate is read at update time from here, so torch LR schedulers acting on the
+    # FusedOptimizer's param_groups take effect (SparseCoreFusedOptimizer points this at its group).
+    def current_lr(self) -> float:
+        group = getattr(self, "_lr_group", None)
+        return float(group["lr"]) if group is not None else self.optimizer.lr
+
+
+def _trigger() -> torch.Tensor:
+    # An empty tensor that requires grad: makes autograd call our backward even though the table
+    # itself never requires grad (its update happens inside backward, fused).
+    return torch.empty(0, requires_grad=True)
+
+
+class _FusedLookup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, trigger, kernel: SparseCoreKernel, i: int, csr: SparseCoreInput):
+        ctx.kernel, ctx.i, ctx.csr = kernel, i, csr
+        return torch.ops.tpurec.sparse_dense_matmul(
+            csr.row_pointers, csr.embedding_ids, csr.sample_ids, csr.gains, kernel.stack_weight(i),
+            csr.device_batch_size, csr.num_sc_per_device, csr.num_partitions,
+            csr.max_ids_per_partition, csr.max_unique_ids_per_partition,
+        )
+
+    @staticmethod
+    def backward(ctx, grad):
+        kernel = ctx.kernel
+        kernel.apply_update(ctx.i, ctx.csr, grad, kernel.current_lr())
+        return None, None, None, None

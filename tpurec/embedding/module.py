@@ -1,0 +1,121 @@
+"""SparseCoreEmbeddingBagCollection: a drop-in EmbeddingBagCollection with a fused SparseCore optimizer.
+
+Same inputs (KeyedJaggedTensor), same output (KeyedTensor in the same key order), same state_dict
+keys (`embedding_bags.<table>.weight`, natural row order) as torchrec's EmbeddingBagCollection, so
+`load_state_dict` works both ways between the two. Backward through the output updates the tables
+in place with the optimizer given at construction; `fused_optimizer` holds its state.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.optim.fused import FusedOptimizerModule
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+
+from tpurec.embedding.fused_optimizer import SparseCoreFusedOptimizer
+from tpurec.embedding.kernel import KernelTable, SparseCoreKernel
+from tpurec.embedding.optimizers import FusedOptimizerSpec
+
+# SparseCores per device when no TPU tells us: v5p has 4 (jax-tpu-embedding NUM_SC_PER_DEVICE_MAP).
+# On CPU the count changes only the layout, never the results.
+DEFAULT_NUM_SPARSECORES = 4
+
+_POOLING = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
+
+
+def kernel_tables(tables: Sequence[EmbeddingBagConfig]) -> list[KernelTable]:
+    out = []
+    for t in tables:
+        if t.pooling not in _POOLING:
+            raise ValueError(f"table {t.name!r}: pooling {t.pooling} is not supported (SUM or MEAN)")
+        out.append(KernelTable(t.name, t.num_embeddings, t.embedding_dim, tuple(t.feature_names), _POOLING[t.pooling]))
+    return out
+
+
+class SparseCoreEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
+    def __init__(
+        self,
+        tables: Sequence[EmbeddingBagConfig],
+        optimizer: type,
+        optimizer_kwargs: dict | None = None,
+        num_sparsecores: int | None = None,
+        is_weighted: bool = False,
+        device: torch.device | str | None = None,
+        *,
+        max_ids_per_partition: int | None = None,
+        max_unique_ids_per_partition: int | None = None,
+        allow_id_dropping: bool = False,
+        stack_tables: bool = True,
+    ) -> None:
+        super().__init__()
+        from tpurec.embedding.backend import select_device
+
+        self._device = select_device(device)
+        self._embedding_bag_configs = list(tables)
+        self._is_weighted = is_weighted
+        self.kernel = SparseCoreKernel(
+            kernel_tables(tables),
+            FusedOptimizerSpec.from_torch(optimizer, optimizer_kwargs),
+            num_sparsecores or DEFAULT_NUM_SPARSECORES,
+            is_weighted=is_weighted,
+            device=self._device,
+            max_ids_per_partition=max_ids_per_partition,
+            max_unique_ids_per_partition=max_unique_ids_per_partition,
+            allow_id_dropping=allow_id_dropping,
+            stack_tables=stack_tables,
+        )
+        self._fused_optimizer = SparseCoreFusedOptimizer(self.kernel)
+        self._register_state_dict_hook(_emit_natural_weights)
+        self._register_load_state_dict_pre_hook(_consume_natural_weights, with_module=True)
+
+    # -- torchrec EBC surface ------------------------------------------------------------------
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        values = self.kernel(features)
+        return KeyedTensor(keys=list(self.kernel.feature_order), length_per_key=list(self.kernel.feature_dims),
+                           values=values, key_dim=1)
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        return self._embedding_bag_configs
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def fused_optimizer(self) -> SparseCoreFusedOptimizer:
+        return self._fused_optimizer
+
+    def table_weight(self, name: str) -> torch.Tensor:
+        """One table in natural row order (a copy)."""
+        return self.kernel.read_weight(name)
+
+    def id_stats(self):
+        """PreprocessStats of the last batch, per stack: observed ids per partition, for tuning limits."""
+        return dict(self.kernel.last_stats)
+
+
+def _emit_natural_weights(module, state_dict, prefix, local_metadata):
+    for t in module._embedding_bag_configs:
+        state_dict[f"{prefix}embedding_bags.{t.name}.weight"] = module.kernel.read_weight(t.name)
+    return state_dict
+
+
+def _consume_natural_weights(module, state_dict, prefix, local_metadata, strict, missing_keys,
+                             unexpected_keys, error_msgs):
+    for t in module._embedding_bag_configs:
+        key = f"{prefix}embedding_bags.{t.name}.weight"
+        if key not in state_dict:
+            if strict:
+                missing_keys.append(key)
+            continue
+        value = state_dict.pop(key)
+        try:
+            module.kernel.write_weight(t.name, value)
+        except ValueError as e:
+            error_msgs.append(f"{key}: {e}")

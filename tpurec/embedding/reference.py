@@ -1,0 +1,111 @@
+"""CPU reference of the SparseCore ops: the same inputs, layout and optimizer math, in vectorised torch.
+
+The ops read the CSR-wrapped COO buffers exactly as a SparseCore does: for local SparseCore s,
+`row_pointers[s]` gives the end of each partition's 8-aligned segment inside s's slice of the COO
+buffers; an entry (local id c, sample j, gain g) in partition p's segment contributes
+g * table[p * rows_per_partition + c] to output row s * (batch / num_sc) + j.
+
+Backward-with-update sums each row's gradient over all its entries (all slices, all samples), then
+applies the optimizer once per touched row; rows not in the batch are left alone (as on SparseCore
+and in FBGEMM's fused kernels: Adam is "lazy"). Formulas (docs/kernels.md):
+
+  SGD               w -= lr * g
+  Adagrad           a += g*g;           w -= lr * g / (sqrt(a) + eps)
+  row-wise Adagrad  a += mean(g*g);     w -= lr * g / (sqrt(a) + eps)        (a is one float per row)
+  Adam              m = b1 m + (1-b1) g; v = b2 v + (1-b2) g*g; w -= alpha_t * m / (sqrt(v) + eps_hat)
+                    with alpha_t = lr sqrt(1-b2^t) / (1-b1^t), eps_hat = eps sqrt(1-b2^t)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tpurec.embedding.constraints import PADDING_ID
+
+
+@dataclass
+class DecodedInput:
+    """The valid entries of a SparseCore input, as physical table rows and device-batch samples."""
+
+    rows: torch.Tensor  # int64 physical row per entry
+    samples: torch.Tensor  # int64 sample in the device batch per entry
+    gains: torch.Tensor  # float32
+
+
+def decode(
+    row_pointers: torch.Tensor,
+    embedding_ids: torch.Tensor,
+    sample_ids: torch.Tensor,
+    gains: torch.Tensor,
+    rows_per_partition: int,
+    device_batch_size: int,
+    num_sc_per_device: int,
+    num_partitions: int,
+) -> DecodedInput:
+    num_sc, parts = num_sc_per_device, num_partitions
+    slots = embedding_ids.numel() // num_sc
+    per_sc = device_batch_size // num_sc
+    pos = (embedding_ids != PADDING_ID).nonzero().squeeze(1)
+    sc = pos // slots
+    # Segment ends of every SparseCore, shifted into one increasing sequence over the whole buffer:
+    # the number of ends <= pos is then (SparseCore, partition) of the entry at pos.
+    ends = row_pointers.view(num_sc, -1)[:, :parts].to(torch.int64)
+    ends = (ends + torch.arange(num_sc, device=ends.device).unsqueeze(1) * slots).reshape(-1)
+    seg = torch.searchsorted(ends, pos, right=True)
+    part = seg - sc * parts
+    rows = part * rows_per_partition + embedding_ids[pos].to(torch.int64)
+    samples = sc * per_sc + sample_ids[pos].to(torch.int64)
+    return DecodedInput(rows, samples, gains[pos])
+
+
+def lookup(d: DecodedInput, table: torch.Tensor, device_batch_size: int) -> torch.Tensor:
+    """Pooled activations [device_batch_size, dim], f32."""
+    gathered = table.index_select(0, d.rows).to(torch.float32)
+    gathered.mul_(d.gains.unsqueeze(1))
+    out = torch.zeros(device_batch_size, table.shape[1], dtype=torch.float32, device=table.device)
+    return out.index_add_(0, d.samples, gathered)
+
+
+def row_gradients(d: DecodedInput, activations_grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(unique physical rows, summed gradient per row) — never a dense gradient of the table."""
+    per_entry = activations_grad.index_select(0, d.samples)
+    per_entry.mul_(d.gains.unsqueeze(1))
+    rows, inverse = torch.unique(d.rows, return_inverse=True)
+    grad = torch.zeros(rows.numel(), activations_grad.shape[1], dtype=torch.float32, device=per_entry.device)
+    return rows, grad.index_add_(0, inverse, per_entry)
+
+
+@torch.no_grad()
+def sgd_update(table, rows, grad, lr: float) -> None:
+    table.index_add_(0, rows, grad.mul_(-lr).to(table.dtype))
+
+
+@torch.no_grad()
+def adagrad_update(table, accumulator, rows, grad, lr: float, eps: float) -> None:
+    """Element-wise (2-D accumulator) or row-wise (1-D accumulator) Adagrad."""
+    if accumulator.dim() == 1:
+        acc = accumulator.index_select(0, rows) + grad.pow(2).mean(1)
+        accumulator.index_copy_(0, rows, acc)
+        step = grad.mul_((lr / (acc.sqrt() + eps)).unsqueeze(1))
+    else:
+        acc = accumulator.index_select(0, rows).addcmul_(grad, grad)
+        accumulator.index_copy_(0, rows, acc)
+        step = grad.mul_(lr).div_(acc.sqrt_().add_(eps))
+    table.index_add_(0, rows, step.neg_().to(table.dtype))
+
+
+@torch.no_grad()
+def adam_update(table, momentum, velocity, rows, grad, alpha_t: float, beta1: float, beta2: float, eps_hat: float) -> None:
+    m = momentum.index_select(0, rows).mul_(beta1).add_(grad, alpha=1 - beta1)
+    v = velocity.index_select(0, rows).mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    momentum.index_copy_(0, rows, m)
+    velocity.index_copy_(0, rows, v)
+    step = m.mul(alpha_t).div_(v.sqrt().add_(eps_hat))
+    table.index_add_(0, rows, step.neg_().to(table.dtype))
+
+
+def adam_hyperparameters(lr: float, beta1: float, beta2: float, eps: float, step: int) -> tuple[float, float]:
+    """(alpha_t, eps_hat) of step t (1-based), as jax-tpu-embedding's AdamOptimizerSpec computes them."""
+    c2 = (1.0 - beta2**step) ** 0.5
+    return lr * c2 / (1.0 - beta1**step), eps * c2
