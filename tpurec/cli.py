@@ -15,6 +15,8 @@ import tpurec
 # name -> module implementing it. Add a line here when a subcommand lands.
 SUBCOMMANDS: dict[str, str] = {
     "env": "tpurec.env_report",
+    "data": "tpurec.data.cli",
+    "bench": "tpurec.bench_cli",
     "plan": "tpurec.sharding.plan_cli",
 }
 
