@@ -48,7 +48,7 @@ class PreprocessStats:
 
     ids_per_partition: torch.Tensor  # int64 [num_sc_per_device, P], after merging duplicates
     unique_ids_per_partition: torch.Tensor  # int64 [num_sc_per_device, P]
-    required_buffer_size_per_sc: int  # COO slots the fullest SparseCore needs (8-aligned segments)
+    required_buffer_size_per_sc: int  # COO slots the fullest SparseCore needs (8-aligned), before dropping
     dropped_id_count: int
 
     @property
@@ -114,6 +114,8 @@ def preprocess(
     max_ids = max_ids_per_partition if max_ids_per_partition is not None else max(int(counts.max()) if nseg else 0, 1)
     max_uniq = max_unique_ids_per_partition if max_unique_ids_per_partition is not None else max_ids
     observed = counts.view(num_sc, parts)  # demand before any dropping, for tuning limits
+    observed_aligned = (counts + SEGMENT_ALIGN - 1) // SEGMENT_ALIGN * SEGMENT_ALIGN
+    observed_need = int(observed_aligned.view(num_sc, parts).sum(1).max()) if nseg else 0
     over = (counts > max_ids) | (ucounts > max_uniq)
     dropped = 0
     if bool(over.any()):
@@ -156,7 +158,7 @@ def preprocess(
     stats = PreprocessStats(
         ids_per_partition=observed,
         unique_ids_per_partition=ucounts.view(num_sc, parts),
-        required_buffer_size_per_sc=need_per_sc,
+        required_buffer_size_per_sc=observed_need,  # before dropping, like ids_per_partition
         dropped_id_count=dropped,
     )
     return csr, stats
