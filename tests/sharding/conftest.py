@@ -1,0 +1,28 @@
+import logging
+
+import pytest
+import torch
+
+from tpurec.dlrm.table_sets import get_table_set
+
+# torchrec warns that our Topology is not built by its TopologyFactory; not actionable in tests.
+logging.getLogger("torchrec.distributed.planner").setLevel(logging.ERROR)
+
+
+def ebc_for(name_or_tables):
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    tables = get_table_set(name_or_tables).to_embedding_bag_configs() if isinstance(name_or_tables, str) \
+        else name_or_tables
+    return EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+
+
+def pooling_of(name):
+    from tpurec.sharding.planner import pooling_constraints
+
+    return pooling_constraints({t.name: t.pooling_factor for t in get_table_set(name).tables})
+
+
+@pytest.fixture
+def mlperf():
+    return ebc_for("mlperf-dcnv2"), pooling_of("mlperf-dcnv2")

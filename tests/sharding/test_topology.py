@@ -1,0 +1,74 @@
+import pytest
+
+from tpurec.sharding.topology import GB, GiB, make_topology, parse_slice
+
+
+@pytest.mark.parametrize("name,gen,chips,devices,hosts,slices", [
+    ("v5p-8", "v5p", 4, 4, 1, 1),          # v5p counts TensorCores: 8 cores = 4 chips
+    ("v5p-128", "v5p", 64, 64, 16, 1),
+    ("v6e-4", "v6e", 4, 4, 1, 1),           # sub-host slice
+    ("v6e-256", "v6e", 256, 256, 32, 1),    # v6e counts chips, 8 per host
+    ("v7x-64", "v7x", 64, 128, 16, 1),      # v7x counts chips, 2 devices per chip, 4 chips per host
+    ("tpu7x-8", "v7x", 8, 16, 2, 1),
+    ("v5litepod-16", "v5e", 16, 16, 2, 1),
+    ("v5e-8", "v5e", 8, 8, 1, 1),
+    ("v4-8", "v4", 4, 4, 1, 1),
+    ("2xv5p-128", "v5p", 64, 128, 32, 2),   # multislice
+    (" V6E-8 ", "v6e", 8, 8, 1, 1),
+])
+def test_parse_slice_forms(name, gen, chips, devices, hosts, slices):
+    s = parse_slice(name)
+    assert (s.generation.name, s.chips_per_slice, s.world_size, s.hosts, s.num_slices) == (
+        gen, chips, devices, hosts, slices)
+
+
+@pytest.mark.parametrize("bad,why", [
+    ("v5p-7", "even"), ("v9-8", "unknown TPU generation"), ("v5p128", "malformed"), ("v6e-12", "whole hosts"),
+    ("v5p-0", "positive"), ("", "malformed"),
+])
+def test_bad_slice_names_list_valid_forms(bad, why):
+    with pytest.raises(ValueError, match=why):
+        parse_slice(bad)
+    with pytest.raises(ValueError) as e:
+        parse_slice("x")
+    assert "v5p-N" in str(e.value) and "v7x-N" in str(e.value)
+
+
+def test_catalog_values_per_device():
+    v5p, v6e, v7x = (parse_slice(n).generation for n in ("v5p-8", "v6e-8", "v7x-8"))
+    assert (v5p.hbm_bytes, v5p.sparsecores, v5p.hbm_bw) == (95 * GiB, 4, 2765 * GB)
+    assert (v6e.hbm_bytes, v6e.sparsecores, v6e.chips_per_host) == (32 * GB, 2, 8)
+    assert (v7x.hbm_bytes, v7x.sparsecores, v7x.devices_per_chip) == (96 * GiB, 2, 2)
+    assert parse_slice("v5e-8").generation.sparsecores == 0 and parse_slice("v4-8").generation.sparsecores == 0
+
+
+def test_make_topology_tpu_offline():
+    t = make_topology("v5p-16")
+    assert (t.world_size, t.compute_device, t.local_world_size) == (8, "tpu", 4)
+    assert t.devices[3].storage.hbm == 95 * GiB
+    assert t.hbm_mem_bw == pytest.approx(2765e9 / 1e3)  # torchrec wants bytes per ms
+    assert t.comms_bandwidths.intra_host_bw == pytest.approx(1200e9 / 1e3)
+    assert t.comms_bandwidths.inter_host_bw == pytest.approx(25e9 / 4 / 1e3)
+    import torch
+
+    assert torch.device("tpu:0").type == "tpu"  # offline planning needs the backend name
+
+
+def test_make_topology_errors_and_generic():
+    with pytest.raises(ValueError, match="world_size=4"):
+        make_topology("v5p-16", 4)
+    with pytest.raises(ValueError, match="no usable SparseCores"):
+        make_topology("v5e-8")
+    with pytest.raises(ValueError, match="needs world_size"):
+        make_topology(None)
+    cpu = make_topology(None, 2, "cpu")
+    assert (cpu.world_size, cpu.devices[0].storage.hbm, cpu.devices[0].storage.ddr) == (2, 0, 64 * GiB)
+    assert cpu.spec.generation.sparsecores == 4
+
+
+def test_generic_tpu_topology_from_environment(monkeypatch):
+    monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v6e-8")
+    t = make_topology(None, 8, "tpu")
+    assert t.spec.generation.name == "v6e" and t.devices[0].storage.hbm == 32 * GB
+    monkeypatch.delenv("TPU_ACCELERATOR_TYPE")
+    assert make_topology(None, 6, "tpu").spec.generation.name == "v5p"
