@@ -36,7 +36,7 @@ class _Window:
     rows: int
     labels: np.ndarray  # float32 [rows]
     dense: np.ndarray  # float32 [rows, num_dense], row-major
-    ids: np.ndarray | None  # int64 [num_features, rows] when every feature is one-hot (fast path)
+    ids: list[np.ndarray] | None  # int64 [rows] per feature when every feature is one-hot (fast path)
     features: list[_Feature] | None  # otherwise, per feature
 
 
@@ -73,6 +73,7 @@ class _Decoder:
     def __init__(self, schema: DataSchema):
         self.schema = schema
         self.files: dict[str, object] = {}
+        self.stats_checked: dict[tuple[str, int], bool] = {}  # (file, row group) -> ids range-checked
         self.columns = [schema.label, *schema.dense]
         for f in schema.sparse:
             self.columns.append(f.name)
@@ -91,8 +92,24 @@ class _Decoder:
             missing = [c for c in self.columns if c not in pf.schema_arrow.names]
             if missing:
                 raise DataError(f"{path}: missing column(s) {', '.join(map(repr, missing))}")
+            self._check_stats(path, pf)
             self.files[path] = pf
         return self.files[path]
+
+    def _check_stats(self, path, pf) -> None:
+        """Range-check ids from the footer's min/max statistics, so decoding need not scan them."""
+        meta = pf.metadata
+        index = {meta.schema.column(i).path: i for i in range(meta.num_columns)}
+        for rg in range(meta.num_row_groups):
+            ok = True
+            for f in self.schema.sparse:
+                i = index.get(f.name + (".list.element" if f.multi_hot else ""))
+                st = meta.row_group(rg).column(i).statistics if i is not None else None
+                if st is None or not st.has_min_max:
+                    ok = False
+                    continue
+                self._check_range(f"{path}: row group {rg}", f, st.min, st.max)
+            self.stats_checked[(path, rg)] = ok
 
     def read_unit(self, u: shards.Unit):
         try:
@@ -113,26 +130,23 @@ class _Decoder:
                 _check_column(u.path, u.row_group, f.weights, t.column(f.weights), "float_list")
         return t
 
-    def window(self, units: list[shards.Unit]) -> _Window:
-        import pyarrow as pa
-
-        tables = [self.read_unit(u) for u in units]
-        t = tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+    def window(self, u: shards.Unit) -> _Window:
+        """One unit decoded and validated."""
+        t = self.read_unit(u)
         n = t.num_rows
         s = self.schema
         labels = t.column(s.label).to_numpy().astype(np.float32)
         dense = np.empty((n, len(s.dense)), dtype=np.float32)
         for j, name in enumerate(s.dense):
             dense[:, j] = t.column(name).to_numpy()
-        where = f"{units[0].path}: row group {units[0].row_group}" + (
-            f" (window of {len(units)} row groups)" if len(units) > 1 else "")
+        where = f"{u.path}: row group {u.row_group}"
         if self.one_hot:
-            ids = np.empty((len(s.sparse), n), dtype=np.int64)
-            for j, f in enumerate(s.sparse):
-                ids[j] = t.column(f.name).to_numpy()
-            lo, hi = ids.min(axis=1, initial=0), ids.max(axis=1, initial=0)
-            for j, f in enumerate(s.sparse):
-                self._check_range(where, f, lo[j], hi[j])
+            # One 1-D array per feature, zero-copy from Arrow.
+            ids = [t.column(f.name).to_numpy().astype(np.int64, copy=False) for f in s.sparse]
+            if not self.stats_checked.get((u.path, u.row_group)):
+                for f, col in zip(s.sparse, ids):
+                    if len(col):
+                        self._check_range(where, f, col.min(), col.max())
             return _Window(n, labels, dense, ids, None)
         feats = []
         for f in s.sparse:
@@ -162,9 +176,32 @@ class _Decoder:
                             f"[0, {f.num_embeddings})")
 
 
+def _concat(ws: list[_Window]) -> _Window:
+    """Several units' windows as one (the rows of a shuffle window)."""
+    if len(ws) == 1:
+        return ws[0]
+    labels = np.concatenate([w.labels for w in ws])
+    dense = np.concatenate([w.dense for w in ws])
+    rows = len(labels)
+    if ws[0].ids is not None:
+        return _Window(rows, labels, dense, [np.concatenate(c) for c in zip(*(w.ids for w in ws))], None)
+    feats = []
+    for parts in zip(*(w.features for w in ws)):
+        vals = np.concatenate([f.values for f in parts])
+        wts = None if parts[0].weights is None else np.concatenate([f.weights for f in parts])
+        if parts[0].offsets is None:
+            feats.append(_Feature(vals, None, None, wts))
+            continue
+        lengths = np.concatenate([f.lengths for f in parts])
+        off = np.zeros(rows + 1, np.int64)
+        np.cumsum(lengths, out=off[1:])
+        feats.append(_Feature(vals, lengths, off, wts))
+    return _Window(rows, labels, dense, None, feats)
+
+
 def _permute(w: _Window, perm: np.ndarray) -> _Window:
     if w.ids is not None:
-        return _Window(w.rows, w.labels[perm], w.dense[perm], w.ids[:, perm], None)
+        return _Window(w.rows, w.labels[perm], w.dense[perm], [c[perm] for c in w.ids], None)
     feats = []
     for f in w.features:
         if f.offsets is None:
@@ -194,6 +231,8 @@ class ParquetReader:
             ``pad_last``, padded to ``batch_size`` with rows having no ids, zero dense and label 0
             (``last_padding`` tells how many rows of the last batch are padding).
         prefetch: windows decoded ahead in a background thread (0: decode inline).
+        cache: keep decoded row groups in memory after the first epoch (like torchrec's in-memory
+            loader: only for data that fits in RAM); later epochs then skip Parquet decoding.
 
     Iterating runs the rest of the current epoch; a full pass moves to the next epoch. Stopping
     mid-epoch and iterating again continues where it stopped, and ``state_dict``/``load_state_dict``
@@ -202,7 +241,7 @@ class ParquetReader:
 
     def __init__(self, paths, batch_size: int, rank: int = 0, world_size: int = 1, *, shuffle: bool = False,
                  seed: int = 0, drop_last: bool = False, pad_last: bool = False,
-                 shuffle_buffer: int = 262_144, prefetch: int = 2):
+                 shuffle_buffer: int = 262_144, prefetch: int = 2, cache: bool = False):
         if batch_size < 1:
             raise ValueError("batch_size must be >= 1")
         if paths and isinstance(paths, (list, tuple)) and isinstance(paths[0], shards.Unit):
@@ -216,6 +255,8 @@ class ParquetReader:
         self.shuffle, self.seed = shuffle, seed
         self.drop_last, self.pad_last = drop_last, pad_last
         self.shuffle_buffer, self.prefetch = shuffle_buffer, prefetch
+        self.cache = cache
+        self._cache: dict[shards.Unit, _Window] = {}  # decoded units kept across epochs (cache=True)
         self.num_rows = sum(u.rows for u in self.units)  # this rank's rows per epoch
         self.epoch = 0
         self._consumed = 0  # rows of this epoch's stream already returned
@@ -265,7 +306,15 @@ class ParquetReader:
         return plan
 
     def _load(self, epoch: int, index: int, units) -> _Window:
-        w = self._decoder.window(units)
+        parts = []
+        for u in units:
+            w = self._cache.get(u) if self.cache else None
+            if w is None:
+                w = self._decoder.window(u)
+                if self.cache:
+                    self._cache[u] = w
+            parts.append(w)
+        w = _concat(parts)
         if self.shuffle:
             w = _permute(w, np.random.default_rng([self.seed, epoch, self.rank, index, 1]).permutation(w.rows))
         return w
@@ -362,8 +411,8 @@ class ParquetReader:
         w0 = pieces[0][0]
         weights = None
         if w0.ids is not None:
-            ids = cat([w.ids[:, s:e] for w, s, e in pieces], axis=1)
-            values = np.ascontiguousarray(ids).reshape(-1)
+            # Feature-major, as KJT wants: all of C1's ids for the batch, then C2's, ...
+            values = np.concatenate([w.ids[j][s:e] for j in range(nf) for w, s, e in pieces])
             if pad:
                 lengths = np.zeros((nf, total), np.int32)
                 lengths[:, :n] = 1
