@@ -12,7 +12,7 @@ the stack, and gains carry per-id weights and the 1/bag-length of mean pooling.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import torch
@@ -155,13 +155,26 @@ class SparseCoreKernel(nn.Module):
     # -- forward -------------------------------------------------------------------------------
     def forward(self, features) -> torch.Tensor:
         """features: KeyedJaggedTensor (stride = batch size). Returns [batch, sum(dims)] f32."""
+        batch = features.stride()
+        return self.lookup(self.preprocess(features), batch)
+
+    def preprocess(self, features) -> list[SparseCoreInput]:
+        """Host side: one SparseCore input per stack (data-dependent; runs on the CPU)."""
         by_key = self._split(features)
         batch = features.stride()
         padded = round_up(max(batch, 1), self.num_sc)
+        csrs = [self._stack_input(plan, by_key, batch, padded) for plan in self.stacks]
+        device = self.stack_weight(0).device if self.stacks else torch.device("cpu")
+        if device.type != "cpu":
+            csrs = [_to_device(c, device) for c in csrs]
+        return csrs
+
+    def lookup(self, csrs: list[SparseCoreInput], batch: int) -> torch.Tensor:
+        """Device side: pooled embeddings [batch, sum(dims)]; backward applies the fused update."""
+        padded = round_up(max(batch, 1), self.num_sc)
         pooled: dict[str, torch.Tensor] = {}
         trigger = _trigger() if torch.is_grad_enabled() else None
-        for i, plan in enumerate(self.stacks):
-            csr = self._stack_input(plan, by_key, batch, padded)
+        for i, (plan, csr) in enumerate(zip(self.stacks, csrs)):
             out = _FusedLookup.apply(trigger, self, i, csr)
             out = out.view(len(plan.features), padded, -1)[:, :batch]
             for k, (f, _) in enumerate(plan.features):
@@ -250,6 +263,11 @@ class SparseCoreKernel(nn.Module):
     def current_lr(self) -> float:
         group = getattr(self, "_lr_group", None)
         return float(group["lr"]) if group is not None else self.optimizer.lr
+
+
+def _to_device(csr: SparseCoreInput, device: torch.device) -> SparseCoreInput:
+    return replace(csr, row_pointers=csr.row_pointers.to(device), embedding_ids=csr.embedding_ids.to(device),
+                   sample_ids=csr.sample_ids.to(device), gains=csr.gains.to(device))
 
 
 def _trigger() -> torch.Tensor:

@@ -1,0 +1,34 @@
+"""Random ragged batches and table configs shared by the embedding tests."""
+from __future__ import annotations
+
+import torch
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+
+def make_tables(pooling=PoolingType.SUM) -> list[EmbeddingBagConfig]:
+    # Two features share t1 (as in EBC); t2 has another dim, t3 a vocabulary smaller than P*8.
+    return [
+        EmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=37, feature_names=["f1", "f2"], pooling=pooling),
+        EmbeddingBagConfig(name="t2", embedding_dim=16, num_embeddings=50, feature_names=["f3"], pooling=pooling),
+        EmbeddingBagConfig(name="t3", embedding_dim=8, num_embeddings=5, feature_names=["f4"], pooling=pooling),
+    ]
+
+
+def random_kjt(tables, batch: int, gen: torch.Generator, max_len: int = 4, weighted: bool = False,
+               hot_ids: bool = False) -> KeyedJaggedTensor:
+    """Ragged batch with empty bags and repeated ids (hot_ids: ids drawn from a few rows)."""
+    keys, rows = [], []
+    for t in tables:
+        for f in t.feature_names:
+            keys.append(f)
+            rows.append(t.num_embeddings)
+    lengths = torch.randint(0, max_len + 1, (len(keys) * batch,), generator=gen)
+    values = []
+    for k, r in enumerate(rows):
+        n = int(lengths[k * batch:(k + 1) * batch].sum())
+        hi = min(r, 3) if hot_ids else r
+        values.append(torch.randint(0, hi, (n,), generator=gen))
+    values = torch.cat(values)
+    weights = torch.rand(values.numel(), generator=gen) + 0.5 if weighted else None
+    return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, weights=weights)
