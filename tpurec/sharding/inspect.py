@@ -69,7 +69,7 @@ def build_report(plan, tables: Iterable[TableSpec], spec: SliceSpec, *, batch_si
             rows.append({
                 "name": name, "module": path, "rows": t.num_embeddings, "dim": t.embedding_dim,
                 "pooling_factor": t.pooling_factor, "sharding_type": ps.sharding_type,
-                "compute_kernel": ps.compute_kernel, "ranks": sorted({s[0] for s in shards}),
+                "compute_kernel": ps.compute_kernel, "ranks": list(dict.fromkeys(s[0] for s in shards)),  # in shard order
                 "bytes": total_bytes, "time_ms": total_ms, "shards": shard_rows,
             })
     times = [d["estimated_time_ms"] for d in devices]
@@ -168,7 +168,7 @@ def diff_reports(a: dict, b: dict) -> str:
     ta = {t["name"]: t for t in a["tables"]}
     tb = {t["name"]: t for t in b["tables"]}
     out = [f"A: {a['topology']} {a['world_size']} devices; B: {b['topology']} {b['world_size']} devices"]
-    for key, label, fmt in (("estimated_step_time_ms", "step time ms", "{:.3f}"),
+    for key, label, fmt in (("estimated_step_time_ms", "step time ms", "{:.4g}"),
                             ("time_imbalance", "time imbalance", "{:.2f}"),
                             ("hbm_imbalance", "HBM imbalance", "{:.2f}")):
         out.append(f"{label:<16} {fmt.format(a[key])} -> {fmt.format(b[key])}")

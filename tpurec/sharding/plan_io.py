@@ -53,14 +53,14 @@ def plan_to_dict(plan, meta: Optional[dict] = None) -> dict:
     return out
 
 
-def _placement(text: str):
-    from torch.distributed._remote_device import _remote_device
-
-    if "/tpu" in text:  # torch.device("tpu") only parses once the backend has its name
+def _placement(text: str) -> str:
+    # ShardMetadata parses "rank:0/tpu:0" itself; torch.device("tpu") only parses once the
+    # PrivateUse1 backend is named, which TorchTPU does, and which we do for offline use.
+    if "/tpu" in text:
         from tpurec.sharding.topology import _enable_offline_tpu
 
         _enable_offline_tpu()
-    return _remote_device(text)
+    return text
 
 
 def plan_from_dict(doc: dict):
