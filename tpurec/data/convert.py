@@ -154,8 +154,18 @@ def convert_file(in_path: str, out_path: str, opts: ConvertOptions, progress=Non
             res.bad_examples.append(msg)
         return "skip"
 
+    import pyarrow as pa
+
+    def parse_error(e):
+        if first_invalid:
+            return DataError(f"malformed line {first_invalid[0]}")
+        return DataError(f"{in_path}: cannot parse: {e}")
+
     arrow_schema = schema.arrow_schema()
-    raw, reader = _open_text(in_path, fmt, opts, on_invalid)
+    try:  # open_csv already parses the first block
+        raw, reader = _open_text(in_path, fmt, opts, on_invalid)
+    except pa.ArrowInvalid as e:
+        raise parse_error(e) from None
     writer = pq.ParquetWriter(out_path, arrow_schema, compression=opts.compression)
     pending: list[pa.Table] = []
     pending_rows = 0
@@ -168,9 +178,7 @@ def convert_file(in_path: str, out_path: str, opts: ConvertOptions, progress=Non
             except StopIteration:
                 break
             except pa.ArrowInvalid as e:
-                if first_invalid:
-                    raise DataError(f"malformed line {first_invalid[0]}") from None
-                raise DataError(f"{in_path}: cannot parse: {e}") from None
+                raise parse_error(e) from None
             cols, bad, reasons = _transform_block(batch, schema)
             if bad.any():
                 idx = np.flatnonzero(bad)
