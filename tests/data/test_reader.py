@@ -1,0 +1,241 @@
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from tpurec.data.reader import ParquetReader
+from tpurec.data.schema import DataError, DataSchema, SparseFeature, dataset_metadata
+from tpurec.data.shards import scan, split_train_eval
+
+FEATS = [f"C{i}" for i in range(1, 27)]
+DENSE = [f"I{i}" for i in range(1, 14)]
+
+
+def _rows(batches):
+    """Batches -> one [rows, 1 + 13 + 26] float64 matrix (label, dense, ids), one-hot data."""
+    out = []
+    for b in batches:
+        ids = b.sparse_features.values().view(len(FEATS), -1).T.double()
+        out.append(torch.cat([b.labels.double()[:, None], b.dense_features.double(), ids], 1))
+    return torch.cat(out).numpy()
+
+
+def _table_rows(t):
+    cols = [t.column("label").to_numpy()] + [t.column(n).to_numpy() for n in DENSE + FEATS]
+    return np.stack([c.astype(np.float64) for c in cols], axis=1)
+
+
+def _sorted(m):
+    return m[np.lexsort(m.T[::-1])]
+
+
+def test_round_trip_exact_in_file_order(synth_dir, synth_table):
+    r = ParquetReader(synth_dir, 512)
+    batches = list(r)
+    assert len(batches) == len(r) == 10  # 5000 rows: 9 full + 1 of 392
+    b = batches[0]
+    assert isinstance(b, Batch) and isinstance(b.sparse_features, KeyedJaggedTensor)
+    assert b.sparse_features.keys() == FEATS
+    assert b.sparse_features.values().dtype == torch.int64 and b.dense_features.dtype == torch.float32
+    assert b.sparse_features.lengths().tolist() == [1] * (26 * 512)
+    assert batches[-1].labels.shape == (392,)
+    np.testing.assert_array_equal(_rows(batches), _table_rows(synth_table))
+    # Per-key access agrees with the column too.
+    np.testing.assert_array_equal(batches[1].sparse_features["C3"].values().numpy(),
+                                  synth_table.column("C3").to_numpy()[512:1024])
+
+
+def test_drop_last_and_pad_last(synth_dir):
+    r = ParquetReader(synth_dir, 512, drop_last=True)
+    assert len(r) == 9 and sum(b.labels.shape[0] for b in r) == 4608
+    r = ParquetReader(synth_dir, 512, pad_last=True)
+    batches = list(r)
+    last = batches[-1]
+    assert last.labels.shape == (512,) and r.last_padding == 120
+    lengths = last.sparse_features.lengths().view(26, 512)
+    assert lengths[:, :392].eq(1).all() and lengths[:, 392:].eq(0).all()
+    assert last.dense_features[392:].abs().sum() == 0 and last.labels[392:].sum() == 0
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_ranks_are_disjoint_and_cover_the_dataset(synth_dir, synth_table, world_size):
+    parts = [_rows(ParquetReader(synth_dir, 300, r, world_size, shuffle=True, seed=1)) for r in range(world_size)]
+    sizes = [len(p) for p in parts]
+    assert sum(sizes) == 5000 and max(sizes) - min(sizes) <= 1000  # within one row group
+    np.testing.assert_array_equal(_sorted(np.concatenate(parts)), _sorted(_table_rows(synth_table)))
+
+
+def test_more_ranks_than_row_groups_still_gives_every_rank_rows(tmp_path):
+    from tpurec.data.synth import synthesize
+
+    synthesize(100, str(tmp_path), seed=0, row_group_size=1000, show_progress=False)
+    sizes = [ParquetReader(tmp_path, 8, r, 4).num_rows for r in range(4)]
+    assert sum(sizes) == 100 and min(sizes) >= 25
+
+
+def test_shuffle_is_epoch_seeded(synth_dir):
+    def order(seed, epoch):
+        r = ParquetReader(synth_dir, 1000, shuffle=True, seed=seed, shuffle_buffer=2000)
+        r.set_epoch(epoch)
+        return _rows(r)
+
+    a, b, c, d = order(0, 0), order(0, 0), order(0, 1), order(1, 0)
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c) and not np.array_equal(a, d)
+    np.testing.assert_array_equal(_sorted(a), _sorted(c))
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_resume_mid_epoch_continues_exactly(synth_dir, shuffle):
+    kw = dict(batch_size=384, rank=1, world_size=2, shuffle=shuffle, seed=5, shuffle_buffer=1500)
+    full = ParquetReader(synth_dir, **kw)
+    epoch0, epoch1 = _rows(full), _rows(full)
+
+    r = ParquetReader(synth_dir, **kw)
+    it = iter(r)
+    head = [next(it) for _ in range(4)]
+    state = r.state_dict()
+    it.close()
+    r2 = ParquetReader(synth_dir, **kw)
+    r2.load_state_dict(state)
+    rest = list(r2)
+    np.testing.assert_array_equal(np.concatenate([_rows(head), _rows(rest)]), epoch0)
+    assert r2.state_dict()["epoch"] == 1
+    np.testing.assert_array_equal(_rows(r2), epoch1)  # and the next epoch is the same as uninterrupted
+
+
+def test_resume_state_refuses_another_world_size(synth_dir):
+    state = ParquetReader(synth_dir, 100, 0, 2).state_dict()
+    with pytest.raises(ValueError, match="world_size"):
+        ParquetReader(synth_dir, 100, 0, 3).load_state_dict(state)
+
+
+def test_cache_gives_the_same_batches(synth_dir):
+    a = ParquetReader(synth_dir, 700, shuffle=True, cache=True)
+    first, second = _rows(a), _rows(a)
+    b = ParquetReader(synth_dir, 700, shuffle=True)
+    np.testing.assert_array_equal(first, _rows(b))
+    np.testing.assert_array_equal(second, _rows(b))
+
+
+def test_dataset_metadata_has_oracle_auc_and_tables(synth_dir):
+    m = dataset_metadata(synth_dir)
+    assert 0.6 < m["oracle_auc"] < 0.95 and m["rows"] == 5000
+    assert m["table_sizes"]["C1"] == 1000 and m["table_sizes"]["C9"] == 3
+    assert m["dense_transform"] == "log1p_clamp0"
+
+
+def test_split_train_eval_by_row_group(synth_dir, synth_table):
+    train, ev = split_train_eval(synth_dir, 0.2)
+    assert ev and train and not set(train) & set(ev)
+    assert len(ev) == 1 and ev[0].row_group == 1 and sum(u.rows for u in train + ev) == 5000
+    tr_rows = _rows(ParquetReader(train, 500))
+    ev_rows = _rows(ParquetReader(ev, 500))
+    np.testing.assert_array_equal(_sorted(np.concatenate([tr_rows, ev_rows])), _sorted(_table_rows(synth_table)))
+
+
+def test_split_train_eval_tiny_dataset_never_empty(tmp_path):
+    from tpurec.data.synth import synthesize
+
+    synthesize(7, str(tmp_path), seed=0, show_progress=False)
+    train, ev = split_train_eval(tmp_path, 0.1)
+    assert sum(u.rows for u in ev) == 1 and sum(u.rows for u in train) == 6
+    assert ParquetReader(ev, 4).num_rows == 1
+
+
+# ---- multi-hot and weights ----------------------------------------------------------------------
+
+def _write_multi_hot(path, rows=60):
+    schema = DataSchema(dense=["I1"], sparse=[
+        SparseFeature("a", 50, multi_hot=True, weights="a_w"),
+        SparseFeature("b", 10),
+    ])
+    rng = np.random.default_rng(0)
+    lens = rng.integers(0, 4, rows)
+    a = [rng.integers(0, 50, n).tolist() for n in lens]
+    t = pa.Table.from_arrays([
+        pa.array(np.arange(rows) % 2, pa.int8()),
+        pa.array(np.arange(rows, dtype=np.float32)),  # I1 = row number: identifies each row
+        pa.array(a, pa.list_(pa.int64())),
+        pa.array([[float(x) / 10 for x in r] for r in a], pa.list_(pa.float32())),
+        pa.array(np.arange(rows) % 10),
+    ], schema=schema.arrow_schema())
+    pq.write_table(t, path, row_group_size=25)
+    return a
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_multi_hot_with_weights(tmp_path, shuffle):
+    a = _write_multi_hot(tmp_path / "mh.parquet")
+    seen = 0
+    for b in ParquetReader(tmp_path, 16, shuffle=shuffle, shuffle_buffer=50, seed=2):
+        kjt = b.sparse_features
+        rows = b.dense_features[:, 0].long().tolist()
+        ka = kjt["a"]
+        got = [ka.values()[int(o):int(o) + int(n)].tolist() for o, n in zip(ka.offsets()[:-1], ka.lengths())]
+        assert got == [a[r] for r in rows]
+        wts = ka.weights()
+        assert torch.allclose(wts, ka.values().float() / 10)
+        assert kjt["b"].values().tolist() == [r % 10 for r in rows]
+        assert kjt["b"].weights().eq(1).all()  # one-hot feature without weights gets weight 1
+        seen += len(rows)
+    assert seen == 60
+
+
+# ---- bad inputs ---------------------------------------------------------------------------------
+
+def _copy_with(src_table, path, **replace):
+    t = src_table
+    for name, arr in replace.items():
+        t = t.set_column(t.schema.get_field_index(name), pa.field(name, arr.type), arr)
+    pq.write_table(t, path, row_group_size=1000)
+
+
+def test_truncated_parquet_file_is_named(synth_dir, tmp_path):
+    data = (synth_dir / "part-00000.parquet").read_bytes()
+    (tmp_path / "cut.parquet").write_bytes(data[: len(data) // 2])
+    with pytest.raises(DataError, match=r"cut\.parquet: not a readable Parquet file"):
+        ParquetReader(tmp_path, 100)
+
+
+def test_wrong_column_type_names_file_row_group_column(synth_table, tmp_path):
+    t = synth_table.slice(0, 2000)
+    _copy_with(t, tmp_path / "x.parquet", I4=t.column("I4").cast(pa.string()))
+    with pytest.raises(DataError, match=r"x\.parquet: row group 0: column 'I4' has type string"):
+        list(ParquetReader(tmp_path, 100))
+
+
+def test_missing_column_is_named(synth_table, tmp_path):
+    t = synth_table.slice(0, 100)
+    pq.write_table(t.drop_columns(["C7"]), tmp_path / "m.parquet")
+    with pytest.raises(DataError, match=r"m\.parquet: missing column\(s\) 'C7'"):
+        list(ParquetReader(tmp_path, 10))
+
+
+def test_nulls_in_categorical_are_named(synth_table, tmp_path):
+    t = synth_table.slice(0, 2000)
+    c5 = t.column("C5").to_pylist()
+    c5[1500] = None
+    _copy_with(t, tmp_path / "n.parquet", C5=pa.array(c5, pa.int64()))
+    with pytest.raises(DataError, match=r"n\.parquet: row group 1: column 'C5' has 1 nulls"):
+        list(ParquetReader(tmp_path, 100))
+
+
+@pytest.mark.parametrize("stats", [True, False])
+def test_ids_out_of_range_are_named(synth_table, tmp_path, stats):
+    t = synth_table.slice(0, 2000)
+    c9 = t.column("C9").to_numpy().copy()  # table C9 has 3 rows
+    c9[1200] = 3
+    t = t.set_column(t.schema.get_field_index("C9"), t.schema.field("C9"), pa.array(c9))
+    pq.write_table(t, tmp_path / "r.parquet", row_group_size=1000, write_statistics=stats)
+    with pytest.raises(DataError, match=r"r\.parquet: row group 1: column 'C9': id 3 out of range \[0, 3\)"):
+        list(ParquetReader(tmp_path, 100))
+
+
+def test_files_without_tpurec_metadata_are_refused(tmp_path):
+    pq.write_table(pa.table({"x": [1, 2]}), tmp_path / "plain.parquet")
+    with pytest.raises(DataError, match="no tpurec metadata"):
+        scan(tmp_path)
