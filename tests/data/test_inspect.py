@@ -28,5 +28,10 @@ def test_inspect_cli_on_converted_sample(criteo_sample, tmp_path, capsys):
     r = json.loads(capsys.readouterr().out)
     assert r["rows"] == 200 and r["label_rate"] == 0.245
     assert r["columns"]["C6"]["distinct_ids_estimate"] < 20
+    import csv
+
+    with open(criteo_sample, newline="") as f:
+        blanks = sum(1 for row in csv.DictReader(f) if row["C26"] == "")
+    assert r["columns"]["C26"]["empty_id_share"] == round(blanks / 200, 4) and blanks > 0
     assert main(["data", "inspect", str(tmp_path)]) == 0
     assert "200 rows" in capsys.readouterr().out

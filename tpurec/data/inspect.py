@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tpurec.data.schema import dataset_metadata
+from tpurec.data.schema import EMPTY_ID, dataset_metadata
 from tpurec.data.shards import scan
 
 KMV_K = 1024
@@ -48,6 +48,7 @@ def inspect_dataset(path, sample_rows: int = 1_000_000) -> dict:
     dense_sum = {n: 0.0 for n in schema.dense}
     dense_min = {n: np.inf for n in schema.dense}
     dense_max = {n: -np.inf for n in schema.dense}
+    empties = {f.name: 0 for f in schema.sparse}  # EMPTY_ID occurrences: blank in the source text
     positives, sampled = 0, 0
     handles = {}
     for u in units:
@@ -69,6 +70,7 @@ def inspect_dataset(path, sample_rows: int = 1_000_000) -> dict:
                 col = col.combine_chunks().flatten()
             ids = np.asarray(col.to_numpy(zero_copy_only=False), dtype=np.int64)
             sketches[f.name].add(ids)
+            empties[f.name] += int(np.count_nonzero(ids == EMPTY_ID))
             if take:
                 head = t.column(f.name).slice(0, take)
                 if f.multi_hot:
@@ -85,6 +87,7 @@ def inspect_dataset(path, sample_rows: int = 1_000_000) -> dict:
             "kind": "multi-hot" if f.multi_hot else "categorical",
             "num_embeddings": f.num_embeddings,
             "null_share": nulls[f.name] / max(rows, 1),
+            "empty_id_share": round(empties[f.name] / max(rows, 1), 4),
             "distinct_ids_estimate": sketches[f.name].estimate(),
             "top1pct_ids_share": round(float(counts[:top].sum() / max(counts.sum(), 1)), 4),
             "most_frequent_id_share": round(float(counts[0] / counts.sum()), 4) if len(counts) else 0.0,
@@ -111,18 +114,18 @@ def format_report(r: dict) -> str:
         f"label {r['label']!r}: positive rate {r['label_rate']:.4f}"
         + (f", oracle_auc {r['oracle_auc']}" if r.get("oracle_auc") is not None else ""),
         f"dense transform {r['dense_transform']}, categorical {r['categorical']}",
-        f"{'column':<10} {'kind':<11} {'nulls':>6} {'num_emb':>10} {'distinct~':>10} {'top1%ids':>9} {'top id':>7}"
+        f"{'column':<10} {'kind':<11} {'nulls':>6} {'empty':>6} {'num_emb':>10} {'distinct~':>10} {'top1%ids':>9} {'top id':>7}"
         f"   dense mean [min, max]",
     ]
     for name, c in r["columns"].items():
         if c["kind"] == "dense":
-            lines.append(f"{name:<10} {'dense':<11} {c['null_share']:>6.1%} {'':>10} {'':>10} {'':>9} {'':>7}"
+            lines.append(f"{name:<10} {'dense':<11} {c['null_share']:>6.1%} {'':>6} {'':>10} {'':>10} {'':>9} {'':>7}"
                          f"   {c['mean']:.3f} [{c['min']:.3g}, {c['max']:.3g}]")
         else:
             ne = "raw" if c["num_embeddings"] is None else f"{c['num_embeddings']:,}"
-            lines.append(f"{name:<10} {c['kind']:<11} {c['null_share']:>6.1%} {ne:>10} "
+            lines.append(f"{name:<10} {c['kind']:<11} {c['null_share']:>6.1%} {c['empty_id_share']:>6.1%} {ne:>10} "
                          f"{c['distinct_ids_estimate']:>10,} {c['top1pct_ids_share']:>9.1%} "
                          f"{c['most_frequent_id_share']:>7.1%}")
-    lines.append(f"(distinct ids: KMV sketch over all rows; frequency shares from the first "
+    lines.append(f"(empty: share of id {EMPTY_ID}, which blank categoricals become; distinct ids: KMV sketch over all rows; frequency shares from the first "
                  f"{r['skew_sample_rows']:,} rows)")
     return "\n".join(lines)
