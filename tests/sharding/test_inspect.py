@@ -118,3 +118,11 @@ def test_cli_bad_inputs(capsys):
     assert "valid forms" in capsys.readouterr().err
     assert _cli("--model", "dlrm-tiny") == 2
     assert _cli("show") == 2
+
+
+def test_cli_module_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, tpurec.sharding.plan_cli; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

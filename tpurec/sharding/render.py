@@ -30,6 +30,7 @@ def png_bytes(report: dict) -> bytes:
         bottom = [b + v for b, v in zip(bottom, vals)]
     cap = devices[0]["hbm_capacity_bytes"] / GiB
     ax_m.axhline(cap, color="red", linestyle="--", linewidth=1.2, label=f"capacity {cap:.1f} GiB")
+    ax_m.set_ylim(0, max([cap] + bottom) * 1.3)  # room above the capacity line for the legend
     ax_m.set_ylabel("HBM per device (GiB)")
     ax_m.legend(loc="upper right", fontsize=8, ncol=3)
     fits = "fits" if report["fits"] else "DOES NOT FIT"
@@ -42,6 +43,7 @@ def png_bytes(report: dict) -> bytes:
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax_t.axhline(report["estimated_step_time_ms"], color="black", linestyle=":", linewidth=1,
                  label=f"step (max) {report['estimated_step_time_ms']:.3f} ms")
+    ax_t.set_ylim(0, max(bottom) * 1.3 or 1.0)
     ax_t.set_ylabel("estimated time per step (ms)")
     ax_t.set_xlabel("device (torch rank)")
     ax_t.legend(loc="upper right", fontsize=8, ncol=4)
