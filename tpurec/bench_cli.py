@@ -11,6 +11,7 @@ import importlib
 # name -> module implementing `tpurec bench NAME`.
 BENCHES: dict[str, str] = {
     "data": "tpurec.data.bench",
+    "kernels": "tpurec.embedding.bench_kernels",
 }
 
 

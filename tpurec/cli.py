@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, str] = {
     "data": "tpurec.data.cli",
     "bench": "tpurec.bench_cli",
     "plan": "tpurec.sharding.plan_cli",
+    "selftest": "tpurec.embedding.selftest",
 }
 
 

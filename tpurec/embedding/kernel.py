@@ -172,16 +172,24 @@ class SparseCoreKernel(nn.Module):
     def lookup(self, csrs: list[SparseCoreInput], batch: int) -> torch.Tensor:
         """Device side: pooled embeddings [batch, sum(dims)]; backward applies the fused update."""
         padded = round_up(max(batch, 1), self.num_sc)
-        pooled: dict[str, torch.Tensor] = {}
         trigger = _trigger() if torch.is_grad_enabled() else None
+        per_stack = []
         for i, (plan, csr) in enumerate(zip(self.stacks, csrs)):
             out = _FusedLookup.apply(trigger, self, i, csr)
-            out = out.view(len(plan.features), padded, -1)[:, :batch]
-            for k, (f, _) in enumerate(plan.features):
-                pooled[f] = out[k]
+            n, dim = len(plan.features), plan.layout.dim
+            # [features * padded, dim] -> [batch, features * dim]: one reshape, so backward is one copy
+            # (per-feature indexing would cost a full-size zero fill per feature in backward).
+            per_stack.append(out.view(n, padded, dim)[:, :batch].transpose(0, 1).reshape(batch, n * dim))
         if not self.feature_order:
             return torch.zeros(batch, 0)
-        return torch.cat([pooled[f] for f in self.feature_order], dim=1)
+        stacked_order = [f for plan in self.stacks for f, _ in plan.features]
+        if stacked_order == self.feature_order:
+            return per_stack[0] if len(per_stack) == 1 else torch.cat(per_stack, dim=1)
+        pieces = {}
+        for plan, block in zip(self.stacks, per_stack):
+            for (f, _), piece in zip(plan.features, block.split(plan.layout.dim, dim=1)):
+                pieces[f] = piece
+        return torch.cat([pieces[f] for f in self.feature_order], dim=1)
 
     def _split(self, features) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
         keys = features.keys()
