@@ -65,7 +65,12 @@ class _LineMap:
         return line
 
 
-def _open_text(path: str, fmt: str, opts: ConvertOptions, on_invalid):
+class _RetryAsText(Exception):
+    """A dense value the typed fast path could not parse: redo the file in the slower string mode,
+    which names the line (or skips it)."""
+
+
+def _open_text(path: str, fmt: str, opts: ConvertOptions, on_invalid, typed: bool):
     import pyarrow as pa
     import pyarrow.csv as pcsv
 
@@ -80,7 +85,10 @@ def _open_text(path: str, fmt: str, opts: ConvertOptions, on_invalid):
         delimiter="," if fmt == "csv" else "\t", quote_char=False, ignore_empty_lines=False,
         invalid_row_handler=on_invalid,
     )
-    conv = pcsv.ConvertOptions(column_types={n: pa.string() for n in names}, strings_can_be_null=False)
+    types = {n: pa.string() for n in names}
+    if typed:  # dense parsed to float64 by pyarrow directly; blanks become nulls, filled with 0 later
+        types.update({names[1 + j]: pa.float64() for j in range(13)})
+    conv = pcsv.ConvertOptions(column_types=types, strings_can_be_null=False, null_values=[""])
     return raw, pcsv.open_csv(stream, read_options=read, parse_options=parse_opts, convert_options=conv)
 
 
@@ -131,6 +139,13 @@ def _transform_block(batch, schema: DataSchema):
 
 def convert_file(in_path: str, out_path: str, opts: ConvertOptions, progress=None) -> FileResult:
     """Convert one text file to one Parquet file at ``out_path`` (the caller renames it)."""
+    try:
+        return _convert_file(in_path, out_path, opts, progress, typed=True)
+    except _RetryAsText:
+        return _convert_file(in_path, out_path, opts, progress, typed=False)
+
+
+def _convert_file(in_path: str, out_path: str, opts: ConvertOptions, progress, typed: bool) -> FileResult:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -159,11 +174,13 @@ def convert_file(in_path: str, out_path: str, opts: ConvertOptions, progress=Non
     def parse_error(e):
         if first_invalid:
             return DataError(f"malformed line {first_invalid[0]}")
+        if typed:
+            return _RetryAsText()
         return DataError(f"{in_path}: cannot parse: {e}")
 
     arrow_schema = schema.arrow_schema()
     try:  # open_csv already parses the first block
-        raw, reader = _open_text(in_path, fmt, opts, on_invalid)
+        raw, reader = _open_text(in_path, fmt, opts, on_invalid, typed)
     except pa.ArrowInvalid as e:
         raise parse_error(e) from None
     writer = pq.ParquetWriter(out_path, arrow_schema, compression=opts.compression)
