@@ -145,3 +145,13 @@ def test_cli_convert_error_is_one_line_exit_2(criteo_sample, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["rows"] == 200
     # A second run into the same directory refuses instead of mixing datasets.
     assert main(["data", "convert", str(criteo_sample), "--out", str(tmp_path / "p"), "--quiet"]) == 2
+
+
+def test_bad_dense_value_names_line_and_column(criteo_sample, tmp_path):
+    rows = [list(r) for r in _sample_rows(criteo_sample)[:5]]
+    rows[2][2] = "12x"  # line 3, column I2
+    tsv = tmp_path / "day_1.gz"
+    _write_tsv(rows, tsv, gz=True)
+    with pytest.raises(DataError, match=r"day_1\.gz:3: column I2: not a number"):
+        convert([str(tsv)], str(tmp_path / "o"), ConvertOptions(criteo_schema()), show_progress=False)
+    assert not list((tmp_path / "o").glob("*"))
