@@ -239,3 +239,18 @@ def test_files_without_tpurec_metadata_are_refused(tmp_path):
     pq.write_table(pa.table({"x": [1, 2]}), tmp_path / "plain.parquet")
     with pytest.raises(DataError, match="no tpurec metadata"):
         scan(tmp_path)
+
+
+def test_package_exports_and_light_cli_import():
+    import subprocess
+    import sys
+
+    # Registering `tpurec data` and `tpurec bench` must not load torch or pyarrow.
+    code = ("import argparse, sys, tpurec.data.cli as c, tpurec.bench_cli as b; "
+            "s = argparse.ArgumentParser().add_subparsers(); c.register(s); b.register(s); "
+            "print('torch' in sys.modules, 'pyarrow' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
+    import tpurec.data as d
+
+    assert d.ParquetReader is ParquetReader and d.DataError is DataError
