@@ -254,3 +254,12 @@ def test_package_exports_and_light_cli_import():
     import tpurec.data as d
 
     assert d.ParquetReader is ParquetReader and d.DataError is DataError
+
+
+def test_equal_rows_gives_every_rank_the_same_batch_count(synth_dir):
+    plain = [ParquetReader(synth_dir, 256, r, 3) for r in range(3)]
+    assert len({p.num_rows for p in plain}) > 1  # 5 row groups over 3 ranks: uneven
+    readers = [ParquetReader(synth_dir, 256, r, 3, shuffle=True, equal_rows=True) for r in range(3)]
+    smallest = min(p.num_rows for p in plain)
+    assert [len(list(r)) for r in readers] == [-(-smallest // 256)] * 3
+    assert all(r.state_dict()["epoch"] == 1 for r in readers)

@@ -231,6 +231,9 @@ class ParquetReader:
             ``pad_last``, padded to ``batch_size`` with rows having no ids, zero dense and label 0
             (``last_padding`` tells how many rows of the last batch are padding).
         prefetch: windows decoded ahead in a background thread (0: decode inline).
+        equal_rows: every rank reads as many rows per epoch as the smallest rank has (the rest of
+            its last window is left out), so all ranks run the same number of steps, as collective
+            training needs; which rows are left out changes with the epoch when shuffling.
         cache: keep decoded row groups in memory after the first epoch (like torchrec's in-memory
             loader: only for data that fits in RAM); later epochs then skip Parquet decoding.
 
@@ -241,7 +244,8 @@ class ParquetReader:
 
     def __init__(self, paths, batch_size: int, rank: int = 0, world_size: int = 1, *, shuffle: bool = False,
                  seed: int = 0, drop_last: bool = False, pad_last: bool = False,
-                 shuffle_buffer: int = 262_144, prefetch: int = 2, cache: bool = False):
+                 shuffle_buffer: int = 262_144, prefetch: int = 2, cache: bool = False,
+                 equal_rows: bool = False):
         if batch_size < 1:
             raise ValueError("batch_size must be >= 1")
         if paths and isinstance(paths, (list, tuple)) and isinstance(paths[0], shards.Unit):
@@ -258,6 +262,9 @@ class ParquetReader:
         self.cache = cache
         self._cache: dict[shards.Unit, _Window] = {}  # decoded units kept across epochs (cache=True)
         self.num_rows = sum(u.rows for u in self.units)  # this rank's rows per epoch
+        if equal_rows:  # every rank stops at the smallest rank's row count (same step count)
+            self.num_rows = min(sum(u.rows for u in shards.assign(all_units, r, world_size))
+                                for r in range(world_size))
         self.epoch = 0
         self._consumed = 0  # rows of this epoch's stream already returned
         self.last_padding = 0
