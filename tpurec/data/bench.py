@@ -87,7 +87,8 @@ def write_criteo_tsv(parquet_dir: str, path: str, rows: int, seed: int = 0) -> i
 
 
 def run_bench(rows: int = 2_000_000, work_dir: str | None = None, table_set: str = "criteo-kaggle",
-              passes: int = 3, convert_rows: int = 500_000, show_progress: bool = False) -> dict:
+              passes: int = 3, convert_rows: int = 500_000, show_progress: bool = False,
+              compression: str = "none") -> dict:
     import torch  # noqa: F401  (import cost kept out of the timings)
     from torchrec.datasets.criteo import InMemoryBinaryCriteoIterDataPipe
 
@@ -103,8 +104,8 @@ def run_bench(rows: int = 2_000_000, work_dir: str | None = None, table_set: str
         for d in (npy_dir, tsv_dir):
             d.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        synth = synthesize(rows, str(pq_dir), seed=0, table_set=table_set, show_progress=show_progress,
-                           overwrite=True)
+        synthesize(rows, str(pq_dir), seed=0, table_set=table_set, show_progress=show_progress,
+                   overwrite=True, compression=compression)
         synth_s = time.perf_counter() - t0
         dense_p, sparse_p, labels_p = write_torchrec_npys(str(pq_dir), str(npy_dir))
 
@@ -131,7 +132,7 @@ def run_bench(rows: int = 2_000_000, work_dir: str | None = None, table_set: str
         conv = convert([str(tsv)], str(root / "converted"),
                        ConvertOptions(criteo_schema()), jobs=1, show_progress=show_progress, overwrite=True)
         return {
-            "rows": tp_rows, "batch_size": BATCH, "num_sparse": 26, "num_dense": 13, "table_set": table_set,
+            "rows": tp_rows, "batch_size": BATCH, "parquet_compression": compression, "num_sparse": 26, "num_dense": 13, "table_set": table_set,
             "tpurec_samples_per_s": round(tp_wall), "tpurec_cpu_samples_per_s": round(tp_cpu),
             "tpurec_prefetch_samples_per_s": round(tp_pf),
             "torchrec_samples_per_s": round(tr_wall), "torchrec_cpu_samples_per_s": round(tr_cpu),
@@ -159,6 +160,7 @@ def register(sub) -> None:
     p.add_argument("--tables", default="criteo-kaggle", help="table set for the ids (default criteo-kaggle)")
     p.add_argument("--passes", type=int, default=3, help="timed passes per reader; the best is kept")
     p.add_argument("--convert-rows", type=int, default=500_000, help="rows of raw TSV for the converter figure")
+    p.add_argument("--compression", default="none", help="codec of the generated Parquet (default none)")
     p.add_argument("--dir", help="work directory (kept); default a temporary one, removed afterwards")
     p.add_argument("--json", action="store_true", help="one JSON document instead of text")
     p.set_defaults(run=run)
@@ -169,11 +171,12 @@ def run(args) -> int:
     import sys
 
     res = run_bench(args.rows, args.dir, args.tables, args.passes, args.convert_rows,
-                    show_progress=sys.stderr.isatty() and not args.json)
+                    show_progress=sys.stderr.isatty() and not args.json, compression=args.compression)
     if args.json:
         print(json.dumps(res, indent=2))
         return 0
-    print(f"rows {res['rows']:,}, batch {res['batch_size']}, 26 sparse + 13 dense ({res['table_set']} ids)")
+    print(f"rows {res['rows']:,}, batch {res['batch_size']}, 26 sparse + 13 dense ({res['table_set']} ids, "
+          f"Parquet compression {res['parquet_compression']})")
     print(f"tpurec ParquetReader     {res['tpurec_samples_per_s']:>12,} samples/s (1 thread; "
           f"{res['tpurec_prefetch_samples_per_s']:,} with prefetch)")
     print(f"torchrec in-memory npy   {res['torchrec_samples_per_s']:>12,} samples/s "

@@ -33,7 +33,8 @@ def register(sub) -> None:
     c.add_argument("--names", choices=sorted(NAME_PRESETS), default="merlin",
                    help="column names: merlin (label, I1.., C1..) or torchrec (label, int_0.., cat_0..)")
     c.add_argument("--row-group-size", type=int, default=65536)
-    c.add_argument("--compression", default="snappy")
+    c.add_argument("--compression", default="snappy",
+                   help="Parquet codec (default snappy; none reads faster, files are bigger)")
     c.add_argument("--jobs", type=int, default=None, help="parallel processes (default: cores, <= inputs)")
     c.add_argument("--skip-bad-lines", action="store_true", help="drop malformed lines, count and report them")
     c.add_argument("--overwrite", action="store_true", help="replace .parquet files already in --out")
@@ -47,6 +48,7 @@ def register(sub) -> None:
     s.add_argument("--tables", default="dlrm-tiny", help="table set (tpurec/dlrm/table_sets.py), default dlrm-tiny")
     s.add_argument("--rows-per-file", type=int, default=1_000_000)
     s.add_argument("--row-group-size", type=int, default=65536)
+    s.add_argument("--compression", default="none", help="Parquet codec (default none: fastest to read)")
     s.add_argument("--overwrite", action="store_true")
     _common(s)
     s.set_defaults(run=run_synth)
@@ -118,7 +120,7 @@ def run_synth(args) -> int:
 
     summary = synthesize(args.rows, args.out, seed=args.seed, table_set=args.tables,
                          rows_per_file=args.rows_per_file, row_group_size=args.row_group_size,
-                         show_progress=_progress(args), overwrite=args.overwrite)
+                         compression=args.compression, show_progress=_progress(args), overwrite=args.overwrite)
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
