@@ -15,9 +15,11 @@ from torch import nn
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
+from torchrec.distributed.planner.proposers import GreedyProposer, GridSearchProposer, UniformProposer
 from torchrec.distributed.planner.types import (
     ParameterConstraints,
     PlannerError,
+    Proposer,
     ShardingOption,
     StorageReservation,
     Topology,
@@ -149,6 +151,65 @@ def infer_optimizer(module: nn.Module, sharders: Optional[List[ModuleSharder]] =
     return max(found, key=lambda o: OPTIMIZER_STATE_PER_ROW[o](DIM_ALIGN))
 
 
+class CriticalDeviceProposer(Proposer):
+    """Spreads, one table at a time, whatever sits on the device that sets the step time.
+
+    torchrec's greedy proposers rank each table's options by that table's own shard times, which
+    on big slices spreads mid-size tables row-wise over every device, where each row-wise shard
+    still pays the full pooled-output collective. Here: start from each table's cheapest option in
+    total work, partition, take the slowest device, and move its heaviest table that can still be
+    spread to its next shallower option (TW -> TWRW -> RW ...). Every step is rated by the planner,
+    which keeps the best plan of all proposers; this one runs after torchrec's defaults.
+    """
+
+    def __init__(self, max_proposals: int = 150) -> None:
+        self._max = max_proposals
+
+    @staticmethod
+    def _depth(option: ShardingOption) -> float:
+        return max(s.perf.total for s in option.shards)
+
+    def load(self, search_space: List[ShardingOption], enumerator=None) -> None:
+        self._options: Dict[str, List[ShardingOption]] = {}
+        for o in search_space:
+            self._options.setdefault(o.fqn, []).append(o)
+        for opts in self._options.values():
+            opts.sort(key=lambda o: (-self._depth(o), o.total_perf))  # deepest (least spread) first
+        self._next: Optional[Dict[str, int]] = {
+            f: min(range(len(v)), key=lambda i: v[i].total_perf) for f, v in self._options.items()}
+        # If the cheapest start does not fit, start again fully spread.
+        self._fallback: Optional[Dict[str, int]] = {f: len(v) - 1 for f, v in self._options.items()}
+        self._current: Optional[Dict[str, int]] = None
+        self._count = 0
+
+    def propose(self) -> Optional[List[ShardingOption]]:
+        if self._next is None or self._count >= self._max:
+            return None
+        self._current, self._next = self._next, None
+        self._count += 1
+        return [self._options[f][i] for f, i in self._current.items()]
+
+    def feedback(self, partitionable: bool, plan=None, perf_rating=None, storage_constraint=None) -> None:
+        if not partitionable or not plan:
+            self._next, self._fallback = self._fallback, None
+            return
+        load: Dict[int, float] = {}
+        on_rank: Dict[int, Dict[str, float]] = {}
+        for o in plan:
+            for s in o.shards:
+                load[s.rank] = load.get(s.rank, 0.0) + s.perf.total
+                per_table = on_rank.setdefault(s.rank, {})
+                per_table[o.fqn] = per_table.get(o.fqn, 0.0) + s.perf.total
+        critical = max(load, key=load.__getitem__)
+        for fqn, _ in sorted(on_rank[critical].items(), key=lambda kv: -kv[1]):
+            opts, i = self._options[fqn], self._current[fqn]
+            shallower = [j for j in range(i + 1, len(opts)) if self._depth(opts[j]) < self._depth(opts[i])]
+            if shallower:
+                self._next = {**self._current, fqn: shallower[0]}
+                return
+        self._next = None
+
+
 def make_planner(topology: Topology, *, batch_size: int, constraints=None, optimizer: str = "sgd",
                  storage_reservation: Optional[StorageReservation] = None) -> EmbeddingShardingPlanner:
     estimators = [TpuPerfEstimator(topology, constraints, optimizer),
@@ -159,6 +220,9 @@ def make_planner(topology: Topology, *, batch_size: int, constraints=None, optim
         enumerator=TpuEnumerator(topology=topology, batch_size=batch_size, constraints=constraints,
                                  estimator=estimators),
         storage_reservation=storage_reservation or TpuStorageReservation(),
+        # torchrec's default proposers, then ours (see CriticalDeviceProposer)
+        proposer=[GridSearchProposer(), GreedyProposer(), GreedyProposer(use_depth=False), UniformProposer(),
+                  CriticalDeviceProposer()],
         constraints=constraints,
         debug=False,
     )
