@@ -263,3 +263,13 @@ def test_equal_rows_gives_every_rank_the_same_batch_count(synth_dir):
     smallest = min(p.num_rows for p in plain)
     assert [len(list(r)) for r in readers] == [-(-smallest // 256)] * 3
     assert all(r.state_dict()["epoch"] == 1 for r in readers)
+
+
+@pytest.mark.timeout(60)
+def test_abandoning_an_epoch_with_prefetch_does_not_hang(synth_dir):
+    r = ParquetReader(synth_dir, 100, prefetch=1)  # 5 windows, queue of 1: producer blocks on put
+    for _ in range(3):
+        it = iter(r)
+        next(it)
+        it.close()
+    assert r.state_dict()["rows_consumed"] == 300

@@ -335,21 +335,24 @@ class ParquetReader:
         q: queue.Queue = queue.Queue(maxsize=self.prefetch)
         stop = threading.Event()
 
+        def put(item) -> bool:
+            """Hand over one item unless the consumer has gone away (then never block)."""
+            while not stop.is_set():
+                try:
+                    q.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
         def produce():
             try:
                 for i in range(first, len(plan)):
-                    w = self._load(epoch, i, plan[i])
-                    while not stop.is_set():
-                        try:
-                            q.put(w, timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
-                    if stop.is_set():
+                    if not put(self._load(epoch, i, plan[i])):
                         return
-                q.put(None)
+                put(None)
             except BaseException as e:  # handed to the consumer, raised there
-                q.put(e)
+                put(e)
 
         th = threading.Thread(target=produce, daemon=True, name="tpurec-data-prefetch")
         th.start()
