@@ -250,7 +250,8 @@ def _refusal(module, topology, batch_size, constraints, optimizer, reservation) 
     name, (cfg, c) = max(costs.items(), key=lambda kv: kv[1][1].bytes)
     at_least = sum(x.weights + x.optimizer for _, x in costs.values())
     return (
-        f"plan does not fit on {spec.name} ({topology.world_size} devices of {_fmt(caps[best])}, "
+        f"plan does not fit on {spec.name} ({topology.world_size} device{'s' * (topology.world_size > 1)} of "
+        f"{_fmt(caps[best])}, "
         f"optimizer {optimizer}): the largest table {name} ({cfg.num_embeddings:,} x {cfg.embedding_dim}) needs "
         f"{_fmt(c.bytes)} (weights {_fmt(c.weights)}, optimizer state {_fmt(c.optimizer)}, SparseCore buffers "
         f"{_fmt(c.buffers)}, activations {_fmt(c.activations)}); the best device (rank {best}) has "
