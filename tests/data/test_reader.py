@@ -273,3 +273,24 @@ def test_abandoning_an_epoch_with_prefetch_does_not_hang(synth_dir):
         next(it)
         it.close()
     assert r.state_dict()["rows_consumed"] == 300
+
+
+def test_transforms_recorded_as_raw_are_applied_at_read_time(criteo_sample, tmp_path):
+    from tpurec.data.convert import ConvertOptions, convert
+    from tpurec.data.schema import CAT_RAW, DENSE_RAW, criteo_schema
+    from tpurec.dlrm.table_sets import DLRM_TINY_ROWS
+
+    convert([str(criteo_sample)], str(tmp_path / "raw"),
+            ConvertOptions(criteo_schema(dense_transform=DENSE_RAW, categorical=CAT_RAW)), show_progress=False)
+    convert([str(criteo_sample)], str(tmp_path / "hashed"),
+            ConvertOptions(criteo_schema(DLRM_TINY_ROWS)), show_progress=False)
+    r = ParquetReader(tmp_path / "raw", 64, dense_transform="log1p_clamp0", table_sizes=DLRM_TINY_ROWS)
+    assert r.table_sizes == DLRM_TINY_ROWS
+    got, want = list(r), list(ParquetReader(tmp_path / "hashed", 64))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.dense_features, b.dense_features)
+        assert torch.equal(a.sparse_features.values(), b.sparse_features.values())
+    with pytest.raises(ValueError, match="already hashed"):
+        ParquetReader(tmp_path / "hashed", 64, table_sizes=[10] * 26)
+    with pytest.raises(ValueError, match="cannot turn dense"):
+        ParquetReader(tmp_path / "hashed", 64, dense_transform="raw")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tpurec.data import shards
-from tpurec.data.schema import DataError, DataSchema
+from tpurec.data.schema import CAT_RAW, DENSE_LOG1P, DENSE_RAW, EMPTY_ID, DataError, DataSchema
 
 
 @dataclass
@@ -70,8 +70,10 @@ def _list_parts(arr):
 class _Decoder:
     """Reads units into windows, validating as it goes; owns the open ParquetFile handles."""
 
-    def __init__(self, schema: DataSchema):
+    def __init__(self, schema: DataSchema, dense_log1p: bool = False, rehash: list[int] | None = None):
         self.schema = schema
+        self.dense_log1p = dense_log1p  # apply log1p_clamp0 here (the files hold raw dense)
+        self.rehash = rehash  # apply mod_reserve0 into these sizes here (the files hold raw ids)
         self.files: dict[str, object] = {}
         self.stats_checked: dict[tuple[str, int], bool] = {}  # (file, row group) -> ids range-checked
         self.columns = [schema.label, *schema.dense]
@@ -139,6 +141,8 @@ class _Decoder:
         dense = np.empty((n, len(s.dense)), dtype=np.float32)
         for j, name in enumerate(s.dense):
             dense[:, j] = t.column(name).to_numpy()
+        if self.dense_log1p:
+            np.log1p(np.maximum(dense, 0.0, out=dense), out=dense)
         where = f"{u.path}: row group {u.row_group}"
         if self.one_hot:
             # One 1-D array per feature, zero-copy from Arrow.
@@ -147,6 +151,8 @@ class _Decoder:
                 for f, col in zip(s.sparse, ids):
                     if len(col):
                         self._check_range(where, f, col.min(), col.max())
+            if self.rehash:
+                ids = [_hash(col, size) for col, size in zip(ids, self.rehash)]
             return _Window(n, labels, dense, ids, None)
         feats = []
         for f in s.sparse:
@@ -159,6 +165,8 @@ class _Decoder:
                 vals, off, lengths = col.to_numpy().astype(np.int64, copy=False), None, None
             if len(vals):
                 self._check_range(where, f, vals.min(), vals.max())
+            if self.rehash:
+                vals = _hash(vals, self.rehash[len(feats)])
             w = None
             if f.weights:
                 w, woff = _list_parts(t.column(f.weights))
@@ -174,6 +182,13 @@ class _Decoder:
             bad = lo if lo < 0 else hi
             raise DataError(f"{where}: column {f.name!r}: id {int(bad)} out of range "
                             f"[0, {f.num_embeddings})")
+
+
+def _hash(raw: np.ndarray, num_embeddings: int) -> np.ndarray:
+    """mod_reserve0 at read time, for files converted with raw ids: 0 stays 0 (empty)."""
+    from tpurec.data.parse import hash_ids
+
+    return hash_ids(raw.astype(np.uint64), raw == EMPTY_ID, num_embeddings)
 
 
 def _concat(ws: list[_Window]) -> _Window:
@@ -234,6 +249,11 @@ class ParquetReader:
         equal_rows: every rank reads as many rows per epoch as the smallest rank has (the rest of
             its last window is left out), so all ranks run the same number of steps, as collective
             training needs; which rows are left out changes with the epoch when shuffling.
+        dense_transform: ``"log1p_clamp0"`` applies log(max(x, 0) + 1) at read time to files
+            converted with raw dense values (None: as stored).
+        table_sizes: for files converted with raw ids, hash them at read time (``mod_reserve0``)
+            into these sizes (list, or dict by feature name); ``table_sizes`` attribute: the sizes
+            the batches' ids index into.
         cache: keep decoded row groups in memory after the first epoch (like torchrec's in-memory
             loader: only for data that fits in RAM); later epochs then skip Parquet decoding.
 
@@ -245,7 +265,7 @@ class ParquetReader:
     def __init__(self, paths, batch_size: int, rank: int = 0, world_size: int = 1, *, shuffle: bool = False,
                  seed: int = 0, drop_last: bool = False, pad_last: bool = False,
                  shuffle_buffer: int = 262_144, prefetch: int = 2, cache: bool = False,
-                 equal_rows: bool = False):
+                 equal_rows: bool = False, dense_transform: str | None = None, table_sizes=None):
         if batch_size < 1:
             raise ValueError("batch_size must be >= 1")
         if paths and isinstance(paths, (list, tuple)) and isinstance(paths[0], shards.Unit):
@@ -268,9 +288,34 @@ class ParquetReader:
         self.epoch = 0
         self._consumed = 0  # rows of this epoch's stream already returned
         self.last_padding = 0
-        self._decoder = _Decoder(self.schema)
+        self._decoder = self._make_decoder(dense_transform, table_sizes)
         self.keys = self.schema.sparse_names
         self._ones = None
+
+    def _make_decoder(self, dense_transform, table_sizes) -> _Decoder:
+        """Apply at read time the transforms the files do not hold yet (recorded in their metadata)."""
+        s = self.schema
+        log1p = False
+        if dense_transform not in (None, s.dense_transform):
+            if (s.dense_transform, dense_transform) != (DENSE_RAW, DENSE_LOG1P):
+                raise ValueError(f"cannot turn dense {s.dense_transform!r} into {dense_transform!r}")
+            log1p = True
+        rehash = None
+        self.table_sizes = [f.num_embeddings for f in s.sparse]  # what the batches' ids index into
+        if table_sizes is not None:
+            sizes = [int(table_sizes[f.name]) for f in s.sparse] if isinstance(table_sizes, dict) \
+                else [int(x) for x in table_sizes]
+            if len(sizes) != len(s.sparse):
+                raise ValueError(f"{len(sizes)} table sizes for {len(s.sparse)} categorical features")
+            if s.categorical == CAT_RAW:
+                if min(sizes) < 2:
+                    raise ValueError("hashed tables need num_embeddings >= 2 (id 0 is reserved for empty)")
+                rehash = sizes
+                self.table_sizes = sizes
+            elif sizes != self.table_sizes:
+                raise ValueError(f"the files' ids are already hashed ({s.categorical}) into "
+                                 f"{self.table_sizes}; convert with --raw-ids to choose sizes at read time")
+        return _Decoder(s, log1p, rehash)
 
     # ----- position -----------------------------------------------------------------------------
     def __len__(self) -> int:
