@@ -12,6 +12,7 @@ import importlib
 BENCHES: dict[str, str] = {
     "data": "tpurec.data.bench",
     "kernels": "tpurec.embedding.bench_kernels",
+    "preprocess": "tpurec.embedding.bench_preprocess",
 }
 
 

@@ -1,0 +1,233 @@
+"""`tpurec bench preprocess`: tpurec's SparseCore input preprocessing vs jax-tpu-embedding's C++ one.
+
+Workload (defaults): 26 features, one table each of 100k rows, device batch 2048, every bag exactly
+`pooling` ids (1 and 20), ids Zipf(1.05) folded into the vocabulary ((z - 1) mod 100k), weights 1,
+num_sc_per_device=4, one device (P = 4). Limits are taken from the data (per table: the largest
+observed ids / unique ids per partition, rounded up to 8), so nothing drops and both sides build
+the same buffers; the first table's outputs are compared once (`outputs_match`).
+
+One step = the 26 tables preprocessed:
+* tpurec: 26 `preprocess` calls on prebuilt (ids, sample_index, gains) torch tensors, torch pinned
+  to `threads` intra-op threads (torch.set_num_threads);
+* jax-tpu-embedding 0.1.0: one `embedding.preprocess_sparse_dense_matmul_input` call with 26
+  2-D [batch, pooling] int32 id arrays and float32 weight arrays (its fastest input form), its C++
+  thread pool sized by the env var SPARSECORE_INPUT_PREPROCESSING_THREADS=`threads`. The pool is
+  created on the process's first C++ preprocessing call, so the variable only takes effect in a
+  process that has not preprocessed yet (a fresh `tpurec bench preprocess` always is).
+
+Both get `warmup` untimed steps, then `repeats` timed steps, taking turns step by step (so load
+from other processes hits both alike); the median step time gives samples/s = batch / median. The C++ path logs a buffer-usage warning per table per call to stderr;
+fd 2 is sent to /dev/null while it runs. Top-level figures are those of the pooling factor with
+the worse tpurec/jte ratio (named in `worst_pooling`); per-pooling figures are under pooling_<pf>.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+
+import numpy as np
+
+NUM_SC = 4
+
+
+def make_ids(rng: np.random.Generator, batch_size: int, pooling: int, vocab: int, zipf_a: float) -> np.ndarray:
+    """[batch, pooling] int64 ids: Zipf(a) ranks folded into the vocabulary."""
+    return (rng.zipf(zipf_a, (batch_size, pooling)) - 1) % vocab
+
+
+def _median_steps(fns, warmup: int, repeats: int) -> list[float]:
+    """Median wall time of each step function; the functions take turns, so that load from other
+    processes on the machine falls on all of them alike."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, ts in zip(fns, times):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+    return [statistics.median(ts) for ts in times]
+
+
+class _Quiet:
+    """Send fd 2 (C++ logging) to /dev/null for the duration."""
+
+    def __enter__(self):
+        self.saved = os.dup(2)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+
+    def __exit__(self, *exc):
+        os.dup2(self.saved, 2)
+        os.close(self.saved)
+
+
+def _bench_pooling(pooling, *, batch_size, num_features, vocab, zipf_a, seed, warmup, repeats):
+    import torch
+
+    from tpurec.embedding.constraints import coo_entries_per_sc, round_up
+    from tpurec.embedding.preprocess import preprocess
+
+    rng = np.random.default_rng(seed + pooling)
+    ids2d = [make_ids(rng, batch_size, pooling, vocab, zipf_a) for _ in range(num_features)]
+    sample = torch.arange(batch_size).repeat_interleave(pooling)
+    gains = torch.ones(batch_size * pooling, dtype=torch.float32)
+    ours_in = [(torch.from_numpy(x.reshape(-1)), sample, gains) for x in ids2d]
+
+    # Limits from the data: nothing drops, and the C++ path sees the same limits.
+    limits = []
+    for ids, smp, g in ours_in:
+        _, st = preprocess(ids, smp, g, device_batch_size=batch_size, num_sc_per_device=NUM_SC)
+        limits.append((round_up(st.max_ids_per_partition, 8), round_up(st.max_unique_ids_per_partition, 8)))
+
+    def tpurec_step():
+        return [
+            preprocess(ids, smp, g, device_batch_size=batch_size, num_sc_per_device=NUM_SC,
+                       max_ids_per_partition=mi, max_unique_ids_per_partition=mu, table_name=f"t{i}")
+            for i, ((ids, smp, g), (mi, mu)) in enumerate(zip(ours_in, limits))
+        ]
+
+    from jax_tpu_embedding.sparsecore.lib.nn import embedding, embedding_spec
+
+    specs = []
+    for i, (mi, mu) in enumerate(limits):
+        table = embedding_spec.TableSpec(
+            name=f"t{i}", vocabulary_size=vocab, embedding_dim=8, initializer=lambda *a, **k: None,
+            optimizer=embedding_spec.SGDOptimizerSpec(), combiner="sum", max_ids_per_partition=mi,
+            max_unique_ids_per_partition=mu,
+            suggested_coo_buffer_size_per_device=NUM_SC * coo_entries_per_sc(mi, NUM_SC),
+        )
+        specs.append(embedding_spec.FeatureSpec(name=f"f{i}", table_spec=table, input_shape=[batch_size, pooling],
+                                                output_shape=[batch_size, 8]))
+    embedding.prepare_feature_specs_for_training(specs, global_device_count=1, num_sc_per_device=NUM_SC)
+    jte_feats = [x.astype(np.int32) for x in ids2d]
+    jte_weights = [np.ones((batch_size, pooling), np.float32) for _ in ids2d]
+
+    def jte_step():
+        return embedding.preprocess_sparse_dense_matmul_input(
+            jte_feats, jte_weights, specs, 1, 1, num_sc_per_device=NUM_SC)
+
+    # Same answer on the first table (row pointers everywhere, COO slots up to each SC's end).
+    with _Quiet():
+        theirs, _ = jte_step()
+    ours, _ = tpurec_step()[0]
+    m = theirs.sparse_dense_matmul_input
+    rp = m.lhs_row_pointers["t0"]
+    match = bool(np.array_equal(ours.row_pointers.numpy(), rp)) and ours.embedding_ids.numel() == m.lhs_embedding_ids["t0"].size
+    if match:
+        slots = ours.embedding_ids.numel() // NUM_SC
+        ends = rp.reshape(NUM_SC, -1)[:, -1]
+        for s in range(NUM_SC):
+            sl = slice(s * slots, s * slots + int(ends[s]))
+            match &= np.array_equal(ours.embedding_ids.numpy()[sl], m.lhs_embedding_ids["t0"][sl])
+            match &= np.array_equal(ours.sample_ids.numpy()[sl], m.lhs_sample_ids["t0"][sl])
+
+    with _Quiet():
+        t_ours, t_jte = _median_steps([tpurec_step, jte_step], warmup, repeats)
+    return {
+        "tpurec_samples_per_s": batch_size / t_ours,
+        "jte_samples_per_s": batch_size / t_jte,
+        "ratio_vs_jte": t_jte / t_ours,
+        "tpurec_step_ms": 1e3 * t_ours,
+        "jte_step_ms": 1e3 * t_jte,
+        "ids_per_step": batch_size * pooling * num_features,
+        "max_ids_per_partition_limits": [mi for mi, _ in limits],
+        "outputs_match": bool(match),
+    }
+
+
+def run(quick: bool = False, as_json: bool = False, *, batch_size: int = 2048, num_features: int = 26,
+        vocab: int = 100_000, poolings: tuple[int, ...] = (1, 20), zipf_a: float = 1.05,
+        threads: int | None = None, repeats: int | None = None, warmup: int | None = None,
+        seed: int = 0) -> dict:
+    """Run the benchmark; print text (or JSON with as_json) and return the figures."""
+    threads = threads or os.cpu_count() or 1
+    # Read by jax-tpu-embedding when it creates its thread pool (first preprocessing call).
+    os.environ["SPARSECORE_INPUT_PREPROCESSING_THREADS"] = str(threads)
+    import torch
+
+    repeats = repeats or (3 if quick else 15)
+    warmup = warmup if warmup is not None else (1 if quick else 3)
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        per = {
+            f"pooling_{pf}": _bench_pooling(pf, batch_size=batch_size, num_features=num_features, vocab=vocab,
+                                            zipf_a=zipf_a, seed=seed, warmup=warmup, repeats=repeats)
+            for pf in poolings
+        }
+    finally:
+        torch.set_num_threads(saved_threads)
+    worst = min(per, key=lambda k: per[k]["ratio_vs_jte"])
+    import jax_tpu_embedding
+
+    res = {
+        "tpurec_samples_per_s": per[worst]["tpurec_samples_per_s"],
+        "jte_samples_per_s": per[worst]["jte_samples_per_s"],
+        "ratio_vs_jte": per[worst]["ratio_vs_jte"],
+        "worst_pooling": worst,
+        **per,
+        "batch_size": batch_size,
+        "num_features": num_features,
+        "vocab": vocab,
+        "zipf_a": zipf_a,
+        "num_sc_per_device": NUM_SC,
+        "global_device_count": 1,
+        "threads": threads,
+        "thread_settings": f"torch.set_num_threads({threads}); SPARSECORE_INPUT_PREPROCESSING_THREADS={threads}",
+        "repeats": repeats,
+        "warmup": warmup,
+        "quick": quick,
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "processor": _cpu_model(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "jax_tpu_embedding": getattr(jax_tpu_embedding, "__version__", "0.1.0"),
+        },
+    }
+    if as_json:
+        import json
+
+        print(json.dumps(res, indent=2))
+    else:
+        print(f"SparseCore preprocessing: {num_features} tables x batch {batch_size}, Zipf({zipf_a}) over {vocab:,} rows, "
+              f"{NUM_SC} SparseCores, 1 device, {threads} threads each")
+        for k, v in per.items():
+            print(f"  {k:11s} tpurec {v['tpurec_samples_per_s']:>12,.0f} samples/s  jax-tpu-embedding "
+                  f"{v['jte_samples_per_s']:>12,.0f} samples/s  ratio {v['ratio_vs_jte']:.2f}"
+                  f"{'' if v['outputs_match'] else '  (OUTPUTS DIFFER)'}")
+        print(f"  worst ratio {res['ratio_vs_jte']:.2f} ({worst})")
+    return res
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def register(sub) -> None:
+    p = sub.add_parser("preprocess", help="SparseCore input preprocessing vs jax-tpu-embedding's C++ path")
+    p.add_argument("--quick", action="store_true", help="fewer repetitions, same shapes")
+    p.add_argument("--json", action="store_true", help="one JSON document instead of text")
+    p.add_argument("--batch-size", type=int, default=2048)
+    p.add_argument("--threads", type=int, default=None, help="threads for both sides (default: all cores)")
+    p.add_argument("--repeats", type=int, default=None, help="timed steps per side (default 15, --quick 3)")
+    p.set_defaults(run=main)
+
+
+def main(args) -> int:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    run(quick=args.quick, as_json=args.json, batch_size=args.batch_size, threads=args.threads, repeats=args.repeats)
+    return 0
