@@ -12,12 +12,15 @@ which is also what TorchTPU's `preprocess_sparse_dense_matmul_input` produces:
   segment starts 8-aligned; `row_pointers` holds each segment's end, padded to 8 entries per
   SparseCore when P < 8; empty slots carry id/sample 2**31-1 and gain NaN.
 
-Everything is vectorised torch (one sort/unique per call); no Python loop over ids or samples.
+Everything is vectorised (one sort per call, numpy on views of the CPU tensors); no Python loop
+over ids or samples.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tpurec.embedding.constraints import PADDING_ID, SEGMENT_ALIGN, round_up
@@ -88,93 +91,173 @@ def preprocess(
         )
     per_sc = device_batch_size // num_sc
     dev = ids.device
-    ids = ids.to(torch.int64)
-    sample_index = sample_index.to(torch.int64)
-    gains = gains.to(torch.float32)
-
-    # One key orders everything as the SparseCore wants it: (slice, partition, local id, sample).
-    sc = sample_index // per_sc
-    local_col = ids // parts
-    span = int(local_col.max()) + 1 if ids.numel() else 1
-    seg_of_id = sc * parts + ids % parts
-    key = (seg_of_id * span + local_col) * per_sc + (sample_index - sc * per_sc)
-    ukey, inverse = torch.unique(key, sorted=True, return_inverse=True)
-    ugain = torch.zeros(ukey.numel(), dtype=torch.float32, device=dev).index_add_(0, inverse, gains)
-
-    sample = ukey % per_sc
-    seg_col = ukey // per_sc  # (segment, local id) pair, for counting unique ids
-    col = seg_col % span
-    seg = seg_col // span
     nseg = num_sc * parts
-    counts = torch.bincount(seg, minlength=nseg)
-    new_col = torch.ones_like(seg, dtype=torch.bool)
-    new_col[1:] = seg_col[1:] != seg_col[:-1]
-    ucounts = torch.bincount(seg[new_col], minlength=nseg)
+    # Host-side work: numpy on (zero-copy) views of the CPU tensors; its per-op cost and its sort
+    # are several times cheaper than torch's at these sizes (docs/kernels_preprocess.md).
+    ids_np = _as_numpy(ids, np.int64)
+    smp_np = _as_numpy(sample_index, np.int64)
+    gains_np = _as_numpy(gains, np.float32)
+    n = ids_np.size
+
+    # One key orders everything as the SparseCore wants it: (slice, partition, local id, sample),
+    # as bit fields [segment | local id | sample in slice] so that taking it apart is shifts.
+    if parts & (parts - 1) == 0:
+        shift = parts.bit_length() - 1
+        local_col, part = ids_np >> shift, ids_np & (parts - 1)
+    else:
+        local_col, part = np.divmod(ids_np, parts)
+    cbits = int(local_col.max()).bit_length() if n else 0
+    sbits = (per_sc - 1).bit_length()
+    seg_shift = cbits + sbits
+    part <<= cbits
+    part |= local_col
+    part <<= sbits
+    key = np.take(_row_keys(device_batch_size, per_sc, parts, seg_shift), smp_np)
+    key += part
+
+    # Sort once. With non-uniform gains the input position is packed into the low key bits, which
+    # makes the sort stable: duplicates of an (id, sample) pair keep input order, so their gains
+    # sum in input order, as the float32 accumulation always did. With all gains equal, the order
+    # of duplicates cannot matter and the bare key is sorted (as uint32 when it fits).
+    key_bits = (nseg - 1).bit_length() + seg_shift
+    uniform = n == 0 or _all_equal(gains_np)
+    ibits = 0 if uniform else max(n - 1, 0).bit_length()
+    if uniform:
+        if key_bits <= 32:
+            key = key.astype(np.uint32)
+        key.sort()
+    elif key_bits + ibits <= 62:
+        key <<= ibits
+        key |= np.arange(n, dtype=np.int64)
+        key.sort()
+        order = key & ((1 << ibits) - 1)
+        key >>= ibits
+    else:
+        order = np.argsort(key, kind="stable")
+        key = np.take(key, order)
+    first_mask = _run_start_mask(key)
+    first = np.flatnonzero(first_mask)  # the first of each distinct (segment, id, sample)
+    ukey = np.take(key, first)
+    if uniform:
+        gsorted = None
+        ugain = np.full(ukey.size, gains_np[0] if n else 0, dtype=np.float32)
+    else:
+        gsorted = np.take(gains_np, order)
+        ugain = np.take(gsorted, first)
+    with np.errstate(invalid="ignore"):
+        ugain += np.float32(0)  # 0 + g, as the float32 accumulation always did
+    if ukey.size < n:  # merge duplicates: float32 sums in input order
+        dup = np.flatnonzero(~first_mask)
+        target = np.searchsorted(first, dup, side="right") - 1
+        with np.errstate(over="ignore", invalid="ignore"):  # inf / NaN gains pass through
+            np.add.at(ugain, target, np.full(dup.size, gains_np[0], np.float32) if uniform else np.take(gsorted, dup))
+    ukey = ukey.astype(np.int64, copy=False)
+
+    # Entries are sorted by segment: segment g is ukey[bounds[g]:bounds[g + 1]].
+    bounds = np.searchsorted(ukey, np.arange(nseg + 1, dtype=np.int64) << seg_shift)
+    counts = np.diff(bounds)
+    seg_col = ukey >> sbits  # (segment, local id) pair, for counting unique ids
+    col_starts = _run_starts(seg_col)
+    ucounts = np.diff(np.searchsorted(col_starts, bounds))
 
     max_ids = max_ids_per_partition if max_ids_per_partition is not None else max(int(counts.max()) if nseg else 0, 1)
     max_uniq = max_unique_ids_per_partition if max_unique_ids_per_partition is not None else max_ids
-    observed = counts.view(num_sc, parts)  # demand before any dropping, for tuning limits
+    observed = counts.reshape(num_sc, parts)  # demand before any dropping, for tuning limits
     observed_aligned = (counts + SEGMENT_ALIGN - 1) // SEGMENT_ALIGN * SEGMENT_ALIGN
-    observed_need = int(observed_aligned.view(num_sc, parts).sum(1).max()) if nseg else 0
+    observed_need = int(observed_aligned.reshape(num_sc, parts).sum(1).max()) if nseg else 0
     over = (counts > max_ids) | (ucounts > max_uniq)
     dropped = 0
-    if bool(over.any()):
+    if over.any():
         if not allow_id_dropping:
             _raise_limit_error(table_name, over, counts, ucounts, max_ids, max_uniq, num_sc, parts, per_sc)
         # Keep, per segment, the first max_ids entries whose id is among the first max_uniq ids.
-        rank = torch.arange(seg.numel(), device=dev) - _exclusive_cumsum(counts)[seg]
-        col_rank = torch.cumsum(new_col, 0) - 1 - _exclusive_cumsum(ucounts)[seg]
+        seg = np.repeat(np.arange(nseg), counts)
+        rank = np.arange(seg.size) - bounds[:-1][seg]
+        col_rank = np.searchsorted(col_starts, np.arange(seg.size), side="right") - 1
+        col_rank -= np.searchsorted(col_starts, bounds[:-1])[seg]
         keep = (rank < max_ids) & (col_rank < max_uniq)
-        dropped = int((~keep).sum())
-        seg, col, sample, ugain = seg[keep], col[keep], sample[keep], ugain[keep]
-        counts = torch.bincount(seg, minlength=nseg)
+        dropped = int(keep.size - np.count_nonzero(keep))
+        ukey, ugain = ukey[keep], ugain[keep]
+        seg_col = ukey >> sbits
+        counts = np.bincount(seg[keep], minlength=nseg)
 
     # Place entries: segment p of SparseCore s starts at the 8-aligned sum of earlier segments.
-    aligned = (counts + SEGMENT_ALIGN - 1) // SEGMENT_ALIGN * SEGMENT_ALIGN
-    starts = _segment_starts(aligned, num_sc, parts)
-    ends = starts + counts.view(num_sc, parts)
-    need_per_sc = int(aligned.view(num_sc, parts).sum(1).max()) if nseg else 0
+    aligned = ((counts + SEGMENT_ALIGN - 1) // SEGMENT_ALIGN * SEGMENT_ALIGN).reshape(num_sc, parts)
+    starts = np.cumsum(aligned, 1) - aligned
+    ends = starts + counts.reshape(num_sc, parts)
+    need_per_sc = int(aligned.sum(1).max()) if nseg else 0
     slots = round_up(max_ids, SEGMENT_ALIGN) * parts
     slots = max(slots, need_per_sc)  # only grows when limits were left to the batch
-    rank = torch.arange(seg.numel(), device=dev) - _exclusive_cumsum(counts)[seg]
-    pos = (seg // parts) * slots + starts.reshape(-1)[seg] + rank
+    # Entry j of segment g goes to base[g] + j (j counted over all entries).
+    base = np.arange(nseg) // parts * slots + starts.reshape(-1) - (np.cumsum(counts) - counts)
+    pos = np.repeat(base, counts)
+    pos += np.arange(pos.size)
 
-    emb = torch.full((num_sc * slots,), PADDING_ID, dtype=torch.int32, device=dev)
-    smp = torch.full((num_sc * slots,), PADDING_ID, dtype=torch.int32, device=dev)
-    gns = torch.full((num_sc * slots,), float("nan"), dtype=torch.float32, device=dev)
-    emb[pos] = col.to(torch.int32)
-    smp[pos] = sample.to(torch.int32)
+    emb = np.full(num_sc * slots, PADDING_ID, dtype=np.int32)
+    smp = np.full(num_sc * slots, PADDING_ID, dtype=np.int32)
+    gns = np.full(num_sc * slots, np.nan, dtype=np.float32)
+    emb[pos] = seg_col & ((1 << cbits) - 1)
+    smp[pos] = ukey & ((1 << sbits) - 1)
     gns[pos] = ugain
 
     rp_width = max(parts, SEGMENT_ALIGN)
-    row_pointers = torch.empty((num_sc, rp_width), dtype=torch.int32, device=dev)
-    row_pointers[:, :parts] = ends.to(torch.int32)
+    row_pointers = np.empty((num_sc, rp_width), dtype=np.int32)
+    row_pointers[:, :parts] = ends
     if rp_width > parts:
-        row_pointers[:, parts:] = aligned.view(num_sc, parts).sum(1, keepdim=True).to(torch.int32)
+        row_pointers[:, parts:] = aligned.sum(1, keepdims=True)
 
-    csr = SparseCoreInput(
-        row_pointers.reshape(-1), emb, smp, gns, device_batch_size, num_sc, parts, max_ids, max_uniq
-    )
+    out = [torch.from_numpy(a) for a in (row_pointers.reshape(-1), emb, smp, gns)]
+    if dev.type != "cpu":
+        out = [t.to(dev) for t in out]
+    csr = SparseCoreInput(*out, device_batch_size, num_sc, parts, max_ids, max_uniq)
     stats = PreprocessStats(
-        ids_per_partition=observed,
-        unique_ids_per_partition=ucounts.view(num_sc, parts),
+        ids_per_partition=torch.from_numpy(observed),
+        unique_ids_per_partition=torch.from_numpy(ucounts.reshape(num_sc, parts)),
         required_buffer_size_per_sc=observed_need,  # before dropping, like ids_per_partition
         dropped_id_count=dropped,
     )
     return csr, stats
 
 
-def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
-    return torch.cumsum(x, 0) - x
+def _as_numpy(t: torch.Tensor, dtype) -> np.ndarray:
+    a = t.detach().cpu().numpy()
+    return a if a.dtype == dtype else a.astype(dtype)
 
 
-def _segment_starts(aligned: torch.Tensor, num_sc: int, parts: int) -> torch.Tensor:
-    a = aligned.view(num_sc, parts)
-    return torch.cumsum(a, 1) - a
+@functools.lru_cache(maxsize=64)
+def _row_keys_cached(device_batch_size: int, per_sc: int, parts: int, seg_shift: int) -> np.ndarray:
+    row = np.arange(device_batch_size, dtype=np.int64)
+    keys = ((row // per_sc * parts) << seg_shift) | (row % per_sc)
+    keys.flags.writeable = False
+    return keys
+
+
+def _row_keys(device_batch_size: int, per_sc: int, parts: int, seg_shift: int) -> np.ndarray:
+    """Key bits a sample contributes: its SparseCore's first segment, and its index in the slice."""
+    return _row_keys_cached(device_batch_size, per_sc, parts, seg_shift)
+
+
+def _run_start_mask(sorted_keys: np.ndarray) -> np.ndarray:
+    """True where a run of equal values starts in a sorted array."""
+    new = np.empty(sorted_keys.size, dtype=bool)
+    if sorted_keys.size:
+        new[0] = True
+        np.not_equal(sorted_keys[1:], sorted_keys[:-1], out=new[1:])
+    return new
+
+
+def _run_starts(sorted_keys: np.ndarray) -> np.ndarray:
+    """Positions where a run of equal values starts in a sorted array."""
+    return np.flatnonzero(_run_start_mask(sorted_keys))
+
+
+def _all_equal(x: np.ndarray) -> bool:
+    """Every element bit-for-bit the same value (NaN != NaN and -0.0 == 0.0 rule this out)."""
+    return bool(x[0] == x[-1]) and bool((x == x[0]).all()) and not np.signbit(x[0])
 
 
 def _raise_limit_error(table, over, counts, ucounts, max_ids, max_uniq, num_sc, parts, per_sc):
-    first = int(over.nonzero()[0])
+    first = int(np.flatnonzero(over)[0])
     sc, part = divmod(first, parts)
     where = (
         f"table {table!r}, partition {part} of {parts} (rows r with r mod {parts} == {part}), "
