@@ -87,7 +87,7 @@ def write_criteo_tsv(parquet_dir: str, path: str, rows: int, seed: int = 0) -> i
 
 
 def run_bench(rows: int = 2_000_000, work_dir: str | None = None, table_set: str = "criteo-kaggle",
-              passes: int = 3, convert_rows: int = 500_000, show_progress: bool = False,
+              passes: int = 5, convert_rows: int = 500_000, show_progress: bool = False,
               compression: str = "none") -> dict:
     import torch  # noqa: F401  (import cost kept out of the timings)
     from torchrec.datasets.criteo import InMemoryBinaryCriteoIterDataPipe
@@ -158,7 +158,7 @@ def register(sub) -> None:
     p = sub.add_parser("data", help="Parquet reader vs torchrec's in-memory Criteo loader, converter MB/s")
     p.add_argument("--rows", type=int, default=2_000_000, help="rows in the generated dataset (default 2M)")
     p.add_argument("--tables", default="criteo-kaggle", help="table set for the ids (default criteo-kaggle)")
-    p.add_argument("--passes", type=int, default=3, help="timed passes per reader; the best is kept")
+    p.add_argument("--passes", type=int, default=5, help="timed passes per reader; the best is kept")
     p.add_argument("--convert-rows", type=int, default=500_000, help="rows of raw TSV for the converter figure")
     p.add_argument("--compression", default="none", help="codec of the generated Parquet (default none)")
     p.add_argument("--dir", help="work directory (kept); default a temporary one, removed afterwards")
