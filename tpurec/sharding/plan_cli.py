@@ -50,7 +50,7 @@ def register(sub) -> None:
     p.add_argument("--optimizer", choices=_OPTIMIZERS, default="rowwise_adagrad",
                    help="fused embedding optimizer, for optimizer-state bytes (default rowwise_adagrad)")
     p.add_argument("--format", choices=("text", "json", "html", "png"), default="text")
-    p.add_argument("--out", metavar="FILE", help="write here instead of stdout (required for png)")
+    p.add_argument("--out", metavar="FILE", help="write here instead of stdout (png: default plan.png)")
     p.add_argument("--sc-gather-fraction", type=float, default=None,
                    help="assumed SparseCore gather bandwidth as a fraction of HBM bandwidth (default 0.3)")
     p.add_argument("--dcn-gbps", type=float, default=None,
