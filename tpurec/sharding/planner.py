@@ -27,7 +27,7 @@ from torchrec.distributed.planner.types import (
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from tpurec.embedding.constraints import DIM_ALIGN, OPTIMIZER_STATE_PER_ROW, check_dim
+from tpurec.embedding.constraints import DIM_ALIGN, OPTIMIZER_STATE_PER_ROW, check_dim, optimizer_state_bytes
 from tpurec.sharding.estimators import TpuPerfEstimator, TpuStorageEstimator, shard_cost, spec_of
 from tpurec.sharding.kernel_choice import COMPUTE_KERNEL, SHARDING_TYPES
 
@@ -294,33 +294,23 @@ def plan(
     planner = make_planner(topology, batch_size=batch_size, constraints=constraints, optimizer=optimizer,
                            storage_reservation=reservation)
     # Fast refusal: weights + optimizer state alone exceed the slice's free memory.
-    refusal = _refusal(module, topology, batch_size, constraints, optimizer, reservation)
     caps = [d.storage.ddr if topology.compute_device == "cpu" else d.storage.hbm for d in topology.devices]
     free = sum(c - reservation.amount(module, batch_size, c) for c in caps)
-    need = _lower_bound_bytes(module, spec_of(topology), optimizer)
-    if need > free:
-        raise PlanDoesNotFit(refusal)
+    if _lower_bound_bytes(module, optimizer) > free:
+        raise PlanDoesNotFit(_refusal(module, topology, batch_size, constraints, optimizer, reservation))
     try:
         if pg is not None and torch.distributed.is_initialized():
             return planner.collective_plan(module, sharders, pg)
         return planner.plan(module, sharders)
     except PlannerError as e:
-        raise PlanDoesNotFit(refusal) from e
+        raise PlanDoesNotFit(_refusal(module, topology, batch_size, constraints, optimizer, reservation)) from e
 
 
-def _lower_bound_bytes(module: nn.Module, spec, optimizer: str) -> int:
-    from tpurec.embedding.constraints import optimizer_state_bytes
-
-    total = 0
-    for cfg in _table_configs(module):
-        total += cfg.num_embeddings * cfg.embedding_dim * 4
-        total += optimizer_state_bytes(optimizer, cfg.num_embeddings, cfg.embedding_dim)
-    return total
-
-
-def largest_tables(module: nn.Module, n: int = 5) -> List[str]:
-    cfgs = sorted(_table_configs(module), key=lambda c: -c.num_embeddings * c.embedding_dim)
-    return [c.name for c in cfgs[:n]]
+def _lower_bound_bytes(module: nn.Module, optimizer: str) -> int:
+    """Weights + optimizer state of every table, unpadded: no plan can need less."""
+    return sum(cfg.num_embeddings * cfg.embedding_dim * 4
+               + optimizer_state_bytes(optimizer, cfg.num_embeddings, cfg.embedding_dim)
+               for cfg in _table_configs(module))
 
 
 __all__ = ["plan", "make_planner", "PlanDoesNotFit", "TpuPlanningSharder", "TpuEnumerator",
