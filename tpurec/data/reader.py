@@ -330,11 +330,12 @@ class ParquetReader:
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "rows_consumed": self._consumed, "seed": self.seed,
-                "shuffle": self.shuffle, "rank": self.rank, "world_size": self.world_size,
-                "num_rows": self.num_rows}
+                "shuffle": self.shuffle, "shuffle_buffer": self.shuffle_buffer, "rank": self.rank,
+                "world_size": self.world_size, "num_rows": self.num_rows}
 
     def load_state_dict(self, state: dict) -> None:
-        for k in ("seed", "shuffle", "rank", "world_size", "num_rows"):
+        keys = ("seed", "shuffle", "rank", "world_size", "num_rows") + (("shuffle_buffer",) if self.shuffle else ())
+        for k in keys:  # anything that changes which rows come in which order
             if state[k] != getattr(self, k):
                 raise ValueError(f"cannot resume: reader state has {k}={state[k]!r}, this reader {getattr(self, k)!r}")
         self.epoch, self._consumed = int(state["epoch"]), int(state["rows_consumed"])
