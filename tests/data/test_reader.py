@@ -294,3 +294,15 @@ def test_transforms_recorded_as_raw_are_applied_at_read_time(criteo_sample, tmp_
         ParquetReader(tmp_path / "hashed", 64, table_sizes=[10] * 26)
     with pytest.raises(ValueError, match="cannot turn dense"):
         ParquetReader(tmp_path / "hashed", 64, dense_transform="raw")
+
+
+def test_resume_with_another_batch_size_continues_at_the_same_row(synth_dir):
+    full = _rows(ParquetReader(synth_dir, 1000, shuffle=True, seed=9, shuffle_buffer=1500))
+    r = ParquetReader(synth_dir, 300, shuffle=True, seed=9, shuffle_buffer=1500)
+    it = iter(r)
+    head = [next(it) for _ in range(5)]  # 1500 rows
+    state = r.state_dict()
+    it.close()
+    r2 = ParquetReader(synth_dir, 700, shuffle=True, seed=9, shuffle_buffer=1500)
+    r2.load_state_dict(state)
+    np.testing.assert_array_equal(np.concatenate([_rows(head), _rows(r2)]), full)
