@@ -49,6 +49,7 @@ def inspect_dataset(path, sample_rows: int = 1_000_000) -> dict:
     dense_min = {n: np.inf for n in schema.dense}
     dense_max = {n: -np.inf for n in schema.dense}
     empties = {f.name: 0 for f in schema.sparse}  # EMPTY_ID occurrences: blank in the source text
+    id_counts = {f.name: 0 for f in schema.sparse}
     positives, sampled = 0, 0
     handles = {}
     for u in units:
@@ -71,6 +72,7 @@ def inspect_dataset(path, sample_rows: int = 1_000_000) -> dict:
             ids = np.asarray(col.to_numpy(zero_copy_only=False), dtype=np.int64)
             sketches[f.name].add(ids)
             empties[f.name] += int(np.count_nonzero(ids == EMPTY_ID))
+            id_counts[f.name] += len(ids)
             if take:
                 head = t.column(f.name).slice(0, take)
                 if f.multi_hot:
@@ -87,7 +89,7 @@ def inspect_dataset(path, sample_rows: int = 1_000_000) -> dict:
             "kind": "multi-hot" if f.multi_hot else "categorical",
             "num_embeddings": f.num_embeddings,
             "null_share": nulls[f.name] / max(rows, 1),
-            "empty_id_share": round(empties[f.name] / max(rows, 1), 4),
+            "empty_id_share": round(empties[f.name] / max(id_counts[f.name], 1), 4),  # of all ids
             "distinct_ids_estimate": sketches[f.name].estimate(),
             "top1pct_ids_share": round(float(counts[:top].sum() / max(counts.sum(), 1)), 4),
             "most_frequent_id_share": round(float(counts[0] / counts.sum()), 4) if len(counts) else 0.0,
