@@ -306,3 +306,16 @@ def test_resume_with_another_batch_size_continues_at_the_same_row(synth_dir):
     r2 = ParquetReader(synth_dir, 700, shuffle=True, seed=9, shuffle_buffer=1500)
     r2.load_state_dict(state)
     np.testing.assert_array_equal(np.concatenate([_rows(head), _rows(r2)]), full)
+
+
+def test_corrupt_row_group_is_named(tmp_path):
+    from tpurec.data.synth import synthesize
+
+    synthesize(3000, str(tmp_path), row_group_size=1000, compression="snappy", show_progress=False)
+    p = tmp_path / "part-00000.parquet"
+    data = bytearray(p.read_bytes())
+    mid = len(data) // 2
+    data[mid:mid + 2000] = b"\x5a" * 2000  # garbage inside row group 1's pages; footer intact
+    p.write_bytes(bytes(data))
+    with pytest.raises(DataError, match=r"part-00000\.parquet: row group 1: cannot decode"):
+        list(ParquetReader(tmp_path, 500))
