@@ -319,3 +319,17 @@ def test_corrupt_row_group_is_named(tmp_path):
     p.write_bytes(bytes(data))
     with pytest.raises(DataError, match=r"part-00000\.parquet: row group 1: cannot decode"):
         list(ParquetReader(tmp_path, 500))
+
+
+def test_batches_feed_a_torchrec_embedding_bag_collection(synth_dir):
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    from tpurec.dlrm.table_sets import TABLE_SETS
+
+    ebc = EmbeddingBagCollection(tables=TABLE_SETS["dlrm-tiny"].to_embedding_bag_configs())
+    b = next(iter(ParquetReader(synth_dir, 128, shuffle=True))).to(torch.device("cpu"))
+    out = ebc(b.sparse_features)
+    assert out.values().shape == (128, 26 * 16)
+    # C9's bag for row 0 is exactly its table row for that id (one-hot, sum pooling).
+    row = b.sparse_features["C9"].values()[0]
+    torch.testing.assert_close(out["C9"][0], ebc.embedding_bags["t_C9"].weight[row])
