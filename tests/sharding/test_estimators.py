@@ -73,3 +73,14 @@ def test_dcn_share_across_slices():
 def test_sparsecore_count_changes_padding():
     v5p = parse_slice("v5p-8")  # 4 SparseCores -> pad to 32
     assert cost(spec=v5p, rows=1000).weights == 1024 * 16 * 4
+
+
+def test_table_row_wise_comm_is_host_reduce_scatter_then_all_to_all():
+    two = parse_slice("2xv6e-4")  # 8 devices in 2 slices of one host each
+    c = cost(sharding="table_row_wise", rows=250, num_shards=4, spec=two)
+    pooled = 8 * 8 * 16 * 4  # global batch 64 x 16 dims x 4 bytes
+    expect = _collective_ms(pooled, 4, two, False) + _collective_ms(pooled / 4, 8, two, True)
+    assert c.output_comm_ms == pytest.approx(expect)
+    ici, dcn = 800e9 * 0.5, 25e9 / 4
+    assert expect == pytest.approx((pooled * 3 / 4 / ici + pooled / 4 * 7 / 8 / 2 / ici
+                                    + pooled / 4 * 7 / 8 / 2 / dcn) * 1e3)

@@ -111,11 +111,17 @@ def shard_cost(
     else:
         row_group = num_shards if sharding_type in ROW_WISE else 1
         ids = samples * pooling_factor / row_group  # ids spread uniformly over row shards
-        spans = sharding_type != ShardingType.TABLE_ROW_WISE.value
-        # ids come from every rank; pooled rows go back to every rank (RW: reduce-scatter of
-        # partial sums, same volume per device).
-        in_ms = _collective_ms(ids * ID_BYTES + samples * ID_BYTES / row_group, world_size, spec, spans)
-        out_ms = _collective_ms(pooled, world_size, spec, spans)
+        # ids (and lengths) come from every rank, across slices if there are several.
+        in_ms = _collective_ms(ids * ID_BYTES + samples * ID_BYTES / row_group, world_size, spec, True)
+        if sharding_type == ShardingType.TABLE_ROW_WISE.value:
+            # partial sums reduce-scattered inside the host group (ICI), then each device sends its
+            # 1/n of the pooled rows to every rank
+            out_ms = (_collective_ms(pooled, row_group, spec, False)
+                      + _collective_ms(pooled / row_group, world_size, spec, True))
+        else:
+            # TW/CW/TWCW: all-to-all of the pooled rows; RW: reduce-scatter of partial sums over
+            # all ranks, the same volume per device
+            out_ms = _collective_ms(pooled, world_size, spec, True)
         grad_ms = out_ms
     sc_bw = spec.generation.hbm_bw * spec.sc_gather_fraction
     row_bytes = cols * elem_bytes
