@@ -9,7 +9,7 @@ def test_bench_data_code_path_emits_the_keys(tmp_path, capsys):
                  "--tables", "dlrm-tiny", "--dir", str(tmp_path), "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
     for key in ("tpurec_samples_per_s", "torchrec_samples_per_s", "ratio_vs_torchrec",
-                "tpurec_in_memory_samples_per_s", "converter_mb_per_s"):
+                "tpurec_in_memory_samples_per_s", "converter_mb_per_s", "ratio_vs_torchrec_cpu"):
         assert res[key] > 0
     assert res["rows"] == 20000 and res["batch_size"] == 8192
     assert abs(res["ratio_vs_torchrec"] - res["tpurec_samples_per_s"] / res["torchrec_samples_per_s"]) < 2e-3
