@@ -7,8 +7,9 @@ observed ids / unique ids per partition, rounded up to 8), so nothing drops and 
 the same buffers; the first table's outputs are compared once (`outputs_match`).
 
 One step = the 26 tables preprocessed:
-* tpurec: 26 `preprocess` calls on prebuilt (ids, sample_index, gains) torch tensors, torch pinned
-  to `threads` intra-op threads (torch.set_num_threads);
+* tpurec: one `preprocess_tables` call on 26 prebuilt (ids, sample_index, gains) torch tensors with
+  num_threads=`threads` (torch is also pinned with torch.set_num_threads(`threads`));
+  `tpurec_loop_samples_per_s` is the same work as 26 single-table `preprocess` calls in turn;
 * jax-tpu-embedding 0.1.0: one `embedding.preprocess_sparse_dense_matmul_input` call with 26
   2-D [batch, pooling] int32 id arrays and float32 weight arrays (its fastest input form), its C++
   thread pool sized by the env var SPARSECORE_INPUT_PREPROCESSING_THREADS=`threads`. The pool is
@@ -66,11 +67,11 @@ class _Quiet:
         os.close(self.saved)
 
 
-def _bench_pooling(pooling, *, batch_size, num_features, vocab, zipf_a, seed, warmup, repeats):
+def _bench_pooling(pooling, *, batch_size, num_features, vocab, zipf_a, seed, warmup, repeats, threads):
     import torch
 
     from tpurec.embedding.constraints import coo_entries_per_sc, round_up
-    from tpurec.embedding.preprocess import preprocess
+    from tpurec.embedding.preprocess import preprocess, preprocess_tables
 
     rng = np.random.default_rng(seed + pooling)
     ids2d = [make_ids(rng, batch_size, pooling, vocab, zipf_a) for _ in range(num_features)]
@@ -85,6 +86,12 @@ def _bench_pooling(pooling, *, batch_size, num_features, vocab, zipf_a, seed, wa
         limits.append((round_up(st.max_ids_per_partition, 8), round_up(st.max_unique_ids_per_partition, 8)))
 
     def tpurec_step():
+        return preprocess_tables(
+            ours_in, device_batch_size=batch_size, num_sc_per_device=NUM_SC,
+            max_ids_per_partition=[mi for mi, _ in limits], max_unique_ids_per_partition=[mu for _, mu in limits],
+            table_names=[f"t{i}" for i in range(num_features)], num_threads=threads)
+
+    def tpurec_loop_step():  # one `preprocess` call per table, in turn
         return [
             preprocess(ids, smp, g, device_batch_size=batch_size, num_sc_per_device=NUM_SC,
                        max_ids_per_partition=mi, max_unique_ids_per_partition=mu, table_name=f"t{i}")
@@ -127,12 +134,13 @@ def _bench_pooling(pooling, *, batch_size, num_features, vocab, zipf_a, seed, wa
             match &= np.array_equal(ours.sample_ids.numpy()[sl], m.lhs_sample_ids["t0"][sl])
 
     with _Quiet():
-        t_ours, t_jte = _median_steps([tpurec_step, jte_step], warmup, repeats)
+        t_ours, t_jte, t_loop = _median_steps([tpurec_step, jte_step, tpurec_loop_step], warmup, repeats)
     return {
         "tpurec_samples_per_s": batch_size / t_ours,
         "jte_samples_per_s": batch_size / t_jte,
         "ratio_vs_jte": t_jte / t_ours,
         "tpurec_step_ms": 1e3 * t_ours,
+        "tpurec_loop_samples_per_s": batch_size / t_loop,
         "jte_step_ms": 1e3 * t_jte,
         "ids_per_step": batch_size * pooling * num_features,
         "max_ids_per_partition_limits": [mi for mi, _ in limits],
@@ -157,7 +165,8 @@ def run(quick: bool = False, as_json: bool = False, *, batch_size: int = 2048, n
     try:
         per = {
             f"pooling_{pf}": _bench_pooling(pf, batch_size=batch_size, num_features=num_features, vocab=vocab,
-                                            zipf_a=zipf_a, seed=seed, warmup=warmup, repeats=repeats)
+                                            zipf_a=zipf_a, seed=seed, warmup=warmup, repeats=repeats,
+                                            threads=threads)
             for pf in poolings
         }
     finally:

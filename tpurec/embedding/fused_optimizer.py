@@ -16,20 +16,23 @@ from tpurec.embedding.kernel import SparseCoreKernel
 
 
 class SparseCoreFusedOptimizer(FusedOptimizer):
-    def __init__(self, kernel: SparseCoreKernel, param_prefix: str = "embedding_bags.") -> None:
+    def __init__(self, kernel: SparseCoreKernel, param_prefix: str = "embedding_bags.", key_of=None) -> None:
+        """key_of(kernel table name) -> "<name>.weight": how params are keyed (default: the table name)."""
         self._kernel = kernel
+        key_of = key_of or (lambda name: f"{name}.weight")
         spec = kernel.optimizer
         params: dict[str, torch.Tensor] = {}
         state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
         self._keys: list[tuple[str, torch.Tensor]] = []
         for t in kernel.tables:
-            key = f"{param_prefix}{t.name}.weight"
+            key = key_of(t.name)
+            base = key[: -len(".weight")]
             snapshot = kernel.read_weight(t.name)
-            params[key] = snapshot
-            self._keys.append((t.name, snapshot))
-            entry = {f"{t.name}.{s}": kernel.read_state(t.name, s) for s in spec.state_names}
+            params[param_prefix + key] = snapshot
+            self._keys.append((t.name, base, snapshot))
+            entry = {f"{base}.{s}": kernel.read_state(t.name, s) for s in spec.state_names}
             if spec.kind == "adam":
-                entry[f"{t.name}.step"] = torch.tensor(0.0)
+                entry[f"{base}.step"] = torch.tensor(0.0)
             state[snapshot] = entry
         group = {"params": list(params.values()), "lr": spec.lr}
         if spec.kind != "sgd":
@@ -43,13 +46,13 @@ class SparseCoreFusedOptimizer(FusedOptimizer):
         """Copy the kernel's current tables and state into the natural-order snapshots."""
         k = self._kernel
         with torch.no_grad():
-            for name, snap in self._keys:
+            for name, base, snap in self._keys:
                 snap.copy_(k.read_weight(name))
                 entry = self.state[snap]
                 for s in k.optimizer.state_names:
-                    entry[f"{name}.{s}"].copy_(k.read_state(name, s))
-                if f"{name}.step" in entry:
-                    entry[f"{name}.step"].fill_(k.steps[k._locate(name)[0]])
+                    entry[f"{base}.{s}"].copy_(k.read_state(name, s))
+                if f"{base}.step" in entry:
+                    entry[f"{base}.step"].fill_(k.steps[k._locate(name)[0]])
 
     def state_dict(self):
         self._refresh()
@@ -61,12 +64,12 @@ class SparseCoreFusedOptimizer(FusedOptimizer):
 
     def post_load_state_dict(self) -> None:
         k = self._kernel
-        for name, snap in self._keys:
+        for name, base, snap in self._keys:
             entry = self.state[snap]
             for s in k.optimizer.state_names:
-                k.write_state(name, s, entry[f"{name}.{s}"])
-            if f"{name}.step" in entry:
-                k.steps[k._locate(name)[0]] = int(entry[f"{name}.step"].item())
+                k.write_state(name, s, entry[f"{base}.{s}"])
+            if f"{base}.step" in entry:
+                k.steps[k._locate(name)[0]] = int(entry[f"{base}.step"].item())
 
     def step(self, closure=None) -> None:  # updates are fused into backward
         return None

@@ -34,6 +34,7 @@ class KernelTable:
     embedding_dim: int
     feature_names: tuple[str, ...]
     pooling: str = "sum"  # "sum" | "mean"
+    init_rows: int | None = None  # rows of the whole (unsharded) table, for EBC's init bound
 
 
 @dataclass
@@ -55,8 +56,12 @@ class SparseCoreKernel(nn.Module):
         max_unique_ids_per_partition: int | None = None,
         allow_id_dropping: bool = False,
         stack_tables: bool = True,
+        positional: bool = False,
     ) -> None:
         super().__init__()
+        # positional: the KJT's k-th key feeds the k-th feature of feature_order (TorchRec's sharded
+        # lookups pass keys in table order and may repeat a feature for column shards).
+        self.positional = positional
         if num_sc_per_device < 1:
             raise ValueError(f"num_sc_per_device must be >= 1, got {num_sc_per_device}")
         self.tables = list(tables)
@@ -148,7 +153,7 @@ class SparseCoreKernel(nn.Module):
             i, _ = self._locate(t.name)
             if self.stack_weight(i).is_meta:
                 continue
-            bound = (1.0 / t.num_embeddings) ** 0.5
+            bound = (1.0 / (t.init_rows or t.num_embeddings)) ** 0.5
             w = torch.empty(t.num_embeddings, t.embedding_dim).uniform_(-bound, bound)
             self.write_weight(t.name, w)
 
@@ -193,6 +198,10 @@ class SparseCoreKernel(nn.Module):
 
     def _split(self, features) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
         keys = features.keys()
+        if self.positional:
+            if len(keys) != len(self.feature_order):
+                raise KeyError(f"expected {len(self.feature_order)} features in table order, got keys {keys}")
+            keys = self.feature_order
         missing = [f for f in self.feature_order if f not in keys]
         if missing:
             raise KeyError(f"KeyedJaggedTensor lacks features {missing}; it has {keys}")

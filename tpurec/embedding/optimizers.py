@@ -20,7 +20,7 @@ STATE_NAMES = {
 }
 
 
-@dataclass
+@dataclass(frozen=True)
 class FusedOptimizerSpec:
     kind: str  # sgd | adagrad | rowwise_adagrad | adam
     lr: float
@@ -77,6 +77,33 @@ class FusedOptimizerSpec:
         if kwargs:
             raise ValueError(f"{name}: unsupported arguments for the fused SparseCore update: {sorted(kwargs)}")
         return spec
+
+
+def spec_from_fused_params(fused_params: dict | None, table: str) -> FusedOptimizerSpec:
+    """The spec from the per-table fused params TorchRec's sharder builds out of
+    `apply_optimizer_in_backward(...)` (an FBGEMM `EmbOptimType` under "optimizer" plus the kwargs)."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    fp = dict(fused_params or {})
+    kinds = {
+        EmbOptimType.EXACT_SGD: "sgd",
+        EmbOptimType.EXACT_ADAGRAD: "adagrad",
+        EmbOptimType.EXACT_ROWWISE_ADAGRAD: "rowwise_adagrad",
+        EmbOptimType.ADAM: "adam",
+    }
+    opt = fp.get("optimizer")
+    if opt not in kinds:
+        raise ValueError(
+            f"table {table!r}: the SparseCore kernel needs a fused optimizer; call "
+            "torchrec.optim.apply_optimizer_in_backward(<SGD|Adagrad|RowWiseAdagrad|Adam>, params, kwargs) on the "
+            f"unsharded model (got optimizer={opt!r})"
+        )
+    lr = fp.get("learning_rate", fp.get("lr", 0.01))
+    betas = fp.get("betas", (fp.get("beta1", 0.9), fp.get("beta2", 0.999)))
+    default_eps = 1e-8 if kinds[opt] == "adam" else 1e-10
+    return FusedOptimizerSpec(kinds[opt], lr=float(lr), eps=float(fp.get("eps", default_eps)),
+                              beta1=float(betas[0]), beta2=float(betas[1]),
+                              initial_accumulator_value=float(fp.get("initial_accumulator_value", 0.0)))
 
 
 def _is_rowwise_adagrad(optimizer: type) -> bool:

@@ -18,6 +18,9 @@ over ids or samples.
 from __future__ import annotations
 
 import functools
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,38 +85,111 @@ def preprocess(
     gains: the weight of each id (1, a per-id weight, or 1/bag_length for mean pooling).
     Limits left as None are sized to this batch (fine on CPU; a TPU wants fixed limits).
     """
+    return preprocess_tables(
+        [(ids, sample_index, gains)],
+        device_batch_size=device_batch_size,
+        num_sc_per_device=num_sc_per_device,
+        global_device_count=global_device_count,
+        max_ids_per_partition=[max_ids_per_partition],
+        max_unique_ids_per_partition=[max_unique_ids_per_partition],
+        allow_id_dropping=allow_id_dropping,
+        table_names=[table_name],
+        num_threads=1,
+    )[0]
+
+
+def preprocess_tables(
+    inputs: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    *,
+    device_batch_size: int,
+    num_sc_per_device: int,
+    global_device_count: int = 1,
+    max_ids_per_partition: int | None | Sequence[int | None] = None,
+    max_unique_ids_per_partition: int | None | Sequence[int | None] = None,
+    allow_id_dropping: bool = False,
+    table_names: Sequence[str] | None = None,
+    num_threads: int | None = None,
+) -> list[tuple[SparseCoreInput, PreprocessStats]]:
+    """`preprocess` for several tables (or stacks) of one device batch at once.
+
+    inputs: one (ids, sample_index, gains) per table. Limits: one value for all tables or one per
+    table. Each result is exactly what `preprocess` returns for that table alone. The tables share
+    one sort per group, and groups run on `num_threads` threads (default torch.get_num_threads());
+    numpy drops the GIL in its loops, so the groups overlap. A table's buffers may be views of one
+    allocation shared with the other tables of its group.
+    """
+    num_tables = len(inputs)
+    names = list(table_names) if table_names is not None else [f"table_{t}" for t in range(num_tables)]
+    lim_ids = _per_table(max_ids_per_partition, num_tables, "max_ids_per_partition")
+    lim_uniq = _per_table(max_unique_ids_per_partition, num_tables, "max_unique_ids_per_partition")
     num_sc = num_sc_per_device
-    parts = num_sc_per_device * global_device_count
     if device_batch_size % num_sc:
         raise ValueError(
-            f"table {table_name!r}: device_batch_size={device_batch_size} is not a multiple of "
+            f"table {names[0]!r}: device_batch_size={device_batch_size} is not a multiple of "
             f"num_sc_per_device={num_sc}; pad the batch (SparseCoreEmbeddingBagCollection does this)"
         )
+    kw = dict(device_batch_size=device_batch_size, num_sc=num_sc, parts=num_sc * global_device_count,
+              allow_id_dropping=allow_id_dropping)
+    sizes = [int(x[0].numel()) for x in inputs]
+    threads = max(1, min(num_threads or torch.get_num_threads(), num_tables))
+    # Groups of tables small enough for the caches, and at least one per thread.
+    groups = _split_by_size(sizes, max(threads, -(-sum(sizes) // _GROUP_IDS)))
+    if threads == 1 or len(groups) == 1:
+        return [r for a, b in groups for r in _preprocess_group(inputs[a:b], names[a:b], lim_ids[a:b], lim_uniq[a:b], **kw)]
+    futures = [
+        _pool(threads).submit(_preprocess_group, inputs[a:b], names[a:b], lim_ids[a:b], lim_uniq[a:b], **kw)
+        for a, b in groups
+    ]
+    return [r for f in futures for r in f.result()]
+
+
+# Ids per group of tables sorted together: beyond this the arrays outgrow the caches and one
+# sort per group costs more than it saves (measured on the benchmark, docs/kernels_preprocess.md).
+_GROUP_IDS = 1 << 16
+
+
+def _preprocess_group(inputs, names, lim_ids, lim_uniq, *, device_batch_size, num_sc, parts, allow_id_dropping):
+    """The work: tables t = 0..T-1 get disjoint key ranges, so one sort serves them all and every
+    per-segment step below runs over the T x num_sc x P (table, slice, partition) segments."""
+    num_tables = len(inputs)
     per_sc = device_batch_size // num_sc
-    dev = ids.device
-    nseg = num_sc * parts
+    tseg = num_sc * parts  # segments per table
+    nseg = num_tables * tseg
     # Host-side work: numpy on (zero-copy) views of the CPU tensors; its per-op cost and its sort
     # are several times cheaper than torch's at these sizes (docs/kernels_preprocess.md).
-    ids_np = _as_numpy(ids, np.int64)
-    smp_np = _as_numpy(sample_index, np.int64)
-    gains_np = _as_numpy(gains, np.float32)
-    n = ids_np.size
-
-    # One key orders everything as the SparseCore wants it: (slice, partition, local id, sample),
-    # as bit fields [segment | local id | sample in slice] so that taking it apart is shifts.
-    if parts & (parts - 1) == 0:
-        shift = parts.bit_length() - 1
-        local_col, part = ids_np >> shift, ids_np & (parts - 1)
+    # Big temporaries live in per-thread workspace buffers: fresh arrays of this size are new pages,
+    # and page faults were half the time (docs/kernels_preprocess.md).
+    ws = _workspace()
+    arrays = [(_as_numpy(i, np.int64), _as_numpy(s, np.int64), _as_numpy(g, np.float32)) for i, s, g in inputs]
+    lengths = [a[0].size for a in arrays]
+    n = sum(lengths)
+    if num_tables == 1:
+        ids_np, smp_np, gains_np = arrays[0]
     else:
-        local_col, part = np.divmod(ids_np, parts)
+        ids_np = np.concatenate([a[0] for a in arrays], out=ws.get("ids", n, np.int64))
+        smp_np = np.concatenate([a[1] for a in arrays], out=ws.get("smp", n, np.int64))
+        gains_np = np.concatenate([a[2] for a in arrays], out=ws.get("gains", n, np.float32))
+
+    # One key orders everything as the SparseCore wants it: (table, slice, partition, local id,
+    # sample), as bit fields [segment | local id | sample in slice] so that taking it apart is shifts.
+    local_col, key = ws.get("col", n, np.int64), ws.get("key", n, np.int64)
+    if parts & (parts - 1) == 0:
+        np.right_shift(ids_np, parts.bit_length() - 1, out=local_col)
+        np.bitwise_and(ids_np, parts - 1, out=key)
+    else:
+        np.divmod(ids_np, parts, out=(local_col, key))
     cbits = int(local_col.max()).bit_length() if n else 0
     sbits = (per_sc - 1).bit_length()
     seg_shift = cbits + sbits
-    part <<= cbits
-    part |= local_col
-    part <<= sbits
-    key = np.take(_row_keys(device_batch_size, per_sc, parts, seg_shift), smp_np)
-    key += part
+    key <<= cbits  # partition | local id | sample
+    key |= local_col
+    key <<= sbits
+    key += np.take(_row_keys(device_batch_size, per_sc, parts, seg_shift), smp_np, out=local_col, mode="clip")
+    if num_tables > 1:
+        start = 0
+        for t, length in enumerate(lengths):
+            key[start:start + length] += (t * tseg) << seg_shift
+            start += length
 
     # Sort once. With non-uniform gains the input position is packed into the low key bits, which
     # makes the sort stable: duplicates of an (id, sample) pair keep input order, so their gains
@@ -124,99 +200,191 @@ def preprocess(
     ibits = 0 if uniform else max(n - 1, 0).bit_length()
     if uniform:
         if key_bits <= 32:
-            key = key.astype(np.uint32)
+            k32 = ws.get("key32", n, np.uint32)
+            np.copyto(k32, key, casting="unsafe")
+            key = k32
         key.sort()
     elif key_bits + ibits <= 62:
         key <<= ibits
-        key |= np.arange(n, dtype=np.int64)
+        key |= _arange(n)
         key.sort()
-        order = key & ((1 << ibits) - 1)
+        order = np.bitwise_and(key, (1 << ibits) - 1, out=local_col)
         key >>= ibits
     else:
         order = np.argsort(key, kind="stable")
         key = np.take(key, order)
-    first_mask = _run_start_mask(key)
-    first = np.flatnonzero(first_mask)  # the first of each distinct (segment, id, sample)
-    ukey = np.take(key, first)
+    first_mask = ws.get("first", n, np.bool_)
+    if n:
+        first_mask[0] = True
+        np.not_equal(key[1:], key[:-1], out=first_mask[1:])
+    m = int(np.count_nonzero(first_mask))  # distinct (segment, id, sample)
+    ukey = np.compress(first_mask, key, out=ws.get("ukey", m, key.dtype))  # uint32 or int64
+    ugain = ws.get("ugain", m, np.float32)
     if uniform:
+        ugain.fill(gains_np[0] if n else 0)
         gsorted = None
-        ugain = np.full(ukey.size, gains_np[0] if n else 0, dtype=np.float32)
     else:
-        gsorted = np.take(gains_np, order)
-        ugain = np.take(gsorted, first)
+        gsorted = np.take(gains_np, order, out=ws.get("gsorted", n, np.float32), mode="clip")
+        np.compress(first_mask, gsorted, out=ugain)
     with np.errstate(invalid="ignore"):
         ugain += np.float32(0)  # 0 + g, as the float32 accumulation always did
-    if ukey.size < n:  # merge duplicates: float32 sums in input order
+    if m < n:  # merge duplicates: float32 sums in input order
         dup = np.flatnonzero(~first_mask)
-        target = np.searchsorted(first, dup, side="right") - 1
+        target = dup - _arange(dup.size) - 1  # the k-th duplicate follows k earlier ones
         with np.errstate(over="ignore", invalid="ignore"):  # inf / NaN gains pass through
             np.add.at(ugain, target, np.full(dup.size, gains_np[0], np.float32) if uniform else np.take(gsorted, dup))
-    ukey = ukey.astype(np.int64, copy=False)
 
     # Entries are sorted by segment: segment g is ukey[bounds[g]:bounds[g + 1]].
-    bounds = np.searchsorted(ukey, np.arange(nseg + 1, dtype=np.int64) << seg_shift)
+    bounds = np.empty(nseg + 1, dtype=np.int64)
+    bounds[:-1] = np.searchsorted(ukey, (np.arange(nseg, dtype=np.int64) << seg_shift).astype(ukey.dtype))
+    bounds[-1] = ukey.size
     counts = np.diff(bounds)
-    seg_col = ukey >> sbits  # (segment, local id) pair, for counting unique ids
+    seg_col = np.right_shift(ukey, sbits, out=ws.get("seg_col", m, ukey.dtype))  # (segment, local id)
     col_starts = _run_starts(seg_col)
     ucounts = np.diff(np.searchsorted(col_starts, bounds))
 
-    max_ids = max_ids_per_partition if max_ids_per_partition is not None else max(int(counts.max()) if nseg else 0, 1)
-    max_uniq = max_unique_ids_per_partition if max_unique_ids_per_partition is not None else max_ids
-    observed = counts.reshape(num_sc, parts)  # demand before any dropping, for tuning limits
-    observed_aligned = (counts + SEGMENT_ALIGN - 1) // SEGMENT_ALIGN * SEGMENT_ALIGN
-    observed_need = int(observed_aligned.reshape(num_sc, parts).sum(1).max()) if nseg else 0
-    over = (counts > max_ids) | (ucounts > max_uniq)
-    dropped = 0
+    counts_t, ucounts_t = counts.reshape(num_tables, tseg), ucounts.reshape(num_tables, tseg)
+    max_ids = np.array([m if m is not None else max(int(c.max()) if tseg else 0, 1) for m, c in zip(lim_ids, counts_t)],
+                       dtype=np.int64)
+    max_uniq = np.array([u if u is not None else m for u, m in zip(lim_uniq, max_ids)], dtype=np.int64)
+    observed = counts_t.reshape(num_tables, num_sc, parts)  # demand before any dropping, for tuning
+    observed_aligned = (observed + SEGMENT_ALIGN - 1) // SEGMENT_ALIGN * SEGMENT_ALIGN
+    observed_need = observed_aligned.sum(2).max(1) if tseg else np.zeros(num_tables, np.int64)
+    over = (counts_t > max_ids[:, None]) | (ucounts_t > max_uniq[:, None])
+    dropped = np.zeros(num_tables, dtype=np.int64)
     if over.any():
         if not allow_id_dropping:
-            _raise_limit_error(table_name, over, counts, ucounts, max_ids, max_uniq, num_sc, parts, per_sc)
+            t = int(np.flatnonzero(over.any(1))[0])
+            _raise_limit_error(names[t], over[t], counts_t[t], ucounts_t[t], int(max_ids[t]), int(max_uniq[t]),
+                               num_sc, parts, per_sc)
         # Keep, per segment, the first max_ids entries whose id is among the first max_uniq ids.
         seg = np.repeat(np.arange(nseg), counts)
         rank = np.arange(seg.size) - bounds[:-1][seg]
         col_rank = np.searchsorted(col_starts, np.arange(seg.size), side="right") - 1
         col_rank -= np.searchsorted(col_starts, bounds[:-1])[seg]
-        keep = (rank < max_ids) & (col_rank < max_uniq)
-        dropped = int(keep.size - np.count_nonzero(keep))
+        table = seg // tseg
+        keep = (rank < max_ids[table]) & (col_rank < max_uniq[table])
+        dropped = np.bincount(table[~keep], minlength=num_tables)
         ukey, ugain = ukey[keep], ugain[keep]
         seg_col = ukey >> sbits
         counts = np.bincount(seg[keep], minlength=nseg)
 
     # Place entries: segment p of SparseCore s starts at the 8-aligned sum of earlier segments.
-    aligned = ((counts + SEGMENT_ALIGN - 1) // SEGMENT_ALIGN * SEGMENT_ALIGN).reshape(num_sc, parts)
-    starts = np.cumsum(aligned, 1) - aligned
-    ends = starts + counts.reshape(num_sc, parts)
-    need_per_sc = int(aligned.sum(1).max()) if nseg else 0
-    slots = round_up(max_ids, SEGMENT_ALIGN) * parts
-    slots = max(slots, need_per_sc)  # only grows when limits were left to the batch
-    # Entry j of segment g goes to base[g] + j (j counted over all entries).
-    base = np.arange(nseg) // parts * slots + starts.reshape(-1) - (np.cumsum(counts) - counts)
+    aligned = ((counts + SEGMENT_ALIGN - 1) // SEGMENT_ALIGN * SEGMENT_ALIGN).reshape(num_tables, num_sc, parts)
+    starts = np.cumsum(aligned, 2) - aligned
+    ends = starts + counts.reshape(num_tables, num_sc, parts)
+    need_per_sc = aligned.sum(2).max(1) if tseg else np.zeros(num_tables, np.int64)
+    # round_up(max_ids, 8) x P slots per SparseCore; only grows when limits were left to the batch.
+    slots = np.maximum((max_ids + SEGMENT_ALIGN - 1) // SEGMENT_ALIGN * SEGMENT_ALIGN * parts, need_per_sc)
+    table_size = num_sc * slots
+    table_start = np.cumsum(table_size) - table_size
+    # Entry j (counted over all entries) of segment g goes to base[g] + j.
+    base = table_start[:, None, None] + np.arange(num_sc)[None, :, None] * slots[:, None, None] + starts
+    base = base.reshape(-1) - (np.cumsum(counts) - counts)
     pos = np.repeat(base, counts)
-    pos += np.arange(pos.size)
+    pos += _arange(pos.size)
 
-    emb = np.full(num_sc * slots, PADDING_ID, dtype=np.int32)
-    smp = np.full(num_sc * slots, PADDING_ID, dtype=np.int32)
-    gns = np.full(num_sc * slots, np.nan, dtype=np.float32)
-    emb[pos] = seg_col & ((1 << cbits) - 1)
-    smp[pos] = ukey & ((1 << sbits) - 1)
+    total = int(table_size.sum())
+    emb = np.full(total, PADDING_ID, dtype=np.int32)
+    smp = np.full(total, PADDING_ID, dtype=np.int32)
+    gns = np.full(total, np.nan, dtype=np.float32)
+    emb[pos] = np.bitwise_and(seg_col, (1 << cbits) - 1, out=seg_col)
+    smp[pos] = np.bitwise_and(ukey, (1 << sbits) - 1, out=ukey)
     gns[pos] = ugain
 
     rp_width = max(parts, SEGMENT_ALIGN)
-    row_pointers = np.empty((num_sc, rp_width), dtype=np.int32)
-    row_pointers[:, :parts] = ends
+    row_pointers = np.empty((num_tables, num_sc, rp_width), dtype=np.int32)
+    row_pointers[:, :, :parts] = ends
     if rp_width > parts:
-        row_pointers[:, parts:] = aligned.sum(1, keepdims=True)
+        row_pointers[:, :, parts:] = aligned.sum(2, keepdims=True)
 
-    out = [torch.from_numpy(a) for a in (row_pointers.reshape(-1), emb, smp, gns)]
-    if dev.type != "cpu":
-        out = [t.to(dev) for t in out]
-    csr = SparseCoreInput(*out, device_batch_size, num_sc, parts, max_ids, max_uniq)
-    stats = PreprocessStats(
-        ids_per_partition=torch.from_numpy(observed),
-        unique_ids_per_partition=torch.from_numpy(ucounts.reshape(num_sc, parts)),
-        required_buffer_size_per_sc=observed_need,  # before dropping, like ids_per_partition
-        dropped_id_count=dropped,
-    )
-    return csr, stats
+    emb_t, smp_t, gns_t = torch.from_numpy(emb), torch.from_numpy(smp), torch.from_numpy(gns)
+    results = []
+    for t, (ids, _, _) in enumerate(inputs):
+        a, b = int(table_start[t]), int(table_start[t] + table_size[t])
+        out = [torch.from_numpy(row_pointers[t].reshape(-1)), emb_t[a:b], smp_t[a:b], gns_t[a:b]]
+        if ids.device.type != "cpu":
+            out = [x.to(ids.device) for x in out]
+        csr = SparseCoreInput(*out, device_batch_size, num_sc, parts, int(max_ids[t]), int(max_uniq[t]))
+        stats = PreprocessStats(
+            ids_per_partition=torch.from_numpy(observed[t]),
+            unique_ids_per_partition=torch.from_numpy(ucounts_t[t].reshape(num_sc, parts)),
+            required_buffer_size_per_sc=int(observed_need[t]),  # before dropping, like ids_per_partition
+            dropped_id_count=int(dropped[t]),
+        )
+        results.append((csr, stats))
+    return results
+
+
+def _per_table(value, num_tables: int, what: str) -> list:
+    if value is None or isinstance(value, (int, np.integer)):
+        return [value] * num_tables
+    value = list(value)
+    if len(value) != num_tables:
+        raise ValueError(f"{what}: {len(value)} values for {num_tables} tables")
+    return value
+
+
+def _split_by_size(sizes: list[int], groups: int) -> list[tuple[int, int]]:
+    """Contiguous ranges of tables with about equal total ids, at most `groups` of them."""
+    total = sum(sizes) or 1
+    bounds, acc, start = [], 0, 0
+    for t, size in enumerate(sizes):
+        acc += size
+        if acc * groups >= total * (len(bounds) + 1) and t + 1 < len(sizes):
+            bounds.append((start, t + 1))
+            start = t + 1
+    bounds.append((start, len(sizes)))
+    return bounds
+
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+
+
+def _pool(threads: int) -> ThreadPoolExecutor:
+    if threads not in _POOLS:
+        _POOLS[threads] = ThreadPoolExecutor(threads, thread_name_prefix="tpurec-preprocess")
+    return _POOLS[threads]
+
+
+class _Workspace(threading.local):
+    """Per-thread scratch arrays, grown on demand and reused across calls (up to _WORKSPACE_MAX
+    elements each; larger requests get fresh arrays). Nothing in them outlives a call's result."""
+
+    def __init__(self):
+        self.arrays: dict[str, np.ndarray] = {}
+
+    def get(self, name: str, size: int, dtype) -> np.ndarray:
+        if size > _WORKSPACE_MAX:
+            return np.empty(size, dtype=dtype)
+        a = self.arrays.get(name)
+        if a is None or a.size < size or a.dtype != dtype:
+            a = np.empty(min(max(size + size // 4, 4096), _WORKSPACE_MAX), dtype=dtype)
+            self.arrays[name] = a
+        return a[:size]
+
+
+_WORKSPACE_MAX = 1 << 22
+_WS = None
+_ARANGE = np.arange(0, dtype=np.int64)
+
+
+def _workspace() -> _Workspace:
+    global _WS
+    if _WS is None:
+        _WS = _Workspace()
+    return _WS
+
+
+def _arange(n: int) -> np.ndarray:
+    """A read-only view of 0..n-1 (cached)."""
+    global _ARANGE
+    a = _ARANGE
+    if a.size < n:
+        a = np.arange(max(n, 2 * a.size), dtype=np.int64)
+        a.flags.writeable = False
+        _ARANGE = a
+    return a[:n]
 
 
 def _as_numpy(t: torch.Tensor, dtype) -> np.ndarray:

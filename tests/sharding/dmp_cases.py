@@ -1,0 +1,177 @@
+"""Rank functions for the multi-process DMP tests (module level: ranks are spawned)."""
+from __future__ import annotations
+
+import torch
+from torchrec.distributed.model_parallel import DistributedModelParallel as TorchrecDMP
+import dataclasses
+
+from torchrec.distributed.sharding_plan import (
+    column_wise,
+    construct_module_sharding_plan,
+    row_wise,
+    table_row_wise,
+    table_wise,
+)
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from tpurec.sharding.kernel_choice import COMPUTE_KERNEL
+from tpurec.sharding.sharder import SparseCoreEBCSharder
+
+TABLES = [("t0", 40, 16, ["f0"]), ("t1", 27, 32, ["f1", "f2"]), ("t2", 64, 16, ["f3"])]
+
+
+def tables(pooling=PoolingType.SUM):
+    return [EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=fs, pooling=pooling)
+            for n, r, d, fs in TABLES]
+
+
+def global_batches(steps: int, batch: int, weighted: bool, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    keys = [f for _, _, _, fs in TABLES for f in fs]
+    rows = [r for _, r, _, fs in TABLES for _ in fs]
+    out = []
+    for _ in range(steps):
+        lengths = torch.randint(0, 4, (len(keys) * batch,), generator=gen)
+        values = torch.cat([torch.randint(0, r, (int(lengths[k * batch:(k + 1) * batch].sum()),), generator=gen)
+                            for k, r in enumerate(rows)])
+        weights = torch.rand(values.numel(), generator=gen) + 0.5 if weighted else None
+        out.append((KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, weights=weights),
+                    torch.randn(batch, sum(d * len(fs) for _, _, d, fs in TABLES), generator=gen)))
+    return out
+
+
+def local_slice(kjt: KeyedJaggedTensor, rank: int, world_size: int) -> KeyedJaggedTensor:
+    """This rank's share of a global batch (contiguous samples), as each rank's data loader would give."""
+    batch = kjt.stride()
+    per = batch // world_size
+    lo, hi = rank * per, (rank + 1) * per
+    d = kjt.to_dict()
+    keys = kjt.keys()
+    values, lengths, weights = [], [], []
+    for k in keys:
+        jt = d[k]
+        off = jt.offsets()
+        values.append(jt.values()[off[lo]:off[hi]])
+        lengths.append(jt.lengths()[lo:hi])
+        if kjt.weights_or_none() is not None:
+            weights.append(jt.weights()[off[lo]:off[hi]])
+    return KeyedJaggedTensor(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths),
+                             weights=torch.cat(weights) if weights else None)
+
+
+def _ours(gen, sharding_type=None):
+    """torchrec's plan generator with tpurec's compute kernel (and optionally another sharding type)."""
+    def wrapped(*args, **kwargs):
+        ps = gen(*args, **kwargs)
+        return dataclasses.replace(ps, compute_kernel=COMPUTE_KERNEL,
+                                   sharding_type=sharding_type or ps.sharding_type)
+    return wrapped
+
+
+GENERATORS = {
+    # table i on rank i % ws; column shards of 8 columns spread from rank i (wrapping, may repeat ranks)
+    "table_wise": lambda i, ws: _ours(table_wise(rank=i % ws)),
+    "column_wise": lambda i, ws: _ours(column_wise(ranks=[(i + k) % ws for k in range(2)])),
+    "table_column_wise": lambda i, ws: _ours(column_wise(ranks=[(i + k) % ws for k in range(2)]), "table_column_wise"),
+    "row_wise": lambda i, ws: _ours(row_wise()),
+    "table_row_wise": lambda i, ws: _ours(table_row_wise(host_index=0)),
+}
+
+
+def build_sharded(rank, world_size, sharding, optim, kwargs, pooling, weighted, init_state, stock=False):
+    """DMP over a meta-device EBC with tpurec's sharder (or, stock=True, TorchRec's own fused kernel)."""
+    ebc = EmbeddingBagCollection(tables(pooling), is_weighted=weighted, device=torch.device("meta"))
+    apply_optimizer_in_backward(optim, ebc.parameters(), dict(kwargs))  # torchrec adds keys to it
+    if stock:
+        from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+        sharder = EmbeddingBagCollectionSharder()
+        per_param = {n: _stock(GENERATORS[sharding](i, world_size)) for i, (n, _, _, _) in enumerate(TABLES)}
+    else:
+        sharder = SparseCoreEBCSharder(num_sparsecores=2)
+        per_param = {n: GENERATORS[sharding](i, world_size) for i, (n, _, _, _) in enumerate(TABLES)}
+    module_plan = construct_module_sharding_plan(ebc, per_param_sharding=per_param, local_size=world_size,
+                                                 world_size=world_size, device_type="cpu", sharder=sharder)
+    plan = ShardingPlan({"": module_plan})
+    env = ShardingEnv.from_process_group(torch.distributed.group.WORLD)
+    model = TorchrecDMP(ebc, env=env, device=torch.device("cpu"), plan=plan, sharders=[sharder],
+                        init_data_parallel=False)
+    if stock:
+        copy_full_into_shards(model, init_state)
+    else:
+        model.load_state_dict(init_state)  # tpurec's sharded EBC also accepts full tensors
+    return model
+
+
+def copy_full_into_shards(model, full_state):
+    """Write full (unsharded) tables into a stock TorchRec model's local shards."""
+    with torch.no_grad():
+        for key, value in model.state_dict().items():
+            if hasattr(value, "local_shards") and key in full_state:
+                for shard in value.local_shards():
+                    (r, c), (nr, nc) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+                    shard.tensor.copy_(full_state[key][r:r + nr, c:c + nc])
+
+
+def _stock(gen):
+    def wrapped(*args, **kwargs):
+        return dataclasses.replace(gen(*args, **kwargs), compute_kernel="fused")
+    return wrapped
+
+
+def train_sharded(rank, world_size, sharding, optim, kwargs, pooling, weighted, init_state, steps, stock=False):
+    model = build_sharded(rank, world_size, sharding, optim, kwargs, pooling, weighted, init_state, stock)
+    outs = []
+    for kjt, upstream in global_batches(steps, 8, weighted):
+        local = local_slice(kjt, rank, world_size)
+        per = kjt.stride() // world_size
+        kt = model(local)
+        # TorchRec's sharded output lists features grouped by sharding; order them as the EBC does.
+        parts = kt.to_dict()
+        out = torch.cat([parts[k] for k in kjt.keys()], dim=1)
+        outs.append(out.detach().clone())
+        (out * upstream[rank * per:(rank + 1) * per]).sum().backward()
+    # full tables gathered from the sharded state_dict (ShardedTensor -> full on rank 0)
+    sd = model.state_dict()
+    full = {}
+    for k, v in sd.items():
+        if hasattr(v, "local_shards"):
+            dst = torch.zeros(v.size()) if rank == 0 else None
+            v.gather(dst=0, out=dst)
+            full[k] = dst
+    return {"outs": outs, "tables": full}
+
+
+OPTIMIZERS = {
+    "sgd": (torch.optim.SGD, {"lr": 0.1}),
+    "rowwise_adagrad": (None, {"lr": 0.1, "eps": 1e-6}),  # torchrec.optim.RowWiseAdagrad, imported lazily
+    "adam": (torch.optim.Adam, {"lr": 0.05, "eps": 1e-6}),
+}
+
+
+def optimizer(name):
+    cls, kwargs = OPTIMIZERS[name]
+    if cls is None:
+        from torchrec.optim import RowWiseAdagrad
+
+        cls = RowWiseAdagrad
+    return cls, dict(kwargs)
+
+
+def run_cases(rank, world_size, cases, init_state, steps):
+    """Train every case on this rank; return local outputs per step and full final tables (rank 0)."""
+    results = []
+    for case in cases:
+        optim, kwargs = optimizer(case["optim"])
+        pooling = PoolingType[case["pooling"]]
+        result = train_sharded(rank, world_size, case["sharding"], optim, kwargs, pooling, case["weighted"],
+                               init_state, steps)
+        if case.get("stock"):
+            result["stock"] = train_sharded(rank, world_size, case["sharding"], optim, kwargs, pooling,
+                                            case["weighted"], init_state, steps, stock=True)
+        results.append(result)
+    return results

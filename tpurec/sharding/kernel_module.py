@@ -1,0 +1,97 @@
+"""The compute kernel TorchRec's sharded lookups run for tpurec tables: one SparseCoreKernel per group.
+
+A `GroupedEmbeddingConfig` lists this rank's table shards (rows and columns after sharding) and the
+features that feed them, in order. Every shard becomes a kernel table of its local size; inside the
+shard, rows are MOD-partitioned over this device's SparseCores by the kernel. The fused optimizer
+comes from the per-table fused params TorchRec derived from `apply_optimizer_in_backward`.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from torchrec.distributed.embedding_kernel import BaseEmbedding
+from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
+from torchrec.modules.embedding_configs import PoolingType
+from torchrec.optim.fused import FusedOptimizerModule
+
+from tpurec.embedding.fused_optimizer import SparseCoreFusedOptimizer
+from tpurec.embedding.kernel import KernelTable, SparseCoreKernel
+from tpurec.embedding.optimizers import spec_from_fused_params
+
+_POOLING = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
+
+
+class SparseCoreEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
+    def __init__(self, config: GroupedEmbeddingConfig, device: torch.device | None, num_sc_per_device: int,
+                 sharding_type=None) -> None:
+        super().__init__()
+        # Row-wise shards see only part of each bag: TorchRec sums there and divides by the full bag
+        # length after the reduce-scatter (its mean-pooling callback), so the kernel must sum.
+        rowwise = getattr(sharding_type, "value", sharding_type) in ("row_wise", "table_row_wise")
+        self._config = config
+        specs = {spec_from_fused_params(t.fused_params, t.name) for t in config.embedding_tables}
+        if len(specs) != 1:
+            raise ValueError(f"tables {[t.name for t in config.embedding_tables]} grouped together use different "
+                             f"fused optimizers {specs}; TorchRec groups tables by fused params, so this is a bug")
+        (spec,) = specs
+        # Shard k of table t gets the kernel name "t/k" (a rank may hold several column shards of t)
+        # and its features become slots "index:feature" (a feature repeats across those shards).
+        self.shards: list[tuple[str, str, object]] = []  # (table, kernel name, ShardMetadata)
+        tables, slot = [], 0
+        seen: dict[str, int] = {}
+        for t in config.embedding_tables:
+            k = seen[t.name] = seen.get(t.name, -1) + 1
+            kname = f"{t.name}/{k}"
+            slots = []
+            for f in t.feature_names:
+                slots.append(f"{slot}:{f}")
+                slot += 1
+            if t.pooling not in _POOLING:
+                raise ValueError(f"table {t.name!r}: pooling {t.pooling} is not supported (SUM or MEAN)")
+            pooling = "sum" if rowwise else _POOLING[t.pooling]
+            tables.append(KernelTable(kname, t.local_rows, t.local_cols, tuple(slots), pooling,
+                                      init_rows=t.num_embeddings))
+            self.shards.append((t.name, kname, t.local_metadata))
+        self.kernel = SparseCoreKernel(
+            tables, spec, num_sc_per_device, is_weighted=config.is_weighted, device=device, positional=True,
+            max_ids_per_partition=_fused_int(config, "max_ids_per_partition"),
+            max_unique_ids_per_partition=_fused_int(config, "max_unique_ids_per_partition"),
+            allow_id_dropping=bool((config.embedding_tables[0].fused_params or {}).get("allow_id_dropping", False)),
+        )
+        self._optim = SparseCoreFusedOptimizer(self.kernel, param_prefix="", key_of=self._param_key)
+
+    @staticmethod
+    def _param_key(kname: str) -> str:
+        # TorchRec keys fused-optimizer params "<table>.weight"; the sharded EBC prefixes "embedding_bags.".
+        return f"{kname.split('/')[0]}.weight" if kname.endswith("/0") else f"{kname}.weight"
+
+    @property
+    def config(self) -> GroupedEmbeddingConfig:
+        return self._config
+
+    @property
+    def fused_optimizer(self) -> SparseCoreFusedOptimizer:
+        return self._optim
+
+    def forward(self, features) -> torch.Tensor:
+        return self.kernel(features)
+
+    def named_parameters_by_table(self) -> Iterator:
+        # Tables live in the kernel's partition-major storage, not as parameters; the sharded EBC
+        # publishes them through its own state_dict hooks (tpurec.sharding.sharded_ebc).
+        return iter(())
+
+    def named_split_embedding_weights(self, *args, **kwargs) -> Iterator:
+        return iter(())
+
+    def flush(self) -> None:
+        pass
+
+    def purge(self) -> None:
+        pass
+
+
+def _fused_int(config: GroupedEmbeddingConfig, key: str):
+    value = (config.embedding_tables[0].fused_params or {}).get(key)
+    return int(value) if value is not None else None
