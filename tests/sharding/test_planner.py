@@ -198,3 +198,24 @@ def test_critical_device_proposer_beats_torchrec_proposers_alone(mlperf):
                              UniformProposer()])
     ours_only = step_ms([P.CriticalDeviceProposer()])
     assert ours_only < 0.8 * torchrec_only
+
+
+def test_inspector_reports_what_the_planner_optimised():
+    """Per device, the planner's shard estimates (storage + perf) equal the inspector's numbers."""
+    model = "criteo-kaggle"
+    topo = make_topology("v6e-8")
+    cons = pooling_of(model)
+    reservation = P.TpuStorageReservation()
+    planner = P.make_planner(topo, batch_size=128, constraints=cons, optimizer="adam",
+                             storage_reservation=reservation)
+    plan = planner.plan(ebc_for(model), [P.TpuPlanningSharder()])
+    hbm, ms = [0] * 8, [0.0] * 8
+    for option in planner.get_selected_options():
+        for s in option.shards:
+            hbm[s.rank] += s.storage.hbm
+            ms[s.rank] += s.perf.total
+    report = _report(plan, model, topo, 128, "adam", reservation)
+    reserved = report["devices"][0]["reserved_bytes"]
+    assert [d["hbm_used_bytes"] - reserved for d in report["devices"]] == hbm
+    assert [d["estimated_time_ms"] for d in report["devices"]] == pytest.approx(ms)
+    assert max(hbm) > 0
