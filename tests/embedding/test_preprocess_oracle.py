@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jte_oracle as jo  # noqa: E402
 
 from tpurec.embedding.constraints import round_up  # noqa: E402
-from tpurec.embedding.preprocess import IdLimitExceededError  # noqa: E402
+from tpurec.embedding.preprocess import IdLimitExceededError, preprocess, preprocess_tables  # noqa: E402
 
 pytest.importorskip("jax_tpu_embedding")
 
@@ -226,6 +226,61 @@ def test_dropping_is_deterministic_and_bitwise_stable():
     for name in ("row_pointers", "embedding_ids", "sample_ids", "gains"):
         assert torch.equal(getattr(a, name).view(torch.int32), getattr(b, name).view(torch.int32))
     assert sa.dropped_id_count == sb.dropped_id_count > 0
+
+
+# ------------------------------------------------------------------------ preprocess_tables
+def _bitwise_equal(a, b) -> None:
+    for name in ("row_pointers", "embedding_ids", "sample_ids", "gains"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and x.shape == y.shape, name
+        assert torch.equal(x.view(torch.int32), y.view(torch.int32)), name
+    assert (a.max_ids_per_partition, a.max_unique_ids_per_partition) == (b.max_ids_per_partition, b.max_unique_ids_per_partition)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2, 3])
+def test_preprocess_tables_equals_per_table(num_threads):
+    """Several tables in one call (shared sort, thread groups) = one `preprocess` call per table,
+    bit for bit, with per-table limits, float and uniform gains, dropping and stats."""
+    rng = np.random.default_rng(90 + num_threads)
+    for trial in range(8):
+        num_sc, num_devices = int(rng.choice([1, 2, 4])), int(rng.choice([1, 3]))
+        bdev = num_sc * int(rng.integers(1, 9))
+        batches = [
+            jo.random_batch(rng, bdev, vocab=int(rng.choice([5, 300, 70_000])), max_bag=int(rng.integers(1, 12)),
+                            weights=str(rng.choice(["ones", "float"])))
+            for _ in range(int(rng.integers(1, 9)))
+        ]
+        limits = [(None, None) if rng.random() < 0.3 else (int(rng.integers(1, 12)), int(rng.integers(1, 12))) for _ in batches]
+        kw = dict(device_batch_size=bdev, num_sc_per_device=num_sc, global_device_count=num_devices, allow_id_dropping=True)
+        got = preprocess_tables([b.flat() for b in batches], max_ids_per_partition=[m for m, _ in limits],
+                                max_unique_ids_per_partition=[u for _, u in limits], num_threads=num_threads, **kw)
+        for b, (mi, mu), (csr, st) in zip(batches, limits, got):
+            ref, ref_st = preprocess(*b.flat(), max_ids_per_partition=mi, max_unique_ids_per_partition=mu, **kw)
+            _bitwise_equal(csr, ref)
+            assert torch.equal(st.ids_per_partition, ref_st.ids_per_partition)
+            assert torch.equal(st.unique_ids_per_partition, ref_st.unique_ids_per_partition)
+            assert (st.required_buffer_size_per_sc, st.dropped_id_count) == (ref_st.required_buffer_size_per_sc, ref_st.dropped_id_count)
+
+
+def test_preprocess_tables_error_names_the_first_failing_table():
+    ok = jo.RaggedBatch([np.array([1], np.int32)] * 4, [np.ones(1, np.float32)] * 4)
+    bad = jo.RaggedBatch([np.array([0, 2, 4], np.int32)] * 4, [np.ones(3, np.float32)] * 4)
+    with pytest.raises(IdLimitExceededError, match=r"table 'second', partition 0 of 2 .*12 ids > max_ids_per_partition=8"):
+        preprocess_tables([ok.flat(), bad.flat(), bad.flat()], device_batch_size=4, num_sc_per_device=1,
+                          global_device_count=2, max_ids_per_partition=8, table_names=["first", "second", "third"],
+                          num_threads=2)
+
+
+def test_results_do_not_alias_scratch_buffers():
+    """Outputs stay intact across later calls (the scratch arrays are reused between calls)."""
+    rng = np.random.default_rng(5)
+    a = jo.random_batch(rng, 32, vocab=100, weights="float")
+    first, _ = jo.tpurec_device(a, num_sc=2, num_devices=1, max_ids=64, max_uniq=64)
+    snapshot = [t.clone() for t in (first.row_pointers, first.embedding_ids, first.sample_ids, first.gains)]
+    for _ in range(3):
+        jo.tpurec_device(jo.random_batch(rng, 32, vocab=100, weights="float"), num_sc=2, num_devices=1, max_ids=64, max_uniq=64)
+    for before, now in zip(snapshot, (first.row_pointers, first.embedding_ids, first.sample_ids, first.gains)):
+        assert torch.equal(before.view(torch.int32), now.view(torch.int32))
 
 
 # ------------------------------------------------------------------------- in fresh processes
