@@ -218,14 +218,14 @@ def _preprocess_group(inputs, names, lim_ids, lim_uniq, *, device_batch_size, nu
         first_mask[0] = True
         np.not_equal(key[1:], key[:-1], out=first_mask[1:])
     m = int(np.count_nonzero(first_mask))  # distinct (segment, id, sample)
-    ukey = np.compress(first_mask, key, out=ws.get("ukey", m, key.dtype))  # uint32 or int64
+    ukey = key[first_mask]  # uint32 or int64; boolean indexing beats np.compress(out=) ~3x
     ugain = ws.get("ugain", m, np.float32)
     if uniform:
         ugain.fill(gains_np[0] if n else 0)
         gsorted = None
     else:
         gsorted = np.take(gains_np, order, out=ws.get("gsorted", n, np.float32), mode="clip")
-        np.compress(first_mask, gsorted, out=ugain)
+        ugain[...] = gsorted[first_mask]
     with np.errstate(invalid="ignore"):
         ugain += np.float32(0)  # 0 + g, as the float32 accumulation always did
     if m < n:  # merge duplicates: float32 sums in input order
