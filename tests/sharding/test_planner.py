@@ -219,3 +219,11 @@ def test_inspector_reports_what_the_planner_optimised():
     assert [d["hbm_used_bytes"] - reserved for d in report["devices"]] == hbm
     assert [d["estimated_time_ms"] for d in report["devices"]] == pytest.approx(ms)
     assert max(hbm) > 0
+
+
+def test_sharder_offering_nothing_runnable_is_named():
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder as Stock
+
+    # torchrec's stock sharder offers only kernels (fused, ...) that do not run on TPU
+    with pytest.raises(ValueError, match=r"no sharding option the SparseCore kernel can run .*'t_C1'"):
+        P.plan(ebc_for("dlrm-tiny"), make_topology("v5p-8"), batch_size=8, sharders=[Stock()])

@@ -62,11 +62,19 @@ class TpuEnumerator(EmbeddingEnumerator):
         for name, dim in _table_dims(module).items():
             check_dim(name, dim)
         options = super().enumerate(module, sharders)
-        return [
+        kept = [
             o for o in options
             if o.sharding_type in SHARDING_TYPES and o.compute_kernel == COMPUTE_KERNEL
             and all(s.size[1] % DIM_ALIGN == 0 for s in o.shards)
         ]
+        lost = sorted({o.name for o in options} - {o.name for o in kept})
+        if lost:
+            raise ValueError(
+                f"no sharding option the SparseCore kernel can run for table(s) {lost}: it needs compute kernel "
+                f"{COMPUTE_KERNEL!r}, one of {SHARDING_TYPES}, and column shards that are multiples of {DIM_ALIGN}; "
+                "check the sharders and ParameterConstraints"
+            )
+        return kept
 
 
 def _table_dims(module: nn.Module) -> Dict[str, int]:
