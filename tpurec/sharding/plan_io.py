@@ -110,7 +110,13 @@ def save_plan(plan, path, meta: Optional[dict] = None) -> None:
 
 
 def read_doc(path) -> dict:
-    return json.loads(Path(path).read_text())
+    try:
+        doc = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not a JSON plan file ({e})") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: not a tpurec plan (a JSON object is expected)")
+    return doc
 
 
 def load_plan(path):
