@@ -175,3 +175,40 @@ def run_cases(rank, world_size, cases, init_state, steps):
                                             case["weighted"], init_state, steps, stock=True)
         results.append(result)
     return results
+
+
+def eval_outputs(model, rank, world_size, steps=2):
+    outs = []
+    with torch.no_grad():
+        for kjt, _ in global_batches(steps, 8, False, seed=7):
+            parts = model(local_slice(kjt, rank, world_size)).to_dict()
+            outs.append(torch.cat([parts[k] for k in kjt.keys()], dim=1))
+    return outs
+
+
+def checkpoint_save(rank, world_size, path, init_state, sharding, stock):
+    """Train 2 steps with `sharding`, save with torch.distributed.checkpoint, return eval outputs."""
+    import torch.distributed.checkpoint as dcp
+
+    model = build_sharded(rank, world_size, sharding, torch.optim.SGD, {"lr": 0.5}, PoolingType.SUM, False,
+                          init_state, stock=stock)
+    for kjt, upstream in global_batches(2, 8, False):
+        per = 8 // world_size
+        kt = model(local_slice(kjt, rank, world_size))
+        (kt.values() * upstream[rank * per:(rank + 1) * per, :kt.values().shape[1]]).sum().backward()
+    dcp.save(model.state_dict(), checkpoint_id=path)
+    return eval_outputs(model, rank, world_size)
+
+
+def checkpoint_load(rank, world_size, path, sharding, stock):
+    """A fresh model (other init, maybe other sharding and world size) loaded from `path`."""
+    import torch.distributed.checkpoint as dcp
+
+    fresh = EmbeddingBagCollection(tables()).state_dict()  # different random weights
+    model = build_sharded(rank, world_size, sharding, torch.optim.SGD, {"lr": 0.5}, PoolingType.SUM, False,
+                          fresh, stock=stock)
+    before = eval_outputs(model, rank, world_size)
+    sd = model.state_dict()
+    dcp.load(sd, checkpoint_id=path)
+    model.load_state_dict(sd)
+    return {"before": before, "after": eval_outputs(model, rank, world_size)}

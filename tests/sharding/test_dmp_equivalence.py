@@ -32,8 +32,11 @@ LEAN = [
 ]
 # Weighted mean pooling is not compared with stock TorchRec: its fused kernel's outputs differ from
 # sum(w * e) / bag_length (the definition the unsharded EBC comparison uses) — see docs/dmp.md.
+# Row-wise sharded weighted mean pooling is left out: TorchRec's mean-pooling callback (which divides
+# the reduce-scattered sums) does not give sum(w * e) / bag_length there either.
 FULL = [dict(sharding=s, optim=o, pooling=p, weighted=w, stock=s in STOCK_SHARDINGS and not (w and p == "MEAN"))
-        for s in c.GENERATORS for o in ("sgd", "rowwise_adagrad") for p in ("SUM", "MEAN") for w in (False, True)]
+        for s in c.GENERATORS for o in ("sgd", "rowwise_adagrad") for p in ("SUM", "MEAN") for w in (False, True)
+        if not (w and p == "MEAN" and s in ("row_wise", "table_row_wise"))]
 FULL += [dict(sharding=s, optim="adam", pooling="SUM", weighted=False) for s in c.GENERATORS]
 
 

@@ -1,0 +1,93 @@
+"""`tpurec.DistributedModelParallel`: TorchRec's DMP with tpurec's planner and SparseCore sharder.
+
+A thin subclass. What it adds over torchrec.distributed.DistributedModelParallel:
+
+* `device` may be "tpu", "tpu:0", "cpu", "cpu:0" or a torch.device (TorchRec's DMP crashes on a
+  string). "tpu" on a host without a usable TPU fails at once, naming what is missing;
+* when no plan is given, tpurec's TPU-aware planner plans (real HBM accounting, SparseCore and ICI
+  costs), steered by `constraints` (ParameterConstraints by table name) and `topology` (a slice
+  name such as "v5p-8", or a torchrec Topology);
+* EmbeddingBagCollections are sharded onto the SparseCore kernel (CPU reference off TPU), with
+  the fused optimizer set by `apply_optimizer_in_backward` on the unsharded model;
+* without an initialised process group, a single-process gloo group is created, so a laptop dry
+  run needs no launcher.
+
+Everything else (forward, state_dict with ShardedTensors, fused_optimizer, TrainPipelineSparseDist,
+`model.plan`) is TorchRec's own.
+"""
+from __future__ import annotations
+
+import logging
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.distributed.model_parallel import DistributedModelParallel as _TorchrecDMP
+from torchrec.distributed.sharding_plan import get_default_sharders
+from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+from tpurec.device import resolve_device
+from tpurec.sharding.sharder import SparseCoreEBCSharder
+
+logger = logging.getLogger(__name__)
+
+# Batch size per device the planner assumes when the caller gives none (it sizes activations and
+# SparseCore buffers, not the tables).
+DEFAULT_PLANNING_BATCH_SIZE = 512
+
+
+def _ensure_process_group() -> None:
+    if dist.is_initialized():
+        return
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    logger.info("tpurec: no process group; starting a single-process gloo group for a local run")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
+def default_sharders(num_sparsecores: int, **sharder_kwargs) -> List[ModuleSharder[nn.Module]]:
+    """tpurec's sharder for EmbeddingBagCollection, TorchRec's defaults for every other module type."""
+    ours = SparseCoreEBCSharder(num_sparsecores=num_sparsecores, **sharder_kwargs)
+    return [ours] + [s for s in get_default_sharders() if s.module_type is not EmbeddingBagCollection]
+
+
+class DistributedModelParallel(_TorchrecDMP):
+    def __init__(
+        self,
+        module: nn.Module,
+        device: torch.device | str | None = None,
+        env: Optional[ShardingEnv] = None,
+        plan: Optional[ShardingPlan] = None,
+        sharders: Optional[List[ModuleSharder[nn.Module]]] = None,
+        constraints=None,
+        topology=None,
+        *,
+        batch_size: Optional[int] = None,
+        **dmp_kwargs,
+    ) -> None:
+        from tpurec.embedding.backend import select_device
+        from tpurec.sharding.topology import make_topology
+
+        torch_device = select_device(device)  # raises at once for "tpu" without a TPU
+        if torch_device.type == "meta":
+            raise ValueError("device='meta' is for building the unsharded model; shard onto 'tpu' or 'cpu'")
+        _ensure_process_group()
+        env = env or ShardingEnv.from_process_group(dist.group.WORLD)
+        compute_device = "cpu" if torch_device.type == "cpu" else "tpu"
+        if topology is None or isinstance(topology, str):
+            topology = make_topology(topology, world_size=env.world_size, compute_device=compute_device)
+        num_sc = getattr(getattr(topology, "spec", None), "generation", None)
+        num_sc = getattr(num_sc, "sparsecores", None) or 4
+        sharders = sharders or default_sharders(num_sc)
+        if plan is None:
+            from tpurec.sharding.planner import plan as make_plan
+
+            plan = make_plan(module, topology, batch_size=batch_size or DEFAULT_PLANNING_BATCH_SIZE,
+                             constraints=constraints, sharders=sharders, pg=env.process_group)
+        super().__init__(module, env=env, device=torch_device, plan=plan, sharders=sharders, **dmp_kwargs)
+        self.topology = topology
