@@ -81,6 +81,28 @@ def test_matches_reference_and_cpp(num_sc, num_devices):
             _check_cpp_stats(cpp, stats, num_sc)
 
 
+@pytest.mark.parametrize("num_sc,num_devices,weights", [(1, 1, "ones"), (2, 1, "float"), (1, 2, "dyadic")])
+def test_long_segments(num_sc, num_devices, weights):
+    """Segments of hundreds of entries (tpurec copies them as slices instead of scattering)."""
+    rng = np.random.default_rng(17 + num_sc)
+    bdev = 64 * num_sc
+    batch = jo.random_batch(rng, bdev * num_devices, vocab=3000, max_bag=40, p_empty=0.05, weights=weights)
+    max_ids, max_uniq = _observed(batch, num_sc, num_devices)
+    from tpurec.embedding import preprocess as pp
+
+    for d in range(num_devices):  # long enough for the slice path: >= _SLICE_COPY_MIN per segment
+        _, st = jo.tpurec_device(batch.device(d, bdev), num_sc=num_sc, num_devices=num_devices, max_ids=None, max_uniq=None)
+        assert int(st.ids_per_partition.sum()) >= pp._SLICE_COPY_MIN * st.ids_per_partition.numel()
+    cpp = jo.jte_cpp(batch, num_sc=num_sc, num_devices=num_devices, max_ids=max_ids, max_uniq=max_uniq, vocab=3000)
+    for d in range(num_devices):
+        dev = batch.device(d, bdev)
+        ours, _ = jo.tpurec_device(dev, num_sc=num_sc, num_devices=num_devices, max_ids=max_ids, max_uniq=max_uniq)
+        ref = jo.jax_reference(dev, num_sc=num_sc, num_devices=num_devices, max_ids=max_ids, max_uniq=max_uniq)
+        rtol = 1e-5 if weights == "float" else 0.0
+        jo.assert_same_as_reference(ours, ref, gains_rtol=rtol)
+        jo.assert_same_as_cpp(ours, cpp.per_device[d], gains_rtol=rtol)
+
+
 @pytest.mark.parametrize("num_sc,num_devices", [(1, 1), (2, 2), (4, 1), (4, 4)])
 def test_float_weights(num_sc, num_devices):
     """Arbitrary float32 weights: gains agree to float32 rounding (summation order may differ)."""

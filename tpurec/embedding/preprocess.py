@@ -146,6 +146,8 @@ def preprocess_tables(
 # Ids per group of tables sorted together: beyond this the arrays outgrow the caches and one
 # sort per group costs more than it saves (measured on the benchmark, docs/kernels_preprocess.md).
 _GROUP_IDS = 1 << 16
+# Average entries per segment from which per-segment slice copies beat one scatter.
+_SLICE_COPY_MIN = 256
 
 
 def _preprocess_group(inputs, names, lim_ids, lim_uniq, *, device_batch_size, num_sc, parts, allow_id_dropping):
@@ -280,17 +282,27 @@ def _preprocess_group(inputs, names, lim_ids, lim_uniq, *, device_batch_size, nu
     table_start = np.cumsum(table_size) - table_size
     # Entry j (counted over all entries) of segment g goes to base[g] + j.
     base = table_start[:, None, None] + np.arange(num_sc)[None, :, None] * slots[:, None, None] + starts
-    base = base.reshape(-1) - (np.cumsum(counts) - counts)
-    pos = np.repeat(base, counts)
-    pos += _arange(pos.size)
+    src = np.cumsum(counts) - counts  # where segment g's entries start in ukey
+    base = base.reshape(-1) - src
 
     total = int(table_size.sum())
     emb = np.full(total, PADDING_ID, dtype=np.int32)
     smp = np.full(total, PADDING_ID, dtype=np.int32)
     gns = np.full(total, np.nan, dtype=np.float32)
-    emb[pos] = np.bitwise_and(seg_col, (1 << cbits) - 1, out=seg_col)
-    smp[pos] = np.bitwise_and(ukey, (1 << sbits) - 1, out=ukey)
-    gns[pos] = ugain
+    cols = np.bitwise_and(seg_col, (1 << cbits) - 1, out=seg_col)
+    samples = np.bitwise_and(ukey, (1 << sbits) - 1, out=ukey)
+    if counts.size * _SLICE_COPY_MIN <= ukey.size:  # long segments: one slice copy each
+        for g, a, c in zip(np.flatnonzero(counts).tolist(), src[counts > 0].tolist(), counts[counts > 0].tolist()):
+            d = int(base[g]) + a
+            emb[d:d + c] = cols[a:a + c]
+            smp[d:d + c] = samples[a:a + c]
+            gns[d:d + c] = ugain[a:a + c]
+    else:  # many short segments: one scatter
+        pos = np.repeat(base, counts)
+        pos += _arange(pos.size)
+        emb[pos] = cols
+        smp[pos] = samples
+        gns[pos] = ugain
 
     rp_width = max(parts, SEGMENT_ALIGN)
     row_pointers = np.empty((num_tables, num_sc, rp_width), dtype=np.int32)
