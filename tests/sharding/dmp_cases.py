@@ -212,3 +212,14 @@ def checkpoint_load(rank, world_size, path, sharding, stock):
     dcp.load(sd, checkpoint_id=path)
     model.load_state_dict(sd)
     return {"before": before, "after": eval_outputs(model, rank, world_size)}
+
+
+def run_cases_padded(rank, world_size, cases, init_state, steps):
+    """run_cases with every uneven all_to_all_single forced through tpurec's padded even collective."""
+    from tpurec.sharding import collectives
+
+    collectives.install(force=True)
+    results = run_cases(rank, world_size, cases, init_state, steps)
+    for r in results:
+        r["padded_calls"] = collectives.calls["padded"]
+    return results
