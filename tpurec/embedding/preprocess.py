@@ -310,21 +310,21 @@ def _preprocess_group(inputs, names, lim_ids, lim_uniq, *, device_batch_size, nu
     if rp_width > parts:
         row_pointers[:, :, parts:] = aligned.sum(2, keepdims=True)
 
-    emb_t, smp_t, gns_t = torch.from_numpy(emb), torch.from_numpy(smp), torch.from_numpy(gns)
+    sizes = table_size.tolist()
+    rp_t = torch.from_numpy(row_pointers.reshape(num_tables, -1))
+    emb_t, smp_t, gns_t = (torch.from_numpy(x).split(sizes) for x in (emb, smp, gns))
+    ids_t = torch.from_numpy(observed)
+    uniq_t = torch.from_numpy(ucounts_t.reshape(num_tables, num_sc, parts))
     results = []
-    for t, (ids, _, _) in enumerate(inputs):
-        a, b = int(table_start[t]), int(table_start[t] + table_size[t])
-        out = [torch.from_numpy(row_pointers[t].reshape(-1)), emb_t[a:b], smp_t[a:b], gns_t[a:b]]
+    for t, (ids, mi, mu, need, drop) in enumerate(
+        zip((x[0] for x in inputs), max_ids.tolist(), max_uniq.tolist(), observed_need.tolist(), dropped.tolist())
+    ):
+        out = [rp_t[t], emb_t[t], smp_t[t], gns_t[t]]
         if ids.device.type != "cpu":
             out = [x.to(ids.device) for x in out]
-        csr = SparseCoreInput(*out, device_batch_size, num_sc, parts, int(max_ids[t]), int(max_uniq[t]))
-        stats = PreprocessStats(
-            ids_per_partition=torch.from_numpy(observed[t]),
-            unique_ids_per_partition=torch.from_numpy(ucounts_t[t].reshape(num_sc, parts)),
-            required_buffer_size_per_sc=int(observed_need[t]),  # before dropping, like ids_per_partition
-            dropped_id_count=int(dropped[t]),
-        )
-        results.append((csr, stats))
+        csr = SparseCoreInput(*out, device_batch_size, num_sc, parts, mi, mu)
+        # required_buffer_size_per_sc: before dropping, like ids_per_partition.
+        results.append((csr, PreprocessStats(ids_t[t], uniq_t[t], need, drop)))
     return results
 
 
