@@ -155,3 +155,23 @@ def test_bad_dense_value_names_line_and_column(criteo_sample, tmp_path):
     with pytest.raises(DataError, match=r"day_1\.gz:3: column I2: not a number"):
         convert([str(tsv)], str(tmp_path / "o"), ConvertOptions(criteo_schema()), show_progress=False)
     assert not list((tmp_path / "o").glob("*"))
+
+
+def test_empty_input_is_an_error(tmp_path):
+    (tmp_path / "day_0").write_text("")
+    with pytest.raises(DataError, match=r"day_0: no lines \(empty file\)"):
+        convert([str(tmp_path / "day_0")], str(tmp_path / "o"), ConvertOptions(criteo_schema()), show_progress=False)
+
+
+def test_progress_counts_each_input_byte_once_even_after_a_retry(criteo_sample, tmp_path):
+    from tpurec.data.convert import convert_file
+
+    rows = [list(r) for r in _sample_rows(criteo_sample)]
+    rows[150][3] = "n/a"  # forces the typed fast path to redo the file in string mode
+    tsv = tmp_path / "day_0"
+    _write_tsv(rows, tsv)
+    ticks = []
+    res = convert_file(str(tsv), str(tmp_path / "o.parquet"),
+                       ConvertOptions(criteo_schema(), skip_bad_lines=True, block_size=4096), progress=ticks.append)
+    assert res.rows == 199 and res.bad_lines == 1 and "day_0:151: column I3" in res.bad_examples[0]
+    assert sum(ticks) == tsv.stat().st_size  # not twice, though the file was read twice

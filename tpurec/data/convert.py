@@ -138,14 +138,25 @@ def _transform_block(batch, schema: DataSchema):
 
 
 def convert_file(in_path: str, out_path: str, opts: ConvertOptions, progress=None) -> FileResult:
-    """Convert one text file to one Parquet file at ``out_path`` (the caller renames it)."""
+    """Convert one text file to one Parquet file at ``out_path`` (the caller renames it).
+
+    ``progress(n)`` is called with the input bytes consumed since the last call.
+    """
+    done = 0
+
+    def advance(pos: int) -> None:  # byte position -> deltas; a retry does not count bytes twice
+        nonlocal done
+        if progress is not None and pos > done:
+            progress(pos - done)
+            done = pos
+
     try:
-        return _convert_file(in_path, out_path, opts, progress, typed=True)
+        return _convert_file(in_path, out_path, opts, advance, typed=True)
     except _RetryAsText:
-        return _convert_file(in_path, out_path, opts, progress, typed=False)
+        return _convert_file(in_path, out_path, opts, advance, typed=False)
 
 
-def _convert_file(in_path: str, out_path: str, opts: ConvertOptions, progress, typed: bool) -> FileResult:
+def _convert_file(in_path: str, out_path: str, opts: ConvertOptions, advance, typed: bool) -> FileResult:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -169,11 +180,11 @@ def _convert_file(in_path: str, out_path: str, opts: ConvertOptions, progress, t
             res.bad_examples.append(msg)
         return "skip"
 
-    import pyarrow as pa
-
     def parse_error(e):
         if first_invalid:
             return DataError(f"malformed line {first_invalid[0]}")
+        if "Empty CSV file" in str(e):
+            return DataError(f"{in_path}: no lines (empty file)")
         if typed:
             return _RetryAsText()
         return DataError(f"{in_path}: cannot parse: {e}")
@@ -187,7 +198,6 @@ def _convert_file(in_path: str, out_path: str, opts: ConvertOptions, progress, t
     pending: list[pa.Table] = []
     pending_rows = 0
     seen = 0  # rows pyarrow kept so far (line mapping)
-    last_pos = 0
     try:
         while True:
             try:
@@ -216,16 +226,12 @@ def _convert_file(in_path: str, out_path: str, opts: ConvertOptions, progress, t
             res.rows += table.num_rows
             if pending_rows >= opts.row_group_size:
                 pending, pending_rows = _flush(writer, pending, opts.row_group_size, final=False)
-            if progress is not None:
-                pos = raw.tell()
-                progress(pos - last_pos)
-                last_pos = pos
+            advance(raw.tell())
         _flush(writer, pending, opts.row_group_size, final=True)
     finally:
         writer.close()
         raw.close()
-    if progress is not None:
-        progress(res.bytes_in - last_pos)
+    advance(res.bytes_in)
     res.bytes_out = os.path.getsize(out_path)
     return res
 
