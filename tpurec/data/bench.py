@@ -168,6 +168,12 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from tpurec.data.cli import user_errors
+
+    return user_errors(_run)(args)
+
+
+def _run(args) -> int:
     import json
     import sys
 

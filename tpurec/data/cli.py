@@ -64,14 +64,14 @@ def _common(p) -> None:
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
-def _user_errors(fn):
+def user_errors(fn):
     """Bad input -> one line on stderr and exit code 2, no traceback."""
     def wrapped(args) -> int:
         from tpurec.data.schema import DataError
 
         try:
             return fn(args)
-        except (DataError, ValueError, FileNotFoundError) as e:
+        except (DataError, ValueError, OSError) as e:  # OSError: missing/unreadable paths, full disk
             print(f"tpurec data: error: {e}", file=sys.stderr)
             return 2
     return wrapped
@@ -81,7 +81,7 @@ def _progress(args) -> bool:
     return not args.quiet and sys.stderr.isatty()
 
 
-@_user_errors
+@user_errors
 def run_convert(args) -> int:
     from tpurec.data.convert import ConvertOptions, convert
     from tpurec.data.schema import CAT_HASH, CAT_RAW, DENSE_LOG1P, DENSE_RAW, criteo_schema
@@ -114,7 +114,7 @@ def run_convert(args) -> int:
     return 0
 
 
-@_user_errors
+@user_errors
 def run_synth(args) -> int:
     from tpurec.data.synth import synthesize
 
@@ -130,7 +130,7 @@ def run_synth(args) -> int:
     return 0
 
 
-@_user_errors
+@user_errors
 def run_inspect(args) -> int:
     from tpurec.data.inspect import format_report, inspect_dataset
 
