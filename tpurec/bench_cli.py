@@ -16,14 +16,20 @@ BENCHES: dict[str, str] = {
 }
 
 
+_parser = None  # `tpurec bench`, kept to print its help when no benchmark is named
+
+
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks (" + ", ".join(BENCHES) + ")")
+    global _parser
+    p = _parser = sub.add_parser("bench", help="benchmarks (" + ", ".join(BENCHES) + ")")
     bsub = p.add_subparsers(dest="bench", metavar="BENCH")
     for module in BENCHES.values():
         importlib.import_module(module).register(bsub)
-    p.set_defaults(run=lambda args: _no_bench(p))
+    p.set_defaults(run=run)  # each benchmark overrides this with its own run
 
 
-def _no_bench(parser) -> int:
-    parser.print_help()
+def run(args) -> int:
+    """`tpurec bench` without a benchmark: its help, exit 2."""
+    if _parser is not None:
+        _parser.print_help()
     return 2

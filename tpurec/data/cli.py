@@ -14,10 +14,14 @@ NAME_PRESETS = {
 }
 
 
+_parser = None  # `tpurec data`, kept to print its help when no action is given
+
+
 def register(sub) -> None:
-    p = sub.add_parser("data", help="Criteo-style Parquet data: convert, synth, inspect")
+    global _parser
+    p = _parser = sub.add_parser("data", help="Criteo-style Parquet data: convert, synth, inspect")
     dsub = p.add_subparsers(dest="data_command", metavar="ACTION")
-    p.set_defaults(run=lambda args: (p.print_help(), 2)[1])
+    p.set_defaults(run=run)  # each action overrides this with its own run
 
     c = dsub.add_parser("convert", help="Criteo TSV day files (plain or .gz) or CSV with a header -> Parquet")
     c.add_argument("inputs", nargs="+", metavar="INPUT")
@@ -57,6 +61,13 @@ def register(sub) -> None:
     i.add_argument("path", metavar="DIR")
     i.add_argument("--json", action="store_true")
     i.set_defaults(run=run_inspect)
+
+
+def run(args) -> int:
+    """`tpurec data` without an action: its help, exit 2."""
+    if _parser is not None:
+        _parser.print_help()
+    return 2
 
 
 def _common(p) -> None:
