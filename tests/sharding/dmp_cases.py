@@ -223,3 +223,50 @@ def run_cases_padded(rank, world_size, cases, init_state, steps):
     for r in results:
         r["padded_calls"] = collectives.calls["padded"]
     return results
+
+
+def optimizer_checkpoint_save(rank, world_size, path, init_state, sharding, optim_name):
+    """Train 2 steps, save model + fused optimizer with DCP, train 2 more: return those outputs."""
+    import torch.distributed.checkpoint as dcp
+
+    optim, kwargs = optimizer(optim_name)
+    model = build_sharded(rank, world_size, sharding, optim, kwargs, PoolingType.SUM, False, init_state)
+    batches = global_batches(4, 8, False)
+    per = 8 // world_size
+
+    def step(kjt, upstream):
+        kt = model(local_slice(kjt, rank, world_size))
+        parts = kt.to_dict()
+        out = torch.cat([parts[k] for k in kjt.keys()], dim=1)
+        (out * upstream[rank * per:(rank + 1) * per]).sum().backward()
+        return out.detach()
+
+    for kjt, up in batches[:2]:
+        step(kjt, up)
+    dcp.save({"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}, checkpoint_id=path)
+    return [step(kjt, up) for kjt, up in batches[2:]]
+
+
+def optimizer_checkpoint_resume(rank, world_size, path, sharding, optim_name, saved_world_size):
+    """Resume from `path`. TorchRec averages embedding gradients over ranks, so at another world size
+    the same global objective needs the local losses scaled by world_size / saved_world_size."""
+    import torch.distributed.checkpoint as dcp
+
+    optim, kwargs = optimizer(optim_name)
+    fresh = EmbeddingBagCollection(tables()).state_dict()
+    model = build_sharded(rank, world_size, sharding, optim, kwargs, PoolingType.SUM, False, fresh)
+    sd = {"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}
+    dcp.load(sd, checkpoint_id=path)
+    model.load_state_dict(sd["model"])
+    model.fused_optimizer.load_state_dict(sd["optim"])
+    batches = global_batches(4, 8, False)
+    per = 8 // world_size
+    outs = []
+    for kjt, up in batches[2:]:
+        kt = model(local_slice(kjt, rank, world_size))
+        parts = kt.to_dict()
+        out = torch.cat([parts[k] for k in kjt.keys()], dim=1)
+        (out * up[rank * per:(rank + 1) * per] * (world_size / saved_world_size)).sum().backward()
+        outs.append(out.detach())
+    keys = sorted(model.fused_optimizer.state_dict()["state"])
+    return {"outs": outs, "optim_keys": keys}

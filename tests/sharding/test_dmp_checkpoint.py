@@ -42,3 +42,18 @@ def test_stock_torchrec_checkpoint_loads_into_tpurec_and_back(tmp_path):
     roundtrip(tmp_path / "a", 2, "table_wise", True, 2, "row_wise", False)
     # tpurec -> stock TorchRec
     roundtrip(tmp_path / "b", 2, "column_wise", False, 2, "table_wise", True)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("optim,save_sharding,load_ws,load_sharding", [
+    ("rowwise_adagrad", "row_wise", 4, "table_row_wise"),  # resume at another world size
+    ("adam", "column_wise", 2, "column_wise"),
+])
+def test_fused_optimizer_state_resumes_exactly_through_dcp(tmp_path, optim, save_sharding, load_ws, load_sharding):
+    init = EmbeddingBagCollection(c.tables()).state_dict()
+    path = str(tmp_path / "ckpt")
+    uninterrupted = gathered(run_ranks(c.optimizer_checkpoint_save, 2, path, init, save_sharding, optim, timeout=600))
+    resumed = run_ranks(c.optimizer_checkpoint_resume, load_ws, path, load_sharding, optim, 2, timeout=600)
+    assert "embedding_bags.t0.weight" in resumed[0]["optim_keys"]
+    for got, want in zip(gathered(resumed, "outs"), uninterrupted):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -48,24 +48,36 @@ class SparseCoreFusedOptimizer(FusedOptimizer):
         with torch.no_grad():
             for name, base, snap in self._keys:
                 snap.copy_(k.read_weight(name))
-                entry = self.state[snap]
+                entry = self._state[snap]
                 for s in k.optimizer.state_names:
                     entry[f"{base}.{s}"].copy_(k.read_state(name, s))
                 if f"{base}.step" in entry:
                     entry[f"{base}.step"].fill_(k.steps[k._locate(name)[0]])
 
-    def state_dict(self):
-        self._refresh()
-        return super().state_dict()
+    # Refresh on access, but only when the kernel moved since the last refresh: a state_dict handed
+    # to DCP shares our tensors, and refreshing between dcp.load and load_state_dict would overwrite
+    # what was loaded. (CombinedOptimizer reads `.state` directly, never our state_dict().)
+    @property
+    def state(self):
+        if getattr(self, "_keys", None) is not None and hasattr(self, "_state"):
+            version = tuple(self._kernel.steps)
+            if version != getattr(self, "_refreshed_at", None):
+                self._refresh()
+                self._refreshed_at = version
+        return self._state
 
-    def load_state_dict(self, state_dict) -> None:
-        self._refresh()
-        super().load_state_dict(state_dict)
+    @state.setter
+    def state(self, value) -> None:
+        self._state = value
 
     def post_load_state_dict(self) -> None:
+        self._write_back()
+        self._refreshed_at = tuple(self._kernel.steps)
+
+    def _write_back(self) -> None:
         k = self._kernel
         for name, base, snap in self._keys:
-            entry = self.state[snap]
+            entry = self._state[snap]
             for s in k.optimizer.state_names:
                 k.write_state(name, s, entry[f"{base}.{s}"])
             if f"{base}.step" in entry:

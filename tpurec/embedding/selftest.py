@@ -27,10 +27,10 @@ def register(sub) -> None:
     p.add_argument("--device", choices=["auto", "cpu", "tpu"], default="auto")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(run=run_cli)
+    p.set_defaults(run=run)
 
 
-def run_cli(args) -> int:
+def run(args) -> int:
     from tpurec import device as dev
 
     target = args.device

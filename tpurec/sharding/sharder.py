@@ -59,6 +59,16 @@ class ShardedSparseCoreEBC(ShardedEmbeddingBagCollection):
         super().__init__(module, table_name_to_parameter_sharding, env, fused_params=fused_params, device=device,
                          **kwargs)
         self._sc_tables = [t for t, ps in self.module_sharding_plan.items() if ps.compute_kernel == COMPUTE_KERNEL]
+        # TorchRec combined each kernel module's own optimizer; replace ours by one keyed per table
+        # with ShardedTensor state (what DCP and TorchRec's checkpoints expect), keep any others.
+        from torchrec.optim.keyed import CombinedOptimizer
+
+        from tpurec.sharding.sharded_optimizer import ShardedSparseCoreOptimizer
+
+        ours = {id(m.fused_optimizer) for _, _, _, m in self._sc_shards()}
+        others = [(n, o) for n, o in self._optim._optims if id(o) not in ours]
+        if self._sc_tables:
+            self._optim = CombinedOptimizer([("", ShardedSparseCoreOptimizer(self))] + others)
         self._register_state_dict_hook(_emit_sharded_weights)
         self._register_load_state_dict_pre_hook(_consume_weights, with_module=True)
         # Start from the unsharded module's weights when it has real ones (TorchRec only does this
