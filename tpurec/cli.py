@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, str] = {
     "bench": "tpurec.bench_cli",
     "plan": "tpurec.sharding.plan_cli",
     "selftest": "tpurec.embedding.selftest",
+    "train": "tpurec.dlrm.cli",
 }
 
 

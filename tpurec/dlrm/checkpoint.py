@@ -1,0 +1,129 @@
+"""Training checkpoints through torch.distributed.checkpoint, written so a killed run never leaves
+one that looks complete.
+
+Layout of CKPT_DIR/step-00000100/:
+  DCP files      {"model": dmp.state_dict(), "optim": combined optimizer state_dict()}: sharded
+                 tables and fused optimiser state (ShardedTensors, resharded on load, so another
+                 world size can load them), dense weights and dense optimiser state;
+  rank-R.pt      per rank: data reader position and RNG states (exact resume at the same world size);
+  meta.json      step, world size, epoch and epoch fraction, config (rank 0);
+  COMPLETE       written last, after every rank has finished.
+Everything is first written under step-00000100.tmp/ and renamed once COMPLETE is in it; the
+loader only considers directories holding COMPLETE. Multi-host runs need CKPT_DIR on a filesystem
+every host sees.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+MARKER = "COMPLETE"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def step_dir(root, step: int) -> Path:
+    return Path(root) / f"step-{step:08d}"
+
+
+def complete_checkpoints(root) -> list[Path]:
+    """Complete checkpoints under root, oldest first (a dir counts only with its COMPLETE marker)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-")
+             and not p.name.endswith(".tmp") and (p / MARKER).exists()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def latest(root) -> Path | None:
+    found = complete_checkpoints(root)
+    return found[-1] if found else None
+
+
+def resolve(path) -> Path:
+    """A checkpoint dir itself, or the newest complete one under a root; one-line errors otherwise."""
+    p = Path(path)
+    if (p / MARKER).exists():
+        return p
+    if p.is_dir() and not p.name.startswith("step-"):
+        last = latest(p)
+        if last is not None:
+            return last
+        raise FileNotFoundError(f"no complete checkpoint under {p}")
+    if p.name.endswith(".tmp") or (p.is_dir() and not (p / MARKER).exists()):
+        raise FileNotFoundError(f"{p} is not a complete checkpoint (no {MARKER} marker: the run was interrupted "
+                                "while writing it)")
+    raise FileNotFoundError(f"checkpoint {p} not found")
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+
+
+def save(root, step: int, dmp, optimizer, train_state: dict, meta: dict, keep: int = 0) -> Path:
+    """Collective: every rank calls it. Returns the final directory."""
+    import torch.distributed.checkpoint as dcp
+
+    final = step_dir(root, step)
+    tmp = final.with_name(final.name + ".tmp")
+    if _rank() == 0:
+        Path(root).mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a leftover from a killed run
+        if final.exists():  # same step saved again (e.g. final save right after a periodic one)
+            shutil.rmtree(final)
+        tmp.mkdir()
+    _barrier()
+    dcp.save({"model": dmp.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=str(tmp))
+    torch.save(train_state, tmp / f"rank-{_rank()}.pt")
+    _barrier()  # every rank's files are on disk
+    if _rank() == 0:
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2, default=str))
+        (tmp / MARKER).write_text(f"step {step}, world size {_world()}\n")
+        os.replace(tmp, final)
+        if keep > 0:
+            for old in complete_checkpoints(root)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def load(path, dmp, optimizer) -> tuple[dict, dict | None]:
+    """Load model and optimiser state in place; returns (meta, this rank's train state or None when
+    the checkpoint was written at another world size)."""
+    import torch.distributed.checkpoint as dcp
+
+    path = resolve(path)
+    meta = json.loads((path / "meta.json").read_text())
+    sd = {"model": dmp.state_dict(), "optim": optimizer.state_dict()}
+    dcp.load(sd, checkpoint_id=str(path))
+    dmp.load_state_dict(sd["model"])
+    optimizer.load_state_dict(sd["optim"])
+    train_state = None
+    if meta.get("world_size") == _world():
+        train_state = torch.load(path / f"rank-{_rank()}.pt", weights_only=False)
+    return meta | {"path": str(path)}, train_state

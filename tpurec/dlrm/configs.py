@@ -1,0 +1,120 @@
+"""Named DLRM / DLRM-DCNv2 configurations: a small dataclass per model, overridable field by field.
+
+`tpurec train --model NAME` starts from one of CONFIGS; every CLI flag that is given replaces the
+matching field (dataclasses.replace), so a config is also the record of what a run used.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields, replace
+
+
+@dataclass(frozen=True)
+class DLRMConfig:
+    name: str
+    table_set: str  # tpurec/dlrm/table_sets.py: the embedding tables (and the synthetic data's)
+    interaction: str = "dot"  # "dot" = DLRM, "dcn" = DLRM-DCNv2 (low-rank cross layers)
+    dense_arch: tuple[int, ...] = (64, 16)  # bottom MLP; the last size must equal the embedding dim
+    over_arch: tuple[int, ...] = (64, 32, 1)  # top MLP, ending in 1 logit
+    dcn_num_layers: int = 3
+    dcn_low_rank_dim: int = 512
+    # Optimisers: the tables' update is fused into backward (apply_optimizer_in_backward); the dense
+    # MLPs use a regular torch optimiser. Names: sgd | adagrad | rowwise_adagrad | adam.
+    embedding_optimizer: str = "rowwise_adagrad"
+    embedding_lr: float = 0.1
+    dense_optimizer: str = "adagrad"
+    dense_lr: float = 0.1
+    eps: float = 1e-8
+    # Learning-rate schedule applied to both: linear warm-up over `warmup_steps`, constant until
+    # `decay_start`, then polynomial (power 2) decay to 0 over `decay_steps` (0 = no warm-up/decay).
+    warmup_steps: int = 0
+    decay_start: int = 0
+    decay_steps: int = 0
+    batch_size: int = 512  # per rank
+    steps: int | None = None  # None: run `epochs` epochs
+    epochs: float = 1.0
+    eval_every: int = 0  # 0: evaluate only at the end
+    eval_fraction: float = 0.05
+    synth_rows: int = 200_000  # rows of the synthetic dataset made when no --data is given
+    seed: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+CONFIGS: dict[str, DLRMConfig] = {
+    # CPU default. Sized so that `tpurec train` with no argument trains to within 0.02 AUC of the
+    # synthetic data's oracle in about a minute on 2 cores (see docs/dlrm.md for the measured run).
+    "dlrm-tiny": DLRMConfig(
+        name="dlrm-tiny", table_set="dlrm-tiny", dense_arch=(64, 16), over_arch=(64, 32, 1),
+        embedding_optimizer="rowwise_adagrad", embedding_lr=0.1, dense_optimizer="adagrad", dense_lr=0.05,
+        batch_size=512, epochs=1.0, eval_every=500, synth_rows=1_500_000,
+    ),
+    # torchrec's DLRM example for Criteo Kaggle (examples/dlrm): dim 128, 512-256-128 / 1024-1024-512-256-1.
+    "criteo-kaggle": DLRMConfig(
+        name="criteo-kaggle", table_set="criteo-kaggle", dense_arch=(512, 256, 128),
+        over_arch=(1024, 1024, 512, 256, 1), embedding_optimizer="rowwise_adagrad", embedding_lr=0.05,
+        dense_optimizer="adagrad", dense_lr=0.05, batch_size=2048, epochs=1.0, eval_every=1000,
+        synth_rows=2_000_000,
+    ),
+    # MLPerf Training DLRM-DCNv2 reference (recommendation_v2/torchrec_dlrm): dims 128, bottom
+    # 512-256-128, top 1024-1024-512-256-1, 3 DCN layers of rank 512, Adagrad (lr 0.005, eps 1e-8)
+    # for tables and MLPs, global batch 65,536, one epoch; the reference passes its warm-up/decay
+    # flags as 0 (no schedule), kept here as fields so a submission's schedule can be set.
+    "mlperf-dcnv2": DLRMConfig(
+        name="mlperf-dcnv2", table_set="mlperf-dcnv2", interaction="dcn", dense_arch=(512, 256, 128),
+        over_arch=(1024, 1024, 512, 256, 1), dcn_num_layers=3, dcn_low_rank_dim=512,
+        embedding_optimizer="adagrad", embedding_lr=0.005, dense_optimizer="adagrad", dense_lr=0.005,
+        eps=1e-8, warmup_steps=0, decay_start=0, decay_steps=0, batch_size=8192, epochs=1.0,
+        eval_every=2000, synth_rows=2_000_000,
+    ),
+}
+
+OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
+
+
+def get_config(name: str) -> DLRMConfig:
+    try:
+        return CONFIGS[name]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}; one of {', '.join(CONFIGS)}") from None
+
+
+def override(cfg: DLRMConfig, **changes) -> DLRMConfig:
+    """cfg with the given fields replaced; None values mean "not given" and are ignored."""
+    names = {f.name for f in fields(DLRMConfig)}
+    bad = set(changes) - names
+    if bad:
+        raise ValueError(f"unknown config field(s) {sorted(bad)}")
+    out = replace(cfg, **{k: v for k, v in changes.items() if v is not None})
+    validate(out)
+    return out
+
+
+def validate(cfg: DLRMConfig) -> None:
+    """One-line errors for settings that would otherwise fail deep inside torchrec."""
+    from tpurec.dlrm.table_sets import get_table_set
+
+    ts = get_table_set(cfg.table_set)
+    dim = ts.tables[0].embedding_dim
+    if cfg.interaction not in ("dot", "dcn"):
+        raise ValueError(f"interaction must be 'dot' or 'dcn', not {cfg.interaction!r}")
+    if cfg.dense_arch[-1] != dim:
+        raise ValueError(f"the bottom MLP must end in the embedding dim {dim}, got {list(cfg.dense_arch)}")
+    if cfg.over_arch[-1] != 1:
+        raise ValueError(f"the top MLP must end in 1 logit, got {list(cfg.over_arch)}")
+    for k in ("embedding_optimizer", "dense_optimizer"):
+        if getattr(cfg, k) not in OPTIMIZERS:
+            raise ValueError(f"{k} must be one of {', '.join(OPTIMIZERS)}")
+    if cfg.batch_size < 1:
+        raise ValueError("--batch-size must be >= 1")
+    if cfg.steps is not None and cfg.steps < 1:
+        raise ValueError("--steps must be >= 1")
+    if cfg.epochs <= 0:
+        raise ValueError("--epochs must be > 0")
+    if cfg.eval_every < 0:
+        raise ValueError("--eval-every must be >= 0")
+    if not 0.0 < cfg.eval_fraction < 1.0:
+        raise ValueError("--eval-fraction must be in (0, 1)")
+
+
+__all__ = ["DLRMConfig", "CONFIGS", "get_config", "override", "validate", "field"]

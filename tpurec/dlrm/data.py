@@ -1,0 +1,90 @@
+"""Training data for `tpurec train`: the default synthetic dataset (made once, cached) and the
+train / eval readers over a dataset directory.
+
+Only tpurec.data's public API is used (synthesize, dataset_metadata, split_train_eval,
+ParquetReader); what the trainer adds is: a cache dir, batch capping for tiny data, and eval readers
+that give every rank the same number of batches (collectives need it).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("tpurec.train")
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TPUREC_CACHE", Path.home() / ".cache" / "tpurec"))
+
+
+def synth_dir(table_set: str, rows: int, seed: int) -> Path:
+    return cache_root() / f"synth-{table_set}-{rows}-{seed}"
+
+
+def ensure_synth(table_set: str, rows: int, seed: int, say=print) -> Path:
+    """The cached synthetic dataset, generated on first use (dataset.json is written last, so its
+    presence means the files are complete)."""
+    from tpurec.data import synthesize
+
+    out = synth_dir(table_set, rows, seed)
+    if (out / "dataset.json").exists():
+        say(f"data: synthetic {table_set}, {rows:,} rows, seed {seed}, cached in {out}")
+        return out
+    say(f"data: no --data given; generating synthetic {table_set} data ({rows:,} rows, seed {seed}) "
+        f"once into {out}")
+    # Small row groups: more units to shuffle and to spread over ranks.
+    synthesize(rows, str(out), seed=seed, table_set=table_set, row_group_size=16384, show_progress=False,
+               overwrite=True)
+    return out
+
+
+@dataclass
+class Readers:
+    train: object
+    eval: object
+    batch_size: int  # per rank, after capping
+    eval_rows: int  # this rank's real eval rows (the last eval batch may be padded past them)
+    table_sizes: list[int]
+
+
+def make_readers(data_dir, batch_size: int, rank: int, world_size: int, *, seed: int, eval_fraction: float,
+                 table_sizes: list[int], eval_batch_size: int = 4096, warn=log.warning) -> Readers:
+    from tpurec.data import ParquetReader, dataset_metadata, split_train_eval
+
+    meta = dataset_metadata(data_dir)
+    raw_ids = any(f.get("num_embeddings") is None for f in meta.get("sparse", []))
+    sizes = None if not raw_ids else table_sizes  # hash raw ids into the model's tables at read time
+    train_units, eval_units = split_train_eval(data_dir, eval_fraction)
+    common = dict(rank=rank, world_size=world_size, table_sizes=sizes)
+    train = ParquetReader(train_units, batch_size, shuffle=True, seed=seed, drop_last=True, equal_rows=True, **common)
+    if train.num_rows < batch_size:
+        # Fewer rows per rank than a batch: cap the batch so at least one full step exists.
+        warn(f"only {train.num_rows} training rows per rank, fewer than --batch-size {batch_size}: "
+             f"capping the batch at {train.num_rows}")
+        batch_size = train.num_rows
+        train = ParquetReader(train_units, batch_size, shuffle=True, seed=seed, drop_last=True, equal_rows=True,
+                              **common)
+    # Eval: same row count on every rank (equal_rows) and the last batch padded, so every rank runs
+    # the same number of forward passes; the padding is cut off by eval_rows.
+    ev = ParquetReader(eval_units, min(eval_batch_size, max(1, _eval_rows(eval_units, world_size))),
+                       pad_last=True, equal_rows=True, prefetch=0, **common)
+    return Readers(train, ev, batch_size, ev.num_rows, list(train.table_sizes))
+
+
+def _eval_rows(units, world_size: int) -> int:
+    return sum(u.rows for u in units) // world_size
+
+
+def model_table_sizes(data_dir, table_set_sizes: list[int]) -> list[int]:
+    """The table sizes the data's ids index into (the converter/synth records them); for raw ids,
+    the model's own sizes (the reader hashes into them)."""
+    from tpurec.data import dataset_metadata
+
+    meta = dataset_metadata(data_dir)
+    sparse = meta.get("sparse", [])
+    if len(sparse) != len(table_set_sizes):
+        raise ValueError(f"{data_dir}: {len(sparse)} categorical features, the model has {len(table_set_sizes)}")
+    return [int(f["num_embeddings"]) if f.get("num_embeddings") is not None else n
+            for f, n in zip(sparse, table_set_sizes)]

@@ -1,0 +1,113 @@
+"""Build the DLRM / DLRM-DCNv2 model, shard it, and give it its optimisers and LR schedule.
+
+The model is torchrec's own (DLRM, DLRM_DCN, DLRMTrain); its tables are created on the meta device so
+that only the shards each rank owns are ever allocated (by DistributedModelParallel).
+"""
+from __future__ import annotations
+
+import torch
+
+from tpurec.dlrm.configs import DLRMConfig
+from tpurec.dlrm.table_sets import NUM_DENSE, get_table_set
+
+
+def _optimizer_class(name: str):
+    if name == "rowwise_adagrad":
+        from torchrec.optim import RowWiseAdagrad
+
+        return RowWiseAdagrad
+    return {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "adam": torch.optim.Adam}[name]
+
+
+def _optimizer_kwargs(name: str, lr: float, eps: float) -> dict:
+    # A fresh dict each call: apply_optimizer_in_backward adds keys to the one it is given.
+    return {"lr": lr} if name == "sgd" else {"lr": lr, "eps": eps}
+
+
+def build_model(cfg: DLRMConfig, table_sizes: list[int] | None = None, feature_names: list[str] | None = None):
+    """DLRMTrain over a meta-device EmbeddingBagCollection, tables' optimiser fused into backward.
+
+    table_sizes (one per C1..C26) replaces the table set's sizes, e.g. for data converted into other
+    sizes and feature_names the C1..C26 feature names (data converted with other column names); the dense MLPs are initialised from the current torch seed.
+    """
+    from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRMTrain
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    configs = get_table_set(cfg.table_set).to_embedding_bag_configs()
+    sizes = table_sizes or [c.num_embeddings for c in configs]
+    names = feature_names or [c.feature_names[0] for c in configs]
+    configs = [EmbeddingBagConfig(name=c.name, embedding_dim=c.embedding_dim, num_embeddings=int(n),
+                                  feature_names=[f], pooling=c.pooling)
+               for c, n, f in zip(configs, sizes, names)]
+    ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+    common = dict(embedding_bag_collection=ebc, dense_in_features=NUM_DENSE,
+                  dense_arch_layer_sizes=list(cfg.dense_arch), over_arch_layer_sizes=list(cfg.over_arch),
+                  dense_device=torch.device("cpu"))
+    if cfg.interaction == "dcn":
+        dlrm = DLRM_DCN(dcn_num_layers=cfg.dcn_num_layers, dcn_low_rank_dim=cfg.dcn_low_rank_dim, **common)
+    else:
+        dlrm = DLRM(**common)
+    model = DLRMTrain(dlrm)
+    apply_optimizer_in_backward(_optimizer_class(cfg.embedding_optimizer), model.model.sparse_arch.parameters(),
+                                _optimizer_kwargs(cfg.embedding_optimizer, cfg.embedding_lr, cfg.eps))
+    return model
+
+
+def shard(model, cfg: DLRMConfig, device: str, *, plan=None, stock: bool = False):
+    """tpurec.DistributedModelParallel (tpurec planner and SparseCore kernel), or with stock=True,
+    torchrec's own DMP with the FBGEMM `fused` kernel (for the benchmark)."""
+    if stock:
+        from torchrec.distributed.model_parallel import DistributedModelParallel as TorchrecDMP
+
+        return TorchrecDMP(model, device=torch.device("cpu"), plan=plan)
+    import tpurec
+
+    dev = torch.device("cpu") if device == "cpu" else device
+    return tpurec.DistributedModelParallel(model, device=dev, plan=plan, batch_size=cfg.batch_size)
+
+
+def build_optimizer(dmp, cfg: DLRMConfig):
+    """CombinedOptimizer of the fused table optimiser and the dense one (MLPs, keyed by name)."""
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    cls = _optimizer_class(cfg.dense_optimizer)
+    kwargs = _optimizer_kwargs(cfg.dense_optimizer, cfg.dense_lr, cfg.eps)
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+                                  lambda params: cls(params, **dict(kwargs)))
+    return CombinedOptimizer([dmp.fused_optimizer, dense])
+
+
+class LRSchedule:
+    """Linear warm-up, constant, then polynomial (power 2) decay to 0 (the DLRM/MLPerf policy).
+
+    Sets every param group's lr to base_lr * factor(step); the fused table optimiser reads its
+    param group's lr at every update, so one object schedules both sides.
+    """
+
+    def __init__(self, optimizer, warmup_steps: int, decay_start: int, decay_steps: int):
+        self.optimizer = optimizer
+        self.warmup, self.decay_start, self.decay_steps = warmup_steps, decay_start, decay_steps
+        self.base = [g["lr"] for g in optimizer.param_groups]
+
+    @property
+    def active(self) -> bool:
+        return bool(self.warmup or self.decay_steps)
+
+    def factor(self, step: int) -> float:
+        if self.warmup and step < self.warmup:
+            return (step + 1) / self.warmup
+        if self.decay_steps and step >= self.decay_start:
+            left = max(0.0, 1.0 - (step - self.decay_start) / self.decay_steps)
+            return left ** 2
+        return 1.0
+
+    def set_step(self, step: int) -> None:
+        """The lr for the update of step `step` (0-based), a pure function of it (resume-safe)."""
+        if not self.active:
+            return
+        f = self.factor(step)
+        for g, base in zip(self.optimizer.param_groups, self.base):
+            g["lr"] = base * f

@@ -1,0 +1,29 @@
+"""Training curves: train loss and eval AUC against step, as a PNG (matplotlib, Agg: no display)."""
+from __future__ import annotations
+
+
+def plot_curves(records: list[dict], out_png, title: str = "", oracle_auc: float | None = None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [r for r in records if r.get("kind") == "train"]
+    evals = [r for r in records if r.get("kind") == "eval"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1)
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("train loss (BCE)")
+    ax1.grid(alpha=0.3)
+    ax2.plot([r["step"] for r in evals], [r["auc"] for r in evals], marker="o", label="eval AUC")
+    if oracle_auc:
+        ax2.axhline(oracle_auc, color="gray", ls="--", label=f"oracle {oracle_auc:.4f}")
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("AUC")
+    ax2.grid(alpha=0.3)
+    ax2.legend(loc="lower right")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
