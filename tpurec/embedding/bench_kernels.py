@@ -10,7 +10,7 @@ Zipf(1.05) ids. A step is forward + backward with row-wise Adagrad applied:
 
 Also measured: the machine's random-gather roofline (torch.index_select of 64-float rows from a
 2.6M-row table, uniform and Zipf ids), since embedding lookups are memory-bound. All contestants
-run with the same torch thread count.
+run with the same torch thread count (1 by default: FBGEMM's fused backward is single-threaded).
 """
 from __future__ import annotations
 
@@ -25,7 +25,9 @@ def register(sub) -> None:
     p = sub.add_parser("kernels", help="embedding training step: tpurec CPU reference vs FBGEMM CPU TBE vs nn.EmbeddingBag")
     p.add_argument("--quick", action="store_true", help="fewer repetitions (same shapes)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
-    p.add_argument("--threads", type=int, default=None, help="torch threads for every contestant (default: all cores)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads for every contestant (default 1: FBGEMM's fused backward is single-threaded, "
+                        "and idle spinning threads distort timings on a shared 2-core machine)")
     p.add_argument("--pooling", type=int, nargs="+", default=[1, 20], help="pooling factors to run")
     p.set_defaults(run=run_cli)
 

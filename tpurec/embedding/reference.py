@@ -59,21 +59,39 @@ def decode(
     return DecodedInput(rows, samples, gains[pos])
 
 
+def _offsets(counts: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(counts.numel() + 1, dtype=torch.long, device=counts.device)
+    torch.cumsum(counts, 0, out=out[1:])
+    return out
+
+
 def lookup(d: DecodedInput, table: torch.Tensor, device_batch_size: int) -> torch.Tensor:
-    """Pooled activations [device_batch_size, dim], f32."""
-    gathered = table.index_select(0, d.rows).to(torch.float32)
-    gathered.mul_(d.gains.unsqueeze(1))
-    out = torch.zeros(device_batch_size, table.shape[1], dtype=torch.float32, device=table.device)
-    return out.index_add_(0, d.samples, gathered)
+    """Pooled activations [device_batch_size, dim], f32.
+
+    Entries arrive ordered by (SparseCore, row); one stable sort by sample turns them into bags, and
+    torch's fused embedding_bag gathers, scales and sums without materialising [entries, dim].
+    """
+    order = torch.sort(d.samples, stable=True).indices
+    offsets = _offsets(torch.bincount(d.samples, minlength=device_batch_size))
+    return torch.nn.functional.embedding_bag(
+        d.rows.index_select(0, order), table, offsets, mode="sum",
+        per_sample_weights=d.gains.index_select(0, order).to(table.dtype), include_last_offset=True,
+    ).to(torch.float32)
 
 
 def row_gradients(d: DecodedInput, activations_grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(unique physical rows, summed gradient per row) — never a dense gradient of the table."""
-    per_entry = activations_grad.index_select(0, d.samples)
-    per_entry.mul_(d.gains.unsqueeze(1))
-    rows, inverse = torch.unique(d.rows, return_inverse=True)
-    grad = torch.zeros(rows.numel(), activations_grad.shape[1], dtype=torch.float32, device=per_entry.device)
-    return rows, grad.index_add_(0, inverse, per_entry)
+    """(unique physical rows, summed gradient per row) — never a dense gradient of the table.
+
+    Sorted by row, the entries are bags over the activation gradient (the transpose of the forward),
+    so one embedding_bag sums every row's gradient without materialising [entries, dim].
+    """
+    rows_sorted, order = torch.sort(d.rows, stable=True)
+    rows, counts = torch.unique_consecutive(rows_sorted, return_counts=True)
+    grad = torch.nn.functional.embedding_bag(
+        d.samples.index_select(0, order), activations_grad.to(torch.float32), _offsets(counts), mode="sum",
+        per_sample_weights=d.gains.index_select(0, order), include_last_offset=True,
+    )
+    return rows, grad
 
 
 @torch.no_grad()
@@ -85,14 +103,15 @@ def sgd_update(table, rows, grad, lr: float) -> None:
 def adagrad_update(table, accumulator, rows, grad, lr: float, eps: float) -> None:
     """Element-wise (2-D accumulator) or row-wise (1-D accumulator) Adagrad."""
     if accumulator.dim() == 1:
-        acc = accumulator.index_select(0, rows) + grad.pow(2).mean(1)
+        # mean(g*g) per row as a squared norm: one pass, no [rows, dim] temporary
+        acc = accumulator.index_select(0, rows) + torch.linalg.vector_norm(grad, dim=1).square_() / grad.shape[1]
         accumulator.index_copy_(0, rows, acc)
-        step = grad.mul_((lr / (acc.sqrt() + eps)).unsqueeze(1))
+        step = grad.mul_((-lr / (acc.sqrt() + eps)).unsqueeze(1))
     else:
         acc = accumulator.index_select(0, rows).addcmul_(grad, grad)
         accumulator.index_copy_(0, rows, acc)
-        step = grad.mul_(lr).div_(acc.sqrt_().add_(eps))
-    table.index_add_(0, rows, step.neg_().to(table.dtype))
+        step = grad.mul_(-lr).div_(acc.sqrt_().add_(eps))
+    table.index_add_(0, rows, step.to(table.dtype))
 
 
 @torch.no_grad()
