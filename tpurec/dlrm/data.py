@@ -66,11 +66,45 @@ def make_readers(data_dir, batch_size: int, rank: int, world_size: int, *, seed:
         batch_size = train.num_rows
         train = ParquetReader(train_units, batch_size, shuffle=True, seed=seed, drop_last=True, equal_rows=True,
                               **common)
-    # Eval: same row count on every rank (equal_rows) and the last batch padded, so every rank runs
-    # the same number of forward passes; the padding is cut off by eval_rows.
+    # Eval: every row of the split, so ranks may hold different row counts; eval_batches() tops the
+    # shorter ranks up with empty batches so all run the same number of forward passes.
     ev = ParquetReader(eval_units, min(eval_batch_size, max(1, _eval_rows(eval_units, world_size))),
-                       pad_last=True, equal_rows=True, prefetch=0, **common)
+                       pad_last=True, prefetch=0, **common)
     return Readers(train, ev, batch_size, ev.num_rows, list(train.table_sizes))
+
+
+def eval_batches(reader):
+    """The eval reader's batches, then empty (all-padding) batches up to the largest rank's count.
+
+    Collective forwards (embedding all-to-all) need every rank in every step; the padding rows are
+    cut off afterwards (they come after this rank's `num_rows` real rows)."""
+    import torch
+    import torch.distributed as dist
+
+    n = len(reader)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        t = torch.tensor([n])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        most = int(t.item())
+    else:
+        most = n
+    reader.set_epoch(0)
+    yield from reader
+    for _ in range(most - n):
+        yield _empty_batch(reader)
+
+
+def _empty_batch(reader):
+    import torch
+    from torchrec.datasets.utils import Batch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    b = reader.batch_size
+    keys = reader.keys
+    kjt = KeyedJaggedTensor(keys=keys, values=torch.zeros(0, dtype=torch.long),
+                            lengths=torch.zeros(len(keys) * b, dtype=torch.int32))
+    return Batch(dense_features=torch.zeros(b, len(reader.schema.dense)),
+                 sparse_features=kjt, labels=torch.zeros(b))
 
 
 def _eval_rows(units, world_size: int) -> int:

@@ -114,10 +114,11 @@ def evaluate(pipeline, dmp, readers) -> dict:
 
     from tpurec.dlrm import metrics
 
-    readers.eval.set_epoch(0)
+    from tpurec.dlrm.data import eval_batches
+
     dmp.eval()
     logits, labels = [], []
-    it = iter(readers.eval)
+    it = eval_batches(readers.eval)
     with torch.no_grad():
         while True:
             try:
@@ -303,8 +304,9 @@ def run_training(args) -> int:
             last_eval = evaluate(pipeline, dmp, readers)
             mlog.add({"kind": "eval", "step": step, "epoch": readers.train.epoch, "samples": samples,
                       "seconds": round(time.perf_counter() - t_start, 3), **last_eval})
-            bar.write(f"step {step}: eval AUC {last_eval['auc']:.4f}, NE {last_eval['ne']:.4f}, "
-                      f"logloss {last_eval['logloss']:.4f}", file=sys.stderr)
+            if rank == 0:
+                bar.write(f"step {step}: eval AUC {last_eval['auc']:.4f}, NE {last_eval['ne']:.4f}, "
+                          f"logloss {last_eval['logloss']:.4f}", file=sys.stderr)
         if args.checkpoint_dir and ckpt_every and step % ckpt_every == 0 and step != total_steps:
             save(step)
     bar.close()
