@@ -1,0 +1,42 @@
+"""Run `tpurec train` as a user would (a subprocess), and read its checkpoints back."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def train(*args, cache, timeout=600, check=True) -> tuple[dict | None, subprocess.CompletedProcess]:
+    """`python -m tpurec.cli train ARGS` with its synthetic-data cache in `cache`; (final JSON, process)."""
+    env = dict(os.environ, TPUREC_CACHE=str(cache), PYTHONPATH=str(REPO))
+    p = subprocess.run([sys.executable, "-m", "tpurec.cli", "train", "--quiet", *map(str, args)], env=env,
+                       capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    if check and p.returncode != 0:
+        raise AssertionError(f"tpurec train {' '.join(map(str, args))} exited {p.returncode}:\n{p.stderr[-4000:]}")
+    lines = [line for line in p.stdout.splitlines() if line.strip()]
+    return (json.loads(lines[-1]) if lines and p.returncode == 0 else None), p
+
+
+def checkpoint_tensors(path) -> dict:
+    """Every tensor of a DCP checkpoint, unsharded, by flattened key (via a torch.save conversion)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = Path(path).parent / (Path(path).name + ".pt")
+    dcp_to_torch_save(str(path), str(out))
+    sd = torch.load(out, weights_only=False)
+    flat = {}
+
+    def walk(prefix, v):
+        if isinstance(v, dict):
+            for k, x in v.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), x)
+        elif isinstance(v, torch.Tensor):
+            flat[prefix] = v
+
+    walk("", sd)
+    return flat

@@ -1,0 +1,120 @@
+"""`tpurec train` end to end, as a user runs it (subprocesses, real data files, real numbers)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from .helpers import REPO, checkpoint_tensors, train
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("tpurec-cache")
+
+
+def test_no_argument_run_reaches_oracle_auc(cache, tmp_path):
+    """The default run itself (dlrm-tiny, 1.5M synthetic rows generated into the cache, one epoch)."""
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    t0 = time.perf_counter()
+    result, p = train("--metrics-out", metrics, cache=cache)
+    seconds = time.perf_counter() - t0
+    assert seconds < 180, f"no-argument run took {seconds:.0f} s"
+    assert "generating synthetic dlrm-tiny data" in p.stderr and str(cache) in p.stderr
+    assert {"steps", "auc", "ne", "logloss", "samples_per_s", "oracle_auc"} <= set(result)
+    assert result["oracle_auc"] - result["auc"] <= 0.02, result
+    assert 0 < result["ne"] < 1
+    assert p.stdout.strip().count("\n") == 0, "stdout must hold only the JSON line"
+    assert "tables (largest first)" in p.stderr  # plan summary from the inspector
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "eval"][-1] == result["steps"]
+    assert metrics.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_exact_resume_same_world_size(cache, tmp_path):
+    """Interrupted at step 70 (across an epoch boundary at ~55) and resumed: same weights and optimiser
+    state, bit for bit, as the uninterrupted run."""
+    common = ["--synth-rows", 30000, "--eval-every", 20, "--keep", 0]
+    a, _ = train("--steps", 90, "--checkpoint-dir", tmp_path / "a", *common, cache=cache)
+    train("--steps", 70, "--checkpoint-dir", tmp_path / "b", *common, cache=cache)
+    b, p = train("--steps", 90, "--checkpoint-dir", tmp_path / "b", "--resume", *common, cache=cache)
+    assert "resume:" in p.stderr and "at step 70, exact" in p.stderr
+    want = checkpoint_tensors(tmp_path / "a" / "step-00000090")
+    got = checkpoint_tensors(tmp_path / "b" / "step-00000090")
+    assert set(want) == set(got)
+    assert any(k.startswith("optim.state.") and "embedding_bags" in k for k in want)  # fused optimiser state
+    assert [k for k in want if not torch.equal(want[k], got[k])] == []
+    assert a["auc"] == b["auc"]
+
+
+def test_tiny_dataset_caps_batch_and_keeps_eval(cache, tmp_path):
+    data = tmp_path / "tiny"
+    subprocess.run([sys.executable, "-m", "tpurec.cli", "data", "synth", "--rows", "50", "--out", str(data)],
+                   check=True, capture_output=True, cwd=REPO)
+    result, p = train("--data", data, "--steps", 5, "--metrics-out", tmp_path / "m.csv", cache=cache)
+    assert "capping the batch" in p.stderr
+    assert result["batch_size"] < 512 and result["eval_rows"] >= 1 and result["steps"] == 5
+    assert (tmp_path / "m.csv").read_text().startswith("kind,step")
+    assert (tmp_path / "m.png").exists()
+
+
+def test_trains_on_converted_criteo_sample(cache, tmp_path, criteo_sample):
+    data = tmp_path / "criteo"
+    # raw ids + torchrec column names: the reader hashes into the model's tables, the model takes
+    # the data's feature names
+    subprocess.run([sys.executable, "-m", "tpurec.cli", "data", "convert", str(criteo_sample), "--out", str(data),
+                    "--raw-ids", "--names", "torchrec", "--quiet"], check=True, capture_output=True, cwd=REPO)
+    result, p = train("--data", data, "--steps", 20, cache=cache)
+    assert result["steps"] == 20 and result["eval_rows"] >= 1
+    assert all(result[k] == result[k] for k in ("auc", "ne", "logloss")), result  # not NaN
+
+
+def test_bad_data_names_file_and_row_group(cache, tmp_path):
+    import pyarrow.parquet as pq
+
+    data = tmp_path / "bad"
+    subprocess.run([sys.executable, "-m", "tpurec.cli", "data", "synth", "--rows", "3000", "--out", str(data)],
+                   check=True, capture_output=True, cwd=REPO)
+    f = data / "part-00000.parquet"
+    t = pq.read_table(f)
+    c1 = t.column("C1").to_pylist()
+    c1[5] = 10**6  # id out of its 1,000-row table
+    import pyarrow as pa
+
+    t = t.set_column(t.schema.get_field_index("C1"), "C1", pa.array(c1, pa.int64()))
+    pq.write_table(t, f, write_statistics=False)
+    _, p = train("--data", data, "--steps", 3, cache=cache, check=False)
+    assert p.returncode == 2
+    assert f"rank 0: {f}: row group 0: column 'C1': id 1000000 out of range" in p.stderr
+
+
+def test_killed_run_leaves_no_checkpoint_that_looks_complete(cache, tmp_path):
+    env = dict(os.environ, TPUREC_CACHE=str(cache), PYTHONPATH=str(REPO))
+    root = tmp_path / "ck"
+    proc = subprocess.Popen([sys.executable, "-m", "tpurec.cli", "train", "--quiet", "--synth-rows", "30000",
+                             "--steps", "100000", "--eval-every", "0", "--checkpoint-every", "3", "--keep", "0",
+                             "--checkpoint-dir", str(root)], env=env, cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and len(list(root.glob("step-*"))) < 4:
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    dirs = sorted(root.glob("step-*"))
+    assert len(dirs) >= 4
+    for d in dirs:  # every directory without the .tmp suffix is complete
+        assert d.name.endswith(".tmp") or (d / "COMPLETE").exists(), d
+    # and a resume picks the newest complete one and runs
+    from tpurec.dlrm.checkpoint import latest
+
+    newest = latest(root)
+    step = int(newest.name.split("-")[1])
+    result, p = train("--synth-rows", 30000, "--steps", step + 2, "--eval-every", 0, "--checkpoint-dir", root,
+                      "--resume", cache=cache)
+    assert result["steps"] == step + 2 and f"at step {step}" in p.stderr

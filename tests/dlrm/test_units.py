@@ -1,0 +1,111 @@
+"""Fast checks of the pieces of `tpurec train`: configs, LR schedule, metrics, checkpoint discovery, CLI."""
+import math
+
+import numpy as np
+import pytest
+
+from tpurec.dlrm import checkpoint as ckpt
+from tpurec.dlrm.configs import CONFIGS, get_config, override
+from tpurec.dlrm.metrics import compute
+
+
+def test_named_configs():
+    assert set(CONFIGS) == {"dlrm-tiny", "criteo-kaggle", "mlperf-dcnv2"}
+    m = get_config("mlperf-dcnv2")
+    assert (m.interaction, m.dense_arch, m.over_arch) == ("dcn", (512, 256, 128), (1024, 1024, 512, 256, 1))
+    assert (m.dcn_num_layers, m.dcn_low_rank_dim) == (3, 512)
+    assert (m.embedding_optimizer, m.dense_optimizer, m.embedding_lr) == ("adagrad", "adagrad", 0.005)
+    assert get_config("dlrm-tiny").table_set == "dlrm-tiny"
+
+
+def test_override_ignores_unset_and_validates():
+    cfg = override(get_config("dlrm-tiny"), batch_size=64, steps=None)
+    assert cfg.batch_size == 64 and cfg.steps is None
+    with pytest.raises(ValueError, match="embedding dim 16"):
+        override(get_config("dlrm-tiny"), dense_arch=(64, 32))
+    with pytest.raises(ValueError, match="eval-fraction"):
+        override(get_config("dlrm-tiny"), eval_fraction=1.5)
+    with pytest.raises(ValueError, match="unknown model"):
+        get_config("resnet")
+
+
+def test_models_build_on_meta_tables():
+    from tpurec.dlrm.model import build_model
+
+    assert type(build_model(get_config("dlrm-tiny")).model).__name__ == "DLRM"
+    model = build_model(override(get_config("dlrm-tiny"), interaction="dcn", dcn_low_rank_dim=8),
+                        table_sizes=[50] * 26, feature_names=[f"cat_{i}" for i in range(26)])
+    assert type(model.model).__name__ == "DLRM_DCN"
+    bags = model.model.sparse_arch.embedding_bag_collection
+    assert bags.embedding_bags["t_C1"].weight.device.type == "meta"
+    assert bags.embedding_bags["t_C1"].weight.shape == (50, 16)
+    assert bags.embedding_bag_configs()[0].feature_names == ["cat_0"]
+
+
+def test_lr_schedule():
+    import torch
+
+    from tpurec.dlrm.model import LRSchedule
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    s = LRSchedule(opt, warmup_steps=4, decay_start=10, decay_steps=10)
+    assert [s.factor(i) for i in (0, 3, 5, 10, 15, 20, 30)] == [0.25, 1.0, 1.0, 1.0, 0.25, 0.0, 0.0]
+    s.set_step(0)
+    assert opt.param_groups[0]["lr"] == 0.25
+    off = LRSchedule(opt, 0, 0, 0)
+    assert not off.active
+
+
+def test_metrics():
+    y = np.array([0, 0, 1, 1, 0, 1, 0, 0], np.float32)
+    perfect = compute(np.where(y > 0, 3.0, -3.0), y)
+    assert perfect["auc"] == 1.0 and perfect["accuracy"] == 1.0
+    # predicting the label rate everywhere: NE is exactly 1 (the definition of NE's baseline)
+    p = y.mean()
+    base = compute(np.full(len(y), math.log(p / (1 - p))), y)
+    assert base["auc"] == 0.5
+    assert base["ne"] == pytest.approx(1.0, abs=1e-9)
+    z = np.array([0.3, -1.2, 2.0, 0.1, -0.4, 1.5, -2.0, 0.0])
+    q = 1 / (1 + np.exp(-z))
+    want = -np.mean(y * np.log(q) + (1 - y) * np.log(1 - q))
+    assert compute(z, y)["logloss"] == pytest.approx(want, rel=1e-9)
+
+
+def test_incomplete_checkpoints_are_never_picked(tmp_path):
+    (tmp_path / "step-00000010").mkdir()
+    (tmp_path / "step-00000010" / ckpt.MARKER).write_text("")
+    (tmp_path / "step-00000020").mkdir()  # killed after the rename would be impossible; killed before: no marker
+    (tmp_path / "step-00000030.tmp").mkdir()  # killed while writing
+    assert ckpt.latest(tmp_path).name == "step-00000010"
+    assert ckpt.resolve(tmp_path).name == "step-00000010"
+    with pytest.raises(FileNotFoundError, match="interrupted"):
+        ckpt.resolve(tmp_path / "step-00000030.tmp")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        ckpt.resolve(tmp_path / "empty")
+
+
+def test_cli_user_errors_exit_2(capsys, tmp_path):
+    from tpurec.cli import main
+
+    assert main(["train", "--data", str(tmp_path / "missing")]) == 2
+    assert "not a directory" in capsys.readouterr().err
+    assert main(["train", "--batch-size", "0"]) == 2
+    assert main(["train", "--resume"]) == 2
+    assert "--checkpoint-dir" in capsys.readouterr().err
+    assert main(["train", "--metrics-out", "m.txt"]) == 2
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--model", "nope"])
+    assert e.value.code == 2
+
+
+def test_worker_argv_round_trip():
+    import argparse
+
+    from tpurec.dlrm.cli import add_arguments, to_argv
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--steps", "5", "--resume", "--checkpoint-dir", "c", "--quiet", "--model", "dlrm-tiny"])
+    again = p.parse_args(to_argv(args, p))
+    assert vars(again) == vars(args)
