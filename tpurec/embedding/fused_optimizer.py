@@ -15,7 +15,44 @@ from torchrec.optim.fused import FusedOptimizer
 from tpurec.embedding.kernel import SparseCoreKernel
 
 
-class SparseCoreFusedOptimizer(FusedOptimizer):
+class KernelStateOptimizer(FusedOptimizer):
+    """A FusedOptimizer whose `state` holds natural-order copies of kernel storage.
+
+    Subclasses set `_ready` once built and implement `_kernels_version()` (changes when the kernels
+    update), `_refresh()` (kernel -> copies) and `_write_back()` (copies -> kernel). TorchRec's
+    CombinedOptimizer, which DMP and the sharded EBC wrap us in, builds its state_dict from the
+    children's `.state` and never calls our state_dict(), so the copies refresh on access, but only
+    when the kernels moved since the last refresh: a state_dict handed to DCP shares our tensors, and
+    refreshing between dcp.load and load_state_dict would overwrite what was loaded.
+    """
+
+    _ready = False
+
+    @property
+    def state(self):
+        if self._ready:
+            version = self._kernels_version()
+            if version != getattr(self, "_refreshed_at", None):
+                self._refresh()
+                self._refreshed_at = version
+        return self._state
+
+    @state.setter
+    def state(self, value) -> None:
+        self._state = value
+
+    def post_load_state_dict(self) -> None:
+        self._write_back()
+        self._refreshed_at = self._kernels_version()
+
+    def step(self, closure=None) -> None:  # updates are fused into backward
+        return None
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        return None
+
+
+class SparseCoreFusedOptimizer(KernelStateOptimizer):
     def __init__(self, kernel: SparseCoreKernel, param_prefix: str = "embedding_bags.", key_of=None) -> None:
         """key_of(kernel table name) -> "<name>.weight": how params are keyed (default: the table name)."""
         self._kernel = kernel
@@ -40,6 +77,7 @@ class SparseCoreFusedOptimizer(FusedOptimizer):
         if spec.kind == "adam":
             group["betas"] = (spec.beta1, spec.beta2)
         super().__init__(params, state, [group])
+        self._ready = True
         kernel._lr_group = group
 
     def _refresh(self) -> None:
@@ -54,25 +92,8 @@ class SparseCoreFusedOptimizer(FusedOptimizer):
                 if f"{base}.step" in entry:
                     entry[f"{base}.step"].fill_(k.steps[k._locate(name)[0]])
 
-    # Refresh on access, but only when the kernel moved since the last refresh: a state_dict handed
-    # to DCP shares our tensors, and refreshing between dcp.load and load_state_dict would overwrite
-    # what was loaded. (CombinedOptimizer reads `.state` directly, never our state_dict().)
-    @property
-    def state(self):
-        if getattr(self, "_keys", None) is not None and hasattr(self, "_state"):
-            version = tuple(self._kernel.steps)
-            if version != getattr(self, "_refreshed_at", None):
-                self._refresh()
-                self._refreshed_at = version
-        return self._state
-
-    @state.setter
-    def state(self, value) -> None:
-        self._state = value
-
-    def post_load_state_dict(self) -> None:
-        self._write_back()
-        self._refreshed_at = tuple(self._kernel.steps)
+    def _kernels_version(self) -> tuple:
+        return tuple(self._kernel.steps)
 
     def _write_back(self) -> None:
         k = self._kernel
@@ -83,8 +104,3 @@ class SparseCoreFusedOptimizer(FusedOptimizer):
             if f"{base}.step" in entry:
                 k.steps[k._locate(name)[0]] = int(entry[f"{base}.step"].item())
 
-    def step(self, closure=None) -> None:  # updates are fused into backward
-        return None
-
-    def zero_grad(self, set_to_none: bool = False) -> None:
-        return None

@@ -19,14 +19,15 @@ import torch
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
-from torchrec.optim.fused import FusedOptimizer
+
+from tpurec.embedding.fused_optimizer import KernelStateOptimizer
 
 
 def _props():
     return TensorProperties(dtype=torch.float32, requires_grad=False)
 
 
-class ShardedSparseCoreOptimizer(FusedOptimizer):
+class ShardedSparseCoreOptimizer(KernelStateOptimizer):
     def __init__(self, sharded_ebc) -> None:
         self._ebc = sharded_ebc
         pg = sharded_ebc._env.process_group
@@ -63,6 +64,7 @@ class ShardedSparseCoreOptimizer(FusedOptimizer):
         group = {"params": list(params.values()), "lr": spec.lr if spec else 0.0}
         self._kernels = list(kernels.values())
         super().__init__(params, state, [group])
+        self._ready = True
         for k in self._kernels:  # kernels read the learning rate from here at every update
             k._lr_group = group
 
@@ -73,23 +75,8 @@ class ShardedSparseCoreOptimizer(FusedOptimizer):
             self._entries.append((table, state_name, kname, kernel, shards[-1].tensor))
         return ShardedTensor._init_from_local_shards_and_global_metadata(shards, metadata, process_group=pg)
 
-    # TorchRec's CombinedOptimizer (which DMP and the sharded EBC wrap us in) builds its state_dict
-    # from the children's `.state`, never calling our state_dict(): refresh on every access (only
-    # checkpoint paths read it; training does not).
-    # Refresh only when the kernels moved since the last refresh: a state_dict handed to DCP shares
-    # our tensors, and refreshing between dcp.load and load_state_dict would overwrite what was loaded.
-    @property
-    def state(self):
-        if getattr(self, "_entries", None) is not None and hasattr(self, "_state"):
-            version = tuple(s for k in self._kernels for s in k.steps)
-            if version != getattr(self, "_refreshed_at", None):
-                self._refresh()
-                self._refreshed_at = version
-        return self._state
-
-    @state.setter
-    def state(self, value) -> None:
-        self._state = value
+    def _kernels_version(self) -> tuple:
+        return tuple(s for k in self._kernels for s in k.steps)
 
     def _refresh(self) -> None:
         with torch.no_grad():
@@ -102,10 +89,6 @@ class ShardedSparseCoreOptimizer(FusedOptimizer):
                     if key.endswith(".step"):
                         value.fill_(steps)
 
-    def post_load_state_dict(self) -> None:
-        self._write_back()
-        self._refreshed_at = tuple(s for k in self._kernels for s in k.steps)
-
     def _write_back(self) -> None:
         for _, state_name, kname, kernel, tensor in self._entries:
             if state_name is not None:
@@ -116,11 +99,6 @@ class ShardedSparseCoreOptimizer(FusedOptimizer):
                     for k in self._kernels:
                         k.steps = [int(value.item())] * len(k.steps)
 
-    def step(self, closure=None) -> None:  # updates are fused into backward
-        return None
-
-    def zero_grad(self, set_to_none: bool = False) -> None:
-        return None
 
 
 def _rowwise_metadata(weight_meta: ShardedTensorMetadata, rows: int):
