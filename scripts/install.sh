@@ -16,13 +16,19 @@ fi
 
 start=$(date +%s)
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-PIP="$VENV/bin/python -m pip --disable-pip-version-check"
-$PIP install -q --upgrade pip setuptools wheel
-$PIP install -q -r requirements/base.txt -r requirements/test.txt
+pip_quiet() {
+  # The machine's pip config lists local index folders, some missing, and pip warns about each one
+  # on every call; keep real warnings and errors. pipefail keeps pip's exit status.
+  "$VENV/bin/python" -m pip --disable-pip-version-check install -q "$@" 2>&1 \
+    | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+}
+pip_quiet --upgrade pip setuptools wheel
+pip_quiet -r requirements/base.txt -r requirements/test.txt
 # torchrec without its dependency on the CUDA fbgemm-gpu (it would overwrite fbgemm-gpu-cpu).
-$PIP install -q --no-deps -r requirements/torchrec.txt
+pip_quiet --no-deps -r requirements/torchrec.txt
 # tpurec itself, editable; its dependencies are all above.
-$PIP install -q --no-deps --no-build-isolation -e .
+pip_quiet --no-deps --no-build-isolation -e .
+PIP="$VENV/bin/python -m pip --disable-pip-version-check"
 # Fail loudly if something dragged in the CUDA fbgemm-gpu.
 if $PIP show -q fbgemm-gpu >/dev/null 2>&1; then
   echo "tpurec: fbgemm-gpu (CUDA) got installed and shadows fbgemm-gpu-cpu; remove .venv and retry" >&2
