@@ -13,6 +13,7 @@ BENCHES: dict[str, str] = {
     "data": "tpurec.data.bench",
     "kernels": "tpurec.embedding.bench_kernels",
     "preprocess": "tpurec.embedding.bench_preprocess",
+    "train": "tpurec.dlrm.bench",
 }
 
 

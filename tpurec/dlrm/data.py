@@ -32,7 +32,7 @@ def ensure_synth(table_set: str, rows: int, seed: int, say=print) -> Path:
     if (out / "dataset.json").exists():
         say(f"data: synthetic {table_set}, {rows:,} rows, seed {seed}, cached in {out}")
         return out
-    say(f"data: no --data given; generating synthetic {table_set} data ({rows:,} rows, seed {seed}) "
+    say(f"data: generating synthetic {table_set} data ({rows:,} rows, seed {seed}) "
         f"once into {out}")
     # Small row groups: more units to shuffle and to spread over ranks.
     synthesize(rows, str(out), seed=seed, table_set=table_set, row_group_size=16384, show_progress=False,
