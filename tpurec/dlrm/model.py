@@ -28,7 +28,8 @@ def build_model(cfg: DLRMConfig, table_sizes: list[int] | None = None, feature_n
     """DLRMTrain over a meta-device EmbeddingBagCollection, tables' optimiser fused into backward.
 
     table_sizes (one per C1..C26) replaces the table set's sizes, e.g. for data converted into other
-    sizes and feature_names the C1..C26 feature names (data converted with other column names); the dense MLPs are initialised from the current torch seed.
+    sizes and feature_names the C1..C26 feature names (data converted with other column names); the
+    dense MLPs are initialised from the current torch seed.
     """
     from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRMTrain
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
@@ -55,6 +56,26 @@ def build_model(cfg: DLRMConfig, table_sizes: list[int] | None = None, feature_n
     return model
 
 
+# On CPU every rank shares the same host cores, so splitting a table across ranks (column- or
+# table-row-wise) buys no memory or bandwidth and only adds shards, lookups and all-to-all pieces:
+# measured on dlrm-tiny at 2 ranks, the unconstrained plan (19 tables table-column-wise) trained at
+# 0.60x the speed of a table-wise placement. On TPU the planner chooses freely.
+CPU_SHARDING_TYPES = ["table_wise", "row_wise"]
+
+
+def planner_constraints(cfg: DLRMConfig, device: str, table_names: list[str]):
+    """ParameterConstraints for the planner: the table set's pooling factors, and on CPU the
+    sharding types above."""
+    from torchrec.distributed.planner.types import ParameterConstraints
+
+    from tpurec.sharding.planner import pooling_constraints
+
+    specs = get_table_set(cfg.table_set).tables
+    base = {n: ParameterConstraints(sharding_types=list(CPU_SHARDING_TYPES)) for n in table_names} \
+        if device == "cpu" else None
+    return pooling_constraints({t.name: t.pooling_factor for t in specs}, base=base)
+
+
 def shard(model, cfg: DLRMConfig, device: str, *, plan=None, stock: bool = False):
     """tpurec.DistributedModelParallel (tpurec planner and SparseCore kernel), or with stock=True,
     torchrec's own DMP with the FBGEMM `fused` kernel (for the benchmark)."""
@@ -64,8 +85,11 @@ def shard(model, cfg: DLRMConfig, device: str, *, plan=None, stock: bool = False
         return TorchrecDMP(model, device=torch.device("cpu"), plan=plan)
     import tpurec
 
+    names = [c.name for c in model.model.sparse_arch.embedding_bag_collection.embedding_bag_configs()]
+    constraints = None if plan is not None else planner_constraints(cfg, device, names)
     dev = torch.device("cpu") if device == "cpu" else device
-    return tpurec.DistributedModelParallel(model, device=dev, plan=plan, batch_size=cfg.batch_size)
+    return tpurec.DistributedModelParallel(model, device=dev, plan=plan, batch_size=cfg.batch_size,
+                                           constraints=constraints)
 
 
 def build_optimizer(dmp, cfg: DLRMConfig):
