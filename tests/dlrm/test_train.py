@@ -51,6 +51,13 @@ def test_exact_resume_same_world_size(cache, tmp_path):
     assert a["auc"] == b["auc"]
 
 
+def test_dcnv2_interaction_trains(cache):
+    """DLRM-DCNv2 (torchrec's DLRM_DCN, low-rank cross layers) on the dlrm-tiny tables."""
+    result, _ = train("--interaction", "dcn", "--dense-lr", 0.005, "--synth-rows", 30000, "--steps", 60,
+                      cache=cache)
+    assert result["steps"] == 60 and result["auc"] > 0.7, result
+
+
 def test_tiny_dataset_caps_batch_and_keeps_eval(cache, tmp_path):
     data = tmp_path / "tiny"
     subprocess.run([sys.executable, "-m", "tpurec.cli", "data", "synth", "--rows", "50", "--out", str(data)],

@@ -40,6 +40,8 @@ def add_arguments(p) -> None:
     p.add_argument("--data", metavar="DIR", help="Parquet dataset (tpurec data convert/synth); default: "
                    "synthetic data for the model's tables, generated once into ~/.cache/tpurec")
     p.add_argument("--model", choices=_MODELS, default="dlrm-tiny", help="named config (default dlrm-tiny)")
+    p.add_argument("--interaction", choices=("dot", "dcn"),
+                   help="dot (DLRM) or dcn (DLRM-DCNv2 cross layers); default: the model's")
     p.add_argument("--device", choices=("auto", "cpu", "tpu"), default="auto",
                    help="auto: TPU when this host has a usable one, else CPU")
     p.add_argument("--batch-size", type=int, help="batch size per rank (config default)")

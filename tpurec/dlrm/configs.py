@@ -48,6 +48,7 @@ CONFIGS: dict[str, DLRMConfig] = {
         name="dlrm-tiny", table_set="dlrm-tiny", dense_arch=(64, 16), over_arch=(64, 32, 1),
         embedding_optimizer="rowwise_adagrad", embedding_lr=0.1, dense_optimizer="adagrad", dense_lr=0.05,
         batch_size=512, epochs=1.0, eval_every=500, synth_rows=1_500_000,
+        dcn_low_rank_dim=64,  # used with --interaction dcn (then --dense-lr 0.005: the cross layers diverge at 0.05)
     ),
     # torchrec's DLRM example for Criteo Kaggle (examples/dlrm): dim 128, 512-256-128 / 1024-1024-512-256-1.
     "criteo-kaggle": DLRMConfig(

@@ -153,7 +153,8 @@ def run_training(args) -> int:
 
     cfg = override(get_config(args.model), batch_size=args.batch_size, steps=args.steps, epochs=args.epochs,
                    eval_every=args.eval_every, seed=args.seed, embedding_lr=args.embedding_lr,
-                   dense_lr=args.dense_lr, synth_rows=args.synth_rows, eval_fraction=args.eval_fraction)
+                   dense_lr=args.dense_lr, synth_rows=args.synth_rows, eval_fraction=args.eval_fraction,
+                   interaction=args.interaction)
     device = _resolve_device(args.device)
 
     # ---- data ----
