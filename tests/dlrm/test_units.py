@@ -94,6 +94,8 @@ def test_cli_user_errors_exit_2(capsys, tmp_path):
     assert main(["train", "--resume"]) == 2
     assert "--checkpoint-dir" in capsys.readouterr().err
     assert main(["train", "--metrics-out", "m.txt"]) == 2
+    assert main(["train", "--device", "tpu"]) == 2  # this host has no TPU
+    assert "cannot run TPU kernels" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["train", "--model", "nope"])
     assert e.value.code == 2

@@ -81,6 +81,12 @@ def _check(args) -> str | None:
             return f"--{name.replace('_', '-')} must be >= 1"
     if getattr(args, "nproc", 1) < 1:
         return "--nproc must be >= 1"
+    if args.device == "tpu":
+        from tpurec.device import tpu_status
+
+        missing = tpu_status().missing()
+        if missing:
+            return f"--device tpu: this host cannot run TPU kernels ({'; '.join(missing)}); see `tpurec env`"
     return None
 
 
