@@ -29,7 +29,8 @@ def test_no_argument_run_reaches_oracle_auc(cache, tmp_path):
     assert result["oracle_auc"] - result["auc"] <= 0.02, result
     assert 0 < result["ne"] < 1
     assert p.stdout.strip().count("\n") == 0, "stdout must hold only the JSON line"
-    assert "tables (largest first)" in p.stderr  # plan summary from the inspector
+    assert "tpurec plan: dlrm-tiny on cpu-1" in p.stderr and "tables: 26: 26 table_wise" in p.stderr  # plan summary
+    assert "Successfully loaded" not in p.stderr and "FutureWarning" not in p.stderr
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows if r["kind"] == "eval"][-1] == result["steps"]
     assert metrics.with_suffix(".png").stat().st_size > 10_000
@@ -56,6 +57,16 @@ def test_dcnv2_interaction_trains(cache):
     result, _ = train("--interaction", "dcn", "--dense-lr", 0.005, "--synth-rows", 30000, "--steps", 60,
                       cache=cache)
     assert result["steps"] == 60 and result["auc"] > 0.7, result
+
+
+def test_saved_plan_is_reused_and_inspectable(cache, tmp_path):
+    plan = tmp_path / "plan.json"
+    first, _ = train("--synth-rows", 30000, "--steps", 3, "--save-plan", plan, cache=cache)
+    again, _ = train("--synth-rows", 30000, "--steps", 3, "--plan", plan, cache=cache)
+    assert first["auc"] == again["auc"]  # same plan, same seed: same run
+    show = subprocess.run([sys.executable, "-m", "tpurec.cli", "plan", "show", str(plan)], capture_output=True,
+                          text=True, cwd=REPO)
+    assert show.returncode == 0 and "t_C1" in show.stdout
 
 
 def test_tiny_dataset_caps_batch_and_keeps_eval(cache, tmp_path):

@@ -20,11 +20,21 @@ log = logging.getLogger("tpurec.train")
 
 
 def _setup_logging(rank: int) -> None:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format=f"[rank {rank}] %(message)s" if rank else "%(message)s", force=True)
-    # torchrec/fx chatter at WARNING would drown the progress bar
-    for noisy in ("torchrec", "torch.fx", "torch.distributed"):
+    # Our messages at INFO; everything else (fbgemm's "Successfully loaded" lines, torchrec, fx)
+    # only from WARNING up, and torchrec's deprecation warnings not at all: the run's stderr is
+    # meant to fit on a screen.
+    import warnings
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"[rank {rank}] %(message)s" if rank else "%(message)s"))
+    log.handlers[:] = [handler]
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, force=True)
+    for noisy in ("torchrec", "torch.fx", "torch.distributed", "fbgemm_gpu"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
+    for category in (FutureWarning, DeprecationWarning, UserWarning):
+        warnings.filterwarnings("ignore", category=category, module=r"(torchrec|fbgemm_gpu|torch)\b")
 
 
 def _init_distributed():
@@ -57,17 +67,31 @@ def _infinite(reader, epochs_limit: float | None):
             return
 
 
-def plan_summary(dmp, cfg, table_sizes, batch_size) -> str:
-    """The inspector's text report of the plan the DMP is running."""
+def plan_report(dmp, cfg, table_sizes, batch_size) -> dict:
+    """The inspector's report of the plan the DMP is running (also the meta `tpurec plan show` reads)."""
     from tpurec.dlrm.table_sets import TableSpec, get_table_set
-    from tpurec.sharding.inspect import build_report, format_text
+    from tpurec.sharding.inspect import build_report
 
     ts = get_table_set(cfg.table_set)
     tables = [TableSpec(t.name, t.feature, n, t.embedding_dim, t.pooling_factor) for t, n in zip(ts.tables, table_sizes)]
     topo = dmp.topology
-    report = build_report(dmp.plan, tables, topo.spec, batch_size=batch_size, optimizer=cfg.embedding_optimizer,
-                          compute_device=topo.compute_device, model=cfg.name)
-    return format_text(report, top=3)
+    return build_report(dmp.plan, tables, topo.spec, batch_size=batch_size, optimizer=cfg.embedding_optimizer,
+                        compute_device=topo.compute_device, model=cfg.name)
+
+
+def plan_summary(report: dict) -> str:
+    """The inspector's text without the per-table list (one line per sharding instead): one screen."""
+    from collections import Counter
+
+    from tpurec.sharding.inspect import format_text
+
+    text = format_text(report, top=3).split("\n")
+    kinds = Counter(f"{t['sharding_type']} ({t['compute_kernel']})" for t in report["tables"])
+    head = text[:3]
+    devices = text[text.index("devices (GiB; ms)"):]
+    devices = devices[:devices.index("")] if "" in devices else devices
+    return "\n".join(head + [f"tables: {len(report['tables'])}: " + ", ".join(f"{n} {k}" for k, n in kinds.items())
+                             + "  (per table: --save-plan P.json, then tpurec plan show P.json)"] + devices)
 
 
 class MetricsLog:
@@ -197,14 +221,16 @@ def run_training(args) -> int:
     optimizer = build_optimizer(dmp, cfg)
     schedule = LRSchedule(optimizer, cfg.warmup_steps, cfg.decay_start, cfg.decay_steps)
     if rank == 0:
+        report = None
         try:
-            say(plan_summary(dmp, cfg, sizes, batch))
+            report = plan_report(dmp, cfg, sizes, batch)
+            say(plan_summary(report))
         except Exception as e:  # the summary is informative only; never fail a run on it
             say(f"(plan summary unavailable: {e})")
         if args.save_plan:
             from tpurec.sharding.plan_io import save_plan
 
-            save_plan(dmp.plan, args.save_plan)
+            save_plan(dmp.plan, args.save_plan, meta=report["meta"] if report else None)
             say(f"plan saved to {args.save_plan}")
 
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
