@@ -111,3 +111,14 @@ def test_worker_argv_round_trip():
     args = p.parse_args(["--steps", "5", "--resume", "--checkpoint-dir", "c", "--quiet", "--model", "dlrm-tiny"])
     again = p.parse_args(to_argv(args, p))
     assert vars(again) == vars(args)
+
+
+def test_tables_too_big_for_this_host_are_refused_in_one_line():
+    from tpurec.dlrm.table_sets import get_table_set
+    from tpurec.dlrm.train import _check_host_memory
+
+    cfg = get_config("mlperf-dcnv2")  # 204 M rows x 128: about 100 GiB of weights + Adagrad state
+    with pytest.raises(ValueError, match=r"mlperf-dcnv2 tables need \d+\.\d GiB"):
+        _check_host_memory(cfg, [t.num_embeddings for t in get_table_set("mlperf-dcnv2").tables], 1)
+    tiny = get_config("dlrm-tiny")
+    _check_host_memory(tiny, [t.num_embeddings for t in get_table_set("dlrm-tiny").tables], 1)

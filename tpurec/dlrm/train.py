@@ -94,6 +94,41 @@ def plan_summary(report: dict) -> str:
                              + "  (per table: --save-plan P.json, then tpurec plan show P.json)"] + devices)
 
 
+def _check_host_memory(cfg, sizes: list[int], world: int) -> None:
+    """Refuse at once, in one line, tables that cannot fit in this host's free memory on CPU
+    (criteo-kaggle / mlperf-dcnv2 are sized for TPU slices): better than an OOM kill mid-setup."""
+    from tpurec.dlrm.table_sets import get_table_set
+
+    dims = [t.embedding_dim for t in get_table_set(cfg.table_set).tables]
+    per_row_state = {"sgd": lambda d: 0, "rowwise_adagrad": lambda d: 1, "adagrad": lambda d: d,
+                     "adam": lambda d: 2 * d}[cfg.embedding_optimizer]
+    total = sum(n * (d + per_row_state(d)) * 4 for n, d in zip(sizes, dims))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    need = total * local // max(1, world)  # this host's ranks hold their share of the tables
+    free = _available_bytes()
+    if free is None:
+        return
+    if need > 0.8 * free:
+        raise ValueError(f"the {cfg.table_set} tables need {need / 2**30:.1f} GiB of weights and optimizer state on "
+                         f"this host, which has {free / 2**30:.1f} GiB free; use --model dlrm-tiny, data converted "
+                         f"with smaller tables (tpurec data convert --tables dlrm-tiny), more hosts, or a TPU")
+
+
+def _available_bytes() -> int | None:
+    """MemAvailable (free + reclaimable page cache) on Linux, else free pages, else None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 class MetricsLog:
     """Rows of training / eval figures, appended to a CSV or JSONL file as they come (rank 0)."""
 
@@ -208,6 +243,9 @@ def run_training(args) -> int:
     say(f"data: {data_dir}: {meta.get('rows', '?'):,} rows; per rank {readers.train.num_rows:,} train / "
         f"{readers.eval_rows:,} eval rows; {steps_per_epoch} steps per epoch of global batch {batch * world:,}"
         + (f"; oracle AUC {oracle:.4f}" if oracle else ""))
+
+    if device == "cpu":
+        _check_host_memory(cfg, sizes, world)
 
     # ---- model ----
     torch.manual_seed(cfg.seed)
