@@ -56,14 +56,14 @@ def _resolve_device(name: str) -> str:
     return name
 
 
-def _infinite(reader, epochs_limit: float | None):
-    """The reader's batches epoch after epoch (the reader tracks its own epoch and position)."""
+def _infinite(reader):
+    """The reader's batches epoch after epoch (the reader tracks its own epoch and position); the
+    loop decides when to stop. An epoch without a batch ends the stream (never spin forever)."""
     while True:
-        got = False
-        for batch in reader:
-            got = True
+        n = 0
+        for n, batch in enumerate(reader, 1):
             yield batch
-        if not got and reader.num_rows == 0:
+        if n == 0:
             return
 
 
@@ -305,7 +305,7 @@ def run_training(args) -> int:
     # ---- loop ----
     mlog = MetricsLog(args.metrics_out if rank == 0 else None, append=bool(args.resume) and step > 0)
     ckpt_every = args.checkpoint_every if args.checkpoint_every is not None else cfg.eval_every
-    stream = _infinite(readers.train, None)
+    stream = _infinite(readers.train)
     positions: list[dict] = []  # reader state after each batch the pipeline pulled in this segment
 
     def tracked(n):
