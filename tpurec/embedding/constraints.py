@@ -15,6 +15,10 @@ SEGMENT_ALIGN = 8
 # embedding_dim must be a multiple of this (SparseCore vector width in f32 lanes).
 DIM_ALIGN = 8
 
+# SparseCores per device when neither the caller nor a TPU says: v5p's 4 (jax-tpu-embedding
+# NUM_SC_PER_DEVICE_MAP; Cloud TPU v5p docs). On CPU the count changes only the layout, never results.
+DEFAULT_NUM_SPARSECORES = 4
+
 # Optimizers the fused update supports -> f32 state values per table row, as a function of dim.
 # SGD keeps none; row-wise Adagrad one accumulator per row; Adagrad one per element; Adam two.
 OPTIMIZER_STATE_PER_ROW = {

@@ -19,9 +19,7 @@ from tpurec.embedding.fused_optimizer import SparseCoreFusedOptimizer
 from tpurec.embedding.kernel import KernelTable, SparseCoreKernel
 from tpurec.embedding.optimizers import FusedOptimizerSpec
 
-# SparseCores per device when no TPU tells us: v5p has 4 (jax-tpu-embedding NUM_SC_PER_DEVICE_MAP).
-# On CPU the count changes only the layout, never the results.
-DEFAULT_NUM_SPARSECORES = 4
+from tpurec.embedding.constraints import DEFAULT_NUM_SPARSECORES
 
 _POOLING = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 

@@ -29,7 +29,7 @@ from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from tpurec.device import resolve_device
+from tpurec.embedding.constraints import DEFAULT_NUM_SPARSECORES
 from tpurec.sharding.sharder import SparseCoreEBCSharder
 
 logger = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ class DistributedModelParallel(_TorchrecDMP):
         if topology is None or isinstance(topology, str):
             topology = make_topology(topology, world_size=env.world_size, compute_device=compute_device)
         num_sc = getattr(getattr(topology, "spec", None), "generation", None)
-        num_sc = getattr(num_sc, "sparsecores", None) or 4
+        num_sc = getattr(num_sc, "sparsecores", None) or DEFAULT_NUM_SPARSECORES
         sharders = sharders or default_sharders(num_sc)
         if plan is None:
             from tpurec.sharding.planner import plan as make_plan

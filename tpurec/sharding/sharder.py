@@ -26,9 +26,7 @@ from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingT
 from tpurec.sharding.kernel_choice import COMPUTE_KERNEL, SHARDING_TYPES
 from tpurec.sharding.kernel_module import SparseCoreEmbeddingBag
 
-# SparseCores per device when neither the caller nor the TPU says: v5p's 4 (jax-tpu-embedding
-# NUM_SC_PER_DEVICE_MAP). On CPU the count changes only the layout, never the results.
-DEFAULT_NUM_SPARSECORES = 4
+from tpurec.embedding.constraints import DEFAULT_NUM_SPARSECORES
 
 
 class SparseCoreGroupedLookup(GroupedPooledEmbeddingsLookup):
