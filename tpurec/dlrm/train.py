@@ -37,12 +37,19 @@ def _setup_logging(rank: int) -> None:
         warnings.filterwarnings("ignore", category=category, module=r"(torchrec|fbgemm_gpu|torch)\b")
 
 
-def _init_distributed():
-    """(rank, world_size): from torchrun's environment, else a single process."""
+def _init_distributed(device: str = "cpu"):
+    """(rank, world_size): from torchrun's environment, else a single process.
+
+    On TPU the ranks talk through TorchTPU's `tpu_dist` backend (not yet run on TPU hardware);
+    elsewhere through gloo.
+    """
     import torch.distributed as dist
 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized():
-        dist.init_process_group("gloo")
+        from tpurec.device import tpu_status
+
+        # Without a usable TPU, stay on gloo: the device check later names what is missing.
+        dist.init_process_group("tpu_dist" if device == "tpu" and tpu_status().usable else "gloo")
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -203,7 +210,7 @@ def run_training(args) -> int:
     from tpurec.dlrm.model import LRSchedule, build_model, build_optimizer, shard
     from tpurec.dlrm.table_sets import get_table_set
 
-    rank, world = _init_distributed()
+    rank, world = _init_distributed(_resolve_device(args.device))
     _setup_logging(rank)
     # One thread per rank unless asked: on a small shared host more threads than free cores make
     # every op wait for a busy core (measured 20x slower with 2 threads on 2 busy cores).
