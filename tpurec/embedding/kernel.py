@@ -102,6 +102,17 @@ class SparseCoreKernel(nn.Module):
                 plan.features.extend((f, ts.name) for f in self._table[ts.name].feature_names)
             self.stacks.append(plan)
             self.steps.append(0)
+        # Per stack, per feature slot: its table's offset in the stack, its row count (for the id
+        # check) and whether it mean-pools; and where each stacked slot sits in feature_order.
+        self._stacked_order = [f for plan in self.stacks for f, _ in plan.features]
+        self._stacked_positions = [self.feature_order.index(f) for f in self._stacked_order]
+        self._stack_tensors = []
+        for plan in self.stacks:
+            tabs = [self._table[t] for _, t in plan.features]
+            offsets = torch.tensor([plan.layout.table(t.name).offset for t in tabs], dtype=torch.int64)
+            rows = torch.tensor([t.num_embeddings for t in tabs], dtype=torch.int64)
+            mean = torch.tensor([t.pooling == "mean" for t in tabs])
+            self._stack_tensors.append((offsets, rows, mean if bool(mean.any()) else None))
 
         # Physical storage: one partition-major table per stack plus its optimizer state. Buffers
         # (not parameters): a dense optimizer must never touch them; state_dict hooks of the owning
@@ -164,11 +175,23 @@ class SparseCoreKernel(nn.Module):
         return self.lookup(self.preprocess(features), batch)
 
     def preprocess(self, features) -> list[SparseCoreInput]:
-        """Host side: one SparseCore input per stack (data-dependent; runs on the CPU)."""
-        by_key = self._split(features)
+        """Host side: one SparseCore input per stack (data-dependent; runs on the CPU).
+
+        Vectorised over features: the KJT is put in stacked order once (a no-op when it already is),
+        then each stack's features are one contiguous slice of values and lengths.
+        """
+        values, lengths, weights = self._stacked_arrays(features)
         batch = features.stride()
         padded = round_up(max(batch, 1), self.num_sc)
-        csrs = [self._stack_input(plan, by_key, batch, padded) for plan in self.stacks]
+        per_slot = lengths.view(-1, batch).sum(1) if batch else torch.zeros(len(self._stacked_order), dtype=torch.long)
+        value_offsets = [0] + torch.cumsum(per_slot, 0).tolist()
+        csrs, k0 = [], 0
+        for i, plan in enumerate(self.stacks):
+            n = len(plan.features)
+            lo, hi = value_offsets[k0], value_offsets[k0 + n]
+            w = weights[lo:hi] if weights is not None else None
+            csrs.append(self._stack_input(i, values[lo:hi], lengths[k0 * batch:(k0 + n) * batch], w, batch, padded))
+            k0 += n
         device = self.stack_weight(0).device if self.stacks else torch.device("cpu")
         if device.type != "cpu":
             csrs = [_to_device(c, device) for c in csrs]
@@ -196,55 +219,47 @@ class SparseCoreKernel(nn.Module):
                 pieces[f] = piece
         return torch.cat([pieces[f] for f in self.feature_order], dim=1)
 
-    def _split(self, features) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    def _stacked_arrays(self, features):
+        """(values, lengths, weights) of the KJT with keys in stacked order, checked."""
         keys = features.keys()
         if self.positional:
             if len(keys) != len(self.feature_order):
                 raise KeyError(f"expected {len(self.feature_order)} features in table order, got keys {keys}")
-            keys = self.feature_order
-        missing = [f for f in self.feature_order if f not in keys]
-        if missing:
-            raise KeyError(f"KeyedJaggedTensor lacks features {missing}; it has {keys}")
+            perm = self._stacked_positions
+        else:
+            index = {k: j for j, k in enumerate(keys)}
+            missing = [f for f in self.feature_order if f not in index]
+            if missing:
+                raise KeyError(f"KeyedJaggedTensor lacks features {missing}; it has {keys}")
+            perm = [index[f] for f in self._stacked_order]
+        if perm != list(range(len(keys))):
+            features = features.permute(perm)
         values = features.values()
         if values.is_floating_point() or values.dtype == torch.bool:
             raise TypeError(f"embedding ids must be integers, got dtype {values.dtype}")
         weights = features.weights_or_none()
         if self.is_weighted and weights is None:
             raise ValueError("this kernel is weighted (is_weighted=True) but the KeyedJaggedTensor has no weights")
-        lengths = features.lengths()
-        batch = features.stride()
-        value_offsets = [0] + list(torch.tensor(features.length_per_key()).cumsum(0).tolist())
-        out = {}
-        for k, f in enumerate(keys):
-            if f not in self._feature_table:
-                continue
-            lo, hi = value_offsets[k], value_offsets[k + 1]
-            ids = values[lo:hi]
-            table = self._feature_table[f]
-            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= table.num_embeddings):
-                raise IndexError(
-                    f"feature {f!r} (table {table.name!r}): ids must be in [0, {table.num_embeddings}), "
-                    f"got min {int(ids.min())}, max {int(ids.max())}"
-                )
-            w = weights[lo:hi] if (weights is not None and self.is_weighted) else None
-            out[f] = (ids, lengths[k * batch:(k + 1) * batch], w)
-        return out
+        return values, features.lengths(), weights if self.is_weighted else None
 
-    def _stack_input(self, plan: _StackPlan, by_key, batch: int, padded: int) -> SparseCoreInput:
-        lay = plan.layout
-        ids_l, smp_l, gain_l = [], [], []
-        for k, (f, tname) in enumerate(plan.features):
-            ids, lengths, w = by_key[f]
-            samples = torch.repeat_interleave(torch.arange(batch, device=ids.device), lengths.long())
-            gains = w.to(torch.float32) if w is not None else torch.ones(ids.numel(), device=ids.device)
-            if self._table[tname].pooling == "mean":
-                gains = gains / lengths.clamp(min=1).to(torch.float32).index_select(0, samples)
-            ids_l.append(ids.to(torch.int64) + lay.table(tname).offset)
-            smp_l.append(samples + k * padded)
-            gain_l.append(gains)
+    def _stack_input(self, i: int, values, lengths, weights, batch: int, padded: int) -> SparseCoreInput:
+        plan, lay = self.stacks[i], self.stacks[i].layout
+        offsets, rows, mean = self._stack_tensors[i]
+        n = len(plan.features)
+        seg = torch.repeat_interleave(torch.arange(n * batch, device=values.device), lengths.long())
+        slot = seg // batch if batch else seg
+        ids = values.to(torch.int64)
+        limit = rows.index_select(0, slot)
+        if ids.numel() and bool(((ids < 0) | (ids >= limit)).any()):
+            self._raise_bad_ids(plan, ids, slot)
+        gains = weights.to(torch.float32) if weights is not None else torch.ones(ids.numel(), device=ids.device)
+        if mean is not None:
+            per_id_len = lengths.clamp(min=1).to(torch.float32).index_select(0, seg)
+            gains = torch.where(mean.index_select(0, slot), gains / per_id_len, gains)
+        samples = slot * padded + (seg - slot * batch)
         csr, stats = preprocess(
-            torch.cat(ids_l), torch.cat(smp_l), torch.cat(gain_l),
-            device_batch_size=len(plan.features) * padded, num_sc_per_device=self.num_sc,
+            ids + offsets.index_select(0, slot), samples, gains,
+            device_batch_size=n * padded, num_sc_per_device=self.num_sc,
             max_ids_per_partition=self.max_ids_per_partition,
             max_unique_ids_per_partition=self.max_unique_ids_per_partition,
             allow_id_dropping=self.allow_id_dropping, table_name=lay.name,
@@ -252,6 +267,15 @@ class SparseCoreKernel(nn.Module):
         self.last_stats[lay.name] = stats
         self.dropped_id_count += stats.dropped_id_count
         return csr
+
+    def _raise_bad_ids(self, plan, ids, slot):
+        bad = int(((ids < 0) | (ids >= self._stack_tensors[self.stacks.index(plan)][1].index_select(0, slot)))
+                  .nonzero()[0])
+        f, tname = plan.features[int(slot[bad])]
+        mine = ids[slot == slot[bad]]
+        rows = self._table[tname].num_embeddings
+        raise IndexError(f"feature {f!r} (table {tname!r}): ids must be in [0, {rows}), "
+                         f"got min {int(mine.min())}, max {int(mine.max())}")
 
     # -- fused update --------------------------------------------------------------------------
     def apply_update(self, i: int, csr: SparseCoreInput, grad: torch.Tensor, lr: float) -> None:
