@@ -72,3 +72,14 @@ def test_generic_tpu_topology_from_environment(monkeypatch):
     assert t.spec.generation.name == "v6e" and t.devices[0].storage.hbm == 32 * GB
     monkeypatch.delenv("TPU_ACCELERATOR_TYPE")
     assert make_topology(None, 6, "tpu").spec.generation.name == "v5p"
+
+
+def test_cpu_n_topology_string_for_dry_runs():
+    from tpurec.sharding.topology import make_topology
+
+    t = make_topology("cpu-3", 3, "tpu")  # a CPU dry run whatever device the caller names
+    assert t.world_size == 3 and t.compute_device == "cpu"
+    with pytest.raises(ValueError, match="cpu-N"):
+        make_topology("cpu-0")
+    with pytest.raises(ValueError, match="world_size=4"):
+        make_topology("cpu-2", 4)

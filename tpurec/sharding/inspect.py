@@ -204,7 +204,7 @@ def _topology_for(name: str, **assumptions):
     from tpurec.sharding.topology import make_topology
 
     if name.lower().startswith("cpu-"):
-        return make_topology(None, int(name.split("-", 1)[1]), "cpu")
+        return make_topology(name, None, "cpu")
     return make_topology(name, None, "tpu", **assumptions)
 
 

@@ -201,6 +201,14 @@ def make_topology(
     CPU: a dry-run topology where tables live in DDR)."""
     if compute_device not in ("tpu", "cpu"):
         raise ValueError(f"compute_device must be 'tpu' or 'cpu', not {compute_device!r}")
+    if isinstance(spec, str) and spec.lower().startswith("cpu-"):
+        # "cpu-N": a CPU dry run with N ranks, the form `tpurec plan --topology` accepts too.
+        n = spec.split("-", 1)[1]
+        if not n.isdigit() or int(n) < 1:
+            raise ValueError(f"bad CPU topology {spec!r}: use cpu-N with N >= 1 ranks")
+        if world_size is not None and world_size != int(n):
+            raise ValueError(f"{spec} has {n} ranks but world_size={world_size}")
+        return make_topology(None, int(n), "cpu", num_sc_per_device=num_sc_per_device)
     if isinstance(spec, str):
         spec = parse_slice(spec)
     if spec is None:
