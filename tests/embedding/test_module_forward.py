@@ -106,3 +106,9 @@ def test_id_limits_error_and_dropping():
     torch.testing.assert_close(out[0], dropping.table_weight("t")[:8].sum(0))
     stats = dropping.id_stats()["stack_d8"]
     assert stats.max_ids_per_partition == 10 and stats.dropped_id_count == 2
+
+
+def test_public_name_is_the_module_class():
+    import tpurec.embedding
+
+    assert tpurec.embedding.SparseCoreEmbeddingBagCollection is SparseCoreEmbeddingBagCollection
