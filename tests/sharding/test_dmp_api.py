@@ -29,6 +29,10 @@ SCRIPT = textwrap.dedent("""
         out = dmp(kjt).values()
         assert out.shape == (2, 8)
         out.sum().backward()
+    from torchrec.distributed.planner.types import ParameterConstraints
+    steered = tpurec.DistributedModelParallel(
+        model(), device="cpu", constraints={"t": ParameterConstraints(sharding_types=["row_wise"])})
+    assert steered.plan.plan[""]["t"].sharding_type == "row_wise", steered.plan
     try:
         tpurec.DistributedModelParallel(model(), device="tpu")
     except tpurec.device.TpuUnavailableError as e:
