@@ -210,8 +210,7 @@ class SparseCoreKernel(nn.Module):
             per_stack.append(out.view(n, padded, dim)[:, :batch].transpose(0, 1).reshape(batch, n * dim))
         if not self.feature_order:
             return torch.zeros(batch, 0)
-        stacked_order = [f for plan in self.stacks for f, _ in plan.features]
-        if stacked_order == self.feature_order:
+        if self._stacked_order == self.feature_order:
             return per_stack[0] if len(per_stack) == 1 else torch.cat(per_stack, dim=1)
         pieces = {}
         for plan, block in zip(self.stacks, per_stack):
@@ -249,9 +248,9 @@ class SparseCoreKernel(nn.Module):
         seg = torch.repeat_interleave(torch.arange(n * batch, device=values.device), lengths.long())
         slot = seg // batch if batch else seg
         ids = values.to(torch.int64)
-        limit = rows.index_select(0, slot)
-        if ids.numel() and bool(((ids < 0) | (ids >= limit)).any()):
-            self._raise_bad_ids(plan, ids, slot)
+        bad = (ids < 0) | (ids >= rows.index_select(0, slot))
+        if ids.numel() and bool(bad.any()):
+            self._raise_bad_ids(plan, ids, slot, bad)
         gains = weights.to(torch.float32) if weights is not None else torch.ones(ids.numel(), device=ids.device)
         if mean is not None:
             per_id_len = lengths.clamp(min=1).to(torch.float32).index_select(0, seg)
@@ -268,11 +267,10 @@ class SparseCoreKernel(nn.Module):
         self.dropped_id_count += stats.dropped_id_count
         return csr
 
-    def _raise_bad_ids(self, plan, ids, slot):
-        bad = int(((ids < 0) | (ids >= self._stack_tensors[self.stacks.index(plan)][1].index_select(0, slot)))
-                  .nonzero()[0])
-        f, tname = plan.features[int(slot[bad])]
-        mine = ids[slot == slot[bad]]
+    def _raise_bad_ids(self, plan, ids, slot, bad):
+        first = int(bad.nonzero()[0])
+        f, tname = plan.features[int(slot[first])]
+        mine = ids[slot == slot[first]]
         rows = self._table[tname].num_embeddings
         raise IndexError(f"feature {f!r} (table {tname!r}): ids must be in [0, {rows}), "
                          f"got min {int(mine.min())}, max {int(mine.max())}")
