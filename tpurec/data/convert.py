@@ -17,7 +17,7 @@ import numpy as np
 
 from tpurec.data import parse
 from tpurec.data.schema import (
-    CAT_HASH, DENSE_LOG1P, DataError, DataSchema, list_parquet_files, write_dataset_json,
+    CAT_HASH, DENSE_LOG1P, DataError, DataSchema, list_parquet_files, prepare_output_dir, write_dataset_json,
 )
 
 NUM_COLUMNS = 40  # label + 13 dense + 26 categorical, the raw Criteo layout
@@ -266,13 +266,7 @@ def convert(inputs: list[str], out_dir: str, opts: ConvertOptions, jobs: int | N
     for p in inputs:
         if not os.path.isfile(p):
             raise DataError(f"{p}: no such input file")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    existing = sorted(out.glob("*.parquet"))
-    if existing and not overwrite:
-        raise DataError(f"{out_dir} already holds {len(existing)} .parquet files; use --overwrite")
-    for f in existing:
-        f.unlink()
+    out = prepare_output_dir(out_dir, overwrite)
     finals = [out / f"part-{i:05d}.parquet" for i in range(len(inputs))]
     tmps = [f.with_suffix(".parquet.tmp") for f in finals]
     total_bytes = sum(os.path.getsize(p) for p in inputs)

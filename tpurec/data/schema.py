@@ -159,6 +159,18 @@ def dataset_metadata(path) -> dict:
     return d
 
 
+def prepare_output_dir(out_dir, overwrite: bool) -> Path:
+    """Create `out_dir`; refuse if it already holds Parquet files, unless `overwrite` (then remove them)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    existing = sorted(out.glob("*.parquet"))
+    if existing and not overwrite:
+        raise DataError(f"{out_dir} already holds {len(existing)} .parquet files; use --overwrite")
+    for f in existing:
+        f.unlink()
+    return out
+
+
 def write_dataset_json(out_dir, schema: DataSchema, **facts) -> dict:
     d = schema.to_json()
     d.update(facts)

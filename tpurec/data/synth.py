@@ -17,7 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from tpurec.data.schema import CAT_HASH, DENSE_LOG1P, DataError, DataSchema, SparseFeature, write_dataset_json
+from tpurec.data.schema import (
+    CAT_HASH, DENSE_LOG1P, DataError, DataSchema, SparseFeature, prepare_output_dir, write_dataset_json,
+)
 
 ZIPF_EXPONENT = 1.1
 SPARSE_SCALE = 0.25  # spread of each feature's hidden weights
@@ -129,13 +131,7 @@ def synthesize(rows: int, out_dir: str, *, seed: int = 0, table_set: str = "dlrm
     if rows < 1:
         raise DataError("--rows must be >= 1")
     schema, hots = synth_schema(table_set)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    existing = sorted(out.glob("*.parquet"))
-    if existing and not overwrite:
-        raise DataError(f"{out_dir} already holds {len(existing)} .parquet files; use --overwrite")
-    for f in existing:
-        f.unlink()
+    out = prepare_output_dir(out_dir, overwrite)
     arrow_schema = schema.arrow_schema()
     rows_per_file = max(row_group_size, (rows_per_file // row_group_size) * row_group_size)
     t0 = time.perf_counter()
