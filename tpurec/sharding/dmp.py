@@ -39,7 +39,17 @@ logger = logging.getLogger(__name__)
 DEFAULT_PLANNING_BATCH_SIZE = 512
 
 
-def _ensure_process_group() -> None:
+def process_group_backend(device_type: str) -> str:
+    """The c10d backend for tensors on `device_type`.
+
+    gloo has no backend for tpu tensors, so on a TPU the group pairs gloo (CPU tensors, which
+    TorchRec's pipelines still exchange) with TorchTPU's `tpu_dist`, which torch-tpu 0.2.0 registers
+    for device "tpu" (torch_tpu/_loader.py, `Backend.register_backend("tpu_dist", ..., devices=["tpu"])`).
+    """
+    return "cpu:gloo,tpu:tpu_dist" if device_type == "tpu" else "gloo"
+
+
+def _ensure_process_group(device_type: str = "cpu") -> None:
     if dist.is_initialized():
         return
     import socket
@@ -47,8 +57,10 @@ def _ensure_process_group() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    logger.info("tpurec: no process group; starting a single-process gloo group for a local run")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    backend = process_group_backend(device_type)
+    logger.info("tpurec: no process group; starting a single-process %s group for a local run", backend)
+    # A TCP store as well: TorchTPU's uneven all-to-all needs a c10d Store (ProcessGroupTpu::alltoall_base).
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
 def default_sharders(num_sparsecores: int, **sharder_kwargs) -> List[ModuleSharder[nn.Module]]:
@@ -77,7 +89,7 @@ class DistributedModelParallel(_TorchrecDMP):
         torch_device = select_device(device)  # raises at once for "tpu" without a TPU
         if torch_device.type == "meta":
             raise ValueError("device='meta' is for building the unsharded model; shard onto 'tpu' or 'cpu'")
-        _ensure_process_group()
+        _ensure_process_group(torch_device.type)
         env = env or ShardingEnv.from_process_group(dist.group.WORLD)
         # TorchTPU's tpu_dist only does even all_to_all_single; TorchRec sends uneven splits.
         from tpurec.sharding import collectives
