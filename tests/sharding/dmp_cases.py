@@ -214,17 +214,6 @@ def checkpoint_load(rank, world_size, path, sharding, stock):
     return {"before": before, "after": eval_outputs(model, rank, world_size)}
 
 
-def run_cases_padded(rank, world_size, cases, init_state, steps):
-    """run_cases with every uneven all_to_all_single forced through tpurec's padded even collective."""
-    from tpurec.sharding import collectives
-
-    collectives.install(force=True)
-    results = run_cases(rank, world_size, cases, init_state, steps)
-    for r in results:
-        r["padded_calls"] = collectives.calls["padded"]
-    return results
-
-
 def optimizer_checkpoint_save(rank, world_size, path, init_state, sharding, optim_name):
     """Train 2 steps, save model + fused optimizer with DCP, train 2 more: return those outputs."""
     import torch.distributed.checkpoint as dcp

@@ -23,3 +23,28 @@ def test_tpu_device_starts_the_tpu_backend_with_a_store(monkeypatch):
     assert backend == "cpu:gloo,tpu:tpu_dist"
     # TorchTPU's uneven all-to-all needs a c10d Store: a TCP init method gives the group one.
     assert kw["init_method"].startswith("tcp://127.0.0.1:") and kw["world_size"] == 1 and kw["rank"] == 0
+
+
+def test_dmp_leaves_torchrec_all_to_all_to_the_backend():
+    """TorchTPU handles uneven all-to-all itself: DMP must not reroute torch.distributed's collective
+    (it once did, through a padded path, when asked by TPUREC_PADDED_ALL_TO_ALL=1 or on tpu_dist)."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, torch.distributed as dist, tpurec\n"
+        "from torchrec.modules.embedding_configs import EmbeddingBagConfig\n"
+        "from torchrec.modules.embedding_modules import EmbeddingBagCollection\n"
+        "from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward\n"
+        "original = dist.all_to_all_single\n"
+        "ebc = EmbeddingBagCollection([EmbeddingBagConfig(name='t', embedding_dim=8, num_embeddings=10,"
+        " feature_names=['f'])], device=torch.device('meta'))\n"
+        "apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {'lr': 0.1})\n"
+        "tpurec.DistributedModelParallel(ebc, device='cpu')\n"
+        "print('SAME' if dist.all_to_all_single is original else 'REROUTED')\n"
+    )
+    env = dict(os.environ, TPUREC_PADDED_ALL_TO_ALL="1")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "SAME"

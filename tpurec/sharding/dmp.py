@@ -18,7 +18,6 @@ Everything else (forward, state_dict with ShardedTensors, fused_optimizer, Train
 from __future__ import annotations
 
 import logging
-import os
 from typing import List, Optional
 
 import torch
@@ -91,11 +90,9 @@ class DistributedModelParallel(_TorchrecDMP):
             raise ValueError("device='meta' is for building the unsharded model; shard onto 'tpu' or 'cpu'")
         _ensure_process_group(torch_device.type)
         env = env or ShardingEnv.from_process_group(dist.group.WORLD)
-        # TorchTPU's tpu_dist only does even all_to_all_single; TorchRec sends uneven splits.
-        from tpurec.sharding import collectives
-
-        if collectives._needs_padding(env.process_group) or os.environ.get("TPUREC_PADDED_ALL_TO_ALL") == "1":
-            collectives.install()
+        # No padding of TorchRec's uneven all_to_all_single: TorchTPU 0.2.0's ProcessGroupTpu::alltoall_base
+        # dispatches uneven splits itself (AllToAllBaseUnevenSplits; docs/tpu.md), and TorchRec 1.9.2
+        # already pads on TPU where it must (torchrec/experimental/torch_tpu/uneven_all_to_all.py).
         compute_device = "cpu" if torch_device.type == "cpu" else "tpu"
         if topology is None or isinstance(topology, str):
             topology = make_topology(topology, world_size=env.world_size, compute_device=compute_device)
