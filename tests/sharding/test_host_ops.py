@@ -41,3 +41,19 @@ def test_register_covers_torchrecs_input_dist_ops_on_a_free_key():
     for name in ("permute_2D_sparse_data", "block_bucketize_sparse_features", "asynchronous_complete_cumsum"):
         assert name in line
     assert len(HOST_OPS) >= 10
+
+
+def test_register_works_before_fbgemm_is_imported_and_is_idempotent():
+    # Nothing imports fbgemm_gpu first here: register() must load it rather than cache an empty set.
+    code = textwrap.dedent("""
+        import sys, torch
+        from tpurec.sharding import host_ops
+        assert "fbgemm_gpu" not in sys.modules
+        first = host_ops.register(dispatch_key="PrivateUse2")
+        again = host_ops.register(dispatch_key="PrivateUse2")
+        print("COUNTS", len(first), len(again), first == again)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    counts = [x for x in out.stdout.splitlines() if x.startswith("COUNTS")][0].split()
+    assert int(counts[1]) >= 10 and counts[1] == counts[2] and counts[3] == "True"

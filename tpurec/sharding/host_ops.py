@@ -53,7 +53,11 @@ _registered: list = []
 def register(dispatch_key: str = "PrivateUse1") -> list[str]:
     """Install host-fallback kernels for HOST_OPS on `dispatch_key`; returns the ops covered."""
     if _registered:
-        return [name for name, _ in _registered]
+        return list(_registered[0][0])
+    # torch.ops.fbgemm is empty until fbgemm_gpu is imported; registering before that would cover
+    # nothing, and caching that would leave TorchRec's input distribution without kernels for good.
+    import fbgemm_gpu  # noqa: F401
+
     lib = torch.library.Library("fbgemm", "IMPL")
     covered = []
     for name in HOST_OPS:
@@ -68,5 +72,7 @@ def register(dispatch_key: str = "PrivateUse1") -> list[str]:
                 covered.append(qualified)
             except RuntimeError as e:  # a kernel for this key exists already: keep it
                 logger.info("fbgemm::%s keeps its %s kernel (%s)", qualified, dispatch_key, e)
+    if not covered:
+        raise RuntimeError(f"no FBGEMM op of {HOST_OPS} found to route through the host; is fbgemm_gpu installed?")
     _registered.append((tuple(covered), lib))  # the Library must stay alive for its kernels to stay
     return covered
