@@ -83,3 +83,14 @@ def test_cpu_n_topology_string_for_dry_runs():
         make_topology("cpu-0")
     with pytest.raises(ValueError, match="world_size=4"):
         make_topology("cpu-2", 4)
+
+
+def test_unnamed_tpu_topology_follows_the_host_chips(monkeypatch):
+    from tpurec import device
+
+    from tpurec.sharding.topology import make_topology
+
+    monkeypatch.delenv("TPU_ACCELERATOR_TYPE", raising=False)
+    monkeypatch.setattr(device, "tpu_generation", lambda: "v6e")
+    topo = make_topology(None, world_size=8, compute_device="tpu")
+    assert topo.spec.generation.name == "v6e" and topo.spec.generation.sparsecores == 2

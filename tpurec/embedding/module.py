@@ -19,7 +19,7 @@ from tpurec.embedding.fused_optimizer import SparseCoreFusedOptimizer
 from tpurec.embedding.kernel import KernelTable, SparseCoreKernel
 from tpurec.embedding.optimizers import FusedOptimizerSpec
 
-from tpurec.embedding.constraints import DEFAULT_NUM_SPARSECORES
+from tpurec.embedding.sparsecores import resolve_num_sparsecores
 
 _POOLING = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 
@@ -57,7 +57,7 @@ class SparseCoreEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         self.kernel = SparseCoreKernel(
             kernel_tables(tables),
             FusedOptimizerSpec.from_torch(optimizer, optimizer_kwargs),
-            num_sparsecores or DEFAULT_NUM_SPARSECORES,
+            resolve_num_sparsecores(num_sparsecores, self._device.type),
             is_weighted=is_weighted,
             device=self._device,
             max_ids_per_partition=max_ids_per_partition,

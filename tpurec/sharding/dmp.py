@@ -28,7 +28,7 @@ from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from tpurec.embedding.constraints import DEFAULT_NUM_SPARSECORES
+from tpurec.embedding.sparsecores import resolve_num_sparsecores
 from tpurec.sharding.sharder import SparseCoreEBCSharder
 
 logger = logging.getLogger(__name__)
@@ -96,8 +96,15 @@ class DistributedModelParallel(_TorchrecDMP):
         compute_device = "cpu" if torch_device.type == "cpu" else "tpu"
         if topology is None or isinstance(topology, str):
             topology = make_topology(topology, world_size=env.world_size, compute_device=compute_device)
-        num_sc = getattr(getattr(topology, "spec", None), "generation", None)
-        num_sc = getattr(num_sc, "sparsecores", None) or DEFAULT_NUM_SPARSECORES
+        planned_sc = getattr(getattr(getattr(topology, "spec", None), "generation", None), "sparsecores", None)
+        if torch_device.type == "tpu":
+            # The chip decides (TorchTPU's ops use its own count); a plan for another generation is refused.
+            num_sc = resolve_num_sparsecores(None, "tpu")
+            if planned_sc and planned_sc != num_sc:
+                raise ValueError(f"the topology {topology.spec.name} has {planned_sc} SparseCores per device but "
+                                 f"this TPU has {num_sc}; plan for this host's TPU generation")
+        else:
+            num_sc = resolve_num_sparsecores(planned_sc or None, torch_device.type)
         sharders = sharders or default_sharders(num_sc)
         if plan is None:
             from tpurec.sharding.planner import plan as make_plan

@@ -27,6 +27,7 @@ from tpurec.sharding.kernel_choice import COMPUTE_KERNEL, SHARDING_TYPES
 from tpurec.sharding.kernel_module import SparseCoreEmbeddingBag
 
 from tpurec.embedding.constraints import DEFAULT_NUM_SPARSECORES
+from tpurec.embedding.sparsecores import resolve_num_sparsecores
 
 
 class SparseCoreGroupedLookup(GroupedPooledEmbeddingsLookup):
@@ -168,13 +169,14 @@ def _local_piece(value, meta, table: str) -> torch.Tensor:
 class SparseCoreEBCSharder(EmbeddingBagCollectionSharder):
     """Shards EmbeddingBagCollections onto tpurec's SparseCore kernel.
 
-    num_sparsecores: SparseCores per device (the MOD partitions inside a shard); defaults to the
-    planner topology's value when tpurec.DistributedModelParallel builds the sharder, else 4.
+    num_sparsecores: SparseCores per device (the MOD partitions inside a shard). None: the chip's own
+    count on a TPU (a different explicit value is refused there), the topology's when
+    tpurec.DistributedModelParallel builds the sharder, else 4 on CPU.
     max_ids_per_partition / max_unique_ids_per_partition / allow_id_dropping: id-limit settings
     passed to every kernel (None = sized to each batch, fine on CPU).
     """
 
-    def __init__(self, num_sparsecores: int = DEFAULT_NUM_SPARSECORES, fused_params: Optional[Dict[str, Any]] = None,
+    def __init__(self, num_sparsecores: Optional[int] = None, fused_params: Optional[Dict[str, Any]] = None,
                  max_ids_per_partition: Optional[int] = None, max_unique_ids_per_partition: Optional[int] = None,
                  allow_id_dropping: bool = False, qcomm_codecs_registry=None) -> None:
         fused = dict(fused_params or {})
@@ -193,8 +195,9 @@ class SparseCoreEBCSharder(EmbeddingBagCollectionSharder):
         return list(SHARDING_TYPES)
 
     def shard(self, module, params, env, device=None, module_fqn=None) -> ShardedSparseCoreEBC:
+        device_type = torch.device(device).type if device is not None else "cpu"
         return ShardedSparseCoreEBC(module, params, env, fused_params=self.fused_params, device=device,
-                                    num_sc_per_device=self.num_sparsecores,
+                                    num_sc_per_device=resolve_num_sparsecores(self.num_sparsecores, device_type),
                                     qcomm_codecs_registry=self.qcomm_codecs_registry, module_fqn=module_fqn)
 
 

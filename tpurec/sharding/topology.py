@@ -11,6 +11,8 @@ import os
 import re
 from dataclasses import dataclass, replace
 
+from tpurec import device as _device
+
 logger = logging.getLogger(__name__)
 
 GiB = 1024**3
@@ -218,8 +220,9 @@ def make_topology(
             spec = cpu_spec(world_size, num_sc_per_device=num_sc_per_device)
         else:
             env = _spec_from_environment()
-            gen = env.generation if env else GENERATIONS["v5p"]
-            if env is None:
+            host = _device.tpu_generation()  # the chips of this host, from PCI ids (None off a TPU VM)
+            gen = env.generation if env else GENERATIONS.get(host or "", GENERATIONS["v5p"])
+            if env is None and host is None:
                 logger.warning("no TPU slice given and TPU_ACCELERATOR_TYPE unset: planning for v5p devices")
             chips = -(-world_size // gen.devices_per_chip)
             spec = SliceSpec(name=f"{gen.name}x{world_size}dev", generation=gen, chips_per_slice=chips)

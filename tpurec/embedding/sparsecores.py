@@ -1,0 +1,42 @@
+"""How many SparseCores per device a layout is built for: the hardware's count on a TPU, never a guess.
+
+TorchTPU's SparseCore ops take no SparseCore count; the compiled kernel uses the chip's own (v5p 4,
+v6e 2, v7x 2 per device). A MOD layout and CSR built for another count are silently wrong there, so
+on a tpu device the count comes from the chip (`tpurec.device.sparsecores_per_device`, PCI ids) and a
+different explicit value is refused. On CPU the count only shapes the layout (results do not depend
+on it), so any count >= 1 is accepted and the default is v5p's 4.
+"""
+from __future__ import annotations
+
+from tpurec import device as _device
+from tpurec.embedding.constraints import DEFAULT_NUM_SPARSECORES
+
+
+def resolve_num_sparsecores(requested: int | None, device_type: str, *, generation: str | None = None) -> int:
+    """The SparseCore count for tables on `device_type` ("tpu", "cpu", "meta").
+
+    `generation` overrides PCI detection (tests, and callers that already know the chip).
+    """
+    if requested is not None and (isinstance(requested, bool) or not isinstance(requested, int) or requested < 1):
+        raise ValueError(f"num_sparsecores must be a whole number >= 1, got {requested!r}")
+    if device_type != "tpu":
+        return requested or DEFAULT_NUM_SPARSECORES
+    generation = generation or _device.tpu_generation()
+    if generation is None:
+        raise RuntimeError(
+            "cannot tell this TPU's SparseCore count: no Google TPU (PCI vendor 0x1ae0 with a known device id) "
+            "under /sys/bus/pci/devices"
+        )
+    hardware = _device.sparsecores_per_device(generation)
+    if not hardware:
+        raise ValueError(
+            f"TPU {generation} has no SparseCore the embedding kernels can drive; tpurec's SparseCore kernels "
+            "need v5p, v6e or v7x (use device='cpu' for a dry run)"
+        )
+    if requested is not None and requested != hardware:
+        raise ValueError(
+            f"num_sparsecores={requested}, but this TPU {generation} has {hardware} SparseCores per device; "
+            f"TorchTPU's ops use the chip's own count, so a layout for {requested} would be silently wrong "
+            "(leave num_sparsecores unset)"
+        )
+    return hardware
