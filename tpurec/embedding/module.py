@@ -17,7 +17,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from tpurec.embedding.fused_optimizer import SparseCoreFusedOptimizer
 from tpurec.embedding.kernel import KernelTable, SparseCoreKernel
-from tpurec.embedding.optimizers import FusedOptimizerSpec
+from tpurec.embedding.optimizers.registry import spec_from_torch
 
 from tpurec.embedding.constraints import DEFAULT_NUM_SPARSECORES
 
@@ -56,7 +56,7 @@ class SparseCoreEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         self._is_weighted = is_weighted
         self.kernel = SparseCoreKernel(
             kernel_tables(tables),
-            FusedOptimizerSpec.from_torch(optimizer, optimizer_kwargs),
+            spec_from_torch(optimizer, optimizer_kwargs),
             num_sparsecores or DEFAULT_NUM_SPARSECORES,
             is_weighted=is_weighted,
             device=self._device,
