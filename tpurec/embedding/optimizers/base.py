@@ -41,9 +41,9 @@ class OptimizerSpec(abc.ABC):
     # Dotted path of the torch/TorchRec optimizer class users pass to apply_optimizer_in_backward
     # (resolved lazily: TorchRec's classes cost an import).
     torch_optimizer_path: ClassVar[str]
-    # FBGEMM EmbOptimType member TorchRec's sharder puts under fused_params["optimizer"], and other
-    # spellings of it the planner may meet in a sharder's fused params.
-    fbgemm_optim: ClassVar[str]
+    # FBGEMM EmbOptimType member TorchRec's sharder puts under fused_params["optimizer"] (None when
+    # FBGEMM has none), and other spellings of it the planner may meet in a sharder's fused params.
+    fbgemm_optim: ClassVar[str | None] = None
     fbgemm_aliases: ClassVar[tuple[str, ...]] = ()
     # TorchRec's state names ("<table>.<state>" in a FusedOptimizer), in the order apply_update takes them.
     state_names: ClassVar[tuple[str, ...]] = ()
@@ -112,6 +112,8 @@ class OptimizerSpec(abc.ABC):
     @classmethod
     def fbgemm_names(cls) -> tuple[str, ...]:
         """Every spelling of this optimizer in fused params: the EmbOptimType value and aliases."""
+        if cls.fbgemm_optim is None:
+            return cls.fbgemm_aliases
         from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
         return (getattr(EmbOptimType, cls.fbgemm_optim).value, *cls.fbgemm_aliases)
