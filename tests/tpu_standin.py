@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tpurec.embedding import reference
+from tpurec.embedding.optimizers import adagrad, adam, sgd
 from tpurec.embedding.constraints import PADDING_ID, SEGMENT_ALIGN, round_up
 
 # TorchTPU 0.2.0's schemas, verbatim (namespace `tpu`).
@@ -123,7 +124,7 @@ def _sgd(rp, ids, samples, gains, table, grad, lr, batch, max_ids, max_uniq, nam
                                                          max_uniq, name))
     rows, g = reference.row_gradients(_decode(rp, ids, samples, gains, table, batch, max_ids), grad)
     new = table.clone()
-    reference.sgd_update(new, rows, g, float(lr))
+    sgd.reference_update(new, rows, g, float(lr))
     return new
 
 
@@ -132,7 +133,7 @@ def _adagrad(rp, ids, samples, gains, table, acc, grad, lr, eps, batch, max_ids,
                                                              batch, max_ids, max_uniq, name))
     rows, g = reference.row_gradients(_decode(rp, ids, samples, gains, table, batch, max_ids), grad)
     new, new_acc = table.clone(), acc.clone()
-    reference.adagrad_update(new, new_acc, rows, g, float(lr), eps)
+    adagrad.reference_update(new, new_acc, rows, g, float(lr), eps)
     return new, new_acc
 
 
@@ -141,7 +142,7 @@ def _adam(rp, ids, samples, gains, table, m, v, grad, alpha_t, b1, b2, eps, batc
                                                           b2, eps, batch, max_ids, max_uniq, name))
     rows, g = reference.row_gradients(_decode(rp, ids, samples, gains, table, batch, max_ids), grad)
     new, new_m, new_v = table.clone(), m.clone(), v.clone()
-    reference.adam_update(new, new_m, new_v, rows, g, float(alpha_t), b1, b2, eps)
+    adam.reference_update(new, new_m, new_v, rows, g, float(alpha_t), b1, b2, eps)
     return new, new_m, new_v
 
 

@@ -4,6 +4,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tpurec.embedding import ops  # noqa: F401
+from tpurec.embedding.optimizers import adagrad, adam, sgd  # noqa: F401  (register the update ops)
 from tpurec.embedding.module import SparseCoreEmbeddingBagCollection
 from tpurec.embedding.preprocess import preprocess
 

@@ -62,6 +62,7 @@ import torch  # noqa: E402
 import torch_tpu  # noqa: E402, F401  (registers the tpu:: ops)
 
 from tpurec.embedding import ops, tpu  # noqa: E402
+from tpurec.embedding.optimizers import adagrad, adam, sgd  # noqa: E402
 from tpurec.embedding.constraints import round_up  # noqa: E402
 from tpurec.embedding.preprocess import preprocess  # noqa: E402
 
@@ -231,7 +232,7 @@ def test_lookup_arguments_by_name(recorder):
 
 def test_sgd_arguments_by_name(recorder):
     csr, table, grad = _csr(), torch.randn(ROWS, DIM), torch.randn(B, DIM)
-    tpu.sgd(*_head(csr), table, grad, LR, *_tail(csr))
+    sgd.tpu_update(*_head(csr), table, grad, LR, *_tail(csr))
     _, schema, args, kwargs, out = _only_call(recorder, "_sparse_dense_matmul_grad_with_sgd")
     _check_bound(_bind(schema, args, kwargs),
                  dict(_common(csr, table), activations_grad=grad, learning_rate=_Scalar(LR),
@@ -242,7 +243,7 @@ def test_sgd_arguments_by_name(recorder):
 @pytest.mark.parametrize("acc_shape", [(ROWS,), (ROWS, DIM)], ids=["rowwise", "elementwise"])
 def test_adagrad_arguments_by_name(recorder, acc_shape):
     csr, table, grad, acc = _csr(), torch.randn(ROWS, DIM), torch.randn(B, DIM), torch.zeros(acc_shape)
-    tpu.adagrad(*_head(csr), table, acc, grad, LR, EPS, *_tail(csr))
+    adagrad.tpu_update(*_head(csr), table, acc, grad, LR, EPS, *_tail(csr))
     _, schema, args, kwargs, out = _only_call(recorder, "_sparse_dense_matmul_grad_with_adagrad")
     _check_bound(_bind(schema, args, kwargs),
                  dict(_common(csr, table), accumulator=acc, activations_grad=grad, learning_rate=_Scalar(LR),
@@ -253,7 +254,7 @@ def test_adagrad_arguments_by_name(recorder, acc_shape):
 def test_adam_arguments_by_name(recorder):
     csr, table, grad = _csr(), torch.randn(ROWS, DIM), torch.randn(B, DIM)
     m, v = torch.zeros(ROWS, DIM), torch.zeros(ROWS, DIM)
-    tpu.adam(*_head(csr), table, m, v, grad, ALPHA_T, BETA_1, BETA_2, EPS_HAT, *_tail(csr))
+    adam.tpu_update(*_head(csr), table, m, v, grad, ALPHA_T, BETA_1, BETA_2, EPS_HAT, *_tail(csr))
     _, schema, args, kwargs, out = _only_call(recorder, "_sparse_dense_matmul_grad_with_adam")
     _check_bound(_bind(schema, args, kwargs),
                  dict(_common(csr, table), momentum=m, velocity=v, activations_grad=grad, alpha_t=_Scalar(ALPHA_T),
@@ -288,15 +289,15 @@ def test_adapter_runs_on_meta_through_the_real_meta_kernels():
     fake = torch.ops.tpurec.sparse_dense_matmul(*head, table, *tail)  # tpurec's own fake kernel
     assert out.device.type == "meta"
     assert (out.shape, out.dtype) == (fake.shape, fake.dtype) == ((B, DIM), torch.float32)
-    tpu.sgd(*head, table, grad, LR, *tail)
-    tpu.adagrad(*head, table, torch.empty(ROWS, device="meta"), grad, LR, EPS, *tail)
-    tpu.adagrad(*head, table, torch.empty(ROWS, DIM, device="meta"), grad, LR, EPS, *tail)
-    tpu.adam(*head, table, torch.empty_like(table), torch.empty_like(table), grad, ALPHA_T, BETA_1, BETA_2,
-             EPS_HAT, *tail)
+    sgd.tpu_update(*head, table, grad, LR, *tail)
+    adagrad.tpu_update(*head, table, torch.empty(ROWS, device="meta"), grad, LR, EPS, *tail)
+    adagrad.tpu_update(*head, table, torch.empty(ROWS, DIM, device="meta"), grad, LR, EPS, *tail)
+    adam.tpu_update(*head, table, torch.empty_like(table), torch.empty_like(table), grad, ALPHA_T, BETA_1, BETA_2,
+                    EPS_HAT, *tail)
 
 
 def test_meta_kernels_reject_a_python_float_learning_rate():
-    """The dispatcher enforces types: the reason tpu.py wraps learning rates in tensors."""
+    """The dispatcher enforces types: the reason the TPU calls wrap learning rates in tensors."""
     head = [_meta(t) for t in _head(_csr())]
     table = torch.empty(ROWS, DIM, device="meta")
     with pytest.raises(RuntimeError, match="Expected a value of type 'Tensor' for argument 'learning_rate'"):
@@ -306,10 +307,9 @@ def test_meta_kernels_reject_a_python_float_learning_rate():
 
 def test_register_puts_privateuse1_kernels_on_the_tpurec_ops():
     tpu.register()
-    for op in tpu.KERNELS:
+    for op in tpu.kernels():
         assert torch._C._dispatch_has_kernel_for_dispatch_key(op._qualname, "PrivateUse1"), op._qualname
-    assert set(tpu.KERNELS) == {ops.sparse_dense_matmul, ops.sparse_dense_matmul_grad_with_sgd,
-                                ops.sparse_dense_matmul_grad_with_adagrad, ops.sparse_dense_matmul_grad_with_adam}
+    assert set(tpu.kernels()) == {ops.sparse_dense_matmul, sgd.op, adagrad.op, adam.op}
 
 
 # ------------------------------------------------ TorchTPU's host preprocessing against tpurec's

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
 
+from tpurec.embedding.optimizers.registry import spec_names
+
 
 @dataclass(frozen=True)
 class DLRMConfig:
@@ -70,7 +72,7 @@ CONFIGS: dict[str, DLRMConfig] = {
     ),
 }
 
-OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
+OPTIMIZERS = spec_names()  # every module of tpurec/embedding/optimizers
 
 
 def get_config(name: str) -> DLRMConfig:

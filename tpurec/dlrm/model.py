@@ -11,17 +11,14 @@ from tpurec.dlrm.configs import DLRMConfig
 from tpurec.dlrm.table_sets import NUM_DENSE, get_table_set
 
 
-def _optimizer_class(name: str):
-    if name == "rowwise_adagrad":
-        from torchrec.optim import RowWiseAdagrad
+def _optimizer(name: str, lr: float, eps: float) -> tuple[type, dict]:
+    """(torch optimizer class, kwargs) of the named optimizer spec; eps is dropped by those without one.
 
-        return RowWiseAdagrad
-    return {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "adam": torch.optim.Adam}[name]
+    A fresh kwargs dict each call: apply_optimizer_in_backward adds keys to the one it is given.
+    """
+    from tpurec.embedding.optimizers.registry import spec_class
 
-
-def _optimizer_kwargs(name: str, lr: float, eps: float) -> dict:
-    # A fresh dict each call: apply_optimizer_in_backward adds keys to the one it is given.
-    return {"lr": lr} if name == "sgd" else {"lr": lr, "eps": eps}
+    return spec_class(name).from_hyperparameters(lr=lr, eps=eps).to_torch()
 
 
 def build_model(cfg: DLRMConfig, table_sizes: list[int] | None = None, feature_names: list[str] | None = None):
@@ -51,8 +48,8 @@ def build_model(cfg: DLRMConfig, table_sizes: list[int] | None = None, feature_n
     else:
         dlrm = DLRM(**common)
     model = DLRMTrain(dlrm)
-    apply_optimizer_in_backward(_optimizer_class(cfg.embedding_optimizer), model.model.sparse_arch.parameters(),
-                                _optimizer_kwargs(cfg.embedding_optimizer, cfg.embedding_lr, cfg.eps))
+    cls, kwargs = _optimizer(cfg.embedding_optimizer, cfg.embedding_lr, cfg.eps)
+    apply_optimizer_in_backward(cls, model.model.sparse_arch.parameters(), kwargs)
     return model
 
 
@@ -97,8 +94,7 @@ def build_optimizer(dmp, cfg: DLRMConfig):
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-    cls = _optimizer_class(cfg.dense_optimizer)
-    kwargs = _optimizer_kwargs(cfg.dense_optimizer, cfg.dense_lr, cfg.eps)
+    cls, kwargs = _optimizer(cfg.dense_optimizer, cfg.dense_lr, cfg.eps)
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
                                   lambda params: cls(params, **dict(kwargs)))
     return CombinedOptimizer([dmp.fused_optimizer, dense])

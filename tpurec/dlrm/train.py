@@ -107,9 +107,10 @@ def _check_host_memory(cfg, sizes: list[int], world: int) -> None:
     from tpurec.dlrm.table_sets import get_table_set
 
     dims = [t.embedding_dim for t in get_table_set(cfg.table_set).tables]
-    per_row_state = {"sgd": lambda d: 0, "rowwise_adagrad": lambda d: 1, "adagrad": lambda d: d,
-                     "adam": lambda d: 2 * d}[cfg.embedding_optimizer]
-    total = sum(n * (d + per_row_state(d)) * 4 for n, d in zip(sizes, dims))
+    from tpurec.embedding.optimizers.registry import spec_class
+
+    state_bytes = spec_class(cfg.embedding_optimizer).state_bytes_per_row
+    total = sum(n * (d * 4 + state_bytes(d)) for n, d in zip(sizes, dims))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     need = total * local // max(1, world)  # this host's ranks hold their share of the tables
     free = _available_bytes()

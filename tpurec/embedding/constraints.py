@@ -19,16 +19,6 @@ DIM_ALIGN = 8
 # NUM_SC_PER_DEVICE_MAP; Cloud TPU v5p docs). On CPU the count changes only the layout, never results.
 DEFAULT_NUM_SPARSECORES = 4
 
-# Optimizers the fused update supports -> f32 state values per table row, as a function of dim.
-# SGD keeps none; row-wise Adagrad one accumulator per row; Adagrad one per element; Adam two.
-OPTIMIZER_STATE_PER_ROW = {
-    "sgd": lambda dim: 0,
-    "rowwise_adagrad": lambda dim: 1,
-    "adagrad": lambda dim: dim,
-    "adam": lambda dim: 2 * dim,
-}
-
-
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
@@ -74,11 +64,3 @@ def worst_case_max_ids_per_partition(batch_per_device: int, pooling_factor: floa
     """A limit no batch can exceed: every id of one SparseCore's sample slice in one partition."""
     per_sc = math.ceil(batch_per_device / num_sc_per_device)
     return round_up(max(1, math.ceil(per_sc * pooling_factor)), SEGMENT_ALIGN)
-
-
-def optimizer_state_bytes(optimizer: str, rows: int, dim: int) -> int:
-    try:
-        per_row = OPTIMIZER_STATE_PER_ROW[optimizer](dim)
-    except KeyError:
-        raise ValueError(f"unknown optimizer {optimizer!r}; one of {sorted(OPTIMIZER_STATE_PER_ROW)}") from None
-    return 4 * per_row * rows

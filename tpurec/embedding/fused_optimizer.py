@@ -1,33 +1,97 @@
-"""The torchrec `FusedOptimizer` view of a SparseCoreKernel's optimizer.
+"""The torchrec `FusedOptimizer` view of SparseCoreKernels' optimizer: one base, two uses.
 
 Updates happen inside backward, so step() and zero_grad() do nothing. What this object gives is
 what TorchRec users expect of a fused optimizer: `param_groups` with a learning rate that LR
-schedulers may change (the kernel reads it at every update), and a keyed `state_dict()` /
+schedulers may change (the kernels read it at every update), and a keyed `state_dict()` /
 `load_state_dict()` for checkpoints. The SparseCore stores tables and state partition-major, so
 state is exposed through natural-order copies, refreshed before every state_dict() and written
 back after every load (`post_load_state_dict`), so nothing is lost either way.
+
+`KernelFusedOptimizer` holds that machinery: entries (kernel, table, state name, local copy), the
+param group built from the optimizer spec, step counts, refresh-on-version and write-back. The
+standalone `SparseCoreFusedOptimizer` below keys plain tensors by table; the sharded EBC's
+(`tpurec.sharding.sharded_optimizer`) wraps the same copies in ShardedTensors.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Sequence
 
 import torch
 from torchrec.optim.fused import FusedOptimizer
 
 from tpurec.embedding.kernel import SparseCoreKernel
+from tpurec.embedding.optimizers.base import OptimizerSpec
 
 
-class KernelStateOptimizer(FusedOptimizer):
+@dataclass
+class KernelEntry:
+    """One natural-order copy the optimizer exposes and the kernel storage behind it."""
+
+    kernel: SparseCoreKernel
+    table: str  # the kernel's table name
+    state: str | None  # an optimizer state name, or None for the table's weight
+    tensor: torch.Tensor  # the copy (a ShardedTensor's local shard under sharding)
+
+    def read(self) -> torch.Tensor:
+        if self.state is None:
+            return self.kernel.read_weight(self.table)
+        return self.kernel.read_state(self.table, self.state)
+
+    def write(self) -> None:
+        # Weights are restored through the module's state_dict, never from optimizer state.
+        if self.state is not None:
+            self.kernel.write_state(self.table, self.state, self.tensor)
+
+
+@dataclass
+class StepEntry:
+    """A checkpointed "<table>.step" and the kernel tables whose step count it stands for."""
+
+    tensor: torch.Tensor
+    tables: list[tuple[SparseCoreKernel, str]]
+
+
+class KernelFusedOptimizer(FusedOptimizer):
     """A FusedOptimizer whose `state` holds natural-order copies of kernel storage.
 
-    Subclasses set `_ready` once built and implement `_kernels_version()` (changes when the kernels
-    update), `_refresh()` (kernel -> copies) and `_write_back()` (copies -> kernel). TorchRec's
+    Subclasses build params and state with `_track` (a kernel table's weight or state copy) and
+    `_step` (a step-count scalar, for specs that keep one), then call this __init__. TorchRec's
     CombinedOptimizer, which DMP and the sharded EBC wrap us in, builds its state_dict from the
     children's `.state` and never calls our state_dict(), so the copies refresh on access, but only
     when the kernels moved since the last refresh: a state_dict handed to DCP shares our tensors, and
     refreshing between dcp.load and load_state_dict would overwrite what was loaded.
     """
 
+    # Whether the param group shows the spec's hyper-parameters (eps, betas) besides lr.
+    expose_hyperparameters: ClassVar[bool] = True
     _ready = False
 
+    def __init__(self, kernels: Sequence[SparseCoreKernel], spec: OptimizerSpec | None,
+                 params: dict, state: dict) -> None:
+        self._kernels = list(kernels)
+        self._spec = spec
+        group = {"params": list(params.values()), "lr": spec.lr if spec is not None else 0.0}
+        if spec is not None and self.expose_hyperparameters:
+            group.update(spec.param_group_entries())
+        super().__init__(params, state, [group])
+        self._ready = True
+        for k in self._kernels:  # kernels read the learning rate from here at every update
+            k.lr_source = group
+
+    # -- building ------------------------------------------------------------------------------
+    def _track(self, kernel: SparseCoreKernel, table: str, state: str | None, tensor: torch.Tensor) -> torch.Tensor:
+        """Register `tensor` as the copy of kernel table `table`'s weight (state None) or state."""
+        self.__dict__.setdefault("_entries", []).append(KernelEntry(kernel, table, state, tensor))
+        return tensor
+
+    def _step(self, tables: list[tuple[SparseCoreKernel, str]]) -> torch.Tensor:
+        """A "<table>.step" scalar standing for the step counts of `tables` (kernel, table name)."""
+        tensor = torch.tensor(0.0)
+        self.__dict__.setdefault("_step_entries", []).append(StepEntry(tensor, list(tables)))
+        return tensor
+
+    # -- state ---------------------------------------------------------------------------------
     @property
     def state(self):
         if self._ready:
@@ -41,6 +105,26 @@ class KernelStateOptimizer(FusedOptimizer):
     def state(self, value) -> None:
         self._state = value
 
+    def _kernels_version(self) -> tuple:
+        # Every update bumps a step count, so the counts tell whether the kernels moved.
+        return tuple(k.step_count(t) for k in self._kernels for t in k.table_names)
+
+    def _refresh(self) -> None:
+        """Copy the kernels' current tables, state and step counts into the natural-order copies."""
+        with torch.no_grad():
+            for e in self.__dict__.get("_entries", []):
+                e.tensor.copy_(e.read())
+            for s in self.__dict__.get("_step_entries", []):
+                s.tensor.fill_(max((k.step_count(t) for k, t in s.tables), default=0))
+
+    def _write_back(self) -> None:
+        """Copy loaded state and step counts into the kernels."""
+        for e in self.__dict__.get("_entries", []):
+            e.write()
+        for s in self.__dict__.get("_step_entries", []):
+            for k, t in s.tables:
+                k.set_step_count(t, int(s.tensor.item()))
+
     def post_load_state_dict(self) -> None:
         self._write_back()
         self._refreshed_at = self._kernels_version()
@@ -52,55 +136,23 @@ class KernelStateOptimizer(FusedOptimizer):
         return None
 
 
-class SparseCoreFusedOptimizer(KernelStateOptimizer):
+class SparseCoreFusedOptimizer(KernelFusedOptimizer):
+    """The fused optimizer of one kernel, its state as plain natural-order tensors keyed by table."""
+
     def __init__(self, kernel: SparseCoreKernel, param_prefix: str = "embedding_bags.", key_of=None) -> None:
         """key_of(kernel table name) -> "<name>.weight": how params are keyed (default: the table name)."""
-        self._kernel = kernel
         key_of = key_of or (lambda name: f"{name}.weight")
         spec = kernel.optimizer
         params: dict[str, torch.Tensor] = {}
         state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
-        self._keys: list[tuple[str, torch.Tensor]] = []
-        for t in kernel.tables:
-            key = key_of(t.name)
+        for table in kernel.table_names:
+            key = key_of(table)
             base = key[: -len(".weight")]
-            snapshot = kernel.read_weight(t.name)
+            snapshot = self._track(kernel, table, None, kernel.read_weight(table))
             params[param_prefix + key] = snapshot
-            self._keys.append((t.name, base, snapshot))
-            entry = {f"{base}.{s}": kernel.read_state(t.name, s) for s in spec.state_names}
-            if spec.kind == "adam":
-                entry[f"{base}.step"] = torch.tensor(0.0)
+            entry = {f"{base}.{s}": self._track(kernel, table, s, kernel.read_state(table, s))
+                     for s in spec.state_names}
+            if spec.keeps_step_count:
+                entry[f"{base}.step"] = self._step([(kernel, table)])
             state[snapshot] = entry
-        group = {"params": list(params.values()), "lr": spec.lr}
-        if spec.kind != "sgd":
-            group["eps"] = spec.eps
-        if spec.kind == "adam":
-            group["betas"] = (spec.beta1, spec.beta2)
-        super().__init__(params, state, [group])
-        self._ready = True
-        kernel._lr_group = group
-
-    def _refresh(self) -> None:
-        """Copy the kernel's current tables and state into the natural-order snapshots."""
-        k = self._kernel
-        with torch.no_grad():
-            for name, base, snap in self._keys:
-                snap.copy_(k.read_weight(name))
-                entry = self._state[snap]
-                for s in k.optimizer.state_names:
-                    entry[f"{base}.{s}"].copy_(k.read_state(name, s))
-                if f"{base}.step" in entry:
-                    entry[f"{base}.step"].fill_(k.steps[k._locate(name)[0]])
-
-    def _kernels_version(self) -> tuple:
-        return tuple(self._kernel.steps)
-
-    def _write_back(self) -> None:
-        k = self._kernel
-        for name, base, snap in self._keys:
-            entry = self._state[snap]
-            for s in k.optimizer.state_names:
-                k.write_state(name, s, entry[f"{base}.{s}"])
-            if f"{base}.step" in entry:
-                k.steps[k._locate(name)[0]] = int(entry[f"{base}.step"].item())
-
+        super().__init__([kernel], spec, params, state)

@@ -21,7 +21,7 @@ from torch import nn
 from tpurec.embedding import ops  # noqa: F401  (registers torch.ops.tpurec.*)
 from tpurec.embedding.constraints import round_up
 from tpurec.embedding.layout import StackLayout, build_stacks
-from tpurec.embedding.optimizers import FusedOptimizerSpec
+from tpurec.embedding.optimizers.base import OptimizerSpec
 from tpurec.embedding.preprocess import PreprocessStats, SparseCoreInput, preprocess
 
 
@@ -47,7 +47,7 @@ class SparseCoreKernel(nn.Module):
     def __init__(
         self,
         tables: Sequence[KernelTable],
-        optimizer: FusedOptimizerSpec,
+        optimizer: OptimizerSpec,
         num_sc_per_device: int,
         *,
         is_weighted: bool = False,
@@ -72,8 +72,10 @@ class SparseCoreKernel(nn.Module):
         self.max_unique_ids_per_partition = max_unique_ids_per_partition
         self.allow_id_dropping = allow_id_dropping
         # Optimizer steps taken per stack (Adam's bias correction); stacks update independently
-        # because autograd may run their backward in any order.
-        self.steps: list[int] = []
+        # because autograd may run their backward in any order. Public per table: step_count().
+        self._steps: list[int] = []
+        # The param group whose "lr" every update reads (see current_lr); None: the spec's lr.
+        self.lr_source: dict | None = None
         self.last_stats: dict[str, PreprocessStats] = {}
         self.dropped_id_count = 0
 
@@ -101,7 +103,8 @@ class SparseCoreKernel(nn.Module):
             for ts in lay.tables:
                 plan.features.extend((f, ts.name) for f in self._table[ts.name].feature_names)
             self.stacks.append(plan)
-            self.steps.append(0)
+            self._steps.append(0)
+        self._stack_of = {ts.name: i for i, plan in enumerate(self.stacks) for ts in plan.layout.tables}
         # Per stack, per feature slot: its table's offset in the stack, its row count (for the id
         # check) and whether it mean-pools; and where each stacked slot sits in feature_order.
         self._stacked_order = [f for plan in self.stacks for f, _ in plan.features]
@@ -122,8 +125,8 @@ class SparseCoreKernel(nn.Module):
             lay = plan.layout
             self.register_buffer(f"weight_{i}", torch.zeros(lay.total_rows, lay.dim, device=device), persistent=False)
             for s in optimizer.state_names:
-                init = optimizer.initial_accumulator_value if s == "momentum1" and optimizer.kind != "adam" else 0.0
                 shape = optimizer.state_shape(s, lay.total_rows, lay.dim)
+                init = optimizer.initial_value(s)
                 self.register_buffer(f"{s}_{i}", torch.full(shape, init, device=device), persistent=False)
         self.reset_parameters()
 
@@ -135,10 +138,23 @@ class SparseCoreKernel(nn.Module):
         return getattr(self, f"{name}_{i}")
 
     def _locate(self, table: str) -> tuple[int, StackLayout]:
-        for i, plan in enumerate(self.stacks):
-            if any(t.name == table for t in plan.layout.tables):
-                return i, plan.layout
-        raise KeyError(f"unknown table {table!r}; tables: {[t.name for t in self.tables]}")
+        i = self._stack_of.get(table)
+        if i is None:
+            raise KeyError(f"unknown table {table!r}; tables: {[t.name for t in self.tables]}")
+        return i, self.stacks[i].layout
+
+    @property
+    def table_names(self) -> list[str]:
+        """This kernel's tables in construction order (under sharding: shard names "table/k")."""
+        return [t.name for t in self.tables]
+
+    def step_count(self, table: str) -> int:
+        """Fused updates applied to `table` so far (its stack's count: a stack updates as one)."""
+        return self._steps[self._locate(table)[0]]
+
+    def set_step_count(self, table: str, n: int) -> None:
+        """Restore the step count (e.g. from a checkpoint); sets it for the whole stack of `table`."""
+        self._steps[self._locate(table)[0]] = int(n)
 
     def read_weight(self, table: str) -> torch.Tensor:
         """[num_embeddings, dim] in natural row order (a copy)."""
@@ -277,30 +293,16 @@ class SparseCoreKernel(nn.Module):
 
     # -- fused update --------------------------------------------------------------------------
     def apply_update(self, i: int, csr: SparseCoreInput, grad: torch.Tensor, lr: float) -> None:
-        spec = self.optimizer
-        table = self.stack_weight(i)
-        common = (csr.device_batch_size, csr.num_sc_per_device, csr.num_partitions,
-                  csr.max_ids_per_partition, csr.max_unique_ids_per_partition)
-        head = (csr.row_pointers, csr.embedding_ids, csr.sample_ids, csr.gains, table)
+        """Stack i's fused update: the optimizer spec runs its op on the stack's table and state."""
         grad = grad.to(torch.float32).contiguous()
-        self.steps[i] += 1
-        if spec.kind == "sgd":
-            torch.ops.tpurec.sparse_dense_matmul_grad_with_sgd(*head, grad, lr, *common)
-        elif spec.kind in ("adagrad", "rowwise_adagrad"):
-            torch.ops.tpurec.sparse_dense_matmul_grad_with_adagrad(
-                *head, self.stack_state(i, "momentum1"), grad, lr, spec.eps, *common)
-        else:
-            from tpurec.embedding.reference import adam_hyperparameters
+        self._steps[i] += 1
+        states = [self.stack_state(i, s) for s in self.optimizer.state_names]
+        self.optimizer.apply_update(csr, self.stack_weight(i), states, grad, lr, self._steps[i])
 
-            alpha_t, eps_hat = adam_hyperparameters(lr, spec.beta1, spec.beta2, spec.eps, self.steps[i])
-            torch.ops.tpurec.sparse_dense_matmul_grad_with_adam(
-                *head, self.stack_state(i, "momentum1"), self.stack_state(i, "exp_avg_sq"), grad,
-                alpha_t, spec.beta1, spec.beta2, eps_hat, *common)
-
-    # The learning rate is read at update time from here, so torch LR schedulers acting on the
-    # FusedOptimizer's param_groups take effect (SparseCoreFusedOptimizer points this at its group).
+    # The learning rate is read at update time from `lr_source`, so torch LR schedulers acting on a
+    # FusedOptimizer's param_groups take effect (the fused optimizers bind their group here).
     def current_lr(self) -> float:
-        group = getattr(self, "_lr_group", None)
+        group = self.lr_source
         return float(group["lr"]) if group is not None else self.optimizer.lr
 
 

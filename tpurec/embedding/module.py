@@ -17,7 +17,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from tpurec.embedding.fused_optimizer import SparseCoreFusedOptimizer
 from tpurec.embedding.kernel import KernelTable, SparseCoreKernel
-from tpurec.embedding.optimizers import FusedOptimizerSpec
+from tpurec.embedding.optimizers.registry import spec_from_torch
 
 from tpurec.embedding.sparsecores import resolve_num_sparsecores
 
@@ -56,7 +56,7 @@ class SparseCoreEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         self._is_weighted = is_weighted
         self.kernel = SparseCoreKernel(
             kernel_tables(tables),
-            FusedOptimizerSpec.from_torch(optimizer, optimizer_kwargs),
+            spec_from_torch(optimizer, optimizer_kwargs),
             resolve_num_sparsecores(num_sparsecores, self._device.type),
             is_weighted=is_weighted,
             device=self._device,

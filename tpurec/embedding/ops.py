@@ -1,9 +1,13 @@
-"""The SparseCore ops as torch.library custom ops: `torch.ops.tpurec.*`.
+"""The SparseCore lookup as a torch.library custom op: `torch.ops.tpurec.sparse_dense_matmul`.
 
-One interface, two backends. The CPU kernels registered here are the exact reference
+One interface, two backends. The CPU kernel registered here is the exact reference
 (`tpurec.embedding.reference`); `tpurec.embedding.tpu` registers PrivateUse1 ("tpu") kernels that
 call TorchTPU's `torch.ops.tpu._sparse_dense_matmul*` and is imported only on a TPU host. Fake
 (meta) implementations let modules trace under FakeTensorMode and on the meta device.
+
+Each fused backward-with-update op (`torch.ops.tpurec.sparse_dense_matmul_grad_with_<optimizer>`)
+is registered by its optimizer's module in `tpurec.embedding.optimizers`, from `row_gradients` here,
+so that an optimizer is self-contained.
 
 Signatures mirror TorchTPU 0.2.0's ops, with two additions the reference needs and a SparseCore
 knows from its hardware: `num_sc_per_device` and `num_partitions`. The update ops mutate the table
@@ -58,57 +62,8 @@ def _(row_pointers, embedding_ids, sample_ids, gains, embedding_table, device_ba
     return embedding_table.new_empty((device_batch_size, embedding_table.shape[1]), dtype=torch.float32)
 
 
-def _row_grads(row_pointers, embedding_ids, sample_ids, gains, table, grad, device_batch_size, num_sc, parts):
+def row_gradients(row_pointers, embedding_ids, sample_ids, gains, table, grad, device_batch_size, num_sc, parts):
+    """(unique physical rows, summed gradient per row) of one SparseCore input: what every fused
+    update op of `tpurec.embedding.optimizers` starts from (shares the forward's decode)."""
     d = _decode(row_pointers, embedding_ids, sample_ids, gains, table, device_batch_size, num_sc, parts)
     return reference.row_gradients(d, grad)
-
-
-@torch.library.custom_op(
-    "tpurec::sparse_dense_matmul_grad_with_sgd", mutates_args=("embedding_table",), device_types="cpu"
-)
-def sparse_dense_matmul_grad_with_sgd(
-    row_pointers: Tensor, embedding_ids: Tensor, sample_ids: Tensor, gains: Tensor, embedding_table: Tensor,
-    activations_grad: Tensor, learning_rate: float,
-    device_batch_size: int, num_sc_per_device: int, num_partitions: int,
-    max_ids_per_partition: int, max_unique_ids_per_partition: int,
-) -> None:
-    rows, g = _row_grads(row_pointers, embedding_ids, sample_ids, gains, embedding_table, activations_grad,
-                         device_batch_size, num_sc_per_device, num_partitions)
-    reference.sgd_update(embedding_table, rows, g, learning_rate)
-
-
-@torch.library.custom_op(
-    "tpurec::sparse_dense_matmul_grad_with_adagrad",
-    mutates_args=("embedding_table", "accumulator"), device_types="cpu",
-)
-def sparse_dense_matmul_grad_with_adagrad(
-    row_pointers: Tensor, embedding_ids: Tensor, sample_ids: Tensor, gains: Tensor, embedding_table: Tensor,
-    accumulator: Tensor, activations_grad: Tensor, learning_rate: float, epsilon: float,
-    device_batch_size: int, num_sc_per_device: int, num_partitions: int,
-    max_ids_per_partition: int, max_unique_ids_per_partition: int,
-) -> None:
-    """Element-wise Adagrad for a 2-D accumulator, row-wise Adagrad for a 1-D one."""
-    rows, g = _row_grads(row_pointers, embedding_ids, sample_ids, gains, embedding_table, activations_grad,
-                         device_batch_size, num_sc_per_device, num_partitions)
-    reference.adagrad_update(embedding_table, accumulator, rows, g, learning_rate, epsilon)
-
-
-@torch.library.custom_op(
-    "tpurec::sparse_dense_matmul_grad_with_adam",
-    mutates_args=("embedding_table", "momentum", "velocity"), device_types="cpu",
-)
-def sparse_dense_matmul_grad_with_adam(
-    row_pointers: Tensor, embedding_ids: Tensor, sample_ids: Tensor, gains: Tensor, embedding_table: Tensor,
-    momentum: Tensor, velocity: Tensor, activations_grad: Tensor,
-    alpha_t: float, beta_1: float, beta_2: float, epsilon_hat: float,
-    device_batch_size: int, num_sc_per_device: int, num_partitions: int,
-    max_ids_per_partition: int, max_unique_ids_per_partition: int,
-) -> None:
-    rows, g = _row_grads(row_pointers, embedding_ids, sample_ids, gains, embedding_table, activations_grad,
-                         device_batch_size, num_sc_per_device, num_partitions)
-    reference.adam_update(embedding_table, momentum, velocity, rows, g, alpha_t, beta_1, beta_2, epsilon_hat)
-
-
-# In-place updates have nothing to compute under fake tensors.
-for _op in (sparse_dense_matmul_grad_with_sgd, sparse_dense_matmul_grad_with_adagrad, sparse_dense_matmul_grad_with_adam):
-    _op.register_fake(lambda *args, **kwargs: None)

@@ -7,13 +7,9 @@ g * table[p * rows_per_partition + c] to output row s * (batch / num_sc) + j.
 
 Backward-with-update sums each row's gradient over all its entries (all slices, all samples), then
 applies the optimizer once per touched row; rows not in the batch are left alone (as on SparseCore
-and in FBGEMM's fused kernels: Adam is "lazy"). Formulas (docs/kernels.md):
-
-  SGD               w -= lr * g
-  Adagrad           a += g*g;           w -= lr * g / (sqrt(a) + eps)
-  row-wise Adagrad  a += mean(g*g);     w -= lr * g / (sqrt(a) + eps)        (a is one float per row)
-  Adam              m = b1 m + (1-b1) g; v = b2 v + (1-b2) g*g; w -= alpha_t * m / (sqrt(v) + eps_hat)
-                    with alpha_t = lr sqrt(1-b2^t) / (1-b1^t), eps_hat = eps sqrt(1-b2^t)
+and in FBGEMM's fused kernels: Adam is "lazy"). `row_gradients` below is that shared first half; each
+optimizer's update math (its `reference_update`) lives with its spec in `tpurec.embedding.optimizers`
+(formulas in docs/kernels.md).
 """
 from __future__ import annotations
 
@@ -92,39 +88,3 @@ def row_gradients(d: DecodedInput, activations_grad: torch.Tensor) -> tuple[torc
         per_sample_weights=d.gains.index_select(0, order), include_last_offset=True,
     )
     return rows, grad
-
-
-@torch.no_grad()
-def sgd_update(table, rows, grad, lr: float) -> None:
-    table.index_add_(0, rows, grad.mul_(-lr).to(table.dtype))
-
-
-@torch.no_grad()
-def adagrad_update(table, accumulator, rows, grad, lr: float, eps: float) -> None:
-    """Element-wise (2-D accumulator) or row-wise (1-D accumulator) Adagrad."""
-    if accumulator.dim() == 1:
-        # mean(g*g) per row as a squared norm: one pass, no [rows, dim] temporary
-        acc = accumulator.index_select(0, rows) + torch.linalg.vector_norm(grad, dim=1).square_() / grad.shape[1]
-        accumulator.index_copy_(0, rows, acc)
-        step = grad.mul_((-lr / (acc.sqrt() + eps)).unsqueeze(1))
-    else:
-        acc = accumulator.index_select(0, rows).addcmul_(grad, grad)
-        accumulator.index_copy_(0, rows, acc)
-        step = grad.mul_(-lr).div_(acc.sqrt_().add_(eps))
-    table.index_add_(0, rows, step.to(table.dtype))
-
-
-@torch.no_grad()
-def adam_update(table, momentum, velocity, rows, grad, alpha_t: float, beta1: float, beta2: float, eps_hat: float) -> None:
-    m = momentum.index_select(0, rows).mul_(beta1).add_(grad, alpha=1 - beta1)
-    v = velocity.index_select(0, rows).mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    momentum.index_copy_(0, rows, m)
-    velocity.index_copy_(0, rows, v)
-    step = m.mul(alpha_t).div_(v.sqrt().add_(eps_hat))
-    table.index_add_(0, rows, step.neg_().to(table.dtype))
-
-
-def adam_hyperparameters(lr: float, beta1: float, beta2: float, eps: float, step: int) -> tuple[float, float]:
-    """(alpha_t, eps_hat) of step t (1-based), as jax-tpu-embedding's AdamOptimizerSpec computes them."""
-    c2 = (1.0 - beta2**step) ** 0.5
-    return lr * c2 / (1.0 - beta1**step), eps * c2

@@ -122,11 +122,10 @@ def _vs_fbgemm(optim, kwargs, gen) -> Check:
     from torchrec.modules.embedding_configs import PoolingType
 
     from tpurec.embedding.module import SparseCoreEmbeddingBagCollection
-    from tpurec.embedding.optimizers import FusedOptimizerSpec
+    from tpurec.embedding.optimizers.registry import spec_from_torch
 
-    kind = FusedOptimizerSpec.from_torch(optim, kwargs).kind
-    fb = {"sgd": EmbOptimType.EXACT_SGD, "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-          "adagrad": EmbOptimType.EXACT_ADAGRAD}[kind]
+    spec = spec_from_torch(optim, kwargs)
+    kind, fb = spec.name, getattr(EmbOptimType, spec.fbgemm_optim)  # the oracle runs the same optimizer
     tables = _tables(PoolingType.SUM)
     sc = SparseCoreEmbeddingBagCollection(tables, optim, kwargs, num_sparsecores=4, device="cpu")
     tbe = SplitTableBatchedEmbeddingBagsCodegen(
@@ -204,8 +203,10 @@ def tpu_checks(seed: int = 0) -> list[Check]:
     """SparseCore ops on the TPU vs the CPU reference on the same inputs (needs a TPU host)."""
     import torch
 
-    from tpurec.embedding import reference
+    from dataclasses import replace
+
     from tpurec.embedding.backend import select_device
+    from tpurec.embedding.optimizers.registry import spec_classes
     from tpurec.embedding.preprocess import preprocess
 
     tpu = select_device("tpu")
@@ -225,20 +226,18 @@ def tpu_checks(seed: int = 0) -> list[Check]:
     checks = [_compare("forward sparse_dense_matmul",
                        torch.ops.tpurec.sparse_dense_matmul(*on(head), table.to(tpu), *tail).cpu(),
                        torch.ops.tpurec.sparse_dense_matmul(*head, table, *tail), 1e-4)]
-    alpha_t, eps_hat = reference.adam_hyperparameters(0.01, 0.9, 0.999, 1e-8, step=1)
-    cases = {
-        "sgd": ([], (0.1,), "sparse_dense_matmul_grad_with_sgd"),
-        "rowwise_adagrad": ([torch.full((rows,), 0.1)], (0.1, 1e-8), "sparse_dense_matmul_grad_with_adagrad"),
-        "adagrad": ([torch.full((rows, dim), 0.1)], (0.1, 1e-8), "sparse_dense_matmul_grad_with_adagrad"),
-        "adam": ([torch.zeros(rows, dim), torch.zeros(rows, dim)], (alpha_t, 0.9, 0.999, eps_hat),
-                 "sparse_dense_matmul_grad_with_adam"),
-    }
-    for kind, (states, hyper, opname) in cases.items():
-        op = getattr(torch.ops.tpurec, opname)
+    # Every optimizer's fused update, at step 1, from its spec's own state shapes and initial values.
+    # Settings known to give a well-conditioned first step; any other spec runs with its defaults.
+    settings = {"sgd": {"lr": 0.1}, "rowwise_adagrad": {"lr": 0.1, "eps": 1e-8, "initial_accumulator_value": 0.1},
+                "adagrad": {"lr": 0.1, "eps": 1e-8, "initial_accumulator_value": 0.1}, "adam": {"lr": 0.01}}
+    dev_csr = replace(csr, **{f: getattr(csr, f).to(tpu) for f in ("row_pointers", "embedding_ids", "sample_ids", "gains")})
+    for kind, cls in spec_classes().items():
+        spec = cls.from_torch_kwargs(settings.get(kind, {}))
+        states = [torch.full(spec.state_shape(s, rows, dim), spec.initial_value(s)) for s in spec.state_names]
         cpu_t, cpu_s = table.clone(), [s.clone() for s in states]
         dev_t, dev_s = table.to(tpu), [s.to(tpu) for s in states]
-        op(*head, cpu_t, *cpu_s, grad, *hyper, *tail)
-        op(*on(head), dev_t, *dev_s, grad.to(tpu), *hyper, *tail)
+        spec.apply_update(csr, cpu_t, cpu_s, grad.clone(), spec.lr, 1)
+        spec.apply_update(dev_csr, dev_t, dev_s, grad.to(tpu), spec.lr, 1)
         checks.append(_compare(f"fused {kind} update: table", dev_t.cpu(), cpu_t, 1e-4))
         for k, (c, d) in enumerate(zip(cpu_s, dev_s)):
             checks.append(_compare(f"fused {kind} update: state {k}", d.cpu(), c, 1e-4))

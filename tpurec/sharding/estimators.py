@@ -20,12 +20,11 @@ from torchrec.distributed.planner.types import (
 from torchrec.distributed.types import ShardingType
 
 from tpurec.embedding.constraints import (
-    OPTIMIZER_STATE_PER_ROW,
     csr_buffer_bytes,
-    optimizer_state_bytes,
     padded_rows,
     worst_case_max_ids_per_partition,
 )
+from tpurec.embedding.optimizers.registry import spec_class
 from tpurec.sharding.topology import SliceSpec, cpu_spec
 
 ID_BYTES = 4  # int32 ids on the wire and in the SparseCore buffers
@@ -96,7 +95,8 @@ def shard_cost(
     samples = batch_per_device * world_size  # every shard serves the global batch
     local_rows = padded_rows(rows, ns)
     weights = local_rows * cols * elem_bytes
-    opt = optimizer_state_bytes(optimizer, local_rows, cols)
+    state_bytes = spec_class(optimizer).state_bytes_per_row(cols)  # `optimizer` is a registry name
+    opt = state_bytes * local_rows
     max_ids = worst_case_max_ids_per_partition(samples, pooling_factor, ns)
     buffers = csr_buffer_bytes(max_ids, ns)
     pooled = samples * cols * elem_bytes
@@ -125,7 +125,6 @@ def shard_cost(
         grad_ms = out_ms
     sc_bw = spec.generation.hbm_bw * spec.sc_gather_fraction
     row_bytes = cols * elem_bytes
-    state_bytes = 4 * OPTIMIZER_STATE_PER_ROW[optimizer](cols)
     lookup_ms = ids * row_bytes / sc_bw * 1e3
     # Fused update per id: read gradient, read + write the row, read + write optimizer state.
     update_ms = ids * (3 * row_bytes + 2 * state_bytes) / sc_bw * 1e3
@@ -160,8 +159,7 @@ class _TpuEstimator(ShardEstimator):
         constraints: Optional[Dict[str, ParameterConstraints]] = None,
         optimizer: str = "sgd",
     ) -> None:
-        if optimizer not in OPTIMIZER_STATE_PER_ROW:
-            raise ValueError(f"unknown optimizer {optimizer!r}; one of {sorted(OPTIMIZER_STATE_PER_ROW)}")
+        spec_class(optimizer)  # refuses an unknown name now, not at the first estimate
         self._topology = topology
         self._constraints = constraints
         self._optimizer = optimizer

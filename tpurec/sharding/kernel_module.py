@@ -17,7 +17,7 @@ from torchrec.optim.fused import FusedOptimizerModule
 
 from tpurec.embedding.fused_optimizer import SparseCoreFusedOptimizer
 from tpurec.embedding.kernel import KernelTable, SparseCoreKernel
-from tpurec.embedding.optimizers import spec_from_fused_params
+from tpurec.embedding.optimizers.registry import spec_from_fused_params
 
 _POOLING = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 

@@ -12,7 +12,6 @@ import argparse
 import json
 import sys
 
-_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
 _MODELS = ("dlrm-tiny", "criteo-kaggle", "mlperf-dcnv2")  # tpurec/dlrm/table_sets.py (not imported: speed)
 
 _EPILOG = """\
@@ -47,7 +46,9 @@ def register(sub) -> None:
     src.add_argument("--tables", metavar="FILE", help="tables from a .json / .yaml file")
     p.add_argument("--topology", metavar="SLICE", help="slice name, e.g. v5p-128, v6e-256, v7x-64, cpu-8")
     p.add_argument("--batch-size", type=int, default=256, help="batch size per device (default 256)")
-    p.add_argument("--optimizer", choices=_OPTIMIZERS, default="rowwise_adagrad",
+    from tpurec.embedding.optimizers.registry import spec_names  # lists modules, imports no torch
+
+    p.add_argument("--optimizer", choices=spec_names(), default="rowwise_adagrad",
                    help="fused embedding optimizer, for optimizer-state bytes (default rowwise_adagrad)")
     p.add_argument("--format", choices=("text", "json", "html", "png"), default="text")
     p.add_argument("--out", metavar="FILE", help="write here instead of stdout (png: default plan.png)")

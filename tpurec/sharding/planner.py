@@ -27,7 +27,8 @@ from torchrec.distributed.planner.types import (
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from tpurec.embedding.constraints import DIM_ALIGN, OPTIMIZER_STATE_PER_ROW, check_dim, optimizer_state_bytes
+from tpurec.embedding.constraints import DIM_ALIGN, check_dim
+from tpurec.embedding.optimizers.registry import spec_class, spec_name_for, spec_names
 from tpurec.sharding.estimators import TpuPerfEstimator, TpuStorageEstimator, shard_cost, spec_of
 from tpurec.sharding.kernel_choice import COMPUTE_KERNEL, SHARDING_TYPES
 
@@ -126,16 +127,6 @@ class TpuStorageReservation(StorageReservation):
         return copy.deepcopy(self._last)
 
 
-_OPTIMIZER_NAMES = {
-    # torch / torchrec optimizer classes (apply_optimizer_in_backward)
-    "SGD": "sgd", "Adagrad": "adagrad", "RowWiseAdagrad": "rowwise_adagrad", "Adam": "adam",
-    # fbgemm EmbOptimType values (sharder fused_params["optimizer"])
-    "sgd": "sgd", "exact_sgd": "sgd", "exact_adagrad": "adagrad", "adagrad": "adagrad",
-    "exact_row_wise_adagrad": "rowwise_adagrad", "row_wise_adagrad": "rowwise_adagrad",
-    "rowwise_adagrad": "rowwise_adagrad", "adam": "adam",
-}
-
-
 def infer_optimizer(module: nn.Module, sharders: Optional[List[ModuleSharder]] = None) -> Optional[str]:
     """The fused optimizer the tables will train with, from apply_optimizer_in_backward settings
     or sharder fused_params; the one with the most state if tables differ; None if unknown."""
@@ -144,19 +135,20 @@ def infer_optimizer(module: nn.Module, sharders: Optional[List[ModuleSharder]] =
         if isinstance(m, EmbeddingBagCollection):
             for p in m.parameters():
                 for cls in getattr(p, "_optimizer_classes", []) or []:
-                    found.add(_OPTIMIZER_NAMES.get(cls.__name__, cls.__name__))
+                    # torch / TorchRec class names (apply_optimizer_in_backward)
+                    found.add(spec_name_for(cls.__name__) or cls.__name__)
     for sharder in sharders or []:
         opt = (getattr(sharder, "fused_params", None) or {}).get("optimizer")
         if opt is not None:
-            key = getattr(opt, "value", opt)
-            found.add(_OPTIMIZER_NAMES.get(str(key), str(key)))
-    unknown = found - set(OPTIMIZER_STATE_PER_ROW)
+            key = str(getattr(opt, "value", opt))  # FBGEMM EmbOptimType values (sharder fused_params)
+            found.add(spec_name_for(key) or key)
+    unknown = found - set(spec_names())
     if unknown:
         raise ValueError(f"optimizer(s) {sorted(unknown)} not supported by the fused SparseCore update; "
-                         f"one of {sorted(OPTIMIZER_STATE_PER_ROW)}")
+                         f"one of {sorted(spec_names())}")
     if not found:
         return None
-    return max(found, key=lambda o: OPTIMIZER_STATE_PER_ROW[o](DIM_ALIGN))
+    return max(found, key=lambda o: spec_class(o).state_bytes_per_row(DIM_ALIGN))
 
 
 class CriticalDeviceProposer(Proposer):
@@ -317,7 +309,7 @@ def plan(
 def _lower_bound_bytes(module: nn.Module, optimizer: str) -> int:
     """Weights + optimizer state of every table, unpadded: no plan can need less."""
     return sum(cfg.num_embeddings * cfg.embedding_dim * 4
-               + optimizer_state_bytes(optimizer, cfg.num_embeddings, cfg.embedding_dim)
+               + spec_class(optimizer).state_bytes(cfg.num_embeddings, cfg.embedding_dim)
                for cfg in _table_configs(module))
 
 

@@ -8,8 +8,10 @@ it. This does the same for SparseCore tables, following TorchRec's layout so che
 * row-wise state (row-wise Adagrad, one float per row and column shard) is 1-D: shard k in
   column order sits at offset k * rows + its row offset, as TorchRec's fused kernel lays it out.
 
-The kernels keep their partition-major storage; state_dict() refreshes natural-order copies and
-load_state_dict() writes them back (`post_load_state_dict`).
+The kernels keep their partition-major storage; the base (`tpurec.embedding.fused_optimizer.
+KernelFusedOptimizer`) refreshes natural-order copies when the kernels moved and load_state_dict()
+writes them back (`post_load_state_dict`); this class only adds the ShardedTensor wrapping and the
+row-wise layout.
 """
 from __future__ import annotations
 
@@ -20,14 +22,20 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
-from tpurec.embedding.fused_optimizer import KernelStateOptimizer
+from tpurec.embedding.fused_optimizer import KernelFusedOptimizer
 
 
 def _props():
     return TensorProperties(dtype=torch.float32, requires_grad=False)
 
 
-class ShardedSparseCoreOptimizer(KernelStateOptimizer):
+class ShardedSparseCoreOptimizer(KernelFusedOptimizer):
+    """The base's natural-order copies, each rank's wrapped in one ShardedTensor per table and state."""
+
+    # TorchRec's sharded fused optimizers show only "lr" in their param group; so do we, so that
+    # param groups of checkpoints line up.
+    expose_hyperparameters = False
+
     def __init__(self, sharded_ebc) -> None:
         self._ebc = sharded_ebc
         pg = sharded_ebc._env.process_group
@@ -39,66 +47,38 @@ class ShardedSparseCoreOptimizer(KernelStateOptimizer):
         if len(specs) > 1:
             raise ValueError(f"tables of one EmbeddingBagCollection use different fused optimizers: {specs}")
         spec = next(iter(specs)) if specs else None
-        self._spec = spec
-        self._entries = []  # (table, state name or None, kernel name, kernel, local tensor)
+        # One step count for every table of this rank: TorchRec checkpoints one per table, and all
+        # of a rank's kernels step together (each backward updates every stack).
+        every_table = [(k, t) for k in kernels.values() for t in k.table_names]
         params, state = {}, {}
         for table in sharded_ebc._sc_tables:
             cfg = sharded_ebc._table_name_to_config[table]
             plan_spec = sharded_ebc.module_sharding_plan[table].sharding_spec
             weight_meta = plan_spec.build_metadata(torch.Size([cfg.num_embeddings, cfg.embedding_dim]), _props())
             local = by_table.get(table, [])
-            weight = self._sharded(table, None, local, weight_meta, pg, lambda k, n: k.read_weight(n))
+            weight = self._sharded(None, local, weight_meta, pg)
             params[f"embedding_bags.{table}.weight"] = weight
             entry = {}
             for name in (spec.state_names if spec else ()):
-                if spec.kind == "rowwise_adagrad":
+                if len(spec.state_shape(name, cfg.num_embeddings, cfg.embedding_dim)) == 1:
                     meta, offsets = _rowwise_metadata(weight_meta, cfg.num_embeddings)
                     local_1d = [(kn, offsets[tuple(m.shard_offsets)], k) for kn, m, k in local]
-                    st = self._sharded(table, name, local_1d, meta, pg, lambda k, n, s=name: k.read_state(n, s))
+                    st = self._sharded(name, local_1d, meta, pg)
                 else:
-                    st = self._sharded(table, name, local, weight_meta, pg, lambda k, n, s=name: k.read_state(n, s))
+                    st = self._sharded(name, local, weight_meta, pg)
                 entry[f"{table}.{name}"] = st
-            if spec is not None and spec.kind == "adam":
-                entry[f"{table}.step"] = torch.tensor(0.0)
+            if spec is not None and spec.keeps_step_count:
+                entry[f"{table}.step"] = self._step(every_table)
             state[weight] = entry
-        group = {"params": list(params.values()), "lr": spec.lr if spec else 0.0}
-        self._kernels = list(kernels.values())
-        super().__init__(params, state, [group])
-        self._ready = True
-        for k in self._kernels:  # kernels read the learning rate from here at every update
-            k._lr_group = group
+        super().__init__(list(kernels.values()), spec, params, state)
 
-    def _sharded(self, table, state_name, local, metadata, pg, read):
+    def _sharded(self, state_name, local, metadata, pg):
+        """The ShardedTensor of one table's weight (state_name None) or state over this rank's shards."""
         shards = []
         for kname, meta, kernel in local:
-            shards.append(Shard(read(kernel, kname).contiguous(), meta))
-            self._entries.append((table, state_name, kname, kernel, shards[-1].tensor))
+            value = kernel.read_weight(kname) if state_name is None else kernel.read_state(kname, state_name)
+            shards.append(Shard(self._track(kernel, kname, state_name, value.contiguous()), meta))
         return ShardedTensor._init_from_local_shards_and_global_metadata(shards, metadata, process_group=pg)
-
-    def _kernels_version(self) -> tuple:
-        return tuple(s for k in self._kernels for s in k.steps)
-
-    def _refresh(self) -> None:
-        with torch.no_grad():
-            for _, state_name, kname, kernel, tensor in self._entries:
-                src = kernel.read_weight(kname) if state_name is None else kernel.read_state(kname, state_name)
-                tensor.copy_(src)
-            steps = max((s for k in self._kernels for s in k.steps), default=0)
-            for entry in self._state.values():
-                for key, value in entry.items():
-                    if key.endswith(".step"):
-                        value.fill_(steps)
-
-    def _write_back(self) -> None:
-        for _, state_name, kname, kernel, tensor in self._entries:
-            if state_name is not None:
-                kernel.write_state(kname, state_name, tensor)
-        for entry in self._state.values():
-            for key, value in entry.items():
-                if key.endswith(".step"):
-                    for k in self._kernels:
-                        k.steps = [int(value.item())] * len(k.steps)
-
 
 
 def _rowwise_metadata(weight_meta: ShardedTensorMetadata, rows: int):

@@ -1,0 +1,108 @@
+"""Adagrad, element-wise: `a += g*g; w -= lr * g / (sqrt(a) + eps)` on the rows in the batch.
+
+Stands for `torch.optim.Adagrad` (no lr decay or weight decay) and FBGEMM's EXACT_ADAGRAD. Owns the
+`tpurec::sparse_dense_matmul_grad_with_adagrad` op, which also serves row-wise Adagrad
+(`rowwise_adagrad.py`): a 2-D accumulator updates element-wise, a 1-D one row-wise, as TorchTPU's op.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from tpurec.embedding import ops
+from tpurec.embedding.optimizers.base import OptimizerSpec, op_head, op_tail, tpu_ops, tpu_scalar
+
+
+@torch.no_grad()
+def reference_update(table, accumulator, rows, grad, lr: float, eps: float) -> None:
+    """Element-wise (2-D accumulator) or row-wise (1-D accumulator) Adagrad."""
+    if accumulator.dim() == 1:
+        # mean(g*g) per row as a squared norm: one pass, no [rows, dim] temporary
+        acc = accumulator.index_select(0, rows) + torch.linalg.vector_norm(grad, dim=1).square_() / grad.shape[1]
+        accumulator.index_copy_(0, rows, acc)
+        step = grad.mul_((-lr / (acc.sqrt() + eps)).unsqueeze(1))
+    else:
+        acc = accumulator.index_select(0, rows).addcmul_(grad, grad)
+        accumulator.index_copy_(0, rows, acc)
+        step = grad.mul_(-lr).div_(acc.sqrt_().add_(eps))
+    table.index_add_(0, rows, step.to(table.dtype))
+
+
+@torch.library.custom_op(
+    "tpurec::sparse_dense_matmul_grad_with_adagrad",
+    mutates_args=("embedding_table", "accumulator"), device_types="cpu",
+)
+def op(
+    row_pointers: Tensor, embedding_ids: Tensor, sample_ids: Tensor, gains: Tensor, embedding_table: Tensor,
+    accumulator: Tensor, activations_grad: Tensor, learning_rate: float, epsilon: float,
+    device_batch_size: int, num_sc_per_device: int, num_partitions: int,
+    max_ids_per_partition: int, max_unique_ids_per_partition: int,
+) -> None:
+    """Element-wise Adagrad for a 2-D accumulator, row-wise Adagrad for a 1-D one."""
+    rows, g = ops.row_gradients(row_pointers, embedding_ids, sample_ids, gains, embedding_table, activations_grad,
+                                device_batch_size, num_sc_per_device, num_partitions)
+    reference_update(embedding_table, accumulator, rows, g, learning_rate, epsilon)
+
+
+op.register_fake(lambda *args, **kwargs: None)  # in place: nothing to compute under fake tensors
+
+
+def tpu_update(row_pointers, embedding_ids, sample_ids, gains, embedding_table, accumulator, activations_grad,
+               learning_rate, epsilon, device_batch_size, num_sc_per_device, num_partitions,
+               max_ids_per_partition, max_unique_ids_per_partition):
+    """The op's TPU kernel: TorchTPU's op returns new table and accumulator; copy them back."""
+    new_table, new_acc = tpu_ops()._sparse_dense_matmul_grad_with_adagrad(
+        row_pointers, embedding_ids, sample_ids, gains, embedding_table, accumulator,
+        activations_grad.contiguous(), tpu_scalar(learning_rate, embedding_table), epsilon, device_batch_size,
+        max_ids_per_partition, max_unique_ids_per_partition, "tpurec_adagrad",
+    )
+    embedding_table.copy_(new_table)
+    accumulator.copy_(new_acc)
+
+
+@dataclass(frozen=True)
+class AdagradSpec(OptimizerSpec):
+    lr: float = 1e-2
+    eps: float = 1e-10
+    initial_accumulator_value: float = 0.0
+
+    name = "adagrad"
+    torch_optimizer_path = "torch.optim.Adagrad"
+    fbgemm_optim = "EXACT_ADAGRAD"
+    fbgemm_aliases = ("adagrad",)
+    state_names = ("momentum1",)  # TorchRec's name for Adagrad's sum
+    refused_torch_kwargs = ("lr_decay", "weight_decay", "maximize")
+
+    @classmethod
+    def _take_torch_kwargs(cls, kwargs: dict):
+        return cls(lr=float(kwargs.pop("lr", 1e-2)), eps=float(kwargs.pop("eps", 1e-10)),
+                   initial_accumulator_value=float(kwargs.pop("initial_accumulator_value", 0.0)))
+
+    def torch_kwargs(self) -> dict:
+        kwargs = {"lr": self.lr, "eps": self.eps}
+        if self.initial_accumulator_value:
+            kwargs["initial_accumulator_value"] = self.initial_accumulator_value
+        return kwargs
+
+    @classmethod
+    def from_fused_params(cls, fused_params):
+        return cls(lr=float(fused_params.get("learning_rate", fused_params.get("lr", 0.01))),
+                   eps=float(fused_params.get("eps", 1e-10)),
+                   initial_accumulator_value=float(fused_params.get("initial_accumulator_value", 0.0)))
+
+    def initial_value(self, state: str) -> float:
+        return self.initial_accumulator_value
+
+    def param_group_entries(self) -> dict:
+        return {"eps": self.eps}
+
+    def apply_update(self, csr, table, states, grad, lr, step) -> None:
+        (accumulator,) = states
+        torch.ops.tpurec.sparse_dense_matmul_grad_with_adagrad(
+            *op_head(csr, table), accumulator, grad, lr, self.eps, *op_tail(csr))
+
+    @classmethod
+    def tpu_kernels(cls):
+        return {op: tpu_update}

@@ -1,0 +1,117 @@
+"""Adam, lazy: only the rows in the batch update, as on SparseCore and in FBGEMM's fused kernel.
+
+  m = b1 m + (1-b1) g; v = b2 v + (1-b2) g*g; w -= alpha_t * m / (sqrt(v) + eps_hat)
+  with alpha_t = lr sqrt(1-b2^t) / (1-b1^t), eps_hat = eps sqrt(1-b2^t)
+
+Stands for `torch.optim.Adam` (no weight decay, AMSGrad or maximize) and FBGEMM's ADAM. The bias
+correction needs the step count, so the kernel counts steps and checkpoints carry "<table>.step".
+Owns the `tpurec::sparse_dense_matmul_grad_with_adam` op: CPU reference and TorchTPU call.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from tpurec.embedding import ops
+from tpurec.embedding.optimizers.base import OptimizerSpec, op_head, op_tail, tpu_ops, tpu_scalar
+
+
+@torch.no_grad()
+def reference_update(table, momentum, velocity, rows, grad, alpha_t: float, beta1: float, beta2: float,
+                     eps_hat: float) -> None:
+    m = momentum.index_select(0, rows).mul_(beta1).add_(grad, alpha=1 - beta1)
+    v = velocity.index_select(0, rows).mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    momentum.index_copy_(0, rows, m)
+    velocity.index_copy_(0, rows, v)
+    step = m.mul(alpha_t).div_(v.sqrt().add_(eps_hat))
+    table.index_add_(0, rows, step.neg_().to(table.dtype))
+
+
+def hyperparameters(lr: float, beta1: float, beta2: float, eps: float, step: int) -> tuple[float, float]:
+    """(alpha_t, eps_hat) of step t (1-based), as jax-tpu-embedding's AdamOptimizerSpec computes them."""
+    c2 = (1.0 - beta2**step) ** 0.5
+    return lr * c2 / (1.0 - beta1**step), eps * c2
+
+
+@torch.library.custom_op(
+    "tpurec::sparse_dense_matmul_grad_with_adam",
+    mutates_args=("embedding_table", "momentum", "velocity"), device_types="cpu",
+)
+def op(
+    row_pointers: Tensor, embedding_ids: Tensor, sample_ids: Tensor, gains: Tensor, embedding_table: Tensor,
+    momentum: Tensor, velocity: Tensor, activations_grad: Tensor,
+    alpha_t: float, beta_1: float, beta_2: float, epsilon_hat: float,
+    device_batch_size: int, num_sc_per_device: int, num_partitions: int,
+    max_ids_per_partition: int, max_unique_ids_per_partition: int,
+) -> None:
+    rows, g = ops.row_gradients(row_pointers, embedding_ids, sample_ids, gains, embedding_table, activations_grad,
+                                device_batch_size, num_sc_per_device, num_partitions)
+    reference_update(embedding_table, momentum, velocity, rows, g, alpha_t, beta_1, beta_2, epsilon_hat)
+
+
+op.register_fake(lambda *args, **kwargs: None)  # in place: nothing to compute under fake tensors
+
+
+def tpu_update(row_pointers, embedding_ids, sample_ids, gains, embedding_table, momentum, velocity,
+               activations_grad, alpha_t, beta_1, beta_2, epsilon_hat, device_batch_size, num_sc_per_device,
+               num_partitions, max_ids_per_partition, max_unique_ids_per_partition):
+    """The op's TPU kernel: TorchTPU's op returns new table and moments; copy them back."""
+    new_table, new_m, new_v = tpu_ops()._sparse_dense_matmul_grad_with_adam(
+        row_pointers, embedding_ids, sample_ids, gains, embedding_table, momentum, velocity,
+        activations_grad.contiguous(), tpu_scalar(alpha_t, embedding_table), beta_1, beta_2, epsilon_hat,
+        device_batch_size, max_ids_per_partition, max_unique_ids_per_partition, "tpurec_adam",
+    )
+    embedding_table.copy_(new_table)
+    momentum.copy_(new_m)
+    velocity.copy_(new_v)
+
+
+@dataclass(frozen=True)
+class AdamSpec(OptimizerSpec):
+    lr: float = 1e-3
+    eps: float = 1e-8
+    beta1: float = 0.9
+    beta2: float = 0.999
+
+    name = "adam"
+    torch_optimizer_path = "torch.optim.Adam"
+    fbgemm_optim = "ADAM"
+    fbgemm_aliases = ()
+    state_names = ("momentum1", "exp_avg_sq")  # TorchRec's and FBGEMM's names for m and v
+    refused_torch_kwargs = ("weight_decay", "amsgrad", "maximize")
+    keeps_step_count = True
+
+    @classmethod
+    def _take_torch_kwargs(cls, kwargs: dict):
+        b1, b2 = kwargs.pop("betas", (0.9, 0.999))
+        return cls(lr=float(kwargs.pop("lr", 1e-3)), eps=float(kwargs.pop("eps", 1e-8)), beta1=float(b1),
+                   beta2=float(b2))
+
+    def torch_kwargs(self) -> dict:
+        kwargs = {"lr": self.lr, "eps": self.eps}
+        if (self.beta1, self.beta2) != (0.9, 0.999):
+            kwargs["betas"] = (self.beta1, self.beta2)
+        return kwargs
+
+    @classmethod
+    def from_fused_params(cls, fused_params):
+        fp = fused_params
+        betas = fp.get("betas", (fp.get("beta1", 0.9), fp.get("beta2", 0.999)))
+        return cls(lr=float(fp.get("learning_rate", fp.get("lr", 0.01))), eps=float(fp.get("eps", 1e-8)),
+                   beta1=float(betas[0]), beta2=float(betas[1]))
+
+    def param_group_entries(self) -> dict:
+        return {"eps": self.eps, "betas": (self.beta1, self.beta2)}
+
+    def apply_update(self, csr, table, states, grad, lr, step) -> None:
+        momentum, velocity = states
+        alpha_t, eps_hat = hyperparameters(lr, self.beta1, self.beta2, self.eps, step)
+        torch.ops.tpurec.sparse_dense_matmul_grad_with_adam(
+            *op_head(csr, table), momentum, velocity, grad, alpha_t, self.beta1, self.beta2, eps_hat,
+            *op_tail(csr))
+
+    @classmethod
+    def tpu_kernels(cls):
+        return {op: tpu_update}

@@ -1,0 +1,194 @@
+"""`OptimizerSpec`: everything tpurec needs to know about one fused optimizer, in one class.
+
+A spec is a frozen dataclass of the optimizer's hyper-parameters. Its class says the rest: the name
+tpurec uses for it (CLI choices, DLRM configs, the planner), the torch/TorchRec optimizer class it
+stands for and which of its kwargs the fused update implements, FBGEMM's `EmbOptimType` (what
+TorchRec's sharder puts in fused params), its state (TorchRec's names, shapes, bytes per row,
+initial values), the param-group entries a `FusedOptimizer` exposes, whether it counts steps, and
+`apply_update`, which calls its fused update op on one stack.
+
+Subclasses register themselves when their module is imported (`__init_subclass__`); the registry
+(`tpurec.embedding.optimizers.registry`) imports every module of this package, so adding an
+optimizer means adding one module. Nothing else in tpurec branches on an optimizer's name.
+"""
+from __future__ import annotations
+
+import abc
+import importlib
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence
+
+import torch
+
+if TYPE_CHECKING:
+    from tpurec.embedding.preprocess import SparseCoreInput
+
+# name -> spec class, filled by OptimizerSpec.__init_subclass__ as spec modules are imported.
+_REGISTERED: dict[str, type["OptimizerSpec"]] = {}
+
+# Torch optimizer kwargs that change nothing about the update's math; accepted and ignored.
+_HARMLESS_TORCH_KWARGS = ("foreach", "differentiable", "capturable", "fused")
+
+
+@dataclass(frozen=True)
+class OptimizerSpec(abc.ABC):
+    """One fused optimizer's hyper-parameters; the class attributes describe the optimizer."""
+
+    lr: float = 0.01
+
+    # tpurec's name: the module's name, the CLI choice, the planner's and DLRM config's value.
+    name: ClassVar[str]
+    # Dotted path of the torch/TorchRec optimizer class users pass to apply_optimizer_in_backward
+    # (resolved lazily: TorchRec's classes cost an import).
+    torch_optimizer_path: ClassVar[str]
+    # FBGEMM EmbOptimType member TorchRec's sharder puts under fused_params["optimizer"] (None when
+    # FBGEMM has none), and other spellings of it the planner may meet in a sharder's fused params.
+    fbgemm_optim: ClassVar[str | None] = None
+    fbgemm_aliases: ClassVar[tuple[str, ...]] = ()
+    # TorchRec's state names ("<table>.<state>" in a FusedOptimizer), in the order apply_update takes them.
+    state_names: ClassVar[tuple[str, ...]] = ()
+    # Torch kwargs the fused update does not implement: refused unless None/0/False.
+    refused_torch_kwargs: ClassVar[tuple[str, ...]] = ()
+    # Whether the update depends on the step count (bias correction): then the FusedOptimizer
+    # checkpoints "<table>.step" with the state.
+    keeps_step_count: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        name = cls.__dict__.get("name")
+        if name is None:
+            return  # an intermediate base, not an optimizer
+        other = _REGISTERED.get(name)
+        if other is not None and other.__qualname__ != cls.__qualname__:
+            raise TypeError(f"optimizer name {name!r} is taken by {other.__module__}.{other.__qualname__}")
+        _REGISTERED[name] = cls
+
+    # -- torch / TorchRec side -----------------------------------------------------------------
+    @classmethod
+    def torch_optimizer(cls) -> type:
+        module, _, attr = cls.torch_optimizer_path.rpartition(".")
+        return getattr(importlib.import_module(module), attr)
+
+    @classmethod
+    def torch_class_name(cls) -> str:
+        return cls.torch_optimizer_path.rpartition(".")[2]
+
+    @classmethod
+    def from_torch_kwargs(cls, kwargs: Mapping[str, Any] | None = None, optimizer_name: str | None = None) -> "OptimizerSpec":
+        """The spec of `torch_optimizer()(params, **kwargs)`; refuses what the fused update lacks."""
+        kwargs = dict(kwargs or {})
+        name = optimizer_name or cls.torch_class_name()
+        for key in cls.refused_torch_kwargs:
+            if kwargs.get(key) not in (None, 0, 0.0, False):
+                raise ValueError(f"{name}: {key}={kwargs[key]!r} is not supported by the fused SparseCore update")
+            kwargs.pop(key, None)
+        spec = cls._take_torch_kwargs(kwargs)
+        for harmless in _HARMLESS_TORCH_KWARGS:
+            kwargs.pop(harmless, None)
+        if kwargs:
+            raise ValueError(f"{name}: unsupported arguments for the fused SparseCore update: {sorted(kwargs)}")
+        return spec
+
+    @classmethod
+    @abc.abstractmethod
+    def _take_torch_kwargs(cls, kwargs: dict) -> "OptimizerSpec":
+        """Pop this optimizer's kwargs (with torch's defaults) and build the spec."""
+
+    @abc.abstractmethod
+    def torch_kwargs(self) -> dict:
+        """The kwargs that rebuild this spec through `from_torch_kwargs` (a fresh dict)."""
+
+    def to_torch(self) -> tuple[type, dict]:
+        """(optimizer class, kwargs) for apply_optimizer_in_backward or a dense optimizer."""
+        return self.torch_optimizer(), self.torch_kwargs()
+
+    @classmethod
+    def from_hyperparameters(cls, **values) -> "OptimizerSpec":
+        """The spec from generic settings (a config's lr and eps); ones it has no field for are ignored."""
+        own = {f.name for f in fields(cls)}
+        return cls(**{k: float(v) for k, v in values.items() if k in own})
+
+    # -- FBGEMM / TorchRec fused params --------------------------------------------------------
+    @classmethod
+    def fbgemm_names(cls) -> tuple[str, ...]:
+        """Every spelling of this optimizer in fused params: the EmbOptimType value and aliases."""
+        if cls.fbgemm_optim is None:
+            return cls.fbgemm_aliases
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+        return (getattr(EmbOptimType, cls.fbgemm_optim).value, *cls.fbgemm_aliases)
+
+    @classmethod
+    def from_fused_params(cls, fused_params: Mapping[str, Any]) -> "OptimizerSpec":
+        """The spec from the per-table fused params TorchRec's sharder builds (FBGEMM's vocabulary)."""
+        return cls(lr=float(fused_params.get("learning_rate", fused_params.get("lr", 0.01))))
+
+    # -- state ---------------------------------------------------------------------------------
+    @classmethod
+    def state_shape(cls, name: str, rows: int, dim: int) -> tuple[int, ...]:
+        """Shape of state `name` for `rows` rows of width `dim` (element-wise by default)."""
+        return (rows, dim)
+
+    @classmethod
+    def state_bytes_per_row(cls, dim: int) -> int:
+        """f32 state bytes per table row of width `dim` (what the planner and memory checks add)."""
+        total = 0
+        for s in cls.state_names:
+            n = 1
+            for size in cls.state_shape(s, 1, dim):
+                n *= size
+            total += n
+        return 4 * total
+
+    @classmethod
+    def state_bytes(cls, rows: int, dim: int) -> int:
+        return rows * cls.state_bytes_per_row(dim)
+
+    def initial_value(self, state: str) -> float:
+        return 0.0
+
+    def param_group_entries(self) -> dict:
+        """Hyper-parameters a FusedOptimizer's param group shows besides "params" and "lr"."""
+        return {}
+
+    # -- the fused update ----------------------------------------------------------------------
+    @abc.abstractmethod
+    def apply_update(self, csr: "SparseCoreInput", table: torch.Tensor, states: Sequence[torch.Tensor],
+                     grad: torch.Tensor, lr: float, step: int) -> None:
+        """Run this optimizer's fused backward op on one stack, in place.
+
+        `states` follow `state_names`; `step` is the 1-based count including this update. The op
+        dispatches on the tensors' device: the CPU reference, or TorchTPU's op on a TPU.
+        """
+
+    @classmethod
+    def tpu_kernels(cls) -> dict[Any, Callable]:
+        """{tpurec custom op: TorchTPU call} that `tpurec.embedding.tpu.register` installs on a TPU host."""
+        return {}
+
+
+def op_tail(csr: "SparseCoreInput") -> tuple:
+    """The trailing int arguments every SparseCore op takes."""
+    return (csr.device_batch_size, csr.num_sc_per_device, csr.num_partitions,
+            csr.max_ids_per_partition, csr.max_unique_ids_per_partition)
+
+
+def op_head(csr: "SparseCoreInput", table: torch.Tensor) -> tuple:
+    """The leading tensor arguments every SparseCore op takes."""
+    return (csr.row_pointers, csr.embedding_ids, csr.sample_ids, csr.gains, table)
+
+
+def tpu_scalar(value: float, like: torch.Tensor) -> torch.Tensor:
+    """TorchTPU takes learning rates (and Adam's alpha_t) as device tensors, so they can change per
+    step without recompiling."""
+    return torch.tensor(value, dtype=torch.float32, device=like.device)
+
+
+def tpu_ops():
+    """TorchTPU's op namespace; only called on a TPU host, where torch_tpu registered it."""
+    return torch.ops.tpu
+
+
+def registered() -> dict[str, type[OptimizerSpec]]:
+    """The spec classes imported so far, by name (the registry imports them all first)."""
+    return dict(_REGISTERED)

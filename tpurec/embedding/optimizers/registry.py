@@ -1,0 +1,101 @@
+"""Finds the optimizer specs: every module of this package except the machinery is one optimizer.
+
+A module's name is its optimizer's name (`rowwise_adagrad.py` -> "rowwise_adagrad"), so
+`spec_names()` lists the package without importing anything (the CLIs build their choices from it
+and must not import torch to print --help). Everything else imports the modules, whose spec classes
+register themselves (`OptimizerSpec.__init_subclass__`), and answers from those classes. Adding an
+optimizer is adding a module here; nothing in this file or elsewhere lists them.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import pkgutil
+import sys
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:
+    from tpurec.embedding.optimizers.base import OptimizerSpec
+
+_PACKAGE = __name__.rpartition(".")[0]
+_MACHINERY = {"base", "registry"}
+
+
+def _package_path() -> list[str]:
+    # The package's __path__ once imported (tests may extend it), else this file's directory.
+    package = sys.modules.get(_PACKAGE)
+    return list(getattr(package, "__path__", None) or [os.path.dirname(__file__)])
+
+
+def _module_names() -> list[str]:
+    return [m.name for m in pkgutil.iter_modules(_package_path())
+            if not m.ispkg and not m.name.startswith("_") and m.name not in _MACHINERY]
+
+
+def spec_names() -> tuple[str, ...]:
+    """Every optimizer's name, sorted; imports no spec module (and so no torch)."""
+    from_modules = set(_module_names())
+    base = sys.modules.get(f"{_PACKAGE}.base")
+    registered = set(base.registered()) if base is not None else set()
+    return tuple(sorted(from_modules | registered))
+
+
+def spec_classes() -> dict[str, type["OptimizerSpec"]]:
+    """name -> spec class of every optimizer (imports all spec modules, registering their ops)."""
+    from tpurec.embedding.optimizers import base
+
+    for name in _module_names():
+        importlib.import_module(f"{_PACKAGE}.{name}")
+    return dict(sorted(base.registered().items()))
+
+
+def spec_class(name: str) -> type["OptimizerSpec"]:
+    classes = spec_classes()
+    if name not in classes:
+        raise ValueError(f"unknown optimizer {name!r}; one of {sorted(classes)}")
+    return classes[name]
+
+
+def spec_from_torch(optimizer: type, kwargs: Mapping[str, Any] | None = None) -> "OptimizerSpec":
+    """The spec of a torch/TorchRec optimizer class and its kwargs, as apply_optimizer_in_backward takes them."""
+    name = getattr(optimizer, "__name__", str(optimizer))
+    classes = spec_classes().values()
+    for cls in classes:
+        if _resolves_to(cls, optimizer):
+            return cls.from_torch_kwargs(kwargs, optimizer_name=name)
+    paths = [cls.torch_optimizer_path for cls in classes]
+    use = f"{', '.join(paths[:-1])} or {paths[-1]}" if len(paths) > 1 else paths[0]
+    raise ValueError(f"optimizer {name} has no fused SparseCore update; use {use}")
+
+
+def _resolves_to(cls, optimizer: type) -> bool:
+    try:
+        return cls.torch_optimizer() is optimizer
+    except ImportError:  # pragma: no cover - a spec for an optimizer of a package not installed
+        return False
+
+
+def spec_from_fused_params(fused_params: Mapping[str, Any] | None, table: str) -> "OptimizerSpec":
+    """The spec from the per-table fused params TorchRec's sharder builds out of
+    `apply_optimizer_in_backward(...)` (an FBGEMM `EmbOptimType` under "optimizer" plus the kwargs)."""
+    fp = dict(fused_params or {})
+    opt = fp.get("optimizer")
+    classes = spec_classes().values()
+    for cls in classes:
+        if opt is not None and getattr(opt, "value", opt) in cls.fbgemm_names():
+            return cls.from_fused_params(fp)
+    names = "|".join(cls.torch_class_name() for cls in classes)
+    raise ValueError(
+        f"table {table!r}: the SparseCore kernel needs a fused optimizer; call "
+        f"torchrec.optim.apply_optimizer_in_backward(<{names}>, params, kwargs) on the "
+        f"unsharded model (got optimizer={opt!r})"
+    )
+
+
+def spec_name_for(alias: str) -> str | None:
+    """tpurec's name of an optimizer given as a torch/TorchRec class name ("RowWiseAdagrad"), an
+    FBGEMM EmbOptimType value or alias ("exact_row_wise_adagrad"), or tpurec's name; None if none."""
+    for name, cls in spec_classes().items():
+        if alias == name or alias == cls.torch_class_name() or alias in cls.fbgemm_names():
+            return name
+    return None

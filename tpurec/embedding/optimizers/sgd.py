@@ -1,0 +1,78 @@
+"""SGD: `w -= lr * g` on the rows in the batch; no state.
+
+Stands for `torch.optim.SGD` without momentum, dampening, weight decay or Nesterov, and FBGEMM's
+EXACT_SGD. Owns the `tpurec::sparse_dense_matmul_grad_with_sgd` op: its CPU reference and its
+TorchTPU call.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from tpurec.embedding import ops
+from tpurec.embedding.optimizers.base import OptimizerSpec, op_head, op_tail, tpu_ops, tpu_scalar
+
+
+@torch.no_grad()
+def reference_update(table, rows, grad, lr: float) -> None:
+    table.index_add_(0, rows, grad.mul_(-lr).to(table.dtype))
+
+
+@torch.library.custom_op(
+    "tpurec::sparse_dense_matmul_grad_with_sgd", mutates_args=("embedding_table",), device_types="cpu"
+)
+def op(
+    row_pointers: Tensor, embedding_ids: Tensor, sample_ids: Tensor, gains: Tensor, embedding_table: Tensor,
+    activations_grad: Tensor, learning_rate: float,
+    device_batch_size: int, num_sc_per_device: int, num_partitions: int,
+    max_ids_per_partition: int, max_unique_ids_per_partition: int,
+) -> None:
+    rows, g = ops.row_gradients(row_pointers, embedding_ids, sample_ids, gains, embedding_table, activations_grad,
+                                device_batch_size, num_sc_per_device, num_partitions)
+    reference_update(embedding_table, rows, g, learning_rate)
+
+
+op.register_fake(lambda *args, **kwargs: None)  # in place: nothing to compute under fake tensors
+
+
+def tpu_update(row_pointers, embedding_ids, sample_ids, gains, embedding_table, activations_grad, learning_rate,
+               device_batch_size, num_sc_per_device, num_partitions, max_ids_per_partition,
+               max_unique_ids_per_partition):
+    """The op's TPU kernel: TorchTPU's op returns the new table; copy it back in place."""
+    new_table = tpu_ops()._sparse_dense_matmul_grad_with_sgd(
+        row_pointers, embedding_ids, sample_ids, gains, embedding_table, activations_grad.contiguous(),
+        tpu_scalar(learning_rate, embedding_table), device_batch_size, max_ids_per_partition,
+        max_unique_ids_per_partition, "tpurec_sgd",
+    )
+    embedding_table.copy_(new_table)
+
+
+@dataclass(frozen=True)
+class SGDSpec(OptimizerSpec):
+    lr: float = 1e-3
+
+    name = "sgd"
+    torch_optimizer_path = "torch.optim.SGD"
+    fbgemm_optim = "EXACT_SGD"
+    fbgemm_aliases = ("sgd",)
+    refused_torch_kwargs = ("momentum", "dampening", "weight_decay", "nesterov", "maximize")
+
+    @classmethod
+    def _take_torch_kwargs(cls, kwargs: dict) -> "SGDSpec":
+        return cls(lr=float(kwargs.pop("lr", 1e-3)))
+
+    def torch_kwargs(self) -> dict:
+        return {"lr": self.lr}
+
+    @classmethod
+    def from_fused_params(cls, fused_params) -> "SGDSpec":
+        return cls(lr=float(fused_params.get("learning_rate", fused_params.get("lr", 0.01))))
+
+    def apply_update(self, csr, table, states, grad, lr, step) -> None:
+        torch.ops.tpurec.sparse_dense_matmul_grad_with_sgd(*op_head(csr, table), grad, lr, *op_tail(csr))
+
+    @classmethod
+    def tpu_kernels(cls):
+        return {op: tpu_update}
