@@ -109,8 +109,9 @@ class ToySpec(OptimizerSpec):
     def initial_value(self, state):
         return 0.0
 
-    def apply_update(self, csr, table, states, grad, lr, step):
-        torch.ops.tpurec.sparse_dense_matmul_grad_with_sgd(*op_head(csr, table), grad, lr / 2, *op_tail(csr))
+    def apply_update(self, csr, table, states, grad, lr, step, computation_name="toy"):
+        torch.ops.tpurec.sparse_dense_matmul_grad_with_sgd(*op_head(csr, table), grad, lr / 2, *op_tail(csr),
+                                                           computation_name)
         states[0].add_(1.0)
 '''
 

@@ -107,7 +107,7 @@ DEVICE_OPS = [n for n in EXPECTED_SCHEMAS if n.startswith("_sparse")]
 # Distinct values, so that any two int or float arguments passed in each other's place show up.
 B, ROWS, DIM, NUM_SC = 8, 40, 8, 2
 MAX_IDS, MAX_UNIQ = 24, 16
-LR, EPS, ALPHA_T, BETA_1, BETA_2, EPS_HAT = 0.125, 1e-7, 0.0625, 0.875, 0.995, 3e-8
+LR, EPS, ALPHA_T, BETA_1, BETA_2, ADAM_EPS = 0.125, 1e-7, 0.0625, 0.875, 0.995, 3e-8
 
 
 def _sig(schema) -> tuple[list[tuple[str, str]], list[str]]:
@@ -254,11 +254,11 @@ def test_adagrad_arguments_by_name(recorder, acc_shape):
 def test_adam_arguments_by_name(recorder):
     csr, table, grad = _csr(), torch.randn(ROWS, DIM), torch.randn(B, DIM)
     m, v = torch.zeros(ROWS, DIM), torch.zeros(ROWS, DIM)
-    adam.tpu_update(*_head(csr), table, m, v, grad, ALPHA_T, BETA_1, BETA_2, EPS_HAT, *_tail(csr))
+    adam.tpu_update(*_head(csr), table, m, v, grad, ALPHA_T, BETA_1, BETA_2, ADAM_EPS, *_tail(csr))
     _, schema, args, kwargs, out = _only_call(recorder, "_sparse_dense_matmul_grad_with_adam")
     _check_bound(_bind(schema, args, kwargs),
                  dict(_common(csr, table), momentum=m, velocity=v, activations_grad=grad, alpha_t=_Scalar(ALPHA_T),
-                      beta_1=BETA_1, beta_2=BETA_2, epsilon=EPS_HAT, computation_name="tpurec_adam"), schema)
+                      beta_1=BETA_1, beta_2=BETA_2, epsilon=ADAM_EPS, computation_name="tpurec_adam"), schema)
     assert [o.shape for o in out] == [table.shape, m.shape, v.shape]
 
 
@@ -293,7 +293,7 @@ def test_adapter_runs_on_meta_through_the_real_meta_kernels():
     adagrad.tpu_update(*head, table, torch.empty(ROWS, device="meta"), grad, LR, EPS, *tail)
     adagrad.tpu_update(*head, table, torch.empty(ROWS, DIM, device="meta"), grad, LR, EPS, *tail)
     adam.tpu_update(*head, table, torch.empty_like(table), torch.empty_like(table), grad, ALPHA_T, BETA_1, BETA_2,
-                    EPS_HAT, *tail)
+                    ADAM_EPS, *tail)
 
 
 def test_meta_kernels_reject_a_python_float_learning_rate():

@@ -12,6 +12,8 @@ the stack, and gains carry per-id weights and the 1/bag-length of mean pooling.
 """
 from __future__ import annotations
 
+import itertools
+import re
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
@@ -23,6 +25,10 @@ from tpurec.embedding.constraints import round_up
 from tpurec.embedding.layout import StackLayout, build_stacks
 from tpurec.embedding.optimizers.base import OptimizerSpec
 from tpurec.embedding.preprocess import PreprocessStats, SparseCoreInput, preprocess
+
+
+# Kernel numbers for computation names: unique within the process, fixed for a kernel's lifetime.
+_KERNEL_NUMBERS = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -105,6 +111,14 @@ class SparseCoreKernel(nn.Module):
             self.stacks.append(plan)
             self._steps.append(0)
         self._stack_of = {ts.name: i for i, plan in enumerate(self.stacks) for ts in plan.layout.tables}
+        # One name per stack for TorchTPU's update ops, unique in the process and the same every step:
+        # TorchTPU reuses a function by name inside one program, so stacks must not share one, and a
+        # name that changed per step would compile a new program each time.
+        number = next(_KERNEL_NUMBERS)
+        self.computation_names = [
+            f"tpurec_k{number}_{re.sub(r'[^0-9A-Za-z_]', '_', plan.layout.name)}_{optimizer.name}"
+            for plan in self.stacks
+        ]
         # Per stack, per feature slot: its table's offset in the stack, its row count (for the id
         # check) and whether it mean-pools; and where each stacked slot sits in feature_order.
         self._stacked_order = [f for plan in self.stacks for f, _ in plan.features]
@@ -297,7 +311,8 @@ class SparseCoreKernel(nn.Module):
         grad = grad.to(torch.float32).contiguous()
         self._steps[i] += 1
         states = [self.stack_state(i, s) for s in self.optimizer.state_names]
-        self.optimizer.apply_update(csr, self.stack_weight(i), states, grad, lr, self._steps[i])
+        self.optimizer.apply_update(csr, self.stack_weight(i), states, grad, lr, self._steps[i],
+                                    self.computation_names[i])
 
     # The learning rate is read at update time from `lr_source`, so torch LR schedulers acting on a
     # FusedOptimizer's param_groups take effect (the fused optimizers bind their group here).

@@ -38,7 +38,7 @@ def op(
     row_pointers: Tensor, embedding_ids: Tensor, sample_ids: Tensor, gains: Tensor, embedding_table: Tensor,
     accumulator: Tensor, activations_grad: Tensor, learning_rate: float, epsilon: float,
     device_batch_size: int, num_sc_per_device: int, num_partitions: int,
-    max_ids_per_partition: int, max_unique_ids_per_partition: int,
+    max_ids_per_partition: int, max_unique_ids_per_partition: int, computation_name: str = "tpurec_adagrad",
 ) -> None:
     """Element-wise Adagrad for a 2-D accumulator, row-wise Adagrad for a 1-D one."""
     rows, g = ops.row_gradients(row_pointers, embedding_ids, sample_ids, gains, embedding_table, activations_grad,
@@ -51,12 +51,12 @@ op.register_fake(lambda *args, **kwargs: None)  # in place: nothing to compute u
 
 def tpu_update(row_pointers, embedding_ids, sample_ids, gains, embedding_table, accumulator, activations_grad,
                learning_rate, epsilon, device_batch_size, num_sc_per_device, num_partitions,
-               max_ids_per_partition, max_unique_ids_per_partition):
+               max_ids_per_partition, max_unique_ids_per_partition, computation_name="tpurec_adagrad"):
     """The op's TPU kernel: TorchTPU's op returns new table and accumulator; copy them back."""
     new_table, new_acc = tpu_ops()._sparse_dense_matmul_grad_with_adagrad(
         row_pointers, embedding_ids, sample_ids, gains, embedding_table, accumulator,
         activations_grad.contiguous(), tpu_scalar(learning_rate, embedding_table), epsilon, device_batch_size,
-        max_ids_per_partition, max_unique_ids_per_partition, "tpurec_adagrad",
+        max_ids_per_partition, max_unique_ids_per_partition, computation_name,
     )
     embedding_table.copy_(new_table)
     accumulator.copy_(new_acc)
@@ -98,10 +98,10 @@ class AdagradSpec(OptimizerSpec):
     def param_group_entries(self) -> dict:
         return {"eps": self.eps}
 
-    def apply_update(self, csr, table, states, grad, lr, step) -> None:
+    def apply_update(self, csr, table, states, grad, lr, step, computation_name="tpurec_adagrad") -> None:
         (accumulator,) = states
         torch.ops.tpurec.sparse_dense_matmul_grad_with_adagrad(
-            *op_head(csr, table), accumulator, grad, lr, self.eps, *op_tail(csr))
+            *op_head(csr, table), accumulator, grad, lr, self.eps, *op_tail(csr), computation_name)
 
     @classmethod
     def tpu_kernels(cls):

@@ -1,7 +1,15 @@
 """Adam, lazy: only the rows in the batch update, as on SparseCore and in FBGEMM's fused kernel.
 
-  m = b1 m + (1-b1) g; v = b2 v + (1-b2) g*g; w -= alpha_t * m / (sqrt(v) + eps_hat)
-  with alpha_t = lr sqrt(1-b2^t) / (1-b1^t), eps_hat = eps sqrt(1-b2^t)
+  m = b1 m + (1-b1) g; v = b2 v + (1-b2) g*g; w -= alpha_t * m / (sqrt(v) + eps)
+  with alpha_t = lr sqrt(1-b2^t) / (1-b1^t) and a CONSTANT eps
+
+Why a constant eps: TorchTPU compiles float hyper-parameters (beta1, beta2, epsilon) into the program
+and its cache key, so a per-step epsilon (torch.optim.Adam's exact form needs eps sqrt(1-b2^t) here)
+would compile a new program every step. The bias correction goes through alpha_t, a runtime tensor.
+This is Kingma & Ba's "epsilon hat" form (Adam paper, end of section 2; TensorFlow's Adam): it
+equals torch.optim.Adam with eps replaced by eps / sqrt(1-b2^t), a larger epsilon in the first steps
+(31.6x at t=1 with b2=0.999) that fades to eps; with eps=1e-8 the updates differ from torch's by a
+relative ~1e-6 or less (docs/kernels.md).
 
 Stands for `torch.optim.Adam` (no weight decay, AMSGrad or maximize) and FBGEMM's ADAM. The bias
 correction needs the step count, so the kernel counts steps and checkpoints carry "<table>.step".
@@ -20,19 +28,18 @@ from tpurec.embedding.optimizers.base import OptimizerSpec, op_head, op_tail, tp
 
 @torch.no_grad()
 def reference_update(table, momentum, velocity, rows, grad, alpha_t: float, beta1: float, beta2: float,
-                     eps_hat: float) -> None:
+                     epsilon: float) -> None:
     m = momentum.index_select(0, rows).mul_(beta1).add_(grad, alpha=1 - beta1)
     v = velocity.index_select(0, rows).mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     momentum.index_copy_(0, rows, m)
     velocity.index_copy_(0, rows, v)
-    step = m.mul(alpha_t).div_(v.sqrt().add_(eps_hat))
+    step = m.mul(alpha_t).div_(v.sqrt().add_(epsilon))
     table.index_add_(0, rows, step.neg_().to(table.dtype))
 
 
-def hyperparameters(lr: float, beta1: float, beta2: float, eps: float, step: int) -> tuple[float, float]:
-    """(alpha_t, eps_hat) of step t (1-based), as jax-tpu-embedding's AdamOptimizerSpec computes them."""
-    c2 = (1.0 - beta2**step) ** 0.5
-    return lr * c2 / (1.0 - beta1**step), eps * c2
+def alpha_t(lr: float, beta1: float, beta2: float, step: int) -> float:
+    """The bias-corrected step size of step t (1-based): lr sqrt(1-b2^t) / (1-b1^t)."""
+    return lr * (1.0 - beta2**step) ** 0.5 / (1.0 - beta1**step)
 
 
 @torch.library.custom_op(
@@ -42,26 +49,26 @@ def hyperparameters(lr: float, beta1: float, beta2: float, eps: float, step: int
 def op(
     row_pointers: Tensor, embedding_ids: Tensor, sample_ids: Tensor, gains: Tensor, embedding_table: Tensor,
     momentum: Tensor, velocity: Tensor, activations_grad: Tensor,
-    alpha_t: float, beta_1: float, beta_2: float, epsilon_hat: float,
+    alpha_t: float, beta_1: float, beta_2: float, epsilon: float,
     device_batch_size: int, num_sc_per_device: int, num_partitions: int,
-    max_ids_per_partition: int, max_unique_ids_per_partition: int,
+    max_ids_per_partition: int, max_unique_ids_per_partition: int, computation_name: str = "tpurec_adam",
 ) -> None:
     rows, g = ops.row_gradients(row_pointers, embedding_ids, sample_ids, gains, embedding_table, activations_grad,
                                 device_batch_size, num_sc_per_device, num_partitions)
-    reference_update(embedding_table, momentum, velocity, rows, g, alpha_t, beta_1, beta_2, epsilon_hat)
+    reference_update(embedding_table, momentum, velocity, rows, g, alpha_t, beta_1, beta_2, epsilon)
 
 
 op.register_fake(lambda *args, **kwargs: None)  # in place: nothing to compute under fake tensors
 
 
 def tpu_update(row_pointers, embedding_ids, sample_ids, gains, embedding_table, momentum, velocity,
-               activations_grad, alpha_t, beta_1, beta_2, epsilon_hat, device_batch_size, num_sc_per_device,
-               num_partitions, max_ids_per_partition, max_unique_ids_per_partition):
+               activations_grad, alpha_t, beta_1, beta_2, epsilon, device_batch_size, num_sc_per_device,
+               num_partitions, max_ids_per_partition, max_unique_ids_per_partition, computation_name="tpurec_adam"):
     """The op's TPU kernel: TorchTPU's op returns new table and moments; copy them back."""
     new_table, new_m, new_v = tpu_ops()._sparse_dense_matmul_grad_with_adam(
         row_pointers, embedding_ids, sample_ids, gains, embedding_table, momentum, velocity,
-        activations_grad.contiguous(), tpu_scalar(alpha_t, embedding_table), beta_1, beta_2, epsilon_hat,
-        device_batch_size, max_ids_per_partition, max_unique_ids_per_partition, "tpurec_adam",
+        activations_grad.contiguous(), tpu_scalar(alpha_t, embedding_table), beta_1, beta_2, epsilon,
+        device_batch_size, max_ids_per_partition, max_unique_ids_per_partition, computation_name,
     )
     embedding_table.copy_(new_table)
     momentum.copy_(new_m)
@@ -105,12 +112,11 @@ class AdamSpec(OptimizerSpec):
     def param_group_entries(self) -> dict:
         return {"eps": self.eps, "betas": (self.beta1, self.beta2)}
 
-    def apply_update(self, csr, table, states, grad, lr, step) -> None:
+    def apply_update(self, csr, table, states, grad, lr, step, computation_name="tpurec_adam") -> None:
         momentum, velocity = states
-        alpha_t, eps_hat = hyperparameters(lr, self.beta1, self.beta2, self.eps, step)
         torch.ops.tpurec.sparse_dense_matmul_grad_with_adam(
-            *op_head(csr, table), momentum, velocity, grad, alpha_t, self.beta1, self.beta2, eps_hat,
-            *op_tail(csr))
+            *op_head(csr, table), momentum, velocity, grad, alpha_t(lr, self.beta1, self.beta2, step), self.beta1,
+            self.beta2, self.eps, *op_tail(csr), computation_name)
 
     @classmethod
     def tpu_kernels(cls):

@@ -27,7 +27,7 @@ def op(
     row_pointers: Tensor, embedding_ids: Tensor, sample_ids: Tensor, gains: Tensor, embedding_table: Tensor,
     activations_grad: Tensor, learning_rate: float,
     device_batch_size: int, num_sc_per_device: int, num_partitions: int,
-    max_ids_per_partition: int, max_unique_ids_per_partition: int,
+    max_ids_per_partition: int, max_unique_ids_per_partition: int, computation_name: str = "tpurec_sgd",
 ) -> None:
     rows, g = ops.row_gradients(row_pointers, embedding_ids, sample_ids, gains, embedding_table, activations_grad,
                                 device_batch_size, num_sc_per_device, num_partitions)
@@ -39,12 +39,12 @@ op.register_fake(lambda *args, **kwargs: None)  # in place: nothing to compute u
 
 def tpu_update(row_pointers, embedding_ids, sample_ids, gains, embedding_table, activations_grad, learning_rate,
                device_batch_size, num_sc_per_device, num_partitions, max_ids_per_partition,
-               max_unique_ids_per_partition):
+               max_unique_ids_per_partition, computation_name="tpurec_sgd"):
     """The op's TPU kernel: TorchTPU's op returns the new table; copy it back in place."""
     new_table = tpu_ops()._sparse_dense_matmul_grad_with_sgd(
         row_pointers, embedding_ids, sample_ids, gains, embedding_table, activations_grad.contiguous(),
         tpu_scalar(learning_rate, embedding_table), device_batch_size, max_ids_per_partition,
-        max_unique_ids_per_partition, "tpurec_sgd",
+        max_unique_ids_per_partition, computation_name,
     )
     embedding_table.copy_(new_table)
 
@@ -70,8 +70,9 @@ class SGDSpec(OptimizerSpec):
     def from_fused_params(cls, fused_params) -> "SGDSpec":
         return cls(lr=float(fused_params.get("learning_rate", fused_params.get("lr", 0.01))))
 
-    def apply_update(self, csr, table, states, grad, lr, step) -> None:
-        torch.ops.tpurec.sparse_dense_matmul_grad_with_sgd(*op_head(csr, table), grad, lr, *op_tail(csr))
+    def apply_update(self, csr, table, states, grad, lr, step, computation_name="tpurec_sgd") -> None:
+        torch.ops.tpurec.sparse_dense_matmul_grad_with_sgd(*op_head(csr, table), grad, lr, *op_tail(csr),
+                                                           computation_name)
 
     @classmethod
     def tpu_kernels(cls):
