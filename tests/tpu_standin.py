@@ -24,6 +24,7 @@ real torch_tpu.
 """
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -185,3 +186,21 @@ _KERNELS = {
     "_sparse_dense_matmul_grad_with_adam": _adam,
     "preprocess_sparse_dense_matmul_input": _preprocess,
 }
+
+
+@contextlib.contextmanager
+def adapter_on_cpu():
+    """Run the real TPU adapter on CPU: its kernels (`tpurec.embedding.tpu.kernels()`) become the CPU
+    kernels of torch.ops.tpurec.* for the duration, so CPU tensors go adapter -> stand-in ops. Needs
+    `install()` first (the adapter calls torch.ops.tpu.*)."""
+    from tpurec.embedding import tpu
+
+    saved = {}
+    for op, kernel in tpu.kernels().items():
+        saved[op] = op._backend_fns.get("cpu")
+        op.register_kernel("cpu")(kernel)
+    try:
+        yield _STATE
+    finally:
+        for op, fn in saved.items():
+            op.register_kernel("cpu")(fn)

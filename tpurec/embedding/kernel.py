@@ -21,10 +21,10 @@ import torch
 from torch import nn
 
 from tpurec.embedding import ops  # noqa: F401  (registers torch.ops.tpurec.*)
-from tpurec.embedding.constraints import round_up
+from tpurec.embedding.constraints import SEGMENT_ALIGN, round_up
 from tpurec.embedding.layout import StackLayout, build_stacks
 from tpurec.embedding.optimizers.base import OptimizerSpec
-from tpurec.embedding.preprocess import PreprocessStats, SparseCoreInput, preprocess
+from tpurec.embedding.preprocess import IdLimitExceededError, PreprocessStats, SparseCoreInput, preprocess
 
 
 # Kernel numbers for computation names: unique within the process, fixed for a kernel's lifetime.
@@ -63,7 +63,14 @@ class SparseCoreKernel(nn.Module):
         allow_id_dropping: bool = False,
         stack_tables: bool = True,
         positional: bool = False,
+        fixed_limits: bool | None = None,
     ) -> None:
+        """fixed_limits: keep each stack's id limits (and so every buffer shape) the same for every
+        batch. Default: on a tpu device, where TorchTPU compiles the limits into the program (a limit
+        sized to each batch would recompile every step); elsewhere limits left as None follow each
+        batch. Fixed limits come from max_ids_per_partition / max_unique_ids_per_partition when given,
+        else from the first batch (twice its fullest partition, 8-aligned); a later batch over them is
+        dropped down to them (allow_id_dropping, counted in dropped_id_count) or refused."""
         super().__init__()
         # positional: the KJT's k-th key feeds the k-th feature of feature_order (TorchRec's sharded
         # lookups pass keys in table order and may repeat a feature for column shards).
@@ -77,6 +84,7 @@ class SparseCoreKernel(nn.Module):
         self.max_ids_per_partition = max_ids_per_partition
         self.max_unique_ids_per_partition = max_unique_ids_per_partition
         self.allow_id_dropping = allow_id_dropping
+        self._fixed_limits = fixed_limits
         # Optimizer steps taken per stack (Adam's bias correction); stacks update independently
         # because autograd may run their backward in any order. Public per table: step_count().
         self._steps: list[int] = []
@@ -111,6 +119,12 @@ class SparseCoreKernel(nn.Module):
             self.stacks.append(plan)
             self._steps.append(0)
         self._stack_of = {ts.name: i for i, plan in enumerate(self.stacks) for ts in plan.layout.tables}
+        # Per stack: (max ids, max unique ids) once fixed; None until the first batch sets them.
+        given = None
+        if max_ids_per_partition is not None:
+            given = (round_up(max_ids_per_partition, SEGMENT_ALIGN),
+                     round_up(max_unique_ids_per_partition or max_ids_per_partition, SEGMENT_ALIGN))
+        self._stack_limits: list[tuple[int, int] | None] = [given] * len(self.stacks)
         # One name per stack for TorchTPU's update ops, unique in the process and the same every step:
         # TorchTPU reuses a function by name inside one program, so stacks must not share one, and a
         # name that changed per step would compile a new program each time.
@@ -143,6 +157,16 @@ class SparseCoreKernel(nn.Module):
                 init = optimizer.initial_value(s)
                 self.register_buffer(f"{s}_{i}", torch.full(shape, init, device=device), persistent=False)
         self.reset_parameters()
+
+    @property
+    def fixed_limits(self) -> bool:
+        if self._fixed_limits is not None:
+            return self._fixed_limits
+        return bool(self.stacks) and self.stack_weight(0).device.type == "tpu"
+
+    def stack_limits(self, i: int) -> tuple[int, int] | None:
+        """Stack i's fixed (max ids, max unique ids) per partition; None until set (or when not fixed)."""
+        return self._stack_limits[i] if self.fixed_limits else None
 
     # -- storage access ------------------------------------------------------------------------
     def stack_weight(self, i: int) -> torch.Tensor:
@@ -210,6 +234,10 @@ class SparseCoreKernel(nn.Module):
         Vectorised over features: the KJT is put in stacked order once (a no-op when it already is),
         then each stack's features are one contiguous slice of values and lengths.
         """
+        if features.values().device.type != "cpu":
+            # Under DMP, TorchRec's input distribution delivers the KJT on the device; preprocessing is
+            # host work (data-dependent shapes), so it reads host copies, as TorchRec's TPU path does.
+            features = features.to(torch.device("cpu"))
         values, lengths, weights = self._stacked_arrays(features)
         batch = features.stride()
         padded = round_up(max(batch, 1), self.num_sc)
@@ -286,13 +314,31 @@ class SparseCoreKernel(nn.Module):
             per_id_len = lengths.clamp(min=1).to(torch.float32).index_select(0, seg)
             gains = torch.where(mean.index_select(0, slot), gains / per_id_len, gains)
         samples = slot * padded + (seg - slot * batch)
-        csr, stats = preprocess(
-            ids + offsets.index_select(0, slot), samples, gains,
-            device_batch_size=n * padded, num_sc_per_device=self.num_sc,
-            max_ids_per_partition=self.max_ids_per_partition,
-            max_unique_ids_per_partition=self.max_unique_ids_per_partition,
-            allow_id_dropping=self.allow_id_dropping, table_name=lay.name,
-        )
+        stacked_ids = ids + offsets.index_select(0, slot)
+        common = dict(device_batch_size=n * padded, num_sc_per_device=self.num_sc, table_name=lay.name)
+        if not self.fixed_limits:
+            csr, stats = preprocess(stacked_ids, samples, gains, max_ids_per_partition=self.max_ids_per_partition,
+                                    max_unique_ids_per_partition=self.max_unique_ids_per_partition,
+                                    allow_id_dropping=self.allow_id_dropping, **common)
+        else:
+            if self._stack_limits[i] is None:
+                _, first = preprocess(stacked_ids, samples, gains, **common)
+                max_ids = round_up(max(SEGMENT_ALIGN, 2 * first.max_ids_per_partition), SEGMENT_ALIGN)
+                max_uniq = round_up(max(SEGMENT_ALIGN, 2 * first.max_unique_ids_per_partition), SEGMENT_ALIGN)
+                self._stack_limits[i] = (max_ids, min(max_uniq, max_ids))
+            max_ids, max_uniq = self._stack_limits[i]
+            try:
+                csr, stats = preprocess(stacked_ids, samples, gains, max_ids_per_partition=max_ids,
+                                        max_unique_ids_per_partition=max_uniq,
+                                        allow_id_dropping=self.allow_id_dropping, **common)
+            except IdLimitExceededError as e:
+                raise IdLimitExceededError(
+                    f"{e} The limits of stack {lay.name!r} ({max_ids} ids, {max_uniq} unique ids per partition) "
+                    "are fixed so that buffer shapes never change (a TPU would recompile); "
+                    + ("they were set from the first batch (2x its fullest partition): "
+                       if self.max_ids_per_partition is None else "")
+                    + "pass max_ids_per_partition / max_unique_ids_per_partition, or allow_id_dropping=True"
+                ) from None
         self.last_stats[lay.name] = stats
         self.dropped_id_count += stats.dropped_id_count
         return csr

@@ -47,6 +47,7 @@ class SparseCoreEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         max_unique_ids_per_partition: int | None = None,
         allow_id_dropping: bool = False,
         stack_tables: bool = True,
+        fixed_limits: bool | None = None,
     ) -> None:
         super().__init__()
         from tpurec.embedding.backend import select_device
@@ -64,6 +65,7 @@ class SparseCoreEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             max_unique_ids_per_partition=max_unique_ids_per_partition,
             allow_id_dropping=allow_id_dropping,
             stack_tables=stack_tables,
+            fixed_limits=fixed_limits,
         )
         self._fused_optimizer = SparseCoreFusedOptimizer(self.kernel)
         self._register_state_dict_hook(_emit_natural_weights)

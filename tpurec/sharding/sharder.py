@@ -172,17 +172,20 @@ class SparseCoreEBCSharder(EmbeddingBagCollectionSharder):
     num_sparsecores: SparseCores per device (the MOD partitions inside a shard). None: the chip's own
     count on a TPU (a different explicit value is refused there), the topology's when
     tpurec.DistributedModelParallel builds the sharder, else 4 on CPU.
-    max_ids_per_partition / max_unique_ids_per_partition / allow_id_dropping: id-limit settings
-    passed to every kernel (None = sized to each batch, fine on CPU).
+    max_ids_per_partition / max_unique_ids_per_partition / allow_id_dropping / fixed_limits: id-limit
+    settings passed to every kernel (see SparseCoreKernel: limits are fixed on a TPU, from these or
+    from the first batch; on CPU None follows each batch).
     """
 
     def __init__(self, num_sparsecores: Optional[int] = None, fused_params: Optional[Dict[str, Any]] = None,
                  max_ids_per_partition: Optional[int] = None, max_unique_ids_per_partition: Optional[int] = None,
-                 allow_id_dropping: bool = False, qcomm_codecs_registry=None) -> None:
+                 allow_id_dropping: bool = False, qcomm_codecs_registry=None,
+                 fixed_limits: Optional[bool] = None) -> None:
         fused = dict(fused_params or {})
         for key, value in (("max_ids_per_partition", max_ids_per_partition),
                            ("max_unique_ids_per_partition", max_unique_ids_per_partition),
-                           ("allow_id_dropping", allow_id_dropping or None)):
+                           ("allow_id_dropping", allow_id_dropping or None),
+                           ("fixed_limits", fixed_limits)):
             if value is not None:
                 fused[key] = value
         super().__init__(fused_params=fused, qcomm_codecs_registry=qcomm_codecs_registry)

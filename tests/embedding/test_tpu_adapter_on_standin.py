@@ -1,0 +1,162 @@
+"""The real TPU adapter, run end to end on CPU through the TorchTPU stand-in (tests/tpu_standin.py).
+
+What the meta-tensor schema check cannot show: that every argument the adapter passes means what
+TorchTPU takes it to mean (the stand-in computes with TorchTPU's conventions), that a training run
+compiles one program per stack and op ("no recompiles"), and that stacks carry distinct names.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from tests import tpu_standin
+from tpurec.embedding.module import SparseCoreEmbeddingBagCollection
+from tpurec.embedding.preprocess import IdLimitExceededError
+
+NUM_SC = 4
+BATCH = 16
+# Two dims -> two stacks; a MEAN table, a multi-feature table.
+TABLES = [
+    EmbeddingBagConfig(name="a", embedding_dim=8, num_embeddings=97, feature_names=["fa"]),
+    EmbeddingBagConfig(name="b", embedding_dim=16, num_embeddings=300, feature_names=["fb", "fc"],
+                       pooling=PoolingType.MEAN),
+    EmbeddingBagConfig(name="c", embedding_dim=8, num_embeddings=50, feature_names=["fd"]),
+]
+ROWS = {"fa": 97, "fb": 300, "fc": 300, "fd": 50}
+
+
+def _optimizers():
+    from torchrec.optim import RowWiseAdagrad
+
+    return {
+        "sgd": (torch.optim.SGD, {"lr": 0.1}),
+        "adagrad": (torch.optim.Adagrad, {"lr": 0.1, "eps": 1e-6}),
+        "rowwise_adagrad": (RowWiseAdagrad, {"lr": 0.1, "eps": 1e-6}),
+        "adam": (torch.optim.Adam, {"lr": 0.01, "eps": 1e-6}),
+    }
+
+
+def _batch(gen, step):
+    """Id distributions that change from step to step: uniform, hot (few ids), empty bags."""
+    keys, values, lengths = list(ROWS), [], []
+    for key in keys:
+        lens = torch.randint(0, 4, (BATCH,), generator=gen)
+        if step % 5 == 4:
+            lens[: BATCH // 2] = 0  # half the bags empty
+        n = int(lens.sum())
+        if step % 3 == 1:  # hot partition: many distinct ids, all in partition 0 (id mod 4 == 0)
+            lens = torch.randint(8, 14, (BATCH,), generator=gen)
+            n = int(lens.sum())
+            ids = torch.randint(0, ROWS[key] // NUM_SC, (n,), generator=gen) * NUM_SC
+        else:
+            ids = torch.randint(0, ROWS[key], (n,), generator=gen)
+        values.append(ids)
+        lengths.append(lens)
+    return KeyedJaggedTensor(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths))
+
+
+def _model(name, **kw):
+    optim, kwargs = _optimizers()[name]
+    torch.manual_seed(0)
+    return SparseCoreEmbeddingBagCollection(TABLES, optim, kwargs, num_sparsecores=NUM_SC, device="cpu",
+                                            fixed_limits=True, **kw)
+
+
+def _train(model, steps, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    outs = []
+    for step in range(steps):
+        out = model(_batch(gen, step)).values()
+        outs.append(out.detach().clone())
+        (out * torch.randn(out.shape, generator=gen)).sum().backward()
+    return outs
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
+def test_adapter_through_torchtpu_semantics_equals_the_reference(name):
+    reference = _model(name, allow_id_dropping=True)
+    ref_outs = _train(reference, 6)
+    standin = tpu_standin.install(sparsecores=NUM_SC)
+    adapted = _model(name, allow_id_dropping=True)
+    with tpu_standin.adapter_on_cpu():
+        outs = _train(adapted, 6)
+    assert standin.calls, "the adapter never reached TorchTPU's ops"
+    for a, b in zip(outs, ref_outs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for t in ("a", "b", "c"):
+        torch.testing.assert_close(adapted.table_weight(t), reference.table_weight(t), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["rowwise_adagrad", "adam"])
+def test_fifty_steps_compile_one_program_per_stack_and_op(name):
+    standin = tpu_standin.install(sparsecores=NUM_SC)
+    model = _model(name, allow_id_dropping=True)
+    with tpu_standin.adapter_on_cpu():
+        _train(model, 50, seed=7)
+    stacks = len(model.kernel.stacks)
+    assert stacks == 2
+    keys = standin.compile_keys()
+    lookups = [k for k in keys if k[0] == "_sparse_dense_matmul"]
+    updates = [k for k in keys if k[0] != "_sparse_dense_matmul"]
+    assert len(lookups) == stacks and len(updates) == stacks, sorted(keys.values())
+    assert all(count == 50 for count in keys.values())
+    # Hot-id batches overflow limits fixed from the first batch: ids are dropped and counted,
+    # shapes never change.
+    assert model.kernel.dropped_id_count > 0
+    names = {k[1][-1] for k in updates}
+    assert len(names) == stacks and all(n.startswith("tpurec_k") for n in names)
+
+
+def test_two_kernels_never_share_a_computation_name():
+    a, b = _model("sgd"), _model("sgd")
+    names = a.kernel.computation_names + b.kernel.computation_names
+    assert len(set(names)) == len(names) == 4
+
+
+def test_a_batch_over_fixed_limits_without_dropping_is_refused_with_how_to_fix():
+    model = _model("sgd")
+    gen = torch.Generator().manual_seed(1)
+    model(_batch(gen, 0)).values().sum().backward()  # limits fixed from this batch
+    # 12 distinct ids per bag, all in partition 0: far over limits fixed from a uniform batch.
+    hot = KeyedJaggedTensor(keys=list(ROWS), values=(torch.arange(12) * NUM_SC).repeat(4 * BATCH),
+                            lengths=torch.full((4 * BATCH,), 12))
+    with pytest.raises(IdLimitExceededError, match="fixed so that buffer shapes never change.*first batch"):
+        model(hot)
+
+
+def test_limits_given_are_fixed_and_8_aligned():
+    model = _model("sgd", max_ids_per_partition=13, max_unique_ids_per_partition=5)
+    assert [model.kernel.stack_limits(i) for i in range(2)] == [(16, 8), (16, 8)]
+
+
+class _DeviceOnly(torch.Tensor):
+    """A tensor that, like one on a TPU, must be copied to the host before host code reads it."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        owner = getattr(func, "__self__", None)  # a property getter's descriptor
+        if owner is torch.Tensor.device:
+            return torch.device("meta")  # anything but cpu
+        if func in (torch.Tensor.to, torch.Tensor.cpu):
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs).as_subclass(torch.Tensor)
+        if owner in (torch.Tensor.dtype, torch.Tensor.shape) or func in (
+                torch.Tensor.__repr__, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.size):
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        raise AssertionError(f"host code used a device tensor directly: {getattr(func, '__name__', func)}")
+
+
+def test_preprocessing_copies_device_ids_to_the_host_first():
+    model = SparseCoreEmbeddingBagCollection(TABLES, torch.optim.SGD, {"lr": 0.1}, num_sparsecores=NUM_SC,
+                                             device="cpu")
+    kjt = _batch(torch.Generator().manual_seed(3), 0)
+    want = model.kernel.preprocess(kjt)
+    on_device = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values().as_subclass(_DeviceOnly),
+                                  lengths=kjt.lengths().as_subclass(_DeviceOnly))
+    got = model.kernel.preprocess(on_device)
+    for a, b in zip(got, want):
+        assert torch.equal(a.row_pointers, b.row_pointers) and torch.equal(a.embedding_ids, b.embedding_ids)
