@@ -160,3 +160,19 @@ def test_preprocessing_copies_device_ids_to_the_host_first():
     got = model.kernel.preprocess(on_device)
     for a, b in zip(got, want):
         assert torch.equal(a.row_pointers, b.row_pointers) and torch.equal(a.embedding_ids, b.embedding_ids)
+
+
+def test_torchtpu_preprocessing_gets_a_buffer_for_every_id():
+    """With suggested_coo_buffer_size=0 TorchTPU keeps 128 entries and drops the rest silently; the
+    adapter sizes the buffer from the limits, so 200 ids within the limits all arrive."""
+    from tpurec.embedding import tpu
+
+    standin = tpu_standin.install(sparsecores=1)
+    ids = torch.arange(200, dtype=torch.int32)
+    offsets = torch.tensor([0, 100, 200], dtype=torch.int32)
+    out = tpu.preprocess_with_torch_tpu(ids, offsets, max_ids_per_partition=256, max_unique_ids_per_partition=256,
+                                        batch_size=2, combiner="sum", num_sc_per_device=1, allow_id_dropping=False,
+                                        table_name="t")
+    assert int(out["dropped_id_count"].sum()) == 0
+    ((_, key),) = standin.calls
+    assert key[4] == 256  # suggested_coo_buffer_size

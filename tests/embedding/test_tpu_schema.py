@@ -63,7 +63,7 @@ import torch_tpu  # noqa: E402, F401  (registers the tpu:: ops)
 
 from tpurec.embedding import ops, tpu  # noqa: E402
 from tpurec.embedding.optimizers import adagrad, adam, sgd  # noqa: E402
-from tpurec.embedding.constraints import round_up  # noqa: E402
+from tpurec.embedding.constraints import coo_entries_per_sc, round_up  # noqa: E402
 from tpurec.embedding.preprocess import preprocess  # noqa: E402
 
 from .jte_oracle import as_numpy, random_batch  # noqa: E402
@@ -271,7 +271,8 @@ def test_preprocess_arguments_by_name(recorder):
     _, schema, args, kwargs, _ = _only_call(recorder, "preprocess_sparse_dense_matmul_input")
     _check_bound(_bind(schema, args, kwargs),
                  dict(input_indices=ids, input_offsets=offsets, max_ids_per_partition=MAX_IDS,
-                      max_unique_ids_per_partition=MAX_UNIQ, suggested_coo_buffer_size=0, batch_size=4,
+                      max_unique_ids_per_partition=MAX_UNIQ,
+                      suggested_coo_buffer_size=NUM_SC * coo_entries_per_sc(MAX_IDS, NUM_SC), batch_size=4,
                       combiner="mean", local_device_count=1, global_device_count=1, num_sc_per_device=NUM_SC,
                       allow_id_dropping=False, table_name="t0"), schema)
 

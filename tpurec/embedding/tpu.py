@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from tpurec.embedding import ops
+from tpurec.embedding.constraints import coo_entries_per_sc
 from tpurec.embedding.optimizers import registry
 
 _DISPATCH_KEY = "privateuseone"
@@ -34,9 +35,14 @@ def lookup(row_pointers, embedding_ids, sample_ids, gains, embedding_table, devi
 
 def preprocess_with_torch_tpu(ids_int32, offsets_int32, *, max_ids_per_partition, max_unique_ids_per_partition,
                               batch_size, combiner, num_sc_per_device, allow_id_dropping, table_name):
-    """TorchTPU's C++ preprocessing (runs on the host CPU); returns its dict of tensors."""
+    """TorchTPU's C++ preprocessing (runs on the host CPU); returns its dict of tensors.
+
+    The COO buffer is sized from the limits (every partition's 8-aligned segment on every local
+    SparseCore): given 0, TorchTPU uses 128 entries and silently drops the rest, even with dropping off.
+    """
+    buffer = num_sc_per_device * coo_entries_per_sc(max_ids_per_partition, num_sc_per_device)
     return torch.ops.tpu.preprocess_sparse_dense_matmul_input(
-        ids_int32, offsets_int32, max_ids_per_partition, max_unique_ids_per_partition, 0, batch_size,
+        ids_int32, offsets_int32, max_ids_per_partition, max_unique_ids_per_partition, buffer, batch_size,
         combiner, 1, 1, num_sc_per_device, allow_id_dropping, table_name,
     )
 
