@@ -356,3 +356,17 @@ def test_torch_tpu_preprocessing_agrees_with_tpurec(combiner):
         out = tpu.lookup(*[_meta(theirs[k]) for k in ("row_pointers", "embedding_ids", "sample_ids", "gains")],
                          table, batch_size, num_sc, num_sc, max_ids, max_uniq)
         assert out.shape == (batch_size, 8)
+
+
+def test_torch_tpu_preprocessing_keeps_more_than_128_ids():
+    """TorchTPU's preprocessing with suggested_coo_buffer_size=0 keeps 128 entries and drops the rest
+    silently; the adapter sizes the buffer from the limits, so 200 ids within them all arrive."""
+    ids = torch.arange(200, dtype=torch.int32)
+    offsets = torch.tensor([0, 100, 200], dtype=torch.int32)
+    out = tpu.preprocess_with_torch_tpu(ids, offsets, max_ids_per_partition=256, max_unique_ids_per_partition=256,
+                                        batch_size=2, combiner="sum", num_sc_per_device=1, allow_id_dropping=False,
+                                        table_name="t")
+    assert int(out["dropped_id_count"].sum()) == 0
+    assert int(out["row_pointers"][0]) == 200
+    kept = out["embedding_ids"][:200]
+    assert sorted(kept.tolist()) == list(range(200))
