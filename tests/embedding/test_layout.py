@@ -5,24 +5,36 @@ from tpurec.embedding.constraints import check_dim, csr_buffer_bytes, padded_row
 from tpurec.embedding.layout import build_stacks
 
 
-def test_mod_layout_matches_definition():
-    # 2 tables of dim 8 stacked over P=4 partitions: natural stacked id r -> partition r % 4, row r // 4.
+def test_renamed_ids_land_on_natural_rows_under_mod_partitioning():
+    # 2 tables of dim 8 stacked over P=4 partitions, C=24 rows per partition. The SparseCore puts id v
+    # in partition v % 4 at local row v // 4, i.e. physical row (v % 4) * 24 + v // 4; renaming must
+    # make that the natural stacked row s.
     (stack,) = build_stacks([("a", 37, 8), ("b", 5, 8)], num_partitions=4)
     assert [t.padded_rows for t in stack.tables] == [64, 32]  # multiples of P*8 = 32
     assert [t.offset for t in stack.tables] == [0, 64]
     assert stack.rows_per_partition == 24
-    natural = torch.arange(96 * 8, dtype=torch.float32).view(96, 8)
-    phys = stack.to_physical(natural)
-    for r in (0, 1, 5, 37, 64, 95):
-        assert torch.equal(phys[(r % 4) * 24 + r // 4], natural[r])
-        assert int(stack.physical_rows(torch.tensor([r]))) == (r % 4) * 24 + r // 4
-    assert torch.equal(stack.to_natural(phys), natural)
-    # 1-D (row-wise optimizer state) round-trips too
-    v = torch.arange(96.0)
-    assert torch.equal(stack.to_natural(stack.to_physical(v)), v)
+    s = torch.arange(96)
+    v = stack.sparsecore_ids(s)
+    assert torch.equal((v % 4) * 24 + v // 4, s)
+    assert torch.equal(torch.sort(v).values, s)  # a bijection of [0, 96)
+    assert int(v[25]) == 1 * 4 + 1  # row 25: partition 1 (rows 24-47), local row 1
 
 
-def test_read_write_table_roundtrip_keeps_other_tables():
+def test_preprocessed_renamed_ids_decode_to_natural_rows():
+    """Through the real preprocessing (MOD semantics, checked against jax-tpu-embedding elsewhere) and
+    the reference decode: the physical rows read are the natural stacked rows."""
+    from tpurec.embedding.preprocess import preprocess
+    from tpurec.embedding.reference import decode
+
+    (stack,) = build_stacks([("a", 37, 8), ("b", 5, 8)], num_partitions=4)
+    rows = torch.tensor([0, 36, 64, 68, 23, 24, 95 - 27, 5])
+    samples = torch.arange(8)
+    csr, _ = preprocess(stack.sparsecore_ids(rows), samples, torch.ones(8), device_batch_size=8, num_sc_per_device=4)
+    d = decode(csr.row_pointers, csr.embedding_ids, csr.sample_ids, csr.gains, stack.rows_per_partition, 8, 4, 4)
+    assert sorted(zip(d.samples.tolist(), d.rows.tolist())) == list(zip(samples.tolist(), rows.tolist()))
+
+
+def test_tables_are_views_of_the_storage():
     (stack,) = build_stacks([("a", 37, 8), ("b", 5, 8)], num_partitions=2)
     phys = torch.zeros(stack.total_rows, 8)
     a = torch.randn(37, 8)
@@ -31,6 +43,11 @@ def test_read_write_table_roundtrip_keeps_other_tables():
     stack.write_table(phys, "b", b)
     assert torch.equal(stack.read_table(phys, "a"), a) and torch.equal(stack.read_table(phys, "b"), b)
     assert int((phys.abs().sum(1) > 0).sum()) == 42  # padding rows stay zero
+    view = stack.read_table(phys, "b")
+    view.fill_(7.0)  # an in-place write into the view (as DCP's load does) reaches the storage
+    assert torch.equal(phys[stack.table("b").offset:stack.table("b").offset + 5], torch.full((5, 8), 7.0))
+    stack.write_table(phys, "b", view)  # writing a view back onto itself is a no-op
+    assert torch.equal(stack.read_table(phys, "b"), torch.full((5, 8), 7.0))
     with pytest.raises(ValueError, match="expected shape"):
         stack.write_table(phys, "a", torch.zeros(36, 8))
 

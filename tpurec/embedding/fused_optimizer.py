@@ -3,14 +3,17 @@
 Updates happen inside backward, so step() and zero_grad() do nothing. What this object gives is
 what TorchRec users expect of a fused optimizer: `param_groups` with a learning rate that LR
 schedulers may change (the kernels read it at every update), and a keyed `state_dict()` /
-`load_state_dict()` for checkpoints. The SparseCore stores tables and state partition-major, so
-state is exposed through natural-order copies, refreshed before every state_dict() and written
-back after every load (`post_load_state_dict`), so nothing is lost either way.
+`load_state_dict()` for checkpoints. Kernels keep tables and state in natural row order
+(`tpurec.embedding.layout`), so the state handed out is VIEWS of the live storage: an in-place
+write (torch.distributed.checkpoint's load, TorchRec's copy_state_dict) lands in the kernel, and
+nothing is held twice. Only step counts (Adam's bias correction) live in plain ints inside the
+kernel; they are mirrored into "<table>.step" scalars when the kernels moved and written back
+after a load (`post_load_state_dict`).
 
-`KernelFusedOptimizer` holds that machinery: entries (kernel, table, state name, local copy), the
-param group built from the optimizer spec, step counts, refresh-on-version and write-back. The
-standalone `SparseCoreFusedOptimizer` below keys plain tensors by table; the sharded EBC's
-(`tpurec.sharding.sharded_optimizer`) wraps the same copies in ShardedTensors.
+`KernelFusedOptimizer` holds that machinery: entries (kernel, table, state name, view), the param
+group built from the optimizer spec, step counts. The standalone `SparseCoreFusedOptimizer` below
+keys plain tensors by table; the sharded EBC's (`tpurec.sharding.sharded_optimizer`) wraps the same
+views in ShardedTensors.
 """
 from __future__ import annotations
 
@@ -26,20 +29,16 @@ from tpurec.embedding.optimizers.base import OptimizerSpec
 
 @dataclass
 class KernelEntry:
-    """One natural-order copy the optimizer exposes and the kernel storage behind it."""
+    """One natural-order view the optimizer exposes and the kernel storage behind it."""
 
     kernel: SparseCoreKernel
     table: str  # the kernel's table name
     state: str | None  # an optimizer state name, or None for the table's weight
-    tensor: torch.Tensor  # the copy (a ShardedTensor's local shard under sharding)
-
-    def read(self) -> torch.Tensor:
-        if self.state is None:
-            return self.kernel.read_weight(self.table)
-        return self.kernel.read_state(self.table, self.state)
+    tensor: torch.Tensor  # a view of the kernel's storage (a ShardedTensor's local shard under sharding)
 
     def write(self) -> None:
-        # Weights are restored through the module's state_dict, never from optimizer state.
+        # A view already holds what was loaded into it; a tensor that replaced it (load_state_dict
+        # may assign) is copied in. Weights are restored through the module's state_dict instead.
         if self.state is not None:
             self.kernel.write_state(self.table, self.state, self.tensor)
 
@@ -53,12 +52,12 @@ class StepEntry:
 
 
 class KernelFusedOptimizer(FusedOptimizer):
-    """A FusedOptimizer whose `state` holds natural-order copies of kernel storage.
+    """A FusedOptimizer whose `state` holds views of kernel storage.
 
-    Subclasses build params and state with `_track` (a kernel table's weight or state copy) and
+    Subclasses build params and state with `_track` (a view of a kernel table's weight or state) and
     `_step` (a step-count scalar, for specs that keep one), then call this __init__. TorchRec's
     CombinedOptimizer, which DMP and the sharded EBC wrap us in, builds its state_dict from the
-    children's `.state` and never calls our state_dict(), so the copies refresh on access, but only
+    children's `.state` and never calls our state_dict(), so step scalars refresh on access, but only
     when the kernels moved since the last refresh: a state_dict handed to DCP shares our tensors, and
     refreshing between dcp.load and load_state_dict would overwrite what was loaded.
     """
@@ -81,7 +80,7 @@ class KernelFusedOptimizer(FusedOptimizer):
 
     # -- building ------------------------------------------------------------------------------
     def _track(self, kernel: SparseCoreKernel, table: str, state: str | None, tensor: torch.Tensor) -> torch.Tensor:
-        """Register `tensor` as the copy of kernel table `table`'s weight (state None) or state."""
+        """Register `tensor`, a view of kernel table `table`'s weight (state None) or state."""
         self.__dict__.setdefault("_entries", []).append(KernelEntry(kernel, table, state, tensor))
         return tensor
 
@@ -110,15 +109,13 @@ class KernelFusedOptimizer(FusedOptimizer):
         return tuple(k.step_count(t) for k in self._kernels for t in k.table_names)
 
     def _refresh(self) -> None:
-        """Copy the kernels' current tables, state and step counts into the natural-order copies."""
+        """Mirror the kernels' step counts into the step scalars (tables and state are views)."""
         with torch.no_grad():
-            for e in self.__dict__.get("_entries", []):
-                e.tensor.copy_(e.read())
             for s in self.__dict__.get("_step_entries", []):
                 s.tensor.fill_(max((k.step_count(t) for k, t in s.tables), default=0))
 
     def _write_back(self) -> None:
-        """Copy loaded state and step counts into the kernels."""
+        """Copy loaded step counts (and any state tensor that replaced a view) into the kernels."""
         for e in self.__dict__.get("_entries", []):
             e.write()
         for s in self.__dict__.get("_step_entries", []):

@@ -195,7 +195,7 @@ class SparseCoreKernel(nn.Module):
         self._steps[self._locate(table)[0]] = int(n)
 
     def read_weight(self, table: str) -> torch.Tensor:
-        """[num_embeddings, dim] in natural row order (a copy)."""
+        """[num_embeddings, dim] in natural row order: a view of the live storage (writes land in it)."""
         i, lay = self._locate(table)
         return lay.read_table(self.stack_weight(i), table)
 
@@ -219,8 +219,11 @@ class SparseCoreKernel(nn.Module):
             if self.stack_weight(i).is_meta:
                 continue
             bound = (1.0 / (t.init_rows or t.num_embeddings)) ** 0.5
-            w = torch.empty(t.num_embeddings, t.embedding_dim).uniform_(-bound, bound)
-            self.write_weight(t.name, w)
+            view = self.read_weight(t.name)
+            if view.device.type == "cpu":  # in place: no second copy of a large table, same draws
+                view.uniform_(-bound, bound)
+            else:  # drawn on the host so that a TPU run starts from the CPU run's tables
+                view.copy_(torch.empty(t.num_embeddings, t.embedding_dim).uniform_(-bound, bound))
 
     # -- forward -------------------------------------------------------------------------------
     def forward(self, features) -> torch.Tensor:
@@ -314,7 +317,9 @@ class SparseCoreKernel(nn.Module):
             per_id_len = lengths.clamp(min=1).to(torch.float32).index_select(0, seg)
             gains = torch.where(mean.index_select(0, slot), gains / per_id_len, gains)
         samples = slot * padded + (seg - slot * batch)
-        stacked_ids = ids + offsets.index_select(0, slot)
+        # Natural stacked rows, renamed so that the SparseCore's MOD partitioning finds them in the
+        # natural-order storage (layout.py).
+        stacked_ids = lay.sparsecore_ids(ids + offsets.index_select(0, slot))
         common = dict(device_batch_size=n * padded, num_sc_per_device=self.num_sc, table_name=lay.name)
         if not self.fixed_limits:
             csr, stats = preprocess(stacked_ids, samples, gains, max_ids_per_partition=self.max_ids_per_partition,

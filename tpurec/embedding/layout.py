@@ -1,11 +1,23 @@
-"""MOD-partitioned table storage and table stacking.
+"""Table storage in natural row order, and table stacking.
 
-A SparseCore table is split across P partitions (P = SparseCores per device x devices): natural row r
-lives in partition r mod P at local row r div P, and partitions are stored one after another
-(jax-tpu-embedding `utils.shard_emb_table`, einops `(v c s) d -> c (s v) d`). Tables of the same
-dim can be stacked into one physical table: each table's vocabulary is padded to a multiple of P*8
-and the tables are laid end to end in natural-id space, so inside every partition each table is one
-contiguous block. Features keep their own outputs; only storage is shared.
+A SparseCore table is split across P partitions (P = SparseCores per device x devices) and stored
+partition-major: the SparseCore op reads partition p's local row l at physical row p*C + l (C rows per
+partition), and it puts id v in partition v mod P at local row v div P ("MOD sharding";
+jax-tpu-embedding `utils.shard_emb_table`).
+
+tpurec keeps the physical table in NATURAL row order and feeds the SparseCore renamed ids instead:
+natural stacked row s becomes v = (s mod C) * P + s div C, so MOD sends v to partition s div C, local
+row s mod C, which is physical row s. Renaming costs a few integer ops per id on the host; in return
+every table (and its optimizer state) is a contiguous slice of the physical tensor, so `state_dict()`
+hands out views of the live storage: TorchRec's tools and torch.distributed.checkpoint write into
+them in place, and no natural-order copy is ever held (docs/dmp.md, "Storage and state_dict").
+The price: partition p holds natural rows [p*C, (p+1)*C), so the SparseCores balance when ids are
+spread over the table (hashed ids, as in Criteo) and not when low ids are the hot ones
+(frequency-sorted vocabularies); docs/dmp.md gives measured figures.
+
+Tables of the same dim can be stacked into one physical table: each table's vocabulary is padded
+to a multiple of P*8 and the tables are laid end to end. Features keep their own outputs; only
+storage is shared.
 """
 from __future__ import annotations
 
@@ -20,7 +32,7 @@ from tpurec.embedding.constraints import check_dim, padded_rows
 class TableInStack:
     name: str
     num_embeddings: int  # logical rows
-    offset: int  # first natural id of this table inside the stack (a multiple of P*8)
+    offset: int  # first row of this table inside the stack (a multiple of P*8)
     padded_rows: int
 
 
@@ -47,29 +59,19 @@ class StackLayout:
                 return t
         raise KeyError(f"table {name!r} is not in stack {self.name!r}")
 
-    # -- id mapping ---------------------------------------------------------------------------
-    def physical_rows(self, natural_ids: torch.Tensor) -> torch.Tensor:
-        """Row of the physical (partition-major) table holding each natural stacked id."""
-        p = self.num_partitions
-        return (natural_ids % p) * self.rows_per_partition + natural_ids // p
+    # -- id renaming -------------------------------------------------------------------------
+    def sparsecore_ids(self, stacked_rows: torch.Tensor) -> torch.Tensor:
+        """The id to give the SparseCore for each natural stacked row, so that MOD partitioning lands
+        it on the same physical row: v = (s mod C) * P + s div C (int64 in, int64 out)."""
+        c = self.rows_per_partition
+        return (stacked_rows % c) * self.num_partitions + stacked_rows // c
 
-    # -- whole-table conversions (used by state_dict / load_state_dict, not on the hot path) ----
-    def to_physical(self, natural: torch.Tensor) -> torch.Tensor:
-        """[total_rows, ...] in natural order -> partition-major; works for 1-D row-wise state too."""
-        rest = natural.shape[1:]
-        v = natural.reshape(self.rows_per_partition, self.num_partitions, *rest)
-        return v.transpose(0, 1).reshape(self.total_rows, *rest).contiguous()
-
-    def to_natural(self, physical: torch.Tensor) -> torch.Tensor:
-        rest = physical.shape[1:]
-        v = physical.reshape(self.num_partitions, self.rows_per_partition, *rest)
-        return v.transpose(0, 1).reshape(self.total_rows, *rest)
-
+    # -- one table of the stack --------------------------------------------------------------------
     def read_table(self, physical: torch.Tensor, name: str) -> torch.Tensor:
-        """One logical table's rows (natural order, padding dropped), as a new tensor."""
+        """One logical table's rows (natural order, padding dropped): a VIEW of `physical`, so writes
+        into it (in-place checkpoint loads) land in the live table."""
         t = self.table(name)
-        ids = torch.arange(t.offset, t.offset + t.num_embeddings, device=physical.device)
-        return physical.index_select(0, self.physical_rows(ids))
+        return physical[t.offset:t.offset + t.num_embeddings]
 
     def write_table(self, physical: torch.Tensor, name: str, value: torch.Tensor) -> None:
         t = self.table(name)
@@ -77,9 +79,10 @@ class StackLayout:
             raise ValueError(
                 f"table {name!r}: expected shape {(t.num_embeddings, *physical.shape[1:])}, got {tuple(value.shape)}"
             )
-        ids = torch.arange(t.offset, t.offset + t.num_embeddings, device=physical.device)
-        with torch.no_grad():
-            physical.index_copy_(0, self.physical_rows(ids), value.to(physical.dtype))
+        target = self.read_table(physical, name)
+        if target.data_ptr() != value.data_ptr():  # a state_dict view written in place is already there
+            with torch.no_grad():
+                target.copy_(value)
 
 
 def build_stacks(

@@ -92,7 +92,7 @@ class SparseCoreEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         return self._fused_optimizer
 
     def table_weight(self, name: str) -> torch.Tensor:
-        """One table in natural row order (a copy)."""
+        """One table in natural row order: a view of the live storage."""
         return self.kernel.read_weight(name)
 
     def id_stats(self):

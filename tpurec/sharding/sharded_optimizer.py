@@ -8,9 +8,9 @@ it. This does the same for SparseCore tables, following TorchRec's layout so che
 * row-wise state (row-wise Adagrad, one float per row and column shard) is 1-D: shard k in
   column order sits at offset k * rows + its row offset, as TorchRec's fused kernel lays it out.
 
-The kernels keep their partition-major storage; the base (`tpurec.embedding.fused_optimizer.
-KernelFusedOptimizer`) refreshes natural-order copies when the kernels moved and load_state_dict()
-writes them back (`post_load_state_dict`); this class only adds the ShardedTensor wrapping and the
+Local shards are views of the kernels' natural-order storage (`tpurec.embedding.layout`), so an
+in-place checkpoint load lands in the live tables; the base (`tpurec.embedding.fused_optimizer.
+KernelFusedOptimizer`) handles step counts; this class only adds the ShardedTensor wrapping and the
 row-wise layout.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ def _props():
 
 
 class ShardedSparseCoreOptimizer(KernelFusedOptimizer):
-    """The base's natural-order copies, each rank's wrapped in one ShardedTensor per table and state."""
+    """The base's views, each rank's wrapped in one ShardedTensor per table and state."""
 
     # TorchRec's sharded fused optimizers show only "lr" in their param group; so do we, so that
     # param groups of checkpoints line up.
@@ -77,7 +77,7 @@ class ShardedSparseCoreOptimizer(KernelFusedOptimizer):
         shards = []
         for kname, meta, kernel in local:
             value = kernel.read_weight(kname) if state_name is None else kernel.read_state(kname, state_name)
-            shards.append(Shard(self._track(kernel, kname, state_name, value.contiguous()), meta))
+            shards.append(Shard(self._track(kernel, kname, state_name, value), meta))  # a contiguous view
         return ShardedTensor._init_from_local_shards_and_global_metadata(shards, metadata, process_group=pg)
 
 
