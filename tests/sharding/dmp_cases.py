@@ -236,9 +236,11 @@ def optimizer_checkpoint_save(rank, world_size, path, init_state, sharding, opti
     return [step(kjt, up) for kjt, up in batches[2:]]
 
 
-def optimizer_checkpoint_resume(rank, world_size, path, sharding, optim_name, saved_world_size):
+def optimizer_checkpoint_resume(rank, world_size, path, sharding, optim_name, saved_world_size, in_place=False):
     """Resume from `path`. TorchRec averages embedding gradients over ranks, so at another world size
-    the same global objective needs the local losses scaled by world_size / saved_world_size."""
+    the same global objective needs the local losses scaled by world_size / saved_world_size.
+    in_place: only dcp.load into the tensors state_dict() returned, no load_state_dict (as TorchRec's
+    tools do): the tables and optimizer state must still be restored."""
     import torch.distributed.checkpoint as dcp
 
     optim, kwargs = optimizer(optim_name)
@@ -246,8 +248,9 @@ def optimizer_checkpoint_resume(rank, world_size, path, sharding, optim_name, sa
     model = build_sharded(rank, world_size, sharding, optim, kwargs, PoolingType.SUM, False, fresh)
     sd = {"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}
     dcp.load(sd, checkpoint_id=path)
-    model.load_state_dict(sd["model"])
-    model.fused_optimizer.load_state_dict(sd["optim"])
+    if not in_place:
+        model.load_state_dict(sd["model"])
+        model.fused_optimizer.load_state_dict(sd["optim"])
     batches = global_batches(4, 8, False)
     per = 8 // world_size
     outs = []

@@ -57,3 +57,16 @@ def test_fused_optimizer_state_resumes_exactly_through_dcp(tmp_path, optim, save
     assert "embedding_bags.t0.weight" in resumed[0]["optim_keys"]
     for got, want in zip(gathered(resumed, "outs"), uninterrupted):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("optim,sharding", [("rowwise_adagrad", "row_wise"), ("sgd", "column_wise")])
+def test_dcp_load_in_place_without_load_state_dict_restores_tables_and_state(tmp_path, optim, sharding):
+    """DCP (and TorchRec's copy_state_dict) write into the tensors state_dict() returned; tpurec's are
+    views of the live tables and optimizer state, so nothing else is needed to resume exactly."""
+    init = EmbeddingBagCollection(c.tables()).state_dict()
+    path = str(tmp_path / "ckpt")
+    uninterrupted = gathered(run_ranks(c.optimizer_checkpoint_save, 2, path, init, sharding, optim, timeout=600))
+    resumed = run_ranks(c.optimizer_checkpoint_resume, 2, path, sharding, optim, 2, True, timeout=600)
+    for got, want in zip(gathered(resumed, "outs"), uninterrupted):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
