@@ -1,7 +1,8 @@
 """`tpurec bench kernels`: a training step of the embedding layer, side by side in one run.
 
 Workload (the issue's): 26 tables x 100k rows x dim 64, batch 2048, pooling factor 1 and 20,
-Zipf(1.05) ids. A step is forward + backward with row-wise Adagrad applied:
+Zipf(1.05) ids (`tpurec.bench.workloads.zipf_ids`: numpy's discrete law folded into the table, hot ids
+scattered by a fixed permutation). A step is forward + backward with row-wise Adagrad applied:
 
 * tpurec: SparseCoreEmbeddingBagCollection on the CPU reference, preprocessing included;
 * fbgemm: FBGEMM's CPU TBE (SplitTableBatchedEmbeddingBagsCodegen, EXACT_ROWWISE_ADAGRAD);
@@ -14,9 +15,10 @@ run with the same torch thread count (1 by default: FBGEMM's fused backward is s
 """
 from __future__ import annotations
 
+import itertools
 import json
-import statistics
-import time
+
+from tpurec.bench import timer, workloads
 
 NUM_TABLES, ROWS, DIM, BATCH = 26, 100_000, 64, 2048
 
@@ -41,40 +43,21 @@ def run_cli(args) -> int:
     return 0
 
 
-def zipf_ids(rng, n: int, rows: int, alpha: float = 1.05):
-    import numpy as np
-
-    z = rng.zipf(alpha, n)
-    # Hot ids scattered over the table rather than packed at row 0 (a fixed permutation).
-    perm = np.random.default_rng(12345).permutation(rows)
-    return perm[(z - 1) % rows]
-
-
 def make_batches(pooling: int, count: int, seed: int = 0, num_tables=NUM_TABLES, rows=ROWS, batch=BATCH):
+    """`count` KJTs of `num_tables` features, every bag `pooling` Zipf ids scattered over the table."""
     import numpy as np
-    import torch
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     rng = np.random.default_rng(seed)
     keys = [f"f{i}" for i in range(num_tables)]
-    out = []
-    for _ in range(count):
-        lengths = np.full(num_tables * batch, pooling, dtype=np.int64)
-        values = np.concatenate([zipf_ids(rng, batch * pooling, rows) for _ in keys])
-        out.append(KeyedJaggedTensor(keys=keys, values=torch.from_numpy(values), lengths=torch.from_numpy(lengths)))
-    return out
+    return [workloads.kjt(workloads.fixed_pooling_ids(rng, num_tables, batch, pooling, rows,
+                                                      scatter_seed=workloads.SCATTER_SEED), keys)
+            for _ in range(count)]
 
 
 def _time_steps(step, batches, repeats: int) -> float:
     """Median seconds per step over `repeats` passes of the batches, after one warm-up step."""
-    step(batches[0])
-    times = []
-    for _ in range(repeats):
-        for b in batches:
-            t0 = time.perf_counter()
-            step(b)
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    batch = itertools.cycle(batches).__next__
+    return timer.repeat(lambda: step(batch()), warmup=1, repeats=repeats * len(batches)).median
 
 
 def _tpurec(num_tables, rows, dim):
@@ -146,15 +129,11 @@ def gather_roofline(repeats: int = 5, rows: int = NUM_TABLES * ROWS, n: int = 1_
     table = torch.randn(rows, DIM)
     rng = np.random.default_rng(0)
     out = {}
-    for name, ids in (("uniform", rng.integers(0, table.shape[0], n)), ("zipf", zipf_ids(rng, n, table.shape[0]))):
+    for name, ids in (("uniform", rng.integers(0, table.shape[0], n)),
+                      ("zipf", workloads.zipf_ids(rng, n, table.shape[0], scatter_seed=workloads.SCATTER_SEED))):
         idx = torch.from_numpy(ids)
-        table.index_select(0, idx)
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            table.index_select(0, idx)
-            ts.append(time.perf_counter() - t0)
-        out[f"gather_rows_per_s_{name}"] = n / statistics.median(ts)
+        runs = timer.repeat(lambda idx=idx: table.index_select(0, idx), warmup=1, repeats=repeats)
+        out[f"gather_rows_per_s_{name}"] = n / runs.median
     out["gather_gb_per_s_uniform"] = out["gather_rows_per_s_uniform"] * DIM * 4 * 2 / 1e9  # read + write
     return out
 
