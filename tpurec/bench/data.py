@@ -119,7 +119,7 @@ def run_bench(rows: int = 2_000_000, work_dir: str | None = None, table_set: str
         cached = ParquetReader(str(pq_dir), BATCH, prefetch=0, cache=True)
         for _ in cached:  # first epoch decodes and fills the cache, like torchrec's load
             pass
-        tp_mem, _, _ = _time_iter(lambda: cached, passes)
+        tp_mem, _, _ = _time_iter(lambda c=cached: c, passes)
         del cached
 
         with timer.Stopwatch() as load_time:

@@ -1,6 +1,6 @@
 """Uneven all-to-all through an even one, for process groups that only do even all_to_all_single.
 
-TorchTPU's `tpu_dist` backend supports `all_to_all_single` with equal splits only (DESIGN §2), but
+TorchTPU's `tpu_dist` backend supports `all_to_all_single` with equal splits only (docs/dmp.md, "TPU readiness"), but
 TorchRec's input and output distributions send uneven splits (row-wise buckets, variable batch).
 `padded_all_to_all_single` pads every chunk to the largest chunk any rank sends (agreed with one
 all_reduce(MAX)), runs the even collective, and copies the valid rows out. `install()` routes
@@ -16,7 +16,7 @@ import os
 import torch
 import torch.distributed as dist
 
-# Backends that need padding: TorchTPU registers these names (DESIGN §2, torch-tpu 0.2.0).
+# Backends that need padding: the names TorchTPU (torch-tpu 0.2.0) registers its backend under.
 EVEN_ONLY_BACKENDS = {"tpu", "tpu_dist"}
 
 _original = None
