@@ -125,13 +125,14 @@ def test_show_and_diff_are_subcommands_with_their_own_help(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             _cli(action, "-h")
         assert e.value.code == 0 and words in capsys.readouterr().out
-    assert _cli("--model", "dlrm-tiny", "--topology", "v5p-8", "--format", "json", "--out", str(tmp_path / "p.json")) == 0
+    plan = str(tmp_path / "p.json")
+    assert _cli("--model", "dlrm-tiny", "--topology", "v5p-8", "--format", "json", "--out", plan) == 0
     capsys.readouterr()
     # --format before or after `show`
-    for argv in (("--format", "json", "show", str(tmp_path / "p.json")), ("show", str(tmp_path / "p.json"), "--format", "json")):
+    for argv in (("--format", "json", "show", plan), ("show", plan, "--format", "json")):
         assert _cli(*argv) == 0
         assert json.loads(capsys.readouterr().out)["world_size"] == 4
-    assert _cli("diff", str(tmp_path / "p.json")) == 2
+    assert _cli("diff", plan) == 2
     assert "needs 2 plan file(s)" in capsys.readouterr().err
 
 

@@ -134,7 +134,8 @@ def run_bench(rows: int = 2_000_000, work_dir: str | None = None, table_set: str
         conv = convert([str(tsv)], str(root / "converted"),
                        ConvertOptions(criteo_schema()), jobs=1, show_progress=show_progress, overwrite=True)
         return {
-            "rows": tp_rows, "batch_size": BATCH, "parquet_compression": compression, "num_sparse": 26, "num_dense": 13, "table_set": table_set,
+            "rows": tp_rows, "batch_size": BATCH, "parquet_compression": compression, "num_sparse": 26,
+            "num_dense": 13, "table_set": table_set,
             "tpurec_samples_per_s": round(tp_wall), "tpurec_cpu_samples_per_s": round(tp_cpu),
             "tpurec_prefetch_samples_per_s": round(tp_pf),
             "torchrec_samples_per_s": round(tr_wall), "torchrec_cpu_samples_per_s": round(tr_cpu),
@@ -194,5 +195,6 @@ def _run(args) -> int:
     print(f"ratio vs torchrec        {res['ratio_vs_torchrec']:>12} streaming, "
           f"{res['ratio_in_memory_vs_torchrec']} in-memory, {res['ratio_vs_torchrec_with_load']} streaming vs "
           f"torchrec load+iterate")
-    print(f"converter                {res['converter_mb_per_s']:>12} MB/s ({res['converter_rows_per_s']:,} rows/s, 1 process)")
+    print(f"converter                {res['converter_mb_per_s']:>12} MB/s "
+          f"({res['converter_rows_per_s']:,} rows/s, 1 process)")
     return 0

@@ -24,7 +24,8 @@ NUM_TABLES, ROWS, DIM, BATCH = 26, 100_000, 64, 2048
 
 
 def register(sub) -> None:
-    p = sub.add_parser("kernels", help="embedding training step: tpurec CPU reference vs FBGEMM CPU TBE vs nn.EmbeddingBag")
+    p = sub.add_parser("kernels",
+                       help="embedding training step: tpurec CPU reference vs FBGEMM CPU TBE vs nn.EmbeddingBag")
     p.add_argument("--quick", action="store_true", help="fewer repetitions (same shapes)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--threads", type=int, default=1,
@@ -182,11 +183,13 @@ def run(quick: bool = False, threads: int | None = None, poolings=(1, 20), num_t
 def format_table(r: dict) -> str:
     lines = [f"embedding training step, {r['workload']['tables']} tables x {r['workload']['rows']} rows x dim "
              f"{r['workload']['dim']}, batch {r['workload']['batch']}, zipf(1.05), {r['threads']} torch threads",
-             f"{'pooling':>8} {'tpurec M/s':>11} {'fbgemm M/s':>11} {'torch M/s':>10} {'vs fbgemm':>10} {'vs torch':>9}"]
+             f"{'pooling':>8} {'tpurec M/s':>11} {'fbgemm M/s':>11} {'torch M/s':>10} {'vs fbgemm':>10} "
+             f"{'vs torch':>9}"]
     for key, e in r.items():
         if key.startswith("pooling_"):
-            lines.append(f"{key[8:]:>8} {e['tpurec_lookups_per_s'] / 1e6:>11.2f} {e['fbgemm_lookups_per_s'] / 1e6:>11.2f} "
-                         f"{e['torch_lookups_per_s'] / 1e6:>10.2f} {e['ratio_vs_fbgemm']:>9.2f}x {e['ratio_vs_torch']:>8.2f}x")
+            lines.append(f"{key[8:]:>8} {e['tpurec_lookups_per_s'] / 1e6:>11.2f} "
+                         f"{e['fbgemm_lookups_per_s'] / 1e6:>11.2f} {e['torch_lookups_per_s'] / 1e6:>10.2f} "
+                         f"{e['ratio_vs_fbgemm']:>9.2f}x {e['ratio_vs_torch']:>8.2f}x")
     rf = r["roofline"]
     lines.append(f"roofline: index_select {rf['gather_rows_per_s_uniform'] / 1e6:.1f} M rows/s uniform "
                  f"({rf['gather_gb_per_s_uniform']:.1f} GB/s), {rf['gather_rows_per_s_zipf'] / 1e6:.1f} M rows/s zipf")

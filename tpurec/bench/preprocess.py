@@ -107,7 +107,8 @@ def _bench_pooling(pooling, *, batch_size, num_features, vocab, zipf_a, seed, wa
     ours, _ = tpurec_step()[0]
     m = theirs.sparse_dense_matmul_input
     rp = m.lhs_row_pointers["t0"]
-    match = bool(np.array_equal(ours.row_pointers.numpy(), rp)) and ours.embedding_ids.numel() == m.lhs_embedding_ids["t0"].size
+    match = (bool(np.array_equal(ours.row_pointers.numpy(), rp))
+             and ours.embedding_ids.numel() == m.lhs_embedding_ids["t0"].size)
     if match:
         slots = ours.embedding_ids.numel() // NUM_SC
         ends = rp.reshape(NUM_SC, -1)[:, -1]
@@ -189,7 +190,8 @@ def run(quick: bool = False, as_json: bool = False, *, batch_size: int = 2048, n
 
         print(json.dumps(res, indent=2))
     else:
-        print(f"SparseCore preprocessing: {num_features} tables x batch {batch_size}, Zipf({zipf_a}) over {vocab:,} rows, "
+        print(f"SparseCore preprocessing: {num_features} tables x batch {batch_size}, "
+              f"Zipf({zipf_a}) over {vocab:,} rows, "
               f"{NUM_SC} SparseCores, 1 device, {threads} threads each")
         for k, v in per.items():
             print(f"  {k:11s} tpurec {v['tpurec_samples_per_s']:>12,.0f} samples/s  jax-tpu-embedding "

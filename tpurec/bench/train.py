@@ -99,14 +99,17 @@ def _launch(side, data, nproc, steps, warmup, batch_size) -> dict:
 
 def format_table(r: dict) -> str:
     return "\n".join([
-        f"DLRM training throughput: {r['model']}, {r['nproc']} ranks x 1 thread, batch {r['batch_size_per_rank']}/rank, "
+        f"DLRM training throughput: {r['model']}, {r['nproc']} ranks x 1 thread, "
+        f"batch {r['batch_size_per_rank']}/rank, "
         f"{r['steps']} timed steps (best of {r['repeats']})",
         f"  tpurec DMP (tpurec planner, SparseCore CPU reference)  {r['tpurec_samples_per_s']:>12,.0f} samples/s",
         f"  stock TorchRec DMP (FBGEMM fused, table-wise)          {r['torchrec_samples_per_s']:>12,.0f} samples/s",
-        f"  tpurec DMP on the stock side's table-wise plan         {r['tpurec_table_wise_samples_per_s']:>12,.0f} samples/s",
+        f"  tpurec DMP on the stock side's table-wise plan         "
+        f"{r['tpurec_table_wise_samples_per_s']:>12,.0f} samples/s",
         f"  ratio_vs_torchrec (planner's plan)                     {r['ratio_vs_torchrec']:>12.3f}",
         f"  ratio_table_wise_vs_torchrec                           {r['ratio_table_wise_vs_torchrec']:>12.3f}",
-        f"  per CPU-second: tpurec {r['tpurec_cpu_samples_per_s']:,.0f}, torchrec {r['torchrec_cpu_samples_per_s']:,.0f}, "
+        f"  per CPU-second: tpurec {r['tpurec_cpu_samples_per_s']:,.0f}, "
+        f"torchrec {r['torchrec_cpu_samples_per_s']:,.0f}, "
         f"ratio {r['ratio_vs_torchrec_cpu']:.3f}",
         f"  plans: tpurec {r['tpurec_plan']}; torchrec {r['torchrec_plan']}",
     ])
