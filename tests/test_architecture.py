@@ -21,7 +21,7 @@ LAYERS = {
     "embedding": 1, "data": 1,
     "sharding": 2,
     "dlrm": 3,
-    "bench": 4, "cli": 4, "env_report": 4, "bench_cli": 4,
+    "bench": 4, "cli": 4, "env_report": 4,
 }
 FACADE = "tpurec"  # the root __init__: above every layer
 

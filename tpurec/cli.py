@@ -16,7 +16,7 @@ import tpurec
 SUBCOMMANDS: dict[str, str] = {
     "env": "tpurec.env_report",
     "data": "tpurec.data.cli",
-    "bench": "tpurec.bench_cli",
+    "bench": "tpurec.bench.cli",
     "plan": "tpurec.sharding.plan_cli",
     "selftest": "tpurec.embedding.selftest",
     "train": "tpurec.dlrm.cli",

@@ -246,7 +246,7 @@ def test_package_exports_and_light_cli_import():
     import sys
 
     # Registering `tpurec data` and `tpurec bench` must not load torch or pyarrow.
-    code = ("import argparse, sys, tpurec.data.cli as c, tpurec.bench_cli as b; "
+    code = ("import argparse, sys, tpurec.data.cli as c, tpurec.bench.cli as b; "
             "s = argparse.ArgumentParser().add_subparsers(); c.register(s); b.register(s); "
             "print('torch' in sys.modules, 'pyarrow' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 
-from tpurec.data.bench import write_criteo_tsv
+from tpurec.bench.data import write_criteo_tsv  # the raw Criteo TSV `tpurec bench data` converts
 from tpurec.data.convert import ConvertOptions, convert
 from tpurec.data.reader import ParquetReader
 from tpurec.data.schema import criteo_schema

@@ -346,16 +346,3 @@ def test_cpp_aborts_over_limit_without_dropping():
     r = _python(code)
     assert r.returncode != 0 and "survived" not in r.stdout
     assert "greater than the set max ids per partition" in r.stderr
-
-
-# --------------------------------------------------------------------------------- benchmark
-def test_bench_preprocess_quick():
-    from tpurec.embedding import bench_preprocess
-
-    out = bench_preprocess.run(quick=True, as_json=True, batch_size=256, num_features=3, repeats=1)
-    for key in ("tpurec_samples_per_s", "jte_samples_per_s", "ratio_vs_jte", "pooling_1", "pooling_20", "threads"):
-        assert key in out, key
-    for pf in ("pooling_1", "pooling_20"):
-        assert out[pf]["tpurec_samples_per_s"] > 0 and out[pf]["jte_samples_per_s"] > 0
-    assert out["tpurec_samples_per_s"] > 0 and out["jte_samples_per_s"] > 0
-    assert out["ratio_vs_jte"] == min(out["pooling_1"]["ratio_vs_jte"], out["pooling_20"]["ratio_vs_jte"])

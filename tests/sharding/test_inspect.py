@@ -120,6 +120,22 @@ def test_cli_bad_inputs(capsys):
     assert _cli("show") == 2
 
 
+def test_show_and_diff_are_subcommands_with_their_own_help(tmp_path, capsys):
+    for action, words in (("show", "Re-report a saved plan"), ("diff", "Which tables moved")):
+        with pytest.raises(SystemExit) as e:
+            _cli(action, "-h")
+        assert e.value.code == 0 and words in capsys.readouterr().out
+    plan = str(tmp_path / "p.json")
+    assert _cli("--model", "dlrm-tiny", "--topology", "v5p-8", "--format", "json", "--out", plan) == 0
+    capsys.readouterr()
+    # --format before or after `show`
+    for argv in (("--format", "json", "show", plan), ("show", plan, "--format", "json")):
+        assert _cli(*argv) == 0
+        assert json.loads(capsys.readouterr().out)["world_size"] == 4
+    assert _cli("diff", plan) == 2
+    assert "needs 2 plan file(s)" in capsys.readouterr().err
+
+
 def test_cli_module_does_not_import_torch():
     import subprocess
     import sys

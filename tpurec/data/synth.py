@@ -60,17 +60,21 @@ def _scatter(ranks: np.ndarray, n: int, feature: int) -> np.ndarray:
 
 
 def auc(scores: np.ndarray, labels: np.ndarray) -> float:
-    """ROC AUC by the rank-sum formula, ties given their average rank."""
-    labels = labels.astype(bool)
-    pos = int(labels.sum())
-    neg = len(labels) - pos
-    if pos == 0 or neg == 0:
+    """ROC AUC (tied scores count half), by torchmetrics' exact `binary_auroc`; nan for a single class.
+
+    torchmetrics builds the ROC curve in float32, so the value agrees with the exact rank-sum
+    formula to about 1e-7. Scores outside [0, 1] (logits) go through a sigmoid first, which keeps
+    their order (float64 saturates only beyond |logit| ~ 37).
+    """
+    import torch
+    from torchmetrics.functional.classification import binary_auroc
+
+    labels = np.asarray(labels).astype(bool)
+    if labels.all() or not labels.any():  # torchmetrics would warn and return 0
         return float("nan")
-    _, inv, counts = np.unique(scores, return_inverse=True, return_counts=True)
-    first = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    avg_rank = first + (counts + 1) / 2.0  # 1-based average rank of each distinct score
-    ranks = avg_rank[inv]
-    return float((ranks[labels].sum() - pos * (pos + 1) / 2.0) / (pos * neg))
+    scores = torch.from_numpy(np.ascontiguousarray(scores, dtype=np.float64))
+    # validate_args=False: the labels are 0/1 by construction, and validation costs a sort.
+    return float(binary_auroc(scores, torch.from_numpy(labels).long(), validate_args=False))
 
 
 def synth_schema(table_set: str) -> tuple[DataSchema, list[int]]:

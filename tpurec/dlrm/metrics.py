@@ -34,7 +34,7 @@ def gather(values, labels):
 
 def compute(logits: np.ndarray, labels: np.ndarray) -> dict:
     """auc, ne (log loss / entropy of the label rate), logloss, accuracy (threshold 0.5), rows."""
-    from tpurec.data.synth import auc
+    from tpurec.data.synth import auc  # torchmetrics' binary_auroc, shared with the synthetic oracle
 
     logits = logits.astype(np.float64)
     y = labels.astype(np.float64)

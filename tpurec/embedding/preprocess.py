@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tpurec.embedding.constraints import PADDING_ID, SEGMENT_ALIGN, round_up
+from tpurec.embedding.constraints import PADDING_ID, SEGMENT_ALIGN
 
 
 class IdLimitExceededError(ValueError):

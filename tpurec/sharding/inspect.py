@@ -15,14 +15,6 @@ from tpurec.sharding.topology import GiB, SliceSpec
 REPORT_FORMAT = "tpurec-plan-report"
 
 
-def reserved_bytes(tables: Iterable[TableSpec], batch_size: int, capacity: int, headroom_fraction: float,
-                   dense_bytes: int = 0) -> int:
-    """Same formula as planner.TpuStorageReservation for a model that is only embedding tables
-    (plus `dense_bytes` already multiplied out)."""
-    pooled = batch_size * sum(t.embedding_dim for t in tables) * 4 * 2
-    return int(dense_bytes + pooled + headroom_fraction * capacity)
-
-
 def _shards(ps, table: TableSpec, world_size: int):
     """(rank, offsets, sizes) of each shard; data-parallel means a full copy on every rank."""
     if ps.sharding_spec is None:

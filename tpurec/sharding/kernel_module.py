@@ -80,7 +80,7 @@ class SparseCoreEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
 
     def named_parameters_by_table(self) -> Iterator:
         # Tables live in the kernel's partition-major storage, not as parameters; the sharded EBC
-        # publishes them through its own state_dict hooks (tpurec.sharding.sharded_ebc).
+        # publishes them through its own state_dict hooks (`ShardedSparseCoreEBC` in tpurec.sharding.sharder).
         return iter(())
 
     def named_split_embedding_weights(self, *args, **kwargs) -> Iterator:

@@ -2,13 +2,16 @@
 
 Forms:
   tpurec plan --model mlperf-dcnv2 --topology v5p-128 [--format text|json|html|png] [--out FILE]
-  tpurec plan show PLAN.json
+  tpurec plan show PLAN.json [--format ...] [--out FILE]
   tpurec plan diff A.json B.json
-Exit code 2 when the plan does not fit. Heavy imports happen in run(), so `tpurec --help` stays fast.
+`show` and `diff` are argparse sub-commands of `plan` (each with its own -h); planning is `plan`
+itself, so its flags need no sub-command. Exit code 2 when the plan does not fit. Heavy imports
+happen when a command runs, so `tpurec --help` stays fast.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
@@ -38,9 +41,6 @@ def register(sub) -> None:
                     "'tpurec plan diff A.json B.json'.",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("action", nargs="?", choices=("show", "diff"),
-                   help="omit to plan; 'show PLAN.json' re-reports a saved plan; 'diff A.json B.json' compares two")
-    p.add_argument("files", nargs="*", metavar="PLAN.json", help="plan files for show / diff")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", choices=_MODELS, help="a named table set")
     src.add_argument("--tables", metavar="FILE", help="tables from a .json / .yaml file")
@@ -50,8 +50,7 @@ def register(sub) -> None:
 
     p.add_argument("--optimizer", choices=spec_names(), default="rowwise_adagrad",
                    help="fused embedding optimizer, for optimizer-state bytes (default rowwise_adagrad)")
-    p.add_argument("--format", choices=("text", "json", "html", "png"), default="text")
-    p.add_argument("--out", metavar="FILE", help="write here instead of stdout (png: default plan.png)")
+    _output_flags(p, default="text")
     p.add_argument("--sc-gather-fraction", type=float, default=None,
                    help="assumed SparseCore gather bandwidth as a fraction of HBM bandwidth (default 0.3)")
     p.add_argument("--dcn-gbps", type=float, default=None,
@@ -59,6 +58,28 @@ def register(sub) -> None:
     p.add_argument("--headroom", type=float, default=None,
                    help="fraction of HBM kept free for runtime and fragmentation (default 0.05)")
     p.set_defaults(run=run)
+
+    # Not required: without a sub-command, `tpurec plan` plans (the flags above).
+    actions = p.add_subparsers(dest="action", metavar="{show,diff}",
+                               title="saved plans (omit to plan a table set)")
+    show = actions.add_parser("show", help="re-report a saved plan (recomputed from the plan and its meta)",
+                              description="Re-report a saved plan file (a `tpurec plan --format json` report, "
+                                          "or `tpurec train --save-plan`): recomputed from the plan and its meta.")
+    show.add_argument("files", nargs="*", metavar="PLAN.json", help="the plan file")
+    # SUPPRESS: `tpurec plan --format json show P.json` keeps working (the flag given before `show`).
+    _output_flags(show, default=argparse.SUPPRESS)
+    show.set_defaults(run=_show)
+    diff = actions.add_parser("diff", help="compare two saved plans",
+                              description="Which tables moved between two saved plans, and the step time, "
+                                          "imbalance and largest HBM use before and after.")
+    diff.add_argument("files", nargs="*", metavar="PLAN.json", help="two plan files: A.json B.json")
+    diff.set_defaults(run=_diff)
+
+
+def _output_flags(p, default) -> None:
+    p.add_argument("--format", choices=("text", "json", "html", "png"), default=default)
+    p.add_argument("--out", metavar="FILE", default=None if default == "text" else default,
+                   help="write here instead of stdout (png: default plan.png)")
 
 
 def _load_tables(path: str):
@@ -128,30 +149,51 @@ def _plan(args) -> int:
     return 0
 
 
-def run(args) -> int:
-    import logging
+def _guarded(fn):
+    """User errors (bad files, bad values) become one line on stderr and exit code 2."""
 
-    # torchrec warns that our Topology is not built by its TopologyFactory; not actionable here.
-    logging.getLogger("torchrec.distributed.planner").setLevel(logging.ERROR)
-    try:
-        if args.action is None:
-            if args.files:
-                print(f"tpurec plan: unexpected arguments {args.files}; did you mean 'show' or 'diff'?",
-                      file=sys.stderr)
-                return 2
-            return _plan(args)
-        from tpurec.sharding import inspect
+    @functools.wraps(fn)
+    def wrapper(args) -> int:
+        import logging
 
-        want = 1 if args.action == "show" else 2
-        if len(args.files) != want:
-            print(f"tpurec plan {args.action}: needs {want} plan file(s)", file=sys.stderr)
+        # torchrec warns that our Topology is not built by its TopologyFactory; not actionable here.
+        logging.getLogger("torchrec.distributed.planner").setLevel(logging.ERROR)
+        try:
+            return fn(args)
+        except (ValueError, OSError) as e:
+            print(f"tpurec plan: {e}", file=sys.stderr)
             return 2
-        reports = [inspect.report_from_file(f) for f in args.files]
-        if args.action == "show":
-            _emit(reports[0], args.format, args.out)
-        else:
-            print(inspect.diff_reports(*reports))
-        return 0
-    except (ValueError, OSError) as e:
-        print(f"tpurec plan: {e}", file=sys.stderr)
+
+    return wrapper
+
+
+def _reports(args, want: int):
+    from tpurec.sharding import inspect
+
+    if len(args.files) != want:
+        print(f"tpurec plan {args.action}: needs {want} plan file(s)", file=sys.stderr)
+        return None
+    return [inspect.report_from_file(f) for f in args.files]
+
+
+@_guarded
+def _show(args) -> int:
+    reports = _reports(args, 1)
+    if reports is None:
         return 2
+    _emit(reports[0], args.format, args.out)
+    return 0
+
+
+@_guarded
+def _diff(args) -> int:
+    from tpurec.sharding import inspect
+
+    reports = _reports(args, 2)
+    if reports is None:
+        return 2
+    print(inspect.diff_reports(*reports))
+    return 0
+
+
+run = _guarded(_plan)  # `tpurec plan` without a sub-command

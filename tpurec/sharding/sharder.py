@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 import torch
-from torch import nn
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 from torchrec.distributed.embedding_lookup import GroupedPooledEmbeddingsLookup
@@ -203,7 +202,3 @@ class SparseCoreEBCSharder(EmbeddingBagCollectionSharder):
                                     num_sc_per_device=resolve_num_sparsecores(self.num_sparsecores, device_type),
                                     qcomm_codecs_registry=self.qcomm_codecs_registry, module_fqn=module_fqn)
 
-
-def sharded_tables(model: nn.Module) -> List[str]:
-    """Names of the tables running on tpurec's kernel anywhere in `model` (for diagnostics)."""
-    return [t for m in model.modules() if isinstance(m, ShardedSparseCoreEBC) for t in m._sc_tables]

@@ -6,33 +6,35 @@ int64 [N, 26], ``*_labels.npy`` int32 [N, 1], what ``BinaryCriteoUtils.tsv_to_np
 ``InMemoryBinaryCriteoIterDataPipe``. torchrec's loader reads every .npy into memory first (timed
 separately as ``torchrec_load_seconds``); its throughput is then slicing in-memory arrays, while
 tpurec's streaming figure includes Parquet decoding every epoch. ``tpurec_in_memory_samples_per_s``
-is the like-for-like figure: ``ParquetReader(cache=True)`` after its first epoch. Both are timed single-threaded on one core (tpurec with
-``prefetch=0``); the prefetching figure, which may use a second core, is reported beside it.
+is the like-for-like figure: ``ParquetReader(cache=True)`` after its first epoch. Both are timed
+single-threaded on one core (tpurec with ``prefetch=0``); the prefetching figure, which may use a
+second core, is reported beside it. Each reader gets ``passes`` timed epochs
+(`tpurec.bench.timer.repeat`, no warm-up) and the best one is kept. The ids are those of
+`tpurec.data.synth` (a continuous-approximation Zipf law; see `tpurec.bench.workloads`).
 """
 from __future__ import annotations
 
 import os
 import platform
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
+
+from tpurec.bench import timer
 
 BATCH = 8192
 
 
 def _time_iter(make_iter, passes: int) -> tuple[float, float, int]:
     """Best-of-``passes`` (wall samples/s, cpu samples/s, rows) of iterating ``make_iter()``."""
-    best, best_cpu, rows = 0.0, 0.0, 0
-    for _ in range(passes):
-        t, c = time.perf_counter(), time.process_time()
-        n = 0
-        for b in make_iter():
-            n += b.labels.shape[0]
-        wall, cpu = time.perf_counter() - t, time.process_time() - c
-        best, best_cpu, rows = max(best, n / wall), max(best_cpu, n / max(cpu, 1e-9)), n
-    return best, best_cpu, rows
+
+    def epoch() -> int:
+        return sum(b.labels.shape[0] for b in make_iter())
+
+    runs = timer.repeat(epoch, warmup=0, repeats=passes)
+    return (max(n / wall for n, wall in zip(runs.results, runs.wall)),
+            max(n / max(cpu, 1e-9) for n, cpu in zip(runs.results, runs.cpu)), runs.results[-1])
 
 
 def write_torchrec_npys(parquet_dir: str, npy_dir: str) -> tuple[list[str], list[str], list[str]]:
@@ -103,10 +105,10 @@ def run_bench(rows: int = 2_000_000, work_dir: str | None = None, table_set: str
         pq_dir, npy_dir, tsv_dir = root / "parquet", root / "npy", root / "tsv"
         for d in (npy_dir, tsv_dir):
             d.mkdir(parents=True, exist_ok=True)
-        t0 = time.perf_counter()
-        synthesize(rows, str(pq_dir), seed=0, table_set=table_set, show_progress=show_progress,
-                   overwrite=True, compression=compression)
-        synth_s = time.perf_counter() - t0
+        with timer.Stopwatch() as synth_time:
+            synthesize(rows, str(pq_dir), seed=0, table_set=table_set, show_progress=show_progress,
+                       overwrite=True, compression=compression)
+        synth_s = synth_time.wall
         dense_p, sparse_p, labels_p = write_torchrec_npys(str(pq_dir), str(npy_dir))
 
         def tpurec_iter(prefetch):
@@ -117,12 +119,12 @@ def run_bench(rows: int = 2_000_000, work_dir: str | None = None, table_set: str
         cached = ParquetReader(str(pq_dir), BATCH, prefetch=0, cache=True)
         for _ in cached:  # first epoch decodes and fills the cache, like torchrec's load
             pass
-        tp_mem, _, _ = _time_iter(lambda: cached, passes)
+        tp_mem, _, _ = _time_iter(lambda c=cached: c, passes)
         del cached
 
-        t = time.perf_counter()
-        tr = InMemoryBinaryCriteoIterDataPipe("train", dense_p, sparse_p, labels_p, BATCH, 0, 1)
-        tr_load = time.perf_counter() - t
+        with timer.Stopwatch() as load_time:
+            tr = InMemoryBinaryCriteoIterDataPipe("train", dense_p, sparse_p, labels_p, BATCH, 0, 1)
+        tr_load = load_time.wall
         tr_wall, tr_cpu, tr_rows = _time_iter(lambda: tr, passes)
         if tr_rows != tp_rows:
             raise RuntimeError(f"readers disagree on rows: tpurec {tp_rows}, torchrec {tr_rows}")
@@ -132,7 +134,8 @@ def run_bench(rows: int = 2_000_000, work_dir: str | None = None, table_set: str
         conv = convert([str(tsv)], str(root / "converted"),
                        ConvertOptions(criteo_schema()), jobs=1, show_progress=show_progress, overwrite=True)
         return {
-            "rows": tp_rows, "batch_size": BATCH, "parquet_compression": compression, "num_sparse": 26, "num_dense": 13, "table_set": table_set,
+            "rows": tp_rows, "batch_size": BATCH, "parquet_compression": compression, "num_sparse": 26,
+            "num_dense": 13, "table_set": table_set,
             "tpurec_samples_per_s": round(tp_wall), "tpurec_cpu_samples_per_s": round(tp_cpu),
             "tpurec_prefetch_samples_per_s": round(tp_pf),
             "torchrec_samples_per_s": round(tr_wall), "torchrec_cpu_samples_per_s": round(tr_cpu),
@@ -192,5 +195,6 @@ def _run(args) -> int:
     print(f"ratio vs torchrec        {res['ratio_vs_torchrec']:>12} streaming, "
           f"{res['ratio_in_memory_vs_torchrec']} in-memory, {res['ratio_vs_torchrec_with_load']} streaming vs "
           f"torchrec load+iterate")
-    print(f"converter                {res['converter_mb_per_s']:>12} MB/s ({res['converter_rows_per_s']:,} rows/s, 1 process)")
+    print(f"converter                {res['converter_mb_per_s']:>12} MB/s "
+          f"({res['converter_rows_per_s']:,} rows/s, 1 process)")
     return 0

@@ -3,10 +3,11 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from .helpers import REPO
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow

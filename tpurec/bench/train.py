@@ -11,7 +11,9 @@ gloo with one thread each. The two sides differ only in the sharding stack:
 
 Batches are read into memory before timing, so the reader is not part of the figure. Each side runs
 in its own `torch.distributed.run` job; the samples/s figure counts the timed steps only (after
-warm-up), across all ranks.
+warm-up), across all ranks. The sides take turns `--repeats` times (`tpurec.bench.timer.interleaved`)
+and each keeps its best run. The data are `tpurec.data.synth`'s (a continuous-approximation Zipf
+law; see `tpurec.bench.workloads`).
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ import json
 import os
 import subprocess
 import sys
+
+from tpurec.bench import timer
 
 TABLE_MODULE = "model.sparse_arch.embedding_bag_collection"
 # tpurec: its planner's plan (what `tpurec train` runs); tpurec-tw: tpurec's kernel on the stock
@@ -34,7 +38,7 @@ def register(sub) -> None:
     p.add_argument("--warmup", type=int, default=30, help="untimed steps first (default 30)")
     p.add_argument("--batch-size", type=int, default=512, help="batch per rank (default 512)")
     p.add_argument("--repeats", type=int, default=3,
-                   help="alternating runs per side, best kept (default 2; the host is shared)")
+                   help="alternating runs per side, best kept (default 3; the host is shared)")
     p.set_defaults(run=run_cli)
 
 
@@ -61,12 +65,10 @@ def run(nproc: int = 2, steps: int = 300, warmup: int = 30, batch_size: int = 51
 
     rows = max(100_000, int((steps + warmup) * batch_size * nproc * 1.1) + 1)
     data = ensure_synth("dlrm-tiny", rows, 0, say=lambda m: print(m, file=sys.stderr))
-    best: dict[str, dict] = {}
-    for _ in range(repeats):
-        for side in SIDES:
-            r = _launch(side, data, nproc, steps, warmup, batch_size)
-            if side not in best or r["samples_per_s"] > best[side]["samples_per_s"]:
-                best[side] = r
+    # Each launch reports its own timed region; the parent's clock would include process start-up.
+    runs = timer.interleaved([lambda side=side: _launch(side, data, nproc, steps, warmup, batch_size)
+                              for side in SIDES], warmup=0, repeats=repeats)
+    best = {side: max(r.results, key=lambda x: x["samples_per_s"]) for side, r in zip(SIDES, runs)}
     t, s, tw = best["tpurec"], best["torchrec"], best["tpurec-tw"]
     return {
         "model": "dlrm-tiny", "nproc": nproc, "batch_size_per_rank": batch_size, "steps": steps,
@@ -85,7 +87,7 @@ def run(nproc: int = 2, steps: int = 300, warmup: int = 30, batch_size: int = 51
 
 def _launch(side, data, nproc, steps, warmup, batch_size) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "tpurec.dlrm.bench", "--side", side, "--data", str(data), "--steps", str(steps),
+           "-m", "tpurec.bench.train", "--side", side, "--data", str(data), "--steps", str(steps),
            "--warmup", str(warmup), "--batch-size", str(batch_size)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -97,14 +99,17 @@ def _launch(side, data, nproc, steps, warmup, batch_size) -> dict:
 
 def format_table(r: dict) -> str:
     return "\n".join([
-        f"DLRM training throughput: {r['model']}, {r['nproc']} ranks x 1 thread, batch {r['batch_size_per_rank']}/rank, "
+        f"DLRM training throughput: {r['model']}, {r['nproc']} ranks x 1 thread, "
+        f"batch {r['batch_size_per_rank']}/rank, "
         f"{r['steps']} timed steps (best of {r['repeats']})",
         f"  tpurec DMP (tpurec planner, SparseCore CPU reference)  {r['tpurec_samples_per_s']:>12,.0f} samples/s",
         f"  stock TorchRec DMP (FBGEMM fused, table-wise)          {r['torchrec_samples_per_s']:>12,.0f} samples/s",
-        f"  tpurec DMP on the stock side's table-wise plan         {r['tpurec_table_wise_samples_per_s']:>12,.0f} samples/s",
+        f"  tpurec DMP on the stock side's table-wise plan         "
+        f"{r['tpurec_table_wise_samples_per_s']:>12,.0f} samples/s",
         f"  ratio_vs_torchrec (planner's plan)                     {r['ratio_vs_torchrec']:>12.3f}",
         f"  ratio_table_wise_vs_torchrec                           {r['ratio_table_wise_vs_torchrec']:>12.3f}",
-        f"  per CPU-second: tpurec {r['tpurec_cpu_samples_per_s']:,.0f}, torchrec {r['torchrec_cpu_samples_per_s']:,.0f}, "
+        f"  per CPU-second: tpurec {r['tpurec_cpu_samples_per_s']:,.0f}, "
+        f"torchrec {r['torchrec_cpu_samples_per_s']:,.0f}, "
         f"ratio {r['ratio_vs_torchrec_cpu']:.3f}",
         f"  plans: tpurec {r['tpurec_plan']}; torchrec {r['torchrec_plan']}",
     ])
@@ -145,13 +150,12 @@ def _plan_text(dmp) -> str:
 
 def worker(side: str, data: str, steps: int, warmup: int, batch_size: int) -> dict | None:
     import itertools
-    import time
 
     import torch
     import torch.distributed as dist
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-    from tpurec.data import ParquetReader
+    from tpurec.data.reader import ParquetReader
     from tpurec.dlrm.configs import get_config, override
     from tpurec.dlrm.model import build_model, build_optimizer, shard
 
@@ -173,12 +177,13 @@ def worker(side: str, data: str, steps: int, warmup: int, batch_size: int) -> di
     for _ in range(warmup):
         pipeline.progress(it)
     dist.barrier()
-    t0, c0 = time.perf_counter(), time.process_time()
-    for _ in range(steps):  # the pipeline drains its in-flight batches once the list runs out
-        loss = pipeline.progress(it)[0]
-    cpu = torch.tensor([time.process_time() - c0], dtype=torch.float64)
-    dist.barrier()
-    seconds = time.perf_counter() - t0
+    with timer.Stopwatch() as wall:  # until every rank is done
+        with timer.Stopwatch() as mine:  # this rank's CPU time, barrier wait excluded
+            for _ in range(steps):  # the pipeline drains its in-flight batches once the list runs out
+                loss = pipeline.progress(it)[0]
+        dist.barrier()
+    cpu = torch.tensor([mine.cpu], dtype=torch.float64)
+    seconds = wall.wall
     dist.all_reduce(cpu)  # CPU-seconds of all ranks: steadier than wall time on a busy host
     samples = steps * batch_size * world
     out = {"side": side, "samples_per_s": round(samples / seconds, 1), "seconds": round(seconds, 3),
@@ -191,7 +196,7 @@ def worker(side: str, data: str, steps: int, warmup: int, batch_size: int) -> di
 def main(argv=None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m tpurec.dlrm.bench", description="one rank of tpurec bench train")
+    p = argparse.ArgumentParser(prog="python -m tpurec.bench.train", description="one rank of tpurec bench train")
     p.add_argument("--side", choices=SIDES, required=True)
     p.add_argument("--data", required=True)
     p.add_argument("--steps", type=int, default=300)

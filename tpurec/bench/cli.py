@@ -10,10 +10,10 @@ import importlib
 
 # name -> module implementing `tpurec bench NAME`.
 BENCHES: dict[str, str] = {
-    "data": "tpurec.data.bench",
-    "kernels": "tpurec.embedding.bench_kernels",
-    "preprocess": "tpurec.embedding.bench_preprocess",
-    "train": "tpurec.dlrm.bench",
+    "data": "tpurec.bench.data",
+    "kernels": "tpurec.bench.kernels",
+    "preprocess": "tpurec.bench.preprocess",
+    "train": "tpurec.bench.train",
 }
 
 

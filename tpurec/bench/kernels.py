@@ -1,7 +1,8 @@
 """`tpurec bench kernels`: a training step of the embedding layer, side by side in one run.
 
 Workload (the issue's): 26 tables x 100k rows x dim 64, batch 2048, pooling factor 1 and 20,
-Zipf(1.05) ids. A step is forward + backward with row-wise Adagrad applied:
+Zipf(1.05) ids (`tpurec.bench.workloads.zipf_ids`: numpy's discrete law folded into the table, hot ids
+scattered by a fixed permutation). A step is forward + backward with row-wise Adagrad applied:
 
 * tpurec: SparseCoreEmbeddingBagCollection on the CPU reference, preprocessing included;
 * fbgemm: FBGEMM's CPU TBE (SplitTableBatchedEmbeddingBagsCodegen, EXACT_ROWWISE_ADAGRAD);
@@ -14,15 +15,17 @@ run with the same torch thread count (1 by default: FBGEMM's fused backward is s
 """
 from __future__ import annotations
 
+import itertools
 import json
-import statistics
-import time
+
+from tpurec.bench import timer, workloads
 
 NUM_TABLES, ROWS, DIM, BATCH = 26, 100_000, 64, 2048
 
 
 def register(sub) -> None:
-    p = sub.add_parser("kernels", help="embedding training step: tpurec CPU reference vs FBGEMM CPU TBE vs nn.EmbeddingBag")
+    p = sub.add_parser("kernels",
+                       help="embedding training step: tpurec CPU reference vs FBGEMM CPU TBE vs nn.EmbeddingBag")
     p.add_argument("--quick", action="store_true", help="fewer repetitions (same shapes)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--threads", type=int, default=1,
@@ -41,40 +44,21 @@ def run_cli(args) -> int:
     return 0
 
 
-def zipf_ids(rng, n: int, rows: int, alpha: float = 1.05):
-    import numpy as np
-
-    z = rng.zipf(alpha, n)
-    # Hot ids scattered over the table rather than packed at row 0 (a fixed permutation).
-    perm = np.random.default_rng(12345).permutation(rows)
-    return perm[(z - 1) % rows]
-
-
 def make_batches(pooling: int, count: int, seed: int = 0, num_tables=NUM_TABLES, rows=ROWS, batch=BATCH):
+    """`count` KJTs of `num_tables` features, every bag `pooling` Zipf ids scattered over the table."""
     import numpy as np
-    import torch
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     rng = np.random.default_rng(seed)
     keys = [f"f{i}" for i in range(num_tables)]
-    out = []
-    for _ in range(count):
-        lengths = np.full(num_tables * batch, pooling, dtype=np.int64)
-        values = np.concatenate([zipf_ids(rng, batch * pooling, rows) for _ in keys])
-        out.append(KeyedJaggedTensor(keys=keys, values=torch.from_numpy(values), lengths=torch.from_numpy(lengths)))
-    return out
+    return [workloads.kjt(workloads.fixed_pooling_ids(rng, num_tables, batch, pooling, rows,
+                                                      scatter_seed=workloads.SCATTER_SEED), keys)
+            for _ in range(count)]
 
 
 def _time_steps(step, batches, repeats: int) -> float:
     """Median seconds per step over `repeats` passes of the batches, after one warm-up step."""
-    step(batches[0])
-    times = []
-    for _ in range(repeats):
-        for b in batches:
-            t0 = time.perf_counter()
-            step(b)
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    batch = itertools.cycle(batches).__next__
+    return timer.repeat(lambda: step(batch()), warmup=1, repeats=repeats * len(batches)).median
 
 
 def _tpurec(num_tables, rows, dim):
@@ -146,15 +130,11 @@ def gather_roofline(repeats: int = 5, rows: int = NUM_TABLES * ROWS, n: int = 1_
     table = torch.randn(rows, DIM)
     rng = np.random.default_rng(0)
     out = {}
-    for name, ids in (("uniform", rng.integers(0, table.shape[0], n)), ("zipf", zipf_ids(rng, n, table.shape[0]))):
+    for name, ids in (("uniform", rng.integers(0, table.shape[0], n)),
+                      ("zipf", workloads.zipf_ids(rng, n, table.shape[0], scatter_seed=workloads.SCATTER_SEED))):
         idx = torch.from_numpy(ids)
-        table.index_select(0, idx)
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            table.index_select(0, idx)
-            ts.append(time.perf_counter() - t0)
-        out[f"gather_rows_per_s_{name}"] = n / statistics.median(ts)
+        runs = timer.repeat(lambda idx=idx: table.index_select(0, idx), warmup=1, repeats=repeats)
+        out[f"gather_rows_per_s_{name}"] = n / runs.median
     out["gather_gb_per_s_uniform"] = out["gather_rows_per_s_uniform"] * DIM * 4 * 2 / 1e9  # read + write
     return out
 
@@ -203,11 +183,13 @@ def run(quick: bool = False, threads: int | None = None, poolings=(1, 20), num_t
 def format_table(r: dict) -> str:
     lines = [f"embedding training step, {r['workload']['tables']} tables x {r['workload']['rows']} rows x dim "
              f"{r['workload']['dim']}, batch {r['workload']['batch']}, zipf(1.05), {r['threads']} torch threads",
-             f"{'pooling':>8} {'tpurec M/s':>11} {'fbgemm M/s':>11} {'torch M/s':>10} {'vs fbgemm':>10} {'vs torch':>9}"]
+             f"{'pooling':>8} {'tpurec M/s':>11} {'fbgemm M/s':>11} {'torch M/s':>10} {'vs fbgemm':>10} "
+             f"{'vs torch':>9}"]
     for key, e in r.items():
         if key.startswith("pooling_"):
-            lines.append(f"{key[8:]:>8} {e['tpurec_lookups_per_s'] / 1e6:>11.2f} {e['fbgemm_lookups_per_s'] / 1e6:>11.2f} "
-                         f"{e['torch_lookups_per_s'] / 1e6:>10.2f} {e['ratio_vs_fbgemm']:>9.2f}x {e['ratio_vs_torch']:>8.2f}x")
+            lines.append(f"{key[8:]:>8} {e['tpurec_lookups_per_s'] / 1e6:>11.2f} "
+                         f"{e['fbgemm_lookups_per_s'] / 1e6:>11.2f} {e['torch_lookups_per_s'] / 1e6:>10.2f} "
+                         f"{e['ratio_vs_fbgemm']:>9.2f}x {e['ratio_vs_torch']:>8.2f}x")
     rf = r["roofline"]
     lines.append(f"roofline: index_select {rf['gather_rows_per_s_uniform'] / 1e6:.1f} M rows/s uniform "
                  f"({rf['gather_gb_per_s_uniform']:.1f} GB/s), {rf['gather_rows_per_s_zipf'] / 1e6:.1f} M rows/s zipf")

@@ -1,7 +1,8 @@
 """`tpurec bench preprocess`: tpurec's SparseCore input preprocessing vs jax-tpu-embedding's C++ one.
 
 Workload (defaults): 26 features, one table each of 100k rows, device batch 2048, every bag exactly
-`pooling` ids (1 and 20), ids Zipf(1.05) folded into the vocabulary ((z - 1) mod 100k), weights 1,
+`pooling` ids (1 and 20), ids Zipf(1.05) folded into the vocabulary ((z - 1) mod 100k, hot ids at the
+first rows: `tpurec.bench.workloads.zipf_ids` without scattering), weights 1,
 num_sc_per_device=4, one device (P = 4). Limits are taken from the data (per table: the largest
 observed ids / unique ids per partition, rounded up to 8), so nothing drops and both sides build
 the same buffers; the first table's outputs are compared once (`outputs_match`).
@@ -16,41 +17,23 @@ One step = the 26 tables preprocessed:
   created on the process's first C++ preprocessing call, so the variable only takes effect in a
   process that has not preprocessed yet (a fresh `tpurec bench preprocess` always is).
 
-Both get `warmup` untimed steps, then `repeats` timed steps, taking turns step by step (so load
-from other processes hits both alike); the median step time gives samples/s = batch / median. The C++ path logs a buffer-usage warning per table per call to stderr;
-fd 2 is sent to /dev/null while it runs. Top-level figures are those of the pooling factor with
-the worse tpurec/jte ratio (named in `worst_pooling`); per-pooling figures are under pooling_<pf>.
+Both get `warmup` untimed steps, then `repeats` timed steps, taking turns step by step
+(`tpurec.bench.timer.interleaved`, so load from other processes hits both alike); the median step
+time gives samples/s = batch / median. The C++ path logs a buffer-usage warning per table per call
+to stderr; fd 2 is sent to /dev/null while it runs. Top-level figures are those of the pooling
+factor with the worse tpurec/jte ratio (named in `worst_pooling`); per-pooling figures are under
+pooling_<pf>.
 """
 from __future__ import annotations
 
 import os
 import platform
-import statistics
-import time
 
 import numpy as np
 
+from tpurec.bench import timer, workloads
+
 NUM_SC = 4
-
-
-def make_ids(rng: np.random.Generator, batch_size: int, pooling: int, vocab: int, zipf_a: float) -> np.ndarray:
-    """[batch, pooling] int64 ids: Zipf(a) ranks folded into the vocabulary."""
-    return (rng.zipf(zipf_a, (batch_size, pooling)) - 1) % vocab
-
-
-def _median_steps(fns, warmup: int, repeats: int) -> list[float]:
-    """Median wall time of each step function; the functions take turns, so that load from other
-    processes on the machine falls on all of them alike."""
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
-    times = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, ts in zip(fns, times):
-            t = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t)
-    return [statistics.median(ts) for ts in times]
 
 
 class _Quiet:
@@ -74,7 +57,7 @@ def _bench_pooling(pooling, *, batch_size, num_features, vocab, zipf_a, seed, wa
     from tpurec.embedding.preprocess import preprocess, preprocess_tables
 
     rng = np.random.default_rng(seed + pooling)
-    ids2d = [make_ids(rng, batch_size, pooling, vocab, zipf_a) for _ in range(num_features)]
+    ids2d = workloads.fixed_pooling_ids(rng, num_features, batch_size, pooling, vocab, zipf_a)
     sample = torch.arange(batch_size).repeat_interleave(pooling)
     gains = torch.ones(batch_size * pooling, dtype=torch.float32)
     ours_in = [(torch.from_numpy(x.reshape(-1)), sample, gains) for x in ids2d]
@@ -124,7 +107,8 @@ def _bench_pooling(pooling, *, batch_size, num_features, vocab, zipf_a, seed, wa
     ours, _ = tpurec_step()[0]
     m = theirs.sparse_dense_matmul_input
     rp = m.lhs_row_pointers["t0"]
-    match = bool(np.array_equal(ours.row_pointers.numpy(), rp)) and ours.embedding_ids.numel() == m.lhs_embedding_ids["t0"].size
+    match = (bool(np.array_equal(ours.row_pointers.numpy(), rp))
+             and ours.embedding_ids.numel() == m.lhs_embedding_ids["t0"].size)
     if match:
         slots = ours.embedding_ids.numel() // NUM_SC
         ends = rp.reshape(NUM_SC, -1)[:, -1]
@@ -134,7 +118,8 @@ def _bench_pooling(pooling, *, batch_size, num_features, vocab, zipf_a, seed, wa
             match &= np.array_equal(ours.sample_ids.numpy()[sl], m.lhs_sample_ids["t0"][sl])
 
     with _Quiet():
-        t_ours, t_jte, t_loop = _median_steps([tpurec_step, jte_step, tpurec_loop_step], warmup, repeats)
+        t_ours, t_jte, t_loop = (r.median for r in timer.interleaved([tpurec_step, jte_step, tpurec_loop_step],
+                                                                      warmup=warmup, repeats=repeats))
     return {
         "tpurec_samples_per_s": batch_size / t_ours,
         "jte_samples_per_s": batch_size / t_jte,
@@ -205,7 +190,8 @@ def run(quick: bool = False, as_json: bool = False, *, batch_size: int = 2048, n
 
         print(json.dumps(res, indent=2))
     else:
-        print(f"SparseCore preprocessing: {num_features} tables x batch {batch_size}, Zipf({zipf_a}) over {vocab:,} rows, "
+        print(f"SparseCore preprocessing: {num_features} tables x batch {batch_size}, "
+              f"Zipf({zipf_a}) over {vocab:,} rows, "
               f"{NUM_SC} SparseCores, 1 device, {threads} threads each")
         for k, v in per.items():
             print(f"  {k:11s} tpurec {v['tpurec_samples_per_s']:>12,.0f} samples/s  jax-tpu-embedding "

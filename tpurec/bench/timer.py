@@ -1,0 +1,74 @@
+"""The one timer every `tpurec bench` benchmark uses: warm-up runs, then timed runs, every run kept.
+
+Benchmarks compare contestants on a shared, often busy host, so each timed run is recorded (wall and
+process CPU seconds, and what the run returned) and the benchmark picks its statistic: the median
+(kernels, preprocess) or the best run (data, train: the run least disturbed by other processes).
+`interleaved` lets contestants take turns run by run, so load from other processes falls on all of
+them alike. torch.utils.benchmark.Timer was considered: it times one statement at a time (no turns),
+reports no CPU time and resets torch's thread count to its own `num_threads`, which the benchmarks
+set themselves.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+
+class Stopwatch:
+    """Wall and process-CPU seconds of a `with` block (for regions that are not a repeatable call)."""
+
+    wall: float = 0.0
+    cpu: float = 0.0
+
+    def __enter__(self) -> Stopwatch:
+        self._t, self._c = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.wall = time.perf_counter() - self._t
+        self.cpu = time.process_time() - self._c
+
+
+@dataclass
+class Runs:
+    """Every timed run of one contestant: seconds (wall, process CPU) and the call's return value."""
+
+    wall: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
+    results: list[Any] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        """Median wall seconds of a run."""
+        return statistics.median(self.wall)
+
+    @property
+    def best(self) -> float:
+        """Fewest wall seconds of a run."""
+        return min(self.wall)
+
+    def add(self, sw: Stopwatch, result: Any) -> None:
+        self.wall.append(sw.wall)
+        self.cpu.append(sw.cpu)
+        self.results.append(result)
+
+
+def interleaved(fns: Sequence[Callable[[], Any]], *, warmup: int, repeats: int) -> list[Runs]:
+    """`warmup` untimed rounds, then `repeats` timed rounds; in each round every fn runs once, in order."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    out = [Runs() for _ in fns]
+    for _ in range(repeats):
+        for fn, runs in zip(fns, out):
+            with Stopwatch() as sw:
+                result = fn()
+            runs.add(sw, result)
+    return out
+
+
+def repeat(fn: Callable[[], Any], *, warmup: int, repeats: int) -> Runs:
+    """`warmup` untimed calls of fn, then `repeats` timed ones."""
+    return interleaved([fn], warmup=warmup, repeats=repeats)[0]
