@@ -79,3 +79,27 @@ def test_meta_device_model_is_planned_and_materialised_at_world_size_2():
         assert "customized_kernel" in r["plan"]
         assert r["size"] == (4000, 16)
         assert r["dense_on_cpu"]
+
+
+def test_without_a_fused_optimizer_tables_train_with_torchrecs_default_sgd():
+    """TorchRec's fused kernel trains with EXACT_SGD (lr 0.01) when no apply_optimizer_in_backward was
+    given; tpurec does the same (and says so once) instead of refusing."""
+    code = textwrap.dedent("""
+        import torch, tpurec
+        from torchrec.modules.embedding_configs import EmbeddingBagConfig
+        from torchrec.modules.embedding_modules import EmbeddingBagCollection
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+        ebc = EmbeddingBagCollection([EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=10,
+                                                         feature_names=["f"])], device=torch.device("meta"))
+        dmp = tpurec.DistributedModelParallel(ebc, device="cpu")
+        kjt = KeyedJaggedTensor(keys=["f"], values=torch.tensor([3]), lengths=torch.tensor([1]))
+        before = dmp.state_dict()["embedding_bags.t.weight"].local_shards()[0].tensor[3].clone()
+        dmp(kjt).values().sum().backward()  # d(sum)/d(row 3) = 1 in every column
+        after = dmp.state_dict()["embedding_bags.t.weight"].local_shards()[0].tensor[3]
+        print("DELTA", float((before - after).mean()))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    delta = float([x for x in out.stdout.splitlines() if x.startswith("DELTA")][0].split()[1])
+    assert delta == pytest.approx(0.01, rel=1e-5)
+    assert out.stderr.count("training with EXACT_SGD, lr=0.01") == 1

@@ -9,6 +9,7 @@ optimizer is adding a module here; nothing in this file or elsewhere lists them.
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import pkgutil
 import sys
@@ -75,20 +76,38 @@ def _resolves_to(cls, optimizer: type) -> bool:
         return False
 
 
+# TorchRec's fused kernel (FBGEMM's SplitTableBatchedEmbeddingBagsCodegen) trains with these when the
+# sharder's fused params name no optimizer (no apply_optimizer_in_backward): optimizer=EXACT_SGD,
+# learning_rate=0.01 (fbgemm_gpu/split_table_batched_embeddings_ops_training.py defaults).
+TORCHREC_DEFAULT_OPTIMIZER = "sgd"
+TORCHREC_DEFAULT_LEARNING_RATE = 0.01
+_logged_default = False
+
+
 def spec_from_fused_params(fused_params: Mapping[str, Any] | None, table: str) -> "OptimizerSpec":
     """The spec from the per-table fused params TorchRec's sharder builds out of
-    `apply_optimizer_in_backward(...)` (an FBGEMM `EmbOptimType` under "optimizer" plus the kwargs)."""
+    `apply_optimizer_in_backward(...)` (an FBGEMM `EmbOptimType` under "optimizer" plus the kwargs).
+    No optimizer at all means what it means to TorchRec's fused kernel: EXACT_SGD (logged once)."""
+    global _logged_default
     fp = dict(fused_params or {})
     opt = fp.get("optimizer")
-    classes = spec_classes().values()
-    for cls in classes:
-        if opt is not None and getattr(opt, "value", opt) in cls.fbgemm_names():
+    classes = spec_classes()
+    if opt is None:
+        fp.setdefault("learning_rate", TORCHREC_DEFAULT_LEARNING_RATE)
+        spec = classes[TORCHREC_DEFAULT_OPTIMIZER].from_fused_params(fp)
+        if not _logged_default:
+            logging.getLogger(__name__).warning(
+                "table %r (and any other without one): no fused optimizer given (apply_optimizer_in_backward); "
+                "training with EXACT_SGD, lr=%s, as TorchRec's fused kernel does", table, spec.lr)
+            _logged_default = True
+        return spec
+    for cls in classes.values():
+        if getattr(opt, "value", opt) in cls.fbgemm_names():
             return cls.from_fused_params(fp)
-    names = "|".join(cls.torch_class_name() for cls in classes)
+    names = "|".join(cls.torch_class_name() for cls in classes.values())
     raise ValueError(
-        f"table {table!r}: the SparseCore kernel needs a fused optimizer; call "
-        f"torchrec.optim.apply_optimizer_in_backward(<{names}>, params, kwargs) on the "
-        f"unsharded model (got optimizer={opt!r})"
+        f"table {table!r}: optimizer={opt!r} has no fused SparseCore update; use "
+        f"torchrec.optim.apply_optimizer_in_backward(<{names}>, params, kwargs) on the unsharded model"
     )
 
 
