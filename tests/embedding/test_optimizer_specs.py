@@ -73,7 +73,13 @@ def test_state_bytes_per_row_follow_the_state_shapes():
 
 def test_unknown_fused_params_name_the_optimizers():
     with pytest.raises(ValueError, match=r"table 't': .*apply_optimizer_in_backward\(<.*RowWiseAdagrad.*>"):
-        registry.spec_from_fused_params({}, "t")
+        registry.spec_from_fused_params({"optimizer": "lars_sgd"}, "t")
+
+
+def test_no_fused_optimizer_means_torchrecs_default_exact_sgd():
+    spec = registry.spec_from_fused_params({}, "t")
+    assert spec.name == "sgd" and spec.lr == 0.01
+    assert registry.spec_from_fused_params({"learning_rate": 0.3}, "t").lr == 0.3
 
 
 TOY = '''
