@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tpurec.embedding.constraints import check_dim, csr_buffer_bytes, padded_rows
+from tpurec.embedding.constraints import csr_buffer_bytes, padded_rows
 from tpurec.embedding.layout import build_stacks
 
 
@@ -59,11 +59,19 @@ def test_stacking_groups_by_dim_in_order():
     assert [[t.name for t in s.tables] for s in unstacked] == [["a"], ["b"], ["c"]]
 
 
-def test_dim_must_be_multiple_of_8_with_clear_error():
-    with pytest.raises(ValueError, match=r"table 'x': embedding_dim=12 .* multiple of 8.*use 16"):
-        check_dim("x", 12)
-    with pytest.raises(ValueError, match="embedding_dim=12"):
-        build_stacks([("x", 10, 12)], 2)
+def test_any_dim_is_stored_8_wide_and_read_at_its_own_width():
+    (stack,) = build_stacks([("x", 10, 12)], 2)
+    assert (stack.dim, stack.storage_dim) == (12, 16)
+    phys = torch.zeros(stack.total_rows, stack.storage_dim)
+    value = torch.randn(10, 12)
+    stack.write_table(phys, "x", value)
+    view = stack.read_table(phys, "x")
+    assert view.shape == (10, 12) and torch.equal(view, value) and view.data_ptr() == phys.data_ptr()
+    assert torch.equal(phys[:, 12:], torch.zeros(stack.total_rows, 4))  # padding columns stay zero
+    with pytest.raises(ValueError, match=r"expected shape \(10, 12\)"):
+        stack.write_table(phys, "x", torch.zeros(10, 16))
+    with pytest.raises(ValueError, match="embedding_dim must be positive"):
+        build_stacks([("y", 10, 0)], 2)
 
 
 def test_buffer_and_padding_arithmetic():

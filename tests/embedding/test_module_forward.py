@@ -78,9 +78,6 @@ def test_bad_inputs_have_clear_errors():
         sc(KeyedJaggedTensor(keys=["f1", "f2", "f3"], values=torch.tensor([0, 0, 0]), lengths=lengths[:3]))
     with pytest.raises(TypeError, match="ids must be integers"):
         sc(KeyedJaggedTensor(keys=["f1", "f2", "f3", "f4"], values=torch.tensor([0.0, 0, 0, 0]), lengths=lengths))
-    with pytest.raises(ValueError, match="embedding_dim=12"):
-        SparseCoreEmbeddingBagCollection(
-            [EmbeddingBagConfig(name="bad", embedding_dim=12, num_embeddings=4, feature_names=["x"])], torch.optim.SGD)
     with pytest.raises(ValueError, match="momentum=0.9 is not supported"):
         SparseCoreEmbeddingBagCollection(tables, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
     with pytest.raises(ValueError, match="has no fused SparseCore update"):

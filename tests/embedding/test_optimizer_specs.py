@@ -115,7 +115,7 @@ class ToySpec(OptimizerSpec):
     def initial_value(self, state):
         return 0.0
 
-    def apply_update(self, csr, table, states, grad, lr, step, computation_name="toy"):
+    def apply_update(self, csr, table, states, grad, lr, step, computation_name="toy", dim=None):
         torch.ops.tpurec.sparse_dense_matmul_grad_with_sgd(*op_head(csr, table), grad, lr / 2, *op_tail(csr),
                                                            computation_name)
         states[0].add_(1.0)

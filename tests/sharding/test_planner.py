@@ -84,10 +84,18 @@ def test_refusal_from_partitioner_not_only_fast_path():
                constraints=pooling_constraints({"big": 1, "small": 1}, tw))
 
 
-def test_dim_not_multiple_of_8_is_rejected():
+def test_any_dim_is_planned_and_counted_at_its_padded_width():
+    # TorchRec accepts dim 12; the kernel stores it 16 wide, and the storage estimate says so.
     ebc = ebc_for([EmbeddingBagConfig(name="odd", embedding_dim=12, num_embeddings=100, feature_names=["f"])])
-    with pytest.raises(ValueError, match="multiple of 8"):
-        P.plan(ebc, make_topology("v5p-8"), batch_size=8)
+    plan = P.plan(ebc, make_topology("v5p-8"), batch_size=8)
+    assert plan.plan[""]["odd"].compute_kernel == "customized_kernel"
+    from tpurec.sharding.estimators import shard_cost
+
+    def weights(dim):
+        return shard_cost(sharding_type="table_wise", rows=100, cols=dim, pooling_factor=1.0, batch_per_device=8,
+                          world_size=8, num_shards=1, spec=make_topology("v5p-8").spec, optimizer="sgd").weights
+
+    assert weights(12) == weights(16) > weights(8)
 
 
 def test_data_parallel_never_chosen_even_if_sharder_offers_it():

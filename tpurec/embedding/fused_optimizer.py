@@ -36,6 +36,17 @@ class KernelEntry:
     state: str | None  # an optimizer state name, or None for the table's weight
     tensor: torch.Tensor  # a view of the kernel's storage (a ShardedTensor's local shard under sharding)
 
+    @property
+    def copied(self) -> bool:
+        """True when `tensor` is a copy, not a view: a table stored wider than its dim (padded for the
+        SparseCore) read into a contiguous ShardedTensor shard. Copies refresh and write back."""
+        return self.tensor.data_ptr() != self.read().data_ptr()
+
+    def read(self) -> torch.Tensor:
+        if self.state is None:
+            return self.kernel.read_weight(self.table)
+        return self.kernel.read_state(self.table, self.state)
+
     def write(self) -> None:
         # A view already holds what was loaded into it; a tensor that replaced it (load_state_dict
         # may assign) is copied in. Weights are restored through the module's state_dict instead.
@@ -109,8 +120,12 @@ class KernelFusedOptimizer(FusedOptimizer):
         return tuple(k.step_count(t) for k in self._kernels for t in k.table_names)
 
     def _refresh(self) -> None:
-        """Mirror the kernels' step counts into the step scalars (tables and state are views)."""
+        """Mirror the kernels' step counts into the step scalars, and their storage into any copies
+        (tables and state are views otherwise)."""
         with torch.no_grad():
+            for e in self.__dict__.get("_entries", []):
+                if e.copied:
+                    e.tensor.copy_(e.read())
             for s in self.__dict__.get("_step_entries", []):
                 s.tensor.fill_(max((k.step_count(t) for k, t in s.tables), default=0))
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from tpurec.embedding import ops  # noqa: F401  (registers torch.ops.tpurec.*)
-from tpurec.embedding.constraints import SEGMENT_ALIGN, round_up
+from tpurec.embedding.constraints import DIM_ALIGN, SEGMENT_ALIGN, round_up
 from tpurec.embedding.layout import StackLayout, build_stacks
 from tpurec.embedding.optimizers.base import OptimizerSpec
 from tpurec.embedding.preprocess import IdLimitExceededError, PreprocessStats, SparseCoreInput, preprocess
@@ -64,13 +64,17 @@ class SparseCoreKernel(nn.Module):
         stack_tables: bool = True,
         positional: bool = False,
         fixed_limits: bool | None = None,
+        pad_dims: bool | None = None,
     ) -> None:
         """fixed_limits: keep each stack's id limits (and so every buffer shape) the same for every
         batch. Default: on a tpu device, where TorchTPU compiles the limits into the program (a limit
         sized to each batch would recompile every step); elsewhere limits left as None follow each
         batch. Fixed limits come from max_ids_per_partition / max_unique_ids_per_partition when given,
         else from the first batch (twice its fullest partition, 8-aligned); a later batch over them is
-        dropped down to them (allow_id_dropping, counted in dropped_id_count) or refused."""
+        dropped down to them (allow_id_dropping, counted in dropped_id_count) or refused.
+
+        pad_dims: store rows padded to 8 floats, as the SparseCore needs (layout.py). Default: on a
+        tpu device only; tests force it on CPU to exercise the padded path."""
         super().__init__()
         # positional: the KJT's k-th key feeds the k-th feature of feature_order (TorchRec's sharded
         # lookups pass keys in table order and may repeat a feature for column shards).
@@ -109,8 +113,11 @@ class SparseCoreKernel(nn.Module):
         self.feature_order = [f for t in self.tables for f in t.feature_names]
         self.feature_dims = [self._feature_table[f].embedding_dim for f in self.feature_order]
 
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        if pad_dims is None:
+            pad_dims = device.type == "tpu"
         layouts = build_stacks([(t.name, t.num_embeddings, t.embedding_dim) for t in self.tables],
-                               num_sc_per_device, stack=stack_tables)
+                               num_sc_per_device, stack=stack_tables, pad_to=DIM_ALIGN if pad_dims else 1)
         self.stacks: list[_StackPlan] = []
         for lay in layouts:
             plan = _StackPlan(lay)
@@ -151,9 +158,10 @@ class SparseCoreKernel(nn.Module):
         device = torch.device(device) if device is not None else torch.device("cpu")
         for i, plan in enumerate(self.stacks):
             lay = plan.layout
-            self.register_buffer(f"weight_{i}", torch.zeros(lay.total_rows, lay.dim, device=device), persistent=False)
+            self.register_buffer(f"weight_{i}", torch.zeros(lay.total_rows, lay.storage_dim, device=device),
+                                 persistent=False)
             for s in optimizer.state_names:
-                shape = optimizer.state_shape(s, lay.total_rows, lay.dim)
+                shape = optimizer.state_shape(s, lay.total_rows, lay.storage_dim)
                 init = optimizer.initial_value(s)
                 self.register_buffer(f"{s}_{i}", torch.full(shape, init, device=device), persistent=False)
         self.reset_parameters()
@@ -265,10 +273,12 @@ class SparseCoreKernel(nn.Module):
         per_stack = []
         for i, (plan, csr) in enumerate(zip(self.stacks, csrs)):
             out = _FusedLookup.apply(trigger, self, i, csr)
-            n, dim = len(plan.features), plan.layout.dim
-            # [features * padded, dim] -> [batch, features * dim]: one reshape, so backward is one copy
-            # (per-feature indexing would cost a full-size zero fill per feature in backward).
-            per_stack.append(out.view(n, padded, dim)[:, :batch].transpose(0, 1).reshape(batch, n * dim))
+            n, dim, width = len(plan.features), plan.layout.dim, plan.layout.storage_dim
+            # [features * padded, width] -> [batch, features * dim]: one reshape, so backward is one copy
+            # (per-feature indexing would cost a full-size zero fill per feature in backward); columns
+            # past dim are storage padding to the SparseCore's 8 and are cut here.
+            block = out.view(n, padded, width)[:, :batch, :dim]
+            per_stack.append(block.transpose(0, 1).reshape(batch, n * dim))
         if not self.feature_order:
             return torch.zeros(batch, 0)
         if self._stacked_order == self.feature_order:
@@ -363,7 +373,7 @@ class SparseCoreKernel(nn.Module):
         self._steps[i] += 1
         states = [self.stack_state(i, s) for s in self.optimizer.state_names]
         self.optimizer.apply_update(csr, self.stack_weight(i), states, grad, lr, self._steps[i],
-                                    self.computation_names[i])
+                                    self.computation_names[i], dim=self.stacks[i].layout.dim)
 
     # The learning rate is read at update time from `lr_source`, so torch LR schedulers acting on a
     # FusedOptimizer's param_groups take effect (the fused optimizers bind their group here).

@@ -18,6 +18,13 @@ spread over the table (hashed ids, as in Criteo) and not when low ids are the ho
 Tables of the same dim can be stacked into one physical table: each table's vocabulary is padded
 to a multiple of P*8 and the tables are laid end to end. Features keep their own outputs; only
 storage is shared.
+
+Any embedding dim works: the SparseCore wants rows a multiple of 8 floats wide, so on a TPU a stack
+of dim d is stored `storage_dim = round_up(d, 8)` wide (`pad_to=8`); the extra columns stay zero
+(their gradients are zero) and every view, output and state_dict entry is cut back to d. Such a
+view is not contiguous, so a ShardedTensor gets a copy of it (refreshed and written back like
+before natural-order storage); the CPU reference needs no padding (`pad_to=1`), so there every
+table is a contiguous view.
 """
 from __future__ import annotations
 
@@ -25,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tpurec.embedding.constraints import check_dim, padded_rows
+from tpurec.embedding.constraints import DIM_ALIGN, padded_rows, round_up
 
 
 @dataclass(frozen=True)
@@ -41,9 +48,15 @@ class StackLayout:
     """One physical table: several logical tables of the same dim, MOD-partitioned over P partitions."""
 
     name: str
-    dim: int
+    dim: int  # the tables' embedding dim
     num_partitions: int
     tables: tuple[TableInStack, ...]
+    pad_to: int = 1  # storage width multiple: DIM_ALIGN (8) for the SparseCore, 1 for the CPU reference
+
+    @property
+    def storage_dim(self) -> int:
+        """Columns of the physical table: dim rounded up to `pad_to`."""
+        return round_up(self.dim, self.pad_to)
 
     @property
     def total_rows(self) -> int:
@@ -71,22 +84,20 @@ class StackLayout:
         """One logical table's rows (natural order, padding dropped): a VIEW of `physical`, so writes
         into it (in-place checkpoint loads) land in the live table."""
         t = self.table(name)
-        return physical[t.offset:t.offset + t.num_embeddings]
+        rows = physical[t.offset:t.offset + t.num_embeddings]
+        return rows[:, :self.dim] if rows.dim() == 2 and rows.shape[1] != self.dim else rows
 
     def write_table(self, physical: torch.Tensor, name: str, value: torch.Tensor) -> None:
-        t = self.table(name)
-        if value.shape[0] != t.num_embeddings or value.shape[1:] != physical.shape[1:]:
-            raise ValueError(
-                f"table {name!r}: expected shape {(t.num_embeddings, *physical.shape[1:])}, got {tuple(value.shape)}"
-            )
         target = self.read_table(physical, name)
+        if value.shape != target.shape:
+            raise ValueError(f"table {name!r}: expected shape {tuple(target.shape)}, got {tuple(value.shape)}")
         if target.data_ptr() != value.data_ptr():  # a state_dict view written in place is already there
             with torch.no_grad():
                 target.copy_(value)
 
 
 def build_stacks(
-    tables: list[tuple[str, int, int]], num_partitions: int, stack: bool = True
+    tables: list[tuple[str, int, int]], num_partitions: int, stack: bool = True, pad_to: int = DIM_ALIGN
 ) -> list[StackLayout]:
     """Group (name, num_embeddings, dim) tables into stacks: one per dim when stacking, else one each.
 
@@ -94,7 +105,8 @@ def build_stacks(
     """
     groups: dict[object, list[tuple[str, int, int]]] = {}
     for name, rows, dim in tables:
-        check_dim(name, dim)
+        if dim <= 0:
+            raise ValueError(f"table {name!r}: embedding_dim must be positive, got {dim}")
         if rows <= 0:
             raise ValueError(f"table {name!r}: num_embeddings must be positive, got {rows}")
         groups.setdefault(dim if stack else name, []).append((name, rows, dim))
@@ -106,5 +118,5 @@ def build_stacks(
             placed.append(TableInStack(name, rows, offset, pad))
             offset += pad
         stack_name = f"stack_d{key}" if stack else str(key)
-        layouts.append(StackLayout(stack_name, members[0][2], num_partitions, tables=tuple(placed)))
+        layouts.append(StackLayout(stack_name, members[0][2], num_partitions, tables=tuple(placed), pad_to=pad_to))
     return layouts

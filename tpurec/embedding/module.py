@@ -48,6 +48,7 @@ class SparseCoreEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         allow_id_dropping: bool = False,
         stack_tables: bool = True,
         fixed_limits: bool | None = None,
+        pad_dims: bool | None = None,
     ) -> None:
         super().__init__()
         from tpurec.embedding.backend import select_device
@@ -66,6 +67,7 @@ class SparseCoreEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             allow_id_dropping=allow_id_dropping,
             stack_tables=stack_tables,
             fixed_limits=fixed_limits,
+            pad_dims=pad_dims,
         )
         self._fused_optimizer = SparseCoreFusedOptimizer(self.kernel)
         self._register_state_dict_hook(_emit_natural_weights)

@@ -20,8 +20,10 @@ from torchrec.distributed.planner.types import (
 from torchrec.distributed.types import ShardingType
 
 from tpurec.embedding.constraints import (
+    DIM_ALIGN,
     csr_buffer_bytes,
     padded_rows,
+    round_up,
     worst_case_max_ids_per_partition,
 )
 from tpurec.embedding.optimizers.registry import spec_class
@@ -94,8 +96,9 @@ def shard_cost(
     ns = max(1, spec.generation.sparsecores)
     samples = batch_per_device * world_size  # every shard serves the global batch
     local_rows = padded_rows(rows, ns)
-    weights = local_rows * cols * elem_bytes
-    state_bytes = spec_class(optimizer).state_bytes_per_row(cols)  # `optimizer` is a registry name
+    width = round_up(cols, DIM_ALIGN)  # rows are stored padded to the SparseCore's 8 floats
+    weights = local_rows * width * elem_bytes
+    state_bytes = spec_class(optimizer).state_bytes_per_row(width)  # `optimizer` is a registry name
     opt = state_bytes * local_rows
     max_ids = worst_case_max_ids_per_partition(samples, pooling_factor, ns)
     buffers = csr_buffer_bytes(max_ids, ns)

@@ -59,6 +59,7 @@ class SparseCoreEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
             max_unique_ids_per_partition=_fused_int(config, "max_unique_ids_per_partition"),
             allow_id_dropping=bool((config.embedding_tables[0].fused_params or {}).get("allow_id_dropping", False)),
             fixed_limits=(config.embedding_tables[0].fused_params or {}).get("fixed_limits"),
+            pad_dims=(config.embedding_tables[0].fused_params or {}).get("pad_dims"),
         )
         self._optim = SparseCoreFusedOptimizer(self.kernel, param_prefix="", key_of=self._param_key)
 

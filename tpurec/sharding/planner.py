@@ -27,7 +27,7 @@ from torchrec.distributed.planner.types import (
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from tpurec.embedding.constraints import DIM_ALIGN, check_dim
+from tpurec.embedding.constraints import DIM_ALIGN
 from tpurec.embedding.optimizers.registry import spec_class, spec_name_for, spec_names
 from tpurec.sharding.estimators import TpuPerfEstimator, TpuStorageEstimator, shard_cost, spec_of
 from tpurec.sharding.kernel_choice import COMPUTE_KERNEL, SHARDING_TYPES
@@ -56,34 +56,20 @@ class TpuPlanningSharder(EmbeddingBagCollectionSharder):
 
 
 class TpuEnumerator(EmbeddingEnumerator):
-    """Rejects tables whose dim the kernel cannot take, and drops options with column shards that
-    are not multiples of 8, data-parallel, or kernels other than ours."""
+    """Drops data-parallel options and kernels other than ours. Any dim and column-shard width is
+    kept: the kernel stores rows padded to 8 floats, and the estimators count the padded bytes, so a
+    narrow column shard costs what it really costs."""
 
     def enumerate(self, module: nn.Module, sharders: List[ModuleSharder[nn.Module]]) -> List[ShardingOption]:
-        for name, dim in _table_dims(module).items():
-            check_dim(name, dim)
         options = super().enumerate(module, sharders)
-        kept = [
-            o for o in options
-            if o.sharding_type in SHARDING_TYPES and o.compute_kernel == COMPUTE_KERNEL
-            and all(s.size[1] % DIM_ALIGN == 0 for s in o.shards)
-        ]
+        kept = [o for o in options if o.sharding_type in SHARDING_TYPES and o.compute_kernel == COMPUTE_KERNEL]
         lost = sorted({o.name for o in options} - {o.name for o in kept})
         if lost:
             raise ValueError(
                 f"no sharding option the SparseCore kernel can run for table(s) {lost}: it needs compute kernel "
-                f"{COMPUTE_KERNEL!r}, one of {SHARDING_TYPES}, and column shards that are multiples of {DIM_ALIGN}; "
-                "check the sharders and ParameterConstraints"
+                f"{COMPUTE_KERNEL!r} and one of {SHARDING_TYPES}; check the sharders and ParameterConstraints"
             )
         return kept
-
-
-def _table_dims(module: nn.Module) -> Dict[str, int]:
-    dims = {}
-    for m in module.modules():
-        if isinstance(m, EmbeddingBagCollection):
-            dims.update({c.name: c.embedding_dim for c in m.embedding_bag_configs()})
-    return dims
 
 
 def _table_configs(module: nn.Module):

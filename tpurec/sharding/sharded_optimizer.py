@@ -77,7 +77,8 @@ class ShardedSparseCoreOptimizer(KernelFusedOptimizer):
         shards = []
         for kname, meta, kernel in local:
             value = kernel.read_weight(kname) if state_name is None else kernel.read_state(kname, state_name)
-            shards.append(Shard(self._track(kernel, kname, state_name, value), meta))  # a contiguous view
+            # A view when contiguous (natural-order storage); a copy for a padded-width table.
+            shards.append(Shard(self._track(kernel, kname, state_name, value.contiguous()), meta))
         return ShardedTensor._init_from_local_shards_and_global_metadata(shards, metadata, process_group=pg)
 
 

@@ -118,7 +118,7 @@ def _emit_sharded_weights(module: ShardedSparseCoreEBC, state_dict, prefix, loca
     kernel does), so DCP, resharding and stock-TorchRec checkpoints all line up."""
     shards: Dict[str, List[Shard]] = {t: [] for t in module._sc_tables}
     for table, kname, meta, kmod in module._sc_shards():
-        shards[table].append(Shard(kmod.kernel.read_weight(kname), meta))
+        shards[table].append(Shard(kmod.kernel.read_weight(kname).contiguous(), meta))
     pg = module._env.process_group
     for table in module._sc_tables:
         cfg = module._table_name_to_config[table]
@@ -173,18 +173,19 @@ class SparseCoreEBCSharder(EmbeddingBagCollectionSharder):
     tpurec.DistributedModelParallel builds the sharder, else 4 on CPU.
     max_ids_per_partition / max_unique_ids_per_partition / allow_id_dropping / fixed_limits: id-limit
     settings passed to every kernel (see SparseCoreKernel: limits are fixed on a TPU, from these or
-    from the first batch; on CPU None follows each batch).
+    from the first batch; on CPU None follows each batch). pad_dims: store rows 8 floats wide as the
+    SparseCore needs (default: on a TPU only).
     """
 
     def __init__(self, num_sparsecores: Optional[int] = None, fused_params: Optional[Dict[str, Any]] = None,
                  max_ids_per_partition: Optional[int] = None, max_unique_ids_per_partition: Optional[int] = None,
                  allow_id_dropping: bool = False, qcomm_codecs_registry=None,
-                 fixed_limits: Optional[bool] = None) -> None:
+                 fixed_limits: Optional[bool] = None, pad_dims: Optional[bool] = None) -> None:
         fused = dict(fused_params or {})
         for key, value in (("max_ids_per_partition", max_ids_per_partition),
                            ("max_unique_ids_per_partition", max_unique_ids_per_partition),
                            ("allow_id_dropping", allow_id_dropping or None),
-                           ("fixed_limits", fixed_limits)):
+                           ("fixed_limits", fixed_limits), ("pad_dims", pad_dims)):
             if value is not None:
                 fused[key] = value
         super().__init__(fused_params=fused, qcomm_codecs_registry=qcomm_codecs_registry)

@@ -98,7 +98,7 @@ class AdagradSpec(OptimizerSpec):
     def param_group_entries(self) -> dict:
         return {"eps": self.eps}
 
-    def apply_update(self, csr, table, states, grad, lr, step, computation_name="tpurec_adagrad") -> None:
+    def apply_update(self, csr, table, states, grad, lr, step, computation_name="tpurec_adagrad", dim=None) -> None:
         (accumulator,) = states
         torch.ops.tpurec.sparse_dense_matmul_grad_with_adagrad(
             *op_head(csr, table), accumulator, grad, lr, self.eps, *op_tail(csr), computation_name)

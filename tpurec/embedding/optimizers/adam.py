@@ -112,7 +112,7 @@ class AdamSpec(OptimizerSpec):
     def param_group_entries(self) -> dict:
         return {"eps": self.eps, "betas": (self.beta1, self.beta2)}
 
-    def apply_update(self, csr, table, states, grad, lr, step, computation_name="tpurec_adam") -> None:
+    def apply_update(self, csr, table, states, grad, lr, step, computation_name="tpurec_adam", dim=None) -> None:
         momentum, velocity = states
         torch.ops.tpurec.sparse_dense_matmul_grad_with_adam(
             *op_head(csr, table), momentum, velocity, grad, alpha_t(lr, self.beta1, self.beta2, step), self.beta1,

@@ -154,13 +154,16 @@ class OptimizerSpec(abc.ABC):
     # -- the fused update ----------------------------------------------------------------------
     @abc.abstractmethod
     def apply_update(self, csr: "SparseCoreInput", table: torch.Tensor, states: Sequence[torch.Tensor],
-                     grad: torch.Tensor, lr: float, step: int, computation_name: str = "tpurec") -> None:
+                     grad: torch.Tensor, lr: float, step: int, computation_name: str = "tpurec",
+                     dim: int | None = None) -> None:
         """Run this optimizer's fused backward op on one stack, in place.
 
         `states` follow `state_names`; `step` is the 1-based count including this update. The op
         dispatches on the tensors' device: the CPU reference, or TorchTPU's op on a TPU.
         `computation_name` must be unique per stack and stable across steps: TorchTPU reuses a
         function by name inside one program, so two stacks sharing a name would collide.
+        `dim` is the tables' embedding dim when the table is stored wider (padded to 8 columns whose
+        gradients are zero); None means the table's width.
         """
 
     @classmethod

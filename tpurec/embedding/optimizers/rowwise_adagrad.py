@@ -22,3 +22,14 @@ class RowWiseAdagradSpec(AdagradSpec):
     @classmethod
     def state_shape(cls, name: str, rows: int, dim: int) -> tuple[int, ...]:
         return (rows,)
+
+    def apply_update(self, csr, table, states, grad, lr, step, computation_name="tpurec_adagrad", dim=None) -> None:
+        """The accumulator takes mean(g*g) over the row's width; for a table stored wider than its dim
+        (zero-gradient padding columns), scale the gradient by s = sqrt(width/dim) and the learning
+        rate by 1/s: then mean over the width of (s g)^2 is the mean of g^2 over dim, and
+        (lr/s)(s g) = lr g, exactly FBGEMM's row-wise Adagrad at the table's own dim."""
+        width = table.shape[1]
+        if dim is not None and dim != width:
+            s = (width / dim) ** 0.5
+            grad, lr = grad * s, lr / s
+        super().apply_update(csr, table, states, grad, lr, step, computation_name)

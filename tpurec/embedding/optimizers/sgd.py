@@ -70,7 +70,7 @@ class SGDSpec(OptimizerSpec):
     def from_fused_params(cls, fused_params) -> "SGDSpec":
         return cls(lr=float(fused_params.get("learning_rate", fused_params.get("lr", 0.01))))
 
-    def apply_update(self, csr, table, states, grad, lr, step, computation_name="tpurec_sgd") -> None:
+    def apply_update(self, csr, table, states, grad, lr, step, computation_name="tpurec_sgd", dim=None) -> None:
         torch.ops.tpurec.sparse_dense_matmul_grad_with_sgd(*op_head(csr, table), grad, lr, *op_tail(csr),
                                                            computation_name)
 
