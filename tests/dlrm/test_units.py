@@ -114,7 +114,7 @@ def test_worker_argv_round_trip():
 
 
 def test_tables_too_big_for_this_host_are_refused_in_one_line():
-    from tpurec.dlrm.table_sets import get_table_set
+    from tpurec.catalog import get_table_set
     from tpurec.dlrm.train import _check_host_memory
 
     cfg = get_config("mlperf-dcnv2")  # 204 M rows x 128: about 100 GiB of weights + Adagrad state

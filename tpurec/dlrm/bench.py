@@ -151,7 +151,7 @@ def worker(side: str, data: str, steps: int, warmup: int, batch_size: int) -> di
     import torch.distributed as dist
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-    from tpurec.data import ParquetReader
+    from tpurec.data.reader import ParquetReader
     from tpurec.dlrm.configs import get_config, override
     from tpurec.dlrm.model import build_model, build_optimizer, shard
 

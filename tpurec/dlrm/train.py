@@ -76,7 +76,7 @@ def _infinite(reader):
 
 def plan_report(dmp, cfg, table_sizes, batch_size) -> dict:
     """The inspector's report of the plan the DMP is running (also the meta `tpurec plan show` reads)."""
-    from tpurec.dlrm.table_sets import TableSpec, get_table_set
+    from tpurec.catalog import TableSpec, get_table_set
     from tpurec.sharding.inspect import build_report
 
     ts = get_table_set(cfg.table_set)
@@ -104,7 +104,7 @@ def plan_summary(report: dict) -> str:
 def _check_host_memory(cfg, sizes: list[int], world: int) -> None:
     """Refuse at once, in one line, tables that cannot fit in this host's free memory on CPU
     (criteo-kaggle / mlperf-dcnv2 are sized for TPU slices): better than an OOM kill mid-setup."""
-    from tpurec.dlrm.table_sets import get_table_set
+    from tpurec.catalog import get_table_set
 
     dims = [t.embedding_dim for t in get_table_set(cfg.table_set).tables]
     per_row_state = {"sgd": lambda d: 0, "rowwise_adagrad": lambda d: 1, "adagrad": lambda d: d,
@@ -208,7 +208,7 @@ def run_training(args) -> int:
     from tpurec.dlrm.configs import get_config, override
     from tpurec.dlrm.data import ensure_synth, make_readers, model_table_sizes
     from tpurec.dlrm.model import LRSchedule, build_model, build_optimizer, shard
-    from tpurec.dlrm.table_sets import get_table_set
+    from tpurec.catalog import get_table_set
 
     rank, world = _init_distributed(_resolve_device(args.device))
     _setup_logging(rank)
