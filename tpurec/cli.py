@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-import tpurec
+from tpurec import __version__
 
 # name -> module implementing it. Add a line here when a subcommand lands.
 SUBCOMMANDS: dict[str, str] = {
@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tpurec",
         description="TorchRec on TPU: SparseCore embedding kernels, sharding planner, DLRM pipeline.",
     )
-    parser.add_argument("--version", action="version", version=f"tpurec {tpurec.__version__}")
+    parser.add_argument("--version", action="version", version=f"tpurec {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module in SUBCOMMANDS.items():
         importlib.import_module(module).register(sub)

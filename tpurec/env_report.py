@@ -8,8 +8,7 @@ import json
 import platform
 import sys
 
-import tpurec
-from tpurec import device
+from tpurec import __version__, device
 
 _PACKAGES = ("torch", "torchrec", "fbgemm-gpu-cpu", "fbgemm-gpu", "torch-tpu", "libtpu", "jax", "numpy", "pyarrow")
 
@@ -17,7 +16,7 @@ _PACKAGES = ("torch", "torchrec", "fbgemm-gpu-cpu", "fbgemm-gpu", "torch-tpu", "
 def collect() -> dict:
     status = device.tpu_status()
     return {
-        "tpurec": tpurec.__version__,
+        "tpurec": __version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
         "packages": {name: device._installed(name) for name in _PACKAGES},

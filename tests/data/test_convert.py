@@ -10,7 +10,7 @@ import pytest
 
 from tpurec.data.convert import ConvertOptions, convert
 from tpurec.data.schema import CAT_RAW, DENSE_RAW, DataError, criteo_schema, dataset_metadata
-from tpurec.dlrm.table_sets import CRITEO_KAGGLE_ROWS
+from tpurec.catalog import CRITEO_KAGGLE_ROWS
 
 
 def _sample_rows(path):

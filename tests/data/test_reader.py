@@ -278,7 +278,7 @@ def test_abandoning_an_epoch_with_prefetch_does_not_hang(synth_dir):
 def test_transforms_recorded_as_raw_are_applied_at_read_time(criteo_sample, tmp_path):
     from tpurec.data.convert import ConvertOptions, convert
     from tpurec.data.schema import CAT_RAW, DENSE_RAW, criteo_schema
-    from tpurec.dlrm.table_sets import DLRM_TINY_ROWS
+    from tpurec.catalog import DLRM_TINY_ROWS
 
     convert([str(criteo_sample)], str(tmp_path / "raw"),
             ConvertOptions(criteo_schema(dense_transform=DENSE_RAW, categorical=CAT_RAW)), show_progress=False)
@@ -324,9 +324,10 @@ def test_corrupt_row_group_is_named(tmp_path):
 def test_batches_feed_a_torchrec_embedding_bag_collection(synth_dir):
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-    from tpurec.dlrm.table_sets import TABLE_SETS
+    from tpurec.catalog import TABLE_SETS
+    from tpurec.dlrm.model import embedding_bag_configs
 
-    ebc = EmbeddingBagCollection(tables=TABLE_SETS["dlrm-tiny"].to_embedding_bag_configs())
+    ebc = EmbeddingBagCollection(tables=embedding_bag_configs(TABLE_SETS["dlrm-tiny"]))
     b = next(iter(ParquetReader(synth_dir, 128, shuffle=True))).to(torch.device("cpu"))
     out = ebc(b.sparse_features)
     assert out.values().shape == (128, 26 * 16)

@@ -136,3 +136,27 @@ def test_killed_run_leaves_no_checkpoint_that_looks_complete(cache, tmp_path):
     result, p = train("--synth-rows", 30000, "--steps", step + 2, "--eval-every", 0, "--checkpoint-dir", root,
                       "--resume", cache=cache)
     assert result["steps"] == step + 2 and f"at step {step}" in p.stderr
+
+
+def test_trainer_api_step_evaluate_checkpoint(cache, tmp_path):
+    """The Trainer a rank runs, driven by hand (in a subprocess: it sets up torch.distributed)."""
+    code = f"""
+import json
+from tpurec.dlrm.options import TrainOptions
+from tpurec.dlrm.trainer import Trainer
+
+t = Trainer(TrainOptions(synth_rows=30000, steps=4, quiet=True, checkpoint_dir={str(tmp_path / "ck")!r}))
+t.setup()
+assert t.table_set.name == t.cfg.table_set == "dlrm-tiny" and t.total_steps == 4
+losses = [t.step() for _ in range(5)]
+ev = t.evaluate()
+path = t.checkpoint()
+print(json.dumps({{"losses": losses, "steps": t.step_count, "auc": ev["auc"], "path": str(path)}}))
+"""
+    env = dict(os.environ, TPUREC_CACHE=str(cache), PYTHONPATH=str(REPO))
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["losses"][4] is None and all(0 < x < 2 for x in r["losses"][:4])  # 4 steps, then drained
+    assert r["steps"] == 4 and 0 <= r["auc"] <= 1
+    assert r["path"].endswith("step-00000004") and (tmp_path / "ck" / "step-00000004" / "COMPLETE").exists()

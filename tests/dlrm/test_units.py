@@ -101,24 +101,58 @@ def test_cli_user_errors_exit_2(capsys, tmp_path):
     assert e.value.code == 2
 
 
-def test_worker_argv_round_trip():
+def test_worker_gets_the_launchers_options(monkeypatch):
+    """The --nproc launcher hands its ranks the parsed options as JSON; torchrun users pass flags."""
     import argparse
 
-    from tpurec.dlrm.cli import add_arguments, to_argv
+    from tpurec.dlrm.__main__ import parse_options
+    from tpurec.dlrm.options import OPTIONS_ENV, TrainOptions
 
     p = argparse.ArgumentParser()
-    add_arguments(p)
-    args = p.parse_args(["--steps", "5", "--resume", "--checkpoint-dir", "c", "--quiet", "--model", "dlrm-tiny"])
-    again = p.parse_args(to_argv(args, p))
-    assert vars(again) == vars(args)
+    TrainOptions.add_arguments(p)
+    argv = ["--steps", "5", "--resume", "--checkpoint-dir", "c", "--quiet", "--model", "dlrm-tiny"]
+    options = TrainOptions.from_args(p.parse_args(argv))
+    assert (options.steps, options.resume, options.checkpoint_dir, options.quiet) == (5, "latest", "c", True)
+    monkeypatch.setenv(OPTIONS_ENV, options.to_json())
+    assert parse_options([]) == options
+    with pytest.raises(SystemExit):
+        parse_options(["--steps", "6"])  # flags and the launcher's JSON: refused, not merged
+    monkeypatch.delenv(OPTIONS_ENV)
+    assert parse_options(argv) == options
+
+
+def test_train_flags_come_from_the_config_fields():
+    import argparse
+    import dataclasses
+
+    from tpurec.catalog import MODEL_NAMES
+    from tpurec.dlrm.configs import DLRMConfig
+    from tpurec.dlrm.flags import flag_kwargs, flagged_fields
+    from tpurec.dlrm.options import TrainOptions
+
+    option_names = [f.name for f in dataclasses.fields(TrainOptions)]
+    assert {f.name for f in flagged_fields(DLRMConfig)} <= set(option_names)  # every overridable field is a flag
+    p = argparse.ArgumentParser()
+    TrainOptions.add_arguments(p)
+    actions = {a.dest: a for a in p._actions}
+    assert actions["batch_size"].help == flag_kwargs(DLRMConfig, "batch_size")["help"]
+    assert actions["batch_size"].type is int and actions["batch_size"].default is None
+    assert actions["epochs"].type is float and tuple(actions["interaction"].choices) == ("dot", "dcn")
+    assert tuple(actions["model"].choices) == MODEL_NAMES == tuple(CONFIGS)
+    assert actions["quiet"].default is False and actions["keep"].default == 2
+    args = p.parse_args(["--batch-size", "64", "--embedding-lr", "0.5"])
+    options = TrainOptions.from_args(args)
+    assert options.config_overrides() == {"batch_size": 64, "embedding_lr": 0.5}
+    cfg = options.config()
+    assert (cfg.batch_size, cfg.embedding_lr, cfg.dense_lr) == (64, 0.5, get_config("dlrm-tiny").dense_lr)
 
 
 def test_tables_too_big_for_this_host_are_refused_in_one_line():
-    from tpurec.dlrm.table_sets import get_table_set
-    from tpurec.dlrm.train import _check_host_memory
+    from tpurec.catalog import get_table_set
+    from tpurec.dlrm.runtime import check_host_memory
 
     cfg = get_config("mlperf-dcnv2")  # 204 M rows x 128: about 100 GiB of weights + Adagrad state
     with pytest.raises(ValueError, match=r"mlperf-dcnv2 tables need \d+\.\d GiB"):
-        _check_host_memory(cfg, [t.num_embeddings for t in get_table_set("mlperf-dcnv2").tables], 1)
+        check_host_memory(cfg, [t.num_embeddings for t in get_table_set("mlperf-dcnv2").tables], 1)
     tiny = get_config("dlrm-tiny")
-    _check_host_memory(tiny, [t.num_embeddings for t in get_table_set("dlrm-tiny").tables], 1)
+    check_host_memory(tiny, [t.num_embeddings for t in get_table_set("dlrm-tiny").tables], 1)

@@ -3,7 +3,8 @@ import logging
 import pytest
 import torch
 
-from tpurec.dlrm.table_sets import get_table_set
+from tpurec.catalog import get_table_set
+from tpurec.dlrm.model import embedding_bag_configs
 
 # torchrec warns that our Topology is not built by its TopologyFactory; not actionable in tests.
 logging.getLogger("torchrec.distributed.planner").setLevel(logging.ERROR)
@@ -12,7 +13,7 @@ logging.getLogger("torchrec.distributed.planner").setLevel(logging.ERROR)
 def ebc_for(name_or_tables):
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-    tables = get_table_set(name_or_tables).to_embedding_bag_configs() if isinstance(name_or_tables, str) \
+    tables = embedding_bag_configs(get_table_set(name_or_tables)) if isinstance(name_or_tables, str) \
         else name_or_tables
     return EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
 

@@ -10,7 +10,7 @@ from torchrec.distributed.types import (
     ShardingPlan,
 )
 
-from tpurec.dlrm.table_sets import TableSpec
+from tpurec.catalog import TableSpec
 from tpurec.sharding import inspect as I
 from tpurec.sharding import plan_cli, plan_io, render
 from tpurec.sharding.estimators import shard_cost

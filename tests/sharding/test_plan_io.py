@@ -73,13 +73,14 @@ def test_loaded_plan_shards_model_identically(tmp_path):
     from torchrec.distributed.planner.types import Topology
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-    from tpurec.dlrm.table_sets import get_table_set
+    from tpurec.catalog import get_table_set
+    from tpurec.dlrm.model import embedding_bag_configs
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29571")
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
-        configs = get_table_set("dlrm-tiny").to_embedding_bag_configs()[:4]
+        configs = embedding_bag_configs(get_table_set("dlrm-tiny"))[:4]
         plan = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu"), debug=False).plan(
             EmbeddingBagCollection(tables=configs, device=torch.device("meta")), [EmbeddingBagCollectionSharder()])
         plan_io.save_plan(plan, tmp_path / "p.json")

@@ -6,7 +6,7 @@ from torchrec.distributed.types import ShardingType
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from tests.sharding.conftest import ebc_for, pooling_of
-from tpurec.dlrm.table_sets import get_table_set
+from tpurec.catalog import get_table_set
 from tpurec.sharding import inspect as I
 from tpurec.sharding import planner as P
 from tpurec.sharding.kernel_choice import COMPUTE_KERNEL, SHARDING_TYPES

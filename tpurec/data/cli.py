@@ -49,7 +49,7 @@ def register(sub) -> None:
     s.add_argument("--rows", type=int, default=200_000)
     s.add_argument("--out", required=True)
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--tables", default="dlrm-tiny", help="table set (tpurec/dlrm/table_sets.py), default dlrm-tiny")
+    s.add_argument("--tables", default="dlrm-tiny", help="table set (tpurec/catalog.py), default dlrm-tiny")
     s.add_argument("--rows-per-file", type=int, default=1_000_000)
     s.add_argument("--row-group-size", type=int, default=65536)
     s.add_argument("--compression", default="none", help="Parquet codec (default none: fastest to read)")
@@ -96,7 +96,7 @@ def _progress(args) -> bool:
 def run_convert(args) -> int:
     from tpurec.data.convert import ConvertOptions, convert
     from tpurec.data.schema import CAT_HASH, CAT_RAW, DENSE_LOG1P, DENSE_RAW, criteo_schema
-    from tpurec.dlrm.table_sets import get_table_set
+    from tpurec.catalog import get_table_set
 
     if args.table_sizes:
         sizes = [int(x) for x in args.table_sizes.split(",")]

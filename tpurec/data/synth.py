@@ -78,8 +78,8 @@ def auc(scores: np.ndarray, labels: np.ndarray) -> float:
 
 
 def synth_schema(table_set: str) -> tuple[DataSchema, list[int]]:
-    """The schema for a named table set (tpurec/dlrm/table_sets.py) and its ids per sample."""
-    from tpurec.dlrm.table_sets import get_table_set
+    """The schema for a named table set (tpurec/catalog.py) and its ids per sample."""
+    from tpurec.catalog import get_table_set
 
     ts = get_table_set(table_set)
     hots = [max(1, int(round(t.pooling_factor))) for t in ts.tables]

@@ -1,20 +1,25 @@
 """Named DLRM / DLRM-DCNv2 configurations: a small dataclass per model, overridable field by field.
 
 `tpurec train --model NAME` starts from one of CONFIGS; every CLI flag that is given replaces the
-matching field (dataclasses.replace), so a config is also the record of what a run used.
+matching field (dataclasses.replace), so a config is also the record of what a run used. The fields
+made with `flag(...)` are those flags: their help text lives here, on the field, and
+`tpurec.dlrm.options.TrainOptions` turns them into `tpurec train` options (default: the model's).
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
 
+from tpurec.dlrm.flags import flag
 from tpurec.embedding.optimizers.registry import spec_names
 
 
 @dataclass(frozen=True)
 class DLRMConfig:
     name: str
-    table_set: str  # tpurec/dlrm/table_sets.py: the embedding tables (and the synthetic data's)
-    interaction: str = "dot"  # "dot" = DLRM, "dcn" = DLRM-DCNv2 (low-rank cross layers)
+    table_set: str  # tpurec/catalog.py: the embedding tables (and the synthetic data's)
+    # "dot" = DLRM, "dcn" = DLRM-DCNv2 (low-rank cross layers)
+    interaction: str = flag("dot", "dot (DLRM) or dcn (DLRM-DCNv2 cross layers); default: the model's",
+                            choices=("dot", "dcn"))
     dense_arch: tuple[int, ...] = (64, 16)  # bottom MLP; the last size must equal the embedding dim
     over_arch: tuple[int, ...] = (64, 32, 1)  # top MLP, ending in 1 logit
     dcn_num_layers: int = 3
@@ -22,22 +27,23 @@ class DLRMConfig:
     # Optimisers: the tables' update is fused into backward (apply_optimizer_in_backward); the dense
     # MLPs use a regular torch optimiser. Names: sgd | adagrad | rowwise_adagrad | adam.
     embedding_optimizer: str = "rowwise_adagrad"
-    embedding_lr: float = 0.1
+    embedding_lr: float = flag(0.1, "learning rate of the fused table optimiser")
     dense_optimizer: str = "adagrad"
-    dense_lr: float = 0.1
+    dense_lr: float = flag(0.1, "learning rate of the dense (MLP) optimiser")
     eps: float = 1e-8
     # Learning-rate schedule applied to both: linear warm-up over `warmup_steps`, constant until
     # `decay_start`, then polynomial (power 2) decay to 0 over `decay_steps` (0 = no warm-up/decay).
     warmup_steps: int = 0
     decay_start: int = 0
     decay_steps: int = 0
-    batch_size: int = 512  # per rank
-    steps: int | None = None  # None: run `epochs` epochs
-    epochs: float = 1.0
-    eval_every: int = 0  # 0: evaluate only at the end
-    eval_fraction: float = 0.05
-    synth_rows: int = 200_000  # rows of the synthetic dataset made when no --data is given
-    seed: int = 0
+    batch_size: int = flag(512, "batch size per rank (config default)")
+    steps: int | None = flag(None, "training steps (overrides --epochs)")  # None: run `epochs` epochs
+    epochs: float = flag(1.0, "passes over the training split (config default 1)")
+    eval_every: int = flag(0, "evaluate every N steps (0: only at the end)")
+    eval_fraction: float = flag(0.05, "held-out share of the data (config default 0.05)")
+    # rows of the synthetic dataset made when no --data is given
+    synth_rows: int = flag(200_000, "rows of the default synthetic dataset")
+    seed: int = flag(0, "seed for init, shuffling and synthetic data (default 0)")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -95,7 +101,7 @@ def override(cfg: DLRMConfig, **changes) -> DLRMConfig:
 
 def validate(cfg: DLRMConfig) -> None:
     """One-line errors for settings that would otherwise fail deep inside torchrec."""
-    from tpurec.dlrm.table_sets import get_table_set
+    from tpurec.catalog import get_table_set
 
     ts = get_table_set(cfg.table_set)
     dim = ts.tables[0].embedding_dim

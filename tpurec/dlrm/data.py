@@ -26,7 +26,7 @@ def synth_dir(table_set: str, rows: int, seed: int) -> Path:
 def ensure_synth(table_set: str, rows: int, seed: int, say=print) -> Path:
     """The cached synthetic dataset, generated on first use (dataset.json is written last, so its
     presence means the files are complete)."""
-    from tpurec.data import synthesize
+    from tpurec.data.synth import synthesize
 
     out = synth_dir(table_set, rows, seed)
     if (out / "dataset.json").exists():
@@ -51,7 +51,9 @@ class Readers:
 
 def make_readers(data_dir, batch_size: int, rank: int, world_size: int, *, seed: int, eval_fraction: float,
                  table_sizes: list[int], eval_batch_size: int = 4096, warn=log.warning) -> Readers:
-    from tpurec.data import ParquetReader, dataset_metadata, split_train_eval
+    from tpurec.data.reader import ParquetReader
+    from tpurec.data.schema import dataset_metadata
+    from tpurec.data.shards import split_train_eval
 
     meta = dataset_metadata(data_dir)
     raw_ids = any(f.get("num_embeddings") is None for f in meta.get("sparse", []))
@@ -114,7 +116,7 @@ def _eval_rows(units, world_size: int) -> int:
 def model_table_sizes(data_dir, table_set_sizes: list[int]) -> list[int]:
     """The table sizes the data's ids index into (the converter/synth records them); for raw ids,
     the model's own sizes (the reader hashes into them)."""
-    from tpurec.data import dataset_metadata
+    from tpurec.data.schema import dataset_metadata
 
     meta = dataset_metadata(data_dir)
     sparse = meta.get("sparse", [])

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from tpurec.catalog import NUM_DENSE, TableSet, get_table_set
 from tpurec.dlrm.configs import DLRMConfig
-from tpurec.dlrm.table_sets import NUM_DENSE, get_table_set
 
 
 def _optimizer(name: str, lr: float, eps: float) -> tuple[type, dict]:
@@ -19,6 +19,21 @@ def _optimizer(name: str, lr: float, eps: float) -> tuple[type, dict]:
     from tpurec.embedding.optimizers.registry import spec_class
 
     return spec_class(name).from_hyperparameters(lr=lr, eps=eps).to_torch()
+
+
+def embedding_bag_configs(table_set: TableSet):
+    """TorchRec's EmbeddingBagConfig (sum pooling) for every table of a catalog table set.
+
+    Here rather than in tpurec.catalog, which stays plain data without torch."""
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+
+    return [
+        EmbeddingBagConfig(
+            name=t.name, embedding_dim=t.embedding_dim, num_embeddings=t.num_embeddings,
+            feature_names=[t.feature], pooling=PoolingType.SUM,
+        )
+        for t in table_set.tables
+    ]
 
 
 def build_model(cfg: DLRMConfig, table_sizes: list[int] | None = None, feature_names: list[str] | None = None):
@@ -33,7 +48,7 @@ def build_model(cfg: DLRMConfig, table_sizes: list[int] | None = None, feature_n
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-    configs = get_table_set(cfg.table_set).to_embedding_bag_configs()
+    configs = embedding_bag_configs(get_table_set(cfg.table_set))
     sizes = table_sizes or [c.num_embeddings for c in configs]
     names = feature_names or [c.feature_names[0] for c in configs]
     configs = [EmbeddingBagConfig(name=c.name, embedding_dim=c.embedding_dim, num_embeddings=int(n),
@@ -80,13 +95,13 @@ def shard(model, cfg: DLRMConfig, device: str, *, plan=None, stock: bool = False
         from torchrec.distributed.model_parallel import DistributedModelParallel as TorchrecDMP
 
         return TorchrecDMP(model, device=torch.device("cpu"), plan=plan)
-    import tpurec
+    from tpurec.sharding.dmp import DistributedModelParallel
 
     names = [c.name for c in model.model.sparse_arch.embedding_bag_collection.embedding_bag_configs()]
     constraints = None if plan is not None else planner_constraints(cfg, device, names)
     dev = torch.device("cpu") if device == "cpu" else device
-    return tpurec.DistributedModelParallel(model, device=dev, plan=plan, batch_size=cfg.batch_size,
-                                           constraints=constraints)
+    return DistributedModelParallel(model, device=dev, plan=plan, batch_size=cfg.batch_size,
+                                    constraints=constraints)
 
 
 def build_optimizer(dmp, cfg: DLRMConfig):

@@ -18,7 +18,7 @@ def load_tpu_backend() -> None:
     if _tpu_loaded:
         return
     from tpurec.embedding import tpu  # imported here only: it is never needed on a CPU-only host
-    from tpurec.sharding import host_ops
+    from tpurec import host_ops
 
     tpu.register()
     host_ops.register()  # FBGEMM KJT ops TorchRec runs on the device: route them through the host

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Iterable, Optional
 
-from tpurec.dlrm.table_sets import TableSpec
+from tpurec.catalog import TableSpec
 from tpurec.sharding.estimators import shard_cost
 from tpurec.sharding.topology import GiB, SliceSpec
 

@@ -15,7 +15,7 @@ import functools
 import json
 import sys
 
-_MODELS = ("dlrm-tiny", "criteo-kaggle", "mlperf-dcnv2")  # tpurec/dlrm/table_sets.py (not imported: speed)
+from tpurec.catalog import MODEL_NAMES  # plain data: keeps `tpurec --help` instant
 
 _EPILOG = """\
 examples:
@@ -42,7 +42,7 @@ def register(sub) -> None:
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", choices=_MODELS, help="a named table set")
+    src.add_argument("--model", choices=MODEL_NAMES, help="a named table set")
     src.add_argument("--tables", metavar="FILE", help="tables from a .json / .yaml file")
     p.add_argument("--topology", metavar="SLICE", help="slice name, e.g. v5p-128, v6e-256, v7x-64, cpu-8")
     p.add_argument("--batch-size", type=int, default=256, help="batch size per device (default 256)")
@@ -83,7 +83,7 @@ def _output_flags(p, default) -> None:
 
 
 def _load_tables(path: str):
-    from tpurec.dlrm.table_sets import TableSpec
+    from tpurec.catalog import TableSpec
 
     with open(path) as f:
         if path.endswith((".yaml", ".yml")):
@@ -131,7 +131,7 @@ def _plan(args) -> int:
         print("tpurec plan: give --model or --tables, and --topology (see tpurec plan --help)", file=sys.stderr)
         return 2
     if args.model:
-        from tpurec.dlrm.table_sets import get_table_set
+        from tpurec.catalog import get_table_set
 
         tables, model = list(get_table_set(args.model).tables), args.model
     else:

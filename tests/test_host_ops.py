@@ -9,7 +9,7 @@ import textwrap
 
 import torch
 
-from tpurec.sharding.host_ops import HOST_OPS, on_host
+from tpurec.host_ops import HOST_OPS, on_host
 
 
 def test_on_host_matches_the_op_for_permute_and_cumsum():
@@ -31,7 +31,7 @@ def test_on_host_matches_the_op_for_permute_and_cumsum():
 def test_register_covers_torchrecs_input_dist_ops_on_a_free_key():
     code = textwrap.dedent("""
         import torch, fbgemm_gpu
-        from tpurec.sharding import host_ops
+        from tpurec import host_ops
         covered = host_ops.register(dispatch_key="PrivateUse2")
         print("COVERED", sorted({c.split(".")[0] for c in covered}))
     """)

@@ -1,7 +1,10 @@
 """Named embedding-table sets: the 26 Criteo categorical features at three scales.
 
-Shared by the planner/inspector (`tpurec plan --model ...`), the synthetic data generator and the
-DLRM configs, so that `dlrm-tiny` data, plans and models always agree.
+Layer 0 (docs/architecture.md), and plain data without torch: the data converter and synthetic
+generator, the planner/inspector (`tpurec plan --model ...`) and the DLRM configs all read it, so
+that `dlrm-tiny` data, plans and models always agree, and every CLI offers the same model names
+without importing anything heavy. TorchRec's `EmbeddingBagConfig`s are built from a TableSet by
+`tpurec.dlrm.model.embedding_bag_configs`.
 """
 from __future__ import annotations
 
@@ -44,17 +47,6 @@ class TableSet:
     name: str
     tables: tuple[TableSpec, ...]
 
-    def to_embedding_bag_configs(self):
-        from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
-
-        return [
-            EmbeddingBagConfig(
-                name=t.name, embedding_dim=t.embedding_dim, num_embeddings=t.num_embeddings,
-                feature_names=[t.feature], pooling=PoolingType.SUM,
-            )
-            for t in self.tables
-        ]
-
 
 def _make(name: str, rows: list[int], dim: int, pooling: list[float] | None = None) -> TableSet:
     pooling = pooling or [1.0] * NUM_SPARSE
@@ -68,6 +60,11 @@ TABLE_SETS: dict[str, TableSet] = {
     "criteo-kaggle": _make("criteo-kaggle", CRITEO_KAGGLE_ROWS, 128),
     "mlperf-dcnv2": _make("mlperf-dcnv2", MLPERF_DCNV2_ROWS, 128, MLPERF_DCNV2_MULTI_HOT),
 }
+
+
+# The named models every CLI offers (`tpurec train --model`, `tpurec plan --model`): each DLRM
+# config of tpurec/dlrm/configs.py is named after the table set it trains.
+MODEL_NAMES: tuple[str, ...] = tuple(TABLE_SETS)
 
 
 def get_table_set(name: str) -> TableSet:

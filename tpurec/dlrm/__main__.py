@@ -1,0 +1,36 @@
+"""`python -m tpurec.dlrm`: one rank of `tpurec train`, the entry point torchrun launches.
+
+The `--nproc` launcher of `tpurec train` passes the parsed options as JSON in TPUREC_TRAIN_OPTIONS
+(and no flags); a multi-host job runs this module under torchrun with the flags of `tpurec train`:
+
+    torchrun --nnodes 2 --nproc-per-node 4 ... -m tpurec.dlrm --data DIR [flags of tpurec train]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from tpurec.dlrm.cli import run_worker
+from tpurec.dlrm.options import OPTIONS_ENV, TrainOptions
+
+
+def parse_options(argv: list[str]) -> TrainOptions:
+    """The options from the launcher's JSON when it set them, else from the command line."""
+    p = argparse.ArgumentParser(prog="python -m tpurec.dlrm",
+                                description="one rank of `tpurec train` (launch with torchrun)")
+    TrainOptions.add_arguments(p)
+    blob = os.environ.get(OPTIONS_ENV)
+    if blob is None:
+        return TrainOptions.from_args(p.parse_args(argv))
+    if argv:  # two sources would silently disagree
+        p.error(f"give the flags or {OPTIONS_ENV}, not both")
+    return TrainOptions.from_json(blob)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_worker(parse_options(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Command-line flags declared on dataclass fields, so a setting, its default and its help live in one place.
+
+A field made with `flag(...)` carries its help text (and any other argparse keyword: choices,
+metavar, nargs, ...) in its metadata; `add_flags` turns the flagged fields of a dataclass into
+argparse options (`batch_size` -> `--batch-size`, the type taken from the field's annotation, a
+`bool` field -> `store_true`), and `values` reads the parsed namespace back into field values.
+`tpurec train`'s flags are built this way from `tpurec.dlrm.options.TrainOptions`, whose config
+overrides take their help from `tpurec.dlrm.configs.DLRMConfig`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from types import UnionType
+
+_KEY = "flag"  # metadata key: the argparse keywords of a flagged field
+
+
+def flag(default, help: str, **argparse_kwargs) -> dataclasses.Field:
+    """A dataclass field with a default that is also a command-line flag."""
+    return dataclasses.field(default=default, metadata={_KEY: {"help": help, **argparse_kwargs}})
+
+
+def flag_kwargs(cls, name: str) -> dict:
+    """The argparse keywords declared on field `name` of dataclass `cls` (KeyError if not a flag)."""
+    field = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return dict(field.metadata[_KEY])
+
+
+def flagged_fields(cls) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if _KEY in f.metadata]
+
+
+def option_string(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_flags(parser, cls) -> None:
+    """One argparse option per flagged field of `cls`, in field order."""
+    hints = typing.get_type_hints(cls)
+    for f in flagged_fields(cls):
+        kwargs = dict(f.metadata[_KEY])
+        kind = _plain_type(hints[f.name])
+        if kind is bool:
+            kwargs.setdefault("action", "store_true")
+        elif kind is not str and "type" not in kwargs:
+            kwargs["type"] = kind  # str is argparse's own default: leave it implicit
+        parser.add_argument(option_string(f.name), default=f.default, **kwargs)
+
+
+def values(cls, namespace) -> dict:
+    """{field name: parsed value} for every flagged field of `cls` found in an argparse namespace."""
+    return {f.name: getattr(namespace, f.name) for f in flagged_fields(cls) if hasattr(namespace, f.name)}
+
+
+def _plain_type(hint):
+    """`int | None` -> int; a plain type unchanged."""
+    if isinstance(hint, UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+        raise TypeError(f"a flag needs one type, not {hint}")
+    return hint

@@ -1,0 +1,110 @@
+"""What one `tpurec train` run is asked to do: the `TrainOptions` dataclass, whose fields are the flags.
+
+Each field is one flag of `tpurec train` (and of `python -m tpurec.dlrm`), in the order `--help`
+lists them. Run settings (data, device, checkpoints, outputs) carry their help here; the config
+overrides (`--batch-size`, `--embedding-lr`, ...) take theirs from the matching `DLRMConfig`
+field and default to None, meaning "the model's". `config()` applies them to the named config.
+
+The options are plain JSON values, so the `--nproc` launcher hands the resolved options to its
+ranks as JSON in the TPUREC_TRAIN_OPTIONS environment variable instead of rebuilding a command line.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+
+from tpurec.catalog import MODEL_NAMES
+from tpurec.dlrm import flags
+from tpurec.dlrm.configs import DLRMConfig, get_config, override
+from tpurec.dlrm.flags import flag
+
+OPTIONS_ENV = "TPUREC_TRAIN_OPTIONS"  # the launcher's JSON of TrainOptions for `python -m tpurec.dlrm`
+
+_CONFIG = "config"  # metadata marker of the fields that override a DLRMConfig field
+
+
+def _override(name: str):
+    """A flag overriding DLRMConfig field `name`: that field's help and choices, unset (None) by default."""
+    declared = flag(None, **flags.flag_kwargs(DLRMConfig, name))
+    return field(default=None, metadata={**declared.metadata, _CONFIG: True})
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    data: str | None = flag(None, "Parquet dataset (tpurec data convert/synth); default: synthetic data for "
+                                  "the model's tables, generated once into ~/.cache/tpurec", metavar="DIR")
+    model: str = flag("dlrm-tiny", "named config (default dlrm-tiny)", choices=MODEL_NAMES)
+    interaction: str | None = _override("interaction")
+    device: str = flag("auto", "auto: TPU when this host has a usable one, else CPU", choices=("auto", "cpu", "tpu"))
+    batch_size: int | None = _override("batch_size")
+    steps: int | None = _override("steps")
+    epochs: float | None = _override("epochs")
+    eval_every: int | None = _override("eval_every")
+    eval_fraction: float | None = _override("eval_fraction")
+    embedding_lr: float | None = _override("embedding_lr")
+    dense_lr: float | None = _override("dense_lr")
+    synth_rows: int | None = _override("synth_rows")
+    seed: int | None = _override("seed")
+    checkpoint_dir: str | None = flag(None, "write checkpoints here (periodic and final)", metavar="DIR")
+    checkpoint_every: int | None = flag(None, "steps between checkpoints (default: --eval-every)")
+    keep: int = flag(2, "complete checkpoints to keep (0: all; default 2)")
+    resume: str | None = flag(None, "continue from the newest complete checkpoint in --checkpoint-dir, or from PATH",
+                              nargs="?", const="latest", metavar="PATH")
+    plan: str | None = flag(None, "use a saved sharding plan instead of planning", metavar="PLAN.json")
+    save_plan: str | None = flag(None, "save the plan used (for --plan later)", metavar="PLAN.json")
+    metrics_out: str | None = flag(None, "metrics as .csv or .jsonl; curves as FILE.png beside it", metavar="FILE")
+    threads: int | None = flag(None, "torch threads per rank (default: 1 with several ranks)")
+    quiet: bool = flag(False, "no progress bar")
+
+    # ---- building ----
+    @classmethod
+    def add_arguments(cls, parser) -> None:
+        """Every field as a flag of `parser`."""
+        flags.add_flags(parser, cls)
+
+    @classmethod
+    def from_args(cls, namespace) -> TrainOptions:
+        return cls(**flags.values(cls, namespace))
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> TrainOptions:
+        return cls(**json.loads(text))
+
+    # ---- reading ----
+    def config_overrides(self) -> dict:
+        """{DLRMConfig field: value} for the config flags given (None: not given, keep the model's)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.metadata.get(_CONFIG) and getattr(self, f.name) is not None}
+
+    def config(self) -> DLRMConfig:
+        """The named config with the given flags applied (ValueError, one line, for bad values)."""
+        return override(get_config(self.model), **self.config_overrides())
+
+    def check(self, nproc: int = 1) -> str | None:
+        """A one-line message for bad input, checked before anything heavy starts."""
+        if self.data and not os.path.isdir(self.data):
+            return f"--data {self.data}: not a directory"
+        if self.plan and not os.path.isfile(self.plan):
+            return f"--plan {self.plan}: file not found"
+        if self.metrics_out and not self.metrics_out.lower().endswith((".csv", ".jsonl", ".json")):
+            return "--metrics-out must end in .csv or .jsonl"
+        if self.resume and self.resume == "latest" and not self.checkpoint_dir:
+            return "--resume needs --checkpoint-dir (or --resume PATH)"
+        for name in ("batch_size", "steps", "checkpoint_every", "synth_rows"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                return f"{flags.option_string(name)} must be >= 1"
+        if nproc < 1:
+            return "--nproc must be >= 1"
+        if self.device == "tpu":
+            from tpurec.device import tpu_status
+
+            missing = tpu_status().missing()
+            if missing:
+                return f"--device tpu: this host cannot run TPU kernels ({'; '.join(missing)}); see `tpurec env`"
+        return None
+

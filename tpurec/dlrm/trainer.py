@@ -1,0 +1,307 @@
+"""One rank's DLRM training run as a `Trainer`: setup, step, evaluate, checkpoint, run.
+
+`tpurec train` (one rank, in-process) and `python -m tpurec.dlrm` (each rank under torchrun) build a
+Trainer from `TrainOptions` and call `run()`. Setup follows the data: the process group first (the
+synthetic data's writer and the other ranks meet at a barrier), then the data (the table sizes come
+from it), then the model, its DMP, optimizers and pipeline, and last the resume, which loads into all
+of them. Training goes in segments that end at the next eval, checkpoint or the last step; the
+pipeline drains at a segment's end, so the reader position then is exactly that of the batches
+trained (what a checkpoint records).
+
+Everything but the final JSON line (rank 0) goes to stderr, so stdout stays machine-readable.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+from tpurec.catalog import get_table_set
+from tpurec.dlrm import checkpoint as ckpt
+from tpurec.dlrm.options import TrainOptions
+from tpurec.dlrm.report import MetricsLog, plan_report, plan_summary, summary_text
+from tpurec.dlrm.runtime import check_host_memory, init_distributed, log, resolve_device, setup_logging
+
+
+def _infinite(reader):
+    """The reader's batches epoch after epoch (the reader tracks its own epoch and position); the
+    loop decides when to stop. An epoch without a batch ends the stream (never spin forever)."""
+    while True:
+        n = 0
+        for n, batch in enumerate(reader, 1):
+            yield batch
+        if n == 0:
+            return
+
+
+class Trainer:
+    """Trains one rank of a `tpurec train` run. After `setup()`: `cfg` (the resolved DLRMConfig),
+    `table_set` (its catalog tables), `readers`, `dmp`, `optimizer`, `pipeline`, `step_count`."""
+
+    def __init__(self, options: TrainOptions):
+        self.options = options
+        self.step_count = 0  # training steps taken (the same on every rank)
+        self.samples = 0  # samples trained on, over all ranks
+        self._batches = iter(())  # the current segment's batches; see _train_segment
+        self._ready = False
+
+    # ---- setup ----
+    def setup(self) -> None:
+        import torch
+
+        o = self.options
+        self.device = resolve_device(o.device)
+        self.rank, self.world = init_distributed(self.device)
+        setup_logging(self.rank)
+        # One thread per rank unless asked: on a small shared host more threads than free cores make
+        # every op wait for a busy core (measured 20x slower with 2 threads on 2 busy cores).
+        torch.set_num_threads(o.threads or 1)
+        self.say = log.info if self.rank == 0 else (lambda *a, **k: None)
+        self.cfg = o.config()
+        self.table_set = get_table_set(self.cfg.table_set)  # resolved once; everything below reads it
+        self._setup_data()
+        if self.device == "cpu":
+            check_host_memory(self.cfg, self.table_sizes, self.world)
+        self._setup_model()
+        self._resume()
+        self._stream = _infinite(self.readers.train)
+        self._batches = itertools.islice(self._stream, self.total_steps - self.step_count)
+        self._ready = True
+
+    def _setup_data(self) -> None:
+        import torch.distributed as dist
+
+        from tpurec.data.schema import dataset_metadata
+        from tpurec.dlrm.data import ensure_synth, make_readers, model_table_sizes, synth_dir
+
+        cfg, rank, world = self.cfg, self.rank, self.world
+        if self.options.data:
+            self.data_dir = Path(self.options.data)
+        else:
+            local_rank = int(os.environ.get("LOCAL_RANK", rank))
+            if local_rank == 0:  # one writer per host; the others wait at the barrier
+                ensure_synth(cfg.table_set, cfg.synth_rows, cfg.seed, say=self.say)
+            if world > 1:
+                dist.barrier()
+            self.data_dir = synth_dir(cfg.table_set, cfg.synth_rows, cfg.seed)
+        meta = dataset_metadata(self.data_dir)
+        self.table_sizes = model_table_sizes(self.data_dir, [t.num_embeddings for t in self.table_set.tables])
+        self.feature_names = [f["name"] for f in meta.get("sparse", [])]
+        self.readers = make_readers(self.data_dir, cfg.batch_size, rank, world, seed=cfg.seed,
+                                    eval_fraction=cfg.eval_fraction, table_sizes=self.table_sizes,
+                                    warn=log.warning if rank == 0 else (lambda *a: None))
+        self.batch_size = batch = self.readers.batch_size
+        steps_per_epoch = len(self.readers.train)
+        self.total_steps = cfg.steps if cfg.steps is not None else max(1, math.ceil(cfg.epochs * steps_per_epoch))
+        self.oracle_auc = oracle = meta.get("oracle_auc")
+        self.say(f"data: {self.data_dir}: {meta.get('rows', '?'):,} rows; per rank {self.readers.train.num_rows:,} "
+                 f"train / {self.readers.eval_rows:,} eval rows; {steps_per_epoch} steps per epoch of global batch "
+                 f"{batch * world:,}" + (f"; oracle AUC {oracle:.4f}" if oracle else ""))
+
+    def _setup_model(self) -> None:
+        import torch
+        from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+        from tpurec.dlrm.model import LRSchedule, build_model, build_optimizer, shard
+
+        cfg, o = self.cfg, self.options
+        torch.manual_seed(cfg.seed)
+        model = build_model(cfg, table_sizes=self.table_sizes, feature_names=self.feature_names)
+        plan = None
+        if o.plan:
+            from tpurec.sharding.plan_io import load_plan
+
+            plan = load_plan(o.plan)
+        self.dmp = shard(model, cfg, self.device, plan=plan)
+        self.optimizer = build_optimizer(self.dmp, cfg)
+        self.schedule = LRSchedule(self.optimizer, cfg.warmup_steps, cfg.decay_start, cfg.decay_steps)
+        if self.rank == 0:
+            self._report_plan()
+        device = torch.device(self.device) if self.device == "cpu" else self.dmp.device
+        self.pipeline = TrainPipelineSparseDist(self.dmp, self.optimizer, device)
+
+    def _report_plan(self) -> None:
+        report = None
+        try:
+            report = plan_report(self.dmp, self.cfg, self.table_set, self.table_sizes, self.batch_size)
+            self.say(plan_summary(report))
+        except Exception as e:  # the summary is informative only; never fail a run on it
+            self.say(f"(plan summary unavailable: {e})")
+        if self.options.save_plan:
+            from tpurec.sharding.plan_io import save_plan
+
+            save_plan(self.dmp.plan, self.options.save_plan, meta=report["meta"] if report else None)
+            self.say(f"plan saved to {self.options.save_plan}")
+
+    def _resume(self) -> None:
+        o, train = self.options, self.readers.train
+        if not o.resume:
+            return
+        src = o.checkpoint_dir if o.resume == "latest" else o.resume
+        if not src:
+            raise ValueError("--resume needs --checkpoint-dir (or --resume PATH)")
+        if o.resume == "latest" and ckpt.latest(src) is None:
+            self.say(f"resume: no complete checkpoint in {src}; starting from scratch")
+            return
+        cmeta, state = ckpt.load(src, self.dmp, self.optimizer)
+        self.step_count, self.samples = int(cmeta["step"]), int(cmeta.get("samples", 0))
+        if state is not None:
+            train.load_state_dict(state["reader"])
+            ckpt.set_rng_state(state["rng"])
+            how = "exact (same world size)"
+        else:
+            # Another world size: rows are dealt out differently, so continue at the same epoch and
+            # the same fraction of it (rows near the cut may be seen twice or skipped in that epoch).
+            st = train.state_dict()
+            frac = float(cmeta.get("epoch_fraction", 0.0))
+            st.update(epoch=int(cmeta.get("epoch", 0)),
+                      rows_consumed=int(frac * train.num_rows) // self.batch_size * self.batch_size)
+            train.load_state_dict(st)
+            how = (f"at world size {self.world} from {cmeta['world_size']}: data position approximate "
+                   f"(epoch {st['epoch']}, {frac:.1%} through it)")
+        self.say(f"resume: {cmeta['path']} at step {self.step_count}, {how}")
+
+    # ---- the four things a run does ----
+    def step(self) -> float | None:
+        """One training step on the next batch of the current segment: its loss, or None once the
+        segment has no batch left and the pipeline has drained (after setup(), the segment runs to
+        the last step; run() cuts it at every eval and checkpoint)."""
+        self.schedule.set_step(self.step_count)
+        try:
+            loss, _, _ = self.pipeline.progress(self._batches)
+        except StopIteration:
+            return None
+        self.step_count += 1
+        self.samples += self.batch_size * self.world
+        return float(loss)
+
+    def evaluate(self) -> dict:
+        """Forward the whole eval split through the (drained) pipeline; metrics over all ranks."""
+        import torch
+
+        from tpurec.dlrm import metrics
+        from tpurec.dlrm.data import eval_batches
+
+        self.dmp.eval()
+        logits, labels = [], []
+        it = eval_batches(self.readers.eval)
+        with torch.no_grad():
+            while True:
+                try:
+                    _, lo, la = self.pipeline.progress(it)
+                except StopIteration:
+                    break
+                logits.append(lo)
+                labels.append(la)
+        self.dmp.train()
+        lo = torch.cat(logits)[: self.readers.eval_rows]  # drop the padding of the last batch
+        la = torch.cat(labels)[: self.readers.eval_rows]
+        return metrics.compute(*metrics.gather(lo, la))
+
+    def checkpoint(self) -> Path:
+        """Save model, optimizer, reader position and RNG states at the current step (every rank)."""
+        train, s = self.readers.train, self.step_count
+        st = train.state_dict()
+        cmeta = {"step": s, "samples": self.samples, "world_size": self.world, "batch_size": self.batch_size,
+                 "epoch": st["epoch"], "epoch_fraction": st["rows_consumed"] / max(1, train.num_rows),
+                 "config": self.cfg.to_dict(), "data": str(self.data_dir)}
+        path = ckpt.save(self.options.checkpoint_dir, s, self.dmp, self.optimizer,
+                         {"reader": st, "rng": ckpt.rng_state(), "step": s}, cmeta, keep=self.options.keep)
+        self.say(f"checkpoint: {path}")
+        return path
+
+    def run(self) -> dict:
+        """Set up (if not yet), train to the last step with evals and checkpoints on the way, then
+        evaluate, checkpoint and report (rank 0: summary on stderr, one JSON line on stdout).
+        Returns the final figures (the JSON line's)."""
+        from tqdm import tqdm
+
+        if not self._ready:
+            self.setup()
+        o, cfg, total = self.options, self.cfg, self.total_steps
+        self._metrics = MetricsLog(o.metrics_out if self.rank == 0 else None,
+                                   append=bool(o.resume) and self.step_count > 0)
+        ckpt_every = o.checkpoint_every if o.checkpoint_every is not None else cfg.eval_every
+        self._bar = tqdm(total=total, initial=self.step_count, unit="step", file=sys.stderr, dynamic_ncols=True,
+                         disable=self.rank != 0 or o.quiet, mininterval=0.5, smoothing=0.1)
+        self._t_start = time.perf_counter()
+        self._train_seconds, self._steps_run = 0.0, 0
+        self._log_every = max(1, min(50, total // 100 or 1))
+        self._loss_sum, self._loss_n = 0.0, 0
+
+        def boundary(s: int) -> bool:
+            return s == total or (cfg.eval_every and s % cfg.eval_every == 0) or \
+                bool(o.checkpoint_dir and ckpt_every and s % ckpt_every == 0)
+
+        while self.step_count < total:
+            self._train_segment(next(s for s in range(self.step_count + 1, total + 1) if boundary(s)))
+            step = self.step_count
+            if cfg.eval_every and step % cfg.eval_every == 0 and step != total:
+                ev = self._log_eval(self.evaluate())
+                if self.rank == 0:
+                    self._bar.write(f"step {step}: eval AUC {ev['auc']:.4f}, NE {ev['ne']:.4f}, "
+                                    f"logloss {ev['logloss']:.4f}", file=sys.stderr)
+            if o.checkpoint_dir and ckpt_every and step % ckpt_every == 0 and step != total:
+                self.checkpoint()
+        self._bar.close()
+
+        final = self._log_eval(self.evaluate())
+        if o.checkpoint_dir:
+            self.checkpoint()
+        batch, world = self.batch_size, self.world
+        sps = self._steps_run * batch * world / self._train_seconds if self._train_seconds > 0 else 0.0
+        result = {"steps": self.step_count, "auc": round(final["auc"], 6), "ne": round(final["ne"], 6),
+                  "logloss": round(final["logloss"], 6), "accuracy": round(final["accuracy"], 6),
+                  "samples_per_s": round(sps, 1), "eval_rows": final["rows"], "world_size": world,
+                  "batch_size": batch, "model": cfg.name, "seconds": round(time.perf_counter() - self._t_start, 2)}
+        if self.oracle_auc:
+            result["oracle_auc"] = self.oracle_auc
+        if self.rank == 0:
+            self._report(result)
+        return result
+
+    # ---- the loop's pieces ----
+    def _train_segment(self, end: int) -> None:
+        """Steps up to `end`; the pipeline drains at the end (its batch source ends there)."""
+        self._batches = itertools.islice(self._stream, end - self.step_count)
+        batch, world, train = self.batch_size, self.world, self.readers.train
+        t0 = time.perf_counter()
+        while (loss := self.step()) is not None:
+            self._steps_run += 1
+            self._loss_sum += loss
+            self._loss_n += 1
+            if self.step_count % self._log_every == 0 or self.step_count == end:
+                elapsed = self._train_seconds + time.perf_counter() - t0
+                sps = self._steps_run * batch * world / elapsed if elapsed > 0 else 0.0
+                mean = self._loss_sum / self._loss_n
+                self._metrics.add({"kind": "train", "step": self.step_count, "epoch": train.epoch,
+                                   "samples": self.samples, "seconds": round(time.perf_counter() - self._t_start, 3),
+                                   "loss": mean, "samples_per_s": round(sps, 1)})
+                self._bar.set_postfix_str(f"loss {mean:.4f}, {sps:,.0f} samples/s", refresh=False)
+                self._loss_sum, self._loss_n = 0.0, 0
+            self._bar.update(1)
+        self._train_seconds += time.perf_counter() - t0
+        if self.step_count < end:  # the data ran out (an empty epoch); cannot continue
+            raise RuntimeError(f"training data exhausted at step {self.step_count}")
+
+    def _log_eval(self, ev: dict) -> dict:
+        self._metrics.add({"kind": "eval", "step": self.step_count, "epoch": self.readers.train.epoch,
+                           "samples": self.samples, "seconds": round(time.perf_counter() - self._t_start, 3), **ev})
+        return ev
+
+    def _report(self, result: dict) -> None:
+        o = self.options
+        if o.metrics_out:
+            from tpurec.dlrm.plots import plot_curves
+
+            png = Path(o.metrics_out).with_suffix(".png")
+            plot_curves(self._metrics.records, png,
+                        title=f"{self.cfg.name}, {self.world} rank(s), batch {self.batch_size}/rank",
+                        oracle_auc=self.oracle_auc)
+            self.say(f"metrics: {o.metrics_out}, curves: {png}")
+        self.say(summary_text(result, self.data_dir))
+        print(json.dumps(result), flush=True)
