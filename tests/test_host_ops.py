@@ -47,7 +47,7 @@ def test_register_works_before_fbgemm_is_imported_and_is_idempotent():
     # Nothing imports fbgemm_gpu first here: register() must load it rather than cache an empty set.
     code = textwrap.dedent("""
         import sys, torch
-        from tpurec.sharding import host_ops
+        from tpurec import host_ops
         assert "fbgemm_gpu" not in sys.modules
         first = host_ops.register(dispatch_key="PrivateUse2")
         again = host_ops.register(dispatch_key="PrivateUse2")
