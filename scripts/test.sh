@@ -6,6 +6,10 @@ if [ ! -x .venv/bin/python ]; then
   echo "tpurec: .venv is missing; run 'make install' first" >&2
   exit 1
 fi
+# Lint and format first (configuration: [tool.ruff] in pyproject.toml): seconds, and a failure names
+# the file and line. `.venv/bin/ruff format .` and `.venv/bin/ruff check --fix .` repair most findings.
+.venv/bin/ruff check --quiet . || { echo "tpurec: ruff check found problems (see above)" >&2; exit 1; }
+.venv/bin/ruff format --check --quiet . || { echo "tpurec: files need 'ruff format' (listed above)" >&2; exit 1; }
 # No TPU here: keep jax on CPU and stop a torch_tpu install from autoloading or querying metadata.
 export JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 TORCH_DEVICE_BACKEND_AUTOLOAD=0
 # Two cores: one intra-op thread per process keeps multi-rank tests from oversubscribing.

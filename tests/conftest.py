@@ -1,4 +1,5 @@
 """Shared test setup: no TPU here, so pin jax to CPU and keep a torch_tpu install dormant."""
+
 import os
 from pathlib import Path
 

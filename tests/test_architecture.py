@@ -5,6 +5,7 @@ Every `import` and `from ... import` in every module counts, at module level or 
 module, else at `pkg` itself. String-based imports (`importlib.import_module("...")`, used by the
 command registry) are not seen; they live only in facades and in `tpurec/cli.py`.
 """
+
 from __future__ import annotations
 
 import ast
@@ -17,11 +18,16 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tpurec"
 # Top-level part of tpurec -> layer. Modules of the same layer may import each other only inside
 # the same part (embedding and data are both L1 and independent).
 LAYERS = {
-    "device": 0, "catalog": 0, "host_ops": 0,
-    "embedding": 1, "data": 1,
+    "device": 0,
+    "catalog": 0,
+    "host_ops": 0,
+    "embedding": 1,
+    "data": 1,
     "sharding": 2,
     "dlrm": 3,
-    "bench": 4, "cli": 4, "env_report": 4,
+    "bench": 4,
+    "cli": 4,
+    "env_report": 4,
 }
 FACADE = "tpurec"  # the root __init__: above every layer
 
@@ -95,8 +101,10 @@ def test_no_import_runs_up_a_layer():
         up = _layer(target) > _layer(source)
         sideways = _layer(target) == _layer(source) and _part(target) != _part(source)
         if up or sideways:
-            bad.append(f"{path.relative_to(PACKAGE.parent)}:{line} {source} (L{_layer(source)}) -> "
-                       f"{target} (L{_layer(target)})")
+            bad.append(
+                f"{path.relative_to(PACKAGE.parent)}:{line} {source} (L{_layer(source)}) -> "
+                f"{target} (L{_layer(target)})"
+            )
     assert not bad, "imports against docs/architecture.md:\n" + "\n".join(bad)
 
 
@@ -150,10 +158,13 @@ def _strongly_connected(graph: dict[str, set[str]]) -> list[set[str]]:
     return out
 
 
-@pytest.mark.parametrize("graph,expected", [
-    ({"a": {"b"}, "b": {"a"}}, [{"a", "b"}]),
-    ({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}, [{"a", "b", "c"}]),
-    ({"a": {"b"}, "b": {"c"}}, []),
-])
+@pytest.mark.parametrize(
+    "graph,expected",
+    [
+        ({"a": {"b"}, "b": {"a"}}, [{"a", "b"}]),
+        ({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}, [{"a", "b", "c"}]),
+        ({"a": {"b"}, "b": {"c"}}, []),
+    ],
+)
 def test_cycle_finder_finds_cycles(graph, expected):
     assert sorted(map(sorted, _strongly_connected(graph))) == sorted(map(sorted, expected))

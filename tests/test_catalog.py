@@ -1,4 +1,5 @@
 """tpurec.catalog: the named table sets and model names, plain data every layer and CLI shares."""
+
 import subprocess
 import sys
 
@@ -42,7 +43,8 @@ def test_table_sets_and_their_torchrec_configs():
     tiny = get_table_set("dlrm-tiny")
     assert [t.feature for t in tiny.tables] == FEATURE_NAMES and len(tiny.tables) == NUM_SPARSE
     configs = embedding_bag_configs(tiny)
-    assert [(c.name, c.num_embeddings, c.embedding_dim, c.feature_names) for c in configs] == \
-        [(t.name, t.num_embeddings, t.embedding_dim, [t.feature]) for t in tiny.tables]
+    assert [(c.name, c.num_embeddings, c.embedding_dim, c.feature_names) for c in configs] == [
+        (t.name, t.num_embeddings, t.embedding_dim, [t.feature]) for t in tiny.tables
+    ]
     with pytest.raises(ValueError, match="unknown model/table set 'nope'"):
         get_table_set("nope")

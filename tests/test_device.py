@@ -1,4 +1,5 @@
 """tpurec.device: what it reads from the host (PCI ids) and the TorchTPU environment it sets."""
+
 from __future__ import annotations
 
 import sys
@@ -17,9 +18,16 @@ def _pci(tmp_path, *devices):
     return str(tmp_path)
 
 
-@pytest.mark.parametrize("pci_id,generation,sparsecores", [
-    ("0x0062", "v5p", 4), ("0x006f", "v6e", 2), ("0x0076", "v7x", 2), ("0x0063", "v5e", 0), ("0x005e", "v4", 0),
-])
+@pytest.mark.parametrize(
+    "pci_id,generation,sparsecores",
+    [
+        ("0x0062", "v5p", 4),
+        ("0x006f", "v6e", 2),
+        ("0x0076", "v7x", 2),
+        ("0x0063", "v5e", 0),
+        ("0x005e", "v4", 0),
+    ],
+)
 def test_generation_and_sparsecores_from_pci_ids(tmp_path, pci_id, generation, sparsecores):
     # A non-Google device first (an Intel NIC with the same device id) must not be mistaken for a TPU.
     root = _pci(tmp_path, ("0x8086", pci_id), ("0x1ae0", pci_id))
@@ -37,14 +45,24 @@ def _status(torch_tpu, nodes):
     return device.TpuStatus(torch_tpu=torch_tpu, libtpu="0.0.50" if torch_tpu else None, device_nodes=nodes)
 
 
-@pytest.mark.parametrize("torch_tpu,nodes,expected", [
-    # TPU host: TorchRec's torch.tpu calls need the legacy APIs allowed; autoload stays on.
-    ("0.2.0", ("/dev/vfio/0",), {"TORCH_TPU_ALLOW_LEGACY_DEVICE_APIS": "1"}),
-    # torch_tpu installed, no TPU: also no autoload and no metadata query.
-    ("0.2.0", (), {"TORCH_TPU_ALLOW_LEGACY_DEVICE_APIS": "1", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0",
-                   "TPU_SKIP_MDS_QUERY": "1"}),
-    (None, (), {}),
-])
+@pytest.mark.parametrize(
+    "torch_tpu,nodes,expected",
+    [
+        # TPU host: TorchRec's torch.tpu calls need the legacy APIs allowed; autoload stays on.
+        ("0.2.0", ("/dev/vfio/0",), {"TORCH_TPU_ALLOW_LEGACY_DEVICE_APIS": "1"}),
+        # torch_tpu installed, no TPU: also no autoload and no metadata query.
+        (
+            "0.2.0",
+            (),
+            {
+                "TORCH_TPU_ALLOW_LEGACY_DEVICE_APIS": "1",
+                "TORCH_DEVICE_BACKEND_AUTOLOAD": "0",
+                "TPU_SKIP_MDS_QUERY": "1",
+            },
+        ),
+        (None, (), {}),
+    ],
+)
 def test_safe_env(monkeypatch, torch_tpu, nodes, expected):
     names = ("TORCH_TPU_ALLOW_LEGACY_DEVICE_APIS", "TORCH_DEVICE_BACKEND_AUTOLOAD", "TPU_SKIP_MDS_QUERY")
     for name in names:

@@ -1,4 +1,5 @@
 """The package installs, imports light, and its command answers."""
+
 import json
 import subprocess
 import sys

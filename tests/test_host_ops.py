@@ -3,6 +3,7 @@
 A PrivateUse1 (TPU) registration cannot run here; it is exercised in a subprocess on a spare
 dispatch key that FBGEMM's ops have no kernel for.
 """
+
 import subprocess
 import sys
 import textwrap

@@ -22,6 +22,7 @@ tpurec's own ops:
 Never import this from tpurec: it is test support, installed only in processes that never load the
 real torch_tpu.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,8 +32,8 @@ from dataclasses import dataclass, field
 import torch
 
 from tpurec.embedding import reference
-from tpurec.embedding.optimizers import adagrad, adam, sgd
 from tpurec.embedding.constraints import PADDING_ID, SEGMENT_ALIGN, round_up
+from tpurec.embedding.optimizers import adagrad, adam, sgd
 
 # TorchTPU 0.2.0's schemas, verbatim (namespace `tpu`).
 SCHEMAS = {
@@ -107,22 +108,28 @@ def _decode(row_pointers, embedding_ids, sample_ids, gains, table, device_batch_
     starts = torch.cat([torch.zeros(num_sc, 1, dtype=torch.int64), ends[:, :-1]], dim=1)
     seg_len = ends - (starts + SEGMENT_ALIGN - 1) // SEGMENT_ALIGN * SEGMENT_ALIGN
     if int(seg_len.max()) > round_up(max_ids_per_partition, SEGMENT_ALIGN):
-        raise RuntimeError(f"stand-in: a partition holds {int(seg_len.max())} ids, more than "
-                           f"max_ids_per_partition={max_ids_per_partition} (the kernel's buffer)")
-    return reference.decode(row_pointers, embedding_ids, sample_ids, gains, table.shape[0] // parts,
-                            device_batch_size, num_sc, parts)
+        raise RuntimeError(
+            f"stand-in: a partition holds {int(seg_len.max())} ids, more than "
+            f"max_ids_per_partition={max_ids_per_partition} (the kernel's buffer)"
+        )
+    return reference.decode(
+        row_pointers, embedding_ids, sample_ids, gains, table.shape[0] // parts, device_batch_size, num_sc, parts
+    )
 
 
 def _lookup(row_pointers, embedding_ids, sample_ids, gains, table, device_batch_size, max_ids, max_uniq):
-    _STATE.record("_sparse_dense_matmul", (row_pointers, embedding_ids, sample_ids, gains, table,
-                                           device_batch_size, max_ids, max_uniq))
+    _STATE.record(
+        "_sparse_dense_matmul",
+        (row_pointers, embedding_ids, sample_ids, gains, table, device_batch_size, max_ids, max_uniq),
+    )
     d = _decode(row_pointers, embedding_ids, sample_ids, gains, table, device_batch_size, max_ids)
     return reference.lookup(d, table, device_batch_size)
 
 
 def _sgd(rp, ids, samples, gains, table, grad, lr, batch, max_ids, max_uniq, name):
-    _STATE.record("_sparse_dense_matmul_grad_with_sgd", (rp, ids, samples, gains, table, grad, lr, batch, max_ids,
-                                                         max_uniq, name))
+    _STATE.record(
+        "_sparse_dense_matmul_grad_with_sgd", (rp, ids, samples, gains, table, grad, lr, batch, max_ids, max_uniq, name)
+    )
     rows, g = reference.row_gradients(_decode(rp, ids, samples, gains, table, batch, max_ids), grad)
     new = table.clone()
     sgd.reference_update(new, rows, g, float(lr))
@@ -130,8 +137,10 @@ def _sgd(rp, ids, samples, gains, table, grad, lr, batch, max_ids, max_uniq, nam
 
 
 def _adagrad(rp, ids, samples, gains, table, acc, grad, lr, eps, batch, max_ids, max_uniq, name):
-    _STATE.record("_sparse_dense_matmul_grad_with_adagrad", (rp, ids, samples, gains, table, acc, grad, lr, eps,
-                                                             batch, max_ids, max_uniq, name))
+    _STATE.record(
+        "_sparse_dense_matmul_grad_with_adagrad",
+        (rp, ids, samples, gains, table, acc, grad, lr, eps, batch, max_ids, max_uniq, name),
+    )
     rows, g = reference.row_gradients(_decode(rp, ids, samples, gains, table, batch, max_ids), grad)
     new, new_acc = table.clone(), acc.clone()
     adagrad.reference_update(new, new_acc, rows, g, float(lr), eps)
@@ -139,41 +148,84 @@ def _adagrad(rp, ids, samples, gains, table, acc, grad, lr, eps, batch, max_ids,
 
 
 def _adam(rp, ids, samples, gains, table, m, v, grad, alpha_t, b1, b2, eps, batch, max_ids, max_uniq, name):
-    _STATE.record("_sparse_dense_matmul_grad_with_adam", (rp, ids, samples, gains, table, m, v, grad, alpha_t, b1,
-                                                          b2, eps, batch, max_ids, max_uniq, name))
+    _STATE.record(
+        "_sparse_dense_matmul_grad_with_adam",
+        (rp, ids, samples, gains, table, m, v, grad, alpha_t, b1, b2, eps, batch, max_ids, max_uniq, name),
+    )
     rows, g = reference.row_gradients(_decode(rp, ids, samples, gains, table, batch, max_ids), grad)
     new, new_m, new_v = table.clone(), m.clone(), v.clone()
     adam.reference_update(new, new_m, new_v, rows, g, float(alpha_t), b1, b2, eps)
     return new, new_m, new_v
 
 
-def _preprocess(indices, offsets, max_ids, max_uniq, suggested_coo, batch_size, combiner, local_devices,
-                global_devices, num_sc, allow_dropping, table_name):
+def _preprocess(
+    indices,
+    offsets,
+    max_ids,
+    max_uniq,
+    suggested_coo,
+    batch_size,
+    combiner,
+    local_devices,
+    global_devices,
+    num_sc,
+    allow_dropping,
+    table_name,
+):
     """TorchTPU's host preprocessing, as far as tests need it: tpurec's preprocessing of the same ids,
     with TorchTPU's COO buffer (128 entries when the suggestion is 0) and its silent truncation."""
     from tpurec.embedding.preprocess import preprocess
 
-    _STATE.record("preprocess_sparse_dense_matmul_input", (indices, offsets, max_ids, max_uniq, suggested_coo,
-                                                           batch_size, combiner, local_devices, global_devices,
-                                                           num_sc, allow_dropping, table_name))
+    _STATE.record(
+        "preprocess_sparse_dense_matmul_input",
+        (
+            indices,
+            offsets,
+            max_ids,
+            max_uniq,
+            suggested_coo,
+            batch_size,
+            combiner,
+            local_devices,
+            global_devices,
+            num_sc,
+            allow_dropping,
+            table_name,
+        ),
+    )
     lengths = torch.diff(offsets.long())
     samples = torch.repeat_interleave(torch.arange(batch_size), lengths)
-    gains = {"sum": torch.ones(indices.numel()), "mean": 1.0 / lengths.clamp(min=1).float()[samples],
-             "sqrtn": lengths.clamp(min=1).float().rsqrt()[samples]}[combiner]
-    csr, stats = preprocess(indices.long(), samples, gains, device_batch_size=batch_size, num_sc_per_device=num_sc,
-                            max_ids_per_partition=max_ids, max_unique_ids_per_partition=max_uniq,
-                            allow_id_dropping=allow_dropping)
+    gains = {
+        "sum": torch.ones(indices.numel()),
+        "mean": 1.0 / lengths.clamp(min=1).float()[samples],
+        "sqrtn": lengths.clamp(min=1).float().rsqrt()[samples],
+    }[combiner]
+    csr, stats = preprocess(
+        indices.long(),
+        samples,
+        gains,
+        device_batch_size=batch_size,
+        num_sc_per_device=num_sc,
+        max_ids_per_partition=max_ids,
+        max_unique_ids_per_partition=max_uniq,
+        allow_id_dropping=allow_dropping,
+    )
     buffer = suggested_coo or DEFAULT_COO_BUFFER
     per_sc = csr.embedding_ids.numel() // num_sc
     rp = csr.row_pointers.view(num_sc, -1)
     dropped = int(torch.clamp(rp[:, -1] - buffer, min=0).sum()) + stats.dropped_id_count
-    out = {k: torch.full((num_sc * buffer,), fill, dtype=dtype) for k, fill, dtype in
-           (("embedding_ids", PADDING_ID, torch.int32), ("sample_ids", PADDING_ID, torch.int32),
-            ("gains", float("nan"), torch.float32))}
+    out = {
+        k: torch.full((num_sc * buffer,), fill, dtype=dtype)
+        for k, fill, dtype in (
+            ("embedding_ids", PADDING_ID, torch.int32),
+            ("sample_ids", PADDING_ID, torch.int32),
+            ("gains", float("nan"), torch.float32),
+        )
+    }
     for sc in range(num_sc):
         n = min(int(rp[sc, -1]), buffer)
         for key in ("embedding_ids", "sample_ids", "gains"):
-            out[key][sc * buffer:sc * buffer + n] = getattr(csr, key)[sc * per_sc:sc * per_sc + n]
+            out[key][sc * buffer : sc * buffer + n] = getattr(csr, key)[sc * per_sc : sc * per_sc + n]
     out["row_pointers"] = torch.clamp(rp, max=buffer).flatten().to(torch.int32)
     out["dropped_id_count"] = torch.tensor([dropped], dtype=torch.int32)
     return out

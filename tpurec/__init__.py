@@ -3,6 +3,7 @@
 Importing tpurec is cheap and never imports torch_tpu, libtpu or jax: everything TPU-specific is
 loaded lazily, behind `tpurec.device`, only when a TPU is actually used.
 """
+
 from tpurec import device as _device
 
 __version__ = "0.1.0"

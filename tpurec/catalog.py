@@ -6,6 +6,7 @@ that `dlrm-tiny` data, plans and models always agree, and every CLI offers the s
 without importing anything heavy. TorchRec's `EmbeddingBagConfig`s are built from a TableSet by
 `tpurec.dlrm.model.embedding_bag_configs`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,15 +19,63 @@ FEATURE_NAMES = [f"C{i}" for i in range(1, NUM_SPARSE + 1)]
 # Criteo Kaggle (Display Advertising Challenge) vocabulary sizes per categorical feature, as used by
 # torchrec's DLRM example (examples/dlrm README, --num_embeddings_per_feature for Kaggle).
 CRITEO_KAGGLE_ROWS = [
-    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
-    27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+    1460,
+    583,
+    10131227,
+    2202608,
+    305,
+    24,
+    12517,
+    633,
+    3,
+    93145,
+    5683,
+    8351593,
+    3194,
+    27,
+    14992,
+    5461306,
+    10,
+    5652,
+    2173,
+    4,
+    7046547,
+    18,
+    15,
+    286181,
+    105,
+    142572,
 ]
 # MLPerf Training DLRM-DCNv2 (Criteo 1TB, multi-hot): capped vocabulary sizes and multi-hot sizes,
 # from the MLPerf training reference (recommendation_v2/torchrec_dlrm, --num_embeddings_per_feature
 # and --multi_hot_sizes). 26 tables, 204,184,588 rows in all.
 MLPERF_DCNV2_ROWS = [
-    40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000, 3067956, 405282, 10,
-    2209, 11938, 155, 4, 976, 14, 40000000, 40000000, 40000000, 590152, 12973, 108, 36,
+    40000000,
+    39060,
+    17295,
+    7424,
+    20265,
+    3,
+    7122,
+    1543,
+    63,
+    40000000,
+    3067956,
+    405282,
+    10,
+    2209,
+    11938,
+    155,
+    4,
+    976,
+    14,
+    40000000,
+    40000000,
+    40000000,
+    590152,
+    12973,
+    108,
+    36,
 ]
 MLPERF_DCNV2_MULTI_HOT = [3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1]
 # dlrm-tiny: Kaggle sizes capped at 1000 rows, so the CPU default trains in about a minute.
@@ -50,9 +99,9 @@ class TableSet:
 
 def _make(name: str, rows: list[int], dim: int, pooling: list[float] | None = None) -> TableSet:
     pooling = pooling or [1.0] * NUM_SPARSE
-    return TableSet(name, tuple(
-        TableSpec(f"t_{f}", f, r, dim, float(p)) for f, r, p in zip(FEATURE_NAMES, rows, pooling)
-    ))
+    return TableSet(
+        name, tuple(TableSpec(f"t_{f}", f, r, dim, float(p)) for f, r, p in zip(FEATURE_NAMES, rows, pooling))
+    )
 
 
 TABLE_SETS: dict[str, TableSet] = {

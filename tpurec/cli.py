@@ -4,6 +4,7 @@ Each subcommand lives in its own module, which exposes `register(subparsers)` (b
 parser without importing anything heavy, so `tpurec --help` is instant) and `run(args) -> int`.
 A subcommand appears in the help only once its module is listed below.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"tpurec {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, module in SUBCOMMANDS.items():
+    for module in SUBCOMMANDS.values():
         importlib.import_module(module).register(sub)
     return parser
 

@@ -5,6 +5,7 @@ process or hang on the cloud metadata server (docs/tpu.md). We look at installed
 at the device nodes a TPU VM exposes instead, and import torch_tpu only once a TPU is known to be
 there and the caller asked for it.
 """
+
 from __future__ import annotations
 
 import glob
@@ -90,9 +91,11 @@ def tpu_env_problems() -> list[str]:
     """
     if "torch_tpu" not in sys.modules or os.environ.get(LEGACY_DEVICE_APIS_ENV, "0") not in ("0", ""):
         return []
-    return [f"torch_tpu was imported without {LEGACY_DEVICE_APIS_ENV}=1, so TorchRec's calls to torch.tpu "
-            "device APIs will raise; import tpurec before torch, or export "
-            f"{LEGACY_DEVICE_APIS_ENV}=1 before starting Python"]
+    return [
+        f"torch_tpu was imported without {LEGACY_DEVICE_APIS_ENV}=1, so TorchRec's calls to torch.tpu "
+        "device APIs will raise; import tpurec before torch, or export "
+        f"{LEGACY_DEVICE_APIS_ENV}=1 before starting Python"
+    ]
 
 
 # TPU chips by PCI id (vendor 0x1ae0, Google), as torch-tpu 0.2.0 identifies them
@@ -146,7 +149,7 @@ class TpuUnavailableError(RuntimeError):
     pass
 
 
-def resolve_device(device) -> "torch.device":  # noqa: F821
+def resolve_device(device) -> torch.device:  # noqa: F821
     """Turn "tpu", "tpu:0", "cpu", "meta" or a torch.device into a torch.device.
 
     "tpu" on a host without a usable TPU raises TpuUnavailableError at once, naming what is missing.

@@ -2,6 +2,7 @@
 
 Reads installed versions from package metadata, so it never imports torch_tpu, libtpu or jax.
 """
+
 from __future__ import annotations
 
 import json
@@ -45,9 +46,13 @@ def run(args) -> int:
     for name, ver in info["packages"].items():
         print(f"{name:<13} {ver or 'not installed'}")
     print(f"TPU devices   {', '.join(info['tpu_device_nodes']) or 'none'}")
-    print(f"kernels       {info['kernel_backend']}"
-          + ("" if info["tpu_usable"] else "  (SparseCore needs: " + "; ".join(info["missing_for_tpu"]) + ")"))
+    print(
+        f"kernels       {info['kernel_backend']}"
+        + ("" if info["tpu_usable"] else "  (SparseCore needs: " + "; ".join(info["missing_for_tpu"]) + ")")
+    )
     if info["packages"]["fbgemm-gpu"]:
-        print("warning: the CUDA fbgemm-gpu is installed; it shadows fbgemm-gpu-cpu (see docs/install.md)",
-              file=sys.stderr)
+        print(
+            "warning: the CUDA fbgemm-gpu is installed; it shadows fbgemm-gpu-cpu (see docs/install.md)",
+            file=sys.stderr,
+        )
     return 0

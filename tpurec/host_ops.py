@@ -7,6 +7,7 @@ one TorchRec's own TPU path takes: run them on the host CPU and move the results
 installs such PrivateUse1 ("tpu") kernels; it is called by `tpurec.embedding.backend` on a TPU host
 only. Not yet run on TPU hardware.
 """
+
 from __future__ import annotations
 
 import logging

@@ -5,11 +5,35 @@ def test_bench_data_code_path_emits_the_keys(tmp_path, capsys):
     """Not a timing test: a tiny run of `tpurec bench data` must work and report every figure."""
     from tpurec.cli import main
 
-    assert main(["bench", "data", "--rows", "20000", "--convert-rows", "2000", "--passes", "1",
-                 "--tables", "dlrm-tiny", "--dir", str(tmp_path), "--json"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "data",
+                "--rows",
+                "20000",
+                "--convert-rows",
+                "2000",
+                "--passes",
+                "1",
+                "--tables",
+                "dlrm-tiny",
+                "--dir",
+                str(tmp_path),
+                "--json",
+            ]
+        )
+        == 0
+    )
     res = json.loads(capsys.readouterr().out)
-    for key in ("tpurec_samples_per_s", "torchrec_samples_per_s", "ratio_vs_torchrec",
-                "tpurec_in_memory_samples_per_s", "converter_mb_per_s", "ratio_vs_torchrec_cpu"):
+    for key in (
+        "tpurec_samples_per_s",
+        "torchrec_samples_per_s",
+        "ratio_vs_torchrec",
+        "tpurec_in_memory_samples_per_s",
+        "converter_mb_per_s",
+        "ratio_vs_torchrec_cpu",
+    ):
         assert res[key] > 0
     assert res["rows"] == 20000 and res["batch_size"] == 8192
     assert abs(res["ratio_vs_torchrec"] - res["tpurec_samples_per_s"] / res["torchrec_samples_per_s"]) < 2e-3

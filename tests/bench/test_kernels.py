@@ -1,4 +1,5 @@
 """`tpurec bench kernels` runs end to end (tiny sizes) and reports every figure."""
+
 from tpurec.bench import kernels as bench_kernels
 
 

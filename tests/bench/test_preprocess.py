@@ -1,4 +1,5 @@
 """`tpurec bench preprocess --quick` runs end to end against jax-tpu-embedding and reports every figure."""
+
 import pytest
 
 from tpurec.bench import preprocess as bench_preprocess

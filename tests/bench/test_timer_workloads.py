@@ -1,4 +1,5 @@
 """The benchmarks' shared timer and workload generator."""
+
 import numpy as np
 import pytest
 

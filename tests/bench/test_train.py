@@ -1,4 +1,5 @@
 """`tpurec bench train --json`: both sides run on 2 ranks and the JSON has the documented keys."""
+
 import json
 import os
 import subprocess
@@ -14,8 +15,27 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.multiprocess
 def test_bench_train_json(tmp_path):
     env = dict(os.environ, TPUREC_CACHE=str(tmp_path), PYTHONPATH=str(REPO))
-    p = subprocess.run([sys.executable, "-m", "tpurec.cli", "bench", "train", "--json", "--steps", "20", "--warmup",
-                        "3", "--repeats", "1"], env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tpurec.cli",
+            "bench",
+            "train",
+            "--json",
+            "--steps",
+            "20",
+            "--warmup",
+            "3",
+            "--repeats",
+            "1",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout)
     assert {"tpurec_samples_per_s", "torchrec_samples_per_s", "ratio_vs_torchrec"} <= set(r)

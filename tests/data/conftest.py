@@ -1,4 +1,5 @@
 """Small datasets shared by the data tests (generated once per session, a few MB at most)."""
+
 from __future__ import annotations
 
 import pytest

@@ -8,9 +8,9 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from tpurec.catalog import CRITEO_KAGGLE_ROWS
 from tpurec.data.convert import ConvertOptions, convert
 from tpurec.data.schema import CAT_RAW, DENSE_RAW, DataError, criteo_schema, dataset_metadata
-from tpurec.catalog import CRITEO_KAGGLE_ROWS
 
 
 def _sample_rows(path):
@@ -48,8 +48,7 @@ def _write_tsv(rows, path, gz=False):
 
 def test_convert_real_sample_csv(criteo_sample, tmp_path):
     rows = _sample_rows(criteo_sample)
-    summary = convert([str(criteo_sample)], str(tmp_path / "out"), ConvertOptions(criteo_schema()),
-                      show_progress=False)
+    summary = convert([str(criteo_sample)], str(tmp_path / "out"), ConvertOptions(criteo_schema()), show_progress=False)
     assert summary["rows"] == len(rows) == 200 and summary["files"] == 1 and summary["bad_lines"] == 0
     t = pq.read_table(tmp_path / "out" / "part-00000.parquet")
     # Row 1 has a negative dense value (-1) and blank categoricals; check it and a spread of others.
@@ -82,9 +81,14 @@ def test_tsv_rendition_matches_csv(criteo_sample, tmp_path, gz):
 def test_parallel_convert_of_several_files(criteo_sample, tmp_path):
     rows = _sample_rows(criteo_sample)
     for i in range(3):
-        _write_tsv(rows[i * 50:(i + 1) * 50], tmp_path / f"day_{i}")
-    s = convert([str(tmp_path / f"day_{i}") for i in range(3)], str(tmp_path / "out"),
-                ConvertOptions(criteo_schema()), jobs=2, show_progress=False)
+        _write_tsv(rows[i * 50 : (i + 1) * 50], tmp_path / f"day_{i}")
+    s = convert(
+        [str(tmp_path / f"day_{i}") for i in range(3)],
+        str(tmp_path / "out"),
+        ConvertOptions(criteo_schema()),
+        jobs=2,
+        show_progress=False,
+    )
     assert s["rows"] == 150 and s["files"] == 3
     t = pq.read_table(tmp_path / "out" / "part-00002.parquet")
     _check_rows(t, rows[100:150], [0, 49])
@@ -92,9 +96,12 @@ def test_parallel_convert_of_several_files(criteo_sample, tmp_path):
 
 def test_raw_modes_and_torchrec_names(criteo_sample, tmp_path):
     rows = _sample_rows(criteo_sample)
-    schema = criteo_schema(dense_names=[f"int_{i}" for i in range(13)],
-                           sparse_names=[f"cat_{i}" for i in range(26)],
-                           dense_transform=DENSE_RAW, categorical=CAT_RAW)
+    schema = criteo_schema(
+        dense_names=[f"int_{i}" for i in range(13)],
+        sparse_names=[f"cat_{i}" for i in range(26)],
+        dense_transform=DENSE_RAW,
+        categorical=CAT_RAW,
+    )
     convert([str(criteo_sample)], str(tmp_path / "o"), ConvertOptions(schema), show_progress=False)
     t = pq.read_table(tmp_path / "o" / "part-00000.parquet")
     assert t.column("int_1")[1].as_py() == -1.0  # raw dense keeps negatives
@@ -124,8 +131,9 @@ def test_short_line_names_line_and_skip_bad_lines_counts(criteo_sample, tmp_path
     tsv.write_text("\n".join(lines) + "\n")
     with pytest.raises(DataError, match=r"day_0:5: expected 40 columns, got 30"):
         convert([str(tsv)], str(tmp_path / "a"), ConvertOptions(criteo_schema()), show_progress=False)
-    s = convert([str(tsv)], str(tmp_path / "b"), ConvertOptions(criteo_schema(), skip_bad_lines=True),
-                show_progress=False)
+    s = convert(
+        [str(tsv)], str(tmp_path / "b"), ConvertOptions(criteo_schema(), skip_bad_lines=True), show_progress=False
+    )
     assert s["bad_lines"] == 2 and s["rows"] == 18
     assert any("day_0:5:" in e for e in s["bad_examples"]) and any("day_0:12:" in e for e in s["bad_examples"])
     t = pq.read_table(tmp_path / "b" / "part-00000.parquet")
@@ -171,7 +179,11 @@ def test_progress_counts_each_input_byte_once_even_after_a_retry(criteo_sample, 
     tsv = tmp_path / "day_0"
     _write_tsv(rows, tsv)
     ticks = []
-    res = convert_file(str(tsv), str(tmp_path / "o.parquet"),
-                       ConvertOptions(criteo_schema(), skip_bad_lines=True, block_size=4096), progress=ticks.append)
+    res = convert_file(
+        str(tsv),
+        str(tmp_path / "o.parquet"),
+        ConvertOptions(criteo_schema(), skip_bad_lines=True, block_size=4096),
+        progress=ticks.append,
+    )
     assert res.rows == 199 and res.bad_lines == 1 and "day_0:151: column I3" in res.bad_examples[0]
     assert sum(ticks) == tsv.stat().st_size  # not twice, though the file was read twice

@@ -44,8 +44,9 @@ def test_round_trip_exact_in_file_order(synth_dir, synth_table):
     assert batches[-1].labels.shape == (392,)
     np.testing.assert_array_equal(_rows(batches), _table_rows(synth_table))
     # Per-key access agrees with the column too.
-    np.testing.assert_array_equal(batches[1].sparse_features["C3"].values().numpy(),
-                                  synth_table.column("C3").to_numpy()[512:1024])
+    np.testing.assert_array_equal(
+        batches[1].sparse_features["C3"].values().numpy(), synth_table.column("C3").to_numpy()[512:1024]
+    )
 
 
 def test_drop_last_and_pad_last(synth_dir):
@@ -148,21 +149,28 @@ def test_split_train_eval_tiny_dataset_never_empty(tmp_path):
 
 # ---- multi-hot and weights ----------------------------------------------------------------------
 
+
 def _write_multi_hot(path, rows=60):
-    schema = DataSchema(dense=["I1"], sparse=[
-        SparseFeature("a", 50, multi_hot=True, weights="a_w"),
-        SparseFeature("b", 10),
-    ])
+    schema = DataSchema(
+        dense=["I1"],
+        sparse=[
+            SparseFeature("a", 50, multi_hot=True, weights="a_w"),
+            SparseFeature("b", 10),
+        ],
+    )
     rng = np.random.default_rng(0)
     lens = rng.integers(0, 4, rows)
     a = [rng.integers(0, 50, n).tolist() for n in lens]
-    t = pa.Table.from_arrays([
-        pa.array(np.arange(rows) % 2, pa.int8()),
-        pa.array(np.arange(rows, dtype=np.float32)),  # I1 = row number: identifies each row
-        pa.array(a, pa.list_(pa.int64())),
-        pa.array([[float(x) / 10 for x in r] for r in a], pa.list_(pa.float32())),
-        pa.array(np.arange(rows) % 10),
-    ], schema=schema.arrow_schema())
+    t = pa.Table.from_arrays(
+        [
+            pa.array(np.arange(rows) % 2, pa.int8()),
+            pa.array(np.arange(rows, dtype=np.float32)),  # I1 = row number: identifies each row
+            pa.array(a, pa.list_(pa.int64())),
+            pa.array([[float(x) / 10 for x in r] for r in a], pa.list_(pa.float32())),
+            pa.array(np.arange(rows) % 10),
+        ],
+        schema=schema.arrow_schema(),
+    )
     pq.write_table(t, path, row_group_size=25)
     return a
 
@@ -175,7 +183,7 @@ def test_multi_hot_with_weights(tmp_path, shuffle):
         kjt = b.sparse_features
         rows = b.dense_features[:, 0].long().tolist()
         ka = kjt["a"]
-        got = [ka.values()[int(o):int(o) + int(n)].tolist() for o, n in zip(ka.offsets()[:-1], ka.lengths())]
+        got = [ka.values()[int(o) : int(o) + int(n)].tolist() for o, n in zip(ka.offsets()[:-1], ka.lengths())]
         assert got == [a[r] for r in rows]
         wts = ka.weights()
         assert torch.allclose(wts, ka.values().float() / 10)
@@ -186,6 +194,7 @@ def test_multi_hot_with_weights(tmp_path, shuffle):
 
 
 # ---- bad inputs ---------------------------------------------------------------------------------
+
 
 def _copy_with(src_table, path, **replace):
     t = src_table
@@ -246,9 +255,11 @@ def test_package_exports_and_light_cli_import():
     import sys
 
     # Registering `tpurec data` and `tpurec bench` must not load torch or pyarrow.
-    code = ("import argparse, sys, tpurec.data.cli as c, tpurec.bench.cli as b; "
-            "s = argparse.ArgumentParser().add_subparsers(); c.register(s); b.register(s); "
-            "print('torch' in sys.modules, 'pyarrow' in sys.modules)")
+    code = (
+        "import argparse, sys, tpurec.data.cli as c, tpurec.bench.cli as b; "
+        "s = argparse.ArgumentParser().add_subparsers(); c.register(s); b.register(s); "
+        "print('torch' in sys.modules, 'pyarrow' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
     import tpurec.data as d
@@ -276,14 +287,22 @@ def test_abandoning_an_epoch_with_prefetch_does_not_hang(synth_dir):
 
 
 def test_transforms_recorded_as_raw_are_applied_at_read_time(criteo_sample, tmp_path):
+    from tpurec.catalog import DLRM_TINY_ROWS
     from tpurec.data.convert import ConvertOptions, convert
     from tpurec.data.schema import CAT_RAW, DENSE_RAW, criteo_schema
-    from tpurec.catalog import DLRM_TINY_ROWS
 
-    convert([str(criteo_sample)], str(tmp_path / "raw"),
-            ConvertOptions(criteo_schema(dense_transform=DENSE_RAW, categorical=CAT_RAW)), show_progress=False)
-    convert([str(criteo_sample)], str(tmp_path / "hashed"),
-            ConvertOptions(criteo_schema(DLRM_TINY_ROWS)), show_progress=False)
+    convert(
+        [str(criteo_sample)],
+        str(tmp_path / "raw"),
+        ConvertOptions(criteo_schema(dense_transform=DENSE_RAW, categorical=CAT_RAW)),
+        show_progress=False,
+    )
+    convert(
+        [str(criteo_sample)],
+        str(tmp_path / "hashed"),
+        ConvertOptions(criteo_schema(DLRM_TINY_ROWS)),
+        show_progress=False,
+    )
     r = ParquetReader(tmp_path / "raw", 64, dense_transform="log1p_clamp0", table_sizes=DLRM_TINY_ROWS)
     assert r.table_sizes == DLRM_TINY_ROWS
     got, want = list(r), list(ParquetReader(tmp_path / "hashed", 64))
@@ -315,7 +334,7 @@ def test_corrupt_row_group_is_named(tmp_path):
     p = tmp_path / "part-00000.parquet"
     data = bytearray(p.read_bytes())
     mid = len(data) // 2
-    data[mid:mid + 2000] = b"\x5a" * 2000  # garbage inside row group 1's pages; footer intact
+    data[mid : mid + 2000] = b"\x5a" * 2000  # garbage inside row group 1's pages; footer intact
     p.write_bytes(bytes(data))
     with pytest.raises(DataError, match=r"part-00000\.parquet: row group 1: cannot decode"):
         list(ParquetReader(tmp_path, 500))

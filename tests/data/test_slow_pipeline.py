@@ -1,4 +1,5 @@
 """Heavier end-to-end checks (run with `make test-all`)."""
+
 import gzip
 import shutil
 
@@ -20,8 +21,9 @@ def test_gz_day_files_convert_in_parallel_and_read_sharded(tmp_path):
         with open(plain, "rb") as src, gzip.open(gz, "wb", compresslevel=1) as dst:
             shutil.copyfileobj(src, dst)
         days.append(str(gz))
-    s = convert(days, str(tmp_path / "pq"), ConvertOptions(criteo_schema(), row_group_size=32768), jobs=2,
-                show_progress=False)
+    s = convert(
+        days, str(tmp_path / "pq"), ConvertOptions(criteo_schema(), row_group_size=32768), jobs=2, show_progress=False
+    )
     assert s["rows"] == 300_000 and s["files"] == 2 and s["bad_lines"] == 0
     seen = []
     for rank in range(3):

@@ -1,4 +1,5 @@
 """Run `tpurec train` as a user would (a subprocess), and read its checkpoints back."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,14 @@ REPO = Path(__file__).resolve().parents[2]
 def train(*args, cache, timeout=600, check=True) -> tuple[dict | None, subprocess.CompletedProcess]:
     """`python -m tpurec.cli train ARGS` with its synthetic-data cache in `cache`; (final JSON, process)."""
     env = dict(os.environ, TPUREC_CACHE=str(cache), PYTHONPATH=str(REPO))
-    p = subprocess.run([sys.executable, "-m", "tpurec.cli", "train", "--quiet", *map(str, args)], env=env,
-                       capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    p = subprocess.run(
+        [sys.executable, "-m", "tpurec.cli", "train", "--quiet", *map(str, args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+    )
     if check and p.returncode != 0:
         raise AssertionError(f"tpurec train {' '.join(map(str, args))} exited {p.returncode}:\n{p.stderr[-4000:]}")
     lines = [line for line in p.stdout.splitlines() if line.strip()]

@@ -1,4 +1,5 @@
 """`tpurec train --nproc 2`: quality, exact resume, resume at another world size, a failing rank."""
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -59,8 +60,26 @@ def test_failing_rank_stops_the_job_and_is_named(cache, tmp_path):
     from .helpers import REPO
 
     data = tmp_path / "data"
-    subprocess.run([sys.executable, "-m", "tpurec.cli", "data", "synth", "--rows", "40000", "--rows-per-file", "20000",
-                    "--row-group-size", "20000", "--out", str(data)], check=True, capture_output=True, cwd=REPO)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tpurec.cli",
+            "data",
+            "synth",
+            "--rows",
+            "40000",
+            "--rows-per-file",
+            "20000",
+            "--row-group-size",
+            "20000",
+            "--out",
+            str(data),
+        ],
+        check=True,
+        capture_output=True,
+        cwd=REPO,
+    )
     f = data / "part-00001.parquet"  # rank 1's file (one row group per file, dealt in order)
     t = pq.read_table(f)
     c1 = t.column("C1").to_pylist()

@@ -1,4 +1,5 @@
 """`tpurec train` end to end, as a user runs it (subprocesses, real data files, real numbers)."""
+
 import json
 import os
 import signal
@@ -54,8 +55,7 @@ def test_exact_resume_same_world_size(cache, tmp_path):
 
 def test_dcnv2_interaction_trains(cache):
     """DLRM-DCNv2 (torchrec's DLRM_DCN, low-rank cross layers) on the dlrm-tiny tables."""
-    result, _ = train("--interaction", "dcn", "--dense-lr", 0.005, "--synth-rows", 30000, "--steps", 60,
-                      cache=cache)
+    result, _ = train("--interaction", "dcn", "--dense-lr", 0.005, "--synth-rows", 30000, "--steps", 60, cache=cache)
     assert result["steps"] == 60 and result["auc"] > 0.7, result
 
 
@@ -64,15 +64,20 @@ def test_saved_plan_is_reused_and_inspectable(cache, tmp_path):
     first, _ = train("--synth-rows", 30000, "--steps", 3, "--save-plan", plan, cache=cache)
     again, _ = train("--synth-rows", 30000, "--steps", 3, "--plan", plan, cache=cache)
     assert first["auc"] == again["auc"]  # same plan, same seed: same run
-    show = subprocess.run([sys.executable, "-m", "tpurec.cli", "plan", "show", str(plan)], capture_output=True,
-                          text=True, cwd=REPO)
+    show = subprocess.run(
+        [sys.executable, "-m", "tpurec.cli", "plan", "show", str(plan)], capture_output=True, text=True, cwd=REPO
+    )
     assert show.returncode == 0 and "t_C1" in show.stdout
 
 
 def test_tiny_dataset_caps_batch_and_keeps_eval(cache, tmp_path):
     data = tmp_path / "tiny"
-    subprocess.run([sys.executable, "-m", "tpurec.cli", "data", "synth", "--rows", "50", "--out", str(data)],
-                   check=True, capture_output=True, cwd=REPO)
+    subprocess.run(
+        [sys.executable, "-m", "tpurec.cli", "data", "synth", "--rows", "50", "--out", str(data)],
+        check=True,
+        capture_output=True,
+        cwd=REPO,
+    )
     result, p = train("--data", data, "--steps", 5, "--metrics-out", tmp_path / "m.csv", cache=cache)
     assert "capping the batch" in p.stderr
     assert result["batch_size"] < 512 and result["eval_rows"] >= 1 and result["steps"] == 5
@@ -84,8 +89,25 @@ def test_trains_on_converted_criteo_sample(cache, tmp_path, criteo_sample):
     data = tmp_path / "criteo"
     # raw ids + torchrec column names: the reader hashes into the model's tables, the model takes
     # the data's feature names
-    subprocess.run([sys.executable, "-m", "tpurec.cli", "data", "convert", str(criteo_sample), "--out", str(data),
-                    "--raw-ids", "--names", "torchrec", "--quiet"], check=True, capture_output=True, cwd=REPO)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tpurec.cli",
+            "data",
+            "convert",
+            str(criteo_sample),
+            "--out",
+            str(data),
+            "--raw-ids",
+            "--names",
+            "torchrec",
+            "--quiet",
+        ],
+        check=True,
+        capture_output=True,
+        cwd=REPO,
+    )
     result, p = train("--data", data, "--steps", 20, cache=cache)
     assert result["steps"] == 20 and result["eval_rows"] >= 1
     assert all(result[k] == result[k] for k in ("auc", "ne", "logloss")), result  # not NaN
@@ -95,8 +117,12 @@ def test_bad_data_names_file_and_row_group(cache, tmp_path):
     import pyarrow.parquet as pq
 
     data = tmp_path / "bad"
-    subprocess.run([sys.executable, "-m", "tpurec.cli", "data", "synth", "--rows", "3000", "--out", str(data)],
-                   check=True, capture_output=True, cwd=REPO)
+    subprocess.run(
+        [sys.executable, "-m", "tpurec.cli", "data", "synth", "--rows", "3000", "--out", str(data)],
+        check=True,
+        capture_output=True,
+        cwd=REPO,
+    )
     f = data / "part-00000.parquet"
     t = pq.read_table(f)
     c1 = t.column("C1").to_pylist()
@@ -113,10 +139,31 @@ def test_bad_data_names_file_and_row_group(cache, tmp_path):
 def test_killed_run_leaves_no_checkpoint_that_looks_complete(cache, tmp_path):
     env = dict(os.environ, TPUREC_CACHE=str(cache), PYTHONPATH=str(REPO))
     root = tmp_path / "ck"
-    proc = subprocess.Popen([sys.executable, "-m", "tpurec.cli", "train", "--quiet", "--synth-rows", "30000",
-                             "--steps", "100000", "--eval-every", "0", "--checkpoint-every", "3", "--keep", "0",
-                             "--checkpoint-dir", str(root)], env=env, cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tpurec.cli",
+            "train",
+            "--quiet",
+            "--synth-rows",
+            "30000",
+            "--steps",
+            "100000",
+            "--eval-every",
+            "0",
+            "--checkpoint-every",
+            "3",
+            "--keep",
+            "0",
+            "--checkpoint-dir",
+            str(root),
+        ],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.time() + 120
         while time.time() < deadline and len(list(root.glob("step-*"))) < 4:
@@ -133,8 +180,9 @@ def test_killed_run_leaves_no_checkpoint_that_looks_complete(cache, tmp_path):
 
     newest = latest(root)
     step = int(newest.name.split("-")[1])
-    result, p = train("--synth-rows", 30000, "--steps", step + 2, "--eval-every", 0, "--checkpoint-dir", root,
-                      "--resume", cache=cache)
+    result, p = train(
+        "--synth-rows", 30000, "--steps", step + 2, "--eval-every", 0, "--checkpoint-dir", root, "--resume", cache=cache
+    )
     assert result["steps"] == step + 2 and f"at step {step}" in p.stderr
 
 

@@ -1,4 +1,5 @@
 """Fast checks of the pieces of `tpurec train`: configs, LR schedule, metrics, checkpoint discovery, CLI."""
+
 import math
 
 import numpy as np
@@ -33,8 +34,11 @@ def test_models_build_on_meta_tables():
     from tpurec.dlrm.model import build_model
 
     assert type(build_model(get_config("dlrm-tiny")).model).__name__ == "DLRM"
-    model = build_model(override(get_config("dlrm-tiny"), interaction="dcn", dcn_low_rank_dim=8),
-                        table_sizes=[50] * 26, feature_names=[f"cat_{i}" for i in range(26)])
+    model = build_model(
+        override(get_config("dlrm-tiny"), interaction="dcn", dcn_low_rank_dim=8),
+        table_sizes=[50] * 26,
+        feature_names=[f"cat_{i}" for i in range(26)],
+    )
     assert type(model.model).__name__ == "DLRM_DCN"
     bags = model.model.sparse_arch.embedding_bag_collection
     assert bags.embedding_bags["t_C1"].weight.device.type == "meta"

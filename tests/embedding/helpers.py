@@ -1,4 +1,5 @@
 """Random ragged batches and table configs shared by the embedding tests."""
+
 from __future__ import annotations
 
 import torch
@@ -15,8 +16,9 @@ def make_tables(pooling=PoolingType.SUM) -> list[EmbeddingBagConfig]:
     ]
 
 
-def random_kjt(tables, batch: int, gen: torch.Generator, max_len: int = 4, weighted: bool = False,
-               hot_ids: bool = False) -> KeyedJaggedTensor:
+def random_kjt(
+    tables, batch: int, gen: torch.Generator, max_len: int = 4, weighted: bool = False, hot_ids: bool = False
+) -> KeyedJaggedTensor:
     """Ragged batch with empty bags and repeated ids (hot_ids: ids drawn from a few rows)."""
     keys, rows = [], []
     for t in tables:
@@ -26,7 +28,7 @@ def random_kjt(tables, batch: int, gen: torch.Generator, max_len: int = 4, weigh
     lengths = torch.randint(0, max_len + 1, (len(keys) * batch,), generator=gen)
     values = []
     for k, r in enumerate(rows):
-        n = int(lengths[k * batch:(k + 1) * batch].sum())
+        n = int(lengths[k * batch : (k + 1) * batch].sum())
         hi = min(r, 3) if hot_ids else r
         values.append(torch.randint(0, hi, (n,), generator=gen))
     values = torch.cat(values)

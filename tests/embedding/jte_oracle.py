@@ -12,6 +12,7 @@
 Batches are ragged: a list of per-sample int arrays of ids and a matching list of float weights.
 jax is imported lazily, so importing this module costs nothing.
 """
+
 from __future__ import annotations
 
 import types
@@ -34,10 +35,10 @@ class RaggedBatch:
     def __len__(self) -> int:
         return len(self.ids)
 
-    def slice(self, start: int, stop: int) -> "RaggedBatch":
+    def slice(self, start: int, stop: int) -> RaggedBatch:
         return RaggedBatch(self.ids[start:stop], self.weights[start:stop])
 
-    def device(self, d: int, device_batch_size: int) -> "RaggedBatch":
+    def device(self, d: int, device_batch_size: int) -> RaggedBatch:
         return self.slice(d * device_batch_size, (d + 1) * device_batch_size)
 
     def as_object_arrays(self) -> tuple[np.ndarray, np.ndarray]:
@@ -239,7 +240,9 @@ def jte_cpp(
     allow_id_dropping: bool = False,
 ) -> CppResult:
     """The C++ path on the batch of all num_devices local devices (single host)."""
-    spec = make_feature_spec("t", vocab=vocab, batch=len(batch), num_devices=num_devices, max_ids=max_ids, max_uniq=max_uniq)
+    spec = make_feature_spec(
+        "t", vocab=vocab, batch=len(batch), num_devices=num_devices, max_ids=max_ids, max_uniq=max_uniq
+    )
     feats, weights = batch.as_object_arrays()
     (rp, emb, smp, gains), stats = cpp_preprocess(
         [feats], [weights], [spec], num_devices=num_devices, num_sc=num_sc, allow_id_dropping=allow_id_dropping
@@ -289,12 +292,16 @@ def assert_same_as_cpp(ours: SparseCoreInput, theirs: dict[str, np.ndarray], gai
     assert o["embedding_ids"].shape == theirs["embedding_ids"].shape, (
         f"COO buffer size {o['embedding_ids'].shape} != C++ {theirs['embedding_ids'].shape}"
     )
-    mask = cpp_defined_slots(o["row_pointers"], ours.num_sc_per_device, o["embedding_ids"].size // ours.num_sc_per_device)
+    mask = cpp_defined_slots(
+        o["row_pointers"], ours.num_sc_per_device, o["embedding_ids"].size // ours.num_sc_per_device
+    )
     for name in ("embedding_ids", "sample_ids", "gains"):
         _same(name, o[name][mask], theirs[name][mask], gains_rtol)
 
 
-def merged_entries(batch: RaggedBatch, *, num_sc: int, parts: int) -> dict[tuple[int, int, int, int], tuple[float, int]]:
+def merged_entries(
+    batch: RaggedBatch, *, num_sc: int, parts: int
+) -> dict[tuple[int, int, int, int], tuple[float, int]]:
     """(sc, partition, local id, sample in slice) -> (summed gain, raw occurrences), plain Python."""
     per_sc = len(batch) // num_sc
     out: dict[tuple[int, int, int, int], tuple[float, int]] = {}

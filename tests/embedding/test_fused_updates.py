@@ -1,4 +1,5 @@
 """Fused updates equal independent oracles: FBGEMM's CPU TBE, torch optimizers, finite differences."""
+
 import pytest
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -20,8 +21,11 @@ STEPS = 5
 
 
 def fbgemm_tbe(tables, optim, **kw):
-    specs = [(t.num_embeddings, t.embedding_dim, EmbeddingLocation.HOST, ComputeDevice.CPU)
-             for t in tables for _ in t.feature_names]
+    specs = [
+        (t.num_embeddings, t.embedding_dim, EmbeddingLocation.HOST, ComputeDevice.CPU)
+        for t in tables
+        for _ in t.feature_names
+    ]
     # One FBGEMM table per feature keeps the comparison simple: use tables with one feature each.
     return SplitTableBatchedEmbeddingBagsCodegen(specs, optimizer=optim, pooling_mode=PoolingMode.SUM, **kw)
 
@@ -72,10 +76,13 @@ def _dense_step_model(tables, torch_optim, kwargs):
     return ebc, torch_optim(ebc.parameters(), **kwargs)
 
 
-@pytest.mark.parametrize("optim,kwargs", [
-    (torch.optim.Adam, {"lr": 0.05, "betas": (0.8, 0.95), "eps": 1e-6}),
-    (torch.optim.Adagrad, {"lr": 0.2, "eps": 1e-6, "initial_accumulator_value": 0.1}),
-])
+@pytest.mark.parametrize(
+    "optim,kwargs",
+    [
+        (torch.optim.Adam, {"lr": 0.05, "betas": (0.8, 0.95), "eps": 1e-6}),
+        (torch.optim.Adagrad, {"lr": 0.2, "eps": 1e-6, "initial_accumulator_value": 0.1}),
+    ],
+)
 def test_updates_equal_torch_optimizer_when_every_row_is_touched(optim, kwargs):
     # With every row in every batch, a dense torch optimizer and the lazy sparse update coincide.
     tables = [EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=6, feature_names=["f"])]
@@ -145,8 +152,9 @@ def test_adam_is_lazy_like_sparse_adam():
 
 def test_sgd_update_matches_finite_differences():
     # For SGD, w_new = w - lr * dL/dw; estimate dL/dw by central differences of the forward.
-    tables = [EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=9, feature_names=["f"],
-                                 pooling=PoolingType.MEAN)]
+    tables = [
+        EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=9, feature_names=["f"], pooling=PoolingType.MEAN)
+    ]
     torch.manual_seed(0)
     sc = SparseCoreEmbeddingBagCollection(tables, torch.optim.SGD, {"lr": 1.0}, num_sparsecores=2)
     kjt = KeyedJaggedTensor(keys=["f"], values=torch.tensor([1, 1, 4, 8, 0, 4]), lengths=torch.tensor([3, 0, 3]))
@@ -186,7 +194,9 @@ def test_fused_optimizer_lr_scheduler_and_state_roundtrip():
         assert torch.equal(sc.state_dict()[k], v)
     # optimizer state did move (moments decay) and loading the saved state restores it exactly
     now = sc.fused_optimizer.state_dict()["state"]
-    assert not torch.equal(now["embedding_bags.t1.weight"]["t1.momentum1"], saved_opt["embedding_bags.t1.weight"]["t1.momentum1"])
+    assert not torch.equal(
+        now["embedding_bags.t1.weight"]["t1.momentum1"], saved_opt["embedding_bags.t1.weight"]["t1.momentum1"]
+    )
     sc.fused_optimizer.load_state_dict({"state": saved_opt})
     again = sc.fused_optimizer.state_dict()["state"]
     for k, d in saved_opt.items():

@@ -45,7 +45,7 @@ def test_tables_are_views_of_the_storage():
     assert int((phys.abs().sum(1) > 0).sum()) == 42  # padding rows stay zero
     view = stack.read_table(phys, "b")
     view.fill_(7.0)  # an in-place write into the view (as DCP's load does) reaches the storage
-    assert torch.equal(phys[stack.table("b").offset:stack.table("b").offset + 5], torch.full((5, 8), 7.0))
+    assert torch.equal(phys[stack.table("b").offset : stack.table("b").offset + 5], torch.full((5, 8), 7.0))
     stack.write_table(phys, "b", view)  # writing a view back onto itself is a no-op
     assert torch.equal(stack.read_table(phys, "b"), torch.full((5, 8), 7.0))
     with pytest.raises(ValueError, match="expected shape"):

@@ -1,4 +1,5 @@
 """SparseCoreEmbeddingBagCollection's forward equals torchrec's EBC and nn.EmbeddingBag."""
+
 import pytest
 import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
@@ -18,8 +19,9 @@ from .helpers import make_tables, random_kjt
 def test_forward_equals_ebc(pooling, weighted, num_sc, stack):
     gen = torch.Generator().manual_seed(num_sc * 7 + weighted)
     tables = make_tables(pooling)
-    sc = SparseCoreEmbeddingBagCollection(tables, torch.optim.SGD, {"lr": 0.1}, num_sparsecores=num_sc,
-                                          is_weighted=weighted, stack_tables=stack)
+    sc = SparseCoreEmbeddingBagCollection(
+        tables, torch.optim.SGD, {"lr": 0.1}, num_sparsecores=num_sc, is_weighted=weighted, stack_tables=stack
+    )
     # torch's EmbeddingBag refuses per-sample weights with mean pooling; FBGEMM (and the SparseCore)
     # define it as sum(w * e) / bag_length, so compare against a SUM EBC divided by the bag length.
     weighted_mean = weighted and pooling == PoolingType.MEAN
@@ -34,8 +36,13 @@ def test_forward_equals_ebc(pooling, weighted, num_sc, stack):
             expected = theirs.values()
             if weighted_mean:
                 lengths = kjt.lengths().view(len(kjt.keys()), batch).T.clamp(min=1).float()
-                expected = torch.cat([expected.split(theirs.length_per_key(), 1)[k] / lengths[:, k:k + 1]
-                                      for k in range(len(kjt.keys()))], 1)
+                expected = torch.cat(
+                    [
+                        expected.split(theirs.length_per_key(), 1)[k] / lengths[:, k : k + 1]
+                        for k in range(len(kjt.keys()))
+                    ],
+                    1,
+                )
             torch.testing.assert_close(ours.values(), expected, rtol=1e-6, atol=1e-6)
 
 
@@ -91,12 +98,16 @@ def test_id_limits_error_and_dropping():
     table = EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=64, feature_names=["f"])
     # 4 samples, 1 SparseCore, 1 partition: ids 0..9 in sample 0 -> 10 ids in one partition.
     kjt = KeyedJaggedTensor(keys=["f"], values=torch.arange(10), lengths=torch.tensor([10, 0, 0, 0]))
-    strict = SparseCoreEmbeddingBagCollection([table], torch.optim.SGD, {"lr": 0.1}, num_sparsecores=1,
-                                              max_ids_per_partition=8)
-    with pytest.raises(IdLimitExceededError, match=r"table 'stack_d8', partition 0 of 1 .* 10 ids > max_ids_per_partition=8"):
+    strict = SparseCoreEmbeddingBagCollection(
+        [table], torch.optim.SGD, {"lr": 0.1}, num_sparsecores=1, max_ids_per_partition=8
+    )
+    with pytest.raises(
+        IdLimitExceededError, match=r"table 'stack_d8', partition 0 of 1 .* 10 ids > max_ids_per_partition=8"
+    ):
         strict(kjt)
-    dropping = SparseCoreEmbeddingBagCollection([table], torch.optim.SGD, {"lr": 0.1}, num_sparsecores=1,
-                                                max_ids_per_partition=8, allow_id_dropping=True)
+    dropping = SparseCoreEmbeddingBagCollection(
+        [table], torch.optim.SGD, {"lr": 0.1}, num_sparsecores=1, max_ids_per_partition=8, allow_id_dropping=True
+    )
     out = dropping(kjt).values()
     assert dropping.kernel.dropped_id_count == 2
     # ids 8 and 9 (last in (id, sample) order) are dropped

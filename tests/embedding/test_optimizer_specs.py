@@ -1,5 +1,6 @@
 """Optimizer specs: the registry finds every module, specs round-trip both vocabularies, and a new
 optimizer is one new module that the CLIs, the planner's bytes and the kernel pick up unedited."""
+
 from __future__ import annotations
 
 import sys
@@ -42,8 +43,10 @@ def test_registry_discovers_every_spec_module():
 def test_spec_names_imports_no_torch():
     import subprocess
 
-    code = ("import sys; from tpurec.embedding.optimizers.registry import spec_names; "
-            "assert 'adam' in spec_names(); assert 'torch' not in sys.modules")
+    code = (
+        "import sys; from tpurec.embedding.optimizers.registry import spec_names; "
+        "assert 'adam' in spec_names(); assert 'torch' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -143,16 +146,25 @@ def test_a_new_spec_module_is_picked_up_everywhere(toy_optimizer):
     assert registry.spec_class(toy_optimizer).state_bytes_per_row(16) == 4
 
     # the planner's storage: one f32 per (padded) row
-    common = dict(sharding_type="table_wise", cols=16, pooling_factor=1.0, batch_per_device=8, world_size=1,
-                  num_shards=1, spec=cpu_spec(1))
+    common = dict(
+        sharding_type="table_wise",
+        cols=16,
+        pooling_factor=1.0,
+        batch_per_device=8,
+        world_size=1,
+        num_shards=1,
+        spec=cpu_spec(1),
+    )
     toy = shard_cost(rows=1000, optimizer=toy_optimizer, **common)
     sgd = shard_cost(rows=1000, optimizer="sgd", **common)
     assert sgd.optimizer == 0 and toy.optimizer == toy.weights // 16
     ebc = torch.nn.Module()
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-    ebc.ebc = EmbeddingBagCollection([EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=10,
-                                                         feature_names=["f"])], device=torch.device("meta"))
+    ebc.ebc = EmbeddingBagCollection(
+        [EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=10, feature_names=["f"])],
+        device=torch.device("meta"),
+    )
     _apply_optimizer_in_backward(torch.optim.ASGD, ebc.parameters(), {"lr": 0.1})
     assert planner.infer_optimizer(ebc) == toy_optimizer
 

@@ -5,6 +5,7 @@ num_sc_per_device in {1, 2, 4} x global_device_count in {1, 2, 4} and tight / lo
 limits; the id-limit errors; allow_id_dropping against the C++ path's dropping. See
 docs/kernels_preprocess.md for what is compared and the differences found.
 """
+
 from __future__ import annotations
 
 import os
@@ -34,7 +35,9 @@ def _observed(batch: jo.RaggedBatch, num_sc: int, num_devices: int) -> tuple[int
     bdev = len(batch) // num_devices
     ids = uniq = 1
     for d in range(num_devices):
-        _, st = jo.tpurec_device(batch.device(d, bdev), num_sc=num_sc, num_devices=num_devices, max_ids=None, max_uniq=None)
+        _, st = jo.tpurec_device(
+            batch.device(d, bdev), num_sc=num_sc, num_devices=num_devices, max_ids=None, max_uniq=None
+        )
         ids, uniq = max(ids, st.max_ids_per_partition), max(uniq, st.max_unique_ids_per_partition)
     return ids, uniq
 
@@ -64,11 +67,15 @@ def test_matches_reference_and_cpp(num_sc, num_devices):
             (obs_ids + int(rng.integers(1, 20)), obs_ids + 64),  # unique limit above ids limit
         ]
         for max_ids, max_uniq in limits:
-            cpp = jo.jte_cpp(batch, num_sc=num_sc, num_devices=num_devices, max_ids=max_ids, max_uniq=max_uniq, vocab=vocab)
+            cpp = jo.jte_cpp(
+                batch, num_sc=num_sc, num_devices=num_devices, max_ids=max_ids, max_uniq=max_uniq, vocab=vocab
+            )
             stats = []
             for d in range(num_devices):
                 dev = batch.device(d, bdev)
-                ours, st = jo.tpurec_device(dev, num_sc=num_sc, num_devices=num_devices, max_ids=max_ids, max_uniq=max_uniq)
+                ours, st = jo.tpurec_device(
+                    dev, num_sc=num_sc, num_devices=num_devices, max_ids=max_ids, max_uniq=max_uniq
+                )
                 ref = jo.jax_reference(dev, num_sc=num_sc, num_devices=num_devices, max_ids=max_ids, max_uniq=max_uniq)
                 ctx = f"trial {trial} device {d} limits {(max_ids, max_uniq)}"
                 try:
@@ -91,7 +98,9 @@ def test_long_segments(num_sc, num_devices, weights):
     from tpurec.embedding import preprocess as pp
 
     for d in range(num_devices):  # long enough for the slice path: >= _SLICE_COPY_MIN per segment
-        _, st = jo.tpurec_device(batch.device(d, bdev), num_sc=num_sc, num_devices=num_devices, max_ids=None, max_uniq=None)
+        _, st = jo.tpurec_device(
+            batch.device(d, bdev), num_sc=num_sc, num_devices=num_devices, max_ids=None, max_uniq=None
+        )
         assert int(st.ids_per_partition.sum()) >= pp._SLICE_COPY_MIN * st.ids_per_partition.numel()
     cpp = jo.jte_cpp(batch, num_sc=num_sc, num_devices=num_devices, max_ids=max_ids, max_uniq=max_uniq, vocab=3000)
     for d in range(num_devices):
@@ -167,7 +176,10 @@ def test_limit_error_names_the_sparsecore():
     """Partition 1 of SparseCore 1 overflows; the message says which samples that SC holds."""
     ids = [[0], [0], [1, 3], [5, 7, 9]]
     batch = jo.RaggedBatch([np.array(x, np.int32) for x in ids], [np.ones(len(x), np.float32) for x in ids])
-    with pytest.raises(IdLimitExceededError, match=r"partition 1 of 2 .* SparseCore 1 of 2 \(samples 2-3 .*5 ids > max_ids_per_partition=4"):
+    with pytest.raises(
+        IdLimitExceededError,
+        match=r"partition 1 of 2 .* SparseCore 1 of 2 \(samples 2-3 .*5 ids > max_ids_per_partition=4",
+    ):
         jo.tpurec_device(batch, num_sc=2, num_devices=1, max_ids=4, max_uniq=8)
 
 
@@ -187,12 +199,27 @@ def test_dropping_matches_cpp(num_sc, num_devices):
             (obs_ids, max(1, obs_uniq // 2)),
             (max(1, obs_ids - 3), max(1, obs_uniq - 2)),
         ]:
-            cpp = jo.jte_cpp(batch, num_sc=num_sc, num_devices=num_devices, max_ids=max_ids, max_uniq=max_uniq, vocab=200, allow_id_dropping=True)
+            cpp = jo.jte_cpp(
+                batch,
+                num_sc=num_sc,
+                num_devices=num_devices,
+                max_ids=max_ids,
+                max_uniq=max_uniq,
+                vocab=200,
+                allow_id_dropping=True,
+            )
             merged_dropped = raw_dropped = 0
             stats = []
             for d in range(num_devices):
                 dev = batch.device(d, bdev)
-                ours, st = jo.tpurec_device(dev, num_sc=num_sc, num_devices=num_devices, max_ids=max_ids, max_uniq=max_uniq, allow_id_dropping=True)
+                ours, st = jo.tpurec_device(
+                    dev,
+                    num_sc=num_sc,
+                    num_devices=num_devices,
+                    max_ids=max_ids,
+                    max_uniq=max_uniq,
+                    allow_id_dropping=True,
+                )
                 try:
                     jo.assert_same_as_cpp(ours, cpp.per_device[d])
                 except AssertionError as e:
@@ -256,7 +283,10 @@ def _bitwise_equal(a, b) -> None:
         x, y = getattr(a, name), getattr(b, name)
         assert x.dtype == y.dtype and x.shape == y.shape, name
         assert torch.equal(x.view(torch.int32), y.view(torch.int32)), name
-    assert (a.max_ids_per_partition, a.max_unique_ids_per_partition) == (b.max_ids_per_partition, b.max_unique_ids_per_partition)
+    assert (a.max_ids_per_partition, a.max_unique_ids_per_partition) == (
+        b.max_ids_per_partition,
+        b.max_unique_ids_per_partition,
+    )
 
 
 @pytest.mark.parametrize("num_threads", [1, 2, 3])
@@ -264,33 +294,59 @@ def test_preprocess_tables_equals_per_table(num_threads):
     """Several tables in one call (shared sort, thread groups) = one `preprocess` call per table,
     bit for bit, with per-table limits, float and uniform gains, dropping and stats."""
     rng = np.random.default_rng(90 + num_threads)
-    for trial in range(8):
+    for _ in range(8):
         num_sc, num_devices = int(rng.choice([1, 2, 4])), int(rng.choice([1, 3]))
         bdev = num_sc * int(rng.integers(1, 9))
         batches = [
-            jo.random_batch(rng, bdev, vocab=int(rng.choice([5, 300, 70_000])), max_bag=int(rng.integers(1, 12)),
-                            weights=str(rng.choice(["ones", "float"])))
+            jo.random_batch(
+                rng,
+                bdev,
+                vocab=int(rng.choice([5, 300, 70_000])),
+                max_bag=int(rng.integers(1, 12)),
+                weights=str(rng.choice(["ones", "float"])),
+            )
             for _ in range(int(rng.integers(1, 9)))
         ]
-        limits = [(None, None) if rng.random() < 0.3 else (int(rng.integers(1, 12)), int(rng.integers(1, 12))) for _ in batches]
-        kw = dict(device_batch_size=bdev, num_sc_per_device=num_sc, global_device_count=num_devices, allow_id_dropping=True)
-        got = preprocess_tables([b.flat() for b in batches], max_ids_per_partition=[m for m, _ in limits],
-                                max_unique_ids_per_partition=[u for _, u in limits], num_threads=num_threads, **kw)
+        limits = [
+            (None, None) if rng.random() < 0.3 else (int(rng.integers(1, 12)), int(rng.integers(1, 12)))
+            for _ in batches
+        ]
+        kw = dict(
+            device_batch_size=bdev, num_sc_per_device=num_sc, global_device_count=num_devices, allow_id_dropping=True
+        )
+        got = preprocess_tables(
+            [b.flat() for b in batches],
+            max_ids_per_partition=[m for m, _ in limits],
+            max_unique_ids_per_partition=[u for _, u in limits],
+            num_threads=num_threads,
+            **kw,
+        )
         for b, (mi, mu), (csr, st) in zip(batches, limits, got):
             ref, ref_st = preprocess(*b.flat(), max_ids_per_partition=mi, max_unique_ids_per_partition=mu, **kw)
             _bitwise_equal(csr, ref)
             assert torch.equal(st.ids_per_partition, ref_st.ids_per_partition)
             assert torch.equal(st.unique_ids_per_partition, ref_st.unique_ids_per_partition)
-            assert (st.required_buffer_size_per_sc, st.dropped_id_count) == (ref_st.required_buffer_size_per_sc, ref_st.dropped_id_count)
+            assert (st.required_buffer_size_per_sc, st.dropped_id_count) == (
+                ref_st.required_buffer_size_per_sc,
+                ref_st.dropped_id_count,
+            )
 
 
 def test_preprocess_tables_error_names_the_first_failing_table():
     ok = jo.RaggedBatch([np.array([1], np.int32)] * 4, [np.ones(1, np.float32)] * 4)
     bad = jo.RaggedBatch([np.array([0, 2, 4], np.int32)] * 4, [np.ones(3, np.float32)] * 4)
-    with pytest.raises(IdLimitExceededError, match=r"table 'second', partition 0 of 2 .*12 ids > max_ids_per_partition=8"):
-        preprocess_tables([ok.flat(), bad.flat(), bad.flat()], device_batch_size=4, num_sc_per_device=1,
-                          global_device_count=2, max_ids_per_partition=8, table_names=["first", "second", "third"],
-                          num_threads=2)
+    with pytest.raises(
+        IdLimitExceededError, match=r"table 'second', partition 0 of 2 .*12 ids > max_ids_per_partition=8"
+    ):
+        preprocess_tables(
+            [ok.flat(), bad.flat(), bad.flat()],
+            device_batch_size=4,
+            num_sc_per_device=1,
+            global_device_count=2,
+            max_ids_per_partition=8,
+            table_names=["first", "second", "third"],
+            num_threads=2,
+        )
 
 
 def test_results_do_not_alias_scratch_buffers():
@@ -300,7 +356,9 @@ def test_results_do_not_alias_scratch_buffers():
     first, _ = jo.tpurec_device(a, num_sc=2, num_devices=1, max_ids=64, max_uniq=64)
     snapshot = [t.clone() for t in (first.row_pointers, first.embedding_ids, first.sample_ids, first.gains)]
     for _ in range(3):
-        jo.tpurec_device(jo.random_batch(rng, 32, vocab=100, weights="float"), num_sc=2, num_devices=1, max_ids=64, max_uniq=64)
+        jo.tpurec_device(
+            jo.random_batch(rng, 32, vocab=100, weights="float"), num_sc=2, num_devices=1, max_ids=64, max_uniq=64
+        )
     for before, now in zip(snapshot, (first.row_pointers, first.embedding_ids, first.sample_ids, first.gains)):
         assert torch.equal(before.view(torch.int32), now.view(torch.int32))
 
@@ -309,7 +367,12 @@ def test_results_do_not_alias_scratch_buffers():
 def _python(code: str, **env) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "JAX_PLATFORMS": "cpu", **env}
     return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, env=full_env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=REPO,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 

@@ -1,4 +1,5 @@
 """`tpurec selftest` runs end to end."""
+
 import json
 import subprocess
 import sys
@@ -17,14 +18,22 @@ def test_cpu_selftest_passes_every_check():
 
 
 def test_selftest_cli_json_and_tpu_refusal():
-    out = subprocess.run([sys.executable, "-m", "tpurec.cli", "selftest", "--device", "cpu", "--json"],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "tpurec.cli", "selftest", "--device", "cpu", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["device"] == "cpu" and doc["passed"] and len(doc["checks"]) >= 8
     from tpurec.device import tpu_status
 
     if not tpu_status().usable:
-        out = subprocess.run([sys.executable, "-m", "tpurec.cli", "selftest", "--device", "tpu"],
-                             capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            [sys.executable, "-m", "tpurec.cli", "selftest", "--device", "tpu"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert out.returncode == 2 and "cannot run TPU kernels" in out.stdout

@@ -1,4 +1,5 @@
 """The SparseCore count a layout is built for: the chip's on a TPU, refused when it disagrees."""
+
 from __future__ import annotations
 
 import pytest

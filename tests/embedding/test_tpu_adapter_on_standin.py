@@ -4,6 +4,7 @@ What the meta-tensor schema check cannot show: that every argument the adapter p
 TorchTPU takes it to mean (the stand-in computes with TorchTPU's conventions), that a training run
 compiles one program per stack and op ("no recompiles"), and that stacks carry distinct names.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -20,8 +21,9 @@ BATCH = 16
 # Two dims -> two stacks; a MEAN table, a multi-feature table.
 TABLES = [
     EmbeddingBagConfig(name="a", embedding_dim=8, num_embeddings=97, feature_names=["fa"]),
-    EmbeddingBagConfig(name="b", embedding_dim=16, num_embeddings=300, feature_names=["fb", "fc"],
-                       pooling=PoolingType.MEAN),
+    EmbeddingBagConfig(
+        name="b", embedding_dim=16, num_embeddings=300, feature_names=["fb", "fc"], pooling=PoolingType.MEAN
+    ),
     EmbeddingBagConfig(name="c", embedding_dim=8, num_embeddings=50, feature_names=["fd"]),
 ]
 ROWS = {"fa": 97, "fb": 300, "fc": 300, "fd": 50}
@@ -60,8 +62,9 @@ def _batch(gen, step):
 def _model(name, **kw):
     optim, kwargs = _optimizers()[name]
     torch.manual_seed(0)
-    return SparseCoreEmbeddingBagCollection(TABLES, optim, kwargs, num_sparsecores=NUM_SC, device="cpu",
-                                            fixed_limits=True, **kw)
+    return SparseCoreEmbeddingBagCollection(
+        TABLES, optim, kwargs, num_sparsecores=NUM_SC, device="cpu", fixed_limits=True, **kw
+    )
 
 
 def _train(model, steps, seed=1):
@@ -120,8 +123,9 @@ def test_a_batch_over_fixed_limits_without_dropping_is_refused_with_how_to_fix()
     gen = torch.Generator().manual_seed(1)
     model(_batch(gen, 0)).values().sum().backward()  # limits fixed from this batch
     # 12 distinct ids per bag, all in partition 0: far over limits fixed from a uniform batch.
-    hot = KeyedJaggedTensor(keys=list(ROWS), values=(torch.arange(12) * NUM_SC).repeat(4 * BATCH),
-                            lengths=torch.full((4 * BATCH,), 12))
+    hot = KeyedJaggedTensor(
+        keys=list(ROWS), values=(torch.arange(12) * NUM_SC).repeat(4 * BATCH), lengths=torch.full((4 * BATCH,), 12)
+    )
     with pytest.raises(IdLimitExceededError, match="fixed so that buffer shapes never change.*first batch"):
         model(hot)
 
@@ -144,19 +148,23 @@ class _DeviceOnly(torch.Tensor):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs).as_subclass(torch.Tensor)
         if owner in (torch.Tensor.dtype, torch.Tensor.shape) or func in (
-                torch.Tensor.__repr__, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.size):
+            torch.Tensor.__repr__,
+            torch.Tensor.dim,
+            torch.Tensor.numel,
+            torch.Tensor.size,
+        ):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         raise AssertionError(f"host code used a device tensor directly: {getattr(func, '__name__', func)}")
 
 
 def test_preprocessing_copies_device_ids_to_the_host_first():
-    model = SparseCoreEmbeddingBagCollection(TABLES, torch.optim.SGD, {"lr": 0.1}, num_sparsecores=NUM_SC,
-                                             device="cpu")
+    model = SparseCoreEmbeddingBagCollection(TABLES, torch.optim.SGD, {"lr": 0.1}, num_sparsecores=NUM_SC, device="cpu")
     kjt = _batch(torch.Generator().manual_seed(3), 0)
     want = model.kernel.preprocess(kjt)
-    on_device = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values().as_subclass(_DeviceOnly),
-                                  lengths=kjt.lengths().as_subclass(_DeviceOnly))
+    on_device = KeyedJaggedTensor(
+        keys=kjt.keys(), values=kjt.values().as_subclass(_DeviceOnly), lengths=kjt.lengths().as_subclass(_DeviceOnly)
+    )
     got = model.kernel.preprocess(on_device)
     for a, b in zip(got, want):
         assert torch.equal(a.row_pointers, b.row_pointers) and torch.equal(a.embedding_ids, b.embedding_ids)
@@ -170,9 +178,17 @@ def test_torchtpu_preprocessing_gets_a_buffer_for_every_id():
     standin = tpu_standin.install(sparsecores=1)
     ids = torch.arange(200, dtype=torch.int32)
     offsets = torch.tensor([0, 100, 200], dtype=torch.int32)
-    out = tpu.preprocess_with_torch_tpu(ids, offsets, max_ids_per_partition=256, max_unique_ids_per_partition=256,
-                                        batch_size=2, combiner="sum", num_sc_per_device=1, allow_id_dropping=False,
-                                        table_name="t")
+    out = tpu.preprocess_with_torch_tpu(
+        ids,
+        offsets,
+        max_ids_per_partition=256,
+        max_unique_ids_per_partition=256,
+        batch_size=2,
+        combiner="sum",
+        num_sc_per_device=1,
+        allow_id_dropping=False,
+        table_name="t",
+    )
     assert int(out["dropped_id_count"].sum()) == 0
     ((_, key),) = standin.calls
     assert key[4] == 256  # suggested_coo_buffer_size

@@ -14,6 +14,7 @@ CompositeImplicitAutograd `preprocess_sparse_dense_matmul_input`) without touchi
   lookup's output matches tpurec's own fake kernel;
 * TorchTPU's CPU preprocessing, called through the adapter, agrees with tpurec.embedding.preprocess.
 """
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -62,8 +63,8 @@ import torch  # noqa: E402
 import torch_tpu  # noqa: E402, F401  (registers the tpu:: ops)
 
 from tpurec.embedding import ops, tpu  # noqa: E402
-from tpurec.embedding.optimizers import adagrad, adam, sgd  # noqa: E402
 from tpurec.embedding.constraints import coo_entries_per_sc, round_up  # noqa: E402
+from tpurec.embedding.optimizers import adagrad, adam, sgd  # noqa: E402
 from tpurec.embedding.preprocess import preprocess  # noqa: E402
 
 from .jte_oracle import as_numpy, random_batch  # noqa: E402
@@ -147,8 +148,11 @@ class _Recorder:
             else:
                 meta = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in args]
                 real_out = real_op(*meta, **kwargs)
-                out = tuple(torch.zeros(o.shape, dtype=o.dtype) for o in real_out) \
-                    if isinstance(real_out, (tuple, list)) else torch.zeros(real_out.shape, dtype=real_out.dtype)
+                out = (
+                    tuple(torch.zeros(o.shape, dtype=o.dtype) for o in real_out)
+                    if isinstance(real_out, (tuple, list))
+                    else torch.zeros(real_out.shape, dtype=real_out.dtype)
+                )
             self.calls.append((name, real_op.default._schema, args, kwargs, out))
             return out
 
@@ -198,8 +202,15 @@ def _csr():
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, ROWS, (30,), generator=gen)
     sample = torch.randint(0, B, (30,), generator=gen)
-    csr, _ = preprocess(ids, sample, torch.rand(30, generator=gen), device_batch_size=B, num_sc_per_device=NUM_SC,
-                        max_ids_per_partition=MAX_IDS, max_unique_ids_per_partition=MAX_UNIQ)
+    csr, _ = preprocess(
+        ids,
+        sample,
+        torch.rand(30, generator=gen),
+        device_batch_size=B,
+        num_sc_per_device=NUM_SC,
+        max_ids_per_partition=MAX_IDS,
+        max_unique_ids_per_partition=MAX_UNIQ,
+    )
     return csr
 
 
@@ -212,9 +223,13 @@ def _tail(csr):
 
 
 def _common(csr, table):
-    return dict(zip(("row_pointers", "embedding_ids", "sample_ids", "gains"), _head(csr)),
-                embedding_table=table, device_batch_size=B, max_ids_per_partition=MAX_IDS,
-                max_unique_ids_per_partition=MAX_UNIQ)
+    return dict(
+        zip(("row_pointers", "embedding_ids", "sample_ids", "gains"), _head(csr)),
+        embedding_table=table,
+        device_batch_size=B,
+        max_ids_per_partition=MAX_IDS,
+        max_unique_ids_per_partition=MAX_UNIQ,
+    )
 
 
 def _only_call(recorder, name):
@@ -234,9 +249,11 @@ def test_sgd_arguments_by_name(recorder):
     csr, table, grad = _csr(), torch.randn(ROWS, DIM), torch.randn(B, DIM)
     sgd.tpu_update(*_head(csr), table, grad, LR, *_tail(csr))
     _, schema, args, kwargs, out = _only_call(recorder, "_sparse_dense_matmul_grad_with_sgd")
-    _check_bound(_bind(schema, args, kwargs),
-                 dict(_common(csr, table), activations_grad=grad, learning_rate=_Scalar(LR),
-                      computation_name="tpurec_sgd"), schema)
+    _check_bound(
+        _bind(schema, args, kwargs),
+        dict(_common(csr, table), activations_grad=grad, learning_rate=_Scalar(LR), computation_name="tpurec_sgd"),
+        schema,
+    )
     assert out.shape == table.shape  # what the adapter copies back
 
 
@@ -245,9 +262,18 @@ def test_adagrad_arguments_by_name(recorder, acc_shape):
     csr, table, grad, acc = _csr(), torch.randn(ROWS, DIM), torch.randn(B, DIM), torch.zeros(acc_shape)
     adagrad.tpu_update(*_head(csr), table, acc, grad, LR, EPS, *_tail(csr))
     _, schema, args, kwargs, out = _only_call(recorder, "_sparse_dense_matmul_grad_with_adagrad")
-    _check_bound(_bind(schema, args, kwargs),
-                 dict(_common(csr, table), accumulator=acc, activations_grad=grad, learning_rate=_Scalar(LR),
-                      epsilon=EPS, computation_name="tpurec_adagrad"), schema)
+    _check_bound(
+        _bind(schema, args, kwargs),
+        dict(
+            _common(csr, table),
+            accumulator=acc,
+            activations_grad=grad,
+            learning_rate=_Scalar(LR),
+            epsilon=EPS,
+            computation_name="tpurec_adagrad",
+        ),
+        schema,
+    )
     assert [o.shape for o in out] == [table.shape, acc.shape]
 
 
@@ -256,25 +282,57 @@ def test_adam_arguments_by_name(recorder):
     m, v = torch.zeros(ROWS, DIM), torch.zeros(ROWS, DIM)
     adam.tpu_update(*_head(csr), table, m, v, grad, ALPHA_T, BETA_1, BETA_2, ADAM_EPS, *_tail(csr))
     _, schema, args, kwargs, out = _only_call(recorder, "_sparse_dense_matmul_grad_with_adam")
-    _check_bound(_bind(schema, args, kwargs),
-                 dict(_common(csr, table), momentum=m, velocity=v, activations_grad=grad, alpha_t=_Scalar(ALPHA_T),
-                      beta_1=BETA_1, beta_2=BETA_2, epsilon=ADAM_EPS, computation_name="tpurec_adam"), schema)
+    _check_bound(
+        _bind(schema, args, kwargs),
+        dict(
+            _common(csr, table),
+            momentum=m,
+            velocity=v,
+            activations_grad=grad,
+            alpha_t=_Scalar(ALPHA_T),
+            beta_1=BETA_1,
+            beta_2=BETA_2,
+            epsilon=ADAM_EPS,
+            computation_name="tpurec_adam",
+        ),
+        schema,
+    )
     assert [o.shape for o in out] == [table.shape, m.shape, v.shape]
 
 
 def test_preprocess_arguments_by_name(recorder):
     ids = torch.tensor([0, 5, 7, 5, 2, 9, 1], dtype=torch.int32)
     offsets = torch.tensor([0, 2, 3, 5, 7], dtype=torch.int32)
-    tpu.preprocess_with_torch_tpu(ids, offsets, max_ids_per_partition=MAX_IDS, max_unique_ids_per_partition=MAX_UNIQ,
-                                  batch_size=4, combiner="mean", num_sc_per_device=NUM_SC, allow_id_dropping=False,
-                                  table_name="t0")
+    tpu.preprocess_with_torch_tpu(
+        ids,
+        offsets,
+        max_ids_per_partition=MAX_IDS,
+        max_unique_ids_per_partition=MAX_UNIQ,
+        batch_size=4,
+        combiner="mean",
+        num_sc_per_device=NUM_SC,
+        allow_id_dropping=False,
+        table_name="t0",
+    )
     _, schema, args, kwargs, _ = _only_call(recorder, "preprocess_sparse_dense_matmul_input")
-    _check_bound(_bind(schema, args, kwargs),
-                 dict(input_indices=ids, input_offsets=offsets, max_ids_per_partition=MAX_IDS,
-                      max_unique_ids_per_partition=MAX_UNIQ,
-                      suggested_coo_buffer_size=NUM_SC * coo_entries_per_sc(MAX_IDS, NUM_SC), batch_size=4,
-                      combiner="mean", local_device_count=1, global_device_count=1, num_sc_per_device=NUM_SC,
-                      allow_id_dropping=False, table_name="t0"), schema)
+    _check_bound(
+        _bind(schema, args, kwargs),
+        dict(
+            input_indices=ids,
+            input_offsets=offsets,
+            max_ids_per_partition=MAX_IDS,
+            max_unique_ids_per_partition=MAX_UNIQ,
+            suggested_coo_buffer_size=NUM_SC * coo_entries_per_sc(MAX_IDS, NUM_SC),
+            batch_size=4,
+            combiner="mean",
+            local_device_count=1,
+            global_device_count=1,
+            num_sc_per_device=NUM_SC,
+            allow_id_dropping=False,
+            table_name="t0",
+        ),
+        schema,
+    )
 
 
 # ------------------------------------------------------------ the adapter on meta, no recorder
@@ -293,8 +351,9 @@ def test_adapter_runs_on_meta_through_the_real_meta_kernels():
     sgd.tpu_update(*head, table, grad, LR, *tail)
     adagrad.tpu_update(*head, table, torch.empty(ROWS, device="meta"), grad, LR, EPS, *tail)
     adagrad.tpu_update(*head, table, torch.empty(ROWS, DIM, device="meta"), grad, LR, EPS, *tail)
-    adam.tpu_update(*head, table, torch.empty_like(table), torch.empty_like(table), grad, ALPHA_T, BETA_1, BETA_2,
-                    ADAM_EPS, *tail)
+    adam.tpu_update(
+        *head, table, torch.empty_like(table), torch.empty_like(table), grad, ALPHA_T, BETA_1, BETA_2, ADAM_EPS, *tail
+    )
 
 
 def test_meta_kernels_reject_a_python_float_learning_rate():
@@ -302,8 +361,9 @@ def test_meta_kernels_reject_a_python_float_learning_rate():
     head = [_meta(t) for t in _head(_csr())]
     table = torch.empty(ROWS, DIM, device="meta")
     with pytest.raises(RuntimeError, match="Expected a value of type 'Tensor' for argument 'learning_rate'"):
-        torch.ops.tpu._sparse_dense_matmul_grad_with_sgd(*head, table, torch.empty(B, DIM, device="meta"), LR,
-                                                         B, MAX_IDS, MAX_UNIQ, "x")
+        torch.ops.tpu._sparse_dense_matmul_grad_with_sgd(
+            *head, table, torch.empty(B, DIM, device="meta"), LR, B, MAX_IDS, MAX_UNIQ, "x"
+        )
 
 
 def test_register_puts_privateuse1_kernels_on_the_tpurec_ops():
@@ -326,21 +386,36 @@ def test_torch_tpu_preprocessing_agrees_with_tpurec(combiner):
         rng = np.random.default_rng(seed)
         num_sc = int(rng.choice([1, 2, 4]))
         batch_size = num_sc * int(rng.integers(1, 6))
-        batch = random_batch(rng, batch_size, vocab=int(rng.choice([8, 37, 500])), max_bag=int(rng.integers(1, 6)),
-                             weights="ones")
+        batch = random_batch(
+            rng, batch_size, vocab=int(rng.choice([8, 37, 500])), max_bag=int(rng.integers(1, 6)), weights="ones"
+        )
         ids, sample, _ = batch.flat()
         lens = torch.bincount(sample, minlength=batch_size).float()
         gains = {"sum": torch.ones(ids.numel()), "mean": 1 / lens[sample], "sqrtn": lens[sample].rsqrt()}[combiner]
         _, stats = preprocess(ids, sample, gains, device_batch_size=batch_size, num_sc_per_device=num_sc)
         max_ids = max(8, round_up(stats.max_ids_per_partition, 8))
         max_uniq = max(8, round_up(stats.max_unique_ids_per_partition, 8))
-        ours, _ = preprocess(ids, sample, gains, device_batch_size=batch_size, num_sc_per_device=num_sc,
-                             max_ids_per_partition=max_ids, max_unique_ids_per_partition=max_uniq)
+        ours, _ = preprocess(
+            ids,
+            sample,
+            gains,
+            device_batch_size=batch_size,
+            num_sc_per_device=num_sc,
+            max_ids_per_partition=max_ids,
+            max_unique_ids_per_partition=max_uniq,
+        )
         offsets = torch.cat([torch.zeros(1), lens.cumsum(0)]).int()
         theirs = tpu.preprocess_with_torch_tpu(
-            ids.int(), offsets, max_ids_per_partition=max_ids, max_unique_ids_per_partition=max_uniq,
-            batch_size=batch_size, combiner=combiner, num_sc_per_device=num_sc, allow_id_dropping=False,
-            table_name="t")
+            ids.int(),
+            offsets,
+            max_ids_per_partition=max_ids,
+            max_unique_ids_per_partition=max_uniq,
+            batch_size=batch_size,
+            combiner=combiner,
+            num_sc_per_device=num_sc,
+            allow_id_dropping=False,
+            table_name="t",
+        )
         o, t = as_numpy(ours), {k: v.numpy() for k, v in theirs.items()}
         ctx = f"seed {seed}, num_sc {num_sc}, batch {batch_size}"
         np.testing.assert_array_equal(o["row_pointers"], t["row_pointers"], err_msg=ctx)
@@ -353,8 +428,15 @@ def test_torch_tpu_preprocessing_agrees_with_tpurec(combiner):
             np.testing.assert_allclose(o["gains"][a], t["gains"][b], rtol=1e-6, err_msg=f"{ctx}, sc {sc}: gains")
         # The dict feeds the adapter's lookup as is (int32 CSR, float32 gains).
         table = torch.empty(512, 8, device="meta")
-        out = tpu.lookup(*[_meta(theirs[k]) for k in ("row_pointers", "embedding_ids", "sample_ids", "gains")],
-                         table, batch_size, num_sc, num_sc, max_ids, max_uniq)
+        out = tpu.lookup(
+            *[_meta(theirs[k]) for k in ("row_pointers", "embedding_ids", "sample_ids", "gains")],
+            table,
+            batch_size,
+            num_sc,
+            num_sc,
+            max_ids,
+            max_uniq,
+        )
         assert out.shape == (batch_size, 8)
 
 
@@ -363,9 +445,17 @@ def test_torch_tpu_preprocessing_keeps_more_than_128_ids():
     silently; the adapter sizes the buffer from the limits, so 200 ids within them all arrive."""
     ids = torch.arange(200, dtype=torch.int32)
     offsets = torch.tensor([0, 100, 200], dtype=torch.int32)
-    out = tpu.preprocess_with_torch_tpu(ids, offsets, max_ids_per_partition=256, max_unique_ids_per_partition=256,
-                                        batch_size=2, combiner="sum", num_sc_per_device=1, allow_id_dropping=False,
-                                        table_name="t")
+    out = tpu.preprocess_with_torch_tpu(
+        ids,
+        offsets,
+        max_ids_per_partition=256,
+        max_unique_ids_per_partition=256,
+        batch_size=2,
+        combiner="sum",
+        num_sc_per_device=1,
+        allow_id_dropping=False,
+        table_name="t",
+    )
     assert int(out["dropped_id_count"].sum()) == 0
     assert int(out["row_pointers"][0]) == 200
     kept = out["embedding_ids"][:200]

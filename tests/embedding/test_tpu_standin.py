@@ -1,5 +1,6 @@
 """The TorchTPU stand-in (tests/tpu_standin.py) computes what tpurec's reference ops compute, with
 TorchTPU's conventions: no SparseCore count in the call, new tensors returned, limits enforced."""
+
 from __future__ import annotations
 
 import pytest
@@ -39,18 +40,22 @@ def test_updates_return_new_tensors_equal_to_tpurec_in_place_updates(case):
     torch.ops.tpurec.sparse_dense_matmul_grad_with_sgd(*head, ours, grad, 0.1, B, NUM_SC, NUM_SC, *limits)
     assert torch.equal(new, ours) and not torch.equal(new, table)  # the input table is left as it was
     acc = torch.full((ROWS,), 0.1)
-    new, new_acc = torch.ops.tpu._sparse_dense_matmul_grad_with_adagrad(*head, table, acc, grad, lr, 1e-8, B,
-                                                                        *limits, "t")
+    new, new_acc = torch.ops.tpu._sparse_dense_matmul_grad_with_adagrad(
+        *head, table, acc, grad, lr, 1e-8, B, *limits, "t"
+    )
     ours, ours_acc = table.clone(), acc.clone()
-    torch.ops.tpurec.sparse_dense_matmul_grad_with_adagrad(*head, ours, ours_acc, grad, 0.1, 1e-8, B, NUM_SC, NUM_SC,
-                                                           *limits)
+    torch.ops.tpurec.sparse_dense_matmul_grad_with_adagrad(
+        *head, ours, ours_acc, grad, 0.1, 1e-8, B, NUM_SC, NUM_SC, *limits
+    )
     assert torch.equal(new, ours) and torch.equal(new_acc, ours_acc) and torch.equal(acc, torch.full((ROWS,), 0.1))
     m, v = torch.zeros(ROWS, DIM), torch.zeros(ROWS, DIM)
-    new, new_m, new_v = torch.ops.tpu._sparse_dense_matmul_grad_with_adam(*head, table, m, v, grad, lr, 0.9, 0.999,
-                                                                          1e-8, B, *limits, "t")
+    new, new_m, new_v = torch.ops.tpu._sparse_dense_matmul_grad_with_adam(
+        *head, table, m, v, grad, lr, 0.9, 0.999, 1e-8, B, *limits, "t"
+    )
     ours, om, ov = table.clone(), m.clone(), v.clone()
-    torch.ops.tpurec.sparse_dense_matmul_grad_with_adam(*head, ours, om, ov, grad, 0.1, 0.9, 0.999, 1e-8, B, NUM_SC,
-                                                        NUM_SC, *limits)
+    torch.ops.tpurec.sparse_dense_matmul_grad_with_adam(
+        *head, ours, om, ov, grad, 0.1, 0.9, 0.999, 1e-8, B, NUM_SC, NUM_SC, *limits
+    )
     assert torch.equal(new, ours) and torch.equal(new_m, om) and torch.equal(new_v, ov)
 
 
@@ -60,8 +65,9 @@ def test_float_hyperparameters_and_limits_are_compile_keys_learning_rates_are_no
         torch.ops.tpu._sparse_dense_matmul_grad_with_sgd(*head, table, grad, torch.tensor(lr), B, *limits, "t")
     assert len(st.compile_keys()) == 1
     for eps in (1e-8, 2e-8):  # a float: one program each
-        torch.ops.tpu._sparse_dense_matmul_grad_with_adagrad(*head, table, torch.zeros(ROWS), grad, torch.tensor(0.1),
-                                                             eps, B, *limits, "t")
+        torch.ops.tpu._sparse_dense_matmul_grad_with_adagrad(
+            *head, table, torch.zeros(ROWS), grad, torch.tensor(0.1), eps, B, *limits, "t"
+        )
     assert len(st.compile_keys()) == 3
 
 

@@ -13,8 +13,7 @@ logging.getLogger("torchrec.distributed.planner").setLevel(logging.ERROR)
 def ebc_for(name_or_tables):
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-    tables = embedding_bag_configs(get_table_set(name_or_tables)) if isinstance(name_or_tables, str) \
-        else name_or_tables
+    tables = embedding_bag_configs(get_table_set(name_or_tables)) if isinstance(name_or_tables, str) else name_or_tables
     return EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
 
 

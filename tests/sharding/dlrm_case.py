@@ -1,4 +1,5 @@
 """A DLRM trained under tpurec.DistributedModelParallel with TorchRec's TrainPipelineSparseDist."""
+
 from __future__ import annotations
 
 import torch
@@ -21,8 +22,11 @@ def batches(n: int, batch: int, rank: int, world_size: int, seed: int = 0):
         logit = score_of_id.gather(1, ids).sum(0)
         labels = (logit > 0).float()
         lo, hi = rank * batch, (rank + 1) * batch
-        kjt = KeyedJaggedTensor(keys=[f"f{i}" for i in range(FEATURES)], values=ids[:, lo:hi].reshape(-1),
-                                lengths=torch.ones(FEATURES * batch, dtype=torch.long))
+        kjt = KeyedJaggedTensor(
+            keys=[f"f{i}" for i in range(FEATURES)],
+            values=ids[:, lo:hi].reshape(-1),
+            lengths=torch.ones(FEATURES * batch, dtype=torch.long),
+        )
         out.append(Batch(dense_features=dense[lo:hi], sparse_features=kjt, labels=labels[lo:hi]))
     return out
 
@@ -38,15 +42,26 @@ def train_dlrm(rank, world_size, steps):
     import tpurec
 
     torch.manual_seed(0)
-    ebc = EmbeddingBagCollection([EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=ROWS,
-                                                     feature_names=[f"f{i}"]) for i in range(FEATURES)],
-                                 device=torch.device("meta"))
-    model = DLRMTrain(DLRM(embedding_bag_collection=ebc, dense_in_features=DENSE, dense_arch_layer_sizes=[16, DIM],
-                           over_arch_layer_sizes=[16, 1]))
+    ebc = EmbeddingBagCollection(
+        [
+            EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"f{i}"])
+            for i in range(FEATURES)
+        ],
+        device=torch.device("meta"),
+    )
+    model = DLRMTrain(
+        DLRM(
+            embedding_bag_collection=ebc,
+            dense_in_features=DENSE,
+            dense_arch_layer_sizes=[16, DIM],
+            over_arch_layer_sizes=[16, 1],
+        )
+    )
     apply_optimizer_in_backward(RowWiseAdagrad, model.model.sparse_arch.parameters(), {"lr": 0.1})
     dmp = tpurec.DistributedModelParallel(model, device="cpu", batch_size=32)
-    dense_opt = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
-                                      lambda params: torch.optim.Adagrad(params, lr=0.1))
+    dense_opt = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda params: torch.optim.Adagrad(params, lr=0.1)
+    )
     opt = CombinedOptimizer([dmp.fused_optimizer, dense_opt])
     pipeline = TrainPipelineSparseDist(dmp, opt, torch.device("cpu"))
     it = iter(batches(steps, 32, rank, world_size))

@@ -1,10 +1,11 @@
 """Rank functions for the multi-process DMP tests (module level: ranks are spawned)."""
+
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torchrec.distributed.model_parallel import DistributedModelParallel as TorchrecDMP
-import dataclasses
-
 from torchrec.distributed.sharding_plan import (
     column_wise,
     construct_module_sharding_plan,
@@ -25,8 +26,10 @@ TABLES = [("t0", 40, 16, ["f0"]), ("t1", 27, 32, ["f1", "f2"]), ("t2", 64, 16, [
 
 
 def tables(pooling=PoolingType.SUM):
-    return [EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=fs, pooling=pooling)
-            for n, r, d, fs in TABLES]
+    return [
+        EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=fs, pooling=pooling)
+        for n, r, d, fs in TABLES
+    ]
 
 
 def global_batches(steps: int, batch: int, weighted: bool, seed: int = 0):
@@ -36,11 +39,19 @@ def global_batches(steps: int, batch: int, weighted: bool, seed: int = 0):
     out = []
     for _ in range(steps):
         lengths = torch.randint(0, 4, (len(keys) * batch,), generator=gen)
-        values = torch.cat([torch.randint(0, r, (int(lengths[k * batch:(k + 1) * batch].sum()),), generator=gen)
-                            for k, r in enumerate(rows)])
+        values = torch.cat(
+            [
+                torch.randint(0, r, (int(lengths[k * batch : (k + 1) * batch].sum()),), generator=gen)
+                for k, r in enumerate(rows)
+            ]
+        )
         weights = torch.rand(values.numel(), generator=gen) + 0.5 if weighted else None
-        out.append((KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, weights=weights),
-                    torch.randn(batch, sum(d * len(fs) for _, _, d, fs in TABLES), generator=gen)))
+        out.append(
+            (
+                KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, weights=weights),
+                torch.randn(batch, sum(d * len(fs) for _, _, d, fs in TABLES), generator=gen),
+            )
+        )
     return out
 
 
@@ -55,20 +66,22 @@ def local_slice(kjt: KeyedJaggedTensor, rank: int, world_size: int) -> KeyedJagg
     for k in keys:
         jt = d[k]
         off = jt.offsets()
-        values.append(jt.values()[off[lo]:off[hi]])
+        values.append(jt.values()[off[lo] : off[hi]])
         lengths.append(jt.lengths()[lo:hi])
         if kjt.weights_or_none() is not None:
-            weights.append(jt.weights()[off[lo]:off[hi]])
-    return KeyedJaggedTensor(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths),
-                             weights=torch.cat(weights) if weights else None)
+            weights.append(jt.weights()[off[lo] : off[hi]])
+    return KeyedJaggedTensor(
+        keys=keys, values=torch.cat(values), lengths=torch.cat(lengths), weights=torch.cat(weights) if weights else None
+    )
 
 
 def _ours(gen, sharding_type=None):
     """torchrec's plan generator with tpurec's compute kernel (and optionally another sharding type)."""
+
     def wrapped(*args, **kwargs):
         ps = gen(*args, **kwargs)
-        return dataclasses.replace(ps, compute_kernel=COMPUTE_KERNEL,
-                                   sharding_type=sharding_type or ps.sharding_type)
+        return dataclasses.replace(ps, compute_kernel=COMPUTE_KERNEL, sharding_type=sharding_type or ps.sharding_type)
+
     return wrapped
 
 
@@ -94,12 +107,19 @@ def build_sharded(rank, world_size, sharding, optim, kwargs, pooling, weighted, 
     else:
         sharder = SparseCoreEBCSharder(num_sparsecores=2)
         per_param = {n: GENERATORS[sharding](i, world_size) for i, (n, _, _, _) in enumerate(TABLES)}
-    module_plan = construct_module_sharding_plan(ebc, per_param_sharding=per_param, local_size=world_size,
-                                                 world_size=world_size, device_type="cpu", sharder=sharder)
+    module_plan = construct_module_sharding_plan(
+        ebc,
+        per_param_sharding=per_param,
+        local_size=world_size,
+        world_size=world_size,
+        device_type="cpu",
+        sharder=sharder,
+    )
     plan = ShardingPlan({"": module_plan})
     env = ShardingEnv.from_process_group(torch.distributed.group.WORLD)
-    model = TorchrecDMP(ebc, env=env, device=torch.device("cpu"), plan=plan, sharders=[sharder],
-                        init_data_parallel=False)
+    model = TorchrecDMP(
+        ebc, env=env, device=torch.device("cpu"), plan=plan, sharders=[sharder], init_data_parallel=False
+    )
     if stock:
         copy_full_into_shards(model, init_state)
     else:
@@ -114,12 +134,13 @@ def copy_full_into_shards(model, full_state):
             if hasattr(value, "local_shards") and key in full_state:
                 for shard in value.local_shards():
                     (r, c), (nr, nc) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-                    shard.tensor.copy_(full_state[key][r:r + nr, c:c + nc])
+                    shard.tensor.copy_(full_state[key][r : r + nr, c : c + nc])
 
 
 def _stock(gen):
     def wrapped(*args, **kwargs):
         return dataclasses.replace(gen(*args, **kwargs), compute_kernel="fused")
+
     return wrapped
 
 
@@ -134,7 +155,7 @@ def train_sharded(rank, world_size, sharding, optim, kwargs, pooling, weighted, 
         parts = kt.to_dict()
         out = torch.cat([parts[k] for k in kjt.keys()], dim=1)
         outs.append(out.detach().clone())
-        (out * upstream[rank * per:(rank + 1) * per]).sum().backward()
+        (out * upstream[rank * per : (rank + 1) * per]).sum().backward()
     # full tables gathered from the sharded state_dict (ShardedTensor -> full on rank 0)
     sd = model.state_dict()
     full = {}
@@ -168,11 +189,22 @@ def run_cases(rank, world_size, cases, init_state, steps):
     for case in cases:
         optim, kwargs = optimizer(case["optim"])
         pooling = PoolingType[case["pooling"]]
-        result = train_sharded(rank, world_size, case["sharding"], optim, kwargs, pooling, case["weighted"],
-                               init_state, steps)
+        result = train_sharded(
+            rank, world_size, case["sharding"], optim, kwargs, pooling, case["weighted"], init_state, steps
+        )
         if case.get("stock"):
-            result["stock"] = train_sharded(rank, world_size, case["sharding"], optim, kwargs, pooling,
-                                            case["weighted"], init_state, steps, stock=True)
+            result["stock"] = train_sharded(
+                rank,
+                world_size,
+                case["sharding"],
+                optim,
+                kwargs,
+                pooling,
+                case["weighted"],
+                init_state,
+                steps,
+                stock=True,
+            )
         results.append(result)
     return results
 
@@ -190,12 +222,13 @@ def checkpoint_save(rank, world_size, path, init_state, sharding, stock):
     """Train 2 steps with `sharding`, save with torch.distributed.checkpoint, return eval outputs."""
     import torch.distributed.checkpoint as dcp
 
-    model = build_sharded(rank, world_size, sharding, torch.optim.SGD, {"lr": 0.5}, PoolingType.SUM, False,
-                          init_state, stock=stock)
+    model = build_sharded(
+        rank, world_size, sharding, torch.optim.SGD, {"lr": 0.5}, PoolingType.SUM, False, init_state, stock=stock
+    )
     for kjt, upstream in global_batches(2, 8, False):
         per = 8 // world_size
         kt = model(local_slice(kjt, rank, world_size))
-        (kt.values() * upstream[rank * per:(rank + 1) * per, :kt.values().shape[1]]).sum().backward()
+        (kt.values() * upstream[rank * per : (rank + 1) * per, : kt.values().shape[1]]).sum().backward()
     dcp.save(model.state_dict(), checkpoint_id=path)
     return eval_outputs(model, rank, world_size)
 
@@ -205,8 +238,9 @@ def checkpoint_load(rank, world_size, path, sharding, stock):
     import torch.distributed.checkpoint as dcp
 
     fresh = EmbeddingBagCollection(tables()).state_dict()  # different random weights
-    model = build_sharded(rank, world_size, sharding, torch.optim.SGD, {"lr": 0.5}, PoolingType.SUM, False,
-                          fresh, stock=stock)
+    model = build_sharded(
+        rank, world_size, sharding, torch.optim.SGD, {"lr": 0.5}, PoolingType.SUM, False, fresh, stock=stock
+    )
     before = eval_outputs(model, rank, world_size)
     sd = model.state_dict()
     dcp.load(sd, checkpoint_id=path)
@@ -227,7 +261,7 @@ def optimizer_checkpoint_save(rank, world_size, path, init_state, sharding, opti
         kt = model(local_slice(kjt, rank, world_size))
         parts = kt.to_dict()
         out = torch.cat([parts[k] for k in kjt.keys()], dim=1)
-        (out * upstream[rank * per:(rank + 1) * per]).sum().backward()
+        (out * upstream[rank * per : (rank + 1) * per]).sum().backward()
         return out.detach()
 
     for kjt, up in batches[:2]:
@@ -258,7 +292,7 @@ def optimizer_checkpoint_resume(rank, world_size, path, sharding, optim_name, sa
         kt = model(local_slice(kjt, rank, world_size))
         parts = kt.to_dict()
         out = torch.cat([parts[k] for k in kjt.keys()], dim=1)
-        (out * up[rank * per:(rank + 1) * per] * (world_size / saved_world_size)).sum().backward()
+        (out * up[rank * per : (rank + 1) * per] * (world_size / saved_world_size)).sum().backward()
         outs.append(out.detach())
     keys = sorted(model.fused_optimizer.state_dict()["state"])
     return {"outs": outs, "optim_keys": keys}

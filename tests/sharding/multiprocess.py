@@ -1,4 +1,5 @@
 """Run a function on N real ranks (separate processes, gloo over loopback) and collect results."""
+
 from __future__ import annotations
 
 import os
@@ -38,8 +39,14 @@ def _entry(rank, world_size, port, fn, args, queue):
     import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
     torch.set_num_threads(1)  # 2 cores shared by all ranks
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)

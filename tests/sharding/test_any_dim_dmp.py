@@ -1,4 +1,5 @@
 """Dims 4, 12 and 20 (TorchRec accepts any dim) under tpurec's DMP equal stock TorchRec's fused kernel."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,8 +10,11 @@ from . import dmp_cases as c
 from .multiprocess import run_ranks
 
 ODD_TABLES = [("t0", 40, 4, ["f0"]), ("t1", 27, 12, ["f1", "f2"]), ("t2", 64, 20, ["f3"])]
-CASES = [dict(sharding=s, optim=o, pooling="SUM", weighted=False, stock=True)
-         for s in ("table_wise", "column_wise", "row_wise") for o in ("sgd", "rowwise_adagrad")]
+CASES = [
+    dict(sharding=s, optim=o, pooling="SUM", weighted=False, stock=True)
+    for s in ("table_wise", "column_wise", "row_wise")
+    for o in ("sgd", "rowwise_adagrad")
+]
 
 
 def _odd_dims(rank, world_size, cases, steps, pad_dims):
@@ -33,5 +37,6 @@ def test_dims_4_12_20_train_like_stock_torchrec(pad_dims):
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{case}: {m}")
         for key, want in results[0][k]["stock"]["tables"].items():
             assert want.shape[1] in (4, 12, 20)
-            torch.testing.assert_close(results[0][k]["tables"][key], want, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"{case} {key}: {m}")
+            torch.testing.assert_close(
+                results[0][k]["tables"][key], want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{case} {key}: {m}"
+            )

@@ -1,4 +1,5 @@
 """A DLRM trains under tpurec.DistributedModelParallel with TorchRec's TrainPipelineSparseDist."""
+
 import pytest
 
 from .dlrm_case import train_dlrm

@@ -1,4 +1,5 @@
 """tpurec.DistributedModelParallel's surface: device forms, default planning, meta models, errors."""
+
 import subprocess
 import sys
 import textwrap
@@ -60,17 +61,26 @@ def _meta_dlrm_plan(rank, world_size):
 
     import tpurec
 
-    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=16, num_embeddings=1000 * (i + 1), feature_names=[f"f{i}"])
-              for i in range(4)]
-    model = DLRM(embedding_bag_collection=EmbeddingBagCollection(tables, device=torch.device("meta")),
-                 dense_in_features=4, dense_arch_layer_sizes=[8, 16], over_arch_layer_sizes=[8, 1],
-                 dense_device=torch.device("meta"))
+    tables = [
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=16, num_embeddings=1000 * (i + 1), feature_names=[f"f{i}"])
+        for i in range(4)
+    ]
+    model = DLRM(
+        embedding_bag_collection=EmbeddingBagCollection(tables, device=torch.device("meta")),
+        dense_in_features=4,
+        dense_arch_layer_sizes=[8, 16],
+        over_arch_layer_sizes=[8, 1],
+        dense_device=torch.device("meta"),
+    )
     apply_optimizer_in_backward(torch.optim.Adagrad, model.sparse_arch.parameters(), {"lr": 0.1})
     dmp = tpurec.DistributedModelParallel(model, device=torch.device("cpu"), batch_size=64)
     sd = dmp.state_dict()
     key = "sparse_arch.embedding_bag_collection.embedding_bags.t3.weight"
-    return {"plan": str(dmp.plan), "size": tuple(sd[key].size()),
-            "dense_on_cpu": all(not p.is_meta for p in dmp.parameters())}
+    return {
+        "plan": str(dmp.plan),
+        "size": tuple(sd[key].size()),
+        "dense_on_cpu": all(not p.is_meta for p in dmp.parameters()),
+    }
 
 
 @pytest.mark.multiprocess

@@ -1,4 +1,5 @@
 """torch.distributed.checkpoint round trips: across world sizes, sharding types, and stock TorchRec."""
+
 import pytest
 import torch
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -45,10 +46,13 @@ def test_stock_torchrec_checkpoint_loads_into_tpurec_and_back(tmp_path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("optim,save_sharding,load_ws,load_sharding", [
-    ("rowwise_adagrad", "row_wise", 4, "table_row_wise"),  # resume at another world size
-    ("adam", "column_wise", 2, "column_wise"),
-])
+@pytest.mark.parametrize(
+    "optim,save_sharding,load_ws,load_sharding",
+    [
+        ("rowwise_adagrad", "row_wise", 4, "table_row_wise"),  # resume at another world size
+        ("adam", "column_wise", 2, "column_wise"),
+    ],
+)
 def test_fused_optimizer_state_resumes_exactly_through_dcp(tmp_path, optim, save_sharding, load_ws, load_sharding):
     init = EmbeddingBagCollection(c.tables()).state_dict()
     path = str(tmp_path / "ckpt")

@@ -6,6 +6,7 @@ an unsharded SparseCoreEmbeddingBagCollection (and, where the optimizer is dense
 EmbeddingBagCollection + torch optimizer) trained on the global batches. TorchRec's convention is
 that embedding gradients are averaged over ranks, so the references see upstream / world_size.
 """
+
 import pytest
 import torch
 from torchrec.modules.embedding_configs import PoolingType
@@ -34,16 +35,22 @@ LEAN = [
 # sum(w * e) / bag_length (the definition the unsharded EBC comparison uses) — see docs/dmp.md.
 # Row-wise sharded weighted mean pooling is left out: TorchRec's mean-pooling callback (which divides
 # the reduce-scattered sums) does not give sum(w * e) / bag_length there either.
-FULL = [dict(sharding=s, optim=o, pooling=p, weighted=w, stock=s in STOCK_SHARDINGS and not (w and p == "MEAN"))
-        for s in c.GENERATORS for o in ("sgd", "rowwise_adagrad") for p in ("SUM", "MEAN") for w in (False, True)
-        if not (w and p == "MEAN" and s in ("row_wise", "table_row_wise"))]
+FULL = [
+    dict(sharding=s, optim=o, pooling=p, weighted=w, stock=s in STOCK_SHARDINGS and not (w and p == "MEAN"))
+    for s in c.GENERATORS
+    for o in ("sgd", "rowwise_adagrad")
+    for p in ("SUM", "MEAN")
+    for w in (False, True)
+    if not (w and p == "MEAN" and s in ("row_wise", "table_row_wise"))
+]
 FULL += [dict(sharding=s, optim="adam", pooling="SUM", weighted=False) for s in c.GENERATORS]
 
 
 def reference(case, init_state, world_size):
     optim, kwargs = c.optimizer(case["optim"])
-    ref = SparseCoreEmbeddingBagCollection(c.tables(PoolingType[case["pooling"]]), optim, kwargs, num_sparsecores=4,
-                                           is_weighted=case["weighted"])
+    ref = SparseCoreEmbeddingBagCollection(
+        c.tables(PoolingType[case["pooling"]]), optim, kwargs, num_sparsecores=4, is_weighted=case["weighted"]
+    )
     ref.load_state_dict(init_state)
     outs = []
     for kjt, upstream in c.global_batches(STEPS, 8, case["weighted"]):
@@ -75,7 +82,9 @@ def check(cases, world_size):
         # Row-wise Adagrad keeps one accumulator per row per column shard (FBGEMM and TorchRec too), so
         # under CW/TWCW only the first step (before any update) matches the unsharded table.
         per_column_shard_state = case["optim"] == "rowwise_adagrad" and case["sharding"] in (
-            "column_wise", "table_column_wise")
+            "column_wise",
+            "table_column_wise",
+        )
         for step, want in enumerate(ref_outs[:1] if per_column_shard_state else ref_outs):
             got = torch.cat([results[r][k]["outs"][step] for r in range(world_size)])
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{case} step {step}: {m}")
@@ -87,8 +96,9 @@ def check(cases, world_size):
                 want = torch.cat([results[r][k]["stock"]["outs"][step] for r in range(world_size)])
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{case} vs stock: {m}")
             for key, want in stock["tables"].items():
-                torch.testing.assert_close(tables[key], want, rtol=1e-5, atol=1e-6,
-                                           msg=lambda m: f"{case} {key} vs stock TorchRec: {m}")
+                torch.testing.assert_close(
+                    tables[key], want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{case} {key} vs stock TorchRec: {m}"
+                )
         if per_column_shard_state:
             continue  # only stock TorchRec is the right oracle for the tables (checked above)
         dense = None
@@ -97,8 +107,9 @@ def check(cases, world_size):
         for key, want in ref_tables.items():
             torch.testing.assert_close(tables[key], want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{case} {key}: {m}")
             if dense is not None:
-                torch.testing.assert_close(tables[key], dense[key], rtol=1e-5, atol=1e-6,
-                                           msg=lambda m: f"{case} {key} vs dense EBC: {m}")
+                torch.testing.assert_close(
+                    tables[key], dense[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{case} {key} vs dense EBC: {m}"
+                )
         assert per * world_size == 8
 
 

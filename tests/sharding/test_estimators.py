@@ -1,4 +1,5 @@
 """Hand-computed storage and time for small shards (numbers worked out in the comments)."""
+
 import pytest
 
 from tpurec.sharding.estimators import _collective_ms, shard_cost
@@ -8,8 +9,17 @@ V6E4 = parse_slice("v6e-4")  # 2 SparseCores, 1638 GB/s HBM, ICI 800 GB/s per ch
 
 
 def cost(optimizer="sgd", sharding="table_wise", rows=1000, cols=16, num_shards=1, spec=V6E4, pf=1.0):
-    return shard_cost(sharding_type=sharding, rows=rows, cols=cols, pooling_factor=pf, batch_per_device=8,
-                      world_size=spec.world_size, num_shards=num_shards, spec=spec, optimizer=optimizer)
+    return shard_cost(
+        sharding_type=sharding,
+        rows=rows,
+        cols=cols,
+        pooling_factor=pf,
+        batch_per_device=8,
+        world_size=spec.world_size,
+        num_shards=num_shards,
+        spec=spec,
+        optimizer=optimizer,
+    )
 
 
 def test_storage_hand_computed_table_wise():
@@ -25,8 +35,9 @@ def test_storage_hand_computed_table_wise():
     assert c.bytes == 64512 + 832 + 4096
 
 
-@pytest.mark.parametrize("opt,state", [("sgd", 0), ("rowwise_adagrad", 1008 * 4), ("adagrad", 1008 * 16 * 4),
-                                       ("adam", 2 * 1008 * 16 * 4)])
+@pytest.mark.parametrize(
+    "opt,state", [("sgd", 0), ("rowwise_adagrad", 1008 * 4), ("adagrad", 1008 * 16 * 4), ("adam", 2 * 1008 * 16 * 4)]
+)
 def test_optimizer_state_on_padded_rows(opt, state):
     assert cost(opt).optimizer == state
 
@@ -82,5 +93,6 @@ def test_table_row_wise_comm_is_host_reduce_scatter_then_all_to_all():
     expect = _collective_ms(pooled, 4, two, False) + _collective_ms(pooled / 4, 8, two, True)
     assert c.output_comm_ms == pytest.approx(expect)
     ici, dcn = 800e9 * 0.5, 25e9 / 4
-    assert expect == pytest.approx((pooled * 3 / 4 / ici + pooled / 4 * 7 / 8 / 2 / ici
-                                    + pooled / 4 * 7 / 8 / 2 / dcn) * 1e3)
+    assert expect == pytest.approx(
+        (pooled * 3 / 4 / ici + pooled / 4 * 7 / 8 / 2 / ici + pooled / 4 * 7 / 8 / 2 / dcn) * 1e3
+    )

@@ -23,12 +23,19 @@ TABLES = [TableSpec("a", "fa", 1000, 16, 1.0), TableSpec("b", "fb", 400, 16, 2.0
 def _plan(b_ranks=(0, 1, 2, 3)):
     make_topology("v6e-4")  # names the tpu backend so placements parse
     a = EnumerableShardingSpec([ShardMetadata([0, 0], [1000, 16], "rank:0/tpu:0")])
-    b = EnumerableShardingSpec([ShardMetadata([100 * i, 0], [100, 16], f"rank:{r}/tpu:{r}")
-                                for i, r in enumerate(b_ranks)])
-    return ShardingPlan({"": EmbeddingModuleShardingPlan({
-        "a": ParameterSharding("table_wise", K, [0], a),
-        "b": ParameterSharding("row_wise", K, list(b_ranks), b),
-    })})
+    b = EnumerableShardingSpec(
+        [ShardMetadata([100 * i, 0], [100, 16], f"rank:{r}/tpu:{r}") for i, r in enumerate(b_ranks)]
+    )
+    return ShardingPlan(
+        {
+            "": EmbeddingModuleShardingPlan(
+                {
+                    "a": ParameterSharding("table_wise", K, [0], a),
+                    "b": ParameterSharding("row_wise", K, list(b_ranks), b),
+                }
+            )
+        }
+    )
 
 
 def test_report_numbers_and_schema():
@@ -39,9 +46,24 @@ def test_report_numbers_and_schema():
     assert (r["topology"], r["world_size"], r["fits"]) == ("v6e-4", 4, True)
     ta = next(t for t in r["tables"] if t["name"] == "a")
     assert {k: ta[k] for k in ("rows", "dim", "sharding_type", "compute_kernel", "ranks", "bytes")} == {
-        "rows": 1000, "dim": 16, "sharding_type": "table_wise", "compute_kernel": K, "ranks": [0], "bytes": 69440}
-    b_shard = shard_cost(sharding_type="row_wise", rows=100, cols=16, pooling_factor=2.0, batch_per_device=8,
-                         world_size=4, num_shards=4, spec=spec, optimizer="sgd")
+        "rows": 1000,
+        "dim": 16,
+        "sharding_type": "table_wise",
+        "compute_kernel": K,
+        "ranks": [0],
+        "bytes": 69440,
+    }
+    b_shard = shard_cost(
+        sharding_type="row_wise",
+        rows=100,
+        cols=16,
+        pooling_factor=2.0,
+        batch_per_device=8,
+        world_size=4,
+        num_shards=4,
+        spec=spec,
+        optimizer="sgd",
+    )
     d0, d1 = r["devices"][0], r["devices"][1]
     assert d0["hbm_used_bytes"] == 1000 + 69440 + b_shard.bytes
     assert d1["hbm_used_bytes"] == 1000 + b_shard.bytes
@@ -96,8 +118,10 @@ def test_cli_json_show_and_round_trip(tmp_path, capsys):
 
 def test_cli_tables_file_and_png(tmp_path, capsys):
     tables = tmp_path / "t.yaml"
-    tables.write_text("tables:\n  - {name: x, num_embeddings: 5000, embedding_dim: 32, pooling_factor: 4}\n"
-                      "  - {name: y, num_embeddings: 10, embedding_dim: 8}\n")
+    tables.write_text(
+        "tables:\n  - {name: x, num_embeddings: 5000, embedding_dim: 32, pooling_factor: 4}\n"
+        "  - {name: y, num_embeddings: 10, embedding_dim: 8}\n"
+    )
     png = tmp_path / "p.png"
     assert _cli("--tables", str(tables), "--topology", "v7x-8", "--format", "png", "--out", str(png)) == 0
     assert png.read_bytes()[:4] == b"\x89PNG"

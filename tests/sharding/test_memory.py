@@ -5,6 +5,7 @@ with row-wise Adagrad (plan, shard, one training step, model and optimizer state
 grow by at most 1.2x the bytes of weights + state. Before tables were stored in natural order the
 same probe grew 5.5x (kernel storage + natural-order copies in both fused optimizers).
 """
+
 from __future__ import annotations
 
 import subprocess

@@ -39,14 +39,28 @@ def test_round_trip_all_fields(tmp_path):
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
     from torchrec.types import DataType
 
-    spec = EnumerableShardingSpec([ShardMetadata([0, 0], [5, 8], "rank:0/cpu"),
-                                   ShardMetadata([5, 0], [5, 8], "rank:1/cpu")])
-    plan = ShardingPlan({"sparse.ebc": EmbeddingModuleShardingPlan({
-        "a": ParameterSharding("row_wise", "customized_kernel", [0, 1], spec, enforce_hbm=True,
-                               stochastic_rounding=False, bounds_check_mode=BoundsCheckMode.WARNING,
-                               output_dtype=DataType.FP16),
-        "b": ParameterSharding("data_parallel", "dense", None, None),
-    })})
+    spec = EnumerableShardingSpec(
+        [ShardMetadata([0, 0], [5, 8], "rank:0/cpu"), ShardMetadata([5, 0], [5, 8], "rank:1/cpu")]
+    )
+    plan = ShardingPlan(
+        {
+            "sparse.ebc": EmbeddingModuleShardingPlan(
+                {
+                    "a": ParameterSharding(
+                        "row_wise",
+                        "customized_kernel",
+                        [0, 1],
+                        spec,
+                        enforce_hbm=True,
+                        stochastic_rounding=False,
+                        bounds_check_mode=BoundsCheckMode.WARNING,
+                        output_dtype=DataType.FP16,
+                    ),
+                    "b": ParameterSharding("data_parallel", "dense", None, None),
+                }
+            )
+        }
+    )
     plan_io.save_plan(plan, tmp_path / "p.json")
     loaded = plan_io.load_plan(tmp_path / "p.json")
     assert loaded.plan["sparse.ebc"]["a"] == plan.plan["sparse.ebc"]["a"]
@@ -82,15 +96,17 @@ def test_loaded_plan_shards_model_identically(tmp_path):
     try:
         configs = embedding_bag_configs(get_table_set("dlrm-tiny"))[:4]
         plan = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu"), debug=False).plan(
-            EmbeddingBagCollection(tables=configs, device=torch.device("meta")), [EmbeddingBagCollectionSharder()])
+            EmbeddingBagCollection(tables=configs, device=torch.device("meta")), [EmbeddingBagCollectionSharder()]
+        )
         plan_io.save_plan(plan, tmp_path / "p.json")
         loaded = plan_io.load_plan(tmp_path / "p.json")
 
         def shard(p):
             torch.manual_seed(0)
             ebc = EmbeddingBagCollection(tables=configs, device=torch.device("cpu"))
-            return DistributedModelParallel(ebc, device=torch.device("cpu"), plan=p,
-                                            sharders=[EmbeddingBagCollectionSharder()])
+            return DistributedModelParallel(
+                ebc, device=torch.device("cpu"), plan=p, sharders=[EmbeddingBagCollectionSharder()]
+            )
 
         a, b = shard(plan), shard(loaded)
         assert a.plan.plan == b.plan.plan

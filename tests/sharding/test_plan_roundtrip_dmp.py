@@ -1,4 +1,5 @@
 """A plan planned by tpurec, saved to JSON and loaded back, drives tpurec's DMP to the same model."""
+
 import pytest
 import torch
 
@@ -33,8 +34,11 @@ def _plan_save_load_shard(rank, world_size, path):
     for m in (planned, loaded):
         m.load_state_dict(box[0])
         outs.append(c.eval_outputs(m, rank, world_size))
-    return {"same_plan": str(planned.plan) == str(loaded.plan), "outs": outs,
-            "kernels": sorted({ps.compute_kernel for mp in loaded.plan.plan.values() for ps in mp.values()})}
+    return {
+        "same_plan": str(planned.plan) == str(loaded.plan),
+        "outs": outs,
+        "kernels": sorted({ps.compute_kernel for mp in loaded.plan.plan.values() for ps in mp.values()}),
+    }
 
 
 @pytest.mark.multiprocess

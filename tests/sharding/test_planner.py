@@ -56,11 +56,14 @@ def test_mlperf_fits(mlperf, slice_name):
         assert sum(s["sizes"][0] * s["sizes"][1] for s in t["shards"]) == t["rows"] * t["dim"]
 
 
-@pytest.mark.parametrize("slice_name,opt,needs", [
-    ("v5p-2", "rowwise_adagrad", "needs 19.22 GiB"),  # one v5p device: 95 GiB < ~98 GiB of weights
-    ("v6e-4", "adam", "needs 57.22 GiB"),  # Adam triples the table: 292 GiB vs 4 x 32 GB
-    ("v6e-8", "adam", "needs 57.23 GiB"),
-])
+@pytest.mark.parametrize(
+    "slice_name,opt,needs",
+    [
+        ("v5p-2", "rowwise_adagrad", "needs 19.22 GiB"),  # one v5p device: 95 GiB < ~98 GiB of weights
+        ("v6e-4", "adam", "needs 57.22 GiB"),  # Adam triples the table: 292 GiB vs 4 x 32 GB
+        ("v6e-8", "adam", "needs 57.23 GiB"),
+    ],
+)
 def test_mlperf_refused_on_small_slice(mlperf, slice_name, opt, needs):
     ebc, cons = mlperf
     with pytest.raises(P.PlanDoesNotFit) as e:
@@ -72,16 +75,25 @@ def test_mlperf_refused_on_small_slice(mlperf, slice_name, opt, needs):
 
 def test_refusal_from_partitioner_not_only_fast_path():
     # Fits in total but one table is larger than any device and only table-wise is allowed.
-    ebc = ebc_for([EmbeddingBagConfig(name="big", embedding_dim=128, num_embeddings=70_000_000,
-                                      feature_names=["f"]),
-                   EmbeddingBagConfig(name="small", embedding_dim=128, num_embeddings=10, feature_names=["g"])])
-    from tpurec.sharding.planner import pooling_constraints
+    ebc = ebc_for(
+        [
+            EmbeddingBagConfig(name="big", embedding_dim=128, num_embeddings=70_000_000, feature_names=["f"]),
+            EmbeddingBagConfig(name="small", embedding_dim=128, num_embeddings=10, feature_names=["g"]),
+        ]
+    )
     from torchrec.distributed.planner.types import ParameterConstraints
+
+    from tpurec.sharding.planner import pooling_constraints
 
     tw = {n: ParameterConstraints(sharding_types=[ShardingType.TABLE_WISE.value]) for n in ("big", "small")}
     with pytest.raises(P.PlanDoesNotFit, match="largest table big"):
-        P.plan(ebc, make_topology("v6e-4"), batch_size=64, optimizer="sgd",
-               constraints=pooling_constraints({"big": 1, "small": 1}, tw))
+        P.plan(
+            ebc,
+            make_topology("v6e-4"),
+            batch_size=64,
+            optimizer="sgd",
+            constraints=pooling_constraints({"big": 1, "small": 1}, tw),
+        )
 
 
 def test_any_dim_is_planned_and_counted_at_its_padded_width():
@@ -92,8 +104,17 @@ def test_any_dim_is_planned_and_counted_at_its_padded_width():
     from tpurec.sharding.estimators import shard_cost
 
     def weights(dim):
-        return shard_cost(sharding_type="table_wise", rows=100, cols=dim, pooling_factor=1.0, batch_per_device=8,
-                          world_size=8, num_shards=1, spec=make_topology("v5p-8").spec, optimizer="sgd").weights
+        return shard_cost(
+            sharding_type="table_wise",
+            rows=100,
+            cols=dim,
+            pooling_factor=1.0,
+            batch_per_device=8,
+            world_size=8,
+            num_shards=1,
+            spec=make_topology("v5p-8").spec,
+            optimizer="sgd",
+        ).weights
 
     assert weights(12) == weights(16) > weights(8)
 
@@ -137,17 +158,21 @@ def test_cpu_dry_run_counts_ddr():
     assert all(s.storage.hbm == 0 and s.storage.ddr > 0 for s in shards)
 
 
-@pytest.mark.parametrize("model,slice_name,opt", [
-    ("mlperf-dcnv2", "v5p-128", "rowwise_adagrad"),
-    ("criteo-kaggle", "v6e-8", "adagrad"),
-])
+@pytest.mark.parametrize(
+    "model,slice_name,opt",
+    [
+        ("mlperf-dcnv2", "v5p-128", "rowwise_adagrad"),
+        ("criteo-kaggle", "v6e-8", "adagrad"),
+    ],
+)
 def test_no_worse_than_torchrec_default_planner(model, slice_name, opt):
     """Same topology, same pooling factors, both plans scored with tpurec's cost model."""
     topo = make_topology(slice_name)
     ebc, cons = ebc_for(model), pooling_of(model)
     ours = P.plan(ebc, topo, batch_size=256, constraints=cons, optimizer=opt)
     theirs = EmbeddingShardingPlanner(topology=topo, batch_size=256, constraints=cons, debug=False).plan(
-        ebc, [EmbeddingBagCollectionSharder()])
+        ebc, [EmbeddingBagCollectionSharder()]
+    )
     r_ours = _report(ours, model, topo, 256, opt)
     r_theirs = _report(theirs, model, topo, 256, opt)
     assert r_ours["fits"]
@@ -175,10 +200,23 @@ def test_torchrec_planner_suite_unchanged_by_tpurec():
     repo = Path(__file__).resolve().parents[2]
 
     def outcomes(*extra):
-        cmd = [sys.executable, "-m", "pytest", suite, "-q", "-rfE", "-p", "no:cacheprovider", "-p", "no:warnings",
-               "--continue-on-collection-errors", *extra]
-        res = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(suite).parent,
-                             env={**os.environ, "PYTHONPATH": str(repo)})
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            suite,
+            "-q",
+            "-rfE",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:warnings",
+            "--continue-on-collection-errors",
+            *extra,
+        ]
+        res = subprocess.run(
+            cmd, capture_output=True, text=True, cwd=Path(suite).parent, env={**os.environ, "PYTHONPATH": str(repo)}
+        )
         failed = sorted(re.findall(r"^(?:FAILED|ERROR) (\S+)", res.stdout, re.M))
         summary = re.findall(r"(\d+) passed", res.stdout)
         return failed, summary
@@ -202,8 +240,9 @@ def test_critical_device_proposer_beats_torchrec_proposers_alone(mlperf):
         plan = planner.plan(ebc, [P.TpuPlanningSharder()])
         return _report(plan, "mlperf-dcnv2", topo, 256, "rowwise_adagrad")["estimated_step_time_ms"]
 
-    torchrec_only = step_ms([GridSearchProposer(), GreedyProposer(), GreedyProposer(use_depth=False),
-                             UniformProposer()])
+    torchrec_only = step_ms(
+        [GridSearchProposer(), GreedyProposer(), GreedyProposer(use_depth=False), UniformProposer()]
+    )
     ours_only = step_ms([P.CriticalDeviceProposer()])
     assert ours_only < 0.8 * torchrec_only
 
@@ -214,8 +253,7 @@ def test_inspector_reports_what_the_planner_optimised():
     topo = make_topology("v6e-8")
     cons = pooling_of(model)
     reservation = P.TpuStorageReservation()
-    planner = P.make_planner(topo, batch_size=128, constraints=cons, optimizer="adam",
-                             storage_reservation=reservation)
+    planner = P.make_planner(topo, batch_size=128, constraints=cons, optimizer="adam", storage_reservation=reservation)
     plan = planner.plan(ebc_for(model), [P.TpuPlanningSharder()])
     hbm, ms = [0] * 8, [0.0] * 8
     for option in planner.get_selected_options():

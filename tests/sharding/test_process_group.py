@@ -1,4 +1,5 @@
 """The process group DMP starts when the caller has none: gloo on CPU, gloo + TorchTPU's tpu_dist on a TPU."""
+
 from __future__ import annotations
 
 import torch.distributed as dist

@@ -3,29 +3,44 @@ import pytest
 from tpurec.sharding.topology import GB, GiB, make_topology, parse_slice
 
 
-@pytest.mark.parametrize("name,gen,chips,devices,hosts,slices", [
-    ("v5p-8", "v5p", 4, 4, 1, 1),          # v5p counts TensorCores: 8 cores = 4 chips
-    ("v5p-128", "v5p", 64, 64, 16, 1),
-    ("v6e-4", "v6e", 4, 4, 1, 1),           # sub-host slice
-    ("v6e-256", "v6e", 256, 256, 32, 1),    # v6e counts chips, 8 per host
-    ("v7x-64", "v7x", 64, 128, 16, 1),      # v7x counts chips, 2 devices per chip, 4 chips per host
-    ("tpu7x-8", "v7x", 8, 16, 2, 1),
-    ("v5litepod-16", "v5e", 16, 16, 2, 1),
-    ("v5e-8", "v5e", 8, 8, 1, 1),
-    ("v4-8", "v4", 4, 4, 1, 1),
-    ("2xv5p-128", "v5p", 64, 128, 32, 2),   # multislice
-    (" V6E-8 ", "v6e", 8, 8, 1, 1),
-])
+@pytest.mark.parametrize(
+    "name,gen,chips,devices,hosts,slices",
+    [
+        ("v5p-8", "v5p", 4, 4, 1, 1),  # v5p counts TensorCores: 8 cores = 4 chips
+        ("v5p-128", "v5p", 64, 64, 16, 1),
+        ("v6e-4", "v6e", 4, 4, 1, 1),  # sub-host slice
+        ("v6e-256", "v6e", 256, 256, 32, 1),  # v6e counts chips, 8 per host
+        ("v7x-64", "v7x", 64, 128, 16, 1),  # v7x counts chips, 2 devices per chip, 4 chips per host
+        ("tpu7x-8", "v7x", 8, 16, 2, 1),
+        ("v5litepod-16", "v5e", 16, 16, 2, 1),
+        ("v5e-8", "v5e", 8, 8, 1, 1),
+        ("v4-8", "v4", 4, 4, 1, 1),
+        ("2xv5p-128", "v5p", 64, 128, 32, 2),  # multislice
+        (" V6E-8 ", "v6e", 8, 8, 1, 1),
+    ],
+)
 def test_parse_slice_forms(name, gen, chips, devices, hosts, slices):
     s = parse_slice(name)
     assert (s.generation.name, s.chips_per_slice, s.world_size, s.hosts, s.num_slices) == (
-        gen, chips, devices, hosts, slices)
+        gen,
+        chips,
+        devices,
+        hosts,
+        slices,
+    )
 
 
-@pytest.mark.parametrize("bad,why", [
-    ("v5p-7", "even"), ("v9-8", "unknown TPU generation"), ("v5p128", "malformed"), ("v6e-12", "whole hosts"),
-    ("v5p-0", "positive"), ("", "malformed"),
-])
+@pytest.mark.parametrize(
+    "bad,why",
+    [
+        ("v5p-7", "even"),
+        ("v9-8", "unknown TPU generation"),
+        ("v5p128", "malformed"),
+        ("v6e-12", "whole hosts"),
+        ("v5p-0", "positive"),
+        ("", "malformed"),
+    ],
+)
 def test_bad_slice_names_list_valid_forms(bad, why):
     with pytest.raises(ValueError, match=why):
         parse_slice(bad)
@@ -87,7 +102,6 @@ def test_cpu_n_topology_string_for_dry_runs():
 
 def test_unnamed_tpu_topology_follows_the_host_chips(monkeypatch):
     from tpurec import device
-
     from tpurec.sharding.topology import make_topology
 
     monkeypatch.delenv("TPU_ACCELERATOR_TYPE", raising=False)

@@ -4,6 +4,7 @@ Each rank runs the same sharded training twice from the same tables: once on the
 kernels, once with the TPU adapter's kernels routed to the stand-in of TorchTPU's ops; outputs and
 tables must match exactly, and the adapter run must compile one program per stack and op.
 """
+
 from __future__ import annotations
 
 import functools
@@ -15,9 +16,11 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from . import dmp_cases as c
 from .multiprocess import run_ranks
 
-CASES = [dict(sharding="row_wise", optim="rowwise_adagrad", pooling="SUM", weighted=True),
-         dict(sharding="table_wise", optim="adam", pooling="MEAN", weighted=False),
-         dict(sharding="column_wise", optim="sgd", pooling="SUM", weighted=False)]
+CASES = [
+    dict(sharding="row_wise", optim="rowwise_adagrad", pooling="SUM", weighted=True),
+    dict(sharding="table_wise", optim="adam", pooling="MEAN", weighted=False),
+    dict(sharding="column_wise", optim="sgd", pooling="SUM", weighted=False),
+]
 STEPS = 4
 
 

@@ -3,6 +3,7 @@ planner tests run, to show tpurec changes nothing torchrec relies on.
 
   python -m pytest -p tests.sharding.torchrec_suite_plugin <torchrec>/distributed/planner/tests
 """
+
 import tpurec  # noqa: F401
 import tpurec.sharding.estimators  # noqa: F401
 import tpurec.sharding.inspect  # noqa: F401

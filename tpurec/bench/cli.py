@@ -4,6 +4,7 @@ Each benchmark module exposes `register(subparsers)` (argparse only; nothing hea
 top, so `tpurec --help` stays instant) and sets `run(args) -> int` with set_defaults, like the
 top-level subcommands. Add a benchmark with one line below.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -12,6 +12,7 @@ second core, is reported beside it. Each reader gets ``passes`` timed epochs
 (`tpurec.bench.timer.repeat`, no warm-up) and the best one is kept. The ids are those of
 `tpurec.data.synth` (a continuous-approximation Zipf law; see `tpurec.bench.workloads`).
 """
+
 from __future__ import annotations
 
 import os
@@ -33,8 +34,11 @@ def _time_iter(make_iter, passes: int) -> tuple[float, float, int]:
         return sum(b.labels.shape[0] for b in make_iter())
 
     runs = timer.repeat(epoch, warmup=0, repeats=passes)
-    return (max(n / wall for n, wall in zip(runs.results, runs.wall)),
-            max(n / max(cpu, 1e-9) for n, cpu in zip(runs.results, runs.cpu)), runs.results[-1])
+    return (
+        max(n / wall for n, wall in zip(runs.results, runs.wall)),
+        max(n / max(cpu, 1e-9) for n, cpu in zip(runs.results, runs.cpu)),
+        runs.results[-1],
+    )
 
 
 def write_torchrec_npys(parquet_dir: str, npy_dir: str) -> tuple[list[str], list[str], list[str]]:
@@ -83,14 +87,19 @@ def write_criteo_tsv(parquet_dir: str, path: str, rows: int, seed: int = 0) -> i
     for j in range(26):
         hx = pa.array(_hex8(rng.integers(0, 2**32, rows, dtype=np.uint64))).cast(pa.string())
         cols[f"C{j + 1}"] = pa.compute.if_else(pa.array(rng.random(rows) < 0.1), pa.scalar(""), hx)
-    pcsv.write_csv(pa.table(cols), path, pcsv.WriteOptions(include_header=False, delimiter="\t",
-                                                           quoting_style="none"))
+    pcsv.write_csv(pa.table(cols), path, pcsv.WriteOptions(include_header=False, delimiter="\t", quoting_style="none"))
     return os.path.getsize(path)
 
 
-def run_bench(rows: int = 2_000_000, work_dir: str | None = None, table_set: str = "criteo-kaggle",
-              passes: int = 5, convert_rows: int = 500_000, show_progress: bool = False,
-              compression: str = "none") -> dict:
+def run_bench(
+    rows: int = 2_000_000,
+    work_dir: str | None = None,
+    table_set: str = "criteo-kaggle",
+    passes: int = 5,
+    convert_rows: int = 500_000,
+    show_progress: bool = False,
+    compression: str = "none",
+) -> dict:
     import torch  # noqa: F401  (import cost kept out of the timings)
     from torchrec.datasets.criteo import InMemoryBinaryCriteoIterDataPipe
 
@@ -106,8 +115,15 @@ def run_bench(rows: int = 2_000_000, work_dir: str | None = None, table_set: str
         for d in (npy_dir, tsv_dir):
             d.mkdir(parents=True, exist_ok=True)
         with timer.Stopwatch() as synth_time:
-            synthesize(rows, str(pq_dir), seed=0, table_set=table_set, show_progress=show_progress,
-                       overwrite=True, compression=compression)
+            synthesize(
+                rows,
+                str(pq_dir),
+                seed=0,
+                table_set=table_set,
+                show_progress=show_progress,
+                overwrite=True,
+                compression=compression,
+            )
         synth_s = synth_time.wall
         dense_p, sparse_p, labels_p = write_torchrec_npys(str(pq_dir), str(npy_dir))
 
@@ -131,14 +147,26 @@ def run_bench(rows: int = 2_000_000, work_dir: str | None = None, table_set: str
 
         tsv = tsv_dir / "day_0"
         tsv_bytes = write_criteo_tsv(str(pq_dir), str(tsv), convert_rows)
-        conv = convert([str(tsv)], str(root / "converted"),
-                       ConvertOptions(criteo_schema()), jobs=1, show_progress=show_progress, overwrite=True)
+        conv = convert(
+            [str(tsv)],
+            str(root / "converted"),
+            ConvertOptions(criteo_schema()),
+            jobs=1,
+            show_progress=show_progress,
+            overwrite=True,
+        )
         return {
-            "rows": tp_rows, "batch_size": BATCH, "parquet_compression": compression, "num_sparse": 26,
-            "num_dense": 13, "table_set": table_set,
-            "tpurec_samples_per_s": round(tp_wall), "tpurec_cpu_samples_per_s": round(tp_cpu),
+            "rows": tp_rows,
+            "batch_size": BATCH,
+            "parquet_compression": compression,
+            "num_sparse": 26,
+            "num_dense": 13,
+            "table_set": table_set,
+            "tpurec_samples_per_s": round(tp_wall),
+            "tpurec_cpu_samples_per_s": round(tp_cpu),
             "tpurec_prefetch_samples_per_s": round(tp_pf),
-            "torchrec_samples_per_s": round(tr_wall), "torchrec_cpu_samples_per_s": round(tr_cpu),
+            "torchrec_samples_per_s": round(tr_wall),
+            "torchrec_cpu_samples_per_s": round(tr_cpu),
             "torchrec_load_seconds": round(tr_load, 3),
             "ratio_vs_torchrec": round(tp_wall / tr_wall, 3),
             "ratio_vs_torchrec_cpu": round(tp_cpu / tr_cpu, 3),  # per CPU-second: steadier on a busy host
@@ -146,12 +174,17 @@ def run_bench(rows: int = 2_000_000, work_dir: str | None = None, table_set: str
             "ratio_in_memory_vs_torchrec": round(tp_mem / tr_wall, 3),
             "torchrec_with_load_samples_per_s": round(tr_rows / (tr_load + tr_rows / tr_wall)),
             "ratio_vs_torchrec_with_load": round(tp_wall / (tr_rows / (tr_load + tr_rows / tr_wall)), 3),
-            "converter_mb_per_s": conv["mb_per_s"], "converter_rows_per_s": round(conv["rows"] / conv["seconds"]),
+            "converter_mb_per_s": conv["mb_per_s"],
+            "converter_rows_per_s": round(conv["rows"] / conv["seconds"]),
             "converter_input_mb": round(tsv_bytes / 1e6, 1),
-            "synth_rows_per_s": round(rows / synth_s), "passes": passes,
-            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                        "processor": platform.processor() or platform.machine(),
-                        "loadavg_1m": round(os.getloadavg()[0], 2)},
+            "synth_rows_per_s": round(rows / synth_s),
+            "passes": passes,
+            "machine": {
+                "cpus": os.cpu_count(),
+                "platform": platform.platform(),
+                "processor": platform.processor() or platform.machine(),
+                "loadavg_1m": round(os.getloadavg()[0], 2),
+            },
         }
     finally:
         if tmp is not None:
@@ -180,21 +213,38 @@ def _run(args) -> int:
     import json
     import sys
 
-    res = run_bench(args.rows, args.dir, args.tables, args.passes, args.convert_rows,
-                    show_progress=sys.stderr.isatty() and not args.json, compression=args.compression)
+    res = run_bench(
+        args.rows,
+        args.dir,
+        args.tables,
+        args.passes,
+        args.convert_rows,
+        show_progress=sys.stderr.isatty() and not args.json,
+        compression=args.compression,
+    )
     if args.json:
         print(json.dumps(res, indent=2))
         return 0
-    print(f"rows {res['rows']:,}, batch {res['batch_size']}, 26 sparse + 13 dense ({res['table_set']} ids, "
-          f"Parquet compression {res['parquet_compression']})")
-    print(f"tpurec ParquetReader     {res['tpurec_samples_per_s']:>12,} samples/s (1 thread; "
-          f"{res['tpurec_prefetch_samples_per_s']:,} with prefetch)")
-    print(f"torchrec in-memory npy   {res['torchrec_samples_per_s']:>12,} samples/s "
-          f"(after {res['torchrec_load_seconds']} s loading)")
+    print(
+        f"rows {res['rows']:,}, batch {res['batch_size']}, 26 sparse + 13 dense ({res['table_set']} ids, "
+        f"Parquet compression {res['parquet_compression']})"
+    )
+    print(
+        f"tpurec ParquetReader     {res['tpurec_samples_per_s']:>12,} samples/s (1 thread; "
+        f"{res['tpurec_prefetch_samples_per_s']:,} with prefetch)"
+    )
+    print(
+        f"torchrec in-memory npy   {res['torchrec_samples_per_s']:>12,} samples/s "
+        f"(after {res['torchrec_load_seconds']} s loading)"
+    )
     print(f"tpurec in-memory (cache) {res['tpurec_in_memory_samples_per_s']:>12,} samples/s")
-    print(f"ratio vs torchrec        {res['ratio_vs_torchrec']:>12} streaming, "
-          f"{res['ratio_in_memory_vs_torchrec']} in-memory, {res['ratio_vs_torchrec_with_load']} streaming vs "
-          f"torchrec load+iterate")
-    print(f"converter                {res['converter_mb_per_s']:>12} MB/s "
-          f"({res['converter_rows_per_s']:,} rows/s, 1 process)")
+    print(
+        f"ratio vs torchrec        {res['ratio_vs_torchrec']:>12} streaming, "
+        f"{res['ratio_in_memory_vs_torchrec']} in-memory, {res['ratio_vs_torchrec_with_load']} streaming vs "
+        f"torchrec load+iterate"
+    )
+    print(
+        f"converter                {res['converter_mb_per_s']:>12} MB/s "
+        f"({res['converter_rows_per_s']:,} rows/s, 1 process)"
+    )
     return 0

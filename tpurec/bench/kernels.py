@@ -13,6 +13,7 @@ Also measured: the machine's random-gather roofline (torch.index_select of 64-fl
 2.6M-row table, uniform and Zipf ids), since embedding lookups are memory-bound. All contestants
 run with the same torch thread count (1 by default: FBGEMM's fused backward is single-threaded).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -24,13 +25,18 @@ NUM_TABLES, ROWS, DIM, BATCH = 26, 100_000, 64, 2048
 
 
 def register(sub) -> None:
-    p = sub.add_parser("kernels",
-                       help="embedding training step: tpurec CPU reference vs FBGEMM CPU TBE vs nn.EmbeddingBag")
+    p = sub.add_parser(
+        "kernels", help="embedding training step: tpurec CPU reference vs FBGEMM CPU TBE vs nn.EmbeddingBag"
+    )
     p.add_argument("--quick", action="store_true", help="fewer repetitions (same shapes)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads for every contestant (default 1: FBGEMM's fused backward is single-threaded, "
-                        "and idle spinning threads distort timings on a shared 2-core machine)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads for every contestant (default 1: FBGEMM's fused backward is single-threaded, "
+        "and idle spinning threads distort timings on a shared 2-core machine)",
+    )
     p.add_argument("--pooling", type=int, nargs="+", default=[1, 20], help="pooling factors to run")
     p.set_defaults(run=run_cli)
 
@@ -50,9 +56,13 @@ def make_batches(pooling: int, count: int, seed: int = 0, num_tables=NUM_TABLES,
 
     rng = np.random.default_rng(seed)
     keys = [f"f{i}" for i in range(num_tables)]
-    return [workloads.kjt(workloads.fixed_pooling_ids(rng, num_tables, batch, pooling, rows,
-                                                      scatter_seed=workloads.SCATTER_SEED), keys)
-            for _ in range(count)]
+    return [
+        workloads.kjt(
+            workloads.fixed_pooling_ids(rng, num_tables, batch, pooling, rows, scatter_seed=workloads.SCATTER_SEED),
+            keys,
+        )
+        for _ in range(count)
+    ]
 
 
 def _time_steps(step, batches, repeats: int) -> float:
@@ -68,10 +78,13 @@ def _tpurec(num_tables, rows, dim):
 
     from tpurec.embedding.module import SparseCoreEmbeddingBagCollection
 
-    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=rows, feature_names=[f"f{i}"])
-              for i in range(num_tables)]
-    m = SparseCoreEmbeddingBagCollection(tables, RowWiseAdagrad, {"lr": 0.01, "eps": 1e-8}, num_sparsecores=4,
-                                         device="cpu")
+    tables = [
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=rows, feature_names=[f"f{i}"])
+        for i in range(num_tables)
+    ]
+    m = SparseCoreEmbeddingBagCollection(
+        tables, RowWiseAdagrad, {"lr": 0.01, "eps": 1e-8}, num_sparsecores=4, device="cpu"
+    )
 
     def step(kjt):
         out = m(kjt).values()
@@ -91,7 +104,10 @@ def _fbgemm(num_tables, rows, dim):
 
     tbe = SplitTableBatchedEmbeddingBagsCodegen(
         [(rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)] * num_tables,
-        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.01, eps=1e-8, pooling_mode=PoolingMode.SUM,
+        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        learning_rate=0.01,
+        eps=1e-8,
+        pooling_mode=PoolingMode.SUM,
     )
 
     def step(kjt):
@@ -130,8 +146,10 @@ def gather_roofline(repeats: int = 5, rows: int = NUM_TABLES * ROWS, n: int = 1_
     table = torch.randn(rows, DIM)
     rng = np.random.default_rng(0)
     out = {}
-    for name, ids in (("uniform", rng.integers(0, table.shape[0], n)),
-                      ("zipf", workloads.zipf_ids(rng, n, table.shape[0], scatter_seed=workloads.SCATTER_SEED))):
+    for name, ids in (
+        ("uniform", rng.integers(0, table.shape[0], n)),
+        ("zipf", workloads.zipf_ids(rng, n, table.shape[0], scatter_seed=workloads.SCATTER_SEED)),
+    ):
         idx = torch.from_numpy(ids)
         runs = timer.repeat(lambda idx=idx: table.index_select(0, idx), warmup=1, repeats=repeats)
         out[f"gather_rows_per_s_{name}"] = n / runs.median
@@ -139,8 +157,15 @@ def gather_roofline(repeats: int = 5, rows: int = NUM_TABLES * ROWS, n: int = 1_
     return out
 
 
-def run(quick: bool = False, threads: int | None = None, poolings=(1, 20), num_tables=NUM_TABLES, rows=ROWS,
-        dim=DIM, batch=BATCH) -> dict:
+def run(
+    quick: bool = False,
+    threads: int | None = None,
+    poolings=(1, 20),
+    num_tables=NUM_TABLES,
+    rows=ROWS,
+    dim=DIM,
+    batch=BATCH,
+) -> dict:
     import os
 
     import torch
@@ -150,8 +175,14 @@ def run(quick: bool = False, threads: int | None = None, poolings=(1, 20), num_t
     repeats = 1 if quick else 3
     nbatches = 2 if quick else 4
     result: dict = {
-        "workload": {"tables": num_tables, "rows": rows, "dim": dim, "batch": batch, "ids": "zipf(1.05)",
-                     "optimizer": "row-wise Adagrad (torch baseline: element-wise sparse Adagrad)"},
+        "workload": {
+            "tables": num_tables,
+            "rows": rows,
+            "dim": dim,
+            "batch": batch,
+            "ids": "zipf(1.05)",
+            "optimizer": "row-wise Adagrad (torch baseline: element-wise sparse Adagrad)",
+        },
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
     }
@@ -175,22 +206,28 @@ def run(quick: bool = False, threads: int | None = None, poolings=(1, 20), num_t
     for key in ("tpurec_lookups_per_s", "fbgemm_lookups_per_s", "torch_lookups_per_s", "ratio_vs_fbgemm"):
         result[key] = result[f"pooling_{worst}"][key]
     result["worst_pooling"] = worst
-    result["roofline"] = gather_roofline(repeats=2 if quick else 5, rows=num_tables * rows,
-                                         n=min(1_000_000, 20 * num_tables * rows))
+    result["roofline"] = gather_roofline(
+        repeats=2 if quick else 5, rows=num_tables * rows, n=min(1_000_000, 20 * num_tables * rows)
+    )
     return result
 
 
 def format_table(r: dict) -> str:
-    lines = [f"embedding training step, {r['workload']['tables']} tables x {r['workload']['rows']} rows x dim "
-             f"{r['workload']['dim']}, batch {r['workload']['batch']}, zipf(1.05), {r['threads']} torch threads",
-             f"{'pooling':>8} {'tpurec M/s':>11} {'fbgemm M/s':>11} {'torch M/s':>10} {'vs fbgemm':>10} "
-             f"{'vs torch':>9}"]
+    lines = [
+        f"embedding training step, {r['workload']['tables']} tables x {r['workload']['rows']} rows x dim "
+        f"{r['workload']['dim']}, batch {r['workload']['batch']}, zipf(1.05), {r['threads']} torch threads",
+        f"{'pooling':>8} {'tpurec M/s':>11} {'fbgemm M/s':>11} {'torch M/s':>10} {'vs fbgemm':>10} {'vs torch':>9}",
+    ]
     for key, e in r.items():
         if key.startswith("pooling_"):
-            lines.append(f"{key[8:]:>8} {e['tpurec_lookups_per_s'] / 1e6:>11.2f} "
-                         f"{e['fbgemm_lookups_per_s'] / 1e6:>11.2f} {e['torch_lookups_per_s'] / 1e6:>10.2f} "
-                         f"{e['ratio_vs_fbgemm']:>9.2f}x {e['ratio_vs_torch']:>8.2f}x")
+            lines.append(
+                f"{key[8:]:>8} {e['tpurec_lookups_per_s'] / 1e6:>11.2f} "
+                f"{e['fbgemm_lookups_per_s'] / 1e6:>11.2f} {e['torch_lookups_per_s'] / 1e6:>10.2f} "
+                f"{e['ratio_vs_fbgemm']:>9.2f}x {e['ratio_vs_torch']:>8.2f}x"
+            )
     rf = r["roofline"]
-    lines.append(f"roofline: index_select {rf['gather_rows_per_s_uniform'] / 1e6:.1f} M rows/s uniform "
-                 f"({rf['gather_gb_per_s_uniform']:.1f} GB/s), {rf['gather_rows_per_s_zipf'] / 1e6:.1f} M rows/s zipf")
+    lines.append(
+        f"roofline: index_select {rf['gather_rows_per_s_uniform'] / 1e6:.1f} M rows/s uniform "
+        f"({rf['gather_gb_per_s_uniform']:.1f} GB/s), {rf['gather_rows_per_s_zipf'] / 1e6:.1f} M rows/s zipf"
+    )
     return "\n".join(lines)

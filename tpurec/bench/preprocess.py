@@ -24,6 +24,7 @@ to stderr; fd 2 is sent to /dev/null while it runs. Top-level figures are those 
 factor with the worse tpurec/jte ratio (named in `worst_pooling`); per-pooling figures are under
 pooling_<pf>.
 """
+
 from __future__ import annotations
 
 import os
@@ -70,14 +71,27 @@ def _bench_pooling(pooling, *, batch_size, num_features, vocab, zipf_a, seed, wa
 
     def tpurec_step():
         return preprocess_tables(
-            ours_in, device_batch_size=batch_size, num_sc_per_device=NUM_SC,
-            max_ids_per_partition=[mi for mi, _ in limits], max_unique_ids_per_partition=[mu for _, mu in limits],
-            table_names=[f"t{i}" for i in range(num_features)], num_threads=threads)
+            ours_in,
+            device_batch_size=batch_size,
+            num_sc_per_device=NUM_SC,
+            max_ids_per_partition=[mi for mi, _ in limits],
+            max_unique_ids_per_partition=[mu for _, mu in limits],
+            table_names=[f"t{i}" for i in range(num_features)],
+            num_threads=threads,
+        )
 
     def tpurec_loop_step():  # one `preprocess` call per table, in turn
         return [
-            preprocess(ids, smp, g, device_batch_size=batch_size, num_sc_per_device=NUM_SC,
-                       max_ids_per_partition=mi, max_unique_ids_per_partition=mu, table_name=f"t{i}")
+            preprocess(
+                ids,
+                smp,
+                g,
+                device_batch_size=batch_size,
+                num_sc_per_device=NUM_SC,
+                max_ids_per_partition=mi,
+                max_unique_ids_per_partition=mu,
+                table_name=f"t{i}",
+            )
             for i, ((ids, smp, g), (mi, mu)) in enumerate(zip(ours_in, limits))
         ]
 
@@ -86,20 +100,29 @@ def _bench_pooling(pooling, *, batch_size, num_features, vocab, zipf_a, seed, wa
     specs = []
     for i, (mi, mu) in enumerate(limits):
         table = embedding_spec.TableSpec(
-            name=f"t{i}", vocabulary_size=vocab, embedding_dim=8, initializer=lambda *a, **k: None,
-            optimizer=embedding_spec.SGDOptimizerSpec(), combiner="sum", max_ids_per_partition=mi,
+            name=f"t{i}",
+            vocabulary_size=vocab,
+            embedding_dim=8,
+            initializer=lambda *a, **k: None,
+            optimizer=embedding_spec.SGDOptimizerSpec(),
+            combiner="sum",
+            max_ids_per_partition=mi,
             max_unique_ids_per_partition=mu,
             suggested_coo_buffer_size_per_device=NUM_SC * coo_entries_per_sc(mi, NUM_SC),
         )
-        specs.append(embedding_spec.FeatureSpec(name=f"f{i}", table_spec=table, input_shape=[batch_size, pooling],
-                                                output_shape=[batch_size, 8]))
+        specs.append(
+            embedding_spec.FeatureSpec(
+                name=f"f{i}", table_spec=table, input_shape=[batch_size, pooling], output_shape=[batch_size, 8]
+            )
+        )
     embedding.prepare_feature_specs_for_training(specs, global_device_count=1, num_sc_per_device=NUM_SC)
     jte_feats = [x.astype(np.int32) for x in ids2d]
     jte_weights = [np.ones((batch_size, pooling), np.float32) for _ in ids2d]
 
     def jte_step():
         return embedding.preprocess_sparse_dense_matmul_input(
-            jte_feats, jte_weights, specs, 1, 1, num_sc_per_device=NUM_SC)
+            jte_feats, jte_weights, specs, 1, 1, num_sc_per_device=NUM_SC
+        )
 
     # Same answer on the first table (row pointers everywhere, COO slots up to each SC's end).
     with _Quiet():
@@ -107,8 +130,10 @@ def _bench_pooling(pooling, *, batch_size, num_features, vocab, zipf_a, seed, wa
     ours, _ = tpurec_step()[0]
     m = theirs.sparse_dense_matmul_input
     rp = m.lhs_row_pointers["t0"]
-    match = (bool(np.array_equal(ours.row_pointers.numpy(), rp))
-             and ours.embedding_ids.numel() == m.lhs_embedding_ids["t0"].size)
+    match = (
+        bool(np.array_equal(ours.row_pointers.numpy(), rp))
+        and ours.embedding_ids.numel() == m.lhs_embedding_ids["t0"].size
+    )
     if match:
         slots = ours.embedding_ids.numel() // NUM_SC
         ends = rp.reshape(NUM_SC, -1)[:, -1]
@@ -118,8 +143,10 @@ def _bench_pooling(pooling, *, batch_size, num_features, vocab, zipf_a, seed, wa
             match &= np.array_equal(ours.sample_ids.numpy()[sl], m.lhs_sample_ids["t0"][sl])
 
     with _Quiet():
-        t_ours, t_jte, t_loop = (r.median for r in timer.interleaved([tpurec_step, jte_step, tpurec_loop_step],
-                                                                      warmup=warmup, repeats=repeats))
+        t_ours, t_jte, t_loop = (
+            r.median
+            for r in timer.interleaved([tpurec_step, jte_step, tpurec_loop_step], warmup=warmup, repeats=repeats)
+        )
     return {
         "tpurec_samples_per_s": batch_size / t_ours,
         "jte_samples_per_s": batch_size / t_jte,
@@ -133,10 +160,20 @@ def _bench_pooling(pooling, *, batch_size, num_features, vocab, zipf_a, seed, wa
     }
 
 
-def run(quick: bool = False, as_json: bool = False, *, batch_size: int = 2048, num_features: int = 26,
-        vocab: int = 100_000, poolings: tuple[int, ...] = (1, 20), zipf_a: float = 1.05,
-        threads: int | None = None, repeats: int | None = None, warmup: int | None = None,
-        seed: int = 0) -> dict:
+def run(
+    quick: bool = False,
+    as_json: bool = False,
+    *,
+    batch_size: int = 2048,
+    num_features: int = 26,
+    vocab: int = 100_000,
+    poolings: tuple[int, ...] = (1, 20),
+    zipf_a: float = 1.05,
+    threads: int | None = None,
+    repeats: int | None = None,
+    warmup: int | None = None,
+    seed: int = 0,
+) -> dict:
     """Run the benchmark; print text (or JSON with as_json) and return the figures."""
     threads = threads or os.cpu_count() or 1
     # Read by jax-tpu-embedding when it creates its thread pool (first preprocessing call).
@@ -149,9 +186,17 @@ def run(quick: bool = False, as_json: bool = False, *, batch_size: int = 2048, n
     torch.set_num_threads(threads)
     try:
         per = {
-            f"pooling_{pf}": _bench_pooling(pf, batch_size=batch_size, num_features=num_features, vocab=vocab,
-                                            zipf_a=zipf_a, seed=seed, warmup=warmup, repeats=repeats,
-                                            threads=threads)
+            f"pooling_{pf}": _bench_pooling(
+                pf,
+                batch_size=batch_size,
+                num_features=num_features,
+                vocab=vocab,
+                zipf_a=zipf_a,
+                seed=seed,
+                warmup=warmup,
+                repeats=repeats,
+                threads=threads,
+            )
             for pf in poolings
         }
     finally:
@@ -190,13 +235,17 @@ def run(quick: bool = False, as_json: bool = False, *, batch_size: int = 2048, n
 
         print(json.dumps(res, indent=2))
     else:
-        print(f"SparseCore preprocessing: {num_features} tables x batch {batch_size}, "
-              f"Zipf({zipf_a}) over {vocab:,} rows, "
-              f"{NUM_SC} SparseCores, 1 device, {threads} threads each")
+        print(
+            f"SparseCore preprocessing: {num_features} tables x batch {batch_size}, "
+            f"Zipf({zipf_a}) over {vocab:,} rows, "
+            f"{NUM_SC} SparseCores, 1 device, {threads} threads each"
+        )
         for k, v in per.items():
-            print(f"  {k:11s} tpurec {v['tpurec_samples_per_s']:>12,.0f} samples/s  jax-tpu-embedding "
-                  f"{v['jte_samples_per_s']:>12,.0f} samples/s  ratio {v['ratio_vs_jte']:.2f}"
-                  f"{'' if v['outputs_match'] else '  (OUTPUTS DIFFER)'}")
+            print(
+                f"  {k:11s} tpurec {v['tpurec_samples_per_s']:>12,.0f} samples/s  jax-tpu-embedding "
+                f"{v['jte_samples_per_s']:>12,.0f} samples/s  ratio {v['ratio_vs_jte']:.2f}"
+                f"{'' if v['outputs_match'] else '  (OUTPUTS DIFFER)'}"
+            )
         print(f"  worst ratio {res['ratio_vs_jte']:.2f} ({worst})")
     return res
 

@@ -8,6 +8,7 @@ them alike. torch.utils.benchmark.Timer was considered: it times one statement a
 reports no CPU time and resets torch's thread count to its own `num_threads`, which the benchmarks
 set themselves.
 """
+
 from __future__ import annotations
 
 import statistics

@@ -15,6 +15,7 @@ warm-up), across all ranks. The sides take turns `--repeats` times (`tpurec.benc
 and each keeps its best run. The data are `tpurec.data.synth`'s (a continuous-approximation Zipf
 law; see `tpurec.bench.workloads`).
 """
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,9 @@ def register(sub) -> None:
     p.add_argument("--steps", type=int, default=300, help="timed steps per side (default 300)")
     p.add_argument("--warmup", type=int, default=30, help="untimed steps first (default 30)")
     p.add_argument("--batch-size", type=int, default=512, help="batch per rank (default 512)")
-    p.add_argument("--repeats", type=int, default=3,
-                   help="alternating runs per side, best kept (default 3; the host is shared)")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="alternating runs per side, best kept (default 3; the host is shared)"
+    )
     p.set_defaults(run=run_cli)
 
 
@@ -48,8 +50,9 @@ def run_cli(args) -> int:
             print(f"tpurec bench train: error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
     try:
-        result = run(nproc=args.nproc, steps=args.steps, warmup=args.warmup, batch_size=args.batch_size,
-                     repeats=args.repeats)
+        result = run(
+            nproc=args.nproc, steps=args.steps, warmup=args.warmup, batch_size=args.batch_size, repeats=args.repeats
+        )
     except RuntimeError as e:
         print(f"tpurec bench train: error: {e}", file=sys.stderr)
         return 1
@@ -66,29 +69,57 @@ def run(nproc: int = 2, steps: int = 300, warmup: int = 30, batch_size: int = 51
     rows = max(100_000, int((steps + warmup) * batch_size * nproc * 1.1) + 1)
     data = ensure_synth("dlrm-tiny", rows, 0, say=lambda m: print(m, file=sys.stderr))
     # Each launch reports its own timed region; the parent's clock would include process start-up.
-    runs = timer.interleaved([lambda side=side: _launch(side, data, nproc, steps, warmup, batch_size)
-                              for side in SIDES], warmup=0, repeats=repeats)
+    runs = timer.interleaved(
+        [lambda side=side: _launch(side, data, nproc, steps, warmup, batch_size) for side in SIDES],
+        warmup=0,
+        repeats=repeats,
+    )
     best = {side: max(r.results, key=lambda x: x["samples_per_s"]) for side, r in zip(SIDES, runs)}
     t, s, tw = best["tpurec"], best["torchrec"], best["tpurec-tw"]
     return {
-        "model": "dlrm-tiny", "nproc": nproc, "batch_size_per_rank": batch_size, "steps": steps,
-        "warmup": warmup, "repeats": repeats, "threads_per_rank": 1,
-        "tpurec_samples_per_s": t["samples_per_s"], "torchrec_samples_per_s": s["samples_per_s"],
+        "model": "dlrm-tiny",
+        "nproc": nproc,
+        "batch_size_per_rank": batch_size,
+        "steps": steps,
+        "warmup": warmup,
+        "repeats": repeats,
+        "threads_per_rank": 1,
+        "tpurec_samples_per_s": t["samples_per_s"],
+        "torchrec_samples_per_s": s["samples_per_s"],
         "ratio_vs_torchrec": round(t["samples_per_s"] / s["samples_per_s"], 3),
-        "tpurec_cpu_samples_per_s": t["cpu_samples_per_s"], "torchrec_cpu_samples_per_s": s["cpu_samples_per_s"],
+        "tpurec_cpu_samples_per_s": t["cpu_samples_per_s"],
+        "torchrec_cpu_samples_per_s": s["cpu_samples_per_s"],
         "ratio_vs_torchrec_cpu": round(t["cpu_samples_per_s"] / s["cpu_samples_per_s"], 3),
         "tpurec_table_wise_samples_per_s": tw["samples_per_s"],
         "ratio_table_wise_vs_torchrec": round(tw["samples_per_s"] / s["samples_per_s"], 3),
-        "tpurec_plan": t["plan"], "torchrec_plan": s["plan"],
-        "tpurec_final_loss": t["loss"], "torchrec_final_loss": s["loss"],
+        "tpurec_plan": t["plan"],
+        "torchrec_plan": s["plan"],
+        "tpurec_final_loss": t["loss"],
+        "torchrec_final_loss": s["loss"],
         "load_average_1min": round(os.getloadavg()[0], 2),
     }
 
 
 def _launch(side, data, nproc, steps, warmup, batch_size) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "tpurec.bench.train", "--side", side, "--data", str(data), "--steps", str(steps),
-           "--warmup", str(warmup), "--batch-size", str(batch_size)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "tpurec.bench.train",
+        "--side",
+        side,
+        "--data",
+        str(data),
+        "--steps",
+        str(steps),
+        "--warmup",
+        str(warmup),
+        "--batch-size",
+        str(batch_size),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
@@ -98,21 +129,23 @@ def _launch(side, data, nproc, steps, warmup, batch_size) -> dict:
 
 
 def format_table(r: dict) -> str:
-    return "\n".join([
-        f"DLRM training throughput: {r['model']}, {r['nproc']} ranks x 1 thread, "
-        f"batch {r['batch_size_per_rank']}/rank, "
-        f"{r['steps']} timed steps (best of {r['repeats']})",
-        f"  tpurec DMP (tpurec planner, SparseCore CPU reference)  {r['tpurec_samples_per_s']:>12,.0f} samples/s",
-        f"  stock TorchRec DMP (FBGEMM fused, table-wise)          {r['torchrec_samples_per_s']:>12,.0f} samples/s",
-        f"  tpurec DMP on the stock side's table-wise plan         "
-        f"{r['tpurec_table_wise_samples_per_s']:>12,.0f} samples/s",
-        f"  ratio_vs_torchrec (planner's plan)                     {r['ratio_vs_torchrec']:>12.3f}",
-        f"  ratio_table_wise_vs_torchrec                           {r['ratio_table_wise_vs_torchrec']:>12.3f}",
-        f"  per CPU-second: tpurec {r['tpurec_cpu_samples_per_s']:,.0f}, "
-        f"torchrec {r['torchrec_cpu_samples_per_s']:,.0f}, "
-        f"ratio {r['ratio_vs_torchrec_cpu']:.3f}",
-        f"  plans: tpurec {r['tpurec_plan']}; torchrec {r['torchrec_plan']}",
-    ])
+    return "\n".join(
+        [
+            f"DLRM training throughput: {r['model']}, {r['nproc']} ranks x 1 thread, "
+            f"batch {r['batch_size_per_rank']}/rank, "
+            f"{r['steps']} timed steps (best of {r['repeats']})",
+            f"  tpurec DMP (tpurec planner, SparseCore CPU reference)  {r['tpurec_samples_per_s']:>12,.0f} samples/s",
+            f"  stock TorchRec DMP (FBGEMM fused, table-wise)          {r['torchrec_samples_per_s']:>12,.0f} samples/s",
+            f"  tpurec DMP on the stock side's table-wise plan         "
+            f"{r['tpurec_table_wise_samples_per_s']:>12,.0f} samples/s",
+            f"  ratio_vs_torchrec (planner's plan)                     {r['ratio_vs_torchrec']:>12.3f}",
+            f"  ratio_table_wise_vs_torchrec                           {r['ratio_table_wise_vs_torchrec']:>12.3f}",
+            f"  per CPU-second: tpurec {r['tpurec_cpu_samples_per_s']:,.0f}, "
+            f"torchrec {r['torchrec_cpu_samples_per_s']:,.0f}, "
+            f"ratio {r['ratio_vs_torchrec_cpu']:.3f}",
+            f"  plans: tpurec {r['tpurec_plan']}; torchrec {r['torchrec_plan']}",
+        ]
+    )
 
 
 # ----- one rank of one side (run by torch.distributed.run) -------------------------------------------
@@ -129,11 +162,14 @@ def table_wise_plan(model, world: int, stock: bool):
 
     ebc = model.model.sparse_arch.embedding_bag_collection
     names = [c.name for c in ebc.embedding_bag_configs()]
-    plan = construct_module_sharding_plan(ebc, per_param_sharding={n: table_wise(rank=i % world)
-                                                                   for i, n in enumerate(names)},
-                                          local_size=world, world_size=world, device_type="cpu",
-                                          sharder=EmbeddingBagCollectionSharder() if stock
-                                          else SparseCoreEBCSharder(num_sparsecores=4))
+    plan = construct_module_sharding_plan(
+        ebc,
+        per_param_sharding={n: table_wise(rank=i % world) for i, n in enumerate(names)},
+        local_size=world,
+        world_size=world,
+        device_type="cpu",
+        sharder=EmbeddingBagCollectionSharder() if stock else SparseCoreEBCSharder(num_sparsecores=4),
+    )
     kernel = "fused" if stock else COMPUTE_KERNEL
     plan = {n: dataclasses.replace(ps, compute_kernel=kernel) for n, ps in plan.items()}
     return ShardingPlan({TABLE_MODULE: plan})
@@ -186,9 +222,14 @@ def worker(side: str, data: str, steps: int, warmup: int, batch_size: int) -> di
     seconds = wall.wall
     dist.all_reduce(cpu)  # CPU-seconds of all ranks: steadier than wall time on a busy host
     samples = steps * batch_size * world
-    out = {"side": side, "samples_per_s": round(samples / seconds, 1), "seconds": round(seconds, 3),
-           "cpu_samples_per_s": round(samples / cpu.item(), 1),
-           "loss": round(float(loss), 5), "plan": _plan_text(dmp)}
+    out = {
+        "side": side,
+        "samples_per_s": round(samples / seconds, 1),
+        "seconds": round(seconds, 3),
+        "cpu_samples_per_s": round(samples / cpu.item(), 1),
+        "loss": round(float(loss), 5),
+        "plan": _plan_text(dmp),
+    }
     dist.destroy_process_group()
     return out if rank == 0 else None
 

@@ -16,6 +16,7 @@ comparable with earlier runs):
 Every function takes the caller's numpy Generator, so a seed fixes the whole workload; drawing
 ``[batch, pooling]`` ids at once gives the same ids, row-major, as drawing ``batch * pooling``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,8 +32,9 @@ def _permutation(vocab: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).permutation(vocab)
 
 
-def zipf_ids(rng: np.random.Generator, size, vocab: int, a: float = ZIPF_A,
-             scatter_seed: int | None = None) -> np.ndarray:
+def zipf_ids(
+    rng: np.random.Generator, size, vocab: int, a: float = ZIPF_A, scatter_seed: int | None = None
+) -> np.ndarray:
     """int64 ids in [0, vocab) of shape `size`: numpy's discrete Zipf(a) ranks folded into the vocabulary.
 
     With `scatter_seed`, rank r becomes row ``permutation(vocab)[r]`` (hot ids spread over the table
@@ -42,8 +44,15 @@ def zipf_ids(rng: np.random.Generator, size, vocab: int, a: float = ZIPF_A,
     return ids if scatter_seed is None else _permutation(vocab, scatter_seed)[ids]
 
 
-def fixed_pooling_ids(rng: np.random.Generator, num_features: int, batch: int, pooling: int, vocab: int,
-                      a: float = ZIPF_A, scatter_seed: int | None = None) -> list[np.ndarray]:
+def fixed_pooling_ids(
+    rng: np.random.Generator,
+    num_features: int,
+    batch: int,
+    pooling: int,
+    vocab: int,
+    a: float = ZIPF_A,
+    scatter_seed: int | None = None,
+) -> list[np.ndarray]:
     """One [batch, pooling] id array per feature, features drawn in turn: every bag holds `pooling` ids."""
     return [zipf_ids(rng, (batch, pooling), vocab, a, scatter_seed) for _ in range(num_features)]
 

@@ -2,6 +2,7 @@
 
 The names below load on first use, so `import tpurec.data` (and `tpurec --help`) stays light.
 """
+
 from __future__ import annotations
 
 import importlib

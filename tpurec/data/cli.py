@@ -3,6 +3,7 @@
 Only argparse at module top: the work modules (pyarrow, numpy, torch) load when a command runs.
 Bad user input (a malformed line, a missing file, a bad option) prints one line and exits 2.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,19 +27,31 @@ def register(sub) -> None:
     c = dsub.add_parser("convert", help="Criteo TSV day files (plain or .gz) or CSV with a header -> Parquet")
     c.add_argument("inputs", nargs="+", metavar="INPUT")
     c.add_argument("--out", required=True, help="output directory (part-NNNNN.parquet + dataset.json)")
-    c.add_argument("--format", choices=["auto", "tsv", "csv"], default="auto",
-                   help="auto: *.csv[.gz] has a header line, anything else is raw Criteo TSV")
-    c.add_argument("--tables", default="criteo-kaggle",
-                   help="table set giving num_embeddings per categorical (default criteo-kaggle; "
-                        "mlperf-dcnv2 for the MLPerf caps)")
+    c.add_argument(
+        "--format",
+        choices=["auto", "tsv", "csv"],
+        default="auto",
+        help="auto: *.csv[.gz] has a header line, anything else is raw Criteo TSV",
+    )
+    c.add_argument(
+        "--tables",
+        default="criteo-kaggle",
+        help="table set giving num_embeddings per categorical (default criteo-kaggle; "
+        "mlperf-dcnv2 for the MLPerf caps)",
+    )
     c.add_argument("--table-sizes", help="26 comma-separated num_embeddings, overriding --tables")
     c.add_argument("--raw-ids", action="store_true", help="keep int(hex) ids instead of hashing into tables")
     c.add_argument("--raw-dense", action="store_true", help="keep dense values instead of log(max(x,0)+1)")
-    c.add_argument("--names", choices=sorted(NAME_PRESETS), default="merlin",
-                   help="column names: merlin (label, I1.., C1..) or torchrec (label, int_0.., cat_0..)")
+    c.add_argument(
+        "--names",
+        choices=sorted(NAME_PRESETS),
+        default="merlin",
+        help="column names: merlin (label, I1.., C1..) or torchrec (label, int_0.., cat_0..)",
+    )
     c.add_argument("--row-group-size", type=int, default=65536)
-    c.add_argument("--compression", default="snappy",
-                   help="Parquet codec (default snappy; none reads faster, files are bigger)")
+    c.add_argument(
+        "--compression", default="snappy", help="Parquet codec (default snappy; none reads faster, files are bigger)"
+    )
     c.add_argument("--jobs", type=int, default=None, help="parallel processes (default: cores, <= inputs)")
     c.add_argument("--skip-bad-lines", action="store_true", help="drop malformed lines, count and report them")
     c.add_argument("--overwrite", action="store_true", help="replace .parquet files already in --out")
@@ -77,6 +90,7 @@ def _common(p) -> None:
 
 def user_errors(fn):
     """Bad input -> one line on stderr and exit code 2, no traceback."""
+
     def wrapped(args) -> int:
         from tpurec.data.schema import DataError
 
@@ -85,6 +99,7 @@ def user_errors(fn):
         except (DataError, ValueError, OSError) as e:  # OSError: missing/unreadable paths, full disk
             print(f"tpurec data: error: {e}", file=sys.stderr)
             return 2
+
     return wrapped
 
 
@@ -94,30 +109,42 @@ def _progress(args) -> bool:
 
 @user_errors
 def run_convert(args) -> int:
+    from tpurec.catalog import get_table_set
     from tpurec.data.convert import ConvertOptions, convert
     from tpurec.data.schema import CAT_HASH, CAT_RAW, DENSE_LOG1P, DENSE_RAW, criteo_schema
-    from tpurec.catalog import get_table_set
 
     if args.table_sizes:
         sizes = [int(x) for x in args.table_sizes.split(",")]
     else:
         sizes = [t.num_embeddings for t in get_table_set(args.tables).tables]
     dense_names, sparse_names = NAME_PRESETS[args.names]
-    schema = criteo_schema(sizes, dense_names=dense_names, sparse_names=sparse_names,
-                           dense_transform=DENSE_RAW if args.raw_dense else DENSE_LOG1P,
-                           categorical=CAT_RAW if args.raw_ids else CAT_HASH)
+    schema = criteo_schema(
+        sizes,
+        dense_names=dense_names,
+        sparse_names=sparse_names,
+        dense_transform=DENSE_RAW if args.raw_dense else DENSE_LOG1P,
+        categorical=CAT_RAW if args.raw_ids else CAT_HASH,
+    )
     if args.row_group_size < 1:
         raise ValueError("--row-group-size must be >= 1")
-    opts = ConvertOptions(schema, input_format=args.format, row_group_size=args.row_group_size,
-                          skip_bad_lines=args.skip_bad_lines, compression=args.compression)
-    summary = convert(args.inputs, args.out, opts, jobs=args.jobs, show_progress=_progress(args),
-                      overwrite=args.overwrite)
+    opts = ConvertOptions(
+        schema,
+        input_format=args.format,
+        row_group_size=args.row_group_size,
+        skip_bad_lines=args.skip_bad_lines,
+        compression=args.compression,
+    )
+    summary = convert(
+        args.inputs, args.out, opts, jobs=args.jobs, show_progress=_progress(args), overwrite=args.overwrite
+    )
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
-    print(f"converted {summary['rows']:,} rows from {summary['files']} file(s) in {summary['seconds']} s "
-          f"({summary['mb_per_s']} MB/s): {summary['bytes_in'] / 1e6:.1f} MB text -> "
-          f"{summary['bytes_out'] / 1e6:.1f} MB Parquet in {summary['out_dir']}")
+    print(
+        f"converted {summary['rows']:,} rows from {summary['files']} file(s) in {summary['seconds']} s "
+        f"({summary['mb_per_s']} MB/s): {summary['bytes_in'] / 1e6:.1f} MB text -> "
+        f"{summary['bytes_out'] / 1e6:.1f} MB Parquet in {summary['out_dir']}"
+    )
     if summary["bad_lines"]:
         print(f"skipped {summary['bad_lines']:,} malformed line(s), e.g.:")
         for e in summary["bad_examples"]:
@@ -129,14 +156,24 @@ def run_convert(args) -> int:
 def run_synth(args) -> int:
     from tpurec.data.synth import synthesize
 
-    summary = synthesize(args.rows, args.out, seed=args.seed, table_set=args.tables,
-                         rows_per_file=args.rows_per_file, row_group_size=args.row_group_size,
-                         compression=args.compression, show_progress=_progress(args), overwrite=args.overwrite)
+    summary = synthesize(
+        args.rows,
+        args.out,
+        seed=args.seed,
+        table_set=args.tables,
+        rows_per_file=args.rows_per_file,
+        row_group_size=args.row_group_size,
+        compression=args.compression,
+        show_progress=_progress(args),
+        overwrite=args.overwrite,
+    )
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
-    print(f"wrote {summary['rows']:,} rows ({summary['table_set']}, seed {summary['seed']}) in "
-          f"{summary['files']} file(s) to {summary['out_dir']} in {summary['seconds']} s")
+    print(
+        f"wrote {summary['rows']:,} rows ({summary['table_set']}, seed {summary['seed']}) in "
+        f"{summary['files']} file(s) to {summary['out_dir']} in {summary['seconds']} s"
+    )
     print(f"label rate {summary['label_rate']:.4f}, oracle_auc {summary['oracle_auc']:.4f}")
     return 0
 

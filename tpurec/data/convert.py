@@ -5,6 +5,7 @@ transforms the columns with vectorised numpy (tpurec/data/parse.py), and writes 
 input, converting several inputs in parallel processes. Outputs are written under a temporary name
 and renamed only when every input converted, so a failed run never leaves a half-written dataset.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,7 +18,13 @@ import numpy as np
 
 from tpurec.data import parse
 from tpurec.data.schema import (
-    CAT_HASH, DENSE_LOG1P, DataError, DataSchema, list_parquet_files, prepare_output_dir, write_dataset_json,
+    CAT_HASH,
+    DENSE_LOG1P,
+    DataError,
+    DataSchema,
+    list_parquet_files,
+    prepare_output_dir,
+    write_dataset_json,
 )
 
 NUM_COLUMNS = 40  # label + 13 dense + 26 categorical, the raw Criteo layout
@@ -78,11 +85,15 @@ def _open_text(path: str, fmt: str, opts: ConvertOptions, on_invalid, typed: boo
     stream = pa.CompressedInputStream(raw, "gzip") if path.endswith(".gz") else raw
     names = [f"c{i}" for i in range(NUM_COLUMNS)]
     read = pcsv.ReadOptions(
-        column_names=names, skip_rows=1 if fmt == "csv" else 0, block_size=opts.block_size,
+        column_names=names,
+        skip_rows=1 if fmt == "csv" else 0,
+        block_size=opts.block_size,
         use_threads=False,
     )
     parse_opts = pcsv.ParseOptions(
-        delimiter="," if fmt == "csv" else "\t", quote_char=False, ignore_empty_lines=False,
+        delimiter="," if fmt == "csv" else "\t",
+        quote_char=False,
+        ignore_empty_lines=False,
         invalid_row_handler=on_invalid,
     )
     types = {n: pa.string() for n in names}
@@ -101,8 +112,9 @@ def _check_header(path: str, fmt: str) -> None:
     with opener(path, "rt") as f:
         header = f.readline().rstrip("\r\n").split(",")
     if len(header) != NUM_COLUMNS:
-        raise DataError(f"{path}:1: CSV header has {len(header)} columns, expected {NUM_COLUMNS} "
-                        "(label, 13 dense, 26 categorical)")
+        raise DataError(
+            f"{path}:1: CSV header has {len(header)} columns, expected {NUM_COLUMNS} (label, 13 dense, 26 categorical)"
+        )
 
 
 def _transform_block(batch, schema: DataSchema):
@@ -169,8 +181,10 @@ def _convert_file(in_path: str, out_path: str, opts: ConvertOptions, advance, ty
 
     def on_invalid(row):
         # Wrong column count (or an unparsable line): pyarrow's handler sees it before we do.
-        msg = (f"{in_path}:{row.number}: expected {row.expected_columns} columns, "
-               f"got {row.actual_columns}: {row.text[:80]!r}")
+        msg = (
+            f"{in_path}:{row.number}: expected {row.expected_columns} columns, "
+            f"got {row.actual_columns}: {row.text[:80]!r}"
+        )
         if not opts.skip_bad_lines:
             first_invalid.append(msg)
             return "error"
@@ -214,8 +228,9 @@ def _convert_file(in_path: str, out_path: str, opts: ConvertOptions, advance, ty
                     raise DataError(f"malformed line {in_path}:{lines.line(seen + i)}: {reasons[i]}")
                 for i in idx:
                     if len(res.bad_examples) < _MAX_EXAMPLES:
-                        res.bad_examples.append(f"{in_path}:{lines.line(seen + int(i))}: "
-                                                f"{reasons.get(int(i), 'bad value')}")
+                        res.bad_examples.append(
+                            f"{in_path}:{lines.line(seen + int(i))}: {reasons.get(int(i), 'bad value')}"
+                        )
                 res.bad_lines += len(idx)
                 keep = ~bad
                 cols = {k: v[keep] for k, v in cols.items()}
@@ -255,8 +270,14 @@ def _convert_one(args):
     return convert_file(in_path, tmp_path, opts)
 
 
-def convert(inputs: list[str], out_dir: str, opts: ConvertOptions, jobs: int | None = None,
-            show_progress: bool = True, overwrite: bool = False) -> dict:
+def convert(
+    inputs: list[str],
+    out_dir: str,
+    opts: ConvertOptions,
+    jobs: int | None = None,
+    show_progress: bool = True,
+    overwrite: bool = False,
+) -> dict:
     """Convert every input to ``out_dir/part-NNNNN.parquet`` and write ``dataset.json``.
 
     Returns the summary (rows, files, bytes in/out, seconds, MB/s, bad lines).
@@ -308,7 +329,13 @@ def convert(inputs: list[str], out_dir: str, opts: ConvertOptions, jobs: int | N
         "bad_examples": [e for r in results for e in r.bad_examples][:_MAX_EXAMPLES],
         "out_dir": str(out),
     }
-    write_dataset_json(out, opts.schema, rows=summary["rows"], files=[f.name for f in finals],
-                       source=[os.path.basename(p) for p in inputs], bad_lines=summary["bad_lines"])
+    write_dataset_json(
+        out,
+        opts.schema,
+        rows=summary["rows"],
+        files=[f.name for f in finals],
+        source=[os.path.basename(p) for p in inputs],
+        bad_lines=summary["bad_lines"],
+    )
     list_parquet_files(out)  # sanity: the outputs are there
     return summary

@@ -4,6 +4,7 @@ Distinct ids are estimated over all rows with a k-minimum-values sketch (error a
 for k = 1024); id frequency skew (share of lookups that hit the most frequent 1% of ids) is computed
 exactly on the first ``sample_rows`` rows.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -95,16 +96,26 @@ def inspect_dataset(path, sample_rows: int = 1_000_000) -> dict:
             "most_frequent_id_share": round(float(counts[0] / counts.sum()), 4) if len(counts) else 0.0,
         }
     for n in schema.dense:
-        columns[n] = {"kind": "dense", "null_share": nulls[n] / max(rows, 1),
-                      "mean": round(dense_sum[n] / max(rows, 1), 4),
-                      "min": dense_min[n] if rows else None, "max": dense_max[n] if rows else None}
+        columns[n] = {
+            "kind": "dense",
+            "null_share": nulls[n] / max(rows, 1),
+            "mean": round(dense_sum[n] / max(rows, 1), 4),
+            "min": dense_min[n] if rows else None,
+            "max": dense_max[n] if rows else None,
+        }
     return {
-        "path": str(path), "files": len(files), "rows": rows, "row_groups": len(units),
+        "path": str(path),
+        "files": len(files),
+        "rows": rows,
+        "row_groups": len(units),
         "row_group_rows": {"min": min(u.rows for u in units), "max": max(u.rows for u in units)},
-        "label": schema.label, "label_rate": round(positives / max(rows, 1), 6),
+        "label": schema.label,
+        "label_rate": round(positives / max(rows, 1), 6),
         "label_null_share": nulls[schema.label] / max(rows, 1),
-        "dense_transform": schema.dense_transform, "categorical": schema.categorical,
-        "oracle_auc": meta.get("oracle_auc"), "skew_sample_rows": sampled,
+        "dense_transform": schema.dense_transform,
+        "categorical": schema.categorical,
+        "oracle_auc": meta.get("oracle_auc"),
+        "skew_sample_rows": sampled,
         "columns": columns,
     }
 
@@ -116,18 +127,26 @@ def format_report(r: dict) -> str:
         f"label {r['label']!r}: positive rate {r['label_rate']:.4f}"
         + (f", oracle_auc {r['oracle_auc']}" if r.get("oracle_auc") is not None else ""),
         f"dense transform {r['dense_transform']}, categorical {r['categorical']}",
-        f"{'column':<10} {'kind':<11} {'nulls':>6} {'empty':>6} {'num_emb':>10} {'distinct~':>10} {'top1%ids':>9} {'top id':>7}"
+        f"{'column':<10} {'kind':<11} {'nulls':>6} {'empty':>6} {'num_emb':>10} {'distinct~':>10} "
+        f"{'top1%ids':>9} {'top id':>7}"
         f"   dense mean [min, max]",
     ]
     for name, c in r["columns"].items():
         if c["kind"] == "dense":
-            lines.append(f"{name:<10} {'dense':<11} {c['null_share']:>6.1%} {'':>6} {'':>10} {'':>10} {'':>9} {'':>7}"
-                         f"   {c['mean']:.3f} [{c['min']:.3g}, {c['max']:.3g}]")
+            lines.append(
+                f"{name:<10} {'dense':<11} {c['null_share']:>6.1%} {'':>6} {'':>10} {'':>10} {'':>9} {'':>7}"
+                f"   {c['mean']:.3f} [{c['min']:.3g}, {c['max']:.3g}]"
+            )
         else:
             ne = "raw" if c["num_embeddings"] is None else f"{c['num_embeddings']:,}"
-            lines.append(f"{name:<10} {c['kind']:<11} {c['null_share']:>6.1%} {c['empty_id_share']:>6.1%} {ne:>10} "
-                         f"{c['distinct_ids_estimate']:>10,} {c['top1pct_ids_share']:>9.1%} "
-                         f"{c['most_frequent_id_share']:>7.1%}")
-    lines.append(f"(empty: share of id {EMPTY_ID}, which blank categoricals become; distinct ids: KMV sketch over all rows; frequency shares from the first "
-                 f"{r['skew_sample_rows']:,} rows)")
+            lines.append(
+                f"{name:<10} {c['kind']:<11} {c['null_share']:>6.1%} {c['empty_id_share']:>6.1%} {ne:>10} "
+                f"{c['distinct_ids_estimate']:>10,} {c['top1pct_ids_share']:>9.1%} "
+                f"{c['most_frequent_id_share']:>7.1%}"
+            )
+    lines.append(
+        f"(empty: share of id {EMPTY_ID}, which blank categoricals become; distinct ids: KMV sketch over all "
+        f"rows; frequency shares from the first "
+        f"{r['skew_sample_rows']:,} rows)"
+    )
     return "\n".join(lines)

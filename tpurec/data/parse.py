@@ -3,6 +3,7 @@
 Every function takes a pyarrow string array and returns (numpy values, numpy bad-row mask), so the
 converter can either name the first bad line or drop bad lines, without a per-row Python loop.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -29,7 +30,7 @@ def _string_buffers(arr):
         arr = arr.cast(pa.string())
     bufs = arr.buffers()
     odt = np.int64 if pa.types.is_large_string(arr.type) else np.int32
-    offsets = np.frombuffer(bufs[1], dtype=odt)[arr.offset: arr.offset + len(arr) + 1]
+    offsets = np.frombuffer(bufs[1], dtype=odt)[arr.offset : arr.offset + len(arr) + 1]
     data = np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None else np.zeros(1, np.uint8)
     return offsets, data
 
@@ -49,7 +50,7 @@ def parse_hex(arr) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     if width in (8, 16) and np.all(full | (lengths == 0)):
         # Criteo's case: every value has 8 digits or is empty, so the string bytes are one
         # [non-empty rows, 8] block: no gather; pairs of nibbles make the big-endian bytes.
-        block = data[offsets[0]: offsets[-1]].reshape(-1, width)
+        block = data[offsets[0] : offsets[-1]].reshape(-1, width)
         nib = _HEX[block]
         bad[full] = (nib == 255).any(axis=1)
         packed = np.ascontiguousarray((nib[:, 0::2] << 4) | (nib[:, 1::2] & 15))

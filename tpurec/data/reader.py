@@ -9,6 +9,7 @@ Everything is deterministic in (seed, epoch, rank, world_size), and the position
 rows of this rank's epoch stream already returned; ``load_state_dict`` finds the window holding that
 row without decoding the ones before it, so a resumed run sees exactly the rows it had not seen.
 """
+
 from __future__ import annotations
 
 import queue
@@ -139,8 +140,11 @@ class _Decoder:
         s = self.schema
         labels = t.column(s.label).to_numpy().astype(np.float32)
         # np.stack writes the row-major block in one pass (3x faster than filling column by column).
-        dense = np.stack([t.column(name).to_numpy().astype(np.float32, copy=False) for name in s.dense], axis=1) \
-            if s.dense else np.zeros((n, 0), np.float32)
+        dense = (
+            np.stack([t.column(name).to_numpy().astype(np.float32, copy=False) for name in s.dense], axis=1)
+            if s.dense
+            else np.zeros((n, 0), np.float32)
+        )
         if self.dense_log1p:
             np.log1p(np.maximum(dense, 0.0, out=dense), out=dense)
         where = f"{u.path}: row group {u.row_group}"
@@ -180,8 +184,7 @@ class _Decoder:
     def _check_range(where, f, lo, hi):
         if lo < 0 or (f.num_embeddings is not None and hi >= f.num_embeddings):
             bad = lo if lo < 0 else hi
-            raise DataError(f"{where}: column {f.name!r}: id {int(bad)} out of range "
-                            f"[0, {f.num_embeddings})")
+            raise DataError(f"{where}: column {f.name!r}: id {int(bad)} out of range [0, {f.num_embeddings})")
 
 
 def _hash(raw: np.ndarray, num_embeddings: int) -> np.ndarray:
@@ -262,10 +265,24 @@ class ParquetReader:
     carry that position to a new process.
     """
 
-    def __init__(self, paths, batch_size: int, rank: int = 0, world_size: int = 1, *, shuffle: bool = False,
-                 seed: int = 0, drop_last: bool = False, pad_last: bool = False,
-                 shuffle_buffer: int = 262_144, prefetch: int = 2, cache: bool = False,
-                 equal_rows: bool = False, dense_transform: str | None = None, table_sizes=None):
+    def __init__(
+        self,
+        paths,
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        *,
+        shuffle: bool = False,
+        seed: int = 0,
+        drop_last: bool = False,
+        pad_last: bool = False,
+        shuffle_buffer: int = 262_144,
+        prefetch: int = 2,
+        cache: bool = False,
+        equal_rows: bool = False,
+        dense_transform: str | None = None,
+        table_sizes=None,
+    ):
         if batch_size < 1:
             raise ValueError("batch_size must be >= 1")
         if paths and isinstance(paths, (list, tuple)) and isinstance(paths[0], shards.Unit):
@@ -283,8 +300,7 @@ class ParquetReader:
         self._cache: dict[shards.Unit, _Window] = {}  # decoded units kept across epochs (cache=True)
         self.num_rows = sum(u.rows for u in self.units)  # this rank's rows per epoch
         if equal_rows:  # every rank stops at the smallest rank's row count (same step count)
-            self.num_rows = min(sum(u.rows for u in shards.assign(all_units, r, world_size))
-                                for r in range(world_size))
+            self.num_rows = min(sum(u.rows for u in shards.assign(all_units, r, world_size)) for r in range(world_size))
         self.epoch = 0
         self._consumed = 0  # rows of this epoch's stream already returned
         self.last_padding = 0
@@ -303,8 +319,11 @@ class ParquetReader:
         rehash = None
         self.table_sizes = [f.num_embeddings for f in s.sparse]  # what the batches' ids index into
         if table_sizes is not None:
-            sizes = [int(table_sizes[f.name]) for f in s.sparse] if isinstance(table_sizes, dict) \
+            sizes = (
+                [int(table_sizes[f.name]) for f in s.sparse]
+                if isinstance(table_sizes, dict)
                 else [int(x) for x in table_sizes]
+            )
             if len(sizes) != len(s.sparse):
                 raise ValueError(f"{len(sizes)} table sizes for {len(s.sparse)} categorical features")
             if s.categorical == CAT_RAW:
@@ -313,8 +332,10 @@ class ParquetReader:
                 rehash = sizes
                 self.table_sizes = sizes
             elif sizes != self.table_sizes:
-                raise ValueError(f"the files' ids are already hashed ({s.categorical}) into "
-                                 f"{self.table_sizes}; convert with --raw-ids to choose sizes at read time")
+                raise ValueError(
+                    f"the files' ids are already hashed ({s.categorical}) into "
+                    f"{self.table_sizes}; convert with --raw-ids to choose sizes at read time"
+                )
         return _Decoder(s, log1p, rehash)
 
     # ----- position -----------------------------------------------------------------------------
@@ -329,9 +350,16 @@ class ParquetReader:
         self.epoch, self._consumed = int(epoch), 0
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "rows_consumed": self._consumed, "seed": self.seed,
-                "shuffle": self.shuffle, "shuffle_buffer": self.shuffle_buffer, "rank": self.rank,
-                "world_size": self.world_size, "num_rows": self.num_rows}
+        return {
+            "epoch": self.epoch,
+            "rows_consumed": self._consumed,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "shuffle_buffer": self.shuffle_buffer,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "num_rows": self.num_rows,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         keys = ("seed", "shuffle", "rank", "world_size", "num_rows") + (("shuffle_buffer",) if self.shuffle else ())
@@ -502,8 +530,12 @@ class ParquetReader:
                 weights = torch.from_numpy(np.concatenate(wts))
         offset_per_key = np.concatenate([[0], np.cumsum(length_per_key)]).tolist()
         kjt = KeyedJaggedTensor(
-            keys=self.keys, values=torch.from_numpy(values), lengths=lengths, weights=weights,
-            stride=total, length_per_key=length_per_key, offset_per_key=offset_per_key,
+            keys=self.keys,
+            values=torch.from_numpy(values),
+            lengths=lengths,
+            weights=weights,
+            stride=total,
+            length_per_key=length_per_key,
+            offset_per_key=offset_per_key,
         )
-        return Batch(dense_features=torch.from_numpy(dense), sparse_features=kjt,
-                     labels=torch.from_numpy(labels))
+        return Batch(dense_features=torch.from_numpy(dense), sparse_features=kjt, labels=torch.from_numpy(labels))

@@ -6,6 +6,7 @@ categorical hashing that were applied), so a reader never has to guess what the 
 The directory also holds ``dataset.json``: the same document plus dataset-wide facts known only at
 the end of writing (total rows, files, and ``oracle_auc`` for synthetic data).
 """
+
 from __future__ import annotations
 
 import json
@@ -57,13 +58,15 @@ class DataSchema:
         return d
 
     @classmethod
-    def from_json(cls, d: dict) -> "DataSchema":
+    def from_json(cls, d: dict) -> DataSchema:
         if d.get("format_version") != FORMAT_VERSION:
             raise DataError(f"unsupported tpurec data format_version {d.get('format_version')!r}")
         return cls(
-            label=d["label"], dense=list(d["dense"]),
+            label=d["label"],
+            dense=list(d["dense"]),
             sparse=[SparseFeature(**f) for f in d["sparse"]],
-            dense_transform=d["dense_transform"], categorical=d["categorical"],
+            dense_transform=d["dense_transform"],
+            categorical=d["categorical"],
             extra=dict(d.get("extra") or {}),
         )
 

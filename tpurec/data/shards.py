@@ -3,6 +3,7 @@
 Everything here works from the Parquet footers only, so every rank computes the same assignment
 without talking to the others.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -71,7 +72,7 @@ def assign(units: list[Unit], rank: int, world_size: int) -> list[Unit]:
     while len(units) < world_size:
         big = max(range(len(units)), key=lambda i: units[i].rows)
         a, b = _split_unit(units[big])
-        units[big:big + 1] = [a, b]
+        units[big : big + 1] = [a, b]
     load = [0] * world_size
     mine: list[int] = []
     for i in sorted(range(len(units)), key=lambda i: (-units[i].rows, i)):
@@ -97,8 +98,10 @@ def split_train_eval(paths, eval_fraction: float = 0.1) -> tuple[list[Unit], lis
     if len(units) >= k:
         last = len(units) - 1
         eval_idx = {i for i in range(len(units)) if (last - i) % k == 0}
-        return ([u for i, u in enumerate(units) if i not in eval_idx],
-                [u for i, u in enumerate(units) if i in eval_idx])
+        return (
+            [u for i, u in enumerate(units) if i not in eval_idx],
+            [u for i, u in enumerate(units) if i in eval_idx],
+        )
     train, evals = [], []
     for u in units:
         if u.rows < 2:

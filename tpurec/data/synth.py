@@ -9,6 +9,7 @@ gives the best AUC any model can reach on them; it is measured on the generated 
 as ``oracle_auc``. Rows are generated in chunks seeded by (seed, chunk), so the output depends only
 on the seed and the sizes, not on timing.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,7 +18,13 @@ import time
 import numpy as np
 
 from tpurec.data.schema import (
-    CAT_HASH, DENSE_LOG1P, DataError, DataSchema, SparseFeature, prepare_output_dir, write_dataset_json,
+    CAT_HASH,
+    DENSE_LOG1P,
+    DataError,
+    DataSchema,
+    SparseFeature,
+    prepare_output_dir,
+    write_dataset_json,
 )
 
 ZIPF_EXPONENT = 1.1
@@ -84,8 +91,12 @@ def synth_schema(table_set: str) -> tuple[DataSchema, list[int]]:
     ts = get_table_set(table_set)
     hots = [max(1, int(round(t.pooling_factor))) for t in ts.tables]
     sparse = [SparseFeature(t.feature, t.num_embeddings, h > 1) for t, h in zip(ts.tables, hots)]
-    schema = DataSchema(sparse=sparse, dense_transform=DENSE_LOG1P, categorical=CAT_HASH,
-                        extra={"synthetic": True, "table_set": table_set})
+    schema = DataSchema(
+        sparse=sparse,
+        dense_transform=DENSE_LOG1P,
+        categorical=CAT_HASH,
+        extra={"synthetic": True, "table_set": table_set},
+    )
     return schema, hots
 
 
@@ -119,9 +130,18 @@ def generate_chunk(seed: int, chunk: int, rows: int, schema: DataSchema, hots: l
     return cols, p, labels
 
 
-def synthesize(rows: int, out_dir: str, *, seed: int = 0, table_set: str = "dlrm-tiny",
-               rows_per_file: int = 1_000_000, row_group_size: int = 65536, compression: str = "none",
-               show_progress: bool = True, overwrite: bool = False) -> dict:
+def synthesize(
+    rows: int,
+    out_dir: str,
+    *,
+    seed: int = 0,
+    table_set: str = "dlrm-tiny",
+    rows_per_file: int = 1_000_000,
+    row_group_size: int = 65536,
+    compression: str = "none",
+    show_progress: bool = True,
+    overwrite: bool = False,
+) -> dict:
     """Write ``rows`` synthetic rows to ``out_dir`` and return the dataset summary with oracle_auc.
 
     Uncompressed by default: dictionary encoding already makes Zipf ids small, and uncompressed
@@ -151,8 +171,10 @@ def synthesize(rows: int, out_dir: str, *, seed: int = 0, table_set: str = "dlrm
                     n = min(row_group_size, rows - s, start + rows_per_file - s)
                     cols, p, y = generate_chunk(seed, chunk, n, schema, hots)
                     chunk += 1
-                    w.write_table(pa.Table.from_arrays([cols[f.name] for f in arrow_schema], schema=arrow_schema),
-                                  row_group_size=row_group_size)
+                    w.write_table(
+                        pa.Table.from_arrays([cols[f.name] for f in arrow_schema], schema=arrow_schema),
+                        row_group_size=row_group_size,
+                    )
                     probs.append(p)
                     labels_all.append(y)
                     bar.update(n)
@@ -167,12 +189,26 @@ def synthesize(rows: int, out_dir: str, *, seed: int = 0, table_set: str = "dlrm
         tmp.replace(final)
     p, y = np.concatenate(probs), np.concatenate(labels_all)
     summary = {
-        "rows": rows, "files": len(files), "seed": seed, "table_set": table_set,
-        "oracle_auc": round(auc(p, y), 6), "label_rate": round(float(y.mean()), 6),
+        "rows": rows,
+        "files": len(files),
+        "seed": seed,
+        "table_set": table_set,
+        "oracle_auc": round(auc(p, y), 6),
+        "label_rate": round(float(y.mean()), 6),
         "bytes_out": sum(os.path.getsize(out / f) for f in files),
-        "seconds": round(time.perf_counter() - t0, 3), "out_dir": str(out),
+        "seconds": round(time.perf_counter() - t0, 3),
+        "out_dir": str(out),
     }
-    write_dataset_json(out, schema, rows=rows, files=files, seed=seed, table_set=table_set,
-                       synthetic=True, oracle_auc=summary["oracle_auc"], label_rate=summary["label_rate"],
-                       zipf_exponent=ZIPF_EXPONENT)
+    write_dataset_json(
+        out,
+        schema,
+        rows=rows,
+        files=files,
+        seed=seed,
+        table_set=table_set,
+        synthetic=True,
+        oracle_auc=summary["oracle_auc"],
+        label_rate=summary["label_rate"],
+        zipf_exponent=ZIPF_EXPONENT,
+    )
     return summary

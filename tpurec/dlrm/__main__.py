@@ -5,6 +5,7 @@ The `--nproc` launcher of `tpurec train` passes the parsed options as JSON in TP
 
     torchrun --nnodes 2 --nproc-per-node 4 ... -m tpurec.dlrm --data DIR [flags of tpurec train]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,8 +18,9 @@ from tpurec.dlrm.options import OPTIONS_ENV, TrainOptions
 
 def parse_options(argv: list[str]) -> TrainOptions:
     """The options from the launcher's JSON when it set them, else from the command line."""
-    p = argparse.ArgumentParser(prog="python -m tpurec.dlrm",
-                                description="one rank of `tpurec train` (launch with torchrun)")
+    p = argparse.ArgumentParser(
+        prog="python -m tpurec.dlrm", description="one rank of `tpurec train` (launch with torchrun)"
+    )
     TrainOptions.add_arguments(p)
     blob = os.environ.get(OPTIONS_ENV)
     if blob is None:

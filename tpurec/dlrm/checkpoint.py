@@ -12,6 +12,7 @@ Everything is first written under step-00000100.tmp/ and renamed once COMPLETE i
 loader only considers directories holding COMPLETE. Multi-host runs need CKPT_DIR on a filesystem
 every host sees.
 """
+
 from __future__ import annotations
 
 import json
@@ -49,8 +50,11 @@ def complete_checkpoints(root) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-")
-             and not p.name.endswith(".tmp") and (p / MARKER).exists()]
+    found = [
+        p
+        for p in root.iterdir()
+        if p.is_dir() and p.name.startswith("step-") and not p.name.endswith(".tmp") and (p / MARKER).exists()
+    ]
     return sorted(found, key=lambda p: p.name)
 
 
@@ -70,8 +74,9 @@ def resolve(path) -> Path:
             return last
         raise FileNotFoundError(f"no complete checkpoint under {p}")
     if p.name.endswith(".tmp") or (p.is_dir() and not (p / MARKER).exists()):
-        raise FileNotFoundError(f"{p} is not a complete checkpoint (no {MARKER} marker: the run was interrupted "
-                                "while writing it)")
+        raise FileNotFoundError(
+            f"{p} is not a complete checkpoint (no {MARKER} marker: the run was interrupted while writing it)"
+        )
     raise FileNotFoundError(f"checkpoint {p} not found")
 
 

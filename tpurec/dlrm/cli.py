@@ -6,6 +6,7 @@ only launches N ranks of `python -m tpurec.dlrm` through torch.distributed.run, 
 parsed options as JSON (TPUREC_TRAIN_OPTIONS), and returns its exit code; torch.distributed.run
 stops every rank when one fails and names it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,13 +29,21 @@ stdout gets one JSON line with the final figures; everything else goes to stderr
 
 
 def register(sub) -> None:
-    p = sub.add_parser("train", help="train DLRM / DLRM-DCNv2 (tpurec DMP, planner, Parquet reader)",
-                       description="Train DLRM or DLRM-DCNv2 with tpurec.DistributedModelParallel and "
-                                   "TorchRec's TrainPipelineSparseDist, evaluating AUC / NE / log loss.",
-                       epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "train",
+        help="train DLRM / DLRM-DCNv2 (tpurec DMP, planner, Parquet reader)",
+        description="Train DLRM or DLRM-DCNv2 with tpurec.DistributedModelParallel and "
+        "TorchRec's TrainPipelineSparseDist, evaluating AUC / NE / log loss.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     TrainOptions.add_arguments(p)
-    p.add_argument("--nproc", type=int, default=1,
-                   help="local ranks to launch through torch.distributed.run (default 1: this process)")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="local ranks to launch through torch.distributed.run (default 1: this process)",
+    )
     p.set_defaults(run=run)
 
 
@@ -56,8 +65,15 @@ def run(args) -> int:
             _prepare_synth(options)
         except ValueError as e:
             return _error(str(e))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-           "-m", "tpurec.dlrm"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={args.nproc}",
+        "-m",
+        "tpurec.dlrm",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **{OPTIONS_ENV: options.to_json()})
     return subprocess.call(cmd, env=env)
 

@@ -5,6 +5,7 @@ matching field (dataclasses.replace), so a config is also the record of what a r
 made with `flag(...)` are those flags: their help text lives here, on the field, and
 `tpurec.dlrm.options.TrainOptions` turns them into `tpurec train` options (default: the model's).
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -18,8 +19,9 @@ class DLRMConfig:
     name: str
     table_set: str  # tpurec/catalog.py: the embedding tables (and the synthetic data's)
     # "dot" = DLRM, "dcn" = DLRM-DCNv2 (low-rank cross layers)
-    interaction: str = flag("dot", "dot (DLRM) or dcn (DLRM-DCNv2 cross layers); default: the model's",
-                            choices=("dot", "dcn"))
+    interaction: str = flag(
+        "dot", "dot (DLRM) or dcn (DLRM-DCNv2 cross layers); default: the model's", choices=("dot", "dcn")
+    )
     dense_arch: tuple[int, ...] = (64, 16)  # bottom MLP; the last size must equal the embedding dim
     over_arch: tuple[int, ...] = (64, 32, 1)  # top MLP, ending in 1 logit
     dcn_num_layers: int = 3
@@ -53,16 +55,33 @@ CONFIGS: dict[str, DLRMConfig] = {
     # CPU default. Sized so that `tpurec train` with no argument trains to within 0.02 AUC of the
     # synthetic data's oracle in about a minute on 2 cores (see docs/dlrm.md for the measured run).
     "dlrm-tiny": DLRMConfig(
-        name="dlrm-tiny", table_set="dlrm-tiny", dense_arch=(64, 16), over_arch=(64, 32, 1),
-        embedding_optimizer="rowwise_adagrad", embedding_lr=0.1, dense_optimizer="adagrad", dense_lr=0.05,
-        batch_size=512, epochs=1.0, eval_every=500, synth_rows=1_500_000,
+        name="dlrm-tiny",
+        table_set="dlrm-tiny",
+        dense_arch=(64, 16),
+        over_arch=(64, 32, 1),
+        embedding_optimizer="rowwise_adagrad",
+        embedding_lr=0.1,
+        dense_optimizer="adagrad",
+        dense_lr=0.05,
+        batch_size=512,
+        epochs=1.0,
+        eval_every=500,
+        synth_rows=1_500_000,
         dcn_low_rank_dim=64,  # used with --interaction dcn (then --dense-lr 0.005: the cross layers diverge at 0.05)
     ),
     # torchrec's DLRM example for Criteo Kaggle (examples/dlrm): dim 128, 512-256-128 / 1024-1024-512-256-1.
     "criteo-kaggle": DLRMConfig(
-        name="criteo-kaggle", table_set="criteo-kaggle", dense_arch=(512, 256, 128),
-        over_arch=(1024, 1024, 512, 256, 1), embedding_optimizer="rowwise_adagrad", embedding_lr=0.05,
-        dense_optimizer="adagrad", dense_lr=0.05, batch_size=2048, epochs=1.0, eval_every=1000,
+        name="criteo-kaggle",
+        table_set="criteo-kaggle",
+        dense_arch=(512, 256, 128),
+        over_arch=(1024, 1024, 512, 256, 1),
+        embedding_optimizer="rowwise_adagrad",
+        embedding_lr=0.05,
+        dense_optimizer="adagrad",
+        dense_lr=0.05,
+        batch_size=2048,
+        epochs=1.0,
+        eval_every=1000,
         synth_rows=2_000_000,
     ),
     # MLPerf Training DLRM-DCNv2 reference (recommendation_v2/torchrec_dlrm): dims 128, bottom
@@ -70,11 +89,25 @@ CONFIGS: dict[str, DLRMConfig] = {
     # for tables and MLPs, global batch 65,536, one epoch; the reference passes its warm-up/decay
     # flags as 0 (no schedule), kept here as fields so a submission's schedule can be set.
     "mlperf-dcnv2": DLRMConfig(
-        name="mlperf-dcnv2", table_set="mlperf-dcnv2", interaction="dcn", dense_arch=(512, 256, 128),
-        over_arch=(1024, 1024, 512, 256, 1), dcn_num_layers=3, dcn_low_rank_dim=512,
-        embedding_optimizer="adagrad", embedding_lr=0.005, dense_optimizer="adagrad", dense_lr=0.005,
-        eps=1e-8, warmup_steps=0, decay_start=0, decay_steps=0, batch_size=8192, epochs=1.0,
-        eval_every=2000, synth_rows=2_000_000,
+        name="mlperf-dcnv2",
+        table_set="mlperf-dcnv2",
+        interaction="dcn",
+        dense_arch=(512, 256, 128),
+        over_arch=(1024, 1024, 512, 256, 1),
+        dcn_num_layers=3,
+        dcn_low_rank_dim=512,
+        embedding_optimizer="adagrad",
+        embedding_lr=0.005,
+        dense_optimizer="adagrad",
+        dense_lr=0.005,
+        eps=1e-8,
+        warmup_steps=0,
+        decay_start=0,
+        decay_steps=0,
+        batch_size=8192,
+        epochs=1.0,
+        eval_every=2000,
+        synth_rows=2_000_000,
     ),
 }
 

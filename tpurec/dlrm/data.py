@@ -5,6 +5,7 @@ Only tpurec.data's public API is used (synthesize, dataset_metadata, split_train
 ParquetReader); what the trainer adds is: a cache dir, batch capping for tiny data, and eval readers
 that give every rank the same number of batches (collectives need it).
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,11 +33,11 @@ def ensure_synth(table_set: str, rows: int, seed: int, say=print) -> Path:
     if (out / "dataset.json").exists():
         say(f"data: synthetic {table_set}, {rows:,} rows, seed {seed}, cached in {out}")
         return out
-    say(f"data: generating synthetic {table_set} data ({rows:,} rows, seed {seed}) "
-        f"once into {out}")
+    say(f"data: generating synthetic {table_set} data ({rows:,} rows, seed {seed}) once into {out}")
     # Small row groups: more units to shuffle and to spread over ranks.
-    synthesize(rows, str(out), seed=seed, table_set=table_set, row_group_size=16384, show_progress=False,
-               overwrite=True)
+    synthesize(
+        rows, str(out), seed=seed, table_set=table_set, row_group_size=16384, show_progress=False, overwrite=True
+    )
     return out
 
 
@@ -49,8 +50,18 @@ class Readers:
     table_sizes: list[int]
 
 
-def make_readers(data_dir, batch_size: int, rank: int, world_size: int, *, seed: int, eval_fraction: float,
-                 table_sizes: list[int], eval_batch_size: int = 4096, warn=log.warning) -> Readers:
+def make_readers(
+    data_dir,
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    *,
+    seed: int,
+    eval_fraction: float,
+    table_sizes: list[int],
+    eval_batch_size: int = 4096,
+    warn=log.warning,
+) -> Readers:
     from tpurec.data.reader import ParquetReader
     from tpurec.data.schema import dataset_metadata
     from tpurec.data.shards import split_train_eval
@@ -63,15 +74,23 @@ def make_readers(data_dir, batch_size: int, rank: int, world_size: int, *, seed:
     train = ParquetReader(train_units, batch_size, shuffle=True, seed=seed, drop_last=True, equal_rows=True, **common)
     if train.num_rows < batch_size:
         # Fewer rows per rank than a batch: cap the batch so at least one full step exists.
-        warn(f"only {train.num_rows} training rows per rank, fewer than --batch-size {batch_size}: "
-             f"capping the batch at {train.num_rows}")
+        warn(
+            f"only {train.num_rows} training rows per rank, fewer than --batch-size {batch_size}: "
+            f"capping the batch at {train.num_rows}"
+        )
         batch_size = train.num_rows
-        train = ParquetReader(train_units, batch_size, shuffle=True, seed=seed, drop_last=True, equal_rows=True,
-                              **common)
+        train = ParquetReader(
+            train_units, batch_size, shuffle=True, seed=seed, drop_last=True, equal_rows=True, **common
+        )
     # Eval: every row of the split, so ranks may hold different row counts; eval_batches() tops the
     # shorter ranks up with empty batches so all run the same number of forward passes.
-    ev = ParquetReader(eval_units, min(eval_batch_size, max(1, _eval_rows(eval_units, world_size))),
-                       pad_last=True, prefetch=0, **common)
+    ev = ParquetReader(
+        eval_units,
+        min(eval_batch_size, max(1, _eval_rows(eval_units, world_size))),
+        pad_last=True,
+        prefetch=0,
+        **common,
+    )
     return Readers(train, ev, batch_size, ev.num_rows, list(train.table_sizes))
 
 
@@ -103,10 +122,10 @@ def _empty_batch(reader):
 
     b = reader.batch_size
     keys = reader.keys
-    kjt = KeyedJaggedTensor(keys=keys, values=torch.zeros(0, dtype=torch.long),
-                            lengths=torch.zeros(len(keys) * b, dtype=torch.int32))
-    return Batch(dense_features=torch.zeros(b, len(reader.schema.dense)),
-                 sparse_features=kjt, labels=torch.zeros(b))
+    kjt = KeyedJaggedTensor(
+        keys=keys, values=torch.zeros(0, dtype=torch.long), lengths=torch.zeros(len(keys) * b, dtype=torch.int32)
+    )
+    return Batch(dense_features=torch.zeros(b, len(reader.schema.dense)), sparse_features=kjt, labels=torch.zeros(b))
 
 
 def _eval_rows(units, world_size: int) -> int:
@@ -122,5 +141,6 @@ def model_table_sizes(data_dir, table_set_sizes: list[int]) -> list[int]:
     sparse = meta.get("sparse", [])
     if len(sparse) != len(table_set_sizes):
         raise ValueError(f"{data_dir}: {len(sparse)} categorical features, the model has {len(table_set_sizes)}")
-    return [int(f["num_embeddings"]) if f.get("num_embeddings") is not None else n
-            for f, n in zip(sparse, table_set_sizes)]
+    return [
+        int(f["num_embeddings"]) if f.get("num_embeddings") is not None else n for f, n in zip(sparse, table_set_sizes)
+    ]

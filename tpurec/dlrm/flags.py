@@ -7,6 +7,7 @@ argparse options (`batch_size` -> `--batch-size`, the type taken from the field'
 `tpurec train`'s flags are built this way from `tpurec.dlrm.options.TrainOptions`, whose config
 overrides take their help from `tpurec.dlrm.configs.DLRMConfig`.
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -4,6 +4,7 @@ Each rank holds the logits of its share of the eval split; they are all-gathered
 longest rank, since shares may differ by a row group) and every rank computes the same numbers.
 AUC is rank-based, so it must see all predictions at once; a mean of per-rank AUCs would be wrong.
 """
+
 from __future__ import annotations
 
 import math

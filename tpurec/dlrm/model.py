@@ -3,6 +3,7 @@
 The model is torchrec's own (DLRM, DLRM_DCN, DLRMTrain); its tables are created on the meta device so
 that only the shards each rank owns are ever allocated (by DistributedModelParallel).
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,8 +30,11 @@ def embedding_bag_configs(table_set: TableSet):
 
     return [
         EmbeddingBagConfig(
-            name=t.name, embedding_dim=t.embedding_dim, num_embeddings=t.num_embeddings,
-            feature_names=[t.feature], pooling=PoolingType.SUM,
+            name=t.name,
+            embedding_dim=t.embedding_dim,
+            num_embeddings=t.num_embeddings,
+            feature_names=[t.feature],
+            pooling=PoolingType.SUM,
         )
         for t in table_set.tables
     ]
@@ -51,13 +55,20 @@ def build_model(cfg: DLRMConfig, table_sizes: list[int] | None = None, feature_n
     configs = embedding_bag_configs(get_table_set(cfg.table_set))
     sizes = table_sizes or [c.num_embeddings for c in configs]
     names = feature_names or [c.feature_names[0] for c in configs]
-    configs = [EmbeddingBagConfig(name=c.name, embedding_dim=c.embedding_dim, num_embeddings=int(n),
-                                  feature_names=[f], pooling=c.pooling)
-               for c, n, f in zip(configs, sizes, names)]
+    configs = [
+        EmbeddingBagConfig(
+            name=c.name, embedding_dim=c.embedding_dim, num_embeddings=int(n), feature_names=[f], pooling=c.pooling
+        )
+        for c, n, f in zip(configs, sizes, names)
+    ]
     ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
-    common = dict(embedding_bag_collection=ebc, dense_in_features=NUM_DENSE,
-                  dense_arch_layer_sizes=list(cfg.dense_arch), over_arch_layer_sizes=list(cfg.over_arch),
-                  dense_device=torch.device("cpu"))
+    common = dict(
+        embedding_bag_collection=ebc,
+        dense_in_features=NUM_DENSE,
+        dense_arch_layer_sizes=list(cfg.dense_arch),
+        over_arch_layer_sizes=list(cfg.over_arch),
+        dense_device=torch.device("cpu"),
+    )
     if cfg.interaction == "dcn":
         dlrm = DLRM_DCN(dcn_num_layers=cfg.dcn_num_layers, dcn_low_rank_dim=cfg.dcn_low_rank_dim, **common)
     else:
@@ -83,8 +94,11 @@ def planner_constraints(cfg: DLRMConfig, device: str, table_names: list[str]):
     from tpurec.sharding.planner import pooling_constraints
 
     specs = get_table_set(cfg.table_set).tables
-    base = {n: ParameterConstraints(sharding_types=list(CPU_SHARDING_TYPES)) for n in table_names} \
-        if device == "cpu" else None
+    base = (
+        {n: ParameterConstraints(sharding_types=list(CPU_SHARDING_TYPES)) for n in table_names}
+        if device == "cpu"
+        else None
+    )
     return pooling_constraints({t.name: t.pooling_factor for t in specs}, base=base)
 
 
@@ -100,8 +114,7 @@ def shard(model, cfg: DLRMConfig, device: str, *, plan=None, stock: bool = False
     names = [c.name for c in model.model.sparse_arch.embedding_bag_collection.embedding_bag_configs()]
     constraints = None if plan is not None else planner_constraints(cfg, device, names)
     dev = torch.device("cpu") if device == "cpu" else device
-    return DistributedModelParallel(model, device=dev, plan=plan, batch_size=cfg.batch_size,
-                                    constraints=constraints)
+    return DistributedModelParallel(model, device=dev, plan=plan, batch_size=cfg.batch_size, constraints=constraints)
 
 
 def build_optimizer(dmp, cfg: DLRMConfig):
@@ -110,8 +123,9 @@ def build_optimizer(dmp, cfg: DLRMConfig):
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     cls, kwargs = _optimizer(cfg.dense_optimizer, cfg.dense_lr, cfg.eps)
-    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
-                                  lambda params: cls(params, **dict(kwargs)))
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda params: cls(params, **dict(kwargs))
+    )
     return CombinedOptimizer([dmp.fused_optimizer, dense])
 
 
@@ -136,7 +150,7 @@ class LRSchedule:
             return (step + 1) / self.warmup
         if self.decay_steps and step >= self.decay_start:
             left = max(0.0, 1.0 - (step - self.decay_start) / self.decay_steps)
-            return left ** 2
+            return left**2
         return 1.0
 
     def set_step(self, step: int) -> None:

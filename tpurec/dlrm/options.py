@@ -8,6 +8,7 @@ field and default to None, meaning "the model's". `config()` applies them to the
 The options are plain JSON values, so the `--nproc` launcher hands the resolved options to its
 ranks as JSON in the TPUREC_TRAIN_OPTIONS environment variable instead of rebuilding a command line.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,12 @@ def _override(name: str):
 
 @dataclass(frozen=True)
 class TrainOptions:
-    data: str | None = flag(None, "Parquet dataset (tpurec data convert/synth); default: synthetic data for "
-                                  "the model's tables, generated once into ~/.cache/tpurec", metavar="DIR")
+    data: str | None = flag(
+        None,
+        "Parquet dataset (tpurec data convert/synth); default: synthetic data for "
+        "the model's tables, generated once into ~/.cache/tpurec",
+        metavar="DIR",
+    )
     model: str = flag("dlrm-tiny", "named config (default dlrm-tiny)", choices=MODEL_NAMES)
     interaction: str | None = _override("interaction")
     device: str = flag("auto", "auto: TPU when this host has a usable one, else CPU", choices=("auto", "cpu", "tpu"))
@@ -49,8 +54,13 @@ class TrainOptions:
     checkpoint_dir: str | None = flag(None, "write checkpoints here (periodic and final)", metavar="DIR")
     checkpoint_every: int | None = flag(None, "steps between checkpoints (default: --eval-every)")
     keep: int = flag(2, "complete checkpoints to keep (0: all; default 2)")
-    resume: str | None = flag(None, "continue from the newest complete checkpoint in --checkpoint-dir, or from PATH",
-                              nargs="?", const="latest", metavar="PATH")
+    resume: str | None = flag(
+        None,
+        "continue from the newest complete checkpoint in --checkpoint-dir, or from PATH",
+        nargs="?",
+        const="latest",
+        metavar="PATH",
+    )
     plan: str | None = flag(None, "use a saved sharding plan instead of planning", metavar="PLAN.json")
     save_plan: str | None = flag(None, "save the plan used (for --plan later)", metavar="PLAN.json")
     metrics_out: str | None = flag(None, "metrics as .csv or .jsonl; curves as FILE.png beside it", metavar="FILE")
@@ -77,8 +87,11 @@ class TrainOptions:
     # ---- reading ----
     def config_overrides(self) -> dict:
         """{DLRMConfig field: value} for the config flags given (None: not given, keep the model's)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.metadata.get(_CONFIG) and getattr(self, f.name) is not None}
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.metadata.get(_CONFIG) and getattr(self, f.name) is not None
+        }
 
     def config(self) -> DLRMConfig:
         """The named config with the given flags applied (ValueError, one line, for bad values)."""
@@ -107,4 +120,3 @@ class TrainOptions:
             if missing:
                 return f"--device tpu: this host cannot run TPU kernels ({'; '.join(missing)}); see `tpurec env`"
         return None
-

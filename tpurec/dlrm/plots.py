@@ -1,4 +1,5 @@
 """Training curves: train loss and eval AUC against step, as a PNG (matplotlib, Agg: no display)."""
+
 from __future__ import annotations
 
 

@@ -2,6 +2,7 @@
 
 The Trainer calls these on rank 0; they only format and write, so they stay out of its loop.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,11 +16,20 @@ def plan_report(dmp, cfg, table_set, table_sizes, batch_size) -> dict:
     from tpurec.catalog import TableSpec
     from tpurec.sharding.inspect import build_report
 
-    tables = [TableSpec(t.name, t.feature, n, t.embedding_dim, t.pooling_factor)
-              for t, n in zip(table_set.tables, table_sizes)]
+    tables = [
+        TableSpec(t.name, t.feature, n, t.embedding_dim, t.pooling_factor)
+        for t, n in zip(table_set.tables, table_sizes)
+    ]
     topo = dmp.topology
-    return build_report(dmp.plan, tables, topo.spec, batch_size=batch_size, optimizer=cfg.embedding_optimizer,
-                        compute_device=topo.compute_device, model=cfg.name)
+    return build_report(
+        dmp.plan,
+        tables,
+        topo.spec,
+        batch_size=batch_size,
+        optimizer=cfg.embedding_optimizer,
+        compute_device=topo.compute_device,
+        model=cfg.name,
+    )
 
 
 def plan_summary(report: dict) -> str:
@@ -31,17 +41,36 @@ def plan_summary(report: dict) -> str:
     text = format_text(report, top=3).split("\n")
     kinds = Counter(f"{t['sharding_type']} ({t['compute_kernel']})" for t in report["tables"])
     head = text[:3]
-    devices = text[text.index("devices (GiB; ms)"):]
-    devices = devices[:devices.index("")] if "" in devices else devices
-    return "\n".join(head + [f"tables: {len(report['tables'])}: " + ", ".join(f"{n} {k}" for k, n in kinds.items())
-                             + "  (per table: --save-plan P.json, then tpurec plan show P.json)"] + devices)
+    devices = text[text.index("devices (GiB; ms)") :]
+    devices = devices[: devices.index("")] if "" in devices else devices
+    return "\n".join(
+        head
+        + [
+            f"tables: {len(report['tables'])}: "
+            + ", ".join(f"{n} {k}" for k, n in kinds.items())
+            + "  (per table: --save-plan P.json, then tpurec plan show P.json)"
+        ]
+        + devices
+    )
 
 
 class MetricsLog:
     """Rows of training / eval figures, appended to a CSV or JSONL file as they come (rank 0)."""
 
-    FIELDS = ["kind", "step", "epoch", "samples", "seconds", "loss", "samples_per_s", "auc", "ne", "logloss",
-              "accuracy", "rows"]
+    FIELDS = [
+        "kind",
+        "step",
+        "epoch",
+        "samples",
+        "seconds",
+        "loss",
+        "samples_per_s",
+        "auc",
+        "ne",
+        "logloss",
+        "accuracy",
+        "rows",
+    ]
 
     def __init__(self, path: str | None, append: bool):
         self.path = Path(path) if path else None
@@ -60,8 +89,10 @@ class MetricsLog:
 
         if self.csv:
             with open(self.path) as f:
-                return [{k: (float(v) if k not in ("kind",) and v != "" else v) for k, v in row.items()}
-                        for row in csv.DictReader(f)]
+                return [
+                    {k: (float(v) if k not in ("kind",) and v != "" else v) for k, v in row.items()}
+                    for row in csv.DictReader(f)
+                ]
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
 
     def add(self, rec: dict) -> None:
@@ -81,8 +112,8 @@ def summary_text(r: dict, data_dir) -> str:
         f"tpurec train: {r['model']} on {r['world_size']} rank(s), batch {r['batch_size']}/rank, data {data_dir}",
         f"  steps          {r['steps']:,}   ({r['seconds']:.1f} s wall)",
         f"  throughput     {r['samples_per_s']:,.0f} samples/s",
-        f"  eval AUC       {r['auc']:.4f}" + (f"   (oracle {r['oracle_auc']:.4f}, gap {r['oracle_auc'] - r['auc']:+.4f})"
-                                              if r.get("oracle_auc") else ""),
+        f"  eval AUC       {r['auc']:.4f}"
+        + (f"   (oracle {r['oracle_auc']:.4f}, gap {r['oracle_auc'] - r['auc']:+.4f})" if r.get("oracle_auc") else ""),
         f"  eval NE        {r['ne']:.4f}   logloss {r['logloss']:.4f}   accuracy {r['accuracy']:.4f}"
         f"   ({r['eval_rows']:,} rows)",
     ]

@@ -3,6 +3,7 @@
 Kept apart from the Trainer because none of it is about training: it is what any `tpurec train`
 rank sets up before (or instead of) building a model.
 """
+
 from __future__ import annotations
 
 import logging
@@ -73,9 +74,11 @@ def check_host_memory(cfg, sizes: list[int], world: int) -> None:
     if free is None:
         return
     if need > 0.8 * free:
-        raise ValueError(f"the {cfg.table_set} tables need {need / 2**30:.1f} GiB of weights and optimizer state on "
-                         f"this host, which has {free / 2**30:.1f} GiB free; use --model dlrm-tiny, data converted "
-                         f"with smaller tables (tpurec data convert --tables dlrm-tiny), more hosts, or a TPU")
+        raise ValueError(
+            f"the {cfg.table_set} tables need {need / 2**30:.1f} GiB of weights and optimizer state on "
+            f"this host, which has {free / 2**30:.1f} GiB free; use --model dlrm-tiny, data converted "
+            f"with smaller tables (tpurec data convert --tables dlrm-tiny), more hosts, or a TPU"
+        )
 
 
 def available_bytes() -> int | None:

@@ -10,6 +10,7 @@ trained (what a checkpoint records).
 
 Everything but the final JSON line (rank 0) goes to stderr, so stdout stays machine-readable.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -32,7 +33,7 @@ def _infinite(reader):
     loop decides when to stop. An epoch without a batch ends the stream (never spin forever)."""
     while True:
         n = 0
-        for n, batch in enumerate(reader, 1):
+        for n, batch in enumerate(reader, 1):  # noqa: B007  (n counts the batches after the loop)
             yield batch
         if n == 0:
             return
@@ -91,16 +92,25 @@ class Trainer:
         meta = dataset_metadata(self.data_dir)
         self.table_sizes = model_table_sizes(self.data_dir, [t.num_embeddings for t in self.table_set.tables])
         self.feature_names = [f["name"] for f in meta.get("sparse", [])]
-        self.readers = make_readers(self.data_dir, cfg.batch_size, rank, world, seed=cfg.seed,
-                                    eval_fraction=cfg.eval_fraction, table_sizes=self.table_sizes,
-                                    warn=log.warning if rank == 0 else (lambda *a: None))
+        self.readers = make_readers(
+            self.data_dir,
+            cfg.batch_size,
+            rank,
+            world,
+            seed=cfg.seed,
+            eval_fraction=cfg.eval_fraction,
+            table_sizes=self.table_sizes,
+            warn=log.warning if rank == 0 else (lambda *a: None),
+        )
         self.batch_size = batch = self.readers.batch_size
         steps_per_epoch = len(self.readers.train)
         self.total_steps = cfg.steps if cfg.steps is not None else max(1, math.ceil(cfg.epochs * steps_per_epoch))
         self.oracle_auc = oracle = meta.get("oracle_auc")
-        self.say(f"data: {self.data_dir}: {meta.get('rows', '?'):,} rows; per rank {self.readers.train.num_rows:,} "
-                 f"train / {self.readers.eval_rows:,} eval rows; {steps_per_epoch} steps per epoch of global batch "
-                 f"{batch * world:,}" + (f"; oracle AUC {oracle:.4f}" if oracle else ""))
+        self.say(
+            f"data: {self.data_dir}: {meta.get('rows', '?'):,} rows; per rank {self.readers.train.num_rows:,} "
+            f"train / {self.readers.eval_rows:,} eval rows; {steps_per_epoch} steps per epoch of global batch "
+            f"{batch * world:,}" + (f"; oracle AUC {oracle:.4f}" if oracle else "")
+        )
 
     def _setup_model(self) -> None:
         import torch
@@ -158,11 +168,15 @@ class Trainer:
             # the same fraction of it (rows near the cut may be seen twice or skipped in that epoch).
             st = train.state_dict()
             frac = float(cmeta.get("epoch_fraction", 0.0))
-            st.update(epoch=int(cmeta.get("epoch", 0)),
-                      rows_consumed=int(frac * train.num_rows) // self.batch_size * self.batch_size)
+            st.update(
+                epoch=int(cmeta.get("epoch", 0)),
+                rows_consumed=int(frac * train.num_rows) // self.batch_size * self.batch_size,
+            )
             train.load_state_dict(st)
-            how = (f"at world size {self.world} from {cmeta['world_size']}: data position approximate "
-                   f"(epoch {st['epoch']}, {frac:.1%} through it)")
+            how = (
+                f"at world size {self.world} from {cmeta['world_size']}: data position approximate "
+                f"(epoch {st['epoch']}, {frac:.1%} through it)"
+            )
         self.say(f"resume: {cmeta['path']} at step {self.step_count}, {how}")
 
     # ---- the four things a run does ----
@@ -206,11 +220,25 @@ class Trainer:
         """Save model, optimizer, reader position and RNG states at the current step (every rank)."""
         train, s = self.readers.train, self.step_count
         st = train.state_dict()
-        cmeta = {"step": s, "samples": self.samples, "world_size": self.world, "batch_size": self.batch_size,
-                 "epoch": st["epoch"], "epoch_fraction": st["rows_consumed"] / max(1, train.num_rows),
-                 "config": self.cfg.to_dict(), "data": str(self.data_dir)}
-        path = ckpt.save(self.options.checkpoint_dir, s, self.dmp, self.optimizer,
-                         {"reader": st, "rng": ckpt.rng_state(), "step": s}, cmeta, keep=self.options.keep)
+        cmeta = {
+            "step": s,
+            "samples": self.samples,
+            "world_size": self.world,
+            "batch_size": self.batch_size,
+            "epoch": st["epoch"],
+            "epoch_fraction": st["rows_consumed"] / max(1, train.num_rows),
+            "config": self.cfg.to_dict(),
+            "data": str(self.data_dir),
+        }
+        path = ckpt.save(
+            self.options.checkpoint_dir,
+            s,
+            self.dmp,
+            self.optimizer,
+            {"reader": st, "rng": ckpt.rng_state(), "step": s},
+            cmeta,
+            keep=self.options.keep,
+        )
         self.say(f"checkpoint: {path}")
         return path
 
@@ -223,19 +251,31 @@ class Trainer:
         if not self._ready:
             self.setup()
         o, cfg, total = self.options, self.cfg, self.total_steps
-        self._metrics = MetricsLog(o.metrics_out if self.rank == 0 else None,
-                                   append=bool(o.resume) and self.step_count > 0)
+        self._metrics = MetricsLog(
+            o.metrics_out if self.rank == 0 else None, append=bool(o.resume) and self.step_count > 0
+        )
         ckpt_every = o.checkpoint_every if o.checkpoint_every is not None else cfg.eval_every
-        self._bar = tqdm(total=total, initial=self.step_count, unit="step", file=sys.stderr, dynamic_ncols=True,
-                         disable=self.rank != 0 or o.quiet, mininterval=0.5, smoothing=0.1)
+        self._bar = tqdm(
+            total=total,
+            initial=self.step_count,
+            unit="step",
+            file=sys.stderr,
+            dynamic_ncols=True,
+            disable=self.rank != 0 or o.quiet,
+            mininterval=0.5,
+            smoothing=0.1,
+        )
         self._t_start = time.perf_counter()
         self._train_seconds, self._steps_run = 0.0, 0
         self._log_every = max(1, min(50, total // 100 or 1))
         self._loss_sum, self._loss_n = 0.0, 0
 
         def boundary(s: int) -> bool:
-            return s == total or (cfg.eval_every and s % cfg.eval_every == 0) or \
-                bool(o.checkpoint_dir and ckpt_every and s % ckpt_every == 0)
+            return (
+                s == total
+                or (cfg.eval_every and s % cfg.eval_every == 0)
+                or bool(o.checkpoint_dir and ckpt_every and s % ckpt_every == 0)
+            )
 
         while self.step_count < total:
             self._train_segment(next(s for s in range(self.step_count + 1, total + 1) if boundary(s)))
@@ -243,8 +283,10 @@ class Trainer:
             if cfg.eval_every and step % cfg.eval_every == 0 and step != total:
                 ev = self._log_eval(self.evaluate())
                 if self.rank == 0:
-                    self._bar.write(f"step {step}: eval AUC {ev['auc']:.4f}, NE {ev['ne']:.4f}, "
-                                    f"logloss {ev['logloss']:.4f}", file=sys.stderr)
+                    self._bar.write(
+                        f"step {step}: eval AUC {ev['auc']:.4f}, NE {ev['ne']:.4f}, logloss {ev['logloss']:.4f}",
+                        file=sys.stderr,
+                    )
             if o.checkpoint_dir and ckpt_every and step % ckpt_every == 0 and step != total:
                 self.checkpoint()
         self._bar.close()
@@ -254,10 +296,19 @@ class Trainer:
             self.checkpoint()
         batch, world = self.batch_size, self.world
         sps = self._steps_run * batch * world / self._train_seconds if self._train_seconds > 0 else 0.0
-        result = {"steps": self.step_count, "auc": round(final["auc"], 6), "ne": round(final["ne"], 6),
-                  "logloss": round(final["logloss"], 6), "accuracy": round(final["accuracy"], 6),
-                  "samples_per_s": round(sps, 1), "eval_rows": final["rows"], "world_size": world,
-                  "batch_size": batch, "model": cfg.name, "seconds": round(time.perf_counter() - self._t_start, 2)}
+        result = {
+            "steps": self.step_count,
+            "auc": round(final["auc"], 6),
+            "ne": round(final["ne"], 6),
+            "logloss": round(final["logloss"], 6),
+            "accuracy": round(final["accuracy"], 6),
+            "samples_per_s": round(sps, 1),
+            "eval_rows": final["rows"],
+            "world_size": world,
+            "batch_size": batch,
+            "model": cfg.name,
+            "seconds": round(time.perf_counter() - self._t_start, 2),
+        }
         if self.oracle_auc:
             result["oracle_auc"] = self.oracle_auc
         if self.rank == 0:
@@ -278,9 +329,17 @@ class Trainer:
                 elapsed = self._train_seconds + time.perf_counter() - t0
                 sps = self._steps_run * batch * world / elapsed if elapsed > 0 else 0.0
                 mean = self._loss_sum / self._loss_n
-                self._metrics.add({"kind": "train", "step": self.step_count, "epoch": train.epoch,
-                                   "samples": self.samples, "seconds": round(time.perf_counter() - self._t_start, 3),
-                                   "loss": mean, "samples_per_s": round(sps, 1)})
+                self._metrics.add(
+                    {
+                        "kind": "train",
+                        "step": self.step_count,
+                        "epoch": train.epoch,
+                        "samples": self.samples,
+                        "seconds": round(time.perf_counter() - self._t_start, 3),
+                        "loss": mean,
+                        "samples_per_s": round(sps, 1),
+                    }
+                )
                 self._bar.set_postfix_str(f"loss {mean:.4f}, {sps:,.0f} samples/s", refresh=False)
                 self._loss_sum, self._loss_n = 0.0, 0
             self._bar.update(1)
@@ -289,8 +348,16 @@ class Trainer:
             raise RuntimeError(f"training data exhausted at step {self.step_count}")
 
     def _log_eval(self, ev: dict) -> dict:
-        self._metrics.add({"kind": "eval", "step": self.step_count, "epoch": self.readers.train.epoch,
-                           "samples": self.samples, "seconds": round(time.perf_counter() - self._t_start, 3), **ev})
+        self._metrics.add(
+            {
+                "kind": "eval",
+                "step": self.step_count,
+                "epoch": self.readers.train.epoch,
+                "samples": self.samples,
+                "seconds": round(time.perf_counter() - self._t_start, 3),
+                **ev,
+            }
+        )
         return ev
 
     def _report(self, result: dict) -> None:
@@ -299,9 +366,12 @@ class Trainer:
             from tpurec.dlrm.plots import plot_curves
 
             png = Path(o.metrics_out).with_suffix(".png")
-            plot_curves(self._metrics.records, png,
-                        title=f"{self.cfg.name}, {self.world} rank(s), batch {self.batch_size}/rank",
-                        oracle_auc=self.oracle_auc)
+            plot_curves(
+                self._metrics.records,
+                png,
+                title=f"{self.cfg.name}, {self.world} rank(s), batch {self.batch_size}/rank",
+                oracle_auc=self.oracle_auc,
+            )
             self.say(f"metrics: {o.metrics_out}, curves: {png}")
         self.say(summary_text(result, self.data_dir))
         print(json.dumps(result), flush=True)

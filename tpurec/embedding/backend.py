@@ -3,6 +3,7 @@
 The choice follows the device the tables live on (the ops dispatch on it); this module resolves the
 user's device argument and, for a TPU device only, loads the adapter that registers the TPU kernels.
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,8 +18,8 @@ def load_tpu_backend() -> None:
     global _tpu_loaded
     if _tpu_loaded:
         return
-    from tpurec.embedding import tpu  # imported here only: it is never needed on a CPU-only host
     from tpurec import host_ops
+    from tpurec.embedding import tpu  # imported here only: it is never needed on a CPU-only host
 
     tpu.register()
     host_ops.register()  # FBGEMM KJT ops TorchRec runs on the device: route them through the host

@@ -4,6 +4,7 @@ One place for the numbers that the kernel, the planner's storage estimator and t
 agree on. Layout facts follow jax-tpu-embedding 0.1.0 (`sparsecore/lib/core/input_preprocessing.py`,
 the reference the SparseCore ops consume) and TorchTPU 0.2.0's op schemas (docs/kernels.md).
 """
+
 from __future__ import annotations
 
 import math
@@ -18,6 +19,7 @@ DIM_ALIGN = 8
 # SparseCores per device when neither the caller nor a TPU says: v5p's 4 (jax-tpu-embedding
 # NUM_SC_PER_DEVICE_MAP; Cloud TPU v5p docs). On CPU the count changes only the layout, never results.
 DEFAULT_NUM_SPARSECORES = 4
+
 
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple

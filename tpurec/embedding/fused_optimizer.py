@@ -15,6 +15,7 @@ group built from the optimizer spec, step counts. The standalone `SparseCoreFuse
 keys plain tensors by table; the sharded EBC's (`tpurec.sharding.sharded_optimizer`) wraps the same
 views in ShardedTensors.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -77,8 +78,9 @@ class KernelFusedOptimizer(FusedOptimizer):
     expose_hyperparameters: ClassVar[bool] = True
     _ready = False
 
-    def __init__(self, kernels: Sequence[SparseCoreKernel], spec: OptimizerSpec | None,
-                 params: dict, state: dict) -> None:
+    def __init__(
+        self, kernels: Sequence[SparseCoreKernel], spec: OptimizerSpec | None, params: dict, state: dict
+    ) -> None:
         self._kernels = list(kernels)
         self._spec = spec
         group = {"params": list(params.values()), "lr": spec.lr if spec is not None else 0.0}
@@ -162,8 +164,9 @@ class SparseCoreFusedOptimizer(KernelFusedOptimizer):
             base = key[: -len(".weight")]
             snapshot = self._track(kernel, table, None, kernel.read_weight(table))
             params[param_prefix + key] = snapshot
-            entry = {f"{base}.{s}": self._track(kernel, table, s, kernel.read_state(table, s))
-                     for s in spec.state_names}
+            entry = {
+                f"{base}.{s}": self._track(kernel, table, s, kernel.read_state(table, s)) for s in spec.state_names
+            }
             if spec.keeps_step_count:
                 entry[f"{base}.step"] = self._step([(kernel, table)])
             state[snapshot] = entry

@@ -10,6 +10,7 @@ are laid feature-major along the stacked batch (feature k's samples are rows k*B
 B' = batch padded to a multiple of the SparseCore count), ids are shifted by their table's offset in
 the stack, and gains carry per-id weights and the 1/bag-length of mean pooling.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -25,7 +26,6 @@ from tpurec.embedding.constraints import DIM_ALIGN, SEGMENT_ALIGN, round_up
 from tpurec.embedding.layout import StackLayout, build_stacks
 from tpurec.embedding.optimizers.base import OptimizerSpec
 from tpurec.embedding.preprocess import IdLimitExceededError, PreprocessStats, SparseCoreInput, preprocess
-
 
 # Kernel numbers for computation names: unique within the process, fixed for a kernel's lifetime.
 _KERNEL_NUMBERS = itertools.count()
@@ -116,8 +116,12 @@ class SparseCoreKernel(nn.Module):
         device = torch.device(device) if device is not None else torch.device("cpu")
         if pad_dims is None:
             pad_dims = device.type == "tpu"
-        layouts = build_stacks([(t.name, t.num_embeddings, t.embedding_dim) for t in self.tables],
-                               num_sc_per_device, stack=stack_tables, pad_to=DIM_ALIGN if pad_dims else 1)
+        layouts = build_stacks(
+            [(t.name, t.num_embeddings, t.embedding_dim) for t in self.tables],
+            num_sc_per_device,
+            stack=stack_tables,
+            pad_to=DIM_ALIGN if pad_dims else 1,
+        )
         self.stacks: list[_StackPlan] = []
         for lay in layouts:
             plan = _StackPlan(lay)
@@ -129,8 +133,10 @@ class SparseCoreKernel(nn.Module):
         # Per stack: (max ids, max unique ids) once fixed; None until the first batch sets them.
         given = None
         if max_ids_per_partition is not None:
-            given = (round_up(max_ids_per_partition, SEGMENT_ALIGN),
-                     round_up(max_unique_ids_per_partition or max_ids_per_partition, SEGMENT_ALIGN))
+            given = (
+                round_up(max_ids_per_partition, SEGMENT_ALIGN),
+                round_up(max_unique_ids_per_partition or max_ids_per_partition, SEGMENT_ALIGN),
+            )
         self._stack_limits: list[tuple[int, int] | None] = [given] * len(self.stacks)
         # One name per stack for TorchTPU's update ops, unique in the process and the same every step:
         # TorchTPU reuses a function by name inside one program, so stacks must not share one, and a
@@ -158,8 +164,9 @@ class SparseCoreKernel(nn.Module):
         device = torch.device(device) if device is not None else torch.device("cpu")
         for i, plan in enumerate(self.stacks):
             lay = plan.layout
-            self.register_buffer(f"weight_{i}", torch.zeros(lay.total_rows, lay.storage_dim, device=device),
-                                 persistent=False)
+            self.register_buffer(
+                f"weight_{i}", torch.zeros(lay.total_rows, lay.storage_dim, device=device), persistent=False
+            )
             for s in optimizer.state_names:
                 shape = optimizer.state_shape(s, lay.total_rows, lay.storage_dim)
                 init = optimizer.initial_value(s)
@@ -259,7 +266,7 @@ class SparseCoreKernel(nn.Module):
             n = len(plan.features)
             lo, hi = value_offsets[k0], value_offsets[k0 + n]
             w = weights[lo:hi] if weights is not None else None
-            csrs.append(self._stack_input(i, values[lo:hi], lengths[k0 * batch:(k0 + n) * batch], w, batch, padded))
+            csrs.append(self._stack_input(i, values[lo:hi], lengths[k0 * batch : (k0 + n) * batch], w, batch, padded))
             k0 += n
         device = self.stack_weight(0).device if self.stacks else torch.device("cpu")
         if device.type != "cpu":
@@ -332,9 +339,15 @@ class SparseCoreKernel(nn.Module):
         stacked_ids = lay.sparsecore_ids(ids + offsets.index_select(0, slot))
         common = dict(device_batch_size=n * padded, num_sc_per_device=self.num_sc, table_name=lay.name)
         if not self.fixed_limits:
-            csr, stats = preprocess(stacked_ids, samples, gains, max_ids_per_partition=self.max_ids_per_partition,
-                                    max_unique_ids_per_partition=self.max_unique_ids_per_partition,
-                                    allow_id_dropping=self.allow_id_dropping, **common)
+            csr, stats = preprocess(
+                stacked_ids,
+                samples,
+                gains,
+                max_ids_per_partition=self.max_ids_per_partition,
+                max_unique_ids_per_partition=self.max_unique_ids_per_partition,
+                allow_id_dropping=self.allow_id_dropping,
+                **common,
+            )
         else:
             if self._stack_limits[i] is None:
                 _, first = preprocess(stacked_ids, samples, gains, **common)
@@ -343,15 +356,24 @@ class SparseCoreKernel(nn.Module):
                 self._stack_limits[i] = (max_ids, min(max_uniq, max_ids))
             max_ids, max_uniq = self._stack_limits[i]
             try:
-                csr, stats = preprocess(stacked_ids, samples, gains, max_ids_per_partition=max_ids,
-                                        max_unique_ids_per_partition=max_uniq,
-                                        allow_id_dropping=self.allow_id_dropping, **common)
+                csr, stats = preprocess(
+                    stacked_ids,
+                    samples,
+                    gains,
+                    max_ids_per_partition=max_ids,
+                    max_unique_ids_per_partition=max_uniq,
+                    allow_id_dropping=self.allow_id_dropping,
+                    **common,
+                )
             except IdLimitExceededError as e:
                 raise IdLimitExceededError(
                     f"{e} The limits of stack {lay.name!r} ({max_ids} ids, {max_uniq} unique ids per partition) "
                     "are fixed so that buffer shapes never change (a TPU would recompile); "
-                    + ("they were set from the first batch (2x its fullest partition): "
-                       if self.max_ids_per_partition is None else "")
+                    + (
+                        "they were set from the first batch (2x its fullest partition): "
+                        if self.max_ids_per_partition is None
+                        else ""
+                    )
                     + "pass max_ids_per_partition / max_unique_ids_per_partition, or allow_id_dropping=True"
                 ) from None
         self.last_stats[lay.name] = stats
@@ -363,8 +385,10 @@ class SparseCoreKernel(nn.Module):
         f, tname = plan.features[int(slot[first])]
         mine = ids[slot == slot[first]]
         rows = self._table[tname].num_embeddings
-        raise IndexError(f"feature {f!r} (table {tname!r}): ids must be in [0, {rows}), "
-                         f"got min {int(mine.min())}, max {int(mine.max())}")
+        raise IndexError(
+            f"feature {f!r} (table {tname!r}): ids must be in [0, {rows}), "
+            f"got min {int(mine.min())}, max {int(mine.max())}"
+        )
 
     # -- fused update --------------------------------------------------------------------------
     def apply_update(self, i: int, csr: SparseCoreInput, grad: torch.Tensor, lr: float) -> None:
@@ -372,8 +396,16 @@ class SparseCoreKernel(nn.Module):
         grad = grad.to(torch.float32).contiguous()
         self._steps[i] += 1
         states = [self.stack_state(i, s) for s in self.optimizer.state_names]
-        self.optimizer.apply_update(csr, self.stack_weight(i), states, grad, lr, self._steps[i],
-                                    self.computation_names[i], dim=self.stacks[i].layout.dim)
+        self.optimizer.apply_update(
+            csr,
+            self.stack_weight(i),
+            states,
+            grad,
+            lr,
+            self._steps[i],
+            self.computation_names[i],
+            dim=self.stacks[i].layout.dim,
+        )
 
     # The learning rate is read at update time from `lr_source`, so torch LR schedulers acting on a
     # FusedOptimizer's param_groups take effect (the fused optimizers bind their group here).
@@ -383,8 +415,13 @@ class SparseCoreKernel(nn.Module):
 
 
 def _to_device(csr: SparseCoreInput, device: torch.device) -> SparseCoreInput:
-    return replace(csr, row_pointers=csr.row_pointers.to(device), embedding_ids=csr.embedding_ids.to(device),
-                   sample_ids=csr.sample_ids.to(device), gains=csr.gains.to(device))
+    return replace(
+        csr,
+        row_pointers=csr.row_pointers.to(device),
+        embedding_ids=csr.embedding_ids.to(device),
+        sample_ids=csr.sample_ids.to(device),
+        gains=csr.gains.to(device),
+    )
 
 
 def _trigger() -> torch.Tensor:
@@ -398,9 +435,16 @@ class _FusedLookup(torch.autograd.Function):
     def forward(ctx, trigger, kernel: SparseCoreKernel, i: int, csr: SparseCoreInput):
         ctx.kernel, ctx.i, ctx.csr = kernel, i, csr
         return torch.ops.tpurec.sparse_dense_matmul(
-            csr.row_pointers, csr.embedding_ids, csr.sample_ids, csr.gains, kernel.stack_weight(i),
-            csr.device_batch_size, csr.num_sc_per_device, csr.num_partitions,
-            csr.max_ids_per_partition, csr.max_unique_ids_per_partition,
+            csr.row_pointers,
+            csr.embedding_ids,
+            csr.sample_ids,
+            csr.gains,
+            kernel.stack_weight(i),
+            csr.device_batch_size,
+            csr.num_sc_per_device,
+            csr.num_partitions,
+            csr.max_ids_per_partition,
+            csr.max_unique_ids_per_partition,
         )
 
     @staticmethod

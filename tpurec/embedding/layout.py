@@ -26,6 +26,7 @@ view is not contiguous, so a ShardedTensor gets a copy of it (refreshed and writ
 before natural-order storage); the CPU reference needs no padding (`pad_to=1`), so there every
 table is a contiguous view.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -84,8 +85,8 @@ class StackLayout:
         """One logical table's rows (natural order, padding dropped): a VIEW of `physical`, so writes
         into it (in-place checkpoint loads) land in the live table."""
         t = self.table(name)
-        rows = physical[t.offset:t.offset + t.num_embeddings]
-        return rows[:, :self.dim] if rows.dim() == 2 and rows.shape[1] != self.dim else rows
+        rows = physical[t.offset : t.offset + t.num_embeddings]
+        return rows[:, : self.dim] if rows.dim() == 2 and rows.shape[1] != self.dim else rows
 
     def write_table(self, physical: torch.Tensor, name: str, value: torch.Tensor) -> None:
         target = self.read_table(physical, name)

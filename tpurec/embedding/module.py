@@ -5,6 +5,7 @@ keys (`embedding_bags.<table>.weight`, natural row order) as torchrec's Embeddin
 `load_state_dict` works both ways between the two. Backward through the output updates the tables
 in place with the optimizer given at construction; `fused_optimizer` holds its state.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -18,7 +19,6 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from tpurec.embedding.fused_optimizer import SparseCoreFusedOptimizer
 from tpurec.embedding.kernel import KernelTable, SparseCoreKernel
 from tpurec.embedding.optimizers.registry import spec_from_torch
-
 from tpurec.embedding.sparsecores import resolve_num_sparsecores
 
 _POOLING = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
@@ -76,8 +76,12 @@ class SparseCoreEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
     # -- torchrec EBC surface ------------------------------------------------------------------
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         values = self.kernel(features)
-        return KeyedTensor(keys=list(self.kernel.feature_order), length_per_key=list(self.kernel.feature_dims),
-                           values=values, key_dim=1)
+        return KeyedTensor(
+            keys=list(self.kernel.feature_order),
+            length_per_key=list(self.kernel.feature_dims),
+            values=values,
+            key_dim=1,
+        )
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._embedding_bag_configs
@@ -108,8 +112,9 @@ def _emit_natural_weights(module, state_dict, prefix, local_metadata):
     return state_dict
 
 
-def _consume_natural_weights(module, state_dict, prefix, local_metadata, strict, missing_keys,
-                             unexpected_keys, error_msgs):
+def _consume_natural_weights(
+    module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+):
     for t in module._embedding_bag_configs:
         key = f"{prefix}embedding_bags.{t.name}.weight"
         if key not in state_dict:

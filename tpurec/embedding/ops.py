@@ -13,6 +13,7 @@ Signatures mirror TorchTPU 0.2.0's ops, with two additions the reference needs a
 knows from its hardware: `num_sc_per_device` and `num_partitions`. The update ops mutate the table
 and optimizer state in place (TorchTPU's return updated copies; the adapter copies them back).
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -22,17 +23,26 @@ from torch import Tensor
 
 from tpurec.embedding import reference
 
-
 # The forward and the fused backward of one step decode the same SparseCore input; keep the last
 # few decodes, keyed by the identity of the (immutable once built) input tensors. The cache holds
 # those tensors, so an id cannot be reused by a different tensor while its entry lives.
-_DECODED: "OrderedDict[tuple, tuple]" = OrderedDict()
+_DECODED: OrderedDict[tuple, tuple] = OrderedDict()
 _DECODED_MAX = 8
 
 
 def _decode(row_pointers, embedding_ids, sample_ids, gains, table, device_batch_size, num_sc, parts):
-    key = (id(row_pointers), id(embedding_ids), id(sample_ids), id(gains), embedding_ids._version, gains._version,
-           table.shape[0], device_batch_size, num_sc, parts)
+    key = (
+        id(row_pointers),
+        id(embedding_ids),
+        id(sample_ids),
+        id(gains),
+        embedding_ids._version,
+        gains._version,
+        table.shape[0],
+        device_batch_size,
+        num_sc,
+        parts,
+    )
     hit = _DECODED.get(key)
     if hit is not None and hit[0][1] is embedding_ids:
         _DECODED.move_to_end(key)
@@ -48,12 +58,27 @@ def _decode(row_pointers, embedding_ids, sample_ids, gains, table, device_batch_
 
 @torch.library.custom_op("tpurec::sparse_dense_matmul", mutates_args=(), device_types="cpu")
 def sparse_dense_matmul(
-    row_pointers: Tensor, embedding_ids: Tensor, sample_ids: Tensor, gains: Tensor, embedding_table: Tensor,
-    device_batch_size: int, num_sc_per_device: int, num_partitions: int,
-    max_ids_per_partition: int, max_unique_ids_per_partition: int,
+    row_pointers: Tensor,
+    embedding_ids: Tensor,
+    sample_ids: Tensor,
+    gains: Tensor,
+    embedding_table: Tensor,
+    device_batch_size: int,
+    num_sc_per_device: int,
+    num_partitions: int,
+    max_ids_per_partition: int,
+    max_unique_ids_per_partition: int,
 ) -> Tensor:
-    d = _decode(row_pointers, embedding_ids, sample_ids, gains, embedding_table, device_batch_size,
-                num_sc_per_device, num_partitions)
+    d = _decode(
+        row_pointers,
+        embedding_ids,
+        sample_ids,
+        gains,
+        embedding_table,
+        device_batch_size,
+        num_sc_per_device,
+        num_partitions,
+    )
     return reference.lookup(d, embedding_table, device_batch_size)
 
 

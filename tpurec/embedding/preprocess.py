@@ -15,6 +15,7 @@ which is also what TorchTPU's `preprocess_sparse_dense_matmul_input` produces:
 Everything is vectorised (one sort per call, numpy on views of the CPU tensors); no Python loop
 over ids or samples.
 """
+
 from __future__ import annotations
 
 import functools
@@ -128,14 +129,20 @@ def preprocess_tables(
             f"table {names[0]!r}: device_batch_size={device_batch_size} is not a multiple of "
             f"num_sc_per_device={num_sc}; pad the batch (SparseCoreEmbeddingBagCollection does this)"
         )
-    kw = dict(device_batch_size=device_batch_size, num_sc=num_sc, parts=num_sc * global_device_count,
-              allow_id_dropping=allow_id_dropping)
+    kw = dict(
+        device_batch_size=device_batch_size,
+        num_sc=num_sc,
+        parts=num_sc * global_device_count,
+        allow_id_dropping=allow_id_dropping,
+    )
     sizes = [int(x[0].numel()) for x in inputs]
     threads = max(1, min(num_threads or torch.get_num_threads(), num_tables))
     # Groups of tables small enough for the caches, and at least one per thread.
     groups = _split_by_size(sizes, max(threads, -(-sum(sizes) // _GROUP_IDS)))
     if threads == 1 or len(groups) == 1:
-        return [r for a, b in groups for r in _preprocess_group(inputs[a:b], names[a:b], lim_ids[a:b], lim_uniq[a:b], **kw)]
+        return [
+            r for a, b in groups for r in _preprocess_group(inputs[a:b], names[a:b], lim_ids[a:b], lim_uniq[a:b], **kw)
+        ]
     futures = [
         _pool(threads).submit(_preprocess_group, inputs[a:b], names[a:b], lim_ids[a:b], lim_uniq[a:b], **kw)
         for a, b in groups
@@ -190,7 +197,7 @@ def _preprocess_group(inputs, names, lim_ids, lim_uniq, *, device_batch_size, nu
     if num_tables > 1:
         start = 0
         for t, length in enumerate(lengths):
-            key[start:start + length] += (t * tseg) << seg_shift
+            key[start : start + length] += (t * tseg) << seg_shift
             start += length
 
     # Sort once. With non-uniform gains the input position is packed into the low key bits, which
@@ -246,8 +253,9 @@ def _preprocess_group(inputs, names, lim_ids, lim_uniq, *, device_batch_size, nu
     ucounts = np.diff(np.searchsorted(col_starts, bounds))
 
     counts_t, ucounts_t = counts.reshape(num_tables, tseg), ucounts.reshape(num_tables, tseg)
-    max_ids = np.array([m if m is not None else max(int(c.max()) if tseg else 0, 1) for m, c in zip(lim_ids, counts_t)],
-                       dtype=np.int64)
+    max_ids = np.array(
+        [m if m is not None else max(int(c.max()) if tseg else 0, 1) for m, c in zip(lim_ids, counts_t)], dtype=np.int64
+    )
     max_uniq = np.array([u if u is not None else m for u, m in zip(lim_uniq, max_ids)], dtype=np.int64)
     observed = counts_t.reshape(num_tables, num_sc, parts)  # demand before any dropping, for tuning
     observed_aligned = (observed + SEGMENT_ALIGN - 1) // SEGMENT_ALIGN * SEGMENT_ALIGN
@@ -257,8 +265,9 @@ def _preprocess_group(inputs, names, lim_ids, lim_uniq, *, device_batch_size, nu
     if over.any():
         if not allow_id_dropping:
             t = int(np.flatnonzero(over.any(1))[0])
-            _raise_limit_error(names[t], over[t], counts_t[t], ucounts_t[t], int(max_ids[t]), int(max_uniq[t]),
-                               num_sc, parts, per_sc)
+            _raise_limit_error(
+                names[t], over[t], counts_t[t], ucounts_t[t], int(max_ids[t]), int(max_uniq[t]), num_sc, parts, per_sc
+            )
         # Keep, per segment, the first max_ids entries whose id is among the first max_uniq ids.
         seg = np.repeat(np.arange(nseg), counts)
         rank = np.arange(seg.size) - bounds[:-1][seg]
@@ -294,9 +303,9 @@ def _preprocess_group(inputs, names, lim_ids, lim_uniq, *, device_batch_size, nu
     if counts.size * _SLICE_COPY_MIN <= ukey.size:  # long segments: one slice copy each
         for g, a, c in zip(np.flatnonzero(counts).tolist(), src[counts > 0].tolist(), counts[counts > 0].tolist()):
             d = int(base[g]) + a
-            emb[d:d + c] = cols[a:a + c]
-            smp[d:d + c] = samples[a:a + c]
-            gns[d:d + c] = ugain[a:a + c]
+            emb[d : d + c] = cols[a : a + c]
+            smp[d : d + c] = samples[a : a + c]
+            gns[d : d + c] = ugain[a : a + c]
     else:  # many short segments: one scatter
         pos = np.repeat(base, counts)
         pos += _arange(pos.size)

@@ -11,6 +11,7 @@ and in FBGEMM's fused kernels: Adam is "lazy"). `row_gradients` below is that sh
 optimizer's update math (its `reference_update`) lives with its spec in `tpurec.embedding.optimizers`
 (formulas in docs/kernels.md).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -70,8 +71,12 @@ def lookup(d: DecodedInput, table: torch.Tensor, device_batch_size: int) -> torc
     order = torch.sort(d.samples, stable=True).indices
     offsets = _offsets(torch.bincount(d.samples, minlength=device_batch_size))
     return torch.nn.functional.embedding_bag(
-        d.rows.index_select(0, order), table, offsets, mode="sum",
-        per_sample_weights=d.gains.index_select(0, order).to(table.dtype), include_last_offset=True,
+        d.rows.index_select(0, order),
+        table,
+        offsets,
+        mode="sum",
+        per_sample_weights=d.gains.index_select(0, order).to(table.dtype),
+        include_last_offset=True,
     ).to(torch.float32)
 
 
@@ -84,7 +89,11 @@ def row_gradients(d: DecodedInput, activations_grad: torch.Tensor) -> tuple[torc
     rows_sorted, order = torch.sort(d.rows, stable=True)
     rows, counts = torch.unique_consecutive(rows_sorted, return_counts=True)
     grad = torch.nn.functional.embedding_bag(
-        d.samples.index_select(0, order), activations_grad.to(torch.float32), _offsets(counts), mode="sum",
-        per_sample_weights=d.gains.index_select(0, order), include_last_offset=True,
+        d.samples.index_select(0, order),
+        activations_grad.to(torch.float32),
+        _offsets(counts),
+        mode="sum",
+        per_sample_weights=d.gains.index_select(0, order),
+        include_last_offset=True,
     )
     return rows, grad

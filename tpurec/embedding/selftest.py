@@ -7,6 +7,7 @@ fused optimizer, on small random inputs. This is how the TPU path gets verified 
 meets a TPU; tpurec has not run it on TPU hardware yet.
 --device auto: tpu when this host has a usable TPU, else cpu.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,19 +40,28 @@ def run(args) -> int:
     if target == "tpu":
         status = dev.tpu_status()
         if not status.usable:
-            print("tpurec selftest --device tpu: this host cannot run TPU kernels:\n  - " + "\n  - ".join(status.missing()))
+            print(
+                "tpurec selftest --device tpu: this host cannot run TPU kernels:\n  - "
+                + "\n  - ".join(status.missing())
+            )
             return 2
         checks = tpu_checks(args.seed)
     else:
         checks = cpu_checks(args.seed)
     if args.json:
-        print(json.dumps({"device": target, "passed": all(c.passed for c in checks),
-                          "checks": [asdict(c) for c in checks]}, indent=2))
+        print(
+            json.dumps(
+                {"device": target, "passed": all(c.passed for c in checks), "checks": [asdict(c) for c in checks]},
+                indent=2,
+            )
+        )
     else:
         print(f"tpurec selftest on {target}")
         print(f"{'check':<44} {'result':<6} {'max error':>10} {'tolerance':>10}  note")
         for c in checks:
-            print(f"{c.name:<44} {'PASS' if c.passed else 'FAIL':<6} {c.max_error:>10.2e} {c.tolerance:>10.1e}  {c.note}")
+            print(
+                f"{c.name:<44} {'PASS' if c.passed else 'FAIL':<6} {c.max_error:>10.2e} {c.tolerance:>10.1e}  {c.note}"
+            )
         print("all passed" if all(c.passed for c in checks) else "FAILURES above")
     return 0 if all(c.passed for c in checks) else 1
 
@@ -67,8 +77,10 @@ def _compare(name, got, want, tol, note="") -> Check:
 def _tables(pooling):
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
-    return [EmbeddingBagConfig(name="a", embedding_dim=8, num_embeddings=50, feature_names=["fa"], pooling=pooling),
-            EmbeddingBagConfig(name="b", embedding_dim=16, num_embeddings=13, feature_names=["fb"], pooling=pooling)]
+    return [
+        EmbeddingBagConfig(name="a", embedding_dim=8, num_embeddings=50, feature_names=["fa"], pooling=pooling),
+        EmbeddingBagConfig(name="b", embedding_dim=16, num_embeddings=13, feature_names=["fb"], pooling=pooling),
+    ]
 
 
 def _batch(gen, tables, batch=12, weighted=False):
@@ -78,8 +90,12 @@ def _batch(gen, tables, batch=12, weighted=False):
     keys = [f for t in tables for f in t.feature_names]
     rows = [t.num_embeddings for t in tables for _ in t.feature_names]
     lengths = torch.randint(0, 5, (len(keys) * batch,), generator=gen)
-    values = torch.cat([torch.randint(0, r, (int(lengths[k * batch:(k + 1) * batch].sum()),), generator=gen)
-                        for k, r in enumerate(rows)])
+    values = torch.cat(
+        [
+            torch.randint(0, r, (int(lengths[k * batch : (k + 1) * batch].sum()),), generator=gen)
+            for k, r in enumerate(rows)
+        ]
+    )
     weights = torch.rand(values.numel(), generator=gen) if weighted else None
     return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, weights=weights)
 
@@ -96,15 +112,25 @@ def cpu_checks(seed: int = 0) -> list[Check]:
     checks = []
     for pooling, weighted in ((PoolingType.SUM, False), (PoolingType.MEAN, False), (PoolingType.SUM, True)):
         tables = _tables(pooling)
-        sc = SparseCoreEmbeddingBagCollection(tables, torch.optim.SGD, {"lr": 0.1}, num_sparsecores=4,
-                                              is_weighted=weighted, device="cpu")
+        sc = SparseCoreEmbeddingBagCollection(
+            tables, torch.optim.SGD, {"lr": 0.1}, num_sparsecores=4, is_weighted=weighted, device="cpu"
+        )
         ebc = EmbeddingBagCollection(tables, is_weighted=weighted)
         ebc.load_state_dict(sc.state_dict())
         kjt = _batch(gen, tables, weighted=weighted)
-        checks.append(_compare(f"forward {pooling.name.lower()}{' weighted' if weighted else ''} vs torchrec EBC",
-                               sc(kjt).values().detach(), ebc(kjt).values().detach(), 1e-5))
-    for optim, kwargs in ((torch.optim.SGD, {"lr": 0.2}), (RowWiseAdagrad, {"lr": 0.2, "eps": 1e-4}),
-                          (torch.optim.Adagrad, {"lr": 0.2, "eps": 1e-4})):
+        checks.append(
+            _compare(
+                f"forward {pooling.name.lower()}{' weighted' if weighted else ''} vs torchrec EBC",
+                sc(kjt).values().detach(),
+                ebc(kjt).values().detach(),
+                1e-5,
+            )
+        )
+    for optim, kwargs in (
+        (torch.optim.SGD, {"lr": 0.2}),
+        (RowWiseAdagrad, {"lr": 0.2, "eps": 1e-4}),
+        (torch.optim.Adagrad, {"lr": 0.2, "eps": 1e-4}),
+    ):
         checks.append(_vs_fbgemm(optim, kwargs, gen))
     checks.append(_adam_vs_torch(gen))
     checks.append(_preprocess_vs_jax(gen))
@@ -130,7 +156,11 @@ def _vs_fbgemm(optim, kwargs, gen) -> Check:
     sc = SparseCoreEmbeddingBagCollection(tables, optim, kwargs, num_sparsecores=4, device="cpu")
     tbe = SplitTableBatchedEmbeddingBagsCodegen(
         [(t.num_embeddings, t.embedding_dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for t in tables],
-        optimizer=fb, learning_rate=kwargs["lr"], eps=kwargs.get("eps", 1e-8), pooling_mode=PoolingMode.SUM)
+        optimizer=fb,
+        learning_rate=kwargs["lr"],
+        eps=kwargs.get("eps", 1e-8),
+        pooling_mode=PoolingMode.SUM,
+    )
     for w, t in zip(tbe.split_embedding_weights(), tables):
         w.data.copy_(sc.table_weight(t.name))
     for _ in range(3):
@@ -168,8 +198,12 @@ def _adam_vs_torch(gen) -> Check:
         # eps / sqrt(1 - beta2^t) at step t (tpurec/embedding/optimizers/adam.py).
         opt.param_groups[0]["eps"] = kw["eps"] / (1 - kw["betas"][1] ** t) ** 0.5
         opt.step()
-    return _compare("3 steps adam vs torch.optim.Adam (epsilon-hat form)", sc.table_weight("t"),
-                    ebc.state_dict()["embedding_bags.t.weight"], 1e-5)
+    return _compare(
+        "3 steps adam vs torch.optim.Adam (epsilon-hat form)",
+        sc.table_weight("t"),
+        ebc.state_dict()["embedding_bags.t.weight"],
+        1e-5,
+    )
 
 
 def _preprocess_vs_jax(gen) -> Check:
@@ -185,28 +219,47 @@ def _preprocess_vs_jax(gen) -> Check:
         import jax
         from jax_tpu_embedding.sparsecore.lib.core import input_preprocessing as ref
     except ImportError:
-        return Check("preprocess vs jax-tpu-embedding reference", True, 0.0, 0.0, "skipped: jax-tpu-embedding not installed")
+        return Check(
+            "preprocess vs jax-tpu-embedding reference", True, 0.0, 0.0, "skipped: jax-tpu-embedding not installed"
+        )
     batch, num_sc = 16, 4
-    bags = [torch.randint(0, 100, (int(n),), generator=gen).numpy() for n in torch.randint(0, 5, (batch,), generator=gen)]
+    bags = [
+        torch.randint(0, 100, (int(n),), generator=gen).numpy() for n in torch.randint(0, 5, (batch,), generator=gen)
+    ]
     weights = [np.ones(len(b), np.float32) for b in bags]
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
     rp, emb, smp, gns = ref.preprocess_sparse_dense_matmul_input(
-        np.array(bags, dtype=object), np.array(weights, dtype=object), mesh, max_ids_per_partition=32,
-        max_unique_ids_per_partition=32, num_sc_per_device=num_sc)
+        np.array(bags, dtype=object),
+        np.array(weights, dtype=object),
+        mesh,
+        max_ids_per_partition=32,
+        max_unique_ids_per_partition=32,
+        num_sc_per_device=num_sc,
+    )
     ids = torch.from_numpy(np.concatenate(bags)).long()
     samples = torch.repeat_interleave(torch.arange(batch), torch.tensor([len(b) for b in bags]))
-    csr, _ = preprocess(ids, samples, torch.ones(ids.numel()), device_batch_size=batch, num_sc_per_device=num_sc,
-                        max_ids_per_partition=32, max_unique_ids_per_partition=32)
-    same = (np.array_equal(np.asarray(rp), csr.row_pointers.numpy()) and np.array_equal(np.asarray(emb), csr.embedding_ids.numpy())
-            and np.array_equal(np.asarray(smp), csr.sample_ids.numpy()))
+    csr, _ = preprocess(
+        ids,
+        samples,
+        torch.ones(ids.numel()),
+        device_batch_size=batch,
+        num_sc_per_device=num_sc,
+        max_ids_per_partition=32,
+        max_unique_ids_per_partition=32,
+    )
+    same = (
+        np.array_equal(np.asarray(rp), csr.row_pointers.numpy())
+        and np.array_equal(np.asarray(emb), csr.embedding_ids.numpy())
+        and np.array_equal(np.asarray(smp), csr.sample_ids.numpy())
+    )
     return Check("preprocess vs jax-tpu-embedding reference", same, 0.0 if same else 1.0, 0.0)
 
 
 def tpu_checks(seed: int = 0) -> list[Check]:
     """SparseCore ops on the TPU vs the CPU reference on the same inputs (needs a TPU host)."""
-    import torch
-
     from dataclasses import replace
+
+    import torch
 
     from tpurec.embedding.backend import select_device
     from tpurec.embedding.optimizers.registry import spec_classes
@@ -217,23 +270,42 @@ def tpu_checks(seed: int = 0) -> list[Check]:
     num_sc, batch, rows, dim = 2, 64, 1024, 16
     n = 256
     ids, samples = torch.randint(0, rows, (n,), generator=gen), torch.randint(0, batch, (n,), generator=gen)
-    csr, _ = preprocess(ids, samples, torch.rand(n, generator=gen), device_batch_size=batch, num_sc_per_device=num_sc,
-                        max_ids_per_partition=256, max_unique_ids_per_partition=256)
+    csr, _ = preprocess(
+        ids,
+        samples,
+        torch.rand(n, generator=gen),
+        device_batch_size=batch,
+        num_sc_per_device=num_sc,
+        max_ids_per_partition=256,
+        max_unique_ids_per_partition=256,
+    )
     head = [csr.row_pointers, csr.embedding_ids, csr.sample_ids, csr.gains]
     tail = [batch, num_sc, num_sc, 256, 256]
     table = torch.randn(rows, dim, generator=gen)
     grad = torch.randn(batch, dim, generator=gen)
+
     def on(ts):
         return [t.to(tpu) for t in ts]
 
-    checks = [_compare("forward sparse_dense_matmul",
-                       torch.ops.tpurec.sparse_dense_matmul(*on(head), table.to(tpu), *tail).cpu(),
-                       torch.ops.tpurec.sparse_dense_matmul(*head, table, *tail), 1e-4)]
+    checks = [
+        _compare(
+            "forward sparse_dense_matmul",
+            torch.ops.tpurec.sparse_dense_matmul(*on(head), table.to(tpu), *tail).cpu(),
+            torch.ops.tpurec.sparse_dense_matmul(*head, table, *tail),
+            1e-4,
+        )
+    ]
     # Every optimizer's fused update, at step 1, from its spec's own state shapes and initial values.
     # Settings known to give a well-conditioned first step; any other spec runs with its defaults.
-    settings = {"sgd": {"lr": 0.1}, "rowwise_adagrad": {"lr": 0.1, "eps": 1e-8, "initial_accumulator_value": 0.1},
-                "adagrad": {"lr": 0.1, "eps": 1e-8, "initial_accumulator_value": 0.1}, "adam": {"lr": 0.01}}
-    dev_csr = replace(csr, **{f: getattr(csr, f).to(tpu) for f in ("row_pointers", "embedding_ids", "sample_ids", "gains")})
+    settings = {
+        "sgd": {"lr": 0.1},
+        "rowwise_adagrad": {"lr": 0.1, "eps": 1e-8, "initial_accumulator_value": 0.1},
+        "adagrad": {"lr": 0.1, "eps": 1e-8, "initial_accumulator_value": 0.1},
+        "adam": {"lr": 0.01},
+    }
+    dev_csr = replace(
+        csr, **{f: getattr(csr, f).to(tpu) for f in ("row_pointers", "embedding_ids", "sample_ids", "gains")}
+    )
     for kind, cls in spec_classes().items():
         spec = cls.from_torch_kwargs(settings.get(kind, {}))
         states = [torch.full(spec.state_shape(s, rows, dim), spec.initial_value(s)) for s in spec.state_names]

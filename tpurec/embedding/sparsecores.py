@@ -6,6 +6,7 @@ on a tpu device the count comes from the chip (`tpurec.device.sparsecores_per_de
 different explicit value is refused. On CPU the count only shapes the layout (results do not depend
 on it), so any count >= 1 is accepted and the default is v5p's 4.
 """
+
 from __future__ import annotations
 
 from tpurec import device as _device

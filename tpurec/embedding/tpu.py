@@ -10,6 +10,7 @@ call is here; each fused update's call lives with its optimizer (`tpu_update` in
 NOT YET RUN ON TPU HARDWARE. `tpurec selftest --device tpu` compares these kernels with the CPU
 reference on a TPU host; the schemas are checked with meta tensors where torch_tpu is installed.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,16 +26,42 @@ def _tpu_ops():
     return torch.ops.tpu
 
 
-def lookup(row_pointers, embedding_ids, sample_ids, gains, embedding_table, device_batch_size,
-           num_sc_per_device, num_partitions, max_ids_per_partition, max_unique_ids_per_partition):
+def lookup(
+    row_pointers,
+    embedding_ids,
+    sample_ids,
+    gains,
+    embedding_table,
+    device_batch_size,
+    num_sc_per_device,
+    num_partitions,
+    max_ids_per_partition,
+    max_unique_ids_per_partition,
+):
     return _tpu_ops()._sparse_dense_matmul(
-        row_pointers, embedding_ids, sample_ids, gains, embedding_table,
-        device_batch_size, max_ids_per_partition, max_unique_ids_per_partition,
+        row_pointers,
+        embedding_ids,
+        sample_ids,
+        gains,
+        embedding_table,
+        device_batch_size,
+        max_ids_per_partition,
+        max_unique_ids_per_partition,
     )
 
 
-def preprocess_with_torch_tpu(ids_int32, offsets_int32, *, max_ids_per_partition, max_unique_ids_per_partition,
-                              batch_size, combiner, num_sc_per_device, allow_id_dropping, table_name):
+def preprocess_with_torch_tpu(
+    ids_int32,
+    offsets_int32,
+    *,
+    max_ids_per_partition,
+    max_unique_ids_per_partition,
+    batch_size,
+    combiner,
+    num_sc_per_device,
+    allow_id_dropping,
+    table_name,
+):
     """TorchTPU's C++ preprocessing (runs on the host CPU); returns its dict of tensors.
 
     The COO buffer is sized from the limits (every partition's 8-aligned segment on every local
@@ -42,8 +69,18 @@ def preprocess_with_torch_tpu(ids_int32, offsets_int32, *, max_ids_per_partition
     """
     buffer = num_sc_per_device * coo_entries_per_sc(max_ids_per_partition, num_sc_per_device)
     return torch.ops.tpu.preprocess_sparse_dense_matmul_input(
-        ids_int32, offsets_int32, max_ids_per_partition, max_unique_ids_per_partition, buffer, batch_size,
-        combiner, 1, 1, num_sc_per_device, allow_id_dropping, table_name,
+        ids_int32,
+        offsets_int32,
+        max_ids_per_partition,
+        max_unique_ids_per_partition,
+        buffer,
+        batch_size,
+        combiner,
+        1,
+        1,
+        num_sc_per_device,
+        allow_id_dropping,
+        table_name,
     )
 
 

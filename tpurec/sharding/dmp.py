@@ -15,10 +15,11 @@ A thin subclass. What it adds over torchrec.distributed.DistributedModelParallel
 Everything else (forward, state_dict with ShardedTensors, fused_optimizer, TrainPipelineSparseDist,
 `model.plan`) is TorchRec's own.
 """
+
 from __future__ import annotations
 
 import logging
-from typing import List, Optional
+from typing import List
 
 import torch
 import torch.distributed as dist
@@ -73,13 +74,13 @@ class DistributedModelParallel(_TorchrecDMP):
         self,
         module: nn.Module,
         device: torch.device | str | None = None,
-        env: Optional[ShardingEnv] = None,
-        plan: Optional[ShardingPlan] = None,
-        sharders: Optional[List[ModuleSharder[nn.Module]]] = None,
+        env: ShardingEnv | None = None,
+        plan: ShardingPlan | None = None,
+        sharders: List[ModuleSharder[nn.Module]] | None = None,
         constraints=None,
         topology=None,
         *,
-        batch_size: Optional[int] = None,
+        batch_size: int | None = None,
         **dmp_kwargs,
     ) -> None:
         from tpurec.embedding.backend import select_device
@@ -101,15 +102,23 @@ class DistributedModelParallel(_TorchrecDMP):
             # The chip decides (TorchTPU's ops use its own count); a plan for another generation is refused.
             num_sc = resolve_num_sparsecores(None, "tpu")
             if planned_sc and planned_sc != num_sc:
-                raise ValueError(f"the topology {topology.spec.name} has {planned_sc} SparseCores per device but "
-                                 f"this TPU has {num_sc}; plan for this host's TPU generation")
+                raise ValueError(
+                    f"the topology {topology.spec.name} has {planned_sc} SparseCores per device but "
+                    f"this TPU has {num_sc}; plan for this host's TPU generation"
+                )
         else:
             num_sc = resolve_num_sparsecores(planned_sc or None, torch_device.type)
         sharders = sharders or default_sharders(num_sc)
         if plan is None:
             from tpurec.sharding.planner import plan as make_plan
 
-            plan = make_plan(module, topology, batch_size=batch_size or DEFAULT_PLANNING_BATCH_SIZE,
-                             constraints=constraints, sharders=sharders, pg=env.process_group)
+            plan = make_plan(
+                module,
+                topology,
+                batch_size=batch_size or DEFAULT_PLANNING_BATCH_SIZE,
+                constraints=constraints,
+                sharders=sharders,
+                pg=env.process_group,
+            )
         super().__init__(module, env=env, device=torch_device, plan=plan, sharders=sharders, **dmp_kwargs)
         self.topology = topology

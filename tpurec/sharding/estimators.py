@@ -4,10 +4,11 @@
 both call it, so the planner optimises exactly what `tpurec plan` prints. Formulas and their
 assumptions are written out in docs/planner.md.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 from torchrec.distributed.planner.types import (
     ParameterConstraints,
@@ -119,8 +120,9 @@ def shard_cost(
         if sharding_type == ShardingType.TABLE_ROW_WISE.value:
             # partial sums reduce-scattered inside the host group (ICI), then each device sends its
             # 1/n of the pooled rows to every rank
-            out_ms = (_collective_ms(pooled, row_group, spec, False)
-                      + _collective_ms(pooled / row_group, world_size, spec, True))
+            out_ms = _collective_ms(pooled, row_group, spec, False) + _collective_ms(
+                pooled / row_group, world_size, spec, True
+            )
         else:
             # TW/CW/TWCW: all-to-all of the pooled rows; RW: reduce-scatter of partial sums over
             # all ranks, the same volume per device
@@ -146,9 +148,15 @@ def option_costs(option: ShardingOption, spec: SliceSpec, world_size: int, optim
     pooling = float(sum(option.input_lengths)) if option.input_lengths else 1.0
     return [
         shard_cost(
-            sharding_type=option.sharding_type, rows=shard.size[0], cols=shard.size[1],
-            pooling_factor=pooling, batch_per_device=option.batch_size, world_size=world_size,
-            num_shards=option.num_shards, spec=spec, optimizer=optimizer,
+            sharding_type=option.sharding_type,
+            rows=shard.size[0],
+            cols=shard.size[1],
+            pooling_factor=pooling,
+            batch_per_device=option.batch_size,
+            world_size=world_size,
+            num_shards=option.num_shards,
+            spec=spec,
+            optimizer=optimizer,
             elem_bytes=option.tensor.element_size(),
         )
         for shard in option.shards
@@ -159,7 +167,7 @@ class _TpuEstimator(ShardEstimator):
     def __init__(
         self,
         topology: Topology,
-        constraints: Optional[Dict[str, ParameterConstraints]] = None,
+        constraints: Dict[str, ParameterConstraints] | None = None,
         optimizer: str = "sgd",
     ) -> None:
         spec_class(optimizer)  # refuses an unknown name now, not at the first estimate
@@ -175,8 +183,9 @@ class TpuStorageEstimator(_TpuEstimator):
     def estimate(self, sharding_options: List[ShardingOption], sharder_data_map=None) -> None:
         on_cpu = self._topology.compute_device == "cpu"
         for option in sharding_options:
-            for shard, cost in zip(option.shards, option_costs(option, self._spec, self._topology.world_size,
-                                                               self._optimizer)):
+            for shard, cost in zip(
+                option.shards, option_costs(option, self._spec, self._topology.world_size, self._optimizer)
+            ):
                 shard.storage = Storage(hbm=0, ddr=cost.bytes) if on_cpu else Storage(hbm=cost.bytes, ddr=0)
 
 
@@ -185,8 +194,9 @@ class TpuPerfEstimator(_TpuEstimator):
 
     def estimate(self, sharding_options: List[ShardingOption], sharder_data_map=None) -> None:
         for option in sharding_options:
-            for shard, cost in zip(option.shards, option_costs(option, self._spec, self._topology.world_size,
-                                                               self._optimizer)):
+            for shard, cost in zip(
+                option.shards, option_costs(option, self._spec, self._topology.world_size, self._optimizer)
+            ):
                 shard.perf = Perf(
                     fwd_compute=cost.lookup_ms,
                     fwd_comms=cost.input_comm_ms + cost.output_comm_ms,

@@ -3,10 +3,11 @@
 The numbers come from the same `shard_cost` the planner optimised, so what is printed is what the
 planner believed. `build_report` returns the JSON document of `tpurec plan --format json`.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Iterable, Optional
+from typing import Iterable
 
 from tpurec.catalog import TableSpec
 from tpurec.sharding.estimators import shard_cost
@@ -22,18 +23,38 @@ def _shards(ps, table: TableSpec, world_size: int):
     return [(s.placement.rank(), list(s.shard_offsets), list(s.shard_sizes)) for s in ps.sharding_spec.shards]
 
 
-def build_report(plan, tables: Iterable[TableSpec], spec: SliceSpec, *, batch_size: int, optimizer: str,
-                 compute_device: str = "tpu", reserved: int = 0, headroom_fraction: float = 0.0,
-                 model: Optional[str] = None) -> dict:
+def build_report(
+    plan,
+    tables: Iterable[TableSpec],
+    spec: SliceSpec,
+    *,
+    batch_size: int,
+    optimizer: str,
+    compute_device: str = "tpu",
+    reserved: int = 0,
+    headroom_fraction: float = 0.0,
+    model: str | None = None,
+) -> dict:
     from tpurec.sharding.plan_io import plan_to_dict
 
     by_name = {t.name: t for t in tables}
     world = spec.world_size
     cap = spec.generation.hbm_bytes
     keys = ("weights", "optimizer", "buffers", "activations")
-    devices = [dict(rank=r, hbm_used_bytes=reserved, hbm_capacity_bytes=cap, reserved_bytes=reserved,
-                    **{f"{k}_bytes": 0 for k in keys}, estimated_time_ms=0.0, lookup_ms=0.0, update_ms=0.0,
-                    comm_ms=0.0) for r in range(world)]
+    devices = [
+        dict(
+            rank=r,
+            hbm_used_bytes=reserved,
+            hbm_capacity_bytes=cap,
+            reserved_bytes=reserved,
+            **{f"{k}_bytes": 0 for k in keys},
+            estimated_time_ms=0.0,
+            lookup_ms=0.0,
+            update_ms=0.0,
+            comm_ms=0.0,
+        )
+        for r in range(world)
+    ]
     rows = []
     for path, module_plan in plan.plan.items():
         for name, ps in module_plan.items():
@@ -43,9 +64,17 @@ def build_report(plan, tables: Iterable[TableSpec], spec: SliceSpec, *, batch_si
             shards = _shards(ps, t, world)
             total_bytes, total_ms, shard_rows = 0, 0.0, []
             for rank, offsets, sizes in shards:
-                c = shard_cost(sharding_type=ps.sharding_type, rows=sizes[0], cols=sizes[1],
-                               pooling_factor=t.pooling_factor, batch_per_device=batch_size, world_size=world,
-                               num_shards=len(shards), spec=spec, optimizer=optimizer)
+                c = shard_cost(
+                    sharding_type=ps.sharding_type,
+                    rows=sizes[0],
+                    cols=sizes[1],
+                    pooling_factor=t.pooling_factor,
+                    batch_per_device=batch_size,
+                    world_size=world,
+                    num_shards=len(shards),
+                    spec=spec,
+                    optimizer=optimizer,
+                )
                 d = devices[rank]
                 for k in keys:
                     d[f"{k}_bytes"] += getattr(c, k)
@@ -56,14 +85,24 @@ def build_report(plan, tables: Iterable[TableSpec], spec: SliceSpec, *, batch_si
                 d["estimated_time_ms"] += c.time_ms
                 total_bytes += c.bytes
                 total_ms += c.time_ms
-                shard_rows.append({"rank": rank, "offsets": offsets, "sizes": sizes, "bytes": c.bytes,
-                                   "time_ms": c.time_ms})
-            rows.append({
-                "name": name, "module": path, "rows": t.num_embeddings, "dim": t.embedding_dim,
-                "pooling_factor": t.pooling_factor, "sharding_type": ps.sharding_type,
-                "compute_kernel": ps.compute_kernel, "ranks": list(dict.fromkeys(s[0] for s in shards)),  # in shard order
-                "bytes": total_bytes, "time_ms": total_ms, "shards": shard_rows,
-            })
+                shard_rows.append(
+                    {"rank": rank, "offsets": offsets, "sizes": sizes, "bytes": c.bytes, "time_ms": c.time_ms}
+                )
+            rows.append(
+                {
+                    "name": name,
+                    "module": path,
+                    "rows": t.num_embeddings,
+                    "dim": t.embedding_dim,
+                    "pooling_factor": t.pooling_factor,
+                    "sharding_type": ps.sharding_type,
+                    "compute_kernel": ps.compute_kernel,
+                    "ranks": list(dict.fromkeys(s[0] for s in shards)),  # in shard order
+                    "bytes": total_bytes,
+                    "time_ms": total_ms,
+                    "shards": shard_rows,
+                }
+            )
     times = [d["estimated_time_ms"] for d in devices]
     used = [d["hbm_used_bytes"] for d in devices]
     mean_t = sum(times) / world
@@ -97,9 +136,15 @@ def build_report(plan, tables: Iterable[TableSpec], spec: SliceSpec, *, batch_si
         "tables": rows,
         "devices": devices,
         "meta": {
-            "model": model, "topology": spec.name, "compute_device": compute_device, "batch_size": batch_size,
-            "optimizer": optimizer, "reserved_bytes": reserved, "headroom_fraction": headroom_fraction,
-            "sc_gather_fraction": spec.sc_gather_fraction, "dcn_bw_per_host": spec.dcn_bw_per_host,
+            "model": model,
+            "topology": spec.name,
+            "compute_device": compute_device,
+            "batch_size": batch_size,
+            "optimizer": optimizer,
+            "reserved_bytes": reserved,
+            "headroom_fraction": headroom_fraction,
+            "sc_gather_fraction": spec.sc_gather_fraction,
+            "dcn_bw_per_host": spec.dcn_bw_per_host,
             "tables": [asdict(t) for t in by_name.values()],
         },
         "plan": plan_to_dict(plan),
@@ -135,23 +180,31 @@ def format_text(report: dict, top: int = 5) -> str:
         f"{'GiB':>8} {'ms':>8}",
     ]
     for t in sorted(report["tables"], key=lambda t: -t["bytes"]):
-        out.append(f"{t['name']:<12} {t['rows']:>12,} {t['dim']:>4} {t['pooling_factor']:>6g} "
-                   f"{t['sharding_type']:<16} {t['compute_kernel']:<18} {_ranks(t['ranks']):<12} "
-                   f"{_gib(t['bytes']):>8} {t['time_ms']:>8.3f}")
-    out += ["", "devices (GiB; ms)",
-            f"{'rank':>4} {'used':>7} {'cap':>7} {'%':>5} {'weights':>8} {'optim':>7} {'buffers':>7} "
-            f"{'activ':>7} {'reserved':>8} {'time':>7} {'lookup':>7} {'update':>7} {'comm':>7}"]
+        out.append(
+            f"{t['name']:<12} {t['rows']:>12,} {t['dim']:>4} {t['pooling_factor']:>6g} "
+            f"{t['sharding_type']:<16} {t['compute_kernel']:<18} {_ranks(t['ranks']):<12} "
+            f"{_gib(t['bytes']):>8} {t['time_ms']:>8.3f}"
+        )
+    out += [
+        "",
+        "devices (GiB; ms)",
+        f"{'rank':>4} {'used':>7} {'cap':>7} {'%':>5} {'weights':>8} {'optim':>7} {'buffers':>7} "
+        f"{'activ':>7} {'reserved':>8} {'time':>7} {'lookup':>7} {'update':>7} {'comm':>7}",
+    ]
     for d in report["devices"]:
-        out.append(f"{d['rank']:>4} {_gib(d['hbm_used_bytes']):>7} {_gib(d['hbm_capacity_bytes']):>7} "
-                   f"{100 * d['hbm_used_bytes'] / d['hbm_capacity_bytes']:>5.1f} {_gib(d['weights_bytes']):>8} "
-                   f"{_gib(d['optimizer_bytes']):>7} {_gib(d['buffers_bytes']):>7} "
-                   f"{_gib(d['activations_bytes']):>7} {_gib(d['reserved_bytes']):>8} "
-                   f"{d['estimated_time_ms']:>7.3f} {d['lookup_ms']:>7.3f} {d['update_ms']:>7.3f} "
-                   f"{d['comm_ms']:>7.3f}")
+        out.append(
+            f"{d['rank']:>4} {_gib(d['hbm_used_bytes']):>7} {_gib(d['hbm_capacity_bytes']):>7} "
+            f"{100 * d['hbm_used_bytes'] / d['hbm_capacity_bytes']:>5.1f} {_gib(d['weights_bytes']):>8} "
+            f"{_gib(d['optimizer_bytes']):>7} {_gib(d['buffers_bytes']):>7} "
+            f"{_gib(d['activations_bytes']):>7} {_gib(d['reserved_bytes']):>8} "
+            f"{d['estimated_time_ms']:>7.3f} {d['lookup_ms']:>7.3f} {d['update_ms']:>7.3f} "
+            f"{d['comm_ms']:>7.3f}"
+        )
     out += ["", f"top {top} tables by time"]
     for t in sorted(report["tables"], key=lambda t: -t["time_ms"])[:top]:
-        out.append(f"  {t['name']:<12} {t['time_ms']:8.3f} ms summed over {len(t['shards'])} shard(s), "
-                   f"{t['sharding_type']}")
+        out.append(
+            f"  {t['name']:<12} {t['time_ms']:8.3f} ms summed over {len(t['shards'])} shard(s), {t['sharding_type']}"
+        )
     return "\n".join(out)
 
 
@@ -160,9 +213,11 @@ def diff_reports(a: dict, b: dict) -> str:
     ta = {t["name"]: t for t in a["tables"]}
     tb = {t["name"]: t for t in b["tables"]}
     out = [f"A: {a['topology']} {a['world_size']} devices; B: {b['topology']} {b['world_size']} devices"]
-    for key, label, fmt in (("estimated_step_time_ms", "step time ms", "{:.4g}"),
-                            ("time_imbalance", "time imbalance", "{:.2f}"),
-                            ("hbm_imbalance", "HBM imbalance", "{:.2f}")):
+    for key, label, fmt in (
+        ("estimated_step_time_ms", "step time ms", "{:.4g}"),
+        ("time_imbalance", "time imbalance", "{:.2f}"),
+        ("hbm_imbalance", "HBM imbalance", "{:.2f}"),
+    ):
         out.append(f"{label:<16} {fmt.format(a[key])} -> {fmt.format(b[key])}")
     max_a = max(d["hbm_used_bytes"] for d in a["devices"])
     max_b = max(d["hbm_used_bytes"] for d in b["devices"])
@@ -179,10 +234,15 @@ def diff_reports(a: dict, b: dict) -> str:
         sy = [(s["rank"], s["offsets"], s["sizes"]) for s in y["shards"]]
         if (x["sharding_type"], x["compute_kernel"], sx) != (y["sharding_type"], y["compute_kernel"], sy):
             changed += 1
-            out.append(f"  {name}: {x['sharding_type']} ranks {_ranks(x['ranks'])} -> "
-                       f"{y['sharding_type']} ranks {_ranks(y['ranks'])}"
-                       + (f" (kernel {x['compute_kernel']} -> {y['compute_kernel']})"
-                          if x["compute_kernel"] != y["compute_kernel"] else ""))
+            out.append(
+                f"  {name}: {x['sharding_type']} ranks {_ranks(x['ranks'])} -> "
+                f"{y['sharding_type']} ranks {_ranks(y['ranks'])}"
+                + (
+                    f" (kernel {x['compute_kernel']} -> {y['compute_kernel']})"
+                    if x["compute_kernel"] != y["compute_kernel"]
+                    else ""
+                )
+            )
     out.insert(1, f"{changed} of {len(set(ta) | set(tb))} tables differ")
     return "\n".join(out)
 
@@ -200,9 +260,17 @@ def _topology_for(name: str, **assumptions):
     return make_topology(name, None, "tpu", **assumptions)
 
 
-def plan_tables(tables: list[TableSpec], topology: str, *, batch_size: int, optimizer: str,
-                model: Optional[str] = None, sc_gather_fraction: Optional[float] = None,
-                dcn_bw_per_host: Optional[float] = None, headroom_fraction: Optional[float] = None) -> dict:
+def plan_tables(
+    tables: list[TableSpec],
+    topology: str,
+    *,
+    batch_size: int,
+    optimizer: str,
+    model: str | None = None,
+    sc_gather_fraction: float | None = None,
+    dcn_bw_per_host: float | None = None,
+    headroom_fraction: float | None = None,
+) -> dict:
     """Plan an EmbeddingBagCollection of `tables` (on the meta device) and return its report."""
     import torch
     from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
@@ -211,30 +279,64 @@ def plan_tables(tables: list[TableSpec], topology: str, *, batch_size: int, opti
     from tpurec.sharding import planner as P
 
     topo = _topology_for(topology, sc_gather_fraction=sc_gather_fraction, dcn_bw_per_host=dcn_bw_per_host)
-    ebc = EmbeddingBagCollection(tables=[
-        EmbeddingBagConfig(name=t.name, embedding_dim=t.embedding_dim, num_embeddings=t.num_embeddings,
-                           feature_names=[t.feature], pooling=PoolingType.SUM) for t in tables
-    ], device=torch.device("meta"))
+    ebc = EmbeddingBagCollection(
+        tables=[
+            EmbeddingBagConfig(
+                name=t.name,
+                embedding_dim=t.embedding_dim,
+                num_embeddings=t.num_embeddings,
+                feature_names=[t.feature],
+                pooling=PoolingType.SUM,
+            )
+            for t in tables
+        ],
+        device=torch.device("meta"),
+    )
     headroom = P.DEFAULT_HEADROOM_FRACTION if headroom_fraction is None else headroom_fraction
     reservation = P.TpuStorageReservation(headroom_fraction=headroom)
-    plan = P.plan(ebc, topo, batch_size=batch_size, optimizer=optimizer, storage_reservation=reservation,
-                  constraints=P.pooling_constraints({t.name: t.pooling_factor for t in tables}))
+    plan = P.plan(
+        ebc,
+        topo,
+        batch_size=batch_size,
+        optimizer=optimizer,
+        storage_reservation=reservation,
+        constraints=P.pooling_constraints({t.name: t.pooling_factor for t in tables}),
+    )
     cap = topo.spec.generation.hbm_bytes
-    return build_report(plan, tables, topo.spec, batch_size=batch_size, optimizer=optimizer,
-                        compute_device=topo.compute_device, reserved=reservation.amount(ebc, batch_size, cap),
-                        headroom_fraction=headroom, model=model)
+    return build_report(
+        plan,
+        tables,
+        topo.spec,
+        batch_size=batch_size,
+        optimizer=optimizer,
+        compute_device=topo.compute_device,
+        reserved=reservation.amount(ebc, batch_size, cap),
+        headroom_fraction=headroom,
+        model=model,
+    )
 
 
 def report_from_plan_and_meta(plan, meta: dict) -> dict:
     if not meta.get("tables") or not meta.get("topology"):
-        raise ValueError("this plan file has no meta (tables, topology, batch size); save it with "
-                         "tpurec plan --format json, or plan_io.save_plan(plan, path, meta=report['meta'])")
-    topo = _topology_for(meta["topology"], sc_gather_fraction=meta.get("sc_gather_fraction"),
-                         dcn_bw_per_host=meta.get("dcn_bw_per_host"))
+        raise ValueError(
+            "this plan file has no meta (tables, topology, batch size); save it with "
+            "tpurec plan --format json, or plan_io.save_plan(plan, path, meta=report['meta'])"
+        )
+    topo = _topology_for(
+        meta["topology"], sc_gather_fraction=meta.get("sc_gather_fraction"), dcn_bw_per_host=meta.get("dcn_bw_per_host")
+    )
     tables = [TableSpec(**t) for t in meta["tables"]]
-    return build_report(plan, tables, topo.spec, batch_size=meta["batch_size"], optimizer=meta["optimizer"],
-                        compute_device=meta.get("compute_device", "tpu"), reserved=meta.get("reserved_bytes", 0),
-                        headroom_fraction=meta.get("headroom_fraction", 0.0), model=meta.get("model"))
+    return build_report(
+        plan,
+        tables,
+        topo.spec,
+        batch_size=meta["batch_size"],
+        optimizer=meta["optimizer"],
+        compute_device=meta.get("compute_device", "tpu"),
+        reserved=meta.get("reserved_bytes", 0),
+        headroom_fraction=meta.get("headroom_fraction", 0.0),
+        model=meta.get("model"),
+    )
 
 
 def report_from_file(path) -> dict:

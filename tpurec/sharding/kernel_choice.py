@@ -6,8 +6,9 @@ for kernels it does not know, and it makes the sharded EBC leave state_dict hand
 which we need because the SparseCore table is stored MOD-partitioned, not in natural row order.
 UNFUSED_TPU is avoided: TorchRec wires it to its own unfused Pallas kernel and GPU placeholder costs.
 """
-from torchrec.distributed.types import ShardingType
+
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.types import ShardingType
 
 COMPUTE_KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
 

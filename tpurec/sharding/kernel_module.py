@@ -5,6 +5,7 @@ features that feed them, in order. Every shard becomes a kernel table of its loc
 shard, rows are MOD-partitioned over this device's SparseCores by the kernel. The fused optimizer
 comes from the per-table fused params TorchRec derived from `apply_optimizer_in_backward`.
 """
+
 from __future__ import annotations
 
 from typing import Iterator
@@ -23,8 +24,9 @@ _POOLING = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 
 
 class SparseCoreEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
-    def __init__(self, config: GroupedEmbeddingConfig, device: torch.device | None, num_sc_per_device: int,
-                 sharding_type=None) -> None:
+    def __init__(
+        self, config: GroupedEmbeddingConfig, device: torch.device | None, num_sc_per_device: int, sharding_type=None
+    ) -> None:
         super().__init__()
         # Row-wise shards see only part of each bag: TorchRec sums there and divides by the full bag
         # length after the reduce-scatter (its mean-pooling callback), so the kernel must sum.
@@ -32,8 +34,10 @@ class SparseCoreEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
         self._config = config
         specs = {spec_from_fused_params(t.fused_params, t.name) for t in config.embedding_tables}
         if len(specs) != 1:
-            raise ValueError(f"tables {[t.name for t in config.embedding_tables]} grouped together use different "
-                             f"fused optimizers {specs}; TorchRec groups tables by fused params, so this is a bug")
+            raise ValueError(
+                f"tables {[t.name for t in config.embedding_tables]} grouped together use different "
+                f"fused optimizers {specs}; TorchRec groups tables by fused params, so this is a bug"
+            )
         (spec,) = specs
         # Shard k of table t gets the kernel name "t/k" (a rank may hold several column shards of t)
         # and its features become slots "index:feature" (a feature repeats across those shards).
@@ -50,11 +54,17 @@ class SparseCoreEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
             if t.pooling not in _POOLING:
                 raise ValueError(f"table {t.name!r}: pooling {t.pooling} is not supported (SUM or MEAN)")
             pooling = "sum" if rowwise else _POOLING[t.pooling]
-            tables.append(KernelTable(kname, t.local_rows, t.local_cols, tuple(slots), pooling,
-                                      init_rows=t.num_embeddings))
+            tables.append(
+                KernelTable(kname, t.local_rows, t.local_cols, tuple(slots), pooling, init_rows=t.num_embeddings)
+            )
             self.shards.append((t.name, kname, t.local_metadata))
         self.kernel = SparseCoreKernel(
-            tables, spec, num_sc_per_device, is_weighted=config.is_weighted, device=device, positional=True,
+            tables,
+            spec,
+            num_sc_per_device,
+            is_weighted=config.is_weighted,
+            device=device,
+            positional=True,
             max_ids_per_partition=_fused_int(config, "max_ids_per_partition"),
             max_unique_ids_per_partition=_fused_int(config, "max_unique_ids_per_partition"),
             allow_id_dropping=bool((config.embedding_tables[0].fused_params or {}).get("allow_id_dropping", False)),

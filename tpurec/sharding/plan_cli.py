@@ -8,6 +8,7 @@ Forms:
 itself, so its flags need no sub-command. Exit code 2 when the plan does not fit. Heavy imports
 happen when a command runs, so `tpurec --help` stays fast.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,11 +36,13 @@ A `--format json` report is also a plan file: tpurec.sharding.plan_io.load_plan 
 
 def register(sub) -> None:
     p = sub.add_parser(
-        "plan", help="plan embedding sharding for a TPU slice, or show / diff saved plans",
+        "plan",
+        help="plan embedding sharding for a TPU slice, or show / diff saved plans",
         description="Plan embedding-table sharding for a TPU slice with tpurec's HBM and time model "
-                    "(no TPU needed), or inspect saved plans: 'tpurec plan show PLAN.json', "
-                    "'tpurec plan diff A.json B.json'.",
-        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "(no TPU needed), or inspect saved plans: 'tpurec plan show PLAN.json', "
+        "'tpurec plan diff A.json B.json'.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", choices=MODEL_NAMES, help="a named table set")
@@ -48,38 +51,60 @@ def register(sub) -> None:
     p.add_argument("--batch-size", type=int, default=256, help="batch size per device (default 256)")
     from tpurec.embedding.optimizers.registry import spec_names  # lists modules, imports no torch
 
-    p.add_argument("--optimizer", choices=spec_names(), default="rowwise_adagrad",
-                   help="fused embedding optimizer, for optimizer-state bytes (default rowwise_adagrad)")
+    p.add_argument(
+        "--optimizer",
+        choices=spec_names(),
+        default="rowwise_adagrad",
+        help="fused embedding optimizer, for optimizer-state bytes (default rowwise_adagrad)",
+    )
     _output_flags(p, default="text")
-    p.add_argument("--sc-gather-fraction", type=float, default=None,
-                   help="assumed SparseCore gather bandwidth as a fraction of HBM bandwidth (default 0.3)")
-    p.add_argument("--dcn-gbps", type=float, default=None,
-                   help="assumed DCN bandwidth per host in GB/s across slices (default 25)")
-    p.add_argument("--headroom", type=float, default=None,
-                   help="fraction of HBM kept free for runtime and fragmentation (default 0.05)")
+    p.add_argument(
+        "--sc-gather-fraction",
+        type=float,
+        default=None,
+        help="assumed SparseCore gather bandwidth as a fraction of HBM bandwidth (default 0.3)",
+    )
+    p.add_argument(
+        "--dcn-gbps", type=float, default=None, help="assumed DCN bandwidth per host in GB/s across slices (default 25)"
+    )
+    p.add_argument(
+        "--headroom",
+        type=float,
+        default=None,
+        help="fraction of HBM kept free for runtime and fragmentation (default 0.05)",
+    )
     p.set_defaults(run=run)
 
     # Not required: without a sub-command, `tpurec plan` plans (the flags above).
-    actions = p.add_subparsers(dest="action", metavar="{show,diff}",
-                               title="saved plans (omit to plan a table set)")
-    show = actions.add_parser("show", help="re-report a saved plan (recomputed from the plan and its meta)",
-                              description="Re-report a saved plan file (a `tpurec plan --format json` report, "
-                                          "or `tpurec train --save-plan`): recomputed from the plan and its meta.")
+    actions = p.add_subparsers(dest="action", metavar="{show,diff}", title="saved plans (omit to plan a table set)")
+    show = actions.add_parser(
+        "show",
+        help="re-report a saved plan (recomputed from the plan and its meta)",
+        description="Re-report a saved plan file (a `tpurec plan --format json` report, "
+        "or `tpurec train --save-plan`): recomputed from the plan and its meta.",
+    )
     show.add_argument("files", nargs="*", metavar="PLAN.json", help="the plan file")
     # SUPPRESS: `tpurec plan --format json show P.json` keeps working (the flag given before `show`).
     _output_flags(show, default=argparse.SUPPRESS)
     show.set_defaults(run=_show)
-    diff = actions.add_parser("diff", help="compare two saved plans",
-                              description="Which tables moved between two saved plans, and the step time, "
-                                          "imbalance and largest HBM use before and after.")
+    diff = actions.add_parser(
+        "diff",
+        help="compare two saved plans",
+        description="Which tables moved between two saved plans, and the step time, "
+        "imbalance and largest HBM use before and after.",
+    )
     diff.add_argument("files", nargs="*", metavar="PLAN.json", help="two plan files: A.json B.json")
     diff.set_defaults(run=_diff)
 
 
 def _output_flags(p, default) -> None:
     p.add_argument("--format", choices=("text", "json", "html", "png"), default=default)
-    p.add_argument("--out", metavar="FILE", default=None if default == "text" else default,
-                   help="write here instead of stdout (png: default plan.png)")
+    p.add_argument(
+        "--out",
+        metavar="FILE",
+        default=None if default == "text" else default,
+        help="write here instead of stdout (png: default plan.png)",
+    )
 
 
 def _load_tables(path: str):
@@ -114,8 +139,9 @@ def _emit(report: dict, fmt: str, out: str | None) -> None:
             f.write(data)
         print(f"wrote {out or 'plan.png'}", file=sys.stderr)
         return
-    text = {"text": inspect.format_text, "html": render.html_page,
-            "json": lambda r: json.dumps(r, indent=1)}[fmt](report)
+    text = {"text": inspect.format_text, "html": render.html_page, "json": lambda r: json.dumps(r, indent=1)}[fmt](
+        report
+    )
     if out:
         with open(out, "w") as f:
             f.write(text + "\n")
@@ -138,9 +164,14 @@ def _plan(args) -> int:
         tables, model = _load_tables(args.tables), args.tables
     try:
         report = inspect.plan_tables(
-            tables, args.topology, batch_size=args.batch_size, optimizer=args.optimizer, model=model,
+            tables,
+            args.topology,
+            batch_size=args.batch_size,
+            optimizer=args.optimizer,
+            model=model,
             sc_gather_fraction=args.sc_gather_fraction,
-            dcn_bw_per_host=args.dcn_gbps * 1e9 if args.dcn_gbps else None, headroom_fraction=args.headroom,
+            dcn_bw_per_host=args.dcn_gbps * 1e9 if args.dcn_gbps else None,
+            headroom_fraction=args.headroom,
         )
     except inspect.PlanDoesNotFit as e:
         print(f"tpurec plan: {e}", file=sys.stderr)

@@ -11,17 +11,18 @@ torchrec has only a private `_serialize` and no loader, so this is our own versi
 
 A `tpurec plan --format json` report embeds the same object under "plan", so either file loads.
 """
+
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 FORMAT = "tpurec-sharding-plan"
 VERSION = 1
 
 
-def plan_to_dict(plan, meta: Optional[dict] = None) -> dict:
+def plan_to_dict(plan, meta: dict | None = None) -> dict:
     from torchrec.distributed.types import EnumerableShardingSpec
 
     modules: dict[str, Any] = {}
@@ -37,7 +38,9 @@ def plan_to_dict(plan, meta: Optional[dict] = None) -> dict:
                 "sharding_type": ps.sharding_type,
                 "compute_kernel": ps.compute_kernel,
                 "ranks": list(ps.ranks) if ps.ranks is not None else None,
-                "shards": None if spec is None else [
+                "shards": None
+                if spec is None
+                else [
                     {"offsets": list(s.shard_offsets), "sizes": list(s.shard_sizes), "placement": str(s.placement)}
                     for s in spec.shards
                 ],
@@ -86,11 +89,16 @@ def plan_from_dict(doc: dict):
         for name, p in params.items():
             spec = None
             if p["shards"] is not None:
-                spec = EnumerableShardingSpec([
-                    ShardMetadata(shard_offsets=list(s["offsets"]), shard_sizes=list(s["sizes"]),
-                                  placement=_placement(s["placement"]))
-                    for s in p["shards"]
-                ])
+                spec = EnumerableShardingSpec(
+                    [
+                        ShardMetadata(
+                            shard_offsets=list(s["offsets"]),
+                            shard_sizes=list(s["sizes"]),
+                            placement=_placement(s["placement"]),
+                        )
+                        for s in p["shards"]
+                    ]
+                )
             module_plan[name] = ParameterSharding(
                 sharding_type=p["sharding_type"],
                 compute_kernel=p["compute_kernel"],
@@ -105,7 +113,7 @@ def plan_from_dict(doc: dict):
     return ShardingPlan(plan)
 
 
-def save_plan(plan, path, meta: Optional[dict] = None) -> None:
+def save_plan(plan, path, meta: dict | None = None) -> None:
     Path(path).write_text(json.dumps(plan_to_dict(plan, meta), indent=1) + "\n")
 
 

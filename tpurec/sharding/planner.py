@@ -5,10 +5,11 @@ reservation for what is not an embedding shard, an enumerator that drops options
 kernel cannot run, and a planning-time sharder that offers only our kernel and sharding types.
 The result is a standard `ShardingPlan`.
 """
+
 from __future__ import annotations
 
 import copy
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 from torch import nn
@@ -83,12 +84,17 @@ class TpuStorageReservation(StorageReservation):
     def __init__(self, headroom_fraction: float = DEFAULT_HEADROOM_FRACTION, dense_bytes: int = 0) -> None:
         self._headroom = headroom_fraction
         self._extra = dense_bytes
-        self._last: Optional[Topology] = None
+        self._last: Topology | None = None
         self.reserved_bytes = 0
 
-    def reserve(self, topology: Topology, batch_size: int, module: nn.Module,
-                sharders: List[ModuleSharder[nn.Module]],
-                constraints: Optional[Dict[str, ParameterConstraints]] = None) -> Topology:
+    def reserve(
+        self,
+        topology: Topology,
+        batch_size: int,
+        module: nn.Module,
+        sharders: List[ModuleSharder[nn.Module]],
+        constraints: Dict[str, ParameterConstraints] | None = None,
+    ) -> Topology:
         reserved = copy.deepcopy(topology)
         on_cpu = topology.compute_device == "cpu"
         for device in reserved.devices:
@@ -109,11 +115,11 @@ class TpuStorageReservation(StorageReservation):
         return int(dense * DENSE_BYTES_PER_PARAM_BYTE + pooled + self._extra + self._headroom * capacity)
 
     @property
-    def last_reserved_topology(self) -> Optional[Topology]:
+    def last_reserved_topology(self) -> Topology | None:
         return copy.deepcopy(self._last)
 
 
-def infer_optimizer(module: nn.Module, sharders: Optional[List[ModuleSharder]] = None) -> Optional[str]:
+def infer_optimizer(module: nn.Module, sharders: List[ModuleSharder] | None = None) -> str | None:
     """The fused optimizer the tables will train with, from apply_optimizer_in_backward settings
     or sharder fused_params; the one with the most state if tables differ; None if unknown."""
     found = set()
@@ -130,8 +136,10 @@ def infer_optimizer(module: nn.Module, sharders: Optional[List[ModuleSharder]] =
             found.add(spec_name_for(key) or key)
     unknown = found - set(spec_names())
     if unknown:
-        raise ValueError(f"optimizer(s) {sorted(unknown)} not supported by the fused SparseCore update; "
-                         f"one of {sorted(spec_names())}")
+        raise ValueError(
+            f"optimizer(s) {sorted(unknown)} not supported by the fused SparseCore update; "
+            f"one of {sorted(spec_names())}"
+        )
     if not found:
         return None
     return max(found, key=lambda o: spec_class(o).state_bytes_per_row(DIM_ALIGN))
@@ -161,14 +169,15 @@ class CriticalDeviceProposer(Proposer):
             self._options.setdefault(o.fqn, []).append(o)
         for opts in self._options.values():
             opts.sort(key=lambda o: (-self._depth(o), o.total_perf))  # deepest (least spread) first
-        self._next: Optional[Dict[str, int]] = {
-            f: min(range(len(v)), key=lambda i: v[i].total_perf) for f, v in self._options.items()}
+        self._next: Dict[str, int] | None = {
+            f: min(range(len(v)), key=lambda i: v[i].total_perf) for f, v in self._options.items()
+        }
         # If the cheapest start does not fit, start again fully spread.
-        self._fallback: Optional[Dict[str, int]] = {f: len(v) - 1 for f, v in self._options.items()}
-        self._current: Optional[Dict[str, int]] = None
+        self._fallback: Dict[str, int] | None = {f: len(v) - 1 for f, v in self._options.items()}
+        self._current: Dict[str, int] | None = None
         self._count = 0
 
-    def propose(self) -> Optional[List[ShardingOption]]:
+    def propose(self) -> List[ShardingOption] | None:
         if self._next is None or self._count >= self._max:
             return None
         self._current, self._next = self._next, None
@@ -196,19 +205,33 @@ class CriticalDeviceProposer(Proposer):
         self._next = None
 
 
-def make_planner(topology: Topology, *, batch_size: int, constraints=None, optimizer: str = "sgd",
-                 storage_reservation: Optional[StorageReservation] = None) -> EmbeddingShardingPlanner:
-    estimators = [TpuPerfEstimator(topology, constraints, optimizer),
-                  TpuStorageEstimator(topology, constraints, optimizer)]
+def make_planner(
+    topology: Topology,
+    *,
+    batch_size: int,
+    constraints=None,
+    optimizer: str = "sgd",
+    storage_reservation: StorageReservation | None = None,
+) -> EmbeddingShardingPlanner:
+    estimators = [
+        TpuPerfEstimator(topology, constraints, optimizer),
+        TpuStorageEstimator(topology, constraints, optimizer),
+    ]
     return EmbeddingShardingPlanner(
         topology=topology,
         batch_size=batch_size,
-        enumerator=TpuEnumerator(topology=topology, batch_size=batch_size, constraints=constraints,
-                                 estimator=estimators),
+        enumerator=TpuEnumerator(
+            topology=topology, batch_size=batch_size, constraints=constraints, estimator=estimators
+        ),
         storage_reservation=storage_reservation or TpuStorageReservation(),
         # torchrec's default proposers, then ours (see CriticalDeviceProposer)
-        proposer=[GridSearchProposer(), GreedyProposer(), GreedyProposer(use_depth=False), UniformProposer(),
-                  CriticalDeviceProposer()],
+        proposer=[
+            GridSearchProposer(),
+            GreedyProposer(),
+            GreedyProposer(use_depth=False),
+            UniformProposer(),
+            CriticalDeviceProposer(),
+        ],
         constraints=constraints,
         debug=False,
     )
@@ -229,10 +252,20 @@ def _refusal(module, topology, batch_size, constraints, optimizer, reservation) 
     costs = {}
     for cfg in _table_configs(module):
         pf = sum((constraints or {}).get(cfg.name, ParameterConstraints()).pooling_factors or [1.0])
-        costs[cfg.name] = (cfg, shard_cost(
-            sharding_type="table_wise", rows=cfg.num_embeddings, cols=cfg.embedding_dim, pooling_factor=pf,
-            batch_per_device=batch_size, world_size=topology.world_size, num_shards=1, spec=spec,
-            optimizer=optimizer))
+        costs[cfg.name] = (
+            cfg,
+            shard_cost(
+                sharding_type="table_wise",
+                rows=cfg.num_embeddings,
+                cols=cfg.embedding_dim,
+                pooling_factor=pf,
+                batch_per_device=batch_size,
+                world_size=topology.world_size,
+                num_shards=1,
+                spec=spec,
+                optimizer=optimizer,
+            ),
+        )
     name, (cfg, c) = max(costs.items(), key=lambda kv: kv[1][1].bytes)
     at_least = sum(x.weights + x.optimizer for _, x in costs.values())
     return (
@@ -262,11 +295,11 @@ def plan(
     topology: Topology,
     *,
     batch_size: int,
-    constraints: Optional[Dict[str, ParameterConstraints]] = None,
-    sharders: Optional[List[ModuleSharder[nn.Module]]] = None,
-    optimizer: Optional[str] = None,
+    constraints: Dict[str, ParameterConstraints] | None = None,
+    sharders: List[ModuleSharder[nn.Module]] | None = None,
+    optimizer: str | None = None,
     pg=None,
-    storage_reservation: Optional[TpuStorageReservation] = None,
+    storage_reservation: TpuStorageReservation | None = None,
 ) -> ShardingPlan:
     """Plan `module` (a model holding EmbeddingBagCollections, meta tensors fine) on `topology`.
 
@@ -277,8 +310,9 @@ def plan(
     optimizer = optimizer or infer_optimizer(module, sharders) or "sgd"
     sharders = sharders or [TpuPlanningSharder()]
     reservation = storage_reservation or TpuStorageReservation()
-    planner = make_planner(topology, batch_size=batch_size, constraints=constraints, optimizer=optimizer,
-                           storage_reservation=reservation)
+    planner = make_planner(
+        topology, batch_size=batch_size, constraints=constraints, optimizer=optimizer, storage_reservation=reservation
+    )
     # Fast refusal: weights + optimizer state alone exceed the slice's free memory.
     caps = [d.storage.ddr if topology.compute_device == "cpu" else d.storage.hbm for d in topology.devices]
     free = sum(c - reservation.amount(module, batch_size, c) for c in caps)
@@ -294,10 +328,20 @@ def plan(
 
 def _lower_bound_bytes(module: nn.Module, optimizer: str) -> int:
     """Weights + optimizer state of every table, unpadded: no plan can need less."""
-    return sum(cfg.num_embeddings * cfg.embedding_dim * 4
-               + spec_class(optimizer).state_bytes(cfg.num_embeddings, cfg.embedding_dim)
-               for cfg in _table_configs(module))
+    return sum(
+        cfg.num_embeddings * cfg.embedding_dim * 4
+        + spec_class(optimizer).state_bytes(cfg.num_embeddings, cfg.embedding_dim)
+        for cfg in _table_configs(module)
+    )
 
 
-__all__ = ["plan", "make_planner", "PlanDoesNotFit", "TpuPlanningSharder", "TpuEnumerator",
-           "TpuStorageReservation", "infer_optimizer", "pooling_constraints"]
+__all__ = [
+    "plan",
+    "make_planner",
+    "PlanDoesNotFit",
+    "TpuPlanningSharder",
+    "TpuEnumerator",
+    "TpuStorageReservation",
+    "infer_optimizer",
+    "pooling_constraints",
+]

@@ -1,4 +1,5 @@
 """PNG and HTML pictures of a plan report: per-device stacked HBM bars and per-device time bars."""
+
 from __future__ import annotations
 
 import base64
@@ -7,9 +8,13 @@ import io
 
 from tpurec.sharding.topology import GiB
 
-_HBM_PARTS = (("weights_bytes", "table weights"), ("optimizer_bytes", "optimizer state"),
-              ("buffers_bytes", "SparseCore buffers"), ("activations_bytes", "pooled activations+grads"),
-              ("reserved_bytes", "reserved (dense, headroom)"))
+_HBM_PARTS = (
+    ("weights_bytes", "table weights"),
+    ("optimizer_bytes", "optimizer state"),
+    ("buffers_bytes", "SparseCore buffers"),
+    ("activations_bytes", "pooled activations+grads"),
+    ("reserved_bytes", "reserved (dense, headroom)"),
+)
 _TIME_PARTS = (("lookup_ms", "SparseCore lookup"), ("update_ms", "fused update"), ("comm_ms", "communication"))
 
 
@@ -34,15 +39,22 @@ def png_bytes(report: dict) -> bytes:
     ax_m.set_ylabel("HBM per device (GiB)")
     ax_m.legend(loc="upper right", fontsize=8, ncol=3)
     fits = "fits" if report["fits"] else "DOES NOT FIT"
-    ax_m.set_title(f"{report.get('model') or 'plan'} on {report['topology']}: {report['world_size']} devices, "
-                   f"batch {report['batch_size_per_device']}/device, {report['optimizer']} - {fits}")
+    ax_m.set_title(
+        f"{report.get('model') or 'plan'} on {report['topology']}: {report['world_size']} devices, "
+        f"batch {report['batch_size_per_device']}/device, {report['optimizer']} - {fits}"
+    )
     bottom = [0.0] * len(ranks)
     for key, label in _TIME_PARTS:
         vals = [d[key] for d in devices]
         ax_t.bar(ranks, vals, bottom=bottom, label=label, width=0.85)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    ax_t.axhline(report["estimated_step_time_ms"], color="black", linestyle=":", linewidth=1,
-                 label=f"step (max) {report['estimated_step_time_ms']:.3f} ms")
+    ax_t.axhline(
+        report["estimated_step_time_ms"],
+        color="black",
+        linestyle=":",
+        linewidth=1,
+        label=f"step (max) {report['estimated_step_time_ms']:.3f} ms",
+    )
     ax_t.set_ylim(0, max(bottom) * 1.3 or 1.0)
     ax_t.set_ylabel("estimated time per step (ms)")
     ax_t.set_xlabel("device (torch rank)")
@@ -66,14 +78,14 @@ def html_page(report: dict) -> str:
     )
     status = "fits" if report["fits"] else "does NOT fit"
     return f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>tpurec plan: {html.escape(report['topology'])}</title>
+<html><head><meta charset="utf-8"><title>tpurec plan: {html.escape(report["topology"])}</title>
 <style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}}
 td,th{{border:1px solid #ccc;padding:2px 8px;text-align:right}} td:first-child{{text-align:left}}
 pre{{background:#f6f6f6;padding:1em;overflow:auto}}</style></head><body>
-<h1>{html.escape(report.get('model') or 'plan')} on {html.escape(report['topology'])}: {status}</h1>
-<p>{report['world_size']} devices; estimated embedding step time
-<b>{report['estimated_step_time_ms']:.3f} ms</b>; imbalance (max/mean) time {report['time_imbalance']:.2f},
-HBM {report['hbm_imbalance']:.2f}.</p>
+<h1>{html.escape(report.get("model") or "plan")} on {html.escape(report["topology"])}: {status}</h1>
+<p>{report["world_size"]} devices; estimated embedding step time
+<b>{report["estimated_step_time_ms"]:.3f} ms</b>; imbalance (max/mean) time {report["time_imbalance"]:.2f},
+HBM {report["hbm_imbalance"]:.2f}.</p>
 <img alt="per-device HBM and time" src="data:image/png;base64,{img}" style="max-width:100%">
 <h2>Tables</h2><table><tr><th>name</th><th>rows</th><th>dim</th><th>sharding</th><th>kernel</th>
 <th>shards</th><th>GiB</th><th>ms</th></tr>{rows}</table>

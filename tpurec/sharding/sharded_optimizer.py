@@ -13,6 +13,7 @@ in-place checkpoint load lands in the live tables; the base (`tpurec.embedding.f
 KernelFusedOptimizer`) handles step counts; this class only adds the ShardedTensor wrapping and the
 row-wise layout.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -59,7 +60,7 @@ class ShardedSparseCoreOptimizer(KernelFusedOptimizer):
             weight = self._sharded(None, local, weight_meta, pg)
             params[f"embedding_bags.{table}.weight"] = weight
             entry = {}
-            for name in (spec.state_names if spec else ()):
+            for name in spec.state_names if spec else ():
                 if len(spec.state_shape(name, cfg.num_embeddings, cfg.embedding_dim)) == 1:
                     meta, offsets = _rowwise_metadata(weight_meta, cfg.num_embeddings)
                     local_1d = [(kn, offsets[tuple(m.shard_offsets)], k) for kn, m, k in local]
@@ -91,6 +92,7 @@ def _rowwise_metadata(weight_meta: ShardedTensorMetadata, rows: int):
         off = k * rows + m.shard_offsets[0]
         shards.append(ShardMetadata(shard_offsets=[off], shard_sizes=[m.shard_sizes[0]], placement=m.placement))
         offsets[tuple(m.shard_offsets)] = shards[-1]
-    meta = ShardedTensorMetadata(shards_metadata=shards, size=torch.Size([rows * len(col_offsets)]),
-                                 tensor_properties=_props())
+    meta = ShardedTensorMetadata(
+        shards_metadata=shards, size=torch.Size([rows * len(col_offsets)]), tensor_properties=_props()
+    )
     return meta, offsets

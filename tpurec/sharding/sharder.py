@@ -9,9 +9,10 @@ ShardedTensor state); only the compute kernel inside each shard changes. The pie
   `SparseCoreEmbeddingBag` and state_dict handling for the MOD-partitioned tables;
 * `SparseCoreGroupedLookup`: TorchRec's grouped pooled lookup, creating our kernel.
 """
+
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import torch
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
@@ -22,11 +23,10 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder, Sha
 from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingSharding
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
 
-from tpurec.sharding.kernel_choice import COMPUTE_KERNEL, SHARDING_TYPES
-from tpurec.sharding.kernel_module import SparseCoreEmbeddingBag
-
 from tpurec.embedding.constraints import DEFAULT_NUM_SPARSECORES
 from tpurec.embedding.sparsecores import resolve_num_sparsecores
+from tpurec.sharding.kernel_choice import COMPUTE_KERNEL, SHARDING_TYPES
+from tpurec.sharding.kernel_module import SparseCoreEmbeddingBag
 
 
 class SparseCoreGroupedLookup(GroupedPooledEmbeddingsLookup):
@@ -42,20 +42,33 @@ class SparseCoreGroupedLookup(GroupedPooledEmbeddingsLookup):
 
 def _sharding_type_of(sharding) -> ShardingType:
     name = type(sharding).__name__
-    for prefix, st in (("TwRw", ShardingType.TABLE_ROW_WISE), ("TwCw", ShardingType.TABLE_COLUMN_WISE),
-                       ("Tw", ShardingType.TABLE_WISE), ("Cw", ShardingType.COLUMN_WISE), ("Rw", ShardingType.ROW_WISE)):
+    for prefix, st in (
+        ("TwRw", ShardingType.TABLE_ROW_WISE),
+        ("TwCw", ShardingType.TABLE_COLUMN_WISE),
+        ("Tw", ShardingType.TABLE_WISE),
+        ("Cw", ShardingType.COLUMN_WISE),
+        ("Rw", ShardingType.ROW_WISE),
+    ):
         if name.startswith(prefix):
             return st
     raise ValueError(f"tpurec's SparseCore kernel does not support sharding {name} (supported: {SHARDING_TYPES})")
 
 
 class ShardedSparseCoreEBC(ShardedEmbeddingBagCollection):
-    def __init__(self, module, table_name_to_parameter_sharding: Dict[str, ParameterSharding], env: ShardingEnv,
-                 fused_params: Optional[Dict[str, Any]] = None, device: Optional[torch.device] = None,
-                 num_sc_per_device: int = DEFAULT_NUM_SPARSECORES, **kwargs) -> None:
+    def __init__(
+        self,
+        module,
+        table_name_to_parameter_sharding: Dict[str, ParameterSharding],
+        env: ShardingEnv,
+        fused_params: Dict[str, Any] | None = None,
+        device: torch.device | None = None,
+        num_sc_per_device: int = DEFAULT_NUM_SPARSECORES,
+        **kwargs,
+    ) -> None:
         self._num_sc_per_device = num_sc_per_device
-        super().__init__(module, table_name_to_parameter_sharding, env, fused_params=fused_params, device=device,
-                         **kwargs)
+        super().__init__(
+            module, table_name_to_parameter_sharding, env, fused_params=fused_params, device=device, **kwargs
+        )
         self._sc_tables = [t for t, ps in self.module_sharding_plan.items() if ps.compute_kernel == COMPUTE_KERNEL]
         # TorchRec combined each kernel module's own optimizer; replace ours by one keyed per table
         # with ShardedTensor state (what DCP and TorchRec's checkpoints expect), keep any others.
@@ -91,13 +104,21 @@ class ShardedSparseCoreEBC(ShardedEmbeddingBagCollection):
 
     def _create_lookups(self) -> None:
         for sharding in self._embedding_shardings:
-            configs = (sharding._grouped_embedding_configs_per_rank[sharding._rank]
-                       if isinstance(sharding, TwRwPooledEmbeddingSharding) else sharding._grouped_embedding_configs)
-            self._lookups.append(SparseCoreGroupedLookup(
-                grouped_configs=configs, pg=sharding._pg, device=self._device,
-                sharding_type=_sharding_type_of(sharding), env=sharding._env,
-                num_sc_per_device=self._num_sc_per_device,
-            ))
+            configs = (
+                sharding._grouped_embedding_configs_per_rank[sharding._rank]
+                if isinstance(sharding, TwRwPooledEmbeddingSharding)
+                else sharding._grouped_embedding_configs
+            )
+            self._lookups.append(
+                SparseCoreGroupedLookup(
+                    grouped_configs=configs,
+                    pg=sharding._pg,
+                    device=self._device,
+                    sharding_type=_sharding_type_of(sharding),
+                    env=sharding._env,
+                    num_sc_per_device=self._num_sc_per_device,
+                )
+            )
 
     def _sc_shards(self):
         """(table, kernel name, ShardMetadata, kernel module) for every SparseCore shard on this rank."""
@@ -110,7 +131,7 @@ class ShardedSparseCoreEBC(ShardedEmbeddingBagCollection):
 
 def _slice(full: torch.Tensor, meta) -> torch.Tensor:
     (r, c), (nr, nc) = meta.shard_offsets, meta.shard_sizes
-    return full[r:r + nr, c:c + nc]
+    return full[r : r + nr, c : c + nc]
 
 
 def _emit_sharded_weights(module: ShardedSparseCoreEBC, state_dict, prefix, local_metadata):
@@ -123,15 +144,19 @@ def _emit_sharded_weights(module: ShardedSparseCoreEBC, state_dict, prefix, loca
     for table in module._sc_tables:
         cfg = module._table_name_to_config[table]
         spec = module.module_sharding_plan[table].sharding_spec
-        metadata = spec.build_metadata(tensor_sizes=torch.Size([cfg.num_embeddings, cfg.embedding_dim]),
-                                       tensor_properties=TensorProperties(dtype=torch.float32))
-        state_dict[f"{prefix}embedding_bags.{table}.weight"] = ShardedTensor._init_from_local_shards_and_global_metadata(
-            shards[table], metadata, process_group=pg)
+        metadata = spec.build_metadata(
+            tensor_sizes=torch.Size([cfg.num_embeddings, cfg.embedding_dim]),
+            tensor_properties=TensorProperties(dtype=torch.float32),
+        )
+        state_dict[f"{prefix}embedding_bags.{table}.weight"] = (
+            ShardedTensor._init_from_local_shards_and_global_metadata(shards[table], metadata, process_group=pg)
+        )
     return state_dict
 
 
-def _consume_weights(module: ShardedSparseCoreEBC, state_dict, prefix, local_metadata, strict, missing_keys,
-                     unexpected_keys, error_msgs):
+def _consume_weights(
+    module: ShardedSparseCoreEBC, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+):
     """Accept a ShardedTensor (DCP, another tpurec or stock TorchRec model) or a full tensor (an
     unsharded EBC's state_dict) for every SparseCore table and write this rank's shards."""
     mine: Dict[str, list] = {}
@@ -177,15 +202,25 @@ class SparseCoreEBCSharder(EmbeddingBagCollectionSharder):
     SparseCore needs (default: on a TPU only).
     """
 
-    def __init__(self, num_sparsecores: Optional[int] = None, fused_params: Optional[Dict[str, Any]] = None,
-                 max_ids_per_partition: Optional[int] = None, max_unique_ids_per_partition: Optional[int] = None,
-                 allow_id_dropping: bool = False, qcomm_codecs_registry=None,
-                 fixed_limits: Optional[bool] = None, pad_dims: Optional[bool] = None) -> None:
+    def __init__(
+        self,
+        num_sparsecores: int | None = None,
+        fused_params: Dict[str, Any] | None = None,
+        max_ids_per_partition: int | None = None,
+        max_unique_ids_per_partition: int | None = None,
+        allow_id_dropping: bool = False,
+        qcomm_codecs_registry=None,
+        fixed_limits: bool | None = None,
+        pad_dims: bool | None = None,
+    ) -> None:
         fused = dict(fused_params or {})
-        for key, value in (("max_ids_per_partition", max_ids_per_partition),
-                           ("max_unique_ids_per_partition", max_unique_ids_per_partition),
-                           ("allow_id_dropping", allow_id_dropping or None),
-                           ("fixed_limits", fixed_limits), ("pad_dims", pad_dims)):
+        for key, value in (
+            ("max_ids_per_partition", max_ids_per_partition),
+            ("max_unique_ids_per_partition", max_unique_ids_per_partition),
+            ("allow_id_dropping", allow_id_dropping or None),
+            ("fixed_limits", fixed_limits),
+            ("pad_dims", pad_dims),
+        ):
             if value is not None:
                 fused[key] = value
         super().__init__(fused_params=fused, qcomm_codecs_registry=qcomm_codecs_registry)
@@ -199,7 +234,13 @@ class SparseCoreEBCSharder(EmbeddingBagCollectionSharder):
 
     def shard(self, module, params, env, device=None, module_fqn=None) -> ShardedSparseCoreEBC:
         device_type = torch.device(device).type if device is not None else "cpu"
-        return ShardedSparseCoreEBC(module, params, env, fused_params=self.fused_params, device=device,
-                                    num_sc_per_device=resolve_num_sparsecores(self.num_sparsecores, device_type),
-                                    qcomm_codecs_registry=self.qcomm_codecs_registry, module_fqn=module_fqn)
-
+        return ShardedSparseCoreEBC(
+            module,
+            params,
+            env,
+            fused_params=self.fused_params,
+            device=device,
+            num_sc_per_device=resolve_num_sparsecores(self.num_sparsecores, device_type),
+            qcomm_codecs_registry=self.qcomm_codecs_registry,
+            module_fqn=module_fqn,
+        )

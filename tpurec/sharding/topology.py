@@ -4,6 +4,7 @@ Everything here is plain data plus parsing: no TPU, TorchTPU or JAX is needed, s
 for a v5p-128. Units: bytes and bytes per second here; torchrec's `Topology` wants bytes per
 millisecond, converted in `make_topology`. One device = one torch rank.
 """
+
 from __future__ import annotations
 
 import logging
@@ -53,29 +54,84 @@ GENERATIONS: dict[str, Generation] = {
     # bidirectional per chip, 3D torus, 4 chips per host, slice names count TensorCores: v5p-8 = 4
     # chips); jax/_src/tpu_info.py; SparseCores per device from jax-tpu-embedding NUM_SC_PER_DEVICE_MAP.
     # Megacore: the 2 TensorCores of a chip are one device, so one torch rank per chip.
-    "v5p": Generation("v5p", 95 * GiB, 2765 * GB, 459e12, 1200 * GB, "3D torus", 4, 4, 1, "tensorcores",
-                      "cloud.google.com/tpu/docs/v5p; jax/_src/tpu_info.py; jax-tpu-embedding NUM_SC_PER_DEVICE_MAP"),
+    "v5p": Generation(
+        "v5p",
+        95 * GiB,
+        2765 * GB,
+        459e12,
+        1200 * GB,
+        "3D torus",
+        4,
+        4,
+        1,
+        "tensorcores",
+        "cloud.google.com/tpu/docs/v5p; jax/_src/tpu_info.py; jax-tpu-embedding NUM_SC_PER_DEVICE_MAP",
+    ),
     # Source: cloud.google.com/tpu/docs/v6e (32 GB HBM, 1638 GB/s, 918 bf16 TFLOPs, ICI 800 GB/s
     # bidirectional, 2D torus, v6e-8 host = 8 chips, names count chips); SparseCores:
     # jax-tpu-embedding NUM_SC_PER_DEVICE_MAP (2).
-    "v6e": Generation("v6e", 32 * GB, 1638 * GB, 918e12, 800 * GB, "2D torus", 2, 8, 1, "chips",
-                      "cloud.google.com/tpu/docs/v6e; jax/_src/tpu_info.py; jax-tpu-embedding NUM_SC_PER_DEVICE_MAP"),
+    "v6e": Generation(
+        "v6e",
+        32 * GB,
+        1638 * GB,
+        918e12,
+        800 * GB,
+        "2D torus",
+        2,
+        8,
+        1,
+        "chips",
+        "cloud.google.com/tpu/docs/v6e; jax/_src/tpu_info.py; jax-tpu-embedding NUM_SC_PER_DEVICE_MAP",
+    ),
     # Source: cloud.google.com/tpu/docs/tpu7x (per chip: 192 GiB HBM, 7.37 TB/s, 2307 bf16 TFLOPs,
     # ICI 1.2 TB/s bidirectional, 3D torus; 2 TensorCores exposed as 2 devices per chip; 4 chips per
     # host; names count chips). Per-device values below are per-chip / 2. SparseCores per device:
     # jax-tpu-embedding NUM_SC_PER_DEVICE_MAP (2).
-    "v7x": Generation("v7x", 96 * GiB, 3685 * GB, 1153.5e12, 1200 * GB, "3D torus", 2, 4, 2, "chips",
-                      "cloud.google.com/tpu/docs/tpu7x; jax/_src/tpu_info.py; jax-tpu-embedding NUM_SC_PER_DEVICE_MAP"),
+    "v7x": Generation(
+        "v7x",
+        96 * GiB,
+        3685 * GB,
+        1153.5e12,
+        1200 * GB,
+        "3D torus",
+        2,
+        4,
+        2,
+        "chips",
+        "cloud.google.com/tpu/docs/tpu7x; jax/_src/tpu_info.py; jax-tpu-embedding NUM_SC_PER_DEVICE_MAP",
+    ),
     # Source: cloud.google.com/tpu/docs/v5e (16 GB HBM, 819 GB/s, 197 bf16 TFLOPs, ICI 400 GB/s,
     # 2D torus, up to 8 chips per host, v5litepod-N counts chips). No SparseCore.
-    "v5e": Generation("v5e", 16 * GB, 819 * GB, 197e12, 400 * GB, "2D torus", 0, 8, 1, "chips",
-                      "cloud.google.com/tpu/docs/v5e; jax/_src/tpu_info.py"),
+    "v5e": Generation(
+        "v5e",
+        16 * GB,
+        819 * GB,
+        197e12,
+        400 * GB,
+        "2D torus",
+        0,
+        8,
+        1,
+        "chips",
+        "cloud.google.com/tpu/docs/v5e; jax/_src/tpu_info.py",
+    ),
     # Source: cloud.google.com/tpu/docs/v4 (32 GiB HBM, 1200 GB/s, 275 bf16 TFLOPs, 3D torus, 4 chips
     # per host, megacore, names count TensorCores: v4-8 = 4 chips). ICI 300 GB/s per chip is an
     # ASSUMPTION from the v4 docs' link figures. v4 has SparseCores, but no public API drives them,
     # so 0 usable.
-    "v4": Generation("v4", 32 * GiB, 1200 * GB, 275e12, 300 * GB, "3D torus", 0, 4, 1, "tensorcores",
-                     "cloud.google.com/tpu/docs/v4; jax/_src/tpu_info.py"),
+    "v4": Generation(
+        "v4",
+        32 * GiB,
+        1200 * GB,
+        275e12,
+        300 * GB,
+        "3D torus",
+        0,
+        4,
+        1,
+        "tensorcores",
+        "cloud.google.com/tpu/docs/v4; jax/_src/tpu_info.py",
+    ),
 }
 _ALIASES = {"tpu7x": "v7x", "v5litepod": "v5e"}
 
@@ -139,17 +195,28 @@ def parse_slice(name: str, **assumptions) -> SliceSpec:
         raise ValueError(
             f"{name!r}: a {gen.name} slice larger than one host must be whole hosts of {gen.chips_per_host} chips"
         )
-    return SliceSpec(name=name.strip().lower(), generation=gen, chips_per_slice=chips, num_slices=slices,
-                     **assumptions)
+    return SliceSpec(name=name.strip().lower(), generation=gen, chips_per_slice=chips, num_slices=slices, **assumptions)
 
 
-def cpu_spec(world_size: int, *, devices_per_host: int | None = None, num_sc_per_device: int = 4,
-             memory_bytes: int = 64 * GiB) -> SliceSpec:
+def cpu_spec(
+    world_size: int, *, devices_per_host: int | None = None, num_sc_per_device: int = 4, memory_bytes: int = 64 * GiB
+) -> SliceSpec:
     """A dry-run 'generation' for compute_device="cpu": the CPU reference kernel emulates
     `num_sc_per_device` SparseCores per rank; memory is DDR (64 GiB per rank by default, an
     arbitrary but sane dry-run figure), bandwidths are nominal host figures (assumptions)."""
-    gen = Generation("cpu", memory_bytes, 50 * GB, 1e12, 50 * GB, "host", num_sc_per_device,
-                     devices_per_host or world_size, 1, "chips", "dry-run defaults (assumptions)")
+    gen = Generation(
+        "cpu",
+        memory_bytes,
+        50 * GB,
+        1e12,
+        50 * GB,
+        "host",
+        num_sc_per_device,
+        devices_per_host or world_size,
+        1,
+        "chips",
+        "dry-run defaults (assumptions)",
+    )
     return SliceSpec(name=f"cpu-{world_size}", generation=gen, chips_per_slice=world_size)
 
 
@@ -232,8 +299,11 @@ def make_topology(
         raise ValueError(
             f"{spec.generation.name} has no usable SparseCores; tpurec's embedding kernel needs v5p, v6e or v7x"
         )
-    overrides = {k: v for k, v in (("dcn_bw_per_host", dcn_bw_per_host),
-                                   ("sc_gather_fraction", sc_gather_fraction)) if v is not None}
+    overrides = {
+        k: v
+        for k, v in (("dcn_bw_per_host", dcn_bw_per_host), ("sc_gather_fraction", sc_gather_fraction))
+        if v is not None
+    }
     spec = replace(spec, **overrides)
     gen = spec.generation
     cap = hbm_cap if hbm_cap is not None else gen.hbm_bytes

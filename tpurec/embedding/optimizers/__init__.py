@@ -7,8 +7,12 @@ lent lazily (a facade, no logic): modules import `tpurec.embedding.optimizers.re
 
 _LENT = {
     "OptimizerSpec": "base",
-    "spec_names": "registry", "spec_class": "registry", "spec_classes": "registry",
-    "spec_from_torch": "registry", "spec_from_fused_params": "registry", "spec_name_for": "registry",
+    "spec_names": "registry",
+    "spec_class": "registry",
+    "spec_classes": "registry",
+    "spec_from_torch": "registry",
+    "spec_from_fused_params": "registry",
+    "spec_name_for": "registry",
 }
 __all__ = sorted(_LENT)
 

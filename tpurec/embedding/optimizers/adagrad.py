@@ -4,6 +4,7 @@ Stands for `torch.optim.Adagrad` (no lr decay or weight decay) and FBGEMM's EXAC
 `tpurec::sparse_dense_matmul_grad_with_adagrad` op, which also serves row-wise Adagrad
 (`rowwise_adagrad.py`): a 2-D accumulator updates element-wise, a 1-D one row-wise, as TorchTPU's op.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,31 +33,76 @@ def reference_update(table, accumulator, rows, grad, lr: float, eps: float) -> N
 
 @torch.library.custom_op(
     "tpurec::sparse_dense_matmul_grad_with_adagrad",
-    mutates_args=("embedding_table", "accumulator"), device_types="cpu",
+    mutates_args=("embedding_table", "accumulator"),
+    device_types="cpu",
 )
 def op(
-    row_pointers: Tensor, embedding_ids: Tensor, sample_ids: Tensor, gains: Tensor, embedding_table: Tensor,
-    accumulator: Tensor, activations_grad: Tensor, learning_rate: float, epsilon: float,
-    device_batch_size: int, num_sc_per_device: int, num_partitions: int,
-    max_ids_per_partition: int, max_unique_ids_per_partition: int, computation_name: str = "tpurec_adagrad",
+    row_pointers: Tensor,
+    embedding_ids: Tensor,
+    sample_ids: Tensor,
+    gains: Tensor,
+    embedding_table: Tensor,
+    accumulator: Tensor,
+    activations_grad: Tensor,
+    learning_rate: float,
+    epsilon: float,
+    device_batch_size: int,
+    num_sc_per_device: int,
+    num_partitions: int,
+    max_ids_per_partition: int,
+    max_unique_ids_per_partition: int,
+    computation_name: str = "tpurec_adagrad",
 ) -> None:
     """Element-wise Adagrad for a 2-D accumulator, row-wise Adagrad for a 1-D one."""
-    rows, g = ops.row_gradients(row_pointers, embedding_ids, sample_ids, gains, embedding_table, activations_grad,
-                                device_batch_size, num_sc_per_device, num_partitions)
+    rows, g = ops.row_gradients(
+        row_pointers,
+        embedding_ids,
+        sample_ids,
+        gains,
+        embedding_table,
+        activations_grad,
+        device_batch_size,
+        num_sc_per_device,
+        num_partitions,
+    )
     reference_update(embedding_table, accumulator, rows, g, learning_rate, epsilon)
 
 
 op.register_fake(lambda *args, **kwargs: None)  # in place: nothing to compute under fake tensors
 
 
-def tpu_update(row_pointers, embedding_ids, sample_ids, gains, embedding_table, accumulator, activations_grad,
-               learning_rate, epsilon, device_batch_size, num_sc_per_device, num_partitions,
-               max_ids_per_partition, max_unique_ids_per_partition, computation_name="tpurec_adagrad"):
+def tpu_update(
+    row_pointers,
+    embedding_ids,
+    sample_ids,
+    gains,
+    embedding_table,
+    accumulator,
+    activations_grad,
+    learning_rate,
+    epsilon,
+    device_batch_size,
+    num_sc_per_device,
+    num_partitions,
+    max_ids_per_partition,
+    max_unique_ids_per_partition,
+    computation_name="tpurec_adagrad",
+):
     """The op's TPU kernel: TorchTPU's op returns new table and accumulator; copy them back."""
     new_table, new_acc = tpu_ops()._sparse_dense_matmul_grad_with_adagrad(
-        row_pointers, embedding_ids, sample_ids, gains, embedding_table, accumulator,
-        activations_grad.contiguous(), tpu_scalar(learning_rate, embedding_table), epsilon, device_batch_size,
-        max_ids_per_partition, max_unique_ids_per_partition, computation_name,
+        row_pointers,
+        embedding_ids,
+        sample_ids,
+        gains,
+        embedding_table,
+        accumulator,
+        activations_grad.contiguous(),
+        tpu_scalar(learning_rate, embedding_table),
+        epsilon,
+        device_batch_size,
+        max_ids_per_partition,
+        max_unique_ids_per_partition,
+        computation_name,
     )
     embedding_table.copy_(new_table)
     accumulator.copy_(new_acc)
@@ -77,8 +123,11 @@ class AdagradSpec(OptimizerSpec):
 
     @classmethod
     def _take_torch_kwargs(cls, kwargs: dict):
-        return cls(lr=float(kwargs.pop("lr", 1e-2)), eps=float(kwargs.pop("eps", 1e-10)),
-                   initial_accumulator_value=float(kwargs.pop("initial_accumulator_value", 0.0)))
+        return cls(
+            lr=float(kwargs.pop("lr", 1e-2)),
+            eps=float(kwargs.pop("eps", 1e-10)),
+            initial_accumulator_value=float(kwargs.pop("initial_accumulator_value", 0.0)),
+        )
 
     def torch_kwargs(self) -> dict:
         kwargs = {"lr": self.lr, "eps": self.eps}
@@ -88,9 +137,11 @@ class AdagradSpec(OptimizerSpec):
 
     @classmethod
     def from_fused_params(cls, fused_params):
-        return cls(lr=float(fused_params.get("learning_rate", fused_params.get("lr", 0.01))),
-                   eps=float(fused_params.get("eps", 1e-10)),
-                   initial_accumulator_value=float(fused_params.get("initial_accumulator_value", 0.0)))
+        return cls(
+            lr=float(fused_params.get("learning_rate", fused_params.get("lr", 0.01))),
+            eps=float(fused_params.get("eps", 1e-10)),
+            initial_accumulator_value=float(fused_params.get("initial_accumulator_value", 0.0)),
+        )
 
     def initial_value(self, state: str) -> float:
         return self.initial_accumulator_value
@@ -101,7 +152,8 @@ class AdagradSpec(OptimizerSpec):
     def apply_update(self, csr, table, states, grad, lr, step, computation_name="tpurec_adagrad", dim=None) -> None:
         (accumulator,) = states
         torch.ops.tpurec.sparse_dense_matmul_grad_with_adagrad(
-            *op_head(csr, table), accumulator, grad, lr, self.eps, *op_tail(csr), computation_name)
+            *op_head(csr, table), accumulator, grad, lr, self.eps, *op_tail(csr), computation_name
+        )
 
     @classmethod
     def tpu_kernels(cls):

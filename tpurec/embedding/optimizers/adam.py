@@ -15,6 +15,7 @@ Stands for `torch.optim.Adam` (no weight decay, AMSGrad or maximize) and FBGEMM'
 correction needs the step count, so the kernel counts steps and checkpoints carry "<table>.step".
 Owns the `tpurec::sparse_dense_matmul_grad_with_adam` op: CPU reference and TorchTPU call.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,8 +28,9 @@ from tpurec.embedding.optimizers.base import OptimizerSpec, op_head, op_tail, tp
 
 
 @torch.no_grad()
-def reference_update(table, momentum, velocity, rows, grad, alpha_t: float, beta1: float, beta2: float,
-                     epsilon: float) -> None:
+def reference_update(
+    table, momentum, velocity, rows, grad, alpha_t: float, beta1: float, beta2: float, epsilon: float
+) -> None:
     m = momentum.index_select(0, rows).mul_(beta1).add_(grad, alpha=1 - beta1)
     v = velocity.index_select(0, rows).mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     momentum.index_copy_(0, rows, m)
@@ -44,31 +46,84 @@ def alpha_t(lr: float, beta1: float, beta2: float, step: int) -> float:
 
 @torch.library.custom_op(
     "tpurec::sparse_dense_matmul_grad_with_adam",
-    mutates_args=("embedding_table", "momentum", "velocity"), device_types="cpu",
+    mutates_args=("embedding_table", "momentum", "velocity"),
+    device_types="cpu",
 )
 def op(
-    row_pointers: Tensor, embedding_ids: Tensor, sample_ids: Tensor, gains: Tensor, embedding_table: Tensor,
-    momentum: Tensor, velocity: Tensor, activations_grad: Tensor,
-    alpha_t: float, beta_1: float, beta_2: float, epsilon: float,
-    device_batch_size: int, num_sc_per_device: int, num_partitions: int,
-    max_ids_per_partition: int, max_unique_ids_per_partition: int, computation_name: str = "tpurec_adam",
+    row_pointers: Tensor,
+    embedding_ids: Tensor,
+    sample_ids: Tensor,
+    gains: Tensor,
+    embedding_table: Tensor,
+    momentum: Tensor,
+    velocity: Tensor,
+    activations_grad: Tensor,
+    alpha_t: float,
+    beta_1: float,
+    beta_2: float,
+    epsilon: float,
+    device_batch_size: int,
+    num_sc_per_device: int,
+    num_partitions: int,
+    max_ids_per_partition: int,
+    max_unique_ids_per_partition: int,
+    computation_name: str = "tpurec_adam",
 ) -> None:
-    rows, g = ops.row_gradients(row_pointers, embedding_ids, sample_ids, gains, embedding_table, activations_grad,
-                                device_batch_size, num_sc_per_device, num_partitions)
+    rows, g = ops.row_gradients(
+        row_pointers,
+        embedding_ids,
+        sample_ids,
+        gains,
+        embedding_table,
+        activations_grad,
+        device_batch_size,
+        num_sc_per_device,
+        num_partitions,
+    )
     reference_update(embedding_table, momentum, velocity, rows, g, alpha_t, beta_1, beta_2, epsilon)
 
 
 op.register_fake(lambda *args, **kwargs: None)  # in place: nothing to compute under fake tensors
 
 
-def tpu_update(row_pointers, embedding_ids, sample_ids, gains, embedding_table, momentum, velocity,
-               activations_grad, alpha_t, beta_1, beta_2, epsilon, device_batch_size, num_sc_per_device,
-               num_partitions, max_ids_per_partition, max_unique_ids_per_partition, computation_name="tpurec_adam"):
+def tpu_update(
+    row_pointers,
+    embedding_ids,
+    sample_ids,
+    gains,
+    embedding_table,
+    momentum,
+    velocity,
+    activations_grad,
+    alpha_t,
+    beta_1,
+    beta_2,
+    epsilon,
+    device_batch_size,
+    num_sc_per_device,
+    num_partitions,
+    max_ids_per_partition,
+    max_unique_ids_per_partition,
+    computation_name="tpurec_adam",
+):
     """The op's TPU kernel: TorchTPU's op returns new table and moments; copy them back."""
     new_table, new_m, new_v = tpu_ops()._sparse_dense_matmul_grad_with_adam(
-        row_pointers, embedding_ids, sample_ids, gains, embedding_table, momentum, velocity,
-        activations_grad.contiguous(), tpu_scalar(alpha_t, embedding_table), beta_1, beta_2, epsilon,
-        device_batch_size, max_ids_per_partition, max_unique_ids_per_partition, computation_name,
+        row_pointers,
+        embedding_ids,
+        sample_ids,
+        gains,
+        embedding_table,
+        momentum,
+        velocity,
+        activations_grad.contiguous(),
+        tpu_scalar(alpha_t, embedding_table),
+        beta_1,
+        beta_2,
+        epsilon,
+        device_batch_size,
+        max_ids_per_partition,
+        max_unique_ids_per_partition,
+        computation_name,
     )
     embedding_table.copy_(new_table)
     momentum.copy_(new_m)
@@ -93,8 +148,9 @@ class AdamSpec(OptimizerSpec):
     @classmethod
     def _take_torch_kwargs(cls, kwargs: dict):
         b1, b2 = kwargs.pop("betas", (0.9, 0.999))
-        return cls(lr=float(kwargs.pop("lr", 1e-3)), eps=float(kwargs.pop("eps", 1e-8)), beta1=float(b1),
-                   beta2=float(b2))
+        return cls(
+            lr=float(kwargs.pop("lr", 1e-3)), eps=float(kwargs.pop("eps", 1e-8)), beta1=float(b1), beta2=float(b2)
+        )
 
     def torch_kwargs(self) -> dict:
         kwargs = {"lr": self.lr, "eps": self.eps}
@@ -106,8 +162,12 @@ class AdamSpec(OptimizerSpec):
     def from_fused_params(cls, fused_params):
         fp = fused_params
         betas = fp.get("betas", (fp.get("beta1", 0.9), fp.get("beta2", 0.999)))
-        return cls(lr=float(fp.get("learning_rate", fp.get("lr", 0.01))), eps=float(fp.get("eps", 1e-8)),
-                   beta1=float(betas[0]), beta2=float(betas[1]))
+        return cls(
+            lr=float(fp.get("learning_rate", fp.get("lr", 0.01))),
+            eps=float(fp.get("eps", 1e-8)),
+            beta1=float(betas[0]),
+            beta2=float(betas[1]),
+        )
 
     def param_group_entries(self) -> dict:
         return {"eps": self.eps, "betas": (self.beta1, self.beta2)}
@@ -115,8 +175,17 @@ class AdamSpec(OptimizerSpec):
     def apply_update(self, csr, table, states, grad, lr, step, computation_name="tpurec_adam", dim=None) -> None:
         momentum, velocity = states
         torch.ops.tpurec.sparse_dense_matmul_grad_with_adam(
-            *op_head(csr, table), momentum, velocity, grad, alpha_t(lr, self.beta1, self.beta2, step), self.beta1,
-            self.beta2, self.eps, *op_tail(csr), computation_name)
+            *op_head(csr, table),
+            momentum,
+            velocity,
+            grad,
+            alpha_t(lr, self.beta1, self.beta2, step),
+            self.beta1,
+            self.beta2,
+            self.eps,
+            *op_tail(csr),
+            computation_name,
+        )
 
     @classmethod
     def tpu_kernels(cls):

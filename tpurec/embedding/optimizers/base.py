@@ -11,6 +11,7 @@ Subclasses register themselves when their module is imported (`__init_subclass__
 (`tpurec.embedding.optimizers.registry`) imports every module of this package, so adding an
 optimizer means adding one module. Nothing else in tpurec branches on an optimizer's name.
 """
+
 from __future__ import annotations
 
 import abc
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     from tpurec.embedding.preprocess import SparseCoreInput
 
 # name -> spec class, filled by OptimizerSpec.__init_subclass__ as spec modules are imported.
-_REGISTERED: dict[str, type["OptimizerSpec"]] = {}
+_REGISTERED: dict[str, type[OptimizerSpec]] = {}
 
 # Torch optimizer kwargs that change nothing about the update's math; accepted and ignored.
 _HARMLESS_TORCH_KWARGS = ("foreach", "differentiable", "capturable", "fused")
@@ -74,7 +75,9 @@ class OptimizerSpec(abc.ABC):
         return cls.torch_optimizer_path.rpartition(".")[2]
 
     @classmethod
-    def from_torch_kwargs(cls, kwargs: Mapping[str, Any] | None = None, optimizer_name: str | None = None) -> "OptimizerSpec":
+    def from_torch_kwargs(
+        cls, kwargs: Mapping[str, Any] | None = None, optimizer_name: str | None = None
+    ) -> OptimizerSpec:
         """The spec of `torch_optimizer()(params, **kwargs)`; refuses what the fused update lacks."""
         kwargs = dict(kwargs or {})
         name = optimizer_name or cls.torch_class_name()
@@ -91,7 +94,7 @@ class OptimizerSpec(abc.ABC):
 
     @classmethod
     @abc.abstractmethod
-    def _take_torch_kwargs(cls, kwargs: dict) -> "OptimizerSpec":
+    def _take_torch_kwargs(cls, kwargs: dict) -> OptimizerSpec:
         """Pop this optimizer's kwargs (with torch's defaults) and build the spec."""
 
     @abc.abstractmethod
@@ -103,7 +106,7 @@ class OptimizerSpec(abc.ABC):
         return self.torch_optimizer(), self.torch_kwargs()
 
     @classmethod
-    def from_hyperparameters(cls, **values) -> "OptimizerSpec":
+    def from_hyperparameters(cls, **values) -> OptimizerSpec:
         """The spec from generic settings (a config's lr and eps); ones it has no field for are ignored."""
         own = {f.name for f in fields(cls)}
         return cls(**{k: float(v) for k, v in values.items() if k in own})
@@ -119,7 +122,7 @@ class OptimizerSpec(abc.ABC):
         return (getattr(EmbOptimType, cls.fbgemm_optim).value, *cls.fbgemm_aliases)
 
     @classmethod
-    def from_fused_params(cls, fused_params: Mapping[str, Any]) -> "OptimizerSpec":
+    def from_fused_params(cls, fused_params: Mapping[str, Any]) -> OptimizerSpec:
         """The spec from the per-table fused params TorchRec's sharder builds (FBGEMM's vocabulary)."""
         return cls(lr=float(fused_params.get("learning_rate", fused_params.get("lr", 0.01))))
 
@@ -153,9 +156,17 @@ class OptimizerSpec(abc.ABC):
 
     # -- the fused update ----------------------------------------------------------------------
     @abc.abstractmethod
-    def apply_update(self, csr: "SparseCoreInput", table: torch.Tensor, states: Sequence[torch.Tensor],
-                     grad: torch.Tensor, lr: float, step: int, computation_name: str = "tpurec",
-                     dim: int | None = None) -> None:
+    def apply_update(
+        self,
+        csr: SparseCoreInput,
+        table: torch.Tensor,
+        states: Sequence[torch.Tensor],
+        grad: torch.Tensor,
+        lr: float,
+        step: int,
+        computation_name: str = "tpurec",
+        dim: int | None = None,
+    ) -> None:
         """Run this optimizer's fused backward op on one stack, in place.
 
         `states` follow `state_names`; `step` is the 1-based count including this update. The op
@@ -172,13 +183,18 @@ class OptimizerSpec(abc.ABC):
         return {}
 
 
-def op_tail(csr: "SparseCoreInput") -> tuple:
+def op_tail(csr: SparseCoreInput) -> tuple:
     """The trailing int arguments every SparseCore op takes."""
-    return (csr.device_batch_size, csr.num_sc_per_device, csr.num_partitions,
-            csr.max_ids_per_partition, csr.max_unique_ids_per_partition)
+    return (
+        csr.device_batch_size,
+        csr.num_sc_per_device,
+        csr.num_partitions,
+        csr.max_ids_per_partition,
+        csr.max_unique_ids_per_partition,
+    )
 
 
-def op_head(csr: "SparseCoreInput", table: torch.Tensor) -> tuple:
+def op_head(csr: SparseCoreInput, table: torch.Tensor) -> tuple:
     """The leading tensor arguments every SparseCore op takes."""
     return (csr.row_pointers, csr.embedding_ids, csr.sample_ids, csr.gains, table)
 

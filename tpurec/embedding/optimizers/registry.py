@@ -6,6 +6,7 @@ and must not import torch to print --help). Everything else imports the modules,
 register themselves (`OptimizerSpec.__init_subclass__`), and answers from those classes. Adding an
 optimizer is adding a module here; nothing in this file or elsewhere lists them.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -29,8 +30,11 @@ def _package_path() -> list[str]:
 
 
 def _module_names() -> list[str]:
-    return [m.name for m in pkgutil.iter_modules(_package_path())
-            if not m.ispkg and not m.name.startswith("_") and m.name not in _MACHINERY]
+    return [
+        m.name
+        for m in pkgutil.iter_modules(_package_path())
+        if not m.ispkg and not m.name.startswith("_") and m.name not in _MACHINERY
+    ]
 
 
 def spec_names() -> tuple[str, ...]:
@@ -41,7 +45,7 @@ def spec_names() -> tuple[str, ...]:
     return tuple(sorted(from_modules | registered))
 
 
-def spec_classes() -> dict[str, type["OptimizerSpec"]]:
+def spec_classes() -> dict[str, type[OptimizerSpec]]:
     """name -> spec class of every optimizer (imports all spec modules, registering their ops)."""
     from tpurec.embedding.optimizers import base
 
@@ -50,14 +54,14 @@ def spec_classes() -> dict[str, type["OptimizerSpec"]]:
     return dict(sorted(base.registered().items()))
 
 
-def spec_class(name: str) -> type["OptimizerSpec"]:
+def spec_class(name: str) -> type[OptimizerSpec]:
     classes = spec_classes()
     if name not in classes:
         raise ValueError(f"unknown optimizer {name!r}; one of {sorted(classes)}")
     return classes[name]
 
 
-def spec_from_torch(optimizer: type, kwargs: Mapping[str, Any] | None = None) -> "OptimizerSpec":
+def spec_from_torch(optimizer: type, kwargs: Mapping[str, Any] | None = None) -> OptimizerSpec:
     """The spec of a torch/TorchRec optimizer class and its kwargs, as apply_optimizer_in_backward takes them."""
     name = getattr(optimizer, "__name__", str(optimizer))
     classes = spec_classes().values()
@@ -84,7 +88,7 @@ TORCHREC_DEFAULT_LEARNING_RATE = 0.01
 _logged_default = False
 
 
-def spec_from_fused_params(fused_params: Mapping[str, Any] | None, table: str) -> "OptimizerSpec":
+def spec_from_fused_params(fused_params: Mapping[str, Any] | None, table: str) -> OptimizerSpec:
     """The spec from the per-table fused params TorchRec's sharder builds out of
     `apply_optimizer_in_backward(...)` (an FBGEMM `EmbOptimType` under "optimizer" plus the kwargs).
     No optimizer at all means what it means to TorchRec's fused kernel: EXACT_SGD (logged once)."""
@@ -98,7 +102,10 @@ def spec_from_fused_params(fused_params: Mapping[str, Any] | None, table: str) -
         if not _logged_default:
             logging.getLogger(__name__).warning(
                 "table %r (and any other without one): no fused optimizer given (apply_optimizer_in_backward); "
-                "training with EXACT_SGD, lr=%s, as TorchRec's fused kernel does", table, spec.lr)
+                "training with EXACT_SGD, lr=%s, as TorchRec's fused kernel does",
+                table,
+                spec.lr,
+            )
             _logged_default = True
         return spec
     for cls in classes.values():

@@ -4,6 +4,7 @@ Stands for `torchrec.optim.RowWiseAdagrad` and FBGEMM's EXACT_ROWWISE_ADAGRAD. I
 Adagrad op of `adagrad.py` given a 1-D accumulator (as TorchTPU's op is), so this module only says
 what differs: names, a state of one float per row, and TorchRec's row-wise checkpoint layout.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -4,6 +4,7 @@ Stands for `torch.optim.SGD` without momentum, dampening, weight decay or Nester
 EXACT_SGD. Owns the `tpurec::sparse_dense_matmul_grad_with_sgd` op: its CPU reference and its
 TorchTPU call.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,27 +25,65 @@ def reference_update(table, rows, grad, lr: float) -> None:
     "tpurec::sparse_dense_matmul_grad_with_sgd", mutates_args=("embedding_table",), device_types="cpu"
 )
 def op(
-    row_pointers: Tensor, embedding_ids: Tensor, sample_ids: Tensor, gains: Tensor, embedding_table: Tensor,
-    activations_grad: Tensor, learning_rate: float,
-    device_batch_size: int, num_sc_per_device: int, num_partitions: int,
-    max_ids_per_partition: int, max_unique_ids_per_partition: int, computation_name: str = "tpurec_sgd",
+    row_pointers: Tensor,
+    embedding_ids: Tensor,
+    sample_ids: Tensor,
+    gains: Tensor,
+    embedding_table: Tensor,
+    activations_grad: Tensor,
+    learning_rate: float,
+    device_batch_size: int,
+    num_sc_per_device: int,
+    num_partitions: int,
+    max_ids_per_partition: int,
+    max_unique_ids_per_partition: int,
+    computation_name: str = "tpurec_sgd",
 ) -> None:
-    rows, g = ops.row_gradients(row_pointers, embedding_ids, sample_ids, gains, embedding_table, activations_grad,
-                                device_batch_size, num_sc_per_device, num_partitions)
+    rows, g = ops.row_gradients(
+        row_pointers,
+        embedding_ids,
+        sample_ids,
+        gains,
+        embedding_table,
+        activations_grad,
+        device_batch_size,
+        num_sc_per_device,
+        num_partitions,
+    )
     reference_update(embedding_table, rows, g, learning_rate)
 
 
 op.register_fake(lambda *args, **kwargs: None)  # in place: nothing to compute under fake tensors
 
 
-def tpu_update(row_pointers, embedding_ids, sample_ids, gains, embedding_table, activations_grad, learning_rate,
-               device_batch_size, num_sc_per_device, num_partitions, max_ids_per_partition,
-               max_unique_ids_per_partition, computation_name="tpurec_sgd"):
+def tpu_update(
+    row_pointers,
+    embedding_ids,
+    sample_ids,
+    gains,
+    embedding_table,
+    activations_grad,
+    learning_rate,
+    device_batch_size,
+    num_sc_per_device,
+    num_partitions,
+    max_ids_per_partition,
+    max_unique_ids_per_partition,
+    computation_name="tpurec_sgd",
+):
     """The op's TPU kernel: TorchTPU's op returns the new table; copy it back in place."""
     new_table = tpu_ops()._sparse_dense_matmul_grad_with_sgd(
-        row_pointers, embedding_ids, sample_ids, gains, embedding_table, activations_grad.contiguous(),
-        tpu_scalar(learning_rate, embedding_table), device_batch_size, max_ids_per_partition,
-        max_unique_ids_per_partition, computation_name,
+        row_pointers,
+        embedding_ids,
+        sample_ids,
+        gains,
+        embedding_table,
+        activations_grad.contiguous(),
+        tpu_scalar(learning_rate, embedding_table),
+        device_batch_size,
+        max_ids_per_partition,
+        max_unique_ids_per_partition,
+        computation_name,
     )
     embedding_table.copy_(new_table)
 
@@ -60,19 +99,20 @@ class SGDSpec(OptimizerSpec):
     refused_torch_kwargs = ("momentum", "dampening", "weight_decay", "nesterov", "maximize")
 
     @classmethod
-    def _take_torch_kwargs(cls, kwargs: dict) -> "SGDSpec":
+    def _take_torch_kwargs(cls, kwargs: dict) -> SGDSpec:
         return cls(lr=float(kwargs.pop("lr", 1e-3)))
 
     def torch_kwargs(self) -> dict:
         return {"lr": self.lr}
 
     @classmethod
-    def from_fused_params(cls, fused_params) -> "SGDSpec":
+    def from_fused_params(cls, fused_params) -> SGDSpec:
         return cls(lr=float(fused_params.get("learning_rate", fused_params.get("lr", 0.01))))
 
     def apply_update(self, csr, table, states, grad, lr, step, computation_name="tpurec_sgd", dim=None) -> None:
-        torch.ops.tpurec.sparse_dense_matmul_grad_with_sgd(*op_head(csr, table), grad, lr, *op_tail(csr),
-                                                           computation_name)
+        torch.ops.tpurec.sparse_dense_matmul_grad_with_sgd(
+            *op_head(csr, table), grad, lr, *op_tail(csr), computation_name
+        )
 
     @classmethod
     def tpu_kernels(cls):
