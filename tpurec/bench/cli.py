@@ -15,6 +15,7 @@ BENCHES: dict[str, str] = {
     "kernels": "tpurec.bench.kernels",
     "preprocess": "tpurec.bench.preprocess",
     "train": "tpurec.bench.train",
+    "balance": "tpurec.bench.balance",
 }
 
 

@@ -1,0 +1,85 @@
+"""`tpurec bench balance`: how evenly ids fall on the SparseCore partitions, per storage layout.
+
+tpurec stores tables in natural row order and renames ids so that the SparseCore's MOD partitioning
+finds them there (`tpurec/embedding/layout.py`): partition p then holds the natural rows
+[p*C, (p+1)*C). The alternative, partition-major storage of natural ids ("MOD"), puts row r on
+partition r mod P. Which is better balanced depends on where the hot ids are, so this counts ids
+per partition for both, with Zipf(1.05) ids either hashed over the table (a fixed permutation, as
+hashed Criteo ids are) or frequency-sorted (low ids hot), and reports max / mean per partition (1.0
+is perfect; the SparseCore's id limits and time follow the fullest partition). Counting only: no
+timing, so the figures do not depend on machine load.
+"""
+
+from __future__ import annotations
+
+import json
+
+
+def _partition_loads(stacked_ids, layout, scheme: str):
+    import numpy as np
+    import torch
+
+    p = layout.num_partitions
+    ids = torch.from_numpy(stacked_ids)
+    renamed = ids % p if scheme == "mod" else layout.sparsecore_ids(ids) % p
+    counts = np.bincount(renamed.numpy(), minlength=p)
+    return float(counts.max() / counts.mean())
+
+
+def _case(tables, partitions, hashed: bool, batch: int, pooling: int, seed: int) -> dict:
+    import numpy as np
+
+    from tpurec.bench.workloads import zipf_ids
+    from tpurec.embedding.layout import build_stacks
+
+    rng = np.random.default_rng(seed)
+    (stack,) = build_stacks([(name, rows, 8) for name, rows in tables], partitions, pad_to=1)
+    ids = [
+        zipf_ids(rng, batch * pooling, rows, scatter_seed=seed if hashed else None) + stack.table(name).offset
+        for name, rows in tables
+    ]
+    stacked = np.concatenate(ids)
+    return {scheme: round(_partition_loads(stacked, stack, scheme), 3) for scheme in ("mod", "natural")}
+
+
+def run(batch: int = 2048, pooling: int = 20, seed: int = 0) -> dict:
+    from tpurec.catalog import get_table_set
+
+    tiny = [(t.name, t.num_embeddings) for t in get_table_set("dlrm-tiny").tables]
+    workloads = {"one 1M-row table": [("t", 1_000_000)], "26 dlrm-tiny tables, stacked": tiny}
+    rows = []
+    for name, tables in workloads.items():
+        for partitions in (4, 8):
+            for hashed in (True, False):
+                loads = _case(tables, partitions, hashed, batch, pooling, seed)
+                rows.append(
+                    {
+                        "tables": name,
+                        "partitions": partitions,
+                        "ids": "hashed" if hashed else "frequency-sorted",
+                        "max_over_mean_mod": loads["mod"],
+                        "max_over_mean_natural": loads["natural"],
+                    }
+                )
+    return {"workload": {"batch": batch, "ids_per_sample_per_table": pooling, "zipf_a": 1.05}, "rows": rows}
+
+
+def register(sub) -> None:
+    p = sub.add_parser("balance", help="ids per SparseCore partition: natural-order storage vs MOD")
+    p.add_argument("--json", action="store_true", help="one JSON document instead of text")
+    p.add_argument("--batch-size", type=int, default=2048)
+    p.set_defaults(run=main)
+
+
+def main(args) -> int:
+    result = run(batch=args.batch_size)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"max/mean ids per partition, Zipf(1.05), batch {args.batch_size} x 20 ids per table")
+    for r in result["rows"]:
+        print(
+            f"{r['tables']:30} P={r['partitions']} {r['ids']:17} "
+            f"MOD {r['max_over_mean_mod']:.2f}  natural {r['max_over_mean_natural']:.2f}"
+        )
+    return 0
