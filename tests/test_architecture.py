@@ -28,6 +28,7 @@ LAYERS = {
     "bench": 4,
     "cli": 4,
     "env_report": 4,
+    "selftest": 4,
 }
 FACADE = "tpurec"  # the root __init__: above every layer
 

@@ -19,7 +19,7 @@ SUBCOMMANDS: dict[str, str] = {
     "data": "tpurec.data.cli",
     "bench": "tpurec.bench.cli",
     "plan": "tpurec.sharding.plan_cli",
-    "selftest": "tpurec.embedding.selftest",
+    "selftest": "tpurec.selftest.cli",
     "train": "tpurec.dlrm.cli",
 }
 

@@ -1,17 +1,15 @@
-"""`tpurec selftest`: check the embedding kernels on this machine in one command.
+"""The embedding kernels' self-checks, run by `tpurec selftest` (tpurec/selftest.py).
 
---device cpu: the CPU reference against independent oracles (torchrec's EmbeddingBagCollection,
+`cpu_checks`: the CPU reference against independent oracles (torchrec's EmbeddingBagCollection,
 FBGEMM's CPU TBE, torch.optim.Adam, jax-tpu-embedding's preprocessing when installed).
---device tpu: the SparseCore ops (through TorchTPU) against the CPU reference, forward and every
-fused optimizer, on small random inputs. This is how the TPU path gets verified the first time it
-meets a TPU; tpurec has not run it on TPU hardware yet.
---device auto: tpu when this host has a usable TPU, else cpu.
+`op_checks`: the SparseCore ops on a device (TorchTPU on a TPU) against the CPU reference, forward
+and every fused optimizer, on small random inputs; part of the TPU first-contact checklist
+(tpurec/selftest/tpu.py). Not yet run on TPU hardware.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 
 @dataclass
@@ -21,49 +19,6 @@ class Check:
     max_error: float
     tolerance: float
     note: str = ""
-
-
-def register(sub) -> None:
-    p = sub.add_parser("selftest", help="verify the embedding kernels (CPU reference vs oracles, or TPU vs reference)")
-    p.add_argument("--device", choices=["auto", "cpu", "tpu"], default="auto")
-    p.add_argument("--json", action="store_true", help="print one JSON document")
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(run=run)
-
-
-def run(args) -> int:
-    from tpurec import device as dev
-
-    target = args.device
-    if target == "auto":
-        target = "tpu" if dev.tpu_status().usable else "cpu"
-    if target == "tpu":
-        status = dev.tpu_status()
-        if not status.usable:
-            print(
-                "tpurec selftest --device tpu: this host cannot run TPU kernels:\n  - "
-                + "\n  - ".join(status.missing())
-            )
-            return 2
-        checks = tpu_checks(args.seed)
-    else:
-        checks = cpu_checks(args.seed)
-    if args.json:
-        print(
-            json.dumps(
-                {"device": target, "passed": all(c.passed for c in checks), "checks": [asdict(c) for c in checks]},
-                indent=2,
-            )
-        )
-    else:
-        print(f"tpurec selftest on {target}")
-        print(f"{'check':<44} {'result':<6} {'max error':>10} {'tolerance':>10}  note")
-        for c in checks:
-            print(
-                f"{c.name:<44} {'PASS' if c.passed else 'FAIL':<6} {c.max_error:>10.2e} {c.tolerance:>10.1e}  {c.note}"
-            )
-        print("all passed" if all(c.passed for c in checks) else "FAILURES above")
-    return 0 if all(c.passed for c in checks) else 1
 
 
 def _compare(name, got, want, tol, note="") -> Check:
@@ -255,19 +210,19 @@ def _preprocess_vs_jax(gen) -> Check:
     return Check("preprocess vs jax-tpu-embedding reference", same, 0.0 if same else 1.0, 0.0)
 
 
-def tpu_checks(seed: int = 0) -> list[Check]:
-    """SparseCore ops on the TPU vs the CPU reference on the same inputs (needs a TPU host)."""
+def op_checks(device, num_sc: int, seed: int = 0) -> list[Check]:
+    """The SparseCore ops on `device` vs the CPU reference on the same inputs, with the chip's SparseCore
+    count (TorchTPU's kernels use their own; a layout for another count would be wrong)."""
     from dataclasses import replace
 
     import torch
 
-    from tpurec.embedding.backend import select_device
     from tpurec.embedding.optimizers.registry import spec_classes
     from tpurec.embedding.preprocess import preprocess
 
-    tpu = select_device("tpu")
+    tpu = device
     gen = torch.Generator().manual_seed(seed)
-    num_sc, batch, rows, dim = 2, 64, 1024, 16
+    batch, rows, dim = 16 * num_sc, 1024, 16
     n = 256
     ids, samples = torch.randint(0, rows, (n,), generator=gen), torch.randint(0, batch, (n,), generator=gen)
     csr, _ = preprocess(
@@ -311,8 +266,8 @@ def tpu_checks(seed: int = 0) -> list[Check]:
         states = [torch.full(spec.state_shape(s, rows, dim), spec.initial_value(s)) for s in spec.state_names]
         cpu_t, cpu_s = table.clone(), [s.clone() for s in states]
         dev_t, dev_s = table.to(tpu), [s.to(tpu) for s in states]
-        spec.apply_update(csr, cpu_t, cpu_s, grad.clone(), spec.lr, 1)
-        spec.apply_update(dev_csr, dev_t, dev_s, grad.to(tpu), spec.lr, 1)
+        spec.apply_update(csr, cpu_t, cpu_s, grad.clone(), spec.lr, 1, f"tpurec_selftest_{kind}")
+        spec.apply_update(dev_csr, dev_t, dev_s, grad.to(tpu), spec.lr, 1, f"tpurec_selftest_{kind}")
         checks.append(_compare(f"fused {kind} update: table", dev_t.cpu(), cpu_t, 1e-4))
         for k, (c, d) in enumerate(zip(cpu_s, dev_s)):
             checks.append(_compare(f"fused {kind} update: state {k}", d.cpu(), c, 1e-4))

@@ -18,12 +18,9 @@ import torch
 from tpurec.embedding import ops
 from tpurec.embedding.constraints import coo_entries_per_sc
 from tpurec.embedding.optimizers import registry
+from tpurec.embedding.optimizers.base import tpu_ops
 
 _DISPATCH_KEY = "privateuseone"
-
-
-def _tpu_ops():
-    return torch.ops.tpu
 
 
 def lookup(
@@ -38,7 +35,7 @@ def lookup(
     max_ids_per_partition,
     max_unique_ids_per_partition,
 ):
-    return _tpu_ops()._sparse_dense_matmul(
+    return tpu_ops()._sparse_dense_matmul(
         row_pointers,
         embedding_ids,
         sample_ids,

@@ -15,6 +15,7 @@ optimizer means adding one module. Nothing else in tpurec branches on an optimiz
 from __future__ import annotations
 
 import abc
+import contextlib
 import importlib
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence
@@ -205,9 +206,45 @@ def tpu_scalar(value: float, like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float32, device=like.device)
 
 
+# While `record_tpu_calls()` is active: (op name, compile key) of every TorchTPU op call.
+_RECORDED: list | None = None
+
+
+def _compile_key(args) -> tuple:
+    # TorchTPU keys a compiled program on tensor shapes/dtypes and every non-tensor argument
+    # (float hyper-parameters, id limits, names); tensor values (learning rates) are runtime inputs.
+    return tuple((tuple(a.shape), str(a.dtype)) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+class _RecordingOps:
+    def __init__(self, ops) -> None:
+        self._ops = ops
+
+    def __getattr__(self, name):
+        op = getattr(self._ops, name)
+
+        def call(*args):
+            _RECORDED.append((name, _compile_key(args)))
+            return op(*args)
+
+        return call
+
+
+@contextlib.contextmanager
+def record_tpu_calls():
+    """Record the compile key of every TorchTPU op tpurec calls inside the block: the number of
+    distinct keys is the number of programs TorchTPU compiles (`tpurec selftest --device tpu`)."""
+    global _RECORDED
+    _RECORDED = []
+    try:
+        yield _RECORDED
+    finally:
+        _RECORDED = None
+
+
 def tpu_ops():
     """TorchTPU's op namespace; only called on a TPU host, where torch_tpu registered it."""
-    return torch.ops.tpu
+    return torch.ops.tpu if _RECORDED is None else _RecordingOps(torch.ops.tpu)
 
 
 def registered() -> dict[str, type[OptimizerSpec]]:

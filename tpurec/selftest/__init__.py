@@ -1,0 +1,1 @@
+"""`tpurec selftest`: the command (`cli.py`) and the TPU first-contact checklist (`tpu.py`)."""
