@@ -56,3 +56,64 @@ def test_first_contact_checklist_passes_through_the_standin():
 def test_a_chip_without_usable_sparsecores_fails_the_first_line():
     (check,) = _run("v5e", 2)
     assert not check["passed"] and "no SparseCore the embedding kernels can drive" in check["note"]
+
+
+PLANNED = {"hbm_used_bytes": 9000, "transient_bytes": 3000, "reserved_bytes": 1000}
+TABLES = 2500
+
+
+def test_memory_check_bounds_held_and_peak_bytes_by_the_planner():
+    from tpurec.selftest.tpu import MEMORY_SLACK_BYTES, memory_check
+
+    # steady figure: 9000 - 3000 transient - 1000 reserved = 5000; with the transient: 8000
+    ok = memory_check(4000, 7000, PLANNED, TABLES)
+    assert ok.passed and ok.tolerance == 5000 and "planned 8,000 B with the transient" in ok.note
+    assert not memory_check(2000, None, PLANNED, TABLES).passed  # less than the tables: not on the device
+    assert not memory_check(5000 + MEMORY_SLACK_BYTES + 1, None, PLANNED, TABLES).passed  # more than planned
+    assert not memory_check(
+        4000, 8000 + MEMORY_SLACK_BYTES + 1, PLANNED, TABLES
+    ).passed  # peak above the transient budget
+    assert (
+        memory_check(4000, None, PLANNED, TABLES).passed and "no peak" in memory_check(4000, None, PLANNED, TABLES).note
+    )
+
+
+ALLOCATOR_SCRIPT = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, sys.argv[1])
+    from dataclasses import asdict
+    from tests import tpu_standin
+    import tpurec.selftest.tpu as T
+
+    # An allocator that reports what the DMP's tables really hold: 0 before, their bytes after.
+    calls = []
+    def fake_device_bytes(target):
+        calls.append(1)
+        if len(calls) == 1:
+            return 0
+        import gc
+        from tpurec.embedding.kernel import SparseCoreKernel
+        kernels = [o for o in gc.get_objects() if isinstance(o, SparseCoreKernel)]
+        held = sum(b.numel() * b.element_size() for k in kernels for b in k.buffers())
+        print("HELD", held)
+        return held
+    T._device_bytes = fake_device_bytes
+    tpu_standin.install(sparsecores=2)
+    with tpu_standin.adapter_on_cpu():
+        checks = T.tpu_checks("cpu", generation="v6e")
+    print("RESULT", json.dumps([asdict(c) for c in checks]))
+""")
+
+
+def test_checklist_compares_device_memory_with_the_planners_figure():
+    out = subprocess.run(
+        [sys.executable, "-c", ALLOCATOR_SCRIPT, str(REPO)], capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")][0]
+    check = {c["name"]: c for c in json.loads(line[len("RESULT ") :])}["device memory vs planner"]
+    held = int([x for x in out.stdout.splitlines() if x.startswith("HELD ")][-1].split()[1])
+    # the kernels' storage reached the check, and fits in the planner's figure for the same plan
+    assert check["passed"], check
+    assert check["max_error"] == held >= (500 * 16 + 300 * 8) * 4  # tables a (500 x 16), b (300 x 8) in fp32
+    assert check["tolerance"] >= held

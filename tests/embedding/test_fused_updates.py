@@ -203,3 +203,33 @@ def test_fused_optimizer_lr_scheduler_and_state_roundtrip():
         for s, v in d.items():
             assert torch.equal(again[k][s], v), (k, s)
     assert [sc.kernel.step_count(t) for t in sc.kernel.table_names] == [1] * len(tables)
+
+
+def test_adam_step_count_written_in_place_reaches_the_kernel():
+    """DCP's load writes into the "<table>.step" scalars state_dict() returned, with no
+    load_state_dict call: the kernels must still take the step count before their next update."""
+    tables = make_tables()
+    gen = torch.Generator().manual_seed(1)
+    kjts = [random_kjt(tables, 8, gen) for _ in range(3)]
+
+    def trained(steps_written: int | None):
+        torch.manual_seed(0)
+        sc = SparseCoreEmbeddingBagCollection(tables, torch.optim.Adam, {"lr": 0.1}, num_sparsecores=2)
+        for kjt in kjts[:2]:
+            sc(kjt).values().sum().backward()
+        if steps_written is not None:
+            for entry in sc.fused_optimizer.state_dict()["state"].values():
+                for name, v in entry.items():
+                    if name.endswith(".step"):
+                        v.fill_(steps_written)  # in place, as dcp.load does
+        sc(kjts[2]).values().sum().backward()
+        return sc
+
+    plain, rewound = trained(None), trained(0)
+    assert [plain.kernel.step_count(t) for t in plain.kernel.table_names] == [3] * len(tables)
+    assert [rewound.kernel.step_count(t) for t in rewound.kernel.table_names] == [1] * len(tables)
+    # Adam's bias correction at step 1 vs step 3 moves the rows differently
+    assert not torch.allclose(rewound.table_weight(tables[0].name), plain.table_weight(tables[0].name))
+    # and writing back the count it already had changes nothing
+    same = trained(2)
+    torch.testing.assert_close(same.table_weight(tables[0].name), plain.table_weight(tables[0].name), rtol=0, atol=0)

@@ -64,7 +64,9 @@ def test_fused_optimizer_state_resumes_exactly_through_dcp(tmp_path, optim, save
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("optim,sharding", [("rowwise_adagrad", "row_wise"), ("sgd", "column_wise")])
+@pytest.mark.parametrize(
+    "optim,sharding", [("rowwise_adagrad", "row_wise"), ("sgd", "column_wise"), ("adam", "table_wise")]
+)
 def test_dcp_load_in_place_without_load_state_dict_restores_tables_and_state(tmp_path, optim, sharding):
     """DCP (and TorchRec's copy_state_dict) write into the tensors state_dict() returned; tpurec's are
     views of the live tables and optimizer state, so nothing else is needed to resume exactly."""

@@ -32,7 +32,20 @@ def test_storage_hand_computed_table_wise():
     assert c.buffers == 832
     # pooled output for 32 samples x 16 dims x 4 bytes, and its gradient
     assert c.activations == 4096
-    assert c.bytes == 64512 + 832 + 4096
+    # TorchTPU's update returns a new table (and state; none for SGD) beside the live one
+    assert c.transient == 64512
+    assert c.bytes == 2 * 64512 + 832 + 4096
+
+
+@pytest.mark.parametrize("opt", ["sgd", "rowwise_adagrad", "adam"])
+def test_transient_is_weights_and_state_on_tpu_and_zero_on_cpu(opt):
+    from tpurec.sharding.topology import cpu_spec
+
+    c = cost(opt)
+    assert c.transient == c.weights + c.optimizer > 0
+    on_cpu = cost(opt, spec=cpu_spec(4, num_sc_per_device=2))
+    assert on_cpu.transient == 0  # the CPU reference updates in place
+    assert on_cpu.bytes == on_cpu.weights + on_cpu.optimizer + on_cpu.buffers + on_cpu.activations
 
 
 @pytest.mark.parametrize(

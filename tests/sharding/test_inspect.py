@@ -51,7 +51,7 @@ def test_report_numbers_and_schema():
         "sharding_type": "table_wise",
         "compute_kernel": K,
         "ranks": [0],
-        "bytes": 69440,
+        "bytes": 133952,  # 64512 weights + 832 buffers + 4096 activations + 64512 transient (SGD: no state)
     }
     b_shard = shard_cost(
         sharding_type="row_wise",
@@ -65,7 +65,9 @@ def test_report_numbers_and_schema():
         optimizer="sgd",
     )
     d0, d1 = r["devices"][0], r["devices"][1]
-    assert d0["hbm_used_bytes"] == 1000 + 69440 + b_shard.bytes
+    assert d0["hbm_used_bytes"] == 1000 + 133952 + b_shard.bytes
+    assert d0["transient_bytes"] == 64512 + b_shard.weights
+    assert "transnt" in I.format_text(r)
     assert d1["hbm_used_bytes"] == 1000 + b_shard.bytes
     assert d1["hbm_capacity_bytes"] == 32 * 10**9
     assert r["estimated_step_time_ms"] == pytest.approx(d0["estimated_time_ms"])

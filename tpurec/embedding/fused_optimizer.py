@@ -7,8 +7,9 @@ schedulers may change (the kernels read it at every update), and a keyed `state_
 (`tpurec.embedding.layout`), so the state handed out is VIEWS of the live storage: an in-place
 write (torch.distributed.checkpoint's load, TorchRec's copy_state_dict) lands in the kernel, and
 nothing is held twice. Only step counts (Adam's bias correction) live in plain ints inside the
-kernel; they are mirrored into "<table>.step" scalars when the kernels moved and written back
-after a load (`post_load_state_dict`).
+kernel; they are mirrored into "<table>.step" scalars when the kernels moved, and a value written
+into a scalar (in place, by DCP, or by `load_state_dict`) reaches the kernels before their next
+update (a pre-update hook compares each scalar with the value last mirrored).
 
 `KernelFusedOptimizer` holds that machinery: entries (kernel, table, state name, view), the param
 group built from the optimizer spec, step counts. The standalone `SparseCoreFusedOptimizer` below
@@ -61,6 +62,15 @@ class StepEntry:
 
     tensor: torch.Tensor
     tables: list[tuple[SparseCoreKernel, str]]
+    seen: float = 0.0  # the value last mirrored from (or written to) the kernels
+
+    def adopt_if_written(self) -> None:
+        """A value written into the scalar since it was last mirrored goes to the kernels."""
+        value = float(self.tensor.item())
+        if value != self.seen:
+            for k, t in self.tables:
+                k.set_step_count(t, int(value))
+            self.seen = value
 
 
 class KernelFusedOptimizer(FusedOptimizer):
@@ -90,6 +100,7 @@ class KernelFusedOptimizer(FusedOptimizer):
         self._ready = True
         for k in self._kernels:  # kernels read the learning rate from here at every update
             k.lr_source = group
+            k.pre_update_hooks.append(self._adopt_written_steps)
 
     # -- building ------------------------------------------------------------------------------
     def _track(self, kernel: SparseCoreKernel, table: str, state: str | None, tensor: torch.Tensor) -> torch.Tensor:
@@ -130,6 +141,11 @@ class KernelFusedOptimizer(FusedOptimizer):
                     e.tensor.copy_(e.read())
             for s in self.__dict__.get("_step_entries", []):
                 s.tensor.fill_(max((k.step_count(t) for k, t in s.tables), default=0))
+                s.seen = float(s.tensor.item())
+
+    def _adopt_written_steps(self) -> None:
+        for s in self.__dict__.get("_step_entries", []):
+            s.adopt_if_written()
 
     def _write_back(self) -> None:
         """Copy loaded step counts (and any state tensor that replaced a view) into the kernels."""
@@ -138,6 +154,7 @@ class KernelFusedOptimizer(FusedOptimizer):
         for s in self.__dict__.get("_step_entries", []):
             for k, t in s.tables:
                 k.set_step_count(t, int(s.tensor.item()))
+            s.seen = float(s.tensor.item())
 
     def post_load_state_dict(self) -> None:
         self._write_back()

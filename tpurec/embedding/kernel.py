@@ -92,6 +92,9 @@ class SparseCoreKernel(nn.Module):
         # Optimizer steps taken per stack (Adam's bias correction); stacks update independently
         # because autograd may run their backward in any order. Public per table: step_count().
         self._steps: list[int] = []
+        # Called before every fused update: fused optimizers pass on step counts written into their
+        # checkpointed scalars in place (DCP's load), which no load_state_dict call announces.
+        self.pre_update_hooks: list = []
         # The param group whose "lr" every update reads (see current_lr); None: the spec's lr.
         self.lr_source: dict | None = None
         self.last_stats: dict[str, PreprocessStats] = {}
@@ -394,6 +397,8 @@ class SparseCoreKernel(nn.Module):
     def apply_update(self, i: int, csr: SparseCoreInput, grad: torch.Tensor, lr: float) -> None:
         """Stack i's fused update: the optimizer spec runs its op on the stack's table and state."""
         grad = grad.to(torch.float32).contiguous()
+        for hook in self.pre_update_hooks:
+            hook()
         self._steps[i] += 1
         states = [self.stack_state(i, s) for s in self.optimizer.state_names]
         self.optimizer.apply_update(

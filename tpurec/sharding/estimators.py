@@ -28,7 +28,7 @@ from tpurec.embedding.constraints import (
     worst_case_max_ids_per_partition,
 )
 from tpurec.embedding.optimizers.registry import spec_class
-from tpurec.sharding.topology import SliceSpec, cpu_spec
+from tpurec.sharding.topology import CPU_GENERATION, SliceSpec, cpu_spec
 
 ID_BYTES = 4  # int32 ids on the wire and in the SparseCore buffers
 ROW_WISE = (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value)
@@ -40,6 +40,12 @@ class ShardCost:
     optimizer: int
     buffers: int  # SparseCore CSR/COO input buffers sized by the worst-case id limit
     activations: int  # pooled output of this shard for the global batch, and its gradient
+    # TPU only: TorchTPU's fused update ops return a new table and new state (docs/tpu.md), which
+    # live beside the old ones until the adapter copies them back. Counted per shard, this is exact
+    # when a device's shards form one stack (same width and optimizer, e.g. every MLPerf table) and
+    # an upper bound otherwise (stacks are updated one after another, so the true peak is the
+    # largest stack's). Zero on CPU, where the reference updates in place.
+    transient: int
     lookup_ms: float
     update_ms: float
     input_comm_ms: float  # ids to the shard (all-to-all)
@@ -48,7 +54,7 @@ class ShardCost:
 
     @property
     def bytes(self) -> int:
-        return self.weights + self.optimizer + self.buffers + self.activations
+        return self.weights + self.optimizer + self.buffers + self.activations + self.transient
 
     @property
     def comm_ms(self) -> float:
@@ -133,7 +139,19 @@ def shard_cost(
     lookup_ms = ids * row_bytes / sc_bw * 1e3
     # Fused update per id: read gradient, read + write the row, read + write optimizer state.
     update_ms = ids * (3 * row_bytes + 2 * state_bytes) / sc_bw * 1e3
-    return ShardCost(weights, opt, buffers, 2 * pooled, lookup_ms, update_ms, in_ms, out_ms, grad_ms)
+    transient = 0 if spec.generation.name == CPU_GENERATION else weights + opt
+    return ShardCost(
+        weights=weights,
+        optimizer=opt,
+        buffers=buffers,
+        activations=2 * pooled,
+        transient=transient,
+        lookup_ms=lookup_ms,
+        update_ms=update_ms,
+        input_comm_ms=in_ms,
+        output_comm_ms=out_ms,
+        grad_comm_ms=grad_ms,
+    )
 
 
 def spec_of(topology: Topology) -> SliceSpec:
@@ -178,7 +196,8 @@ class _TpuEstimator(ShardEstimator):
 
 
 class TpuStorageEstimator(_TpuEstimator):
-    """HBM per shard: padded table + optimizer state + SparseCore buffers + pooled activations."""
+    """HBM per shard: padded table + optimizer state + SparseCore buffers + pooled activations, and on
+    a TPU the transient new table and state of the fused update."""
 
     def estimate(self, sharding_options: List[ShardingOption], sharder_data_map=None) -> None:
         on_cpu = self._topology.compute_device == "cpu"

@@ -40,7 +40,7 @@ def build_report(
     by_name = {t.name: t for t in tables}
     world = spec.world_size
     cap = spec.generation.hbm_bytes
-    keys = ("weights", "optimizer", "buffers", "activations")
+    keys = ("weights", "optimizer", "buffers", "activations", "transient")
     devices = [
         dict(
             rank=r,
@@ -189,14 +189,14 @@ def format_text(report: dict, top: int = 5) -> str:
         "",
         "devices (GiB; ms)",
         f"{'rank':>4} {'used':>7} {'cap':>7} {'%':>5} {'weights':>8} {'optim':>7} {'buffers':>7} "
-        f"{'activ':>7} {'reserved':>8} {'time':>7} {'lookup':>7} {'update':>7} {'comm':>7}",
+        f"{'activ':>7} {'transnt':>7} {'reserved':>8} {'time':>7} {'lookup':>7} {'update':>7} {'comm':>7}",
     ]
     for d in report["devices"]:
         out.append(
             f"{d['rank']:>4} {_gib(d['hbm_used_bytes']):>7} {_gib(d['hbm_capacity_bytes']):>7} "
             f"{100 * d['hbm_used_bytes'] / d['hbm_capacity_bytes']:>5.1f} {_gib(d['weights_bytes']):>8} "
             f"{_gib(d['optimizer_bytes']):>7} {_gib(d['buffers_bytes']):>7} "
-            f"{_gib(d['activations_bytes']):>7} {_gib(d['reserved_bytes']):>8} "
+            f"{_gib(d['activations_bytes']):>7} {_gib(d.get('transient_bytes', 0)):>7} {_gib(d['reserved_bytes']):>8} "
             f"{d['estimated_time_ms']:>7.3f} {d['lookup_ms']:>7.3f} {d['update_ms']:>7.3f} "
             f"{d['comm_ms']:>7.3f}"
         )

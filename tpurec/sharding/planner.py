@@ -273,7 +273,9 @@ def _refusal(module, topology, batch_size, constraints, optimizer, reservation) 
         f"{_fmt(caps[best])}, "
         f"optimizer {optimizer}): the largest table {name} ({cfg.num_embeddings:,} x {cfg.embedding_dim}) needs "
         f"{_fmt(c.bytes)} (weights {_fmt(c.weights)}, optimizer state {_fmt(c.optimizer)}, SparseCore buffers "
-        f"{_fmt(c.buffers)}, activations {_fmt(c.activations)}); the best device (rank {best}) has "
+        f"{_fmt(c.buffers)}, activations {_fmt(c.activations)}"
+        + (f", the update's transient new table and state {_fmt(c.transient)}" if c.transient else "")
+        + f"); the best device (rank {best}) has "
         f"{_fmt(free[best])} free of {_fmt(caps[best])} after reserving {_fmt(reserved[best])}; "
         f"all {len(costs)} tables need at least {_fmt(at_least)} of weights and optimizer state against "
         f"{_fmt(sum(free))} free on the whole slice"

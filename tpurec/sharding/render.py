@@ -13,6 +13,7 @@ _HBM_PARTS = (
     ("optimizer_bytes", "optimizer state"),
     ("buffers_bytes", "SparseCore buffers"),
     ("activations_bytes", "pooled activations+grads"),
+    ("transient_bytes", "update's new table+state (TPU)"),
     ("reserved_bytes", "reserved (dense, headroom)"),
 )
 _TIME_PARTS = (("lookup_ms", "SparseCore lookup"), ("update_ms", "fused update"), ("comm_ms", "communication"))
@@ -30,7 +31,7 @@ def png_bytes(report: dict) -> bytes:
     fig, (ax_m, ax_t) = plt.subplots(2, 1, figsize=(width, 8), sharex=True)
     bottom = [0.0] * len(ranks)
     for key, label in _HBM_PARTS:
-        vals = [d[key] / GiB for d in devices]
+        vals = [d.get(key, 0) / GiB for d in devices]  # reports written before a part existed lack it
         ax_m.bar(ranks, vals, bottom=bottom, label=label, width=0.85)
         bottom = [b + v for b, v in zip(bottom, vals)]
     cap = devices[0]["hbm_capacity_bytes"] / GiB

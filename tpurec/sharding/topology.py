@@ -198,6 +198,10 @@ def parse_slice(name: str, **assumptions) -> SliceSpec:
     return SliceSpec(name=name.strip().lower(), generation=gen, chips_per_slice=chips, num_slices=slices, **assumptions)
 
 
+# The name of cpu_spec's generation: the CPU reference kernel (in-place updates, DDR memory).
+CPU_GENERATION = "cpu"
+
+
 def cpu_spec(
     world_size: int, *, devices_per_host: int | None = None, num_sc_per_device: int = 4, memory_bytes: int = 64 * GiB
 ) -> SliceSpec:
@@ -205,7 +209,7 @@ def cpu_spec(
     `num_sc_per_device` SparseCores per rank; memory is DDR (64 GiB per rank by default, an
     arbitrary but sane dry-run figure), bandwidths are nominal host figures (assumptions)."""
     gen = Generation(
-        "cpu",
+        CPU_GENERATION,
         memory_bytes,
         50 * GB,
         1e12,
@@ -295,7 +299,7 @@ def make_topology(
             spec = SliceSpec(name=f"{gen.name}x{world_size}dev", generation=gen, chips_per_slice=chips)
     if world_size is not None and world_size != spec.world_size:
         raise ValueError(f"{spec.name} has {spec.world_size} devices but world_size={world_size}")
-    if compute_device == "tpu" and spec.generation.name != "cpu" and spec.generation.sparsecores == 0:
+    if compute_device == "tpu" and spec.generation.name != CPU_GENERATION and spec.generation.sparsecores == 0:
         raise ValueError(
             f"{spec.generation.name} has no usable SparseCores; tpurec's embedding kernel needs v5p, v6e or v7x"
         )
