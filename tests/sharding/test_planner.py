@@ -275,3 +275,32 @@ def test_sharder_offering_nothing_runnable_is_named():
     # torchrec's stock sharder offers only kernels (fused, ...) that do not run on TPU
     with pytest.raises(ValueError, match=r"no sharding option the SparseCore kernel can run .*'t_C1'"):
         P.plan(ebc_for("dlrm-tiny"), make_topology("v5p-8"), batch_size=8, sharders=[Stock()])
+
+
+def _option(fqn, shard_ms, shard_bytes):
+    """A stand-in ShardingOption: one shard per entry, each with its time and bytes."""
+    from types import SimpleNamespace as NS
+
+    shards = [
+        NS(perf=NS(total=t), storage=NS(hbm=b, ddr=0), rank=r) for r, (t, b) in enumerate(zip(shard_ms, shard_bytes))
+    ]
+    return NS(fqn=fqn, shards=shards, total_perf=sum(shard_ms))
+
+
+def test_critical_device_proposer_spreads_the_largest_shard_when_a_plan_does_not_fit():
+    """The cheapest start (everything table-wise) does not fit; the proposer spreads the table with
+    the largest shard one step (TW -> TWRW), not everything at once."""
+    big = [_option("big", [4.0], [40]), _option("big", [2.5, 2.5], [20, 20]), _option("big", [1.5] * 4, [10] * 4)]
+    small = [_option("small", [1.0], [1]), _option("small", [0.6] * 4, [0.3] * 4)]
+    p = P.CriticalDeviceProposer()
+    p.load(big + small)
+    first = p.propose()
+    assert [o.shards.__len__() for o in first] == [1, 1]  # cheapest in total work: both table-wise
+    p.feedback(partitionable=False)
+    second = p.propose()
+    assert [len(o.shards) for o in second] == [2, 1]  # big spread one step; small stays table-wise
+    p.feedback(partitionable=False)
+    assert [len(o.shards) for o in p.propose()] == [4, 1]
+    p.feedback(partitionable=False)
+    # nothing of "big" left to spread: "small" is next (its shards are now the largest)
+    assert [len(o.shards) for o in p.propose()] == [4, 4]

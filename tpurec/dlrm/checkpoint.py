@@ -5,7 +5,8 @@ Layout of CKPT_DIR/step-00000100/:
   DCP files      {"model": dmp.state_dict(), "optim": combined optimizer state_dict()}: sharded
                  tables and fused optimiser state (ShardedTensors, resharded on load, so another
                  world size can load them), dense weights and dense optimiser state;
-  rank-R.pt      per rank: data reader position and RNG states (exact resume at the same world size);
+  rank-R.json    per rank: data reader position and RNG states (exact resume at the same world size);
+                 JSON, never a pickle: reading a checkpoint must not be able to run code
   meta.json      step, world size, epoch and epoch fraction, config (rank 0);
   COMPLETE       written last, after every rank has finished.
 Everything is first written under step-00000100.tmp/ and renamed once COMPLETE is in it; the
@@ -81,13 +82,26 @@ def resolve(path) -> Path:
 
 
 def rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """The torch, numpy and python RNG states as JSON values (lists of ints)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    version, internal, gauss = random.getstate()
+    return {
+        "torch": torch.get_rng_state().tolist(),
+        "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "python": [version, list(internal), gauss],
+    }
 
 
 def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+
+
+def train_state_file(path, rank: int) -> Path:
+    return Path(path) / f"rank-{rank}.json"
 
 
 def save(root, step: int, dmp, optimizer, train_state: dict, meta: dict, keep: int = 0) -> Path:
@@ -104,7 +118,7 @@ def save(root, step: int, dmp, optimizer, train_state: dict, meta: dict, keep: i
         tmp.mkdir()
     _barrier()
     dcp.save({"model": dmp.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=str(tmp))
-    torch.save(train_state, tmp / f"rank-{_rank()}.pt")
+    train_state_file(tmp, _rank()).write_text(json.dumps(train_state))
     _barrier()  # every rank's files are on disk
     if _rank() == 0:
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2, default=str))
@@ -122,13 +136,27 @@ def load(path, dmp, optimizer) -> tuple[dict, dict | None]:
     the checkpoint was written at another world size)."""
     import torch.distributed.checkpoint as dcp
 
+    from tpurec.dlrm.dcp_guard import check_metadata
+
     path = resolve(path)
     meta = json.loads((path / "meta.json").read_text())
+    check_metadata(path)  # DCP unpickles .metadata: refuse anything but metadata classes first
     sd = {"model": dmp.state_dict(), "optim": optimizer.state_dict()}
     dcp.load(sd, checkpoint_id=str(path))
     dmp.load_state_dict(sd["model"])
     optimizer.load_state_dict(sd["optim"])
     train_state = None
     if meta.get("world_size") == _world():
-        train_state = torch.load(path / f"rank-{_rank()}.pt", weights_only=False)
+        own = train_state_file(path, _rank())
+        if not own.exists():
+            # Checkpoints of tpurec before 2026-12 pickled this file (rank-R.pt); unpickling can run
+            # code, so it is never read.
+            raise FileNotFoundError(
+                f"{own} is missing (a checkpoint from an older tpurec keeps it as a pickle, which tpurec "
+                "does not load); resume from a newer checkpoint"
+            )
+        try:
+            train_state = json.loads(own.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{own}: not valid JSON ({e}); the checkpoint is damaged") from None
     return meta | {"path": str(path)}, train_state

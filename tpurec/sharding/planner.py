@@ -163,6 +163,10 @@ class CriticalDeviceProposer(Proposer):
     def _depth(option: ShardingOption) -> float:
         return max(s.perf.total for s in option.shards)
 
+    @staticmethod
+    def _largest_shard(option: ShardingOption) -> float:
+        return max(s.storage.hbm + s.storage.ddr for s in option.shards)
+
     def load(self, search_space: List[ShardingOption], enumerator=None) -> None:
         self._options: Dict[str, List[ShardingOption]] = {}
         for o in search_space:
@@ -186,7 +190,12 @@ class CriticalDeviceProposer(Proposer):
 
     def feedback(self, partitionable: bool, plan=None, perf_rating=None, storage_constraint=None) -> None:
         if not partitionable or not plan:
-            self._next, self._fallback = self._fallback, None
+            # Does not fit: spread the table with the largest shard one step further (on a TPU the
+            # update's transient doubles a table-wise 40M x 128 table to 38 GiB, more than a v6e
+            # holds); only when nothing can be spread further, start over fully spread.
+            self._next = self._spread_largest() if self._current is not None else None
+            if self._next is None:
+                self._next, self._fallback = self._fallback, None
             return
         load: Dict[int, float] = {}
         on_rank: Dict[int, Dict[str, float]] = {}
@@ -203,6 +212,19 @@ class CriticalDeviceProposer(Proposer):
                 self._next = {**self._current, fqn: shallower[0]}
                 return
         self._next = None
+
+    def _spread_largest(self) -> Dict[str, int] | None:
+        by_size = sorted(self._current.items(), key=lambda kv: -self._largest_shard(self._options[kv[0]][kv[1]]))
+        for fqn, i in by_size:
+            opts = self._options[fqn]
+            smaller = [
+                j for j in range(i + 1, len(opts)) if self._largest_shard(opts[j]) < self._largest_shard(opts[i])
+            ]
+            if smaller:
+                # the least spread of the options with smaller shards, the cheapest among equals
+                best = min(smaller, key=lambda j: (-self._depth(opts[j]), opts[j].total_perf))
+                return {**self._current, fqn: best}
+        return None
 
 
 def make_planner(
