@@ -85,16 +85,18 @@ ALLOCATOR_SCRIPT = textwrap.dedent("""
     from tests import tpu_standin
     import tpurec.selftest.tpu as T
 
-    # An allocator that reports what the DMP's tables really hold: 0 before, their bytes after.
-    calls = []
+    # An allocator that reports what the DMP's tables really hold: 0 before, after the step the
+    # bytes of the kernels created since (the earlier checks' modules may still be alive).
+    import gc
+    from tpurec.embedding.kernel import SparseCoreKernel
+    earlier = set()
     def fake_device_bytes(target):
-        calls.append(1)
-        if len(calls) == 1:
-            return 0
-        import gc
-        from tpurec.embedding.kernel import SparseCoreKernel
         kernels = [o for o in gc.get_objects() if isinstance(o, SparseCoreKernel)]
-        held = sum(b.numel() * b.element_size() for k in kernels for b in k.buffers())
+        if not earlier:
+            earlier.update(id(k) for k in kernels)
+            earlier.add(None)
+            return 0
+        held = sum(b.numel() * b.element_size() for k in kernels if id(k) not in earlier for b in k.buffers())
         print("HELD", held)
         return held
     T._device_bytes = fake_device_bytes

@@ -23,8 +23,9 @@ from torch import nn
 
 from tpurec.embedding import ops  # noqa: F401  (registers torch.ops.tpurec.*)
 from tpurec.embedding.constraints import DIM_ALIGN, SEGMENT_ALIGN, round_up
+from tpurec.embedding.kjt_checks import check_kjt
 from tpurec.embedding.layout import StackLayout, build_stacks
-from tpurec.embedding.optimizers.base import OptimizerSpec
+from tpurec.embedding.optimizers.base import OptimizerSpec, check_hyperparameter
 from tpurec.embedding.preprocess import IdLimitExceededError, PreprocessStats, SparseCoreInput, preprocess
 
 # Kernel numbers for computation names: unique within the process, fixed for a kernel's lifetime.
@@ -301,6 +302,7 @@ class SparseCoreKernel(nn.Module):
 
     def _stacked_arrays(self, features):
         """(values, lengths, weights) of the KJT with keys in stacked order, checked."""
+        check_kjt(features)
         keys = features.keys()
         if self.positional:
             if len(keys) != len(self.feature_order):
@@ -416,7 +418,11 @@ class SparseCoreKernel(nn.Module):
     # FusedOptimizer's param_groups take effect (the fused optimizers bind their group here).
     def current_lr(self) -> float:
         group = self.lr_source
-        return float(group["lr"]) if group is not None else self.optimizer.lr
+        if group is None:
+            return self.optimizer.lr
+        lr = float(group["lr"])
+        check_hyperparameter(f"{self.optimizer.name} (param_groups)", "lr", lr)  # a scheduler or user may set it
+        return lr
 
 
 def _to_device(csr: SparseCoreInput, device: torch.device) -> SparseCoreInput:

@@ -85,7 +85,15 @@ def preprocess(
     ids: natural row ids (int), sample_index: the sample (0..device_batch_size-1) each id belongs to,
     gains: the weight of each id (1, a per-id weight, or 1/bag_length for mean pooling).
     Limits left as None are sized to this batch (fine on CPU; a TPU wants fixed limits).
+    Ids must be in [0, 2^31): the SparseCore takes int32 ids, and an id out of that range is refused,
+    never wrapped.
     """
+    if ids.numel():
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= 2**31:
+            raise ValueError(
+                f"table {table_name!r}: ids must be in [0, 2^31) (int32 on the SparseCore), got {lo}..{hi}"
+            )
     return preprocess_tables(
         [(ids, sample_index, gains)],
         device_batch_size=device_batch_size,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import importlib
+import math
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence
 
@@ -54,6 +55,12 @@ class OptimizerSpec(abc.ABC):
     # Whether the update depends on the step count (bias correction): then the FusedOptimizer
     # checkpoints "<table>.step" with the state.
     keeps_step_count: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        """Hyper-parameters out of their domain are refused, never clamped (a NaN or negative lr would
+        train silently to garbage)."""
+        for f in fields(self):
+            check_hyperparameter(getattr(self, "name", type(self).__name__), f.name, getattr(self, f.name))
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -182,6 +189,23 @@ class OptimizerSpec(abc.ABC):
     def tpu_kernels(cls) -> dict[Any, Callable]:
         """{tpurec custom op: TorchTPU call} that `tpurec.embedding.tpu.register` installs on a TPU host."""
         return {}
+
+
+def check_hyperparameter(optimizer: str, name: str, value) -> None:
+    """One-line ValueError unless `value` is in the domain of hyper-parameter `name`: finite; lr >= 0;
+    eps >= 0; betas in [0, 1) (torch's own domains)."""
+    v = float(value)
+    problem = None
+    if not math.isfinite(v):
+        problem = "must be a finite number"
+    elif name == "lr" and v < 0:
+        problem = "must be >= 0"
+    elif name.startswith("eps") and v < 0:
+        problem = "must be >= 0"  # as torch's optimizers: 0 is allowed
+    elif name.startswith("beta") and not 0 <= v < 1:
+        problem = "must be in [0, 1)"
+    if problem:
+        raise ValueError(f"{optimizer}: {name}={value!r} {problem}")
 
 
 def op_tail(csr: SparseCoreInput) -> tuple:

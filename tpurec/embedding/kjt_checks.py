@@ -1,0 +1,31 @@
+"""What a KeyedJaggedTensor must satisfy before the kernel reads it, checked as stock TorchRec's
+kernels do: lengths that do not sum to the values, or a lengths count that is not keys x batch,
+would otherwise be cut silently (the kernel slices values by lengths)."""
+
+from __future__ import annotations
+
+
+def check_kjt(features) -> None:
+    """One-line ValueError naming what is inconsistent; costs one pass over the lengths."""
+    keys = features.keys()
+    lengths = features.lengths()
+    values = features.values()
+    if features.variable_stride_per_key():
+        expected = sum(features.stride_per_key())
+        shape = f"the keys' batch sizes {features.stride_per_key()}"
+    else:
+        expected = len(keys) * features.stride()
+        shape = f"{len(keys)} keys x batch {features.stride()}"
+    if lengths.numel() != expected:
+        raise ValueError(f"KeyedJaggedTensor has {lengths.numel()} lengths, but {shape} need {expected} (keys {keys})")
+    if lengths.numel():
+        if int(lengths.min()) < 0:
+            raise ValueError(f"KeyedJaggedTensor has a negative length ({int(lengths.min())}); keys {keys}")
+        total = int(lengths.sum())
+    else:
+        total = 0
+    if total != values.numel():
+        raise ValueError(f"KeyedJaggedTensor lengths sum to {total} but it has {values.numel()} values (keys {keys})")
+    weights = features.weights_or_none()
+    if weights is not None and weights.numel() != values.numel():
+        raise ValueError(f"KeyedJaggedTensor has {weights.numel()} weights for {values.numel()} values")
