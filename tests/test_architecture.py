@@ -21,6 +21,7 @@ LAYERS = {
     "device": 0,
     "catalog": 0,
     "host_ops": 0,
+    "argtypes": 0,
     "embedding": 1,
     "data": 1,
     "sharding": 2,

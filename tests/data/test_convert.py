@@ -187,3 +187,35 @@ def test_progress_counts_each_input_byte_once_even_after_a_retry(criteo_sample, 
     )
     assert res.rows == 199 and res.bad_lines == 1 and "day_0:151: column I3" in res.bad_examples[0]
     assert sum(ticks) == tsv.stat().st_size  # not twice, though the file was read twice
+
+
+def test_failed_overwrite_leaves_the_previous_dataset_whole(criteo_sample, tmp_path):
+    """--overwrite replaces the old dataset only once the new one is written."""
+    rows = _sample_rows(criteo_sample)
+    good, bad = tmp_path / "day_0", tmp_path / "day_1"
+    _write_tsv(rows[:50], good)
+    broken = [list(r) for r in rows[:10]]
+    broken[3][20] = "zzzz"
+    _write_tsv(broken, bad)
+    out = tmp_path / "out"
+    convert([str(good)], str(out), ConvertOptions(criteo_schema()), show_progress=False)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(DataError, match=r"day_1:4: column C7"):
+        convert([str(bad)], str(out), ConvertOptions(criteo_schema()), show_progress=False, overwrite=True)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # parts and dataset.json untouched
+    assert pq.read_table(out / "part-00000.parquet").num_rows == 50
+    # a successful overwrite with fewer inputs removes the parts it no longer writes
+    convert([str(good), str(good)], str(tmp_path / "two"), ConvertOptions(criteo_schema()), show_progress=False)
+    convert([str(good)], str(tmp_path / "two"), ConvertOptions(criteo_schema()), show_progress=False, overwrite=True)
+    assert sorted(p.name for p in (tmp_path / "two").glob("*.parquet")) == ["part-00000.parquet"]
+    assert json.loads((tmp_path / "two" / "dataset.json").read_text())["files"] == ["part-00000.parquet"]
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-Infinity", "1e400"])
+def test_non_finite_dense_value_stops_the_conversion(criteo_sample, tmp_path, value):
+    rows = [list(r) for r in _sample_rows(criteo_sample)[:5]]
+    rows[1][3] = value  # line 2, column I3
+    tsv = tmp_path / "day_2"
+    _write_tsv(rows, tsv)
+    with pytest.raises(DataError, match=r"day_2:2: column I3: not a number"):
+        convert([str(tsv)], str(tmp_path / "o"), ConvertOptions(criteo_schema()), show_progress=False)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import sys
 
+from tpurec.argtypes import nonnegative_int, positive_int
+
 NAME_PRESETS = {
     "merlin": ([f"I{i}" for i in range(1, 14)], [f"C{i}" for i in range(1, 27)]),
     "torchrec": ([f"int_{i}" for i in range(13)], [f"cat_{i}" for i in range(26)]),
@@ -48,23 +50,23 @@ def register(sub) -> None:
         default="merlin",
         help="column names: merlin (label, I1.., C1..) or torchrec (label, int_0.., cat_0..)",
     )
-    c.add_argument("--row-group-size", type=int, default=65536)
+    c.add_argument("--row-group-size", type=positive_int, default=65536)
     c.add_argument(
         "--compression", default="snappy", help="Parquet codec (default snappy; none reads faster, files are bigger)"
     )
-    c.add_argument("--jobs", type=int, default=None, help="parallel processes (default: cores, <= inputs)")
+    c.add_argument("--jobs", type=positive_int, default=None, help="parallel processes (default: cores, <= inputs)")
     c.add_argument("--skip-bad-lines", action="store_true", help="drop malformed lines, count and report them")
     c.add_argument("--overwrite", action="store_true", help="replace .parquet files already in --out")
     _common(c)
     c.set_defaults(run=run_convert)
 
     s = dsub.add_parser("synth", help="synthetic Criteo-shaped data with a known best AUC (oracle_auc)")
-    s.add_argument("--rows", type=int, default=200_000)
+    s.add_argument("--rows", type=positive_int, default=200_000)
     s.add_argument("--out", required=True)
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=nonnegative_int, default=0)
     s.add_argument("--tables", default="dlrm-tiny", help="table set (tpurec/catalog.py), default dlrm-tiny")
-    s.add_argument("--rows-per-file", type=int, default=1_000_000)
-    s.add_argument("--row-group-size", type=int, default=65536)
+    s.add_argument("--rows-per-file", type=positive_int, default=1_000_000)
+    s.add_argument("--row-group-size", type=positive_int, default=65536)
     s.add_argument("--compression", default="none", help="Parquet codec (default none: fastest to read)")
     s.add_argument("--overwrite", action="store_true")
     _common(s)

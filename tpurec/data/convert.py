@@ -24,6 +24,7 @@ from tpurec.data.schema import (
     DataSchema,
     list_parquet_files,
     prepare_output_dir,
+    remove_stale_parts,
     write_dataset_json,
 )
 
@@ -316,6 +317,7 @@ def convert(
         bar.close()
     for t, f in zip(tmps, finals):
         t.replace(f)
+    remove_stale_parts(out, finals)  # only now: a failed conversion leaves the old dataset whole
     seconds = time.perf_counter() - t0
     results.sort(key=lambda r: r.input)
     summary = {

@@ -66,7 +66,17 @@ def parse_hex(arr) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def parse_numbers(arr) -> tuple[np.ndarray, np.ndarray]:
-    """Decimal strings (ints or floats, maybe negative) -> (float64 values, bad mask); empty -> 0."""
+    """Decimal strings (ints or floats, maybe negative) -> (float64 values, bad mask); empty -> 0.
+    Non-finite values ("nan", "inf", "1e400") are bad too: a NaN feature trains to a NaN loss."""
+    values, bad = _parse_numbers(arr)
+    nonfinite = ~np.isfinite(values)
+    if nonfinite.any():
+        values = np.where(nonfinite, 0.0, values)
+        bad = bad | nonfinite
+    return values, bad
+
+
+def _parse_numbers(arr) -> tuple[np.ndarray, np.ndarray]:
     import pyarrow as pa
     import pyarrow.compute as pc
 

@@ -163,15 +163,23 @@ def dataset_metadata(path) -> dict:
 
 
 def prepare_output_dir(out_dir, overwrite: bool) -> Path:
-    """Create `out_dir`; refuse if it already holds Parquet files, unless `overwrite` (then remove them)."""
+    """Create `out_dir`; refuse if it already holds Parquet files, unless `overwrite`. Nothing is
+    removed here: the old dataset stays whole until the new one is written (`remove_stale_parts`),
+    so a conversion that fails leaves the previous data and its dataset.json as they were."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     existing = sorted(out.glob("*.parquet"))
     if existing and not overwrite:
         raise DataError(f"{out_dir} already holds {len(existing)} .parquet files; use --overwrite")
-    for f in existing:
-        f.unlink()
     return out
+
+
+def remove_stale_parts(out_dir, written) -> None:
+    """After a successful write: remove the .parquet files of `out_dir` that are not in `written`."""
+    keep = {Path(f).name for f in written}
+    for f in Path(out_dir).glob("*.parquet"):
+        if f.name not in keep:
+            f.unlink()
 
 
 def write_dataset_json(out_dir, schema: DataSchema, **facts) -> dict:

@@ -24,6 +24,7 @@ from tpurec.data.schema import (
     DataSchema,
     SparseFeature,
     prepare_output_dir,
+    remove_stale_parts,
     write_dataset_json,
 )
 
@@ -187,6 +188,7 @@ def synthesize(
         bar.close()
     for tmp, final in tmps:
         tmp.replace(final)
+    remove_stale_parts(out, files)  # only now: a failed run leaves the old dataset whole
     p, y = np.concatenate(probs), np.concatenate(labels_all)
     summary = {
         "rows": rows,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
 
+from tpurec.argtypes import fraction_below_one, nonnegative_float, nonnegative_int, positive_float, positive_int
 from tpurec.dlrm.flags import flag
 from tpurec.embedding.optimizers.registry import spec_names
 
@@ -29,23 +30,25 @@ class DLRMConfig:
     # Optimisers: the tables' update is fused into backward (apply_optimizer_in_backward); the dense
     # MLPs use a regular torch optimiser. Names: sgd | adagrad | rowwise_adagrad | adam.
     embedding_optimizer: str = "rowwise_adagrad"
-    embedding_lr: float = flag(0.1, "learning rate of the fused table optimiser")
+    embedding_lr: float = flag(0.1, "learning rate of the fused table optimiser", type=nonnegative_float)
     dense_optimizer: str = "adagrad"
-    dense_lr: float = flag(0.1, "learning rate of the dense (MLP) optimiser")
+    dense_lr: float = flag(0.1, "learning rate of the dense (MLP) optimiser", type=nonnegative_float)
     eps: float = 1e-8
     # Learning-rate schedule applied to both: linear warm-up over `warmup_steps`, constant until
     # `decay_start`, then polynomial (power 2) decay to 0 over `decay_steps` (0 = no warm-up/decay).
     warmup_steps: int = 0
     decay_start: int = 0
     decay_steps: int = 0
-    batch_size: int = flag(512, "batch size per rank (config default)")
-    steps: int | None = flag(None, "training steps (overrides --epochs)")  # None: run `epochs` epochs
-    epochs: float = flag(1.0, "passes over the training split (config default 1)")
-    eval_every: int = flag(0, "evaluate every N steps (0: only at the end)")
-    eval_fraction: float = flag(0.05, "held-out share of the data (config default 0.05)")
+    batch_size: int = flag(512, "batch size per rank (config default)", type=positive_int)
+    steps: int | None = flag(
+        None, "training steps (overrides --epochs)", type=positive_int
+    )  # None: run `epochs` epochs
+    epochs: float = flag(1.0, "passes over the training split (config default 1)", type=positive_float)
+    eval_every: int = flag(0, "evaluate every N steps (0: only at the end)", type=nonnegative_int)
+    eval_fraction: float = flag(0.05, "held-out share of the data (config default 0.05)", type=fraction_below_one)
     # rows of the synthetic dataset made when no --data is given
-    synth_rows: int = flag(200_000, "rows of the default synthetic dataset")
-    seed: int = flag(0, "seed for init, shuffling and synthetic data (default 0)")
+    synth_rows: int = flag(200_000, "rows of the default synthetic dataset", type=positive_int)
+    seed: int = flag(0, "seed for init, shuffling and synthetic data (default 0)", type=nonnegative_int)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -15,6 +15,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field, fields
 
+from tpurec.argtypes import nonnegative_int, positive_int
 from tpurec.catalog import MODEL_NAMES
 from tpurec.dlrm import flags
 from tpurec.dlrm.configs import DLRMConfig, get_config, override
@@ -52,8 +53,8 @@ class TrainOptions:
     synth_rows: int | None = _override("synth_rows")
     seed: int | None = _override("seed")
     checkpoint_dir: str | None = flag(None, "write checkpoints here (periodic and final)", metavar="DIR")
-    checkpoint_every: int | None = flag(None, "steps between checkpoints (default: --eval-every)")
-    keep: int = flag(2, "complete checkpoints to keep (0: all; default 2)")
+    checkpoint_every: int | None = flag(None, "steps between checkpoints (default: --eval-every)", type=positive_int)
+    keep: int = flag(2, "complete checkpoints to keep (0: all; default 2)", type=nonnegative_int)
     resume: str | None = flag(
         None,
         "continue from the newest complete checkpoint in --checkpoint-dir, or from PATH",
@@ -64,7 +65,7 @@ class TrainOptions:
     plan: str | None = flag(None, "use a saved sharding plan instead of planning", metavar="PLAN.json")
     save_plan: str | None = flag(None, "save the plan used (for --plan later)", metavar="PLAN.json")
     metrics_out: str | None = flag(None, "metrics as .csv or .jsonl; curves as FILE.png beside it", metavar="FILE")
-    threads: int | None = flag(None, "torch threads per rank (default: 1 with several ranks)")
+    threads: int | None = flag(None, "torch threads per rank (default: 1 with several ranks)", type=positive_int)
     quiet: bool = flag(False, "no progress bar")
 
     # ---- building ----
@@ -107,6 +108,12 @@ class TrainOptions:
             return "--metrics-out must end in .csv or .jsonl"
         if self.resume and self.resume == "latest" and not self.checkpoint_dir:
             return "--resume needs --checkpoint-dir (or --resume PATH)"
+        if self.resume:
+            # A directory that does not exist is a typo, not a first run (which has the directory
+            # empty or absent only if --resume is left out): training from scratch would hide it.
+            where = self.checkpoint_dir if self.resume == "latest" else self.resume
+            if not os.path.exists(where):
+                return f"--resume: {where} does not exist (leave out --resume to start a new run)"
         for name in ("batch_size", "steps", "checkpoint_every", "synth_rows"):
             v = getattr(self, name)
             if v is not None and v < 1:

@@ -6,6 +6,7 @@ The Trainer calls these on rank 0; they only format and write, so they stay out 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 
@@ -103,7 +104,7 @@ class MetricsLog:
             if self.csv:
                 f.write(",".join("" if rec.get(k) is None else str(rec.get(k)) for k in self.FIELDS) + "\n")
             else:
-                f.write(json.dumps(rec) + "\n")
+                f.write(json.dumps(json_safe(rec), allow_nan=False) + "\n")
 
 
 def summary_text(r: dict, data_dir) -> str:
@@ -118,3 +119,14 @@ def summary_text(r: dict, data_dir) -> str:
         f"   ({r['eval_rows']:,} rows)",
     ]
     return "\n".join(lines)
+
+
+def json_safe(value):
+    """`value` with every non-finite float replaced by None (recursively through dicts and lists)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value

@@ -24,7 +24,7 @@ from pathlib import Path
 from tpurec.catalog import get_table_set
 from tpurec.dlrm import checkpoint as ckpt
 from tpurec.dlrm.options import TrainOptions
-from tpurec.dlrm.report import MetricsLog, plan_report, plan_summary, summary_text
+from tpurec.dlrm.report import MetricsLog, json_safe, plan_report, plan_summary, summary_text
 from tpurec.dlrm.runtime import check_host_memory, init_distributed, log, resolve_device, setup_logging
 
 
@@ -191,7 +191,14 @@ class Trainer:
             return None
         self.step_count += 1
         self.samples += self.batch_size * self.world
-        return float(loss)
+        value = float(loss)
+        if not math.isfinite(value):
+            # Training on would only spread NaN through every table; checkpoints already written stay.
+            raise ValueError(
+                f"training loss is {value} at step {self.step_count}: stopped. Look for non-finite dense "
+                "values in the data (`tpurec data inspect`), or lower --embedding-lr / --dense-lr"
+            )
+        return value
 
     def evaluate(self) -> dict:
         """Forward the whole eval split through the (drained) pipeline; metrics over all ranks."""
@@ -374,4 +381,5 @@ class Trainer:
             )
             self.say(f"metrics: {o.metrics_out}, curves: {png}")
         self.say(summary_text(result, self.data_dir))
-        print(json.dumps(result), flush=True)
+        # One strict JSON line: a non-finite metric is null, never a bare NaN that JSON parsers refuse.
+        print(json.dumps(json_safe(result), allow_nan=False), flush=True)

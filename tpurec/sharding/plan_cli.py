@@ -16,6 +16,7 @@ import functools
 import json
 import sys
 
+from tpurec.argtypes import fraction_above_zero, fraction_below_one, positive_float, positive_int
 from tpurec.catalog import MODEL_NAMES  # plain data: keeps `tpurec --help` instant
 
 _EPILOG = """\
@@ -48,7 +49,7 @@ def register(sub) -> None:
     src.add_argument("--model", choices=MODEL_NAMES, help="a named table set")
     src.add_argument("--tables", metavar="FILE", help="tables from a .json / .yaml file")
     p.add_argument("--topology", metavar="SLICE", help="slice name, e.g. v5p-128, v6e-256, v7x-64, cpu-8")
-    p.add_argument("--batch-size", type=int, default=256, help="batch size per device (default 256)")
+    p.add_argument("--batch-size", type=positive_int, default=256, help="batch size per device (default 256)")
     from tpurec.embedding.optimizers.registry import spec_names  # lists modules, imports no torch
 
     p.add_argument(
@@ -60,16 +61,19 @@ def register(sub) -> None:
     _output_flags(p, default="text")
     p.add_argument(
         "--sc-gather-fraction",
-        type=float,
+        type=fraction_above_zero,
         default=None,
         help="assumed SparseCore gather bandwidth as a fraction of HBM bandwidth (default 0.3)",
     )
     p.add_argument(
-        "--dcn-gbps", type=float, default=None, help="assumed DCN bandwidth per host in GB/s across slices (default 25)"
+        "--dcn-gbps",
+        type=positive_float,
+        default=None,
+        help="assumed DCN bandwidth per host in GB/s across slices (default 25)",
     )
     p.add_argument(
         "--headroom",
-        type=float,
+        type=fraction_below_one,
         default=None,
         help="fraction of HBM kept free for runtime and fragmentation (default 0.05)",
     )
