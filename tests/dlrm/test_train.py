@@ -53,6 +53,26 @@ def test_exact_resume_same_world_size(cache, tmp_path):
     assert a["auc"] == b["auc"]
 
 
+def test_a_plan_from_tpurec_plan_trains_and_one_for_another_world_size_is_refused(cache, tmp_path):
+    """`tpurec plan` keys its plan by table names (module ""); `train --plan` applies it to the
+    DLRM's EmbeddingBagCollection, and refuses a plan made for 2 ranks in a 1-rank run."""
+
+    def plan(topology):
+        out = tmp_path / f"{topology}.json"
+        cmd = ["plan", "--model", "dlrm-tiny", "--topology", topology, "--format", "json", "--out", out]
+        p = subprocess.run(
+            [sys.executable, "-m", "tpurec.cli", *map(str, cmd)], capture_output=True, text=True, cwd=REPO
+        )
+        assert p.returncode == 0, p.stderr
+        return out
+
+    result, _ = train("--plan", plan("cpu-1"), "--synth-rows", 30000, "--steps", 3, cache=cache)
+    assert result["steps"] == 3
+    _, p = train("--plan", plan("cpu-2"), "--synth-rows", 30000, "--steps", 3, cache=cache, check=False)
+    assert p.returncode == 2
+    assert "but the world size is 1 (a plan made for another world size" in p.stderr and "Traceback" not in p.stderr
+
+
 def test_dcnv2_interaction_trains(cache):
     """DLRM-DCNv2 (torchrec's DLRM_DCN, low-rank cross layers) on the dlrm-tiny tables."""
     result, _ = train("--interaction", "dcn", "--dense-lr", 0.005, "--synth-rows", 30000, "--steps", 60, cache=cache)

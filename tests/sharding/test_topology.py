@@ -108,3 +108,22 @@ def test_unnamed_tpu_topology_follows_the_host_chips(monkeypatch):
     monkeypatch.setattr(device, "tpu_generation", lambda: "v6e")
     topo = make_topology(None, world_size=8, compute_device="tpu")
     assert topo.spec.generation.name == "v6e" and topo.spec.generation.sparsecores == 2
+
+
+@pytest.mark.parametrize(
+    "name,match",
+    [
+        ("v6e-3", "smaller than a host has a power-of-two chip count, not 3"),
+        ("v5p-100000000", "50,000,000 chips, but a v5p slice is at most one pod of 8,960 chips"),
+        ("v6e-512", "at most one pod of 256 chips"),
+        ("1000xv5p-8960", "4,480,000 chips in all; tpurec plans at most 65,536"),
+    ],
+)
+def test_slices_that_cannot_exist_are_refused_at_once(name, match):
+    with pytest.raises(ValueError, match=match):
+        parse_slice(name)
+
+
+@pytest.mark.parametrize("name,chips", [("v5p-8960", 4480), ("v7x-9216", 9216), ("v6e-256", 256), ("v6e-1", 1)])
+def test_pod_sized_and_single_chip_slices_parse(name, chips):
+    assert parse_slice(name).chips_per_slice == chips

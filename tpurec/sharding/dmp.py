@@ -120,5 +120,12 @@ class DistributedModelParallel(_TorchrecDMP):
                 sharders=sharders,
                 pg=env.process_group,
             )
+        else:
+            from tpurec.sharding.plan_check import align_to_model, check_plan, ebc_tables
+
+            # A given plan must fit this model and world size (else TorchRec fails deep inside, or
+            # shards onto ranks that do not exist); plans from `tpurec plan` are keyed by table names.
+            plan = align_to_model(plan, module)
+            check_plan(plan, ebc_tables(module), env.world_size)
         super().__init__(module, env=env, device=torch_device, plan=plan, sharders=sharders, **dmp_kwargs)
         self.topology = topology

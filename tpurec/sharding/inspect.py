@@ -326,6 +326,10 @@ def report_from_plan_and_meta(plan, meta: dict) -> dict:
         meta["topology"], sc_gather_fraction=meta.get("sc_gather_fraction"), dcn_bw_per_host=meta.get("dcn_bw_per_host")
     )
     tables = [TableSpec(**t) for t in meta["tables"]]
+    from tpurec.sharding.plan_check import check_plan
+
+    shapes = {t.name: (t.num_embeddings, t.embedding_dim) for t in tables}
+    check_plan(plan, {path: shapes for path in plan.plan}, topo.spec.world_size, source=meta.get("source", "plan"))
     return build_report(
         plan,
         tables,
@@ -343,4 +347,4 @@ def report_from_file(path) -> dict:
     """Recompute the report of a saved plan (plan_io file with meta, or a --format json report)."""
     from tpurec.sharding.plan_io import load_meta, load_plan
 
-    return report_from_plan_and_meta(load_plan(path), load_meta(path))
+    return report_from_plan_and_meta(load_plan(path), {"source": str(path)} | load_meta(path))

@@ -67,15 +67,7 @@ def _placement(text: str) -> str:
 
 
 def plan_from_dict(doc: dict):
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torchrec.distributed.types import (
-        EmbeddingModuleShardingPlan,
-        EnumerableShardingSpec,
-        ParameterSharding,
-        ShardingPlan,
-    )
-    from torchrec.types import DataType
+    from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardingPlan
 
     if "plan" in doc and doc.get("format") != FORMAT:  # a `tpurec plan` report
         doc = doc["plan"]
@@ -84,33 +76,50 @@ def plan_from_dict(doc: dict):
     if doc.get("version") != VERSION:
         raise ValueError(f"unsupported plan version {doc.get('version')!r}; this tpurec reads version {VERSION}")
     plan = {}
-    for path, params in doc["modules"].items():
+    modules = doc.get("modules")
+    if not isinstance(modules, dict):
+        raise ValueError("plan file has no 'modules' object")
+    for path, params in modules.items():
         module_plan = EmbeddingModuleShardingPlan()
         for name, p in params.items():
-            spec = None
-            if p["shards"] is not None:
-                spec = EnumerableShardingSpec(
-                    [
-                        ShardMetadata(
-                            shard_offsets=list(s["offsets"]),
-                            shard_sizes=list(s["sizes"]),
-                            placement=_placement(s["placement"]),
-                        )
-                        for s in p["shards"]
-                    ]
-                )
-            module_plan[name] = ParameterSharding(
-                sharding_type=p["sharding_type"],
-                compute_kernel=p["compute_kernel"],
-                ranks=list(p["ranks"]) if p["ranks"] is not None else None,
-                sharding_spec=spec,
-                enforce_hbm=p.get("enforce_hbm"),
-                stochastic_rounding=p.get("stochastic_rounding"),
-                bounds_check_mode=BoundsCheckMode[p["bounds_check_mode"]] if p.get("bounds_check_mode") else None,
-                output_dtype=DataType[p["output_dtype"]] if p.get("output_dtype") else None,
-            )
+            try:
+                module_plan[name] = _parameter_sharding(p)
+            except (KeyError, TypeError, ValueError) as e:
+                what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+                raise ValueError(f"plan file, module {path or '<root>'!r}, table {name!r}: {what}") from None
         plan[path] = module_plan
     return ShardingPlan(plan)
+
+
+def _parameter_sharding(p: dict):
+    """One table's ParameterSharding from its plan-file entry (KeyError / ValueError when malformed)."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torchrec.distributed.types import EnumerableShardingSpec, ParameterSharding
+    from torchrec.types import DataType
+
+    spec = None
+    if p["shards"] is not None:
+        spec = EnumerableShardingSpec(
+            [
+                ShardMetadata(
+                    shard_offsets=list(s["offsets"]),
+                    shard_sizes=list(s["sizes"]),
+                    placement=_placement(s["placement"]),
+                )
+                for s in p["shards"]
+            ]
+        )
+    return ParameterSharding(
+        sharding_type=p["sharding_type"],
+        compute_kernel=p["compute_kernel"],
+        ranks=list(p["ranks"]) if p["ranks"] is not None else None,
+        sharding_spec=spec,
+        enforce_hbm=p.get("enforce_hbm"),
+        stochastic_rounding=p.get("stochastic_rounding"),
+        bounds_check_mode=BoundsCheckMode[p["bounds_check_mode"]] if p.get("bounds_check_mode") else None,
+        output_dtype=DataType[p["output_dtype"]] if p.get("output_dtype") else None,
+    )
 
 
 def save_plan(plan, path, meta: dict | None = None) -> None:

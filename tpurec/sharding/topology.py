@@ -43,6 +43,10 @@ class Generation:
     devices_per_chip: int
     name_counts: str  # "tensorcores" (2 per chip) or "chips": what N in "<gen>-N" counts
     source: str
+    # Chips in the largest pod (one slice is at most a pod): v4 4,096, v5e 256, v5p 8,960
+    # (cloud.google.com/tpu/docs/v4, /v5e, /v5p: "pod" sizes), v6e 256 (cloud.google.com/tpu/docs/v6e),
+    # v7x 9,216 (cloud.google.com/tpu/docs/tpu7x and Google's Ironwood announcement, April 2025).
+    max_chips_per_slice: int = 0
 
     @property
     def devices_per_host(self) -> int:
@@ -133,6 +137,10 @@ GENERATIONS: dict[str, Generation] = {
         "cloud.google.com/tpu/docs/v4; jax/_src/tpu_info.py",
     ),
 }
+_POD_CHIPS = {"v4": 4096, "v5e": 256, "v5p": 8960, "v6e": 256, "v7x": 9216}  # sources: Generation.max_chips_per_slice
+GENERATIONS = {k: replace(g, max_chips_per_slice=_POD_CHIPS[k]) for k, g in GENERATIONS.items()}
+# tpurec's own bound on a multislice job (no published limit): planning time grows with devices.
+MAX_MULTISLICE_CHIPS = 65536
 _ALIASES = {"tpu7x": "v7x", "v5litepod": "v5e"}
 
 SLICE_FORMS = (
@@ -195,6 +203,15 @@ def parse_slice(name: str, **assumptions) -> SliceSpec:
         raise ValueError(
             f"{name!r}: a {gen.name} slice larger than one host must be whole hosts of {gen.chips_per_host} chips"
         )
+    if chips < gen.chips_per_host and chips & (chips - 1):
+        raise ValueError(f"{name!r}: a {gen.name} slice smaller than a host has a power-of-two chip count, not {chips}")
+    if chips > gen.max_chips_per_slice:
+        raise ValueError(
+            f"{name!r}: {chips:,} chips, but a {gen.name} slice is at most one pod of {gen.max_chips_per_slice:,} "
+            "chips; use several slices (NxSLICE, e.g. 2xv5p-128)"
+        )
+    if chips * slices > MAX_MULTISLICE_CHIPS:
+        raise ValueError(f"{name!r}: {chips * slices:,} chips in all; tpurec plans at most {MAX_MULTISLICE_CHIPS:,}")
     return SliceSpec(name=name.strip().lower(), generation=gen, chips_per_slice=chips, num_slices=slices, **assumptions)
 
 

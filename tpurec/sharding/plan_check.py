@@ -1,0 +1,97 @@
+"""Check a ShardingPlan against the model and world size it is applied to, and re-key its module
+paths by table names, so a plan file made by `tpurec plan` (module path "") applies to the model's
+EmbeddingBagCollection wherever it sits. Every problem is one line naming the table and the fix."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from torch import nn
+
+
+def ebc_tables(module: nn.Module) -> dict[str, dict[str, tuple[int, int]]]:
+    """{module path: {table name: (rows, dim)}} of every EmbeddingBagCollection in `module`."""
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    out = {}
+    for path, m in module.named_modules():
+        if isinstance(m, EmbeddingBagCollection):
+            out[path] = {c.name: (c.num_embeddings, c.embedding_dim) for c in m.embedding_bag_configs()}
+    return out
+
+
+def align_to_model(plan, module: nn.Module, source: str = "the plan"):
+    """The plan with each module plan keyed by the model's path of the EBC holding its tables."""
+    from torchrec.distributed.types import ShardingPlan
+
+    paths = ebc_tables(module)
+    out = {}
+    for path, module_plan in plan.plan.items():
+        if path in paths:
+            out[path] = module_plan
+            continue
+        names = set(module_plan)
+        owners = [p for p, tables in paths.items() if names <= set(tables)]
+        if len(owners) != 1:
+            known = {p or "<root>": sorted(t) for p, t in paths.items()}
+            raise ValueError(
+                f"{source}: module {path or '<root>'!r} with tables {sorted(names)} matches "
+                f"{'no' if not owners else 'more than one'} EmbeddingBagCollection of the model {known}; "
+                "plan this model again (leave out the plan)"
+            )
+        out[owners[0]] = module_plan
+    return ShardingPlan(out)
+
+
+def check_plan(plan, tables: Mapping[str, Mapping[str, tuple[int, int]]], world_size: int, source: str = "the plan"):
+    """Raise ValueError unless every module plan covers exactly its EBC's tables, every shard lies
+    inside its table and on a rank < world_size, and the shards cover the table."""
+    from torchrec.distributed.types import ShardingType
+
+    types = {t.value for t in ShardingType}
+    for path, module_plan in plan.plan.items():
+        where = f"{source}, module {path or '<root>'!r}"
+        own = tables.get(path)
+        if own is None:
+            raise ValueError(f"{where}: the model has no EmbeddingBagCollection there")
+        extra, missing = sorted(set(module_plan) - set(own)), sorted(set(own) - set(module_plan))
+        if extra:
+            raise ValueError(f"{where}: table(s) {extra} are not in the model (its tables: {sorted(own)})")
+        if missing:
+            raise ValueError(f"{where}: no sharding for table(s) {missing}; plan this model again")
+        for name, ps in module_plan.items():
+            _check_table(f"{where}, table {name!r}", ps, own[name], world_size, types)
+
+
+def _check_table(where: str, ps, shape: tuple[int, int], world_size: int, types: set) -> None:
+    if ps.sharding_type not in types:
+        raise ValueError(f"{where}: sharding_type {ps.sharding_type!r} is not one of {sorted(types)}")
+    for r in ps.ranks or []:
+        if not 0 <= r < world_size:
+            raise ValueError(
+                f"{where}: placed on rank {r}, but the world size is {world_size} (a plan made for another "
+                "world size: plan again for this one)"
+            )
+    spec = ps.sharding_spec
+    if spec is None:
+        return
+    rows, dim = shape
+    area = 0
+    for s in spec.shards:
+        (r0, c0), (nr, nc) = s.shard_offsets, s.shard_sizes
+        rank = s.placement.rank()
+        if not 0 <= rank < world_size:
+            raise ValueError(
+                f"{where}: a shard is on rank {rank}, but the world size is {world_size} (a plan made for "
+                "another world size: plan again for this one)"
+            )
+        if min(r0, c0) < 0 or nr <= 0 or nc <= 0 or r0 + nr > rows or c0 + nc > dim:
+            raise ValueError(
+                f"{where}: shard at offsets {[r0, c0]} sizes {[nr, nc]} does not fit the table ({rows} x {dim})"
+            )
+        area += nr * nc
+    if area != rows * dim:
+        raise ValueError(
+            f"{where}: shards cover {area:,} of the table's {rows * dim:,} elements ({rows} x {dim}): a plan made "
+            "for another model?"
+        )
