@@ -219,3 +219,18 @@ def test_non_finite_dense_value_stops_the_conversion(criteo_sample, tmp_path, va
     _write_tsv(rows, tsv)
     with pytest.raises(DataError, match=r"day_2:2: column I3: not a number"):
         convert([str(tsv)], str(tmp_path / "o"), ConvertOptions(criteo_schema()), show_progress=False)
+
+
+def test_raw_ids_at_or_above_2_63_are_refused_not_wrapped(criteo_sample, tmp_path):
+    rows = [list(r) for r in _sample_rows(criteo_sample)[:5]]
+    rows[2][16] = "8000000000000000"  # line 3, C3: 2^63
+    rows[1][16] = "7fffffffffffffff"  # line 2: the largest id that fits
+    tsv = tmp_path / "day_3"
+    _write_tsv(rows, tsv)
+    schema = criteo_schema(categorical=CAT_RAW)
+    with pytest.raises(DataError, match=r"day_3:3: column C3: raw id >= 2\^63 does not fit an int64 id"):
+        convert([str(tsv)], str(tmp_path / "o"), ConvertOptions(schema), show_progress=False)
+    del rows[2]
+    _write_tsv(rows, tsv)
+    convert([str(tsv)], str(tmp_path / "o"), ConvertOptions(schema), show_progress=False)
+    assert pq.read_table(tmp_path / "o" / "part-00000.parquet").column("C3")[1].as_py() == 2**63 - 1

@@ -146,7 +146,13 @@ def _transform_block(batch, schema: DataSchema):
         if schema.categorical == CAT_HASH:
             out[feat.name] = parse.hash_ids(raw, empty, feat.num_embeddings)
         else:
-            out[feat.name] = raw.astype(np.int64)  # raw hex values; empty is 0 already
+            # raw hex values (empty is 0 already); int64 ids, so 2^63 and above would wrap negative
+            note(
+                raw >= np.uint64(2**63),
+                feat.name,
+                "raw id >= 2^63 does not fit an int64 id (hash it: leave out --raw-ids)",
+            )
+            out[feat.name] = raw.astype(np.int64)
     return out, bad, reasons
 
 

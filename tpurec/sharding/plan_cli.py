@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import sys
 
 from tpurec.argtypes import fraction_above_zero, fraction_below_one, positive_float, positive_int
@@ -114,24 +115,74 @@ def _output_flags(p, default) -> None:
 def _load_tables(path: str):
     from tpurec.catalog import TableSpec
 
-    with open(path) as f:
-        if path.endswith((".yaml", ".yml")):
-            import yaml
+    try:
+        with open(path) as f:
+            if path.endswith((".yaml", ".yml")):
+                import yaml
 
-            doc = yaml.safe_load(f)
-        else:
-            doc = json.load(f)
-    items = doc["tables"] if isinstance(doc, dict) else doc
-    out = []
+                doc = yaml.safe_load(f)
+            else:
+                doc = json.load(f)
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read ({e.strerror})") from None
+    except Exception as e:  # JSON or YAML syntax: say where
+        raise ValueError(f"{path}: not a valid tables file ({type(e).__name__}: {e})") from None
+    items = doc.get("tables") if isinstance(doc, dict) else doc
+    if not isinstance(items, list) or not items:
+        raise ValueError(f"{path}: expected a list of tables (or {{'tables': [...]}})")
+    out, seen = [], set()
     for i, t in enumerate(items):
-        try:
-            name = t["name"]
-            rows = int(t.get("num_embeddings", t.get("rows")))
-            dim = int(t.get("embedding_dim", t.get("dim")))
-        except (KeyError, TypeError) as e:
-            raise ValueError(f"{path}: table #{i} needs name, num_embeddings and embedding_dim") from e
-        out.append(TableSpec(name, t.get("feature", name), rows, dim, float(t.get("pooling_factor", 1.0))))
+        name, rows, dim, pooling = _table_entry(path, i, t)
+        if name in seen:
+            raise ValueError(f"{path}: table #{i}: name {name!r} is used twice")
+        seen.add(name)
+        out.append(TableSpec(name, t.get("feature", name), rows, dim, pooling))
     return out
+
+
+TABLE_KEYS = {"name", "num_embeddings", "rows", "embedding_dim", "dim", "pooling_factor", "feature", "data_type"}
+MAX_TABLE_ROWS = 2**40  # far above any real table; catches 1e20 and unit mistakes
+MAX_EMBEDDING_DIM = 65536
+
+
+def _table_entry(path: str, i: int, t) -> tuple[str, int, int, float]:
+    """(name, rows, dim, pooling) of entry #i, or a ValueError naming the file, table and field."""
+    if not isinstance(t, dict):
+        raise ValueError(f"{path}: table #{i} is {type(t).__name__}, expected an object with name, rows, dim")
+    name = t.get("name")
+    where = f"{path}: table #{i}" + (f" ({name!r})" if name else "")
+    unknown = sorted(set(t) - TABLE_KEYS)
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {unknown}; known: {sorted(TABLE_KEYS)}")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{where}: needs a 'name' (a non-empty string)")
+
+    def whole(field: str, alias: str, hi: int) -> int:
+        value = t.get(field, t.get(alias))
+        if value is None:
+            raise ValueError(f"{where}: needs '{field}' (or '{alias}')")
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ValueError(f"{where}: {field} {value!r} is not a whole number")
+        try:
+            number = float(value) if not isinstance(value, int) else value
+        except ValueError:
+            raise ValueError(f"{where}: {field} {value!r} is not a whole number") from None
+        if not math.isfinite(number) or number != int(number):
+            raise ValueError(f"{where}: {field} {value!r} is not a whole number")
+        if not 1 <= number <= hi:
+            raise ValueError(f"{where}: {field} {value!r} must be in [1, {hi:,}]")
+        return int(number)
+
+    rows = whole("num_embeddings", "rows", MAX_TABLE_ROWS)
+    dim = whole("embedding_dim", "dim", MAX_EMBEDDING_DIM)
+    pooling = t.get("pooling_factor", 1.0)
+    try:
+        pooling = float(pooling)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: pooling_factor {pooling!r} is not a number") from None
+    if not math.isfinite(pooling) or pooling <= 0:
+        raise ValueError(f"{where}: pooling_factor {pooling!r} must be a finite number > 0")
+    return name, rows, dim, pooling
 
 
 def _emit(report: dict, fmt: str, out: str | None) -> None:
