@@ -228,3 +228,22 @@ print(json.dumps({{"losses": losses, "steps": t.step_count, "auc": ev["auc"], "p
     assert r["losses"][4] is None and all(0 < x < 2 for x in r["losses"][:4])  # 4 steps, then drained
     assert r["steps"] == 4 and 0 <= r["auc"] <= 1
     assert r["path"].endswith("step-00000004") and (tmp_path / "ck" / "step-00000004" / "COMPLETE").exists()
+
+
+def test_a_damaged_checkpoint_is_detected_and_resume_falls_back_to_the_previous_one(cache, tmp_path):
+    root = tmp_path / "ck"
+    common = ["--synth-rows", 30000, "--eval-every", 0, "--keep", 0, "--checkpoint-dir", root]
+    train("--steps", 6, "--checkpoint-every", 3, *common, cache=cache)
+    newest = root / "step-00000006"
+    assert (newest / "CHECKSUMS.json").exists()
+    shard = max(newest.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x40  # one flipped bit in the middle of the tables' data
+    shard.write_bytes(bytes(data))
+    # --resume PATH of the damaged checkpoint: refused, naming the file
+    _, p = train("--steps", 8, *common, "--resume", newest, cache=cache, check=False)
+    assert p.returncode == 2 and f"{shard}: contents changed since it was written" in p.stderr
+    # --resume (latest): the damaged one is named and skipped; training continues from step 3
+    result, p = train("--steps", 8, *common, "--resume", cache=cache)
+    assert "is damaged" in p.stderr and "trying the previous checkpoint" in p.stderr
+    assert "at step 3" in p.stderr and result["steps"] == 8

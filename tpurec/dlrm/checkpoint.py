@@ -8,6 +8,7 @@ Layout of CKPT_DIR/step-00000100/:
   rank-R.json    per rank: data reader position and RNG states (exact resume at the same world size);
                  JSON, never a pickle: reading a checkpoint must not be able to run code
   meta.json      step, world size, epoch and epoch fraction, config (rank 0);
+  CHECKSUMS.json size and SHA-256 of every file above, after fsync (rank 0; ckpt_integrity.py);
   COMPLETE       written last, after every rank has finished.
 Everything is first written under step-00000100.tmp/ and renamed once COMPLETE is in it; the
 loader only considers directories holding COMPLETE. Multi-host runs need CKPT_DIR on a filesystem
@@ -62,6 +63,33 @@ def complete_checkpoints(root) -> list[Path]:
 def latest(root) -> Path | None:
     found = complete_checkpoints(root)
     return found[-1] if found else None
+
+
+class CorruptCheckpointError(ValueError):
+    """A complete checkpoint whose files no longer match the checksums written with them."""
+
+
+def verify(path) -> None:
+    """Raise CorruptCheckpointError naming what differs from CHECKSUMS.json (older checkpoints
+    without checksums pass unverified)."""
+    from tpurec.dlrm.ckpt_integrity import problems
+
+    found = problems(path)
+    if found:
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        raise CorruptCheckpointError(f"checkpoint {path} is damaged: {found[0]}{more}")
+
+
+def latest_intact(root, say=print) -> Path | None:
+    """The newest complete checkpoint under root whose files match their checksums; each damaged
+    newer one is named through `say` and skipped."""
+    for path in reversed(complete_checkpoints(root)):
+        try:
+            verify(path)
+            return path
+        except CorruptCheckpointError as e:
+            say(f"resume: {e}; trying the previous checkpoint")
+    return None
 
 
 def resolve(path) -> Path:
@@ -121,7 +149,10 @@ def save(root, step: int, dmp, optimizer, train_state: dict, meta: dict, keep: i
     train_state_file(tmp, _rank()).write_text(json.dumps(train_state))
     _barrier()  # every rank's files are on disk
     if _rank() == 0:
+        from tpurec.dlrm.ckpt_integrity import write_checksums
+
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2, default=str))
+        write_checksums(tmp)  # fsyncs the data first: COMPLETE never reaches the disk before it
         (tmp / MARKER).write_text(f"step {step}, world size {_world()}\n")
         os.replace(tmp, final)
         if keep > 0:
@@ -139,6 +170,7 @@ def load(path, dmp, optimizer) -> tuple[dict, dict | None]:
     from tpurec.dlrm.dcp_guard import check_metadata
 
     path = resolve(path)
+    verify(path)  # before DCP reads a byte: a damaged file would load as near-random weights
     meta = json.loads((path / "meta.json").read_text())
     check_metadata(path)  # DCP unpickles .metadata: refuse anything but metadata classes first
     sd = {"model": dmp.state_dict(), "optim": optimizer.state_dict()}

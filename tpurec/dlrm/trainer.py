@@ -154,9 +154,16 @@ class Trainer:
         src = o.checkpoint_dir if o.resume == "latest" else o.resume
         if not src:
             raise ValueError("--resume needs --checkpoint-dir (or --resume PATH)")
-        if o.resume == "latest" and ckpt.latest(src) is None:
-            self.say(f"resume: no complete checkpoint in {src}; starting from scratch")
-            return
+        if o.resume == "latest":
+            if ckpt.latest(src) is None:
+                self.say(f"resume: no complete checkpoint in {src}; starting from scratch")
+                return
+            src = ckpt.latest_intact(src, self.say)
+            if src is None:
+                raise ValueError(
+                    f"resume: every checkpoint in {o.checkpoint_dir} is damaged (see above); leave out --resume "
+                    "to start over"
+                )
         cmeta, state = ckpt.load(src, self.dmp, self.optimizer)
         self.step_count, self.samples = int(cmeta["step"]), int(cmeta.get("samples", 0))
         if state is not None:
