@@ -22,6 +22,7 @@ LAYERS = {
     "catalog": 0,
     "host_ops": 0,
     "argtypes": 0,
+    "lifecycle": 0,
     "embedding": 1,
     "data": 1,
     "sharding": 2,

@@ -309,7 +309,11 @@ def convert(
         else:
             import multiprocessing as mp
 
-            with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as ex:
+            from tpurec.lifecycle import die_with_parent
+
+            # Workers die with this process, so a killed `data convert` leaves none waiting forever.
+            ctx = mp.get_context("spawn")
+            with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=die_with_parent, initargs=(os.getpid(),)) as ex:
                 futs = [ex.submit(_convert_one, (p, str(t), opts)) for p, t in zip(inputs, tmps)]
                 for fut in as_completed(futs):
                     r = fut.result()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 
 from tpurec.dlrm.options import OPTIONS_ENV, TrainOptions
@@ -75,7 +74,11 @@ def run(args) -> int:
         "tpurec.dlrm",
     ]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **{OPTIONS_ENV: options.to_json()})
-    return subprocess.call(cmd, env=env)
+    from tpurec.lifecycle import run_child
+
+    # SIGTERM / Ctrl-C of this launcher reach torch.distributed.run, which stops every rank; if this
+    # process is killed outright, the kernel sends the launcher SIGTERM (it dies with its parent).
+    return run_child(cmd, env=env)
 
 
 def _prepare_synth(options: TrainOptions) -> None:
