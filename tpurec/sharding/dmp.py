@@ -19,6 +19,7 @@ Everything else (forward, state_dict with ShardedTensors, fused_optimizer, Train
 from __future__ import annotations
 
 import logging
+import os
 from typing import List
 
 import torch
@@ -52,12 +53,17 @@ def process_group_backend(device_type: str) -> str:
 def _ensure_process_group(device_type: str = "cpu") -> None:
     if dist.is_initialized():
         return
+    backend = process_group_backend(device_type)
+    if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        # Launched by torchrun (or another env:// launcher): join its ranks, do not run alone.
+        logger.info("tpurec: joining the launched ranks through env:// (%s)", backend)
+        dist.init_process_group(backend)
+        return
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    backend = process_group_backend(device_type)
     logger.info("tpurec: no process group; starting a single-process %s group for a local run", backend)
     # A TCP store as well: TorchTPU's uneven all-to-all needs a c10d Store (ProcessGroupTpu::alltoall_base).
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)

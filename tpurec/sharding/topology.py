@@ -252,6 +252,9 @@ class TpuTopology(_TorchrecTopology):  # type: ignore[misc,valid-type]
 
     def __init__(self, spec: SliceSpec, compute_device: str, **kwargs) -> None:
         self.spec = spec
+        # make_topology is this topology's factory (it resolves and validates the hardware), so
+        # torchrec's "constructed directly ... the job will fail" warning does not apply.
+        kwargs.setdefault("created_by_factory", True)
         super().__init__(compute_device=compute_device, **kwargs)
 
 
