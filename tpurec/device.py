@@ -42,7 +42,7 @@ class TpuStatus:
     def missing(self) -> list[str]:
         out = []
         if not self.torch_tpu:
-            out.append("torch_tpu is not installed (pip install 'tpurec[tpu]' on a TPU VM)")
+            out.append("torch_tpu is not installed (on a TPU VM: .venv/bin/pip install -r requirements/tpu.txt)")
         if not self.libtpu:
             out.append("libtpu is not installed (pip install libtpu)")
         if not self.device_nodes:
