@@ -247,3 +247,28 @@ def test_a_damaged_checkpoint_is_detected_and_resume_falls_back_to_the_previous_
     result, p = train("--steps", 8, *common, "--resume", cache=cache)
     assert "is damaged" in p.stderr and "trying the previous checkpoint" in p.stderr
     assert "at step 3" in p.stderr and result["steps"] == 8
+
+
+def test_memory_guard_refuses_before_generating_any_data(tmp_path, monkeypatch):
+    """criteo-kaggle's tables (~16 GiB with row-wise Adagrad) on a host said to have 8 GiB free:
+    one line, exit 2, within seconds, and no synthetic data written first."""
+    cache = tmp_path / "cache"
+    t0 = time.perf_counter()
+    monkeypatch.setenv("TPUREC_HOST_MEMORY_BYTES", str(8 * 2**30))  # the train helper passes os.environ on
+    _, p = train("--model", "criteo-kaggle", cache=cache, check=False)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "training criteo-kaggle on CPU needs about" in p.stderr and "8.0 GiB available" in p.stderr
+    assert time.perf_counter() - t0 < 60
+    assert not cache.exists() or not any(cache.rglob("*.parquet"))
+
+
+def test_table_sizes_from_the_data_are_announced(tmp_path, criteo_sample):
+    """Data converted with other table sizes than the model's defaults: training says so."""
+    from tpurec.data.convert import ConvertOptions, convert
+    from tpurec.data.schema import criteo_schema
+
+    out = tmp_path / "data"
+    convert([str(criteo_sample)], str(out), ConvertOptions(criteo_schema()), show_progress=False)
+    _, p = train("--data", out, "--steps", 1, cache=tmp_path / "cache", check=False)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert f"tables: sizes from {out}'s dataset.json: 33,762,577 rows in all (the dlrm-tiny defaults have" in p.stderr

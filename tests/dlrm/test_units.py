@@ -94,7 +94,9 @@ def test_cli_user_errors_exit_2(capsys, tmp_path):
 
     assert main(["train", "--data", str(tmp_path / "missing")]) == 2
     assert "not a directory" in capsys.readouterr().err
-    assert main(["train", "--batch-size", "0"]) == 2
+    with pytest.raises(SystemExit) as e:  # argparse refuses it, naming the flag (tests/test_bad_cli_inputs.py)
+        main(["train", "--batch-size", "0"])
+    assert e.value.code == 2 and "--batch-size: '0' must be > 0" in capsys.readouterr().err
     assert main(["train", "--resume"]) == 2
     assert "--checkpoint-dir" in capsys.readouterr().err
     assert main(["train", "--metrics-out", "m.txt"]) == 2
@@ -140,8 +142,10 @@ def test_train_flags_come_from_the_config_fields():
     TrainOptions.add_arguments(p)
     actions = {a.dest: a for a in p._actions}
     assert actions["batch_size"].help == flag_kwargs(DLRMConfig, "batch_size")["help"]
-    assert actions["batch_size"].type is int and actions["batch_size"].default is None
-    assert actions["epochs"].type is float and tuple(actions["interaction"].choices) == ("dot", "dcn")
+    from tpurec.argtypes import positive_float, positive_int
+
+    assert actions["batch_size"].type is positive_int and actions["batch_size"].default is None
+    assert actions["epochs"].type is positive_float and tuple(actions["interaction"].choices) == ("dot", "dcn")
     assert tuple(actions["model"].choices) == MODEL_NAMES == tuple(CONFIGS)
     assert actions["quiet"].default is False and actions["keep"].default == 2
     args = p.parse_args(["--batch-size", "64", "--embedding-lr", "0.5"])
@@ -156,7 +160,24 @@ def test_tables_too_big_for_this_host_are_refused_in_one_line():
     from tpurec.dlrm.runtime import check_host_memory
 
     cfg = get_config("mlperf-dcnv2")  # 204 M rows x 128: about 100 GiB of weights + Adagrad state
-    with pytest.raises(ValueError, match=r"mlperf-dcnv2 tables need \d+\.\d GiB"):
+    with pytest.raises(ValueError, match=r"training mlperf-dcnv2 on CPU needs about \d+\.\d GiB on this host"):
         check_host_memory(cfg, [t.num_embeddings for t in get_table_set("mlperf-dcnv2").tables], 1)
     tiny = get_config("dlrm-tiny")
     check_host_memory(tiny, [t.num_embeddings for t in get_table_set("dlrm-tiny").tables], 1)
+
+
+def test_memory_projection_counts_tables_once_plus_a_rank_overhead(monkeypatch):
+    """The projection behind the guard: 1.1 x (weights + state) of this host's share + 1 GiB per rank
+    (measured: 2.30 GB of tables peaked at 3.23 GB RSS)."""
+    from tpurec.dlrm import runtime
+
+    cfg = get_config("dlrm-tiny")  # dim 16, row-wise Adagrad: 16 * 4 + 4 bytes per row
+    sizes = [1_000_000] * 26
+    tables, need = runtime.projected_host_bytes(cfg, sizes, world=2, local=2)
+    assert tables == 26_000_000 * 68
+    assert need == int(1.1 * tables) + 2 * 2**30
+    monkeypatch.setenv("TPUREC_HOST_MEMORY_BYTES", str(need - 1))
+    with pytest.raises(ValueError, match=r"26,000,000 rows, sizes from X"):
+        runtime.check_host_memory(cfg, sizes, 2, source=", sizes from X")
+    monkeypatch.setenv("TPUREC_HOST_MEMORY_BYTES", str(need))
+    runtime.check_host_memory(cfg, sizes, 2)

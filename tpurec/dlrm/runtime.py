@@ -58,31 +58,74 @@ def resolve_device(name: str) -> str:
     return name
 
 
-def check_host_memory(cfg, sizes: list[int], world: int) -> None:
-    """Refuse at once, in one line, tables that cannot fit in this host's free memory on CPU
-    (criteo-kaggle / mlperf-dcnv2 are sized for TPU slices): better than an OOM kill mid-setup."""
-    from tpurec.catalog import get_table_set
+# What a CPU training rank holds besides its tables (torch, torchrec, the dense model, readers,
+# batches): measured ~0.93 GiB peak RSS for dlrm-tiny (`/usr/bin/time -v tpurec train --steps 20`),
+# rounded up. Tables and their optimizer state are held once (docs/dmp.md); 10% covers the
+# step's temporaries (measured: 33.8 M rows x 16 with row-wise Adagrad, 2.30 GB of tables, peaked at
+# 3.23 GB RSS, i.e. tables + 0.93 GB).
+RANK_OVERHEAD_BYTES = 1 << 30
+TABLE_PEAK_FACTOR = 1.1
 
-    dims = [t.embedding_dim for t in get_table_set(cfg.table_set).tables]
+
+def projected_host_bytes(cfg, sizes: list[int], world: int, local: int) -> tuple[int, int]:
+    """(table bytes on this host, projected peak bytes of this host's ranks) for CPU training."""
+    from tpurec.catalog import get_table_set
     from tpurec.embedding.optimizers.registry import spec_class
 
+    dims = [t.embedding_dim for t in get_table_set(cfg.table_set).tables]
     state_bytes = spec_class(cfg.embedding_optimizer).state_bytes_per_row
     total = sum(n * (d * 4 + state_bytes(d)) for n, d in zip(sizes, dims))
+    tables = total * local // max(1, world)  # this host's ranks hold their share of the tables
+    return tables, int(TABLE_PEAK_FACTOR * tables) + local * RANK_OVERHEAD_BYTES
+
+
+def check_host_memory(cfg, sizes: list[int], world: int, source: str = "") -> None:
+    """Refuse at once, in one line, tables that cannot fit in this host's free memory on CPU
+    (criteo-kaggle / mlperf-dcnv2 are sized for TPU slices): better than an OOM kill mid-setup.
+    Runs before any data is generated or read. `source` says where the sizes came from."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    need = total * local // max(1, world)  # this host's ranks hold their share of the tables
+    tables, need = projected_host_bytes(cfg, sizes, world, local)
     free = available_bytes()
-    if free is None:
+    if free is None or need <= free:
         return
-    if need > 0.8 * free:
-        raise ValueError(
-            f"the {cfg.table_set} tables need {need / 2**30:.1f} GiB of weights and optimizer state on "
-            f"this host, which has {free / 2**30:.1f} GiB free; use --model dlrm-tiny, data converted "
-            f"with smaller tables (tpurec data convert --tables dlrm-tiny), more hosts, or a TPU"
-        )
+    raise ValueError(
+        f"training {cfg.table_set} on CPU needs about {need / 2**30:.1f} GiB on this host ({tables / 2**30:.1f} GiB "
+        f"of tables and optimizer state for {sum(sizes):,} rows{source}, plus ~1 GiB per rank), which has "
+        f"{free / 2**30:.1f} GiB available; use --model dlrm-tiny, data converted with smaller tables "
+        "(tpurec data convert --tables dlrm-tiny), more hosts, or a TPU"
+    )
 
 
 def available_bytes() -> int | None:
-    """MemAvailable (free + reclaimable page cache) on Linux, else free pages, else None."""
+    """Memory this process may still use: MemAvailable (free + reclaimable page cache) on Linux,
+    capped by the cgroup's limit (a container's /proc/meminfo shows the host's memory); else free
+    pages; else None. TPUREC_HOST_MEMORY_BYTES overrides it (tests; hosts that misreport)."""
+    override = os.environ.get("TPUREC_HOST_MEMORY_BYTES")
+    if override:
+        return int(override)
+    found = _meminfo_available()
+    limit = _cgroup_room()
+    if found is not None and limit is not None:
+        return min(found, limit)
+    return found if found is not None else limit
+
+
+def _cgroup_room() -> int | None:
+    """cgroup v2 memory.max - memory.current of this process's cgroup, or None when unlimited."""
+    from pathlib import Path
+
+    try:
+        line = next(x for x in Path("/proc/self/cgroup").read_text().splitlines() if x.startswith("0::"))
+        group = Path("/sys/fs/cgroup") / line[3:].lstrip("/")
+        limit = (group / "memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        return int(limit) - int((group / "memory.current").read_text().strip())
+    except (OSError, ValueError, StopIteration):
+        return None
+
+
+def _meminfo_available() -> int | None:
     try:
         with open("/proc/meminfo") as f:
             for line in f:

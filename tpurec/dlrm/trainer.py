@@ -64,14 +64,28 @@ class Trainer:
         self.say = log.info if self.rank == 0 else (lambda *a, **k: None)
         self.cfg = o.config()
         self.table_set = get_table_set(self.cfg.table_set)  # resolved once; everything below reads it
-        self._setup_data()
         if self.device == "cpu":
-            check_host_memory(self.cfg, self.table_sizes, self.world)
+            # Before any data is generated or read: a refusal in one line, not an OOM kill minutes in.
+            sizes, source = self._table_sizes_and_source()
+            check_host_memory(self.cfg, sizes, self.world, source)
+        self._setup_data()
         self._setup_model()
         self._resume()
         self._stream = _infinite(self.readers.train)
         self._batches = itertools.islice(self._stream, self.total_steps - self.step_count)
         self._ready = True
+
+    def _table_sizes_and_source(self) -> tuple[list[int], str]:
+        """The table sizes training will build, and where they come from (for messages)."""
+        from tpurec.dlrm.data import model_table_sizes
+
+        defaults = [t.num_embeddings for t in self.table_set.tables]
+        if not self.options.data:
+            return defaults, ""  # the synthetic data is made for the table set's own sizes
+        sizes = model_table_sizes(self.options.data, defaults)
+        if sizes == defaults:
+            return sizes, ""
+        return sizes, f", sizes from {self.options.data}'s dataset.json, not the {self.cfg.table_set} defaults"
 
     def _setup_data(self) -> None:
         import torch.distributed as dist
@@ -90,7 +104,14 @@ class Trainer:
                 dist.barrier()
             self.data_dir = synth_dir(cfg.table_set, cfg.synth_rows, cfg.seed)
         meta = dataset_metadata(self.data_dir)
-        self.table_sizes = model_table_sizes(self.data_dir, [t.num_embeddings for t in self.table_set.tables])
+        defaults = [t.num_embeddings for t in self.table_set.tables]
+        self.table_sizes = model_table_sizes(self.data_dir, defaults)
+        if self.table_sizes != defaults:
+            self.say(
+                f"tables: sizes from {self.data_dir}'s dataset.json: {sum(self.table_sizes):,} rows in all "
+                f"(the {cfg.table_set} defaults have {sum(defaults):,}); convert with --tables {cfg.table_set} "
+                "to train the model's own sizes"
+            )
         self.feature_names = [f["name"] for f in meta.get("sparse", [])]
         self.readers = make_readers(
             self.data_dir,
