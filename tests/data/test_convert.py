@@ -119,7 +119,7 @@ def test_malformed_line_names_file_and_line_and_writes_nothing(criteo_sample, tm
     out = tmp_path / "out"
     with pytest.raises(DataError, match=r"day_0:7: column C7: not a hex"):
         convert([str(tsv)], str(out), ConvertOptions(criteo_schema()), show_progress=False)
-    assert not list(out.glob("*"))  # no part file, no temp file, no dataset.json
+    assert not list(out.glob("*"))  # no part file, no temp file, no _dataset.json
 
 
 def test_short_line_names_line_and_skip_bad_lines_counts(criteo_sample, tmp_path):
@@ -202,13 +202,13 @@ def test_failed_overwrite_leaves_the_previous_dataset_whole(criteo_sample, tmp_p
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     with pytest.raises(DataError, match=r"day_1:4: column C7"):
         convert([str(bad)], str(out), ConvertOptions(criteo_schema()), show_progress=False, overwrite=True)
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # parts and dataset.json untouched
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # parts and _dataset.json untouched
     assert pq.read_table(out / "part-00000.parquet").num_rows == 50
     # a successful overwrite with fewer inputs removes the parts it no longer writes
     convert([str(good), str(good)], str(tmp_path / "two"), ConvertOptions(criteo_schema()), show_progress=False)
     convert([str(good)], str(tmp_path / "two"), ConvertOptions(criteo_schema()), show_progress=False, overwrite=True)
     assert sorted(p.name for p in (tmp_path / "two").glob("*.parquet")) == ["part-00000.parquet"]
-    assert json.loads((tmp_path / "two" / "dataset.json").read_text())["files"] == ["part-00000.parquet"]
+    assert json.loads((tmp_path / "two" / "_dataset.json").read_text())["files"] == ["part-00000.parquet"]
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-Infinity", "1e400"])

@@ -271,4 +271,4 @@ def test_table_sizes_from_the_data_are_announced(tmp_path, criteo_sample):
     convert([str(criteo_sample)], str(out), ConvertOptions(criteo_schema()), show_progress=False)
     _, p = train("--data", out, "--steps", 1, cache=tmp_path / "cache", check=False)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert f"tables: sizes from {out}'s dataset.json: 33,762,577 rows in all (the dlrm-tiny defaults have" in p.stderr
+    assert f"tables: sizes from {out}'s _dataset.json: 33,762,577 rows in all (the dlrm-tiny defaults have" in p.stderr

@@ -28,7 +28,7 @@ def register(sub) -> None:
 
     c = dsub.add_parser("convert", help="Criteo TSV day files (plain or .gz) or CSV with a header -> Parquet")
     c.add_argument("inputs", nargs="+", metavar="INPUT")
-    c.add_argument("--out", required=True, help="output directory (part-NNNNN.parquet + dataset.json)")
+    c.add_argument("--out", required=True, help="output directory (part-NNNNN.parquet + _dataset.json)")
     c.add_argument(
         "--format",
         choices=["auto", "tsv", "csv"],

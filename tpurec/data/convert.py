@@ -78,7 +78,7 @@ class _RetryAsText(Exception):
     which names the line (or skips it)."""
 
 
-def _open_text(path: str, fmt: str, opts: ConvertOptions, on_invalid, typed: bool):
+def _open_text(path: str, fmt: str, opts: ConvertOptions, on_invalid, typed: bool, header: bool):
     import pyarrow as pa
     import pyarrow.csv as pcsv
 
@@ -87,7 +87,7 @@ def _open_text(path: str, fmt: str, opts: ConvertOptions, on_invalid, typed: boo
     names = [f"c{i}" for i in range(NUM_COLUMNS)]
     read = pcsv.ReadOptions(
         column_names=names,
-        skip_rows=1 if fmt == "csv" else 0,
+        skip_rows=1 if header else 0,
         block_size=opts.block_size,
         use_threads=False,
     )
@@ -104,18 +104,45 @@ def _open_text(path: str, fmt: str, opts: ConvertOptions, on_invalid, typed: boo
     return raw, pcsv.open_csv(stream, read_options=read, parse_options=parse_opts, convert_options=conv)
 
 
-def _check_header(path: str, fmt: str) -> None:
-    if fmt != "csv":
-        return
+def _sniff(path: str, fmt: str) -> bool:
+    """Check the first line before pyarrow reads the file; True when it is a CSV header to skip.
+
+    Turns the usual mistakes into one line each: a Parquet file given as text, a comma-separated
+    file named like a TSV, bytes that are not UTF-8, a CSV header of the wrong width. A CSV whose
+    first line is already data (a 0/1 label first) has no header, and that line is kept."""
     import gzip
 
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        header = f.readline().rstrip("\r\n").split(",")
-    if len(header) != NUM_COLUMNS:
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic == b"PAR1":
         raise DataError(
-            f"{path}:1: CSV header has {len(header)} columns, expected {NUM_COLUMNS} (label, 13 dense, 26 categorical)"
+            f"{path}: is a Parquet file, not text to convert: train on its directory (tpurec train --data DIR) "
+            "or look at it with tpurec data inspect"
         )
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rb") as f:
+            first = f.readline(1 << 20).rstrip(b"\r\n")
+    except (OSError, EOFError) as e:
+        raise DataError(f"{path}: cannot read ({e}); a truncated or non-gzip .gz?") from None
+    try:
+        line = first.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}:1: not UTF-8 text (byte {e.start}); is this a Criteo text file?") from None
+    if fmt == "tsv":
+        if "\t" not in line and line.count(",") == NUM_COLUMNS - 1:
+            raise DataError(
+                f"{path}:1: no tabs but {NUM_COLUMNS} comma-separated fields: a CSV file? pass --format csv"
+            )
+        return False
+    fields = line.split(",")
+    if len(fields) != NUM_COLUMNS:
+        hint = " (tab-separated? pass --format tsv)" if "\t" in line else ""
+        raise DataError(
+            f"{path}:1: CSV line has {len(fields)} columns, expected {NUM_COLUMNS} (label, 13 dense, 26 categorical)"
+            + hint
+        )
+    return fields[0].strip() not in ("0", "1")  # a label first: data, no header
 
 
 def _transform_block(batch, schema: DataSchema):
@@ -181,9 +208,9 @@ def _convert_file(in_path: str, out_path: str, opts: ConvertOptions, advance, ty
 
     schema = opts.schema
     fmt = opts.input_format if opts.input_format != "auto" else detect_format(in_path)
-    _check_header(in_path, fmt)
+    header = _sniff(in_path, fmt)
     res = FileResult(in_path, out_path, bytes_in=os.path.getsize(in_path))
-    lines = _LineMap(1 if fmt == "csv" else 0)
+    lines = _LineMap(1 if header else 0)
     first_invalid: list[str] = []
 
     def on_invalid(row):
@@ -212,7 +239,7 @@ def _convert_file(in_path: str, out_path: str, opts: ConvertOptions, advance, ty
 
     arrow_schema = schema.arrow_schema()
     try:  # open_csv already parses the first block
-        raw, reader = _open_text(in_path, fmt, opts, on_invalid, typed)
+        raw, reader = _open_text(in_path, fmt, opts, on_invalid, typed, header)
     except pa.ArrowInvalid as e:
         raise parse_error(e) from None
     writer = pq.ParquetWriter(out_path, arrow_schema, compression=opts.compression)
@@ -285,7 +312,7 @@ def convert(
     show_progress: bool = True,
     overwrite: bool = False,
 ) -> dict:
-    """Convert every input to ``out_dir/part-NNNNN.parquet`` and write ``dataset.json``.
+    """Convert every input to ``out_dir/part-NNNNN.parquet`` and write ``_dataset.json``.
 
     Returns the summary (rows, files, bytes in/out, seconds, MB/s, bad lines).
     """

@@ -3,8 +3,10 @@
 A dataset is a directory of Parquet files. Every file carries the same JSON document under the
 Parquet key-value metadata key ``tpurec`` (column names, table sizes, the dense transform and the
 categorical hashing that were applied), so a reader never has to guess what the numbers mean.
-The directory also holds ``dataset.json``: the same document plus dataset-wide facts known only at
-the end of writing (total rows, files, and ``oracle_auc`` for synthetic data).
+The directory also holds ``_dataset.json``: the same document plus dataset-wide facts known only at
+the end of writing (total rows, files, and ``oracle_auc`` for synthetic data). The leading
+underscore makes pyarrow, pandas, Spark and DuckDB skip it, so the directory opens in them as a
+plain Parquet dataset (``dataset.json``, the name before 2026-12, is still read).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from pathlib import Path
 
 FORMAT_VERSION = 1
 METADATA_KEY = b"tpurec"
-DATASET_JSON = "dataset.json"
+DATASET_JSON = "_dataset.json"
+LEGACY_DATASET_JSON = "dataset.json"  # read, never written: other tools choke on it
 
 # Transforms, recorded by name so a reader (or a person) knows what was applied.
 DENSE_LOG1P = "log1p_clamp0"  # log(max(x, 0) + 1); empty -> 0
@@ -151,21 +154,30 @@ def read_file_schema(path: str) -> DataSchema:
 def dataset_metadata(path) -> dict:
     """Everything recorded about a dataset: schema, transforms, table sizes, rows, ``oracle_auc``.
 
-    ``path`` is the dataset directory (reads ``dataset.json``; falls back to the first file's footer)
+    ``path`` is the dataset directory (reads ``_dataset.json``; falls back to the first file's footer)
     or a Parquet file.
     """
     p = Path(path)
-    if p.is_dir() and (p / DATASET_JSON).exists():
-        return json.loads((p / DATASET_JSON).read_text())
+    found = dataset_json(p) if p.is_dir() else None
+    if found is not None:
+        return json.loads(found.read_text())
     first = list_parquet_files([p])[0]
     d = read_file_schema(first).to_json()
     return d
 
 
+def dataset_json(directory) -> Path | None:
+    """The dataset's metadata file (``_dataset.json``, or the older ``dataset.json``), if written."""
+    for name in (DATASET_JSON, LEGACY_DATASET_JSON):
+        if (Path(directory) / name).is_file():
+            return Path(directory) / name
+    return None
+
+
 def prepare_output_dir(out_dir, overwrite: bool) -> Path:
     """Create `out_dir`; refuse if it already holds Parquet files, unless `overwrite`. Nothing is
     removed here: the old dataset stays whole until the new one is written (`remove_stale_parts`),
-    so a conversion that fails leaves the previous data and its dataset.json as they were."""
+    so a conversion that fails leaves the previous data and its _dataset.json as they were."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     existing = sorted(out.glob("*.parquet"))
@@ -189,4 +201,5 @@ def write_dataset_json(out_dir, schema: DataSchema, **facts) -> dict:
     tmp = Path(out_dir) / (DATASET_JSON + ".tmp")
     tmp.write_text(json.dumps(d, indent=2) + "\n")
     tmp.replace(Path(out_dir) / DATASET_JSON)
+    (Path(out_dir) / LEGACY_DATASET_JSON).unlink(missing_ok=True)  # an older dataset's, now replaced
     return d

@@ -25,12 +25,13 @@ def synth_dir(table_set: str, rows: int, seed: int) -> Path:
 
 
 def ensure_synth(table_set: str, rows: int, seed: int, say=print) -> Path:
-    """The cached synthetic dataset, generated on first use (dataset.json is written last, so its
+    """The cached synthetic dataset, generated on first use (_dataset.json is written last, so its
     presence means the files are complete)."""
+    from tpurec.data.schema import dataset_json
     from tpurec.data.synth import synthesize
 
     out = synth_dir(table_set, rows, seed)
-    if (out / "dataset.json").exists():
+    if dataset_json(out) is not None:
         say(f"data: synthetic {table_set}, {rows:,} rows, seed {seed}, cached in {out}")
         return out
     say(f"data: generating synthetic {table_set} data ({rows:,} rows, seed {seed}) once into {out}")

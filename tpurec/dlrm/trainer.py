@@ -85,7 +85,7 @@ class Trainer:
         sizes = model_table_sizes(self.options.data, defaults)
         if sizes == defaults:
             return sizes, ""
-        return sizes, f", sizes from {self.options.data}'s dataset.json, not the {self.cfg.table_set} defaults"
+        return sizes, f", sizes from {self.options.data}'s _dataset.json, not the {self.cfg.table_set} defaults"
 
     def _setup_data(self) -> None:
         import torch.distributed as dist
@@ -108,7 +108,7 @@ class Trainer:
         self.table_sizes = model_table_sizes(self.data_dir, defaults)
         if self.table_sizes != defaults:
             self.say(
-                f"tables: sizes from {self.data_dir}'s dataset.json: {sum(self.table_sizes):,} rows in all "
+                f"tables: sizes from {self.data_dir}'s _dataset.json: {sum(self.table_sizes):,} rows in all "
                 f"(the {cfg.table_set} defaults have {sum(defaults):,}); convert with --tables {cfg.table_set} "
                 "to train the model's own sizes"
             )

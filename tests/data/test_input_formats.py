@@ -1,0 +1,82 @@
+"""Input mistakes get one line with the fix, and a converted dataset opens in other tools."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pyarrow.parquet as pq
+import pytest
+
+from tpurec.data.convert import ConvertOptions, convert
+from tpurec.data.schema import DataError, criteo_schema, dataset_metadata
+
+
+def _rows(sample, n=20):
+    with open(sample, newline="") as f:
+        r = csv.reader(f)
+        next(r)  # the sample's header
+        return [row for _, row in zip(range(n), r)]
+
+
+def _convert(path, out, **kw):
+    return convert([str(path)], str(out), ConvertOptions(criteo_schema(), **kw), show_progress=False)
+
+
+def test_headerless_csv_keeps_its_first_row(criteo_sample, tmp_path):
+    rows = _rows(criteo_sample)
+    path = tmp_path / "no_header.csv"
+    path.write_text("".join(",".join(r) + "\n" for r in rows))
+    assert _convert(path, tmp_path / "a")["rows"] == 20
+    with_header = tmp_path / "header.csv"
+    with_header.write_text(criteo_sample.read_text().split("\n", 1)[0] + "\n" + path.read_text())
+    assert _convert(with_header, tmp_path / "b")["rows"] == 20
+    a = pq.read_table(tmp_path / "a" / "part-00000.parquet")
+    b = pq.read_table(tmp_path / "b" / "part-00000.parquet")
+    assert a.equals(b)
+
+
+@pytest.mark.parametrize(
+    "kind,message",
+    [
+        ("comma-separated .txt", r"no tabs but 40 comma-separated fields: a CSV file\? pass --format csv"),
+        ("parquet", r"is a Parquet file, not text to convert"),
+        ("latin-1", r":1: not UTF-8 text"),
+        ("not gzip", r"cannot read .*a truncated or non-gzip \.gz\?"),
+    ],
+)
+def test_wrong_kind_of_input_is_named_with_the_fix(criteo_sample, tmp_path, kind, message):
+    rows = _rows(criteo_sample, 5)
+    if kind == "comma-separated .txt":
+        path = tmp_path / "day.txt"
+        path.write_text("".join(",".join(r) + "\n" for r in rows))
+    elif kind == "parquet":
+        _convert(criteo_sample, tmp_path / "done")
+        path = tmp_path / "done" / "part-00000.parquet"
+    elif kind == "latin-1":
+        path = tmp_path / "day_0"
+        path.write_bytes("\t".join(rows[0]).encode() + b"\xe9\n")
+    else:
+        path = tmp_path / "day_0.gz"
+        path.write_text("\t".join(rows[0]) + "\n")
+    with pytest.raises(DataError, match=message):
+        _convert(path, tmp_path / "out")
+
+
+def test_converted_directory_opens_in_pyarrow_and_pandas(criteo_sample, tmp_path):
+    import pandas as pd
+
+    out = tmp_path / "ds"
+    _convert(criteo_sample, out)
+    assert (out / "_dataset.json").exists() and not (out / "dataset.json").exists()
+    assert pq.read_table(out).num_rows == 200
+    assert len(pd.read_parquet(out)) == 200
+    assert dataset_metadata(out)["rows"] == 200
+
+
+def test_a_dataset_written_before_the_rename_still_reads(criteo_sample, tmp_path):
+    out = tmp_path / "old"
+    _convert(criteo_sample, out)
+    (out / "_dataset.json").rename(out / "dataset.json")
+    assert dataset_metadata(out)["rows"] == 200
+    assert json.loads((out / "dataset.json").read_text())["files"] == ["part-00000.parquet"]
