@@ -272,3 +272,29 @@ def test_table_sizes_from_the_data_are_announced(tmp_path, criteo_sample):
     _, p = train("--data", out, "--steps", 1, cache=tmp_path / "cache", check=False)
     assert p.returncode == 0, p.stderr[-2000:]
     assert f"tables: sizes from {out}'s _dataset.json: 33,762,577 rows in all (the dlrm-tiny defaults have" in p.stderr
+
+
+def test_resume_past_the_requested_steps_is_refused_and_at_them_only_evaluates(cache, tmp_path):
+    common = ["--synth-rows", 30000, "--eval-every", 0, "--checkpoint-dir", tmp_path / "ck"]
+    train("--steps", 6, *common, cache=cache)
+    _, p = train("--steps", 4, *common, "--resume", cache=cache, check=False)
+    assert p.returncode == 2 and "the checkpoint is at step 6, past the 4 steps asked for" in p.stderr
+    result, p = train("--steps", 6, *common, "--resume", cache=cache)
+    assert result["steps"] == 6 and "already at the last step (6); evaluating only" in p.stderr
+
+
+def test_a_log_file_gets_progress_lines_not_bar_updates(cache, tmp_path):
+    """stderr is no terminal here (as in a log file): a line per tenth of the run, no \\r."""
+    env = dict(os.environ, TPUREC_CACHE=str(cache), PYTHONPATH=str(REPO))
+    p = subprocess.run(
+        [sys.executable, "-m", "tpurec.cli", "train", "--synth-rows", "30000", "--steps", "40", "--eval-every", "0"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=600,
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "\r" not in p.stderr
+    progress = [line for line in p.stderr.splitlines() if line.startswith("step ") and "/40: loss" in line]
+    assert 5 <= len(progress) <= 11, progress

@@ -13,13 +13,26 @@ import sys
 log = logging.getLogger("tpurec.train")
 
 
+class _BarAwareHandler(logging.StreamHandler):
+    """Writes through tqdm, which lifts an active progress bar off the line first, so messages
+    ("checkpoint: ...") never end up glued to the bar."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            from tqdm import tqdm
+
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:  # never lose a message to the progress bar
+            super().emit(record)
+
+
 def setup_logging(rank: int) -> None:
     # Our messages at INFO; everything else (fbgemm's "Successfully loaded" lines, torchrec, fx)
     # only from WARNING up, and torchrec's deprecation warnings not at all: the run's stderr is
     # meant to fit on a screen.
     import warnings
 
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _BarAwareHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(f"[rank {rank}] %(message)s" if rank else "%(message)s"))
     log.handlers[:] = [handler]
     log.setLevel(logging.INFO)

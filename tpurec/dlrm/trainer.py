@@ -206,6 +206,13 @@ class Trainer:
                 f"(epoch {st['epoch']}, {frac:.1%} through it)"
             )
         self.say(f"resume: {cmeta['path']} at step {self.step_count}, {how}")
+        if self.step_count > self.total_steps:
+            raise ValueError(
+                f"resume: the checkpoint is at step {self.step_count}, past the {self.total_steps} steps asked "
+                "for: nothing to train (raise --steps / --epochs, or resume an earlier checkpoint)"
+            )
+        if self.step_count == self.total_steps:
+            self.say(f"resume: already at the last step ({self.total_steps}); evaluating only")
 
     # ---- the four things a run does ----
     def step(self) -> float | None:
@@ -296,7 +303,8 @@ class Trainer:
             unit="step",
             file=sys.stderr,
             dynamic_ncols=True,
-            disable=self.rank != 0 or o.quiet,
+            # A log file is no terminal: \r-joined bar updates there are noise; plain lines instead.
+            disable=self.rank != 0 or o.quiet or not sys.stderr.isatty(),
             mininterval=0.5,
             smoothing=0.1,
         )
@@ -376,11 +384,21 @@ class Trainer:
                     }
                 )
                 self._bar.set_postfix_str(f"loss {mean:.4f}, {sps:,.0f} samples/s", refresh=False)
+                if self._bar.disable and not self.options.quiet and self._crossed_tenth(end):
+                    self.say(f"step {self.step_count}/{self.total_steps}: loss {mean:.4f}, {sps:,.0f} samples/s")
                 self._loss_sum, self._loss_n = 0.0, 0
             self._bar.update(1)
         self._train_seconds += time.perf_counter() - t0
         if self.step_count < end:  # the data ran out (an empty epoch); cannot continue
             raise RuntimeError(f"training data exhausted at step {self.step_count}")
+
+    def _crossed_tenth(self, end: int) -> bool:
+        """True once per tenth of the run: where a progress line goes when there is no bar."""
+        tenth = self.step_count * 10 // max(1, self.total_steps)
+        if tenth > getattr(self, "_last_tenth", -1):
+            self._last_tenth = tenth
+            return True
+        return False
 
     def _log_eval(self, ev: dict) -> dict:
         self._metrics.add(
