@@ -59,3 +59,11 @@ def fraction_above_zero(text: str) -> float:
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be in (0, 1]")
     return value
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """Layer sizes as "512,256,128" (or "512 256 128"): whole numbers > 0."""
+    parts = [p for p in text.replace(",", " ").split() if p]
+    if not parts:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of sizes like 512,256,128")
+    return tuple(positive_int(p) for p in parts)

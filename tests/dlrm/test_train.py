@@ -298,3 +298,19 @@ def test_a_log_file_gets_progress_lines_not_bar_updates(cache, tmp_path):
     assert "\r" not in p.stderr
     progress = [line for line in p.stderr.splitlines() if line.startswith("step ") and "/40: loss" in line]
     assert 5 <= len(progress) <= 11, progress
+
+
+def test_architecture_flags_with_torchrecs_names_shape_the_model(cache, tmp_path):
+    plan = tmp_path / "plan.json"
+    result, p = train(
+        "--synth-rows", 30000, "--steps", 3,
+        "--embedding_dim", 8, "--dense_arch_layer_sizes", "32,8", "--over-arch", "16,1",
+        "--interaction_type", "dcn", "--dcn-low-rank-dim", 4, "--embedding-optimizer", "adam", "--eps", "1e-6",
+        "--save-plan", plan, cache=cache,
+    )  # fmt: skip
+    assert result["steps"] == 3
+    meta = json.loads(plan.read_text())["meta"]
+    assert {t["embedding_dim"] for t in meta["tables"]} == {8}  # every table at --embedding-dim
+    assert meta["optimizer"] == "adam"
+    _, p = train("--synth-rows", 30000, "--steps", 3, "--embedding-dim", 8, cache=cache, check=False)
+    assert p.returncode == 2 and "the bottom MLP must end in the embedding dim 8, got [64, 16]" in p.stderr

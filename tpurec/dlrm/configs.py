@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
 
-from tpurec.argtypes import fraction_below_one, nonnegative_float, nonnegative_int, positive_float, positive_int
+from tpurec.argtypes import (
+    fraction_below_one,
+    int_list,
+    nonnegative_float,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+)
 from tpurec.dlrm.flags import flag
 from tpurec.embedding.optimizers.registry import spec_names
 
@@ -21,24 +28,50 @@ class DLRMConfig:
     table_set: str  # tpurec/catalog.py: the embedding tables (and the synthetic data's)
     # "dot" = DLRM, "dcn" = DLRM-DCNv2 (low-rank cross layers)
     interaction: str = flag(
-        "dot", "dot (DLRM) or dcn (DLRM-DCNv2 cross layers); default: the model's", choices=("dot", "dcn")
+        "dot",
+        "dot (DLRM) or dcn (DLRM-DCNv2 cross layers); default: the model's",
+        choices=("dot", "dcn"),
+        aliases=("--interaction-type", "--interaction_type"),
     )
-    dense_arch: tuple[int, ...] = (64, 16)  # bottom MLP; the last size must equal the embedding dim
-    over_arch: tuple[int, ...] = (64, 32, 1)  # top MLP, ending in 1 logit
-    dcn_num_layers: int = 3
-    dcn_low_rank_dim: int = 512
+    # Architecture. The flag names follow TorchRec's DLRM example (--embedding_dim,
+    # --dense_arch_layer_sizes, --over_arch_layer_sizes, --interaction_type, --dcn_num_layers,
+    # --dcn_low_rank_dim), accepted with dashes or underscores.
+    embedding_dim: int | None = flag(
+        None,
+        "every table's embedding dim (default: the model's tables')",
+        type=positive_int,
+        aliases=("--embedding_dim",),
+    )
+    dense_arch: tuple[int, ...] = flag(
+        (64, 16),
+        "bottom MLP sizes, e.g. 512,256,128; the last must equal the embedding dim",
+        type=int_list,
+        aliases=("--dense-arch-layer-sizes", "--dense_arch_layer_sizes"),
+    )
+    over_arch: tuple[int, ...] = flag(
+        (64, 32, 1),
+        "top MLP sizes, ending in 1 (the logit), e.g. 1024,1024,512,256,1",
+        type=int_list,
+        aliases=("--over-arch-layer-sizes", "--over_arch_layer_sizes"),
+    )
+    dcn_num_layers: int = flag(
+        3, "cross layers with --interaction dcn", type=positive_int, aliases=("--dcn_num_layers",)
+    )
+    dcn_low_rank_dim: int = flag(
+        512, "rank of the cross layers with --interaction dcn", type=positive_int, aliases=("--dcn_low_rank_dim",)
+    )
     # Optimisers: the tables' update is fused into backward (apply_optimizer_in_backward); the dense
     # MLPs use a regular torch optimiser. Names: sgd | adagrad | rowwise_adagrad | adam.
-    embedding_optimizer: str = "rowwise_adagrad"
+    embedding_optimizer: str = flag("rowwise_adagrad", "fused table optimiser", choices=spec_names())
     embedding_lr: float = flag(0.1, "learning rate of the fused table optimiser", type=nonnegative_float)
-    dense_optimizer: str = "adagrad"
+    dense_optimizer: str = flag("adagrad", "optimiser of the dense MLPs", choices=spec_names())
     dense_lr: float = flag(0.1, "learning rate of the dense (MLP) optimiser", type=nonnegative_float)
-    eps: float = 1e-8
+    eps: float = flag(1e-8, "epsilon of Adagrad / Adam (tables and MLPs)", type=nonnegative_float)
     # Learning-rate schedule applied to both: linear warm-up over `warmup_steps`, constant until
     # `decay_start`, then polynomial (power 2) decay to 0 over `decay_steps` (0 = no warm-up/decay).
-    warmup_steps: int = 0
-    decay_start: int = 0
-    decay_steps: int = 0
+    warmup_steps: int = flag(0, "linear learning-rate warm-up steps (0: none)", type=nonnegative_int)
+    decay_start: int = flag(0, "step where the power-2 learning-rate decay starts", type=nonnegative_int)
+    decay_steps: int = flag(0, "steps of the decay to 0 (0: no decay)", type=nonnegative_int)
     batch_size: int = flag(512, "batch size per rank (config default)", type=positive_int)
     steps: int | None = flag(
         None, "training steps (overrides --epochs)", type=positive_int
@@ -130,17 +163,23 @@ def override(cfg: DLRMConfig, **changes) -> DLRMConfig:
     bad = set(changes) - names
     if bad:
         raise ValueError(f"unknown config field(s) {sorted(bad)}")
-    out = replace(cfg, **{k: v for k, v in changes.items() if v is not None})
+    given = {k: tuple(v) if isinstance(v, list) else v for k, v in changes.items() if v is not None}  # JSON lists
+    out = replace(cfg, **given)
     validate(out)
     return out
 
 
-def validate(cfg: DLRMConfig) -> None:
-    """One-line errors for settings that would otherwise fail deep inside torchrec."""
+def embedding_dims(cfg: DLRMConfig) -> list[int]:
+    """Each table's embedding dim: --embedding-dim for all, else the table set's own."""
     from tpurec.catalog import get_table_set
 
-    ts = get_table_set(cfg.table_set)
-    dim = ts.tables[0].embedding_dim
+    return [cfg.embedding_dim or t.embedding_dim for t in get_table_set(cfg.table_set).tables]
+
+
+def validate(cfg: DLRMConfig) -> None:
+    """One-line errors for settings that would otherwise fail deep inside torchrec."""
+
+    dim = embedding_dims(cfg)[0]
     if cfg.interaction not in ("dot", "dcn"):
         raise ValueError(f"interaction must be 'dot' or 'dcn', not {cfg.interaction!r}")
     if cfg.dense_arch[-1] != dim:

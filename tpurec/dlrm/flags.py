@@ -41,12 +41,13 @@ def add_flags(parser, cls) -> None:
     hints = typing.get_type_hints(cls)
     for f in flagged_fields(cls):
         kwargs = dict(f.metadata[_KEY])
+        aliases = kwargs.pop("aliases", ())  # other spellings, e.g. TorchRec's example's flag names
         kind = _plain_type(hints[f.name])
         if kind is bool:
             kwargs.setdefault("action", "store_true")
         elif kind is not str and "type" not in kwargs:
             kwargs["type"] = kind  # str is argparse's own default: leave it implicit
-        parser.add_argument(option_string(f.name), default=f.default, **kwargs)
+        parser.add_argument(option_string(f.name), *aliases, dest=f.name, default=f.default, **kwargs)
 
 
 def values(cls, namespace) -> dict:
@@ -56,6 +57,8 @@ def values(cls, namespace) -> dict:
 
 def _plain_type(hint):
     """`int | None` -> int; a plain type unchanged."""
+    if typing.get_origin(hint) is tuple:
+        return tuple
     if isinstance(hint, UnionType) or typing.get_origin(hint) is typing.Union:
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         if len(args) == 1:

@@ -57,7 +57,11 @@ def build_model(cfg: DLRMConfig, table_sizes: list[int] | None = None, feature_n
     names = feature_names or [c.feature_names[0] for c in configs]
     configs = [
         EmbeddingBagConfig(
-            name=c.name, embedding_dim=c.embedding_dim, num_embeddings=int(n), feature_names=[f], pooling=c.pooling
+            name=c.name,
+            embedding_dim=cfg.embedding_dim or c.embedding_dim,
+            num_embeddings=int(n),
+            feature_names=[f],
+            pooling=c.pooling,
         )
         for c, n, f in zip(configs, sizes, names)
     ]

@@ -18,7 +18,7 @@ def plan_report(dmp, cfg, table_set, table_sizes, batch_size) -> dict:
     from tpurec.sharding.inspect import build_report
 
     tables = [
-        TableSpec(t.name, t.feature, n, t.embedding_dim, t.pooling_factor)
+        TableSpec(t.name, t.feature, n, cfg.embedding_dim or t.embedding_dim, t.pooling_factor)
         for t, n in zip(table_set.tables, table_sizes)
     ]
     topo = dmp.topology

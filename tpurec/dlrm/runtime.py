@@ -82,10 +82,10 @@ TABLE_PEAK_FACTOR = 1.1
 
 def projected_host_bytes(cfg, sizes: list[int], world: int, local: int) -> tuple[int, int]:
     """(table bytes on this host, projected peak bytes of this host's ranks) for CPU training."""
-    from tpurec.catalog import get_table_set
+    from tpurec.dlrm.configs import embedding_dims
     from tpurec.embedding.optimizers.registry import spec_class
 
-    dims = [t.embedding_dim for t in get_table_set(cfg.table_set).tables]
+    dims = embedding_dims(cfg)
     state_bytes = spec_class(cfg.embedding_optimizer).state_bytes_per_row
     total = sum(n * (d * 4 + state_bytes(d)) for n, d in zip(sizes, dims))
     tables = total * local // max(1, world)  # this host's ranks hold their share of the tables
