@@ -21,10 +21,9 @@ def cache(tmp_path_factory):
 def test_no_argument_run_reaches_oracle_auc(cache, tmp_path):
     """The default run itself (dlrm-tiny, 1.5M synthetic rows generated into the cache, one epoch)."""
     metrics = tmp_path / "run" / "metrics.jsonl"
-    t0 = time.perf_counter()
+    # Its duration (about a minute on 2 idle cores) is a benchmark figure (docs/dlrm.md), not asserted
+    # here: a timed unit test fails on a loaded host for no fault of the code.
     result, p = train("--metrics-out", metrics, cache=cache)
-    seconds = time.perf_counter() - t0
-    assert seconds < 180, f"no-argument run took {seconds:.0f} s"
     assert "generating synthetic dlrm-tiny data" in p.stderr and str(cache) in p.stderr
     assert {"steps", "auc", "ne", "logloss", "samples_per_s", "oracle_auc"} <= set(result)
     assert result["oracle_auc"] - result["auc"] <= 0.02, result
