@@ -10,6 +10,7 @@ import json
 import sys
 
 from tpurec.argtypes import nonnegative_int, positive_int
+from tpurec.catalog import MODEL_NAMES
 
 NAME_PRESETS = {
     "merlin": ([f"I{i}" for i in range(1, 14)], [f"C{i}" for i in range(1, 27)]),
@@ -36,12 +37,15 @@ def register(sub) -> None:
         help="auto: *.csv[.gz] has a header line, anything else is raw Criteo TSV",
     )
     c.add_argument(
-        "--tables",
+        "--table-set",
+        "--tables",  # the older spelling; `tpurec plan --tables` takes a FILE, hence --table-set
+        dest="tables",
         default="criteo-kaggle",
-        help="table set giving num_embeddings per categorical (default criteo-kaggle; "
+        choices=MODEL_NAMES,
+        help="named table set giving num_embeddings per categorical (default criteo-kaggle; "
         "mlperf-dcnv2 for the MLPerf caps)",
     )
-    c.add_argument("--table-sizes", help="26 comma-separated num_embeddings, overriding --tables")
+    c.add_argument("--table-sizes", help="26 comma-separated num_embeddings, overriding --table-set")
     c.add_argument("--raw-ids", action="store_true", help="keep int(hex) ids instead of hashing into tables")
     c.add_argument("--raw-dense", action="store_true", help="keep dense values instead of log(max(x,0)+1)")
     c.add_argument(
@@ -50,7 +54,9 @@ def register(sub) -> None:
         default="merlin",
         help="column names: merlin (label, I1.., C1..) or torchrec (label, int_0.., cat_0..)",
     )
-    c.add_argument("--row-group-size", type=positive_int, default=65536)
+    c.add_argument(
+        "--row-group-size", type=positive_int, default=65536, help="rows per Parquet row group (default 65536)"
+    )
     c.add_argument(
         "--compression", default="snappy", help="Parquet codec (default snappy; none reads faster, files are bigger)"
     )
@@ -61,20 +67,29 @@ def register(sub) -> None:
     c.set_defaults(run=run_convert)
 
     s = dsub.add_parser("synth", help="synthetic Criteo-shaped data with a known best AUC (oracle_auc)")
-    s.add_argument("--rows", type=positive_int, default=200_000)
-    s.add_argument("--out", required=True)
-    s.add_argument("--seed", type=nonnegative_int, default=0)
-    s.add_argument("--tables", default="dlrm-tiny", help="table set (tpurec/catalog.py), default dlrm-tiny")
-    s.add_argument("--rows-per-file", type=positive_int, default=1_000_000)
-    s.add_argument("--row-group-size", type=positive_int, default=65536)
+    s.add_argument("--rows", type=positive_int, default=200_000, help="rows to generate (default 200000)")
+    s.add_argument("--out", required=True, help="output directory (part-NNNNN.parquet + _dataset.json)")
+    s.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the data and its signal (default 0)")
+    s.add_argument(
+        "--table-set",
+        "--tables",  # the older spelling
+        dest="tables",
+        default="dlrm-tiny",
+        choices=MODEL_NAMES,
+        help="named table set (tpurec/catalog.py), default dlrm-tiny",
+    )
+    s.add_argument("--rows-per-file", type=positive_int, default=1_000_000, help="rows per file (default 1000000)")
+    s.add_argument(
+        "--row-group-size", type=positive_int, default=65536, help="rows per Parquet row group (default 65536)"
+    )
     s.add_argument("--compression", default="none", help="Parquet codec (default none: fastest to read)")
-    s.add_argument("--overwrite", action="store_true")
+    s.add_argument("--overwrite", action="store_true", help="replace a dataset already in --out (after success)")
     _common(s)
     s.set_defaults(run=run_synth)
 
     i = dsub.add_parser("inspect", help="schema, rows, row groups, per-column stats, label rate")
-    i.add_argument("path", metavar="DIR")
-    i.add_argument("--json", action="store_true")
+    i.add_argument("path", metavar="DIR", help="a dataset directory or one Parquet file")
+    i.add_argument("--json", action="store_true", help="one JSON document instead of text")
     i.set_defaults(run=run_inspect)
 
 

@@ -105,7 +105,7 @@ def check_host_memory(cfg, sizes: list[int], world: int, source: str = "") -> No
         f"training {cfg.table_set} on CPU needs about {need / 2**30:.1f} GiB on this host ({tables / 2**30:.1f} GiB "
         f"of tables and optimizer state for {sum(sizes):,} rows{source}, plus ~1 GiB per rank), which has "
         f"{free / 2**30:.1f} GiB available; use --model dlrm-tiny, data converted with smaller tables "
-        "(tpurec data convert --tables dlrm-tiny), more hosts, or a TPU"
+        "(tpurec data convert --table-set dlrm-tiny), more hosts, or a TPU"
     )
 
 

@@ -109,7 +109,7 @@ class Trainer:
         if self.table_sizes != defaults:
             self.say(
                 f"tables: sizes from {self.data_dir}'s _dataset.json: {sum(self.table_sizes):,} rows in all "
-                f"(the {cfg.table_set} defaults have {sum(defaults):,}); convert with --tables {cfg.table_set} "
+                f"(the {cfg.table_set} defaults have {sum(defaults):,}); convert with --table-set {cfg.table_set} "
                 "to train the model's own sizes"
             )
         self.feature_names = [f["name"] for f in meta.get("sparse", [])]
