@@ -59,8 +59,17 @@ def element_bytes(dtype: torch.dtype, device_type: str = "cpu", widen: bool | No
     return stored_dtype(dtype, device_type, widen).itemsize
 
 
+NAMES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}  # TorchRec DataType, lower case
+
+
 def short_name(dtype: torch.dtype) -> str:
-    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
+    return {d: n for n, d in NAMES.items()}.get(dtype, str(dtype))
+
+
+def from_name(name: str) -> torch.dtype:
+    if name.lower() not in NAMES:
+        raise ValueError(f"data_type {name!r}: one of {sorted(NAMES)}")
+    return NAMES[name.lower()]
 
 
 def warn_widened(tables: dict[str, torch.dtype]) -> None:
