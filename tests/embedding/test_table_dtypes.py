@@ -21,6 +21,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from tpurec.embedding.module import SparseCoreEmbeddingBagCollection
 
+from .helpers import assert_within_fp16_steps
+
 DIMS = (8, 16, 8)
 
 
@@ -56,7 +58,8 @@ def _tbe(optim, kwargs):
     )
 
 
-def _train_both(fbgemm_optim, optim, kwargs, steps=4):
+def _train_both(fbgemm_optim, optim, kwargs, steps=4, seed=0):
+    torch.manual_seed(seed)
     sc = SparseCoreEmbeddingBagCollection(_tables(), optim, kwargs, num_sparsecores=2)
     tbe = _tbe(fbgemm_optim, kwargs)
     with torch.no_grad():
@@ -112,8 +115,8 @@ def test_fp16_adagrad_equals_fbgemm_fp16(fbgemm_optim):
         if rowwise:
             # FBGEMM sums g*g element by element, tpurec as a vector norm: the float32 row multiplier
             # may differ in its last bit, which moves an fp16 weight near a rounding tie by one fp16
-            # step (2^-10 relative at most; seen on 1 of 1504 weights in 10 steps).
-            torch.testing.assert_close(mine.float(), w.float(), rtol=2**-10, atol=1e-6)
+            # step (3 of 22,560 weights over 15 seeds x 6 steps, each exactly one step).
+            assert_within_fp16_steps(mine, w)
         else:
             torch.testing.assert_close(mine, w, rtol=0, atol=0)
     # optimizer state stays float32 for fp16 tables, in tpurec as in FBGEMM
