@@ -39,6 +39,11 @@ def _fp16(rank, world_size, cases, steps):
             )
             side = result["stock"] if stock else result
             side["dtypes"] = sorted({str(v.dtype) for v in model.state_dict().values()})
+            if not stock:  # state_dict() shards are views: an in-place write (DCP's load) reaches the table
+                for shard in model.state_dict()["embedding_bags.t0.weight"].local_shards():
+                    shard.tensor.fill_(0.5)
+                again = model.state_dict()["embedding_bags.t0.weight"].local_shards()
+                side["in_place"] = all(bool((s.tensor == 0.5).all()) for s in again)
             state = model.fused_optimizer.state_dict()["state"]
             side["state_dtypes"] = sorted({str(s.dtype) for e in state.values() for s in e.values()})
     return results, _widened(rank, world_size, fp16_tables, plain, init, steps)
@@ -82,6 +87,7 @@ def test_fp16_tables_train_like_stock_torchrec_at_2_ranks_and_widened_through_th
             mine, stock = results[rank][k], results[rank][k]["stock"]
             assert mine["dtypes"] == stock["dtypes"] == ["torch.float16"], case
             assert mine["state_dtypes"] == stock["state_dtypes"], case
+            assert mine["in_place"], case
             # outputs: float32 sums of the same fp16 rows (SGD); row-wise Adagrad's rare one-fp16-step
             # weight difference (below) shows in a later output by that much
             atol = 1e-5 if case["optim"] == "sgd" else 2**-11
