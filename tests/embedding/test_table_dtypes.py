@@ -147,7 +147,7 @@ def test_bf16_tables_are_stored_in_bf16_and_rounded_as_fp16_ones():
     (sc(kjt).values() * upstream).sum().backward()
     for k, (name, row) in enumerate(zip(("t0", "t1", "t2"), (1, 2, 3))):
         g = upstream[0, sum(DIMS[:k]) : sum(DIMS[: k + 1])]
-        # SGD's FBGEMM rounding (no FBGEMM CPU oracle: its CPU TBE takes FP32/FP16 weights only)
+        # SGD's FBGEMM rounding (no oracle: FBGEMM's CPU TBE has no BF16 forward)
         step = (-0.5 * g).to(torch.bfloat16).float()
         want = (before[name][row].float() + step).to(torch.bfloat16)
         assert sc.table_weight(name).dtype == torch.bfloat16

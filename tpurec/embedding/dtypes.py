@@ -9,7 +9,7 @@ outputs are float32, as with TorchRec's fused kernel.
 On a TPU, FP16/BF16 tables are WIDENED to float32: TorchTPU 0.2.0's SparseCore ops are built for
 float32 tables (the lookup's output and the optimizer update functions are typed f32 in its op
 builders; jax-tpu-embedding, which emits the same SparseCore call, refuses any other table dtype;
-torchrec's own TPU lookups assert float32). Facts and where they were read: docs/tpu.md. The
+torchrec's own SparseCore module stores float32). Facts and where they were read: docs/tpu.md. The
 kernel says so once in a warning, and the planner counts 4 bytes per element there.
 """
 
