@@ -17,7 +17,11 @@ tpurec's own ops:
 * a partition holding more ids than `max_ids_per_partition` is an error (the kernel's buffers are
   sized by it);
 * `preprocess_sparse_dense_matmul_input` with `suggested_coo_buffer_size=0` uses a 128-entry COO
-  buffer and silently drops what does not fit (docs/tpu.md).
+  buffer and silently drops what does not fit (docs/tpu.md);
+* tables and optimizer state must be float32: TorchTPU's op builders type the lookup's output and the
+  update functions f32, and jax-tpu-embedding refuses other tables for the same SparseCore call
+  (docs/tpu.md). TorchTPU itself has no such check (what a non-f32 table does on the chip is
+  unknown), so the stand-in refuses, and tpurec must never send one.
 
 Never import this from tpurec: it is test support, installed only in processes that never load the
 real torch_tpu.
@@ -100,6 +104,8 @@ def install(sparsecores: int = 4) -> StandIn:
 
 
 def _decode(row_pointers, embedding_ids, sample_ids, gains, table, device_batch_size, max_ids_per_partition):
+    if table.dtype != torch.float32:
+        raise RuntimeError(f"stand-in: embedding_table must be float32 (TorchTPU's SparseCore ops), got {table.dtype}")
     num_sc = parts = _STATE.sparsecores  # one device's shard: its rows MOD-partitioned over its SparseCores
     if table.shape[0] % parts:
         raise RuntimeError(f"stand-in: table rows {table.shape[0]} are not a multiple of {parts} partitions")

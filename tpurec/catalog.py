@@ -89,6 +89,7 @@ class TableSpec:
     num_embeddings: int
     embedding_dim: int
     pooling_factor: float  # mean ids per sample (1 = one-hot)
+    data_type: str = "fp32"  # the table's dtype: fp32, fp16 or bf16 (TorchRec DataType, lower case)
 
 
 @dataclass(frozen=True)

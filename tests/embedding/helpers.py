@@ -34,3 +34,22 @@ def random_kjt(
     values = torch.cat(values)
     weights = torch.rand(values.numel(), generator=gen) + 0.5 if weighted else None
     return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, weights=weights)
+
+
+def assert_within_fp16_steps(got, want, steps: int = 2, rare: float = 0.01) -> None:
+    """got and want (fp16 values) differ by at most `steps` fp16 spacings at their magnitude (2^-24
+    below the normal range), on at most a fraction `rare` of the elements.
+
+    For FP16 tables trained by two kernels whose float32 update may differ in its last bit: one fp16
+    step where that bit decides a rounding, which reads as two if the weight then moved below a
+    power of two."""
+    import torch
+
+    got, want = got.float(), want.float()
+    mag = torch.maximum(got.abs(), want.abs()).clamp(min=2.0**-14)
+    spacing = torch.exp2(torch.floor(torch.log2(mag)) - 10)
+    diff = (got - want).abs()
+    worst = float((diff / spacing).max()) if diff.numel() else 0.0
+    assert worst <= steps, f"fp16 values differ by {worst} steps (at most {steps} allowed)"
+    differing = int((diff > 0).sum())
+    assert differing <= rare * diff.numel(), f"{differing} of {diff.numel()} fp16 values differ"

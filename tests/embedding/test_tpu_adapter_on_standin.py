@@ -192,3 +192,39 @@ def test_torchtpu_preprocessing_gets_a_buffer_for_every_id():
     assert int(out["dropped_id_count"].sum()) == 0
     ((_, key),) = standin.calls
     assert key[4] == 256  # suggested_coo_buffer_size
+
+
+def test_fp16_tables_are_widened_to_fp32_for_torchtpu_with_one_warning():
+    import warnings
+
+    from torchrec.modules.embedding_configs import DataType
+
+    from tpurec.embedding import dtypes
+
+    fp16 = [type(t)(**{**t.__dict__, "data_type": DataType.FP16}) for t in TABLES]
+    optim, kwargs = _optimizers()["rowwise_adagrad"]
+    make = lambda tables, **kw: SparseCoreEmbeddingBagCollection(  # noqa: E731
+        tables, optim, kwargs, num_sparsecores=NUM_SC, device="cpu", fixed_limits=True, allow_id_dropping=True, **kw
+    )
+    dtypes._WARNED.clear()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        widened = make(fp16, widen_tables=True)  # what a tpu device does by default
+        make(fp16, widen_tables=True)  # the same tables again: no second warning
+    said = [str(w.message) for w in seen if "stored and trained as float32" in str(w.message)]
+    assert len(said) == 1 and all(f"{n} (fp16)" in said[0] for n in ("a", "b", "c")), said
+    assert {v.dtype for v in widened.state_dict().values()} == {torch.float32}
+    # the same run with float32 tables from the same (fp16-valued) start is the reference
+    reference = make(TABLES)
+    reference.load_state_dict(widened.state_dict())
+    ref_outs = _train(reference, 4)
+    standin = tpu_standin.install(sparsecores=NUM_SC)
+    with tpu_standin.adapter_on_cpu():
+        outs = _train(widened, 4)
+    assert {k[1][4][2] for k in standin.calls if k[0].startswith("_sparse")} == {"torch.float32"}
+    for a, b in zip(outs, ref_outs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # unwidened fp16 storage never reaches TorchTPU's ops (the stand-in refuses it, as jax-tpu-embedding does)
+    native = make(fp16, widen_tables=False)
+    with tpu_standin.adapter_on_cpu(), pytest.raises(RuntimeError, match="must be float32"):
+        _train(native, 1)

@@ -161,7 +161,7 @@ def train_sharded(rank, world_size, sharding, optim, kwargs, pooling, weighted, 
     full = {}
     for k, v in sd.items():
         if hasattr(v, "local_shards"):
-            dst = torch.zeros(v.size()) if rank == 0 else None
+            dst = torch.zeros(v.size(), dtype=v.dtype) if rank == 0 else None
             v.gather(dst=0, out=dst)
             full[k] = dst
     return {"outs": outs, "tables": full}

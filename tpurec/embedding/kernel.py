@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from tpurec.embedding import ops  # noqa: F401  (registers torch.ops.tpurec.*)
+from tpurec.embedding import dtypes, ops  # noqa: F401  (ops registers torch.ops.tpurec.*)
 from tpurec.embedding.constraints import DIM_ALIGN, SEGMENT_ALIGN, round_up
 from tpurec.embedding.kjt_checks import check_kjt
 from tpurec.embedding.layout import StackLayout, build_stacks
@@ -42,6 +42,8 @@ class KernelTable:
     feature_names: tuple[str, ...]
     pooling: str = "sum"  # "sum" | "mean"
     init_rows: int | None = None  # rows of the whole (unsharded) table, for EBC's init bound
+    dtype: torch.dtype = torch.float32  # the config's dtype (stored as such unless widened)
+    source: str | None = None  # the whole table's name when this is a shard (for messages)
 
 
 @dataclass
@@ -66,6 +68,7 @@ class SparseCoreKernel(nn.Module):
         positional: bool = False,
         fixed_limits: bool | None = None,
         pad_dims: bool | None = None,
+        widen_tables: bool | None = None,
     ) -> None:
         """fixed_limits: keep each stack's id limits (and so every buffer shape) the same for every
         batch. Default: on a tpu device, where TorchTPU compiles the limits into the program (a limit
@@ -75,7 +78,11 @@ class SparseCoreKernel(nn.Module):
         dropped down to them (allow_id_dropping, counted in dropped_id_count) or refused.
 
         pad_dims: store rows padded to 8 floats, as the SparseCore needs (layout.py). Default: on a
-        tpu device only; tests force it on CPU to exercise the padded path."""
+        tpu device only; tests force it on CPU to exercise the padded path.
+
+        widen_tables: store FP16/BF16 tables as float32 (default: on a tpu device, where TorchTPU's
+        SparseCore ops take float32 tables; `tpurec.embedding.dtypes`), with one warning naming them.
+        Otherwise each table is stored in its dtype and updated in float32, rounded once per step."""
         super().__init__()
         # positional: the KJT's k-th key feeds the k-th feature of feature_order (TorchRec's sharded
         # lookups pass keys in table order and may repeat a feature for column shards).
@@ -120,8 +127,12 @@ class SparseCoreKernel(nn.Module):
         device = torch.device(device) if device is not None else torch.device("cpu")
         if pad_dims is None:
             pad_dims = device.type == "tpu"
+        for t in self.tables:
+            dtypes.table_dtype(t.dtype, t.name)  # refuses quantized dtypes
+        stored = {t.name: dtypes.stored_dtype(t.dtype, device.type, widen_tables) for t in self.tables}
+        dtypes.warn_widened({t.source or t.name: t.dtype for t in self.tables if stored[t.name] != t.dtype})
         layouts = build_stacks(
-            [(t.name, t.num_embeddings, t.embedding_dim) for t in self.tables],
+            [(t.name, t.num_embeddings, t.embedding_dim, stored[t.name]) for t in self.tables],
             num_sc_per_device,
             stack=stack_tables,
             pad_to=DIM_ALIGN if pad_dims else 1,
@@ -169,9 +180,11 @@ class SparseCoreKernel(nn.Module):
         for i, plan in enumerate(self.stacks):
             lay = plan.layout
             self.register_buffer(
-                f"weight_{i}", torch.zeros(lay.total_rows, lay.storage_dim, device=device), persistent=False
+                f"weight_{i}",
+                torch.zeros(lay.total_rows, lay.storage_dim, dtype=lay.dtype, device=device),
+                persistent=False,
             )
-            for s in optimizer.state_names:
+            for s in optimizer.state_names:  # float32 whatever the table's dtype, as FBGEMM keeps it
                 shape = optimizer.state_shape(s, lay.total_rows, lay.storage_dim)
                 init = optimizer.initial_value(s)
                 self.register_buffer(f"{s}_{i}", torch.full(shape, init, device=device), persistent=False)

@@ -15,9 +15,10 @@ The price: partition p holds natural rows [p*C, (p+1)*C), so the SparseCores bal
 spread over the table (hashed ids, as in Criteo) and not when low ids are the hot ones
 (frequency-sorted vocabularies); docs/dmp.md gives measured figures.
 
-Tables of the same dim can be stacked into one physical table: each table's vocabulary is padded
-to a multiple of P*8 and the tables are laid end to end. Features keep their own outputs; only
-storage is shared.
+Tables of the same dim and stored dtype can be stacked into one physical table: each table's
+vocabulary is padded to a multiple of P*8 and the tables are laid end to end. Features keep their
+own outputs; only storage is shared. A stack of FP16/BF16 tables is stored in that dtype
+(`tpurec.embedding.dtypes` says where it must be widened).
 
 Any embedding dim works: the SparseCore wants rows a multiple of 8 floats wide, so on a TPU a stack
 of dim d is stored `storage_dim = round_up(d, 8)` wide (`pad_to=8`); the extra columns stay zero
@@ -53,6 +54,7 @@ class StackLayout:
     num_partitions: int
     tables: tuple[TableInStack, ...]
     pad_to: int = 1  # storage width multiple: DIM_ALIGN (8) for the SparseCore, 1 for the CPU reference
+    dtype: torch.dtype = torch.float32  # the stored element type of the physical table
 
     @property
     def storage_dim(self) -> int:
@@ -98,26 +100,33 @@ class StackLayout:
 
 
 def build_stacks(
-    tables: list[tuple[str, int, int]], num_partitions: int, stack: bool = True, pad_to: int = DIM_ALIGN
+    tables: list[tuple], num_partitions: int, stack: bool = True, pad_to: int = DIM_ALIGN
 ) -> list[StackLayout]:
-    """Group (name, num_embeddings, dim) tables into stacks: one per dim when stacking, else one each.
+    """Group (name, num_embeddings, dim[, stored dtype]) tables into stacks: one per (dim, dtype) when
+    stacking, else one each. A float32 stack of dim d is "stack_d<d>", others "stack_d<d>_<dtype>".
 
     Stacks come out in order of first appearance, and tables keep their order inside a stack.
     """
-    groups: dict[object, list[tuple[str, int, int]]] = {}
-    for name, rows, dim in tables:
+    groups: dict[object, list[tuple[str, int, int, torch.dtype]]] = {}
+    for name, rows, dim, *dtype in tables:
         if dim <= 0:
             raise ValueError(f"table {name!r}: embedding_dim must be positive, got {dim}")
         if rows <= 0:
             raise ValueError(f"table {name!r}: num_embeddings must be positive, got {rows}")
-        groups.setdefault(dim if stack else name, []).append((name, rows, dim))
+        dtype = dtype[0] if dtype else torch.float32
+        groups.setdefault((dim, dtype) if stack else name, []).append((name, rows, dim, dtype))
     layouts = []
     for key, members in groups.items():
         offset, placed = 0, []
-        for name, rows, _ in members:
+        for name, rows, _, _ in members:
             pad = padded_rows(rows, num_partitions)
             placed.append(TableInStack(name, rows, offset, pad))
             offset += pad
-        stack_name = f"stack_d{key}" if stack else str(key)
-        layouts.append(StackLayout(stack_name, members[0][2], num_partitions, tables=tuple(placed), pad_to=pad_to))
+        dim, dtype = members[0][2], members[0][3]
+        if not stack:
+            stack_name = str(key)
+        else:
+            suffix = "" if dtype == torch.float32 else "_" + str(dtype).removeprefix("torch.")
+            stack_name = f"stack_d{dim}{suffix}"
+        layouts.append(StackLayout(stack_name, dim, num_partitions, tables=tuple(placed), pad_to=pad_to, dtype=dtype))
     return layouts

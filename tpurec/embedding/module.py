@@ -16,6 +16,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from tpurec.embedding.dtypes import table_dtype
 from tpurec.embedding.fused_optimizer import SparseCoreFusedOptimizer
 from tpurec.embedding.kernel import KernelTable, SparseCoreKernel
 from tpurec.embedding.optimizers.registry import spec_from_torch
@@ -29,7 +30,16 @@ def kernel_tables(tables: Sequence[EmbeddingBagConfig]) -> list[KernelTable]:
     for t in tables:
         if t.pooling not in _POOLING:
             raise ValueError(f"table {t.name!r}: pooling {t.pooling} is not supported (SUM or MEAN)")
-        out.append(KernelTable(t.name, t.num_embeddings, t.embedding_dim, tuple(t.feature_names), _POOLING[t.pooling]))
+        out.append(
+            KernelTable(
+                t.name,
+                t.num_embeddings,
+                t.embedding_dim,
+                tuple(t.feature_names),
+                _POOLING[t.pooling],
+                dtype=table_dtype(t.data_type, t.name),
+            )
+        )
     return out
 
 
@@ -49,6 +59,7 @@ class SparseCoreEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         stack_tables: bool = True,
         fixed_limits: bool | None = None,
         pad_dims: bool | None = None,
+        widen_tables: bool | None = None,
     ) -> None:
         super().__init__()
         from tpurec.embedding.backend import select_device
@@ -68,6 +79,7 @@ class SparseCoreEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             stack_tables=stack_tables,
             fixed_limits=fixed_limits,
             pad_dims=pad_dims,
+            widen_tables=widen_tables,
         )
         self._fused_optimizer = SparseCoreFusedOptimizer(self.kernel)
         self._register_state_dict_hook(_emit_natural_weights)

@@ -67,17 +67,22 @@ def lookup(d: DecodedInput, table: torch.Tensor, device_batch_size: int) -> torc
 
     Entries arrive ordered by (SparseCore, row); one stable sort by sample turns them into bags, and
     torch's fused embedding_bag gathers, scales and sums without materialising [entries, dim].
+    A FP16/BF16 table is read into float32 first (the touched rows only) and summed with float32
+    gains, as FBGEMM's CPU TBE accumulates FP16 weights into a float32 output.
     """
     order = torch.sort(d.samples, stable=True).indices
     offsets = _offsets(torch.bincount(d.samples, minlength=device_batch_size))
+    rows = d.rows.index_select(0, order)
+    if table.dtype != torch.float32:
+        table, rows = table.index_select(0, rows).to(torch.float32), torch.arange(rows.numel(), device=rows.device)
     return torch.nn.functional.embedding_bag(
-        d.rows.index_select(0, order),
+        rows,
         table,
         offsets,
         mode="sum",
-        per_sample_weights=d.gains.index_select(0, order).to(table.dtype),
+        per_sample_weights=d.gains.index_select(0, order).to(torch.float32),
         include_last_offset=True,
-    ).to(torch.float32)
+    )
 
 
 def row_gradients(d: DecodedInput, activations_grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

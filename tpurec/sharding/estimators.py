@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List
 
+import torch
 from torchrec.distributed.planner.types import (
     ParameterConstraints,
     Perf,
@@ -20,6 +21,7 @@ from torchrec.distributed.planner.types import (
 )
 from torchrec.distributed.types import ShardingType
 
+from tpurec.embedding import dtypes
 from tpurec.embedding.constraints import (
     DIM_ALIGN,
     csr_buffer_bytes,
@@ -31,6 +33,7 @@ from tpurec.embedding.optimizers.registry import spec_class
 from tpurec.sharding.topology import CPU_GENERATION, SliceSpec, cpu_spec
 
 ID_BYTES = 4  # int32 ids on the wire and in the SparseCore buffers
+ACTIVATION_BYTES = 4  # pooled outputs and their gradients are float32 for every table dtype
 ROW_WISE = (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value)
 
 
@@ -98,7 +101,8 @@ def shard_cost(
 ) -> ShardCost:
     """Cost of one shard of `rows` x `cols` on its device.
 
-    `num_shards` counts the table's shards (the row-shard group for RW/TWRW).
+    `num_shards` counts the table's shards (the row-shard group for RW/TWRW). `elem_bytes`: bytes per
+    stored table element (`table_elem_bytes`: 2 for FP16 on CPU, 4 where a TPU widens it).
     """
     ns = max(1, spec.generation.sparsecores)
     samples = batch_per_device * world_size  # every shard serves the global batch
@@ -109,13 +113,13 @@ def shard_cost(
     opt = state_bytes * local_rows
     max_ids = worst_case_max_ids_per_partition(samples, pooling_factor, ns)
     buffers = csr_buffer_bytes(max_ids, ns)
-    pooled = samples * cols * elem_bytes
+    pooled = samples * cols * ACTIVATION_BYTES
 
     if sharding_type == ShardingType.DATA_PARALLEL.value:
         # Only to score torchrec's own plans: every rank holds the table and serves its own batch;
         # backward all-reduces the dense table gradient.
         ids = batch_per_device * pooling_factor
-        pooled = batch_per_device * cols * elem_bytes
+        pooled = batch_per_device * cols * ACTIVATION_BYTES
         grad_ms = 2 * _collective_ms(rows * cols * elem_bytes, world_size, spec, True)
         in_ms = out_ms = 0.0
     else:
@@ -162,7 +166,19 @@ def spec_of(topology: Topology) -> SliceSpec:
     return cpu_spec(topology.world_size, devices_per_host=topology.local_world_size)
 
 
-def option_costs(option: ShardingOption, spec: SliceSpec, world_size: int, optimizer: str) -> List[ShardCost]:
+def table_elem_bytes(dtype, compute_device: str) -> int:
+    """Bytes per stored element of a table of `dtype` (torch dtype or TorchRec DataType): the config's
+    dtype, or float32 where the device widens it (a TPU: tpurec.embedding.dtypes)."""
+    if not isinstance(dtype, torch.dtype):
+        from torchrec.modules.embedding_configs import data_type_to_dtype
+
+        dtype = data_type_to_dtype(dtype)
+    return dtypes.element_bytes(dtype, compute_device)
+
+
+def option_costs(
+    option: ShardingOption, spec: SliceSpec, world_size: int, optimizer: str, compute_device: str = "tpu"
+) -> List[ShardCost]:
     pooling = float(sum(option.input_lengths)) if option.input_lengths else 1.0
     return [
         shard_cost(
@@ -175,7 +191,7 @@ def option_costs(option: ShardingOption, spec: SliceSpec, world_size: int, optim
             num_shards=option.num_shards,
             spec=spec,
             optimizer=optimizer,
-            elem_bytes=option.tensor.element_size(),
+            elem_bytes=table_elem_bytes(option.tensor.dtype, compute_device),
         )
         for shard in option.shards
     ]
@@ -203,7 +219,10 @@ class TpuStorageEstimator(_TpuEstimator):
         on_cpu = self._topology.compute_device == "cpu"
         for option in sharding_options:
             for shard, cost in zip(
-                option.shards, option_costs(option, self._spec, self._topology.world_size, self._optimizer)
+                option.shards,
+                option_costs(
+                    option, self._spec, self._topology.world_size, self._optimizer, self._topology.compute_device
+                ),
             ):
                 shard.storage = Storage(hbm=0, ddr=cost.bytes) if on_cpu else Storage(hbm=cost.bytes, ddr=0)
 
@@ -214,7 +233,10 @@ class TpuPerfEstimator(_TpuEstimator):
     def estimate(self, sharding_options: List[ShardingOption], sharder_data_map=None) -> None:
         for option in sharding_options:
             for shard, cost in zip(
-                option.shards, option_costs(option, self._spec, self._topology.world_size, self._optimizer)
+                option.shards,
+                option_costs(
+                    option, self._spec, self._topology.world_size, self._optimizer, self._topology.compute_device
+                ),
             ):
                 shard.perf = Perf(
                     fwd_compute=cost.lookup_ms,

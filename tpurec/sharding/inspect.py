@@ -10,7 +10,8 @@ from dataclasses import asdict
 from typing import Iterable
 
 from tpurec.catalog import TableSpec
-from tpurec.sharding.estimators import shard_cost
+from tpurec.embedding import dtypes
+from tpurec.sharding.estimators import shard_cost, table_elem_bytes
 from tpurec.sharding.topology import GiB, SliceSpec
 
 REPORT_FORMAT = "tpurec-plan-report"
@@ -62,6 +63,8 @@ def build_report(
             if t is None:
                 raise ValueError(f"plan has table {name!r} that is not among the given tables")
             shards = _shards(ps, t, world)
+            dtype = dtypes.from_name(t.data_type)
+            stored = dtypes.short_name(dtypes.stored_dtype(dtype, compute_device))
             total_bytes, total_ms, shard_rows = 0, 0.0, []
             for rank, offsets, sizes in shards:
                 c = shard_cost(
@@ -74,6 +77,7 @@ def build_report(
                     num_shards=len(shards),
                     spec=spec,
                     optimizer=optimizer,
+                    elem_bytes=table_elem_bytes(dtype, compute_device),
                 )
                 d = devices[rank]
                 for k in keys:
@@ -95,6 +99,11 @@ def build_report(
                     "rows": t.num_embeddings,
                     "dim": t.embedding_dim,
                     "pooling_factor": t.pooling_factor,
+                    "data_type": t.data_type,
+                    "stored_as": stored,  # differs where the device widens the table (bytes counted so)
+                    "note": None
+                    if stored == t.data_type
+                    else f"{t.data_type} stored as {stored} on {compute_device}: {dtypes.WIDEN_REASON}",
                     "sharding_type": ps.sharding_type,
                     "compute_kernel": ps.compute_kernel,
                     "ranks": list(dict.fromkeys(s[0] for s in shards)),  # in shard order
@@ -200,6 +209,9 @@ def format_text(report: dict, top: int = 5) -> str:
             f"{d['estimated_time_ms']:>7.3f} {d['lookup_ms']:>7.3f} {d['update_ms']:>7.3f} "
             f"{d['comm_ms']:>7.3f}"
         )
+    notes = [f"  {t['name']}: {t['note']}" for t in report["tables"] if t.get("note")]
+    if notes:
+        out += ["", "notes"] + notes
     out += ["", f"top {top} tables by time"]
     for t in sorted(report["tables"], key=lambda t: -t["time_ms"])[:top]:
         out.append(
@@ -273,7 +285,7 @@ def plan_tables(
 ) -> dict:
     """Plan an EmbeddingBagCollection of `tables` (on the meta device) and return its report."""
     import torch
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+    from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
     from tpurec.sharding import planner as P
@@ -287,6 +299,7 @@ def plan_tables(
                 num_embeddings=t.num_embeddings,
                 feature_names=[t.feature],
                 pooling=PoolingType.SUM,
+                data_type=DataType[t.data_type.upper()],
             )
             for t in tables
         ],

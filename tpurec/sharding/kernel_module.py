@@ -16,6 +16,7 @@ from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.optim.fused import FusedOptimizerModule
 
+from tpurec.embedding.dtypes import table_dtype
 from tpurec.embedding.fused_optimizer import SparseCoreFusedOptimizer
 from tpurec.embedding.kernel import KernelTable, SparseCoreKernel
 from tpurec.embedding.optimizers.registry import spec_from_fused_params
@@ -55,7 +56,16 @@ class SparseCoreEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
                 raise ValueError(f"table {t.name!r}: pooling {t.pooling} is not supported (SUM or MEAN)")
             pooling = "sum" if rowwise else _POOLING[t.pooling]
             tables.append(
-                KernelTable(kname, t.local_rows, t.local_cols, tuple(slots), pooling, init_rows=t.num_embeddings)
+                KernelTable(
+                    kname,
+                    t.local_rows,
+                    t.local_cols,
+                    tuple(slots),
+                    pooling,
+                    init_rows=t.num_embeddings,
+                    dtype=table_dtype(t.data_type, t.name),
+                    source=t.name,
+                )
             )
             self.shards.append((t.name, kname, t.local_metadata))
         self.kernel = SparseCoreKernel(
@@ -70,6 +80,7 @@ class SparseCoreEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
             allow_id_dropping=bool((config.embedding_tables[0].fused_params or {}).get("allow_id_dropping", False)),
             fixed_limits=(config.embedding_tables[0].fused_params or {}).get("fixed_limits"),
             pad_dims=(config.embedding_tables[0].fused_params or {}).get("pad_dims"),
+            widen_tables=(config.embedding_tables[0].fused_params or {}).get("widen_tables"),
         )
         self._optim = SparseCoreFusedOptimizer(self.kernel, param_prefix="", key_of=self._param_key)
 

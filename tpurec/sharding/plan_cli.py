@@ -136,7 +136,10 @@ def _load_tables(path: str):
         if name in seen:
             raise ValueError(f"{path}: table #{i}: name {name!r} is used twice")
         seen.add(name)
-        out.append(TableSpec(name, t.get("feature", name), rows, dim, pooling))
+        data_type = str(t.get("data_type", "fp32")).lower()
+        if data_type not in ("fp32", "fp16", "bf16"):
+            raise ValueError(f"{path}: table #{i} ({name!r}): data_type {data_type!r} must be fp32, fp16 or bf16")
+        out.append(TableSpec(name, t.get("feature", name), rows, dim, pooling, data_type))
     return out
 
 

@@ -30,7 +30,13 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from tpurec.embedding.constraints import DIM_ALIGN
 from tpurec.embedding.optimizers.registry import spec_class, spec_name_for, spec_names
-from tpurec.sharding.estimators import TpuPerfEstimator, TpuStorageEstimator, shard_cost, spec_of
+from tpurec.sharding.estimators import (
+    TpuPerfEstimator,
+    TpuStorageEstimator,
+    shard_cost,
+    spec_of,
+    table_elem_bytes,
+)
 from tpurec.sharding.kernel_choice import COMPUTE_KERNEL, SHARDING_TYPES
 
 GiB = 1024**3
@@ -286,6 +292,7 @@ def _refusal(module, topology, batch_size, constraints, optimizer, reservation) 
                 num_shards=1,
                 spec=spec,
                 optimizer=optimizer,
+                elem_bytes=table_elem_bytes(cfg.data_type, topology.compute_device),
             ),
         )
     name, (cfg, c) = max(costs.items(), key=lambda kv: kv[1][1].bytes)
@@ -340,7 +347,7 @@ def plan(
     # Fast refusal: weights + optimizer state alone exceed the slice's free memory.
     caps = [d.storage.ddr if topology.compute_device == "cpu" else d.storage.hbm for d in topology.devices]
     free = sum(c - reservation.amount(module, batch_size, c) for c in caps)
-    if _lower_bound_bytes(module, optimizer) > free:
+    if _lower_bound_bytes(module, optimizer, topology.compute_device) > free:
         raise PlanDoesNotFit(_refusal(module, topology, batch_size, constraints, optimizer, reservation))
     try:
         if pg is not None and torch.distributed.is_initialized():
@@ -350,10 +357,10 @@ def plan(
         raise PlanDoesNotFit(_refusal(module, topology, batch_size, constraints, optimizer, reservation)) from e
 
 
-def _lower_bound_bytes(module: nn.Module, optimizer: str) -> int:
+def _lower_bound_bytes(module: nn.Module, optimizer: str, compute_device: str = "tpu") -> int:
     """Weights + optimizer state of every table, unpadded: no plan can need less."""
     return sum(
-        cfg.num_embeddings * cfg.embedding_dim * 4
+        cfg.num_embeddings * cfg.embedding_dim * table_elem_bytes(cfg.data_type, compute_device)
         + spec_class(optimizer).state_bytes(cfg.num_embeddings, cfg.embedding_dim)
         for cfg in _table_configs(module)
     )

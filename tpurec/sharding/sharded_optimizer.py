@@ -26,8 +26,8 @@ from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetada
 from tpurec.embedding.fused_optimizer import KernelFusedOptimizer
 
 
-def _props():
-    return TensorProperties(dtype=torch.float32, requires_grad=False)
+def _props(dtype: torch.dtype = torch.float32):
+    return TensorProperties(dtype=dtype, requires_grad=False)
 
 
 class ShardedSparseCoreOptimizer(KernelFusedOptimizer):
@@ -55,18 +55,20 @@ class ShardedSparseCoreOptimizer(KernelFusedOptimizer):
         for table in sharded_ebc._sc_tables:
             cfg = sharded_ebc._table_name_to_config[table]
             plan_spec = sharded_ebc.module_sharding_plan[table].sharding_spec
-            weight_meta = plan_spec.build_metadata(torch.Size([cfg.num_embeddings, cfg.embedding_dim]), _props())
+            size = torch.Size([cfg.num_embeddings, cfg.embedding_dim])
+            weight_meta = plan_spec.build_metadata(size, _props(sharded_ebc.stored_dtype(table)))
+            state_meta = plan_spec.build_metadata(size, _props())  # state is float32 for any table dtype
             local = by_table.get(table, [])
             weight = self._sharded(None, local, weight_meta, pg)
             params[f"embedding_bags.{table}.weight"] = weight
             entry = {}
             for name in spec.state_names if spec else ():
                 if len(spec.state_shape(name, cfg.num_embeddings, cfg.embedding_dim)) == 1:
-                    meta, offsets = _rowwise_metadata(weight_meta, cfg.num_embeddings)
+                    meta, offsets = _rowwise_metadata(state_meta, cfg.num_embeddings)
                     local_1d = [(kn, offsets[tuple(m.shard_offsets)], k) for kn, m, k in local]
                     st = self._sharded(name, local_1d, meta, pg)
                 else:
-                    st = self._sharded(name, local, weight_meta, pg)
+                    st = self._sharded(name, local, state_meta, pg)
                 entry[f"{table}.{name}"] = st
             if spec is not None and spec.keeps_step_count:
                 entry[f"{table}.step"] = self._step(every_table)

@@ -23,6 +23,7 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder, Sha
 from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingSharding
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
 
+from tpurec.embedding import dtypes
 from tpurec.embedding.constraints import DEFAULT_NUM_SPARSECORES
 from tpurec.embedding.sparsecores import resolve_num_sparsecores
 from tpurec.sharding.kernel_choice import COMPUTE_KERNEL, SHARDING_TYPES
@@ -66,6 +67,7 @@ class ShardedSparseCoreEBC(ShardedEmbeddingBagCollection):
         **kwargs,
     ) -> None:
         self._num_sc_per_device = num_sc_per_device
+        self._widen_tables = (fused_params or {}).get("widen_tables")  # as every kernel reads it
         super().__init__(
             module, table_name_to_parameter_sharding, env, fused_params=fused_params, device=device, **kwargs
         )
@@ -120,6 +122,13 @@ class ShardedSparseCoreEBC(ShardedEmbeddingBagCollection):
                 )
             )
 
+    def stored_dtype(self, table: str) -> torch.dtype:
+        """The dtype SparseCore table `table` is stored (and published in state_dict) in on this
+        device: its config's, or float32 where the kernel widens it (every rank computes the same)."""
+        cfg = self._table_name_to_config[table]
+        device_type = self._device.type if self._device is not None else "cpu"
+        return dtypes.stored_dtype(dtypes.table_dtype(cfg.data_type, table), device_type, self._widen_tables)
+
     def _sc_shards(self):
         """(table, kernel name, ShardMetadata, kernel module) for every SparseCore shard on this rank."""
         for lookup in self._lookups:
@@ -146,7 +155,7 @@ def _emit_sharded_weights(module: ShardedSparseCoreEBC, state_dict, prefix, loca
         spec = module.module_sharding_plan[table].sharding_spec
         metadata = spec.build_metadata(
             tensor_sizes=torch.Size([cfg.num_embeddings, cfg.embedding_dim]),
-            tensor_properties=TensorProperties(dtype=torch.float32),
+            tensor_properties=TensorProperties(dtype=module.stored_dtype(table)),
         )
         state_dict[f"{prefix}embedding_bags.{table}.weight"] = (
             ShardedTensor._init_from_local_shards_and_global_metadata(shards[table], metadata, process_group=pg)
@@ -199,7 +208,8 @@ class SparseCoreEBCSharder(EmbeddingBagCollectionSharder):
     max_ids_per_partition / max_unique_ids_per_partition / allow_id_dropping / fixed_limits: id-limit
     settings passed to every kernel (see SparseCoreKernel: limits are fixed on a TPU, from these or
     from the first batch; on CPU None follows each batch). pad_dims: store rows 8 floats wide as the
-    SparseCore needs (default: on a TPU only).
+    SparseCore needs (default: on a TPU only). widen_tables: store FP16/BF16 tables as float32
+    (default: on a TPU only, where TorchTPU's ops take float32 tables; tpurec.embedding.dtypes).
     """
 
     def __init__(
@@ -212,6 +222,7 @@ class SparseCoreEBCSharder(EmbeddingBagCollectionSharder):
         qcomm_codecs_registry=None,
         fixed_limits: bool | None = None,
         pad_dims: bool | None = None,
+        widen_tables: bool | None = None,
     ) -> None:
         fused = dict(fused_params or {})
         for key, value in (
@@ -220,6 +231,7 @@ class SparseCoreEBCSharder(EmbeddingBagCollectionSharder):
             ("allow_id_dropping", allow_id_dropping or None),
             ("fixed_limits", fixed_limits),
             ("pad_dims", pad_dims),
+            ("widen_tables", widen_tables),
         ):
             if value is not None:
                 fused[key] = value

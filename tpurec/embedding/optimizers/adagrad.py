@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from tpurec.embedding import ops
-from tpurec.embedding.optimizers.base import OptimizerSpec, op_head, op_tail, tpu_ops, tpu_scalar
+from tpurec.embedding.optimizers.base import OptimizerSpec, add_to_rows, op_head, op_tail, tpu_ops, tpu_scalar
 
 
 @torch.no_grad()
@@ -28,7 +28,8 @@ def reference_update(table, accumulator, rows, grad, lr: float, eps: float) -> N
         acc = accumulator.index_select(0, rows).addcmul_(grad, grad)
         accumulator.index_copy_(0, rows, acc)
         step = grad.mul_(-lr).div_(acc.sqrt_().add_(eps))
-    table.index_add_(0, rows, step.to(table.dtype))
+    # FBGEMM's FP16 rounding: element-wise `w -= step` on a Half, row-wise `w = w - step` in float32
+    add_to_rows(table, rows, step, round_step=accumulator.dim() != 1)
 
 
 @torch.library.custom_op(

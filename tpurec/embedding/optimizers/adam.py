@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from tpurec.embedding import ops
-from tpurec.embedding.optimizers.base import OptimizerSpec, op_head, op_tail, tpu_ops, tpu_scalar
+from tpurec.embedding.optimizers.base import OptimizerSpec, add_to_rows, op_head, op_tail, tpu_ops, tpu_scalar
 
 
 @torch.no_grad()
@@ -36,7 +36,7 @@ def reference_update(
     momentum.index_copy_(0, rows, m)
     velocity.index_copy_(0, rows, v)
     step = m.mul(alpha_t).div_(v.sqrt().add_(epsilon))
-    table.index_add_(0, rows, step.neg_().to(table.dtype))
+    add_to_rows(table, rows, step.neg_())
 
 
 def alpha_t(lr: float, beta1: float, beta2: float, step: int) -> float:

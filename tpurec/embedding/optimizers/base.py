@@ -208,6 +208,24 @@ def check_hyperparameter(optimizer: str, name: str, value) -> None:
         raise ValueError(f"{optimizer}: {name}={value!r} {problem}")
 
 
+@torch.no_grad()
+def add_to_rows(table: torch.Tensor, rows: torch.Tensor, step: torch.Tensor, round_step: bool = False) -> None:
+    """table[rows] += step (a float32 step; `rows` unique), in place. For a FP16/BF16 table this rounds
+    (to nearest even) as FBGEMM's CPU TBE does for FP16 weights, whose `stochastic_rounding` flag is
+    unused on CPU; its kernels round in one of two ways, and so do we:
+
+    * round_step=False: w = round(float32(w) + step), once (its row-wise Adagrad assigns
+      `w = w - g * multiplier`, computed in float32);
+    * round_step=True: w = round(w + round(step)) (its SGD and Adagrad write `w -= step` on a Half,
+      which converts the float32 step to Half first).
+
+    For float32 tables both are w + step."""
+    if table.dtype == torch.float32 or round_step:
+        table.index_add_(0, rows, step.to(table.dtype))
+    else:
+        table.index_copy_(0, rows, table.index_select(0, rows).to(torch.float32).add_(step).to(table.dtype))
+
+
 def op_tail(csr: SparseCoreInput) -> tuple:
     """The trailing int arguments every SparseCore op takes."""
     return (

@@ -13,12 +13,12 @@ import torch
 from torch import Tensor
 
 from tpurec.embedding import ops
-from tpurec.embedding.optimizers.base import OptimizerSpec, op_head, op_tail, tpu_ops, tpu_scalar
+from tpurec.embedding.optimizers.base import OptimizerSpec, add_to_rows, op_head, op_tail, tpu_ops, tpu_scalar
 
 
 @torch.no_grad()
 def reference_update(table, rows, grad, lr: float) -> None:
-    table.index_add_(0, rows, grad.mul_(-lr).to(table.dtype))
+    add_to_rows(table, rows, grad.mul_(-lr), round_step=True)  # FBGEMM's `w -= lr * g` on FP16 weights
 
 
 @torch.library.custom_op(
