@@ -141,12 +141,12 @@ def harness_kwargs(case: dict, pg, rank: int, world_size: int) -> dict:
     from tpurec.sharding.kernel_choice import COMPUTE_KERNEL
 
     t = tables_and_groups(DataType[case["dtype"].upper()])
-    qcomms = (
-        QCommsConfig(forward_precision=CommType.FP16, backward_precision=CommType.BF16) if case["qcomms"] else None
-    )
-    fused_params = None
+    qcomms = QCommsConfig(forward_precision=CommType.FP16, backward_precision=CommType.BF16) if case["qcomms"] else None
+    fused_params = None  # create_test_sharder adds {"learning_rate": 0.1}
     if case["optim"] == "fused_explicit":
         fused_params = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1}
+    if "learning_rate" in case:  # a deliberately wrong one, to show what the checks catch
+        fused_params = {"learning_rate": case["learning_rate"]}
     sharder = create_test_sharder(
         SharderType.EMBEDDING_BAG_COLLECTION.value,
         case["sharding"],
@@ -210,23 +210,33 @@ def _pooled_recorder(model, calls: list):
     return inner.sparse.register_forward_hook(hook)
 
 
-def _keep_fp32_parameters(alter):
-    """The harness's `alter_global_ebc_dtype` re-creates every weighted table of the unsharded model as
-    a new `nn.Parameter(weight.float())`, even when it is fp32 already. A new Parameter has lost the
-    in-backward SGD (lr 0.01) registered on the old one, so those tables then train with the dense
-    SGD (lr 0.1) instead: stock TorchRec's own run shows its weighted tables 10x off the unsharded
-    ones, unseen by the prediction check. Only the conversion the function exists for (FP16 weighted
-    tables to fp32) is kept."""
+def _keeping_in_backward_optimizers(alter):
+    """Wraps the harness's `alter_global_ebc_dtype`, which makes the unsharded model's weighted tables
+    fp32 by re-creating each as a new `nn.Parameter(weight.float())` (even when it is fp32 already).
+    A new Parameter has lost the in-backward SGD (lr 0.01) registered on the old one, so those tables
+    then train with the dense SGD (lr 0.1) instead: stock TorchRec's own run shows its weighted tables
+    updated 10x less than the unsharded ones, unseen by the prediction check. Here fp32 tables are
+    left as they are, and FP16 ones converted as the harness does, then given the old Parameter's
+    in-backward optimizers again."""
+    from torch.distributed.optim import _apply_optimizer_in_backward
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-    def wrapped(model):
-        from torchrec.modules.embedding_modules import EmbeddingBagCollection
-
-        if any(
-            isinstance(m, EmbeddingBagCollection) and m._is_weighted and p.dtype != torch.float32
+    def wrapped(model) -> None:
+        bags = [
+            bag
             for m in model.modules()
-            for p in m.parameters()
-        ):
-            alter(model)
+            if isinstance(m, EmbeddingBagCollection) and m._is_weighted
+            for bag in m.embedding_bags.values()
+        ]
+        if all(bag.weight.dtype == torch.float32 for bag in bags):
+            return
+        old = [bag.weight for bag in bags]
+        alter(model)
+        for bag, param in zip(bags, old):
+            # From the optimizers themselves: `_optimizer_kwargs` holds the harness's dicts, which
+            # TorchRec's sharding of the other model has added fused-param keys to by now.
+            for opt in getattr(param, "_in_backward_optimizers", []):
+                _apply_optimizer_in_backward(type(opt), [bag.weight], dict(opt.defaults))
 
     return wrapped
 
@@ -253,7 +263,7 @@ def run_case(case: dict, rank: int, world_size: int) -> dict:
         # Record the models, pooled outputs and tables at the harness's training steps.
         patches.enter_context(mock.patch.object(ts, "gen_full_pred_after_one_step", recording_step))
         patches.enter_context(
-            mock.patch.object(ts, "alter_global_ebc_dtype", _keep_fp32_parameters(ts.alter_global_ebc_dtype))
+            mock.patch.object(ts, "alter_global_ebc_dtype", _keeping_in_backward_optimizers(ts.alter_global_ebc_dtype))
         )
         if not case.get("stock"):
             # The three stock classes the harness hard-wires, each replaced by tpurec's.
