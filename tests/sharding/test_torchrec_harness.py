@@ -77,7 +77,8 @@ def case_id(c) -> str:
     return "-".join(parts) + ("-stock" if c.get("stock") else "")
 
 
-# The default run: one case per sharding type; between them every value of every variation.
+# The default run: one FP32 case per sharding type, between them every value of every variation;
+# and one FP16 case.
 DEFAULT = [
     case("table_wise", "fused", index="int64", offsets=False, pooling="SUM", qcomms=True, vb=True),
     case("column_wise", "in_backward", index="int32", offsets=True, pooling="SUM", vb=True),
@@ -119,18 +120,29 @@ def fp16_cases(sharding: str) -> list:
 
 
 SLOW = {
-    s: [c for c in pairwise_cases(s, [d for d in DEFAULT if d["sharding"] == s and d["dtype"] == "fp32"])]
+    s: pairwise_cases(s, [d for d in DEFAULT if d["sharding"] == s and d["dtype"] == "fp32"])
     + [c for c in fp16_cases(s) if c not in DEFAULT]
     for s in SHARDINGS
 }
 
 
 @functools.cache
-def _results(group: str) -> dict:
-    """Run a group of cases in one launch of 2 ranks; results by case id."""
-    cases = DEFAULT if group == "default" else SLOW[group]
-    per_rank = run_ranks(run_cases, WORLD_SIZE, cases, timeout=900)
+def _launch(group: str):
+    """Run a group of cases in one launch of 2 ranks: results by case id, or the launch's error (kept,
+    so that the group's other tests do not launch again)."""
+    cases = {"default": DEFAULT, "stock": STOCK}.get(group) or SLOW[group]
+    try:
+        per_rank = run_ranks(run_cases, WORLD_SIZE, cases, timeout=900)
+    except Exception as e:
+        return e
     return {case_id(c): [per_rank[r][k] for r in range(WORLD_SIZE)] for k, c in enumerate(cases)}
+
+
+def _results(group: str) -> dict:
+    got = _launch(group)
+    if isinstance(got, Exception):
+        raise got
+    return got
 
 
 def _close(got, want, rtol, atol, what):
@@ -207,17 +219,11 @@ STOCK = [dict(c, stock=True) for c in DEFAULT if c["dtype"] == "fp32"]
 STOCK += [dict(c, stock=True) for s in SHARDINGS for c in fp16_cases(s)]
 
 
-@functools.cache
-def _stock_results() -> dict:
-    per_rank = run_ranks(run_cases, WORLD_SIZE, STOCK, timeout=900)
-    return {case_id(c): [per_rank[r][k] for r in range(WORLD_SIZE)] for k, c in enumerate(STOCK)}
-
-
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("c", [pytest.param(c, id=case_id(c)) for c in STOCK])
 def test_checks_hold_for_stock_torchrec(c):
-    check(c, _stock_results()[case_id(c)])
+    check(c, _results("stock")[case_id(c)])
 
 
 VB_ROW_WISE = [dict(case(s, vb=True), **extra) for s in ROW_WISE for extra in ({}, {"stock": True})]

@@ -4,13 +4,13 @@ The harness is shipped in the torchrec wheel: `torchrec.distributed.test_utils.t
 (`sharding_single_rank_test_single_process`: the body of `sharding_single_rank_test` once its
 `MultiProcessContext` has made the process group), the `TestSparseNN` model and `ModelInput`
 generator of `test_utils/test_model.py`, and the tables, groups and options of `ModelParallelTestShared`
-in `test_utils/test_model_parallel.py`. It builds an unsharded `TestSparseNN` (6 tables, dims 16..56,
+in `test_utils/test_model_parallel.py`. It builds an unsharded `TestSparseNN` (6 tables, dims 16 to 40,
 two of them sharing features, plus 2 weighted tables and dense layers), copies its weights into a
 sharded one with `copy_state_dict`, trains both one step on the same global batch and compares the
 8 predictions after the step.
 
 Here tpurec replaces what the harness hard-wires, each by patching one module attribute of
-`test_sharding` that the harness looks up when it runs (nothing else of the harness changes):
+`test_sharding` that the harness looks up when it runs:
 
 * `TestEBCSharder` -> `OneShardingTypeSparseCoreSharder`: the harness's `create_test_sharder` builds
   its sharder from this name (one sharding type, one kernel, fused params with learning_rate 0.1,
@@ -18,6 +18,12 @@ Here tpurec replaces what the harness hard-wires, each by patching one module at
 * `EmbeddingShardingPlanner` -> `TpurecHarnessPlanner`: tpurec's planner (its topology for the
   harness's world size on CPU, the harness's constraints, the sharders);
 * `DistributedModelParallel` -> `tpurec.DistributedModelParallel`.
+
+Two more patches serve stock TorchRec's runs as well: `alter_global_ebc_dtype` keeps the unsharded
+model's in-backward optimizers (`_keeping_in_backward_optimizers`), and `gen_full_pred_after_one_step`
+is wrapped to record what the checks below need (it calls the harness's own). The harness itself is
+imported through `_harness()` (a module the wheel lacks). With `case["stock"]`, only the recording
+and the optimizer fix apply: stock TorchRec's sharder (FBGEMM's fused kernel), planner and DMP run.
 
 Beyond the harness's own check, each case records (rank functions return them to the test):
 each feature's pooled output of the sparse arch (both EBCs' KeyedTensor) in the training forward
