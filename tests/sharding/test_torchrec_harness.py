@@ -19,7 +19,8 @@ FP32 and FP16 tables; int32 and int64 indices/offsets/lengths, as lengths or off
 pooling; qcomms `QCommsConfig(forward FP16, backward BF16)`; variable batch size per rank. Instead
 of hypothesis draws, a fixed covering design: for every sharding type, every pair of values of
 two variations appears in some case (`pairwise_cases`). The default run holds one case per sharding
-type that between them take every value of every variation; the rest are marked slow.
+type that between them take every value of every variation (and one FP16 case), the left-out
+variable-batch cases and the check of the checks (a wrong learning rate); the rest are marked slow.
 
 Left out, each with the reason:
 * variable batch size per rank under RW and TWRW: stock TorchRec fails it on gloo in the backward
@@ -74,7 +75,9 @@ def case(sharding, optim="fused", dtype="fp32", index="int64", offsets=False, po
 def case_id(c) -> str:
     parts = [SHORT[c["sharding"]], c["optim"], c["dtype"], c["index"], "offsets" if c["offsets"] else "lengths"]
     parts += [c["pooling"].lower()] + ["qcomms"] * c["qcomms"] + ["vb"] * c["variable_batch"]
-    return "-".join(parts) + ("-stock" if c.get("stock") else "")
+    parts += [f"lr{c['learning_rate']}"] if "learning_rate" in c else []
+    parts += ["stock"] if c.get("stock") else []
+    return "-".join(parts)
 
 
 # The default run: one FP32 case per sharding type, between them every value of every variation;
@@ -119,6 +122,11 @@ def fp16_cases(sharding: str) -> list:
     ]
 
 
+# Left out, run to show why: variable batch under RW/TWRW, with tpurec and with stock TorchRec.
+VB_ROW_WISE = [dict(case(s, vb=True), **extra) for s in ROW_WISE for extra in ({}, {"stock": True})]
+# The checks' own check: a learning rate 10% off.
+WRONG_LR = [dict(case(s), learning_rate=0.11) for s in ("table_wise", "row_wise")]
+
 SLOW = {
     s: pairwise_cases(s, [d for d in DEFAULT if d["sharding"] == s and d["dtype"] == "fp32"])
     + [c for c in fp16_cases(s) if c not in DEFAULT]
@@ -130,7 +138,7 @@ SLOW = {
 def _launch(group: str):
     """Run a group of cases in one launch of 2 ranks: results by case id, or the launch's error (kept,
     so that the group's other tests do not launch again)."""
-    cases = {"default": DEFAULT, "stock": STOCK}.get(group) or SLOW[group]
+    cases = {"default": DEFAULT + VB_ROW_WISE + WRONG_LR, "stock": STOCK}.get(group) or SLOW[group]
     try:
         per_rank = run_ranks(run_cases, WORLD_SIZE, cases, timeout=900)
     except Exception as e:
@@ -226,30 +234,22 @@ def test_checks_hold_for_stock_torchrec(c):
     check(c, _results("stock")[case_id(c)])
 
 
-VB_ROW_WISE = [dict(case(s, vb=True), **extra) for s in ROW_WISE for extra in ({}, {"stock": True})]
-
-
 @pytest.mark.multiprocess
-@pytest.mark.slow
-def test_variable_batch_row_wise_fails_as_in_stock_torchrec():
+@pytest.mark.parametrize("c", [pytest.param(c, id=case_id(c)) for c in VB_ROW_WISE])
+def test_variable_batch_row_wise_fails_as_in_stock_torchrec(c):
     """Variable batch size per rank under RW/TWRW on gloo: stock TorchRec (fused kernel) fails in
     the harness, in the backward of the pooled-embedding reduce-scatter; tpurec fails the same way."""
-    per_rank = run_ranks(run_cases, WORLD_SIZE, VB_ROW_WISE, timeout=900)
-    for k, c in enumerate(VB_ROW_WISE):
-        for r in range(WORLD_SIZE):
-            error = per_rank[r][k]["harness_error"] or ""
-            assert "ProcessGroupGloo::allgather: invalid tensor size" in error, (case_id(c), error)
+    for r, res in enumerate(_results("default")[case_id(c)]):
+        error = res["harness_error"] or ""
+        assert "ProcessGroupGloo::allgather: invalid tensor size" in error, (r, error)
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow
-def test_checks_catch_what_the_prediction_check_misses():
+@pytest.mark.parametrize("c", [pytest.param(c, id=case_id(c)) for c in WRONG_LR])
+def test_checks_catch_what_the_prediction_check_misses(c):
     """tpurec's fused SGD at learning rate 0.11 where the unsharded model has 0.1: the harness's own
     check (predictions after the step) passes; the pooled outputs after the step and the tables do not."""
-    cases = [dict(case(s), learning_rate=0.11) for s in ("table_wise", "row_wise")]
-    per_rank = run_ranks(run_cases, WORLD_SIZE, cases, timeout=900)
-    for k, c in enumerate(cases):
-        ranks = [per_rank[r][k] for r in range(WORLD_SIZE)]
-        assert all(r["harness_error"] is None for r in ranks), "the harness's own check caught it after all"
-        with pytest.raises(AssertionError, match="forward after the step|update differs"):
-            check(c, ranks)
+    ranks = _results("default")[case_id(c)]
+    assert all(r["harness_error"] is None for r in ranks), "the harness's own check caught it after all"
+    with pytest.raises(AssertionError, match="forward after the step|update differs"):
+        check(c, ranks)
