@@ -164,6 +164,8 @@ def check(c: dict, ranks: list) -> None:
     # The plan: tpurec's kernel for every table (TorchRec's FBGEMM one for stock), the case's sharding type.
     assert r0["kernels"] == ["fused" if c.get("stock") else "customized_kernel"], r0["kernels"]
     assert r0["sharding_types"] == [c["sharding"]], r0["sharding_types"]
+    dmp = "torchrec.distributed.model_parallel" if c.get("stock") else "tpurec.sharding.dmp"
+    assert r0["dmp"] == f"{dmp}.DistributedModelParallel", r0["dmp"]
 
     fp16 = c["dtype"] == "fp16"
     # Pooled outputs. Forward FP16 qcomms round each value sent to FP16 (2^-11 relative); under RW

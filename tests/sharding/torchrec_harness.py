@@ -288,6 +288,7 @@ def run_case(case: dict, rank: int, world_size: int) -> dict:
     if sharded:
         model, calls, _ = sharded[0]
         result["pooled"] = calls
+        result["dmp"] = f"{type(model).__module__}.{type(model).__qualname__}"
         result["tables"] = _full_tables(model, rank)
         result["kernels"] = sorted(
             {ps.compute_kernel for module_plan in model.plan.plan.values() for ps in module_plan.values()}
