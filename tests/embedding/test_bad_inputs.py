@@ -88,3 +88,17 @@ def test_public_preprocess_refuses_ids_outside_int32(bad):
             num_sc_per_device=2,
             table_name="big",
         )
+
+
+def test_variable_batch_per_feature_is_refused_with_the_reason():
+    m = _module()
+    keys = list(m.kernel.feature_order)
+    strides = [[2]] + [[3]] * (len(keys) - 1)  # feature 0: batch 2, the others: batch 3
+    lengths = torch.ones(sum(s[0] for s in strides), dtype=torch.long)
+    kjt = KeyedJaggedTensor(
+        keys=keys, values=torch.zeros(int(lengths.sum()), dtype=torch.long), lengths=lengths,
+        stride_per_key_per_rank=strides,
+    )  # fmt: skip
+    assert kjt.variable_stride_per_key()
+    with pytest.raises(NotImplementedError, match=r"variable batch per feature \(VBE KeyedJaggedTensors\)"):
+        m(kjt)
