@@ -58,3 +58,13 @@ def test_result_line_is_strict_json():
     line = json.dumps(json_safe({"auc": float("nan"), "ne": float("inf"), "steps": 3, "x": [1.0, float("-inf")]}))
     assert json.loads(line) == {"auc": None, "ne": None, "steps": 3, "x": [1.0, None]}
     assert "NaN" not in line and "Infinity" not in line
+
+
+@pytest.mark.parametrize("args", [["--model", "dlrm-tiny"], ["--model", "dlrm-tiny", "--topology", "v6e-3"]])
+def test_plan_argument_errors_come_before_torch_is_imported(args):
+    code = (
+        "import sys; from tpurec.cli import main; rc = main(['plan', *sys.argv[1:]]); "
+        "print('RC', rc, 'torch' in sys.modules)"
+    )
+    p = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert "RC 2 False" in p.stdout, (p.stdout, p.stderr)

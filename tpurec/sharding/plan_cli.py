@@ -209,11 +209,15 @@ def _emit(report: dict, fmt: str, out: str | None) -> None:
 
 
 def _plan(args) -> int:
-    from tpurec.sharding import inspect
-
-    if not (args.model or args.tables) or not args.topology:
+    if not (args.model or args.tables) or not args.topology:  # before torch is imported: at once
         print("tpurec plan: give --model or --tables, and --topology (see tpurec plan --help)", file=sys.stderr)
         return 2
+    from tpurec.sharding.topology import parse_slice
+
+    if not args.topology.startswith("cpu"):
+        parse_slice(args.topology)  # a malformed or impossible slice is refused before the heavy imports
+    from tpurec.sharding import inspect
+
     if args.model:
         from tpurec.catalog import get_table_set
 

@@ -11,8 +11,12 @@ import logging
 import os
 import re
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from tpurec import device as _device
+
+if TYPE_CHECKING:  # the class itself is made on first use (_tpu_topology_class)
+    from torchrec.distributed.planner.types import Topology as TpuTopology
 
 logger = logging.getLogger(__name__)
 
@@ -241,21 +245,28 @@ def cpu_spec(
     return SliceSpec(name=f"cpu-{world_size}", generation=gen, chips_per_slice=world_size)
 
 
-try:  # torchrec is a hard dependency; keep this module importable for `--help` speed anyway
-    from torchrec.distributed.planner.types import Topology as _TorchrecTopology
-except ImportError:  # pragma: no cover
-    _TorchrecTopology = object  # type: ignore[misc,assignment]
+_TOPOLOGY_CLASS = None
 
 
-class TpuTopology(_TorchrecTopology):  # type: ignore[misc,valid-type]
-    """A torchrec Topology that also carries the SliceSpec the tpurec estimators read."""
+def _tpu_topology_class():
+    """TpuTopology, defined on first use: torchrec (and torch) load only when a topology is made,
+    so slice names are parsed and refused at once (`tpurec plan --topology v6e-3`)."""
+    global _TOPOLOGY_CLASS
+    if _TOPOLOGY_CLASS is None:
+        from torchrec.distributed.planner.types import Topology as _TorchrecTopology
 
-    def __init__(self, spec: SliceSpec, compute_device: str, **kwargs) -> None:
-        self.spec = spec
-        # make_topology is this topology's factory (it resolves and validates the hardware), so
-        # torchrec's "constructed directly ... the job will fail" warning does not apply.
-        kwargs.setdefault("created_by_factory", True)
-        super().__init__(compute_device=compute_device, **kwargs)
+        class TpuTopology(_TorchrecTopology):
+            """A torchrec Topology that also carries the SliceSpec the tpurec estimators read."""
+
+            def __init__(self, spec: SliceSpec, compute_device: str, **kwargs) -> None:
+                self.spec = spec
+                # make_topology is this topology's factory (it resolves and validates the hardware),
+                # so torchrec's "constructed directly ... the job will fail" warning does not apply.
+                kwargs.setdefault("created_by_factory", True)
+                super().__init__(compute_device=compute_device, **kwargs)
+
+        _TOPOLOGY_CLASS = TpuTopology
+    return _TOPOLOGY_CLASS
 
 
 def _enable_offline_tpu() -> None:
@@ -337,7 +348,7 @@ def make_topology(
     else:
         memory = {"hbm_cap": 0, "ddr_cap": cap}
     per_ms = 1e-3
-    return TpuTopology(
+    return _tpu_topology_class()(
         spec,
         compute_device,
         world_size=spec.world_size,
