@@ -273,13 +273,6 @@ class SparseCoreKernel(nn.Module):
             # Under DMP, TorchRec's input distribution delivers the KJT on the device; preprocessing is
             # host work (data-dependent shapes), so it reads host copies, as TorchRec's TPU path does.
             features = features.to(torch.device("cpu"))
-        if features.variable_stride_per_key():
-            # VBE KJTs (a batch size per feature, stride_per_key_per_rank) would need per-feature
-            # sample offsets in the CSR; refused rather than laid out as if every feature had `stride`.
-            raise NotImplementedError(
-                "variable batch per feature (VBE KeyedJaggedTensors) is not supported by the SparseCore "
-                "kernel yet; give every feature the same batch size"
-            )
         values, lengths, weights = self._stacked_arrays(features)
         batch = features.stride()
         padded = round_up(max(batch, 1), self.num_sc)

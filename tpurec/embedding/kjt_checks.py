@@ -11,13 +11,18 @@ def check_kjt(features) -> None:
     lengths = features.lengths()
     values = features.values()
     if features.variable_stride_per_key():
-        expected = sum(features.stride_per_key())
-        shape = f"the keys' batch sizes {features.stride_per_key()}"
-    else:
-        expected = len(keys) * features.stride()
-        shape = f"{len(keys)} keys x batch {features.stride()}"
+        # VBE KJTs (a batch size per feature, stride_per_key_per_rank) would need per-feature sample
+        # offsets in the CSR; refused rather than laid out as if every feature had `stride`.
+        raise NotImplementedError(
+            "variable batch per feature (VBE KeyedJaggedTensors) is not supported by the SparseCore "
+            "kernel yet; give every feature the same batch size"
+        )
+    expected = len(keys) * features.stride()
     if lengths.numel() != expected:
-        raise ValueError(f"KeyedJaggedTensor has {lengths.numel()} lengths, but {shape} need {expected} (keys {keys})")
+        raise ValueError(
+            f"KeyedJaggedTensor has {lengths.numel()} lengths, but {len(keys)} keys x batch {features.stride()} "
+            f"need {expected} (keys {keys})"
+        )
     if lengths.numel():
         if int(lengths.min()) < 0:
             raise ValueError(f"KeyedJaggedTensor has a negative length ({int(lengths.min())}); keys {keys}")

@@ -67,11 +67,7 @@ def _check_table(where: str, ps, shape: tuple[int, int], world_size: int, types:
     if ps.sharding_type not in types:
         raise ValueError(f"{where}: sharding_type {ps.sharding_type!r} is not one of {sorted(types)}")
     for r in ps.ranks or []:
-        if not 0 <= r < world_size:
-            raise ValueError(
-                f"{where}: placed on rank {r}, but the world size is {world_size} (a plan made for another "
-                "world size: plan again for this one)"
-            )
+        _check_rank(where, r, world_size)
     spec = ps.sharding_spec
     if spec is None:
         return
@@ -79,12 +75,7 @@ def _check_table(where: str, ps, shape: tuple[int, int], world_size: int, types:
     area = 0
     for s in spec.shards:
         (r0, c0), (nr, nc) = s.shard_offsets, s.shard_sizes
-        rank = s.placement.rank()
-        if not 0 <= rank < world_size:
-            raise ValueError(
-                f"{where}: a shard is on rank {rank}, but the world size is {world_size} (a plan made for "
-                "another world size: plan again for this one)"
-            )
+        _check_rank(where, s.placement.rank(), world_size)
         if min(r0, c0) < 0 or nr <= 0 or nc <= 0 or r0 + nr > rows or c0 + nc > dim:
             raise ValueError(
                 f"{where}: shard at offsets {[r0, c0]} sizes {[nr, nc]} does not fit the table ({rows} x {dim})"
@@ -94,4 +85,12 @@ def _check_table(where: str, ps, shape: tuple[int, int], world_size: int, types:
         raise ValueError(
             f"{where}: shards cover {area:,} of the table's {rows * dim:,} elements ({rows} x {dim}): a plan made "
             "for another model?"
+        )
+
+
+def _check_rank(where: str, rank: int, world_size: int) -> None:
+    if not 0 <= rank < world_size:
+        raise ValueError(
+            f"{where}: placed on rank {rank}, but the world size is {world_size} (a plan made for another "
+            "world size: plan again for this one)"
         )
