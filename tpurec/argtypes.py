@@ -17,48 +17,24 @@ def _number(text: str, kind):
     return value
 
 
-def positive_int(text: str) -> int:
-    value = _number(text, int)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
-    return value
+def _domain(kind, ok, what: str):
+    """An argparse type: parse `kind`, then refuse values for which `ok(value)` is false."""
+
+    def parse(text: str):
+        value = _number(text, kind)
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{text!r} must be {what}")
+        return value
+
+    return parse
 
 
-def nonnegative_int(text: str) -> int:
-    value = _number(text, int)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = _number(text, float)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
-    return value
-
-
-def nonnegative_float(text: str) -> float:
-    value = _number(text, float)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
-    return value
-
-
-def fraction_below_one(text: str) -> float:
-    """A share in [0, 1): e.g. HBM kept free, data held out."""
-    value = _number(text, float)
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be in [0, 1)")
-    return value
-
-
-def fraction_above_zero(text: str) -> float:
-    """A share in (0, 1]: e.g. the part of HBM bandwidth the SparseCores reach."""
-    value = _number(text, float)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be in (0, 1]")
-    return value
+positive_int = _domain(int, lambda v: v > 0, "> 0")
+nonnegative_int = _domain(int, lambda v: v >= 0, ">= 0")
+positive_float = _domain(float, lambda v: v > 0, "> 0")
+nonnegative_float = _domain(float, lambda v: v >= 0, ">= 0")
+fraction_below_one = _domain(float, lambda v: 0 <= v < 1, "in [0, 1)")  # a share: HBM kept free, data held out
+fraction_above_zero = _domain(float, lambda v: 0 < v <= 1, "in (0, 1]")  # e.g. SparseCore share of HBM bw
 
 
 def int_list(text: str) -> tuple[int, ...]:
