@@ -16,6 +16,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from tpurec.embedding import natural_state
 from tpurec.embedding.dtypes import table_dtype
 from tpurec.embedding.fused_optimizer import SparseCoreFusedOptimizer
 from tpurec.embedding.kernel import KernelTable, SparseCoreKernel
@@ -44,6 +45,8 @@ def kernel_tables(tables: Sequence[EmbeddingBagConfig]) -> list[KernelTable]:
 
 
 class SparseCoreEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
+    STATE_PREFIX = "embedding_bags"  # state_dict keys embedding_bags.<table>.weight, as TorchRec's EBC
+
     def __init__(
         self,
         tables: Sequence[EmbeddingBagConfig],
@@ -82,8 +85,7 @@ class SparseCoreEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             widen_tables=widen_tables,
         )
         self._fused_optimizer = SparseCoreFusedOptimizer(self.kernel)
-        self._register_state_dict_hook(_emit_natural_weights)
-        self._register_load_state_dict_pre_hook(_consume_natural_weights, with_module=True)
+        natural_state.register(self)
 
     # -- torchrec EBC surface ------------------------------------------------------------------
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
@@ -116,25 +118,3 @@ class SparseCoreEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
     def id_stats(self):
         """PreprocessStats of the last batch, per stack: observed ids per partition, for tuning limits."""
         return dict(self.kernel.last_stats)
-
-
-def _emit_natural_weights(module, state_dict, prefix, local_metadata):
-    for t in module._embedding_bag_configs:
-        state_dict[f"{prefix}embedding_bags.{t.name}.weight"] = module.kernel.read_weight(t.name)
-    return state_dict
-
-
-def _consume_natural_weights(
-    module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-):
-    for t in module._embedding_bag_configs:
-        key = f"{prefix}embedding_bags.{t.name}.weight"
-        if key not in state_dict:
-            if strict:
-                missing_keys.append(key)
-            continue
-        value = state_dict.pop(key)
-        try:
-            module.kernel.write_weight(t.name, value)
-        except ValueError as e:
-            error_msgs.append(f"{key}: {e}")

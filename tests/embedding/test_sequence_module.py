@@ -1,0 +1,238 @@
+"""SparseCoreEmbeddingCollection equals torchrec's EmbeddingCollection (forward, fused updates, state)
+and FBGEMM's CPU TBE in sequence mode (PoolingMode.NONE), its independent oracle for fused updates."""
+
+import pytest
+import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+    ComputeDevice,
+    SplitTableBatchedEmbeddingBagsCodegen,
+)
+from torchrec.modules.embedding_configs import DataType, EmbeddingConfig
+from torchrec.modules.embedding_modules import EmbeddingCollection
+from torchrec.optim import RowWiseAdagrad
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from tpurec.embedding.sequence_kernel import SequenceLimitExceededError
+from tpurec.embedding.sequence_module import SparseCoreEmbeddingCollection
+
+from .helpers import random_kjt
+
+STEPS = 5
+
+
+def seq_tables(dtype=DataType.FP32):
+    # t1 feeds two features; f1 also feeds t2 (a shared feature: outputs "f1@t1", "f1@t2");
+    # t3 is smaller than its partitions x 8.
+    return [
+        EmbeddingConfig(name="t1", embedding_dim=8, num_embeddings=37, feature_names=["f1", "f2"], data_type=dtype),
+        EmbeddingConfig(name="t2", embedding_dim=8, num_embeddings=50, feature_names=["f3", "f1"], data_type=dtype),
+        EmbeddingConfig(name="t3", embedding_dim=8, num_embeddings=5, feature_names=["f4"], data_type=dtype),
+    ]
+
+
+def batch(gen, bsz=6, hot=False, dtype=torch.int64, max_len=5):
+    # random_kjt reads tables' feature names once each: give it one entry per distinct input feature.
+    features = [
+        EmbeddingConfig(name=f, embedding_dim=8, num_embeddings=n, feature_names=[f])
+        for f, n in (("f4", 5), ("f1", 37), ("f3", 50), ("f2", 37))
+    ]
+    kjt = random_kjt(features, bsz, gen, max_len=max_len, hot_ids=hot)  # keys deliberately not in table order
+    return KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values().to(dtype), lengths=kjt.lengths())
+
+
+def _stock(tables, need_indices=False):
+    return EmbeddingCollection(tables=tables, need_indices=need_indices)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_forward_equals_embedding_collection(dtype):
+    tables = seq_tables()
+    sc = SparseCoreEmbeddingCollection(tables, torch.optim.SGD, {"lr": 0.1}, num_sparsecores=4, need_indices=True)
+    ec = _stock(tables, need_indices=True)
+    ec.load_state_dict(sc.state_dict())
+    gen = torch.Generator().manual_seed(0)
+    for hot in (False, True):
+        kjt = batch(gen, hot=hot, dtype=dtype)
+        ours, theirs = sc(kjt), ec(kjt)
+        assert list(ours) == list(theirs) == ["f1@t1", "f2", "f3", "f1@t2", "f4"]
+        for k in theirs:
+            assert torch.equal(ours[k].values(), theirs[k].values()), k
+            assert torch.equal(ours[k].lengths(), theirs[k].lengths()), k
+            assert torch.equal(ours[k].weights(), theirs[k].weights()), k  # need_indices: the ids
+            assert ours[k].values().dtype == torch.float32
+
+
+def test_empty_sequences_and_empty_batch():
+    tables = seq_tables()
+    sc = SparseCoreEmbeddingCollection(tables, torch.optim.SGD, {"lr": 0.1}, num_sparsecores=2)
+    ec = _stock(tables)
+    ec.load_state_dict(sc.state_dict())
+    keys = ["f1", "f2", "f3", "f4"]
+    # f2 and f4 have no ids at all; f1 has an empty sequence in the middle.
+    kjt = KeyedJaggedTensor(
+        keys=keys, values=torch.tensor([3, 3, 36, 0, 49, 7]), lengths=torch.tensor([2, 0, 1, 0, 0, 0, 2, 1, 0, 0, 0, 0])
+    )
+    ours, theirs = sc(kjt), ec(kjt)
+    for k in theirs:
+        assert torch.equal(ours[k].values(), theirs[k].values()), k
+        assert ours[k].values().shape == theirs[k].values().shape
+    empty = KeyedJaggedTensor(
+        keys=keys, values=torch.zeros(0, dtype=torch.long), lengths=torch.zeros(8, dtype=torch.long)
+    )
+    out = sc(empty)
+    assert all(v.values().shape == (0, 8) for v in out.values())
+    sum(v.values().sum() for v in out.values()).backward()  # no ids: no update, no error
+    assert torch.equal(sc.state_dict()["embeddings.t1.weight"], ec.state_dict()["embeddings.t1.weight"])
+
+
+@pytest.mark.parametrize(
+    "optim,kwargs",
+    [
+        (torch.optim.SGD, {"lr": 0.3}),
+        (torch.optim.Adagrad, {"lr": 0.2, "eps": 1e-6, "initial_accumulator_value": 0.1}),
+    ],
+)
+def test_fused_updates_equal_embedding_collection_with_torch_optimizer(optim, kwargs):
+    # SGD and Adagrad leave rows without gradient alone also when stepped densely: equal on any batch.
+    tables = seq_tables()
+    sc = SparseCoreEmbeddingCollection(tables, optim, kwargs, num_sparsecores=4)
+    ec = _stock(tables)
+    ec.load_state_dict(sc.state_dict())
+    opt = optim(ec.parameters(), **kwargs)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(STEPS):
+        kjt = batch(gen, hot=step % 2 == 0)
+        ours, theirs = sc(kjt), ec(kjt)
+        ups = {k: torch.randn(v.values().shape, generator=gen) for k, v in theirs.items()}
+        sum((ours[k].values() * u).sum() for k, u in ups.items()).backward()
+        opt.zero_grad()
+        sum((theirs[k].values() * u).sum() for k, u in ups.items()).backward()
+        opt.step()
+    for k, v in ec.state_dict().items():
+        torch.testing.assert_close(sc.state_dict()[k], v, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "optim,kwargs",
+    [
+        (torch.optim.Adam, {"lr": 0.05, "betas": (0.8, 0.95), "eps": 1e-6}),
+        (RowWiseAdagrad, {"lr": 0.2, "eps": 1e-6}),
+    ],
+)
+def test_fused_updates_equal_torch_optimizer_when_every_row_is_touched(optim, kwargs):
+    # Adam is lazy and row-wise Adagrad keeps one accumulator per row: with every row in every batch,
+    # the dense torch-style optimizers on an EmbeddingCollection coincide with them.
+    tables = [EmbeddingConfig(name="t", embedding_dim=8, num_embeddings=6, feature_names=["f", "g"])]
+    sc = SparseCoreEmbeddingCollection(tables, optim, kwargs, num_sparsecores=2)
+    ec = _stock(tables)
+    ec.load_state_dict(sc.state_dict())
+    opt = optim(ec.parameters(), **kwargs)
+    gen = torch.Generator().manual_seed(5)
+    for step in range(1, STEPS + 1):
+        values = torch.cat([torch.arange(6), torch.randint(0, 6, (7,), generator=gen)])
+        kjt = KeyedJaggedTensor(keys=["f", "g"], values=values, lengths=torch.tensor([4, 0, 5, 2, 2, 0]))
+        ups = {k: torch.randn(v, 8, generator=gen) for k, v in (("f", 9), ("g", 4))}
+        ours, theirs = sc(kjt), ec(kjt)
+        sum((ours[k].values() * u).sum() for k, u in ups.items()).backward()
+        opt.zero_grad()
+        sum((theirs[k].values() * u).sum() for k, u in ups.items()).backward()
+        if optim is torch.optim.Adam:
+            # Fused Adam keeps eps constant (TorchTPU compiles it in): torch's Adam with eps/sqrt(1-b2^t).
+            opt.param_groups[0]["eps"] = kwargs["eps"] / (1 - kwargs["betas"][1] ** step) ** 0.5
+        opt.step()
+    torch.testing.assert_close(sc.table_weight("t"), ec.state_dict()["embeddings.t.weight"], rtol=1e-5, atol=1e-6)
+
+
+def _fbgemm_sequence(tables, optim, **kw):
+    specs = [(t.num_embeddings, t.embedding_dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for t in tables]
+    return SplitTableBatchedEmbeddingBagsCodegen(specs, optimizer=optim, pooling_mode=PoolingMode.NONE, **kw)
+
+
+@pytest.mark.parametrize(
+    "torch_optim,kwargs,fbgemm_optim",
+    [
+        (torch.optim.SGD, {"lr": 0.3}, EmbOptimType.EXACT_SGD),
+        (RowWiseAdagrad, {"lr": 0.3, "eps": 1e-4}, EmbOptimType.EXACT_ROWWISE_ADAGRAD),
+        (torch.optim.Adagrad, {"lr": 0.3, "eps": 1e-4}, EmbOptimType.EXACT_ADAGRAD),
+    ],
+)
+def test_fused_updates_equal_fbgemm_sequence_tbe(torch_optim, kwargs, fbgemm_optim):
+    # FBGEMM's sequence TBE (PoolingMode.NONE), one table per feature, hot ids repeated in a batch.
+    tables = [
+        EmbeddingConfig(name="a", embedding_dim=16, num_embeddings=30, feature_names=["fa"]),
+        EmbeddingConfig(name="b", embedding_dim=16, num_embeddings=7, feature_names=["fb"]),
+    ]
+    sc = SparseCoreEmbeddingCollection(tables, torch_optim, kwargs, num_sparsecores=4)
+    tbe = _fbgemm_sequence(tables, fbgemm_optim, learning_rate=kwargs["lr"], eps=kwargs.get("eps", 1e-8))
+    for w, t in zip(tbe.split_embedding_weights(), tables):
+        w.data.copy_(sc.table_weight(t.name))
+    gen = torch.Generator().manual_seed(3)
+    for step in range(STEPS):
+        kjt = random_kjt(tables, 8, gen, max_len=6, hot_ids=step % 2 == 0)
+        out = sc(kjt)
+        ours = torch.cat([out["fa"].values(), out["fb"].values()])
+        theirs = tbe(kjt.values(), kjt.offsets())
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+        upstream = torch.randn(ours.shape, generator=gen)
+        (ours * upstream).sum().backward()
+        (theirs * upstream).sum().backward()
+    for w, t in zip(tbe.split_embedding_weights(), tables):
+        torch.testing.assert_close(sc.table_weight(t.name), w, rtol=1e-5, atol=1e-6)
+
+
+def test_fp16_tables_match_embedding_collection_forward():
+    tables = seq_tables(DataType.FP16)
+    sc = SparseCoreEmbeddingCollection(tables, torch.optim.SGD, {"lr": 0.1}, num_sparsecores=2)
+    ec = _stock(tables)
+    assert sc.state_dict()["embeddings.t1.weight"].dtype == torch.float16
+    ec.load_state_dict(sc.state_dict())
+    kjt = batch(torch.Generator().manual_seed(2))
+    ours, theirs = sc(kjt), ec(kjt)
+    for k in theirs:
+        assert torch.equal(ours[k].values(), theirs[k].values()), k
+
+
+def test_state_dict_aliases_live_tables_and_loads_both_ways():
+    tables = seq_tables()
+    sc = SparseCoreEmbeddingCollection(tables, torch.optim.SGD, {"lr": 0.1}, num_sparsecores=4)
+    assert list(sc.state_dict()) == ["embeddings.t1.weight", "embeddings.t2.weight", "embeddings.t3.weight"]
+    sc.state_dict()["embeddings.t2.weight"][4].fill_(2.5)  # an in-place write (DCP, TorchRec's tools)
+    kjt = KeyedJaggedTensor(keys=["f1", "f2", "f3", "f4"], values=torch.tensor([4]), lengths=torch.tensor([0, 0, 1, 0]))
+    assert torch.equal(sc(kjt)["f3"].values(), torch.full((1, 8), 2.5))
+    ec = _stock(tables)
+    sc.load_state_dict(ec.state_dict())
+    assert torch.equal(sc.table_weight("t3"), ec.embeddings["t3"].weight.detach())
+
+
+def test_init_follows_each_tables_init_fn():
+    torch.manual_seed(7)
+    tables = [
+        EmbeddingConfig(
+            name="t", embedding_dim=8, num_embeddings=20, feature_names=["f"], init_fn=lambda w: w.data.fill_(0.25)
+        )
+    ]
+    sc = SparseCoreEmbeddingCollection(tables, torch.optim.SGD, {"lr": 0.1})
+    assert torch.equal(sc.table_weight("t"), torch.full((20, 8), 0.25))
+
+
+def test_fixed_capacity_refuses_a_longer_batch_with_the_numbers():
+    tables = [EmbeddingConfig(name="t", embedding_dim=8, num_embeddings=20, feature_names=["f"])]
+    sc = SparseCoreEmbeddingCollection(tables, torch.optim.SGD, {"lr": 0.1}, fixed_limits=True, max_ids_per_feature=10)
+    ok = KeyedJaggedTensor(keys=["f"], values=torch.arange(16), lengths=torch.tensor([8, 8]))
+    assert sc(ok)["f"].values().shape == (16, 8)  # 10 rounds up to 16 (8-aligned, as the id limits)
+    over = KeyedJaggedTensor(keys=["f"], values=torch.arange(17) % 20, lengths=torch.tensor([9, 8]))
+    with pytest.raises(SequenceLimitExceededError, match=r"feature 'f' has 17 ids .* capacity of 16"):
+        sc(over)
+
+
+def test_tables_of_different_dims_are_refused_as_torchrec_does():
+    tables = [
+        EmbeddingConfig(name="a", embedding_dim=8, num_embeddings=5, feature_names=["fa"]),
+        EmbeddingConfig(name="b", embedding_dim=16, num_embeddings=5, feature_names=["fb"]),
+    ]
+    with pytest.raises(ValueError, match="same embedding dim.*a: 8, b: 16"):
+        SparseCoreEmbeddingCollection(tables, torch.optim.SGD, {"lr": 0.1})
+    with pytest.raises(ValueError, match="same embedding dim"):
+        EmbeddingCollection(tables=tables)

@@ -1,0 +1,116 @@
+"""Unpooled (sequence) lookups on the SparseCore kernel: every id its own bag of one, gain 1.
+
+An EmbeddingCollection returns one embedding per id, not one per bag. The SparseCore op only
+pools, so unpooled lookups are expressed with it the way torchrec's TPU path
+(`experimental/torch_tpu/datasets/input_preprocessing.py`, unpooled mode: offsets 0, 1, ..., N, N,
+..., N) and jax-tpu-embedding's sequence features do: feature k's N_k ids become samples 0..N_k-1
+of a batch of C samples (C >= every N_k; samples past N_k are empty bags and look up zeros), so
+the pooled output row j of feature k IS the embedding of its j-th id. Preprocessing, id limits,
+the CSR layout, the TorchTPU adapter and the fused update are the pooled kernel's, unchanged:
+backward hands each id's output gradient to its row, and rows hit twice sum their gradients, as
+a dense `nn.Embedding` does.
+
+C follows each batch on CPU (the largest feature, rounded up to the SparseCore count). On a TPU
+every buffer shape must stay fixed (a new shape recompiles), so C is fixed like the id limits:
+`max_ids_per_feature` when given, else twice the first batch's largest feature, 8-aligned; a later
+batch over it is refused with the numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from tpurec.embedding.constraints import SEGMENT_ALIGN, round_up
+from tpurec.embedding.kernel import SparseCoreKernel
+from tpurec.embedding.kjt_checks import check_kjt
+
+
+class SequenceLimitExceededError(ValueError):
+    """A batch has more ids in one feature than the fixed per-feature capacity."""
+
+
+class SparseCoreSequenceKernel(SparseCoreKernel):
+    """A SparseCoreKernel whose forward returns one embedding per id: [total ids, dim].
+
+    The KeyedJaggedTensor's keys are the kernel's features in order (positional); the output rows
+    follow its values (feature-major, as `KeyedJaggedTensor.values()`). Every table has the same
+    dim, as in TorchRec's EmbeddingCollection and its sequence lookups.
+    """
+
+    def __init__(self, *args, max_ids_per_feature: int | None = None, **kwargs) -> None:
+        kwargs["positional"] = True
+        kwargs["is_weighted"] = False  # EmbeddingCollection ignores weights (torchrec's does too)
+        super().__init__(*args, **kwargs)
+        dims = {t.embedding_dim for t in self.tables}
+        if len(dims) > 1:
+            raise ValueError(
+                f"sequence tables must share one embedding dim (as in TorchRec's EmbeddingCollection); "
+                f"got {sorted(dims)} for {[t.name for t in self.tables]}"
+            )
+        if any(t.pooling != "sum" for t in self.tables):
+            raise ValueError("sequence tables are not pooled; build their KernelTables with pooling 'sum'")
+        self.dim = dims.pop() if dims else 0
+        if max_ids_per_feature is not None and max_ids_per_feature < 1:
+            raise ValueError(f"max_ids_per_feature must be >= 1, got {max_ids_per_feature}")
+        self.max_ids_per_feature = max_ids_per_feature
+        self._capacity: int | None = None if max_ids_per_feature is None else self._aligned(max_ids_per_feature)
+
+    def _aligned(self, n: int) -> int:
+        return round_up(max(n, 1), max(SEGMENT_ALIGN, self.num_sc) if self.fixed_limits else self.num_sc)
+
+    def capacity(self, ids_per_feature: torch.Tensor) -> int:
+        """C: samples per feature in the SparseCore batch for these per-feature id counts."""
+        largest = int(ids_per_feature.max()) if ids_per_feature.numel() else 0
+        if not self.fixed_limits:
+            return self._aligned(largest) if self._capacity is None else max(self._capacity, self._aligned(largest))
+        if self._capacity is None:
+            self._capacity = self._aligned(2 * largest)
+        if largest > self._capacity:
+            k = int(ids_per_feature.argmax())
+            raise SequenceLimitExceededError(
+                f"feature {self.feature_order[k]!r} has {largest} ids in this batch, over the fixed capacity of "
+                f"{self._capacity} ids per feature ("
+                + (
+                    "max_ids_per_feature"
+                    if self.max_ids_per_feature is not None
+                    else "set from the first batch: twice its largest feature"
+                )
+                + "); buffer shapes stay fixed so that a TPU does not recompile: pass a larger max_ids_per_feature"
+            )
+        return self._capacity
+
+    def forward(self, features) -> torch.Tensor:
+        """features: KeyedJaggedTensor with the kernel's features as keys, in order.
+        Returns [total ids, dim] float32, rows in the order of `features.values()`."""
+        if features.values().device.type != "cpu":
+            features = features.to(torch.device("cpu"))  # host preprocessing (see SparseCoreKernel.preprocess)
+        check_kjt(features)
+        keys = features.keys()
+        if keys != self.feature_order:
+            raise KeyError(f"expected features {self.feature_order} in this order, got keys {keys}")
+        n = len(keys)
+        batch = features.stride()
+        counts = features.lengths().view(n, batch).sum(1) if n and batch else torch.zeros(n, dtype=torch.long)
+        cap = self.capacity(counts)
+        one_id_bags = KeyedJaggedTensor(
+            keys=keys,
+            values=features.values(),
+            lengths=(torch.arange(cap).unsqueeze(0) < counts.unsqueeze(1)).to(torch.int32).reshape(-1),
+            stride=cap,
+        )
+        pooled = self.lookup(self.preprocess(one_id_bags), cap)  # [cap, n * dim], feature k in columns k
+        # Row j of feature k's columns, for j < N_k, in values order: one gather over [n * cap, dim].
+        per_feature = pooled.view(cap, n, self.dim).transpose(0, 1).reshape(n * cap, self.dim)
+        starts = torch.arange(n, dtype=torch.long) * cap
+        index = torch.repeat_interleave(starts, counts) + _ranks_within(counts)
+        return per_feature.index_select(0, index.to(per_feature.device))
+
+
+def _ranks_within(counts: torch.Tensor) -> torch.Tensor:
+    """0..c-1 for every c in counts, concatenated."""
+    total = int(counts.sum())
+    if total == 0:
+        return torch.zeros(0, dtype=torch.long)
+    firsts = torch.cumsum(counts, 0) - counts
+    return torch.arange(total, dtype=torch.long) - torch.repeat_interleave(firsts, counts)
