@@ -21,7 +21,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from tpurec.sharding import plan_io
-from tpurec.sharding.plan_check import align_to_model, check_plan, ebc_tables
+from tpurec.sharding.plan_check import align_to_model, check_plan, embedding_tables
 from tpurec.sharding.topology import make_topology
 
 K = "customized_kernel"
@@ -63,7 +63,7 @@ def test_a_plan_keyed_by_tables_follows_them_to_the_models_module():
     model = _model()
     aligned = align_to_model(_plan(path=""), model)
     assert list(aligned.plan) == ["sparse"]
-    check_plan(aligned, ebc_tables(model), world_size=2)
+    check_plan(aligned, embedding_tables(model), world_size=2)
 
 
 @pytest.mark.parametrize(
@@ -82,7 +82,7 @@ def test_a_plan_keyed_by_tables_follows_them_to_the_models_module():
 def test_a_plan_that_does_not_fit_the_model_or_world_is_refused(plan_kwargs, world, match):
     model = _model()
     with pytest.raises(ValueError, match=match):
-        check_plan(align_to_model(_plan(**plan_kwargs), model), ebc_tables(model), world)
+        check_plan(align_to_model(_plan(**plan_kwargs), model), embedding_tables(model), world)
 
 
 def test_a_plan_for_other_tables_is_refused_naming_them():
@@ -91,9 +91,9 @@ def test_a_plan_for_other_tables_is_refused_naming_them():
         [EmbeddingBagConfig(name="z", embedding_dim=8, num_embeddings=10, feature_names=["fz"])],
         device=torch.device("meta"),
     )
-    with pytest.raises(ValueError, match=r"tables \['a', 'b'\] matches no EmbeddingBagCollection of the model"):
+    with pytest.raises(ValueError, match=r"tables \['a', 'b'\] matches no embedding collection of the model"):
         align_to_model(_plan(), other)
-    tables = ebc_tables(_model())
+    tables = embedding_tables(_model())
     tables["sparse"] = {"a": (100, 16), "b": (40, 8), "c": (5, 8)}
     with pytest.raises(ValueError, match=r"no sharding for table\(s\) \['c'\]"):
         check_plan(align_to_model(_plan(), _model()), tables, 2)

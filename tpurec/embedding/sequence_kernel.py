@@ -87,8 +87,8 @@ class SparseCoreSequenceKernel(SparseCoreKernel):
             features = features.to(torch.device("cpu"))  # host preprocessing (see SparseCoreKernel.preprocess)
         check_kjt(features)
         keys = features.keys()
-        if keys != self.feature_order:
-            raise KeyError(f"expected features {self.feature_order} in this order, got keys {keys}")
+        if len(keys) != len(self.feature_order):  # positional: key k feeds the k-th feature slot
+            raise KeyError(f"expected {len(self.feature_order)} features in table order, got keys {keys}")
         n = len(keys)
         batch = features.stride()
         counts = features.lengths().view(n, batch).sum(1) if n and batch else torch.zeros(n, dtype=torch.long)

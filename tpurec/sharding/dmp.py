@@ -28,9 +28,9 @@ from torch import nn
 from torchrec.distributed.model_parallel import DistributedModelParallel as _TorchrecDMP
 from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from tpurec.embedding.sparsecores import resolve_num_sparsecores
+from tpurec.sharding.ec_sharder import SparseCoreECSharder
 from tpurec.sharding.sharder import SparseCoreEBCSharder
 
 logger = logging.getLogger(__name__)
@@ -70,9 +70,14 @@ def _ensure_process_group(device_type: str = "cpu") -> None:
 
 
 def default_sharders(num_sparsecores: int, **sharder_kwargs) -> List[ModuleSharder[nn.Module]]:
-    """tpurec's sharder for EmbeddingBagCollection, TorchRec's defaults for every other module type."""
-    ours = SparseCoreEBCSharder(num_sparsecores=num_sparsecores, **sharder_kwargs)
-    return [ours] + [s for s in get_default_sharders() if s.module_type is not EmbeddingBagCollection]
+    """tpurec's sharders for EmbeddingBagCollection and EmbeddingCollection, TorchRec's defaults for
+    every other module type."""
+    ours = [
+        SparseCoreEBCSharder(num_sparsecores=num_sparsecores, **sharder_kwargs),
+        SparseCoreECSharder(num_sparsecores=num_sparsecores, **sharder_kwargs),
+    ]
+    mine = {s.module_type for s in ours}
+    return ours + [s for s in get_default_sharders() if s.module_type not in mine]
 
 
 class DistributedModelParallel(_TorchrecDMP):
@@ -127,11 +132,11 @@ class DistributedModelParallel(_TorchrecDMP):
                 pg=env.process_group,
             )
         else:
-            from tpurec.sharding.plan_check import align_to_model, check_plan, ebc_tables
+            from tpurec.sharding.plan_check import align_to_model, check_plan, embedding_tables
 
             # A given plan must fit this model and world size (else TorchRec fails deep inside, or
             # shards onto ranks that do not exist); plans from `tpurec plan` are keyed by table names.
             plan = align_to_model(plan, module)
-            check_plan(plan, ebc_tables(module), env.world_size)
+            check_plan(plan, embedding_tables(module), env.world_size)
         super().__init__(module, env=env, device=torch_device, plan=plan, sharders=sharders, **dmp_kwargs)
         self.topology = topology

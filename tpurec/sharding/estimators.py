@@ -42,7 +42,7 @@ class ShardCost:
     weights: int  # table rows after MOD padding over the device's SparseCores
     optimizer: int
     buffers: int  # SparseCore CSR/COO input buffers sized by the worst-case id limit
-    activations: int  # pooled output of this shard for the global batch, and its gradient
+    activations: int  # output of this shard for the global batch (pooled, or one row per id), and its gradient
     # TPU only: TorchTPU's fused update ops return a new table and new state (docs/tpu.md), which
     # live beside the old ones until the adapter copies them back. Counted per shard, this is exact
     # when a device's shards form one stack (same width and optimizer, e.g. every MLPerf table) and
@@ -98,11 +98,14 @@ def shard_cost(
     spec: SliceSpec,
     optimizer: str,
     elem_bytes: int = 4,
+    pooled: bool = True,
 ) -> ShardCost:
     """Cost of one shard of `rows` x `cols` on its device.
 
     `num_shards` counts the table's shards (the row-shard group for RW/TWRW). `elem_bytes`: bytes per
     stored table element (`table_elem_bytes`: 2 for FP16 on CPU, 4 where a TPU widens it).
+    `pooled` False: a sequence table (EmbeddingCollection), whose output is one row per id, so
+    activations and the output collectives scale with ids (`pooling_factor` = mean sequence length).
     """
     ns = max(1, spec.generation.sparsecores)
     samples = batch_per_device * world_size  # every shard serves the global batch
@@ -113,30 +116,32 @@ def shard_cost(
     opt = state_bytes * local_rows
     max_ids = worst_case_max_ids_per_partition(samples, pooling_factor, ns)
     buffers = csr_buffer_bytes(max_ids, ns)
-    pooled = samples * cols * ACTIVATION_BYTES
+    row_group = num_shards if sharding_type in ROW_WISE else 1
+    # Pooled: one row per sample. Unpooled: one row per id, and a row shard only returns its own ids'.
+    out_rows = samples if pooled else samples * pooling_factor / row_group
+    pooled_bytes = out_rows * cols * ACTIVATION_BYTES
 
     if sharding_type == ShardingType.DATA_PARALLEL.value:
         # Only to score torchrec's own plans: every rank holds the table and serves its own batch;
         # backward all-reduces the dense table gradient.
         ids = batch_per_device * pooling_factor
-        pooled = batch_per_device * cols * ACTIVATION_BYTES
+        pooled_bytes = batch_per_device * cols * ACTIVATION_BYTES * (1 if pooled else pooling_factor)
         grad_ms = 2 * _collective_ms(rows * cols * elem_bytes, world_size, spec, True)
         in_ms = out_ms = 0.0
     else:
-        row_group = num_shards if sharding_type in ROW_WISE else 1
         ids = samples * pooling_factor / row_group  # ids spread uniformly over row shards
         # ids (and lengths) come from every rank, across slices if there are several.
         in_ms = _collective_ms(ids * ID_BYTES + samples * ID_BYTES / row_group, world_size, spec, True)
         if sharding_type == ShardingType.TABLE_ROW_WISE.value:
             # partial sums reduce-scattered inside the host group (ICI), then each device sends its
             # 1/n of the pooled rows to every rank
-            out_ms = _collective_ms(pooled, row_group, spec, False) + _collective_ms(
-                pooled / row_group, world_size, spec, True
+            out_ms = _collective_ms(pooled_bytes, row_group, spec, False) + _collective_ms(
+                pooled_bytes / row_group, world_size, spec, True
             )
         else:
             # TW/CW/TWCW: all-to-all of the pooled rows; RW: reduce-scatter of partial sums over
-            # all ranks, the same volume per device
-            out_ms = _collective_ms(pooled, world_size, spec, True)
+            # all ranks, the same volume per device (unpooled RW: all-to-all of its ids' rows)
+            out_ms = _collective_ms(pooled_bytes, world_size, spec, True)
         grad_ms = out_ms
     sc_bw = spec.generation.hbm_bw * spec.sc_gather_fraction
     row_bytes = cols * elem_bytes
@@ -148,7 +153,7 @@ def shard_cost(
         weights=weights,
         optimizer=opt,
         buffers=buffers,
-        activations=2 * pooled,
+        activations=int(2 * pooled_bytes),
         transient=transient,
         lookup_ms=lookup_ms,
         update_ms=update_ms,
@@ -192,6 +197,7 @@ def option_costs(
             spec=spec,
             optimizer=optimizer,
             elem_bytes=table_elem_bytes(option.tensor.dtype, compute_device),
+            pooled=option.is_pooled,
         )
         for shard in option.shards
     ]

@@ -21,3 +21,5 @@ SHARDING_TYPES = [
     ShardingType.ROW_WISE.value,
     ShardingType.TABLE_ROW_WISE.value,
 ]
+# For EmbeddingCollections: TorchRec's EmbeddingCollectionSharder offers DP, TW, CW and RW.
+EC_SHARDING_TYPES = [ShardingType.TABLE_WISE.value, ShardingType.COLUMN_WISE.value, ShardingType.ROW_WISE.value]

@@ -1,9 +1,13 @@
-"""The compute kernel TorchRec's sharded lookups run for tpurec tables: one SparseCoreKernel per group.
+"""The compute kernels TorchRec's sharded lookups run for tpurec tables: one SparseCoreKernel per group.
 
 A `GroupedEmbeddingConfig` lists this rank's table shards (rows and columns after sharding) and the
 features that feed them, in order. Every shard becomes a kernel table of its local size; inside the
 shard, rows are MOD-partitioned over this device's SparseCores by the kernel. The fused optimizer
 comes from the per-table fused params TorchRec derived from `apply_optimizer_in_backward`.
+
+`SparseCoreEmbeddingBag` (pooled, for the sharded EmbeddingBagCollection) returns [batch, sum of
+dims]; `SparseCoreEmbedding` (unpooled, for the sharded EmbeddingCollection) returns one row per id,
+[ids, dim], as TorchRec's sequence kernels do.
 """
 
 from __future__ import annotations
@@ -20,11 +24,16 @@ from tpurec.embedding.dtypes import table_dtype
 from tpurec.embedding.fused_optimizer import SparseCoreFusedOptimizer
 from tpurec.embedding.kernel import KernelTable, SparseCoreKernel
 from tpurec.embedding.optimizers.registry import spec_from_fused_params
+from tpurec.embedding.sequence_kernel import SparseCoreSequenceKernel
 
 _POOLING = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 
 
-class SparseCoreEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
+class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
+    """One group's tables on one SparseCoreKernel; subclasses say whether lookups pool."""
+
+    pooled = True
+
     def __init__(
         self, config: GroupedEmbeddingConfig, device: torch.device | None, num_sc_per_device: int, sharding_type=None
     ) -> None:
@@ -52,9 +61,9 @@ class SparseCoreEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
             for f in t.feature_names:
                 slots.append(f"{slot}:{f}")
                 slot += 1
-            if t.pooling not in _POOLING:
+            if self.pooled and t.pooling not in _POOLING:
                 raise ValueError(f"table {t.name!r}: pooling {t.pooling} is not supported (SUM or MEAN)")
-            pooling = "sum" if rowwise else _POOLING[t.pooling]
+            pooling = "sum" if rowwise or not self.pooled else _POOLING[t.pooling]
             tables.append(
                 KernelTable(
                     kname,
@@ -68,19 +77,25 @@ class SparseCoreEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
                 )
             )
             self.shards.append((t.name, kname, t.local_metadata))
-        self.kernel = SparseCoreKernel(
+        fused = config.embedding_tables[0].fused_params or {}
+        extra = (
+            {"is_weighted": config.is_weighted}
+            if self.pooled
+            else {"max_ids_per_feature": _fused_int(config, "max_ids_per_feature")}
+        )
+        self.kernel = (SparseCoreKernel if self.pooled else SparseCoreSequenceKernel)(
             tables,
             spec,
             num_sc_per_device,
-            is_weighted=config.is_weighted,
             device=device,
             positional=True,
+            **extra,
             max_ids_per_partition=_fused_int(config, "max_ids_per_partition"),
             max_unique_ids_per_partition=_fused_int(config, "max_unique_ids_per_partition"),
-            allow_id_dropping=bool((config.embedding_tables[0].fused_params or {}).get("allow_id_dropping", False)),
-            fixed_limits=(config.embedding_tables[0].fused_params or {}).get("fixed_limits"),
-            pad_dims=(config.embedding_tables[0].fused_params or {}).get("pad_dims"),
-            widen_tables=(config.embedding_tables[0].fused_params or {}).get("widen_tables"),
+            allow_id_dropping=bool(fused.get("allow_id_dropping", False)),
+            fixed_limits=fused.get("fixed_limits"),
+            pad_dims=fused.get("pad_dims"),
+            widen_tables=fused.get("widen_tables"),
         )
         self._optim = SparseCoreFusedOptimizer(self.kernel, param_prefix="", key_of=self._param_key)
 
@@ -113,6 +128,19 @@ class SparseCoreEmbeddingBag(BaseEmbedding, FusedOptimizerModule):
 
     def purge(self) -> None:
         pass
+
+
+class SparseCoreEmbeddingBag(_SparseCoreGroupKernel):
+    """Pooled: [batch, sum of the group's dims] (TorchRec's pooled lookups)."""
+
+    pooled = True
+
+
+class SparseCoreEmbedding(_SparseCoreGroupKernel):
+    """Unpooled: one row per id, [ids, dim], in the KeyedJaggedTensor's values order (TorchRec's
+    sequence lookups, which view it as [-1, dim])."""
+
+    pooled = False
 
 
 def _fused_int(config: GroupedEmbeddingConfig, key: str):

@@ -1,6 +1,7 @@
 """Check a ShardingPlan against the model and world size it is applied to, and re-key its module
 paths by table names, so a plan file made by `tpurec plan` (module path "") applies to the model's
-EmbeddingBagCollection wherever it sits. Every problem is one line naming the table and the fix."""
+EmbeddingBagCollection or EmbeddingCollection wherever it sits. Every problem is one line naming
+the table and the fix."""
 
 from __future__ import annotations
 
@@ -9,14 +10,17 @@ from typing import Mapping
 from torch import nn
 
 
-def ebc_tables(module: nn.Module) -> dict[str, dict[str, tuple[int, int]]]:
-    """{module path: {table name: (rows, dim)}} of every EmbeddingBagCollection in `module`."""
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+def embedding_tables(module: nn.Module) -> dict[str, dict[str, tuple[int, int]]]:
+    """{module path: {table name: (rows, dim)}} of every EmbeddingBagCollection and
+    EmbeddingCollection in `module`."""
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
     out = {}
     for path, m in module.named_modules():
         if isinstance(m, EmbeddingBagCollection):
             out[path] = {c.name: (c.num_embeddings, c.embedding_dim) for c in m.embedding_bag_configs()}
+        elif isinstance(m, EmbeddingCollection):
+            out[path] = {c.name: (c.num_embeddings, c.embedding_dim) for c in m.embedding_configs()}
     return out
 
 
@@ -24,7 +28,7 @@ def align_to_model(plan, module: nn.Module, source: str = "the plan"):
     """The plan with each module plan keyed by the model's path of the EBC holding its tables."""
     from torchrec.distributed.types import ShardingPlan
 
-    paths = ebc_tables(module)
+    paths = embedding_tables(module)
     out = {}
     for path, module_plan in plan.plan.items():
         if path in paths:
@@ -36,7 +40,7 @@ def align_to_model(plan, module: nn.Module, source: str = "the plan"):
             known = {p or "<root>": sorted(t) for p, t in paths.items()}
             raise ValueError(
                 f"{source}: module {path or '<root>'!r} with tables {sorted(names)} matches "
-                f"{'no' if not owners else 'more than one'} EmbeddingBagCollection of the model {known}; "
+                f"{'no' if not owners else 'more than one'} embedding collection of the model {known}; "
                 "plan this model again (leave out the plan)"
             )
         out[owners[0]] = module_plan
@@ -53,7 +57,7 @@ def check_plan(plan, tables: Mapping[str, Mapping[str, tuple[int, int]]], world_
         where = f"{source}, module {path or '<root>'!r}"
         own = tables.get(path)
         if own is None:
-            raise ValueError(f"{where}: the model has no EmbeddingBagCollection there")
+            raise ValueError(f"{where}: the model has no EmbeddingBagCollection or EmbeddingCollection there")
         extra, missing = sorted(set(module_plan) - set(own)), sorted(set(own) - set(module_plan))
         if extra:
             raise ValueError(f"{where}: table(s) {extra} are not in the model (its tables: {sorted(own)})")

@@ -13,6 +13,7 @@ from typing import Dict, List
 
 import torch
 from torch import nn
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
@@ -26,7 +27,7 @@ from torchrec.distributed.planner.types import (
     Topology,
 )
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from tpurec.embedding.constraints import DIM_ALIGN
 from tpurec.embedding.optimizers.registry import spec_class, spec_name_for, spec_names
@@ -37,7 +38,7 @@ from tpurec.sharding.estimators import (
     spec_of,
     table_elem_bytes,
 )
-from tpurec.sharding.kernel_choice import COMPUTE_KERNEL, SHARDING_TYPES
+from tpurec.sharding.kernel_choice import COMPUTE_KERNEL, EC_SHARDING_TYPES, SHARDING_TYPES
 
 GiB = 1024**3
 # Share of each device kept free for the XLA runtime, compiled programs and fragmentation; an
@@ -62,6 +63,24 @@ class TpuPlanningSharder(EmbeddingBagCollectionSharder):
         return [COMPUTE_KERNEL]
 
 
+class TpuPlanningECSharder(EmbeddingCollectionSharder):
+    """TpuPlanningSharder's counterpart for EmbeddingCollections (sequence tables): TW, CW, RW."""
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        return list(EC_SHARDING_TYPES)
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        return [COMPUTE_KERNEL]
+
+
+def planning_sharders() -> List[ModuleSharder[nn.Module]]:
+    return [TpuPlanningSharder(), TpuPlanningECSharder()]
+
+
+def _embedding_modules(module: nn.Module):
+    return [m for m in module.modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))]
+
+
 class TpuEnumerator(EmbeddingEnumerator):
     """Drops data-parallel options and kernels other than ours. Any dim and column-shard width is
     kept: the kernel stores rows padded to 8 floats, and the estimators count the padded bytes, so a
@@ -80,7 +99,11 @@ class TpuEnumerator(EmbeddingEnumerator):
 
 
 def _table_configs(module: nn.Module):
-    return [c for m in module.modules() if isinstance(m, EmbeddingBagCollection) for c in m.embedding_bag_configs()]
+    return [
+        c
+        for m in _embedding_modules(module)
+        for c in (m.embedding_bag_configs() if isinstance(m, EmbeddingBagCollection) else m.embedding_configs())
+    ]
 
 
 class TpuStorageReservation(StorageReservation):
@@ -115,7 +138,7 @@ class TpuStorageReservation(StorageReservation):
         return reserved
 
     def amount(self, module: nn.Module, batch_size: int, capacity: int) -> int:
-        sharded = {id(p) for m in module.modules() if isinstance(m, EmbeddingBagCollection) for p in m.parameters()}
+        sharded = {id(p) for m in _embedding_modules(module) for p in m.parameters()}
         dense = sum(p.numel() * p.element_size() for p in module.parameters() if id(p) not in sharded)
         pooled = batch_size * sum(c.embedding_dim for c in _table_configs(module)) * 4 * 2
         return int(dense * DENSE_BYTES_PER_PARAM_BYTE + pooled + self._extra + self._headroom * capacity)
@@ -129,12 +152,11 @@ def infer_optimizer(module: nn.Module, sharders: List[ModuleSharder] | None = No
     """The fused optimizer the tables will train with, from apply_optimizer_in_backward settings
     or sharder fused_params; the one with the most state if tables differ; None if unknown."""
     found = set()
-    for m in module.modules():
-        if isinstance(m, EmbeddingBagCollection):
-            for p in m.parameters():
-                for cls in getattr(p, "_optimizer_classes", []) or []:
-                    # torch / TorchRec class names (apply_optimizer_in_backward)
-                    found.add(spec_name_for(cls.__name__) or cls.__name__)
+    for m in _embedding_modules(module):
+        for p in m.parameters():
+            for cls in getattr(p, "_optimizer_classes", []) or []:
+                # torch / TorchRec class names (apply_optimizer_in_backward)
+                found.add(spec_name_for(cls.__name__) or cls.__name__)
     for sharder in sharders or []:
         opt = (getattr(sharder, "fused_params", None) or {}).get("optimizer")
         if opt is not None:
@@ -339,7 +361,7 @@ def plan(
     Raises PlanDoesNotFit when the tables cannot fit.
     """
     optimizer = optimizer or infer_optimizer(module, sharders) or "sgd"
-    sharders = sharders or [TpuPlanningSharder()]
+    sharders = sharders or planning_sharders()
     reservation = storage_reservation or TpuStorageReservation()
     planner = make_planner(
         topology, batch_size=batch_size, constraints=constraints, optimizer=optimizer, storage_reservation=reservation
@@ -371,6 +393,8 @@ __all__ = [
     "make_planner",
     "PlanDoesNotFit",
     "TpuPlanningSharder",
+    "TpuPlanningECSharder",
+    "planning_sharders",
     "TpuEnumerator",
     "TpuStorageReservation",
     "infer_optimizer",

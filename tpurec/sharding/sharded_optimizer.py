@@ -1,8 +1,9 @@
-"""The fused optimizer of a sharded EBC on tpurec's kernel, with ShardedTensor state for DCP.
+"""The fused optimizer of a sharded EBC or EC on tpurec's kernel, with ShardedTensor state for DCP.
 
-TorchRec keys a fused optimizer by table (`embedding_bags.<table>.weight`) and gives every state a
-ShardedTensor over all ranks, so torch.distributed.checkpoint saves each rank's part and can reshard
-it. This does the same for SparseCore tables, following TorchRec's layout so checkpoints line up:
+TorchRec keys a fused optimizer by table (`embedding_bags.<table>.weight` for an EBC,
+`embeddings.<table>.weight` for an EC) and gives every state a ShardedTensor over all ranks, so
+torch.distributed.checkpoint saves each rank's part and can reshard it. This does the same for
+SparseCore tables, following TorchRec's layout so checkpoints line up:
 
 * element-wise state (Adagrad's sum, Adam's moments) is sharded exactly like the table;
 * row-wise state (row-wise Adagrad, one float per row and column shard) is 1-D: shard k in
@@ -46,7 +47,7 @@ class ShardedSparseCoreOptimizer(KernelFusedOptimizer):
         kernels = {id(k): k for parts in by_table.values() for _, _, k in parts}
         specs = {k.optimizer for k in kernels.values()}
         if len(specs) > 1:
-            raise ValueError(f"tables of one EmbeddingBagCollection use different fused optimizers: {specs}")
+            raise ValueError(f"tables of one embedding module use different fused optimizers: {specs}")
         spec = next(iter(specs)) if specs else None
         # One step count for every table of this rank: TorchRec checkpoints one per table, and all
         # of a rank's kernels step together (each backward updates every stack).
@@ -60,7 +61,7 @@ class ShardedSparseCoreOptimizer(KernelFusedOptimizer):
             state_meta = plan_spec.build_metadata(size, _props())  # state is float32 for any table dtype
             local = by_table.get(table, [])
             weight = self._sharded(None, local, weight_meta, pg)
-            params[f"embedding_bags.{table}.weight"] = weight
+            params[f"{sharded_ebc.STATE_PREFIX}.{table}.weight"] = weight
             entry = {}
             for name in spec.state_names if spec else ():
                 if len(spec.state_shape(name, cfg.num_embeddings, cfg.embedding_dim)) == 1:

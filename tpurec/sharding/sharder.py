@@ -15,19 +15,17 @@ from __future__ import annotations
 from typing import Any, Dict, List
 
 import torch
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 from torchrec.distributed.embedding_lookup import GroupedPooledEmbeddingsLookup
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder, ShardedEmbeddingBagCollection
 from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingSharding
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
 
-from tpurec.embedding import dtypes
 from tpurec.embedding.constraints import DEFAULT_NUM_SPARSECORES
 from tpurec.embedding.sparsecores import resolve_num_sparsecores
 from tpurec.sharding.kernel_choice import COMPUTE_KERNEL, SHARDING_TYPES
 from tpurec.sharding.kernel_module import SparseCoreEmbeddingBag
+from tpurec.sharding.sharded_state import SparseCoreShardedMixin, shard_slice
 
 
 class SparseCoreGroupedLookup(GroupedPooledEmbeddingsLookup):
@@ -55,7 +53,10 @@ def _sharding_type_of(sharding) -> ShardingType:
     raise ValueError(f"tpurec's SparseCore kernel does not support sharding {name} (supported: {SHARDING_TYPES})")
 
 
-class ShardedSparseCoreEBC(ShardedEmbeddingBagCollection):
+class ShardedSparseCoreEBC(SparseCoreShardedMixin, ShardedEmbeddingBagCollection):
+    STATE_PREFIX = "embedding_bags"
+    CONFIGS_ATTR = "_embedding_bag_configs"
+
     def __init__(
         self,
         module,
@@ -71,19 +72,8 @@ class ShardedSparseCoreEBC(ShardedEmbeddingBagCollection):
         super().__init__(
             module, table_name_to_parameter_sharding, env, fused_params=fused_params, device=device, **kwargs
         )
-        self._sc_tables = [t for t, ps in self.module_sharding_plan.items() if ps.compute_kernel == COMPUTE_KERNEL]
-        # TorchRec combined each kernel module's own optimizer; replace ours by one keyed per table
-        # with ShardedTensor state (what DCP and TorchRec's checkpoints expect), keep any others.
-        from torchrec.optim.keyed import CombinedOptimizer
-
-        from tpurec.sharding.sharded_optimizer import ShardedSparseCoreOptimizer
-
-        ours = {id(m.fused_optimizer) for _, _, _, m in self._sc_shards()}
-        others = [(n, o) for n, o in self._optim._optims if id(o) not in ours]
-        if self._sc_tables:
-            self._optim = CombinedOptimizer([("", ShardedSparseCoreOptimizer(self))] + others)
-        self._register_state_dict_hook(_emit_sharded_weights)
-        self._register_load_state_dict_pre_hook(_consume_weights, with_module=True)
+        self._adopt_sparsecore_optimizer()
+        self._register_sparsecore_state()
         # Start from the unsharded module's weights when it has real ones (TorchRec only does this
         # off CPU); a module built on the meta device keeps the kernel's own init.
         source = {name: p for name, p in module.embedding_bags.named_parameters()}
@@ -91,18 +81,7 @@ class ShardedSparseCoreEBC(ShardedEmbeddingBagCollection):
             for table, kname, meta, kmod in self._sc_shards():
                 weight = source.get(f"{table}.weight")
                 if weight is not None and not weight.is_meta:
-                    kmod.kernel.write_weight(kname, _slice(weight, meta))
-
-    def reset_parameters(self) -> None:
-        # SparseCore tables are initialised by their kernels (EBC's default bound, per table); let
-        # TorchRec initialise the others.
-        ours = {t for t, ps in self.module_sharding_plan.items() if ps.compute_kernel == COMPUTE_KERNEL}
-        saved = self._embedding_bag_configs
-        self._embedding_bag_configs = [c for c in saved if c.name not in ours]
-        try:
-            super().reset_parameters()
-        finally:
-            self._embedding_bag_configs = saved
+                    kmod.kernel.write_weight(kname, shard_slice(weight, meta))
 
     def _create_lookups(self) -> None:
         for sharding in self._embedding_shardings:
@@ -122,81 +101,13 @@ class ShardedSparseCoreEBC(ShardedEmbeddingBagCollection):
                 )
             )
 
-    def stored_dtype(self, table: str) -> torch.dtype:
-        """The dtype SparseCore table `table` is stored (and published in state_dict) in on this
-        device: its config's, or float32 where the kernel widens it (every rank computes the same)."""
-        cfg = self._table_name_to_config[table]
-        device_type = self._device.type if self._device is not None else "cpu"
-        return dtypes.stored_dtype(dtypes.table_dtype(cfg.data_type, table), device_type, self._widen_tables)
 
-    def _sc_shards(self):
-        """(table, kernel name, ShardMetadata, kernel module) for every SparseCore shard on this rank."""
-        for lookup in self._lookups:
-            for m in lookup.modules():
-                if isinstance(m, SparseCoreEmbeddingBag):
-                    for table, kname, meta in m.shards:
-                        yield table, kname, meta, m
-
-
-def _slice(full: torch.Tensor, meta) -> torch.Tensor:
-    (r, c), (nr, nc) = meta.shard_offsets, meta.shard_sizes
-    return full[r : r + nr, c : c + nc]
-
-
-def _emit_sharded_weights(module: ShardedSparseCoreEBC, state_dict, prefix, local_metadata):
-    """Publish each SparseCore table as a ShardedTensor in natural row order (as TorchRec's fused
-    kernel does), so DCP, resharding and stock-TorchRec checkpoints all line up."""
-    shards: Dict[str, List[Shard]] = {t: [] for t in module._sc_tables}
-    for table, kname, meta, kmod in module._sc_shards():
-        shards[table].append(Shard(kmod.kernel.read_weight(kname).contiguous(), meta))
-    pg = module._env.process_group
-    for table in module._sc_tables:
-        cfg = module._table_name_to_config[table]
-        spec = module.module_sharding_plan[table].sharding_spec
-        metadata = spec.build_metadata(
-            tensor_sizes=torch.Size([cfg.num_embeddings, cfg.embedding_dim]),
-            tensor_properties=TensorProperties(dtype=module.stored_dtype(table)),
-        )
-        state_dict[f"{prefix}embedding_bags.{table}.weight"] = (
-            ShardedTensor._init_from_local_shards_and_global_metadata(shards[table], metadata, process_group=pg)
-        )
-    return state_dict
-
-
-def _consume_weights(
-    module: ShardedSparseCoreEBC, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-):
-    """Accept a ShardedTensor (DCP, another tpurec or stock TorchRec model) or a full tensor (an
-    unsharded EBC's state_dict) for every SparseCore table and write this rank's shards."""
-    mine: Dict[str, list] = {}
-    for table, kname, meta, kmod in module._sc_shards():
-        mine.setdefault(table, []).append((kname, meta, kmod))
-    for table in module._sc_tables:
-        key = f"{prefix}embedding_bags.{table}.weight"
-        if key not in state_dict:
-            if strict:
-                missing_keys.append(key)
-            continue
-        value = state_dict.pop(key)
-        for kname, meta, kmod in mine.get(table, []):
-            try:
-                kmod.kernel.write_weight(kname, _local_piece(value, meta, table))
-            except ValueError as e:
-                error_msgs.append(f"{key}: {e}")
-
-
-def _local_piece(value, meta, table: str) -> torch.Tensor:
-    if isinstance(value, ShardedTensor):
-        for shard in value.local_shards():
-            if list(shard.metadata.shard_offsets) == list(meta.shard_offsets):
-                return shard.tensor
-        have = [list(s.metadata.shard_offsets) for s in value.local_shards()]
-        raise ValueError(
-            f"table {table!r}: this rank holds the shard at offsets {list(meta.shard_offsets)} but the loaded "
-            f"ShardedTensor has local shards at {have}; load through torch.distributed.checkpoint (it reshards) "
-            "or pass a full tensor"
-        )
-    return _slice(value, meta)
+def sparsecore_fused_params(fused_params: Dict[str, Any] | None, **settings) -> Dict[str, Any]:
+    """The sharder's fused params plus the kernel settings given (None: not given); TorchRec hands
+    fused params to every table's GroupedEmbeddingConfig, where the kernel modules read them."""
+    fused = dict(fused_params or {})
+    fused.update({k: v for k, v in settings.items() if v is not None})
+    return fused
 
 
 class SparseCoreEBCSharder(EmbeddingBagCollectionSharder):
@@ -224,17 +135,15 @@ class SparseCoreEBCSharder(EmbeddingBagCollectionSharder):
         pad_dims: bool | None = None,
         widen_tables: bool | None = None,
     ) -> None:
-        fused = dict(fused_params or {})
-        for key, value in (
-            ("max_ids_per_partition", max_ids_per_partition),
-            ("max_unique_ids_per_partition", max_unique_ids_per_partition),
-            ("allow_id_dropping", allow_id_dropping or None),
-            ("fixed_limits", fixed_limits),
-            ("pad_dims", pad_dims),
-            ("widen_tables", widen_tables),
-        ):
-            if value is not None:
-                fused[key] = value
+        fused = sparsecore_fused_params(
+            fused_params,
+            max_ids_per_partition=max_ids_per_partition,
+            max_unique_ids_per_partition=max_unique_ids_per_partition,
+            allow_id_dropping=allow_id_dropping or None,
+            fixed_limits=fixed_limits,
+            pad_dims=pad_dims,
+            widen_tables=widen_tables,
+        )
         super().__init__(fused_params=fused, qcomm_codecs_registry=qcomm_codecs_registry)
         self.num_sparsecores = num_sparsecores
 

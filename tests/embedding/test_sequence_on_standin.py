@@ -1,0 +1,93 @@
+"""The sequence (EmbeddingCollection) kernel through the TPU adapter, on CPU via the TorchTPU stand-in.
+
+Unpooled lookups use the same TorchTPU ops as pooled ones (each id its own bag, gain 1), so the
+adapter is the EBC's; what is new and checked here: outputs and fused updates through TorchTPU's
+conventions equal the reference for every optimizer, and sequences of changing lengths keep every
+buffer shape fixed (one compiled program per stack and op, as a TPU needs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torchrec.modules.embedding_configs import EmbeddingConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from tests import tpu_standin
+from tpurec.embedding.sequence_module import SparseCoreEmbeddingCollection
+
+from .test_tpu_adapter_on_standin import _optimizers
+
+NUM_SC = 4
+BATCH = 8
+TABLES = [
+    EmbeddingConfig(name="items", embedding_dim=16, num_embeddings=301, feature_names=["history", "candidate"]),
+    EmbeddingConfig(name="cats", embedding_dim=16, num_embeddings=40, feature_names=["categories"]),
+]
+ROWS = {"history": 301, "candidate": 301, "categories": 40}
+
+
+def _batch(gen, step):
+    """Sequences whose lengths change every step (0..12 ids), some users with an empty history."""
+    values, lengths = [], []
+    for key, rows in ROWS.items():
+        lens = torch.randint(0, 13 if key == "history" else 3, (BATCH,), generator=gen)
+        if step % 4 == 3:
+            lens[: BATCH // 2] = 0
+        values.append(torch.randint(0, rows, (int(lens.sum()),), generator=gen))
+        lengths.append(lens)
+    return KeyedJaggedTensor(keys=list(ROWS), values=torch.cat(values), lengths=torch.cat(lengths))
+
+
+def _model(name):
+    optim, kwargs = _optimizers()[name]
+    torch.manual_seed(0)
+    # Capacity for 12 ids x 8 users per feature and id limits for all of them: fixed, so shapes never change.
+    return SparseCoreEmbeddingCollection(
+        TABLES,
+        optim,
+        kwargs,
+        num_sparsecores=NUM_SC,
+        device="cpu",
+        fixed_limits=True,
+        max_ids_per_feature=96,
+        max_ids_per_partition=3 * 96,
+    )
+
+
+def _train(model, steps, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    outs = []
+    for step in range(steps):
+        out = model(_batch(gen, step))
+        outs.append({k: v.values().detach().clone() for k, v in out.items()})
+        sum((v.values() * torch.randn(v.values().shape, generator=gen)).sum() for v in out.values()).backward()
+    return outs
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
+def test_sequence_lookups_through_torchtpu_semantics_equal_the_reference(name):
+    reference = _model(name)
+    ref_outs = _train(reference, 5)
+    standin = tpu_standin.install(sparsecores=NUM_SC)
+    adapted = _model(name)
+    with tpu_standin.adapter_on_cpu():
+        outs = _train(adapted, 5)
+    assert standin.calls, "the adapter never reached TorchTPU's ops"
+    for a, b in zip(outs, ref_outs):
+        for k in b:
+            torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+    for t in ("items", "cats"):
+        torch.testing.assert_close(adapted.table_weight(t), reference.table_weight(t), rtol=0, atol=0)
+
+
+def test_changing_sequence_lengths_compile_one_program_per_stack_and_op():
+    standin = tpu_standin.install(sparsecores=NUM_SC)
+    model = _model("rowwise_adagrad")
+    with tpu_standin.adapter_on_cpu():
+        _train(model, 20, seed=3)
+    keys = standin.compile_keys()
+    stacks = len(model.kernel.stacks)
+    lookups = [k for k in keys if k[0] == "_sparse_dense_matmul"]
+    updates = [k for k in keys if k[0] != "_sparse_dense_matmul"]
+    assert len(lookups) == stacks and len(updates) == stacks, sorted(keys.values())
+    assert all(count == 20 for count in keys.values())

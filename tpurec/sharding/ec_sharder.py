@@ -1,0 +1,135 @@
+"""TorchRec sharder for EmbeddingCollection (sequence embeddings) with tpurec's SparseCore kernel.
+
+The EmbeddingBagCollection sharder's counterpart: TorchRec's ShardedEmbeddingCollection keeps its
+sequence input/output distribution (ids out by all-to-all, one embedding per id back), and every
+shard runs `SparseCoreEmbedding` (the pooled kernel with each id its own bag; tpurec.embedding.
+sequence_kernel). Sharding types are the ones TorchRec offers for an EC, minus data-parallel (see
+kernel_choice.py): table-wise, column-wise, row-wise.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import torch
+from torchrec.distributed.embedding import EmbeddingCollectionSharder, ShardedEmbeddingCollection
+from torchrec.distributed.embedding_lookup import GroupedEmbeddingsLookup
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.types import ParameterSharding, ShardingEnv
+
+from tpurec.embedding.constraints import DEFAULT_NUM_SPARSECORES
+from tpurec.embedding.sparsecores import resolve_num_sparsecores
+from tpurec.sharding.kernel_choice import COMPUTE_KERNEL, EC_SHARDING_TYPES
+from tpurec.sharding.kernel_module import SparseCoreEmbedding
+from tpurec.sharding.sharded_state import SparseCoreShardedMixin
+from tpurec.sharding.sharder import sparsecore_fused_params
+
+
+class SparseCoreGroupedSequenceLookup(GroupedEmbeddingsLookup):
+    def __init__(self, *args, num_sc_per_device: int, sharding_type: str, **kwargs) -> None:
+        # read by _create_embedding_kernel during super().__init__
+        self._num_sc_per_device = num_sc_per_device
+        self._sharding_type = sharding_type
+        super().__init__(*args, **kwargs)
+
+    def _create_embedding_kernel(self, config, pg, device, env):
+        if config.compute_kernel != EmbeddingComputeKernel.CUSTOMIZED_KERNEL:
+            return super()._create_embedding_kernel(config, pg, device, env)
+        return SparseCoreEmbedding(config, device, self._num_sc_per_device, self._sharding_type)
+
+
+class ShardedSparseCoreEC(SparseCoreShardedMixin, ShardedEmbeddingCollection):
+    STATE_PREFIX = "embeddings"
+    CONFIGS_ATTR = "_embedding_configs"
+
+    def __init__(
+        self,
+        module,
+        table_name_to_parameter_sharding: Dict[str, ParameterSharding],
+        env: ShardingEnv,
+        fused_params: Dict[str, Any] | None = None,
+        device: torch.device | None = None,
+        num_sc_per_device: int = DEFAULT_NUM_SPARSECORES,
+        **kwargs,
+    ) -> None:
+        self._num_sc_per_device = num_sc_per_device
+        self._widen_tables = (fused_params or {}).get("widen_tables")  # as every kernel reads it
+        # TorchRec's __init__ ends by loading the unsharded module's state_dict (when not on meta):
+        # our state hooks must be in place by then, so they are registered in _initialize_torch_state.
+        super().__init__(
+            module, table_name_to_parameter_sharding, env, fused_params=fused_params, device=device, **kwargs
+        )
+        self._adopt_sparsecore_optimizer()
+
+    def _initialize_torch_state(self, skip_registering: bool = False) -> None:
+        super()._initialize_torch_state(skip_registering)
+        if not skip_registering and not getattr(self, "_sparsecore_state_registered", False):
+            self._register_sparsecore_state()
+            self._sparsecore_state_registered = True
+
+    def _create_lookups(self) -> None:
+        for sharding_type, sharding in self._sharding_type_to_sharding.items():
+            self._lookups.append(
+                SparseCoreGroupedSequenceLookup(
+                    grouped_configs=sharding._grouped_embedding_configs,
+                    pg=sharding._pg,
+                    device=self._device,
+                    env=sharding._env,
+                    num_sc_per_device=self._num_sc_per_device,
+                    sharding_type=sharding_type,
+                )
+            )
+
+
+class SparseCoreECSharder(EmbeddingCollectionSharder):
+    """Shards EmbeddingCollections onto tpurec's SparseCore kernel (TW, CW, RW).
+
+    Arguments as `SparseCoreEBCSharder`'s, plus max_ids_per_feature: the fixed number of ids per
+    feature and batch a TPU's buffers are sized for (default there: twice the first batch's
+    largest feature; on CPU the capacity follows each batch). See tpurec.embedding.sequence_kernel.
+    """
+
+    def __init__(
+        self,
+        num_sparsecores: int | None = None,
+        fused_params: Dict[str, Any] | None = None,
+        max_ids_per_partition: int | None = None,
+        max_unique_ids_per_partition: int | None = None,
+        allow_id_dropping: bool = False,
+        qcomm_codecs_registry=None,
+        fixed_limits: bool | None = None,
+        pad_dims: bool | None = None,
+        widen_tables: bool | None = None,
+        max_ids_per_feature: int | None = None,
+    ) -> None:
+        fused = sparsecore_fused_params(
+            fused_params,
+            max_ids_per_partition=max_ids_per_partition,
+            max_unique_ids_per_partition=max_unique_ids_per_partition,
+            allow_id_dropping=allow_id_dropping or None,
+            fixed_limits=fixed_limits,
+            pad_dims=pad_dims,
+            widen_tables=widen_tables,
+            max_ids_per_feature=max_ids_per_feature,
+        )
+        super().__init__(fused_params=fused, qcomm_codecs_registry=qcomm_codecs_registry)
+        self.num_sparsecores = num_sparsecores
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        return [COMPUTE_KERNEL]
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        return list(EC_SHARDING_TYPES)
+
+    def shard(self, module, params, env, device=None, module_fqn=None) -> ShardedSparseCoreEC:
+        device_type = torch.device(device).type if device is not None else "cpu"
+        return ShardedSparseCoreEC(
+            module,
+            params,
+            env,
+            fused_params=self.fused_params,
+            device=device,
+            num_sc_per_device=resolve_num_sparsecores(self.num_sparsecores, device_type),
+            qcomm_codecs_registry=self.qcomm_codecs_registry,
+            module_fqn=module_fqn,
+        )
