@@ -57,3 +57,22 @@ def test_quickstart_under_torchrun_at_two_ranks(tmp_path):
     r = _quickstart(cmd, tmp_path)
     assert r["world_size"] == 2 and r["auc"] > 0.7
     assert len(list((tmp_path / "ckpt").glob("*.distcp"))) == 2  # each rank wrote its shards
+
+
+def _sequential(cmd_prefix, tmp_path) -> dict:
+    return _quickstart(cmd_prefix + [str(REPO / "examples" / "sequential_recommender.py"), "--quick"], tmp_path)
+
+
+def test_sequential_recommender_learns_most_of_what_the_data_allows(tmp_path):
+    r = _sequential([sys.executable], tmp_path)
+    assert r["world_size"] == 1 and r["last_loss"] < r["first_loss"] - 0.05
+    # The ceiling is the exact Bayes posterior of the generative model (about 0.85); 200 steps get
+    # well past chance, and no model may beat the ceiling by more than the eval sample's noise.
+    assert 0.7 < r["auc"] <= r["bayes_auc"] + 0.01
+
+
+@pytest.mark.multiprocess
+def test_sequential_recommender_under_torchrun_at_two_ranks(tmp_path):
+    r = _sequential([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"], tmp_path)
+    assert r["world_size"] == 2 and 0.7 < r["auc"] <= r["bayes_auc"] + 0.01
+    assert set(r["plan"]) == {"item"}  # planned by tpurec's planner, sharded onto the SparseCore kernel
