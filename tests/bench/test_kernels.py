@@ -13,3 +13,16 @@ def test_bench_kernels_runs_and_reports_keys():
         assert abs(e["ratio_vs_fbgemm"] - e["tpurec_lookups_per_s"] / e["fbgemm_lookups_per_s"]) < 1e-9
     assert r["ratio_vs_fbgemm"] == min(r["pooling_1"]["ratio_vs_fbgemm"], r["pooling_3"]["ratio_vs_fbgemm"])
     assert "pooling" in bench_kernels.format_table(r)
+
+
+def test_bench_kernels_sequence_runs_both_contestants_and_reports_the_ratio():
+    import torch.distributed as dist
+
+    from tpurec.bench.sequence import format_sequence, run_sequence
+
+    r = run_sequence(quick=True, num_tables=2, rows=500, dim=16, users=8, seq_len=5)
+    (run,) = r["runs"]
+    assert run["tpurec_ids_per_s"] > 0 and run["torchrec_ids_per_s"] > 0
+    assert r["ratio_vs_torchrec"] == run["tpurec_ids_per_s"] / run["torchrec_ids_per_s"]
+    assert r["workload"]["sequence_length"] == 5 and "median ratio" in format_sequence(r)
+    assert not dist.is_initialized()  # the one-rank group it needed is gone

@@ -16,7 +16,6 @@ run with the same torch thread count (1 by default: FBGEMM's fused backward is s
 
 from __future__ import annotations
 
-import itertools
 import json
 
 from tpurec.bench import timer, workloads
@@ -38,10 +37,26 @@ def register(sub) -> None:
         "and idle spinning threads distort timings on a shared 2-core machine)",
     )
     p.add_argument("--pooling", type=int, nargs="+", default=[1, 20], help="pooling factors to run")
+    p.add_argument(
+        "--sequence",
+        action="store_true",
+        help="instead: an EmbeddingCollection (unpooled) training step, tpurec vs stock TorchRec's EC "
+        "(tpurec/bench/sequence.py)",
+    )
     p.set_defaults(run=run_cli)
 
 
 def run_cli(args) -> int:
+    if args.sequence:
+        import torch
+
+        from tpurec.bench.sequence import format_sequence, run_sequence
+
+        torch.set_num_threads(args.threads)
+        result = run_sequence(quick=args.quick)
+        result["threads"] = torch.get_num_threads()
+        print(json.dumps(result, indent=2) if args.json else format_sequence(result))
+        return 0
     result = run(quick=args.quick, threads=args.threads, poolings=args.pooling)
     if args.json:
         print(json.dumps(result, indent=2))
@@ -63,12 +78,6 @@ def make_batches(pooling: int, count: int, seed: int = 0, num_tables=NUM_TABLES,
         )
         for _ in range(count)
     ]
-
-
-def _time_steps(step, batches, repeats: int) -> float:
-    """Median seconds per step over `repeats` passes of the batches, after one warm-up step."""
-    batch = itertools.cycle(batches).__next__
-    return timer.repeat(lambda: step(batch()), warmup=1, repeats=repeats * len(batches)).median
 
 
 def _tpurec(num_tables, rows, dim):
@@ -193,7 +202,7 @@ def run(
         entry = {}
         for name, factory in (("tpurec", _tpurec), ("fbgemm", _fbgemm), ("torch", _torch)):
             step = factory(num_tables, rows, dim)
-            sec = _time_steps(step, batches, repeats)
+            sec = timer.median_step_seconds(step, batches, repeats)
             entry[f"{name}_step_ms"] = sec * 1e3
             entry[f"{name}_lookups_per_s"] = lookups / sec
             del step

@@ -11,6 +11,7 @@ set themselves.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -73,3 +74,9 @@ def interleaved(fns: Sequence[Callable[[], Any]], *, warmup: int, repeats: int) 
 def repeat(fn: Callable[[], Any], *, warmup: int, repeats: int) -> Runs:
     """`warmup` untimed calls of fn, then `repeats` timed ones."""
     return interleaved([fn], warmup=warmup, repeats=repeats)[0]
+
+
+def median_step_seconds(step: Callable[[Any], Any], batches: Sequence[Any], repeats: int) -> float:
+    """Median seconds of step(batch) over `repeats` passes of the batches, after one warm-up step."""
+    batch = itertools.cycle(batches).__next__
+    return repeat(lambda: step(batch()), warmup=1, repeats=repeats * len(batches)).median
