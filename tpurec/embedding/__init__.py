@@ -1,15 +1,21 @@
-"""SparseCore embedding-bag kernels: input preprocessing, MOD table layout, lookup and fused updates.
+"""SparseCore embedding kernels: input preprocessing, MOD table layout, lookup and fused updates.
 
-`tpurec.embedding.SparseCoreEmbeddingBagCollection` is loaded on first use, so that importing this
-package (as `tpurec --help` does) stays free of torchrec.
+`tpurec.embedding.SparseCoreEmbeddingBagCollection` (pooled) and
+`tpurec.embedding.SparseCoreEmbeddingCollection` (sequence: one embedding per id) are loaded on first
+use, so that importing this package (as `tpurec --help` does) stays free of torchrec.
 """
 
-__all__ = ["SparseCoreEmbeddingBagCollection"]
+__all__ = ["SparseCoreEmbeddingBagCollection", "SparseCoreEmbeddingCollection"]
+
+_LAZY = {
+    "SparseCoreEmbeddingBagCollection": "tpurec.embedding.module",
+    "SparseCoreEmbeddingCollection": "tpurec.embedding.sequence_module",
+}
 
 
 def __getattr__(name):
-    if name == "SparseCoreEmbeddingBagCollection":
-        from tpurec.embedding.module import SparseCoreEmbeddingBagCollection
+    if name in _LAZY:
+        import importlib
 
-        return SparseCoreEmbeddingBagCollection
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'tpurec.embedding' has no attribute {name!r}")
