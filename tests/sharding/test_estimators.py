@@ -109,3 +109,23 @@ def test_table_row_wise_comm_is_host_reduce_scatter_then_all_to_all():
     assert expect == pytest.approx(
         (pooled * 3 / 4 / ici + pooled / 4 * 7 / 8 / 2 / ici + pooled / 4 * 7 / 8 / 2 / dcn) * 1e3
     )
+
+
+def test_sequence_tables_pay_for_one_output_row_per_id():
+    spec = parse_slice("v5p-8")
+    common = dict(rows=10_000, cols=64, batch_per_device=8, world_size=spec.world_size, spec=spec, optimizer="sgd")
+    for st, shards in (("table_wise", 1), ("row_wise", 4)):
+        pooled = shard_cost(sharding_type=st, pooling_factor=20, num_shards=shards, **common)
+        seq = shard_cost(sharding_type=st, pooling_factor=20, num_shards=shards, pooled=False, **common)
+        samples = 8 * spec.world_size
+        assert pooled.activations == 2 * samples * 64 * 4  # one row per sample
+        # one row per id, and a row shard returns only its own ids' rows
+        assert seq.activations == 2 * samples * 20 * 64 * 4 / shards
+        assert seq.output_comm_ms > pooled.output_comm_ms  # 20 ids per sample out, 5x even split over 4 shards
+        # what the shard stores and looks up does not depend on pooling
+        assert (seq.weights, seq.optimizer, seq.buffers, seq.lookup_ms) == (
+            pooled.weights,
+            pooled.optimizer,
+            pooled.buffers,
+            pooled.lookup_ms,
+        )
