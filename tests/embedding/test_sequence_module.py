@@ -236,3 +236,23 @@ def test_tables_of_different_dims_are_refused_as_torchrec_does():
         SparseCoreEmbeddingCollection(tables, torch.optim.SGD, {"lr": 0.1})
     with pytest.raises(ValueError, match="same embedding dim"):
         EmbeddingCollection(tables=tables)
+
+
+def test_an_empty_table_shard_looks_up_nothing_and_refuses_any_id():
+    # TorchRec's row-wise sharding gives the last ranks no rows of a small table (9 rows over 4 ranks:
+    # 3, 3, 3, 0); the kernel of such a rank holds a 0-row table.
+    from tpurec.embedding.kernel import KernelTable
+    from tpurec.embedding.optimizers.registry import spec_from_torch
+    from tpurec.embedding.sequence_kernel import SparseCoreSequenceKernel
+
+    kernel = SparseCoreSequenceKernel(
+        [KernelTable("t/0", 0, 8, ("0:f",)), KernelTable("u/0", 5, 8, ("1:g",))],
+        spec_from_torch(torch.optim.SGD, {"lr": 0.1}),
+        4,
+    )
+    assert kernel.read_weight("t/0").shape == (0, 8)
+    out = kernel(KeyedJaggedTensor(keys=["f", "g"], values=torch.tensor([4, 0]), lengths=torch.tensor([0, 0, 1, 1])))
+    assert torch.equal(out, kernel.read_weight("u/0")[[4, 0]])
+    out.sum().backward()
+    with pytest.raises(IndexError, match=r"table 't/0'\): ids must be in \[0, 0\)"):
+        kernel(KeyedJaggedTensor(keys=["f", "g"], values=torch.tensor([0]), lengths=torch.tensor([1, 0, 0, 0])))

@@ -250,7 +250,7 @@ class SparseCoreKernel(nn.Module):
             i, _ = self._locate(t.name)
             if self.stack_weight(i).is_meta:
                 continue
-            bound = (1.0 / (t.init_rows or t.num_embeddings)) ** 0.5
+            bound = (1.0 / max(t.init_rows or t.num_embeddings, 1)) ** 0.5
             view = self.read_weight(t.name)
             if view.device.type == "cpu":  # in place: no second copy of a large table, same draws
                 view.uniform_(-bound, bound)

@@ -111,15 +111,18 @@ def build_stacks(
     for name, rows, dim, *dtype in tables:
         if dim <= 0:
             raise ValueError(f"table {name!r}: embedding_dim must be positive, got {dim}")
-        if rows <= 0:
-            raise ValueError(f"table {name!r}: num_embeddings must be positive, got {rows}")
+        if rows < 0:
+            raise ValueError(f"table {name!r}: num_embeddings must be >= 0, got {rows}")
         dtype = dtype[0] if dtype else torch.float32
         groups.setdefault((dim, dtype) if stack else name, []).append((name, rows, dim, dtype))
     layouts = []
     for key, members in groups.items():
         offset, placed = 0, []
         for name, rows, _, _ in members:
-            pad = padded_rows(rows, num_partitions)
+            # An empty table (a row-wise shard past the end of a small table: TorchRec gives rank 3 of
+            # 4 no rows of a 9-row table) still gets one segment of storage, so that a stack holding
+            # only it has partitions to divide by; no id can reach it (ids must be < 0 rows).
+            pad = padded_rows(max(rows, 1), num_partitions)
             placed.append(TableInStack(name, rows, offset, pad))
             offset += pad
         dim, dtype = members[0][2], members[0][3]
