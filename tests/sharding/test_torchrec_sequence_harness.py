@@ -216,10 +216,12 @@ def test_sequence_checks_hold_for_stock_torchrec(c):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("c", _params(WRONG_LR))
 def test_sequence_checks_catch_a_wrong_learning_rate(c):
-    """tpurec's fused SGD at 0.11 where the unsharded model has 0.1: the sequences after the step and
-    the table updates differ. (Whether the harness's prediction check notices is not asserted.)"""
+    """tpurec's fused SGD at 0.11 where the unsharded model has 0.1: the harness's prediction check
+    fails (the model's x10 on the sequences makes the predictions sensitive to the embeddings), and
+    so do the sequences after the step and the table updates."""
     ranks = _results("default")[case_id(c)]
-    assert all("global_tables" in r and "tables" in r for r in ranks), ranks[0].get("harness_error")
+    for res in ranks:
+        assert "Mismatched elements" in (res["harness_error"] or ""), res["harness_error"]
     with pytest.raises(AssertionError, match="forward after the step|update differs"):
         check_models(c, ranks)
 
