@@ -71,8 +71,9 @@ def _pad(jt, batch_size: int) -> torch.Tensor:
     starts = torch.cumsum(lengths, 0) - lengths
     row = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
     pos = torch.arange(values.size(0)) - torch.repeat_interleave(starts, lengths)
-    # batch_size rows, not lengths.numel(): a KJT's stride may fall short of the float features'
-    # batch (trailing samples without ids), and every row must reach the dense layer.
+    # batch_size rows, not lengths.numel(): with the harness's variable_batch_size a rank's KJT holds
+    # fewer samples than its float features (rank 1: 3 of 4); the trailing ones have no ids (zero
+    # rows), as in the global batch (the sequence check compares those rows too).
     padded = values.new_zeros(batch_size, MAX_LEN, dim).index_put((row, pos), values)
     return padded.view(batch_size, MAX_LEN * dim)
 
