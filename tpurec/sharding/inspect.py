@@ -170,6 +170,12 @@ def _ranks(ranks: list) -> str:
     return ",".join(map(str, ranks))
 
 
+def fitting_text(report: dict) -> str:
+    """'v5p-16, v6e-64, v7x-8' from a refused report's smallest_fitting_topology."""
+    found = report.get("smallest_fitting_topology") or {}
+    return ", ".join(name or f"no {gen} slice" for gen, name in found.items()) or "none computed"
+
+
 def format_text(report: dict, top: int = 5) -> str:
     a = report["assumptions"]
     cap = report["devices"][0]["hbm_capacity_bytes"]
@@ -183,6 +189,10 @@ def format_text(report: dict, top: int = 5) -> str:
         f"assumptions: SparseCore gather {a['sc_gather_fraction_of_hbm_bw']:.0%} of HBM bw "
         f"({a['sc_gather_bw_bytes_per_s'] / 1e9:.0f} GB/s), all-to-all efficiency {a['all_to_all_efficiency']}, "
         f"DCN {a['dcn_bw_per_host_bytes_per_s'] / 1e9:.0f} GB/s per host, headroom {a['headroom_fraction']:.0%}",
+    ]
+    if report.get("refusal"):
+        out += [f"refused: {report['refusal']}", f"smallest fitting slice: {fitting_text(report)}"]
+    out += [
         "",
         "tables (largest first)",
         f"{'name':<12} {'rows':>12} {'dim':>4} {'pool':>6} {'sharding':<16} {'kernel':<18} {'ranks':<12} "
@@ -264,34 +274,25 @@ def diff_reports(a: dict, b: dict) -> str:
 from tpurec.sharding.planner import PlanDoesNotFit  # noqa: E402,F401  (re-exported for the CLI)
 
 
-def _topology_for(name: str, **assumptions):
+def _topology_for(name: str, hbm_cap: int | None = None, **assumptions):
     from tpurec.sharding.topology import make_topology
 
     if name.lower().startswith("cpu-"):
-        return make_topology(name, None, "cpu")
-    return make_topology(name, None, "tpu", **assumptions)
+        return make_topology(name, None, "cpu", hbm_cap=hbm_cap)
+    return make_topology(name, None, "tpu", hbm_cap=hbm_cap, **assumptions)
 
 
-def plan_tables(
-    tables: list[TableSpec],
-    topology: str,
-    *,
-    batch_size: int,
-    optimizer: str,
-    model: str | None = None,
-    sc_gather_fraction: float | None = None,
-    dcn_bw_per_host: float | None = None,
-    headroom_fraction: float | None = None,
-) -> dict:
-    """Plan an EmbeddingBagCollection of `tables` (on the meta device) and return its report."""
+# Memory per device when a refused model is planned anyway, for its report: no real device has it.
+UNBOUNDED_MEMORY = 2**60
+
+
+def tables_ebc(tables: list[TableSpec]):
+    """An EmbeddingBagCollection of `tables` on the meta device (nothing allocated)."""
     import torch
     from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-    from tpurec.sharding import planner as P
-
-    topo = _topology_for(topology, sc_gather_fraction=sc_gather_fraction, dcn_bw_per_host=dcn_bw_per_host)
-    ebc = EmbeddingBagCollection(
+    return EmbeddingBagCollection(
         tables=[
             EmbeddingBagConfig(
                 name=t.name,
@@ -305,28 +306,74 @@ def plan_tables(
         ],
         device=torch.device("meta"),
     )
+
+
+def plan_tables(tables: list[TableSpec], topology: str, **kw) -> dict:
+    """Plan an EmbeddingBagCollection of `tables` (on the meta device) and return its report."""
+    from tpurec.sharding import planner as P
+
+    constraints = P.pooling_constraints({t.name: t.pooling_factor for t in tables})
+    return plan_module(tables_ebc(tables), tables, topology, constraints=constraints, **kw)
+
+
+def plan_module(
+    module,
+    tables: list[TableSpec],
+    topology: str,
+    *,
+    batch_size: int,
+    optimizer: str,
+    constraints=None,
+    model: str | None = None,
+    sc_gather_fraction: float | None = None,
+    dcn_bw_per_host: float | None = None,
+    headroom_fraction: float | None = None,
+) -> dict:
+    """Plan `module` (its EmbeddingBagCollections, `tables` describing them) and return the report.
+
+    A model that does not fit is planned again with unbounded memory, so its report still shows
+    where the bytes go: `fits` False, `refusal` (the planner's reason) and
+    `smallest_fitting_topology` (per TPU generation, see sizing.py)."""
+    from tpurec.sharding import planner as P
+
+    assumptions = dict(sc_gather_fraction=sc_gather_fraction, dcn_bw_per_host=dcn_bw_per_host)
+    topo = _topology_for(topology, **assumptions)
     headroom = P.DEFAULT_HEADROOM_FRACTION if headroom_fraction is None else headroom_fraction
-    reservation = P.TpuStorageReservation(headroom_fraction=headroom)
-    plan = P.plan(
-        ebc,
-        topo,
-        batch_size=batch_size,
-        optimizer=optimizer,
-        storage_reservation=reservation,
-        constraints=P.pooling_constraints({t.name: t.pooling_factor for t in tables}),
-    )
+    kw = dict(batch_size=batch_size, optimizer=optimizer, constraints=constraints)
+    refusal = None
+    try:
+        plan = P.plan(module, topo, storage_reservation=P.TpuStorageReservation(headroom), **kw)
+    except PlanDoesNotFit as e:
+        refusal = str(e)
+        unbounded = _topology_for(topology, hbm_cap=UNBOUNDED_MEMORY, **assumptions)
+        plan = P.plan(module, unbounded, storage_reservation=P.TpuStorageReservation(headroom), **kw)
     cap = topo.spec.generation.hbm_bytes
-    return build_report(
+    report = build_report(
         plan,
         tables,
         topo.spec,
         batch_size=batch_size,
         optimizer=optimizer,
         compute_device=topo.compute_device,
-        reserved=reservation.amount(ebc, batch_size, cap),
+        reserved=P.TpuStorageReservation(headroom).amount(module, batch_size, cap),
         headroom_fraction=headroom,
         model=model,
     )
+    if refusal is not None:
+        from tpurec.sharding.sizing import smallest_fitting_topology
+
+        smallest = smallest_fitting_topology(
+            module, headroom_fraction=headroom, **kw, **{k: v for k, v in assumptions.items() if v is not None}
+        )
+        report["meta"].update(refusal=refusal, smallest_fitting_topology=smallest)  # so `show` repeats them
+        _mark_refused(report, refusal, smallest)
+    return report
+
+
+def _mark_refused(report: dict, refusal: str, smallest: dict) -> None:
+    report["fits"] = False  # the planner's verdict, even where the unbounded plan happens to fit
+    report["refusal"] = refusal
+    report["smallest_fitting_topology"] = smallest
 
 
 def report_from_plan_and_meta(plan, meta: dict) -> dict:
@@ -343,7 +390,7 @@ def report_from_plan_and_meta(plan, meta: dict) -> dict:
 
     shapes = {t.name: (t.num_embeddings, t.embedding_dim) for t in tables}
     check_plan(plan, {path: shapes for path in plan.plan}, topo.spec.world_size, source=meta.get("source", "plan"))
-    return build_report(
+    report = build_report(
         plan,
         tables,
         topo.spec,
@@ -354,10 +401,14 @@ def report_from_plan_and_meta(plan, meta: dict) -> dict:
         headroom_fraction=meta.get("headroom_fraction", 0.0),
         model=meta.get("model"),
     )
+    if meta.get("refusal"):
+        report["meta"].update(refusal=meta["refusal"], smallest_fitting_topology=meta["smallest_fitting_topology"])
+        _mark_refused(report, meta["refusal"], meta["smallest_fitting_topology"])
+    return report
 
 
 def report_from_file(path) -> dict:
     """Recompute the report of a saved plan (plan_io file with meta, or a --format json report)."""
     from tpurec.sharding.plan_io import load_meta, load_plan
 
-    return report_from_plan_and_meta(load_plan(path), {"source": str(path)} | load_meta(path))
+    return report_from_plan_and_meta(load_plan(path, refused_ok=True), {"source": str(path)} | load_meta(path))

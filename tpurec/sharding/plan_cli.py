@@ -224,21 +224,22 @@ def _plan(args) -> int:
         tables, model = list(get_table_set(args.model).tables), args.model
     else:
         tables, model = _load_tables(args.tables), args.tables
-    try:
-        report = inspect.plan_tables(
-            tables,
-            args.topology,
-            batch_size=args.batch_size,
-            optimizer=args.optimizer,
-            model=model,
-            sc_gather_fraction=args.sc_gather_fraction,
-            dcn_bw_per_host=args.dcn_gbps * 1e9 if args.dcn_gbps else None,
-            headroom_fraction=args.headroom,
-        )
-    except inspect.PlanDoesNotFit as e:
-        print(f"tpurec plan: {e}", file=sys.stderr)
-        return 2
+    report = inspect.plan_tables(
+        tables,
+        args.topology,
+        batch_size=args.batch_size,
+        optimizer=args.optimizer,
+        model=model,
+        sc_gather_fraction=args.sc_gather_fraction,
+        dcn_bw_per_host=args.dcn_gbps * 1e9 if args.dcn_gbps else None,
+        headroom_fraction=args.headroom,
+    )
+    # A refused plan still writes its report (fits: false), then says why and what would fit.
     _emit(report, args.format, args.out)
+    if report.get("refusal"):
+        print(f"tpurec plan: {report['refusal']}", file=sys.stderr)
+        print(f"tpurec plan: smallest fitting slice: {inspect.fitting_text(report)}", file=sys.stderr)
+        return 2
     return 0
 
 
