@@ -204,7 +204,7 @@ class SliceSpec:
 
     @property
     def devices_per_host(self) -> int:
-        # Sub-host slices (v6e-4, v5p-4) put every device on one host.
+        # Sub-host slices (v6e-1, v6e-4) put every device on one host.
         return min(self.generation.devices_per_host, self.devices_per_slice)
 
     @property
