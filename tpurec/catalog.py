@@ -88,8 +88,21 @@ class TableSpec:
     feature: str
     num_embeddings: int
     embedding_dim: int
-    pooling_factor: float  # mean ids per sample (1 = one-hot)
+    pooling_factor: float  # mean ids per sample, summed over the table's features (1 = one-hot)
     data_type: str = "fp32"  # the table's dtype: fp32, fp16 or bf16 (TorchRec DataType, lower case)
+    # Every feature the table serves, when more than `feature` (TorchRec's feature_names); each is
+    # pooled into its own output row.
+    extra_features: tuple[str, ...] = ()
+    pooling: str = "sum"  # sum or mean (TorchRec PoolingType, lower case)
+    weighted: bool = False  # ids carry per-id weights (an is_weighted EmbeddingBagCollection)
+
+    def __post_init__(self) -> None:
+        # a JSON round trip (plan meta) hands back a list; keep the spec hashable
+        object.__setattr__(self, "extra_features", tuple(self.extra_features))
+
+    @property
+    def feature_names(self) -> list[str]:
+        return [self.feature, *self.extra_features]
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,8 @@ def build_report(
                     spec=spec,
                     optimizer=optimizer,
                     elem_bytes=table_elem_bytes(dtype, compute_device),
+                    num_features=len(t.feature_names),
+                    weighted=t.weighted,
                 )
                 d = devices[rank]
                 for k in keys:
@@ -99,6 +101,9 @@ def build_report(
                     "rows": t.num_embeddings,
                     "dim": t.embedding_dim,
                     "pooling_factor": t.pooling_factor,
+                    "features": t.feature_names,
+                    "pooling": t.pooling,
+                    "weighted": t.weighted,
                     "data_type": t.data_type,
                     "stored_as": stored,  # differs where the device widens the table (bytes counted so)
                     "note": None
@@ -154,7 +159,7 @@ def build_report(
             "headroom_fraction": headroom_fraction,
             "sc_gather_fraction": spec.sc_gather_fraction,
             "dcn_bw_per_host": spec.dcn_bw_per_host,
-            "tables": [asdict(t) for t in by_name.values()],
+            "tables": [asdict(t) | {"extra_features": list(t.extra_features)} for t in by_name.values()],  # JSON lists
         },
         "plan": plan_to_dict(plan),
     }
@@ -286,34 +291,62 @@ def _topology_for(name: str, hbm_cap: int | None = None, **assumptions):
 UNBOUNDED_MEMORY = 2**60
 
 
-def tables_ebc(tables: list[TableSpec]):
-    """An EmbeddingBagCollection of `tables` on the meta device (nothing allocated)."""
-    import torch
+def _bag_configs(tables: list[TableSpec]):
     from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
+
+    return [
+        EmbeddingBagConfig(
+            name=t.name,
+            embedding_dim=t.embedding_dim,
+            num_embeddings=t.num_embeddings,
+            feature_names=t.feature_names,
+            pooling=PoolingType[t.pooling.upper()],
+            data_type=DataType[t.data_type.upper()],
+        )
+        for t in tables
+    ]
+
+
+def tables_module(tables: list[TableSpec]):
+    """The tables as EmbeddingBagCollections on the meta device (nothing allocated): one EBC (module
+    path ""), or, when some tables are weighted, `unweighted` and `weighted` EBCs (TorchRec's
+    is_weighted is per collection)."""
+    import torch
+    from torch import nn
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-    return EmbeddingBagCollection(
-        tables=[
-            EmbeddingBagConfig(
-                name=t.name,
-                embedding_dim=t.embedding_dim,
-                num_embeddings=t.num_embeddings,
-                feature_names=[t.feature],
-                pooling=PoolingType.SUM,
-                data_type=DataType[t.data_type.upper()],
-            )
-            for t in tables
-        ],
-        device=torch.device("meta"),
-    )
+    def ebc(group, weighted):
+        return EmbeddingBagCollection(_bag_configs(group), is_weighted=weighted, device=torch.device("meta"))
+
+    groups = {w: [t for t in tables if t.weighted == w] for w in (False, True)}
+    if not groups[True] or not groups[False]:
+        return ebc(tables, bool(groups[True]))
+    both = nn.Module()
+    both.unweighted, both.weighted = ebc(groups[False], False), ebc(groups[True], True)
+    return both
 
 
-def plan_tables(tables: list[TableSpec], topology: str, **kw) -> dict:
-    """Plan an EmbeddingBagCollection of `tables` (on the meta device) and return its report."""
-    from tpurec.sharding import planner as P
+def plan_tables(tables: list, topology: str, **kw) -> dict:
+    """Plan `tables` (TableSpecs, or tables_file Entries with their constraints) and return the report."""
+    from torchrec.distributed.planner.types import ParameterConstraints
 
-    constraints = P.pooling_constraints({t.name: t.pooling_factor for t in tables})
-    return plan_module(tables_ebc(tables), tables, topology, constraints=constraints, **kw)
+    from tpurec.sharding.tables_file import Entry
+
+    constraints, specs = {}, []
+    for t in tables:
+        spec = t.spec if isinstance(t, Entry) else t
+        specs.append(spec)
+        c = ParameterConstraints(
+            pooling_factors=[spec.pooling_factor / len(spec.feature_names)] * len(spec.feature_names)
+        )
+        if isinstance(t, Entry):
+            c.pooling_factors = list(t.feature_pooling)
+            if t.sharding_types:
+                c.sharding_types = list(t.sharding_types)
+            if t.min_partition:
+                c.min_partition = t.min_partition
+        constraints[spec.name] = c
+    return plan_module(tables_module(specs), specs, topology, constraints=constraints, **kw)
 
 
 def plan_module(
@@ -322,7 +355,7 @@ def plan_module(
     topology: str,
     *,
     batch_size: int,
-    optimizer: str,
+    optimizer: str | None,
     constraints=None,
     model: str | None = None,
     sc_gather_fraction: float | None = None,
@@ -336,6 +369,8 @@ def plan_module(
     `smallest_fitting_topology` (per TPU generation, see sizing.py)."""
     from tpurec.sharding import planner as P
 
+    # as planner.plan resolves it (what DMP plans with): the model's own, else SGD
+    optimizer = optimizer or P.infer_optimizer(module) or "sgd"
     assumptions = dict(sc_gather_fraction=sc_gather_fraction, dcn_bw_per_host=dcn_bw_per_host)
     topo = _topology_for(topology, **assumptions)
     headroom = P.DEFAULT_HEADROOM_FRACTION if headroom_fraction is None else headroom_fraction

@@ -293,6 +293,7 @@ def _refusal(module, topology, batch_size, constraints, optimizer, reservation) 
                 spec=spec,
                 optimizer=optimizer,
                 elem_bytes=table_elem_bytes(cfg.data_type, topology.compute_device),
+                num_features=len(cfg.feature_names),
             ),
         )
     name, (cfg, c) = max(costs.items(), key=lambda kv: kv[1][1].bytes)
