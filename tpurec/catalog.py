@@ -125,6 +125,24 @@ TABLE_SETS: dict[str, TableSet] = {
 }
 
 
+@dataclass(frozen=True)
+class TrainingDefaults:
+    """What the DLRM training config of a model uses, as plain facts: `tpurec plan --model NAME`
+    plans with them (tpurec.sharding may not import tpurec.dlrm), and tpurec/dlrm/configs.py builds
+    its configs from them, so the two cannot disagree."""
+
+    embedding_optimizer: str  # a tpurec.embedding.optimizers registry name
+    batch_size: int  # per rank
+
+
+TRAINING_DEFAULTS: dict[str, TrainingDefaults] = {
+    "dlrm-tiny": TrainingDefaults("rowwise_adagrad", 512),
+    "criteo-kaggle": TrainingDefaults("rowwise_adagrad", 2048),
+    # MLPerf reference: Adagrad, global batch 65,536 over 8 GPUs
+    "mlperf-dcnv2": TrainingDefaults("adagrad", 8192),
+}
+
+
 # The named models every CLI offers (`tpurec train --model`, `tpurec plan --model`): each DLRM
 # config of tpurec/dlrm/configs.py is named after the table set it trains.
 MODEL_NAMES: tuple[str, ...] = tuple(TABLE_SETS)

@@ -75,7 +75,7 @@ def test_every_ebc_of_the_model_is_planned_with_its_own_optimizer(user_module, c
     assert t["terms"]["weighted"] and not t["users"]["weighted"]
     assert {x["module"] for x in r["tables"]} == {"sparse.ebc", "terms"}
     # the dense Linear (13*16+16 floats, x4 for weights, grads and two Adam moments) is reserved
-    pooled = 256 * (16 + 8 + 16) * 4 * 2
+    pooled = 512 * (16 + 8 + 16) * 4 * 2  # batch 512 per device: DMP's default
     headroom = int(0.05 * 32 * 10**9)
     assert r["devices"][0]["reserved_bytes"] == (13 * 16 + 16) * 4 * 4 + pooled + headroom
 
@@ -107,7 +107,7 @@ sys.path.insert(0, sys.argv[1])
 import tpurec
 from tpurec.sharding.plan_io import plan_to_dict
 from tpurec_user_model import build
-dmp = tpurec.DistributedModelParallel(build(), device="cpu", topology="cpu-1", batch_size=256)
+dmp = tpurec.DistributedModelParallel(build(), device="cpu", topology="cpu-1")  # its default batch
 print("PLAN", json.dumps(plan_to_dict(dmp.plan)["modules"]))
 """
 

@@ -37,7 +37,7 @@ def test_refused_plan_has_a_report_with_the_smallest_fitting_slices(refused):
 
 
 def test_the_named_slices_fit_and_the_next_smaller_ones_do_not():
-    ebc = I.tables_ebc(BIG)
+    ebc = I.tables_module(BIG)
     bound = sizing.memory_lower_bound(ebc, "sgd")
     assert bound == 2 * 10 * 40_000_000 * 128 * 4
     for name in EXPECTED.values():

@@ -327,25 +327,35 @@ def tables_module(tables: list[TableSpec]):
 
 
 def plan_tables(tables: list, topology: str, **kw) -> dict:
-    """Plan `tables` (TableSpecs, or tables_file Entries with their constraints) and return the report."""
+    """Plan `tables` (TableSpecs, or tables_file Entries with their constraints) and return the report.
+    On a `cpu-N` topology only the sharding types `tpurec train` runs on CPU are proposed."""
     from torchrec.distributed.planner.types import ParameterConstraints
 
+    from tpurec.sharding.kernel_choice import CPU_TRAINING_SHARDING_TYPES
     from tpurec.sharding.tables_file import Entry
 
+    on_cpu = topology.lower().startswith("cpu-")
     constraints, specs = {}, []
     for t in tables:
-        spec = t.spec if isinstance(t, Entry) else t
-        specs.append(spec)
-        c = ParameterConstraints(
-            pooling_factors=[spec.pooling_factor / len(spec.feature_names)] * len(spec.feature_names)
+        entry = (
+            t if isinstance(t, Entry) else Entry(t, (t.pooling_factor / len(t.feature_names),) * len(t.feature_names))
         )
-        if isinstance(t, Entry):
-            c.pooling_factors = list(t.feature_pooling)
-            if t.sharding_types:
-                c.sharding_types = list(t.sharding_types)
-            if t.min_partition:
-                c.min_partition = t.min_partition
-        constraints[spec.name] = c
+        specs.append(entry.spec)
+        c = ParameterConstraints(pooling_factors=list(entry.feature_pooling))
+        if entry.min_partition:
+            c.min_partition = entry.min_partition
+        types = entry.sharding_types
+        if on_cpu:
+            allowed = [s for s in (types or CPU_TRAINING_SHARDING_TYPES) if s in CPU_TRAINING_SHARDING_TYPES]
+            if not allowed:
+                raise ValueError(
+                    f"table {entry.spec.name!r}: sharding_types {list(types)} include none that CPU training "
+                    f"runs ({', '.join(CPU_TRAINING_SHARDING_TYPES)}); plan it for a TPU slice"
+                )
+            types = allowed
+        if types:
+            c.sharding_types = list(types)
+        constraints[entry.spec.name] = c
     return plan_module(tables_module(specs), specs, topology, constraints=constraints, **kw)
 
 

@@ -17,7 +17,14 @@ import json
 import sys
 
 from tpurec.argtypes import fraction_above_zero, fraction_below_one, positive_float, positive_int
-from tpurec.catalog import MODEL_NAMES  # plain data: keeps `tpurec --help` instant
+from tpurec.catalog import MODEL_NAMES, TRAINING_DEFAULTS  # plain data: keeps `tpurec --help` instant
+
+# Defaults where no model config says otherwise. DistributedModelParallel's own planning batch
+# (tpurec.sharding.dmp.DEFAULT_PLANNING_BATCH_SIZE, checked equal in tests) is repeated here so that
+# `tpurec plan --help` imports no torch.
+DMP_PLANNING_BATCH_SIZE = 512
+TABLES_BATCH_SIZE = 256
+TABLES_OPTIMIZER = "rowwise_adagrad"
 
 _EPILOG = """\
 examples:
@@ -62,15 +69,22 @@ def register(sub) -> None:
         help="your model: FN() returns it (built on the meta device), or (model, constraints)",
     )
     p.add_argument("--topology", metavar="SLICE", help="slice name, e.g. v5p-128, v6e-256, v7x-64, cpu-8")
-    p.add_argument("--batch-size", type=positive_int, default=256, help="batch size per device (default 256)")
+    p.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=None,
+        help=f"batch size per device (default: --model: its training config's; --model-module: "
+        f"{DMP_PLANNING_BATCH_SIZE}, as DistributedModelParallel; --tables: {TABLES_BATCH_SIZE})",
+    )
     from tpurec.embedding.optimizers.registry import spec_names  # lists modules, imports no torch
 
     p.add_argument(
         "--optimizer",
         choices=spec_names(),
         default=None,
-        help="fused embedding optimizer, for optimizer-state bytes (default: --model-module: what the "
-        "model sets with apply_optimizer_in_backward, else sgd; otherwise rowwise_adagrad)",
+        help="fused embedding optimizer, for optimizer-state bytes (default: --model: its training "
+        "config's; --model-module: what the model sets with apply_optimizer_in_backward, else sgd; "
+        f"--tables: {TABLES_OPTIMIZER})",
     )
     _output_flags(p, default="text")
     p.add_argument(
@@ -167,8 +181,14 @@ def _plan(args) -> int:
         parse_target(args.model_module)
     from tpurec.sharding import inspect
 
+    trained = TRAINING_DEFAULTS.get(args.model)  # what `tpurec train --model NAME` uses
+    if args.model_module:
+        batch_size = args.batch_size or DMP_PLANNING_BATCH_SIZE
+    else:
+        batch_size = args.batch_size or (trained.batch_size if trained else TABLES_BATCH_SIZE)
+    optimizer = args.optimizer or (trained.embedding_optimizer if trained else TABLES_OPTIMIZER)
     kw = dict(
-        batch_size=args.batch_size,
+        batch_size=batch_size,
         sc_gather_fraction=args.sc_gather_fraction,
         dcn_bw_per_host=args.dcn_gbps * 1e9 if args.dcn_gbps else None,
         headroom_fraction=args.headroom,
@@ -191,9 +211,7 @@ def _plan(args) -> int:
             from tpurec.catalog import get_table_set
 
             tables = list(get_table_set(args.model).tables)
-        report = inspect.plan_tables(
-            tables, args.topology, optimizer=args.optimizer or "rowwise_adagrad", model=args.model or args.tables, **kw
-        )
+        report = inspect.plan_tables(tables, args.topology, optimizer=optimizer, model=args.model or args.tables, **kw)
     # A refused plan still writes its report (fits: false), then says why and what would fit.
     _emit(report, args.format, args.out)
     if report.get("refusal"):
