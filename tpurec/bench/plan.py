@@ -2,11 +2,11 @@
 
 Both plan the same model (a catalog table set on the meta device, with its pooling factors) for the
 same world size and batch, in turns (`timer.interleaved`), so load from other processes falls on
-both alike: tpurec's `planner.plan` on the TPU slice, and TorchRec's `EmbeddingShardingPlanner` with
-its defaults (estimators, proposers, `EmbeddingBagCollectionSharder`) on a cuda `Topology` of the
-same world size (TorchRec's defaults otherwise), i.e. what a TorchRec user plans with today. Median wall seconds of the
-timed runs; `ratio_vs_torchrec` = torchrec_s / tpurec_s (above 1: tpurec plans faster). Imports
-and the first (warm-up) round are not timed.
+both alike: tpurec's `planner.plan` on the TPU slice, and TorchRec's `EmbeddingShardingPlanner`
+with its defaults (estimators, proposers, `EmbeddingBagCollectionSharder`) on a cuda `Topology` of
+the same world size (TorchRec's defaults otherwise), i.e. what a TorchRec user plans with today.
+Median wall seconds of the timed runs; `ratio_vs_torchrec` = torchrec_s / tpurec_s (above 1:
+tpurec plans faster). Imports and the first (warm-up) round are not timed.
 """
 
 from __future__ import annotations
