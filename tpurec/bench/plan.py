@@ -4,7 +4,8 @@ Both plan the same model (a catalog table set on the meta device, with its pooli
 same world size and batch, in turns (`timer.interleaved`), so load from other processes falls on
 both alike: tpurec's `planner.plan` on the TPU slice, and TorchRec's `EmbeddingShardingPlanner`
 with its defaults (estimators, proposers, `EmbeddingBagCollectionSharder`) on a cuda `Topology` of
-the same world size (TorchRec's defaults otherwise), i.e. what a TorchRec user plans with today.
+the same world size in hosts of 8 GPUs (TorchRec's defaults otherwise), i.e. what a TorchRec user
+plans with today.
 Median wall seconds of the timed runs; `ratio_vs_torchrec` = torchrec_s / tpurec_s (above 1:
 tpurec plans faster). Imports and the first (warm-up) round are not timed.
 """
@@ -16,6 +17,8 @@ import sys
 
 from tpurec.argtypes import positive_int
 from tpurec.catalog import MODEL_NAMES, TRAINING_DEFAULTS
+
+GPUS_PER_HOST = 8  # an 8-GPU host, as the MLPerf DLRM-DCNv2 reference's 8xH200 (DESIGN.md, "Anchors")
 
 
 def register(sub) -> None:
@@ -46,7 +49,10 @@ def _contestants(model: str, topology: str, batch_size: int, optimizer: str):
     ebc = tables_module(tables)
     constraints = P.pooling_constraints({t.name: t.pooling_factor for t in tables})
     tpu = make_topology(topology)
-    cuda = Topology(world_size=tpu.world_size, compute_device="cuda")  # TorchRec's defaults otherwise
+    # TorchRec's defaults, except hosts of 8 GPUs (its default puts the whole world on one host)
+    cuda = Topology(
+        world_size=tpu.world_size, compute_device="cuda", local_world_size=min(GPUS_PER_HOST, tpu.world_size)
+    )
 
     def ours():
         return P.plan(ebc, tpu, batch_size=batch_size, constraints=constraints, optimizer=optimizer)

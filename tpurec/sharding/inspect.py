@@ -12,7 +12,8 @@ from typing import Iterable
 from tpurec.catalog import TableSpec
 from tpurec.embedding import dtypes
 from tpurec.sharding.estimators import shard_cost, table_elem_bytes
-from tpurec.sharding.topology import GiB, SliceSpec
+from tpurec.sharding.report_text import diff_reports, fitting_text, format_text  # noqa: F401 (re-exported)
+from tpurec.sharding.topology import SliceSpec
 
 REPORT_FORMAT = "tpurec-plan-report"
 
@@ -117,6 +118,7 @@ def build_report(
                     "shards": shard_rows,
                 }
             )
+    _name_top_tables(devices, rows)
     times = [d["estimated_time_ms"] for d in devices]
     used = [d["hbm_used_bytes"] for d in devices]
     mean_t = sum(times) / world
@@ -165,113 +167,21 @@ def build_report(
     }
 
 
-def _gib(n: float) -> str:
-    return f"{n / GiB:.2f}"
+TOP_TABLES_PER_DEVICE = 3
 
 
-def _ranks(ranks: list) -> str:
-    if len(ranks) > 4 and ranks == list(range(ranks[0], ranks[-1] + 1)):
-        return f"{ranks[0]}-{ranks[-1]}"
-    return ",".join(map(str, ranks))
-
-
-def fitting_text(report: dict) -> str:
-    """'v5p-16, v6e-64, v7x-8' from a refused report's smallest_fitting_topology."""
-    found = report.get("smallest_fitting_topology") or {}
-    return ", ".join(name or f"no {gen} slice" for gen, name in found.items()) or "none computed"
-
-
-def format_text(report: dict, top: int = 5) -> str:
-    a = report["assumptions"]
-    cap = report["devices"][0]["hbm_capacity_bytes"]
-    out = [
-        f"tpurec plan: {report.get('model') or 'tables'} on {report['topology']} "
-        f"({report['world_size']} devices, {_gib(cap)} GiB each), batch {report['batch_size_per_device']}/device, "
-        f"optimizer {report['optimizer']}",
-        f"fits: {'yes' if report['fits'] else 'NO'}    estimated embedding step time: "
-        f"{report['estimated_step_time_ms']:.3f} ms    imbalance (max/mean): time "
-        f"{report['time_imbalance']:.2f}, HBM {report['hbm_imbalance']:.2f}",
-        f"assumptions: SparseCore gather {a['sc_gather_fraction_of_hbm_bw']:.0%} of HBM bw "
-        f"({a['sc_gather_bw_bytes_per_s'] / 1e9:.0f} GB/s), all-to-all efficiency {a['all_to_all_efficiency']}, "
-        f"DCN {a['dcn_bw_per_host_bytes_per_s'] / 1e9:.0f} GB/s per host, headroom {a['headroom_fraction']:.0%}",
-    ]
-    if report.get("refusal"):
-        out += [f"refused: {report['refusal']}", f"smallest fitting slice: {fitting_text(report)}"]
-    out += [
-        "",
-        "tables (largest first)",
-        f"{'name':<12} {'rows':>12} {'dim':>4} {'pool':>6} {'sharding':<16} {'kernel':<18} {'ranks':<12} "
-        f"{'GiB':>8} {'ms':>8}",
-    ]
-    for t in sorted(report["tables"], key=lambda t: -t["bytes"]):
-        out.append(
-            f"{t['name']:<12} {t['rows']:>12,} {t['dim']:>4} {t['pooling_factor']:>6g} "
-            f"{t['sharding_type']:<16} {t['compute_kernel']:<18} {_ranks(t['ranks']):<12} "
-            f"{_gib(t['bytes']):>8} {t['time_ms']:>8.3f}"
-        )
-    out += [
-        "",
-        "devices (GiB; ms)",
-        f"{'rank':>4} {'used':>7} {'cap':>7} {'%':>5} {'weights':>8} {'optim':>7} {'buffers':>7} "
-        f"{'activ':>7} {'transnt':>7} {'reserved':>8} {'time':>7} {'lookup':>7} {'update':>7} {'comm':>7}",
-    ]
-    for d in report["devices"]:
-        out.append(
-            f"{d['rank']:>4} {_gib(d['hbm_used_bytes']):>7} {_gib(d['hbm_capacity_bytes']):>7} "
-            f"{100 * d['hbm_used_bytes'] / d['hbm_capacity_bytes']:>5.1f} {_gib(d['weights_bytes']):>8} "
-            f"{_gib(d['optimizer_bytes']):>7} {_gib(d['buffers_bytes']):>7} "
-            f"{_gib(d['activations_bytes']):>7} {_gib(d.get('transient_bytes', 0)):>7} {_gib(d['reserved_bytes']):>8} "
-            f"{d['estimated_time_ms']:>7.3f} {d['lookup_ms']:>7.3f} {d['update_ms']:>7.3f} "
-            f"{d['comm_ms']:>7.3f}"
-        )
-    notes = [f"  {t['name']}: {t['note']}" for t in report["tables"] if t.get("note")]
-    if notes:
-        out += ["", "notes"] + notes
-    out += ["", f"top {top} tables by time"]
-    for t in sorted(report["tables"], key=lambda t: -t["time_ms"])[:top]:
-        out.append(
-            f"  {t['name']:<12} {t['time_ms']:8.3f} ms summed over {len(t['shards'])} shard(s), {t['sharding_type']}"
-        )
-    return "\n".join(out)
-
-
-def diff_reports(a: dict, b: dict) -> str:
-    """What changed from plan A to plan B: tables whose placement moved, and the headline numbers."""
-    ta = {t["name"]: t for t in a["tables"]}
-    tb = {t["name"]: t for t in b["tables"]}
-    out = [f"A: {a['topology']} {a['world_size']} devices; B: {b['topology']} {b['world_size']} devices"]
-    for key, label, fmt in (
-        ("estimated_step_time_ms", "step time ms", "{:.4g}"),
-        ("time_imbalance", "time imbalance", "{:.2f}"),
-        ("hbm_imbalance", "HBM imbalance", "{:.2f}"),
-    ):
-        out.append(f"{label:<16} {fmt.format(a[key])} -> {fmt.format(b[key])}")
-    max_a = max(d["hbm_used_bytes"] for d in a["devices"])
-    max_b = max(d["hbm_used_bytes"] for d in b["devices"])
-    out.append(f"{'max HBM GiB':<16} {_gib(max_a)} -> {_gib(max_b)}")
-    out.append(f"{'fits':<16} {a['fits']} -> {b['fits']}")
-    changed = 0
-    for name in sorted(set(ta) | set(tb), key=lambda n: (len(n), n)):
-        x, y = ta.get(name), tb.get(name)
-        if x is None or y is None:
-            out.append(f"  {name}: only in {'B' if x is None else 'A'}")
-            changed += 1
-            continue
-        sx = [(s["rank"], s["offsets"], s["sizes"]) for s in x["shards"]]
-        sy = [(s["rank"], s["offsets"], s["sizes"]) for s in y["shards"]]
-        if (x["sharding_type"], x["compute_kernel"], sx) != (y["sharding_type"], y["compute_kernel"], sy):
-            changed += 1
-            out.append(
-                f"  {name}: {x['sharding_type']} ranks {_ranks(x['ranks'])} -> "
-                f"{y['sharding_type']} ranks {_ranks(y['ranks'])}"
-                + (
-                    f" (kernel {x['compute_kernel']} -> {y['compute_kernel']})"
-                    if x["compute_kernel"] != y["compute_kernel"]
-                    else ""
-                )
-            )
-    out.insert(1, f"{changed} of {len(set(ta) | set(tb))} tables differ")
-    return "\n".join(out)
+def _name_top_tables(devices: list[dict], tables: list[dict]) -> None:
+    """Each device's `top_tables`: the tables whose shards there take the most time (the answer to
+    "which table makes rank 8 hot?"), with their time and bytes on that device."""
+    per_rank: dict[int, dict[str, list]] = {}
+    for t in tables:
+        for s in t["shards"]:
+            acc = per_rank.setdefault(s["rank"], {}).setdefault(t["name"], [0.0, 0])
+            acc[0] += s["time_ms"]
+            acc[1] += s["bytes"]
+    for d in devices:
+        ranked = sorted(per_rank.get(d["rank"], {}).items(), key=lambda kv: (-kv[1][0], kv[0]))
+        d["top_tables"] = [{"name": n, "time_ms": ms, "bytes": b} for n, (ms, b) in ranked[:TOP_TABLES_PER_DEVICE]]
 
 
 # ---- planning from table specs, and reports from saved plans (used by `tpurec plan`) ----

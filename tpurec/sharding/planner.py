@@ -38,6 +38,7 @@ from tpurec.sharding.estimators import (
     table_elem_bytes,
 )
 from tpurec.sharding.kernel_choice import COMPUTE_KERNEL, SHARDING_TYPES
+from tpurec.sharding.topology import format_bytes
 
 GiB = 1024**3
 # Share of each device kept free for the XLA runtime, compiled programs and fragmentation; an
@@ -266,7 +267,7 @@ def make_planner(
 
 
 def _fmt(nbytes: float) -> str:
-    return f"{nbytes / GiB:.2f} GiB"
+    return format_bytes(nbytes)
 
 
 def _refusal(module, topology, batch_size, constraints, optimizer, reservation) -> str:

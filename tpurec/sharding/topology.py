@@ -23,6 +23,16 @@ logger = logging.getLogger(__name__)
 GiB = 1024**3
 GB = 10**9
 
+
+def format_bytes(n: float) -> str:
+    """'95.00 GiB', '1.50 MiB', '832 B': the largest binary unit that keeps the figure >= 1, so small
+    models never read '0.00 GiB'."""
+    for unit, size in (("TiB", 1024**4), ("GiB", GiB), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
 # Assumptions with no published per-device figure (see docs/planner.md, "Perf model").
 # DCN between slices: Cloud TPU multislice docs describe data-center-network links per host; we
 # assume 25 GB/s per host (one 200 Gbps NIC). Configurable per call.
