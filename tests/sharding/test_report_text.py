@@ -57,7 +57,9 @@ def test_slowest_devices_are_named_with_their_tables(report):
     assert [t["time_ms"] for t in d0["top_tables"]] == pytest.approx(sorted(shard_ms.values(), reverse=True))
     text = I.format_text(report)
     names = ", ".join(f"{t['name']} {t['time_ms']:.3f} ms" for t in d0["top_tables"])
-    assert f"rank 0     {d0['estimated_time_ms']:8.3f} ms: {names}" in text
+    assert f"  rank 0         {d0['estimated_time_ms']:8.3f} ms: {names}" in text
+    # ranks 1-3 are alike (one shard of b each): named once, as a range
+    assert f"  ranks 1-3      {report['devices'][1]['estimated_time_ms']:8.3f} ms: b " in text
     # the PNG draws the same names above the slowest devices' time bars
     fig = render.figure(report)
     labels = {t.get_text() for t in fig.axes[1].texts}

@@ -20,12 +20,16 @@ _TIME_PARTS = (("lookup_ms", "SparseCore lookup"), ("update_ms", "fused update")
 
 
 def hot_device_labels(report: dict) -> dict[int, str]:
-    """{rank: 't_C21\nt_C20'} for the slowest devices: the tables that take their time, drawn above
-    their time bars (report_text names the same devices and tables)."""
-    from tpurec.sharding.report_text import HOT_DEVICES
+    """{rank: 't_C21\nt_C20'} for the slowest kinds of device (report_text.hot_devices, the devices
+    the text report names): the tables that take their time, drawn above the first such device's
+    time bar."""
+    from tpurec.sharding.report_text import hot_devices
 
-    hot = sorted(report["devices"], key=lambda d: (-d["estimated_time_ms"], d["rank"]))[:HOT_DEVICES]
-    return {d["rank"]: "\n".join(t["name"] for t in d.get("top_tables", [])) for d in hot if d.get("top_tables")}
+    return {
+        ranks[0]: "\n".join(t["name"] for t in d["top_tables"])
+        for ranks, d in hot_devices(report["devices"])
+        if d.get("top_tables")
+    }
 
 
 def png_bytes(report: dict) -> bytes:

@@ -71,12 +71,23 @@ def _device_rows(devices: list[dict]) -> list[str]:
     return out
 
 
-def _hot_devices(devices: list[dict]) -> list[str]:
-    hot = sorted(devices, key=lambda d: (-d["estimated_time_ms"], d["rank"]))[:HOT_DEVICES]
+def hot_devices(devices: list[dict], count: int = HOT_DEVICES) -> list[tuple[list[int], dict]]:
+    """The `count` slowest kinds of device, slowest first: (ranks, one device) per set of devices
+    with the same time and the same top tables (on big slices many devices are alike)."""
+    groups: dict[tuple, list[dict]] = {}
+    for d in devices:
+        key = (round(d["estimated_time_ms"], 6), tuple(t["name"] for t in d.get("top_tables", [])))
+        groups.setdefault(key, []).append(d)
+    ordered = sorted(groups.values(), key=lambda g: (-g[0]["estimated_time_ms"], g[0]["rank"]))
+    return [([d["rank"] for d in g], g[0]) for g in ordered[:count]]
+
+
+def _hot_lines(devices: list[dict]) -> list[str]:
     out = []
-    for d in hot:
+    for ranks, d in hot_devices(devices):
         tables = ", ".join(f"{t['name']} {t['time_ms']:.3f} ms" for t in d.get("top_tables", [])) or "no tables"
-        out.append(f"  rank {d['rank']:<5} {d['estimated_time_ms']:8.3f} ms: {tables}")
+        label = ("rank " if len(ranks) == 1 else "ranks ") + rank_ranges(ranks)
+        out.append(f"  {label:<14} {d['estimated_time_ms']:8.3f} ms: {tables}")
     return out
 
 
@@ -109,7 +120,7 @@ def format_text(report: dict, top: int = 5) -> str:
             f"{format_bytes(t['bytes']):>10} {t['time_ms']:>8.3f}"
         )
     out += ["", DEVICES_HEADER, *_device_rows(report["devices"])]
-    out += ["", f"slowest {HOT_DEVICES} devices and the tables that take their time", *_hot_devices(report["devices"])]
+    out += ["", "slowest devices and the tables that take their time", *_hot_lines(report["devices"])]
     notes = [f"  {t['name']}: {t['note']}" for t in report["tables"] if t.get("note")]
     if notes:
         out += ["", "notes"] + notes
