@@ -60,7 +60,15 @@ def test_result_line_is_strict_json():
     assert "NaN" not in line and "Infinity" not in line
 
 
-@pytest.mark.parametrize("args", [["--model", "dlrm-tiny"], ["--model", "dlrm-tiny", "--topology", "v6e-3"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--model", "dlrm-tiny"],
+        ["--model", "dlrm-tiny", "--topology", "v6e-3"],
+        ["--tables", "tests/data/no_such_tables.yaml", "--topology", "v6e-4"],
+        ["--model-module", "no_colon", "--topology", "v6e-4"],
+    ],
+)
 def test_plan_argument_errors_come_before_torch_is_imported(args):
     code = (
         "import sys; from tpurec.cli import main; rc = main(['plan', *sys.argv[1:]]); "

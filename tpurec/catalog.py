@@ -88,8 +88,21 @@ class TableSpec:
     feature: str
     num_embeddings: int
     embedding_dim: int
-    pooling_factor: float  # mean ids per sample (1 = one-hot)
+    pooling_factor: float  # mean ids per sample, summed over the table's features (1 = one-hot)
     data_type: str = "fp32"  # the table's dtype: fp32, fp16 or bf16 (TorchRec DataType, lower case)
+    # Every feature the table serves, when more than `feature` (TorchRec's feature_names); each is
+    # pooled into its own output row.
+    extra_features: tuple[str, ...] = ()
+    pooling: str = "sum"  # sum or mean (TorchRec PoolingType, lower case)
+    weighted: bool = False  # ids carry per-id weights (an is_weighted EmbeddingBagCollection)
+
+    def __post_init__(self) -> None:
+        # a JSON round trip (plan meta) hands back a list; keep the spec hashable
+        object.__setattr__(self, "extra_features", tuple(self.extra_features))
+
+    @property
+    def feature_names(self) -> list[str]:
+        return [self.feature, *self.extra_features]
 
 
 @dataclass(frozen=True)
@@ -109,6 +122,24 @@ TABLE_SETS: dict[str, TableSet] = {
     "dlrm-tiny": _make("dlrm-tiny", DLRM_TINY_ROWS, 16),
     "criteo-kaggle": _make("criteo-kaggle", CRITEO_KAGGLE_ROWS, 128),
     "mlperf-dcnv2": _make("mlperf-dcnv2", MLPERF_DCNV2_ROWS, 128, MLPERF_DCNV2_MULTI_HOT),
+}
+
+
+@dataclass(frozen=True)
+class TrainingDefaults:
+    """What the DLRM training config of a model uses, as plain facts: `tpurec plan --model NAME`
+    plans with them (tpurec.sharding may not import tpurec.dlrm), and tpurec/dlrm/configs.py builds
+    its configs from them, so the two cannot disagree."""
+
+    embedding_optimizer: str  # a tpurec.embedding.optimizers registry name
+    batch_size: int  # per rank
+
+
+TRAINING_DEFAULTS: dict[str, TrainingDefaults] = {
+    "dlrm-tiny": TrainingDefaults("rowwise_adagrad", 512),
+    "criteo-kaggle": TrainingDefaults("rowwise_adagrad", 2048),
+    # MLPerf reference: Adagrad, global batch 65,536 over 8 GPUs
+    "mlperf-dcnv2": TrainingDefaults("adagrad", 8192),
 }
 
 

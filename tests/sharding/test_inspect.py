@@ -132,7 +132,7 @@ def test_cli_tables_file_and_png(tmp_path, capsys):
 
 
 def test_cli_refusal_exit_2(capsys):
-    assert _cli("--model", "mlperf-dcnv2", "--topology", "v5p-2", "--optimizer", "adam") == 2
+    assert _cli("--model", "mlperf-dcnv2", "--topology", "v5p-8", "--optimizer", "adam") == 2
     err = capsys.readouterr().err
     assert "does not fit" in err and "largest table t_C21" in err and "free of 95.00 GiB" in err
 

@@ -89,13 +89,13 @@ def test_planner_lower_bound_counts_fp16_at_2_bytes_on_cpu():
 def test_tables_file_carries_data_type(tmp_path):
     import json
 
-    from tpurec.sharding import plan_cli
+    from tpurec.sharding.tables_file import load_tables
 
     path = tmp_path / "tables.json"
     path.write_text(
         json.dumps([{"name": "a", "rows": 10, "dim": 8, "data_type": "FP16"}, {"name": "b", "rows": 5, "dim": 8}])
     )
-    assert [t.data_type for t in plan_cli._load_tables(str(path))] == ["fp16", "fp32"]
+    assert [t.spec.data_type for t in load_tables(str(path))] == ["fp16", "fp32"]
     path.write_text(json.dumps([{"name": "a", "rows": 10, "dim": 8, "data_type": "int8"}]))
-    with pytest.raises(ValueError, match="table #0 .'a'.: data_type 'int8' must be fp32, fp16 or bf16"):
-        plan_cli._load_tables(str(path))
+    with pytest.raises(ValueError, match="table #0 .'a'.: data_type 'int8' must be one of fp32, fp16, bf16"):
+        load_tables(str(path))

@@ -1,30 +1,57 @@
-"""`tpurec plan --tables FILE`: a bad entry is one line naming the file, the table and the field."""
+"""`tpurec plan --tables FILE`: the strict schema (tables_file.py). A bad entry is one line naming the
+file, the table and the key; the sample file in examples/ plans with every key honoured."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+
+from tpurec.sharding import tables_file
+from tpurec.sharding.estimators import shard_cost
+from tpurec.sharding.topology import parse_slice
 
 from .test_inspect import _cli
 
 GOOD = '{"name": "x", "num_embeddings": 5000, "embedding_dim": 32}'
+SAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tables.yaml"
 
 
 @pytest.mark.parametrize(
     "entry,message",
     [
-        ('{"name": "x", "rows": 0, "dim": 8}', "table #0 ('x'): num_embeddings 0 must be in [1, 1,099,511,627,776]"),
-        ('{"name": "x", "rows": -5, "dim": 8}', "num_embeddings -5 must be in [1,"),
-        ('{"name": "x", "rows": 1e20, "dim": 8}', "num_embeddings 1e+20 must be in [1,"),
-        ('{"name": "x", "rows": "abc", "dim": 8}', "num_embeddings 'abc' is not a whole number"),
-        ('{"name": "x", "rows": 10.5, "dim": 8}', "num_embeddings 10.5 is not a whole number"),
-        ('{"name": "x", "rows": 10, "dim": 8, "poolng": 3}', "unknown field(s) ['poolng']; known:"),
+        ('{"name": "x", "rows": 0, "dim": 8}', "table #0 ('x'): rows 0 must be in [1, 1,099,511,627,776]"),
+        ('{"name": "x", "num_embeddings": -5, "dim": 8}', "num_embeddings -5 must be in [1,"),
+        ('{"name": "x", "rows": 1e20, "dim": 8}', "rows 1e+20 must be in [1,"),
+        ('{"name": "x", "rows": "abc", "dim": 8}', "rows 'abc' is not a whole number"),
+        ('{"name": "x", "rows": 10.5, "dim": 8}', "rows 10.5 is not a whole number"),
+        ('{"name": "x", "rows": 10, "dim": 8, "poolng": 3}', "table #0 ('x'): unknown field(s) ['poolng']; known:"),
         (
             '{"name": "x", "rows": 10, "dim": 8, "pooling_factor": -1}',
             "pooling_factor -1.0 must be a finite number > 0",
         ),
         ('{"name": "x", "rows": 10}', "table #0 ('x'): needs 'embedding_dim' (or 'dim')"),
-        ('{"rows": 10, "dim": 8}', "table #0: needs a 'name'"),
+        ('{"rows": 10, "dim": 8}', "table #0: needs 'name'"),
         ('"x"', "table #0 is str, expected an object"),
+        ('{"name": "x", "rows": 10, "dim": 8, "dim_": 1}', "unknown field(s) ['dim_']"),
+        ('{"name": "x", "rows": 10, "num_embeddings": 10, "dim": 8}', "give 'num_embeddings' or 'rows', not both"),
+        (
+            '{"name": "x", "rows": 10, "dim": 8, "data_type": "fp64"}',
+            "data_type 'fp64' must be one of fp32, fp16, bf16",
+        ),
+        ('{"name": "x", "rows": 10, "dim": 8, "pooling": "max"}', "pooling 'max' must be one of sum, mean"),
+        ('{"name": "x", "rows": 10, "dim": 8, "pooling": "none"}', "pooling 'none' makes a sequence table"),
+        ('{"name": "x", "rows": 10, "dim": 8, "weighted": "yes"}', "weighted 'yes' must be true or false"),
+        (
+            '{"name": "x", "rows": 10, "dim": 8, "sharding_types": ["data_parallel"]}',
+            "sharding_types ['data_parallel'] not among",
+        ),
+        ('{"name": "x", "rows": 10, "dim": 8, "min_partition": 0}', "min_partition 0 must be in [1, 65,536]"),
+        (
+            '{"name": "x", "rows": 10, "dim": 8, "features": ["a", "b"], "pooling_factor": [1, 2, 3]}',
+            "pooling_factor has 3 values for 2 feature(s) ['a', 'b']",
+        ),
+        ('{"name": "x", "rows": 10, "dim": 8, "features": ["a", "a"]}', "features ['a', 'a'] names a feature twice"),
     ],
 )
 def test_bad_table_entry_is_named(tmp_path, capsys, entry, message):
@@ -36,7 +63,7 @@ def test_bad_table_entry_is_named(tmp_path, capsys, entry, message):
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
-def test_truncated_and_duplicate_tables_files(tmp_path, capsys):
+def test_truncated_duplicate_and_shared_feature_files(tmp_path, capsys):
     path = tmp_path / "t.json"
     path.write_text(f"[{GOOD}, {GOOD[:20]}")
     assert _cli("--tables", str(path), "--topology", "v6e-4") == 2
@@ -44,7 +71,57 @@ def test_truncated_and_duplicate_tables_files(tmp_path, capsys):
     path.write_text(f"[{GOOD}, {GOOD}]")
     assert _cli("--tables", str(path), "--topology", "v6e-4") == 2
     assert "table #1: name 'x' is used twice" in capsys.readouterr().err
+    path.write_text(
+        '[{"name": "a", "rows": 9, "dim": 8, "feature": "f"}, {"name": "b", "rows": 9, "dim": 8, "feature": "f"}]'
+    )
+    assert _cli("--tables", str(path), "--topology", "v6e-4") == 2
+    assert "table #1 ('b'): feature 'f' is already served by table 'a'" in capsys.readouterr().err
+    path.write_text(f'{{"tables": [{GOOD}], "optimiser": "adam"}}')
+    assert _cli("--tables", str(path), "--topology", "v6e-4") == 2
+    assert "unknown top-level key(s) ['optimiser']" in capsys.readouterr().err
     yaml_path = tmp_path / "t.yaml"
     yaml_path.write_text("tables:\n  - {name: x, rows: [1\n")
     assert _cli("--tables", str(yaml_path), "--topology", "v6e-4") == 2
     assert f"{yaml_path}: not a valid tables file" in capsys.readouterr().err
+
+
+def test_schema_sharding_types_are_the_kernels():
+    from tpurec.sharding.kernel_choice import SHARDING_TYPES
+
+    assert list(tables_file.SHARDING_TYPES) == SHARDING_TYPES
+
+
+def test_sample_tables_file_plans_with_every_key_honoured():
+    from tpurec.sharding import inspect
+
+    entries = tables_file.load_tables(str(SAMPLE))
+    r = inspect.plan_tables(entries, "v6e-8", batch_size=256, optimizer="rowwise_adagrad")
+    assert r["fits"]
+    t = {x["name"]: x for x in r["tables"]}
+    # weighted tables sit in their own EBC (TorchRec's is_weighted is per collection)
+    assert set(r["plan"]["modules"]) == {"unweighted", "weighted"} and t["query_terms"]["module"] == "weighted"
+    assert t["query_terms"]["weighted"] and t["query_terms"]["sharding_type"] == "table_wise"  # sharding_types
+    assert min(s["sizes"][1] for s in t["device_type"]["shards"]) >= 16  # min_partition
+    assert (t["clicked_items"]["pooling"], t["clicked_items"]["data_type"], t["clicked_items"]["stored_as"]) == (
+        "mean",
+        "bf16",
+        "fp32",  # widened on a TPU
+    )
+    # a two-feature table: ids of both features, two pooled outputs per sample
+    cat = t["category"]
+    assert (cat["features"], cat["pooling_factor"], cat["sharding_type"]) == (
+        ["user_category", "ad_category"],
+        4.0,
+        "table_wise",
+    )
+    kw = dict(
+        sharding_type="table_wise", rows=20_000, cols=64, pooling_factor=4.0, batch_per_device=256, world_size=8,
+        num_shards=1, spec=parse_slice("v6e-8"), optimizer="rowwise_adagrad",
+    )  # fmt: skip
+    two, one = shard_cost(**kw, num_features=2), shard_cost(**kw)
+    assert two.activations == 2 * (256 * 8) * 64 * 4 * 2 == 2 * one.activations
+    assert cat["bytes"] == two.bytes
+    # a weighted table's ids carry a float32 weight each: 8 bytes per id instead of 4, lengths unchanged
+    ids, lengths = 256 * 8 * 4.0, 256 * 8 * 4
+    weighted = shard_cost(**kw, weighted=True).input_comm_ms / one.input_comm_ms
+    assert weighted == pytest.approx((ids * 8 + lengths) / (ids * 4 + lengths))

@@ -16,6 +16,7 @@ BENCHES: dict[str, str] = {
     "preprocess": "tpurec.bench.preprocess",
     "train": "tpurec.bench.train",
     "balance": "tpurec.bench.balance",
+    "plan": "tpurec.bench.plan",
 }
 
 

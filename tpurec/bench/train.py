@@ -184,7 +184,7 @@ def _plan_text(dmp) -> str:
     return ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
 
 
-def worker(side: str, data: str, steps: int, warmup: int, batch_size: int) -> dict | None:
+def worker(side: str, data: str, steps: int, warmup: int, batch_size: int, plan_file: str | None = None) -> dict | None:
     import itertools
 
     import torch
@@ -202,6 +202,10 @@ def worker(side: str, data: str, steps: int, warmup: int, batch_size: int) -> di
     torch.manual_seed(0)
     model = build_model(cfg)
     plan = table_wise_plan(model, world, stock=side == "torchrec") if side != "tpurec" else None
+    if plan_file:  # a given plan (bench plan --calibrate): keyed to the model by table names
+        from tpurec.sharding.plan_io import load_plan
+
+        plan = load_plan(plan_file)
     dmp = shard(model, cfg, "cpu", plan=plan, stock=side == "torchrec")
     optimizer = build_optimizer(dmp, cfg)
     pipeline = TrainPipelineSparseDist(dmp, optimizer, torch.device("cpu"))
@@ -243,8 +247,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--batch-size", type=int, default=512)
+    p.add_argument("--plan", default=None, help="a plan file for the tpurec side (default: its planner's)")
     a = p.parse_args(argv)
-    out = worker(a.side, a.data, a.steps, a.warmup, a.batch_size)
+    out = worker(a.side, a.data, a.steps, a.warmup, a.batch_size, a.plan)
     if out is not None:
         print(json.dumps(out), flush=True)
     return 0

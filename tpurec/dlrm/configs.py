@@ -18,6 +18,7 @@ from tpurec.argtypes import (
     positive_float,
     positive_int,
 )
+from tpurec.catalog import TRAINING_DEFAULTS
 from tpurec.dlrm.flags import flag
 from tpurec.embedding.optimizers.registry import spec_names
 
@@ -95,11 +96,11 @@ CONFIGS: dict[str, DLRMConfig] = {
         table_set="dlrm-tiny",
         dense_arch=(64, 16),
         over_arch=(64, 32, 1),
-        embedding_optimizer="rowwise_adagrad",
+        embedding_optimizer=TRAINING_DEFAULTS["dlrm-tiny"].embedding_optimizer,
         embedding_lr=0.1,
         dense_optimizer="adagrad",
         dense_lr=0.05,
-        batch_size=512,
+        batch_size=TRAINING_DEFAULTS["dlrm-tiny"].batch_size,
         epochs=1.0,
         eval_every=500,
         synth_rows=1_500_000,
@@ -111,11 +112,11 @@ CONFIGS: dict[str, DLRMConfig] = {
         table_set="criteo-kaggle",
         dense_arch=(512, 256, 128),
         over_arch=(1024, 1024, 512, 256, 1),
-        embedding_optimizer="rowwise_adagrad",
+        embedding_optimizer=TRAINING_DEFAULTS["criteo-kaggle"].embedding_optimizer,
         embedding_lr=0.05,
         dense_optimizer="adagrad",
         dense_lr=0.05,
-        batch_size=2048,
+        batch_size=TRAINING_DEFAULTS["criteo-kaggle"].batch_size,
         epochs=1.0,
         eval_every=1000,
         synth_rows=2_000_000,
@@ -132,7 +133,7 @@ CONFIGS: dict[str, DLRMConfig] = {
         over_arch=(1024, 1024, 512, 256, 1),
         dcn_num_layers=3,
         dcn_low_rank_dim=512,
-        embedding_optimizer="adagrad",
+        embedding_optimizer=TRAINING_DEFAULTS["mlperf-dcnv2"].embedding_optimizer,
         embedding_lr=0.005,
         dense_optimizer="adagrad",
         dense_lr=0.005,
@@ -140,7 +141,7 @@ CONFIGS: dict[str, DLRMConfig] = {
         warmup_steps=0,
         decay_start=0,
         decay_steps=0,
-        batch_size=8192,
+        batch_size=TRAINING_DEFAULTS["mlperf-dcnv2"].batch_size,
         epochs=1.0,
         eval_every=2000,
         synth_rows=2_000_000,

@@ -83,23 +83,17 @@ def build_model(cfg: DLRMConfig, table_sizes: list[int] | None = None, feature_n
     return model
 
 
-# On CPU every rank shares the same host cores, so splitting a table across ranks (column- or
-# table-row-wise) buys no memory or bandwidth and only adds shards, lookups and all-to-all pieces:
-# measured on dlrm-tiny at 2 ranks, the unconstrained plan (19 tables table-column-wise) trained at
-# 0.60x the speed of a table-wise placement. On TPU the planner chooses freely.
-CPU_SHARDING_TYPES = ["table_wise", "row_wise"]
-
-
 def planner_constraints(cfg: DLRMConfig, device: str, table_names: list[str]):
     """ParameterConstraints for the planner: the table set's pooling factors, and on CPU the
     sharding types above."""
     from torchrec.distributed.planner.types import ParameterConstraints
 
+    from tpurec.sharding.kernel_choice import CPU_TRAINING_SHARDING_TYPES
     from tpurec.sharding.planner import pooling_constraints
 
     specs = get_table_set(cfg.table_set).tables
     base = (
-        {n: ParameterConstraints(sharding_types=list(CPU_SHARDING_TYPES)) for n in table_names}
+        {n: ParameterConstraints(sharding_types=list(CPU_TRAINING_SHARDING_TYPES)) for n in table_names}
         if device == "cpu"
         else None
     )

@@ -37,12 +37,12 @@ def plan_summary(report: dict) -> str:
     """The inspector's text without the per-table list (one line per sharding instead): one screen."""
     from collections import Counter
 
-    from tpurec.sharding.inspect import format_text
+    from tpurec.sharding.report_text import DEVICES_HEADER, format_text
 
     text = format_text(report, top=3).split("\n")
     kinds = Counter(f"{t['sharding_type']} ({t['compute_kernel']})" for t in report["tables"])
     head = text[:3]
-    devices = text[text.index("devices (GiB; ms)") :]
+    devices = text[text.index(DEVICES_HEADER) :]
     devices = devices[: devices.index("")] if "" in devices else devices
     return "\n".join(
         head

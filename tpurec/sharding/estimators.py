@@ -34,6 +34,7 @@ from tpurec.sharding.topology import CPU_GENERATION, SliceSpec, cpu_spec
 
 ID_BYTES = 4  # int32 ids on the wire and in the SparseCore buffers
 ACTIVATION_BYTES = 4  # pooled outputs and their gradients are float32 for every table dtype
+WEIGHT_BYTES = 4  # a weighted table's per-id weights (float32) travel with the ids
 ROW_WISE = (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value)
 
 
@@ -99,11 +100,16 @@ def shard_cost(
     optimizer: str,
     elem_bytes: int = 4,
     pooled: bool = True,
+    num_features: int = 1,
+    weighted: bool = False,
 ) -> ShardCost:
     """Cost of one shard of `rows` x `cols` on its device.
 
     `num_shards` counts the table's shards (the row-shard group for RW/TWRW). `elem_bytes`: bytes per
     stored table element (`table_elem_bytes`: 2 for FP16 on CPU, 4 where a TPU widens it).
+    `pooling_factor` is the ids per sample over all `num_features` features the table serves; each
+    feature is pooled into its own output row and sends its own lengths. `weighted`: every id also
+    carries a float32 weight on the wire.
     `pooled` False: a sequence table (EmbeddingCollection), whose output is one row per id, so
     activations and the output collectives scale with ids (`pooling_factor` = mean sequence length).
     """
@@ -117,21 +123,24 @@ def shard_cost(
     max_ids = worst_case_max_ids_per_partition(samples, pooling_factor, ns)
     buffers = csr_buffer_bytes(max_ids, ns)
     row_group = num_shards if sharding_type in ROW_WISE else 1
-    # Pooled: one row per sample. Unpooled: one row per id, and a row shard only returns its own ids'.
-    out_rows = samples if pooled else samples * pooling_factor / row_group
+    # Pooled: one row per sample and feature. Unpooled: one row per id, and a row shard only returns
+    # its own ids' rows.
+    out_rows = samples * num_features if pooled else samples * pooling_factor / row_group
     pooled_bytes = out_rows * cols * ACTIVATION_BYTES
+    id_bytes = ID_BYTES + (WEIGHT_BYTES if weighted else 0)
 
     if sharding_type == ShardingType.DATA_PARALLEL.value:
         # Only to score torchrec's own plans: every rank holds the table and serves its own batch;
         # backward all-reduces the dense table gradient.
         ids = batch_per_device * pooling_factor
-        pooled_bytes = batch_per_device * cols * ACTIVATION_BYTES * (1 if pooled else pooling_factor)
+        pooled_bytes = batch_per_device * cols * ACTIVATION_BYTES * (num_features if pooled else pooling_factor)
         grad_ms = 2 * _collective_ms(rows * cols * elem_bytes, world_size, spec, True)
         in_ms = out_ms = 0.0
     else:
         ids = samples * pooling_factor / row_group  # ids spread uniformly over row shards
         # ids (and lengths) come from every rank, across slices if there are several.
-        in_ms = _collective_ms(ids * ID_BYTES + samples * ID_BYTES / row_group, world_size, spec, True)
+        lengths = samples * num_features * ID_BYTES / row_group
+        in_ms = _collective_ms(ids * id_bytes + lengths, world_size, spec, True)
         if sharding_type == ShardingType.TABLE_ROW_WISE.value:
             # partial sums reduce-scattered inside the host group (ICI), then each device sends its
             # 1/n of the pooled rows to every rank
@@ -185,6 +194,8 @@ def option_costs(
     option: ShardingOption, spec: SliceSpec, world_size: int, optimizer: str, compute_device: str = "tpu"
 ) -> List[ShardCost]:
     pooling = float(sum(option.input_lengths)) if option.input_lengths else 1.0
+    is_weighted = getattr(option.module[1], "is_weighted", None)  # EmbeddingBagCollection.is_weighted()
+    weighted = bool(is_weighted()) if callable(is_weighted) else False
     return [
         shard_cost(
             sharding_type=option.sharding_type,
@@ -198,6 +209,8 @@ def option_costs(
             optimizer=optimizer,
             elem_bytes=table_elem_bytes(option.tensor.dtype, compute_device),
             pooled=option.is_pooled,
+            num_features=max(1, len(option.input_lengths or [])),
+            weighted=weighted,
         )
         for shard in option.shards
     ]

@@ -12,7 +12,8 @@ from typing import Iterable
 from tpurec.catalog import TableSpec
 from tpurec.embedding import dtypes
 from tpurec.sharding.estimators import shard_cost, table_elem_bytes
-from tpurec.sharding.topology import GiB, SliceSpec
+from tpurec.sharding.report_text import diff_reports, fitting_text, format_text  # noqa: F401 (re-exported)
+from tpurec.sharding.topology import SliceSpec
 
 REPORT_FORMAT = "tpurec-plan-report"
 
@@ -78,6 +79,8 @@ def build_report(
                     spec=spec,
                     optimizer=optimizer,
                     elem_bytes=table_elem_bytes(dtype, compute_device),
+                    num_features=len(t.feature_names),
+                    weighted=t.weighted,
                 )
                 d = devices[rank]
                 for k in keys:
@@ -99,6 +102,9 @@ def build_report(
                     "rows": t.num_embeddings,
                     "dim": t.embedding_dim,
                     "pooling_factor": t.pooling_factor,
+                    "features": t.feature_names,
+                    "pooling": t.pooling,
+                    "weighted": t.weighted,
                     "data_type": t.data_type,
                     "stored_as": stored,  # differs where the device widens the table (bytes counted so)
                     "note": None
@@ -112,6 +118,7 @@ def build_report(
                     "shards": shard_rows,
                 }
             )
+    _name_top_tables(devices, rows)
     times = [d["estimated_time_ms"] for d in devices]
     used = [d["hbm_used_bytes"] for d in devices]
     mean_t = sum(times) / world
@@ -154,109 +161,27 @@ def build_report(
             "headroom_fraction": headroom_fraction,
             "sc_gather_fraction": spec.sc_gather_fraction,
             "dcn_bw_per_host": spec.dcn_bw_per_host,
-            "tables": [asdict(t) for t in by_name.values()],
+            "tables": [asdict(t) | {"extra_features": list(t.extra_features)} for t in by_name.values()],  # JSON lists
         },
         "plan": plan_to_dict(plan),
     }
 
 
-def _gib(n: float) -> str:
-    return f"{n / GiB:.2f}"
+TOP_TABLES_PER_DEVICE = 3
 
 
-def _ranks(ranks: list) -> str:
-    if len(ranks) > 4 and ranks == list(range(ranks[0], ranks[-1] + 1)):
-        return f"{ranks[0]}-{ranks[-1]}"
-    return ",".join(map(str, ranks))
-
-
-def format_text(report: dict, top: int = 5) -> str:
-    a = report["assumptions"]
-    cap = report["devices"][0]["hbm_capacity_bytes"]
-    out = [
-        f"tpurec plan: {report.get('model') or 'tables'} on {report['topology']} "
-        f"({report['world_size']} devices, {_gib(cap)} GiB each), batch {report['batch_size_per_device']}/device, "
-        f"optimizer {report['optimizer']}",
-        f"fits: {'yes' if report['fits'] else 'NO'}    estimated embedding step time: "
-        f"{report['estimated_step_time_ms']:.3f} ms    imbalance (max/mean): time "
-        f"{report['time_imbalance']:.2f}, HBM {report['hbm_imbalance']:.2f}",
-        f"assumptions: SparseCore gather {a['sc_gather_fraction_of_hbm_bw']:.0%} of HBM bw "
-        f"({a['sc_gather_bw_bytes_per_s'] / 1e9:.0f} GB/s), all-to-all efficiency {a['all_to_all_efficiency']}, "
-        f"DCN {a['dcn_bw_per_host_bytes_per_s'] / 1e9:.0f} GB/s per host, headroom {a['headroom_fraction']:.0%}",
-        "",
-        "tables (largest first)",
-        f"{'name':<12} {'rows':>12} {'dim':>4} {'pool':>6} {'sharding':<16} {'kernel':<18} {'ranks':<12} "
-        f"{'GiB':>8} {'ms':>8}",
-    ]
-    for t in sorted(report["tables"], key=lambda t: -t["bytes"]):
-        out.append(
-            f"{t['name']:<12} {t['rows']:>12,} {t['dim']:>4} {t['pooling_factor']:>6g} "
-            f"{t['sharding_type']:<16} {t['compute_kernel']:<18} {_ranks(t['ranks']):<12} "
-            f"{_gib(t['bytes']):>8} {t['time_ms']:>8.3f}"
-        )
-    out += [
-        "",
-        "devices (GiB; ms)",
-        f"{'rank':>4} {'used':>7} {'cap':>7} {'%':>5} {'weights':>8} {'optim':>7} {'buffers':>7} "
-        f"{'activ':>7} {'transnt':>7} {'reserved':>8} {'time':>7} {'lookup':>7} {'update':>7} {'comm':>7}",
-    ]
-    for d in report["devices"]:
-        out.append(
-            f"{d['rank']:>4} {_gib(d['hbm_used_bytes']):>7} {_gib(d['hbm_capacity_bytes']):>7} "
-            f"{100 * d['hbm_used_bytes'] / d['hbm_capacity_bytes']:>5.1f} {_gib(d['weights_bytes']):>8} "
-            f"{_gib(d['optimizer_bytes']):>7} {_gib(d['buffers_bytes']):>7} "
-            f"{_gib(d['activations_bytes']):>7} {_gib(d.get('transient_bytes', 0)):>7} {_gib(d['reserved_bytes']):>8} "
-            f"{d['estimated_time_ms']:>7.3f} {d['lookup_ms']:>7.3f} {d['update_ms']:>7.3f} "
-            f"{d['comm_ms']:>7.3f}"
-        )
-    notes = [f"  {t['name']}: {t['note']}" for t in report["tables"] if t.get("note")]
-    if notes:
-        out += ["", "notes"] + notes
-    out += ["", f"top {top} tables by time"]
-    for t in sorted(report["tables"], key=lambda t: -t["time_ms"])[:top]:
-        out.append(
-            f"  {t['name']:<12} {t['time_ms']:8.3f} ms summed over {len(t['shards'])} shard(s), {t['sharding_type']}"
-        )
-    return "\n".join(out)
-
-
-def diff_reports(a: dict, b: dict) -> str:
-    """What changed from plan A to plan B: tables whose placement moved, and the headline numbers."""
-    ta = {t["name"]: t for t in a["tables"]}
-    tb = {t["name"]: t for t in b["tables"]}
-    out = [f"A: {a['topology']} {a['world_size']} devices; B: {b['topology']} {b['world_size']} devices"]
-    for key, label, fmt in (
-        ("estimated_step_time_ms", "step time ms", "{:.4g}"),
-        ("time_imbalance", "time imbalance", "{:.2f}"),
-        ("hbm_imbalance", "HBM imbalance", "{:.2f}"),
-    ):
-        out.append(f"{label:<16} {fmt.format(a[key])} -> {fmt.format(b[key])}")
-    max_a = max(d["hbm_used_bytes"] for d in a["devices"])
-    max_b = max(d["hbm_used_bytes"] for d in b["devices"])
-    out.append(f"{'max HBM GiB':<16} {_gib(max_a)} -> {_gib(max_b)}")
-    out.append(f"{'fits':<16} {a['fits']} -> {b['fits']}")
-    changed = 0
-    for name in sorted(set(ta) | set(tb), key=lambda n: (len(n), n)):
-        x, y = ta.get(name), tb.get(name)
-        if x is None or y is None:
-            out.append(f"  {name}: only in {'B' if x is None else 'A'}")
-            changed += 1
-            continue
-        sx = [(s["rank"], s["offsets"], s["sizes"]) for s in x["shards"]]
-        sy = [(s["rank"], s["offsets"], s["sizes"]) for s in y["shards"]]
-        if (x["sharding_type"], x["compute_kernel"], sx) != (y["sharding_type"], y["compute_kernel"], sy):
-            changed += 1
-            out.append(
-                f"  {name}: {x['sharding_type']} ranks {_ranks(x['ranks'])} -> "
-                f"{y['sharding_type']} ranks {_ranks(y['ranks'])}"
-                + (
-                    f" (kernel {x['compute_kernel']} -> {y['compute_kernel']})"
-                    if x["compute_kernel"] != y["compute_kernel"]
-                    else ""
-                )
-            )
-    out.insert(1, f"{changed} of {len(set(ta) | set(tb))} tables differ")
-    return "\n".join(out)
+def _name_top_tables(devices: list[dict], tables: list[dict]) -> None:
+    """Each device's `top_tables`: the tables whose shards there take the most time (the answer to
+    "which table makes rank 8 hot?"), with their time and bytes on that device."""
+    per_rank: dict[int, dict[str, list]] = {}
+    for t in tables:
+        for s in t["shards"]:
+            acc = per_rank.setdefault(s["rank"], {}).setdefault(t["name"], [0.0, 0])
+            acc[0] += s["time_ms"]
+            acc[1] += s["bytes"]
+    for d in devices:
+        ranked = sorted(per_rank.get(d["rank"], {}).items(), key=lambda kv: (-kv[1][0], kv[0]))
+        d["top_tables"] = [{"name": n, "time_ms": ms, "bytes": b} for n, (ms, b) in ranked[:TOP_TABLES_PER_DEVICE]]
 
 
 # ---- planning from table specs, and reports from saved plans (used by `tpurec plan`) ----
@@ -264,69 +189,146 @@ def diff_reports(a: dict, b: dict) -> str:
 from tpurec.sharding.planner import PlanDoesNotFit  # noqa: E402,F401  (re-exported for the CLI)
 
 
-def _topology_for(name: str, **assumptions):
+def _topology_for(name: str, hbm_cap: int | None = None, **assumptions):
     from tpurec.sharding.topology import make_topology
 
     if name.lower().startswith("cpu-"):
-        return make_topology(name, None, "cpu")
-    return make_topology(name, None, "tpu", **assumptions)
+        return make_topology(name, None, "cpu", hbm_cap=hbm_cap)
+    return make_topology(name, None, "tpu", hbm_cap=hbm_cap, **assumptions)
 
 
-def plan_tables(
+# Memory per device when a refused model is planned anyway, for its report: no real device has it.
+UNBOUNDED_MEMORY = 2**60
+
+
+def _bag_configs(tables: list[TableSpec]):
+    from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
+
+    return [
+        EmbeddingBagConfig(
+            name=t.name,
+            embedding_dim=t.embedding_dim,
+            num_embeddings=t.num_embeddings,
+            feature_names=t.feature_names,
+            pooling=PoolingType[t.pooling.upper()],
+            data_type=DataType[t.data_type.upper()],
+        )
+        for t in tables
+    ]
+
+
+def tables_module(tables: list[TableSpec]):
+    """The tables as EmbeddingBagCollections on the meta device (nothing allocated): one EBC (module
+    path ""), or, when some tables are weighted, `unweighted` and `weighted` EBCs (TorchRec's
+    is_weighted is per collection)."""
+    import torch
+    from torch import nn
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    def ebc(group, weighted):
+        return EmbeddingBagCollection(_bag_configs(group), is_weighted=weighted, device=torch.device("meta"))
+
+    groups = {w: [t for t in tables if t.weighted == w] for w in (False, True)}
+    if not groups[True] or not groups[False]:
+        return ebc(tables, bool(groups[True]))
+    both = nn.Module()
+    both.unweighted, both.weighted = ebc(groups[False], False), ebc(groups[True], True)
+    return both
+
+
+def plan_tables(tables: list, topology: str, **kw) -> dict:
+    """Plan `tables` (TableSpecs, or tables_file Entries with their constraints) and return the report.
+    On a `cpu-N` topology only the sharding types `tpurec train` runs on CPU are proposed."""
+    from torchrec.distributed.planner.types import ParameterConstraints
+
+    from tpurec.sharding.kernel_choice import CPU_TRAINING_SHARDING_TYPES
+    from tpurec.sharding.tables_file import Entry
+
+    on_cpu = topology.lower().startswith("cpu-")
+    constraints, specs = {}, []
+    for t in tables:
+        entry = (
+            t if isinstance(t, Entry) else Entry(t, (t.pooling_factor / len(t.feature_names),) * len(t.feature_names))
+        )
+        specs.append(entry.spec)
+        c = ParameterConstraints(pooling_factors=list(entry.feature_pooling))
+        if entry.min_partition:
+            c.min_partition = entry.min_partition
+        types = entry.sharding_types
+        if on_cpu:
+            allowed = [s for s in (types or CPU_TRAINING_SHARDING_TYPES) if s in CPU_TRAINING_SHARDING_TYPES]
+            if not allowed:
+                raise ValueError(
+                    f"table {entry.spec.name!r}: sharding_types {list(types)} include none that CPU training "
+                    f"runs ({', '.join(CPU_TRAINING_SHARDING_TYPES)}); plan it for a TPU slice"
+                )
+            types = allowed
+        if types:
+            c.sharding_types = list(types)
+        constraints[entry.spec.name] = c
+    return plan_module(tables_module(specs), specs, topology, constraints=constraints, **kw)
+
+
+def plan_module(
+    module,
     tables: list[TableSpec],
     topology: str,
     *,
     batch_size: int,
-    optimizer: str,
+    optimizer: str | None,
+    constraints=None,
     model: str | None = None,
     sc_gather_fraction: float | None = None,
     dcn_bw_per_host: float | None = None,
     headroom_fraction: float | None = None,
 ) -> dict:
-    """Plan an EmbeddingBagCollection of `tables` (on the meta device) and return its report."""
-    import torch
-    from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    """Plan `module` (its EmbeddingBagCollections, `tables` describing them) and return the report.
 
+    A model that does not fit is planned again with unbounded memory, so its report still shows
+    where the bytes go: `fits` False, `refusal` (the planner's reason) and
+    `smallest_fitting_topology` (per TPU generation, see sizing.py)."""
     from tpurec.sharding import planner as P
 
-    topo = _topology_for(topology, sc_gather_fraction=sc_gather_fraction, dcn_bw_per_host=dcn_bw_per_host)
-    ebc = EmbeddingBagCollection(
-        tables=[
-            EmbeddingBagConfig(
-                name=t.name,
-                embedding_dim=t.embedding_dim,
-                num_embeddings=t.num_embeddings,
-                feature_names=[t.feature],
-                pooling=PoolingType.SUM,
-                data_type=DataType[t.data_type.upper()],
-            )
-            for t in tables
-        ],
-        device=torch.device("meta"),
-    )
+    # as planner.plan resolves it (what DMP plans with): the model's own, else SGD
+    optimizer = optimizer or P.infer_optimizer(module) or "sgd"
+    assumptions = dict(sc_gather_fraction=sc_gather_fraction, dcn_bw_per_host=dcn_bw_per_host)
+    topo = _topology_for(topology, **assumptions)
     headroom = P.DEFAULT_HEADROOM_FRACTION if headroom_fraction is None else headroom_fraction
-    reservation = P.TpuStorageReservation(headroom_fraction=headroom)
-    plan = P.plan(
-        ebc,
-        topo,
-        batch_size=batch_size,
-        optimizer=optimizer,
-        storage_reservation=reservation,
-        constraints=P.pooling_constraints({t.name: t.pooling_factor for t in tables}),
-    )
+    kw = dict(batch_size=batch_size, optimizer=optimizer, constraints=constraints)
+    refusal = None
+    try:
+        plan = P.plan(module, topo, storage_reservation=P.TpuStorageReservation(headroom), **kw)
+    except PlanDoesNotFit as e:
+        refusal = str(e)
+        unbounded = _topology_for(topology, hbm_cap=UNBOUNDED_MEMORY, **assumptions)
+        plan = P.plan(module, unbounded, storage_reservation=P.TpuStorageReservation(headroom), **kw)
     cap = topo.spec.generation.hbm_bytes
-    return build_report(
+    report = build_report(
         plan,
         tables,
         topo.spec,
         batch_size=batch_size,
         optimizer=optimizer,
         compute_device=topo.compute_device,
-        reserved=reservation.amount(ebc, batch_size, cap),
+        reserved=P.TpuStorageReservation(headroom).amount(module, batch_size, cap),
         headroom_fraction=headroom,
         model=model,
     )
+    if refusal is not None:
+        from tpurec.sharding.sizing import smallest_fitting_topology
+
+        smallest = smallest_fitting_topology(
+            module, headroom_fraction=headroom, **kw, **{k: v for k, v in assumptions.items() if v is not None}
+        )
+        report["meta"].update(refusal=refusal, smallest_fitting_topology=smallest)  # so `show` repeats them
+        _mark_refused(report, refusal, smallest)
+    return report
+
+
+def _mark_refused(report: dict, refusal: str, smallest: dict) -> None:
+    report["fits"] = False  # the planner's verdict, even where the unbounded plan happens to fit
+    report["refusal"] = refusal
+    report["smallest_fitting_topology"] = smallest
 
 
 def report_from_plan_and_meta(plan, meta: dict) -> dict:
@@ -343,7 +345,7 @@ def report_from_plan_and_meta(plan, meta: dict) -> dict:
 
     shapes = {t.name: (t.num_embeddings, t.embedding_dim) for t in tables}
     check_plan(plan, {path: shapes for path in plan.plan}, topo.spec.world_size, source=meta.get("source", "plan"))
-    return build_report(
+    report = build_report(
         plan,
         tables,
         topo.spec,
@@ -354,10 +356,14 @@ def report_from_plan_and_meta(plan, meta: dict) -> dict:
         headroom_fraction=meta.get("headroom_fraction", 0.0),
         model=meta.get("model"),
     )
+    if meta.get("refusal"):
+        report["meta"].update(refusal=meta["refusal"], smallest_fitting_topology=meta["smallest_fitting_topology"])
+        _mark_refused(report, meta["refusal"], meta["smallest_fitting_topology"])
+    return report
 
 
 def report_from_file(path) -> dict:
     """Recompute the report of a saved plan (plan_io file with meta, or a --format json report)."""
     from tpurec.sharding.plan_io import load_meta, load_plan
 
-    return report_from_plan_and_meta(load_plan(path), {"source": str(path)} | load_meta(path))
+    return report_from_plan_and_meta(load_plan(path, refused_ok=True), {"source": str(path)} | load_meta(path))

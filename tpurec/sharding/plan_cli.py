@@ -14,24 +14,38 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import sys
 
 from tpurec.argtypes import fraction_above_zero, fraction_below_one, positive_float, positive_int
-from tpurec.catalog import MODEL_NAMES  # plain data: keeps `tpurec --help` instant
+from tpurec.catalog import MODEL_NAMES, TRAINING_DEFAULTS  # plain data: keeps `tpurec --help` instant
+
+# Defaults where no model config says otherwise. DistributedModelParallel's own planning batch
+# (tpurec.sharding.dmp.DEFAULT_PLANNING_BATCH_SIZE, checked equal in tests) is repeated here so that
+# `tpurec plan --help` imports no torch.
+DMP_PLANNING_BATCH_SIZE = 512
+TABLES_BATCH_SIZE = 256
+TABLES_OPTIMIZER = "rowwise_adagrad"
 
 _EPILOG = """\
 examples:
   tpurec plan --model mlperf-dcnv2 --topology v5p-128
   tpurec plan --tables my_tables.yaml --topology v6e-256 --optimizer adam --format png --out plan.png
   tpurec plan --model dlrm-tiny --topology cpu-2 --format json --out plan.json   # CPU dry run
+  tpurec plan --model-module my_pkg.models:build_meta_model --topology v5p-128
   tpurec plan show plan.json
   tpurec plan diff a.json b.json
 
 slice names: v5p-N (N TensorCores, v5p-128 = 64 devices), v6e-N (N chips), v7x-N (N chips, 2 devices
-each), 2xv5p-128 (two slices over DCN), cpu-N (N CPU ranks, dry run).
---tables FILE: JSON or YAML list (or {"tables": [...]}) of {name, num_embeddings, embedding_dim,
-pooling_factor (default 1), feature (default name)}.
+each), 2xv5p-128 (two slices over DCN), cpu-N (N CPU ranks, dry run); only Cloud TPU slice sizes.
+--tables FILE: JSON or YAML list (or {"tables": [...]}) of tables with the keys
+  name, num_embeddings (or rows), embedding_dim (or dim)          required
+  features (or feature): a name or a list (default: [name])      one pooled output each
+  pooling: sum | mean (default sum)    pooling_factor: ids per sample, one number or one per feature
+  weighted: true | false    data_type: fp32 | fp16 | bf16
+  sharding_types: [table_wise, column_wise, table_column_wise, row_wise, table_row_wise]
+  min_partition: narrowest column shard
+  Unknown keys are refused. Sample: examples/tables.yaml; reference: docs/planner.md.
+A refused plan still writes its report (fits: false, smallest_fitting_topology) and exits 2.
 A `--format json` report is also a plan file: tpurec.sharding.plan_io.load_plan reads it.
 """
 
@@ -48,16 +62,29 @@ def register(sub) -> None:
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", choices=MODEL_NAMES, help="a named table set")
-    src.add_argument("--tables", metavar="FILE", help="tables from a .json / .yaml file")
+    src.add_argument("--tables", metavar="FILE", help="tables from a .json / .yaml file (schema below)")
+    src.add_argument(
+        "--model-module",
+        metavar="MODULE:FN",
+        help="your model: FN() returns it (built on the meta device), or (model, constraints)",
+    )
     p.add_argument("--topology", metavar="SLICE", help="slice name, e.g. v5p-128, v6e-256, v7x-64, cpu-8")
-    p.add_argument("--batch-size", type=positive_int, default=256, help="batch size per device (default 256)")
+    p.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=None,
+        help=f"batch size per device (default: --model: its training config's; --model-module: "
+        f"{DMP_PLANNING_BATCH_SIZE}, as DistributedModelParallel; --tables: {TABLES_BATCH_SIZE})",
+    )
     from tpurec.embedding.optimizers.registry import spec_names  # lists modules, imports no torch
 
     p.add_argument(
         "--optimizer",
         choices=spec_names(),
-        default="rowwise_adagrad",
-        help="fused embedding optimizer, for optimizer-state bytes (default rowwise_adagrad)",
+        default=None,
+        help="fused embedding optimizer, for optimizer-state bytes (default: --model: its training "
+        "config's; --model-module: what the model sets with apply_optimizer_in_backward, else sgd; "
+        f"--tables: {TABLES_OPTIMIZER})",
     )
     _output_flags(p, default="text")
     p.add_argument(
@@ -112,82 +139,6 @@ def _output_flags(p, default) -> None:
     )
 
 
-def _load_tables(path: str):
-    from tpurec.catalog import TableSpec
-
-    try:
-        with open(path) as f:
-            if path.endswith((".yaml", ".yml")):
-                import yaml
-
-                doc = yaml.safe_load(f)
-            else:
-                doc = json.load(f)
-    except OSError as e:
-        raise ValueError(f"{path}: cannot read ({e.strerror})") from None
-    except Exception as e:  # JSON or YAML syntax: say where
-        raise ValueError(f"{path}: not a valid tables file ({type(e).__name__}: {e})") from None
-    items = doc.get("tables") if isinstance(doc, dict) else doc
-    if not isinstance(items, list) or not items:
-        raise ValueError(f"{path}: expected a list of tables (or {{'tables': [...]}})")
-    out, seen = [], set()
-    for i, t in enumerate(items):
-        name, rows, dim, pooling = _table_entry(path, i, t)
-        if name in seen:
-            raise ValueError(f"{path}: table #{i}: name {name!r} is used twice")
-        seen.add(name)
-        data_type = str(t.get("data_type", "fp32")).lower()
-        if data_type not in ("fp32", "fp16", "bf16"):
-            raise ValueError(f"{path}: table #{i} ({name!r}): data_type {data_type!r} must be fp32, fp16 or bf16")
-        out.append(TableSpec(name, t.get("feature", name), rows, dim, pooling, data_type))
-    return out
-
-
-TABLE_KEYS = {"name", "num_embeddings", "rows", "embedding_dim", "dim", "pooling_factor", "feature", "data_type"}
-MAX_TABLE_ROWS = 2**40  # far above any real table; catches 1e20 and unit mistakes
-MAX_EMBEDDING_DIM = 65536
-
-
-def _table_entry(path: str, i: int, t) -> tuple[str, int, int, float]:
-    """(name, rows, dim, pooling) of entry #i, or a ValueError naming the file, table and field."""
-    if not isinstance(t, dict):
-        raise ValueError(f"{path}: table #{i} is {type(t).__name__}, expected an object with name, rows, dim")
-    name = t.get("name")
-    where = f"{path}: table #{i}" + (f" ({name!r})" if name else "")
-    unknown = sorted(set(t) - TABLE_KEYS)
-    if unknown:
-        raise ValueError(f"{where}: unknown field(s) {unknown}; known: {sorted(TABLE_KEYS)}")
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"{where}: needs a 'name' (a non-empty string)")
-
-    def whole(field: str, alias: str, hi: int) -> int:
-        value = t.get(field, t.get(alias))
-        if value is None:
-            raise ValueError(f"{where}: needs '{field}' (or '{alias}')")
-        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-            raise ValueError(f"{where}: {field} {value!r} is not a whole number")
-        try:
-            number = float(value) if not isinstance(value, int) else value
-        except ValueError:
-            raise ValueError(f"{where}: {field} {value!r} is not a whole number") from None
-        if not math.isfinite(number) or number != int(number):
-            raise ValueError(f"{where}: {field} {value!r} is not a whole number")
-        if not 1 <= number <= hi:
-            raise ValueError(f"{where}: {field} {value!r} must be in [1, {hi:,}]")
-        return int(number)
-
-    rows = whole("num_embeddings", "rows", MAX_TABLE_ROWS)
-    dim = whole("embedding_dim", "dim", MAX_EMBEDDING_DIM)
-    pooling = t.get("pooling_factor", 1.0)
-    try:
-        pooling = float(pooling)
-    except (TypeError, ValueError):
-        raise ValueError(f"{where}: pooling_factor {pooling!r} is not a number") from None
-    if not math.isfinite(pooling) or pooling <= 0:
-        raise ValueError(f"{where}: pooling_factor {pooling!r} must be a finite number > 0")
-    return name, rows, dim, pooling
-
-
 def _emit(report: dict, fmt: str, out: str | None) -> None:
     from tpurec.sharding import inspect, render
 
@@ -209,36 +160,64 @@ def _emit(report: dict, fmt: str, out: str | None) -> None:
 
 
 def _plan(args) -> int:
-    if not (args.model or args.tables) or not args.topology:  # before torch is imported: at once
-        print("tpurec plan: give --model or --tables, and --topology (see tpurec plan --help)", file=sys.stderr)
+    if not (args.model or args.tables or args.model_module) or not args.topology:  # before torch loads: at once
+        print(
+            "tpurec plan: give --model, --tables or --model-module, and --topology (see tpurec plan --help)",
+            file=sys.stderr,
+        )
         return 2
     from tpurec.sharding.topology import parse_slice
 
     if not args.topology.startswith("cpu"):
         parse_slice(args.topology)  # a malformed or impossible slice is refused before the heavy imports
+    tables = None
+    if args.tables:  # a bad file is refused before torch loads too (tables_file is plain data)
+        from tpurec.sharding.tables_file import load_tables
+
+        tables = load_tables(args.tables)
+    if args.model_module:
+        from tpurec.sharding.model_module import parse_target
+
+        parse_target(args.model_module)
     from tpurec.sharding import inspect
 
-    if args.model:
-        from tpurec.catalog import get_table_set
-
-        tables, model = list(get_table_set(args.model).tables), args.model
+    trained = TRAINING_DEFAULTS.get(args.model)  # what `tpurec train --model NAME` uses
+    if args.model_module:
+        batch_size = args.batch_size or DMP_PLANNING_BATCH_SIZE
     else:
-        tables, model = _load_tables(args.tables), args.tables
-    try:
-        report = inspect.plan_tables(
-            tables,
+        batch_size = args.batch_size or (trained.batch_size if trained else TABLES_BATCH_SIZE)
+    optimizer = args.optimizer or (trained.embedding_optimizer if trained else TABLES_OPTIMIZER)
+    kw = dict(
+        batch_size=batch_size,
+        sc_gather_fraction=args.sc_gather_fraction,
+        dcn_bw_per_host=args.dcn_gbps * 1e9 if args.dcn_gbps else None,
+        headroom_fraction=args.headroom,
+    )
+    if args.model_module:
+        from tpurec.sharding import model_module
+
+        model, constraints = model_module.load_model(args.model_module)
+        report = inspect.plan_module(
+            model,
+            model_module.model_tables(model, constraints),
             args.topology,
-            batch_size=args.batch_size,
             optimizer=args.optimizer,
-            model=model,
-            sc_gather_fraction=args.sc_gather_fraction,
-            dcn_bw_per_host=args.dcn_gbps * 1e9 if args.dcn_gbps else None,
-            headroom_fraction=args.headroom,
+            constraints=constraints,
+            model=args.model_module,
+            **kw,
         )
-    except inspect.PlanDoesNotFit as e:
-        print(f"tpurec plan: {e}", file=sys.stderr)
-        return 2
+    else:
+        if args.model:
+            from tpurec.catalog import get_table_set
+
+            tables = list(get_table_set(args.model).tables)
+        report = inspect.plan_tables(tables, args.topology, optimizer=optimizer, model=args.model or args.tables, **kw)
+    # A refused plan still writes its report (fits: false), then says why and what would fit.
     _emit(report, args.format, args.out)
+    if report.get("refusal"):
+        print(f"tpurec plan: {report['refusal']}", file=sys.stderr)
+        print(f"tpurec plan: smallest fitting slice: {inspect.fitting_text(report)}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -136,9 +136,16 @@ def read_doc(path) -> dict:
     return doc
 
 
-def load_plan(path):
-    """The ShardingPlan saved by save_plan (or embedded in a `tpurec plan --format json` report)."""
-    return plan_from_dict(read_doc(path))
+def load_plan(path, refused_ok: bool = False):
+    """The ShardingPlan saved by save_plan (or embedded in a `tpurec plan --format json` report).
+
+    The report of a refused plan (`fits: false`) holds a placement that does not fit its slice; it
+    is refused here unless `refused_ok` (the inspector re-reports it)."""
+    doc = read_doc(path)
+    refusal = doc.get("refusal") or (doc.get("meta") or {}).get("refusal")
+    if refusal and not refused_ok:
+        raise ValueError(f"{path}: this plan does not fit its slice, so it cannot be applied ({refusal})")
+    return plan_from_dict(doc)
 
 
 def load_meta(path) -> dict:

@@ -39,6 +39,7 @@ from tpurec.sharding.estimators import (
     table_elem_bytes,
 )
 from tpurec.sharding.kernel_choice import COMPUTE_KERNEL, EC_SHARDING_TYPES, SHARDING_TYPES
+from tpurec.sharding.topology import format_bytes
 
 GiB = 1024**3
 # Share of each device kept free for the XLA runtime, compiled programs and fragmentation; an
@@ -288,7 +289,7 @@ def make_planner(
 
 
 def _fmt(nbytes: float) -> str:
-    return f"{nbytes / GiB:.2f} GiB"
+    return format_bytes(nbytes)
 
 
 def _refusal(module, topology, batch_size, constraints, optimizer, reservation) -> str:
@@ -315,6 +316,7 @@ def _refusal(module, topology, batch_size, constraints, optimizer, reservation) 
                 spec=spec,
                 optimizer=optimizer,
                 elem_bytes=table_elem_bytes(cfg.data_type, topology.compute_device),
+                num_features=len(cfg.feature_names),
             ),
         )
     name, (cfg, c) = max(costs.items(), key=lambda kv: kv[1][1].bytes)

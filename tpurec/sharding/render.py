@@ -6,7 +6,7 @@ import base64
 import html
 import io
 
-from tpurec.sharding.topology import GiB
+from tpurec.sharding.topology import GiB, format_bytes
 
 _HBM_PARTS = (
     ("weights_bytes", "table weights"),
@@ -19,7 +19,31 @@ _HBM_PARTS = (
 _TIME_PARTS = (("lookup_ms", "SparseCore lookup"), ("update_ms", "fused update"), ("comm_ms", "communication"))
 
 
+def hot_device_labels(report: dict) -> dict[int, str]:
+    """{rank: 't_C21\nt_C20'} for the slowest kinds of device (report_text.hot_devices, the devices
+    the text report names): the tables that take their time, drawn above the first such device's
+    time bar."""
+    from tpurec.sharding.report_text import hot_devices
+
+    return {
+        ranks[0]: "\n".join(t["name"] for t in d["top_tables"])
+        for ranks, d in hot_devices(report["devices"])
+        if d.get("top_tables")
+    }
+
+
 def png_bytes(report: dict) -> bytes:
+    import matplotlib.pyplot as plt
+
+    fig = figure(report)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def figure(report: dict):
+    """The matplotlib figure behind png_bytes: HBM bars over time bars, one bar per device."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -57,14 +81,13 @@ def png_bytes(report: dict) -> bytes:
         label=f"step (max) {report['estimated_step_time_ms']:.3f} ms",
     )
     ax_t.set_ylim(0, max(bottom) * 1.3 or 1.0)
+    for rank, label in hot_device_labels(report).items():
+        ax_t.text(rank, bottom[ranks.index(rank)], label, ha="center", va="bottom", fontsize=7)
     ax_t.set_ylabel("estimated time per step (ms)")
     ax_t.set_xlabel("device (torch rank)")
     ax_t.legend(loc="upper right", fontsize=8, ncol=4)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    return buf.getvalue()
+    return fig
 
 
 def html_page(report: dict) -> str:
@@ -74,7 +97,7 @@ def html_page(report: dict) -> str:
     rows = "".join(
         f"<tr><td>{html.escape(t['name'])}</td><td>{t['rows']:,}</td><td>{t['dim']}</td>"
         f"<td>{html.escape(t['sharding_type'])}</td><td>{html.escape(t['compute_kernel'])}</td>"
-        f"<td>{len(t['ranks'])}</td><td>{t['bytes'] / GiB:.2f}</td><td>{t['time_ms']:.3f}</td></tr>"
+        f"<td>{len(t['ranks'])}</td><td>{format_bytes(t['bytes'])}</td><td>{t['time_ms']:.3f}</td></tr>"
         for t in sorted(report["tables"], key=lambda t: -t["bytes"])
     )
     status = "fits" if report["fits"] else "does NOT fit"
@@ -89,7 +112,7 @@ pre{{background:#f6f6f6;padding:1em;overflow:auto}}</style></head><body>
 HBM {report["hbm_imbalance"]:.2f}.</p>
 <img alt="per-device HBM and time" src="data:image/png;base64,{img}" style="max-width:100%">
 <h2>Tables</h2><table><tr><th>name</th><th>rows</th><th>dim</th><th>sharding</th><th>kernel</th>
-<th>shards</th><th>GiB</th><th>ms</th></tr>{rows}</table>
+<th>shards</th><th>memory</th><th>ms</th></tr>{rows}</table>
 <h2>Full text report</h2><pre>{html.escape(format_text(report))}</pre>
 </body></html>
 """

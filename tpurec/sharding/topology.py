@@ -23,6 +23,16 @@ logger = logging.getLogger(__name__)
 GiB = 1024**3
 GB = 10**9
 
+
+def format_bytes(n: float) -> str:
+    """'95.00 GiB', '1.50 MiB', '832 B': the largest binary unit that keeps the figure >= 1, so small
+    models never read '0.00 GiB'."""
+    for unit, size in (("TiB", 1024**4), ("GiB", GiB), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
 # Assumptions with no published per-device figure (see docs/planner.md, "Perf model").
 # DCN between slices: Cloud TPU multislice docs describe data-center-network links per host; we
 # assume 25 GB/s per host (one 200 Gbps NIC). Configurable per call.
@@ -47,9 +57,7 @@ class Generation:
     devices_per_chip: int
     name_counts: str  # "tensorcores" (2 per chip) or "chips": what N in "<gen>-N" counts
     source: str
-    # Chips in the largest pod (one slice is at most a pod): v4 4,096, v5e 256, v5p 8,960
-    # (cloud.google.com/tpu/docs/v4, /v5e, /v5p: "pod" sizes), v6e 256 (cloud.google.com/tpu/docs/v6e),
-    # v7x 9,216 (cloud.google.com/tpu/docs/tpu7x and Google's Ironwood announcement, April 2025).
+    # Chips in the largest single slice (see _SLICE_CHIPS for the shapes and their sources).
     max_chips_per_slice: int = 0
 
     @property
@@ -141,8 +149,37 @@ GENERATIONS: dict[str, Generation] = {
         "cloud.google.com/tpu/docs/v4; jax/_src/tpu_info.py",
     ),
 }
-_POD_CHIPS = {"v4": 4096, "v5e": 256, "v5p": 8960, "v6e": 256, "v7x": 9216}  # sources: Generation.max_chips_per_slice
-GENERATIONS = {k: replace(g, max_chips_per_slice=_POD_CHIPS[k]) for k, g in GENERATIONS.items()}
+
+
+def _cube_slices(sub_cube: tuple[int, ...], max_cubes: tuple[int, int, int]) -> tuple[int, ...]:
+    """Chip counts of a 3D-torus generation: the shapes below one 4x4x4 cube, then whole cubes
+    (every side a multiple of 4 chips) up to `max_cubes` cubes per side (sorted)."""
+    a_max, b_max, c_max = max_cubes
+    cubes = {a * b * c for a in range(1, a_max + 1) for b in range(a, b_max + 1) for c in range(b, c_max + 1)}
+    return tuple(sorted(set(sub_cube) | {64 * k for k in cubes}))
+
+
+# The chip counts of real Cloud TPU slices, per generation (one slice; multislice multiplies them).
+_SLICE_CHIPS: dict[str, tuple[int, ...]] = {
+    # cloud.google.com/tpu/docs/v6e, "Supported configurations": 1x1, 2x2, 2x4, 4x4, 4x8, 8x8, 8x16,
+    # 16x16 (v6e-1 ... v6e-256).
+    "v6e": (1, 4, 8, 16, 32, 64, 128, 256),
+    # cloud.google.com/tpu/docs/v5e, "Configurations": the same 2D shapes, 1x1 to 16x16.
+    "v5e": (1, 4, 8, 16, 32, 64, 128, 256),
+    # cloud.google.com/tpu/docs/v5p, "Configurations": 2x2x1, 2x2x2, 2x2x4, 2x4x4, 4x4x4, then whole
+    # 4x4x4 cubes up to 16x16x24 (6,144 chips, "the largest job that can be scheduled"); the page's
+    # table lists the common shapes and "most (but not all)" full-cube shapes, so any whole-cube box
+    # inside 16x16x24 is accepted.
+    "v5p": _cube_slices((4, 8, 16, 32), (4, 4, 6)),
+    # cloud.google.com/tpu/docs/tpu7x: a 3D torus like v5p, 4 chips per host, 9,216 chips per pod
+    # (16x24x24 in cubes of 4x4x4). The page gives no shape table we could read, so the v5p rule up to
+    # the pod is an ASSUMPTION.
+    "v7x": _cube_slices((4, 8, 16, 32), (4, 6, 6)),
+    # cloud.google.com/tpu/docs/v4, "Configurations": 2x2x1 (v4-8) ... 4x4x4, whole cubes up to a
+    # 16x16x16 pod (4,096 chips).
+    "v4": _cube_slices((4, 8, 16, 32), (4, 4, 4)),
+}
+GENERATIONS = {k: replace(g, max_chips_per_slice=max(_SLICE_CHIPS[k])) for k, g in GENERATIONS.items()}
 # tpurec's own bound on a multislice job (no published limit): planning time grows with devices.
 MAX_MULTISLICE_CHIPS = 65536
 _ALIASES = {"tpu7x": "v7x", "v5litepod": "v5e"}
@@ -177,7 +214,7 @@ class SliceSpec:
 
     @property
     def devices_per_host(self) -> int:
-        # Sub-host slices (v6e-4, v5p-4) put every device on one host.
+        # Sub-host slices (v6e-1, v6e-4) put every device on one host.
         return min(self.generation.devices_per_host, self.devices_per_slice)
 
     @property
@@ -203,20 +240,30 @@ def parse_slice(name: str, **assumptions) -> SliceSpec:
         chips = count // 2
     else:
         chips = count
-    if chips > gen.chips_per_host and chips % gen.chips_per_host:
-        raise ValueError(
-            f"{name!r}: a {gen.name} slice larger than one host must be whole hosts of {gen.chips_per_host} chips"
-        )
-    if chips < gen.chips_per_host and chips & (chips - 1):
-        raise ValueError(f"{name!r}: a {gen.name} slice smaller than a host has a power-of-two chip count, not {chips}")
     if chips > gen.max_chips_per_slice:
         raise ValueError(
-            f"{name!r}: {chips:,} chips, but a {gen.name} slice is at most one pod of {gen.max_chips_per_slice:,} "
-            "chips; use several slices (NxSLICE, e.g. 2xv5p-128)"
+            f"{name!r}: {chips:,} chips, but a {gen.name} slice is at most {gen.max_chips_per_slice:,} chips; use "
+            f"several slices (KxSLICE, e.g. 2x{slice_names(gen.name)[-1]})"
         )
+    if chips not in _SLICE_CHIPS[gen.name]:
+        raise ValueError(f"{name.strip()!r} is not a Cloud TPU {gen.name} slice; {valid_slice_text(gen.name)}")
     if chips * slices > MAX_MULTISLICE_CHIPS:
         raise ValueError(f"{name!r}: {chips * slices:,} chips in all; tpurec plans at most {MAX_MULTISLICE_CHIPS:,}")
     return SliceSpec(name=name.strip().lower(), generation=gen, chips_per_slice=chips, num_slices=slices, **assumptions)
+
+
+def slice_names(generation: str) -> list[str]:
+    """Every single-slice name of a generation, smallest first (v6e-1, v6e-4, ...)."""
+    gen = GENERATIONS[generation]
+    per_chip = 2 if gen.name_counts == "tensorcores" else 1
+    return [f"{gen.name}-{c * per_chip}" for c in _SLICE_CHIPS[generation]]
+
+
+def valid_slice_text(generation: str) -> str:
+    names = slice_names(generation)
+    shown = ", ".join(names) if len(names) <= 12 else ", ".join(names[:8]) + ", ... " + names[-1]
+    page = {"v7x": "tpu7x"}.get(generation, generation)
+    return f"valid sizes: {shown} (cloud.google.com/tpu/docs/{page})"
 
 
 # The name of cpu_spec's generation: the CPU reference kernel (in-place updates, DDR memory).
@@ -312,7 +359,7 @@ def make_topology(
             raise ValueError(f"bad CPU topology {spec!r}: use cpu-N with N >= 1 ranks")
         if world_size is not None and world_size != int(n):
             raise ValueError(f"{spec} has {n} ranks but world_size={world_size}")
-        return make_topology(None, int(n), "cpu", num_sc_per_device=num_sc_per_device)
+        return make_topology(None, int(n), "cpu", num_sc_per_device=num_sc_per_device, hbm_cap=hbm_cap)
     if isinstance(spec, str):
         spec = parse_slice(spec)
     if spec is None:

@@ -1,0 +1,85 @@
+"""`tpurec plan --model-module pkg.mod:fn`: plan the user's own model.
+
+`fn()` returns the model (an nn.Module holding EmbeddingBagCollections, best built on the meta
+device so nothing is allocated), or `(model, constraints)` with TorchRec ParameterConstraints by
+table name, exactly what `tpurec.DistributedModelParallel(model, constraints=...)` takes. The model
+is then planned by `planner.plan`, the function DMP calls, with the same optimizer inference
+(apply_optimizer_in_backward / fused_params).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+from tpurec.catalog import TableSpec
+
+
+def parse_target(target: str) -> tuple[str, str]:
+    """('pkg.mod', 'fn') from 'pkg.mod:fn' (checked before anything heavy is imported)."""
+    module_name, _, fn_name = target.partition(":")
+    if not module_name or not fn_name.isidentifier():
+        raise ValueError(f"--model-module {target!r}: expected MODULE:FUNCTION, e.g. my_pkg.models:build")
+    return module_name, fn_name
+
+
+def load_model(target: str):
+    """(model, constraints or None) from 'pkg.mod:fn'; a ValueError naming what is wrong otherwise."""
+    module_name, fn_name = parse_target(target)
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` would: the user's package beside them
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"--model-module {target!r}: cannot import {module_name!r} ({e})") from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise ValueError(f"--model-module {target!r}: {module_name} has no function {fn_name!r}")
+    built = fn()
+    model, constraints = built if isinstance(built, tuple) and len(built) == 2 else (built, None)
+    from torch import nn
+
+    if not isinstance(model, nn.Module):
+        raise ValueError(
+            f"--model-module {target!r}: {fn_name}() returned {type(model).__name__}, not an nn.Module "
+            "(or a (model, constraints) pair)"
+        )
+    if constraints is not None and not isinstance(constraints, dict):
+        raise ValueError(f"--model-module {target!r}: constraints must be a dict by table name")
+    if not model_tables(model, constraints):
+        raise ValueError(f"--model-module {target!r}: the model holds no EmbeddingBagCollection to plan")
+    return model, constraints
+
+
+def model_tables(model, constraints=None) -> list[TableSpec]:
+    """A TableSpec per table of every EmbeddingBagCollection in `model` (pooling factors from the
+    constraints, else 1 id per feature, as the planner assumes)."""
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    out = []
+    for m in model.modules():
+        if not isinstance(m, EmbeddingBagCollection):
+            continue
+        for c in m.embedding_bag_configs():
+            factors = getattr((constraints or {}).get(c.name), "pooling_factors", None) or [1.0] * len(c.feature_names)
+            out.append(
+                TableSpec(
+                    c.name,
+                    c.feature_names[0],
+                    c.num_embeddings,
+                    c.embedding_dim,
+                    float(sum(factors)),
+                    c.data_type.name.lower(),
+                    extra_features=tuple(c.feature_names[1:]),
+                    pooling=c.pooling.name.lower(),
+                    weighted=m.is_weighted(),
+                )
+            )
+    names = [t.name for t in out]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(
+            f"table name(s) {dup} appear in more than one EmbeddingBagCollection; a plan keys tables by name"
+        )
+    return out
