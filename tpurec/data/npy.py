@@ -139,7 +139,8 @@ def _npz_member(path: str, zf: zipfile.ZipFile, name: str) -> np.ndarray:
         name_len, extra_len = struct.unpack("<HH", local[26:30])
         f.seek(info.header_offset + 30 + name_len + extra_len)
         version = np.lib.format.read_magic(f)
-        shape, fortran, dtype = np.lib.format._read_array_header(f, version)
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, fortran, dtype = read_header(f)
         offset = f.tell()
     if not shape or int(np.prod(shape)) == 0:
         return np.zeros(shape, dtype)
