@@ -13,6 +13,13 @@ import torch
 from .helpers import REPO, checkpoint_tensors, train
 
 
+def _png_size(path) -> tuple[int, int]:
+    """(width, height) from a PNG's IHDR chunk; fails on anything that is not a PNG."""
+    head = open(path, "rb").read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n", path
+    return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+
+
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("tpurec-cache")
@@ -40,7 +47,10 @@ def test_exact_resume_same_world_size(cache, tmp_path):
     """Interrupted at step 70 (across an epoch boundary at ~55) and resumed: same weights and optimiser
     state, bit for bit, as the uninterrupted run."""
     common = ["--synth-rows", 30000, "--eval-every", 20, "--keep", 0]
-    a, _ = train("--steps", 90, "--checkpoint-dir", tmp_path / "a", *common, cache=cache)
+    a, p = train("--steps", 90, "--checkpoint-dir", tmp_path / "a", *common, cache=cache)
+    # no --metrics-out: the curves still come, beside the checkpoints, and the log says where
+    assert f"curves: {tmp_path / 'a' / 'curves.png'}" in p.stderr
+    assert _png_size(tmp_path / "a" / "curves.png") == (1000, 400)
     train("--steps", 70, "--checkpoint-dir", tmp_path / "b", *common, cache=cache)
     b, p = train("--steps", 90, "--checkpoint-dir", tmp_path / "b", "--resume", *common, cache=cache)
     assert "resume:" in p.stderr and "at step 70, exact" in p.stderr
@@ -293,6 +303,10 @@ def test_a_log_file_gets_progress_lines_not_bar_updates(cache, tmp_path):
     )
     assert p.returncode == 0, p.stderr[-2000:]
     assert "\r" not in p.stderr
+    # neither --metrics-out nor --checkpoint-dir: the curves go to the cache's runs/, named in the log
+    named = [line.split("curves: ", 1)[1] for line in p.stderr.splitlines() if "curves: " in line]
+    assert len(named) == 1 and named[0].startswith(str(cache / "runs" / "curves-dlrm-tiny-")), p.stderr[-1500:]
+    assert _png_size(named[0]) == (1000, 400)
     progress = [line for line in p.stderr.splitlines() if line.startswith("step ") and "/40: loss" in line]
     assert 5 <= len(progress) <= 11, progress
 

@@ -107,6 +107,21 @@ def test_cli_user_errors_exit_2(capsys, tmp_path):
     assert e.value.code == 2
 
 
+def test_curves_png_goes_beside_metrics_else_checkpoints_else_the_cache(monkeypatch, tmp_path):
+    from tpurec.dlrm.options import TrainOptions
+
+    monkeypatch.setenv("TPUREC_CACHE", str(tmp_path / "cache"))
+    both = TrainOptions(metrics_out="run/m.jsonl", checkpoint_dir="ck")
+    assert both.curves_path("T") == "run/m.png"
+    assert TrainOptions(checkpoint_dir="ck").curves_path("T") == "ck/curves.png"
+    assert TrainOptions(model="dlrm-tiny").curves_path("T") == str(
+        tmp_path / "cache" / "runs" / "curves-dlrm-tiny-T.png"
+    )
+    assert TrainOptions(curves_out="x.png", checkpoint_dir="ck").curves_path("T") == "x.png"
+    assert TrainOptions(curves_out="none", metrics_out="m.csv").curves_path("T") is None
+    assert TrainOptions(curves_out="c.jpg").check() == "--curves-out must end in .png (or be 'none')"
+
+
 def test_worker_gets_the_launchers_options(monkeypatch):
     """The --nproc launcher hands its ranks the parsed options as JSON; torchrun users pass flags."""
     import argparse

@@ -415,17 +415,19 @@ class Trainer:
 
     def _report(self, result: dict) -> None:
         o = self.options
-        if o.metrics_out:
+        png = o.curves_path(time.strftime("%Y%m%d-%H%M%S"))
+        if png:
             from tpurec.dlrm.plots import plot_curves
 
-            png = Path(o.metrics_out).with_suffix(".png")
+            Path(png).parent.mkdir(parents=True, exist_ok=True)
             plot_curves(
                 self._metrics.records,
                 png,
                 title=f"{self.cfg.name}, {self.world} rank(s), batch {self.batch_size}/rank",
                 oracle_auc=self.oracle_auc,
             )
-            self.say(f"metrics: {o.metrics_out}, curves: {png}")
+        if o.metrics_out or png:
+            self.say(", ".join(f"{k}: {v}" for k, v in (("metrics", o.metrics_out), ("curves", png)) if v))
         self.say(summary_text(result, self.data_dir))
         # One strict JSON line: a non-finite metric is null, never a bare NaN that JSON parsers refuse.
         print(json.dumps(json_safe(result), allow_nan=False), flush=True)
