@@ -105,7 +105,14 @@ def _open_text(path: str, fmt: str, opts: ConvertOptions, on_invalid, typed: boo
     if typed:  # dense parsed to float64 by pyarrow directly; blanks become nulls, filled with 0 later
         types.update({names[1 + j]: pa.float64() for j in range(13)})
     conv = pcsv.ConvertOptions(column_types=types, strings_can_be_null=False, null_values=[""])
-    return raw, pcsv.open_csv(stream, read_options=read, parse_options=parse_opts, convert_options=conv)
+    try:
+        return raw, pcsv.open_csv(stream, read_options=read, parse_options=parse_opts, convert_options=conv)
+    except BaseException:
+        # Closed here, not left to the traceback's frames: a stream alive at interpreter exit aborts
+        # the process (std::terminate, exit 134) after the one-line error.
+        stream.close()
+        raw.close()
+        raise
 
 
 def _sniff(path: str, fmt: str) -> bool:
