@@ -44,7 +44,7 @@ def register(sub) -> None:
         choices=["auto", "tsv", "csv", "npy"],
         default="auto",
         help="auto: *.npy/*.npz (or a directory of them) are TorchRec days, *.csv[.gz] has a header line, "
-        "anything else is raw Criteo TSV",
+        "anything else is raw Criteo TSV (default auto)",
     )
     c.add_argument(
         "--table-set",
@@ -72,7 +72,7 @@ def register(sub) -> None:
         "--names",
         choices=sorted(NAME_PRESETS),
         default="merlin",
-        help="column names: merlin (label, I1.., C1..) or torchrec (label, int_0.., cat_0..)",
+        help="column names: merlin (default: label, I1.., C1..) or torchrec (label, int_0.., cat_0..)",
     )
     c.add_argument(
         "--row-group-size", type=positive_int, default=65536, help="rows per Parquet row group (default 65536)"

@@ -42,7 +42,9 @@ class TrainOptions:
     )
     model: str = flag("dlrm-tiny", "named config (default dlrm-tiny)", choices=MODEL_NAMES)
     interaction: str | None = _override("interaction")
-    device: str = flag("auto", "auto: TPU when this host has a usable one, else CPU", choices=("auto", "cpu", "tpu"))
+    device: str = flag(
+        "auto", "auto (default): TPU when this host has a usable one, else CPU", choices=("auto", "cpu", "tpu")
+    )
     batch_size: int | None = _override("batch_size")
     steps: int | None = _override("steps")
     epochs: float | None = _override("epochs")
