@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -325,3 +326,43 @@ def test_architecture_flags_with_torchrecs_names_shape_the_model(cache, tmp_path
     assert meta["optimizer"] == "adam"
     _, p = train("--synth-rows", 30000, "--steps", 3, "--embedding-dim", 8, cache=cache, check=False)
     assert p.returncode == 2 and "the bottom MLP must end in the embedding dim 8, got [64, 16]" in p.stderr
+
+
+def test_messages_on_a_terminal_start_their_own_line(cache, tmp_path):
+    """With the progress bar on a terminal, `checkpoint:` and eval lines are written through tqdm,
+    which lifts the bar off the line first: each message starts a line, none is glued to the bar."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    env = dict(os.environ, TPUREC_CACHE=str(cache), PYTHONPATH=str(REPO))
+    leader, follower = pty.openpty()
+    # a terminal of 120 columns (a new pty has 0, and tqdm draws nothing on 0 columns)
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    args = ["--synth-rows", "30000", "--steps", "30", "--eval-every", "10", "--checkpoint-dir", str(tmp_path / "ck")]
+    p = subprocess.Popen(
+        [sys.executable, "-m", "tpurec.cli", "train", *args],
+        stdout=subprocess.PIPE,
+        stderr=follower,
+        env=env,
+        cwd=REPO,
+    )
+    os.close(follower)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    assert p.wait(timeout=600) == 0, out[-2000:]
+    os.close(leader)
+    text = out.decode(errors="replace")
+    assert re.search(r"\d+/30 \[", text), text[-1000:]  # the bar was drawn ("12/30 [00:01<...")
+    starts = [m.start() for m in re.finditer(r"checkpoint: ", text)]
+    assert len(starts) == 3, text[-2000:]  # steps 10, 20, 30
+    glued = [text[max(0, i - 40) : i + 30] for i in starts if text[i - 1] not in "\r\n"]
+    assert glued == []
