@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tpurec.catalog import get_table_set
 from tpurec.dlrm import checkpoint as ckpt
-from tpurec.dlrm.options import TrainOptions
+from tpurec.dlrm.options import OPTIONS_ENV, TrainOptions
 from tpurec.dlrm.report import MetricsLog, json_safe, plan_report, plan_summary, summary_text
 from tpurec.dlrm.runtime import check_host_memory, init_distributed, log, resolve_device, setup_logging
 
@@ -99,7 +99,9 @@ class Trainer:
         else:
             local_rank = int(os.environ.get("LOCAL_RANK", rank))
             if local_rank == 0:  # one writer per host; the others wait at the barrier
-                ensure_synth(cfg.table_set, cfg.synth_rows, cfg.seed, say=self.say)
+                # Under the --nproc launcher (options in OPTIONS_ENV) it made the data and said so.
+                launched = OPTIONS_ENV in os.environ
+                ensure_synth(cfg.table_set, cfg.synth_rows, cfg.seed, say=(lambda m: None) if launched else self.say)
             if world > 1:
                 dist.barrier()
             self.data_dir = synth_dir(cfg.table_set, cfg.synth_rows, cfg.seed)
