@@ -366,3 +366,24 @@ def test_messages_on_a_terminal_start_their_own_line(cache, tmp_path):
     assert len(starts) == 3, text[-2000:]  # steps 10, 20, 30
     glued = [text[max(0, i - 40) : i + 30] for i in starts if text[i - 1] not in "\r\n"]
     assert glued == []
+
+
+def test_multi_hot_sizes_flag_shapes_the_synthetic_data(cache, tmp_path):
+    """TorchRec's --multi_hot_sizes: the synthetic data gets that many ids per sample per feature (its
+    own cache directory), the model trains on the list columns, and the planner is told the pooling."""
+    import pyarrow.parquet as pq
+
+    hots = [3, 1, 2] + [1] * 23
+    sizes = ",".join(map(str, hots))
+    result, p = train("--multi_hot_sizes", sizes, "--synth-rows", 20000, "--steps", 5, cache=cache)
+    assert result["steps"] == 5
+    data = cache / f"synth-dlrm-tiny-20000-0-mh{'_'.join(map(str, hots))}"
+    assert f"multi-hot {sizes}" in p.stderr and str(data) in p.stderr
+    meta = json.loads((data / "_dataset.json").read_text())
+    assert meta["multi_hot_sizes"] == hots and [f["multi_hot"] for f in meta["sparse"][:3]] == [True, False, True]
+    c1 = pq.read_table(data, columns=["C1"]).column("C1").to_pylist()
+    assert {len(ids) for ids in c1} == {3}
+    _, p = train("--multi-hot-sizes", "2,2", "--steps", 1, cache=cache, check=False)
+    assert p.returncode == 2 and "--multi-hot-sizes needs 26 sizes >= 1 (one per table), got [2, 2]" in p.stderr
+    _, p = train("--multi-hot-sizes", sizes, "--data", data, cache=cache, check=False)
+    assert p.returncode == 2 and "--multi-hot-sizes shapes the synthetic data" in p.stderr

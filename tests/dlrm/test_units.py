@@ -196,3 +196,17 @@ def test_memory_projection_counts_tables_once_plus_a_rank_overhead(monkeypatch):
         runtime.check_host_memory(cfg, sizes, 2, source=", sizes from X")
     monkeypatch.setenv("TPUREC_HOST_MEMORY_BYTES", str(need))
     runtime.check_host_memory(cfg, sizes, 2)
+
+
+def test_multi_hot_sizes_reach_the_planner_as_pooling_factors():
+    from tpurec.catalog import get_table_set
+    from tpurec.dlrm.model import planner_constraints
+
+    cfg = override(get_config("dlrm-tiny"), multi_hot_sizes=[3, 1, 2] + [1] * 23)
+    names = [t.name for t in get_table_set(cfg.table_set).tables]
+    c = planner_constraints(cfg, "cpu", names)
+    assert [c[n].pooling_factors for n in names[:3]] == [[3.0], [1.0], [2.0]]
+    default = planner_constraints(get_config("dlrm-tiny"), "cpu", names)
+    assert default[names[0]].pooling_factors == [1.0]  # dlrm-tiny's tables are one-hot
+    with pytest.raises(ValueError, match="needs 26 sizes >= 1"):
+        override(get_config("dlrm-tiny"), multi_hot_sizes=[1, 0] + [1] * 24)

@@ -57,6 +57,7 @@ class TrainOptions:
     embedding_dim: int | None = _override("embedding_dim")
     dense_arch: tuple[int, ...] | None = _override("dense_arch")
     over_arch: tuple[int, ...] | None = _override("over_arch")
+    multi_hot_sizes: tuple[int, ...] | None = _override("multi_hot_sizes")
     dcn_num_layers: int | None = _override("dcn_num_layers")
     dcn_low_rank_dim: int | None = _override("dcn_low_rank_dim")
     embedding_optimizer: str | None = _override("embedding_optimizer")
@@ -133,6 +134,8 @@ class TrainOptions:
         """A one-line message for bad input, checked before anything heavy starts."""
         if self.data and not os.path.isdir(self.data):
             return f"--data {self.data}: not a directory"
+        if self.data and self.multi_hot_sizes:
+            return f"--multi-hot-sizes shapes the synthetic data; --data {self.data} holds its own ids per sample"
         if self.plan and not os.path.isfile(self.plan):
             return f"--plan {self.plan}: file not found"
         if self.metrics_out and not self.metrics_out.lower().endswith((".csv", ".jsonl", ".json")):

@@ -91,6 +91,7 @@ class Trainer:
         import torch.distributed as dist
 
         from tpurec.data.schema import dataset_metadata
+        from tpurec.dlrm.configs import synth_multi_hot
         from tpurec.dlrm.data import ensure_synth, make_readers, model_table_sizes, synth_dir
 
         cfg, rank, world = self.cfg, self.rank, self.world
@@ -101,10 +102,11 @@ class Trainer:
             if local_rank == 0:  # one writer per host; the others wait at the barrier
                 # Under the --nproc launcher (options in OPTIONS_ENV) it made the data and said so.
                 launched = OPTIONS_ENV in os.environ
-                ensure_synth(cfg.table_set, cfg.synth_rows, cfg.seed, say=(lambda m: None) if launched else self.say)
+                quiet = (lambda m: None) if launched else self.say
+                ensure_synth(cfg.table_set, cfg.synth_rows, cfg.seed, say=quiet, multi_hot=synth_multi_hot(cfg))
             if world > 1:
                 dist.barrier()
-            self.data_dir = synth_dir(cfg.table_set, cfg.synth_rows, cfg.seed)
+            self.data_dir = synth_dir(cfg.table_set, cfg.synth_rows, cfg.seed, synth_multi_hot(cfg))
         meta = dataset_metadata(self.data_dir)
         defaults = [t.num_embeddings for t in self.table_set.tables]
         self.table_sizes = model_table_sizes(self.data_dir, defaults)
