@@ -135,7 +135,12 @@ def user_errors(fn):
             return fn(args)
         except (DataError, ValueError, OSError) as e:  # OSError: missing/unreadable paths, full disk
             print(f"tpurec data: error: {e}", file=sys.stderr)
-            return 2
+        # The error's traceback held pyarrow's CSV reader state and our invalid-row callback: freed
+        # now, not at interpreter exit, where pyarrow can abort the process (exit 134).
+        import gc
+
+        gc.collect()
+        return 2
 
     return wrapped
 
