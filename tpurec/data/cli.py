@@ -133,6 +133,11 @@ def user_errors(fn):
 
         try:
             return fn(args)
+        except BrokenPipeError:  # `tpurec data inspect DIR | head`: the reader has what it wanted
+            import os
+
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+            return 0
         except (DataError, ValueError, OSError) as e:  # OSError: missing/unreadable paths, full disk
             print(f"tpurec data: error: {e}", file=sys.stderr)
         # The error's traceback held pyarrow's CSV reader state and our invalid-row callback: freed
