@@ -123,3 +123,12 @@ def test_cli_picks_mlperf_tables_and_mod_for_npz(mlperf, tmp_path):
     assert [f["multi_hot"] for f in meta["sparse"]] == [h > 1 for h in MLPERF_DCNV2_MULTI_HOT]
     assert list(meta["table_sizes"].values()) == MLPERF_DCNV2_ROWS
     assert meta["categorical"] == "mod" and meta["dense_transform"] == "torchrec_log"
+
+
+def test_cli_says_the_dense_values_are_torchrecs(mlperf, tmp_path):
+    d, _ = mlperf
+    cmd = [sys.executable, "-m", "tpurec.cli", "data", "convert", str(d / "day_1_dense.npy"), "--out", str(tmp_path)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"converted {ROWS[1]} rows from 1 file(s)")
+    assert "dense values kept as TorchRec wrote them" in r.stdout and "--npy-dense-min" in r.stdout

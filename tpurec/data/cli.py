@@ -207,6 +207,11 @@ def run_convert(args) -> int:
         f"({summary['mb_per_s']} MB/s): {summary['bytes_in'] / 1e6:.1f} MB in -> "
         f"{summary['bytes_out'] / 1e6:.1f} MB Parquet in {summary['out_dir']}"
     )
+    if dense == DENSE_TORCHREC:
+        print(
+            "dense values kept as TorchRec wrote them (log(x - min + 2), min of each day file); "
+            "--npy-dense-min gives tpurec's log(max(x, 0) + 1), as from the text"
+        )
     if summary["bad_lines"]:
         print(f"skipped {summary['bad_lines']:,} malformed line(s), e.g.:")
         for e in summary["bad_examples"]:
