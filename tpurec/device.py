@@ -44,7 +44,7 @@ class TpuStatus:
         if not self.torch_tpu:
             out.append("torch_tpu is not installed (on a TPU VM: .venv/bin/pip install -r requirements/tpu.txt)")
         if not self.libtpu:
-            out.append("libtpu is not installed (pip install libtpu)")
+            out.append("libtpu is not installed (on a TPU VM: .venv/bin/pip install -r requirements/tpu.txt)")
         if not self.device_nodes:
             out.append(
                 "no TPU devices on this host (no /dev/accel* or /dev/vfio/N); "

@@ -80,3 +80,54 @@ def test_a_dataset_written_before_the_rename_still_reads(criteo_sample, tmp_path
     (out / "_dataset.json").rename(out / "dataset.json")
     assert dataset_metadata(out)["rows"] == 200
     assert json.loads((out / "dataset.json").read_text())["files"] == ["part-00000.parquet"]
+
+
+@pytest.mark.parametrize("gz", [False, True])
+@pytest.mark.parametrize("bad_line", [1, 6])
+def test_unlabelled_kaggle_test_file_is_one_line_and_exit_2(criteo_sample, tmp_path, gz, bad_line):
+    """Kaggle's test.txt has no label column (39 fields): one line naming file and line, exit 2, and
+    the process ends cleanly. pyarrow's reader state, left to the interpreter's exit, aborted about
+    half of such runs (exit 134 after the line), so each case runs 4 times."""
+    import gzip
+    import subprocess
+    import sys
+
+    rows = ["\t".join(r) for r in _rows(criteo_sample, bad_line - 1)] + [
+        "\t".join(r[1:]) for r in _rows(criteo_sample, 3)
+    ]
+    text = "".join(line + "\n" for line in rows)
+    path = tmp_path / ("test.txt.gz" if gz else "test.txt")
+    path.write_bytes(gzip.compress(text.encode()) if gz else text.encode())
+    for _ in range(4):
+        p = subprocess.run(
+            [sys.executable, "-m", "tpurec.cli", "data", "convert", str(path), "--out", str(tmp_path / "o")],
+            capture_output=True,
+            text=True,
+        )
+        assert p.returncode == 2, p.stderr
+        assert p.stderr.startswith(f"tpurec data: error: malformed line {path}:{bad_line}: expected 40 columns, got 39")
+        assert p.stderr.count("\n") == 1 and "terminate" not in p.stderr
+
+
+def test_a_script_that_catches_the_error_exits_cleanly(criteo_sample, tmp_path):
+    """The library path of the test above: a program that catches DataError and ends normally."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    rows = ["\t".join(r) for r in _rows(criteo_sample, 5)] + ["\t".join(_rows(criteo_sample, 1)[0][1:])]
+    (tmp_path / "day.txt").write_text("".join(line + "\n" for line in rows))
+    script = (
+        "from tpurec.data.convert import ConvertOptions, convert\n"
+        "from tpurec.data.schema import DataError, criteo_schema\n"
+        "try:\n"
+        "    convert(['day.txt'], 'o', ConvertOptions(criteo_schema()), show_progress=False)\n"
+        "except DataError as e:\n"
+        "    print(e)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))  # this checkout's tpurec
+    for _ in range(4):
+        p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, env=env)
+        assert p.returncode == 0 and "terminate" not in p.stderr, p.stderr
+        assert p.stdout.startswith("malformed line day.txt:6: expected 40 columns, got 39")

@@ -35,3 +35,22 @@ def test_inspect_cli_on_converted_sample(criteo_sample, tmp_path, capsys):
     assert r["columns"]["C26"]["empty_id_share"] == round(blanks / 200, 4) and blanks > 0
     assert main(["data", "inspect", str(tmp_path)]) == 0
     assert "200 rows" in capsys.readouterr().out
+
+
+def test_inspect_into_a_closed_pipe_is_quiet(synth_dir):
+    """`tpurec data inspect DIR | head -1`: once the reader has gone, no error and exit 0 (here the
+    pipe's read end is closed before anything is written, so the write always fails)."""
+    import os
+    import subprocess
+    import sys
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    p = subprocess.run(
+        [sys.executable, "-m", "tpurec.cli", "data", "inspect", str(synth_dir)],
+        stdout=write_end,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    os.close(write_end)
+    assert p.stderr == "" and p.returncode == 0, p.stderr

@@ -27,6 +27,9 @@ def test_exact_resume_two_ranks(cache, tmp_path):
     train("--steps", 35, "--checkpoint-dir", tmp_path / "b", *common, cache=cache)
     _, p = train("--steps", 60, "--checkpoint-dir", tmp_path / "b", "--resume", *common, cache=cache)
     assert "at step 35, exact" in p.stderr
+    # one voice for the job: each data and checkpoint line once, not once per rank (nor launcher + rank 0)
+    said = [line for line in p.stderr.splitlines() if line.startswith(("data: ", "checkpoint: "))]
+    assert len(said) == len(set(said)) and sum(line.startswith("data: ") for line in said) == 2, said
     want = checkpoint_tensors(tmp_path / "a" / "step-00000060")
     got = checkpoint_tensors(tmp_path / "b" / "step-00000060")
     assert set(want) == set(got)

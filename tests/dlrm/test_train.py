@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,6 +12,13 @@ import pytest
 import torch
 
 from .helpers import REPO, checkpoint_tensors, train
+
+
+def _png_size(path) -> tuple[int, int]:
+    """(width, height) from a PNG's IHDR chunk; fails on anything that is not a PNG."""
+    head = open(path, "rb").read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n", path
+    return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +48,10 @@ def test_exact_resume_same_world_size(cache, tmp_path):
     """Interrupted at step 70 (across an epoch boundary at ~55) and resumed: same weights and optimiser
     state, bit for bit, as the uninterrupted run."""
     common = ["--synth-rows", 30000, "--eval-every", 20, "--keep", 0]
-    a, _ = train("--steps", 90, "--checkpoint-dir", tmp_path / "a", *common, cache=cache)
+    a, p = train("--steps", 90, "--checkpoint-dir", tmp_path / "a", *common, cache=cache)
+    # no --metrics-out: the curves still come, beside the checkpoints, and the log says where
+    assert f"curves: {tmp_path / 'a' / 'curves.png'}" in p.stderr
+    assert _png_size(tmp_path / "a" / "curves.png") == (1000, 400)
     train("--steps", 70, "--checkpoint-dir", tmp_path / "b", *common, cache=cache)
     b, p = train("--steps", 90, "--checkpoint-dir", tmp_path / "b", "--resume", *common, cache=cache)
     assert "resume:" in p.stderr and "at step 70, exact" in p.stderr
@@ -293,6 +304,10 @@ def test_a_log_file_gets_progress_lines_not_bar_updates(cache, tmp_path):
     )
     assert p.returncode == 0, p.stderr[-2000:]
     assert "\r" not in p.stderr
+    # neither --metrics-out nor --checkpoint-dir: the curves go to the cache's runs/, named in the log
+    named = [line.split("curves: ", 1)[1] for line in p.stderr.splitlines() if "curves: " in line]
+    assert len(named) == 1 and named[0].startswith(str(cache / "runs" / "curves-dlrm-tiny-")), p.stderr[-1500:]
+    assert _png_size(named[0]) == (1000, 400)
     progress = [line for line in p.stderr.splitlines() if line.startswith("step ") and "/40: loss" in line]
     assert 5 <= len(progress) <= 11, progress
 
@@ -311,3 +326,64 @@ def test_architecture_flags_with_torchrecs_names_shape_the_model(cache, tmp_path
     assert meta["optimizer"] == "adam"
     _, p = train("--synth-rows", 30000, "--steps", 3, "--embedding-dim", 8, cache=cache, check=False)
     assert p.returncode == 2 and "the bottom MLP must end in the embedding dim 8, got [64, 16]" in p.stderr
+
+
+def test_messages_on_a_terminal_start_their_own_line(cache, tmp_path):
+    """With the progress bar on a terminal, `checkpoint:` and eval lines are written through tqdm,
+    which lifts the bar off the line first: each message starts a line, none is glued to the bar."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    env = dict(os.environ, TPUREC_CACHE=str(cache), PYTHONPATH=str(REPO))
+    leader, follower = pty.openpty()
+    # a terminal of 120 columns (a new pty has 0, and tqdm draws nothing on 0 columns)
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    args = ["--synth-rows", "30000", "--steps", "30", "--eval-every", "10", "--checkpoint-dir", str(tmp_path / "ck")]
+    p = subprocess.Popen(
+        [sys.executable, "-m", "tpurec.cli", "train", *args],
+        stdout=subprocess.PIPE,
+        stderr=follower,
+        env=env,
+        cwd=REPO,
+    )
+    os.close(follower)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    assert p.wait(timeout=600) == 0, out[-2000:]
+    os.close(leader)
+    text = out.decode(errors="replace")
+    assert re.search(r"\d+/30 \[", text), text[-1000:]  # the bar was drawn ("12/30 [00:01<...")
+    starts = [m.start() for m in re.finditer(r"checkpoint: ", text)]
+    assert len(starts) == 3, text[-2000:]  # steps 10, 20, 30
+    glued = [text[max(0, i - 40) : i + 30] for i in starts if text[i - 1] not in "\r\n"]
+    assert glued == []
+
+
+def test_multi_hot_sizes_flag_shapes_the_synthetic_data(cache, tmp_path):
+    """TorchRec's --multi_hot_sizes: the synthetic data gets that many ids per sample per feature (its
+    own cache directory), the model trains on the list columns, and the planner is told the pooling."""
+    import pyarrow.parquet as pq
+
+    hots = [3, 1, 2] + [1] * 23
+    sizes = ",".join(map(str, hots))
+    result, p = train("--multi_hot_sizes", sizes, "--synth-rows", 20000, "--steps", 5, cache=cache)
+    assert result["steps"] == 5
+    data = cache / f"synth-dlrm-tiny-20000-0-mh{'_'.join(map(str, hots))}"
+    assert f"multi-hot {sizes}" in p.stderr and str(data) in p.stderr
+    meta = json.loads((data / "_dataset.json").read_text())
+    assert meta["multi_hot_sizes"] == hots and [f["multi_hot"] for f in meta["sparse"][:3]] == [True, False, True]
+    c1 = pq.read_table(data, columns=["C1"]).column("C1").to_pylist()
+    assert {len(ids) for ids in c1} == {3}
+    _, p = train("--multi-hot-sizes", "2,2", "--steps", 1, cache=cache, check=False)
+    assert p.returncode == 2 and "--multi-hot-sizes needs 26 sizes >= 1 (one per table), got [2, 2]" in p.stderr
+    _, p = train("--multi-hot-sizes", sizes, "--data", data, cache=cache, check=False)
+    assert p.returncode == 2 and "--multi-hot-sizes shapes the synthetic data" in p.stderr

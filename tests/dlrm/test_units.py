@@ -107,6 +107,21 @@ def test_cli_user_errors_exit_2(capsys, tmp_path):
     assert e.value.code == 2
 
 
+def test_curves_png_goes_beside_metrics_else_checkpoints_else_the_cache(monkeypatch, tmp_path):
+    from tpurec.dlrm.options import TrainOptions
+
+    monkeypatch.setenv("TPUREC_CACHE", str(tmp_path / "cache"))
+    both = TrainOptions(metrics_out="run/m.jsonl", checkpoint_dir="ck")
+    assert both.curves_path("T") == "run/m.png"
+    assert TrainOptions(checkpoint_dir="ck").curves_path("T") == "ck/curves.png"
+    assert TrainOptions(model="dlrm-tiny").curves_path("T") == str(
+        tmp_path / "cache" / "runs" / "curves-dlrm-tiny-T.png"
+    )
+    assert TrainOptions(curves_out="x.png", checkpoint_dir="ck").curves_path("T") == "x.png"
+    assert TrainOptions(curves_out="none", metrics_out="m.csv").curves_path("T") is None
+    assert TrainOptions(curves_out="c.jpg").check() == "--curves-out must end in .png (or be 'none')"
+
+
 def test_worker_gets_the_launchers_options(monkeypatch):
     """The --nproc launcher hands its ranks the parsed options as JSON; torchrun users pass flags."""
     import argparse
@@ -181,3 +196,17 @@ def test_memory_projection_counts_tables_once_plus_a_rank_overhead(monkeypatch):
         runtime.check_host_memory(cfg, sizes, 2, source=", sizes from X")
     monkeypatch.setenv("TPUREC_HOST_MEMORY_BYTES", str(need))
     runtime.check_host_memory(cfg, sizes, 2)
+
+
+def test_multi_hot_sizes_reach_the_planner_as_pooling_factors():
+    from tpurec.catalog import get_table_set
+    from tpurec.dlrm.model import planner_constraints
+
+    cfg = override(get_config("dlrm-tiny"), multi_hot_sizes=[3, 1, 2] + [1] * 23)
+    names = [t.name for t in get_table_set(cfg.table_set).tables]
+    c = planner_constraints(cfg, "cpu", names)
+    assert [c[n].pooling_factors for n in names[:3]] == [[3.0], [1.0], [2.0]]
+    default = planner_constraints(get_config("dlrm-tiny"), "cpu", names)
+    assert default[names[0]].pooling_factors == [1.0]  # dlrm-tiny's tables are one-hot
+    with pytest.raises(ValueError, match="needs 26 sizes >= 1"):
+        override(get_config("dlrm-tiny"), multi_hot_sizes=[1, 0] + [1] * 24)

@@ -67,7 +67,7 @@ def run(batch: int = 2048, pooling: int = 20, seed: int = 0) -> dict:
 def register(sub) -> None:
     p = sub.add_parser("balance", help="ids per SparseCore partition: natural-order storage vs MOD")
     p.add_argument("--json", action="store_true", help="one JSON document instead of text")
-    p.add_argument("--batch-size", type=int, default=2048)
+    p.add_argument("--batch-size", type=int, default=2048, help="batch size per device (default 2048)")
     p.set_defaults(run=main)
 
 

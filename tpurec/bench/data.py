@@ -195,8 +195,10 @@ def register(sub) -> None:
     p = sub.add_parser("data", help="Parquet reader vs torchrec's in-memory Criteo loader, converter MB/s")
     p.add_argument("--rows", type=int, default=2_000_000, help="rows in the generated dataset (default 2M)")
     p.add_argument("--tables", default="criteo-kaggle", help="table set for the ids (default criteo-kaggle)")
-    p.add_argument("--passes", type=int, default=5, help="timed passes per reader; the best is kept")
-    p.add_argument("--convert-rows", type=int, default=500_000, help="rows of raw TSV for the converter figure")
+    p.add_argument("--passes", type=int, default=5, help="timed passes per reader; the best is kept (default 5)")
+    p.add_argument(
+        "--convert-rows", type=int, default=500_000, help="rows of raw TSV for the converter figure (default 500000)"
+    )
     p.add_argument("--compression", default="none", help="codec of the generated Parquet (default none)")
     p.add_argument("--dir", help="work directory (kept); default a temporary one, removed afterwards")
     p.add_argument("--json", action="store_true", help="one JSON document instead of text")

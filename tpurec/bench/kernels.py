@@ -36,7 +36,7 @@ def register(sub) -> None:
         help="torch threads for every contestant (default 1: FBGEMM's fused backward is single-threaded, "
         "and idle spinning threads distort timings on a shared 2-core machine)",
     )
-    p.add_argument("--pooling", type=int, nargs="+", default=[1, 20], help="pooling factors to run")
+    p.add_argument("--pooling", type=int, nargs="+", default=[1, 20], help="pooling factors to run (default 1 20)")
     p.add_argument(
         "--sequence",
         action="store_true",

@@ -265,7 +265,7 @@ def register(sub) -> None:
     p = sub.add_parser("preprocess", help="SparseCore input preprocessing vs jax-tpu-embedding's C++ path")
     p.add_argument("--quick", action="store_true", help="fewer repetitions, same shapes")
     p.add_argument("--json", action="store_true", help="one JSON document instead of text")
-    p.add_argument("--batch-size", type=int, default=2048)
+    p.add_argument("--batch-size", type=int, default=2048, help="device batch size: samples per step (default 2048)")
     p.add_argument("--threads", type=int, default=None, help="threads for both sides (default: all cores)")
     p.add_argument("--repeats", type=int, default=None, help="timed steps per side (default 15, --quick 3)")
     p.set_defaults(run=main)

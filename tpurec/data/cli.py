@@ -27,32 +27,52 @@ def register(sub) -> None:
     dsub = p.add_subparsers(dest="data_command", metavar="ACTION")
     p.set_defaults(run=run)  # each action overrides this with its own run
 
-    c = dsub.add_parser("convert", help="Criteo TSV day files (plain or .gz) or CSV with a header -> Parquet")
-    c.add_argument("inputs", nargs="+", metavar="INPUT")
+    c = dsub.add_parser(
+        "convert",
+        help="Criteo TSV day files (plain or .gz), CSV with a header, or TorchRec's .npy/MLPerf's .npz days -> Parquet",
+    )
+    c.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help="text files, or TorchRec day files (day_N_dense.npy / _sparse.npy / _labels.npy, "
+        "day_N_sparse_multi_hot.npz) or directories of them",
+    )
     c.add_argument("--out", required=True, help="output directory (part-NNNNN.parquet + _dataset.json)")
     c.add_argument(
         "--format",
-        choices=["auto", "tsv", "csv"],
+        choices=["auto", "tsv", "csv", "npy"],
         default="auto",
-        help="auto: *.csv[.gz] has a header line, anything else is raw Criteo TSV",
+        help="auto: *.npy/*.npz (or a directory of them) are TorchRec days, *.csv[.gz] has a header line, "
+        "anything else is raw Criteo TSV (default auto)",
     )
     c.add_argument(
         "--table-set",
         "--tables",  # the older spelling; `tpurec plan --tables` takes a FILE, hence --table-set
         dest="tables",
-        default="criteo-kaggle",
+        default=None,
         choices=MODEL_NAMES,
         help="named table set giving num_embeddings per categorical (default criteo-kaggle; "
-        "mlperf-dcnv2 for the MLPerf caps)",
+        "mlperf-dcnv2, the MLPerf caps, for multi-hot .npz days)",
     )
     c.add_argument("--table-sizes", help="26 comma-separated num_embeddings, overriding --table-set")
     c.add_argument("--raw-ids", action="store_true", help="keep int(hex) ids instead of hashing into tables")
+    c.add_argument(
+        "--mod-ids",
+        action="store_true",
+        help="id = value mod num_embeddings, as TorchRec's loaders hash (the default for multi-hot .npz)",
+    )
     c.add_argument("--raw-dense", action="store_true", help="keep dense values instead of log(max(x,0)+1)")
+    c.add_argument(
+        "--npy-dense-min",
+        help="TorchRec .npy days: the smallest raw dense value of each day's TSV (one, or one per day), "
+        "to undo tsv_to_npys' log(x - min + 2); without it the dense values are kept as TorchRec wrote them",
+    )
     c.add_argument(
         "--names",
         choices=sorted(NAME_PRESETS),
         default="merlin",
-        help="column names: merlin (label, I1.., C1..) or torchrec (label, int_0.., cat_0..)",
+        help="column names: merlin (default: label, I1.., C1..) or torchrec (label, int_0.., cat_0..)",
     )
     c.add_argument(
         "--row-group-size", type=positive_int, default=65536, help="rows per Parquet row group (default 65536)"
@@ -113,9 +133,19 @@ def user_errors(fn):
 
         try:
             return fn(args)
+        except BrokenPipeError:  # `tpurec data inspect DIR | head`: the reader has what it wanted
+            import os
+
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+            return 0
         except (DataError, ValueError, OSError) as e:  # OSError: missing/unreadable paths, full disk
             print(f"tpurec data: error: {e}", file=sys.stderr)
-            return 2
+        # The error's traceback held pyarrow's CSV reader state and our invalid-row callback: freed
+        # now, not at interpreter exit, where pyarrow can abort the process (exit 134).
+        import gc
+
+        gc.collect()
+        return 2
 
     return wrapped
 
@@ -127,41 +157,61 @@ def _progress(args) -> bool:
 @user_errors
 def run_convert(args) -> int:
     from tpurec.catalog import get_table_set
-    from tpurec.data.convert import ConvertOptions, convert
-    from tpurec.data.schema import CAT_HASH, CAT_RAW, DENSE_LOG1P, DENSE_RAW, criteo_schema
+    from tpurec.data import npy
+    from tpurec.data.convert import ConvertOptions, convert, resolve_inputs
+    from tpurec.data.schema import CAT_HASH, CAT_MOD, CAT_RAW, DENSE_LOG1P, DENSE_RAW, DENSE_TORCHREC, criteo_schema
 
-    if args.table_sizes:
-        sizes = [int(x) for x in args.table_sizes.split(",")]
-    else:
-        sizes = [t.num_embeddings for t in get_table_set(args.tables).tables]
-    dense_names, sparse_names = NAME_PRESETS[args.names]
-    schema = criteo_schema(
-        sizes,
-        dense_names=dense_names,
-        sparse_names=sparse_names,
-        dense_transform=DENSE_RAW if args.raw_dense else DENSE_LOG1P,
-        categorical=CAT_RAW if args.raw_ids else CAT_HASH,
-    )
-    if args.row_group_size < 1:
-        raise ValueError("--row-group-size must be >= 1")
+    if args.raw_ids and args.mod_ids:
+        raise ValueError("--raw-ids and --mod-ids exclude each other")
+    mins = [int(x) for x in args.npy_dense_min.split(",")] if args.npy_dense_min else None
     opts = ConvertOptions(
-        schema,
+        None,
         input_format=args.format,
         row_group_size=args.row_group_size,
         skip_bad_lines=args.skip_bad_lines,
         compression=args.compression,
+        npy_dense_min=mins,
     )
-    summary = convert(
-        args.inputs, args.out, opts, jobs=args.jobs, show_progress=_progress(args), overwrite=args.overwrite
+    inputs = resolve_inputs(args.inputs, opts)  # text paths, or TorchRec days with their companions
+    days = [d for d in inputs if isinstance(d, npy.NpyDay)]
+    if mins and not days:
+        raise ValueError("--npy-dense-min is for TorchRec .npy days only")
+    if days and args.raw_dense and not mins:
+        raise ValueError("--raw-dense on TorchRec .npy days needs --npy-dense-min (to undo their log)")
+    hots = npy.multi_hot_sizes(days[0], 26) if days else [1] * 26
+    multi = bool(days) and days[0].multi_hot
+    if args.table_sizes:
+        sizes = [int(x) for x in args.table_sizes.split(",")]
+    else:
+        table_set = args.tables or ("mlperf-dcnv2" if multi else "criteo-kaggle")
+        sizes = [t.num_embeddings for t in get_table_set(table_set).tables]
+    dense = DENSE_RAW if args.raw_dense else DENSE_LOG1P
+    if days and not mins:
+        dense = DENSE_TORCHREC
+    categorical = CAT_RAW if args.raw_ids else CAT_MOD if (args.mod_ids or multi) else CAT_HASH
+    dense_names, sparse_names = NAME_PRESETS[args.names]
+    opts.schema = criteo_schema(
+        sizes,
+        dense_names=dense_names,
+        sparse_names=sparse_names,
+        multi_hot=[h > 1 for h in hots],
+        dense_transform=dense,
+        categorical=categorical,
     )
+    summary = convert(inputs, args.out, opts, jobs=args.jobs, show_progress=_progress(args), overwrite=args.overwrite)
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
     print(
         f"converted {summary['rows']:,} rows from {summary['files']} file(s) in {summary['seconds']} s "
-        f"({summary['mb_per_s']} MB/s): {summary['bytes_in'] / 1e6:.1f} MB text -> "
+        f"({summary['mb_per_s']} MB/s): {summary['bytes_in'] / 1e6:.1f} MB in -> "
         f"{summary['bytes_out'] / 1e6:.1f} MB Parquet in {summary['out_dir']}"
     )
+    if dense == DENSE_TORCHREC:
+        print(
+            "dense values kept as TorchRec wrote them (log(x - min + 2), min of each day file); "
+            "--npy-dense-min gives tpurec's log(max(x, 0) + 1), as from the text"
+        )
     if summary["bad_lines"]:
         print(f"skipped {summary['bad_lines']:,} malformed line(s), e.g.:")
         for e in summary["bad_examples"]:

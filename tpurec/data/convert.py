@@ -1,5 +1,8 @@
 """Criteo text (raw TSV day files, plain or .gz, or CSV with a header) -> tpurec Parquet.
 
+TorchRec's binary day files (``.npy``, MLPerf's multi-hot ``.npz``) take the same road from
+``convert()`` on: one Parquet file per day, read by tpurec/data/npy.py.
+
 Streams each input in blocks (bounded memory: one text block plus one row group), validates and
 transforms the columns with vectorised numpy (tpurec/data/parse.py), and writes one Parquet file per
 input, converting several inputs in parallel processes. Outputs are written under a temporary name
@@ -35,11 +38,12 @@ _MAX_EXAMPLES = 5  # bad lines quoted in the report
 @dataclass
 class ConvertOptions:
     schema: DataSchema
-    input_format: str = "auto"  # "tsv" (no header), "csv" (header line), or by file name
+    input_format: str = "auto"  # "tsv" (no header), "csv" (header line), "npy" (TorchRec days), or by name
     row_group_size: int = 65536
     skip_bad_lines: bool = False
     compression: str = "snappy"
     block_size: int = 16 << 20  # bytes of text parsed at a time
+    npy_dense_min: list[int] | None = None  # per day (or one for all): undo TorchRec's dense log
 
 
 @dataclass
@@ -101,7 +105,13 @@ def _open_text(path: str, fmt: str, opts: ConvertOptions, on_invalid, typed: boo
     if typed:  # dense parsed to float64 by pyarrow directly; blanks become nulls, filled with 0 later
         types.update({names[1 + j]: pa.float64() for j in range(13)})
     conv = pcsv.ConvertOptions(column_types=types, strings_can_be_null=False, null_values=[""])
-    return raw, pcsv.open_csv(stream, read_options=read, parse_options=parse_opts, convert_options=conv)
+    try:
+        return raw, pcsv.open_csv(stream, read_options=read, parse_options=parse_opts, convert_options=conv)
+    except BaseException:
+        # Closed here, not left to the error's traceback (see data/cli.py user_errors).
+        stream.close()
+        raw.close()
+        raise
 
 
 def _sniff(path: str, fmt: str) -> bool:
@@ -238,10 +248,13 @@ def _convert_file(in_path: str, out_path: str, opts: ConvertOptions, advance, ty
         return DataError(f"{in_path}: cannot parse: {e}")
 
     arrow_schema = schema.arrow_schema()
+    err = None
     try:  # open_csv already parses the first block
         raw, reader = _open_text(in_path, fmt, opts, on_invalid, typed, header)
     except pa.ArrowInvalid as e:
-        raise parse_error(e) from None
+        err = parse_error(e)
+    if err is not None:  # raised here, not in the except block: see _raise_clean
+        _raise_clean(err)
     writer = pq.ParquetWriter(out_path, arrow_schema, compression=opts.compression)
     pending: list[pa.Table] = []
     pending_rows = 0
@@ -253,7 +266,9 @@ def _convert_file(in_path: str, out_path: str, opts: ConvertOptions, advance, ty
             except StopIteration:
                 break
             except pa.ArrowInvalid as e:
-                raise parse_error(e) from None
+                err = parse_error(e)
+            if err is not None:
+                _raise_clean(err)
             cols, bad, reasons = _transform_block(batch, schema)
             if bad.any():
                 idx = np.flatnonzero(bad)
@@ -285,6 +300,17 @@ def _convert_file(in_path: str, out_path: str, opts: ConvertOptions, advance, ty
     return res
 
 
+def _raise_clean(err: Exception):
+    """Raise ``err`` with no pyarrow error behind it. pyarrow's failed CSV read (its state and our
+    invalid-row callback) stays reachable from that error's traceback; freed only at interpreter
+    exit, it aborts the process (std::terminate, exit 134) in about half of the runs. Collected now,
+    before anyone holds the new error, it cannot."""
+    import gc
+
+    gc.collect()
+    raise err
+
+
 def _flush(writer, pending, rg: int, final: bool):
     """Write whole row groups of exactly ``rg`` rows (and the rest when ``final``); return the rest."""
     import pyarrow as pa
@@ -299,9 +325,48 @@ def _flush(writer, pending, rg: int, final: bool):
     return ([rest] if rest.num_rows else []), rest.num_rows
 
 
+def _convert_source(src, tmp_path: str, opts: ConvertOptions, progress=None) -> FileResult:
+    """One input (a text file, or a TorchRec day) -> one Parquet file."""
+    from tpurec.data import npy
+
+    if isinstance(src, npy.NpyDay):
+        res = FileResult(src.sparse, tmp_path)
+        res.rows, res.bytes_in, res.bytes_out = npy.convert_day(
+            src, tmp_path, opts.schema, opts.row_group_size, opts.compression, progress
+        )
+        return res
+    return convert_file(src, tmp_path, opts, progress=progress)
+
+
 def _convert_one(args):
-    in_path, tmp_path, opts = args
-    return convert_file(in_path, tmp_path, opts)
+    src, tmp_path, opts = args
+    return _convert_source(src, tmp_path, opts)
+
+
+def resolve_inputs(inputs: list, opts: ConvertOptions) -> list:
+    """Text files as given, or TorchRec days (``npy.NpyDay``) grouped from their files/directories."""
+    from tpurec.data import npy
+
+    if inputs and all(isinstance(p, npy.NpyDay) for p in inputs):
+        return list(inputs)
+    is_npy = [npy.is_npy_input(p) for p in inputs]
+    if opts.input_format == "npy" or (opts.input_format == "auto" and inputs and all(is_npy)):
+        return npy.find_days(inputs, opts.npy_dense_min)
+    if opts.input_format == "auto" and any(is_npy):
+        first = inputs[is_npy.index(True)]
+        raise DataError(f"{first}: TorchRec .npy/.npz days and text files cannot be converted together")
+    for p in inputs:
+        if not os.path.isfile(p):
+            raise DataError(f"{p}: no such input file")
+    return list(inputs)
+
+
+def _size(src) -> int:
+    return src.nbytes if hasattr(src, "nbytes") else os.path.getsize(src)
+
+
+def _names(src) -> list[str]:
+    return [os.path.basename(f) for f in src.files] if hasattr(src, "files") else [os.path.basename(src)]
 
 
 def convert(
@@ -312,19 +377,18 @@ def convert(
     show_progress: bool = True,
     overwrite: bool = False,
 ) -> dict:
-    """Convert every input to ``out_dir/part-NNNNN.parquet`` and write ``_dataset.json``.
+    """Convert every input (text file or TorchRec day) to ``out_dir/part-NNNNN.parquet`` and write
+    ``_dataset.json``.
 
     Returns the summary (rows, files, bytes in/out, seconds, MB/s, bad lines).
     """
     from tqdm import tqdm
 
-    for p in inputs:
-        if not os.path.isfile(p):
-            raise DataError(f"{p}: no such input file")
+    inputs = resolve_inputs(inputs, opts)
     out = prepare_output_dir(out_dir, overwrite)
     finals = [out / f"part-{i:05d}.parquet" for i in range(len(inputs))]
     tmps = [f.with_suffix(".parquet.tmp") for f in finals]
-    total_bytes = sum(os.path.getsize(p) for p in inputs)
+    total_bytes = sum(_size(p) for p in inputs)
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(inputs)))
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="convert", disable=not show_progress)
     t0 = time.perf_counter()
@@ -332,7 +396,7 @@ def convert(
     try:
         if jobs == 1:
             for p, t in zip(inputs, tmps):
-                results.append(convert_file(p, str(t), opts, progress=bar.update))
+                results.append(_convert_source(p, str(t), opts, progress=bar.update))
         else:
             import multiprocessing as mp
 
@@ -373,7 +437,7 @@ def convert(
         opts.schema,
         rows=summary["rows"],
         files=[f.name for f in finals],
-        source=[os.path.basename(p) for p in inputs],
+        source=[n for p in inputs for n in _names(p)],
         bad_lines=summary["bad_lines"],
     )
     list_parquet_files(out)  # sanity: the outputs are there

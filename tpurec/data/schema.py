@@ -24,8 +24,10 @@ LEGACY_DATASET_JSON = "dataset.json"  # read, never written: other tools choke o
 # Transforms, recorded by name so a reader (or a person) knows what was applied.
 DENSE_LOG1P = "log1p_clamp0"  # log(max(x, 0) + 1); empty -> 0
 DENSE_RAW = "raw"  # the number as written; empty -> 0
+DENSE_TORCHREC = "torchrec_log"  # log(x - m + 2), m the day file's smallest value (TorchRec's tsv_to_npys)
 CAT_HASH = "mod_reserve0"  # empty -> 0; otherwise 1 + (int(hex, 16) mod (num_embeddings - 1))
 CAT_RAW = "raw_hex"  # int(hex, 16); empty -> 0
+CAT_MOD = "mod"  # v mod num_embeddings: TorchRec's `hashes`, what MLPerf's multi-hot files already hold
 EMPTY_ID = 0  # the id every empty categorical becomes, in both modes
 
 

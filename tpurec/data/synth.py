@@ -85,12 +85,17 @@ def auc(scores: np.ndarray, labels: np.ndarray) -> float:
     return float(binary_auroc(scores, torch.from_numpy(labels).long(), validate_args=False))
 
 
-def synth_schema(table_set: str) -> tuple[DataSchema, list[int]]:
-    """The schema for a named table set (tpurec/catalog.py) and its ids per sample."""
+def synth_schema(table_set: str, multi_hot_sizes: list[int] | None = None) -> tuple[DataSchema, list[int]]:
+    """The schema for a named table set (tpurec/catalog.py) and its ids per sample (the table set's
+    pooling factors, or ``multi_hot_sizes``)."""
     from tpurec.catalog import get_table_set
 
     ts = get_table_set(table_set)
     hots = [max(1, int(round(t.pooling_factor))) for t in ts.tables]
+    if multi_hot_sizes is not None:
+        if len(multi_hot_sizes) != len(hots) or min(multi_hot_sizes) < 1:
+            raise ValueError(f"{len(hots)} multi-hot sizes >= 1 needed, got {list(multi_hot_sizes)}")
+        hots = [int(h) for h in multi_hot_sizes]
     sparse = [SparseFeature(t.feature, t.num_embeddings, h > 1) for t, h in zip(ts.tables, hots)]
     schema = DataSchema(
         sparse=sparse,
@@ -142,8 +147,10 @@ def synthesize(
     compression: str = "none",
     show_progress: bool = True,
     overwrite: bool = False,
+    multi_hot_sizes: list[int] | None = None,
 ) -> dict:
     """Write ``rows`` synthetic rows to ``out_dir`` and return the dataset summary with oracle_auc.
+    ``multi_hot_sizes`` replaces the table set's ids per sample (one per feature).
 
     Uncompressed by default: dictionary encoding already makes Zipf ids small, and uncompressed
     files (~18% bigger than snappy) decode about 1.7x faster, which is what training loops want.
@@ -154,7 +161,7 @@ def synthesize(
 
     if rows < 1:
         raise DataError("--rows must be >= 1")
-    schema, hots = synth_schema(table_set)
+    schema, hots = synth_schema(table_set, multi_hot_sizes)
     out = prepare_output_dir(out_dir, overwrite)
     arrow_schema = schema.arrow_schema()
     rows_per_file = max(row_group_size, (rows_per_file // row_group_size) * row_group_size)
@@ -212,5 +219,6 @@ def synthesize(
         oracle_auc=summary["oracle_auc"],
         label_rate=summary["label_rate"],
         zipf_exponent=ZIPF_EXPONENT,
+        multi_hot_sizes=hots,
     )
     return summary

@@ -82,12 +82,23 @@ def run(args) -> int:
 
 
 def _prepare_synth(options: TrainOptions) -> None:
-    from tpurec.dlrm.configs import get_config, override
+    from tpurec.dlrm.configs import get_config, override, synth_multi_hot
     from tpurec.dlrm.data import ensure_synth
 
     # Only what names the dataset: the ranks check the other overrides (and report them per rank).
-    cfg = override(get_config(options.model), seed=options.seed, synth_rows=options.synth_rows)
-    ensure_synth(cfg.table_set, cfg.synth_rows, cfg.seed, say=lambda m: print(m, file=sys.stderr))
+    cfg = override(
+        get_config(options.model),
+        seed=options.seed,
+        synth_rows=options.synth_rows,
+        multi_hot_sizes=options.multi_hot_sizes,
+    )
+    ensure_synth(
+        cfg.table_set,
+        cfg.synth_rows,
+        cfg.seed,
+        say=lambda m: print(m, file=sys.stderr),
+        multi_hot=synth_multi_hot(cfg),
+    )
 
 
 def run_worker(options: TrainOptions) -> int:

@@ -55,6 +55,13 @@ class DLRMConfig:
         type=int_list,
         aliases=("--over-arch-layer-sizes", "--over_arch_layer_sizes"),
     )
+    multi_hot_sizes: tuple[int, ...] | None = flag(
+        None,
+        "ids per sample of each feature of the synthetic data, e.g. 3,2,1,... (one per table; default: "
+        "the table set's pooling factors); real data brings its own",
+        type=int_list,
+        aliases=("--multi_hot_sizes",),
+    )
     dcn_num_layers: int = flag(
         3, "cross layers with --interaction dcn", type=positive_int, aliases=("--dcn_num_layers",)
     )
@@ -179,6 +186,7 @@ def embedding_dims(cfg: DLRMConfig) -> list[int]:
 
 def validate(cfg: DLRMConfig) -> None:
     """One-line errors for settings that would otherwise fail deep inside torchrec."""
+    from tpurec.catalog import get_table_set
 
     dim = embedding_dims(cfg)[0]
     if cfg.interaction not in ("dot", "dcn"):
@@ -190,6 +198,10 @@ def validate(cfg: DLRMConfig) -> None:
     for k in ("embedding_optimizer", "dense_optimizer"):
         if getattr(cfg, k) not in OPTIMIZERS:
             raise ValueError(f"{k} must be one of {', '.join(OPTIMIZERS)}")
+    if cfg.multi_hot_sizes is not None:
+        n = len(get_table_set(cfg.table_set).tables)
+        if len(cfg.multi_hot_sizes) != n or min(cfg.multi_hot_sizes) < 1:
+            raise ValueError(f"--multi-hot-sizes needs {n} sizes >= 1 (one per table), got {list(cfg.multi_hot_sizes)}")
     if cfg.batch_size < 1:
         raise ValueError("--batch-size must be >= 1")
     if cfg.steps is not None and cfg.steps < 1:
@@ -203,3 +215,8 @@ def validate(cfg: DLRMConfig) -> None:
 
 
 __all__ = ["DLRMConfig", "CONFIGS", "get_config", "override", "validate", "field"]
+
+
+def synth_multi_hot(cfg: DLRMConfig) -> list[int] | None:
+    """Ids per sample of each feature of the synthetic data when --multi-hot-sizes sets them."""
+    return list(cfg.multi_hot_sizes) if cfg.multi_hot_sizes is not None else None

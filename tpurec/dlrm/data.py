@@ -20,24 +20,34 @@ def cache_root() -> Path:
     return Path(os.environ.get("TPUREC_CACHE", Path.home() / ".cache" / "tpurec"))
 
 
-def synth_dir(table_set: str, rows: int, seed: int) -> Path:
-    return cache_root() / f"synth-{table_set}-{rows}-{seed}"
+def synth_dir(table_set: str, rows: int, seed: int, multi_hot: list[int] | None = None) -> Path:
+    """The cache directory of one synthetic dataset (other --multi-hot-sizes: another directory)."""
+    tag = "" if multi_hot is None else "-mh" + "_".join(map(str, multi_hot))
+    return cache_root() / f"synth-{table_set}-{rows}-{seed}{tag}"
 
 
-def ensure_synth(table_set: str, rows: int, seed: int, say=print) -> Path:
+def ensure_synth(table_set: str, rows: int, seed: int, say=print, multi_hot: list[int] | None = None) -> Path:
     """The cached synthetic dataset, generated on first use (_dataset.json is written last, so its
     presence means the files are complete)."""
     from tpurec.data.schema import dataset_json
     from tpurec.data.synth import synthesize
 
-    out = synth_dir(table_set, rows, seed)
+    out = synth_dir(table_set, rows, seed, multi_hot)
+    hots = "" if multi_hot is None else f", multi-hot {','.join(map(str, multi_hot))}"
     if dataset_json(out) is not None:
-        say(f"data: synthetic {table_set}, {rows:,} rows, seed {seed}, cached in {out}")
+        say(f"data: synthetic {table_set}{hots}, {rows:,} rows, seed {seed}, cached in {out}")
         return out
-    say(f"data: generating synthetic {table_set} data ({rows:,} rows, seed {seed}) once into {out}")
+    say(f"data: generating synthetic {table_set} data{hots} ({rows:,} rows, seed {seed}) once into {out}")
     # Small row groups: more units to shuffle and to spread over ranks.
     synthesize(
-        rows, str(out), seed=seed, table_set=table_set, row_group_size=16384, show_progress=False, overwrite=True
+        rows,
+        str(out),
+        seed=seed,
+        table_set=table_set,
+        row_group_size=16384,
+        show_progress=False,
+        overwrite=True,
+        multi_hot_sizes=multi_hot,
     )
     return out
 

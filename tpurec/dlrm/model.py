@@ -97,7 +97,8 @@ def planner_constraints(cfg: DLRMConfig, device: str, table_names: list[str]):
         if device == "cpu"
         else None
     )
-    return pooling_constraints({t.name: t.pooling_factor for t in specs}, base=base)
+    pooling = [t.pooling_factor for t in specs] if cfg.multi_hot_sizes is None else list(cfg.multi_hot_sizes)
+    return pooling_constraints({t.name: float(p) for t, p in zip(specs, pooling)}, base=base)
 
 
 def shard(model, cfg: DLRMConfig, device: str, *, plan=None, stock: bool = False):

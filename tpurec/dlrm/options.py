@@ -42,7 +42,9 @@ class TrainOptions:
     )
     model: str = flag("dlrm-tiny", "named config (default dlrm-tiny)", choices=MODEL_NAMES)
     interaction: str | None = _override("interaction")
-    device: str = flag("auto", "auto: TPU when this host has a usable one, else CPU", choices=("auto", "cpu", "tpu"))
+    device: str = flag(
+        "auto", "auto (default): TPU when this host has a usable one, else CPU", choices=("auto", "cpu", "tpu")
+    )
     batch_size: int | None = _override("batch_size")
     steps: int | None = _override("steps")
     epochs: float | None = _override("epochs")
@@ -55,6 +57,7 @@ class TrainOptions:
     embedding_dim: int | None = _override("embedding_dim")
     dense_arch: tuple[int, ...] | None = _override("dense_arch")
     over_arch: tuple[int, ...] | None = _override("over_arch")
+    multi_hot_sizes: tuple[int, ...] | None = _override("multi_hot_sizes")
     dcn_num_layers: int | None = _override("dcn_num_layers")
     dcn_low_rank_dim: int | None = _override("dcn_low_rank_dim")
     embedding_optimizer: str | None = _override("embedding_optimizer")
@@ -76,6 +79,12 @@ class TrainOptions:
     plan: str | None = flag(None, "use a saved sharding plan instead of planning", metavar="PLAN.json")
     save_plan: str | None = flag(None, "save the plan used (for --plan later)", metavar="PLAN.json")
     metrics_out: str | None = flag(None, "metrics as .csv or .jsonl; curves as FILE.png beside it", metavar="FILE")
+    curves_out: str | None = flag(
+        None,
+        "training-curves PNG (default: beside --metrics-out, else CHECKPOINT_DIR/curves.png, else "
+        "$TPUREC_CACHE/runs/curves-MODEL-TIME.png; 'none': no PNG)",
+        metavar="PNG",
+    )
     threads: int | None = flag(None, "torch threads per rank (default: 1 with several ranks)", type=positive_int)
     quiet: bool = flag(False, "no progress bar")
 
@@ -109,14 +118,30 @@ class TrainOptions:
         """The named config with the given flags applied (ValueError, one line, for bad values)."""
         return override(get_config(self.model), **self.config_overrides())
 
+    def curves_path(self, stamp: str) -> str | None:
+        """Where the training-curves PNG goes (None: not written); ``stamp`` names a fallback file."""
+        if self.curves_out:
+            return None if self.curves_out.lower() == "none" else self.curves_out
+        if self.metrics_out:
+            return os.path.splitext(self.metrics_out)[0] + ".png"
+        if self.checkpoint_dir:
+            return os.path.join(self.checkpoint_dir, "curves.png")
+        from tpurec.dlrm.data import cache_root
+
+        return str(cache_root() / "runs" / f"curves-{self.model}-{stamp}.png")
+
     def check(self, nproc: int = 1) -> str | None:
         """A one-line message for bad input, checked before anything heavy starts."""
         if self.data and not os.path.isdir(self.data):
             return f"--data {self.data}: not a directory"
+        if self.data and self.multi_hot_sizes:
+            return f"--multi-hot-sizes shapes the synthetic data; --data {self.data} holds its own ids per sample"
         if self.plan and not os.path.isfile(self.plan):
             return f"--plan {self.plan}: file not found"
         if self.metrics_out and not self.metrics_out.lower().endswith((".csv", ".jsonl", ".json")):
             return "--metrics-out must end in .csv or .jsonl"
+        if self.curves_out and self.curves_out.lower() != "none" and not self.curves_out.lower().endswith(".png"):
+            return "--curves-out must end in .png (or be 'none')"
         if self.resume and self.resume == "latest" and not self.checkpoint_dir:
             return "--resume needs --checkpoint-dir (or --resume PATH)"
         if self.resume:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tpurec.catalog import get_table_set
 from tpurec.dlrm import checkpoint as ckpt
-from tpurec.dlrm.options import TrainOptions
+from tpurec.dlrm.options import OPTIONS_ENV, TrainOptions
 from tpurec.dlrm.report import MetricsLog, json_safe, plan_report, plan_summary, summary_text
 from tpurec.dlrm.runtime import check_host_memory, init_distributed, log, resolve_device, setup_logging
 
@@ -91,6 +91,7 @@ class Trainer:
         import torch.distributed as dist
 
         from tpurec.data.schema import dataset_metadata
+        from tpurec.dlrm.configs import synth_multi_hot
         from tpurec.dlrm.data import ensure_synth, make_readers, model_table_sizes, synth_dir
 
         cfg, rank, world = self.cfg, self.rank, self.world
@@ -99,10 +100,13 @@ class Trainer:
         else:
             local_rank = int(os.environ.get("LOCAL_RANK", rank))
             if local_rank == 0:  # one writer per host; the others wait at the barrier
-                ensure_synth(cfg.table_set, cfg.synth_rows, cfg.seed, say=self.say)
+                # Under the --nproc launcher (options in OPTIONS_ENV) it made the data and said so.
+                launched = OPTIONS_ENV in os.environ
+                quiet = (lambda m: None) if launched else self.say
+                ensure_synth(cfg.table_set, cfg.synth_rows, cfg.seed, say=quiet, multi_hot=synth_multi_hot(cfg))
             if world > 1:
                 dist.barrier()
-            self.data_dir = synth_dir(cfg.table_set, cfg.synth_rows, cfg.seed)
+            self.data_dir = synth_dir(cfg.table_set, cfg.synth_rows, cfg.seed, synth_multi_hot(cfg))
         meta = dataset_metadata(self.data_dir)
         defaults = [t.num_embeddings for t in self.table_set.tables]
         self.table_sizes = model_table_sizes(self.data_dir, defaults)
@@ -415,17 +419,19 @@ class Trainer:
 
     def _report(self, result: dict) -> None:
         o = self.options
-        if o.metrics_out:
+        png = o.curves_path(time.strftime("%Y%m%d-%H%M%S"))
+        if png:
             from tpurec.dlrm.plots import plot_curves
 
-            png = Path(o.metrics_out).with_suffix(".png")
+            Path(png).parent.mkdir(parents=True, exist_ok=True)
             plot_curves(
                 self._metrics.records,
                 png,
                 title=f"{self.cfg.name}, {self.world} rank(s), batch {self.batch_size}/rank",
                 oracle_auc=self.oracle_auc,
             )
-            self.say(f"metrics: {o.metrics_out}, curves: {png}")
+        if o.metrics_out or png:
+            self.say(", ".join(f"{k}: {v}" for k, v in (("metrics", o.metrics_out), ("curves", png)) if v))
         self.say(summary_text(result, self.data_dir))
         # One strict JSON line: a non-finite metric is null, never a bare NaN that JSON parsers refuse.
         print(json.dumps(json_safe(result), allow_nan=False), flush=True)

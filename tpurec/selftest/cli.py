@@ -17,9 +17,14 @@ from dataclasses import asdict
 
 def register(sub) -> None:
     p = sub.add_parser("selftest", help="verify the kernels (CPU reference vs oracles, or the TPU first-contact list)")
-    p.add_argument("--device", choices=["auto", "cpu", "tpu"], default="auto")
+    p.add_argument(
+        "--device",
+        choices=["auto", "cpu", "tpu"],
+        default="auto",
+        help="cpu: the CPU reference vs oracles; tpu: the first-contact checklist; auto (default): tpu if usable",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON document")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated tables and ids (default 0)")
     p.set_defaults(run=run)
 
 

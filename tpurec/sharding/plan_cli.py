@@ -130,7 +130,9 @@ def register(sub) -> None:
 
 
 def _output_flags(p, default) -> None:
-    p.add_argument("--format", choices=("text", "json", "html", "png"), default=default)
+    p.add_argument(
+        "--format", choices=("text", "json", "html", "png"), default=default, help=f"output format (default {default})"
+    )
     p.add_argument(
         "--out",
         metavar="FILE",
