@@ -24,8 +24,10 @@ GPUS_PER_HOST = 8  # an 8-GPU host, as the MLPerf DLRM-DCNv2 reference's 8xH200 
 def register(sub) -> None:
     p = sub.add_parser("plan", help="planning time: tpurec's planner vs TorchRec's (cuda topology), same model")
     p.add_argument("--json", action="store_true", help="one JSON document instead of text")
-    p.add_argument("--model", choices=MODEL_NAMES, default="mlperf-dcnv2")
-    p.add_argument("--topology", default="v5p-128", help="TPU slice for tpurec; TorchRec gets its world size")
+    p.add_argument("--model", choices=MODEL_NAMES, default="mlperf-dcnv2", help="model to plan (default mlperf-dcnv2)")
+    p.add_argument(
+        "--topology", default="v5p-128", help="TPU slice for tpurec; TorchRec gets its world size (default v5p-128)"
+    )
     p.add_argument("--batch-size", type=positive_int, default=None, help="per device (default: the model's)")
     p.add_argument("--repeats", type=positive_int, default=3, help="timed rounds (default 3)")
     p.add_argument(
