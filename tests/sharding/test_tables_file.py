@@ -39,8 +39,7 @@ SAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tables.yaml"
             '{"name": "x", "rows": 10, "dim": 8, "data_type": "fp64"}',
             "data_type 'fp64' must be one of fp32, fp16, bf16",
         ),
-        ('{"name": "x", "rows": 10, "dim": 8, "pooling": "max"}', "pooling 'max' must be one of sum, mean"),
-        ('{"name": "x", "rows": 10, "dim": 8, "pooling": "none"}', "pooling 'none' makes a sequence table"),
+        ('{"name": "x", "rows": 10, "dim": 8, "pooling": "max"}', "pooling 'max' must be one of sum, mean, none"),
         ('{"name": "x", "rows": 10, "dim": 8, "weighted": "yes"}', "weighted 'yes' must be true or false"),
         (
             '{"name": "x", "rows": 10, "dim": 8, "sharding_types": ["data_parallel"]}',
@@ -125,3 +124,33 @@ def test_sample_tables_file_plans_with_every_key_honoured():
     ids, lengths = 256 * 8 * 4.0, 256 * 8 * 4
     weighted = shard_cost(**kw, weighted=True).input_comm_ms / one.input_comm_ms
     assert weighted == pytest.approx((ids * 8 + lengths) / (ids * 4 + lengths))
+
+
+def test_sequence_tables_plan_as_embedding_collections_with_one_output_row_per_id(tmp_path):
+    from tpurec.sharding import inspect
+
+    path = tmp_path / "t.yaml"
+    path.write_text(
+        "- {name: history, rows: 50000, dim: 64, pooling: none, pooling_factor: 50}\n"
+        "- {name: genre, rows: 1000, dim: 64, pooling: none, features: [genres], pooling_factor: 3}\n"
+        "- {name: user, rows: 50000, dim: 64, pooling: sum, pooling_factor: 50}\n"
+    )
+    entries = tables_file.load_tables(str(path))
+    r = inspect.plan_tables(entries, "v6e-4", batch_size=128, optimizer="sgd")
+    assert r["fits"]
+    t = {x["name"]: x for x in r["tables"]}
+    assert t["history"]["module"] == t["genre"]["module"] == "sequence_d64" and t["user"]["module"] == "unweighted"
+    # The report's figures are the planner's: shard_cost of each shard, unpooled for sequence tables.
+    for name, pooled in (("history", False), ("user", True)):
+        shards = t[name]["shards"]
+        want = sum(
+            shard_cost(
+                sharding_type=t[name]["sharding_type"], rows=s["sizes"][0], cols=s["sizes"][1], pooling_factor=50.0,
+                batch_per_device=128, world_size=4, num_shards=len(shards), spec=parse_slice("v6e-4"),
+                optimizer="sgd", pooled=pooled,
+            ).bytes
+            for s in shards
+        )  # fmt: skip
+        assert t[name]["bytes"] == want
+    # same rows and ids per sample: the sequence table returns one row per id (50 per sample)
+    assert t["history"]["bytes"] > t["user"]["bytes"]

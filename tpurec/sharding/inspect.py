@@ -81,6 +81,7 @@ def build_report(
                     elem_bytes=table_elem_bytes(dtype, compute_device),
                     num_features=len(t.feature_names),
                     weighted=t.weighted,
+                    pooled=t.pooling != "none",
                 )
                 d = devices[rank]
                 for k in keys:
@@ -218,22 +219,41 @@ def _bag_configs(tables: list[TableSpec]):
 
 
 def tables_module(tables: list[TableSpec]):
-    """The tables as EmbeddingBagCollections on the meta device (nothing allocated): one EBC (module
-    path ""), or, when some tables are weighted, `unweighted` and `weighted` EBCs (TorchRec's
-    is_weighted is per collection)."""
+    """The tables on the meta device (nothing allocated): one EmbeddingBagCollection (module path ""),
+    or, when some tables are weighted or sequence tables (`pooling: none`), a module holding
+    `unweighted` and `weighted` EBCs (TorchRec's is_weighted is per collection) and one
+    EmbeddingCollection per dim, `sequence_d<dim>` (an EC's tables share one dim)."""
     import torch
     from torch import nn
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.modules.embedding_configs import DataType, EmbeddingConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
     def ebc(group, weighted):
         return EmbeddingBagCollection(_bag_configs(group), is_weighted=weighted, device=torch.device("meta"))
 
-    groups = {w: [t for t in tables if t.weighted == w] for w in (False, True)}
-    if not groups[True] or not groups[False]:
-        return ebc(tables, bool(groups[True]))
-    both = nn.Module()
-    both.unweighted, both.weighted = ebc(groups[False], False), ebc(groups[True], True)
-    return both
+    bags = [t for t in tables if t.pooling != "none"]
+    sequences = [t for t in tables if t.pooling == "none"]
+    groups = {w: [t for t in bags if t.weighted == w] for w in (False, True)}
+    if not sequences and (not groups[True] or not groups[False]):
+        return ebc(bags, bool(groups[True]))
+    out = nn.Module()
+    for name, weighted in (("unweighted", False), ("weighted", True)):
+        if groups[weighted]:
+            setattr(out, name, ebc(groups[weighted], weighted))
+    for dim in sorted({t.embedding_dim for t in sequences}):
+        configs = [
+            EmbeddingConfig(
+                name=t.name,
+                embedding_dim=t.embedding_dim,
+                num_embeddings=t.num_embeddings,
+                feature_names=list(t.feature_names),
+                data_type=DataType[t.data_type.upper()],
+            )
+            for t in sequences
+            if t.embedding_dim == dim
+        ]
+        setattr(out, f"sequence_d{dim}", EmbeddingCollection(tables=configs, device=torch.device("meta")))
+    return out
 
 
 def plan_tables(tables: list, topology: str, **kw) -> dict:

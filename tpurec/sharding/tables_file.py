@@ -6,11 +6,9 @@ are those of FIELDS below (docs/planner.md, "Tables file", documents them). To a
 entry to FIELDS: its parser gets the raw value and the entry, and returns the value or raises
 `_Bad("...")`; `Entry` and `TableSpec` carry the result.
 
-Sequence tables are reserved for EmbeddingCollection support: `pooling: none` is refused today with
-that reason. Adding them means (1) accepting "none" in `_pooling`, (2) a `FIELDS` entry for the mean
-sequence length (e.g. `avg_sequence_length`, required when pooling is none), carried on `Entry`,
-and (3) building an EmbeddingCollection for those tables where `inspect.tables_module` builds
-EmbeddingBagCollections.
+Sequence tables: `pooling: none` makes a table unpooled (TorchRec's EmbeddingCollection, one output
+row per id); its `pooling_factor` is then the mean sequence length (ids per sample), which sizes its
+outputs and buffers. `inspect.tables_module` builds one EmbeddingCollection per dim for them.
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ from tpurec.catalog import TableSpec
 MAX_TABLE_ROWS = 2**40  # far above any real table; catches 1e20 and unit mistakes
 MAX_EMBEDDING_DIM = 65536
 DATA_TYPES = ("fp32", "fp16", "bf16")
-POOLINGS = ("sum", "mean")
+POOLINGS = ("sum", "mean", "none")  # none: a sequence table (EmbeddingCollection)
 # tpurec.sharding.kernel_choice.SHARDING_TYPES, spelled out so that reading a file imports no
 # torchrec (tests/sharding/test_tables_file.py checks the two agree).
 SHARDING_TYPES = ("table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise")
@@ -107,11 +105,8 @@ def _choice(options: tuple[str, ...]) -> Callable[[Any, dict], str]:
 
 
 def _pooling(value, t) -> str:
-    v = str(value).lower()
-    if v == "none":
-        raise _Bad(
-            "'none' makes a sequence table (EmbeddingCollection), which tpurec does not plan yet; use sum or mean"
-        )
+    if value is None:  # YAML's bare `none`/`null`
+        value = "none"
     return _choice(POOLINGS)(value, t)
 
 
