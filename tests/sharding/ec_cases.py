@@ -16,7 +16,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from tpurec.sharding.ec_sharder import SparseCoreECSharder
 from tpurec.sharding.kernel_choice import COMPUTE_KERNEL
 
-from .dmp_cases import local_slice, optimizer
+from .dmp_cases import copy_full_into_shards, local_slice, optimizer
 
 DIM = 16
 # t1 feeds two features; t2 is smaller than 2 ranks x 4 SparseCores x 8 rows.
@@ -102,15 +102,6 @@ def build_sharded(world_size, sharding, optim_name, init_state, stock=False):
     if init_state is not None:
         copy_full_into_shards(model, init_state)
     return model
-
-
-def copy_full_into_shards(model, full_state):
-    with torch.no_grad():
-        for key, value in model.state_dict().items():
-            if hasattr(value, "local_shards") and key in full_state:
-                for shard in value.local_shards():
-                    (r, c), (nr, nc) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-                    shard.tensor.copy_(full_state[key][r : r + nr, c : c + nc])
 
 
 def gather_tables(model, rank):
