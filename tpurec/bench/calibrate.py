@@ -13,9 +13,7 @@ table-wise.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 import tempfile
 
@@ -137,32 +135,10 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 
 def _measure(plan_file: str, data, steps: int, warmup: int) -> dict:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={WORLD}",
-        "-m",
-        "tpurec.bench.train",
-        "--side",
-        "tpurec",
-        "--plan",
-        plan_file,
-        "--data",
-        str(data),
-        "--steps",
-        str(steps),
-        "--warmup",
-        str(warmup),
-        "--batch-size",
-        str(_batch_size()),
-    ]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
-    if p.returncode != 0 or not lines:
-        raise RuntimeError(f"training with {plan_file} failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
-    return json.loads(lines[-1])
+    """One 2-rank training run of dlrm-tiny on `plan_file` (the `tpurec bench train` launcher)."""
+    from tpurec.bench.train import launch
+
+    return launch("tpurec", data, WORLD, steps, warmup, _batch_size(), extra=["--plan", plan_file])
 
 
 def run(steps: int = 200, warmup: int = 20, only: int | None = None) -> dict:

@@ -70,7 +70,7 @@ def run(nproc: int = 2, steps: int = 300, warmup: int = 30, batch_size: int = 51
     data = ensure_synth("dlrm-tiny", rows, 0, say=lambda m: print(m, file=sys.stderr))
     # Each launch reports its own timed region; the parent's clock would include process start-up.
     runs = timer.interleaved(
-        [lambda side=side: _launch(side, data, nproc, steps, warmup, batch_size) for side in SIDES],
+        [lambda side=side: launch(side, data, nproc, steps, warmup, batch_size) for side in SIDES],
         warmup=0,
         repeats=repeats,
     )
@@ -100,7 +100,8 @@ def run(nproc: int = 2, steps: int = 300, warmup: int = 30, batch_size: int = 51
     }
 
 
-def _launch(side, data, nproc, steps, warmup, batch_size) -> dict:
+def launch(side, data, nproc, steps, warmup, batch_size, extra=()) -> dict:
+    """One side's training run under torchrun (`extra`: more `tpurec.bench.train` flags); its JSON line."""
     cmd = [
         sys.executable,
         "-m",
@@ -119,6 +120,7 @@ def _launch(side, data, nproc, steps, warmup, batch_size) -> dict:
         str(warmup),
         "--batch-size",
         str(batch_size),
+        *extra,
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
