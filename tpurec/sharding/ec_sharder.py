@@ -18,11 +18,10 @@ from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.types import ParameterSharding, ShardingEnv
 
 from tpurec.embedding.constraints import DEFAULT_NUM_SPARSECORES
-from tpurec.embedding.sparsecores import resolve_num_sparsecores
-from tpurec.sharding.kernel_choice import COMPUTE_KERNEL, EC_SHARDING_TYPES
+from tpurec.sharding.kernel_choice import EC_SHARDING_TYPES
 from tpurec.sharding.kernel_module import SparseCoreEmbedding
 from tpurec.sharding.sharded_state import SparseCoreShardedMixin
-from tpurec.sharding.sharder import sparsecore_fused_params
+from tpurec.sharding.sharder import SparseCoreSharderMixin
 
 
 class SparseCoreGroupedSequenceLookup(GroupedEmbeddingsLookup):
@@ -81,7 +80,7 @@ class ShardedSparseCoreEC(SparseCoreShardedMixin, ShardedEmbeddingCollection):
             )
 
 
-class SparseCoreECSharder(EmbeddingCollectionSharder):
+class SparseCoreECSharder(SparseCoreSharderMixin, EmbeddingCollectionSharder):
     """Shards EmbeddingCollections onto tpurec's SparseCore kernel (TW, CW, RW).
 
     Arguments as `SparseCoreEBCSharder`'s, plus max_ids_per_feature: the fixed number of ids per
@@ -89,47 +88,8 @@ class SparseCoreECSharder(EmbeddingCollectionSharder):
     largest feature; on CPU the capacity follows each batch). See tpurec.embedding.sequence_kernel.
     """
 
-    def __init__(
-        self,
-        num_sparsecores: int | None = None,
-        fused_params: Dict[str, Any] | None = None,
-        max_ids_per_partition: int | None = None,
-        max_unique_ids_per_partition: int | None = None,
-        allow_id_dropping: bool = False,
-        qcomm_codecs_registry=None,
-        fixed_limits: bool | None = None,
-        pad_dims: bool | None = None,
-        widen_tables: bool | None = None,
-        max_ids_per_feature: int | None = None,
-    ) -> None:
-        fused = sparsecore_fused_params(
-            fused_params,
-            max_ids_per_partition=max_ids_per_partition,
-            max_unique_ids_per_partition=max_unique_ids_per_partition,
-            allow_id_dropping=allow_id_dropping or None,
-            fixed_limits=fixed_limits,
-            pad_dims=pad_dims,
-            widen_tables=widen_tables,
-            max_ids_per_feature=max_ids_per_feature,
-        )
-        super().__init__(fused_params=fused, qcomm_codecs_registry=qcomm_codecs_registry)
-        self.num_sparsecores = num_sparsecores
-
-    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
-        return [COMPUTE_KERNEL]
+    SHARDED_CLASS = ShardedSparseCoreEC
+    KERNEL_SETTINGS = ("max_ids_per_feature",)
 
     def sharding_types(self, compute_device_type: str) -> List[str]:
         return list(EC_SHARDING_TYPES)
-
-    def shard(self, module, params, env, device=None, module_fqn=None) -> ShardedSparseCoreEC:
-        device_type = torch.device(device).type if device is not None else "cpu"
-        return ShardedSparseCoreEC(
-            module,
-            params,
-            env,
-            fused_params=self.fused_params,
-            device=device,
-            num_sc_per_device=resolve_num_sparsecores(self.num_sparsecores, device_type),
-            qcomm_codecs_registry=self.qcomm_codecs_registry,
-            module_fqn=module_fqn,
-        )

@@ -110,18 +110,13 @@ def sparsecore_fused_params(fused_params: Dict[str, Any] | None, **settings) -> 
     return fused
 
 
-class SparseCoreEBCSharder(EmbeddingBagCollectionSharder):
-    """Shards EmbeddingBagCollections onto tpurec's SparseCore kernel.
+class SparseCoreSharderMixin:
+    """What tpurec's EBC and EC sharders share: the kernel settings carried in fused params, the one
+    compute kernel, and building the sharded module (`SHARDED_CLASS`) with the device's SparseCore
+    count. `KERNEL_SETTINGS` names the settings a sharder takes beyond the common ones."""
 
-    num_sparsecores: SparseCores per device (the MOD partitions inside a shard). None: the chip's own
-    count on a TPU (a different explicit value is refused there), the topology's when
-    tpurec.DistributedModelParallel builds the sharder, else 4 on CPU.
-    max_ids_per_partition / max_unique_ids_per_partition / allow_id_dropping / fixed_limits: id-limit
-    settings passed to every kernel (see SparseCoreKernel: limits are fixed on a TPU, from these or
-    from the first batch; on CPU None follows each batch). pad_dims: store rows 8 floats wide as the
-    SparseCore needs (default: on a TPU only). widen_tables: store FP16/BF16 tables as float32
-    (default: on a TPU only, where TorchTPU's ops take float32 tables; tpurec.embedding.dtypes).
-    """
+    SHARDED_CLASS: type
+    KERNEL_SETTINGS: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -134,7 +129,11 @@ class SparseCoreEBCSharder(EmbeddingBagCollectionSharder):
         fixed_limits: bool | None = None,
         pad_dims: bool | None = None,
         widen_tables: bool | None = None,
+        **kernel_settings,
     ) -> None:
+        unknown = sorted(set(kernel_settings) - set(self.KERNEL_SETTINGS))
+        if unknown:
+            raise TypeError(f"{type(self).__name__} got unexpected keyword argument(s) {unknown}")
         fused = sparsecore_fused_params(
             fused_params,
             max_ids_per_partition=max_ids_per_partition,
@@ -143,6 +142,7 @@ class SparseCoreEBCSharder(EmbeddingBagCollectionSharder):
             fixed_limits=fixed_limits,
             pad_dims=pad_dims,
             widen_tables=widen_tables,
+            **kernel_settings,
         )
         super().__init__(fused_params=fused, qcomm_codecs_registry=qcomm_codecs_registry)
         self.num_sparsecores = num_sparsecores
@@ -150,12 +150,9 @@ class SparseCoreEBCSharder(EmbeddingBagCollectionSharder):
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
         return [COMPUTE_KERNEL]
 
-    def sharding_types(self, compute_device_type: str) -> List[str]:
-        return list(SHARDING_TYPES)
-
-    def shard(self, module, params, env, device=None, module_fqn=None) -> ShardedSparseCoreEBC:
+    def shard(self, module, params, env, device=None, module_fqn=None):
         device_type = torch.device(device).type if device is not None else "cpu"
-        return ShardedSparseCoreEBC(
+        return self.SHARDED_CLASS(
             module,
             params,
             env,
@@ -165,3 +162,22 @@ class SparseCoreEBCSharder(EmbeddingBagCollectionSharder):
             qcomm_codecs_registry=self.qcomm_codecs_registry,
             module_fqn=module_fqn,
         )
+
+
+class SparseCoreEBCSharder(SparseCoreSharderMixin, EmbeddingBagCollectionSharder):
+    """Shards EmbeddingBagCollections onto tpurec's SparseCore kernel.
+
+    num_sparsecores: SparseCores per device (the MOD partitions inside a shard). None: the chip's own
+    count on a TPU (a different explicit value is refused there), the topology's when
+    tpurec.DistributedModelParallel builds the sharder, else 4 on CPU.
+    max_ids_per_partition / max_unique_ids_per_partition / allow_id_dropping / fixed_limits: id-limit
+    settings passed to every kernel (see SparseCoreKernel: limits are fixed on a TPU, from these or
+    from the first batch; on CPU None follows each batch). pad_dims: store rows 8 floats wide as the
+    SparseCore needs (default: on a TPU only). widen_tables: store FP16/BF16 tables as float32
+    (default: on a TPU only, where TorchTPU's ops take float32 tables; tpurec.embedding.dtypes).
+    """
+
+    SHARDED_CLASS = ShardedSparseCoreEBC
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        return list(SHARDING_TYPES)
