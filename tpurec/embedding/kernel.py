@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from tpurec.embedding import dtypes, ops  # noqa: F401  (ops registers torch.ops.tpurec.*)
+from tpurec.embedding import csr_build, dtypes, ops  # noqa: F401  (ops registers torch.ops.tpurec.*)
 from tpurec.embedding.constraints import DIM_ALIGN, SEGMENT_ALIGN, round_up
 from tpurec.embedding.kjt_checks import check_kjt
 from tpurec.embedding.layout import StackLayout, build_stacks
@@ -107,6 +107,7 @@ class SparseCoreKernel(nn.Module):
         self.lr_source: dict | None = None
         self.last_stats: dict[str, PreprocessStats] = {}
         self.dropped_id_count = 0
+        self._no_mean: dict[int, torch.Tensor] = {}  # all-False mean flags per slot count (compiled build)
 
         names = [t.name for t in self.tables]
         if len(set(names)) != len(names):
@@ -338,6 +339,9 @@ class SparseCoreKernel(nn.Module):
         return values, features.lengths(), weights if self.is_weighted else None
 
     def _stack_input(self, i: int, values, lengths, weights, batch: int, padded: int) -> SparseCoreInput:
+        compiled = self._compiled_stack_input(i, values, lengths, weights, batch, padded)
+        if compiled is not None:
+            return compiled
         plan, lay = self.stacks[i], self.stacks[i].layout
         offsets, rows, mean = self._stack_tensors[i]
         n = len(plan.features)
@@ -396,6 +400,44 @@ class SparseCoreKernel(nn.Module):
                 ) from None
         self.last_stats[lay.name] = stats
         self.dropped_id_count += stats.dropped_id_count
+        return csr
+
+    def _compiled_stack_input(self, i: int, values, lengths, weights, batch: int, padded: int):
+        """The same SparseCore input from the compiled build (`csr_build`), or None: then the torch +
+        numpy route below runs, which also owns every error message and the dropping."""
+        if values.device.type != "cpu" or not csr_build.available():
+            return None
+        lay = self.stacks[i].layout
+        offsets, rows, mean = self._stack_tensors[i]
+        limits = self._stack_limits[i] if self.fixed_limits else None
+        if self.fixed_limits and limits is None:
+            return None  # the first batch sets fixed limits through the numpy route
+        mi, mu = limits if limits is not None else (self.max_ids_per_partition, self.max_unique_ids_per_partition)
+        no_mean = self._no_mean.setdefault(len(offsets), torch.zeros(len(offsets), dtype=torch.bool))
+        out = csr_build.stack_csr(
+            values.numpy(),
+            lengths.numpy(),
+            weights.to(torch.float32).numpy() if weights is not None else None,
+            batch=batch,
+            padded=padded,
+            offsets=offsets.numpy(),
+            rows=rows.numpy(),
+            mean=(mean if mean is not None else no_mean).numpy(),
+            rows_per_partition=lay.rows_per_partition,
+            num_sc=self.num_sc,
+            num_partitions=lay.num_partitions,
+            max_ids=mi,
+            max_uniq=mu,
+        )
+        if out is None:
+            return None
+        rp, emb, smp, gns, mi, mu, (ids_pp, uniq_pp, need) = out
+        csr = SparseCoreInput(
+            *(torch.from_numpy(x) for x in (rp, emb, smp, gns)), len(offsets) * padded, self.num_sc,
+            lay.num_partitions, mi, mu,
+        )  # fmt: skip
+        stats = PreprocessStats(torch.from_numpy(ids_pp), torch.from_numpy(uniq_pp), need, 0)
+        self.last_stats[lay.name] = stats
         return csr
 
     def _raise_bad_ids(self, plan, ids, slot, bad):

@@ -1,0 +1,196 @@
+"""Compiled CSR build of one stack: a KJT slice -> the SparseCore input, in three passes over the ids.
+
+The same result as `kernel._stack_input`'s torch + numpy route (ids checked, shifted into the stack,
+renamed for MOD partitioning, then `preprocess.preprocess`), bit for bit, but without its ~20
+full-length temporaries: one compiled pass builds the sort keys (and gains), numpy sorts them
+(AVX-512 sort, GIL released), one pass merges repeats and counts the segments, one pass writes the
+padded buffers. Numba (`@njit(nogil=True, cache=True)`) because the work is three tight loops that
+numpy can only express as many passes, it needs no build step (a C++ extension would need a compiler
+at install), compiles once per machine into numba's cache, and releases the GIL so pipeline workers
+run in parallel on threads. Imported lazily: without numba (or with TPUREC_NO_NUMBA=1) the kernel
+keeps its numpy route.
+
+Anything unusual (an id out of range, keys over 62 bits, a limit exceeded, empty input) returns None
+and the caller takes the numpy route, which raises or drops exactly as documented.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from tpurec.embedding.constraints import PADDING_ID, SEGMENT_ALIGN
+
+_KERNELS = None
+
+
+def available() -> bool:
+    """True when numba is importable and not switched off (TPUREC_NO_NUMBA=1)."""
+    return os.environ.get("TPUREC_NO_NUMBA", "") in ("", "0") and _kernels() is not None
+
+
+def _kernels():
+    global _KERNELS
+    if _KERNELS is None:
+        try:
+            _KERNELS = _compile()
+        except ImportError:
+            _KERNELS = False
+    return _KERNELS or None
+
+
+def _compile():
+    from numba import njit
+
+    @njit(nogil=True, cache=True)
+    def keys_pass(values, lengths, batch, padded, offsets, rows, mean, weights, has_w, rpp, parts, per_sc,
+                  cbits, sbits, ibits, keys, gains):  # fmt: skip
+        """Sort keys [segment | local id | sample in slice | input position]; gains when not uniform.
+        Returns -1, or the position of the first id out of its table's range."""
+        pos = 0
+        nbags = lengths.shape[0]
+        inv_rpp = 1.0 / rpp
+        for j in range(nbags):
+            k = j // batch
+            b = j - k * batch
+            length = lengths[j]
+            sample = k * padded + b
+            sl = sample // per_sc
+            sin = sample - sl * per_sc
+            hi = rows[k]
+            off = offsets[k]
+            for _ in range(length):
+                r = np.int64(values[pos])
+                if r < 0 or r >= hi:
+                    return pos
+                s = r + off
+                # s // rpp without a 64-bit division per id (the pass's cost): a float estimate,
+                # corrected by one step either way.
+                part = np.int64(s * inv_rpp)
+                if part * rpp > s:
+                    part -= 1
+                elif (part + 1) * rpp <= s:
+                    part += 1
+                local = s - part * rpp
+                seg = sl * parts + part
+                key = (((seg << cbits) | local) << sbits) | sin
+                if ibits:
+                    key = (key << ibits) | pos
+                    g = np.float32(weights[pos]) if has_w else np.float32(1.0)
+                    if mean[k]:
+                        g = g / np.float32(max(length, 1))
+                    gains[pos] = g
+                keys[pos] = key
+                pos += 1
+        return -1
+
+    @njit(nogil=True, cache=True)
+    def merge_pass(keys, gains, ibits, sbits, seg_shift, counts, ucounts, out_gain):
+        """Merges repeats of (segment, local id, sample) in place: keys[:m] become the entries
+        (without position bits), out_gain[:m] their float32 gain sums in input order. Returns m."""
+        n = keys.shape[0]
+        m = 0
+        mask = (np.int64(1) << ibits) - 1
+        prev = np.int64(-1)
+        for i in range(n):
+            raw = np.int64(keys[i])
+            k = raw >> ibits
+            g = gains[raw & mask] if ibits else np.float32(1.0)
+            if k != prev:
+                seg = k >> seg_shift
+                if m == 0 or (k >> sbits) != (prev >> sbits):
+                    ucounts[seg] += 1
+                counts[seg] += 1
+                keys[m] = k
+                out_gain[m] = g + np.float32(0.0)  # 0 + g, as the numpy route's float32 sum
+                m += 1
+                prev = k
+            else:
+                out_gain[m - 1] = out_gain[m - 1] + g
+        return m
+
+    @njit(nogil=True, cache=True)
+    def place_pass(keys, ugain, counts, num_sc, parts, slots, cbits, sbits, emb, smp, gns, row_pointers, rpw, pad):
+        """Segment p of SparseCore s starts at the 8-aligned sum of earlier segments; the rest is padding."""
+        src = 0
+        cmask = (np.int64(1) << cbits) - 1
+        smask = (np.int64(1) << sbits) - 1
+        for s in range(num_sc):
+            base = s * slots
+            at = 0
+            for p in range(parts):
+                c = counts[s * parts + p]
+                for e in range(c):
+                    k = np.int64(keys[src + e])
+                    emb[base + at + e] = (k >> sbits) & cmask
+                    smp[base + at + e] = k & smask
+                    gns[base + at + e] = ugain[src + e]
+                src += c
+                end = at + c
+                row_pointers[s * rpw + p] = end
+                aligned = (c + 7) // 8 * 8
+                for e in range(end, at + aligned):
+                    emb[base + e] = pad
+                    smp[base + e] = pad
+                    gns[base + e] = np.nan
+                at += aligned
+            for p in range(parts, rpw):
+                row_pointers[s * rpw + p] = at
+            for e in range(at, slots):
+                emb[base + e] = pad
+                smp[base + e] = pad
+                gns[base + e] = np.nan
+
+    return keys_pass, merge_pass, place_pass
+
+
+def stack_csr(values, lengths, weights, *, batch, padded, offsets, rows, mean, rows_per_partition, num_sc,
+              num_partitions, max_ids, max_uniq):  # fmt: skip
+    """One stack's (row_pointers, embedding_ids, sample_ids, gains, max_ids, max_uniq, stats) as numpy,
+    or None (then the numpy route decides). values/lengths/weights: numpy views of the stacked KJT
+    slice; offsets/rows/mean: per feature slot. max_ids / max_uniq None: sized to this batch."""
+    kern = _kernels()
+    n = int(values.shape[0])
+    if kern is None or n == 0 or batch == 0:
+        return None
+    keys_pass, merge_pass, place_pass = kern
+    parts, nslots = num_partitions, len(offsets)
+    per_sc = nslots * padded // num_sc
+    uniform = weights is None and not bool(mean.any())
+    cbits = max(int(rows_per_partition - 1).bit_length(), 1)
+    sbits = (per_sc - 1).bit_length()
+    ibits = 0 if uniform else max((n - 1).bit_length(), 1)  # ibits > 0 means "gains not uniform"
+    seg_shift = cbits + sbits
+    nseg = num_sc * parts
+    total_bits = (nseg - 1).bit_length() + seg_shift + ibits
+    if total_bits > 62:
+        return None
+    keys = np.empty(n, np.uint32 if total_bits <= 32 else np.int64)
+    gains = np.empty(n if ibits else 1, np.float32)
+    w = weights if weights is not None else np.empty(1, np.float32)
+    bad = keys_pass(values, lengths, batch, padded, offsets, rows, mean, w, weights is not None,
+                    rows_per_partition, parts, per_sc, cbits, sbits, ibits, keys, gains)  # fmt: skip
+    if bad >= 0:
+        return None
+    keys.sort()
+    counts = np.zeros(nseg, np.int64)
+    ucounts = np.zeros(nseg, np.int64)
+    ugain = np.empty(n, np.float32)
+    m = merge_pass(keys, gains, ibits, sbits, seg_shift, counts, ucounts, ugain)
+    mi = max_ids if max_ids is not None else max(int(counts.max()), 1)
+    mu = max_uniq if max_uniq is not None else mi
+    if int(counts.max()) > mi or int(ucounts.max()) > mu:
+        return None  # over a limit: the numpy route raises or drops
+    aligned = (counts + SEGMENT_ALIGN - 1) // SEGMENT_ALIGN * SEGMENT_ALIGN
+    need = int(aligned.reshape(num_sc, parts).sum(1).max())
+    slots = max((mi + SEGMENT_ALIGN - 1) // SEGMENT_ALIGN * SEGMENT_ALIGN * parts, need)
+    rpw = max(parts, SEGMENT_ALIGN)
+    emb = np.empty(num_sc * slots, np.int32)
+    smp = np.empty(num_sc * slots, np.int32)
+    gns = np.empty(num_sc * slots, np.float32)
+    row_pointers = np.empty(num_sc * rpw, np.int32)
+    place_pass(keys[:m], ugain[:m], counts, num_sc, parts, slots, cbits, sbits, emb, smp, gns, row_pointers, rpw,
+               PADDING_ID)  # fmt: skip
+    stats = (counts.reshape(num_sc, parts), ucounts.reshape(num_sc, parts), need)
+    return row_pointers, emb, smp, gns, int(mi), int(mu), stats
