@@ -17,6 +17,7 @@ BENCHES: dict[str, str] = {
     "train": "tpurec.bench.train",
     "balance": "tpurec.bench.balance",
     "plan": "tpurec.bench.plan",
+    "pipeline": "tpurec.bench.pipeline",
 }
 
 

@@ -287,7 +287,9 @@ class SparseCoreKernel(nn.Module):
             csrs.append(self._stack_input(i, values[lo:hi], lengths[k0 * batch : (k0 + n) * batch], w, batch, padded))
             k0 += n
         device = self.stack_weight(0).device if self.stacks else torch.device("cpu")
-        if device.type != "cpu":
+        # A kernel on "meta" holds no tables: a preprocessing-only kernel (benchmarks, pipelines
+        # sizing buffers), whose inputs stay on the host.
+        if device.type not in ("cpu", "meta"):
             csrs = [_to_device(c, device) for c in csrs]
         return csrs
 
