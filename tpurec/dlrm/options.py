@@ -87,6 +87,13 @@ class TrainOptions:
     )
     threads: int | None = flag(None, "torch threads per rank (default: 1 with several ranks)", type=positive_int)
     quiet: bool = flag(False, "no progress bar")
+    pipeline_depth: int = flag(
+        4,
+        "batches read and prepared ahead in background threads (Parquet decode, KJT, and on one rank the "
+        "SparseCore CSR inputs); 0: read inline",
+        type=nonnegative_int,
+    )
+    pipeline_workers: int = flag(1, "threads preparing batches ahead (default 1)", type=positive_int)
 
     # ---- building ----
     @classmethod

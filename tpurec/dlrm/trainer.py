@@ -71,9 +71,25 @@ class Trainer:
         self._setup_data()
         self._setup_model()
         self._resume()
-        self._stream = _infinite(self.readers.train)
+        self._start_stream()
         self._batches = itertools.islice(self._stream, self.total_steps - self.step_count)
         self._ready = True
+
+    def _start_stream(self) -> None:
+        """The training batches, prepared `--pipeline-depth` ahead in background threads (with the
+        CSR inputs on one rank, `tpurec.dlrm.input_pipeline`), or read inline at depth 0."""
+        from tpurec.dlrm.input_pipeline import lookups_to_prepare, make_prefetcher
+
+        o = self.options
+        self._lookups = lookups_to_prepare(self.dmp, self.world) if o.pipeline_depth else []
+        self._prefetch = make_prefetcher(
+            self.readers.train, self._lookups, depth=o.pipeline_depth, workers=o.pipeline_workers
+        )
+        self._stream = iter(self._prefetch) if self._prefetch is not None else _infinite(self.readers.train)
+
+    def _train_state(self) -> dict:
+        """The reader's position after the last batch the step took (not the batches read ahead)."""
+        return self._prefetch.state_dict() if self._prefetch is not None else self.readers.train.state_dict()
 
     def _table_sizes_and_source(self) -> tuple[list[int], str]:
         """The table sizes training will build, and where they come from (for messages)."""
@@ -265,7 +281,7 @@ class Trainer:
     def checkpoint(self) -> Path:
         """Save model, optimizer, reader position and RNG states at the current step (every rank)."""
         train, s = self.readers.train, self.step_count
-        st = train.state_dict()
+        st = self._train_state()
         cmeta = {
             "step": s,
             "samples": self.samples,
@@ -337,6 +353,14 @@ class Trainer:
             if o.checkpoint_dir and ckpt_every and step % ckpt_every == 0 and step != total:
                 self.checkpoint()
         self._bar.close()
+        if self._prefetch is not None:
+            self._prefetch.close()
+        for m in self._lookups:
+            m.clear_prepared()  # batches read ahead that training will not take
+        if self._lookups:
+            hits = sum(m.prepared_hits for m in self._lookups)
+            misses = sum(m.prepared_misses for m in self._lookups)
+            self.say(f"input pipeline: SparseCore inputs built ahead for {hits} of {hits + misses} lookups")
 
         final = self._log_eval(self.evaluate())
         if o.checkpoint_dir:
@@ -366,7 +390,7 @@ class Trainer:
     def _train_segment(self, end: int) -> None:
         """Steps up to `end`; the pipeline drains at the end (its batch source ends there)."""
         self._batches = itertools.islice(self._stream, end - self.step_count)
-        batch, world, train = self.batch_size, self.world, self.readers.train
+        batch, world = self.batch_size, self.world
         t0 = time.perf_counter()
         while (loss := self.step()) is not None:
             self._steps_run += 1
@@ -380,7 +404,7 @@ class Trainer:
                     {
                         "kind": "train",
                         "step": self.step_count,
-                        "epoch": train.epoch,
+                        "epoch": self._train_state()["epoch"],
                         "samples": self.samples,
                         "seconds": round(time.perf_counter() - self._t_start, 3),
                         "loss": mean,
@@ -409,7 +433,7 @@ class Trainer:
             {
                 "kind": "eval",
                 "step": self.step_count,
-                "epoch": self.readers.train.epoch,
+                "epoch": self._train_state()["epoch"],
                 "samples": self.samples,
                 "seconds": round(time.perf_counter() - self._t_start, 3),
                 **ev,

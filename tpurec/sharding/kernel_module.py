@@ -12,6 +12,7 @@ dims]; `SparseCoreEmbedding` (unpooled, for the sharded EmbeddingCollection) ret
 
 from __future__ import annotations
 
+import threading
 from typing import Iterator
 
 import torch
@@ -33,6 +34,7 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
     """One group's tables on one SparseCoreKernel; subclasses say whether lookups pool."""
 
     pooled = True
+    prepared_limit = 16  # inputs built ahead and kept until looked up (a pipeline's depth + slack)
 
     def __init__(
         self, config: GroupedEmbeddingConfig, device: torch.device | None, num_sc_per_device: int, sharding_type=None
@@ -98,6 +100,9 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
             widen_tables=fused.get("widen_tables"),
         )
         self._optim = SparseCoreFusedOptimizer(self.kernel, param_prefix="", key_of=self._param_key)
+        self._prepared: list = []  # (KJT, SparseCore inputs) built ahead, oldest first
+        self._prepared_lock = threading.Lock()
+        self.prepared_hits = self.prepared_misses = 0
 
     @staticmethod
     def _param_key(kname: str) -> str:
@@ -114,6 +119,31 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
 
     def forward(self, features) -> torch.Tensor:
         return self.kernel(features)
+
+    # -- SparseCore inputs built ahead (pooled lookups) -----------------------------------------
+    def prepare(self, features) -> None:
+        """Build the SparseCore inputs of a KJT this lookup will receive later (on a background
+        thread, e.g. the input pipeline's), through the kernel's own `preprocess`. `forward` uses them
+        when its KJT has the same ids, lengths and weights; otherwise it preprocesses inline."""
+        csrs = self.kernel.preprocess(features)
+        with self._prepared_lock:
+            self._prepared.append((features, csrs))
+            del self._prepared[: -self.prepared_limit]
+
+    def _take_prepared(self, features):
+        with self._prepared_lock:
+            for j, (kjt, csrs) in enumerate(self._prepared):
+                if _same_ids(kjt, features):
+                    del self._prepared[: j + 1]  # older ones were never looked up (e.g. skipped)
+                    self.prepared_hits += 1
+                    return csrs
+        if self.training:  # a training lookup nothing was built ahead for
+            self.prepared_misses += 1
+        return None
+
+    def clear_prepared(self) -> None:
+        with self._prepared_lock:
+            self._prepared.clear()
 
     def named_parameters_by_table(self) -> Iterator:
         # Tables live in the kernel's partition-major storage, not as parameters; the sharded EBC
@@ -135,12 +165,39 @@ class SparseCoreEmbeddingBag(_SparseCoreGroupKernel):
 
     pooled = True
 
+    def forward(self, features) -> torch.Tensor:
+        csrs = self._take_prepared(features) if self._prepared else None
+        if csrs is None:
+            return self.kernel(features)
+        return self.kernel.lookup(csrs, features.stride())
+
+    def feature_keys(self) -> list[str]:
+        """The KJT keys this lookup receives, in order (TorchRec passes a group's features in table
+        order; a feature repeats for each column shard of its table held here)."""
+        return [f for t in self._config.embedding_tables for f in t.feature_names]
+
 
 class SparseCoreEmbedding(_SparseCoreGroupKernel):
     """Unpooled: one row per id, [ids, dim], in the KeyedJaggedTensor's values order (TorchRec's
     sequence lookups, which view it as [-1, dim])."""
 
     pooled = False
+
+
+def _same_ids(a, b) -> bool:
+    """Same stride, ids, lengths and weights: then the SparseCore inputs are the same too."""
+    if a.stride() != b.stride() or a.values().shape != b.values().shape:
+        return False
+    if b.values().device != a.values().device:  # a TPU lookup's KJT against the host copy built ahead
+        b = b.to(a.values().device)
+    wa, wb = a.weights_or_none(), b.weights_or_none()
+    if (wa is None) != (wb is None):
+        return False
+    return (
+        torch.equal(a.lengths().to(torch.int64), b.lengths().to(torch.int64))
+        and torch.equal(a.values().to(torch.int64), b.values().to(torch.int64))
+        and (wa is None or torch.equal(wa, wb))
+    )
 
 
 def _fused_int(config: GroupedEmbeddingConfig, key: str):

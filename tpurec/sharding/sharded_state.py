@@ -33,6 +33,10 @@ class SparseCoreShardedMixin:
     def _sc_tables(self) -> List[str]:
         return [t for t, ps in self.module_sharding_plan.items() if ps.compute_kernel == COMPUTE_KERNEL]
 
+    def sparsecore_lookups(self) -> list:
+        """This rank's SparseCore group kernels, one per lookup group (e.g. to build inputs ahead)."""
+        return [m for lookup in self._lookups for m in lookup.modules() if isinstance(m, _SparseCoreGroupKernel)]
+
     def _sc_shards(self):
         """(table, kernel name, ShardMetadata, kernel module) for every SparseCore shard on this rank."""
         for lookup in self._lookups:
