@@ -90,7 +90,7 @@ class TrainOptions:
     pipeline_depth: int = flag(
         4,
         "batches read and prepared ahead in background threads (Parquet decode, KJT, and on one rank the "
-        "SparseCore CSR inputs); 0: read inline",
+        "SparseCore CSR inputs); 0: read inline (default 4)",
         type=nonnegative_int,
     )
     pipeline_workers: int = flag(1, "threads preparing batches ahead (default 1)", type=positive_int)
