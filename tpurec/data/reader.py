@@ -167,7 +167,7 @@ class _Decoder:
                 lengths = np.diff(off).astype(np.int32)
             else:
                 vals, off, lengths = col.to_numpy().astype(np.int64, copy=False), None, None
-            if len(vals):
+            if len(vals) and not self.stats_checked.get((u.path, u.row_group)):
                 self._check_range(where, f, vals.min(), vals.max())
             if self.rehash:
                 vals = _hash(vals, self.rehash[len(feats)])
@@ -508,6 +508,7 @@ class ParquetReader:
             length_per_key = [n] * nf
         else:
             vals, lens, wts, length_per_key = [], [], [], []
+            weighted = any(f.weights is not None for f in w0.features)
             for j in range(nf):
                 count = 0
                 for w, s, e in pieces:
@@ -519,14 +520,15 @@ class ParquetReader:
                         lo, hi = int(f.offsets[s]), int(f.offsets[e])
                         lens.append(f.lengths[s:e])
                     vals.append(f.values[lo:hi])
-                    wts.append(f.weights[lo:hi] if f.weights is not None else np.ones(hi - lo, np.float32))
+                    if weighted:  # ones for the unweighted features only when some feature has weights
+                        wts.append(f.weights[lo:hi] if f.weights is not None else np.ones(hi - lo, np.float32))
                     count += hi - lo
                 if pad:
                     lens.append(np.zeros(pad, np.int32))
                 length_per_key.append(count)
             values = np.concatenate(vals)
             lengths = torch.from_numpy(np.concatenate(lens))
-            if any(f.weights is not None for f in w0.features):
+            if weighted:
                 weights = torch.from_numpy(np.concatenate(wts))
         offset_per_key = np.concatenate([[0], np.cumsum(length_per_key)]).tolist()
         kjt = KeyedJaggedTensor(
