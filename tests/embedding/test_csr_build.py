@@ -114,3 +114,20 @@ def test_mlperf_shaped_stack_matches(monkeypatch):
     monkeypatch.setenv("TPUREC_NO_NUMBA", "1")
     want = [kernel._stack_input(0, *kernel._stacked_arrays(kjt), batch, batch)]
     _assert_same(got, want, gs, dict(kernel.last_stats))
+
+
+def test_recycled_buffers_never_change_a_result_still_held():
+    """Buffers are reused only after every tensor viewing them is gone."""
+    gen = torch.Generator().manual_seed(9)
+    tables = make_tables()
+    kernel = _kernel(tables, 2, max_ids_per_partition=64)
+    kjts = [random_kjt(tables, 16, gen) for _ in range(6)]
+    held = [kernel.preprocess(k) for k in kjts[:3]]
+    copies = [[c.embedding_ids.clone() for c in csrs] for csrs in held]
+    ptrs = {c.embedding_ids.data_ptr() for csrs in held for c in csrs}
+    for k in kjts[3:]:  # results dropped at once: their buffers go back to the pool
+        later = kernel.preprocess(k)
+        assert not ptrs & {c.embedding_ids.data_ptr() for c in later}
+        del later
+    for csrs, want in zip(held, copies):
+        assert all(torch.equal(c.embedding_ids, w) for c, w in zip(csrs, want))
