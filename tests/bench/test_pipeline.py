@@ -14,6 +14,13 @@ def test_bench_pipeline_small(tmp_path):
     assert one["steps"] == 3 and one["ids_per_step"] == 128 * 214  # the MLPerf multi-hot shape
     assert one["ids_per_s_per_core"] == out["ids_per_s_per_core"] > 0
     assert one["jte_samples_per_s"] > 0 and out["ratio_vs_jte"] == one["ratio_vs_jte"] > 0
-    for key in ("read_kjt_ms", "csr_build_ms", "copy_gb_per_s", "csr_slots_per_step", "jte_csr_slots_per_step"):
+    for key in (
+        "read_kjt_cpu_ms",
+        "csr_build_cpu_ms",
+        "ids_per_cpu_s",
+        "copy_gb_per_s",
+        "csr_slots_per_step",
+        "jte_csr_slots_per_step",
+    ):
         assert one[key] > 0, key
     assert out["fraction_of_goal"] == round(one["ids_per_s_per_core"] / bench_pipeline.GOAL_IDS_PER_S_PER_CORE, 3)
