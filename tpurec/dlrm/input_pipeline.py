@@ -4,9 +4,9 @@
 On one rank it also builds each SparseCore lookup's CSR inputs ahead (`SparseCoreEmbeddingBag.
 prepare`), because there the KJT a lookup receives is the batch's own, its features selected in the
 lookup's order: TorchRec's input distribution moves no id between ranks. With several ranks a lookup's
-ids come from the input all-to-all, so its CSR is built inside the step (`SparseCoreKernel.preprocess`
-in the lookup's forward), after TorchRec's `TrainPipelineSparseDist` has overlapped that all-to-all
-with the previous batch's compute.
+ids come from the input all-to-all: `train_pipeline` then waits for batch i+1's all-to-all as soon
+as TorchRec's `TrainPipelineSparseDist` has started it (after batch i's forward) and builds its CSR on
+a worker thread while batch i's backward and optimizer step run; batch i+1's forward takes it.
 """
 
 from __future__ import annotations
@@ -16,8 +16,11 @@ from tpurec.data.prefetch import Prefetcher
 
 def lookups_to_prepare(dmp, world_size: int) -> list:
     """The pooled SparseCore lookups whose inputs can be built before input distribution."""
-    if world_size != 1:
-        return []
+    return sparsecore_lookups(dmp) if world_size == 1 else []
+
+
+def sparsecore_lookups(dmp) -> list:
+    """Every pooled SparseCore lookup of this rank."""
     from tpurec.sharding.kernel_module import SparseCoreEmbeddingBag
 
     found = []
@@ -45,3 +48,36 @@ def make_prefetcher(reader, lookups: list, *, depth: int, workers: int) -> Prefe
         return batch
 
     return Prefetcher(reader, transform if lookups else None, depth=depth, workers=workers)
+
+
+def train_pipeline(dmp, optimizer, device, *, world_size: int, workers: int, prepare: bool = True):
+    """TorchRec's `TrainPipelineSparseDist`; with several ranks, one that builds every SparseCore
+    lookup's CSR inputs on `workers` threads once the input all-to-all has delivered them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+    from torchrec.distributed.types import LazyNoWait
+
+    if world_size == 1 or not prepare:
+        return TrainPipelineSparseDist(dmp, optimizer, device)
+    sharded = {name: m for name, m in dmp.named_modules() if hasattr(m, "prepare_dist_input")}
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="tpurec-csr")
+
+    def module_for(name: str):
+        # the pipeline names modules from the wrapped model; named_modules() from the DMP
+        return next((m for fqn, m in sharded.items() if fqn == name or fqn.endswith("." + name)), None)
+
+    class SparseCoreTrainPipeline(TrainPipelineSparseDist):
+        def wait_sparse_data_dist(self, context) -> None:
+            super().wait_sparse_data_dist(context)
+            for name, request in list(context.input_dist_tensors_requests.items()):
+                module = module_for(name)
+                if module is None:
+                    continue
+                # Wait now for the ids (TorchRec's own experimental pipelines do the same) and hand
+                # forward the result unchanged.
+                features = request.wait()
+                context.input_dist_tensors_requests[name] = LazyNoWait(features)
+                module.prepare_dist_input(features, pool.submit)
+
+    return SparseCoreTrainPipeline(dmp, optimizer, device)

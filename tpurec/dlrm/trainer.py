@@ -155,8 +155,8 @@ class Trainer:
 
     def _setup_model(self) -> None:
         import torch
-        from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
+        from tpurec.dlrm.input_pipeline import train_pipeline
         from tpurec.dlrm.model import LRSchedule, build_model, build_optimizer, shard
 
         cfg, o = self.cfg, self.options
@@ -173,7 +173,14 @@ class Trainer:
         if self.rank == 0:
             self._report_plan()
         device = torch.device(self.device) if self.device == "cpu" else self.dmp.device
-        self.pipeline = TrainPipelineSparseDist(self.dmp, self.optimizer, device)
+        self.pipeline = train_pipeline(
+            self.dmp,
+            self.optimizer,
+            device,
+            world_size=self.world,
+            workers=o.pipeline_workers,
+            prepare=o.pipeline_depth > 0,
+        )
 
     def _report_plan(self) -> None:
         report = None
@@ -357,9 +364,12 @@ class Trainer:
             self._prefetch.close()
         for m in self._lookups:
             m.clear_prepared()  # batches read ahead that training will not take
-        if self._lookups:
-            hits = sum(m.prepared_hits for m in self._lookups)
-            misses = sum(m.prepared_misses for m in self._lookups)
+        from tpurec.dlrm.input_pipeline import sparsecore_lookups
+
+        lookups = sparsecore_lookups(self.dmp)
+        if lookups and (self._lookups or self.world > 1):
+            hits = sum(m.prepared_hits for m in lookups)
+            misses = sum(m.prepared_misses for m in lookups)
             self.say(f"input pipeline: SparseCore inputs built ahead for {hits} of {hits + misses} lookups")
 
         final = self._log_eval(self.evaluate())

@@ -13,6 +13,7 @@ dims]; `SparseCoreEmbedding` (unpooled, for the sharded EmbeddingCollection) ret
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future
 from typing import Iterator
 
 import torch
@@ -130,13 +131,21 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
             self._prepared.append((features, csrs))
             del self._prepared[: -self.prepared_limit]
 
+    def prepare_later(self, features, submit) -> None:
+        """`prepare` on another thread: submit(fn, *args) returns a Future (an executor's submit);
+        `forward` waits for it when its KJT matches."""
+        future = submit(self.kernel.preprocess, features)
+        with self._prepared_lock:
+            self._prepared.append((features, future))
+            del self._prepared[: -self.prepared_limit]
+
     def _take_prepared(self, features):
         with self._prepared_lock:
             for j, (kjt, csrs) in enumerate(self._prepared):
                 if _same_ids(kjt, features):
                     del self._prepared[: j + 1]  # older ones were never looked up (e.g. skipped)
                     self.prepared_hits += 1
-                    return csrs
+                    return csrs.result() if isinstance(csrs, Future) else csrs
         if self.training:  # a training lookup nothing was built ahead for
             self.prepared_misses += 1
         return None

@@ -18,7 +18,7 @@ from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
 from tpurec.embedding import dtypes
 from tpurec.sharding.kernel_choice import COMPUTE_KERNEL
-from tpurec.sharding.kernel_module import _SparseCoreGroupKernel
+from tpurec.sharding.kernel_module import SparseCoreEmbeddingBag, _SparseCoreGroupKernel
 
 
 class SparseCoreShardedMixin:
@@ -36,6 +36,19 @@ class SparseCoreShardedMixin:
     def sparsecore_lookups(self) -> list:
         """This rank's SparseCore group kernels, one per lookup group (e.g. to build inputs ahead)."""
         return [m for lookup in self._lookups for m in lookup.modules() if isinstance(m, _SparseCoreGroupKernel)]
+
+    def prepare_dist_input(self, features, submit) -> None:
+        """Start building the SparseCore inputs of this module's distributed input (the KJTList its
+        input dist produced: one KJT per sharding type, in lookup order) on submit(fn, *args) ->
+        Future. Each pooled SparseCore lookup takes its part (the lookup's group split, as TorchRec's
+        grouped lookup cuts it) in forward when the ids match; others are left to forward."""
+        for lookup, kjt in zip(self._lookups, features):
+            splits, modules = getattr(lookup, "_feature_splits", None), getattr(lookup, "_emb_modules", None)
+            if splits is None or modules is None or sum(splits) != len(kjt.keys()):
+                continue
+            for module, part in zip(modules, kjt.split(splits)):
+                if isinstance(module, SparseCoreEmbeddingBag):
+                    module.prepare_later(part, submit)
 
     def _sc_shards(self):
         """(table, kernel name, ShardMetadata, kernel module) for every SparseCore shard on this rank."""
