@@ -8,6 +8,7 @@ import os
 
 import numpy as np
 import pytest
+import torch
 
 from tpurec.data.prefetch import Prefetcher
 from tpurec.data.reader import ParquetReader
@@ -126,3 +127,31 @@ def test_one_rank_training_uses_the_inputs_built_ahead_and_is_the_same_run(cache
     inline = _trainer(cache, monkeypatch, "--pipeline-depth", "0")
     assert [inline.step() for _ in range(12)] == losses  # bit for bit: the same batches and inputs
     assert state == inline.readers.train.state_dict()  # the position of the last batch trained
+
+
+def test_inputs_prepared_later_on_a_thread_are_waited_for_and_used(cache, monkeypatch):
+    """The several-rank route: a Future per lookup (built after input dist), taken in forward."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    t = _trainer(cache, monkeypatch, "--pipeline-depth", "0")
+    from tpurec.dlrm.input_pipeline import sparsecore_lookups
+
+    (m,) = sparsecore_lookups(t.dmp)
+    batch = next(iter(t.readers.train))
+    kjt = batch.sparse_features.permute([batch.sparse_features.keys().index(k) for k in m.feature_keys()])
+    want = m(kjt)
+    with ThreadPoolExecutor(1) as pool:
+        m.prepare_later(kjt, pool.submit)
+        got = m(kjt)
+    assert m.prepared_hits == 1 and torch.equal(got, want)
+
+
+@pytest.mark.slow  # two 2-rank runs, ~25 s each on an idle host
+def test_two_ranks_build_inputs_after_input_dist_and_train_the_same(tmp_path):
+    from tests.dlrm.helpers import train
+
+    with_pipeline, p = train("--nproc", 2, "--steps", 24, "--synth-rows", 20000, cache=tmp_path)
+    assert "SparseCore inputs built ahead for 24 of 24 lookups" in p.stderr
+    inline, _ = train("--nproc", 2, "--steps", 24, "--synth-rows", 20000, "--pipeline-depth", 0, cache=tmp_path)
+    for k in ("auc", "ne", "logloss", "accuracy"):
+        assert with_pipeline[k] == inline[k], k

@@ -367,7 +367,7 @@ class Trainer:
         from tpurec.dlrm.input_pipeline import sparsecore_lookups
 
         lookups = sparsecore_lookups(self.dmp)
-        if lookups and (self._lookups or self.world > 1):
+        if lookups and self.options.pipeline_depth:
             hits = sum(m.prepared_hits for m in lookups)
             misses = sum(m.prepared_misses for m in lookups)
             self.say(f"input pipeline: SparseCore inputs built ahead for {hits} of {hits + misses} lookups")
