@@ -89,8 +89,8 @@ class TrainOptions:
     quiet: bool = flag(False, "no progress bar")
     pipeline_depth: int = flag(
         4,
-        "batches read and prepared ahead in background threads (Parquet decode, KJT, and on one rank the "
-        "SparseCore CSR inputs); 0: read inline (default 4)",
+        "batches read and prepared ahead in background threads (Parquet decode, KJT, SparseCore CSR inputs; "
+        "with several ranks the CSR once the input all-to-all delivers the ids); 0: read inline (default 4)",
         type=nonnegative_int,
     )
     pipeline_workers: int = flag(1, "threads preparing batches ahead (default 1)", type=positive_int)
