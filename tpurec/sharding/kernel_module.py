@@ -98,6 +98,16 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
             widen_tables=fused.get("widen_tables"),
         )
         self._optim = SparseCoreFusedOptimizer(self.kernel, param_prefix="", key_of=self._param_key)
+        # TorchRec's `output_dtype` fused param (an FBGEMM SparseType): its TBE kernels return lookups in
+        # that dtype, so the output collectives carry it. The kernel computes in float32 (as TBE's CPU
+        # kernel accumulates) and rounds once; autograd casts the gradient back.
+        out = fused.get("output_dtype")
+        self._output_dtype = out.as_dtype() if out is not None and hasattr(out, "as_dtype") else out
+        if self._output_dtype not in (None, torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"tables {[t.name for t in config.embedding_tables]}: output_dtype {out} is not supported "
+                "(FP32, FP16 or BF16)"
+            )
 
     @staticmethod
     def _param_key(kname: str) -> str:
@@ -113,7 +123,8 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
         return self._optim
 
     def forward(self, features) -> torch.Tensor:
-        return self.kernel(features)
+        out = self.kernel(features)
+        return out if self._output_dtype in (None, out.dtype) else out.to(self._output_dtype)
 
     def named_parameters_by_table(self) -> Iterator:
         # Tables live in the kernel's partition-major storage, not as parameters; the sharded EBC
