@@ -43,7 +43,8 @@ _PARTS = ("weights_bytes", "optimizer_bytes", "buffers_bytes", "activations_byte
 _TIMES = ("estimated_time_ms", "lookup_ms", "update_ms", "comm_ms")
 
 
-def _device_cells(d: dict) -> tuple[str, ...]:
+def device_cells(d: dict) -> tuple[str, ...]:
+    """A device's figures as the text report prints them; devices with equal cells share a row."""
     pct = 100 * d["hbm_used_bytes"] / d["hbm_capacity_bytes"]
     return (
         *(format_bytes(d[k]) for k in _MEMORY),
@@ -53,10 +54,15 @@ def _device_cells(d: dict) -> tuple[str, ...]:
     )
 
 
-def _device_rows(devices: list[dict]) -> list[str]:
-    groups: dict[tuple, list[int]] = {}
+def device_groups(devices: list[dict], key=device_cells) -> list[tuple[list[int], dict]]:
+    """(ranks, first device) per set of devices with equal `key`, ordered by their lowest rank."""
+    groups: dict[tuple, list[dict]] = {}
     for d in devices:
-        groups.setdefault(_device_cells(d), []).append(d["rank"])
+        groups.setdefault(key(d), []).append(d)
+    return sorted([([d["rank"] for d in g], g[0]) for g in groups.values()], key=lambda rg: rg[0][0])
+
+
+def _device_rows(devices: list[dict]) -> list[str]:
     head = ("used", "cap", "%", "weights", "optim", "buffers", "activ", "transnt", "reserved")
     widths = (10, 10, 5, 10, 10, 10, 10, 10, 10, 7, 7, 7, 7)
     out = [
@@ -64,9 +70,11 @@ def _device_rows(devices: list[dict]) -> list[str]:
         + " ".join(f"{h:>{w}}" for h, w in zip((*head, "time", "lookup", "update", "comm"), widths))
         + "  ranks"
     ]
-    for cells, ranks in sorted(groups.items(), key=lambda kv: kv[1][0]):
+    for ranks, d in device_groups(devices):
         out.append(
-            f"{len(ranks):>4} " + " ".join(f"{c:>{w}}" for c, w in zip(cells, widths)) + f"  {rank_ranges(ranks)}"
+            f"{len(ranks):>4} "
+            + " ".join(f"{c:>{w}}" for c, w in zip(device_cells(d), widths))
+            + f"  {rank_ranges(ranks)}"
         )
     return out
 
