@@ -14,7 +14,15 @@ import html
 from typing import Callable, NamedTuple
 
 from tpurec.sharding.render import png_bytes
-from tpurec.sharding.report_text import device_cells, device_groups, fitting_text, format_text, hot_devices, rank_ranges
+from tpurec.sharding.report_text import (
+    device_cells,
+    device_groups,
+    fitting_text,
+    format_text,
+    hot_devices,
+    rank_ranges,
+    ranks_in_order,
+)
 from tpurec.sharding.topology import format_bytes
 
 # Inline style and script only; img-src data: is the embedded PNG.
@@ -122,7 +130,7 @@ _TABLE_COLUMNS = [
     Column("sharding", False, lambda t: _txt(t["sharding_type"])),
     Column("kernel", False, lambda t: _txt(t["compute_kernel"])),
     # shown in shard order (the row order of the shards), sorted by the lowest rank
-    Column("ranks", True, lambda t: (min(t["ranks"]), ",".join(map(str, t["ranks"]))), "in shard order"),
+    Column("ranks", True, lambda t: (min(t["ranks"]), ranks_in_order(t["ranks"])), "in shard order"),
     Column("shards", True, lambda t: _num(len(t["shards"]))),
     Column("memory", True, lambda t: _bytes(t["bytes"]), "all shards"),
     Column("ms", True, lambda t: _ms(t["time_ms"]), "summed over the shards"),

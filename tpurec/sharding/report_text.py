@@ -25,7 +25,7 @@ def rank_ranges(ranks: list[int], most: int = 6) -> str:
     return ",".join(parts[:most]) + (f",+{len(parts) - most} more" if len(parts) > most else "")
 
 
-def _in_order(ranks: list) -> str:
+def ranks_in_order(ranks: list) -> str:
     """A table's ranks in shard order (order matters there: it is the row order of the shards)."""
     if len(ranks) > 4 and ranks == list(range(ranks[0], ranks[-1] + 1)):
         return f"{ranks[0]}-{ranks[-1]}"
@@ -124,7 +124,7 @@ def format_text(report: dict, top: int = 5) -> str:
     for t in sorted(report["tables"], key=lambda t: -t["bytes"]):
         out.append(
             f"{t['name']:<12} {t['rows']:>12,} {t['dim']:>4} {t['pooling_factor']:>6g} "
-            f"{t['sharding_type']:<16} {t['compute_kernel']:<18} {_in_order(t['ranks']):<12} "
+            f"{t['sharding_type']:<16} {t['compute_kernel']:<18} {ranks_in_order(t['ranks']):<12} "
             f"{format_bytes(t['bytes']):>10} {t['time_ms']:>8.3f}"
         )
     out += ["", DEVICES_HEADER, *_device_rows(report["devices"])]
@@ -201,8 +201,8 @@ def diff_reports(a: dict, b: dict) -> str:
         if (x["sharding_type"], x["compute_kernel"], sx) != (y["sharding_type"], y["compute_kernel"], sy):
             changed += 1
             moved.append(
-                f"  {name}: {x['sharding_type']} ranks {_in_order(x['ranks'])} -> "
-                f"{y['sharding_type']} ranks {_in_order(y['ranks'])}"
+                f"  {name}: {x['sharding_type']} ranks {ranks_in_order(x['ranks'])} -> "
+                f"{y['sharding_type']} ranks {ranks_in_order(y['ranks'])}"
                 + (
                     f" (kernel {x['compute_kernel']} -> {y['compute_kernel']})"
                     if x["compute_kernel"] != y["compute_kernel"]
