@@ -59,6 +59,7 @@ class Chromium:
             "--headless",
             "--no-sandbox",  # tests may run as root (CI containers), where the sandbox refuses to start
             "--disable-gpu",
+            "--disable-dev-shm-usage",  # containers often have a tiny /dev/shm; use /tmp instead
             "--disable-extensions",
             "--no-first-run",
             "--no-default-browser-check",
