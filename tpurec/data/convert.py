@@ -26,6 +26,7 @@ from tpurec.data.schema import (
     DataError,
     DataSchema,
     list_parquet_files,
+    parquet_writer,
     prepare_output_dir,
     remove_stale_parts,
     write_dataset_json,
@@ -214,7 +215,6 @@ def convert_file(in_path: str, out_path: str, opts: ConvertOptions, progress=Non
 
 def _convert_file(in_path: str, out_path: str, opts: ConvertOptions, advance, typed: bool) -> FileResult:
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     schema = opts.schema
     fmt = opts.input_format if opts.input_format != "auto" else detect_format(in_path)
@@ -255,7 +255,7 @@ def _convert_file(in_path: str, out_path: str, opts: ConvertOptions, advance, ty
         err = parse_error(e)
     if err is not None:  # raised here, not in the except block: see _raise_clean
         _raise_clean(err)
-    writer = pq.ParquetWriter(out_path, arrow_schema, compression=opts.compression)
+    writer = parquet_writer(out_path, arrow_schema, opts.compression)
     pending: list[pa.Table] = []
     pending_rows = 0
     seen = 0  # rows pyarrow kept so far (line mapping)
