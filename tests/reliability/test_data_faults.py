@@ -340,12 +340,14 @@ RACER = """
 import json, os, sys, time
 from pathlib import Path
 go = Path(sys.argv[1])
+import pyarrow.parquet as pq
 from tpurec.dlrm.data import ensure_synth
-from tpurec.data.reader import ParquetReader
+import torchmetrics  # what synthesize loads last (for oracle_auc): imported before the start line
+Path(sys.argv[3]).touch()
 while not go.exists():  # both processes leave this loop within a few ms of each other
     time.sleep(0.002)
 out = ensure_synth("dlrm-tiny", int(sys.argv[2]), 7, say=lambda m: None)
-labels = sum(float(b.labels.sum()) for b in ParquetReader(out, 4096, prefetch=0))
+labels = float(pq.read_table(out, columns=["label"]).column("label").to_numpy().sum())  # every file whole
 print(json.dumps({"dir": str(out), "labels": labels}))
 """
 
@@ -355,20 +357,23 @@ def test_two_fresh_runs_racing_on_the_synthetic_cache_both_get_the_whole_dataset
     every row, and what is left in the cache is one complete dataset (no temporary directories)."""
     from tpurec.data.synth import synthesize
 
-    rows = 40_000
+    rows = 20_000  # ~0.2 s of writing: before the fix, 3 runs of 3 failed (a part renamed away)
     env = dict(os.environ, PYTHONPATH=str(REPO), TPUREC_CACHE=str(tmp_path / "cache"))
     go = tmp_path / "go"
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", RACER, str(go), str(rows)],
+            [sys.executable, "-c", RACER, str(go), str(rows), str(tmp_path / f"ready{i}")],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
-        for _ in range(2)
+        for i in range(2)
     ]
-    time.sleep(3)  # both imported and waiting (the imports take ~1 s)
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"ready{i}").exists() for i in range(2)):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "a racer did not start"
+        time.sleep(0.01)
     go.touch()
     results = []
     for p in procs:

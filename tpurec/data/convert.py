@@ -403,7 +403,7 @@ def convert(
     inputs = resolve_inputs(inputs, opts)
     out = prepare_output_dir(out_dir, overwrite)
     finals = [out / f"part-{i:05d}.parquet" for i in range(len(inputs))]
-    tmps = [f.with_suffix(".parquet.tmp") for f in finals]
+    tmps = [f.with_suffix(f".parquet.tmp-{os.getpid()}") for f in finals]  # per run: two never share a file
     total_bytes = sum(_size(p) for p in inputs)
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(inputs)))
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="convert", disable=not show_progress)

@@ -250,7 +250,7 @@ def write_dataset_json(out_dir, schema: DataSchema, **facts) -> dict:
     d = schema.to_json()
     d.update(facts)
     d["table_sizes"] = {f.name: f.num_embeddings for f in schema.sparse}
-    tmp = Path(out_dir) / (DATASET_JSON + ".tmp")
+    tmp = Path(out_dir) / f"{DATASET_JSON}.tmp-{os.getpid()}"
     tmp.write_text(json.dumps(d, indent=2) + "\n")
     tmp.replace(Path(out_dir) / DATASET_JSON)
     (Path(out_dir) / LEGACY_DATASET_JSON).unlink(missing_ok=True)  # an older dataset's, now replaced

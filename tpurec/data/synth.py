@@ -172,7 +172,7 @@ def synthesize(
     try:
         for fi, start in enumerate(range(0, rows, rows_per_file)):
             final = out / f"part-{fi:05d}.parquet"
-            tmp = final.with_suffix(".parquet.tmp")
+            tmp = final.with_suffix(f".parquet.tmp-{os.getpid()}")  # per process: two runs never share a file
             tmps.append((tmp, final))
             with parquet_writer(tmp, arrow_schema, compression) as w:
                 for s in range(start, min(rows, start + rows_per_file), row_group_size):
