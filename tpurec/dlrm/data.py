@@ -46,6 +46,7 @@ def ensure_synth(table_set: str, rows: int, seed: int, say=print, multi_hot: lis
     say(f"data: generating synthetic {table_set} data{hots} ({rows:,} rows, seed {seed}) once into {out}")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))  # same filesystem: rename works
+    tmp.chmod(0o755)  # mkdtemp's 0700 would become the cache entry's mode
     try:
         _synthesize(tmp, table_set, rows, seed, multi_hot)
         _publish(tmp, out)
