@@ -412,3 +412,18 @@ def test_two_fresh_tpurec_train_runs_racing_on_the_cache_both_finish(tmp_path):
         assert p.returncode == 0, err[-3000:]
         assert json.loads(out.strip().splitlines()[-1])["steps"] == 3
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_a_partial_cache_entry_left_by_an_interrupted_run_is_replaced(tmp_path, monkeypatch):
+    """A cache directory without _dataset.json (written in place and interrupted, as tpurec did
+    before 2026-12) is replaced whole by the complete dataset, not mixed with it."""
+    from tpurec.dlrm.data import ensure_synth, synth_dir
+
+    monkeypatch.setenv("TPUREC_CACHE", str(tmp_path))
+    partial = synth_dir("dlrm-tiny", 3000, 2)
+    partial.mkdir()
+    (partial / "part-00007.parquet").write_bytes(b"PAR1 half-written")
+    out = ensure_synth("dlrm-tiny", 3000, 2, say=lambda m: None)
+    assert out == partial and sorted(p.name for p in out.iterdir()) == ["_dataset.json", "part-00000.parquet"]
+    assert pq.read_table(out).num_rows == 3000
+    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]
