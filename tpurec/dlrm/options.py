@@ -15,7 +15,8 @@ import json
 import os
 from dataclasses import asdict, dataclass, field, fields
 
-from tpurec.argtypes import nonnegative_int, positive_int
+from tpurec import heartbeat
+from tpurec.argtypes import nonnegative_float, nonnegative_int, positive_float, positive_int
 from tpurec.catalog import MODEL_NAMES
 from tpurec.dlrm import flags
 from tpurec.dlrm.configs import DLRMConfig, get_config, override
@@ -87,6 +88,20 @@ class TrainOptions:
     )
     threads: int | None = flag(None, "torch threads per rank (default: 1 with several ranks)", type=positive_int)
     quiet: bool = flag(False, "no progress bar")
+    dist_timeout: float = flag(
+        heartbeat.DEFAULT_DIST_TIMEOUT,
+        f"seconds a collective may wait for the other ranks (default {heartbeat.DEFAULT_DIST_TIMEOUT:g}; "
+        "gloo's own is 1800)",
+        type=positive_float,
+        metavar="SECONDS",
+    )
+    heartbeat_timeout: float = flag(
+        heartbeat.DEFAULT_TIMEOUT,
+        "seconds without a heartbeat from a rank before the others name it and stop the job "
+        f"(default {heartbeat.DEFAULT_TIMEOUT:g}; 0: off)",
+        type=nonnegative_float,
+        metavar="SECONDS",
+    )
 
     # ---- building ----
     @classmethod

@@ -56,8 +56,12 @@ class Trainer:
 
         o = self.options
         self.device = resolve_device(o.device)
-        self.rank, self.world = init_distributed(self.device)
+        self.rank, self.world = init_distributed(self.device, o.dist_timeout)
         setup_logging(self.rank)
+        from tpurec import heartbeat
+
+        # Right after the group forms: a rank that stops from here on is named within the timeout.
+        heartbeat.start(o.heartbeat_timeout, program="tpurec train")
         # One thread per rank unless asked: on a small shared host more threads than free cores make
         # every op wait for a busy core (measured 20x slower with 2 threads on 2 busy cores).
         torch.set_num_threads(o.threads or 1)
