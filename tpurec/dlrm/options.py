@@ -165,6 +165,11 @@ class TrainOptions:
             where = self.checkpoint_dir if self.resume == "latest" else self.resume
             if not os.path.exists(where):
                 return f"--resume: {where} does not exist (leave out --resume to start a new run)"
+        if self.checkpoint_dir:
+            problem = unwritable(self.checkpoint_dir)
+            if problem:
+                # Now, not at the first save minutes (or hours) of training later.
+                return f"--checkpoint-dir {self.checkpoint_dir}: {problem}"
         for name in ("batch_size", "steps", "checkpoint_every", "synth_rows"):
             v = getattr(self, name)
             if v is not None and v < 1:
@@ -178,3 +183,23 @@ class TrainOptions:
             if missing:
                 return f"--device tpu: this host cannot run TPU kernels ({'; '.join(missing)}); see `tpurec env`"
         return None
+
+
+def unwritable(path: str) -> str | None:
+    """Why files cannot be created in directory `path` (or, if it does not exist yet, in the
+    nearest existing directory above it, where it would be made), else None. A real probe file,
+    not os.access: root passes every permission check but not a read-only mount."""
+    import tempfile
+
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        return f"{probe} is not a directory"
+    try:
+        fd, name = tempfile.mkstemp(dir=probe, prefix=".tpurec-write-probe-")
+        os.close(fd)
+        os.unlink(name)
+    except OSError as e:
+        return f"cannot write in {probe} ({e.strerror or e})"
+    return None

@@ -193,6 +193,9 @@ class Trainer:
                     f"resume: every checkpoint in {o.checkpoint_dir} is damaged (see above); leave out --resume "
                     "to start over"
                 )
+        mismatch = ckpt.config_mismatch(ckpt.resolve(src), self.cfg.to_dict())
+        if mismatch:
+            raise ValueError(f"resume: {mismatch}")
         cmeta, state = ckpt.load(src, self.dmp, self.optimizer)
         self.step_count, self.samples = int(cmeta["step"]), int(cmeta.get("samples", 0))
         if state is not None:
