@@ -181,6 +181,38 @@ def train_state_file(path, rank: int) -> Path:
     return Path(path) / f"rank-{rank}.json"
 
 
+LOCK = ".lock"
+
+
+class CheckpointDirInUse(ValueError):
+    """Another run holds the checkpoint directory."""
+
+
+def lock_dir(root):
+    """Hold an exclusive lock on checkpoint directory `root` for the life of this process (or until
+    the returned file is closed): two runs saving into one directory would delete each other's
+    step-N.tmp and mix their checkpoints. Another run's lock: CheckpointDirInUse naming its pid.
+    The lock is flock(2), released by the kernel when the process dies: no stale lock files."""
+    import fcntl
+
+    Path(root).mkdir(parents=True, exist_ok=True)
+    f = open(Path(root) / LOCK, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "?"
+        f.close()
+        raise CheckpointDirInUse(
+            f"--checkpoint-dir {root} is in use by another run (pid {holder}); wait for it or give another directory"
+        ) from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
 class CheckpointWriteError(ValueError):
     """A checkpoint could not be written (full disk, read-only or unwritable directory); the
     previous complete checkpoint is left as it was."""

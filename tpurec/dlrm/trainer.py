@@ -67,6 +67,8 @@ class Trainer:
         torch.set_num_threads(o.threads or 1)
         self.say = log.info if self.rank == 0 else (lambda *a, **k: None)
         self.cfg = o.config()
+        if o.checkpoint_dir and self.rank == 0:
+            self._lock = ckpt.lock_dir(o.checkpoint_dir)  # before any step: one run per directory
         self.table_set = get_table_set(self.cfg.table_set)  # resolved once; everything below reads it
         if self.device == "cpu":
             # Before any data is generated or read: a refusal in one line, not an OOM kill minutes in.
