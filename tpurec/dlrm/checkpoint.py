@@ -144,15 +144,17 @@ def config_mismatch(path, config: dict) -> str | None:
         theirs, ours = saved[name], json.loads(json.dumps(config.get(name)))  # tuples as JSON lists
         if theirs != ours:
             flag = "--model" if name in ("name", "table_set") else "--" + name.replace("_", "-")
+            fix = f"leave out {flag}" if theirs is None else f"give {flag} {_show(theirs, flag=True)}"
             return (
                 f"{path} was written with {name} = {_show(theirs)} ({flag}), this run has {_show(ours)}: "
-                f"a checkpoint resumes only the model and data it was written for (give {flag} "
-                f"{_show(theirs, flag=True)} or start a new run)"
+                f"a checkpoint resumes only the model and data it was written for ({fix}, or start a new run)"
             )
     return None
 
 
 def _show(value, flag: bool = False) -> str:
+    if value is None:
+        return "the model's default"
     if isinstance(value, list):
         return ",".join(map(str, value)) if flag else "[" + ", ".join(map(str, value)) + "]"
     return str(value)
@@ -234,6 +236,10 @@ def _os_error(e: BaseException | None, depth: int = 0) -> OSError | None:
 def write_error(e: BaseException, where, previous) -> CheckpointWriteError | None:
     """One-line CheckpointWriteError for an OSError behind `e` while writing `where`, else None."""
     err = _os_error(e)
+    if err is None and _nearly_full(where):
+        # torch.save's zip writer reports a full disk as "RuntimeError: [enforce fail at
+        # inline_container.cc] unexpected pos ..." (seen on a full tmpfs), not as ENOSPC.
+        err = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     if err is None:
         return None
     kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
@@ -242,6 +248,20 @@ def write_error(e: BaseException, where, previous) -> CheckpointWriteError | Non
             f"no space left on device writing {where}; {kept}. Free space or give another --checkpoint-dir"
         )
     return CheckpointWriteError(f"cannot write checkpoint {where}: {err.strerror or err}; {kept}")
+
+
+FULL_BELOW_BYTES = 16 << 20  # free space under which a failed write is taken for a full disk
+
+
+def _nearly_full(path) -> bool:
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        st = os.statvfs(p)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < FULL_BELOW_BYTES
 
 
 def save(root, step: int, dmp, optimizer, train_state: dict, meta: dict, keep: int = 0) -> Path:
