@@ -162,11 +162,11 @@ def test_a_second_run_on_a_checkpoint_dir_in_use_is_refused(tmp_path, capsys, mo
     """Concurrent runs: two runs saving into one directory would delete each other's step-N.tmp."""
     import torch
 
-    from tpurec.dlrm import checkpoint as ckpt
+    from tpurec.dlrm.ckpt_lock import lock_dir
 
     monkeypatch.setenv("TPUREC_CACHE", str(tmp_path / "cache"))
     threads = torch.get_num_threads()
-    held = ckpt.lock_dir(tmp_path / "ck")  # the other run (a lock held on another open file)
+    held = lock_dir(tmp_path / "ck")  # the other run (a lock held on another open file)
     try:
         code, _, err = _run(["train", "--quiet", "--checkpoint-dir", tmp_path / "ck", "--steps", 1], capsys)
     finally:

@@ -19,6 +19,7 @@ import torch
 from torch.distributed.checkpoint import filesystem
 
 from tpurec.dlrm import checkpoint as ckpt
+from tpurec.dlrm.ckpt_config import config_mismatch
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -178,8 +179,8 @@ def test_a_checkpoint_of_another_model_config_is_refused_naming_field_and_values
     saved = {"name": "m", "embedding_dim": 16, "dense_arch": [64, 16], "embedding_lr": 0.1}
     (path / "meta.json").write_text(json.dumps({"config": saved}))
     current = dict(saved, dense_arch=(64, 16)) | {field: ours}
-    message = ckpt.config_mismatch(path, current)
+    message = config_mismatch(path, current)
     assert message is not None and says in message and "\n" not in message
     # what may change on resume (learning rates, steps, ...) is not refused
-    assert ckpt.config_mismatch(path, dict(saved, dense_arch=(64, 16), embedding_lr=0.01, steps=9)) is None
+    assert config_mismatch(path, dict(saved, dense_arch=(64, 16), embedding_lr=0.01, steps=9)) is None
     shutil.rmtree(path)

@@ -110,56 +110,6 @@ def resolve(path) -> Path:
     raise FileNotFoundError(f"checkpoint {p} not found")
 
 
-# Config fields a checkpoint fixes: the model's shape and state (architecture, tables, optimizers)
-# and the data it was reading (dataset, split, shuffle). Learning rates, schedule, batch size,
-# steps and eval cadence may change on resume.
-FIXED_CONFIG = (
-    "name",
-    "table_set",
-    "interaction",
-    "embedding_dim",
-    "dense_arch",
-    "over_arch",
-    "multi_hot_sizes",
-    "dcn_num_layers",
-    "dcn_low_rank_dim",
-    "embedding_optimizer",
-    "dense_optimizer",
-    "synth_rows",
-    "seed",
-    "eval_fraction",
-)
-
-
-def config_mismatch(path, config: dict) -> str | None:
-    """A one-line refusal when checkpoint `path` was written with another value of a FIXED_CONFIG
-    field than `config` (a DLRMConfig.to_dict()), naming the field and both values; else None."""
-    try:
-        saved = json.loads((Path(path) / "meta.json").read_text()).get("config") or {}
-    except (OSError, json.JSONDecodeError) as e:
-        return f"{Path(path) / 'meta.json'}: unreadable ({e}); the checkpoint is damaged"
-    for name in FIXED_CONFIG:
-        if name not in saved:
-            continue  # a field added after the checkpoint was written
-        theirs, ours = saved[name], json.loads(json.dumps(config.get(name)))  # tuples as JSON lists
-        if theirs != ours:
-            flag = "--model" if name in ("name", "table_set") else "--" + name.replace("_", "-")
-            fix = f"leave out {flag}" if theirs is None else f"give {flag} {_show(theirs, flag=True)}"
-            return (
-                f"{path} was written with {name} = {_show(theirs)} ({flag}), this run has {_show(ours)}: "
-                f"a checkpoint resumes only the model and data it was written for ({fix}, or start a new run)"
-            )
-    return None
-
-
-def _show(value, flag: bool = False) -> str:
-    if value is None:
-        return "the model's default"
-    if isinstance(value, list):
-        return ",".join(map(str, value)) if flag else "[" + ", ".join(map(str, value)) + "]"
-    return str(value)
-
-
 def rng_state() -> dict:
     """The torch, numpy and python RNG states as JSON values (lists of ints)."""
     name, keys, pos, has_gauss, cached = np.random.get_state()
@@ -181,38 +131,6 @@ def set_rng_state(state: dict) -> None:
 
 def train_state_file(path, rank: int) -> Path:
     return Path(path) / f"rank-{rank}.json"
-
-
-LOCK = ".lock"
-
-
-class CheckpointDirInUse(ValueError):
-    """Another run holds the checkpoint directory."""
-
-
-def lock_dir(root):
-    """Hold an exclusive lock on checkpoint directory `root` for the life of this process (or until
-    the returned file is closed): two runs saving into one directory would delete each other's
-    step-N.tmp and mix their checkpoints. Another run's lock: CheckpointDirInUse naming its pid.
-    The lock is flock(2), released by the kernel when the process dies: no stale lock files."""
-    import fcntl
-
-    Path(root).mkdir(parents=True, exist_ok=True)
-    f = open(Path(root) / LOCK, "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "?"
-        f.close()
-        raise CheckpointDirInUse(
-            f"--checkpoint-dir {root} is in use by another run (pid {holder}); wait for it or give another directory"
-        ) from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"{os.getpid()}\n")
-    f.flush()
-    return f
 
 
 class CheckpointWriteError(ValueError):

@@ -68,7 +68,9 @@ class Trainer:
         self.say = log.info if self.rank == 0 else (lambda *a, **k: None)
         self.cfg = o.config()
         if o.checkpoint_dir and self.rank == 0:
-            self._lock = ckpt.lock_dir(o.checkpoint_dir)  # before any step: one run per directory
+            from tpurec.dlrm.ckpt_lock import lock_dir
+
+            self._lock = lock_dir(o.checkpoint_dir)  # before any step: one run per directory
         self.table_set = get_table_set(self.cfg.table_set)  # resolved once; everything below reads it
         if self.device == "cpu":
             # Before any data is generated or read: a refusal in one line, not an OOM kill minutes in.
@@ -200,7 +202,9 @@ class Trainer:
                     f"resume: every checkpoint in {o.checkpoint_dir} is damaged (see above); leave out --resume "
                     "to start over"
                 )
-        mismatch = ckpt.config_mismatch(ckpt.resolve(src), self.cfg.to_dict())
+        from tpurec.dlrm.ckpt_config import config_mismatch
+
+        mismatch = config_mismatch(ckpt.resolve(src), self.cfg.to_dict())
         if mismatch:
             raise ValueError(f"resume: {mismatch}")
         cmeta, state = ckpt.load(src, self.dmp, self.optimizer)
