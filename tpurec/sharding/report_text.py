@@ -177,6 +177,12 @@ def diff_reports(a: dict, b: dict) -> str:
     ta = {t["name"]: t for t in a["tables"]}
     tb = {t["name"]: t for t in b["tables"]}
     out = [f"A: {a['topology']} {a['world_size']} devices; B: {b['topology']} {b['world_size']} devices"]
+    if a.get("model") != b.get("model"):
+        # Said first: every table line below then compares two models' tables, not two placements.
+        out.append(
+            f"note: A and B plan different models ({a.get('model')!r} and {b.get('model')!r}): the tables differ, "
+            "so this compares two models, not two placements of one"
+        )
     inputs = input_changes(a, b)
     out += ["inputs: the same"] if not inputs else [f"inputs: {len(inputs)} change(s)", *inputs]
     for key, label, fmt in (
