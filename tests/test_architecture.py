@@ -23,6 +23,7 @@ LAYERS = {
     "host_ops": 0,
     "argtypes": 0,
     "lifecycle": 0,
+    "heartbeat": 0,
     "embedding": 1,
     "data": 1,
     "sharding": 2,

@@ -14,8 +14,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _bench(*argv) -> subprocess.CompletedProcess:
-    # In a child process: planning for "tpu" names torch's PrivateUse1 backend "tpu", after which
-    # torch.optim.Adam in the same process looks for a torch.tpu module (later tests use Adam).
+    # In a child process, as a user runs it: planning for "tpu" names torch's PrivateUse1 backend
+    # for the rest of the process (harmless since the offline torch.tpu module, but process-wide).
     return subprocess.run(
         [sys.executable, "-m", "tpurec.cli", "bench", "plan", *argv],
         capture_output=True,

@@ -336,7 +336,9 @@ def test_corrupt_row_group_is_named(tmp_path):
     mid = len(data) // 2
     data[mid : mid + 2000] = b"\x5a" * 2000  # garbage inside row group 1's pages; footer intact
     p.write_bytes(bytes(data))
-    with pytest.raises(DataError, match=r"part-00000\.parquet: row group 1: cannot decode"):
+    with pytest.raises(
+        DataError, match=r"part-00000\.parquet: row group 1: column .*(cannot decode|page checksum mismatch)"
+    ):
         list(ParquetReader(tmp_path, 500))
 
 

@@ -12,7 +12,7 @@ from torchrec.distributed.types import (
 
 from tpurec.catalog import TableSpec
 from tpurec.sharding import inspect as I
-from tpurec.sharding import plan_cli, plan_io, render
+from tpurec.sharding import plan_cli, plan_io, render, report_html
 from tpurec.sharding.estimators import shard_cost
 from tpurec.sharding.topology import make_topology, parse_slice
 
@@ -91,8 +91,8 @@ def test_png_and_html(tmp_path):
     r = I.build_report(_plan(), TABLES, parse_slice("v6e-4"), batch_size=8, optimizer="sgd")
     png = render.png_bytes(r)
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
-    page = render.html_page(r)
-    assert page.startswith("<!doctype html>") and "data:image/png;base64," in page and "<td>b</td>" in page
+    page = report_html.html_page(r)
+    assert page.startswith("<!doctype html>") and "data:image/png;base64," in page and '<td class="text">b</td>' in page
 
 
 def _cli(*argv):

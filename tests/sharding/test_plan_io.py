@@ -78,7 +78,6 @@ def test_rejects_other_documents(tmp_path):
 
 def test_loaded_plan_shards_model_identically(tmp_path):
     """A loaded plan drives torchrec's DMP to the same sharded model (CPU, 1 rank, fused kernel)."""
-    import os
 
     import torch.distributed as dist
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -90,9 +89,8 @@ def test_loaded_plan_shards_model_identically(tmp_path):
     from tpurec.catalog import get_table_set
     from tpurec.dlrm.model import embedding_bag_configs
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29571")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    # A file rendezvous: no port to collide with other jobs on the host, no environment left behind.
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
         configs = embedding_bag_configs(get_table_set("dlrm-tiny"))[:4]
         plan = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu"), debug=False).plan(

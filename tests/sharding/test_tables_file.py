@@ -51,6 +51,8 @@ SAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tables.yaml"
             "pooling_factor has 3 values for 2 feature(s) ['a', 'b']",
         ),
         ('{"name": "x", "rows": 10, "dim": 8, "features": ["a", "a"]}', "features ['a', 'a'] names a feature twice"),
+        ('{"name": "half", "rows": 10, "dim": 8}', "('half'): name cannot name a TorchRec table"),
+        ('{"name": "user.id", "rows": 10, "dim": 8}', "('user.id'): name cannot name a TorchRec table"),
     ],
 )
 def test_bad_table_entry_is_named(tmp_path, capsys, entry, message):

@@ -1,8 +1,13 @@
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from tpurec.sharding.topology import GB, GiB, make_topology, parse_slice
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(
@@ -140,3 +145,27 @@ def test_slices_that_cannot_exist_are_refused_at_once(name, match):
 )
 def test_pod_sized_and_single_chip_slices_parse(name, chips):
     assert parse_slice(name).chips_per_slice == chips
+
+
+def test_cpu_training_still_works_after_planning_for_tpu():
+    # Planning for "tpu" names torch's PrivateUse1 backend, which is process-wide, so this runs in
+    # a fresh interpreter. Before the fix, torch.optim.Adam.step() then raised "Device 'tpu' does not
+    # have a corresponding module registered as 'torch.tpu'" (a notebook planning for a TPU slice
+    # and then training on CPU hit it).
+    code = (
+        "import torch\n"
+        "from tpurec.sharding.topology import make_topology\n"
+        "make_topology('v5p-8')\n"
+        "assert torch._C._get_privateuse1_backend_name() == 'tpu'\n"
+        "m = torch.nn.Linear(2, 1)\n"
+        "opt = torch.optim.Adam(m.parameters(), lr=0.5)\n"
+        "before = m.weight.detach().clone()\n"
+        "m(torch.ones(1, 2)).sum().backward()\n"
+        "opt.step()\n"
+        "assert not torch.equal(before, m.weight), 'Adam did not update'\n"
+        "assert torch.tpu.is_available() is False and torch.tpu.device_count() == 0\n"
+        "print('trained')\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip() == "trained"

@@ -26,6 +26,7 @@ from tpurec.data.schema import (
     DataError,
     DataSchema,
     list_parquet_files,
+    parquet_writer,
     prepare_output_dir,
     remove_stale_parts,
     write_dataset_json,
@@ -214,7 +215,6 @@ def convert_file(in_path: str, out_path: str, opts: ConvertOptions, progress=Non
 
 def _convert_file(in_path: str, out_path: str, opts: ConvertOptions, advance, typed: bool) -> FileResult:
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     schema = opts.schema
     fmt = opts.input_format if opts.input_format != "auto" else detect_format(in_path)
@@ -243,29 +243,36 @@ def _convert_file(in_path: str, out_path: str, opts: ConvertOptions, advance, ty
             return DataError(f"malformed line {first_invalid[0]}")
         if "Empty CSV file" in str(e):
             return DataError(f"{in_path}: no lines (empty file)")
+        if isinstance(e, OSError):  # the input stream itself: a .gz cut short or damaged
+            past = f" past line {lines.line(seen - 1)}" if seen else ""
+            return DataError(
+                f"{in_path}: cannot read it{past} ({e}): the file is truncated or damaged; copy or download it again"
+            )
+        if "invalid UTF8" in str(e):  # pyarrow names the block's row, not the line
+            return DataError(f"{in_path}: {_column_of(e, schema)}not UTF-8 text ({e}); is this a Criteo text file?")
         if typed:
             return _RetryAsText()
         return DataError(f"{in_path}: cannot parse: {e}")
 
     arrow_schema = schema.arrow_schema()
     err = None
+    seen = 0  # rows pyarrow kept so far (line mapping)
     try:  # open_csv already parses the first block
         raw, reader = _open_text(in_path, fmt, opts, on_invalid, typed, header)
-    except pa.ArrowInvalid as e:
+    except (pa.ArrowInvalid, OSError) as e:
         err = parse_error(e)
     if err is not None:  # raised here, not in the except block: see _raise_clean
         _raise_clean(err)
-    writer = pq.ParquetWriter(out_path, arrow_schema, compression=opts.compression)
+    writer = parquet_writer(out_path, arrow_schema, opts.compression)
     pending: list[pa.Table] = []
     pending_rows = 0
-    seen = 0  # rows pyarrow kept so far (line mapping)
     try:
         while True:
             try:
                 batch = reader.read_next_batch()
             except StopIteration:
                 break
-            except pa.ArrowInvalid as e:
+            except (pa.ArrowInvalid, OSError) as e:
                 err = parse_error(e)
             if err is not None:
                 _raise_clean(err)
@@ -298,6 +305,15 @@ def _convert_file(in_path: str, out_path: str, opts: ConvertOptions, advance, ty
     advance(res.bytes_in)
     res.bytes_out = os.path.getsize(out_path)
     return res
+
+
+def _column_of(e: Exception, schema: DataSchema) -> str:
+    """'column I13: ' for pyarrow's 'In CSV column #13' (0-based: label, dense, categorical)."""
+    import re
+
+    m = re.search(r"column #(\d+)", str(e))
+    names = [schema.label, *schema.dense, *schema.sparse_names]
+    return f"column {names[int(m.group(1))]}: " if m and int(m.group(1)) < len(names) else ""
 
 
 def _raise_clean(err: Exception):
@@ -387,7 +403,7 @@ def convert(
     inputs = resolve_inputs(inputs, opts)
     out = prepare_output_dir(out_dir, overwrite)
     finals = [out / f"part-{i:05d}.parquet" for i in range(len(inputs))]
-    tmps = [f.with_suffix(".parquet.tmp") for f in finals]
+    tmps = [f.with_suffix(f".parquet.tmp-{os.getpid()}") for f in finals]  # per run: two never share a file
     total_bytes = sum(_size(p) for p in inputs)
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(inputs)))
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="convert", disable=not show_progress)

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from tpurec.data import parse
-from tpurec.data.schema import CAT_MOD, CAT_RAW, DENSE_LOG1P, DENSE_TORCHREC, DataError, DataSchema
+from tpurec.data.schema import CAT_MOD, CAT_RAW, DENSE_LOG1P, DENSE_TORCHREC, DataError, DataSchema, parquet_writer
 
 _ROLE = re.compile(r"^(?P<prefix>.+)_(?P<role>dense|labels|sparse|sparse_contig_freq|sparse_multi_hot)\.(npy|npz)$")
 MULTI_HOT_SUFFIX = "_sparse_multi_hot.npz"
@@ -235,14 +235,13 @@ def _ids(v: np.ndarray, path: str, start: int, schema: DataSchema, j: int) -> np
 def convert_day(day: NpyDay, out_path: str, schema: DataSchema, row_group_size: int, compression: str, progress=None):
     """Write one day to one Parquet file; returns (rows, bytes_in, bytes_out)."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     dense, labels, sparse = open_day(day, schema)
     n = dense.shape[0]
     arrow_schema = schema.arrow_schema()
     total = day.nbytes
     done = 0
-    with pq.ParquetWriter(out_path, arrow_schema, compression=compression) as writer:
+    with parquet_writer(out_path, arrow_schema, compression) as writer:
         for start in range(0, n, row_group_size):
             stop = min(n, start + row_group_size)
             lab = np.asarray(labels[start:stop, 0])

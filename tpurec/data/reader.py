@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tpurec.data import shards
+from tpurec.data import shards, validate
 from tpurec.data.schema import CAT_RAW, DENSE_LOG1P, DENSE_RAW, EMPTY_ID, DataError, DataSchema
 
 
@@ -41,22 +41,6 @@ class _Window:
     features: list[_Feature] | None  # otherwise, per feature
 
 
-def _check_column(path, rg, name, arr, want) -> None:
-    import pyarrow as pa
-
-    t = arr.type
-    ok = {
-        "int": pa.types.is_integer(t),
-        "number": pa.types.is_integer(t) or pa.types.is_floating(t),
-        "int_list": (pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_integer(t.value_type),
-        "float_list": (pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_floating(t.value_type),
-    }[want]
-    if not ok:
-        raise DataError(f"{path}: row group {rg}: column {name!r} has type {t}, expected {want.replace('_', ' ')}")
-    if arr.null_count:
-        raise DataError(f"{path}: row group {rg}: column {name!r} has {arr.null_count} nulls")
-
-
 def _list_parts(arr):
     """A (chunked) list array -> (flat values, int64 offsets starting at 0)."""
     import pyarrow as pa
@@ -76,7 +60,6 @@ class _Decoder:
         self.dense_log1p = dense_log1p  # apply log1p_clamp0 here (the files hold raw dense)
         self.rehash = rehash  # apply mod_reserve0 into these sizes here (the files hold raw ids)
         self.files: dict[str, object] = {}
-        self.stats_checked: dict[tuple[str, int], bool] = {}  # (file, row group) -> ids range-checked
         self.columns = [schema.label, *schema.dense]
         for f in schema.sparse:
             self.columns.append(f.name)
@@ -89,48 +72,34 @@ class _Decoder:
 
         if path not in self.files:
             try:
-                pf = pq.ParquetFile(path, memory_map=True)  # ~10% faster decode from the page cache
+                # memory_map: ~10% faster decode from the page cache. Page CRCs are verified where
+                # the writer stored them (tpurec does since 2026-12); older files read as before.
+                pf = pq.ParquetFile(path, memory_map=True, page_checksum_verification=True)
             except Exception as e:
                 raise DataError(f"{path}: not a readable Parquet file ({e})") from None
             missing = [c for c in self.columns if c not in pf.schema_arrow.names]
             if missing:
                 raise DataError(f"{path}: missing column(s) {', '.join(map(repr, missing))}")
-            self._check_stats(path, pf)
             self.files[path] = pf
         return self.files[path]
 
-    def _check_stats(self, path, pf) -> None:
-        """Range-check ids from the footer's min/max statistics, so decoding need not scan them."""
-        meta = pf.metadata
-        index = {meta.schema.column(i).path: i for i in range(meta.num_columns)}
-        for rg in range(meta.num_row_groups):
-            ok = True
-            for f in self.schema.sparse:
-                i = index.get(f.name + (".list.element" if f.multi_hot else ""))
-                st = meta.row_group(rg).column(i).statistics if i is not None else None
-                if st is None or not st.has_min_max:
-                    ok = False
-                    continue
-                self._check_range(f"{path}: row group {rg}", f, st.min, st.max)
-            self.stats_checked[(path, rg)] = ok
-
     def read_unit(self, u: shards.Unit):
+        pf = self._file(u.path)
         try:
-            t = self._file(u.path).read_row_group(u.row_group, columns=self.columns, use_threads=False)
-        except DataError:
-            raise
-        except Exception as e:  # truncated pages, bad compression, ...
-            raise DataError(f"{u.path}: row group {u.row_group}: cannot decode ({e})") from None
+            t = pf.read_row_group(u.row_group, columns=self.columns, use_threads=False)
+        except Exception as e:  # damaged pages (checksum), truncated pages, bad compression, ...
+            raise validate.undecodable(pf, u.path, u.row_group, self.columns, e) from None
         if u.start or u.stop != t.num_rows:
             t = t.slice(u.start, u.rows)
         s = self.schema
-        _check_column(u.path, u.row_group, s.label, t.column(s.label), "int")
+        validate.check_column(u.path, u.row_group, s.label, t.column(s.label), "int")
         for n in s.dense:
-            _check_column(u.path, u.row_group, n, t.column(n), "number")
+            validate.check_column(u.path, u.row_group, n, t.column(n), "number")
         for f in s.sparse:
-            _check_column(u.path, u.row_group, f.name, t.column(f.name), "int_list" if f.multi_hot else "int")
+            kind = "int_list" if f.multi_hot else "int"
+            validate.check_column(u.path, u.row_group, f.name, t.column(f.name), kind)
             if f.weights:
-                _check_column(u.path, u.row_group, f.weights, t.column(f.weights), "float_list")
+                validate.check_column(u.path, u.row_group, f.weights, t.column(f.weights), "float_list")
         return t
 
     def window(self, u: shards.Unit) -> _Window:
@@ -138,23 +107,24 @@ class _Decoder:
         t = self.read_unit(u)
         n = t.num_rows
         s = self.schema
-        labels = t.column(s.label).to_numpy().astype(np.float32)
+        where = f"{u.path}: row group {u.row_group}"
+        labels = t.column(s.label).to_numpy()
+        validate.check_labels(where, s.label, labels, u.start)
+        labels = labels.astype(np.float32)
         # np.stack writes the row-major block in one pass (3x faster than filling column by column).
         dense = (
             np.stack([t.column(name).to_numpy().astype(np.float32, copy=False) for name in s.dense], axis=1)
             if s.dense
             else np.zeros((n, 0), np.float32)
         )
+        validate.check_dense(where, s.dense, dense, u.start)  # before log1p, which would hide -inf
         if self.dense_log1p:
             np.log1p(np.maximum(dense, 0.0, out=dense), out=dense)
-        where = f"{u.path}: row group {u.row_group}"
         if self.one_hot:
             # One 1-D array per feature, zero-copy from Arrow.
             ids = [t.column(f.name).to_numpy().astype(np.int64, copy=False) for f in s.sparse]
-            if not self.stats_checked.get((u.path, u.row_group)):
-                for f, col in zip(s.sparse, ids):
-                    if len(col):
-                        self._check_range(where, f, col.min(), col.max())
+            for f, col in zip(s.sparse, ids):
+                validate.check_ids(where, f.name, col, f.num_embeddings, u.start)
             if self.rehash:
                 ids = [_hash(col, size) for col, size in zip(ids, self.rehash)]
             return _Window(n, labels, dense, ids, None)
@@ -167,8 +137,7 @@ class _Decoder:
                 lengths = np.diff(off).astype(np.int32)
             else:
                 vals, off, lengths = col.to_numpy().astype(np.int64, copy=False), None, None
-            if len(vals) and not self.stats_checked.get((u.path, u.row_group)):
-                self._check_range(where, f, vals.min(), vals.max())
+            validate.check_ids(where, f.name, vals, f.num_embeddings, u.start, off)
             if self.rehash:
                 vals = _hash(vals, self.rehash[len(feats)])
             w = None
@@ -179,12 +148,6 @@ class _Decoder:
                 w = w.astype(np.float32, copy=False)
             feats.append(_Feature(vals, lengths, off, w))
         return _Window(n, labels, dense, None, feats)
-
-    @staticmethod
-    def _check_range(where, f, lo, hi):
-        if lo < 0 or (f.num_embeddings is not None and hi >= f.num_embeddings):
-            bad = lo if lo < 0 else hi
-            raise DataError(f"{where}: column {f.name!r}: id {int(bad)} out of range [0, {f.num_embeddings})")
 
 
 def _hash(raw: np.ndarray, num_embeddings: int) -> np.ndarray:
@@ -332,9 +295,10 @@ class ParquetReader:
                 rehash = sizes
                 self.table_sizes = sizes
             elif sizes != self.table_sizes:
+                f, want = next((f, n) for f, n in zip(s.sparse, sizes) if n != f.num_embeddings)
                 raise ValueError(
-                    f"the files' ids are already hashed ({s.categorical}) into "
-                    f"{self.table_sizes}; convert with --raw-ids to choose sizes at read time"
+                    f"feature {f.name!r}: the files' ids are already hashed ({s.categorical}) into "
+                    f"{f.num_embeddings} rows, not {want}; convert with --raw-ids to choose sizes at read time"
                 )
         return _Decoder(s, log1p, rehash)
 

@@ -63,17 +63,29 @@ class DataSchema:
         return d
 
     @classmethod
-    def from_json(cls, d: dict) -> DataSchema:
-        if d.get("format_version") != FORMAT_VERSION:
-            raise DataError(f"unsupported tpurec data format_version {d.get('format_version')!r}")
-        return cls(
-            label=d["label"],
-            dense=list(d["dense"]),
-            sparse=[SparseFeature(**f) for f in d["sparse"]],
-            dense_transform=d["dense_transform"],
-            categorical=d["categorical"],
-            extra=dict(d.get("extra") or {}),
-        )
+    def from_json(cls, d: dict, where: str = "tpurec metadata") -> DataSchema:
+        """The schema of a metadata document; ``where`` (a file) names it in errors."""
+        if not isinstance(d, dict) or d.get("format_version") != FORMAT_VERSION:
+            version = d.get("format_version") if isinstance(d, dict) else None
+            raise DataError(f"{where}: unsupported tpurec data format_version {version!r}")
+        try:
+            sparse = [SparseFeature(**f) for f in d["sparse"]]
+            schema = cls(
+                label=d["label"],
+                dense=list(d["dense"]),
+                sparse=sparse,
+                dense_transform=d["dense_transform"],
+                categorical=d["categorical"],
+                extra=dict(d.get("extra") or {}),
+            )
+        except (KeyError, TypeError) as e:  # a field missing, unknown or of the wrong kind
+            raise DataError(f"{where}: malformed tpurec metadata ({type(e).__name__}: {e})") from None
+        for f in sparse:
+            n = f.num_embeddings
+            # bool is an int in Python; a table size of True is a damaged document, not 1 row.
+            if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+                raise DataError(f"{where}: feature {f.name!r}: num_embeddings {n!r} is not a table size (integer >= 1)")
+        return schema
 
     def arrow_schema(self):
         """The Parquet schema files with this layout have (ids as int64, dense as float32)."""
@@ -150,7 +162,11 @@ def read_file_schema(path: str) -> DataSchema:
     raw = (meta.metadata or {}).get(METADATA_KEY)
     if raw is None:
         raise DataError(f"{path}: no tpurec metadata in the Parquet footer (not written by tpurec data?)")
-    return DataSchema.from_json(json.loads(raw))
+    try:
+        doc = json.loads(raw)
+    except ValueError as e:
+        raise DataError(f"{path}: the tpurec metadata in the Parquet footer is not JSON ({e})") from None
+    return DataSchema.from_json(doc, where=path)
 
 
 def dataset_metadata(path) -> dict:
@@ -161,11 +177,37 @@ def dataset_metadata(path) -> dict:
     """
     p = Path(path)
     found = dataset_json(p) if p.is_dir() else None
-    if found is not None:
-        return json.loads(found.read_text())
     first = list_parquet_files([p])[0]
-    d = read_file_schema(first).to_json()
-    return d
+    if found is None:
+        return read_file_schema(first).to_json()
+    try:
+        doc = json.loads(found.read_text())
+    except ValueError as e:  # a truncated or hand-edited file
+        raise DataError(f"{found}: not JSON ({e}); delete it to use the Parquet footers' metadata") from None
+    check_table_sizes(found, doc, read_file_schema(first), first)
+    return doc
+
+
+def check_table_sizes(where, doc: dict, footer: DataSchema, footer_file: str) -> None:
+    """``_dataset.json``'s table sizes must be the ones the files were written for: the model's
+    tables are built from this document, the reader checks ids against the footers."""
+    from_doc = DataSchema.from_json(doc, where=str(where))
+    sizes = doc.get("table_sizes")
+    for f in from_doc.sparse:
+        if isinstance(sizes, dict) and sizes.get(f.name, f.num_embeddings) != f.num_embeddings:
+            raise DataError(
+                f"{where}: feature {f.name!r}: table_sizes says {sizes[f.name]}, its sparse list says "
+                f"{f.num_embeddings}; the file was edited or damaged: rewrite it (tpurec data convert/synth)"
+            )
+    theirs = {f.name: f.num_embeddings for f in footer.sparse}
+    for f in from_doc.sparse:
+        if f.name not in theirs:
+            raise DataError(f"{where}: feature {f.name!r} is not in {footer_file}; the files are another dataset's")
+        if theirs[f.name] != f.num_embeddings:
+            raise DataError(
+                f"{where}: feature {f.name!r}: table size {f.num_embeddings}, but {footer_file} was written for "
+                f"{theirs[f.name]}; the file does not belong to these Parquet files: rewrite or delete it"
+            )
 
 
 def dataset_json(directory) -> Path | None:
@@ -196,11 +238,19 @@ def remove_stale_parts(out_dir, written) -> None:
             f.unlink()
 
 
+def parquet_writer(path, arrow_schema, compression: str):
+    """A ParquetWriter for tpurec files: CRC32 checksums on every page, so the reader
+    (``page_checksum_verification``) finds a damaged page instead of decoding garbage ids."""
+    import pyarrow.parquet as pq
+
+    return pq.ParquetWriter(path, arrow_schema, compression=compression, write_page_checksum=True)
+
+
 def write_dataset_json(out_dir, schema: DataSchema, **facts) -> dict:
     d = schema.to_json()
     d.update(facts)
     d["table_sizes"] = {f.name: f.num_embeddings for f in schema.sparse}
-    tmp = Path(out_dir) / (DATASET_JSON + ".tmp")
+    tmp = Path(out_dir) / f"{DATASET_JSON}.tmp-{os.getpid()}"
     tmp.write_text(json.dumps(d, indent=2) + "\n")
     tmp.replace(Path(out_dir) / DATASET_JSON)
     (Path(out_dir) / LEGACY_DATASET_JSON).unlink(missing_ok=True)  # an older dataset's, now replaced

@@ -17,6 +17,7 @@ every host sees.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -132,17 +133,84 @@ def train_state_file(path, rank: int) -> Path:
     return Path(path) / f"rank-{rank}.json"
 
 
-def save(root, step: int, dmp, optimizer, train_state: dict, meta: dict, keep: int = 0) -> Path:
-    """Collective: every rank calls it. Returns the final directory."""
-    import torch.distributed.checkpoint as dcp
+class CheckpointWriteError(ValueError):
+    """A checkpoint could not be written (full disk, read-only or unwritable directory); the
+    previous complete checkpoint is left as it was."""
 
+
+def _os_error(e: BaseException | None, depth: int = 0) -> OSError | None:
+    """The OSError behind `e`: itself, its cause, or (DCP) one of the ranks' failures."""
+    if e is None or depth > 8:
+        return None
+    if isinstance(e, OSError):
+        return e
+    for exc, *_ in getattr(e, "failures", {}).values():  # DCP's CheckpointException: {rank: (exc, trace)}
+        found = _os_error(exc, depth + 1)
+        if found is not None:
+            return found
+    return _os_error(e.__cause__ or e.__context__, depth + 1)
+
+
+def write_error(e: BaseException, where, previous) -> CheckpointWriteError | None:
+    """One-line CheckpointWriteError for an OSError behind `e` while writing `where`, else None."""
+    err = _os_error(e)
+    if err is None and _nearly_full(where):
+        # torch.save's zip writer reports a full disk as "RuntimeError: [enforce fail at
+        # inline_container.cc] unexpected pos ..." (seen on a full tmpfs), not as ENOSPC.
+        err = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    if err is None:
+        return None
+    kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return CheckpointWriteError(
+            f"no space left on device writing {where}; {kept}. Free space or give another --checkpoint-dir"
+        )
+    return CheckpointWriteError(f"cannot write checkpoint {where}: {err.strerror or err}; {kept}")
+
+
+FULL_BELOW_BYTES = 16 << 20  # free space under which a failed write is taken for a full disk
+
+
+def _nearly_full(path) -> bool:
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        st = os.statvfs(p)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < FULL_BELOW_BYTES
+
+
+def save(root, step: int, dmp, optimizer, train_state: dict, meta: dict, keep: int = 0) -> Path:
+    """Collective: every rank calls it. Returns the final directory. A write that fails (full disk,
+    read-only directory) raises CheckpointWriteError naming the directory, on the ranks that see it;
+    the unfinished step-N.tmp is removed and every complete checkpoint is left as it was."""
     final = step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
+    previous = latest(root)
+    try:
+        _write(root, step, final, tmp, dmp, optimizer, train_state, meta)
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        failed = write_error(e, tmp, previous)
+        if failed is None:
+            raise
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # give the space back; it never held COMPLETE
+        raise failed from None
+    if _rank() == 0 and keep > 0:
+        for old in complete_checkpoints(root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def _write(root, step: int, final: Path, tmp: Path, dmp, optimizer, train_state: dict, meta: dict) -> None:
+    import torch.distributed.checkpoint as dcp
+
     if _rank() == 0:
         Path(root).mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # a leftover from a killed run
-        if final.exists():  # same step saved again (e.g. final save right after a periodic one)
-            shutil.rmtree(final)
         tmp.mkdir()
     _barrier()
     dcp.save({"model": dmp.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=str(tmp))
@@ -154,12 +222,16 @@ def save(root, step: int, dmp, optimizer, train_state: dict, meta: dict, keep: i
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2, default=str))
         write_checksums(tmp)  # fsyncs the data first: COMPLETE never reaches the disk before it
         (tmp / MARKER).write_text(f"step {step}, world size {_world()}\n")
-        os.replace(tmp, final)
-        if keep > 0:
-            for old in complete_checkpoints(root)[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
-    _barrier()
-    return final
+        if final.exists():
+            # Same step saved again (a final save right after a periodic one): the old copy goes only
+            # now that the new one is complete, so a failed save never loses it.
+            old = final.with_name(final.name + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
 
 
 def load(path, dmp, optimizer) -> tuple[dict, dict | None]:

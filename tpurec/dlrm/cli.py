@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 from tpurec.dlrm.options import OPTIONS_ENV, TrainOptions
@@ -67,9 +68,12 @@ def run(args) -> int:
     cmd = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "tpurec.dlrm.launch",  # torch.distributed.run, its failure reported in one line
         "--standalone",
         f"--nproc-per-node={args.nproc}",
+        # A rank that cannot act on SIGTERM (stopped, hung in the kernel) is SIGKILLed after 5 s,
+        # not torch.distributed.run's 30.
+        "--shutdown-timeout=5",
         "-m",
         "tpurec.dlrm",
     ]
@@ -107,6 +111,7 @@ def run_worker(options: TrainOptions) -> int:
     msg = options.check()
     if msg:
         return _error(msg)
+    from tpurec import heartbeat
     from tpurec.data.schema import DataError
     from tpurec.device import TpuUnavailableError
     from tpurec.dlrm.trainer import Trainer
@@ -118,7 +123,22 @@ def run_worker(options: TrainOptions) -> int:
     except (DataError, TpuUnavailableError, FileNotFoundError, ValueError) as e:
         print(f"tpurec train: error: rank {rank}: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        if not heartbeat.lost_peer(e):
+            print(f"tpurec train: rank {rank} failed: {type(e).__name__}: {e}", file=sys.stderr)
+            raise
+        # Another rank died (its connection closed) or went silent past --dist-timeout: this rank is
+        # not at fault, and its traceback would bury the launcher's line naming the rank that is.
+        what = re.sub(r"^\[[^\]]*\]\s*", "", str(e).strip()).split(". ")[0] or type(e).__name__  # no gloo source path
+        print(
+            f"tpurec train: error: rank {rank}: lost another rank in a collective ({what}); "
+            f"collectives wait at most --dist-timeout {options.dist_timeout:g} s",
+            file=sys.stderr,
+        )
+        return heartbeat.EXIT_PEER_SILENT
     except BaseException as e:
         if not isinstance(e, KeyboardInterrupt):
             print(f"tpurec train: rank {rank} failed: {type(e).__name__}: {e}", file=sys.stderr)
         raise
+    finally:
+        heartbeat.stop(done=True)  # this rank is finished (or failed and said so): not silent

@@ -27,10 +27,16 @@ def synth_dir(table_set: str, rows: int, seed: int, multi_hot: list[int] | None 
 
 
 def ensure_synth(table_set: str, rows: int, seed: int, say=print, multi_hot: list[int] | None = None) -> Path:
-    """The cached synthetic dataset, generated on first use (_dataset.json is written last, so its
-    presence means the files are complete)."""
+    """The cached synthetic dataset, generated on first use.
+
+    Race-safe: it is written into a fresh temporary directory beside the cache entry and renamed
+    into place whole (``rename`` is atomic), so two runs starting together each see either no
+    dataset or a complete one. Both may generate it; the first rename wins and the other run uses
+    that copy (the same seed gives the same rows) and removes its own."""
+    import shutil
+    import tempfile
+
     from tpurec.data.schema import dataset_json
-    from tpurec.data.synth import synthesize
 
     out = synth_dir(table_set, rows, seed, multi_hot)
     hots = "" if multi_hot is None else f", multi-hot {','.join(map(str, multi_hot))}"
@@ -38,6 +44,20 @@ def ensure_synth(table_set: str, rows: int, seed: int, say=print, multi_hot: lis
         say(f"data: synthetic {table_set}{hots}, {rows:,} rows, seed {seed}, cached in {out}")
         return out
     say(f"data: generating synthetic {table_set} data{hots} ({rows:,} rows, seed {seed}) once into {out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))  # same filesystem: rename works
+    tmp.chmod(0o755)  # mkdtemp's 0700 would become the cache entry's mode
+    try:
+        _synthesize(tmp, table_set, rows, seed, multi_hot)
+        _publish(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone after a rename; ours when another run won
+    return out
+
+
+def _synthesize(out: Path, table_set: str, rows: int, seed: int, multi_hot) -> None:
+    from tpurec.data.synth import synthesize
+
     # Small row groups: more units to shuffle and to spread over ranks.
     synthesize(
         rows,
@@ -49,7 +69,33 @@ def ensure_synth(table_set: str, rows: int, seed: int, say=print, multi_hot: lis
         overwrite=True,
         multi_hot_sizes=multi_hot,
     )
-    return out
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Rename the complete dataset ``tmp`` to ``out``, unless another run put a complete one there."""
+    import errno
+    import shutil
+
+    from tpurec.data.schema import dataset_json
+
+    for _ in range(3):
+        try:
+            os.rename(tmp, out)  # replaces an empty directory; fails on a non-empty one
+            return
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+        if dataset_json(out) is not None:
+            return  # another run finished first
+        # A partial directory (written in place by tpurec before 2026-12, then interrupted):
+        # moved aside by one rename, so two runs cannot both remove it.
+        aside = tmp.with_name(tmp.name + ".stale")
+        try:
+            os.rename(out, aside)
+        except FileNotFoundError:
+            continue
+        shutil.rmtree(aside, ignore_errors=True)
+    raise OSError(f"{out}: could not put the synthetic dataset in place (another process keeps writing there)")
 
 
 @dataclass

@@ -15,7 +15,8 @@ import json
 import os
 from dataclasses import asdict, dataclass, field, fields
 
-from tpurec.argtypes import nonnegative_int, positive_int
+from tpurec import heartbeat
+from tpurec.argtypes import nonnegative_float, nonnegative_int, positive_float, positive_int
 from tpurec.catalog import MODEL_NAMES
 from tpurec.dlrm import flags
 from tpurec.dlrm.configs import DLRMConfig, get_config, override
@@ -87,6 +88,20 @@ class TrainOptions:
     )
     threads: int | None = flag(None, "torch threads per rank (default: 1 with several ranks)", type=positive_int)
     quiet: bool = flag(False, "no progress bar")
+    dist_timeout: float = flag(
+        heartbeat.DEFAULT_DIST_TIMEOUT,
+        f"seconds a collective may wait for the other ranks (default {heartbeat.DEFAULT_DIST_TIMEOUT:g}; "
+        "gloo's own is 1800)",
+        type=positive_float,
+        metavar="SECONDS",
+    )
+    heartbeat_timeout: float = flag(
+        heartbeat.DEFAULT_TIMEOUT,
+        "seconds without a heartbeat from a rank before the others name it and stop the job "
+        f"(default {heartbeat.DEFAULT_TIMEOUT:g}; 0: off)",
+        type=nonnegative_float,
+        metavar="SECONDS",
+    )
     pipeline_depth: int = flag(
         4,
         "batches read and prepared ahead in background threads (Parquet decode, KJT, SparseCore CSR inputs; "
@@ -157,6 +172,11 @@ class TrainOptions:
             where = self.checkpoint_dir if self.resume == "latest" else self.resume
             if not os.path.exists(where):
                 return f"--resume: {where} does not exist (leave out --resume to start a new run)"
+        if self.checkpoint_dir:
+            problem = unwritable(self.checkpoint_dir)
+            if problem:
+                # Now, not at the first save minutes (or hours) of training later.
+                return f"--checkpoint-dir {self.checkpoint_dir}: {problem}"
         for name in ("batch_size", "steps", "checkpoint_every", "synth_rows"):
             v = getattr(self, name)
             if v is not None and v < 1:
@@ -170,3 +190,23 @@ class TrainOptions:
             if missing:
                 return f"--device tpu: this host cannot run TPU kernels ({'; '.join(missing)}); see `tpurec env`"
         return None
+
+
+def unwritable(path: str) -> str | None:
+    """Why files cannot be created in directory `path` (or, if it does not exist yet, in the
+    nearest existing directory above it, where it would be made), else None. A real probe file,
+    not os.access: root passes every permission check but not a read-only mount."""
+    import tempfile
+
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        return f"{probe} is not a directory"
+    try:
+        fd, name = tempfile.mkstemp(dir=probe, prefix=".tpurec-write-probe-")
+        os.close(fd)
+        os.unlink(name)
+    except OSError as e:
+        return f"cannot write in {probe} ({e.strerror or e})"
+    return None

@@ -44,12 +44,15 @@ def setup_logging(rank: int) -> None:
         warnings.filterwarnings("ignore", category=category, module=r"(torchrec|fbgemm_gpu|torch)\b")
 
 
-def init_distributed(device: str = "cpu"):
+def init_distributed(device: str = "cpu", timeout: float | None = None):
     """(rank, world_size): from torchrun's environment, else a single process.
 
     On TPU the ranks pair gloo (CPU tensors) with TorchTPU's `tpu_dist` (tpu tensors), as DMP does
     (`tpurec.sharding.dmp.process_group_backend`; not yet run on TPU hardware); elsewhere gloo.
+    `timeout` (seconds) bounds every collective's wait: gloo's own default is 30 minutes.
     """
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized():
@@ -57,7 +60,10 @@ def init_distributed(device: str = "cpu"):
         from tpurec.sharding.dmp import process_group_backend
 
         # Without a usable TPU, stay on gloo: the device check later names what is missing.
-        dist.init_process_group(process_group_backend("tpu" if device == "tpu" and tpu_status().usable else "cpu"))
+        dist.init_process_group(
+            process_group_backend("tpu" if device == "tpu" and tpu_status().usable else "cpu"),
+            timeout=None if timeout is None else timedelta(seconds=timeout),
+        )
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1

@@ -56,13 +56,21 @@ class Trainer:
 
         o = self.options
         self.device = resolve_device(o.device)
-        self.rank, self.world = init_distributed(self.device)
+        self.rank, self.world = init_distributed(self.device, o.dist_timeout)
         setup_logging(self.rank)
+        from tpurec import heartbeat
+
+        # Right after the group forms: a rank that stops from here on is named within the timeout.
+        heartbeat.start(o.heartbeat_timeout, program="tpurec train")
         # One thread per rank unless asked: on a small shared host more threads than free cores make
         # every op wait for a busy core (measured 20x slower with 2 threads on 2 busy cores).
         torch.set_num_threads(o.threads or 1)
         self.say = log.info if self.rank == 0 else (lambda *a, **k: None)
         self.cfg = o.config()
+        if o.checkpoint_dir and self.rank == 0:
+            from tpurec.dlrm.ckpt_lock import lock_dir
+
+            self._lock = lock_dir(o.checkpoint_dir)  # before any step: one run per directory
         self.table_set = get_table_set(self.cfg.table_set)  # resolved once; everything below reads it
         if self.device == "cpu":
             # Before any data is generated or read: a refusal in one line, not an OOM kill minutes in.
@@ -167,7 +175,12 @@ class Trainer:
             from tpurec.sharding.plan_io import load_plan
 
             plan = load_plan(o.plan)
-        self.dmp = shard(model, cfg, self.device, plan=plan)
+        try:
+            self.dmp = shard(model, cfg, self.device, plan=plan)
+        except ValueError as e:
+            if plan is None or not str(e).startswith("the plan"):
+                raise
+            raise ValueError(f"--plan {o.plan}{str(e)[len('the plan') :]}") from None  # name the file
         self.optimizer = build_optimizer(self.dmp, cfg)
         self.schedule = LRSchedule(self.optimizer, cfg.warmup_steps, cfg.decay_start, cfg.decay_steps)
         if self.rank == 0:
@@ -212,6 +225,11 @@ class Trainer:
                     f"resume: every checkpoint in {o.checkpoint_dir} is damaged (see above); leave out --resume "
                     "to start over"
                 )
+        from tpurec.dlrm.ckpt_config import config_mismatch
+
+        mismatch = config_mismatch(ckpt.resolve(src), self.cfg.to_dict())
+        if mismatch:
+            raise ValueError(f"resume: {mismatch}")
         cmeta, state = ckpt.load(src, self.dmp, self.optimizer)
         self.step_count, self.samples = int(cmeta["step"]), int(cmeta.get("samples", 0))
         if state is not None:

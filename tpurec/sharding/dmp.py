@@ -29,6 +29,7 @@ from torchrec.distributed.model_parallel import DistributedModelParallel as _Tor
 from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 
+from tpurec import heartbeat
 from tpurec.embedding.sparsecores import resolve_num_sparsecores
 from tpurec.sharding.ec_sharder import SparseCoreECSharder
 from tpurec.sharding.sharder import SparseCoreEBCSharder
@@ -55,9 +56,13 @@ def _ensure_process_group(device_type: str = "cpu") -> None:
         return
     backend = process_group_backend(device_type)
     if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        from datetime import timedelta
+
         # Launched by torchrun (or another env:// launcher): join its ranks, do not run alone.
+        # TPUREC_DIST_TIMEOUT bounds a collective's wait (gloo's default is 30 minutes).
+        seconds = heartbeat.seconds_from_env(heartbeat.DIST_TIMEOUT_ENV, heartbeat.DEFAULT_DIST_TIMEOUT)
         logger.info("tpurec: joining the launched ranks through env:// (%s)", backend)
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=timedelta(seconds=seconds) if seconds else None)
         return
     import socket
 
@@ -101,6 +106,10 @@ class DistributedModelParallel(_TorchrecDMP):
         if torch_device.type == "meta":
             raise ValueError("device='meta' is for building the unsharded model; shard onto 'tpu' or 'cpu'")
         _ensure_process_group(torch_device.type)
+        if os.environ.get(heartbeat.TIMEOUT_ENV):
+            # Opt-in for library users (it ends the process when a neighbour goes silent);
+            # `tpurec train` starts it itself, by default.
+            heartbeat.start()
         env = env or ShardingEnv.from_process_group(dist.group.WORLD)
         # No padding of TorchRec's uneven all_to_all_single: TorchTPU 0.2.0's ProcessGroupTpu::alltoall_base
         # dispatches uneven splits itself (AllToAllBaseUnevenSplits; docs/tpu.md), and TorchRec 1.9.2

@@ -101,6 +101,16 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
             widen_tables=fused.get("widen_tables"),
         )
         self._optim = SparseCoreFusedOptimizer(self.kernel, param_prefix="", key_of=self._param_key)
+        # TorchRec's `output_dtype` fused param (an FBGEMM SparseType): its TBE kernels return lookups in
+        # that dtype, so the output collectives carry it. The kernel computes in float32 (as TBE's CPU
+        # kernel accumulates) and rounds once; autograd casts the gradient back.
+        out = fused.get("output_dtype")
+        self._output_dtype = out.as_dtype() if out is not None and hasattr(out, "as_dtype") else out
+        if self._output_dtype not in (None, torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"tables {[t.name for t in config.embedding_tables]}: output_dtype {out} is not supported "
+                "(FP32, FP16 or BF16)"
+            )
         self._prepared: list = []  # (KJT, SparseCore inputs) built ahead, oldest first
         self._prepared_lock = threading.Lock()
         self.prepared_hits = self.prepared_misses = 0
@@ -119,7 +129,8 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
         return self._optim
 
     def forward(self, features) -> torch.Tensor:
-        return self.kernel(features)
+        out = self.kernel(features)
+        return out if self._output_dtype in (None, out.dtype) else out.to(self._output_dtype)
 
     # -- SparseCore inputs built ahead (pooled lookups) -----------------------------------------
     def prepare(self, features) -> None:
@@ -177,8 +188,9 @@ class SparseCoreEmbeddingBag(_SparseCoreGroupKernel):
     def forward(self, features) -> torch.Tensor:
         csrs = self._take_prepared(features) if self._prepared else None
         if csrs is None:
-            return self.kernel(features)
-        return self.kernel.lookup(csrs, features.stride())
+            return super().forward(features)
+        out = self.kernel.lookup(csrs, features.stride())
+        return out if self._output_dtype in (None, out.dtype) else out.to(self._output_dtype)
 
     def feature_keys(self) -> list[str]:
         """The KJT keys this lookup receives, in order (TorchRec passes a group's features in table

@@ -142,7 +142,7 @@ def _output_flags(p, default) -> None:
 
 
 def _emit(report: dict, fmt: str, out: str | None) -> None:
-    from tpurec.sharding import inspect, render
+    from tpurec.sharding import inspect, render, report_html
 
     if fmt == "png":
         data = render.png_bytes(report)
@@ -150,7 +150,7 @@ def _emit(report: dict, fmt: str, out: str | None) -> None:
             f.write(data)
         print(f"wrote {out or 'plan.png'}", file=sys.stderr)
         return
-    text = {"text": inspect.format_text, "html": render.html_page, "json": lambda r: json.dumps(r, indent=1)}[fmt](
+    text = {"text": inspect.format_text, "html": report_html.html_page, "json": lambda r: json.dumps(r, indent=1)}[fmt](
         report
     )
     if out:

@@ -145,7 +145,12 @@ def load_plan(path, refused_ok: bool = False):
     refusal = doc.get("refusal") or (doc.get("meta") or {}).get("refusal")
     if refusal and not refused_ok:
         raise ValueError(f"{path}: this plan does not fit its slice, so it cannot be applied ({refusal})")
-    return plan_from_dict(doc)
+    try:
+        return plan_from_dict(doc)
+    except ValueError as e:  # name the file itself, not "plan file"
+        msg = str(e)
+        named = f"{path}{msg[len('plan file') :]}" if msg.startswith("plan file") else f"{path}: {msg}"
+        raise ValueError(named) from None
 
 
 def load_meta(path) -> dict:

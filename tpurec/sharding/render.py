@@ -1,12 +1,11 @@
-"""PNG and HTML pictures of a plan report: per-device stacked HBM bars and per-device time bars."""
+"""The PNG picture of a plan report: per-device stacked HBM bars over per-device time bars
+(report_html embeds it in the HTML page)."""
 
 from __future__ import annotations
 
-import base64
-import html
 import io
 
-from tpurec.sharding.topology import GiB, format_bytes
+from tpurec.sharding.topology import GiB
 
 _HBM_PARTS = (
     ("weights_bytes", "table weights"),
@@ -88,31 +87,3 @@ def figure(report: dict):
     ax_t.legend(loc="upper right", fontsize=8, ncol=4)
     fig.tight_layout()
     return fig
-
-
-def html_page(report: dict) -> str:
-    from tpurec.sharding.inspect import format_text
-
-    img = base64.b64encode(png_bytes(report)).decode()
-    rows = "".join(
-        f"<tr><td>{html.escape(t['name'])}</td><td>{t['rows']:,}</td><td>{t['dim']}</td>"
-        f"<td>{html.escape(t['sharding_type'])}</td><td>{html.escape(t['compute_kernel'])}</td>"
-        f"<td>{len(t['ranks'])}</td><td>{format_bytes(t['bytes'])}</td><td>{t['time_ms']:.3f}</td></tr>"
-        for t in sorted(report["tables"], key=lambda t: -t["bytes"])
-    )
-    status = "fits" if report["fits"] else "does NOT fit"
-    return f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>tpurec plan: {html.escape(report["topology"])}</title>
-<style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}}
-td,th{{border:1px solid #ccc;padding:2px 8px;text-align:right}} td:first-child{{text-align:left}}
-pre{{background:#f6f6f6;padding:1em;overflow:auto}}</style></head><body>
-<h1>{html.escape(report.get("model") or "plan")} on {html.escape(report["topology"])}: {status}</h1>
-<p>{report["world_size"]} devices; estimated embedding step time
-<b>{report["estimated_step_time_ms"]:.3f} ms</b>; imbalance (max/mean) time {report["time_imbalance"]:.2f},
-HBM {report["hbm_imbalance"]:.2f}.</p>
-<img alt="per-device HBM and time" src="data:image/png;base64,{img}" style="max-width:100%">
-<h2>Tables</h2><table><tr><th>name</th><th>rows</th><th>dim</th><th>sharding</th><th>kernel</th>
-<th>shards</th><th>memory</th><th>ms</th></tr>{rows}</table>
-<h2>Full text report</h2><pre>{html.escape(format_text(report))}</pre>
-</body></html>
-"""

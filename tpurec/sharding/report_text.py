@@ -25,7 +25,7 @@ def rank_ranges(ranks: list[int], most: int = 6) -> str:
     return ",".join(parts[:most]) + (f",+{len(parts) - most} more" if len(parts) > most else "")
 
 
-def _in_order(ranks: list) -> str:
+def ranks_in_order(ranks: list) -> str:
     """A table's ranks in shard order (order matters there: it is the row order of the shards)."""
     if len(ranks) > 4 and ranks == list(range(ranks[0], ranks[-1] + 1)):
         return f"{ranks[0]}-{ranks[-1]}"
@@ -43,7 +43,8 @@ _PARTS = ("weights_bytes", "optimizer_bytes", "buffers_bytes", "activations_byte
 _TIMES = ("estimated_time_ms", "lookup_ms", "update_ms", "comm_ms")
 
 
-def _device_cells(d: dict) -> tuple[str, ...]:
+def device_cells(d: dict) -> tuple[str, ...]:
+    """A device's figures as the text report prints them; devices with equal cells share a row."""
     pct = 100 * d["hbm_used_bytes"] / d["hbm_capacity_bytes"]
     return (
         *(format_bytes(d[k]) for k in _MEMORY),
@@ -53,10 +54,15 @@ def _device_cells(d: dict) -> tuple[str, ...]:
     )
 
 
-def _device_rows(devices: list[dict]) -> list[str]:
-    groups: dict[tuple, list[int]] = {}
+def device_groups(devices: list[dict], key=device_cells) -> list[tuple[list[int], dict]]:
+    """(ranks, first device) per set of devices with equal `key`, ordered by their lowest rank."""
+    groups: dict[tuple, list[dict]] = {}
     for d in devices:
-        groups.setdefault(_device_cells(d), []).append(d["rank"])
+        groups.setdefault(key(d), []).append(d)
+    return sorted([([d["rank"] for d in g], g[0]) for g in groups.values()], key=lambda rg: rg[0][0])
+
+
+def _device_rows(devices: list[dict]) -> list[str]:
     head = ("used", "cap", "%", "weights", "optim", "buffers", "activ", "transnt", "reserved")
     widths = (10, 10, 5, 10, 10, 10, 10, 10, 10, 7, 7, 7, 7)
     out = [
@@ -64,9 +70,11 @@ def _device_rows(devices: list[dict]) -> list[str]:
         + " ".join(f"{h:>{w}}" for h, w in zip((*head, "time", "lookup", "update", "comm"), widths))
         + "  ranks"
     ]
-    for cells, ranks in sorted(groups.items(), key=lambda kv: kv[1][0]):
+    for ranks, d in device_groups(devices):
         out.append(
-            f"{len(ranks):>4} " + " ".join(f"{c:>{w}}" for c, w in zip(cells, widths)) + f"  {rank_ranges(ranks)}"
+            f"{len(ranks):>4} "
+            + " ".join(f"{c:>{w}}" for c, w in zip(device_cells(d), widths))
+            + f"  {rank_ranges(ranks)}"
         )
     return out
 
@@ -116,7 +124,7 @@ def format_text(report: dict, top: int = 5) -> str:
     for t in sorted(report["tables"], key=lambda t: -t["bytes"]):
         out.append(
             f"{t['name']:<12} {t['rows']:>12,} {t['dim']:>4} {t['pooling_factor']:>6g} "
-            f"{t['sharding_type']:<16} {t['compute_kernel']:<18} {_in_order(t['ranks']):<12} "
+            f"{t['sharding_type']:<16} {t['compute_kernel']:<18} {ranks_in_order(t['ranks']):<12} "
             f"{format_bytes(t['bytes']):>10} {t['time_ms']:>8.3f}"
         )
     out += ["", DEVICES_HEADER, *_device_rows(report["devices"])]
@@ -169,6 +177,12 @@ def diff_reports(a: dict, b: dict) -> str:
     ta = {t["name"]: t for t in a["tables"]}
     tb = {t["name"]: t for t in b["tables"]}
     out = [f"A: {a['topology']} {a['world_size']} devices; B: {b['topology']} {b['world_size']} devices"]
+    if a.get("model") != b.get("model"):
+        # Said first: every table line below then compares two models' tables, not two placements.
+        out.append(
+            f"note: A and B plan different models ({a.get('model')!r} and {b.get('model')!r}): the tables differ, "
+            "so this compares two models, not two placements of one"
+        )
     inputs = input_changes(a, b)
     out += ["inputs: the same"] if not inputs else [f"inputs: {len(inputs)} change(s)", *inputs]
     for key, label, fmt in (
@@ -193,8 +207,8 @@ def diff_reports(a: dict, b: dict) -> str:
         if (x["sharding_type"], x["compute_kernel"], sx) != (y["sharding_type"], y["compute_kernel"], sy):
             changed += 1
             moved.append(
-                f"  {name}: {x['sharding_type']} ranks {_in_order(x['ranks'])} -> "
-                f"{y['sharding_type']} ranks {_in_order(y['ranks'])}"
+                f"  {name}: {x['sharding_type']} ranks {ranks_in_order(x['ranks'])} -> "
+                f"{y['sharding_type']} ranks {ranks_in_order(y['ranks'])}"
                 + (
                     f" (kernel {x['compute_kernel']} -> {y['compute_kernel']})"
                     if x["compute_kernel"] != y["compute_kernel"]

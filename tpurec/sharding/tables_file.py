@@ -185,7 +185,22 @@ def load_tables(path: str) -> list[Entry]:
                 raise ValueError(f"{where}: feature {f!r} is already served by table {features[f]!r}")
             features[f] = entry.spec.name
         out.append(entry)
+    _check_module_names(path, out)
     return out
+
+
+def _check_module_names(path: str, entries: list[Entry]) -> None:
+    """TorchRec keeps tables in an nn.ModuleDict keyed by name, which refuses dots and the names of
+    its own attributes ('half', 'float', 'train'...) with a bare KeyError deep in the model build.
+    Checked last: it needs torch, which planning imports anyway, so other errors stay instant."""
+    import torch
+
+    for i, e in enumerate(entries):
+        if "." in e.spec.name or hasattr(torch.nn.ModuleDict, e.spec.name):
+            raise ValueError(
+                f"{path}: table #{i} ({e.spec.name!r}): name cannot name a TorchRec table "
+                "(no dots, not a torch.nn.Module attribute such as 'half' or 'train'); rename it"
+            )
 
 
 def _entry(path: str, i: int, t) -> Entry:

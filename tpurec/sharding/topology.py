@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import types
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -329,6 +330,27 @@ def _enable_offline_tpu() -> None:
     if current != "privateuseone":
         raise RuntimeError(f"PrivateUse1 backend is already named {current!r}; cannot plan for 'tpu'")
     torch.utils.rename_privateuse1_backend("tpu")
+    # Once PrivateUse1 is named, torch takes "tpu" for the build's accelerator and asks its device
+    # module (torch.optim's step calls torch.accelerator.is_available() -> torch.tpu.is_available()):
+    # without one, every later Adam.step() in the process raised. An honest "no device" module keeps
+    # CPU training working after offline planning; TorchRec's TPU branches check is_available() too.
+    # Only the attribute, not sys.modules["torch.tpu"]: TorchTPU's loader (torch_tpu/_loader.py,
+    # public_api.install) skips building its module when that name is already in sys.modules, and
+    # deletes an existing torch.tpu attribute before registering its own, so a later TorchTPU wins.
+    if getattr(torch, "tpu", None) is None:
+        torch.tpu = _OfflineTpuModule("torch.tpu")
+
+
+class _OfflineTpuModule(types.ModuleType):
+    """torch.tpu on a host without TorchTPU: no devices (the name exists only for planning)."""
+
+    @staticmethod
+    def is_available() -> bool:
+        return False
+
+    @staticmethod
+    def device_count() -> int:
+        return 0
 
 
 def _spec_from_environment() -> SliceSpec | None:

@@ -1,0 +1,64 @@
+"""`python -m tpurec.dlrm.launch ARGS`: torch.distributed.run (ARGS are its own) ending in one line.
+
+torch.distributed.run already stops every rank when one fails, but then reports the failure as a
+Python traceback of its own, with a multi-line box of details. Here it runs in-process and its
+failure becomes one line naming each failed rank and how it ended (exit code or signal); its own
+log lines are silenced. Exit code: 2 if a rank reported bad input, else the first failure's code
+(128 + N for signal N, as a shell reports it).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+
+
+def _how(failure) -> str:
+    if failure.exitcode < 0:
+        try:
+            name = signal.Signals(-failure.exitcode).name
+        except ValueError:
+            name = f"signal {-failure.exitcode}"
+        return f"was killed by {name}"
+    return f"exited with code {failure.exitcode}"
+
+
+def _code(failure) -> int:
+    return 128 - failure.exitcode if failure.exitcode < 0 else failure.exitcode
+
+
+def summary(failures: dict) -> tuple[str, int]:
+    """(the one line, the exit code) for torch.distributed.run's {rank: ProcessFailure}."""
+    # Earliest first; within a second, ranks ended by SIGTERM last: that is how the launcher stops
+    # the others once one has failed, so the rank that failed on its own leads the line.
+    order = sorted(failures, key=lambda r: (failures[r].timestamp, failures[r].exitcode == -signal.SIGTERM, r))
+    parts = [f"rank {r} {_how(failures[r])}" for r in order]
+    line = f"tpurec train: {', '.join(parts)}; torch.distributed.run stopped the other ranks"
+    codes = [failures[r].exitcode for r in order]
+    return line, 2 if 2 in codes else (_code(failures[order[0]]) or 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    # Its INFO/WARNING/ERROR lines ("Sending process ... closing signal", the failure box) would
+    # repeat what the ranks and the line below say.
+    for name in list(logging.Logger.manager.loggerDict):
+        if name.startswith("torch.distributed"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        run(parse_args(sys.argv[1:] if argv is None else argv))
+        return 0
+    except ChildFailedError as e:
+        line, code = summary(e.failures)
+        print(line, file=sys.stderr, flush=True)
+        return code
+    except SignalException as e:  # SIGTERM/SIGINT/SIGHUP: the ranks were stopped with it
+        return 128 + int(e.sigval)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
