@@ -296,8 +296,9 @@ class SparseCoreKernel(nn.Module):
         trigger = _trigger() if torch.is_grad_enabled() else None
         per_stack = []
         for i, (plan, csr) in enumerate(zip(self.stacks, csrs)):
-            out = _FusedLookup.apply(trigger, self, i, csr, batch)
-            if _writes_final_layout(self.stack_weight(i)):
+            direct = _writes_final_layout(self.stack_weight(i))
+            out = _FusedLookup.apply(trigger, self, i, csr, batch, direct)
+            if direct:
                 per_stack.append(out)
                 continue
             n, dim, width = len(plan.features), plan.layout.dim, plan.layout.storage_dim
@@ -466,15 +467,19 @@ def _writes_final_layout(weight: torch.Tensor) -> bool:
     itself (and reads its gradient in place): real CPU tensors in eager mode. Elsewhere (a TPU, fake
     or meta tensors, tracing) the op runs, [features * padded batch, width], reshaped by `lookup`;
     on CPU that reshape was a full copy of the activations forward and again backward."""
-    return weight.device.type == "cpu" and type(weight) is torch.Tensor and not torch.compiler.is_compiling()
+    return (
+        weight.device.type == "cpu"
+        and type(weight) is torch.Tensor
+        and not torch.compiler.is_compiling()
+        and ops.reference_is_cpu_kernel()
+    )
 
 
 class _FusedLookup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, trigger, kernel: SparseCoreKernel, i: int, csr: SparseCoreInput, batch: int):
-        ctx.kernel, ctx.i, ctx.csr = kernel, i, csr
+    def forward(ctx, trigger, kernel: SparseCoreKernel, i: int, csr: SparseCoreInput, batch: int, direct: bool):
+        ctx.kernel, ctx.i, ctx.csr, ctx.direct = kernel, i, csr, direct
         weight = kernel.stack_weight(i)
-        ctx.direct = _writes_final_layout(weight)
         if ctx.direct:
             ctx.features = len(kernel.stacks[i].features)
             return reference.lookup_csr(
@@ -507,4 +512,4 @@ class _FusedLookup(torch.autograd.Function):
         if ctx.direct:  # [batch, n * dim]: the CPU reference reads it in place
             grad = reference.batch_major_grad(grad, ctx.features)
         kernel.apply_update(ctx.i, ctx.csr, grad, kernel.current_lr())
-        return None, None, None, None, None
+        return None, None, None, None, None, None

@@ -52,6 +52,18 @@ def _(row_pointers, embedding_ids, sample_ids, gains, embedding_table, device_ba
     return embedding_table.new_empty((device_batch_size, embedding_table.shape[1]), dtype=torch.float32)
 
 
+# The CPU kernel registered above. Tests replace the CPU kernels of every tpurec op with the TPU
+# adapter's (tests/tpu_standin.py, adapter_on_cpu); `reference_is_cpu_kernel` tells callers when the
+# reference is what CPU tensors reach (`_backend_fns` is torch's private table: without it, say no).
+_REFERENCE_CPU_KERNEL = getattr(sparse_dense_matmul, "_backend_fns", {}).get("cpu")
+
+
+def reference_is_cpu_kernel() -> bool:
+    """Whether the ops' CPU kernel is this reference (so a caller may call the reference directly)."""
+    current = getattr(sparse_dense_matmul, "_backend_fns", {}).get("cpu")
+    return current is not None and current is _REFERENCE_CPU_KERNEL
+
+
 def row_gradients(row_pointers, embedding_ids, sample_ids, gains, table, grad, device_batch_size, num_sc, parts):
     """(unique physical rows, summed gradient per row) of one SparseCore input: what every fused
     update op of `tpurec.embedding.optimizers` starts from. On CPU `grad` may also be a
