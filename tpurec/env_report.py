@@ -11,7 +11,18 @@ import sys
 
 from tpurec import __version__, device
 
-_PACKAGES = ("torch", "torchrec", "fbgemm-gpu-cpu", "fbgemm-gpu", "torch-tpu", "libtpu", "jax", "numpy", "pyarrow")
+_PACKAGES = (
+    "torch",
+    "torchrec",
+    "fbgemm-gpu-cpu",
+    "fbgemm-gpu",
+    "torch-tpu",
+    "libtpu",
+    "jax",
+    "numpy",
+    "numba",
+    "pyarrow",
+)
 
 
 def collect() -> dict:

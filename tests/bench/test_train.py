@@ -41,4 +41,6 @@ def test_bench_train_json(tmp_path):
     assert {"tpurec_samples_per_s", "torchrec_samples_per_s", "ratio_vs_torchrec"} <= set(r)
     assert r["tpurec_samples_per_s"] > 0 and r["torchrec_samples_per_s"] > 0
     assert r["ratio_vs_torchrec"] == pytest.approx(r["tpurec_samples_per_s"] / r["torchrec_samples_per_s"], rel=1e-2)
+    assert len(r["rounds"]) == 1 and r["rounds"][0]["ratio_vs_torchrec"] == r["ratio_vs_torchrec"]
+    assert len(r["load_average_1min"]) == 2
     assert r["torchrec_plan"] == "26 table_wise/fused" and "customized_kernel" in r["tpurec_plan"]

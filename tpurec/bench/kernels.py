@@ -12,12 +12,16 @@ scattered by a fixed permutation). A step is forward + backward with row-wise Ad
 Also measured: the machine's random-gather roofline (torch.index_select of 64-float rows from a
 2.6M-row table, uniform and Zipf ids), since embedding lookups are memory-bound. All contestants
 run with the same torch thread count (1 by default: FBGEMM's fused backward is single-threaded).
+Per pooling factor the three take turns for several rounds (`--rounds`), so that load from other
+processes on a shared host falls on all of them alike; the JSON keeps every round, the medians and
+the load average.
 """
 
 from __future__ import annotations
 
 import json
 
+from tpurec.argtypes import positive_int
 from tpurec.bench import timer, workloads
 
 NUM_TABLES, ROWS, DIM, BATCH = 26, 100_000, 64, 2048
@@ -38,6 +42,12 @@ def register(sub) -> None:
     )
     p.add_argument("--pooling", type=int, nargs="+", default=[1, 20], help="pooling factors to run (default 1 20)")
     p.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=None,
+        help="side-by-side rounds per pooling factor, the median reported (default 5, --quick 2)",
+    )
+    p.add_argument(
         "--sequence",
         action="store_true",
         help="instead: an EmbeddingCollection (unpooled) training step, tpurec vs stock TorchRec's EC "
@@ -57,7 +67,7 @@ def run_cli(args) -> int:
         result["threads"] = torch.get_num_threads()
         print(json.dumps(result, indent=2) if args.json else format_sequence(result))
         return 0
-    result = run(quick=args.quick, threads=args.threads, poolings=args.pooling)
+    result = run(quick=args.quick, threads=args.threads, poolings=args.pooling, rounds=args.rounds)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -166,6 +176,19 @@ def gather_roofline(repeats: int = 5, rows: int = NUM_TABLES * ROWS, n: int = 1_
     return out
 
 
+def _round(contestants: dict, batches, repeats: int, lookups: int) -> dict:
+    """One side-by-side round: each contestant in turn takes one warm-up step (its tables back in
+    the caches) and then `repeats` passes over the batches; its median step counts."""
+    out = {}
+    for name, step in contestants.items():
+        sec = timer.median_step_seconds(step, batches, repeats)
+        out[f"{name}_step_ms"] = sec * 1e3
+        out[f"{name}_lookups_per_s"] = lookups / sec
+    out["ratio_vs_fbgemm"] = out["tpurec_lookups_per_s"] / out["fbgemm_lookups_per_s"]
+    out["ratio_vs_torch"] = out["tpurec_lookups_per_s"] / out["torch_lookups_per_s"]
+    return out
+
+
 def run(
     quick: bool = False,
     threads: int | None = None,
@@ -174,15 +197,21 @@ def run(
     rows=ROWS,
     dim=DIM,
     batch=BATCH,
+    rounds: int | None = None,
 ) -> dict:
+    """Per pooling factor, `rounds` side-by-side rounds (default 5, quick 2) with all three
+    contestants' tables in memory; the figures are the medians over rounds (the ratios: the median of
+    the rounds' ratios), every round is in `rounds`, and the load average is taken before and after."""
     import os
+    import statistics
 
     import torch
 
     if threads:
         torch.set_num_threads(threads)
-    repeats = 1 if quick else 3
+    repeats = 1 if quick else 2
     nbatches = 2 if quick else 4
+    rounds = rounds or (2 if quick else 5)
     result: dict = {
         "workload": {
             "tables": num_tables,
@@ -194,20 +223,25 @@ def run(
         },
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
+        "load_average_1min_start": round(os.getloadavg()[0], 2),
     }
     ratios = []
     for pooling in poolings:
         batches = make_batches(pooling, nbatches, num_tables=num_tables, rows=rows, batch=batch)
         lookups = num_tables * batch * pooling
-        entry = {}
-        for name, factory in (("tpurec", _tpurec), ("fbgemm", _fbgemm), ("torch", _torch)):
-            step = factory(num_tables, rows, dim)
-            sec = timer.median_step_seconds(step, batches, repeats)
-            entry[f"{name}_step_ms"] = sec * 1e3
-            entry[f"{name}_lookups_per_s"] = lookups / sec
-            del step
-        entry["ratio_vs_fbgemm"] = entry["tpurec_lookups_per_s"] / entry["fbgemm_lookups_per_s"]
-        entry["ratio_vs_torch"] = entry["tpurec_lookups_per_s"] / entry["torch_lookups_per_s"]
+        contestants = {
+            name: f(num_tables, rows, dim) for name, f in (("tpurec", _tpurec), ("fbgemm", _fbgemm), ("torch", _torch))
+        }
+        load_before = os.getloadavg()[0]
+        runs = []
+        for r in range(rounds):
+            # Rotate who goes first, so that no contestant always follows the same one.
+            names = list(contestants)[r % 3 :] + list(contestants)[: r % 3]
+            runs.append(_round({n: contestants[n] for n in names}, batches, repeats, lookups))
+        del contestants
+        entry = {key: statistics.median(x[key] for x in runs) for key in runs[0]}
+        entry["rounds"] = runs
+        entry["load_average_1min"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
         ratios.append((entry["ratio_vs_fbgemm"], pooling))
         result[f"pooling_{pooling}"] = entry
     # Top-level figures are those of the pooling factor where tpurec does worst against FBGEMM.
@@ -218,6 +252,7 @@ def run(
     result["roofline"] = gather_roofline(
         repeats=2 if quick else 5, rows=num_tables * rows, n=min(1_000_000, 20 * num_tables * rows)
     )
+    result["load_average_1min_end"] = round(os.getloadavg()[0], 2)
     return result
 
 
@@ -234,6 +269,11 @@ def format_table(r: dict) -> str:
                 f"{e['fbgemm_lookups_per_s'] / 1e6:>11.2f} {e['torch_lookups_per_s'] / 1e6:>10.2f} "
                 f"{e['ratio_vs_fbgemm']:>9.2f}x {e['ratio_vs_torch']:>8.2f}x"
             )
+    rounds = {len(e["rounds"]) for k, e in r.items() if k.startswith("pooling_")}
+    lines.append(
+        f"medians of {'/'.join(map(str, sorted(rounds)))} side-by-side rounds; load average (1 min) "
+        f"{r['load_average_1min_start']} at start, {r['load_average_1min_end']} at end"
+    )
     rf = r["roofline"]
     lines.append(
         f"roofline: index_select {rf['gather_rows_per_s_uniform'] / 1e6:.1f} M rows/s uniform "

@@ -2,7 +2,7 @@
 
 Benchmarks compare contestants on a shared, often busy host, so each timed run is recorded (wall and
 process CPU seconds, and what the run returned) and the benchmark picks its statistic: the median
-(kernels, preprocess) or the best run (data, train: the run least disturbed by other processes).
+(kernels, preprocess, train) or the best run (data: the run least disturbed by other processes).
 `interleaved` lets contestants take turns run by run, so load from other processes falls on all of
 them alike. torch.utils.benchmark.Timer was considered: it times one statement at a time (no turns),
 reports no CPU time and resets torch's thread count to its own `num_threads`, which the benchmarks

@@ -11,15 +11,18 @@ gloo with one thread each. The two sides differ only in the sharding stack:
 
 Batches are read into memory before timing, so the reader is not part of the figure. Each side runs
 in its own `torch.distributed.run` job; the samples/s figure counts the timed steps only (after
-warm-up), across all ranks. The sides take turns `--repeats` times (`tpurec.bench.timer.interleaved`)
-and each keeps its best run. The data are `tpurec.data.synth`'s (a continuous-approximation Zipf
-law; see `tpurec.bench.workloads`).
+warm-up), across all ranks. The sides take turns `--repeats` times (`tpurec.bench.timer.interleaved`):
+each round runs all three side by side, the JSON keeps every round (`rounds`), the figures are
+medians over rounds (ratios: the median of the rounds' ratios), with the load average at start
+and end. The data are `tpurec.data.synth`'s (a continuous-approximation Zipf law; see
+`tpurec.bench.workloads`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -39,7 +42,10 @@ def register(sub) -> None:
     p.add_argument("--warmup", type=int, default=30, help="untimed steps first (default 30)")
     p.add_argument("--batch-size", type=int, default=512, help="batch per rank (default 512)")
     p.add_argument(
-        "--repeats", type=int, default=3, help="alternating runs per side, best kept (default 3; the host is shared)"
+        "--repeats",
+        type=int,
+        default=3,
+        help="side-by-side rounds, medians reported (default 3; the host is shared)",
     )
     p.set_defaults(run=run_cli)
 
@@ -68,14 +74,26 @@ def run(nproc: int = 2, steps: int = 300, warmup: int = 30, batch_size: int = 51
 
     rows = max(100_000, int((steps + warmup) * batch_size * nproc * 1.1) + 1)
     data = ensure_synth("dlrm-tiny", rows, 0, say=lambda m: print(m, file=sys.stderr))
+    load_start = round(os.getloadavg()[0], 2)
     # Each launch reports its own timed region; the parent's clock would include process start-up.
     runs = timer.interleaved(
         [lambda side=side: launch(side, data, nproc, steps, warmup, batch_size) for side in SIDES],
         warmup=0,
         repeats=repeats,
     )
-    best = {side: max(r.results, key=lambda x: x["samples_per_s"]) for side, r in zip(SIDES, runs)}
-    t, s, tw = best["tpurec"], best["torchrec"], best["tpurec-tw"]
+    rounds = [
+        {side: r.results[k] for side, r in zip(SIDES, runs)} for k in range(repeats)
+    ]  # round k: every side's k-th run, side by side
+    for rd in rounds:
+        rd["ratio_vs_torchrec"] = round(rd["tpurec"]["samples_per_s"] / rd["torchrec"]["samples_per_s"], 3)
+        rd["ratio_table_wise_vs_torchrec"] = round(
+            rd["tpurec-tw"]["samples_per_s"] / rd["torchrec"]["samples_per_s"], 3
+        )
+
+    def median(side, key):
+        return statistics.median(rd[side][key] for rd in rounds)
+
+    last = rounds[-1]
     return {
         "model": "dlrm-tiny",
         "nproc": nproc,
@@ -84,19 +102,22 @@ def run(nproc: int = 2, steps: int = 300, warmup: int = 30, batch_size: int = 51
         "warmup": warmup,
         "repeats": repeats,
         "threads_per_rank": 1,
-        "tpurec_samples_per_s": t["samples_per_s"],
-        "torchrec_samples_per_s": s["samples_per_s"],
-        "ratio_vs_torchrec": round(t["samples_per_s"] / s["samples_per_s"], 3),
-        "tpurec_cpu_samples_per_s": t["cpu_samples_per_s"],
-        "torchrec_cpu_samples_per_s": s["cpu_samples_per_s"],
-        "ratio_vs_torchrec_cpu": round(t["cpu_samples_per_s"] / s["cpu_samples_per_s"], 3),
-        "tpurec_table_wise_samples_per_s": tw["samples_per_s"],
-        "ratio_table_wise_vs_torchrec": round(tw["samples_per_s"] / s["samples_per_s"], 3),
-        "tpurec_plan": t["plan"],
-        "torchrec_plan": s["plan"],
-        "tpurec_final_loss": t["loss"],
-        "torchrec_final_loss": s["loss"],
-        "load_average_1min": round(os.getloadavg()[0], 2),
+        "tpurec_samples_per_s": median("tpurec", "samples_per_s"),
+        "torchrec_samples_per_s": median("torchrec", "samples_per_s"),
+        "ratio_vs_torchrec": statistics.median(rd["ratio_vs_torchrec"] for rd in rounds),
+        "tpurec_cpu_samples_per_s": median("tpurec", "cpu_samples_per_s"),
+        "torchrec_cpu_samples_per_s": median("torchrec", "cpu_samples_per_s"),
+        "ratio_vs_torchrec_cpu": statistics.median(
+            round(rd["tpurec"]["cpu_samples_per_s"] / rd["torchrec"]["cpu_samples_per_s"], 3) for rd in rounds
+        ),
+        "tpurec_table_wise_samples_per_s": median("tpurec-tw", "samples_per_s"),
+        "ratio_table_wise_vs_torchrec": statistics.median(rd["ratio_table_wise_vs_torchrec"] for rd in rounds),
+        "rounds": rounds,
+        "tpurec_plan": last["tpurec"]["plan"],
+        "torchrec_plan": last["torchrec"]["plan"],
+        "tpurec_final_loss": last["tpurec"]["loss"],
+        "torchrec_final_loss": last["torchrec"]["loss"],
+        "load_average_1min": [load_start, round(os.getloadavg()[0], 2)],
     }
 
 
@@ -135,7 +156,8 @@ def format_table(r: dict) -> str:
         [
             f"DLRM training throughput: {r['model']}, {r['nproc']} ranks x 1 thread, "
             f"batch {r['batch_size_per_rank']}/rank, "
-            f"{r['steps']} timed steps (best of {r['repeats']})",
+            f"{r['steps']} timed steps (medians of {r['repeats']} side-by-side rounds; "
+            f"load average {r['load_average_1min'][0]} at start, {r['load_average_1min'][1]} at end)",
             f"  tpurec DMP (tpurec planner, SparseCore CPU reference)  {r['tpurec_samples_per_s']:>12,.0f} samples/s",
             f"  stock TorchRec DMP (FBGEMM fused, table-wise)          {r['torchrec_samples_per_s']:>12,.0f} samples/s",
             f"  tpurec DMP on the stock side's table-wise plan         "

@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from tpurec.embedding import csr_build, dtypes, ops  # noqa: F401  (ops registers torch.ops.tpurec.*)
+from tpurec.embedding import csr_build, dtypes, ops, reference  # noqa: F401  (ops registers torch.ops.tpurec.*)
 from tpurec.embedding.constraints import DIM_ALIGN, SEGMENT_ALIGN, round_up
 from tpurec.embedding.kjt_checks import check_kjt
 from tpurec.embedding.layout import StackLayout, build_stacks
@@ -299,7 +299,11 @@ class SparseCoreKernel(nn.Module):
         trigger = _trigger() if torch.is_grad_enabled() else None
         per_stack = []
         for i, (plan, csr) in enumerate(zip(self.stacks, csrs)):
-            out = _FusedLookup.apply(trigger, self, i, csr)
+            direct = _writes_final_layout(self.stack_weight(i))
+            out = _FusedLookup.apply(trigger, self, i, csr, batch, direct)
+            if direct:
+                per_stack.append(out)
+                continue
             n, dim, width = len(plan.features), plan.layout.dim, plan.layout.storage_dim
             # [features * padded, width] -> [batch, features * dim]: one reshape, so backward is one copy
             # (per-feature indexing would cost a full-size zero fill per feature in backward); columns
@@ -454,8 +458,12 @@ class SparseCoreKernel(nn.Module):
 
     # -- fused update --------------------------------------------------------------------------
     def apply_update(self, i: int, csr: SparseCoreInput, grad: torch.Tensor, lr: float) -> None:
-        """Stack i's fused update: the optimizer spec runs its op on the stack's table and state."""
-        grad = grad.to(torch.float32).contiguous()
+        """Stack i's fused update: the optimizer spec runs its op on the stack's table and state.
+        grad: [device_batch_size, width], or on CPU the [features, batch, dim] view of the kernel's
+        output gradient (read in place by the CPU reference, `reference.row_gradients_csr`)."""
+        grad = grad.to(torch.float32)
+        if grad.dim() == 2:
+            grad = grad.contiguous()
         for hook in self.pre_update_hooks:
             hook()
         self._steps[i] += 1
@@ -498,10 +506,37 @@ def _trigger() -> torch.Tensor:
     return torch.empty(0, requires_grad=True)
 
 
+def _writes_final_layout(weight: torch.Tensor) -> bool:
+    """Whether stack lookups go straight to the CPU reference, which writes [batch, features * dim]
+    itself (and reads its gradient in place): real CPU tensors in eager mode. Elsewhere (a TPU, fake
+    or meta tensors, tracing) the op runs, [features * padded batch, width], reshaped by `lookup`;
+    on CPU that reshape was a full copy of the activations forward and again backward."""
+    return (
+        weight.device.type == "cpu"
+        and type(weight) is torch.Tensor
+        and not torch.compiler.is_compiling()
+        and ops.reference_is_cpu_kernel()
+    )
+
+
 class _FusedLookup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, trigger, kernel: SparseCoreKernel, i: int, csr: SparseCoreInput):
-        ctx.kernel, ctx.i, ctx.csr = kernel, i, csr
+    def forward(ctx, trigger, kernel: SparseCoreKernel, i: int, csr: SparseCoreInput, batch: int, direct: bool):
+        ctx.kernel, ctx.i, ctx.csr, ctx.direct = kernel, i, csr, direct
+        weight = kernel.stack_weight(i)
+        if ctx.direct:
+            ctx.features = len(kernel.stacks[i].features)
+            return reference.lookup_csr(
+                csr.row_pointers,
+                csr.embedding_ids,
+                csr.sample_ids,
+                csr.gains,
+                weight,
+                csr.device_batch_size,
+                csr.num_sc_per_device,
+                csr.num_partitions,
+                batch_major=(ctx.features, batch, kernel.stacks[i].layout.dim),
+            )
         return torch.ops.tpurec.sparse_dense_matmul(
             csr.row_pointers,
             csr.embedding_ids,
@@ -518,5 +553,7 @@ class _FusedLookup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         kernel = ctx.kernel
+        if ctx.direct:  # [batch, n * dim]: the CPU reference reads it in place
+            grad = reference.batch_major_grad(grad, ctx.features)
         kernel.apply_update(ctx.i, ctx.csr, grad, kernel.current_lr())
-        return None, None, None, None
+        return None, None, None, None, None, None

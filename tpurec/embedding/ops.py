@@ -16,44 +16,10 @@ and optimizer state in place (TorchTPU's return updated copies; the adapter copi
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
 from torch import Tensor
 
 from tpurec.embedding import reference
-
-# The forward and the fused backward of one step decode the same SparseCore input; keep the last
-# few decodes, keyed by the identity of the (immutable once built) input tensors. The cache holds
-# those tensors, so an id cannot be reused by a different tensor while its entry lives.
-_DECODED: OrderedDict[tuple, tuple] = OrderedDict()
-_DECODED_MAX = 8
-
-
-def _decode(row_pointers, embedding_ids, sample_ids, gains, table, device_batch_size, num_sc, parts):
-    key = (
-        id(row_pointers),
-        id(embedding_ids),
-        id(sample_ids),
-        id(gains),
-        embedding_ids._version,
-        gains._version,
-        table.shape[0],
-        device_batch_size,
-        num_sc,
-        parts,
-    )
-    hit = _DECODED.get(key)
-    if hit is not None and hit[0][1] is embedding_ids:
-        _DECODED.move_to_end(key)
-        return hit[1]
-    decoded = reference.decode(
-        row_pointers, embedding_ids, sample_ids, gains, table.shape[0] // parts, device_batch_size, num_sc, parts
-    )
-    _DECODED[key] = ((row_pointers, embedding_ids, sample_ids, gains), decoded)
-    while len(_DECODED) > _DECODED_MAX:
-        _DECODED.popitem(last=False)
-    return decoded
 
 
 @torch.library.custom_op("tpurec::sparse_dense_matmul", mutates_args=(), device_types="cpu")
@@ -69,7 +35,7 @@ def sparse_dense_matmul(
     max_ids_per_partition: int,
     max_unique_ids_per_partition: int,
 ) -> Tensor:
-    d = _decode(
+    return reference.lookup_csr(
         row_pointers,
         embedding_ids,
         sample_ids,
@@ -79,7 +45,6 @@ def sparse_dense_matmul(
         num_sc_per_device,
         num_partitions,
     )
-    return reference.lookup(d, embedding_table, device_batch_size)
 
 
 @sparse_dense_matmul.register_fake
@@ -87,8 +52,22 @@ def _(row_pointers, embedding_ids, sample_ids, gains, embedding_table, device_ba
     return embedding_table.new_empty((device_batch_size, embedding_table.shape[1]), dtype=torch.float32)
 
 
+# The CPU kernel registered above. Tests replace the CPU kernels of every tpurec op with the TPU
+# adapter's (tests/tpu_standin.py, adapter_on_cpu); `reference_is_cpu_kernel` tells callers when the
+# reference is what CPU tensors reach (`_backend_fns` is torch's private table: without it, say no).
+_REFERENCE_CPU_KERNEL = getattr(sparse_dense_matmul, "_backend_fns", {}).get("cpu")
+
+
+def reference_is_cpu_kernel() -> bool:
+    """Whether the ops' CPU kernel is this reference (so a caller may call the reference directly)."""
+    current = getattr(sparse_dense_matmul, "_backend_fns", {}).get("cpu")
+    return current is not None and current is _REFERENCE_CPU_KERNEL
+
+
 def row_gradients(row_pointers, embedding_ids, sample_ids, gains, table, grad, device_batch_size, num_sc, parts):
     """(unique physical rows, summed gradient per row) of one SparseCore input: what every fused
-    update op of `tpurec.embedding.optimizers` starts from (shares the forward's decode)."""
-    d = _decode(row_pointers, embedding_ids, sample_ids, gains, table, device_batch_size, num_sc, parts)
-    return reference.row_gradients(d, grad)
+    update op of `tpurec.embedding.optimizers` starts from. On CPU `grad` may also be a
+    [features, samples, dim] view (`reference.row_gradients_csr`): the kernel's own output layout."""
+    return reference.row_gradients_csr(
+        row_pointers, embedding_ids, sample_ids, gains, table, grad, device_batch_size, num_sc, parts
+    )

@@ -1,4 +1,4 @@
-"""CPU reference of the SparseCore ops: the same inputs, layout and optimizer math, in vectorised torch.
+"""CPU reference of the SparseCore ops: the same inputs, layout and optimizer math.
 
 The ops read the CSR-wrapped COO buffers exactly as a SparseCore does: for local SparseCore s,
 `row_pointers[s]` gives the end of each partition's 8-aligned segment inside s's slice of the COO
@@ -10,6 +10,12 @@ applies the optimizer once per touched row; rows not in the batch are left alone
 and in FBGEMM's fused kernels: Adam is "lazy"). `row_gradients` below is that shared first half; each
 optimizer's update math (its `reference_update`) lives with its spec in `tpurec.embedding.optimizers`
 (formulas in docs/kernels.md).
+
+`lookup_csr` and `row_gradients_csr` are what the ops run: compiled loops (`csr_kernels.py`) take
+the bags of torch's `embedding_bag` straight from the CSR, with no decode and no sort; the forward
+can write the kernel's [batch, features * dim] output directly. `decode` / `lookup` /
+`row_gradients` are the same semantics in plain torch over decoded (row, sample, gain) entries,
+with the same sums bit for bit: the tests' independent reading of the layout.
 """
 
 from __future__ import annotations
@@ -102,3 +108,105 @@ def row_gradients(d: DecodedInput, activations_grad: torch.Tensor) -> tuple[torc
         include_last_offset=True,
     )
     return rows, grad
+
+
+def _numpy(*tensors):
+    return tuple(t.detach().contiguous().numpy() for t in tensors)
+
+
+def _pool(rows, table, offsets, weights) -> torch.Tensor:
+    """Sum of weight * table[row] per bag, float32 (FP16/BF16 tables: their touched rows read into float32)."""
+    rows, offsets = torch.from_numpy(rows), torch.from_numpy(offsets)
+    if table.dtype != torch.float32:
+        table, rows = table.index_select(0, rows).to(torch.float32), torch.arange(rows.numel())
+    return torch.nn.functional.embedding_bag(
+        rows, table, offsets, mode="sum", per_sample_weights=torch.from_numpy(weights), include_last_offset=True
+    )
+
+
+@torch.no_grad()
+def lookup_csr(
+    row_pointers: torch.Tensor,
+    embedding_ids: torch.Tensor,
+    sample_ids: torch.Tensor,
+    gains: torch.Tensor,
+    table: torch.Tensor,
+    device_batch_size: int,
+    num_sc_per_device: int,
+    num_partitions: int,
+    batch_major: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """Pooled activations (float32), bags read straight from the CSR.
+
+    Default: [device_batch_size, width], the op's result. batch_major=(features, batch, dim): the
+    device batch is `features` blocks of device_batch_size / features samples (the stacked batch),
+    and the result is [batch, features * dim], feature k's sample j in row j, columns k*dim.. (the
+    kernel's output; samples past `batch` are padding and hold no ids).
+    """
+    from tpurec.embedding import csr_kernels
+
+    nk, nj, dim = batch_major if batch_major is not None else (1, device_batch_size, table.shape[1])
+    rp, emb, smp, gns = _numpy(row_pointers, embedding_ids, sample_ids, gains)
+    rows, weights, offsets = csr_kernels.bag_order(
+        rp,
+        emb,
+        smp,
+        gns,
+        table.shape[0] // num_partitions,
+        table.shape[0],
+        num_sc_per_device,
+        num_partitions,
+        device_batch_size // nk,
+        nk,
+        nj,
+        batch_major is not None,
+    )
+    out = _pool(rows, table, offsets, weights)  # [nj * nk, width]
+    if batch_major is None:
+        return out
+    if dim == table.shape[1]:
+        return out.view(nj, nk * dim)
+    return out.view(nj, nk, -1)[:, :, :dim].reshape(nj, nk * dim)  # storage padding columns cut
+
+
+def batch_major_grad(grad: torch.Tensor, features: int) -> torch.Tensor:
+    """The kernel's [batch, features * dim] output gradient as the [features, batch, dim] view
+    `row_gradients_csr` (and so the update ops on CPU) accept in place of [device_batch_size, width]."""
+    batch = grad.shape[0]
+    return grad.reshape(batch, features, -1).transpose(0, 1)
+
+
+@torch.no_grad()
+def row_gradients_csr(
+    row_pointers: torch.Tensor,
+    embedding_ids: torch.Tensor,
+    sample_ids: torch.Tensor,
+    gains: torch.Tensor,
+    table: torch.Tensor,
+    activations_grad: torch.Tensor,
+    device_batch_size: int,
+    num_sc_per_device: int,
+    num_partitions: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(unique physical rows in increasing order, summed float32 gradient per row, [rows, width]),
+    bags read straight from the CSR. activations_grad: [device_batch_size, width], or
+    `batch_major_grad`'s [features, batch, dim] view (columns past dim count as zero)."""
+    from tpurec.embedding import csr_kernels
+
+    rp, emb, smp, gns = _numpy(row_pointers, embedding_ids, sample_ids, gains)
+    parts, num_sc, width = num_partitions, num_sc_per_device, table.shape[1]
+    rows, offsets, order = csr_kernels.row_runs(rp, emb, table.shape[0] // parts, num_sc, parts)
+    grad = activations_grad.to(torch.float32)
+    if grad.dim() == 3:  # batch-major memory: row j * features + k of a [batch * features, dim] table
+        nk, nj, dim = grad.shape
+        grad_table = grad.transpose(0, 1).reshape(nj * nk, dim)
+    else:
+        nk, nj, dim = 1, device_batch_size, grad.shape[1]
+        grad_table = grad.contiguous()
+    idx, weights = csr_kernels.entry_bags(
+        order, smp, gns, num_sc, emb.size // num_sc, device_batch_size // nk, nk, nj, grad.dim() == 3
+    )
+    out = _pool(idx, grad_table, offsets, weights)
+    if dim < width:  # a table stored wider than its dim: the padding columns get zero gradients
+        out = torch.nn.functional.pad(out, (0, width - dim))
+    return torch.from_numpy(rows), out

@@ -220,10 +220,24 @@ def add_to_rows(table: torch.Tensor, rows: torch.Tensor, step: torch.Tensor, rou
       which converts the float32 step to Half first).
 
     For float32 tables both are w + step."""
-    if table.dtype == torch.float32 or round_step:
+    if table.dtype == torch.float32 and _plain_cpu(table, rows, step):
+        from tpurec.embedding import csr_kernels  # numba, loaded on first use
+
+        csr_kernels.add_rows(table.numpy(), rows.to(torch.int64).numpy(), step.to(torch.float32).contiguous().numpy())
+    elif table.dtype == torch.float32 or round_step:
         table.index_add_(0, rows, step.to(table.dtype))
     else:
         table.index_copy_(0, rows, table.index_select(0, rows).to(torch.float32).add_(step).to(table.dtype))
+
+
+def _plain_cpu(table: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Real, contiguous CPU tensors outside tracing: what the compiled row loop may write to in place."""
+    return (
+        table.device.type == "cpu"
+        and table.is_contiguous()
+        and all(type(t) is torch.Tensor and t.device.type == "cpu" for t in (table, *others))
+        and not torch.compiler.is_compiling()
+    )
 
 
 def op_tail(csr: SparseCoreInput) -> tuple:
