@@ -253,6 +253,7 @@ def run(steps: int = 100, warmup: int = 20, rounds: int = 3, only: list[str] | N
     data = ensure_synth(MODEL, rows, 0, say=lambda m: print(m, file=sys.stderr))
     micro = cpu_costs.measure()
     measured, loads = [], []
+    cpu = {name: [] for name in plans}
     with tempfile.TemporaryDirectory() as tmp:
         paths = {}
         for i, (name, plan) in enumerate(plans.items()):
@@ -264,6 +265,8 @@ def run(steps: int = 100, warmup: int = 20, rounds: int = 3, only: list[str] | N
             for name in order:
                 m = _measure(paths[name], data, steps, warmup)
                 times[name] = 1e3 * m["seconds"] / steps
+                # CPU-seconds of both ranks per step: the work, which other jobs on the host disturb less
+                cpu[name].append(1e3 * batch * WORLD / m["cpu_samples_per_s"])
                 load[name] = round(os.getloadavg()[0], 2)
                 print(f"round {r}: {name}: {times[name]:.2f} ms per step (load {load[name]})", file=sys.stderr)
             measured.append(times)
@@ -291,6 +294,7 @@ def run(steps: int = 100, warmup: int = 20, rounds: int = 3, only: list[str] | N
         "with_stored_constants": {
             k: v for k, v in score(plans, measured, DEFAULT_CPU_COSTS).items() if k not in ("plans",)
         },
+        "measured_cpu_ms_per_round": {n: [round(x, 3) for x in v] for n, v in cpu.items()},
         "load_average_per_round": loads,
         "load_average_1min": round(os.getloadavg()[0], 2),
     }
