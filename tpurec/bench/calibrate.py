@@ -259,8 +259,8 @@ def run(steps: int = 100, warmup: int = 20, rounds: int = 3, only: list[str] | N
         for i, (name, plan) in enumerate(plans.items()):
             paths[name] = os.path.join(tmp, f"plan{i}.json")
             save_plan(plan, paths[name])
-        # One short untimed run first: the first launch after a pause measured slow in every trial
-        # here (44.8 vs 25.5 ms for two equivalent plans), which would bias the plan that runs first.
+        # One short untimed run first: the first launch after a pause measured slow in the three
+        # sessions here (e.g. 44.8 vs 25.5 ms for two equivalent plans), which would bias the plan that runs first.
         _measure(paths[next(iter(plans))], data, 5, 2)
         for r in range(rounds):
             order = list(plans) if r % 2 == 0 else list(plans)[::-1]
