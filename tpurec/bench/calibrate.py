@@ -281,6 +281,7 @@ def run(steps: int = 100, warmup: int = 20, rounds: int = 3, only: list[str] | N
         per_id_float_us=k["per_id_float_us"],
         collective_latency_ms=c["collective_latency_ms"],
         gloo_bytes_per_s=c["gloo_bytes_per_s"],
+        host_cores=micro["parallel"]["parallel_ranks"],
     )
     scored = score(plans, measured, here)
     result = {

@@ -9,7 +9,9 @@ constants the model uses, so a reader can see whether this host still agrees wit
   one row per id, so the per-id term grows with the row's width);
 * `collective_terms`: two gloo processes (a FileStore, so no port is taken) timing
   `all_to_all_single` on a small message (its latency) and on a 1 MiB one (the bytes per second
-  beyond the latency).
+  beyond the latency);
+* `parallel_terms`: the same kernel call alone and in two processes at once: how many ranks the
+  host runs in parallel right now (other jobs share its cores).
 """
 
 from __future__ import annotations
@@ -127,8 +129,49 @@ def collective_terms(world: int = 2, reps: int = 50) -> dict:
     }
 
 
+def _parallel_worker(shape, reps: int, ready, start, queue) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    _kernel_once_ms(*shape, 1)  # imports and first-call costs before the common start
+    ready.put(True)
+    start.wait()
+    queue.put(_kernel_once_ms(*shape, reps))
+
+
+def parallel_terms(ranks: int = 2, shape=(26, 1024, 16), reps: int = 20) -> dict:
+    """How many of `ranks` processes run at once on this host now: the kernel's median time alone
+    (in this process) against `ranks` copies started together. `parallel_ranks` = ranks * alone /
+    together, in [1, ranks]: 2 on an idle 2-core host, towards 1 when other jobs take the cores."""
+    import torch.multiprocessing as mp
+
+    alone = _kernel_once_ms(*shape, reps)
+    ctx = mp.get_context("spawn")
+    queue, ready, start = ctx.Queue(), ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=_parallel_worker, args=(shape, reps, ready, start, queue)) for _ in range(ranks)]
+    for p in procs:
+        p.start()
+    for _ in procs:
+        ready.get(timeout=300)
+    start.set()
+    together = [queue.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    slowest = max(together)
+    return {
+        "alone_ms": round(alone, 3),
+        "together_ms": [round(t, 3) for t in together],
+        "parallel_ranks": round(min(ranks, max(1.0, ranks * alone / slowest)), 3),
+    }
+
+
 def measure() -> dict:
-    return {"kernel": kernel_terms(), "collective": collective_terms(), "load_average_1min": os.getloadavg()[0]}
+    return {
+        "kernel": kernel_terms(),
+        "collective": collective_terms(),
+        "parallel": parallel_terms(),
+        "load_average_1min": os.getloadavg()[0],
+    }
 
 
 if __name__ == "__main__":

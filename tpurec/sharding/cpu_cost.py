@@ -17,7 +17,7 @@ which `tpurec bench plan --calibrate` runs and records too; docs/planner.md, "Th
   micro-measured but fitted by the calibration on a subset of its plans (reported apart).
 
 Ranks run at once only if the host has a core for each: the compute part of a step is the busiest
-rank's, or the ranks' total over `host_cores`, whichever is longer.
+rank's, or the ranks' total over `host_cores` (the cores free for them), whichever is longer.
 """
 
 from __future__ import annotations
@@ -46,10 +46,12 @@ class CpuCosts:
     # Fitted by `tpurec bench plan --calibrate` on its fit plans (2026-12-01, see docs/planner.md).
     group_fixed_ms: float = 2.0
     step_fixed_ms: float = 20.0
-    host_cores: int = 0  # 0: this host's (os.sched_getaffinity)
+    # Ranks that run at once: 0 means the host's cores (os.sched_getaffinity), right on an idle host;
+    # the calibration measures it (cpu_costs.parallel_terms), since other jobs share the cores.
+    host_cores: float = 0
 
     @property
-    def cores(self) -> int:
+    def cores(self) -> float:
         if self.host_cores:
             return self.host_cores
         try:
