@@ -78,6 +78,7 @@ def test_score_of_measurements_the_model_predicts(plans):
     assert r["planner_s"] == pytest.approx(truth[calibrate.PLANNER] / 1e3, rel=1e-3)
     assert r["round_robin_tw_s"] == pytest.approx(truth[calibrate.ROUND_ROBIN] / 1e3, rel=1e-3)
     assert r["planner_vs_round_robin_tw_per_round"] == [r["planner_vs_round_robin_tw"]] * 3
+    assert r["planner_not_slower"] and not r["planner_slower_beyond_noise"]
     by_plan = {p["plan"]: p for p in r["plans"]}
     assert by_plan[calibrate.ROUND_ROBIN]["measured_rounds_ms"] == [round(x[calibrate.ROUND_ROBIN], 3) for x in rounds]
     # a measurement ranked backwards scores -1
@@ -94,3 +95,4 @@ def test_short_calibration_run_reports_both_statistics():
     assert -1.0 <= r["spearman"] <= 1.0 and r["max_rel_error"] == max(p["rel_error"] for p in r["plans"])
     assert r["planner_s"] > 0 and r["round_robin_tw_s"] > 0
     assert r["micro"]["kernel"]["per_id_us"] > 0 and r["micro"]["collective"]["collective_latency_ms"] > 0
+    assert 1.0 <= r["micro"]["parallel"]["parallel_ranks"] <= 2.0

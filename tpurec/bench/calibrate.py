@@ -227,6 +227,10 @@ def score(plans: dict, rounds: list[dict], costs) -> dict:
         "round_robin_tw_s": round(medians[ROUND_ROBIN] / 1e3, 5),
         "planner_vs_round_robin_tw": round(medians[ROUND_ROBIN] / medians[PLANNER], 3),
         "planner_vs_round_robin_tw_per_round": [round(r[ROUND_ROBIN] / r[PLANNER], 3) for r in rounds],
+        "planner_not_slower": medians[PLANNER] <= medians[ROUND_ROBIN],
+        # the planner's slowest round is no slower than round-robin's fastest: a difference the noise
+        # of this host cannot explain
+        "planner_slower_beyond_noise": min(r[PLANNER] for r in rounds) > max(r[ROUND_ROBIN] for r in rounds),
     }
 
 
