@@ -34,16 +34,18 @@ SHARED_COLLECTIVES = 1
 
 @dataclass(frozen=True)
 class CpuCosts:
-    # `python -m tpurec.bench.cpu_costs` on this 2-core host, 2026-12-01 10:51 UTC, load average 0.2
-    # (kernel: SparseCoreKernel fwd + row-wise Adagrad bwd, 1 thread, least squares over 6 shapes).
+    # SparseCoreKernel fwd + row-wise Adagrad bwd, 1 thread (the call cpu_costs.kernel_terms times), on
+    # this 2-core host, 2026-12-01 10:51 UTC, load average 0.2: 1 table x 1024 ids 1.69 ms, 26 x 1024
+    # 9.71 ms at dim 16 and 8.32 ms at dim 8; the three terms solved from those (docs/planner.md).
     kernel_fixed_ms: float = 1.35
     per_id_us: float = 0.208
     per_id_float_us: float = 0.0065
-    # Same command, gloo all_to_all_single between 2 processes on this host: 64 B (latency) and
-    # 1 MiB per rank (bandwidth), load average 3.9.
+    # `python -m tpurec.bench.cpu_costs` (collective_terms), 2026-12-01 11:02 UTC, load average 3.9:
+    # gloo all_to_all_single between 2 processes, 64 B (latency) and 1 MiB per rank (bandwidth).
     collective_latency_ms: float = 0.18
     gloo_bytes_per_s: float = 1.28e9
-    # Fitted by `tpurec bench plan --calibrate` on its fit plans (2026-12-01, see docs/planner.md).
+    # Not per shard, so the planner never reads them; the calibration fits them afresh each run
+    # (on its FIT_PLANS; 2026-12-01 at load 3-10: group 0-4 ms, step 16-58 ms). Round placeholders.
     group_fixed_ms: float = 2.0
     step_fixed_ms: float = 20.0
     # Ranks that run at once: 0 means the host's cores (os.sched_getaffinity), right on an idle host;
