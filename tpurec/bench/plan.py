@@ -33,10 +33,14 @@ def register(sub) -> None:
     p.add_argument(
         "--calibrate",
         action="store_true",
-        help="instead: estimated vs measured step time of 10 dlrm-tiny plans at 2 CPU ranks (spearman, max_rel_error)",
+        help="instead: the CPU cost model's step time vs measured, 12 dlrm-tiny plans at 2 CPU ranks "
+        "(spearman, max_rel_error, planner vs round-robin table-wise)",
     )
-    p.add_argument("--steps", type=positive_int, default=200, help="--calibrate: timed steps per plan (default 200)")
+    p.add_argument("--steps", type=positive_int, default=100, help="--calibrate: timed steps per plan (default 100)")
     p.add_argument("--warmup", type=positive_int, default=20, help="--calibrate: untimed steps first (default 20)")
+    p.add_argument(
+        "--rounds", type=positive_int, default=3, help="--calibrate: runs of every plan, in turns; medians (default 3)"
+    )
     p.set_defaults(run=main)
 
 
@@ -113,13 +117,22 @@ def main(args) -> int:
     if args.calibrate:
         from tpurec.bench import calibrate
 
-        result = calibrate.run(steps=args.steps, warmup=args.warmup)
+        result = calibrate.run(steps=args.steps, warmup=args.warmup, rounds=args.rounds)
         if args.json:
             print(json.dumps(result, indent=2))
         else:
             for r in result["plans"]:
-                print(f"{r['plan']:<40} estimated {r['estimated_ms']:8.3f} ms  measured {r['measured_ms']:8.2f} ms")
-            print(f"spearman {result['spearman']:.3f}, max_rel_error {result['max_rel_error']:.3f}")
+                fit = " (fit)" if r["fit"] else ""
+                print(
+                    f"{r['plan'] + fit:<46} estimated {r['estimated_ms']:8.2f} ms  measured {r['measured_ms']:8.2f} ms"
+                )
+            h = result["held_out"]
+            print(
+                f"spearman {result['spearman']:.3f} (held-out {h['spearman']:.3f}), max_rel_error "
+                f"{result['max_rel_error']:.3f} (held-out {h['max_rel_error']:.3f}); "
+                f"planner {result['planner_s'] * 1e3:.2f} ms vs "
+                f"round-robin table-wise {result['round_robin_tw_s'] * 1e3:.2f} ms"
+            )
         return 0
     try:
         result = run(args.model, args.topology, args.batch_size, args.repeats)

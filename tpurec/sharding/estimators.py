@@ -30,6 +30,7 @@ from tpurec.embedding.constraints import (
     worst_case_max_ids_per_partition,
 )
 from tpurec.embedding.optimizers.registry import spec_class
+from tpurec.sharding import cpu_cost
 from tpurec.sharding.topology import CPU_GENERATION, SliceSpec, cpu_spec
 
 ID_BYTES = 4  # int32 ids on the wire and in the SparseCore buffers
@@ -74,10 +75,13 @@ def _collective_ms(nbytes: float, group: int, spec: SliceSpec, spans_slices: boo
 
     The (group-1)/group share that leaves the device goes over ICI at the all-to-all efficiency;
     when the group spans slices, the (S-1)/S share bound for other slices goes over DCN instead.
-    The two are summed (no overlap assumed, a conservative choice).
+    The two are summed (no overlap assumed, a conservative choice). CPU ranks: gloo's measured
+    bytes per second (cpu_cost.transfer_ms).
     """
     if group <= 1 or nbytes == 0:
         return 0.0
+    if spec.cpu_costs is not None:
+        return cpu_cost.transfer_ms(nbytes, group, spec.cpu_costs)
     gen = spec.generation
     outgoing = nbytes * (group - 1) / group
     ici = gen.ici_bw_per_chip / gen.devices_per_chip * spec.a2a_efficiency
@@ -157,6 +161,12 @@ def shard_cost(
     lookup_ms = ids * row_bytes / sc_bw * 1e3
     # Fused update per id: read gradient, read + write the row, read + write optimizer state.
     update_ms = ids * (3 * row_bytes + 2 * state_bytes) / sc_bw * 1e3
+    if spec.cpu_costs is not None:
+        # CPU reference kernel: the measured time per id (forward + fused backward together), split
+        # between lookup and update in the proportion of the bytes above (only the sum is measured).
+        total = cpu_cost.compute_ms(ids, cols, spec.cpu_costs)
+        share = lookup_ms / (lookup_ms + update_ms) if lookup_ms + update_ms else 0.0
+        lookup_ms, update_ms = total * share, total * (1 - share)
     transient = 0 if spec.generation.name == CPU_GENERATION else weights + opt
     return ShardCost(
         weights=weights,
@@ -177,7 +187,8 @@ def spec_of(topology: Topology) -> SliceSpec:
     spec = getattr(topology, "spec", None)
     if spec is not None:
         return spec
-    return cpu_spec(topology.world_size, devices_per_host=topology.local_world_size)
+    # Not a CPU host we measured (cpu_cost's terms): keep the nominal bandwidth model.
+    return cpu_spec(topology.world_size, devices_per_host=topology.local_world_size, cpu_costs=None)
 
 
 def table_elem_bytes(dtype, compute_device: str) -> int:

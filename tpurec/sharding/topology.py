@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from tpurec import device as _device
+from tpurec.sharding.cpu_cost import DEFAULT_CPU_COSTS, CpuCosts
 
 if TYPE_CHECKING:  # the class itself is made on first use (_tpu_topology_class)
     from torchrec.distributed.planner.types import Topology as TpuTopology
@@ -204,6 +205,9 @@ class SliceSpec:
     dcn_bw_per_host: float = DEFAULT_DCN_BW_PER_HOST
     sc_gather_fraction: float = DEFAULT_SC_GATHER_FRACTION
     a2a_efficiency: float = DEFAULT_A2A_EFFICIENCY
+    # CPU ranks only (cpu_spec): the measured terms of the CPU reference kernel and gloo (cpu_cost.py),
+    # which replace the bandwidth model above.
+    cpu_costs: CpuCosts | None = None
 
     @property
     def devices_per_slice(self) -> int:
@@ -272,11 +276,17 @@ CPU_GENERATION = "cpu"
 
 
 def cpu_spec(
-    world_size: int, *, devices_per_host: int | None = None, num_sc_per_device: int = 4, memory_bytes: int = 64 * GiB
+    world_size: int,
+    *,
+    devices_per_host: int | None = None,
+    num_sc_per_device: int = 4,
+    memory_bytes: int = 64 * GiB,
+    cpu_costs: CpuCosts | None = DEFAULT_CPU_COSTS,
 ) -> SliceSpec:
     """A dry-run 'generation' for compute_device="cpu": the CPU reference kernel emulates
     `num_sc_per_device` SparseCores per rank; memory is DDR (64 GiB per rank by default, an
-    arbitrary but sane dry-run figure), bandwidths are nominal host figures (assumptions)."""
+    arbitrary but sane dry-run figure). Time comes from `cpu_costs` (terms measured on a CPU host,
+    tpurec/sharding/cpu_cost.py); the bandwidths below only fill torchrec's Topology fields."""
     gen = Generation(
         CPU_GENERATION,
         memory_bytes,
@@ -290,7 +300,7 @@ def cpu_spec(
         "chips",
         "dry-run defaults (assumptions)",
     )
-    return SliceSpec(name=f"cpu-{world_size}", generation=gen, chips_per_slice=world_size)
+    return SliceSpec(name=f"cpu-{world_size}", generation=gen, chips_per_slice=world_size, cpu_costs=cpu_costs)
 
 
 _TOPOLOGY_CLASS = None
