@@ -90,7 +90,12 @@ def test_loaded_plan_shards_model_identically(tmp_path):
     from tpurec.dlrm.model import embedding_bag_configs
 
     # A file rendezvous: no port to collide with other jobs on the host, no environment left behind.
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    # An earlier in-process tpurec.DistributedModelParallel may have left its one-rank group (it does
+    # not tear down a group the user may go on using); reuse that one.
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    assert dist.get_world_size() == 1
     try:
         configs = embedding_bag_configs(get_table_set("dlrm-tiny"))[:4]
         plan = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu"), debug=False).plan(
@@ -116,4 +121,5 @@ def test_loaded_plan_shards_model_identically(tmp_path):
             tb = tb.local_shards()[0].tensor if hasattr(tb, "local_shards") else tb
             assert torch.equal(ta, tb), k
     finally:
-        dist.destroy_process_group()
+        if owned:
+            dist.destroy_process_group()
