@@ -138,28 +138,18 @@ def child(spec: dict) -> dict:
             for _ in pf:
                 pass
 
-    from jax_tpu_embedding.sparsecore.lib.nn import embedding, embedding_spec
+    from jax_tpu_embedding.sparsecore.lib.nn import embedding
 
-    specs = []
-    for j, (t, k) in enumerate(zip(table_set.tables, sizes)):
-        mi, mu = jte_lim[j]
-        ts = embedding_spec.TableSpec(
-            name=t.name,
-            vocabulary_size=t.num_embeddings,
-            embedding_dim=t.embedding_dim,
-            initializer=lambda *a, **kw: None,
-            optimizer=embedding_spec.SGDOptimizerSpec(),
-            combiner="sum",
-            max_ids_per_partition=mi,
-            max_unique_ids_per_partition=mu,
-            suggested_coo_buffer_size_per_device=NUM_SC * coo_entries_per_sc(mi, NUM_SC),
-        )
-        specs.append(
-            embedding_spec.FeatureSpec(
-                name=names[j], table_spec=ts, input_shape=[batch_size, k], output_shape=[batch_size, t.embedding_dim]
-            )
-        )
-    embedding.prepare_feature_specs_for_training(specs, global_device_count=1, num_sc_per_device=NUM_SC)
+    from tpurec.bench.preprocess import jte_feature_specs
+
+    specs = jte_feature_specs(
+        [
+            (names[j], t.name, t.num_embeddings, t.embedding_dim, k, tuple(jte_lim[j]))
+            for j, (t, k) in enumerate(zip(table_set.tables, sizes))
+        ],
+        batch_size,
+        NUM_SC,
+    )
     weights = [np.ones((batch_size, k), np.float32) for k in sizes]
 
     def theirs():

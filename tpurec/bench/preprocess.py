@@ -54,7 +54,7 @@ class _Quiet:
 def _bench_pooling(pooling, *, batch_size, num_features, vocab, zipf_a, seed, warmup, repeats, threads):
     import torch
 
-    from tpurec.embedding.constraints import coo_entries_per_sc, round_up
+    from tpurec.embedding.constraints import round_up
     from tpurec.embedding.preprocess import preprocess, preprocess_tables
 
     rng = np.random.default_rng(seed + pooling)
@@ -95,27 +95,9 @@ def _bench_pooling(pooling, *, batch_size, num_features, vocab, zipf_a, seed, wa
             for i, ((ids, smp, g), (mi, mu)) in enumerate(zip(ours_in, limits))
         ]
 
-    from jax_tpu_embedding.sparsecore.lib.nn import embedding, embedding_spec
+    from jax_tpu_embedding.sparsecore.lib.nn import embedding
 
-    specs = []
-    for i, (mi, mu) in enumerate(limits):
-        table = embedding_spec.TableSpec(
-            name=f"t{i}",
-            vocabulary_size=vocab,
-            embedding_dim=8,
-            initializer=lambda *a, **k: None,
-            optimizer=embedding_spec.SGDOptimizerSpec(),
-            combiner="sum",
-            max_ids_per_partition=mi,
-            max_unique_ids_per_partition=mu,
-            suggested_coo_buffer_size_per_device=NUM_SC * coo_entries_per_sc(mi, NUM_SC),
-        )
-        specs.append(
-            embedding_spec.FeatureSpec(
-                name=f"f{i}", table_spec=table, input_shape=[batch_size, pooling], output_shape=[batch_size, 8]
-            )
-        )
-    embedding.prepare_feature_specs_for_training(specs, global_device_count=1, num_sc_per_device=NUM_SC)
+    specs = jte_feature_specs([(f"f{i}", f"t{i}", vocab, 8, pooling, lim) for i, lim in enumerate(limits)], batch_size)
     jte_feats = [x.astype(np.int32) for x in ids2d]
     jte_weights = [np.ones((batch_size, pooling), np.float32) for _ in ids2d]
 
@@ -275,3 +257,33 @@ def main(args) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     run(quick=args.quick, as_json=args.json, batch_size=args.batch_size, threads=args.threads, repeats=args.repeats)
     return 0
+
+
+def jte_feature_specs(features, batch_size: int, num_sc: int = NUM_SC) -> list:
+    """jax-tpu-embedding FeatureSpecs (SGD, sum), one per (feature name, table name, vocabulary,
+    dim, ids per sample, (max ids, max unique ids) per partition), prepared for one device with
+    `num_sc` SparseCores and a COO buffer sized from the limits as tpurec sizes its own."""
+    from jax_tpu_embedding.sparsecore.lib.nn import embedding, embedding_spec
+
+    from tpurec.embedding.constraints import coo_entries_per_sc
+
+    specs = []
+    for name, table, vocab, dim, per_sample, (mi, mu) in features:
+        spec = embedding_spec.TableSpec(
+            name=table,
+            vocabulary_size=vocab,
+            embedding_dim=dim,
+            initializer=lambda *a, **k: None,
+            optimizer=embedding_spec.SGDOptimizerSpec(),
+            combiner="sum",
+            max_ids_per_partition=mi,
+            max_unique_ids_per_partition=mu,
+            suggested_coo_buffer_size_per_device=num_sc * coo_entries_per_sc(mi, num_sc),
+        )
+        specs.append(
+            embedding_spec.FeatureSpec(
+                name=name, table_spec=spec, input_shape=[batch_size, per_sample], output_shape=[batch_size, dim]
+            )
+        )
+    embedding.prepare_feature_specs_for_training(specs, global_device_count=1, num_sc_per_device=num_sc)
+    return specs
