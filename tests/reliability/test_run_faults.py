@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.dlrm.helpers import REPO, train
+from tests.test_lifecycle import _descendants, _start
 
 SMALL = ["--synth-rows", 30000, "--eval-every", 0, "--curves-out", "none"]
 
@@ -30,38 +31,19 @@ def cache(tmp_path_factory):
 
 def _rank_pid(launcher: int, rank: int) -> int | None:
     """The pid of `rank` among the launcher's descendants (torch.distributed.run sets RANK)."""
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
+    for pid in _descendants(launcher):
         try:
-            env = (d / "environ").read_bytes().split(b"\0")
-            ancestors = _ancestors(int(d.name))
-        except (OSError, ValueError):
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
             continue
-        if launcher in ancestors and f"RANK={rank}".encode() in env:
-            return int(d.name)
+        if f"RANK={rank}".encode() in env:
+            return pid
     return None
 
 
-def _ancestors(pid: int) -> list[int]:
-    found = []
-    while pid > 1:
-        pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        found.append(pid)
-    return found
-
-
 def _start_two_ranks(cache):
-    env = dict(os.environ, TPUREC_CACHE=str(cache), PYTHONPATH=str(REPO))
     cmd = ["train", "--quiet", "--nproc", 2, *SMALL, "--steps", 100000, "--heartbeat-timeout", 5]
-    return subprocess.Popen(
-        [sys.executable, "-m", "tpurec.cli", *map(str, cmd)],
-        env=env,
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return _start(cmd, env={"TPUREC_CACHE": str(cache)})
 
 
 def _fault_rank_one(cache, sig) -> tuple[int, str, float]:
