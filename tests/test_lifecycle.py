@@ -113,10 +113,10 @@ def test_sigkill_of_data_convert_takes_its_workers_with_it(tmp_path):
         inputs.append(path)
     proc = _start(["data", "convert", *inputs, "--out", tmp_path / "out", "--jobs", 2, "--quiet"])
     try:
+        # Killed as soon as both workers exist: a fixed wait let a quiet host finish the conversion first.
         assert _wait_for(lambda: len(_descendants(proc.pid)) >= 2 or proc.poll() is not None, 60)
-        time.sleep(3)  # the workers are converting by now
-        assert proc.poll() is None, "the conversion finished before it could be killed; use larger inputs"
         workers = _descendants(proc.pid)
+        assert proc.poll() is None, "the conversion finished before it could be killed; use larger inputs"
         proc.kill()
         proc.wait()
         assert _wait_for(lambda: not any(_alive(p) for p in workers), 30), [p for p in workers if _alive(p)]

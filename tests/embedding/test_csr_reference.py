@@ -25,7 +25,9 @@ def _input(rows, features, batch, num_sc, weighted, max_ids, seed):
     padded = batch + (-batch) % num_sc
     lengths = torch.randint(0, 12, (features * batch,), generator=g)
     seg = torch.repeat_interleave(torch.arange(features * batch), lengths)
-    samples = (seg // batch) * padded + seg % batch
+    # the kernel's stacked batch: SparseCore c holds samples c*per..(c+1)*per-1 of every feature
+    per, k, b = padded // num_sc, seg // batch, seg % batch
+    samples = (b // per) * features * per + k * per + b % per
     hot = torch.randint(0, 4, (samples.numel(),), generator=g)  # repeats inside and across bags
     ids = torch.where(
         torch.rand(samples.numel(), generator=g) < 0.4, hot, torch.randint(0, rows, hot.shape, generator=g)
@@ -55,14 +57,17 @@ def test_csr_reference_equals_the_decoded_reference_bit_for_bit(case, seed):
 
     expected = R.lookup(decoded, table, B)
     assert torch.equal(R.lookup_csr(*head, table, B, num_sc, num_sc), expected)
-    batch_major = expected.view(nf, padded, dim)[:, :batch].transpose(0, 1).reshape(batch, nf * dim)
+    # un-interleaved as torchrec's TPU module does (`_unstack_activation`): [S, features, per, dim]
+    per_feature = expected.view(num_sc, nf, padded // num_sc, dim).transpose(0, 1).reshape(nf, padded, dim)
+    batch_major = per_feature[:, :batch].transpose(0, 1).reshape(batch, nf * dim)
     assert torch.equal(R.lookup_csr(*head, table, B, num_sc, num_sc, batch_major=(nf, batch, dim)), batch_major)
 
     grad = torch.randn(batch, nf * dim, generator=g)
     grad_op = torch.zeros(nf, padded, dim)
     grad_op[:, :batch] = grad.view(batch, nf, dim).transpose(0, 1)
-    rows0, g0 = R.row_gradients(decoded, grad_op.view(B, dim))
-    for given in (grad_op.view(B, dim), R.batch_major_grad(grad, nf)):
+    grad_op = grad_op.view(nf, num_sc, padded // num_sc, dim).transpose(0, 1).reshape(B, dim)  # interleave
+    rows0, g0 = R.row_gradients(decoded, grad_op)
+    for given in (grad_op, R.batch_major_grad(grad, nf)):
         rows1, g1 = R.row_gradients_csr(*head, table, given, B, num_sc, num_sc)
         assert torch.equal(rows1, rows0) and torch.equal(g1, g0)
 
@@ -77,7 +82,8 @@ def test_batch_major_gradient_may_be_a_column_slice_and_pads_storage_columns():
     rows, sums = R.row_gradients_csr(*head, table, R.batch_major_grad(grad, 2), B, 2, 2)
     grad_op = torch.zeros(2, padded, width)
     grad_op[:, :12, :dim] = grad.reshape(12, 2, dim).transpose(0, 1)
-    rows0, sums0 = R.row_gradients(R.decode(*head, 150, B, 2, 2), grad_op.view(B, width))
+    grad_op = grad_op.view(2, 2, padded // 2, width).transpose(0, 1).reshape(B, width)  # interleave
+    rows0, sums0 = R.row_gradients(R.decode(*head, 150, B, 2, 2), grad_op)
     assert torch.equal(rows, rows0) and torch.equal(sums, sums0) and not sums[:, dim:].any()
 
 

@@ -78,7 +78,7 @@ def _compile():
     from numba import njit
 
     @njit(nogil=True, cache=True)
-    def keys_pass(values, lengths, batch, padded, offsets, rows, mean, weights, has_w, rpp, parts, per_sc,
+    def keys_pass(values, lengths, batch, per, offsets, rows, mean, weights, has_w, rpp, parts,
                   cbits, sbits, ibits, keys, gains):  # fmt: skip
         """Sort keys [segment | local id | sample in slice | input position]; gains when not uniform.
         Returns -1, or the position of the first id out of its table's range."""
@@ -89,9 +89,9 @@ def _compile():
             k = j // batch
             b = j - k * batch
             length = lengths[j]
-            sample = k * padded + b
-            sl = sample // per_sc
-            sin = sample - sl * per_sc
+            # SparseCore sl gets samples sl*per..(sl+1)*per-1 of every feature (kernel.stacked_samples)
+            sl = b // per
+            sin = k * per + (b - sl * per)
             hi = rows[k]
             off = offsets[k]
             for _ in range(length):
@@ -203,8 +203,8 @@ def stack_csr(values, lengths, weights, *, batch, padded, offsets, rows, mean, r
     keys = np.empty(n, np.uint32 if total_bits <= 32 else np.int64)
     gains = np.empty(n if ibits else 1, np.float32)
     w = weights if weights is not None else np.empty(1, np.float32)
-    bad = keys_pass(values, lengths, batch, padded, offsets, rows, mean, w, weights is not None,
-                    rows_per_partition, parts, per_sc, cbits, sbits, ibits, keys, gains)  # fmt: skip
+    bad = keys_pass(values, lengths, batch, padded // num_sc, offsets, rows, mean, w, weights is not None,
+                    rows_per_partition, parts, cbits, sbits, ibits, keys, gains)  # fmt: skip
     if bad >= 0:
         return None
     keys.sort()

@@ -14,10 +14,11 @@ Why numba: a pip wheel (no compiler or build step at install), compiled on first
 disk (`cache=True`), imported only when a CPU kernel first runs. A C++ torch extension would need a
 build at install against the pinned torch and a compiler on every machine.
 
-Output rows: device sample s = k * padded + j (feature k of the stacked batch, sample j) is bag
-k * nj + j (the op's [device_batch_size, width] layout) or, batch-major, j * nk + k, so that the
-bags of `embedding_bag` are already the kernel's [batch, features * dim] output, with no reshape
-copy forward or backward. Single-threaded, like FBGEMM's CPU fused backward.
+Output rows: SparseCore c's local sample k * per + i (per = padded / num_sc samples of each feature
+per SparseCore, `kernel.stacked_samples`) is feature k's sample j = c * per + i; its bag is
+k * nj + j (with nk = 1, the op's [device_batch_size, width] layout) or, batch-major, j * nk + k, so
+that the bags of `embedding_bag` are already the kernel's [batch, features * dim] output, with no
+reshape copy forward or backward. Single-threaded, like FBGEMM's CPU fused backward.
 
 `add_rows` is the float32 table update every optimizer's reference ends with (`add_to_rows`).
 """
@@ -31,11 +32,10 @@ _PADDING_ID = 2**31 - 1
 
 
 @numba.njit(cache=True, nogil=True)
-def _bag(sc, sample, per_sc, padded, nk, nj, batch_major):
+def _bag(sc, sample, per, nk, nj, batch_major):
     """Output row of an entry, or -1 for a sample past the output's nj samples per feature."""
-    s = sc * per_sc + sample
-    k = s // padded
-    j = s - k * padded
+    k = sample // per
+    j = sc * per + sample - k * per
     if k >= nk or j >= nj:
         return -1
     return j * nk + k if batch_major else k * nj + j
@@ -47,7 +47,7 @@ def bag_order(rp, emb, smp, gns, rows_per_partition, num_rows, num_sc, parts, pa
     (bag b is rows[offsets[b]:offsets[b + 1]]), each bag in CSR order."""
     rpw = rp.size // num_sc
     slots = emb.size // num_sc
-    per_sc = nk * padded // num_sc
+    per = padded // num_sc
     counts = np.zeros(nk * nj + 1, np.int64)
     for phase in range(2):
         if phase == 1:
@@ -64,7 +64,7 @@ def bag_order(rp, emb, smp, gns, rows_per_partition, num_rows, num_sc, parts, pa
                     c = emb[pos]
                     if c == _PADDING_ID:
                         continue
-                    b = _bag(sc, smp[pos], per_sc, padded, nk, nj, batch_major)
+                    b = _bag(sc, smp[pos], per, nk, nj, batch_major)
                     if b < 0:
                         continue
                     if phase == 0:
@@ -138,12 +138,12 @@ def row_runs(rp, emb, rows_per_partition, num_sc, parts):
 def entry_bags(order, smp, gns, num_sc, slots, padded, nk, nj, batch_major):
     """(activation-gradient row, gain) of each entry in `order`; row 0 with gain 0 for a sample past
     the gradient's nj samples per feature (none arise from preprocessing)."""
-    per_sc = nk * padded // num_sc
+    per = padded // num_sc
     idx = np.empty(order.size, np.int64)
     weights = np.empty(order.size, np.float32)
     for q in range(order.size):
         pos = order[q]
-        b = _bag(pos // slots, smp[pos], per_sc, padded, nk, nj, batch_major)
+        b = _bag(pos // slots, smp[pos], per, nk, nj, batch_major)
         idx[q] = max(b, 0)
         weights[q] = gns[pos] if b >= 0 else 0.0
     return idx, weights

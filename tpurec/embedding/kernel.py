@@ -5,10 +5,14 @@ lookups under `DistributedModelParallel`. It takes a KeyedJaggedTensor and retur
 embeddings [batch, sum of dims] in feature order; backward through that output runs the fused
 optimizer update op of every stack, in place, without materialising a dense table gradient.
 
-Per stack (tables of one dim stored together), one forward builds one SparseCore input: features
-are laid feature-major along the stacked batch (feature k's samples are rows k*B'..k*B'+B'-1,
-B' = batch padded to a multiple of the SparseCore count), ids are shifted by their table's offset in
-the stack, and gains carry per-id weights and the 1/bag-length of mean pooling.
+Per stack (tables of one dim stored together), one forward builds one SparseCore input. The
+stacked batch is interleaved per SparseCore, as TorchTPU's preprocessing lays it out (torchrec
+`experimental/torch_tpu/modules/fused_embedding_modules.py`, `_unstack_activation`: the op's rows are
+[SparseCores, features, B'/S, dim]): SparseCore c's slice holds samples c*B'/S..(c+1)*B'/S-1 of every
+feature (B' = batch padded to a multiple of the SparseCore count S), so each SparseCore gets 1/S of
+every feature's ids. (Feature-major slices gave one SparseCore whole features: on the MLPerf stack
+56% of the ids and 4x the CSR buffers.) Ids are shifted by their table's offset in the stack, and
+gains carry per-id weights and the 1/bag-length of mean pooling.
 """
 
 from __future__ import annotations
@@ -305,11 +309,12 @@ class SparseCoreKernel(nn.Module):
                 per_stack.append(out)
                 continue
             n, dim, width = len(plan.features), plan.layout.dim, plan.layout.storage_dim
-            # [features * padded, width] -> [batch, features * dim]: one reshape, so backward is one copy
-            # (per-feature indexing would cost a full-size zero fill per feature in backward); columns
-            # past dim are storage padding to the SparseCore's 8 and are cut here.
-            block = out.view(n, padded, width)[:, :batch, :dim]
-            per_stack.append(block.transpose(0, 1).reshape(batch, n * dim))
+            # [SparseCores, features, padded / S, width] -> [batch, features * dim]: one reshape, so
+            # backward is one copy (per-feature indexing would cost a full-size zero fill per feature
+            # in backward); columns past dim are storage padding to the SparseCore's 8 and are cut here.
+            s = self.num_sc
+            block = out.view(s, n, padded // s, width).transpose(1, 2).reshape(padded, n, width)
+            per_stack.append(block[:batch, :, :dim].reshape(batch, n * dim))
         if not self.feature_order:
             return torch.zeros(batch, 0)
         if self._stacked_order == self.feature_order:
@@ -361,7 +366,7 @@ class SparseCoreKernel(nn.Module):
         if mean is not None:
             per_id_len = lengths.clamp(min=1).to(torch.float32).index_select(0, seg)
             gains = torch.where(mean.index_select(0, slot), gains / per_id_len, gains)
-        samples = slot * padded + (seg - slot * batch)
+        samples = stacked_samples(slot, seg - slot * batch, n, padded, self.num_sc)
         # Natural stacked rows, renamed so that the SparseCore's MOD partitioning finds them in the
         # natural-order storage (layout.py).
         stacked_ids = lay.sparsecore_ids(ids + offsets.index_select(0, slot))
@@ -498,6 +503,14 @@ def _to_device(csr: SparseCoreInput, device: torch.device) -> SparseCoreInput:
         sample_ids=csr.sample_ids.to(device),
         gains=csr.gains.to(device),
     )
+
+
+def stacked_samples(slot: torch.Tensor, b: torch.Tensor, n: int, padded: int, num_sc: int) -> torch.Tensor:
+    """Device sample of feature slot k's sample b in a stack of n features: SparseCore c = b div
+    (padded / S) holds rows c*n*per .. (c+1)*n*per - 1 (per = padded / S), feature k's at k*per within."""
+    per = padded // num_sc
+    sc = b // per
+    return sc * (n * per) + slot * per + (b - sc * per)
 
 
 def _trigger() -> torch.Tensor:
