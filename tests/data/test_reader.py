@@ -150,7 +150,14 @@ def test_split_train_eval_tiny_dataset_never_empty(tmp_path):
 # ---- multi-hot and weights ----------------------------------------------------------------------
 
 
-def _write_multi_hot(path, rows=60):
+def _nullable_items(schema: pa.Schema) -> pa.Schema:
+    """The same schema with list elements nullable, as tpurec wrote files before 2026-12-01."""
+    fields = [pa.field(f.name, pa.list_(f.type.value_type), nullable=False) if pa.types.is_list(f.type) else f
+              for f in schema]  # fmt: skip
+    return pa.schema(fields, metadata=schema.metadata)
+
+
+def _write_multi_hot(path, rows=60, nullable_items=False):
     schema = DataSchema(
         dense=["I1"],
         sparse=[
@@ -169,15 +176,18 @@ def _write_multi_hot(path, rows=60):
             pa.array([[float(x) / 10 for x in r] for r in a], pa.list_(pa.float32())),
             pa.array(np.arange(rows) % 10),
         ],
-        schema=schema.arrow_schema(),
+        schema=_nullable_items(schema.arrow_schema()) if nullable_items else schema.arrow_schema(),
     )
     pq.write_table(t, path, row_group_size=25)
+    item = pq.ParquetFile(path).schema_arrow.field("a").type.value_field
+    assert item.nullable == nullable_items  # the file really has the element form asked for
     return a
 
 
+@pytest.mark.parametrize("nullable_items", [False, True])
 @pytest.mark.parametrize("shuffle", [False, True])
-def test_multi_hot_with_weights(tmp_path, shuffle):
-    a = _write_multi_hot(tmp_path / "mh.parquet")
+def test_multi_hot_with_weights(tmp_path, shuffle, nullable_items):
+    a = _write_multi_hot(tmp_path / "mh.parquet", nullable_items=nullable_items)
     seen = 0
     for b in ParquetReader(tmp_path, 16, shuffle=shuffle, shuffle_buffer=50, seed=2):
         kjt = b.sparse_features
