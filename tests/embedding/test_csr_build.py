@@ -51,12 +51,14 @@ def _assert_same(got, want, got_stats, want_stats):
         assert s.dropped_id_count == t.dropped_id_count
 
 
+@pytest.mark.parametrize("limits", [None, 1024])  # sized to each batch; given (merge and place in one pass)
 @pytest.mark.parametrize("num_sc", [1, 2, 4])
 @pytest.mark.parametrize("case", ["sum", "weighted", "mean", "hot"])
-def test_compiled_equals_numpy_route(num_sc, case, monkeypatch):
+def test_compiled_equals_numpy_route(num_sc, case, limits, monkeypatch):
     gen = torch.Generator().manual_seed(num_sc * 7 + len(case))
     tables = make_tables()
-    kernel = _kernel(tables, num_sc, is_weighted=case == "weighted", pool="mean" if case == "mean" else "sum")
+    kernel = _kernel(tables, num_sc, is_weighted=case == "weighted", pool="mean" if case == "mean" else "sum",
+                     max_ids_per_partition=limits, max_unique_ids_per_partition=limits and limits // 2)  # fmt: skip
     for batch in (1, 5, 16, 33):
         kjt = random_kjt(tables, batch, gen, max_len=6, weighted=case == "weighted", hot_ids=case == "hot")
         if kjt.values().numel() == 0:
@@ -88,6 +90,17 @@ def test_out_of_range_and_over_limit_fall_back_to_the_numpy_errors():
     bad.values()[0] = 10_000
     with pytest.raises(IndexError, match="ids must be in"):
         _kernel(tables, 2).preprocess(bad)
+
+
+@pytest.mark.parametrize("max_ids, max_uniq", [(4, 4), (1024, 2)])
+def test_a_batch_over_given_limits_is_dropped_as_the_numpy_route_drops(max_ids, max_uniq, monkeypatch):
+    tables = make_tables()
+    kernel = _kernel(tables, 2, max_ids_per_partition=max_ids, max_unique_ids_per_partition=max_uniq,
+                     allow_id_dropping=True)  # fmt: skip
+    kjt = random_kjt(tables, 16, torch.Generator().manual_seed(5), max_len=6)
+    before = kernel.dropped_id_count
+    _assert_same(*_both(kernel, kjt, monkeypatch))
+    assert kernel.dropped_id_count > before
 
 
 def test_mlperf_shaped_stack_matches(monkeypatch):

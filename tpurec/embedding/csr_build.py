@@ -4,8 +4,10 @@ The same result as `kernel._stack_input`'s torch + numpy route (ids checked, shi
 renamed for MOD partitioning, then `preprocess.preprocess`), bit for bit, but without its ~20
 full-length temporaries: one compiled pass builds the sort keys (and gains), numpy sorts them
 (AVX-512 sort, GIL released), one pass merges repeats and counts the segments, one pass writes the
-padded buffers. Numba (`@njit(nogil=True, cache=True)`) because the work is three tight loops that
-numpy can only express as many passes, it needs no build step (a C++ extension would need a compiler
+padded buffers; with fixed limits (a TPU's case: the buffer shape is known before the batch) the
+last two are one pass that writes each segment's merged entries in place. Numba
+(`@njit(nogil=True, cache=True)`) because the work is tight loops that numpy can only express as
+many passes, it needs no build step (a C++ extension would need a compiler
 at install), compiles once per machine into numba's cache, and releases the GIL so pipeline workers
 run in parallel on threads. Imported lazily: without numba (or with TPUREC_NO_NUMBA=1) the kernel
 keeps its numpy route.
@@ -94,18 +96,26 @@ def _compile():
             sin = k * per + (b - sl * per)
             hi = rows[k]
             off = offsets[k]
+            # A table is contiguous in the stack, so most lie in one or two partitions: then one
+            # comparison finds the partition (the float route below cost a third of this pass).
+            p0 = off // rpp
+            bound = (p0 + 1) * rpp
+            near = off + hi <= bound + rpp
             for _ in range(length):
                 r = np.int64(values[pos])
                 if r < 0 or r >= hi:
                     return pos
                 s = r + off
-                # s // rpp without a 64-bit division per id (the pass's cost): a float estimate,
-                # corrected by one step either way.
-                part = np.int64(s * inv_rpp)
-                if part * rpp > s:
-                    part -= 1
-                elif (part + 1) * rpp <= s:
-                    part += 1
+                if near:
+                    part = p0 + 1 if s >= bound else p0
+                else:
+                    # s // rpp without a 64-bit division per id: a float estimate, corrected by one
+                    # step either way.
+                    part = np.int64(s * inv_rpp)
+                    if part * rpp > s:
+                        part -= 1
+                    elif (part + 1) * rpp <= s:
+                        part += 1
                 local = s - part * rpp
                 seg = sl * parts + part
                 key = (((seg << cbits) | local) << sbits) | sin
@@ -176,7 +186,67 @@ def _compile():
                 smp[base + e] = pad
                 gns[base + e] = np.nan
 
-    return keys_pass, merge_pass, place_pass
+    @njit(nogil=True, cache=True)
+    def merge_place_pass(keys, gains, ibits, sbits, seg_shift, cbits, num_sc, parts, slots, max_ids, max_uniq,
+                         counts, ucounts, emb, smp, gns, row_pointers, rpw, pad):  # fmt: skip
+        """merge_pass and place_pass in one pass over the sorted keys, for limits known in advance
+        (fixed limits: the buffer shapes do not depend on the batch): each segment's merged entries
+        are written straight into its place. Returns -1 if a segment goes over a limit (the caller
+        then takes the numpy route), else 0. Same entries, gains (float32 sums in input order) and
+        padding as the two passes."""
+        n = keys.shape[0]
+        mask = (np.int64(1) << ibits) - 1
+        cmask = (np.int64(1) << cbits) - 1
+        smask = (np.int64(1) << sbits) - 1
+        i = 0
+        for sc in range(num_sc):
+            base = sc * slots
+            at = 0
+            for p in range(parts):
+                seg = sc * parts + p
+                start = base + at
+                c = 0
+                u = 0
+                prev = np.int64(-1)
+                while i < n:
+                    raw = np.int64(keys[i])
+                    k = raw >> ibits
+                    if (k >> seg_shift) != seg:
+                        break
+                    g = gains[raw & mask] if ibits else np.float32(1.0)
+                    if k != prev:
+                        if c == max_ids:
+                            return -1
+                        if c == 0 or (k >> sbits) != (prev >> sbits):
+                            u += 1
+                        emb[start + c] = (k >> sbits) & cmask
+                        smp[start + c] = k & smask
+                        gns[start + c] = g + np.float32(0.0)  # 0 + g, as the numpy route's float32 sum
+                        c += 1
+                        prev = k
+                    else:
+                        gns[start + c - 1] = gns[start + c - 1] + g
+                    i += 1
+                if u > max_uniq:
+                    return -1
+                counts[seg] = c
+                ucounts[seg] = u
+                row_pointers[sc * rpw + p] = at + c
+                aligned = (c + 7) // 8 * 8
+                for e in range(start + c, start + aligned):
+                    emb[e] = pad
+                    smp[e] = pad
+                    gns[e] = np.nan
+                at += aligned
+            for p in range(parts, rpw):
+                row_pointers[sc * rpw + p] = at
+            for e in range(base + at, base + slots):
+                emb[e] = pad
+                smp[e] = pad
+                gns[e] = np.nan
+        return 0
+
+    return keys_pass, merge_pass, place_pass, merge_place_pass
 
 
 def stack_csr(values, lengths, weights, *, batch, padded, offsets, rows, mean, rows_per_partition, num_sc,
@@ -188,7 +258,7 @@ def stack_csr(values, lengths, weights, *, batch, padded, offsets, rows, mean, r
     n = int(values.shape[0])
     if kern is None or n == 0 or batch == 0:
         return None
-    keys_pass, merge_pass, place_pass = kern
+    keys_pass, merge_pass, place_pass, merge_place_pass = kern
     parts, nslots = num_partitions, len(offsets)
     per_sc = nslots * padded // num_sc
     uniform = weights is None and not bool(mean.any())
@@ -210,6 +280,28 @@ def stack_csr(values, lengths, weights, *, batch, padded, offsets, rows, mean, r
     keys.sort()
     counts = np.zeros(nseg, np.int64)
     ucounts = np.zeros(nseg, np.int64)
+    rpw = max(parts, SEGMENT_ALIGN)
+    if max_ids is not None:  # the buffer shape is known before the merge: merge and place in one pass
+        mi, mu = int(max_ids), int(max_uniq if max_uniq is not None else max_ids)
+        slots = (mi + SEGMENT_ALIGN - 1) // SEGMENT_ALIGN * SEGMENT_ALIGN * parts
+        emb = _POOL.get(num_sc * slots, np.int32)
+        smp = _POOL.get(num_sc * slots, np.int32)
+        gns = _POOL.get(num_sc * slots, np.float32)
+        row_pointers = np.empty(num_sc * rpw, np.int32)
+        if merge_place_pass(keys, gains, ibits, sbits, seg_shift, cbits, num_sc, parts, slots, mi, mu, counts,
+                            ucounts, emb, smp, gns, row_pointers, rpw, PADDING_ID) < 0:  # fmt: skip
+            return None  # over a limit: the numpy route raises or drops
+        aligned = (counts + SEGMENT_ALIGN - 1) // SEGMENT_ALIGN * SEGMENT_ALIGN
+        need = int(aligned.reshape(num_sc, parts).sum(1).max())
+        return (
+            row_pointers,
+            emb,
+            smp,
+            gns,
+            mi,
+            mu,
+            (counts.reshape(num_sc, parts), ucounts.reshape(num_sc, parts), need),
+        )
     ugain = np.empty(n, np.float32)
     m = merge_pass(keys, gains, ibits, sbits, seg_shift, counts, ucounts, ugain)
     mi = max_ids if max_ids is not None else max(int(counts.max()), 1)
@@ -219,7 +311,6 @@ def stack_csr(values, lengths, weights, *, batch, padded, offsets, rows, mean, r
     aligned = (counts + SEGMENT_ALIGN - 1) // SEGMENT_ALIGN * SEGMENT_ALIGN
     need = int(aligned.reshape(num_sc, parts).sum(1).max())
     slots = max((mi + SEGMENT_ALIGN - 1) // SEGMENT_ALIGN * SEGMENT_ALIGN * parts, need)
-    rpw = max(parts, SEGMENT_ALIGN)
     emb = _POOL.get(num_sc * slots, np.int32)
     smp = _POOL.get(num_sc * slots, np.int32)
     gns = _POOL.get(num_sc * slots, np.float32)
