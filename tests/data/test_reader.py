@@ -108,6 +108,26 @@ def test_resume_mid_epoch_continues_exactly(synth_dir, shuffle):
     np.testing.assert_array_equal(_rows(r2), epoch1)  # and the next epoch is the same as uninterrupted
 
 
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_state_taken_after_an_epochs_last_batch_resumes_at_the_next_epoch(synth_dir, shuffle):
+    from tpurec.dlrm.trainer import _infinite
+
+    kw = dict(batch_size=384, shuffle=shuffle, seed=5, shuffle_buffer=1500, drop_last=True)
+    full = ParquetReader(synth_dir, **kw)
+    epoch0, epoch1 = list(full), list(full)
+    r = ParquetReader(synth_dir, **kw)
+    it = iter(r)
+    for _ in epoch0:  # every batch of epoch 0; the iterator has not yet moved past the last one
+        next(it)
+    state = r.state_dict()
+    assert (state["epoch"], state["rows_consumed"]) == (1, 0)
+    # A state saved by an older tpurec in this position ((0, all rows)) loads the same way.
+    r2 = ParquetReader(synth_dir, **kw)
+    r2.load_state_dict(dict(state, epoch=0, rows_consumed=len(epoch0) * 384))
+    first = next(_infinite(r2))  # was: an empty epoch, which ended the training stream
+    np.testing.assert_array_equal(_rows([first]), _rows(epoch1[:1]))
+
+
 def test_resume_state_refuses_another_world_size(synth_dir):
     state = ParquetReader(synth_dir, 100, 0, 2).state_dict()
     with pytest.raises(ValueError, match="world_size"):
