@@ -101,19 +101,21 @@ def row_runs(rp, emb, rows_per_partition, num_sc, parts):
     offsets[0] = 0
     for p in range(parts):
         for sc in range(num_sc):
-            cur[sc] = sc * slots + (rp[sc * rpw + p - 1] if p > 0 else 0)
+            # A segment's entries start after the previous segment's padding (8-alignment) and run
+            # without padding to its row pointer, so padding is skipped once, here.
+            i = sc * slots + (rp[sc * rpw + p - 1] if p > 0 else 0)
             end[sc] = sc * slots + rp[sc * rpw + p]
+            while i < end[sc] and emb[i] == _PADDING_ID:
+                i += 1
+            cur[sc] = i
             last[sc] = -1
         while True:
             best = -1
             for sc in range(num_sc):
                 i = cur[sc]
-                while i < end[sc] and emb[i] == _PADDING_ID:
-                    i += 1
-                cur[sc] = i
                 if i < end[sc]:
                     c = emb[i]
-                    if c < last[sc]:
+                    if c < last[sc] or c == _PADDING_ID:
                         raise ValueError("SparseCore input: a partition's ids are not sorted")
                     if best < 0 or c < best:
                         best = c
@@ -121,10 +123,10 @@ def row_runs(rp, emb, rows_per_partition, num_sc, parts):
                 break
             for sc in range(num_sc):
                 i = cur[sc]
-                while i < end[sc] and (emb[i] == best or emb[i] == _PADDING_ID):
-                    if emb[i] == best:
-                        order[q] = i
-                        q += 1
+                e = end[sc]
+                while i < e and emb[i] == best:
+                    order[q] = i
+                    q += 1
                     i += 1
                 cur[sc] = i
                 last[sc] = best
