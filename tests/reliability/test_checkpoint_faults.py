@@ -105,6 +105,30 @@ def test_a_full_disk_during_a_save_is_named_and_keeps_the_previous_checkpoint(tm
     assert torch.equal(fresh.weight, model.weight)
 
 
+def test_any_other_failure_inside_dcp_is_one_line_naming_rank_and_error(tmp_path, monkeypatch):
+    root = tmp_path / "ck"
+    model, opt = _model_and_optimizer()
+    first = _save(root, 3, model, opt)
+    original = filesystem.FileSystem.create_stream
+
+    @contextmanager
+    def create_stream(self, path, mode):
+        if "w" in mode and str(path).endswith(".distcp"):
+            raise ValueError("codec exploded\nsecond line of detail")
+        with original(self, path, mode) as real:
+            yield real
+
+    monkeypatch.setattr(filesystem.FileSystem, "create_stream", create_stream)
+    with pytest.raises(ckpt.CheckpointWriteError) as e:
+        _save(root, 6, model, opt)
+    assert str(e.value) == (
+        f"cannot write checkpoint {root / 'step-00000006.tmp'}: rank 0 failed in torch.distributed.checkpoint "
+        f"with ValueError: codec exploded; the previous checkpoint {first} is intact"
+    )
+    assert "CheckpointException" in repr(e.value.__cause__)  # DCP's own report stays on the chain
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000003"]
+
+
 def test_saving_the_same_step_again_keeps_the_old_copy_until_the_new_one_is_complete(tmp_path, monkeypatch):
     root = tmp_path / "ck"
     model, opt = _model_and_optimizer()

@@ -168,6 +168,22 @@ def write_error(e: BaseException, where, previous) -> CheckpointWriteError | Non
     return CheckpointWriteError(f"cannot write checkpoint {where}: {err.strerror or err}; {kept}")
 
 
+def _dcp_failure(e: BaseException, where, previous) -> CheckpointWriteError | None:
+    """One line for any other failure DCP reports ({rank: (exception, trace)}), whose text would
+    otherwise be DCP's whole message with every rank's traceback in it; None if `e` is not DCP's."""
+    failures = getattr(e, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return None
+    rank = min(failures)
+    exc = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
+    text = str(exc).strip().splitlines()
+    kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+    return CheckpointWriteError(
+        f"cannot write checkpoint {where}: rank {rank} failed in torch.distributed.checkpoint with "
+        f"{type(exc).__name__}: {text[0] if text else '(no message)'}; {kept}"
+    )
+
+
 FULL_BELOW_BYTES = 16 << 20  # free space under which a failed write is taken for a full disk
 
 
@@ -193,10 +209,13 @@ def save(root, step: int, dmp, optimizer, train_state: dict, meta: dict, keep: i
         _write(root, step, final, tmp, dmp, optimizer, train_state, meta)
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         failed = write_error(e, tmp, previous)
-        if failed is None:
+        cause = None if failed is not None else _dcp_failure(e, tmp, previous)
+        if failed is None and cause is None:
             raise
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # give the space back; it never held COMPLETE
+        if cause is not None:
+            raise cause from e  # one line for the user; the ranks' traces stay on the chain
         raise failed from None
     if _rank() == 0 and keep > 0:
         for old in complete_checkpoints(root)[:-keep]:
