@@ -51,11 +51,15 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def _kernel(table_set):
+def _kernel(table_set, pooling=None):
+    """A preprocessing-only kernel of the table set; `pooling` (ids per sample per table) places the
+    stack's tables as `tpurec train` has them placed (its DMP gets the pooling factors)."""
     from tpurec.embedding.kernel import KernelTable, SparseCoreKernel
     from tpurec.embedding.optimizers.sgd import SGDSpec
 
-    tables = [KernelTable(t.name, t.num_embeddings, t.embedding_dim, (t.feature,)) for t in table_set.tables]
+    pooling = pooling or [None] * len(table_set.tables)
+    tables = [KernelTable(t.name, t.num_embeddings, t.embedding_dim, (t.feature,), expected_ids=p)
+              for t, p in zip(table_set.tables, pooling)]  # fmt: skip
     return tables, lambda **kw: SparseCoreKernel(tables, SGDSpec(lr=0.1), NUM_SC, device="meta", **kw)
 
 
@@ -105,7 +109,7 @@ def child(spec: dict) -> dict:
         return ParquetReader(data_dir, batch_size, prefetch=prefetch, drop_last=True)
 
     # Limits from the data for both sides (untimed): the stack's, and each table's under jte's MOD.
-    _, make = _kernel(table_set)
+    _, make = _kernel(table_set, [float(k) for k in sizes])
     sizing = make(fixed_limits=False)
     batches = list(reader(0))
     stack_ids = stack_uniq = 0

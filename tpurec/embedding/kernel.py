@@ -48,6 +48,9 @@ class KernelTable:
     init_rows: int | None = None  # rows of the whole (unsharded) table, for EBC's init bound
     dtype: torch.dtype = torch.float32  # the config's dtype (stored as such unless widened)
     source: str | None = None  # the whole table's name when this is a shard (for messages)
+    # Ids per sample this table expects over its features (pooling factors): when every table of a
+    # stack has one, the stack places its tables so the SparseCore partitions share them (stack_order).
+    expected_ids: float | None = None
 
 
 @dataclass
@@ -141,12 +144,17 @@ class SparseCoreKernel(nn.Module):
             num_sc_per_device,
             stack=stack_tables,
             pad_to=DIM_ALIGN if pad_dims else 1,
+            expected_ids={t.name: t.expected_ids for t in self.tables if t.expected_ids is not None},
         )
         self.stacks: list[_StackPlan] = []
         for lay in layouts:
             plan = _StackPlan(lay)
-            for ts in lay.tables:
-                plan.features.extend((f, ts.name) for f in self._table[ts.name].feature_names)
+            # Features in the kernel's table order, whatever the tables' placement in the stack: the
+            # KJT then needs no permuting per batch.
+            members = {ts.name for ts in lay.tables}
+            for t in self.tables:
+                if t.name in members:
+                    plan.features.extend((f, t.name) for f in t.feature_names)
             self.stacks.append(plan)
             self._steps.append(0)
         self._stack_of = {ts.name: i for i, plan in enumerate(self.stacks) for ts in plan.layout.tables}

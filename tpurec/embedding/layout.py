@@ -100,12 +100,18 @@ class StackLayout:
 
 
 def build_stacks(
-    tables: list[tuple], num_partitions: int, stack: bool = True, pad_to: int = DIM_ALIGN
+    tables: list[tuple],
+    num_partitions: int,
+    stack: bool = True,
+    pad_to: int = DIM_ALIGN,
+    expected_ids: dict[str, float] | None = None,
 ) -> list[StackLayout]:
     """Group (name, num_embeddings, dim[, stored dtype]) tables into stacks: one per (dim, dtype) when
     stacking, else one each. A float32 stack of dim d is "stack_d<d>", others "stack_d<d>_<dtype>".
 
-    Stacks come out in order of first appearance, and tables keep their order inside a stack.
+    Stacks come out in order of first appearance, and tables keep their order inside a stack, unless
+    `expected_ids` (ids per sample by table name) covers every table of a stack: then they are placed
+    so that the partitions expect the same ids (`stack_order.balanced_order`).
     """
     groups: dict[object, list[tuple[str, int, int, torch.dtype]]] = {}
     for name, rows, dim, *dtype in tables:
@@ -117,6 +123,13 @@ def build_stacks(
         groups.setdefault((dim, dtype) if stack else name, []).append((name, rows, dim, dtype))
     layouts = []
     for key, members in groups.items():
+        if expected_ids and len(members) > 1 and all(m[0] in expected_ids for m in members):
+            from tpurec.embedding.stack_order import balanced_order
+
+            pads = [padded_rows(max(m[1], 1), num_partitions) for m in members]
+            order = balanced_order([m[1] for m in members], pads, [float(expected_ids[m[0]]) for m in members],
+                                   num_partitions)  # fmt: skip
+            members = [members[i] for i in order]
         offset, placed = 0, []
         for name, rows, _, _ in members:
             # An empty table (a row-wise shard past the end of a small table: TorchRec gives rank 3 of

@@ -26,7 +26,9 @@ from tpurec.embedding.sparsecores import resolve_num_sparsecores
 _POOLING = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 
 
-def kernel_tables(tables: Sequence[EmbeddingBagConfig]) -> list[KernelTable]:
+def kernel_tables(tables: Sequence[EmbeddingBagConfig], pooling_factors: dict | None = None) -> list[KernelTable]:
+    """pooling_factors: expected ids per sample by table name (they place each stack's tables)."""
+    pooling_factors = pooling_factors or {}
     out = []
     for t in tables:
         if t.pooling not in _POOLING:
@@ -39,6 +41,7 @@ def kernel_tables(tables: Sequence[EmbeddingBagConfig]) -> list[KernelTable]:
                 tuple(t.feature_names),
                 _POOLING[t.pooling],
                 dtype=table_dtype(t.data_type, t.name),
+                expected_ids=float(pooling_factors[t.name]) if t.name in pooling_factors else None,
             )
         )
     return out
@@ -63,7 +66,11 @@ class SparseCoreEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         fixed_limits: bool | None = None,
         pad_dims: bool | None = None,
         widen_tables: bool | None = None,
+        pooling_factors: dict[str, float] | None = None,
     ) -> None:
+        """pooling_factors: expected ids per sample by table name, as in TorchRec's
+        ParameterConstraints; with them each stack places its tables so that the SparseCore
+        partitions share the ids (tpurec/embedding/stack_order.py). Results do not depend on it."""
         super().__init__()
         from tpurec.embedding.backend import select_device
 
@@ -71,7 +78,7 @@ class SparseCoreEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         self._embedding_bag_configs = list(tables)
         self._is_weighted = is_weighted
         self.kernel = SparseCoreKernel(
-            kernel_tables(tables),
+            kernel_tables(tables, pooling_factors),
             spec_from_torch(optimizer, optimizer_kwargs),
             resolve_num_sparsecores(num_sparsecores, self._device.type),
             is_weighted=is_weighted,

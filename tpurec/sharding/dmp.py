@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import List
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist
@@ -85,6 +85,16 @@ def default_sharders(num_sparsecores: int, **sharder_kwargs) -> List[ModuleShard
     return ours + [s for s in get_default_sharders() if s.module_type not in mine]
 
 
+def _pooling_factors(constraints) -> Dict[str, float] | None:
+    """Ids per sample by table from ParameterConstraints that state pooling factors."""
+    out = {
+        name: float(sum(c.pooling_factors))
+        for name, c in (constraints or {}).items()
+        if getattr(c, "pooling_factors", None)
+    }
+    return out or None
+
+
 class DistributedModelParallel(_TorchrecDMP):
     def __init__(
         self,
@@ -128,7 +138,10 @@ class DistributedModelParallel(_TorchrecDMP):
                 )
         else:
             num_sc = resolve_num_sparsecores(planned_sc or None, torch_device.type)
-        sharders = sharders or default_sharders(num_sc)
+        # The tables' expected ids per sample (ParameterConstraints.pooling_factors, summed over a
+        # table's features) also place each stack's tables so its SparseCore partitions share the
+        # ids (tpurec/embedding/stack_order.py); given sharders carry their own `pooling_factors`.
+        sharders = sharders or default_sharders(num_sc, pooling_factors=_pooling_factors(constraints))
         if plan is None:
             from tpurec.sharding.planner import plan as make_plan
 

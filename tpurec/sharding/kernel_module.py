@@ -57,6 +57,9 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
         self.shards: list[tuple[str, str, object]] = []  # (table, kernel name, ShardMetadata)
         tables, slot = [], 0
         seen: dict[str, int] = {}
+        # Expected ids per sample by table (the `pooling_factors` fused param, which
+        # tpurec.DistributedModelParallel fills from ParameterConstraints): they order the stack.
+        expected = dict((config.embedding_tables[0].fused_params or {}).get("pooling_factors") or ())
         for t in config.embedding_tables:
             k = seen[t.name] = seen.get(t.name, -1) + 1
             kname = f"{t.name}/{k}"
@@ -77,6 +80,12 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
                     init_rows=t.num_embeddings,
                     dtype=table_dtype(t.data_type, t.name),
                     source=t.name,
+                    # a row shard gets its share of the table's ids (hashed ids spread over the rows)
+                    expected_ids=(
+                        float(expected[t.name]) * t.local_rows / max(t.num_embeddings, 1)
+                        if t.name in expected
+                        else None
+                    ),
                 )
             )
             self.shards.append((t.name, kname, t.local_metadata))

@@ -129,6 +129,7 @@ class SparseCoreSharderMixin:
         fixed_limits: bool | None = None,
         pad_dims: bool | None = None,
         widen_tables: bool | None = None,
+        pooling_factors: Dict[str, float] | None = None,
         **kernel_settings,
     ) -> None:
         unknown = sorted(set(kernel_settings) - set(self.KERNEL_SETTINGS))
@@ -142,6 +143,10 @@ class SparseCoreSharderMixin:
             fixed_limits=fixed_limits,
             pad_dims=pad_dims,
             widen_tables=widen_tables,
+            # a tuple of (table, ids per sample): TorchRec groups tables by hashing their fused params
+            pooling_factors=tuple(sorted((str(k), float(v)) for k, v in pooling_factors.items()))
+            if pooling_factors
+            else None,
             **kernel_settings,
         )
         super().__init__(fused_params=fused, qcomm_codecs_registry=qcomm_codecs_registry)
