@@ -313,18 +313,10 @@ class ParquetReader:
     def set_epoch(self, epoch: int) -> None:
         self.epoch, self._consumed = int(epoch), 0
 
-    def _position(self, epoch: int, consumed: int) -> tuple[int, int]:
-        """(epoch, rows) with a finished epoch as the start of the next: a state taken right after an
-        epoch's last batch (before the iterator moves on) would otherwise resume into an empty epoch,
-        which ends a training stream (`trainer._infinite`)."""
-        end = self._epoch_rows()
-        return (epoch + 1, 0) if end and consumed >= end else (epoch, consumed)
-
     def state_dict(self) -> dict:
-        epoch, consumed = self._position(self.epoch, self._consumed)
         return {
-            "epoch": epoch,
-            "rows_consumed": consumed,
+            "epoch": self.epoch,
+            "rows_consumed": self._consumed,
             "seed": self.seed,
             "shuffle": self.shuffle,
             "shuffle_buffer": self.shuffle_buffer,
@@ -338,7 +330,7 @@ class ParquetReader:
         for k in keys:  # anything that changes which rows come in which order
             if state[k] != getattr(self, k):
                 raise ValueError(f"cannot resume: reader state has {k}={state[k]!r}, this reader {getattr(self, k)!r}")
-        self.epoch, self._consumed = self._position(int(state["epoch"]), int(state["rows_consumed"]))
+        self.epoch, self._consumed = int(state["epoch"]), int(state["rows_consumed"])
 
     # ----- windows ------------------------------------------------------------------------------
     def _windows_plan(self, epoch: int) -> list[list[shards.Unit]]:

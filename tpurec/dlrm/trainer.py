@@ -30,13 +30,17 @@ from tpurec.dlrm.runtime import check_host_memory, init_distributed, log, resolv
 
 def _infinite(reader):
     """The reader's batches epoch after epoch (the reader tracks its own epoch and position); the
-    loop decides when to stop. An epoch without a batch ends the stream (never spin forever)."""
+    loop decides when to stop. An epoch without a batch ends the stream (never spin forever), except
+    the first pass: a reader resumed from a state taken right after an epoch's last batch finishes
+    that epoch with no batch, and the next epoch follows."""
+    first = True
     while True:
         n = 0
         for n, batch in enumerate(reader, 1):  # noqa: B007  (n counts the batches after the loop)
             yield batch
-        if n == 0:
+        if n == 0 and not first:
             return
+        first = False
 
 
 class Trainer:
