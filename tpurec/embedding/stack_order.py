@@ -3,8 +3,9 @@
 In natural-order storage (layout.py) partition p holds the stack's rows [p*C, (p+1)*C), and every
 table is one contiguous slice, so a table smaller than a partition lies in one or two partitions and
 brings all its ids there. In table order, the MLPerf DCNv2 stack (26 tables, 204 M rows, P = 4)
-puts 19%, 21%, 37% and 32% of a step's ids on the four partitions (`tpurec bench pipeline`'s data):
-the fullest partition sizes every CSR buffer, and on a TPU it is the busiest SparseCore.
+puts 11%, 23%, 35% and 31% of a step's ids on the four partitions (measured on `tpurec bench
+pipeline`'s data): the fullest partition sizes every CSR buffer, and on a TPU it is the busiest
+SparseCore.
 
 Given each table's expected ids per sample (TorchRec's `ParameterConstraints.pooling_factors`, which
 the planner reads too), `balanced_order` places the tables so that the expected ids per partition
