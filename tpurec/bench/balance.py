@@ -26,32 +26,47 @@ def _partition_loads(stacked_ids, layout, scheme: str):
     return float(counts.max() / counts.mean())
 
 
-def _case(tables, partitions, hashed: bool, batch: int, pooling: int, seed: int) -> dict:
+def _case(tables, partitions, hashed: bool, batch: int, pooling, seed: int) -> dict:
+    """pooling: ids per sample, one for all tables or one per table. "placed": natural-order storage
+    with the stack's tables placed by those pooling factors (tpurec/embedding/stack_order.py)."""
     import numpy as np
 
     from tpurec.bench.workloads import zipf_ids
     from tpurec.embedding.layout import build_stacks
 
+    pooling = list(pooling) if isinstance(pooling, (list, tuple)) else [pooling] * len(tables)
     rng = np.random.default_rng(seed)
-    (stack,) = build_stacks([(name, rows, 8) for name, rows in tables], partitions, pad_to=1)
-    ids = [
-        zipf_ids(rng, batch * pooling, rows, scatter_seed=seed if hashed else None) + stack.table(name).offset
-        for name, rows in tables
+    local = [
+        zipf_ids(rng, batch * k, rows, scatter_seed=seed if hashed else None) for (_, rows), k in zip(tables, pooling)
     ]
-    stacked = np.concatenate(ids)
-    return {scheme: round(_partition_loads(stacked, stack, scheme), 3) for scheme in ("mod", "natural")}
+    specs = [(name, rows, 8) for name, rows in tables]
+    (stack,) = build_stacks(specs, partitions, pad_to=1)
+    (placed,) = build_stacks(
+        specs, partitions, pad_to=1, expected_ids={n: float(k) for (n, _), k in zip(tables, pooling)}
+    )
+    out = {}
+    for scheme, lay in (("mod", stack), ("natural", stack), ("placed", placed)):
+        stacked = np.concatenate([ids + lay.table(name).offset for (name, _), ids in zip(tables, local)])
+        out[scheme] = round(_partition_loads(stacked, lay, "mod" if scheme == "mod" else "natural"), 3)
+    return out
 
 
 def run(batch: int = 2048, pooling: int = 20, seed: int = 0) -> dict:
-    from tpurec.catalog import get_table_set
+    from tpurec.catalog import MLPERF_DCNV2_MULTI_HOT, get_table_set
 
     tiny = [(t.name, t.num_embeddings) for t in get_table_set("dlrm-tiny").tables]
-    workloads = {"one 1M-row table": [("t", 1_000_000)], "26 dlrm-tiny tables, stacked": tiny}
+    mlperf = [(t.name, t.num_embeddings) for t in get_table_set("mlperf-dcnv2").tables]
+    workloads = {
+        "one 1M-row table": ([("t", 1_000_000)], pooling),
+        "26 dlrm-tiny tables, stacked": (tiny, pooling),
+        # its own ids per sample per table: 3, 2, 1, ..., 100, 27, ... (214 in all)
+        "MLPerf DCNv2 stack, multi-hot": (mlperf, list(MLPERF_DCNV2_MULTI_HOT)),
+    }
     rows = []
-    for name, tables in workloads.items():
+    for name, (tables, pf) in workloads.items():
         for partitions in (4, 8):
             for hashed in (True, False):
-                loads = _case(tables, partitions, hashed, batch, pooling, seed)
+                loads = _case(tables, partitions, hashed, batch, pf, seed)
                 rows.append(
                     {
                         "tables": name,
@@ -59,6 +74,7 @@ def run(batch: int = 2048, pooling: int = 20, seed: int = 0) -> dict:
                         "ids": "hashed" if hashed else "frequency-sorted",
                         "max_over_mean_mod": loads["mod"],
                         "max_over_mean_natural": loads["natural"],
+                        "max_over_mean_natural_placed": loads["placed"],
                     }
                 )
     return {"workload": {"batch": batch, "ids_per_sample_per_table": pooling, "zipf_a": 1.05}, "rows": rows}
@@ -76,10 +92,11 @@ def main(args) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"max/mean ids per partition, Zipf(1.05), batch {args.batch_size} x 20 ids per table")
+    print(f"max/mean ids per partition, Zipf(1.05), batch {args.batch_size} x 20 ids per table (MLPerf: its own)")
     for r in result["rows"]:
         print(
             f"{r['tables']:30} P={r['partitions']} {r['ids']:17} "
-            f"MOD {r['max_over_mean_mod']:.2f}  natural {r['max_over_mean_natural']:.2f}"
+            f"MOD {r['max_over_mean_mod']:.2f}  natural {r['max_over_mean_natural']:.2f}  "
+            f"natural, placed by pooling {r['max_over_mean_natural_placed']:.2f}"
         )
     return 0
