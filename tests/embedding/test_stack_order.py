@@ -38,6 +38,20 @@ def test_the_mlperf_stack_is_evened_out():
     assert sorted(order) == list(range(26)) and order == balanced_order(rows, pads, ids, 4)  # deterministic
 
 
+def test_a_stack_of_many_tables_is_placed_within_a_bounded_search():
+    import time
+
+    n = 600
+    rows = [1000 + 37 * (i % 50) for i in range(n)]
+    pads = [padded_rows(r, 8) for r in rows]
+    ids = [float(1 + (i * 7) % 13) for i in range(n)]
+    start = time.process_time()
+    order = balanced_order(rows, pads, ids, 8)
+    assert time.process_time() - start < 20  # unbounded, the local search would take hours here
+    assert sorted(order) == list(range(n)) and order == balanced_order(rows, pads, ids, 8)
+    assert max(partition_loads(order, rows, pads, ids, 8)) <= max(partition_loads(range(n), rows, pads, ids, 8))
+
+
 def test_build_stacks_keeps_table_order_without_hints_for_every_table():
     tables = [("a", 100, 8), ("b", 5000, 8), ("c", 100, 8)]
     (given,) = build_stacks(tables, 4, pad_to=1, expected_ids={"a": 1.0, "b": 50.0})  # "c" has none

@@ -39,14 +39,21 @@ def partition_loads(order: Sequence[int], rows: Sequence[int], padded: Sequence[
     return out
 
 
+# Table visits the search may spend (a move's score walks every table): about a second of Python, so a
+# stack of hundreds of tables is placed as far as that goes instead of taking minutes at kernel
+# construction. A count, not a clock, so every rank stops at the same order.
+SEARCH_BUDGET = 2_000_000
+
+
 def balanced_order(rows: Sequence[int], padded: Sequence[int], ids: Sequence[float], num_partitions: int,
-                   max_passes: int = 20) -> list[int]:  # fmt: skip
+                   max_passes: int = 20, budget: int = SEARCH_BUDGET) -> list[int]:  # fmt: skip
     """A placement order of the tables (indices) minimising the fullest partition's expected ids
     (then the sum of squares), by moving single tables; the given order when nothing improves it."""
     n = len(rows)
     order = list(range(n))
     if n < 2 or num_partitions < 2:
         return order
+    evaluations = max(1, budget // (n + num_partitions))
 
     def score(o):
         loads = partition_loads(o, rows, padded, ids, num_partitions)
@@ -59,6 +66,9 @@ def balanced_order(rows: Sequence[int], padded: Sequence[int], ids: Sequence[flo
             for j in range(n):
                 if i == j:
                     continue
+                evaluations -= 1
+                if evaluations < 0:
+                    return order
                 cand = order[:]
                 cand.insert(j, cand.pop(i))
                 s = score(cand)
