@@ -96,26 +96,18 @@ def _compile():
             sin = k * per + (b - sl * per)
             hi = rows[k]
             off = offsets[k]
-            # A table is contiguous in the stack, so most lie in one or two partitions: then one
-            # comparison finds the partition (the float route below cost a third of this pass).
-            p0 = off // rpp
-            bound = (p0 + 1) * rpp
-            near = off + hi <= bound + rpp
             for _ in range(length):
                 r = np.int64(values[pos])
                 if r < 0 or r >= hi:
                     return pos
                 s = r + off
-                if near:
-                    part = p0 + 1 if s >= bound else p0
-                else:
-                    # s // rpp without a 64-bit division per id: a float estimate, corrected by one
-                    # step either way.
-                    part = np.int64(s * inv_rpp)
-                    if part * rpp > s:
-                        part -= 1
-                    elif (part + 1) * rpp <= s:
-                        part += 1
+                # s // rpp without a 64-bit division per id (the pass's cost): a float estimate,
+                # corrected by one step either way.
+                part = np.int64(s * inv_rpp)
+                if part * rpp > s:
+                    part -= 1
+                elif (part + 1) * rpp <= s:
+                    part += 1
                 local = s - part * rpp
                 seg = sl * parts + part
                 key = (((seg << cbits) | local) << sbits) | sin
