@@ -160,12 +160,16 @@ def write_error(e: BaseException, where, previous) -> CheckpointWriteError | Non
         err = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     if err is None:
         return None
-    kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+    kept = _kept(previous)
     if err.errno in (errno.ENOSPC, errno.EDQUOT):
         return CheckpointWriteError(
             f"no space left on device writing {where}; {kept}. Free space or give another --checkpoint-dir"
         )
     return CheckpointWriteError(f"cannot write checkpoint {where}: {err.strerror or err}; {kept}")
+
+
+def _kept(previous) -> str:
+    return f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
 
 
 def _dcp_failure(e: BaseException, where, previous) -> CheckpointWriteError | None:
@@ -177,10 +181,9 @@ def _dcp_failure(e: BaseException, where, previous) -> CheckpointWriteError | No
     rank = min(failures)
     exc = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
     text = str(exc).strip().splitlines()
-    kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
     return CheckpointWriteError(
         f"cannot write checkpoint {where}: rank {rank} failed in torch.distributed.checkpoint with "
-        f"{type(exc).__name__}: {text[0] if text else '(no message)'}; {kept}"
+        f"{type(exc).__name__}: {text[0] if text else '(no message)'}; {_kept(previous)}"
     )
 
 
@@ -208,15 +211,14 @@ def save(root, step: int, dmp, optimizer, train_state: dict, meta: dict, keep: i
     try:
         _write(root, step, final, tmp, dmp, optimizer, train_state, meta)
     except BaseException as e:  # DCP's CheckpointException is a BaseException
-        failed = write_error(e, tmp, previous)
-        cause = None if failed is not None else _dcp_failure(e, tmp, previous)
-        if failed is None and cause is None:
+        failed, chain = write_error(e, tmp, previous), None
+        if failed is None:  # any other DCP failure: one line, the ranks' traces stay on the chain
+            failed, chain = _dcp_failure(e, tmp, previous), e
+        if failed is None:
             raise
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # give the space back; it never held COMPLETE
-        if cause is not None:
-            raise cause from e  # one line for the user; the ranks' traces stay on the chain
-        raise failed from None
+        raise failed from chain
     if _rank() == 0 and keep > 0:
         for old in complete_checkpoints(root)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
