@@ -100,3 +100,15 @@ def test_placement_changes_the_partitions_not_the_results():
         per_partition = next(iter(k.last_stats.values())).ids_per_partition.sum(0).float()
         fullest[k is placed] = float(per_partition.max() / per_partition.mean())
     assert fullest[False] > 3.0 and fullest[True] < 1.1, fullest  # expected: 3.6 and 1.0
+
+
+def test_bad_pooling_factors_are_refused_naming_table_and_value():
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+    from tpurec.embedding.module import SparseCoreEmbeddingBagCollection
+
+    tables = [EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=10, feature_names=["f"])]
+    with pytest.raises(ValueError, match=r"does not have: \['typo'\]"):
+        SparseCoreEmbeddingBagCollection(tables, torch.optim.SGD, {"lr": 0.1}, pooling_factors={"typo": 2.0})
+    with pytest.raises(ValueError, match=r"pooling_factors\['t'\] = -1.0"):
+        SparseCoreEmbeddingBagCollection(tables, torch.optim.SGD, {"lr": 0.1}, pooling_factors={"t": -1.0})

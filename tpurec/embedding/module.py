@@ -8,6 +8,7 @@ in place with the optimizer given at construction; `fused_optimizer` holds its s
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -29,6 +30,12 @@ _POOLING = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 def kernel_tables(tables: Sequence[EmbeddingBagConfig], pooling_factors: dict | None = None) -> list[KernelTable]:
     """pooling_factors: expected ids per sample by table name (they place each stack's tables)."""
     pooling_factors = pooling_factors or {}
+    unknown = sorted(set(pooling_factors) - {t.name for t in tables})
+    if unknown:
+        raise ValueError(f"pooling_factors name tables this collection does not have: {unknown}")
+    for name, pf in pooling_factors.items():
+        if not (isinstance(pf, (int, float)) and math.isfinite(pf) and pf >= 0):
+            raise ValueError(f"pooling_factors[{name!r}] = {pf!r}: expected ids per sample, a finite number >= 0")
     out = []
     for t in tables:
         if t.pooling not in _POOLING:
