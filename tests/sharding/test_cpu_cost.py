@@ -7,13 +7,16 @@ from tpurec.sharding import cpu_cost
 from tpurec.sharding.estimators import shard_cost
 from tpurec.sharding.topology import cpu_spec
 
-# 1 us per id + 0.1 us per float of the row; 1 ms per collective; 1e9 bytes/s.
+# 1 us per id + 0.1 us per float of the row; 1 ms per collective; 1e9 bytes/s all-to-all, a quarter
+# and a half of that for reduce-scatter and all-gather.
 COSTS = cpu_cost.CpuCosts(
     kernel_fixed_ms=2.0,
     per_id_us=1.0,
     per_id_float_us=0.1,
     collective_latency_ms=1.0,
     gloo_bytes_per_s=1e9,
+    reduce_scatter_bytes_per_s=0.25e9,
+    all_gather_bytes_per_s=0.5e9,
     group_fixed_ms=3.0,
     step_fixed_ms=10.0,
     host_cores=2,
@@ -55,6 +58,30 @@ def test_comm_is_gloo_bytes_without_per_shard_latency():
     assert c.input_comm_ms == pytest.approx(0.004)
 
 
+def test_row_wise_output_is_priced_as_reduce_scatter_and_its_gradient_as_all_gather():
+    rw = cpu_cost_of("row_wise", num_shards=2)
+    # the same 64,000 pooled bytes, half of them leave the rank: at 0.25 GB/s out, 0.5 GB/s back
+    assert rw.output_comm_ms == pytest.approx(0.128)
+    assert rw.grad_comm_ms == pytest.approx(0.064)
+    # table-row-wise: reduce-scatter / all-gather inside its 2-rank group, then an all-to-all of its half
+    twrw = cpu_cost_of("table_row_wise", num_shards=2)
+    assert twrw.output_comm_ms == pytest.approx(0.128 + 0.016)
+    assert twrw.grad_comm_ms == pytest.approx(0.064 + 0.016)
+    # column-wise stays an all-to-all both ways
+    cw = cpu_cost_of("column_wise", cols=8)
+    assert cw.output_comm_ms == cw.grad_comm_ms == pytest.approx(0.016)
+
+
+def test_tpu_prices_every_collective_kind_alike():
+    from tpurec.sharding.topology import make_topology
+
+    spec = make_topology("v5p-8").spec
+    kw = dict(rows=1000, cols=16, pooling_factor=1.0, batch_per_device=500, world_size=4, spec=spec)
+    rw = shard_cost(sharding_type="row_wise", num_shards=4, optimizer="sgd", **kw)
+    tw = shard_cost(sharding_type="table_wise", num_shards=1, optimizer="sgd", **kw)
+    assert rw.output_comm_ms == rw.grad_comm_ms == pytest.approx(tw.output_comm_ms)
+
+
 def test_cpu_model_differs_from_the_nominal_bandwidth_one():
     nominal = cpu_cost_of(costs=None)
     # 50 GB/s * 0.3 gathering 64-byte rows: 1000 ids take a few microseconds, far below the measured 2.6 ms
@@ -73,23 +100,36 @@ def _report(shards_by_table: dict, device_ms: list[float]) -> dict:
     }
 
 
-def test_step_sums_fixed_group_latency_and_busiest_rank():
+def test_step_is_busiest_rank_with_every_ranks_fixed_work_plus_latency():
     report = _report({"a": ("table_wise", [0]), "b": ("table_wise", [1]), "c": ("row_wise", [0, 1])}, [4.0, 1.0])
     s = cpu_cost.step_ms(report, COSTS)
     assert s["groups"] == ["row_wise", "table_wise"]
     assert s["kernels_per_rank"] == [2, 2]
-    # busiest rank: 4 + 2 kernels x 2 ms = 8; the ranks' total (8 + 5) / 2 cores = 6.5 is less
-    assert s["compute_ms"] == pytest.approx(8.0)
-    # 2 groups x 4 collectives + 1 shared = 9 x 1 ms; 2 groups x 3 ms; 10 ms per step
-    assert s["step_ms"] == pytest.approx(10 + 2 * 3 + 9 + 8)
+    # embedding work: rank 0 4 + 2 kernels x 2 ms = 8, rank 1 1 + 4 = 5
+    assert s["embedding_ms_per_rank"] == pytest.approx([8.0, 5.0])
+    # every rank adds 10 ms per step + 2 groups x 3 ms: 24 and 21; the busiest (24) beats the
+    # total over 2 cores (22.5); then 2 groups x 4 collectives + 1 shared = 9 x 1 ms of latency
+    assert s["step_ms"] == pytest.approx(24 + 9)
 
 
 def test_ranks_sharing_one_core_add_up():
     one_core = cpu_cost.CpuCosts(**{**COSTS.__dict__, "host_cores": 1})
     report = _report({"a": ("table_wise", [0]), "b": ("table_wise", [1])}, [4.0, 4.0])
-    # each rank 4 + 2 = 6 ms; on one core the two take 12 ms, on two 6 ms
-    assert cpu_cost.step_ms(report, one_core)["compute_ms"] == pytest.approx(12.0)
-    assert cpu_cost.step_ms(report, COSTS)["compute_ms"] == pytest.approx(6.0)
+    # each rank 10 + 3 + 4 + 2 = 19 ms; on one core the two take 38 ms, on two 19 ms; + 5 ms latency
+    assert cpu_cost.step_ms(report, one_core)["step_ms"] == pytest.approx(38.0 + 5)
+    assert cpu_cost.step_ms(report, COSTS)["step_ms"] == pytest.approx(19.0 + 5)
+
+
+def test_imbalance_is_hidden_by_the_other_ranks_fixed_work_while_cores_are_short():
+    # all embedding work on rank 0 (one kernel) vs split (two kernels), at 1.5 cores for 2 ranks
+    costs = cpu_cost.CpuCosts(**{**COSTS.__dict__, "host_cores": 1.5})
+    one = cpu_cost.step_ms(_report({"a": ("table_wise", [0]), "b": ("table_wise", [0])}, [4.0, 0.0]), costs)
+    split = cpu_cost.step_ms(_report({"a": ("table_wise", [0]), "b": ("table_wise", [1])}, [2.0, 2.0]), costs)
+    # one: ranks 13 + 6 = 19 and 13; total 32 / 1.5 = 21.33 beats the busiest 19
+    assert one["step_ms"] - 5 == pytest.approx(32 / 1.5)
+    # split: ranks 17 and 17; 34 / 1.5 = 22.67: one kernel call fewer wins, imbalance costs nothing
+    assert split["step_ms"] - 5 == pytest.approx(34 / 1.5)
+    assert one["step_ms"] < split["step_ms"]
 
 
 def test_a_rank_without_shards_pays_no_kernel():

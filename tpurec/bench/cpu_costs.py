@@ -9,7 +9,8 @@ constants the model uses, so a reader can see whether this host still agrees wit
   one row per id, so the per-id term grows with the row's width);
 * `collective_terms`: two gloo processes (a FileStore, so no port is taken) timing
   `all_to_all_single` on a small message (its latency) and on a 1 MiB one (the bytes per second
-  beyond the latency);
+  beyond the latency), and `reduce_scatter_single` / `all_gather_single` over 1 MiB (what
+  row-wise sharding's pooled output and its gradient run on);
 * `parallel_terms`: the same kernel call alone and in two processes at once: how many ranks the
   host runs in parallel right now (other jobs share its cores).
 """
@@ -26,7 +27,8 @@ SMALL_BYTES = 64
 LARGE_BYTES = 1 << 20
 
 
-def _kernel_once_ms(tables: int, batch: int, dim: int, reps: int) -> float:
+def _kernel_call(tables: int, batch: int, dim: int):
+    """One forward + fused backward of a fresh kernel over `tables` tables of `batch` ids each."""
     import torch
     from torchrec import KeyedJaggedTensor
 
@@ -41,13 +43,26 @@ def _kernel_once_ms(tables: int, batch: int, dim: int, reps: int) -> float:
         values=torch.randint(0, 1000, (tables * batch,), generator=g),
         lengths=torch.ones(tables * batch, dtype=torch.long),
     )
-    times = []
-    for i in range(reps + 3):  # 3 untimed calls first
-        t = time.perf_counter()
-        kernel(kjt).sum().backward()
-        if i >= 3:
-            times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+    return lambda: kernel(kjt).sum().backward()
+
+
+def _kernel_once_ms(tables: int, batch: int, dim: int, reps: int) -> float:
+    return _interleaved_ms([(tables, batch, dim)], reps)[0]
+
+
+def _interleaved_ms(shapes, reps: int) -> list[float]:
+    """Median ms per call of each shape, the shapes taking turns call by call (so a change in the
+    host's speed falls on all of them, not on whichever shape was running; 13 x 1024 once measured
+    slower than 26 x 1024 when each shape ran its calls in a row)."""
+    calls = [_kernel_call(*shape) for shape in shapes]
+    times = [[] for _ in shapes]
+    for i in range(reps + 3):  # 3 untimed rounds first
+        for call, out in zip(calls, times):
+            t = time.perf_counter()
+            call()
+            if i >= 3:
+                out.append(time.perf_counter() - t)
+    return [statistics.median(ts) * 1e3 for ts in times]
 
 
 def _least_squares(rows: list[list[float]], ys: list[float]) -> list[float]:
@@ -59,14 +74,14 @@ def _least_squares(rows: list[list[float]], ys: list[float]) -> list[float]:
     return torch.linalg.lstsq(a, y).solution.squeeze(1).tolist()
 
 
-def kernel_terms(shapes=KERNEL_SHAPES, reps: int = 20) -> dict:
+def kernel_terms(shapes=KERNEL_SHAPES, reps: int = 30) -> dict:
     """Median ms of each (tables, batch, dim) shape and the fit fixed_ms + ids * (a_us + b_us * dim)."""
     import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        measured = [(t, b, d, _kernel_once_ms(t, b, d, reps)) for t, b, d in shapes]
+        measured = [(*shape, ms) for shape, ms in zip(shapes, _interleaved_ms(shapes, reps))]
     finally:
         torch.set_num_threads(threads)
     fixed, per_id, per_float = _least_squares(
@@ -86,18 +101,27 @@ def _collective_worker(rank: int, world: int, store_path: str, reps: int, queue)
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
-    out = {}
-    for nbytes in (SMALL_BYTES, LARGE_BYTES):
-        x = torch.zeros(max(world, nbytes // 4 // world * world), dtype=torch.float32)  # splits evenly
-        y = torch.empty_like(x)
+
+    def median_ms(call) -> float:
         times = []
         for i in range(reps + 5):
             dist.barrier()
             t = time.perf_counter()
-            dist.all_to_all_single(y, x)
+            call()
             if i >= 5:
                 times.append(time.perf_counter() - t)
-        out[nbytes] = statistics.median(times) * 1e3
+        return statistics.median(times) * 1e3
+
+    out = {}
+    for nbytes in (SMALL_BYTES, LARGE_BYTES):
+        x = torch.zeros(max(world, nbytes // 4 // world * world), dtype=torch.float32)  # splits evenly
+        y = torch.empty_like(x)
+        out[nbytes] = median_ms(lambda x=x, y=y: dist.all_to_all_single(y, x))
+    # The whole buffer is 1 MiB on every rank (reduce-scatter's input, all-gather's output).
+    whole = torch.zeros(LARGE_BYTES // 4 // world * world, dtype=torch.float32)
+    part = torch.empty(whole.numel() // world, dtype=torch.float32)
+    out["reduce_scatter"] = median_ms(lambda: dist.reduce_scatter_single(part, whole))
+    out["all_gather"] = median_ms(lambda: dist.all_gather_single(whole, part))
     if rank == 0:
         queue.put(out)
     dist.destroy_process_group()
@@ -118,14 +142,22 @@ def collective_terms(world: int = 2, reps: int = 50) -> dict:
         for p in procs:
             p.join(timeout=60)
     small, large = out[SMALL_BYTES], out[LARGE_BYTES]
-    # The bytes that leave a rank: (world-1)/world of its buffer.
+    # The bytes that leave a rank: (world-1)/world of its buffer, for all three collectives.
     moved = LARGE_BYTES * (world - 1) / world
+
+    def per_s(ms: float) -> int:
+        return round(moved / max(ms - small, 1e-6) * 1e3)
+
     return {
         "world": world,
         "small_ms": round(small, 4),
         "large_ms": round(large, 4),
+        "reduce_scatter_ms": round(out["reduce_scatter"], 4),
+        "all_gather_ms": round(out["all_gather"], 4),
         "collective_latency_ms": round(small, 4),
-        "gloo_bytes_per_s": round(moved / max(large - small, 1e-6) * 1e3),
+        "gloo_bytes_per_s": per_s(large),
+        "reduce_scatter_bytes_per_s": per_s(out["reduce_scatter"]),
+        "all_gather_bytes_per_s": per_s(out["all_gather"]),
     }
 
 

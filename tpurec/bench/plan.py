@@ -36,10 +36,25 @@ def register(sub) -> None:
         help="instead: the CPU cost model's step time vs measured, 12 dlrm-tiny plans at 2 CPU ranks "
         "(spearman, max_rel_error, planner vs round-robin table-wise)",
     )
-    p.add_argument("--steps", type=positive_int, default=100, help="--calibrate: timed steps per plan (default 100)")
+    p.add_argument("--steps", type=positive_int, default=480, help="--calibrate: timed steps per plan (default 480)")
+    p.add_argument(
+        "--block",
+        type=positive_int,
+        default=8,
+        help="--calibrate: steps per plan per turn; the plans take turns in one launch (default 8)",
+    )
+    p.add_argument(
+        "--paired-steps",
+        type=positive_int,
+        default=4000,
+        help="--calibrate: steps of the planner's plan and round-robin alone, in turns (default 4000)",
+    )
     p.add_argument("--warmup", type=positive_int, default=20, help="--calibrate: untimed steps first (default 20)")
     p.add_argument(
-        "--rounds", type=positive_int, default=3, help="--calibrate: runs of every plan, in turns; medians (default 3)"
+        "--rounds",
+        type=positive_int,
+        default=3,
+        help="--calibrate: groups of consecutive turns for the per-round rankings (default 3)",
     )
     p.set_defaults(run=main)
 
@@ -117,7 +132,13 @@ def main(args) -> int:
     if args.calibrate:
         from tpurec.bench import calibrate
 
-        result = calibrate.run(steps=args.steps, warmup=args.warmup, rounds=args.rounds)
+        result = calibrate.run(
+            steps=args.steps,
+            warmup=args.warmup,
+            block=args.block,
+            rounds=args.rounds,
+            paired_steps=args.paired_steps,
+        )
         if args.json:
             print(json.dumps(result, indent=2))
         else:
@@ -131,7 +152,10 @@ def main(args) -> int:
                 f"spearman {result['spearman']:.3f} (held-out {h['spearman']:.3f}), max_rel_error "
                 f"{result['max_rel_error']:.3f} (held-out {h['max_rel_error']:.3f}); "
                 f"planner {result['planner_s'] * 1e3:.2f} ms vs "
-                f"round-robin table-wise {result['round_robin_tw_s'] * 1e3:.2f} ms"
+                f"round-robin table-wise {result['round_robin_tw_s'] * 1e3:.2f} ms; paired ratio "
+                f"{result['planner_vs_round_robin_tw']:.3f} (95% interval "
+                f"{result['planner_vs_round_robin_tw_ci95'][0]:.3f}-{result['planner_vs_round_robin_tw_ci95'][1]:.3f}, "
+                f"{result['paired_turns']} turns)"
             )
         return 0
     try:

@@ -10,14 +10,17 @@ which `tpurec bench plan --calibrate` runs and records too; docs/planner.md, "Th
   the shard;
 * per kernel call (one per sharding group a rank holds shards of, forward + fused backward):
   `kernel_fixed_ms`, whatever its size (preprocessing, op dispatch, autograd);
-* per byte sent: `gloo_bytes_per_s`; per collective: `collective_latency_ms`. Every sharding group
+* per byte sent: `gloo_bytes_per_s` for all-to-all, `reduce_scatter_bytes_per_s` and
+  `all_gather_bytes_per_s` for row-wise sharding's pooled output and its gradient (gloo runs
+  those two 3-4x slower per byte); per collective: `collective_latency_ms`. Every sharding group
   runs `COLLECTIVES_PER_GROUP` collectives a step, and the pipeline one more for all groups;
 * per sharding group: `group_fixed_ms` of TorchRec's Python around those collectives, and per step
   `step_fixed_ms` (dense MLPs, their optimiser and all-reduce, the pipeline): these two are not
   micro-measured but fitted by the calibration on a subset of its plans (reported apart).
 
-Ranks run at once only if the host has a core for each: the compute part of a step is the busiest
-rank's, or the ranks' total over `host_cores` (the cores free for them), whichever is longer.
+Ranks run at once only if the host has a core for each: a step is the busiest rank's work (its
+embedding part plus the per-step and per-group work every rank does), or the ranks' total over
+`host_cores` (the cores free for them), whichever is longer (`combine`).
 """
 
 from __future__ import annotations
@@ -44,6 +47,10 @@ class CpuCosts:
     # gloo all_to_all_single between 2 processes, 64 B (latency) and 1 MiB per rank (bandwidth).
     collective_latency_ms: float = 0.18
     gloo_bytes_per_s: float = 1.28e9
+    # The same module (collective_terms), 2026-12-01 UTC, load average ~1: reduce_scatter_tensor and
+    # all_gather_into_tensor of 1 MiB per rank, bytes leaving a rank per second beyond the latency.
+    reduce_scatter_bytes_per_s: float = 0.37e9
+    all_gather_bytes_per_s: float = 0.70e9
     # Not per shard, so the planner never reads them; the calibration fits them afresh each run
     # (on its FIT_PLANS; 2026-12-01 at load 3-10: group 0-4 ms, step 16-58 ms). Round placeholders.
     group_fixed_ms: float = 2.0
@@ -74,18 +81,39 @@ def compute_ms(ids: float, dim: int, costs: CpuCosts) -> float:
     return ids * (costs.per_id_us + costs.per_id_float_us * dim) * 1e-3
 
 
-def transfer_ms(nbytes: float, group: int, costs: CpuCosts) -> float:
-    """Bytes a rank sends to the others of a group of `group` over gloo (latency counted per group)."""
+COLLECTIVES = ("all_to_all", "reduce_scatter", "all_gather")
+
+
+def transfer_ms(nbytes: float, group: int, costs: CpuCosts, collective: str = "all_to_all") -> float:
+    """A rank's share of a gloo `collective` over a buffer of `nbytes` in a group of `group`: the
+    (group-1)/group of it that leaves the rank, at that collective's bytes per second (latency is
+    counted per group, in step_ms)."""
     if group <= 1 or nbytes == 0:
         return 0.0
-    return nbytes * (group - 1) / group / costs.gloo_bytes_per_s * 1e3
+    bandwidth = {
+        "all_to_all": costs.gloo_bytes_per_s,
+        "reduce_scatter": costs.reduce_scatter_bytes_per_s,
+        "all_gather": costs.all_gather_bytes_per_s,
+    }[collective]
+    return nbytes * (group - 1) / group / bandwidth * 1e3
+
+
+def combine(embedding_ms: list[float], groups: int, latency_ms: float, costs: CpuCosts) -> float:
+    """A step from each rank's embedding work: every rank also does the per-step and per-group
+    work (`step_fixed_ms`, `groups * group_fixed_ms`: dense MLPs, TorchRec's Python), and all of it
+    shares the host's cores, so the step is the busiest rank's work or the ranks' total over
+    `cores`, whichever is longer, plus the collectives' latency. (With the fixed work outside that
+    bound, one rank carrying every table was charged its whole extra embedding time; measured on
+    2 ranks it cost nothing: the other rank's dense work fills the gap.)"""
+    busy = [costs.step_fixed_ms + groups * costs.group_fixed_ms + e for e in embedding_ms]
+    return max(max(busy), sum(busy) / costs.cores) + latency_ms
 
 
 def step_ms(report: dict, costs: CpuCosts) -> dict:
     """A whole training step of a plan from its `build_report` document on a `cpu-N` topology.
 
     The report's per-device times are the per-shard terms (compute, bytes); this adds the per-kernel,
-    per-group and per-step terms. Returns the parts and their sum `step_ms`.
+    per-group and per-step terms (`combine`). Returns the parts and their sum `step_ms`.
     """
     world = report["world_size"]
     groups = sorted({t["sharding_type"] for t in report["tables"]})
@@ -93,18 +121,17 @@ def step_ms(report: dict, costs: CpuCosts) -> dict:
     for st in groups:
         for r in {s["rank"] for t in report["tables"] if t["sharding_type"] == st for s in t["shards"]}:
             kernels[r] += 1
-    busy = [d["estimated_time_ms"] + k * costs.kernel_fixed_ms for d, k in zip(report["devices"], kernels)]
-    compute = max(max(busy), sum(busy) / costs.cores)
+    embedding = [d["estimated_time_ms"] + k * costs.kernel_fixed_ms for d, k in zip(report["devices"], kernels)]
     collectives = len(groups) * COLLECTIVES_PER_GROUP + SHARED_COLLECTIVES if world > 1 else 0
     latency = collectives * costs.collective_latency_ms
-    per_group = len(groups) * costs.group_fixed_ms
     return {
-        "step_ms": costs.step_fixed_ms + per_group + latency + compute,
+        "step_ms": combine(embedding, len(groups), latency, costs),
         "groups": groups,
         "kernels_per_rank": kernels,
-        "busiest_rank_ms": max(busy),
-        "compute_ms": compute,
+        "embedding_ms_per_rank": embedding,
+        "busiest_rank_ms": max(embedding),
         "collective_latency_ms": latency,
-        "group_fixed_ms": per_group,
+        "group_fixed_ms": len(groups) * costs.group_fixed_ms,
         "step_fixed_ms": costs.step_fixed_ms,
+        "cores": costs.cores,
     }

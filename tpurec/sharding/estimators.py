@@ -70,18 +70,22 @@ class ShardCost:
         return self.lookup_ms + self.update_ms + self.comm_ms
 
 
-def _collective_ms(nbytes: float, group: int, spec: SliceSpec, spans_slices: bool) -> float:
+def _collective_ms(
+    nbytes: float, group: int, spec: SliceSpec, spans_slices: bool, collective: str = "all_to_all"
+) -> float:
     """Time for a device to exchange `nbytes` with a group of `group` devices.
 
     The (group-1)/group share that leaves the device goes over ICI at the all-to-all efficiency;
     when the group spans slices, the (S-1)/S share bound for other slices goes over DCN instead.
-    The two are summed (no overlap assumed, a conservative choice). CPU ranks: gloo's measured
-    bytes per second (cpu_cost.transfer_ms).
+    The two are summed (no overlap assumed, a conservative choice). On a TPU every `collective`
+    kind is priced alike (no per-kind ICI efficiency is published). CPU ranks: gloo's measured
+    bytes per second of that kind (cpu_cost.transfer_ms; gloo's reduce-scatter and all-gather
+    measured 3-4x slower than its all-to-all for the same bytes).
     """
     if group <= 1 or nbytes == 0:
         return 0.0
     if spec.cpu_costs is not None:
-        return cpu_cost.transfer_ms(nbytes, group, spec.cpu_costs)
+        return cpu_cost.transfer_ms(nbytes, group, spec.cpu_costs, collective)
     gen = spec.generation
     outgoing = nbytes * (group - 1) / group
     ici = gen.ici_bw_per_chip / gen.devices_per_chip * spec.a2a_efficiency
@@ -147,15 +151,19 @@ def shard_cost(
         in_ms = _collective_ms(ids * id_bytes + lengths, world_size, spec, True)
         if sharding_type == ShardingType.TABLE_ROW_WISE.value:
             # partial sums reduce-scattered inside the host group (ICI), then each device sends its
-            # 1/n of the pooled rows to every rank
-            out_ms = _collective_ms(pooled_bytes, row_group, spec, False) + _collective_ms(
-                pooled_bytes / row_group, world_size, spec, True
-            )
+            # 1/n of the pooled rows to every rank; backward all-gathers the gradient in the group
+            tail = _collective_ms(pooled_bytes / row_group, world_size, spec, True)
+            out_ms = _collective_ms(pooled_bytes, row_group, spec, False, "reduce_scatter") + tail
+            grad_ms = _collective_ms(pooled_bytes, row_group, spec, False, "all_gather") + tail
+        elif sharding_type == ShardingType.ROW_WISE.value and pooled:
+            # reduce-scatter of partial sums over all ranks (the same volume per device as an
+            # all-to-all); backward all-gathers the gradient (torchrec comm_ops.ReduceScatter*_Wait)
+            out_ms = _collective_ms(pooled_bytes, world_size, spec, True, "reduce_scatter")
+            grad_ms = _collective_ms(pooled_bytes, world_size, spec, True, "all_gather")
         else:
-            # TW/CW/TWCW: all-to-all of the pooled rows; RW: reduce-scatter of partial sums over
-            # all ranks, the same volume per device (unpooled RW: all-to-all of its ids' rows)
-            out_ms = _collective_ms(pooled_bytes, world_size, spec, True)
-        grad_ms = out_ms
+            # TW/CW/TWCW: all-to-all of the pooled rows and of their gradient; unpooled RW/TWRW:
+            # all-to-all of its ids' rows
+            out_ms = grad_ms = _collective_ms(pooled_bytes, world_size, spec, True)
     sc_bw = spec.generation.hbm_bw * spec.sc_gather_fraction
     row_bytes = cols * elem_bytes
     lookup_ms = ids * row_bytes / sc_bw * 1e3
