@@ -24,6 +24,7 @@ LAYERS = {
     "argtypes": 0,
     "lifecycle": 0,
     "heartbeat": 0,
+    "process_group": 0,
     "embedding": 1,
     "data": 1,
     "sharding": 2,

@@ -49,3 +49,41 @@ def test_dmp_leaves_torchrec_all_to_all_to_the_backend():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "SAME"
+
+
+def _exit_report(body: str) -> tuple[int, str]:
+    """Run `body` after a DMP started its own one-rank group; report at exit (an atexit handler
+    registered first runs last) whether the group was still initialized."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import atexit, torch, torch.distributed as dist, tpurec\n"
+        "atexit.register(lambda: print('AT EXIT initialized:', dist.is_initialized(), flush=True))\n"
+        "from torchrec.modules.embedding_configs import EmbeddingBagConfig\n"
+        "from torchrec.modules.embedding_modules import EmbeddingBagCollection\n"
+        "from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward\n"
+        "ebc = EmbeddingBagCollection([EmbeddingBagConfig(name='t', embedding_dim=8, num_embeddings=10,"
+        " feature_names=['f'])], device=torch.device('meta'))\n"
+        "apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {'lr': 0.1})\n"
+        "tpurec.DistributedModelParallel(ebc, device='cpu')\n" + body
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("AT EXIT")]
+    return out.returncode, lines[-1] if lines else out.stderr[-2000:]
+
+
+def test_a_group_tpurec_started_is_destroyed_at_normal_exit():
+    # gloo threads outliving the interpreter abort the process after its last line (pytorch#190489)
+    assert _exit_report("print('done')\n") == (0, "AT EXIT initialized: False")
+
+
+def test_a_program_that_destroys_the_group_itself_exits_cleanly():
+    assert _exit_report("dist.destroy_process_group()\n") == (0, "AT EXIT initialized: False")
+
+
+def test_an_unhandled_exception_leaves_the_group_alone():
+    # other ranks may still be inside a collective: destroying the group could hang them
+    assert _exit_report("raise SystemError('boom')\n") == (1, "AT EXIT initialized: True")

@@ -56,11 +56,12 @@ def init_distributed(device: str = "cpu", timeout: float | None = None):
     import torch.distributed as dist
 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized():
+        from tpurec import process_group
         from tpurec.device import tpu_status
         from tpurec.sharding.dmp import process_group_backend
 
         # Without a usable TPU, stay on gloo: the device check later names what is missing.
-        dist.init_process_group(
+        process_group.init(
             process_group_backend("tpu" if device == "tpu" and tpu_status().usable else "cpu"),
             timeout=None if timeout is None else timedelta(seconds=timeout),
         )

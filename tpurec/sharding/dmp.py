@@ -29,7 +29,7 @@ from torchrec.distributed.model_parallel import DistributedModelParallel as _Tor
 from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 
-from tpurec import heartbeat
+from tpurec import heartbeat, process_group
 from tpurec.embedding.sparsecores import resolve_num_sparsecores
 from tpurec.sharding.ec_sharder import SparseCoreECSharder
 from tpurec.sharding.sharder import SparseCoreEBCSharder
@@ -62,7 +62,7 @@ def _ensure_process_group(device_type: str = "cpu") -> None:
         # TPUREC_DIST_TIMEOUT bounds a collective's wait (gloo's default is 30 minutes).
         seconds = heartbeat.seconds_from_env(heartbeat.DIST_TIMEOUT_ENV, heartbeat.DEFAULT_DIST_TIMEOUT)
         logger.info("tpurec: joining the launched ranks through env:// (%s)", backend)
-        dist.init_process_group(backend, timeout=timedelta(seconds=seconds) if seconds else None)
+        process_group.init(backend, timeout=timedelta(seconds=seconds) if seconds else None)
         return
     import socket
 
@@ -71,7 +71,7 @@ def _ensure_process_group(device_type: str = "cpu") -> None:
         port = s.getsockname()[1]
     logger.info("tpurec: no process group; starting a single-process %s group for a local run", backend)
     # A TCP store as well: TorchTPU's uneven all-to-all needs a c10d Store (ProcessGroupTpu::alltoall_base).
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    process_group.init(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
 def default_sharders(num_sparsecores: int, **sharder_kwargs) -> List[ModuleSharder[nn.Module]]:
