@@ -15,9 +15,7 @@ Run by torch.distributed.run: `python -m tpurec.bench.calibrate_worker --data D 
 from __future__ import annotations
 
 import json
-import statistics
 import sys
-import time
 
 from tpurec.bench import timer
 
@@ -60,7 +58,6 @@ def worker(data: str, plan_files: list[str], turns: int, block: int, warmup: int
         for _ in range(warmup):
             pipeline.progress(it)
     wall = [[] for _ in plan_files]
-    step_ms = [[] for _ in plan_files]  # the median step of each block on this rank
     cpu = [[] for _ in plan_files]
     for turn in range(turns):
         for i in turn_order(len(plan_files), turn):
@@ -71,17 +68,13 @@ def worker(data: str, plan_files: list[str], turns: int, block: int, warmup: int
             # (a gc.collect() per block made the launch 2.7x longer: a full pass over 12 models).
             gc.disable()
             dist.barrier()
-            steps = []
             with timer.Stopwatch() as w:  # until every rank is done
                 with timer.Stopwatch() as mine:  # this rank's CPU time, barrier wait excluded
                     for _ in range(block):
-                        t = time.perf_counter()
                         pipeline.progress(it)
-                        steps.append(time.perf_counter() - t)
                 dist.barrier()
             gc.enable()
             wall[i].append(1e3 * w.wall / block)
-            step_ms[i].append(1e3 * statistics.median(steps))
             cpu[i].append(1e3 * mine.cpu / block)
     # CPU ms per step of all ranks (the work, which other jobs disturb less than the wall clock)
     cpu_all = torch.tensor(cpu, dtype=torch.float64)
@@ -91,7 +84,6 @@ def worker(data: str, plan_files: list[str], turns: int, block: int, warmup: int
         return None
     return {
         "wall_ms": [[round(x, 4) for x in v] for v in wall],
-        "median_step_ms": [[round(x, 4) for x in v] for v in step_ms],
         "cpu_ms": [[round(x, 4) for x in v] for v in cpu_all.tolist()],
     }
 

@@ -47,8 +47,9 @@ class CpuCosts:
     # gloo all_to_all_single between 2 processes, 64 B (latency) and 1 MiB per rank (bandwidth).
     collective_latency_ms: float = 0.18
     gloo_bytes_per_s: float = 1.28e9
-    # The same module (collective_terms), 2026-12-01 UTC, load average ~1: reduce_scatter_tensor and
-    # all_gather_into_tensor of 1 MiB per rank, bytes leaving a rank per second beyond the latency.
+    # The same module (collective_terms), 2026-12-01 16:32 UTC, load average 0.4: reduce_scatter_single
+    # and all_gather_single of 1 MiB per rank, bytes leaving a rank per second beyond the latency
+    # (medians of four runs; docs/planner.md).
     reduce_scatter_bytes_per_s: float = 0.37e9
     all_gather_bytes_per_s: float = 0.70e9
     # Not per shard, so the planner never reads them; the calibration fits them afresh each run
@@ -81,9 +82,6 @@ def compute_ms(ids: float, dim: int, costs: CpuCosts) -> float:
     return ids * (costs.per_id_us + costs.per_id_float_us * dim) * 1e-3
 
 
-COLLECTIVES = ("all_to_all", "reduce_scatter", "all_gather")
-
-
 def transfer_ms(nbytes: float, group: int, costs: CpuCosts, collective: str = "all_to_all") -> float:
     """A rank's share of a gloo `collective` over a buffer of `nbytes` in a group of `group`: the
     (group-1)/group of it that leaves the rank, at that collective's bytes per second (latency is
@@ -103,8 +101,8 @@ def combine(embedding_ms: list[float], groups: int, latency_ms: float, costs: Cp
     work (`step_fixed_ms`, `groups * group_fixed_ms`: dense MLPs, TorchRec's Python), and all of it
     shares the host's cores, so the step is the busiest rank's work or the ranks' total over
     `cores`, whichever is longer, plus the collectives' latency. (With the fixed work outside that
-    bound, one rank carrying every table was charged its whole extra embedding time; measured on
-    2 ranks it cost nothing: the other rank's dense work fills the gap.)"""
+    bound, one rank carrying every table was charged its whole extra embedding time, +4 ms; measured
+    on 2 ranks it cost 0.6-1.3 ms: the other rank's dense work fills most of the gap.)"""
     busy = [costs.step_fixed_ms + groups * costs.group_fixed_ms + e for e in embedding_ms]
     return max(max(busy), sum(busy) / costs.cores) + latency_ms
 
@@ -133,5 +131,4 @@ def step_ms(report: dict, costs: CpuCosts) -> dict:
         "collective_latency_ms": latency,
         "group_fixed_ms": len(groups) * costs.group_fixed_ms,
         "step_fixed_ms": costs.step_fixed_ms,
-        "cores": costs.cores,
     }

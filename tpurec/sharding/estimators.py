@@ -161,8 +161,8 @@ def shard_cost(
             out_ms = _collective_ms(pooled_bytes, world_size, spec, True, "reduce_scatter")
             grad_ms = _collective_ms(pooled_bytes, world_size, spec, True, "all_gather")
         else:
-            # TW/CW/TWCW: all-to-all of the pooled rows and of their gradient; unpooled RW/TWRW:
-            # all-to-all of its ids' rows
+            # TW/CW/TWCW: all-to-all of the pooled rows and of their gradient; unpooled RW: all-to-all
+            # of its ids' rows
             out_ms = grad_ms = _collective_ms(pooled_bytes, world_size, spec, True)
     sc_bw = spec.generation.hbm_bw * spec.sc_gather_fraction
     row_bytes = cols * elem_bytes
