@@ -282,35 +282,11 @@ def score(plans: dict, turns: list[dict], costs, rounds: int = 3, paired: list[t
 
 def _measure(plan_files: list[str], data, turns: int, block: int, warmup: int) -> dict:
     """One 2-rank launch training every plan in turns (tpurec.bench.calibrate_worker)."""
-    import json
-    import subprocess
+    from tpurec.bench.train import torchrun_json
 
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={WORLD}",
-        "-m",
-        "tpurec.bench.calibrate_worker",
-        "--data",
-        str(data),
-        "--plans",
-        ",".join(plan_files),
-        "--turns",
-        str(turns),
-        "--block",
-        str(block),
-        "--warmup",
-        str(warmup),
-        "--batch-size",
-        str(_batch_size()),
-    ]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
-    if p.returncode != 0 or not lines:
-        raise RuntimeError(f"calibration launch failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
-    return json.loads(lines[-1])
+    args = ["--data", str(data), "--plans", ",".join(plan_files), "--turns", str(turns), "--block", str(block)]
+    args += ["--warmup", str(warmup), "--batch-size", str(_batch_size())]
+    return torchrun_json("tpurec.bench.calibrate_worker", WORLD, args, "calibration launch")
 
 
 # Distinct batches per rank the plans cycle through (more only costs data generation).

@@ -121,34 +121,22 @@ def run(nproc: int = 2, steps: int = 300, warmup: int = 30, batch_size: int = 51
     }
 
 
-def launch(side, data, nproc, steps, warmup, batch_size, extra=()) -> dict:
-    """One side's training run under torchrun (`extra`: more `tpurec.bench.train` flags); its JSON line."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "-m",
-        "tpurec.bench.train",
-        "--side",
-        side,
-        "--data",
-        str(data),
-        "--steps",
-        str(steps),
-        "--warmup",
-        str(warmup),
-        "--batch-size",
-        str(batch_size),
-        *extra,
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+def torchrun_json(module: str, nproc: int, args: list[str], what: str) -> dict:
+    """`python -m module args` on `nproc` ranks under torchrun, one thread each; the JSON line rank 0
+    printed last. A failed launch raises RuntimeError naming `what`, with the tail of its stderr."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd += ["-m", module, *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
     if p.returncode != 0 or not lines:
-        raise RuntimeError(f"{side} side failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
+        raise RuntimeError(f"{what} failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
     return json.loads(lines[-1])
+
+
+def launch(side, data, nproc, steps, warmup, batch_size) -> dict:
+    """One side's training run under torchrun; its JSON line."""
+    args = ["--side", side, "--data", str(data), "--steps", str(steps), "--warmup", str(warmup)]
+    return torchrun_json("tpurec.bench.train", nproc, [*args, "--batch-size", str(batch_size)], f"{side} side")
 
 
 def format_table(r: dict) -> str:
@@ -208,7 +196,7 @@ def _plan_text(dmp) -> str:
     return ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
 
 
-def worker(side: str, data: str, steps: int, warmup: int, batch_size: int, plan_file: str | None = None) -> dict | None:
+def worker(side: str, data: str, steps: int, warmup: int, batch_size: int) -> dict | None:
     import itertools
 
     import torch
@@ -226,10 +214,6 @@ def worker(side: str, data: str, steps: int, warmup: int, batch_size: int, plan_
     torch.manual_seed(0)
     model = build_model(cfg)
     plan = table_wise_plan(model, world, stock=side == "torchrec") if side != "tpurec" else None
-    if plan_file:  # a given plan (bench plan --calibrate): keyed to the model by table names
-        from tpurec.sharding.plan_io import load_plan
-
-        plan = load_plan(plan_file)
     dmp = shard(model, cfg, "cpu", plan=plan, stock=side == "torchrec")
     optimizer = build_optimizer(dmp, cfg)
     pipeline = TrainPipelineSparseDist(dmp, optimizer, torch.device("cpu"))
@@ -271,9 +255,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--batch-size", type=int, default=512)
-    p.add_argument("--plan", default=None, help="a plan file for the tpurec side (default: its planner's)")
     a = p.parse_args(argv)
-    out = worker(a.side, a.data, a.steps, a.warmup, a.batch_size, a.plan)
+    out = worker(a.side, a.data, a.steps, a.warmup, a.batch_size)
     if out is not None:
         print(json.dumps(out), flush=True)
     return 0
