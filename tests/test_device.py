@@ -83,10 +83,51 @@ def test_safe_env_never_overrides_the_user(monkeypatch):
     assert os.environ["TORCH_TPU_ALLOW_LEGACY_DEVICE_APIS"] == "0"
 
 
-def test_env_problem_named_when_torch_tpu_loaded_without_legacy_apis(monkeypatch):
-    monkeypatch.setitem(sys.modules, "torch_tpu", object())
-    monkeypatch.delenv("TORCH_TPU_ALLOW_LEGACY_DEVICE_APIS", raising=False)
-    (problem,) = device.tpu_env_problems()
-    assert "TORCH_TPU_ALLOW_LEGACY_DEVICE_APIS=1" in problem and "import tpurec before torch" in problem
+def _torch_tpu_loaded(monkeypatch, strict: bool):
+    """torch_tpu as it looks after loading: its frozen flag, and strict device APIs on torch.tpu."""
+    import types
+
+    import torch
+
+    internal = types.ModuleType("torch_tpu._internal.device._device_module")
+    internal._STRICT_INTERNAL_DEVICE_APIS = strict
+    monkeypatch.setitem(sys.modules, "torch_tpu", types.ModuleType("torch_tpu"))
+    monkeypatch.setitem(sys.modules, internal.__name__, internal)
+    tpu = types.ModuleType("torch.tpu")
+
+    def is_available():
+        if strict:
+            raise RuntimeError("is_available is internal to TorchTPU and can only be called by the PyTorch framework")
+        return True
+
+    tpu.is_available = is_available
+    monkeypatch.setattr(torch, "tpu", tpu, raising=False)
+    return tpu
+
+
+def test_env_problem_read_from_torch_tpus_frozen_flag_not_from_the_environment(monkeypatch):
+    # torch came first: torch_tpu froze the flag as strict; tpurec then wrote the variable (too late).
+    _torch_tpu_loaded(monkeypatch, strict=True)
     monkeypatch.setenv("TORCH_TPU_ALLOW_LEGACY_DEVICE_APIS", "1")
+    (problem,) = device.tpu_env_problems()
+    assert "torch was imported before tpurec" in problem and "correct_legacy_device_apis" in problem
+
+
+def test_env_no_problem_when_torch_tpu_loaded_with_the_flag(monkeypatch):
+    _torch_tpu_loaded(monkeypatch, strict=False)
+    monkeypatch.delenv("TORCH_TPU_ALLOW_LEGACY_DEVICE_APIS", raising=False)
     assert device.tpu_env_problems() == []
+
+
+def test_strict_device_apis_are_corrected_to_torch_accelerator(monkeypatch):
+    import torch
+
+    tpu = _torch_tpu_loaded(monkeypatch, strict=True)
+    with pytest.raises(RuntimeError, match="internal to TorchTPU"):
+        torch.tpu.is_available()
+    assert device.correct_legacy_device_apis() is True
+    # TorchRec's own check (torchrec/distributed/dist_data.py) now runs, answered by torch.accelerator.
+    assert torch.tpu.is_available() == torch.accelerator.is_available()
+    assert tpu.current_stream is torch.accelerator.current_stream
+    assert device.tpu_env_problems() == []
+    assert device.correct_legacy_device_apis() is False  # once

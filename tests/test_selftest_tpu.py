@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent("""
     import json, sys
     sys.path.insert(0, sys.argv[1])
     from dataclasses import asdict
-    from tests import tpu_standin
+    from tpurec.emulation import torchtpu_ops as tpu_standin
     from tpurec.selftest.tpu import tpu_checks
 
     tpu_standin.install(sparsecores=int(sys.argv[3]))
@@ -82,7 +82,7 @@ ALLOCATOR_SCRIPT = textwrap.dedent("""
     import json, sys
     sys.path.insert(0, sys.argv[1])
     from dataclasses import asdict
-    from tests import tpu_standin
+    from tpurec.emulation import torchtpu_ops as tpu_standin
     import tpurec.selftest.tpu as T
 
     # An allocator that reports what the DMP's tables really hold: 0 before, after the step the

@@ -81,21 +81,129 @@ def apply_safe_env() -> None:
     if status.torch_tpu and not status.device_nodes:
         os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
         os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    correct_legacy_device_apis()  # torch (and so torch_tpu) came first: the variable is too late
+
+
+# The device APIs TorchRec 1.9.2 calls on torch.tpu, and the torch.accelerator functions TorchTPU
+# names as their replacements (`prefer=` in torch_tpu/_internal/device/_device_module.py).
+_LEGACY_TO_PREFERRED = {
+    "is_available": "is_available",
+    "device_count": "device_count",
+    "current_stream": "current_stream",
+    "synchronize": "synchronize",
+}
+_CORRECTED = "_tpurec_corrected_legacy_apis"
+
+
+def _strict_device_apis() -> bool | None:
+    """torch_tpu's own frozen flag (True: TorchRec's device calls raise), or None without torch_tpu.
+
+    Read from `_STRICT_INTERNAL_DEVICE_APIS` in torch_tpu/_internal/device/_device_module.py, where
+    torch_tpu stored it when it loaded; the environment variable may have been set since, to no effect.
+    An emulated rank's torch.tpu carries the same attribute (tpurec/emulation/torchtpu_dist.py).
+    """
+    module = sys.modules.get("torch_tpu._internal.device._device_module")
+    if module is None:
+        torch = sys.modules.get("torch")
+        module = getattr(torch, "tpu", None) if torch is not None else None
+    flag = getattr(module, "_STRICT_INTERNAL_DEVICE_APIS", None) if module is not None else None
+    return None if flag is None else bool(flag)
+
+
+def correct_legacy_device_apis() -> bool:
+    """Where torch_tpu loaded strict (torch was imported before tpurec and the variable was unset),
+    point the torch.tpu device APIs TorchRec calls at their torch.accelerator equivalents, which
+    TorchTPU names as the replacements and does not restrict. Returns whether anything was changed."""
+    if not _strict_device_apis():
+        return False
+    torch = sys.modules.get("torch")
+    module = getattr(torch, "tpu", None)
+    if module is None or getattr(module, _CORRECTED, False):
+        return False
+    for legacy, preferred in _LEGACY_TO_PREFERRED.items():
+        setattr(module, legacy, getattr(torch.accelerator, preferred))
+    setattr(module, _CORRECTED, True)
+    return True
 
 
 def tpu_env_problems() -> list[str]:
     """What in this process's environment will break TorchRec on a TPU, one sentence each.
 
-    torch_tpu reads LEGACY_DEVICE_APIS_ENV once, when it is imported; if that happened before tpurec
-    could set it (torch imported first, or the variable set to 0), TorchRec's device calls raise.
+    torch_tpu freezes LEGACY_DEVICE_APIS_ENV when it loads (at `import torch` on a TPU VM); if that
+    happened before tpurec could set it, TorchRec's device calls raise, unless
+    `correct_legacy_device_apis()` has since routed them to torch.accelerator. Reads torch_tpu's own
+    flag, never os.environ (which tpurec itself may have written after the fact).
     """
-    if "torch_tpu" not in sys.modules or os.environ.get(LEGACY_DEVICE_APIS_ENV, "0") not in ("0", ""):
+    if not _strict_device_apis():
+        return []
+    torch = sys.modules["torch"]
+    if getattr(getattr(torch, "tpu", None), _CORRECTED, False):
         return []
     return [
-        f"torch_tpu was imported without {LEGACY_DEVICE_APIS_ENV}=1, so TorchRec's calls to torch.tpu "
-        "device APIs will raise; import tpurec before torch, or export "
-        f"{LEGACY_DEVICE_APIS_ENV}=1 before starting Python"
+        f"torch_tpu loaded without {LEGACY_DEVICE_APIS_ENV}=1 (torch was imported before tpurec), so TorchRec's "
+        "calls to torch.tpu device APIs will raise; import tpurec before torch, export "
+        f"{LEGACY_DEVICE_APIS_ENV}=1, or call tpurec.device.correct_legacy_device_apis()"
     ]
+
+
+def name_tpu_backend(module=None) -> None:
+    """Name PrivateUse1 "tpu" on a host without TorchTPU, telling torch that no such device is present.
+
+    TorchRec places shards on torch.device("tpu"), which parses only once PrivateUse1 has that name;
+    offline planning and the emulation need it. Once named, torch asks PrivateUse1's hooks whether it
+    is the build's accelerator (`dist.barrier()` calls `torch._C._get_accelerator()`, which raised
+    "Please register PrivateUse1HooksInterface" without hooks), and its device module whether it is
+    available (`torch.optim` steps ask), so both are registered, answering "no device". `module`, if
+    given, becomes torch.tpu (replacing one tpurec installed before). A no-op where TorchTPU named it.
+    """
+    import types
+
+    import torch
+
+    class NoTpuHooks(torch._C._acc.PrivateUse1Hooks):
+        def is_available(self) -> bool:
+            return False
+
+        def has_primary_context(self, device_index) -> bool:
+            return False
+
+        def is_built(self) -> bool:
+            return True
+
+    current = torch._C._get_privateuse1_backend_name()
+    if current == "privateuseone":
+        torch.utils.rename_privateuse1_backend("tpu")
+        torch._C._acc.register_python_privateuseone_hook(NoTpuHooks())
+    elif current != "tpu":
+        raise RuntimeError(f"PrivateUse1 backend is already named {current!r}; cannot use 'tpu'")
+    elif "torch_tpu" in sys.modules:
+        return
+    if module is None and getattr(torch, "tpu", None) is not None:
+        return
+    if module is None:
+        # torch.tpu without TorchTPU: no devices (the name exists for planning only).
+        module = types.ModuleType("torch.tpu")
+        module.is_available = lambda: False  # type: ignore[attr-defined]
+        module.device_count = lambda: 0  # type: ignore[attr-defined]
+    # Only the attribute, not sys.modules["torch.tpu"]: TorchTPU's loader skips building its module
+    # when that name is already in sys.modules, and replaces an existing attribute.
+    torch.tpu = module
+
+
+# `tpurec train --emulate-tpu SLICE` runs every rank's TPU code path on this machine's CPU
+# (tpurec/emulation); its launcher sets this variable, holding the slice's name, in each rank.
+EMULATE_ENV = "TPUREC_EMULATE_TPU"
+
+
+def emulated_slice() -> str | None:
+    """The slice this process emulates a rank of ("v5p-16"), or None on a real host."""
+    return os.environ.get(EMULATE_ENV) or None
+
+
+def tpu_path(device_type: str) -> bool:
+    """Whether tables on `device_type` take the TPU code path: a tpu device, or the CPU of an emulated
+    TPU rank (fixed id limits, the chip's SparseCore count, float32 tables, TorchTPU's ops)."""
+    return device_type == "tpu" or (device_type == "cpu" and emulated_slice() is not None)
 
 
 # TPU chips by PCI id (vendor 0x1ae0, Google), as torch-tpu 0.2.0 identifies them
@@ -111,7 +219,12 @@ SPARSECORES_PER_DEVICE = {"v5p": 4, "v6e": 2, "v7x": 2, "v5e": 0, "v4": 0}
 
 
 def tpu_generation(pci_root: str = "/sys/bus/pci/devices") -> str | None:
-    """The TPU generation of this host's chips ("v5p", "v6e", ...) from PCI ids, or None."""
+    """The TPU generation of this host's chips ("v5p", "v6e", ...) from PCI ids, or None.
+
+    An emulated rank's chip is its slice's generation (the launcher writes the slice's canonical name)."""
+    emulated = emulated_slice()
+    if emulated:
+        return emulated.split("x", 1)[-1].split("-")[0] if emulated[0].isdigit() else emulated.split("-")[0]
     try:
         entries = sorted(os.listdir(pci_root))
     except OSError:
@@ -166,6 +279,8 @@ def resolve_device(device) -> torch.device:  # noqa: F821
     if kind in ("cpu", "meta"):
         return torch.device(kind) if index is None else torch.device(kind, index)
     if kind in ("tpu", "privateuseone"):
+        if emulated_slice():
+            return torch.device("cpu")  # an emulated TPU rank: CPU tensors on the TPU code path
         status = tpu_status()
         if not status.usable:
             raise TpuUnavailableError(

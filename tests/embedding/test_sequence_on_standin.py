@@ -12,8 +12,8 @@ import torch
 from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from tests import tpu_standin
 from tpurec.embedding.sequence_module import SparseCoreEmbeddingCollection
+from tpurec.emulation import torchtpu_ops as tpu_standin
 
 from .test_tpu_adapter_on_standin import _optimizers
 

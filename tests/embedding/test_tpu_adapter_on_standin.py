@@ -1,4 +1,4 @@
-"""The real TPU adapter, run end to end on CPU through the TorchTPU stand-in (tests/tpu_standin.py).
+"""The real TPU adapter, run end to end on CPU through the TorchTPU stand-in (tpurec/emulation/torchtpu_ops.py).
 
 What the meta-tensor schema check cannot show: that every argument the adapter passes means what
 TorchTPU takes it to mean (the stand-in computes with TorchTPU's conventions), that a training run
@@ -12,9 +12,9 @@ import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from tests import tpu_standin
 from tpurec.embedding.module import SparseCoreEmbeddingBagCollection
 from tpurec.embedding.preprocess import IdLimitExceededError
+from tpurec.emulation import torchtpu_ops as tpu_standin
 
 NUM_SC = 4
 BATCH = 16

@@ -1,4 +1,4 @@
-"""The TorchTPU stand-in (tests/tpu_standin.py) computes what tpurec's reference ops compute, with
+"""The TorchTPU stand-in (tpurec/emulation/torchtpu_ops.py) computes what tpurec's reference ops compute, with
 TorchTPU's conventions: no SparseCore count in the call, new tensors returned, limits enforced."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import tpurec.embedding.ops  # noqa: F401  (torch.ops.tpurec.*)
-from tests import tpu_standin
 from tpurec.embedding.preprocess import preprocess
+from tpurec.emulation import torchtpu_ops as tpu_standin
 
 B, ROWS, DIM, NUM_SC = 8, 64, 8, 2
 

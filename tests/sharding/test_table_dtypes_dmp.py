@@ -54,7 +54,7 @@ def _widened(rank, world_size, fp16_tables, plain, init, steps):
     and the TorchTPU stand-in, against float32 tables started from the same values on the reference."""
     import functools
 
-    from tests import tpu_standin
+    from tpurec.emulation import torchtpu_ops as tpu_standin
 
     sharder = c.SparseCoreEBCSharder
     cases = [dict(sharding="row_wise", optim="rowwise_adagrad", pooling="SUM", weighted=False)]

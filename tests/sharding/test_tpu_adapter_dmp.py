@@ -25,7 +25,7 @@ STEPS = 4
 
 
 def _both_ways(rank, world_size, cases, init_state, steps):
-    from tests import tpu_standin
+    from tpurec.emulation import torchtpu_ops as tpu_standin
 
     # Fixed limits as on a TPU (shapes must not change), set from the first batch.
     c.SparseCoreEBCSharder = functools.partial(c.SparseCoreEBCSharder, fixed_limits=True, allow_id_dropping=True)

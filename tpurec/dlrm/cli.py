@@ -10,6 +10,7 @@ stops every rank when one fails and names it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import sys
@@ -22,7 +23,9 @@ examples:
   tpurec train --nproc 2 --metrics-out run/metrics.csv
   tpurec train --data /data/criteo-parquet --model criteo-kaggle --epochs 1 --checkpoint-dir ckpt
   tpurec train --checkpoint-dir ckpt --resume    # continue from the newest complete checkpoint
-  torchrun --nnodes 2 --nproc-per-node 4 ... -m tpurec.dlrm --data DIR   # multi-host
+  tpurec train --emulate-tpu v5p-16              # a 2-host TPU slice's 8 ranks, on this machine's CPU
+  tpurec train --device tpu --nproc 4            # one TPU VM (TorchTPU's launch environment set first)
+  tpurec train --device tpu --nnodes 2 --data DIR   # multi-host: the same command on every host
 
 stdout gets one JSON line with the final figures; everything else goes to stderr.
 """
@@ -41,8 +44,23 @@ def register(sub) -> None:
     p.add_argument(
         "--nproc",
         type=int,
+        default=None,
+        help="local ranks to launch through torch.distributed.run (default 1: this process; with "
+        "--device tpu --nnodes: the host's TPU devices)",
+    )
+    p.add_argument(
+        "--nnodes",
+        type=int,
         default=1,
-        help="local ranks to launch through torch.distributed.run (default 1: this process)",
+        help="hosts of a TPU slice (--device tpu): run the same command on every host; TorchTPU's "
+        "set_tpu_launch_env() finds this host's rank from TPU_WORKER_HOSTNAMES (default 1)",
+    )
+    p.add_argument(
+        "--emulate-tpu",
+        metavar="SLICE",
+        default=None,
+        help="run every rank of a TPU slice (e.g. v5p-16: 2 hosts x 4 ranks) on this machine's CPU, on "
+        "tpurec's TPU code path with TorchTPU's rules emulated (docs/tpu.md)",
     )
     p.set_defaults(run=run)
 
@@ -54,10 +72,22 @@ def _error(msg: str) -> int:
 
 def run(args) -> int:
     options = TrainOptions.from_args(args)
-    msg = options.check(nproc=args.nproc)
+    msg = _launch_problem(args, options)
+    if args.emulate_tpu and not msg:
+        # The ranks run the TPU code path; this launcher checks the rest as for a CPU run.
+        msg = dataclasses.replace(options, device="cpu").check(nproc=args.nproc or 1)
+        options = dataclasses.replace(options, device="tpu")
+    msg = msg or options.check(nproc=args.nproc or 1)
     if msg:
         return _error(msg)
-    if args.nproc == 1 or "RANK" in os.environ:
+    if "RANK" in os.environ or (args.nproc in (None, 1) and args.nnodes == 1 and not args.emulate_tpu):
+        if options.device == "tpu" and "RANK" not in os.environ:
+            from tpurec.device import tpu_status
+
+            if tpu_status().usable:  # one process still needs TorchTPU's launch environment
+                from tpurec.dlrm.slice_launch import torchtpu_launch_env
+
+                os.environ.update({k: v for k, v in torchtpu_launch_env(1, 1).items() if k not in os.environ})
         return run_worker(options)
     # Make the default dataset here, once, before the ranks start (they then find it cached).
     if not options.data:
@@ -65,24 +95,45 @@ def run(args) -> int:
             _prepare_synth(options)
         except ValueError as e:
             return _error(str(e))
-    cmd = [
-        sys.executable,
-        "-m",
-        "tpurec.dlrm.launch",  # torch.distributed.run, its failure reported in one line
-        "--standalone",
-        f"--nproc-per-node={args.nproc}",
-        # A rank that cannot act on SIGTERM (stopped, hung in the kernel) is SIGKILLed after 5 s,
-        # not torch.distributed.run's 30.
-        "--shutdown-timeout=5",
-        "-m",
-        "tpurec.dlrm",
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **{OPTIONS_ENV: options.to_json()})
-    from tpurec.lifecycle import run_child
+    from tpurec.dlrm import slice_launch
 
-    # SIGTERM / Ctrl-C of this launcher reach torch.distributed.run, which stops every rank; if this
-    # process is killed outright, the kernel sends the launcher SIGTERM (it dies with its parent).
-    return run_child(cmd, env=env)
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **{OPTIONS_ENV: options.to_json()})
+    if args.emulate_tpu:
+        agents = slice_launch.emulated_agents(args.emulate_tpu, env)
+    elif options.device == "tpu":
+        try:
+            agents = [slice_launch.tpu_agent(args.nproc, args.nnodes, env)]
+        except ValueError as e:
+            return _error(str(e))
+    else:
+        agents = [(slice_launch.agent_command(args.nproc), env)]
+    # SIGTERM / Ctrl-C of this launcher reach each torch.distributed.run, which stops its ranks; if
+    # this process is killed outright, the kernel sends them SIGTERM (they die with their parent).
+    return slice_launch.run_hosts(agents)
+
+
+def _launch_problem(args, options: TrainOptions) -> str | None:
+    if args.nnodes < 1:
+        return "--nnodes must be >= 1"
+    if args.nnodes > 1 and options.device != "tpu":
+        return "--nnodes is for a multi-host TPU slice (--device tpu); on CPU hosts use torchrun on each host"
+    if args.emulate_tpu:
+        from tpurec.sharding.topology import parse_slice
+
+        try:
+            spec = parse_slice(args.emulate_tpu)
+        except ValueError as e:
+            return f"--emulate-tpu: {e}"
+        if not spec.generation.sparsecores:
+            return f"--emulate-tpu {args.emulate_tpu}: {spec.generation.name} has no SparseCore tpurec can drive"
+        if args.nproc not in (None, spec.devices_per_host) or args.nnodes != 1:
+            return (
+                f"--emulate-tpu {spec.name} runs {spec.hosts} host(s) x {spec.devices_per_host} ranks; "
+                "leave --nproc and --nnodes unset"
+            )
+        if options.device not in ("auto", "tpu"):
+            return f"--emulate-tpu runs the TPU code path; --device {options.device} contradicts it"
+    return None
 
 
 def _prepare_synth(options: TrainOptions) -> None:

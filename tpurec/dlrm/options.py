@@ -184,9 +184,9 @@ class TrainOptions:
         if nproc < 1:
             return "--nproc must be >= 1"
         if self.device == "tpu":
-            from tpurec.device import tpu_status
+            from tpurec.device import emulated_slice, tpu_status
 
-            missing = tpu_status().missing()
+            missing = [] if emulated_slice() else tpu_status().missing()
             if missing:
                 return f"--device tpu: this host cannot run TPU kernels ({'; '.join(missing)}); see `tpurec env`"
         return None

@@ -57,12 +57,12 @@ def init_distributed(device: str = "cpu", timeout: float | None = None):
 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized():
         from tpurec import process_group
-        from tpurec.device import tpu_status
+        from tpurec.device import emulated_slice, tpu_status
         from tpurec.sharding.dmp import process_group_backend
 
         # Without a usable TPU, stay on gloo: the device check later names what is missing.
         process_group.init(
-            process_group_backend("tpu" if device == "tpu" and tpu_status().usable else "cpu"),
+            process_group_backend("tpu" if device == "tpu" and (tpu_status().usable or emulated_slice()) else "cpu"),
             timeout=None if timeout is None else timedelta(seconds=timeout),
         )
     if dist.is_initialized():
@@ -71,10 +71,10 @@ def init_distributed(device: str = "cpu", timeout: float | None = None):
 
 
 def resolve_device(name: str) -> str:
-    from tpurec.device import tpu_status
+    from tpurec.device import emulated_slice, tpu_status
 
     if name == "auto":
-        return "tpu" if tpu_status().usable else "cpu"
+        return "tpu" if tpu_status().usable or emulated_slice() else "cpu"
     return name
 
 

@@ -53,12 +53,19 @@ class Trainer:
         self.samples = 0  # samples trained on, over all ranks
         self._batches = iter(())  # the current segment's batches; see _train_segment
         self._ready = False
+        self.emulated = None  # the EmulatedRank of an emulated TPU rank (tpurec.emulation.rank)
 
     # ---- setup ----
     def setup(self) -> None:
         import torch
 
         o = self.options
+        from tpurec.device import emulated_slice
+
+        if emulated_slice():  # a rank of `tpurec train --emulate-tpu`: TorchTPU's stand-ins first
+            from tpurec.emulation.rank import activate
+
+            self.emulated = activate()
         self.device = resolve_device(o.device)
         self.rank, self.world = init_distributed(self.device, o.dist_timeout)
         setup_logging(self.rank)
@@ -76,7 +83,7 @@ class Trainer:
 
             self._lock = lock_dir(o.checkpoint_dir)  # before any step: one run per directory
         self.table_set = get_table_set(self.cfg.table_set)  # resolved once; everything below reads it
-        if self.device == "cpu":
+        if self.device == "cpu" or self.emulated:
             # Before any data is generated or read: a refusal in one line, not an OOM kill minutes in.
             sizes, source = self._table_sizes_and_source()
             check_host_memory(self.cfg, sizes, self.world, source)
@@ -268,6 +275,8 @@ class Trainer:
         """One training step on the next batch of the current segment: its loss, or None once the
         segment has no batch left and the pipeline has drained (after setup(), the segment runs to
         the last step; run() cuts it at every eval and checkpoint)."""
+        if self.emulated:
+            self.emulated.begin("train")
         self.schedule.set_step(self.step_count)
         try:
             loss, _, _ = self.pipeline.progress(self._batches)
@@ -287,6 +296,9 @@ class Trainer:
     def evaluate(self) -> dict:
         """Forward the whole eval split through the (drained) pipeline; metrics over all ranks."""
         import torch
+
+        if self.emulated:
+            self.emulated.begin("eval")
 
         from tpurec.dlrm import metrics
         from tpurec.dlrm.data import eval_batches
@@ -414,9 +426,28 @@ class Trainer:
         }
         if self.oracle_auc:
             result["oracle_auc"] = self.oracle_auc
+        result.update(self._slice_figures())
         if self.rank == 0:
             self._report(result)
         return result
+
+    def _slice_figures(self) -> dict:
+        """Hosts, and on the TPU path what TorchTPU compiles: measured by the emulation's stand-in of
+        its ops; None on a real TPU (TorchTPU 0.2.0 exposes no count tpurec reads yet)."""
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        out: dict = {"hosts": max(1, self.world // max(1, local))}
+        if self.emulated:
+            out.update(
+                emulated_tpu=self.emulated.spec.name,
+                programs_compiled=self.emulated.programs_compiled(),
+                recompiles_after_warmup=self.emulated.recompiles_after_warmup(),
+                # Every tensor of an emulated rank is a CPU tensor: which would be device tensors,
+                # and so which copies would cross to the host, is not observable here.
+                device_to_host_copies_per_step=None,
+            )
+        elif self.device == "tpu":
+            out.update(programs_compiled=None, recompiles_after_warmup=None, device_to_host_copies_per_step=None)
+        return out
 
     # ---- the loop's pieces ----
     def _train_segment(self, end: int) -> None:

@@ -21,6 +21,7 @@ def load_tpu_backend() -> None:
     from tpurec import host_ops
     from tpurec.embedding import tpu  # imported here only: it is never needed on a CPU-only host
 
+    _device.correct_legacy_device_apis()  # torch came before tpurec: TorchRec's device calls would raise
     tpu.register()
     host_ops.register()  # FBGEMM KJT ops TorchRec runs on the device: route them through the host
     _tpu_loaded = True
@@ -29,7 +30,7 @@ def load_tpu_backend() -> None:
 def select_device(device: torch.device | str | None) -> torch.device:
     """None means: a TPU if this host has a usable one, else the CPU."""
     if device is None:
-        device = "tpu" if _device.tpu_status().usable else "cpu"
+        device = "tpu" if _device.tpu_status().usable or _device.emulated_slice() else "cpu"
     resolved = _device.resolve_device(device)
     if resolved.type not in ("cpu", "meta"):
         load_tpu_backend()

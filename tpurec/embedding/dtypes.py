@@ -19,6 +19,8 @@ import warnings
 
 import torch
 
+from tpurec.device import tpu_path
+
 # Config dtypes the kernel trains; quantized types (INT8/INT4/INT2, FP8) are TorchRec inference formats.
 TRAINABLE = (torch.float32, torch.float16, torch.bfloat16)
 WIDEN_REASON = "TorchTPU 0.2.0's SparseCore ops are built for float32 tables (docs/tpu.md)"
@@ -46,7 +48,7 @@ def table_dtype(data_type, table: str = "?") -> torch.dtype:
 
 def widens(device_type: str, widen: bool | None = None) -> bool:
     """Whether FP16/BF16 tables are stored as float32 on this device (default: on a TPU)."""
-    return device_type == "tpu" if widen is None else bool(widen)
+    return tpu_path(device_type) if widen is None else bool(widen)
 
 
 def stored_dtype(dtype: torch.dtype, device_type: str = "cpu", widen: bool | None = None) -> torch.dtype:

@@ -25,6 +25,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from tpurec import device as _device
 from tpurec.embedding import csr_build, dtypes, ops, reference  # noqa: F401  (ops registers torch.ops.tpurec.*)
 from tpurec.embedding.constraints import DIM_ALIGN, SEGMENT_ALIGN, round_up
 from tpurec.embedding.kjt_checks import check_kjt
@@ -134,7 +135,7 @@ class SparseCoreKernel(nn.Module):
 
         device = torch.device(device) if device is not None else torch.device("cpu")
         if pad_dims is None:
-            pad_dims = device.type == "tpu"
+            pad_dims = _device.tpu_path(device.type)
         for t in self.tables:
             dtypes.table_dtype(t.dtype, t.name)  # refuses quantized dtypes
         stored = {t.name: dtypes.stored_dtype(t.dtype, device.type, widen_tables) for t in self.tables}
@@ -207,7 +208,7 @@ class SparseCoreKernel(nn.Module):
     def fixed_limits(self) -> bool:
         if self._fixed_limits is not None:
             return self._fixed_limits
-        return bool(self.stacks) and self.stack_weight(0).device.type == "tpu"
+        return bool(self.stacks) and _device.tpu_path(self.stack_weight(0).device.type)
 
     def stack_limits(self, i: int) -> tuple[int, int] | None:
         """Stack i's fixed (max ids, max unique ids) per partition; None until set (or when not fixed)."""

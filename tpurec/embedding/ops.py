@@ -53,7 +53,7 @@ def _(row_pointers, embedding_ids, sample_ids, gains, embedding_table, device_ba
 
 
 # The CPU kernel registered above. Tests replace the CPU kernels of every tpurec op with the TPU
-# adapter's (tests/tpu_standin.py, adapter_on_cpu); `reference_is_cpu_kernel` tells callers when the
+# adapter's (tpurec/emulation/torchtpu_ops.py, adapter_on_cpu); `reference_is_cpu_kernel` tells callers when the
 # reference is what CPU tensors reach (`_backend_fns` is torch's private table: without it, say no).
 _REFERENCE_CPU_KERNEL = getattr(sparse_dense_matmul, "_backend_fns", {}).get("cpu")
 

@@ -20,7 +20,7 @@ def resolve_num_sparsecores(requested: int | None, device_type: str, *, generati
     """
     if requested is not None and (isinstance(requested, bool) or not isinstance(requested, int) or requested < 1):
         raise ValueError(f"num_sparsecores must be a whole number >= 1, got {requested!r}")
-    if device_type != "tpu":
+    if not _device.tpu_path(device_type):
         return requested or DEFAULT_NUM_SPARSECORES
     generation = generation or _device.tpu_generation()
     if generation is None:

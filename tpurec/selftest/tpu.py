@@ -9,7 +9,7 @@ memory that step holds (and its peak) against the planner's figure for the same 
 tpurec has not run it on TPU hardware yet.
 
 `device` and `generation` are parameters so that tests can run the same list on CPU through the
-TorchTPU stand-in (tests/tpu_standin.py).
+TorchTPU stand-in (tpurec/emulation/torchtpu_ops.py).
 """
 
 from __future__ import annotations

@@ -25,11 +25,13 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 from torch import nn
+from torchrec.distributed.model_parallel import DefaultDataParallelWrapper
 from torchrec.distributed.model_parallel import DistributedModelParallel as _TorchrecDMP
 from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 
 from tpurec import heartbeat, process_group
+from tpurec.device import emulated_slice, tpu_path
 from tpurec.embedding.sparsecores import resolve_num_sparsecores
 from tpurec.sharding.ec_sharder import SparseCoreECSharder
 from tpurec.sharding.sharder import SparseCoreEBCSharder
@@ -95,6 +97,27 @@ def _pooling_factors(constraints) -> Dict[str, float] | None:
     return out or None
 
 
+class TpuDataParallelWrapper(DefaultDataParallelWrapper):
+    """TorchRec's DDP wrapping of the dense modules, without DDP's parameter-shape check.
+
+    `DistributedDataParallel.__init__` runs `_verify_param_shape_across_processes`, a device->CPU
+    copy that fails on multi-host TorchTPU 0.2.0 ("transfer to 'cpu' device failed", torchrec PR
+    #4597). The check only guards against ranks building different models; DMP's dense modules are
+    the same on every rank by construction. Skipped as torchrec's MLPerf TPU benchmark skips it: the
+    name is replaced in DDP's own module, where `__init__` looks it up, for the wrap only.
+    """
+
+    def wrap(self, dmp, env, device) -> None:
+        import torch.nn.parallel.distributed as ddp
+
+        saved = ddp._verify_param_shape_across_processes
+        ddp._verify_param_shape_across_processes = lambda *args, **kwargs: None  # type: ignore[assignment]
+        try:
+            super().wrap(dmp, env, device)
+        finally:
+            ddp._verify_param_shape_across_processes = saved
+
+
 class DistributedModelParallel(_TorchrecDMP):
     def __init__(
         self,
@@ -115,7 +138,9 @@ class DistributedModelParallel(_TorchrecDMP):
         torch_device = select_device(device)  # raises at once for "tpu" without a TPU
         if torch_device.type == "meta":
             raise ValueError("device='meta' is for building the unsharded model; shard onto 'tpu' or 'cpu'")
-        _ensure_process_group(torch_device.type)
+        # The TPU code path: a tpu device, or an emulated TPU rank's CPU (tpurec.emulation).
+        compute_device = "tpu" if tpu_path(torch_device.type) else "cpu"
+        _ensure_process_group(compute_device)
         if os.environ.get(heartbeat.TIMEOUT_ENV):
             # Opt-in for library users (it ends the process when a neighbour goes silent);
             # `tpurec train` starts it itself, by default.
@@ -124,11 +149,12 @@ class DistributedModelParallel(_TorchrecDMP):
         # No padding of TorchRec's uneven all_to_all_single: TorchTPU 0.2.0's ProcessGroupTpu::alltoall_base
         # dispatches uneven splits itself (AllToAllBaseUnevenSplits; docs/tpu.md), and TorchRec 1.9.2
         # already pads on TPU where it must (torchrec/experimental/torch_tpu/uneven_all_to_all.py).
-        compute_device = "cpu" if torch_device.type == "cpu" else "tpu"
+        if topology is None and emulated_slice():
+            topology = emulated_slice()
         if topology is None or isinstance(topology, str):
             topology = make_topology(topology, world_size=env.world_size, compute_device=compute_device)
         planned_sc = getattr(getattr(getattr(topology, "spec", None), "generation", None), "sparsecores", None)
-        if torch_device.type == "tpu":
+        if compute_device == "tpu":
             # The chip decides (TorchTPU's ops use its own count); a plan for another generation is refused.
             num_sc = resolve_num_sparsecores(None, "tpu")
             if planned_sc and planned_sc != num_sc:
@@ -154,11 +180,15 @@ class DistributedModelParallel(_TorchrecDMP):
                 pg=env.process_group,
             )
         else:
-            from tpurec.sharding.plan_check import align_to_model, check_plan, embedding_tables
+            from tpurec.sharding.plan_check import align_to_model, check_plan, check_plan_for_tpu, embedding_tables
 
             # A given plan must fit this model and world size (else TorchRec fails deep inside, or
             # shards onto ranks that do not exist); plans from `tpurec plan` are keyed by table names.
             plan = align_to_model(plan, module)
             check_plan(plan, embedding_tables(module), env.world_size)
+            if compute_device == "tpu":
+                check_plan_for_tpu(plan)
+        if compute_device == "tpu":
+            dmp_kwargs.setdefault("data_parallel_wrapper", TpuDataParallelWrapper())
         super().__init__(module, env=env, device=torch_device, plan=plan, sharders=sharders, **dmp_kwargs)
         self.topology = topology

@@ -21,6 +21,26 @@ SHARDING_TYPES = [
     ShardingType.ROW_WISE.value,
     ShardingType.TABLE_ROW_WISE.value,
 ]
+# Table-row-wise needs TorchRec's intra-host and cross-host sub-groups (torchrec/distributed/comm.py,
+# `intra_and_cross_node_pg`, from TwRwPooledEmbeddingSharding). TorchTPU 0.2.0 gives no sub-group
+# TorchRec can rely on: its ProcessGroupTpu lowers sub-group collectives as SPMD programs over every
+# device and refuses "Incomplete or overlapping subgroups" (an intra-host and a cross-host group
+# overlap in every rank), its torchcomms `split_group` raises "not yet implemented", and its
+# compile-time handshake runs on the global group only (docs/tpu.md). So it is never planned for a TPU.
+NEEDS_SUBGROUPS = (ShardingType.TABLE_ROW_WISE.value,)
+SUBGROUP_REFUSAL = (
+    "needs TorchRec's intra-host and cross-host process sub-groups, which TorchTPU 0.2.0 does not support "
+    "(overlapping SPMD sub-groups; split_group not implemented); use row_wise or table_wise"
+)
+
+
+def sharding_types_for(compute_device_type: str) -> list[str]:
+    """The sharding types the SparseCore sharder offers on `compute_device_type`."""
+    if compute_device_type == "tpu":
+        return [t for t in SHARDING_TYPES if t not in NEEDS_SUBGROUPS]
+    return list(SHARDING_TYPES)
+
+
 # For EmbeddingCollections: TorchRec's EmbeddingCollectionSharder offers DP, TW, CW and RW.
 EC_SHARDING_TYPES = [ShardingType.TABLE_WISE.value, ShardingType.COLUMN_WISE.value, ShardingType.ROW_WISE.value]
 

@@ -67,6 +67,19 @@ def check_plan(plan, tables: Mapping[str, Mapping[str, tuple[int, int]]], world_
             _check_table(f"{where}, table {name!r}", ps, own[name], world_size, types)
 
 
+def check_plan_for_tpu(plan, source: str = "the plan") -> None:
+    """Raise ValueError for a sharding a TPU cannot run (kernel_choice.NEEDS_SUBGROUPS), naming the table."""
+    from tpurec.sharding.kernel_choice import NEEDS_SUBGROUPS, SUBGROUP_REFUSAL
+
+    for path, module_plan in plan.plan.items():
+        for name, ps in module_plan.items():
+            if ps.sharding_type in NEEDS_SUBGROUPS:
+                raise ValueError(
+                    f"{source}, module {path or '<root>'!r}, table {name!r}: sharding_type {ps.sharding_type!r} "
+                    f"{SUBGROUP_REFUSAL}; plan again for the TPU"
+                )
+
+
 def _check_table(where: str, ps, shape: tuple[int, int], world_size: int, types: set) -> None:
     if ps.sharding_type not in types:
         raise ValueError(f"{where}: sharding_type {ps.sharding_type!r} is not one of {sorted(types)}")

@@ -38,7 +38,7 @@ from tpurec.sharding.estimators import (
     spec_of,
     table_elem_bytes,
 )
-from tpurec.sharding.kernel_choice import COMPUTE_KERNEL, EC_SHARDING_TYPES, SHARDING_TYPES
+from tpurec.sharding.kernel_choice import COMPUTE_KERNEL, EC_SHARDING_TYPES, SHARDING_TYPES, sharding_types_for
 from tpurec.sharding.topology import format_bytes
 
 GiB = 1024**3
@@ -58,7 +58,7 @@ class TpuPlanningSharder(EmbeddingBagCollectionSharder):
     SHARDING_TYPES (no data-parallel). The real sharder (sharder.py) may be passed instead."""
 
     def sharding_types(self, compute_device_type: str) -> List[str]:
-        return list(SHARDING_TYPES)
+        return sharding_types_for(compute_device_type)
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
         return [COMPUTE_KERNEL]

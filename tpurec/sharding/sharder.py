@@ -23,7 +23,7 @@ from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingT
 
 from tpurec.embedding.constraints import DEFAULT_NUM_SPARSECORES
 from tpurec.embedding.sparsecores import resolve_num_sparsecores
-from tpurec.sharding.kernel_choice import COMPUTE_KERNEL, SHARDING_TYPES
+from tpurec.sharding.kernel_choice import COMPUTE_KERNEL, SHARDING_TYPES, sharding_types_for
 from tpurec.sharding.kernel_module import SparseCoreEmbeddingBag
 from tpurec.sharding.sharded_state import SparseCoreShardedMixin, shard_slice
 
@@ -185,4 +185,4 @@ class SparseCoreEBCSharder(SparseCoreSharderMixin, EmbeddingBagCollectionSharder
     SHARDED_CLASS = ShardedSparseCoreEBC
 
     def sharding_types(self, compute_device_type: str) -> List[str]:
-        return list(SHARDING_TYPES)
+        return sharding_types_for(compute_device_type)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import types
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -61,6 +60,8 @@ class Generation:
     source: str
     # Chips in the largest single slice (see _SLICE_CHIPS for the shapes and their sources).
     max_chips_per_slice: int = 0
+    # Chips per host of a slice spanning several hosts, where it differs from chips_per_host.
+    multi_host_chips_per_host: int | None = None
 
     @property
     def devices_per_host(self) -> int:
@@ -100,6 +101,9 @@ GENERATIONS: dict[str, Generation] = {
         1,
         "chips",
         "cloud.google.com/tpu/docs/v6e; jax/_src/tpu_info.py; jax-tpu-embedding NUM_SC_PER_DEVICE_MAP",
+        # Multi-host v6e slices run on 4-chip VMs (machine type ct6e-standard-4t; v6e-16 = 4 hosts x 4
+        # chips): cloud.google.com/tpu/docs/v6e, "VM types" table. Only v6e-8 is one 8-chip host.
+        multi_host_chips_per_host=4,
     ),
     # Source: cloud.google.com/tpu/docs/tpu7x (per chip: 192 GiB HBM, 7.37 TB/s, 2307 bf16 TFLOPs,
     # ICI 1.2 TB/s bidirectional, 3D torus; 2 TensorCores exposed as 2 devices per chip; 4 chips per
@@ -219,8 +223,11 @@ class SliceSpec:
 
     @property
     def devices_per_host(self) -> int:
+        gen = self.generation
+        if self.devices_per_slice > gen.devices_per_host and gen.multi_host_chips_per_host:
+            return gen.multi_host_chips_per_host * gen.devices_per_chip  # v6e-16 and up: 4-chip VMs
         # Sub-host slices (v6e-1, v6e-4) put every device on one host.
-        return min(self.generation.devices_per_host, self.devices_per_slice)
+        return min(gen.devices_per_host, self.devices_per_slice)
 
     @property
     def hosts(self) -> int:
@@ -329,38 +336,10 @@ def _tpu_topology_class():
 
 def _enable_offline_tpu() -> None:
     """torchrec places shards on torch.device("tpu"), which only parses once a PrivateUse1 backend
-    is named "tpu". Without torch_tpu nothing names it, so planning crashes; naming it ourselves is
-    harmless (it only registers the name) but may be done once per process and not if another
-    backend already claimed PrivateUse1."""
-    import torch
+    is named "tpu"; without torch_tpu nothing names it, so planning crashed (tpurec.device.name_tpu_backend)."""
+    from tpurec.device import name_tpu_backend
 
-    current = torch._C._get_privateuse1_backend_name()
-    if current == "tpu":
-        return
-    if current != "privateuseone":
-        raise RuntimeError(f"PrivateUse1 backend is already named {current!r}; cannot plan for 'tpu'")
-    torch.utils.rename_privateuse1_backend("tpu")
-    # Once PrivateUse1 is named, torch takes "tpu" for the build's accelerator and asks its device
-    # module (torch.optim's step calls torch.accelerator.is_available() -> torch.tpu.is_available()):
-    # without one, every later Adam.step() in the process raised. An honest "no device" module keeps
-    # CPU training working after offline planning; TorchRec's TPU branches check is_available() too.
-    # Only the attribute, not sys.modules["torch.tpu"]: TorchTPU's loader (torch_tpu/_loader.py,
-    # public_api.install) skips building its module when that name is already in sys.modules, and
-    # deletes an existing torch.tpu attribute before registering its own, so a later TorchTPU wins.
-    if getattr(torch, "tpu", None) is None:
-        torch.tpu = _OfflineTpuModule("torch.tpu")
-
-
-class _OfflineTpuModule(types.ModuleType):
-    """torch.tpu on a host without TorchTPU: no devices (the name exists only for planning)."""
-
-    @staticmethod
-    def is_available() -> bool:
-        return False
-
-    @staticmethod
-    def device_count() -> int:
-        return 0
+    name_tpu_backend()
 
 
 def _spec_from_environment() -> SliceSpec | None:

@@ -1,4 +1,5 @@
-"""A stand-in for TorchTPU 0.2.0's SparseCore ops, so the real TPU adapter can run on CPU in tests.
+"""A stand-in for TorchTPU 0.2.0's SparseCore ops, so the real TPU adapter runs on CPU (tests, and
+every rank of `tpurec train --emulate-tpu`).
 
 The meta-tensor schema check (tests/embedding/test_tpu_schema.py, in a venv with torch-tpu) proves
 that the adapter's calls bind to TorchTPU's schemas; it cannot say whether each argument means what
@@ -16,20 +17,23 @@ tpurec's own ops:
   programs a training run would compile;
 * a partition holding more ids than `max_ids_per_partition` is an error (the kernel's buffers are
   sized by it);
-* `preprocess_sparse_dense_matmul_input` with `suggested_coo_buffer_size=0` uses a 128-entry COO
-  buffer and silently drops what does not fit (docs/tpu.md);
+* `preprocess_sparse_dense_matmul_input` reads `suggested_coo_buffer_size` as the COO entries of the
+  whole device, split evenly over its SparseCores (TorchTPU computes it with jax-tpu-embedding's
+  `ComputeCooBufferSizePerDevice`, docs/tpu.md); 0 means a 128-entry buffer, and what does not fit is
+  dropped silently (docs/tpu.md);
 * tables and optimizer state must be float32: TorchTPU's op builders type the lookup's output and the
   update functions f32, and jax-tpu-embedding refuses other tables for the same SparseCore call
   (docs/tpu.md). TorchTPU itself has no such check (what a non-f32 table does on the chip is
   unknown), so the stand-in refuses, and tpurec must never send one.
 
-Never import this from tpurec: it is test support, installed only in processes that never load the
-real torch_tpu.
+Only the emulation (`tpurec.emulation`) and tests import this, and only in processes that never load
+the real torch_tpu (`install()` refuses where it is loaded).
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -60,7 +64,7 @@ SCHEMAS = {
     "int local_device_count, int global_device_count, int num_sc_per_device, bool allow_id_dropping, "
     "str table_name) -> Dict(str, Tensor)",
 }
-DEFAULT_COO_BUFFER = 128  # what TorchTPU uses when suggested_coo_buffer_size is 0
+DEFAULT_COO_BUFFER = 128  # what TorchTPU uses (per device) when suggested_coo_buffer_size is 0
 
 
 def _key_part(value):
@@ -93,6 +97,8 @@ def install(sparsecores: int = 4) -> StandIn:
     """Define torch.ops.tpu.* (once per process) and set the hardware SparseCore count; returns the recorder."""
     global _STATE, _LIB
     if _STATE is None:
+        if "torch_tpu" in sys.modules:
+            raise RuntimeError("the TorchTPU stand-in cannot be installed where the real torch_tpu is loaded")
         _STATE = StandIn(sparsecores)
         _LIB = torch.library.Library("tpu", "DEF")
         for name, schema in SCHEMAS.items():
@@ -216,7 +222,7 @@ def _preprocess(
         max_unique_ids_per_partition=max_uniq,
         allow_id_dropping=allow_dropping,
     )
-    buffer = suggested_coo or DEFAULT_COO_BUFFER
+    buffer = (suggested_coo or DEFAULT_COO_BUFFER) // num_sc  # per device, split over its SparseCores
     per_sc = csr.embedding_ids.numel() // num_sc
     rp = csr.row_pointers.view(num_sc, -1)
     dropped = int(torch.clamp(rp[:, -1] - buffer, min=0).sum()) + stats.dropped_id_count
@@ -246,17 +252,23 @@ _KERNELS = {
 }
 
 
-@contextlib.contextmanager
-def adapter_on_cpu():
-    """Run the real TPU adapter on CPU: its kernels (`tpurec.embedding.tpu.kernels()`) become the CPU
-    kernels of torch.ops.tpurec.* for the duration, so CPU tensors go adapter -> stand-in ops. Needs
-    `install()` first (the adapter calls torch.ops.tpu.*)."""
+def route_adapter_to_cpu() -> dict:
+    """Make the real TPU adapter's kernels (`tpurec.embedding.tpu.kernels()`) the CPU kernels of
+    torch.ops.tpurec.*, so CPU tensors go adapter -> stand-in ops; returns the kernels replaced.
+    Needs `install()` first (the adapter calls torch.ops.tpu.*)."""
     from tpurec.embedding import tpu
 
     saved = {}
     for op, kernel in tpu.kernels().items():
         saved[op] = op._backend_fns.get("cpu")
         op.register_kernel("cpu")(kernel)
+    return saved
+
+
+@contextlib.contextmanager
+def adapter_on_cpu():
+    """`route_adapter_to_cpu()` for the duration of a `with` block."""
+    saved = route_adapter_to_cpu()
     try:
         yield _STATE
     finally:

@@ -1,0 +1,139 @@
+"""Launching `tpurec train` ranks on a TPU slice: real (one host, or this host of several) or emulated.
+
+TorchTPU 0.2.0 needs its launch environment decided in the parent before any rank starts
+(`torch.tpu.distributed.set_tpu_launch_env()`, `torch_tpu/_internal/distributed/distributed.py`):
+without it a distributed run stops with "missing required environment variables for distributed
+training". So every TPU launch here gets it first, then starts one torch.distributed.run agent per
+host, with `LOCAL_WORLD_SIZE` = ranks on that host:
+
+* `--device tpu --nproc N` (one host): TorchTPU's own function, run in a child process so that this
+  launcher never loads torch_tpu (`torchtpu_launch_env`);
+* `--device tpu --nnodes H` on every host of a slice: the same function, which reads
+  `TPU_WORKER_HOSTNAMES` and derives `NODE_RANK`, `MASTER_ADDR` and `MASTER_PORT`;
+* `--emulate-tpu SLICE`: the slice's hosts on this machine, the environment computed by
+  `tpurec.emulation.launch_env` with TorchTPU's rules, every rank on the TPU code path.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+
+# What set_tpu_launch_env() may set; all of it is handed to the ranks.
+TORCHTPU_LAUNCH_VARS = (
+    "TORCH_TPU_SLICEBUILDER_ADDRESSES",
+    "TORCH_TPU_TOPOLOGY",
+    "TORCH_TPU_XPROF_SESSION_ID",
+    "TORCH_TPU_DEVICES_PER_HOST",
+    "NNODES",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+_MARK = "TPUREC_LAUNCH_ENV="
+
+
+def torchtpu_launch_env(nnodes: int, nproc_per_node: int | None) -> dict[str, str]:
+    """TorchTPU's launch environment for this host, from its own `set_tpu_launch_env()` in a child
+    (importing torch_tpu in the launcher would be wasted, and the child exits before ranks start)."""
+    code = (
+        "import json, os, torch\n"
+        "from torch.tpu import distributed\n"
+        f"distributed.set_tpu_launch_env(nnodes={nnodes}, nproc_per_node={nproc_per_node!r})\n"
+        f"keys = {TORCHTPU_LAUNCH_VARS!r}\n"
+        f"print({_MARK!r} + json.dumps({{k: os.environ[k] for k in keys if k in os.environ}}))\n"
+    )
+    env = dict(os.environ, TORCH_TPU_ALLOW_LEGACY_DEVICE_APIS=os.environ.get("TORCH_TPU_ALLOW_LEGACY_DEVICE_APIS", "1"))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    lines = [x for x in done.stdout.splitlines() if x.startswith(_MARK)]
+    if done.returncode or not lines:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ValueError(f"TorchTPU's set_tpu_launch_env() failed on this host: {last}")
+    return json.loads(lines[-1][len(_MARK) :])
+
+
+def agent_command(nproc_per_node: int, nnodes: int = 1, node_rank: int = 0, master: str | None = None) -> list[str]:
+    """torch.distributed.run (failures reported in one line, `tpurec.dlrm.launch`) for one host."""
+    cmd = [sys.executable, "-m", "tpurec.dlrm.launch"]
+    if nnodes == 1 and master is None:
+        cmd.append("--standalone")
+    else:
+        addr, port = (master or "127.0.0.1:29500").rsplit(":", 1)
+        cmd += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--master-addr={addr}", f"--master-port={port}"]
+    # A rank that cannot act on SIGTERM (stopped, hung in the kernel) is SIGKILLed after 5 s,
+    # not torch.distributed.run's 30.
+    return cmd + [f"--nproc-per-node={nproc_per_node}", "--shutdown-timeout=5", "-m", "tpurec.dlrm"]
+
+
+def run_hosts(agents: list[tuple[list[str], dict[str, str]]]) -> int:
+    """Run one agent per (command, environment) together; when one fails the others are stopped.
+    Exit code: the first failure's (2 if any agent reported bad input), else 0."""
+    from tpurec.lifecycle import FORWARDED, die_with_parent
+
+    procs = [
+        subprocess.Popen(cmd, env=env, preexec_fn=functools.partial(die_with_parent, os.getpid()))
+        for cmd, env in agents
+    ]
+
+    def forward(signum, _frame):
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+    codes: dict[int, int] = {}
+    try:
+        while len(codes) < len(procs):
+            for i, p in enumerate(procs):
+                if i in codes or p.poll() is None:
+                    continue
+                codes[i] = p.returncode
+                if p.returncode:  # one host failed: the others cannot finish their collectives
+                    for q in procs:
+                        if q.poll() is None:
+                            q.terminate()
+            if len(codes) < len(procs):
+                try:
+                    procs[min(set(range(len(procs))) - set(codes))].wait(timeout=0.2)
+                except subprocess.TimeoutExpired:
+                    pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    failed = [c for c in codes.values() if c]
+    if not failed:
+        return 0
+    code = 2 if 2 in failed else failed[0]
+    return 128 - code if code < 0 else code
+
+
+def emulated_agents(slice_name: str, base_env: dict[str, str]) -> list[tuple[list[str], dict[str, str]]]:
+    """One agent per host of the emulated slice, each with its launch environment."""
+    from tpurec.device import EMULATE_ENV
+    from tpurec.emulation.launch_env import emulated_launch_env
+    from tpurec.sharding.topology import parse_slice
+
+    spec = parse_slice(slice_name)
+    agents = []
+    for host, launch in enumerate(emulated_launch_env(spec)):
+        # A Cloud TPU VM names its slice in TPU_ACCELERATOR_TYPE; tpurec plans for it when given none.
+        env = dict(base_env, **launch, **{EMULATE_ENV: spec.name, "TPU_ACCELERATOR_TYPE": spec.name})
+        master = f"{launch['MASTER_ADDR']}:{launch['MASTER_PORT']}" if spec.hosts > 1 else None
+        agents.append((agent_command(spec.devices_per_host, spec.hosts, host, master), env))
+    return agents
+
+
+def tpu_agent(nproc: int | None, nnodes: int, base_env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """This host's agent of a real TPU launch, with TorchTPU's launch environment."""
+    launch = torchtpu_launch_env(nnodes, nproc)
+    addresses = launch["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(",")
+    per_host = nproc or int(launch.get("TORCH_TPU_DEVICES_PER_HOST") or len(addresses) // nnodes)
+    env = dict(base_env, **launch)
+    if nnodes == 1:
+        return agent_command(per_host), env
+    master = f"{launch['MASTER_ADDR']}:{launch['MASTER_PORT']}"
+    return agent_command(per_host, nnodes, int(launch["NODE_RANK"]), master), env

@@ -1,0 +1,161 @@
+"""TorchTPU 0.2.0's distributed rules, enforced on CPU ranks: `torch.tpu`, `tpu_dist`, DDP's check.
+
+An emulated rank (`tpurec.emulation.rank.activate`) installs three stand-ins. Each enforces what
+torch-tpu 0.2.0 does, read from its wheel (docs/tpu.md lists every fact with the file it came from):
+
+* `torch.tpu`, the device module: `is_available()`, `current_stream()`, `synchronize()` and
+  `device_count()` are *strict internal*: called from outside torch/torch_tpu (TorchRec calls them)
+  they raise, unless `TORCH_TPU_ALLOW_LEGACY_DEVICE_APIS` was set when the module loaded
+  (`_STRICT_INTERNAL_DEVICE_APIS`, frozen then). For TorchRec the device is available, so TorchRec
+  takes its own TPU branches (its uneven all-to-all padding, `torchrec/experimental/torch_tpu`); for
+  torch itself it is not (the tensors are CPU tensors, and torch must keep its CPU paths).
+* the `tpu_dist` c10d backend (registered for device "tpu", as `torch_tpu/_loader.py` does), created
+  with every process group whose backend names it (`cpu:gloo,tpu:tpu_dist`): it refuses a rank
+  without the launch environment ("missing required environment variables for distributed
+  training"), a `LOCAL_RANK` outside `[0, TORCH_TPU_DEVICES_PER_HOST)`, and any group other than the
+  global one (TorchTPU lowers a sub-group's collectives as SPMD over every device and refuses
+  incomplete or overlapping sub-groups; its torchcomms `split_group` is "not yet implemented";
+  its compile-time handshake runs on the global group only). The emulation does not try to tell which
+  sub-groups TorchTPU would accept: it accepts none. The tensors themselves go through gloo.
+* DDP's `_verify_param_shape_across_processes`, a device->CPU transfer that fails on multi-host
+  TorchTPU ("transfer to 'cpu' device failed", torchrec PR #4597): it raises on a slice of several
+  hosts, as the real run would at model construction.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+
+import torch
+import torch.distributed as dist
+
+# torch_tpu/_internal/distributed/distributed.py: the variables `set_tpu_launch_env()` decides in the
+# parent; the binary refuses a distributed run without them.
+LAUNCH_ENV = ("TORCH_TPU_SLICEBUILDER_ADDRESSES", "TORCH_TPU_TOPOLOGY", "TORCH_TPU_XPROF_SESSION_ID")
+LEGACY_DEVICE_APIS_ENV = "TORCH_TPU_ALLOW_LEGACY_DEVICE_APIS"
+_FRAMEWORK = ("torch", "torch_tpu")
+
+
+class TorchTpuRuleError(RuntimeError):
+    """A TorchTPU 0.2.0 rule the emulated rank broke (the real run would fail at the same point)."""
+
+
+def _framework_caller(depth: int = 2) -> bool:
+    frame = sys._getframe(depth)
+    module = frame.f_globals.get("__name__", "") if frame else ""
+    return module.split(".")[0] in _FRAMEWORK
+
+
+class EmulatedTpuModule(types.ModuleType):
+    """`torch.tpu` of an emulated rank: strict-internal device APIs, as TorchTPU 0.2.0 has them
+    (`torch_tpu/_internal/device/_device_module.py`, `_internal/utils/annotations.py`)."""
+
+    def __init__(self, local_rank: int, local_devices: int) -> None:
+        super().__init__("torch.tpu")
+        # Read once, when the module loads: later changes of the variable do nothing.
+        self._STRICT_INTERNAL_DEVICE_APIS = os.environ.get(LEGACY_DEVICE_APIS_ENV, "0") in ("", "0")
+        self._local_rank = local_rank
+        self._local_devices = local_devices
+
+    def _check(self, name: str) -> bool:
+        """True for a caller outside torch (it sees the TPU); raises where TorchTPU would."""
+        if _framework_caller(3):
+            return False
+        if self._STRICT_INTERNAL_DEVICE_APIS:
+            raise TorchTpuRuleError(
+                f"{name} is internal to TorchTPU and can only be called by the PyTorch framework (torch and "
+                f"torch_tpu). (emulated torch-tpu 0.2.0: {LEGACY_DEVICE_APIS_ENV} was not set when it loaded)"
+            )
+        return True
+
+    def is_available(self) -> bool:
+        return self._check("is_available")
+
+    def device_count(self) -> int:
+        return self._local_devices if self._check("device_count") else 0
+
+    def current_device(self) -> int:
+        self._check("current_device")
+        return self._local_rank
+
+    def current_stream(self, device=None):
+        self._check("current_stream")
+        return torch.cpu.current_stream()
+
+    def synchronize(self, device=None) -> None:
+        self._check("synchronize")
+
+
+def install_device_module(local_rank: int, local_devices: int) -> EmulatedTpuModule:
+    """Name PrivateUse1 "tpu" (so "cpu:gloo,tpu:tpu_dist" parses) and install the emulated torch.tpu."""
+    from tpurec.device import name_tpu_backend
+
+    module = EmulatedTpuModule(local_rank, local_devices)
+    name_tpu_backend(module)
+    return module
+
+
+def _check_launch_env(world_size: int) -> None:
+    missing = [k for k in LAUNCH_ENV if not os.environ.get(k)]
+    if missing:
+        # The binary's own words (strings on libpywrap_2_14_0_common.so).
+        raise TorchTpuRuleError(
+            f"missing required environment variables for distributed training: {', '.join(missing)} "
+            "(TorchTPU decides them in the launching process: torch.tpu.distributed.set_tpu_launch_env())"
+        )
+    addresses = [a for a in os.environ["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(",") if a]
+    if len(addresses) != world_size:
+        raise TorchTpuRuleError(
+            f"TORCH_TPU_SLICEBUILDER_ADDRESSES has {len(addresses)} address(es) for {world_size} ranks "
+            "(TorchTPU wants one host:port per rank)"
+        )
+
+
+def _check_local_rank() -> None:
+    per_host = os.environ.get("TORCH_TPU_DEVICES_PER_HOST")
+    local = os.environ.get("LOCAL_RANK")
+    if per_host is None or local is None:
+        return
+    if not 0 <= int(local) < int(per_host):
+        raise TorchTpuRuleError(
+            f"expected environment variable LOCAL_RANK to be in [0, {per_host}) (TORCH_TPU_DEVICES_PER_HOST), "
+            f"got {local}"
+        )
+
+
+def _create_tpu_dist(options):
+    """c10d's extended-API creator for `tpu_dist`: TorchTPU's rules, then gloo carries the tensors."""
+    ranks = list(options.global_ranks_in_group)
+    world = dist.get_world_size() if dist.is_initialized() else options.group_size
+    _check_launch_env(world if dist.is_initialized() else options.group_size)
+    _check_local_rank()
+    if dist.is_initialized() and sorted(ranks) != list(range(world)):
+        raise TorchTpuRuleError(
+            f"tpu_dist cannot form a sub-group of ranks {ranks} out of {world}: TorchTPU 0.2.0 lowers sub-group "
+            "collectives as SPMD programs over every device ('Incomplete or overlapping subgroups are not "
+            "supported in SPMD.'), its split_group is not yet implemented, and its handshake runs on the global "
+            "group only; the emulation allows the global group alone"
+        )
+    return dist.ProcessGroupGloo(options.store, options.group_rank, options.group_size, options.timeout)
+
+
+def register_backend() -> None:
+    if "tpu_dist" not in dist.Backend.backend_list:
+        dist.Backend.register_backend("tpu_dist", _create_tpu_dist, extended_api=True, devices=["tpu"])
+
+
+def refuse_ddp_shape_check_across_hosts(hosts: int) -> None:
+    """On several hosts, DDP's parameter check fails as it does on TorchTPU 0.2.0 (torchrec PR #4597)."""
+    if hosts <= 1:
+        return
+    import torch.nn.parallel.distributed as ddp
+
+    def _transfer_fails(process_group, tensors, logger=None):
+        raise TorchTpuRuleError(
+            "transfer to 'cpu' device failed with: cHLO => [StableHLO+Shape] => StableHLO failed (emulated "
+            f"torch-tpu 0.2.0 on {hosts} hosts: DDP's _verify_param_shape_across_processes copies to the host)"
+        )
+
+    ddp._verify_param_shape_across_processes = _transfer_fails  # type: ignore[assignment]
