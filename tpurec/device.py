@@ -76,7 +76,7 @@ def apply_safe_env() -> None:
     not imported yet, which `tpu_env_problems()` reports.
     """
     status = tpu_status()
-    if status.torch_tpu:
+    if status.torch_tpu or emulated_slice():  # an emulated rank's TorchTPU reads it too
         os.environ.setdefault(LEGACY_DEVICE_APIS_ENV, "1")
     if status.torch_tpu and not status.device_nodes:
         os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")

@@ -73,11 +73,12 @@ def _error(msg: str) -> int:
 def run(args) -> int:
     options = TrainOptions.from_args(args)
     msg = _launch_problem(args, options)
-    if args.emulate_tpu and not msg:
+    if args.emulate_tpu:
         # The ranks run the TPU code path; this launcher checks the rest as for a CPU run.
-        msg = dataclasses.replace(options, device="cpu").check(nproc=args.nproc or 1)
+        msg = msg or dataclasses.replace(options, device="cpu").check(nproc=args.nproc or 1)
         options = dataclasses.replace(options, device="tpu")
-    msg = msg or options.check(nproc=args.nproc or 1)
+    else:
+        msg = msg or options.check(nproc=args.nproc or 1)
     if msg:
         return _error(msg)
     if "RANK" in os.environ or (args.nproc in (None, 1) and args.nnodes == 1 and not args.emulate_tpu):

@@ -161,6 +161,9 @@ class Trainer:
             eval_fraction=cfg.eval_fraction,
             table_sizes=self.table_sizes,
             warn=log.warning if rank == 0 else (lambda *a: None),
+            # On a TPU every shape is compiled in: evaluating at the training batch reuses the step's
+            # lookup program and id limits; another eval batch would be another program, other buffers.
+            **({"eval_batch_size": cfg.batch_size} if self.device == "tpu" else {}),
         )
         self.batch_size = batch = self.readers.batch_size
         steps_per_epoch = len(self.readers.train)

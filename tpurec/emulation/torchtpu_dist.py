@@ -125,7 +125,7 @@ def _check_local_rank() -> None:
         )
 
 
-def _create_tpu_dist(options):
+def _create_tpu_dist(options, backend_options=None):
     """c10d's extended-API creator for `tpu_dist`: TorchTPU's rules, then gloo carries the tensors."""
     ranks = list(options.global_ranks_in_group)
     world = dist.get_world_size() if dist.is_initialized() else options.group_size

@@ -188,6 +188,10 @@ class DistributedModelParallel(_TorchrecDMP):
             check_plan(plan, embedding_tables(module), env.world_size)
             if compute_device == "tpu":
                 check_plan_for_tpu(plan)
+        if torch_device.type == "cpu":
+            from tpurec.sharding.plan_check import place_on_cpu
+
+            place_on_cpu(plan)  # a plan for TPU ranks, run by CPU ranks (or an emulated TPU rank)
         if compute_device == "tpu":
             dmp_kwargs.setdefault("data_parallel_wrapper", TpuDataParallelWrapper())
         super().__init__(module, env=env, device=torch_device, plan=plan, sharders=sharders, **dmp_kwargs)

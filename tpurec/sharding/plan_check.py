@@ -67,6 +67,20 @@ def check_plan(plan, tables: Mapping[str, Mapping[str, tuple[int, int]]], world_
             _check_table(f"{where}, table {name!r}", ps, own[name], world_size, types)
 
 
+def place_on_cpu(plan) -> None:
+    """Place every shard of `plan` on its rank's CPU (in place): a plan made for TPU ranks
+    ("rank:N/tpu:M") run by CPU ranks, as with `tpurec train --plan` on CPU or an emulated TPU rank,
+    whose tables are CPU tensors (TorchRec refuses a shard whose tensor is not where it is placed)."""
+    from torch.distributed import _remote_device
+
+    for module_plan in plan.plan.values():
+        for ps in module_plan.values():
+            spec = ps.sharding_spec
+            for shard in spec.shards if spec is not None else ():
+                if shard.placement is not None and shard.placement.device().type != "cpu":
+                    shard.placement = _remote_device(f"rank:{shard.placement.rank()}/cpu")
+
+
 def check_plan_for_tpu(plan, source: str = "the plan") -> None:
     """Raise ValueError for a sharding a TPU cannot run (kernel_choice.NEEDS_SUBGROUPS), naming the table."""
     from tpurec.sharding.kernel_choice import NEEDS_SUBGROUPS, SUBGROUP_REFUSAL
