@@ -194,6 +194,41 @@ def test_torchtpu_preprocessing_gets_a_buffer_for_every_id():
     assert key[4] == 256  # suggested_coo_buffer_size
 
 
+@pytest.mark.parametrize("num_sc", [2, 4])
+def test_torchtpu_coo_buffer_is_read_per_device_at_several_sparsecores(num_sc):
+    """TorchTPU takes suggested_coo_buffer_size for the whole device (jax-tpu-embedding's
+    ComputeCooBufferSizePerDevice in its binary), split over its SparseCores: the buffers it returns
+    are that long in all, and every id within the limits arrives, at S = 2 and 4 (at S = 1 a
+    per-SparseCore reading cannot be told apart)."""
+    from tpurec.embedding import tpu
+    from tpurec.embedding.constraints import coo_entries_per_sc
+
+    tpu_standin.install(sparsecores=num_sc)
+    ids = torch.arange(400, dtype=torch.int32)
+    offsets = torch.arange(0, 401, 50, dtype=torch.int32)  # 8 samples of 50 ids
+    out = tpu.preprocess_with_torch_tpu(
+        ids,
+        offsets,
+        max_ids_per_partition=128,
+        max_unique_ids_per_partition=128,
+        batch_size=8,
+        combiner="sum",
+        num_sc_per_device=num_sc,
+        allow_id_dropping=False,
+        table_name="t",
+    )
+    assert out["embedding_ids"].numel() == num_sc * coo_entries_per_sc(128, num_sc)
+    assert int(out["dropped_id_count"].sum()) == 0
+    kept = out["embedding_ids"][out["embedding_ids"] != 2**31 - 1]
+    assert kept.numel() == 400
+    # Read per device, 0 means 128 entries in all: 400 ids cannot fit, and the rest is dropped silently.
+    small = torch.ops.tpu.preprocess_sparse_dense_matmul_input(
+        ids, offsets, 128, 128, 0, 8, "sum", 1, 1, num_sc, False, "t"
+    )
+    assert small["embedding_ids"].numel() == 128
+    assert int(small["dropped_id_count"].sum()) == 400 - int((small["embedding_ids"] != 2**31 - 1).sum())
+
+
 def test_fp16_tables_are_widened_to_fp32_for_torchtpu_with_one_warning():
     import warnings
 

@@ -225,7 +225,11 @@ def _preprocess(
     buffer = (suggested_coo or DEFAULT_COO_BUFFER) // num_sc  # per device, split over its SparseCores
     per_sc = csr.embedding_ids.numel() // num_sc
     rp = csr.row_pointers.view(num_sc, -1)
-    dropped = int(torch.clamp(rp[:, -1] - buffer, min=0).sum()) + stats.dropped_id_count
+    # Ids (not padding slots) past each SparseCore's share of the buffer are lost.
+    dropped = stats.dropped_id_count + sum(
+        int((csr.embedding_ids[sc * per_sc + buffer : sc * per_sc + int(rp[sc, -1])] != PADDING_ID).sum())
+        for sc in range(num_sc)
+    )
     out = {
         k: torch.full((num_sc * buffer,), fill, dtype=dtype)
         for k, fill, dtype in (
