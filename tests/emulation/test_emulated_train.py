@@ -1,0 +1,59 @@
+"""`tpurec train --emulate-tpu SLICE`: a TPU slice's ranks, grouped into hosts, on this machine's CPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.dlrm.helpers import train
+
+ROWS = 60_000
+
+
+@pytest.mark.multiprocess
+def test_emulated_single_host_slice_trains_on_the_tpu_path(tmp_path):
+    result, _ = train("--emulate-tpu", "v5p-8", "--steps", 3, "--synth-rows", ROWS, "--seed", 3, cache=tmp_path)
+    assert result["world_size"] == 4 and result["hosts"] == 1 and result["emulated_tpu"] == "v5p-8"
+    # One lookup and one update program per stack, none new after the first step and evaluation.
+    programs = result["programs_compiled"]
+    assert programs["_sparse_dense_matmul"] >= 1
+    assert programs["_sparse_dense_matmul_grad_with_adagrad"] == programs["_sparse_dense_matmul"]
+    assert result["recompiles_after_warmup"] == 0
+
+
+@pytest.mark.multiprocess
+def test_ranks_on_the_tpu_path_without_torchtpus_launch_env_fail_as_torchtpu_does(tmp_path, monkeypatch):
+    # A plain torchrun-style launch (what docs/tpu_vm.md used to recommend) of TPU ranks.
+    monkeypatch.setenv("TPUREC_EMULATE_TPU", "v5p-8")
+    _, p = train("--nproc", 2, "--steps", 1, "--synth-rows", ROWS, cache=tmp_path, check=False)
+    assert p.returncode != 0
+    assert "missing required environment variables for distributed training" in p.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_host_emulation_equals_cpu_gloo_on_the_same_plan(tmp_path):
+    """The issue's acceptance run: v5p-16 (8 ranks on 2 hosts) vs 8 CPU ranks, one plan, one seed."""
+    import subprocess
+    import sys
+
+    from tests.dlrm.helpers import REPO
+
+    plan = tmp_path / "P.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    subprocess.run(
+        [sys.executable, "-m", "tpurec.cli", "plan", "--model", "dlrm-tiny", "--topology", "v5p-16"]
+        + ["--format", "json", "--out", str(plan)],
+        check=True,
+        env=env,
+        capture_output=True,
+    )
+    args = ("--plan", plan, "--steps", 20, "--seed", 3, "--synth-rows", ROWS)
+    emulated, _ = train("--emulate-tpu", "v5p-16", *args, cache=tmp_path, timeout=1200)
+    cpu, _ = train("--nproc", 8, *args, cache=tmp_path, timeout=1200)
+    assert emulated["world_size"] == cpu["world_size"] == 8
+    assert emulated["hosts"] == 2 and cpu["hosts"] == 1
+    assert emulated["recompiles_after_warmup"] == 0
+    assert abs(emulated["logloss"] - cpu["logloss"]) <= 1e-5
+    assert abs(emulated["auc"] - cpu["auc"]) <= 1e-5

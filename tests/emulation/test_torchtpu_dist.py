@@ -1,0 +1,111 @@
+"""TorchTPU 0.2.0's distributed rules, as an emulated rank enforces them, on real gloo ranks."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.sharding.multiprocess import run_ranks
+
+LAUNCH = {
+    "TORCH_TPU_SLICEBUILDER_ADDRESSES": "localhost:8070,localhost:8071",
+    "TORCH_TPU_TOPOLOGY": "2,1,1",
+    "TORCH_TPU_XPROF_SESSION_ID": "1",
+}
+
+
+def _try(fn) -> str:
+    try:
+        fn()
+        return "ok"
+    except RuntimeError as e:
+        return str(e)
+
+
+def _rules(rank, world_size, env):
+    import torch.distributed as dist
+
+    from tpurec.emulation import torchtpu_dist
+
+    for key in LAUNCH:
+        os.environ.pop(key, None)
+    os.environ.update(env)
+    torchtpu_dist.install_device_module(rank, world_size)
+    torchtpu_dist.register_backend()
+    out = {}
+    out["global"] = _try(lambda: dist.new_group(backend="cpu:gloo,tpu:tpu_dist"))
+    if out["global"] == "ok":
+        g = dist.new_group(backend="cpu:gloo,tpu:tpu_dist")
+        t = torch.ones(1) * (rank + 1)
+        dist.all_reduce(t, group=g)  # the tensors still go through gloo
+        out["sum"] = float(t)
+        out["subgroup"] = _try(
+            lambda: dist.new_group([0], backend="cpu:gloo,tpu:tpu_dist", use_local_synchronization=True)
+        )
+    return out
+
+
+@pytest.mark.multiprocess
+def test_tpu_dist_needs_the_launch_environment():
+    for result in run_ranks(_rules, 2, {}):
+        assert result["global"].startswith("missing required environment variables for distributed training")
+        assert "TORCH_TPU_SLICEBUILDER_ADDRESSES" in result["global"]
+
+
+@pytest.mark.multiprocess
+def test_tpu_dist_global_group_works_and_sub_groups_are_refused():
+    r0, r1 = run_ranks(_rules, 2, LAUNCH)
+    assert r0["global"] == r1["global"] == "ok" and r0["sum"] == r1["sum"] == 3.0
+    assert "cannot form a sub-group of ranks [0]" in r0["subgroup"] and "SPMD" in r0["subgroup"]
+    assert r1["subgroup"] == "ok"  # not a member: nothing to create
+
+
+@pytest.mark.multiprocess
+def test_tpu_dist_refuses_a_local_rank_beyond_the_hosts_devices():
+    env = dict(LAUNCH, TORCH_TPU_DEVICES_PER_HOST="1", LOCAL_RANK="3")
+    for result in run_ranks(_rules, 2, env):
+        assert result["global"].startswith("expected environment variable LOCAL_RANK to be in [0, 1)")
+
+
+def test_strict_torch_tpu_refuses_torchrec_unless_the_flag_was_set_at_load(monkeypatch):
+    from tpurec.emulation import torchtpu_dist
+
+    monkeypatch.delenv("TORCH_TPU_ALLOW_LEGACY_DEVICE_APIS", raising=False)
+    module = torchtpu_dist.EmulatedTpuModule(0, 4)
+    monkeypatch.setenv("TORCH_TPU_ALLOW_LEGACY_DEVICE_APIS", "1")  # too late: read at load
+    with pytest.raises(torchtpu_dist.TorchTpuRuleError, match="internal to TorchTPU"):
+        module.is_available()
+    assert torchtpu_dist.EmulatedTpuModule(0, 4).is_available() is True
+
+
+def test_ddp_shape_check_fails_on_several_hosts_and_tpurecs_wrapper_skips_it(monkeypatch):
+    """torch-tpu 0.2.0 fails DDP's parameter check on several hosts (torchrec PR #4597); the
+    wrapper tpurec's DMP uses on the TPU path skips it for the wrap only."""
+    import torch.nn.parallel.distributed as ddp
+
+    from tpurec.emulation import torchtpu_dist
+    from tpurec.sharding.dmp import TpuDataParallelWrapper
+
+    monkeypatch.setattr(ddp, "_verify_param_shape_across_processes", ddp._verify_param_shape_across_processes)
+    torchtpu_dist.refuse_ddp_shape_check_across_hosts(2)
+    with pytest.raises(torchtpu_dist.TorchTpuRuleError, match="transfer to 'cpu' device failed"):
+        ddp._verify_param_shape_across_processes(None, [])
+    seen = []
+
+    class Probe(TpuDataParallelWrapper):
+        def _ddp_wrap(self, dmp, env, device, ignore):
+            seen.append(ddp._verify_param_shape_across_processes(None, []))
+
+    Probe().wrap(_FakeDmp(), None, torch.device("cpu"))
+    assert seen == [None]
+    with pytest.raises(torchtpu_dist.TorchTpuRuleError):  # restored after the wrap
+        ddp._verify_param_shape_across_processes(None, [])
+
+
+class _FakeDmp:
+    _dmp_wrapped_module = torch.nn.Linear(1, 1)
+
+    def named_modules(self):
+        return []
