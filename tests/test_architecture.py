@@ -28,6 +28,7 @@ LAYERS = {
     "embedding": 1,
     "data": 1,
     "sharding": 2,
+    "emulation": 2.5,  # a TPU rank on CPU: TorchTPU's stand-ins over embedding, planned by sharding
     "dlrm": 3,
     "bench": 4,
     "cli": 4,

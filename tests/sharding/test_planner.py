@@ -304,3 +304,21 @@ def test_critical_device_proposer_spreads_the_largest_shard_when_a_plan_does_not
     p.feedback(partitionable=False)
     # nothing of "big" left to spread: "small" is next (its shards are now the largest)
     assert [len(o.shards) for o in p.propose()] == [4, 4]
+
+
+def test_tpu_plans_never_use_table_row_wise():
+    """Table-row-wise needs TorchRec's intra-/cross-host sub-groups, which TorchTPU 0.2.0 cannot give
+    (docs/tpu.md); on 2 hosts the planner chose it for dlrm-tiny's two largest tables before."""
+    from tpurec.sharding.plan_check import check_plan_for_tpu
+
+    topo = make_topology("v5p-16")
+    plan = P.plan(ebc_for("dlrm-tiny"), topo, batch_size=512, optimizer="rowwise_adagrad")
+    used = {ps.sharding_type for ps in plan.plan[""].values()}
+    assert ShardingType.TABLE_ROW_WISE.value not in used and ShardingType.ROW_WISE.value in used
+    # CPU ranks keep it (gloo has sub-groups), and a TPU plan with it is refused naming the table.
+    cpu = P.plan(ebc_for("dlrm-tiny"), make_topology("cpu-8", compute_device="cpu"), batch_size=512)
+    assert ShardingType.TABLE_ROW_WISE.value in P.planning_sharders()[0].sharding_types("cpu")
+    name, ps = next(iter(cpu.plan[""].items()))
+    ps.sharding_type = ShardingType.TABLE_ROW_WISE.value
+    with pytest.raises(ValueError, match=f"table '{name}': sharding_type 'table_row_wise' needs TorchRec's"):
+        check_plan_for_tpu(cpu)
