@@ -91,3 +91,38 @@ def test_changing_sequence_lengths_compile_one_program_per_stack_and_op():
     updates = [k for k in keys if k[0] != "_sparse_dense_matmul"]
     assert len(lookups) == stacks and len(updates) == stacks, sorted(keys.values())
     assert all(count == 20 for count in keys.values())
+
+
+def test_outputs_of_changing_id_counts_need_no_new_device_program():
+    """On a TPU every tensor op on the lookup's output compiles one program per input shape. The
+    lookup is [capacity, features * dim] whatever the batch; each feature's rows must come out of it
+    as views (a prefix), never through an op shaped by the batch's id count (the gather that was
+    here made a new program for every count)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    dim = TABLES[0].embedding_dim
+
+    class Programs(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.keys = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            # Device work on embeddings: float ops on [.., dim] tensors that are not views.
+            if not func.is_view and any(t.is_floating_point() and t.dim() >= 2 and t.shape[-1] == dim for t in tensors):
+                self.keys.add((str(func), tuple(tuple(t.shape) for t in tensors)))
+            return func(*args, **(kwargs or {}))
+
+    tpu_standin.install(sparsecores=NUM_SC)
+    model = _model("sgd")
+    gen = torch.Generator().manual_seed(5)
+    with tpu_standin.adapter_on_cpu(), torch.no_grad():
+        model(_batch(gen, 0))
+        with Programs() as mode:
+            model(_batch(gen, 1))
+        first = set(mode.keys)
+        with Programs() as mode:
+            for step in range(2, 8):  # other id counts per feature, empty histories at step 3 and 7
+                model(_batch(gen, step))
+    assert mode.keys <= first, sorted(mode.keys - first)

@@ -82,7 +82,19 @@ class SparseCoreSequenceKernel(SparseCoreKernel):
 
     def forward(self, features) -> torch.Tensor:
         """features: KeyedJaggedTensor with the kernel's features as keys, in order.
-        Returns [total ids, dim] float32, rows in the order of `features.values()`."""
+        Returns [total ids, dim] float32, rows in the order of `features.values()` (TorchRec's sequence
+        lookup output, as the sharded EmbeddingCollection needs it)."""
+        pieces = self.forward_per_feature(features)
+        if len(pieces) == 1:
+            return pieces[0]
+        return torch.cat(pieces) if pieces else torch.zeros(0, self.dim)
+
+    def forward_per_feature(self, features) -> list[torch.Tensor]:
+        """Feature k's rows [N_k, dim], as views of the lookup's fixed [capacity, features * dim]
+        output: feature k's j-th id is sample j of its capacity slots, so its rows are a prefix and no
+        gather is needed. On a TPU the lookup's shape is fixed by the capacity, and slicing a prefix
+        compiles nothing, where a gather of the batch's id count was a new program for every count
+        (torchrec's TPU EmbeddingCollection slices the same way, `feat_emb[:actual_num_ids]`)."""
         if features.values().device.type != "cpu":
             features = features.to(torch.device("cpu"))  # host preprocessing (see SparseCoreKernel.preprocess)
         check_kjt(features)
@@ -100,17 +112,5 @@ class SparseCoreSequenceKernel(SparseCoreKernel):
             stride=cap,
         )
         pooled = self.lookup(self.preprocess(one_id_bags), cap)  # [cap, n * dim], feature k in columns k
-        # Row j of feature k's columns, for j < N_k, in values order: one gather over [n * cap, dim].
-        per_feature = pooled.view(cap, n, self.dim).transpose(0, 1).reshape(n * cap, self.dim)
-        starts = torch.arange(n, dtype=torch.long) * cap
-        index = torch.repeat_interleave(starts, counts) + _ranks_within(counts)
-        return per_feature.index_select(0, index.to(per_feature.device))
-
-
-def _ranks_within(counts: torch.Tensor) -> torch.Tensor:
-    """0..c-1 for every c in counts, concatenated."""
-    total = int(counts.sum())
-    if total == 0:
-        return torch.zeros(0, dtype=torch.long)
-    firsts = torch.cumsum(counts, 0) - counts
-    return torch.arange(total, dtype=torch.long) - torch.repeat_interleave(firsts, counts)
+        per_feature = pooled.view(cap, n, self.dim).transpose(0, 1)  # [n, cap, dim]
+        return [per_feature[k, : int(c)] for k, c in enumerate(counts.tolist())]

@@ -117,7 +117,7 @@ class SparseCoreEmbeddingCollection(nn.Module, FusedOptimizerModule):
             raise KeyError(f"KeyedJaggedTensor lacks features {missing}; it has {keys}")
         perm = [index[f] for f in self._slot_features]
         slots = features if perm == list(range(len(keys))) else features.permute(perm)
-        values = self.kernel(
+        pieces = self.kernel.forward_per_feature(
             KeyedJaggedTensor(
                 keys=self._slot_names, values=slots.values(), lengths=slots.lengths(), stride=slots.stride()
             )
@@ -126,7 +126,7 @@ class SparseCoreEmbeddingCollection(nn.Module, FusedOptimizerModule):
         lengths = slots.lengths().view(len(self._slot_names), -1) if self._slot_names else None
         per_slot = lengths.sum(1).tolist() if lengths is not None else []
         ids = slots.values().split(per_slot) if self._need_indices else [None] * len(per_slot)
-        for k, (name, piece) in enumerate(zip(self._slot_names, values.split(per_slot))):
+        for k, (name, piece) in enumerate(zip(self._slot_names, pieces)):
             out[name] = JaggedTensor(values=piece, lengths=lengths[k], weights=ids[k])
         return out
 
