@@ -20,6 +20,8 @@ def test_emulated_single_host_slice_trains_on_the_tpu_path(tmp_path):
     assert programs["_sparse_dense_matmul"] >= 1
     assert programs["_sparse_dense_matmul_grad_with_adagrad"] == programs["_sparse_dense_matmul"]
     assert result["recompiles_after_warmup"] == 0
+    # TorchRec's own TPU branches ran: its padding of the uneven KJT and pooled all-to-alls (the default).
+    assert result["uneven_all_to_all"] == "padded" and result["padded_all_to_alls"] > 0
 
 
 @pytest.mark.multiprocess
@@ -57,3 +59,15 @@ def test_two_host_emulation_equals_cpu_gloo_on_the_same_plan(tmp_path):
     assert emulated["recompiles_after_warmup"] == 0
     assert abs(emulated["logloss"] - cpu["logloss"]) <= 1e-5
     assert abs(emulated["auc"] - cpu["auc"]) <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_torchtpus_uneven_all_to_all_trains_like_torchrecs_padding(tmp_path, monkeypatch):
+    args = ("--emulate-tpu", "v5p-8", "--steps", 5, "--seed", 3, "--synth-rows", ROWS)
+    padded, _ = train(*args, cache=tmp_path)
+    monkeypatch.setenv("TPUREC_TPU_ALL_TO_ALL", "uneven")
+    uneven, _ = train(*args, cache=tmp_path)
+    assert padded["uneven_all_to_all"] == "padded" and padded["padded_all_to_alls"] > 0
+    assert uneven["uneven_all_to_all"] == "uneven" and uneven["padded_all_to_alls"] == 0
+    assert uneven["logloss"] == padded["logloss"] and uneven["auc"] == padded["auc"]

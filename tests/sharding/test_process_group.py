@@ -27,8 +27,9 @@ def test_tpu_device_starts_the_tpu_backend_with_a_store(monkeypatch):
 
 
 def test_dmp_leaves_torchrec_all_to_all_to_the_backend():
-    """TorchTPU handles uneven all-to-all itself: DMP must not reroute torch.distributed's collective
-    (it once did, through a padded path, when asked by TPUREC_PADDED_ALL_TO_ALL=1 or on tpu_dist)."""
+    """DMP never reroutes torch.distributed's collective (it once did, through a padded path, when asked
+    by TPUREC_PADDED_ALL_TO_ALL=1 or on tpu_dist); on a TPU the padding is TorchRec's own, chosen
+    explicitly (tpurec/sharding/tpu_all_to_all.py, tests/emulation/test_uneven_all_to_all.py)."""
     import os
     import subprocess
     import sys

@@ -439,9 +439,14 @@ class Trainer:
         its ops; None on a real TPU (TorchTPU 0.2.0 exposes no count tpurec reads yet)."""
         local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
         out: dict = {"hosts": max(1, self.world // max(1, local))}
+        if self.device == "tpu":
+            out["uneven_all_to_all"] = getattr(self.dmp, "uneven_all_to_all", None)
         if self.emulated:
+            from tpurec.sharding.tpu_all_to_all import padded_calls
+
             out.update(
                 emulated_tpu=self.emulated.spec.name,
+                padded_all_to_alls=padded_calls(),
                 programs_compiled=self.emulated.programs_compiled(),
                 recompiles_after_warmup=self.emulated.recompiles_after_warmup(),
                 # Every tensor of an emulated rank is a CPU tensor: which would be device tensors,

@@ -130,6 +130,7 @@ class DistributedModelParallel(_TorchrecDMP):
         topology=None,
         *,
         batch_size: int | None = None,
+        uneven_all_to_all: str | None = None,
         **dmp_kwargs,
     ) -> None:
         from tpurec.embedding.backend import select_device
@@ -192,7 +193,13 @@ class DistributedModelParallel(_TorchrecDMP):
             from tpurec.sharding.plan_check import place_on_cpu
 
             place_on_cpu(plan)  # a plan for TPU ranks, run by CPU ranks (or an emulated TPU rank)
+        all_to_all = None
         if compute_device == "tpu":
+            from tpurec.sharding import tpu_all_to_all
+
+            # TorchRec's padding, or TorchTPU's uneven path: an explicit choice (tpu_all_to_all.py).
+            all_to_all = tpu_all_to_all.select(uneven_all_to_all)
             dmp_kwargs.setdefault("data_parallel_wrapper", TpuDataParallelWrapper())
         super().__init__(module, env=env, device=torch_device, plan=plan, sharders=sharders, **dmp_kwargs)
         self.topology = topology
+        self.uneven_all_to_all = all_to_all  # "padded" / "uneven" on the TPU path, else None
