@@ -97,9 +97,13 @@ def main() -> None:
         last = float(loss.detach())
         first = last if first is None else first
 
-    dense, sparse, labels = batch(torch.Generator().manual_seed(7), 4096)
+    # Evaluated in training-sized batches: on a TPU each batch shape is a compiled program, with id
+    # limits fixed from the first training batch.
+    eval_gen = torch.Generator().manual_seed(7)
+    parts = [batch(eval_gen, args.batch_size) for _ in range(max(1, 4096 // args.batch_size))]
+    labels = torch.cat([p[2] for p in parts])
     with torch.no_grad():
-        scores = model(dense.to(model.device), sparse.to(model.device)).cpu()
+        scores = torch.cat([model(d.to(model.device), s.to(model.device)).cpu() for d, s, _ in parts])
     from torchmetrics.functional.classification import binary_auroc
 
     auc = float(binary_auroc(scores, labels.long()))

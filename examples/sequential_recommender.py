@@ -138,9 +138,13 @@ def main() -> None:
         optimizer.step()
         losses.append(float(loss.detach()))
 
-    sparse, labels, bayes = batch(torch.Generator().manual_seed(7 + rank), 2048)
+    # Evaluated in training-sized batches: on a TPU each batch shape is a compiled program, with buffers
+    # (id limits, sequence capacity) fixed from the first training batch.
+    eval_gen = torch.Generator().manual_seed(7 + rank)
+    parts = [batch(eval_gen, args.batch_size) for _ in range(max(1, 2048 // args.batch_size))]
+    labels, bayes = torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts])
     with torch.no_grad():
-        scores = model(sparse.to(model.device)).cpu()
+        scores = torch.cat([model(p[0].to(model.device)).cpu() for p in parts])
     from torchmetrics.functional.classification import binary_auroc
 
     auc = float(binary_auroc(scores, labels.long()))

@@ -34,6 +34,7 @@ LAYERS = {
     "cli": 4,
     "env_report": 4,
     "selftest": 4,
+    "launch_cli": 4,
 }
 FACADE = "tpurec"  # the root __init__: above every layer
 

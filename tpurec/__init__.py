@@ -12,6 +12,13 @@ __version__ = "0.1.0"
 # otherwise abort `import torch` or wait on the cloud metadata server (see docs/tpu.md).
 _device.apply_safe_env()
 
+if _device.emulated_slice():
+    # A rank of an emulated TPU slice (`tpurec launch/train --emulate-tpu`): TorchTPU's stand-ins go in
+    # before the program builds a process group or a model (tpurec.emulation).
+    from tpurec.emulation.rank import activate as _activate
+
+    _activate()
+
 __all__ = ["__version__", "DistributedModelParallel"]
 
 

@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, str] = {
     "plan": "tpurec.sharding.plan_cli",
     "selftest": "tpurec.selftest.cli",
     "train": "tpurec.dlrm.cli",
+    "launch": "tpurec.launch_cli",
 }
 
 

@@ -56,8 +56,18 @@ def torchtpu_launch_env(nnodes: int, nproc_per_node: int | None) -> dict[str, st
     return json.loads(lines[-1][len(_MARK) :])
 
 
-def agent_command(nproc_per_node: int, nnodes: int = 1, node_rank: int = 0, master: str | None = None) -> list[str]:
-    """torch.distributed.run (failures reported in one line, `tpurec.dlrm.launch`) for one host."""
+TRAIN = ("-m", "tpurec.dlrm")  # what each rank runs by default: `tpurec train`'s rank
+
+
+def agent_command(
+    nproc_per_node: int,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master: str | None = None,
+    program: tuple[str, ...] | list[str] = TRAIN,
+) -> list[str]:
+    """torch.distributed.run (failures reported in one line, `tpurec.dlrm.launch`) for one host,
+    running `program` (`-m MODULE ...` or `SCRIPT ...`) in every rank."""
     cmd = [sys.executable, "-m", "tpurec.dlrm.launch"]
     if nnodes == 1 and master is None:
         cmd.append("--standalone")
@@ -66,7 +76,7 @@ def agent_command(nproc_per_node: int, nnodes: int = 1, node_rank: int = 0, mast
         cmd += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--master-addr={addr}", f"--master-port={port}"]
     # A rank that cannot act on SIGTERM (stopped, hung in the kernel) is SIGKILLed after 5 s,
     # not torch.distributed.run's 30.
-    return cmd + [f"--nproc-per-node={nproc_per_node}", "--shutdown-timeout=5", "-m", "tpurec.dlrm"]
+    return cmd + [f"--nproc-per-node={nproc_per_node}", "--shutdown-timeout=5", *program]
 
 
 def run_hosts(agents: list[tuple[list[str], dict[str, str]]]) -> int:
@@ -111,7 +121,9 @@ def run_hosts(agents: list[tuple[list[str], dict[str, str]]]) -> int:
     return 128 - code if code < 0 else code
 
 
-def emulated_agents(slice_name: str, base_env: dict[str, str]) -> list[tuple[list[str], dict[str, str]]]:
+def emulated_agents(
+    slice_name: str, base_env: dict[str, str], program: tuple[str, ...] | list[str] = TRAIN
+) -> list[tuple[list[str], dict[str, str]]]:
     """One agent per host of the emulated slice, each with its launch environment."""
     from tpurec.device import EMULATE_ENV
     from tpurec.emulation.launch_env import emulated_launch_env
@@ -123,17 +135,19 @@ def emulated_agents(slice_name: str, base_env: dict[str, str]) -> list[tuple[lis
         # A Cloud TPU VM names its slice in TPU_ACCELERATOR_TYPE; tpurec plans for it when given none.
         env = dict(base_env, **launch, **{EMULATE_ENV: spec.name, "TPU_ACCELERATOR_TYPE": spec.name})
         master = f"{launch['MASTER_ADDR']}:{launch['MASTER_PORT']}" if spec.hosts > 1 else None
-        agents.append((agent_command(spec.devices_per_host, spec.hosts, host, master), env))
+        agents.append((agent_command(spec.devices_per_host, spec.hosts, host, master, program), env))
     return agents
 
 
-def tpu_agent(nproc: int | None, nnodes: int, base_env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+def tpu_agent(
+    nproc: int | None, nnodes: int, base_env: dict[str, str], program: tuple[str, ...] | list[str] = TRAIN
+) -> tuple[list[str], dict[str, str]]:
     """This host's agent of a real TPU launch, with TorchTPU's launch environment."""
     launch = torchtpu_launch_env(nnodes, nproc)
     addresses = launch["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(",")
     per_host = nproc or int(launch.get("TORCH_TPU_DEVICES_PER_HOST") or len(addresses) // nnodes)
     env = dict(base_env, **launch)
     if nnodes == 1:
-        return agent_command(per_host), env
+        return agent_command(per_host, program=program), env
     master = f"{launch['MASTER_ADDR']}:{launch['MASTER_PORT']}"
-    return agent_command(per_host, nnodes, int(launch["NODE_RANK"]), master), env
+    return agent_command(per_host, nnodes, int(launch["NODE_RANK"]), master, program), env
