@@ -119,3 +119,20 @@ def test_checklist_compares_device_memory_with_the_planners_figure():
     assert check["passed"], check
     assert check["max_error"] == held >= (500 * 16 + 300 * 8) * 4  # tables a (500 x 16), b (300 x 8) in fp32
     assert check["tolerance"] >= held
+
+
+def test_selftest_on_an_emulated_slice_passes_through_torchtpus_stand_ins():
+    env = dict(__import__("os").environ, PYTHONPATH=str(REPO))
+    out = subprocess.run(
+        [sys.executable, "-m", "tpurec.cli", "selftest", "--emulate-tpu", "v6e-16", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    doc = json.loads(out.stdout)
+    checks = {c["name"]: c for c in doc["checks"]}
+    assert doc["passed"] and doc["device"] == "tpu (emulated v6e-16)"
+    assert checks["chip and SparseCores"]["note"] == "TPU v6e: 2 SparseCores per device"
+    assert "cpu:gloo,tpu:tpu_dist" in checks["1-rank DMP step"]["note"]

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from tests.dlrm.helpers import train
+from tests.dlrm.helpers import REPO, train
 
 ROWS = 60_000
 
@@ -33,25 +37,30 @@ def test_ranks_on_the_tpu_path_without_torchtpus_launch_env_fail_as_torchtpu_doe
     assert "missing required environment variables for distributed training" in p.stderr
 
 
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_two_host_emulation_equals_cpu_gloo_on_the_same_plan(tmp_path):
-    """The issue's acceptance run: v5p-16 (8 ranks on 2 hosts) vs 8 CPU ranks, one plan, one seed."""
-    import subprocess
-    import sys
-
-    from tests.dlrm.helpers import REPO
-
+def _plan(tmp_path, *how) -> Path:
     plan = tmp_path / "P.json"
-    env = dict(os.environ, PYTHONPATH=str(REPO))
     subprocess.run(
-        [sys.executable, "-m", "tpurec.cli", "plan", "--model", "dlrm-tiny", "--topology", "v5p-16"]
-        + ["--format", "json", "--out", str(plan)],
+        [sys.executable, "-m", "tpurec.cli", "plan", *how, "--topology", "v5p-16", "--format", "json", "--out", plan],
         check=True,
-        env=env,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
         capture_output=True,
     )
-    args = ("--plan", plan, "--steps", 20, "--seed", 3, "--synth-rows", ROWS)
+    return plan
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "how",
+    [
+        ("--model", "dlrm-tiny"),  # the planner's own choice: table-column-wise, table-wise, row-wise
+        # every sharding type the planner offers on a TPU: TW, CW, TWCW, RW
+        ("--model-module", "tests.emulation.every_sharding_type:dlrm_tiny", "--batch-size", "512"),
+    ],
+)
+def test_two_host_emulation_equals_cpu_gloo_on_the_same_plan(tmp_path, how):
+    """The acceptance run: v5p-16 (8 ranks on 2 hosts) vs 8 CPU ranks, one plan, one seed."""
+    args = ("--plan", _plan(tmp_path, *how), "--steps", 20, "--seed", 3, "--synth-rows", ROWS)
     emulated, _ = train("--emulate-tpu", "v5p-16", *args, cache=tmp_path, timeout=1200)
     cpu, _ = train("--nproc", 8, *args, cache=tmp_path, timeout=1200)
     assert emulated["world_size"] == cpu["world_size"] == 8
@@ -59,6 +68,25 @@ def test_two_host_emulation_equals_cpu_gloo_on_the_same_plan(tmp_path):
     assert emulated["recompiles_after_warmup"] == 0
     assert abs(emulated["logloss"] - cpu["logloss"]) <= 1e-5
     assert abs(emulated["auc"] - cpu["auc"]) <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_an_embedding_collection_model_on_two_emulated_hosts_equals_cpu_gloo():
+    """examples/sequential_recommender.py (an EmbeddingCollection) through `tpurec launch`."""
+    script = [str(REPO / "examples" / "sequential_recommender.py"), "--steps", "30"]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+
+    def last_json(cmd):
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200, cwd=REPO)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    emulated = last_json([sys.executable, "-m", "tpurec.cli", "launch", "--emulate-tpu", "v5p-16", *script])
+    cpu = last_json([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8", *script])
+    assert emulated["world_size"] == cpu["world_size"] == 8
+    for key in ("first_loss", "last_loss", "auc"):
+        assert emulated[key] == cpu[key], key
 
 
 @pytest.mark.slow

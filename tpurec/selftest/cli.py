@@ -7,6 +7,8 @@ and a device KJT, three Adam steps with the number of programs compiled, a one-r
 TorchTPU's backend and the HBM it used against its tables' bytes. tpurec has not run it on TPU
 hardware yet.
 --device auto: tpu when this host has a usable TPU, else cpu.
+--emulate-tpu SLICE: the tpu checklist as one rank of SLICE on this machine's CPU, through TorchTPU's
+stand-ins (tpurec.emulation): what the checklist exercises of tpurec, not of the chip.
 """
 
 from __future__ import annotations
@@ -23,6 +25,12 @@ def register(sub) -> None:
         default="auto",
         help="cpu: the CPU reference vs oracles; tpu: the first-contact checklist; auto (default): tpu if usable",
     )
+    p.add_argument(
+        "--emulate-tpu",
+        metavar="SLICE",
+        default=None,
+        help="run the tpu checklist as a rank of SLICE (e.g. v5p-8) emulated on this CPU (docs/tpu.md)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated tables and ids (default 0)")
     p.set_defaults(run=run)
@@ -32,6 +40,17 @@ def run(args) -> int:
     from tpurec import device as dev
 
     target = args.device
+    if args.emulate_tpu:
+        if target == "cpu":
+            print("tpurec selftest: --emulate-tpu runs the tpu checklist; --device cpu contradicts it")
+            return 2
+        try:
+            checks = _emulated_checks(args.emulate_tpu, args.seed)
+        except ValueError as e:
+            print(f"tpurec selftest: --emulate-tpu: {e}")
+            return 2
+        report(f"tpu (emulated {args.emulate_tpu})", checks, args.json)
+        return 0 if all(c.passed for c in checks) else 1
     if target == "auto":
         target = "tpu" if dev.tpu_status().usable else "cpu"
     if target == "tpu":
@@ -51,6 +70,35 @@ def run(args) -> int:
         checks = cpu_checks(args.seed)
     report(target, checks, args.json)
     return 0 if all(c.passed for c in checks) else 1
+
+
+def _emulated_checks(slice_name: str, seed: int):
+    """The tpu checklist in this process, made rank 0 of one emulated host of `slice_name`."""
+    import os
+
+    from tpurec.device import EMULATE_ENV
+    from tpurec.emulation.launch_env import emulated_launch_env
+    from tpurec.sharding.topology import parse_slice
+
+    spec = parse_slice(slice_name)
+    if not spec.generation.sparsecores:
+        raise ValueError(f"{spec.generation.name} has no SparseCore tpurec can drive")
+    launch = emulated_launch_env(spec)[0]
+    one_rank = launch["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(",")[0]
+    os.environ.update(
+        {k: v for k, v in launch.items() if k.startswith("TORCH_TPU_")},
+        TORCH_TPU_SLICEBUILDER_ADDRESSES=one_rank,  # this process is the only rank
+        LOCAL_RANK="0",
+        **{
+            EMULATE_ENV: spec.name,
+            "TORCH_TPU_ALLOW_LEGACY_DEVICE_APIS": os.environ.get("TORCH_TPU_ALLOW_LEGACY_DEVICE_APIS", "1"),
+        },
+    )
+    from tpurec.emulation.rank import activate
+    from tpurec.selftest.tpu import tpu_checks
+
+    activate(spec.name)
+    return tpu_checks("cpu", generation=spec.generation.name, seed=seed)
 
 
 def report(target: str, checks, as_json: bool) -> None:

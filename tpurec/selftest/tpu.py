@@ -127,7 +127,9 @@ def _dmp_checks(target, num_sc: int, seed: int) -> list[Check]:
         )
     except Exception as e:  # the checklist reports, it does not stop at the first failure
         return [Check("1-rank DMP step", False, 0.0, 0.0, f"{type(e).__name__}: {e}")]
-    backend = process_group_backend(target.type)
+    from tpurec.device import tpu_path
+
+    backend = process_group_backend("tpu" if tpu_path(target.type) else target.type)
     checks = [Check("1-rank DMP step", moved, 0.0, 0.0, f"process group {backend}; tables updated: {moved}")]
     used, peak = _device_bytes(target), _device_peak_bytes(target)
     if used is None or before is None:

@@ -31,7 +31,7 @@ from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 
 from tpurec import heartbeat, process_group
-from tpurec.device import emulated_slice, tpu_path
+from tpurec.device import tpu_path
 from tpurec.embedding.sparsecores import resolve_num_sparsecores
 from tpurec.sharding.ec_sharder import SparseCoreECSharder
 from tpurec.sharding.sharder import SparseCoreEBCSharder
@@ -150,8 +150,6 @@ class DistributedModelParallel(_TorchrecDMP):
         # No padding of TorchRec's uneven all_to_all_single: TorchTPU 0.2.0's ProcessGroupTpu::alltoall_base
         # dispatches uneven splits itself (AllToAllBaseUnevenSplits; docs/tpu.md), and TorchRec 1.9.2
         # already pads on TPU where it must (torchrec/experimental/torch_tpu/uneven_all_to_all.py).
-        if topology is None and emulated_slice():
-            topology = emulated_slice()
         if topology is None or isinstance(topology, str):
             topology = make_topology(topology, world_size=env.world_size, compute_device=compute_device)
         planned_sc = getattr(getattr(getattr(topology, "spec", None), "generation", None), "sparsecores", None)
