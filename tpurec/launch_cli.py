@@ -29,7 +29,7 @@ def register(sub) -> None:
     where.add_argument("--emulate-tpu", metavar="SLICE", help="emulate SLICE's hosts and ranks here (e.g. v5p-16)")
     where.add_argument("--device", choices=("tpu",), help="this TPU host's devices (with --nnodes: every host)")
     p.add_argument("--nproc", type=int, default=None, help="ranks on this host (--device tpu; default its devices)")
-    p.add_argument("--nnodes", type=int, default=1, help="hosts of the slice (--device tpu; run on each)")
+    p.add_argument("--nnodes", type=int, default=1, help="hosts of the slice (--device tpu; run on each; default 1)")
     p.add_argument("program", help="a Python script, or -m MODULE")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the program's own arguments")
     p.set_defaults(run=run)
