@@ -1,0 +1,105 @@
+"""Launching ranks on a slice: TorchTPU's launch environment first, one agent per host."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.dlrm.helpers import REPO
+
+# Stands in for torch_tpu's `torch.tpu.distributed` in the child that tpurec asks for the launch
+# environment: records its arguments and decides the variables as set_tpu_launch_env() does on host 1
+# of a 2-host job (values read from torch_tpu/_internal/distributed/distributed.py).
+FAKE_TORCH_TPU = textwrap.dedent("""
+    import os, sys, types
+    dist = types.ModuleType("torch.tpu.distributed")
+    def set_tpu_launch_env(*, nnodes=None, nproc_per_node=None):
+        os.environ.setdefault("TORCH_TPU_XPROF_SESSION_ID", "7")
+        hosts = os.environ["TPU_WORKER_HOSTNAMES"].split(",")
+        per_host = nproc_per_node or 4
+        os.environ.setdefault(
+            "TORCH_TPU_SLICEBUILDER_ADDRESSES", ",".join(f"{h}:{8070 + i}" for h in hosts for i in range(per_host))
+        )
+        os.environ.setdefault("NNODES", str(nnodes))
+        os.environ.setdefault("NODE_RANK", "1")
+        os.environ.setdefault("MASTER_ADDR", hosts[0])
+        os.environ.setdefault("MASTER_PORT", "29500")
+        os.environ.setdefault("TORCH_TPU_TOPOLOGY", "2,2,2")
+        os.environ["FAKE_CALLED_WITH"] = f"{nnodes},{nproc_per_node}"
+    dist.set_tpu_launch_env = set_tpu_launch_env
+    tpu = types.ModuleType("torch.tpu")
+    tpu.distributed = dist
+    sys.modules["torch.tpu"] = tpu
+    sys.modules["torch.tpu.distributed"] = dist
+""")
+
+
+def test_a_tpu_hosts_agent_gets_torchtpus_launch_env_and_its_node_rank(tmp_path, monkeypatch):
+    from tpurec.dlrm import slice_launch
+
+    (tmp_path / "sitecustomize.py").write_text(FAKE_TORCH_TPU)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "10.0.0.5,10.0.0.6")
+    cmd, env = slice_launch.tpu_agent(None, 2, {"X": "1"})
+    assert env["X"] == "1" and env["NODE_RANK"] == "1" and env["TORCH_TPU_TOPOLOGY"] == "2,2,2"
+    assert len(env["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(",")) == 8
+    assert "--nnodes=2" in cmd and "--node-rank=1" in cmd and "--nproc-per-node=4" in cmd
+    assert "--master-addr=10.0.0.5" in cmd and "--master-port=29500" in cmd
+    assert cmd[-2:] == ["-m", "tpurec.dlrm"]
+
+
+def test_a_failing_set_tpu_launch_env_is_one_line(tmp_path, monkeypatch):
+    from tpurec.dlrm import slice_launch
+
+    (tmp_path / "sitecustomize.py").write_text(FAKE_TORCH_TPU)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.delenv("TPU_WORKER_HOSTNAMES", raising=False)  # the fake then fails, as TorchTPU would
+    with pytest.raises(ValueError, match="set_tpu_launch_env\\(\\) failed on this host: KeyError"):
+        slice_launch.tpu_agent(None, 2, {})
+
+
+PROBE = textwrap.dedent("""
+    import json, os
+    import tpurec  # an emulated rank: TorchTPU's stand-ins go in here
+    import torch, torch.distributed as dist
+    dist.init_process_group("cpu:gloo,tpu:tpu_dist")
+    print("RANK " + json.dumps({
+        "rank": dist.get_rank(),
+        "world": dist.get_world_size(),
+        "host": int(os.environ["GROUP_RANK"]),
+        "local": int(os.environ["LOCAL_RANK"]),
+        "local_world": int(os.environ["LOCAL_WORLD_SIZE"]),
+        "tpu_available_to_torchrec": __import__("torchrec").distributed.utils.get_device_type() == "tpu",
+    }), flush=True)
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "slice_name, hosts, per_host",
+    [("v5p-16", 2, 4), pytest.param("v6e-16", 4, 4, marks=pytest.mark.slow)],  # v6e-16: 4-chip VMs
+)
+def test_tpurec_launch_groups_an_emulated_slices_ranks_into_its_hosts(tmp_path, slice_name, hosts, per_host):
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    p = subprocess.run(
+        [sys.executable, "-m", "tpurec.cli", "launch", "--emulate-tpu", slice_name, str(probe)],
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    ranks = sorted((json.loads(x[5:]) for x in p.stdout.splitlines() if x.startswith("RANK ")), key=lambda r: r["rank"])
+    world = hosts * per_host
+    assert [r["rank"] for r in ranks] == list(range(world))
+    # Ranks numbered host by host, as torchrun numbers them; LOCAL_WORLD_SIZE is the host's chips.
+    assert [(r["host"], r["local"]) for r in ranks] == [(h, i) for h in range(hosts) for i in range(per_host)]
+    assert {r["local_world"] for r in ranks} == {per_host} and {r["world"] for r in ranks} == {world}
+    assert all(r["tpu_available_to_torchrec"] for r in ranks)
