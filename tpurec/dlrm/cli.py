@@ -88,7 +88,11 @@ def run(args) -> int:
             if tpu_status().usable:  # one process still needs TorchTPU's launch environment
                 from tpurec.dlrm.slice_launch import torchtpu_launch_env
 
-                os.environ.update({k: v for k, v in torchtpu_launch_env(1, 1).items() if k not in os.environ})
+                try:
+                    launch = torchtpu_launch_env(1, 1)
+                except ValueError as e:
+                    return _error(str(e))
+                os.environ.update({k: v for k, v in launch.items() if k not in os.environ})
         return run_worker(options)
     # Make the default dataset here, once, before the ranks start (they then find it cached).
     if not options.data:
