@@ -109,3 +109,28 @@ class _FakeDmp:
 
     def named_modules(self):
         return []
+
+
+def _empty_sharded_tensor_device(rank, world_size):
+    import torch.distributed as dist
+    from torch.distributed._shard import sharded_tensor
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+
+    import tpurec.sharding.dmp  # noqa: F401  (what tpurec's DMP installs)
+    from tpurec.emulation import torchtpu_dist
+
+    os.environ.update(LAUNCH)
+    torchtpu_dist.install_device_module(rank, world_size)
+    torchtpu_dist.register_backend()
+    pg = dist.new_group(backend="cpu:gloo,tpu:tpu_dist")
+    # A 1-row table placed on rank 0 only: rank 1 holds no shard of it (a table-wise plan's usual case).
+    spec = ChunkShardingSpec(dim=0, placements=["rank:0/cpu"])
+    st = sharded_tensor.empty(spec, 1, 4, process_group=pg)
+    return str(st.device), len(st.local_shards())
+
+
+@pytest.mark.multiprocess
+def test_a_rank_without_shards_answers_device_on_the_two_backend_group():
+    """torch answered torch.cuda.current_device() (and crashed DCP's save) unless the backend is 'gloo'."""
+    (d0, n0), (d1, n1) = run_ranks(_empty_sharded_tensor_device, 2)
+    assert (d0, n0) == ("cpu", 1) and (d1, n1) == ("cpu", 0)

@@ -33,6 +33,7 @@ from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 from tpurec import heartbeat, process_group
 from tpurec.device import tpu_path
 from tpurec.embedding.sparsecores import resolve_num_sparsecores
+from tpurec.sharding import sharded_tensor_device  # noqa: F401  (ShardedTensor.device on the TPU path)
 from tpurec.sharding.ec_sharder import SparseCoreECSharder
 from tpurec.sharding.sharder import SparseCoreEBCSharder
 
