@@ -170,41 +170,14 @@ def _adam(rp, ids, samples, gains, table, m, v, grad, alpha_t, b1, b2, eps, batc
     return new, new_m, new_v
 
 
-def _preprocess(
-    indices,
-    offsets,
-    max_ids,
-    max_uniq,
-    suggested_coo,
-    batch_size,
-    combiner,
-    local_devices,
-    global_devices,
-    num_sc,
-    allow_dropping,
-    table_name,
-):
+def _preprocess(*args):
     """TorchTPU's host preprocessing, as far as tests need it: tpurec's preprocessing of the same ids,
-    with TorchTPU's COO buffer (128 entries when the suggestion is 0) and its silent truncation."""
+    with TorchTPU's COO buffer (128 entries when the suggestion is 0) and its silent truncation.
+    Arguments: SCHEMAS["preprocess_sparse_dense_matmul_input"]'s, in order."""
     from tpurec.embedding.preprocess import preprocess
 
-    _STATE.record(
-        "preprocess_sparse_dense_matmul_input",
-        (
-            indices,
-            offsets,
-            max_ids,
-            max_uniq,
-            suggested_coo,
-            batch_size,
-            combiner,
-            local_devices,
-            global_devices,
-            num_sc,
-            allow_dropping,
-            table_name,
-        ),
-    )
+    _STATE.record("preprocess_sparse_dense_matmul_input", args)
+    (indices, offsets, max_ids, max_uniq, suggested_coo, batch_size, combiner, _, _, num_sc, allow_dropping, _) = args
     lengths = torch.diff(offsets.long())
     samples = torch.repeat_interleave(torch.arange(batch_size), lengths)
     gains = {
