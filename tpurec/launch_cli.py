@@ -56,6 +56,9 @@ def run(args) -> int:
             return _error(f"--emulate-tpu: {e}")
         if not spec.generation.sparsecores:
             return _error(f"--emulate-tpu {args.emulate_tpu}: {spec.generation.name} has no SparseCore tpurec drives")
+        too_big = slice_launch.emulation_too_big(spec)
+        if too_big:
+            return _error(f"--emulate-tpu: {too_big}")
         return slice_launch.run_hosts(slice_launch.emulated_agents(spec.name, env, program))
     if args.nnodes < 1 or (args.nproc is not None and args.nproc < 1):
         return _error("--nproc and --nnodes must be >= 1")

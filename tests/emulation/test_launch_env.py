@@ -43,3 +43,17 @@ def test_multi_host_v6e_runs_on_four_chip_vms(name, hosts, per_host):
     assert (spec.hosts, spec.devices_per_host) == (hosts, per_host)
     # TorchRec's runtime LOCAL_WORLD_SIZE must equal the plan's host size (TWRW, comm costs).
     assert make_topology(name, compute_device="tpu").local_world_size == per_host
+
+
+def test_a_slice_too_big_for_this_machine_is_refused_at_once(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from tests.dlrm.helpers import REPO
+
+    env = dict(os.environ, PYTHONPATH=str(REPO), TPUREC_HOST_MEMORY_BYTES=str(6 << 30))  # room for 6 ranks
+    for cmd in (["train", "--emulate-tpu", "v5p-16"], ["launch", "--emulate-tpu", "v5p-16", __file__]):
+        p = subprocess.run([sys.executable, "-m", "tpurec.cli", *cmd], env=env, capture_output=True, text=True)
+        assert p.returncode == 2
+        assert "v5p-16 has 8 ranks, ~8 GiB" in p.stderr and "room for about 6 ranks" in p.stderr

@@ -131,6 +131,11 @@ def _launch_problem(args, options: TrainOptions) -> str | None:
             return f"--emulate-tpu: {e}"
         if not spec.generation.sparsecores:
             return f"--emulate-tpu {args.emulate_tpu}: {spec.generation.name} has no SparseCore tpurec can drive"
+        from tpurec.dlrm.slice_launch import emulation_too_big
+
+        too_big = emulation_too_big(spec)
+        if too_big:
+            return f"--emulate-tpu: {too_big}"
         if args.nproc not in (None, spec.devices_per_host) or args.nnodes != 1:
             return (
                 f"--emulate-tpu {spec.name} runs {spec.hosts} host(s) x {spec.devices_per_host} ranks; "

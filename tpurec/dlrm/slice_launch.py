@@ -121,6 +121,23 @@ def run_hosts(agents: list[tuple[list[str], dict[str, str]]]) -> int:
     return 128 - code if code < 0 else code
 
 
+def emulation_too_big(spec) -> str | None:
+    """Why this machine cannot hold every rank of `spec` (each a whole Python process with torch and
+    TorchRec, ~1 GiB: `tpurec.dlrm.runtime.RANK_OVERHEAD_BYTES`), or None."""
+    from tpurec.dlrm.runtime import RANK_OVERHEAD_BYTES, available_bytes
+
+    free = available_bytes()
+    need = spec.world_size * RANK_OVERHEAD_BYTES
+    if free is None or need <= free:
+        return None
+    fits = max(0, free // RANK_OVERHEAD_BYTES)
+    return (
+        f"{spec.name} has {spec.world_size} ranks, ~{need / 2**30:.0f} GiB as processes on this machine, which has "
+        f"{free / 2**30:.1f} GiB available (room for about {fits} ranks); emulate a smaller slice of the same "
+        "generation (the rules do not depend on the slice's size past 2 hosts)"
+    )
+
+
 def emulated_agents(
     slice_name: str, base_env: dict[str, str], program: tuple[str, ...] | list[str] = TRAIN
 ) -> list[tuple[list[str], dict[str, str]]]:
