@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
         ("v5p-8", "v5p", 4, 4, 1, 1),  # v5p counts TensorCores: 8 cores = 4 chips
         ("v5p-128", "v5p", 64, 64, 16, 1),
         ("v6e-4", "v6e", 4, 4, 1, 1),  # sub-host slice
-        ("v6e-256", "v6e", 256, 256, 32, 1),  # v6e counts chips, 8 per host
+        ("v6e-256", "v6e", 256, 256, 64, 1),  # v6e counts chips; multi-host slices are 4-chip VMs
         ("v7x-64", "v7x", 64, 128, 16, 1),  # v7x counts chips, 2 devices per chip, 4 chips per host
         ("tpu7x-8", "v7x", 8, 16, 2, 1),
         ("v5litepod-16", "v5e", 16, 16, 2, 1),
