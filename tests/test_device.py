@@ -122,12 +122,15 @@ def test_env_no_problem_when_torch_tpu_loaded_with_the_flag(monkeypatch):
 def test_strict_device_apis_are_corrected_to_torch_accelerator(monkeypatch):
     import torch
 
+    device.name_tpu_backend()  # PrivateUse1 named "tpu": torch.accelerator now asks torch.tpu
     tpu = _torch_tpu_loaded(monkeypatch, strict=True)
     with pytest.raises(RuntimeError, match="internal to TorchTPU"):
         torch.tpu.is_available()
     assert device.correct_legacy_device_apis() is True
-    # TorchRec's own check (torchrec/distributed/dist_data.py) now runs, answered by torch.accelerator.
-    assert torch.tpu.is_available() == torch.accelerator.is_available()
+    # TorchRec's own check (torchrec/distributed/dist_data.py) now runs, answered by the accelerator's
+    # C++ hooks (not torch.accelerator.is_available, which asks torch.tpu again: it recursed).
+    assert torch.tpu.is_available() is False and torch.tpu.device_count() == 0
+    assert torch.accelerator.is_available() is False
     assert tpu.current_stream is torch.accelerator.current_stream
     assert device.tpu_env_problems() == []
     assert device.correct_legacy_device_apis() is False  # once

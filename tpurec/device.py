@@ -84,15 +84,23 @@ def apply_safe_env() -> None:
     correct_legacy_device_apis()  # torch (and so torch_tpu) came first: the variable is too late
 
 
-# The device APIs TorchRec 1.9.2 calls on torch.tpu, and the torch.accelerator functions TorchTPU
-# names as their replacements (`prefer=` in torch_tpu/_internal/device/_device_module.py).
-_LEGACY_TO_PREFERRED = {
-    "is_available": "is_available",
-    "device_count": "device_count",
-    "current_stream": "current_stream",
-    "synchronize": "synchronize",
-}
 _CORRECTED = "_tpurec_corrected_legacy_apis"
+
+
+def _unrestricted_device_apis(torch) -> dict:
+    """The device APIs TorchRec 1.9.2 calls on torch.tpu, answered without TorchTPU's strict wrappers.
+
+    TorchTPU names torch.accelerator's functions as their replacements (`prefer=` in
+    torch_tpu/_internal/device/_device_module.py). `current_stream` and `synchronize` there go to C++;
+    `is_available` and `device_count` there ask torch.tpu again (they would recurse once torch.tpu's
+    own are replaced), so those two read the accelerator hooks' device count in C++ directly.
+    """
+    return {
+        "is_available": lambda: torch._C._accelerator_hooks_device_count() > 0,
+        "device_count": lambda: torch._C._accelerator_hooks_device_count(),
+        "current_stream": torch.accelerator.current_stream,
+        "synchronize": torch.accelerator.synchronize,
+    }
 
 
 def _strict_device_apis() -> bool | None:
@@ -120,8 +128,8 @@ def correct_legacy_device_apis() -> bool:
     module = getattr(torch, "tpu", None)
     if module is None or getattr(module, _CORRECTED, False):
         return False
-    for legacy, preferred in _LEGACY_TO_PREFERRED.items():
-        setattr(module, legacy, getattr(torch.accelerator, preferred))
+    for legacy, unrestricted in _unrestricted_device_apis(torch).items():
+        setattr(module, legacy, unrestricted)
     setattr(module, _CORRECTED, True)
     return True
 
