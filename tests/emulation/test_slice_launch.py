@@ -64,18 +64,20 @@ def test_a_failing_set_tpu_launch_env_is_one_line(tmp_path, monkeypatch):
 
 
 PROBE = textwrap.dedent("""
-    import json, os
+    import json, os, sys
     import tpurec  # an emulated rank: TorchTPU's stand-ins go in here
     import torch, torch.distributed as dist
     dist.init_process_group("cpu:gloo,tpu:tpu_dist")
-    print("RANK " + json.dumps({
+    # One file per rank: 8 processes of 2 agents share one stdout, and their lines can interleave.
+    with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as f:
+        json.dump({
         "rank": dist.get_rank(),
         "world": dist.get_world_size(),
         "host": int(os.environ["GROUP_RANK"]),
         "local": int(os.environ["LOCAL_RANK"]),
         "local_world": int(os.environ["LOCAL_WORLD_SIZE"]),
         "tpu_available_to_torchrec": __import__("torchrec").distributed.utils.get_device_type() == "tpu",
-    }), flush=True)
+        }, f)
     dist.destroy_process_group()
 """)
 
@@ -89,14 +91,14 @@ def test_tpurec_launch_groups_an_emulated_slices_ranks_into_its_hosts(tmp_path, 
     probe = tmp_path / "probe.py"
     probe.write_text(PROBE)
     p = subprocess.run(
-        [sys.executable, "-m", "tpurec.cli", "launch", "--emulate-tpu", slice_name, str(probe)],
+        [sys.executable, "-m", "tpurec.cli", "launch", "--emulate-tpu", slice_name, str(probe), str(tmp_path)],
         env=dict(os.environ, PYTHONPATH=str(REPO)),
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert p.returncode == 0, p.stderr[-3000:]
-    ranks = sorted((json.loads(x[5:]) for x in p.stdout.splitlines() if x.startswith("RANK ")), key=lambda r: r["rank"])
+    ranks = sorted((json.loads(f.read_text()) for f in tmp_path.glob("rank*.json")), key=lambda r: r["rank"])
     world = hosts * per_host
     assert [r["rank"] for r in ranks] == list(range(world))
     # Ranks numbered host by host, as torchrun numbers them; LOCAL_WORLD_SIZE is the host's chips.
