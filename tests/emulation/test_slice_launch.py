@@ -85,7 +85,8 @@ PROBE = textwrap.dedent("""
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "slice_name, hosts, per_host",
-    [("v5p-16", 2, 4), pytest.param("v6e-16", 4, 4, marks=pytest.mark.slow)],  # v6e-16: 4-chip VMs
+    # Slow: 8 and 16 Python processes; the agents' commands are checked in the default suite below.
+    [pytest.param("v5p-16", 2, 4, marks=pytest.mark.slow), pytest.param("v6e-16", 4, 4, marks=pytest.mark.slow)],
 )
 def test_tpurec_launch_groups_an_emulated_slices_ranks_into_its_hosts(tmp_path, slice_name, hosts, per_host):
     probe = tmp_path / "probe.py"
@@ -105,3 +106,16 @@ def test_tpurec_launch_groups_an_emulated_slices_ranks_into_its_hosts(tmp_path, 
     assert [(r["host"], r["local"]) for r in ranks] == [(h, i) for h in range(hosts) for i in range(per_host)]
     assert {r["local_world"] for r in ranks} == {per_host} and {r["world"] for r in ranks} == {world}
     assert all(r["tpu_available_to_torchrec"] for r in ranks)
+
+
+def test_an_emulated_slice_gets_one_agent_per_host_with_its_node_rank():
+    from tpurec.dlrm.slice_launch import emulated_agents
+
+    agents = emulated_agents("v6e-16", {"X": "1"}, ["prog.py", "--flag"])
+    assert len(agents) == 4  # 4-chip VMs
+    for host, (cmd, env) in enumerate(agents):
+        assert f"--node-rank={host}" in cmd and "--nnodes=4" in cmd and "--nproc-per-node=4" in cmd
+        assert "--master-addr=127.0.0.1" in cmd and cmd[-2:] == ["prog.py", "--flag"]
+        assert env["X"] == "1" and env["TPUREC_EMULATE_TPU"] == "v6e-16" and env["NODE_RANK"] == str(host)
+        assert env["TPU_ACCELERATOR_TYPE"] == "v6e-16" and env["TORCH_TPU_DEVICES_PER_HOST"] == "4"
+    assert len({env["MASTER_PORT"] for _, env in agents}) == 1
