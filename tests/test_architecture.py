@@ -25,6 +25,7 @@ LAYERS = {
     "lifecycle": 0,
     "heartbeat": 0,
     "process_group": 0,
+    "host_copies": 0,
     "embedding": 1,
     "data": 1,
     "sharding": 2,

@@ -53,3 +53,15 @@ def assert_within_fp16_steps(got, want, steps: int = 2, rare: float = 0.01) -> N
     assert worst <= steps, f"fp16 values differ by {worst} steps (at most {steps} allowed)"
     differing = int((diff > 0).sum())
     assert differing <= rare * diff.numel(), f"{differing} of {diff.numel()} fp16 values differ"
+
+
+def fused_optimizers() -> dict:
+    """The four fused optimizers with the hyper-parameters the kernel tests train with."""
+    from torchrec.optim import RowWiseAdagrad
+
+    return {
+        "sgd": (torch.optim.SGD, {"lr": 0.1}),
+        "adagrad": (torch.optim.Adagrad, {"lr": 0.1, "eps": 1e-6}),
+        "rowwise_adagrad": (RowWiseAdagrad, {"lr": 0.1, "eps": 1e-6}),
+        "adam": (torch.optim.Adam, {"lr": 0.01, "eps": 1e-6}),
+    }

@@ -15,7 +15,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from tpurec.embedding.sequence_module import SparseCoreEmbeddingCollection
 from tpurec.emulation import torchtpu_ops as tpu_standin
 
-from .test_tpu_adapter_on_standin import _optimizers
+from .helpers import fused_optimizers
 
 NUM_SC = 4
 BATCH = 8
@@ -39,7 +39,7 @@ def _batch(gen, step):
 
 
 def _model(name):
-    optim, kwargs = _optimizers()[name]
+    optim, kwargs = fused_optimizers()[name]
     torch.manual_seed(0)
     # Capacity for 12 ids x 8 users per feature and id limits for all of them: fixed, so shapes never change.
     return SparseCoreEmbeddingCollection(

@@ -13,8 +13,9 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from tpurec.embedding.module import SparseCoreEmbeddingBagCollection
-from tpurec.embedding.preprocess import IdLimitExceededError
 from tpurec.emulation import torchtpu_ops as tpu_standin
+
+from .helpers import fused_optimizers
 
 NUM_SC = 4
 BATCH = 16
@@ -27,17 +28,6 @@ TABLES = [
     EmbeddingBagConfig(name="c", embedding_dim=8, num_embeddings=50, feature_names=["fd"]),
 ]
 ROWS = {"fa": 97, "fb": 300, "fc": 300, "fd": 50}
-
-
-def _optimizers():
-    from torchrec.optim import RowWiseAdagrad
-
-    return {
-        "sgd": (torch.optim.SGD, {"lr": 0.1}),
-        "adagrad": (torch.optim.Adagrad, {"lr": 0.1, "eps": 1e-6}),
-        "rowwise_adagrad": (RowWiseAdagrad, {"lr": 0.1, "eps": 1e-6}),
-        "adam": (torch.optim.Adam, {"lr": 0.01, "eps": 1e-6}),
-    }
 
 
 def _batch(gen, step):
@@ -60,7 +50,7 @@ def _batch(gen, step):
 
 
 def _model(name, **kw):
-    optim, kwargs = _optimizers()[name]
+    optim, kwargs = fused_optimizers()[name]
     torch.manual_seed(0)
     return SparseCoreEmbeddingBagCollection(
         TABLES, optim, kwargs, num_sparsecores=NUM_SC, device="cpu", fixed_limits=True, **kw
@@ -118,16 +108,20 @@ def test_two_kernels_never_share_a_computation_name():
     assert len(set(names)) == len(names) == 4
 
 
-def test_a_batch_over_fixed_limits_without_dropping_is_refused_with_how_to_fix():
+def test_a_batch_over_fixed_limits_without_dropping_runs_in_passes_of_the_same_programs():
+    standin = tpu_standin.install(sparsecores=NUM_SC)
     model = _model("sgd")
     gen = torch.Generator().manual_seed(1)
-    model(_batch(gen, 0)).values().sum().backward()  # limits fixed from this batch
-    # 12 distinct ids per bag, all in partition 0: far over limits fixed from a uniform batch.
-    hot = KeyedJaggedTensor(
-        keys=list(ROWS), values=(torch.arange(12) * NUM_SC).repeat(4 * BATCH), lengths=torch.full((4 * BATCH,), 12)
-    )
-    with pytest.raises(IdLimitExceededError, match="fixed so that buffer shapes never change.*first batch"):
-        model(hot)
+    with tpu_standin.adapter_on_cpu():
+        model(_batch(gen, 0)).values().sum().backward()  # limits fixed from this batch
+        programs = set(standin.compile_keys())
+        # 12 distinct ids per bag, all in partition 0: far over limits fixed from a uniform batch.
+        hot = KeyedJaggedTensor(
+            keys=list(ROWS), values=(torch.arange(12) * NUM_SC).repeat(4 * BATCH), lengths=torch.full((4 * BATCH,), 12)
+        )
+        model(hot).values().sum().backward()
+    assert max(s.passes for s in model.id_stats().values()) > 1 and model.kernel.dropped_id_count == 0
+    assert set(standin.compile_keys()) == programs  # the passes reused the step's programs
 
 
 def test_limits_given_are_fixed_and_8_aligned():
@@ -237,7 +231,7 @@ def test_fp16_tables_are_widened_to_fp32_for_torchtpu_with_one_warning():
     from tpurec.embedding import dtypes
 
     fp16 = [type(t)(**{**t.__dict__, "data_type": DataType.FP16}) for t in TABLES]
-    optim, kwargs = _optimizers()["rowwise_adagrad"]
+    optim, kwargs = fused_optimizers()["rowwise_adagrad"]
     make = lambda tables, **kw: SparseCoreEmbeddingBagCollection(  # noqa: E731
         tables, optim, kwargs, num_sparsecores=NUM_SC, device="cpu", fixed_limits=True, allow_id_dropping=True, **kw
     )

@@ -13,6 +13,8 @@ import pytest
 from tests.dlrm.helpers import REPO, train
 
 ROWS = 60_000
+# every sharding type the planner offers on a TPU: TW, CW, TWCW, RW
+EVERY_SHARDING_TYPE = ("--model-module", "tests.emulation.every_sharding_type:dlrm_tiny", "--batch-size", "512")
 
 
 @pytest.mark.multiprocess
@@ -24,8 +26,12 @@ def test_emulated_single_host_slice_trains_on_the_tpu_path(tmp_path):
     assert programs["_sparse_dense_matmul"] >= 1
     assert programs["_sparse_dense_matmul_grad_with_adagrad"] == programs["_sparse_dense_matmul"]
     assert result["recompiles_after_warmup"] == 0
-    # TorchRec's own TPU branches ran: its padding of the uneven KJT and pooled all-to-alls (the default).
-    assert result["uneven_all_to_all"] == "padded" and result["padded_all_to_alls"] > 0
+    assert result["uneven_all_to_all"] == "padded"
+    # The ids stay on the host from the reader to preprocessing: the only device->host copy of a step
+    # is the loss, read at each progress point (every step in a 3-step run). Before, the input
+    # all-to-all ran on the device and every lookup copied its ids back.
+    assert result["device_to_host_copies"] == {"loss": 3}
+    assert result["device_to_host_copies_per_step"] == 1.0
 
 
 @pytest.mark.multiprocess
@@ -37,10 +43,10 @@ def test_ranks_on_the_tpu_path_without_torchtpus_launch_env_fail_as_torchtpu_doe
     assert "missing required environment variables for distributed training" in p.stderr
 
 
-def _plan(tmp_path, *how) -> Path:
+def _plan(tmp_path, *how, topology: str = "v5p-16") -> Path:
     plan = tmp_path / "P.json"
     subprocess.run(
-        [sys.executable, "-m", "tpurec.cli", "plan", *how, "--topology", "v5p-16", "--format", "json", "--out", plan],
+        [sys.executable, "-m", "tpurec.cli", "plan", *how, "--topology", topology, "--format", "json", "--out", plan],
         check=True,
         env=dict(os.environ, PYTHONPATH=str(REPO)),
         capture_output=True,
@@ -54,8 +60,7 @@ def _plan(tmp_path, *how) -> Path:
     "how",
     [
         ("--model", "dlrm-tiny"),  # the planner's own choice: table-column-wise, table-wise, row-wise
-        # every sharding type the planner offers on a TPU: TW, CW, TWCW, RW
-        ("--model-module", "tests.emulation.every_sharding_type:dlrm_tiny", "--batch-size", "512"),
+        EVERY_SHARDING_TYPE,
     ],
 )
 def test_two_host_emulation_equals_cpu_gloo_on_the_same_plan(tmp_path, how):
@@ -66,6 +71,7 @@ def test_two_host_emulation_equals_cpu_gloo_on_the_same_plan(tmp_path, how):
     assert emulated["world_size"] == cpu["world_size"] == 8
     assert emulated["hosts"] == 2 and cpu["hosts"] == 1
     assert emulated["recompiles_after_warmup"] == 0
+    assert "ids" not in emulated["device_to_host_copies"]  # the ids never went to the device
     assert abs(emulated["logloss"] - cpu["logloss"]) <= 1e-5
     assert abs(emulated["auc"] - cpu["auc"]) <= 1e-5
 
@@ -92,7 +98,9 @@ def test_an_embedding_collection_model_on_two_emulated_hosts_equals_cpu_gloo():
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_torchtpus_uneven_all_to_all_trains_like_torchrecs_padding(tmp_path, monkeypatch):
-    args = ("--emulate-tpu", "v5p-8", "--steps", 5, "--seed", 3, "--synth-rows", ROWS)
+    # A plan whose pooled outputs differ in width between ranks: their all-to-all is uneven.
+    plan = _plan(tmp_path, *EVERY_SHARDING_TYPE, topology="v5p-8")
+    args = ("--emulate-tpu", "v5p-8", "--plan", plan, "--steps", 5, "--seed", 3, "--synth-rows", ROWS)
     padded, _ = train(*args, cache=tmp_path)
     monkeypatch.setenv("TPUREC_TPU_ALL_TO_ALL", "uneven")
     uneven, _ = train(*args, cache=tmp_path)

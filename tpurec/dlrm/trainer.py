@@ -19,6 +19,7 @@ import math
 import os
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from tpurec.catalog import get_table_set
@@ -54,6 +55,7 @@ class Trainer:
         self._batches = iter(())  # the current segment's batches; see _train_segment
         self._ready = False
         self.emulated = None  # the EmulatedRank of an emulated TPU rank (tpurec.emulation.rank)
+        self._train_copies: Counter = Counter()  # device->host copies in training steps, by what
 
     # ---- setup ----
     def setup(self) -> None:
@@ -105,6 +107,12 @@ class Trainer:
             self.readers.train, self._lookups, depth=o.pipeline_depth, workers=o.pipeline_workers
         )
         self._stream = iter(self._prefetch) if self._prefetch is not None else _infinite(self.readers.train)
+        if self.device == "tpu":
+            from tpurec.data.host_ids import keep_ids_on_host
+
+            # Only dense features and labels go to the TPU; the ids stay on the host for the input
+            # all-to-all and SparseCore preprocessing (tpurec.data.host_ids).
+            self._stream = map(keep_ids_on_host, self._stream)
 
     def _train_state(self) -> dict:
         """The reader's position after the last batch the step took (not the batches read ahead)."""
@@ -278,6 +286,12 @@ class Trainer:
         """One training step on the next batch of the current segment: its loss, or None once the
         segment has no batch left and the pipeline has drained (after setup(), the segment runs to
         the last step; run() cuts it at every eval and checkpoint)."""
+        loss = self._advance()
+        return None if loss is None else self._read_loss(loss, 1)
+
+    def _advance(self):
+        """One training step; its loss as a tensor where the step computed it (on a TPU: on the TPU,
+        read by the host only at a log point, `_read_loss`), or None when the segment is done."""
         if self.emulated:
             self.emulated.begin("train")
         self.schedule.set_step(self.step_count)
@@ -287,11 +301,22 @@ class Trainer:
             return None
         self.step_count += 1
         self.samples += self.batch_size * self.world
-        value = float(loss)
+        return loss.detach()
+
+    def _read_loss(self, loss_sum, steps: int) -> float:
+        """The mean of the last `steps` losses (summed in `loss_sum`) on the host: a device->host copy
+        on a TPU (counted, tpurec.host_copies). Non-finite stops training."""
+        from tpurec import host_copies
+
+        if self.emulated:
+            host_copies.mark_on_device(loss_sum)  # a real rank computes the loss on its TPU
+        value = float(host_copies.to_host(loss_sum, "loss")) / steps
         if not math.isfinite(value):
             # Training on would only spread NaN through every table; checkpoints already written stay.
+            first = self.step_count - steps + 1
+            where = f"step {self.step_count}" if steps == 1 else f"steps {first}-{self.step_count}"
             raise ValueError(
-                f"training loss is {value} at step {self.step_count}: stopped. Look for non-finite dense "
+                f"training loss is {value} at {where}: stopped. Look for non-finite dense "
                 "values in the data (`tpurec data inspect`), or lower --embedding-lr / --dense-lr"
             )
         return value
@@ -309,6 +334,10 @@ class Trainer:
         self.dmp.eval()
         logits, labels = [], []
         it = eval_batches(self.readers.eval)
+        if self.device == "tpu":
+            from tpurec.data.host_ids import keep_ids_on_host
+
+            it = map(keep_ids_on_host, it)
         with torch.no_grad():
             while True:
                 try:
@@ -449,28 +478,34 @@ class Trainer:
                 padded_all_to_alls=padded_calls(),
                 programs_compiled=self.emulated.programs_compiled(),
                 recompiles_after_warmup=self.emulated.recompiles_after_warmup(),
-                # Every tensor of an emulated rank is a CPU tensor: which would be device tensors,
-                # and so which copies would cross to the host, is not observable here.
-                device_to_host_copies_per_step=None,
             )
         elif self.device == "tpu":
-            out.update(programs_compiled=None, recompiles_after_warmup=None, device_to_host_copies_per_step=None)
+            out.update(programs_compiled=None, recompiles_after_warmup=None)
+        if self.device == "tpu":
+            # tpurec's own device->host copies in the training steps (tpurec.host_copies): on an emulated
+            # rank, of the tensors a real rank holds on its TPU.
+            copies = self._train_copies
+            out["device_to_host_copies_per_step"] = round(sum(copies.values()) / max(1, self._steps_run), 4)
+            out["device_to_host_copies"] = dict(sorted(copies.items()))
         return out
 
     # ---- the loop's pieces ----
     def _train_segment(self, end: int) -> None:
         """Steps up to `end`; the pipeline drains at the end (its batch source ends there)."""
         self._batches = itertools.islice(self._stream, end - self.step_count)
+        from tpurec import host_copies
+
         batch, world = self.batch_size, self.world
+        copies_before = host_copies.counts()
         t0 = time.perf_counter()
-        while (loss := self.step()) is not None:
+        while (loss := self._advance()) is not None:
             self._steps_run += 1
-            self._loss_sum += loss
+            self._loss_sum = loss if self._loss_n == 0 else self._loss_sum + loss  # summed where computed
             self._loss_n += 1
             if self.step_count % self._log_every == 0 or self.step_count == end:
                 elapsed = self._train_seconds + time.perf_counter() - t0
                 sps = self._steps_run * batch * world / elapsed if elapsed > 0 else 0.0
-                mean = self._loss_sum / self._loss_n
+                mean = self._read_loss(self._loss_sum, self._loss_n)
                 self._metrics.add(
                     {
                         "kind": "train",
@@ -488,6 +523,8 @@ class Trainer:
                 self._loss_sum, self._loss_n = 0.0, 0
             self._bar.update(1)
         self._train_seconds += time.perf_counter() - t0
+        for what, n in host_copies.counts().items():
+            self._train_copies[what] += n - copies_before.get(what, 0)
         if self.step_count < end:  # the data ran out (an empty epoch); cannot continue
             raise RuntimeError(f"training data exhausted at step {self.step_count}")
 

@@ -19,17 +19,19 @@ from __future__ import annotations
 
 import itertools
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 from torch import nn
 
 from tpurec import device as _device
+from tpurec import host_copies
 from tpurec.embedding import csr_build, dtypes, ops, reference  # noqa: F401  (ops registers torch.ops.tpurec.*)
 from tpurec.embedding.constraints import DIM_ALIGN, SEGMENT_ALIGN, round_up
 from tpurec.embedding.kjt_checks import check_kjt
 from tpurec.embedding.layout import StackLayout, build_stacks
+from tpurec.embedding.multipass import MultiPassInput, split_into_passes
 from tpurec.embedding.optimizers.base import OptimizerSpec, check_hyperparameter
 from tpurec.embedding.preprocess import IdLimitExceededError, PreprocessStats, SparseCoreInput, preprocess
 
@@ -82,8 +84,9 @@ class SparseCoreKernel(nn.Module):
         batch. Default: on a tpu device, where TorchTPU compiles the limits into the program (a limit
         sized to each batch would recompile every step); elsewhere limits left as None follow each
         batch. Fixed limits come from max_ids_per_partition / max_unique_ids_per_partition when given,
-        else from the first batch (twice its fullest partition, 8-aligned); a later batch over them is
-        dropped down to them (allow_id_dropping, counted in dropped_id_count) or refused.
+        else from the first batch (twice its fullest partition, 8-aligned). A batch over the limits
+        (fixed or given) runs in several passes that fit (multipass.py), or is dropped down to them
+        when allow_id_dropping asks for it (counted in dropped_id_count).
 
         pad_dims: store rows padded to 8 floats, as the SparseCore needs (layout.py). Default: on a
         tpu device only; tests force it on CPU to exercise the padded path.
@@ -115,6 +118,7 @@ class SparseCoreKernel(nn.Module):
         self.lr_source: dict | None = None
         self.last_stats: dict[str, PreprocessStats] = {}
         self.dropped_id_count = 0
+        self.multipass_batches = 0  # stack inputs run as several passes (over their limits)
         self._no_mean: dict[int, torch.Tensor] = {}  # all-False mean flags per slot count (compiled build)
 
         names = [t.name for t in self.tables]
@@ -277,16 +281,15 @@ class SparseCoreKernel(nn.Module):
         batch = features.stride()
         return self.lookup(self.preprocess(features), batch)
 
-    def preprocess(self, features) -> list[SparseCoreInput]:
+    def preprocess(self, features) -> list[SparseCoreInput | MultiPassInput]:
         """Host side: one SparseCore input per stack (data-dependent; runs on the CPU).
 
         Vectorised over features: the KJT is put in stacked order once (a no-op when it already is),
         then each stack's features are one contiguous slice of values and lengths.
         """
-        if features.values().device.type != "cpu":
-            # Under DMP, TorchRec's input distribution delivers the KJT on the device; preprocessing is
-            # host work (data-dependent shapes), so it reads host copies, as TorchRec's TPU path does.
-            features = features.to(torch.device("cpu"))
+        # Preprocessing is host work (data-dependent shapes). Under DMP the ids arrive on the host
+        # (tpurec.sharding.host_input_dist); a KJT a caller put on the device is copied back, counted.
+        features = host_copies.to_host(features, "ids")
         values, lengths, weights = self._stacked_arrays(features)
         batch = features.stride()
         padded = round_up(max(batch, 1), self.num_sc)
@@ -303,16 +306,16 @@ class SparseCoreKernel(nn.Module):
         # A kernel on "meta" holds no tables: a preprocessing-only kernel (benchmarks, pipelines
         # sizing buffers), whose inputs stay on the host.
         if device.type not in ("cpu", "meta"):
-            csrs = [_to_device(c, device) for c in csrs]
+            csrs = [c.to(device) for c in csrs]
         return csrs
 
-    def lookup(self, csrs: list[SparseCoreInput], batch: int) -> torch.Tensor:
+    def lookup(self, csrs: list[SparseCoreInput | MultiPassInput], batch: int) -> torch.Tensor:
         """Device side: pooled embeddings [batch, sum(dims)]; backward applies the fused update."""
         padded = round_up(max(batch, 1), self.num_sc)
         trigger = _trigger() if torch.is_grad_enabled() else None
         per_stack = []
         for i, (plan, csr) in enumerate(zip(self.stacks, csrs)):
-            direct = _writes_final_layout(self.stack_weight(i))
+            direct = _writes_final_layout(self.stack_weight(i)) and not isinstance(csr, MultiPassInput)
             out = _FusedLookup.apply(trigger, self, i, csr, batch, direct)
             if direct:
                 per_stack.append(out)
@@ -358,7 +361,9 @@ class SparseCoreKernel(nn.Module):
             raise ValueError("this kernel is weighted (is_weighted=True) but the KeyedJaggedTensor has no weights")
         return values, features.lengths(), weights if self.is_weighted else None
 
-    def _stack_input(self, i: int, values, lengths, weights, batch: int, padded: int) -> SparseCoreInput:
+    def _stack_input(
+        self, i: int, values, lengths, weights, batch: int, padded: int
+    ) -> SparseCoreInput | MultiPassInput:
         compiled = self._compiled_stack_input(i, values, lengths, weights, batch, padded)
         if compiled is not None:
             return compiled
@@ -381,15 +386,7 @@ class SparseCoreKernel(nn.Module):
         stacked_ids = lay.sparsecore_ids(ids + offsets.index_select(0, slot))
         common = dict(device_batch_size=n * padded, num_sc_per_device=self.num_sc, table_name=lay.name)
         if not self.fixed_limits:
-            csr, stats = preprocess(
-                stacked_ids,
-                samples,
-                gains,
-                max_ids_per_partition=self.max_ids_per_partition,
-                max_unique_ids_per_partition=self.max_unique_ids_per_partition,
-                allow_id_dropping=self.allow_id_dropping,
-                **common,
-            )
+            max_ids, max_uniq = self.max_ids_per_partition, self.max_unique_ids_per_partition
         else:
             if self._stack_limits[i] is None:
                 _, first = preprocess(stacked_ids, samples, gains, **common)
@@ -397,27 +394,34 @@ class SparseCoreKernel(nn.Module):
                 max_uniq = round_up(max(SEGMENT_ALIGN, 2 * first.max_unique_ids_per_partition), SEGMENT_ALIGN)
                 self._stack_limits[i] = (max_ids, min(max_uniq, max_ids))
             max_ids, max_uniq = self._stack_limits[i]
-            try:
-                csr, stats = preprocess(
-                    stacked_ids,
-                    samples,
-                    gains,
-                    max_ids_per_partition=max_ids,
-                    max_unique_ids_per_partition=max_uniq,
-                    allow_id_dropping=self.allow_id_dropping,
-                    **common,
-                )
-            except IdLimitExceededError as e:
-                raise IdLimitExceededError(
-                    f"{e} The limits of stack {lay.name!r} ({max_ids} ids, {max_uniq} unique ids per partition) "
-                    "are fixed so that buffer shapes never change (a TPU would recompile); "
-                    + (
-                        "they were set from the first batch (2x its fullest partition): "
-                        if self.max_ids_per_partition is None
-                        else ""
-                    )
-                    + "pass max_ids_per_partition / max_unique_ids_per_partition, or allow_id_dropping=True"
-                ) from None
+        csr: SparseCoreInput | MultiPassInput
+        try:
+            csr, stats = preprocess(
+                stacked_ids,
+                samples,
+                gains,
+                max_ids_per_partition=max_ids,
+                max_unique_ids_per_partition=max_uniq,
+                allow_id_dropping=self.allow_id_dropping,
+                **common,
+            )
+        except IdLimitExceededError:
+            # Over the limits and no dropping asked for: several passes that each fit, equal to the
+            # unsplit step (multipass.py); the buffers keep the limits' shapes.
+            assert max_ids is not None  # without limits nothing is over them
+            _, stats = preprocess(stacked_ids, samples, gains, **common)  # the batch's own demand
+            csr = split_into_passes(
+                stacked_ids,
+                samples,
+                gains,
+                device_batch_size=n * padded,
+                num_sc_per_device=self.num_sc,
+                max_ids_per_partition=max_ids,
+                max_unique_ids_per_partition=max_uniq or max_ids,
+                table_name=lay.name,
+            )
+            stats.passes = csr.passes
+            self.multipass_batches += 1
         self.last_stats[lay.name] = stats
         self.dropped_id_count += stats.dropped_id_count
         return csr
@@ -471,16 +475,19 @@ class SparseCoreKernel(nn.Module):
         )
 
     # -- fused update --------------------------------------------------------------------------
-    def apply_update(self, i: int, csr: SparseCoreInput, grad: torch.Tensor, lr: float) -> None:
+    def apply_update(self, i: int, csr: SparseCoreInput, grad: torch.Tensor, lr: float, new_step: bool = True) -> None:
         """Stack i's fused update: the optimizer spec runs its op on the stack's table and state.
         grad: [device_batch_size, width], or on CPU the [features, batch, dim] view of the kernel's
-        output gradient (read in place by the CPU reference, `reference.row_gradients_csr`)."""
+        output gradient (read in place by the CPU reference, `reference.row_gradients_csr`).
+        new_step: False for the later update passes of a step run in several (multipass.py): the
+        step count (Adam's bias correction) advances once per step."""
         grad = grad.to(torch.float32)
         if grad.dim() == 2:
             grad = grad.contiguous()
-        for hook in self.pre_update_hooks:
-            hook()
-        self._steps[i] += 1
+        if new_step:
+            for hook in self.pre_update_hooks:
+                hook()
+            self._steps[i] += 1
         states = [self.stack_state(i, s) for s in self.optimizer.state_names]
         self.optimizer.apply_update(
             csr,
@@ -502,16 +509,6 @@ class SparseCoreKernel(nn.Module):
         lr = float(group["lr"])
         check_hyperparameter(f"{self.optimizer.name} (param_groups)", "lr", lr)  # a scheduler or user may set it
         return lr
-
-
-def _to_device(csr: SparseCoreInput, device: torch.device) -> SparseCoreInput:
-    return replace(
-        csr,
-        row_pointers=csr.row_pointers.to(device),
-        embedding_ids=csr.embedding_ids.to(device),
-        sample_ids=csr.sample_ids.to(device),
-        gains=csr.gains.to(device),
-    )
 
 
 def stacked_samples(slot: torch.Tensor, b: torch.Tensor, n: int, padded: int, num_sc: int) -> torch.Tensor:
@@ -559,23 +556,39 @@ class _FusedLookup(torch.autograd.Function):
                 csr.num_partitions,
                 batch_major=(ctx.features, batch, kernel.stacks[i].layout.dim),
             )
-        return torch.ops.tpurec.sparse_dense_matmul(
-            csr.row_pointers,
-            csr.embedding_ids,
-            csr.sample_ids,
-            csr.gains,
-            kernel.stack_weight(i),
-            csr.device_batch_size,
-            csr.num_sc_per_device,
-            csr.num_partitions,
-            csr.max_ids_per_partition,
-            csr.max_unique_ids_per_partition,
-        )
+        if isinstance(csr, MultiPassInput):  # over its limits: the passes' lookups, summed
+            out = _lookup_op(csr.forward[0], weight)
+            for part in csr.forward[1:]:
+                out = out + _lookup_op(part, weight)
+            return out
+        return _lookup_op(csr, weight)
 
     @staticmethod
     def backward(ctx, grad):
-        kernel = ctx.kernel
+        kernel, csr = ctx.kernel, ctx.csr
         if ctx.direct:  # [batch, n * dim]: the CPU reference reads it in place
             grad = reference.batch_major_grad(grad, ctx.features)
-        kernel.apply_update(ctx.i, ctx.csr, grad, kernel.current_lr())
+        lr = kernel.current_lr()
+        if isinstance(csr, MultiPassInput):  # each row once, with its whole gradient
+            rows = csr.update_gradients(grad.to(torch.float32))
+            size = csr.device_batch_size
+            for p, part in enumerate(csr.updates):
+                kernel.apply_update(ctx.i, part, rows[p * size : (p + 1) * size], lr, new_step=p == 0)
+        else:
+            kernel.apply_update(ctx.i, csr, grad, lr)
         return None, None, None, None, None, None
+
+
+def _lookup_op(csr: SparseCoreInput, weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.tpurec.sparse_dense_matmul(
+        csr.row_pointers,
+        csr.embedding_ids,
+        csr.sample_ids,
+        csr.gains,
+        weight,
+        csr.device_batch_size,
+        csr.num_sc_per_device,
+        csr.num_partitions,
+        csr.max_ids_per_partition,
+        csr.max_unique_ids_per_partition,
+    )

@@ -22,7 +22,7 @@ import functools
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -48,6 +48,16 @@ class SparseCoreInput:
     max_ids_per_partition: int
     max_unique_ids_per_partition: int
 
+    def to(self, device: torch.device) -> SparseCoreInput:
+        """The same input with its tensors on `device`."""
+        return replace(
+            self,
+            row_pointers=self.row_pointers.to(device),
+            embedding_ids=self.embedding_ids.to(device),
+            sample_ids=self.sample_ids.to(device),
+            gains=self.gains.to(device),
+        )
+
 
 @dataclass
 class PreprocessStats:
@@ -57,6 +67,7 @@ class PreprocessStats:
     unique_ids_per_partition: torch.Tensor  # int64 [num_sc_per_device, P]
     required_buffer_size_per_sc: int  # COO slots the fullest SparseCore needs (8-aligned), before dropping
     dropped_id_count: int
+    passes: int = 1  # > 1: the batch was over its limits and ran in that many passes (multipass.py)
 
     @property
     def max_ids_per_partition(self) -> int:

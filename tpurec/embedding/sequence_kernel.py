@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from tpurec import host_copies
 from tpurec.embedding.constraints import SEGMENT_ALIGN, round_up
 from tpurec.embedding.kernel import SparseCoreKernel
 from tpurec.embedding.kjt_checks import check_kjt
@@ -95,8 +96,7 @@ class SparseCoreSequenceKernel(SparseCoreKernel):
         gather is needed. On a TPU the lookup's shape is fixed by the capacity, and slicing a prefix
         compiles nothing, where a gather of the batch's id count was a new program for every count
         (torchrec's TPU EmbeddingCollection slices the same way, `feat_emb[:actual_num_ids]`)."""
-        if features.values().device.type != "cpu":
-            features = features.to(torch.device("cpu"))  # host preprocessing (see SparseCoreKernel.preprocess)
+        features = host_copies.to_host(features, "ids")  # host preprocessing (see SparseCoreKernel.preprocess)
         check_kjt(features)
         keys = features.keys()
         if len(keys) != len(self.feature_order):  # positional: key k feeds the k-th feature slot

@@ -80,5 +80,8 @@ def activate(slice_name: str | None = None) -> EmulatedRank:
     torchtpu_dist.refuse_ddp_shape_check_across_hosts(spec.hosts)
     ops = torchtpu_ops.install(sparsecores=spec.generation.sparsecores)
     torchtpu_ops.route_adapter_to_cpu()
+    from tpurec.data.host_ids import mark_plain_batch_moves
+
+    mark_plain_batch_moves()  # what TorchRec's Batch.to moves is on the emulated TPU (tpurec.host_copies)
     _RANK = EmulatedRank(spec, local_rank, ops)
     return _RANK

@@ -18,6 +18,7 @@ from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.types import ParameterSharding, ShardingEnv
 
 from tpurec.embedding.constraints import DEFAULT_NUM_SPARSECORES
+from tpurec.sharding.host_input_dist import HostInputDistMixin
 from tpurec.sharding.kernel_choice import EC_SHARDING_TYPES
 from tpurec.sharding.kernel_module import SparseCoreEmbedding
 from tpurec.sharding.sharded_state import SparseCoreShardedMixin
@@ -37,7 +38,7 @@ class SparseCoreGroupedSequenceLookup(GroupedEmbeddingsLookup):
         return SparseCoreEmbedding(config, device, self._num_sc_per_device, self._sharding_type)
 
 
-class ShardedSparseCoreEC(SparseCoreShardedMixin, ShardedEmbeddingCollection):
+class ShardedSparseCoreEC(HostInputDistMixin, SparseCoreShardedMixin, ShardedEmbeddingCollection):
     STATE_PREFIX = "embeddings"
     CONFIGS_ATTR = "_embedding_configs"
 

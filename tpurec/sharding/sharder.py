@@ -23,6 +23,7 @@ from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingT
 
 from tpurec.embedding.constraints import DEFAULT_NUM_SPARSECORES
 from tpurec.embedding.sparsecores import resolve_num_sparsecores
+from tpurec.sharding.host_input_dist import HostInputDistMixin
 from tpurec.sharding.kernel_choice import COMPUTE_KERNEL, SHARDING_TYPES, sharding_types_for
 from tpurec.sharding.kernel_module import SparseCoreEmbeddingBag
 from tpurec.sharding.sharded_state import SparseCoreShardedMixin, shard_slice
@@ -53,7 +54,7 @@ def _sharding_type_of(sharding) -> ShardingType:
     raise ValueError(f"tpurec's SparseCore kernel does not support sharding {name} (supported: {SHARDING_TYPES})")
 
 
-class ShardedSparseCoreEBC(SparseCoreShardedMixin, ShardedEmbeddingBagCollection):
+class ShardedSparseCoreEBC(HostInputDistMixin, SparseCoreShardedMixin, ShardedEmbeddingBagCollection):
     STATE_PREFIX = "embedding_bags"
     CONFIGS_ATTR = "_embedding_bag_configs"
 

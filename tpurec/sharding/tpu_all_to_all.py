@@ -9,7 +9,9 @@ tpu_dist implements only even splits and pads them itself whenever `torch.tpu.is
 tpurec does not bet on either silently:
 
 * "padded" (default): TorchRec's own padding runs, as TorchRec decides on a TPU; its authors run it
-  on TPUs, at the price of an extra metadata all-gather and padded bytes per uneven all-to-all;
+  on TPUs, at the price of an extra metadata all-gather and padded bytes per uneven all-to-all.
+  Only for tensors on the TPU: the ids' all-to-all runs on the host over gloo (host_input_dist.py),
+  which takes uneven splits as they are;
 * "uneven": TorchRec's padding hooks answer "not uneven", which is TorchRec's own branch for the
   native call, so the uneven `all_to_all_single` goes to TorchTPU unpadded.
 
@@ -54,7 +56,22 @@ def select(mode: str | None = None) -> str:
         hooks.padded_all_to_all_single = _counting(_originals["padded_all_to_all_single"])
     for name in _HOOKS:
         setattr(hooks, name, _native if mode == "uneven" else _originals[name])
+    if mode == "padded":
+        hooks.maybe_kjt_a2a_uneven_tpu = _padded_on_device_only(_originals["maybe_kjt_a2a_uneven_tpu"])
     return mode
+
+
+def _padded_on_device_only(padded_kjt_all_to_all):
+    """TorchRec pads a KJT all-to-all whenever torch.tpu is available; ids kept on the host
+    (tpurec.sharding.host_input_dist) go over gloo, which takes uneven splits: no padding there."""
+    from tpurec.host_copies import on_device
+
+    def maybe_kjt_a2a_uneven_tpu(group, input_tensors, *args, **kwargs):
+        if not any(on_device(t) for t in input_tensors):
+            return None
+        return padded_kjt_all_to_all(group, input_tensors, *args, **kwargs)
+
+    return maybe_kjt_a2a_uneven_tpu
 
 
 def padded_calls() -> int:

@@ -1,0 +1,148 @@
+"""A batch over its id limits, run as several passes that each fit: never dropped, never failed.
+
+A SparseCore program's buffers are sized by the per-partition id limits (`max_ids_per_partition`,
+`max_unique_ids_per_partition`); on a TPU they are compiled in, so a heavier batch cannot get
+bigger buffers. jax-tpu-embedding's answer is minibatching (its docs, "Minibatching for SparseCore
+Embedding Lookups"): ids are bucketed so that every id lands in exactly one minibatch, lookups are
+accumulated over the minibatches and each minibatch's gradient is applied in turn, which equals the
+full batch because no row is updated twice. A row alone can still exceed a limit there (a hot id in
+more samples of one SparseCore slice than `max_ids_per_partition`).
+
+tpurec splits forward and backward differently, so that even such a row fits:
+
+* **forward**: the batch's (id, sample, gain) entries are cut into passes of at most
+  min(max ids, max unique ids) entries per (SparseCore slice, partition); each pass is an ordinary
+  SparseCore input of the fixed shapes, and the pooled output is the sum of the passes' outputs
+  (the lookup is linear in the entries);
+* **backward**: every row the batch touches gets one slot (a sample position) in one update pass;
+  the activation gradient of that slot is the row's whole gradient, sum over its entries of gain x
+  output gradient, gathered on the device into fixed-shape tensors; each update pass then holds one
+  entry per row (gain 1), so the fused optimizer sees each row once with its complete gradient, and
+  Adam's step count advances once for the step. Every optimizer's update equals the unsplit one's
+  (up to the order of float32 additions).
+
+All passes have the shapes of the fixed limits: on a TPU they reuse the step's programs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from tpurec.embedding.preprocess import SparseCoreInput, preprocess
+
+
+@dataclass
+class MultiPassInput:
+    """One stack's input when the batch is over its limits: what `lookup` and the fused update run."""
+
+    forward: list[SparseCoreInput]  # lookups, summed
+    updates: list[SparseCoreInput]  # fused updates, one entry per row, each row in exactly one
+    # Per batch entry: its sample (row of the output gradient), its row's slot over all update passes
+    # (pass x device_batch_size + slot) and its gain; the update passes' gradient is their scatter-sum.
+    entry_samples: torch.Tensor
+    entry_slots: torch.Tensor
+    entry_gains: torch.Tensor
+    device_batch_size: int
+
+    @property
+    def passes(self) -> int:
+        return max(len(self.forward), len(self.updates))
+
+    def update_gradients(self, grad: torch.Tensor) -> torch.Tensor:
+        """[update passes x device_batch_size, width]: the slot of each row holds its full gradient."""
+        out = grad.new_zeros(len(self.updates) * self.device_batch_size, grad.shape[1])
+        return out.index_add_(0, self.entry_slots, grad.index_select(0, self.entry_samples) * self.entry_gains[:, None])
+
+    def to(self, device: torch.device) -> MultiPassInput:
+        return replace(
+            self,
+            forward=[c.to(device) for c in self.forward],
+            updates=[c.to(device) for c in self.updates],
+            entry_samples=self.entry_samples.to(device),
+            entry_slots=self.entry_slots.to(device),
+            entry_gains=self.entry_gains.to(device),
+        )
+
+
+def split_into_passes(
+    ids: torch.Tensor,
+    samples: torch.Tensor,
+    gains: torch.Tensor,
+    *,
+    device_batch_size: int,
+    num_sc_per_device: int,
+    max_ids_per_partition: int,
+    max_unique_ids_per_partition: int,
+    table_name: str,
+) -> MultiPassInput:
+    """The passes of one stack's batch (SparseCore ids, device samples, gains) under fixed limits."""
+    num_sc = num_sc_per_device
+    parts = num_sc  # preprocess's partitions within a device (global_device_count 1)
+    per_slice = device_batch_size // num_sc
+    cap = min(max_ids_per_partition, max_unique_ids_per_partition)
+    limits = dict(
+        device_batch_size=device_batch_size,
+        num_sc_per_device=num_sc,
+        max_ids_per_partition=max_ids_per_partition,
+        max_unique_ids_per_partition=max_unique_ids_per_partition,
+        table_name=table_name,
+    )
+    ids_np = ids.numpy().astype(np.int64, copy=False)
+    smp_np = samples.numpy().astype(np.int64, copy=False)
+
+    # Forward: rank each entry within its (slice, partition) segment; pass = rank // cap.
+    segment = (smp_np // per_slice) * parts + ids_np % parts
+    fwd_pass = _rank_within(segment) // cap
+    forward = []
+    for p in range(int(fwd_pass.max()) + 1 if fwd_pass.size else 1):
+        mask = torch.from_numpy(fwd_pass == p)
+        forward.append(preprocess(ids[mask], samples[mask], gains[mask], **limits)[0])
+
+    # Backward: every distinct row gets (pass, slot); slot q lies in slice q // per_slice.
+    rows, entry_row = np.unique(ids_np, return_inverse=True)
+    row_part = rows % parts
+    if per_slice >= parts:  # every partition of a slice gets `each` slots of it per pass
+        groups, span, each = 1, parts, max(1, min(cap, per_slice // parts))
+    else:  # fewer slots than partitions in a slice: partitions take turns, one slot each
+        groups, span, each = -(-parts // per_slice), per_slice, 1
+    rank = _rank_within(row_part)  # the row's place among its partition's rows
+    slice_ = rank % num_sc
+    k = rank // num_sc
+    rounds = k // each
+    row_pass = rounds * groups + row_part // span
+    row_slot = slice_ * per_slice + (row_part % span) * each + k % each
+    num_updates = int(row_pass.max()) + 1 if rows.size else 1
+    updates = []
+    for p in range(num_updates):
+        mask = row_pass == p
+        updates.append(
+            preprocess(
+                torch.from_numpy(rows[mask]),
+                torch.from_numpy(row_slot[mask]),
+                torch.ones(int(mask.sum()), dtype=torch.float32),
+                **limits,
+            )[0]
+        )
+    slots = (row_pass * device_batch_size + row_slot)[entry_row]
+    return MultiPassInput(
+        forward=forward,
+        updates=updates,
+        entry_samples=samples.to(torch.int64),
+        entry_slots=torch.from_numpy(slots),
+        entry_gains=gains.to(torch.float32),
+        device_batch_size=device_batch_size,
+    )
+
+
+def _rank_within(keys: np.ndarray) -> np.ndarray:
+    """Each element's index among the elements with its key (0, 1, ... in input order)."""
+    order = np.argsort(keys, kind="stable")
+    sorted_keys = keys[order]
+    starts = np.flatnonzero(np.r_[True, sorted_keys[1:] != sorted_keys[:-1]]) if keys.size else np.zeros(0, np.int64)
+    run_start = np.repeat(starts, np.diff(np.r_[starts, keys.size]))
+    rank = np.empty(keys.size, dtype=np.int64)
+    rank[order] = np.arange(keys.size) - run_start
+    return rank
