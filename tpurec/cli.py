@@ -25,6 +25,13 @@ SUBCOMMANDS: dict[str, str] = {
 }
 
 
+# Actions of a subcommand implemented in a higher layer than the subcommand's own module:
+# module holding the subcommand's `actions` subparsers -> module implementing the action.
+SUB_ACTIONS: dict[str, str] = {
+    "tpurec.data.cli": "tpurec.sharding.limits_cli",  # `tpurec data stats`: limits for a plan's layout
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tpurec",
@@ -34,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in SUBCOMMANDS.values():
         importlib.import_module(module).register(sub)
+    for owner, module in SUB_ACTIONS.items():
+        importlib.import_module(module).register(importlib.import_module(owner).actions)
     return parser
 
 

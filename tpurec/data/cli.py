@@ -19,12 +19,14 @@ NAME_PRESETS = {
 
 
 _parser = None  # `tpurec data`, kept to print its help when no action is given
+# Its actions' subparsers: `tpurec.cli` adds actions of higher layers here (`stats` needs a plan).
+actions = None
 
 
 def register(sub) -> None:
-    global _parser
-    p = _parser = sub.add_parser("data", help="Criteo-style Parquet data: convert, synth, inspect")
-    dsub = p.add_subparsers(dest="data_command", metavar="ACTION")
+    global _parser, actions
+    p = _parser = sub.add_parser("data", help="Criteo-style Parquet data: convert, synth, inspect, stats")
+    dsub = actions = p.add_subparsers(dest="data_command", metavar="ACTION")
     p.set_defaults(run=run)  # each action overrides this with its own run
 
     c = dsub.add_parser(

@@ -1,0 +1,74 @@
+"""Id limits measured from the data (`tpurec data stats`) and read back for a layout."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from tpurec.cli import main
+from tpurec.embedding.demand import partition_demand
+from tpurec.embedding.kernel import KernelTable, SparseCoreKernel
+from tpurec.embedding.optimizers.sgd import SGDSpec
+from tpurec.sharding.id_limits import IdLimitsError, load_limits
+
+
+@pytest.mark.parametrize("rows,num_sc,batch", [(1000, 4, 64), (37, 2, 10), (5000, 8, 100)])
+def test_the_demand_is_counted_as_the_kernel_counts_it(rows, num_sc, batch):
+    gen = torch.Generator().manual_seed(rows)
+    table = KernelTable("t", rows, 8, ("f", "g"))
+    kernel = SparseCoreKernel([table], SGDSpec(lr=0.1), num_sc, stack_tables=False)
+    lengths = torch.randint(0, 9, (2 * batch,), generator=gen)
+    ids = torch.randint(0, rows, (int(lengths.sum()),), generator=gen)
+    ids[::3] = ids[0]  # repeats, within samples too: merged entries
+    kernel.preprocess(KeyedJaggedTensor(keys=["f", "g"], values=ids, lengths=lengths))
+    stats = next(iter(kernel.last_stats.values()))
+    samples = np.repeat(np.arange(2 * batch) % batch, lengths.numpy())
+    features = np.repeat(np.arange(2 * batch) // batch, lengths.numpy())
+    got = partition_demand(ids.numpy(), samples, features, rows=rows, num_partitions=num_sc, batch=batch)
+    assert got == (stats.max_ids_per_partition, stats.max_unique_ids_per_partition)
+
+
+def test_data_stats_writes_limits_for_the_plans_layout(synth_dir, tmp_path, capsys):
+    out = tmp_path / "limits.json"
+    assert (
+        main(["data", "stats", str(synth_dir), "--model", "dlrm-tiny", "--topology", "v5p-8", "--out", str(out)]) == 0
+    )
+    doc = json.loads(out.read_text())
+    layout = {"topology": "v5p-8", "world_size": 4, "sparsecores_per_device": 4, "batch_size_per_device": 512}
+    assert doc["layout"] == layout and doc["rows"] == 5000 and doc["batches"] == 3
+    assert len(doc["tables"]) == 26
+    for t in doc["tables"].values():
+        assert 8 <= t["max_unique_ids_per_partition"] <= t["max_ids_per_partition"]
+        assert t["max_ids_per_partition"] % 8 == 0 and t["max_ids_per_partition"] >= t["observed"]["max_ids"]
+        assert t["observed"]["p50_ids"] <= t["observed"]["max_ids"]
+    # never above the worst case the planner assumes (every id of a slice in one partition: 512, which
+    # the 3-row table reaches), and far below it over the tables
+    limits = [t["max_ids_per_partition"] for t in doc["tables"].values()]
+    assert max(limits) == 512 and sum(lim < 512 for lim in limits) >= 20
+    limits = load_limits(str(out), layout)
+    assert set(limits) == set(doc["tables"]) and all(a >= b for a, b in limits.values())
+    other = dict(layout, topology="v5p-16", world_size=8)
+    with pytest.raises(IdLimitsError, match=r"measured for v5p-8 \(4 devices.*not v5p-16 \(8 devices"):
+        load_limits(str(out), other)
+
+
+def test_a_limits_file_that_is_not_one_is_refused_in_one_line(tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text("[1, 2]")
+    with pytest.raises(IdLimitsError, match="not a limits file"):
+        load_limits(str(bad))
+    bad.write_text(json.dumps({"format": "tpurec-id-limits", "tables": {"t": {"max_ids_per_partition": "x"}}}))
+    with pytest.raises(IdLimitsError, match="table 't' needs integer"):
+        load_limits(str(bad))
+    with pytest.raises(IdLimitsError, match="No such file"):
+        load_limits(str(tmp_path / "missing.json"))
+
+
+def test_data_stats_refuses_an_unwritable_output_before_the_pass(synth_dir, tmp_path, capsys):
+    args = ["data", "stats", str(synth_dir), "--model", "dlrm-tiny", "--topology", "v5p-8"]
+    assert main([*args, "--out", str(tmp_path / "no" / "such" / "dir" / "l.json")]) == 2
+    assert "cannot write into" in capsys.readouterr().err

@@ -1,0 +1,190 @@
+"""Id limits measured from the data, for the layout a plan gives: `tpurec data stats`, and reading them back.
+
+For every table of a plan (a `tpurec plan --format json` report), each of its shards serves the
+global batch (batch per device x devices: TorchRec's input all-to-all brings every rank's ids for a
+table to the shard's device), with the slice generation's SparseCores as partitions, and row-wise
+shards only their own rows. One streaming pass over a Parquet dataset, in global batches, counts
+each batch's fullest segment per table (tpurec.embedding.demand: the kernel's own counting) and keeps
+the maximum over shards and batches, and high quantiles. The recommended limit is the observed
+maximum plus `HEADROOM`, 8-aligned, and never above what a segment can hold (a SparseCore slice's
+samples x the most ids a sample had): a later batch over it is not lost, it runs in several passes
+(tpurec.embedding.multipass), so the headroom only trades buffer bytes against extra passes.
+
+The JSON (`FORMAT`): `layout` (what the figures are for) and `tables`, each table with at least
+`max_ids_per_partition` and `max_unique_ids_per_partition`. Limits for another layout are refused,
+naming both.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from tpurec.embedding.constraints import SEGMENT_ALIGN, round_up
+from tpurec.embedding.demand import partition_demand
+
+FORMAT = "tpurec-id-limits"
+HEADROOM = 0.10  # over the observed maximum: batches heavier than any seen stay in one pass
+QUANTILES = (0.5, 0.99, 0.999)
+
+
+class IdLimitsError(ValueError):
+    """A limits file that cannot be used here (malformed, or measured for another layout)."""
+
+
+@dataclass
+class TableLayout:
+    name: str
+    features: list[str]
+    rows: int
+    shards: list[tuple[int, int]]  # (first row, rows) of each distinct row range
+
+
+def layout_of(report: dict) -> dict:
+    """What measured limits depend on, from a plan report."""
+    from tpurec.embedding.constraints import DEFAULT_NUM_SPARSECORES
+    from tpurec.sharding.topology import parse_slice
+
+    world = int(report["world_size"])
+    on_tpu = report.get("compute_device") == "tpu"
+    # a CPU plan runs the kernel with its default SparseCore count (tpurec.embedding.sparsecores)
+    sparsecores = parse_slice(report["topology"]).generation.sparsecores if on_tpu else DEFAULT_NUM_SPARSECORES
+    return {
+        "topology": report["topology"],
+        "world_size": world,
+        "sparsecores_per_device": int(sparsecores),
+        "batch_size_per_device": int(report["batch_size_per_device"]),
+    }
+
+
+def table_layouts(report: dict) -> list[TableLayout]:
+    out = []
+    for t in report["tables"]:
+        ranges = sorted({(int(s["offsets"][0]), int(s["sizes"][0])) for s in t["shards"]})
+        out.append(TableLayout(t["name"], list(t["features"]), int(t["rows"]), ranges))
+    return out
+
+
+class DemandTally:
+    """Per table: the fullest segment of every batch seen (entries, distinct ids)."""
+
+    def __init__(self, tables: list[TableLayout], layout: dict):
+        self.tables = tables
+        self.partitions = layout["sparsecores_per_device"]
+        self.batch = layout["batch_size_per_device"] * layout["world_size"]
+        self.per_slice = round_up(self.batch, self.partitions) // self.partitions  # samples per SparseCore
+        # per batch: (entries, distinct ids) of the fullest segment, and the ids of the fullest sample
+        self.per_batch: dict[str, list[tuple[int, int, int]]] = {t.name: [] for t in tables}
+
+    def add(self, kjt, pool: ThreadPoolExecutor | None = None) -> None:
+        """One global batch (a KeyedJaggedTensor whose keys include every table's features)."""
+        index = {k: i for i, k in enumerate(kjt.keys())}
+        values, lengths = kjt.values().numpy(), kjt.lengths().numpy()
+        stride = kjt.stride()
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        missing = sorted({f for t in self.tables for f in t.features} - set(index))
+        if missing:
+            raise IdLimitsError(f"the data has no column(s) {missing} (it has {list(index)})")
+
+        def one(t: TableLayout) -> tuple[int, int, int]:
+            parts = []
+            for slot, f in enumerate(t.features):
+                k = index[f]
+                lo, hi = offsets[k * stride], offsets[(k + 1) * stride]
+                ls = lengths[k * stride : (k + 1) * stride]
+                parts.append((values[lo:hi], np.repeat(np.arange(stride), ls), np.full(hi - lo, slot)))
+            ids = np.concatenate([p[0] for p in parts]).astype(np.int64)
+            samples = np.concatenate([p[1] for p in parts])
+            feats = np.concatenate([p[2] for p in parts])
+            best = (0, 0)
+            most = int(np.bincount(samples).max()) if samples.size else 0  # ids of the fullest sample
+            for first, rows in t.shards:
+                mine = (ids >= first) & (ids < first + rows) if len(t.shards) > 1 else slice(None)
+                d = partition_demand(
+                    ids[mine] - first,
+                    samples[mine],
+                    feats[mine],
+                    rows=rows,
+                    num_partitions=self.partitions,
+                    batch=self.batch,
+                )
+                best = (max(best[0], d[0]), max(best[1], d[1]))
+            return best + (most,)
+
+        results = pool.map(one, self.tables) if pool is not None else map(one, self.tables)
+        for t, r in zip(self.tables, results):
+            self.per_batch[t.name].append(r)
+
+    def result(self) -> dict:
+        tables = {}
+        for name, seen in self.per_batch.items():
+            a = np.array(seen, dtype=np.int64).reshape(-1, 3)
+            ids, uniq = a[:, 0], a[:, 1]
+            # No segment can hold more than a SparseCore slice's samples x the fullest sample's ids.
+            ceiling = round_up(max(1, self.per_slice * int(a[:, 2].max() if a.size else 1)), SEGMENT_ALIGN)
+            rec_ids = min(recommended(int(ids.max()) if ids.size else 0), ceiling)
+            rec_uniq = min(recommended(int(uniq.max()) if uniq.size else 0), rec_ids)
+            tables[name] = {
+                "max_ids_per_partition": rec_ids,
+                "max_unique_ids_per_partition": rec_uniq,
+                "observed": {
+                    "max_ids": int(ids.max()) if ids.size else 0,
+                    "max_unique_ids": int(uniq.max()) if uniq.size else 0,
+                    **{f"p{_pct(q)}_ids": _quantile(ids, q) for q in QUANTILES},
+                    **{f"p{_pct(q)}_unique_ids": _quantile(uniq, q) for q in QUANTILES},
+                },
+            }
+        return tables
+
+
+def recommended(observed_max: int) -> int:
+    return round_up(max(SEGMENT_ALIGN, math.ceil(observed_max * (1 + HEADROOM))), SEGMENT_ALIGN)
+
+
+def _pct(q: float) -> str:
+    return f"{q * 100:g}".replace(".", "")
+
+
+def _quantile(a: np.ndarray, q: float) -> int:
+    return int(np.quantile(a, q, method="higher")) if a.size else 0
+
+
+def load_limits(path: str, layout: dict | None = None) -> dict[str, tuple[int, int]]:
+    """{table: (max ids, max unique ids)} from a limits file; with `layout`, refused unless the file
+    was measured for it."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except OSError as e:
+        raise IdLimitsError(f"--limits {path}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise IdLimitsError(f"--limits {path}: not JSON ({e.msg}, line {e.lineno})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("tables"), dict):
+        raise IdLimitsError(f"--limits {path}: not a limits file (write one with `tpurec data stats`)")
+    if layout is not None and doc.get("layout") != layout:
+        raise IdLimitsError(f"--limits {path} was measured for {_describe(doc.get('layout'))}, not {_describe(layout)}")
+    out = {}
+    for name, t in doc["tables"].items():
+        try:
+            ids, uniq = int(t["max_ids_per_partition"]), int(t["max_unique_ids_per_partition"])
+        except (KeyError, TypeError, ValueError):
+            raise IdLimitsError(
+                f"--limits {path}: table {name!r} needs integer max_ids_per_partition and max_unique_ids_per_partition"
+            ) from None
+        if ids < 1 or uniq < 1:
+            raise IdLimitsError(f"--limits {path}: table {name!r}: limits must be >= 1, got {ids} / {uniq}")
+        out[str(name)] = (ids, uniq)
+    return out
+
+
+def _describe(layout) -> str:
+    if not isinstance(layout, dict):
+        return "an unknown layout"
+    return (
+        f"{layout.get('topology')} ({layout.get('world_size')} devices, {layout.get('sparsecores_per_device')} "
+        f"SparseCores each, batch {layout.get('batch_size_per_device')} per device)"
+    )

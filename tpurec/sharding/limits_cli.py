@@ -1,0 +1,147 @@
+"""`tpurec data stats DIR`: one streaming pass over a Parquet dataset measuring each table's id limits
+for the layout a plan gives (tpurec.sharding.id_limits), written as a limits file.
+
+  tpurec data stats DIR --model dlrm-tiny --topology v5p-8 --out limits.json
+  tpurec data stats DIR --model dlrm-tiny --plan P.json --out limits.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from tpurec.argtypes import positive_int
+from tpurec.catalog import MODEL_NAMES, TRAINING_DEFAULTS
+
+
+def register(actions) -> None:
+    s = actions.add_parser(
+        "stats",
+        help="measure per-table id limits for a plan's layout (for --limits)",
+        description="One pass over a Parquet dataset: per table, the ids and unique ids per SparseCore "
+        "partition each global batch puts on its shard, for the layout of a plan (--plan) or of the "
+        "plan tpurec makes for --topology; writes the limits to use with --limits.",
+        epilog="example: tpurec data stats data/ --model dlrm-tiny --topology v5p-8 --out limits.json",
+    )
+    s.add_argument("path", metavar="DIR", help="a dataset directory (tpurec data convert / synth)")
+    src = s.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", choices=MODEL_NAMES, help="a named table set")
+    src.add_argument("--tables", metavar="FILE", help="tables from a .json / .yaml file (as tpurec plan)")
+    where = s.add_mutually_exclusive_group(required=True)
+    where.add_argument("--topology", metavar="SLICE", help="plan for this slice first (as tpurec plan)")
+    where.add_argument("--plan", metavar="P.json", help="a saved plan (tpurec plan --format json)")
+    s.add_argument("--batch-size", type=positive_int, default=None, help="batch per device (default: as tpurec plan)")
+    s.add_argument("--out", required=True, metavar="FILE", help="the limits file to write (JSON)")
+    s.add_argument("--threads", type=positive_int, default=None, help="tables counted in parallel (default: cores)")
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from tpurec.data.cli import user_errors
+
+    return user_errors(_run)(args)
+
+
+def _check_out(path: str) -> None:
+    """Refuse an output that cannot be written, before the pass."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"--out {path} is a directory")
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise ValueError(f"--out {path}: cannot write into {parent}")
+
+
+def _report(args) -> dict:
+    from tpurec.sharding import inspect
+
+    if args.plan:
+        return inspect.report_from_file(args.plan)
+    tables = _tables(args)
+    trained = TRAINING_DEFAULTS.get(args.model)
+    batch = args.batch_size or (trained.batch_size if trained else 256)
+    optimizer = trained.embedding_optimizer if trained else "rowwise_adagrad"
+    return inspect.plan_tables(tables, args.topology, batch_size=batch, optimizer=optimizer, model=args.model)
+
+
+def _tables(args) -> list:
+    """The model's tables, with the row counts the data's ids index into (as `tpurec train` builds them)."""
+    from dataclasses import replace
+
+    from tpurec.data.schema import dataset_metadata
+
+    if args.tables:
+        from tpurec.sharding.tables_file import load_tables
+
+        return load_tables(args.tables)
+    from tpurec.catalog import get_table_set
+
+    tables = list(get_table_set(args.model).tables)
+    sparse = dataset_metadata(args.path).get("sparse", [])
+    if len(sparse) == len(tables):
+        tables = [
+            replace(t, num_embeddings=int(f["num_embeddings"])) if f.get("num_embeddings") is not None else t
+            for t, f in zip(tables, sparse)
+        ]
+    return tables
+
+
+def _run(args) -> int:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tqdm import tqdm
+
+    from tpurec.data.reader import ParquetReader
+    from tpurec.sharding.id_limits import FORMAT, DemandTally, layout_of, table_layouts
+
+    _check_out(args.out)
+    if not os.path.isdir(args.path):
+        raise ValueError(f"{args.path}: not a dataset directory (make one with `tpurec data convert`)")
+    report = _report(args)
+    if args.model and args.plan and report.get("model") not in (None, args.model):
+        raise ValueError(f"--plan {args.plan} is a plan for {report.get('model')!r}, not --model {args.model}")
+    layout = layout_of(report)
+    tables = table_layouts(report)
+    global_batch = layout["batch_size_per_device"] * layout["world_size"]
+    reader = ParquetReader(args.path, batch_size=global_batch, shuffle=False, drop_last=False)
+    tally = DemandTally(tables, layout)
+    threads = args.threads or os.cpu_count() or 1
+    show = not args.quiet and sys.stderr.isatty()
+    start = time.perf_counter()
+    rows = 0
+    with (
+        ThreadPoolExecutor(threads) as pool,
+        tqdm(total=len(reader), unit="batch", disable=not show, desc="tpurec data stats") as bar,
+    ):
+        for batch in reader:
+            tally.add(batch.sparse_features, pool if threads > 1 else None)
+            rows += batch.sparse_features.stride()
+            bar.update(1)
+    seconds = time.perf_counter() - start
+    if rows == 0:
+        raise ValueError(f"{args.path}: no rows to measure")
+    doc = {
+        "format": FORMAT,
+        "version": 1,
+        "layout": layout,
+        "data": os.path.abspath(args.path),
+        "plan": args.plan or f"tpurec plan for {args.topology}",
+        "rows": rows,
+        "batches": len(tally.per_batch[tables[0].name]) if tables else 0,
+        "seconds": round(seconds, 3),
+        "rows_per_s": round(rows / seconds, 1) if seconds > 0 else None,
+        "tables": tally.result(),
+    }
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    worst = max(doc["tables"].items(), key=lambda kv: kv[1]["max_ids_per_partition"], default=None)
+    print(
+        f"wrote {args.out}: {len(tables)} tables, {rows:,} rows in {doc['batches']} global batches of {global_batch} "
+        f"({doc['rows_per_s']:,.0f} rows/s)"
+        + (f"; largest limit {worst[1]['max_ids_per_partition']} ids per partition ({worst[0]})" if worst else ""),
+        file=sys.stderr,
+    )
+    return 0
