@@ -72,3 +72,39 @@ def test_data_stats_refuses_an_unwritable_output_before_the_pass(synth_dir, tmp_
     args = ["data", "stats", str(synth_dir), "--model", "dlrm-tiny", "--topology", "v5p-8"]
     assert main([*args, "--out", str(tmp_path / "no" / "such" / "dir" / "l.json")]) == 2
     assert "cannot write into" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def limits_file(synth_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("limits") / "limits.json"
+    assert (
+        main(["data", "stats", str(synth_dir), "--model", "dlrm-tiny", "--topology", "v5p-8", "--out", str(out)]) == 0
+    )
+    return out
+
+
+def test_the_planner_sizes_buffers_from_measured_limits_with_the_worst_case_beside(limits_file, tmp_path, capsys):
+    worst, measured = tmp_path / "w.json", tmp_path / "m.json"
+    base = ["plan", "--model", "dlrm-tiny", "--topology", "v5p-8", "--format", "json", "--out"]
+    assert main([*base, str(worst)]) == 0
+    assert main([*base, str(measured), "--limits", str(limits_file)]) == 0
+    w, m = json.loads(worst.read_text()), json.loads(measured.read_text())
+    for dw, dm in zip(w["devices"], m["devices"]):
+        assert dm["worst_case_buffers_bytes"] == dw["buffers_bytes"] == dw["worst_case_buffers_bytes"]
+        assert dm["buffers_bytes"] < 0.7 * dw["buffers_bytes"]
+    assert m["assumptions"]["id_limit"].startswith("measured")
+    # a saved plan re-reports with the same figures
+    assert main(["plan", "show", str(measured), "--format", "json", "--out", str(tmp_path / "s.json")]) == 0
+    shown = json.loads((tmp_path / "s.json").read_text())
+    assert [d["buffers_bytes"] for d in shown["devices"]] == [d["buffers_bytes"] for d in m["devices"]]
+    # limits measured for another layout: one line naming both, exit 2
+    capsys.readouterr()
+    assert (
+        main(
+            ["plan", "--model", "dlrm-tiny", "--topology", "v5p-8", "--batch-size", "256", "--limits", str(limits_file)]
+        )
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert "measured for v5p-8 (4 devices, 4 SparseCores each, batch 512" in err and "batch 256 per device" in err
+    assert len(err.strip().splitlines()) == 1

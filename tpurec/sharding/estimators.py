@@ -31,6 +31,7 @@ from tpurec.embedding.constraints import (
 )
 from tpurec.embedding.optimizers.registry import spec_class
 from tpurec.sharding import cpu_cost
+from tpurec.sharding.id_limits import IdLimits
 from tpurec.sharding.topology import CPU_GENERATION, SliceSpec, cpu_spec
 
 ID_BYTES = 4  # int32 ids on the wire and in the SparseCore buffers
@@ -110,6 +111,7 @@ def shard_cost(
     pooled: bool = True,
     num_features: int = 1,
     weighted: bool = False,
+    max_ids_per_partition: int | None = None,
 ) -> ShardCost:
     """Cost of one shard of `rows` x `cols` on its device.
 
@@ -120,6 +122,8 @@ def shard_cost(
     carries a float32 weight on the wire.
     `pooled` False: a sequence table (EmbeddingCollection), whose output is one row per id, so
     activations and the output collectives scale with ids (`pooling_factor` = mean sequence length).
+    `max_ids_per_partition`: the SparseCore buffers' limit (measured, `tpurec data stats`); None: the
+    worst case, every id of a SparseCore's sample slice in one partition.
     """
     ns = max(1, spec.generation.sparsecores)
     samples = batch_per_device * world_size  # every shard serves the global batch
@@ -128,7 +132,7 @@ def shard_cost(
     weights = local_rows * width * elem_bytes
     state_bytes = spec_class(optimizer).state_bytes_per_row(width)  # `optimizer` is a registry name
     opt = state_bytes * local_rows
-    max_ids = worst_case_max_ids_per_partition(samples, pooling_factor, ns)
+    max_ids = max_ids_per_partition or worst_case_max_ids_per_partition(samples, pooling_factor, ns)
     buffers = csr_buffer_bytes(max_ids, ns)
     row_group = num_shards if sharding_type in ROW_WISE else 1
     # Pooled: one row per sample and feature. Unpooled: one row per id, and a row shard only returns
@@ -210,11 +214,21 @@ def table_elem_bytes(dtype, compute_device: str) -> int:
 
 
 def option_costs(
-    option: ShardingOption, spec: SliceSpec, world_size: int, optimizer: str, compute_device: str = "tpu"
+    option: ShardingOption,
+    spec: SliceSpec,
+    world_size: int,
+    optimizer: str,
+    compute_device: str = "tpu",
+    limits: IdLimits | None = None,
 ) -> List[ShardCost]:
     pooling = float(sum(option.input_lengths)) if option.input_lengths else 1.0
     is_weighted = getattr(option.module[1], "is_weighted", None)  # EmbeddingBagCollection.is_weighted()
     weighted = bool(is_weighted()) if callable(is_weighted) else False
+    max_ids = (
+        limits.max_ids(option.name, option.batch_size * world_size, pooling, max(1, spec.generation.sparsecores))
+        if limits is not None
+        else None
+    )
     return [
         shard_cost(
             sharding_type=option.sharding_type,
@@ -230,6 +244,7 @@ def option_costs(
             pooled=option.is_pooled,
             num_features=max(1, len(option.input_lengths or [])),
             weighted=weighted,
+            max_ids_per_partition=max_ids,
         )
         for shard in option.shards
     ]
@@ -241,8 +256,10 @@ class _TpuEstimator(ShardEstimator):
         topology: Topology,
         constraints: Dict[str, ParameterConstraints] | None = None,
         optimizer: str = "sgd",
+        limits: IdLimits | None = None,
     ) -> None:
         spec_class(optimizer)  # refuses an unknown name now, not at the first estimate
+        self._limits = limits
         self._topology = topology
         self._constraints = constraints
         self._optimizer = optimizer
@@ -259,7 +276,12 @@ class TpuStorageEstimator(_TpuEstimator):
             for shard, cost in zip(
                 option.shards,
                 option_costs(
-                    option, self._spec, self._topology.world_size, self._optimizer, self._topology.compute_device
+                    option,
+                    self._spec,
+                    self._topology.world_size,
+                    self._optimizer,
+                    self._topology.compute_device,
+                    self._limits,
                 ),
             ):
                 shard.storage = Storage(hbm=0, ddr=cost.bytes) if on_cpu else Storage(hbm=cost.bytes, ddr=0)
@@ -273,7 +295,12 @@ class TpuPerfEstimator(_TpuEstimator):
             for shard, cost in zip(
                 option.shards,
                 option_costs(
-                    option, self._spec, self._topology.world_size, self._optimizer, self._topology.compute_device
+                    option,
+                    self._spec,
+                    self._topology.world_size,
+                    self._optimizer,
+                    self._topology.compute_device,
+                    self._limits,
                 ),
             ):
                 shard.perf = Perf(

@@ -46,19 +46,7 @@ class TableLayout:
 
 def layout_of(report: dict) -> dict:
     """What measured limits depend on, from a plan report."""
-    from tpurec.embedding.constraints import DEFAULT_NUM_SPARSECORES
-    from tpurec.sharding.topology import parse_slice
-
-    world = int(report["world_size"])
-    on_tpu = report.get("compute_device") == "tpu"
-    # a CPU plan runs the kernel with its default SparseCore count (tpurec.embedding.sparsecores)
-    sparsecores = parse_slice(report["topology"]).generation.sparsecores if on_tpu else DEFAULT_NUM_SPARSECORES
-    return {
-        "topology": report["topology"],
-        "world_size": world,
-        "sparsecores_per_device": int(sparsecores),
-        "batch_size_per_device": int(report["batch_size_per_device"]),
-    }
+    return plan_layout(report["topology"], int(report["batch_size_per_device"]))
 
 
 def table_layouts(report: dict) -> list[TableLayout]:
@@ -151,6 +139,63 @@ def _pct(q: float) -> str:
 
 def _quantile(a: np.ndarray, q: float) -> int:
     return int(np.quantile(a, q, method="higher")) if a.size else 0
+
+
+@dataclass
+class IdLimits:
+    """Measured limits for the planner and inspector: each table's max ids per partition for the
+    layout measured, and for any other layout the same fraction of that layout's worst case (every
+    id of a SparseCore's sample slice in one partition) — how `smallest_fitting_topology` tries
+    other slices with them."""
+
+    tables: dict[str, tuple[int, int]]
+    layout: dict
+    source: str = ""
+
+    def max_ids(self, table: str, samples: int, pooling_factor: float, sparsecores: int) -> int | None:
+        """The buffers' max ids per partition for `table` served `samples` samples (None: not measured)."""
+        from tpurec.embedding.constraints import worst_case_max_ids_per_partition
+
+        if table not in self.tables:
+            return None
+        measured = self.tables[table][0]
+        worst = worst_case_max_ids_per_partition(samples, pooling_factor, sparsecores)
+        here = self.layout["batch_size_per_device"] * self.layout["world_size"]
+        if samples == here and sparsecores == self.layout["sparsecores_per_device"]:
+            return min(measured, worst)
+        then = worst_case_max_ids_per_partition(here, pooling_factor, self.layout["sparsecores_per_device"])
+        return min(worst, round_up(max(1, math.ceil(worst * measured / then)), SEGMENT_ALIGN))
+
+    def to_json(self) -> dict:
+        return {"layout": self.layout, "source": self.source, "tables": {k: list(v) for k, v in self.tables.items()}}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> IdLimits:
+        return cls({k: (int(v[0]), int(v[1])) for k, v in doc["tables"].items()}, doc["layout"], doc.get("source", ""))
+
+
+def read_limits(path: str, layout: dict) -> IdLimits:
+    """A limits file as IdLimits, refused unless measured for `layout`."""
+    return IdLimits(load_limits(path, layout), layout, str(path))
+
+
+def plan_layout(topology: str, batch_size_per_device: int) -> dict:
+    """The layout a plan of `topology` at this batch has (what `layout_of` reads from its report)."""
+    from tpurec.embedding.constraints import DEFAULT_NUM_SPARSECORES
+    from tpurec.sharding.topology import parse_slice
+
+    if topology.lower().startswith("cpu-"):
+        # a CPU plan runs the kernel with its default SparseCore count (tpurec.embedding.sparsecores)
+        world, sparsecores = int(topology.split("-", 1)[1]), DEFAULT_NUM_SPARSECORES
+    else:
+        spec = parse_slice(topology)
+        world, sparsecores = spec.world_size, spec.generation.sparsecores
+    return {
+        "topology": topology,
+        "world_size": world,
+        "sparsecores_per_device": int(sparsecores),
+        "batch_size_per_device": int(batch_size_per_device),
+    }
 
 
 def load_limits(path: str, layout: dict | None = None) -> dict[str, tuple[int, int]]:

@@ -6,12 +6,14 @@ planner believed. `build_report` returns the JSON document of `tpurec plan --for
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict
 from typing import Iterable
 
 from tpurec.catalog import TableSpec
 from tpurec.embedding import dtypes
 from tpurec.sharding.estimators import shard_cost, table_elem_bytes
+from tpurec.sharding.id_limits import IdLimits
 from tpurec.sharding.report_text import diff_reports, fitting_text, format_text  # noqa: F401 (re-exported)
 from tpurec.sharding.topology import SliceSpec
 
@@ -36,7 +38,10 @@ def build_report(
     reserved: int = 0,
     headroom_fraction: float = 0.0,
     model: str | None = None,
+    limits=None,
 ) -> dict:
+    """The plan's report. `limits` (tpurec.sharding.id_limits.IdLimits): SparseCore buffers sized
+    from measured id limits; each device's `worst_case_buffers_bytes` keeps the worst case beside."""
     from tpurec.sharding.plan_io import plan_to_dict
 
     by_name = {t.name: t for t in tables}
@@ -50,6 +55,7 @@ def build_report(
             hbm_capacity_bytes=cap,
             reserved_bytes=reserved,
             **{f"{k}_bytes": 0 for k in keys},
+            worst_case_buffers_bytes=0,
             estimated_time_ms=0.0,
             lookup_ms=0.0,
             update_ms=0.0,
@@ -67,8 +73,14 @@ def build_report(
             dtype = dtypes.from_name(t.data_type)
             stored = dtypes.short_name(dtypes.stored_dtype(dtype, compute_device))
             total_bytes, total_ms, shard_rows = 0, 0.0, []
+            measured = (
+                limits.max_ids(name, batch_size * world, t.pooling_factor, max(1, spec.generation.sparsecores))
+                if limits is not None
+                else None
+            )
             for rank, offsets, sizes in shards:
-                c = shard_cost(
+                cost = functools.partial(
+                    shard_cost,
                     sharding_type=ps.sharding_type,
                     rows=sizes[0],
                     cols=sizes[1],
@@ -83,7 +95,9 @@ def build_report(
                     weighted=t.weighted,
                     pooled=t.pooling != "none",
                 )
+                c = cost(max_ids_per_partition=measured)
                 d = devices[rank]
+                d["worst_case_buffers_bytes"] += cost().buffers if measured else c.buffers
                 for k in keys:
                     d[f"{k}_bytes"] += getattr(c, k)
                 d["hbm_used_bytes"] += c.bytes
@@ -148,7 +162,9 @@ def build_report(
             "dcn_bw_per_host_bytes_per_s": spec.dcn_bw_per_host,
             "all_to_all_efficiency": spec.a2a_efficiency,
             "headroom_fraction": headroom_fraction,
-            "id_limit": "worst case: every id of a SparseCore's sample slice in one partition",
+            "id_limit": f"measured: {limits.source or 'limits'} ({len(limits.tables)} tables; others the worst case)"
+            if limits is not None
+            else "worst case: every id of a SparseCore's sample slice in one partition",
         },
         "tables": rows,
         "devices": devices,
@@ -163,6 +179,7 @@ def build_report(
             "sc_gather_fraction": spec.sc_gather_fraction,
             "dcn_bw_per_host": spec.dcn_bw_per_host,
             "tables": [asdict(t) | {"extra_features": list(t.extra_features)} for t in by_name.values()],  # JSON lists
+            "id_limits": limits.to_json() if limits is not None else None,  # so `plan show` sizes buffers alike
         },
         "plan": plan_to_dict(plan),
     }
@@ -301,6 +318,7 @@ def plan_module(
     sc_gather_fraction: float | None = None,
     dcn_bw_per_host: float | None = None,
     headroom_fraction: float | None = None,
+    limits=None,
 ) -> dict:
     """Plan `module` (its EmbeddingBagCollections, `tables` describing them) and return the report.
 
@@ -314,7 +332,7 @@ def plan_module(
     assumptions = dict(sc_gather_fraction=sc_gather_fraction, dcn_bw_per_host=dcn_bw_per_host)
     topo = _topology_for(topology, **assumptions)
     headroom = P.DEFAULT_HEADROOM_FRACTION if headroom_fraction is None else headroom_fraction
-    kw = dict(batch_size=batch_size, optimizer=optimizer, constraints=constraints)
+    kw = dict(batch_size=batch_size, optimizer=optimizer, constraints=constraints, limits=limits)
     refusal = None
     try:
         plan = P.plan(module, topo, storage_reservation=P.TpuStorageReservation(headroom), **kw)
@@ -333,6 +351,7 @@ def plan_module(
         reserved=P.TpuStorageReservation(headroom).amount(module, batch_size, cap),
         headroom_fraction=headroom,
         model=model,
+        limits=limits,
     )
     if refusal is not None:
         from tpurec.sharding.sizing import smallest_fitting_topology
@@ -375,6 +394,7 @@ def report_from_plan_and_meta(plan, meta: dict) -> dict:
         reserved=meta.get("reserved_bytes", 0),
         headroom_fraction=meta.get("headroom_fraction", 0.0),
         model=meta.get("model"),
+        limits=IdLimits.from_json(meta["id_limits"]) if meta.get("id_limits") else None,
     )
     if meta.get("refusal"):
         report["meta"].update(refusal=meta["refusal"], smallest_fitting_topology=meta["smallest_fitting_topology"])

@@ -32,6 +32,7 @@ examples:
   tpurec plan --tables my_tables.yaml --topology v6e-256 --optimizer adam --format png --out plan.png
   tpurec plan --model dlrm-tiny --topology cpu-2 --format json --out plan.json   # CPU dry run
   tpurec plan --model-module my_pkg.models:build_meta_model --topology v5p-128
+  tpurec plan --model dlrm-tiny --topology v5p-8 --limits limits.json   # buffers from tpurec data stats
   tpurec plan show plan.json
   tpurec plan diff a.json b.json
 
@@ -87,6 +88,12 @@ def register(sub) -> None:
         f"--tables: {TABLES_OPTIMIZER})",
     )
     _output_flags(p, default="text")
+    p.add_argument(
+        "--limits",
+        metavar="FILE",
+        help="size SparseCore buffers from measured id limits (tpurec data stats, for this topology and "
+        "batch) instead of the worst case",
+    )
     p.add_argument(
         "--sc-gather-fraction",
         type=fraction_above_zero,
@@ -189,11 +196,17 @@ def _plan(args) -> int:
     else:
         batch_size = args.batch_size or (trained.batch_size if trained else TABLES_BATCH_SIZE)
     optimizer = args.optimizer or (trained.embedding_optimizer if trained else TABLES_OPTIMIZER)
+    limits = None
+    if args.limits:
+        from tpurec.sharding.id_limits import plan_layout, read_limits
+
+        limits = read_limits(args.limits, plan_layout(args.topology, batch_size))
     kw = dict(
         batch_size=batch_size,
         sc_gather_fraction=args.sc_gather_fraction,
         dcn_bw_per_host=args.dcn_gbps * 1e9 if args.dcn_gbps else None,
         headroom_fraction=args.headroom,
+        limits=limits,
     )
     if args.model_module:
         from tpurec.sharding import model_module

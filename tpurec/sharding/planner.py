@@ -263,10 +263,11 @@ def make_planner(
     constraints=None,
     optimizer: str = "sgd",
     storage_reservation: StorageReservation | None = None,
+    limits=None,
 ) -> EmbeddingShardingPlanner:
     estimators = [
-        TpuPerfEstimator(topology, constraints, optimizer),
-        TpuStorageEstimator(topology, constraints, optimizer),
+        TpuPerfEstimator(topology, constraints, optimizer, limits),
+        TpuStorageEstimator(topology, constraints, optimizer, limits),
     ]
     return EmbeddingShardingPlanner(
         topology=topology,
@@ -292,7 +293,7 @@ def _fmt(nbytes: float) -> str:
     return format_bytes(nbytes)
 
 
-def _refusal(module, topology, batch_size, constraints, optimizer, reservation) -> str:
+def _refusal(module, topology, batch_size, constraints, optimizer, reservation, limits=None) -> str:
     """Name the largest table, what it needs on one device, and what the best device has free."""
     spec = spec_of(topology)
     on_cpu = topology.compute_device == "cpu"
@@ -317,6 +318,11 @@ def _refusal(module, topology, batch_size, constraints, optimizer, reservation) 
                 optimizer=optimizer,
                 elem_bytes=table_elem_bytes(cfg.data_type, topology.compute_device),
                 num_features=len(cfg.feature_names),
+                max_ids_per_partition=limits.max_ids(
+                    cfg.name, batch_size * topology.world_size, pf, max(1, spec.generation.sparsecores)
+                )
+                if limits is not None
+                else None,
             ),
         )
     name, (cfg, c) = max(costs.items(), key=lambda kv: kv[1][1].bytes)
@@ -355,30 +361,37 @@ def plan(
     optimizer: str | None = None,
     pg=None,
     storage_reservation: TpuStorageReservation | None = None,
+    limits=None,
 ) -> ShardingPlan:
     """Plan `module` (a model holding EmbeddingBagCollections, meta tensors fine) on `topology`.
 
     `batch_size` is per device. `optimizer` defaults to what apply_optimizer_in_backward or the
-    sharders' fused_params say, else SGD. With `pg`, rank 0 plans and broadcasts.
+    sharders' fused_params say, else SGD. With `pg`, rank 0 plans and broadcasts. `limits`
+    (tpurec.sharding.id_limits.IdLimits): SparseCore buffers sized from measured id limits.
     Raises PlanDoesNotFit when the tables cannot fit.
     """
     optimizer = optimizer or infer_optimizer(module, sharders) or "sgd"
     sharders = sharders or planning_sharders()
     reservation = storage_reservation or TpuStorageReservation()
     planner = make_planner(
-        topology, batch_size=batch_size, constraints=constraints, optimizer=optimizer, storage_reservation=reservation
+        topology,
+        batch_size=batch_size,
+        constraints=constraints,
+        optimizer=optimizer,
+        storage_reservation=reservation,
+        limits=limits,
     )
     # Fast refusal: weights + optimizer state alone exceed the slice's free memory.
     caps = [d.storage.ddr if topology.compute_device == "cpu" else d.storage.hbm for d in topology.devices]
     free = sum(c - reservation.amount(module, batch_size, c) for c in caps)
     if _lower_bound_bytes(module, optimizer, topology.compute_device) > free:
-        raise PlanDoesNotFit(_refusal(module, topology, batch_size, constraints, optimizer, reservation))
+        raise PlanDoesNotFit(_refusal(module, topology, batch_size, constraints, optimizer, reservation, limits))
     try:
         if pg is not None and torch.distributed.is_initialized():
             return planner.collective_plan(module, sharders, pg)
         return planner.plan(module, sharders)
     except PlannerError as e:
-        raise PlanDoesNotFit(_refusal(module, topology, batch_size, constraints, optimizer, reservation)) from e
+        raise PlanDoesNotFit(_refusal(module, topology, batch_size, constraints, optimizer, reservation, limits)) from e
 
 
 def _lower_bound_bytes(module: nn.Module, optimizer: str, compute_device: str = "tpu") -> int:

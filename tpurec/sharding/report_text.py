@@ -113,6 +113,13 @@ def format_text(report: dict, top: int = 5) -> str:
         f"({a['sc_gather_bw_bytes_per_s'] / 1e9:.0f} GB/s), all-to-all efficiency {a['all_to_all_efficiency']}, "
         f"DCN {a['dcn_bw_per_host_bytes_per_s'] / 1e9:.0f} GB/s per host, headroom {a['headroom_fraction']:.0%}",
     ]
+    devices = report["devices"]
+    if "measured" in a.get("id_limit", ""):
+        worst = max(d.get("worst_case_buffers_bytes", 0) for d in devices)
+        out.append(
+            f"id limits: {a['id_limit']}: SparseCore buffers up to "
+            f"{format_bytes(max(d['buffers_bytes'] for d in devices))} per device (worst case {format_bytes(worst)})"
+        )
     if report.get("refusal"):
         out += [f"refused: {report['refusal']}", f"smallest fitting slice: {fitting_text(report)}"]
     out += [

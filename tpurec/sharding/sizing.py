@@ -40,6 +40,7 @@ def smallest_fitting_topology(
     constraints=None,
     headroom_fraction: float = P.DEFAULT_HEADROOM_FRACTION,
     generations=TPU_GENERATIONS,
+    limits=None,
     **assumptions,
 ) -> dict[str, str | None]:
     """{generation: the smallest slice name the planner fits the model on, or None}."""
@@ -61,6 +62,7 @@ def smallest_fitting_topology(
                     optimizer=optimizer,
                     constraints=constraints,
                     storage_reservation=reservation,
+                    limits=limits,
                 )
             except P.PlanDoesNotFit:
                 attempts += 1
