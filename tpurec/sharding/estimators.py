@@ -265,6 +265,10 @@ class _TpuEstimator(ShardEstimator):
         self._optimizer = optimizer
         self._spec = spec_of(topology)
 
+    def _costs(self, option: ShardingOption) -> List[ShardCost]:
+        topo = self._topology
+        return option_costs(option, self._spec, topo.world_size, self._optimizer, topo.compute_device, self._limits)
+
 
 class TpuStorageEstimator(_TpuEstimator):
     """HBM per shard: padded table + optimizer state + SparseCore buffers + pooled activations, and on
@@ -275,14 +279,7 @@ class TpuStorageEstimator(_TpuEstimator):
         for option in sharding_options:
             for shard, cost in zip(
                 option.shards,
-                option_costs(
-                    option,
-                    self._spec,
-                    self._topology.world_size,
-                    self._optimizer,
-                    self._topology.compute_device,
-                    self._limits,
-                ),
+                self._costs(option),
             ):
                 shard.storage = Storage(hbm=0, ddr=cost.bytes) if on_cpu else Storage(hbm=cost.bytes, ddr=0)
 
@@ -294,14 +291,7 @@ class TpuPerfEstimator(_TpuEstimator):
         for option in sharding_options:
             for shard, cost in zip(
                 option.shards,
-                option_costs(
-                    option,
-                    self._spec,
-                    self._topology.world_size,
-                    self._optimizer,
-                    self._topology.compute_device,
-                    self._limits,
-                ),
+                self._costs(option),
             ):
                 shard.perf = Perf(
                     fwd_compute=cost.lookup_ms,
