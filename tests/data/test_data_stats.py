@@ -10,6 +10,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from tpurec.cli import main
+from tpurec.embedding.constraints import round_up
 from tpurec.embedding.demand import partition_demand
 from tpurec.embedding.kernel import KernelTable, SparseCoreKernel
 from tpurec.embedding.optimizers.sgd import SGDSpec
@@ -29,7 +30,10 @@ def test_the_demand_is_counted_as_the_kernel_counts_it(rows, num_sc, batch):
     samples = np.repeat(np.arange(2 * batch) % batch, lengths.numpy())
     features = np.repeat(np.arange(2 * batch) // batch, lengths.numpy())
     got = partition_demand(ids.numpy(), samples, features, rows=rows, num_partitions=num_sc, batch=batch)
-    assert got == (stats.max_ids_per_partition, stats.max_unique_ids_per_partition)
+    assert got[:2] == (stats.max_ids_per_partition, stats.max_unique_ids_per_partition)
+    # per SparseCore slice: all partitions of the slice together
+    per_sc = stats.ids_per_partition.sum(1).max(), stats.unique_ids_per_partition.sum(1).max()
+    assert got[2] == int(per_sc[0]) and got[3] <= int(per_sc[1])
 
 
 def test_data_stats_writes_limits_for_the_plans_layout(synth_dir, tmp_path, capsys):
@@ -50,9 +54,9 @@ def test_data_stats_writes_limits_for_the_plans_layout(synth_dir, tmp_path, caps
     limits = [t["max_ids_per_partition"] for t in doc["tables"].values()]
     assert max(limits) == 512 and sum(lim < 512 for lim in limits) >= 20
     limits = load_limits(str(out), layout)
-    assert set(limits) == set(doc["tables"]) and all(a >= b for a, b in limits.values())
+    assert set(limits) == set(doc["tables"]) and all(v[0] >= v[1] and v[2] >= v[0] for v in limits.values())
     other = dict(layout, topology="v5p-16", world_size=8)
-    with pytest.raises(IdLimitsError, match=r"measured for v5p-8 \(4 devices.*not v5p-16 \(8 devices"):
+    with pytest.raises(IdLimitsError, match=r"measured for v5p-8 \(4 device\(s\).*not v5p-16 \(8 device\(s\)"):
         load_limits(str(out), other)
 
 
@@ -106,5 +110,59 @@ def test_the_planner_sizes_buffers_from_measured_limits_with_the_worst_case_besi
         == 2
     )
     err = capsys.readouterr().err
-    assert "measured for v5p-8 (4 devices, 4 SparseCores each, batch 512" in err and "batch 256 per device" in err
+    assert "measured for v5p-8 (4 device(s), 4 SparseCores each, batch 512" in err and "batch 256 per device" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def _demand_of(batches, table: KernelTable, num_sc: int) -> tuple[int, ...]:
+    """The table's figures over `batches` (KJTs of its features), as `tpurec data stats` counts them."""
+    best = (0, 0, 0, 0)
+    for kjt in batches:
+        b = kjt.stride()
+        ids, samples, feats = [], [], []
+        for k, f in enumerate(table.feature_names):
+            jt = kjt[f]
+            ids.append(jt.values().numpy())
+            samples.append(np.repeat(np.arange(b), jt.lengths().numpy()))
+            feats.append(np.full(jt.values().numel(), k))
+        d = partition_demand(
+            np.concatenate(ids),
+            np.concatenate(samples),
+            np.concatenate(feats),
+            rows=table.num_embeddings,
+            num_partitions=num_sc,
+            batch=b,
+        )
+        best = tuple(max(x, y) for x, y in zip(best, d))
+    return best
+
+
+def test_measured_limits_bound_every_stack_so_no_batch_needs_a_second_pass():
+    gen = torch.Generator().manual_seed(4)
+    sizes = {"small": 40, "mid": 3000, "big": 50_000, "hot": 20_000}
+    tables = [KernelTable(n, r, 8, (f"f_{n}",)) for n, r in sizes.items()]
+    batches = []
+    for _ in range(6):
+        lengths = torch.randint(1, 6, (4 * 64,), generator=gen)
+        parts = []
+        for k, r in enumerate(sizes.values()):
+            n = int(lengths[k * 64 : (k + 1) * 64].sum())
+            ids = torch.randint(0, r, (n,), generator=gen)
+            if k == 3:
+                ids = ids % 50  # hot: the low rows only
+            parts.append(ids)
+        batches.append(
+            KeyedJaggedTensor(keys=[t.feature_names[0] for t in tables], values=torch.cat(parts), lengths=lengths)
+        )
+    limits = {t.name: _demand_of(batches, t, 4) for t in tables}
+    stacked = SparseCoreKernel(tables, SGDSpec(lr=0.1), 4, table_limits=limits)
+    alone = SparseCoreKernel(tables[2:3], SGDSpec(lr=0.1), 4, table_limits=limits)
+    assert len(stacked.stacks) == 1 and stacked.fixed_limits
+    for kjt in batches:
+        stacked.preprocess(kjt)
+        alone.preprocess(kjt)
+    assert stacked.multipass_batches == 0 and alone.multipass_batches == 0
+    # a table alone gets its own figures; the stack a bound below the worst case (every id of a
+    # SparseCore's 16 samples x 5 ids x 4 features in one partition)
+    assert alone.stack_limits(0) == (round_up(limits["big"][0], 8), round_up(limits["big"][1], 8))
+    assert stacked.stack_limits(0)[0] < 16 * 5 * 4

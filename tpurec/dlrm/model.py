@@ -101,7 +101,7 @@ def planner_constraints(cfg: DLRMConfig, device: str, table_names: list[str]):
     return pooling_constraints({t.name: float(p) for t, p in zip(specs, pooling)}, base=base)
 
 
-def shard(model, cfg: DLRMConfig, device: str, *, plan=None, stock: bool = False):
+def shard(model, cfg: DLRMConfig, device: str, *, plan=None, stock: bool = False, limits: str | None = None):
     """tpurec.DistributedModelParallel (tpurec planner and SparseCore kernel), or with stock=True,
     torchrec's own DMP with the FBGEMM `fused` kernel (for the benchmark)."""
     if stock:
@@ -113,7 +113,9 @@ def shard(model, cfg: DLRMConfig, device: str, *, plan=None, stock: bool = False
     names = [c.name for c in model.model.sparse_arch.embedding_bag_collection.embedding_bag_configs()]
     constraints = None if plan is not None else planner_constraints(cfg, device, names)
     dev = torch.device("cpu") if device == "cpu" else device
-    return DistributedModelParallel(model, device=dev, plan=plan, batch_size=cfg.batch_size, constraints=constraints)
+    return DistributedModelParallel(
+        model, device=dev, plan=plan, batch_size=cfg.batch_size, constraints=constraints, id_limits=limits
+    )
 
 
 def build_optimizer(dmp, cfg: DLRMConfig):

@@ -79,6 +79,18 @@ class TrainOptions:
     )
     plan: str | None = flag(None, "use a saved sharding plan instead of planning", metavar="PLAN.json")
     save_plan: str | None = flag(None, "save the plan used (for --plan later)", metavar="PLAN.json")
+    limits: str | None = flag(
+        None,
+        "fixed SparseCore id limits per table, measured by `tpurec data stats` for this layout "
+        "(devices, SparseCores, batch per device); batches over them run in several passes",
+        metavar="LIMITS.json",
+    )
+    limits_out: str | None = flag(
+        None,
+        "write each table's id demand seen in training as a limits file (the `tpurec data stats` format), "
+        "for --limits next time",
+        metavar="LIMITS.json",
+    )
     metrics_out: str | None = flag(None, "metrics as .csv or .jsonl; curves as FILE.png beside it", metavar="FILE")
     curves_out: str | None = flag(
         None,
@@ -160,6 +172,12 @@ class TrainOptions:
             return f"--multi-hot-sizes shapes the synthetic data; --data {self.data} holds its own ids per sample"
         if self.plan and not os.path.isfile(self.plan):
             return f"--plan {self.plan}: file not found"
+        if self.limits and not os.path.isfile(self.limits):
+            return f"--limits {self.limits}: file not found (write one with `tpurec data stats`)"
+        if self.limits_out:
+            parent = os.path.dirname(os.path.abspath(self.limits_out))
+            if os.path.isdir(self.limits_out) or not os.access(parent, os.W_OK):
+                return f"--limits-out {self.limits_out}: cannot write there"
         if self.metrics_out and not self.metrics_out.lower().endswith((".csv", ".jsonl", ".json")):
             return "--metrics-out must end in .csv or .jsonl"
         if self.curves_out and self.curves_out.lower() != "none" and not self.curves_out.lower().endswith(".png"):

@@ -198,7 +198,7 @@ class Trainer:
 
             plan = load_plan(o.plan)
         try:
-            self.dmp = shard(model, cfg, self.device, plan=plan)
+            self.dmp = shard(model, cfg, self.device, plan=plan, limits=o.limits)
         except ValueError as e:
             if plan is None or not str(e).startswith("the plan"):
                 raise
@@ -459,9 +459,40 @@ class Trainer:
         if self.oracle_auc:
             result["oracle_auc"] = self.oracle_auc
         result.update(self._slice_figures())
+        result["id_limits"] = self._id_limit_figures()
         if self.rank == 0:
             self._report(result)
         return result
+
+    def _id_limit_figures(self) -> dict:
+        """The limits used, the stack inputs run in several passes and the ids dropped (all ranks);
+        with --limits-out, each table's demand written as a limits file."""
+        import torch
+
+        from tpurec.dlrm import id_feedback
+
+        o = self.options
+        mine = id_feedback.summary(self.dmp)
+        counts = torch.tensor([mine["multipass_batches"], mine["dropped_ids"]], dtype=torch.int64)
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(counts)
+        out = {"limits": o.limits, "multipass_batches": int(counts[0]), "dropped_ids": int(counts[1])}
+        if o.limits_out:
+            demand = id_feedback.merged(self.dmp, self.world)
+            kernels = id_feedback.kernels(self.dmp)
+            layout = {
+                "topology": self.emulated.spec.name if self.emulated else None,
+                "world_size": self.world,
+                "sparsecores_per_device": kernels[0].num_sc if kernels else 0,
+                "batch_size_per_device": self.batch_size,
+            }
+            if self.rank == 0:
+                id_feedback.write(o.limits_out, id_feedback.limits_document(demand, layout, o.data or "synthetic"))
+                self.say(f"id limits seen in training written to {o.limits_out} ({len(demand)} tables)")
+            out["limits_out"] = o.limits_out
+        return out
 
     def _slice_figures(self) -> dict:
         """Hosts, and on the TPU path what TorchTPU compiles: measured by the emulation's stand-in of
@@ -494,7 +525,10 @@ class Trainer:
         """Steps up to `end`; the pipeline drains at the end (its batch source ends there)."""
         self._batches = itertools.islice(self._stream, end - self.step_count)
         from tpurec import host_copies
+        from tpurec.dlrm import id_feedback
 
+        if self.options.limits_out:
+            id_feedback.record(self.dmp, True)  # training batches only: evaluation's may differ in size
         batch, world = self.batch_size, self.world
         copies_before = host_copies.counts()
         t0 = time.perf_counter()
@@ -525,6 +559,7 @@ class Trainer:
         self._train_seconds += time.perf_counter() - t0
         for what, n in host_copies.counts().items():
             self._train_copies[what] += n - copies_before.get(what, 0)
+        id_feedback.record(self.dmp, False)
         if self.step_count < end:  # the data ran out (an empty epoch); cannot continue
             raise RuntimeError(f"training data exhausted at step {self.step_count}")
 

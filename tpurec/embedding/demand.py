@@ -7,8 +7,10 @@ partition r div C, C = padded_rows(R, P) / P: layout.py's renaming). In a segmen
 in one sample (and feature) merge into one entry. The limits bound, per segment, the entries
 (`max_ids_per_partition`) and the distinct ids (`max_unique_ids_per_partition`).
 
-Counted for the table alone (stack_tables=False): in a stack of tables the segments of different
-tables add up, and the kernel gives a stack the sum of its tables' limits.
+Counted for the table alone (stack_tables=False), and per SparseCore slice over all partitions. In
+a stack the tables lie end to end and a stack partition can hold a whole small table, so the kernel
+bounds a stack's segment by each table's per-partition figure times the table partitions a stack
+partition can overlap, and never more than its per-slice figure (SparseCoreKernel, table_limits).
 """
 
 from __future__ import annotations
@@ -20,17 +22,27 @@ from tpurec.embedding.constraints import padded_rows, round_up
 
 def partition_demand(
     ids: np.ndarray, samples: np.ndarray, features: np.ndarray, *, rows: int, num_partitions: int, batch: int
-) -> tuple[int, int]:
-    """(entries, distinct ids) of the fullest segment of a table shard of `rows` rows.
+) -> tuple[int, int, int, int]:
+    """(entries, distinct ids) of the fullest segment of a table shard of `rows` rows, then the same
+    of the fullest SparseCore slice (all partitions together).
 
     ids: local row ids in [0, rows); samples: each id's sample in [0, batch); features: each id's
     feature slot (a table can serve several features; each has its own bag per sample).
     """
     if ids.size == 0:
-        return 0, 0
+        return 0, 0, 0, 0
+    per_slice = round_up(max(batch, 1), num_partitions) // num_partitions
+    whole = _fullest(ids, samples, features, samples // per_slice)
+    return _fullest(ids, samples, features, _segments(ids, samples, rows, num_partitions, batch)) + whole
+
+
+def _segments(ids, samples, rows: int, num_partitions: int, batch: int) -> np.ndarray:
     p = num_partitions
     per_slice = round_up(max(batch, 1), p) // p
-    segment = (samples // per_slice) * p + ids // (padded_rows(rows, p) // p)
+    return (samples // per_slice) * p + ids // (padded_rows(rows, p) // p)
+
+
+def _fullest(ids, samples, features, segment) -> tuple[int, int]:
     # entries: distinct (segment, feature, sample, id); distinct ids: distinct (segment, id)
     order = np.lexsort((ids, samples, features, segment))
     seg_sorted, cols = segment[order], (features[order], samples[order], ids[order])

@@ -79,8 +79,14 @@ class SparseCoreKernel(nn.Module):
         fixed_limits: bool | None = None,
         pad_dims: bool | None = None,
         widen_tables: bool | None = None,
+        table_limits: dict[str, tuple[int, ...]] | None = None,
     ) -> None:
-        """fixed_limits: keep each stack's id limits (and so every buffer shape) the same for every
+        """table_limits: measured limits by table name (a shard's `source` table or its own name;
+        `tpurec data stats`): (max ids, max unique ids) per partition of the table alone, optionally
+        followed by the same per SparseCore slice. A stack whose tables all have limits gets fixed
+        limits that bound every segment (`_stack_bound`); fixed_limits defaults to on with them.
+
+        fixed_limits: keep each stack's id limits (and so every buffer shape) the same for every
         batch. Default: on a tpu device, where TorchTPU compiles the limits into the program (a limit
         sized to each batch would recompile every step); elsewhere limits left as None follow each
         batch. Fixed limits come from max_ids_per_partition / max_unique_ids_per_partition when given,
@@ -119,6 +125,10 @@ class SparseCoreKernel(nn.Module):
         self.last_stats: dict[str, PreprocessStats] = {}
         self.dropped_id_count = 0
         self.multipass_batches = 0  # stack inputs run as several passes (over their limits)
+        # {} to record every table's demand per batch (tpurec.embedding.demand): by the table's source
+        # name, [max ids, max unique ids per partition, the same per slice, most ids of one sample,
+        # batches] over the batches seen.
+        self.table_demand: dict[str, list[int]] | None = None
         self._no_mean: dict[int, torch.Tensor] = {}  # all-False mean flags per slot count (compiled build)
 
         names = [t.name for t in self.tables]
@@ -171,6 +181,13 @@ class SparseCoreKernel(nn.Module):
                 round_up(max_unique_ids_per_partition or max_ids_per_partition, SEGMENT_ALIGN),
             )
         self._stack_limits: list[tuple[int, int] | None] = [given] * len(self.stacks)
+        if table_limits:
+            if fixed_limits is None:
+                self._fixed_limits = True
+            for i, plan in enumerate(self.stacks):
+                bound = _stack_bound(plan.layout, self._table, table_limits, num_sc_per_device)
+                if bound is not None:
+                    self._stack_limits[i] = bound
         # One name per stack for TorchTPU's update ops, unique in the process and the same every step:
         # TorchTPU reuses a function by name inside one program, so stacks must not share one, and a
         # name that changed per step would compile a new program each time.
@@ -295,6 +312,8 @@ class SparseCoreKernel(nn.Module):
         padded = round_up(max(batch, 1), self.num_sc)
         per_slot = lengths.view(-1, batch).sum(1) if batch else torch.zeros(len(self._stacked_order), dtype=torch.long)
         value_offsets = [0] + torch.cumsum(per_slot, 0).tolist()
+        if self.table_demand is not None:
+            self._record_demand(values, lengths, batch, value_offsets)
         csrs, k0 = [], 0
         for i, plan in enumerate(self.stacks):
             n = len(plan.features)
@@ -308,6 +327,29 @@ class SparseCoreKernel(nn.Module):
         if device.type not in ("cpu", "meta"):
             csrs = [c.to(device) for c in csrs]
         return csrs
+
+    def _record_demand(self, values, lengths, batch: int, value_offsets: list[int]) -> None:
+        """Each table's demand in this batch, counted as `tpurec data stats` counts it (the table
+        alone, its shard's rows, this kernel's SparseCores): the feedback for the next run's limits."""
+        import numpy as np
+
+        from tpurec.embedding.demand import partition_demand
+
+        slots: dict[str, list[int]] = {}
+        for j, f in enumerate(self._stacked_order):
+            slots.setdefault(self._feature_table[f].name, []).append(j)
+        vals, lens = values.numpy(), lengths.numpy()
+        for name, js in slots.items():
+            t = self._table[name]
+            ids = np.concatenate([vals[value_offsets[j] : value_offsets[j + 1]] for j in js]).astype(np.int64)
+            per_sample = [lens[j * batch : (j + 1) * batch] for j in js]
+            samples = np.concatenate([np.repeat(np.arange(batch), ls) for ls in per_sample])
+            feats = np.concatenate([np.full(int(ls.sum()), k) for k, ls in enumerate(per_sample)])
+            d = partition_demand(ids, samples, feats, rows=t.num_embeddings, num_partitions=self.num_sc, batch=batch)
+            most = int(np.bincount(samples).max()) if samples.size else 0
+            seen = self.table_demand.setdefault(t.source or t.name, [0] * 6)  # type: ignore[union-attr]
+            seen[:5] = [max(a, b) for a, b in zip(seen[:5], (*d, most))]
+            seen[5] += 1
 
     def lookup(self, csrs: list[SparseCoreInput | MultiPassInput], batch: int) -> torch.Tensor:
         """Device side: pooled embeddings [batch, sum(dims)]; backward applies the fused update."""
@@ -509,6 +551,31 @@ class SparseCoreKernel(nn.Module):
         lr = float(group["lr"])
         check_hyperparameter(f"{self.optimizer.name} (param_groups)", "lr", lr)  # a scheduler or user may set it
         return lr
+
+
+def _stack_bound(lay: StackLayout, tables: dict, limits: dict, num_sc: int) -> tuple[int, int] | None:
+    """Fixed limits for a stack from its tables' measured ones, or None if a table has none.
+
+    Measured per partition of a table alone (C_t rows each); in the stack the tables lie end to end
+    and a stack partition (C rows) overlaps at most min(P, ceil(C / C_t) + 1) of a table's own
+    partitions, and holds at most the table's whole slice: per table the smaller of the two, summed.
+    Exact for a table alone, an upper bound in any stack (a batch over it would still run, in passes).
+    """
+    from tpurec.embedding.constraints import padded_rows
+
+    ids = uniq = 0
+    for ts in lay.tables:
+        t = tables[ts.name]
+        m = limits.get(t.source or t.name)
+        if m is None:
+            return None
+        own = padded_rows(t.num_embeddings, num_sc) // num_sc
+        overlap = 1 if len(lay.tables) == 1 else min(num_sc, -(-lay.rows_per_partition // own) + 1)
+        big = 2**31
+        ids += min(m[0] * overlap, m[2] if len(m) > 2 else big)
+        uniq += min(m[1] * overlap, m[3] if len(m) > 3 else big)
+    ids = round_up(max(ids, 1), SEGMENT_ALIGN)
+    return ids, min(round_up(max(uniq, 1), SEGMENT_ALIGN), ids)
 
 
 def stacked_samples(slot: torch.Tensor, b: torch.Tensor, n: int, padded: int, num_sc: int) -> torch.Tensor:

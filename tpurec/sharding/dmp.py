@@ -98,6 +98,19 @@ def _pooling_factors(constraints) -> Dict[str, float] | None:
     return out or None
 
 
+def _table_limits(id_limits, world_size: int, num_sc: int, batch_size: int | None):
+    """{table: (max ids, max unique ids)} from `id_limits`: a limits file (`tpurec data stats`),
+    refused unless measured for this layout, or such a dict as it is; None: none given."""
+    if id_limits is None or isinstance(id_limits, dict):
+        return id_limits
+    from tpurec.sharding.id_limits import load_limits
+
+    if batch_size is None:
+        raise ValueError("id_limits from a file need batch_size= (the batch per device they were measured for)")
+    layout = {"world_size": world_size, "sparsecores_per_device": num_sc, "batch_size_per_device": batch_size}
+    return load_limits(str(id_limits), layout)
+
+
 class TpuDataParallelWrapper(DefaultDataParallelWrapper):
     """TorchRec's DDP wrapping of the dense modules, without DDP's parameter-shape check.
 
@@ -132,6 +145,7 @@ class DistributedModelParallel(_TorchrecDMP):
         *,
         batch_size: int | None = None,
         uneven_all_to_all: str | None = None,
+        id_limits=None,
         **dmp_kwargs,
     ) -> None:
         from tpurec.embedding.backend import select_device
@@ -167,7 +181,10 @@ class DistributedModelParallel(_TorchrecDMP):
         # The tables' expected ids per sample (ParameterConstraints.pooling_factors, summed over a
         # table's features) also place each stack's tables so its SparseCore partitions share the
         # ids (tpurec/embedding/stack_order.py); given sharders carry their own `pooling_factors`.
-        sharders = sharders or default_sharders(num_sc, pooling_factors=_pooling_factors(constraints))
+        table_limits = _table_limits(id_limits, env.world_size, num_sc, batch_size)
+        sharders = sharders or default_sharders(
+            num_sc, pooling_factors=_pooling_factors(constraints), table_limits=table_limits
+        )
         if plan is None:
             from tpurec.sharding.planner import plan as make_plan
 

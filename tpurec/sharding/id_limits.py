@@ -65,8 +65,9 @@ class DemandTally:
         self.partitions = layout["sparsecores_per_device"]
         self.batch = layout["batch_size_per_device"] * layout["world_size"]
         self.per_slice = round_up(self.batch, self.partitions) // self.partitions  # samples per SparseCore
-        # per batch: (entries, distinct ids) of the fullest segment, and the ids of the fullest sample
-        self.per_batch: dict[str, list[tuple[int, int, int]]] = {t.name: [] for t in tables}
+        # per batch: (entries, distinct ids) of the fullest segment and of the fullest SparseCore slice,
+        # and the ids of the fullest sample
+        self.per_batch: dict[str, list[tuple[int, ...]]] = {t.name: [] for t in tables}
 
     def add(self, kjt, pool: ThreadPoolExecutor | None = None) -> None:
         """One global batch (a KeyedJaggedTensor whose keys include every table's features)."""
@@ -78,7 +79,7 @@ class DemandTally:
         if missing:
             raise IdLimitsError(f"the data has no column(s) {missing} (it has {list(index)})")
 
-        def one(t: TableLayout) -> tuple[int, int, int]:
+        def one(t: TableLayout) -> tuple[int, ...]:
             parts = []
             for slot, f in enumerate(t.features):
                 k = index[f]
@@ -88,7 +89,7 @@ class DemandTally:
             ids = np.concatenate([p[0] for p in parts]).astype(np.int64)
             samples = np.concatenate([p[1] for p in parts])
             feats = np.concatenate([p[2] for p in parts])
-            best = (0, 0)
+            best = (0, 0, 0, 0)
             most = int(np.bincount(samples).max()) if samples.size else 0  # ids of the fullest sample
             for first, rows in t.shards:
                 mine = (ids >= first) & (ids < first + rows) if len(t.shards) > 1 else slice(None)
@@ -100,7 +101,7 @@ class DemandTally:
                     num_partitions=self.partitions,
                     batch=self.batch,
                 )
-                best = (max(best[0], d[0]), max(best[1], d[1]))
+                best = tuple(max(a, b) for a, b in zip(best, d))
             return best + (most,)
 
         results = pool.map(one, self.tables) if pool is not None else map(one, self.tables)
@@ -110,23 +111,38 @@ class DemandTally:
     def result(self) -> dict:
         tables = {}
         for name, seen in self.per_batch.items():
-            a = np.array(seen, dtype=np.int64).reshape(-1, 3)
+            a = np.array(seen, dtype=np.int64).reshape(-1, 5)
+            top = a.max(0) if a.size else np.zeros(5, np.int64)
+            entry = table_entry(*(int(x) for x in top[:5]), per_slice=self.per_slice)
             ids, uniq = a[:, 0], a[:, 1]
-            # No segment can hold more than a SparseCore slice's samples x the fullest sample's ids.
-            ceiling = round_up(max(1, self.per_slice * int(a[:, 2].max() if a.size else 1)), SEGMENT_ALIGN)
-            rec_ids = min(recommended(int(ids.max()) if ids.size else 0), ceiling)
-            rec_uniq = min(recommended(int(uniq.max()) if uniq.size else 0), rec_ids)
-            tables[name] = {
-                "max_ids_per_partition": rec_ids,
-                "max_unique_ids_per_partition": rec_uniq,
-                "observed": {
-                    "max_ids": int(ids.max()) if ids.size else 0,
-                    "max_unique_ids": int(uniq.max()) if uniq.size else 0,
-                    **{f"p{_pct(q)}_ids": _quantile(ids, q) for q in QUANTILES},
-                    **{f"p{_pct(q)}_unique_ids": _quantile(uniq, q) for q in QUANTILES},
-                },
-            }
+            entry["observed"].update(
+                {f"p{_pct(q)}_ids": _quantile(ids, q) for q in QUANTILES}
+                | {f"p{_pct(q)}_unique_ids": _quantile(uniq, q) for q in QUANTILES}
+            )
+            tables[name] = entry
         return tables
+
+
+def table_entry(ids: int, uniq: int, slice_ids: int, slice_uniq: int, most: int, *, per_slice: int) -> dict:
+    """A table's limits from its observed maxima: per partition (the table alone) and per SparseCore
+    slice (what a stack partition holding all of the table would get); never above what a segment
+    can hold, a slice's samples x the most ids a sample had."""
+    ceiling = round_up(max(1, per_slice * max(most, 1)), SEGMENT_ALIGN)
+    rec_ids = min(recommended(ids), ceiling)
+    rec_slice = min(recommended(slice_ids), ceiling)
+    return {
+        "max_ids_per_partition": rec_ids,
+        "max_unique_ids_per_partition": min(recommended(uniq), rec_ids),
+        "max_ids_per_slice": rec_slice,
+        "max_unique_ids_per_slice": min(recommended(slice_uniq), rec_slice),
+        "observed": {
+            "max_ids": ids,
+            "max_unique_ids": uniq,
+            "max_ids_per_slice": slice_ids,
+            "max_unique_ids_per_slice": slice_uniq,
+            "max_ids_per_sample": most,
+        },
+    }
 
 
 def recommended(observed_max: int) -> int:
@@ -148,7 +164,7 @@ class IdLimits:
     id of a SparseCore's sample slice in one partition) — how `smallest_fitting_topology` tries
     other slices with them."""
 
-    tables: dict[str, tuple[int, int]]
+    tables: dict[str, tuple[int, ...]]
     layout: dict
     source: str = ""
 
@@ -171,7 +187,8 @@ class IdLimits:
 
     @classmethod
     def from_json(cls, doc: dict) -> IdLimits:
-        return cls({k: (int(v[0]), int(v[1])) for k, v in doc["tables"].items()}, doc["layout"], doc.get("source", ""))
+        tables = {k: tuple(int(x) for x in v) for k, v in doc["tables"].items()}
+        return cls(tables, doc["layout"], doc.get("source", ""))
 
 
 def read_limits(path: str, layout: dict) -> IdLimits:
@@ -198,9 +215,9 @@ def plan_layout(topology: str, batch_size_per_device: int) -> dict:
     }
 
 
-def load_limits(path: str, layout: dict | None = None) -> dict[str, tuple[int, int]]:
-    """{table: (max ids, max unique ids)} from a limits file; with `layout`, refused unless the file
-    was measured for it."""
+def load_limits(path: str, layout: dict | None = None) -> dict[str, tuple[int, ...]]:
+    """{table: (max ids, max unique ids per partition[, max ids, max unique ids per slice])} from a
+    limits file; with `layout`, refused unless the file was measured for it."""
     try:
         with open(path) as f:
             doc = json.load(f)
@@ -210,7 +227,7 @@ def load_limits(path: str, layout: dict | None = None) -> dict[str, tuple[int, i
         raise IdLimitsError(f"--limits {path}: not JSON ({e.msg}, line {e.lineno})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("tables"), dict):
         raise IdLimitsError(f"--limits {path}: not a limits file (write one with `tpurec data stats`)")
-    if layout is not None and doc.get("layout") != layout:
+    if layout is not None and not same_layout(doc.get("layout"), layout):
         raise IdLimitsError(f"--limits {path} was measured for {_describe(doc.get('layout'))}, not {_describe(layout)}")
     out = {}
     for name, t in doc["tables"].items():
@@ -222,14 +239,28 @@ def load_limits(path: str, layout: dict | None = None) -> dict[str, tuple[int, i
             ) from None
         if ids < 1 or uniq < 1:
             raise IdLimitsError(f"--limits {path}: table {name!r}: limits must be >= 1, got {ids} / {uniq}")
-        out[str(name)] = (ids, uniq)
+        per_slice = (t.get("max_ids_per_slice"), t.get("max_unique_ids_per_slice"))
+        if all(isinstance(v, int) and v >= 1 for v in per_slice):
+            out[str(name)] = (ids, uniq, *per_slice)
+        else:
+            out[str(name)] = (ids, uniq)
     return out
+
+
+# What the figures depend on; the topology's name only tells where they were measured (a v5p-8
+# layout and 4 CPU ranks with 4 SparseCores each and the same batch are one layout).
+LAYOUT_KEYS = ("world_size", "sparsecores_per_device", "batch_size_per_device")
+
+
+def same_layout(a, b) -> bool:
+    return isinstance(a, dict) and isinstance(b, dict) and all(a.get(k) == b.get(k) for k in LAYOUT_KEYS)
 
 
 def _describe(layout) -> str:
     if not isinstance(layout, dict):
         return "an unknown layout"
-    return (
-        f"{layout.get('topology')} ({layout.get('world_size')} devices, {layout.get('sparsecores_per_device')} "
-        f"SparseCores each, batch {layout.get('batch_size_per_device')} per device)"
+    figures = (
+        f"{layout.get('world_size')} device(s), {layout.get('sparsecores_per_device')} SparseCores each, "
+        f"batch {layout.get('batch_size_per_device')} per device"
     )
+    return f"{layout['topology']} ({figures})" if layout.get("topology") else figures

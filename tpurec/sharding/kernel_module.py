@@ -108,6 +108,8 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
             fixed_limits=fused.get("fixed_limits"),
             pad_dims=fused.get("pad_dims"),
             widen_tables=fused.get("widen_tables"),
+            # (table, limits...) tuples: TorchRec groups tables by hashing fused params
+            table_limits={str(n): tuple(int(x) for x in v) for n, *v in fused.get("table_limits") or ()} or None,
         )
         self._optim = SparseCoreFusedOptimizer(self.kernel, param_prefix="", key_of=self._param_key)
         # TorchRec's `output_dtype` fused param (an FBGEMM SparseType): its TBE kernels return lookups in

@@ -131,6 +131,7 @@ class SparseCoreSharderMixin:
         pad_dims: bool | None = None,
         widen_tables: bool | None = None,
         pooling_factors: Dict[str, float] | None = None,
+        table_limits: Dict[str, tuple[int, ...]] | None = None,
         **kernel_settings,
     ) -> None:
         unknown = sorted(set(kernel_settings) - set(self.KERNEL_SETTINGS))
@@ -147,6 +148,10 @@ class SparseCoreSharderMixin:
             # a tuple of (table, ids per sample): TorchRec groups tables by hashing their fused params
             pooling_factors=tuple(sorted((str(k), float(v)) for k, v in pooling_factors.items()))
             if pooling_factors
+            else None,
+            # a tuple of (table, limits...), hashable for the same reason
+            table_limits=tuple(sorted((str(k), *(int(x) for x in v)) for k, v in table_limits.items()))
+            if table_limits
             else None,
             **kernel_settings,
         )
@@ -178,7 +183,9 @@ class SparseCoreEBCSharder(SparseCoreSharderMixin, EmbeddingBagCollectionSharder
     tpurec.DistributedModelParallel builds the sharder, else 4 on CPU.
     max_ids_per_partition / max_unique_ids_per_partition / allow_id_dropping / fixed_limits: id-limit
     settings passed to every kernel (see SparseCoreKernel: limits are fixed on a TPU, from these or
-    from the first batch; on CPU None follows each batch). pad_dims: store rows 8 floats wide as the
+    from the first batch; on CPU None follows each batch). table_limits: measured limits by table,
+    {table: (max ids, max unique ids)} (`tpurec data stats`, read with id_limits.load_limits), fixed
+    per stack as the sums of its tables'. pad_dims: store rows 8 floats wide as the
     SparseCore needs (default: on a TPU only). widen_tables: store FP16/BF16 tables as float32
     (default: on a TPU only, where TorchTPU's ops take float32 tables; tpurec.embedding.dtypes).
     """

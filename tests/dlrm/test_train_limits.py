@@ -1,0 +1,51 @@
+"""`tpurec train --limits` (measured id limits, fixed) and `--limits-out` (the run's own demand)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.dlrm.helpers import train
+from tpurec.cli import main
+from tpurec.sharding.id_limits import load_limits
+
+
+@pytest.fixture(scope="module")
+def data_and_limits(tmp_path_factory):
+    from tpurec.data.synth import synthesize
+
+    root = tmp_path_factory.mktemp("limits_run")
+    synthesize(6000, str(root / "data"), seed=5, show_progress=False)
+    limits = root / "limits.json"
+    args = ["data", "stats", str(root / "data"), "--model", "dlrm-tiny", "--topology", "cpu-1", "--batch-size", "64"]
+    assert main([*args, "--out", str(limits)]) == 0
+    return root, limits
+
+
+def test_training_takes_measured_limits_and_writes_its_own(data_and_limits, tmp_path):
+    root, limits = data_and_limits
+    out = tmp_path / "seen.json"
+    result, _ = train(
+        "--data", root / "data", "--batch-size", 64, "--steps", 12, "--limits", limits, "--limits-out", out,
+        cache=tmp_path,
+    )  # fmt: skip
+    assert result["id_limits"]["limits"] == str(limits) and result["id_limits"]["dropped_ids"] == 0
+    seen = json.loads(out.read_text())
+    assert seen["layout"]["batch_size_per_device"] == 64 and seen["layout"]["world_size"] == 1
+    back = load_limits(str(out), {"world_size": 1, "sparsecores_per_device": 4, "batch_size_per_device": 64})
+    assert len(back) == 26
+    measured = json.loads(limits.read_text())["tables"]
+    for name, t in seen["tables"].items():
+        assert t["observed"]["batches"] >= 12
+        # the same data, other batches (training shuffles): the same order of magnitude
+        assert t["observed"]["max_ids"] <= 2 * measured[name]["observed"]["max_ids"] + 8
+
+
+def test_limits_for_another_layout_are_refused_naming_both(data_and_limits, tmp_path):
+    root, limits = data_and_limits
+    _, p = train(
+        "--data", root / "data", "--batch-size", 32, "--steps", 2, "--limits", limits, cache=tmp_path, check=False
+    )
+    assert p.returncode != 0
+    assert "batch 64 per device" in p.stderr and "batch 32 per device" in p.stderr

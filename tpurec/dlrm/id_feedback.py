@@ -1,0 +1,77 @@
+"""What a training run saw of its id limits: each table's demand, the batches run in several passes,
+the ids dropped; written as a limits file (`--limits-out`) so the next run can start from it.
+
+Every SparseCore kernel of the run counts its tables' demand per training batch as `tpurec data
+stats` does (tpurec.embedding.demand), on this rank's shards; the ranks' figures are merged (the
+maximum over shards) and the recommended limits derived the same way (tpurec.sharding.id_limits).
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch.distributed as dist
+
+from tpurec.dlrm.input_pipeline import sparsecore_lookups
+from tpurec.embedding.constraints import round_up
+from tpurec.sharding.id_limits import FORMAT, table_entry
+
+_FIGURES = 6  # per table: max ids, unique ids (partition), max ids, unique ids (slice), ids of a sample, batches
+
+
+def kernels(dmp) -> list:
+    return [m.kernel for m in sparsecore_lookups(dmp)]
+
+
+def record(dmp, on: bool) -> None:
+    """Count the tables' demand in the batches from now on (training), or stop (evaluation)."""
+    for k in kernels(dmp):
+        if on:
+            k.table_demand = getattr(k, "_kept_demand", None) or {}
+            k._kept_demand = k.table_demand
+        else:
+            k.table_demand = None
+
+
+def summary(dmp) -> dict:
+    """This rank's kernels: stack inputs run in several passes, ids dropped."""
+    ks = kernels(dmp)
+    return {
+        "multipass_batches": sum(k.multipass_batches for k in ks),
+        "dropped_ids": sum(k.dropped_id_count for k in ks),
+    }
+
+
+def merged(dmp, world: int) -> dict[str, list[int]]:
+    """{table: the `_FIGURES`} over every rank's shards (the maximum of each)."""
+    mine: dict[str, list[int]] = {}
+    for k in kernels(dmp):
+        for name, d in (getattr(k, "_kept_demand", None) or {}).items():
+            have = mine.setdefault(name, [0] * _FIGURES)
+            mine[name] = [max(a, b) for a, b in zip(have, d)]
+    if world == 1 or not dist.is_initialized():
+        return mine
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine)
+    out: dict[str, list[int]] = {}
+    for part in everyone:
+        for name, d in (part or {}).items():
+            have = out.setdefault(name, [0] * _FIGURES)
+            out[name] = [max(a, b) for a, b in zip(have, d)]
+    return out
+
+
+def limits_document(demand: dict[str, list[int]], layout: dict, source: str) -> dict:
+    per_slice = round_up(layout["batch_size_per_device"] * layout["world_size"], layout["sparsecores_per_device"])
+    per_slice //= layout["sparsecores_per_device"]
+    tables = {}
+    for name, (*figures, batches) in sorted(demand.items()):
+        tables[name] = table_entry(*figures, per_slice=per_slice)
+        tables[name]["observed"]["batches"] = batches
+    return {"format": FORMAT, "version": 1, "layout": layout, "data": source, "tables": tables}
+
+
+def write(path: str, doc: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
