@@ -31,30 +31,38 @@ def partition_demand(
     """
     if ids.size == 0:
         return 0, 0, 0, 0
-    per_slice = round_up(max(batch, 1), num_partitions) // num_partitions
-    whole = _fullest(ids, samples, features, samples // per_slice)
-    return _fullest(ids, samples, features, _segments(ids, samples, rows, num_partitions, batch)) + whole
-
-
-def _segments(ids, samples, rows: int, num_partitions: int, batch: int) -> np.ndarray:
     p = num_partitions
     per_slice = round_up(max(batch, 1), p) // p
-    return (samples // per_slice) * p + ids // (padded_rows(rows, p) // p)
-
-
-def _fullest(ids, samples, features, segment) -> tuple[int, int]:
-    # entries: distinct (segment, feature, sample, id); distinct ids: distinct (segment, id)
-    order = np.lexsort((ids, samples, features, segment))
-    seg_sorted, cols = segment[order], (features[order], samples[order], ids[order])
-    new = np.empty(ids.size, dtype=bool)
-    new[0] = True
-    new[1:] = seg_sorted[1:] != seg_sorted[:-1]
-    for c in cols:
-        new[1:] |= c[1:] != c[:-1]
-    entries = np.bincount(seg_sorted[new]).max()
-    order = np.lexsort((ids, segment))
-    seg_sorted, id_sorted = segment[order], ids[order]
-    new[0] = True
-    new[1:] = (seg_sorted[1:] != seg_sorted[:-1]) | (id_sorted[1:] != id_sorted[:-1])
-    distinct = np.bincount(seg_sorted[new]).max()
-    return int(entries), int(distinct)
+    segment = (samples // per_slice) * p + ids // (padded_rows(rows, p) // p)
+    # One sort by (segment, id, feature, sample): entries are the distinct keys, distinct ids the
+    # distinct (segment, id) prefixes. Packed into one int64 when the fields fit (one numpy sort).
+    widths = [int(max(int(x.max()), 0)).bit_length() for x in (ids, features, samples)]
+    seg_bits = int(segment.max()).bit_length()
+    if seg_bits + sum(widths) <= 63:
+        key = segment.astype(np.int64)
+        for x, w in zip((ids, features, samples), widths):
+            key = (key << w) | x.astype(np.int64)
+        key.sort()
+        low = widths[1] + widths[2]
+        new_entry = np.empty(key.size, dtype=bool)
+        new_entry[0] = True
+        np.not_equal(key[1:], key[:-1], out=new_entry[1:])
+        prefix = key >> low
+        new_id = np.empty(key.size, dtype=bool)
+        new_id[0] = True
+        np.not_equal(prefix[1:], prefix[:-1], out=new_id[1:])
+        seg_sorted = key >> (low + widths[0])
+    else:
+        order = np.lexsort((samples, features, ids, segment))
+        seg_sorted, cols = segment[order], (ids[order], features[order], samples[order])
+        new_id = np.empty(ids.size, dtype=bool)
+        new_id[0] = True
+        new_id[1:] = (seg_sorted[1:] != seg_sorted[:-1]) | (cols[0][1:] != cols[0][:-1])
+        new_entry = new_id.copy()
+        for c in cols[1:]:
+            new_entry[1:] |= c[1:] != c[:-1]
+    slices = -(-round_up(max(batch, 1), p) // per_slice)
+    entries = np.bincount(seg_sorted[new_entry], minlength=slices * p).reshape(slices, p)
+    distinct = np.bincount(seg_sorted[new_id], minlength=slices * p).reshape(slices, p)
+    # partitions hold disjoint ids: a slice's figures are its segments' sums
+    return int(entries.max()), int(distinct.max()), int(entries.sum(1).max()), int(distinct.sum(1).max())
