@@ -10,6 +10,7 @@ import torch
 from tests.embedding.helpers import make_tables, random_kjt
 from tpurec.embedding import csr_build
 from tpurec.embedding.kernel import KernelTable, SparseCoreKernel
+from tpurec.embedding.multipass import MultiPassInput
 from tpurec.embedding.optimizers.sgd import SGDSpec
 
 pytestmark = pytest.mark.skipif(not csr_build.available(), reason="numba not installed")
@@ -80,12 +81,13 @@ def test_compiled_is_used_and_handles_fixed_limits(monkeypatch):
     assert calls, "the compiled build did not run"
 
 
-def test_out_of_range_and_over_limit_fall_back_to_the_numpy_errors():
+def test_out_of_range_and_over_limit_fall_back_to_the_numpy_route():
     tables = make_tables()
     kernel = _kernel(tables, 2, max_ids_per_partition=1)
     kjt = random_kjt(tables, 16, torch.Generator().manual_seed(0), hot_ids=True)
-    with pytest.raises(ValueError, match="max_ids_per_partition"):
-        kernel.preprocess(kjt)
+    # over the limits: the numpy route runs the batch in passes that fit (multipass.py)
+    inputs = kernel.preprocess(kjt)
+    assert all(isinstance(x, MultiPassInput) for x in inputs) and kernel.multipass_batches == len(inputs)
     bad = random_kjt(tables, 4, torch.Generator().manual_seed(1))
     bad.values()[0] = 10_000
     with pytest.raises(IndexError, match="ids must be in"):
