@@ -109,6 +109,12 @@ def tpu_update(
     accumulator.copy_(new_acc)
 
 
+# FBGEMM's defaults for what TorchRec's fused params leave out (fbgemm_gpu
+# split_table_batched_embeddings_ops_training.SplitTableBatchedEmbeddingBagsCodegen.__init__).
+FBGEMM_LEARNING_RATE = 0.01
+FBGEMM_EPS = 1.0e-8
+
+
 @dataclass(frozen=True)
 class AdagradSpec(OptimizerSpec):
     lr: float = 1e-2
@@ -138,9 +144,12 @@ class AdagradSpec(OptimizerSpec):
 
     @classmethod
     def from_fused_params(cls, fused_params):
+        # What TorchRec's fused kernel does with what it was not given: FBGEMM's defaults
+        # (SplitTableBatchedEmbeddingBagsCodegen: learning_rate 0.01, eps 1.0e-8). torch.optim.Adagrad's
+        # 1e-10 (the torch-kwargs route above) is what an unsharded module's in-backward optimizer uses.
         return cls(
-            lr=float(fused_params.get("learning_rate", fused_params.get("lr", 0.01))),
-            eps=float(fused_params.get("eps", 1e-10)),
+            lr=float(fused_params.get("learning_rate", fused_params.get("lr", FBGEMM_LEARNING_RATE))),
+            eps=float(fused_params.get("eps", FBGEMM_EPS)),
             initial_accumulator_value=float(fused_params.get("initial_accumulator_value", 0.0)),
         )
 
