@@ -173,7 +173,8 @@ def batch_major_grad(grad: torch.Tensor, features: int) -> torch.Tensor:
     """The kernel's [batch, features * dim] output gradient as the [features, batch, dim] view
     `row_gradients_csr` (and so the update ops on CPU) accept in place of [device_batch_size, width]."""
     batch = grad.shape[0]
-    return grad.reshape(batch, features, -1).transpose(0, 1)
+    # the width from the shape, not -1: an empty batch (0 samples) has no elements to infer it from
+    return grad.reshape(batch, features, grad.shape[1] // max(features, 1)).transpose(0, 1)
 
 
 @torch.no_grad()
