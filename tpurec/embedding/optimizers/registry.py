@@ -110,6 +110,16 @@ def spec_from_fused_params(fused_params: Mapping[str, Any] | None, table: str) -
         return spec
     for cls in classes.values():
         if getattr(opt, "value", opt) in cls.fbgemm_names():
+            # TorchRec passes the optimizer's kwargs through as fused params: an option the fused
+            # update cannot honour is refused by name, as the standalone module refuses it, never
+            # dropped (Adam(weight_decay=0.01) must not train as plain Adam).
+            for key in cls.refused_torch_kwargs:
+                if fp.get(key) not in (None, 0, 0.0, False):
+                    raise ValueError(
+                        f"table {table!r}: {cls.torch_class_name()} option {key}={fp[key]!r} is not supported by "
+                        "tpurec's fused SparseCore update (refused, not ignored); leave it out, or keep this "
+                        "table off the SparseCore kernel"
+                    )
             return cls.from_fused_params(fp)
     names = "|".join(cls.torch_class_name() for cls in classes.values())
     raise ValueError(
