@@ -39,7 +39,9 @@ def _train(dmp_class, optimizer, ebc):
     apply_optimizer_in_backward(optimizer, ebc.parameters(), {"lr": 0.05})
     kw = {}
     if dmp_class is StockDMP:  # table-wise on FBGEMM's fused kernel (TorchRec's planner would pick data-parallel)
-        module_plan = construct_module_sharding_plan(ebc, {t.name: table_wise(rank=0) for t in _tables()})
+        module_plan = construct_module_sharding_plan(
+            ebc, {t.name: table_wise(rank=0, compute_kernel="fused") for t in _tables()}
+        )
         kw["plan"] = ShardingPlan({"": module_plan})
     model = dmp_class(ebc, device=torch.device("cpu"), **kw)
     with torch.no_grad():  # the same start for both (stock re-initialises the tables when sharding)
@@ -62,5 +64,44 @@ def test_only_lr_trains_like_stock_torchrec(optimizer):
     ebc = EmbeddingBagCollection(tables=_tables())
     stock = _train(StockDMP, optimizer, copy.deepcopy(ebc))
     ours = _train(tpurec.DistributedModelParallel, optimizer, copy.deepcopy(ebc))
+    for name, want in stock.items():
+        torch.testing.assert_close(ours[name], want, rtol=0, atol=2e-7)
+
+
+def _train_with_sharder(dmp_class, ebc):
+    """TorchRec's own sharder with fused params (as torchrec's examples pass it), no in-backward optimizer."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+    from torchrec.distributed.types import ShardingPlan
+
+    fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05, "eps": 1e-6}
+    sharder = EmbeddingBagCollectionSharder(fused_params=fused)
+    kw = {}
+    if dmp_class is StockDMP:  # table-wise on FBGEMM's fused kernel
+        per_table = {t.name: table_wise(rank=0, compute_kernel="fused") for t in _tables()}
+        kw["plan"] = ShardingPlan({"": construct_module_sharding_plan(ebc, per_table)})
+    model = dmp_class(ebc, device=torch.device("cpu"), sharders=[sharder], **kw)
+    with torch.no_grad():
+        for i, (_, value) in enumerate(sorted(model.state_dict().items())):
+            shard = value.local_shards()[0].tensor
+            shard.copy_(torch.linspace(-0.1, 0.1, shard.numel()).view_as(shard) * (i + 1))
+    for kjt in _batches():
+        out = model(kjt).values()
+        (out * torch.linspace(-1e-3, 1e-3, out.numel()).view_as(out)).sum().backward()
+    return {k: v.local_shards()[0].tensor.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_torchrecs_own_sharder_is_swapped_for_the_sparsecore_one_keeping_its_fused_params(caplog):
+    _ensure_process_group("cpu")
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(tables=_tables())
+    stock = _train_with_sharder(StockDMP, copy.deepcopy(ebc))
+    with caplog.at_level("WARNING", logger="tpurec.sharding.dmp"):
+        ours = _train_with_sharder(tpurec.DistributedModelParallel, copy.deepcopy(ebc))
+    said = [r.getMessage() for r in caplog.records if "replaced by" in r.getMessage()]
+    assert (
+        len(said) == 1 and "EmbeddingBagCollectionSharder replaced by tpurec.sharding.SparseCoreEBCSharder" in said[0]
+    )
     for name, want in stock.items():
         torch.testing.assert_close(ours[name], want, rtol=0, atol=2e-7)

@@ -98,6 +98,33 @@ def _pooling_factors(constraints) -> Dict[str, float] | None:
     return out or None
 
 
+def _swap_torchrec_sharders(sharders: List[ModuleSharder[nn.Module]], num_sc: int) -> List[ModuleSharder[nn.Module]]:
+    """TorchRec's own EBC / EC sharders (as TorchRec's examples pass them) become tpurec's SparseCore
+    sharders with the same fused params and qcomms, said once; any other sharder is kept."""
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    ours = {EmbeddingBagCollectionSharder: SparseCoreEBCSharder, EmbeddingCollectionSharder: SparseCoreECSharder}
+    out = []
+    for s in sharders:
+        replacement = ours.get(type(s))
+        if replacement is None:
+            out.append(s)
+            continue
+        logger.warning(
+            "tpurec: %s replaced by tpurec.sharding.%s (same fused_params and qcomms): tpurec shards "
+            "embedding tables onto its SparseCore kernel",
+            type(s).__name__,
+            replacement.__name__,
+        )
+        out.append(
+            replacement(
+                num_sparsecores=num_sc, fused_params=s.fused_params, qcomm_codecs_registry=s.qcomm_codecs_registry
+            )
+        )
+    return out
+
+
 def _table_limits(id_limits, world_size: int, num_sc: int, batch_size: int | None):
     """{table: (max ids, max unique ids)} from `id_limits`: a limits file (`tpurec data stats`),
     refused unless measured for this layout, or such a dict as it is; None: none given."""
@@ -182,8 +209,10 @@ class DistributedModelParallel(_TorchrecDMP):
         # table's features) also place each stack's tables so its SparseCore partitions share the
         # ids (tpurec/embedding/stack_order.py); given sharders carry their own `pooling_factors`.
         table_limits = _table_limits(id_limits, env.world_size, num_sc, batch_size)
-        sharders = sharders or default_sharders(
-            num_sc, pooling_factors=_pooling_factors(constraints), table_limits=table_limits
+        sharders = (
+            _swap_torchrec_sharders(sharders, num_sc)
+            if sharders
+            else default_sharders(num_sc, pooling_factors=_pooling_factors(constraints), table_limits=table_limits)
         )
         if plan is None:
             from tpurec.sharding.planner import plan as make_plan
