@@ -32,27 +32,34 @@ def _batches(n=4):
     return out
 
 
-def _train(dmp_class, optimizer, ebc):
+def _sharded(dmp_class, ebc, **kw):
+    """`dmp_class` over `ebc`: stock TorchRec table-wise on FBGEMM's fused kernel (its planner would
+    pick data-parallel at one rank), tpurec planned by its own planner; tables set to one start."""
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
     from torchrec.distributed.types import ShardingPlan
 
-    apply_optimizer_in_backward(optimizer, ebc.parameters(), {"lr": 0.05})
-    kw = {}
-    if dmp_class is StockDMP:  # table-wise on FBGEMM's fused kernel (TorchRec's planner would pick data-parallel)
-        module_plan = construct_module_sharding_plan(
-            ebc, {t.name: table_wise(rank=0, compute_kernel="fused") for t in _tables()}
-        )
-        kw["plan"] = ShardingPlan({"": module_plan})
+    if dmp_class is StockDMP:
+        per_table = {t.name: table_wise(rank=0, compute_kernel="fused") for t in _tables()}
+        kw["plan"] = ShardingPlan({"": construct_module_sharding_plan(ebc, per_table)})
     model = dmp_class(ebc, device=torch.device("cpu"), **kw)
     with torch.no_grad():  # the same start for both (stock re-initialises the tables when sharding)
         for i, (_, value) in enumerate(sorted(model.state_dict().items())):
             shard = value.local_shards()[0].tensor
             shard.copy_(torch.linspace(-0.1, 0.1, shard.numel()).view_as(shard) * (i + 1))
+    return model
+
+
+def _steps(model) -> dict:
     for kjt in _batches():
         # a gradient of varied size, so that eps matters next to tiny accumulators
         out = model(kjt).values()
         (out * torch.linspace(-1e-3, 1e-3, out.numel()).view_as(out)).sum().backward()
     return {k: v.local_shards()[0].tensor.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _train(dmp_class, optimizer, ebc):
+    apply_optimizer_in_backward(optimizer, ebc.parameters(), {"lr": 0.05})
+    return _steps(_sharded(dmp_class, ebc))
 
 
 # Adam: FBGEMM's CPU kernel refuses it ("Optimizer adam is not supported in CPU mode"), so there is no
@@ -72,24 +79,9 @@ def _train_with_sharder(dmp_class, ebc):
     """TorchRec's own sharder with fused params (as torchrec's examples pass it), no in-backward optimizer."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
-    from torchrec.distributed.types import ShardingPlan
 
     fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05, "eps": 1e-6}
-    sharder = EmbeddingBagCollectionSharder(fused_params=fused)
-    kw = {}
-    if dmp_class is StockDMP:  # table-wise on FBGEMM's fused kernel
-        per_table = {t.name: table_wise(rank=0, compute_kernel="fused") for t in _tables()}
-        kw["plan"] = ShardingPlan({"": construct_module_sharding_plan(ebc, per_table)})
-    model = dmp_class(ebc, device=torch.device("cpu"), sharders=[sharder], **kw)
-    with torch.no_grad():
-        for i, (_, value) in enumerate(sorted(model.state_dict().items())):
-            shard = value.local_shards()[0].tensor
-            shard.copy_(torch.linspace(-0.1, 0.1, shard.numel()).view_as(shard) * (i + 1))
-    for kjt in _batches():
-        out = model(kjt).values()
-        (out * torch.linspace(-1e-3, 1e-3, out.numel()).view_as(out)).sum().backward()
-    return {k: v.local_shards()[0].tensor.detach().clone() for k, v in model.state_dict().items()}
+    return _steps(_sharded(dmp_class, ebc, sharders=[EmbeddingBagCollectionSharder(fused_params=fused)]))
 
 
 def test_torchrecs_own_sharder_is_swapped_for_the_sparsecore_one_keeping_its_fused_params(caplog):
