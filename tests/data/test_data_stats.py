@@ -169,3 +169,19 @@ def test_measured_limits_bound_every_stack_so_no_batch_needs_a_second_pass():
     # SparseCore's 16 samples x 5 ids x 4 features in one partition)
     assert alone.stack_limits(0) == (round_up(limits["big"][0], 8), round_up(limits["big"][1], 8))
     assert stacked.stack_limits(0)[0] < 16 * 5 * 4
+
+
+def test_a_sequence_tables_capacity_comes_from_its_measured_ids_per_feature(synth_dir, tmp_path):
+    from tpurec.embedding.sequence_kernel import SparseCoreSequenceKernel
+
+    out = tmp_path / "limits.json"
+    args = ["data", "stats", str(synth_dir), "--model", "dlrm-tiny", "--topology", "cpu-1", "--batch-size", "64"]
+    assert main([*args, "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())["tables"]
+    # one-hot features: a batch of 64 samples has 64 ids per feature
+    assert doc["t_C1"]["observed"]["max_ids_per_feature"] == 64 and doc["t_C1"]["max_ids_per_feature"] == 72
+    limits = load_limits(str(out))
+    kernel = SparseCoreSequenceKernel(
+        [KernelTable("t_C1/0", 1000, 8, ("0:C1",), source="t_C1")], SGDSpec(lr=0.1), 4, table_limits=limits
+    )
+    assert kernel.max_ids_per_feature == 72 and kernel.fixed_limits

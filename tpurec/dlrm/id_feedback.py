@@ -66,7 +66,7 @@ def limits_document(demand: dict[str, list[int]], layout: dict, source: str) -> 
     per_slice //= layout["sparsecores_per_device"]
     tables = {}
     for name, (*figures, batches) in sorted(demand.items()):
-        tables[name] = table_entry(*figures, per_slice=per_slice)
+        tables[name] = table_entry(*figures, per_slice=per_slice)  # pooled tables: no per-feature figure
         tables[name]["observed"]["batches"] = batches
     return {"format": FORMAT, "version": 1, "layout": layout, "data": source, "tables": tables}
 

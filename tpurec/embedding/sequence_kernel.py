@@ -54,8 +54,20 @@ class SparseCoreSequenceKernel(SparseCoreKernel):
         self.dim = dims.pop() if dims else 0
         if max_ids_per_feature is not None and max_ids_per_feature < 1:
             raise ValueError(f"max_ids_per_feature must be >= 1, got {max_ids_per_feature}")
+        if max_ids_per_feature is None:
+            max_ids_per_feature = self._measured_capacity(kwargs.get("table_limits"))
         self.max_ids_per_feature = max_ids_per_feature
         self._capacity: int | None = None if max_ids_per_feature is None else self._aligned(max_ids_per_feature)
+
+    def _measured_capacity(self, table_limits) -> int | None:
+        """The largest measured ids per feature of this kernel's tables (`tpurec data stats`, the 5th
+        figure of `table_limits`), when every table has one; None otherwise."""
+        if not table_limits:
+            return None
+        found = [table_limits.get(t.source or t.name) for t in self.tables]
+        if not found or any(f is None or len(f) < 5 for f in found):
+            return None
+        return max(int(f[4]) for f in found)  # type: ignore[index]
 
     def _aligned(self, n: int) -> int:
         return round_up(max(n, 1), max(SEGMENT_ALIGN, self.num_sc) if self.fixed_limits else self.num_sc)

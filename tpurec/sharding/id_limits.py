@@ -91,6 +91,8 @@ class DemandTally:
             feats = np.concatenate([p[2] for p in parts])
             best = (0, 0, 0, 0)
             most = int(np.bincount(samples).max()) if samples.size else 0  # ids of the fullest sample
+            # the most ids one of the table's features had in the batch (a sequence table's capacity)
+            per_feature = int(np.bincount(feats).max()) if feats.size else 0
             for first, rows in t.shards:
                 mine = (ids >= first) & (ids < first + rows) if len(t.shards) > 1 else slice(None)
                 d = partition_demand(
@@ -102,7 +104,7 @@ class DemandTally:
                     batch=self.batch,
                 )
                 best = tuple(max(a, b) for a, b in zip(best, d))
-            return best + (most,)
+            return best + (most, per_feature)
 
         results = pool.map(one, self.tables) if pool is not None else map(one, self.tables)
         for t, r in zip(self.tables, results):
@@ -111,9 +113,9 @@ class DemandTally:
     def result(self) -> dict:
         tables = {}
         for name, seen in self.per_batch.items():
-            a = np.array(seen, dtype=np.int64).reshape(-1, 5)
-            top = a.max(0) if a.size else np.zeros(5, np.int64)
-            entry = table_entry(*(int(x) for x in top[:5]), per_slice=self.per_slice)
+            a = np.array(seen, dtype=np.int64).reshape(-1, 6)
+            top = a.max(0) if a.size else np.zeros(6, np.int64)
+            entry = table_entry(*(int(x) for x in top[:5]), per_slice=self.per_slice, per_feature=int(top[5]))
             ids, uniq = a[:, 0], a[:, 1]
             entry["observed"].update(
                 {f"p{_pct(q)}_ids": _quantile(ids, q) for q in QUANTILES}
@@ -123,10 +125,13 @@ class DemandTally:
         return tables
 
 
-def table_entry(ids: int, uniq: int, slice_ids: int, slice_uniq: int, most: int, *, per_slice: int) -> dict:
+def table_entry(
+    ids: int, uniq: int, slice_ids: int, slice_uniq: int, most: int, *, per_slice: int, per_feature: int | None = None
+) -> dict:
     """A table's limits from its observed maxima: per partition (the table alone) and per SparseCore
     slice (what a stack partition holding all of the table would get); never above what a segment
-    can hold, a slice's samples x the most ids a sample had."""
+    can hold, a slice's samples x the most ids a sample had. `per_feature`: the most ids one feature
+    had in a batch, a sequence table's capacity (`max_ids_per_feature`)."""
     ceiling = round_up(max(1, per_slice * max(most, 1)), SEGMENT_ALIGN)
     rec_ids = min(recommended(ids), ceiling)
     rec_slice = min(recommended(slice_ids), ceiling)
@@ -135,12 +140,14 @@ def table_entry(ids: int, uniq: int, slice_ids: int, slice_uniq: int, most: int,
         "max_unique_ids_per_partition": min(recommended(uniq), rec_ids),
         "max_ids_per_slice": rec_slice,
         "max_unique_ids_per_slice": min(recommended(slice_uniq), rec_slice),
+        **({"max_ids_per_feature": recommended(per_feature)} if per_feature is not None else {}),
         "observed": {
             "max_ids": ids,
             "max_unique_ids": uniq,
             "max_ids_per_slice": slice_ids,
             "max_unique_ids_per_slice": slice_uniq,
             "max_ids_per_sample": most,
+            **({"max_ids_per_feature": per_feature} if per_feature is not None else {}),
         },
     }
 
@@ -239,11 +246,15 @@ def load_limits(path: str, layout: dict | None = None) -> dict[str, tuple[int, .
             ) from None
         if ids < 1 or uniq < 1:
             raise IdLimitsError(f"--limits {path}: table {name!r}: limits must be >= 1, got {ids} / {uniq}")
+        # positions: per partition (2), then per slice (2), then per feature (1), each while present
+        limits = (ids, uniq)
         per_slice = (t.get("max_ids_per_slice"), t.get("max_unique_ids_per_slice"))
         if all(isinstance(v, int) and v >= 1 for v in per_slice):
-            out[str(name)] = (ids, uniq, *per_slice)
-        else:
-            out[str(name)] = (ids, uniq)
+            limits += per_slice
+            feature = t.get("max_ids_per_feature")
+            if isinstance(feature, int) and feature >= 1:
+                limits += (feature,)
+        out[str(name)] = limits
     return out
 
 
