@@ -185,3 +185,11 @@ def test_a_sequence_tables_capacity_comes_from_its_measured_ids_per_feature(synt
         [KernelTable("t_C1/0", 1000, 8, ("0:C1",), source="t_C1")], SGDSpec(lr=0.1), 4, table_limits=limits
     )
     assert kernel.max_ids_per_feature == 72 and kernel.fixed_limits
+
+
+def test_data_stats_reads_the_layout_of_a_saved_plan(synth_dir, limits_file, tmp_path):
+    plan, out = tmp_path / "P.json", tmp_path / "from_plan.json"
+    assert main(["plan", "--model", "dlrm-tiny", "--topology", "v5p-8", "--format", "json", "--out", str(plan)]) == 0
+    assert main(["data", "stats", str(synth_dir), "--model", "dlrm-tiny", "--plan", str(plan), "--out", str(out)]) == 0
+    a, b = json.loads(limits_file.read_text()), json.loads(out.read_text())
+    assert a["layout"] == b["layout"] and a["tables"] == b["tables"]
