@@ -161,3 +161,21 @@ def test_a_sequence_table_over_its_partition_limits_equals_the_unlimited_one():
     _close(outs[1], outs[0])
     _close(limited.table_weight("s"), free.table_weight("s"))
     assert limited.kernel.multipass_batches == 1
+
+
+def test_the_update_gather_is_padded_to_a_power_of_two_so_batch_sizes_share_programs():
+    from tpurec.embedding.multipass import MultiPassInput
+
+    _, limited = _pair("sgd")
+    sizes = set()
+    for seed in (1, 2, 3):
+        for x in limited.kernel.preprocess(_heavy_batch(torch.Generator().manual_seed(seed))):
+            assert isinstance(x, MultiPassInput)
+            n = x.entry_slots.numel()
+            assert n & (n - 1) == 0 and n >= 1024
+            assert (
+                int((x.entry_gains == 0).sum()) >= 0
+                and int(x.entry_slots.max()) <= len(x.updates) * x.device_batch_size
+            )
+            sizes.add(n)
+    assert len(sizes) <= 2  # three batches of different id counts, at most two gather shapes

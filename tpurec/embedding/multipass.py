@@ -21,7 +21,9 @@ tpurec splits forward and backward differently, so that even such a row fits:
   Adam's step count advances once for the step. Every optimizer's update equals the unsplit one's
   (up to the order of float32 additions).
 
-All passes have the shapes of the fixed limits: on a TPU they reuse the step's programs.
+All passes have the shapes of the fixed limits: on a TPU they reuse the step's programs. The update's
+gradient gather is padded to a power of two of entries, so it compiles a few programs, not one per
+batch size (its output grows with the number of update passes).
 """
 
 from __future__ import annotations
@@ -52,9 +54,12 @@ class MultiPassInput:
         return max(len(self.forward), len(self.updates))
 
     def update_gradients(self, grad: torch.Tensor) -> torch.Tensor:
-        """[update passes x device_batch_size, width]: the slot of each row holds its full gradient."""
-        out = grad.new_zeros(len(self.updates) * self.device_batch_size, grad.shape[1])
-        return out.index_add_(0, self.entry_slots, grad.index_select(0, self.entry_samples) * self.entry_gains[:, None])
+        """[update passes x device_batch_size, width]: the slot of each row holds its full gradient.
+        Padding entries (gain 0) add into one spare row past the end, cut off here."""
+        size = len(self.updates) * self.device_batch_size
+        out = grad.new_zeros(size + 1, grad.shape[1])
+        out.index_add_(0, self.entry_slots, grad.index_select(0, self.entry_samples) * self.entry_gains[:, None])
+        return out[:size]
 
     def to(self, device: torch.device) -> MultiPassInput:
         return replace(
@@ -127,14 +132,26 @@ def split_into_passes(
             )[0]
         )
     slots = (row_pass * device_batch_size + row_slot)[entry_row]
+    # The gather/scatter of the update's gradient runs on the device: its length is rounded up to a
+    # power of two (padding: sample 0, gain 0, into the spare row) so that batches of different sizes
+    # share a few programs instead of compiling one per entry count.
+    n = int(ids.numel())
+    padded = max(1024, 1 << max(n - 1, 0).bit_length())
+    spare = num_updates * device_batch_size
     return MultiPassInput(
         forward=forward,
         updates=updates,
-        entry_samples=samples.to(torch.int64),
-        entry_slots=torch.from_numpy(slots),
-        entry_gains=gains.to(torch.float32),
+        entry_samples=_padded(samples.to(torch.int64), padded, 0),
+        entry_slots=_padded(torch.from_numpy(slots), padded, spare),
+        entry_gains=_padded(gains.to(torch.float32), padded, 0.0),
         device_batch_size=device_batch_size,
     )
+
+
+def _padded(t: torch.Tensor, size: int, value) -> torch.Tensor:
+    out = torch.full((size,), value, dtype=t.dtype)
+    out[: t.numel()] = t
+    return out
 
 
 def _rank_within(keys: np.ndarray) -> np.ndarray:
