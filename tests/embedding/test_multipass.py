@@ -173,9 +173,6 @@ def test_the_update_gather_is_padded_to_a_power_of_two_so_batch_sizes_share_prog
             assert isinstance(x, MultiPassInput)
             n = x.entry_slots.numel()
             assert n & (n - 1) == 0 and n >= 1024
-            assert (
-                int((x.entry_gains == 0).sum()) >= 0
-                and int(x.entry_slots.max()) <= len(x.updates) * x.device_batch_size
-            )
+            assert int(x.entry_slots.max()) <= len(x.updates) * x.device_batch_size  # the spare row at most
             sizes.add(n)
     assert len(sizes) <= 2  # three batches of different id counts, at most two gather shapes
