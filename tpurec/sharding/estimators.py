@@ -250,6 +250,22 @@ def option_costs(
     ]
 
 
+def shard_storage(cost: ShardCost, compute_device: str) -> Storage:
+    """A shard's bytes where its device keeps them: host DDR for CPU ranks, HBM on a TPU."""
+    return Storage(hbm=0, ddr=cost.bytes) if compute_device == "cpu" else Storage(hbm=cost.bytes, ddr=0)
+
+
+def shard_perf(cost: ShardCost) -> Perf:
+    """A shard's step time in torchrec's terms: SparseCore lookup (fwd), fused update (bwd), collectives."""
+    return Perf(
+        fwd_compute=cost.lookup_ms,
+        fwd_comms=cost.input_comm_ms + cost.output_comm_ms,
+        bwd_compute=cost.update_ms,
+        bwd_comms=cost.grad_comm_ms,
+        input_dist_comms=cost.input_comm_ms,
+    )
+
+
 class _TpuEstimator(ShardEstimator):
     def __init__(
         self,
@@ -275,13 +291,9 @@ class TpuStorageEstimator(_TpuEstimator):
     a TPU the transient new table and state of the fused update."""
 
     def estimate(self, sharding_options: List[ShardingOption], sharder_data_map=None) -> None:
-        on_cpu = self._topology.compute_device == "cpu"
         for option in sharding_options:
-            for shard, cost in zip(
-                option.shards,
-                self._costs(option),
-            ):
-                shard.storage = Storage(hbm=0, ddr=cost.bytes) if on_cpu else Storage(hbm=cost.bytes, ddr=0)
+            for shard, cost in zip(option.shards, self._costs(option)):
+                shard.storage = shard_storage(cost, self._topology.compute_device)
 
 
 class TpuPerfEstimator(_TpuEstimator):
@@ -289,14 +301,5 @@ class TpuPerfEstimator(_TpuEstimator):
 
     def estimate(self, sharding_options: List[ShardingOption], sharder_data_map=None) -> None:
         for option in sharding_options:
-            for shard, cost in zip(
-                option.shards,
-                self._costs(option),
-            ):
-                shard.perf = Perf(
-                    fwd_compute=cost.lookup_ms,
-                    fwd_comms=cost.input_comm_ms + cost.output_comm_ms,
-                    bwd_compute=cost.update_ms,
-                    bwd_comms=cost.grad_comm_ms,
-                    input_dist_comms=cost.input_comm_ms,
-                )
+            for shard, cost in zip(option.shards, self._costs(option)):
+                shard.perf = shard_perf(cost)

@@ -23,6 +23,7 @@ from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingT
 
 from tpurec.embedding.constraints import DEFAULT_NUM_SPARSECORES
 from tpurec.embedding.sparsecores import resolve_num_sparsecores
+from tpurec.sharding import stock_estimates
 from tpurec.sharding.host_input_dist import HostInputDistMixin
 from tpurec.sharding.kernel_choice import COMPUTE_KERNEL, SHARDING_TYPES, sharding_types_for
 from tpurec.sharding.kernel_module import SparseCoreEmbeddingBag
@@ -157,6 +158,9 @@ class SparseCoreSharderMixin:
         )
         super().__init__(fused_params=fused, qcomm_codecs_registry=qcomm_codecs_registry)
         self.num_sparsecores = num_sparsecores
+        # A patch of TorchRec's default planner estimators, made here where our sharder comes into
+        # use, so stock DMP / shard_modules without a plan can price our kernel (stock_estimates.py).
+        stock_estimates.install()
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
         return [COMPUTE_KERNEL]
