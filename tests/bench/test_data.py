@@ -44,3 +44,13 @@ def test_bench_without_a_benchmark_shows_help(capsys):
 
     assert main(["bench"]) == 2
     assert "data" in capsys.readouterr().out
+
+
+def test_bench_data_on_a_multi_hot_table_set_measures_tpurec_and_says_why_torchrec_is_skipped(tmp_path, capsys):
+    from tpurec.cli import main
+
+    args = ["bench", "data", "--rows", "3000", "--convert-rows", "500", "--passes", "1", "--tables", "mlperf-dcnv2"]
+    assert main([*args, "--dir", str(tmp_path), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["rows"] == 3000 and res["tpurec_samples_per_s"] > 0 and res["torchrec_samples_per_s"] is None
+    assert "mlperf-dcnv2 is multi-hot" in res["torchrec_skipped"]

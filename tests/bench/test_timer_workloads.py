@@ -6,13 +6,16 @@ import pytest
 from tpurec.bench import timer, workloads
 
 
-def test_interleaved_takes_turns_and_keeps_every_run():
+def test_interleaved_takes_turns_in_a_fresh_random_order_and_keeps_every_run():
     calls = []
     fns = [lambda: calls.append("a") or 1, lambda: calls.append("b") or 2]
-    a, b = timer.interleaved(fns, warmup=2, repeats=3)
-    assert calls == ["a", "b"] * 5  # warm-up rounds, then timed rounds, in turn
-    assert a.results == [1, 1, 1] and b.results == [2, 2, 2]
-    assert len(a.wall) == len(a.cpu) == 3 and all(t >= 0 for t in a.wall + a.cpu)
+    a, b = timer.interleaved(fns, warmup=2, repeats=12)
+    assert calls[:4] == ["a", "b"] * 2  # warm-up rounds
+    rounds = [tuple(calls[i : i + 2]) for i in range(4, len(calls), 2)]
+    assert all(sorted(r) == ["a", "b"] for r in rounds)  # every round runs each once
+    assert {("a", "b"), ("b", "a")} == set(rounds)  # in either order (seeded: the same every run)
+    assert a.results == [1] * 12 and b.results == [2] * 12
+    assert len(a.wall) == len(a.cpu) == 12 and all(t >= 0 for t in a.wall + a.cpu)
     assert a.best <= a.median <= max(a.wall)
 
 

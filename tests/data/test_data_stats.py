@@ -193,3 +193,60 @@ def test_data_stats_reads_the_layout_of_a_saved_plan(synth_dir, limits_file, tmp
     assert main(["data", "stats", str(synth_dir), "--model", "dlrm-tiny", "--plan", str(plan), "--out", str(out)]) == 0
     a, b = json.loads(limits_file.read_text()), json.loads(out.read_text())
     assert a["layout"] == b["layout"] and a["tables"] == b["tables"]
+
+
+@pytest.mark.parametrize("one_hot", [False, True])
+def test_all_tables_and_row_wise_shards_in_one_sort_count_as_each_shard_alone(one_hot):
+    from tpurec.embedding.demand import ShardsDemand, TableShards
+
+    gen = np.random.default_rng(7)
+    batch, num_sc = 96, 4
+    tables = [
+        TableShards("a", ("fa", "fa2"), 1000, ((0, 1000),)),
+        TableShards("rw", ("frw",), 5000, ((0, 1700), (1700, 1700), (3400, 1600))),  # row-wise, uneven
+        TableShards("tiny", ("ft",), 3, ((0, 3),)),
+    ]
+    rows = {"fa": 1000, "fa2": 1000, "frw": 5000, "ft": 3, "unused": 10}
+    keys = ["unused", "frw", "fa", "ft", "fa2"]  # not in table order, one column no table reads
+    lengths = np.ones(len(keys) * batch, np.int64) if one_hot else gen.integers(0, 7, len(keys) * batch)
+    values = np.concatenate(
+        [gen.integers(0, rows[k], int(lengths[i * batch : (i + 1) * batch].sum())) for i, k in enumerate(keys)]
+    )
+    values[::5] = values[0] % 3  # repeats across and within bags
+    got = ShardsDemand(tables, keys, num_partitions=num_sc, batch=batch).count(values, lengths, batch)
+
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    for t, figures in zip(tables, got):
+        ids, samples, slots = [], [], []
+        for slot, f in enumerate(t.features):
+            k = keys.index(f)
+            ls = lengths[k * batch : (k + 1) * batch]
+            ids.append(values[offsets[k * batch] : offsets[(k + 1) * batch]])
+            samples.append(np.repeat(np.arange(batch), ls))
+            slots.append(np.full(int(ls.sum()), slot))
+        ids, samples, slots = np.concatenate(ids), np.concatenate(samples), np.concatenate(slots)
+        best = (0, 0, 0, 0)
+        for first, n in t.shards:
+            mine = (ids >= first) & (ids < first + n)
+            d = partition_demand(
+                ids[mine] - first, samples[mine], slots[mine], rows=n, num_partitions=num_sc, batch=batch
+            )
+            best = tuple(max(x, y) for x, y in zip(best, d))
+        most = int(np.bincount(samples, minlength=batch).max())
+        per_feature = int(np.bincount(slots).max())
+        assert figures == (*best, most, per_feature), t.name
+        assert best[0] > 0
+    with pytest.raises(ValueError, match="table 'tiny': id 3 outside its 3 rows"):
+        bad = values.copy()
+        k = keys.index("ft")
+        bad[offsets[k * batch]] = 3
+        ShardsDemand(tables, keys, num_partitions=num_sc, batch=batch).count(bad, lengths, batch)
+
+
+def test_bench_stats_reports_the_ratio_to_the_reader_with_its_worst_round(synth_dir, capsys):
+    """`tpurec bench stats`, not a timing test: the code path, the equal-work check, the figures' order."""
+    assert main(["bench", "stats", str(synth_dir), "--model", "dlrm-tiny", "--rounds", "2", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["rows"] == 5000 and res["global_batch"] == 512 * 4 and res["rounds"] == 2
+    assert 0 < res["worst_ratio_vs_reader"] <= res["ratio_vs_reader"] <= res["best_ratio_vs_reader"]
+    assert len(res["load_average"]) == 2 and res["stats_rows_per_s"] > 0

@@ -18,6 +18,7 @@ BENCHES: dict[str, str] = {
     "balance": "tpurec.bench.balance",
     "plan": "tpurec.bench.plan",
     "pipeline": "tpurec.bench.pipeline",
+    "stats": "tpurec.bench.stats",
 }
 
 

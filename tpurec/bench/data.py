@@ -91,6 +91,32 @@ def write_criteo_tsv(parquet_dir: str, path: str, rows: int, seed: int = 0) -> i
     return os.path.getsize(path)
 
 
+TORCHREC_FIGURES = (
+    "torchrec_samples_per_s",
+    "torchrec_cpu_samples_per_s",
+    "torchrec_load_seconds",
+    "ratio_vs_torchrec",
+    "ratio_vs_torchrec_cpu",
+    "ratio_in_memory_vs_torchrec",
+    "torchrec_with_load_samples_per_s",
+    "ratio_vs_torchrec_with_load",
+)
+
+
+def _torchrec_figures(tp_wall, tp_cpu, tp_mem, tr_wall, tr_cpu, tr_load, tr_rows) -> dict:
+    with_load = tr_rows / (tr_load + tr_rows / tr_wall)
+    return {
+        "torchrec_samples_per_s": round(tr_wall),
+        "torchrec_cpu_samples_per_s": round(tr_cpu),
+        "torchrec_load_seconds": round(tr_load, 3),
+        "ratio_vs_torchrec": round(tp_wall / tr_wall, 3),
+        "ratio_vs_torchrec_cpu": round(tp_cpu / tr_cpu, 3),  # per CPU-second: steadier on a busy host
+        "ratio_in_memory_vs_torchrec": round(tp_mem / tr_wall, 3),
+        "torchrec_with_load_samples_per_s": round(with_load),
+        "ratio_vs_torchrec_with_load": round(tp_wall / with_load, 3),
+    }
+
+
 def run_bench(
     rows: int = 2_000_000,
     work_dir: str | None = None,
@@ -105,7 +131,7 @@ def run_bench(
 
     from tpurec.data.convert import ConvertOptions, convert
     from tpurec.data.reader import ParquetReader
-    from tpurec.data.schema import criteo_schema
+    from tpurec.data.schema import criteo_schema, dataset_metadata
     from tpurec.data.synth import synthesize
 
     tmp = tempfile.TemporaryDirectory(prefix="tpurec-bench-data-") if work_dir is None else None
@@ -125,7 +151,7 @@ def run_bench(
                 compression=compression,
             )
         synth_s = synth_time.wall
-        dense_p, sparse_p, labels_p = write_torchrec_npys(str(pq_dir), str(npy_dir))
+        multi_hot = any(f.get("multi_hot") for f in dataset_metadata(str(pq_dir)).get("sparse", []))
 
         def tpurec_iter(prefetch):
             return lambda: ParquetReader(str(pq_dir), BATCH, prefetch=prefetch)
@@ -138,12 +164,15 @@ def run_bench(
         tp_mem, _, _ = _time_iter(lambda c=cached: c, passes)
         del cached
 
-        with timer.Stopwatch() as load_time:
-            tr = InMemoryBinaryCriteoIterDataPipe("train", dense_p, sparse_p, labels_p, BATCH, 0, 1)
-        tr_load = load_time.wall
-        tr_wall, tr_cpu, tr_rows = _time_iter(lambda: tr, passes)
-        if tr_rows != tp_rows:
-            raise RuntimeError(f"readers disagree on rows: tpurec {tp_rows}, torchrec {tr_rows}")
+        torchrec = None
+        if not multi_hot:  # torchrec's binary Criteo layout holds one id per sparse column
+            dense_p, sparse_p, labels_p = write_torchrec_npys(str(pq_dir), str(npy_dir))
+            with timer.Stopwatch() as load_time:
+                tr = InMemoryBinaryCriteoIterDataPipe("train", dense_p, sparse_p, labels_p, BATCH, 0, 1)
+            tr_wall, tr_cpu, tr_rows = _time_iter(lambda: tr, passes)
+            if tr_rows != tp_rows:
+                raise RuntimeError(f"readers disagree on rows: tpurec {tp_rows}, torchrec {tr_rows}")
+            torchrec = _torchrec_figures(tp_wall, tp_cpu, tp_mem, tr_wall, tr_cpu, load_time.wall, tr_rows)
 
         tsv = tsv_dir / "day_0"
         tsv_bytes = write_criteo_tsv(str(pq_dir), str(tsv), convert_rows)
@@ -165,15 +194,11 @@ def run_bench(
             "tpurec_samples_per_s": round(tp_wall),
             "tpurec_cpu_samples_per_s": round(tp_cpu),
             "tpurec_prefetch_samples_per_s": round(tp_pf),
-            "torchrec_samples_per_s": round(tr_wall),
-            "torchrec_cpu_samples_per_s": round(tr_cpu),
-            "torchrec_load_seconds": round(tr_load, 3),
-            "ratio_vs_torchrec": round(tp_wall / tr_wall, 3),
-            "ratio_vs_torchrec_cpu": round(tp_cpu / tr_cpu, 3),  # per CPU-second: steadier on a busy host
             "tpurec_in_memory_samples_per_s": round(tp_mem),
-            "ratio_in_memory_vs_torchrec": round(tp_mem / tr_wall, 3),
-            "torchrec_with_load_samples_per_s": round(tr_rows / (tr_load + tr_rows / tr_wall)),
-            "ratio_vs_torchrec_with_load": round(tp_wall / (tr_rows / (tr_load + tr_rows / tr_wall)), 3),
+            **(torchrec or dict.fromkeys(TORCHREC_FIGURES)),
+            "torchrec_skipped": None
+            if torchrec
+            else f"{table_set} is multi-hot; torchrec's binary Criteo layout is not",
             "converter_mb_per_s": conv["mb_per_s"],
             "converter_rows_per_s": round(conv["rows"] / conv["seconds"]),
             "converter_input_mb": round(tsv_bytes / 1e6, 1),
@@ -235,16 +260,19 @@ def _run(args) -> int:
         f"tpurec ParquetReader     {res['tpurec_samples_per_s']:>12,} samples/s (1 thread; "
         f"{res['tpurec_prefetch_samples_per_s']:,} with prefetch)"
     )
-    print(
-        f"torchrec in-memory npy   {res['torchrec_samples_per_s']:>12,} samples/s "
-        f"(after {res['torchrec_load_seconds']} s loading)"
-    )
     print(f"tpurec in-memory (cache) {res['tpurec_in_memory_samples_per_s']:>12,} samples/s")
-    print(
-        f"ratio vs torchrec        {res['ratio_vs_torchrec']:>12} streaming, "
-        f"{res['ratio_in_memory_vs_torchrec']} in-memory, {res['ratio_vs_torchrec_with_load']} streaming vs "
-        f"torchrec load+iterate"
-    )
+    if res["torchrec_skipped"]:
+        print(f"torchrec in-memory npy   skipped: {res['torchrec_skipped']}")
+    else:
+        print(
+            f"torchrec in-memory npy   {res['torchrec_samples_per_s']:>12,} samples/s "
+            f"(after {res['torchrec_load_seconds']} s loading)"
+        )
+        print(
+            f"ratio vs torchrec        {res['ratio_vs_torchrec']:>12} streaming, "
+            f"{res['ratio_in_memory_vs_torchrec']} in-memory, {res['ratio_vs_torchrec_with_load']} streaming vs "
+            f"torchrec load+iterate"
+        )
     print(
         f"converter                {res['converter_mb_per_s']:>12} MB/s "
         f"({res['converter_rows_per_s']:,} rows/s, 1 process)"

@@ -12,6 +12,7 @@ set themselves.
 from __future__ import annotations
 
 import itertools
+import random
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -57,17 +58,22 @@ class Runs:
         self.results.append(result)
 
 
-def interleaved(fns: Sequence[Callable[[], Any]], *, warmup: int, repeats: int) -> list[Runs]:
-    """`warmup` untimed rounds, then `repeats` timed rounds; in each round every fn runs once, in order."""
+def interleaved(fns: Sequence[Callable[[], Any]], *, warmup: int, repeats: int, seed: int = 0) -> list[Runs]:
+    """`warmup` untimed rounds, then `repeats` timed rounds; in each round every fn runs once, in a
+    fresh random order (a fixed order hands one contestant the warm caches, or the quiet moment
+    after another's burst, every round)."""
+    rng = random.Random(seed)
+    order = list(range(len(fns)))
     for _ in range(warmup):
         for fn in fns:
             fn()
     out = [Runs() for _ in fns]
     for _ in range(repeats):
-        for fn, runs in zip(fns, out):
+        rng.shuffle(order)
+        for i in order:
             with Stopwatch() as sw:
-                result = fn()
-            runs.add(sw, result)
+                result = fns[i]()
+            out[i].add(sw, result)
     return out
 
 

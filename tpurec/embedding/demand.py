@@ -1,4 +1,4 @@
-"""A batch's demand on one table shard's SparseCore buffers, counted as preprocessing counts it.
+"""A batch's demand on table shards' SparseCore buffers, counted as preprocessing counts it.
 
 What `tpurec data stats` measures over a dataset. Preprocessing (preprocess.py) puts every id of the
 device batch in one (SparseCore slice, partition) segment: the slice of its sample (the padded batch
@@ -11,18 +11,102 @@ Counted for the table alone (stack_tables=False), and per SparseCore slice over 
 a stack the tables lie end to end and a stack partition can hold a whole small table, so the kernel
 bounds a stack's segment by each table's per-partition figure times the table partitions a stack
 partition can overlap, and never more than its per-slice figure (SparseCoreKernel, table_limits).
+
+`ShardsDemand` counts many tables and row-wise shards of one batch at once: one key per id, one
+sort for them all (a sort per table and shard costs numpy's per-call overhead hundreds of times a
+batch, and a shard mask per shard makes row-wise tables cost O(ids x shards)).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
 from tpurec.embedding.constraints import padded_rows, round_up
 
+# (entries, distinct ids) of the fullest segment, the same of the fullest SparseCore slice
+Demand = tuple[int, int, int, int]
+
+
+def _bits(n: int) -> int:
+    """Bits that hold every value in [0, n)."""
+    return max(int(n) - 1, 0).bit_length()
+
+
+def segment_counts(
+    shard: np.ndarray,
+    local: np.ndarray,
+    partition: np.ndarray,
+    sample: np.ndarray,
+    slot: np.ndarray | None,
+    *,
+    num_shards: int,
+    num_partitions: int,
+    per_slice: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Entries and distinct ids per (shard, SparseCore slice, partition), each [num_shards, P, P].
+
+    shard, local, partition: each id's shard, row in the shard and partition of that row; sample:
+    its sample in the batch; slot: its feature within the table, or None when no bag holds two ids
+    (then every id is its own entry and only distinct ids need the sort).
+    """
+    p = num_partitions
+    seg_bits = _bits(num_shards) + 2 * _bits(p)
+    # (shard * P + slice) * P + partition, in place: these arrays hold every id of the batch
+    segment = shard.astype(np.int64) * p
+    segment += sample // per_slice
+    segment *= p
+    segment += partition
+    if slot is None:
+        fields: list[tuple[np.ndarray, int]] = [(local, int(local.max()) + 1)]
+    else:
+        fields = [(local, int(local.max()) + 1), (slot, int(slot.max()) + 1), (sample, int(sample.max()) + 1)]
+    widths = [_bits(n) for _, n in fields]
+    size = num_shards * p * p
+    if seg_bits + sum(widths) <= 63:
+        # One packed int64 per id, (segment, local[, slot, sample]), and one numpy sort.
+        key = segment
+        for (x, _), w in zip(fields, widths):
+            key <<= w
+            key |= x
+        key.sort()
+        low = sum(widths[1:])
+        prefix = key >> low if low else key
+        seg_sorted = key >> (low + widths[0])
+        new_id = np.empty(key.size, dtype=bool)
+        new_id[0] = True
+        np.not_equal(prefix[1:], prefix[:-1], out=new_id[1:])
+        if slot is None:
+            new_entry = None
+        else:
+            new_entry = np.empty(key.size, dtype=bool)
+            new_entry[0] = True
+            np.not_equal(key[1:], key[:-1], out=new_entry[1:])
+    else:
+        cols = [x for x, _ in fields]
+        order = np.lexsort(tuple(reversed([segment, *cols])))
+        seg_sorted = segment[order]
+        cols = [c[order] for c in cols]
+        new_id = np.empty(order.size, dtype=bool)
+        new_id[0] = True
+        new_id[1:] = (seg_sorted[1:] != seg_sorted[:-1]) | (cols[0][1:] != cols[0][:-1])
+        new_entry = None
+        if slot is not None:
+            new_entry = new_id.copy()
+            for c in cols[1:]:
+                new_entry[1:] |= c[1:] != c[:-1]
+    if new_entry is None:
+        entries = np.bincount(seg_sorted, minlength=size)
+    else:
+        entries = np.bincount(seg_sorted[new_entry], minlength=size)
+    distinct = np.bincount(seg_sorted[new_id], minlength=size)
+    return entries.reshape(num_shards, p, p), distinct.reshape(num_shards, p, p)
+
 
 def partition_demand(
     ids: np.ndarray, samples: np.ndarray, features: np.ndarray, *, rows: int, num_partitions: int, batch: int
-) -> tuple[int, int, int, int]:
+) -> Demand:
     """(entries, distinct ids) of the fullest segment of a table shard of `rows` rows, then the same
     of the fullest SparseCore slice (all partitions together).
 
@@ -33,36 +117,156 @@ def partition_demand(
         return 0, 0, 0, 0
     p = num_partitions
     per_slice = round_up(max(batch, 1), p) // p
-    segment = (samples // per_slice) * p + ids // (padded_rows(rows, p) // p)
-    # One sort by (segment, id, feature, sample): entries are the distinct keys, distinct ids the
-    # distinct (segment, id) prefixes. Packed into one int64 when the fields fit (one numpy sort).
-    widths = [int(max(int(x.max()), 0)).bit_length() for x in (ids, features, samples)]
-    seg_bits = int(segment.max()).bit_length()
-    if seg_bits + sum(widths) <= 63:
-        key = segment.astype(np.int64)
-        for x, w in zip((ids, features, samples), widths):
-            key = (key << w) | x.astype(np.int64)
-        key.sort()
-        low = widths[1] + widths[2]
-        new_entry = np.empty(key.size, dtype=bool)
-        new_entry[0] = True
-        np.not_equal(key[1:], key[:-1], out=new_entry[1:])
-        prefix = key >> low
-        new_id = np.empty(key.size, dtype=bool)
-        new_id[0] = True
-        np.not_equal(prefix[1:], prefix[:-1], out=new_id[1:])
-        seg_sorted = key >> (low + widths[0])
-    else:
-        order = np.lexsort((samples, features, ids, segment))
-        seg_sorted, cols = segment[order], (ids[order], features[order], samples[order])
-        new_id = np.empty(ids.size, dtype=bool)
-        new_id[0] = True
-        new_id[1:] = (seg_sorted[1:] != seg_sorted[:-1]) | (cols[0][1:] != cols[0][:-1])
-        new_entry = new_id.copy()
-        for c in cols[1:]:
-            new_entry[1:] |= c[1:] != c[:-1]
-    slices = -(-round_up(max(batch, 1), p) // per_slice)
-    entries = np.bincount(seg_sorted[new_entry], minlength=slices * p).reshape(slices, p)
-    distinct = np.bincount(seg_sorted[new_id], minlength=slices * p).reshape(slices, p)
+    ids = ids.astype(np.int64, copy=False)
+    entries, distinct = segment_counts(
+        np.zeros(ids.size, np.int64),
+        ids,
+        ids // (padded_rows(rows, p) // p),
+        samples.astype(np.int64, copy=False),
+        features.astype(np.int64, copy=False),
+        num_shards=1,
+        num_partitions=p,
+        per_slice=per_slice,
+    )
+    return _fullest(entries[0], distinct[0])
+
+
+def _fullest(entries: np.ndarray, distinct: np.ndarray) -> Demand:
     # partitions hold disjoint ids: a slice's figures are its segments' sums
     return int(entries.max()), int(distinct.max()), int(entries.sum(1).max()), int(distinct.sum(1).max())
+
+
+@dataclass(frozen=True)
+class TableShards:
+    """A table as `ShardsDemand` counts it: its features and the distinct row ranges of its shards
+    (first row, rows), disjoint and covering the table."""
+
+    name: str
+    features: tuple[str, ...]
+    rows: int
+    shards: tuple[tuple[int, int], ...]
+
+
+class ShardsDemand:
+    """Per table, the demand of a batch on its fullest shard (partition_demand's four figures),
+    plus the most ids of one sample and of one feature; every table and shard counted in one sort.
+
+    Built once for a batch's feature order; `count` takes the batch's flattened KJT arrays.
+    """
+
+    def __init__(self, tables: list[TableShards], keys: list[str], *, num_partitions: int, batch: int):
+        self.tables, self.p, self.batch = tables, num_partitions, batch
+        self.per_slice = round_up(max(batch, 1), num_partitions) // num_partitions
+        index = {k: i for i, k in enumerate(keys)}
+        # the batch's columns each table reads, grouped by table in table order
+        self.features = np.array([index[f] for t in tables for f in t.features], dtype=np.int64)
+        self.every_feature_in_order = bool(np.array_equal(self.features, np.arange(len(keys))))
+        self.feature_table = np.repeat(np.arange(len(tables)), [len(t.features) for t in tables])
+        self.feature_slot = np.concatenate([np.arange(len(t.features)) for t in tables]) if tables else np.zeros(0)
+        self.table_first_feature = np.cumsum([0] + [len(t.features) for t in tables])[:-1]
+        self.table_rows = np.array([t.rows for t in tables], dtype=np.int64)
+        starts: list[int] = []
+        sizes: list[int] = []
+        first_shard: list[int] = []
+        for t in tables:
+            first_shard.append(len(starts))
+            covered = 0
+            for first, rows in sorted(t.shards):
+                if first != covered or rows <= 0:
+                    raise ValueError(
+                        f"table {t.name!r}: shard row ranges {sorted(t.shards)} do not tile its {t.rows} rows"
+                    )
+                starts.append(first)
+                sizes.append(rows)
+                covered += rows
+            if covered != t.rows:
+                raise ValueError(f"table {t.name!r}: shard row ranges {sorted(t.shards)} do not tile its {t.rows} rows")
+        first_shard.append(len(starts))
+        self.table_first_shard = np.array(first_shard, dtype=np.int64)
+        self.shard_start = np.array(starts, dtype=np.int64)  # each shard's first row in its table
+        self.shard_chunk = np.array([padded_rows(r, num_partitions) // num_partitions for r in sizes], dtype=np.int64)
+        self.num_shards = len(starts)
+        # per feature (grouped by table): its table's first shard, rows, and partition size
+        ft = self.feature_table
+        self.feature_rows = self.table_rows[ft]
+        self.feature_shard = self.table_first_shard[ft]
+        self.feature_chunk = self.shard_chunk[self.feature_shard] if len(ft) else np.zeros(0, np.int64)
+        shards_of = np.diff(self.table_first_shard)
+        self.row_wise_features = [j for j in range(len(ft)) if shards_of[ft[j]] > 1]
+        self.one_feature_per_table = all(len(t.features) == 1 for t in tables)
+        self.one_hot_cache: dict[int, np.ndarray] = {}
+
+    def count(self, values: np.ndarray, lengths: np.ndarray, stride: int) -> list[tuple[int, ...]]:
+        """Per table: (entries, distinct ids) of its fullest segment and fullest slice over its
+        shards, the most ids of one sample, the most ids of one of its features in the batch."""
+        lens = lengths.reshape(-1, stride)[self.features]  # [features, batch], grouped by table
+        per_feature = lens.sum(1)
+        if self.one_feature_per_table:
+            most_sample, most_feature = lens.max(1) if stride else per_feature, per_feature
+        else:
+            most_sample = np.add.reduceat(lens, self.table_first_feature, axis=0).max(1) if stride else per_feature
+            most_feature = np.maximum.reduceat(per_feature, self.table_first_feature)
+        if self.every_feature_in_order:
+            ids = values.astype(np.int64, copy=False)
+        else:
+            offsets = np.concatenate([[0], np.cumsum(lengths)])
+            starts = offsets[self.features * stride]
+            ids = np.concatenate([values[s : s + n] for s, n in zip(starts, per_feature)]).astype(np.int64, copy=False)
+        if ids.size == 0:
+            return [(0, 0, 0, 0, int(a), int(b)) for a, b in zip(most_sample, most_feature)]
+        first = np.concatenate([[0], np.cumsum(per_feature)])
+        self._check_range(ids, first, per_feature)
+        # Per id: its shard, row in the shard and partition. Ids come grouped by feature, so a table of
+        # one shard takes its figures from per-feature constants; only row-wise tables look theirs up.
+        shard = np.repeat(self.feature_shard, per_feature)
+        chunk = np.repeat(self.feature_chunk, per_feature)
+        local = ids
+        for j in self.row_wise_features:
+            lo, hi = first[j], first[j + 1]
+            if lo == hi:
+                continue
+            if local is ids:
+                local = ids.copy()
+            t = self.feature_table[j]
+            starts = self.shard_start[self.table_first_shard[t] : self.table_first_shard[t + 1]]
+            k = np.searchsorted(starts, ids[lo:hi], side="right") - 1
+            local[lo:hi] -= starts[k]
+            shard[lo:hi] += k
+            chunk[lo:hi] = self.shard_chunk[self.table_first_shard[t] + k]
+        if self.one_hot_cache.get(stride) is None:
+            self.one_hot_cache[stride] = np.tile(np.arange(stride, dtype=np.int64), len(self.features))
+        tiled = self.one_hot_cache[stride]
+        if int(lens.min()) == 1 == int(lens.max()):  # every bag one id: no entries to merge
+            sample, slot = tiled, None
+        else:
+            sample = np.repeat(tiled, lens.reshape(-1))
+            slot = np.repeat(self.feature_slot, per_feature) if int(lens.max()) > 1 else None
+        entries, distinct = segment_counts(
+            shard,
+            local,
+            local // chunk,
+            sample,
+            slot,
+            num_shards=self.num_shards,
+            num_partitions=self.p,
+            per_slice=self.per_slice,
+        )
+        # per shard, then the fullest shard of each table
+        figures = np.stack(
+            [entries.max((1, 2)), distinct.max((1, 2)), entries.sum(2).max(1), distinct.sum(2).max(1)], axis=1
+        )
+        per_table = np.maximum.reduceat(figures, self.table_first_shard[:-1], axis=0)
+        return [(*map(int, f), int(a), int(b)) for f, a, b in zip(per_table, most_sample, most_feature)]
+
+    def _check_range(self, ids: np.ndarray, first: np.ndarray, per_feature: np.ndarray) -> None:
+        """Every id inside its table (one pass: each feature's smallest and largest id)."""
+        nonempty = np.flatnonzero(per_feature)
+        at = first[nonempty]
+        low, high = np.minimum.reduceat(ids, at), np.maximum.reduceat(ids, at)
+        bad = (low < 0) | (high >= self.feature_rows[nonempty])
+        if bad.any():
+            j = int(nonempty[np.argmax(bad)])
+            t = self.tables[int(self.feature_table[j])]
+            seg = ids[first[j] : first[j + 1]]
+            wrong = seg[(seg < 0) | (seg >= t.rows)][0]
+            raise ValueError(f"table {t.name!r}: id {int(wrong)} outside its {t.rows} rows")

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
 from tpurec.embedding.constraints import SEGMENT_ALIGN, round_up
-from tpurec.embedding.demand import partition_demand
+from tpurec.embedding.demand import ShardsDemand, TableShards
 
 FORMAT = "tpurec-id-limits"
 HEADROOM = 0.10  # over the observed maximum: batches heavier than any seen stay in one pass
@@ -36,12 +37,12 @@ class IdLimitsError(ValueError):
     """A limits file that cannot be used here (malformed, or measured for another layout)."""
 
 
-@dataclass
-class TableLayout:
-    name: str
-    features: list[str]
-    rows: int
-    shards: list[tuple[int, int]]  # (first row, rows) of each distinct row range
+def table_layouts(report: dict) -> list[TableShards]:
+    out = []
+    for t in report["tables"]:
+        ranges = sorted({(int(s["offsets"][0]), int(s["sizes"][0])) for s in t["shards"]})
+        out.append(TableShards(t["name"], tuple(t["features"]), int(t["rows"]), tuple(ranges)))
+    return out
 
 
 def layout_of(report: dict) -> dict:
@@ -49,66 +50,90 @@ def layout_of(report: dict) -> dict:
     return plan_layout(report["topology"], int(report["batch_size_per_device"]))
 
 
-def table_layouts(report: dict) -> list[TableLayout]:
-    out = []
-    for t in report["tables"]:
-        ranges = sorted({(int(s["offsets"][0]), int(s["sizes"][0])) for s in t["shards"]})
-        out.append(TableLayout(t["name"], list(t["features"]), int(t["rows"]), ranges))
-    return out
+# ids counted in one sort at most (about 70 bytes of temporaries each): bounds the pass's memory on
+# large global batches (an MLPerf DCNv2 batch on v5p-128 holds 112 M ids)
+IDS_PER_GROUP = 8_000_000
 
 
 class DemandTally:
     """Per table: the fullest segment of every batch seen (entries, distinct ids)."""
 
-    def __init__(self, tables: list[TableLayout], layout: dict):
+    def __init__(self, tables: list[TableShards], layout: dict):
         self.tables = tables
         self.partitions = layout["sparsecores_per_device"]
         self.batch = layout["batch_size_per_device"] * layout["world_size"]
         self.per_slice = round_up(self.batch, self.partitions) // self.partitions  # samples per SparseCore
         # per batch: (entries, distinct ids) of the fullest segment and of the fullest SparseCore slice,
-        # and the ids of the fullest sample
+        # the ids of the fullest sample and of the fullest feature
         self.per_batch: dict[str, list[tuple[int, ...]]] = {t.name: [] for t in tables}
+        self._counters: dict[tuple[str, ...], list[ShardsDemand]] = {}
+        self._lock = threading.Lock()
 
-    def add(self, kjt, pool: ThreadPoolExecutor | None = None) -> None:
-        """One global batch (a KeyedJaggedTensor whose keys include every table's features)."""
-        index = {k: i for i, k in enumerate(kjt.keys())}
-        values, lengths = kjt.values().numpy(), kjt.lengths().numpy()
-        stride = kjt.stride()
-        offsets = np.concatenate([[0], np.cumsum(lengths)])
-        missing = sorted({f for t in self.tables for f in t.features} - set(index))
+    def _groups(self, keys: tuple[str, ...], ids: int) -> list[ShardsDemand]:
+        """All tables in one sort, or in groups of about equal features when a batch holds more ids
+        than IDS_PER_GROUP (the pass's memory)."""
+        if keys not in self._counters:
+            n = min(len(self.tables), max(1, -(-ids // IDS_PER_GROUP))) or 1
+            load = [0] * n
+            groups: list[list[TableShards]] = [[] for _ in range(n)]
+            for t in sorted(self.tables, key=lambda t: -len(t.features)):
+                i = load.index(min(load))
+                groups[i].append(t)
+                load[i] += len(t.features)
+            self._counters[keys] = [
+                ShardsDemand(g, list(keys), num_partitions=self.partitions, batch=self.batch) for g in groups if g
+            ]
+        return self._counters[keys]
+
+    def figures(self, kjt) -> list[tuple[str, tuple[int, ...]]]:
+        """One global batch's figures per table (a KeyedJaggedTensor whose keys include every
+        table's features). Safe to call from several threads at once, on different batches."""
+        keys = tuple(kjt.keys())
+        missing = sorted({f for t in self.tables for f in t.features} - set(keys))
         if missing:
-            raise IdLimitsError(f"the data has no column(s) {missing} (it has {list(index)})")
+            raise IdLimitsError(f"the data has no column(s) {missing} (it has {list(keys)})")
+        values, lengths, stride = kjt.values().numpy(), kjt.lengths().numpy(), kjt.stride()
+        with self._lock:
+            counters = self._groups(keys, values.size)
+        try:
+            return [(t.name, f) for c in counters for t, f in zip(c.tables, c.count(values, lengths, stride))]
+        except ValueError as e:  # an id outside its table
+            raise IdLimitsError(str(e)) from None
 
-        def one(t: TableLayout) -> tuple[int, ...]:
-            parts = []
-            for slot, f in enumerate(t.features):
-                k = index[f]
-                lo, hi = offsets[k * stride], offsets[(k + 1) * stride]
-                ls = lengths[k * stride : (k + 1) * stride]
-                parts.append((values[lo:hi], np.repeat(np.arange(stride), ls), np.full(hi - lo, slot)))
-            ids = np.concatenate([p[0] for p in parts]).astype(np.int64)
-            samples = np.concatenate([p[1] for p in parts])
-            feats = np.concatenate([p[2] for p in parts])
-            best = (0, 0, 0, 0)
-            most = int(np.bincount(samples).max()) if samples.size else 0  # ids of the fullest sample
-            # the most ids one of the table's features had in the batch (a sequence table's capacity)
-            per_feature = int(np.bincount(feats).max()) if feats.size else 0
-            for first, rows in t.shards:
-                mine = (ids >= first) & (ids < first + rows) if len(t.shards) > 1 else slice(None)
-                d = partition_demand(
-                    ids[mine] - first,
-                    samples[mine],
-                    feats[mine],
-                    rows=rows,
-                    num_partitions=self.partitions,
-                    batch=self.batch,
-                )
-                best = tuple(max(a, b) for a, b in zip(best, d))
-            return best + (most, per_feature)
+    def record(self, figures: list[tuple[str, tuple[int, ...]]]) -> None:
+        for name, f in figures:
+            self.per_batch[name].append(f)
 
-        results = pool.map(one, self.tables) if pool is not None else map(one, self.tables)
-        for t, r in zip(self.tables, results):
-            self.per_batch[t.name].append(r)
+    def add(self, kjt) -> None:
+        self.record(self.figures(kjt))
+
+    def count_stream(self, batches, threads: int = 1, on_batch=None) -> int:
+        """Counts every batch of `batches` (objects with `.sparse_features`), `threads` batches at a
+        time while the next are read; returns the rows seen. Figures are recorded in batch order."""
+        from collections import deque
+
+        rows = 0
+        if threads <= 1:
+            for batch in batches:
+                self.add(batch.sparse_features)
+                rows += batch.sparse_features.stride()
+                if on_batch:
+                    on_batch()
+            return rows
+        pending: deque = deque()
+        with ThreadPoolExecutor(threads) as pool:
+            for batch in batches:
+                pending.append(pool.submit(self.figures, batch.sparse_features))
+                rows += batch.sparse_features.stride()
+                if len(pending) > threads:
+                    self.record(pending.popleft().result())
+                    if on_batch:
+                        on_batch()
+            while pending:
+                self.record(pending.popleft().result())
+                if on_batch:
+                    on_batch()
+        return rows
 
     def result(self) -> dict:
         tables = {}

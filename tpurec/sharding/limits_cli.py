@@ -34,7 +34,9 @@ def register(actions) -> None:
     where.add_argument("--plan", metavar="P.json", help="a saved plan (tpurec plan --format json)")
     s.add_argument("--batch-size", type=positive_int, default=None, help="batch per device (default: as tpurec plan)")
     s.add_argument("--out", required=True, metavar="FILE", help="the limits file to write (JSON)")
-    s.add_argument("--threads", type=positive_int, default=None, help="tables counted in parallel (default: cores)")
+    s.add_argument(
+        "--threads", type=positive_int, default=None, help="batches counted at once, in threads (default: cores)"
+    )
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.set_defaults(run=run)
 
@@ -59,27 +61,39 @@ def _report(args) -> dict:
 
     if args.plan:
         return inspect.report_from_file(args.plan)
-    tables = _tables(args)
-    trained = TRAINING_DEFAULTS.get(args.model)
-    batch = args.batch_size or (trained.batch_size if trained else 256)
+    return plan_report(
+        args.path, model=args.model, tables_file=args.tables, topology=args.topology, batch_size=args.batch_size
+    )
+
+
+def plan_report(
+    path: str, *, model: str | None, tables_file: str | None, topology: str, batch_size: int | None
+) -> dict:
+    """The plan tpurec makes for `topology` (as `tpurec plan`), for a named model's or a file's tables."""
+    from tpurec.sharding import inspect
+
+    tables = _tables(path, model, tables_file)
+    trained = TRAINING_DEFAULTS.get(model) if model else None
+    batch = batch_size or (trained.batch_size if trained else 256)
     optimizer = trained.embedding_optimizer if trained else "rowwise_adagrad"
-    return inspect.plan_tables(tables, args.topology, batch_size=batch, optimizer=optimizer, model=args.model)
+    return inspect.plan_tables(tables, topology, batch_size=batch, optimizer=optimizer, model=model)
 
 
-def _tables(args) -> list:
+def _tables(path: str, model: str | None, tables_file: str | None) -> list:
     """The model's tables, with the row counts the data's ids index into (as `tpurec train` builds them)."""
     from dataclasses import replace
 
     from tpurec.data.schema import dataset_metadata
 
-    if args.tables:
+    if tables_file:
         from tpurec.sharding.tables_file import load_tables
 
-        return load_tables(args.tables)
+        return load_tables(tables_file)
     from tpurec.catalog import get_table_set
 
-    tables = list(get_table_set(args.model).tables)
-    sparse = dataset_metadata(args.path).get("sparse", [])
+    assert model is not None  # argparse requires --model or --tables
+    tables = list(get_table_set(model).tables)
+    sparse = dataset_metadata(path).get("sparse", [])
     if len(sparse) == len(tables):
         tables = [
             replace(t, num_embeddings=int(f["num_embeddings"])) if f.get("num_embeddings") is not None else t
@@ -89,8 +103,6 @@ def _tables(args) -> list:
 
 
 def _run(args) -> int:
-    from concurrent.futures import ThreadPoolExecutor
-
     from tqdm import tqdm
 
     from tpurec.data.reader import ParquetReader
@@ -106,19 +118,12 @@ def _run(args) -> int:
     tables = table_layouts(report)
     global_batch = layout["batch_size_per_device"] * layout["world_size"]
     reader = ParquetReader(args.path, batch_size=global_batch, shuffle=False, drop_last=False)
-    tally = DemandTally(tables, layout)
     threads = args.threads or os.cpu_count() or 1
+    tally = DemandTally(tables, layout)
     show = not args.quiet and sys.stderr.isatty()
     start = time.perf_counter()
-    rows = 0
-    with (
-        ThreadPoolExecutor(threads) as pool,
-        tqdm(total=len(reader), unit="batch", disable=not show, desc="tpurec data stats") as bar,
-    ):
-        for batch in reader:
-            tally.add(batch.sparse_features, pool if threads > 1 else None)
-            rows += batch.sparse_features.stride()
-            bar.update(1)
+    with tqdm(total=len(reader), unit="batch", disable=not show, desc="tpurec data stats") as bar:
+        rows = tally.count_stream(reader, threads, on_batch=lambda: bar.update(1))
     seconds = time.perf_counter() - start
     if rows == 0:
         raise ValueError(f"{args.path}: no rows to measure")
