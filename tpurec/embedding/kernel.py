@@ -34,6 +34,7 @@ from tpurec.embedding.layout import StackLayout, build_stacks
 from tpurec.embedding.multipass import MultiPassInput, split_into_passes
 from tpurec.embedding.optimizers.base import OptimizerSpec, check_hyperparameter
 from tpurec.embedding.preprocess import IdLimitExceededError, PreprocessStats, SparseCoreInput, preprocess
+from tpurec.embedding.weight_grad import with_weight_grad
 
 # Kernel numbers for computation names: unique within the process, fixed for a kernel's lifetime.
 _KERNEL_NUMBERS = itertools.count()
@@ -296,7 +297,7 @@ class SparseCoreKernel(nn.Module):
     def forward(self, features) -> torch.Tensor:
         """features: KeyedJaggedTensor (stride = batch size). Returns [batch, sum(dims)] f32."""
         batch = features.stride()
-        return self.lookup(self.preprocess(features), batch)
+        return with_weight_grad(self, features, self.lookup(self.preprocess(features), batch))
 
     def preprocess(self, features) -> list[SparseCoreInput | MultiPassInput]:
         """Host side: one SparseCore input per stack (data-dependent; runs on the CPU).
@@ -401,7 +402,8 @@ class SparseCoreKernel(nn.Module):
         weights = features.weights_or_none()
         if self.is_weighted and weights is None:
             raise ValueError("this kernel is weighted (is_weighted=True) but the KeyedJaggedTensor has no weights")
-        return values, features.lengths(), weights if self.is_weighted else None
+        # Gains are host data; a trainable weight's gradient comes from weight_grad.with_weight_grad.
+        return values, features.lengths(), weights.detach() if self.is_weighted else None
 
     def _stack_input(
         self, i: int, values, lengths, weights, batch: int, padded: int

@@ -35,6 +35,7 @@ from tpurec.device import tpu_path
 from tpurec.embedding.sparsecores import resolve_num_sparsecores
 from tpurec.sharding import sharded_tensor_device  # noqa: F401  (ShardedTensor.device on the TPU path)
 from tpurec.sharding.ec_sharder import SparseCoreECSharder
+from tpurec.sharding.fp_sharder import SparseCoreFPEBCSharder
 from tpurec.sharding.sharder import SparseCoreEBCSharder
 
 logger = logging.getLogger(__name__)
@@ -78,11 +79,13 @@ def _ensure_process_group(device_type: str = "cpu") -> None:
 
 
 def default_sharders(num_sparsecores: int, **sharder_kwargs) -> List[ModuleSharder[nn.Module]]:
-    """tpurec's sharders for EmbeddingBagCollection and EmbeddingCollection, TorchRec's defaults for
-    every other module type."""
+    """tpurec's sharders for EmbeddingBagCollection, EmbeddingCollection and the feature-processed
+    EmbeddingBagCollection, TorchRec's defaults for every other module type."""
+    ebc = SparseCoreEBCSharder(num_sparsecores=num_sparsecores, **sharder_kwargs)
     ours = [
-        SparseCoreEBCSharder(num_sparsecores=num_sparsecores, **sharder_kwargs),
+        ebc,
         SparseCoreECSharder(num_sparsecores=num_sparsecores, **sharder_kwargs),
+        SparseCoreFPEBCSharder(ebc_sharder=ebc),
     ]
     mine = {s.module_type for s in ours}
     return ours + [s for s in get_default_sharders() if s.module_type not in mine]
@@ -99,12 +102,17 @@ def _pooling_factors(constraints) -> Dict[str, float] | None:
 
 
 def _swap_torchrec_sharders(sharders: List[ModuleSharder[nn.Module]], num_sc: int) -> List[ModuleSharder[nn.Module]]:
-    """TorchRec's own EBC / EC sharders (as TorchRec's examples pass them) become tpurec's SparseCore
+    """TorchRec's own EBC / EC / FP-EBC sharders (as TorchRec's examples pass them) become tpurec's SparseCore
     sharders with the same fused params and qcomms, said once; any other sharder is kept."""
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
 
-    ours = {EmbeddingBagCollectionSharder: SparseCoreEBCSharder, EmbeddingCollectionSharder: SparseCoreECSharder}
+    ours = {
+        EmbeddingBagCollectionSharder: SparseCoreEBCSharder,
+        EmbeddingCollectionSharder: SparseCoreECSharder,
+        FeatureProcessedEmbeddingBagCollectionSharder: SparseCoreFPEBCSharder,
+    }
     out = []
     for s in sharders:
         replacement = ours.get(type(s))
@@ -226,12 +234,19 @@ class DistributedModelParallel(_TorchrecDMP):
                 pg=env.process_group,
             )
         else:
-            from tpurec.sharding.plan_check import align_to_model, check_plan, check_plan_for_tpu, embedding_tables
+            from tpurec.sharding.plan_check import (
+                align_to_model,
+                check_plan,
+                check_plan_for_tpu,
+                check_sharding_types,
+                embedding_tables,
+            )
 
             # A given plan must fit this model and world size (else TorchRec fails deep inside, or
             # shards onto ranks that do not exist); plans from `tpurec plan` are keyed by table names.
             plan = align_to_model(plan, module)
             check_plan(plan, embedding_tables(module), env.world_size)
+            check_sharding_types(plan)
             if compute_device == "tpu":
                 check_plan_for_tpu(plan)
         if torch_device.type == "cpu":

@@ -27,6 +27,7 @@ from tpurec.embedding.fused_optimizer import SparseCoreFusedOptimizer
 from tpurec.embedding.kernel import KernelTable, SparseCoreKernel
 from tpurec.embedding.optimizers.registry import spec_from_fused_params
 from tpurec.embedding.sequence_kernel import SparseCoreSequenceKernel
+from tpurec.embedding.weight_grad import with_weight_grad
 
 _POOLING = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 
@@ -200,7 +201,7 @@ class SparseCoreEmbeddingBag(_SparseCoreGroupKernel):
         csrs = self._take_prepared(features) if self._prepared else None
         if csrs is None:
             return super().forward(features)
-        out = self.kernel.lookup(csrs, features.stride())
+        out = with_weight_grad(self.kernel, features, self.kernel.lookup(csrs, features.stride()))
         return out if self._output_dtype in (None, out.dtype) else out.to(self._output_dtype)
 
     def feature_keys(self) -> list[str]:

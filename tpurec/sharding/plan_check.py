@@ -12,11 +12,19 @@ from torch import nn
 
 def embedding_tables(module: nn.Module) -> dict[str, dict[str, tuple[int, int]]]:
     """{module path: {table name: (rows, dim)}} of every EmbeddingBagCollection and
-    EmbeddingCollection in `module`."""
+    EmbeddingCollection in `module`. A feature-processed EBC is sharded as one module, so its
+    tables are listed at its own path, not its inner EBC's."""
     from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+    from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
 
     out = {}
+    inner = set()
     for path, m in module.named_modules():
+        if isinstance(m, FeatureProcessedEmbeddingBagCollection):
+            inner.add(id(m._embedding_bag_collection))
+            m = m._embedding_bag_collection
+        elif id(m) in inner:
+            continue
         if isinstance(m, EmbeddingBagCollection):
             out[path] = {c.name: (c.num_embeddings, c.embedding_dim) for c in m.embedding_bag_configs()}
         elif isinstance(m, EmbeddingCollection):
@@ -85,12 +93,27 @@ def check_plan_for_tpu(plan, source: str = "the plan") -> None:
     """Raise ValueError for a sharding a TPU cannot run (kernel_choice.NEEDS_SUBGROUPS), naming the table."""
     from tpurec.sharding.kernel_choice import NEEDS_SUBGROUPS, SUBGROUP_REFUSAL
 
+    _refuse_sharding_types(plan, source, set(NEEDS_SUBGROUPS), f"{SUBGROUP_REFUSAL}; plan again for the TPU")
+
+
+def check_sharding_types(plan, source: str = "the plan") -> None:
+    """Raise ValueError for a sharding type TorchRec offers that tpurec's kernel does not run
+    (data-parallel, grid sharding), naming the table; TorchRec would fail deep inside instead."""
+    from torchrec.distributed.types import ShardingType
+
+    from tpurec.sharding.kernel_choice import SHARDING_TYPES
+
+    unsupported = {t.value for t in ShardingType} - set(SHARDING_TYPES)
+    why = f"is not run by tpurec's SparseCore kernel (it runs {', '.join(SHARDING_TYPES)}); plan again without it"
+    _refuse_sharding_types(plan, source, unsupported, why)
+
+
+def _refuse_sharding_types(plan, source: str, refused: set[str], why: str) -> None:
     for path, module_plan in plan.plan.items():
         for name, ps in module_plan.items():
-            if ps.sharding_type in NEEDS_SUBGROUPS:
+            if ps.sharding_type in refused:
                 raise ValueError(
-                    f"{source}, module {path or '<root>'!r}, table {name!r}: sharding_type {ps.sharding_type!r} "
-                    f"{SUBGROUP_REFUSAL}; plan again for the TPU"
+                    f"{source}, module {path or '<root>'!r}, table {name!r}: sharding_type {ps.sharding_type!r} {why}"
                 )
 
 

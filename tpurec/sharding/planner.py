@@ -38,6 +38,7 @@ from tpurec.sharding.estimators import (
     spec_of,
     table_elem_bytes,
 )
+from tpurec.sharding.fp_sharder import SparseCoreFPEBCSharder
 from tpurec.sharding.kernel_choice import COMPUTE_KERNEL, EC_SHARDING_TYPES, SHARDING_TYPES, sharding_types_for
 from tpurec.sharding.topology import format_bytes
 
@@ -75,7 +76,8 @@ class TpuPlanningECSharder(EmbeddingCollectionSharder):
 
 
 def planning_sharders() -> List[ModuleSharder[nn.Module]]:
-    return [TpuPlanningSharder(), TpuPlanningECSharder()]
+    # A feature-processed EBC is planned as the module DMP shards, over its inner EBC's tables.
+    return [TpuPlanningSharder(), TpuPlanningECSharder(), SparseCoreFPEBCSharder(ebc_sharder=TpuPlanningSharder())]
 
 
 def _embedding_modules(module: nn.Module):
