@@ -16,6 +16,7 @@ from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.estimator.estimator import EmbeddingPerfEstimator
 from torchrec.distributed.planner.shard_estimators import EmbeddingStorageEstimator
+from torchrec.distributed.planner.types import ShardingOption
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
@@ -106,7 +107,7 @@ def test_stock_dmp_without_a_plan_plans_the_sparsecore_kernel_and_trains_like_tp
     assert not torch.equal(got["ebc.embedding_bags.t0.weight"], start)  # the step did update the table
 
 
-def _enumerate(module: nn.Module, sharders, world_size: int = 1):
+def _enumerate(module: nn.Module, sharders: list, world_size: int = 1) -> tuple[Topology, list[ShardingOption]]:
     """The sharding options TorchRec's planner rates, with its default perf and storage estimators."""
     topology = Topology(world_size=world_size, compute_device="cpu")
     return topology, EmbeddingEnumerator(topology=topology, batch_size=BATCH).enumerate(module, sharders)
