@@ -176,3 +176,86 @@ def test_the_update_gather_is_padded_to_a_power_of_two_so_batch_sizes_share_prog
             assert int(x.entry_slots.max()) <= len(x.updates) * x.device_batch_size  # the spare row at most
             sizes.add(n)
     assert len(sizes) <= 2  # three batches of different id counts, at most two gather shapes
+
+
+SEQ_TABLES = [
+    EmbeddingConfig(name="s", embedding_dim=8, num_embeddings=500, feature_names=["h", "g"]),
+    EmbeddingConfig(name="u", embedding_dim=8, num_embeddings=40, feature_names=["k"]),
+]
+
+
+def _sequence_pair(name, capacity=16, **limits):
+    optim, kwargs = fused_optimizers()[name]
+    torch.manual_seed(0)
+    free = SparseCoreEmbeddingCollection(SEQ_TABLES, optim, kwargs, num_sparsecores=NUM_SC)
+    torch.manual_seed(0)
+    limited = SparseCoreEmbeddingCollection(
+        SEQ_TABLES, optim, kwargs, num_sparsecores=NUM_SC, fixed_limits=True, max_ids_per_feature=capacity, **limits
+    )
+    return free, limited
+
+
+def _long_sequences(gen, batch=6) -> KeyedJaggedTensor:
+    """Features of 30-90 ids per batch, against a capacity of 16: up to 6 blocks; hot ids repeat
+    within and across blocks."""
+    keys, rows = ["h", "g", "k"], [500, 500, 40]
+    lengths = torch.randint(5, 16, (len(keys) * batch,), generator=gen)
+    values = []
+    for k, r in enumerate(rows):
+        ids = torch.randint(0, r, (int(lengths[k * batch : (k + 1) * batch].sum()),), generator=gen)
+        ids[::4] = 7  # one hot row, in every block
+        values.append(ids)
+    return KeyedJaggedTensor(keys=keys, values=torch.cat(values), lengths=lengths)
+
+
+def _seq_step(model, kjt, seed):
+    out = model(kjt)
+    flat = torch.cat([out[k].values() for k in ("h", "g", "k")])
+    (flat * torch.randn(flat.shape, generator=torch.Generator().manual_seed(seed))).sum().backward()
+    return flat.detach()
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
+def test_sequence_features_over_their_capacity_run_in_blocks_equal_to_the_unlimited_step(name):
+    free, limited = _sequence_pair(name)
+    gen = torch.Generator().manual_seed(8)
+    for step in range(3):
+        kjt = _long_sequences(gen)
+        assert int(kjt.lengths().view(3, -1).sum(1).max()) > 2 * 16  # three blocks or more
+        _close(_seq_step(limited, kjt, step), _seq_step(free, kjt, step))
+    for t in ("s", "u"):
+        _close(limited.table_weight(t), free.table_weight(t))
+    assert limited.kernel.max_ids_per_feature == 16 and limited.kernel.multipass_batches == 3
+
+
+def test_blocks_over_their_partition_limits_too_equal_the_unlimited_step():
+    free, limited = _sequence_pair("rowwise_adagrad", max_ids_per_partition=8, max_unique_ids_per_partition=8)
+    gen = torch.Generator().manual_seed(9)
+    for step in range(2):
+        kjt = _long_sequences(gen)
+        _close(_seq_step(limited, kjt, step), _seq_step(free, kjt, step))
+    for t in ("s", "u"):
+        _close(limited.table_weight(t), free.table_weight(t))
+    # blocks of a 16-id capacity hold 16 x 2 ids of table s's stack: over 8 per partition as well
+    assert any(s.passes > 3 for s in limited.kernel.last_stats.values())
+
+
+def test_sequence_blocks_run_through_torchtpus_ops_with_the_steps_programs():
+    free, _ = _sequence_pair("adam")
+    standin = tpu_standin.install(sparsecores=NUM_SC)
+    _, limited = _sequence_pair("adam")
+    gen = torch.Generator().manual_seed(10)
+    batches = [_long_sequences(gen, batch=b) for b in (6, 4, 8)]  # 3, 2 and 5 blocks or so
+    with tpu_standin.adapter_on_cpu():
+        got = [_seq_step(limited, kjt, i) for i, kjt in enumerate(batches)]
+    want = [_seq_step(free, kjt, i) for i, kjt in enumerate(batches)]
+    for a, b in zip(got, want):
+        _close(a, b)
+    for t in ("s", "u"):
+        _close(limited.table_weight(t), free.table_weight(t))
+    keys = standin.compile_keys()
+    stacks = len(limited.kernel.stacks)
+    # whatever the number of blocks, one lookup and one update program per stack
+    assert len([k for k in keys if k[0] == "_sparse_dense_matmul"]) == stacks
+    assert len([k for k in keys if k[0] != "_sparse_dense_matmul"]) == stacks
+    assert sum(v for k, v in keys.items() if k[0] == "_sparse_dense_matmul") >= 2 * stacks * len(batches)

@@ -14,7 +14,6 @@ from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.optim import RowWiseAdagrad
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from tpurec.embedding.sequence_kernel import SequenceLimitExceededError
 from tpurec.embedding.sequence_module import SparseCoreEmbeddingCollection
 
 from .helpers import random_kjt
@@ -215,16 +214,6 @@ def test_init_follows_each_tables_init_fn():
     ]
     sc = SparseCoreEmbeddingCollection(tables, torch.optim.SGD, {"lr": 0.1})
     assert torch.equal(sc.table_weight("t"), torch.full((20, 8), 0.25))
-
-
-def test_fixed_capacity_refuses_a_longer_batch_with_the_numbers():
-    tables = [EmbeddingConfig(name="t", embedding_dim=8, num_embeddings=20, feature_names=["f"])]
-    sc = SparseCoreEmbeddingCollection(tables, torch.optim.SGD, {"lr": 0.1}, fixed_limits=True, max_ids_per_feature=10)
-    ok = KeyedJaggedTensor(keys=["f"], values=torch.arange(16), lengths=torch.tensor([8, 8]))
-    assert sc(ok)["f"].values().shape == (16, 8)  # 10 rounds up to 16 (8-aligned, as the id limits)
-    over = KeyedJaggedTensor(keys=["f"], values=torch.arange(17) % 20, lengths=torch.tensor([9, 8]))
-    with pytest.raises(SequenceLimitExceededError, match=r"feature 'f' has 17 ids .* capacity of 16"):
-        sc(over)
 
 
 def test_tables_of_different_dims_are_refused_as_torchrec_does():

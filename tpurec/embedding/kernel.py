@@ -31,7 +31,7 @@ from tpurec.embedding import csr_build, dtypes, ops, reference  # noqa: F401  (o
 from tpurec.embedding.constraints import DIM_ALIGN, SEGMENT_ALIGN, round_up
 from tpurec.embedding.kjt_checks import check_kjt
 from tpurec.embedding.layout import StackLayout, build_stacks
-from tpurec.embedding.multipass import MultiPassInput, split_into_passes
+from tpurec.embedding.multipass import MultiPassInput, split_into_passes, stacked_blocks
 from tpurec.embedding.optimizers.base import OptimizerSpec, check_hyperparameter
 from tpurec.embedding.preprocess import IdLimitExceededError, PreprocessStats, SparseCoreInput, preprocess
 from tpurec.embedding.weight_grad import with_weight_grad
@@ -308,6 +308,44 @@ class SparseCoreKernel(nn.Module):
         # Preprocessing is host work (data-dependent shapes). Under DMP the ids arrive on the host
         # (tpurec.sharding.host_input_dist); a KJT a caller put on the device is copied back, counted.
         features = host_copies.to_host(features, "ids")
+        batch, padded, parts = self._stack_arrays(features)
+        return self._to_device([self._stack_input(i, *part, batch, padded) for i, part in enumerate(parts)])
+
+    def preprocess_blocks(self, blocks: list) -> list[MultiPassInput]:
+        """Several batches of one stride as one step: their lookups stacked along the output's rows
+        (block j's rows j x batch ..), one fused update in which every row the blocks touch takes
+        its whole gradient once (multipass.stacked_blocks). What a sequence batch over its fixed
+        capacity runs as: each block has the fixed shapes, so a TPU reuses the step's programs."""
+        inputs, entries = [], []
+        for kjt in blocks:
+            batch, padded, parts = self._stack_arrays(host_copies.to_host(kjt, "ids"))
+            inputs.append([self._stack_input(i, *part, batch, padded) for i, part in enumerate(parts)])
+            entries.append([self._stack_entries(i, *part, batch, padded) for i, part in enumerate(parts)])
+        out = []
+        for i, plan in enumerate(self.stacks):
+            d = len(plan.features) * padded
+            max_ids, max_uniq = self.stack_limits(i) or (
+                self.max_ids_per_partition or d,
+                self.max_unique_ids_per_partition or d,
+            )
+            out.append(
+                stacked_blocks(
+                    [b[i] for b in inputs],
+                    [e[i] for e in entries],
+                    device_batch_size=d,
+                    num_sc_per_device=self.num_sc,
+                    max_ids_per_partition=max_ids,
+                    max_unique_ids_per_partition=max_uniq,
+                    table_name=plan.layout.name,
+                )
+            )
+            self.last_stats[plan.layout.name].passes = out[-1].passes
+        self.multipass_batches += 1
+        return self._to_device(out)
+
+    def _stack_arrays(self, features) -> tuple[int, int, list[tuple]]:
+        """(batch, padded batch, per stack its (values, lengths, weights)): the KJT in stacked order,
+        cut into one contiguous slice per stack; the batch's demand recorded when asked for."""
         values, lengths, weights = self._stacked_arrays(features)
         batch = features.stride()
         padded = round_up(max(batch, 1), self.num_sc)
@@ -315,13 +353,17 @@ class SparseCoreKernel(nn.Module):
         value_offsets = [0] + torch.cumsum(per_slot, 0).tolist()
         if self.table_demand is not None:
             self._record_demand(values, lengths, batch, value_offsets)
-        csrs, k0 = [], 0
-        for i, plan in enumerate(self.stacks):
+        parts, k0 = [], 0
+        for plan in self.stacks:
             n = len(plan.features)
             lo, hi = value_offsets[k0], value_offsets[k0 + n]
-            w = weights[lo:hi] if weights is not None else None
-            csrs.append(self._stack_input(i, values[lo:hi], lengths[k0 * batch : (k0 + n) * batch], w, batch, padded))
+            parts.append(
+                (values[lo:hi], lengths[k0 * batch : (k0 + n) * batch], weights[lo:hi] if weights is not None else None)
+            )
             k0 += n
+        return batch, padded, parts
+
+    def _to_device(self, csrs: list) -> list:
         device = self.stack_weight(0).device if self.stacks else torch.device("cpu")
         # A kernel on "meta" holds no tables: a preprocessing-only kernel (benchmarks, pipelines
         # sizing buffers), whose inputs stay on the host.
@@ -353,8 +395,10 @@ class SparseCoreKernel(nn.Module):
             seen[5] += 1
 
     def lookup(self, csrs: list[SparseCoreInput | MultiPassInput], batch: int) -> torch.Tensor:
-        """Device side: pooled embeddings [batch, sum(dims)]; backward applies the fused update."""
+        """Device side: pooled embeddings [batch, sum(dims)] ([blocks x batch, ..] for the inputs of
+        `preprocess_blocks`); backward applies the fused update."""
         padded = round_up(max(batch, 1), self.num_sc)
+        blocks = max((c.blocks for c in csrs if isinstance(c, MultiPassInput)), default=1)
         trigger = _trigger() if torch.is_grad_enabled() else None
         per_stack = []
         for i, (plan, csr) in enumerate(zip(self.stacks, csrs)):
@@ -364,14 +408,15 @@ class SparseCoreKernel(nn.Module):
                 per_stack.append(out)
                 continue
             n, dim, width = len(plan.features), plan.layout.dim, plan.layout.storage_dim
-            # [SparseCores, features, padded / S, width] -> [batch, features * dim]: one reshape, so
-            # backward is one copy (per-feature indexing would cost a full-size zero fill per feature
-            # in backward); columns past dim are storage padding to the SparseCore's 8 and are cut here.
-            s = self.num_sc
-            block = out.view(s, n, padded // s, width).transpose(1, 2).reshape(padded, n, width)
-            per_stack.append(block[:batch, :, :dim].reshape(batch, n * dim))
+            # [blocks, SparseCores, features, padded / S, width] -> [blocks x batch, features * dim]:
+            # one reshape, so backward is one copy (per-feature indexing would cost a full-size zero
+            # fill per feature in backward); columns past dim are storage padding to the SparseCore's
+            # 8 and are cut here. Blocks: preprocess_blocks' batches, stacked (else one).
+            s, m = self.num_sc, blocks
+            block = out.view(m, s, n, padded // s, width).transpose(2, 3).reshape(m, padded, n, width)
+            per_stack.append(block[:, :batch, :, :dim].reshape(m * batch, n * dim))
         if not self.feature_order:
-            return torch.zeros(batch, 0)
+            return torch.zeros(blocks * batch, 0)
         if self._stacked_order == self.feature_order:
             return per_stack[0] if len(per_stack) == 1 else torch.cat(per_stack, dim=1)
         pieces = {}
@@ -405,12 +450,8 @@ class SparseCoreKernel(nn.Module):
         # Gains are host data; a trainable weight's gradient comes from weight_grad.with_weight_grad.
         return values, features.lengths(), weights.detach() if self.is_weighted else None
 
-    def _stack_input(
-        self, i: int, values, lengths, weights, batch: int, padded: int
-    ) -> SparseCoreInput | MultiPassInput:
-        compiled = self._compiled_stack_input(i, values, lengths, weights, batch, padded)
-        if compiled is not None:
-            return compiled
+    def _stack_entries(self, i: int, values, lengths, weights, batch: int, padded: int):
+        """Stack i's batch as SparseCore entries: (SparseCore ids, device samples, gains), checked."""
         plan, lay = self.stacks[i], self.stacks[i].layout
         offsets, rows, mean = self._stack_tensors[i]
         n = len(plan.features)
@@ -428,6 +469,16 @@ class SparseCoreKernel(nn.Module):
         # Natural stacked rows, renamed so that the SparseCore's MOD partitioning finds them in the
         # natural-order storage (layout.py).
         stacked_ids = lay.sparsecore_ids(ids + offsets.index_select(0, slot))
+        return stacked_ids, samples, gains
+
+    def _stack_input(
+        self, i: int, values, lengths, weights, batch: int, padded: int
+    ) -> SparseCoreInput | MultiPassInput:
+        compiled = self._compiled_stack_input(i, values, lengths, weights, batch, padded)
+        if compiled is not None:
+            return compiled
+        lay, n = self.stacks[i].layout, len(self.stacks[i].features)
+        stacked_ids, samples, gains = self._stack_entries(i, values, lengths, weights, batch, padded)
         common = dict(device_batch_size=n * padded, num_sc_per_device=self.num_sc, table_name=lay.name)
         if not self.fixed_limits:
             max_ids, max_uniq = self.max_ids_per_partition, self.max_unique_ids_per_partition
@@ -625,11 +676,12 @@ class _FusedLookup(torch.autograd.Function):
                 csr.num_partitions,
                 batch_major=(ctx.features, batch, kernel.stacks[i].layout.dim),
             )
-        if isinstance(csr, MultiPassInput):  # over its limits: the passes' lookups, summed
-            out = _lookup_op(csr.forward[0], weight)
-            for part in csr.forward[1:]:
-                out = out + _lookup_op(part, weight)
-            return out
+        if isinstance(csr, MultiPassInput):  # over its limits: the passes' lookups, summed per block
+            outs: list[torch.Tensor | None] = [None] * csr.blocks
+            for part, b in zip(csr.forward, csr.forward_blocks or [0] * len(csr.forward)):
+                o = _lookup_op(part, weight)
+                outs[b] = o if outs[b] is None else outs[b] + o
+            return outs[0] if len(outs) == 1 else torch.cat(outs)  # type: ignore[arg-type]
         return _lookup_op(csr, weight)
 
     @staticmethod

@@ -48,10 +48,16 @@ class MultiPassInput:
     entry_slots: torch.Tensor
     entry_gains: torch.Tensor
     device_batch_size: int
+    # Per forward pass, the output block it adds into (stacked_blocks); None: one block
+    forward_blocks: list[int] | None = None
 
     @property
     def passes(self) -> int:
         return max(len(self.forward), len(self.updates))
+
+    @property
+    def blocks(self) -> int:
+        return max(self.forward_blocks) + 1 if self.forward_blocks else 1
 
     def update_gradients(self, grad: torch.Tensor) -> torch.Tensor:
         """[update passes x device_batch_size, width]: the slot of each row holds its full gradient.
@@ -82,8 +88,10 @@ def split_into_passes(
     max_ids_per_partition: int,
     max_unique_ids_per_partition: int,
     table_name: str,
+    forward: bool = True,
 ) -> MultiPassInput:
-    """The passes of one stack's batch (SparseCore ids, device samples, gains) under fixed limits."""
+    """The passes of one stack's batch (SparseCore ids, device samples, gains) under fixed limits.
+    forward=False: the update passes only (stacked_blocks builds the lookups per block)."""
     num_sc = num_sc_per_device
     parts = num_sc  # preprocess's partitions within a device (global_device_count 1)
     per_slice = device_batch_size // num_sc
@@ -99,12 +107,13 @@ def split_into_passes(
     smp_np = samples.numpy().astype(np.int64, copy=False)
 
     # Forward: rank each entry within its (slice, partition) segment; pass = rank // cap.
-    segment = (smp_np // per_slice) * parts + ids_np % parts
-    fwd_pass = _rank_within(segment) // cap
-    forward = []
-    for p in range(int(fwd_pass.max()) + 1 if fwd_pass.size else 1):
-        mask = torch.from_numpy(fwd_pass == p)
-        forward.append(preprocess(ids[mask], samples[mask], gains[mask], **limits)[0])
+    passes: list[SparseCoreInput] = []
+    if forward:
+        segment = (smp_np // per_slice) * parts + ids_np % parts
+        fwd_pass = _rank_within(segment) // cap
+        for p in range(int(fwd_pass.max()) + 1 if fwd_pass.size else 1):
+            mask = torch.from_numpy(fwd_pass == p)
+            passes.append(preprocess(ids[mask], samples[mask], gains[mask], **limits)[0])
 
     # Backward: every distinct row gets (pass, slot); slot q lies in slice q // per_slice.
     rows, entry_row = np.unique(ids_np, return_inverse=True)
@@ -139,13 +148,53 @@ def split_into_passes(
     padded = max(1024, 1 << max(n - 1, 0).bit_length())
     spare = num_updates * device_batch_size
     return MultiPassInput(
-        forward=forward,
+        forward=passes,
         updates=updates,
         entry_samples=_padded(samples.to(torch.int64), padded, 0),
         entry_slots=_padded(torch.from_numpy(slots), padded, spare),
         entry_gains=_padded(gains.to(torch.float32), padded, 0.0),
         device_batch_size=device_batch_size,
     )
+
+
+def stacked_blocks(
+    inputs: list[SparseCoreInput | MultiPassInput],
+    entries: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    *,
+    device_batch_size: int,
+    num_sc_per_device: int,
+    max_ids_per_partition: int,
+    max_unique_ids_per_partition: int,
+    table_name: str,
+) -> MultiPassInput:
+    """One stack's input for several blocks of one shape (a sequence batch over its capacity, cut
+    into capacity-sized blocks): block j's lookups (its input, or its passes when it is over the
+    limits itself) add into output block j; the update is one over every block's entries, each row
+    once with its whole gradient, gathered from the stacked [blocks x device batch] gradient.
+
+    entries: per block, its (SparseCore ids, device samples, gains), as the block's input holds them.
+    """
+    forward: list[SparseCoreInput] = []
+    blocks: list[int] = []
+    for j, csr in enumerate(inputs):
+        passes = csr.forward if isinstance(csr, MultiPassInput) else [csr]
+        forward += passes
+        blocks += [j] * len(passes)
+    ids = torch.cat([e[0] for e in entries])
+    samples = torch.cat([e[1].to(torch.int64) + j * device_batch_size for j, e in enumerate(entries)])
+    gains = torch.cat([e[2] for e in entries])
+    update = split_into_passes(
+        ids,
+        samples,
+        gains,
+        device_batch_size=device_batch_size,
+        num_sc_per_device=num_sc_per_device,
+        max_ids_per_partition=max_ids_per_partition,
+        max_unique_ids_per_partition=max_unique_ids_per_partition,
+        table_name=table_name,
+        forward=False,
+    )
+    return replace(update, forward=forward, forward_blocks=blocks)
 
 
 def _padded(t: torch.Tensor, size: int, value) -> torch.Tensor:

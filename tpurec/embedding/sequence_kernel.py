@@ -12,8 +12,12 @@ a dense `nn.Embedding` does.
 
 C follows each batch on CPU (the largest feature, rounded up to the SparseCore count). On a TPU
 every buffer shape must stay fixed (a new shape recompiles), so C is fixed like the id limits:
-`max_ids_per_feature` when given, else twice the first batch's largest feature, 8-aligned; a later
-batch over it is refused with the numbers.
+`max_ids_per_feature` when given (or measured by `tpurec data stats`), else twice the first batch's
+largest feature, 8-aligned. A later batch over it is neither refused nor cut: its features' ids are
+cut into blocks of C (ids 0..C-1 of every feature, then C..2C-1, ...), each block an ordinary
+fixed-shape lookup whose output rows follow the previous block's, and the step's fused update is
+one over all blocks, every row once with its whole gradient (SparseCoreKernel.preprocess_blocks,
+multipass.stacked_blocks): the same outputs and tables as one lookup of capacity >= the batch.
 """
 
 from __future__ import annotations
@@ -25,10 +29,6 @@ from tpurec import host_copies
 from tpurec.embedding.constraints import SEGMENT_ALIGN, round_up
 from tpurec.embedding.kernel import SparseCoreKernel
 from tpurec.embedding.kjt_checks import check_kjt
-
-
-class SequenceLimitExceededError(ValueError):
-    """A batch has more ids in one feature than the fixed per-feature capacity."""
 
 
 class SparseCoreSequenceKernel(SparseCoreKernel):
@@ -73,24 +73,13 @@ class SparseCoreSequenceKernel(SparseCoreKernel):
         return round_up(max(n, 1), max(SEGMENT_ALIGN, self.num_sc) if self.fixed_limits else self.num_sc)
 
     def capacity(self, ids_per_feature: torch.Tensor) -> int:
-        """C: samples per feature in the SparseCore batch for these per-feature id counts."""
+        """C: samples per feature in the SparseCore batch for these per-feature id counts (a batch
+        whose largest feature is over a fixed C runs in blocks of C)."""
         largest = int(ids_per_feature.max()) if ids_per_feature.numel() else 0
         if not self.fixed_limits:
             return self._aligned(largest) if self._capacity is None else max(self._capacity, self._aligned(largest))
         if self._capacity is None:
             self._capacity = self._aligned(2 * largest)
-        if largest > self._capacity:
-            k = int(ids_per_feature.argmax())
-            raise SequenceLimitExceededError(
-                f"feature {self.feature_order[k]!r} has {largest} ids in this batch, over the fixed capacity of "
-                f"{self._capacity} ids per feature ("
-                + (
-                    "max_ids_per_feature"
-                    if self.max_ids_per_feature is not None
-                    else "set from the first batch: twice its largest feature"
-                )
-                + "); buffer shapes stay fixed so that a TPU does not recompile: pass a larger max_ids_per_feature"
-            )
         return self._capacity
 
     def forward(self, features) -> torch.Tensor:
@@ -117,12 +106,29 @@ class SparseCoreSequenceKernel(SparseCoreKernel):
         batch = features.stride()
         counts = features.lengths().view(n, batch).sum(1) if n and batch else torch.zeros(n, dtype=torch.long)
         cap = self.capacity(counts)
-        one_id_bags = KeyedJaggedTensor(
+        largest = int(counts.max()) if n else 0
+        blocks = max(1, -(-largest // cap))
+        values = features.values()
+        if blocks == 1:
+            pooled = self.lookup(self.preprocess(self._one_id_bags(keys, values, counts, cap)), cap)
+        else:
+            # over the capacity: ids q*C .. (q+1)*C - 1 of every feature form block q
+            position = torch.arange(values.numel()) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+            block_of = position // cap
+            chunks = [
+                self._one_id_bags(keys, values[block_of == q], (counts - q * cap).clamp(0, cap), cap)
+                for q in range(blocks)
+            ]
+            pooled = self.lookup(self.preprocess_blocks(chunks), cap)  # [blocks x cap, n * dim]
+        per_feature = pooled.view(blocks * cap, n, self.dim).transpose(0, 1)  # [n, blocks x cap, dim]
+        return [per_feature[k, : int(c)] for k, c in enumerate(counts.tolist())]
+
+    @staticmethod
+    def _one_id_bags(keys: list[str], values: torch.Tensor, counts: torch.Tensor, cap: int) -> KeyedJaggedTensor:
+        """Feature k's ids as samples 0..counts[k]-1 of a batch of `cap` bags of one id."""
+        return KeyedJaggedTensor(
             keys=keys,
-            values=features.values(),
+            values=values,
             lengths=(torch.arange(cap).unsqueeze(0) < counts.unsqueeze(1)).to(torch.int32).reshape(-1),
             stride=cap,
         )
-        pooled = self.lookup(self.preprocess(one_id_bags), cap)  # [cap, n * dim], feature k in columns k
-        per_feature = pooled.view(cap, n, self.dim).transpose(0, 1)  # [n, cap, dim]
-        return [per_feature[k, : int(c)] for k, c in enumerate(counts.tolist())]
