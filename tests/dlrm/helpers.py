@@ -47,3 +47,25 @@ def checkpoint_tensors(path) -> dict:
 
     walk("", sd)
     return flat
+
+
+def checkpoint_meta(step: int, **config) -> dict:
+    """A meta.json as the trainer writes it (every field ckpt_meta.META_FIELDS requires)."""
+    return {
+        "step": step,
+        "samples": 64 * step,
+        "world_size": 1,
+        "batch_size": 64,
+        "epoch": 0,
+        "epoch_fraction": 0.5,
+        "config": config,
+        "data": "synthetic",
+    }
+
+
+def train_state(step: int) -> dict:
+    """A rank-R.json as the trainer writes it (reader position, RNG states, step)."""
+    from tpurec.dlrm import checkpoint as ckpt
+
+    reader = {"epoch": 0, "rows_consumed": 64 * step, "num_rows": 1000, "rank": 0, "world_size": 1}
+    return {"reader": reader | {"seed": 0, "shuffle": True}, "rng": ckpt.rng_state(), "step": step}

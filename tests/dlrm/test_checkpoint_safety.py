@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from tests.dlrm.helpers import checkpoint_meta, train_state
 from tpurec.dlrm import checkpoint as ckpt
+from tpurec.dlrm.ckpt_integrity import write_checksums
 from tpurec.dlrm.dcp_guard import UnsafeCheckpointError, check_metadata
 
 
@@ -70,9 +72,10 @@ def test_resume_refuses_a_crafted_checkpoint_before_dcp_reads_it(tmp_path):
     step = tmp_path / "step-00000010"
     step.mkdir()
     (step / ckpt.MARKER).write_text("step 10\n")
-    (step / "meta.json").write_text(json.dumps({"step": 10, "world_size": 1}))
+    (step / "meta.json").write_text(json.dumps(checkpoint_meta(10)))
     marker = tmp_path / "ran"
     _crafted(step, pickle.dumps(_RunsCode(marker)))
+    write_checksums(step)  # sealed as tpurec seals: what refuses it is the allow-list
     with pytest.raises(UnsafeCheckpointError):
         ckpt.load(tmp_path, dmp=None, optimizer=None)  # refused before the model is touched
     assert not marker.exists()
@@ -88,13 +91,14 @@ def test_train_state_is_json_and_an_old_pickle_is_never_read(tmp_path):
     step = tmp_path / "step-00000010"
     step.mkdir()
     (step / ckpt.MARKER).write_text("step 10\n")
-    (step / "meta.json").write_text(json.dumps({"step": 10, "world_size": 1}))
+    (step / "meta.json").write_text(json.dumps(checkpoint_meta(10)))
     import torch.distributed.checkpoint as dcp
 
     with pytest.warns(UserWarning):
         dcp.save({"model": {}, "optim": {}}, checkpoint_id=str(step), no_dist=True)
     marker = tmp_path / "ran"
     (step / "rank-0.pt").write_bytes(pickle.dumps(_RunsCode(marker)))  # an old-style pickled train state
+    write_checksums(step)
 
     class Empty:
         def state_dict(self):
@@ -106,7 +110,8 @@ def test_train_state_is_json_and_an_old_pickle_is_never_read(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"rank-0\.json is missing"):
         ckpt.load(step, Empty(), Empty())
     assert not marker.exists()
-    state = {"reader": {"epoch": 1, "rows_consumed": 64}, "rng": ckpt.rng_state(), "step": 10}
+    state = train_state(10)
     ckpt.train_state_file(step, 0).write_text(json.dumps(state))
+    write_checksums(step)
     meta, loaded = ckpt.load(step, Empty(), Empty())
     assert meta["step"] == 10 and loaded == json.loads(json.dumps(state))

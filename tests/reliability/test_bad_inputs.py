@@ -17,31 +17,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 
 import pytest
 
+from tests.reliability.inproc import assert_refused as _assert_refused
+from tests.reliability.inproc import run_cli as _run
 from tpurec.cli import main
-
-BOUND_S = 60  # generous: the first case imports torch and torchrec in this process
-
-
-def _run(argv, capsys) -> tuple[int, str, str]:
-    t0 = time.monotonic()
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as e:  # argparse refusals
-        code = e.code
-    out = capsys.readouterr()
-    assert time.monotonic() - t0 < BOUND_S, argv
-    return code, out.out, out.err
-
-
-def _assert_refused(code, err, says):
-    assert code == 2, err
-    assert says in err, err
-    assert "Traceback" not in err
-    assert len([line for line in err.splitlines() if line.startswith("tpurec")]) == 1, err
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import filesystem
 
+from tests.dlrm.helpers import checkpoint_meta, train_state
 from tpurec.dlrm import checkpoint as ckpt
 from tpurec.dlrm.ckpt_config import config_mismatch
 
@@ -34,8 +35,8 @@ def _model_and_optimizer():
 
 
 def _save(root, step, model, opt, **kw):
-    meta = {"step": step, "world_size": 1, "config": {"name": "m", "embedding_dim": 16}}
-    return ckpt.save(root, step, model, opt, {"step": step}, meta, **kw)
+    meta = checkpoint_meta(step, name="m", embedding_dim=16)
+    return ckpt.save(root, step, model, opt, train_state(step), meta, **kw)
 
 
 class _FullDisk:
@@ -101,7 +102,7 @@ def test_a_full_disk_during_a_save_is_named_and_keeps_the_previous_checkpoint(tm
     fresh = torch.nn.Linear(64, 32)
     fresh_opt = torch.optim.Adagrad(fresh.parameters(), lr=0.1)
     meta, state = ckpt.load(root, fresh, fresh_opt)  # resumable: the newest complete one loads
-    assert meta["step"] == 3 and state == {"step": 3}
+    assert meta["step"] == 3 and state["step"] == 3 and state["reader"] == train_state(3)["reader"]
     assert torch.equal(fresh.weight, model.weight)
 
 

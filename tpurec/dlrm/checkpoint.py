@@ -7,8 +7,10 @@ Layout of CKPT_DIR/step-00000100/:
                  world size can load them), dense weights and dense optimiser state;
   rank-R.json    per rank: data reader position and RNG states (exact resume at the same world size);
                  JSON, never a pickle: reading a checkpoint must not be able to run code
-  meta.json      step, world size, epoch and epoch fraction, config (rank 0);
-  CHECKSUMS.json size and SHA-256 of every file above, after fsync (rank 0; ckpt_integrity.py);
+  meta.json      step, world size, epoch and epoch fraction, config (rank 0); checked field by field
+                 on load (ckpt_meta.py), as rank-R.json is;
+  CHECKSUMS.json size and SHA-256 of every file above, after fsync (rank 0; ckpt_integrity.py): a
+                 checkpoint is used only if it lists every file and each matches;
   COMPLETE       written last, after every rank has finished.
 Everything is first written under step-00000100.tmp/ and renamed once COMPLETE is in it; the
 loader only considers directories holding COMPLETE. Multi-host runs need CKPT_DIR on a filesystem
@@ -67,23 +69,34 @@ def latest(root) -> Path | None:
 
 
 class CorruptCheckpointError(ValueError):
-    """A complete checkpoint whose files no longer match the checksums written with them."""
+    """A complete checkpoint that cannot be used: its files no longer match the checksums written
+    with them, its CHECKSUMS.json does not cover them all, or its metadata is out of range."""
 
 
 def verify(path) -> None:
-    """Raise CorruptCheckpointError naming what differs from CHECKSUMS.json (older checkpoints
-    without checksums pass unverified)."""
-    from tpurec.dlrm.ckpt_integrity import problems
+    """Raise CorruptCheckpointError, in one line naming the file and what is wrong, unless
+    CHECKSUMS.json lists every file of the checkpoint, each matches it, and meta.json's fields are
+    sane. A missing or partial CHECKSUMS.json is refused: it would leave files unchecked."""
+    from tpurec.dlrm.ckpt_integrity import ManifestError, problems, read_manifest
+    from tpurec.dlrm.ckpt_meta import CheckpointMetaError, read_meta
 
-    found = problems(path)
+    try:
+        table = read_manifest(path)
+    except ManifestError as e:
+        raise CorruptCheckpointError(f"checkpoint {path} cannot be verified: {e}") from None
+    found = problems(path, table)
     if found:
         more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
         raise CorruptCheckpointError(f"checkpoint {path} is damaged: {found[0]}{more}")
+    try:
+        read_meta(path)
+    except CheckpointMetaError as e:  # the file names the checkpoint
+        raise CorruptCheckpointError(str(e)) from None
 
 
 def latest_intact(root, say=print) -> Path | None:
-    """The newest complete checkpoint under root whose files match their checksums; each damaged
-    newer one is named through `say` and skipped."""
+    """The newest complete checkpoint under root that verifies (`verify`); each newer one that does
+    not is named through `say` and skipped."""
     for path in reversed(complete_checkpoints(root)):
         try:
             verify(path)
@@ -93,12 +106,18 @@ def latest_intact(root, say=print) -> Path | None:
     return None
 
 
+def is_root(path) -> bool:
+    """True for a directory of checkpoints (a --checkpoint-dir), not one checkpoint itself."""
+    p = Path(path)
+    return p.is_dir() and not (p / MARKER).exists() and not p.name.startswith("step-")
+
+
 def resolve(path) -> Path:
     """A checkpoint dir itself, or the newest complete one under a root; one-line errors otherwise."""
     p = Path(path)
     if (p / MARKER).exists():
         return p
-    if p.is_dir() and not p.name.startswith("step-"):
+    if is_root(p):
         last = latest(p)
         if last is not None:
             return last
@@ -211,6 +230,10 @@ def save(root, step: int, dmp, optimizer, train_state: dict, meta: dict, keep: i
     try:
         _write(root, step, final, tmp, dmp, optimizer, train_state, meta)
     except BaseException as e:  # DCP's CheckpointException is a BaseException
+        if isinstance(e, KeyboardInterrupt):  # Ctrl-C: the unfinished .tmp goes, every complete one stays
+            if _rank() == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
         failed, chain = write_error(e, tmp, previous), None
         if failed is None:  # any other DCP failure: one line, the ranks' traces stay on the chain
             failed, chain = _dcp_failure(e, tmp, previous), e
@@ -255,23 +278,27 @@ def _write(root, step: int, final: Path, tmp: Path, dmp, optimizer, train_state:
             os.replace(tmp, final)
 
 
-def load(path, dmp, optimizer) -> tuple[dict, dict | None]:
+class CheckpointMismatchError(ValueError):
+    """A checkpoint whose tensors do not fit the model resumed (other table sizes, another model)."""
+
+
+def load(path, dmp, optimizer, verified: bool = False) -> tuple[dict, dict | None]:
     """Load model and optimiser state in place; returns (meta, this rank's train state or None when
-    the checkpoint was written at another world size)."""
+    the checkpoint was written at another world size). `verified`: the caller has just run
+    `verify(path)` (hashing a large checkpoint twice costs minutes)."""
     import torch.distributed.checkpoint as dcp
 
+    from tpurec.dlrm.ckpt_meta import CheckpointMetaError, check_train_state, read_meta
+    from tpurec.dlrm.ckpt_shapes import model_mismatch
     from tpurec.dlrm.dcp_guard import check_metadata
 
     path = resolve(path)
-    verify(path)  # before DCP reads a byte: a damaged file would load as near-random weights
-    meta = json.loads((path / "meta.json").read_text())
-    check_metadata(path)  # DCP unpickles .metadata: refuse anything but metadata classes first
-    sd = {"model": dmp.state_dict(), "optim": optimizer.state_dict()}
-    dcp.load(sd, checkpoint_id=str(path))
-    dmp.load_state_dict(sd["model"])
-    optimizer.load_state_dict(sd["optim"])
+    if not verified:
+        verify(path)  # before DCP reads a byte: a damaged file would load as near-random weights
+    meta = read_meta(path)
+    metadata = check_metadata(path)  # DCP unpickles .metadata: refuse anything but metadata classes first
     train_state = None
-    if meta.get("world_size") == _world():
+    if meta["world_size"] == _world():
         own = train_state_file(path, _rank())
         if not own.exists():
             # Checkpoints of tpurec before 2026-12 pickled this file (rank-R.pt); unpickling can run
@@ -281,7 +308,17 @@ def load(path, dmp, optimizer) -> tuple[dict, dict | None]:
                 "does not load); resume from a newer checkpoint"
             )
         try:
-            train_state = json.loads(own.read_text())
+            train_state = check_train_state(own, json.loads(own.read_text()), meta["step"])
         except json.JSONDecodeError as e:
             raise ValueError(f"{own}: not valid JSON ({e}); the checkpoint is damaged") from None
+        except CheckpointMetaError as e:
+            raise CorruptCheckpointError(str(e)) from None
+    # Every check before DCP writes into the model: a refused checkpoint leaves it untouched.
+    sd = {"model": dmp.state_dict(), "optim": optimizer.state_dict()}
+    mismatch = model_mismatch(metadata, sd["model"])
+    if mismatch:
+        raise CheckpointMismatchError(f"checkpoint {path} {mismatch}")
+    dcp.load(sd, checkpoint_id=str(path))
+    dmp.load_state_dict(sd["model"])
+    optimizer.load_state_dict(sd["optim"])
     return meta | {"path": str(path)}, train_state

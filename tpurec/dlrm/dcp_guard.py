@@ -53,17 +53,21 @@ class _AllowListUnpickler(pickle.Unpickler):
         raise refuse
 
 
-def check_metadata(checkpoint_dir) -> None:
-    """Raise UnsafeCheckpointError (or FileNotFoundError) unless `.metadata` holds only DCP metadata."""
+def check_metadata(checkpoint_dir):
+    """The DCP metadata of `.metadata`, unpickled with the allow-list; UnsafeCheckpointError (or
+    FileNotFoundError) unless it holds only DCP metadata."""
     path = Path(checkpoint_dir) / ".metadata"
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: {checkpoint_dir} is not a torch.distributed.checkpoint")
     try:
-        _AllowListUnpickler(path.read_bytes(), path).load()
+        metadata = _AllowListUnpickler(path.read_bytes(), path).load()
     except UnsafeCheckpointError:
         raise
     except Exception as e:  # truncated or not a pickle at all
         raise ValueError(f"{path}: unreadable checkpoint metadata ({type(e).__name__}: {e})") from None
+    if not hasattr(metadata, "state_dict_metadata"):
+        raise ValueError(f"{path}: holds a {type(metadata).__name__}, not DCP's Metadata")
+    return metadata
 
 
 __all__ = ["check_metadata", "UnsafeCheckpointError"]

@@ -237,23 +237,30 @@ class Trainer:
         src = o.checkpoint_dir if o.resume == "latest" else o.resume
         if not src:
             raise ValueError("--resume needs --checkpoint-dir (or --resume PATH)")
-        if o.resume == "latest":
-            if ckpt.latest(src) is None:
+        if o.resume == "latest" or ckpt.is_root(src):  # the newest checkpoint that verifies
+            if ckpt.latest(src) is None and o.resume == "latest":
                 self.say(f"resume: no complete checkpoint in {src}; starting from scratch")
                 return
-            src = ckpt.latest_intact(src, self.say)
+            root, src = src, ckpt.latest_intact(src, self.say)
             if src is None:
-                raise ValueError(
-                    f"resume: every checkpoint in {o.checkpoint_dir} is damaged (see above); leave out --resume "
-                    "to start over"
-                )
+                why = "intact and verified (see above)" if ckpt.latest(root) else "complete"
+                raise ValueError(f"resume: no checkpoint in {root} is {why}; leave out --resume to start over")
+        else:
+            src = ckpt.resolve(src)
+            try:
+                ckpt.verify(src)  # --resume PATH: that checkpoint or none
+            except ckpt.CorruptCheckpointError as e:
+                raise ValueError(f"resume: {e}") from None
         from tpurec.dlrm.ckpt_config import config_mismatch
 
-        mismatch = config_mismatch(ckpt.resolve(src), self.cfg.to_dict())
+        mismatch = config_mismatch(src, self.cfg.to_dict())
         if mismatch:
             raise ValueError(f"resume: {mismatch}")
-        cmeta, state = ckpt.load(src, self.dmp, self.optimizer)
-        self.step_count, self.samples = int(cmeta["step"]), int(cmeta.get("samples", 0))
+        try:
+            cmeta, state = ckpt.load(src, self.dmp, self.optimizer, verified=True)
+        except (ckpt.CheckpointMismatchError, ckpt.CorruptCheckpointError) as e:
+            raise ValueError(f"resume: {e}") from None
+        self.step_count, self.samples = cmeta["step"], cmeta["samples"]
         if state is not None:
             train.load_state_dict(state["reader"])
             ckpt.set_rng_state(state["rng"])
@@ -262,9 +269,9 @@ class Trainer:
             # Another world size: rows are dealt out differently, so continue at the same epoch and
             # the same fraction of it (rows near the cut may be seen twice or skipped in that epoch).
             st = train.state_dict()
-            frac = float(cmeta.get("epoch_fraction", 0.0))
+            frac = float(cmeta["epoch_fraction"])
             st.update(
-                epoch=int(cmeta.get("epoch", 0)),
+                epoch=cmeta["epoch"],
                 rows_consumed=int(frac * train.num_rows) // self.batch_size * self.batch_size,
             )
             train.load_state_dict(st)
