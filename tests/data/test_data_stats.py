@@ -250,3 +250,30 @@ def test_bench_stats_reports_the_ratio_to_the_reader_with_its_worst_round(synth_
     assert res["rows"] == 5000 and res["global_batch"] == 512 * 4 and res["rounds"] == 2
     assert 0 < res["worst_ratio_vs_reader"] <= res["ratio_vs_reader"] <= res["best_ratio_vs_reader"]
     assert len(res["load_average"]) == 2 and res["stats_rows_per_s"] > 0
+
+
+def test_data_stats_measures_a_users_own_model_module(synth_dir, tmp_path, monkeypatch, capsys):
+    (tmp_path / "my_stats_model.py").write_text(
+        "import torch\n"
+        "from torchrec import EmbeddingBagCollection, EmbeddingBagConfig\n"
+        "def build():\n"
+        "    return EmbeddingBagCollection(device=torch.device('meta'), tables=[\n"
+        "        EmbeddingBagConfig(name='pair', embedding_dim=16, num_embeddings=10**6, feature_names=['C1', 'C2']),\n"
+        "        EmbeddingBagConfig(name='one', embedding_dim=16, num_embeddings=10**6, feature_names=['C3'])])\n"
+        "def build_small():\n"
+        "    return EmbeddingBagCollection(device=torch.device('meta'), tables=[\n"
+        "        EmbeddingBagConfig(name='one', embedding_dim=16, num_embeddings=2, feature_names=['C3'])])\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "l.json"
+    args = ["data", "stats", str(synth_dir), "--topology", "v5p-8", "--out", str(out)]
+    assert main([*args, "--model-module", "my_stats_model:build"]) == 0
+    doc = json.loads(out.read_text())
+    assert set(doc["tables"]) == {"pair", "one"} and doc["layout"]["batch_size_per_device"] == 512
+    # two one-hot features in one table: up to twice the ids of a one-feature table per sample
+    assert doc["tables"]["pair"]["observed"]["max_ids_per_sample"] == 2
+    assert doc["tables"]["one"]["observed"]["max_ids_per_sample"] == 1
+    # a model whose table is smaller than the data's ids: one line naming the table
+    capsys.readouterr()
+    assert main([*args, "--model-module", "my_stats_model:build_small"]) == 2
+    assert "table 'one': id" in capsys.readouterr().err

@@ -3,6 +3,7 @@ for the layout a plan gives (tpurec.sharding.id_limits), written as a limits fil
 
   tpurec data stats DIR --model dlrm-tiny --topology v5p-8 --out limits.json
   tpurec data stats DIR --model dlrm-tiny --plan P.json --out limits.json
+  tpurec data stats DIR --model-module my_pkg.models:build --topology v5p-8 --out limits.json
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ def register(actions) -> None:
     src = s.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", choices=MODEL_NAMES, help="a named table set")
     src.add_argument("--tables", metavar="FILE", help="tables from a .json / .yaml file (as tpurec plan)")
+    src.add_argument(
+        "--model-module",
+        metavar="MODULE:FN",
+        help="your model, as tpurec plan --model-module (the data's columns are its feature names)",
+    )
     where = s.add_mutually_exclusive_group(required=True)
     where.add_argument("--topology", metavar="SLICE", help="plan for this slice first (as tpurec plan)")
     where.add_argument("--plan", metavar="P.json", help="a saved plan (tpurec plan --format json)")
@@ -48,12 +54,11 @@ def run(args) -> int:
 
 
 def _check_out(path: str) -> None:
-    """Refuse an output that cannot be written, before the pass."""
-    parent = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise ValueError(f"--out {path} is a directory")
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        raise ValueError(f"--out {path}: cannot write into {parent}")
+    """Refuse an output that cannot be written, before the pass (a probe file: root passes
+    os.access but not a read-only mount)."""
+    from tpurec.outputs import check_outputs
+
+    check_outputs([("--out", path, "file")])
 
 
 def _report(args) -> dict:
@@ -61,6 +66,20 @@ def _report(args) -> dict:
 
     if args.plan:
         return inspect.report_from_file(args.plan)
+    if args.model_module:
+        from tpurec.sharding import model_module
+        from tpurec.sharding.plan_cli import DMP_PLANNING_BATCH_SIZE
+
+        model, constraints = model_module.load_model(args.model_module)
+        return inspect.plan_module(
+            model,
+            model_module.model_tables(model, constraints),
+            args.topology,
+            batch_size=args.batch_size or DMP_PLANNING_BATCH_SIZE,  # as DistributedModelParallel plans it
+            optimizer=None,
+            constraints=constraints,
+            model=args.model_module,
+        )
     return plan_report(
         args.path, model=args.model, tables_file=args.tables, topology=args.topology, batch_size=args.batch_size
     )
