@@ -23,6 +23,7 @@ LAYERS = {
     "host_ops": 0,
     "argtypes": 0,
     "lifecycle": 0,
+    "outputs": 0,
     "heartbeat": 0,
     "process_group": 0,
     "host_copies": 0,

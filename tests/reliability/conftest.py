@@ -3,6 +3,8 @@ once per session (about 15 s), copied for each test that damages or resumes them
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -27,3 +29,21 @@ def checkpoints(trained, tmp_path, tiny_cache, monkeypatch) -> Path:
     """A copy of `trained` for this test, with TPUREC_CACHE set for runs that resume it."""
     monkeypatch.setenv("TPUREC_CACHE", str(tiny_cache))
     return copy_checkpoints(trained, tmp_path / "ck")
+
+
+@pytest.fixture
+def unwritable_dir(tmp_path):
+    """A directory no file can be created in: a read-only tmpfs as root (root ignores permission
+    bits, not a read-only mount), else a directory without write permission."""
+    d = tmp_path / "ro"
+    d.mkdir()
+    if os.geteuid() == 0:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(d)], capture_output=True)
+        if mounted.returncode != 0:
+            pytest.skip(f"root, but mount -t tmpfs failed: {mounted.stderr.decode().strip()}")
+        yield d, "Read-only file system"
+        subprocess.run(["umount", str(d)], check=True)
+    else:
+        d.chmod(0o500)
+        yield d, "Permission denied"
+        d.chmod(0o700)

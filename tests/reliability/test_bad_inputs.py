@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import pytest
 
@@ -94,24 +93,6 @@ def test_plan_diff_of_two_models_says_so_first(plan_file, tmp_path, capsys):
     )
     code, out, _ = _run(["plan", "diff", plan_file, plan_file], capsys)
     assert code == 0 and "different models" not in out
-
-
-@pytest.fixture
-def unwritable_dir(tmp_path):
-    """A directory no file can be created in: a read-only tmpfs as root (root ignores permission
-    bits, not a read-only mount), else a directory without write permission."""
-    d = tmp_path / "ro"
-    d.mkdir()
-    if os.geteuid() == 0:
-        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(d)], capture_output=True)
-        if mounted.returncode != 0:
-            pytest.skip(f"root, but mount -t tmpfs failed: {mounted.stderr.decode().strip()}")
-        yield d, "Read-only file system"
-        subprocess.run(["umount", str(d)], check=True)
-    else:
-        d.chmod(0o500)
-        yield d, "Permission denied"
-        d.chmod(0o700)
 
 
 TRAIN_FLAGS = [

@@ -240,6 +240,10 @@ def _run(args) -> int:
     import json
     import sys
 
+    from tpurec.outputs import check_outputs
+
+    check_outputs([("--dir", args.dir, "dir")])  # before minutes of generating and timing
+
     res = run_bench(
         args.rows,
         args.dir,

@@ -277,6 +277,12 @@ def run(args) -> int:
         kw.update(batch_size=256, steps=8, repeats=1, warmup=0)
     cores = [int(x) for x in args.cores.split(",")] if args.cores else None
     if args.dir:
+        from tpurec.outputs import output_problem
+
+        problem = output_problem("--dir", args.dir, "dir")
+        if problem:
+            print(f"tpurec bench pipeline: error: {problem}", file=sys.stderr)
+            return 2
         os.makedirs(args.dir, exist_ok=True)
     res = run_bench(cores=cores, data_dir=args.dir, **kw)
     if args.json:

@@ -55,6 +55,12 @@ def run_cli(args) -> int:
         if getattr(args, name) < 1:
             print(f"tpurec bench train: error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
+    from tpurec.dlrm.data import synth_cache_problem
+
+    problem = synth_cache_problem("dlrm-tiny", _rows(args.nproc, args.steps, args.warmup, args.batch_size), 0)
+    if problem:  # the data is made first, then minutes of timed runs
+        print(f"tpurec bench train: error: {problem}", file=sys.stderr)
+        return 2
     try:
         result = run(
             nproc=args.nproc, steps=args.steps, warmup=args.warmup, batch_size=args.batch_size, repeats=args.repeats
@@ -69,11 +75,17 @@ def run_cli(args) -> int:
     return 0
 
 
+def _rows(nproc: int, steps: int, warmup: int, batch_size: int) -> int:
+    """Rows of the synthetic dataset the benchmark trains on (every rank's steps, 10% to spare)."""
+    return max(100_000, int((steps + warmup) * batch_size * nproc * 1.1) + 1)
+
+
 def run(nproc: int = 2, steps: int = 300, warmup: int = 30, batch_size: int = 512, repeats: int = 3) -> dict:
     from tpurec.dlrm.data import ensure_synth
 
-    rows = max(100_000, int((steps + warmup) * batch_size * nproc * 1.1) + 1)
-    data = ensure_synth("dlrm-tiny", rows, 0, say=lambda m: print(m, file=sys.stderr))
+    data = ensure_synth(
+        "dlrm-tiny", _rows(nproc, steps, warmup, batch_size), 0, say=lambda m: print(m, file=sys.stderr)
+    )
     load_start = round(os.getloadavg()[0], 2)
     # Each launch reports its own timed region; the parent's clock would include process start-up.
     runs = timer.interleaved(

@@ -156,6 +156,13 @@ def _progress(args) -> bool:
     return not args.quiet and sys.stderr.isatty()
 
 
+def _check_out_dir(args) -> None:
+    """--out is written last: refuse one that cannot be written before converting a byte."""
+    from tpurec.outputs import check_outputs
+
+    check_outputs([("--out", args.out, "dir")])
+
+
 @user_errors
 def run_convert(args) -> int:
     from tpurec.catalog import get_table_set
@@ -165,6 +172,7 @@ def run_convert(args) -> int:
 
     if args.raw_ids and args.mod_ids:
         raise ValueError("--raw-ids and --mod-ids exclude each other")
+    _check_out_dir(args)
     mins = [int(x) for x in args.npy_dense_min.split(",")] if args.npy_dense_min else None
     opts = ConvertOptions(
         None,
@@ -224,6 +232,8 @@ def run_convert(args) -> int:
 @user_errors
 def run_synth(args) -> int:
     from tpurec.data.synth import synthesize
+
+    _check_out_dir(args)
 
     summary = synthesize(
         args.rows,

@@ -26,6 +26,16 @@ def synth_dir(table_set: str, rows: int, seed: int, multi_hot: list[int] | None 
     return cache_root() / f"synth-{table_set}-{rows}-{seed}{tag}"
 
 
+def synth_cache_problem(table_set: str, rows: int, seed: int, multi_hot: list[int] | None = None) -> str | None:
+    """Why this synthetic dataset cannot be made in the cache (one line naming TPUREC_CACHE), or None:
+    it is there already, or the cache can be written."""
+    if (synth_dir(table_set, rows, seed, multi_hot) / "_dataset.json").is_file():
+        return None
+    from tpurec.outputs import output_problem
+
+    return output_problem("TPUREC_CACHE", cache_root(), "dir")
+
+
 def ensure_synth(table_set: str, rows: int, seed: int, say=print, multi_hot: list[int] | None = None) -> Path:
     """The cached synthetic dataset, generated on first use.
 

@@ -164,6 +164,38 @@ class TrainOptions:
 
         return str(cache_root() / "runs" / f"curves-{self.model}-{stamp}.png")
 
+    def outputs(self) -> list[tuple[str, str | None, str]]:
+        """Everything this run writes, as (flag, path, "file" or "dir"), to check before any work."""
+        from tpurec.dlrm.data import cache_root
+
+        found = [
+            ("--checkpoint-dir", self.checkpoint_dir, "dir"),
+            ("--metrics-out", self.metrics_out, "file+dirs"),
+            ("--save-plan", self.save_plan, "file"),
+            ("--limits-out", self.limits_out, "file"),
+        ]
+        png = self.curves_path("check")
+        if png and (self.curves_out or self.metrics_out or self.checkpoint_dir):
+            found.append(("--curves-out" if self.curves_out else "the curves PNG", png, "file+dirs"))
+        elif png:  # $TPUREC_CACHE/runs/
+            found.append(("TPUREC_CACHE", str(cache_root()), "dir"))
+        return found
+
+    def _synth_cache_problem(self) -> str | None:
+        """Why the synthetic data of a run without --data cannot be made in the cache, or None."""
+        from tpurec.dlrm.configs import synth_multi_hot
+        from tpurec.dlrm.data import synth_cache_problem
+
+        if self.data:
+            return None
+        try:
+            cfg = override(
+                get_config(self.model), seed=self.seed, synth_rows=self.synth_rows, multi_hot_sizes=self.multi_hot_sizes
+            )
+        except ValueError:
+            return None  # a bad override is refused on its own, by name
+        return synth_cache_problem(cfg.table_set, cfg.synth_rows, cfg.seed, synth_multi_hot(cfg))
+
     def check(self, nproc: int = 1) -> str | None:
         """A one-line message for bad input, checked before anything heavy starts."""
         if self.data and not os.path.isdir(self.data):
@@ -174,10 +206,6 @@ class TrainOptions:
             return f"--plan {self.plan}: file not found"
         if self.limits and not os.path.isfile(self.limits):
             return f"--limits {self.limits}: file not found (write one with `tpurec data stats`)"
-        if self.limits_out:
-            parent = os.path.dirname(os.path.abspath(self.limits_out))
-            if os.path.isdir(self.limits_out) or not os.access(parent, os.W_OK):
-                return f"--limits-out {self.limits_out}: cannot write there"
         if self.metrics_out and not self.metrics_out.lower().endswith((".csv", ".jsonl", ".json")):
             return "--metrics-out must end in .csv or .jsonl"
         if self.curves_out and self.curves_out.lower() != "none" and not self.curves_out.lower().endswith(".png"):
@@ -190,11 +218,12 @@ class TrainOptions:
             where = self.checkpoint_dir if self.resume == "latest" else self.resume
             if not os.path.exists(where):
                 return f"--resume: {where} does not exist (leave out --resume to start a new run)"
-        if self.checkpoint_dir:
-            problem = unwritable(self.checkpoint_dir)
-            if problem:
-                # Now, not at the first save minutes (or hours) of training later.
-                return f"--checkpoint-dir {self.checkpoint_dir}: {problem}"
+        from tpurec.outputs import output_problem
+
+        problems = (output_problem(name, path, kind) for name, path, kind in self.outputs())
+        problem = next((p for p in problems if p), None) or self._synth_cache_problem()
+        if problem:  # now, not at the first write minutes (or hours) of training later
+            return problem
         for name in ("batch_size", "steps", "checkpoint_every", "synth_rows"):
             v = getattr(self, name)
             if v is not None and v < 1:
@@ -208,23 +237,3 @@ class TrainOptions:
             if missing:
                 return f"--device tpu: this host cannot run TPU kernels ({'; '.join(missing)}); see `tpurec env`"
         return None
-
-
-def unwritable(path: str) -> str | None:
-    """Why files cannot be created in directory `path` (or, if it does not exist yet, in the
-    nearest existing directory above it, where it would be made), else None. A real probe file,
-    not os.access: root passes every permission check but not a read-only mount."""
-    import tempfile
-
-    probe = os.path.abspath(path)
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    if not os.path.isdir(probe):
-        return f"{probe} is not a directory"
-    try:
-        fd, name = tempfile.mkstemp(dir=probe, prefix=".tpurec-write-probe-")
-        os.close(fd)
-        os.unlink(name)
-    except OSError as e:
-        return f"cannot write in {probe} ({e.strerror or e})"
-    return None

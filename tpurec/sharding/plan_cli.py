@@ -148,6 +148,13 @@ def _output_flags(p, default) -> None:
     )
 
 
+def _check_out(args) -> None:
+    """Refuse an --out that cannot be written before planning (ValueError: one line, exit 2)."""
+    from tpurec.outputs import check_outputs
+
+    check_outputs([("--out", args.out or ("plan.png" if args.format == "png" else None), "file")])
+
+
 def _emit(report: dict, fmt: str, out: str | None) -> None:
     from tpurec.sharding import inspect, render, report_html
 
@@ -175,6 +182,7 @@ def _plan(args) -> int:
             file=sys.stderr,
         )
         return 2
+    _check_out(args)
     from tpurec.sharding.topology import parse_slice
 
     if not args.topology.startswith("cpu"):
@@ -265,6 +273,7 @@ def _reports(args, want: int):
 
 @_guarded
 def _show(args) -> int:
+    _check_out(args)
     reports = _reports(args, 1)
     if reports is None:
         return 2
