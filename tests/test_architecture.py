@@ -24,6 +24,7 @@ LAYERS = {
     "argtypes": 0,
     "lifecycle": 0,
     "outputs": 0,
+    "dir_lock": 0,
     "heartbeat": 0,
     "process_group": 0,
     "host_copies": 0,

@@ -47,3 +47,13 @@ def unwritable_dir(tmp_path):
         d.chmod(0o500)
         yield d, "Permission denied"
         d.chmod(0o700)
+
+
+@pytest.fixture
+def tsv(tmp_path) -> Path:
+    """A raw Criteo TSV day file of 300 lines, for `data convert`."""
+    from tpurec.bench.data import write_criteo_tsv
+
+    path = tmp_path / "day_0"
+    write_criteo_tsv(str(tmp_path), str(path), 300, seed=0)
+    return path

@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tests.reliability.racers import WAIT, race
 from tpurec.data.reader import ParquetReader
 from tpurec.data.schema import DataError, dataset_metadata
 
@@ -340,20 +341,20 @@ def test_real_train_on_foreign_labels_exits_2_naming_the_file(table, tmp_path):
 
 
 # ----- concurrency ---------------------------------------------------------------------------------
-RACER = """
-import json, os, sys, time
-from pathlib import Path
-go = Path(sys.argv[1])
+RACER = (
+    """
+import json
 import pyarrow.parquet as pq
 from tpurec.dlrm.data import ensure_synth
 import torchmetrics  # what synthesize loads last (for oracle_auc): imported before the start line
-Path(sys.argv[3]).touch()
-while not go.exists():  # both processes leave this loop within a few ms of each other
-    time.sleep(0.002)
-out = ensure_synth("dlrm-tiny", int(sys.argv[2]), 7, say=lambda m: None)
+"""
+    + WAIT
+    + """
+out = ensure_synth("dlrm-tiny", int(sys.argv[3]), 7, say=lambda m: None)
 labels = float(pq.read_table(out, columns=["label"]).column("label").to_numpy().sum())  # every file whole
 print(json.dumps({"dir": str(out), "labels": labels}))
 """
+)
 
 
 def test_two_fresh_runs_racing_on_the_synthetic_cache_both_get_the_whole_dataset(tmp_path):
@@ -362,23 +363,7 @@ def test_two_fresh_runs_racing_on_the_synthetic_cache_both_get_the_whole_dataset
     from tpurec.data.synth import synthesize
 
     rows = 20_000  # ~0.2 s of writing: before the fix, 3 runs of 3 failed (a part renamed away)
-    env = dict(os.environ, PYTHONPATH=str(REPO), TPUREC_CACHE=str(tmp_path / "cache"))
-    go = tmp_path / "go"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", RACER, str(go), str(rows), str(tmp_path / f"ready{i}")],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    deadline = time.monotonic() + 120
-    while not all((tmp_path / f"ready{i}").exists() for i in range(2)):
-        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "a racer did not start"
-        time.sleep(0.01)
-    go.touch()
+    procs = race(RACER, [rows], tmp_path, env={"TPUREC_CACHE": str(tmp_path / "cache")})
     results = []
     for p in procs:
         out, err = p.communicate(timeout=300)

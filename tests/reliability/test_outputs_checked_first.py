@@ -114,15 +114,6 @@ def test_plan_png_refuses_its_default_out_in_a_read_only_cwd(unwritable_dir, mon
     assert_refused(code, err, f"tpurec plan: --out plan.png: cannot write in {d} ({reason})")
 
 
-@pytest.fixture
-def tsv(tmp_path) -> Path:
-    from tpurec.bench.data import write_criteo_tsv
-
-    path = tmp_path / "day_0"
-    write_criteo_tsv(str(tmp_path), str(path), 200, seed=0)
-    return path
-
-
 def test_data_convert_and_synth_refuse_an_out_under_a_file(a_file, tsv, capsys):
     out = a_file / "data"
     code, _, err = run_cli(["data", "convert", tsv, "--out", out, "--jobs", 2, "--quiet"], capsys)

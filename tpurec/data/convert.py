@@ -27,7 +27,6 @@ from tpurec.data.schema import (
     DataSchema,
     list_parquet_files,
     parquet_writer,
-    prepare_output_dir,
     remove_stale_parts,
     write_dataset_json,
 )
@@ -396,12 +395,20 @@ def convert(
     """Convert every input (text file or TorchRec day) to ``out_dir/part-NNNNN.parquet`` and write
     ``_dataset.json``.
 
-    Returns the summary (rows, files, bytes in/out, seconds, MB/s, bad lines).
+    Returns the summary (rows, files, bytes in/out, seconds, MB/s, bad lines). Another run
+    writing ``out_dir`` at the same time is refused (DataError naming it).
     """
-    from tqdm import tqdm
+    from tpurec.data.out_lock import locked_output
 
     inputs = resolve_inputs(inputs, opts)
-    out = prepare_output_dir(out_dir, overwrite)
+    with locked_output(out_dir, overwrite, "tpurec data convert") as out:
+        return _convert_into(out, inputs, opts, jobs, show_progress)
+
+
+def _convert_into(out: Path, inputs: list, opts: ConvertOptions, jobs: int | None, show_progress: bool) -> dict:
+    """`convert` into the prepared, locked directory `out`."""
+    from tqdm import tqdm
+
     finals = [out / f"part-{i:05d}.parquet" for i in range(len(inputs))]
     tmps = [f.with_suffix(f".parquet.tmp-{os.getpid()}") for f in finals]  # per run: two never share a file
     total_bytes = sum(_size(p) for p in inputs)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -24,7 +25,6 @@ from tpurec.data.schema import (
     DataSchema,
     SparseFeature,
     parquet_writer,
-    prepare_output_dir,
     remove_stale_parts,
     write_dataset_json,
 )
@@ -156,13 +156,33 @@ def synthesize(
     Uncompressed by default: dictionary encoding already makes Zipf ids small, and uncompressed
     files (~18% bigger than snappy) decode about 1.7x faster, which is what training loops want.
     """
-    import pyarrow as pa
-    from tqdm import tqdm
+    from tpurec.data.out_lock import locked_output
 
     if rows < 1:
         raise DataError("--rows must be >= 1")
     schema, hots = synth_schema(table_set, multi_hot_sizes)
-    out = prepare_output_dir(out_dir, overwrite)
+    with locked_output(out_dir, overwrite, "tpurec data synth") as out:
+        return _synthesize_into(
+            out, rows, schema, hots, seed, table_set, rows_per_file, row_group_size, compression, show_progress
+        )
+
+
+def _synthesize_into(
+    out: Path,
+    rows: int,
+    schema: DataSchema,
+    hots: list[int],
+    seed: int,
+    table_set: str,
+    rows_per_file: int,
+    row_group_size: int,
+    compression: str,
+    show_progress: bool,
+) -> dict:
+    """`synthesize` into the prepared, locked directory `out`."""
+    import pyarrow as pa
+    from tqdm import tqdm
+
     arrow_schema = schema.arrow_schema()
     rows_per_file = max(row_group_size, (rows_per_file // row_group_size) * row_group_size)
     t0 = time.perf_counter()
