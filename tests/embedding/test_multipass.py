@@ -259,3 +259,14 @@ def test_sequence_blocks_run_through_torchtpus_ops_with_the_steps_programs():
     assert len([k for k in keys if k[0] == "_sparse_dense_matmul"]) == stacks
     assert len([k for k in keys if k[0] != "_sparse_dense_matmul"]) == stacks
     assert sum(v for k, v in keys.items() if k[0] == "_sparse_dense_matmul") >= 2 * stacks * len(batches)
+
+
+def test_each_tables_passes_and_demand_are_counted_when_asked_for():
+    _, limited = _pair("sgd")
+    limited.kernel.table_demand = {}  # what a training run turns on (tpurec.dlrm.id_feedback.record)
+    gen = torch.Generator().manual_seed(6)
+    for _ in range(2):
+        _step(limited, _heavy_batch(gen), gen)
+    assert limited.kernel.table_passes == {"a": [2, 0], "b": [2, 0], "c": [2, 0]}  # every stack, both batches
+    demand = limited.kernel.table_demand
+    assert set(demand) == {"a", "b", "c"} and all(d[5] == 2 and d[0] > LIMIT for d in demand.values())

@@ -42,23 +42,46 @@ def summary(dmp) -> dict:
     }
 
 
-def merged(dmp, world: int) -> dict[str, list[int]]:
-    """{table: the `_FIGURES`} over every rank's shards (the maximum of each)."""
-    mine: dict[str, list[int]] = {}
+def merged(dmp, world: int) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    """({table: the `_FIGURES`}, {table: [multipass batches, dropped ids]}) over every rank's shards:
+    the maximum of each demand figure, the sum of the counts (a shard's stack on each rank)."""
+    mine: tuple[dict[str, list[int]], dict[str, list[int]]] = ({}, {})
     for k in kernels(dmp):
-        for name, d in (getattr(k, "_kept_demand", None) or {}).items():
-            have = mine.setdefault(name, [0] * _FIGURES)
-            mine[name] = [max(a, b) for a, b in zip(have, d)]
+        _merge(mine, (getattr(k, "_kept_demand", None) or {}, k.table_passes))
     if world == 1 or not dist.is_initialized():
         return mine
     everyone: list = [None] * world
     dist.all_gather_object(everyone, mine)
-    out: dict[str, list[int]] = {}
+    out: tuple[dict[str, list[int]], dict[str, list[int]]] = ({}, {})
     for part in everyone:
-        for name, d in (part or {}).items():
-            have = out.setdefault(name, [0] * _FIGURES)
-            out[name] = [max(a, b) for a, b in zip(have, d)]
+        _merge(out, part)
     return out
+
+
+def _merge(into, part) -> None:
+    demand, passes = into
+    for name, d in part[0].items():
+        demand[name] = [max(a, b) for a, b in zip(demand.get(name, [0] * _FIGURES), d)]
+    for name, c in part[1].items():
+        passes[name] = [a + b for a, b in zip(passes.get(name, [0, 0]), c)]
+
+
+def per_table(demand: dict[str, list[int]], passes: dict[str, list[int]]) -> dict[str, dict]:
+    """What a run saw of each table: the result line's and the metrics' figures."""
+    return {
+        name: {
+            "max_ids": d[0],
+            "max_unique_ids": d[1],
+            "max_ids_per_slice": d[2],
+            "max_unique_ids_per_slice": d[3],
+            "max_ids_per_sample": d[4],
+            "batches": d[5],
+            # its stack's: the tables of one stack share its passes and drops
+            "multipass_batches": passes.get(name, [0, 0])[0],
+            "dropped_ids": passes.get(name, [0, 0])[1],
+        }
+        for name, d in sorted(demand.items())
+    }
 
 
 def limits_document(demand: dict[str, list[int]], layout: dict, source: str) -> dict:

@@ -71,6 +71,12 @@ class MetricsLog:
         "logloss",
         "accuracy",
         "rows",
+        # kind "id_demand", one row per table at the end of a run (tpurec.dlrm.id_feedback.per_table)
+        "table",
+        "max_ids",
+        "max_unique_ids",
+        "multipass_batches",
+        "dropped_ids",
     ]
 
     def __init__(self, path: str | None, append: bool):
@@ -91,7 +97,7 @@ class MetricsLog:
         if self.csv:
             with open(self.path) as f:
                 return [
-                    {k: (float(v) if k not in ("kind",) and v != "" else v) for k, v in row.items()}
+                    {k: (float(v) if k not in ("kind", "table") and v != "" else v) for k, v in row.items()}
                     for row in csv.DictReader(f)
                 ]
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]

@@ -486,8 +486,11 @@ class Trainer:
 
             dist.all_reduce(counts)
         out = {"limits": o.limits, "multipass_batches": int(counts[0]), "dropped_ids": int(counts[1])}
+        demand, passes = id_feedback.merged(self.dmp, self.world)
+        out["tables"] = id_feedback.per_table(demand, passes)
+        for name, figures in out["tables"].items():
+            self._metrics.add({"kind": "id_demand", "step": self.step_count, "table": name, **figures})
         if o.limits_out:
-            demand = id_feedback.merged(self.dmp, self.world)
             kernels = id_feedback.kernels(self.dmp)
             layout = {
                 "topology": self.emulated.spec.name if self.emulated else None,
@@ -534,8 +537,7 @@ class Trainer:
         from tpurec import host_copies
         from tpurec.dlrm import id_feedback
 
-        if self.options.limits_out:
-            id_feedback.record(self.dmp, True)  # training batches only: evaluation's may differ in size
+        id_feedback.record(self.dmp, True)  # training batches only: evaluation's may differ in size
         batch, world = self.batch_size, self.world
         copies_before = host_copies.counts()
         t0 = time.perf_counter()

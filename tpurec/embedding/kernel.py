@@ -130,6 +130,8 @@ class SparseCoreKernel(nn.Module):
         # name, [max ids, max unique ids per partition, the same per slice, most ids of one sample,
         # batches] over the batches seen.
         self.table_demand: dict[str, list[int]] | None = None
+        self.table_passes: dict[str, list[int]] = {}  # with table_demand: [multipass batches, dropped ids]
+        self._demand_counters: dict[int, object] = {}
         self._no_mean: dict[int, torch.Tensor] = {}  # all-False mean flags per slot count (compiled build)
 
         names = [t.name for t in self.tables]
@@ -352,7 +354,7 @@ class SparseCoreKernel(nn.Module):
         per_slot = lengths.view(-1, batch).sum(1) if batch else torch.zeros(len(self._stacked_order), dtype=torch.long)
         value_offsets = [0] + torch.cumsum(per_slot, 0).tolist()
         if self.table_demand is not None:
-            self._record_demand(values, lengths, batch, value_offsets)
+            self._record_demand(values, lengths, batch)
         parts, k0 = [], 0
         for plan in self.stacks:
             n = len(plan.features)
@@ -371,28 +373,47 @@ class SparseCoreKernel(nn.Module):
             csrs = [c.to(device) for c in csrs]
         return csrs
 
-    def _record_demand(self, values, lengths, batch: int, value_offsets: list[int]) -> None:
+    def _record_demand(self, values, lengths, batch: int) -> None:
         """Each table's demand in this batch, counted as `tpurec data stats` counts it (the table
-        alone, its shard's rows, this kernel's SparseCores): the feedback for the next run's limits."""
-        import numpy as np
+        alone, its shard's rows, this kernel's SparseCores): the feedback for the next run's limits.
+        Per table (by its source name): the four partition / slice figures, the most ids of a
+        sample, the batches counted."""
+        from tpurec.embedding.demand import ShardsDemand, TableShards
 
-        from tpurec.embedding.demand import partition_demand
-
-        slots: dict[str, list[int]] = {}
-        for j, f in enumerate(self._stacked_order):
-            slots.setdefault(self._feature_table[f].name, []).append(j)
-        vals, lens = values.numpy(), lengths.numpy()
-        for name, js in slots.items():
-            t = self._table[name]
-            ids = np.concatenate([vals[value_offsets[j] : value_offsets[j + 1]] for j in js]).astype(np.int64)
-            per_sample = [lens[j * batch : (j + 1) * batch] for j in js]
-            samples = np.concatenate([np.repeat(np.arange(batch), ls) for ls in per_sample])
-            feats = np.concatenate([np.full(int(ls.sum()), k) for k, ls in enumerate(per_sample)])
-            d = partition_demand(ids, samples, feats, rows=t.num_embeddings, num_partitions=self.num_sc, batch=batch)
-            most = int(np.bincount(samples).max()) if samples.size else 0
-            seen = self.table_demand.setdefault(t.source or t.name, [0] * 6)  # type: ignore[union-attr]
-            seen[:5] = [max(a, b) for a, b in zip(seen[:5], (*d, most))]
+        counter = self._demand_counters.get(batch)
+        if counter is None:
+            tables = [
+                TableShards(
+                    name,
+                    tuple(f for f in self._stacked_order if self._feature_table[f].name == name),
+                    self._table[name].num_embeddings,
+                    ((0, self._table[name].num_embeddings),),
+                )
+                for name in dict.fromkeys(self._feature_table[f].name for f in self._stacked_order)
+            ]
+            counter = self._demand_counters[batch] = ShardsDemand(
+                tables, list(self._stacked_order), num_partitions=self.num_sc, batch=batch
+            )
+        try:
+            figures = counter.count(values.numpy(), lengths.numpy(), batch)
+        except ValueError:  # an id outside its table: the stack input refuses it, naming the feature
+            return
+        for t, d in zip(counter.tables, figures):
+            k = self._table[t.name]
+            seen = self.table_demand.setdefault(k.source or k.name, [0] * 6)  # type: ignore[union-attr]
+            seen[:5] = [max(a, b) for a, b in zip(seen[:5], d[:5])]
             seen[5] += 1
+
+    def _record_passes(self, i: int, stats: PreprocessStats) -> None:
+        """Per table of stack i (source name): batches its stack ran in several passes, ids its
+        stack dropped (shared by the stack's tables)."""
+        if self.table_demand is None:
+            return
+        for name in dict.fromkeys(t for _, t in self.stacks[i].features):
+            k = self._table[name]
+            seen = self.table_passes.setdefault(k.source or k.name, [0, 0])
+            seen[0] += stats.passes > 1
+            seen[1] += stats.dropped_id_count
 
     def lookup(self, csrs: list[SparseCoreInput | MultiPassInput], batch: int) -> torch.Tensor:
         """Device side: pooled embeddings [batch, sum(dims)] ([blocks x batch, ..] for the inputs of
@@ -519,6 +540,7 @@ class SparseCoreKernel(nn.Module):
             self.multipass_batches += 1
         self.last_stats[lay.name] = stats
         self.dropped_id_count += stats.dropped_id_count
+        self._record_passes(i, stats)
         return csr
 
     def _compiled_stack_input(self, i: int, values, lengths, weights, batch: int, padded: int):
@@ -557,6 +579,7 @@ class SparseCoreKernel(nn.Module):
         )  # fmt: skip
         stats = PreprocessStats(torch.from_numpy(ids_pp), torch.from_numpy(uniq_pp), need, 0)
         self.last_stats[lay.name] = stats
+        self._record_passes(i, stats)
         return csr
 
     def _raise_bad_ids(self, plan, ids, slot, bad):
