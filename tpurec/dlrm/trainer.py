@@ -44,6 +44,14 @@ def _infinite(reader):
         first = False
 
 
+def position_in_epoch(fraction: float, num_rows: int, batch_size: int) -> int:
+    """Rows of an epoch of `num_rows` to skip to resume `fraction` through it: whole batches. The
+    fraction was a whole number of batches at the world size that saved it (rows / num_rows), which
+    as a float times num_rows can land just below that number (1024 / 2850 * 2850 < 1024) and
+    lose a batch; a relative 1e-12 (far below one row for any epoch) puts it back."""
+    return int(fraction * num_rows * (1 + 1e-12)) // batch_size * batch_size
+
+
 class Trainer:
     """Trains one rank of a `tpurec train` run. After `setup()`: `cfg` (the resolved DLRMConfig),
     `table_set` (its catalog tables), `readers`, `dmp`, `optimizer`, `pipeline`, `step_count`."""
@@ -270,10 +278,7 @@ class Trainer:
             # the same fraction of it (rows near the cut may be seen twice or skipped in that epoch).
             st = train.state_dict()
             frac = float(cmeta["epoch_fraction"])
-            st.update(
-                epoch=cmeta["epoch"],
-                rows_consumed=int(frac * train.num_rows) // self.batch_size * self.batch_size,
-            )
+            st.update(epoch=cmeta["epoch"], rows_consumed=position_in_epoch(frac, train.num_rows, self.batch_size))
             train.load_state_dict(st)
             how = (
                 f"at world size {self.world} from {cmeta['world_size']}: data position approximate "
