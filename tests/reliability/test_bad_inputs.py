@@ -52,7 +52,7 @@ def _rank9(doc):
 PLAN_FILES = [
     # (edit of a good plan file, what the one line says after "tpurec plan: FILE")
     (_rank9, ", module '<root>', table 't_C1': placed on rank 9, but the world size is 4"),
-    (lambda d: _t_c1(d).pop("shards"), ", module '<root>', table 't_C1': missing field 'shards'"),
+    (lambda d: _t_c1(d).pop("shards"), ': $.plan.modules[""].t_C1.shards: missing'),
     (lambda d: _t_c1(d).update(sharding_type="bogus_wise"), "table 't_C1': sharding_type 'bogus_wise' is not one of"),
     (lambda d: d.pop("plan"), ": not a tpurec sharding plan (format='tpurec-plan-report')"),
     (lambda d: _t_c1(d)["shards"][0].update(sizes=[10, 16]), "shards cover 160 of the table's 16,000 elements"),

@@ -371,7 +371,7 @@ def _mark_refused(report: dict, refusal: str, smallest: dict) -> None:
 
 
 def report_from_plan_and_meta(plan, meta: dict) -> dict:
-    if not meta.get("tables") or not meta.get("topology"):
+    if not all(meta.get(k) for k in ("tables", "topology", "batch_size", "optimizer")):
         raise ValueError(
             "this plan file has no meta (tables, topology, batch size); save it with "
             "tpurec plan --format json, or plan_io.save_plan(plan, path, meta=report['meta'])"

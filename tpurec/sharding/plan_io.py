@@ -69,8 +69,15 @@ def _placement(text: str) -> str:
 def plan_from_dict(doc: dict):
     from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardingPlan
 
-    if "plan" in doc and doc.get("format") != FORMAT:  # a `tpurec plan` report
-        doc = doc["plan"]
+    from tpurec.sharding.plan_schema import check_modules, obj
+
+    at = "$"
+    if _is_report(doc):
+        doc, at = doc["plan"], "$.plan"
+    try:
+        obj(at, doc)
+    except ValueError as e:
+        raise ValueError(f"plan file: {e}") from None
     if doc.get("format") != FORMAT:
         raise ValueError(f"not a tpurec sharding plan (format={doc.get('format')!r})")
     if doc.get("version") != VERSION:
@@ -79,6 +86,10 @@ def plan_from_dict(doc: dict):
     modules = doc.get("modules")
     if not isinstance(modules, dict):
         raise ValueError("plan file has no 'modules' object")
+    try:  # every field's kind first: one line naming it, not a TypeError deep in TorchRec
+        check_modules(f"{at}.modules", modules)
+    except ValueError as e:
+        raise ValueError(f"plan file: {e}") from None
     for path, params in modules.items():
         module_plan = EmbeddingModuleShardingPlan()
         for name, p in params.items():
@@ -126,13 +137,29 @@ def save_plan(plan, path, meta: dict | None = None) -> None:
     Path(path).write_text(json.dumps(plan_to_dict(plan, meta), indent=1) + "\n")
 
 
+def _is_report(doc: dict) -> bool:
+    """A `tpurec plan --format json` report, which holds the plan under "plan"."""
+    return "plan" in doc and doc.get("format") != FORMAT
+
+
 def read_doc(path) -> dict:
+    """The plan file's JSON object, its meta checked (plan_schema.py); ValueError naming the file."""
+    from tpurec.sharding.plan_schema import check_meta, obj
+
     try:
         doc = json.loads(Path(path).read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not a JSON plan file ({e})") from None
+    except RecursionError:  # Python's parser recurses once per level: [[[[... a million deep
+        raise ValueError(f"{path}: not a tpurec plan (JSON nested deeper than Python's parser can read)") from None
     if not isinstance(doc, dict):
         raise ValueError(f"{path}: not a tpurec plan (a JSON object is expected)")
+    try:  # the meta, wherever it sits: the plan's, or a report's and its plan's
+        check_meta("$.meta", doc.get("meta"))
+        if _is_report(doc):
+            check_meta("$.plan.meta", obj("$.plan", doc["plan"]).get("meta"))
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
     return doc
 
 
@@ -155,6 +182,6 @@ def load_plan(path, refused_ok: bool = False):
 
 def load_meta(path) -> dict:
     doc = read_doc(path)
-    if doc.get("format") != FORMAT and "plan" in doc:
+    if _is_report(doc):
         return doc.get("meta") or doc["plan"].get("meta") or {}
     return doc.get("meta") or {}

@@ -1,0 +1,234 @@
+"""The structure of a plan file, checked before anything is built from it.
+
+A plan file is hand-editable JSON (plan_io.py has the schema), and a hand edit can put any JSON
+value anywhere: a placement that is not `rank:N/DEVICE`, `"ranks": "0"`, a shard that is a list,
+a meta table that is a number. Built from directly, those surfaced as TypeError or AttributeError
+deep in TorchRec or in `plan_check.py`. Here every field the loaders read is checked for its kind
+and range first, and the first problem is one ValueError naming the field by its JSON path
+(`$.plan.modules[""].t_C1.shards[0].placement`). Whether the values fit the model and the world
+size is `plan_check.py`'s job; nesting too deep for Python's JSON parser is refused by the reader.
+
+The walk follows the schema, never the document, so its depth is fixed however deep the file nests.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Callable
+
+# `rank:N/DEVICE[:INDEX]`, as TorchRec writes placements; the device types a plan can name.
+PLACEMENT = re.compile(r"^rank:(\d+)/(cpu|cuda|tpu|meta)(:\d+)?$")
+PARAMETER_FIELDS = (
+    "sharding_type",
+    "compute_kernel",
+    "ranks",
+    "shards",
+    "enforce_hbm",
+    "stochastic_rounding",
+    "bounds_check_mode",
+    "output_dtype",
+)
+SHARD_FIELDS = ("offsets", "sizes", "placement")
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class PlanFieldError(ValueError):
+    """A field of a plan file of the wrong kind; the message starts with its JSON path."""
+
+
+def key_path(at: str, key: str) -> str:
+    """`at.key`, or `at["key"]` when the key is not an identifier (module path "" included)."""
+    return f"{at}.{key}" if _IDENT.match(key) else f"{at}[{_quote(key)}]"
+
+
+def _quote(key: str) -> str:
+    import json
+
+    return json.dumps(key)
+
+
+def _bad(at: str, value: Any, want: str) -> PlanFieldError:
+    # a short flat list as written; other lists and objects by kind (they may be huge or deep)
+    flat = isinstance(value, list) and len(value) <= 8 and not any(isinstance(x, (list, dict)) for x in value)
+    shown = type(value).__name__ if isinstance(value, (dict, list)) and not flat else repr(value)
+    return PlanFieldError(f"{at}: {shown} is not {want}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # JSON true is not a rank or a size
+
+
+def whole(at: str, v: Any, lo: int = 0) -> None:
+    if not _is_int(v) or v < lo:
+        raise _bad(at, v, f"a whole number >= {lo}")
+
+
+def text(at: str, v: Any) -> None:
+    if not isinstance(v, str):
+        raise _bad(at, v, "a string")
+
+
+def number(at: str, v: Any) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise _bad(at, v, "a finite number")
+
+
+def flag(at: str, v: Any) -> None:
+    if not isinstance(v, bool):
+        raise _bad(at, v, "true or false")
+
+
+def obj(at: str, v: Any, known: tuple[str, ...] | None = None) -> dict:
+    """`v` as a JSON object; with `known`, a key outside it (a typo) is refused too."""
+    if not isinstance(v, dict):
+        raise _bad(at, v, "an object")
+    if known is not None:
+        extra = sorted(set(v) - set(known))
+        if extra:
+            raise PlanFieldError(f"{key_path(at, extra[0])}: unknown field; known: {', '.join(known)}")
+    return v
+
+
+def items(at: str, v: Any) -> list:
+    if not isinstance(v, list):
+        raise _bad(at, v, "a list")
+    return v
+
+
+def optional(check: Callable[[str, Any], None]) -> Callable[[str, Any], None]:
+    def run(at: str, v: Any) -> None:
+        if v is not None:
+            check(at, v)
+
+    return run
+
+
+def choice(names: list[str]) -> Callable[[str, Any], None]:
+    def run(at: str, v: Any) -> None:
+        if v not in names:
+            raise _bad(at, v, f"one of {', '.join(names)}")
+
+    return run
+
+
+def fields(at: str, doc: dict, checks: dict[str, Callable[[str, Any], None]], required: tuple[str, ...]) -> None:
+    """Check each present field of `doc` with its check; a required one missing is refused."""
+    for name, check in checks.items():
+        if name not in doc:
+            if name in required:
+                raise PlanFieldError(f"{key_path(at, name)}: missing")
+            continue
+        check(key_path(at, name), doc[name])
+
+
+def _placement(at: str, v: Any) -> None:
+    if not isinstance(v, str) or not PLACEMENT.match(v):
+        raise _bad(at, v, "a placement 'rank:N/DEVICE' (DEVICE: cpu, tpu:I, cuda:I or meta)")
+
+
+def _pair(at: str, v: Any) -> None:
+    """A shard's offsets or sizes: [rows, columns] of a 2-D table."""
+    if len(items(at, v)) != 2:
+        raise _bad(at, v, "[rows, columns] (2 whole numbers)")
+    for i, x in enumerate(v):
+        whole(f"{at}[{i}]", x)
+
+
+def _shard(at: str, v: Any) -> None:
+    checks = {"offsets": _pair, "sizes": _pair, "placement": _placement}
+    fields(at, obj(at, v, SHARD_FIELDS), checks, required=SHARD_FIELDS)
+
+
+def _each(check: Callable[[str, Any], None]) -> Callable[[str, Any], None]:
+    def run(at: str, v: Any) -> None:
+        for i, x in enumerate(items(at, v)):
+            check(f"{at}[{i}]", x)
+
+    return run
+
+
+def _enum_names() -> tuple[list[str], list[str]]:
+    """The names plan_io turns into FBGEMM's BoundsCheckMode and TorchRec's DataType."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
+    from torchrec.types import DataType
+
+    return [m.name for m in BoundsCheckMode], [m.name for m in DataType]
+
+
+def check_parameter(at: str, p: Any) -> None:
+    """One table's entry of a module plan."""
+    bounds, dtypes = _enum_names()
+    checks = {
+        "sharding_type": text,
+        "compute_kernel": text,
+        "ranks": optional(_each(whole)),
+        "shards": optional(_each(_shard)),
+        "enforce_hbm": optional(flag),
+        "stochastic_rounding": optional(flag),
+        "bounds_check_mode": optional(choice(bounds)),
+        "output_dtype": optional(choice(dtypes)),
+    }
+    fields(at, obj(at, p, PARAMETER_FIELDS), checks, required=("sharding_type", "compute_kernel", "ranks", "shards"))
+
+
+def check_modules(at: str, modules: Any) -> None:
+    """`modules`: {module path: {table: parameter sharding}}."""
+    for path, params in obj(at, modules).items():
+        where = key_path(at, path)
+        for name, p in obj(where, params).items():
+            check_parameter(key_path(where, name), p)
+
+
+def _map_of(check: Callable[[str, Any], None]) -> Callable[[str, Any], None]:
+    def run(at: str, v: Any) -> None:
+        for k, x in obj(at, v).items():
+            check(key_path(at, k), x)
+
+    return run
+
+
+def _table_spec(at: str, t: Any) -> None:
+    """A meta table: tpurec.catalog.TableSpec's fields, as `build_report` writes them."""
+    checks = {
+        "name": text,
+        "feature": text,
+        "num_embeddings": lambda a, v: whole(a, v, 1),
+        "embedding_dim": lambda a, v: whole(a, v, 1),
+        "pooling_factor": number,
+        "data_type": text,
+        "extra_features": _each(text),
+        "pooling": text,
+        "weighted": flag,
+    }
+    required = ("name", "feature", "num_embeddings", "embedding_dim", "pooling_factor")
+    fields(at, obj(at, t, tuple(checks)), checks, required)
+
+
+def _id_limits(at: str, v: Any) -> None:
+    checks = {"tables": _map_of(_each(whole)), "layout": obj, "source": text}
+    fields(at, obj(at, v), checks, required=("tables", "layout"))
+
+
+# The meta fields `plan show` reads (inspect.report_from_plan_and_meta); others are free-form.
+META_CHECKS: dict[str, Callable[[str, Any], None]] = {
+    "tables": _each(_table_spec),
+    "topology": text,
+    "batch_size": lambda a, v: whole(a, v, 1),
+    "optimizer": text,
+    "compute_device": choice(["cpu", "tpu"]),
+    "reserved_bytes": optional(number),
+    "headroom_fraction": optional(number),
+    "sc_gather_fraction": optional(number),
+    "dcn_bw_per_host": optional(number),
+    "model": optional(text),
+    "id_limits": optional(_id_limits),
+    "refusal": optional(text),
+    "smallest_fitting_topology": optional(_map_of(optional(text))),
+}
+
+
+def check_meta(at: str, meta: Any) -> None:
+    """A plan's meta (absent or null: none)."""
+    if meta is not None:
+        fields(at, obj(at, meta), META_CHECKS, required=())
