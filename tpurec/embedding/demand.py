@@ -28,6 +28,13 @@ from tpurec.embedding.constraints import padded_rows, round_up
 # (entries, distinct ids) of the fullest segment, the same of the fullest SparseCore slice
 Demand = tuple[int, int, int, int]
 
+# The compiled route stamps a shard whose P x padded rows fit STAMP_CELLS_PER_SHARD int64 cells, while
+# a counter's stamps stay within STAMP_CELLS (2 MiB, about a core's L2: a stamp read that misses the
+# cache costs more than sorting the id; measured on criteo-kaggle's tables, 128 MiB of stamps made the
+# pass 4x slower than sorting); larger shards sort.
+STAMP_CELLS_PER_SHARD = 1 << 16
+STAMP_CELLS = 1 << 18
+
 
 def _bits(n: int) -> int:
     """Bits that hold every value in [0, n)."""
@@ -197,6 +204,22 @@ class ShardsDemand:
         self.row_wise_features = [j for j in range(len(ft)) if shards_of[ft[j]] > 1]
         self.one_feature_per_table = all(len(t.features) == 1 for t in tables)
         self.one_hot_cache: dict[int, np.ndarray] = {}
+        # The compiled route (demand_kernels): shards small enough are counted by stamps, the rest sorted.
+        padded = np.array([padded_rows(r, num_partitions) for r in sizes], dtype=np.int64)
+        self.shard_padded = padded
+        self.shard_stamp_at = np.full(len(sizes), -1, dtype=np.int64)
+        cells = 0
+        for s in np.argsort(padded, kind="stable"):  # smallest first: the most shards stamped
+            need = int(padded[s]) * num_partitions
+            if need > STAMP_CELLS_PER_SHARD or cells + need > STAMP_CELLS:
+                break
+            self.shard_stamp_at[s] = cells
+            cells += need
+        self.stamp_cells = cells
+        self._stamps: np.ndarray | None = None
+        self._bag_base = 0
+        self.max_rows = int(max(sizes, default=1))
+        self.max_features = max((len(t.features) for t in tables), default=1)
 
     def count(self, values: np.ndarray, lengths: np.ndarray, stride: int) -> list[tuple[int, ...]]:
         """Per table: (entries, distinct ids) of its fullest segment and fullest slice over its
@@ -208,14 +231,18 @@ class ShardsDemand:
         else:
             most_sample = np.add.reduceat(lens, self.table_first_feature, axis=0).max(1) if stride else per_feature
             most_feature = np.maximum.reduceat(per_feature, self.table_first_feature)
+        total = int(per_feature.sum())
+        if total == 0:
+            return [(0, 0, 0, 0, int(a), int(b)) for a, b in zip(most_sample, most_feature)]
+        compiled = self._compiled_counts(values, lengths, stride, total)
+        if compiled is not None:
+            return self._figures(*compiled, most_sample, most_feature)
         if self.every_feature_in_order:
             ids = values.astype(np.int64, copy=False)
         else:
             offsets = np.concatenate([[0], np.cumsum(lengths)])
             starts = offsets[self.features * stride]
             ids = np.concatenate([values[s : s + n] for s, n in zip(starts, per_feature)]).astype(np.int64, copy=False)
-        if ids.size == 0:
-            return [(0, 0, 0, 0, int(a), int(b)) for a, b in zip(most_sample, most_feature)]
         first = np.concatenate([[0], np.cumsum(per_feature)])
         self._check_range(ids, first, per_feature)
         # Per id: its shard, row in the shard and partition. Ids come grouped by feature, so a table of
@@ -253,12 +280,54 @@ class ShardsDemand:
             num_partitions=self.p,
             per_slice=self.per_slice,
         )
-        # per shard, then the fullest shard of each table
+        return self._figures(entries, distinct, most_sample, most_feature)
+
+    def _figures(self, entries, distinct, most_sample, most_feature) -> list[tuple[int, ...]]:
+        """Per table, from per-(shard, slice, partition) counts: the fullest shard's figures."""
         figures = np.stack(
             [entries.max((1, 2)), distinct.max((1, 2)), entries.sum(2).max(1), distinct.sum(2).max(1)], axis=1
         )
         per_table = np.maximum.reduceat(figures, self.table_first_shard[:-1], axis=0)
         return [(*map(int, f), int(a), int(b)) for f, a, b in zip(per_table, most_sample, most_feature)]
+
+    def _compiled_counts(self, values, lengths, stride: int, ids: int):
+        """([shards, P, P] entries, distinct) by demand_kernels, or None: no numba, or keys too wide
+        (then the numpy route). Not thread-safe: one counter per thread (its stamps)."""
+        from tpurec.embedding import csr_build, demand_kernels
+
+        if not csr_build.available() or self.num_shards == 0:
+            return None
+        compiled = demand_kernels.kernels()
+        if compiled is None:
+            return None
+        walk, count_sorted = compiled
+        p, pbits = self.p, _bits(self.p)
+        lbits, fbits, sbits = _bits(self.max_rows), _bits(self.max_features), _bits(max(stride, 1))
+        if _bits(self.num_shards) + 2 * pbits + lbits + fbits + sbits > 63:
+            return None
+        if self._stamps is None:
+            self._stamps = np.full(max(self.stamp_cells, 1), -1, dtype=np.int64)
+        size = self.num_shards * p * p
+        entries, distinct = np.zeros(size, np.int64), np.zeros(size, np.int64)
+        keys = np.empty(ids, np.int64)
+        offsets = np.zeros(lengths.size + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        n, bad = walk(
+            values, lengths, offsets, stride, self.features, self.feature_table, self.feature_slot.astype(np.int64),
+            self.table_rows, self.table_first_shard, self.shard_start, self.shard_chunk, self.shard_stamp_at,
+            self.shard_padded, self._stamps, self._bag_base, self.per_slice, p, pbits, lbits, fbits, sbits,
+            entries, distinct, keys,
+        )  # fmt: skip
+        # stamps older than this batch's bags read as "not in this batch" (no clearing between batches)
+        self._bag_base += len(self.features) * stride
+        if bad >= 0:
+            j = next(j for j, f in enumerate(self.features) if offsets[f * stride] <= bad < offsets[(f + 1) * stride])
+            t = self.tables[int(self.feature_table[j])]
+            raise ValueError(f"table {t.name!r}: id {int(values[bad])} outside its {t.rows} rows")
+        if n:
+            ordered = np.sort(keys[:n])
+            count_sorted(ordered, fbits + sbits, lbits, p, pbits, entries, distinct)
+        return entries.reshape(-1, p, p), distinct.reshape(-1, p, p)
 
     def _check_range(self, ids: np.ndarray, first: np.ndarray, per_feature: np.ndarray) -> None:
         """Every id inside its table (one pass: each feature's smallest and largest id)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import threading
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -29,6 +30,7 @@ from tpurec import device as _device
 from tpurec import host_copies
 from tpurec.embedding import csr_build, dtypes, ops, reference  # noqa: F401  (ops registers torch.ops.tpurec.*)
 from tpurec.embedding.constraints import DIM_ALIGN, SEGMENT_ALIGN, round_up
+from tpurec.embedding.demand import ShardsDemand, TableShards
 from tpurec.embedding.kjt_checks import check_kjt
 from tpurec.embedding.layout import StackLayout, build_stacks
 from tpurec.embedding.multipass import MultiPassInput, split_into_passes, stacked_blocks
@@ -131,7 +133,7 @@ class SparseCoreKernel(nn.Module):
         # batches] over the batches seen.
         self.table_demand: dict[str, list[int]] | None = None
         self.table_passes: dict[str, list[int]] = {}  # with table_demand: [multipass batches, dropped ids]
-        self._demand_counters: dict[int, object] = {}
+        self._demand_counters: dict[tuple[int, int], ShardsDemand] = {}
         self._no_mean: dict[int, torch.Tensor] = {}  # all-False mean flags per slot count (compiled build)
 
         names = [t.name for t in self.tables]
@@ -378,9 +380,9 @@ class SparseCoreKernel(nn.Module):
         alone, its shard's rows, this kernel's SparseCores): the feedback for the next run's limits.
         Per table (by its source name): the four partition / slice figures, the most ids of a
         sample, the batches counted."""
-        from tpurec.embedding.demand import ShardsDemand, TableShards
-
-        counter = self._demand_counters.get(batch)
+        # a counter per batch size and thread (pipeline workers preprocess side by side; its stamps are its own)
+        key = (batch, threading.get_ident())
+        counter = self._demand_counters.get(key)
         if counter is None:
             tables = [
                 TableShards(
@@ -391,7 +393,7 @@ class SparseCoreKernel(nn.Module):
                 )
                 for name in dict.fromkeys(self._feature_table[f].name for f in self._stacked_order)
             ]
-            counter = self._demand_counters[batch] = ShardsDemand(
+            counter = self._demand_counters[key] = ShardsDemand(
                 tables, list(self._stacked_order), num_partitions=self.num_sc, batch=batch
             )
         try:

@@ -66,13 +66,14 @@ class DemandTally:
         # per batch: (entries, distinct ids) of the fullest segment and of the fullest SparseCore slice,
         # the ids of the fullest sample and of the fullest feature
         self.per_batch: dict[str, list[tuple[int, ...]]] = {t.name: [] for t in tables}
-        self._counters: dict[tuple[str, ...], list[ShardsDemand]] = {}
+        self._counters: dict[tuple[tuple[str, ...], int], list[ShardsDemand]] = {}
         self._lock = threading.Lock()
 
     def _groups(self, keys: tuple[str, ...], ids: int) -> list[ShardsDemand]:
         """All tables in one sort, or in groups of about equal features when a batch holds more ids
-        than IDS_PER_GROUP (the pass's memory)."""
-        if keys not in self._counters:
+        than IDS_PER_GROUP (the pass's memory). A counter per thread: its stamps are its own."""
+        key = (keys, threading.get_ident())
+        if key not in self._counters:
             n = min(len(self.tables), max(1, -(-ids // IDS_PER_GROUP))) or 1
             load = [0] * n
             groups: list[list[TableShards]] = [[] for _ in range(n)]
@@ -80,10 +81,10 @@ class DemandTally:
                 i = load.index(min(load))
                 groups[i].append(t)
                 load[i] += len(t.features)
-            self._counters[keys] = [
+            self._counters[key] = [
                 ShardsDemand(g, list(keys), num_partitions=self.partitions, batch=self.batch) for g in groups if g
             ]
-        return self._counters[keys]
+        return self._counters[key]
 
     def figures(self, kjt) -> list[tuple[str, tuple[int, ...]]]:
         """One global batch's figures per table (a KeyedJaggedTensor whose keys include every
