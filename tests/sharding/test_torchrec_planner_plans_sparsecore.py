@@ -5,7 +5,6 @@ TorchRec's figures for its own kernels unchanged (tpurec/sharding/stock_estimate
 from __future__ import annotations
 
 import copy
-import traceback
 
 import pytest
 import torch
@@ -180,11 +179,13 @@ def test_torchrecs_own_kernels_get_torchrecs_own_estimates_beside_ours():
     assert estimates(our_options) == ours_before  # the same figures as during enumeration
 
 
-def test_shard_modules_without_a_plan_gets_past_planning(monkeypatch):
-    """TorchRec's composable API plans with its own planner; the plan picks our kernel. What fails
-    after planning, if anything, is not the planner (today: the composable contract's FQN check,
-    issue #27 item 4)."""
+def test_shard_modules_without_a_plan_plans_and_shards_onto_the_sparsecore_kernel(monkeypatch):
+    """TorchRec's composable API plans with its own planner, the plan picks our kernel, and the
+    module comes back sharded onto it with the unsharded module's parameter FQNs (the composable
+    contract's check; tests/sharding/test_named_parameters.py trains through it)."""
     from torchrec.distributed import shard as shard_module
+
+    from tpurec.sharding.sharder import ShardedSparseCoreEBC
 
     _ensure_process_group("cpu")
     plans = []
@@ -197,11 +198,9 @@ def test_shard_modules_without_a_plan_gets_past_planning(monkeypatch):
     monkeypatch.setattr(EmbeddingShardingPlanner, "collective_plan", recording)
     model = _Model()
     model.ebc = EmbeddingBagCollection(tables=_tables(), device=torch.device("meta"))
-    try:
-        shard_module.shard_modules(model, device=torch.device("cpu"), sharders=[SparseCoreEBCSharder()])
-    except Exception as e:  # noqa: BLE001 - only the planner's failures are this test's business
-        frames = [f.filename for f in traceback.extract_tb(e.__traceback__)]
-        assert not any("/torchrec/distributed/planner/" in f for f in frames), "".join(traceback.format_exception(e))
-        assert "compute kernel" not in str(e)
+    names = [n for n, _ in model.named_parameters()]
+    sharded = shard_module.shard_modules(model, device=torch.device("cpu"), sharders=[SparseCoreEBCSharder()])
     assert len(plans) == 1
     assert {p.compute_kernel for p in plans[0].plan["ebc"].values()} == {"customized_kernel"}
+    assert isinstance(sharded.ebc, ShardedSparseCoreEBC)
+    assert [n for n, _ in sharded.named_parameters()] == names

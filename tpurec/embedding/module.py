@@ -17,7 +17,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from tpurec.embedding import natural_state
+from tpurec.embedding import natural_state, table_params
 from tpurec.embedding.dtypes import table_dtype
 from tpurec.embedding.fused_optimizer import SparseCoreFusedOptimizer
 from tpurec.embedding.kernel import KernelTable, SparseCoreKernel
@@ -100,6 +100,7 @@ class SparseCoreEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         )
         self._fused_optimizer = SparseCoreFusedOptimizer(self.kernel)
         natural_state.register(self)
+        table_params.register(self)  # named_parameters() lists the tables, as TorchRec's does
 
     # -- torchrec EBC surface ------------------------------------------------------------------
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:

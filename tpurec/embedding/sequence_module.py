@@ -19,7 +19,7 @@ from torchrec.modules.embedding_modules import get_embedding_names_by_table
 from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
-from tpurec.embedding import natural_state
+from tpurec.embedding import natural_state, table_params
 from tpurec.embedding.dtypes import table_dtype
 from tpurec.embedding.fused_optimizer import SparseCoreFusedOptimizer
 from tpurec.embedding.kernel import KernelTable
@@ -92,6 +92,7 @@ class SparseCoreEmbeddingCollection(nn.Module, FusedOptimizerModule):
         self.reset_parameters()
         self._fused_optimizer = SparseCoreFusedOptimizer(self.kernel, param_prefix="embeddings.")
         natural_state.register(self)
+        table_params.register(self)  # named_parameters() lists the tables, as TorchRec's does
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

@@ -178,8 +178,8 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
             self._prepared.clear()
 
     def named_parameters_by_table(self) -> Iterator:
-        # Tables live in the kernel's partition-major storage, not as parameters; the sharded EBC
-        # publishes them through its own state_dict hooks (`ShardedSparseCoreEBC` in tpurec.sharding.sharder).
+        # Tables live in the kernel's storage, as buffers; the sharded module registers their
+        # parameters itself (tpurec/sharding/table_params.py) and publishes state_dict through its hooks.
         return iter(())
 
     def named_split_embedding_weights(self, *args, **kwargs) -> Iterator:

@@ -17,6 +17,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
 from tpurec.embedding import dtypes
+from tpurec.sharding import table_params
 from tpurec.sharding.kernel_choice import COMPUTE_KERNEL
 from tpurec.sharding.kernel_module import SparseCoreEmbeddingBag, _SparseCoreGroupKernel
 
@@ -75,7 +76,20 @@ class SparseCoreShardedMixin:
         ours = {id(m.fused_optimizer) for _, _, _, m in self._sc_shards()}
         others = [(n, o) for n, o in self._optim._optims if id(o) not in ours]
         if self._sc_tables:
-            self._optim = CombinedOptimizer([("", ShardedSparseCoreOptimizer(self))] + others)
+            optimizer = ShardedSparseCoreOptimizer(self)
+            self._optim = CombinedOptimizer([("", optimizer)] + others)
+            self._in_backward_optimizers()[:] = [optimizer]  # what the table parameters name
+
+    def _in_backward_optimizers(self) -> list:
+        """The list every table parameter's `_in_backward_optimizers` is: filled with the fused
+        optimizer when it is adopted, which happens after TorchRec has built the parameters."""
+        return self.__dict__.setdefault("_sc_in_backward_optimizers", [])
+
+    def _initialize_torch_state(self, skip_registering: bool = False) -> None:
+        # TorchRec registers its tables' parameters here and skips `customized_kernel` ones; ours
+        # go where it puts its own (tpurec/sharding/table_params.py).
+        super()._initialize_torch_state(skip_registering)
+        table_params.publish(self, self._in_backward_optimizers())
 
     def _register_sparsecore_state(self) -> None:
         self._register_state_dict_hook(_emit_sharded_weights)
