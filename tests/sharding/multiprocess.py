@@ -35,7 +35,7 @@ def _loads(data: bytes):
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _entry(rank, world_size, port, fn, args, queue):
+def _entry(rank, world_size, port, fn, args, queue, init_group=True):
     import torch
     import torch.distributed as dist
 
@@ -49,7 +49,8 @@ def _entry(rank, world_size, port, fn, args, queue):
     )
     torch.set_num_threads(1)  # 2 cores shared by all ranks
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if init_group:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
         queue.put((rank, "ok", _dumps(fn(rank, world_size, *args))))
     except BaseException:  # report, never hang the parent
         queue.put((rank, "error", traceback.format_exc()))
@@ -58,16 +59,20 @@ def _entry(rank, world_size, port, fn, args, queue):
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 300.0) -> list:
+def run_ranks(fn, world_size: int, *args, timeout: float = 300.0, init_group: bool = True) -> list:
     """fn(rank, world_size, *args) on every rank; returns the per-rank results in rank order.
 
-    fn must be importable (module-level) since ranks are spawned. Raises with the failing rank's
+    fn must be importable (module-level) since ranks are spawned. With init_group=False fn creates the
+    process group itself (from the MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE set here), as a script
+    run by torchrun does. Raises with the failing rank's
     traceback if any rank fails, or after `timeout` seconds.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, init_group)) for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results, errors = {}, []
