@@ -47,12 +47,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "run", None):
-        parser.print_help()
-        return 0 if args.command is None else 2
-    return int(args.run(args) or 0)
+    from tpurec import interrupts
+
+    with interrupts.handled():
+        try:
+            parser = build_parser()
+            args = parser.parse_args(argv)
+            if not getattr(args, "run", None):
+                parser.print_help()
+                return 0 if args.command is None else 2
+            return int(args.run(args) or 0)
+        except KeyboardInterrupt as e:  # Ctrl-C: one line, not a traceback (tpurec/interrupts.py)
+            words = sys.argv[1:] if argv is None else argv
+            command = next((f"tpurec {w}" for w in words if not str(w).startswith("-")), "tpurec")
+            print(interrupts.line(command, e), file=sys.stderr)
+    import gc
+
+    gc.collect()  # the interrupted work's frames (pyarrow's CSV reader among them) freed now, not at exit
+    return interrupts.EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

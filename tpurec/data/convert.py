@@ -30,6 +30,7 @@ from tpurec.data.schema import (
     remove_stale_parts,
     write_dataset_json,
 )
+from tpurec.interrupts import Interrupted, deferred
 
 NUM_COLUMNS = 40  # label + 13 dense + 26 categorical, the raw Criteo layout
 _MAX_EXAMPLES = 5  # bad lines quoted in the report
@@ -358,6 +359,28 @@ def _convert_one(args):
     return _convert_source(src, tmp_path, opts)
 
 
+def _worker_init(parent: int) -> None:
+    """A conversion worker dies with the converter, and leaves Ctrl-C to it: a terminal's Ctrl-C
+    reaches every worker too, which would print a KeyboardInterrupt traceback each; the converter
+    stops them itself (`_stop_workers`)."""
+    import signal
+
+    from tpurec.lifecycle import die_with_parent
+
+    die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _stop_workers(ex: ProcessPoolExecutor) -> None:
+    """End the pool's workers now (they ignore Ctrl-C), not after the inputs they are converting."""
+    workers = dict(getattr(ex, "_processes", None) or {})  # the pool has no public handle on them
+    ex.shutdown(wait=False, cancel_futures=True)
+    for proc in workers.values():
+        proc.terminate()
+    for proc in workers.values():
+        proc.join(timeout=30)
+
+
 def resolve_inputs(inputs: list, opts: ConvertOptions) -> list:
     """Text files as given, or TorchRec days (``npy.NpyDay``) grouped from their files/directories."""
     from tpurec.data import npy
@@ -423,25 +446,26 @@ def _convert_into(out: Path, inputs: list, opts: ConvertOptions, jobs: int | Non
         else:
             import multiprocessing as mp
 
-            from tpurec.lifecycle import die_with_parent
-
             # Workers die with this process, so a killed `data convert` leaves none waiting forever.
             ctx = mp.get_context("spawn")
-            with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=die_with_parent, initargs=(os.getpid(),)) as ex:
-                futs = [ex.submit(_convert_one, (p, str(t), opts)) for p, t in zip(inputs, tmps)]
-                for fut in as_completed(futs):
-                    r = fut.result()
-                    bar.update(r.bytes_in)
-                    results.append(r)
-    except BaseException:
+            with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init, initargs=(os.getpid(),)) as ex:
+                try:
+                    futs = [ex.submit(_convert_one, (p, str(t), opts)) for p, t in zip(inputs, tmps)]
+                    for fut in as_completed(futs):
+                        r = fut.result()
+                        bar.update(r.bytes_in)
+                        results.append(r)
+                except KeyboardInterrupt:
+                    _stop_workers(ex)
+                    raise
+    except BaseException as e:
         for t in tmps:
             t.unlink(missing_ok=True)
+        if isinstance(e, KeyboardInterrupt):
+            raise Interrupted(f"nothing written to {out}") from None
         raise
     finally:
         bar.close()
-    for t, f in zip(tmps, finals):
-        t.replace(f)
-    remove_stale_parts(out, finals)  # only now: a failed conversion leaves the old dataset whole
     seconds = time.perf_counter() - t0
     results.sort(key=lambda r: r.input)
     summary = {
@@ -455,13 +479,20 @@ def _convert_into(out: Path, inputs: list, opts: ConvertOptions, jobs: int | Non
         "bad_examples": [e for r in results for e in r.bad_examples][:_MAX_EXAMPLES],
         "out_dir": str(out),
     }
-    write_dataset_json(
-        out,
-        opts.schema,
-        rows=summary["rows"],
-        files=[f.name for f in finals],
-        source=[n for p in inputs for n in _names(p)],
-        bad_lines=summary["bad_lines"],
-    )
+    try:
+        with deferred():  # parts and _dataset.json replaced as one step: a Ctrl-C now waits for them
+            for t, f in zip(tmps, finals):
+                t.replace(f)
+            remove_stale_parts(out, finals)  # only now: a failed conversion leaves the old dataset whole
+            write_dataset_json(
+                out,
+                opts.schema,
+                rows=summary["rows"],
+                files=[f.name for f in finals],
+                source=[n for p in inputs for n in _names(p)],
+                bad_lines=summary["bad_lines"],
+            )
+    except KeyboardInterrupt:
+        raise Interrupted(f"the dataset in {out} was already complete and is kept") from None
     list_parquet_files(out)  # sanity: the outputs are there
     return summary

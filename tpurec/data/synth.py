@@ -28,6 +28,7 @@ from tpurec.data.schema import (
     remove_stale_parts,
     write_dataset_json,
 )
+from tpurec.interrupts import Interrupted
 
 ZIPF_EXPONENT = 1.1
 SPARSE_SCALE = 0.25  # spread of each feature's hidden weights
@@ -207,9 +208,11 @@ def _synthesize_into(
                     labels_all.append(y)
                     bar.update(n)
             files.append(final.name)
-    except BaseException:
+    except BaseException as e:
         for tmp, _ in tmps:
             tmp.unlink(missing_ok=True)
+        if isinstance(e, KeyboardInterrupt):
+            raise Interrupted(f"nothing written to {out}") from None
         raise
     finally:
         bar.close()

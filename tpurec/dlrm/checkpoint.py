@@ -157,17 +157,21 @@ class CheckpointWriteError(ValueError):
     previous complete checkpoint is left as it was."""
 
 
-def _os_error(e: BaseException | None, depth: int = 0) -> OSError | None:
-    """The OSError behind `e`: itself, its cause, or (DCP) one of the ranks' failures."""
+def _behind(e: BaseException | None, kind: type, depth: int = 0) -> BaseException | None:
+    """The `kind` error behind `e`: itself, its cause, or (DCP) one of the ranks' failures."""
     if e is None or depth > 8:
         return None
-    if isinstance(e, OSError):
+    if isinstance(e, kind):
         return e
     for exc, *_ in getattr(e, "failures", {}).values():  # DCP's CheckpointException: {rank: (exc, trace)}
-        found = _os_error(exc, depth + 1)
+        found = _behind(exc, kind, depth + 1)
         if found is not None:
             return found
-    return _os_error(e.__cause__ or e.__context__, depth + 1)
+    return _behind(e.__cause__ or e.__context__, kind, depth + 1)
+
+
+def _os_error(e: BaseException | None) -> OSError | None:
+    return _behind(e, OSError)
 
 
 def write_error(e: BaseException, where, previous) -> CheckpointWriteError | None:
@@ -230,17 +234,15 @@ def save(root, step: int, dmp, optimizer, train_state: dict, meta: dict, keep: i
     try:
         _write(root, step, final, tmp, dmp, optimizer, train_state, meta)
     except BaseException as e:  # DCP's CheckpointException is a BaseException
-        if isinstance(e, KeyboardInterrupt):  # Ctrl-C: the unfinished .tmp goes, every complete one stays
-            if _rank() == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        if _rank() == 0 and not (tmp / MARKER).exists():
+            shutil.rmtree(tmp, ignore_errors=True)  # give the space back: it never was a checkpoint
+        if _behind(e, KeyboardInterrupt) is not None:  # Ctrl-C (DCP wraps it): complete ones stay as they were
+            raise KeyboardInterrupt from None
         failed, chain = write_error(e, tmp, previous), None
         if failed is None:  # any other DCP failure: one line, the ranks' traces stay on the chain
             failed, chain = _dcp_failure(e, tmp, previous), e
         if failed is None:
             raise
-        if _rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # give the space back; it never held COMPLETE
         raise failed from chain
     if _rank() == 0 and keep > 0:
         for old in complete_checkpoints(root)[:-keep]:
@@ -265,17 +267,25 @@ def _write(root, step: int, final: Path, tmp: Path, dmp, optimizer, train_state:
 
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2, default=str))
         write_checksums(tmp)  # fsyncs the data first: COMPLETE never reaches the disk before it
-        (tmp / MARKER).write_text(f"step {step}, world size {_world()}\n")
-        if final.exists():
-            # Same step saved again (a final save right after a periodic one): the old copy goes only
-            # now that the new one is complete, so a failed save never loses it.
-            old = final.with_name(final.name + ".old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
+        from tpurec.interrupts import deferred
+
+        with deferred():  # marker and renames as one step: a Ctrl-C between them waits until they are done
+            _publish(step, tmp, final)
+
+
+def _publish(step: int, tmp: Path, final: Path) -> None:
+    """Mark `tmp` complete and rename it to `final`."""
+    (tmp / MARKER).write_text(f"step {step}, world size {_world()}\n")
+    if final.exists():
+        # Same step saved again (a final save right after a periodic one): the old copy goes only
+        # now that the new one is complete, so a failed save never loses it.
+        old = final.with_name(final.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
 
 
 class CheckpointMismatchError(ValueError):

@@ -168,23 +168,54 @@ def _prepare_synth(options: TrainOptions) -> None:
 
 def run_worker(options: TrainOptions) -> int:
     """One rank: user errors print one line naming the rank and exit 2; other failures re-raise
-    after a line naming the rank, so torch.distributed.run reports them and stops the job."""
-    msg = options.check()
-    if msg:
-        return _error(msg)
-    from tpurec import heartbeat
+    after a line naming the rank, so torch.distributed.run reports them and stops the job. Ctrl-C:
+    one line saying which checkpoint is the last complete one, exit 130."""
+    from tpurec import interrupts
+
+    with interrupts.handled():
+        trainer = None
+        try:
+            msg = options.check()
+            if msg:
+                return _error(msg)
+            from tpurec.dlrm.trainer import Trainer
+
+            trainer = Trainer(options)
+            return _run_rank(trainer)
+        except KeyboardInterrupt:
+            print(f"tpurec train: {interrupted(options, trainer)}", file=sys.stderr)
+            return interrupts.EXIT_INTERRUPTED
+
+
+def interrupted(options: TrainOptions, trainer) -> str:
+    """What a Ctrl-C left: the step reached and the last complete checkpoint."""
+    rank = os.environ.get("RANK", "0")
+    at = f" at step {trainer.step_count}" if trainer is not None and trainer.step_count else ""
+    if not options.checkpoint_dir:
+        return f"interrupted{at} (rank {rank}); nothing saved (no --checkpoint-dir)"
+    from tpurec.dlrm.checkpoint import latest
+
+    last = latest(options.checkpoint_dir)
+    if last is None:
+        return f"interrupted{at} (rank {rank}); no complete checkpoint in {options.checkpoint_dir}"
+    return f"interrupted{at} (rank {rank}); the last complete checkpoint is step {int(last.name[5:])} ({last})"
+
+
+def _run_rank(trainer) -> int:
+    from tpurec import heartbeat, interrupts
     from tpurec.data.schema import DataError
     from tpurec.device import TpuUnavailableError
-    from tpurec.dlrm.trainer import Trainer
 
-    rank = os.environ.get("RANK", "0")
+    rank, options = os.environ.get("RANK", "0"), trainer.options
     try:
-        Trainer(options).run()
+        trainer.run()
         return 0
     except (DataError, TpuUnavailableError, FileNotFoundError, ValueError) as e:
+        interrupts.check()  # DCP wraps a Ctrl-C in its save into an error of its own
         print(f"tpurec train: error: rank {rank}: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:
+        interrupts.check()  # a peer that Ctrl-C stopped broke this rank's collective
         if not heartbeat.lost_peer(e):
             print(f"tpurec train: rank {rank} failed: {type(e).__name__}: {e}", file=sys.stderr)
             raise

@@ -39,10 +39,31 @@ def summary(failures: dict) -> tuple[str, int]:
     return line, 2 if 2 in codes else (_code(failures[order[0]]) or 1)
 
 
+def _stop_once() -> None:
+    """torch.distributed.run raises SignalException at every SIGINT/SIGTERM, also one that arrives
+    while it is stopping the ranks for the first, which cuts that shutdown short: the ranks are then
+    killed before they can say what they left. A Ctrl-C reaches this agent twice (from the terminal
+    and relayed by `tpurec train`), so only the first counts; the shutdown (the signal passed to the
+    ranks, --shutdown-timeout, then SIGKILL) goes on."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    first = api._terminate_process_handler
+    stopping = []
+
+    def handler(signum, frame) -> None:
+        if not stopping:
+            stopping.append(signum)
+            first(signum, frame)
+
+    api._terminate_process_handler = handler
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
+
+    _stop_once()
 
     # Its INFO/WARNING/ERROR lines ("Sending process ... closing signal", the failure box) would
     # repeat what the ranks and the line below say.

@@ -1,0 +1,198 @@
+"""Ctrl-C is one line saying what was left, exit 130, on every process (issue #29, family 7).
+
+Before, a Ctrl-C printed KeyboardInterrupt tracebacks: during a save, on every rank of `--nproc 2`,
+in `data convert --jobs 2` and its workers. In-process cases send this process a real SIGINT from
+inside the work (so `tpurec.cli.main`'s handler is the one that runs); the real process groups a
+terminal signals (ranks, converter workers) are the subprocess cases at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.reliability.inproc import TINY_TRAIN, assert_refused, run_cli
+from tests.test_lifecycle import _descendants, _wait_for
+from tpurec import interrupts
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _ctrl_c() -> None:
+    """What a terminal's Ctrl-C does to this process (its handler runs at the next bytecode). Only
+    under tpurec's handler: pytest's own would stop the whole session."""
+    assert interrupts.installed(), "no tpurec Ctrl-C handler in place: the command would print a traceback"
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+def _interrupting(monkeypatch, owner, name: str, calls: int = 1) -> None:
+    """Ctrl-C on the `calls`-th call of `owner.name` (a module's function or a class's method),
+    which then runs as usual."""
+    original = getattr(owner, name)
+    seen = []
+
+    def wrapper(*a, **k):
+        seen.append(1)
+        if len(seen) == calls:
+            _ctrl_c()
+        return original(*a, **k)
+
+    monkeypatch.setattr(owner, name, wrapper)
+
+
+def _save_step(where: str) -> tuple[object, str]:
+    """(owner, name) of a step of a checkpoint save: sealing it, or DCP writing its shards."""
+    if where == "sealing":
+        from tpurec.dlrm import ckpt_integrity
+
+        return ckpt_integrity, "write_checksums"
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    return FileSystemWriter, "write_data"
+
+
+@pytest.mark.parametrize("where", ["sealing", "inside_dcp"])
+def test_ctrl_c_during_a_save_names_the_last_complete_checkpoint(checkpoints, monkeypatch, capsys, where):
+    """The save of step 6 is interrupted: one line naming step 4, its .tmp removed."""
+    _interrupting(monkeypatch, *_save_step(where))
+    code, out, err = run_cli(
+        [*TINY_TRAIN, "--steps", 8, "--checkpoint-every", 2, "--checkpoint-dir", checkpoints, "--resume"], capsys
+    )
+    step4 = checkpoints / "step-00000004"
+    assert_refused(
+        code,
+        err,
+        f"tpurec train: interrupted at step 6 (rank 0); the last complete checkpoint is step 4 ({step4})",
+        exit_code=130,
+        prefix="tpurec train: ",
+    )
+    assert out == "" and sorted(p.name for p in checkpoints.glob("step-*")) == ["step-00000002", "step-00000004"]
+
+
+def test_ctrl_c_during_training_without_checkpoints_says_nothing_was_saved(tiny_cache, monkeypatch, capsys):
+    monkeypatch.setenv("TPUREC_CACHE", str(tiny_cache))
+    from tpurec.dlrm.trainer import Trainer
+
+    _interrupting(monkeypatch, Trainer, "_read_loss", calls=2)
+    code, _, err = run_cli([*TINY_TRAIN, "--steps", 50], capsys)
+    says = "tpurec train: interrupted at step 2 (rank 0); nothing saved (no --checkpoint-dir)"
+    assert_refused(code, err, says, exit_code=130, prefix="tpurec train: ")
+
+
+def test_ctrl_c_of_any_command_is_one_line(monkeypatch, capsys):
+    from tpurec.sharding import inspect
+
+    _interrupting(monkeypatch, inspect, "plan_tables")
+    code, out, err = run_cli(["plan", "--model", "dlrm-tiny", "--topology", "v6e-4"], capsys)
+    assert_refused(code, err, "tpurec plan: interrupted", exit_code=130)
+    assert err.strip() == "tpurec plan: interrupted" and out == ""
+
+
+def test_ctrl_c_of_data_synth_writes_nothing(tmp_path, monkeypatch, capsys):
+    from tpurec.data import synth
+
+    _interrupting(monkeypatch, synth, "generate_chunk", calls=2)
+    code, _, err = run_cli(["data", "synth", "--rows", 3000, "--row-group-size", 1000, "--out", tmp_path / "o"], capsys)
+    assert_refused(code, err, f"tpurec data: interrupted; nothing written to {tmp_path / 'o'}", exit_code=130)
+    assert list((tmp_path / "o").iterdir()) == []
+
+
+def test_a_ctrl_c_during_deferred_steps_comes_after_them_and_a_relayed_one_is_ignored():
+    """A checkpoint's marker and renames (or a dataset's) run as one step; the copy of the signal
+    that torch.distributed.run relays right after the terminal's does not interrupt the unwinding."""
+    done = []
+    with interrupts.handled():
+        with pytest.raises(KeyboardInterrupt):
+            with interrupts.deferred():
+                _ctrl_c()
+                time.sleep(0.01)  # the handler has run by now, and held the interrupt back
+                done.append("renamed")
+        assert done == ["renamed"] and interrupts.interrupted()
+        _ctrl_c()  # the relayed copy: no second KeyboardInterrupt while the first unwinds
+        time.sleep(0.01)
+    with interrupts.handled():
+        assert not interrupts.interrupted()  # the next command starts afresh
+
+
+# ----- real process groups: what a terminal's Ctrl-C reaches ------------------------------------------
+
+
+def _start(argv: list, env: dict | None = None) -> subprocess.Popen:
+    """`tpurec ARGV` in a process group of its own, as a shell runs a foreground job."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "tpurec.cli", *map(str, argv)],
+        env=dict(os.environ, PYTHONPATH=str(REPO), **(env or {})),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _read_stderr(proc: subprocess.Popen) -> list[str]:
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
+    return lines
+
+
+@pytest.mark.slow  # spawns two workers that import pyarrow (about 15 s on a loaded 2-core host)
+def test_ctrl_c_of_convert_jobs_2_is_one_line_from_the_converter_and_none_from_its_workers(tmp_path):
+    from tpurec.bench.data import write_criteo_tsv
+
+    days = [tmp_path / f"day_{i}" for i in range(2)]
+    for i, day in enumerate(days):
+        write_criteo_tsv(str(tmp_path), str(day), 300_000, seed=i)
+    out = tmp_path / "out"
+    proc = _start(["data", "convert", *days, "--out", out, "--jobs", 2])
+    try:
+        # Interrupted once both workers write their parts.
+        assert _wait_for(lambda: len(list(out.glob("*.tmp-*"))) == 2 or proc.poll() is not None, 120)
+        assert proc.poll() is None, "the conversion ended before it could be interrupted; use larger inputs"
+        workers = _descendants(proc.pid)
+        os.killpg(proc.pid, signal.SIGINT)  # the terminal's Ctrl-C: the converter and its workers
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert err.strip() == f"tpurec data: interrupted; nothing written to {out}"
+    assert list(out.iterdir()) == []
+    assert _wait_for(lambda: not any(Path(f"/proc/{w}").exists() for w in workers), 30)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_ctrl_c_of_train_nproc_2_during_a_save_is_one_line_per_rank(tmp_path):
+    root = tmp_path / "ck"
+    argv = [*TINY_TRAIN[:1], "--quiet", "--nproc", 2, "--synth-rows", 30000, "--steps", 100000, "--eval-every", 0]
+    proc = _start(
+        [*argv, "--curves-out", "none", "--checkpoint-dir", root, "--checkpoint-every", 1, "--keep", 2],
+        env={"TPUREC_CACHE": str(tmp_path / "cache")},
+    )
+    lines = _read_stderr(proc)
+    try:
+        assert _wait_for(lambda: any("checkpoint:" in x for x in lines) or proc.poll() is not None, 300)
+        time.sleep(0.3)  # into the next steps and saves
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            for pid in _descendants(proc.pid):
+                os.kill(pid, signal.SIGKILL)
+    time.sleep(0.5)
+    err = "".join(lines)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    said = sorted(x for x in err.splitlines() if "interrupted" in x)
+    assert len(said) == 2 and all(x.startswith("tpurec train: interrupted at step ") for x in said), err[-3000:]
+    assert "(rank 0); the last complete checkpoint is step " in said[0] + said[1]
+    assert not list(root.glob("*.tmp"))  # the save that was under way left nothing behind
