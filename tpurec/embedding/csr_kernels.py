@@ -82,6 +82,24 @@ def bag_order(rp, emb, smp, gns, rows_per_partition, num_rows, num_sc, parts, pa
 
 
 @numba.njit(cache=True, nogil=True)
+def first_bad_sample(emb, smp, per):
+    """The first entry (embedding id not padding) whose sample is outside [0, per), or -1: the ops'
+    input check (input_checks.py). Counted first without branches (vectorised: 0.7 ns per slot; an
+    early-exit loop took 7 ns on shuffled entries), searched for only when some are bad."""
+    pad = np.int32(_PADDING_ID)
+    limit = np.uint32(per)
+    bad = 0
+    for i in range(emb.size):
+        bad += (emb[i] != pad) & (np.uint32(smp[i]) >= limit)  # unsigned: a negative sample is huge
+    if bad == 0:
+        return -1
+    for i in range(emb.size):
+        if emb[i] != pad and np.uint32(smp[i]) >= limit:
+            return i
+    return -1
+
+
+@numba.njit(cache=True, nogil=True)
 def row_runs(rp, emb, rows_per_partition, num_sc, parts):
     """(rows, offsets, order): the touched physical rows in increasing order, and for row u the CSR
     positions order[offsets[u]:offsets[u + 1]] of its entries, SparseCore by SparseCore.

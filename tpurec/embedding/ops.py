@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from tpurec.embedding import reference
+from tpurec.embedding.input_checks import check_csr
 
 
 @torch.library.custom_op("tpurec::sparse_dense_matmul", mutates_args=(), device_types="cpu")
@@ -35,6 +36,16 @@ def sparse_dense_matmul(
     max_ids_per_partition: int,
     max_unique_ids_per_partition: int,
 ) -> Tensor:
+    check_csr(
+        "sparse_dense_matmul",
+        row_pointers,
+        embedding_ids,
+        sample_ids,
+        gains,
+        device_batch_size,
+        num_sc_per_device,
+        num_partitions,
+    )
     return reference.lookup_csr(
         row_pointers,
         embedding_ids,
@@ -68,6 +79,7 @@ def row_gradients(row_pointers, embedding_ids, sample_ids, gains, table, grad, d
     """(unique physical rows, summed gradient per row) of one SparseCore input: what every fused
     update op of `tpurec.embedding.optimizers` starts from. On CPU `grad` may also be a
     [features, samples, dim] view (`reference.row_gradients_csr`): the kernel's own output layout."""
+    check_csr("update", row_pointers, embedding_ids, sample_ids, gains, device_batch_size, num_sc, parts)
     return reference.row_gradients_csr(
         row_pointers, embedding_ids, sample_ids, gains, table, grad, device_batch_size, num_sc, parts
     )

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from tpurec.embedding.constraints import PADDING_ID, SEGMENT_ALIGN
+from tpurec.embedding.input_checks import check_batch, check_ranges, whole
 
 
 class IdLimitExceededError(ValueError):
@@ -96,15 +97,9 @@ def preprocess(
     ids: natural row ids (int), sample_index: the sample (0..device_batch_size-1) each id belongs to,
     gains: the weight of each id (1, a per-id weight, or 1/bag_length for mean pooling).
     Limits left as None are sized to this batch (fine on CPU; a TPU wants fixed limits).
-    Ids must be in [0, 2^31): the SparseCore takes int32 ids, and an id out of that range is refused,
-    never wrapped.
+    Ids must be integers in [0, 2^31) (the SparseCore takes int32 ids) and sample indices integers
+    in [0, device_batch_size): out of range is refused (input_checks.py), never wrapped or clamped.
     """
-    if ids.numel():
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= 2**31:
-            raise ValueError(
-                f"table {table_name!r}: ids must be in [0, 2^31) (int32 on the SparseCore), got {lo}..{hi}"
-            )
     return preprocess_tables(
         [(ids, sample_index, gains)],
         device_batch_size=device_batch_size,
@@ -140,6 +135,11 @@ def preprocess_tables(
     """
     num_tables = len(inputs)
     names = list(table_names) if table_names is not None else [f"table_{t}" for t in range(num_tables)]
+    whole("device_batch_size", device_batch_size)
+    whole("num_sc_per_device", num_sc_per_device)
+    whole("global_device_count", global_device_count)
+    for name, (ids, samples, gains) in zip(names, inputs):
+        check_batch(name, ids, samples, gains, device_batch_size)
     lim_ids = _per_table(max_ids_per_partition, num_tables, "max_ids_per_partition")
     lim_uniq = _per_table(max_unique_ids_per_partition, num_tables, "max_unique_ids_per_partition")
     num_sc = num_sc_per_device
@@ -197,6 +197,7 @@ def _preprocess_group(inputs, names, lim_ids, lim_uniq, *, device_batch_size, nu
         ids_np = np.concatenate([a[0] for a in arrays], out=ws.get("ids", n, np.int64))
         smp_np = np.concatenate([a[1] for a in arrays], out=ws.get("smp", n, np.int64))
         gains_np = np.concatenate([a[2] for a in arrays], out=ws.get("gains", n, np.float32))
+    check_ranges(names, lengths, ids_np, smp_np, device_batch_size)  # never wrapped, clamped or dropped below
 
     # One key orders everything as the SparseCore wants it: (table, slice, partition, local id,
     # sample), as bit fields [segment | local id | sample in slice] so that taking it apart is shifts.
