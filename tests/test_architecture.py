@@ -25,6 +25,7 @@ LAYERS = {
     "lifecycle": 0,
     "outputs": 0,
     "dir_lock": 0,
+    "json_fields": 0,
     "interrupts": 0,
     "heartbeat": 0,
     "process_group": 0,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tpurec.data import validate
 from tpurec.data.schema import EMPTY_ID, dataset_metadata
 from tpurec.data.shards import scan
 
@@ -37,8 +38,10 @@ class _KMV:
 
 
 def inspect_dataset(path, sample_rows: int = 1_000_000) -> dict:
-    import pyarrow.parquet as pq
-
+    """The report of a dataset. What the reader refuses, inspect refuses too, in the same one line
+    naming file, row group, column and row (tpurec/data/validate.py): damaged pages (CRCs verified
+    where the writer stored them), missing columns, columns of another type, labels other than 0/1,
+    non-finite dense values, ids outside their table. Nulls are counted, not refused."""
     schema, units = scan(path)
     meta = dataset_metadata(path)
     rows = sum(u.rows for u in units)
@@ -54,8 +57,10 @@ def inspect_dataset(path, sample_rows: int = 1_000_000) -> dict:
     positives, sampled = 0, 0
     handles = {}
     for u in units:
-        pf = handles.setdefault(u.path, pq.ParquetFile(u.path))
-        t = pf.read_row_group(u.row_group, columns=list(nulls))
+        if u.path not in handles:
+            handles[u.path] = validate.open_parquet(u.path, list(nulls))
+        t = validate.read_row_group(handles[u.path], u.path, u.row_group, list(nulls))
+        _check_values(t, schema, u)
         for c in nulls:
             nulls[c] += t.column(c).null_count
         positives += int(np.asarray(t.column(schema.label).to_numpy(zero_copy_only=False), np.float64).sum())
@@ -118,6 +123,27 @@ def inspect_dataset(path, sample_rows: int = 1_000_000) -> dict:
         "skew_sample_rows": sampled,
         "columns": columns,
     }
+
+
+def _check_values(t, schema, u) -> None:
+    """The reader's checks of one row group (validate.py), on the columns without nulls."""
+    where = f"{u.path}: row group {u.row_group}"
+    kinds = {schema.label: "int", **dict.fromkeys(schema.dense, "number")}
+    kinds.update({f.name: "int_list" if f.multi_hot else "int" for f in schema.sparse})
+    for name, kind in kinds.items():
+        validate.check_column(u.path, u.row_group, name, t.column(name), kind, nulls_ok=True)
+    clean = {name for name in kinds if not t.column(name).null_count}
+    if schema.label in clean:
+        validate.check_labels(where, schema.label, t.column(schema.label).to_numpy(), u.start)
+    for n in schema.dense:
+        if n in clean:
+            validate.check_dense(where, [n], t.column(n).to_numpy()[:, None], u.start)
+    for f in schema.sparse:
+        if f.name in clean:
+            col = t.column(f.name).combine_chunks()
+            offsets = col.offsets.to_numpy() if f.multi_hot else None
+            ids = (col.flatten() if f.multi_hot else col).to_numpy(zero_copy_only=False)
+            validate.check_ids(where, f.name, ids.astype(np.int64, copy=False), f.num_embeddings, u.start, offsets)
 
 
 def format_report(r: dict) -> str:

@@ -68,27 +68,12 @@ class _Decoder:
         self.one_hot = all(not f.multi_hot for f in schema.sparse) and not any(f.weights for f in schema.sparse)
 
     def _file(self, path):
-        import pyarrow.parquet as pq
-
         if path not in self.files:
-            try:
-                # memory_map: ~10% faster decode from the page cache. Page CRCs are verified where
-                # the writer stored them (tpurec does since 2026-12); older files read as before.
-                pf = pq.ParquetFile(path, memory_map=True, page_checksum_verification=True)
-            except Exception as e:
-                raise DataError(f"{path}: not a readable Parquet file ({e})") from None
-            missing = [c for c in self.columns if c not in pf.schema_arrow.names]
-            if missing:
-                raise DataError(f"{path}: missing column(s) {', '.join(map(repr, missing))}")
-            self.files[path] = pf
+            self.files[path] = validate.open_parquet(path, self.columns)
         return self.files[path]
 
     def read_unit(self, u: shards.Unit):
-        pf = self._file(u.path)
-        try:
-            t = pf.read_row_group(u.row_group, columns=self.columns, use_threads=False)
-        except Exception as e:  # damaged pages (checksum), truncated pages, bad compression, ...
-            raise validate.undecodable(pf, u.path, u.row_group, self.columns, e) from None
+        t = validate.read_row_group(self._file(u.path), u.path, u.row_group, self.columns)
         if u.start or u.stop != t.num_rows:
             t = t.slice(u.start, u.rows)
         s = self.schema

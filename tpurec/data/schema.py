@@ -16,6 +16,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tpurec.json_fields import FieldError, choice, each, fields, flag, obj, optional, text
+
 FORMAT_VERSION = 1
 METADATA_KEY = b"tpurec"
 DATASET_JSON = "_dataset.json"
@@ -64,10 +66,15 @@ class DataSchema:
 
     @classmethod
     def from_json(cls, d: dict, where: str = "tpurec metadata") -> DataSchema:
-        """The schema of a metadata document; ``where`` (a file) names it in errors."""
-        if not isinstance(d, dict) or d.get("format_version") != FORMAT_VERSION:
-            version = d.get("format_version") if isinstance(d, dict) else None
-            raise DataError(f"{where}: unsupported tpurec data format_version {version!r}")
+        """The schema of a metadata document; ``where`` (a file) names it in errors, with the JSON
+        path of a field of the wrong kind (a hand-edited `_dataset.json`)."""
+        try:
+            obj("$", d)
+            if d.get("format_version") != FORMAT_VERSION:
+                raise DataError(f"{where}: unsupported tpurec data format_version {d.get('format_version')!r}")
+            fields("$", d, _SCHEMA_CHECKS, required=_SCHEMA_REQUIRED)
+        except FieldError as e:
+            raise DataError(f"{where}: {e}") from None
         try:
             sparse = [SparseFeature(**f) for f in d["sparse"]]
             schema = cls(
@@ -105,6 +112,24 @@ class DataSchema:
             if f.weights:
                 fields.append(pa.field(f.weights, items(pa.float32()), nullable=False))
         return pa.schema(fields, metadata={METADATA_KEY: json.dumps(self.to_json()).encode()})
+
+
+def _sparse_feature(at: str, f) -> None:
+    """A `sparse` entry: SparseFeature's fields (num_embeddings is checked by feature, in from_json)."""
+    checks = {"name": text, "multi_hot": flag, "weights": optional(text)}
+    fields(at, obj(at, f, ("name", "num_embeddings", "multi_hot", "weights")), checks, ("name", "num_embeddings"))
+
+
+# What DataSchema.from_json reads; the other fields of a document are facts (rows, seed, ...).
+_SCHEMA_CHECKS = {
+    "label": text,
+    "dense": each(text),
+    "sparse": each(_sparse_feature),
+    "dense_transform": choice([DENSE_LOG1P, DENSE_RAW, DENSE_TORCHREC]),
+    "categorical": choice([CAT_HASH, CAT_RAW, CAT_MOD]),
+    "extra": optional(obj),
+}
+_SCHEMA_REQUIRED = ("label", "dense", "sparse", "dense_transform", "categorical")
 
 
 def criteo_schema(
@@ -170,8 +195,8 @@ def read_file_schema(path: str) -> DataSchema:
         raise DataError(f"{path}: no tpurec metadata in the Parquet footer (not written by tpurec data?)")
     try:
         doc = json.loads(raw)
-    except ValueError as e:
-        raise DataError(f"{path}: the tpurec metadata in the Parquet footer is not JSON ({e})") from None
+    except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than Python's parser reads
+        raise DataError(f"{path}: the tpurec metadata in the Parquet footer is not JSON ({_json_problem(e)})") from None
     return DataSchema.from_json(doc, where=path)
 
 
@@ -188,10 +213,16 @@ def dataset_metadata(path) -> dict:
         return read_file_schema(first).to_json()
     try:
         doc = json.loads(found.read_text())
-    except ValueError as e:  # a truncated or hand-edited file
-        raise DataError(f"{found}: not JSON ({e}); delete it to use the Parquet footers' metadata") from None
+    except (ValueError, RecursionError) as e:  # a truncated or hand-edited file
+        raise DataError(
+            f"{found}: not JSON ({_json_problem(e)}); delete it to use the Parquet footers' metadata"
+        ) from None
     check_table_sizes(found, doc, read_file_schema(first), first)
     return doc
+
+
+def _json_problem(e: Exception) -> str:
+    return "nested deeper than Python's JSON parser reads" if isinstance(e, RecursionError) else str(e)
 
 
 def check_table_sizes(where, doc: dict, footer: DataSchema, footer_file: str) -> None:

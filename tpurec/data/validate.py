@@ -14,8 +14,33 @@ import numpy as np
 from tpurec.data.schema import DataError
 
 
-def check_column(path, rg, name, arr, want) -> None:
-    """Arrow type and nulls of one decoded column."""
+def open_parquet(path, columns: list[str]):
+    """A ParquetFile that verifies page CRCs where the writer stored them (tpurec does since 2026-12;
+    older files read as before), refused unless it is Parquet holding every one of `columns`."""
+    import pyarrow.parquet as pq
+
+    try:
+        # memory_map: ~10% faster decode from the page cache.
+        pf = pq.ParquetFile(path, memory_map=True, page_checksum_verification=True)
+    except Exception as e:
+        raise DataError(f"{path}: not a readable Parquet file ({e})") from None
+    missing = [c for c in columns if c not in pf.schema_arrow.names]
+    if missing:
+        raise DataError(f"{path}: missing column(s) {', '.join(map(repr, missing))}")
+    return pf
+
+
+def read_row_group(pf, path, rg: int, columns: list[str]):
+    """Row group `rg` of `columns`; a damaged page (checksum), truncated page or bad compression is
+    a DataError naming the column (`undecodable`)."""
+    try:
+        return pf.read_row_group(rg, columns=columns, use_threads=False)
+    except Exception as e:
+        raise undecodable(pf, path, rg, columns, e) from None
+
+
+def check_column(path, rg, name, arr, want, nulls_ok: bool = False) -> None:
+    """Arrow type and (unless `nulls_ok`: `data inspect` counts them) nulls of one decoded column."""
     import pyarrow as pa
 
     t = arr.type
@@ -27,7 +52,7 @@ def check_column(path, rg, name, arr, want) -> None:
     }[want]
     if not ok:
         raise DataError(f"{path}: row group {rg}: column {name!r} has type {t}, expected {want.replace('_', ' ')}")
-    if arr.null_count:
+    if arr.null_count and not nulls_ok:
         raise DataError(f"{path}: row group {rg}: column {name!r} has {arr.null_count} nulls")
 
 

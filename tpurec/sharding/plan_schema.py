@@ -13,9 +13,25 @@ The walk follows the schema, never the document, so its depth is fixed however d
 
 from __future__ import annotations
 
-import math
 import re
-from typing import Any, Callable
+from typing import Any
+
+from tpurec.json_fields import (
+    Check,
+    bad,
+    choice,
+    each,
+    fields,
+    flag,
+    items,
+    key_path,
+    map_of,
+    number,
+    obj,
+    optional,
+    text,
+    whole,
+)
 
 # `rank:N/DEVICE[:INDEX]`, as TorchRec writes placements; the device types a plan can name.
 PLACEMENT = re.compile(r"^rank:(\d+)/(cpu|cuda|tpu|meta)(:\d+)?$")
@@ -30,107 +46,17 @@ PARAMETER_FIELDS = (
     "output_dtype",
 )
 SHARD_FIELDS = ("offsets", "sizes", "placement")
-_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-
-class PlanFieldError(ValueError):
-    """A field of a plan file of the wrong kind; the message starts with its JSON path."""
-
-
-def key_path(at: str, key: str) -> str:
-    """`at.key`, or `at["key"]` when the key is not an identifier (module path "" included)."""
-    return f"{at}.{key}" if _IDENT.match(key) else f"{at}[{_quote(key)}]"
-
-
-def _quote(key: str) -> str:
-    import json
-
-    return json.dumps(key)
-
-
-def _bad(at: str, value: Any, want: str) -> PlanFieldError:
-    # a short flat list as written; other lists and objects by kind (they may be huge or deep)
-    flat = isinstance(value, list) and len(value) <= 8 and not any(isinstance(x, (list, dict)) for x in value)
-    shown = type(value).__name__ if isinstance(value, (dict, list)) and not flat else repr(value)
-    return PlanFieldError(f"{at}: {shown} is not {want}")
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)  # JSON true is not a rank or a size
-
-
-def whole(at: str, v: Any, lo: int = 0) -> None:
-    if not _is_int(v) or v < lo:
-        raise _bad(at, v, f"a whole number >= {lo}")
-
-
-def text(at: str, v: Any) -> None:
-    if not isinstance(v, str):
-        raise _bad(at, v, "a string")
-
-
-def number(at: str, v: Any) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise _bad(at, v, "a finite number")
-
-
-def flag(at: str, v: Any) -> None:
-    if not isinstance(v, bool):
-        raise _bad(at, v, "true or false")
-
-
-def obj(at: str, v: Any, known: tuple[str, ...] | None = None) -> dict:
-    """`v` as a JSON object; with `known`, a key outside it (a typo) is refused too."""
-    if not isinstance(v, dict):
-        raise _bad(at, v, "an object")
-    if known is not None:
-        extra = sorted(set(v) - set(known))
-        if extra:
-            raise PlanFieldError(f"{key_path(at, extra[0])}: unknown field; known: {', '.join(known)}")
-    return v
-
-
-def items(at: str, v: Any) -> list:
-    if not isinstance(v, list):
-        raise _bad(at, v, "a list")
-    return v
-
-
-def optional(check: Callable[[str, Any], None]) -> Callable[[str, Any], None]:
-    def run(at: str, v: Any) -> None:
-        if v is not None:
-            check(at, v)
-
-    return run
-
-
-def choice(names: list[str]) -> Callable[[str, Any], None]:
-    def run(at: str, v: Any) -> None:
-        if v not in names:
-            raise _bad(at, v, f"one of {', '.join(names)}")
-
-    return run
-
-
-def fields(at: str, doc: dict, checks: dict[str, Callable[[str, Any], None]], required: tuple[str, ...]) -> None:
-    """Check each present field of `doc` with its check; a required one missing is refused."""
-    for name, check in checks.items():
-        if name not in doc:
-            if name in required:
-                raise PlanFieldError(f"{key_path(at, name)}: missing")
-            continue
-        check(key_path(at, name), doc[name])
 
 
 def _placement(at: str, v: Any) -> None:
     if not isinstance(v, str) or not PLACEMENT.match(v):
-        raise _bad(at, v, "a placement 'rank:N/DEVICE' (DEVICE: cpu, tpu:I, cuda:I or meta)")
+        raise bad(at, v, "a placement 'rank:N/DEVICE' (DEVICE: cpu, tpu:I, cuda:I or meta)")
 
 
 def _pair(at: str, v: Any) -> None:
     """A shard's offsets or sizes: [rows, columns] of a 2-D table."""
     if len(items(at, v)) != 2:
-        raise _bad(at, v, "[rows, columns] (2 whole numbers)")
+        raise bad(at, v, "[rows, columns] (2 whole numbers)")
     for i, x in enumerate(v):
         whole(f"{at}[{i}]", x)
 
@@ -138,14 +64,6 @@ def _pair(at: str, v: Any) -> None:
 def _shard(at: str, v: Any) -> None:
     checks = {"offsets": _pair, "sizes": _pair, "placement": _placement}
     fields(at, obj(at, v, SHARD_FIELDS), checks, required=SHARD_FIELDS)
-
-
-def _each(check: Callable[[str, Any], None]) -> Callable[[str, Any], None]:
-    def run(at: str, v: Any) -> None:
-        for i, x in enumerate(items(at, v)):
-            check(f"{at}[{i}]", x)
-
-    return run
 
 
 def _enum_names() -> tuple[list[str], list[str]]:
@@ -162,8 +80,8 @@ def check_parameter(at: str, p: Any) -> None:
     checks = {
         "sharding_type": text,
         "compute_kernel": text,
-        "ranks": optional(_each(whole)),
-        "shards": optional(_each(_shard)),
+        "ranks": optional(each(whole)),
+        "shards": optional(each(_shard)),
         "enforce_hbm": optional(flag),
         "stochastic_rounding": optional(flag),
         "bounds_check_mode": optional(choice(bounds)),
@@ -180,14 +98,6 @@ def check_modules(at: str, modules: Any) -> None:
             check_parameter(key_path(where, name), p)
 
 
-def _map_of(check: Callable[[str, Any], None]) -> Callable[[str, Any], None]:
-    def run(at: str, v: Any) -> None:
-        for k, x in obj(at, v).items():
-            check(key_path(at, k), x)
-
-    return run
-
-
 def _table_spec(at: str, t: Any) -> None:
     """A meta table: tpurec.catalog.TableSpec's fields, as `build_report` writes them."""
     checks = {
@@ -197,7 +107,7 @@ def _table_spec(at: str, t: Any) -> None:
         "embedding_dim": lambda a, v: whole(a, v, 1),
         "pooling_factor": number,
         "data_type": text,
-        "extra_features": _each(text),
+        "extra_features": each(text),
         "pooling": text,
         "weighted": flag,
     }
@@ -206,13 +116,13 @@ def _table_spec(at: str, t: Any) -> None:
 
 
 def _id_limits(at: str, v: Any) -> None:
-    checks = {"tables": _map_of(_each(whole)), "layout": obj, "source": text}
+    checks = {"tables": map_of(each(whole)), "layout": obj, "source": text}
     fields(at, obj(at, v), checks, required=("tables", "layout"))
 
 
 # The meta fields `plan show` reads (inspect.report_from_plan_and_meta); others are free-form.
-META_CHECKS: dict[str, Callable[[str, Any], None]] = {
-    "tables": _each(_table_spec),
+META_CHECKS: dict[str, Check] = {
+    "tables": each(_table_spec),
     "topology": text,
     "batch_size": lambda a, v: whole(a, v, 1),
     "optimizer": text,
@@ -224,7 +134,7 @@ META_CHECKS: dict[str, Callable[[str, Any], None]] = {
     "model": optional(text),
     "id_limits": optional(_id_limits),
     "refusal": optional(text),
-    "smallest_fitting_topology": optional(_map_of(optional(text))),
+    "smallest_fitting_topology": optional(map_of(optional(text))),
 }
 
 
