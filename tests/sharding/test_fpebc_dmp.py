@@ -170,6 +170,7 @@ def test_position_weighted_fpebc_trains_as_in_stock_torchrec(optimizer, sharding
     _assert_same(*_both(0, 1, optimizer, sharding))
 
 
+@pytest.mark.slow  # about 25 s of two ranks importing torchrec; the one-rank cases above run by default
 @pytest.mark.multiprocess
 def test_position_weighted_fpebc_trains_as_in_stock_torchrec_at_two_ranks():
     for rank, (stock, ours) in enumerate(run_ranks(_both, 2, "row_wise_adagrad", "row_wise")):
