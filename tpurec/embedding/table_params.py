@@ -53,5 +53,11 @@ def register(module: nn.Module) -> None:
     `kernel` (tables named as its configs), `STATE_PREFIX` and `fused_optimizer`."""
     slots = nn.ModuleDict()
     for name in module.kernel.table_names:
-        slots[name] = TableSlot(table_parameter(module.kernel.read_weight(name), [module.fused_optimizer]))
+        add_slot(slots, name, TableSlot(table_parameter(module.kernel.read_weight(name), [module.fused_optimizer])))
     module.add_module(module.STATE_PREFIX, slots)
+
+
+def add_slot(slots: nn.ModuleDict, table: str, slot: nn.Module) -> None:
+    """`slots[table] = slot`, also for a table named like a ModuleDict method ("items", "keys"),
+    which ModuleDict refuses as an attribute clash; its FQN `<prefix>.<table>.weight` is the same."""
+    slots._modules[table] = slot

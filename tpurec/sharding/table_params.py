@@ -24,7 +24,7 @@ import logging
 import torch
 from torchrec.optim.fused import EmptyFusedOptimizer
 
-from tpurec.embedding.table_params import TableSlot, table_parameter
+from tpurec.embedding.table_params import TableSlot, add_slot, table_parameter
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def publish(module, in_backward_optimizers: list) -> None:
         if table not in views:  # no shard here: TorchRec's empty parameter
             weight = torch.nn.Parameter(torch.empty(0, device=module._device))
             weight._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
-            slots[table] = TableSlot(weight)
+            add_slot(slots, table, TableSlot(weight))
             continue
         view = local_view(views[table])
         if view is None:
@@ -73,4 +73,4 @@ def publish(module, in_backward_optimizers: list) -> None:
                 len(views[table]),
             )
             view = torch.cat([v.reshape(-1) for v in views[table]])
-        slots[table] = TableSlot(table_parameter(view, in_backward_optimizers))
+        add_slot(slots, table, TableSlot(table_parameter(view, in_backward_optimizers)))
