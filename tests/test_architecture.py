@@ -26,6 +26,8 @@ LAYERS = {
     "outputs": 0,
     "dir_lock": 0,
     "json_fields": 0,
+    "host_resources": 0,
+    "terminate": 0,
     "interrupts": 0,
     "heartbeat": 0,
     "process_group": 0,

@@ -232,8 +232,12 @@ def run_convert(args) -> int:
 @user_errors
 def run_synth(args) -> int:
     from tpurec.data.synth import synthesize
+    from tpurec.data.synth_bounds import rows_problem
 
     _check_out_dir(args)
+    too_many = rows_problem("--rows", args.rows, args.out, args.tables, compression=args.compression)
+    if too_many:  # before anything is written
+        raise ValueError(too_many)
 
     summary = synthesize(
         args.rows,

@@ -29,6 +29,7 @@ from tpurec.data.schema import (
     write_dataset_json,
 )
 from tpurec.interrupts import Interrupted
+from tpurec.terminate import unwinding_on_sigterm
 
 ZIPF_EXPONENT = 1.1
 SPARSE_SCALE = 0.25  # spread of each feature's hidden weights
@@ -162,7 +163,8 @@ def synthesize(
     if rows < 1:
         raise DataError("--rows must be >= 1")
     schema, hots = synth_schema(table_set, multi_hot_sizes)
-    with locked_output(out_dir, overwrite, "tpurec data synth") as out:
+    # unwinding_on_sigterm: SIGTERM, too, ends in _synthesize_into's cleanup (no temporary part left)
+    with locked_output(out_dir, overwrite, "tpurec data synth") as out, unwinding_on_sigterm():
         return _synthesize_into(
             out, rows, schema, hots, seed, table_set, rows_per_file, row_group_size, compression, show_progress
         )

@@ -31,9 +31,12 @@ def synth_cache_problem(table_set: str, rows: int, seed: int, multi_hot: list[in
     it is there already, or the cache can be written."""
     if (synth_dir(table_set, rows, seed, multi_hot) / "_dataset.json").is_file():
         return None
+    from tpurec.data.synth_bounds import rows_problem
     from tpurec.outputs import output_problem
 
-    return output_problem("TPUREC_CACHE", cache_root(), "dir")
+    return output_problem("TPUREC_CACHE", cache_root(), "dir") or rows_problem(
+        "--synth-rows", rows, cache_root(), table_set, multi_hot
+    )
 
 
 def ensure_synth(table_set: str, rows: int, seed: int, say=print, multi_hot: list[int] | None = None) -> Path:
@@ -47,6 +50,7 @@ def ensure_synth(table_set: str, rows: int, seed: int, say=print, multi_hot: lis
     import tempfile
 
     from tpurec.data.schema import dataset_json
+    from tpurec.terminate import unwinding_on_sigterm
 
     out = synth_dir(table_set, rows, seed, multi_hot)
     hots = "" if multi_hot is None else f", multi-hot {','.join(map(str, multi_hot))}"
@@ -55,13 +59,14 @@ def ensure_synth(table_set: str, rows: int, seed: int, say=print, multi_hot: lis
         return out
     say(f"data: generating synthetic {table_set} data{hots} ({rows:,} rows, seed {seed}) once into {out}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))  # same filesystem: rename works
-    tmp.chmod(0o755)  # mkdtemp's 0700 would become the cache entry's mode
-    try:
-        _synthesize(tmp, table_set, rows, seed, multi_hot)
-        _publish(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # gone after a rename; ours when another run won
+    with unwinding_on_sigterm():  # SIGTERM, too, removes the temporary directory (tpurec/terminate.py)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))  # same filesystem: rename works
+        tmp.chmod(0o755)  # mkdtemp's 0700 would become the cache entry's mode
+        try:
+            _synthesize(tmp, table_set, rows, seed, multi_hot)
+            _publish(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # gone after a rename; ours when another run won
     return out
 
 

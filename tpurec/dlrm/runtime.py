@@ -10,6 +10,8 @@ import logging
 import os
 import sys
 
+from tpurec.host_resources import available_bytes
+
 log = logging.getLogger("tpurec.train")
 
 
@@ -114,46 +116,3 @@ def check_host_memory(cfg, sizes: list[int], world: int, source: str = "") -> No
         f"{free / 2**30:.1f} GiB available; use --model dlrm-tiny, data converted with smaller tables "
         "(tpurec data convert --table-set dlrm-tiny), more hosts, or a TPU"
     )
-
-
-def available_bytes() -> int | None:
-    """Memory this process may still use: MemAvailable (free + reclaimable page cache) on Linux,
-    capped by the cgroup's limit (a container's /proc/meminfo shows the host's memory); else free
-    pages; else None. TPUREC_HOST_MEMORY_BYTES overrides it (tests; hosts that misreport)."""
-    override = os.environ.get("TPUREC_HOST_MEMORY_BYTES")
-    if override:
-        return int(override)
-    found = _meminfo_available()
-    limit = _cgroup_room()
-    if found is not None and limit is not None:
-        return min(found, limit)
-    return found if found is not None else limit
-
-
-def _cgroup_room() -> int | None:
-    """cgroup v2 memory.max - memory.current of this process's cgroup, or None when unlimited."""
-    from pathlib import Path
-
-    try:
-        line = next(x for x in Path("/proc/self/cgroup").read_text().splitlines() if x.startswith("0::"))
-        group = Path("/sys/fs/cgroup") / line[3:].lstrip("/")
-        limit = (group / "memory.max").read_text().strip()
-        if limit == "max":
-            return None
-        return int(limit) - int((group / "memory.current").read_text().strip())
-    except (OSError, ValueError, StopIteration):
-        return None
-
-
-def _meminfo_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None

@@ -124,7 +124,8 @@ def run_hosts(agents: list[tuple[list[str], dict[str, str]]]) -> int:
 def emulation_too_big(spec) -> str | None:
     """Why this machine cannot hold every rank of `spec` (each a whole Python process with torch and
     TorchRec, ~1 GiB: `tpurec.dlrm.runtime.RANK_OVERHEAD_BYTES`), or None."""
-    from tpurec.dlrm.runtime import RANK_OVERHEAD_BYTES, available_bytes
+    from tpurec.dlrm.runtime import RANK_OVERHEAD_BYTES
+    from tpurec.host_resources import available_bytes
 
     free = available_bytes()
     need = spec.world_size * RANK_OVERHEAD_BYTES

@@ -229,25 +229,30 @@ def option_costs(
         if limits is not None
         else None
     )
-    return [
-        shard_cost(
-            sharding_type=option.sharding_type,
-            rows=shard.size[0],
-            cols=shard.size[1],
-            pooling_factor=pooling,
-            batch_per_device=option.batch_size,
-            world_size=world_size,
-            num_shards=option.num_shards,
-            spec=spec,
-            optimizer=optimizer,
-            elem_bytes=table_elem_bytes(option.tensor.dtype, compute_device),
-            pooled=option.is_pooled,
-            num_features=max(1, len(option.input_lengths or [])),
-            weighted=weighted,
-            max_ids_per_partition=max_ids,
-        )
-        for shard in option.shards
-    ]
+    elem_bytes = table_elem_bytes(option.tensor.dtype, compute_device)
+    # A shard's cost depends on its size only, and a row-wise option's shards share one or two sizes:
+    # computed once per size, not once per device (enumeration was O(tables x devices) cost calls).
+    by_size: Dict[tuple[int, int], ShardCost] = {}
+    for shard in option.shards:
+        size = (shard.size[0], shard.size[1])
+        if size not in by_size:
+            by_size[size] = shard_cost(
+                sharding_type=option.sharding_type,
+                rows=size[0],
+                cols=size[1],
+                pooling_factor=pooling,
+                batch_per_device=option.batch_size,
+                world_size=world_size,
+                num_shards=option.num_shards,
+                spec=spec,
+                optimizer=optimizer,
+                elem_bytes=elem_bytes,
+                pooled=option.is_pooled,
+                num_features=max(1, len(option.input_lengths or [])),
+                weighted=weighted,
+                max_ids_per_partition=max_ids,
+            )
+    return [by_size[(shard.size[0], shard.size[1])] for shard in option.shards]
 
 
 def shard_storage(cost: ShardCost, compute_device: str) -> Storage:

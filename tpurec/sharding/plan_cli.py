@@ -183,15 +183,21 @@ def _plan(args) -> int:
         )
         return 2
     _check_out(args)
-    from tpurec.sharding.topology import parse_slice
+    from tpurec.sharding.topology import cpu_ranks, parse_slice
 
-    if not args.topology.startswith("cpu"):
-        parse_slice(args.topology)  # a malformed or impossible slice is refused before the heavy imports
+    devices = None
+    try:  # a malformed or impossible slice, or more devices than tpurec plans: refused before the heavy imports
+        if args.topology.lower().startswith("cpu-"):
+            devices = cpu_ranks(args.topology)
+        elif not args.topology.startswith("cpu"):
+            devices = parse_slice(args.topology).world_size
+    except ValueError as e:
+        raise ValueError(f"--topology: {e}") from None
     tables = None
-    if args.tables:  # a bad file is refused before torch loads too (tables_file is plain data)
+    if args.tables:  # a bad file, or more tables than tpurec plans, is refused before torch loads too
         from tpurec.sharding.tables_file import load_tables
 
-        tables = load_tables(args.tables)
+        tables = load_tables(args.tables, devices)
     if args.model_module:
         from tpurec.sharding.model_module import parse_target
 

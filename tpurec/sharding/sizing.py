@@ -13,6 +13,7 @@ from torch import nn
 from tpurec.embedding.optimizers.registry import spec_class
 from tpurec.sharding import planner as P
 from tpurec.sharding.estimators import table_elem_bytes
+from tpurec.sharding.plan_bounds import tables_problem
 from tpurec.sharding.topology import make_topology, parse_slice, slice_names
 
 # The generations tpurec's kernel runs on (v4 and v5e have no usable SparseCore).
@@ -50,6 +51,8 @@ def smallest_fitting_topology(
         out[gen], attempts = None, 0
         for name in slice_names(gen):
             spec = parse_slice(name)
+            if tables_problem(len(P._table_configs(module)), spec.world_size):
+                break  # more tables x devices than tpurec plans: larger slices are no answer either
             reservation = P.TpuStorageReservation(headroom_fraction=headroom_fraction)
             cap = spec.generation.hbm_bytes
             if spec.world_size * (cap - reservation.amount(module, batch_size, cap)) < need:

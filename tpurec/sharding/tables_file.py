@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from tpurec.catalog import TableSpec
+from tpurec.sharding.plan_bounds import tables_problem
 
 MAX_TABLE_ROWS = 2**40  # far above any real table; catches 1e20 and unit mistakes
 MAX_EMBEDDING_DIM = 65536
@@ -162,7 +163,9 @@ def _read(path: str):
         raise ValueError(f"{path}: not a valid tables file ({type(e).__name__}: {e})") from None
 
 
-def load_tables(path: str) -> list[Entry]:
+def load_tables(path: str, devices: int | None = None) -> list[Entry]:
+    """The tables of the file; more than tpurec plans (on `devices` devices, when given) is refused
+    before they are read one by one."""
     doc = _read(path)
     if isinstance(doc, dict):
         extra = sorted(set(doc) - {"tables"})
@@ -173,6 +176,9 @@ def load_tables(path: str) -> list[Entry]:
         doc = doc.get("tables")
     if not isinstance(doc, list) or not doc:
         raise ValueError(f"{path}: expected a list of tables (or {{'tables': [...]}})")
+    too_many = tables_problem(len(doc), devices)
+    if too_many:
+        raise ValueError(f"{path}: {too_many}")
     out, names, features = [], set(), {}
     for i, raw in enumerate(doc):
         entry = _entry(path, i, raw)

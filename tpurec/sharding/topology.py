@@ -188,7 +188,20 @@ _SLICE_CHIPS: dict[str, tuple[int, ...]] = {
 GENERATIONS = {k: replace(g, max_chips_per_slice=max(_SLICE_CHIPS[k])) for k, g in GENERATIONS.items()}
 # tpurec's own bound on a multislice job (no published limit): planning time grows with devices.
 MAX_MULTISLICE_CHIPS = 65536
+# The most devices tpurec plans for: those of the largest single Cloud TPU slice (v7x-9216: 9,216
+# chips x 2 devices, from the tables above). Planning time and memory grow about linearly with
+# devices (criteo-kaggle on 18,432 devices: about a minute and 1.8 GB, docs/results.md); a multislice
+# job or a cpu-N dry run beyond it is refused at once.
+MAX_PLAN_DEVICES = max(g.max_chips_per_slice * g.devices_per_chip for g in GENERATIONS.values())
+LARGEST_SLICE = max(GENERATIONS.values(), key=lambda g: g.max_chips_per_slice * g.devices_per_chip)
 _ALIASES = {"tpu7x": "v7x", "v5litepod": "v5e"}
+
+_NAME_PER_CHIP = 2 if LARGEST_SLICE.name_counts == "tensorcores" else 1  # what N in "<gen>-N" counts
+_LARGEST_NAME = f"{LARGEST_SLICE.name}-{LARGEST_SLICE.max_chips_per_slice * _NAME_PER_CHIP}"
+_DEVICE_BOUND = (
+    f"tpurec plans at most {MAX_PLAN_DEVICES:,} devices, those of the largest Cloud TPU slice "
+    f"({_LARGEST_NAME}; planning time grows with devices)"
+)
 
 SLICE_FORMS = (
     "v5p-N (N = TensorCores, even: v5p-8 is 4 chips), v6e-N (N = chips), v7x-N or tpu7x-N (N = chips, "
@@ -261,7 +274,19 @@ def parse_slice(name: str, **assumptions) -> SliceSpec:
         raise ValueError(f"{name.strip()!r} is not a Cloud TPU {gen.name} slice; {valid_slice_text(gen.name)}")
     if chips * slices > MAX_MULTISLICE_CHIPS:
         raise ValueError(f"{name!r}: {chips * slices:,} chips in all; tpurec plans at most {MAX_MULTISLICE_CHIPS:,}")
+    if chips * slices * gen.devices_per_chip > MAX_PLAN_DEVICES:
+        raise ValueError(f"{name!r}: {chips * slices * gen.devices_per_chip:,} devices in all; {_DEVICE_BOUND}")
     return SliceSpec(name=name.strip().lower(), generation=gen, chips_per_slice=chips, num_slices=slices, **assumptions)
+
+
+def cpu_ranks(name: str) -> int:
+    """N of a `cpu-N` dry-run topology, 1 <= N <= MAX_PLAN_DEVICES (ValueError naming the bound)."""
+    n = name.split("-", 1)[1]
+    if not n.isdigit() or int(n) < 1:
+        raise ValueError(f"bad CPU topology {name!r}: use cpu-N with N >= 1 ranks")
+    if int(n) > MAX_PLAN_DEVICES:
+        raise ValueError(f"{name!r}: {int(n):,} CPU ranks; {_DEVICE_BOUND}")
+    return int(n)
 
 
 def slice_names(generation: str) -> list[str]:
@@ -365,12 +390,10 @@ def make_topology(
         raise ValueError(f"compute_device must be 'tpu' or 'cpu', not {compute_device!r}")
     if isinstance(spec, str) and spec.lower().startswith("cpu-"):
         # "cpu-N": a CPU dry run with N ranks, the form `tpurec plan --topology` accepts too.
-        n = spec.split("-", 1)[1]
-        if not n.isdigit() or int(n) < 1:
-            raise ValueError(f"bad CPU topology {spec!r}: use cpu-N with N >= 1 ranks")
-        if world_size is not None and world_size != int(n):
+        n = cpu_ranks(spec)
+        if world_size is not None and world_size != n:
             raise ValueError(f"{spec} has {n} ranks but world_size={world_size}")
-        return make_topology(None, int(n), "cpu", num_sc_per_device=num_sc_per_device, hbm_cap=hbm_cap)
+        return make_topology(None, n, "cpu", num_sc_per_device=num_sc_per_device, hbm_cap=hbm_cap)
     if isinstance(spec, str):
         spec = parse_slice(spec)
     if spec is None:

@@ -55,6 +55,13 @@ def spec_classes() -> dict[str, type[OptimizerSpec]]:
 
 
 def spec_class(name: str) -> type[OptimizerSpec]:
+    from tpurec.embedding.optimizers import base
+
+    # Registered already: the answer without listing the package (the planner's estimators ask once
+    # per shard option, and listing the package took most of their time on 100-table plans).
+    known = base.registered().get(name)
+    if known is not None:
+        return known
     classes = spec_classes()
     if name not in classes:
         raise ValueError(f"unknown optimizer {name!r}; one of {sorted(classes)}")
