@@ -26,6 +26,7 @@ def roundtrip(tmp_path, save_ws, save_sharding, save_stock, load_ws, load_shardi
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow  # about 90 s of spawned ranks each: `make test-all` (the default suite's 20 minutes)
 @pytest.mark.multiprocess
 def test_dcp_save_at_2_load_at_4_other_sharding(tmp_path):
     roundtrip(tmp_path, 2, "row_wise", False, 4, "column_wise", False)
@@ -37,6 +38,7 @@ def test_dcp_save_at_2_load_at_1(tmp_path):
     roundtrip(tmp_path, 2, "table_wise", False, 1, "table_row_wise", False)
 
 
+@pytest.mark.slow  # about 90 s of spawned ranks each: `make test-all` (the default suite's 20 minutes)
 @pytest.mark.multiprocess
 def test_stock_torchrec_checkpoint_loads_into_tpurec_and_back(tmp_path):
     # stock TorchRec (FBGEMM fused kernel) -> tpurec
