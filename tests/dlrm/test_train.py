@@ -26,6 +26,7 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("tpurec-cache")
 
 
+@pytest.mark.slow  # over 35 s: `make test-all` (the default suite's 20 minutes)
 def test_no_argument_run_reaches_oracle_auc(cache, tmp_path):
     """The default run itself (dlrm-tiny, 1.5M synthetic rows generated into the cache, one epoch)."""
     metrics = tmp_path / "run" / "metrics.jsonl"
@@ -63,6 +64,7 @@ def test_exact_resume_same_world_size(cache, tmp_path):
     assert a["auc"] == b["auc"]
 
 
+@pytest.mark.slow  # over 35 s: `make test-all` (the default suite's 20 minutes)
 def test_a_plan_from_tpurec_plan_trains_and_one_for_another_world_size_is_refused(cache, tmp_path):
     """`tpurec plan` keys its plan by table names (module ""); `train --plan` applies it to the
     DLRM's EmbeddingBagCollection, and refuses a plan made for 2 ranks in a 1-rank run."""
@@ -89,6 +91,7 @@ def test_dcnv2_interaction_trains(cache):
     assert result["steps"] == 60 and result["auc"] > 0.7, result
 
 
+@pytest.mark.slow  # over 35 s: `make test-all` (the default suite's 20 minutes)
 def test_saved_plan_is_reused_and_inspectable(cache, tmp_path):
     plan = tmp_path / "plan.json"
     first, _ = train("--synth-rows", 30000, "--steps", 3, "--save-plan", plan, cache=cache)
@@ -240,6 +243,7 @@ print(json.dumps({{"losses": losses, "steps": t.step_count, "auc": ev["auc"], "p
     assert r["path"].endswith("step-00000004") and (tmp_path / "ck" / "step-00000004" / "COMPLETE").exists()
 
 
+@pytest.mark.slow  # over 35 s: `make test-all` (the default suite's 20 minutes)
 def test_a_damaged_checkpoint_is_detected_and_resume_falls_back_to_the_previous_one(cache, tmp_path):
     root = tmp_path / "ck"
     common = ["--synth-rows", 30000, "--eval-every", 0, "--keep", 0, "--checkpoint-dir", root]
@@ -282,6 +286,7 @@ def test_table_sizes_from_the_data_are_announced(tmp_path, criteo_sample):
     assert f"tables: sizes from {out}'s _dataset.json: 33,762,577 rows in all (the dlrm-tiny defaults have" in p.stderr
 
 
+@pytest.mark.slow  # over 35 s: `make test-all` (the default suite's 20 minutes)
 def test_resume_past_the_requested_steps_is_refused_and_at_them_only_evaluates(cache, tmp_path):
     common = ["--synth-rows", 30000, "--eval-every", 0, "--checkpoint-dir", tmp_path / "ck"]
     train("--steps", 6, *common, cache=cache)

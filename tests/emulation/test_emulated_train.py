@@ -34,6 +34,7 @@ def test_emulated_single_host_slice_trains_on_the_tpu_path(tmp_path):
     assert result["device_to_host_copies_per_step"] == 1.0
 
 
+@pytest.mark.slow  # over 35 s: `make test-all` (the default suite's 20 minutes)
 @pytest.mark.multiprocess
 def test_ranks_on_the_tpu_path_without_torchtpus_launch_env_fail_as_torchtpu_does(tmp_path, monkeypatch):
     # A plain torchrun-style launch (what docs/tpu_vm.md used to recommend) of TPU ranks.

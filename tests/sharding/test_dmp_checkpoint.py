@@ -51,7 +51,8 @@ def test_stock_torchrec_checkpoint_loads_into_tpurec_and_back(tmp_path):
 @pytest.mark.parametrize(
     "optim,save_sharding,load_ws,load_sharding",
     [
-        ("rowwise_adagrad", "row_wise", 4, "table_row_wise"),  # resume at another world size
+        # resume at another world size; 75 s: `make test-all` (the default suite's 20 minutes)
+        pytest.param("rowwise_adagrad", "row_wise", 4, "table_row_wise", marks=pytest.mark.slow),
         ("adam", "column_wise", 2, "column_wise"),
     ],
 )
@@ -67,7 +68,12 @@ def test_fused_optimizer_state_resumes_exactly_through_dcp(tmp_path, optim, save
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    "optim,sharding", [("rowwise_adagrad", "row_wise"), ("sgd", "column_wise"), ("adam", "table_wise")]
+    "optim,sharding",
+    [  # about 48 s each: two of the three are `make test-all` (the default suite's 20 minutes)
+        pytest.param("rowwise_adagrad", "row_wise", marks=pytest.mark.slow),
+        ("sgd", "column_wise"),
+        pytest.param("adam", "table_wise", marks=pytest.mark.slow),
+    ],
 )
 def test_dcp_load_in_place_without_load_state_dict_restores_tables_and_state(tmp_path, optim, sharding):
     """DCP (and TorchRec's copy_state_dict) write into the tensors state_dict() returned; tpurec's are

@@ -116,6 +116,7 @@ def _roundtrip(tmp_path, save_sharding, save_stock, load_ws, load_sharding, load
         assert torch.equal(after[k], want[k]), k  # unpooled: every output row is one stored row, bit-exact
 
 
+@pytest.mark.slow  # over 35 s: `make test-all` (the default suite's 20 minutes)
 @pytest.mark.multiprocess
 def test_dcp_checkpoints_travel_between_stock_torchrec_ec_and_tpurec(tmp_path):
     _roundtrip(tmp_path / "a", "table_wise", True, 2, "row_wise", False)  # stock TorchRec -> tpurec
