@@ -32,6 +32,7 @@ LAYERS = {
     "heartbeat": 0,
     "process_group": 0,
     "host_copies": 0,
+    "threads": 0,
     "embedding": 1,
     "data": 1,
     "sharding": 2,

@@ -10,7 +10,10 @@ A thin subclass. What it adds over torchrec.distributed.DistributedModelParallel
 * EmbeddingBagCollections are sharded onto the SparseCore kernel (CPU reference off TPU), with
   the fused optimizer set by `apply_optimizer_in_backward` on the unsharded model;
 * without an initialised process group, a single-process gloo group is created, so a laptop dry
-  run needs no launcher.
+  run needs no launcher;
+* torch's thread count is set once per process to the cores divided among the host's ranks, unless
+  the user chose one (`threads=`, TPUREC_THREADS, OMP_NUM_THREADS, torch.set_num_threads;
+  tpurec/threads.py).
 
 Everything else (forward, state_dict with ShardedTensors, fused_optimizer, TrainPipelineSparseDist,
 `model.plan`) is TorchRec's own.
@@ -33,6 +36,7 @@ from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 from tpurec import heartbeat, process_group
 from tpurec.device import tpu_path
 from tpurec.embedding.sparsecores import resolve_num_sparsecores
+from tpurec.errors import UserError
 from tpurec.sharding import sharded_tensor_device  # noqa: F401  (ShardedTensor.device on the TPU path)
 from tpurec.sharding.ec_sharder import SparseCoreECSharder
 from tpurec.sharding.fp_sharder import SparseCoreFPEBCSharder
@@ -141,7 +145,7 @@ def _table_limits(id_limits, world_size: int, num_sc: int, batch_size: int | Non
     from tpurec.sharding.id_limits import load_limits
 
     if batch_size is None:
-        raise ValueError("id_limits from a file need batch_size= (the batch per device they were measured for)")
+        raise UserError("id_limits from a file need batch_size= (the batch per device they were measured for)")
     layout = {"world_size": world_size, "sparsecores_per_device": num_sc, "batch_size_per_device": batch_size}
     return load_limits(str(id_limits), layout)
 
@@ -181,14 +185,20 @@ class DistributedModelParallel(_TorchrecDMP):
         batch_size: int | None = None,
         uneven_all_to_all: str | None = None,
         id_limits=None,
+        threads: int | None = None,
         **dmp_kwargs,
     ) -> None:
+        from tpurec import threads as torch_threads
         from tpurec.embedding.backend import select_device
         from tpurec.sharding.topology import make_topology
 
+        # Torch's start-up count is one thread per core for every rank: cores / local ranks instead,
+        # once, unless the user chose a count (tpurec/threads.py).
+        torch_threads.apply(threads)
+
         torch_device = select_device(device)  # raises at once for "tpu" without a TPU
         if torch_device.type == "meta":
-            raise ValueError("device='meta' is for building the unsharded model; shard onto 'tpu' or 'cpu'")
+            raise UserError("device='meta' is for building the unsharded model; shard onto 'tpu' or 'cpu'")
         # The TPU code path: a tpu device, or an emulated TPU rank's CPU (tpurec.emulation).
         compute_device = "tpu" if tpu_path(torch_device.type) else "cpu"
         _ensure_process_group(compute_device)
@@ -207,7 +217,7 @@ class DistributedModelParallel(_TorchrecDMP):
             # The chip decides (TorchTPU's ops use its own count); a plan for another generation is refused.
             num_sc = resolve_num_sparsecores(None, "tpu")
             if planned_sc and planned_sc != num_sc:
-                raise ValueError(
+                raise UserError(
                     f"the topology {topology.spec.name} has {planned_sc} SparseCores per device but "
                     f"this TPU has {num_sc}; plan for this host's TPU generation"
                 )
