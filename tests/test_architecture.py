@@ -18,6 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tpurec"
 # Top-level part of tpurec -> layer. Modules of the same layer may import each other only inside
 # the same part (embedding and data are both L1 and independent).
 LAYERS = {
+    "errors": -1,  # the user-error type (tpurec/errors.py): imported by every layer, imports nothing
     "device": 0,
     "catalog": 0,
     "host_ops": 0,

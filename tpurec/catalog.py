@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tpurec.errors import UserError
+
 NUM_SPARSE = 26
 NUM_DENSE = 13
 # Feature names follow the Merlin/HugeCTR Criteo convention (C1..C26); table names prefix "t_".
@@ -152,4 +154,4 @@ def get_table_set(name: str) -> TableSet:
     try:
         return TABLE_SETS[name]
     except KeyError:
-        raise ValueError(f"unknown model/table set {name!r}; one of {', '.join(TABLE_SETS)}") from None
+        raise UserError(f"unknown model/table set {name!r}; one of {', '.join(TABLE_SETS)}") from None

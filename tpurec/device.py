@@ -15,6 +15,8 @@ import os
 import sys
 from dataclasses import dataclass
 
+from tpurec.errors import UserError
+
 # Device nodes of a Cloud TPU VM: /dev/accel* (v4, v5e, v5p) and /dev/vfio/<n> (v6e, v7x).
 # Source: Cloud TPU docs, "TPU VM" troubleshooting pages (device files held by a running process).
 _TPU_DEVICE_GLOBS = ("/dev/accel[0-9]*", "/dev/vfio/[0-9]*")
@@ -266,8 +268,9 @@ def kernel_backend() -> str:
     return "sparsecore" if tpu_status().usable else "cpu-reference"
 
 
-class TpuUnavailableError(RuntimeError):
-    pass
+class TpuUnavailableError(UserError, RuntimeError):
+    """This host cannot run TPU kernels (the message lists what is missing): the environment's
+    fault, a user error. A RuntimeError too, as it was before UserError existed."""
 
 
 def resolve_device(device) -> torch.device:  # noqa: F821
@@ -299,7 +302,7 @@ def resolve_device(device) -> torch.device:  # noqa: F821
         if index is None:
             index = torch.accelerator.current_device_index()
         return torch.device("tpu", index)
-    raise ValueError(f"unsupported device {device!r}: use 'tpu', 'tpu:N', 'cpu' or a torch.device")
+    raise UserError(f"unsupported device {device!r}: use 'tpu', 'tpu:N', 'cpu' or a torch.device")
 
 
 def _load_torch_tpu() -> None:

@@ -22,6 +22,8 @@ import sys
 import threading
 import time
 
+from tpurec.errors import UserError
+
 TIMEOUT_ENV = "TPUREC_HEARTBEAT_TIMEOUT"  # seconds; 0 turns the heartbeat off
 DIST_TIMEOUT_ENV = "TPUREC_DIST_TIMEOUT"  # seconds a collective may wait (the process group's timeout)
 DEFAULT_TIMEOUT = 60.0
@@ -38,9 +40,9 @@ def seconds_from_env(name: str, default: float) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise ValueError(f"{name}={text!r} is not a number of seconds") from None
+        raise UserError(f"{name}={text!r} is not a number of seconds") from None
     if not value >= 0 or value == float("inf"):
-        raise ValueError(f"{name}={text!r} must be a finite number of seconds >= 0")
+        raise UserError(f"{name}={text!r} must be a finite number of seconds >= 0")
     return value
 
 

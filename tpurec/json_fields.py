@@ -15,12 +15,14 @@ import math
 import re
 from typing import Any, Callable
 
+from tpurec.errors import UserError
+
 Check = Callable[[str, Any], None]
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-class FieldError(ValueError):
+class FieldError(UserError):
     """A field of a JSON document of the wrong kind; the message starts with its JSON path."""
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import tempfile
 
+from tpurec.errors import UserError
+
 
 def dir_problem(path: str | os.PathLike) -> str | None:
     """Why files cannot be created in directory `path` (or, if it does not exist yet, in the
@@ -65,4 +67,4 @@ def check_outputs(outputs: list[tuple[str, str | os.PathLike | None, str]]) -> N
     for flag, path, kind in outputs:
         problem = output_problem(flag, path, kind)
         if problem:
-            raise ValueError(problem)
+            raise UserError(problem)

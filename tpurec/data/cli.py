@@ -11,6 +11,7 @@ import sys
 
 from tpurec.argtypes import nonnegative_int, positive_int
 from tpurec.catalog import MODEL_NAMES
+from tpurec.errors import UserError
 
 NAME_PRESETS = {
     "merlin": ([f"I{i}" for i in range(1, 14)], [f"C{i}" for i in range(1, 27)]),
@@ -171,7 +172,7 @@ def run_convert(args) -> int:
     from tpurec.data.schema import CAT_HASH, CAT_MOD, CAT_RAW, DENSE_LOG1P, DENSE_RAW, DENSE_TORCHREC, criteo_schema
 
     if args.raw_ids and args.mod_ids:
-        raise ValueError("--raw-ids and --mod-ids exclude each other")
+        raise UserError("--raw-ids and --mod-ids exclude each other")
     _check_out_dir(args)
     mins = [int(x) for x in args.npy_dense_min.split(",")] if args.npy_dense_min else None
     opts = ConvertOptions(
@@ -185,9 +186,9 @@ def run_convert(args) -> int:
     inputs = resolve_inputs(args.inputs, opts)  # text paths, or TorchRec days with their companions
     days = [d for d in inputs if isinstance(d, npy.NpyDay)]
     if mins and not days:
-        raise ValueError("--npy-dense-min is for TorchRec .npy days only")
+        raise UserError("--npy-dense-min is for TorchRec .npy days only")
     if days and args.raw_dense and not mins:
-        raise ValueError("--raw-dense on TorchRec .npy days needs --npy-dense-min (to undo their log)")
+        raise UserError("--raw-dense on TorchRec .npy days needs --npy-dense-min (to undo their log)")
     hots = npy.multi_hot_sizes(days[0], 26) if days else [1] * 26
     multi = bool(days) and days[0].multi_hot
     if args.table_sizes:
@@ -237,7 +238,7 @@ def run_synth(args) -> int:
     _check_out_dir(args)
     too_many = rows_problem("--rows", args.rows, args.out, args.tables, compression=args.compression)
     if too_many:  # before anything is written
-        raise ValueError(too_many)
+        raise UserError(too_many)
 
     summary = synthesize(
         args.rows,

@@ -19,6 +19,8 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from tpurec.errors import UserError
+
 _END = object()
 
 
@@ -36,7 +38,7 @@ class Prefetcher:
         epochs: int | None = None,
     ):
         if depth < 1 or workers < 1:
-            raise ValueError(f"depth and workers must be >= 1, got {depth}, {workers}")
+            raise UserError(f"depth and workers must be >= 1, got {depth}, {workers}")
         self.reader, self.transform = reader, transform
         self.depth, self.workers, self.epochs = depth, workers, epochs
         self._state = reader.state_dict()  # position after the last batch handed out

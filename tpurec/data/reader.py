@@ -20,6 +20,7 @@ import numpy as np
 
 from tpurec.data import shards, validate
 from tpurec.data.schema import CAT_RAW, DENSE_LOG1P, DENSE_RAW, EMPTY_ID, DataError, DataSchema
+from tpurec.errors import UserError
 
 
 @dataclass
@@ -232,7 +233,7 @@ class ParquetReader:
         table_sizes=None,
     ):
         if batch_size < 1:
-            raise ValueError("batch_size must be >= 1")
+            raise UserError("batch_size must be >= 1")
         if paths and isinstance(paths, (list, tuple)) and isinstance(paths[0], shards.Unit):
             files = sorted({u.path for u in paths})
             self.schema, _ = shards.scan(files)
@@ -262,7 +263,7 @@ class ParquetReader:
         log1p = False
         if dense_transform not in (None, s.dense_transform):
             if (s.dense_transform, dense_transform) != (DENSE_RAW, DENSE_LOG1P):
-                raise ValueError(f"cannot turn dense {s.dense_transform!r} into {dense_transform!r}")
+                raise UserError(f"cannot turn dense {s.dense_transform!r} into {dense_transform!r}")
             log1p = True
         rehash = None
         self.table_sizes = [f.num_embeddings for f in s.sparse]  # what the batches' ids index into
@@ -273,15 +274,15 @@ class ParquetReader:
                 else [int(x) for x in table_sizes]
             )
             if len(sizes) != len(s.sparse):
-                raise ValueError(f"{len(sizes)} table sizes for {len(s.sparse)} categorical features")
+                raise UserError(f"{len(sizes)} table sizes for {len(s.sparse)} categorical features")
             if s.categorical == CAT_RAW:
                 if min(sizes) < 2:
-                    raise ValueError("hashed tables need num_embeddings >= 2 (id 0 is reserved for empty)")
+                    raise UserError("hashed tables need num_embeddings >= 2 (id 0 is reserved for empty)")
                 rehash = sizes
                 self.table_sizes = sizes
             elif sizes != self.table_sizes:
                 f, want = next((f, n) for f, n in zip(s.sparse, sizes) if n != f.num_embeddings)
-                raise ValueError(
+                raise UserError(
                     f"feature {f.name!r}: the files' ids are already hashed ({s.categorical}) into "
                     f"{f.num_embeddings} rows, not {want}; convert with --raw-ids to choose sizes at read time"
                 )
@@ -314,7 +315,7 @@ class ParquetReader:
         keys = ("seed", "shuffle", "rank", "world_size", "num_rows") + (("shuffle_buffer",) if self.shuffle else ())
         for k in keys:  # anything that changes which rows come in which order
             if state[k] != getattr(self, k):
-                raise ValueError(f"cannot resume: reader state has {k}={state[k]!r}, this reader {getattr(self, k)!r}")
+                raise UserError(f"cannot resume: reader state has {k}={state[k]!r}, this reader {getattr(self, k)!r}")
         self.epoch, self._consumed = int(state["epoch"]), int(state["rows_consumed"])
 
     # ----- windows ------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tpurec.errors import UserError
 from tpurec.json_fields import FieldError, choice, each, fields, flag, obj, optional, text
 
 FORMAT_VERSION = 1
@@ -33,7 +34,7 @@ CAT_MOD = "mod"  # v mod num_embeddings: TorchRec's `hashes`, what MLPerf's mult
 EMPTY_ID = 0  # the id every empty categorical becomes, in both modes
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """Bad input data: the message names the file (and row group / line, column when known)."""
 
 
@@ -153,9 +154,9 @@ def criteo_schema(
     sparse_names = sparse_names or list(FEATURE_NAMES)
     sizes = list(table_sizes or CRITEO_KAGGLE_ROWS)
     if len(sizes) != len(sparse_names):
-        raise ValueError(f"{len(sizes)} table sizes for {len(sparse_names)} categorical columns")
+        raise UserError(f"{len(sizes)} table sizes for {len(sparse_names)} categorical columns")
     if categorical == CAT_HASH and min(sizes) < 2:
-        raise ValueError("hashed tables need num_embeddings >= 2 (id 0 is reserved for empty)")
+        raise UserError("hashed tables need num_embeddings >= 2 (id 0 is reserved for empty)")
     mh = multi_hot or [False] * len(sparse_names)
     sparse = [
         SparseFeature(n, None if categorical == CAT_RAW else int(s), bool(m))

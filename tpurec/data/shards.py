@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tpurec.data.schema import DataError, DataSchema, list_parquet_files, read_file_schema
+from tpurec.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ def assign(units: list[Unit], rank: int, world_size: int) -> list[Unit]:
     the dataset order.
     """
     if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} not in [0, world_size={world_size})")
+        raise UserError(f"rank {rank} not in [0, world_size={world_size})")
     units = list(units)
     total = sum(u.rows for u in units)
     if total < world_size:
@@ -92,7 +93,7 @@ def split_train_eval(paths, eval_fraction: float = 0.1) -> tuple[list[Unit], lis
     list to ``ParquetReader`` in place of paths.
     """
     if not 0.0 < eval_fraction < 1.0:
-        raise ValueError("eval_fraction must be in (0, 1)")
+        raise UserError("eval_fraction must be in (0, 1)")
     _, units = scan(paths)
     k = max(2, round(1.0 / eval_fraction))
     if len(units) >= k:

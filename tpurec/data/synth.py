@@ -28,6 +28,7 @@ from tpurec.data.schema import (
     remove_stale_parts,
     write_dataset_json,
 )
+from tpurec.errors import UserError
 from tpurec.interrupts import Interrupted
 from tpurec.terminate import unwinding_on_sigterm
 
@@ -97,7 +98,7 @@ def synth_schema(table_set: str, multi_hot_sizes: list[int] | None = None) -> tu
     hots = [max(1, int(round(t.pooling_factor))) for t in ts.tables]
     if multi_hot_sizes is not None:
         if len(multi_hot_sizes) != len(hots) or min(multi_hot_sizes) < 1:
-            raise ValueError(f"{len(hots)} multi-hot sizes >= 1 needed, got {list(multi_hot_sizes)}")
+            raise UserError(f"{len(hots)} multi-hot sizes >= 1 needed, got {list(multi_hot_sizes)}")
         hots = [int(h) for h in multi_hot_sizes]
     sparse = [SparseFeature(t.feature, t.num_embeddings, h > 1) for t, h in zip(ts.tables, hots)]
     schema = DataSchema(

@@ -30,6 +30,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from tpurec.errors import UserError
+
 MARKER = "COMPLETE"
 
 
@@ -68,7 +70,7 @@ def latest(root) -> Path | None:
     return found[-1] if found else None
 
 
-class CorruptCheckpointError(ValueError):
+class CorruptCheckpointError(UserError):
     """A complete checkpoint that cannot be used: its files no longer match the checksums written
     with them, its CHECKSUMS.json does not cover them all, or its metadata is out of range."""
 
@@ -152,7 +154,7 @@ def train_state_file(path, rank: int) -> Path:
     return Path(path) / f"rank-{rank}.json"
 
 
-class CheckpointWriteError(ValueError):
+class CheckpointWriteError(UserError):
     """A checkpoint could not be written (full disk, read-only or unwritable directory); the
     previous complete checkpoint is left as it was."""
 
@@ -288,7 +290,7 @@ def _publish(step: int, tmp: Path, final: Path) -> None:
         os.replace(tmp, final)
 
 
-class CheckpointMismatchError(ValueError):
+class CheckpointMismatchError(UserError):
     """A checkpoint whose tensors do not fit the model resumed (other table sizes, another model)."""
 
 
@@ -320,7 +322,7 @@ def load(path, dmp, optimizer, verified: bool = False) -> tuple[dict, dict | Non
         try:
             train_state = check_train_state(own, json.loads(own.read_text()), meta["step"])
         except json.JSONDecodeError as e:
-            raise ValueError(f"{own}: not valid JSON ({e}); the checkpoint is damaged") from None
+            raise UserError(f"{own}: not valid JSON ({e}); the checkpoint is damaged") from None
         except CheckpointMetaError as e:
             raise CorruptCheckpointError(str(e)) from None
     # Every check before DCP writes into the model: a refused checkpoint leaves it untouched.

@@ -18,12 +18,14 @@ import os
 import re
 from pathlib import Path, PurePosixPath
 
+from tpurec.errors import UserError
+
 CHECKSUMS = "CHECKSUMS.json"
 _SKIP = {CHECKSUMS, "COMPLETE"}
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
-class ManifestError(ValueError):
+class ManifestError(UserError):
     """CHECKSUMS.json is missing, malformed or incomplete: the checkpoint cannot be verified."""
 
 

@@ -6,11 +6,12 @@ from typing import TextIO
 
 from tpurec.dir_lock import LOCK
 from tpurec.dir_lock import lock_dir as _lock_dir
+from tpurec.errors import UserError
 
 __all__ = ["LOCK", "CheckpointDirInUse", "lock_dir"]
 
 
-class CheckpointDirInUse(ValueError):
+class CheckpointDirInUse(UserError):
     """Another run holds the checkpoint directory."""
 
 

@@ -13,6 +13,8 @@ import json
 import math
 from pathlib import Path
 
+from tpurec.errors import UserError
+
 # meta.json field -> (type, lowest, highest); every field is required (tpurec has written them all
 # since checkpoints carry CHECKSUMS.json, which older ones without are refused for anyway).
 META_FIELDS: dict[str, tuple[type, float | None, float | None]] = {
@@ -48,7 +50,7 @@ _KINDS = {
 }
 
 
-class CheckpointMetaError(ValueError):
+class CheckpointMetaError(UserError):
     """meta.json or rank-R.json holds a field of the wrong type or out of its range, or lacks one."""
 
 

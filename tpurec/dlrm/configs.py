@@ -21,6 +21,7 @@ from tpurec.argtypes import (
 from tpurec.catalog import TRAINING_DEFAULTS
 from tpurec.dlrm.flags import flag
 from tpurec.embedding.optimizers.registry import spec_names
+from tpurec.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,7 @@ def get_config(name: str) -> DLRMConfig:
     try:
         return CONFIGS[name]
     except KeyError:
-        raise ValueError(f"unknown model {name!r}; one of {', '.join(CONFIGS)}") from None
+        raise UserError(f"unknown model {name!r}; one of {', '.join(CONFIGS)}") from None
 
 
 def override(cfg: DLRMConfig, **changes) -> DLRMConfig:
@@ -170,7 +171,7 @@ def override(cfg: DLRMConfig, **changes) -> DLRMConfig:
     names = {f.name for f in fields(DLRMConfig)}
     bad = set(changes) - names
     if bad:
-        raise ValueError(f"unknown config field(s) {sorted(bad)}")
+        raise UserError(f"unknown config field(s) {sorted(bad)}")
     given = {k: tuple(v) if isinstance(v, list) else v for k, v in changes.items() if v is not None}  # JSON lists
     out = replace(cfg, **given)
     validate(out)
@@ -190,28 +191,28 @@ def validate(cfg: DLRMConfig) -> None:
 
     dim = embedding_dims(cfg)[0]
     if cfg.interaction not in ("dot", "dcn"):
-        raise ValueError(f"interaction must be 'dot' or 'dcn', not {cfg.interaction!r}")
+        raise UserError(f"interaction must be 'dot' or 'dcn', not {cfg.interaction!r}")
     if cfg.dense_arch[-1] != dim:
-        raise ValueError(f"the bottom MLP must end in the embedding dim {dim}, got {list(cfg.dense_arch)}")
+        raise UserError(f"the bottom MLP must end in the embedding dim {dim}, got {list(cfg.dense_arch)}")
     if cfg.over_arch[-1] != 1:
-        raise ValueError(f"the top MLP must end in 1 logit, got {list(cfg.over_arch)}")
+        raise UserError(f"the top MLP must end in 1 logit, got {list(cfg.over_arch)}")
     for k in ("embedding_optimizer", "dense_optimizer"):
         if getattr(cfg, k) not in OPTIMIZERS:
-            raise ValueError(f"{k} must be one of {', '.join(OPTIMIZERS)}")
+            raise UserError(f"{k} must be one of {', '.join(OPTIMIZERS)}")
     if cfg.multi_hot_sizes is not None:
         n = len(get_table_set(cfg.table_set).tables)
         if len(cfg.multi_hot_sizes) != n or min(cfg.multi_hot_sizes) < 1:
-            raise ValueError(f"--multi-hot-sizes needs {n} sizes >= 1 (one per table), got {list(cfg.multi_hot_sizes)}")
+            raise UserError(f"--multi-hot-sizes needs {n} sizes >= 1 (one per table), got {list(cfg.multi_hot_sizes)}")
     if cfg.batch_size < 1:
-        raise ValueError("--batch-size must be >= 1")
+        raise UserError("--batch-size must be >= 1")
     if cfg.steps is not None and cfg.steps < 1:
-        raise ValueError("--steps must be >= 1")
+        raise UserError("--steps must be >= 1")
     if cfg.epochs <= 0:
-        raise ValueError("--epochs must be > 0")
+        raise UserError("--epochs must be > 0")
     if cfg.eval_every < 0:
-        raise ValueError("--eval-every must be >= 0")
+        raise UserError("--eval-every must be >= 0")
     if not 0.0 < cfg.eval_fraction < 1.0:
-        raise ValueError("--eval-fraction must be in (0, 1)")
+        raise UserError("--eval-fraction must be in (0, 1)")
 
 
 __all__ = ["DLRMConfig", "CONFIGS", "get_config", "override", "validate", "field"]

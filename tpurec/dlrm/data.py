@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from tpurec.errors import UserError
+
 log = logging.getLogger("tpurec.train")
 
 
@@ -212,7 +214,7 @@ def model_table_sizes(data_dir, table_set_sizes: list[int]) -> list[int]:
     meta = dataset_metadata(data_dir)
     sparse = meta.get("sparse", [])
     if len(sparse) != len(table_set_sizes):
-        raise ValueError(f"{data_dir}: {len(sparse)} categorical features, the model has {len(table_set_sizes)}")
+        raise UserError(f"{data_dir}: {len(sparse)} categorical features, the model has {len(table_set_sizes)}")
     return [
         int(f["num_embeddings"]) if f.get("num_embeddings") is not None else n for f, n in zip(sparse, table_set_sizes)
     ]

@@ -13,6 +13,8 @@ import io
 import pickle
 from pathlib import Path
 
+from tpurec.errors import UserError
+
 _DCP = "torch.distributed.checkpoint."
 _OTHER = {
     ("torch", "Size"),
@@ -24,7 +26,7 @@ _OTHER = {
 }
 
 
-class UnsafeCheckpointError(ValueError):
+class UnsafeCheckpointError(UserError):
     """A checkpoint file names something a checkpoint never needs (it could run code)."""
 
 
@@ -64,9 +66,9 @@ def check_metadata(checkpoint_dir):
     except UnsafeCheckpointError:
         raise
     except Exception as e:  # truncated or not a pickle at all
-        raise ValueError(f"{path}: unreadable checkpoint metadata ({type(e).__name__}: {e})") from None
+        raise UserError(f"{path}: unreadable checkpoint metadata ({type(e).__name__}: {e})") from None
     if not hasattr(metadata, "state_dict_metadata"):
-        raise ValueError(f"{path}: holds a {type(metadata).__name__}, not DCP's Metadata")
+        raise UserError(f"{path}: holds a {type(metadata).__name__}, not DCP's Metadata")
     return metadata
 
 

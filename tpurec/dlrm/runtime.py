@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 
+from tpurec.errors import UserError
 from tpurec.host_resources import available_bytes
 
 log = logging.getLogger("tpurec.train")
@@ -110,7 +111,7 @@ def check_host_memory(cfg, sizes: list[int], world: int, source: str = "") -> No
     free = available_bytes()
     if free is None or need <= free:
         return
-    raise ValueError(
+    raise UserError(
         f"training {cfg.table_set} on CPU needs about {need / 2**30:.1f} GiB on this host ({tables / 2**30:.1f} GiB "
         f"of tables and optimizer state for {sum(sizes):,} rows{source}, plus ~1 GiB per rank), which has "
         f"{free / 2**30:.1f} GiB available; use --model dlrm-tiny, data converted with smaller tables "

@@ -23,6 +23,8 @@ import signal
 import subprocess
 import sys
 
+from tpurec.errors import UserError
+
 # What set_tpu_launch_env() may set; all of it is handed to the ranks.
 TORCHTPU_LAUNCH_VARS = (
     "TORCH_TPU_SLICEBUILDER_ADDRESSES",
@@ -52,7 +54,7 @@ def torchtpu_launch_env(nnodes: int, nproc_per_node: int | None) -> dict[str, st
     lines = [x for x in done.stdout.splitlines() if x.startswith(_MARK)]
     if done.returncode or not lines:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise ValueError(f"TorchTPU's set_tpu_launch_env() failed on this host: {last}")
+        raise UserError(f"TorchTPU's set_tpu_launch_env() failed on this host: {last}")
     return json.loads(lines[-1][len(_MARK) :])
 
 

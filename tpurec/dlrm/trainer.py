@@ -27,6 +27,7 @@ from tpurec.dlrm import checkpoint as ckpt
 from tpurec.dlrm.options import OPTIONS_ENV, TrainOptions
 from tpurec.dlrm.report import MetricsLog, json_safe, plan_report, plan_summary, summary_text
 from tpurec.dlrm.runtime import check_host_memory, init_distributed, log, resolve_device, setup_logging
+from tpurec.errors import UserError
 
 
 def _infinite(reader):
@@ -210,7 +211,7 @@ class Trainer:
         except ValueError as e:
             if plan is None or not str(e).startswith("the plan"):
                 raise
-            raise ValueError(f"--plan {o.plan}{str(e)[len('the plan') :]}") from None  # name the file
+            raise UserError(f"--plan {o.plan}{str(e)[len('the plan') :]}") from None  # name the file
         self.optimizer = build_optimizer(self.dmp, cfg)
         self.schedule = LRSchedule(self.optimizer, cfg.warmup_steps, cfg.decay_start, cfg.decay_steps)
         if self.rank == 0:
@@ -244,7 +245,7 @@ class Trainer:
             return
         src = o.checkpoint_dir if o.resume == "latest" else o.resume
         if not src:
-            raise ValueError("--resume needs --checkpoint-dir (or --resume PATH)")
+            raise UserError("--resume needs --checkpoint-dir (or --resume PATH)")
         if o.resume == "latest" or ckpt.is_root(src):  # the newest checkpoint that verifies
             if ckpt.latest(src) is None and o.resume == "latest":
                 self.say(f"resume: no complete checkpoint in {src}; starting from scratch")
@@ -252,22 +253,22 @@ class Trainer:
             root, src = src, ckpt.latest_intact(src, self.say)
             if src is None:
                 why = "intact and verified (see above)" if ckpt.latest(root) else "complete"
-                raise ValueError(f"resume: no checkpoint in {root} is {why}; leave out --resume to start over")
+                raise UserError(f"resume: no checkpoint in {root} is {why}; leave out --resume to start over")
         else:
             src = ckpt.resolve(src)
             try:
                 ckpt.verify(src)  # --resume PATH: that checkpoint or none
             except ckpt.CorruptCheckpointError as e:
-                raise ValueError(f"resume: {e}") from None
+                raise UserError(f"resume: {e}") from None
         from tpurec.dlrm.ckpt_config import config_mismatch
 
         mismatch = config_mismatch(src, self.cfg.to_dict())
         if mismatch:
-            raise ValueError(f"resume: {mismatch}")
+            raise UserError(f"resume: {mismatch}")
         try:
             cmeta, state = ckpt.load(src, self.dmp, self.optimizer, verified=True)
         except (ckpt.CheckpointMismatchError, ckpt.CorruptCheckpointError) as e:
-            raise ValueError(f"resume: {e}") from None
+            raise UserError(f"resume: {e}") from None
         self.step_count, self.samples = cmeta["step"], cmeta["samples"]
         if state is not None:
             train.load_state_dict(state["reader"])
@@ -286,7 +287,7 @@ class Trainer:
             )
         self.say(f"resume: {cmeta['path']} at step {self.step_count}, {how}")
         if self.step_count > self.total_steps:
-            raise ValueError(
+            raise UserError(
                 f"resume: the checkpoint is at step {self.step_count}, past the {self.total_steps} steps asked "
                 "for: nothing to train (raise --steps / --epochs, or resume an earlier checkpoint)"
             )
@@ -327,7 +328,7 @@ class Trainer:
             # Training on would only spread NaN through every table; checkpoints already written stay.
             first = self.step_count - steps + 1
             where = f"step {self.step_count}" if steps == 1 else f"steps {first}-{self.step_count}"
-            raise ValueError(
+            raise UserError(
                 f"training loss is {value} at {where}: stopped. Look for non-finite dense "
                 "values in the data (`tpurec data inspect`), or lower --embedding-lr / --dense-lr"
             )

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 
+from tpurec.errors import UserError
+
 # Padded slots in embedding_ids / sample_ids carry this value; their gains are NaN.
 PADDING_ID = 2**31 - 1
 # CSR segments (one per partition) start on multiples of this many entries.
@@ -27,7 +29,7 @@ def round_up(value: int, multiple: int) -> int:
 
 def check_dim(table: str, dim: int) -> None:
     if dim <= 0 or dim % DIM_ALIGN:
-        raise ValueError(
+        raise UserError(
             f"table {table!r}: embedding_dim={dim} is not a positive multiple of {DIM_ALIGN}, which the "
             f"SparseCore kernel requires; use {max(DIM_ALIGN, round_up(dim, DIM_ALIGN))}"
         )

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tpurec.embedding.constraints import padded_rows, round_up
+from tpurec.errors import UserError
 
 # (entries, distinct ids) of the fullest segment, the same of the fullest SparseCore slice
 Demand = tuple[int, int, int, int]
@@ -323,7 +324,7 @@ class ShardsDemand:
         if bad >= 0:
             j = next(j for j, f in enumerate(self.features) if offsets[f * stride] <= bad < offsets[(f + 1) * stride])
             t = self.tables[int(self.feature_table[j])]
-            raise ValueError(f"table {t.name!r}: id {int(values[bad])} outside its {t.rows} rows")
+            raise UserError(f"table {t.name!r}: id {int(values[bad])} outside its {t.rows} rows")
         if n:
             ordered = np.sort(keys[:n])
             count_sorted(ordered, fbits + sbits, lbits, p, pbits, entries, distinct)
@@ -340,4 +341,4 @@ class ShardsDemand:
             t = self.tables[int(self.feature_table[j])]
             seg = ids[first[j] : first[j + 1]]
             wrong = seg[(seg < 0) | (seg >= t.rows)][0]
-            raise ValueError(f"table {t.name!r}: id {int(wrong)} outside its {t.rows} rows")
+            raise UserError(f"table {t.name!r}: id {int(wrong)} outside its {t.rows} rows")

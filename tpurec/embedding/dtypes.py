@@ -20,6 +20,7 @@ import warnings
 import torch
 
 from tpurec.device import tpu_path
+from tpurec.errors import UserError
 
 # Config dtypes the kernel trains; quantized types (INT8/INT4/INT2, FP8) are TorchRec inference formats.
 TRAINABLE = (torch.float32, torch.float16, torch.bfloat16)
@@ -39,7 +40,7 @@ def table_dtype(data_type, table: str = "?") -> torch.dtype:
             dtype = None
     if dtype not in TRAINABLE:
         name = getattr(data_type, "name", data_type)
-        raise ValueError(
+        raise UserError(
             f"table {table!r}: data_type {name} is not trainable by the SparseCore kernel "
             "(FP32, FP16 or BF16; quantized tables are TorchRec inference formats)"
         )
@@ -70,7 +71,7 @@ def short_name(dtype: torch.dtype) -> str:
 
 def from_name(name: str) -> torch.dtype:
     if name.lower() not in NAMES:
-        raise ValueError(f"data_type {name!r}: one of {sorted(NAMES)}")
+        raise UserError(f"data_type {name!r}: one of {sorted(NAMES)}")
     return NAMES[name.lower()]
 
 

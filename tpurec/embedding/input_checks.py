@@ -20,11 +20,13 @@ import numbers
 import numpy as np
 import torch
 
+from tpurec.errors import UserError
+
 
 def whole(name: str, value, lo: int = 1) -> None:
     """A count: a whole number >= lo (a bool or a float is not one)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo:
-        raise ValueError(f"{name}={value!r} must be a whole number >= {lo}")
+        raise UserError(f"{name}={value!r} must be a whole number >= {lo}")
 
 
 def _integer(where: str, name: str, t: torch.Tensor) -> None:
@@ -37,7 +39,7 @@ def _within(where: str, name: str, t: torch.Tensor, lo: int, hi: int, what: str)
     if t.numel():
         least, most = (int(x) for x in torch.aminmax(t))
         if least < lo or most >= hi:
-            raise ValueError(f"{where}: {name} must be in [{lo}, {what}), got {least}..{most}")
+            raise UserError(f"{where}: {name} must be in [{lo}, {what}), got {least}..{most}")
 
 
 def check_batch(
@@ -49,7 +51,7 @@ def check_batch(
     _integer(where, "ids", ids)
     _integer(where, "sample_index", sample_index)
     if not ids.numel() == sample_index.numel() == gains.numel():
-        raise ValueError(
+        raise UserError(
             f"{where}: ids, sample_index and gains must have one entry per id, got "
             f"{ids.numel()}, {sample_index.numel()} and {gains.numel()}"
         )
@@ -76,7 +78,7 @@ def check_ranges(
             ("sample_index", samples[part], device_batch_size, f"device_batch_size={device_batch_size}"),
         ):
             if a.size and (a.min() < 0 or a.max() >= hi):
-                raise ValueError(f"table {name!r}: {what} must be in [0, {spelled}), got {a.min()}..{a.max()}")
+                raise UserError(f"table {name!r}: {what} must be in [0, {spelled}), got {a.min()}..{a.max()}")
 
 
 def check_csr(
@@ -99,18 +101,18 @@ def check_csr(
     whole(f"{op}: num_partitions", num_partitions)
     whole(f"{op}: device_batch_size", device_batch_size)
     if device_batch_size % num_sc_per_device:
-        raise ValueError(
+        raise UserError(
             f"{op}: device_batch_size={device_batch_size} is not a multiple of num_sc_per_device={num_sc_per_device}"
         )
     n = embedding_ids.numel()
     if n % num_sc_per_device or sample_ids.numel() != n or gains.numel() != n:
-        raise ValueError(
+        raise UserError(
             f"{op}: embedding_ids, sample_ids and gains must have the same size, a multiple of "
             f"num_sc_per_device={num_sc_per_device}; got {n}, {sample_ids.numel()} and {gains.numel()}"
         )
     width = row_pointers.numel() // num_sc_per_device
     if row_pointers.numel() % num_sc_per_device or width < num_partitions:
-        raise ValueError(
+        raise UserError(
             f"{op}: row_pointers has {row_pointers.numel()} entries; it needs num_sc_per_device={num_sc_per_device} "
             f"x at least num_partitions={num_partitions}"
         )
@@ -122,7 +124,7 @@ def check_csr(
     emb, smp = embedding_ids.detach().contiguous().numpy(), sample_ids.detach().contiguous().numpy()
     bad = csr_kernels.first_bad_sample(emb, smp, per_sc)
     if bad >= 0:
-        raise ValueError(
+        raise UserError(
             f"{op}: sample_ids[{bad}]={int(smp[bad])} is outside [0, {per_sc}) (device_batch_size={device_batch_size} "
             f"/ num_sc_per_device={num_sc_per_device} samples per SparseCore)"
         )

@@ -37,6 +37,7 @@ from tpurec.embedding.multipass import MultiPassInput, split_into_passes, stacke
 from tpurec.embedding.optimizers.base import OptimizerSpec, check_hyperparameter
 from tpurec.embedding.preprocess import IdLimitExceededError, PreprocessStats, SparseCoreInput, preprocess
 from tpurec.embedding.weight_grad import with_weight_grad
+from tpurec.errors import UserError
 
 # Kernel numbers for computation names: unique within the process, fixed for a kernel's lifetime.
 _KERNEL_NUMBERS = itertools.count()
@@ -108,7 +109,7 @@ class SparseCoreKernel(nn.Module):
         # lookups pass keys in table order and may repeat a feature for column shards).
         self.positional = positional
         if num_sc_per_device < 1:
-            raise ValueError(f"num_sc_per_device must be >= 1, got {num_sc_per_device}")
+            raise UserError(f"num_sc_per_device must be >= 1, got {num_sc_per_device}")
         self.tables = list(tables)
         self.optimizer = optimizer
         self.num_sc = num_sc_per_device
@@ -138,15 +139,15 @@ class SparseCoreKernel(nn.Module):
 
         names = [t.name for t in self.tables]
         if len(set(names)) != len(names):
-            raise ValueError(f"duplicate table names: {names}")
+            raise UserError(f"duplicate table names: {names}")
         self._table = {t.name: t for t in self.tables}
         self._feature_table: dict[str, KernelTable] = {}
         for t in self.tables:
             if t.pooling not in ("sum", "mean"):
-                raise ValueError(f"table {t.name!r}: pooling {t.pooling!r} is not supported (sum or mean)")
+                raise UserError(f"table {t.name!r}: pooling {t.pooling!r} is not supported (sum or mean)")
             for f in t.feature_names:
                 if f in self._feature_table:
-                    raise ValueError(f"feature {f!r} is used by tables {self._feature_table[f].name!r} and {t.name!r}")
+                    raise UserError(f"feature {f!r} is used by tables {self._feature_table[f].name!r} and {t.name!r}")
                 self._feature_table[f] = t
         # Output order = EBC's: tables in order, each table's features in order.
         self.feature_order = [f for t in self.tables for f in t.feature_names]
@@ -398,7 +399,7 @@ class SparseCoreKernel(nn.Module):
             )
         try:
             figures = counter.count(values.numpy(), lengths.numpy(), batch)
-        except ValueError:  # an id outside its table: the stack input refuses it, naming the feature
+        except UserError:  # an id outside its table: the stack input refuses it, naming the feature
             return
         for t, d in zip(counter.tables, figures):
             k = self._table[t.name]
@@ -469,7 +470,7 @@ class SparseCoreKernel(nn.Module):
             raise TypeError(f"embedding ids must be integers, got dtype {values.dtype}")
         weights = features.weights_or_none()
         if self.is_weighted and weights is None:
-            raise ValueError("this kernel is weighted (is_weighted=True) but the KeyedJaggedTensor has no weights")
+            raise UserError("this kernel is weighted (is_weighted=True) but the KeyedJaggedTensor has no weights")
         # Gains are host data; a trainable weight's gradient comes from weight_grad.with_weight_grad.
         return values, features.lengths(), weights.detach() if self.is_weighted else None
 

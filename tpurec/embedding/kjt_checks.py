@@ -4,6 +4,8 @@ would otherwise be cut silently (the kernel slices values by lengths)."""
 
 from __future__ import annotations
 
+from tpurec.errors import UserError
+
 
 def check_kjt(features) -> None:
     """One-line ValueError naming what is inconsistent; costs one pass over the lengths."""
@@ -19,18 +21,18 @@ def check_kjt(features) -> None:
         )
     expected = len(keys) * features.stride()
     if lengths.numel() != expected:
-        raise ValueError(
+        raise UserError(
             f"KeyedJaggedTensor has {lengths.numel()} lengths, but {len(keys)} keys x batch {features.stride()} "
             f"need {expected} (keys {keys})"
         )
     if lengths.numel():
         if int(lengths.min()) < 0:
-            raise ValueError(f"KeyedJaggedTensor has a negative length ({int(lengths.min())}); keys {keys}")
+            raise UserError(f"KeyedJaggedTensor has a negative length ({int(lengths.min())}); keys {keys}")
         total = int(lengths.sum())
     else:
         total = 0
     if total != values.numel():
-        raise ValueError(f"KeyedJaggedTensor lengths sum to {total} but it has {values.numel()} values (keys {keys})")
+        raise UserError(f"KeyedJaggedTensor lengths sum to {total} but it has {values.numel()} values (keys {keys})")
     weights = features.weights_or_none()
     if weights is not None and weights.numel() != values.numel():
-        raise ValueError(f"KeyedJaggedTensor has {weights.numel()} weights for {values.numel()} values")
+        raise UserError(f"KeyedJaggedTensor has {weights.numel()} weights for {values.numel()} values")

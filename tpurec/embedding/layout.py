@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from tpurec.embedding.constraints import DIM_ALIGN, padded_rows, round_up
+from tpurec.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ class StackLayout:
     def write_table(self, physical: torch.Tensor, name: str, value: torch.Tensor) -> None:
         target = self.read_table(physical, name)
         if value.shape != target.shape:
-            raise ValueError(f"table {name!r}: expected shape {tuple(target.shape)}, got {tuple(value.shape)}")
+            raise UserError(f"table {name!r}: expected shape {tuple(target.shape)}, got {tuple(value.shape)}")
         if target.data_ptr() != value.data_ptr():  # a state_dict view written in place is already there
             with torch.no_grad():
                 target.copy_(value)
@@ -116,9 +117,9 @@ def build_stacks(
     groups: dict[object, list[tuple[str, int, int, torch.dtype]]] = {}
     for name, rows, dim, *dtype in tables:
         if dim <= 0:
-            raise ValueError(f"table {name!r}: embedding_dim must be positive, got {dim}")
+            raise UserError(f"table {name!r}: embedding_dim must be positive, got {dim}")
         if rows < 0:
-            raise ValueError(f"table {name!r}: num_embeddings must be >= 0, got {rows}")
+            raise UserError(f"table {name!r}: num_embeddings must be >= 0, got {rows}")
         dtype = dtype[0] if dtype else torch.float32
         groups.setdefault((dim, dtype) if stack else name, []).append((name, rows, dim, dtype))
     layouts = []

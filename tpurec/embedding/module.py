@@ -23,6 +23,7 @@ from tpurec.embedding.fused_optimizer import SparseCoreFusedOptimizer
 from tpurec.embedding.kernel import KernelTable, SparseCoreKernel
 from tpurec.embedding.optimizers.registry import spec_from_torch
 from tpurec.embedding.sparsecores import resolve_num_sparsecores
+from tpurec.errors import UserError
 
 _POOLING = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 
@@ -32,14 +33,14 @@ def kernel_tables(tables: Sequence[EmbeddingBagConfig], pooling_factors: dict | 
     pooling_factors = pooling_factors or {}
     unknown = sorted(set(pooling_factors) - {t.name for t in tables})
     if unknown:
-        raise ValueError(f"pooling_factors name tables this collection does not have: {unknown}")
+        raise UserError(f"pooling_factors name tables this collection does not have: {unknown}")
     for name, pf in pooling_factors.items():
         if not (isinstance(pf, (int, float)) and math.isfinite(pf) and pf >= 0):
-            raise ValueError(f"pooling_factors[{name!r}] = {pf!r}: expected ids per sample, a finite number >= 0")
+            raise UserError(f"pooling_factors[{name!r}] = {pf!r}: expected ids per sample, a finite number >= 0")
     out = []
     for t in tables:
         if t.pooling not in _POOLING:
-            raise ValueError(f"table {t.name!r}: pooling {t.pooling} is not supported (SUM or MEAN)")
+            raise UserError(f"table {t.name!r}: pooling {t.pooling} is not supported (SUM or MEAN)")
         out.append(
             KernelTable(
                 t.name,

@@ -29,9 +29,10 @@ import torch
 
 from tpurec.embedding.constraints import PADDING_ID, SEGMENT_ALIGN
 from tpurec.embedding.input_checks import check_batch, check_ranges, whole
+from tpurec.errors import UserError
 
 
-class IdLimitExceededError(ValueError):
+class IdLimitExceededError(UserError):
     """A partition received more ids (or unique ids) than its buffer allows."""
 
 
@@ -144,7 +145,7 @@ def preprocess_tables(
     lim_uniq = _per_table(max_unique_ids_per_partition, num_tables, "max_unique_ids_per_partition")
     num_sc = num_sc_per_device
     if device_batch_size % num_sc:
-        raise ValueError(
+        raise UserError(
             f"table {names[0]!r}: device_batch_size={device_batch_size} is not a multiple of "
             f"num_sc_per_device={num_sc}; pad the batch (SparseCoreEmbeddingBagCollection does this)"
         )
@@ -362,7 +363,7 @@ def _per_table(value, num_tables: int, what: str) -> list:
         return [value] * num_tables
     value = list(value)
     if len(value) != num_tables:
-        raise ValueError(f"{what}: {len(value)} values for {num_tables} tables")
+        raise UserError(f"{what}: {len(value)} values for {num_tables} tables")
     return value
 
 

@@ -29,6 +29,7 @@ from tpurec import host_copies
 from tpurec.embedding.constraints import SEGMENT_ALIGN, round_up
 from tpurec.embedding.kernel import SparseCoreKernel
 from tpurec.embedding.kjt_checks import check_kjt
+from tpurec.errors import UserError
 
 
 class SparseCoreSequenceKernel(SparseCoreKernel):
@@ -45,15 +46,15 @@ class SparseCoreSequenceKernel(SparseCoreKernel):
         super().__init__(*args, **kwargs)
         dims = {t.embedding_dim for t in self.tables}
         if len(dims) > 1:
-            raise ValueError(
+            raise UserError(
                 f"sequence tables must share one embedding dim (as in TorchRec's EmbeddingCollection); "
                 f"got {sorted(dims)} for {[t.name for t in self.tables]}"
             )
         if any(t.pooling != "sum" for t in self.tables):
-            raise ValueError("sequence tables are not pooled; build their KernelTables with pooling 'sum'")
+            raise UserError("sequence tables are not pooled; build their KernelTables with pooling 'sum'")
         self.dim = dims.pop() if dims else 0
         if max_ids_per_feature is not None and max_ids_per_feature < 1:
-            raise ValueError(f"max_ids_per_feature must be >= 1, got {max_ids_per_feature}")
+            raise UserError(f"max_ids_per_feature must be >= 1, got {max_ids_per_feature}")
         if max_ids_per_feature is None:
             max_ids_per_feature = self._measured_capacity(kwargs.get("table_limits"))
         self.max_ids_per_feature = max_ids_per_feature

@@ -26,6 +26,7 @@ from tpurec.embedding.kernel import KernelTable
 from tpurec.embedding.optimizers.registry import spec_from_torch
 from tpurec.embedding.sequence_kernel import SparseCoreSequenceKernel
 from tpurec.embedding.sparsecores import resolve_num_sparsecores
+from tpurec.errors import UserError
 
 
 class SparseCoreEmbeddingCollection(nn.Module, FusedOptimizerModule):
@@ -61,7 +62,7 @@ class SparseCoreEmbeddingCollection(nn.Module, FusedOptimizerModule):
         self._embedding_names_by_table = get_embedding_names_by_table(self._embedding_configs)
         dims = {t.embedding_dim for t in self._embedding_configs}
         if len(dims) > 1:
-            raise ValueError(
+            raise UserError(
                 "All tables in an EmbeddingCollection must have the same embedding dim (as in TorchRec); got "
                 + ", ".join(f"{t.name}: {t.embedding_dim}" for t in self._embedding_configs)
             )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from tpurec import device as _device
 from tpurec.embedding.constraints import DEFAULT_NUM_SPARSECORES
+from tpurec.errors import UserError
 
 
 def resolve_num_sparsecores(requested: int | None, device_type: str, *, generation: str | None = None) -> int:
@@ -19,7 +20,7 @@ def resolve_num_sparsecores(requested: int | None, device_type: str, *, generati
     `generation` overrides PCI detection (tests, and callers that already know the chip).
     """
     if requested is not None and (isinstance(requested, bool) or not isinstance(requested, int) or requested < 1):
-        raise ValueError(f"num_sparsecores must be a whole number >= 1, got {requested!r}")
+        raise UserError(f"num_sparsecores must be a whole number >= 1, got {requested!r}")
     if not _device.tpu_path(device_type):
         return requested or DEFAULT_NUM_SPARSECORES
     generation = generation or _device.tpu_generation()
@@ -30,12 +31,12 @@ def resolve_num_sparsecores(requested: int | None, device_type: str, *, generati
         )
     hardware = _device.sparsecores_per_device(generation)
     if not hardware:
-        raise ValueError(
+        raise UserError(
             f"TPU {generation} has no SparseCore the embedding kernels can drive; tpurec's SparseCore kernels "
             "need v5p, v6e or v7x (use device='cpu' for a dry run)"
         )
     if requested is not None and requested != hardware:
-        raise ValueError(
+        raise UserError(
             f"num_sparsecores={requested}, but this TPU {generation} has {hardware} SparseCores per device; "
             f"TorchTPU's ops use the chip's own count, so a layout for {requested} would be silently wrong "
             "(leave num_sparsecores unset)"

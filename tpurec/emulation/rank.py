@@ -11,6 +11,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from tpurec.emulation import torchtpu_dist, torchtpu_ops
+from tpurec.errors import UserError
 from tpurec.sharding.topology import SliceSpec, parse_slice
 
 # TorchTPU compiles a program per distinct compile key of its device ops; preprocessing runs on the host.
@@ -72,7 +73,7 @@ def activate(slice_name: str | None = None) -> EmulatedRank:
         return _RANK
     spec = parse_slice(name)
     if not spec.generation.sparsecores:
-        raise ValueError(f"--emulate-tpu {name}: {spec.generation.name} has no SparseCore tpurec can drive")
+        raise UserError(f"--emulate-tpu {name}: {spec.generation.name} has no SparseCore tpurec can drive")
     os.environ[EMULATE_ENV] = spec.name
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torchtpu_dist.install_device_module(local_rank, spec.devices_per_host)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
+from tpurec.errors import UserError
+
 
 def register(sub) -> None:
     p = sub.add_parser("selftest", help="verify the kernels (CPU reference vs oracles, or the TPU first-contact list)")
@@ -82,7 +84,7 @@ def _emulated_checks(slice_name: str, seed: int):
 
     spec = parse_slice(slice_name)
     if not spec.generation.sparsecores:
-        raise ValueError(f"{spec.generation.name} has no SparseCore tpurec can drive")
+        raise UserError(f"{spec.generation.name} has no SparseCore tpurec can drive")
     launch = emulated_launch_env(spec)[0]
     one_rank = launch["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(",")[0]
     os.environ.update(

@@ -27,13 +27,14 @@ import numpy as np
 
 from tpurec.embedding.constraints import SEGMENT_ALIGN, round_up
 from tpurec.embedding.demand import ShardsDemand, TableShards
+from tpurec.errors import UserError
 
 FORMAT = "tpurec-id-limits"
 HEADROOM = 0.10  # over the observed maximum: batches heavier than any seen stay in one pass
 QUANTILES = (0.5, 0.99, 0.999)
 
 
-class IdLimitsError(ValueError):
+class IdLimitsError(UserError):
     """A limits file that cannot be used here (malformed, or measured for another layout)."""
 
 
@@ -98,7 +99,7 @@ class DemandTally:
             counters = self._groups(keys, values.size)
         try:
             return [(t.name, f) for c in counters for t, f in zip(c.tables, c.count(values, lengths, stride))]
-        except ValueError as e:  # an id outside its table
+        except UserError as e:  # an id outside its table
             raise IdLimitsError(str(e)) from None
 
     def record(self, figures: list[tuple[str, tuple[int, ...]]]) -> None:

@@ -12,6 +12,7 @@ from typing import Iterable
 
 from tpurec.catalog import TableSpec
 from tpurec.embedding import dtypes
+from tpurec.errors import UserError
 from tpurec.sharding.estimators import shard_cost, table_elem_bytes
 from tpurec.sharding.id_limits import IdLimits
 from tpurec.sharding.report_text import diff_reports, fitting_text, format_text  # noqa: F401 (re-exported)
@@ -68,7 +69,7 @@ def build_report(
         for name, ps in module_plan.items():
             t = by_name.get(name)
             if t is None:
-                raise ValueError(f"plan has table {name!r} that is not among the given tables")
+                raise UserError(f"plan has table {name!r} that is not among the given tables")
             shards = _shards(ps, t, world)
             dtype = dtypes.from_name(t.data_type)
             stored = dtypes.short_name(dtypes.stored_dtype(dtype, compute_device))
@@ -295,7 +296,7 @@ def plan_tables(tables: list, topology: str, **kw) -> dict:
         if on_cpu:
             allowed = [s for s in (types or CPU_TRAINING_SHARDING_TYPES) if s in CPU_TRAINING_SHARDING_TYPES]
             if not allowed:
-                raise ValueError(
+                raise UserError(
                     f"table {entry.spec.name!r}: sharding_types {list(types)} include none that CPU training "
                     f"runs ({', '.join(CPU_TRAINING_SHARDING_TYPES)}); plan it for a TPU slice"
                 )
@@ -372,7 +373,7 @@ def _mark_refused(report: dict, refusal: str, smallest: dict) -> None:
 
 def report_from_plan_and_meta(plan, meta: dict) -> dict:
     if not all(meta.get(k) for k in ("tables", "topology", "batch_size", "optimizer")):
-        raise ValueError(
+        raise UserError(
             "this plan file has no meta (tables, topology, batch size); save it with "
             "tpurec plan --format json, or plan_io.save_plan(plan, path, meta=report['meta'])"
         )

@@ -28,6 +28,7 @@ from tpurec.embedding.kernel import KernelTable, SparseCoreKernel
 from tpurec.embedding.optimizers.registry import spec_from_fused_params
 from tpurec.embedding.sequence_kernel import SparseCoreSequenceKernel
 from tpurec.embedding.weight_grad import with_weight_grad
+from tpurec.errors import UserError
 
 _POOLING = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 
@@ -69,7 +70,7 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
                 slots.append(f"{slot}:{f}")
                 slot += 1
             if self.pooled and t.pooling not in _POOLING:
-                raise ValueError(f"table {t.name!r}: pooling {t.pooling} is not supported (SUM or MEAN)")
+                raise UserError(f"table {t.name!r}: pooling {t.pooling} is not supported (SUM or MEAN)")
             pooling = "sum" if rowwise or not self.pooled else _POOLING[t.pooling]
             tables.append(
                 KernelTable(
@@ -119,7 +120,7 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
         out = fused.get("output_dtype")
         self._output_dtype = out.as_dtype() if out is not None and hasattr(out, "as_dtype") else out
         if self._output_dtype not in (None, torch.float32, torch.float16, torch.bfloat16):
-            raise ValueError(
+            raise UserError(
                 f"tables {[t.name for t in config.embedding_tables]}: output_dtype {out} is not supported "
                 "(FP32, FP16 or BF16)"
             )

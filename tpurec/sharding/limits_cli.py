@@ -15,6 +15,7 @@ import time
 
 from tpurec.argtypes import positive_int
 from tpurec.catalog import MODEL_NAMES, TRAINING_DEFAULTS
+from tpurec.errors import UserError
 
 
 def register(actions) -> None:
@@ -129,10 +130,10 @@ def _run(args) -> int:
 
     _check_out(args.out)
     if not os.path.isdir(args.path):
-        raise ValueError(f"{args.path}: not a dataset directory (make one with `tpurec data convert`)")
+        raise UserError(f"{args.path}: not a dataset directory (make one with `tpurec data convert`)")
     report = _report(args)
     if args.model and args.plan and report.get("model") not in (None, args.model):
-        raise ValueError(f"--plan {args.plan} is a plan for {report.get('model')!r}, not --model {args.model}")
+        raise UserError(f"--plan {args.plan} is a plan for {report.get('model')!r}, not --model {args.model}")
     layout = layout_of(report)
     tables = table_layouts(report)
     global_batch = layout["batch_size_per_device"] * layout["world_size"]
@@ -145,7 +146,7 @@ def _run(args) -> int:
         rows = tally.count_stream(reader, threads, on_batch=lambda: bar.update(1))
     seconds = time.perf_counter() - start
     if rows == 0:
-        raise ValueError(f"{args.path}: no rows to measure")
+        raise UserError(f"{args.path}: no rows to measure")
     doc = {
         "format": FORMAT,
         "version": 1,

@@ -14,13 +14,14 @@ import os
 import sys
 
 from tpurec.catalog import TableSpec
+from tpurec.errors import UserError
 
 
 def parse_target(target: str) -> tuple[str, str]:
     """('pkg.mod', 'fn') from 'pkg.mod:fn' (checked before anything heavy is imported)."""
     module_name, _, fn_name = target.partition(":")
     if not module_name or not fn_name.isidentifier():
-        raise ValueError(f"--model-module {target!r}: expected MODULE:FUNCTION, e.g. my_pkg.models:build")
+        raise UserError(f"--model-module {target!r}: expected MODULE:FUNCTION, e.g. my_pkg.models:build")
     return module_name, fn_name
 
 
@@ -32,23 +33,23 @@ def load_model(target: str):
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ValueError(f"--model-module {target!r}: cannot import {module_name!r} ({e})") from None
+        raise UserError(f"--model-module {target!r}: cannot import {module_name!r} ({e})") from None
     fn = getattr(module, fn_name, None)
     if not callable(fn):
-        raise ValueError(f"--model-module {target!r}: {module_name} has no function {fn_name!r}")
+        raise UserError(f"--model-module {target!r}: {module_name} has no function {fn_name!r}")
     built = fn()
     model, constraints = built if isinstance(built, tuple) and len(built) == 2 else (built, None)
     from torch import nn
 
     if not isinstance(model, nn.Module):
-        raise ValueError(
+        raise UserError(
             f"--model-module {target!r}: {fn_name}() returned {type(model).__name__}, not an nn.Module "
             "(or a (model, constraints) pair)"
         )
     if constraints is not None and not isinstance(constraints, dict):
-        raise ValueError(f"--model-module {target!r}: constraints must be a dict by table name")
+        raise UserError(f"--model-module {target!r}: constraints must be a dict by table name")
     if not model_tables(model, constraints):
-        raise ValueError(f"--model-module {target!r}: the model holds no EmbeddingBagCollection to plan")
+        raise UserError(f"--model-module {target!r}: the model holds no EmbeddingBagCollection to plan")
     return model, constraints
 
 
@@ -79,7 +80,7 @@ def model_tables(model, constraints=None) -> list[TableSpec]:
     names = [t.name for t in out]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
-        raise ValueError(
+        raise UserError(
             f"table name(s) {dup} appear in more than one EmbeddingBagCollection; a plan keys tables by name"
         )
     return out

@@ -9,6 +9,8 @@ from typing import Mapping
 
 from torch import nn
 
+from tpurec.errors import UserError
+
 
 def embedding_tables(module: nn.Module) -> dict[str, dict[str, tuple[int, int]]]:
     """{module path: {table name: (rows, dim)}} of every EmbeddingBagCollection and
@@ -46,7 +48,7 @@ def align_to_model(plan, module: nn.Module, source: str = "the plan"):
         owners = [p for p, tables in paths.items() if names <= set(tables)]
         if len(owners) != 1:
             known = {p or "<root>": sorted(t) for p, t in paths.items()}
-            raise ValueError(
+            raise UserError(
                 f"{source}: module {path or '<root>'!r} with tables {sorted(names)} matches "
                 f"{'no' if not owners else 'more than one'} embedding collection of the model {known}; "
                 "plan this model again (leave out the plan)"
@@ -65,12 +67,12 @@ def check_plan(plan, tables: Mapping[str, Mapping[str, tuple[int, int]]], world_
         where = f"{source}, module {path or '<root>'!r}"
         own = tables.get(path)
         if own is None:
-            raise ValueError(f"{where}: the model has no EmbeddingBagCollection or EmbeddingCollection there")
+            raise UserError(f"{where}: the model has no EmbeddingBagCollection or EmbeddingCollection there")
         extra, missing = sorted(set(module_plan) - set(own)), sorted(set(own) - set(module_plan))
         if extra:
-            raise ValueError(f"{where}: table(s) {extra} are not in the model (its tables: {sorted(own)})")
+            raise UserError(f"{where}: table(s) {extra} are not in the model (its tables: {sorted(own)})")
         if missing:
-            raise ValueError(f"{where}: no sharding for table(s) {missing}; plan this model again")
+            raise UserError(f"{where}: no sharding for table(s) {missing}; plan this model again")
         for name, ps in module_plan.items():
             _check_table(f"{where}, table {name!r}", ps, own[name], world_size, types)
 
@@ -112,14 +114,14 @@ def _refuse_sharding_types(plan, source: str, refused: set[str], why: str) -> No
     for path, module_plan in plan.plan.items():
         for name, ps in module_plan.items():
             if ps.sharding_type in refused:
-                raise ValueError(
+                raise UserError(
                     f"{source}, module {path or '<root>'!r}, table {name!r}: sharding_type {ps.sharding_type!r} {why}"
                 )
 
 
 def _check_table(where: str, ps, shape: tuple[int, int], world_size: int, types: set) -> None:
     if ps.sharding_type not in types:
-        raise ValueError(f"{where}: sharding_type {ps.sharding_type!r} is not one of {sorted(types)}")
+        raise UserError(f"{where}: sharding_type {ps.sharding_type!r} is not one of {sorted(types)}")
     for r in ps.ranks or []:
         _check_rank(where, r, world_size)
     spec = ps.sharding_spec
@@ -133,13 +135,13 @@ def _check_table(where: str, ps, shape: tuple[int, int], world_size: int, types:
         # An empty shard is legal: TorchRec's row-wise split of a table with fewer rows than ranks
         # gives the last ranks 0 rows (dlrm-tiny's 3-row t_C9 on 4 devices).
         if min(r0, c0, nr, nc) < 0 or r0 + nr > rows or c0 + nc > dim:
-            raise ValueError(
+            raise UserError(
                 f"{where}: shard at offsets {[r0, c0]} sizes {[nr, nc]} does not fit the table ({rows} x {dim}): "
                 "a plan made for another model or other table sizes?"
             )
         area += nr * nc
     if area != rows * dim:
-        raise ValueError(
+        raise UserError(
             f"{where}: shards cover {area:,} of the table's {rows * dim:,} elements ({rows} x {dim}): a plan made "
             "for another model?"
         )
@@ -147,7 +149,7 @@ def _check_table(where: str, ps, shape: tuple[int, int], world_size: int, types:
 
 def _check_rank(where: str, rank: int, world_size: int) -> None:
     if not 0 <= rank < world_size:
-        raise ValueError(
+        raise UserError(
             f"{where}: placed on rank {rank}, but the world size is {world_size} (a plan made for another "
             "world size: plan again for this one)"
         )

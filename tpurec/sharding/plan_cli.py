@@ -18,6 +18,7 @@ import sys
 
 from tpurec.argtypes import fraction_above_zero, fraction_below_one, positive_float, positive_int
 from tpurec.catalog import MODEL_NAMES, TRAINING_DEFAULTS  # plain data: keeps `tpurec --help` instant
+from tpurec.errors import UserError
 
 # Defaults where no model config says otherwise. DistributedModelParallel's own planning batch
 # (tpurec.sharding.dmp.DEFAULT_PLANNING_BATCH_SIZE, checked equal in tests) is repeated here so that
@@ -192,7 +193,7 @@ def _plan(args) -> int:
         elif not args.topology.startswith("cpu"):
             devices = parse_slice(args.topology).world_size
     except ValueError as e:
-        raise ValueError(f"--topology: {e}") from None
+        raise UserError(f"--topology: {e}") from None
     tables = None
     if args.tables:  # a bad file, or more tables than tpurec plans, is refused before torch loads too
         from tpurec.sharding.tables_file import load_tables

@@ -18,6 +18,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tpurec.errors import UserError
+
 FORMAT = "tpurec-sharding-plan"
 VERSION = 1
 
@@ -30,10 +32,10 @@ def plan_to_dict(plan, meta: dict | None = None) -> dict:
         params = {}
         for name, ps in module_plan.items():
             if ps.cache_params is not None or ps.key_value_params is not None:
-                raise ValueError(f"{path}.{name}: cache_params / key_value_params are not serializable here")
+                raise UserError(f"{path}.{name}: cache_params / key_value_params are not serializable here")
             spec = ps.sharding_spec
             if spec is not None and not isinstance(spec, EnumerableShardingSpec):
-                raise ValueError(f"{path}.{name}: only EnumerableShardingSpec is supported, got {type(spec).__name__}")
+                raise UserError(f"{path}.{name}: only EnumerableShardingSpec is supported, got {type(spec).__name__}")
             params[name] = {
                 "sharding_type": ps.sharding_type,
                 "compute_kernel": ps.compute_kernel,
@@ -77,19 +79,19 @@ def plan_from_dict(doc: dict):
     try:
         obj(at, doc)
     except ValueError as e:
-        raise ValueError(f"plan file: {e}") from None
+        raise UserError(f"plan file: {e}") from None
     if doc.get("format") != FORMAT:
-        raise ValueError(f"not a tpurec sharding plan (format={doc.get('format')!r})")
+        raise UserError(f"not a tpurec sharding plan (format={doc.get('format')!r})")
     if doc.get("version") != VERSION:
-        raise ValueError(f"unsupported plan version {doc.get('version')!r}; this tpurec reads version {VERSION}")
+        raise UserError(f"unsupported plan version {doc.get('version')!r}; this tpurec reads version {VERSION}")
     plan = {}
     modules = doc.get("modules")
     if not isinstance(modules, dict):
-        raise ValueError("plan file has no 'modules' object")
+        raise UserError("plan file has no 'modules' object")
     try:  # every field's kind first: one line naming it, not a TypeError deep in TorchRec
         check_modules(f"{at}.modules", modules)
     except ValueError as e:
-        raise ValueError(f"plan file: {e}") from None
+        raise UserError(f"plan file: {e}") from None
     for path, params in modules.items():
         module_plan = EmbeddingModuleShardingPlan()
         for name, p in params.items():
@@ -97,7 +99,7 @@ def plan_from_dict(doc: dict):
                 module_plan[name] = _parameter_sharding(p)
             except (KeyError, TypeError, ValueError) as e:
                 what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
-                raise ValueError(f"plan file, module {path or '<root>'!r}, table {name!r}: {what}") from None
+                raise UserError(f"plan file, module {path or '<root>'!r}, table {name!r}: {what}") from None
         plan[path] = module_plan
     return ShardingPlan(plan)
 
@@ -149,17 +151,17 @@ def read_doc(path) -> dict:
     try:
         doc = json.loads(Path(path).read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not a JSON plan file ({e})") from None
+        raise UserError(f"{path}: not a JSON plan file ({e})") from None
     except RecursionError:  # Python's parser recurses once per level: [[[[... a million deep
-        raise ValueError(f"{path}: not a tpurec plan (JSON nested deeper than Python's parser can read)") from None
+        raise UserError(f"{path}: not a tpurec plan (JSON nested deeper than Python's parser can read)") from None
     if not isinstance(doc, dict):
-        raise ValueError(f"{path}: not a tpurec plan (a JSON object is expected)")
+        raise UserError(f"{path}: not a tpurec plan (a JSON object is expected)")
     try:  # the meta, wherever it sits: the plan's, or a report's and its plan's
         check_meta("$.meta", doc.get("meta"))
         if _is_report(doc):
             check_meta("$.plan.meta", obj("$.plan", doc["plan"]).get("meta"))
     except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
+        raise UserError(f"{path}: {e}") from None
     return doc
 
 
@@ -171,13 +173,13 @@ def load_plan(path, refused_ok: bool = False):
     doc = read_doc(path)
     refusal = doc.get("refusal") or (doc.get("meta") or {}).get("refusal")
     if refusal and not refused_ok:
-        raise ValueError(f"{path}: this plan does not fit its slice, so it cannot be applied ({refusal})")
+        raise UserError(f"{path}: this plan does not fit its slice, so it cannot be applied ({refusal})")
     try:
         return plan_from_dict(doc)
     except ValueError as e:  # name the file itself, not "plan file"
         msg = str(e)
         named = f"{path}{msg[len('plan file') :]}" if msg.startswith("plan file") else f"{path}: {msg}"
-        raise ValueError(named) from None
+        raise UserError(named) from None
 
 
 def load_meta(path) -> dict:

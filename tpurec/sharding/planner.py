@@ -32,6 +32,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 
 from tpurec.embedding.constraints import DIM_ALIGN
 from tpurec.embedding.optimizers.registry import spec_class, spec_name_for, spec_names
+from tpurec.errors import UserError
 from tpurec.sharding.estimators import (
     TpuPerfEstimator,
     TpuStorageEstimator,
@@ -59,7 +60,7 @@ DEFAULT_HEADROOM_FRACTION = 0.05
 DENSE_BYTES_PER_PARAM_BYTE = 4
 
 
-class PlanDoesNotFit(ValueError):
+class PlanDoesNotFit(UserError):
     """The tables cannot be placed in the devices' memory; the message says by how much."""
 
 
@@ -103,7 +104,7 @@ class TpuEnumerator(EmbeddingEnumerator):
         kept = [o for o in options if o.sharding_type in SHARDING_TYPES and o.compute_kernel == COMPUTE_KERNEL]
         lost = sorted({o.name for o in options} - {o.name for o in kept})
         if lost:
-            raise ValueError(
+            raise UserError(
                 f"no sharding option the SparseCore kernel can run for table(s) {lost}: it needs compute kernel "
                 f"{COMPUTE_KERNEL!r} and one of {SHARDING_TYPES}; check the sharders and ParameterConstraints"
             )
@@ -181,7 +182,7 @@ def infer_optimizer(module: nn.Module, sharders: List[ModuleSharder] | None = No
             found.add(spec_name_for(key) or key)
     unknown = found - set(spec_names())
     if unknown:
-        raise ValueError(
+        raise UserError(
             f"optimizer(s) {sorted(unknown)} not supported by the fused SparseCore update; "
             f"one of {sorted(spec_names())}"
         )
@@ -391,7 +392,7 @@ def plan(
     """
     too_many = tables_problem(len(_table_configs(module)), topology.world_size)
     if too_many:  # planning would take hours (plan_bounds.py): refused before it starts
-        raise ValueError(f"{too_many}; plan fewer tables, or pass a saved plan")
+        raise UserError(f"{too_many}; plan fewer tables, or pass a saved plan")
     optimizer = optimizer or infer_optimizer(module, sharders) or "sgd"
     sharders = sharders or planning_sharders()
     reservation = storage_reservation or TpuStorageReservation()

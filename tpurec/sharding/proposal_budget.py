@@ -23,6 +23,8 @@ from typing import List
 
 from torchrec.distributed.planner.types import Proposer, ShardingOption, Topology
 
+from tpurec.errors import UserError
+
 # Shards a proposer's proposals may hold in all once a plan fits: ~7 s of partitioning on a 2-core
 # host (about 24 us per shard, profiled on 100 tables, 2026-12-02), above the 260,000 that the
 # largest of tpurec's table sets uses (criteo-kaggle on v6e-256), whose plans it leaves unchanged.
@@ -32,7 +34,7 @@ DEFAULT_SHARD_BUDGET = 300_000
 NO_FIT_FACTOR = 4
 
 
-class SearchBoundReached(ValueError):
+class SearchBoundReached(UserError):
     """No proposal fit before every proposer had spent its bound: the tables may still fit."""
 
 

@@ -11,7 +11,7 @@ a file or an e-mail attachment, and loads nothing from the network.
 from __future__ import annotations
 
 import html
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from tpurec.sharding.render import png_bytes
 from tpurec.sharding.report_text import (
@@ -73,7 +73,7 @@ _SCRIPT = """(function () {
 class Column(NamedTuple):
     label: str
     numeric: bool
-    cell: Callable[[object], tuple]  # row -> (raw number or None, shown text)
+    cell: Callable[[Any], tuple]  # row (a report's JSON dict or pair) -> (raw number or None, shown text)
     title: str = ""
 
 

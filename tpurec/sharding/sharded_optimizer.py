@@ -25,6 +25,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
 from tpurec.embedding.fused_optimizer import KernelFusedOptimizer
+from tpurec.errors import UserError
 
 
 def _props(dtype: torch.dtype = torch.float32):
@@ -47,7 +48,7 @@ class ShardedSparseCoreOptimizer(KernelFusedOptimizer):
         kernels = {id(k): k for parts in by_table.values() for _, _, k in parts}
         specs = {k.optimizer for k in kernels.values()}
         if len(specs) > 1:
-            raise ValueError(f"tables of one embedding module use different fused optimizers: {specs}")
+            raise UserError(f"tables of one embedding module use different fused optimizers: {specs}")
         spec = next(iter(specs)) if specs else None
         # One step count for every table of this rank: TorchRec checkpoints one per table, and all
         # of a rank's kernels step together (each backward updates every stack).

@@ -17,6 +17,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
 from tpurec.embedding import dtypes
+from tpurec.errors import UserError
 from tpurec.sharding import table_params
 from tpurec.sharding.kernel_choice import COMPUTE_KERNEL
 from tpurec.sharding.kernel_module import SparseCoreEmbeddingBag, _SparseCoreGroupKernel
@@ -168,7 +169,7 @@ def _local_piece(value, meta, table: str) -> torch.Tensor:
             if list(shard.metadata.shard_offsets) == list(meta.shard_offsets):
                 return shard.tensor
         have = [list(s.metadata.shard_offsets) for s in value.local_shards()]
-        raise ValueError(
+        raise UserError(
             f"table {table!r}: this rank holds the shard at offsets {list(meta.shard_offsets)} but the loaded "
             f"ShardedTensor has local shards at {have}; load through torch.distributed.checkpoint (it reshards) "
             "or pass a full tensor"

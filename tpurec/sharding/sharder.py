@@ -23,6 +23,7 @@ from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingT
 
 from tpurec.embedding.constraints import DEFAULT_NUM_SPARSECORES
 from tpurec.embedding.sparsecores import resolve_num_sparsecores
+from tpurec.errors import UserError
 from tpurec.sharding import stock_estimates
 from tpurec.sharding.host_input_dist import HostInputDistMixin
 from tpurec.sharding.kernel_choice import COMPUTE_KERNEL, SHARDING_TYPES, sharding_types_for
@@ -52,7 +53,7 @@ def _sharding_type_of(sharding) -> ShardingType:
     ):
         if name.startswith(prefix):
             return st
-    raise ValueError(f"tpurec's SparseCore kernel does not support sharding {name} (supported: {SHARDING_TYPES})")
+    raise UserError(f"tpurec's SparseCore kernel does not support sharding {name} (supported: {SHARDING_TYPES})")
 
 
 class ShardedSparseCoreEBC(HostInputDistMixin, SparseCoreShardedMixin, ShardedEmbeddingBagCollection):

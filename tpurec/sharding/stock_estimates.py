@@ -33,6 +33,7 @@ from torchrec.distributed.planner.shard_estimators import EmbeddingStorageEstima
 from torchrec.distributed.planner.types import Shard, SharderDataMap, ShardEstimator, ShardingOption
 
 from tpurec.embedding.optimizers.registry import TORCHREC_DEFAULT_OPTIMIZER, spec_name_for, spec_names
+from tpurec.errors import UserError
 from tpurec.sharding.estimators import ShardCost, option_costs, shard_perf, shard_storage, spec_of
 from tpurec.sharding.kernel_choice import COMPUTE_KERNEL
 
@@ -62,7 +63,7 @@ def table_optimizer(weight: torch.Tensor, fused_params: Dict[str, Any] | None) -
         return TORCHREC_DEFAULT_OPTIMIZER
     name = spec_name_for(str(getattr(given, "value", given)))  # an FBGEMM EmbOptimType has a value
     if name is None:
-        raise ValueError(f"optimizer {given!r} has no fused SparseCore update; one of {sorted(spec_names())}")
+        raise UserError(f"optimizer {given!r} has no fused SparseCore update; one of {sorted(spec_names())}")
     return name
 
 

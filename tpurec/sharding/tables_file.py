@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from tpurec.catalog import TableSpec
+from tpurec.errors import UserError
 from tpurec.sharding.plan_bounds import tables_problem
 
 MAX_TABLE_ROWS = 2**40  # far above any real table; catches 1e20 and unit mistakes
@@ -30,7 +31,7 @@ POOLINGS = ("sum", "mean", "none")  # none: a sequence table (EmbeddingCollectio
 SHARDING_TYPES = ("table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise")
 
 
-class _Bad(ValueError):
+class _Bad(UserError):
     """A bad value; the reader prefixes the file, table and key."""
 
 
@@ -158,9 +159,9 @@ def _read(path: str):
                 return yaml.safe_load(f)
             return json.load(f)
     except OSError as e:
-        raise ValueError(f"{path}: cannot read ({e.strerror})") from None
+        raise UserError(f"{path}: cannot read ({e.strerror})") from None
     except Exception as e:  # JSON or YAML syntax: say where
-        raise ValueError(f"{path}: not a valid tables file ({type(e).__name__}: {e})") from None
+        raise UserError(f"{path}: not a valid tables file ({type(e).__name__}: {e})") from None
 
 
 def load_tables(path: str, devices: int | None = None) -> list[Entry]:
@@ -170,25 +171,23 @@ def load_tables(path: str, devices: int | None = None) -> list[Entry]:
     if isinstance(doc, dict):
         extra = sorted(set(doc) - {"tables"})
         if extra:
-            raise ValueError(
-                f"{path}: unknown top-level key(s) {extra}; a tables file is a list or {{'tables': [...]}}"
-            )
+            raise UserError(f"{path}: unknown top-level key(s) {extra}; a tables file is a list or {{'tables': [...]}}")
         doc = doc.get("tables")
     if not isinstance(doc, list) or not doc:
-        raise ValueError(f"{path}: expected a list of tables (or {{'tables': [...]}})")
+        raise UserError(f"{path}: expected a list of tables (or {{'tables': [...]}})")
     too_many = tables_problem(len(doc), devices)
     if too_many:
-        raise ValueError(f"{path}: {too_many}")
+        raise UserError(f"{path}: {too_many}")
     out, names, features = [], set(), {}
     for i, raw in enumerate(doc):
         entry = _entry(path, i, raw)
         where = f"{path}: table #{i} ({entry.spec.name!r})"
         if entry.spec.name in names:
-            raise ValueError(f"{path}: table #{i}: name {entry.spec.name!r} is used twice")
+            raise UserError(f"{path}: table #{i}: name {entry.spec.name!r} is used twice")
         names.add(entry.spec.name)
         for f in entry.spec.feature_names:
             if f in features:
-                raise ValueError(f"{where}: feature {f!r} is already served by table {features[f]!r}")
+                raise UserError(f"{where}: feature {f!r} is already served by table {features[f]!r}")
             features[f] = entry.spec.name
         out.append(entry)
     _check_module_names(path, out)
@@ -203,7 +202,7 @@ def _check_module_names(path: str, entries: list[Entry]) -> None:
 
     for i, e in enumerate(entries):
         if "." in e.spec.name or hasattr(torch.nn.ModuleDict, e.spec.name):
-            raise ValueError(
+            raise UserError(
                 f"{path}: table #{i} ({e.spec.name!r}): name cannot name a TorchRec table "
                 "(no dots, not a torch.nn.Module attribute such as 'half' or 'train'); rename it"
             )
@@ -211,32 +210,32 @@ def _check_module_names(path: str, entries: list[Entry]) -> None:
 
 def _entry(path: str, i: int, t) -> Entry:
     if not isinstance(t, dict):
-        raise ValueError(f"{path}: table #{i} is {type(t).__name__}, expected an object with name, rows, dim")
+        raise UserError(f"{path}: table #{i} is {type(t).__name__}, expected an object with name, rows, dim")
     name = t.get("name")
     where = f"{path}: table #{i}" + (f" ({name!r})" if isinstance(name, str) and name else "")
     unknown = sorted(set(map(str, t)) - set(KNOWN))
     if unknown:
-        raise ValueError(f"{where}: unknown field(s) {unknown}; known: {KNOWN}")
+        raise UserError(f"{where}: unknown field(s) {unknown}; known: {KNOWN}")
     values = {}
     for key, field in FIELDS.items():
         given = [k for k in (key, field.alias) if k and k in t]
         if len(given) > 1:
-            raise ValueError(f"{where}: give '{key}' or '{field.alias}', not both")
+            raise UserError(f"{where}: give '{key}' or '{field.alias}', not both")
         if not given:
             if field.required:
                 alias = f" (or '{field.alias}')" if field.alias else ""
-                raise ValueError(f"{where}: needs '{key}'{alias}" + (" (a non-empty string)" if key == "name" else ""))
+                raise UserError(f"{where}: needs '{key}'{alias}" + (" (a non-empty string)" if key == "name" else ""))
             continue
         try:
             values[key] = field.parse(t[given[0]], t)
         except _Bad as e:
-            raise ValueError(f"{where}: {given[0]} {e}") from None
+            raise UserError(f"{where}: {given[0]} {e}") from None
     features = values.get("features", (values["name"],))
     pooling = values.get("pooling_factor", (1.0,))
     if len(pooling) == 1:
         pooling = pooling * len(features)
     elif len(pooling) != len(features):
-        raise ValueError(
+        raise UserError(
             f"{where}: pooling_factor has {len(pooling)} values for {len(features)} feature(s) {list(features)}"
         )
     spec = TableSpec(

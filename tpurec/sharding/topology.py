@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from tpurec import device as _device
+from tpurec.errors import UserError
 from tpurec.sharding.cpu_cost import DEFAULT_CPU_COSTS, CpuCosts
 
 if TYPE_CHECKING:  # the class itself is made on first use (_tpu_topology_class)
@@ -251,31 +252,31 @@ def parse_slice(name: str, **assumptions) -> SliceSpec:
     """Parse 'v5p-128', 'v6e-256', 'v7x-64', '2xv5p-128' ... into a SliceSpec."""
     m = _SLICE_RE.match(name.strip().lower())
     if not m:
-        raise ValueError(f"malformed TPU slice name {name!r}; valid forms: {SLICE_FORMS}")
+        raise UserError(f"malformed TPU slice name {name!r}; valid forms: {SLICE_FORMS}")
     slices, gen_name, count = int(m.group(1) or 1), m.group(2), int(m.group(3))
     gen_name = _ALIASES.get(gen_name, gen_name)
     if gen_name not in GENERATIONS:
-        raise ValueError(f"unknown TPU generation {m.group(2)!r} in {name!r}; valid forms: {SLICE_FORMS}")
+        raise UserError(f"unknown TPU generation {m.group(2)!r} in {name!r}; valid forms: {SLICE_FORMS}")
     gen = GENERATIONS[gen_name]
     if count <= 0 or slices <= 0:
-        raise ValueError(f"slice size must be positive in {name!r}; valid forms: {SLICE_FORMS}")
+        raise UserError(f"slice size must be positive in {name!r}; valid forms: {SLICE_FORMS}")
     if gen.name_counts == "tensorcores":
         if count % 2:
-            raise ValueError(f"{gen.name} slice names count TensorCores (2 per chip), so N must be even: {name!r}")
+            raise UserError(f"{gen.name} slice names count TensorCores (2 per chip), so N must be even: {name!r}")
         chips = count // 2
     else:
         chips = count
     if chips > gen.max_chips_per_slice:
-        raise ValueError(
+        raise UserError(
             f"{name!r}: {chips:,} chips, but a {gen.name} slice is at most {gen.max_chips_per_slice:,} chips; use "
             f"several slices (KxSLICE, e.g. 2x{slice_names(gen.name)[-1]})"
         )
     if chips not in _SLICE_CHIPS[gen.name]:
-        raise ValueError(f"{name.strip()!r} is not a Cloud TPU {gen.name} slice; {valid_slice_text(gen.name)}")
+        raise UserError(f"{name.strip()!r} is not a Cloud TPU {gen.name} slice; {valid_slice_text(gen.name)}")
     if chips * slices > MAX_MULTISLICE_CHIPS:
-        raise ValueError(f"{name!r}: {chips * slices:,} chips in all; tpurec plans at most {MAX_MULTISLICE_CHIPS:,}")
+        raise UserError(f"{name!r}: {chips * slices:,} chips in all; tpurec plans at most {MAX_MULTISLICE_CHIPS:,}")
     if chips * slices * gen.devices_per_chip > MAX_PLAN_DEVICES:
-        raise ValueError(f"{name!r}: {chips * slices * gen.devices_per_chip:,} devices in all; {_DEVICE_BOUND}")
+        raise UserError(f"{name!r}: {chips * slices * gen.devices_per_chip:,} devices in all; {_DEVICE_BOUND}")
     return SliceSpec(name=name.strip().lower(), generation=gen, chips_per_slice=chips, num_slices=slices, **assumptions)
 
 
@@ -283,9 +284,9 @@ def cpu_ranks(name: str) -> int:
     """N of a `cpu-N` dry-run topology, 1 <= N <= MAX_PLAN_DEVICES (ValueError naming the bound)."""
     n = name.split("-", 1)[1]
     if not n.isdigit() or int(n) < 1:
-        raise ValueError(f"bad CPU topology {name!r}: use cpu-N with N >= 1 ranks")
+        raise UserError(f"bad CPU topology {name!r}: use cpu-N with N >= 1 ranks")
     if int(n) > MAX_PLAN_DEVICES:
-        raise ValueError(f"{name!r}: {int(n):,} CPU ranks; {_DEVICE_BOUND}")
+        raise UserError(f"{name!r}: {int(n):,} CPU ranks; {_DEVICE_BOUND}")
     return int(n)
 
 
@@ -387,18 +388,18 @@ def make_topology(
     with `world_size` devices (the TPU_ACCELERATOR_TYPE generation if set, else v5p with a warning;
     CPU: a dry-run topology where tables live in DDR)."""
     if compute_device not in ("tpu", "cpu"):
-        raise ValueError(f"compute_device must be 'tpu' or 'cpu', not {compute_device!r}")
+        raise UserError(f"compute_device must be 'tpu' or 'cpu', not {compute_device!r}")
     if isinstance(spec, str) and spec.lower().startswith("cpu-"):
         # "cpu-N": a CPU dry run with N ranks, the form `tpurec plan --topology` accepts too.
         n = cpu_ranks(spec)
         if world_size is not None and world_size != n:
-            raise ValueError(f"{spec} has {n} ranks but world_size={world_size}")
+            raise UserError(f"{spec} has {n} ranks but world_size={world_size}")
         return make_topology(None, n, "cpu", num_sc_per_device=num_sc_per_device, hbm_cap=hbm_cap)
     if isinstance(spec, str):
         spec = parse_slice(spec)
     if spec is None:
         if world_size is None:
-            raise ValueError("make_topology(None, ...) needs world_size")
+            raise UserError("make_topology(None, ...) needs world_size")
         if compute_device == "cpu":
             spec = cpu_spec(world_size, num_sc_per_device=num_sc_per_device)
         else:
@@ -410,9 +411,9 @@ def make_topology(
             chips = -(-world_size // gen.devices_per_chip)
             spec = SliceSpec(name=f"{gen.name}x{world_size}dev", generation=gen, chips_per_slice=chips)
     if world_size is not None and world_size != spec.world_size:
-        raise ValueError(f"{spec.name} has {spec.world_size} devices but world_size={world_size}")
+        raise UserError(f"{spec.name} has {spec.world_size} devices but world_size={world_size}")
     if compute_device == "tpu" and spec.generation.name != CPU_GENERATION and spec.generation.sparsecores == 0:
-        raise ValueError(
+        raise UserError(
             f"{spec.generation.name} has no usable SparseCores; tpurec's embedding kernel needs v5p, v6e or v7x"
         )
     overrides = {

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import os
 
+from tpurec.errors import UserError
+
 ENV = "TPUREC_TPU_ALL_TO_ALL"
 MODES = ("padded", "uneven")
 _HOOKS = ("maybe_kjt_a2a_uneven_tpu", "maybe_all2all_pooled_uneven_tpu")
@@ -48,7 +50,7 @@ def select(mode: str | None = None) -> str:
     process; returns it. Raises ValueError for an unknown mode."""
     mode = mode or os.environ.get(ENV) or "padded"
     if mode not in MODES:
-        raise ValueError(f"uneven all-to-all mode {mode!r} (or {ENV}) must be one of {', '.join(MODES)}")
+        raise UserError(f"uneven all-to-all mode {mode!r} (or {ENV}) must be one of {', '.join(MODES)}")
     from torchrec.experimental.torch_tpu import uneven_all_to_all as hooks
 
     if not _originals:

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence
 
 import torch
 
+from tpurec.errors import UserError
+
 if TYPE_CHECKING:
     from tpurec.embedding.preprocess import SparseCoreInput
 
@@ -91,13 +93,13 @@ class OptimizerSpec(abc.ABC):
         name = optimizer_name or cls.torch_class_name()
         for key in cls.refused_torch_kwargs:
             if kwargs.get(key) not in (None, 0, 0.0, False):
-                raise ValueError(f"{name}: {key}={kwargs[key]!r} is not supported by the fused SparseCore update")
+                raise UserError(f"{name}: {key}={kwargs[key]!r} is not supported by the fused SparseCore update")
             kwargs.pop(key, None)
         spec = cls._take_torch_kwargs(kwargs)
         for harmless in _HARMLESS_TORCH_KWARGS:
             kwargs.pop(harmless, None)
         if kwargs:
-            raise ValueError(f"{name}: unsupported arguments for the fused SparseCore update: {sorted(kwargs)}")
+            raise UserError(f"{name}: unsupported arguments for the fused SparseCore update: {sorted(kwargs)}")
         return spec
 
     @classmethod
@@ -205,7 +207,7 @@ def check_hyperparameter(optimizer: str, name: str, value) -> None:
     elif name.startswith("beta") and not 0 <= v < 1:
         problem = "must be in [0, 1)"
     if problem:
-        raise ValueError(f"{optimizer}: {name}={value!r} {problem}")
+        raise UserError(f"{optimizer}: {name}={value!r} {problem}")
 
 
 @torch.no_grad()

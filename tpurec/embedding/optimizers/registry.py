@@ -16,6 +16,8 @@ import pkgutil
 import sys
 from typing import TYPE_CHECKING, Any, Mapping
 
+from tpurec.errors import UserError
+
 if TYPE_CHECKING:
     from tpurec.embedding.optimizers.base import OptimizerSpec
 
@@ -64,7 +66,7 @@ def spec_class(name: str) -> type[OptimizerSpec]:
         return known
     classes = spec_classes()
     if name not in classes:
-        raise ValueError(f"unknown optimizer {name!r}; one of {sorted(classes)}")
+        raise UserError(f"unknown optimizer {name!r}; one of {sorted(classes)}")
     return classes[name]
 
 
@@ -77,7 +79,7 @@ def spec_from_torch(optimizer: type, kwargs: Mapping[str, Any] | None = None) ->
             return cls.from_torch_kwargs(kwargs, optimizer_name=name)
     paths = [cls.torch_optimizer_path for cls in classes]
     use = f"{', '.join(paths[:-1])} or {paths[-1]}" if len(paths) > 1 else paths[0]
-    raise ValueError(f"optimizer {name} has no fused SparseCore update; use {use}")
+    raise UserError(f"optimizer {name} has no fused SparseCore update; use {use}")
 
 
 def _resolves_to(cls, optimizer: type) -> bool:
@@ -122,14 +124,14 @@ def spec_from_fused_params(fused_params: Mapping[str, Any] | None, table: str) -
             # dropped (Adam(weight_decay=0.01) must not train as plain Adam).
             for key in cls.refused_torch_kwargs:
                 if fp.get(key) not in (None, 0, 0.0, False):
-                    raise ValueError(
+                    raise UserError(
                         f"table {table!r}: {cls.torch_class_name()} option {key}={fp[key]!r} is not supported by "
                         "tpurec's fused SparseCore update (refused, not ignored); leave it out, or keep this "
                         "table off the SparseCore kernel"
                     )
             return cls.from_fused_params(fp)
     names = "|".join(cls.torch_class_name() for cls in classes.values())
-    raise ValueError(
+    raise UserError(
         f"table {table!r}: optimizer={opt!r} has no fused SparseCore update; use "
         f"torchrec.optim.apply_optimizer_in_backward(<{names}>, params, kwargs) on the unsharded model"
     )
