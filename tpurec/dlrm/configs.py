@@ -9,6 +9,7 @@ made with `flag(...)` are those flags: their help text lives here, on the field,
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
 
 from tpurec.argtypes import (
     fraction_below_one,
@@ -166,13 +167,15 @@ def get_config(name: str) -> DLRMConfig:
         raise UserError(f"unknown model {name!r}; one of {', '.join(CONFIGS)}") from None
 
 
-def override(cfg: DLRMConfig, **changes) -> DLRMConfig:
+def override(cfg: DLRMConfig, **changes: Any) -> DLRMConfig:
     """cfg with the given fields replaced; None values mean "not given" and are ignored."""
     names = {f.name for f in fields(DLRMConfig)}
     bad = set(changes) - names
     if bad:
         raise UserError(f"unknown config field(s) {sorted(bad)}")
-    given = {k: tuple(v) if isinstance(v, list) else v for k, v in changes.items() if v is not None}  # JSON lists
+    given: dict[str, Any] = {  # JSON lists as tuples
+        k: tuple(v) if isinstance(v, list) else v for k, v in changes.items() if v is not None
+    }
     out = replace(cfg, **given)
     validate(out)
     return out

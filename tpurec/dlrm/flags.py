@@ -13,13 +13,22 @@ from __future__ import annotations
 import dataclasses
 import typing
 from types import UnionType
+from typing import Any, TypeVar
 
+_T = TypeVar("_T")
 _KEY = "flag"  # metadata key: the argparse keywords of a flagged field
 
 
-def flag(default, help: str, **argparse_kwargs) -> dataclasses.Field:
-    """A dataclass field with a default that is also a command-line flag."""
-    return dataclasses.field(default=default, metadata={_KEY: {"help": help, **argparse_kwargs}})
+def flag(default: _T, help: str, **argparse_kwargs: Any) -> _T:
+    """A dataclass field with a default that is also a command-line flag.
+
+    Typed as its default, like dataclasses.field: the class body declares the field's type."""
+    return dataclasses.field(default=default, metadata=flag_metadata(help, **argparse_kwargs))
+
+
+def flag_metadata(help: str, **argparse_kwargs: Any) -> dict[str, Any]:
+    """The field metadata that makes a dataclass field a flag."""
+    return {_KEY: {"help": help, **argparse_kwargs}}
 
 
 def flag_kwargs(cls, name: str) -> dict:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 from tpurec import heartbeat
 from tpurec.argtypes import nonnegative_float, nonnegative_int, positive_float, positive_int
@@ -27,10 +28,10 @@ OPTIONS_ENV = "TPUREC_TRAIN_OPTIONS"  # the launcher's JSON of TrainOptions for 
 _CONFIG = "config"  # metadata marker of the fields that override a DLRMConfig field
 
 
-def _override(name: str):
+def _override(name: str) -> Any:
     """A flag overriding DLRMConfig field `name`: that field's help and choices, unset (None) by default."""
-    declared = flag(None, **flags.flag_kwargs(DLRMConfig, name))
-    return field(default=None, metadata={**declared.metadata, _CONFIG: True})
+    declared = flags.flag_metadata(**flags.flag_kwargs(DLRMConfig, name))
+    return field(default=None, metadata={**declared, _CONFIG: True})
 
 
 @dataclass(frozen=True)
@@ -216,6 +217,7 @@ class TrainOptions:
             # A directory that does not exist is a typo, not a first run (which has the directory
             # empty or absent only if --resume is left out): training from scratch would hide it.
             where = self.checkpoint_dir if self.resume == "latest" else self.resume
+            assert where is not None  # "latest" without --checkpoint-dir was refused above
             if not os.path.exists(where):
                 return f"--resume: {where} does not exist (leave out --resume to start a new run)"
         from tpurec.outputs import output_problem
