@@ -51,6 +51,28 @@ USER_MODEL = textwrap.dedent("""
 
     def not_a_model():
         return 42
+
+
+    def build_with_sequence():
+        from torchrec.modules.embedding_configs import EmbeddingConfig
+        from torchrec.modules.embedding_modules import EmbeddingCollection
+
+        m = build()
+        m.seq = EmbeddingCollection([
+            EmbeddingConfig(name="hist", embedding_dim=16, num_embeddings=3000, feature_names=["h"]),
+        ], device=META)
+        return m
+
+
+    def build_sequence_only():
+        from torchrec.modules.embedding_configs import EmbeddingConfig
+        from torchrec.modules.embedding_modules import EmbeddingCollection
+
+        m = nn.Module()
+        m.seq = EmbeddingCollection([
+            EmbeddingConfig(name="hist", embedding_dim=16, num_embeddings=3000, feature_names=["h", "h2"]),
+        ], device=META)
+        return m
 """)
 
 
@@ -86,6 +108,39 @@ def test_constraints_returned_with_the_model_steer_the_plan(user_module, capsys)
     assert users["sharding_type"] == "row_wise" and users["pooling_factor"] == 5.0
 
 
+def test_a_model_with_an_embedding_collection_is_planned_and_shown_again(user_module, tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    args = ("--model-module", f"{user_module}:build_with_sequence", "--topology", "v6e-4", "--format", "json")
+    assert _cli(*args, "--out", str(out)) == 0
+    r = json.loads(out.read_text())
+    assert set(r["plan"]["modules"]) == {"sparse.ebc", "terms", "seq"}
+    hist = next(x for x in r["tables"] if x["name"] == "hist")
+    assert (hist["module"], hist["pooling"], hist["rows"]) == ("seq", "none", 3000)
+    capsys.readouterr()
+    # `plan show` reads the file back (three modules, each with its own tables) to the same report
+    assert _cli("show", str(out), "--format", "json") == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["tables"] == r["tables"] and shown["devices"] == r["devices"]
+
+
+def test_a_model_of_embedding_collections_only_is_planned(user_module, capsys):
+    r = _plan(capsys, "--model-module", f"{user_module}:build_sequence_only", "--topology", "v6e-4")
+    assert [(t["name"], t["module"], t["features"]) for t in r["tables"]] == [("hist", "seq", ["h", "h2"])]
+
+
+def test_a_plan_file_missing_a_table_of_another_module_is_refused(user_module, tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    args = ("--model-module", f"{user_module}:build_with_sequence", "--topology", "v6e-4", "--format", "json")
+    assert _cli(*args, "--out", str(out)) == 0
+    doc = json.loads(out.read_text())
+    del doc["plan"]["modules"]["seq"]
+    out.write_text(json.dumps(doc))
+    from tpurec.sharding.inspect import report_from_file
+
+    with pytest.raises(ValueError, match=r"no sharding for table\(s\) \['hist'\]"):
+        report_from_file(out)
+
+
 @pytest.mark.parametrize(
     "target,message",
     [
@@ -106,14 +161,14 @@ import json, sys
 sys.path.insert(0, sys.argv[1])
 import tpurec
 from tpurec.sharding.plan_io import plan_to_dict
-from tpurec_user_model import build
-dmp = tpurec.DistributedModelParallel(build(), device="cpu", topology="cpu-1")  # its default batch
+from tpurec_user_model import build_with_sequence
+dmp = tpurec.DistributedModelParallel(build_with_sequence(), device="cpu", topology="cpu-1")  # its default batch
 print("PLAN", json.dumps(plan_to_dict(dmp.plan)["modules"]))
 """
 
 
 def test_the_plan_is_the_one_distributed_model_parallel_makes(user_module, tmp_path, capsys):
-    r = _plan(capsys, "--model-module", f"{user_module}:build", "--topology", "cpu-1")
+    r = _plan(capsys, "--model-module", f"{user_module}:build_with_sequence", "--topology", "cpu-1")
     out = subprocess.run([sys.executable, "-c", DMP_SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     dmp_modules = json.loads(out.stdout.split("PLAN ", 1)[1])

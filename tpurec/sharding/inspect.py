@@ -384,7 +384,17 @@ def report_from_plan_and_meta(plan, meta: dict) -> dict:
     from tpurec.sharding.plan_check import check_plan
 
     shapes = {t.name: (t.num_embeddings, t.embedding_dim) for t in tables}
-    check_plan(plan, {path: shapes for path in plan.plan}, topo.spec.world_size, source=meta.get("source", "plan"))
+    source = meta.get("source", "plan")
+    # A model with several embedding modules (`--model-module`) splits its tables among them: each
+    # module is checked against the tables it names, and together they must cover every table once.
+    planned = [name for module_plan in plan.plan.values() for name in module_plan]
+    missing, twice = sorted(set(shapes) - set(planned)), sorted({n for n in planned if planned.count(n) > 1})
+    if missing:
+        raise UserError(f"{source}: no sharding for table(s) {missing}; plan this model again")
+    if twice:
+        raise UserError(f"{source}: table(s) {twice} are sharded by more than one module; plan this model again")
+    own = {path: {n: shapes[n] for n in module_plan if n in shapes} for path, module_plan in plan.plan.items()}
+    check_plan(plan, own, topo.spec.world_size, source=source)
     report = build_report(
         plan,
         tables,

@@ -1,7 +1,7 @@
 """`tpurec plan --model-module pkg.mod:fn`: plan the user's own model.
 
-`fn()` returns the model (an nn.Module holding EmbeddingBagCollections, best built on the meta
-device so nothing is allocated), or `(model, constraints)` with TorchRec ParameterConstraints by
+`fn()` returns the model (an nn.Module holding EmbeddingBagCollections and/or EmbeddingCollections,
+best built on the meta device so nothing is allocated), or `(model, constraints)` with TorchRec ParameterConstraints by
 table name, exactly what `tpurec.DistributedModelParallel(model, constraints=...)` takes. The model
 is then planned by `planner.plan`, the function DMP calls, with the same optimizer inference
 (apply_optimizer_in_backward / fused_params).
@@ -49,20 +49,27 @@ def load_model(target: str):
     if constraints is not None and not isinstance(constraints, dict):
         raise UserError(f"--model-module {target!r}: constraints must be a dict by table name")
     if not model_tables(model, constraints):
-        raise UserError(f"--model-module {target!r}: the model holds no EmbeddingBagCollection to plan")
+        raise UserError(
+            f"--model-module {target!r}: the model holds no EmbeddingBagCollection or EmbeddingCollection to plan"
+        )
     return model, constraints
 
 
 def model_tables(model, constraints=None) -> list[TableSpec]:
-    """A TableSpec per table of every EmbeddingBagCollection in `model` (pooling factors from the
-    constraints, else 1 id per feature, as the planner assumes)."""
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    """A TableSpec per table of every EmbeddingBagCollection and EmbeddingCollection in `model`, as
+    DMP shards them (pooling factors from the constraints, else 1 id per feature, as the planner
+    assumes; an EmbeddingCollection's tables are sequence tables, pooling "none")."""
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
     out = []
     for m in model.modules():
-        if not isinstance(m, EmbeddingBagCollection):
+        if isinstance(m, EmbeddingBagCollection):
+            configs, weighted = m.embedding_bag_configs(), m.is_weighted()
+        elif isinstance(m, EmbeddingCollection):
+            configs, weighted = m.embedding_configs(), False
+        else:
             continue
-        for c in m.embedding_bag_configs():
+        for c in configs:
             factors = getattr((constraints or {}).get(c.name), "pooling_factors", None) or [1.0] * len(c.feature_names)
             out.append(
                 TableSpec(
@@ -73,14 +80,12 @@ def model_tables(model, constraints=None) -> list[TableSpec]:
                     float(sum(factors)),
                     c.data_type.name.lower(),
                     extra_features=tuple(c.feature_names[1:]),
-                    pooling=c.pooling.name.lower(),
-                    weighted=m.is_weighted(),
+                    pooling=c.pooling.name.lower() if isinstance(m, EmbeddingBagCollection) else "none",
+                    weighted=weighted,
                 )
             )
     names = [t.name for t in out]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
-        raise UserError(
-            f"table name(s) {dup} appear in more than one EmbeddingBagCollection; a plan keys tables by name"
-        )
+        raise UserError(f"table name(s) {dup} appear in more than one embedding collection; a plan keys tables by name")
     return out
