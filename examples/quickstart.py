@@ -1,8 +1,8 @@
 """A TorchRec ranking model trained with tpurec.DistributedModelParallel: the README example, whole.
 
-    python examples/quickstart.py                 # CPU: the SparseCore reference kernels, one process
-    python examples/quickstart.py --device tpu    # a TPU VM (after `tpurec selftest --device tpu`)
-    torchrun --standalone --nproc-per-node 2 examples/quickstart.py   # 2 ranks (gloo on CPU)
+    .venv/bin/python examples/quickstart.py                 # CPU: the SparseCore reference kernels, one process
+    .venv/bin/python examples/quickstart.py --device tpu    # a TPU VM (after `tpurec selftest --device tpu`)
+    .venv/bin/torchrun --standalone --nproc-per-node 2 examples/quickstart.py   # 2 ranks (gloo on CPU)
 
 The model is plain TorchRec (an EmbeddingBagCollection built on the meta device, an MLP); the
 tables' optimizer is fused into backward (apply_optimizer_in_backward), the MLP has its own. The

@@ -1,9 +1,9 @@
 """A sequential recommender on SparseCore sequence embeddings: a transformer over each user's item
 history, trained through tpurec.DistributedModelParallel, scored against the best AUC the data allows.
 
-    python examples/sequential_recommender.py                 # CPU: the SparseCore reference kernels
-    python examples/sequential_recommender.py --device tpu    # a TPU VM (after `tpurec selftest --device tpu`)
-    torchrun --standalone --nproc-per-node 2 examples/sequential_recommender.py   # 2 ranks (gloo on CPU)
+    .venv/bin/python examples/sequential_recommender.py               # CPU: the SparseCore reference kernels
+    .venv/bin/python examples/sequential_recommender.py --device tpu  # a TPU VM (after tpurec selftest --device tpu)
+    .venv/bin/torchrun --standalone --nproc-per-node 2 examples/sequential_recommender.py   # 2 ranks (gloo on CPU)
 
 The model is plain TorchRec and torch: an EmbeddingCollection (one table of items, looked up
 unpooled for the history and the candidate: one embedding per id), a transformer encoder layer over

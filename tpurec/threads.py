@@ -1,7 +1,7 @@
 """Torch's intra-op thread count per rank, chosen once for programs that build a tpurec DMP.
 
 Torch starts every process with one thread per physical core of the machine, whatever else runs on
-it; with several ranks on one host (torchrun --nproc-per-node N) that is N times too many threads,
+it; with several ranks on one host (torchrun's --nproc-per-node N) that is N times too many threads,
 and every op waits for a busy core. So `tpurec.DistributedModelParallel` sets, once per process, the
 cores this process may run on (os.sched_getaffinity) divided among the ranks on this host
 (LOCAL_WORLD_SIZE, which torchrun and `tpurec launch` set), unless the user chose:

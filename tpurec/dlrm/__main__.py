@@ -3,7 +3,7 @@
 The `--nproc` launcher of `tpurec train` passes the parsed options as JSON in TPUREC_TRAIN_OPTIONS
 (and no flags); a multi-host job runs this module under torchrun with the flags of `tpurec train`:
 
-    torchrun --nnodes 2 --nproc-per-node 4 ... -m tpurec.dlrm --data DIR [flags of tpurec train]
+    .venv/bin/torchrun --nnodes 2 --nproc-per-node 4 ... -m tpurec.dlrm --data DIR [flags of tpurec train]
 """
 
 from __future__ import annotations
