@@ -53,6 +53,9 @@ class KernelTable:
     feature_names: tuple[str, ...]
     pooling: str = "sum"  # "sum" | "mean"
     init_rows: int | None = None  # rows of the whole (unsharded) table, for EBC's init bound
+    # The config's weight_init_min/max (TorchRec's get_weight_init_min/max); None: +-sqrt(1/rows).
+    init_min: float | None = None
+    init_max: float | None = None
     dtype: torch.dtype = torch.float32  # the config's dtype (stored as such unless widened)
     source: str | None = None  # the whole table's name when this is a shard (for messages)
     # Ids per sample this table expects over its features (pooling factors): when every table of a
@@ -286,17 +289,20 @@ class SparseCoreKernel(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """TorchRec EBC's default init: uniform(-sqrt(1/rows), sqrt(1/rows)) per table; padding rows 0."""
+        """TorchRec's init: uniform(weight_init_min, weight_init_max) per table, by default
+        uniform(-sqrt(1/rows), sqrt(1/rows)); padding rows 0."""
         for t in self.tables:
             i, _ = self._locate(t.name)
             if self.stack_weight(i).is_meta:
                 continue
             bound = (1.0 / max(t.init_rows or t.num_embeddings, 1)) ** 0.5
+            lo = -bound if t.init_min is None else t.init_min
+            hi = bound if t.init_max is None else t.init_max
             view = self.read_weight(t.name)
             if view.device.type == "cpu":  # in place: no second copy of a large table, same draws
-                view.uniform_(-bound, bound)
+                view.uniform_(lo, hi)
             else:  # drawn on the host so that a TPU run starts from the CPU run's tables
-                view.copy_(torch.empty(t.num_embeddings, t.embedding_dim).uniform_(-bound, bound))
+                view.copy_(torch.empty(t.num_embeddings, t.embedding_dim).uniform_(lo, hi))
 
     # -- forward -------------------------------------------------------------------------------
     def forward(self, features) -> torch.Tensor:

@@ -50,6 +50,8 @@ def kernel_tables(tables: Sequence[EmbeddingBagConfig], pooling_factors: dict | 
                 _POOLING[t.pooling],
                 dtype=table_dtype(t.data_type, t.name),
                 expected_ids=float(pooling_factors[t.name]) if t.name in pooling_factors else None,
+                init_min=t.weight_init_min,
+                init_max=t.weight_init_max,
             )
         )
     return out

@@ -80,6 +80,8 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
                     tuple(slots),
                     pooling,
                     init_rows=t.num_embeddings,
+                    init_min=t.weight_init_min,
+                    init_max=t.weight_init_max,
                     dtype=table_dtype(t.data_type, t.name),
                     source=t.name,
                     # a row shard gets its share of the table's ids (hashed ids spread over the rows)

@@ -142,7 +142,7 @@ class AdamSpec(OptimizerSpec):
     fbgemm_optim = "ADAM"
     fbgemm_aliases = ()
     state_names = ("momentum1", "exp_avg_sq")  # TorchRec's and FBGEMM's names for m and v
-    refused_torch_kwargs = ("weight_decay", "amsgrad", "maximize")
+    refused_torch_kwargs = ("weight_decay", "amsgrad", "maximize", "decoupled_weight_decay")
     keeps_step_count = True
 
     @classmethod
