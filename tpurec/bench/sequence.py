@@ -9,7 +9,12 @@ up unpooled. A step is forward + backward with row-wise Adagrad applied, side by
   table-wise, its `fused` kernel: FBGEMM's CPU TBE in sequence mode with EXACT_ROWWISE_ADAGRAD),
   what a TorchRec user trains an EC with on CPU.
 
-Both contestants run with the same torch thread count.
+Both contestants run with the same torch thread count and start from the same tables (tpurec's
+initial ones copied into TorchRec's); one step on the same ids is checked for equal work
+(`tpurec.bench.equal_work`: the same looked-up rows and the same tables after the update) before
+anything is timed. Then both take turns over the batches for several rounds, in a fresh random
+order each round (`timer.interleaved`); the figure is the median of the per-round ratios
+(torchrec seconds / tpurec seconds), reported with the worst and best round and the load average.
 """
 
 from __future__ import annotations
@@ -30,25 +35,32 @@ def _tables(num_tables, rows, dim):
     ]
 
 
-def _backward_all(out: dict) -> None:
+def _values(out: dict):
+    """Every looked-up row of every feature, one [ids, dim] tensor."""
     import torch
 
-    values = [jt.values() for jt in out.values()]
-    torch.cat(values).backward(torch.ones(sum(v.shape[0] for v in values), values[0].shape[1]))
+    return torch.cat([jt.values() for jt in out.values()])
 
 
 def _tpurec(num_tables, rows, dim):
     from torchrec.optim import RowWiseAdagrad
 
+    from tpurec.bench.contenders import Side
     from tpurec.embedding.sequence_module import SparseCoreEmbeddingCollection
 
     m = SparseCoreEmbeddingCollection(
         _tables(num_tables, rows, dim), RowWiseAdagrad, {"lr": 0.01, "eps": 1e-8}, num_sparsecores=4, device="cpu"
     )
-    return lambda kjt: _backward_all(m(kjt))
+
+    def step(kjt, upstream):
+        out = _values(m(kjt))
+        out.backward(upstream)
+        return out.detach()
+
+    return Side("tpurec", step, lambda: [m.table_weight(f"t{i}") for i in range(num_tables)])
 
 
-def _torchrec(num_tables, rows, dim):
+def _torchrec(num_tables, rows, dim, initial):
     import torch
     import torch.distributed as dist
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
@@ -58,6 +70,8 @@ def _torchrec(num_tables, rows, dim):
     from torchrec.modules.embedding_modules import EmbeddingCollection
     from torchrec.optim import RowWiseAdagrad
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    from tpurec.bench.contenders import Side
 
     ec = EmbeddingCollection(tables=_tables(num_tables, rows, dim), device=torch.device("meta"))
     apply_optimizer_in_backward(RowWiseAdagrad, ec.parameters(), {"lr": 0.01, "eps": 1e-8})
@@ -78,7 +92,21 @@ def _torchrec(num_tables, rows, dim):
         sharders=[sharder],
         init_data_parallel=False,
     )
-    return lambda kjt: _backward_all(model(kjt))
+
+    def tables():  # one rank, table-wise: each table is its one local shard (a view of the TBE's weights)
+        sd = model.state_dict()
+        return [sd[f"embeddings.t{i}.weight"].local_shards()[0].tensor for i in range(num_tables)]
+
+    with torch.no_grad():
+        for w, src in zip(tables(), initial):
+            w.copy_(src)
+
+    def step(kjt, upstream):
+        out = _values(model(kjt))
+        out.backward(upstream)
+        return out.detach()
+
+    return Side("torchrec", step, tables)
 
 
 @contextlib.contextmanager
@@ -101,19 +129,6 @@ def _single_process_group():
         dist.destroy_process_group()
 
 
-def _round(batches, ids, repeats, num_tables, rows, dim) -> dict:
-    """One side-by-side round: tpurec, then torchrec, each a fresh module."""
-    entry = {}
-    for name, factory in (("tpurec", _tpurec), ("torchrec", _torchrec)):
-        step = factory(num_tables, rows, dim)
-        sec = timer.median_step_seconds(step, batches, repeats)
-        entry[f"{name}_step_ms"] = sec * 1e3
-        entry[f"{name}_ids_per_s"] = ids / sec
-        del step
-    entry["ratio_vs_torchrec"] = entry["tpurec_ids_per_s"] / entry["torchrec_ids_per_s"]
-    return entry
-
-
 def run_sequence(
     quick: bool = False,
     num_tables=SEQ_TABLES,
@@ -121,12 +136,17 @@ def run_sequence(
     dim=SEQ_DIM,
     users=SEQ_USERS,
     seq_len=SEQ_LEN,
-    runs: int = 3,
+    rounds: int | None = None,
 ) -> dict:
-    """`runs` side-by-side rounds (tpurec, then torchrec, fresh modules each round); the JSON has
-    every round and the median ratio."""
+    """Equal work checked once, then `rounds` rounds (default 7, quick 2) in random order; every
+    round's ratio, the median, min and max, and the load average. UnequalWork if the check fails."""
     import numpy as np
+    import torch
 
+    from tpurec.bench import equal_work
+    from tpurec.bench import rounds as rounds_mod
+
+    rounds = rounds or (2 if quick else 7)
     rng = np.random.default_rng(0)
     keys = [f"f{i}" for i in range(num_tables)]
     batches = [
@@ -134,15 +154,27 @@ def run_sequence(
             workloads.fixed_pooling_ids(rng, num_tables, users, seq_len, rows, scatter_seed=workloads.SCATTER_SEED),
             keys,
         )
-        for _ in range(2 if quick else 4)
+        for _ in range(3 if quick else 5)
     ]
+    check_batch, batches = batches[0], batches[1:]
     ids = num_tables * users * seq_len
-    repeats = 1 if quick else 2
-    rounds = []
+    upstream = equal_work.upstream_gradient(ids, dim)
+    load_start = rounds_mod.load_average()
     with _single_process_group():
-        for _ in range(1 if quick else runs):
-            rounds.append(_round(batches, ids, repeats, num_tables, rows, dim))
-    ratios = sorted(r["ratio_vs_torchrec"] for r in rounds)
+        ours = _tpurec(num_tables, rows, dim)
+        theirs = _torchrec(num_tables, rows, dim, [w.detach().clone() for w in ours.tables()])
+        checked = equal_work.check(ours, theirs, check_batch, upstream)
+
+        def one_pass(side):
+            for b in batches:
+                side.step(b, upstream)
+
+        orders: list = []
+        r_ours, r_theirs = timer.interleaved(
+            [lambda side=side: one_pass(side) for side in (ours, theirs)], warmup=1, repeats=rounds, orders=orders
+        )
+    summary = rounds_mod.ratio_summary(r_ours.wall, r_theirs.wall)
+    steps = len(batches)
     return {
         "workload": {
             "tables": num_tables,
@@ -154,8 +186,24 @@ def run_sequence(
             "optimizer": "row-wise Adagrad",
             "peer": "stock TorchRec EmbeddingCollection, DMP 1 rank, fused (FBGEMM CPU TBE, sequence mode)",
         },
-        "runs": rounds,
-        "ratio_vs_torchrec": ratios[len(ratios) // 2],
+        "runs": [
+            {
+                "tpurec_ids_per_s": ids * steps / o,
+                "torchrec_ids_per_s": ids * steps / t,
+                "ratio_vs_torchrec": t / o,
+                "first": ("tpurec", "torchrec")[order[0]],
+            }
+            for o, t, order in zip(r_ours.wall, r_theirs.wall, orders)
+        ],
+        "ratio_vs_torchrec": summary["ratio"],
+        "min": summary["min"],
+        "max": summary["max"],
+        "tpurec_ids_per_s": ids * steps / r_ours.median,
+        "torchrec_ids_per_s": ids * steps / r_theirs.median,
+        "equal_work": checked,
+        "rounds": rounds,
+        "threads": torch.get_num_threads(),
+        "load_average": {"start": load_start, "end": rounds_mod.load_average()},
     }
 
 
@@ -171,5 +219,10 @@ def format_sequence(r: dict) -> str:
             f"{k:>4} {e['tpurec_ids_per_s'] / 1e6:>15.2f} {e['torchrec_ids_per_s'] / 1e6:>17.2f} "
             f"{e['ratio_vs_torchrec']:>6.2f}x"
         )
-    lines.append(f"median ratio vs stock TorchRec EC: {r['ratio_vs_torchrec']:.2f}x")
+    la = r["load_average"]
+    lines.append(
+        f"median ratio vs stock TorchRec EC: {r['ratio_vs_torchrec']:.2f}x (worst round {r['min']:.2f}x, "
+        f"best {r['max']:.2f}x; {r['rounds']} rounds in random order; load average {la['start'][0]} at start, "
+        f"{la['end'][0]} at end)"
+    )
     return "\n".join(lines)

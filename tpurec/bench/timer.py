@@ -58,10 +58,18 @@ class Runs:
         self.results.append(result)
 
 
-def interleaved(fns: Sequence[Callable[[], Any]], *, warmup: int, repeats: int, seed: int = 0) -> list[Runs]:
+def interleaved(
+    fns: Sequence[Callable[[], Any]],
+    *,
+    warmup: int,
+    repeats: int,
+    seed: int = 0,
+    orders: list[tuple[int, ...]] | None = None,
+) -> list[Runs]:
     """`warmup` untimed rounds, then `repeats` timed rounds; in each round every fn runs once, in a
     fresh random order (a fixed order hands one contestant the warm caches, or the quiet moment
-    after another's burst, every round)."""
+    after another's burst, every round). `orders`, when given, receives each timed round's order
+    (indices into fns), so that a report can show who went first."""
     rng = random.Random(seed)
     order = list(range(len(fns)))
     for _ in range(warmup):
@@ -70,6 +78,8 @@ def interleaved(fns: Sequence[Callable[[], Any]], *, warmup: int, repeats: int, 
     out = [Runs() for _ in fns]
     for _ in range(repeats):
         rng.shuffle(order)
+        if orders is not None:
+            orders.append(tuple(order))
         for i in order:
             with Stopwatch() as sw:
                 result = fns[i]()

@@ -57,11 +57,37 @@ def fixed_pooling_ids(
     return [zipf_ids(rng, (batch, pooling), vocab, a, scatter_seed) for _ in range(num_features)]
 
 
-def kjt(ids: list[np.ndarray], keys: list[str]):
-    """A torchrec KeyedJaggedTensor of fixed-pooling features: ids[k] is feature keys[k]'s [batch, pooling]."""
+def variable_pooling_ids(
+    rng: np.random.Generator,
+    num_features: int,
+    batch: int,
+    max_len: int,
+    vocab: int,
+    zipf: bool,
+    a: float = ZIPF_A,
+    scatter_seed: int | None = None,
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """One (ids, lengths) pair per feature: bag lengths uniform in 0..max_len (empty bags included),
+    ids Zipf(a) (`zipf_ids`) or uniform over the vocabulary; features drawn in turn."""
+    out = []
+    for _ in range(num_features):
+        lengths = rng.integers(0, max_len + 1, batch)
+        n = int(lengths.sum())
+        ids = zipf_ids(rng, n, vocab, a, scatter_seed) if zipf else rng.integers(0, vocab, n)
+        out.append((ids.astype(np.int64), lengths.astype(np.int64)))
+    return out
+
+
+def jagged_kjt(features: list[tuple[np.ndarray, np.ndarray]], keys: list[str]):
+    """A torchrec KeyedJaggedTensor of features given as (ids, lengths) pairs, in keys order."""
     import torch
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    lengths = np.concatenate([np.full(x.shape[0], x.shape[1], dtype=np.int64) for x in ids])
-    values = np.concatenate([x.reshape(-1) for x in ids])
+    values = np.concatenate([ids for ids, _ in features])
+    lengths = np.concatenate([lens for _, lens in features])
     return KeyedJaggedTensor(keys=keys, values=torch.from_numpy(values), lengths=torch.from_numpy(lengths))
+
+
+def kjt(ids: list[np.ndarray], keys: list[str]):
+    """A torchrec KeyedJaggedTensor of fixed-pooling features: ids[k] is feature keys[k]'s [batch, pooling]."""
+    return jagged_kjt([(x.reshape(-1), np.full(x.shape[0], x.shape[1], dtype=np.int64)) for x in ids], keys)
