@@ -12,9 +12,11 @@ from __future__ import annotations
 from typing import Any, Dict, List
 
 import torch
+import torch.distributed as dist
 from torchrec.distributed.embedding import EmbeddingCollectionSharder, ShardedEmbeddingCollection
+from torchrec.distributed.embedding_kernel import BaseEmbedding
 from torchrec.distributed.embedding_lookup import GroupedEmbeddingsLookup
-from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel, GroupedEmbeddingConfig
 from torchrec.distributed.types import ParameterSharding, ShardingEnv
 
 from tpurec.embedding.constraints import DEFAULT_NUM_SPARSECORES
@@ -32,7 +34,13 @@ class SparseCoreGroupedSequenceLookup(GroupedEmbeddingsLookup):
         self._sharding_type = sharding_type
         super().__init__(*args, **kwargs)
 
-    def _create_embedding_kernel(self, config, pg, device, env):
+    def _create_embedding_kernel(
+        self,
+        config: GroupedEmbeddingConfig,
+        pg: dist.ProcessGroup | None,
+        device: torch.device | None,
+        env: ShardingEnv | None = None,
+    ) -> BaseEmbedding:
         if config.compute_kernel != EmbeddingComputeKernel.CUSTOMIZED_KERNEL:
             return super()._create_embedding_kernel(config, pg, device, env)
         return SparseCoreEmbedding(config, device, self._num_sc_per_device, self._sharding_type)
@@ -68,7 +76,9 @@ class ShardedSparseCoreEC(HostInputDistMixin, SparseCoreShardedMixin, ShardedEmb
             self._sparsecore_state_registered = True
 
     def _create_lookups(self) -> None:
-        for sharding_type, sharding in self._sharding_type_to_sharding.items():
+        # the concrete shardings (TW, CW, RW) hold the groups, process group and environment
+        shardings: Dict[str, Any] = self._sharding_type_to_sharding
+        for sharding_type, sharding in shardings.items():
             self._lookups.append(
                 SparseCoreGroupedSequenceLookup(
                     grouped_configs=sharding._grouped_embedding_configs,

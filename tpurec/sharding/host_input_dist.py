@@ -16,15 +16,16 @@ from __future__ import annotations
 import torch
 
 from tpurec import host_copies
+from tpurec.sharding.sharded_host import ShardedHost
 
 _HOST = torch.device("cpu")
 
 
-class HostInputDistMixin:
+class HostInputDistMixin(ShardedHost):
     """Mixed into a TorchRec sharded EBC/EC (before it in the bases)."""
 
     def input_dist(self, ctx, features, *args, **kwargs):
-        return super().input_dist(ctx, host_copies.to_host(features, "ids"), *args, **kwargs)  # type: ignore[misc]
+        return super().input_dist(ctx, host_copies.to_host(features, "ids"), *args, **kwargs)
 
     def _create_input_dist(self, *args, **kwargs) -> None:
         shardings = list(getattr(self, "_embedding_shardings", None) or self._sharding_type_to_sharding.values())
@@ -32,7 +33,7 @@ class HostInputDistMixin:
         try:
             for owner, _ in saved:
                 owner._device = _HOST
-            super()._create_input_dist(*args, **kwargs)  # type: ignore[misc]
+            super()._create_input_dist(*args, **kwargs)
         finally:
             for owner, device in saved:
                 owner._device = device

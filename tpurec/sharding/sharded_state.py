@@ -21,15 +21,17 @@ from tpurec.errors import UserError
 from tpurec.sharding import table_params
 from tpurec.sharding.kernel_choice import COMPUTE_KERNEL
 from tpurec.sharding.kernel_module import SparseCoreEmbeddingBag, _SparseCoreGroupKernel
+from tpurec.sharding.sharded_host import ShardedHost
 
 
-class SparseCoreShardedMixin:
+class SparseCoreShardedMixin(ShardedHost):
     """Mixed into a TorchRec sharded module (before it in the bases). The host class sets
     STATE_PREFIX and CONFIGS_ATTR (the attribute holding its table configs) and calls
     `_adopt_sparsecore_optimizer()` and `_register_sparsecore_state()` once its lookups exist."""
 
     STATE_PREFIX: str
     CONFIGS_ATTR: str
+    _widen_tables: bool | None  # set by the host class from its fused params
 
     @property
     def _sc_tables(self) -> List[str]:
@@ -70,7 +72,7 @@ class SparseCoreShardedMixin:
     def _adopt_sparsecore_optimizer(self) -> None:
         """TorchRec combined each kernel module's own optimizer; replace ours by one keyed per table
         with ShardedTensor state (what DCP and TorchRec's checkpoints expect), keep any others."""
-        from torchrec.optim.keyed import CombinedOptimizer
+        from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 
         from tpurec.sharding.sharded_optimizer import ShardedSparseCoreOptimizer
 
@@ -78,7 +80,8 @@ class SparseCoreShardedMixin:
         others = [(n, o) for n, o in self._optim._optims if id(o) not in ours]
         if self._sc_tables:
             optimizer = ShardedSparseCoreOptimizer(self)
-            self._optim = CombinedOptimizer([("", optimizer)] + others)
+            optims: List[KeyedOptimizer | tuple[str, KeyedOptimizer]] = [("", optimizer), *others]
+            self._optim = CombinedOptimizer(optims)
             self._in_backward_optimizers()[:] = [optimizer]  # what the table parameters name
 
     def _in_backward_optimizers(self) -> list:
@@ -124,6 +127,7 @@ def _emit_sharded_weights(module: SparseCoreShardedMixin, state_dict, prefix, lo
     for table in tables:
         cfg = module._table_name_to_config[table]
         spec = module.module_sharding_plan[table].sharding_spec
+        assert spec is not None, f"table {table} is sharded without a sharding spec"  # TorchRec sets one
         metadata = spec.build_metadata(
             tensor_sizes=torch.Size([cfg.num_embeddings, cfg.embedding_dim]),
             tensor_properties=TensorProperties(dtype=module.stored_dtype(table)),

@@ -12,7 +12,7 @@ ShardedTensor state); only the compute kernel inside each shard changes. The pie
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import TYPE_CHECKING, Any, Dict, List
 
 import torch
 from torchrec.distributed.embedding_lookup import GroupedPooledEmbeddingsLookup
@@ -87,7 +87,9 @@ class ShardedSparseCoreEBC(HostInputDistMixin, SparseCoreShardedMixin, ShardedEm
                     kmod.kernel.write_weight(kname, shard_slice(weight, meta))
 
     def _create_lookups(self) -> None:
-        for sharding in self._embedding_shardings:
+        # the concrete shardings (TW, CW, RW, ...) hold the groups, process group and environment
+        shardings: List[Any] = self._embedding_shardings
+        for sharding in shardings:
             configs = (
                 sharding._grouped_embedding_configs_per_rank[sharding._rank]
                 if isinstance(sharding, TwRwPooledEmbeddingSharding)
@@ -113,7 +115,15 @@ def sparsecore_fused_params(fused_params: Dict[str, Any] | None, **settings) -> 
     return fused
 
 
-class SparseCoreSharderMixin:
+if TYPE_CHECKING:  # what the host sharder class (TorchRec's EBC or EC sharder) provides to the mixin
+    from torchrec.distributed.embedding_types import BaseEmbeddingSharder
+
+    _SharderHost = BaseEmbeddingSharder[Any]
+else:
+    _SharderHost = object
+
+
+class SparseCoreSharderMixin(_SharderHost):
     """What tpurec's EBC and EC sharders share: the kernel settings carried in fused params, the one
     compute kernel, and building the sharded module (`SHARDED_CLASS`) with the device's SparseCore
     count. `KERNEL_SETTINGS` names the settings a sharder takes beyond the common ones."""
