@@ -17,22 +17,28 @@ One step = the 26 tables preprocessed:
   created on the process's first C++ preprocessing call, so the variable only takes effect in a
   process that has not preprocessed yet (a fresh `tpurec bench preprocess` always is).
 
-Both get `warmup` untimed steps, then `repeats` timed steps, taking turns step by step
-(`tpurec.bench.timer.interleaved`, so load from other processes hits both alike); the median step
-time gives samples/s = batch / median. The C++ path logs a buffer-usage warning per table per call
-to stderr; fd 2 is sent to /dev/null while it runs. Top-level figures are those of the pooling
-factor with the worse tpurec/jte ratio (named in `worst_pooling`); per-pooling figures are under
-pooling_<pf>.
+Equal work is checked once per pooling factor before timing: the first table's CSR (row
+pointers, ids and sample ids up to each SparseCore's end) must be the same on both sides, else the
+pooling factor is refused (`UnequalWork`, exit 1). Then both get `warmup` untimed steps and
+`repeats` timed rounds, each round every contestant one step, in a fresh random order
+(`tpurec.bench.timer.interleaved`, so load from other processes hits both alike). Per pooling
+factor: the median over rounds of jte seconds / tpurec seconds (`ratio_vs_jte`) with the worst and
+best round (`min`, `max`); samples/s = batch / median step time. The C++ path logs a buffer-usage
+warning per table per call to stderr; fd 2 is sent to /dev/null while it runs. Top-level figures
+are those of the pooling factor with the worse median ratio (named in `worst_pooling`), the worst
+single round and the load average; per-pooling figures are under pooling_<pf>.
 """
 
 from __future__ import annotations
 
 import os
 import platform
+import sys
 
 import numpy as np
 
-from tpurec.bench import timer, workloads
+from tpurec.bench import rounds, timer, workloads
+from tpurec.bench.equal_work import UnequalWork
 
 NUM_SC = 4
 
@@ -124,15 +130,25 @@ def _bench_pooling(pooling, *, batch_size, num_features, vocab, zipf_a, seed, wa
             match &= np.array_equal(ours.embedding_ids.numpy()[sl], m.lhs_embedding_ids["t0"][sl])
             match &= np.array_equal(ours.sample_ids.numpy()[sl], m.lhs_sample_ids["t0"][sl])
 
+    if not match:  # equal work, checked once: a comparison of different outputs is not reported
+        raise UnequalWork(f"pooling {pooling}: tpurec's CSR of table t0 differs from jax-tpu-embedding's")
+    load_before = rounds.load_average()[0]
+    orders: list = []
     with _Quiet():
-        t_ours, t_jte, t_loop = (
-            r.median
-            for r in timer.interleaved([tpurec_step, jte_step, tpurec_loop_step], warmup=warmup, repeats=repeats)
+        r_ours, r_jte, r_loop = timer.interleaved(
+            [tpurec_step, jte_step, tpurec_loop_step], warmup=warmup, repeats=repeats, orders=orders
         )
+    t_ours, t_jte, t_loop = r_ours.median, r_jte.median, r_loop.median
+    summary = rounds.ratio_summary(r_ours.wall, r_jte.wall)
     return {
         "tpurec_samples_per_s": batch_size / t_ours,
         "jte_samples_per_s": batch_size / t_jte,
-        "ratio_vs_jte": t_jte / t_ours,
+        "ratio_vs_jte": summary["ratio"],  # median over rounds of jte seconds / tpurec seconds
+        "min": summary["min"],
+        "max": summary["max"],
+        "round_ratios": summary["round_ratios"],
+        "first_in_round": [("tpurec", "jte", "tpurec_loop")[o[0]] for o in orders],
+        "load_average_1min": [load_before, rounds.load_average()[0]],
         "tpurec_step_ms": 1e3 * t_ours,
         "tpurec_loop_samples_per_s": batch_size / t_loop,
         "jte_step_ms": 1e3 * t_jte,
@@ -164,6 +180,7 @@ def run(
 
     repeats = repeats or (3 if quick else 15)
     warmup = warmup if warmup is not None else (1 if quick else 3)
+    load_start = rounds.load_average()
     saved_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -191,6 +208,8 @@ def run(
         "jte_samples_per_s": per[worst]["jte_samples_per_s"],
         "ratio_vs_jte": per[worst]["ratio_vs_jte"],
         "worst_pooling": worst,
+        "worst_round_ratio_vs_jte": min(p["min"] for p in per.values()),
+        "load_average": {"start": load_start, "end": rounds.load_average()},
         **per,
         "batch_size": batch_size,
         "num_features": num_features,
@@ -225,10 +244,14 @@ def run(
         for k, v in per.items():
             print(
                 f"  {k:11s} tpurec {v['tpurec_samples_per_s']:>12,.0f} samples/s  jax-tpu-embedding "
-                f"{v['jte_samples_per_s']:>12,.0f} samples/s  ratio {v['ratio_vs_jte']:.2f}"
-                f"{'' if v['outputs_match'] else '  (OUTPUTS DIFFER)'}"
+                f"{v['jte_samples_per_s']:>12,.0f} samples/s  ratio {v['ratio_vs_jte']:.2f} "
+                f"[{v['min']:.2f}, {v['max']:.2f}]"
             )
-        print(f"  worst ratio {res['ratio_vs_jte']:.2f} ({worst})")
+        print(
+            f"  worst median ratio {res['ratio_vs_jte']:.2f} ({worst}), worst round "
+            f"{res['worst_round_ratio_vs_jte']:.2f}; medians of {repeats} rounds in random order; load average "
+            f"{load_start[0]} at start, {res['load_average']['end'][0]} at end"
+        )
     return res
 
 
@@ -255,7 +278,11 @@ def register(sub) -> None:
 
 def main(args) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    run(quick=args.quick, as_json=args.json, batch_size=args.batch_size, threads=args.threads, repeats=args.repeats)
+    try:
+        run(quick=args.quick, as_json=args.json, batch_size=args.batch_size, threads=args.threads, repeats=args.repeats)
+    except UnequalWork as e:
+        print(f"tpurec bench preprocess: error: unequal work, not reported: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
