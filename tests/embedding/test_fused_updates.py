@@ -77,17 +77,19 @@ def _dense_step_model(tables, torch_optim, kwargs):
 
 
 @pytest.mark.parametrize(
-    "optim,kwargs",
+    "optim,kwargs,dense",
     [
-        (torch.optim.Adam, {"lr": 0.05, "betas": (0.8, 0.95), "eps": 1e-6}),
-        (torch.optim.Adagrad, {"lr": 0.2, "eps": 1e-6, "initial_accumulator_value": 0.1}),
+        (torch.optim.Adam, {"lr": 0.05, "betas": (0.8, 0.95), "eps": 1e-6}, torch.optim.Adam),
+        (torch.optim.Adagrad, {"lr": 0.2, "eps": 1e-6, "initial_accumulator_value": 0.1}, torch.optim.Adagrad),
+        # FBGEMM's Adam decays decoupled, w -= lr (step + wd w): AdamW's (optimizers/weight_decay.py)
+        (torch.optim.Adam, {"lr": 0.05, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.5}, torch.optim.AdamW),
     ],
 )
-def test_updates_equal_torch_optimizer_when_every_row_is_touched(optim, kwargs):
+def test_updates_equal_torch_optimizer_when_every_row_is_touched(optim, kwargs, dense):
     # With every row in every batch, a dense torch optimizer and the lazy sparse update coincide.
     tables = [EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=6, feature_names=["f"])]
     sc = SparseCoreEmbeddingBagCollection(tables, optim, kwargs, num_sparsecores=2)
-    ebc, opt = _dense_step_model(tables, optim, kwargs)
+    ebc, opt = _dense_step_model(tables, dense, kwargs)
     ebc.load_state_dict(sc.state_dict())
     gen = torch.Generator().manual_seed(5)
     for step in range(1, STEPS + 1):

@@ -1,4 +1,5 @@
-"""Optimizer options the fused update cannot honour are refused by name under DMP, never dropped."""
+"""Optimizer options the fused update cannot honour are refused by name under DMP, never dropped
+(weight decay FBGEMM applies is honoured: tests/sharding/test_weight_decay_dmp.py)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ import tpurec
 @pytest.mark.parametrize(
     "optimizer, kwargs, option",
     [
-        (torch.optim.Adam, {"lr": 0.01, "weight_decay": 0.01}, "weight_decay=0.01"),
         (torch.optim.Adam, {"lr": 0.01, "amsgrad": True}, "amsgrad=True"),
         (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, "momentum=0.9"),
-        (RowWiseAdagrad, {"lr": 0.1, "weight_decay": 1e-4}, "weight_decay=0.0001"),
+        (RowWiseAdagrad, {"lr": 0.1, "weight_decay": 1e-4}, "weight_decay=0.0001 with weight_decay_mode NONE"),
+        (torch.optim.SGD, {"lr": 0.1, "weight_decay": 1e-4}, "weight_decay=0.0001"),
         (torch.optim.Adagrad, {"lr": 0.1, "lr_decay": 0.5}, "lr_decay=0.5"),
     ],
 )

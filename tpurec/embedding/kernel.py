@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import re
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import torch
@@ -35,6 +35,7 @@ from tpurec.embedding.kjt_checks import check_kjt
 from tpurec.embedding.layout import StackLayout, build_stacks
 from tpurec.embedding.multipass import MultiPassInput, split_into_passes, stacked_blocks
 from tpurec.embedding.optimizers.base import OptimizerSpec, check_hyperparameter
+from tpurec.embedding.optimizers.weight_decay import decay_rows
 from tpurec.embedding.preprocess import IdLimitExceededError, PreprocessStats, SparseCoreInput, preprocess
 from tpurec.embedding.weight_grad import with_weight_grad
 from tpurec.errors import UserError
@@ -506,7 +507,7 @@ class SparseCoreKernel(nn.Module):
     ) -> SparseCoreInput | MultiPassInput:
         compiled = self._compiled_stack_input(i, values, lengths, weights, batch, padded)
         if compiled is not None:
-            return compiled
+            return self._row_slots(i, compiled, values, lengths, weights, batch, padded)
         lay, n = self.stacks[i].layout, len(self.stacks[i].features)
         stacked_ids, samples, gains = self._stack_entries(i, values, lengths, weights, batch, padded)
         common = dict(device_batch_size=n * padded, num_sc_per_device=self.num_sc, table_name=lay.name)
@@ -550,7 +551,27 @@ class SparseCoreKernel(nn.Module):
         self.last_stats[lay.name] = stats
         self.dropped_id_count += stats.dropped_id_count
         self._record_passes(i, stats)
-        return csr
+        return self._row_slots(i, csr, values, lengths, weights, batch, padded)
+
+    def _row_slots(self, i: int, csr, values, lengths, weights, batch: int, padded: int):
+        """With weight decay, the update runs in the layout where each row has one slot holding its
+        whole gradient (multipass.py), which takes the row's decay term on the device
+        (optimizers/weight_decay.py); the lookup stays `csr`. Without, `csr` as it is."""
+        if self.optimizer.weight_decay_mode is None or isinstance(csr, MultiPassInput):
+            return csr
+        stacked_ids, samples, gains = self._stack_entries(i, values, lengths, weights, batch, padded)
+        update = split_into_passes(
+            stacked_ids,
+            samples,
+            gains,
+            device_batch_size=csr.device_batch_size,
+            num_sc_per_device=self.num_sc,
+            max_ids_per_partition=csr.max_ids_per_partition,
+            max_unique_ids_per_partition=csr.max_unique_ids_per_partition,
+            table_name=self.stacks[i].layout.name,
+            forward=False,
+        )
+        return replace(update, forward=[csr])
 
     def _compiled_stack_input(self, i: int, values, lengths, weights, batch: int, padded: int):
         """The same SparseCore input from the compiled build (`csr_build`), or None: then the torch +
@@ -602,12 +623,22 @@ class SparseCoreKernel(nn.Module):
         )
 
     # -- fused update --------------------------------------------------------------------------
-    def apply_update(self, i: int, csr: SparseCoreInput, grad: torch.Tensor, lr: float, new_step: bool = True) -> None:
+    def apply_update(
+        self,
+        i: int,
+        csr: SparseCoreInput,
+        grad: torch.Tensor,
+        lr: float,
+        new_step: bool = True,
+        slot_ids: torch.Tensor | None = None,
+    ) -> None:
         """Stack i's fused update: the optimizer spec runs its op on the stack's table and state.
         grad: [device_batch_size, width], or on CPU the [features, batch, dim] view of the kernel's
         output gradient (read in place by the CPU reference, `reference.row_gradients_csr`).
         new_step: False for the later update passes of a step run in several (multipass.py): the
-        step count (Adam's bias correction) advances once per step."""
+        step count (Adam's bias correction) advances once per step.
+        slot_ids: in the one-slot-per-row layout, each slot's row (MultiPassInput.update_ids), which
+        weight decay needs."""
         grad = grad.to(torch.float32)
         if grad.dim() == 2:
             grad = grad.contiguous()
@@ -615,6 +646,11 @@ class SparseCoreKernel(nn.Module):
             for hook in self.pre_update_hooks:
                 hook()
             self._steps[i] += 1
+        if self.optimizer.weight_decay_mode is not None:
+            if slot_ids is None:
+                raise ValueError(f"stack {i}: weight decay without the one-slot-per-row update layout (a bug)")
+            layout = self.stacks[i].layout
+            grad = decay_rows(self.optimizer, self.stack_weight(i), grad, slot_ids, lr, layout.num_partitions)
         states = [self.stack_state(i, s) for s in self.optimizer.state_names]
         self.optimizer.apply_update(
             csr,
@@ -726,7 +762,8 @@ class _FusedLookup(torch.autograd.Function):
             rows = csr.update_gradients(grad.to(torch.float32))
             size = csr.device_batch_size
             for p, part in enumerate(csr.updates):
-                kernel.apply_update(ctx.i, part, rows[p * size : (p + 1) * size], lr, new_step=p == 0)
+                slots = csr.update_ids[p] if csr.update_ids else None
+                kernel.apply_update(ctx.i, part, rows[p * size : (p + 1) * size], lr, new_step=p == 0, slot_ids=slots)
         else:
             kernel.apply_update(ctx.i, csr, grad, lr)
         return None, None, None, None, None, None

@@ -28,7 +28,7 @@ batch size (its output grows with the number of update passes).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -50,6 +50,10 @@ class MultiPassInput:
     device_batch_size: int
     # Per forward pass, the output block it adds into (stacked_blocks); None: one block
     forward_blocks: list[int] | None = None
+    # Per update pass, [device_batch_size] SparseCore ids: each slot's row (an empty slot repeats one
+    # of the pass's rows; an empty pass has none). Weight decay gathers and scales rows by them
+    # (tpurec/embedding/optimizers/weight_decay.py).
+    update_ids: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def passes(self) -> int:
@@ -75,6 +79,7 @@ class MultiPassInput:
             entry_samples=self.entry_samples.to(device),
             entry_slots=self.entry_slots.to(device),
             entry_gains=self.entry_gains.to(device),
+            update_ids=[u.to(device) for u in self.update_ids],
         )
 
 
@@ -129,9 +134,10 @@ def split_into_passes(
     row_pass = rounds * groups + row_part // span
     row_slot = slice_ * per_slice + (row_part % span) * each + k % each
     num_updates = int(row_pass.max()) + 1 if rows.size else 1
-    updates = []
+    updates, update_ids = [], []
     for p in range(num_updates):
         mask = row_pass == p
+        update_ids.append(_slot_ids(rows[mask], row_slot[mask], device_batch_size))
         updates.append(
             preprocess(
                 torch.from_numpy(rows[mask]),
@@ -154,7 +160,17 @@ def split_into_passes(
         entry_slots=_padded(torch.from_numpy(slots), padded, spare),
         entry_gains=_padded(gains.to(torch.float32), padded, 0.0),
         device_batch_size=device_batch_size,
+        update_ids=update_ids,
     )
+
+
+def _slot_ids(rows: np.ndarray, slots: np.ndarray, size: int) -> torch.Tensor:
+    """[size] ids: rows[k] at slots[k], every other slot the pass's first row (empty: no ids)."""
+    if rows.size == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    out = np.full(size, rows[0], dtype=np.int64)
+    out[slots] = rows
+    return torch.from_numpy(out)
 
 
 def stacked_blocks(

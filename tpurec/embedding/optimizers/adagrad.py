@@ -1,6 +1,6 @@
 """Adagrad, element-wise: `a += g*g; w -= lr * g / (sqrt(a) + eps)` on the rows in the batch.
 
-Stands for `torch.optim.Adagrad` (no lr decay or weight decay) and FBGEMM's EXACT_ADAGRAD. Owns the
+Stands for `torch.optim.Adagrad` (no lr decay; no weight decay, as FBGEMM's EXACT_ADAGRAD has none). Owns the
 `tpurec::sparse_dense_matmul_grad_with_adagrad` op, which also serves row-wise Adagrad
 (`rowwise_adagrad.py`): a 2-D accumulator updates element-wise, a 1-D one row-wise, as TorchTPU's op.
 """
@@ -126,7 +126,7 @@ class AdagradSpec(OptimizerSpec):
     fbgemm_optim = "EXACT_ADAGRAD"
     fbgemm_aliases = ("adagrad",)
     state_names = ("momentum1",)  # TorchRec's name for Adagrad's sum
-    refused_torch_kwargs = ("lr_decay", "weight_decay", "maximize")
+    refused_torch_kwargs = ("lr_decay", "maximize")  # weight_decay: FBGEMM's modes, weight_decay.py
 
     @classmethod
     def _take_torch_kwargs(cls, kwargs: dict):
@@ -140,7 +140,7 @@ class AdagradSpec(OptimizerSpec):
         kwargs = {"lr": self.lr, "eps": self.eps}
         if self.initial_accumulator_value:
             kwargs["initial_accumulator_value"] = self.initial_accumulator_value
-        return kwargs
+        return kwargs | self.weight_decay_kwargs()
 
     @classmethod
     def from_fused_params(cls, fused_params):

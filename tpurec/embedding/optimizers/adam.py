@@ -11,7 +11,8 @@ equals torch.optim.Adam with eps replaced by eps / sqrt(1-b2^t), a larger epsilo
 (31.6x at t=1 with b2=0.999) that fades to eps; with eps=1e-8 the updates differ from torch's by a
 relative ~1e-6 or less (docs/kernels.md).
 
-Stands for `torch.optim.Adam` (no weight decay, AMSGrad or maximize) and FBGEMM's ADAM. The bias
+Stands for `torch.optim.Adam` (no AMSGrad or maximize) and FBGEMM's ADAM, whose weight decay is
+decoupled, AdamW-style, whatever the mode (`weight_decay.py`): so is tpurec's. The bias
 correction needs the step count, so the kernel counts steps and checkpoints carry "<table>.step".
 Owns the `tpurec::sparse_dense_matmul_grad_with_adam` op: CPU reference and TorchTPU call.
 """
@@ -142,7 +143,10 @@ class AdamSpec(OptimizerSpec):
     fbgemm_optim = "ADAM"
     fbgemm_aliases = ()
     state_names = ("momentum1", "exp_avg_sq")  # TorchRec's and FBGEMM's names for m and v
-    refused_torch_kwargs = ("weight_decay", "amsgrad", "maximize", "decoupled_weight_decay")
+    refused_torch_kwargs = ("amsgrad", "maximize", "decoupled_weight_decay")
+    # FBGEMM's Adam decays decoupled (AdamW) in every mode; tpurec takes NONE and DECOUPLE (weight_decay.py).
+    weight_decay_modes = {"NONE": "DECOUPLE", "DECOUPLE": "DECOUPLE"}
+    weight_decay_note = "decays decoupled (AdamW: w -= lr * weight_decay * w) whatever the mode, not as named"
     keeps_step_count = True
 
     @classmethod
@@ -156,7 +160,7 @@ class AdamSpec(OptimizerSpec):
         kwargs = {"lr": self.lr, "eps": self.eps}
         if (self.beta1, self.beta2) != (0.9, 0.999):
             kwargs["betas"] = (self.beta1, self.beta2)
-        return kwargs
+        return kwargs | self.weight_decay_kwargs()
 
     @classmethod
     def from_fused_params(cls, fused_params):

@@ -18,7 +18,7 @@ import abc
 import contextlib
 import importlib
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence
 
 import torch
@@ -40,6 +40,10 @@ class OptimizerSpec(abc.ABC):
     """One fused optimizer's hyper-parameters; the class attributes describe the optimizer."""
 
     lr: float = 0.01
+    # FBGEMM's weight decay (`weight_decay.py`): the mode is None when no decay applies, else the one
+    # tpurec applies ("L2" or "DECOUPLE"); any FBGEMM mode name or `WeightDecayMode` may be given.
+    weight_decay: float = field(default=0.0, kw_only=True)
+    weight_decay_mode: Any = field(default=None, kw_only=True)
 
     # tpurec's name: the module's name, the CLI choice, the planner's and DLRM config's value.
     name: ClassVar[str]
@@ -57,12 +61,24 @@ class OptimizerSpec(abc.ABC):
     # Whether the update depends on the step count (bias correction): then the FusedOptimizer
     # checkpoints "<table>.step" with the state.
     keeps_step_count: ClassVar[bool] = False
+    # FBGEMM weight_decay_mode name -> the decay tpurec applies for it ("L2" or "DECOUPLE"), as
+    # FBGEMM's kernel for this optimizer does; a mode missing here is refused by name when
+    # weight_decay is set. weight_decay_note: why FBGEMM's other modes are refused.
+    weight_decay_modes: ClassVar[Mapping[str, str]] = {}
+    weight_decay_note: ClassVar[str] = ""
 
     def __post_init__(self) -> None:
         """Hyper-parameters out of their domain are refused, never clamped (a NaN or negative lr would
-        train silently to garbage)."""
+        train silently to garbage); so is a weight decay FBGEMM's kernel would not apply."""
+        from tpurec.embedding.optimizers import weight_decay
+
         for f in fields(self):
-            check_hyperparameter(getattr(self, "name", type(self).__name__), f.name, getattr(self, f.name))
+            if f.name != "weight_decay_mode":
+                check_hyperparameter(getattr(self, "name", type(self).__name__), f.name, getattr(self, f.name))
+        mode = weight_decay.resolve(type(self), self.weight_decay, self.weight_decay_mode)
+        object.__setattr__(self, "weight_decay_mode", mode)
+        if mode is None:  # no decay: one spec whatever mode was named with weight_decay 0
+            object.__setattr__(self, "weight_decay", 0.0)
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -91,11 +107,12 @@ class OptimizerSpec(abc.ABC):
         """The spec of `torch_optimizer()(params, **kwargs)`; refuses what the fused update lacks."""
         kwargs = dict(kwargs or {})
         name = optimizer_name or cls.torch_class_name()
+        decay = {k: kwargs.pop(k) for k in ("weight_decay", "weight_decay_mode") if kwargs.get(k) is not None}
         for key in cls.refused_torch_kwargs:
             if kwargs.get(key) not in (None, 0, 0.0, False):
                 raise UserError(f"{name}: {key}={kwargs[key]!r} is not supported by the fused SparseCore update")
             kwargs.pop(key, None)
-        spec = cls._take_torch_kwargs(kwargs)
+        spec = cls._take_torch_kwargs(kwargs).with_weight_decay(decay)
         for harmless in _HARMLESS_TORCH_KWARGS:
             kwargs.pop(harmless, None)
         if kwargs:
@@ -110,6 +127,26 @@ class OptimizerSpec(abc.ABC):
     @abc.abstractmethod
     def torch_kwargs(self) -> dict:
         """The kwargs that rebuild this spec through `from_torch_kwargs` (a fresh dict)."""
+
+    def with_weight_decay(self, options: Mapping[str, Any]) -> OptimizerSpec:
+        """This spec with `weight_decay` / `weight_decay_mode` from `options` (torch kwargs or fused
+        params), refused by name when FBGEMM's kernel would not apply them."""
+        wd, mode = options.get("weight_decay"), options.get("weight_decay_mode")
+        if wd is None and mode is None:
+            return self
+        return replace(self, weight_decay=float(wd or 0.0), weight_decay_mode=mode)
+
+    def weight_decay_kwargs(self) -> dict:
+        """The weight decay as kwargs TorchRec's sharder passes on to FBGEMM (empty without one):
+        the mode only where FBGEMM needs it named (row-wise Adagrad; Adam decouples in mode NONE)."""
+        if self.weight_decay_mode is None:
+            return {}
+        from tpurec.embedding.optimizers import weight_decay
+
+        out: dict = {"weight_decay": self.weight_decay}
+        if self.weight_decay_modes.get("NONE") != self.weight_decay_mode:
+            out["weight_decay_mode"] = weight_decay.fbgemm_mode(self.weight_decay_mode)
+        return out
 
     def to_torch(self) -> tuple[type, dict]:
         """(optimizer class, kwargs) for apply_optimizer_in_backward or a dense optimizer."""
@@ -204,6 +241,8 @@ def check_hyperparameter(optimizer: str, name: str, value) -> None:
         problem = "must be >= 0"
     elif name.startswith("eps") and v < 0:
         problem = "must be >= 0"  # as torch's optimizers: 0 is allowed
+    elif name == "weight_decay" and v < 0:
+        problem = "must be >= 0"
     elif name.startswith("beta") and not 0 <= v < 1:
         problem = "must be in [0, 1)"
     if problem:

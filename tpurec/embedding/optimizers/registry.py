@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from tpurec.embedding.optimizers.base import OptimizerSpec
 
 _PACKAGE = __name__.rpartition(".")[0]
-_MACHINERY = {"base", "registry"}
+_MACHINERY = {"base", "registry", "weight_decay"}
 
 
 def _package_path() -> list[str]:
@@ -107,7 +107,7 @@ def spec_from_fused_params(fused_params: Mapping[str, Any] | None, table: str) -
     classes = spec_classes()
     if opt is None:
         fp.setdefault("learning_rate", TORCHREC_DEFAULT_LEARNING_RATE)
-        spec = classes[TORCHREC_DEFAULT_OPTIMIZER].from_fused_params(fp)
+        spec = _with_weight_decay(classes[TORCHREC_DEFAULT_OPTIMIZER].from_fused_params(fp), fp, table)
         if not _logged_default:
             logging.getLogger(__name__).warning(
                 "table %r (and any other without one): no fused optimizer given (apply_optimizer_in_backward); "
@@ -129,12 +129,21 @@ def spec_from_fused_params(fused_params: Mapping[str, Any] | None, table: str) -
                         "tpurec's fused SparseCore update (refused, not ignored); leave it out, or keep this "
                         "table off the SparseCore kernel"
                     )
-            return cls.from_fused_params(fp)
+            return _with_weight_decay(cls.from_fused_params(fp), fp, table)
     names = "|".join(cls.torch_class_name() for cls in classes.values())
     raise UserError(
         f"table {table!r}: optimizer={opt!r} has no fused SparseCore update; use "
         f"torchrec.optim.apply_optimizer_in_backward(<{names}>, params, kwargs) on the unsharded model"
     )
+
+
+def _with_weight_decay(spec: OptimizerSpec, fused_params: Mapping[str, Any], table: str) -> OptimizerSpec:
+    """`spec` with the fused params' weight_decay / weight_decay_mode (FBGEMM's meaning,
+    `weight_decay.py`); what FBGEMM's kernel would not apply is refused naming the table."""
+    try:
+        return spec.with_weight_decay(fused_params)
+    except UserError as e:
+        raise UserError(f"table {table!r}: {e} (refused, not ignored)") from None
 
 
 def spec_name_for(alias: str) -> str | None:

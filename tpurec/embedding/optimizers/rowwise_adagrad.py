@@ -1,6 +1,7 @@
 """Row-wise Adagrad: one accumulator per row, `a += mean(g*g); w -= lr * g / (sqrt(a) + eps)`.
 
-Stands for `torchrec.optim.RowWiseAdagrad` and FBGEMM's EXACT_ROWWISE_ADAGRAD. Its update is the
+Stands for `torchrec.optim.RowWiseAdagrad` and FBGEMM's EXACT_ROWWISE_ADAGRAD, with its weight decay
+modes L2 and DECOUPLE (given as `weight_decay_mode`, as FBGEMM takes them; `weight_decay.py`). Its update is the
 Adagrad op of `adagrad.py` given a 1-D accumulator (as TorchTPU's op is), so this module only says
 what differs: names, a state of one float per row, and TorchRec's row-wise checkpoint layout.
 """
@@ -18,7 +19,10 @@ class RowWiseAdagradSpec(AdagradSpec):
     torch_optimizer_path = "torchrec.optim.RowWiseAdagrad"
     fbgemm_optim = "EXACT_ROWWISE_ADAGRAD"
     fbgemm_aliases = ("row_wise_adagrad", "rowwise_adagrad")
-    refused_torch_kwargs = ("weight_decay", "lr_decay", "maximize")
+    refused_torch_kwargs = ("lr_decay", "maximize")
+    # FBGEMM's row-wise Adagrad: L2 (gradient + wd * w) and decoupled (w *= 1 - lr * wd); NONE applies
+    # none (weight_decay.py).
+    weight_decay_modes = {"L2": "L2", "DECOUPLE": "DECOUPLE"}
 
     @classmethod
     def state_shape(cls, name: str, rows: int, dim: int) -> tuple[int, ...]:

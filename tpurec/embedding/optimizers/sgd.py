@@ -1,8 +1,8 @@
 """SGD: `w -= lr * g` on the rows in the batch; no state.
 
 Stands for `torch.optim.SGD` without momentum, dampening, weight decay or Nesterov, and FBGEMM's
-EXACT_SGD. Owns the `tpurec::sparse_dense_matmul_grad_with_sgd` op: its CPU reference and its
-TorchTPU call.
+EXACT_SGD (which has no weight decay either: refused, `weight_decay.py`). Owns the
+`tpurec::sparse_dense_matmul_grad_with_sgd` op: its CPU reference and its TorchTPU call.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ class SGDSpec(OptimizerSpec):
     torch_optimizer_path = "torch.optim.SGD"
     fbgemm_optim = "EXACT_SGD"
     fbgemm_aliases = ("sgd",)
-    refused_torch_kwargs = ("momentum", "dampening", "weight_decay", "nesterov", "maximize")
+    refused_torch_kwargs = ("momentum", "dampening", "nesterov", "maximize")  # weight_decay: weight_decay.py
 
     @classmethod
     def _take_torch_kwargs(cls, kwargs: dict) -> SGDSpec:

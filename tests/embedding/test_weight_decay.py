@@ -1,0 +1,181 @@
+"""Weight decay as FBGEMM's fused kernels apply it (tpurec/embedding/optimizers/weight_decay.py).
+
+Oracles: FBGEMM's CPU TBE for row-wise Adagrad (L2, DECOUPLE); for Adam (FBGEMM's decays decoupled
+and has no CPU kernel) torch.optim.AdamW, in tests/embedding/test_fused_updates.py. FBGEMM's CPU
+row-wise Adagrad applies the decay only on its generic path: its fast path for an FP32 table read by
+one feature passes weight_decay=0 to fbgemm's SparseAdaGrad kernel
+(embedding_backward_split_cpu_template.cpp), silently. So the oracle reads every table through a
+second, always empty feature, which puts FBGEMM on the generic path without changing any bag.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+    ComputeDevice,
+    SplitTableBatchedEmbeddingBagsCodegen,
+    WeightDecayMode,
+)
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.optim import RowWiseAdagrad
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from tpurec.embedding.module import SparseCoreEmbeddingBagCollection
+from tpurec.embedding.optimizers.registry import spec_from_torch
+from tpurec.emulation import torchtpu_ops as tpu_standin
+
+from .helpers import random_kjt
+
+TABLES = [
+    EmbeddingBagConfig(name="a", embedding_dim=8, num_embeddings=30, feature_names=["fa"]),
+    EmbeddingBagConfig(name="b", embedding_dim=12, num_embeddings=7, feature_names=["fb"]),
+    EmbeddingBagConfig(name="c", embedding_dim=8, num_embeddings=100, feature_names=["fc"]),
+]
+BATCH = 16
+
+
+def _fbgemm_generic_path_tbe(mode, **kw):
+    """One FBGEMM table per table, each read by its feature and an empty second one (generic path)."""
+    specs = [(t.num_embeddings, t.embedding_dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for t in TABLES]
+    return SplitTableBatchedEmbeddingBagsCodegen(
+        specs,
+        feature_table_map=[i for i in range(len(TABLES)) for _ in range(2)],
+        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        pooling_mode=PoolingMode.SUM,
+        weight_decay_mode=mode,
+        **kw,
+    )
+
+
+def _with_empty_features(kjt):
+    """TBE inputs with an empty bag set after each feature; the output columns of the real ones."""
+    lengths = kjt.lengths().view(len(TABLES), BATCH)
+    both = torch.stack([lengths, torch.zeros_like(lengths)], 1).reshape(-1)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(both, 0)])
+    cols, c = [], 0
+    for t in TABLES:
+        cols += list(range(c, c + t.embedding_dim))
+        c += 2 * t.embedding_dim
+    return kjt.values(), offsets, torch.tensor(cols)
+
+
+@pytest.mark.parametrize("mode", ["L2", "DECOUPLE"])
+@pytest.mark.parametrize("layout", ["plain", "padded", "passes"])
+def test_rowwise_adagrad_weight_decay_equals_fbgemm(mode, layout):
+    kwargs = {"lr": 0.3, "eps": 1e-4, "weight_decay": 0.05, "weight_decay_mode": getattr(WeightDecayMode, mode)}
+    extra = {"padded": {"pad_dims": True}, "passes": {"max_ids_per_partition": 8}}.get(layout, {})
+    sc = SparseCoreEmbeddingBagCollection(TABLES, RowWiseAdagrad, kwargs, num_sparsecores=4, **extra)
+    tbe = _fbgemm_generic_path_tbe(getattr(WeightDecayMode, mode), learning_rate=0.3, eps=1e-4, weight_decay=0.05)
+    plain = _fbgemm_generic_path_tbe(WeightDecayMode.NONE, learning_rate=0.3, eps=1e-4)
+    for m in (tbe, plain):
+        for w, t in zip(m.split_embedding_weights(), TABLES):
+            w.data.copy_(sc.table_weight(t.name))
+    gen = torch.Generator().manual_seed(3)
+    for step in range(5):
+        kjt = random_kjt(TABLES, BATCH, gen, max_len=6, hot_ids=step % 2 == 0)
+        ours = sc(kjt).values()
+        values, offsets, cols = _with_empty_features(kjt)
+        upstream = torch.randn(ours.shape, generator=gen)
+        (ours * upstream).sum().backward()
+        for m in (tbe, plain):
+            theirs = m(values, offsets)
+            if m is tbe:
+                torch.testing.assert_close(ours, theirs[:, cols], rtol=1e-5, atol=1e-6)
+            full = torch.zeros_like(theirs)
+            full[:, cols] = upstream
+            (theirs * full).sum().backward()
+    if layout == "passes":
+        assert sc.kernel.multipass_batches > 0, "no batch went over the limits"
+    for w, p, t in zip(tbe.split_embedding_weights(), plain.split_embedding_weights(), TABLES):
+        torch.testing.assert_close(sc.table_weight(t.name), w, rtol=1e-5, atol=1e-7)
+        assert (w - p).abs().max() > 1e-3, "the decay made no difference: the oracle did not apply it"
+    state = sc.fused_optimizer.state_dict()["state"]
+    for s, t in zip(tbe.get_optimizer_state(), TABLES):
+        ours = state[f"embedding_bags.{t.name}.weight"][f"{t.name}.momentum1"]
+        torch.testing.assert_close(ours, s["sum"].view_as(ours), rtol=1e-5, atol=1e-7)
+
+
+def test_adam_weight_decay_is_decoupled_in_modes_none_and_decouple():
+    """FBGEMM's Adam decays decoupled whatever the mode; tpurec takes NONE and DECOUPLE as that (the
+    update against torch's AdamW: tests/embedding/test_fused_updates.py)."""
+    plain = spec_from_torch(torch.optim.Adam, {"lr": 0.05, "weight_decay": 0.5})
+    named = spec_from_torch(torch.optim.Adam, {"lr": 0.05, "weight_decay": 0.5, "weight_decay_mode": "DECOUPLE"})
+    assert plain == named and plain.weight_decay_mode == "DECOUPLE" and plain.weight_decay == 0.5
+
+
+def test_untouched_rows_do_not_decay():
+    """As FBGEMM's: the decay acts on the rows of the batch only."""
+    tables = [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=40, feature_names=["f"])]
+    kwargs = {"lr": 0.1, "weight_decay": 0.5, "weight_decay_mode": "DECOUPLE"}
+    sc = SparseCoreEmbeddingBagCollection(tables, RowWiseAdagrad, kwargs, num_sparsecores=4)
+    before = sc.table_weight("t").clone()
+    kjt = KeyedJaggedTensor(keys=["f"], values=torch.tensor([3, 17, 17]), lengths=torch.tensor([2, 1]))
+    sc(kjt).values().sum().backward()
+    changed = (sc.table_weight("t") != before).any(1).nonzero().flatten().tolist()
+    assert changed == [3, 17]
+
+
+@pytest.mark.parametrize(
+    "optimizer, kwargs, message",
+    [
+        (
+            torch.optim.SGD,
+            {"lr": 0.1, "weight_decay": 0.01},
+            "SGD: weight_decay=0.01 is not supported .*EXACT_SGD has no",
+        ),
+        (torch.optim.Adagrad, {"lr": 0.1, "weight_decay": 0.01}, "Adagrad: weight_decay=0.01 is not supported"),
+        (RowWiseAdagrad, {"lr": 0.1, "weight_decay": 0.01}, "mode NONE .*supported: weight_decay_mode L2 or DECOUPLE"),
+        (
+            RowWiseAdagrad,
+            {"lr": 0.1, "weight_decay": 0.01, "weight_decay_mode": WeightDecayMode.COUNTER},
+            "weight_decay_mode=COUNTER is not supported .*per-row counters",
+        ),
+        (
+            RowWiseAdagrad,
+            {"lr": 0.1, "weight_decay": 0.01, "weight_decay_mode": WeightDecayMode.DECOUPLE_GLOBAL},
+            "weight_decay_mode=DECOUPLE_GLOBAL is not supported",
+        ),
+        (torch.optim.Adam, {"lr": 0.1, "weight_decay": 0.01, "weight_decay_mode": "L2"}, "decays decoupled"),
+        (RowWiseAdagrad, {"lr": 0.1, "weight_decay": 0.01, "weight_decay_mode": "l3"}, "not one of FBGEMM's"),
+        (RowWiseAdagrad, {"lr": 0.1, "weight_decay": -1.0, "weight_decay_mode": "L2"}, "weight_decay=-1.0 must be"),
+    ],
+)
+def test_weight_decay_fbgemm_would_not_apply_is_refused_by_name(optimizer, kwargs, message):
+    with pytest.raises(ValueError, match=message) as e:
+        SparseCoreEmbeddingBagCollection(TABLES, optimizer, kwargs, num_sparsecores=4)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "optimizer, kwargs",
+    [
+        (RowWiseAdagrad, {"lr": 0.2, "eps": 1e-3, "weight_decay": 0.1, "weight_decay_mode": "L2"}),
+        (RowWiseAdagrad, {"lr": 0.2, "eps": 1e-3, "weight_decay": 0.1, "weight_decay_mode": "DECOUPLE"}),
+        (torch.optim.Adam, {"lr": 0.05, "weight_decay": 0.1}),
+    ],
+)
+def test_weight_decay_through_the_torchtpu_adapter_equals_the_reference(optimizer, kwargs):
+    """The TPU path (TorchTPU's ops, which take no weight decay: the row gathered into its slot's
+    gradient, or the rows scaled before the op) run through the stand-in, against the CPU reference."""
+
+    def train(model):
+        gen = torch.Generator().manual_seed(1)
+        for step in range(4):
+            out = model(random_kjt(TABLES, BATCH, gen, max_len=6, hot_ids=step % 2 == 1)).values()
+            (out * torch.randn(out.shape, generator=gen)).sum().backward()
+        return {t.name: model.table_weight(t.name).clone() for t in TABLES}
+
+    def model():
+        torch.manual_seed(0)
+        return SparseCoreEmbeddingBagCollection(TABLES, optimizer, kwargs, num_sparsecores=4, fixed_limits=True)
+
+    want = train(model())
+    standin = tpu_standin.install(sparsecores=4)
+    with tpu_standin.adapter_on_cpu():
+        got = train(model())
+    assert standin.calls, "the adapter never reached TorchTPU's ops"
+    for name, w in want.items():
+        torch.testing.assert_close(got[name], w, rtol=0, atol=0)
