@@ -24,3 +24,12 @@ def test_bench_pipeline_small(tmp_path):
     ):
         assert one[key] > 0, key
     assert out["fraction_of_goal"] == round(one["ids_per_s_per_core"] / bench_pipeline.GOAL_IDS_PER_S_PER_CORE, 3)
+
+
+@pytest.mark.slow
+def test_bench_pipeline_reports_every_round_and_the_load(tmp_path):
+    out = bench_pipeline.run_bench(batch_size=64, steps=2, cores=[1], repeats=3, warmup=0, data_dir=str(tmp_path))
+    one = out["cores_1"]
+    assert len(one["round_ratios"]) == 3 and one["min"] <= one["ratio_vs_jte"] <= one["max"]
+    assert out["worst_round_ratio_vs_jte"] == one["min"] and len(out["load_average"]["start"]) == 3
+    assert len(one["first_in_round"]) == 3

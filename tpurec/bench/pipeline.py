@@ -15,8 +15,11 @@ One run = one full pass over the batches, each side on the same files and batche
   layout per table), its thread pool sized to the cores (SPARSECORE_INPUT_PREPROCESSING_THREADS).
 
 Each core count runs in its own child process pinned to that many CPUs (`sched_setaffinity`), since
-jte reads its thread count once per process. The sides take turns run by run (`timer.interleaved`)
-and the best run counts (the least disturbed on a shared host). Also measured in the 1-core child,
+jte reads its thread count once per process. Equal work is checked once per child: both sides'
+input streams must hold the same batches of the same ids (count and sum per batch), else the child
+fails. The sides take turns run by run in a fresh random order each round (`timer.interleaved`);
+the ratio is the median over rounds of jte seconds / tpurec seconds, with the worst and best round
+and the load average (throughputs: median runs). Also measured in the 1-core child,
 to say what bounds the pipeline: the reader alone (Parquet decode + KJT), the CSR build alone on
 batches already read, and the machine's copy bandwidth (numpy copy of 256 MB).
 """
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,7 +36,7 @@ import time
 
 import numpy as np
 
-from tpurec.bench import timer
+from tpurec.bench import rounds, timer
 
 NUM_SC = 4
 GOAL_IDS_PER_S_PER_CORE = 29e6  # v6e-8: ~650 M ids/s per chip, 180 vCPUs for 8 chips
@@ -162,10 +166,21 @@ def child(spec: dict) -> dict:
 
     from tpurec.bench.preprocess import _Quiet
 
+    # Equal work, checked once: both sides' input streams hold the same batches of the same ids.
+    ours_in = [(int(b.sparse_features.values().numel()), int(b.sparse_features.values().sum())) for b in batches]
+    theirs_in = [
+        (sum(f.size for f in feats), sum(int(f.sum(dtype=np.int64)) for f in feats))
+        for feats in _jte_batches(data_dir, names, sizes, batch_size)
+    ]
+    if ours_in != theirs_in:
+        raise RuntimeError(f"unequal work: tpurec reads {len(ours_in)} batches, jte {len(theirs_in)}, or other ids")
     warmup, repeats = spec["warmup"], spec["repeats"]
+    orders: list = []
+    load_before = rounds.load_average()[0]
     with _Quiet():
-        r_ours, r_jte = timer.interleaved([ours, theirs], warmup=warmup, repeats=repeats)
-    t_ours, t_jte = r_ours.best / steps, r_jte.best / steps
+        r_ours, r_jte = timer.interleaved([ours, theirs], warmup=warmup, repeats=repeats, orders=orders)
+    summary = rounds.ratio_summary(r_ours.wall, r_jte.wall)
+    t_ours, t_jte = r_ours.median / steps, r_jte.median / steps
     out = {
         "cores": cores,
         "steps": steps,
@@ -177,12 +192,17 @@ def child(spec: dict) -> dict:
         "jte_samples_per_s": round(batch_size / t_jte),
         "jte_ids_per_s_per_core": round(ids_per_batch / t_jte / cores),
         "jte_step_ms": round(1e3 * t_jte, 2),
-        "ratio_vs_jte": round(t_jte / t_ours, 3),
-        "cpu_seconds_per_step": round(min(r_ours.cpu) / steps, 4),
-        "jte_cpu_seconds_per_step": round(min(r_jte.cpu) / steps, 4),
+        "ratio_vs_jte": round(summary["ratio"], 3),  # median over rounds of jte seconds / tpurec seconds
+        "min": round(summary["min"], 3),
+        "max": round(summary["max"], 3),
+        "round_ratios": summary["round_ratios"],
+        "first_in_round": [("tpurec", "jte")[o[0]] for o in orders],
+        "load_average_1min": [load_before, rounds.load_average()[0]],
+        "cpu_seconds_per_step": round(statistics.median(r_ours.cpu) / steps, 4),
+        "jte_cpu_seconds_per_step": round(statistics.median(r_jte.cpu) / steps, 4),
         # per CPU-second: steadier than wall time on a shared host (other jobs take cores, not CPU time)
-        "ratio_vs_jte_cpu": round(min(r_jte.cpu) / min(r_ours.cpu), 3),
-        "ids_per_cpu_s": round(ids_per_batch * steps / min(r_ours.cpu)),
+        "ratio_vs_jte_cpu": round(rounds.ratio_summary(r_ours.cpu, r_jte.cpu)["ratio"], 3),
+        "ids_per_cpu_s": round(ids_per_batch * steps / statistics.median(r_ours.cpu)),
         "compiled_csr_build": csr_build.available(),
         "stack_max_ids_per_partition": int(stack_ids),
         "csr_slots_per_step": int(kernel.preprocess(batches[0].sparse_features)[0].embedding_ids.numel()),
@@ -213,6 +233,7 @@ def run_bench(*, batch_size=2048, steps=24, cores=None, repeats=3, warmup=1, dat
     """Generate the data, run each core count in a pinned child, and gather the figures."""
     from tpurec.data.synth import synthesize
 
+    load_start = rounds.load_average()
     all_cores = len(os.sched_getaffinity(0))
     counts = sorted({1, all_cores}) if cores is None else sorted(set(cores))
     tmp = None
@@ -237,10 +258,11 @@ def run_bench(*, batch_size=2048, steps=24, cores=None, repeats=3, warmup=1, dat
         "batch_size": batch_size,
         "ids_per_s_per_core": one["ids_per_s_per_core"],
         "samples_per_s": top["samples_per_s"],
-        "ratio_vs_jte": min(p["ratio_vs_jte"] for p in per.values()),
+        "ratio_vs_jte": min(p["ratio_vs_jte"] for p in per.values()),  # the worst core count's median
+        "worst_round_ratio_vs_jte": min(p["min"] for p in per.values()),
         "goal_ids_per_s_per_core": GOAL_IDS_PER_S_PER_CORE,
         "fraction_of_goal": round(one["ids_per_s_per_core"] / GOAL_IDS_PER_S_PER_CORE, 3),
-        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "load_average": {"start": load_start, "end": rounds.load_average()},
         **per,
     }
 
@@ -264,7 +286,7 @@ def register(sub) -> None:
     p.add_argument("--batch-size", type=int, default=2048, help="samples per step (default 2048)")
     p.add_argument("--steps", type=int, default=24, help="batches in the generated data (default 24)")
     p.add_argument("--cores", help="core counts, e.g. 1,2 (default 1 and all)")
-    p.add_argument("--repeats", type=int, default=3, help="timed passes per side (default 3; best counts)")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds (default 3; the median ratio counts)")
     p.add_argument("--quick", action="store_true", help="batch 256, 8 steps, 1 timed pass")
     p.add_argument("--dir", help="data directory (generated when empty, kept)")
     p.add_argument("--json", action="store_true", help="one JSON document instead of text")
@@ -294,8 +316,13 @@ def run(args) -> int:
             print(
                 f"{p['cores']} core(s): {p['ids_per_s_per_core'] / 1e6:.1f} M ids/s per core, "
                 f"{p['samples_per_s']:,} samples/s; jte {p['jte_samples_per_s']:,} samples/s; "
-                f"ratio {p['ratio_vs_jte']}"
+                f"ratio {p['ratio_vs_jte']} [{p['min']}, {p['max']}]"
             )
+    la = res["load_average"]
+    print(
+        f"median of {kw['repeats']} rounds in random order; "
+        f"load average {la['start'][0]} at start, {la['end'][0]} at end"
+    )
     print(f"goal {GOAL_IDS_PER_S_PER_CORE / 1e6:.0f} M ids/s per core: {res['fraction_of_goal']:.0%} of it")
     return 0
 
