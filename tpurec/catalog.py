@@ -9,6 +9,7 @@ without importing anything heavy. TorchRec's `EmbeddingBagConfig`s are built fro
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tpurec.errors import UserError
@@ -113,7 +114,7 @@ class TableSet:
     tables: tuple[TableSpec, ...]
 
 
-def _make(name: str, rows: list[int], dim: int, pooling: list[float] | None = None) -> TableSet:
+def _make(name: str, rows: list[int], dim: int, pooling: Sequence[float] | None = None) -> TableSet:
     pooling = pooling or [1.0] * NUM_SPARSE
     return TableSet(
         name, tuple(TableSpec(f"t_{f}", f, r, dim, float(p)) for f, r, p in zip(FEATURE_NAMES, rows, pooling))

@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Mapping
 from typing import Any, Callable
 
 from tpurec.errors import UserError
 
-Check = Callable[[str, Any], None]
+Check = Callable[[str, Any], object]  # raises FieldError on a bad value; what it returns is unused
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -99,7 +100,7 @@ def choice(names: list[str]) -> Check:
     return run
 
 
-def fields(at: str, doc: dict, checks: dict[str, Check], required: tuple[str, ...]) -> None:
+def fields(at: str, doc: dict, checks: Mapping[str, Check], required: tuple[str, ...]) -> None:
     """Check each present field of `doc` with its check; a required one missing is refused."""
     for name, check in checks.items():
         if name not in doc:

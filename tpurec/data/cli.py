@@ -169,14 +169,23 @@ def run_convert(args) -> int:
     from tpurec.catalog import get_table_set
     from tpurec.data import npy
     from tpurec.data.convert import ConvertOptions, convert, resolve_inputs
-    from tpurec.data.schema import CAT_HASH, CAT_MOD, CAT_RAW, DENSE_LOG1P, DENSE_RAW, DENSE_TORCHREC, criteo_schema
+    from tpurec.data.schema import (
+        CAT_HASH,
+        CAT_MOD,
+        CAT_RAW,
+        DENSE_LOG1P,
+        DENSE_RAW,
+        DENSE_TORCHREC,
+        DataSchema,
+        criteo_schema,
+    )
 
     if args.raw_ids and args.mod_ids:
         raise UserError("--raw-ids and --mod-ids exclude each other")
     _check_out_dir(args)
     mins = [int(x) for x in args.npy_dense_min.split(",")] if args.npy_dense_min else None
     opts = ConvertOptions(
-        None,
+        DataSchema(),  # replaced below, once the inputs are known
         input_format=args.format,
         row_group_size=args.row_group_size,
         skip_bad_lines=args.skip_bad_lines,

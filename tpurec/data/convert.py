@@ -182,7 +182,7 @@ def _transform_block(batch, schema: DataSchema):
         raw, empty, cbad = parse.parse_hex(batch.column(14 + j))
         note(cbad, feat.name, "not a hex string of at most 16 digits")
         if schema.categorical == CAT_HASH:
-            out[feat.name] = parse.hash_ids(raw, empty, feat.num_embeddings)
+            out[feat.name] = parse.hash_ids(raw, empty, feat.rows)
         else:
             # raw hex values (empty is 0 already); int64 ids, so 2^63 and above would wrap negative
             note(
@@ -280,8 +280,8 @@ def _convert_file(in_path: str, out_path: str, opts: ConvertOptions, advance, ty
             if bad.any():
                 idx = np.flatnonzero(bad)
                 if not opts.skip_bad_lines:
-                    i = int(idx[0])
-                    raise DataError(f"malformed line {in_path}:{lines.line(seen + i)}: {reasons[i]}")
+                    first = int(idx[0])
+                    raise DataError(f"malformed line {in_path}:{lines.line(seen + first)}: {reasons[first]}")
                 for i in idx:
                     if len(res.bad_examples) < _MAX_EXAMPLES:
                         res.bad_examples.append(

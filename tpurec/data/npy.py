@@ -96,9 +96,9 @@ def find_days(inputs: list[str], dense_min: list[int] | None = None) -> list[Npy
         dense = roles.get("dense", prefix + "_dense.npy")
         labels = roles.get("labels", prefix + "_labels.npy")
         sparse = roles.get("sparse") or _find_sparse(prefix)
-        for f in (dense, labels):
-            if not os.path.isfile(f):
-                raise DataError(f"{f}: missing (a day is {prefix}_dense.npy, _sparse.npy and _labels.npy)")
+        for name in (dense, labels):
+            if not os.path.isfile(name):
+                raise DataError(f"{name}: missing (a day is {prefix}_dense.npy, _sparse.npy and _labels.npy)")
         days.append(NpyDay(dense, sparse, labels))
     if not days:
         raise DataError(f"no day_N_dense.npy files in {', '.join(inputs)}")
@@ -184,6 +184,7 @@ def open_day(day: NpyDay, schema: DataSchema):
     nd, ns = len(schema.dense), len(schema.sparse)
     dense = _check(_load_npy(day.dense), day.dense, "dense", "f", nd)
     labels = _check(_load_npy(day.labels), day.labels, "labels", "iub", 1)
+    sparse: list[np.ndarray] | np.ndarray
     if day.multi_hot:
         sparse = [
             _check(a, f"{day.sparse}[{j}]", "ids", "iu", None) for j, a in enumerate(_load_multi_hot(day.sparse, ns))
@@ -227,9 +228,9 @@ def _ids(v: np.ndarray, path: str, start: int, schema: DataSchema, j: int) -> np
     if schema.categorical == CAT_RAW:
         return v.astype(np.int64)
     if schema.categorical == CAT_MOD:
-        return (v.astype(np.uint64) % np.uint64(feat.num_embeddings)).astype(np.int64)
+        return (v.astype(np.uint64) % np.uint64(feat.rows)).astype(np.int64)
     u = v.astype(np.uint64)  # CAT_HASH: 0 is what TorchRec wrote for an empty field
-    return parse.hash_ids(u, u == 0, feat.num_embeddings)
+    return parse.hash_ids(u, u == 0, feat.rows)
 
 
 def convert_day(day: NpyDay, out_path: str, schema: DataSchema, row_group_size: int, compression: str, progress=None):

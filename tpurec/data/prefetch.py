@@ -42,7 +42,7 @@ class Prefetcher:
         self.reader, self.transform = reader, transform
         self.depth, self.workers, self.epochs = depth, workers, epochs
         self._state = reader.state_dict()  # position after the last batch handed out
-        self._running = None
+        self._running: _Run | None = None
 
     def state_dict(self) -> dict:
         return dict(self._state)
@@ -112,7 +112,7 @@ class _Run:
                 for batch in o.reader:
                     n += 1
                     state = o.reader.state_dict()  # the generator is paused at its yield: consistent
-                    work = self.pool.submit(o.transform, batch) if self.pool else batch
+                    work = self.pool.submit(o.transform, batch) if self.pool and o.transform else batch
                     if not self._put((work, state)):
                         return
                 epoch += 1

@@ -14,13 +14,18 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tpurec.data import shards, validate
 from tpurec.data.schema import CAT_RAW, DENSE_LOG1P, DENSE_RAW, EMPTY_ID, DataError, DataSchema
 from tpurec.errors import UserError
+
+if TYPE_CHECKING:
+    import torch  # imported where batches are built: a reader of numpy windows needs no torch
 
 
 @dataclass
@@ -114,7 +119,7 @@ class _Decoder:
             if self.rehash:
                 ids = [_hash(col, size) for col, size in zip(ids, self.rehash)]
             return _Window(n, labels, dense, ids, None)
-        feats = []
+        feats: list[_Feature] = []
         for f in s.sparse:
             col = t.column(f.name)
             if f.multi_hot:
@@ -169,9 +174,10 @@ def _concat(ws: list[_Window]) -> _Window:
 def _permute(w: _Window, perm: np.ndarray) -> _Window:
     if w.ids is not None:
         return _Window(w.rows, w.labels[perm], w.dense[perm], [c[perm] for c in w.ids], None)
+    assert w.features is not None  # a window holds ids or features
     feats = []
     for f in w.features:
-        if f.offsets is None:
+        if f.offsets is None or f.lengths is None:  # both None or both set
             feats.append(_Feature(f.values[perm], None, None, None if f.weights is None else f.weights[perm]))
             continue
         lengths = f.lengths[perm]
@@ -255,7 +261,7 @@ class ParquetReader:
         self.last_padding = 0
         self._decoder = self._make_decoder(dense_transform, table_sizes)
         self.keys = self.schema.sparse_names
-        self._ones = None
+        self._ones: torch.Tensor | None = None
 
     def _make_decoder(self, dense_transform, table_sizes) -> _Decoder:
         """Apply at read time the transforms the files do not hold yet (recorded in their metadata)."""
@@ -266,7 +272,8 @@ class ParquetReader:
                 raise UserError(f"cannot turn dense {s.dense_transform!r} into {dense_transform!r}")
             log1p = True
         rehash = None
-        self.table_sizes = [f.num_embeddings for f in s.sparse]  # what the batches' ids index into
+        # what the batches' ids index into
+        self.table_sizes: Sequence[int | None] = [f.num_embeddings for f in s.sparse]
         if table_sizes is not None:
             sizes = (
                 [int(table_sizes[f.name]) for f in s.sparse]
@@ -443,14 +450,15 @@ class ParquetReader:
             dense = np.concatenate([dense, np.zeros((pad, dense.shape[1]), np.float32)])
         nf = len(self.keys)
         w0 = pieces[0][0]
-        weights = None
+        weights: torch.Tensor | None = None
+        lengths: torch.Tensor
         if w0.ids is not None:
             # Feature-major, as KJT wants: all of C1's ids for the batch, then C2's, ...
             values = np.concatenate([w.ids[j][s:e] for j in range(nf) for w, s, e in pieces])
             if pad:
-                lengths = np.zeros((nf, total), np.int32)
-                lengths[:, :n] = 1
-                lengths = torch.from_numpy(lengths.reshape(-1))
+                ones = np.zeros((nf, total), np.int32)
+                ones[:, :n] = 1
+                lengths = torch.from_numpy(ones.reshape(-1))
             else:
                 if self._ones is None or len(self._ones) < nf * n:
                     self._ones = torch.ones(nf * max(n, self.batch_size), dtype=torch.int32)

@@ -45,6 +45,12 @@ class SparseFeature:
     multi_hot: bool = False  # list<int> column instead of one int per row
     weights: str | None = None  # name of a list<float32> column of per-id weights, if any
 
+    @property
+    def rows(self) -> int:
+        """The table size of a feature whose ids are bounded (hashed or mod ids always have one)."""
+        assert self.num_embeddings is not None, f"feature {self.name!r}: raw ids have no table size"
+        return self.num_embeddings
+
 
 @dataclass
 class DataSchema:

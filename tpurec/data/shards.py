@@ -35,7 +35,7 @@ def scan(paths) -> tuple[DataSchema, list[Unit]]:
     import pyarrow.parquet as pq
 
     files = list_parquet_files(paths)
-    schema = None
+    schema: DataSchema | None = None
     units: list[Unit] = []
     for path in files:
         s = read_file_schema(path)
@@ -48,6 +48,7 @@ def scan(paths) -> tuple[DataSchema, list[Unit]]:
             n = meta.row_group(rg).num_rows
             if n:
                 units.append(Unit(path, rg, 0, n))
+    assert schema is not None  # list_parquet_files refuses a list without files
     return schema, units
 
 

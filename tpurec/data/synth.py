@@ -84,9 +84,9 @@ def auc(scores: np.ndarray, labels: np.ndarray) -> float:
     labels = np.asarray(labels).astype(bool)
     if labels.all() or not labels.any():  # torchmetrics would warn and return 0
         return float("nan")
-    scores = torch.from_numpy(np.ascontiguousarray(scores, dtype=np.float64))
+    t_scores = torch.from_numpy(np.ascontiguousarray(scores, dtype=np.float64))
     # validate_args=False: the labels are 0/1 by construction, and validation costs a sort.
-    return float(binary_auroc(scores, torch.from_numpy(labels).long(), validate_args=False))
+    return float(binary_auroc(t_scores, torch.from_numpy(labels).long(), validate_args=False))
 
 
 def synth_schema(table_set: str, multi_hot_sizes: list[int] | None = None) -> tuple[DataSchema, list[int]]:
@@ -125,7 +125,7 @@ def generate_chunk(seed: int, chunk: int, rows: int, schema: DataSchema, hots: l
     logit = BIAS + ((dense - mu) / sigma) @ v
     cols: dict[str, pa.Array] = {}
     for j, (f, h) in enumerate(zip(schema.sparse, hots)):
-        ids = _scatter(zipf_ids(rng, f.num_embeddings, (rows, h)), f.num_embeddings, j)
+        ids = _scatter(zipf_ids(rng, f.rows, (rows, h)), f.rows, j)
         logit = logit + SPARSE_SCALE * hidden_weight(seed, j, ids).mean(axis=1)
         if f.multi_hot:
             offsets = pa.array(np.arange(0, rows * h + 1, h, dtype=np.int32))
