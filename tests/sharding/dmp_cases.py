@@ -137,6 +137,18 @@ def copy_full_into_shards(model, full_state):
                     shard.tensor.copy_(full_state[key][r : r + nr, c : c + nc])
 
 
+def shard_values(state) -> dict:
+    """{key: [(offsets, values)]} of every ShardedTensor this rank holds in `state` (nested dicts
+    flattened with "/"): what a test compares by value, not only by shape."""
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            out.update({f"{key}/{k}": v for k, v in shard_values(value).items()})
+        elif hasattr(value, "local_shards"):
+            out[key] = [(tuple(s.metadata.shard_offsets), s.tensor.detach().clone()) for s in value.local_shards()]
+    return out
+
+
 def _stock(gen):
     def wrapped(*args, **kwargs):
         return dataclasses.replace(gen(*args, **kwargs), compute_kernel="fused")
@@ -225,12 +237,13 @@ def checkpoint_save(rank, world_size, path, init_state, sharding, stock):
     model = build_sharded(
         rank, world_size, sharding, torch.optim.SGD, {"lr": 0.5}, PoolingType.SUM, False, init_state, stock=stock
     )
+    start = shard_values(model.state_dict())
     for kjt, upstream in global_batches(2, 8, False):
         per = 8 // world_size
         kt = model(local_slice(kjt, rank, world_size))
         (kt.values() * upstream[rank * per : (rank + 1) * per, : kt.values().shape[1]]).sum().backward()
     dcp.save(model.state_dict(), checkpoint_id=path)
-    return eval_outputs(model, rank, world_size)
+    return {"outs": eval_outputs(model, rank, world_size), "start": start, "shards": shard_values(model.state_dict())}
 
 
 def checkpoint_load(rank, world_size, path, sharding, stock):
@@ -245,7 +258,11 @@ def checkpoint_load(rank, world_size, path, sharding, stock):
     sd = model.state_dict()
     dcp.load(sd, checkpoint_id=path)
     model.load_state_dict(sd)
-    return {"before": before, "after": eval_outputs(model, rank, world_size)}
+    return {
+        "before": before,
+        "after": eval_outputs(model, rank, world_size),
+        "shards": shard_values(model.state_dict()),
+    }
 
 
 def optimizer_checkpoint_save(rank, world_size, path, init_state, sharding, optim_name):
@@ -254,6 +271,7 @@ def optimizer_checkpoint_save(rank, world_size, path, init_state, sharding, opti
 
     optim, kwargs = optimizer(optim_name)
     model = build_sharded(rank, world_size, sharding, optim, kwargs, PoolingType.SUM, False, init_state)
+    start = shard_values(model.state_dict())
     batches = global_batches(4, 8, False)
     per = 8 // world_size
 
@@ -266,8 +284,10 @@ def optimizer_checkpoint_save(rank, world_size, path, init_state, sharding, opti
 
     for kjt, up in batches[:2]:
         step(kjt, up)
-    dcp.save({"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}, checkpoint_id=path)
-    return [step(kjt, up) for kjt, up in batches[2:]]
+    saved = {"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}
+    dcp.save(saved, checkpoint_id=path)
+    shards = shard_values(saved)
+    return {"outs": [step(kjt, up) for kjt, up in batches[2:]], "start": start, "shards": shards}
 
 
 def optimizer_checkpoint_resume(rank, world_size, path, sharding, optim_name, saved_world_size, in_place=False):
@@ -285,6 +305,8 @@ def optimizer_checkpoint_resume(rank, world_size, path, sharding, optim_name, sa
     if not in_place:
         model.load_state_dict(sd["model"])
         model.fused_optimizer.load_state_dict(sd["optim"])
+    # what the model holds now, read back through state_dict() (not the dicts DCP loaded into)
+    shards = shard_values({"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()})
     batches = global_batches(4, 8, False)
     per = 8 // world_size
     outs = []
@@ -295,4 +317,4 @@ def optimizer_checkpoint_resume(rank, world_size, path, sharding, optim_name, sa
         (out * up[rank * per : (rank + 1) * per] * (world_size / saved_world_size)).sum().backward()
         outs.append(out.detach())
     keys = sorted(model.fused_optimizer.state_dict()["state"])
-    return {"outs": outs, "optim_keys": keys}
+    return {"outs": outs, "optim_keys": keys, "shards": shards}

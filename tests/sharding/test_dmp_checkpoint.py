@@ -8,17 +8,62 @@ from . import dmp_cases as c
 from .multiprocess import run_ranks
 
 
-def gathered(results, key=None):
+def gathered(results, key="outs"):
     """Per-step outputs of all ranks concatenated along the batch (as one global batch)."""
-    per_rank = [r[key] if key else r for r in results]
+    per_rank = [r[key] for r in results]
     return [torch.cat([p[step] for p in per_rank]) for step in range(len(per_rank[0]))]
+
+
+def _whole(results) -> dict:
+    """Every tensor of the ranks' `shard_values`, assembled whole from its shards at their offsets."""
+    parts: dict = {}
+    for r in results:
+        for key, shards in r["shards"].items():
+            parts.setdefault(key, []).extend(shards)
+    out = {}
+    for key, shards in parts.items():
+        size = [max(o[d] + t.shape[d] for o, t in shards) for d in range(shards[0][1].dim())]
+        whole = torch.full(size, float("nan"), dtype=shards[0][1].dtype)
+        for offsets, t in shards:
+            whole[tuple(slice(o, o + n) for o, n in zip(offsets, t.shape))] = t
+        out[key] = whole
+    return out
+
+
+def assert_started_from(results, init: dict) -> None:
+    """Each rank's shards, right after the unsharded tables were loaded, hold the values at their
+    offsets (a shard shifted by a row keeps its shape: only its values show it)."""
+    for r in results:
+        assert r["start"], "no sharded tables"
+        for key, shards in r["start"].items():
+            for offsets, t in shards:
+                want = init[key][tuple(slice(o, o + n) for o, n in zip(offsets, t.shape))]
+                assert torch.equal(t, want.to(t.dtype)), f"{key} at {offsets}: not the loaded table's values"
+
+
+def assert_same_values(loaded, saved, keys=None):
+    """Each rank's loaded shard holds the saved values at its offsets, bit for bit: a shard of the
+    right shape at the wrong offset (a row-wise shard shifted by one row) fails."""
+    want = _whole(saved)
+    got = _whole(loaded)
+    keys = sorted(set(want) & set(got)) if keys is None else keys
+    assert keys, (sorted(want), sorted(got))
+    for key in keys:
+        assert got[key].shape == want[key].shape, key
+        assert torch.equal(got[key], want[key]), f"{key}: loaded shard values differ from the saved ones"
+        for r in loaded:  # and each shard is where its metadata says (not only the union)
+            for offsets, t in r["shards"][key]:
+                assert torch.equal(t, want[key][tuple(slice(o, o + n) for o, n in zip(offsets, t.shape))]), key
 
 
 def roundtrip(tmp_path, save_ws, save_sharding, save_stock, load_ws, load_sharding, load_stock):
     init = EmbeddingBagCollection(c.tables()).state_dict()
     path = str(tmp_path / "ckpt")
-    saved = gathered(run_ranks(c.checkpoint_save, save_ws, path, init, save_sharding, save_stock, timeout=600))
+    saved_ranks = run_ranks(c.checkpoint_save, save_ws, path, init, save_sharding, save_stock, timeout=600)
     loaded = run_ranks(c.checkpoint_load, load_ws, path, load_sharding, load_stock, timeout=600)
+    assert_started_from(saved_ranks, init)
+    assert_same_values(loaded, saved_ranks)
+    saved = gathered(saved_ranks)
     before, after = gathered(loaded, "before"), gathered(loaded, "after")
     assert not torch.allclose(before[0], saved[0]), "the fresh model must differ before loading"
     for got, want in zip(after, saved):
@@ -59,9 +104,12 @@ def test_stock_torchrec_checkpoint_loads_into_tpurec_and_back(tmp_path):
 def test_fused_optimizer_state_resumes_exactly_through_dcp(tmp_path, optim, save_sharding, load_ws, load_sharding):
     init = EmbeddingBagCollection(c.tables()).state_dict()
     path = str(tmp_path / "ckpt")
-    uninterrupted = gathered(run_ranks(c.optimizer_checkpoint_save, 2, path, init, save_sharding, optim, timeout=600))
+    saved = run_ranks(c.optimizer_checkpoint_save, 2, path, init, save_sharding, optim, timeout=600)
+    uninterrupted = gathered(saved)
+    assert_started_from(saved, init)
     resumed = run_ranks(c.optimizer_checkpoint_resume, load_ws, path, load_sharding, optim, 2, timeout=600)
     assert "embedding_bags.t0.weight" in resumed[0]["optim_keys"]
+    assert_same_values(resumed, saved, keys=sorted(_whole(saved)))  # tables and optimizer state
     for got, want in zip(gathered(resumed, "outs"), uninterrupted):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
@@ -69,9 +117,10 @@ def test_fused_optimizer_state_resumes_exactly_through_dcp(tmp_path, optim, save
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "optim,sharding",
-    [  # about 48 s each: two of the three are `make test-all` (the default suite's 20 minutes)
-        pytest.param("rowwise_adagrad", "row_wise", marks=pytest.mark.slow),
-        ("sgd", "column_wise"),
+    [  # about 48 s each: two of the three are `make test-all` (the default suite's 20 minutes); the
+        # default one is row-wise: a row shard shifted by one keeps its shape, only values show it
+        ("rowwise_adagrad", "row_wise"),
+        pytest.param("sgd", "column_wise", marks=pytest.mark.slow),
         pytest.param("adam", "table_wise", marks=pytest.mark.slow),
     ],
 )
@@ -80,7 +129,10 @@ def test_dcp_load_in_place_without_load_state_dict_restores_tables_and_state(tmp
     views of the live tables and optimizer state, so nothing else is needed to resume exactly."""
     init = EmbeddingBagCollection(c.tables()).state_dict()
     path = str(tmp_path / "ckpt")
-    uninterrupted = gathered(run_ranks(c.optimizer_checkpoint_save, 2, path, init, sharding, optim, timeout=600))
+    saved = run_ranks(c.optimizer_checkpoint_save, 2, path, init, sharding, optim, timeout=600)
+    uninterrupted = gathered(saved)
+    assert_started_from(saved, init)
     resumed = run_ranks(c.optimizer_checkpoint_resume, 2, path, sharding, optim, 2, True, timeout=600)
+    assert_same_values(resumed, saved, keys=sorted(_whole(saved)))  # tables and optimizer state, in place
     for got, want in zip(gathered(resumed, "outs"), uninterrupted):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
