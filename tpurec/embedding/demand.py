@@ -237,7 +237,8 @@ class ShardsDemand:
             return [(0, 0, 0, 0, int(a), int(b)) for a, b in zip(most_sample, most_feature)]
         compiled = self._compiled_counts(values, lengths, stride, total)
         if compiled is not None:
-            return self._figures(*compiled, most_sample, most_feature)
+            entries, distinct = compiled
+            return self._figures(entries, distinct, most_sample, most_feature)
         if self.every_feature_in_order:
             ids = values.astype(np.int64, copy=False)
         else:

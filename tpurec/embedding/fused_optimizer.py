@@ -20,7 +20,7 @@ views in ShardedTensors.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Sequence
+from typing import Any, ClassVar, Sequence
 
 import torch
 from torchrec.optim.fused import FusedOptimizer
@@ -160,7 +160,7 @@ class KernelFusedOptimizer(FusedOptimizer):
         self._write_back()
         self._refreshed_at = self._kernels_version()
 
-    def step(self, closure=None) -> None:  # updates are fused into backward
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]  # fused into backward: no closure value
         return None
 
     def zero_grad(self, set_to_none: bool = False) -> None:

@@ -21,7 +21,7 @@ import itertools
 import re
 import threading
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -323,7 +323,7 @@ class SparseCoreKernel(nn.Module):
         batch, padded, parts = self._stack_arrays(features)
         return self._to_device([self._stack_input(i, *part, batch, padded) for i, part in enumerate(parts)])
 
-    def preprocess_blocks(self, blocks: list) -> list[MultiPassInput]:
+    def preprocess_blocks(self, blocks: list) -> list[SparseCoreInput | MultiPassInput]:
         """Several batches of one stride as one step: their lookups stacked along the output's rows
         (block j's rows j x batch ..), one fused update in which every row the blocks touch takes
         its whole gradient once (multipass.stacked_blocks). What a sequence batch over its fixed
@@ -355,7 +355,7 @@ class SparseCoreKernel(nn.Module):
         self.multipass_batches += 1
         return self._to_device(out)
 
-    def _stack_arrays(self, features) -> tuple[int, int, list[tuple]]:
+    def _stack_arrays(self, features) -> tuple[int, int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]]:
         """(batch, padded batch, per stack its (values, lengths, weights)): the KJT in stacked order,
         cut into one contiguous slice per stack; the batch's demand recorded when asked for."""
         values, lengths, weights = self._stacked_arrays(features)
@@ -510,16 +510,17 @@ class SparseCoreKernel(nn.Module):
             return self._row_slots(i, compiled, values, lengths, weights, batch, padded)
         lay, n = self.stacks[i].layout, len(self.stacks[i].features)
         stacked_ids, samples, gains = self._stack_entries(i, values, lengths, weights, batch, padded)
-        common = dict(device_batch_size=n * padded, num_sc_per_device=self.num_sc, table_name=lay.name)
+        common: dict[str, Any] = dict(device_batch_size=n * padded, num_sc_per_device=self.num_sc, table_name=lay.name)
         if not self.fixed_limits:
             max_ids, max_uniq = self.max_ids_per_partition, self.max_unique_ids_per_partition
         else:
-            if self._stack_limits[i] is None:
+            limits = self._stack_limits[i]
+            if limits is None:
                 _, first = preprocess(stacked_ids, samples, gains, **common)
                 max_ids = round_up(max(SEGMENT_ALIGN, 2 * first.max_ids_per_partition), SEGMENT_ALIGN)
                 max_uniq = round_up(max(SEGMENT_ALIGN, 2 * first.max_unique_ids_per_partition), SEGMENT_ALIGN)
-                self._stack_limits[i] = (max_ids, min(max_uniq, max_ids))
-            max_ids, max_uniq = self._stack_limits[i]
+                limits = self._stack_limits[i] = (max_ids, min(max_uniq, max_ids))
+            max_ids, max_uniq = limits
         csr: SparseCoreInput | MultiPassInput
         try:
             csr, stats = preprocess(
@@ -603,10 +604,8 @@ class SparseCoreKernel(nn.Module):
         if out is None:
             return None
         rp, emb, smp, gns, mi, mu, (ids_pp, uniq_pp, need) = out
-        csr = SparseCoreInput(
-            *(torch.from_numpy(x) for x in (rp, emb, smp, gns)), len(offsets) * padded, self.num_sc,
-            lay.num_partitions, mi, mu,
-        )  # fmt: skip
+        t_rp, t_emb, t_smp, t_gns = (torch.from_numpy(x) for x in (rp, emb, smp, gns))
+        csr = SparseCoreInput(t_rp, t_emb, t_smp, t_gns, len(offsets) * padded, self.num_sc, lay.num_partitions, mi, mu)
         stats = PreprocessStats(torch.from_numpy(ids_pp), torch.from_numpy(uniq_pp), need, 0)
         self.last_stats[lay.name] = stats
         self._record_passes(i, stats)
@@ -749,7 +748,7 @@ class _FusedLookup(torch.autograd.Function):
             for part, b in zip(csr.forward, csr.forward_blocks or [0] * len(csr.forward)):
                 o = _lookup_op(part, weight)
                 outs[b] = o if outs[b] is None else outs[b] + o
-            return outs[0] if len(outs) == 1 else torch.cat(outs)  # type: ignore[arg-type]
+            return outs[0] if len(outs) == 1 else torch.cat(outs)
         return _lookup_op(csr, weight)
 
     @staticmethod

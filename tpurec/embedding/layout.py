@@ -115,12 +115,12 @@ def build_stacks(
     so that the partitions expect the same ids (`stack_order.balanced_order`).
     """
     groups: dict[object, list[tuple[str, int, int, torch.dtype]]] = {}
-    for name, rows, dim, *dtype in tables:
+    for name, rows, dim, *given in tables:
         if dim <= 0:
             raise UserError(f"table {name!r}: embedding_dim must be positive, got {dim}")
         if rows < 0:
             raise UserError(f"table {name!r}: num_embeddings must be >= 0, got {rows}")
-        dtype = dtype[0] if dtype else torch.float32
+        dtype = given[0] if given else torch.float32
         groups.setdefault((dim, dtype) if stack else name, []).append((name, rows, dim, dtype))
     layouts = []
     for key, members in groups.items():

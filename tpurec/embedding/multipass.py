@@ -29,6 +29,7 @@ batch size (its output grows with the number of update passes).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -101,7 +102,7 @@ def split_into_passes(
     parts = num_sc  # preprocess's partitions within a device (global_device_count 1)
     per_slice = device_batch_size // num_sc
     cap = min(max_ids_per_partition, max_unique_ids_per_partition)
-    limits = dict(
+    limits: dict[str, Any] = dict(
         device_batch_size=device_batch_size,
         num_sc_per_device=num_sc,
         max_ids_per_partition=max_ids_per_partition,

@@ -262,7 +262,11 @@ def _preprocess_group(inputs, names, lim_ids, lim_uniq, *, device_batch_size, nu
         dup = np.flatnonzero(~first_mask)
         target = dup - _arange(dup.size) - 1  # the k-th duplicate follows k earlier ones
         with np.errstate(over="ignore", invalid="ignore"):  # inf / NaN gains pass through
-            np.add.at(ugain, target, np.full(dup.size, gains_np[0], np.float32) if uniform else np.take(gsorted, dup))
+            if uniform:
+                np.add.at(ugain, target, np.full(dup.size, gains_np[0], np.float32))
+            else:
+                assert gsorted is not None  # sorted above whenever the gains are not uniform
+                np.add.at(ugain, target, np.take(gsorted, dup))
 
     # Entries are sorted by segment: segment g is ukey[bounds[g]:bounds[g + 1]].
     bounds = np.empty(nseg + 1, dtype=np.int64)
@@ -352,7 +356,8 @@ def _preprocess_group(inputs, names, lim_ids, lim_uniq, *, device_batch_size, nu
         out = [rp_t[t], emb_t[t], smp_t[t], gns_t[t]]
         if ids.device.type != "cpu":
             out = [x.to(ids.device) for x in out]
-        csr = SparseCoreInput(*out, device_batch_size, num_sc, parts, mi, mu)
+        rp, emb, smp, gns = out
+        csr = SparseCoreInput(rp, emb, smp, gns, device_batch_size, num_sc, parts, mi, mu)
         # required_buffer_size_per_sc: before dropping, like ids_per_partition.
         results.append((csr, PreprocessStats(ids_t[t], uniq_t[t], need, drop)))
     return results
@@ -370,7 +375,8 @@ def _per_table(value, num_tables: int, what: str) -> list:
 def _split_by_size(sizes: list[int], groups: int) -> list[tuple[int, int]]:
     """Contiguous ranges of tables with about equal total ids, at most `groups` of them."""
     total = sum(sizes) or 1
-    bounds, acc, start = [], 0, 0
+    bounds: list[tuple[int, int]] = []
+    acc = start = 0
     for t, size in enumerate(sizes):
         acc += size
         if acc * groups >= total * (len(bounds) + 1) and t + 1 < len(sizes):

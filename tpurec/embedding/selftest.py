@@ -10,6 +10,7 @@ and every fused optimizer, on small random inputs; part of the TPU first-contact
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -106,6 +107,7 @@ def _vs_fbgemm(optim, kwargs, gen) -> Check:
     from tpurec.embedding.optimizers.registry import spec_from_torch
 
     spec = spec_from_torch(optim, kwargs)
+    assert spec.fbgemm_optim is not None, f"{spec.name} has no fbgemm counterpart"
     kind, fb = spec.name, getattr(EmbOptimType, spec.fbgemm_optim)  # the oracle runs the same optimizer
     tables = _tables(PoolingType.SUM)
     sc = SparseCoreEmbeddingBagCollection(tables, optim, kwargs, num_sparsecores=4, device="cpu")
@@ -137,7 +139,7 @@ def _adam_vs_torch(gen) -> Check:
     from tpurec.embedding.module import SparseCoreEmbeddingBagCollection
 
     tables = [EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=6, feature_names=["f"])]
-    kw = {"lr": 0.05, "betas": (0.8, 0.95), "eps": 1e-6}
+    kw: dict[str, Any] = {"lr": 0.05, "betas": (0.8, 0.95), "eps": 1e-6}
     sc = SparseCoreEmbeddingBagCollection(tables, torch.optim.Adam, kw, num_sparsecores=2, device="cpu")
     ebc = EmbeddingBagCollection(tables)
     ebc.load_state_dict(sc.state_dict())

@@ -68,7 +68,7 @@ class SparseCoreSequenceKernel(SparseCoreKernel):
         found = [table_limits.get(t.source or t.name) for t in self.tables]
         if not found or any(f is None or len(f) < 5 for f in found):
             return None
-        return max(int(f[4]) for f in found)  # type: ignore[index]
+        return max(int(f[4]) for f in found if f is not None)
 
     def _aligned(self, n: int) -> int:
         return round_up(max(n, 1), max(SEGMENT_ALIGN, self.num_sc) if self.fixed_limits else self.num_sc)

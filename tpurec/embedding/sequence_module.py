@@ -129,6 +129,7 @@ class SparseCoreEmbeddingCollection(nn.Module, FusedOptimizerModule):
         per_slot = lengths.sum(1).tolist() if lengths is not None else []
         ids = slots.values().split(per_slot) if self._need_indices else [None] * len(per_slot)
         for k, (name, piece) in enumerate(zip(self._slot_names, pieces)):
+            assert lengths is not None  # there is a slot
             out[name] = JaggedTensor(values=piece, lengths=lengths[k], weights=ids[k])
         return out
 

@@ -17,6 +17,8 @@ under sharding), so the slot itself adds nothing to state_dict and loads nothing
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -51,10 +53,11 @@ def table_parameter(view: torch.Tensor, in_backward_optimizers: list) -> nn.Para
 def register(module: nn.Module) -> None:
     """A standalone module's tables as `<STATE_PREFIX>.<table>.weight` parameters. The module has
     `kernel` (tables named as its configs), `STATE_PREFIX` and `fused_optimizer`."""
+    owner: Any = module  # kernel, STATE_PREFIX and fused_optimizer: set by the standalone module classes
     slots = nn.ModuleDict()
-    for name in module.kernel.table_names:
-        add_slot(slots, name, TableSlot(table_parameter(module.kernel.read_weight(name), [module.fused_optimizer])))
-    module.add_module(module.STATE_PREFIX, slots)
+    for name in owner.kernel.table_names:
+        add_slot(slots, name, TableSlot(table_parameter(owner.kernel.read_weight(name), [owner.fused_optimizer])))
+    module.add_module(owner.STATE_PREFIX, slots)
 
 
 def add_slot(slots: nn.ModuleDict, table: str, slot: nn.Module) -> None:

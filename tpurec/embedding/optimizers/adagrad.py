@@ -8,6 +8,7 @@ Stands for `torch.optim.Adagrad` (no lr decay; no weight decay, as FBGEMM's EXAC
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -124,8 +125,8 @@ class AdagradSpec(OptimizerSpec):
     name = "adagrad"
     torch_optimizer_path = "torch.optim.Adagrad"
     fbgemm_optim = "EXACT_ADAGRAD"
-    fbgemm_aliases = ("adagrad",)
-    state_names = ("momentum1",)  # TorchRec's name for Adagrad's sum
+    fbgemm_aliases: ClassVar[tuple[str, ...]] = ("adagrad",)
+    state_names: ClassVar[tuple[str, ...]] = ("momentum1",)  # TorchRec's name for Adagrad's sum
     refused_torch_kwargs = ("lr_decay", "maximize")  # weight_decay: FBGEMM's modes, weight_decay.py
 
     @classmethod

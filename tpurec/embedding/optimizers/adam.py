@@ -20,6 +20,7 @@ Owns the `tpurec::sparse_dense_matmul_grad_with_adam` op: CPU reference and Torc
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -157,7 +158,7 @@ class AdamSpec(OptimizerSpec):
         )
 
     def torch_kwargs(self) -> dict:
-        kwargs = {"lr": self.lr, "eps": self.eps}
+        kwargs: dict[str, Any] = {"lr": self.lr, "eps": self.eps}
         if (self.beta1, self.beta2) != (0.9, 0.999):
             kwargs["betas"] = (self.beta1, self.beta2)
         return kwargs | self.weight_decay_kwargs()

@@ -321,7 +321,8 @@ class _RecordingOps:
         op = getattr(self._ops, name)
 
         def call(*args):
-            _RECORDED.append((name, _compile_key(args)))
+            if _RECORDED is not None:
+                _RECORDED.append((name, _compile_key(args)))
             return op(*args)
 
         return call
