@@ -17,11 +17,28 @@ REPO = Path(__file__).resolve().parents[1]
 def test_cores_are_divided_among_the_local_ranks():
     assert threads.choose(None, {}, cores=8, local_ranks=4, current=8, torch_default=8) == (
         2,
-        "8 cores / 4 local ranks",
+        "8 cores / 4 local rank(s)",
     )
     assert threads.choose(None, {}, cores=2, local_ranks=4, current=2, torch_default=2)[0] == 1  # at least one
     # One process on all its cores: torch's own count already fits, left alone.
     assert threads.choose(None, {}, cores=8, local_ranks=1, current=8, torch_default=8)[0] is None
+
+
+def test_cores_busy_with_other_work_are_left_to_it():
+    # A shared 8-core host with 1.6 cores idle: 2 threads, however many torch starts with.
+    assert threads.choose(None, {}, cores=8, local_ranks=1, current=8, torch_default=8, idle=1.6) == (
+        2,
+        "8 cores, 1.6 idle / 1 local rank(s)",
+    )
+    assert threads.choose(None, {}, cores=2, local_ranks=1, current=2, torch_default=2, idle=0.1)[0] == 1
+    assert threads.choose(None, {}, cores=2, local_ranks=1, current=2, torch_default=2, idle=1.9)[0] is None
+    assert threads.choose(None, {}, cores=16, local_ranks=2, current=16, torch_default=16, idle=12.0)[0] == 6
+
+
+def test_idle_cores_are_measured_between_none_and_all():
+    cpus = os.sched_getaffinity(0)
+    idle = threads.idle_cores(cpus, seconds=0.05)
+    assert idle is None or 0.0 <= idle <= len(cpus) + 1e-9
 
 
 def test_the_users_choice_wins():
