@@ -10,26 +10,21 @@ of its checkpoints in this process and records what it trains on.
 
 from __future__ import annotations
 
-import hashlib
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from tests.reliability.batchlog.sitecustomize import fingerprint as _fingerprint
 from tpurec.dlrm.ckpt_integrity import write_checksums
 from tpurec.dlrm.options import TrainOptions
 from tpurec.dlrm.trainer import position_in_epoch
 
 STEPS = 12  # over two epochs
 TINY = dict(synth_rows=3000, eval_every=0, curves_out="none", quiet=True, steps=STEPS)
-
-
-def _fingerprint(batch) -> str:
-    """What a batch holds, row for row: dense values, ids and labels."""
-    h = hashlib.sha256()
-    for t in (batch.dense_features, batch.sparse_features.values(), batch.sparse_features.lengths(), batch.labels):
-        h.update(t.detach().cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def _trained_batches(options: TrainOptions) -> list[str]:
@@ -112,3 +107,38 @@ def test_a_fraction_of_whole_batches_resumes_at_those_batches_at_any_epoch_size(
             for done in range(0, min(rows, 64 * batch), batch):
                 assert position_in_epoch(done / rows, rows, batch) == done
                 assert position_in_epoch(done / rows, 2 * rows, batch) == 2 * done  # 2 ranks -> 1: twice the rows
+
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_FLAGS = ["--synth-rows", "3000", "--eval-every", "0", "--curves-out", "none", "--quiet"]
+
+
+def _train_logged(log: Path, cache: Path, *args) -> tuple[list[str], str]:
+    """A real `tpurec train ARGS` (every rank a process of its own); the batches rank 0 trained on,
+    recorded by tests/reliability/batchlog/sitecustomize.py."""
+    log.mkdir()
+    env = dict(
+        os.environ,
+        TPUREC_CACHE=str(cache),
+        TPUREC_TEST_BATCH_LOG=str(log),
+        PYTHONPATH=os.pathsep.join([str(Path(__file__).parent / "batchlog"), str(REPO)]),
+    )
+    cmd = [sys.executable, "-m", "tpurec.cli", "train", *TINY_FLAGS, *map(str, args)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return (log / "rank-0.txt").read_text().split(), p.stderr
+
+
+@pytest.mark.slow  # three real runs, one of two ranks: about a minute
+@pytest.mark.multiprocess
+def test_a_run_saved_at_2_ranks_resumes_at_1_on_the_next_rows(tmp_path, tiny_cache):
+    """Saved by `tpurec train --nproc 2` after 2 steps (2 x 512 rows each: 2,048 of the epoch's 2,850
+    rows), resumed by `tpurec train --resume` at 1 rank: the 1-rank run goes on with the batches an
+    uninterrupted 1-rank run trains from row 2,048 on, its 5th batch on (not the epoch's first)."""
+    ck = tmp_path / "ck"
+    reference, _ = _train_logged(tmp_path / "ref", tiny_cache, "--steps", 10)
+    assert len(reference) == 10 and len(set(reference)) == 10
+    _train_logged(tmp_path / "two", tiny_cache, "--nproc", 2, "--steps", 2, "--checkpoint-dir", ck)
+    got, said = _train_logged(tmp_path / "one", tiny_cache, "--steps", 8, "--checkpoint-dir", ck, "--resume")
+    assert "at world size 1 from 2" in said
+    assert got == reference[4:10]
