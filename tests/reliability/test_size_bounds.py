@@ -74,8 +74,12 @@ def test_sigterm_during_data_synth_removes_its_temporary_parts(tmp_path, monkeyp
     outside = signal.getsignal(signal.SIGTERM)
     _sigterm_on(monkeypatch, synth, "generate_chunk", calls=2)
     out = tmp_path / "o"
-    code, _, _ = run_cli(["data", "synth", "--rows", 3000, "--row-group-size", 1000, "--out", out], capsys)
+    code, _, err = run_cli(["data", "synth", "--rows", 3000, "--row-group-size", 1000, "--out", out], capsys)
     assert code == 128 + signal.SIGTERM  # as a shell reports a process SIGTERM ended
+    # one line saying what stopped and what was removed (there was none before)
+    assert err.splitlines() == [
+        f"tpurec data synth: stopped by SIGTERM; nothing written to {out}, its 1 temporary part(s) removed"
+    ]
     assert list(out.iterdir()) == []  # no part-00000.parquet.tmp-PID (nor the lock)
     assert signal.getsignal(signal.SIGTERM) is outside
 

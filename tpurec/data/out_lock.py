@@ -8,10 +8,12 @@ naming the first.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tpurec.data.leftovers import remove_tmp_files
 from tpurec.data.schema import DataError, prepare_output_dir
 from tpurec.dir_lock import lock_dir, unlock
 
@@ -19,7 +21,8 @@ from tpurec.dir_lock import lock_dir, unlock
 @contextmanager
 def locked_output(out_dir, overwrite: bool, program: str) -> Iterator[Path]:
     """`prepare_output_dir(out_dir, overwrite)` under an exclusive lock held until the block ends
-    (DataError naming the holder when another run writes there)."""
+        (DataError naming the holder when another run writes there). Temporary files a killed run left
+    there are removed first, in one line (tpurec/data/leftovers.py)."""
     held = lock_dir(
         out_dir,
         lambda holder: DataError(
@@ -28,6 +31,8 @@ def locked_output(out_dir, overwrite: bool, program: str) -> Iterator[Path]:
         program,
     )
     try:
+        # Held: any temporary file in there is a killed run's (SIGKILL gives no chance to clean up).
+        remove_tmp_files(Path(out_dir), lambda line: print(f"tpurec data: {line}", file=sys.stderr))
         yield prepare_output_dir(out_dir, overwrite)
     finally:
         unlock(held)

@@ -30,7 +30,7 @@ from tpurec.data.schema import (
 )
 from tpurec.errors import UserError
 from tpurec.interrupts import Interrupted
-from tpurec.terminate import unwinding_on_sigterm
+from tpurec.terminate import Terminated, unwinding_on_sigterm
 
 ZIPF_EXPONENT = 1.1
 SPARSE_SCALE = 0.25  # spread of each feature's hidden weights
@@ -165,7 +165,7 @@ def synthesize(
         raise DataError("--rows must be >= 1")
     schema, hots = synth_schema(table_set, multi_hot_sizes)
     # unwinding_on_sigterm: SIGTERM, too, ends in _synthesize_into's cleanup (no temporary part left)
-    with locked_output(out_dir, overwrite, "tpurec data synth") as out, unwinding_on_sigterm():
+    with unwinding_on_sigterm("tpurec data synth"), locked_output(out_dir, overwrite, "tpurec data synth") as out:
         return _synthesize_into(
             out, rows, schema, hots, seed, table_set, rows_per_file, row_group_size, compression, show_progress
         )
@@ -216,6 +216,8 @@ def _synthesize_into(
             tmp.unlink(missing_ok=True)
         if isinstance(e, KeyboardInterrupt):
             raise Interrupted(f"nothing written to {out}") from None
+        if isinstance(e, Terminated):
+            raise Terminated(f"nothing written to {out}, its {len(tmps)} temporary part(s) removed") from None
         raise
     finally:
         bar.close()

@@ -51,6 +51,7 @@ def ensure_synth(table_set: str, rows: int, seed: int, say=print, multi_hot: lis
     import shutil
     import tempfile
 
+    from tpurec.data.leftovers import remove_stale_tmp_dirs
     from tpurec.data.schema import dataset_json
     from tpurec.terminate import unwinding_on_sigterm
 
@@ -61,7 +62,9 @@ def ensure_synth(table_set: str, rows: int, seed: int, say=print, multi_hot: lis
         return out
     say(f"data: generating synthetic {table_set} data{hots} ({rows:,} rows, seed {seed}) once into {out}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    with unwinding_on_sigterm():  # SIGTERM, too, removes the temporary directory (tpurec/terminate.py)
+    remove_stale_tmp_dirs(out.parent, lambda line: say(f"data: {line}"))  # a killed run's (tpurec/data/leftovers.py)
+    # SIGTERM, too, removes the temporary directory, in one line (tpurec/terminate.py)
+    with unwinding_on_sigterm("tpurec train"):
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))  # same filesystem: rename works
         tmp.chmod(0o755)  # mkdtemp's 0700 would become the cache entry's mode
         try:
