@@ -27,6 +27,9 @@ def test_readme_first_python_block_is_a_complete_program(tmp_path):
     loss = float(re.search(r"loss after 50 steps: ([0-9.]+)", p.stdout).group(1))
     assert loss < 0.3  # the clicks follow the item id's parity: learnable to near zero loss
     assert "constructed directly" not in p.stderr  # no alarming torchrec warning on the API path
+    # TorchRec's positional state_dict call into tpurec's kernels, its DDP broadcast_buffers and
+    # torch's is_fx_tracing notice are not shown (docs/dmp.md, "Warnings"): nothing at all here.
+    assert not [w for w in p.stderr.splitlines() if "Warning" in w or "is_fx_tracing" in w], p.stderr[-3000:]
 
 
 def _quickstart(cmd, tmp_path) -> dict:

@@ -150,7 +150,44 @@ def _table_limits(id_limits, world_size: int, num_sc: int, batch_size: int | Non
     return load_limits(str(id_limits), layout)
 
 
-class TpuDataParallelWrapper(DefaultDataParallelWrapper):
+class _DropFxTracingNotice(logging.Filter):
+    """Drops torch's one notice that `is_fx_tracing` covers torch.export too: torch's ProxyableClassMeta
+    (the metaclass of TorchRec's KeyedJaggedTensor) calls it at every KJT built, so every TorchRec
+    program logs it once per rank, whatever tpurec does (docs/dmp.md)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("is_fx_tracing will return true for both")
+
+
+def _quiet_fx_tracing_notice() -> None:
+    log = logging.getLogger("torch.fx._symbolic_trace")
+    if not any(isinstance(f, _DropFxTracingNotice) for f in log.filters):
+        log.addFilter(_DropFxTracingNotice())
+
+
+class QuietDataParallelWrapper(DefaultDataParallelWrapper):
+    """TorchRec's DDP wrapping of the dense modules, without its FutureWarning on every rank.
+
+    TorchRec 1.9.2 passes `broadcast_buffers=False` to DDP (torchrec/distributed/model_parallel.py),
+    which torch 2.14 deprecates for `forward_sync_buffers`; that one also syncs buffers at init, which
+    TorchRec's choice does not, so tpurec keeps TorchRec's call and silences that one warning, by
+    category, message and module, for the wrap only (docs/dmp.md).
+    """
+
+    def wrap(self, dmp, env, device) -> None:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore",
+                message="`broadcast_buffers` is deprecated",
+                category=FutureWarning,
+                module=r"torchrec\.distributed\.model_parallel",
+            )
+            super().wrap(dmp, env, device)
+
+
+class TpuDataParallelWrapper(QuietDataParallelWrapper):
     """TorchRec's DDP wrapping of the dense modules, without DDP's parameter-shape check.
 
     `DistributedDataParallel.__init__` runs `_verify_param_shape_across_processes`, a device->CPU
@@ -195,6 +232,7 @@ class DistributedModelParallel(_TorchrecDMP):
         # Torch's start-up count is one thread per core for every rank: cores / local ranks instead,
         # once, unless the user chose a count (tpurec/threads.py).
         torch_threads.apply(threads)
+        _quiet_fx_tracing_notice()
 
         torch_device = select_device(device)  # raises at once for "tpu" without a TPU
         if torch_device.type == "meta":
@@ -270,6 +308,7 @@ class DistributedModelParallel(_TorchrecDMP):
             # TorchRec's padding, or TorchTPU's uneven path: an explicit choice (tpu_all_to_all.py).
             all_to_all = tpu_all_to_all.select(uneven_all_to_all)
             dmp_kwargs.setdefault("data_parallel_wrapper", TpuDataParallelWrapper())
+        dmp_kwargs.setdefault("data_parallel_wrapper", QuietDataParallelWrapper())
         super().__init__(module, env=env, device=torch_device, plan=plan, sharders=sharders, **dmp_kwargs)
         self.topology = topology
         self.uneven_all_to_all = all_to_all  # "padded" / "uneven" on the TPU path, else None

@@ -188,6 +188,12 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
     def named_split_embedding_weights(self, *args, **kwargs) -> Iterator:
         return iter(())
 
+    def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):  # type: ignore[override]
+        # TorchRec's grouped lookups call their kernels' state_dict(destination, prefix, keep_vars)
+        # positionally (torchrec/distributed/embedding_lookup.py), which torch's Module.state_dict
+        # answers with a FutureWarning per lookup: taken here and passed on by keyword.
+        return super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+
     def flush(self) -> None:
         pass
 
