@@ -33,7 +33,9 @@ SUB_ACTIONS: dict[str, str] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from tpurec.arg_parser import SuggestingParser  # one-line errors, "did you mean" (every subcommand)
+
+    parser = SuggestingParser(
         prog="tpurec",
         description="TorchRec on TPU: SparseCore embedding kernels, sharding planner, DLRM pipeline.",
     )
@@ -47,8 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. A user error (tpurec.errors.UserError, or an OSError: a path missing or
+    unwritable, a full disk) prints as one line and exits 2; any other exception is a bug and
+    propagates with its traceback."""
     from tpurec import interrupts
+    from tpurec.errors import EXIT_USER_ERROR, UserError
 
+    args = None
     with interrupts.handled():
         try:
             parser = build_parser()
@@ -57,14 +64,27 @@ def main(argv: list[str] | None = None) -> int:
                 parser.print_help()
                 return 0 if args.command is None else 2
             return int(args.run(args) or 0)
+        except (UserError, OSError) as e:
+            print(f"{error_prefix(args)}: {e}", file=sys.stderr)
+            code = EXIT_USER_ERROR
         except KeyboardInterrupt as e:  # Ctrl-C: one line, not a traceback (tpurec/interrupts.py)
             words = sys.argv[1:] if argv is None else argv
             command = next((f"tpurec {w}" for w in words if not str(w).startswith("-")), "tpurec")
             print(interrupts.line(command, e), file=sys.stderr)
+            code = interrupts.EXIT_INTERRUPTED
     import gc
 
-    gc.collect()  # the interrupted work's frames (pyarrow's CSV reader among them) freed now, not at exit
-    return interrupts.EXIT_INTERRUPTED
+    # The failed work's frames (pyarrow's CSV reader among them) freed now, not at interpreter exit,
+    # where pyarrow can abort the process (exit 134).
+    gc.collect()
+    return code
+
+
+def error_prefix(args: argparse.Namespace | None) -> str:
+    """`tpurec COMMAND: error` (argparse's form), or the command's own (`set_defaults(error_prefix=...)`)."""
+    if args is None or not getattr(args, "command", None):
+        return "tpurec: error"
+    return getattr(args, "error_prefix", None) or f"tpurec {args.command}: error"
 
 
 if __name__ == "__main__":

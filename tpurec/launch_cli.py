@@ -16,6 +16,8 @@ import argparse
 import os
 import sys
 
+from tpurec.errors import UserError
+
 
 def register(sub) -> None:
     p = sub.add_parser(
@@ -52,8 +54,8 @@ def run(args) -> int:
 
         try:
             spec = parse_slice(args.emulate_tpu)
-        except ValueError as e:
-            return _error(f"--emulate-tpu: {e}")
+        except UserError as e:
+            raise UserError(f"--emulate-tpu: {e}") from None
         if not spec.generation.sparsecores:
             return _error(f"--emulate-tpu {args.emulate_tpu}: {spec.generation.name} has no SparseCore tpurec drives")
         too_big = slice_launch.emulation_too_big(spec)
@@ -62,8 +64,5 @@ def run(args) -> int:
         return slice_launch.run_hosts(slice_launch.emulated_agents(spec.name, env, program))
     if args.nnodes < 1 or (args.nproc is not None and args.nproc < 1):
         return _error("--nproc and --nnodes must be >= 1")
-    try:
-        agent = slice_launch.tpu_agent(args.nproc, args.nnodes, env, program)
-    except ValueError as e:
-        return _error(str(e))
+    agent = slice_launch.tpu_agent(args.nproc, args.nnodes, env, program)  # UserError when TorchTPU refuses
     return slice_launch.run_hosts([agent])

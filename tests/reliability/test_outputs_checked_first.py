@@ -140,7 +140,7 @@ def test_data_stats_refuses_a_read_only_out_before_the_pass(unwritable_dir, tmp_
 BENCH = [
     (
         ["bench", "data", "--rows", 1000, "--dir", "{F}/work"],
-        "tpurec data: error: --dir {F}/work: {F} is not a directory",
+        "tpurec bench data: error: --dir {F}/work: {F} is not a directory",
     ),
     (["bench", "pipeline", "--quick", "--dir", "{F}/work"], "tpurec bench pipeline: error: --dir {F}/work: {F} is not"),
     (["bench", "train", "--steps", 1], "tpurec bench train: error: TPUREC_CACHE={F}: {F} is not a directory"),

@@ -1,4 +1,3 @@
-import argparse
 import json
 
 import pytest
@@ -12,7 +11,7 @@ from torchrec.distributed.types import (
 
 from tpurec.catalog import TableSpec
 from tpurec.sharding import inspect as I
-from tpurec.sharding import plan_cli, plan_io, render, report_html
+from tpurec.sharding import plan_io, render, report_html
 from tpurec.sharding.estimators import shard_cost
 from tpurec.sharding.topology import make_topology, parse_slice
 
@@ -96,10 +95,10 @@ def test_png_and_html(tmp_path):
 
 
 def _cli(*argv):
-    parser = argparse.ArgumentParser()
-    plan_cli.register(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["plan", *argv])
-    return args.run(args)
+    """`tpurec plan ARGV` in this process, through the command's entry point (which prints user errors)."""
+    from tpurec.cli import main
+
+    return main(["plan", *argv])
 
 
 def test_cli_json_show_and_round_trip(tmp_path, capsys):

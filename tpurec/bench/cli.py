@@ -31,6 +31,8 @@ def register(sub) -> None:
     bsub = p.add_subparsers(dest="bench", metavar="BENCH")
     for module in BENCHES.values():
         importlib.import_module(module).register(bsub)
+    for name, parser in bsub.choices.items():  # a user error reads `tpurec bench NAME: error: ...`
+        parser.set_defaults(error_prefix=f"tpurec bench {name}: error")
     p.set_defaults(run=run)  # each benchmark overrides this with its own run
 
 

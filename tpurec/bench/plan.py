@@ -13,7 +13,6 @@ tpurec plans faster). Imports and the first (warm-up) round are not timed.
 from __future__ import annotations
 
 import json
-import sys
 
 from tpurec.argtypes import positive_int
 from tpurec.catalog import MODEL_NAMES, TRAINING_DEFAULTS
@@ -158,11 +157,7 @@ def main(args) -> int:
                 f"{result['paired_turns']} turns)"
             )
         return 0
-    try:
-        result = run(args.model, args.topology, args.batch_size, args.repeats)
-    except ValueError as e:  # a bad slice name, a model that does not fit
-        print(f"tpurec bench plan: {e}", file=sys.stderr)
-        return 2
+    result = run(args.model, args.topology, args.batch_size, args.repeats)  # UserError: a bad slice, a misfit
     if args.json:
         print(json.dumps(result, indent=2))
         return 0

@@ -1,7 +1,7 @@
 """`tpurec data convert | synth | inspect`.
 
 Only argparse at module top: the work modules (pyarrow, numpy, torch) load when a command runs.
-Bad user input (a malformed line, a missing file, a bad option) prints one line and exits 2.
+Bad user input (a malformed line, a missing file, a bad option) raises UserError: one line, exit 2.
 """
 
 from __future__ import annotations
@@ -128,27 +128,18 @@ def _common(p) -> None:
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
-def user_errors(fn):
-    """Bad input -> one line on stderr and exit code 2, no traceback."""
+def reader_gone_ok(fn):
+    """`tpurec data inspect DIR | head`: the reader closing the pipe early ends the command quietly
+    (exit 0). User errors are printed by `tpurec.cli.main` (one line, exit 2)."""
 
     def wrapped(args) -> int:
-        from tpurec.data.schema import DataError
-
         try:
             return fn(args)
-        except BrokenPipeError:  # `tpurec data inspect DIR | head`: the reader has what it wanted
+        except BrokenPipeError:  # the reader has what it wanted
             import os
 
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
             return 0
-        except (DataError, ValueError, OSError) as e:  # OSError: missing/unreadable paths, full disk
-            print(f"tpurec data: error: {e}", file=sys.stderr)
-        # The error's traceback held pyarrow's CSV reader state and our invalid-row callback: freed
-        # now, not at interpreter exit, where pyarrow can abort the process (exit 134).
-        import gc
-
-        gc.collect()
-        return 2
 
     return wrapped
 
@@ -164,7 +155,7 @@ def _check_out_dir(args) -> None:
     check_outputs([("--out", args.out, "dir")])
 
 
-@user_errors
+@reader_gone_ok
 def run_convert(args) -> int:
     from tpurec.catalog import get_table_set
     from tpurec.data import npy
@@ -239,7 +230,7 @@ def run_convert(args) -> int:
     return 0
 
 
-@user_errors
+@reader_gone_ok
 def run_synth(args) -> int:
     from tpurec.data.synth import synthesize
     from tpurec.data.synth_bounds import rows_problem
@@ -271,7 +262,7 @@ def run_synth(args) -> int:
     return 0
 
 
-@user_errors
+@reader_gone_ok
 def run_inspect(args) -> int:
     from tpurec.data.inspect import format_report, inspect_dataset
 

@@ -109,7 +109,7 @@ def _open_text(path: str, fmt: str, opts: ConvertOptions, on_invalid, typed: boo
     try:
         return raw, pcsv.open_csv(stream, read_options=read, parse_options=parse_opts, convert_options=conv)
     except BaseException:
-        # Closed here, not left to the error's traceback (see data/cli.py user_errors).
+        # Closed here, not left to the error's traceback (see tpurec/cli.py main).
         stream.close()
         raw.close()
         raise

@@ -16,6 +16,7 @@ import re
 import sys
 
 from tpurec.dlrm.options import OPTIONS_ENV, TrainOptions
+from tpurec.errors import UserError
 
 _EPILOG = """\
 examples:
@@ -88,28 +89,19 @@ def run(args) -> int:
             if tpu_status().usable:  # one process still needs TorchTPU's launch environment
                 from tpurec.dlrm.slice_launch import torchtpu_launch_env
 
-                try:
-                    launch = torchtpu_launch_env(1, 1)
-                except ValueError as e:
-                    return _error(str(e))
+                launch = torchtpu_launch_env(1, 1)  # UserError when TorchTPU refuses this host
                 os.environ.update({k: v for k, v in launch.items() if k not in os.environ})
         return run_worker(options)
     # Make the default dataset here, once, before the ranks start (they then find it cached).
     if not options.data:
-        try:
-            _prepare_synth(options)
-        except ValueError as e:
-            return _error(str(e))
+        _prepare_synth(options)
     from tpurec.dlrm import slice_launch
 
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **{OPTIONS_ENV: options.to_json()})
     if args.emulate_tpu:
         agents = slice_launch.emulated_agents(args.emulate_tpu, env)
     elif options.device == "tpu":
-        try:
-            agents = [slice_launch.tpu_agent(args.nproc, args.nnodes, env)]
-        except ValueError as e:
-            return _error(str(e))
+        agents = [slice_launch.tpu_agent(args.nproc, args.nnodes, env)]
     else:
         agents = [(slice_launch.agent_command(args.nproc), env)]
     # SIGTERM / Ctrl-C of this launcher reach each torch.distributed.run, which stops its ranks; if
@@ -127,7 +119,7 @@ def _launch_problem(args, options: TrainOptions) -> str | None:
 
         try:
             spec = parse_slice(args.emulate_tpu)
-        except ValueError as e:
+        except UserError as e:
             return f"--emulate-tpu: {e}"
         if not spec.generation.sparsecores:
             return f"--emulate-tpu {args.emulate_tpu}: {spec.generation.name} has no SparseCore tpurec can drive"
@@ -167,8 +159,9 @@ def _prepare_synth(options: TrainOptions) -> None:
 
 
 def run_worker(options: TrainOptions) -> int:
-    """One rank: user errors print one line naming the rank and exit 2; other failures re-raise
-    after a line naming the rank, so torch.distributed.run reports them and stops the job. Ctrl-C:
+    """One rank: user errors (UserError, OSError) print one line naming the rank and exit 2; other
+    failures re-raise after a line naming the rank, so torch.distributed.run reports them and stops
+    the job. Ctrl-C:
     one line saying which checkpoint is the last complete one, exit 130."""
     from tpurec import interrupts
 
@@ -203,14 +196,12 @@ def interrupted(options: TrainOptions, trainer) -> str:
 
 def _run_rank(trainer) -> int:
     from tpurec import heartbeat, interrupts
-    from tpurec.data.schema import DataError
-    from tpurec.device import TpuUnavailableError
 
     rank, options = os.environ.get("RANK", "0"), trainer.options
     try:
         trainer.run()
         return 0
-    except (DataError, TpuUnavailableError, FileNotFoundError, ValueError) as e:
+    except (UserError, OSError) as e:  # the user's input or environment (tpurec/errors.py)
         interrupts.check()  # DCP wraps a Ctrl-C in its save into an error of its own
         print(f"tpurec train: error: rank {rank}: {e}", file=sys.stderr)
         return 2

@@ -22,6 +22,7 @@ from tpurec.catalog import MODEL_NAMES
 from tpurec.dlrm import flags
 from tpurec.dlrm.configs import DLRMConfig, get_config, override
 from tpurec.dlrm.flags import flag
+from tpurec.errors import UserError
 
 OPTIONS_ENV = "TPUREC_TRAIN_OPTIONS"  # the launcher's JSON of TrainOptions for `python -m tpurec.dlrm`
 
@@ -193,7 +194,7 @@ class TrainOptions:
             cfg = override(
                 get_config(self.model), seed=self.seed, synth_rows=self.synth_rows, multi_hot_sizes=self.multi_hot_sizes
             )
-        except ValueError:
+        except UserError:
             return None  # a bad override is refused on its own, by name
         return synth_cache_problem(cfg.table_set, cfg.synth_rows, cfg.seed, synth_multi_hot(cfg))
 

@@ -8,6 +8,8 @@ the live storage, so TorchRec's tools and DCP write into them in place.
 
 from __future__ import annotations
 
+from tpurec.errors import UserError
+
 
 def register(module) -> None:
     module._register_state_dict_hook(_emit_natural_weights)
@@ -32,5 +34,5 @@ def _consume_natural_weights(
         value = state_dict.pop(key)
         try:
             module.kernel.write_weight(name, value)
-        except ValueError as e:
+        except UserError as e:
             error_msgs.append(f"{key}: {e}")

@@ -48,9 +48,8 @@ def run(args) -> int:
             return 2
         try:
             checks = _emulated_checks(args.emulate_tpu, args.seed)
-        except ValueError as e:
-            print(f"tpurec selftest: --emulate-tpu: {e}")
-            return 2
+        except UserError as e:
+            raise UserError(f"--emulate-tpu: {e}") from None
         report(f"tpu (emulated {args.emulate_tpu})", checks, args.json)
         return 0 if all(c.passed for c in checks) else 1
     if target == "auto":

@@ -49,9 +49,9 @@ def register(actions) -> None:
 
 
 def run(args) -> int:
-    from tpurec.data.cli import user_errors
+    from tpurec.data.cli import reader_gone_ok
 
-    return user_errors(_run)(args)
+    return reader_gone_ok(_run)(args)
 
 
 def _check_out(path: str) -> None:

@@ -12,6 +12,19 @@ from torch import nn
 from tpurec.errors import UserError
 
 
+class PlanMismatchError(UserError):
+    """A plan that does not fit the model or world size it is applied to. The message is `source`
+    (which plan: "the plan" inside DMP) then `detail`; `named()` re-says it for a caller that knows
+    the plan's file (`tpurec train --plan FILE`), without parsing the message."""
+
+    def __init__(self, source: str, detail: str) -> None:
+        super().__init__(f"{source}{detail}")
+        self.source, self.detail = source, detail
+
+    def named(self, source: str) -> PlanMismatchError:
+        return PlanMismatchError(source, self.detail)
+
+
 def embedding_tables(module: nn.Module) -> dict[str, dict[str, tuple[int, int]]]:
     """{module path: {table name: (rows, dim)}} of every EmbeddingBagCollection and
     EmbeddingCollection in `module`. A feature-processed EBC is sharded as one module, so its
@@ -48,33 +61,38 @@ def align_to_model(plan, module: nn.Module, source: str = "the plan"):
         owners = [p for p, tables in paths.items() if names <= set(tables)]
         if len(owners) != 1:
             known = {p or "<root>": sorted(t) for p, t in paths.items()}
-            raise UserError(
-                f"{source}: module {path or '<root>'!r} with tables {sorted(names)} matches "
+            raise PlanMismatchError(
+                source,
+                f": module {path or '<root>'!r} with tables {sorted(names)} matches "
                 f"{'no' if not owners else 'more than one'} embedding collection of the model {known}; "
-                "plan this model again (leave out the plan)"
+                "plan this model again (leave out the plan)",
             )
         out[owners[0]] = module_plan
     return ShardingPlan(out)
 
 
 def check_plan(plan, tables: Mapping[str, Mapping[str, tuple[int, int]]], world_size: int, source: str = "the plan"):
-    """Raise ValueError unless every module plan covers exactly its EBC's tables, every shard lies
+    """Raise PlanMismatchError unless every module plan covers exactly its EBC's tables, every shard lies
     inside its table and on a rank < world_size, and the shards cover the table."""
     from torchrec.distributed.types import ShardingType
 
     types = {t.value for t in ShardingType}
     for path, module_plan in plan.plan.items():
-        where = f"{source}, module {path or '<root>'!r}"
+        where = f", module {path or '<root>'!r}"
         own = tables.get(path)
         if own is None:
-            raise UserError(f"{where}: the model has no EmbeddingBagCollection or EmbeddingCollection there")
+            raise PlanMismatchError(
+                source, f"{where}: the model has no EmbeddingBagCollection or EmbeddingCollection there"
+            )
         extra, missing = sorted(set(module_plan) - set(own)), sorted(set(own) - set(module_plan))
         if extra:
-            raise UserError(f"{where}: table(s) {extra} are not in the model (its tables: {sorted(own)})")
+            raise PlanMismatchError(
+                source, f"{where}: table(s) {extra} are not in the model (its tables: {sorted(own)})"
+            )
         if missing:
-            raise UserError(f"{where}: no sharding for table(s) {missing}; plan this model again")
+            raise PlanMismatchError(source, f"{where}: no sharding for table(s) {missing}; plan this model again")
         for name, ps in module_plan.items():
-            _check_table(f"{where}, table {name!r}", ps, own[name], world_size, types)
+            _check_table(source, f"{where}, table {name!r}", ps, own[name], world_size, types)
 
 
 def place_on_cpu(plan) -> None:
@@ -92,14 +110,14 @@ def place_on_cpu(plan) -> None:
 
 
 def check_plan_for_tpu(plan, source: str = "the plan") -> None:
-    """Raise ValueError for a sharding a TPU cannot run (kernel_choice.NEEDS_SUBGROUPS), naming the table."""
+    """Raise PlanMismatchError for a sharding a TPU cannot run (kernel_choice.NEEDS_SUBGROUPS), naming the table."""
     from tpurec.sharding.kernel_choice import NEEDS_SUBGROUPS, SUBGROUP_REFUSAL
 
     _refuse_sharding_types(plan, source, set(NEEDS_SUBGROUPS), f"{SUBGROUP_REFUSAL}; plan again for the TPU")
 
 
 def check_sharding_types(plan, source: str = "the plan") -> None:
-    """Raise ValueError for a sharding type TorchRec offers that tpurec's kernel does not run
+    """Raise PlanMismatchError for a sharding type TorchRec offers that tpurec's kernel does not run
     (data-parallel, grid sharding), naming the table; TorchRec would fail deep inside instead."""
     from torchrec.distributed.types import ShardingType
 
@@ -114,16 +132,16 @@ def _refuse_sharding_types(plan, source: str, refused: set[str], why: str) -> No
     for path, module_plan in plan.plan.items():
         for name, ps in module_plan.items():
             if ps.sharding_type in refused:
-                raise UserError(
-                    f"{source}, module {path or '<root>'!r}, table {name!r}: sharding_type {ps.sharding_type!r} {why}"
+                raise PlanMismatchError(
+                    source, f", module {path or '<root>'!r}, table {name!r}: sharding_type {ps.sharding_type!r} {why}"
                 )
 
 
-def _check_table(where: str, ps, shape: tuple[int, int], world_size: int, types: set) -> None:
+def _check_table(source: str, where: str, ps, shape: tuple[int, int], world_size: int, types: set) -> None:
     if ps.sharding_type not in types:
-        raise UserError(f"{where}: sharding_type {ps.sharding_type!r} is not one of {sorted(types)}")
+        raise PlanMismatchError(source, f"{where}: sharding_type {ps.sharding_type!r} is not one of {sorted(types)}")
     for r in ps.ranks or []:
-        _check_rank(where, r, world_size)
+        _check_rank(source, where, r, world_size)
     spec = ps.sharding_spec
     if spec is None:
         return
@@ -131,25 +149,28 @@ def _check_table(where: str, ps, shape: tuple[int, int], world_size: int, types:
     area = 0
     for s in spec.shards:
         (r0, c0), (nr, nc) = s.shard_offsets, s.shard_sizes
-        _check_rank(where, s.placement.rank(), world_size)
+        _check_rank(source, where, s.placement.rank(), world_size)
         # An empty shard is legal: TorchRec's row-wise split of a table with fewer rows than ranks
         # gives the last ranks 0 rows (dlrm-tiny's 3-row t_C9 on 4 devices).
         if min(r0, c0, nr, nc) < 0 or r0 + nr > rows or c0 + nc > dim:
-            raise UserError(
+            raise PlanMismatchError(
+                source,
                 f"{where}: shard at offsets {[r0, c0]} sizes {[nr, nc]} does not fit the table ({rows} x {dim}): "
-                "a plan made for another model or other table sizes?"
+                "a plan made for another model or other table sizes?",
             )
         area += nr * nc
     if area != rows * dim:
-        raise UserError(
+        raise PlanMismatchError(
+            source,
             f"{where}: shards cover {area:,} of the table's {rows * dim:,} elements ({rows} x {dim}): a plan made "
-            "for another model?"
+            "for another model?",
         )
 
 
-def _check_rank(where: str, rank: int, world_size: int) -> None:
+def _check_rank(source: str, where: str, rank: int, world_size: int) -> None:
     if not 0 <= rank < world_size:
-        raise UserError(
+        raise PlanMismatchError(
+            source,
             f"{where}: placed on rank {rank}, but the world size is {world_size} (a plan made for another "
-            "world size: plan again for this one)"
+            "world size: plan again for this one)",
         )

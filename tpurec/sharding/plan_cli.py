@@ -15,6 +15,7 @@ import argparse
 import functools
 import json
 import sys
+from typing import Any
 
 from tpurec.argtypes import fraction_above_zero, fraction_below_one, positive_float, positive_int
 from tpurec.catalog import MODEL_NAMES, TRAINING_DEFAULTS  # plain data: keeps `tpurec --help` instant
@@ -113,7 +114,8 @@ def register(sub) -> None:
         default=None,
         help="fraction of HBM kept free for runtime and fragmentation (default 0.05)",
     )
-    p.set_defaults(run=run)
+    # Its refusals and errors read `tpurec plan: ...` (no "error:"): a refusal is a result, not a usage error.
+    p.set_defaults(run=run, error_prefix="tpurec plan")
 
     # Not required: without a sub-command, `tpurec plan` plans (the flags above).
     actions = p.add_subparsers(dest="action", metavar="{show,diff}", title="saved plans (omit to plan a table set)")
@@ -150,7 +152,7 @@ def _output_flags(p, default) -> None:
 
 
 def _check_out(args) -> None:
-    """Refuse an --out that cannot be written before planning (ValueError: one line, exit 2)."""
+    """Refuse an --out that cannot be written before planning (UserError: one line, exit 2)."""
     from tpurec.outputs import check_outputs
 
     check_outputs([("--out", args.out or ("plan.png" if args.format == "png" else None), "file")])
@@ -192,9 +194,9 @@ def _plan(args) -> int:
             devices = cpu_ranks(args.topology)
         elif not args.topology.startswith("cpu"):
             devices = parse_slice(args.topology).world_size
-    except ValueError as e:
+    except UserError as e:
         raise UserError(f"--topology: {e}") from None
-    tables = None
+    tables: list[Any] | None = None  # tables_file Entries, or a table set's TableSpecs
     if args.tables:  # a bad file, or more tables than tpurec plans, is refused before torch loads too
         from tpurec.sharding.tables_file import load_tables
 
@@ -241,6 +243,7 @@ def _plan(args) -> int:
             from tpurec.catalog import get_table_set
 
             tables = list(get_table_set(args.model).tables)
+        assert tables is not None  # --model or --tables: checked first thing
         report = inspect.plan_tables(tables, args.topology, optimizer=optimizer, model=args.model or args.tables, **kw)
     # A refused plan still writes its report (fits: false), then says why and what would fit.
     _emit(report, args.format, args.out)
@@ -251,20 +254,15 @@ def _plan(args) -> int:
     return 0
 
 
-def _guarded(fn):
-    """User errors (bad files, bad values) become one line on stderr and exit code 2."""
+def _quiet_planner(fn):
+    """torchrec warns that our Topology is not built by its TopologyFactory; not actionable here."""
 
     @functools.wraps(fn)
     def wrapper(args) -> int:
         import logging
 
-        # torchrec warns that our Topology is not built by its TopologyFactory; not actionable here.
         logging.getLogger("torchrec.distributed.planner").setLevel(logging.ERROR)
-        try:
-            return fn(args)
-        except (ValueError, OSError) as e:
-            print(f"tpurec plan: {e}", file=sys.stderr)
-            return 2
+        return fn(args)
 
     return wrapper
 
@@ -278,7 +276,7 @@ def _reports(args, want: int):
     return [inspect.report_from_file(f) for f in args.files]
 
 
-@_guarded
+@_quiet_planner
 def _show(args) -> int:
     _check_out(args)
     reports = _reports(args, 1)
@@ -288,7 +286,7 @@ def _show(args) -> int:
     return 0
 
 
-@_guarded
+@_quiet_planner
 def _diff(args) -> int:
     from tpurec.sharding import inspect
 
@@ -299,4 +297,4 @@ def _diff(args) -> int:
     return 0
 
 
-run = _guarded(_plan)  # `tpurec plan` without a sub-command
+run = _quiet_planner(_plan)  # `tpurec plan` without a sub-command

@@ -68,8 +68,9 @@ def _placement(text: str) -> str:
     return text
 
 
-def plan_from_dict(doc: dict):
-    from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardingPlan
+def plan_from_dict(doc: dict, source: str = "plan file"):
+    """The ShardingPlan of a plan document (or of a report holding one); `source` names it in errors."""
+    from torchrec.distributed.types import EmbeddingModuleShardingPlan, ModuleShardingPlan, ShardingPlan
 
     from tpurec.sharding.plan_schema import check_modules, obj
 
@@ -78,20 +79,22 @@ def plan_from_dict(doc: dict):
         doc, at = doc["plan"], "$.plan"
     try:
         obj(at, doc)
-    except ValueError as e:
-        raise UserError(f"plan file: {e}") from None
+    except UserError as e:
+        raise UserError(f"{source}: {e}") from None
     if doc.get("format") != FORMAT:
-        raise UserError(f"not a tpurec sharding plan (format={doc.get('format')!r})")
+        raise UserError(f"{source}: not a tpurec sharding plan (format={doc.get('format')!r})")
     if doc.get("version") != VERSION:
-        raise UserError(f"unsupported plan version {doc.get('version')!r}; this tpurec reads version {VERSION}")
-    plan = {}
+        raise UserError(
+            f"{source}: unsupported plan version {doc.get('version')!r}; this tpurec reads version {VERSION}"
+        )
+    plan: dict[str, ModuleShardingPlan] = {}
     modules = doc.get("modules")
     if not isinstance(modules, dict):
-        raise UserError("plan file has no 'modules' object")
+        raise UserError(f"{source} has no 'modules' object")
     try:  # every field's kind first: one line naming it, not a TypeError deep in TorchRec
         check_modules(f"{at}.modules", modules)
-    except ValueError as e:
-        raise UserError(f"plan file: {e}") from None
+    except UserError as e:
+        raise UserError(f"{source}: {e}") from None
     for path, params in modules.items():
         module_plan = EmbeddingModuleShardingPlan()
         for name, p in params.items():
@@ -99,7 +102,7 @@ def plan_from_dict(doc: dict):
                 module_plan[name] = _parameter_sharding(p)
             except (KeyError, TypeError, ValueError) as e:
                 what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
-                raise UserError(f"plan file, module {path or '<root>'!r}, table {name!r}: {what}") from None
+                raise UserError(f"{source}, module {path or '<root>'!r}, table {name!r}: {what}") from None
         plan[path] = module_plan
     return ShardingPlan(plan)
 
@@ -145,7 +148,7 @@ def _is_report(doc: dict) -> bool:
 
 
 def read_doc(path) -> dict:
-    """The plan file's JSON object, its meta checked (plan_schema.py); ValueError naming the file."""
+    """The plan file's JSON object, its meta checked (plan_schema.py); UserError naming the file."""
     from tpurec.sharding.plan_schema import check_meta, obj
 
     try:
@@ -160,7 +163,7 @@ def read_doc(path) -> dict:
         check_meta("$.meta", doc.get("meta"))
         if _is_report(doc):
             check_meta("$.plan.meta", obj("$.plan", doc["plan"]).get("meta"))
-    except ValueError as e:
+    except UserError as e:
         raise UserError(f"{path}: {e}") from None
     return doc
 
@@ -174,12 +177,7 @@ def load_plan(path, refused_ok: bool = False):
     refusal = doc.get("refusal") or (doc.get("meta") or {}).get("refusal")
     if refusal and not refused_ok:
         raise UserError(f"{path}: this plan does not fit its slice, so it cannot be applied ({refusal})")
-    try:
-        return plan_from_dict(doc)
-    except ValueError as e:  # name the file itself, not "plan file"
-        msg = str(e)
-        named = f"{path}{msg[len('plan file') :]}" if msg.startswith("plan file") else f"{path}: {msg}"
-        raise UserError(named) from None
+    return plan_from_dict(doc, source=str(path))
 
 
 def load_meta(path) -> dict:

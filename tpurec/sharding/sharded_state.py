@@ -163,7 +163,7 @@ def _consume_weights(
         for kname, meta, kmod in mine.get(table, []):
             try:
                 kmod.kernel.write_weight(kname, _local_piece(value, meta, table))
-            except ValueError as e:
+            except UserError as e:
                 error_msgs.append(f"{key}: {e}")
 
 
