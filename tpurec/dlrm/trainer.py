@@ -210,12 +210,12 @@ class Trainer:
             from tpurec.sharding.plan_io import load_plan
 
             plan = load_plan(o.plan)
+        from tpurec.sharding.plan_check import PlanMismatchError
+
         try:
             self.dmp = shard(model, cfg, self.device, plan=plan, limits=o.limits)
-        except ValueError as e:
-            if plan is None or not str(e).startswith("the plan"):
-                raise
-            raise UserError(f"--plan {o.plan}{str(e)[len('the plan') :]}") from None  # name the file
+        except PlanMismatchError as e:  # DMP says "the plan": name the file
+            raise e.named(f"--plan {o.plan}") from None
         self.optimizer = build_optimizer(self.dmp, cfg)
         self.schedule = LRSchedule(self.optimizer, cfg.warmup_steps, cfg.decay_start, cfg.decay_steps)
         if self.rank == 0:
