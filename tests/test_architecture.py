@@ -34,6 +34,7 @@ LAYERS = {
     "process_group": 0,
     "host_copies": 0,
     "threads": 0,
+    "arg_parser": 0,
     "embedding": 1,
     "data": 1,
     "sharding": 2,
