@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Dict, List
+from typing import Dict, List, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torchrec.distributed.embedding_types import BaseEmbeddingSharder
 from torchrec.distributed.model_parallel import DefaultDataParallelWrapper
 from torchrec.distributed.model_parallel import DistributedModelParallel as _TorchrecDMP
 from torchrec.distributed.sharding_plan import get_default_sharders
@@ -131,7 +132,9 @@ def _swap_torchrec_sharders(sharders: List[ModuleSharder[nn.Module]], num_sc: in
         )
         out.append(
             replacement(
-                num_sparsecores=num_sc, fused_params=s.fused_params, qcomm_codecs_registry=s.qcomm_codecs_registry
+                num_sparsecores=num_sc,
+                fused_params=cast(BaseEmbeddingSharder, s).fused_params,  # the sharders replaced are all embedding ones
+                qcomm_codecs_registry=s.qcomm_codecs_registry,
             )
         )
     return out
@@ -201,7 +204,7 @@ class TpuDataParallelWrapper(QuietDataParallelWrapper):
         import torch.nn.parallel.distributed as ddp
 
         saved = ddp._verify_param_shape_across_processes
-        ddp._verify_param_shape_across_processes = lambda *args, **kwargs: None  # type: ignore[assignment]
+        ddp._verify_param_shape_across_processes = lambda *args, **kwargs: None
         try:
             super().wrap(dmp, env, device)
         finally:
@@ -244,7 +247,10 @@ class DistributedModelParallel(_TorchrecDMP):
             # Opt-in for library users (it ends the process when a neighbour goes silent);
             # `tpurec train` starts it itself, by default.
             heartbeat.start()
-        env = env or ShardingEnv.from_process_group(dist.group.WORLD)
+        if env is None:
+            world = dist.group.WORLD
+            assert world is not None  # _ensure_process_group above
+            env = ShardingEnv.from_process_group(world)
         # No padding of TorchRec's uneven all_to_all_single: TorchTPU 0.2.0's ProcessGroupTpu::alltoall_base
         # dispatches uneven splits itself (AllToAllBaseUnevenSplits; docs/tpu.md), and TorchRec 1.9.2
         # already pads on TPU where it must (torchrec/experimental/torch_tpu/uneven_all_to_all.py).

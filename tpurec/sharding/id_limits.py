@@ -274,7 +274,7 @@ def load_limits(path: str, layout: dict | None = None) -> dict[str, tuple[int, .
         if ids < 1 or uniq < 1:
             raise IdLimitsError(f"--limits {path}: table {name!r}: limits must be >= 1, got {ids} / {uniq}")
         # positions: per partition (2), then per slice (2), then per feature (1), each while present
-        limits = (ids, uniq)
+        limits: tuple[int, ...] = (ids, uniq)
         per_slice = (t.get("max_ids_per_slice"), t.get("max_unique_ids_per_slice"))
         if all(isinstance(v, int) and v >= 1 for v in per_slice):
             limits += per_slice

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import asdict
-from typing import Iterable
+from typing import Any, Iterable
 
 from tpurec.catalog import TableSpec
 from tpurec.embedding import dtypes
@@ -292,12 +292,12 @@ def plan_tables(tables: list, topology: str, **kw) -> dict:
         c = ParameterConstraints(pooling_factors=list(entry.feature_pooling))
         if entry.min_partition:
             c.min_partition = entry.min_partition
-        types = entry.sharding_types
+        types: Iterable[str] | None = entry.sharding_types
         if on_cpu:
             allowed = [s for s in (types or CPU_TRAINING_SHARDING_TYPES) if s in CPU_TRAINING_SHARDING_TYPES]
             if not allowed:
                 raise UserError(
-                    f"table {entry.spec.name!r}: sharding_types {list(types)} include none that CPU training "
+                    f"table {entry.spec.name!r}: sharding_types {list(types or ())} include none that CPU training "
                     f"runs ({', '.join(CPU_TRAINING_SHARDING_TYPES)}); plan it for a TPU slice"
                 )
             types = allowed
@@ -330,7 +330,7 @@ def plan_module(
 
     # as planner.plan resolves it (what DMP plans with): the model's own, else SGD
     optimizer = optimizer or P.infer_optimizer(module) or "sgd"
-    assumptions = dict(sc_gather_fraction=sc_gather_fraction, dcn_bw_per_host=dcn_bw_per_host)
+    assumptions: dict[str, Any] = dict(sc_gather_fraction=sc_gather_fraction, dcn_bw_per_host=dcn_bw_per_host)
     topo = _topology_for(topology, **assumptions)
     headroom = P.DEFAULT_HEADROOM_FRACTION if headroom_fraction is None else headroom_fraction
     kw = dict(batch_size=batch_size, optimizer=optimizer, constraints=constraints, limits=limits)

@@ -188,7 +188,7 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
     def named_split_embedding_weights(self, *args, **kwargs) -> Iterator:
         return iter(())
 
-    def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):  # type: ignore[override]
+    def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):
         # TorchRec's grouped lookups call their kernels' state_dict(destination, prefix, keep_vars)
         # positionally (torchrec/distributed/embedding_lookup.py), which torch's Module.state_dict
         # answers with a FutureWarning per lookup: taken here and passed on by keyword.

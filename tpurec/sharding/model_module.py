@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from collections.abc import Sequence
 
 from tpurec.catalog import TableSpec
 from tpurec.errors import UserError
@@ -59,10 +60,12 @@ def model_tables(model, constraints=None) -> list[TableSpec]:
     """A TableSpec per table of every EmbeddingBagCollection and EmbeddingCollection in `model`, as
     DMP shards them (pooling factors from the constraints, else 1 id per feature, as the planner
     assumes; an EmbeddingCollection's tables are sequence tables, pooling "none")."""
+    from torchrec.modules.embedding_configs import BaseEmbeddingConfig, EmbeddingBagConfig
     from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
     out = []
     for m in model.modules():
+        configs: Sequence[BaseEmbeddingConfig]
         if isinstance(m, EmbeddingBagCollection):
             configs, weighted = m.embedding_bag_configs(), m.is_weighted()
         elif isinstance(m, EmbeddingCollection):
@@ -80,7 +83,7 @@ def model_tables(model, constraints=None) -> list[TableSpec]:
                     float(sum(factors)),
                     c.data_type.name.lower(),
                     extra_features=tuple(c.feature_names[1:]),
-                    pooling=c.pooling.name.lower() if isinstance(m, EmbeddingBagCollection) else "none",
+                    pooling=c.pooling.name.lower() if isinstance(c, EmbeddingBagConfig) else "none",
                     weighted=weighted,
                 )
             )

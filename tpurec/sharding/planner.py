@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from typing import Dict, List
+from typing import Dict, List, cast
 
 import torch
 from torch import nn
@@ -21,9 +21,13 @@ from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.proposers import GreedyProposer, GridSearchProposer, UniformProposer
 from torchrec.distributed.planner.types import (
     ParameterConstraints,
+    Perf,
     PlannerError,
     Proposer,
+    Shard,
+    ShardEstimator,
     ShardingOption,
+    Storage,
     StorageReservation,
     Topology,
 )
@@ -87,7 +91,9 @@ class TpuPlanningECSharder(EmbeddingCollectionSharder):
 
 def planning_sharders() -> List[ModuleSharder[nn.Module]]:
     # A feature-processed EBC is planned as the module DMP shards, over its inner EBC's tables.
-    return [TpuPlanningSharder(), TpuPlanningECSharder(), SparseCoreFPEBCSharder(ebc_sharder=TpuPlanningSharder())]
+    # ModuleSharder is invariant in its module type: TorchRec's own default sharders are cast the same way.
+    sharders = [TpuPlanningSharder(), TpuPlanningECSharder(), SparseCoreFPEBCSharder(ebc_sharder=TpuPlanningSharder())]
+    return [cast(ModuleSharder[nn.Module], s) for s in sharders]
 
 
 def _embedding_modules(module: nn.Module):
@@ -191,6 +197,16 @@ def infer_optimizer(module: nn.Module, sharders: List[ModuleSharder] | None = No
     return max(found, key=lambda o: spec_class(o).state_bytes_per_row(DIM_ALIGN))
 
 
+def _perf(shard: Shard) -> Perf:
+    assert shard.perf is not None, "a shard reached the proposer unestimated"  # the enumerator estimates all
+    return shard.perf
+
+
+def _storage(shard: Shard) -> Storage:
+    assert shard.storage is not None, "a shard reached the proposer unestimated"
+    return shard.storage
+
+
 class CriticalDeviceProposer(Proposer):
     """Spreads, one table at a time, whatever sits on the device that sets the step time.
 
@@ -207,11 +223,11 @@ class CriticalDeviceProposer(Proposer):
 
     @staticmethod
     def _depth(option: ShardingOption) -> float:
-        return max(s.perf.total for s in option.shards)
+        return max(_perf(s).total for s in option.shards)
 
     @staticmethod
     def _largest_shard(option: ShardingOption) -> float:
-        return max(s.storage.hbm + s.storage.ddr for s in option.shards)
+        return max(_storage(s).hbm + _storage(s).ddr for s in option.shards)
 
     def load(self, search_space: List[ShardingOption], enumerator=None) -> None:
         self._options: Dict[str, List[ShardingOption]] = {}
@@ -243,13 +259,14 @@ class CriticalDeviceProposer(Proposer):
             if self._next is None:
                 self._next, self._fallback = self._fallback, None
             return
+        assert self._current is not None  # feedback answers a proposal
         load: Dict[int, float] = {}
         on_rank: Dict[int, Dict[str, float]] = {}
         for o in plan:
             for s in o.shards:
-                load[s.rank] = load.get(s.rank, 0.0) + s.perf.total
+                load[s.rank] = load.get(s.rank, 0.0) + _perf(s).total
                 per_table = on_rank.setdefault(s.rank, {})
-                per_table[o.fqn] = per_table.get(o.fqn, 0.0) + s.perf.total
+                per_table[o.fqn] = per_table.get(o.fqn, 0.0) + _perf(s).total
         critical = max(load, key=load.__getitem__)
         for fqn, _ in sorted(on_rank[critical].items(), key=lambda kv: -kv[1]):
             opts, i = self._options[fqn], self._current[fqn]
@@ -260,6 +277,7 @@ class CriticalDeviceProposer(Proposer):
         self._next = None
 
     def _spread_largest(self) -> Dict[str, int] | None:
+        assert self._current is not None  # called after a proposal
         by_size = sorted(self._current.items(), key=lambda kv: -self._largest_shard(self._options[kv[0]][kv[1]]))
         for fqn, i in by_size:
             opts = self._options[fqn]
@@ -282,7 +300,7 @@ def make_planner(
     storage_reservation: StorageReservation | None = None,
     limits=None,
 ) -> EmbeddingShardingPlanner:
-    estimators = [
+    estimators: List[ShardEstimator] = [
         TpuPerfEstimator(topology, constraints, optimizer, limits),
         TpuStorageEstimator(topology, constraints, optimizer, limits),
     ]

@@ -65,6 +65,7 @@ class ShardedSparseCoreOptimizer(KernelFusedOptimizer):
             params[f"{sharded_ebc.STATE_PREFIX}.{table}.weight"] = weight
             entry = {}
             for name in spec.state_names if spec else ():
+                assert spec is not None
                 if len(spec.state_shape(name, cfg.num_embeddings, cfg.embedding_dim)) == 1:
                     meta, offsets = _rowwise_metadata(state_meta, cfg.num_embeddings)
                     local_1d = [(kn, offsets[tuple(m.shard_offsets)], k) for kn, m, k in local]

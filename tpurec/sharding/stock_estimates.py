@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, Iterator, List
 import torch
 from torchrec.distributed.planner.estimator.estimator import EmbeddingPerfEstimator
 from torchrec.distributed.planner.shard_estimators import EmbeddingStorageEstimator
-from torchrec.distributed.planner.types import Shard, SharderDataMap, ShardEstimator, ShardingOption
+from torchrec.distributed.planner.types import Shard, SharderDataMap, ShardingOption
 
 from tpurec.embedding.optimizers.registry import TORCHREC_DEFAULT_OPTIMIZER, spec_name_for, spec_names
 from tpurec.errors import UserError
@@ -40,8 +40,12 @@ from tpurec.sharding.kernel_choice import COMPUTE_KERNEL
 _ORIGINAL = "_tpurec_original"  # set on a wrapper: the TorchRec method it delegates to
 
 
+# TorchRec's two estimators tpurec's costs stand in for; both keep the planner's topology.
+_Estimator = EmbeddingPerfEstimator | EmbeddingStorageEstimator
+
+
 def option_costs_for_torchrec(
-    estimator: ShardEstimator, option: ShardingOption, sharder_data_map: SharderDataMap | None
+    estimator: _Estimator, option: ShardingOption, sharder_data_map: SharderDataMap | None
 ) -> List[ShardCost]:
     """tpurec's cost of each shard of `option`, on the topology TorchRec's `estimator` plans for.
 
@@ -68,23 +72,23 @@ def table_optimizer(weight: torch.Tensor, fused_params: Dict[str, Any] | None) -
 
 
 def _shard_costs(
-    estimator: ShardEstimator, options: List[ShardingOption], data: SharderDataMap | None
+    estimator: _Estimator, options: List[ShardingOption], data: SharderDataMap | None
 ) -> Iterator[tuple[Shard, ShardCost]]:
     for option in options:
         yield from zip(option.shards, option_costs_for_torchrec(estimator, option, data))
 
 
-def _estimate_perf(estimator: ShardEstimator, options: List[ShardingOption], data: SharderDataMap | None) -> None:
+def _estimate_perf(estimator: _Estimator, options: List[ShardingOption], data: SharderDataMap | None) -> None:
     for shard, cost in _shard_costs(estimator, options, data):
         shard.perf = shard_perf(cost)
 
 
-def _estimate_storage(estimator: ShardEstimator, options: List[ShardingOption], data: SharderDataMap | None) -> None:
+def _estimate_storage(estimator: _Estimator, options: List[ShardingOption], data: SharderDataMap | None) -> None:
     for shard, cost in _shard_costs(estimator, options, data):
         shard.storage = shard_storage(cost, estimator._topology.compute_device)
 
 
-def _wrap(cls: type, ours: Callable[[ShardEstimator, List[ShardingOption], Any], None]) -> None:
+def _wrap(cls: type[_Estimator], ours: Callable[[Any, List[ShardingOption], Any], None]) -> None:
     original = cls.estimate
     if getattr(original, _ORIGINAL, None) is not None:
         return  # already wrapped
@@ -101,7 +105,7 @@ def _wrap(cls: type, ours: Callable[[ShardEstimator, List[ShardingOption], Any],
         return None
 
     setattr(estimate, _ORIGINAL, original)
-    cls.estimate = estimate
+    setattr(cls, "estimate", estimate)  # noqa: B010  (a method replaced on the class)
 
 
 def install() -> None:
@@ -111,6 +115,6 @@ def install() -> None:
     _wrap(EmbeddingStorageEstimator, _estimate_storage)
 
 
-def original_estimate(cls: type) -> Callable[..., Any]:
+def original_estimate(cls: type[_Estimator]) -> Callable[..., Any]:
     """TorchRec's own `cls.estimate`, wrapped or not (tests compare against it)."""
     return getattr(cls.estimate, _ORIGINAL, cls.estimate)

@@ -178,7 +178,9 @@ def load_tables(path: str, devices: int | None = None) -> list[Entry]:
     too_many = tables_problem(len(doc), devices)
     if too_many:
         raise UserError(f"{path}: {too_many}")
-    out, names, features = [], set(), {}
+    out: list[Entry] = []
+    names: set[str] = set()
+    features: dict[str, str] = {}
     for i, raw in enumerate(doc):
         entry = _entry(path, i, raw)
         where = f"{path}: table #{i} ({entry.spec.name!r})"

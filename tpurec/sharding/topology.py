@@ -11,7 +11,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tpurec import device as _device
 from tpurec.errors import UserError
@@ -416,7 +416,7 @@ def make_topology(
         raise UserError(
             f"{spec.generation.name} has no usable SparseCores; tpurec's embedding kernel needs v5p, v6e or v7x"
         )
-    overrides = {
+    overrides: dict[str, Any] = {
         k: v
         for k, v in (("dcn_bw_per_host", dcn_bw_per_host), ("sc_gather_fraction", sc_gather_fraction))
         if v is not None
