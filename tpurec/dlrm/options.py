@@ -200,8 +200,12 @@ class TrainOptions:
 
     def check(self, nproc: int = 1) -> str | None:
         """A one-line message for bad input, checked before anything heavy starts."""
-        if self.data and not os.path.isdir(self.data):
-            return f"--data {self.data}: not a directory"
+        if self.data:
+            from tpurec.dlrm.data_hint import data_problem
+
+            problem = data_problem(self.data, get_config(self.model).table_set)
+            if problem:
+                return problem
         if self.data and self.multi_hot_sizes:
             return f"--multi-hot-sizes shapes the synthetic data; --data {self.data} holds its own ids per sample"
         if self.plan and not os.path.isfile(self.plan):
