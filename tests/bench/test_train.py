@@ -22,6 +22,8 @@ def test_bench_train_json(tmp_path):
             "tpurec.cli",
             "bench",
             "train",
+            "--tables",
+            "tiny",
             "--json",
             "--steps",
             "20",
@@ -38,9 +40,44 @@ def test_bench_train_json(tmp_path):
     )
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout)
-    assert {"tpurec_samples_per_s", "torchrec_samples_per_s", "ratio_vs_torchrec"} <= set(r)
-    assert r["tpurec_samples_per_s"] > 0 and r["torchrec_samples_per_s"] > 0
-    assert r["ratio_vs_torchrec"] == pytest.approx(r["tpurec_samples_per_s"] / r["torchrec_samples_per_s"], rel=1e-2)
-    assert len(r["rounds"]) == 1 and r["rounds"][0]["ratio_vs_torchrec"] == r["ratio_vs_torchrec"]
-    assert len(r["load_average_1min"]) == 2
-    assert r["torchrec_plan"] == "26 table_wise/fused" and "customized_kernel" in r["tpurec_plan"]
+    sides = ("torchrec-tw", "tpurec-tw", "torchrec", "tpurec")
+    assert all(r[f"{side}_samples_per_s"] > 0 for side in sides)
+    (rd,) = r["rounds"]
+    assert sorted(rd["order"]) == sorted(sides)
+    same = rd["tpurec-tw"]["samples_per_s"] / rd["torchrec-tw"]["samples_per_s"]
+    assert r["ratio_vs_torchrec"] == pytest.approx(same, rel=1e-6)
+    assert r["ratio_vs_torchrec_min"] == r["ratio_vs_torchrec_max"] == r["ratio_vs_torchrec"]
+    own = rd["tpurec"]["samples_per_s"] / rd["torchrec"]["samples_per_s"]
+    assert r["ratio_own_plans_vs_torchrec"] == pytest.approx(own, rel=1e-6)
+    assert len(r["load_average"]["start"]) == 3 and len({tuple(rd[s]["inputs"]) for s in sides}) == 1
+    assert r["torchrec-tw_plan"] == "26 table_wise/fused" and "customized_kernel" in r["tpurec_plan"]
+
+
+def _fake_launch(inputs_of):
+    def launch(side, tables, data, nproc, steps, warmup, batch_size):
+        rate = {"torchrec-tw": 100.0, "tpurec-tw": 120.0, "torchrec": 90.0, "tpurec": 110.0}[side]
+        return {"samples_per_s": rate, "cpu_samples_per_s": rate, "loss": 0.5, "plan": "p", "inputs": inputs_of(side)}
+
+    return launch
+
+
+def test_bench_train_rounds_in_random_order_with_worst_round(monkeypatch, tmp_path):
+    from tpurec.bench import train
+    from tpurec.dlrm import data
+
+    monkeypatch.setattr(data, "ensure_synth", lambda *a, **k: tmp_path)
+    monkeypatch.setattr(train, "launch", _fake_launch(lambda side: [10, 20, 3.0]))
+    r = train.run(tables="tiny", steps=1, warmup=0, batch_size=8, repeats=6)
+    assert len({tuple(rd["order"]) for rd in r["rounds"]}) > 1  # a fresh order per round
+    assert r["ratio_vs_torchrec"] == pytest.approx(1.2) and r["ratio_own_plans_vs_torchrec"] == pytest.approx(110 / 90)
+    assert r["ratio_vs_torchrec_min"] == pytest.approx(1.2) and len(r["ratio_vs_torchrec_rounds"]) == 6
+
+
+def test_bench_train_refuses_sides_that_trained_on_other_inputs(monkeypatch, tmp_path):
+    from tpurec.bench import train
+    from tpurec.dlrm import data
+
+    monkeypatch.setattr(data, "ensure_synth", lambda *a, **k: tmp_path)
+    monkeypatch.setattr(train, "launch", _fake_launch(lambda side: [10, 21 if side == "tpurec" else 20, 3.0]))
+    with pytest.raises(RuntimeError, match="unequal work"):
+        train.run(tables="tiny", steps=1, warmup=0, batch_size=8, repeats=1)

@@ -1,21 +1,34 @@
 """`tpurec bench train`: DLRM training throughput, tpurec's DMP vs stock TorchRec's, side by side.
 
-Same model (dlrm-tiny: DLRM, 26 tables <= 1,000 x 16, RowWiseAdagrad fused into backward, Adagrad
-MLPs), same synthetic data, same per-rank batch, same TrainPipelineSparseDist loop, N ranks over
-gloo with one thread each. The two sides differ only in the sharding stack:
+Workloads (`--tables`):
 
-* tpurec: `tpurec.DistributedModelParallel` (tpurec planner, SparseCore sharder; its CPU reference
-  kernel here);
-* torchrec: torchrec's own DistributedModelParallel with the FBGEMM `fused` kernel, tables placed
-  table-wise round-robin (stock TorchRec on CPU refuses row-wise sharding).
+* `kaggle-1m` (default): the Criteo Kaggle cardinalities capped at CAP_ROWS = 1,000,000 rows per
+  table (5.57 M rows in all; the cap keeps both libraries' tables, 1.4 GB at dim 64, on this 24 GB
+  host), dim 64, DLRM-DCNv2 (3 low-rank cross layers of rank 64, bottom MLP 256-64, top 512-256-1),
+  row-wise Adagrad fused into backward, Adagrad MLPs, batch 1024 per rank. The data are
+  `tpurec.data.synth`'s for the uncapped criteo-kaggle tables, each id folded into its capped
+  table (id mod rows) when the batches are read;
+* `tiny`: dlrm-tiny (DLRM, 26 tables <= 1,000 x 16, batch 512): it measures the wrappers more than
+  the kernels.
+
+Same model, same synthetic data, same per-rank batch, same TrainPipelineSparseDist loop, N ranks
+over gloo with one thread each. The sides differ only in the sharding stack and the plan:
+
+* `torchrec-tw` and `tpurec-tw`: the SAME plan, tables placed whole round-robin over the ranks;
+  stock TorchRec's DMP with FBGEMM's `fused` kernel, tpurec's DMP with its SparseCore kernel
+  (CPU reference). Their ratio (`ratio_vs_torchrec`) compares kernels and sharders;
+* `torchrec` and `tpurec`: each on its own planner's plan: TorchRec's EmbeddingShardingPlanner
+  (CPU topology; table-wise or column-wise, since stock TorchRec's CPU path refuses row-wise), and
+  tpurec's planner (what `tpurec train` runs). Their ratio is `ratio_own_plans_vs_torchrec`.
 
 Batches are read into memory before timing, so the reader is not part of the figure. Each side runs
 in its own `torch.distributed.run` job; the samples/s figure counts the timed steps only (after
-warm-up), across all ranks. The sides take turns `--repeats` times (`tpurec.bench.timer.interleaved`):
-each round runs all three side by side, the JSON keeps every round (`rounds`), the figures are
-medians over rounds (ratios: the median of the rounds' ratios), with the load average at start
-and end. The data are `tpurec.data.synth`'s (a continuous-approximation Zipf law; see
-`tpurec.bench.workloads`).
+warm-up), across all ranks. Equal work is checked once: every side reports the count and the sum
+of the ids and labels it trained on, which must agree (else the run is refused). The sides take
+turns `--repeats` times in a fresh random order each round (`tpurec.bench.timer.interleaved`); the
+JSON keeps every round, the median ratio over rounds with the worst and best round, and the load
+average at start and end. Tables are initialised by each library's own code, so the final losses
+are reported, not compared.
 """
 
 from __future__ import annotations
@@ -26,44 +39,79 @@ import statistics
 import subprocess
 import sys
 
-from tpurec.bench import timer
+from tpurec.bench import rounds, timer
 
 TABLE_MODULE = "model.sparse_arch.embedding_bag_collection"
-# tpurec: its planner's plan (what `tpurec train` runs); tpurec-tw: tpurec's kernel on the stock
-# side's table-wise placement (isolates kernel + sharder from the plan); torchrec: stock, FBGEMM fused.
-SIDES = ("torchrec", "tpurec", "tpurec-tw")
+SIDES = ("torchrec-tw", "tpurec-tw", "torchrec", "tpurec")
+CAP_ROWS = 1_000_000  # rows per table of the kaggle-1m workload (see the module docstring)
+# workload -> (model config, table set's row cap, config overrides, batch per rank, steps, warm-up)
+WORKLOADS = {
+    "kaggle-1m": (
+        "criteo-kaggle",
+        CAP_ROWS,
+        {
+            "interaction": "dcn",
+            "embedding_dim": 64,
+            "dense_arch": (256, 64),
+            "over_arch": (512, 256, 1),
+            "dcn_num_layers": 3,
+            "dcn_low_rank_dim": 64,
+        },
+        1024,
+        50,
+        5,
+    ),
+    "tiny": ("dlrm-tiny", None, {}, 512, 300, 30),
+}
 
 
 def register(sub) -> None:
     p = sub.add_parser("train", help="DLRM training throughput: tpurec DMP vs stock TorchRec DMP (FBGEMM fused)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument(
+        "--tables",
+        choices=tuple(WORKLOADS),
+        default="kaggle-1m",
+        help="kaggle-1m: Criteo Kaggle tables capped at 1M rows, dim 64, DLRM-DCNv2 (default); tiny: dlrm-tiny",
+    )
     p.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
-    p.add_argument("--steps", type=int, default=300, help="timed steps per side (default 300)")
-    p.add_argument("--warmup", type=int, default=30, help="untimed steps first (default 30)")
-    p.add_argument("--batch-size", type=int, default=512, help="batch per rank (default 512)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per side (default 50; tiny 300)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5; tiny 30)")
+    p.add_argument("--batch-size", type=int, default=None, help="batch per rank (default 1024; tiny 512)")
     p.add_argument(
         "--repeats",
         type=int,
         default=3,
-        help="side-by-side rounds, medians reported (default 3; the host is shared)",
+        help="rounds, each side once per round in random order; medians reported (default 3)",
     )
     p.set_defaults(run=run_cli)
 
 
 def run_cli(args) -> int:
+    _, _, _, batch, steps, warmup = WORKLOADS[args.tables]
+    args.batch_size = args.batch_size or batch
+    args.steps = args.steps or steps
+    args.warmup = args.warmup if args.warmup is not None else warmup
     for name in ("nproc", "steps", "batch_size", "repeats"):
         if getattr(args, name) < 1:
             print(f"tpurec bench train: error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
     from tpurec.dlrm.data import synth_cache_problem
 
-    problem = synth_cache_problem("dlrm-tiny", _rows(args.nproc, args.steps, args.warmup, args.batch_size), 0)
+    problem = synth_cache_problem(
+        get_table_set_name(args.tables), _rows(args.nproc, args.steps, args.warmup, args.batch_size), 0
+    )
     if problem:  # the data is made first, then minutes of timed runs
         print(f"tpurec bench train: error: {problem}", file=sys.stderr)
         return 2
     try:
         result = run(
-            nproc=args.nproc, steps=args.steps, warmup=args.warmup, batch_size=args.batch_size, repeats=args.repeats
+            tables=args.tables,
+            nproc=args.nproc,
+            steps=args.steps,
+            warmup=args.warmup,
+            batch_size=args.batch_size,
+            repeats=args.repeats,
         )
     except RuntimeError as e:
         print(f"tpurec bench train: error: {e}", file=sys.stderr)
@@ -75,62 +123,91 @@ def run_cli(args) -> int:
     return 0
 
 
+def get_table_set_name(tables: str) -> str:
+    from tpurec.dlrm.configs import get_config
+
+    return get_config(WORKLOADS[tables][0]).table_set
+
+
 def _rows(nproc: int, steps: int, warmup: int, batch_size: int) -> int:
     """Rows of the synthetic dataset the benchmark trains on (every rank's steps, 10% to spare)."""
     return max(100_000, int((steps + warmup) * batch_size * nproc * 1.1) + 1)
 
 
-def run(nproc: int = 2, steps: int = 300, warmup: int = 30, batch_size: int = 512, repeats: int = 3) -> dict:
+def _ratios(rounds_: list[dict], ours: str, theirs: str, key: str = "samples_per_s") -> dict:
+    """Per-round ratio ours/theirs of a throughput (seconds ratio theirs/ours), median, min, max."""
+    return rounds.ratio_summary([1 / rd[ours][key] for rd in rounds_], [1 / rd[theirs][key] for rd in rounds_])
+
+
+def run(
+    tables: str = "kaggle-1m",
+    nproc: int = 2,
+    steps: int = 100,
+    warmup: int = 10,
+    batch_size: int = 1024,
+    repeats: int = 3,
+    sides=SIDES,
+) -> dict:
     from tpurec.dlrm.data import ensure_synth
 
     data = ensure_synth(
-        "dlrm-tiny", _rows(nproc, steps, warmup, batch_size), 0, say=lambda m: print(m, file=sys.stderr)
+        get_table_set_name(tables),
+        _rows(nproc, steps, warmup, batch_size),
+        0,
+        say=lambda m: print(m, file=sys.stderr),
     )
-    load_start = round(os.getloadavg()[0], 2)
+    load_start = rounds.load_average()
+    orders: list = []
     # Each launch reports its own timed region; the parent's clock would include process start-up.
     runs = timer.interleaved(
-        [lambda side=side: launch(side, data, nproc, steps, warmup, batch_size) for side in SIDES],
+        [lambda side=side: launch(side, tables, data, nproc, steps, warmup, batch_size) for side in sides],
         warmup=0,
         repeats=repeats,
+        orders=orders,
     )
-    rounds = [
-        {side: r.results[k] for side, r in zip(SIDES, runs)} for k in range(repeats)
-    ]  # round k: every side's k-th run, side by side
-    for rd in rounds:
-        rd["ratio_vs_torchrec"] = round(rd["tpurec"]["samples_per_s"] / rd["torchrec"]["samples_per_s"], 3)
-        rd["ratio_table_wise_vs_torchrec"] = round(
-            rd["tpurec-tw"]["samples_per_s"] / rd["torchrec"]["samples_per_s"], 3
-        )
+    rounds_ = [{side: r.results[k] for side, r in zip(sides, runs)} for k in range(repeats)]
+    # Equal work: every side trained on the same ids and labels (count and sums over all ranks).
+    inputs = {side: rd[side]["inputs"] for rd in rounds_ for side in sides}
+    if len({tuple(v) for v in inputs.values()}) != 1:
+        raise RuntimeError(f"unequal work: the sides trained on different inputs {inputs}")
+    for rd, order in zip(rounds_, orders):
+        rd["order"] = [sides[i] for i in order]
 
     def median(side, key):
-        return statistics.median(rd[side][key] for rd in rounds)
+        return statistics.median(rd[side][key] for rd in rounds_)
 
-    last = rounds[-1]
-    return {
-        "model": "dlrm-tiny",
+    out = {
+        "tables": tables,
+        "workload": _describe(tables),
         "nproc": nproc,
         "batch_size_per_rank": batch_size,
         "steps": steps,
         "warmup": warmup,
         "repeats": repeats,
         "threads_per_rank": 1,
-        "tpurec_samples_per_s": median("tpurec", "samples_per_s"),
-        "torchrec_samples_per_s": median("torchrec", "samples_per_s"),
-        "ratio_vs_torchrec": statistics.median(rd["ratio_vs_torchrec"] for rd in rounds),
-        "tpurec_cpu_samples_per_s": median("tpurec", "cpu_samples_per_s"),
-        "torchrec_cpu_samples_per_s": median("torchrec", "cpu_samples_per_s"),
-        "ratio_vs_torchrec_cpu": statistics.median(
-            round(rd["tpurec"]["cpu_samples_per_s"] / rd["torchrec"]["cpu_samples_per_s"], 3) for rd in rounds
-        ),
-        "tpurec_table_wise_samples_per_s": median("tpurec-tw", "samples_per_s"),
-        "ratio_table_wise_vs_torchrec": statistics.median(rd["ratio_table_wise_vs_torchrec"] for rd in rounds),
-        "rounds": rounds,
-        "tpurec_plan": last["tpurec"]["plan"],
-        "torchrec_plan": last["torchrec"]["plan"],
-        "tpurec_final_loss": last["tpurec"]["loss"],
-        "torchrec_final_loss": last["torchrec"]["loss"],
-        "load_average_1min": [load_start, round(os.getloadavg()[0], 2)],
+        "rounds": rounds_,
+        "load_average": {"start": load_start, "end": rounds.load_average()},
+        "inputs_checked": list(inputs[sides[0]]),
     }
+    for side in sides:
+        out[f"{side}_samples_per_s"] = median(side, "samples_per_s")
+        out[f"{side}_plan"] = rounds_[-1][side]["plan"]
+        out[f"{side}_final_loss"] = rounds_[-1][side]["loss"]
+    for name, ours, theirs in (("ratio_vs_torchrec", "tpurec-tw", "torchrec-tw"),
+                               ("ratio_own_plans_vs_torchrec", "tpurec", "torchrec")):  # fmt: skip
+        if ours in sides and theirs in sides:
+            r = _ratios(rounds_, ours, theirs)
+            cpu = _ratios(rounds_, ours, theirs, "cpu_samples_per_s")
+            out.update({name: r["ratio"], f"{name}_min": r["min"], f"{name}_max": r["max"]})
+            out[f"{name}_rounds"] = r["round_ratios"]
+            out[f"{name}_cpu"] = cpu["ratio"]
+    return out
+
+
+def _describe(tables: str) -> str:
+    model, cap, over, *_ = WORKLOADS[tables]
+    capped = f", tables capped at {cap:,} rows" if cap else ""
+    return f"{model}{capped}" + (f", {over}" if over else "")
 
 
 def torchrun_json(module: str, nproc: int, args: list[str], what: str) -> dict:
@@ -145,31 +222,35 @@ def torchrun_json(module: str, nproc: int, args: list[str], what: str) -> dict:
     return json.loads(lines[-1])
 
 
-def launch(side, data, nproc, steps, warmup, batch_size) -> dict:
+def launch(side, tables, data, nproc, steps, warmup, batch_size) -> dict:
     """One side's training run under torchrun; its JSON line."""
-    args = ["--side", side, "--data", str(data), "--steps", str(steps), "--warmup", str(warmup)]
+    args = ["--side", side, "--tables", tables, "--data", str(data), "--steps", str(steps), "--warmup", str(warmup)]
     return torchrun_json("tpurec.bench.train", nproc, [*args, "--batch-size", str(batch_size)], f"{side} side")
 
 
 def format_table(r: dict) -> str:
-    return "\n".join(
-        [
-            f"DLRM training throughput: {r['model']}, {r['nproc']} ranks x 1 thread, "
-            f"batch {r['batch_size_per_rank']}/rank, "
-            f"{r['steps']} timed steps (medians of {r['repeats']} side-by-side rounds; "
-            f"load average {r['load_average_1min'][0]} at start, {r['load_average_1min'][1]} at end)",
-            f"  tpurec DMP (tpurec planner, SparseCore CPU reference)  {r['tpurec_samples_per_s']:>12,.0f} samples/s",
-            f"  stock TorchRec DMP (FBGEMM fused, table-wise)          {r['torchrec_samples_per_s']:>12,.0f} samples/s",
-            f"  tpurec DMP on the stock side's table-wise plan         "
-            f"{r['tpurec_table_wise_samples_per_s']:>12,.0f} samples/s",
-            f"  ratio_vs_torchrec (planner's plan)                     {r['ratio_vs_torchrec']:>12.3f}",
-            f"  ratio_table_wise_vs_torchrec                           {r['ratio_table_wise_vs_torchrec']:>12.3f}",
-            f"  per CPU-second: tpurec {r['tpurec_cpu_samples_per_s']:,.0f}, "
-            f"torchrec {r['torchrec_cpu_samples_per_s']:,.0f}, "
-            f"ratio {r['ratio_vs_torchrec_cpu']:.3f}",
-            f"  plans: tpurec {r['tpurec_plan']}; torchrec {r['torchrec_plan']}",
-        ]
-    )
+    la = r["load_average"]
+    lines = [
+        f"DLRM training throughput: {r['workload']}; {r['nproc']} ranks x 1 thread, "
+        f"batch {r['batch_size_per_rank']}/rank, {r['steps']} timed steps; medians of {r['repeats']} rounds "
+        f"in random order; load average {la['start'][0]} at start, {la['end'][0]} at end",
+    ]
+    labels = {
+        "torchrec-tw": "stock TorchRec DMP, FBGEMM fused, table-wise round-robin",
+        "tpurec-tw": "tpurec DMP, SparseCore CPU reference, the same plan",
+        "torchrec": "stock TorchRec DMP on TorchRec's planner's plan",
+        "tpurec": "tpurec DMP on tpurec's planner's plan",
+    }
+    for side, label in labels.items():
+        if f"{side}_samples_per_s" in r:
+            lines.append(f"  {label:58s} {r[f'{side}_samples_per_s']:>10,.0f} samples/s  ({r[f'{side}_plan']})")
+    for name, label in (("ratio_vs_torchrec", "same plan"), ("ratio_own_plans_vs_torchrec", "own plans")):
+        if name in r:
+            lines.append(
+                f"  ratio, {label}: {r[name]:.3f} (worst round {r[name + '_min']:.3f}, best {r[name + '_max']:.3f}; "
+                f"per CPU-second {r[name + '_cpu']:.3f})"
+            )
+    return "\n".join(lines)
 
 
 # ----- one rank of one side (run by torch.distributed.run) -------------------------------------------
@@ -199,6 +280,25 @@ def table_wise_plan(model, world: int, stock: bool):
     return ShardingPlan({TABLE_MODULE: plan})
 
 
+def stock_planner_plan(model, world: int, batch_size: int):
+    """TorchRec's own planner on a CPU topology, FBGEMM's fused kernel, table-wise or column-wise
+    (stock TorchRec's CPU path refuses row-wise sharding)."""
+    import torch.distributed as dist
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.planner.types import ParameterConstraints
+
+    ebc = model.model.sparse_arch.embedding_bag_collection
+    constraints = {
+        c.name: ParameterConstraints(sharding_types=["table_wise", "column_wise"], compute_kernels=["fused"])
+        for c in ebc.embedding_bag_configs()
+    }
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world, compute_device="cpu"), batch_size=batch_size, constraints=constraints
+    )
+    return planner.collective_plan(model, [EmbeddingBagCollectionSharder()], dist.GroupMember.WORLD)
+
+
 def _plan_text(dmp) -> str:
     kinds = {}
     for mp in dmp.plan.plan.values():
@@ -208,13 +308,28 @@ def _plan_text(dmp) -> str:
     return ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
 
 
-def worker(side: str, data: str, steps: int, warmup: int, batch_size: int) -> dict | None:
+def _folded(batches: list, sizes: list[int]) -> list:
+    """Each feature's ids folded into its capped table (id mod rows): the same on every side."""
+    import torch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    out = []
+    for b in batches:
+        kjt = b.sparse_features
+        mods = torch.repeat_interleave(torch.tensor(sizes), torch.tensor(kjt.length_per_key()))
+        folded = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values() % mods, lengths=kjt.lengths())
+        out.append(type(b)(dense_features=b.dense_features, sparse_features=folded, labels=b.labels))
+    return out
+
+
+def worker(side: str, tables: str, data: str, steps: int, warmup: int, batch_size: int) -> dict | None:
     import itertools
 
     import torch
     import torch.distributed as dist
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
+    from tpurec.catalog import get_table_set
     from tpurec.data.reader import ParquetReader
     from tpurec.dlrm.configs import get_config, override
     from tpurec.dlrm.model import build_model, build_optimizer, shard
@@ -222,17 +337,38 @@ def worker(side: str, data: str, steps: int, warmup: int, batch_size: int) -> di
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = override(get_config("dlrm-tiny"), batch_size=batch_size)
+    model_name, cap, overrides, *_ = WORKLOADS[tables]
+    cfg = override(get_config(model_name), batch_size=batch_size, **overrides)
+    sizes = [
+        t.num_embeddings if cap is None else min(t.num_embeddings, cap) for t in get_table_set(cfg.table_set).tables
+    ]
     torch.manual_seed(0)
-    model = build_model(cfg)
-    plan = table_wise_plan(model, world, stock=side == "torchrec") if side != "tpurec" else None
-    dmp = shard(model, cfg, "cpu", plan=plan, stock=side == "torchrec")
+    model = build_model(cfg, table_sizes=sizes)
+    stock = side.startswith("torchrec")
+    if side.endswith("-tw"):
+        plan = table_wise_plan(model, world, stock=stock)
+    elif stock:
+        plan = stock_planner_plan(model, world, batch_size)
+    else:
+        plan = None  # tpurec's planner
+    dmp = shard(model, cfg, "cpu", plan=plan, stock=stock)
     optimizer = build_optimizer(dmp, cfg)
     pipeline = TrainPipelineSparseDist(dmp, optimizer, torch.device("cpu"))
     reader = ParquetReader(data, batch_size, rank=rank, world_size=world, drop_last=True, equal_rows=True)
     batches = list(itertools.islice(iter(reader), warmup + steps))
     if len(batches) < warmup + steps:
         raise RuntimeError(f"{data} holds only {len(batches)} batches per rank")
+    if cap is not None:
+        batches = _folded(batches, sizes)
+    inputs = torch.tensor(
+        [
+            sum(int(b.sparse_features.values().numel()) for b in batches),
+            sum(int(b.sparse_features.values().sum()) for b in batches),
+            sum(float(b.labels.sum()) for b in batches),
+        ],
+        dtype=torch.float64,
+    )
+    dist.all_reduce(inputs)
     it = iter(batches)
     for _ in range(warmup):
         pipeline.progress(it)
@@ -253,6 +389,7 @@ def worker(side: str, data: str, steps: int, warmup: int, batch_size: int) -> di
         "cpu_samples_per_s": round(samples / cpu.item(), 1),
         "loss": round(float(loss), 5),
         "plan": _plan_text(dmp),
+        "inputs": [int(inputs[0]), int(inputs[1]), round(float(inputs[2]), 1)],
     }
     dist.destroy_process_group()
     return out if rank == 0 else None
@@ -263,12 +400,13 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m tpurec.bench.train", description="one rank of tpurec bench train")
     p.add_argument("--side", choices=SIDES, required=True)
+    p.add_argument("--tables", choices=tuple(WORKLOADS), default="kaggle-1m")
     p.add_argument("--data", required=True)
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--warmup", type=int, default=30)
-    p.add_argument("--batch-size", type=int, default=512)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--batch-size", type=int, default=1024)
     a = p.parse_args(argv)
-    out = worker(a.side, a.data, a.steps, a.warmup, a.batch_size)
+    out = worker(a.side, a.tables, a.data, a.steps, a.warmup, a.batch_size)
     if out is not None:
         print(json.dumps(out), flush=True)
     return 0
