@@ -14,8 +14,12 @@ import importlib.util
 import os
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tpurec.errors import UserError
+
+if TYPE_CHECKING:
+    import torch  # imported where devices are made: detection needs no torch
 
 # Device nodes of a Cloud TPU VM: /dev/accel* (v4, v5e, v5p) and /dev/vfio/<n> (v6e, v7x).
 # Source: Cloud TPU docs, "TPU VM" troubleshooting pages (device files held by a running process).
@@ -193,11 +197,11 @@ def name_tpu_backend(module=None) -> None:
     if module is None:
         # torch.tpu without TorchTPU: no devices (the name exists for planning only).
         module = types.ModuleType("torch.tpu")
-        module.is_available = lambda: False  # type: ignore[attr-defined]
-        module.device_count = lambda: 0  # type: ignore[attr-defined]
+        module.is_available = lambda: False
+        module.device_count = lambda: 0
     # Only the attribute, not sys.modules["torch.tpu"]: TorchTPU's loader skips building its module
     # when that name is already in sys.modules, and replaces an existing attribute.
-    torch.tpu = module
+    setattr(torch, "tpu", module)  # noqa: B010  (torch declares no such attribute)
 
 
 # `tpurec train --emulate-tpu SLICE` runs every rank's TPU code path on this machine's CPU
@@ -273,13 +277,14 @@ class TpuUnavailableError(UserError, RuntimeError):
     fault, a user error. A RuntimeError too, as it was before UserError existed."""
 
 
-def resolve_device(device) -> torch.device:  # noqa: F821
+def resolve_device(device) -> torch.device:
     """Turn "tpu", "tpu:0", "cpu", "meta" or a torch.device into a torch.device.
 
     "tpu" on a host without a usable TPU raises TpuUnavailableError at once, naming what is missing.
     """
     import torch
 
+    index: int | None
     if isinstance(device, torch.device):
         kind, index = device.type, device.index
     elif isinstance(device, str):

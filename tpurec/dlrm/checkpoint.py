@@ -25,6 +25,7 @@ import os
 import random
 import shutil
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -133,7 +134,9 @@ def resolve(path) -> Path:
 
 def rng_state() -> dict:
     """The torch, numpy and python RNG states as JSON values (lists of ints)."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = np.random.get_state(legacy=True)
+    assert isinstance(state, tuple)  # legacy=True: the tuple form
+    name, keys, pos, has_gauss, cached = state
     version, internal, gauss = random.getstate()
     return {
         "torch": torch.get_rng_state().tolist(),
@@ -159,7 +162,10 @@ class CheckpointWriteError(UserError):
     previous complete checkpoint is left as it was."""
 
 
-def _behind(e: BaseException | None, kind: type, depth: int = 0) -> BaseException | None:
+_E = TypeVar("_E", bound=BaseException)
+
+
+def _behind(e: BaseException | None, kind: type[_E], depth: int = 0) -> _E | None:
     """The `kind` error behind `e`: itself, its cause, or (DCP) one of the ranks' failures."""
     if e is None or depth > 8:
         return None

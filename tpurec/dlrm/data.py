@@ -12,6 +12,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 from tpurec.errors import UserError
 
@@ -147,7 +148,7 @@ def make_readers(
     raw_ids = any(f.get("num_embeddings") is None for f in meta.get("sparse", []))
     sizes = None if not raw_ids else table_sizes  # hash raw ids into the model's tables at read time
     train_units, eval_units = split_train_eval(data_dir, eval_fraction)
-    common = dict(rank=rank, world_size=world_size, table_sizes=sizes)
+    common: dict[str, Any] = dict(rank=rank, world_size=world_size, table_sizes=sizes)
     train = ParquetReader(train_units, batch_size, shuffle=True, seed=seed, drop_last=True, equal_rows=True, **common)
     if train.num_rows < batch_size:
         # Fewer rows per rank than a batch: cap the batch so at least one full step exists.
@@ -168,7 +169,8 @@ def make_readers(
         prefetch=0,
         **common,
     )
-    return Readers(train, ev, batch_size, ev.num_rows, list(train.table_sizes))
+    # every size is known: the dataset's, or raw ids hashed into the model's tables (sizes above)
+    return Readers(train, ev, batch_size, ev.num_rows, cast(list[int], list(train.table_sizes)))
 
 
 def eval_batches(reader):

@@ -48,7 +48,7 @@ def _stop_once() -> None:
     from torch.distributed.elastic.multiprocessing import api
 
     first = api._terminate_process_handler
-    stopping = []
+    stopping: list[int] = []
 
     def handler(signum, frame) -> None:
         if not stopping:

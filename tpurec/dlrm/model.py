@@ -6,6 +6,8 @@ that only the shards each rank owns are ever allocated (by DistributedModelParal
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from tpurec.catalog import NUM_DENSE, TableSet, get_table_set
@@ -66,13 +68,14 @@ def build_model(cfg: DLRMConfig, table_sizes: list[int] | None = None, feature_n
         for c, n, f in zip(configs, sizes, names)
     ]
     ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
-    common = dict(
+    common: dict[str, Any] = dict(
         embedding_bag_collection=ebc,
         dense_in_features=NUM_DENSE,
         dense_arch_layer_sizes=list(cfg.dense_arch),
         over_arch_layer_sizes=list(cfg.over_arch),
         dense_device=torch.device("cpu"),
     )
+    dlrm: DLRM  # DLRM_DCN is one
     if cfg.interaction == "dcn":
         dlrm = DLRM_DCN(dcn_num_layers=cfg.dcn_num_layers, dcn_low_rank_dim=cfg.dcn_low_rank_dim, **common)
     else:

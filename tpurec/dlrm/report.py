@@ -94,6 +94,8 @@ class MetricsLog:
     def _read(self) -> list[dict]:
         import csv
 
+        assert self.path is not None  # read only when writing to a file
+
         if self.csv:
             with open(self.path) as f:
                 return [
@@ -124,7 +126,21 @@ def summary_text(r: dict, data_dir) -> str:
         f"  eval NE        {r['ne']:.4f}   logloss {r['logloss']:.4f}   accuracy {r['accuracy']:.4f}"
         f"   ({r['eval_rows']:,} rows)",
     ]
+    if r["eval_rows"] < MIN_EVAL_ROWS_FOR_AUC:
+        lines.append(f"  warning        {noisy_auc_text(r['eval_rows'])}")
     return "\n".join(lines)
+
+
+# Below this many eval rows an AUC moves by several hundredths from one sample to the next (its
+# standard error is about 0.5/sqrt(rows of the rarer label), Hanley & McNeil 1982).
+MIN_EVAL_ROWS_FOR_AUC = 1000
+
+
+def noisy_auc_text(rows: int) -> str:
+    return (
+        f"AUC from {rows:,} eval rows is noisy (fewer than {MIN_EVAL_ROWS_FOR_AUC:,}): "
+        "raise --eval-fraction or give more data"
+    )
 
 
 def json_safe(value):

@@ -158,4 +158,4 @@ def refuse_ddp_shape_check_across_hosts(hosts: int) -> None:
             f"torch-tpu 0.2.0 on {hosts} hosts: DDP's _verify_param_shape_across_processes copies to the host)"
         )
 
-    ddp._verify_param_shape_across_processes = _transfer_fails  # type: ignore[assignment]
+    ddp._verify_param_shape_across_processes = _transfer_fails

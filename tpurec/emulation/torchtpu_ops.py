@@ -90,6 +90,13 @@ class StandIn:
 
 
 _STATE: StandIn | None = None
+
+
+def _state() -> StandIn:
+    assert _STATE is not None, "the TorchTPU stand-in ops run only once installed"
+    return _STATE
+
+
 _LIB = None
 
 
@@ -112,7 +119,7 @@ def install(sparsecores: int = 4) -> StandIn:
 def _decode(row_pointers, embedding_ids, sample_ids, gains, table, device_batch_size, max_ids_per_partition):
     if table.dtype != torch.float32:
         raise RuntimeError(f"stand-in: embedding_table must be float32 (TorchTPU's SparseCore ops), got {table.dtype}")
-    num_sc = parts = _STATE.sparsecores  # one device's shard: its rows MOD-partitioned over its SparseCores
+    num_sc = parts = _state().sparsecores  # one device's shard: its rows MOD-partitioned over its SparseCores
     if table.shape[0] % parts:
         raise RuntimeError(f"stand-in: table rows {table.shape[0]} are not a multiple of {parts} partitions")
     ends = row_pointers.view(num_sc, -1)[:, :parts].to(torch.int64)
@@ -130,7 +137,7 @@ def _decode(row_pointers, embedding_ids, sample_ids, gains, table, device_batch_
 
 
 def _lookup(row_pointers, embedding_ids, sample_ids, gains, table, device_batch_size, max_ids, max_uniq):
-    _STATE.record(
+    _state().record(
         "_sparse_dense_matmul",
         (row_pointers, embedding_ids, sample_ids, gains, table, device_batch_size, max_ids, max_uniq),
     )
@@ -139,7 +146,7 @@ def _lookup(row_pointers, embedding_ids, sample_ids, gains, table, device_batch_
 
 
 def _sgd(rp, ids, samples, gains, table, grad, lr, batch, max_ids, max_uniq, name):
-    _STATE.record(
+    _state().record(
         "_sparse_dense_matmul_grad_with_sgd", (rp, ids, samples, gains, table, grad, lr, batch, max_ids, max_uniq, name)
     )
     rows, g = reference.row_gradients(_decode(rp, ids, samples, gains, table, batch, max_ids), grad)
@@ -149,7 +156,7 @@ def _sgd(rp, ids, samples, gains, table, grad, lr, batch, max_ids, max_uniq, nam
 
 
 def _adagrad(rp, ids, samples, gains, table, acc, grad, lr, eps, batch, max_ids, max_uniq, name):
-    _STATE.record(
+    _state().record(
         "_sparse_dense_matmul_grad_with_adagrad",
         (rp, ids, samples, gains, table, acc, grad, lr, eps, batch, max_ids, max_uniq, name),
     )
@@ -160,7 +167,7 @@ def _adagrad(rp, ids, samples, gains, table, acc, grad, lr, eps, batch, max_ids,
 
 
 def _adam(rp, ids, samples, gains, table, m, v, grad, alpha_t, b1, b2, eps, batch, max_ids, max_uniq, name):
-    _STATE.record(
+    _state().record(
         "_sparse_dense_matmul_grad_with_adam",
         (rp, ids, samples, gains, table, m, v, grad, alpha_t, b1, b2, eps, batch, max_ids, max_uniq, name),
     )
@@ -176,7 +183,7 @@ def _preprocess(*args):
     Arguments: SCHEMAS["preprocess_sparse_dense_matmul_input"]'s, in order."""
     from tpurec.embedding.preprocess import preprocess
 
-    _STATE.record("preprocess_sparse_dense_matmul_input", args)
+    _state().record("preprocess_sparse_dense_matmul_input", args)
     (indices, offsets, max_ids, max_uniq, suggested_coo, batch_size, combiner, _, _, num_sc, allow_dropping, _) = args
     lengths = torch.diff(offsets.long())
     samples = torch.repeat_interleave(torch.arange(batch_size), lengths)

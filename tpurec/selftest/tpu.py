@@ -14,6 +14,8 @@ TorchTPU stand-in (tpurec/emulation/torchtpu_ops.py).
 
 from __future__ import annotations
 
+from typing import Any
+
 from tpurec.embedding.selftest import Check, _compare
 
 
@@ -67,7 +69,7 @@ def _module_checks(target, num_sc: int, seed: int) -> list[Check]:
     from tpurec.embedding.optimizers.base import record_tpu_calls
 
     gen = torch.Generator().manual_seed(seed)
-    kwargs = dict(num_sparsecores=num_sc, fixed_limits=True, allow_id_dropping=True, pad_dims=True)
+    kwargs: dict[str, Any] = dict(num_sparsecores=num_sc, fixed_limits=True, allow_id_dropping=True, pad_dims=True)
     torch.manual_seed(seed)
     ref = SparseCoreEmbeddingBagCollection(_tables(), torch.optim.Adam, {"lr": 0.01}, device="cpu", **kwargs)
     mod = SparseCoreEmbeddingBagCollection(_tables(), torch.optim.Adam, {"lr": 0.01}, device=target, **kwargs)
