@@ -22,6 +22,8 @@ import logging
 import os
 from typing import Mapping, Tuple
 
+from tpurec.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 THREADS_ENV = "TPUREC_THREADS"
@@ -85,12 +87,12 @@ def choose(
     """(count to set or None to leave torch alone, why) for one process; `idle`: cores idle now."""
     if requested is not None:
         if requested < 1:
-            raise ValueError(f"threads={requested}: torch needs at least 1 thread")
+            raise UserError(f"threads={requested}: torch needs at least 1 thread")
         return requested, "threads="
     if env.get(THREADS_ENV):
         text = env[THREADS_ENV]
         if not text.isdigit() or int(text) < 1:
-            raise ValueError(f"{THREADS_ENV}={text!r}: expected a whole number of threads, at least 1")
+            raise UserError(f"{THREADS_ENV}={text!r}: expected a whole number of threads, at least 1")
         return int(text), THREADS_ENV
     for name in TORCH_THREAD_ENVS:
         if env.get(name):
