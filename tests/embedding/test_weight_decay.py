@@ -179,3 +179,28 @@ def test_weight_decay_through_the_torchtpu_adapter_equals_the_reference(optimize
     assert standin.calls, "the adapter never reached TorchTPU's ops"
     for name, w in want.items():
         torch.testing.assert_close(got[name], w, rtol=0, atol=0)
+
+
+def test_weight_decay_with_id_dropping_is_refused():
+    kwargs = {"lr": 0.1, "weight_decay": 0.01, "weight_decay_mode": "L2"}
+    with pytest.raises(ValueError, match="allow_id_dropping=True with weight decay .L2. is not supported"):
+        SparseCoreEmbeddingBagCollection(TABLES, RowWiseAdagrad, kwargs, num_sparsecores=4, allow_id_dropping=True)
+
+
+@pytest.mark.parametrize("mode", ["L2", "DECOUPLE"])
+def test_weight_decay_compiles_one_program_per_stack_and_op_on_the_tpu_path(mode):
+    """The decay adds no TorchTPU program: each update pass has the fixed shapes, and a batch over
+    its limits runs in more passes of them (the decay's own gather/scale are plain device ops)."""
+    kwargs = {"lr": 0.2, "weight_decay": 0.1, "weight_decay_mode": mode}
+    standin = tpu_standin.install(sparsecores=4)
+    model = SparseCoreEmbeddingBagCollection(TABLES, RowWiseAdagrad, kwargs, num_sparsecores=4, fixed_limits=True)
+    gen = torch.Generator().manual_seed(7)
+    with tpu_standin.adapter_on_cpu():
+        for step in range(12):
+            out = model(random_kjt(TABLES, BATCH, gen, max_len=8 if step % 3 == 1 else 3)).values()
+            (out * torch.randn(out.shape, generator=gen)).sum().backward()
+    keys = standin.compile_keys()
+    stacks = len(model.kernel.stacks)
+    assert len([k for k in keys if k[0] != "_sparse_dense_matmul"]) == stacks, sorted(keys)
+    assert len([k for k in keys if k[0] == "_sparse_dense_matmul"]) == stacks, sorted(keys)
+    assert model.kernel.multipass_batches > 0  # some batch went over the limits the first fixed

@@ -121,6 +121,13 @@ class SparseCoreKernel(nn.Module):
         self.max_ids_per_partition = max_ids_per_partition
         self.max_unique_ids_per_partition = max_unique_ids_per_partition
         self.allow_id_dropping = allow_id_dropping
+        if allow_id_dropping and optimizer.weight_decay_mode is not None:
+            # The decay's update layout takes every id of the batch; a lookup that dropped some would
+            # update rows it never read. Over its limits such a batch runs in passes instead.
+            raise UserError(
+                f"allow_id_dropping=True with weight decay ({optimizer.weight_decay_mode}) is not supported: "
+                "leave allow_id_dropping off (a batch over its id limits then runs in several passes)"
+            )
         self._fixed_limits = fixed_limits
         # Optimizer steps taken per stack (Adam's bias correction); stacks update independently
         # because autograd may run their backward in any order. Public per table: step_count().

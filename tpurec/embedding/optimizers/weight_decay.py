@@ -104,5 +104,8 @@ def decay_rows(
     w = table.index_select(0, rows).to(torch.float32)
     if spec.weight_decay_mode == "L2":
         return grad.add(w, alpha=spec.weight_decay)
-    table.index_copy_(0, rows, w.mul_(1.0 - lr * spec.weight_decay).to(table.dtype))
+    # The factor as a device tensor: the learning rate may change every step (schedulers), and
+    # TorchTPU compiles a Python float into the program (as for the ops' learning rates, base.tpu_scalar).
+    factor = torch.tensor(1.0 - lr * spec.weight_decay, dtype=torch.float32, device=table.device)
+    table.index_copy_(0, rows, w.mul_(factor).to(table.dtype))
     return grad
