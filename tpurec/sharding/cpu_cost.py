@@ -37,23 +37,21 @@ SHARED_COLLECTIVES = 1
 
 @dataclass(frozen=True)
 class CpuCosts:
-    # SparseCoreKernel fwd + row-wise Adagrad bwd, 1 thread (the call cpu_costs.kernel_terms times), on
-    # this 2-core host, 2026-12-01 10:51 UTC, load average 0.2: 1 table x 1024 ids 1.69 ms, 26 x 1024
-    # 9.71 ms at dim 16 and 8.32 ms at dim 8; the three terms solved from those (docs/planner.md).
+    # Measured on a 2-core CPU host by `python -m tpurec.bench.cpu_costs` (the runs, their load and
+    # the raw timings: docs/results.md, "CPU cost model terms"). SparseCoreKernel fwd + row-wise
+    # Adagrad bwd, 1 thread (cpu_costs.kernel_terms): fixed, per id, per id and float of dim.
     kernel_fixed_ms: float = 1.35
     per_id_us: float = 0.208
     per_id_float_us: float = 0.0065
-    # `python -m tpurec.bench.cpu_costs` (collective_terms), 2026-12-01 11:02 UTC, load average 3.9:
-    # gloo all_to_all_single between 2 processes, 64 B (latency) and 1 MiB per rank (bandwidth).
+    # gloo all_to_all_single between 2 processes: 64 B (latency) and 1 MiB per rank (bandwidth).
     collective_latency_ms: float = 0.18
     gloo_bytes_per_s: float = 1.28e9
-    # The same module (collective_terms), 2026-12-01 16:32 UTC, load average 0.4: reduce_scatter_single
-    # and all_gather_single of 1 MiB per rank, bytes leaving a rank per second beyond the latency
-    # (medians of four runs; docs/planner.md).
+    # reduce_scatter_single and all_gather_single of 1 MiB per rank: bytes leaving a rank per second
+    # beyond the latency (gloo runs them slower per byte than its all-to-all).
     reduce_scatter_bytes_per_s: float = 0.37e9
     all_gather_bytes_per_s: float = 0.70e9
-    # Not per shard, so the planner never reads them; the calibration fits them afresh each run
-    # (on its FIT_PLANS; 2026-12-01 at load 3-10: group 0-4 ms, step 16-58 ms). Round placeholders.
+    # Not per shard, so the planner never reads them; the calibration fits them afresh each run (on
+    # its FIT_PLANS). Round placeholders.
     group_fixed_ms: float = 2.0
     step_fixed_ms: float = 20.0
     # Ranks that run at once: 0 means the host's cores (os.sched_getaffinity), right on an idle host;
