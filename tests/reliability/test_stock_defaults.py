@@ -232,7 +232,8 @@ def test_dmp_constructor_defaults_are_torchrecs():
     assert dmp.init_parameters is stock["init_parameters"]
     assert not dmp.module.dense.weight.is_meta  # init_parameters=True materialised it
     assert dmp._ddp_wrapped is stock["init_data_parallel"]
-    assert stock["data_parallel_wrapper"] is None and type(dmp._data_parallel_wrapper) is DefaultDataParallelWrapper
+    # TorchRec's DefaultDataParallelWrapper (tpurec's subclass only silences one deprecation warning)
+    assert stock["data_parallel_wrapper"] is None and isinstance(dmp._data_parallel_wrapper, DefaultDataParallelWrapper)
     assert stock["model_tracker_configs"] is None and dmp.model_trackers == {}
 
 
