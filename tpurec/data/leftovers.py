@@ -3,12 +3,12 @@
 SIGTERM and Ctrl-C unwind and remove a run's temporary files (tpurec/terminate.py,
 tpurec/interrupts.py); SIGKILL (an OOM kill, a power cut) gives the process no chance. What it leaves
 is recognisable by name: parts and `_dataset.json` written as `NAME.tmp-PID` inside `--out` (by
-`data convert` / `data synth`), and `.ENTRY.tmp-XXXXXXXX` directories beside the synthetic-data
+`data convert` / `data synth`), and `.synth-NAME.tmp-XXXXXXXX` directories beside the synthetic-data
 cache entries (`tpurec train`). The next writer removes them, and says so in one line:
 
 * inside `--out` while it holds the directory's lock (tpurec/data/out_lock.py), so no live writer
   can own them;
-* in the cache, a directory whose own lock (`.lock`, held by the writer filling it) can be taken,
+* in the cache, a `.synth-NAME.tmp-*` directory whose own lock (`.lock`, held by the writer filling it) can be taken,
   or that has no lock and was last changed over a minute ago (a writer holds none only for the
   moments between making the directory and locking it, and between finishing and renaming it).
 """
@@ -25,8 +25,8 @@ from tpurec.dir_lock import LOCK, lock_dir
 # What convert and synth name their files until they are complete (`part-N.parquet.tmp-PID`,
 # `_dataset.json.tmp-PID`).
 TMP_FILE_GLOBS = ("*.parquet.tmp-*", "_dataset.json.tmp-*")
-# What tpurec/dlrm/data.py names a cache entry being made (tempfile.mkdtemp's prefix).
-TMP_DIR_GLOB = ".*.tmp-*"
+# What tpurec/dlrm/data.py names a synthetic-data cache entry being made (mkdtemp prefix).
+TMP_DIR_GLOB = ".synth-*.tmp-*"
 UNLOCKED_GRACE_S = 60.0
 
 
