@@ -188,7 +188,7 @@ def test_torchrec_planner_suite_unchanged_by_tpurec():
     """torchrec's planner tests give the same outcomes with tpurec imported (and "tpu" named).
 
     torchrec 1.9.2 wheels do not ship its tests: point TORCHREC_PLANNER_TESTS at a checkout's
-    torchrec/distributed/planner/tests (see docs/planner.md for the recorded run).
+    torchrec/distributed/planner/tests (docs/planner.md; the recorded runs: docs/results.md).
     """
     import os
     import re
