@@ -27,7 +27,7 @@ from tpurec.embedding.module import SparseCoreEmbeddingBagCollection
 from tpurec.embedding.optimizers.registry import spec_from_torch
 from tpurec.emulation import torchtpu_ops as tpu_standin
 
-from .helpers import random_kjt
+from .helpers import assert_within_fp16_steps, random_kjt
 
 TABLES = [
     EmbeddingBagConfig(name="a", embedding_dim=8, num_embeddings=30, feature_names=["fa"]),
@@ -204,3 +204,54 @@ def test_weight_decay_compiles_one_program_per_stack_and_op_on_the_tpu_path(mode
     assert len([k for k in keys if k[0] != "_sparse_dense_matmul"]) == stacks, sorted(keys)
     assert len([k for k in keys if k[0] == "_sparse_dense_matmul"]) == stacks, sorted(keys)
     assert model.kernel.multipass_batches > 0  # some batch went over the limits the first fixed
+
+
+@pytest.mark.parametrize("mode", ["L2", "DECOUPLE"])
+def test_rowwise_adagrad_weight_decay_on_fp16_tables_is_fbgemms_within_one_fp16_step(mode):
+    """FP16 tables (FBGEMM's generic path either way): computed in float32, rounded to FP16. FBGEMM
+    rounds `correction * w - multiplier * g` once. L2 here rounds once too; decoupled decay rounds
+    the scaled row, then the step (the op reads an FP16 table), so weights differ by about one FP16
+    step at the table's magnitude (on a TPU FP16 tables are float32: docs/tpu.md)."""
+    from fbgemm_gpu.split_embedding_configs import SparseType
+    from torchrec.modules.embedding_configs import DataType
+
+    tables = [
+        EmbeddingBagConfig(
+            name=t.name,
+            embedding_dim=t.embedding_dim,
+            num_embeddings=t.num_embeddings,
+            feature_names=t.feature_names,
+            data_type=DataType.FP16,
+        )
+        for t in TABLES
+    ]
+    kwargs = {"lr": 0.3, "eps": 1e-4, "weight_decay": 0.05, "weight_decay_mode": mode}
+    sc = SparseCoreEmbeddingBagCollection(tables, RowWiseAdagrad, kwargs, num_sparsecores=4)
+    tbe = _fbgemm_generic_path_tbe(
+        getattr(WeightDecayMode, mode),
+        learning_rate=0.3,
+        eps=1e-4,
+        weight_decay=0.05,
+        weights_precision=SparseType.FP16,
+    )
+    for w, t in zip(tbe.split_embedding_weights(), tables):
+        w.data.copy_(sc.table_weight(t.name))
+    gen = torch.Generator().manual_seed(4)
+    for step in range(5):
+        kjt = random_kjt(tables, BATCH, gen, max_len=6, hot_ids=step % 2 == 0)
+        ours = sc(kjt).values()
+        values, offsets, cols = _with_empty_features(kjt)
+        upstream = torch.randn(ours.shape, generator=gen)
+        (ours * upstream).sum().backward()
+        theirs = tbe(values, offsets)
+        full = torch.zeros_like(theirs)
+        full[:, cols] = upstream
+        (theirs * full).sum().backward()
+    for w, t in zip(tbe.split_embedding_weights(), tables):
+        assert sc.table_weight(t.name).dtype == torch.float16
+        got = sc.table_weight(t.name)
+        if mode == "L2":  # one rounding, as FBGEMM
+            assert_within_fp16_steps(got, w, steps=1, rare=0.01)
+        else:  # two roundings (the scaled row, then the step): an FP16 step at the table's scale
+            spacing = 2.0 ** (torch.floor(torch.log2(w.float().abs().max())) - 10)
+            assert float((got.float() - w.float()).abs().max()) <= 2 * spacing
