@@ -4,11 +4,11 @@ Without `destroy_process_group()`, gloo's C++ worker threads can still hold work
 tensors in them when Python finalizes; freeing those then takes the GIL of a dying interpreter and
 the process aborts ("terminate called without an active exception", SIGABRT) after the program's
 last line: pytorch/pytorch#190489, and the abandoned fix pytorch/pytorch#179291 (an atexit handler
-in init_process_group, the same idea). It struck `examples/quickstart.py` at 2 ranks in CI
-(2026-12-01), which joins its ranks through `tpurec.DistributedModelParallel` and never destroys
-the group. So whatever tpurec initializes, it also tears down at exit, unless the program already
-did, or is exiting on an unhandled exception (destroying a group while other ranks may still be
-in a collective can hang them; the failure is already reported then).
+in init_process_group, the same idea). It struck `examples/quickstart.py` at 2 ranks in CI, which
+joins its ranks through `tpurec.DistributedModelParallel` and never destroys the group. So
+whatever tpurec initializes, it also tears down at exit, unless the program already did, or is
+exiting on an unhandled exception (destroying a group while other ranks may still be in a
+collective can hang them; the failure is already reported then).
 """
 
 from __future__ import annotations

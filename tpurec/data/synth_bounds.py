@@ -3,7 +3,7 @@ against memory and free disk before anything is written.
 
 Memory: synthesize keeps every row's true probability and label (float64 + int8) to measure
 oracle_auc at the end, where torchmetrics' AUC sorts them: 89 bytes per row at the peak (max RSS of
-5,000,000 against 1,000,000 dlrm-tiny rows, 2026-12-02, docs/data.md), whatever the table set.
+5,000,000 against 1,000,000 dlrm-tiny rows, docs/data.md), whatever the table set.
 Disk: the Parquet bytes per row of this table set, ids per sample and codec, measured by writing
 SAMPLE_ROWS generated rows to memory, times SAFETY_FACTOR: whole datasets differ from the sample
 (their row groups of 65,536 rows hold larger dictionaries, or fall back to plain encoding) by

@@ -2,9 +2,9 @@
 `tpurec plan --tables`, before torch loads), so a problem too large is one line at once.
 
 With the proposers' work budget (proposal_budget.py) planning time and memory grow about linearly
-with tables and with tables x devices (every row-wise option holds a shard per device). Measured on
-this 2-core host (docs/results.md, 2026-12-02, CPU seconds of the whole command): 3,000 tables on 64
-devices 132 s and 1.2 GB; 26 tables on 18,432 devices (the most devices tpurec plans,
+with tables and with tables x devices (every row-wise option holds a shard per device). CPU seconds
+of the whole command on a 2-core host (docs/results.md, planning time): 3,000 tables on 64 devices
+132 s and 1.2 GB; 26 tables on 18,432 devices (the most devices tpurec plans,
 topology.MAX_PLAN_DEVICES) 63 s and 1.8 GB. The bounds keep a plan within a few minutes and a few GB.
 """
 

@@ -3,9 +3,9 @@
 TorchRec's planner partitions and rates every proposal, and each costs time in proportion to the
 shards it holds (every shard of every table is copied, hashed and placed): tables x devices for
 row-wise options. Its proposers make many proposals: the greedy ones about (options - 1) per table,
-the grid search up to 10,000. So planning time grew as tables^2 x devices (100 tables on v5p-128:
-40 s of CPU, 300 tables: 305 s) and with the grid search as 2^tables x devices (10 tables on
-cpu-512: 36 s). Measurements in docs/results.md (2026-12-02).
+the grid search up to 10,000. Unbounded, planning time grows as tables^2 x devices, and with the
+grid search as 2^tables x devices (the runs with and without the budget: docs/results.md, planning
+time).
 
 `Budgeted` wraps one proposer and stops it once its proposals have held `budget` shards, once some
 proposer has found a plan that fits. Until then it may go on to `NO_FIT_FACTOR` budgets; a search
@@ -26,7 +26,7 @@ from torchrec.distributed.planner.types import Proposer, ShardingOption, Topolog
 from tpurec.errors import UserError
 
 # Shards a proposer's proposals may hold in all once a plan fits: ~7 s of partitioning on a 2-core
-# host (about 24 us per shard, profiled on 100 tables, 2026-12-02), above the 260,000 that the
+# host (about 24 us per shard, profiled on 100 tables), above the 260,000 that the
 # largest of tpurec's table sets uses (criteo-kaggle on v6e-256), whose plans it leaves unchanged.
 DEFAULT_SHARD_BUDGET = 300_000
 # Budgets a proposer may spend while no proposal has fit yet (the greedy proposers move one table
