@@ -304,7 +304,7 @@ def run(
     """Micro-measure the model's terms, train every candidate plan (`only`: those named) in one
     launch, in turns of `block` steps (`steps` timed steps per plan in all), and score. Then the
     planner's choice and round-robin alone, `paired_steps` each in turns: a block of 8 steps here
-    moves by +-15% from one block to the next (2026-12-01), so a 2% question needs thousands of
+    moves by +-15% from one block to the next on a 2-core host, so a 2% question needs thousands of
     steps (the interval narrows as 1 / sqrt(steps))."""
     from tpurec.bench import cpu_costs
     from tpurec.dlrm.data import ensure_synth

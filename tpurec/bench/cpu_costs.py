@@ -190,8 +190,8 @@ def parallel_terms(ranks: int = 2, shape=(26, 1024, 16), reps: int = 20) -> dict
     together = [queue.get(timeout=300) for _ in procs]
     for p in procs:
         p.join(timeout=60)
-    # Alone again after: a load spike during one lone run made "together" look faster than "alone"
-    # (2026-12-01, load 5), so the lone figure is the better of the two.
+    # Alone again after: a load spike during one lone run made "together" look faster than "alone",
+    # so the lone figure is the better of the two.
     alone = min(alone, _kernel_once_ms(*shape, reps))
     slowest = max(together)
     return {
