@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
 
 from tpurec.bench import timer
 
@@ -47,7 +48,7 @@ def worker(data: str, plan_files: list[str], turns: int, block: int, warmup: int
     reader = ParquetReader(data, batch_size, rank=rank, world_size=world, drop_last=True, equal_rows=True)
     # Enough distinct batches for one plan's whole run; every plan cycles through the same ones.
     batches = list(itertools.islice(iter(reader), warmup + turns * (block + 1)))
-    pipelines = []
+    pipelines: list[tuple[TrainPipelineSparseDist, Iterator]] = []
     for path in plan_files:
         torch.manual_seed(0)
         dmp = shard(build_model(cfg), cfg, "cpu", plan=load_plan(path))
@@ -57,8 +58,8 @@ def worker(data: str, plan_files: list[str], turns: int, block: int, warmup: int
     for pipeline, it in pipelines:
         for _ in range(warmup):
             pipeline.progress(it)
-    wall = [[] for _ in plan_files]
-    cpu = [[] for _ in plan_files]
+    wall: list[list[float]] = [[] for _ in plan_files]
+    cpu: list[list[float]] = [[] for _ in plan_files]
     for turn in range(turns):
         for i in turn_order(len(plan_files), turn):
             pipeline, it = pipelines[i]

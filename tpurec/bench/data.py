@@ -50,7 +50,7 @@ def write_torchrec_npys(parquet_dir: str, npy_dir: str) -> tuple[list[str], list
     meta = dataset_metadata(parquet_dir)
     dense_names = meta["dense"]
     sparse_names = [f["name"] for f in meta["sparse"]]
-    out = {"dense": [], "sparse": [], "labels": []}
+    out: dict[str, list] = {"dense": [], "sparse": [], "labels": []}
     for i, path in enumerate(list_parquet_files(parquet_dir)):
         t = pq.read_table(path)
         arrays = {
@@ -135,7 +135,7 @@ def run_bench(
     from tpurec.data.synth import synthesize
 
     tmp = tempfile.TemporaryDirectory(prefix="tpurec-bench-data-") if work_dir is None else None
-    root = Path(work_dir or tmp.name)
+    root = Path(tmp.name if tmp is not None else str(work_dir))
     try:
         pq_dir, npy_dir, tsv_dir = root / "parquet", root / "npy", root / "tsv"
         for d in (npy_dir, tsv_dir):

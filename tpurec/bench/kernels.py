@@ -19,6 +19,7 @@ backward is single-threaded).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
@@ -137,7 +138,7 @@ def gather_roofline(repeats: int = 5, rows: int = NUM_TABLES * ROWS, n: int = 1_
         ("zipf", workloads.zipf_ids(rng, n, table.shape[0], scatter_seed=workloads.SCATTER_SEED)),
     ):
         idx = torch.from_numpy(ids)
-        runs = timer.repeat(lambda idx=idx: table.index_select(0, idx), warmup=1, repeats=repeats)
+        runs = timer.repeat(functools.partial(table.index_select, 0, idx), warmup=1, repeats=repeats)
         out[f"gather_rows_per_s_{name}"] = n / runs.median
     out["gather_gb_per_s_uniform"] = out["gather_rows_per_s_uniform"] * DIM * 4 * 2 / 1e9  # read + write
     return out

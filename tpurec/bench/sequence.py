@@ -20,6 +20,8 @@ order each round (`timer.interleaved`); the figure is the median of the per-roun
 from __future__ import annotations
 
 import contextlib
+import functools
+from typing import cast
 
 from tpurec.bench import timer, workloads
 
@@ -66,7 +68,7 @@ def _torchrec(num_tables, rows, dim, initial):
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
-    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+    from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
     from torchrec.modules.embedding_modules import EmbeddingCollection
     from torchrec.optim import RowWiseAdagrad
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -75,21 +77,24 @@ def _torchrec(num_tables, rows, dim, initial):
 
     ec = EmbeddingCollection(tables=_tables(num_tables, rows, dim), device=torch.device("meta"))
     apply_optimizer_in_backward(RowWiseAdagrad, ec.parameters(), {"lr": 0.01, "eps": 1e-8})
-    sharder = EmbeddingCollectionSharder()
+    # ModuleSharder is invariant in its module type: cast as TorchRec's own default sharders are
+    module_sharder = cast(ModuleSharder[torch.nn.Module], EmbeddingCollectionSharder())
     plan = construct_module_sharding_plan(
         ec,
         per_param_sharding={f"t{i}": table_wise(rank=0, compute_kernel="fused") for i in range(num_tables)},
         local_size=1,
         world_size=1,
         device_type="cpu",
-        sharder=sharder,
+        sharder=module_sharder,
     )
+    world = dist.group.WORLD
+    assert world is not None  # the caller's process group
     model = DistributedModelParallel(
         ec,
-        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        env=ShardingEnv.from_process_group(world),
         device=torch.device("cpu"),
         plan=ShardingPlan({"": plan}),
-        sharders=[sharder],
+        sharders=[module_sharder],
         init_data_parallel=False,
     )
 
@@ -171,7 +176,7 @@ def run_sequence(
 
         orders: list = []
         r_ours, r_theirs = timer.interleaved(
-            [lambda side=side: one_pass(side) for side in (ours, theirs)], warmup=1, repeats=rounds, orders=orders
+            [functools.partial(one_pass, side) for side in (ours, theirs)], warmup=1, repeats=rounds, orders=orders
         )
     summary = rounds_mod.ratio_summary(r_ours.wall, r_theirs.wall)
     steps = len(batches)

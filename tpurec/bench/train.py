@@ -33,11 +33,13 @@ are reported, not compared.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
 import subprocess
 import sys
+from typing import cast
 
 from tpurec.bench import rounds, timer
 
@@ -160,7 +162,7 @@ def run(
     orders: list = []
     # Each launch reports its own timed region; the parent's clock would include process start-up.
     runs = timer.interleaved(
-        [lambda side=side: launch(side, tables, data, nproc, steps, warmup, batch_size) for side in sides],
+        [functools.partial(launch, side, tables, data, nproc, steps, warmup, batch_size) for side in sides],
         warmup=0,
         repeats=repeats,
         orders=orders,
@@ -258,9 +260,10 @@ def table_wise_plan(model, world: int, stock: bool):
     """Tables placed whole, round-robin over ranks; FBGEMM's fused kernel (stock) or tpurec's."""
     import dataclasses
 
+    import torch
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
-    from torchrec.distributed.types import ShardingPlan
+    from torchrec.distributed.types import EmbeddingModuleShardingPlan, ModuleSharder, ShardingPlan
 
     from tpurec.sharding.kernel_choice import COMPUTE_KERNEL
     from tpurec.sharding.sharder import SparseCoreEBCSharder
@@ -273,20 +276,28 @@ def table_wise_plan(model, world: int, stock: bool):
         local_size=world,
         world_size=world,
         device_type="cpu",
-        sharder=EmbeddingBagCollectionSharder() if stock else SparseCoreEBCSharder(num_sparsecores=4),
+        # ModuleSharder is invariant in its module type: cast as TorchRec's own default sharders are
+        sharder=cast(
+            ModuleSharder[torch.nn.Module],
+            EmbeddingBagCollectionSharder() if stock else SparseCoreEBCSharder(num_sparsecores=4),
+        ),
     )
     kernel = "fused" if stock else COMPUTE_KERNEL
-    plan = {n: dataclasses.replace(ps, compute_kernel=kernel) for n, ps in plan.items()}
-    return ShardingPlan({TABLE_MODULE: plan})
+    by_table = EmbeddingModuleShardingPlan(
+        {n: dataclasses.replace(ps, compute_kernel=kernel) for n, ps in plan.items()}
+    )
+    return ShardingPlan({TABLE_MODULE: by_table})
 
 
 def stock_planner_plan(model, world: int, batch_size: int):
     """TorchRec's own planner on a CPU topology, FBGEMM's fused kernel, table-wise or column-wise
     (stock TorchRec's CPU path refuses row-wise sharding)."""
+    import torch
     import torch.distributed as dist
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
     from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec.distributed.types import ModuleSharder
 
     ebc = model.model.sparse_arch.embedding_bag_collection
     constraints = {
@@ -296,11 +307,12 @@ def stock_planner_plan(model, world: int, batch_size: int):
     planner = EmbeddingShardingPlanner(
         topology=Topology(world_size=world, compute_device="cpu"), batch_size=batch_size, constraints=constraints
     )
-    return planner.collective_plan(model, [EmbeddingBagCollectionSharder()], dist.GroupMember.WORLD)
+    sharders = [cast(ModuleSharder[torch.nn.Module], EmbeddingBagCollectionSharder())]  # as TorchRec's defaults
+    return planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
 
 
 def _plan_text(dmp) -> str:
-    kinds = {}
+    kinds: dict[str, int] = {}
     for mp in dmp.plan.plan.values():
         for ps in mp.values():
             key = f"{ps.sharding_type}/{ps.compute_kernel}"
@@ -353,7 +365,7 @@ def worker(side: str, tables: str, data: str, steps: int, warmup: int, batch_siz
         plan = None  # tpurec's planner
     dmp = shard(model, cfg, "cpu", plan=plan, stock=stock)
     optimizer = build_optimizer(dmp, cfg)
-    pipeline = TrainPipelineSparseDist(dmp, optimizer, torch.device("cpu"))
+    pipeline: TrainPipelineSparseDist = TrainPipelineSparseDist(dmp, optimizer, torch.device("cpu"))
     reader = ParquetReader(data, batch_size, rank=rank, world_size=world, drop_last=True, equal_rows=True)
     batches = list(itertools.islice(iter(reader), warmup + steps))
     if len(batches) < warmup + steps:

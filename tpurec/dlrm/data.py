@@ -12,9 +12,12 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from tpurec.errors import UserError
+
+if TYPE_CHECKING:
+    from tpurec.data.reader import ParquetReader
 
 log = logging.getLogger("tpurec.train")
 
@@ -121,8 +124,8 @@ def _publish(tmp: Path, out: Path) -> None:
 
 @dataclass
 class Readers:
-    train: object
-    eval: object
+    train: ParquetReader
+    eval: ParquetReader
     batch_size: int  # per rank, after capping
     eval_rows: int  # this rank's real eval rows (the last eval batch may be padded past them)
     table_sizes: list[int]
