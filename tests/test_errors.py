@@ -3,6 +3,7 @@ any other exception, a ValueError included, is a bug and propagates with its tra
 
 from __future__ import annotations
 
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -120,6 +121,8 @@ def test_a_plan_mismatch_is_renamed_by_type_not_by_message():
     assert str(err.value).startswith("the plan, module '', table 't': placed on rank 3, but the world size is 2")
     renamed = err.value.named("--plan p.json")
     assert str(renamed).startswith("--plan p.json, module '', table 't': placed on rank 3")
+    again = pickle.loads(pickle.dumps(renamed))
+    assert (again.source, again.detail, str(again)) == (renamed.source, renamed.detail, str(renamed))
 
 
 def test_a_bug_valueerror_shows_a_traceback_from_the_command_line(tmp_path):

@@ -24,6 +24,9 @@ class PlanMismatchError(UserError):
     def named(self, source: str) -> PlanMismatchError:
         return PlanMismatchError(source, self.detail)
 
+    def __reduce__(self):  # pickled (a worker's error) with both parts, not the joined message
+        return PlanMismatchError, (self.source, self.detail)
+
 
 def embedding_tables(module: nn.Module) -> dict[str, dict[str, tuple[int, int]]]:
     """{module path: {table name: (rows, dim)}} of every EmbeddingBagCollection and
