@@ -35,7 +35,7 @@ def candidate_plans(world: int = WORLD) -> dict:
         table_row_wise,
         table_wise,
     )
-    from torchrec.distributed.types import ShardingPlan
+    from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardingPlan
 
     from tpurec.catalog import get_table_set
     from tpurec.sharding import planner as P
@@ -58,7 +58,8 @@ def candidate_plans(world: int = WORLD) -> dict:
             device_type="cpu",
             sharder=SparseCoreEBCSharder(num_sparsecores=4),
         )
-        return ShardingPlan({"": {n: dataclasses.replace(ps, compute_kernel=COMPUTE_KERNEL) for n, ps in plan.items()}})
+        by_table = {n: dataclasses.replace(ps, compute_kernel=COMPUTE_KERNEL) for n, ps in plan.items()}
+        return ShardingPlan({"": EmbeddingModuleShardingPlan(by_table)})
 
     ranks = list(range(world))
     every = (

@@ -55,7 +55,7 @@ def _interleaved_ms(shapes, reps: int) -> list[float]:
     host's speed falls on all of them, not on whichever shape was running; 13 x 1024 once measured
     slower than 26 x 1024 when each shape ran its calls in a row)."""
     calls = [_kernel_call(*shape) for shape in shapes]
-    times = [[] for _ in shapes]
+    times: list[list[float]] = [[] for _ in shapes]
     for i in range(reps + 3):  # 3 untimed rounds first
         for call, out in zip(calls, times):
             t = time.perf_counter()
@@ -112,7 +112,7 @@ def _collective_worker(rank: int, world: int, store_path: str, reps: int, queue)
                 times.append(time.perf_counter() - t)
         return statistics.median(times) * 1e3
 
-    out = {}
+    out: dict[int | str, float] = {}  # by message bytes (all-to-all), or by collective
     for nbytes in (SMALL_BYTES, LARGE_BYTES):
         x = torch.zeros(max(world, nbytes // 4 // world * world), dtype=torch.float32)  # splits evenly
         y = torch.empty_like(x)
@@ -161,7 +161,7 @@ def collective_terms(world: int = 2, reps: int = 50) -> dict:
     }
 
 
-def _parallel_worker(shape, reps: int, ready, start, queue) -> None:
+def _parallel_worker(shape: tuple[int, int, int], reps: int, ready, start, queue) -> None:
     import torch
 
     torch.set_num_threads(1)
@@ -171,7 +171,7 @@ def _parallel_worker(shape, reps: int, ready, start, queue) -> None:
     queue.put(_kernel_once_ms(*shape, reps))
 
 
-def parallel_terms(ranks: int = 2, shape=(26, 1024, 16), reps: int = 20) -> dict:
+def parallel_terms(ranks: int = 2, shape: tuple[int, int, int] = (26, 1024, 16), reps: int = 20) -> dict:
     """How many of `ranks` processes run at once on this host now: the kernel's median time alone
     (in this process, before and after; the lower) against `ranks` copies started together.
     `parallel_ranks` = ranks * alone / together, in [1, ranks]: 2 on an idle 2-core host, towards 1

@@ -21,6 +21,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from tpurec.catalog import get_table_set
 from tpurec.dlrm import checkpoint as ckpt
@@ -28,6 +29,9 @@ from tpurec.dlrm.options import OPTIONS_ENV, TrainOptions
 from tpurec.dlrm.report import MetricsLog, json_safe, plan_report, plan_summary, summary_text
 from tpurec.dlrm.runtime import check_host_memory, init_distributed, log, resolve_device, setup_logging
 from tpurec.errors import UserError
+
+if TYPE_CHECKING:
+    from tpurec.emulation.rank import EmulatedRank
 
 
 def _infinite(reader):
@@ -63,7 +67,7 @@ class Trainer:
         self.samples = 0  # samples trained on, over all ranks
         self._batches = iter(())  # the current segment's batches; see _train_segment
         self._ready = False
-        self.emulated = None  # the EmulatedRank of an emulated TPU rank (tpurec.emulation.rank)
+        self.emulated: EmulatedRank | None = None  # the EmulatedRank of an emulated TPU rank (tpurec.emulation.rank)
         self._train_copies: Counter = Counter()  # device->host copies in training steps, by what
 
     # ---- setup ----
@@ -247,7 +251,7 @@ class Trainer:
         o, train = self.options, self.readers.train
         if not o.resume:
             return
-        src = o.checkpoint_dir if o.resume == "latest" else o.resume
+        src: str | Path | None = o.checkpoint_dir if o.resume == "latest" else o.resume
         if not src:
             raise UserError("--resume needs --checkpoint-dir (or --resume PATH)")
         if o.resume == "latest" or ckpt.is_root(src):  # the newest checkpoint that verifies
@@ -495,7 +499,7 @@ class Trainer:
             import torch.distributed as dist
 
             dist.all_reduce(counts)
-        out = {"limits": o.limits, "multipass_batches": int(counts[0]), "dropped_ids": int(counts[1])}
+        out: dict[str, Any] = {"limits": o.limits, "multipass_batches": int(counts[0]), "dropped_ids": int(counts[1])}
         demand, passes = id_feedback.merged(self.dmp, self.world)
         out["tables"] = id_feedback.per_table(demand, passes)
         for name, figures in out["tables"].items():
