@@ -89,6 +89,7 @@ def fbgemm_side(optimizer: str, initial: list) -> Side:
     )
 
     _, kwargs, kind = OPTIMIZERS[optimizer]
+    assert kind is not None, f"FBGEMM's TBE has no {optimizer}"  # peer_of picks another contender then
     tbe = SplitTableBatchedEmbeddingBagsCodegen(
         [(w.shape[0], w.shape[1], EmbeddingLocation.HOST, ComputeDevice.CPU) for w in initial],
         optimizer=getattr(EmbOptimType, kind),
