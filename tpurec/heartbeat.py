@@ -33,7 +33,7 @@ _PREFIX = "tpurec/heartbeat/"
 
 
 def seconds_from_env(name: str, default: float) -> float:
-    """A positive (or 0) number of seconds from environment variable `name`; ValueError naming it."""
+    """A positive (or 0) number of seconds from environment variable `name`; UserError naming it."""
     text = os.environ.get(name)
     if text is None or text == "":
         return default

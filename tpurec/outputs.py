@@ -63,7 +63,7 @@ def output_problem(flag: str, path: str | os.PathLike | None, kind: str = "file"
 
 
 def check_outputs(outputs: list[tuple[str, str | os.PathLike | None, str]]) -> None:
-    """ValueError (one line) for the first of (flag, path, kind) that cannot be written."""
+    """UserError (one line) for the first of (flag, path, kind) that cannot be written."""
     for flag, path, kind in outputs:
         problem = output_problem(flag, path, kind)
         if problem:

@@ -151,7 +151,7 @@ class TrainOptions:
         }
 
     def config(self) -> DLRMConfig:
-        """The named config with the given flags applied (ValueError, one line, for bad values)."""
+        """The named config with the given flags applied (UserError, one line, for bad values)."""
         return override(get_config(self.model), **self.config_overrides())
 
     def curves_path(self, stamp: str) -> str | None:

@@ -35,7 +35,7 @@ def _integer(where: str, name: str, t: torch.Tensor) -> None:
 
 
 def _within(where: str, name: str, t: torch.Tensor, lo: int, hi: int, what: str) -> None:
-    """Every value of `t` in [lo, hi) (`what` spells hi), else a ValueError showing the values' range."""
+    """Every value of `t` in [lo, hi) (`what` spells hi), else a UserError showing the values' range."""
     if t.numel():
         least, most = (int(x) for x in torch.aminmax(t))
         if least < lo or most >= hi:

@@ -8,7 +8,7 @@ from tpurec.errors import UserError
 
 
 def check_kjt(features) -> None:
-    """One-line ValueError naming what is inconsistent; costs one pass over the lengths."""
+    """One-line UserError naming what is inconsistent; costs one pass over the lengths."""
     keys = features.keys()
     lengths = features.lengths()
     values = features.values()

@@ -27,7 +27,7 @@ def parse_target(target: str) -> tuple[str, str]:
 
 
 def load_model(target: str):
-    """(model, constraints or None) from 'pkg.mod:fn'; a ValueError naming what is wrong otherwise."""
+    """(model, constraints or None) from 'pkg.mod:fn'; a UserError naming what is wrong otherwise."""
     module_name, fn_name = parse_target(target)
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())  # as `python -m` would: the user's package beside them

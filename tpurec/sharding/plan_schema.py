@@ -4,7 +4,7 @@ A plan file is hand-editable JSON (plan_io.py has the schema), and a hand edit c
 value anywhere: a placement that is not `rank:N/DEVICE`, `"ranks": "0"`, a shard that is a list,
 a meta table that is a number. Built from directly, those surfaced as TypeError or AttributeError
 deep in TorchRec or in `plan_check.py`. Here every field the loaders read is checked for its kind
-and range first, and the first problem is one ValueError naming the field by its JSON path
+and range first, and the first problem is one FieldError (a UserError) naming the field by its JSON path
 (`$.plan.modules[""].t_C1.shards[0].placement`). Whether the values fit the model and the world
 size is `plan_check.py`'s job; nesting too deep for Python's JSON parser is refused by the reader.
 

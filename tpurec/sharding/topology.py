@@ -281,7 +281,7 @@ def parse_slice(name: str, **assumptions) -> SliceSpec:
 
 
 def cpu_ranks(name: str) -> int:
-    """N of a `cpu-N` dry-run topology, 1 <= N <= MAX_PLAN_DEVICES (ValueError naming the bound)."""
+    """N of a `cpu-N` dry-run topology, 1 <= N <= MAX_PLAN_DEVICES (UserError naming the bound)."""
     n = name.split("-", 1)[1]
     if not n.isdigit() or int(n) < 1:
         raise UserError(f"bad CPU topology {name!r}: use cpu-N with N >= 1 ranks")

@@ -47,7 +47,7 @@ def _counting(padded):
 
 def select(mode: str | None = None) -> str:
     """Make `mode` (default: $TPUREC_TPU_ALL_TO_ALL, else "padded") the uneven all-to-all of this
-    process; returns it. Raises ValueError for an unknown mode."""
+    process; returns it. Raises UserError for an unknown mode."""
     mode = mode or os.environ.get(ENV) or "padded"
     if mode not in MODES:
         raise UserError(f"uneven all-to-all mode {mode!r} (or {ENV}) must be one of {', '.join(MODES)}")

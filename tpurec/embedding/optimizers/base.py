@@ -231,7 +231,7 @@ class OptimizerSpec(abc.ABC):
 
 
 def check_hyperparameter(optimizer: str, name: str, value) -> None:
-    """One-line ValueError unless `value` is in the domain of hyper-parameter `name`: finite; lr >= 0;
+    """One-line UserError unless `value` is in the domain of hyper-parameter `name`: finite; lr >= 0;
     eps >= 0; betas in [0, 1) (torch's own domains)."""
     v = float(value)
     problem = None
