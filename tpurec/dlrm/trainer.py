@@ -26,7 +26,15 @@ from typing import TYPE_CHECKING, Any
 from tpurec.catalog import get_table_set
 from tpurec.dlrm import checkpoint as ckpt
 from tpurec.dlrm.options import OPTIONS_ENV, TrainOptions
-from tpurec.dlrm.report import MetricsLog, json_safe, plan_report, plan_summary, summary_text
+from tpurec.dlrm.report import (
+    MIN_EVAL_ROWS_FOR_AUC,
+    MetricsLog,
+    json_safe,
+    noisy_auc_text,
+    plan_report,
+    plan_summary,
+    summary_text,
+)
 from tpurec.dlrm.runtime import check_host_memory, init_distributed, log, resolve_device, setup_logging
 from tpurec.errors import UserError
 
@@ -191,6 +199,12 @@ class Trainer:
             **({"eval_batch_size": cfg.batch_size} if self.device == "tpu" else {}),
         )
         self.batch_size = batch = self.readers.batch_size
+        if batch != cfg.batch_size:
+            from tpurec.dlrm.configs import override
+
+            # Capped to the rows a rank holds: the model is planned (and its memory checked) for
+            # the batch it trains, not the one asked for.
+            self.cfg = cfg = override(cfg, batch_size=batch)
         steps_per_epoch = len(self.readers.train)
         self.total_steps = cfg.steps if cfg.steps is not None else max(1, math.ceil(cfg.epochs * steps_per_epoch))
         self.oracle_auc = oracle = meta.get("oracle_auc")
@@ -199,6 +213,9 @@ class Trainer:
             f"train / {self.readers.eval_rows:,} eval rows; {steps_per_epoch} steps per epoch of global batch "
             f"{batch * world:,}" + (f"; oracle AUC {oracle:.4f}" if oracle else "")
         )
+        eval_rows = self.readers.eval_rows * world  # about: ranks may hold a row more or less
+        if eval_rows < MIN_EVAL_ROWS_FOR_AUC and rank == 0:
+            log.warning(noisy_auc_text(eval_rows))
 
     def _setup_model(self) -> None:
         import torch

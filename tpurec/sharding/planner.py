@@ -364,19 +364,42 @@ def _refusal(module, topology, batch_size, constraints, optimizer, reservation, 
             ),
         )
     name, (cfg, c) = max(costs.items(), key=lambda kv: kv[1][1].bytes)
-    at_least = sum(x.weights + x.optimizer for _, x in costs.values())
-    return (
+    # Weights, state and the update's transient copy split with the table, whatever the sharding:
+    # together they bound the whole slice. Free memory is never shown below zero.
+    at_least = sum(x.weights + x.optimizer + x.transient for _, x in costs.values())
+    slice_free = sum(max(0, f) for f in free)
+    head = (
         f"plan does not fit on {spec.name} ({topology.world_size} device{'s' * (topology.world_size > 1)} of "
-        f"{_fmt(caps[best])}, "
-        f"optimizer {optimizer}): the largest table {name} ({cfg.num_embeddings:,} x {cfg.embedding_dim}) needs "
+        f"{_fmt(caps[best])}, optimizer {optimizer}): "
+    )
+    largest = (
+        f"the largest table {name} ({cfg.num_embeddings:,} x {cfg.embedding_dim}) needs "
         f"{_fmt(c.bytes)} (weights {_fmt(c.weights)}, optimizer state {_fmt(c.optimizer)}, SparseCore buffers "
         f"{_fmt(c.buffers)}, activations {_fmt(c.activations)}"
         + (f", the update's transient new table and state {_fmt(c.transient)}" if c.transient else "")
-        + f"); the best device (rank {best}) has "
-        f"{_fmt(free[best])} free of {_fmt(caps[best])} after reserving {_fmt(reserved[best])}; "
-        f"all {len(costs)} tables need at least {_fmt(at_least)} of weights and optimizer state against "
-        f"{_fmt(sum(free))} free on the whole slice"
+        + ") on one device"
     )
+    device = (
+        f"the best device (rank {best}) has {_fmt(max(0, free[best]))} free of {_fmt(caps[best])} after "
+        f"reserving {_fmt(reserved[best])}"
+    )
+    total = (
+        f"all {len(costs)} tables need at least {_fmt(at_least)} of weights and optimizer state"
+        + (" with the update's transient copy" if any(x.transient for _, x in costs.values()) else "")
+        + f" against {_fmt(slice_free)} free on the whole slice"
+    )
+    if free[best] <= 0:
+        verdict = (
+            f"the reservation alone ({_fmt(reserved[best])} per device: dense layers, activations and headroom "
+            f"for batch {batch_size:,} per device) is more than a device's {_fmt(caps[best])}, leaving nothing "
+            "for the tables; plan a smaller batch per device"
+        )
+        return head + "; ".join([verdict, total, largest])
+    if at_least > slice_free:
+        return head + "the tables together are the limit: " + "; ".join([total, device, largest])
+    if c.bytes > free[best]:
+        return head + "the largest table is the limit: " + "; ".join([largest, device, total])
+    return head + "no sharding the planner proposed fits each device: " + "; ".join([device, largest, total])
 
 
 def pooling_constraints(pooling: Dict[str, float], base=None) -> Dict[str, ParameterConstraints]:
