@@ -47,6 +47,7 @@ def register(sub) -> None:
     p = sub.add_parser("kernels", help="embedding training step: tpurec CPU reference vs FBGEMM CPU TBE, per cell")
     p.add_argument("--quick", action="store_true", help="tiny shapes, 2 rounds (a smoke run, not a measurement)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument("--markdown", action="store_true", help="print every cell as a Markdown table")
     p.add_argument(
         "--threads",
         type=int,
@@ -97,7 +98,12 @@ def run_cli(args) -> int:
     result = run(
         quick=args.quick, matrix=args.matrix, optimizers=args.optimizer, poolings=args.pooling, rounds=args.rounds
     )
-    print(json.dumps(result, indent=2) if args.json else format_table(result))
+    if args.markdown:
+        from tpurec.bench.matrix import format_markdown
+
+        print(format_markdown(result))
+    else:
+        print(json.dumps(result, indent=2) if args.json else format_table(result))
     if result["refused"]:
         print(f"tpurec bench kernels: error: {len(result['refused'])} cell(s) refused: unequal work", file=sys.stderr)
         return 1

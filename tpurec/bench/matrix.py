@@ -82,6 +82,11 @@ def make_batches(shape: Shape, pooling, count: int, seed: int) -> list:
     return out
 
 
+def _sig(x: float) -> float:
+    """x to 5 significant digits (ratios span several decades on tiny shapes)."""
+    return float(f"{x:.5g}")
+
+
 def _pass(side, batches, upstream) -> None:
     for b in batches:
         side.step(b, upstream)
@@ -121,9 +126,9 @@ def run_cell(
         "pooling": pooling,
         "shape": shape_name,
         "peer": contenders.peer_of(optimizer),
-        "ratio_vs_fbgemm": round(summary["ratio"], 4),
-        "min": round(summary["min"], 4),
-        "max": round(summary["max"], 4),
+        "ratio_vs_fbgemm": _sig(summary["ratio"]),
+        "min": _sig(summary["min"]),
+        "max": _sig(summary["max"]),
         "round_ratios": summary["round_ratios"],
         "tpurec_step_ms": round(1e3 * r_ours.median / len(batches), 3),
         "peer_step_ms": round(1e3 * r_theirs.median / len(batches), 3),
@@ -148,13 +153,13 @@ def summarize(done: list[dict]) -> dict:
         "worst_cell": _worst(done, "ratio_vs_fbgemm"),
         "worst_round_ratio_vs_fbgemm": min(c["min"] for c in done),
         "worst_round_cell": _worst(done, "min"),
-        "geomean_ratio_vs_fbgemm": round(rounds.geomean([c["ratio_vs_fbgemm"] for c in done]), 4),
+        "geomean_ratio_vs_fbgemm": _sig(rounds.geomean([c["ratio_vs_fbgemm"] for c in done])),
     }
     out["by_optimizer"] = {
         opt: {
             "peer": contenders.peer_of(opt),
             "worst": min(c["ratio_vs_fbgemm"] for c in group),
-            "geomean": round(rounds.geomean([c["ratio_vs_fbgemm"] for c in group]), 4),
+            "geomean": _sig(rounds.geomean([c["ratio_vs_fbgemm"] for c in group])),
         }
         for opt in dict.fromkeys(c["optimizer"] for c in done)
         for group in [[c for c in done if c["optimizer"] == opt]]
@@ -235,4 +240,19 @@ def format_matrix(r: dict) -> str:
         f"ratio = peer seconds / tpurec seconds, median of {r['rounds']} rounds in random order; "
         f"{r['threads']} torch thread(s); load average {la['start'][0]} at start, {la['end'][0]} at end"
     )
+    return "\n".join(lines)
+
+
+def format_markdown(r: dict) -> str:
+    """Every cell as a Markdown table (for docs/results.md), then the summary line."""
+    lines = [
+        "| shape | optimizer | pooling | peer | tpurec ms/step | peer ms/step | median ratio | min | max |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in r["cells"]:
+        lines.append(
+            f"| {c['shape']} | {c['optimizer']} | {c['pooling']} | {c['peer']} | {c['tpurec_step_ms']:.2f} | "
+            f"{c['peer_step_ms']:.2f} | {c['ratio_vs_fbgemm']:.2f} | {c['min']:.2f} | {c['max']:.2f} |"
+        )
+    lines.extend(["", format_matrix(r).splitlines()[-2], format_matrix(r).splitlines()[-1]])
     return "\n".join(lines)

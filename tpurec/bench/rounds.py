@@ -30,7 +30,7 @@ def ratio_summary(ours: Sequence[float], theirs: Sequence[float]) -> dict:
         "ratio": statistics.median(ratios),
         "min": min(ratios),
         "max": max(ratios),
-        "round_ratios": [round(r, 4) for r in ratios],
+        "round_ratios": [float(f"{r:.5g}") for r in ratios],
     }
 
 
