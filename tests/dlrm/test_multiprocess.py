@@ -38,9 +38,18 @@ def test_exact_resume_two_ranks(cache, tmp_path):
 
 @pytest.mark.parametrize("first,second", [(2, 1), (1, 2)])
 def test_resume_at_another_world_size(cache, tmp_path, first, second):
-    common = ["--synth-rows", 60000, "--eval-every", 0, "--keep", 0, "--checkpoint-dir", tmp_path]
+    small_data = ["--synth-rows", 60000, "--eval-every", 0, "--keep", 0]
+    common = [*small_data, "--checkpoint-dir", tmp_path]
     before, _ = train("--nproc", first, "--steps", 60, *common, cache=cache)
     saved = checkpoint_tensors(tmp_path / "step-00000060")
+    # resumed at the other world size without a step (evaluate, save elsewhere): every tensor it
+    # loaded, written back, is the saved one bit for bit (a shard at a shifted offset keeps its shape)
+    again_dir = tmp_path / "again"
+    resume_60 = ["--resume", tmp_path / "step-00000060", "--checkpoint-dir", again_dir]
+    _, p = train("--nproc", second, "--steps", 60, *small_data, *resume_60, cache=cache)
+    assert "already at the last step (60)" in p.stderr
+    again = checkpoint_tensors(again_dir / "step-00000060")
+    assert set(again) == set(saved) and [k for k in saved if not torch.equal(again[k], saved[k])] == []
     after, p = train("--nproc", second, "--steps", 61, "--resume", *common, cache=cache)
     assert f"at world size {second} from {first}" in p.stderr
     assert after["steps"] == 61 and after["world_size"] == second
