@@ -14,12 +14,19 @@ import importlib.util
 import os
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from tpurec.errors import UserError
 
 if TYPE_CHECKING:
     import torch  # imported where devices are made: detection needs no torch
+
+# The compute devices tpurec trains and plans for: TorchRec's `compute_device` strings (Topology,
+# ModuleSharder.sharding_types) that tpurec's kernel answers to. A torch.device's own `.type` stays a
+# plain str ("meta", "cuda", ...).
+DeviceKind = Literal["cpu", "tpu"]
+# `tpurec train --device`: a kind, or "auto" (TPU when this host has a usable one).
+DeviceChoice = Literal["auto", "cpu", "tpu"]
 
 # Device nodes of a Cloud TPU VM: /dev/accel* (v4, v5e, v5p) and /dev/vfio/<n> (v6e, v7x).
 # Source: Cloud TPU docs, "TPU VM" troubleshooting pages (device files held by a running process).
@@ -212,6 +219,12 @@ EMULATE_ENV = "TPUREC_EMULATE_TPU"
 def emulated_slice() -> str | None:
     """The slice this process emulates a rank of ("v5p-16"), or None on a real host."""
     return os.environ.get(EMULATE_ENV) or None
+
+
+def device_kind(device_type: str) -> DeviceKind:
+    """The kind of work a torch device type runs: the TPU path for "tpu" and an emulated TPU rank's
+    CPU (tpurec.emulation), else the CPU path."""
+    return "tpu" if tpu_path(device_type) else "cpu"
 
 
 def tpu_path(device_type: str) -> bool:

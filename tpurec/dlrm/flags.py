@@ -68,6 +68,8 @@ def _plain_type(hint):
     """`int | None` -> int; a plain type unchanged."""
     if typing.get_origin(hint) is tuple:
         return tuple
+    if typing.get_origin(hint) is typing.Literal:  # a closed set of strings: str, with its choices
+        return str
     if isinstance(hint, UnionType) or typing.get_origin(hint) is typing.Union:
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         if len(args) == 1:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from tpurec.catalog import NUM_DENSE, TableSet, get_table_set
+from tpurec.device import DeviceKind
 from tpurec.dlrm.configs import DLRMConfig
 
 
@@ -86,7 +87,7 @@ def build_model(cfg: DLRMConfig, table_sizes: list[int] | None = None, feature_n
     return model
 
 
-def planner_constraints(cfg: DLRMConfig, device: str, table_names: list[str]):
+def planner_constraints(cfg: DLRMConfig, device: DeviceKind, table_names: list[str]):
     """ParameterConstraints for the planner: the table set's pooling factors, and on CPU the
     sharding types above."""
     from torchrec.distributed.planner.types import ParameterConstraints
@@ -104,7 +105,7 @@ def planner_constraints(cfg: DLRMConfig, device: str, table_names: list[str]):
     return pooling_constraints({t.name: float(p) for t, p in zip(specs, pooling)}, base=base)
 
 
-def shard(model, cfg: DLRMConfig, device: str, *, plan=None, stock: bool = False, limits: str | None = None):
+def shard(model, cfg: DLRMConfig, device: DeviceKind, *, plan=None, stock: bool = False, limits: str | None = None):
     """tpurec.DistributedModelParallel (tpurec planner and SparseCore kernel), or with stock=True,
     torchrec's own DMP with the FBGEMM `fused` kernel (for the benchmark)."""
     if stock:

@@ -19,6 +19,7 @@ from typing import Any
 from tpurec import heartbeat
 from tpurec.argtypes import nonnegative_float, nonnegative_int, positive_float, positive_int
 from tpurec.catalog import MODEL_NAMES
+from tpurec.device import DeviceChoice
 from tpurec.dlrm import flags
 from tpurec.dlrm.configs import DLRMConfig, get_config, override
 from tpurec.dlrm.flags import flag
@@ -45,7 +46,7 @@ class TrainOptions:
     )
     model: str = flag("dlrm-tiny", "named config (default dlrm-tiny)", choices=MODEL_NAMES)
     interaction: str | None = _override("interaction")
-    device: str = flag(
+    device: DeviceChoice = flag(
         "auto", "auto (default): TPU when this host has a usable one, else CPU", choices=("auto", "cpu", "tpu")
     )
     batch_size: int | None = _override("batch_size")

@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 
+from tpurec.device import DeviceChoice, DeviceKind
 from tpurec.errors import UserError
 from tpurec.host_resources import available_bytes
 
@@ -47,7 +48,7 @@ def setup_logging(rank: int) -> None:
         warnings.filterwarnings("ignore", category=category, module=r"(torchrec|fbgemm_gpu|torch)\b")
 
 
-def init_distributed(device: str = "cpu", timeout: float | None = None):
+def init_distributed(device: DeviceKind = "cpu", timeout: float | None = None) -> tuple[int, int]:
     """(rank, world_size): from torchrun's environment, else a single process.
 
     On TPU the ranks pair gloo (CPU tensors) with TorchTPU's `tpu_dist` (tpu tensors), as DMP does
@@ -73,7 +74,7 @@ def init_distributed(device: str = "cpu", timeout: float | None = None):
     return 0, 1
 
 
-def resolve_device(name: str) -> str:
+def resolve_device(name: DeviceChoice) -> DeviceKind:
     from tpurec.device import emulated_slice, tpu_status
 
     if name == "auto":

@@ -35,7 +35,7 @@ from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 
 from tpurec import heartbeat, process_group
-from tpurec.device import tpu_path
+from tpurec.device import DeviceKind, device_kind
 from tpurec.embedding.sparsecores import resolve_num_sparsecores
 from tpurec.errors import UserError
 from tpurec.sharding import sharded_tensor_device  # noqa: F401  (ShardedTensor.device on the TPU path)
@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_PLANNING_BATCH_SIZE = 512
 
 
-def process_group_backend(device_type: str) -> str:
+def process_group_backend(device_type: DeviceKind) -> str:
     """The c10d backend for tensors on `device_type`.
 
     gloo has no backend for tpu tensors, so on a TPU the group pairs gloo (CPU tensors, which
@@ -60,7 +60,7 @@ def process_group_backend(device_type: str) -> str:
     return "cpu:gloo,tpu:tpu_dist" if device_type == "tpu" else "gloo"
 
 
-def _ensure_process_group(device_type: str = "cpu") -> None:
+def _ensure_process_group(device_type: DeviceKind = "cpu") -> None:
     if dist.is_initialized():
         return
     backend = process_group_backend(device_type)
@@ -241,7 +241,7 @@ class DistributedModelParallel(_TorchrecDMP):
         if torch_device.type == "meta":
             raise UserError("device='meta' is for building the unsharded model; shard onto 'tpu' or 'cpu'")
         # The TPU code path: a tpu device, or an emulated TPU rank's CPU (tpurec.emulation).
-        compute_device = "tpu" if tpu_path(torch_device.type) else "cpu"
+        compute_device = device_kind(torch_device.type)
         _ensure_process_group(compute_device)
         if os.environ.get(heartbeat.TIMEOUT_ENV):
             # Opt-in for library users (it ends the process when a neighbour goes silent);
