@@ -141,3 +141,25 @@ def test_headers_sort_numbers_by_value_and_text_naturally(browser, page):
     assert times == sorted(times)
     assert browser.evaluate("document.querySelector('#tables thead th[aria-sort]').textContent") == "name"
     assert browser.console_errors == []
+
+
+def test_fits_a_1400_pixel_window(browser, page):
+    # Wide tables scroll inside their own box; the page itself is never wider than the window.
+    report, url = page
+    browser.call(
+        "Emulation.setDeviceMetricsOverride",
+        {"width": 1400, "height": 900, "deviceScaleFactor": 1, "mobile": False},
+        session=True,
+    )
+    try:
+        browser.open(url)
+        assert browser.evaluate("document.documentElement.scrollWidth") <= 1400
+        assert browser.evaluate("document.body.scrollWidth") <= 1400
+        # every table is still reachable: its box scrolls sideways where the table is wider
+        boxes = browser.evaluate(
+            "Array.from(document.querySelectorAll('table.sortable')).map(t => "
+            "[t.parentElement.className, t.parentElement.clientWidth, getComputedStyle(t.parentElement).overflowX])"
+        )
+        assert boxes and all(b[0] == "wide" and b[1] <= 1400 and b[2] == "auto" for b in boxes), boxes
+    finally:
+        browser.call("Emulation.clearDeviceMetricsOverride", {}, session=True)

@@ -31,6 +31,30 @@ def hot_device_labels(report: dict) -> dict[int, str]:
     }
 
 
+def short_name(name: str, limit: int) -> str:
+    """`name` in at most `limit` characters: a path by its file name, then the middle elided."""
+    if len(name) > limit and "/" in name:
+        name = name.rstrip("/").rsplit("/", 1)[-1]
+    if len(name) <= limit:
+        return name
+    keep = max(1, limit - 3)
+    return name[: keep - keep // 2] + "..." + name[len(name) - keep // 2 :]
+
+
+def title(report: dict, width_inches: float) -> str:
+    """The verdict first, then what was planned; lines no wider than the figure (at 10 pt, about 12
+    characters per inch), so a long model name or --tables path never pushes the verdict out."""
+    import textwrap
+
+    fits = "fits" if report["fits"] else "DOES NOT FIT"
+    chars = int(width_inches * 12)
+    text = (
+        f"{fits}: {short_name(str(report.get('model') or 'plan'), chars // 2)} on {report['topology']}, "
+        f"{report['world_size']} devices, batch {report['batch_size_per_device']}/device, {report['optimizer']}"
+    )
+    return "\n".join(textwrap.wrap(text, chars))
+
+
 def png_bytes(report: dict) -> bytes:
     import matplotlib.pyplot as plt
 
@@ -62,11 +86,7 @@ def figure(report: dict):
     ax_m.set_ylim(0, max([cap] + bottom) * 1.3)  # room above the capacity line for the legend
     ax_m.set_ylabel("HBM per device (GiB)")
     ax_m.legend(loc="upper right", fontsize=8, ncol=3)
-    fits = "fits" if report["fits"] else "DOES NOT FIT"
-    ax_m.set_title(
-        f"{report.get('model') or 'plan'} on {report['topology']}: {report['world_size']} devices, "
-        f"batch {report['batch_size_per_device']}/device, {report['optimizer']} - {fits}"
-    )
+    ax_m.set_title(title(report, width))
     bottom = [0.0] * len(ranks)
     for key, label in _TIME_PARTS:
         vals = [d[key] for d in devices]

@@ -29,7 +29,8 @@ from tpurec.sharding.topology import format_bytes
 _CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src 'unsafe-inline'"
 
 _STYLE = """body{font-family:sans-serif;margin:2em}
-table{border-collapse:collapse;margin-bottom:1.5em}
+table{border-collapse:collapse}
+.wide{overflow-x:auto;max-width:100%;margin-bottom:1.5em}
 td,th{border:1px solid #ccc;padding:2px 8px;text-align:right;white-space:nowrap}
 td.text,th.text{text-align:left}
 th{background:#eee;cursor:pointer;user-select:none}
@@ -110,15 +111,16 @@ def _table(table_id: str, columns: list[Column], rows) -> str:
             else:
                 cells.append(f'<td class="text">{html.escape(shown)}</td>')
         body.append("<tr>" + "".join(cells) + "</tr>")
+    # In a box of its own that scrolls sideways: a wide table never makes the page wider than the window.
     return (
-        f'<table class="sortable" id="{table_id}"><thead><tr>{head}</tr></thead>'
-        f"<tbody>\n" + "\n".join(body) + "\n</tbody></table>"
+        f'<div class="wide"><table class="sortable" id="{table_id}"><thead><tr>{head}</tr></thead>'
+        f"<tbody>\n" + "\n".join(body) + "\n</tbody></table></div>"
     )
 
 
 _TABLE_COLUMNS = [
     Column("name", False, lambda t: _txt(t["name"])),
-    Column("module", False, lambda t: _txt(t["module"] or '""'), "module path of its collection in the plan"),
+    Column("module", False, lambda t: _txt(t["module"] or "(top level)"), "module path of its collection in the plan"),
     Column("rows", True, lambda t: _num(t["rows"]), "logical rows, before padding"),
     Column("dim", True, lambda t: _num(t["dim"])),
     Column("pool", True, lambda t: _num(t["pooling_factor"], f"{t['pooling_factor']:g}"), "mean ids per sample"),
