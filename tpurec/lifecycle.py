@@ -40,7 +40,7 @@ def run_child(cmd: list[str], env: dict | None = None) -> int:
     proc = subprocess.Popen(cmd, env=env, preexec_fn=functools.partial(die_with_parent, os.getpid()))
     previous = {}
 
-    def forward(signum, _frame):
+    def forward(signum, _frame) -> None:
         if proc.poll() is None:
             proc.send_signal(signum)
 

@@ -110,7 +110,9 @@ def run_cli(args) -> int:
     return 0
 
 
-def run(quick=False, matrix=False, optimizers=None, poolings=None, rounds=None, shapes=None, say=None) -> dict:
+def run(
+    quick: bool = False, matrix: bool = False, optimizers=None, poolings=None, rounds=None, shapes=None, say=None
+) -> dict:
     """The matrix (`matrix=True`) or the issue's workload; see the module docstring."""
     from tpurec.bench import matrix as m
     from tpurec.bench.contenders import OPTIMIZERS

@@ -136,7 +136,7 @@ def child(spec: dict) -> dict:
     ids_per_batch = int(batches[0].sparse_features.values().numel())
     steps = len(batches)
 
-    def ours():
+    def ours() -> None:
         if cores == 1:
             for b in reader(0):
                 kernel.preprocess(b.sparse_features)
@@ -160,7 +160,7 @@ def child(spec: dict) -> dict:
     )
     weights = [np.ones((batch_size, k), np.float32) for k in sizes]
 
-    def theirs():
+    def theirs() -> None:
         for feats in _jte_batches(data_dir, names, sizes, batch_size):
             embedding.preprocess_sparse_dense_matmul_input(feats, weights, specs, 1, 1, num_sc_per_device=NUM_SC)
 
@@ -211,7 +211,7 @@ def child(spec: dict) -> dict:
     if spec.get("bounds"):
         # What bounds the pipeline: its two stages alone, and the machine's memory bandwidth.
         # CPU seconds (the child's only thread works): steadier than wall time on a shared host.
-        def csr_only():
+        def csr_only() -> None:
             for b in batches:  # results dropped at once, as a consumed step's are
                 kernel.preprocess(b.sparse_features)
 
@@ -229,7 +229,16 @@ def child(spec: dict) -> dict:
     return out
 
 
-def run_bench(*, batch_size=2048, steps=24, cores=None, repeats=3, warmup=1, data_dir=None, quick=False) -> dict:
+def run_bench(
+    *,
+    batch_size: int = 2048,
+    steps: int = 24,
+    cores=None,
+    repeats: int = 3,
+    warmup: int = 1,
+    data_dir=None,
+    quick: bool = False,
+) -> dict:
     """Generate the data, run each core count in a pinned child, and gather the figures."""
     from tpurec.data.synth import synthesize
 

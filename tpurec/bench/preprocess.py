@@ -46,13 +46,13 @@ NUM_SC = 4
 class _Quiet:
     """Send fd 2 (C++ logging) to /dev/null for the duration."""
 
-    def __enter__(self):
+    def __enter__(self) -> None:
         self.saved = os.dup(2)
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 2)
         os.close(devnull)
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc) -> None:
         os.dup2(self.saved, 2)
         os.close(self.saved)
 

@@ -170,7 +170,7 @@ def run_sequence(
         theirs = _torchrec(num_tables, rows, dim, [w.detach().clone() for w in ours.tables()])
         checked = equal_work.check(ours, theirs, check_batch, upstream)
 
-        def one_pass(side):
+        def one_pass(side) -> None:
             for b in batches:
                 side.step(b, upstream)
 

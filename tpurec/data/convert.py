@@ -66,7 +66,7 @@ def detect_format(path: str) -> str:
 class _LineMap:
     """Maps a data row's index (among rows pyarrow kept) to its 1-based line number in the file."""
 
-    def __init__(self, header_lines: int):
+    def __init__(self, header_lines: int) -> None:
         self.header = header_lines
         self.dropped: list[int] = []  # line numbers pyarrow's invalid-row handler dropped, ascending
 
@@ -162,7 +162,7 @@ def _transform_block(batch, schema: DataSchema):
     bad = np.zeros(n, dtype=bool)
     reasons: dict[int, str] = {}
 
-    def note(mask, column, what):
+    def note(mask, column, what) -> None:
         nonlocal bad
         new = mask & ~bad
         if new.any():
@@ -223,7 +223,7 @@ def _convert_file(in_path: str, out_path: str, opts: ConvertOptions, advance, ty
     lines = _LineMap(1 if header else 0)
     first_invalid: list[str] = []
 
-    def on_invalid(row):
+    def on_invalid(row) -> str:
         # Wrong column count (or an unparsable line): pyarrow's handler sees it before we do.
         msg = (
             f"{in_path}:{row.number}: expected {row.expected_columns} columns, "

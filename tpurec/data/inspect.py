@@ -24,7 +24,7 @@ def _hash(x: np.ndarray) -> np.ndarray:
 
 
 class _KMV:
-    def __init__(self):
+    def __init__(self) -> None:
         self.smallest = np.empty(0, np.uint64)
 
     def add(self, ids: np.ndarray) -> None:

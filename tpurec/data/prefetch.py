@@ -36,7 +36,7 @@ class Prefetcher:
         depth: int = 4,
         workers: int = 1,
         epochs: int | None = None,
-    ):
+    ) -> None:
         if depth < 1 or workers < 1:
             raise UserError(f"depth and workers must be >= 1, got {depth}, {workers}")
         self.reader, self.transform = reader, transform
@@ -77,7 +77,7 @@ class Prefetcher:
                 run.stop()
                 self._running = None
 
-    def __del__(self):
+    def __del__(self) -> None:
         run = getattr(self, "_running", None)
         if run is not None:
             run.stop()
@@ -86,7 +86,7 @@ class Prefetcher:
 class _Run:
     """One iteration's threads: the producer feeds a bounded queue of (future, reader state)."""
 
-    def __init__(self, owner: Prefetcher):
+    def __init__(self, owner: Prefetcher) -> None:
         self.owner = owner
         self.q: queue.Queue = queue.Queue(maxsize=owner.depth)
         self.stop_event = threading.Event()
@@ -103,7 +103,7 @@ class _Run:
                 continue
         return False
 
-    def _produce(self):
+    def _produce(self) -> None:
         o = self.owner
         try:
             epoch, empty = 0, 0
@@ -134,7 +134,7 @@ class _Run:
         result = work.result() if self.pool else work
         return result, state
 
-    def stop(self):
+    def stop(self) -> None:
         self.stop_event.set()
         while True:  # unblock the producer, drop what was prepared ahead
             try:

@@ -61,7 +61,7 @@ def _list_parts(arr):
 class _Decoder:
     """Reads units into windows, validating as it goes; owns the open ParquetFile handles."""
 
-    def __init__(self, schema: DataSchema, dense_log1p: bool = False, rehash: list[int] | None = None):
+    def __init__(self, schema: DataSchema, dense_log1p: bool = False, rehash: list[int] | None = None) -> None:
         self.schema = schema
         self.dense_log1p = dense_log1p  # apply log1p_clamp0 here (the files hold raw dense)
         self.rehash = rehash  # apply mod_reserve0 into these sizes here (the files hold raw ids)
@@ -237,7 +237,7 @@ class ParquetReader:
         equal_rows: bool = False,
         dense_transform: str | None = None,
         table_sizes=None,
-    ):
+    ) -> None:
         if batch_size < 1:
             raise UserError("batch_size must be >= 1")
         if paths and isinstance(paths, (list, tuple)) and isinstance(paths[0], shards.Unit):
@@ -376,7 +376,7 @@ class ParquetReader:
                     continue
             return False
 
-        def produce():
+        def produce() -> None:
             try:
                 for i in range(first, len(plan)):
                     if not put(self._load(epoch, i, plan[i])):
@@ -440,7 +440,7 @@ class ParquetReader:
         self.last_padding = pad
         total = n + pad
 
-        def cat(arrs, axis=0):
+        def cat(arrs, axis: int = 0):
             return arrs[0] if len(arrs) == 1 else np.concatenate(arrs, axis=axis)
 
         labels = cat([w.labels[s:e] for w, s, e in pieces])

@@ -141,7 +141,7 @@ class LRSchedule:
     param group's lr at every update, so one object schedules both sides.
     """
 
-    def __init__(self, optimizer, warmup_steps: int, decay_start: int, decay_steps: int):
+    def __init__(self, optimizer, warmup_steps: int, decay_start: int, decay_steps: int) -> None:
         self.optimizer = optimizer
         self.warmup, self.decay_start, self.decay_steps = warmup_steps, decay_start, decay_steps
         self.base = [g["lr"] for g in optimizer.param_groups]

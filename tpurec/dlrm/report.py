@@ -79,7 +79,7 @@ class MetricsLog:
         "dropped_ids",
     ]
 
-    def __init__(self, path: str | None, append: bool):
+    def __init__(self, path: str | None, append: bool) -> None:
         self.path = Path(path) if path else None
         self.records: list[dict] = []
         if self.path is None:

@@ -91,7 +91,7 @@ def run_hosts(agents: list[tuple[list[str], dict[str, str]]]) -> int:
         for cmd, env in agents
     ]
 
-    def forward(signum, _frame):
+    def forward(signum, _frame) -> None:
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signum)

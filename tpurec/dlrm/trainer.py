@@ -69,7 +69,7 @@ class Trainer:
     """Trains one rank of a `tpurec train` run. After `setup()`: `cfg` (the resolved DLRMConfig),
     `table_set` (its catalog tables), `readers`, `dmp`, `optimizer`, `pipeline`, `step_count`."""
 
-    def __init__(self, options: TrainOptions):
+    def __init__(self, options: TrainOptions) -> None:
         self.options = options
         self.step_count = 0  # training steps taken (the same on every rank)
         self.samples = 0  # samples trained on, over all ranks

@@ -35,7 +35,7 @@ class _BufferPool:
     first touch, about a third of the build's time (measured on the bench pipeline workload). A
     buffer is handed out as a view; when the view dies, a finalizer puts the base back."""
 
-    def __init__(self, per_key: int = 8):
+    def __init__(self, per_key: int = 8) -> None:
         self.per_key = per_key
         self.free: dict[tuple, list[np.ndarray]] = {}
         self.lock = threading.Lock()
@@ -147,7 +147,9 @@ def _compile():
         return m
 
     @njit(nogil=True, cache=True)
-    def place_pass(keys, ugain, counts, num_sc, parts, slots, cbits, sbits, emb, smp, gns, row_pointers, rpw, pad):
+    def place_pass(
+        keys, ugain, counts, num_sc, parts, slots, cbits, sbits, emb, smp, gns, row_pointers, rpw, pad
+    ) -> None:
         """Segment p of SparseCore s starts at the 8-aligned sum of earlier segments; the rest is padding."""
         src = 0
         cmask = (np.int64(1) << cbits) - 1

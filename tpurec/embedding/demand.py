@@ -162,7 +162,7 @@ class ShardsDemand:
     Built once for a batch's feature order; `count` takes the batch's flattened KJT arrays.
     """
 
-    def __init__(self, tables: list[TableShards], keys: list[str], *, num_partitions: int, batch: int):
+    def __init__(self, tables: list[TableShards], keys: list[str], *, num_partitions: int, batch: int) -> None:
         self.tables, self.p, self.batch = tables, num_partitions, batch
         self.per_slice = round_up(max(batch, 1), num_partitions) // num_partitions
         index = {k: i for i, k in enumerate(keys)}

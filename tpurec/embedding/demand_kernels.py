@@ -92,7 +92,7 @@ def _compile():
         return n, -1
 
     @njit(nogil=True, cache=True)
-    def count_sorted(keys, low, lbits, p, pbits, entries, distinct):
+    def count_sorted(keys, low, lbits, p, pbits, entries, distinct) -> None:
         """Adds the sorted keys' new entries and new (segment, row) prefixes to the counts."""
         prev_key = np.int64(-1)
         prev_prefix = np.int64(-1)

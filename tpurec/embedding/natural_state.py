@@ -24,7 +24,7 @@ def _emit_natural_weights(module, state_dict, prefix, local_metadata):
 
 def _consume_natural_weights(
     module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-):
+) -> None:
     for name in module.kernel.table_names:
         key = f"{prefix}{module.STATE_PREFIX}.{name}.weight"
         if key not in state_dict:

@@ -399,7 +399,7 @@ class _Workspace(threading.local):
     """Per-thread scratch arrays, grown on demand and reused across calls (up to _WORKSPACE_MAX
     elements each; larger requests get fresh arrays). Nothing in them outlives a call's result."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.arrays: dict[str, np.ndarray] = {}
 
     def get(self, name: str, size: int, dtype) -> np.ndarray:

@@ -22,7 +22,7 @@ class Check:
     note: str = ""
 
 
-def _compare(name, got, want, tol, note="") -> Check:
+def _compare(name, got, want, tol, note: str = "") -> Check:
     import torch
 
     err = float((got.double() - want.double()).abs().max()) if got.numel() else 0.0
@@ -39,7 +39,7 @@ def _tables(pooling):
     ]
 
 
-def _batch(gen, tables, batch=12, weighted=False):
+def _batch(gen, tables, batch: int = 12, weighted: bool = False):
     import torch
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 

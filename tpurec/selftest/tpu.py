@@ -19,7 +19,7 @@ from typing import Any
 from tpurec.embedding.selftest import Check, _compare
 
 
-def tpu_checks(device="tpu", *, generation: str | None = None, seed: int = 0) -> list[Check]:
+def tpu_checks(device: str = "tpu", *, generation: str | None = None, seed: int = 0) -> list[Check]:
 
     from tpurec import device as dev
     from tpurec.embedding.backend import select_device
@@ -50,7 +50,7 @@ def _tables():
     ]
 
 
-def _kjt(gen, batch=32):
+def _kjt(gen, batch: int = 32):
     import torch
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 

@@ -59,7 +59,7 @@ IDS_PER_GROUP = 8_000_000
 class DemandTally:
     """Per table: the fullest segment of every batch seen (entries, distinct ids)."""
 
-    def __init__(self, tables: list[TableShards], layout: dict):
+    def __init__(self, tables: list[TableShards], layout: dict) -> None:
         self.tables = tables
         self.partitions = layout["sparsecores_per_device"]
         self.batch = layout["batch_size_per_device"] * layout["world_size"]

@@ -147,7 +147,7 @@ def _consume_weights(
     missing_keys,
     unexpected_keys,
     error_msgs,
-):
+) -> None:
     """Accept a ShardedTensor (DCP, another tpurec or stock TorchRec model) or a full tensor (an
     unsharded module's state_dict) for every SparseCore table and write this rank's shards."""
     mine: Dict[str, list] = {}

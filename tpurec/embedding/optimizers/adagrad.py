@@ -88,8 +88,8 @@ def tpu_update(
     num_partitions,
     max_ids_per_partition,
     max_unique_ids_per_partition,
-    computation_name="tpurec_adagrad",
-):
+    computation_name: str = "tpurec_adagrad",
+) -> None:
     """The op's TPU kernel: TorchTPU's op returns new table and accumulator; copy them back."""
     new_table, new_acc = tpu_ops()._sparse_dense_matmul_grad_with_adagrad(
         row_pointers,
@@ -160,7 +160,9 @@ class AdagradSpec(OptimizerSpec):
     def param_group_entries(self) -> dict:
         return {"eps": self.eps}
 
-    def apply_update(self, csr, table, states, grad, lr, step, computation_name="tpurec_adagrad", dim=None) -> None:
+    def apply_update(
+        self, csr, table, states, grad, lr, step, computation_name: str = "tpurec_adagrad", dim=None
+    ) -> None:
         (accumulator,) = states
         torch.ops.tpurec.sparse_dense_matmul_grad_with_adagrad(
             *op_head(csr, table), accumulator, grad, lr, self.eps, *op_tail(csr), computation_name

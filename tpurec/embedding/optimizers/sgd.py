@@ -69,8 +69,8 @@ def tpu_update(
     num_partitions,
     max_ids_per_partition,
     max_unique_ids_per_partition,
-    computation_name="tpurec_sgd",
-):
+    computation_name: str = "tpurec_sgd",
+) -> None:
     """The op's TPU kernel: TorchTPU's op returns the new table; copy it back in place."""
     new_table = tpu_ops()._sparse_dense_matmul_grad_with_sgd(
         row_pointers,
@@ -109,7 +109,7 @@ class SGDSpec(OptimizerSpec):
     def from_fused_params(cls, fused_params) -> SGDSpec:
         return cls(lr=float(fused_params.get("learning_rate", fused_params.get("lr", 0.01))))
 
-    def apply_update(self, csr, table, states, grad, lr, step, computation_name="tpurec_sgd", dim=None) -> None:
+    def apply_update(self, csr, table, states, grad, lr, step, computation_name: str = "tpurec_sgd", dim=None) -> None:
         torch.ops.tpurec.sparse_dense_matmul_grad_with_sgd(
             *op_head(csr, table), grad, lr, *op_tail(csr), computation_name
         )
