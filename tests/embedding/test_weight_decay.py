@@ -159,7 +159,8 @@ def test_weight_decay_fbgemm_would_not_apply_is_refused_by_name(optimizer, kwarg
 )
 def test_weight_decay_through_the_torchtpu_adapter_equals_the_reference(optimizer, kwargs):
     """The TPU path (TorchTPU's ops, which take no weight decay: the row gathered into its slot's
-    gradient, or the rows scaled before the op) run through the stand-in, against the CPU reference."""
+    gradient, or the rows scaled before the op) run through the stand-in, against the CPU reference
+    (which decays the rows it has at hand, no layout)."""
 
     def train(model):
         gen = torch.Generator().manual_seed(1)
@@ -177,8 +178,10 @@ def test_weight_decay_through_the_torchtpu_adapter_equals_the_reference(optimize
     with tpu_standin.adapter_on_cpu():
         got = train(model())
     assert standin.calls, "the adapter never reached TorchTPU's ops"
+    # The CPU reference decays each row as it updates it; the TPU path gathers the rows' gradients
+    # into slots first: float32 additions in another order, nothing more.
     for name, w in want.items():
-        torch.testing.assert_close(got[name], w, rtol=0, atol=0)
+        torch.testing.assert_close(got[name], w, rtol=1e-5, atol=1e-7)
 
 
 def test_weight_decay_with_id_dropping_is_refused():

@@ -34,8 +34,8 @@ from tpurec.embedding.demand import ShardsDemand, TableShards
 from tpurec.embedding.kjt_checks import check_kjt
 from tpurec.embedding.layout import StackLayout, build_stacks
 from tpurec.embedding.multipass import MultiPassInput, split_into_passes, stacked_blocks
-from tpurec.embedding.optimizers.base import OptimizerSpec, check_hyperparameter
-from tpurec.embedding.optimizers.weight_decay import decay_rows
+from tpurec.embedding.optimizers.base import OptimizerSpec, check_hyperparameter, op_head, op_tail
+from tpurec.embedding.optimizers.weight_decay import decay_rows, decay_slots
 from tpurec.embedding.preprocess import IdLimitExceededError, PreprocessStats, SparseCoreInput, preprocess
 from tpurec.embedding.weight_grad import with_weight_grad
 from tpurec.errors import UserError
@@ -567,6 +567,8 @@ class SparseCoreKernel(nn.Module):
         (optimizers/weight_decay.py); the lookup stays `csr`. Without, `csr` as it is."""
         if self.optimizer.weight_decay_mode is None or isinstance(csr, MultiPassInput):
             return csr
+        if _writes_final_layout(self.stack_weight(i)):  # the CPU reference has the rows at hand
+            return csr
         stacked_ids, samples, gains = self._stack_entries(i, values, lengths, weights, batch, padded)
         update = split_into_passes(
             stacked_ids,
@@ -652,12 +654,16 @@ class SparseCoreKernel(nn.Module):
             for hook in self.pre_update_hooks:
                 hook()
             self._steps[i] += 1
-        if self.optimizer.weight_decay_mode is not None:
-            if slot_ids is None:
-                raise ValueError(f"stack {i}: weight decay without the one-slot-per-row update layout (a bug)")
-            layout = self.stacks[i].layout
-            grad = decay_rows(self.optimizer, self.stack_weight(i), grad, slot_ids, lr, layout.num_partitions)
         states = [self.stack_state(i, s) for s in self.optimizer.state_names]
+        if self.optimizer.weight_decay_mode is not None:
+            weight, dim = self.stack_weight(i), self.stacks[i].layout.dim
+            if slot_ids is None:  # the CPU reference: each row and its gradient, decayed, updated
+                head = op_head(csr, weight)
+                rows, g = ops.row_gradients(*head, grad, *op_tail(csr)[:3])
+                g = decay_rows(self.optimizer, weight, g, rows, lr)
+                self.optimizer.update_rows(weight, states, rows, g, lr, self._steps[i], dim)
+                return
+            grad = decay_slots(self.optimizer, weight, grad, slot_ids, lr, self.stacks[i].layout.num_partitions)
         self.optimizer.apply_update(
             csr,
             self.stack_weight(i),

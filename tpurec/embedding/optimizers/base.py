@@ -224,6 +224,21 @@ class OptimizerSpec(abc.ABC):
         gradients are zero); None means the table's width.
         """
 
+    def update_rows(
+        self,
+        table: torch.Tensor,
+        states: Sequence[torch.Tensor],
+        rows: torch.Tensor,
+        grad: torch.Tensor,
+        lr: float,
+        step: int,
+        dim: int | None = None,
+    ) -> None:
+        """The CPU reference's update of given rows (unique physical rows, their summed gradients):
+        what weight decay runs on CPU, where rows and gradients are at hand (kernel.apply_update).
+        Only optimizers with weight decay modes need it."""
+        raise NotImplementedError(f"{self.name}: no update of given rows (it takes no weight decay)")
+
     @classmethod
     def tpu_kernels(cls) -> dict[Any, Callable]:
         """{tpurec custom op: TorchTPU call} that `tpurec.embedding.tpu.register` installs on a TPU host."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tpurec.embedding.optimizers.adagrad import AdagradSpec
+from tpurec.embedding.optimizers.adagrad import AdagradSpec, reference_update
 
 
 @dataclass(frozen=True)
@@ -28,15 +28,23 @@ class RowWiseAdagradSpec(AdagradSpec):
     def state_shape(cls, name: str, rows: int, dim: int) -> tuple[int, ...]:
         return (rows,)
 
-    def apply_update(
-        self, csr, table, states, grad, lr, step, computation_name: str = "tpurec_adagrad", dim=None
-    ) -> None:
+    def apply_update(self, csr, table, states, grad, lr, step, computation_name="tpurec_adagrad", dim=None) -> None:
         """The accumulator takes mean(g*g) over the row's width; for a table stored wider than its dim
         (zero-gradient padding columns), scale the gradient by s = sqrt(width/dim) and the learning
         rate by 1/s: then mean over the width of (s g)^2 is the mean of g^2 over dim, and
         (lr/s)(s g) = lr g, exactly FBGEMM's row-wise Adagrad at the table's own dim."""
-        width = table.shape[1]
-        if dim is not None and dim != width:
-            s = (width / dim) ** 0.5
-            grad, lr = grad * s, lr / s
+        grad, lr = _at_width(grad, lr, table.shape[1], dim)
         super().apply_update(csr, table, states, grad, lr, step, computation_name)
+
+    def update_rows(self, table, states, rows, grad, lr, step, dim=None) -> None:
+        (accumulator,) = states
+        grad, lr = _at_width(grad, lr, table.shape[1], dim)
+        reference_update(table, accumulator, rows, grad, lr, self.eps)
+
+
+def _at_width(grad, lr: float, width: int, dim: int | None):
+    """(gradient, lr) for a table stored `width` wide whose rows are `dim` wide (apply_update says why)."""
+    if dim is None or dim == width:
+        return grad, lr
+    s = (width / dim) ** 0.5
+    return grad * s, lr / s

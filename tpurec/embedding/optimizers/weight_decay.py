@@ -19,6 +19,9 @@ each row has one slot holding its whole gradient (`tpurec.embedding.multipass`):
   sees FBGEMM's L2 gradient: accumulator from it, and w - m (g + wd w) = (1 - m wd) w - m g.
 * decoupled: the rows are scaled by 1 - lr * weight_decay before the op, as FBGEMM's
   `correction * w - multiplier * g` (Adam: w - lr wd w - step).
+
+The CPU reference needs no layout: it has each row and its gradient at hand, so there the decay
+applies to them and the spec updates the rows (`OptimizerSpec.update_rows`).
 """
 
 from __future__ import annotations
@@ -88,19 +91,27 @@ def fbgemm_mode(name: str):
     return WeightDecayMode[name]
 
 
-@torch.no_grad()
-def decay_rows(
+def decay_slots(
     spec, table: torch.Tensor, grad: torch.Tensor, slot_ids: torch.Tensor, lr: float, num_partitions: int
 ) -> torch.Tensor:
-    """Apply `spec`'s weight decay to one update pass in the one-slot-per-row layout; returns the
-    gradient for the fused op. slot_ids: [slots] the SparseCore id of each slot's row (empty slots
-    repeat a row of the pass: their gradient is never read, and a decoupled scale writes that row's
-    one new value several times); an empty tensor when the pass has no rows."""
+    """`decay_rows` for one update pass in the one-slot-per-row layout (the TPU path). slot_ids: [slots]
+    the SparseCore id of each slot's row (empty slots repeat a row of the pass: their gradient is
+    never read, and a decoupled scale writes that row's one new value several times); an empty
+    tensor when the pass has no rows."""
     if spec.weight_decay_mode is None or slot_ids.numel() == 0:
         return grad
     # SparseCore id v lives at physical row (v mod P) * C + v div P (layout.py); P partitions of C rows.
     parts = num_partitions
     rows = (slot_ids % parts) * (table.shape[0] // parts) + slot_ids // parts
+    return decay_rows(spec, table, grad, rows, lr)
+
+
+@torch.no_grad()
+def decay_rows(spec, table: torch.Tensor, grad: torch.Tensor, rows: torch.Tensor, lr: float) -> torch.Tensor:
+    """Apply `spec`'s weight decay before its update of physical `rows` (grad: their gradients, one
+    row each); returns the gradient for the update. L2 adds wd * w to it; decoupled scales the rows."""
+    if spec.weight_decay_mode is None or rows.numel() == 0:
+        return grad
     w = table.index_select(0, rows).to(torch.float32)
     if spec.weight_decay_mode == "L2":
         return grad.add(w, alpha=spec.weight_decay)
