@@ -106,8 +106,8 @@ def tpu_update(
     num_partitions,
     max_ids_per_partition,
     max_unique_ids_per_partition,
-    computation_name="tpurec_adam",
-):
+    computation_name: str = "tpurec_adam",
+) -> None:
     """The op's TPU kernel: TorchTPU's op returns new table and moments; copy them back."""
     new_table, new_m, new_v = tpu_ops()._sparse_dense_matmul_grad_with_adam(
         row_pointers,
@@ -177,7 +177,7 @@ class AdamSpec(OptimizerSpec):
     def param_group_entries(self) -> dict:
         return {"eps": self.eps, "betas": (self.beta1, self.beta2)}
 
-    def apply_update(self, csr, table, states, grad, lr, step, computation_name="tpurec_adam", dim=None) -> None:
+    def apply_update(self, csr, table, states, grad, lr, step, computation_name: str = "tpurec_adam", dim=None) -> None:
         momentum, velocity = states
         torch.ops.tpurec.sparse_dense_matmul_grad_with_adam(
             *op_head(csr, table),

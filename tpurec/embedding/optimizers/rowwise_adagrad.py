@@ -28,7 +28,9 @@ class RowWiseAdagradSpec(AdagradSpec):
     def state_shape(cls, name: str, rows: int, dim: int) -> tuple[int, ...]:
         return (rows,)
 
-    def apply_update(self, csr, table, states, grad, lr, step, computation_name="tpurec_adagrad", dim=None) -> None:
+    def apply_update(
+        self, csr, table, states, grad, lr, step, computation_name: str = "tpurec_adagrad", dim=None
+    ) -> None:
         """The accumulator takes mean(g*g) over the row's width; for a table stored wider than its dim
         (zero-gradient padding columns), scale the gradient by s = sqrt(width/dim) and the learning
         rate by 1/s: then mean over the width of (s g)^2 is the mean of g^2 over dim, and
