@@ -9,6 +9,14 @@ What FBGEMM's `SplitTableBatchedEmbeddingBagsCodegen` does with `weight_decay` /
   1 - lr * weight_decay (multiplier = lr / (sqrt(accumulator) + eps)); COUNTER and COWCLIP keep
   per-row counters; DECOUPLE_GLOBAL (GPU) catches up the decay of the steps a row missed.
 * ADAM: decoupled, AdamW-style, whatever the mode: w -= lr * (adam step + weight_decay * w).
+* LAMB, LARS_SGD, PARTIAL_ROWWISE_ADAM/LAMB (GPU only; tpurec has none of them, refused as
+  optimizers): weight_decay * w added to the update direction before the trust ratio (LAMB) or
+  to the gradient (LARS), whatever the mode.
+
+On CPU FBGEMM has kernels for EXACT_SGD, EXACT_ADAGRAD and EXACT_ROWWISE_ADAGRAD only ("Optimizer
+adam is not supported in CPU mode"), and its row-wise Adagrad applies the decay only on its generic
+path: an FP32 table read by one feature takes fbgemm's SparseAdaGrad kernel with weight_decay=0
+(embedding_backward_split_cpu_template.cpp), silently.
 
 tpurec honours the L2 and decoupled forms and refuses the rest by name (never trains without an
 option it was given). Both act on the rows of the batch only, as FBGEMM's do, and reach the fused op
