@@ -85,7 +85,7 @@ def _part(module: str) -> str:
     return parts[1] if len(parts) > 1 else FACADE
 
 
-def _layer(module: str) -> int:
+def _layer(module: str) -> float:
     part = _part(module)
     if part == FACADE:
         return 99

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import pytest
 
@@ -89,11 +90,11 @@ def _torch_tpu_loaded(monkeypatch, strict: bool):
 
     import torch
 
-    internal = types.ModuleType("torch_tpu._internal.device._device_module")
+    internal: Any = types.ModuleType("torch_tpu._internal.device._device_module")
     internal._STRICT_INTERNAL_DEVICE_APIS = strict
     monkeypatch.setitem(sys.modules, "torch_tpu", types.ModuleType("torch_tpu"))
     monkeypatch.setitem(sys.modules, internal.__name__, internal)
-    tpu = types.ModuleType("torch.tpu")
+    tpu: Any = types.ModuleType("torch.tpu")
 
     def is_available():
         if strict:

@@ -119,7 +119,7 @@ def test_the_planner_sizes_buffers_from_measured_limits_with_the_worst_case_besi
 
 def _demand_of(batches, table: KernelTable, num_sc: int) -> tuple[int, ...]:
     """The table's figures over `batches` (KJTs of its features), as `tpurec data stats` counts them."""
-    best = (0, 0, 0, 0)
+    best: tuple[int, ...] = (0, 0, 0, 0)
     for kjt in batches:
         b = kjt.stride()
         ids, samples, feats = [], [], []
@@ -237,7 +237,7 @@ def test_all_tables_and_row_wise_shards_in_one_pass_count_as_each_shard_alone(on
             samples.append(np.repeat(np.arange(batch), ls))
             slots.append(np.full(int(ls.sum()), slot))
         ids, samples, slots = np.concatenate(ids), np.concatenate(samples), np.concatenate(slots)
-        best = (0, 0, 0, 0)
+        best: tuple[int, ...] = (0, 0, 0, 0)
         for first, n in t.shards:
             mine = (ids >= first) & (ids < first + n)
             d = partition_demand(

@@ -26,12 +26,12 @@ def random_kjt(
             keys.append(f)
             rows.append(t.num_embeddings)
     lengths = torch.randint(0, max_len + 1, (len(keys) * batch,), generator=gen)
-    values = []
+    parts = []
     for k, r in enumerate(rows):
         n = int(lengths[k * batch : (k + 1) * batch].sum())
         hi = min(r, 3) if hot_ids else r
-        values.append(torch.randint(0, hi, (n,), generator=gen))
-    values = torch.cat(values)
+        parts.append(torch.randint(0, hi, (n,), generator=gen))
+    values = torch.cat(parts)
     weights = torch.rand(values.numel(), generator=gen) + 0.5 if weighted else None
     return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, weights=weights)
 

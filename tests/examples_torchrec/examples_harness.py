@@ -14,6 +14,7 @@ import importlib.util
 import sys
 import zlib
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -41,6 +42,7 @@ def load_example(examples_dir: str, example: str):
             faiss.GpuIndexIVFPQ = faiss.IndexIVFPQ
     sys.path.insert(0, str(where))
     spec = importlib.util.spec_from_file_location(f"torchrec_example_{example}", where / filename)
+    assert spec is not None and spec.loader is not None, f"{where / filename}: not a Python file"
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -83,7 +85,7 @@ def table_shards(model) -> dict:
 
 def assemble(ranks: list) -> dict:
     """Every table whole, from the ranks' `table_shards` (any plan)."""
-    out = {}
+    out: dict[str, Any] = {}
     for shards_by_key in ranks:
         for key, (size, shards) in shards_by_key.items():
             table = out.setdefault(key, torch.full(size, float("nan")))
@@ -103,13 +105,14 @@ def _plan_summary(model) -> dict:
 def run(rank: int, world_size: int, examples_dir: str, example: str, dmp: str, kwargs: dict) -> dict:
     """Rank side: the example's `train(**kwargs)` with `DistributedModelParallel` bound to `dmp`
     ("stock" or "tpurec"); the example initialises the process group itself from the environment."""
-    if dmp == "stock":
-        from torchrec.distributed.model_parallel import DistributedModelParallel as dmp_class
-    else:
-        from tpurec import DistributedModelParallel as dmp_class
+    from torchrec.distributed.model_parallel import DistributedModelParallel as StockDMP
+
+    from tpurec import DistributedModelParallel as TpurecDMP
+
+    dmp_class = StockDMP if dmp == "stock" else TpurecDMP
 
     module = load_example(examples_dir, example)
-    record = {"losses": []}
+    record: dict[str, Any] = {"losses": []}
 
     def same_start(*args, **kw):
         model = record["model"] = dmp_class(*args, **kw)

@@ -25,7 +25,7 @@ def run_cli(argv, capsys) -> tuple[int, str, str]:
     try:
         code = main([str(a) for a in argv])
     except SystemExit as e:  # argparse refusals
-        code = e.code
+        code = e.code if isinstance(e.code, int) else 1
     finally:
         torch.set_num_threads(threads)
     out = capsys.readouterr()

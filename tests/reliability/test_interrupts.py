@@ -139,7 +139,7 @@ def _start(argv: list, env: dict | None = None) -> subprocess.Popen:
 
 def _read_stderr(proc: subprocess.Popen) -> list[str]:
     lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
+    threading.Thread(target=lambda: lines.extend(proc.stderr or ()), daemon=True).start()
     return lines
 
 

@@ -23,6 +23,10 @@ from tests.reliability.inproc import run_cli
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _stderr(p: subprocess.Popen) -> str:
+    return p.stderr.read().decode()[-2000:] if p.stderr is not None else ""
+
+
 def _matching(pattern: Path) -> list[Path]:
     return sorted(Path(f) for f in glob.glob(str(pattern)))
 
@@ -40,14 +44,15 @@ def _killed_while_writing(cmd: list[str], pattern: Path, env: dict | None = None
     try:
         deadline = time.monotonic() + 120
         while not [f for f in _matching(pattern) if f.stat().st_size > 0]:
-            assert p.poll() is None, f"finished before it could be killed: {p.stderr.read().decode()[-2000:]}"
+            assert p.poll() is None, f"finished before it could be killed: {_stderr(p)}"
             assert time.monotonic() < deadline, "never wrote a temporary file"
             time.sleep(0.05)
         p.send_signal(signal.SIGKILL)
     finally:
         p.kill()
         p.wait()
-        p.stderr.close()
+        if p.stderr is not None:
+            p.stderr.close()
     left = _matching(pattern)
     assert left, "SIGKILL left nothing behind: nothing to test"
     return left

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,7 +25,7 @@ from tpurec.dlrm.options import TrainOptions
 from tpurec.dlrm.trainer import position_in_epoch
 
 STEPS = 12  # over two epochs
-TINY = dict(synth_rows=3000, eval_every=0, curves_out="none", quiet=True, steps=STEPS)
+TINY: dict[str, Any] = dict(synth_rows=3000, eval_every=0, curves_out="none", quiet=True, steps=STEPS)
 
 
 def _trained_batches(options: TrainOptions) -> list[str]:

@@ -6,13 +6,15 @@ trains it (FBGEMM's fused kernel, table-wise): the pooled outputs, the position 
 
 from __future__ import annotations
 
+from typing import cast
+
 import pytest
 import torch
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from torchrec.distributed.model_parallel import DistributedModelParallel as StockDMP
 from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, row_wise, table_wise
-from torchrec.distributed.types import ShardingPlan
+from torchrec.distributed.types import ModuleSharder, ShardingPlan
 from torchrec.modules.feature_processor_ import PositionWeightedModule
 from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
 from torchrec.optim import RowWiseAdagrad
@@ -82,7 +84,7 @@ def _plan(model: _Model, sharding: str | None, world_size: int) -> ShardingPlan 
         n: table_wise(rank=i % world_size, compute_kernel="fused") if stock else PLANS[sharding](i, world_size)
         for i, (n, *_) in enumerate(TABLES)
     }
-    sharder = None if stock else SparseCoreFPEBCSharder()
+    sharder = None if stock else cast(ModuleSharder[torch.nn.Module], SparseCoreFPEBCSharder())
     module_plan = construct_module_sharding_plan(
         model.fp, per_table, sharder=sharder, local_size=world_size, world_size=world_size, device_type="cpu"
     )

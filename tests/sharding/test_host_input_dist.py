@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -36,7 +38,9 @@ def _shard(kind: str, sharding_type: str, device: str = "meta"):
         if kind == "ebc"
         else (EmbeddingConfig, EmbeddingCollection, SparseCoreECSharder())
     )
-    tables = [config(name=f"t{i}", embedding_dim=8, num_embeddings=40, feature_names=[f"f{i}"]) for i in range(3)]
+    tables: list[Any] = [
+        config(name=f"t{i}", embedding_dim=8, num_embeddings=40, feature_names=[f"f{i}"]) for i in range(3)
+    ]
     module = module_type(tables=tables, device=torch.device("meta"))
     constraints = {f"t{i}": ParameterConstraints(sharding_types=[sharding_type]) for i in range(3)}
     p = plan(
@@ -47,6 +51,7 @@ def _shard(kind: str, sharding_type: str, device: str = "meta"):
         constraints=constraints,
         pg=dist.group.WORLD,
     )
+    assert dist.group.WORLD is not None
     env = ShardingEnv.from_process_group(dist.group.WORLD)
     return sharder.shard(module, p.plan[""], env, device=torch.device(device))
 

@@ -70,7 +70,7 @@ def _sort(b: Chromium, table: str, label: str) -> str:
 
 def _expand(ranks_text: str) -> list[int]:
     """'0-3,8' -> [0, 1, 2, 3, 8] (report_text.rank_ranges, nothing elided)."""
-    out = []
+    out: list[int] = []
     for part in ranks_text.split(","):
         a, _, b = part.partition("-")
         out += range(int(a), int(b or a) + 1)

@@ -62,7 +62,7 @@ def _train_step(model: nn.Module, dense_lr: float = 0.1) -> dict[str, torch.Tens
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "embedding_bags" not in name and p.grad is not None:
-                p -= dense_lr * p.grad
+                p.sub_(dense_lr * p.grad)
     out = {"loss": loss.detach(), "next_output": model(_batch(1)).detach()}
     for key, value in model.state_dict().items():
         out[key] = value.local_shards()[0].tensor.detach().clone() if hasattr(value, "local_shards") else value

@@ -38,6 +38,7 @@ import sys
 import traceback
 import types
 from contextlib import ExitStack
+from typing import Any
 from unittest import mock
 
 import torch
@@ -282,7 +283,7 @@ def run_case(case: dict, rank: int, world_size: int) -> dict:
             ts.sharding_single_rank_test_single_process(**kwargs)
         except Exception:  # the harness's check (or anything before it): reported, models still compared
             error = traceback.format_exc()
-    result = {"harness_error": error, "batch_size": 4}
+    result: dict[str, Any] = {"harness_error": error, "batch_size": 4}
     sharded = [s for s in seen if isinstance(s[0], ts.DistributedModelParallel)]
     unsharded = [s for s in seen if not isinstance(s[0], ts.DistributedModelParallel)]
     if sharded:

@@ -29,14 +29,14 @@ from __future__ import annotations
 import copy
 import traceback
 from contextlib import ExitStack
-from typing import Dict, List
+from typing import Any, Dict, List, cast
 from unittest import mock
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torchrec.distributed.test_utils.test_model import ModelInput, TestDenseArch, TestSparseNNBase
-from torchrec.modules.embedding_configs import EmbeddingConfig
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig, EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -93,9 +93,17 @@ class SequenceHarnessNN(TestSparseNNBase):
         sparse_device: torch.device | None = None,
         feature_processor_modules=None,
     ) -> None:
-        super().__init__(tables, weighted_tables, embedding_groups, dense_device, sparse_device)
+        # TorchRec's base takes List[BaseEmbeddingConfig] (invariant): these are EmbeddingConfigs
+        super().__init__(
+            cast(List[BaseEmbeddingConfig], tables),
+            cast(List[BaseEmbeddingConfig] | None, weighted_tables),
+            embedding_groups,
+            dense_device,
+            sparse_device,
+        )
         if weighted_tables or feature_processor_modules:
             raise ValueError("an EmbeddingCollection has no weighted features")
+        assert embedding_groups is not None, "TorchRec's test model passes its embedding groups"
         names = list(embedding_groups.values())[0]
         dims = {n: t.embedding_dim for t, n in embedding_names(tables)}
         self.dense = TestDenseArch(num_float_features, dense_device)
@@ -270,7 +278,7 @@ def run_case(case: dict, rank: int, world_size: int) -> dict:
             ts.sharding_single_rank_test_single_process(**kwargs)
         except Exception:  # the harness's check (or anything before it): reported, models still compared
             error = traceback.format_exc()
-    result = {"harness_error": error}
+    result: dict[str, Any] = {"harness_error": error}
     sharded = [s for s in seen if isinstance(s[0], ts.DistributedModelParallel)]
     unsharded = [s for s in seen if not isinstance(s[0], ts.DistributedModelParallel)]
     if sharded:

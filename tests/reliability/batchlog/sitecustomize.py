@@ -37,7 +37,7 @@ def _wrap(trainer_class) -> None:
 
     def _start_stream(self) -> None:
         start(self)
-        self._stream = _recorded(self._stream, os.path.join(LOG, f"rank-{self.rank}.txt"))
+        self._stream = _recorded(self._stream, os.path.join(str(LOG), f"rank-{self.rank}.txt"))
 
     trainer_class._start_stream = _start_stream
 
