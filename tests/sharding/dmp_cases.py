@@ -183,6 +183,8 @@ OPTIMIZERS = {
     "sgd": (torch.optim.SGD, {"lr": 0.1}),
     "rowwise_adagrad": (None, {"lr": 0.1, "eps": 1e-6}),  # torchrec.optim.RowWiseAdagrad, imported lazily
     "adam": (torch.optim.Adam, {"lr": 0.05, "eps": 1e-6}),
+    # FBGEMM's L2 weight decay (the mode as FBGEMM's enum: stock TorchRec hands it to FBGEMM as is)
+    "rowwise_adagrad_l2": (None, {"lr": 0.1, "eps": 1e-6, "weight_decay": 0.05, "weight_decay_mode": "L2"}),
 }
 
 
@@ -192,7 +194,12 @@ def optimizer(name):
         from torchrec.optim import RowWiseAdagrad
 
         cls = RowWiseAdagrad
-    return cls, dict(kwargs)
+    kwargs = dict(kwargs)
+    if "weight_decay_mode" in kwargs:
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
+
+        kwargs["weight_decay_mode"] = WeightDecayMode[kwargs["weight_decay_mode"]]
+    return cls, kwargs
 
 
 def run_cases(rank, world_size, cases, init_state, steps):
