@@ -15,7 +15,7 @@ from typing import TextIO
 LOCK = ".lock"
 
 
-def lock_dir(root, refuse: Callable[[str], Exception], program: str = "") -> TextIO:
+def lock_dir(root: str | os.PathLike, refuse: Callable[[str], Exception], program: str = "") -> TextIO:
     """Hold an exclusive lock on directory `root` (made if missing) until the returned file is
     closed (or removed with `unlock`) or this process ends. Held by another open file (another
     run): raise `refuse(holder)`, holder being "pid N" or "pid N, PROGRAM" as that run wrote it."""

@@ -5,6 +5,7 @@ Reads installed versions from package metadata, so it never imports torch_tpu, l
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import sys
@@ -41,13 +42,13 @@ def collect() -> dict:
     }
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("env", help="print versions, TPU readiness and the kernel backend that would run")
     p.add_argument("--json", action="store_true", help="one JSON document instead of text")
     p.set_defaults(run=run)
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     info = collect()
     if args.json:
         print(json.dumps(info, indent=2))

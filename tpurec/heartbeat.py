@@ -21,6 +21,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from tpurec.errors import UserError
 
@@ -69,7 +70,15 @@ class Heartbeat:
     from the heartbeat thread, when a neighbour goes silent or the store stops answering; by default
     it prints the message and ends the process (the main thread may be stuck in a collective)."""
 
-    def __init__(self, store, rank: int, world: int, timeout: float, program: str = "tpurec", on_silent=None) -> None:
+    def __init__(
+        self,
+        store,
+        rank: int,
+        world: int,
+        timeout: float,
+        program: str = "tpurec",
+        on_silent: Callable[[int, str], None] | None = None,
+    ) -> None:
         self.store, self.rank, self.world, self.timeout = store, rank, world, float(timeout)
         self.interval = max(0.05, self.timeout / 5)
         self.program = program

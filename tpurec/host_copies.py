@@ -15,8 +15,12 @@ ones moved there by a batch's `.to(device)`), and `on_device` reads that mark.
 from __future__ import annotations
 
 from collections import Counter
+from typing import TYPE_CHECKING, overload
 
 import torch
+
+if TYPE_CHECKING:
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 _MARK = "_tpurec_on_device"
 _counts: Counter = Counter()
@@ -35,11 +39,19 @@ def mark_on_device(t: torch.Tensor | None) -> None:
         setattr(t, _MARK, True)
 
 
-def _kjt_on_device(kjt) -> bool:
+def _kjt_on_device(kjt: KeyedJaggedTensor) -> bool:
     return on_device(kjt.values()) or on_device(kjt.lengths())
 
 
-def to_host(x, what: str):
+@overload
+def to_host(x: torch.Tensor, what: str) -> torch.Tensor: ...
+
+
+@overload
+def to_host(x: KeyedJaggedTensor, what: str) -> KeyedJaggedTensor: ...
+
+
+def to_host(x: torch.Tensor | KeyedJaggedTensor, what: str) -> torch.Tensor | KeyedJaggedTensor:
     """`x` (a tensor or a KeyedJaggedTensor) on the host, counting a copy under `what` when it was on
     the device. A tensor already on the host is returned as it is."""
     if isinstance(x, torch.Tensor):

@@ -52,7 +52,7 @@ def _meminfo_available() -> int | None:
         return None
 
 
-def free_disk_bytes(path) -> int | None:
+def free_disk_bytes(path: str | os.PathLike) -> int | None:
     """Free bytes on the filesystem `path` is on (or would be created on: its nearest existing
     parent), for this user (shutil.disk_usage); None if it cannot be read."""
     probe = os.path.abspath(path)

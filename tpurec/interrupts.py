@@ -18,6 +18,10 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from types import FrameType
 
 EXIT_INTERRUPTED = 128 + signal.SIGINT
 REPEAT_S = 2.0  # a relayed SIGINT (torch.distributed.run's) arrives within milliseconds of the first
@@ -33,7 +37,7 @@ _deferring = 0  # nested deferred() blocks
 _pending = False  # the first SIGINT arrived within deferred(): raised when it ends
 
 
-def _on_sigint(signum, frame) -> None:
+def _on_sigint(signum: int, frame: FrameType | None) -> None:
     global _first, _pending
     now = time.monotonic()
     if _first is None:

@@ -19,7 +19,7 @@ import sys
 from tpurec.errors import UserError
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "launch",
         help="run a program on every rank of a TPU slice (or of an emulated one, on this machine)",
@@ -42,7 +42,7 @@ def _error(msg: str) -> int:
     return 2
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     from tpurec.dlrm import slice_launch
 
     program = ["-m", *args.args] if args.program == "-m" else [args.program, *args.args]

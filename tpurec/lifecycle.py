@@ -15,6 +15,10 @@ import os
 import signal
 import subprocess
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from types import FrameType
 
 _PR_SET_PDEATHSIG = 1
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -40,7 +44,7 @@ def run_child(cmd: list[str], env: dict | None = None) -> int:
     proc = subprocess.Popen(cmd, env=env, preexec_fn=functools.partial(die_with_parent, os.getpid()))
     previous = {}
 
-    def forward(signum, _frame) -> None:
+    def forward(signum: int, _frame: FrameType | None) -> None:
         if proc.poll() is None:
             proc.send_signal(signum)
 

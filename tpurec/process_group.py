@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import atexit
 import sys
+from typing import Any
 
 import torch.distributed as dist
 
 _registered = False
 
 
-def init(backend: str, **kwargs) -> None:
+def init(backend: str, **kwargs: Any) -> None:
     """`dist.init_process_group(backend, **kwargs)`, destroyed again at normal exit."""
     global _registered
     dist.init_process_group(backend, **kwargs)

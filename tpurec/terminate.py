@@ -15,6 +15,10 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from types import FrameType
 
 EXIT_TERMINATED = 128 + signal.SIGTERM
 
@@ -34,7 +38,7 @@ class Terminated(SystemExit):
 _depth = 0  # nested unwinding_on_sigterm() blocks: the outermost says the one line
 
 
-def _on_sigterm(signum, frame) -> None:
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a repeat must not cut the cleanup short
     raise Terminated()
 

@@ -89,7 +89,7 @@ def worker(data: str, plan_files: list[str], turns: int, block: int, warmup: int
     }
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m tpurec.bench.calibrate_worker", description=__doc__.split("\n")[0])

@@ -7,6 +7,7 @@ top-level subcommands. Add a benchmark with one line below.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 
 # name -> module implementing `tpurec bench NAME`.
@@ -25,7 +26,7 @@ BENCHES: dict[str, str] = {
 _parser = None  # `tpurec bench`, kept to print its help when no benchmark is named
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     global _parser
     p = _parser = sub.add_parser("bench", help="benchmarks (" + ", ".join(BENCHES) + ")")
     bsub = p.add_subparsers(dest="bench", metavar="BENCH")
@@ -36,7 +37,7 @@ def register(sub) -> None:
     p.set_defaults(run=run)  # each benchmark overrides this with its own run
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     """`tpurec bench` without a benchmark: its help, exit 2."""
     if _parser is not None:
         _parser.print_help()

@@ -10,6 +10,7 @@ costs nothing), and the worst round is reported next to the median, with the loa
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 
@@ -59,7 +60,7 @@ def run_bench(path: str, model: str, topology: str, batch_size: int | None, roun
     }
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("stats", help="`tpurec data stats` against the reader alone (rows/s ratio)")
     p.add_argument("path", metavar="DIR", help="a dataset directory (tpurec data synth / convert)")
     p.add_argument("--model", choices=MODEL_NAMES, default="criteo-kaggle", help="table set (default criteo-kaggle)")
@@ -71,7 +72,7 @@ def register(sub) -> None:
     p.set_defaults(run=run)
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     import json
 
     threads = args.threads or os.cpu_count() or 1

@@ -29,7 +29,7 @@ class Stopwatch:
         self._t, self._c = time.perf_counter(), time.process_time()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.wall = time.perf_counter() - self._t
         self.cpu = time.process_time() - self._c
 

@@ -8,6 +8,7 @@ naming the first.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,7 +20,7 @@ from tpurec.dir_lock import lock_dir, unlock
 
 
 @contextmanager
-def locked_output(out_dir, overwrite: bool, program: str) -> Iterator[Path]:
+def locked_output(out_dir: str | os.PathLike, overwrite: bool, program: str) -> Iterator[Path]:
     """`prepare_output_dir(out_dir, overwrite)` under an exclusive lock held until the block ends
         (DataError naming the holder when another run writes there). Temporary files a killed run left
     there are removed first, in one line (tpurec/data/leftovers.py)."""

@@ -7,6 +7,7 @@ into a different dataset's split); refusing first names the field and both value
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 # Config fields a checkpoint fixes: the model's shape and state (architecture, tables, optimizers)
@@ -30,7 +31,7 @@ FIXED_CONFIG = (
 )
 
 
-def config_mismatch(path, config: dict) -> str | None:
+def config_mismatch(path: str | os.PathLike, config: dict) -> str | None:
     """A one-line refusal when checkpoint `path` was written with another value of a FIXED_CONFIG
     field than `config` (a DLRMConfig.to_dict()), naming the field and both values; else None."""
     try:
@@ -51,7 +52,7 @@ def config_mismatch(path, config: dict) -> str | None:
     return None
 
 
-def _show(value, flag: bool = False) -> str:
+def _show(value: object, flag: bool = False) -> str:
     if value is None:
         return "the model's default"
     if isinstance(value, list):

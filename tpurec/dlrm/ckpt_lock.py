@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import TextIO
 
 from tpurec.dir_lock import LOCK
@@ -15,7 +16,7 @@ class CheckpointDirInUse(UserError):
     """Another run holds the checkpoint directory."""
 
 
-def lock_dir(root) -> TextIO:
+def lock_dir(root: str | os.PathLike) -> TextIO:
     """Hold an exclusive lock on checkpoint directory `root` for the life of this process (or until
     the returned file is closed): two runs saving into one directory would delete each other's
     step-N.tmp and mix their checkpoints. Another run's lock: CheckpointDirInUse naming its pid."""

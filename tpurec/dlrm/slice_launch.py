@@ -22,8 +22,12 @@ import os
 import signal
 import subprocess
 import sys
+from typing import TYPE_CHECKING
 
 from tpurec.errors import UserError
+
+if TYPE_CHECKING:
+    from types import FrameType
 
 # What set_tpu_launch_env() may set; all of it is handed to the ranks.
 TORCHTPU_LAUNCH_VARS = (
@@ -91,7 +95,7 @@ def run_hosts(agents: list[tuple[list[str], dict[str, str]]]) -> int:
         for cmd, env in agents
     ]
 
-    def forward(signum, _frame) -> None:
+    def forward(signum: int, _frame: FrameType | None) -> None:
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signum)

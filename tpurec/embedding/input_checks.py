@@ -23,7 +23,7 @@ import torch
 from tpurec.errors import UserError
 
 
-def whole(name: str, value, lo: int = 1) -> None:
+def whole(name: str, value: object, lo: int = 1) -> None:
     """A count: a whole number >= lo (a bool or a float is not one)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo:
         raise UserError(f"{name}={value!r} must be a whole number >= {lo}")

@@ -4,10 +4,15 @@ would otherwise be cut silently (the kernel slices values by lengths)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from tpurec.errors import UserError
 
+if TYPE_CHECKING:
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-def check_kjt(features) -> None:
+
+def check_kjt(features: KeyedJaggedTensor) -> None:
     """One-line UserError naming what is inconsistent; costs one pass over the lengths."""
     keys = features.keys()
     lengths = features.lengths()
