@@ -4,6 +4,8 @@ Importing tpurec is cheap and never imports torch_tpu, libtpu or jax: everything
 loaded lazily, behind `tpurec.device`, only when a TPU is actually used.
 """
 
+from typing import Any
+
 from tpurec import device as _device
 
 __version__ = "0.1.0"
@@ -22,7 +24,7 @@ if _device.emulated_slice():
 __all__ = ["__version__", "DistributedModelParallel"]
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:
     # Lazy so that `import tpurec` stays light; the DMP wrapper pulls in torchrec.distributed.
     if name == "DistributedModelParallel":
         from tpurec.sharding.dmp import DistributedModelParallel

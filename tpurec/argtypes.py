@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
+from typing import TypeVar
+
+_N = TypeVar("_N", int, float)
 
 
-def _number(text: str, kind):
+def _number(text: str, kind: type[_N]) -> _N:
     try:
         value = kind(text)
     except ValueError:
@@ -17,10 +21,10 @@ def _number(text: str, kind):
     return value
 
 
-def _domain(kind, ok, what: str):
+def _domain(kind: type[_N], ok: Callable[[_N], bool], what: str) -> Callable[[str], _N]:
     """An argparse type: parse `kind`, then refuse values for which `ok(value)` is false."""
 
-    def parse(text: str):
+    def parse(text: str) -> _N:
         value = _number(text, kind)
         if not ok(value):
             raise argparse.ArgumentTypeError(f"{text!r} must be {what}")

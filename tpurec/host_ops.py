@@ -11,6 +11,8 @@ only. Not yet run on TPU hardware.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
@@ -35,10 +37,10 @@ HOST_OPS = (
 )
 
 
-def on_host(op):
+def on_host(op: Callable[..., Any]) -> Callable[..., Any]:
     """A kernel that runs `op` on CPU copies of its tensor arguments and returns results on their device."""
 
-    def kernel(*args, **kwargs):
+    def kernel(*args: Any, **kwargs: Any) -> Any:
         devices = [a.device for a in args if isinstance(a, torch.Tensor)]
         device = devices[0] if devices else torch.device("cpu")
         to_cpu = lambda x: x.cpu() if isinstance(x, torch.Tensor) else x  # noqa: E731

@@ -6,6 +6,7 @@ The names below load on first use, so `import tpurec.data` (and `tpurec --help`)
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 _EXPORTS = {
     "ParquetReader": "tpurec.data.reader",
@@ -24,7 +25,7 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'tpurec.data' has no attribute {name!r}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -31,6 +32,9 @@ from tpurec.data.schema import (
 from tpurec.errors import UserError
 from tpurec.interrupts import Interrupted
 from tpurec.terminate import Terminated, unwinding_on_sigterm
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 ZIPF_EXPONENT = 1.1
 SPARSE_SCALE = 0.25  # spread of each feature's hidden weights
@@ -55,7 +59,7 @@ def hidden_weight(seed: int, feature: int, ids: np.ndarray) -> np.ndarray:
     return (u - 0.5) * np.sqrt(12.0)
 
 
-def zipf_ids(rng, n: int, size, a: float = ZIPF_EXPONENT) -> np.ndarray:
+def zipf_ids(rng: np.random.Generator, n: int, size: int | tuple[int, ...], a: float = ZIPF_EXPONENT) -> np.ndarray:
     """Ids in [0, n) whose popularity ranks follow a (continuous-approximation) Zipf law."""
     u = rng.random(size)
     top = (n + 1.0) ** (1.0 - a)
@@ -110,7 +114,9 @@ def synth_schema(table_set: str, multi_hot_sizes: list[int] | None = None) -> tu
     return schema, hots
 
 
-def generate_chunk(seed: int, chunk: int, rows: int, schema: DataSchema, hots: list[int]):
+def generate_chunk(
+    seed: int, chunk: int, rows: int, schema: DataSchema, hots: list[int]
+) -> tuple[dict[str, pa.Array], np.ndarray, np.ndarray]:
     """One chunk of rows: (pyarrow columns dict, true probabilities, labels)."""
     import pyarrow as pa
 

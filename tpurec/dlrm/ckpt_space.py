@@ -11,11 +11,19 @@ writes a replicated tensor once). Files beside them (meta.json, rank-R.json, CHE
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
 from tpurec.errors import UserError
 from tpurec.host_resources import free_disk_bytes
 
+if TYPE_CHECKING:
+    from torch import nn
+    from torch.optim import Optimizer
 
-def state_bytes(state) -> int:
+
+def state_bytes(state: Mapping[str, Any]) -> int:
     """Bytes of every tensor in a (nested) state dict, ShardedTensors at their whole size."""
     import torch
 
@@ -31,7 +39,7 @@ def state_bytes(state) -> int:
     return 0
 
 
-def check_room(root, dmp, optimizer) -> None:
+def check_room(root: str | os.PathLike, dmp: nn.Module, optimizer: Optimizer) -> None:
     """UserError unless `root`'s filesystem has room for one checkpoint of `dmp` and `optimizer`."""
     need = state_bytes({"model": dmp.state_dict(), "optim": optimizer.state_dict()})
     free = free_disk_bytes(root)

@@ -10,8 +10,10 @@ other global, before `dcp.load` touches it.
 from __future__ import annotations
 
 import io
+import os
 import pickle
 from pathlib import Path
+from typing import Any
 
 from tpurec.errors import UserError
 
@@ -35,7 +37,7 @@ class _AllowListUnpickler(pickle.Unpickler):
         super().__init__(io.BytesIO(data))
         self._path = path
 
-    def find_class(self, module: str, name: str):
+    def find_class(self, module: str, name: str) -> Any:
         import torch
 
         refuse = UnsafeCheckpointError(
@@ -55,7 +57,7 @@ class _AllowListUnpickler(pickle.Unpickler):
         raise refuse
 
 
-def check_metadata(checkpoint_dir):
+def check_metadata(checkpoint_dir: str | os.PathLike) -> Any:
     """The DCP metadata of `.metadata`, unpickled with the allow-list; UnsafeCheckpointError (or
     FileNotFoundError) unless it holds only DCP metadata."""
     path = Path(checkpoint_dir) / ".metadata"

@@ -12,9 +12,15 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from types import FrameType
+
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 
-def _how(failure) -> str:
+def _how(failure: ProcessFailure) -> str:
     if failure.exitcode < 0:
         try:
             name = signal.Signals(-failure.exitcode).name
@@ -24,7 +30,7 @@ def _how(failure) -> str:
     return f"exited with code {failure.exitcode}"
 
 
-def _code(failure) -> int:
+def _code(failure: ProcessFailure) -> int:
     return 128 - failure.exitcode if failure.exitcode < 0 else failure.exitcode
 
 
@@ -50,7 +56,7 @@ def _stop_once() -> None:
     first = api._terminate_process_handler
     stopping: list[int] = []
 
-    def handler(signum, frame) -> None:
+    def handler(signum: int, frame: FrameType | None) -> None:
         if not stopping:
             stopping.append(signum)
             first(signum, frame)

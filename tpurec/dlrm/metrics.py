@@ -8,11 +8,15 @@ AUC is rank-based, so it must see all predictions at once; a mean of per-rank AU
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+if TYPE_CHECKING:
+    import torch
 
-def gather(values, labels):
+
+def gather(values: torch.Tensor, labels: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     """All ranks' 1-D float tensors concatenated in rank order (no-op without a process group)."""
     import torch
     import torch.distributed as dist

@@ -11,6 +11,7 @@ ranks as JSON in the TPUREC_TRAIN_OPTIONS environment variable instead of rebuil
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from dataclasses import asdict, dataclass, field, fields
@@ -127,12 +128,12 @@ class TrainOptions:
 
     # ---- building ----
     @classmethod
-    def add_arguments(cls, parser) -> None:
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         """Every field as a flag of `parser`."""
         flags.add_flags(parser, cls)
 
     @classmethod
-    def from_args(cls, namespace) -> TrainOptions:
+    def from_args(cls, namespace: argparse.Namespace) -> TrainOptions:
         return cls(**flags.values(cls, namespace))
 
     def to_json(self) -> str:

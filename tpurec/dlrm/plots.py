@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
 
-def plot_curves(records: list[dict], out_png, title: str = "", oracle_auc: float | None = None) -> None:
+
+def plot_curves(
+    records: list[dict], out_png: str | os.PathLike, title: str = "", oracle_auc: float | None = None
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

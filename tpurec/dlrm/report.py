@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 
@@ -115,7 +116,7 @@ class MetricsLog:
                 f.write(json.dumps(json_safe(rec), allow_nan=False) + "\n")
 
 
-def summary_text(r: dict, data_dir) -> str:
+def summary_text(r: dict, data_dir: str | os.PathLike | None) -> str:
     lines = [
         "",
         f"tpurec train: {r['model']} on {r['world_size']} rank(s), batch {r['batch_size']}/rank, data {data_dir}",
@@ -143,7 +144,7 @@ def noisy_auc_text(rows: int) -> str:
     )
 
 
-def json_safe(value):
+def json_safe(value: object) -> object:
     """`value` with every non-finite float replaced by None (recursively through dicts and lists)."""
     if isinstance(value, float) and not math.isfinite(value):
         return None

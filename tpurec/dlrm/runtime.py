@@ -9,10 +9,14 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from tpurec.device import DeviceChoice, DeviceKind
 from tpurec.errors import UserError
 from tpurec.host_resources import available_bytes
+
+if TYPE_CHECKING:
+    from tpurec.dlrm.configs import DLRMConfig
 
 log = logging.getLogger("tpurec.train")
 
@@ -91,7 +95,7 @@ RANK_OVERHEAD_BYTES = 1 << 30
 TABLE_PEAK_FACTOR = 1.1
 
 
-def projected_host_bytes(cfg, sizes: list[int], world: int, local: int) -> tuple[int, int]:
+def projected_host_bytes(cfg: DLRMConfig, sizes: list[int], world: int, local: int) -> tuple[int, int]:
     """(table bytes on this host, projected peak bytes of this host's ranks) for CPU training."""
     from tpurec.dlrm.configs import embedding_dims
     from tpurec.embedding.optimizers.registry import spec_class
@@ -103,7 +107,7 @@ def projected_host_bytes(cfg, sizes: list[int], world: int, local: int) -> tuple
     return tables, int(TABLE_PEAK_FACTOR * tables) + local * RANK_OVERHEAD_BYTES
 
 
-def check_host_memory(cfg, sizes: list[int], world: int, source: str = "") -> None:
+def check_host_memory(cfg: DLRMConfig, sizes: list[int], world: int, source: str = "") -> None:
     """Refuse at once, in one line, tables that cannot fit in this host's free memory on CPU
     (criteo-kaggle / mlperf-dcnv2 are sized for TPU slices): better than an OOM kill mid-setup.
     Runs before any data is generated or read. `source` says where the sizes came from."""

@@ -5,6 +5,8 @@
 use, so that importing this package (as `tpurec --help` does) stays free of torchrec.
 """
 
+from typing import Any
+
 __all__ = ["SparseCoreEmbeddingBagCollection", "SparseCoreEmbeddingCollection"]
 
 _LAZY = {
@@ -13,7 +15,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
 

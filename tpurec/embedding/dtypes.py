@@ -16,11 +16,15 @@ kernel says so once in a warning, and the planner counts 4 bytes per element the
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 
 from tpurec.device import tpu_path
 from tpurec.errors import UserError
+
+if TYPE_CHECKING:
+    from torchrec.types import DataType
 
 # Config dtypes the kernel trains; quantized types (INT8/INT4/INT2, FP8) are TorchRec inference formats.
 TRAINABLE = (torch.float32, torch.float16, torch.bfloat16)
@@ -28,9 +32,9 @@ WIDEN_REASON = "TorchTPU 0.2.0's SparseCore ops are built for float32 tables (do
 _WARNED: set[str] = set()
 
 
-def table_dtype(data_type, table: str = "?") -> torch.dtype:
+def table_dtype(data_type: DataType | torch.dtype, table: str = "?") -> torch.dtype:
     """The torch dtype of a TorchRec DataType (or a torch dtype); refuses what the kernel cannot train."""
-    dtype = data_type
+    dtype: torch.dtype | None = data_type if isinstance(data_type, torch.dtype) else None
     if not isinstance(data_type, torch.dtype):
         from torchrec.modules.embedding_configs import data_type_to_dtype
 
@@ -44,6 +48,7 @@ def table_dtype(data_type, table: str = "?") -> torch.dtype:
             f"table {table!r}: data_type {name} is not trainable by the SparseCore kernel "
             "(FP32, FP16 or BF16; quantized tables are TorchRec inference formats)"
         )
+    assert dtype is not None  # TRAINABLE holds dtypes only
     return dtype
 
 

@@ -9,7 +9,7 @@ in place with the optimizer given at construction; `fused_optimizer` holds its s
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from torch import nn
@@ -24,6 +24,9 @@ from tpurec.embedding.kernel import KernelTable, SparseCoreKernel
 from tpurec.embedding.optimizers.registry import spec_from_torch
 from tpurec.embedding.sparsecores import resolve_num_sparsecores
 from tpurec.errors import UserError
+
+if TYPE_CHECKING:
+    from tpurec.embedding.preprocess import PreprocessStats
 
 _POOLING = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 
@@ -133,6 +136,6 @@ class SparseCoreEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         """One table in natural row order: a view of the live storage."""
         return self.kernel.read_weight(name)
 
-    def id_stats(self):
+    def id_stats(self) -> dict[str, PreprocessStats]:
         """PreprocessStats of the last batch, per stack: observed ids per partition, for tuning limits."""
         return dict(self.kernel.last_stats)

@@ -67,7 +67,7 @@ class CpuCosts:
         except AttributeError:  # not Linux
             return os.cpu_count() or 1
 
-    def with_measured(self, **terms) -> CpuCosts:
+    def with_measured(self, **terms: float) -> CpuCosts:
         """These costs with some terms replaced (a fresh micro-measurement, a fit)."""
         return replace(self, **{k: v for k, v in terms.items() if v is not None})
 

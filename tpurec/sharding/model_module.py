@@ -13,9 +13,14 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from tpurec.catalog import TableSpec
 from tpurec.errors import UserError
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torchrec.distributed.planner.types import ParameterConstraints
 
 
 def parse_target(target: str) -> tuple[str, str]:
@@ -26,7 +31,7 @@ def parse_target(target: str) -> tuple[str, str]:
     return module_name, fn_name
 
 
-def load_model(target: str):
+def load_model(target: str) -> tuple[nn.Module, dict[str, ParameterConstraints] | None]:
     """(model, constraints or None) from 'pkg.mod:fn'; a UserError naming what is wrong otherwise."""
     module_name, fn_name = parse_target(target)
     if os.getcwd() not in sys.path and "" not in sys.path:
@@ -56,7 +61,7 @@ def load_model(target: str):
     return model, constraints
 
 
-def model_tables(model, constraints=None) -> list[TableSpec]:
+def model_tables(model: nn.Module, constraints: dict[str, ParameterConstraints] | None = None) -> list[TableSpec]:
     """A TableSpec per table of every EmbeddingBagCollection and EmbeddingCollection in `model`, as
     DMP shards them (pooling factors from the constraints, else 1 id per feature, as the planner
     assumes; an EmbeddingCollection's tables are sequence tables, pooling "none")."""

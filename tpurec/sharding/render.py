@@ -4,8 +4,12 @@
 from __future__ import annotations
 
 import io
+from typing import TYPE_CHECKING
 
 from tpurec.sharding.topology import GiB
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 _HBM_PARTS = (
     ("weights_bytes", "table weights"),
@@ -65,7 +69,7 @@ def png_bytes(report: dict) -> bytes:
     return buf.getvalue()
 
 
-def figure(report: dict):
+def figure(report: dict) -> Figure:
     """The matplotlib figure behind png_bytes: HBM bars over time bars, one bar per device."""
     import matplotlib
 

@@ -248,7 +248,7 @@ class SliceSpec:
         return self.world_size // self.devices_per_host
 
 
-def parse_slice(name: str, **assumptions) -> SliceSpec:
+def parse_slice(name: str, **assumptions: Any) -> SliceSpec:
     """Parse 'v5p-128', 'v6e-256', 'v7x-64', '2xv5p-128' ... into a SliceSpec."""
     m = _SLICE_RE.match(name.strip().lower())
     if not m:

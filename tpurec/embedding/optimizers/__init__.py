@@ -5,6 +5,8 @@
 lent lazily (a facade, no logic): modules import `tpurec.embedding.optimizers.registry` or `.base`.
 """
 
+from typing import Any
+
 _LENT = {
     "OptimizerSpec": "base",
     "spec_names": "registry",
@@ -17,7 +19,7 @@ _LENT = {
 __all__ = sorted(_LENT)
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:
     if name in _LENT:
         import importlib
 
