@@ -118,7 +118,7 @@ def run(
     from tpurec.bench.contenders import OPTIMIZERS
 
     if shapes is None and not matrix:
-        shapes = {"criteo26": m.QUICK_SHAPES["hot"] if quick else m.CRITEO26}
+        shapes = {"tiny": m.QUICK_SHAPES["hot"]} if quick else {"criteo26": m.CRITEO26}
     result = m.run_matrix(
         quick=quick,
         shapes=shapes,

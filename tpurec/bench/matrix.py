@@ -218,10 +218,10 @@ def run_matrix(
 
 
 def format_matrix(r: dict) -> str:
-    lines = [f"{'optimizer':16s} {'pool':>4} {'shape':6s} {'peer':18s} {'ratio':>6} {'min':>6} {'max':>6}"]
+    lines = [f"{'optimizer':16s} {'pool':>4} {'shape':8s} {'peer':18s} {'ratio':>6} {'min':>6} {'max':>6}"]
     for c in r["cells"]:
         lines.append(
-            f"{c['optimizer']:16s} {c['pooling']!s:>4} {c['shape']:6s} {c['peer']:18s} "
+            f"{c['optimizer']:16s} {c['pooling']!s:>4} {c['shape']:8s} {c['peer']:18s} "
             f"{c['ratio_vs_fbgemm']:>6.2f} {c['min']:>6.2f} {c['max']:>6.2f}"
         )
     for c in r["refused"]:
