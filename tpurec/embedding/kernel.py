@@ -28,7 +28,7 @@ from torch import nn
 
 from tpurec import device as _device
 from tpurec import host_copies
-from tpurec.embedding import csr_build, dtypes, ops, reference  # noqa: F401  (ops registers torch.ops.tpurec.*)
+from tpurec.embedding import csr_build, direct, dtypes, ops, reference  # noqa: F401  (ops registers torch.ops.tpurec.*)
 from tpurec.embedding.constraints import DIM_ALIGN, SEGMENT_ALIGN, round_up
 from tpurec.embedding.demand import ShardsDemand, TableShards
 from tpurec.embedding.kjt_checks import check_kjt
@@ -137,7 +137,10 @@ class SparseCoreKernel(nn.Module):
         self.pre_update_hooks: list = []
         # The param group whose "lr" every update reads (see current_lr); None: the spec's lr.
         self.lr_source: dict | None = None
-        self.last_stats: dict[str, PreprocessStats] = {}
+        self._last_stats: dict[str, PreprocessStats] = {}
+        # The last batch when it took the direct path (direct.py), which builds no layout: its stats
+        # are built from it when asked for (`last_stats`).
+        self._stats_pending = None
         self.dropped_id_count = 0
         self.multipass_batches = 0  # stack inputs run as several passes (over their limits)
         # {} to record every table's demand per batch (tpurec.embedding.demand): by the table's source
@@ -243,6 +246,18 @@ class SparseCoreKernel(nn.Module):
         self.reset_parameters()
 
     @property
+    def last_stats(self) -> dict[str, PreprocessStats]:
+        """PreprocessStats of the last batch per stack (built on demand after a direct step)."""
+        pending, self._stats_pending = self._stats_pending, None
+        if pending is not None:
+            demand, self.table_demand = self.table_demand, None  # the batch was counted when it ran
+            try:
+                self.preprocess(pending)
+            finally:
+                self.table_demand = demand
+        return self._last_stats
+
+    @property
     def fixed_limits(self) -> bool:
         if self._fixed_limits is not None:
             return self._fixed_limits
@@ -316,6 +331,12 @@ class SparseCoreKernel(nn.Module):
     def forward(self, features) -> torch.Tensor:
         """features: KeyedJaggedTensor (stride = batch size). Returns [batch, sum(dims)] f32."""
         batch = features.stride()
+        if direct.applies(self):
+            features = host_copies.to_host(features, "ids")
+            out = direct.lookup(self, self._stack_arrays(features)[2], batch)
+            if out is not None:
+                self._stats_pending = features
+                return with_weight_grad(self, features, out)
         return with_weight_grad(self, features, self.lookup(self.preprocess(features), batch))
 
     def preprocess(self, features) -> list[SparseCoreInput | MultiPassInput]:
@@ -326,6 +347,7 @@ class SparseCoreKernel(nn.Module):
         """
         # Preprocessing is host work (data-dependent shapes). Under DMP the ids arrive on the host
         # (tpurec.sharding.host_input_dist); a KJT a caller put on the device is copied back, counted.
+        self._stats_pending = None  # this batch's stats replace a direct step's
         features = host_copies.to_host(features, "ids")
         batch, padded, parts = self._stack_arrays(features)
         return self._to_device([self._stack_input(i, *part, batch, padded) for i, part in enumerate(parts)])
@@ -455,6 +477,10 @@ class SparseCoreKernel(nn.Module):
             per_stack.append(block[:, :batch, :, :dim].reshape(m * batch, n * dim))
         if not self.feature_order:
             return torch.zeros(blocks * batch, 0)
+        return self._feature_order_output(per_stack)
+
+    def _feature_order_output(self, per_stack: list[torch.Tensor]) -> torch.Tensor:
+        """The stacks' [rows, their features * dim] outputs as one [rows, sum of dims] in feature order."""
         if self._stacked_order == self.feature_order:
             return per_stack[0] if len(per_stack) == 1 else torch.cat(per_stack, dim=1)
         pieces = {}
