@@ -13,11 +13,17 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from tpurec.errors import UserError
 from tpurec.json_fields import FieldError, choice, each, fields, flag, obj, optional, text
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
 FORMAT_VERSION = 1
 METADATA_KEY = b"tpurec"
@@ -101,14 +107,14 @@ class DataSchema:
                 raise DataError(f"{where}: feature {f.name!r}: num_embeddings {n!r} is not a table size (integer >= 1)")
         return schema
 
-    def arrow_schema(self):
+    def arrow_schema(self) -> pa.Schema:
         """The Parquet schema files with this layout have (ids as int64, dense as float32)."""
         import pyarrow as pa
 
         # List elements are declared non-null too: a list of nullable elements carries a definition
         # level per id, which pyarrow decodes with the ids (12-20% of a multi-hot row group's read
         # time, measured on the bench pipeline data); files written before still read the same.
-        def items(t):
+        def items(t: pa.DataType) -> pa.DataType:
             return pa.list_(pa.field("element", t, nullable=False))
 
         fields = [pa.field(self.label, pa.int8(), nullable=False)]
@@ -171,7 +177,7 @@ def criteo_schema(
     return DataSchema(label, list(dense_names), sparse, dense_transform, categorical)
 
 
-def list_parquet_files(paths) -> list[str]:
+def list_parquet_files(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
     """A directory (all ``*.parquet`` in it, sorted) or a list of files/directories."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
@@ -207,7 +213,7 @@ def read_file_schema(path: str) -> DataSchema:
     return DataSchema.from_json(doc, where=path)
 
 
-def dataset_metadata(path) -> dict:
+def dataset_metadata(path: str | os.PathLike) -> dict:
     """Everything recorded about a dataset: schema, transforms, table sizes, rows, ``oracle_auc``.
 
     ``path`` is the dataset directory (reads ``_dataset.json``; falls back to the first file's footer)
@@ -232,7 +238,7 @@ def _json_problem(e: Exception) -> str:
     return "nested deeper than Python's JSON parser reads" if isinstance(e, RecursionError) else str(e)
 
 
-def check_table_sizes(where, doc: dict, footer: DataSchema, footer_file: str) -> None:
+def check_table_sizes(where: object, doc: dict, footer: DataSchema, footer_file: str) -> None:
     """``_dataset.json``'s table sizes must be the ones the files were written for: the model's
     tables are built from this document, the reader checks ids against the footers."""
     from_doc = DataSchema.from_json(doc, where=str(where))
@@ -254,7 +260,7 @@ def check_table_sizes(where, doc: dict, footer: DataSchema, footer_file: str) ->
             )
 
 
-def dataset_json(directory) -> Path | None:
+def dataset_json(directory: str | os.PathLike) -> Path | None:
     """The dataset's metadata file (``_dataset.json``, or the older ``dataset.json``), if written."""
     for name in (DATASET_JSON, LEGACY_DATASET_JSON):
         if (Path(directory) / name).is_file():
@@ -262,7 +268,7 @@ def dataset_json(directory) -> Path | None:
     return None
 
 
-def prepare_output_dir(out_dir, overwrite: bool) -> Path:
+def prepare_output_dir(out_dir: str | os.PathLike, overwrite: bool) -> Path:
     """Create `out_dir`; refuse if it already holds Parquet files, unless `overwrite`. Nothing is
     removed here: the old dataset stays whole until the new one is written (`remove_stale_parts`),
     so a conversion that fails leaves the previous data and its _dataset.json as they were."""
@@ -274,7 +280,7 @@ def prepare_output_dir(out_dir, overwrite: bool) -> Path:
     return out
 
 
-def remove_stale_parts(out_dir, written) -> None:
+def remove_stale_parts(out_dir: str | os.PathLike, written: Iterable[str | os.PathLike]) -> None:
     """After a successful write: remove the .parquet files of `out_dir` that are not in `written`."""
     keep = {Path(f).name for f in written}
     for f in Path(out_dir).glob("*.parquet"):
@@ -282,7 +288,7 @@ def remove_stale_parts(out_dir, written) -> None:
             f.unlink()
 
 
-def parquet_writer(path, arrow_schema, compression: str):
+def parquet_writer(path: str | os.PathLike, arrow_schema: pa.Schema, compression: str) -> pq.ParquetWriter:
     """A ParquetWriter for tpurec files: CRC32 checksums on every page, so the reader
     (``page_checksum_verification``) finds a damaged page instead of decoding garbage ids."""
     import pyarrow.parquet as pq
@@ -290,7 +296,7 @@ def parquet_writer(path, arrow_schema, compression: str):
     return pq.ParquetWriter(path, arrow_schema, compression=compression, write_page_checksum=True)
 
 
-def write_dataset_json(out_dir, schema: DataSchema, **facts) -> dict:
+def write_dataset_json(out_dir: str | os.PathLike, schema: DataSchema, **facts: Any) -> dict:
     d = schema.to_json()
     d.update(facts)
     d["table_sizes"] = {f.name: f.num_embeddings for f in schema.sparse}

@@ -24,14 +24,19 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from tpurec.errors import UserError
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torch.optim import Optimizer
 
 MARKER = "COMPLETE"
 
@@ -49,11 +54,11 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def step_dir(root, step: int) -> Path:
+def step_dir(root: str | os.PathLike, step: int) -> Path:
     return Path(root) / f"step-{step:08d}"
 
 
-def complete_checkpoints(root) -> list[Path]:
+def complete_checkpoints(root: str | os.PathLike) -> list[Path]:
     """Complete checkpoints under root, oldest first (a dir counts only with its COMPLETE marker)."""
     root = Path(root)
     if not root.is_dir():
@@ -66,7 +71,7 @@ def complete_checkpoints(root) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
-def latest(root) -> Path | None:
+def latest(root: str | os.PathLike) -> Path | None:
     found = complete_checkpoints(root)
     return found[-1] if found else None
 
@@ -76,7 +81,7 @@ class CorruptCheckpointError(UserError):
     with them, its CHECKSUMS.json does not cover them all, or its metadata is out of range."""
 
 
-def verify(path) -> None:
+def verify(path: str | os.PathLike) -> None:
     """Raise CorruptCheckpointError, in one line naming the file and what is wrong, unless
     CHECKSUMS.json lists every file of the checkpoint, each matches it, and meta.json's fields are
     sane. A missing or partial CHECKSUMS.json is refused: it would leave files unchecked."""
@@ -97,7 +102,7 @@ def verify(path) -> None:
         raise CorruptCheckpointError(str(e)) from None
 
 
-def latest_intact(root, say=print) -> Path | None:
+def latest_intact(root: str | os.PathLike, say: Callable[[str], object] = print) -> Path | None:
     """The newest complete checkpoint under root that verifies (`verify`); each newer one that does
     not is named through `say` and skipped."""
     for path in reversed(complete_checkpoints(root)):
@@ -109,13 +114,13 @@ def latest_intact(root, say=print) -> Path | None:
     return None
 
 
-def is_root(path) -> bool:
+def is_root(path: str | os.PathLike) -> bool:
     """True for a directory of checkpoints (a --checkpoint-dir), not one checkpoint itself."""
     p = Path(path)
     return p.is_dir() and not (p / MARKER).exists() and not p.name.startswith("step-")
 
 
-def resolve(path) -> Path:
+def resolve(path: str | os.PathLike) -> Path:
     """A checkpoint dir itself, or the newest complete one under a root; one-line errors otherwise."""
     p = Path(path)
     if (p / MARKER).exists():
@@ -153,7 +158,7 @@ def set_rng_state(state: dict) -> None:
     random.setstate((version, tuple(internal), gauss))
 
 
-def train_state_file(path, rank: int) -> Path:
+def train_state_file(path: str | os.PathLike, rank: int) -> Path:
     return Path(path) / f"rank-{rank}.json"
 
 
@@ -232,7 +237,15 @@ def _nearly_full(path) -> bool:
     return st.f_bavail * st.f_frsize < FULL_BELOW_BYTES
 
 
-def save(root, step: int, dmp, optimizer, train_state: dict, meta: dict, keep: int = 0) -> Path:
+def save(
+    root: str | os.PathLike,
+    step: int,
+    dmp: nn.Module,
+    optimizer: Optimizer,
+    train_state: dict,
+    meta: dict,
+    keep: int = 0,
+) -> Path:
     """Collective: every rank calls it. Returns the final directory. A write that fails (full disk,
     read-only directory) raises CheckpointWriteError naming the directory, on the ranks that see it;
     the unfinished step-N.tmp is removed and every complete checkpoint is left as it was."""
@@ -300,7 +313,9 @@ class CheckpointMismatchError(UserError):
     """A checkpoint whose tensors do not fit the model resumed (other table sizes, another model)."""
 
 
-def load(path, dmp, optimizer, verified: bool = False) -> tuple[dict, dict | None]:
+def load(
+    path: str | os.PathLike, dmp: nn.Module, optimizer: Optimizer, verified: bool = False
+) -> tuple[dict, dict | None]:
     """Load model and optimiser state in place; returns (meta, this rank's train state or None when
     the checkpoint was written at another world size). `verified`: the caller has just run
     `verify(path)` (hashing a large checkpoint twice costs minutes)."""

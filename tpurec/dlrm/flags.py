@@ -10,6 +10,7 @@ overrides take their help from `tpurec.dlrm.configs.DLRMConfig`.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import typing
 from types import UnionType
@@ -31,13 +32,13 @@ def flag_metadata(help: str, **argparse_kwargs: Any) -> dict[str, Any]:
     return {_KEY: {"help": help, **argparse_kwargs}}
 
 
-def flag_kwargs(cls, name: str) -> dict:
+def flag_kwargs(cls: type, name: str) -> dict:
     """The argparse keywords declared on field `name` of dataclass `cls` (KeyError if not a flag)."""
     field = next(f for f in dataclasses.fields(cls) if f.name == name)
     return dict(field.metadata[_KEY])
 
 
-def flagged_fields(cls) -> list[dataclasses.Field]:
+def flagged_fields(cls: type) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(cls) if _KEY in f.metadata]
 
 
@@ -45,7 +46,7 @@ def option_string(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_flags(parser, cls) -> None:
+def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
     """One argparse option per flagged field of `cls`, in field order."""
     hints = typing.get_type_hints(cls)
     for f in flagged_fields(cls):
@@ -59,7 +60,7 @@ def add_flags(parser, cls) -> None:
         parser.add_argument(option_string(f.name), *aliases, dest=f.name, default=f.default, **kwargs)
 
 
-def values(cls, namespace) -> dict:
+def values(cls: type, namespace: argparse.Namespace) -> dict:
     """{field name: parsed value} for every flagged field of `cls` found in an argparse namespace."""
     return {f.name: getattr(namespace, f.name) for f in flagged_fields(cls) if hasattr(namespace, f.name)}
 

@@ -9,6 +9,7 @@ maximum over shards) and the recommended limits derived the same way (tpurec.sha
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
@@ -16,14 +17,17 @@ from tpurec.dlrm.input_pipeline import sparsecore_lookups
 from tpurec.embedding.constraints import round_up
 from tpurec.sharding.id_limits import FORMAT, table_entry
 
+if TYPE_CHECKING:
+    from torch import nn
+
 _FIGURES = 6  # per table: max ids, unique ids (partition), max ids, unique ids (slice), ids of a sample, batches
 
 
-def kernels(dmp) -> list:
+def kernels(dmp: nn.Module) -> list:
     return [m.kernel for m in sparsecore_lookups(dmp)]
 
 
-def record(dmp, on: bool) -> None:
+def record(dmp: nn.Module, on: bool) -> None:
     """Count the tables' demand in the batches from now on (training), or stop (evaluation)."""
     for k in kernels(dmp):
         if on:
@@ -33,7 +37,7 @@ def record(dmp, on: bool) -> None:
             k.table_demand = None
 
 
-def summary(dmp) -> dict:
+def summary(dmp: nn.Module) -> dict:
     """This rank's kernels: stack inputs run in several passes, ids dropped."""
     ks = kernels(dmp)
     return {
@@ -42,7 +46,7 @@ def summary(dmp) -> dict:
     }
 
 
-def merged(dmp, world: int) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+def merged(dmp: nn.Module, world: int) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
     """({table: the `_FIGURES`}, {table: [multipass batches, dropped ids]}) over every rank's shards:
     the maximum of each demand figure, the sum of the counts (a shard's stack on each rank)."""
     mine: tuple[dict[str, list[int]], dict[str, list[int]]] = ({}, {})

@@ -392,6 +392,7 @@ class Trainer:
     def checkpoint(self) -> Path:
         """Save model, optimizer, reader position and RNG states at the current step (every rank)."""
         train, s = self.readers.train, self.step_count
+        assert self.options.checkpoint_dir is not None  # checkpoints are written only into one
         st = self._train_state()
         cmeta = {
             "step": s,

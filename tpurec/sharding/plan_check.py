@@ -5,11 +5,14 @@ the table and the fix."""
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping, cast
 
 from torch import nn
 
 from tpurec.errors import UserError
+
+if TYPE_CHECKING:
+    from torchrec.distributed.types import EmbeddingModuleShardingPlan, ModuleShardingPlan, ShardingPlan
 
 
 class PlanMismatchError(UserError):
@@ -24,7 +27,9 @@ class PlanMismatchError(UserError):
     def named(self, source: str) -> PlanMismatchError:
         return PlanMismatchError(source, self.detail)
 
-    def __reduce__(self):  # pickled (a worker's error) with both parts, not the joined message
+    def __reduce__(
+        self,
+    ) -> tuple[type, tuple[str, str]]:  # pickled (a worker's error) with both parts, not the joined message
         return PlanMismatchError, (self.source, self.detail)
 
 
@@ -50,13 +55,19 @@ def embedding_tables(module: nn.Module) -> dict[str, dict[str, tuple[int, int]]]
     return out
 
 
-def align_to_model(plan, module: nn.Module, source: str = "the plan"):
+def module_plans(plan: ShardingPlan) -> dict[str, EmbeddingModuleShardingPlan]:
+    """`plan`'s module plans as the embedding module plans they are: tpurec plans embedding
+    collections only, and TorchRec types `ShardingPlan.plan` by their base class."""
+    return cast("dict[str, EmbeddingModuleShardingPlan]", plan.plan)
+
+
+def align_to_model(plan: ShardingPlan, module: nn.Module, source: str = "the plan") -> ShardingPlan:
     """The plan with each module plan keyed by the model's path of the EBC holding its tables."""
     from torchrec.distributed.types import ShardingPlan
 
     paths = embedding_tables(module)
-    out = {}
-    for path, module_plan in plan.plan.items():
+    out: dict[str, ModuleShardingPlan] = {}
+    for path, module_plan in module_plans(plan).items():
         if path in paths:
             out[path] = module_plan
             continue
@@ -74,13 +85,15 @@ def align_to_model(plan, module: nn.Module, source: str = "the plan"):
     return ShardingPlan(out)
 
 
-def check_plan(plan, tables: Mapping[str, Mapping[str, tuple[int, int]]], world_size: int, source: str = "the plan"):
+def check_plan(
+    plan: ShardingPlan, tables: Mapping[str, Mapping[str, tuple[int, int]]], world_size: int, source: str = "the plan"
+) -> None:
     """Raise PlanMismatchError unless every module plan covers exactly its EBC's tables, every shard lies
     inside its table and on a rank < world_size, and the shards cover the table."""
     from torchrec.distributed.types import ShardingType
 
     types = {t.value for t in ShardingType}
-    for path, module_plan in plan.plan.items():
+    for path, module_plan in module_plans(plan).items():
         where = f", module {path or '<root>'!r}"
         own = tables.get(path)
         if own is None:
@@ -98,28 +111,29 @@ def check_plan(plan, tables: Mapping[str, Mapping[str, tuple[int, int]]], world_
             _check_table(source, f"{where}, table {name!r}", ps, own[name], world_size, types)
 
 
-def place_on_cpu(plan) -> None:
+def place_on_cpu(plan: ShardingPlan) -> None:
     """Place every shard of `plan` on its rank's CPU (in place): a plan made for TPU ranks
     ("rank:N/tpu:M") run by CPU ranks, as with `tpurec train --plan` on CPU or an emulated TPU rank,
     whose tables are CPU tensors (TorchRec refuses a shard whose tensor is not where it is placed)."""
     from torch.distributed import _remote_device
+    from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
 
-    for module_plan in plan.plan.values():
+    for module_plan in module_plans(plan).values():
         for ps in module_plan.values():
             spec = ps.sharding_spec
-            for shard in spec.shards if spec is not None else ():
+            for shard in spec.shards if isinstance(spec, EnumerableShardingSpec) else ():
                 if shard.placement is not None and shard.placement.device().type != "cpu":
                     shard.placement = _remote_device(f"rank:{shard.placement.rank()}/cpu")
 
 
-def check_plan_for_tpu(plan, source: str = "the plan") -> None:
+def check_plan_for_tpu(plan: ShardingPlan, source: str = "the plan") -> None:
     """Raise PlanMismatchError for a sharding a TPU cannot run (kernel_choice.NEEDS_SUBGROUPS), naming the table."""
     from tpurec.sharding.kernel_choice import NEEDS_SUBGROUPS, SUBGROUP_REFUSAL
 
     _refuse_sharding_types(plan, source, set(NEEDS_SUBGROUPS), f"{SUBGROUP_REFUSAL}; plan again for the TPU")
 
 
-def check_sharding_types(plan, source: str = "the plan") -> None:
+def check_sharding_types(plan: ShardingPlan, source: str = "the plan") -> None:
     """Raise PlanMismatchError for a sharding type TorchRec offers that tpurec's kernel does not run
     (data-parallel, grid sharding), naming the table; TorchRec would fail deep inside instead."""
     from torchrec.distributed.types import ShardingType
@@ -132,7 +146,7 @@ def check_sharding_types(plan, source: str = "the plan") -> None:
 
 
 def _refuse_sharding_types(plan, source: str, refused: set[str], why: str) -> None:
-    for path, module_plan in plan.plan.items():
+    for path, module_plan in module_plans(plan).items():
         for name, ps in module_plan.items():
             if ps.sharding_type in refused:
                 raise PlanMismatchError(

@@ -15,20 +15,25 @@ A `tpurec plan --format json` report embeds the same object under "plan", so eit
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tpurec.errors import UserError
+from tpurec.sharding.plan_check import module_plans
+
+if TYPE_CHECKING:
+    from torchrec.distributed.types import ShardingPlan
 
 FORMAT = "tpurec-sharding-plan"
 VERSION = 1
 
 
-def plan_to_dict(plan, meta: dict | None = None) -> dict:
+def plan_to_dict(plan: ShardingPlan, meta: dict | None = None) -> dict:
     from torchrec.distributed.types import EnumerableShardingSpec
 
     modules: dict[str, Any] = {}
-    for path, module_plan in plan.plan.items():
+    for path, module_plan in module_plans(plan).items():
         params = {}
         for name, ps in module_plan.items():
             if ps.cache_params is not None or ps.key_value_params is not None:
@@ -68,7 +73,7 @@ def _placement(text: str) -> str:
     return text
 
 
-def plan_from_dict(doc: dict, source: str = "plan file"):
+def plan_from_dict(doc: dict, source: str = "plan file") -> ShardingPlan:
     """The ShardingPlan of a plan document (or of a report holding one); `source` names it in errors."""
     from torchrec.distributed.types import EmbeddingModuleShardingPlan, ModuleShardingPlan, ShardingPlan
 
@@ -138,7 +143,7 @@ def _parameter_sharding(p: dict):
     )
 
 
-def save_plan(plan, path, meta: dict | None = None) -> None:
+def save_plan(plan: ShardingPlan, path: str | os.PathLike, meta: dict | None = None) -> None:
     Path(path).write_text(json.dumps(plan_to_dict(plan, meta), indent=1) + "\n")
 
 
@@ -147,7 +152,7 @@ def _is_report(doc: dict) -> bool:
     return "plan" in doc and doc.get("format") != FORMAT
 
 
-def read_doc(path) -> dict:
+def read_doc(path: str | os.PathLike) -> dict:
     """The plan file's JSON object, its meta checked (plan_schema.py); UserError naming the file."""
     from tpurec.sharding.plan_schema import check_meta, obj
 
@@ -168,7 +173,7 @@ def read_doc(path) -> dict:
     return doc
 
 
-def load_plan(path, refused_ok: bool = False):
+def load_plan(path: str | os.PathLike, refused_ok: bool = False) -> ShardingPlan:
     """The ShardingPlan saved by save_plan (or embedded in a `tpurec plan --format json` report).
 
     The report of a refused plan (`fits: false`) holds a placement that does not fit its slice; it
@@ -180,7 +185,7 @@ def load_plan(path, refused_ok: bool = False):
     return plan_from_dict(doc, source=str(path))
 
 
-def load_meta(path) -> dict:
+def load_meta(path: str | os.PathLike) -> dict:
     doc = read_doc(path)
     if _is_report(doc):
         return doc.get("meta") or doc["plan"].get("meta") or {}
