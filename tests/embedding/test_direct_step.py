@@ -140,6 +140,7 @@ def test_layout_path_kept_where_the_layout_matters(kw):
 
 def test_layout_path_on_the_standin_fp16_and_unknown_options(monkeypatch):
     from torchrec.modules.embedding_configs import DataType
+    from torchrec.optim import RowWiseAdagrad
 
     from tpurec.emulation.torchtpu_ops import adapter_on_cpu
 
@@ -153,6 +154,10 @@ def test_layout_path_on_the_standin_fp16_and_unknown_options(monkeypatch):
     fp16[0].data_type = DataType.FP16
     h = SparseCoreEmbeddingBagCollection(fp16, torch.optim.SGD, {"lr": 0.1}, num_sparsecores=2)
     assert not direct.applies(h.kernel)  # FP16 tables keep FBGEMM's rounding (the layout path's)
+    decayed = SparseCoreEmbeddingBagCollection(
+        tables, RowWiseAdagrad, {"lr": 0.1, "weight_decay": 0.01, "weight_decay_mode": "L2"}, num_sparsecores=4
+    )
+    assert not direct.applies(decayed.kernel)  # weight decay: the layout path's update (weight_decay.py)
     odd = [EmbeddingBagConfig(name="o", embedding_dim=12, num_embeddings=9, feature_names=["f"])]
     assert direct.applies(SparseCoreEmbeddingBagCollection(odd, torch.optim.SGD, {"lr": 0.1}, num_sparsecores=2).kernel)
     padded = SparseCoreEmbeddingBagCollection(odd, torch.optim.SGD, {"lr": 0.1}, num_sparsecores=2, pad_dims=True)
