@@ -15,7 +15,8 @@ import argparse
 import functools
 import json
 import sys
-from typing import Any
+import typing
+from typing import Any, Literal
 
 from tpurec.argtypes import fraction_above_zero, fraction_below_one, positive_float, positive_int
 from tpurec.catalog import MODEL_NAMES, TRAINING_DEFAULTS  # plain data: keeps `tpurec --help` instant
@@ -139,10 +140,13 @@ def register(sub) -> None:
     diff.set_defaults(run=_diff)
 
 
-def _output_flags(p, default) -> None:
-    p.add_argument(
-        "--format", choices=("text", "json", "html", "png"), default=default, help=f"output format (default {default})"
-    )
+# What a plan report is written as (`--format`).
+PlanFormat = Literal["text", "json", "html", "png"]
+PLAN_FORMATS: tuple[PlanFormat, ...] = typing.get_args(PlanFormat)
+
+
+def _output_flags(p: argparse.ArgumentParser, default: str) -> None:  # a PlanFormat, or argparse.SUPPRESS
+    p.add_argument("--format", choices=PLAN_FORMATS, default=default, help=f"output format (default {default})")
     p.add_argument(
         "--out",
         metavar="FILE",
@@ -151,14 +155,14 @@ def _output_flags(p, default) -> None:
     )
 
 
-def _check_out(args) -> None:
+def _check_out(args: argparse.Namespace) -> None:
     """Refuse an --out that cannot be written before planning (UserError: one line, exit 2)."""
     from tpurec.outputs import check_outputs
 
     check_outputs([("--out", args.out or ("plan.png" if args.format == "png" else None), "file")])
 
 
-def _emit(report: dict, fmt: str, out: str | None) -> None:
+def _emit(report: dict, fmt: PlanFormat, out: str | None) -> None:
     from tpurec.sharding import inspect, render, report_html
 
     if fmt == "png":
