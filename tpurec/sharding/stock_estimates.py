@@ -94,7 +94,7 @@ def _wrap(cls: type[_Estimator], ours: Callable[[Any, List[ShardingOption], Any]
         return  # already wrapped
 
     @functools.wraps(original)
-    def estimate(self, sharding_options: List[ShardingOption], *args: Any, **kwargs: Any) -> Any:
+    def estimate(self: Any, sharding_options: List[ShardingOption], *args: Any, **kwargs: Any) -> Any:
         mine = [o for o in sharding_options if o.compute_kernel == COMPUTE_KERNEL]
         if not mine:
             return original(self, sharding_options, *args, **kwargs)

@@ -82,7 +82,7 @@ def spec_from_torch(optimizer: type, kwargs: Mapping[str, Any] | None = None) ->
     raise UserError(f"optimizer {name} has no fused SparseCore update; use {use}")
 
 
-def _resolves_to(cls, optimizer: type) -> bool:
+def _resolves_to(cls: type[OptimizerSpec], optimizer: type) -> bool:
     try:
         return cls.torch_optimizer() is optimizer
     except ImportError:  # pragma: no cover - a spec for an optimizer of a package not installed
