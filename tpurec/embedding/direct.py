@@ -79,45 +79,69 @@ def lookup(kernel, parts: list, batch: int) -> torch.Tensor | None:
     grad = torch.is_grad_enabled()
     inputs = []
     for i, (values, lengths, weights) in enumerate(parts):
-        offsets, rows, mean = kernel._stack_tensors[i]
-        ns, n = offsets.numel(), values.numel()
-        mean_np = mean.numpy() if mean is not None else np.zeros(ns, np.bool_)
-        want_gains = weights is not None or mean is not None
+        st = _stack(kernel, i)
+        ns, n = st.slots, values.numel()
+        want_gains = weights is not None or st.has_mean
         key_bits = max(int((n if want_gains else batch * ns) - 1).bit_length(), 1)
-        tables = _table_runs(kernel, i)
-        row_bits = max((rows_t - 1).bit_length() for _, _, _, rows_t in tables)
-        if row_bits + key_bits > 63:
+        if st.row_bits + key_bits > 63:
             return None
         # uint32 keys sort about twice as fast as int64 ones
-        keys = np.empty(n if grad else 0, np.uint32 if row_bits + key_bits <= 32 else np.int64)
-        w = weights.to(torch.float32).contiguous().numpy() if weights is not None else np.empty(1, np.float32)
+        keys = np.empty(n if grad else 0, np.uint32 if st.row_bits + key_bits <= 32 else np.int64)
+        w = weights.to(torch.float32).contiguous().numpy() if weights is not None else _NO_WEIGHTS
         ids, boff, gains, bag_of, bad = dk.bags(
-            values.numpy(), lengths.numpy(), w, weights is not None, mean_np, offsets.numpy(), rows.numpy(),
-            batch, want_gains, grad, key_bits, keys,
+            values.numpy(), lengths.numpy(), w, weights is not None, st.mean, st.offsets, st.rows, batch,
+            want_gains, grad, key_bits, keys,
         )  # fmt: skip
         if bad >= 0:
             return None
-        # each table's keys: the ids of its feature slots, one run of the input
-        ends = [0] + (lengths.view(ns, batch).sum(1).cumsum(0).tolist() if batch else [0] * ns)
-        segments = [(ends[lo], ends[hi], base) for lo, hi, base, _ in tables]
+        segments = None
+        if grad:  # each table's keys: the ids of its feature slots, one run of the input
+            ends = np.zeros(ns + 1, np.int64)
+            if batch:
+                np.cumsum(lengths.numpy().reshape(ns, batch).sum(1), out=ends[1:])
+            segments = np.stack([ends[st.first_slot], ends[st.end_slot], st.first_row], axis=1)
         inputs.append(_Bags(*(torch.from_numpy(x) for x in (ids, boff, gains)), keys, key_bits, segments, bag_of, ns))
     trigger = _trigger() if grad else None
     outs = [_DirectLookup.apply(trigger, kernel, i, b, batch) for i, b in enumerate(inputs)]
     return kernel._feature_order_output(outs)
 
 
-def _table_runs(kernel, i: int) -> list[tuple[int, int, int, int]]:
-    """Stack i's tables as (first slot, past the last slot, first stack row, rows): a table's
-    features are consecutive slots (kernel order), and its rows are one run of the stack's."""
-    cache = kernel.__dict__.setdefault("_direct_table_runs", {})
+_NO_WEIGHTS = np.empty(1, np.float32)
+
+
+@dataclass
+class _Stack:
+    """What the direct step reads of stack i, as numpy, made once per kernel (`_stack`)."""
+
+    slots: int
+    offsets: np.ndarray  # int64 first stack row of each feature slot's table
+    rows: np.ndarray  # int64 rows of each slot's table (the id check)
+    mean: np.ndarray  # bool per slot
+    has_mean: bool
+    # the stack's tables: a table's features are consecutive slots (kernel order), its rows one run
+    first_slot: np.ndarray
+    end_slot: np.ndarray
+    first_row: np.ndarray
+    row_bits: int  # bits of the largest table's row numbers
+
+
+def _stack(kernel, i: int) -> _Stack:
+    cache = kernel.__dict__.setdefault("_direct_stacks", {})
     if i not in cache:
+        offsets, rows, mean = kernel._stack_tensors[i]
         plan, runs = kernel.stacks[i], []
         for k, (_, name) in enumerate(plan.features):
-            if runs and runs[-1][4] == name:
+            if runs and runs[-1][3] == name:
                 runs[-1][1] = k + 1
             else:
-                runs.append([k, k + 1, plan.layout.table(name).offset, kernel._table[name].num_embeddings, name])
-        cache[i] = [tuple(r[:4]) for r in runs]
+                runs.append([k, k + 1, plan.layout.table(name).offset, name])
+        first, end, base, names = (list(c) for c in zip(*runs))
+        cache[i] = _Stack(
+            len(plan.features), offsets.numpy(), rows.numpy(),
+            mean.numpy() if mean is not None else np.zeros(len(plan.features), np.bool_), mean is not None,
+            np.array(first), np.array(end), np.array(base, np.int64),
+            max((kernel._table[t].num_embeddings - 1).bit_length() for t in names),
+        )  # fmt: skip
     return cache[i]
 
 
@@ -130,7 +154,7 @@ class _Bags:
     gains: torch.Tensor  # float32 per id, or empty (all 1)
     keys: np.ndarray  # uint32 or int64 per id in input order (empty without backward)
     key_bits: int
-    segments: list  # (first key, past the last, first stack row) of each table
+    segments: np.ndarray | None  # int64 [tables, 3]: first key, past the last, first stack row
     bag_of: np.ndarray  # int32 bag per batch-major position (with gains), else empty
     slots: int
 
@@ -172,16 +196,15 @@ class _DirectLookup(torch.autograd.Function):
 
             b1, b2 = spec.beta1, spec.beta2
             a = alpha_t(lr, b1, b2, kernel._steps[i])
-        for lo, hi, base in bags.segments:
-            keys = bags.keys[lo:hi]
-            keys.sort()  # numpy's sort (AVX-512 on x86): each row's entries adjacent, rows increasing
-            head = (keys, bags.key_bits, base, bags.gains.numpy(), bags.bag_of, g, weight.numpy(), *states)
-            if spec.name == "sgd":
-                dk.update_sgd(*head, f32(-lr))
-            elif spec.name == "adagrad":
-                dk.update_adagrad(*head, f32(-lr), f32(spec.eps))
-            elif spec.name == "rowwise_adagrad":
-                dk.update_rowwise_adagrad(*head, f32(-lr), f32(spec.eps))
-            else:  # adam (applies() admits no other)
-                dk.update_adam(*head, f32(-a), f32(b1), f32(1 - b1), f32(b2), f32(1 - b2), f32(spec.eps))
+        for lo, hi, _ in bags.segments:
+            bags.keys[lo:hi].sort()  # numpy's sort (AVX-512 on x86): a row's entries adjacent, rows increasing
+        head = (bags.keys, bags.key_bits, bags.segments, bags.gains.numpy(), bags.bag_of, g, weight.numpy(), *states)
+        if spec.name == "sgd":
+            dk.update_sgd(*head, f32(-lr))
+        elif spec.name == "adagrad":
+            dk.update_adagrad(*head, f32(-lr), f32(spec.eps))
+        elif spec.name == "rowwise_adagrad":
+            dk.update_rowwise_adagrad(*head, f32(-lr), f32(spec.eps))
+        else:  # adam (applies() admits no other)
+            dk.update_adam(*head, f32(-a), f32(b1), f32(1 - b1), f32(b2), f32(1 - b2), f32(spec.eps))
         return None, None, None, None, None

@@ -98,79 +98,93 @@ def _gather(keys, i, row, key_bits, gains, bag_of, grad, g):
     return i
 
 
-# One loop per optimizer over one table's sorted keys: every touched row once, with its summed
-# gradient g, the same float32 expressions as the optimizer's reference update (optimizers/*.py).
-# The table's rows start at stack row `base`; grad is [bags, dim] (bag b = j * slots + k); gains /
-# bag_of empty unless entries carry their own gains.
+# One loop per optimizer over the sorted keys of each table: every touched row once, with its
+# summed gradient g, the same float32 expressions as the optimizer's reference update
+# (optimizers/*.py). segments: int64 [tables, 3], a table's keys keys[lo:hi] (each table sorted on
+# its own) and its first stack row; grad is [bags, dim] (bag b = j * slots + k); gains / bag_of
+# empty unless entries carry their own gains. One call per stack: a call per table cost more than
+# the work at pooling 1 (numba's dispatch, ~20 us).
 # (Measured, numba 0.68: one loop branching on the optimizer, or an update split into several loops
 # over d, ran 2-5x slower; error_model="numpy" drops the division-by-zero check that kept sqrt and
 # division scalar.)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def update_sgd(keys, key_bits, base, gains, bag_of, grad, table, neg_lr):
+def update_sgd(keys, key_bits, segments, gains, bag_of, grad, table, neg_lr):
     """w += -lr * g."""
     g = np.empty(table.shape[1], np.float32)
-    i = 0
-    while i < keys.size:
-        local = np.int64(keys[i]) >> key_bits
-        i = _gather(keys, i, local, key_bits, gains, bag_of, grad, g)
-        row = base + local
-        w = table[row]
-        for d in range(g.size):
-            w[d] += neg_lr * g[d]
+    for seg in range(segments.shape[0]):
+        lo, hi, base = segments[seg, 0], segments[seg, 1], segments[seg, 2]
+        part = keys[lo:hi]
+        i = 0
+        while i < part.size:
+            local = np.int64(part[i]) >> key_bits
+            i = _gather(part, i, local, key_bits, gains, bag_of, grad, g)
+            row = base + local
+            w = table[row]
+            for d in range(g.size):
+                w[d] += neg_lr * g[d]
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def update_adagrad(keys, key_bits, base, gains, bag_of, grad, table, acc, neg_lr, eps):
+def update_adagrad(keys, key_bits, segments, gains, bag_of, grad, table, acc, neg_lr, eps):
     """a += g*g; w += (-lr * g) / (sqrt(a) + eps), element-wise."""
     g = np.empty(table.shape[1], np.float32)
-    i = 0
-    while i < keys.size:
-        local = np.int64(keys[i]) >> key_bits
-        i = _gather(keys, i, local, key_bits, gains, bag_of, grad, g)
-        row = base + local
-        w = table[row]
-        a = acc[row]
-        for d in range(g.size):
-            a[d] += g[d] * g[d]
-            w[d] += (neg_lr * g[d]) / (np.sqrt(a[d]) + eps)
+    for seg in range(segments.shape[0]):
+        lo, hi, base = segments[seg, 0], segments[seg, 1], segments[seg, 2]
+        part = keys[lo:hi]
+        i = 0
+        while i < part.size:
+            local = np.int64(part[i]) >> key_bits
+            i = _gather(part, i, local, key_bits, gains, bag_of, grad, g)
+            row = base + local
+            w = table[row]
+            a = acc[row]
+            for d in range(g.size):
+                a[d] += g[d] * g[d]
+                w[d] += (neg_lr * g[d]) / (np.sqrt(a[d]) + eps)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def update_rowwise_adagrad(keys, key_bits, base, gains, bag_of, grad, table, acc, neg_lr, eps):
+def update_rowwise_adagrad(keys, key_bits, segments, gains, bag_of, grad, table, acc, neg_lr, eps):
     """a += mean(g*g) (one float per row); w += g * (-lr / (sqrt(a) + eps))."""
     g = np.empty(table.shape[1], np.float32)
-    i = 0
-    while i < keys.size:
-        local = np.int64(keys[i]) >> key_bits
-        i = _gather(keys, i, local, key_bits, gains, bag_of, grad, g)
-        row = base + local
-        sq = np.float32(0.0)
-        for d in range(g.size):
-            sq += g[d] * g[d]
-        a = acc[row] + sq / np.float32(g.size)
-        acc[row] = a
-        mult = neg_lr / (np.sqrt(a) + eps)
-        w = table[row]
-        for d in range(g.size):
-            w[d] += g[d] * mult
+    for seg in range(segments.shape[0]):
+        lo, hi, base = segments[seg, 0], segments[seg, 1], segments[seg, 2]
+        part = keys[lo:hi]
+        i = 0
+        while i < part.size:
+            local = np.int64(part[i]) >> key_bits
+            i = _gather(part, i, local, key_bits, gains, bag_of, grad, g)
+            row = base + local
+            sq = np.float32(0.0)
+            for d in range(g.size):
+                sq += g[d] * g[d]
+            a = acc[row] + sq / np.float32(g.size)
+            acc[row] = a
+            mult = neg_lr / (np.sqrt(a) + eps)
+            w = table[row]
+            for d in range(g.size):
+                w[d] += g[d] * mult
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def update_adam(keys, key_bits, base, gains, bag_of, grad, table, m, v, neg_alpha, b1, c1, b2, c2, eps):
+def update_adam(keys, key_bits, segments, gains, bag_of, grad, table, m, v, neg_alpha, b1, c1, b2, c2, eps):
     """m = b1 m + c1 g; v = b2 v + c2 g*g; w += -alpha_t m / (sqrt(v) + eps) (lazy: touched rows
     only), with c1 = 1 - b1 and c2 = 1 - b2 rounded from double as the torch ops round them."""
     g = np.empty(table.shape[1], np.float32)
-    i = 0
-    while i < keys.size:
-        local = np.int64(keys[i]) >> key_bits
-        i = _gather(keys, i, local, key_bits, gains, bag_of, grad, g)
-        row = base + local
-        w = table[row]
-        mr = m[row]
-        vr = v[row]
-        for d in range(g.size):
-            mr[d] = b1 * mr[d] + c1 * g[d]
-            vr[d] = b2 * vr[d] + c2 * (g[d] * g[d])
-            w[d] += neg_alpha * mr[d] / (np.sqrt(vr[d]) + eps)
+    for seg in range(segments.shape[0]):
+        lo, hi, base = segments[seg, 0], segments[seg, 1], segments[seg, 2]
+        part = keys[lo:hi]
+        i = 0
+        while i < part.size:
+            local = np.int64(part[i]) >> key_bits
+            i = _gather(part, i, local, key_bits, gains, bag_of, grad, g)
+            row = base + local
+            w = table[row]
+            mr = m[row]
+            vr = v[row]
+            for d in range(g.size):
+                mr[d] = b1 * mr[d] + c1 * g[d]
+                vr[d] = b2 * vr[d] + c2 * (g[d] * g[d])
+                w[d] += neg_alpha * mr[d] / (np.sqrt(vr[d]) + eps)
