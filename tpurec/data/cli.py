@@ -6,8 +6,10 @@ Bad user input (a malformed line, a missing file, a bad option) raises UserError
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
+from collections.abc import Callable
 
 from tpurec.argtypes import nonnegative_int, positive_int
 from tpurec.catalog import MODEL_NAMES
@@ -24,7 +26,7 @@ _parser = None  # `tpurec data`, kept to print its help when no action is given
 actions = None
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     global _parser, actions
     p = _parser = sub.add_parser("data", help="Criteo-style Parquet data: convert, synth, inspect, stats")
     dsub = actions = p.add_subparsers(dest="data_command", metavar="ACTION")
@@ -116,23 +118,23 @@ def register(sub) -> None:
     i.set_defaults(run=run_inspect)
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     """`tpurec data` without an action: its help, exit 2."""
     if _parser is not None:
         _parser.print_help()
     return 2
 
 
-def _common(p) -> None:
+def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
-def reader_gone_ok(fn):
+def reader_gone_ok(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     """`tpurec data inspect DIR | head`: the reader closing the pipe early ends the command quietly
     (exit 0). User errors are printed by `tpurec.cli.main` (one line, exit 2)."""
 
-    def wrapped(args) -> int:
+    def wrapped(args: argparse.Namespace) -> int:
         try:
             return fn(args)
         except BrokenPipeError:  # the reader has what it wanted
@@ -156,7 +158,7 @@ def _check_out_dir(args) -> None:
 
 
 @reader_gone_ok
-def run_convert(args) -> int:
+def run_convert(args: argparse.Namespace) -> int:
     from tpurec.catalog import get_table_set
     from tpurec.data import npy
     from tpurec.data.convert import ConvertOptions, convert, resolve_inputs
@@ -231,7 +233,7 @@ def run_convert(args) -> int:
 
 
 @reader_gone_ok
-def run_synth(args) -> int:
+def run_synth(args: argparse.Namespace) -> int:
     from tpurec.data.synth import synthesize
     from tpurec.data.synth_bounds import rows_problem
 
@@ -263,7 +265,7 @@ def run_synth(args) -> int:
 
 
 @reader_gone_ok
-def run_inspect(args) -> int:
+def run_inspect(args: argparse.Namespace) -> int:
     from tpurec.data.inspect import format_report, inspect_dataset
 
     report = inspect_dataset(args.path)

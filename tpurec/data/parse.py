@@ -6,7 +6,12 @@ converter can either name the first bad line or drop bad lines, without a per-ro
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 # Byte -> nibble value; 255 marks a byte that is not a hex digit.
 _HEX = np.full(256, 255, dtype=np.uint8)
@@ -35,7 +40,7 @@ def _string_buffers(arr):
     return offsets, data
 
 
-def parse_hex(arr) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def parse_hex(arr: pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Hex strings -> (uint64 values, empty mask, bad mask). Empty strings give value 0."""
     offsets, data = _string_buffers(arr)
     starts = offsets[:-1]
@@ -65,7 +70,7 @@ def parse_hex(arr) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return values, lengths == 0, bad
 
 
-def parse_numbers(arr) -> tuple[np.ndarray, np.ndarray]:
+def parse_numbers(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """Decimal strings (ints or floats, maybe negative) -> (float64 values, bad mask); empty -> 0.
     Non-finite values ("nan", "inf", "1e400") are bad too: a NaN feature trains to a NaN loss."""
     values, bad = _parse_numbers(arr)
@@ -96,7 +101,7 @@ def _parse_numbers(arr) -> tuple[np.ndarray, np.ndarray]:
         return safe.cast(pa.float64()).to_numpy(zero_copy_only=False), ~ok
 
 
-def parse_labels(arr) -> tuple[np.ndarray, np.ndarray]:
+def parse_labels(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """'0'/'1' -> (int8 values, bad mask). Anything else (including empty) is bad."""
     offsets, data = _string_buffers(arr)
     lengths = offsets[1:] - offsets[:-1]

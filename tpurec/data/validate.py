@@ -9,12 +9,19 @@ one-line ``DataError`` naming file, row group, column, row and value.
 
 from __future__ import annotations
 
+import os
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from tpurec.data.schema import DataError
 
+if TYPE_CHECKING:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
-def open_parquet(path, columns: list[str]):
+
+def open_parquet(path: str | os.PathLike, columns: list[str]) -> pq.ParquetFile:
     """A ParquetFile that verifies page CRCs where the writer stored them (tpurec does since 2026-12;
     older files read as before), refused unless it is Parquet holding every one of `columns`."""
     import pyarrow.parquet as pq
@@ -30,7 +37,7 @@ def open_parquet(path, columns: list[str]):
     return pf
 
 
-def read_row_group(pf, path, rg: int, columns: list[str]):
+def read_row_group(pf: pq.ParquetFile, path: str | os.PathLike, rg: int, columns: list[str]) -> pa.Table:
     """Row group `rg` of `columns`; a damaged page (checksum), truncated page or bad compression is
     a DataError naming the column (`undecodable`)."""
     try:
@@ -106,7 +113,9 @@ def check_ids(where: str, name: str, ids: np.ndarray, size: int | None, first_ro
     )
 
 
-def undecodable(pf, path, rg: int, columns: list[str], error: Exception) -> DataError:
+def undecodable(
+    pf: pq.ParquetFile, path: str | os.PathLike, rg: int, columns: list[str], error: Exception
+) -> DataError:
     """The error for a row group pyarrow could not read, naming the column: re-reads the columns
     one at a time (only on this failure path) to find the first that fails."""
     bad = None

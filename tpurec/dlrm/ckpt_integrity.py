@@ -41,7 +41,7 @@ def _files(directory: Path) -> list[Path]:
     return sorted(p for p in directory.rglob("*") if p.is_file() and p.name not in _SKIP)
 
 
-def write_checksums(directory) -> dict:
+def write_checksums(directory: str | os.PathLike) -> dict:
     """fsync every file of `directory`, then write CHECKSUMS.json (itself fsync-ed)."""
     directory = Path(directory)
     table = {}
@@ -57,7 +57,7 @@ def write_checksums(directory) -> dict:
     return table
 
 
-def read_manifest(directory) -> dict[str, dict]:
+def read_manifest(directory: str | os.PathLike) -> dict[str, dict]:
     """CHECKSUMS.json as {relative path: {"bytes": int, "sha256": hex}}, covering every file of
     `directory`; ManifestError (one line naming the file and what is wrong) otherwise."""
     directory = Path(directory)
@@ -100,7 +100,7 @@ def _entry_problem(name: str, want) -> str | None:
     return None
 
 
-def problems(directory, table: dict[str, dict] | None = None) -> list[str]:
+def problems(directory: str | os.PathLike, table: dict[str, dict] | None = None) -> list[str]:
     """What differs from the manifest `table` (read with `read_manifest` when not given; its
     ManifestError propagates). Empty: every file is intact."""
     directory = Path(directory)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 from tpurec.errors import UserError
@@ -89,7 +90,7 @@ def _read_json(path: Path):
         raise CheckpointMetaError(f"{path}: unreadable ({e})") from None
 
 
-def read_meta(checkpoint) -> dict:
+def read_meta(checkpoint: str | os.PathLike) -> dict:
     """The checkpoint's meta.json, every field present, of its type and in its range."""
     path = Path(checkpoint) / "meta.json"
     meta = _read_json(path)

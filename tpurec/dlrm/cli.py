@@ -14,9 +14,13 @@ import dataclasses
 import os
 import re
 import sys
+from typing import TYPE_CHECKING
 
 from tpurec.dlrm.options import OPTIONS_ENV, TrainOptions
 from tpurec.errors import UserError
+
+if TYPE_CHECKING:
+    from tpurec.dlrm.trainer import Trainer
 
 _EPILOG = """\
 examples:
@@ -32,7 +36,7 @@ stdout gets one JSON line with the final figures; everything else goes to stderr
 """
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "train",
         help="train DLRM / DLRM-DCNv2 (tpurec DMP, planner, Parquet reader)",
@@ -71,7 +75,7 @@ def _error(msg: str) -> int:
     return 2
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     options = TrainOptions.from_args(args)
     msg = _launch_problem(args, options)
     if args.emulate_tpu:
@@ -180,7 +184,7 @@ def run_worker(options: TrainOptions) -> int:
             return interrupts.EXIT_INTERRUPTED
 
 
-def interrupted(options: TrainOptions, trainer) -> str:
+def interrupted(options: TrainOptions, trainer: Trainer | None) -> str:
     """What a Ctrl-C left: the step reached and the last complete checkpoint."""
     rank = os.environ.get("RANK", "0")
     at = f" at step {trainer.step_count}" if trainer is not None and trainer.step_count else ""

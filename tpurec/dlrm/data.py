@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -45,7 +46,9 @@ def synth_cache_problem(table_set: str, rows: int, seed: int, multi_hot: list[in
     )
 
 
-def ensure_synth(table_set: str, rows: int, seed: int, say=print, multi_hot: list[int] | None = None) -> Path:
+def ensure_synth(
+    table_set: str, rows: int, seed: int, say: Callable[[str], object] = print, multi_hot: list[int] | None = None
+) -> Path:
     """The cached synthetic dataset, generated on first use.
 
     Race-safe: it is written into a fresh temporary directory beside the cache entry and renamed
@@ -214,7 +217,7 @@ def _eval_rows(units, world_size: int) -> int:
     return sum(u.rows for u in units) // world_size
 
 
-def model_table_sizes(data_dir, table_set_sizes: list[int]) -> list[int]:
+def model_table_sizes(data_dir: str | os.PathLike, table_set_sizes: list[int]) -> list[int]:
     """The table sizes the data's ids index into (the converter/synth records them); for raw ids,
     the model's own sizes (the reader hashes into them)."""
     from tpurec.data.schema import dataset_metadata

@@ -6,13 +6,20 @@ that only the shards each rank owns are ever allocated (by DistributedModelParal
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tpurec.catalog import NUM_DENSE, TableSet, get_table_set
 from tpurec.device import DeviceKind
 from tpurec.dlrm.configs import DLRMConfig
+
+if TYPE_CHECKING:
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec.models.dlrm import DLRMTrain
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.optim.keyed import CombinedOptimizer
 
 
 def _optimizer(name: str, lr: float, eps: float) -> tuple[type, dict]:
@@ -25,7 +32,7 @@ def _optimizer(name: str, lr: float, eps: float) -> tuple[type, dict]:
     return spec_class(name).from_hyperparameters(lr=lr, eps=eps).to_torch()
 
 
-def embedding_bag_configs(table_set: TableSet):
+def embedding_bag_configs(table_set: TableSet) -> list[EmbeddingBagConfig]:
     """TorchRec's EmbeddingBagConfig (sum pooling) for every table of a catalog table set.
 
     Here rather than in tpurec.catalog, which stays plain data without torch."""
@@ -43,7 +50,9 @@ def embedding_bag_configs(table_set: TableSet):
     ]
 
 
-def build_model(cfg: DLRMConfig, table_sizes: list[int] | None = None, feature_names: list[str] | None = None):
+def build_model(
+    cfg: DLRMConfig, table_sizes: list[int] | None = None, feature_names: list[str] | None = None
+) -> DLRMTrain:
     """DLRMTrain over a meta-device EmbeddingBagCollection, tables' optimiser fused into backward.
 
     table_sizes (one per C1..C26) replaces the table set's sizes, e.g. for data converted into other
@@ -87,7 +96,7 @@ def build_model(cfg: DLRMConfig, table_sizes: list[int] | None = None, feature_n
     return model
 
 
-def planner_constraints(cfg: DLRMConfig, device: DeviceKind, table_names: list[str]):
+def planner_constraints(cfg: DLRMConfig, device: DeviceKind, table_names: list[str]) -> dict[str, ParameterConstraints]:
     """ParameterConstraints for the planner: the table set's pooling factors, and on CPU the
     sharding types above."""
     from torchrec.distributed.planner.types import ParameterConstraints
@@ -122,7 +131,7 @@ def shard(model, cfg: DLRMConfig, device: DeviceKind, *, plan=None, stock: bool 
     )
 
 
-def build_optimizer(dmp, cfg: DLRMConfig):
+def build_optimizer(dmp: DistributedModelParallel, cfg: DLRMConfig) -> CombinedOptimizer:
     """CombinedOptimizer of the fused table optimiser and the dense one (MLPs, keyed by name)."""
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
     from torchrec.optim.optimizers import in_backward_optimizer_filter

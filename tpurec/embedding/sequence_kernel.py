@@ -22,6 +22,8 @@ multipass.stacked_blocks): the same outputs and tables as one lookup of capacity
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -30,6 +32,9 @@ from tpurec.embedding.constraints import SEGMENT_ALIGN, round_up
 from tpurec.embedding.kernel import SparseCoreKernel
 from tpurec.embedding.kjt_checks import check_kjt
 from tpurec.errors import UserError
+
+if TYPE_CHECKING:
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 
 class SparseCoreSequenceKernel(SparseCoreKernel):
@@ -40,7 +45,7 @@ class SparseCoreSequenceKernel(SparseCoreKernel):
     dim, as in TorchRec's EmbeddingCollection and its sequence lookups.
     """
 
-    def __init__(self, *args, max_ids_per_feature: int | None = None, **kwargs) -> None:
+    def __init__(self, *args: Any, max_ids_per_feature: int | None = None, **kwargs: Any) -> None:
         kwargs["positional"] = True
         kwargs["is_weighted"] = False  # EmbeddingCollection ignores weights (torchrec's does too)
         super().__init__(*args, **kwargs)
@@ -83,7 +88,7 @@ class SparseCoreSequenceKernel(SparseCoreKernel):
             self._capacity = self._aligned(2 * largest)
         return self._capacity
 
-    def forward(self, features) -> torch.Tensor:
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         """features: KeyedJaggedTensor with the kernel's features as keys, in order.
         Returns [total ids, dim] float32, rows in the order of `features.values()` (TorchRec's sequence
         lookup output, as the sharded EmbeddingCollection needs it)."""
@@ -92,7 +97,7 @@ class SparseCoreSequenceKernel(SparseCoreKernel):
             return pieces[0]
         return torch.cat(pieces) if pieces else torch.zeros(0, self.dim)
 
-    def forward_per_feature(self, features) -> list[torch.Tensor]:
+    def forward_per_feature(self, features: KeyedJaggedTensor) -> list[torch.Tensor]:
         """Feature k's rows [N_k, dim], as views of the lookup's fixed [capacity, features * dim]
         output: feature k's j-th id is sample j of its capacity slots, so its rows are a prefix and no
         gather is needed. On a TPU the lookup's shape is fixed by the capacity, and slicing a prefix

@@ -11,10 +11,16 @@ backward before the update's, which consumes the output gradient it passes on.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 
+if TYPE_CHECKING:
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-def with_weight_grad(kernel, features, out: torch.Tensor) -> torch.Tensor:
+
+# `kernel` is a SparseCoreKernel, typed Any here: tpurec.embedding.kernel imports this module.
+def with_weight_grad(kernel: Any, features: KeyedJaggedTensor, out: torch.Tensor) -> torch.Tensor:
     """`out` (the kernel's pooled lookup of `features`), made to pass a gradient to the KJT's weights
     when they require one; `out` itself otherwise."""
     weights = features.weights_or_none() if kernel.is_weighted else None
@@ -38,7 +44,7 @@ class _WeightGrad(torch.autograd.Function):
 
 
 @torch.no_grad()
-def weight_gradient(kernel, features, grad: torch.Tensor) -> torch.Tensor:
+def weight_gradient(kernel: Any, features: KeyedJaggedTensor, grad: torch.Tensor) -> torch.Tensor:
     """d loss / d weights ([ids], in the KJT's values order) from the output gradient `grad` [batch,
     sum of dims], reading the kernel's tables as they are now. Keys the kernel has no table for
     (looked up by name) get 0."""

@@ -13,13 +13,18 @@ stand-ins (tpurec.emulation): what the checklist exercises of tpurec, not of the
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 from tpurec.errors import UserError
 
+if TYPE_CHECKING:
+    from tpurec.embedding.selftest import Check
 
-def register(sub) -> None:
+
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("selftest", help="verify the kernels (CPU reference vs oracles, or the TPU first-contact list)")
     p.add_argument(
         "--device",
@@ -38,7 +43,7 @@ def register(sub) -> None:
     p.set_defaults(run=run)
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     from tpurec import device as dev
 
     target = args.device
@@ -102,7 +107,7 @@ def _emulated_checks(slice_name: str, seed: int):
     return tpu_checks("cpu", generation=spec.generation.name, seed=seed)
 
 
-def report(target: str, checks, as_json: bool) -> None:
+def report(target: str, checks: list[Check], as_json: bool) -> None:
     if as_json:
         doc = {"device": target, "passed": all(c.passed for c in checks), "checks": [asdict(c) for c in checks]}
         print(json.dumps(doc, indent=2))

@@ -14,9 +14,12 @@ TorchTPU stand-in (tpurec/emulation/torchtpu_ops.py).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tpurec.embedding.selftest import Check, _compare
+
+if TYPE_CHECKING:
+    from tpurec.sharding.dmp import DistributedModelParallel
 
 
 def tpu_checks(device: str = "tpu", *, generation: str | None = None, seed: int = 0) -> list[Check]:
@@ -149,7 +152,7 @@ BATCH = 32
 MEMORY_SLACK_BYTES = 2 * 2**20
 
 
-def planned_figures(dmp) -> dict:
+def planned_figures(dmp: DistributedModelParallel) -> dict:
     """The planner's bytes for rank 0 of `dmp`'s plan, from the same cost model `tpurec plan` prints."""
     from tpurec.catalog import TableSpec
     from tpurec.sharding.estimators import spec_of

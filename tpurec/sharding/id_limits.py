@@ -22,12 +22,16 @@ import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tpurec.embedding.constraints import SEGMENT_ALIGN, round_up
 from tpurec.embedding.demand import ShardsDemand, TableShards
 from tpurec.errors import UserError
+
+if TYPE_CHECKING:
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 FORMAT = "tpurec-id-limits"
 HEADROOM = 0.10  # over the observed maximum: batches heavier than any seen stay in one pass
@@ -87,7 +91,7 @@ class DemandTally:
             ]
         return self._counters[key]
 
-    def figures(self, kjt) -> list[tuple[str, tuple[int, ...]]]:
+    def figures(self, kjt: KeyedJaggedTensor) -> list[tuple[str, tuple[int, ...]]]:
         """One global batch's figures per table (a KeyedJaggedTensor whose keys include every
         table's features). Safe to call from several threads at once, on different batches."""
         keys = tuple(kjt.keys())
@@ -106,7 +110,7 @@ class DemandTally:
         for name, f in figures:
             self.per_batch[name].append(f)
 
-    def add(self, kjt) -> None:
+    def add(self, kjt: KeyedJaggedTensor) -> None:
         self.record(self.figures(kjt))
 
     def count_stream(self, batches, threads: int = 1, on_batch=None) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 from torchrec.distributed.embedding_kernel import BaseEmbedding
@@ -29,6 +29,9 @@ from tpurec.embedding.optimizers.registry import spec_from_fused_params
 from tpurec.embedding.sequence_kernel import SparseCoreSequenceKernel
 from tpurec.embedding.weight_grad import with_weight_grad
 from tpurec.errors import UserError
+
+if TYPE_CHECKING:
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 _POOLING = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 
@@ -143,7 +146,7 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
     def fused_optimizer(self) -> SparseCoreFusedOptimizer:
         return self._optim
 
-    def forward(self, features) -> torch.Tensor:
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         out = self.kernel(features)
         return out if self._output_dtype in (None, out.dtype) else out.to(self._output_dtype)
 

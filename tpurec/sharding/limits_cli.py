@@ -8,6 +8,7 @@ for the layout a plan gives (tpurec.sharding.id_limits), written as a limits fil
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -18,7 +19,7 @@ from tpurec.catalog import MODEL_NAMES, TRAINING_DEFAULTS
 from tpurec.errors import UserError
 
 
-def register(actions) -> None:
+def register(actions: argparse._SubParsersAction) -> None:
     s = actions.add_parser(
         "stats",
         help="measure per-table id limits for a plan's layout (for --limits)",
@@ -48,7 +49,7 @@ def register(actions) -> None:
     s.set_defaults(run=run)
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     from tpurec.data.cli import reader_gone_ok
 
     return reader_gone_ok(_run)(args)

@@ -54,7 +54,7 @@ A `--format json` report is also a plan file: tpurec.sharding.plan_io.load_plan 
 """
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "plan",
         help="plan embedding sharding for a TPU slice, or show / diff saved plans",

@@ -10,7 +10,9 @@ another tpurec or stock TorchRec model) or full tensors (an unsharded module's s
 
 from __future__ import annotations
 
-from typing import Dict, List
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Dict, List
 
 import torch
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
@@ -22,6 +24,10 @@ from tpurec.sharding import table_params
 from tpurec.sharding.kernel_choice import COMPUTE_KERNEL
 from tpurec.sharding.kernel_module import SparseCoreEmbeddingBag, _SparseCoreGroupKernel
 from tpurec.sharding.sharded_host import ShardedHost
+
+if TYPE_CHECKING:
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 
 class SparseCoreShardedMixin(ShardedHost):
@@ -41,7 +47,7 @@ class SparseCoreShardedMixin(ShardedHost):
         """This rank's SparseCore group kernels, one per lookup group (e.g. to build inputs ahead)."""
         return [m for lookup in self._lookups for m in lookup.modules() if isinstance(m, _SparseCoreGroupKernel)]
 
-    def prepare_dist_input(self, features, submit) -> None:
+    def prepare_dist_input(self, features: Sequence[KeyedJaggedTensor], submit: Callable[..., Future]) -> None:
         """Start building the SparseCore inputs of this module's distributed input (the KJTList its
         input dist produced: one KJT per sharding type, in lookup order) on submit(fn, *args) ->
         Future. Each pooled SparseCore lookup takes its part (the lookup's group split, as TorchRec's
@@ -111,7 +117,7 @@ class SparseCoreShardedMixin(ShardedHost):
             setattr(self, self.CONFIGS_ATTR, saved)
 
 
-def shard_slice(full: torch.Tensor, meta) -> torch.Tensor:
+def shard_slice(full: torch.Tensor, meta: ShardMetadata) -> torch.Tensor:
     (r, c), (nr, nc) = meta.shard_offsets, meta.shard_sizes
     return full[r : r + nr, c : c + nc]
 
