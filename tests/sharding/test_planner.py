@@ -308,6 +308,35 @@ def test_critical_device_proposer_spreads_the_largest_shard_when_a_plan_does_not
     assert [len(o.shards) for o in p.propose()] == [4, 4]
 
 
+def test_critical_device_proposer_finds_the_slowest_device_of_a_cached_plan(monkeypatch):
+    """TorchRec's planner answers a proposal it partitioned before from its cache, whose shards it
+    has since un-ranked (reset_shard_rank). The proposer partitions a copy again: it spreads the
+    heaviest table of the slowest device (rank 1: b and c, 4 ms), not the heaviest table overall (a)."""
+    import copy
+
+    a, b, c = (
+        [_option(t, [ms], [1]), _option(t, [ms / 2] * 2, [1, 1])] for t, ms in (("a", 3.0), ("b", 2.0), ("c", 2.0))
+    )
+    placed = {"a": 0, "b": 1, "c": 1}  # what the planner's partitioner put where
+
+    class Partitioner:
+        def partition(self, proposal, storage_constraint):
+            for o in proposal:
+                for s in o.shards:
+                    s.rank = placed[o.fqn]
+            return proposal
+
+    monkeypatch.setattr(P, "GreedyPerfPartitioner", Partitioner)
+    p = P.CriticalDeviceProposer()
+    p.load(a + b + c)
+    cached = copy.deepcopy(p.propose())
+    for o in cached:
+        for s in o.shards:
+            s.rank = None
+    p.feedback(partitionable=True, plan=cached, perf_rating=4.0, storage_constraint=object())
+    assert [len(o.shards) for o in p.propose()] == [1, 2, 1]  # b spread, a left table-wise
+
+
 def test_tpu_plans_never_use_table_row_wise():
     """Table-row-wise needs TorchRec's intra-/cross-host sub-groups, which TorchTPU 0.2.0 cannot give
     (docs/tpu.md); on 2 hosts the planner chose it for dlrm-tiny's two largest tables before."""

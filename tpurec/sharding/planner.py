@@ -18,8 +18,10 @@ from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
+from torchrec.distributed.planner.partitioners import GreedyPerfPartitioner
 from torchrec.distributed.planner.proposers import GreedyProposer, GridSearchProposer, UniformProposer
 from torchrec.distributed.planner.types import (
+    Enumerator,
     ParameterConstraints,
     Perf,
     PlannerError,
@@ -229,7 +231,7 @@ class CriticalDeviceProposer(Proposer):
     def _largest_shard(option: ShardingOption) -> float:
         return max(_storage(s).hbm + _storage(s).ddr for s in option.shards)
 
-    def load(self, search_space: List[ShardingOption], enumerator=None) -> None:
+    def load(self, search_space: List[ShardingOption], enumerator: Enumerator | None = None) -> None:
         self._options: Dict[str, List[ShardingOption]] = {}
         for o in search_space:
             self._options.setdefault(o.fqn, []).append(o)
@@ -250,7 +252,13 @@ class CriticalDeviceProposer(Proposer):
         self._count += 1
         return [self._options[f][i] for f, i in self._current.items()]
 
-    def feedback(self, partitionable: bool, plan=None, perf_rating=None, storage_constraint=None) -> None:
+    def feedback(
+        self,
+        partitionable: bool,
+        plan: List[ShardingOption] | None = None,
+        perf_rating: float | None = None,
+        storage_constraint: Topology | None = None,
+    ) -> None:
         if not partitionable or not plan:
             # Does not fit: spread the table with the largest shard one step further (on a TPU the
             # update's transient doubles a table-wise 40M x 128 table to 38 GiB, more than a v6e
@@ -260,12 +268,19 @@ class CriticalDeviceProposer(Proposer):
                 self._next, self._fallback = self._fallback, None
             return
         assert self._current is not None  # feedback answers a proposal
+        if storage_constraint is not None and any(s.rank is None for o in plan for s in o.shards):
+            # A proposal the planner had partitioned before (for torchrec's proposers or for this one)
+            # comes back from its cache with the shard ranks it cleared since (planners.py,
+            # reset_shard_rank): partition a copy again, as the planner did, to find the slowest device.
+            plan = GreedyPerfPartitioner().partition(copy.deepcopy(plan), storage_constraint)
         load: Dict[int, float] = {}
         on_rank: Dict[int, Dict[str, float]] = {}
         for o in plan:
             for s in o.shards:
-                load[s.rank] = load.get(s.rank, 0.0) + _perf(s).total
-                per_table = on_rank.setdefault(s.rank, {})
+                rank = s.rank
+                assert rank is not None  # a partitioned plan places every shard
+                load[rank] = load.get(rank, 0.0) + _perf(s).total
+                per_table = on_rank.setdefault(rank, {})
                 per_table[o.fqn] = per_table.get(o.fqn, 0.0) + _perf(s).total
         critical = max(load, key=load.__getitem__)
         for fqn, _ in sorted(on_rank[critical].items(), key=lambda kv: -kv[1]):
@@ -402,7 +417,9 @@ def _refusal(module, topology, batch_size, constraints, optimizer, reservation, 
     return head + "no sharding the planner proposed fits each device: " + "; ".join([device, largest, total])
 
 
-def pooling_constraints(pooling: Dict[str, float], base=None) -> Dict[str, ParameterConstraints]:
+def pooling_constraints(
+    pooling: Dict[str, float], base: Dict[str, ParameterConstraints] | None = None
+) -> Dict[str, ParameterConstraints]:
     """ParameterConstraints carrying each table's mean pooling factor (ids per sample)."""
     out = dict(base or {})
     for name, pf in pooling.items():
