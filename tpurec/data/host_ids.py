@@ -14,11 +14,15 @@ ids on the host the same way.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torchrec.datasets.utils import Batch
 
 from tpurec import host_copies
+
+if TYPE_CHECKING:
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 
 def _move(t: torch.Tensor, device: torch.device, non_blocking: bool, emulated: bool) -> torch.Tensor:
@@ -65,7 +69,7 @@ def mark_plain_batch_moves() -> None:
         return
     original = Batch.to
 
-    def to(self, device, non_blocking: bool = False):
+    def to(self: Batch, device: torch.device, non_blocking: bool = False) -> Batch:
         moved = original(self, device, non_blocking)
         if torch.device(device).type == "cpu":
             moved = Batch(
@@ -79,7 +83,7 @@ def mark_plain_batch_moves() -> None:
     Batch.to = to  # type: ignore[method-assign]
 
 
-def _marked_kjt(kjt):
+def _marked_kjt(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     values, lengths = kjt.values().view_as(kjt.values()), kjt.lengths().view_as(kjt.lengths())

@@ -22,6 +22,7 @@ import struct
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -179,7 +180,7 @@ def _check(arr: np.ndarray, path: str, what: str, kinds: str, cols: int | None) 
     return arr
 
 
-def open_day(day: NpyDay, schema: DataSchema):
+def open_day(day: NpyDay, schema: DataSchema) -> tuple[np.ndarray, np.ndarray, Any]:  # sparse: see below
     """(dense [N, 13], labels [N, 1], sparse [N, 26] or a list of 26 [N, k] arrays), checked."""
     nd, ns = len(schema.dense), len(schema.sparse)
     dense = _check(_load_npy(day.dense), day.dense, "dense", "f", nd)

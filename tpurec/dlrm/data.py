@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, cast
 from tpurec.errors import UserError
 
 if TYPE_CHECKING:
+    from torchrec.datasets.utils import Batch
+
     from tpurec.data.reader import ParquetReader
 
 log = logging.getLogger("tpurec.train")
@@ -179,7 +181,7 @@ def make_readers(
     return Readers(train, ev, batch_size, ev.num_rows, cast(list[int], list(train.table_sizes)))
 
 
-def eval_batches(reader):
+def eval_batches(reader: ParquetReader) -> Iterator[Batch]:
     """The eval reader's batches, then empty (all-padding) batches up to the largest rank's count.
 
     Collective forwards (embedding all-to-all) need every rank in every step; the padding rows are

@@ -11,33 +11,49 @@ a worker thread while batch i's backward and optimizer step run; batch i+1's for
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from tpurec.data.prefetch import Prefetcher
 
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from torch.optim import Optimizer
+    from torchrec.datasets.utils import Batch
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+    from torchrec.distributed.train_pipeline.utils import TrainPipelineContext
 
-def lookups_to_prepare(dmp, world_size: int) -> list:
+    from tpurec.data.reader import ParquetReader
+    from tpurec.sharding.kernel_module import SparseCoreEmbeddingBag
+
+
+def lookups_to_prepare(dmp: nn.Module, world_size: int) -> list[SparseCoreEmbeddingBag]:
     """The pooled SparseCore lookups whose inputs can be built before input distribution."""
     return sparsecore_lookups(dmp) if world_size == 1 else []
 
 
-def sparsecore_lookups(dmp) -> list:
+def sparsecore_lookups(dmp: nn.Module) -> list[SparseCoreEmbeddingBag]:
     """Every pooled SparseCore lookup of this rank."""
     from tpurec.sharding.kernel_module import SparseCoreEmbeddingBag
+    from tpurec.sharding.sharded_state import SparseCoreShardedMixin
 
-    found = []
+    found: list[SparseCoreEmbeddingBag] = []
     for sharded in dmp.modules():
-        if hasattr(sharded, "sparsecore_lookups"):
+        if isinstance(sharded, SparseCoreShardedMixin):
             found += [m for m in sharded.sparsecore_lookups() if isinstance(m, SparseCoreEmbeddingBag)]
     return found
 
 
-def make_prefetcher(reader, lookups: list, *, depth: int, workers: int) -> Prefetcher | None:
+def make_prefetcher(
+    reader: ParquetReader, lookups: list[SparseCoreEmbeddingBag], *, depth: int, workers: int
+) -> Prefetcher | None:
     """Batches of `reader` `depth` ahead, with the lookups' CSR inputs built on `workers` threads;
     None when depth is 0 (the caller reads inline)."""
     if depth == 0:
         return None
     positions: dict[int, list[int]] = {}  # per lookup: where its keys are in the batch's KJT
 
-    def transform(batch):
+    def transform(batch: Batch) -> Batch:
         kjt = batch.sparse_features
         for m in lookups:
             perm = positions.get(id(m))
@@ -50,7 +66,9 @@ def make_prefetcher(reader, lookups: list, *, depth: int, workers: int) -> Prefe
     return Prefetcher(reader, transform if lookups else None, depth=depth, workers=workers)
 
 
-def train_pipeline(dmp, optimizer, device, *, world_size: int, workers: int, prepare: bool = True):
+def train_pipeline(
+    dmp: nn.Module, optimizer: Optimizer, device: torch.device, *, world_size: int, workers: int, prepare: bool = True
+) -> TrainPipelineSparseDist:
     """TorchRec's `TrainPipelineSparseDist`; with several ranks, one that builds every SparseCore
     lookup's CSR inputs on `workers` threads once the input all-to-all has delivered them."""
     from concurrent.futures import ThreadPoolExecutor
@@ -60,15 +78,15 @@ def train_pipeline(dmp, optimizer, device, *, world_size: int, workers: int, pre
 
     if world_size == 1 or not prepare:
         return TrainPipelineSparseDist(dmp, optimizer, device)
-    sharded = {name: m for name, m in dmp.named_modules() if hasattr(m, "prepare_dist_input")}
+    sharded: dict[str, Any] = {name: m for name, m in dmp.named_modules() if hasattr(m, "prepare_dist_input")}
     pool = ThreadPoolExecutor(workers, thread_name_prefix="tpurec-csr")
 
-    def module_for(name: str):
+    def module_for(name: str) -> Any:  # a sharded module with prepare_dist_input, or None
         # the pipeline names modules from the wrapped model; named_modules() from the DMP
         return next((m for fqn, m in sharded.items() if fqn == name or fqn.endswith("." + name)), None)
 
     class SparseCoreTrainPipeline(TrainPipelineSparseDist):
-        def wait_sparse_data_dist(self, context) -> None:
+        def wait_sparse_data_dist(self, context: TrainPipelineContext) -> None:
             super().wait_sparse_data_dist(context)
             for name, request in list(context.input_dist_tensors_requests.items()):
                 module = module_for(name)

@@ -80,11 +80,11 @@ class EmulatedTpuModule(types.ModuleType):
         self._check("current_device")
         return self._local_rank
 
-    def current_stream(self, device=None):
+    def current_stream(self, device: object = None) -> torch.cpu.Stream:
         self._check("current_stream")
         return torch.cpu.current_stream()
 
-    def synchronize(self, device=None) -> None:
+    def synchronize(self, device: object = None) -> None:
         self._check("synchronize")
 
 

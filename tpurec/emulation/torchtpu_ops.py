@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -250,7 +251,7 @@ def route_adapter_to_cpu() -> dict:
 
 
 @contextlib.contextmanager
-def adapter_on_cpu():
+def adapter_on_cpu() -> Iterator[StandIn | None]:
     """`route_adapter_to_cpu()` for the duration of a `with` block."""
     saved = route_adapter_to_cpu()
     try:

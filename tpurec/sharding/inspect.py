@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import asdict
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from tpurec.catalog import TableSpec
 from tpurec.embedding import dtypes
@@ -17,6 +17,10 @@ from tpurec.sharding.estimators import shard_cost, table_elem_bytes
 from tpurec.sharding.id_limits import IdLimits
 from tpurec.sharding.report_text import diff_reports, fitting_text, format_text  # noqa: F401 (re-exported)
 from tpurec.sharding.topology import SliceSpec
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 REPORT_FORMAT = "tpurec-plan-report"
 
@@ -220,7 +224,7 @@ def _topology_for(name: str, hbm_cap: int | None = None, **assumptions):
 UNBOUNDED_MEMORY = 2**60
 
 
-def _bag_configs(tables: list[TableSpec]):
+def _bag_configs(tables: list[TableSpec]) -> list[EmbeddingBagConfig]:
     from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
 
     return [
@@ -236,7 +240,7 @@ def _bag_configs(tables: list[TableSpec]):
     ]
 
 
-def tables_module(tables: list[TableSpec]):
+def tables_module(tables: list[TableSpec]) -> nn.Module:
     """The tables on the meta device (nothing allocated): one EmbeddingBagCollection (module path ""),
     or, when some tables are weighted or sequence tables (`pooling: none`), a module holding
     `unweighted` and `weighted` EBCs (TorchRec's is_weighted is per collection) and one
@@ -246,7 +250,7 @@ def tables_module(tables: list[TableSpec]):
     from torchrec.modules.embedding_configs import DataType, EmbeddingConfig
     from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
-    def ebc(group, weighted):
+    def ebc(group: list[TableSpec], weighted: bool) -> EmbeddingBagCollection:
         return EmbeddingBagCollection(_bag_configs(group), is_weighted=weighted, device=torch.device("meta"))
 
     bags = [t for t in tables if t.pooling != "none"]
