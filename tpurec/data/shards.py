@@ -6,6 +6,8 @@ without talking to the others.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tpurec.data.schema import DataError, DataSchema, list_parquet_files, read_file_schema
@@ -26,7 +28,7 @@ class Unit:
         return self.stop - self.start
 
 
-def scan(paths: str | list[str]) -> tuple[DataSchema, list[Unit]]:
+def scan(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> tuple[DataSchema, list[Unit]]:
     """The common schema and every row group of the files, in file order.
 
     Errors (not Parquet, truncated, no tpurec metadata, a schema differing from the first file's)
@@ -85,7 +87,9 @@ def assign(units: list[Unit], rank: int, world_size: int) -> list[Unit]:
     return [units[i] for i in sorted(mine)]
 
 
-def split_train_eval(paths: str | list[str], eval_fraction: float = 0.1) -> tuple[list[Unit], list[Unit]]:
+def split_train_eval(
+    paths: str | os.PathLike | Sequence[str | os.PathLike], eval_fraction: float = 0.1
+) -> tuple[list[Unit], list[Unit]]:
     """A deterministic train/eval split; neither side is ever empty (needs >= 2 rows).
 
     With enough row groups, whole row groups go to eval: every k-th one (k = round(1/fraction)),

@@ -15,6 +15,8 @@ dictionary-encoded id.
 
 from __future__ import annotations
 
+import os
+
 from tpurec.data.schema import DataSchema
 from tpurec.host_resources import available_bytes, free_disk_bytes
 
@@ -48,7 +50,12 @@ def parquet_bytes_per_row(schema: DataSchema, hots: list[int], compression: str)
 
 
 def rows_problem(
-    flag: str, rows: int, out_dir, table_set: str, multi_hot_sizes: list[int] | None = None, compression: str = "none"
+    flag: str,
+    rows: int,
+    out_dir: str | os.PathLike,
+    table_set: str,
+    multi_hot_sizes: list[int] | None = None,
+    compression: str = "none",
 ) -> str | None:
     """Why `rows` synthetic rows of `table_set` cannot be made into `out_dir` on this host (one line
     naming `flag`, the value and the bound), or None. Callers ask before synthesize writes anything."""

@@ -137,7 +137,7 @@ class Readers:
 
 
 def make_readers(
-    data_dir,
+    data_dir: str | os.PathLike,
     batch_size: int,
     rank: int,
     world_size: int,
@@ -146,7 +146,7 @@ def make_readers(
     eval_fraction: float,
     table_sizes: list[int],
     eval_batch_size: int = 4096,
-    warn=log.warning,
+    warn: Callable[[str], object] = log.warning,
 ) -> Readers:
     from tpurec.data.reader import ParquetReader
     from tpurec.data.schema import dataset_metadata

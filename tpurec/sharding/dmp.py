@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Dict, List, cast
+from typing import TYPE_CHECKING, Any, Dict, List, cast
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,9 @@ from tpurec.sharding import sharded_tensor_device  # noqa: F401  (ShardedTensor.
 from tpurec.sharding.ec_sharder import SparseCoreECSharder
 from tpurec.sharding.fp_sharder import SparseCoreFPEBCSharder
 from tpurec.sharding.sharder import SparseCoreEBCSharder
+
+if TYPE_CHECKING:
+    from torchrec.distributed.planner.types import ParameterConstraints, Topology
 
 logger = logging.getLogger(__name__)
 
@@ -219,14 +222,14 @@ class DistributedModelParallel(_TorchrecDMP):
         env: ShardingEnv | None = None,
         plan: ShardingPlan | None = None,
         sharders: List[ModuleSharder[nn.Module]] | None = None,
-        constraints=None,
-        topology=None,
+        constraints: Dict[str, ParameterConstraints] | None = None,
+        topology: Topology | str | None = None,
         *,
         batch_size: int | None = None,
         uneven_all_to_all: str | None = None,
-        id_limits=None,
+        id_limits: str | os.PathLike | dict[str, tuple[int, ...]] | None = None,
         threads: int | None = None,
-        **dmp_kwargs,
+        **dmp_kwargs: Any,
     ) -> None:
         from tpurec import threads as torch_threads
         from tpurec.embedding.backend import select_device
@@ -256,13 +259,14 @@ class DistributedModelParallel(_TorchrecDMP):
         # already pads on TPU where it must (torchrec/experimental/torch_tpu/uneven_all_to_all.py).
         if topology is None or isinstance(topology, str):
             topology = make_topology(topology, world_size=env.world_size, compute_device=compute_device)
-        planned_sc = getattr(getattr(getattr(topology, "spec", None), "generation", None), "sparsecores", None)
+        slice_spec: Any = getattr(topology, "spec", None)  # tpurec's topologies carry their SliceSpec
+        planned_sc = getattr(getattr(slice_spec, "generation", None), "sparsecores", None)
         if compute_device == "tpu":
             # The chip decides (TorchTPU's ops use its own count); a plan for another generation is refused.
             num_sc = resolve_num_sparsecores(None, "tpu")
             if planned_sc and planned_sc != num_sc:
                 raise UserError(
-                    f"the topology {topology.spec.name} has {planned_sc} SparseCores per device but "
+                    f"the topology {slice_spec.name} has {planned_sc} SparseCores per device but "
                     f"this TPU has {num_sc}; plan for this host's TPU generation"
                 )
         else:

@@ -7,6 +7,7 @@ planner believed. `build_report` returns the JSON document of `tpurec plan --for
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Iterable
 
@@ -15,11 +16,14 @@ from tpurec.embedding import dtypes
 from tpurec.errors import UserError
 from tpurec.sharding.estimators import shard_cost, table_elem_bytes
 from tpurec.sharding.id_limits import IdLimits
+from tpurec.sharding.plan_check import module_plans
 from tpurec.sharding.report_text import diff_reports, fitting_text, format_text  # noqa: F401 (re-exported)
 from tpurec.sharding.topology import SliceSpec
 
 if TYPE_CHECKING:
     from torch import nn
+    from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec.distributed.types import ShardingPlan
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 REPORT_FORMAT = "tpurec-plan-report"
@@ -33,7 +37,7 @@ def _shards(ps, table: TableSpec, world_size: int):
 
 
 def build_report(
-    plan,
+    plan: ShardingPlan,
     tables: Iterable[TableSpec],
     spec: SliceSpec,
     *,
@@ -43,7 +47,7 @@ def build_report(
     reserved: int = 0,
     headroom_fraction: float = 0.0,
     model: str | None = None,
-    limits=None,
+    limits: IdLimits | None = None,
 ) -> dict:
     """The plan's report. `limits` (tpurec.sharding.id_limits.IdLimits): SparseCore buffers sized
     from measured id limits; each device's `worst_case_buffers_bytes` keeps the worst case beside."""
@@ -69,7 +73,7 @@ def build_report(
         for r in range(world)
     ]
     rows = []
-    for path, module_plan in plan.plan.items():
+    for path, module_plan in module_plans(plan).items():
         for name, ps in module_plan.items():
             t = by_name.get(name)
             if t is None:
@@ -278,7 +282,7 @@ def tables_module(tables: list[TableSpec]) -> nn.Module:
     return out
 
 
-def plan_tables(tables: list, topology: str, **kw) -> dict:
+def plan_tables(tables: list, topology: str, **kw: Any) -> dict:
     """Plan `tables` (TableSpecs, or tables_file Entries with their constraints) and return the report.
     On a `cpu-N` topology only the sharding types `tpurec train` runs on CPU are proposed."""
     from torchrec.distributed.planner.types import ParameterConstraints
@@ -312,13 +316,13 @@ def plan_tables(tables: list, topology: str, **kw) -> dict:
 
 
 def plan_module(
-    module,
+    module: nn.Module,
     tables: list[TableSpec],
     topology: str,
     *,
     batch_size: int,
     optimizer: str | None,
-    constraints=None,
+    constraints: dict[str, ParameterConstraints] | None = None,
     model: str | None = None,
     sc_gather_fraction: float | None = None,
     dcn_bw_per_host: float | None = None,
@@ -375,7 +379,7 @@ def _mark_refused(report: dict, refusal: str, smallest: dict) -> None:
     report["smallest_fitting_topology"] = smallest
 
 
-def report_from_plan_and_meta(plan, meta: dict) -> dict:
+def report_from_plan_and_meta(plan: ShardingPlan, meta: dict) -> dict:
     if not all(meta.get(k) for k in ("tables", "topology", "batch_size", "optimizer")):
         raise UserError(
             "this plan file has no meta (tables, topology, batch size); save it with "
@@ -391,13 +395,13 @@ def report_from_plan_and_meta(plan, meta: dict) -> dict:
     source = meta.get("source", "plan")
     # A model with several embedding modules (`--model-module`) splits its tables among them: each
     # module is checked against the tables it names, and together they must cover every table once.
-    planned = [name for module_plan in plan.plan.values() for name in module_plan]
+    planned = [name for module_plan in module_plans(plan).values() for name in module_plan]
     missing, twice = sorted(set(shapes) - set(planned)), sorted({n for n in planned if planned.count(n) > 1})
     if missing:
         raise UserError(f"{source}: no sharding for table(s) {missing}; plan this model again")
     if twice:
         raise UserError(f"{source}: table(s) {twice} are sharded by more than one module; plan this model again")
-    own = {path: {n: shapes[n] for n in module_plan if n in shapes} for path, module_plan in plan.plan.items()}
+    own = {path: {n: shapes[n] for n in module_plan if n in shapes} for path, module_plan in module_plans(plan).items()}
     check_plan(plan, own, topo.spec.world_size, source=source)
     report = build_report(
         plan,
@@ -417,7 +421,7 @@ def report_from_plan_and_meta(plan, meta: dict) -> dict:
     return report
 
 
-def report_from_file(path) -> dict:
+def report_from_file(path: str | os.PathLike) -> dict:
     """Recompute the report of a saved plan (plan_io file with meta, or a --format json report)."""
     from tpurec.sharding.plan_io import load_meta, load_plan
 

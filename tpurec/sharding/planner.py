@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from typing import Dict, List, cast
+from typing import TYPE_CHECKING, Dict, List, cast
 
 import torch
 from torch import nn
@@ -57,6 +57,11 @@ from tpurec.sharding.proposal_budget import (
     budgeted,
 )
 from tpurec.sharding.topology import format_bytes
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from tpurec.sharding.id_limits import IdLimits
 
 GiB = 1024**3
 # Share of each device kept free for the XLA runtime, compiled programs and fragmentation; an
@@ -310,10 +315,10 @@ def make_planner(
     topology: Topology,
     *,
     batch_size: int,
-    constraints=None,
+    constraints: Dict[str, ParameterConstraints] | None = None,
     optimizer: str = "sgd",
     storage_reservation: StorageReservation | None = None,
-    limits=None,
+    limits: IdLimits | None = None,
 ) -> EmbeddingShardingPlanner:
     estimators: List[ShardEstimator] = [
         TpuPerfEstimator(topology, constraints, optimizer, limits),
@@ -437,9 +442,9 @@ def plan(
     constraints: Dict[str, ParameterConstraints] | None = None,
     sharders: List[ModuleSharder[nn.Module]] | None = None,
     optimizer: str | None = None,
-    pg=None,
+    pg: dist.ProcessGroup | None = None,
     storage_reservation: TpuStorageReservation | None = None,
-    limits=None,
+    limits: IdLimits | None = None,
 ) -> ShardingPlan:
     """Plan `module` (a model holding EmbeddingBagCollections, meta tensors fine) on `topology`.
 

@@ -8,6 +8,9 @@ the answer. Single slices only (multislice adds DCN, not memory per device).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
 from torch import nn
 
 from tpurec.embedding.optimizers.registry import spec_class
@@ -15,6 +18,11 @@ from tpurec.sharding import planner as P
 from tpurec.sharding.estimators import table_elem_bytes
 from tpurec.sharding.plan_bounds import tables_problem
 from tpurec.sharding.topology import make_topology, parse_slice, slice_names
+
+if TYPE_CHECKING:
+    from torchrec.distributed.planner.types import ParameterConstraints
+
+    from tpurec.sharding.id_limits import IdLimits
 
 # The generations tpurec's kernel runs on (v4 and v5e have no usable SparseCore).
 TPU_GENERATIONS = ("v5p", "v6e", "v7x")
@@ -38,11 +46,11 @@ def smallest_fitting_topology(
     *,
     batch_size: int,
     optimizer: str,
-    constraints=None,
+    constraints: dict[str, ParameterConstraints] | None = None,
     headroom_fraction: float = P.DEFAULT_HEADROOM_FRACTION,
-    generations=TPU_GENERATIONS,
-    limits=None,
-    **assumptions,
+    generations: Iterable[str] = TPU_GENERATIONS,
+    limits: IdLimits | None = None,
+    **assumptions: Any,
 ) -> dict[str, str | None]:
     """{generation: the smallest slice name the planner fits the model on, or None}."""
     need = memory_lower_bound(module, optimizer)
