@@ -116,7 +116,8 @@ def lookup(kernel, parts: list, batch: int) -> torch.Tensor | None:
                 np.cumsum(lengths.numpy().reshape(ns, batch).sum(1), out=ends[1:])
             segments = np.empty((st.first_row.size, 3), np.int64)
             segments[:, 0], segments[:, 1], segments[:, 2] = ends[st.first_slot], ends[st.end_slot], st.first_row
-        inputs.append(_Bags(*(torch.from_numpy(x) for x in (ids, boff, gains)), keys, key_bits, segments, bag_of, ns))
+        t_ids, t_boff, t_gains = (torch.from_numpy(x) for x in (ids, boff, gains))
+        inputs.append(_Bags(t_ids, t_boff, t_gains, keys, key_bits, segments, bag_of, ns))
     trigger = _trigger() if grad else None
     outs = [_DirectLookup.apply(trigger, kernel, i, b, batch) for i, b in enumerate(inputs)]
     return kernel._feature_order_output(outs)
@@ -145,7 +146,8 @@ def _stack(kernel, i: int) -> _Stack:
     cache = kernel.__dict__.setdefault("_direct_stacks", {})
     if i not in cache:
         offsets, rows, mean = kernel._stack_tensors[i]
-        plan, runs = kernel.stacks[i], []
+        plan = kernel.stacks[i]
+        runs: list[list] = []  # [first slot, past the last, first stack row, table] per feature slot run
         for k, (_, name) in enumerate(plan.features):
             if runs and runs[-1][3] == name:
                 runs[-1][1] = k + 1
@@ -210,13 +212,14 @@ class _DirectLookup(torch.autograd.Function):
             a = alpha_t(lr, b1, b2, kernel._steps[i])
         for lo, hi, _ in bags.segments:
             bags.keys[lo:hi].sort()  # numpy's sort (AVX-512 on x86): a row's entries adjacent, rows increasing
-        head = (bags.keys, bags.key_bits, bags.segments, bags.gains.numpy(), bags.bag_of, g, weight.numpy(), *states)
+        head = (bags.keys, bags.key_bits, bags.segments, bags.gains.numpy(), bags.bag_of, g, weight.numpy())
         if spec.name == "sgd":
             dk.update_sgd(*head, f32(-lr))
         elif spec.name == "adagrad":
-            dk.update_adagrad(*head, f32(-lr), f32(spec.eps))
+            dk.update_adagrad(*head, states[0], f32(-lr), f32(spec.eps))
         elif spec.name == "rowwise_adagrad":
-            dk.update_rowwise_adagrad(*head, f32(-lr), f32(spec.eps))
+            dk.update_rowwise_adagrad(*head, states[0], f32(-lr), f32(spec.eps))
         else:  # adam (applies() admits no other)
-            dk.update_adam(*head, f32(-a), f32(b1), f32(1 - b1), f32(b2), f32(1 - b2), f32(spec.eps))
+            m, v = states
+            dk.update_adam(*head, m, v, f32(-a), f32(b1), f32(1 - b1), f32(b2), f32(1 - b2), f32(spec.eps))
         return None, None, None, None, None

@@ -296,7 +296,7 @@ def _plain_cpu(table: torch.Tensor, *others: torch.Tensor) -> bool:
     )
 
 
-def op_tail(csr: SparseCoreInput) -> tuple:
+def op_tail(csr: SparseCoreInput) -> tuple[int, int, int, int, int]:
     """The trailing int arguments every SparseCore op takes."""
     return (
         csr.device_batch_size,
@@ -307,7 +307,9 @@ def op_tail(csr: SparseCoreInput) -> tuple:
     )
 
 
-def op_head(csr: SparseCoreInput, table: torch.Tensor) -> tuple:
+def op_head(
+    csr: SparseCoreInput, table: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The leading tensor arguments every SparseCore op takes."""
     return (csr.row_pointers, csr.embedding_ids, csr.sample_ids, csr.gains, table)
 
