@@ -10,8 +10,8 @@ fi
 # the file and line. `.venv/bin/ruff format .` and `.venv/bin/ruff check --fix .` repair most findings.
 .venv/bin/ruff check --quiet . || { echo "tpurec: ruff check found problems (see above)" >&2; exit 1; }
 .venv/bin/ruff format --check --quiet . || { echo "tpurec: files need 'ruff format' (listed above)" >&2; exit 1; }
-# Types (configuration: [tool.mypy] in pyproject.toml; its cache in .mypy_cache): about a minute from a
-# clean clone, seconds after; a failure names the file, line and error code.
+# Types (configuration: [tool.mypy] in pyproject.toml; its cache in .mypy_cache, so only a clean clone
+# pays the full check; docs/results.md has its time); a failure names the file, line and error code.
 .venv/bin/mypy || { echo "tpurec: mypy found type errors (see above)" >&2; exit 1; }
 # No TPU here: keep jax on CPU and stop a torch_tpu install from autoloading or querying metadata.
 export JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 TORCH_DEVICE_BACKEND_AUTOLOAD=0
