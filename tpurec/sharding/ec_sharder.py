@@ -9,7 +9,7 @@ kernel_choice.py): table-wise, column-wise, row-wise.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import TYPE_CHECKING, Any, Dict, List
 
 import torch
 import torch.distributed as dist
@@ -26,9 +26,12 @@ from tpurec.sharding.kernel_module import SparseCoreEmbedding
 from tpurec.sharding.sharded_state import SparseCoreShardedMixin
 from tpurec.sharding.sharder import SparseCoreSharderMixin
 
+if TYPE_CHECKING:
+    from torchrec.modules.embedding_modules import EmbeddingCollection
+
 
 class SparseCoreGroupedSequenceLookup(GroupedEmbeddingsLookup):
-    def __init__(self, *args, num_sc_per_device: int, sharding_type: str, **kwargs) -> None:
+    def __init__(self, *args: Any, num_sc_per_device: int, sharding_type: str, **kwargs: Any) -> None:
         # read by _create_embedding_kernel during super().__init__
         self._num_sc_per_device = num_sc_per_device
         self._sharding_type = sharding_type
@@ -52,13 +55,13 @@ class ShardedSparseCoreEC(HostInputDistMixin, SparseCoreShardedMixin, ShardedEmb
 
     def __init__(
         self,
-        module,
+        module: EmbeddingCollection,
         table_name_to_parameter_sharding: Dict[str, ParameterSharding],
         env: ShardingEnv,
         fused_params: Dict[str, Any] | None = None,
         device: torch.device | None = None,
         num_sc_per_device: int = DEFAULT_NUM_SPARSECORES,
-        **kwargs,
+        **kwargs: Any,
     ) -> None:
         self._num_sc_per_device = num_sc_per_device
         self._widen_tables = (fused_params or {}).get("widen_tables")  # as every kernel reads it

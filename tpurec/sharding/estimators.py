@@ -8,7 +8,7 @@ assumptions are written out in docs/planner.md.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import TYPE_CHECKING, Dict, List
 
 import torch
 from torchrec.distributed.planner.types import (
@@ -33,6 +33,10 @@ from tpurec.embedding.optimizers.registry import spec_class
 from tpurec.sharding import cpu_cost
 from tpurec.sharding.id_limits import IdLimits
 from tpurec.sharding.topology import CPU_GENERATION, SliceSpec, cpu_spec
+
+if TYPE_CHECKING:
+    from torchrec.distributed.planner.types import SharderDataMap
+    from torchrec.types import DataType
 
 ID_BYTES = 4  # int32 ids on the wire and in the SparseCore buffers
 ACTIVATION_BYTES = 4  # pooled outputs and their gradients are float32 for every table dtype
@@ -203,7 +207,7 @@ def spec_of(topology: Topology) -> SliceSpec:
     return cpu_spec(topology.world_size, devices_per_host=topology.local_world_size, cpu_costs=None)
 
 
-def table_elem_bytes(dtype, compute_device: str) -> int:
+def table_elem_bytes(dtype: torch.dtype | DataType, compute_device: str) -> int:
     """Bytes per stored element of a table of `dtype` (torch dtype or TorchRec DataType): the config's
     dtype, or float32 where the device widens it (a TPU: tpurec.embedding.dtypes)."""
     if not isinstance(dtype, torch.dtype):
@@ -295,7 +299,7 @@ class TpuStorageEstimator(_TpuEstimator):
     """HBM per shard: padded table + optimizer state + SparseCore buffers + pooled activations, and on
     a TPU the transient new table and state of the fused update."""
 
-    def estimate(self, sharding_options: List[ShardingOption], sharder_data_map=None) -> None:
+    def estimate(self, sharding_options: List[ShardingOption], sharder_data_map: SharderDataMap | None = None) -> None:
         for option in sharding_options:
             for shard, cost in zip(option.shards, self._costs(option)):
                 shard.storage = shard_storage(cost, self._topology.compute_device)
@@ -304,7 +308,7 @@ class TpuStorageEstimator(_TpuEstimator):
 class TpuPerfEstimator(_TpuEstimator):
     """Step time per shard: SparseCore lookup (fwd), fused update (bwd) and the collectives."""
 
-    def estimate(self, sharding_options: List[ShardingOption], sharder_data_map=None) -> None:
+    def estimate(self, sharding_options: List[ShardingOption], sharder_data_map: SharderDataMap | None = None) -> None:
         for option in sharding_options:
             for shard, cost in zip(option.shards, self._costs(option)):
                 shard.perf = shard_perf(cost)

@@ -16,10 +16,13 @@ Of what TorchRec's FP sharder offers, data-parallel is left out as for every Spa
 
 from __future__ import annotations
 
-from typing import Any, List
+from typing import TYPE_CHECKING, Any, Dict, List
 
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
+
+if TYPE_CHECKING:
+    from torchrec.distributed.embedding_types import QuantizedCommCodecs
 
 
 class SparseCoreFPEBCSharder(FeatureProcessedEmbeddingBagCollectionSharder):
@@ -31,7 +34,7 @@ class SparseCoreFPEBCSharder(FeatureProcessedEmbeddingBagCollectionSharder):
     def __init__(
         self,
         ebc_sharder: EmbeddingBagCollectionSharder | None = None,
-        qcomm_codecs_registry=None,
+        qcomm_codecs_registry: Dict[str, QuantizedCommCodecs] | None = None,
         **settings: Any,
     ) -> None:
         if ebc_sharder is None:

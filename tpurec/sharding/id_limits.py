@@ -20,9 +20,10 @@ from __future__ import annotations
 import json
 import math
 import threading
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -113,7 +114,9 @@ class DemandTally:
     def add(self, kjt: KeyedJaggedTensor) -> None:
         self.record(self.figures(kjt))
 
-    def count_stream(self, batches, threads: int = 1, on_batch=None) -> int:
+    def count_stream(
+        self, batches: Iterable[Any], threads: int = 1, on_batch: Callable[[], object] | None = None
+    ) -> int:
         """Counts every batch of `batches` (objects with `.sparse_features`), `threads` batches at a
         time while the next are read; returns the rows seen. Figures are recorded in batch order."""
         from collections import deque
@@ -294,7 +297,7 @@ def load_limits(path: str, layout: dict | None = None) -> dict[str, tuple[int, .
 LAYOUT_KEYS = ("world_size", "sparsecores_per_device", "batch_size_per_device")
 
 
-def same_layout(a, b) -> bool:
+def same_layout(a: object, b: object) -> bool:
     return isinstance(a, dict) and isinstance(b, dict) and all(a.get(k) == b.get(k) for k in LAYOUT_KEYS)
 
 

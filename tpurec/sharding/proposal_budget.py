@@ -19,11 +19,14 @@ docs/planner.md are unchanged (criteo-kaggle on v6e-256, the largest, uses 260,0
 
 from __future__ import annotations
 
-from typing import List
+from typing import TYPE_CHECKING, List
 
 from torchrec.distributed.planner.types import Proposer, ShardingOption, Topology
 
 from tpurec.errors import UserError
+
+if TYPE_CHECKING:
+    from torchrec.distributed.planner.types import Enumerator
 
 # Shards a proposer's proposals may hold in all once a plan fits: ~7 s of partitioning on a 2-core
 # host (about 24 us per shard, profiled on 100 tables), above the 260,000 that the
@@ -54,7 +57,7 @@ class Budgeted(Proposer):
         self.inner, self._state, self._budget = inner, state, budget
         self._spent = 0
 
-    def load(self, search_space: List[ShardingOption], enumerator=None) -> None:
+    def load(self, search_space: List[ShardingOption], enumerator: Enumerator | None = None) -> None:
         self._spent = 0
         self._state.found = self._state.bounded = False  # every proposer is loaded before the first proposal
         self.inner.load(search_space=search_space, enumerator=enumerator)

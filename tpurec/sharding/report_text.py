@@ -7,6 +7,8 @@ that take their time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from tpurec.sharding.topology import format_bytes
 
 DEVICES_HEADER = "devices (memory; ms per step; identical devices share a row)"
@@ -54,7 +56,7 @@ def device_cells(d: dict) -> tuple[str, ...]:
     )
 
 
-def device_groups(devices: list[dict], key=device_cells) -> list[tuple[list[int], dict]]:
+def device_groups(devices: list[dict], key: Callable[[dict], tuple] = device_cells) -> list[tuple[list[int], dict]]:
     """(ranks, first device) per set of devices with equal `key`, ordered by their lowest rank."""
     groups: dict[tuple, list[dict]] = {}
     for d in devices:

@@ -18,6 +18,7 @@ row-wise layout.
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Any
 
 import torch
 from torch.distributed._shard.metadata import ShardMetadata
@@ -39,7 +40,7 @@ class ShardedSparseCoreOptimizer(KernelFusedOptimizer):
     # param groups of checkpoints line up.
     expose_hyperparameters = False
 
-    def __init__(self, sharded_ebc) -> None:
+    def __init__(self, sharded_ebc: Any) -> None:  # a SparseCoreShardedMixin (sharded_state imports us)
         self._ebc = sharded_ebc
         pg = sharded_ebc._env.process_group
         by_table = defaultdict(list)  # table -> [(kernel name, ShardMetadata, kernel)]
@@ -57,6 +58,7 @@ class ShardedSparseCoreOptimizer(KernelFusedOptimizer):
         for table in sharded_ebc._sc_tables:
             cfg = sharded_ebc._table_name_to_config[table]
             plan_spec = sharded_ebc.module_sharding_plan[table].sharding_spec
+            assert plan_spec is not None, f"table {table} is sharded without a sharding spec"  # TorchRec sets one
             size = torch.Size([cfg.num_embeddings, cfg.embedding_dim])
             weight_meta = plan_spec.build_metadata(size, _props(sharded_ebc.stored_dtype(table)))
             state_meta = plan_spec.build_metadata(size, _props())  # state is float32 for any table dtype

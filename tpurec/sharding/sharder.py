@@ -32,7 +32,7 @@ from tpurec.sharding.sharded_state import SparseCoreShardedMixin, shard_slice
 
 
 class SparseCoreGroupedLookup(GroupedPooledEmbeddingsLookup):
-    def __init__(self, *args, num_sc_per_device: int, **kwargs) -> None:
+    def __init__(self, *args: Any, num_sc_per_device: int, **kwargs: Any) -> None:
         self._num_sc_per_device = num_sc_per_device  # read by _create_embedding_kernel during super().__init__
         super().__init__(*args, **kwargs)
 
@@ -62,13 +62,13 @@ class ShardedSparseCoreEBC(HostInputDistMixin, SparseCoreShardedMixin, ShardedEm
 
     def __init__(
         self,
-        module,
+        module: EmbeddingBagCollection,
         table_name_to_parameter_sharding: Dict[str, ParameterSharding],
         env: ShardingEnv,
         fused_params: Dict[str, Any] | None = None,
         device: torch.device | None = None,
         num_sc_per_device: int = DEFAULT_NUM_SPARSECORES,
-        **kwargs,
+        **kwargs: Any,
     ) -> None:
         self._num_sc_per_device = num_sc_per_device
         self._widen_tables = (fused_params or {}).get("widen_tables")  # as every kernel reads it
@@ -107,7 +107,7 @@ class ShardedSparseCoreEBC(HostInputDistMixin, SparseCoreShardedMixin, ShardedEm
             )
 
 
-def sparsecore_fused_params(fused_params: Dict[str, Any] | None, **settings) -> Dict[str, Any]:
+def sparsecore_fused_params(fused_params: Dict[str, Any] | None, **settings: Any) -> Dict[str, Any]:
     """The sharder's fused params plus the kernel settings given (None: not given); TorchRec hands
     fused params to every table's GroupedEmbeddingConfig, where the kernel modules read them."""
     fused = dict(fused_params or {})
@@ -116,7 +116,8 @@ def sparsecore_fused_params(fused_params: Dict[str, Any] | None, **settings) -> 
 
 
 if TYPE_CHECKING:  # what the host sharder class (TorchRec's EBC or EC sharder) provides to the mixin
-    from torchrec.distributed.embedding_types import BaseEmbeddingSharder
+    from torchrec.distributed.embedding_types import BaseEmbeddingSharder, QuantizedCommCodecs
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
     _SharderHost = BaseEmbeddingSharder[Any]
 else:
@@ -138,13 +139,13 @@ class SparseCoreSharderMixin(_SharderHost):
         max_ids_per_partition: int | None = None,
         max_unique_ids_per_partition: int | None = None,
         allow_id_dropping: bool = False,
-        qcomm_codecs_registry=None,
+        qcomm_codecs_registry: Dict[str, QuantizedCommCodecs] | None = None,
         fixed_limits: bool | None = None,
         pad_dims: bool | None = None,
         widen_tables: bool | None = None,
         pooling_factors: Dict[str, float] | None = None,
         table_limits: Dict[str, tuple[int, ...]] | None = None,
-        **kernel_settings,
+        **kernel_settings: Any,
     ) -> None:
         unknown = sorted(set(kernel_settings) - set(self.KERNEL_SETTINGS))
         if unknown:

@@ -20,11 +20,15 @@ pooling factors) a copy, said in a warning.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torchrec.optim.fused import EmptyFusedOptimizer
 
 from tpurec.embedding.table_params import TableSlot, add_slot, table_parameter
+
+if TYPE_CHECKING:
+    pass
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +54,7 @@ def local_view(views: list[torch.Tensor]) -> torch.Tensor | None:
     return first.as_strided((len(views), rows, cols), (step, *first.stride()))
 
 
-def publish(module, in_backward_optimizers: list) -> None:
+def publish(module: Any, in_backward_optimizers: list) -> None:  # Any: sharded_state imports us
     """Register every SparseCore table of `module` (a `SparseCoreShardedMixin`) under
     `<STATE_PREFIX>.<table>.weight`, marked with `in_backward_optimizers` (a list the module fills
     with its fused optimizer once it has one)."""
