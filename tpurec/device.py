@@ -14,7 +14,7 @@ import importlib.util
 import os
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from tpurec.errors import UserError
 
@@ -167,7 +167,7 @@ def tpu_env_problems() -> list[str]:
     ]
 
 
-def name_tpu_backend(module=None) -> None:
+def name_tpu_backend(module: Any = None) -> None:  # torch_tpu's device module, when loaded
     """Name PrivateUse1 "tpu" on a host without TorchTPU, telling torch that no such device is present.
 
     TorchRec places shards on torch.device("tpu"), which parses only once PrivateUse1 has that name;
@@ -185,7 +185,7 @@ def name_tpu_backend(module=None) -> None:
         def is_available(self) -> bool:
             return False
 
-        def has_primary_context(self, device_index) -> bool:
+        def has_primary_context(self, device_index: int) -> bool:
             return False
 
         def is_built(self) -> bool:
@@ -290,7 +290,7 @@ class TpuUnavailableError(UserError, RuntimeError):
     fault, a user error. A RuntimeError too, as it was before UserError existed."""
 
 
-def resolve_device(device) -> torch.device:
+def resolve_device(device: torch.device | str) -> torch.device:
     """Turn "tpu", "tpu:0", "cpu", "meta" or a torch.device into a torch.device.
 
     "tpu" on a host without a usable TPU raises TpuUnavailableError at once, naming what is missing.

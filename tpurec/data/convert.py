@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -194,7 +195,9 @@ def _transform_block(batch, schema: DataSchema):
     return out, bad, reasons
 
 
-def convert_file(in_path: str, out_path: str, opts: ConvertOptions, progress=None) -> FileResult:
+def convert_file(
+    in_path: str, out_path: str, opts: ConvertOptions, progress: Callable[[int], object] | None = None
+) -> FileResult:
     """Convert one text file to one Parquet file at ``out_path`` (the caller renames it).
 
     ``progress(n)`` is called with the input bytes consumed since the last call.

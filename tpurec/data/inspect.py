@@ -7,6 +7,8 @@ exactly on the first ``sample_rows`` rows.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from tpurec.data import validate
@@ -37,7 +39,7 @@ class _KMV:
         return int(round((KMV_K - 1) / (float(self.smallest[-1]) / 2.0**64)))
 
 
-def inspect_dataset(path, sample_rows: int = 1_000_000) -> dict:
+def inspect_dataset(path: str | os.PathLike, sample_rows: int = 1_000_000) -> dict:
     """The report of a dataset. What the reader refuses, inspect refuses too, in the same one line
     naming file, row group, column and row (tpurec/data/validate.py): damaged pages (CRCs verified
     where the writer stored them), missing columns, columns of another type, labels other than 0/1,

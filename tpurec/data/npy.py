@@ -20,6 +20,7 @@ import os
 import re
 import struct
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -234,7 +235,14 @@ def _ids(v: np.ndarray, path: str, start: int, schema: DataSchema, j: int) -> np
     return parse.hash_ids(u, u == 0, feat.rows)
 
 
-def convert_day(day: NpyDay, out_path: str, schema: DataSchema, row_group_size: int, compression: str, progress=None):
+def convert_day(
+    day: NpyDay,
+    out_path: str,
+    schema: DataSchema,
+    row_group_size: int,
+    compression: str,
+    progress: Callable[[int], object] | None = None,
+) -> tuple[int, int, int]:
     """Write one day to one Parquet file; returns (rows, bytes_in, bytes_out)."""
     import pyarrow as pa
 

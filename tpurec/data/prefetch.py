@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from tpurec.errors import UserError
 
@@ -30,7 +31,7 @@ class Prefetcher:
 
     def __init__(
         self,
-        reader,
+        reader: Any,  # a ParquetReader, or anything with __iter__, state_dict and load_state_dict
         transform: Callable | None = None,
         *,
         depth: int = 4,
@@ -61,7 +62,7 @@ class Prefetcher:
             run.stop()
             self.reader.load_state_dict(self._state)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Any]:
         self.close()
         run = self._running = _Run(self)
         try:

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -26,6 +26,7 @@ from tpurec.errors import UserError
 
 if TYPE_CHECKING:
     import torch  # imported where batches are built: a reader of numpy windows needs no torch
+    from torchrec.datasets.utils import Batch
 
 
 @dataclass
@@ -222,7 +223,7 @@ class ParquetReader:
 
     def __init__(
         self,
-        paths,
+        paths: Any,  # a directory, Parquet files, or shards.Units (split_train_eval)
         batch_size: int,
         rank: int = 0,
         world_size: int = 1,
@@ -236,7 +237,7 @@ class ParquetReader:
         cache: bool = False,
         equal_rows: bool = False,
         dense_transform: str | None = None,
-        table_sizes=None,
+        table_sizes: Sequence[int] | dict[str, int] | None = None,
     ) -> None:
         if batch_size < 1:
             raise UserError("batch_size must be >= 1")
@@ -400,7 +401,7 @@ class ParquetReader:
             th.join()
 
     # ----- batches ------------------------------------------------------------------------------
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Batch]:
         epoch = self.epoch
         end = self._epoch_rows()
         plan = self._windows_plan(epoch)

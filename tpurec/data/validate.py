@@ -46,7 +46,14 @@ def read_row_group(pf: pq.ParquetFile, path: str | os.PathLike, rg: int, columns
         raise undecodable(pf, path, rg, columns, e) from None
 
 
-def check_column(path, rg, name, arr, want, nulls_ok: bool = False) -> None:
+def check_column(
+    path: str | os.PathLike,
+    rg: int,
+    name: str,
+    arr: pa.Array | pa.ChunkedArray,
+    want: pa.DataType,
+    nulls_ok: bool = False,
+) -> None:
     """Arrow type and (unless `nulls_ok`: `data inspect` counts them) nulls of one decoded column."""
     import pyarrow as pa
 
@@ -92,7 +99,9 @@ def check_dense(where: str, names: list[str], dense: np.ndarray, first_row: int)
     )
 
 
-def check_ids(where: str, name: str, ids: np.ndarray, size: int | None, first_row: int, offsets=None) -> None:
+def check_ids(
+    where: str, name: str, ids: np.ndarray, size: int | None, first_row: int, offsets: np.ndarray | None = None
+) -> None:
     """Ids in [0, size) (size None: raw ids, only >= 0). ``offsets`` (multi-hot) map an id to its row."""
     if not len(ids):
         return

@@ -187,7 +187,7 @@ def _os_error(e: BaseException | None) -> OSError | None:
     return _behind(e, OSError)
 
 
-def write_error(e: BaseException, where, previous) -> CheckpointWriteError | None:
+def write_error(e: BaseException, where: str | os.PathLike, previous: Path | None) -> CheckpointWriteError | None:
     """One-line CheckpointWriteError for an OSError behind `e` while writing `where`, else None."""
     err = _os_error(e)
     if err is None and _nearly_full(where):

@@ -13,6 +13,7 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 from tpurec.errors import UserError
 
@@ -98,7 +99,7 @@ def read_meta(checkpoint: str | os.PathLike) -> dict:
     return meta
 
 
-def check_train_state(path: Path, state, step: int) -> dict:
+def check_train_state(path: Path, state: Any, step: int) -> dict:  # state: JSON, checked here
     """A rank's train state (rank-R.json) as the resume uses it: reader position within its epoch,
     RNG states of the shape rng_state() writes, and the step meta.json names."""
     _check(path, state, {"step": (int, 0, None)})

@@ -9,6 +9,10 @@ on is the usual cause; meta.json's config can also disagree with the tensors it 
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 _TABLE = re.compile(r"\.(?:embedding_bags|embeddings)\.([^.]+)\.weight$")
 
@@ -26,7 +30,7 @@ def _shape(value) -> tuple[int, ...] | None:
     return tuple(value.shape) if isinstance(value, torch.Tensor) else None
 
 
-def model_mismatch(metadata, model_state: dict, prefix: str = "model.") -> str | None:
+def model_mismatch(metadata: Metadata, model_state: dict, prefix: str = "model.") -> str | None:
     """How `model_state` (a DMP's state_dict, saved under `prefix` in the checkpoint) differs from
     the checkpoint's DCP `metadata`, in one line naming the table (and both row counts) or the
     tensor (and both shapes); None when every tensor is there with its shape."""

@@ -15,8 +15,10 @@ from tpurec.device import DeviceKind
 from tpurec.dlrm.configs import DLRMConfig
 
 if TYPE_CHECKING:
+    from torch.optim import Optimizer
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec.distributed.types import ShardingPlan
     from torchrec.models.dlrm import DLRMTrain
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.optim.keyed import CombinedOptimizer
@@ -114,7 +116,15 @@ def planner_constraints(cfg: DLRMConfig, device: DeviceKind, table_names: list[s
     return pooling_constraints({t.name: float(p) for t, p in zip(specs, pooling)}, base=base)
 
 
-def shard(model, cfg: DLRMConfig, device: DeviceKind, *, plan=None, stock: bool = False, limits: str | None = None):
+def shard(
+    model: DLRMTrain,
+    cfg: DLRMConfig,
+    device: DeviceKind,
+    *,
+    plan: ShardingPlan | None = None,
+    stock: bool = False,
+    limits: str | None = None,
+) -> DistributedModelParallel:
     """tpurec.DistributedModelParallel (tpurec planner and SparseCore kernel), or with stock=True,
     torchrec's own DMP with the FBGEMM `fused` kernel (for the benchmark)."""
     if stock:
@@ -150,7 +160,7 @@ class LRSchedule:
     param group's lr at every update, so one object schedules both sides.
     """
 
-    def __init__(self, optimizer, warmup_steps: int, decay_start: int, decay_steps: int) -> None:
+    def __init__(self, optimizer: Optimizer, warmup_steps: int, decay_start: int, decay_steps: int) -> None:
         self.optimizer = optimizer
         self.warmup, self.decay_start, self.decay_steps = warmup_steps, decay_start, decay_steps
         self.base = [g["lr"] for g in optimizer.param_groups]

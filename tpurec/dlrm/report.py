@@ -9,9 +9,14 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tpurec.catalog import TableSet
+    from tpurec.dlrm.configs import DLRMConfig
 
 
-def plan_report(dmp, cfg, table_set, table_sizes, batch_size) -> dict:
+def plan_report(dmp: Any, cfg: DLRMConfig, table_set: TableSet, table_sizes: list[int], batch_size: int) -> dict:
     """The inspector's report of the plan the DMP is running (also the meta `tpurec plan show` reads).
 
     table_set is the config's catalog TableSet; table_sizes replace its sizes (those of the data)."""

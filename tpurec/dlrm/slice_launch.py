@@ -29,6 +29,8 @@ from tpurec.errors import UserError
 if TYPE_CHECKING:
     from types import FrameType
 
+    from tpurec.sharding.topology import SliceSpec
+
 # What set_tpu_launch_env() may set; all of it is handed to the ranks.
 TORCHTPU_LAUNCH_VARS = (
     "TORCH_TPU_SLICEBUILDER_ADDRESSES",
@@ -127,7 +129,7 @@ def run_hosts(agents: list[tuple[list[str], dict[str, str]]]) -> int:
     return 128 - code if code < 0 else code
 
 
-def emulation_too_big(spec) -> str | None:
+def emulation_too_big(spec: SliceSpec) -> str | None:
     """Why this machine cannot hold every rank of `spec` (each a whole Python process with torch and
     TorchRec, ~1 GiB: `tpurec.dlrm.runtime.RANK_OVERHEAD_BYTES`), or None."""
     from tpurec.dlrm.runtime import RANK_OVERHEAD_BYTES

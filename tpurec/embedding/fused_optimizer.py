@@ -19,6 +19,7 @@ views in ShardedTensors.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
 
@@ -170,7 +171,12 @@ class KernelFusedOptimizer(FusedOptimizer):
 class SparseCoreFusedOptimizer(KernelFusedOptimizer):
     """The fused optimizer of one kernel, its state as plain natural-order tensors keyed by table."""
 
-    def __init__(self, kernel: SparseCoreKernel, param_prefix: str = "embedding_bags.", key_of=None) -> None:
+    def __init__(
+        self,
+        kernel: SparseCoreKernel,
+        param_prefix: str = "embedding_bags.",
+        key_of: Callable[[str], str] | None = None,
+    ) -> None:
         """key_of(kernel table name) -> "<name>.weight": how params are keyed (default: the table name)."""
         key_of = key_of or (lambda name: f"{name}.weight")
         spec = kernel.optimizer

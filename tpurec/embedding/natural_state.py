@@ -8,10 +8,15 @@ the live storage, so TorchRec's tools and DCP write into them in place.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from tpurec.errors import UserError
 
+if TYPE_CHECKING:
+    from torch import nn
 
-def register(module) -> None:
+
+def register(module: nn.Module) -> None:
     module._register_state_dict_hook(_emit_natural_weights)
     module._register_load_state_dict_pre_hook(_consume_natural_weights, with_module=True)
 

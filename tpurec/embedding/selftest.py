@@ -10,7 +10,10 @@ and every fused optimizer, on small random inputs; part of the TPU first-contact
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -212,7 +215,7 @@ def _preprocess_vs_jax(gen) -> Check:
     return Check("preprocess vs jax-tpu-embedding reference", same, 0.0 if same else 1.0, 0.0)
 
 
-def op_checks(device, num_sc: int, seed: int = 0) -> list[Check]:
+def op_checks(device: torch.device | str, num_sc: int, seed: int = 0) -> list[Check]:
     """The SparseCore ops on `device` vs the CPU reference on the same inputs, with the chip's SparseCore
     count (TorchTPU's kernels use their own; a layout for another count would be wrong)."""
     from dataclasses import replace
@@ -241,7 +244,7 @@ def op_checks(device, num_sc: int, seed: int = 0) -> list[Check]:
     table = torch.randn(rows, dim, generator=gen)
     grad = torch.randn(batch, dim, generator=gen)
 
-    def on(ts):
+    def on(ts: list[torch.Tensor]) -> list[torch.Tensor]:
         return [t.to(tpu) for t in ts]
 
     checks = [
