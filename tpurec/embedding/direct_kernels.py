@@ -145,7 +145,9 @@ def update_adagrad(keys, key_bits, segments, gains, bag_of, grad, table, acc, ne
                 w[d] += (neg_lr * g[d]) / (np.sqrt(a[d]) + eps)
 
 
-@numba.njit(cache=True, nogil=True, error_model="numpy")
+# reassoc: lets the sum of g*g vectorise (3x faster at dim 128); it changes that sum's order only,
+# as torch's vector_norm in the reference has its own
+@numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc"})
 def update_rowwise_adagrad(keys, key_bits, segments, gains, bag_of, grad, table, acc, neg_lr, eps):
     """a += mean(g*g) (one float per row); w += g * (-lr / (sqrt(a) + eps))."""
     g = np.empty(table.shape[1], np.float32)
