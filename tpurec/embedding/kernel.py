@@ -21,7 +21,7 @@ import itertools
 import re
 import threading
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from torch import nn
@@ -39,6 +39,9 @@ from tpurec.embedding.optimizers.weight_decay import decay_rows, decay_slots
 from tpurec.embedding.preprocess import IdLimitExceededError, PreprocessStats, SparseCoreInput, preprocess
 from tpurec.embedding.weight_grad import with_weight_grad
 from tpurec.errors import UserError
+
+if TYPE_CHECKING:
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 # Kernel numbers for computation names: unique within the process, fixed for a kernel's lifetime.
 _KERNEL_NUMBERS = itertools.count()
@@ -140,7 +143,7 @@ class SparseCoreKernel(nn.Module):
         self._last_stats: dict[str, PreprocessStats] = {}
         # The last batch when it took the direct path (direct.py), which builds no layout: its stats
         # are built from it when asked for (`last_stats`).
-        self._stats_pending = None
+        self._stats_pending: KeyedJaggedTensor | None = None
         self.dropped_id_count = 0
         self.multipass_batches = 0  # stack inputs run as several passes (over their limits)
         # {} to record every table's demand per batch (tpurec.embedding.demand): by the table's source
@@ -328,7 +331,7 @@ class SparseCoreKernel(nn.Module):
                 view.copy_(torch.empty(t.num_embeddings, t.embedding_dim).uniform_(lo, hi))
 
     # -- forward -------------------------------------------------------------------------------
-    def forward(self, features) -> torch.Tensor:
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         """features: KeyedJaggedTensor (stride = batch size). Returns [batch, sum(dims)] f32."""
         batch = features.stride()
         if direct.applies(self):
@@ -339,7 +342,7 @@ class SparseCoreKernel(nn.Module):
                 return with_weight_grad(self, features, out)
         return with_weight_grad(self, features, self.lookup(self.preprocess(features), batch))
 
-    def preprocess(self, features) -> list[SparseCoreInput | MultiPassInput]:
+    def preprocess(self, features: KeyedJaggedTensor) -> list[SparseCoreInput | MultiPassInput]:
         """Host side: one SparseCore input per stack (data-dependent; runs on the CPU).
 
         Vectorised over features: the KJT is put in stacked order once (a no-op when it already is),

@@ -7,14 +7,18 @@ Stands for `torch.optim.Adagrad` (no lr decay; no weight decay, as FBGEMM's EXAC
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from tpurec.embedding import ops
 from tpurec.embedding.optimizers.base import OptimizerSpec, add_to_rows, op_head, op_tail, tpu_ops, tpu_scalar
+
+if TYPE_CHECKING:
+    from tpurec.embedding.preprocess import SparseCoreInput
 
 
 @torch.no_grad()
@@ -144,7 +148,7 @@ class AdagradSpec(OptimizerSpec):
         return kwargs | self.weight_decay_kwargs()
 
     @classmethod
-    def from_fused_params(cls, fused_params):
+    def from_fused_params(cls, fused_params: Mapping[str, Any]) -> OptimizerSpec:
         # What TorchRec's fused kernel does with what it was not given: FBGEMM's defaults
         # (SplitTableBatchedEmbeddingBagsCodegen: learning_rate 0.01, eps 1.0e-8). torch.optim.Adagrad's
         # 1e-10 (the torch-kwargs route above) is what an unsharded module's in-backward optimizer uses.
@@ -161,7 +165,15 @@ class AdagradSpec(OptimizerSpec):
         return {"eps": self.eps}
 
     def apply_update(
-        self, csr, table, states, grad, lr, step, computation_name: str = "tpurec_adagrad", dim=None
+        self,
+        csr: SparseCoreInput,
+        table: torch.Tensor,
+        states: Sequence[torch.Tensor],
+        grad: torch.Tensor,
+        lr: float,
+        step: int,
+        computation_name: str = "tpurec_adagrad",
+        dim: int | None = None,
     ) -> None:
         (accumulator,) = states
         torch.ops.tpurec.sparse_dense_matmul_grad_with_adagrad(
@@ -169,5 +181,5 @@ class AdagradSpec(OptimizerSpec):
         )
 
     @classmethod
-    def tpu_kernels(cls):
+    def tpu_kernels(cls) -> dict[Any, Callable]:
         return {op: tpu_update}

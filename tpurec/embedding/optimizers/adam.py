@@ -19,14 +19,18 @@ Owns the `tpurec::sparse_dense_matmul_grad_with_adam` op: CPU reference and Torc
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from tpurec.embedding import ops
 from tpurec.embedding.optimizers.base import OptimizerSpec, add_to_rows, op_head, op_tail, tpu_ops, tpu_scalar
+
+if TYPE_CHECKING:
+    from tpurec.embedding.preprocess import SparseCoreInput
 
 
 @torch.no_grad()
@@ -164,7 +168,7 @@ class AdamSpec(OptimizerSpec):
         return kwargs | self.weight_decay_kwargs()
 
     @classmethod
-    def from_fused_params(cls, fused_params):
+    def from_fused_params(cls, fused_params: Mapping[str, Any]) -> OptimizerSpec:
         fp = fused_params
         betas = fp.get("betas", (fp.get("beta1", 0.9), fp.get("beta2", 0.999)))
         return cls(
@@ -177,7 +181,17 @@ class AdamSpec(OptimizerSpec):
     def param_group_entries(self) -> dict:
         return {"eps": self.eps, "betas": (self.beta1, self.beta2)}
 
-    def apply_update(self, csr, table, states, grad, lr, step, computation_name: str = "tpurec_adam", dim=None) -> None:
+    def apply_update(
+        self,
+        csr: SparseCoreInput,
+        table: torch.Tensor,
+        states: Sequence[torch.Tensor],
+        grad: torch.Tensor,
+        lr: float,
+        step: int,
+        computation_name: str = "tpurec_adam",
+        dim: int | None = None,
+    ) -> None:
         momentum, velocity = states
         torch.ops.tpurec.sparse_dense_matmul_grad_with_adam(
             *op_head(csr, table),
@@ -192,11 +206,20 @@ class AdamSpec(OptimizerSpec):
             computation_name,
         )
 
-    def update_rows(self, table, states, rows, grad, lr, step, dim=None) -> None:
+    def update_rows(
+        self,
+        table: torch.Tensor,
+        states: Sequence[torch.Tensor],
+        rows: torch.Tensor,
+        grad: torch.Tensor,
+        lr: float,
+        step: int,
+        dim: int | None = None,
+    ) -> None:
         momentum, velocity = states
         a = alpha_t(lr, self.beta1, self.beta2, step)
         reference_update(table, momentum, velocity, rows, grad, a, self.beta1, self.beta2, self.eps)
 
     @classmethod
-    def tpu_kernels(cls):
+    def tpu_kernels(cls) -> dict[Any, Callable]:
         return {op: tpu_update}

@@ -8,9 +8,16 @@ what differs: names, a state of one float per row, and TorchRec's row-wise check
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
 
 from tpurec.embedding.optimizers.adagrad import AdagradSpec, reference_update
+
+if TYPE_CHECKING:
+    from tpurec.embedding.preprocess import SparseCoreInput
 
 
 @dataclass(frozen=True)
@@ -29,7 +36,15 @@ class RowWiseAdagradSpec(AdagradSpec):
         return (rows,)
 
     def apply_update(
-        self, csr, table, states, grad, lr, step, computation_name: str = "tpurec_adagrad", dim=None
+        self,
+        csr: SparseCoreInput,
+        table: torch.Tensor,
+        states: Sequence[torch.Tensor],
+        grad: torch.Tensor,
+        lr: float,
+        step: int,
+        computation_name: str = "tpurec_adagrad",
+        dim: int | None = None,
     ) -> None:
         """The accumulator takes mean(g*g) over the row's width; for a table stored wider than its dim
         (zero-gradient padding columns), scale the gradient by s = sqrt(width/dim) and the learning
@@ -38,7 +53,16 @@ class RowWiseAdagradSpec(AdagradSpec):
         grad, lr = _at_width(grad, lr, table.shape[1], dim)
         super().apply_update(csr, table, states, grad, lr, step, computation_name)
 
-    def update_rows(self, table, states, rows, grad, lr, step, dim=None) -> None:
+    def update_rows(
+        self,
+        table: torch.Tensor,
+        states: Sequence[torch.Tensor],
+        rows: torch.Tensor,
+        grad: torch.Tensor,
+        lr: float,
+        step: int,
+        dim: int | None = None,
+    ) -> None:
         (accumulator,) = states
         grad, lr = _at_width(grad, lr, table.shape[1], dim)
         reference_update(table, accumulator, rows, grad, lr, self.eps)

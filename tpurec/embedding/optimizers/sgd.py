@@ -7,13 +7,18 @@ EXACT_SGD (which has no weight decay either: refused, `weight_decay.py`). Owns t
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from tpurec.embedding import ops
 from tpurec.embedding.optimizers.base import OptimizerSpec, add_to_rows, op_head, op_tail, tpu_ops, tpu_scalar
+
+if TYPE_CHECKING:
+    from tpurec.embedding.preprocess import SparseCoreInput
 
 
 @torch.no_grad()
@@ -106,14 +111,24 @@ class SGDSpec(OptimizerSpec):
         return {"lr": self.lr}
 
     @classmethod
-    def from_fused_params(cls, fused_params) -> SGDSpec:
+    def from_fused_params(cls, fused_params: Mapping[str, Any]) -> SGDSpec:
         return cls(lr=float(fused_params.get("learning_rate", fused_params.get("lr", 0.01))))
 
-    def apply_update(self, csr, table, states, grad, lr, step, computation_name: str = "tpurec_sgd", dim=None) -> None:
+    def apply_update(
+        self,
+        csr: SparseCoreInput,
+        table: torch.Tensor,
+        states: Sequence[torch.Tensor],
+        grad: torch.Tensor,
+        lr: float,
+        step: int,
+        computation_name: str = "tpurec_sgd",
+        dim: int | None = None,
+    ) -> None:
         torch.ops.tpurec.sparse_dense_matmul_grad_with_sgd(
             *op_head(csr, table), grad, lr, *op_tail(csr), computation_name
         )
 
     @classmethod
-    def tpu_kernels(cls):
+    def tpu_kernels(cls) -> dict[Any, Callable]:
         return {op: tpu_update}
