@@ -12,6 +12,7 @@ timing, so the figures do not depend on machine load.
 
 from __future__ import annotations
 
+import argparse
 import json
 
 
@@ -80,14 +81,14 @@ def run(batch: int = 2048, pooling: int = 20, seed: int = 0) -> dict:
     return {"workload": {"batch": batch, "ids_per_sample_per_table": pooling, "zipf_a": 1.05}, "rows": rows}
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("balance", help="ids per SparseCore partition: natural-order storage vs MOD")
     p.add_argument("--json", action="store_true", help="one JSON document instead of text")
     p.add_argument("--batch-size", type=int, default=2048, help="batch size per device (default 2048)")
     p.set_defaults(run=main)
 
 
-def main(args) -> int:
+def main(args: argparse.Namespace) -> int:
     result = run(batch=args.batch_size)
     if args.json:
         print(json.dumps(result, indent=2))

@@ -15,6 +15,7 @@ second core, is reported beside it. Each reader gets ``passes`` timed epochs
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import tempfile
@@ -216,7 +217,7 @@ def run_bench(
             tmp.cleanup()
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("data", help="Parquet reader vs torchrec's in-memory Criteo loader, converter MB/s")
     p.add_argument("--rows", type=int, default=2_000_000, help="rows in the generated dataset (default 2M)")
     p.add_argument("--tables", default="criteo-kaggle", help="table set for the ids (default criteo-kaggle)")
@@ -230,7 +231,7 @@ def register(sub) -> None:
     p.set_defaults(run=run)
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     from tpurec.data.cli import reader_gone_ok
 
     return reader_gone_ok(_run)(args)

@@ -41,7 +41,7 @@ def _pooling(text: str):
     return value
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     from tpurec.bench.contenders import OPTIMIZERS
 
     p = sub.add_parser("kernels", help="embedding training step: tpurec CPU reference vs FBGEMM CPU TBE, per cell")
@@ -85,7 +85,7 @@ def register(sub) -> None:
     p.set_defaults(run=run_cli)
 
 
-def run_cli(args) -> int:
+def run_cli(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(args.threads)

@@ -26,6 +26,7 @@ batches already read, and the machine's copy bandwidth (numpy copy of 256 MB).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -290,7 +291,7 @@ def _spawn(spec: dict, cpus: list[int]) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("pipeline", help="Parquet -> KJT -> SparseCore CSR per step vs pyarrow + jax-tpu-embedding")
     p.add_argument("--batch-size", type=int, default=2048, help="samples per step (default 2048)")
     p.add_argument("--steps", type=int, default=24, help="batches in the generated data (default 24)")
@@ -302,7 +303,7 @@ def register(sub) -> None:
     p.set_defaults(run=run)
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     kw = dict(batch_size=args.batch_size, steps=args.steps, repeats=args.repeats)
     if args.quick:
         kw.update(batch_size=256, steps=8, repeats=1, warmup=0)

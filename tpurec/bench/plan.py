@@ -12,6 +12,7 @@ tpurec plans faster). Imports and the first (warm-up) round are not timed.
 
 from __future__ import annotations
 
+import argparse
 import json
 
 from tpurec.argtypes import positive_int
@@ -20,7 +21,7 @@ from tpurec.catalog import MODEL_NAMES, TRAINING_DEFAULTS
 GPUS_PER_HOST = 8  # an 8-GPU host, as the MLPerf DLRM-DCNv2 reference's 8xH200 (DESIGN.md, "Anchors")
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="planning time: tpurec's planner vs TorchRec's (cuda topology), same model")
     p.add_argument("--json", action="store_true", help="one JSON document instead of text")
     p.add_argument("--model", choices=MODEL_NAMES, default="mlperf-dcnv2", help="model to plan (default mlperf-dcnv2)")
@@ -127,7 +128,7 @@ def run(model: str = "mlperf-dcnv2", topology: str = "v5p-128", batch_size: int 
     }
 
 
-def main(args) -> int:
+def main(args: argparse.Namespace) -> int:
     if args.calibrate:
         from tpurec.bench import calibrate
 

@@ -31,6 +31,7 @@ single round and the load average; per-pooling figures are under pooling_<pf>.
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import sys
@@ -266,7 +267,7 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("preprocess", help="SparseCore input preprocessing vs jax-tpu-embedding's C++ path")
     p.add_argument("--quick", action="store_true", help="fewer repetitions, same shapes")
     p.add_argument("--json", action="store_true", help="one JSON document instead of text")
@@ -276,7 +277,7 @@ def register(sub) -> None:
     p.set_defaults(run=main)
 
 
-def main(args) -> int:
+def main(args: argparse.Namespace) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     try:
         run(quick=args.quick, as_json=args.json, batch_size=args.batch_size, threads=args.threads, repeats=args.repeats)

@@ -33,6 +33,7 @@ are reported, not compared.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import os
@@ -67,7 +68,7 @@ WORKLOADS = {
 }
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="DLRM training throughput: tpurec DMP vs stock TorchRec DMP (FBGEMM fused)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument(
@@ -89,7 +90,7 @@ def register(sub) -> None:
     p.set_defaults(run=run_cli)
 
 
-def run_cli(args) -> int:
+def run_cli(args: argparse.Namespace) -> int:
     _, _, _, batch, steps, warmup = WORKLOADS[args.tables]
     args.batch_size = args.batch_size or batch
     args.steps = args.steps or steps
@@ -407,7 +408,7 @@ def worker(side: str, tables: str, data: str, steps: int, warmup: int, batch_siz
     return out if rank == 0 else None
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m tpurec.bench.train", description="one rank of tpurec bench train")
