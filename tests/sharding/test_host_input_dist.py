@@ -15,6 +15,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 from tpurec import host_copies
 from tpurec.sharding.dmp import _ensure_process_group
 from tpurec.sharding.ec_sharder import SparseCoreECSharder
+from tpurec.sharding.plan_check import module_plans
 from tpurec.sharding.planner import plan
 from tpurec.sharding.sharder import SparseCoreEBCSharder
 from tpurec.sharding.topology import make_topology
@@ -53,7 +54,7 @@ def _shard(kind: str, sharding_type: str, device: str = "meta"):
     )
     assert dist.group.WORLD is not None
     env = ShardingEnv.from_process_group(dist.group.WORLD)
-    return sharder.shard(module, p.plan[""], env, device=torch.device(device))
+    return sharder.shard(module, module_plans(p)[""], env, device=torch.device(device))
 
 
 @pytest.mark.parametrize("sharding_type", [ShardingType.TABLE_WISE.value, ShardingType.ROW_WISE.value])

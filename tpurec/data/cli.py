@@ -146,11 +146,11 @@ def reader_gone_ok(fn: Callable[[argparse.Namespace], int]) -> Callable[[argpars
     return wrapped
 
 
-def _progress(args) -> bool:
+def _progress(args: argparse.Namespace) -> bool:
     return not args.quiet and sys.stderr.isatty()
 
 
-def _check_out_dir(args) -> None:
+def _check_out_dir(args: argparse.Namespace) -> None:
     """--out is written last: refuse one that cannot be written before converting a byte."""
     from tpurec.outputs import check_outputs
 

@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     return slice_launch.run_hosts(agents)
 
 
-def _launch_problem(args, options: TrainOptions) -> str | None:
+def _launch_problem(args: argparse.Namespace, options: TrainOptions) -> str | None:
     if args.nnodes < 1:
         return "--nnodes must be >= 1"
     if args.nnodes > 1 and options.device != "tpu":
@@ -198,7 +198,7 @@ def interrupted(options: TrainOptions, trainer: Trainer | None) -> str:
     return f"interrupted{at} (rank {rank}); the last complete checkpoint is step {int(last.name[5:])} ({last})"
 
 
-def _run_rank(trainer) -> int:
+def _run_rank(trainer: Trainer) -> int:
     from tpurec import heartbeat, interrupts
 
     rank, options = os.environ.get("RANK", "0"), trainer.options

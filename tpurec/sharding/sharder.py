@@ -15,8 +15,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Dict, List
 
 import torch
+import torch.distributed as dist
+from torchrec.distributed.embedding_kernel import BaseEmbedding
 from torchrec.distributed.embedding_lookup import GroupedPooledEmbeddingsLookup
-from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel, GroupedEmbeddingConfig
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder, ShardedEmbeddingBagCollection
 from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingSharding
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
@@ -36,13 +38,20 @@ class SparseCoreGroupedLookup(GroupedPooledEmbeddingsLookup):
         self._num_sc_per_device = num_sc_per_device  # read by _create_embedding_kernel during super().__init__
         super().__init__(*args, **kwargs)
 
-    def _create_embedding_kernel(self, config, device, pg, sharding_type, env):
+    def _create_embedding_kernel(
+        self,
+        config: GroupedEmbeddingConfig,
+        device: torch.device | None,
+        pg: dist.ProcessGroup | None,
+        sharding_type: ShardingType | None,
+        env: ShardingEnv | None,
+    ) -> BaseEmbedding:
         if config.compute_kernel != EmbeddingComputeKernel.CUSTOMIZED_KERNEL:
             return super()._create_embedding_kernel(config, device, pg, sharding_type, env)
         return SparseCoreEmbeddingBag(config, device, self._num_sc_per_device, sharding_type)
 
 
-def _sharding_type_of(sharding) -> ShardingType:
+def _sharding_type_of(sharding: object) -> ShardingType:
     name = type(sharding).__name__
     for prefix, st in (
         ("TwRw", ShardingType.TABLE_ROW_WISE),
@@ -177,7 +186,14 @@ class SparseCoreSharderMixin(_SharderHost):
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
         return [COMPUTE_KERNEL]
 
-    def shard(self, module, params, env, device=None, module_fqn=None):
+    def shard(
+        self,
+        module: Any,  # the host sharder's module type: an EmbeddingBagCollection or EmbeddingCollection
+        params: Dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        module_fqn: str | None = None,
+    ) -> Any:
         device_type = torch.device(device).type if device is not None else "cpu"
         return self.SHARDED_CLASS(
             module,
