@@ -56,7 +56,7 @@ class CheckpointMetaError(UserError):
     """meta.json or rank-R.json holds a field of the wrong type or out of its range, or lacks one."""
 
 
-def _field_problem(doc: dict, name: str, kind: type, low, high) -> str | None:
+def _field_problem(doc: dict, name: str, kind: type, low: float | None, high: float | None) -> str | None:
     if name not in doc:
         return f'no "{name}" field'
     value = doc[name]
@@ -71,7 +71,7 @@ def _field_problem(doc: dict, name: str, kind: type, low, high) -> str | None:
     return None
 
 
-def _check(path: Path, doc, fields: dict, within: str | None = None) -> None:
+def _check(path: Path, doc: Any, fields: dict, within: str | None = None) -> None:
     """Each of `fields` in object `doc` (the value of key `within` of the file, or the file's)."""
     where = f'{path}: "{within}"' if within else str(path)
     if not isinstance(doc, dict):
@@ -82,7 +82,7 @@ def _check(path: Path, doc, fields: dict, within: str | None = None) -> None:
             raise CheckpointMetaError(f"{where}: {problem}")
 
 
-def _read_json(path: Path):
+def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:

@@ -12,7 +12,12 @@ from torch import nn
 from tpurec.errors import UserError
 
 if TYPE_CHECKING:
-    from torchrec.distributed.types import EmbeddingModuleShardingPlan, ModuleShardingPlan, ShardingPlan
+    from torchrec.distributed.types import (
+        EmbeddingModuleShardingPlan,
+        ModuleShardingPlan,
+        ParameterSharding,
+        ShardingPlan,
+    )
 
 
 class PlanMismatchError(UserError):
@@ -145,7 +150,7 @@ def check_sharding_types(plan: ShardingPlan, source: str = "the plan") -> None:
     _refuse_sharding_types(plan, source, unsupported, why)
 
 
-def _refuse_sharding_types(plan, source: str, refused: set[str], why: str) -> None:
+def _refuse_sharding_types(plan: ShardingPlan, source: str, refused: set[str], why: str) -> None:
     for path, module_plan in module_plans(plan).items():
         for name, ps in module_plan.items():
             if ps.sharding_type in refused:
@@ -154,7 +159,9 @@ def _refuse_sharding_types(plan, source: str, refused: set[str], why: str) -> No
                 )
 
 
-def _check_table(source: str, where: str, ps, shape: tuple[int, int], world_size: int, types: set) -> None:
+def _check_table(
+    source: str, where: str, ps: ParameterSharding, shape: tuple[int, int], world_size: int, types: set
+) -> None:
     if ps.sharding_type not in types:
         raise PlanMismatchError(source, f"{where}: sharding_type {ps.sharding_type!r} is not one of {sorted(types)}")
     for r in ps.ranks or []:
@@ -162,11 +169,16 @@ def _check_table(source: str, where: str, ps, shape: tuple[int, int], world_size
     spec = ps.sharding_spec
     if spec is None:
         return
+    from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
+
+    assert isinstance(spec, EnumerableShardingSpec), type(spec)  # what plan_io builds, as TorchRec does
     rows, dim = shape
     area = 0
     for s in spec.shards:
         (r0, c0), (nr, nc) = s.shard_offsets, s.shard_sizes
-        _check_rank(source, where, s.placement.rank(), world_size)
+        rank = s.placement.rank() if s.placement is not None else None
+        assert rank is not None, f"{where}: a shard without a rank"  # plan files and TorchRec place every shard
+        _check_rank(source, where, rank, world_size)
         # An empty shard is legal: TorchRec's row-wise split of a table with fewer rows than ranks
         # gives the last ranks 0 rows (dlrm-tiny's 3-row t_C9 on 4 devices).
         if min(r0, c0, nr, nc) < 0 or r0 + nr > rows or c0 + nc > dim:

@@ -16,6 +16,7 @@ import functools
 import json
 import sys
 import typing
+from collections.abc import Callable
 from typing import Any, Literal
 
 from tpurec.argtypes import fraction_above_zero, fraction_below_one, positive_float, positive_int
@@ -182,7 +183,7 @@ def _emit(report: dict, fmt: PlanFormat, out: str | None) -> None:
         print(text)
 
 
-def _plan(args) -> int:
+def _plan(args: argparse.Namespace) -> int:
     if not (args.model or args.tables or args.model_module) or not args.topology:  # before torch loads: at once
         print(
             "tpurec plan: give --model, --tables or --model-module, and --topology (see tpurec plan --help)",
@@ -258,11 +259,11 @@ def _plan(args) -> int:
     return 0
 
 
-def _quiet_planner(fn):
+def _quiet_planner(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     """torchrec warns that our Topology is not built by its TopologyFactory; not actionable here."""
 
     @functools.wraps(fn)
-    def wrapper(args) -> int:
+    def wrapper(args: argparse.Namespace) -> int:
         import logging
 
         logging.getLogger("torchrec.distributed.planner").setLevel(logging.ERROR)
@@ -271,7 +272,7 @@ def _quiet_planner(fn):
     return wrapper
 
 
-def _reports(args, want: int):
+def _reports(args: argparse.Namespace, want: int) -> list[dict] | None:
     from tpurec.sharding import inspect
 
     if len(args.files) != want:
@@ -281,7 +282,7 @@ def _reports(args, want: int):
 
 
 @_quiet_planner
-def _show(args) -> int:
+def _show(args: argparse.Namespace) -> int:
     _check_out(args)
     reports = _reports(args, 1)
     if reports is None:
@@ -291,7 +292,7 @@ def _show(args) -> int:
 
 
 @_quiet_planner
-def _diff(args) -> int:
+def _diff(args: argparse.Namespace) -> int:
     from tpurec.sharding import inspect
 
     reports = _reports(args, 2)

@@ -11,7 +11,7 @@ a file or an e-mail attachment, and loads nothing from the network.
 from __future__ import annotations
 
 import html
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple
 
 from tpurec.sharding.render import png_bytes
 from tpurec.sharding.report_text import (
@@ -78,11 +78,11 @@ class Column(NamedTuple):
     title: str = ""
 
 
-def _num(value, shown: str | None = None) -> tuple:
+def _num(value: float, shown: str | None = None) -> tuple:
     return value, f"{value:,}" if shown is None else shown
 
 
-def _txt(shown) -> tuple:
+def _txt(shown: object) -> tuple:
     return None, str(shown)
 
 
@@ -94,7 +94,7 @@ def _bytes(value: int) -> tuple:
     return value, format_bytes(value)
 
 
-def _table(table_id: str, columns: list[Column], rows) -> str:
+def _table(table_id: str, columns: list[Column], rows: Iterable[Any]) -> str:
     head = "".join(
         f'<th class="{"num" if c.numeric else "text"}" data-type="{"num" if c.numeric else "text"}"'
         + (f' title="{html.escape(c.title)}"' if c.title else "")

@@ -46,7 +46,7 @@ class Entry:
 
 
 def _whole(hi: int) -> Callable[[Any, dict], int]:
-    def parse(value, t) -> int:
+    def parse(value: Any, t: dict) -> int:
         if isinstance(value, bool) or not isinstance(value, (int, float, str)):
             raise _Bad(f"{value!r} is not a whole number")
         try:
@@ -62,13 +62,13 @@ def _whole(hi: int) -> Callable[[Any, dict], int]:
     return parse
 
 
-def _name(value, t) -> str:
+def _name(value: Any, t: dict) -> str:
     if not isinstance(value, str) or not value:
         raise _Bad(f"{value!r} must be a non-empty string")
     return value
 
 
-def _features(value, t) -> tuple[str, ...]:
+def _features(value: Any, t: dict) -> tuple[str, ...]:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list) or not items or not all(isinstance(f, str) and f for f in items):
         raise _Bad(f"{value!r} must be a feature name or a non-empty list of them")
@@ -77,7 +77,7 @@ def _features(value, t) -> tuple[str, ...]:
     return tuple(items)
 
 
-def _positive(value) -> float:
+def _positive(value: Any) -> float:
     if isinstance(value, bool):
         raise _Bad(f"{value!r} is not a number")
     try:
@@ -89,7 +89,7 @@ def _positive(value) -> float:
     return number
 
 
-def _pooling_factor(value, t) -> tuple[float, ...]:
+def _pooling_factor(value: Any, t: dict) -> tuple[float, ...]:
     """One number (each feature's mean ids per sample) or a list, one per feature."""
     if isinstance(value, list):
         return tuple(_positive(v) for v in value)
@@ -97,7 +97,7 @@ def _pooling_factor(value, t) -> tuple[float, ...]:
 
 
 def _choice(options: tuple[str, ...]) -> Callable[[Any, dict], str]:
-    def parse(value, t) -> str:
+    def parse(value: Any, t: dict) -> str:
         v = str(value).lower()
         if v not in options:
             raise _Bad(f"{value!r} must be one of {', '.join(options)}")
@@ -106,19 +106,19 @@ def _choice(options: tuple[str, ...]) -> Callable[[Any, dict], str]:
     return parse
 
 
-def _pooling(value, t) -> str:
+def _pooling(value: Any, t: dict) -> str:
     if value is None:  # YAML's bare `none`/`null`
         value = "none"
     return _choice(POOLINGS)(value, t)
 
 
-def _bool(value, t) -> bool:
+def _bool(value: Any, t: dict) -> bool:
     if not isinstance(value, bool):
         raise _Bad(f"{value!r} must be true or false")
     return value
 
 
-def _sharding_types(value, t) -> tuple[str, ...]:
+def _sharding_types(value: Any, t: dict) -> tuple[str, ...]:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list) or not items:
         raise _Bad(f"{value!r} must be a non-empty list of {', '.join(SHARDING_TYPES)}")
@@ -150,7 +150,7 @@ FIELDS: dict[str, Field] = {
 KNOWN = sorted([*FIELDS, *(f.alias for f in FIELDS.values() if f.alias)])
 
 
-def _read(path: str):
+def _read(path: str) -> Any:  # the parsed YAML/JSON document
     try:
         with open(path) as f:
             if path.endswith((".yaml", ".yml")):
@@ -210,7 +210,7 @@ def _check_module_names(path: str, entries: list[Entry]) -> None:
             )
 
 
-def _entry(path: str, i: int, t) -> Entry:
+def _entry(path: str, i: int, t: Any) -> Entry:
     if not isinstance(t, dict):
         raise UserError(f"{path}: table #{i} is {type(t).__name__}, expected an object with name, rows, dim")
     name = t.get("name")

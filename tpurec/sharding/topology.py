@@ -339,7 +339,7 @@ def cpu_spec(
 _TOPOLOGY_CLASS = None
 
 
-def _tpu_topology_class():
+def _tpu_topology_class() -> type:
     """TpuTopology, defined on first use: torchrec (and torch) load only when a topology is made,
     so slice names are parsed and refused at once (`tpurec plan --topology v6e-3`)."""
     global _TOPOLOGY_CLASS
@@ -349,7 +349,7 @@ def _tpu_topology_class():
         class TpuTopology(_TorchrecTopology):
             """A torchrec Topology that also carries the SliceSpec the tpurec estimators read."""
 
-            def __init__(self, spec: SliceSpec, compute_device: str, **kwargs) -> None:
+            def __init__(self, spec: SliceSpec, compute_device: str, **kwargs: Any) -> None:
                 self.spec = spec
                 # make_topology is this topology's factory (it resolves and validates the hardware),
                 # so torchrec's "constructed directly ... the job will fail" warning does not apply.
