@@ -93,7 +93,8 @@ def test_cli_user_errors_exit_2(capsys, tmp_path):
     from tpurec.cli import main
 
     assert main(["train", "--data", str(tmp_path / "missing")]) == 2
-    assert "not a directory" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "missing: no such directory" in err and "tpurec data convert" in err and err.count("\n") == 1
     with pytest.raises(SystemExit) as e:  # argparse refuses it, naming the flag (tests/test_bad_cli_inputs.py)
         main(["train", "--batch-size", "0"])
     assert e.value.code == 2 and "--batch-size: '0' must be > 0" in capsys.readouterr().err
