@@ -204,11 +204,11 @@ def write_error(e: BaseException, where: str | os.PathLike, previous: Path | Non
     return CheckpointWriteError(f"cannot write checkpoint {where}: {err.strerror or err}; {kept}")
 
 
-def _kept(previous) -> str:
+def _kept(previous: Path | None) -> str:
     return f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
 
 
-def _dcp_failure(e: BaseException, where, previous) -> CheckpointWriteError | None:
+def _dcp_failure(e: BaseException, where: str | os.PathLike, previous: Path | None) -> CheckpointWriteError | None:
     """One line for any other failure DCP reports ({rank: (exception, trace)}), whose text would
     otherwise be DCP's whole message with every rank's traceback in it; None if `e` is not DCP's."""
     failures = getattr(e, "failures", None)
@@ -226,7 +226,7 @@ def _dcp_failure(e: BaseException, where, previous) -> CheckpointWriteError | No
 FULL_BELOW_BYTES = 16 << 20  # free space under which a failed write is taken for a full disk
 
 
-def _nearly_full(path) -> bool:
+def _nearly_full(path: str | os.PathLike) -> bool:
     p = Path(path)
     while not p.exists() and p != p.parent:
         p = p.parent
@@ -272,7 +272,16 @@ def save(
     return final
 
 
-def _write(root, step: int, final: Path, tmp: Path, dmp, optimizer, train_state: dict, meta: dict) -> None:
+def _write(
+    root: str | os.PathLike,
+    step: int,
+    final: Path,
+    tmp: Path,
+    dmp: nn.Module,
+    optimizer: Optimizer,
+    train_state: dict,
+    meta: dict,
+) -> None:
     import torch.distributed.checkpoint as dcp
 
     if _rank() == 0:

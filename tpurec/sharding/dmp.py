@@ -86,7 +86,7 @@ def _ensure_process_group(device_type: DeviceKind = "cpu") -> None:
     process_group.init(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
-def default_sharders(num_sparsecores: int, **sharder_kwargs) -> List[ModuleSharder[nn.Module]]:
+def default_sharders(num_sparsecores: int, **sharder_kwargs: Any) -> List[ModuleSharder[nn.Module]]:
     """tpurec's sharders for EmbeddingBagCollection, EmbeddingCollection and the feature-processed
     EmbeddingBagCollection, TorchRec's defaults for every other module type."""
     ebc = SparseCoreEBCSharder(num_sparsecores=num_sparsecores, **sharder_kwargs)
@@ -99,7 +99,7 @@ def default_sharders(num_sparsecores: int, **sharder_kwargs) -> List[ModuleShard
     return ours + [s for s in get_default_sharders() if s.module_type not in mine]
 
 
-def _pooling_factors(constraints) -> Dict[str, float] | None:
+def _pooling_factors(constraints: Dict[str, ParameterConstraints] | None) -> Dict[str, float] | None:
     """Ids per sample by table from ParameterConstraints that state pooling factors."""
     out = {
         name: float(sum(c.pooling_factors))
@@ -143,7 +143,12 @@ def _swap_torchrec_sharders(sharders: List[ModuleSharder[nn.Module]], num_sc: in
     return out
 
 
-def _table_limits(id_limits, world_size: int, num_sc: int, batch_size: int | None):
+def _table_limits(
+    id_limits: str | os.PathLike | dict[str, tuple[int, ...]] | None,
+    world_size: int,
+    num_sc: int,
+    batch_size: int | None,
+) -> dict[str, tuple[int, ...]] | None:
     """{table: (max ids, max unique ids)} from `id_limits`: a limits file (`tpurec data stats`),
     refused unless measured for this layout, or such a dict as it is; None: none given."""
     if id_limits is None or isinstance(id_limits, dict):
@@ -180,7 +185,7 @@ class QuietDataParallelWrapper(DefaultDataParallelWrapper):
     category, message and module, for the wrap only (docs/dmp.md).
     """
 
-    def wrap(self, dmp, env, device) -> None:
+    def wrap(self, dmp: _TorchrecDMP, env: ShardingEnv, device: torch.device) -> None:
         import warnings
 
         with warnings.catch_warnings():
@@ -203,7 +208,7 @@ class TpuDataParallelWrapper(QuietDataParallelWrapper):
     name is replaced in DDP's own module, where `__init__` looks it up, for the wrap only.
     """
 
-    def wrap(self, dmp, env, device) -> None:
+    def wrap(self, dmp: _TorchrecDMP, env: ShardingEnv, device: torch.device) -> None:
         import torch.nn.parallel.distributed as ddp
 
         saved = ddp._verify_param_shape_across_processes

@@ -13,8 +13,9 @@ dims]; `SparseCoreEmbedding` (unpooled, for the sharded EmbeddingCollection) ret
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from torchrec.distributed.embedding_kernel import BaseEmbedding
@@ -31,6 +32,7 @@ from tpurec.embedding.weight_grad import with_weight_grad
 from tpurec.errors import UserError
 
 if TYPE_CHECKING:
+    from torchrec.distributed.types import ShardingType
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 _POOLING = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
@@ -43,7 +45,11 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
     prepared_limit = 16  # inputs built ahead and kept until looked up (a pipeline's depth + slack)
 
     def __init__(
-        self, config: GroupedEmbeddingConfig, device: torch.device | None, num_sc_per_device: int, sharding_type=None
+        self,
+        config: GroupedEmbeddingConfig,
+        device: torch.device | None,
+        num_sc_per_device: int,
+        sharding_type: ShardingType | str | None = None,
     ) -> None:
         super().__init__()
         # Row-wise shards see only part of each bag: TorchRec sums there and divides by the full bag
@@ -151,7 +157,7 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
         return out if self._output_dtype in (None, out.dtype) else out.to(self._output_dtype)
 
     # -- SparseCore inputs built ahead (pooled lookups) -----------------------------------------
-    def prepare(self, features) -> None:
+    def prepare(self, features: KeyedJaggedTensor) -> None:
         """Build the SparseCore inputs of a KJT this lookup will receive later (on a background
         thread, e.g. the input pipeline's), through the kernel's own `preprocess`. `forward` uses them
         when its KJT has the same ids, lengths and weights; otherwise it preprocesses inline."""
@@ -160,7 +166,7 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
             self._prepared.append((features, csrs))
             del self._prepared[: -self.prepared_limit]
 
-    def prepare_later(self, features, submit) -> None:
+    def prepare_later(self, features: KeyedJaggedTensor, submit: Callable[..., Future]) -> None:
         """`prepare` on another thread: submit(fn, *args) returns a Future (an executor's submit);
         `forward` waits for it when its KJT matches."""
         future = submit(self.kernel.preprocess, features)
@@ -188,7 +194,7 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
         # parameters itself (tpurec/sharding/table_params.py) and publishes state_dict through its hooks.
         return iter(())
 
-    def named_split_embedding_weights(self, *args, **kwargs) -> Iterator:
+    def named_split_embedding_weights(self, *args: Any, **kwargs: Any) -> Iterator:
         return iter(())
 
     def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):
@@ -229,7 +235,7 @@ class SparseCoreEmbedding(_SparseCoreGroupKernel):
     pooled = False
 
 
-def _same_ids(a, b) -> bool:
+def _same_ids(a: KeyedJaggedTensor, b: KeyedJaggedTensor) -> bool:
     """Same stride, ids, lengths and weights: then the SparseCore inputs are the same too."""
     if a.stride() != b.stride() or a.values().shape != b.values().shape:
         return False
@@ -241,7 +247,7 @@ def _same_ids(a, b) -> bool:
     return (
         torch.equal(a.lengths().to(torch.int64), b.lengths().to(torch.int64))
         and torch.equal(a.values().to(torch.int64), b.values().to(torch.int64))
-        and (wa is None or torch.equal(wa, wb))
+        and (wa is None or wb is None or torch.equal(wa, wb))
     )
 
 
