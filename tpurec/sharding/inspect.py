@@ -29,7 +29,9 @@ if TYPE_CHECKING:
 REPORT_FORMAT = "tpurec-plan-report"
 
 
-def _shards(ps, table: TableSpec, world_size: int):
+def _shards(
+    ps: Any, table: TableSpec, world_size: int
+) -> list[tuple[int, list[int], list[int]]]:  # ps: ParameterSharding
     """(rank, offsets, sizes) of each shard; data-parallel means a full copy on every rank."""
     if ps.sharding_spec is None:
         return [(r, [0, 0], [table.num_embeddings, table.embedding_dim]) for r in (ps.ranks or range(world_size))]
@@ -216,7 +218,7 @@ def _name_top_tables(devices: list[dict], tables: list[dict]) -> None:
 from tpurec.sharding.planner import PlanDoesNotFit  # noqa: E402,F401  (re-exported for the CLI)
 
 
-def _topology_for(name: str, hbm_cap: int | None = None, **assumptions):
+def _topology_for(name: str, hbm_cap: int | None = None, **assumptions: Any) -> Any:  # a TpuTopology
     from tpurec.sharding.topology import make_topology
 
     if name.lower().startswith("cpu-"):

@@ -60,6 +60,7 @@ from tpurec.sharding.topology import format_bytes
 
 if TYPE_CHECKING:
     import torch.distributed as dist
+    from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
     from tpurec.sharding.id_limits import IdLimits
 
@@ -103,7 +104,7 @@ def planning_sharders() -> List[ModuleSharder[nn.Module]]:
     return [cast(ModuleSharder[nn.Module], s) for s in sharders]
 
 
-def _embedding_modules(module: nn.Module):
+def _embedding_modules(module: nn.Module) -> list[EmbeddingBagCollection | EmbeddingCollection]:
     return [m for m in module.modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))]
 
 
@@ -124,7 +125,7 @@ class TpuEnumerator(EmbeddingEnumerator):
         return kept
 
 
-def _table_configs(module: nn.Module):
+def _table_configs(module: nn.Module) -> list[BaseEmbeddingConfig]:
     return [
         c
         for m in _embedding_modules(module)

@@ -18,7 +18,7 @@ row-wise layout.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed._shard.metadata import ShardMetadata
@@ -28,8 +28,11 @@ from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetada
 from tpurec.embedding.fused_optimizer import KernelFusedOptimizer
 from tpurec.errors import UserError
 
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
-def _props(dtype: torch.dtype = torch.float32):
+
+def _props(dtype: torch.dtype = torch.float32) -> TensorProperties:
     return TensorProperties(dtype=dtype, requires_grad=False)
 
 
@@ -65,7 +68,7 @@ class ShardedSparseCoreOptimizer(KernelFusedOptimizer):
             local = by_table.get(table, [])
             weight = self._sharded(None, local, weight_meta, pg)
             params[f"{sharded_ebc.STATE_PREFIX}.{table}.weight"] = weight
-            entry = {}
+            entry: dict[str, Any] = {}  # ShardedTensors and the step count
             for name in spec.state_names if spec else ():
                 assert spec is not None
                 if len(spec.state_shape(name, cfg.num_embeddings, cfg.embedding_dim)) == 1:
@@ -80,7 +83,9 @@ class ShardedSparseCoreOptimizer(KernelFusedOptimizer):
             state[weight] = entry
         super().__init__(list(kernels.values()), spec, params, state)
 
-    def _sharded(self, state_name, local, metadata, pg):
+    def _sharded(
+        self, state_name: str | None, local: list, metadata: ShardedTensorMetadata, pg: dist.ProcessGroup | None
+    ) -> ShardedTensor:
         """The ShardedTensor of one table's weight (state_name None) or state over this rank's shards."""
         shards = []
         for kname, meta, kernel in local:
@@ -90,7 +95,9 @@ class ShardedSparseCoreOptimizer(KernelFusedOptimizer):
         return ShardedTensor._init_from_local_shards_and_global_metadata(shards, metadata, process_group=pg)
 
 
-def _rowwise_metadata(weight_meta: ShardedTensorMetadata, rows: int):
+def _rowwise_metadata(
+    weight_meta: ShardedTensorMetadata, rows: int
+) -> tuple[ShardedTensorMetadata, dict[tuple, ShardMetadata]]:
     """TorchRec's layout of row-wise state: 1-D, column shard k (in column order) at k * rows."""
     col_offsets = sorted({m.shard_offsets[1] for m in weight_meta.shards_metadata})
     shards, offsets = [], {}

@@ -10,9 +10,9 @@ another tpurec or stock TorchRec model) or full tensors (an unsharded module's s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Dict, List
+from typing import TYPE_CHECKING, Any, Dict, List
 
 import torch
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
@@ -60,7 +60,7 @@ class SparseCoreShardedMixin(ShardedHost):
                 if isinstance(module, SparseCoreEmbeddingBag):
                     module.prepare_later(part, submit)
 
-    def _sc_shards(self):
+    def _sc_shards(self) -> Iterator[tuple[str, str, Any, _SparseCoreGroupKernel]]:  # (.., ShardMetadata, ..)
         """(table, kernel name, ShardMetadata, kernel module) for every SparseCore shard on this rank."""
         for lookup in self._lookups:
             for m in lookup.modules():
@@ -122,7 +122,9 @@ def shard_slice(full: torch.Tensor, meta: ShardMetadata) -> torch.Tensor:
     return full[r : r + nr, c : c + nc]
 
 
-def _emit_sharded_weights(module: SparseCoreShardedMixin, state_dict, prefix, local_metadata):
+def _emit_sharded_weights(
+    module: SparseCoreShardedMixin, state_dict: dict[str, Any], prefix: str, local_metadata: object
+) -> dict[str, Any]:
     """Publish each SparseCore table as a ShardedTensor in natural row order (as TorchRec's fused
     kernel does), so DCP, resharding and stock-TorchRec checkpoints all line up."""
     tables = module._sc_tables
@@ -146,13 +148,13 @@ def _emit_sharded_weights(module: SparseCoreShardedMixin, state_dict, prefix, lo
 
 def _consume_weights(
     module: SparseCoreShardedMixin,
-    state_dict,
-    prefix,
-    local_metadata,
-    strict,
-    missing_keys,
-    unexpected_keys,
-    error_msgs,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: object,
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
 ) -> None:
     """Accept a ShardedTensor (DCP, another tpurec or stock TorchRec model) or a full tensor (an
     unsharded module's state_dict) for every SparseCore table and write this rank's shards."""
@@ -173,7 +175,7 @@ def _consume_weights(
                 error_msgs.append(f"{key}: {e}")
 
 
-def _local_piece(value, meta, table: str) -> torch.Tensor:
+def _local_piece(value: torch.Tensor, meta: ShardMetadata, table: str) -> torch.Tensor:
     if isinstance(value, ShardedTensor):
         for shard in value.local_shards():
             if list(shard.metadata.shard_offsets) == list(meta.shard_offsets):
