@@ -22,8 +22,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from tpurec.errors import UserError
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 TIMEOUT_ENV = "TPUREC_HEARTBEAT_TIMEOUT"  # seconds; 0 turns the heartbeat off
 DIST_TIMEOUT_ENV = "TPUREC_DIST_TIMEOUT"  # seconds a collective may wait (the process group's timeout)
@@ -72,7 +76,7 @@ class Heartbeat:
 
     def __init__(
         self,
-        store,
+        store: dist.Store,
         rank: int,
         world: int,
         timeout: float,

@@ -85,7 +85,7 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, dict]:
     return table
 
 
-def _entry_problem(name: str, want) -> str | None:
+def _entry_problem(name: str, want: object) -> str | None:
     """Why one manifest entry is malformed, or None."""
     parts = PurePosixPath(name).parts
     if not name or PurePosixPath(name).is_absolute() or ".." in parts or parts[-1] in _SKIP:

@@ -9,7 +9,7 @@ on is the usual cause; meta.json's config can also disagree with the tensors it 
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 _TABLE = re.compile(r"\.(?:embedding_bags|embeddings)\.([^.]+)\.weight$")
 
 
-def _shape(value) -> tuple[int, ...] | None:
+def _shape(value: Any) -> tuple[int, ...] | None:
     """The global shape of a tensor, ShardedTensor or DTensor; None for anything else."""
     import warnings
 

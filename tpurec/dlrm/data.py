@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from torchrec.datasets.utils import Batch
 
     from tpurec.data.reader import ParquetReader
+    from tpurec.data.shards import Unit
 
 log = logging.getLogger("tpurec.train")
 
@@ -84,7 +85,7 @@ def ensure_synth(
     return out
 
 
-def _synthesize(out: Path, table_set: str, rows: int, seed: int, multi_hot) -> None:
+def _synthesize(out: Path, table_set: str, rows: int, seed: int, multi_hot: list[int] | None) -> None:
     from tpurec.data.synth import synthesize
 
     # Small row groups: more units to shuffle and to spread over ranks.
@@ -202,7 +203,7 @@ def eval_batches(reader: ParquetReader) -> Iterator[Batch]:
         yield _empty_batch(reader)
 
 
-def _empty_batch(reader):
+def _empty_batch(reader: ParquetReader) -> Batch:
     import torch
     from torchrec.datasets.utils import Batch
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -215,7 +216,7 @@ def _empty_batch(reader):
     return Batch(dense_features=torch.zeros(b, len(reader.schema.dense)), sparse_features=kjt, labels=torch.zeros(b))
 
 
-def _eval_rows(units, world_size: int) -> int:
+def _eval_rows(units: list[Unit], world_size: int) -> int:
     return sum(u.rows for u in units) // world_size
 
 

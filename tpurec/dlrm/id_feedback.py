@@ -62,7 +62,9 @@ def merged(dmp: nn.Module, world: int) -> tuple[dict[str, list[int]], dict[str, 
     return out
 
 
-def _merge(into, part) -> None:
+def _merge(
+    into: tuple[dict[str, list[int]], dict[str, list[int]]], part: tuple[dict[str, list[int]], dict[str, list[int]]]
+) -> None:
     demand, passes = into
     for name, d in part[0].items():
         demand[name] = [max(a, b) for a, b in zip(demand.get(name, [0] * _FIGURES), d)]

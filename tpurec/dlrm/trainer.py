@@ -20,6 +20,7 @@ import os
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,10 +40,14 @@ from tpurec.dlrm.runtime import check_host_memory, init_distributed, log, resolv
 from tpurec.errors import UserError
 
 if TYPE_CHECKING:
+    import torch
+    from torchrec.datasets.utils import Batch
+
+    from tpurec.data.reader import ParquetReader
     from tpurec.emulation.rank import EmulatedRank
 
 
-def _infinite(reader):
+def _infinite(reader: ParquetReader) -> Iterator[Batch]:
     """The reader's batches epoch after epoch (the reader tracks its own epoch and position); the
     loop decides when to stop. An epoch without a batch ends the stream (never spin forever), except
     the first pass: a reader resumed from a state taken right after an epoch's last batch finishes
@@ -73,7 +78,7 @@ class Trainer:
         self.options = options
         self.step_count = 0  # training steps taken (the same on every rank)
         self.samples = 0  # samples trained on, over all ranks
-        self._batches = iter(())  # the current segment's batches; see _train_segment
+        self._batches: Iterator[Batch] = iter(())  # the current segment's batches; see _train_segment
         self._ready = False
         self.emulated: EmulatedRank | None = None  # the EmulatedRank of an emulated TPU rank (tpurec.emulation.rank)
         self._train_copies: Counter = Counter()  # device->host copies in training steps, by what
@@ -327,7 +332,7 @@ class Trainer:
         loss = self._advance()
         return None if loss is None else self._read_loss(loss, 1)
 
-    def _advance(self):
+    def _advance(self) -> torch.Tensor | None:
         """One training step; its loss as a tensor where the step computed it (on a TPU: on the TPU,
         read by the host only at a log point, `_read_loss`), or None when the segment is done."""
         if self.emulated:
@@ -341,11 +346,14 @@ class Trainer:
         self.samples += self.batch_size * self.world
         return loss.detach()
 
-    def _read_loss(self, loss_sum, steps: int) -> float:
+    def _read_loss(self, loss_sum: torch.Tensor | float, steps: int) -> float:
         """The mean of the last `steps` losses (summed in `loss_sum`) on the host: a device->host copy
         on a TPU (counted, tpurec.host_copies). Non-finite stops training."""
+        import torch
+
         from tpurec import host_copies
 
+        assert isinstance(loss_sum, torch.Tensor)  # read after a step has run
         if self.emulated:
             host_copies.mark_on_device(loss_sum)  # a real rank computes the loss on its TPU
         value = float(host_copies.to_host(loss_sum, "loss")) / steps
@@ -443,7 +451,8 @@ class Trainer:
         self._t_start = time.perf_counter()
         self._train_seconds, self._steps_run = 0.0, 0
         self._log_every = max(1, min(50, total // 100 or 1))
-        self._loss_sum, self._loss_n = 0.0, 0
+        self._loss_sum: torch.Tensor | float = 0.0  # a tensor once a step has run
+        self._loss_n = 0
 
         def boundary(s: int) -> bool:
             return (

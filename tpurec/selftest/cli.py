@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(c.passed for c in checks) else 1
 
 
-def _emulated_checks(slice_name: str, seed: int):
+def _emulated_checks(slice_name: str, seed: int) -> list[Check]:
     """The tpu checklist in this process, made rank 0 of one emulated host of `slice_name`."""
     import os
 

@@ -301,7 +301,7 @@ def same_layout(a: object, b: object) -> bool:
     return isinstance(a, dict) and isinstance(b, dict) and all(a.get(k) == b.get(k) for k in LAYOUT_KEYS)
 
 
-def _describe(layout) -> str:
+def _describe(layout: object) -> str:
     if not isinstance(layout, dict):
         return "an unknown layout"
     figures = (

@@ -63,7 +63,7 @@ def _check_out(path: str) -> None:
     check_outputs([("--out", path, "file")])
 
 
-def _report(args) -> dict:
+def _report(args: argparse.Namespace) -> dict:
     from tpurec.sharding import inspect
 
     if args.plan:
@@ -123,7 +123,7 @@ def _tables(path: str, model: str | None, tables_file: str | None) -> list:
     return tables
 
 
-def _run(args) -> int:
+def _run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from tpurec.data.reader import ParquetReader

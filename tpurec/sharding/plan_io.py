@@ -23,7 +23,7 @@ from tpurec.errors import UserError
 from tpurec.sharding.plan_check import module_plans
 
 if TYPE_CHECKING:
-    from torchrec.distributed.types import ShardingPlan
+    from torchrec.distributed.types import ParameterSharding, ShardingPlan
 
 FORMAT = "tpurec-sharding-plan"
 VERSION = 1
@@ -112,7 +112,7 @@ def plan_from_dict(doc: dict, source: str = "plan file") -> ShardingPlan:
     return ShardingPlan(plan)
 
 
-def _parameter_sharding(p: dict):
+def _parameter_sharding(p: dict) -> ParameterSharding:
     """One table's ParameterSharding from its plan-file entry (KeyError / ValueError when malformed)."""
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
     from torch.distributed._shard.metadata import ShardMetadata

@@ -17,7 +17,7 @@ from torch.distributed._shard.sharded_tensor import custom_sharded_op_impl
 from torch.distributed._shard.sharded_tensor._ops.tensor_ops import tensor_device as _torch_tensor_device
 
 
-def _has_cpu_gloo(pg) -> bool:
+def _has_cpu_gloo(pg: dist.ProcessGroup) -> bool:
     try:
         backend = str(dist.get_backend(pg))
     except (RuntimeError, ValueError):
