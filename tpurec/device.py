@@ -100,7 +100,7 @@ def apply_safe_env() -> None:
 _CORRECTED = "_tpurec_corrected_legacy_apis"
 
 
-def _unrestricted_device_apis(torch) -> dict:
+def _unrestricted_device_apis(torch: Any) -> dict:  # the torch module
     """The device APIs TorchRec 1.9.2 calls on torch.tpu, answered without TorchTPU's strict wrappers.
 
     TorchTPU names torch.accelerator's functions as their replacements (`prefer=` in

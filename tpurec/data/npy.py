@@ -64,7 +64,7 @@ def is_npy_input(path: str) -> bool:
     return p.suffix.lower() in (".npy", ".npz")
 
 
-def _day_key(prefix: str):
+def _day_key(prefix: str) -> tuple[int, str]:
     m = re.search(r"(\d+)$", prefix)
     return (int(m.group(1)) if m else -1, prefix)
 

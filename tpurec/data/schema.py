@@ -127,7 +127,7 @@ class DataSchema:
         return pa.schema(fields, metadata={METADATA_KEY: json.dumps(self.to_json()).encode()})
 
 
-def _sparse_feature(at: str, f) -> None:
+def _sparse_feature(at: str, f: Any) -> None:
     """A `sparse` entry: SparseFeature's fields (num_embeddings is checked by feature, in from_json)."""
     checks = {"name": text, "multi_hot": flag, "weights": optional(text)}
     fields(at, obj(at, f, ("name", "num_embeddings", "multi_hot", "weights")), checks, ("name", "num_embeddings"))

@@ -329,7 +329,7 @@ def plan_module(
     sc_gather_fraction: float | None = None,
     dcn_bw_per_host: float | None = None,
     headroom_fraction: float | None = None,
-    limits=None,
+    limits: IdLimits | None = None,
 ) -> dict:
     """Plan `module` (its EmbeddingBagCollections, `tables` describing them) and return the report.
 
@@ -343,7 +343,7 @@ def plan_module(
     assumptions: dict[str, Any] = dict(sc_gather_fraction=sc_gather_fraction, dcn_bw_per_host=dcn_bw_per_host)
     topo = _topology_for(topology, **assumptions)
     headroom = P.DEFAULT_HEADROOM_FRACTION if headroom_fraction is None else headroom_fraction
-    kw = dict(batch_size=batch_size, optimizer=optimizer, constraints=constraints, limits=limits)
+    kw: dict[str, Any] = dict(batch_size=batch_size, optimizer=optimizer, constraints=constraints, limits=limits)
     refusal = None
     try:
         plan = P.plan(module, topo, storage_reservation=P.TpuStorageReservation(headroom), **kw)

@@ -352,7 +352,15 @@ def _fmt(nbytes: float) -> str:
     return format_bytes(nbytes)
 
 
-def _refusal(module, topology, batch_size, constraints, optimizer, reservation, limits=None) -> str:
+def _refusal(
+    module: nn.Module,
+    topology: Topology,
+    batch_size: int,
+    constraints: Dict[str, ParameterConstraints] | None,
+    optimizer: str,
+    reservation: TpuStorageReservation,
+    limits: IdLimits | None = None,
+) -> str:
     """Name the largest table, what it needs on one device, and what the best device has free."""
     spec = spec_of(topology)
     on_cpu = topology.compute_device == "cpu"
