@@ -8,12 +8,19 @@ exactly on the first ``sample_rows`` rows.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tpurec.data import validate
 from tpurec.data.schema import EMPTY_ID, dataset_metadata
 from tpurec.data.shards import scan
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from tpurec.data.schema import DataSchema
+    from tpurec.data.shards import Unit
 
 KMV_K = 1024
 
@@ -127,7 +134,7 @@ def inspect_dataset(path: str | os.PathLike, sample_rows: int = 1_000_000) -> di
     }
 
 
-def _check_values(t, schema, u) -> None:
+def _check_values(t: pa.Table, schema: DataSchema, u: Unit) -> None:
     """The reader's checks of one row group (validate.py), on the columns without nulls."""
     where = f"{u.path}: row group {u.row_group}"
     kinds = {schema.label: "int", **dict.fromkeys(schema.dense, "number")}

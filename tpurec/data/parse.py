@@ -23,7 +23,7 @@ _MAX_HEX_DIGITS = 16
 _NUMBER = r"^[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$"
 
 
-def _string_buffers(arr):
+def _string_buffers(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """(offsets int32/int64[n+1], data uint8[]) of a pyarrow (large_)string array, zero-copy."""
     import pyarrow as pa
 
@@ -81,7 +81,7 @@ def parse_numbers(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     return values, bad
 
 
-def _parse_numbers(arr) -> tuple[np.ndarray, np.ndarray]:
+def _parse_numbers(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     import pyarrow as pa
     import pyarrow.compute as pc
 

@@ -95,7 +95,7 @@ class _Run:
         self.thread = threading.Thread(target=self._produce, daemon=True, name="tpurec-pipeline-producer")
         self.thread.start()
 
-    def _put(self, item) -> bool:
+    def _put(self, item: object) -> bool:
         while not self.stop_event.is_set():
             try:
                 self.q.put(item, timeout=0.1)
@@ -126,7 +126,7 @@ class _Run:
         except BaseException as e:  # raised in the consumer, in order
             self._put((e, None))
 
-    def next(self):
+    def next(self) -> Any:  # a batch, or _END
         work, state = self.q.get()
         if work is _END:
             return _END
