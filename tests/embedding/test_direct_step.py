@@ -87,13 +87,15 @@ def test_direct_batch_zero_and_all_empty(name, monkeypatch):
 # (Element-wise Adagrad's first step, g / (|g| + eps) with g summed from ~25 terms, amplifies the
 # order of float32 additions where the terms cancel; its equality is checked on the batches above.)
 @pytest.mark.parametrize("name", ["sgd", "rowwise_adagrad"])
-def test_direct_many_ids_and_large_keys(name, monkeypatch):
-    """A batch with more ids than the table has rows (every row touched, 64-bit sort keys)."""
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_direct_many_ids_and_large_keys(name, dtype, monkeypatch):
+    """A batch with more ids than the table has rows (every row touched, 64-bit sort keys), ids
+    int64 or int32 (the keys are shifted in 64 bits either way)."""
     tables = [EmbeddingBagConfig(name="big", embedding_dim=4, num_embeddings=70_000, feature_names=["f"])]
     a, b = _pair(tables, name, True)
     gen = torch.Generator().manual_seed(5)
-    lengths = torch.randint(0, 60, (4000,), generator=gen)
-    values = torch.randint(0, 70_000, (int(lengths.sum()),), generator=gen)
+    lengths = torch.randint(0, 60, (4000,), generator=gen, dtype=dtype)
+    values = torch.randint(0, 70_000, (int(lengths.sum()),), generator=gen, dtype=dtype)
     kjt = KeyedJaggedTensor(keys=["f"], values=values, lengths=lengths, weights=torch.rand(values.numel()))
     grad = torch.randn(4000, 4, generator=gen)
     _assert_close(_step(a, kjt, grad, False, monkeypatch), _step(b, kjt, grad, True, monkeypatch))
