@@ -110,7 +110,9 @@ def lookup(kernel, parts: list, batch: int) -> torch.Tensor | None:
         if bad >= 0:
             return None
         segments = None
-        if grad:  # each table's keys: the ids of its feature slots, one run of the input
+        if grad and st.first_row.size == 1:  # one table: all the keys
+            segments = np.array([[0, n, st.first_row[0]]], np.int64)
+        elif grad:  # each table's keys: the ids of its feature slots, one run of the input
             ends = np.zeros(ns + 1, np.int64)
             if batch:
                 np.cumsum(lengths.numpy().reshape(ns, batch).sum(1), out=ends[1:])
