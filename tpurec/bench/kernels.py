@@ -58,7 +58,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--matrix",
         action="store_true",
-        help="every cell of optimizers x poolings (1 20 100 var) x shapes (small, large, hot); about 15 minutes",
+        help="every cell of optimizers x poolings (1 20 100 var) x shapes (small, large, hot): 48 cells",
     )
     p.add_argument(
         "--optimizer", nargs="+", choices=list(OPTIMIZERS), default=None, help="optimizers to run (default all)"

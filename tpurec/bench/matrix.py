@@ -41,7 +41,7 @@ class Shape:
 
 
 # Sized for a 2-core, 24 GB host: the largest cell (Adam on "large": tables, two moment tables,
-# both sides) holds about 3 GB; a full matrix takes about a quarter of an hour at load 1-2.
+# both sides) holds about 3 GB, and a full matrix takes minutes (docs/results.md has a timed run).
 SHAPES: dict[str, Shape] = {
     "small": Shape(tables=64, rows=20_000, dim=16, batch=256, zipf=False),
     "large": Shape(tables=4, rows=250_000, dim=128, batch=512, zipf=False),
