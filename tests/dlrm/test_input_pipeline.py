@@ -117,6 +117,9 @@ def _trainer(cache, monkeypatch, *args):
 
 
 def test_one_rank_training_uses_the_inputs_built_ahead_and_is_the_same_run(cache, monkeypatch):
+    # The SparseCore layout path (the one a TPU takes): on the CPU, with no id limits, the kernels
+    # take the direct step instead, which needs no inputs built ahead (the test below).
+    monkeypatch.setenv("TPUREC_NO_DIRECT", "1")
     ahead = _trainer(cache, monkeypatch, "--pipeline-depth", "3")
     assert ahead._lookups, "no SparseCore lookup found to build inputs for"
     losses = [ahead.step() for _ in range(12)]
@@ -129,10 +132,23 @@ def test_one_rank_training_uses_the_inputs_built_ahead_and_is_the_same_run(cache
     assert state == inline.readers.train.state_dict()  # the position of the last batch trained
 
 
+def test_on_the_direct_cpu_step_nothing_is_built_ahead_and_the_run_is_the_same(cache, monkeypatch):
+    monkeypatch.delenv("TPUREC_NO_DIRECT", raising=False)
+    ahead = _trainer(cache, monkeypatch, "--pipeline-depth", "3")
+    assert ahead._lookups
+    losses = [ahead.step() for _ in range(6)]
+    assert [m._prepared for m in ahead._lookups] == [[]] * len(ahead._lookups)
+    assert sum(m.prepared_hits + m.prepared_misses for m in ahead._lookups) == 0
+    ahead._prefetch.close()
+    inline = _trainer(cache, monkeypatch, "--pipeline-depth", "0")
+    assert [inline.step() for _ in range(6)] == losses  # bit for bit: both took the direct step
+
+
 def test_inputs_prepared_later_on_a_thread_are_waited_for_and_used(cache, monkeypatch):
     """The several-rank route: a Future per lookup (built after input dist), taken in forward."""
     from concurrent.futures import ThreadPoolExecutor
 
+    monkeypatch.setenv("TPUREC_NO_DIRECT", "1")  # the layout path (on the direct step nothing is built)
     t = _trainer(cache, monkeypatch, "--pipeline-depth", "0")
     from tpurec.dlrm.input_pipeline import sparsecore_lookups
 
@@ -147,8 +163,10 @@ def test_inputs_prepared_later_on_a_thread_are_waited_for_and_used(cache, monkey
 
 
 @pytest.mark.slow  # two 2-rank runs, ~25 s each on an idle host
-def test_two_ranks_build_inputs_after_input_dist_and_train_the_same(tmp_path):
+def test_two_ranks_build_inputs_after_input_dist_and_train_the_same(tmp_path, monkeypatch):
     from tests.dlrm.helpers import train
+
+    monkeypatch.setenv("TPUREC_NO_DIRECT", "1")  # the SparseCore layout path, whose inputs are built ahead
 
     with_pipeline, p = train("--nproc", 2, "--steps", 24, "--synth-rows", 20000, cache=tmp_path)
     assert "SparseCore inputs built ahead for 24 of 24 lookups" in p.stderr

@@ -484,7 +484,10 @@ class Trainer:
         if lookups and self.options.pipeline_depth:
             hits = sum(m.prepared_hits for m in lookups)
             misses = sum(m.prepared_misses for m in lookups)
-            self.say(f"input pipeline: SparseCore inputs built ahead for {hits} of {hits + misses} lookups")
+            if hits + misses:
+                self.say(f"input pipeline: SparseCore inputs built ahead for {hits} of {hits + misses} lookups")
+            else:  # the CPU kernels' direct step builds no SparseCore layout (embedding/direct.py)
+                self.say("input pipeline: no SparseCore inputs to build ahead (the CPU kernels' direct step)")
 
         final = self._log_eval(self.evaluate())
         if o.checkpoint_dir:

@@ -23,6 +23,7 @@ from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.optim.fused import FusedOptimizerModule
 
+from tpurec.embedding import direct
 from tpurec.embedding.dtypes import table_dtype
 from tpurec.embedding.fused_optimizer import SparseCoreFusedOptimizer
 from tpurec.embedding.kernel import KernelTable, SparseCoreKernel
@@ -160,7 +161,11 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
     def prepare(self, features: KeyedJaggedTensor) -> None:
         """Build the SparseCore inputs of a KJT this lookup will receive later (on a background
         thread, e.g. the input pipeline's), through the kernel's own `preprocess`. `forward` uses them
-        when its KJT has the same ids, lengths and weights; otherwise it preprocesses inline."""
+        when its KJT has the same ids, lengths and weights; otherwise it preprocesses inline.
+        Nothing is built when the kernel's next step takes the direct CPU path (no SparseCore layout
+        to build: embedding/direct.py), so a pipelined run takes the same path as an inline one."""
+        if direct.applies(self.kernel):
+            return
         csrs = self.kernel.preprocess(features)
         with self._prepared_lock:
             self._prepared.append((features, csrs))
@@ -168,7 +173,9 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
 
     def prepare_later(self, features: KeyedJaggedTensor, submit: Callable[..., Future]) -> None:
         """`prepare` on another thread: submit(fn, *args) returns a Future (an executor's submit);
-        `forward` waits for it when its KJT matches."""
+        `forward` waits for it when its KJT matches. Nothing, as in `prepare`, on the direct path."""
+        if direct.applies(self.kernel):
+            return
         future = submit(self.kernel.preprocess, features)
         with self._prepared_lock:
             self._prepared.append((features, future))
