@@ -24,6 +24,8 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
+from tpurec.embedding.cpu_path import grad_trigger, writes_final_layout
+
 # The spec fields the update loops below implement, per optimizer name; any other field must be off.
 _IMPLEMENTED = {
     "sgd": {"lr"},
@@ -45,13 +47,11 @@ def applies(kernel) -> bool:
     """Whether `kernel`'s next step may take the direct path (see the module docstring). The checks
     of the tables, state and optimizer run again only when one of them was replaced: at pooling 1
     they cost as much as the step's arithmetic."""
-    from tpurec.embedding.kernel import _writes_final_layout
-
     if not kernel.stacks or kernel.fixed_limits:
         return False
     if kernel.max_ids_per_partition is not None or kernel.max_unique_ids_per_partition is not None:
         return False
-    if not _writes_final_layout(kernel.stack_weight(0)) or not _available():  # the stand-in, tracing, ...
+    if not writes_final_layout(kernel.stack_weight(0)) or not _available():  # the stand-in, tracing, ...
         return False
     spec = kernel.optimizer
     key = (spec, _IMPLEMENTED.get(spec.name), *kernel._buffers.values())
@@ -62,8 +62,6 @@ def applies(kernel) -> bool:
 
 
 def _tables_and_spec_fit(kernel) -> bool:
-    from tpurec.embedding.kernel import _writes_final_layout
-
     spec = kernel.optimizer
     known = _IMPLEMENTED.get(spec.name)
     if known is None:
@@ -73,7 +71,7 @@ def _tables_and_spec_fit(kernel) -> bool:
             return False
     for i, plan in enumerate(kernel.stacks):
         lay, weight = plan.layout, kernel.stack_weight(i)
-        if lay.dtype != torch.float32 or lay.storage_dim != lay.dim or not _writes_final_layout(weight):
+        if lay.dtype != torch.float32 or lay.storage_dim != lay.dim or not writes_final_layout(weight):
             return False
         if not weight.is_contiguous():
             return False
@@ -89,7 +87,6 @@ def lookup(kernel, parts: list, batch: int) -> torch.Tensor | None:
     `SparseCoreKernel._stack_arrays`'s per-stack (values, lengths, weights); None when an id is out
     of its table's range (the layout path then raises its message) or a sort key would not fit."""
     from tpurec.embedding import direct_kernels as dk
-    from tpurec.embedding.kernel import _trigger
 
     grad = torch.is_grad_enabled()
     inputs = []
@@ -120,7 +117,7 @@ def lookup(kernel, parts: list, batch: int) -> torch.Tensor | None:
             segments[:, 0], segments[:, 1], segments[:, 2] = ends[st.first_slot], ends[st.end_slot], st.first_row
         t_ids, t_boff, t_gains = (torch.from_numpy(x) for x in (ids, boff, gains))
         inputs.append(_Bags(t_ids, t_boff, t_gains, keys, key_bits, segments, bag_of, ns))
-    trigger = _trigger() if grad else None
+    trigger = grad_trigger() if grad else None
     outs = [_DirectLookup.apply(trigger, kernel, i, b, batch) for i, b in enumerate(inputs)]
     return kernel._feature_order_output(outs)
 

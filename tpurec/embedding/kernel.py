@@ -30,6 +30,8 @@ from tpurec import device as _device
 from tpurec import host_copies
 from tpurec.embedding import csr_build, direct, dtypes, ops, reference  # noqa: F401  (ops registers torch.ops.tpurec.*)
 from tpurec.embedding.constraints import DIM_ALIGN, SEGMENT_ALIGN, round_up
+from tpurec.embedding.cpu_path import grad_trigger as _trigger
+from tpurec.embedding.cpu_path import writes_final_layout as _writes_final_layout
 from tpurec.embedding.demand import ShardsDemand, TableShards
 from tpurec.embedding.kjt_checks import check_kjt
 from tpurec.embedding.layout import StackLayout, build_stacks
@@ -746,25 +748,6 @@ def stacked_samples(slot: torch.Tensor, b: torch.Tensor, n: int, padded: int, nu
     per = padded // num_sc
     sc = b // per
     return sc * (n * per) + slot * per + (b - sc * per)
-
-
-def _trigger() -> torch.Tensor:
-    # An empty tensor that requires grad: makes autograd call our backward even though the table
-    # itself never requires grad (its update happens inside backward, fused).
-    return torch.empty(0, requires_grad=True)
-
-
-def _writes_final_layout(weight: torch.Tensor) -> bool:
-    """Whether stack lookups go straight to the CPU reference, which writes [batch, features * dim]
-    itself (and reads its gradient in place): real CPU tensors in eager mode. Elsewhere (a TPU, fake
-    or meta tensors, tracing) the op runs, [features * padded batch, width], reshaped by `lookup`;
-    on CPU that reshape was a full copy of the activations forward and again backward."""
-    return (
-        weight.device.type == "cpu"
-        and type(weight) is torch.Tensor
-        and not torch.compiler.is_compiling()
-        and ops.reference_is_cpu_kernel()
-    )
 
 
 class _FusedLookup(torch.autograd.Function):
