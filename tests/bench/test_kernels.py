@@ -83,9 +83,17 @@ def test_the_unperturbed_cell_passes_the_same_check():
 
 
 def test_the_order_of_contenders_varies_between_rounds():
-    r = matrix.run_matrix(shapes=TINY, optimizers=("rowwise_adagrad",), poolings=(1,), rounds_=8, nbatches=1)
+    r = matrix.run_matrix(
+        shapes=TINY, optimizers=("rowwise_adagrad",), poolings=(1,), rounds_=8, nbatches=1, order_seed=0
+    )
     (cell,) = r["cells"]
-    assert set(cell["first_in_round"]) == {"tpurec", "fbgemm"}
+    assert set(cell["first_in_round"]) == {"tpurec", "fbgemm"} and r["order_seed"] == 0
+
+
+def test_every_run_draws_a_fresh_order_seed_and_reports_it():
+    seeds = {matrix.run_matrix(shapes=TINY, optimizers=("sgd",), poolings=(1,), rounds_=1, nbatches=1)["order_seed"]
+             for _ in range(3)}  # fmt: skip
+    assert len(seeds) == 3  # a fixed seed would give every run the same sequence of orders
 
 
 def test_adam_cell_names_its_peer_and_does_the_same_lazy_update():

@@ -67,8 +67,9 @@ def test_bench_train_rounds_in_random_order_with_worst_round(monkeypatch, tmp_pa
 
     monkeypatch.setattr(data, "ensure_synth", lambda *a, **k: tmp_path)
     monkeypatch.setattr(train, "launch", _fake_launch(lambda side: [10, 20, 3.0]))
-    r = train.run(tables="tiny", steps=1, warmup=0, batch_size=8, repeats=6)
+    r = train.run(tables="tiny", steps=1, warmup=0, batch_size=8, repeats=6, order_seed=0)
     assert len({tuple(rd["order"]) for rd in r["rounds"]}) > 1  # a fresh order per round
+    assert r["order_seed"] == 0 and train.run(tables="tiny", steps=1, warmup=0, batch_size=8)["order_seed"] != 0
     assert r["ratio_vs_torchrec"] == pytest.approx(1.2) and r["ratio_own_plans_vs_torchrec"] == pytest.approx(110 / 90)
     assert r["ratio_vs_torchrec_min"] == pytest.approx(1.2) and len(r["ratio_vs_torchrec_rounds"]) == 6
 

@@ -101,9 +101,11 @@ def run_cell(
     rounds_: int,
     nbatches: int,
     seed: int = 0,
+    order_seed: int = 0,
     build: Callable = contenders.build,
 ) -> dict:
-    """One cell: build, check equal work (UnequalWork propagates), then time. Its figures."""
+    """One cell: build, check equal work (UnequalWork propagates), then time. Its figures. `seed`
+    fixes the ids and tables' gradient, `order_seed` the contenders' order in each round."""
     batches = make_batches(shape, pooling, nbatches + 1, seed)
     check_batch, batches = batches[0], batches[1:]
     upstream = equal_work.upstream_gradient(shape.batch, shape.tables * shape.dim, seed)
@@ -113,7 +115,7 @@ def run_cell(
         fns = [lambda side=side: _pass(side, batches, upstream) for side in (ours, theirs)]
         load_before = rounds.load_average()[0]
         orders: list = []
-        r_ours, r_theirs = timer.interleaved(fns, warmup=1, repeats=rounds_, seed=seed, orders=orders)
+        r_ours, r_theirs = timer.interleaved(fns, warmup=1, repeats=rounds_, seed=order_seed, orders=orders)
         load_after = rounds.load_average()[0]
     finally:
         del ours, theirs
@@ -177,20 +179,24 @@ def run_matrix(
     nbatches: int | None = None,
     build: Callable = contenders.build,
     say: Callable[[str], None] = lambda m: None,
+    order_seed: int | None = None,
 ) -> dict:
     """Every cell; cells whose work differs go to `refused` (and the summary figures are left out,
-    since a summary over part of the matrix could flatter)."""
+    since a summary over part of the matrix could flatter). Cell k orders its rounds with seed
+    order_seed + k (default: a fresh seed, reported)."""
     import fbgemm_gpu
     import torch
 
     shapes = shapes or (QUICK_SHAPES if quick else SHAPES)
     rounds_ = rounds_ or (2 if quick else 7)
     nbatches = nbatches or (1 if quick else 2)
+    order_seed = rounds.fresh_seed() if order_seed is None else order_seed
     start, t0 = rounds.load_average(), time.perf_counter()
     done, refused = [], []
-    for opt, pooling, name in cells(optimizers, poolings, tuple(shapes)):
+    for k, (opt, pooling, name) in enumerate(cells(optimizers, poolings, tuple(shapes))):
         try:
-            cell = run_cell(opt, pooling, name, shapes[name], rounds_=rounds_, nbatches=nbatches, build=build)
+            cell = run_cell(opt, pooling, name, shapes[name], rounds_=rounds_, nbatches=nbatches, build=build,
+                            order_seed=order_seed + k)  # fmt: skip
         except equal_work.UnequalWork as e:
             refused.append({"optimizer": opt, "pooling": pooling, "shape": name, "reason": str(e)})
             say(f"{opt:16s} {pooling!s:>4} {name:6s} REFUSED: {e}")
@@ -206,6 +212,7 @@ def run_matrix(
         "peers": {k: v for k, v in contenders.PEERS.items()},
         "optimizers": {k: {"torch": v[0], "kwargs": v[1], "fbgemm": v[2]} for k, v in contenders.OPTIMIZERS.items()},
         "rounds": rounds_,
+        "order_seed": order_seed,
         "steps_per_round": nbatches,
         "quick": quick,
         "threads": torch.get_num_threads(),

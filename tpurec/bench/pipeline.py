@@ -179,7 +179,9 @@ def child(spec: dict) -> dict:
     orders: list = []
     load_before = rounds.load_average()[0]
     with _Quiet():
-        r_ours, r_jte = timer.interleaved([ours, theirs], warmup=warmup, repeats=repeats, orders=orders)
+        r_ours, r_jte = timer.interleaved(
+            [ours, theirs], warmup=warmup, repeats=repeats, orders=orders, seed=spec.get("order_seed", 0)
+        )
     summary = rounds.ratio_summary(r_ours.wall, r_jte.wall)
     t_ours, t_jte = r_ours.median / steps, r_jte.median / steps
     out = {
@@ -243,6 +245,7 @@ def run_bench(
     """Generate the data, run each core count in a pinned child, and gather the figures."""
     from tpurec.data.synth import synthesize
 
+    order_seed = rounds.fresh_seed()
     load_start = rounds.load_average()
     all_cores = len(os.sched_getaffinity(0))
     counts = sorted({1, all_cores}) if cores is None else sorted(set(cores))
@@ -257,7 +260,7 @@ def run_bench(
         per = {}
         for c in counts:
             spec = {"cores": c, "data": str(data_dir), "batch_size": batch_size, "repeats": repeats, "warmup": warmup,
-                    "bounds": c == 1}  # fmt: skip
+                    "bounds": c == 1, "order_seed": order_seed + c}  # fmt: skip
             per[f"cores_{c}"] = _spawn(spec, list(sorted(os.sched_getaffinity(0)))[:c])
     finally:
         if tmp is not None:
@@ -270,6 +273,7 @@ def run_bench(
         "samples_per_s": top["samples_per_s"],
         "ratio_vs_jte": min(p["ratio_vs_jte"] for p in per.values()),  # the worst core count's median
         "worst_round_ratio_vs_jte": min(p["min"] for p in per.values()),
+        "order_seed": order_seed,
         "goal_ids_per_s_per_core": GOAL_IDS_PER_S_PER_CORE,
         "fraction_of_goal": round(one["ids_per_s_per_core"] / GOAL_IDS_PER_S_PER_CORE, 3),
         "load_average": {"start": load_start, "end": rounds.load_average()},

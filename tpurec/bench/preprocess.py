@@ -58,7 +58,7 @@ class _Quiet:
         os.close(self.saved)
 
 
-def _bench_pooling(pooling, *, batch_size, num_features, vocab, zipf_a, seed, warmup, repeats, threads):
+def _bench_pooling(pooling, *, batch_size, num_features, vocab, zipf_a, seed, warmup, repeats, threads, order_seed=0):
     import torch
 
     from tpurec.embedding.constraints import round_up
@@ -137,7 +137,7 @@ def _bench_pooling(pooling, *, batch_size, num_features, vocab, zipf_a, seed, wa
     orders: list = []
     with _Quiet():
         r_ours, r_jte, r_loop = timer.interleaved(
-            [tpurec_step, jte_step, tpurec_loop_step], warmup=warmup, repeats=repeats, orders=orders
+            [tpurec_step, jte_step, tpurec_loop_step], warmup=warmup, repeats=repeats, orders=orders, seed=order_seed
         )
     t_ours, t_jte, t_loop = r_ours.median, r_jte.median, r_loop.median
     summary = rounds.ratio_summary(r_ours.wall, r_jte.wall)
@@ -181,6 +181,7 @@ def run(
 
     repeats = repeats or (3 if quick else 15)
     warmup = warmup if warmup is not None else (1 if quick else 3)
+    order_seed = rounds.fresh_seed()
     load_start = rounds.load_average()
     saved_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -196,6 +197,7 @@ def run(
                 warmup=warmup,
                 repeats=repeats,
                 threads=threads,
+                order_seed=order_seed,
             )
             for pf in poolings
         }
@@ -210,6 +212,7 @@ def run(
         "ratio_vs_jte": per[worst]["ratio_vs_jte"],
         "worst_pooling": worst,
         "worst_round_ratio_vs_jte": min(p["min"] for p in per.values()),
+        "order_seed": order_seed,
         "load_average": {"start": load_start, "end": rounds.load_average()},
         **per,
         "batch_size": batch_size,

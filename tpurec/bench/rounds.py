@@ -16,6 +16,14 @@ import statistics
 from typing import Sequence
 
 
+def fresh_seed() -> int:
+    """A seed for the order of contenders, new each run (reported, so that a run can be repeated):
+    a fixed seed would give every run, and every cell, the same sequence of orders."""
+    import random
+
+    return random.SystemRandom().randrange(2**31)
+
+
 def load_average() -> list[float]:
     """os.getloadavg(): 1, 5 and 15-minute load averages, rounded to 0.01."""
     return [round(x, 2) for x in os.getloadavg()]

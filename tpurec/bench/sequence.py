@@ -164,6 +164,7 @@ def run_sequence(
     check_batch, batches = batches[0], batches[1:]
     ids = num_tables * users * seq_len
     upstream = equal_work.upstream_gradient(ids, dim)
+    order_seed = rounds_mod.fresh_seed()
     load_start = rounds_mod.load_average()
     with _single_process_group():
         ours = _tpurec(num_tables, rows, dim)
@@ -176,7 +177,11 @@ def run_sequence(
 
         orders: list = []
         r_ours, r_theirs = timer.interleaved(
-            [functools.partial(one_pass, side) for side in (ours, theirs)], warmup=1, repeats=rounds, orders=orders
+            [functools.partial(one_pass, side) for side in (ours, theirs)],
+            warmup=1,
+            repeats=rounds,
+            orders=orders,
+            seed=order_seed,
         )
     summary = rounds_mod.ratio_summary(r_ours.wall, r_theirs.wall)
     steps = len(batches)
@@ -209,6 +214,7 @@ def run_sequence(
         "rounds": rounds,
         "threads": torch.get_num_threads(),
         "load_average": {"start": load_start, "end": rounds_mod.load_average()},
+        "order_seed": order_seed,
     }
 
 

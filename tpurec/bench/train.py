@@ -150,6 +150,7 @@ def run(
     batch_size: int = 1024,
     repeats: int = 3,
     sides=SIDES,
+    order_seed: int | None = None,
 ) -> dict:
     from tpurec.dlrm.data import ensure_synth
 
@@ -159,6 +160,7 @@ def run(
         0,
         say=lambda m: print(m, file=sys.stderr),
     )
+    order_seed = rounds.fresh_seed() if order_seed is None else order_seed
     load_start = rounds.load_average()
     orders: list = []
     # Each launch reports its own timed region; the parent's clock would include process start-up.
@@ -167,6 +169,7 @@ def run(
         warmup=0,
         repeats=repeats,
         orders=orders,
+        seed=order_seed,
     )
     rounds_ = [{side: r.results[k] for side, r in zip(sides, runs)} for k in range(repeats)]
     # Equal work: every side trained on the same ids and labels (count and sums over all ranks).
@@ -187,6 +190,7 @@ def run(
         "steps": steps,
         "warmup": warmup,
         "repeats": repeats,
+        "order_seed": order_seed,
         "threads_per_rank": 1,
         "rounds": rounds_,
         "load_average": {"start": load_start, "end": rounds.load_average()},
