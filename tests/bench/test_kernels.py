@@ -80,6 +80,8 @@ def test_a_cell_whose_work_differs_is_refused_and_not_summarized(what):
 def test_the_unperturbed_cell_passes_the_same_check():
     r = matrix.run_matrix(shapes=TINY, optimizers=("sgd",), poolings=(20,), rounds_=1, nbatches=1)
     assert r["refused"] == [] and len(r["cells"]) == 1
+    # sub-millisecond steps: a timed run repeats them until it lasts about MIN_RUN_SECONDS
+    assert r["cells"][0]["steps_per_run"] > 1
 
 
 def test_the_order_of_contenders_varies_between_rounds():

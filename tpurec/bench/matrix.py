@@ -19,6 +19,7 @@ max; the matrix's are the worst cell, the worst single round and the geometric m
 from __future__ import annotations
 
 import gc
+import math
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
@@ -28,6 +29,9 @@ import numpy as np
 from tpurec.bench import contenders, equal_work, rounds, timer, workloads
 
 POOLINGS: tuple = (1, 20, 100, "var")
+# A timed run lasts at least this long (more passes over the batches, the same count on both
+# sides): a sub-millisecond run is at the mercy of one context switch on a shared host.
+MIN_RUN_SECONDS = 0.05
 VAR_MAX_LEN = 40  # "var" bags: lengths uniform in 0..VAR_MAX_LEN, mean 20
 
 
@@ -87,9 +91,21 @@ def _sig(x: float) -> float:
     return float(f"{x:.5g}")
 
 
-def _pass(side, batches, upstream) -> None:
-    for b in batches:
-        side.step(b, upstream)
+def _pass(side, batches, upstream, passes: int = 1) -> None:
+    for _ in range(passes):
+        for b in batches:
+            side.step(b, upstream)
+
+
+def _passes_per_run(sides, batches, upstream) -> int:
+    """Passes over the batches that make the faster side's run last MIN_RUN_SECONDS (one untimed
+    pass of each side measures them, and warms them up)."""
+    fastest = float("inf")
+    for side in sides:
+        with timer.Stopwatch() as sw:
+            _pass(side, batches, upstream)
+        fastest = min(fastest, sw.wall)
+    return max(1, math.ceil(MIN_RUN_SECONDS / max(fastest, 1e-6)))
 
 
 def run_cell(
@@ -112,7 +128,8 @@ def run_cell(
     ours, theirs = build(shape.tables, shape.rows, shape.dim, optimizer)
     try:
         checked = equal_work.check(ours, theirs, check_batch, upstream)
-        fns = [lambda side=side: _pass(side, batches, upstream) for side in (ours, theirs)]
+        passes = _passes_per_run((ours, theirs), batches, upstream)
+        fns = [lambda side=side: _pass(side, batches, upstream, passes) for side in (ours, theirs)]
         load_before = rounds.load_average()[0]
         orders: list = []
         r_ours, r_theirs = timer.interleaved(fns, warmup=1, repeats=rounds_, seed=order_seed, orders=orders)
@@ -132,8 +149,9 @@ def run_cell(
         "min": _sig(summary["min"]),
         "max": _sig(summary["max"]),
         "round_ratios": summary["round_ratios"],
-        "tpurec_step_ms": round(1e3 * r_ours.median / len(batches), 3),
-        "peer_step_ms": round(1e3 * r_theirs.median / len(batches), 3),
+        "tpurec_step_ms": round(1e3 * r_ours.median / (passes * len(batches)), 3),
+        "peer_step_ms": round(1e3 * r_theirs.median / (passes * len(batches)), 3),
+        "steps_per_run": passes * len(batches),
         "lookups_per_step": round(lookups),
         "first_in_round": [names[o[0]] for o in orders],
         "equal_work": checked,
@@ -213,7 +231,7 @@ def run_matrix(
         "optimizers": {k: {"torch": v[0], "kwargs": v[1], "fbgemm": v[2]} for k, v in contenders.OPTIMIZERS.items()},
         "rounds": rounds_,
         "order_seed": order_seed,
-        "steps_per_round": nbatches,
+        "batches_per_pass": nbatches,
         "quick": quick,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
