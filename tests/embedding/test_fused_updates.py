@@ -83,6 +83,12 @@ def _dense_step_model(tables, torch_optim, kwargs):
         (torch.optim.Adagrad, {"lr": 0.2, "eps": 1e-6, "initial_accumulator_value": 0.1}, torch.optim.Adagrad),
         # FBGEMM's Adam decays decoupled, w -= lr (step + wd w): AdamW's (optimizers/weight_decay.py)
         (torch.optim.Adam, {"lr": 0.05, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.5}, torch.optim.AdamW),
+        # torch's own spelling of AdamW, accepted (it was refused)
+        (
+            torch.optim.Adam,
+            {"lr": 0.05, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.5, "decoupled_weight_decay": True},
+            torch.optim.Adam,
+        ),
     ],
 )
 def test_updates_equal_torch_optimizer_when_every_row_is_touched(optim, kwargs, dense):

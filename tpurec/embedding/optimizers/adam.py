@@ -148,7 +148,7 @@ class AdamSpec(OptimizerSpec):
     fbgemm_optim = "ADAM"
     fbgemm_aliases = ()
     state_names = ("momentum1", "exp_avg_sq")  # TorchRec's and FBGEMM's names for m and v
-    refused_torch_kwargs = ("amsgrad", "maximize", "decoupled_weight_decay")
+    refused_torch_kwargs = ("amsgrad", "maximize")
     # FBGEMM's Adam decays decoupled (AdamW) in every mode; tpurec takes NONE and DECOUPLE (weight_decay.py).
     weight_decay_modes = {"NONE": "DECOUPLE", "DECOUPLE": "DECOUPLE"}
     weight_decay_note = "decays decoupled (AdamW: w -= lr * weight_decay * w) whatever the mode, not as named"
@@ -156,6 +156,9 @@ class AdamSpec(OptimizerSpec):
 
     @classmethod
     def _take_torch_kwargs(cls, kwargs: dict):
+        # torch.optim.Adam(decoupled_weight_decay=True) is AdamW, the decay tpurec applies (as FBGEMM's
+        # Adam) either way: accepted as True or False, the decay always decoupled (docs/dmp.md).
+        kwargs.pop("decoupled_weight_decay", None)
         b1, b2 = kwargs.pop("betas", (0.9, 0.999))
         return cls(
             lr=float(kwargs.pop("lr", 1e-3)), eps=float(kwargs.pop("eps", 1e-8)), beta1=float(b1), beta2=float(b2)
