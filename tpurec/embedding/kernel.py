@@ -21,7 +21,7 @@ import itertools
 import re
 import threading
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -39,6 +39,7 @@ from tpurec.embedding.multipass import MultiPassInput, split_into_passes, stacke
 from tpurec.embedding.optimizers.base import OptimizerSpec, check_hyperparameter, op_head, op_tail
 from tpurec.embedding.optimizers.weight_decay import decay_rows, decay_slots
 from tpurec.embedding.preprocess import IdLimitExceededError, PreprocessStats, SparseCoreInput, preprocess
+from tpurec.embedding.settings import KernelSettings
 from tpurec.embedding.weight_grad import with_weight_grad
 from tpurec.errors import UserError
 
@@ -84,39 +85,29 @@ class SparseCoreKernel(nn.Module):
         *,
         is_weighted: bool = False,
         device: torch.device | str | None = None,
-        max_ids_per_partition: int | None = None,
-        max_unique_ids_per_partition: int | None = None,
-        allow_id_dropping: bool = False,
-        stack_tables: bool = True,
         positional: bool = False,
-        fixed_limits: bool | None = None,
-        pad_dims: bool | None = None,
-        widen_tables: bool | None = None,
-        table_limits: dict[str, tuple[int, ...]] | None = None,
+        settings: KernelSettings | None = None,
+        **keywords: Any,
     ) -> None:
-        """table_limits: measured limits by table name (a shard's `source` table or its own name;
-        `tpurec data stats`): (max ids, max unique ids) per partition of the table alone, optionally
-        followed by the same per SparseCore slice. A stack whose tables all have limits gets fixed
-        limits that bound every segment (`_stack_bound`); fixed_limits defaults to on with them.
+        """settings: the buffer and layout settings (KernelSettings, tpurec/embedding/settings.py,
+        which says what each does); its fields may instead be passed as keywords.
 
-        fixed_limits: keep each stack's id limits (and so every buffer shape) the same for every
-        batch. Default: on a tpu device, where TorchTPU compiles the limits into the program (a limit
-        sized to each batch would recompile every step); elsewhere limits left as None follow each
-        batch. Fixed limits come from max_ids_per_partition / max_unique_ids_per_partition when given,
-        else from the first batch (twice its fullest partition, 8-aligned). A batch over the limits
-        (fixed or given) runs in several passes that fit (multipass.py), or is dropped down to them
-        when allow_id_dropping asks for it (counted in dropped_id_count).
-
-        pad_dims: store rows padded to 8 floats, as the SparseCore needs (layout.py). Default: on a
-        tpu device only; tests force it on CPU to exercise the padded path.
-
-        widen_tables: store FP16/BF16 tables as float32 (default: on a tpu device, where TorchTPU's
-        SparseCore ops take float32 tables; `tpurec.embedding.dtypes`), with one warning naming them.
-        Otherwise each table is stored in its dtype and updated in float32, rounded once per step."""
+        A stack whose tables all have table_limits gets fixed limits that bound every segment
+        (`_stack_bound`). With fixed limits, limits come from max_ids_per_partition /
+        max_unique_ids_per_partition when given, else from the first batch (twice its fullest
+        partition, 8-aligned). A batch over the limits (fixed or given) runs in several passes that
+        fit (multipass.py), or is dropped down to them when allow_id_dropping asks for it (counted in
+        dropped_id_count)."""
         super().__init__()
         # positional: the KJT's k-th key feeds the k-th feature of feature_order (TorchRec's sharded
         # lookups pass keys in table order and may repeat a feature for column shards).
         self.positional = positional
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        self.settings = KernelSettings.of(settings, **keywords).resolved_for(device.type)
+        max_ids_per_partition = self.settings.max_ids_per_partition
+        max_unique_ids_per_partition = self.settings.max_unique_ids_per_partition
+        allow_id_dropping = self.settings.allow_id_dropping
+        table_limits = self.settings.table_limits
         if num_sc_per_device < 1:
             raise UserError(f"num_sc_per_device must be >= 1, got {num_sc_per_device}")
         self.tables = list(tables)
@@ -133,7 +124,7 @@ class SparseCoreKernel(nn.Module):
                 f"allow_id_dropping=True with weight decay ({optimizer.weight_decay_mode}) is not supported: "
                 "leave allow_id_dropping off (a batch over its id limits then runs in several passes)"
             )
-        self._fixed_limits = fixed_limits
+        self._fixed_limits = self.settings.fixed_limits
         # Optimizer steps taken per stack (Adam's bias correction); stacks update independently
         # because autograd may run their backward in any order. Public per table: step_count().
         self._steps: list[int] = []
@@ -172,18 +163,15 @@ class SparseCoreKernel(nn.Module):
         self.feature_order = [f for t in self.tables for f in t.feature_names]
         self.feature_dims = [self._feature_table[f].embedding_dim for f in self.feature_order]
 
-        device = torch.device(device) if device is not None else torch.device("cpu")
-        if pad_dims is None:
-            pad_dims = _device.tpu_path(device.type)
         for t in self.tables:
             dtypes.table_dtype(t.dtype, t.name)  # refuses quantized dtypes
-        stored = {t.name: dtypes.stored_dtype(t.dtype, device.type, widen_tables) for t in self.tables}
+        stored = {t.name: dtypes.stored_dtype(t.dtype, device.type, self.settings.widen_tables) for t in self.tables}
         dtypes.warn_widened({t.source or t.name: t.dtype for t in self.tables if stored[t.name] != t.dtype})
         layouts = build_stacks(
             [(t.name, t.num_embeddings, t.embedding_dim, stored[t.name]) for t in self.tables],
             num_sc_per_device,
-            stack=stack_tables,
-            pad_to=DIM_ALIGN if pad_dims else 1,
+            stack=self.settings.stack_tables,
+            pad_to=DIM_ALIGN if self.settings.pad_dims else 1,
             expected_ids={t.name: t.expected_ids for t in self.tables if t.expected_ids is not None},
         )
         self.stacks: list[_StackPlan] = []
@@ -207,8 +195,6 @@ class SparseCoreKernel(nn.Module):
             )
         self._stack_limits: list[tuple[int, int] | None] = [given] * len(self.stacks)
         if table_limits:
-            if fixed_limits is None:
-                self._fixed_limits = True
             for i, plan in enumerate(self.stacks):
                 bound = _stack_bound(plan.layout, self._table, table_limits, num_sc_per_device)
                 if bound is not None:
@@ -717,7 +703,9 @@ class SparseCoreKernel(nn.Module):
         return lr
 
 
-def _stack_bound(lay: StackLayout, tables: dict, limits: dict, num_sc: int) -> tuple[int, int] | None:
+def _stack_bound(
+    lay: StackLayout, tables: dict, limits: Mapping[str, tuple[int, ...]], num_sc: int
+) -> tuple[int, int] | None:
     """Fixed limits for a stack from its tables' measured ones, or None if a table has none.
 
     Measured per partition of a table alone (C_t rows each); in the stack the tables lie end to end

@@ -22,6 +22,7 @@ from tpurec.embedding.dtypes import table_dtype
 from tpurec.embedding.fused_optimizer import SparseCoreFusedOptimizer
 from tpurec.embedding.kernel import KernelTable, SparseCoreKernel
 from tpurec.embedding.optimizers.registry import spec_from_torch
+from tpurec.embedding.settings import KernelSettings
 from tpurec.embedding.sparsecores import resolve_num_sparsecores
 from tpurec.errors import UserError
 
@@ -79,6 +80,7 @@ class SparseCoreEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         fixed_limits: bool | None = None,
         pad_dims: bool | None = None,
         widen_tables: bool | None = None,
+        settings: KernelSettings | None = None,
         pooling_factors: dict[str, float] | None = None,
     ) -> None:
         """pooling_factors: expected ids per sample by table name, as in TorchRec's
@@ -96,13 +98,16 @@ class SparseCoreEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
             resolve_num_sparsecores(num_sparsecores, self._device.type),
             is_weighted=is_weighted,
             device=self._device,
-            max_ids_per_partition=max_ids_per_partition,
-            max_unique_ids_per_partition=max_unique_ids_per_partition,
-            allow_id_dropping=allow_id_dropping,
-            stack_tables=stack_tables,
-            fixed_limits=fixed_limits,
-            pad_dims=pad_dims,
-            widen_tables=widen_tables,
+            settings=KernelSettings.of(
+                settings,
+                max_ids_per_partition=max_ids_per_partition,
+                max_unique_ids_per_partition=max_unique_ids_per_partition,
+                allow_id_dropping=allow_id_dropping,
+                stack_tables=stack_tables,
+                fixed_limits=fixed_limits,
+                pad_dims=pad_dims,
+                widen_tables=widen_tables,
+            ),
         )
         self._fused_optimizer = SparseCoreFusedOptimizer(self.kernel)
         natural_state.register(self)

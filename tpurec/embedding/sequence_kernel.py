@@ -61,7 +61,7 @@ class SparseCoreSequenceKernel(SparseCoreKernel):
         if max_ids_per_feature is not None and max_ids_per_feature < 1:
             raise UserError(f"max_ids_per_feature must be >= 1, got {max_ids_per_feature}")
         if max_ids_per_feature is None:
-            max_ids_per_feature = self._measured_capacity(kwargs.get("table_limits"))
+            max_ids_per_feature = self._measured_capacity(self.settings.table_limits)
         self.max_ids_per_feature = max_ids_per_feature
         self._capacity: int | None = None if max_ids_per_feature is None else self._aligned(max_ids_per_feature)
 

@@ -25,6 +25,7 @@ from tpurec.embedding.fused_optimizer import SparseCoreFusedOptimizer
 from tpurec.embedding.kernel import KernelTable
 from tpurec.embedding.optimizers.registry import spec_from_torch
 from tpurec.embedding.sequence_kernel import SparseCoreSequenceKernel
+from tpurec.embedding.settings import KernelSettings
 from tpurec.embedding.sparsecores import resolve_num_sparsecores
 from tpurec.errors import UserError
 
@@ -49,6 +50,7 @@ class SparseCoreEmbeddingCollection(nn.Module, FusedOptimizerModule):
         fixed_limits: bool | None = None,
         pad_dims: bool | None = None,
         widen_tables: bool | None = None,
+        settings: KernelSettings | None = None,
     ) -> None:
         super().__init__()
         from tpurec.embedding.backend import select_device
@@ -82,13 +84,16 @@ class SparseCoreEmbeddingCollection(nn.Module, FusedOptimizerModule):
             resolve_num_sparsecores(num_sparsecores, self._device.type),
             device=self._device,
             max_ids_per_feature=max_ids_per_feature,
-            max_ids_per_partition=max_ids_per_partition,
-            max_unique_ids_per_partition=max_unique_ids_per_partition,
-            allow_id_dropping=allow_id_dropping,
-            stack_tables=stack_tables,
-            fixed_limits=fixed_limits,
-            pad_dims=pad_dims,
-            widen_tables=widen_tables,
+            settings=KernelSettings.of(
+                settings,
+                max_ids_per_partition=max_ids_per_partition,
+                max_unique_ids_per_partition=max_unique_ids_per_partition,
+                allow_id_dropping=allow_id_dropping,
+                stack_tables=stack_tables,
+                fixed_limits=fixed_limits,
+                pad_dims=pad_dims,
+                widen_tables=widen_tables,
+            ),
         )
         self.reset_parameters()
         self._fused_optimizer = SparseCoreFusedOptimizer(self.kernel, param_prefix="embeddings.")

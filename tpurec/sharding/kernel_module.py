@@ -29,6 +29,7 @@ from tpurec.embedding.fused_optimizer import SparseCoreFusedOptimizer
 from tpurec.embedding.kernel import KernelTable, SparseCoreKernel
 from tpurec.embedding.optimizers.registry import spec_from_fused_params
 from tpurec.embedding.sequence_kernel import SparseCoreSequenceKernel
+from tpurec.embedding.settings import KernelSettings
 from tpurec.embedding.weight_grad import with_weight_grad
 from tpurec.errors import UserError
 
@@ -116,14 +117,16 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
             device=device,
             positional=True,
             **extra,
-            max_ids_per_partition=_fused_int(config, "max_ids_per_partition"),
-            max_unique_ids_per_partition=_fused_int(config, "max_unique_ids_per_partition"),
-            allow_id_dropping=bool(fused.get("allow_id_dropping", False)),
-            fixed_limits=fused.get("fixed_limits"),
-            pad_dims=fused.get("pad_dims"),
-            widen_tables=fused.get("widen_tables"),
-            # (table, limits...) tuples: TorchRec groups tables by hashing fused params
-            table_limits={str(n): tuple(int(x) for x in v) for n, *v in fused.get("table_limits") or ()} or None,
+            settings=KernelSettings(
+                max_ids_per_partition=_fused_int(config, "max_ids_per_partition"),
+                max_unique_ids_per_partition=_fused_int(config, "max_unique_ids_per_partition"),
+                allow_id_dropping=bool(fused.get("allow_id_dropping", False)),
+                fixed_limits=fused.get("fixed_limits"),
+                pad_dims=fused.get("pad_dims"),
+                widen_tables=fused.get("widen_tables"),
+                # (table, limits...) tuples: TorchRec groups tables by hashing fused params
+                table_limits={str(n): tuple(int(x) for x in v) for n, *v in fused.get("table_limits") or ()} or None,
+            ),
         )
         self._optim = SparseCoreFusedOptimizer(self.kernel, param_prefix="", key_of=self._param_key)
         # TorchRec's `output_dtype` fused param (an FBGEMM SparseType): its TBE kernels return lookups in

@@ -1,0 +1,80 @@
+"""KernelSettings: its checks, its device defaults, and that the modules' loose keywords and
+settings= build the same kernel."""
+
+import pytest
+import torch
+
+from tpurec.embedding.module import SparseCoreEmbeddingBagCollection
+from tpurec.embedding.sequence_module import SparseCoreEmbeddingCollection
+from tpurec.embedding.settings import KernelSettings
+from tpurec.errors import UserError
+
+from .helpers import make_tables, random_kjt
+from .test_sequence_module import batch, seq_tables
+
+
+@pytest.mark.parametrize(
+    "kwargs, names",
+    [
+        ({"max_ids_per_partition": 0}, "KernelSettings.max_ids_per_partition"),
+        ({"max_unique_ids_per_partition": -3}, "KernelSettings.max_unique_ids_per_partition"),
+        ({"table_limits": {"t1": (8,)}}, "KernelSettings.table_limits['t1']"),
+    ],
+)
+def test_bad_values_are_one_line_naming_the_field(kwargs, names):
+    with pytest.raises(UserError) as err:
+        KernelSettings(**kwargs)
+    assert names in str(err.value) and "\n" not in str(err.value)
+
+
+def test_settings_and_its_keywords_together_are_refused():
+    with pytest.raises(UserError, match=r"not both \(got \['pad_dims'\]\)"):
+        KernelSettings.of(KernelSettings(), pad_dims=True, stack_tables=True)  # stack_tables: its default
+    assert KernelSettings.of(None, max_ids_per_partition=16).max_ids_per_partition == 16
+
+
+def test_defaults_are_decided_by_the_device():
+    on_cpu, on_tpu = KernelSettings().resolved_for("cpu"), KernelSettings().resolved_for("tpu")
+    assert (on_cpu.pad_dims, on_cpu.widen_tables, on_cpu.fixed_limits) == (False, False, None)
+    assert (on_tpu.pad_dims, on_tpu.widen_tables, on_tpu.fixed_limits) == (True, True, None)
+    given = KernelSettings(pad_dims=True, widen_tables=False, fixed_limits=False).resolved_for("tpu")
+    assert (given.pad_dims, given.widen_tables, given.fixed_limits) == (True, False, False)
+    # Measured table limits turn fixed limits on unless they were set.
+    measured = KernelSettings(table_limits={"t1": (8, 4)})
+    assert measured.resolved_for("cpu").fixed_limits is True
+    assert KernelSettings(table_limits={"t1": (8, 4)}, fixed_limits=False).resolved_for("cpu").fixed_limits is False
+
+
+def _ebc(**kwargs):
+    torch.manual_seed(0)
+    return SparseCoreEmbeddingBagCollection(make_tables(), torch.optim.SGD, {"lr": 0.1}, num_sparsecores=2, **kwargs)
+
+
+def test_ebc_keywords_and_settings_build_the_same_kernel():
+    loose = _ebc(stack_tables=False, pad_dims=True, fixed_limits=True, max_ids_per_partition=40)
+    whole = _ebc(
+        settings=KernelSettings(stack_tables=False, pad_dims=True, fixed_limits=True, max_ids_per_partition=40)
+    )
+    assert loose.kernel.settings == whole.kernel.settings
+    assert whole.kernel.settings.pad_dims and not whole.kernel.settings.widen_tables
+    assert len(whole.kernel.stacks) == 3 and whole.kernel.stack_limits(0) == (40, 40)
+    shapes = [tuple(whole.kernel.stack_weight(i).shape) for i in range(3)]
+    assert shapes == [tuple(loose.kernel.stack_weight(i).shape) for i in range(3)]
+    assert shapes[1][1] == 16 and shapes[2][1] == 8  # padded to 8 floats
+    kjt = random_kjt(make_tables(), 5, torch.Generator().manual_seed(1))
+    assert torch.equal(loose(kjt).values(), whole(kjt).values())
+
+
+def test_ec_keywords_and_settings_build_the_same_kernel():
+    def ec(**kwargs):
+        torch.manual_seed(0)
+        return SparseCoreEmbeddingCollection(seq_tables(), torch.optim.SGD, {"lr": 0.1}, num_sparsecores=2, **kwargs)
+
+    loose = ec(stack_tables=False, max_ids_per_partition=24)
+    whole = ec(settings=KernelSettings(stack_tables=False, max_ids_per_partition=24))
+    assert loose.kernel.settings == whole.kernel.settings and len(whole.kernel.stacks) == 3
+    kjt = batch(torch.Generator().manual_seed(2))
+    out_loose, out_whole = loose(kjt), whole(kjt)
+    assert all(torch.equal(out_loose[k].values(), out_whole[k].values()) for k in out_whole.keys())
+    with pytest.raises(UserError, match="not both"):
+        ec(settings=KernelSettings(), max_ids_per_partition=24)
