@@ -24,6 +24,7 @@ from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingShard
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
 
 from tpurec.embedding.constraints import DEFAULT_NUM_SPARSECORES
+from tpurec.embedding.settings import KernelSettings
 from tpurec.embedding.sparsecores import resolve_num_sparsecores
 from tpurec.errors import UserError
 from tpurec.sharding import stock_estimates
@@ -154,11 +155,30 @@ class SparseCoreSharderMixin(_SharderHost):
         widen_tables: bool | None = None,
         pooling_factors: Dict[str, float] | None = None,
         table_limits: Dict[str, tuple[int, ...]] | None = None,
+        settings: KernelSettings | None = None,
         **kernel_settings: Any,
     ) -> None:
         unknown = sorted(set(kernel_settings) - set(self.KERNEL_SETTINGS))
         if unknown:
             raise TypeError(f"{type(self).__name__} got unexpected keyword argument(s) {unknown}")
+        if settings is not None:  # the object stands for the loose keywords (refused together)
+            KernelSettings.of(
+                settings,
+                max_ids_per_partition=max_ids_per_partition,
+                max_unique_ids_per_partition=max_unique_ids_per_partition,
+                allow_id_dropping=allow_id_dropping,
+                fixed_limits=fixed_limits,
+                pad_dims=pad_dims,
+                widen_tables=widen_tables,
+                table_limits=table_limits,
+            )
+            if not settings.stack_tables:
+                raise UserError(f"{type(self).__name__}: settings.stack_tables=False is not supported by the sharders")
+            max_ids_per_partition = settings.max_ids_per_partition
+            max_unique_ids_per_partition = settings.max_unique_ids_per_partition
+            allow_id_dropping, fixed_limits = settings.allow_id_dropping, settings.fixed_limits
+            pad_dims, widen_tables = settings.pad_dims, settings.widen_tables
+            table_limits = dict(settings.table_limits) if settings.table_limits else None
         fused = sparsecore_fused_params(
             fused_params,
             max_ids_per_partition=max_ids_per_partition,
@@ -220,6 +240,7 @@ class SparseCoreEBCSharder(SparseCoreSharderMixin, EmbeddingBagCollectionSharder
     per stack as the sums of its tables'. pad_dims: store rows 8 floats wide as the
     SparseCore needs (default: on a TPU only). widen_tables: store FP16/BF16 tables as float32
     (default: on a TPU only, where TorchTPU's ops take float32 tables; tpurec.embedding.dtypes).
+    settings: a KernelSettings instead of those keywords (stack_tables must stay True).
     """
 
     SHARDED_CLASS = ShardedSparseCoreEBC
