@@ -420,6 +420,8 @@ class SparseCoreKernel(nn.Module):
                     ((0, self._table[name].num_embeddings),),
                 )
                 for name in dict.fromkeys(self._feature_table[f].name for f in self._stacked_order)
+                # a row-wise shard of a table smaller than the devices holds no rows: no id lands here
+                if self._table[name].num_embeddings > 0
             ]
             counter = self._demand_counters[key] = ShardsDemand(
                 tables, list(self._stacked_order), num_partitions=self.num_sc, batch=batch
