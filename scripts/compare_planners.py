@@ -1,6 +1,6 @@
 """The table "Comparison with torchrec's default planner" in docs/planner.md: tpurec's plan and
 torchrec's default plan for the same topology, pooling and batch, both scored with tpurec's cost
-model (the calls of tests/sharding/test_planner.py::test_no_worse_than_torchrec_default_planner).
+model (the calls of tests/planner/test_planner.py::test_no_worse_than_torchrec_default_planner).
 
     .venv/bin/python scripts/compare_planners.py
 """
@@ -15,11 +15,11 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-import tpurec.sharding.planner as P
+import tpurec.planner.planners as P
 from tpurec.catalog import get_table_set
 from tpurec.dlrm.model import embedding_bag_configs
-from tpurec.sharding.inspect import build_report
-from tpurec.sharding.topology import GiB, make_topology
+from tpurec.planner.report import build_report
+from tpurec.planner.topology import GiB, make_topology
 
 CASES = [
     ("mlperf-dcnv2", "v5p-128", "rowwise_adagrad", 256),

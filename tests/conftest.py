@@ -23,7 +23,7 @@ def criteo_sample() -> Path:
 
 def pytest_collection_modifyitems(config, items):
     # TPU-only tests run only where tpurec says the SparseCore backend is usable.
-    from tpurec.device import tpu_status
+    from tpurec.runtime.device import tpu_status
 
     if tpu_status().usable:
         return

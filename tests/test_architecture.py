@@ -19,32 +19,23 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tpurec"
 # the same part (embedding and data are both L1 and independent).
 LAYERS = {
     "errors": -1,  # the user-error type (tpurec/errors.py): imported by every layer, imports nothing
-    "device": 0,
+    "runtime": 0,  # process and host plumbing: device, process groups, heartbeat, threads, locks, signals
     "catalog": 0,
-    "host_ops": 0,
     "argtypes": 0,
-    "lifecycle": 0,
     "outputs": 0,
-    "dir_lock": 0,
     "json_fields": 0,
-    "host_resources": 0,
-    "terminate": 0,
-    "interrupts": 0,
-    "heartbeat": 0,
-    "process_group": 0,
-    "host_copies": 0,
-    "threads": 0,
     "arg_parser": 0,
     "embedding": 1,
     "data": 1,
-    "sharding": 2,
-    "emulation": 2.5,  # a TPU rank on CPU: TorchTPU's stand-ins over embedding, planned by sharding
-    "dlrm": 3,
-    "bench": 4,
-    "cli": 4,
-    "env_report": 4,
-    "selftest": 4,
-    "launch_cli": 4,
+    "planner": 2,
+    "sharding": 3,
+    "emulation": 3,  # a TPU rank on CPU: TorchTPU's stand-ins over embedding, slices from the planner
+    "dlrm": 4,
+    "bench": 5,
+    "cli": 5,
+    "env_report": 5,
+    "selftest": 5,
+    "launch_cli": 5,
 }
 FACADE = "tpurec"  # the root __init__: above every layer
 

@@ -26,7 +26,7 @@ def test_every_cli_offers_the_catalogs_models():
     import argparse
 
     from tpurec.dlrm.cli import register as register_train
-    from tpurec.sharding.plan_cli import register as register_plan
+    from tpurec.planner.cli import register as register_plan
 
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers()

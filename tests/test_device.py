@@ -1,4 +1,4 @@
-"""tpurec.device: what it reads from the host (PCI ids) and the TorchTPU environment it sets."""
+"""tpurec.runtime.device: what it reads from the host (PCI ids) and the TorchTPU environment it sets."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from tpurec import device
+from tpurec.runtime import device
 
 
 def _pci(tmp_path, *devices):

@@ -18,7 +18,7 @@ PLAN = ["plan", "--model", "dlrm-tiny", "--topology", "v5p-8"]
 
 
 def _slice_raises(monkeypatch, error: Exception) -> None:
-    from tpurec.sharding import topology
+    from tpurec.planner import topology
 
     def parse_slice(name, **kwargs):
         raise error
@@ -91,17 +91,17 @@ def test_a_rank_reraises_a_bug_valueerror_after_naming_the_rank(monkeypatch, cap
 
 def test_the_user_error_classes_are_user_errors_and_still_valueerrors():
     from tpurec.data.schema import DataError
-    from tpurec.device import TpuUnavailableError
-    from tpurec.dlrm.checkpoint import CheckpointMismatchError, CheckpointWriteError, CorruptCheckpointError
-    from tpurec.dlrm.ckpt_integrity import ManifestError
-    from tpurec.dlrm.ckpt_lock import CheckpointDirInUse
-    from tpurec.dlrm.ckpt_meta import CheckpointMetaError
-    from tpurec.dlrm.dcp_guard import UnsafeCheckpointError
+    from tpurec.dlrm.ckpt.checkpoint import CheckpointMismatchError, CheckpointWriteError, CorruptCheckpointError
+    from tpurec.dlrm.ckpt.dcp_guard import UnsafeCheckpointError
+    from tpurec.dlrm.ckpt.integrity import ManifestError
+    from tpurec.dlrm.ckpt.lock import CheckpointDirInUse
+    from tpurec.dlrm.ckpt.meta import CheckpointMetaError
     from tpurec.embedding.preprocess import IdLimitExceededError
     from tpurec.json_fields import FieldError
-    from tpurec.sharding.id_limits import IdLimitsError
-    from tpurec.sharding.plan_check import PlanMismatchError
-    from tpurec.sharding.planner import PlanDoesNotFit
+    from tpurec.planner.id_limits import IdLimitsError
+    from tpurec.planner.plan_check import PlanMismatchError
+    from tpurec.planner.planners import PlanDoesNotFit
+    from tpurec.runtime.device import TpuUnavailableError
 
     kinds = [DataError, TpuUnavailableError, CheckpointMismatchError, CheckpointWriteError, CorruptCheckpointError]
     kinds += [ManifestError, CheckpointDirInUse, CheckpointMetaError, UnsafeCheckpointError, IdLimitExceededError]
@@ -114,7 +114,7 @@ def test_the_user_error_classes_are_user_errors_and_still_valueerrors():
 
 
 def test_a_plan_mismatch_is_renamed_by_type_not_by_message():
-    from tpurec.sharding.plan_check import PlanMismatchError, _check_rank
+    from tpurec.planner.plan_check import PlanMismatchError, _check_rank
 
     with pytest.raises(PlanMismatchError) as err:
         _check_rank("the plan", ", module '', table 't'", 3, 2)
@@ -129,7 +129,7 @@ def test_a_bug_valueerror_shows_a_traceback_from_the_command_line(tmp_path):
     """The whole path a user sees: `tpurec plan` with a slice parser that has a bug."""
     code = (
         "import sys\n"
-        "from tpurec.sharding import topology\n"
+        "from tpurec.planner import topology\n"
         "def parse_slice(name, **kw): raise ValueError('boom')\n"
         "topology.parse_slice = parse_slice\n"
         "from tpurec.cli import main\n"

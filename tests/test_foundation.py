@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import tpurec
-from tpurec import cli, device
+from tpurec import cli
+from tpurec.runtime import device
 
 
 def run_cli(*args):

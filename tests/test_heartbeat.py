@@ -9,8 +9,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from tpurec import heartbeat
-from tpurec.heartbeat import Heartbeat
+from tpurec.runtime import heartbeat
+from tpurec.runtime.heartbeat import Heartbeat
 
 
 class _Recorder:

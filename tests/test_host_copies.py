@@ -1,4 +1,4 @@
-"""Device->host copies on the TPU path: made through tpurec.host_copies, counted, and avoided for ids."""
+"""Device->host copies on the TPU path: made through tpurec.runtime.host_copies, counted, and avoided for ids."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from torchrec.datasets.utils import Batch
 from torchrec.modules.embedding_configs import EmbeddingConfig
 
 from tests.embedding.helpers import make_tables, random_kjt
-from tpurec import host_copies
 from tpurec.data.host_ids import HostIdsBatch, keep_ids_on_host, mark_plain_batch_moves
-from tpurec.device import EMULATE_ENV
 from tpurec.embedding.module import SparseCoreEmbeddingBagCollection
 from tpurec.embedding.sequence_module import SparseCoreEmbeddingCollection
+from tpurec.runtime import host_copies
+from tpurec.runtime.device import EMULATE_ENV
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,7 @@ import textwrap
 
 import torch
 
-from tpurec.host_ops import HOST_OPS, on_host
+from tpurec.runtime.host_ops import HOST_OPS, on_host
 
 
 def test_on_host_matches_the_op_for_permute_and_cumsum():
@@ -32,7 +32,7 @@ def test_on_host_matches_the_op_for_permute_and_cumsum():
 def test_register_covers_torchrecs_input_dist_ops_on_a_free_key():
     code = textwrap.dedent("""
         import torch, fbgemm_gpu
-        from tpurec import host_ops
+        from tpurec.runtime import host_ops
         covered = host_ops.register(dispatch_key="PrivateUse2")
         print("COVERED", sorted({c.split(".")[0] for c in covered}))
     """)
@@ -48,7 +48,7 @@ def test_register_works_before_fbgemm_is_imported_and_is_idempotent():
     # Nothing imports fbgemm_gpu first here: register() must load it rather than cache an empty set.
     code = textwrap.dedent("""
         import sys, torch
-        from tpurec import host_ops
+        from tpurec.runtime import host_ops
         assert "fbgemm_gpu" not in sys.modules
         first = host_ops.register(dispatch_key="PrivateUse2")
         again = host_ops.register(dispatch_key="PrivateUse2")

@@ -7,7 +7,7 @@ import re
 import tomllib
 from pathlib import Path
 
-from tpurec.device import TpuStatus
+from tpurec.runtime.device import TpuStatus
 
 REPO = Path(__file__).resolve().parents[1]
 HINT = ".venv/bin/pip install -r requirements/tpu.txt"

@@ -1,4 +1,4 @@
-"""Torch's thread count per rank under tpurec.DistributedModelParallel (tpurec/threads.py)."""
+"""Torch's thread count per rank under tpurec.DistributedModelParallel (tpurec/runtime/threads.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tpurec import threads
+from tpurec.runtime import threads
 
 REPO = Path(__file__).resolve().parents[1]
 

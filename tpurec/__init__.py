@@ -1,12 +1,12 @@
 """tpurec: TorchRec on TPU.
 
 Importing tpurec is cheap and never imports torch_tpu, libtpu or jax: everything TPU-specific is
-loaded lazily, behind `tpurec.device`, only when a TPU is actually used.
+loaded lazily, behind `tpurec.runtime.device`, only when a TPU is actually used.
 """
 
 from typing import Any
 
-from tpurec import device as _device
+from tpurec.runtime import device as _device
 
 __version__ = "0.1.0"
 

@@ -18,7 +18,7 @@ SUBCOMMANDS: dict[str, str] = {
     "env": "tpurec.env_report",
     "data": "tpurec.data.cli",
     "bench": "tpurec.bench.cli",
-    "plan": "tpurec.sharding.plan_cli",
+    "plan": "tpurec.planner.cli",
     "selftest": "tpurec.selftest.cli",
     "train": "tpurec.dlrm.cli",
     "launch": "tpurec.launch_cli",
@@ -28,7 +28,7 @@ SUBCOMMANDS: dict[str, str] = {
 # Actions of a subcommand implemented in a higher layer than the subcommand's own module:
 # module holding the subcommand's `actions` subparsers -> module implementing the action.
 SUB_ACTIONS: dict[str, str] = {
-    "tpurec.data.cli": "tpurec.sharding.limits_cli",  # `tpurec data stats`: limits for a plan's layout
+    "tpurec.data.cli": "tpurec.planner.limits_cli",  # `tpurec data stats`: limits for a plan's layout
 }
 
 
@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command. A user error (tpurec.errors.UserError, or an OSError: a path missing or
     unwritable, a full disk) prints as one line and exits 2; any other exception is a bug and
     propagates with its traceback."""
-    from tpurec import interrupts
     from tpurec.errors import EXIT_USER_ERROR, UserError
+    from tpurec.runtime import interrupts
 
     args = None
     with interrupts.handled():
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         except (UserError, OSError) as e:
             print(f"{error_prefix(args)}: {e}", file=sys.stderr)
             code = EXIT_USER_ERROR
-        except KeyboardInterrupt as e:  # Ctrl-C: one line, not a traceback (tpurec/interrupts.py)
+        except KeyboardInterrupt as e:  # Ctrl-C: one line, not a traceback (tpurec/runtime/interrupts.py)
             words = sys.argv[1:] if argv is None else argv
             command = next((f"tpurec {w}" for w in words if not str(w).startswith("-")), "tpurec")
             print(interrupts.line(command, e), file=sys.stderr)

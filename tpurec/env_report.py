@@ -10,7 +10,8 @@ import json
 import platform
 import sys
 
-from tpurec import __version__, device
+from tpurec import __version__
+from tpurec.runtime import device
 
 _PACKAGES = (
     "torch",

@@ -5,7 +5,7 @@ AttributeError far from the file. The checks here walk a document along its sche
 document, so their depth is fixed however deep the file nests) and raise one `FieldError` naming
 the first wrong field by its JSON path, e.g. `$.plan.modules[""].t_C1.ranks: '0' is not a list`.
 A check is `check(at, value)`, `at` the value's path; `fields` applies a dict of them to an object.
-Used for plan files (tpurec/sharding/plan_schema.py) and dataset metadata (tpurec/data/schema.py).
+Used for plan files (tpurec/planner/plan_schema.py) and dataset metadata (tpurec/data/schema.py).
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         return _error(f"no such program: {args.program}")
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     if args.emulate_tpu:
-        from tpurec.sharding.topology import parse_slice
+        from tpurec.planner.topology import parse_slice
 
         try:
             spec = parse_slice(args.emulate_tpu)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tpurec.bench import calibrate
-from tpurec.sharding.cpu_cost import DEFAULT_CPU_COSTS
+from tpurec.planner.cpu_cost import DEFAULT_CPU_COSTS
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def test_model_charges_imbalance_kernels_and_groups(plans):
 
 
 def test_fit_recovers_the_fixed_terms_it_was_made_with(plans):
-    from tpurec.sharding import cpu_cost
+    from tpurec.planner import cpu_cost
 
     parts = {n: calibrate.estimate(p) for n, p in plans.items()}
     made = DEFAULT_CPU_COSTS.with_measured(step_fixed_ms=17.0, group_fixed_ms=2.5)

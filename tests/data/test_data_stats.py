@@ -14,7 +14,7 @@ from tpurec.embedding.constraints import round_up
 from tpurec.embedding.demand import partition_demand
 from tpurec.embedding.kernel import KernelTable, SparseCoreKernel
 from tpurec.embedding.optimizers.sgd import SGDSpec
-from tpurec.sharding.id_limits import IdLimitsError, load_limits
+from tpurec.planner.id_limits import IdLimitsError, load_limits
 
 
 @pytest.mark.parametrize("rows,num_sc,batch", [(1000, 4, 64), (37, 2, 10), (5000, 8, 100)])

@@ -65,7 +65,7 @@ def checkpoint_meta(step: int, **config) -> dict:
 
 def train_state(step: int) -> dict:
     """A rank-R.json as the trainer writes it (reader position, RNG states, step)."""
-    from tpurec.dlrm import checkpoint as ckpt
+    from tpurec.dlrm.ckpt import checkpoint as ckpt
 
     reader = {"epoch": 0, "rows_consumed": 64 * step, "num_rows": 1000, "rank": 0, "world_size": 1}
     return {"reader": reader | {"seed": 0, "shuffle": True}, "rng": ckpt.rng_state(), "step": step}

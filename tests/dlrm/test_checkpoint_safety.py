@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from tests.dlrm.helpers import checkpoint_meta, train_state
-from tpurec.dlrm import checkpoint as ckpt
-from tpurec.dlrm.ckpt_integrity import write_checksums
-from tpurec.dlrm.dcp_guard import UnsafeCheckpointError, check_metadata
+from tpurec.dlrm.ckpt import checkpoint as ckpt
+from tpurec.dlrm.ckpt.dcp_guard import UnsafeCheckpointError, check_metadata
+from tpurec.dlrm.ckpt.integrity import write_checksums
 
 
 def test_rng_states_round_trip_through_json():

@@ -209,7 +209,7 @@ def test_killed_run_leaves_no_checkpoint_that_looks_complete(cache, tmp_path):
     for d in dirs:  # every directory without the .tmp suffix is complete
         assert d.name.endswith(".tmp") or (d / "COMPLETE").exists(), d
     # and a resume picks the newest complete one and runs
-    from tpurec.dlrm.checkpoint import latest
+    from tpurec.dlrm.ckpt.checkpoint import latest
 
     newest = latest(root)
     step = int(newest.name.split("-")[1])

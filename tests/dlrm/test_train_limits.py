@@ -8,7 +8,7 @@ import pytest
 
 from tests.dlrm.helpers import train
 from tpurec.cli import main
-from tpurec.sharding.id_limits import load_limits
+from tpurec.planner.id_limits import load_limits
 
 
 @pytest.fixture(scope="module")

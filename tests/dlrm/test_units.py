@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from tpurec.dlrm import checkpoint as ckpt
+from tpurec.dlrm.ckpt import checkpoint as ckpt
 from tpurec.dlrm.configs import CONFIGS, get_config, override
 from tpurec.dlrm.metrics import compute
 

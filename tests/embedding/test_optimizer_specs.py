@@ -140,9 +140,9 @@ def toy_optimizer(tmp_path, monkeypatch):
 def test_a_new_spec_module_is_picked_up_everywhere(toy_optimizer):
     from torch.distributed.optim import _apply_optimizer_in_backward
 
-    from tpurec.sharding import planner
-    from tpurec.sharding.estimators import shard_cost
-    from tpurec.sharding.topology import cpu_spec
+    from tpurec.planner import planners
+    from tpurec.planner.estimators import shard_cost
+    from tpurec.planner.topology import cpu_spec
 
     assert toy_optimizer in registry.spec_names()  # the CLIs' choices, before anything imports it
     assert registry.spec_class(toy_optimizer).state_bytes_per_row(16) == 4
@@ -168,7 +168,7 @@ def test_a_new_spec_module_is_picked_up_everywhere(toy_optimizer):
         device=torch.device("meta"),
     )
     _apply_optimizer_in_backward(torch.optim.ASGD, ebc.parameters(), {"lr": 0.1})
-    assert planner.infer_optimizer(ebc) == toy_optimizer
+    assert planners.infer_optimizer(ebc) == toy_optimizer
 
     # the kernel: state allocated from the spec, update run by the spec, state in the FusedOptimizer
     tables = [EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=10, feature_names=["f"])]

@@ -27,7 +27,7 @@ def test_selftest_cli_json_and_tpu_refusal():
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["device"] == "cpu" and doc["passed"] and len(doc["checks"]) >= 8
-    from tpurec.device import tpu_status
+    from tpurec.runtime.device import tpu_status
 
     if not tpu_status().usable:
         out = subprocess.run(

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
-from tpurec import device
 from tpurec.embedding.sparsecores import resolve_num_sparsecores
+from tpurec.runtime import device
 
 
 @pytest.mark.parametrize("generation,count", [("v5p", 4), ("v6e", 2), ("v7x", 2)])

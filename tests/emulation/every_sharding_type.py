@@ -8,7 +8,7 @@ from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from tpurec.catalog import get_table_set
-from tpurec.sharding.kernel_choice import sharding_types_for
+from tpurec.planner.kernel_choice import sharding_types_for
 
 
 def dlrm_tiny():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tpurec.emulation.launch_env import emulated_launch_env, physical_topology
-from tpurec.sharding.topology import make_topology, parse_slice
+from tpurec.planner.topology import make_topology, parse_slice
 
 
 def test_two_hosts_of_v5p_16_agree_on_everything_but_their_rank():

@@ -12,7 +12,7 @@ def _kjt_all_to_all(rank, world_size, mode, on_device=True):
     import torch.distributed as dist
     from torchrec.experimental.torch_tpu import uneven_all_to_all as hooks
 
-    from tpurec import host_copies
+    from tpurec.runtime import host_copies
     from tpurec.sharding import tpu_all_to_all
 
     assert tpu_all_to_all.select(mode) == mode

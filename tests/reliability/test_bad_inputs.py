@@ -5,9 +5,9 @@ calls (no subprocess per case); faults that need real processes are in test_run_
 Covered elsewhere, not repeated here:
   numeric flags of plan / train / data (--headroom -1, --dcn-gbps -5, --batch-size 0, nan, ...):
       tests/test_bad_cli_inputs.py
-  tables files (typos, zero/absurd sizes, truncated YAML): tests/sharding/test_tables_file.py
+  tables files (typos, zero/absurd sizes, truncated YAML): tests/planner/test_tables_file.py
   plans that do not fit the model or world (bogus_wise, rank 7 of 2, shards not covering):
-      tests/sharding/test_plan_check.py
+      tests/planner/test_plan_check.py
   crafted DCP metadata, pickled train state: tests/dlrm/test_checkpoint_safety.py
   data files (Parquet, converter, reader, cache): test_data_faults.py (written with the data side)
 """
@@ -124,7 +124,7 @@ def test_a_second_run_on_a_checkpoint_dir_in_use_is_refused(tmp_path, capsys, mo
     """Concurrent runs: two runs saving into one directory would delete each other's step-N.tmp."""
     import torch
 
-    from tpurec.dlrm.ckpt_lock import lock_dir
+    from tpurec.dlrm.ckpt.lock import lock_dir
 
     monkeypatch.setenv("TPUREC_CACHE", str(tmp_path / "cache"))
     threads = torch.get_num_threads()

@@ -1,6 +1,6 @@
 """Checkpoint faults: a full disk during a save, damaged shard files, a checkpoint of another model.
 
-Saves here go through `tpurec.dlrm.checkpoint.save` with a small torch module in this process (DCP
+Saves here go through `tpurec.dlrm.ckpt.checkpoint.save` with a small torch module in this process (DCP
 needs no process group for one rank), so the faults are cheap to inject: a full disk by a write
 wrapper around DCP's file streams (runs anywhere; the real full disk, a small tmpfs, is in
 test_run_faults.py). Flipped bits and an interrupted save are in tests/dlrm/test_train.py.
@@ -19,8 +19,8 @@ import torch
 from torch.distributed.checkpoint import filesystem
 
 from tests.dlrm.helpers import checkpoint_meta, train_state
-from tpurec.dlrm import checkpoint as ckpt
-from tpurec.dlrm.ckpt_config import config_mismatch
+from tpurec.dlrm.ckpt import checkpoint as ckpt
+from tpurec.dlrm.ckpt.config import config_mismatch
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

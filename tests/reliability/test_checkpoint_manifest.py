@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.reliability.inproc import TINY_TRAIN, assert_refused, run_cli
-from tpurec.dlrm import checkpoint as ckpt
+from tpurec.dlrm.ckpt import checkpoint as ckpt
 
 STEP2, STEP4 = "step-00000002", "step-00000004"
 

@@ -16,8 +16,8 @@ import pytest
 
 from tests.reliability.inproc import TINY_TRAIN, assert_refused, run_cli
 from tpurec.catalog import get_table_set
-from tpurec.dlrm import checkpoint as ckpt
-from tpurec.dlrm.ckpt_integrity import write_checksums
+from tpurec.dlrm.ckpt import checkpoint as ckpt
+from tpurec.dlrm.ckpt.integrity import write_checksums
 
 STEP4 = "step-00000004"
 ERROR = "tpurec train: error"

@@ -12,7 +12,7 @@ from tests.reliability.inproc import TINY_TRAIN, assert_refused, run_cli
 def test_a_checkpoint_dir_without_room_for_one_checkpoint_is_refused_before_any_step(
     tmp_path, tiny_cache, monkeypatch, capsys
 ):
-    from tpurec.dlrm import ckpt_space
+    from tpurec.dlrm.ckpt import space
 
     monkeypatch.setenv("TPUREC_CACHE", str(tiny_cache))
     seen = {}
@@ -21,7 +21,7 @@ def test_a_checkpoint_dir_without_room_for_one_checkpoint_is_refused_before_any_
         seen["path"] = str(path)
         return 100_000
 
-    monkeypatch.setattr(ckpt_space, "free_disk_bytes", free)
+    monkeypatch.setattr(space, "free_disk_bytes", free)
     ck = tmp_path / "ck"
     code, _, err = run_cli([*TINY_TRAIN, "--steps", 2, "--checkpoint-dir", ck], capsys)
     says = f"tpurec train: error: rank 0: --checkpoint-dir {ck}: a checkpoint of this model needs about "

@@ -2,7 +2,7 @@
 
 Two `data convert` / `data synth` runs into one `--out` both reported success while the dataset
 held a mix of their files. The output directory is now locked as checkpoint directories are
-(flock on OUT/.lock, `tpurec/dir_lock.py`): the second run is refused in one line naming the
+(flock on OUT/.lock, `tpurec/runtime/dir_lock.py`): the second run is refused in one line naming the
 holder's pid and command, exit 2, and writes nothing.
 """
 

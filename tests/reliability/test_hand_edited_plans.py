@@ -4,7 +4,7 @@ one line naming the file and the field by its JSON path, before anything is buil
 nested file gave TypeError, AttributeError, RuntimeError or RecursionError tracebacks.
 
 Values of the right kind that do not fit the model or the world size (rank 9 of 4, shards not
-covering a table, `bogus_wise`) are test_bad_inputs.py's and tests/sharding/test_plan_check.py's.
+covering a table, `bogus_wise`) are test_bad_inputs.py's and tests/planner/test_plan_check.py's.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def test_a_file_nested_deeper_than_the_json_parser_reads_is_one_line(tmp_path, c
 
 def test_train_and_library_loads_refuse_the_same_way(plan_file, tmp_path):
     """`tpurec train --plan` and library users load plans with plan_io.load_plan: the same one line."""
-    from tpurec.sharding.plan_io import load_plan
+    from tpurec.planner.plan_io import load_plan
 
     doc = json.loads(plan_file.read_text())
     _t_c1(doc)["ranks"] = "0"

@@ -20,7 +20,7 @@ import pytest
 
 from tests.reliability.inproc import TINY_TRAIN, assert_refused, run_cli
 from tests.test_lifecycle import _descendants, _wait_for
-from tpurec import interrupts
+from tpurec.runtime import interrupts
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,9 +50,9 @@ def _interrupting(monkeypatch, owner, name: str, calls: int = 1) -> None:
 def _save_step(where: str) -> tuple[object, str]:
     """(owner, name) of a step of a checkpoint save: sealing it, or DCP writing its shards."""
     if where == "sealing":
-        from tpurec.dlrm import ckpt_integrity
+        from tpurec.dlrm.ckpt import integrity
 
-        return ckpt_integrity, "write_checksums"
+        return integrity, "write_checksums"
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
     return FileSystemWriter, "write_data"
@@ -87,9 +87,9 @@ def test_ctrl_c_during_training_without_checkpoints_says_nothing_was_saved(tiny_
 
 
 def test_ctrl_c_of_any_command_is_one_line(monkeypatch, capsys):
-    from tpurec.sharding import inspect
+    from tpurec.planner import report as plan_report
 
-    _interrupting(monkeypatch, inspect, "plan_tables")
+    _interrupting(monkeypatch, plan_report, "plan_tables")
     code, out, err = run_cli(["plan", "--model", "dlrm-tiny", "--topology", "v6e-4"], capsys)
     assert_refused(code, err, "tpurec plan: interrupted", exit_code=130)
     assert err.strip() == "tpurec plan: interrupted" and out == ""

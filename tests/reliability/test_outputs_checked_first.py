@@ -131,7 +131,7 @@ def test_data_stats_refuses_a_read_only_out_before_the_pass(unwritable_dir, tmp_
     def no_pass(*a, **k):
         raise AssertionError("the pass started before --out was checked")
 
-    monkeypatch.setattr("tpurec.sharding.id_limits.DemandTally", no_pass)
+    monkeypatch.setattr("tpurec.planner.id_limits.DemandTally", no_pass)
     argv = ["data", "stats", tmp_path / "data", "--model", "dlrm-tiny", "--topology", "v5p-8", "--out", d / "l.json"]
     code, _, err = run_cli(argv, capsys)
     assert_refused(code, err, f"tpurec data: error: --out {d / 'l.json'}: cannot write in {d} ({reason})")

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from tests.reliability.batchlog.sitecustomize import fingerprint as _fingerprint
-from tpurec.dlrm.ckpt_integrity import write_checksums
+from tpurec.dlrm.ckpt.integrity import write_checksums
 from tpurec.dlrm.options import TrainOptions
 from tpurec.dlrm.trainer import position_in_epoch
 

@@ -110,10 +110,10 @@ def test_sigterm_during_data_synth_removes_its_temporary_parts(tmp_path, monkeyp
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
 def test_a_signal_while_train_makes_its_synthetic_data_removes_the_temporary_directory(tmp_path, monkeypatch, sig):
-    from tpurec import interrupts
     from tpurec.data import synth
     from tpurec.dlrm.data import ensure_synth
-    from tpurec.terminate import Terminated
+    from tpurec.runtime import interrupts
+    from tpurec.runtime.terminate import Terminated
 
     monkeypatch.setenv("TPUREC_CACHE", str(tmp_path))
     if sig == "SIGTERM":
@@ -195,7 +195,7 @@ class _Endless:
 def test_a_proposer_stops_at_its_shard_budget(fits):
     """Once a plan fits, a proposer stops after `budget` shards; before, after NO_FIT_FACTOR budgets,
     and the search then says it reached its bound (planner.plan: SearchBoundReached, not "does not fit")."""
-    from tpurec.sharding.proposal_budget import NO_FIT_FACTOR, bound_reached, budgeted
+    from tpurec.planner.proposal_budget import NO_FIT_FACTOR, bound_reached, budgeted
 
     (p,) = budgeted([_Endless()], budget=100)
     p.load([])

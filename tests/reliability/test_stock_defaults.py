@@ -312,7 +312,8 @@ def test_planning_batch_size_is_torchrecs_planner_default():
     from torchrec.distributed.planner import EmbeddingShardingPlanner
     from torchrec.distributed.planner.types import Topology
 
-    from tpurec.sharding import dmp, plan_cli
+    from tpurec.planner import cli as plan_cli
+    from tpurec.sharding import dmp
 
     assert _defaults(EmbeddingShardingPlanner.__init__)["batch_size"] is None
     stock = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu"))._batch_size

@@ -19,7 +19,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from tpurec.sharding.kernel_choice import COMPUTE_KERNEL
+from tpurec.planner.kernel_choice import COMPUTE_KERNEL
 from tpurec.sharding.sharder import SparseCoreEBCSharder
 
 TABLES = [("t0", 40, 16, ["f0"]), ("t1", 27, 32, ["f1", "f2"]), ("t2", 64, 16, ["f3"])]

@@ -13,8 +13,8 @@ from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from tpurec.planner.kernel_choice import COMPUTE_KERNEL
 from tpurec.sharding.ec_sharder import SparseCoreECSharder
-from tpurec.sharding.kernel_choice import COMPUTE_KERNEL
 
 from .dmp_cases import copy_full_into_shards, local_slice, optimizer
 

@@ -36,7 +36,7 @@ SCRIPT = textwrap.dedent("""
     assert steered.plan.plan[""]["t"].sharding_type == "row_wise", steered.plan
     try:
         tpurec.DistributedModelParallel(model(), device="tpu")
-    except tpurec.device.TpuUnavailableError as e:
+    except tpurec.runtime.device.TpuUnavailableError as e:
         print("TPU-ERROR:", str(e).replace("\\n", " | "))
     print("OK")
 """)
@@ -46,7 +46,7 @@ def test_device_forms_default_plan_and_tpu_error_without_launcher():
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "OK" in out.stdout
-    from tpurec.device import tpu_status
+    from tpurec.runtime.device import tpu_status
 
     if not tpu_status().usable:
         assert "TPU-ERROR: device='tpu' was requested but this host cannot run TPU kernels" in out.stdout

@@ -22,9 +22,9 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 
 import tpurec
 from tests.sharding.multiprocess import run_ranks
+from tpurec.planner.kernel_choice import COMPUTE_KERNEL
 from tpurec.sharding.dmp import _ensure_process_group
 from tpurec.sharding.fp_sharder import SparseCoreFPEBCSharder
-from tpurec.sharding.kernel_choice import COMPUTE_KERNEL
 
 TABLES = [("t0", 40, 8, "f0"), ("t1", 30, 16, "f1")]
 MAX_LENGTH = 4  # ids per sample at most: the position weights' length
@@ -222,13 +222,14 @@ def test_sharding_types_stock_offers_and_sparsecore_does_not_are_refused_by_name
 def test_tpurec_plan_plans_the_fpebc_as_the_module_dmp_shards():
     """`tpurec plan --model-module` (planner defaults, no sharders given) keys the FP-EBC's tables by
     the FP-EBC's path, as DMP shards it, not by its inner EBC's."""
-    from tpurec.sharding import inspect, model_module
-    from tpurec.sharding import planner as P
-    from tpurec.sharding.topology import make_topology
+    from tpurec.planner import model_module
+    from tpurec.planner import planners as P
+    from tpurec.planner import report as plan_report
+    from tpurec.planner.topology import make_topology
 
     model = _Model()
     plan = P.plan(model, make_topology("v5p-8"), batch_size=64)
     assert set(plan.plan) == {"fp"}
     assert {ps.compute_kernel for ps in plan.plan["fp"].values()} == {COMPUTE_KERNEL}
-    report = inspect.plan_module(model, model_module.model_tables(model), "v5p-8", batch_size=64, optimizer=None)
+    report = plan_report.plan_module(model, model_module.model_tables(model), "v5p-8", batch_size=64, optimizer=None)
     assert report["fits"]

@@ -12,13 +12,13 @@ from torchrec.distributed.types import ShardingEnv, ShardingType
 from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
-from tpurec import host_copies
+from tpurec.planner.plan_check import module_plans
+from tpurec.planner.planners import plan
+from tpurec.planner.topology import make_topology
+from tpurec.runtime import host_copies
 from tpurec.sharding.dmp import _ensure_process_group
 from tpurec.sharding.ec_sharder import SparseCoreECSharder
-from tpurec.sharding.plan_check import module_plans
-from tpurec.sharding.planner import plan
 from tpurec.sharding.sharder import SparseCoreEBCSharder
-from tpurec.sharding.topology import make_topology
 
 
 def _kjt(keys=("f2", "f0", "f1")):

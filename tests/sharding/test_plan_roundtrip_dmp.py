@@ -13,7 +13,7 @@ def _plan_save_load_shard(rank, world_size, path):
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     import tpurec
-    from tpurec.sharding import plan_io
+    from tpurec.planner import plan_io
 
     from . import dmp_cases as c
 

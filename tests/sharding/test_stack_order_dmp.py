@@ -9,8 +9,8 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from tpurec.embedding.kernel import SparseCoreKernel
+from tpurec.planner.planners import pooling_constraints
 from tpurec.sharding.dmp import DistributedModelParallel, _pooling_factors, default_sharders
-from tpurec.sharding.planner import pooling_constraints
 
 SPEC = [(f"hot{i}", 400, 8) for i in range(4)] + [(f"cold{i}", 1600, 1) for i in range(4)]
 

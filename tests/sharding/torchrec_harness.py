@@ -100,9 +100,9 @@ class TpurecHarnessPlanner:
         self._constraints = constraints
 
     def collective_plan(self, module, sharders, pg):
+        from tpurec.planner.planners import plan
+        from tpurec.planner.topology import make_topology
         from tpurec.sharding.dmp import DEFAULT_PLANNING_BATCH_SIZE
-        from tpurec.sharding.planner import plan
-        from tpurec.sharding.topology import make_topology
 
         topology = make_topology(None, world_size=self._world_size, compute_device="cpu")
         return plan(
@@ -145,7 +145,7 @@ def harness_kwargs(case: dict, pg, rank: int, world_size: int) -> dict:
     from torchrec.distributed.test_utils.test_sharding import SharderType, create_test_sharder
     from torchrec.modules.embedding_configs import DataType, PoolingType
 
-    from tpurec.sharding.kernel_choice import COMPUTE_KERNEL
+    from tpurec.planner.kernel_choice import COMPUTE_KERNEL
 
     t = tables_and_groups(DataType[case["dtype"].upper()])
     qcomms = QCommsConfig(forward_precision=CommType.FP16, backward_precision=CommType.BF16) if case["qcomms"] else None

@@ -194,8 +194,8 @@ def harness_kwargs(case: dict, pg, rank: int, world_size: int) -> dict:
     from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_qcomm_codecs_registry
     from torchrec.distributed.planner import ParameterConstraints
 
+    from tpurec.planner.kernel_choice import COMPUTE_KERNEL
     from tpurec.sharding.ec_sharder import SparseCoreECSharder
-    from tpurec.sharding.kernel_choice import COMPUTE_KERNEL
 
     tabs = tables()
     qcomms = QCommsConfig(forward_precision=CommType.FP16, backward_precision=CommType.BF16) if case["qcomms"] else None

@@ -38,11 +38,11 @@ def candidate_plans(world: int = WORLD) -> dict:
     from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardingPlan
 
     from tpurec.catalog import get_table_set
-    from tpurec.sharding import planner as P
-    from tpurec.sharding.inspect import tables_module
-    from tpurec.sharding.kernel_choice import COMPUTE_KERNEL, CPU_TRAINING_SHARDING_TYPES
+    from tpurec.planner import planners as P
+    from tpurec.planner.kernel_choice import COMPUTE_KERNEL, CPU_TRAINING_SHARDING_TYPES
+    from tpurec.planner.report import tables_module
+    from tpurec.planner.topology import make_topology
     from tpurec.sharding.sharder import SparseCoreEBCSharder
-    from tpurec.sharding.topology import make_topology
 
     tables = list(get_table_set(MODEL).tables)
     ebc = tables_module(tables)
@@ -111,9 +111,9 @@ FIT_PLANS = (ROUND_ROBIN, "row_wise all", "table_wise and row_wise alternating",
 def estimate(plan, costs=None, world: int = WORLD) -> dict:
     """The CPU cost model's step of `plan` (cpu_cost.step_ms on the `cpu-N` report: what it consists of)."""
     from tpurec.catalog import get_table_set
-    from tpurec.sharding import cpu_cost
-    from tpurec.sharding.inspect import build_report
-    from tpurec.sharding.topology import cpu_spec
+    from tpurec.planner import cpu_cost
+    from tpurec.planner.report import build_report
+    from tpurec.planner.topology import cpu_spec
 
     costs = costs or cpu_cost.DEFAULT_CPU_COSTS
     report = build_report(
@@ -137,7 +137,7 @@ def fit_fixed_terms(parts: dict, measured: dict, costs, names=FIT_PLANS) -> dict
     """Least-squares step_fixed_ms and group_fixed_ms (>= 0) from the fit plans: measured =
     cpu_cost.combine of the micro-measured embedding work with these two. `combine` takes a max, so
     this is a grid search (coarse, then fine around the best), not a linear solve."""
-    from tpurec.sharding import cpu_cost
+    from tpurec.planner import cpu_cost
 
     rows = [
         (parts[n]["embedding_ms_per_rank"], len(parts[n]["groups"]), parts[n]["collective_latency_ms"], measured[n])
@@ -309,8 +309,8 @@ def run(
     steps (the interval narrows as 1 / sqrt(steps))."""
     from tpurec.bench import cpu_costs
     from tpurec.dlrm.data import ensure_synth
-    from tpurec.sharding.cpu_cost import DEFAULT_CPU_COSTS
-    from tpurec.sharding.plan_io import save_plan
+    from tpurec.planner.cpu_cost import DEFAULT_CPU_COSTS
+    from tpurec.planner.plan_io import save_plan
 
     plans = candidate_plans()
     if only is not None:

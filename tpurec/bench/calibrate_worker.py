@@ -39,7 +39,7 @@ def worker(data: str, plan_files: list[str], turns: int, block: int, warmup: int
     from tpurec.data.reader import ParquetReader
     from tpurec.dlrm.configs import get_config, override
     from tpurec.dlrm.model import build_model, build_optimizer, shard
-    from tpurec.sharding.plan_io import load_plan
+    from tpurec.planner.plan_io import load_plan
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

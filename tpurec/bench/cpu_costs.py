@@ -1,4 +1,4 @@
-"""Micro-measurements of the terms of the CPU cost model (`tpurec.sharding.cpu_cost`).
+"""Micro-measurements of the terms of the CPU cost model (`tpurec.planner.cpu_cost`).
 
 `tpurec bench plan --calibrate` runs these before training its plans and records them next to the
 constants the model uses, so a reader can see whether this host still agrees with them:

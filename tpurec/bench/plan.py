@@ -67,9 +67,9 @@ def _contestants(model: str, topology: str, batch_size: int, optimizer: str):
     from torchrec.distributed.planner.types import Topology
 
     from tpurec.catalog import get_table_set
-    from tpurec.sharding import planner as P
-    from tpurec.sharding.inspect import tables_module
-    from tpurec.sharding.topology import make_topology
+    from tpurec.planner import planners as P
+    from tpurec.planner.report import tables_module
+    from tpurec.planner.topology import make_topology
 
     # torchrec warns that a Topology was not made by its factory; not actionable in a benchmark
     logging.getLogger("torchrec.distributed.planner").setLevel(logging.ERROR)

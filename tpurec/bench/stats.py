@@ -21,8 +21,8 @@ from tpurec.catalog import MODEL_NAMES
 def run_bench(path: str, model: str, topology: str, batch_size: int | None, rounds: int, threads: int) -> dict:
     from tpurec.bench import timer
     from tpurec.data.reader import ParquetReader
-    from tpurec.sharding.id_limits import DemandTally, layout_of, table_layouts
-    from tpurec.sharding.limits_cli import plan_report
+    from tpurec.planner.id_limits import DemandTally, layout_of, table_layouts
+    from tpurec.planner.limits_cli import plan_report
 
     report = plan_report(path, model=model, tables_file=None, topology=topology, batch_size=batch_size)
     layout, tables = layout_of(report), table_layouts(report)

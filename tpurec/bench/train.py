@@ -270,7 +270,7 @@ def table_wise_plan(model, world: int, stock: bool):
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
     from torchrec.distributed.types import EmbeddingModuleShardingPlan, ModuleSharder, ShardingPlan
 
-    from tpurec.sharding.kernel_choice import COMPUTE_KERNEL
+    from tpurec.planner.kernel_choice import COMPUTE_KERNEL
     from tpurec.sharding.sharder import SparseCoreEBCSharder
 
     ebc = model.model.sparse_arch.embedding_bag_collection

@@ -31,7 +31,7 @@ from tpurec.data.schema import (
     remove_stale_parts,
     write_dataset_json,
 )
-from tpurec.interrupts import Interrupted, deferred
+from tpurec.runtime.interrupts import Interrupted, deferred
 
 NUM_COLUMNS = 40  # label + 13 dense + 26 categorical, the raw Criteo layout
 _MAX_EXAMPLES = 5  # bad lines quoted in the report
@@ -368,7 +368,7 @@ def _worker_init(parent: int) -> None:
     stops them itself (`_stop_workers`)."""
     import signal
 
-    from tpurec.lifecycle import die_with_parent
+    from tpurec.runtime.lifecycle import die_with_parent
 
     die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from torchrec.datasets.utils import Batch
 
-from tpurec import host_copies
+from tpurec.runtime import host_copies
 
 if TYPE_CHECKING:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -36,7 +36,7 @@ def _move(t: torch.Tensor, device: torch.device, non_blocking: bool, emulated: b
 @dataclass
 class HostIdsBatch(Batch):
     def to(self, device: torch.device, non_blocking: bool = False) -> HostIdsBatch:
-        from tpurec.device import emulated_slice
+        from tpurec.runtime.device import emulated_slice
 
         device = torch.device(device)
         emulated = device.type == "cpu" and emulated_slice() is not None

@@ -1,7 +1,7 @@
 """Temporary files a killed writer left behind, found and removed by the next writer.
 
-SIGTERM and Ctrl-C unwind and remove a run's temporary files (tpurec/terminate.py,
-tpurec/interrupts.py); SIGKILL (an OOM kill, a power cut) gives the process no chance. What it leaves
+SIGTERM and Ctrl-C unwind and remove a run's temporary files (tpurec/runtime/terminate.py,
+tpurec/runtime/interrupts.py); SIGKILL (an OOM kill, a power cut) gives the process no chance. What it leaves
 is recognisable by name: parts and `_dataset.json` written as `NAME.tmp-PID` inside `--out` (by
 `data convert` / `data synth`), and `.synth-NAME.tmp-XXXXXXXX` directories beside the synthetic-data
 cache entries (`tpurec train`). The next writer removes them, and says so in one line:
@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tpurec.dir_lock import LOCK, lock_dir
+from tpurec.runtime.dir_lock import LOCK, lock_dir
 
 # What convert and synth name their files until they are complete (`part-N.parquet.tmp-PID`,
 # `_dataset.json.tmp-PID`).

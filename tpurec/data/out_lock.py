@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tpurec.data.leftovers import remove_tmp_files
 from tpurec.data.schema import DataError, prepare_output_dir
-from tpurec.dir_lock import lock_dir, unlock
+from tpurec.runtime.dir_lock import lock_dir, unlock
 
 
 @contextmanager

@@ -30,8 +30,8 @@ from tpurec.data.schema import (
     write_dataset_json,
 )
 from tpurec.errors import UserError
-from tpurec.interrupts import Interrupted
-from tpurec.terminate import Terminated, unwinding_on_sigterm
+from tpurec.runtime.interrupts import Interrupted
+from tpurec.runtime.terminate import Terminated, unwinding_on_sigterm
 
 if TYPE_CHECKING:
     import pyarrow as pa

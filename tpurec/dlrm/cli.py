@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         return _error(msg)
     if "RANK" in os.environ or (args.nproc in (None, 1) and args.nnodes == 1 and not args.emulate_tpu):
         if options.device == "tpu" and "RANK" not in os.environ:
-            from tpurec.device import tpu_status
+            from tpurec.runtime.device import tpu_status
 
             if tpu_status().usable:  # one process still needs TorchTPU's launch environment
                 from tpurec.dlrm.slice_launch import torchtpu_launch_env
@@ -119,7 +119,7 @@ def _launch_problem(args: argparse.Namespace, options: TrainOptions) -> str | No
     if args.nnodes > 1 and options.device != "tpu":
         return "--nnodes is for a multi-host TPU slice (--device tpu); on CPU hosts use torchrun on each host"
     if args.emulate_tpu:
-        from tpurec.sharding.topology import parse_slice
+        from tpurec.planner.topology import parse_slice
 
         try:
             spec = parse_slice(args.emulate_tpu)
@@ -167,7 +167,7 @@ def run_worker(options: TrainOptions) -> int:
     failures re-raise after a line naming the rank, so torch.distributed.run reports them and stops
     the job. Ctrl-C:
     one line saying which checkpoint is the last complete one, exit 130."""
-    from tpurec import interrupts
+    from tpurec.runtime import interrupts
 
     with interrupts.handled():
         trainer = None
@@ -190,7 +190,7 @@ def interrupted(options: TrainOptions, trainer: Trainer | None) -> str:
     at = f" at step {trainer.step_count}" if trainer is not None and trainer.step_count else ""
     if not options.checkpoint_dir:
         return f"interrupted{at} (rank {rank}); nothing saved (no --checkpoint-dir)"
-    from tpurec.dlrm.checkpoint import latest
+    from tpurec.dlrm.ckpt.checkpoint import latest
 
     last = latest(options.checkpoint_dir)
     if last is None:
@@ -199,7 +199,7 @@ def interrupted(options: TrainOptions, trainer: Trainer | None) -> str:
 
 
 def _run_rank(trainer: Trainer) -> int:
-    from tpurec import heartbeat, interrupts
+    from tpurec.runtime import heartbeat, interrupts
 
     rank, options = os.environ.get("RANK", "0"), trainer.options
     try:

@@ -63,7 +63,7 @@ def ensure_synth(
 
     from tpurec.data.leftovers import remove_stale_tmp_dirs
     from tpurec.data.schema import dataset_json
-    from tpurec.terminate import unwinding_on_sigterm
+    from tpurec.runtime.terminate import unwinding_on_sigterm
 
     out = synth_dir(table_set, rows, seed, multi_hot)
     hots = "" if multi_hot is None else f", multi-hot {','.join(map(str, multi_hot))}"
@@ -73,7 +73,7 @@ def ensure_synth(
     say(f"data: generating synthetic {table_set} data{hots} ({rows:,} rows, seed {seed}) once into {out}")
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_tmp_dirs(out.parent, lambda line: say(f"data: {line}"))  # a killed run's (tpurec/data/leftovers.py)
-    # SIGTERM, too, removes the temporary directory, in one line (tpurec/terminate.py)
+    # SIGTERM, too, removes the temporary directory, in one line (tpurec/runtime/terminate.py)
     with unwinding_on_sigterm("tpurec train"):
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))  # same filesystem: rename works
         tmp.chmod(0o755)  # mkdtemp's 0700 would become the cache entry's mode

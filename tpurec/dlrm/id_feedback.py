@@ -3,7 +3,7 @@ the ids dropped; written as a limits file (`--limits-out`) so the next run can s
 
 Every SparseCore kernel of the run counts its tables' demand per training batch as `tpurec data
 stats` does (tpurec.embedding.demand), on this rank's shards; the ranks' figures are merged (the
-maximum over shards) and the recommended limits derived the same way (tpurec.sharding.id_limits).
+maximum over shards) and the recommended limits derived the same way (tpurec.planner.id_limits).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from tpurec.dlrm.input_pipeline import sparsecore_lookups
 from tpurec.embedding.constraints import round_up
-from tpurec.sharding.id_limits import FORMAT, table_entry
+from tpurec.planner.id_limits import FORMAT, table_entry
 
 if TYPE_CHECKING:
     from torch import nn

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tpurec.catalog import NUM_DENSE, TableSet, get_table_set
-from tpurec.device import DeviceKind
 from tpurec.dlrm.configs import DLRMConfig
+from tpurec.runtime.device import DeviceKind
 
 if TYPE_CHECKING:
     from torch.optim import Optimizer
@@ -103,8 +103,8 @@ def planner_constraints(cfg: DLRMConfig, device: DeviceKind, table_names: list[s
     sharding types above."""
     from torchrec.distributed.planner.types import ParameterConstraints
 
-    from tpurec.sharding.kernel_choice import CPU_TRAINING_SHARDING_TYPES
-    from tpurec.sharding.planner import pooling_constraints
+    from tpurec.planner.kernel_choice import CPU_TRAINING_SHARDING_TYPES
+    from tpurec.planner.planners import pooling_constraints
 
     specs = get_table_set(cfg.table_set).tables
     base = (

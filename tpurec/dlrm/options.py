@@ -17,14 +17,14 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from tpurec import heartbeat
 from tpurec.argtypes import nonnegative_float, nonnegative_int, positive_float, positive_int
 from tpurec.catalog import MODEL_NAMES
-from tpurec.device import DeviceChoice
 from tpurec.dlrm import flags
 from tpurec.dlrm.configs import DLRMConfig, get_config, override
 from tpurec.dlrm.flags import flag
 from tpurec.errors import UserError
+from tpurec.runtime import heartbeat
+from tpurec.runtime.device import DeviceChoice
 
 OPTIONS_ENV = "TPUREC_TRAIN_OPTIONS"  # the launcher's JSON of TrainOptions for `python -m tpurec.dlrm`
 
@@ -240,7 +240,7 @@ class TrainOptions:
         if nproc < 1:
             return "--nproc must be >= 1"
         if self.device == "tpu":
-            from tpurec.device import emulated_slice, tpu_status
+            from tpurec.runtime.device import emulated_slice, tpu_status
 
             missing = [] if emulated_slice() else tpu_status().missing()
             if missing:

@@ -21,7 +21,7 @@ def plan_report(dmp: Any, cfg: DLRMConfig, table_set: TableSet, table_sizes: lis
 
     table_set is the config's catalog TableSet; table_sizes replace its sizes (those of the data)."""
     from tpurec.catalog import TableSpec
-    from tpurec.sharding.inspect import build_report
+    from tpurec.planner.report import build_report
 
     tables = [
         TableSpec(t.name, t.feature, n, cfg.embedding_dim or t.embedding_dim, t.pooling_factor)
@@ -43,7 +43,7 @@ def plan_summary(report: dict) -> str:
     """The inspector's text without the per-table list (one line per sharding instead): one screen."""
     from collections import Counter
 
-    from tpurec.sharding.report_text import DEVICES_HEADER, format_text
+    from tpurec.planner.report_text import DEVICES_HEADER, format_text
 
     text = format_text(report, top=3).split("\n")
     kinds = Counter(f"{t['sharding_type']} ({t['compute_kernel']})" for t in report["tables"])

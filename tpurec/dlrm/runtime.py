@@ -11,9 +11,9 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from tpurec.device import DeviceChoice, DeviceKind
 from tpurec.errors import UserError
-from tpurec.host_resources import available_bytes
+from tpurec.runtime.device import DeviceChoice, DeviceKind
+from tpurec.runtime.host_resources import available_bytes
 
 if TYPE_CHECKING:
     from tpurec.dlrm.configs import DLRMConfig
@@ -64,8 +64,8 @@ def init_distributed(device: DeviceKind = "cpu", timeout: float | None = None) -
     import torch.distributed as dist
 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized():
-        from tpurec import process_group
-        from tpurec.device import emulated_slice, tpu_status
+        from tpurec.runtime import process_group
+        from tpurec.runtime.device import emulated_slice, tpu_status
         from tpurec.sharding.dmp import process_group_backend
 
         # Without a usable TPU, stay on gloo: the device check later names what is missing.
@@ -79,7 +79,7 @@ def init_distributed(device: DeviceKind = "cpu", timeout: float | None = None) -
 
 
 def resolve_device(name: DeviceChoice) -> DeviceKind:
-    from tpurec.device import emulated_slice, tpu_status
+    from tpurec.runtime.device import emulated_slice, tpu_status
 
     if name == "auto":
         return "tpu" if tpu_status().usable or emulated_slice() else "cpu"

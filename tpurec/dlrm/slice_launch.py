@@ -29,7 +29,7 @@ from tpurec.errors import UserError
 if TYPE_CHECKING:
     from types import FrameType
 
-    from tpurec.sharding.topology import SliceSpec
+    from tpurec.planner.topology import SliceSpec
 
 # What set_tpu_launch_env() may set; all of it is handed to the ranks.
 TORCHTPU_LAUNCH_VARS = (
@@ -90,7 +90,7 @@ def agent_command(
 def run_hosts(agents: list[tuple[list[str], dict[str, str]]]) -> int:
     """Run one agent per (command, environment) together; when one fails the others are stopped.
     Exit code: the first failure's (2 if any agent reported bad input), else 0."""
-    from tpurec.lifecycle import FORWARDED, die_with_parent
+    from tpurec.runtime.lifecycle import FORWARDED, die_with_parent
 
     procs = [
         subprocess.Popen(cmd, env=env, preexec_fn=functools.partial(die_with_parent, os.getpid()))
@@ -133,7 +133,7 @@ def emulation_too_big(spec: SliceSpec) -> str | None:
     """Why this machine cannot hold every rank of `spec` (each a whole Python process with torch and
     TorchRec, ~1 GiB: `tpurec.dlrm.runtime.RANK_OVERHEAD_BYTES`), or None."""
     from tpurec.dlrm.runtime import RANK_OVERHEAD_BYTES
-    from tpurec.host_resources import available_bytes
+    from tpurec.runtime.host_resources import available_bytes
 
     free = available_bytes()
     need = spec.world_size * RANK_OVERHEAD_BYTES
@@ -151,9 +151,9 @@ def emulated_agents(
     slice_name: str, base_env: dict[str, str], program: tuple[str, ...] | list[str] = TRAIN
 ) -> list[tuple[list[str], dict[str, str]]]:
     """One agent per host of the emulated slice, each with its launch environment."""
-    from tpurec.device import EMULATE_ENV
     from tpurec.emulation.launch_env import emulated_launch_env
-    from tpurec.sharding.topology import parse_slice
+    from tpurec.planner.topology import parse_slice
+    from tpurec.runtime.device import EMULATE_ENV
 
     spec = parse_slice(slice_name)
     agents = []

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tpurec.catalog import get_table_set
-from tpurec.dlrm import checkpoint as ckpt
+from tpurec.dlrm.ckpt import checkpoint as ckpt
 from tpurec.dlrm.options import OPTIONS_ENV, TrainOptions
 from tpurec.dlrm.report import (
     MIN_EVAL_ROWS_FOR_AUC,
@@ -88,7 +88,7 @@ class Trainer:
         import torch
 
         o = self.options
-        from tpurec.device import emulated_slice
+        from tpurec.runtime.device import emulated_slice
 
         if emulated_slice():  # a rank of `tpurec train --emulate-tpu`: TorchTPU's stand-ins first
             from tpurec.emulation.rank import activate
@@ -97,7 +97,7 @@ class Trainer:
         self.device = resolve_device(o.device)
         self.rank, self.world = init_distributed(self.device, o.dist_timeout)
         setup_logging(self.rank)
-        from tpurec import heartbeat
+        from tpurec.runtime import heartbeat
 
         # Right after the group forms: a rank that stops from here on is named within the timeout.
         heartbeat.start(o.heartbeat_timeout, program="tpurec train")
@@ -107,7 +107,7 @@ class Trainer:
         self.say = log.info if self.rank == 0 else (lambda *a, **k: None)
         self.cfg = o.config()
         if o.checkpoint_dir and self.rank == 0:
-            from tpurec.dlrm.ckpt_lock import lock_dir
+            from tpurec.dlrm.ckpt.lock import lock_dir
 
             self._lock = lock_dir(o.checkpoint_dir)  # before any step: one run per directory
         self.table_set = get_table_set(self.cfg.table_set)  # resolved once; everything below reads it
@@ -118,8 +118,8 @@ class Trainer:
         self._setup_data()
         self._setup_model()
         self._resume()
-        if o.checkpoint_dir:  # before the first step, not at the first save (tpurec/dlrm/ckpt_space.py)
-            from tpurec.dlrm.ckpt_space import check_room
+        if o.checkpoint_dir:  # before the first step, not at the first save (tpurec/dlrm/ckpt/space.py)
+            from tpurec.dlrm.ckpt.space import check_room
 
             check_room(o.checkpoint_dir, self.dmp, self.optimizer)
         self._start_stream()
@@ -233,10 +233,10 @@ class Trainer:
         model = build_model(cfg, table_sizes=self.table_sizes, feature_names=self.feature_names)
         plan = None
         if o.plan:
-            from tpurec.sharding.plan_io import load_plan
+            from tpurec.planner.plan_io import load_plan
 
             plan = load_plan(o.plan)
-        from tpurec.sharding.plan_check import PlanMismatchError
+        from tpurec.planner.plan_check import PlanMismatchError
 
         try:
             self.dmp = shard(model, cfg, self.device, plan=plan, limits=o.limits)
@@ -264,7 +264,7 @@ class Trainer:
         except Exception as e:  # the summary is informative only; never fail a run on it
             self.say(f"(plan summary unavailable: {e})")
         if self.options.save_plan:
-            from tpurec.sharding.plan_io import save_plan
+            from tpurec.planner.plan_io import save_plan
 
             save_plan(self.dmp.plan, self.options.save_plan, meta=report["meta"] if report else None)
             self.say(f"plan saved to {self.options.save_plan}")
@@ -290,7 +290,7 @@ class Trainer:
                 ckpt.verify(src)  # --resume PATH: that checkpoint or none
             except ckpt.CorruptCheckpointError as e:
                 raise UserError(f"resume: {e}") from None
-        from tpurec.dlrm.ckpt_config import config_mismatch
+        from tpurec.dlrm.ckpt.config import config_mismatch
 
         mismatch = config_mismatch(src, self.cfg.to_dict())
         if mismatch:
@@ -348,10 +348,10 @@ class Trainer:
 
     def _read_loss(self, loss_sum: torch.Tensor | float, steps: int) -> float:
         """The mean of the last `steps` losses (summed in `loss_sum`) on the host: a device->host copy
-        on a TPU (counted, tpurec.host_copies). Non-finite stops training."""
+        on a TPU (counted, tpurec.runtime.host_copies). Non-finite stops training."""
         import torch
 
-        from tpurec import host_copies
+        from tpurec.runtime import host_copies
 
         assert isinstance(loss_sum, torch.Tensor)  # read after a step has run
         if self.emulated:
@@ -567,7 +567,7 @@ class Trainer:
         elif self.device == "tpu":
             out.update(programs_compiled=None, recompiles_after_warmup=None)
         if self.device == "tpu":
-            # tpurec's own device->host copies in the training steps (tpurec.host_copies): on an emulated
+            # tpurec's own device->host copies in the training steps (tpurec.runtime.host_copies): on an emulated
             # rank, of the tensors a real rank holds on its TPU.
             copies = self._train_copies
             out["device_to_host_copies_per_step"] = round(sum(copies.values()) / max(1, self._steps_run), 4)
@@ -578,8 +578,8 @@ class Trainer:
     def _train_segment(self, end: int) -> None:
         """Steps up to `end`; the pipeline drains at the end (its batch source ends there)."""
         self._batches = itertools.islice(self._stream, end - self.step_count)
-        from tpurec import host_copies
         from tpurec.dlrm import id_feedback
+        from tpurec.runtime import host_copies
 
         id_feedback.record(self.dmp, True)  # training batches only: evaluation's may differ in size
         batch, world = self.batch_size, self.world

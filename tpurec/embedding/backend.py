@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from tpurec import device as _device
+from tpurec.runtime import device as _device
 
 _tpu_loaded = False
 
@@ -18,8 +18,8 @@ def load_tpu_backend() -> None:
     global _tpu_loaded
     if _tpu_loaded:
         return
-    from tpurec import host_ops
     from tpurec.embedding import tpu  # imported here only: it is never needed on a CPU-only host
+    from tpurec.runtime import host_ops
 
     _device.correct_legacy_device_apis()  # torch came before tpurec: TorchRec's device calls would raise
     tpu.register()

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tpurec.device import tpu_path
 from tpurec.errors import UserError
+from tpurec.runtime.device import tpu_path
 
 if TYPE_CHECKING:
     from torchrec.types import DataType

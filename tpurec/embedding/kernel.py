@@ -26,8 +26,6 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import torch
 from torch import nn
 
-from tpurec import device as _device
-from tpurec import host_copies
 from tpurec.embedding import csr_build, direct, dtypes, ops, reference  # noqa: F401  (ops registers torch.ops.tpurec.*)
 from tpurec.embedding.constraints import DIM_ALIGN, SEGMENT_ALIGN, round_up
 from tpurec.embedding.cpu_path import grad_trigger as _trigger
@@ -42,6 +40,8 @@ from tpurec.embedding.preprocess import IdLimitExceededError, PreprocessStats, S
 from tpurec.embedding.settings import KernelSettings
 from tpurec.embedding.weight_grad import with_weight_grad
 from tpurec.errors import UserError
+from tpurec.runtime import device as _device
+from tpurec.runtime import host_copies
 
 if TYPE_CHECKING:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor

@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from tpurec import host_copies
 from tpurec.embedding.constraints import SEGMENT_ALIGN, round_up
 from tpurec.embedding.kernel import SparseCoreKernel
 from tpurec.embedding.kjt_checks import check_kjt
 from tpurec.errors import UserError
+from tpurec.runtime import host_copies
 
 if TYPE_CHECKING:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor

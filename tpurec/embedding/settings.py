@@ -75,7 +75,7 @@ class KernelSettings:
         """A copy with the device-dependent defaults decided for tables stored on `device_type`.
         fixed_limits without table_limits stays None: the kernel follows its storage's device, which
         moves with `.to()`."""
-        from tpurec import device as _device
+        from tpurec.runtime import device as _device
 
         tpu = _device.tpu_path(device_type)
         fixed = True if self.fixed_limits is None and self.table_limits else self.fixed_limits

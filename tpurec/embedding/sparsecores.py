@@ -2,16 +2,16 @@
 
 TorchTPU's SparseCore ops take no SparseCore count; the compiled kernel uses the chip's own (v5p 4,
 v6e 2, v7x 2 per device). A MOD layout and CSR built for another count are silently wrong there, so
-on a tpu device the count comes from the chip (`tpurec.device.sparsecores_per_device`, PCI ids) and a
+on a tpu device the count comes from the chip (`tpurec.runtime.device.sparsecores_per_device`, PCI ids) and a
 different explicit value is refused. On CPU the count only shapes the layout (results do not depend
 on it), so any count >= 1 is accepted and the default is v5p's 4.
 """
 
 from __future__ import annotations
 
-from tpurec import device as _device
 from tpurec.embedding.constraints import DEFAULT_NUM_SPARSECORES
 from tpurec.errors import UserError
+from tpurec.runtime import device as _device
 
 
 def resolve_num_sparsecores(requested: int | None, device_type: str, *, generation: str | None = None) -> int:

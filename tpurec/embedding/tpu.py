@@ -1,6 +1,6 @@
 """TPU adapter: registers the PrivateUse1 ("tpu") kernels of `torch.ops.tpurec.*` onto TorchTPU's ops.
 
-Imported only by `tpurec.embedding.backend.load_tpu_backend()`, after `tpurec.device` has seen
+Imported only by `tpurec.embedding.backend.load_tpu_backend()`, after `tpurec.runtime.device` has seen
 torch_tpu, libtpu and TPU device nodes; never imported on a CPU-only run. Each kernel is a thin
 call of the matching `torch.ops.tpu._sparse_dense_matmul*` op (TorchTPU 0.2.0 schemas, listed in
 docs/kernels.md) plus a copy of the returned tensors back into the module's storage. The lookup's

@@ -11,7 +11,7 @@ environment TorchTPU wants decided in the parent (`launch_env`). In each rank (`
   0.2.0's rules (`torchtpu_dist`);
 * every TPU-path decision tpurec makes (fixed id limits, the chip's SparseCore count, float32 tables,
   the `cpu:gloo,tpu:tpu_dist` group, planning for the slice) is taken as on the TPU
-  (`tpurec.device.tpu_path`).
+  (`tpurec.runtime.device.tpu_path`).
 
 What it cannot show: anything of the chip itself (speed, memory, XLA's compilation), and which
 tensors would live on the device (they are all CPU tensors here). docs/tpu.md lists each rule and

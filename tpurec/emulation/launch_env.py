@@ -16,7 +16,7 @@ from __future__ import annotations
 import socket
 import time
 
-from tpurec.sharding.topology import SliceSpec
+from tpurec.planner.topology import SliceSpec
 
 BASE_PORT = 8070  # TORCH_TPU_BASE_PORT's default (torch_tpu/_internal/distributed/distributed.py)
 

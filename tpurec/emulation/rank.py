@@ -1,7 +1,7 @@
 """Turn this process into an emulated TPU rank, and report what TorchTPU would have compiled.
 
 Called once per rank, before the process group and the model exist (the Trainer does it when
-`tpurec.device.emulated_slice()` names a slice). Refuses to run where the real torch_tpu is loaded.
+`tpurec.runtime.device.emulated_slice()` names a slice). Refuses to run where the real torch_tpu is loaded.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from tpurec.emulation import torchtpu_dist, torchtpu_ops
 from tpurec.errors import UserError
-from tpurec.sharding.topology import SliceSpec, parse_slice
+from tpurec.planner.topology import SliceSpec, parse_slice
 
 # TorchTPU compiles a program per distinct compile key of its device ops; preprocessing runs on the host.
 _DEVICE_OPS = "_sparse_dense_matmul"
@@ -62,9 +62,9 @@ def current() -> EmulatedRank | None:
 
 def activate(slice_name: str | None = None) -> EmulatedRank:
     """Install TorchTPU's stand-ins in this process (idempotent) for a rank of `slice_name` (default:
-    the slice the launcher named, `tpurec.device.emulated_slice()`)."""
+    the slice the launcher named, `tpurec.runtime.device.emulated_slice()`)."""
     global _RANK
-    from tpurec.device import EMULATE_ENV, emulated_slice
+    from tpurec.runtime.device import EMULATE_ENV, emulated_slice
 
     name = slice_name or emulated_slice()
     if not name:
@@ -83,6 +83,6 @@ def activate(slice_name: str | None = None) -> EmulatedRank:
     torchtpu_ops.route_adapter_to_cpu()
     from tpurec.data.host_ids import mark_plain_batch_moves
 
-    mark_plain_batch_moves()  # what TorchRec's Batch.to moves is on the emulated TPU (tpurec.host_copies)
+    mark_plain_batch_moves()  # what TorchRec's Batch.to moves is on the emulated TPU (tpurec.runtime.host_copies)
     _RANK = EmulatedRank(spec, local_rank, ops)
     return _RANK

@@ -90,7 +90,7 @@ class EmulatedTpuModule(types.ModuleType):
 
 def install_device_module(local_rank: int, local_devices: int) -> EmulatedTpuModule:
     """Name PrivateUse1 "tpu" (so "cpu:gloo,tpu:tpu_dist" parses) and install the emulated torch.tpu."""
-    from tpurec.device import name_tpu_backend
+    from tpurec.runtime.device import name_tpu_backend
 
     module = EmulatedTpuModule(local_rank, local_devices)
     name_tpu_backend(module)

@@ -44,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tpurec import device as dev
+    from tpurec.runtime import device as dev
 
     target = args.device
     if args.emulate_tpu:
@@ -82,9 +82,9 @@ def _emulated_checks(slice_name: str, seed: int) -> list[Check]:
     """The tpu checklist in this process, made rank 0 of one emulated host of `slice_name`."""
     import os
 
-    from tpurec.device import EMULATE_ENV
     from tpurec.emulation.launch_env import emulated_launch_env
-    from tpurec.sharding.topology import parse_slice
+    from tpurec.planner.topology import parse_slice
+    from tpurec.runtime.device import EMULATE_ENV
 
     spec = parse_slice(slice_name)
     if not spec.generation.sparsecores:

@@ -24,10 +24,10 @@ if TYPE_CHECKING:
 
 def tpu_checks(device: str = "tpu", *, generation: str | None = None, seed: int = 0) -> list[Check]:
 
-    from tpurec import device as dev
     from tpurec.embedding.backend import select_device
     from tpurec.embedding.selftest import op_checks
     from tpurec.embedding.sparsecores import resolve_num_sparsecores
+    from tpurec.runtime import device as dev
 
     target = select_device(device)
     generation = generation or dev.tpu_generation()
@@ -132,7 +132,7 @@ def _dmp_checks(target, num_sc: int, seed: int) -> list[Check]:
         )
     except Exception as e:  # the checklist reports, it does not stop at the first failure
         return [Check("1-rank DMP step", False, 0.0, 0.0, f"{type(e).__name__}: {e}")]
-    from tpurec.device import tpu_path
+    from tpurec.runtime.device import tpu_path
 
     backend = process_group_backend("tpu" if tpu_path(target.type) else target.type)
     checks = [Check("1-rank DMP step", moved, 0.0, 0.0, f"process group {backend}; tables updated: {moved}")]
@@ -155,8 +155,8 @@ MEMORY_SLACK_BYTES = 2 * 2**20
 def planned_figures(dmp: DistributedModelParallel) -> dict:
     """The planner's bytes for rank 0 of `dmp`'s plan, from the same cost model `tpurec plan` prints."""
     from tpurec.catalog import TableSpec
-    from tpurec.sharding.estimators import spec_of
-    from tpurec.sharding.inspect import build_report
+    from tpurec.planner.estimators import spec_of
+    from tpurec.planner.report import build_report
 
     tables = [TableSpec(t.name, t.feature_names[0], t.num_embeddings, t.embedding_dim, 2.0) for t in _tables()]
     report = build_report(

@@ -1,1 +1,1 @@
-"""TorchRec integration: sharder, DistributedModelParallel wrapper, TPU topology and planner."""
+"""TorchRec at run time: sharders, sharded EBC/EC and their lookups, fused optimizer, DistributedModelParallel."""

@@ -13,7 +13,7 @@ A thin subclass. What it adds over torchrec.distributed.DistributedModelParallel
   run needs no launcher;
 * torch's thread count is set once per process to the cores divided among the host's ranks, unless
   the user chose one (`threads=`, TPUREC_THREADS, OMP_NUM_THREADS, torch.set_num_threads;
-  tpurec/threads.py).
+  tpurec/runtime/threads.py).
 
 Everything else (forward, state_dict with ShardedTensors, fused_optimizer, TrainPipelineSparseDist,
 `model.plan`) is TorchRec's own.
@@ -34,10 +34,10 @@ from torchrec.distributed.model_parallel import DistributedModelParallel as _Tor
 from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 
-from tpurec import heartbeat, process_group
-from tpurec.device import DeviceKind, device_kind
 from tpurec.embedding.sparsecores import resolve_num_sparsecores
 from tpurec.errors import UserError
+from tpurec.runtime import heartbeat, process_group
+from tpurec.runtime.device import DeviceKind, device_kind
 from tpurec.sharding import sharded_tensor_device  # noqa: F401  (ShardedTensor.device on the TPU path)
 from tpurec.sharding.ec_sharder import SparseCoreECSharder
 from tpurec.sharding.fp_sharder import SparseCoreFPEBCSharder
@@ -153,7 +153,7 @@ def _table_limits(
     refused unless measured for this layout, or such a dict as it is; None: none given."""
     if id_limits is None or isinstance(id_limits, dict):
         return id_limits
-    from tpurec.sharding.id_limits import load_limits
+    from tpurec.planner.id_limits import load_limits
 
     if batch_size is None:
         raise UserError("id_limits from a file need batch_size= (the batch per device they were measured for)")
@@ -236,12 +236,12 @@ class DistributedModelParallel(_TorchrecDMP):
         threads: int | None = None,
         **dmp_kwargs: Any,
     ) -> None:
-        from tpurec import threads as torch_threads
         from tpurec.embedding.backend import select_device
-        from tpurec.sharding.topology import make_topology
+        from tpurec.planner.topology import make_topology
+        from tpurec.runtime import threads as torch_threads
 
         # Torch's start-up count is one thread per core for every rank: cores / local ranks instead,
-        # once, unless the user chose a count (tpurec/threads.py).
+        # once, unless the user chose a count (tpurec/runtime/threads.py).
         torch_threads.apply(threads)
         _quiet_fx_tracing_notice()
 
@@ -286,7 +286,7 @@ class DistributedModelParallel(_TorchrecDMP):
             else default_sharders(num_sc, pooling_factors=_pooling_factors(constraints), table_limits=table_limits)
         )
         if plan is None:
-            from tpurec.sharding.planner import plan as make_plan
+            from tpurec.planner.planners import plan as make_plan
 
             plan = make_plan(
                 module,
@@ -297,7 +297,7 @@ class DistributedModelParallel(_TorchrecDMP):
                 pg=env.process_group,
             )
         else:
-            from tpurec.sharding.plan_check import (
+            from tpurec.planner.plan_check import (
                 align_to_model,
                 check_plan,
                 check_plan_for_tpu,
@@ -313,7 +313,7 @@ class DistributedModelParallel(_TorchrecDMP):
             if compute_device == "tpu":
                 check_plan_for_tpu(plan)
         if torch_device.type == "cpu":
-            from tpurec.sharding.plan_check import place_on_cpu
+            from tpurec.planner.plan_check import place_on_cpu
 
             place_on_cpu(plan)  # a plan for TPU ranks, run by CPU ranks (or an emulated TPU rank)
         all_to_all = None

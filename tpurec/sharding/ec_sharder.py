@@ -20,8 +20,8 @@ from torchrec.distributed.embedding_types import EmbeddingComputeKernel, Grouped
 from torchrec.distributed.types import ParameterSharding, ShardingEnv
 
 from tpurec.embedding.constraints import DEFAULT_NUM_SPARSECORES
+from tpurec.planner.kernel_choice import EC_SHARDING_TYPES
 from tpurec.sharding.host_input_dist import HostInputDistMixin
-from tpurec.sharding.kernel_choice import EC_SHARDING_TYPES
 from tpurec.sharding.kernel_module import SparseCoreEmbedding
 from tpurec.sharding.sharded_state import SparseCoreShardedMixin
 from tpurec.sharding.sharder import SparseCoreSharderMixin

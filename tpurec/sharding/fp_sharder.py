@@ -16,16 +16,17 @@ Of what TorchRec's FP sharder offers, data-parallel is left out as for every Spa
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List
+from typing import TYPE_CHECKING, Any, Dict
 
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
+
+from tpurec.planner.planners import TpuPlanningFPSharder
 
 if TYPE_CHECKING:
     from torchrec.distributed.embedding_types import QuantizedCommCodecs
 
 
-class SparseCoreFPEBCSharder(FeatureProcessedEmbeddingBagCollectionSharder):
+class SparseCoreFPEBCSharder(TpuPlanningFPSharder):
     """TorchRec's FP-EBC sharder whose inner EBC sharder is tpurec's.
 
     ebc_sharder: the inner sharder (default: a `SparseCoreEBCSharder` built from `settings`, its
@@ -44,13 +45,3 @@ class SparseCoreFPEBCSharder(FeatureProcessedEmbeddingBagCollectionSharder):
         elif settings:
             raise TypeError(f"settings {sorted(settings)} go to the EBC sharder; given one, set them there")
         super().__init__(ebc_sharder=ebc_sharder, qcomm_codecs_registry=qcomm_codecs_registry)
-
-    @property
-    def ebc_sharder(self) -> EmbeddingBagCollectionSharder:
-        return self._ebc_sharder
-
-    def sharding_types(self, compute_device_type: str) -> List[str]:
-        return self._ebc_sharder.sharding_types(compute_device_type)
-
-    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
-        return self._ebc_sharder.compute_kernels(sharding_type, compute_device_type)

@@ -7,7 +7,7 @@ bucketisation's block sizes are allocated there, and its KJT all-to-all runs whe
 TPU that is one device->host copy per lookup and step, and a host KJT meeting device index tensors.
 `HostInputDistMixin` builds the input distribution for the host instead: its index tensors on the
 CPU, its all-to-alls on the process group's gloo half (`cpu:gloo,tpu:tpu_dist`), and a KJT handed in
-on the device is brought to the host once, at the door, as a counted copy (tpurec.host_copies).
+on the device is brought to the host once, at the door, as a counted copy (tpurec.runtime.host_copies).
 The output distribution (pooled or sequence embeddings) stays on the module's device.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from tpurec import host_copies
+from tpurec.runtime import host_copies
 from tpurec.sharding.sharded_host import ShardedHost
 
 _HOST = torch.device("cpu")

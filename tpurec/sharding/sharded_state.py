@@ -20,8 +20,8 @@ from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
 from tpurec.embedding import dtypes
 from tpurec.errors import UserError
+from tpurec.planner.kernel_choice import COMPUTE_KERNEL
 from tpurec.sharding import table_params
-from tpurec.sharding.kernel_choice import COMPUTE_KERNEL
 from tpurec.sharding.kernel_module import SparseCoreEmbeddingBag, _SparseCoreGroupKernel
 from tpurec.sharding.sharded_host import ShardedHost
 

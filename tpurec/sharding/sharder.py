@@ -27,9 +27,9 @@ from tpurec.embedding.constraints import DEFAULT_NUM_SPARSECORES
 from tpurec.embedding.settings import KernelSettings
 from tpurec.embedding.sparsecores import resolve_num_sparsecores
 from tpurec.errors import UserError
-from tpurec.sharding import stock_estimates
+from tpurec.planner import stock_estimates
+from tpurec.planner.kernel_choice import COMPUTE_KERNEL, SHARDING_TYPES, sharding_types_for
 from tpurec.sharding.host_input_dist import HostInputDistMixin
-from tpurec.sharding.kernel_choice import COMPUTE_KERNEL, SHARDING_TYPES, sharding_types_for
 from tpurec.sharding.kernel_module import SparseCoreEmbeddingBag
 from tpurec.sharding.sharded_state import SparseCoreShardedMixin, shard_slice
 

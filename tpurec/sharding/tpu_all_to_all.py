@@ -66,7 +66,7 @@ def select(mode: str | None = None) -> str:
 def _padded_on_device_only(padded_kjt_all_to_all):
     """TorchRec pads a KJT all-to-all whenever torch.tpu is available; ids kept on the host
     (tpurec.sharding.host_input_dist) go over gloo, which takes uneven splits: no padding there."""
-    from tpurec.host_copies import on_device
+    from tpurec.runtime.host_copies import on_device
 
     def maybe_kjt_a2a_uneven_tpu(group, input_tensors, *args, **kwargs):
         if not any(on_device(t) for t in input_tensors):

@@ -1,0 +1,311 @@
+"""Id limits measured from the data, for the layout a plan gives: `tpurec data stats`, and reading them back.
+
+For every table of a plan (a `tpurec plan --format json` report), each of its shards serves the
+global batch (batch per device x devices: TorchRec's input all-to-all brings every rank's ids for a
+table to the shard's device), with the slice generation's SparseCores as partitions, and row-wise
+shards only their own rows. One streaming pass over a Parquet dataset, in global batches, counts
+each batch's fullest segment per table (tpurec.embedding.demand: the kernel's own counting) and keeps
+the maximum over shards and batches, and high quantiles. The recommended limit is the observed
+maximum plus `HEADROOM`, 8-aligned, and never above what a segment can hold (a SparseCore slice's
+samples x the most ids a sample had): a later batch over it is not lost, it runs in several passes
+(tpurec.embedding.multipass), so the headroom only trades buffer bytes against extra passes.
+
+The JSON (`FORMAT`): `layout` (what the figures are for) and `tables`, each table with at least
+`max_ids_per_partition` and `max_unique_ids_per_partition`. Limits for another layout are refused,
+naming both.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from tpurec.embedding.constraints import SEGMENT_ALIGN, round_up
+from tpurec.embedding.demand import ShardsDemand, TableShards
+from tpurec.errors import UserError
+
+if TYPE_CHECKING:
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+FORMAT = "tpurec-id-limits"
+HEADROOM = 0.10  # over the observed maximum: batches heavier than any seen stay in one pass
+QUANTILES = (0.5, 0.99, 0.999)
+
+
+class IdLimitsError(UserError):
+    """A limits file that cannot be used here (malformed, or measured for another layout)."""
+
+
+def table_layouts(report: dict) -> list[TableShards]:
+    out = []
+    for t in report["tables"]:
+        ranges = sorted({(int(s["offsets"][0]), int(s["sizes"][0])) for s in t["shards"]})
+        out.append(TableShards(t["name"], tuple(t["features"]), int(t["rows"]), tuple(ranges)))
+    return out
+
+
+def layout_of(report: dict) -> dict:
+    """What measured limits depend on, from a plan report."""
+    return plan_layout(report["topology"], int(report["batch_size_per_device"]))
+
+
+# ids counted in one sort at most (about 70 bytes of temporaries each): bounds the pass's memory on
+# large global batches (an MLPerf DCNv2 batch on v5p-128 holds 112 M ids)
+IDS_PER_GROUP = 8_000_000
+
+
+class DemandTally:
+    """Per table: the fullest segment of every batch seen (entries, distinct ids)."""
+
+    def __init__(self, tables: list[TableShards], layout: dict) -> None:
+        self.tables = tables
+        self.partitions = layout["sparsecores_per_device"]
+        self.batch = layout["batch_size_per_device"] * layout["world_size"]
+        self.per_slice = round_up(self.batch, self.partitions) // self.partitions  # samples per SparseCore
+        # per batch: (entries, distinct ids) of the fullest segment and of the fullest SparseCore slice,
+        # the ids of the fullest sample and of the fullest feature
+        self.per_batch: dict[str, list[tuple[int, ...]]] = {t.name: [] for t in tables}
+        self._counters: dict[tuple[tuple[str, ...], int], list[ShardsDemand]] = {}
+        self._lock = threading.Lock()
+
+    def _groups(self, keys: tuple[str, ...], ids: int) -> list[ShardsDemand]:
+        """All tables in one sort, or in groups of about equal features when a batch holds more ids
+        than IDS_PER_GROUP (the pass's memory). A counter per thread: its stamps are its own."""
+        key = (keys, threading.get_ident())
+        if key not in self._counters:
+            n = min(len(self.tables), max(1, -(-ids // IDS_PER_GROUP))) or 1
+            load = [0] * n
+            groups: list[list[TableShards]] = [[] for _ in range(n)]
+            for t in sorted(self.tables, key=lambda t: -len(t.features)):
+                i = load.index(min(load))
+                groups[i].append(t)
+                load[i] += len(t.features)
+            self._counters[key] = [
+                ShardsDemand(g, list(keys), num_partitions=self.partitions, batch=self.batch) for g in groups if g
+            ]
+        return self._counters[key]
+
+    def figures(self, kjt: KeyedJaggedTensor) -> list[tuple[str, tuple[int, ...]]]:
+        """One global batch's figures per table (a KeyedJaggedTensor whose keys include every
+        table's features). Safe to call from several threads at once, on different batches."""
+        keys = tuple(kjt.keys())
+        missing = sorted({f for t in self.tables for f in t.features} - set(keys))
+        if missing:
+            raise IdLimitsError(f"the data has no column(s) {missing} (it has {list(keys)})")
+        values, lengths, stride = kjt.values().numpy(), kjt.lengths().numpy(), kjt.stride()
+        with self._lock:
+            counters = self._groups(keys, values.size)
+        try:
+            return [(t.name, f) for c in counters for t, f in zip(c.tables, c.count(values, lengths, stride))]
+        except UserError as e:  # an id outside its table
+            raise IdLimitsError(str(e)) from None
+
+    def record(self, figures: list[tuple[str, tuple[int, ...]]]) -> None:
+        for name, f in figures:
+            self.per_batch[name].append(f)
+
+    def add(self, kjt: KeyedJaggedTensor) -> None:
+        self.record(self.figures(kjt))
+
+    def count_stream(
+        self, batches: Iterable[Any], threads: int = 1, on_batch: Callable[[], object] | None = None
+    ) -> int:
+        """Counts every batch of `batches` (objects with `.sparse_features`), `threads` batches at a
+        time while the next are read; returns the rows seen. Figures are recorded in batch order."""
+        from collections import deque
+
+        rows = 0
+        if threads <= 1:
+            for batch in batches:
+                self.add(batch.sparse_features)
+                rows += batch.sparse_features.stride()
+                if on_batch:
+                    on_batch()
+            return rows
+        pending: deque = deque()
+        with ThreadPoolExecutor(threads) as pool:
+            for batch in batches:
+                pending.append(pool.submit(self.figures, batch.sparse_features))
+                rows += batch.sparse_features.stride()
+                if len(pending) > threads:
+                    self.record(pending.popleft().result())
+                    if on_batch:
+                        on_batch()
+            while pending:
+                self.record(pending.popleft().result())
+                if on_batch:
+                    on_batch()
+        return rows
+
+    def result(self) -> dict:
+        tables = {}
+        for name, seen in self.per_batch.items():
+            a = np.array(seen, dtype=np.int64).reshape(-1, 6)
+            top = a.max(0) if a.size else np.zeros(6, np.int64)
+            entry = table_entry(*(int(x) for x in top[:5]), per_slice=self.per_slice, per_feature=int(top[5]))
+            ids, uniq = a[:, 0], a[:, 1]
+            entry["observed"].update(
+                {f"p{_pct(q)}_ids": _quantile(ids, q) for q in QUANTILES}
+                | {f"p{_pct(q)}_unique_ids": _quantile(uniq, q) for q in QUANTILES}
+            )
+            tables[name] = entry
+        return tables
+
+
+def table_entry(
+    ids: int, uniq: int, slice_ids: int, slice_uniq: int, most: int, *, per_slice: int, per_feature: int | None = None
+) -> dict:
+    """A table's limits from its observed maxima: per partition (the table alone) and per SparseCore
+    slice (what a stack partition holding all of the table would get); never above what a segment
+    can hold, a slice's samples x the most ids a sample had. `per_feature`: the most ids one feature
+    had in a batch, a sequence table's capacity (`max_ids_per_feature`)."""
+    ceiling = round_up(max(1, per_slice * max(most, 1)), SEGMENT_ALIGN)
+    rec_ids = min(recommended(ids), ceiling)
+    rec_slice = min(recommended(slice_ids), ceiling)
+    return {
+        "max_ids_per_partition": rec_ids,
+        "max_unique_ids_per_partition": min(recommended(uniq), rec_ids),
+        "max_ids_per_slice": rec_slice,
+        "max_unique_ids_per_slice": min(recommended(slice_uniq), rec_slice),
+        **({"max_ids_per_feature": recommended(per_feature)} if per_feature is not None else {}),
+        "observed": {
+            "max_ids": ids,
+            "max_unique_ids": uniq,
+            "max_ids_per_slice": slice_ids,
+            "max_unique_ids_per_slice": slice_uniq,
+            "max_ids_per_sample": most,
+            **({"max_ids_per_feature": per_feature} if per_feature is not None else {}),
+        },
+    }
+
+
+def recommended(observed_max: int) -> int:
+    return round_up(max(SEGMENT_ALIGN, math.ceil(observed_max * (1 + HEADROOM))), SEGMENT_ALIGN)
+
+
+def _pct(q: float) -> str:
+    return f"{q * 100:g}".replace(".", "")
+
+
+def _quantile(a: np.ndarray, q: float) -> int:
+    return int(np.quantile(a, q, method="higher")) if a.size else 0
+
+
+@dataclass
+class IdLimits:
+    """Measured limits for the planner and inspector: each table's max ids per partition for the
+    layout measured, and for any other layout the same fraction of that layout's worst case (every
+    id of a SparseCore's sample slice in one partition) — how `smallest_fitting_topology` tries
+    other slices with them."""
+
+    tables: dict[str, tuple[int, ...]]
+    layout: dict
+    source: str = ""
+
+    def max_ids(self, table: str, samples: int, pooling_factor: float, sparsecores: int) -> int | None:
+        """The buffers' max ids per partition for `table` served `samples` samples (None: not measured)."""
+        from tpurec.embedding.constraints import worst_case_max_ids_per_partition
+
+        if table not in self.tables:
+            return None
+        measured = self.tables[table][0]
+        worst = worst_case_max_ids_per_partition(samples, pooling_factor, sparsecores)
+        here = self.layout["batch_size_per_device"] * self.layout["world_size"]
+        if samples == here and sparsecores == self.layout["sparsecores_per_device"]:
+            return min(measured, worst)
+        then = worst_case_max_ids_per_partition(here, pooling_factor, self.layout["sparsecores_per_device"])
+        return min(worst, round_up(max(1, math.ceil(worst * measured / then)), SEGMENT_ALIGN))
+
+    def to_json(self) -> dict:
+        return {"layout": self.layout, "source": self.source, "tables": {k: list(v) for k, v in self.tables.items()}}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> IdLimits:
+        tables = {k: tuple(int(x) for x in v) for k, v in doc["tables"].items()}
+        return cls(tables, doc["layout"], doc.get("source", ""))
+
+
+def read_limits(path: str, layout: dict) -> IdLimits:
+    """A limits file as IdLimits, refused unless measured for `layout`."""
+    return IdLimits(load_limits(path, layout), layout, str(path))
+
+
+def plan_layout(topology: str, batch_size_per_device: int) -> dict:
+    """The layout a plan of `topology` at this batch has (what `layout_of` reads from its report)."""
+    from tpurec.embedding.constraints import DEFAULT_NUM_SPARSECORES
+    from tpurec.planner.topology import parse_slice
+
+    if topology.lower().startswith("cpu-"):
+        # a CPU plan runs the kernel with its default SparseCore count (tpurec.embedding.sparsecores)
+        world, sparsecores = int(topology.split("-", 1)[1]), DEFAULT_NUM_SPARSECORES
+    else:
+        spec = parse_slice(topology)
+        world, sparsecores = spec.world_size, spec.generation.sparsecores
+    return {
+        "topology": topology,
+        "world_size": world,
+        "sparsecores_per_device": int(sparsecores),
+        "batch_size_per_device": int(batch_size_per_device),
+    }
+
+
+def load_limits(path: str, layout: dict | None = None) -> dict[str, tuple[int, ...]]:
+    """{table: (max ids, max unique ids per partition[, max ids, max unique ids per slice])} from a
+    limits file; with `layout`, refused unless the file was measured for it."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except OSError as e:
+        raise IdLimitsError(f"--limits {path}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise IdLimitsError(f"--limits {path}: not JSON ({e.msg}, line {e.lineno})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("tables"), dict):
+        raise IdLimitsError(f"--limits {path}: not a limits file (write one with `tpurec data stats`)")
+    if layout is not None and not same_layout(doc.get("layout"), layout):
+        raise IdLimitsError(f"--limits {path} was measured for {_describe(doc.get('layout'))}, not {_describe(layout)}")
+    out = {}
+    for name, t in doc["tables"].items():
+        try:
+            ids, uniq = int(t["max_ids_per_partition"]), int(t["max_unique_ids_per_partition"])
+        except (KeyError, TypeError, ValueError):
+            raise IdLimitsError(
+                f"--limits {path}: table {name!r} needs integer max_ids_per_partition and max_unique_ids_per_partition"
+            ) from None
+        if ids < 1 or uniq < 1:
+            raise IdLimitsError(f"--limits {path}: table {name!r}: limits must be >= 1, got {ids} / {uniq}")
+        # positions: per partition (2), then per slice (2), then per feature (1), each while present
+        limits: tuple[int, ...] = (ids, uniq)
+        per_slice = (t.get("max_ids_per_slice"), t.get("max_unique_ids_per_slice"))
+        if all(isinstance(v, int) and v >= 1 for v in per_slice):
+            limits += per_slice
+            feature = t.get("max_ids_per_feature")
+            if isinstance(feature, int) and feature >= 1:
+                limits += (feature,)
+        out[str(name)] = limits
+    return out
+
+
+# What the figures depend on; the topology's name only tells where they were measured (a v5p-8
+# layout and 4 CPU ranks with 4 SparseCores each and the same batch are one layout).
+LAYOUT_KEYS = ("world_size", "sparsecores_per_device", "batch_size_per_device")
+
+
+def same_layout(a: object, b: object) -> bool:
+    return isinstance(a, dict) and isinstance(b, dict) and all(a.get(k) == b.get(k) for k in LAYOUT_KEYS)
+
+
+def _describe(layout: object) -> str:
+    if not isinstance(layout, dict):
+        return "an unknown layout"
+    figures = (
+        f"{layout.get('world_size')} device(s), {layout.get('sparsecores_per_device')} SparseCores each, "
+        f"batch {layout.get('batch_size_per_device')} per device"
+    )
+    return f"{layout['topology']} ({figures})" if layout.get("topology") else figures

@@ -1,0 +1,173 @@
+"""`tpurec data stats DIR`: one streaming pass over a Parquet dataset measuring each table's id limits
+for the layout a plan gives (tpurec.planner.id_limits), written as a limits file.
+
+  tpurec data stats DIR --model dlrm-tiny --topology v5p-8 --out limits.json
+  tpurec data stats DIR --model dlrm-tiny --plan P.json --out limits.json
+  tpurec data stats DIR --model-module my_pkg.models:build --topology v5p-8 --out limits.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from tpurec.argtypes import positive_int
+from tpurec.catalog import MODEL_NAMES, TRAINING_DEFAULTS
+from tpurec.errors import UserError
+
+
+def register(actions: argparse._SubParsersAction) -> None:
+    s = actions.add_parser(
+        "stats",
+        help="measure per-table id limits for a plan's layout (for --limits)",
+        description="One pass over a Parquet dataset: per table, the ids and unique ids per SparseCore "
+        "partition each global batch puts on its shard, for the layout of a plan (--plan) or of the "
+        "plan tpurec makes for --topology; writes the limits to use with --limits.",
+        epilog="example: tpurec data stats data/ --model dlrm-tiny --topology v5p-8 --out limits.json",
+    )
+    s.add_argument("path", metavar="DIR", help="a dataset directory (tpurec data convert / synth)")
+    src = s.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", choices=MODEL_NAMES, help="a named table set")
+    src.add_argument("--tables", metavar="FILE", help="tables from a .json / .yaml file (as tpurec plan)")
+    src.add_argument(
+        "--model-module",
+        metavar="MODULE:FN",
+        help="your model, as tpurec plan --model-module (the data's columns are its feature names)",
+    )
+    where = s.add_mutually_exclusive_group(required=True)
+    where.add_argument("--topology", metavar="SLICE", help="plan for this slice first (as tpurec plan)")
+    where.add_argument("--plan", metavar="P.json", help="a saved plan (tpurec plan --format json)")
+    s.add_argument("--batch-size", type=positive_int, default=None, help="batch per device (default: as tpurec plan)")
+    s.add_argument("--out", required=True, metavar="FILE", help="the limits file to write (JSON)")
+    s.add_argument(
+        "--threads", type=positive_int, default=None, help="batches counted at once, in threads (default: cores)"
+    )
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tpurec.data.cli import reader_gone_ok
+
+    return reader_gone_ok(_run)(args)
+
+
+def _check_out(path: str) -> None:
+    """Refuse an output that cannot be written, before the pass (a probe file: root passes
+    os.access but not a read-only mount)."""
+    from tpurec.outputs import check_outputs
+
+    check_outputs([("--out", path, "file")])
+
+
+def _report(args: argparse.Namespace) -> dict:
+    from tpurec.planner import report as reports
+
+    if args.plan:
+        return reports.report_from_file(args.plan)
+    if args.model_module:
+        from tpurec.planner import model_module
+        from tpurec.planner.cli import DMP_PLANNING_BATCH_SIZE
+
+        model, constraints = model_module.load_model(args.model_module)
+        return reports.plan_module(
+            model,
+            model_module.model_tables(model, constraints),
+            args.topology,
+            batch_size=args.batch_size or DMP_PLANNING_BATCH_SIZE,  # as DistributedModelParallel plans it
+            optimizer=None,
+            constraints=constraints,
+            model=args.model_module,
+        )
+    return plan_report(
+        args.path, model=args.model, tables_file=args.tables, topology=args.topology, batch_size=args.batch_size
+    )
+
+
+def plan_report(
+    path: str, *, model: str | None, tables_file: str | None, topology: str, batch_size: int | None
+) -> dict:
+    """The plan tpurec makes for `topology` (as `tpurec plan`), for a named model's or a file's tables."""
+    from tpurec.planner import report as reports
+
+    tables = _tables(path, model, tables_file)
+    trained = TRAINING_DEFAULTS.get(model) if model else None
+    batch = batch_size or (trained.batch_size if trained else 256)
+    optimizer = trained.embedding_optimizer if trained else "rowwise_adagrad"
+    return reports.plan_tables(tables, topology, batch_size=batch, optimizer=optimizer, model=model)
+
+
+def _tables(path: str, model: str | None, tables_file: str | None) -> list:
+    """The model's tables, with the row counts the data's ids index into (as `tpurec train` builds them)."""
+    from dataclasses import replace
+
+    from tpurec.data.schema import dataset_metadata
+
+    if tables_file:
+        from tpurec.planner.tables_file import load_tables
+
+        return load_tables(tables_file)
+    from tpurec.catalog import get_table_set
+
+    assert model is not None  # argparse requires --model or --tables
+    tables = list(get_table_set(model).tables)
+    sparse = dataset_metadata(path).get("sparse", [])
+    if len(sparse) == len(tables):
+        tables = [
+            replace(t, num_embeddings=int(f["num_embeddings"])) if f.get("num_embeddings") is not None else t
+            for t, f in zip(tables, sparse)
+        ]
+    return tables
+
+
+def _run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from tpurec.data.reader import ParquetReader
+    from tpurec.planner.id_limits import FORMAT, DemandTally, layout_of, table_layouts
+
+    _check_out(args.out)
+    if not os.path.isdir(args.path):
+        raise UserError(f"{args.path}: not a dataset directory (make one with `tpurec data convert`)")
+    report = _report(args)
+    if args.model and args.plan and report.get("model") not in (None, args.model):
+        raise UserError(f"--plan {args.plan} is a plan for {report.get('model')!r}, not --model {args.model}")
+    layout = layout_of(report)
+    tables = table_layouts(report)
+    global_batch = layout["batch_size_per_device"] * layout["world_size"]
+    reader = ParquetReader(args.path, batch_size=global_batch, shuffle=False, drop_last=False)
+    threads = args.threads or os.cpu_count() or 1
+    tally = DemandTally(tables, layout)
+    show = not args.quiet and sys.stderr.isatty()
+    start = time.perf_counter()
+    with tqdm(total=len(reader), unit="batch", disable=not show, desc="tpurec data stats") as bar:
+        rows = tally.count_stream(reader, threads, on_batch=lambda: bar.update(1))
+    seconds = time.perf_counter() - start
+    if rows == 0:
+        raise UserError(f"{args.path}: no rows to measure")
+    doc = {
+        "format": FORMAT,
+        "version": 1,
+        "layout": layout,
+        "data": os.path.abspath(args.path),
+        "plan": args.plan or f"tpurec plan for {args.topology}",
+        "rows": rows,
+        "batches": len(tally.per_batch[tables[0].name]) if tables else 0,
+        "seconds": round(seconds, 3),
+        "rows_per_s": round(rows / seconds, 1) if seconds > 0 else None,
+        "tables": tally.result(),
+    }
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    worst = max(doc["tables"].items(), key=lambda kv: kv[1]["max_ids_per_partition"], default=None)
+    print(
+        f"wrote {args.out}: {len(tables)} tables, {rows:,} rows in {doc['batches']} global batches of {global_batch} "
+        f"({doc['rows_per_s']:,.0f} rows/s)"
+        + (f"; largest limit {worst[1]['max_ids_per_partition']} ids per partition ({worst[0]})" if worst else ""),
+        file=sys.stderr,
+    )
+    return 0

@@ -1,0 +1,541 @@
+"""TPU-aware sharding planner: torchrec's EmbeddingShardingPlanner with tpurec's cost model.
+
+Nothing is forked: we hand torchrec's planner our estimators (estimators.py), a storage
+reservation for what is not an embedding shard, an enumerator that drops options the SparseCore
+kernel cannot run, and a planning-time sharder that offers only our kernel and sharding types.
+The result is a standard `ShardingPlan`.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from typing import TYPE_CHECKING, Dict, List, cast
+
+import torch
+from torch import nn
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
+from torchrec.distributed.planner import EmbeddingShardingPlanner
+from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
+from torchrec.distributed.planner.partitioners import GreedyPerfPartitioner
+from torchrec.distributed.planner.proposers import GreedyProposer, GridSearchProposer, UniformProposer
+from torchrec.distributed.planner.types import (
+    Enumerator,
+    ParameterConstraints,
+    Perf,
+    PlannerError,
+    Proposer,
+    Shard,
+    ShardEstimator,
+    ShardingOption,
+    Storage,
+    StorageReservation,
+    Topology,
+)
+from torchrec.distributed.types import ModuleSharder, ShardingPlan
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+
+from tpurec.embedding.constraints import DIM_ALIGN
+from tpurec.embedding.optimizers.registry import spec_class, spec_name_for, spec_names
+from tpurec.errors import UserError
+from tpurec.planner.estimators import (
+    TpuPerfEstimator,
+    TpuStorageEstimator,
+    shard_cost,
+    spec_of,
+    table_elem_bytes,
+)
+from tpurec.planner.kernel_choice import COMPUTE_KERNEL, EC_SHARDING_TYPES, SHARDING_TYPES, sharding_types_for
+from tpurec.planner.plan_bounds import tables_problem
+from tpurec.planner.proposal_budget import (
+    DEFAULT_SHARD_BUDGET,
+    NO_FIT_FACTOR,
+    SearchBoundReached,
+    bound_reached,
+    budgeted,
+)
+from tpurec.planner.topology import format_bytes
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+    from torchrec.distributed.embedding_types import QuantizedCommCodecs
+    from torchrec.modules.embedding_configs import BaseEmbeddingConfig
+
+    from tpurec.planner.id_limits import IdLimits
+
+GiB = 1024**3
+# Share of each device kept free for the XLA runtime, compiled programs and fragmentation; an
+# assumption (docs/planner.md), overridable per call.
+DEFAULT_HEADROOM_FRACTION = 0.05
+# Dense parameters cost weights + gradients + two Adam moments (the usual dense optimizer).
+DENSE_BYTES_PER_PARAM_BYTE = 4
+
+
+class PlanDoesNotFit(UserError):
+    """The tables cannot be placed in the devices' memory; the message says by how much."""
+
+
+class TpuPlanningSharder(EmbeddingBagCollectionSharder):
+    """Offers torchrec's planner only what the SparseCore kernel runs: COMPUTE_KERNEL and
+    SHARDING_TYPES (no data-parallel). The real sharder (sharder.py) may be passed instead."""
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        return sharding_types_for(compute_device_type)
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        return [COMPUTE_KERNEL]
+
+
+class TpuPlanningECSharder(EmbeddingCollectionSharder):
+    """TpuPlanningSharder's counterpart for EmbeddingCollections (sequence tables): TW, CW, RW."""
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        return list(EC_SHARDING_TYPES)
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        return [COMPUTE_KERNEL]
+
+
+class TpuPlanningFPSharder(FeatureProcessedEmbeddingBagCollectionSharder):
+    """TorchRec's FP-EBC sharder offering what its inner EBC sharder offers (default: TpuPlanningSharder).
+    The run-time sharder (sharding/fp_sharder.py's SparseCoreFPEBCSharder) derives from it."""
+
+    def __init__(
+        self,
+        ebc_sharder: EmbeddingBagCollectionSharder | None = None,
+        qcomm_codecs_registry: Dict[str, QuantizedCommCodecs] | None = None,
+    ) -> None:
+        super().__init__(ebc_sharder=ebc_sharder or TpuPlanningSharder(), qcomm_codecs_registry=qcomm_codecs_registry)
+
+    @property
+    def ebc_sharder(self) -> EmbeddingBagCollectionSharder:
+        return self._ebc_sharder
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        return self._ebc_sharder.sharding_types(compute_device_type)
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        return self._ebc_sharder.compute_kernels(sharding_type, compute_device_type)
+
+
+def planning_sharders() -> List[ModuleSharder[nn.Module]]:
+    # A feature-processed EBC is planned as the module DMP shards, over its inner EBC's tables.
+    # ModuleSharder is invariant in its module type: TorchRec's own default sharders are cast the same way.
+    sharders = [TpuPlanningSharder(), TpuPlanningECSharder(), TpuPlanningFPSharder()]
+    return [cast(ModuleSharder[nn.Module], s) for s in sharders]
+
+
+def _embedding_modules(module: nn.Module) -> list[EmbeddingBagCollection | EmbeddingCollection]:
+    return [m for m in module.modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))]
+
+
+class TpuEnumerator(EmbeddingEnumerator):
+    """Drops data-parallel options and kernels other than ours. Any dim and column-shard width is
+    kept: the kernel stores rows padded to 8 floats, and the estimators count the padded bytes, so a
+    narrow column shard costs what it really costs."""
+
+    def enumerate(self, module: nn.Module, sharders: List[ModuleSharder[nn.Module]]) -> List[ShardingOption]:
+        options = super().enumerate(module, sharders)
+        kept = [o for o in options if o.sharding_type in SHARDING_TYPES and o.compute_kernel == COMPUTE_KERNEL]
+        lost = sorted({o.name for o in options} - {o.name for o in kept})
+        if lost:
+            raise UserError(
+                f"no sharding option the SparseCore kernel can run for table(s) {lost}: it needs compute kernel "
+                f"{COMPUTE_KERNEL!r} and one of {SHARDING_TYPES}; check the sharders and ParameterConstraints"
+            )
+        return kept
+
+
+def _table_configs(module: nn.Module) -> list[BaseEmbeddingConfig]:
+    return [
+        c
+        for m in _embedding_modules(module)
+        for c in (m.embedding_bag_configs() if isinstance(m, EmbeddingBagCollection) else m.embedding_configs())
+    ]
+
+
+class TpuStorageReservation(StorageReservation):
+    """Per device: dense parameters (x4: weights, grads, Adam moments), the pooled embeddings every
+    rank receives for its local batch and their gradients, plus a headroom fraction."""
+
+    def __init__(self, headroom_fraction: float = DEFAULT_HEADROOM_FRACTION, dense_bytes: int = 0) -> None:
+        self._headroom = headroom_fraction
+        self._extra = dense_bytes
+        self._last: Topology | None = None
+        self.reserved_bytes = 0
+        self._fixed: tuple[weakref.ref, int, int] | None = None  # (module, batch_size, bytes) last computed
+
+    def reserve(
+        self,
+        topology: Topology,
+        batch_size: int,
+        module: nn.Module,
+        sharders: List[ModuleSharder[nn.Module]],
+        constraints: Dict[str, ParameterConstraints] | None = None,
+    ) -> Topology:
+        reserved = copy.deepcopy(topology)
+        on_cpu = topology.compute_device == "cpu"
+        for device in reserved.devices:
+            cap = device.storage.ddr if on_cpu else device.storage.hbm
+            amount = min(cap, self.amount(module, batch_size, cap))
+            if on_cpu:
+                device.storage.ddr -= amount
+            else:
+                device.storage.hbm -= amount
+            self.reserved_bytes = amount
+        self._last = reserved
+        return reserved
+
+    def amount(self, module: nn.Module, batch_size: int, capacity: int) -> int:
+        # Asked once per device: the part that walks every table is kept for the same module and
+        # batch (it made reserving O(tables x devices): 17 s of a 1,000-table plan on 64 devices).
+        if self._fixed is None or self._fixed[0]() is not module or self._fixed[1] != batch_size:
+            sharded = {id(p) for m in _embedding_modules(module) for p in m.parameters()}
+            dense = sum(p.numel() * p.element_size() for p in module.parameters() if id(p) not in sharded)
+            pooled = batch_size * sum(c.embedding_dim for c in _table_configs(module)) * 4 * 2
+            self._fixed = (weakref.ref(module), batch_size, dense * DENSE_BYTES_PER_PARAM_BYTE + pooled + self._extra)
+        return int(self._fixed[2] + self._headroom * capacity)
+
+    @property
+    def last_reserved_topology(self) -> Topology | None:
+        return copy.deepcopy(self._last)
+
+
+def infer_optimizer(module: nn.Module, sharders: List[ModuleSharder] | None = None) -> str | None:
+    """The fused optimizer the tables will train with, from apply_optimizer_in_backward settings
+    or sharder fused_params; the one with the most state if tables differ; None if unknown."""
+    found = set()
+    for m in _embedding_modules(module):
+        for p in m.parameters():
+            for cls in getattr(p, "_optimizer_classes", []) or []:
+                # torch / TorchRec class names (apply_optimizer_in_backward)
+                found.add(spec_name_for(cls.__name__) or cls.__name__)
+    for sharder in sharders or []:
+        opt = (getattr(sharder, "fused_params", None) or {}).get("optimizer")
+        if opt is not None:
+            key = str(getattr(opt, "value", opt))  # FBGEMM EmbOptimType values (sharder fused_params)
+            found.add(spec_name_for(key) or key)
+    unknown = found - set(spec_names())
+    if unknown:
+        raise UserError(
+            f"optimizer(s) {sorted(unknown)} not supported by the fused SparseCore update; "
+            f"one of {sorted(spec_names())}"
+        )
+    if not found:
+        return None
+    return max(found, key=lambda o: spec_class(o).state_bytes_per_row(DIM_ALIGN))
+
+
+def _perf(shard: Shard) -> Perf:
+    assert shard.perf is not None, "a shard reached the proposer unestimated"  # the enumerator estimates all
+    return shard.perf
+
+
+def _storage(shard: Shard) -> Storage:
+    assert shard.storage is not None, "a shard reached the proposer unestimated"
+    return shard.storage
+
+
+class CriticalDeviceProposer(Proposer):
+    """Spreads, one table at a time, whatever sits on the device that sets the step time.
+
+    torchrec's greedy proposers rank each table's options by that table's own shard times, which
+    on big slices spreads mid-size tables row-wise over every device, where each row-wise shard
+    still pays the full pooled-output collective. Here: start from each table's cheapest option in
+    total work, partition, take the slowest device, and move its heaviest table that can still be
+    spread to its next shallower option (TW -> TWRW -> RW ...). Every step is rated by the planner,
+    which keeps the best plan of all proposers; this one runs after torchrec's defaults.
+    """
+
+    def __init__(self, max_proposals: int = 150) -> None:
+        self._max = max_proposals
+
+    @staticmethod
+    def _depth(option: ShardingOption) -> float:
+        return max(_perf(s).total for s in option.shards)
+
+    @staticmethod
+    def _largest_shard(option: ShardingOption) -> float:
+        return max(_storage(s).hbm + _storage(s).ddr for s in option.shards)
+
+    def load(self, search_space: List[ShardingOption], enumerator: Enumerator | None = None) -> None:
+        self._options: Dict[str, List[ShardingOption]] = {}
+        for o in search_space:
+            self._options.setdefault(o.fqn, []).append(o)
+        for opts in self._options.values():
+            opts.sort(key=lambda o: (-self._depth(o), o.total_perf))  # deepest (least spread) first
+        self._next: Dict[str, int] | None = {
+            f: min(range(len(v)), key=lambda i: v[i].total_perf) for f, v in self._options.items()
+        }
+        # If the cheapest start does not fit, start again fully spread.
+        self._fallback: Dict[str, int] | None = {f: len(v) - 1 for f, v in self._options.items()}
+        self._current: Dict[str, int] | None = None
+        self._count = 0
+
+    def propose(self) -> List[ShardingOption] | None:
+        if self._next is None or self._count >= self._max:
+            return None
+        self._current, self._next = self._next, None
+        self._count += 1
+        return [self._options[f][i] for f, i in self._current.items()]
+
+    def feedback(
+        self,
+        partitionable: bool,
+        plan: List[ShardingOption] | None = None,
+        perf_rating: float | None = None,
+        storage_constraint: Topology | None = None,
+    ) -> None:
+        if not partitionable or not plan:
+            # Does not fit: spread the table with the largest shard one step further (on a TPU the
+            # update's transient doubles a table-wise 40M x 128 table to 38 GiB, more than a v6e
+            # holds); only when nothing can be spread further, start over fully spread.
+            self._next = self._spread_largest() if self._current is not None else None
+            if self._next is None:
+                self._next, self._fallback = self._fallback, None
+            return
+        assert self._current is not None  # feedback answers a proposal
+        if storage_constraint is not None and any(s.rank is None for o in plan for s in o.shards):
+            # A proposal the planner had partitioned before (for torchrec's proposers or for this one)
+            # comes back from its cache with the shard ranks it cleared since (planners.py,
+            # reset_shard_rank): partition a copy again, as the planner did, to find the slowest device.
+            plan = GreedyPerfPartitioner().partition(copy.deepcopy(plan), storage_constraint)
+        load: Dict[int, float] = {}
+        on_rank: Dict[int, Dict[str, float]] = {}
+        for o in plan:
+            for s in o.shards:
+                rank = s.rank
+                assert rank is not None  # a partitioned plan places every shard
+                load[rank] = load.get(rank, 0.0) + _perf(s).total
+                per_table = on_rank.setdefault(rank, {})
+                per_table[o.fqn] = per_table.get(o.fqn, 0.0) + _perf(s).total
+        critical = max(load, key=load.__getitem__)
+        for fqn, _ in sorted(on_rank[critical].items(), key=lambda kv: -kv[1]):
+            opts, i = self._options[fqn], self._current[fqn]
+            shallower = [j for j in range(i + 1, len(opts)) if self._depth(opts[j]) < self._depth(opts[i])]
+            if shallower:
+                self._next = {**self._current, fqn: shallower[0]}
+                return
+        self._next = None
+
+    def _spread_largest(self) -> Dict[str, int] | None:
+        assert self._current is not None  # called after a proposal
+        by_size = sorted(self._current.items(), key=lambda kv: -self._largest_shard(self._options[kv[0]][kv[1]]))
+        for fqn, i in by_size:
+            opts = self._options[fqn]
+            smaller = [
+                j for j in range(i + 1, len(opts)) if self._largest_shard(opts[j]) < self._largest_shard(opts[i])
+            ]
+            if smaller:
+                # the least spread of the options with smaller shards, the cheapest among equals
+                best = min(smaller, key=lambda j: (-self._depth(opts[j]), opts[j].total_perf))
+                return {**self._current, fqn: best}
+        return None
+
+
+def make_planner(
+    topology: Topology,
+    *,
+    batch_size: int,
+    constraints: Dict[str, ParameterConstraints] | None = None,
+    optimizer: str = "sgd",
+    storage_reservation: StorageReservation | None = None,
+    limits: IdLimits | None = None,
+) -> EmbeddingShardingPlanner:
+    estimators: List[ShardEstimator] = [
+        TpuPerfEstimator(topology, constraints, optimizer, limits),
+        TpuStorageEstimator(topology, constraints, optimizer, limits),
+    ]
+    return EmbeddingShardingPlanner(
+        topology=topology,
+        batch_size=batch_size,
+        enumerator=TpuEnumerator(
+            topology=topology, batch_size=batch_size, constraints=constraints, estimator=estimators
+        ),
+        storage_reservation=storage_reservation or TpuStorageReservation(),
+        # torchrec's default proposers, then ours (see CriticalDeviceProposer), each within a work
+        # budget once a plan fits (proposal_budget.py: planning time about linear in tables x devices)
+        proposer=budgeted(
+            [
+                GridSearchProposer(),
+                GreedyProposer(),
+                GreedyProposer(use_depth=False),
+                UniformProposer(),
+                CriticalDeviceProposer(),
+            ]
+        ),
+        constraints=constraints,
+        debug=False,
+    )
+
+
+def _fmt(nbytes: float) -> str:
+    return format_bytes(nbytes)
+
+
+def _refusal(
+    module: nn.Module,
+    topology: Topology,
+    batch_size: int,
+    constraints: Dict[str, ParameterConstraints] | None,
+    optimizer: str,
+    reservation: TpuStorageReservation,
+    limits: IdLimits | None = None,
+) -> str:
+    """Name the largest table, what it needs on one device, and what the best device has free."""
+    spec = spec_of(topology)
+    on_cpu = topology.compute_device == "cpu"
+    caps = [d.storage.ddr if on_cpu else d.storage.hbm for d in topology.devices]
+    reserved = [reservation.amount(module, batch_size, c) for c in caps]
+    free = [c - r for c, r in zip(caps, reserved)]
+    best = max(range(len(free)), key=free.__getitem__)
+    costs = {}
+    for cfg in _table_configs(module):
+        pf = sum((constraints or {}).get(cfg.name, ParameterConstraints()).pooling_factors or [1.0])
+        costs[cfg.name] = (
+            cfg,
+            shard_cost(
+                sharding_type="table_wise",
+                rows=cfg.num_embeddings,
+                cols=cfg.embedding_dim,
+                pooling_factor=pf,
+                batch_per_device=batch_size,
+                world_size=topology.world_size,
+                num_shards=1,
+                spec=spec,
+                optimizer=optimizer,
+                elem_bytes=table_elem_bytes(cfg.data_type, topology.compute_device),
+                num_features=len(cfg.feature_names),
+                max_ids_per_partition=limits.max_ids(
+                    cfg.name, batch_size * topology.world_size, pf, max(1, spec.generation.sparsecores)
+                )
+                if limits is not None
+                else None,
+            ),
+        )
+    name, (cfg, c) = max(costs.items(), key=lambda kv: kv[1][1].bytes)
+    # Weights, state and the update's transient copy split with the table, whatever the sharding:
+    # together they bound the whole slice. Free memory is never shown below zero.
+    at_least = sum(x.weights + x.optimizer + x.transient for _, x in costs.values())
+    slice_free = sum(max(0, f) for f in free)
+    head = (
+        f"plan does not fit on {spec.name} ({topology.world_size} device{'s' * (topology.world_size > 1)} of "
+        f"{_fmt(caps[best])}, optimizer {optimizer}): "
+    )
+    largest = (
+        f"the largest table {name} ({cfg.num_embeddings:,} x {cfg.embedding_dim}) needs "
+        f"{_fmt(c.bytes)} (weights {_fmt(c.weights)}, optimizer state {_fmt(c.optimizer)}, SparseCore buffers "
+        f"{_fmt(c.buffers)}, activations {_fmt(c.activations)}"
+        + (f", the update's transient new table and state {_fmt(c.transient)}" if c.transient else "")
+        + ") on one device"
+    )
+    device = (
+        f"the best device (rank {best}) has {_fmt(max(0, free[best]))} free of {_fmt(caps[best])} after "
+        f"reserving {_fmt(reserved[best])}"
+    )
+    total = (
+        f"all {len(costs)} tables need at least {_fmt(at_least)} of weights and optimizer state"
+        + (" with the update's transient copy" if any(x.transient for _, x in costs.values()) else "")
+        + f" against {_fmt(slice_free)} free on the whole slice"
+    )
+    if free[best] <= 0:
+        verdict = (
+            f"the reservation alone ({_fmt(reserved[best])} per device: dense layers, activations and headroom "
+            f"for batch {batch_size:,} per device) is more than a device's {_fmt(caps[best])}, leaving nothing "
+            "for the tables; plan a smaller batch per device"
+        )
+        return head + "; ".join([verdict, total, largest])
+    if at_least > slice_free:
+        return head + "the tables together are the limit: " + "; ".join([total, device, largest])
+    if c.bytes > free[best]:
+        return head + "the largest table is the limit: " + "; ".join([largest, device, total])
+    return head + "no sharding the planner proposed fits each device: " + "; ".join([device, largest, total])
+
+
+def pooling_constraints(
+    pooling: Dict[str, float], base: Dict[str, ParameterConstraints] | None = None
+) -> Dict[str, ParameterConstraints]:
+    """ParameterConstraints carrying each table's mean pooling factor (ids per sample)."""
+    out = dict(base or {})
+    for name, pf in pooling.items():
+        c = copy.copy(out.get(name, ParameterConstraints()))
+        c.pooling_factors = [float(pf)]
+        out[name] = c
+    return out
+
+
+def plan(
+    module: nn.Module,
+    topology: Topology,
+    *,
+    batch_size: int,
+    constraints: Dict[str, ParameterConstraints] | None = None,
+    sharders: List[ModuleSharder[nn.Module]] | None = None,
+    optimizer: str | None = None,
+    pg: dist.ProcessGroup | None = None,
+    storage_reservation: TpuStorageReservation | None = None,
+    limits: IdLimits | None = None,
+) -> ShardingPlan:
+    """Plan `module` (a model holding EmbeddingBagCollections, meta tensors fine) on `topology`.
+
+    `batch_size` is per device. `optimizer` defaults to what apply_optimizer_in_backward or the
+    sharders' fused_params say, else SGD. With `pg`, rank 0 plans and broadcasts. `limits`
+    (tpurec.planner.id_limits.IdLimits): SparseCore buffers sized from measured id limits.
+    Raises PlanDoesNotFit when the tables cannot fit.
+    """
+    too_many = tables_problem(len(_table_configs(module)), topology.world_size)
+    if too_many:  # planning would take hours (plan_bounds.py): refused before it starts
+        raise UserError(f"{too_many}; plan fewer tables, or pass a saved plan")
+    optimizer = optimizer or infer_optimizer(module, sharders) or "sgd"
+    sharders = sharders or planning_sharders()
+    reservation = storage_reservation or TpuStorageReservation()
+    planner = make_planner(
+        topology,
+        batch_size=batch_size,
+        constraints=constraints,
+        optimizer=optimizer,
+        storage_reservation=reservation,
+        limits=limits,
+    )
+    # Fast refusal: weights + optimizer state alone exceed the slice's free memory.
+    caps = [d.storage.ddr if topology.compute_device == "cpu" else d.storage.hbm for d in topology.devices]
+    free = sum(c - reservation.amount(module, batch_size, c) for c in caps)
+    if _lower_bound_bytes(module, optimizer, topology.compute_device) > free:
+        raise PlanDoesNotFit(_refusal(module, topology, batch_size, constraints, optimizer, reservation, limits))
+    try:
+        if pg is not None and torch.distributed.is_initialized():
+            return planner.collective_plan(module, sharders, pg)
+        return planner.plan(module, sharders)
+    except PlannerError as e:
+        if bound_reached(planner._proposers):
+            raise SearchBoundReached(
+                f"no placement of the {len(_table_configs(module))} tables on {spec_of(topology).name} found within "
+                f"the planner's bound ({NO_FIT_FACTOR} x {DEFAULT_SHARD_BUDGET:,} shards per proposer, "
+                "tpurec/planner/proposal_budget.py); they may still fit: try a larger slice, or fewer tables"
+            ) from e
+        raise PlanDoesNotFit(_refusal(module, topology, batch_size, constraints, optimizer, reservation, limits)) from e
+
+
+def _lower_bound_bytes(module: nn.Module, optimizer: str, compute_device: str = "tpu") -> int:
+    """Weights + optimizer state of every table, unpadded: no plan can need less."""
+    return sum(
+        cfg.num_embeddings * cfg.embedding_dim * table_elem_bytes(cfg.data_type, compute_device)
+        + spec_class(optimizer).state_bytes(cfg.num_embeddings, cfg.embedding_dim)
+        for cfg in _table_configs(module)
+    )
+
+
+__all__ = [
+    "plan",
+    "make_planner",
+    "PlanDoesNotFit",
+    "TpuPlanningSharder",
+    "TpuPlanningECSharder",
+    "planning_sharders",
+    "TpuEnumerator",
+    "TpuStorageReservation",
+    "infer_optimizer",
+    "pooling_constraints",
+]

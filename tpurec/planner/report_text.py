@@ -1,0 +1,227 @@
+"""A plan report (inspect.build_report) as text, and the difference between two reports.
+
+Memory figures carry their own unit (`topology.format_bytes`), devices with identical figures share
+one row (a v6e-256 plan is a few rows, not 256), and the slowest devices are named with the tables
+that take their time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tpurec.planner.topology import format_bytes
+
+DEVICES_HEADER = "devices (memory; ms per step; identical devices share a row)"
+HOT_DEVICES = 3  # slowest devices named with their top tables
+
+
+def rank_ranges(ranks: list[int], most: int = 6) -> str:
+    """'0-3,8,10-63' (sorted, consecutive ranks merged); more than `most` runs end in '+N more'."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    parts = [f"{a}-{b}" if b > a else f"{a}" for a, b in runs]
+    return ",".join(parts[:most]) + (f",+{len(parts) - most} more" if len(parts) > most else "")
+
+
+def ranks_in_order(ranks: list) -> str:
+    """A table's ranks in shard order (order matters there: it is the row order of the shards)."""
+    if len(ranks) > 4 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+def fitting_text(report: dict) -> str:
+    """'v5p-16, v6e-64, v7x-8' from a refused report's smallest_fitting_topology."""
+    found = report.get("smallest_fitting_topology") or {}
+    return ", ".join(name or f"no {gen} slice" for gen, name in found.items()) or "none computed"
+
+
+_MEMORY = ("hbm_used_bytes", "hbm_capacity_bytes")
+_PARTS = ("weights_bytes", "optimizer_bytes", "buffers_bytes", "activations_bytes", "transient_bytes", "reserved_bytes")
+_TIMES = ("estimated_time_ms", "lookup_ms", "update_ms", "comm_ms")
+
+
+def device_cells(d: dict) -> tuple[str, ...]:
+    """A device's figures as the text report prints them; devices with equal cells share a row."""
+    pct = 100 * d["hbm_used_bytes"] / d["hbm_capacity_bytes"]
+    return (
+        *(format_bytes(d[k]) for k in _MEMORY),
+        f"{pct:.1f}",
+        *(format_bytes(d.get(k, 0)) for k in _PARTS),  # reports written before a part existed lack it
+        *(f"{d[k]:.3f}" for k in _TIMES),
+    )
+
+
+def device_groups(devices: list[dict], key: Callable[[dict], tuple] = device_cells) -> list[tuple[list[int], dict]]:
+    """(ranks, first device) per set of devices with equal `key`, ordered by their lowest rank."""
+    groups: dict[tuple, list[dict]] = {}
+    for d in devices:
+        groups.setdefault(key(d), []).append(d)
+    return sorted([([d["rank"] for d in g], g[0]) for g in groups.values()], key=lambda rg: rg[0][0])
+
+
+def _device_rows(devices: list[dict]) -> list[str]:
+    head = ("used", "cap", "%", "weights", "optim", "buffers", "activ", "transnt", "reserved")
+    widths = (10, 10, 5, 10, 10, 10, 10, 10, 10, 7, 7, 7, 7)
+    out = [
+        f"{'devs':>4} "
+        + " ".join(f"{h:>{w}}" for h, w in zip((*head, "time", "lookup", "update", "comm"), widths))
+        + "  ranks"
+    ]
+    for ranks, d in device_groups(devices):
+        out.append(
+            f"{len(ranks):>4} "
+            + " ".join(f"{c:>{w}}" for c, w in zip(device_cells(d), widths))
+            + f"  {rank_ranges(ranks)}"
+        )
+    return out
+
+
+def hot_devices(devices: list[dict], count: int = HOT_DEVICES) -> list[tuple[list[int], dict]]:
+    """The `count` slowest kinds of device, slowest first: (ranks, one device) per set of devices
+    with the same time and the same top tables (on big slices many devices are alike)."""
+    groups: dict[tuple, list[dict]] = {}
+    for d in devices:
+        key = (round(d["estimated_time_ms"], 6), tuple(t["name"] for t in d.get("top_tables", [])))
+        groups.setdefault(key, []).append(d)
+    ordered = sorted(groups.values(), key=lambda g: (-g[0]["estimated_time_ms"], g[0]["rank"]))
+    return [([d["rank"] for d in g], g[0]) for g in ordered[:count]]
+
+
+def _hot_lines(devices: list[dict]) -> list[str]:
+    out = []
+    for ranks, d in hot_devices(devices):
+        tables = ", ".join(f"{t['name']} {t['time_ms']:.3f} ms" for t in d.get("top_tables", [])) or "no tables"
+        label = ("rank " if len(ranks) == 1 else "ranks ") + rank_ranges(ranks)
+        out.append(f"  {label:<14} {d['estimated_time_ms']:8.3f} ms: {tables}")
+    return out
+
+
+def format_text(report: dict, top: int = 5) -> str:
+    a = report["assumptions"]
+    cap = report["devices"][0]["hbm_capacity_bytes"]
+    out = [
+        f"tpurec plan: {report.get('model') or 'tables'} on {report['topology']} "
+        f"({report['world_size']} devices, {format_bytes(cap)} each), batch {report['batch_size_per_device']}/device, "
+        f"optimizer {report['optimizer']}",
+        f"fits: {'yes' if report['fits'] else 'NO'}    estimated embedding step time: "
+        f"{report['estimated_step_time_ms']:.3f} ms    imbalance (max/mean): time "
+        f"{report['time_imbalance']:.2f}, HBM {report['hbm_imbalance']:.2f}",
+        f"assumptions: SparseCore gather {a['sc_gather_fraction_of_hbm_bw']:.0%} of HBM bw "
+        f"({a['sc_gather_bw_bytes_per_s'] / 1e9:.0f} GB/s), all-to-all efficiency {a['all_to_all_efficiency']}, "
+        f"DCN {a['dcn_bw_per_host_bytes_per_s'] / 1e9:.0f} GB/s per host, headroom {a['headroom_fraction']:.0%}",
+    ]
+    devices = report["devices"]
+    if "measured" in a.get("id_limit", ""):
+        worst = max(d.get("worst_case_buffers_bytes", 0) for d in devices)
+        out.append(
+            f"id limits: {a['id_limit']}: SparseCore buffers up to "
+            f"{format_bytes(max(d['buffers_bytes'] for d in devices))} per device (worst case {format_bytes(worst)})"
+        )
+    if report.get("refusal"):
+        out += [f"refused: {report['refusal']}", f"smallest fitting slice: {fitting_text(report)}"]
+    out += [
+        "",
+        "tables (largest first)",
+        f"{'name':<12} {'rows':>12} {'dim':>4} {'pool':>6} {'sharding':<16} {'kernel':<18} {'ranks':<12} "
+        f"{'memory':>10} {'ms':>8}",
+    ]
+    for t in sorted(report["tables"], key=lambda t: -t["bytes"]):
+        out.append(
+            f"{t['name']:<12} {t['rows']:>12,} {t['dim']:>4} {t['pooling_factor']:>6g} "
+            f"{t['sharding_type']:<16} {t['compute_kernel']:<18} {ranks_in_order(t['ranks']):<12} "
+            f"{format_bytes(t['bytes']):>10} {t['time_ms']:>8.3f}"
+        )
+    out += ["", DEVICES_HEADER, *_device_rows(report["devices"])]
+    out += ["", "slowest devices and the tables that take their time", *_hot_lines(report["devices"])]
+    notes = [f"  {t['name']}: {t['note']}" for t in report["tables"] if t.get("note")]
+    if notes:
+        out += ["", "notes"] + notes
+    out += ["", f"top {top} tables by time"]
+    for t in sorted(report["tables"], key=lambda t: -t["time_ms"])[:top]:
+        out.append(
+            f"  {t['name']:<12} {t['time_ms']:8.3f} ms summed over {len(t['shards'])} shard(s), {t['sharding_type']}"
+        )
+    return "\n".join(out)
+
+
+_INPUTS = (
+    ("model", "model"),
+    ("topology", "topology"),
+    ("compute_device", "compute device"),
+    ("batch_size", "batch size per device"),
+    ("optimizer", "optimizer"),
+    ("headroom_fraction", "headroom"),
+    ("sc_gather_fraction", "SparseCore gather fraction"),
+    ("dcn_bw_per_host", "DCN bytes/s per host"),
+    ("reserved_bytes", "reserved bytes per device"),
+)
+
+
+def input_changes(a: dict, b: dict) -> list[str]:
+    """What differs between the inputs (meta) of two reports: settings, and tables added, removed
+    or changed field by field."""
+    ma, mb = a.get("meta") or {}, b.get("meta") or {}
+    out = [f"  {label}: {ma.get(k)!r} -> {mb.get(k)!r}" for k, label in _INPUTS if ma.get(k) != mb.get(k)]
+    ta = {t["name"]: t for t in ma.get("tables", [])}
+    tb = {t["name"]: t for t in mb.get("tables", [])}
+    for name in sorted(set(ta) | set(tb), key=lambda n: (len(n), n)):
+        x, y = ta.get(name), tb.get(name)
+        if x is None or y is None:
+            out.append(f"  table {name}: {'added in B' if x is None else 'removed in B'}")
+            continue
+        changed = [f"{k} {x.get(k)!r} -> {y.get(k)!r}" for k in sorted(set(x) | set(y)) if x.get(k) != y.get(k)]
+        if changed:
+            out.append(f"  table {name}: " + ", ".join(changed))
+    return out
+
+
+def diff_reports(a: dict, b: dict) -> str:
+    """What changed from plan A to plan B: the inputs, tables whose placement moved, and the headline
+    numbers."""
+    ta = {t["name"]: t for t in a["tables"]}
+    tb = {t["name"]: t for t in b["tables"]}
+    out = [f"A: {a['topology']} {a['world_size']} devices; B: {b['topology']} {b['world_size']} devices"]
+    if a.get("model") != b.get("model"):
+        # Said first: every table line below then compares two models' tables, not two placements.
+        out.append(
+            f"note: A and B plan different models ({a.get('model')!r} and {b.get('model')!r}): the tables differ, "
+            "so this compares two models, not two placements of one"
+        )
+    inputs = input_changes(a, b)
+    out += ["inputs: the same"] if not inputs else [f"inputs: {len(inputs)} change(s)", *inputs]
+    for key, label, fmt in (
+        ("estimated_step_time_ms", "step time ms", "{:.4g}"),
+        ("time_imbalance", "time imbalance", "{:.2f}"),
+        ("hbm_imbalance", "HBM imbalance", "{:.2f}"),
+    ):
+        out.append(f"{label:<16} {fmt.format(a[key])} -> {fmt.format(b[key])}")
+    max_a = max(d["hbm_used_bytes"] for d in a["devices"])
+    max_b = max(d["hbm_used_bytes"] for d in b["devices"])
+    out.append(f"{'max HBM':<16} {format_bytes(max_a)} -> {format_bytes(max_b)}")
+    out.append(f"{'fits':<16} {a['fits']} -> {b['fits']}")
+    changed, moved = 0, []
+    for name in sorted(set(ta) | set(tb), key=lambda n: (len(n), n)):
+        x, y = ta.get(name), tb.get(name)
+        if x is None or y is None:
+            moved.append(f"  {name}: only in {'B' if x is None else 'A'}")
+            changed += 1
+            continue
+        sx = [(s["rank"], s["offsets"], s["sizes"]) for s in x["shards"]]
+        sy = [(s["rank"], s["offsets"], s["sizes"]) for s in y["shards"]]
+        if (x["sharding_type"], x["compute_kernel"], sx) != (y["sharding_type"], y["compute_kernel"], sy):
+            changed += 1
+            moved.append(
+                f"  {name}: {x['sharding_type']} ranks {ranks_in_order(x['ranks'])} -> "
+                f"{y['sharding_type']} ranks {ranks_in_order(y['ranks'])}"
+                + (
+                    f" (kernel {x['compute_kernel']} -> {y['compute_kernel']})"
+                    if x["compute_kernel"] != y["compute_kernel"]
+                    else ""
+                )
+            )
+    return "\n".join([out[0], f"{changed} of {len(set(ta) | set(tb))} tables differ", *out[1:], *moved])

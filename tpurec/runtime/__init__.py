@@ -1,0 +1,1 @@
+"""Process and host plumbing: device, process groups, heartbeat, threads, locks, signals, host copies."""
