@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Checks tpurec/embedding/tpu.py against TorchTPU's real op schemas on a host without a TPU
-# (docs/tpu_schema_check.md). Creates a SEPARATE venv with torch-tpu + libtpu (never the repo's
-# .venv: torch-tpu there would break the CPU suite), installs this checkout into it (editable), then
-# runs tests/embedding/test_tpu_schema.py in it. Idempotent: a stamp records the hash of the
-# requirement files and of this script; when nothing changed, a second run goes straight to pytest.
+# Checks tpurec against TorchTPU's own code on a host without a TPU: tpurec/embedding/tpu.py against
+# its real op schemas (docs/tpu_schema_check.md), and tpurec/emulation/torchtpu_kernels.json against its
+# dispatcher registrations (scripts/refresh_torchtpu_kernels.py regenerates it there). Creates a SEPARATE
+# venv with torch-tpu + libtpu (never the repo's .venv: torch-tpu there would break the CPU suite),
+# installs this checkout into it (editable), then runs TPU_VENV_TESTS (at the end) in it. Idempotent: a
+# stamp records the hash of the requirement files and of this script; when nothing changed, a second
+# run goes straight to pytest.
 #
 #   bash scripts/tpu_schema_env.sh            # venv at ../tpu-venv (beside the clone)
 #   TPU_SCHEMA_VENV=/path/venv bash scripts/tpu_schema_env.sh -v
@@ -46,4 +48,5 @@ if ! timeout 300 "$VENV_ABS/bin/python" -c \
   echo "tpu_schema_env: 'import torch_tpu' failed or hung in $VENV_ABS; see docs/tpu_schema_check.md" >&2
   exit 1
 fi
-exec timeout "${TPU_SCHEMA_TIMEOUT:-1800}" "$VENV_ABS/bin/python" -m pytest -rs tests/embedding/test_tpu_schema.py "$@"
+TPU_VENV_TESTS=(tests/embedding/test_tpu_schema.py tests/emulation/test_torchtpu_kernels_data.py)
+exec timeout "${TPU_SCHEMA_TIMEOUT:-1800}" "$VENV_ABS/bin/python" -m pytest -rs "${TPU_VENV_TESTS[@]}" "$@"
