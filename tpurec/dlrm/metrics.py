@@ -17,21 +17,33 @@ if TYPE_CHECKING:
 
 
 def gather(values: torch.Tensor, labels: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """All ranks' 1-D float tensors concatenated in rank order (no-op without a process group)."""
+    """All ranks' 1-D float tensors concatenated in rank order (no-op without a process group).
+
+    `values` and `labels` may be on the device (a TPU's logits and labels): they reach the host in one
+    device->host copy, counted under "eval" (tpurec.runtime.host_copies); `.numpy()` is taken of host
+    tensors only (TorchTPU refuses it on a device tensor)."""
     import torch
     import torch.distributed as dist
 
-    values, labels = values.detach().float().reshape(-1), labels.detach().float().reshape(-1)
+    from tpurec.runtime import host_copies
+
+    values, labels = values.detach().reshape(-1), labels.detach().reshape(-1)
+    if values.numel() != labels.numel():
+        raise ValueError(f"{values.numel()} predictions for {labels.numel()} labels")
+    both = torch.stack([values.float(), labels.to(values.device).float()])
+    if host_copies.on_device(values) or host_copies.on_device(labels):
+        host_copies.mark_on_device(both)  # an emulated rank's device tensor (CPU data) stays "on the device"
+    both = host_copies.to_host(both, "eval")
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return values.numpy(), labels.numpy()
-    n = torch.tensor([values.numel()], dtype=torch.long)
+        return both[0].numpy(), both[1].numpy()
+    n = torch.tensor([both.shape[1]], dtype=torch.long)
     sizes = [torch.zeros_like(n) for _ in range(dist.get_world_size())]
     dist.all_gather(sizes, n)
     longest = int(max(s.item() for s in sizes))
-    both = torch.zeros(2, longest)
-    both[0, : values.numel()], both[1, : labels.numel()] = values, labels
-    parts = [torch.zeros_like(both) for _ in sizes]
-    dist.all_gather(parts, both)
+    padded = torch.zeros(2, longest)
+    padded[:, : both.shape[1]] = both
+    parts = [torch.zeros_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded)
     v = torch.cat([p[0, : int(s.item())] for p, s in zip(parts, sizes)])
     y = torch.cat([p[1, : int(s.item())] for p, s in zip(parts, sizes)])
     return v.numpy(), y.numpy()

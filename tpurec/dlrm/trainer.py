@@ -426,7 +426,7 @@ class Trainer:
 
     def run(self) -> dict:
         """Set up (if not yet), train to the last step with evals and checkpoints on the way, then
-        evaluate, checkpoint and report (rank 0: summary on stderr, one JSON line on stdout).
+        checkpoint, evaluate and report (rank 0: summary on stderr, one JSON line on stdout).
         Returns the final figures (the JSON line's)."""
         from tqdm import tqdm
 
@@ -489,9 +489,11 @@ class Trainer:
             else:  # the CPU kernels' direct step builds no SparseCore layout (embedding/direct.py)
                 self.say("input pipeline: no SparseCore inputs to build ahead (the CPU kernels' direct step)")
 
-        final = self._log_eval(self.evaluate())
         if o.checkpoint_dir:
+            # Written before the final evaluation, so the training it saves never depends on the
+            # evaluation succeeding (issue #36 item 2: on a TPU it once failed and lost this checkpoint).
             self.checkpoint()
+        final = self._log_eval(self.evaluate())
         batch, world = self.batch_size, self.world
         sps = self._steps_run * batch * world / self._train_seconds if self._train_seconds > 0 else 0.0
         result = {
