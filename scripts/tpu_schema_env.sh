@@ -48,5 +48,6 @@ if ! timeout 300 "$VENV_ABS/bin/python" -c \
   echo "tpu_schema_env: 'import torch_tpu' failed or hung in $VENV_ABS; see docs/tpu_schema_check.md" >&2
   exit 1
 fi
-TPU_VENV_TESTS=(tests/embedding/test_tpu_schema.py tests/emulation/test_torchtpu_kernels_data.py)
+TPU_VENV_TESTS=(tests/embedding/test_tpu_schema.py tests/emulation/test_torchtpu_kernels_data.py
+  tests/emulation/test_torchtpu_launch_env.py)
 exec timeout "${TPU_SCHEMA_TIMEOUT:-1800}" "$VENV_ABS/bin/python" -m pytest -rs "${TPU_VENV_TESTS[@]}" "$@"

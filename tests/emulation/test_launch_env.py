@@ -4,27 +4,101 @@ from __future__ import annotations
 
 import pytest
 
-from tpurec.emulation.launch_env import emulated_launch_env, physical_topology
+from tpurec.emulation.launch_env import emulated_launch_env, physical_topology, set_tpu_launch_env_rules
 from tpurec.planner.topology import make_topology, parse_slice
 
 
-def test_two_hosts_of_v5p_16_agree_on_everything_but_their_rank():
-    hosts = emulated_launch_env(parse_slice("v5p-16"), session="42")
-    assert [h["NODE_RANK"] for h in hosts] == ["0", "1"]
-    for key in ("TORCH_TPU_SLICEBUILDER_ADDRESSES", "TORCH_TPU_TOPOLOGY", "TORCH_TPU_XPROF_SESSION_ID", "MASTER_PORT"):
-        assert hosts[0][key] == hosts[1][key], key
-    addresses = hosts[0]["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(",")
-    # One host:port per rank, <host>:<8070 + i> per device of each host (set_tpu_launch_env's rule).
-    assert addresses == [f"127.0.0.{h}:{8070 + i}" for h in (1, 2) for i in range(4)]
-    assert hosts[0]["MASTER_ADDR"] == "127.0.0.1" and hosts[0]["NNODES"] == "2"
-    assert hosts[0]["TORCH_TPU_TOPOLOGY"] == "2,2,2" and hosts[0]["TORCH_TPU_DEVICES_PER_HOST"] == "4"
+def _hosts(n: int) -> str:
+    return ",".join(f"127.0.0.{h + 1}" for h in range(n))
+
+
+def _addresses(n: int, per_host: int = 4) -> str:
+    return ",".join(f"127.0.0.{h + 1}:{8070 + i}" for h in range(n) for i in range(per_host))
+
+
+# Each host's environment as torch-tpu 0.2.0's own set_tpu_launch_env(nnodes=H) leaves it, observed in the
+# TorchTPU venv (tests/emulation/test_torchtpu_launch_env.py, 2026-12-03) on a host with 4 chips on PCI,
+# given JOB_COMPLETION_INDEX and TPU_WORKER_HOSTNAMES as a Cloud TPU VM's metadata gives them
+# (tpurec.runtime.tpu_vm.cloud_tpu_host_env) and TORCH_TPU_XPROF_SESSION_ID=42. TORCH_TPU_TOPOLOGY is the host's
+# own 2x2x1 (hardware.py), never the slice's; TORCH_TPU_DEVICES_PER_HOST is never set. MASTER_PORT
+# (29500 there) is left out: the emulation pins an unused port.
+OBSERVED = {
+    "v5p-16": [
+        {
+            "TPU_WORKER_HOSTNAMES": _hosts(2),
+            "JOB_COMPLETION_INDEX": str(h),
+            "TORCH_TPU_XPROF_SESSION_ID": "42",
+            "TORCH_TPU_SLICEBUILDER_ADDRESSES": _addresses(2),
+            "NNODES": "2",
+            "NODE_RANK": str(h),
+            "MASTER_ADDR": "127.0.0.1",
+            "TORCH_TPU_TOPOLOGY": "2,2,1",
+        }
+        for h in range(2)
+    ],
+    "v6e-16": [
+        {
+            "TPU_WORKER_HOSTNAMES": _hosts(4),
+            "JOB_COMPLETION_INDEX": str(h),
+            "TORCH_TPU_XPROF_SESSION_ID": "42",
+            "TORCH_TPU_SLICEBUILDER_ADDRESSES": _addresses(4),
+            "NNODES": "4",
+            "NODE_RANK": str(h),
+            "MASTER_ADDR": "127.0.0.1",
+            "TORCH_TPU_TOPOLOGY": "2,2,1",
+        }
+        for h in range(4)
+    ],
+}
+
+
+@pytest.mark.parametrize("name", sorted(OBSERVED))
+def test_each_host_of_a_slice_gets_what_torchtpu_sets_there(name):
+    hosts = emulated_launch_env(parse_slice(name), session="42")
+    ports = {h.pop("MASTER_PORT") for h in hosts}
+    assert hosts == OBSERVED[name]
+    assert len(ports) == 1 and ports.pop().isdigit()  # one port, pinned on every host
+
+
+def test_each_host_picks_its_own_xprof_session_unless_one_is_given():
+    # set_tpu_launch_env: TORCH_TPU_XPROF_SESSION_ID is the host's time.time_ns() when unset.
+    hosts = emulated_launch_env(parse_slice("v5p-16"))
+    assert all(h["TORCH_TPU_XPROF_SESSION_ID"].isdigit() for h in hosts)
 
 
 def test_one_host_gets_one_localhost_address_per_rank_and_no_rendezvous():
-    (host,) = emulated_launch_env(parse_slice("v5p-8"))
-    assert len(host["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(",")) == 4
-    assert all(a.startswith("localhost:") for a in host["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(","))
-    assert "NODE_RANK" not in host and "MASTER_ADDR" not in host
+    # Observed on a v5p-8 host: the session, 4 x localhost:<unused port>, the topology; nothing else.
+    (host,) = emulated_launch_env(parse_slice("v5p-8"), session="42")
+    addresses = host.pop("TORCH_TPU_SLICEBUILDER_ADDRESSES").split(",")
+    assert len(addresses) == 4 and all(a.startswith("localhost:") and a[10:].isdigit() for a in addresses)
+    assert host == {"TORCH_TPU_XPROF_SESSION_ID": "42", "TORCH_TPU_TOPOLOGY": "2,2,1"}
+    (host,) = emulated_launch_env(parse_slice("v6e-8"), session="42")
+    assert host["TORCH_TPU_TOPOLOGY"] == "2,4,1"  # hardware.py's _V6E_TOPOLOGY[8]
+
+
+def test_the_rules_refuse_what_torchtpu_refuses():
+    with pytest.raises(ValueError, match="JOB_COMPLETION_INDEX to be a 0-based index"):
+        set_tpu_launch_env_rules(
+            {"TPU_WORKER_HOSTNAMES": "a,b"}, nnodes=2, nproc_per_node=None, devices=4, generation="v5p"
+        )
+    with pytest.raises(ValueError, match="TPU_WORKER_HOSTNAMES to be a comma-separated"):
+        set_tpu_launch_env_rules(
+            {"JOB_COMPLETION_INDEX": "1"}, nnodes=2, nproc_per_node=None, devices=4, generation="v5p"
+        )
+    with pytest.raises(ValueError, match="expected nnodes to match"):
+        set_tpu_launch_env_rules(
+            {"TPU_WORKER_HOSTNAMES": "a,b"}, nnodes=3, nproc_per_node=None, devices=4, generation="v5p"
+        )
+    # Never overwrites what is set; TORCH_TPU_DEVICES_PER_HOST is read, not set.
+    given = {
+        "TPU_WORKER_HOSTNAMES": "a,b",
+        "JOB_COMPLETION_INDEX": "1",
+        "MASTER_PORT": "1234",
+        "TORCH_TPU_DEVICES_PER_HOST": "2",
+    }
+    out = set_tpu_launch_env_rules(given, nnodes=2, nproc_per_node=None, devices=4, generation="v5p")
+    assert "MASTER_PORT" not in out and "TORCH_TPU_DEVICES_PER_HOST" not in out
+    assert out["TORCH_TPU_SLICEBUILDER_ADDRESSES"] == "a:8070,a:8071,b:8070,b:8071"
 
 
 @pytest.mark.parametrize(

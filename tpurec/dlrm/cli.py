@@ -57,8 +57,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--nnodes",
         type=int,
         default=1,
-        help="hosts of a TPU slice (--device tpu): run the same command on every host; TorchTPU's "
-        "set_tpu_launch_env() finds this host's rank from TPU_WORKER_HOSTNAMES (default 1)",
+        help="hosts of a TPU slice (--device tpu): run the same command on every host; this host's rank "
+        "is the TPU VM's worker id (TPU_WORKER_ID or its metadata server), the hosts TPU_WORKER_HOSTNAMES "
+        "or the metadata's worker list, handed to TorchTPU's set_tpu_launch_env() (default 1)",
     )
     p.add_argument(
         "--emulate-tpu",
@@ -139,6 +140,13 @@ def _launch_problem(args: argparse.Namespace, options: TrainOptions) -> str | No
             )
         if options.device not in ("auto", "tpu"):
             return f"--emulate-tpu runs the TPU code path; --device {options.device} contradicts it"
+    if args.emulate_tpu or options.device == "tpu":
+        from tpurec.sharding import tpu_all_to_all
+
+        try:
+            tpu_all_to_all.check(None, "tpu")  # TPUREC_TPU_ALL_TO_ALL=uneven: refused before any rank starts
+        except UserError as e:
+            return str(e)
     return None
 
 

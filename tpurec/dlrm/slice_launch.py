@@ -8,10 +8,13 @@ host, with `LOCAL_WORLD_SIZE` = ranks on that host:
 
 * `--device tpu --nproc N` (one host): TorchTPU's own function, run in a child process so that this
   launcher never loads torch_tpu (`torchtpu_launch_env`);
-* `--device tpu --nnodes H` on every host of a slice: the same function, which reads
-  `TPU_WORKER_HOSTNAMES` and derives `NODE_RANK`, `MASTER_ADDR` and `MASTER_PORT`;
-* `--emulate-tpu SLICE`: the slice's hosts on this machine, the environment computed by
-  `tpurec.emulation.launch_env` with TorchTPU's rules, every rank on the TPU code path.
+* `--device tpu --nnodes H` on every host of a slice: the same function, given this host's index
+  (`JOB_COMPLETION_INDEX`) and the slice's hosts (`TPU_WORKER_HOSTNAMES`), which TorchTPU needs and a
+  Cloud TPU VM keeps in its metadata server (`cloud_tpu_host_env`); it derives `NODE_RANK`,
+  `MASTER_ADDR` and `MASTER_PORT` from them;
+* `--emulate-tpu SLICE`: the slice's hosts on this machine, each given what a TPU VM gives it (the same
+  `cloud_tpu_host_env`) and TorchTPU's rules applied (`tpurec.emulation.launch_env`), every rank on the
+  TPU code path.
 """
 
 from __future__ import annotations
@@ -25,18 +28,19 @@ import sys
 from typing import TYPE_CHECKING
 
 from tpurec.errors import UserError
+from tpurec.runtime.tpu_vm import cloud_tpu_host_env
 
 if TYPE_CHECKING:
     from types import FrameType
 
     from tpurec.planner.topology import SliceSpec
 
-# What set_tpu_launch_env() may set; all of it is handed to the ranks.
+# What set_tpu_launch_env() may set (it reads TORCH_TPU_DEVICES_PER_HOST, never sets it); all of it is
+# handed to the ranks.
 TORCHTPU_LAUNCH_VARS = (
     "TORCH_TPU_SLICEBUILDER_ADDRESSES",
     "TORCH_TPU_TOPOLOGY",
     "TORCH_TPU_XPROF_SESSION_ID",
-    "TORCH_TPU_DEVICES_PER_HOST",
     "NNODES",
     "NODE_RANK",
     "MASTER_ADDR",
@@ -47,7 +51,9 @@ _MARK = "TPUREC_LAUNCH_ENV="
 
 def torchtpu_launch_env(nnodes: int, nproc_per_node: int | None) -> dict[str, str]:
     """TorchTPU's launch environment for this host, from its own `set_tpu_launch_env()` in a child
-    (importing torch_tpu in the launcher would be wasted, and the child exits before ranks start)."""
+    (importing torch_tpu in the launcher would be wasted, and the child exits before ranks start), given
+    what this TPU VM says about its place in the slice (`cloud_tpu_host_env`)."""
+    given = cloud_tpu_host_env(nnodes, os.environ)
     code = (
         "import json, os, torch\n"
         "from torch.tpu import distributed\n"
@@ -55,13 +61,17 @@ def torchtpu_launch_env(nnodes: int, nproc_per_node: int | None) -> dict[str, st
         f"keys = {TORCHTPU_LAUNCH_VARS!r}\n"
         f"print({_MARK!r} + json.dumps({{k: os.environ[k] for k in keys if k in os.environ}}))\n"
     )
-    env = dict(os.environ, TORCH_TPU_ALLOW_LEGACY_DEVICE_APIS=os.environ.get("TORCH_TPU_ALLOW_LEGACY_DEVICE_APIS", "1"))
+    env = dict(
+        os.environ,
+        **given,
+        TORCH_TPU_ALLOW_LEGACY_DEVICE_APIS=os.environ.get("TORCH_TPU_ALLOW_LEGACY_DEVICE_APIS", "1"),
+    )
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     lines = [x for x in done.stdout.splitlines() if x.startswith(_MARK)]
     if done.returncode or not lines:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         raise UserError(f"TorchTPU's set_tpu_launch_env() failed on this host: {last}")
-    return json.loads(lines[-1][len(_MARK) :])
+    return dict(given, **json.loads(lines[-1][len(_MARK) :]))
 
 
 TRAIN = ("-m", "tpurec.dlrm")  # what each rank runs by default: `tpurec train`'s rank
@@ -171,7 +181,7 @@ def tpu_agent(
     """This host's agent of a real TPU launch, with TorchTPU's launch environment."""
     launch = torchtpu_launch_env(nnodes, nproc)
     addresses = launch["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(",")
-    per_host = nproc or int(launch.get("TORCH_TPU_DEVICES_PER_HOST") or len(addresses) // nnodes)
+    per_host = nproc or len(addresses) // nnodes  # TorchTPU gives every host the same number of addresses
     env = dict(base_env, **launch)
     if nnodes == 1:
         return agent_command(per_host, program=program), env
