@@ -42,11 +42,36 @@ def _error(msg: str) -> int:
     return 2
 
 
+def _module_problem(name: str) -> str | None:
+    """Why the ranks would not find module `name`, or None. They start without the working directory
+    on sys.path (`tpurec.runtime.safe_path`), so a module found only there is refused, naming the fix."""
+    import importlib.util
+
+    top = name.partition(".")[0]
+    spec = importlib.util.find_spec(top) if top else None  # a top-level name: finding it runs no code
+    if spec is not None and spec.origin in ("built-in", "frozen"):
+        return None
+    places = (list(spec.submodule_search_locations or []) or [spec.origin or ""]) if spec is not None else []
+    here = os.path.realpath(os.getcwd())
+    if here in {os.path.realpath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}:
+        return None  # the working directory put on PYTHONPATH on purpose (`PYTHONPATH=.`)
+    if any(os.path.dirname(os.path.realpath(p)) != here for p in places if p):
+        return None  # found elsewhere than the working directory: the ranks find it too
+    return (
+        f"-m {name}: no module {top!r} on PYTHONPATH or among the installed packages (the ranks never "
+        "import from the working directory; PYTHONPATH=. adds it)"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     from tpurec.dlrm import slice_launch
 
     program = ["-m", *args.args] if args.program == "-m" else [args.program, *args.args]
-    if args.program != "-m" and not os.path.isfile(args.program):
+    if args.program == "-m":
+        problem = _module_problem(args.args[0]) if args.args else "-m needs a module name"
+        if problem:
+            return _error(problem)
+    elif not os.path.isfile(args.program):
         return _error(f"no such program: {args.program}")
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     if args.emulate_tpu:

@@ -22,6 +22,8 @@ import statistics
 import tempfile
 import time
 
+from tpurec.runtime import safe_path
+
 KERNEL_SHAPES = ((1, 1024, 16), (13, 1024, 16), (26, 1024, 16), (26, 512, 16), (26, 1024, 8), (13, 1024, 8))
 SMALL_BYTES = 64
 LARGE_BYTES = 1 << 20
@@ -132,8 +134,8 @@ def collective_terms(world: int = 2, reps: int = 50) -> dict:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
+    with safe_path.spawning(), tempfile.TemporaryDirectory() as tmp:  # no code from the working directory
+        queue = ctx.Queue()
         store = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_collective_worker, args=(r, world, store, reps, queue)) for r in range(world)]
         for p in procs:
@@ -180,10 +182,11 @@ def parallel_terms(ranks: int = 2, shape: tuple[int, int, int] = (26, 1024, 16),
 
     alone = _kernel_once_ms(*shape, reps)
     ctx = mp.get_context("spawn")
-    queue, ready, start = ctx.Queue(), ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=_parallel_worker, args=(shape, reps, ready, start, queue)) for _ in range(ranks)]
-    for p in procs:
-        p.start()
+    with safe_path.spawning():  # no code from the working directory in the workers
+        queue, ready, start = ctx.Queue(), ctx.Queue(), ctx.Event()
+        procs = [ctx.Process(target=_parallel_worker, args=(shape, reps, ready, start, queue)) for _ in range(ranks)]
+        for p in procs:
+            p.start()
     for _ in procs:
         ready.get(timeout=300)
     start.set()

@@ -38,6 +38,7 @@ import time
 import numpy as np
 
 from tpurec.bench import rounds, timer
+from tpurec.runtime import safe_path
 
 NUM_SC = 4
 GOAL_IDS_PER_S_PER_CORE = 29e6  # v6e-8: ~650 M ids/s per chip, 180 vCPUs for 8 chips
@@ -282,9 +283,9 @@ def run_bench(
 
 
 def _spawn(spec: dict, cpus: list[int]) -> dict:
-    env = dict(os.environ, TPUREC_BENCH_CPUS=",".join(map(str, cpus)))
+    env = safe_path.env(TPUREC_BENCH_CPUS=",".join(map(str, cpus)))  # no code from the working directory
     proc = subprocess.run(
-        [sys.executable, "-m", "tpurec.bench.pipeline", json.dumps(spec)],
+        safe_path.python("-m", "tpurec.bench.pipeline", json.dumps(spec)),
         env=env,
         capture_output=True,
         text=True,

@@ -36,13 +36,13 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import statistics
 import subprocess
 import sys
 from typing import cast
 
 from tpurec.bench import rounds, timer
+from tpurec.runtime import safe_path
 
 TABLE_MODULE = "model.sparse_arch.embedding_bag_collection"
 SIDES = ("torchrec-tw", "tpurec-tw", "torchrec", "tpurec")
@@ -220,9 +220,10 @@ def _describe(tables: str) -> str:
 def torchrun_json(module: str, nproc: int, args: list[str], what: str) -> dict:
     """`python -m module args` on `nproc` ranks under torchrun, one thread each; the JSON line rank 0
     printed last. A failed launch raises RuntimeError naming `what`, with the tail of its stderr."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    # The agent and its ranks start without the working directory on sys.path.
+    cmd = safe_path.python("-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}")
     cmd += ["-m", module, *args]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    p = subprocess.run(cmd, capture_output=True, text=True, env=safe_path.env(OMP_NUM_THREADS="1"))
     lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
     if p.returncode != 0 or not lines:
         raise RuntimeError(f"{what} failed (exit {p.returncode}):\n{p.stderr[-3000:]}")

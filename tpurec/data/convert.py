@@ -449,9 +449,15 @@ def _convert_into(out: Path, inputs: list, opts: ConvertOptions, jobs: int | Non
         else:
             import multiprocessing as mp
 
-            # Workers die with this process, so a killed `data convert` leaves none waiting forever.
+            from tpurec.runtime import safe_path
+
+            # Workers die with this process, so a killed `data convert` leaves none waiting forever;
+            # they start without the working directory on sys.path (`spawning`).
             ctx = mp.get_context("spawn")
-            with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init, initargs=(os.getpid(),)) as ex:
+            with (
+                safe_path.spawning(),
+                ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init, initargs=(os.getpid(),)) as ex,
+            ):
                 try:
                     futs = [ex.submit(_convert_one, (p, str(t), opts)) for p, t in zip(inputs, tmps)]
                     for fut in as_completed(futs):

@@ -24,10 +24,10 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from typing import TYPE_CHECKING
 
 from tpurec.errors import UserError
+from tpurec.runtime import safe_path
 from tpurec.runtime.tpu_vm import cloud_tpu_host_env
 
 if TYPE_CHECKING:
@@ -66,7 +66,9 @@ def torchtpu_launch_env(nnodes: int, nproc_per_node: int | None) -> dict[str, st
         **given,
         TORCH_TPU_ALLOW_LEGACY_DEVICE_APIS=os.environ.get("TORCH_TPU_ALLOW_LEGACY_DEVICE_APIS", "1"),
     )
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        safe_path.python("-c", code), env=safe_path.env(env), capture_output=True, text=True, timeout=600
+    )
     lines = [x for x in done.stdout.splitlines() if x.startswith(_MARK)]
     if done.returncode or not lines:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
@@ -85,8 +87,12 @@ def agent_command(
     program: tuple[str, ...] | list[str] = TRAIN,
 ) -> list[str]:
     """torch.distributed.run (failures reported in one line, `tpurec.dlrm.launch`) for one host,
-    running `program` (`-m MODULE ...` or `SCRIPT ...`) in every rank."""
-    cmd = [sys.executable, "-m", "tpurec.dlrm.launch"]
+    running `program` (`-m MODULE ...` or `SCRIPT ...`) in every rank. The agent and its ranks start
+    without the working directory on sys.path; a SCRIPT gets its own directory, as `python SCRIPT`
+    gives it (`tpurec.runtime.safe_path`)."""
+    if program[0] != "-m":
+        program = safe_path.script(*program)
+    cmd = safe_path.python("-m", "tpurec.dlrm.launch")
     if nnodes == 1 and master is None:
         cmd.append("--standalone")
     else:
@@ -103,7 +109,7 @@ def run_hosts(agents: list[tuple[list[str], dict[str, str]]]) -> int:
     from tpurec.runtime.lifecycle import FORWARDED, die_with_parent
 
     procs = [
-        subprocess.Popen(cmd, env=env, preexec_fn=functools.partial(die_with_parent, os.getpid()))
+        subprocess.Popen(cmd, env=safe_path.env(env), preexec_fn=functools.partial(die_with_parent, os.getpid()))
         for cmd, env in agents
     ]
 

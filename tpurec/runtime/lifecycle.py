@@ -17,6 +17,8 @@ import subprocess
 import sys
 from typing import TYPE_CHECKING
 
+from tpurec.runtime import safe_path
+
 if TYPE_CHECKING:
     from types import FrameType
 
@@ -40,8 +42,9 @@ def die_with_parent(parent: int | None = None, sig: int = signal.SIGTERM) -> Non
 
 def run_child(cmd: list[str], env: dict | None = None) -> int:
     """Run `cmd` to completion, forwarding SIGINT/SIGTERM/SIGHUP to it; its exit code (128 + N
-    when a signal N ended it, as a shell reports)."""
-    proc = subprocess.Popen(cmd, env=env, preexec_fn=functools.partial(die_with_parent, os.getpid()))
+    when a signal N ended it, as a shell reports). Python under it starts without the working
+    directory on sys.path (`tpurec.runtime.safe_path`)."""
+    proc = subprocess.Popen(cmd, env=safe_path.env(env), preexec_fn=functools.partial(die_with_parent, os.getpid()))
     previous = {}
 
     def forward(signum: int, _frame: FrameType | None) -> None:
