@@ -3,11 +3,14 @@
     tpurec launch --emulate-tpu v5p-16 examples/sequential_recommender.py --steps 50
     tpurec launch --device tpu --nproc 4 my_training.py          # one TPU VM
     tpurec launch --device tpu --nnodes 2 my_training.py         # every host of a 2-host slice
+    tpurec launch --emulate-tpu v5p-8 -- -m mypackage.train      # a module (PYTHONPATH, installed)
 
 What `tpurec train` does for its own ranks (`tpurec.dlrm.slice_launch`): TorchTPU's launch
 environment decided first, one torch.distributed.run agent per host. In an emulated rank,
 `import tpurec` installs TorchTPU's stand-ins (`tpurec.emulation`), so the program's
 `tpurec.DistributedModelParallel(model, device="tpu")` takes the TPU code path on CPU tensors.
+The program's own directory is first on sys.path, as under `python my_training.py`; no rank has the
+working directory there (`PYTHONPATH=.` puts it there on purpose).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     where.add_argument("--device", choices=("tpu",), help="this TPU host's devices (with --nnodes: every host)")
     p.add_argument("--nproc", type=int, default=None, help="ranks on this host (--device tpu; default its devices)")
     p.add_argument("--nnodes", type=int, default=1, help="hosts of the slice (--device tpu; run on each; default 1)")
-    p.add_argument("program", help="a Python script, or -m MODULE")
+    p.add_argument("program", help="a Python script, or -m MODULE (after --: `tpurec launch ... -- -m MODULE`)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the program's own arguments")
     p.set_defaults(run=run)
 
