@@ -97,17 +97,3 @@ def test_an_embedding_collection_model_on_two_emulated_hosts_equals_cpu_gloo():
     assert emulated["world_size"] == cpu["world_size"] == 8
     for key in ("first_loss", "last_loss", "auc"):
         assert emulated[key] == cpu[key], key
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_torchtpus_uneven_all_to_all_trains_like_torchrecs_padding(tmp_path, monkeypatch):
-    # A plan whose pooled outputs differ in width between ranks: their all-to-all is uneven.
-    plan = _plan(tmp_path, *EVERY_SHARDING_TYPE, topology="v5p-8")
-    args = ("--emulate-tpu", "v5p-8", "--plan", plan, "--steps", 5, "--seed", 3, "--synth-rows", ROWS)
-    padded, _ = train(*args, cache=tmp_path)
-    monkeypatch.setenv("TPUREC_TPU_ALL_TO_ALL", "uneven")
-    uneven, _ = train(*args, cache=tmp_path)
-    assert padded["uneven_all_to_all"] == "padded" and padded["padded_all_to_alls"] > 0
-    assert uneven["uneven_all_to_all"] == "uneven" and uneven["padded_all_to_alls"] == 0
-    assert uneven["logloss"] == padded["logloss"] and uneven["auc"] == padded["auc"]

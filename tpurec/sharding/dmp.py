@@ -250,6 +250,10 @@ class DistributedModelParallel(_TorchrecDMP):
             raise UserError("device='meta' is for building the unsharded model; shard onto 'tpu' or 'cpu'")
         # The TPU code path: a tpu device, or an emulated TPU rank's CPU (tpurec.emulation).
         compute_device = device_kind(torch_device.type)
+        from tpurec.sharding import tpu_all_to_all
+
+        # "uneven" is refused on the TPU path, before any group or plan is made (tpu_all_to_all.py).
+        tpu_all_to_all.check(uneven_all_to_all, compute_device)
         _ensure_process_group(compute_device)
         if os.environ.get(heartbeat.TIMEOUT_ENV):
             # Opt-in for library users (it ends the process when a neighbour goes silent);
@@ -259,9 +263,6 @@ class DistributedModelParallel(_TorchrecDMP):
             world = dist.group.WORLD
             assert world is not None  # _ensure_process_group above
             env = ShardingEnv.from_process_group(world)
-        # No padding of TorchRec's uneven all_to_all_single: TorchTPU 0.2.0's ProcessGroupTpu::alltoall_base
-        # dispatches uneven splits itself (AllToAllBaseUnevenSplits; docs/tpu.md), and TorchRec 1.9.2
-        # already pads on TPU where it must (torchrec/experimental/torch_tpu/uneven_all_to_all.py).
         if topology is None or isinstance(topology, str):
             topology = make_topology(topology, world_size=env.world_size, compute_device=compute_device)
         slice_spec: Any = getattr(topology, "spec", None)  # tpurec's topologies carry their SliceSpec
@@ -318,12 +319,10 @@ class DistributedModelParallel(_TorchrecDMP):
             place_on_cpu(plan)  # a plan for TPU ranks, run by CPU ranks (or an emulated TPU rank)
         all_to_all = None
         if compute_device == "tpu":
-            from tpurec.sharding import tpu_all_to_all
-
-            # TorchRec's padding, or TorchTPU's uneven path: an explicit choice (tpu_all_to_all.py).
+            # TorchRec's padding of uneven all-to-alls on the device (tpu_all_to_all.py).
             all_to_all = tpu_all_to_all.select(uneven_all_to_all)
             dmp_kwargs.setdefault("data_parallel_wrapper", TpuDataParallelWrapper())
         dmp_kwargs.setdefault("data_parallel_wrapper", QuietDataParallelWrapper())
         super().__init__(module, env=env, device=torch_device, plan=plan, sharders=sharders, **dmp_kwargs)
         self.topology = topology
-        self.uneven_all_to_all = all_to_all  # "padded" / "uneven" on the TPU path, else None
+        self.uneven_all_to_all = all_to_all  # "padded" on the TPU path, else None
