@@ -217,6 +217,32 @@ def test_bench_torchrun_launch(work, tmp_path):
     assert "'rank_argv': ['a']" in p.stdout
 
 
+# torch_tpu's `torch.tpu.distributed` for the child asking it for the launch environment (one host).
+FAKE_TORCH_TPU = textwrap.dedent("""
+    import os, sys, types
+    dist = types.ModuleType("torch.tpu.distributed")
+    def set_tpu_launch_env(*, nnodes=None, nproc_per_node=None):
+        os.environ["TORCH_TPU_SLICEBUILDER_ADDRESSES"] = "localhost:8471"
+        os.environ["TORCH_TPU_TOPOLOGY"] = "1,1,1"
+    dist.set_tpu_launch_env = set_tpu_launch_env
+    tpu = types.ModuleType("torch.tpu")
+    tpu.distributed = dist
+    sys.modules["torch.tpu"] = tpu
+    sys.modules["torch.tpu.distributed"] = dist
+""")
+
+
+def test_the_child_asking_torchtpu_for_its_launch_environment(work, tmp_path):
+    """`train/launch --device tpu` ask TorchTPU's set_tpu_launch_env() in a `python -c` child."""
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "sitecustomize.py").write_text(FAKE_TORCH_TPU)
+    code = "from tpurec.dlrm.slice_launch import torchtpu_launch_env; print(torchtpu_launch_env(1, 1))"
+    p = _python(code, work, _env(PYTHONPATH=f"{fake}{os.pathsep}{REPO}"))
+    _assert_clean(work, p)
+    assert "'TORCH_TPU_TOPOLOGY': '1,1,1'" in p.stdout
+
+
 @pytest.mark.slow  # two spawned gloo workers importing torch
 @pytest.mark.multiprocess
 def test_bench_cpu_cost_workers(work):
