@@ -19,11 +19,12 @@ def load_tpu_backend() -> None:
     if _tpu_loaded:
         return
     from tpurec.embedding import tpu  # imported here only: it is never needed on a CPU-only host
-    from tpurec.runtime import host_ops
+    from tpurec.runtime import host_ops, torchrec_ops
 
     _device.correct_legacy_device_apis()  # torch came before tpurec: TorchRec's device calls would raise
     tpu.register()
     host_ops.register()  # FBGEMM KJT ops TorchRec runs on the device: route them through the host
+    torchrec_ops.register()  # torchrec::permute_pooled_embs (column-wise outputs) with aten kernels on the device
     _tpu_loaded = True
 
 
