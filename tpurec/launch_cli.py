@@ -76,6 +76,9 @@ def run(args: argparse.Namespace) -> int:
             return _error(problem)
     elif not os.path.isfile(args.program):
         return _error(f"no such program: {args.program}")
+    from tpurec.sharding import tpu_all_to_all
+
+    tpu_all_to_all.check(None, "tpu")  # TPUREC_TPU_ALL_TO_ALL=uneven: refused before any rank starts
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     if args.emulate_tpu:
         from tpurec.planner.topology import parse_slice

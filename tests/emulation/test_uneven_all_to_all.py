@@ -95,3 +95,14 @@ def test_uneven_is_refused_by_tpurec_train_on_the_tpu_path_before_any_rank_start
     assert_refused(code, err, f"tpurec train: error: {tpu_all_to_all.ENV}=uneven is refused on a TPU: ")
     assert REASON in err and out == ""
     assert tpu_all_to_all.check(None, "cpu") == "uneven"  # a CPU run takes the splits as they are
+
+
+def test_uneven_is_refused_by_tpurec_launch_before_any_rank_starts(tmp_path, monkeypatch, capsys):
+    from tpurec.sharding import tpu_all_to_all
+
+    program = tmp_path / "program.py"
+    program.write_text("print('ran')\n")
+    monkeypatch.setenv(tpu_all_to_all.ENV, "uneven")
+    code, out, err = run_cli(["launch", "--emulate-tpu", "v5p-8", program], capsys)
+    assert_refused(code, err, f"tpurec launch: error: {tpu_all_to_all.ENV}=uneven is refused on a TPU: ")
+    assert REASON in err and "ran" not in out
