@@ -56,6 +56,19 @@ class EmulatedRank:
 _RANK: EmulatedRank | None = None
 
 
+def _register_device_kernels() -> None:
+    """The kernels tpurec registers for the TPU (its adapter onto TorchTPU's ops, its host routes for
+    FBGEMM's KJT ops), as the emulated device's: called with device tensors, as on a TPU."""
+    from tpurec.embedding import tpu
+    from tpurec.emulation import device
+    from tpurec.runtime import host_ops, torchrec_ops
+
+    kernels = {op._qualname: kernel for op, kernel in tpu.kernels().items()}
+    kernels.update(host_ops.kernels())
+    kernels.update(torchrec_ops.kernels())
+    device.register_kernels(kernels)
+
+
 def current() -> EmulatedRank | None:
     return _RANK
 
@@ -79,10 +92,8 @@ def activate(slice_name: str | None = None) -> EmulatedRank:
     torchtpu_dist.install_device_module(local_rank, spec.devices_per_host)
     torchtpu_dist.register_backend()
     torchtpu_dist.refuse_ddp_shape_check_across_hosts(spec.hosts)
+    torchtpu_dist.ddp_without_pinned_host_memory()
     ops = torchtpu_ops.install(sparsecores=spec.generation.sparsecores)
-    torchtpu_ops.route_adapter_to_cpu()
-    from tpurec.data.host_ids import mark_plain_batch_moves
-
-    mark_plain_batch_moves()  # what TorchRec's Batch.to moves is on the emulated TPU (tpurec.runtime.host_copies)
+    _register_device_kernels()
     _RANK = EmulatedRank(spec, local_rank, ops)
     return _RANK

@@ -6,9 +6,9 @@ torch-tpu 0.2.0 does, read from its wheel (docs/tpu.md lists every fact with the
 * `torch.tpu`, the device module: `is_available()`, `current_stream()`, `synchronize()` and
   `device_count()` are *strict internal*: called from outside torch/torch_tpu (TorchRec calls them)
   they raise, unless `TORCH_TPU_ALLOW_LEGACY_DEVICE_APIS` was set when the module loaded
-  (`_STRICT_INTERNAL_DEVICE_APIS`, frozen then). For TorchRec the device is available, so TorchRec
-  takes its own TPU branches (its uneven all-to-all padding, `torchrec/experimental/torch_tpu`); for
-  torch itself it is not (the tensors are CPU tensors, and torch must keep its CPU paths).
+  (`_STRICT_INTERNAL_DEVICE_APIS`, frozen then). The device is available (tpurec.emulation.device),
+  so TorchRec takes its own TPU branches (its uneven all-to-all padding, `torchrec/experimental/torch_tpu`);
+  the current device is index 0 in every process, as TorchTPU numbers a process's own device.
 * the `tpu_dist` c10d backend (registered for device "tpu", as `torch_tpu/_loader.py` does), created
   with every process group whose backend names it (`cpu:gloo,tpu:tpu_dist`): it refuses a rank
   without the launch environment ("missing required environment variables for distributed
@@ -24,12 +24,14 @@ torch-tpu 0.2.0 does, read from its wheel (docs/tpu.md lists every fact with the
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import types
 
-import torch
 import torch.distributed as dist
+
+from tpurec.emulation.rule_error import TorchTpuRuleError
 
 # torch_tpu/_internal/distributed/distributed.py: the variables `set_tpu_launch_env()` decides in the
 # parent; the binary refuses a distributed run without them.
@@ -38,19 +40,37 @@ LEGACY_DEVICE_APIS_ENV = "TORCH_TPU_ALLOW_LEGACY_DEVICE_APIS"
 _FRAMEWORK = ("torch", "torch_tpu")
 
 
-class TorchTpuRuleError(RuntimeError):
-    """A TorchTPU 0.2.0 rule the emulated rank broke (the real run would fail at the same point)."""
-
-
 def _framework_caller(depth: int = 2) -> bool:
     frame = sys._getframe(depth)
     module = frame.f_globals.get("__name__", "") if frame else ""
     return module.split(".")[0] in _FRAMEWORK
 
 
+class EmulatedStream:
+    """TorchTPU's TpuStream as far as callers can tell (torch_tpu/_internal/stream/streams.py): the work
+    is in order on one queue, so waiting and synchronising return at once."""
+
+    def wait_event(self, event: object) -> None:
+        pass
+
+    def wait_stream(self, stream: object) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+_STREAM = EmulatedStream()
+
+
 class EmulatedTpuModule(types.ModuleType):
     """`torch.tpu` of an emulated rank: strict-internal device APIs, as TorchTPU 0.2.0 has them
     (`torch_tpu/_internal/device/_device_module.py`, `_internal/utils/annotations.py`)."""
+
+    _tpurec_emulated_device = True  # tpurec.runtime.device.resolve_device: "tpu" is tpu:0 here
 
     def __init__(self, local_rank: int, local_devices: int) -> None:
         super().__init__("torch.tpu")
@@ -60,9 +80,9 @@ class EmulatedTpuModule(types.ModuleType):
         self._local_devices = local_devices
 
     def _check(self, name: str) -> bool:
-        """True for a caller outside torch (it sees the TPU); raises where TorchTPU would."""
+        """True (the device is there); raises where TorchTPU would for a caller outside torch."""
         if _framework_caller(3):
-            return False
+            return True
         if self._STRICT_INTERNAL_DEVICE_APIS:
             raise TorchTpuRuleError(
                 f"{name} is internal to TorchTPU and can only be called by the PyTorch framework (torch and "
@@ -74,26 +94,50 @@ class EmulatedTpuModule(types.ModuleType):
         return self._check("is_available")
 
     def device_count(self) -> int:
-        return self._local_devices if self._check("device_count") else 0
+        self._check("device_count")
+        return self._local_devices
 
     def current_device(self) -> int:
+        # Each TorchTPU process drives one device, its index 0 ("device_ids=[0] which names this process's
+        # own device"), whatever its local rank.
         self._check("current_device")
-        return self._local_rank
+        return 0
 
-    def current_stream(self, device: object = None) -> torch.cpu.Stream:
+    def current_stream(self, device: object = None) -> EmulatedStream:
         self._check("current_stream")
-        return torch.cpu.current_stream()
+        return _STREAM
 
     def synchronize(self, device: object = None) -> None:
         self._check("synchronize")
 
+    def stream(self, stream: object = None) -> contextlib.nullcontext:
+        # TorchTPU's stream() and Stream() are experimental and "currently non-functional" (TpuStreamContext
+        # in torch_tpu/_internal/device/_device_module.py); DCP's writer enters one around every copy.
+        return contextlib.nullcontext()
+
+    def Stream(self, device: object = None, priority: int = 0, **kwargs: object) -> EmulatedStream:  # noqa: N802
+        return EmulatedStream()
+
+    # What torch itself asks of a backend's device module (torch/utils/backend_registration.py).
+    def is_initialized(self) -> bool:
+        return True
+
+    def _is_in_bad_fork(self) -> bool:
+        return False
+
+    def manual_seed(self, seed: int) -> None:
+        pass
+
+    def manual_seed_all(self, seed: int) -> None:
+        pass
+
 
 def install_device_module(local_rank: int, local_devices: int) -> EmulatedTpuModule:
-    """Name PrivateUse1 "tpu" (so "cpu:gloo,tpu:tpu_dist" parses) and install the emulated torch.tpu."""
-    from tpurec.runtime.device import name_tpu_backend
+    """Make "tpu" this process's emulated device (tpurec.emulation.device), torch.tpu the emulated module."""
+    from tpurec.emulation import device
 
     module = EmulatedTpuModule(local_rank, local_devices)
-    name_tpu_backend(module)
+    device.install(module)
     return module
 
 
@@ -144,6 +188,29 @@ def _create_tpu_dist(options, backend_options=None):
 def register_backend() -> None:
     if "tpu_dist" not in dist.Backend.backend_list:
         dist.Backend.register_backend("tpu_dist", _create_tpu_dist, extended_api=True, devices=["tpu"])
+
+
+def ddp_without_pinned_host_memory() -> None:
+    """DDP on the emulated device, without what needs pinned host memory.
+
+    DDP's reducer copies its unused-parameter map through a pinned host buffer on a PrivateUse1 device
+    (reducer.cpp, `all_reduce_local_used_map`), which `static_graph=True` (TorchRec's default) makes it
+    do in the first backward. TorchTPU provides a pinned allocator (`torch_tpu::TpuPinnedAllocator`,
+    strings on its glue library); torch gives a Python backend no way to register one, so on the
+    emulated device DDP runs with `static_graph=False` (the same gradients, without the graph reuse)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    init = DistributedDataParallel.__init__
+    if getattr(init, "_tpurec_emulated", False):
+        return
+
+    def __init__(self, module, *args, **kwargs):  # noqa: N807
+        if any(p.device.type == "tpu" for p in module.parameters()):
+            kwargs["static_graph"] = False
+        init(self, module, *args, **kwargs)
+
+    __init__._tpurec_emulated = True  # type: ignore[attr-defined]
+    DistributedDataParallel.__init__ = __init__  # type: ignore[method-assign]
 
 
 def refuse_ddp_shape_check_across_hosts(hosts: int) -> None:

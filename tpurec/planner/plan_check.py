@@ -116,19 +116,22 @@ def check_plan(
             _check_table(source, f"{where}, table {name!r}", ps, own[name], world_size, types)
 
 
-def place_on_cpu(plan: ShardingPlan) -> None:
-    """Place every shard of `plan` on its rank's CPU (in place): a plan made for TPU ranks
-    ("rank:N/tpu:M") run by CPU ranks, as with `tpurec train --plan` on CPU or an emulated TPU rank,
-    whose tables are CPU tensors (TorchRec refuses a shard whose tensor is not where it is placed)."""
+def place_on_own_device(plan: ShardingPlan, device_type: str) -> None:
+    """Place every shard of `plan` on its rank's own device (in place): "rank:R/cpu" on CPU ranks (a
+    plan made for TPU ranks, run by CPU ranks), "rank:R/tpu:0" on TPU ranks, whatever the rank's place
+    on its host: each TorchTPU process drives one device, its index 0 ("device_ids=[0] which names this
+    process's own device", docs/tpu.md), and torch refuses a local shard whose device differs from
+    its placement (TorchRec's planner numbers devices by local rank, as for CUDA)."""
     from torch.distributed import _remote_device
     from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
 
+    own = "cpu" if device_type == "cpu" else f"{device_type}:0"
     for module_plan in module_plans(plan).values():
         for ps in module_plan.values():
             spec = ps.sharding_spec
             for shard in spec.shards if isinstance(spec, EnumerableShardingSpec) else ():
-                if shard.placement is not None and shard.placement.device().type != "cpu":
-                    shard.placement = _remote_device(f"rank:{shard.placement.rank()}/cpu")
+                if shard.placement is not None and str(shard.placement.device()) != own:
+                    shard.placement = _remote_device(f"rank:{shard.placement.rank()}/{own}")
 
 
 def check_plan_for_tpu(plan: ShardingPlan, source: str = "the plan") -> None:

@@ -49,6 +49,7 @@ from tpurec.planner.estimators import (
 )
 from tpurec.planner.kernel_choice import COMPUTE_KERNEL, EC_SHARDING_TYPES, SHARDING_TYPES, sharding_types_for
 from tpurec.planner.plan_bounds import tables_problem
+from tpurec.planner.plan_check import place_on_own_device
 from tpurec.planner.proposal_budget import (
     DEFAULT_SHARD_BUDGET,
     NO_FIT_FACTOR,
@@ -506,8 +507,9 @@ def plan(
         raise PlanDoesNotFit(_refusal(module, topology, batch_size, constraints, optimizer, reservation, limits))
     try:
         if pg is not None and torch.distributed.is_initialized():
-            return planner.collective_plan(module, sharders, pg)
-        return planner.plan(module, sharders)
+            made = planner.collective_plan(module, sharders, pg)
+        else:
+            made = planner.plan(module, sharders)
     except PlannerError as e:
         if bound_reached(planner._proposers):
             raise SearchBoundReached(
@@ -516,6 +518,9 @@ def plan(
                 "tpurec/planner/proposal_budget.py); they may still fit: try a larger slice, or fewer tables"
             ) from e
         raise PlanDoesNotFit(_refusal(module, topology, batch_size, constraints, optimizer, reservation, limits)) from e
+    if topology.compute_device == "tpu":
+        place_on_own_device(made, "tpu")  # TorchRec numbers devices by local rank; TorchTPU's is always 0
+    return made
 
 
 def _lower_bound_bytes(module: nn.Module, optimizer: str, compute_device: str = "tpu") -> int:

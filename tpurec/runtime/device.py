@@ -309,7 +309,10 @@ def resolve_device(device: torch.device | str) -> torch.device:
         return torch.device(kind) if index is None else torch.device(kind, index)
     if kind in ("tpu", "privateuseone"):
         if emulated_slice():
-            return torch.device("cpu")  # an emulated TPU rank: CPU tensors on the TPU code path
+            # An emulated TPU rank: its device is tpu:0 (tpurec.emulation.device), as TorchTPU numbers a
+            # process's own device; before the emulation is active (planning), the CPU.
+            emulated_device = getattr(getattr(torch, "tpu", None), "_tpurec_emulated_device", False)
+            return torch.device("tpu", 0) if emulated_device else torch.device("cpu")
         status = tpu_status()
         if not status.usable:
             raise TpuUnavailableError(

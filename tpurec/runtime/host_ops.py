@@ -53,6 +53,19 @@ def on_host(op: Callable[..., Any]) -> Callable[..., Any]:
 _registered: list = []
 
 
+def kernels() -> dict[str, Callable[..., Any]]:
+    """{"fbgemm::op[.overload]": its host-route kernel} for HOST_OPS (the emulated TPU device calls them)."""
+    import fbgemm_gpu  # noqa: F401  (defines torch.ops.fbgemm)
+
+    out = {}
+    for name in HOST_OPS:
+        packet = getattr(torch.ops.fbgemm, name, None)
+        for overload in packet.overloads() if packet is not None else ():
+            op = getattr(packet, overload)
+            out[op.name()] = on_host(op)
+    return out
+
+
 def register(dispatch_key: str = "PrivateUse1") -> list[str]:
     """Install host-fallback kernels for HOST_OPS on `dispatch_key`; returns the ops covered."""
     if _registered:

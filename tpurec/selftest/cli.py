@@ -104,7 +104,7 @@ def _emulated_checks(slice_name: str, seed: int) -> list[Check]:
     from tpurec.selftest.tpu import tpu_checks
 
     activate(spec.name)
-    return tpu_checks("cpu", generation=spec.generation.name, seed=seed)
+    return tpu_checks("tpu", generation=spec.generation.name, seed=seed)
 
 
 def report(target: str, checks: list[Check], as_json: bool) -> None:

@@ -313,10 +313,10 @@ class DistributedModelParallel(_TorchrecDMP):
             check_sharding_types(plan)
             if compute_device == "tpu":
                 check_plan_for_tpu(plan)
-        if torch_device.type == "cpu":
-            from tpurec.planner.plan_check import place_on_cpu
+        if torch_device.type in ("cpu", "tpu"):
+            from tpurec.planner.plan_check import place_on_own_device
 
-            place_on_cpu(plan)  # a plan for TPU ranks, run by CPU ranks (or an emulated TPU rank)
+            place_on_own_device(plan, torch_device.type)  # "rank:R/cpu", or "rank:R/tpu:0" on every TPU rank
         all_to_all = None
         if compute_device == "tpu":
             # TorchRec's padding of uneven all-to-alls on the device (tpu_all_to_all.py).

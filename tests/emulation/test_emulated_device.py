@@ -1,0 +1,124 @@
+"""The emulated TPU device (tpurec/emulation/device.py): TorchTPU 0.2.0's device rules on CPU data.
+
+The device renames PrivateUse1 for the whole process, so the checks run in a fresh interpreter made an
+emulated rank (TPUREC_EMULATE_TPU set before `import tpurec`, as the slice launcher does), which
+prints what it saw as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+PROBE = textwrap.dedent(
+    """
+    import json, torch
+    import tpurec  # an emulated rank: the device is installed here
+    from tpurec.emulation import device
+    from tpurec.emulation.rule_error import TorchTpuRuleError
+    from tpurec.runtime.device import resolve_device
+
+    seen = {}
+
+    def refused(fn, kind):
+        try:
+            fn()
+        except kind as e:
+            return str(e)
+        return None
+
+    dev = resolve_device("tpu")
+    seen["resolved"] = str(dev)
+    seen["current_device"] = torch.tpu.current_device()
+    a = torch.arange(12, dtype=torch.float32).view(3, 4).to("tpu")
+    seen["type"] = type(a).__name__
+    seen["device"] = str(a.device)
+    seen["sum_device"] = str((a + a).device)
+    seen["index_1"] = refused(lambda: torch.zeros(2, device="tpu:1"), TorchTpuRuleError)
+    seen["mixed"] = refused(lambda: a + torch.ones(3, 4), RuntimeError)
+    seen["scalar_ok"] = str((a * torch.tensor(2.0)).device)
+    seen["numpy"] = refused(lambda: a.numpy(), TypeError)
+    seen["factory"] = str(torch.tensor([1, 2], device="tpu").device)
+
+    def read_back():
+        return [a.sum().item(), a.tolist()[0][0], float(a[1, 1]), a.cpu().sum().item()]
+
+    device.RECORD.reset()
+    seen["values"] = read_back()
+    seen["to_host"] = dict(device.RECORD.to_host)
+
+    w = torch.ones(4, 2, device="tpu", requires_grad=True)
+    (a @ w).sum().backward()
+    seen["grad_device"] = str(w.grad.device)
+    seen["grad"] = w.grad.cpu().tolist()
+
+    import fbgemm_gpu  # noqa: F401
+    lengths = torch.tensor([1, 2, 3]).to("tpu")
+    seen["fbgemm_routed"] = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths).cpu().tolist()
+    seen["fbgemm_missing"] = refused(
+        lambda: torch.ops.fbgemm.permute_pooled_embs_auto_grad(
+            a, *[torch.tensor(x).to("tpu") for x in ([0, 2, 4], [0, 2, 4], [1, 0], [1, 0])]
+        ),
+        NotImplementedError,
+    )
+    seen["aten_missing"] = refused(lambda: torch.unique(a, dim=0), NotImplementedError)
+
+    device.RECORD.reset()
+    for shape in ((3, 4), (3, 4), (5, 4)):
+        torch.ones(shape, device="tpu") * 3.0
+    seen["programs"] = sorted({(op, str(key)) for _, op, key in device.RECORD.calls if op == "aten::mul.Tensor"})
+    print(json.dumps(seen))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def seen() -> dict:
+    env = dict(os.environ, TPUREC_EMULATE_TPU="v5p-8", LOCAL_RANK="3", OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_every_rank_drives_tpu_0(seen):
+    # LOCAL_RANK 3: TorchTPU still numbers this process's own device 0.
+    assert seen["resolved"] == "tpu:0" and seen["current_device"] == 0
+    assert seen["device"] == seen["sum_device"] == seen["factory"] == "tpu:0"
+    assert seen["type"] == "TpuTensor"
+    assert "tpu:1 does not exist in this process" in seen["index_1"]
+
+
+def test_host_and_device_tensors_do_not_mix(seen):
+    assert "Expected all tensors to be on the same device" in seen["mixed"]
+    assert seen["scalar_ok"] == "tpu:0"  # a 0-dim CPU tensor is a scalar, as in torch
+
+
+def test_numpy_refused_and_copies_to_host_counted_where_made(seen):
+    assert "can't convert tpu:0 device type tensor to numpy" in seen["numpy"]
+    assert seen["values"] == [66.0, 0.0, 5.0, 66.0]
+    assert seen["to_host"] == {"__main__.read_back": 4}  # item, tolist, float, cpu
+
+
+def test_autograd_on_the_device(seen):
+    assert seen["grad_device"] == "tpu:0"
+    assert seen["grad"] == [[12.0, 12.0], [15.0, 15.0], [18.0, 18.0], [21.0, 21.0]]  # column sums of a
+
+
+def test_ops_without_a_torchtpu_kernel_raise_torchtpus_error(seen):
+    assert seen["fbgemm_routed"] == [0, 1, 3, 6]  # tpurec's host route (runtime/host_ops.py)
+    # permute_pooled_embs_auto_grad reaches the device as the op it wraps, fbgemm::permute_pooled_embs.
+    for key, op in (("fbgemm_missing", "fbgemm::permute_pooled_embs"), ("aten_missing", "aten::unique_dim")):
+        assert seen[key] is not None and f"operator '{op}' is not implemented for TPU" in seen[key], seen[key]
+
+
+def test_every_op_shape_is_a_program(seen):
+    shapes = [key for _, key in seen["programs"]]
+    assert len(shapes) == 2 and any("(3, 4)" in k for k in shapes) and any("(5, 4)" in k for k in shapes)

@@ -1,0 +1,380 @@
+"""An emulated TPU device: tensors on `tpu:0` that hold CPU data, under TorchTPU 0.2.0's device rules.
+
+A rank of an emulated slice used to compute on CPU tensors, so nothing could tell a tensor the real
+rank would hold on its TPU from one on the host: a `.numpy()` of device logits, an op mixing host
+and device tensors, a table on `tpu:<local rank>` all passed. Here PrivateUse1 is set up as a
+Python backend named "tpu" (torch's `_setup_privateuseone_for_python_backend`: a device guard and
+hooks, so autograd runs on it), and a device tensor is a `TpuTensor`: a wrapper subclass whose
+`device` is `tpu:0` and whose data is a CPU tensor underneath. Every op on device tensors reaches
+`TpuTensor.__torch_dispatch__`; factories asked for `device="tpu"` reach the PrivateUse1 fallback.
+Both enforce what a TorchTPU device does (docs/tpu.md, "The emulated device", names where each rule
+was read) and then run the op on the CPU data:
+
+* each process's device is index 0 (`tpu:1` and above are refused);
+* an op mixing host and device tensors raises, as torch does (0-dim CPU tensors, scalars, excepted;
+  `copy_`/`_to_copy` are the transfers);
+* `.numpy()` of a device tensor raises torch's TypeError; `.item()`, `float()`, `.tolist()`,
+  `.cpu()`, `.to("cpu")` are device->host copies, counted by the call site that made them;
+* an op without a TorchTPU kernel raises TorchTPU's "not implemented for TPU" error
+  (`missing_kernel`): FBGEMM's ops unless tpurec routes them (`tpurec.runtime.host_ops`);
+* every op is a program, keyed by (op, shapes, dtypes, non-tensor arguments), as TorchTPU's eager
+  mode compiles them: SparseCore (`tpu::`), collective (`c10d::`) or TensorCore (the rest);
+* an all-to-all with split sizes refuses input buffers of different sizes on different ranks, as
+  `ProcessGroupTpu::AllToAllBaseUnevenSplits` does.
+
+Ops with a Python kernel registered for the device (tpurec's TPU adapter, its host routes, the
+TorchTPU stand-in ops) run that kernel on the device tensors, as on a TPU.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_flatten, tree_map
+
+from tpurec.emulation.rule_error import TorchTpuRuleError
+
+DEVICE = "tpu"
+_PU1 = torch._C.DispatchKey.PrivateUse1
+# Frames of these packages are not a copy's call site: the copy is charged to the code that asked.
+_NOT_CALL_SITES = ("torch", "tpurec.emulation", "torchrec.sparse", "contextlib", "threading")
+# Which ops TorchTPU 0.2.0 serves on its device, read from its dispatcher (scripts/refresh_torchtpu_kernels.py).
+KERNELS_FILE = Path(__file__).with_name("torchtpu_kernels.json")
+# Transfers: the only ops that may take a host and a device tensor together.
+_TRANSFERS = {
+    "aten::_to_copy",
+    "aten::to",
+    "aten::copy_",
+    "aten::_copy_from",
+    "aten::_copy_from_and_resize",
+    "aten::lift_fresh",
+}
+
+
+@dataclass
+class DeviceRecord:
+    """What the device was asked: every program (op, compile key) in order, device->host copies."""
+
+    calls: list[tuple[str, str, tuple]] = field(default_factory=list)  # (kind, op, key)
+    to_host: Counter = field(default_factory=Counter)  # call site -> copies
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.to_host.clear()
+
+
+RECORD = DeviceRecord()
+# Ops the device refuses for want of a TorchTPU kernel (KERNELS_FILE's, at install).
+_refused: set[str] = set()
+
+
+def _kind(op: str) -> str:
+    namespace = op.split("::", 1)[0]
+    if namespace == "tpu":
+        return "sparsecore"
+    if namespace in ("c10d", "_c10d_functional", "_dtensor"):
+        return "collective"
+    return "tensorcore"
+
+
+def _key_part(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), str(value.dtype))
+    if isinstance(value, (list, tuple)):
+        return tuple(_key_part(v) for v in value)
+    if isinstance(value, (int, float, bool, str, type(None))):
+        return value
+    if isinstance(value, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
+        return str(value)
+    return type(value).__name__  # a process group, a Work: not part of what is compiled
+
+
+def _call_site() -> str:
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if not module.startswith(_NOT_CALL_SITES):
+            return f"{module}.{frame.f_code.co_name}"
+        frame = frame.f_back
+    return "?"
+
+
+def _check_index(device: Any) -> None:
+    if device is None:
+        return
+    d = torch.device(device)
+    if d.type == DEVICE and d.index not in (None, 0):
+        raise TorchTpuRuleError(
+            f"device {d} does not exist in this process: each TorchTPU process drives its own device, tpu:0 "
+            "(torch-tpu 0.2.0: device_ids=[0] names this process's own device)"
+        )
+
+
+def _is_host_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and not isinstance(x, TpuTensor) and x.device.type == "cpu"
+
+
+_PU1_SET = torch._C.DispatchKeySet(_PU1)
+# op name -> the Python kernel tpurec registered for it on the device (`register_kernels`): called
+# directly, with the device tensors, as the dispatcher would on a TPU.
+_KERNELS: dict[str, Callable[..., Any]] = {}
+
+
+def register_kernels(kernels: dict[str, Callable[..., Any]]) -> None:
+    _KERNELS.update(kernels)
+
+
+def has_device_kernel(op: str) -> bool:
+    """Whether a kernel is registered for `op` on PrivateUse1 itself (tpurec's TPU adapter, its host
+    routes), not through the device's fallback or a composite kernel."""
+    return torch._C._dispatch_has_kernel_for_any_dispatch_key(op, _PU1_SET)
+
+
+def missing_kernel(op: str) -> bool:
+    """Whether TorchTPU 0.2.0 has no kernel for `op` ("fbgemm::permute_1D_sparse_data") on the device:
+    its dispatcher sends it to the missing-op fallback (KERNELS_FILE), and tpurec registers none for it
+    (host routes, its TPU adapter)."""
+    return op in _refused and not has_device_kernel(op)
+
+
+def _missing_message() -> str:
+    return str(json.loads(KERNELS_FILE.read_text())["fallback"]["message"])
+
+
+def torchtpu_fallback_ops() -> set[str]:
+    """The ops TorchTPU 0.2.0's dispatcher sends to its missing-op fallback (CPU fallback off by default)."""
+    return set(json.loads(KERNELS_FILE.read_text())["fallback_ops"])
+
+
+class TpuTensor(torch.Tensor):
+    """A tensor on the emulated `tpu:0`; `_data` is its value, a CPU tensor."""
+
+    _data: torch.Tensor
+    __slots__ = ("_data",)
+    # No torch-function layer: its default would turn every result, host copies too, into this type.
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor) -> TpuTensor:
+        assert not isinstance(data, TpuTensor) and data.device.type == "cpu", type(data)
+        t = torch.Tensor._make_wrapper_subclass(
+            cls,
+            data.shape,
+            strides=data.stride(),
+            storage_offset=data.storage_offset(),
+            dtype=data.dtype,
+            device=torch.device(DEVICE, 0),
+            requires_grad=data.requires_grad,
+        )
+        t._data = data
+        return t
+
+    def __repr__(self, **kwargs: Any) -> str:  # type: ignore[override]
+        return f"{self._data!r} (on emulated {self.device})"
+
+    def numpy(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(
+            f"can't convert {self.device} device type tensor to numpy. Use Tensor.cpu() to copy the tensor to "
+            "host memory first."
+        )
+
+    def data_ptr(self) -> int:
+        # A device address, distinct per storage as on a TPU (a wrapper has none of its own: 0).
+        return int(self._data.data_ptr())
+
+    def tolist(self) -> Any:
+        RECORD.to_host[_call_site()] += 1
+        return self._data.tolist()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:  # pickling copies to the host, as torch.save of a device tensor
+        return (_from_host, (self._data.detach().clone(),))
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        return _dispatch(func, args, kwargs or {})
+
+
+def _from_host(data: torch.Tensor) -> TpuTensor:
+    return TpuTensor(data)
+
+
+def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
+    op = func._schema.name  # "aten::to" for every overload of it
+    kernel = _KERNELS.get(func.name())
+    if kernel is not None:
+        # A kernel tpurec registers for the device (its TPU adapter, a host route): it takes device tensors.
+        return kernel(*args, **kwargs)
+    if missing_kernel(func.name()):
+        said = _missing_message().format(op=func.name())
+        raise NotImplementedError(f"{said} (emulated torch-tpu 0.2.0: its CPU fallback is off by default)")
+    _check_index(kwargs.get("device"))
+    flat, _ = tree_flatten((args, kwargs))
+    if op not in _TRANSFERS:
+        mixed = [x for x in flat if _is_host_tensor(x) and x.dim() > 0]
+        if mixed:
+            raise RuntimeError(
+                f"Expected all tensors to be on the same device, but found at least two devices, tpu:0 and cpu! "
+                f"(emulated TPU: {op} got a host tensor of shape {tuple(mixed[0].shape)})"
+            )
+    to_host = _is_to_host(op, args, kwargs)
+    if to_host:
+        RECORD.to_host[_call_site()] += 1
+    elif op == "aten::_local_scalar_dense":
+        RECORD.to_host[_call_site()] += 1
+    if op.startswith("c10d::alltoall_base"):
+        _check_symmetric_all_to_all(args)
+    RECORD.calls.append((_kind(op), func.name(), _key_part((args, kwargs))))
+    wrappers = {id(x._data): x for x in flat if isinstance(x, TpuTensor)}
+    unwrapped_args, unwrapped_kwargs = tree_map(_unwrap, (args, kwargs))
+    if "device" in unwrapped_kwargs and unwrapped_kwargs["device"] is not None:
+        if torch.device(unwrapped_kwargs["device"]).type == DEVICE:
+            unwrapped_kwargs["device"] = torch.device("cpu")
+    out = func(*unwrapped_args, **unwrapped_kwargs)
+    if to_host:
+        return out
+    return tree_map(lambda x: _wrap(x, wrappers), out)
+
+
+def _is_to_host(op: str, args: tuple, kwargs: dict) -> bool:
+    if op in ("aten::_to_copy", "aten::to"):
+        devices = [a for a in (*args[1:], kwargs.get("device")) if isinstance(a, (torch.device, str))]
+        return bool(devices) and torch.device(devices[0]).type == "cpu"
+    if op == "aten::copy_":
+        return _is_host_tensor(args[0])  # into a host tensor, from the device
+    return False
+
+
+def _unwrap(x: Any) -> Any:
+    return x._data if isinstance(x, TpuTensor) else x
+
+
+def _wrap(x: Any, wrappers: dict[int, TpuTensor]) -> Any:
+    if not isinstance(x, torch.Tensor) or isinstance(x, TpuTensor):
+        return x
+    if id(x) in wrappers:  # an in-place op or an out= argument: the caller's own device tensor
+        return wrappers[id(x)]
+    if x.device.type != "cpu":
+        return x
+    return TpuTensor(x)
+
+
+def _check_symmetric_all_to_all(args: tuple) -> None:
+    """ProcessGroupTpu::AllToAllBaseUnevenSplits: 'asymmetric input buffer sizes across ranks are not
+    supported on TPU.' (strings on torch-tpu 0.2.0's glue library)."""
+    output, tensor, boxed, output_splits, input_splits = args[:5]
+    if not output_splits and not input_splits:
+        return
+    group = dist.ProcessGroup.unbox(boxed)  # the op carries it as a TorchScript object
+    world = group.size()
+    sizes = [torch.zeros(2, dtype=torch.int64) for _ in range(world)]
+    mine = torch.tensor([tensor.numel(), output.numel()], dtype=torch.int64)
+    dist.all_gather(sizes, mine, group=group)
+    inputs = {int(s[0]) for s in sizes}
+    if len(inputs) > 1:
+        raise TorchTpuRuleError(
+            "asymmetric input buffer sizes across ranks are not supported on TPU. (emulated torch-tpu 0.2.0 "
+            f"ProcessGroupTpu all-to-all: this rank sends {tensor.numel()} elements, others {sorted(inputs)})"
+        )
+
+
+def _fallback(keyset: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+    """PrivateUse1's kernel for every op without its own: factories asked for device="tpu"."""
+    return _dispatch(func, args, kwargs)
+
+
+class _Hooks(torch._C._acc.PrivateUse1Hooks):
+    def is_available(self) -> bool:
+        return True
+
+    def has_primary_context(self, device_index: int) -> bool:
+        return device_index == 0
+
+    def is_built(self) -> bool:
+        return True
+
+
+class _Guard(torch._C._acc.DeviceGuard):
+    def type_(self) -> Any:
+        return torch._C._autograd.DeviceType.PrivateUse1
+
+
+_LIBRARY: list[Any] = []
+
+
+def install(backend_module: Any, refused_ops: set[str] | None = None) -> None:
+    """Make "tpu" a device of this process (idempotent): PrivateUse1 renamed, the Python backend set up
+    with `backend_module` as torch.tpu, the fallback registered. Before anything names PrivateUse1."""
+    if _LIBRARY:
+        return
+    if "torch_tpu" in sys.modules:
+        raise RuntimeError("the emulated TPU device cannot be installed where the real torch_tpu is loaded")
+    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+    if torch._C._get_privateuse1_backend_name() != "privateuseone":
+        raise RuntimeError(
+            f"PrivateUse1 is already named {torch._C._get_privateuse1_backend_name()!r}: the emulated device must "
+            "be installed first in the process (tpurec.emulation.rank.activate at `import tpurec`)"
+        )
+    _setup_privateuseone_for_python_backend(
+        rename=DEVICE, backend_module=backend_module, hook=_Hooks(), device_guard=_Guard()
+    )
+    library = torch.library.Library("_", "IMPL")
+    library.fallback(_fallback, dispatch_key="PrivateUse1", with_keyset=True)
+    _LIBRARY.append(library)
+    _LIBRARY.append(_register_torchtpu_kernels())
+    _refused.update(torchtpu_fallback_ops() if refused_ops is None else refused_ops)
+
+
+def _register_torchtpu_kernels() -> Any:
+    """A PrivateUse1 kernel for each aten op TorchTPU 0.2.0 has one for (KERNELS_FILE), as TorchTPU
+    registers them. Device tensors reach `__torch_dispatch__` first, but where torch excludes the
+    Python key (`torch.tensor(data, device=...)` copies to the device so) an op reaches the device's
+    kernel directly; the fallback cannot serve those (torch asserts), a kernel per op can. Ops torch
+    decomposes itself (CompositeImplicitAutograd) keep decomposing: a kernel would hide their
+    gradient."""
+    library = torch.library.Library("aten", "IMPL")
+    for name in json.loads(KERNELS_FILE.read_text())["kernel_ops"]:
+        namespace, _, qualified = name.partition("::")
+        base, _, overload = qualified.partition(".")
+        packet = getattr(torch.ops.aten, base, None) if namespace == "aten" else None
+        op = getattr(packet, overload or "default", None) if packet is not None else None
+        if op is None or torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeImplicitAutograd"):
+            continue
+        library.impl(qualified, _kernel_of(op), "PrivateUse1")
+    return library
+
+
+def _kernel_of(op: Any) -> Callable[..., Any]:
+    return lambda *args, **kwargs: _dispatch(op, args, kwargs)
+
+
+def installed() -> bool:
+    return bool(_LIBRARY)
+
+
+def to_device(x: torch.Tensor) -> TpuTensor:
+    """A host tensor copied to the emulated device (as `x.to("tpu")`)."""
+    return x.to(DEVICE)  # type: ignore[return-value]
+
+
+def on_device(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` made a device kernel: its tensors unwrapped, its results wrapped (for Python kernels the
+    emulation registers for the device, such as TorchTPU's stand-in ops)."""
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        flat, _ = tree_flatten((args, kwargs))
+        out = fn(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
+        return tree_map(lambda x: _wrap(x, {}), out)
+
+    return kernel
