@@ -91,7 +91,7 @@ def _python(code: str, cwd: Path, env: dict[str, str] | None = None) -> subproce
     another directory (so not `cwd` on its sys.path), without `-P` (which its children would inherit)."""
     script = cwd.parent / "bin" / "program.py"
     script.parent.mkdir(exist_ok=True)
-    script.write_text(code)
+    script.write_text(f"if __name__ == '__main__':  # spawn's children import it as __mp_main__\n    {code}\n")
     return subprocess.run(
         [sys.executable, str(script)], cwd=cwd, env=env or _env(), capture_output=True, text=True, timeout=600
     )
