@@ -4,7 +4,9 @@
 starts with the working directory off sys.path, and here the script's own directory goes first, as
 Python puts it for `python prog.py`, so the program imports its sibling modules as it would there.
 `sys.argv`, `__file__` and `__name__ == "__main__"` are as under `python prog.py`; the program's
-environment is the caller's (PYTHONSAFEPATH as the caller had it).
+environment is the caller's (PYTHONSAFEPATH as the caller had it). `tpurec` is imported before the
+program (this module is part of it): in an emulated rank that installs TorchTPU's stand-ins before the
+program's first line, as the program's own `import tpurec` would.
 """
 
 from __future__ import annotations
