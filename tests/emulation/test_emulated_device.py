@@ -74,7 +74,7 @@ PROBE = textwrap.dedent(
     device.RECORD.reset()
     for shape in ((3, 4), (3, 4), (5, 4)):
         torch.ones(shape, device="tpu") * 3.0
-    seen["programs"] = sorted({(op, str(key)) for _, op, key in device.RECORD.calls if op == "aten::mul.Tensor"})
+    seen["programs"] = sorted({(op, str(key)) for _, op, key in device.RECORD.programs if op == "aten::mul.Tensor"})
     print(json.dumps(seen))
     """
 )

@@ -21,17 +21,22 @@ EVERY_SHARDING_TYPE = ("--model-module", "tests.emulation.every_sharding_type:dl
 def test_emulated_single_host_slice_trains_on_the_tpu_path(tmp_path):
     result, _ = train("--emulate-tpu", "v5p-8", "--steps", 3, "--synth-rows", ROWS, "--seed", 3, cache=tmp_path)
     assert result["world_size"] == 4 and result["hosts"] == 1 and result["emulated_tpu"] == "v5p-8"
-    # One lookup and one update program per stack, none new after the first step and evaluation.
+    # One lookup and one update program per stack, none new after warm-up, counted over every op the
+    # emulated device ran (tpurec/emulation/device.py): SparseCore, TensorCore and collective programs.
     programs = result["programs_compiled"]
-    assert programs["_sparse_dense_matmul"] >= 1
-    assert programs["_sparse_dense_matmul_grad_with_adagrad"] == programs["_sparse_dense_matmul"]
-    assert result["recompiles_after_warmup"] == 0
+    sparsecore = programs["sparsecore"]
+    assert sparsecore["tpu::_sparse_dense_matmul"] >= 1
+    assert sparsecore["tpu::_sparse_dense_matmul_grad_with_adagrad"] == sparsecore["tpu::_sparse_dense_matmul"]
+    assert programs["tensorcore"] > 50 and programs["collective"] >= 1  # the dense model, the all-to-alls
+    assert result["recompiles_after_warmup"] == 0 and result["recompiled_ops"] == {}
     assert result["uneven_all_to_all"] == "padded"
     # The ids stay on the host from the reader to preprocessing: the only device->host copy of a step
-    # is the loss, read at each progress point (every step in a 3-step run). Before, the input
-    # all-to-all ran on the device and every lookup copied its ids back.
-    assert result["device_to_host_copies"] == {"loss": 3}
+    # after warm-up is the loss, read at each progress point (every step in a 3-step run). Before, the
+    # input all-to-all ran on the device and every lookup copied its ids back. Warm-up: DDP's bucket
+    # rebuild in step 2 copies its bucket sizes to the host.
+    assert result["device_to_host_copies"] == {"tpurec.dlrm.trainer._read_loss": 1}
     assert result["device_to_host_copies_per_step"] == 1.0
+    assert result["device_to_host_copies_in_warmup"]["tpurec.dlrm.trainer._read_loss"] == 2
 
 
 @pytest.mark.slow  # over 35 s: `make test-all` (the default suite's 20 minutes)
@@ -75,7 +80,7 @@ def test_two_host_emulation_equals_cpu_gloo_on_the_same_plan(tmp_path, how, monk
     assert emulated["world_size"] == cpu["world_size"] == 8
     assert emulated["hosts"] == 2 and cpu["hosts"] == 1
     assert emulated["recompiles_after_warmup"] == 0
-    assert "ids" not in emulated["device_to_host_copies"]  # the ids never went to the device
+    assert emulated["device_to_host_copies_per_step"] == 1.0  # the loss: the ids never went to the device
     assert abs(emulated["logloss"] - cpu["logloss"]) <= 1e-5
     assert abs(emulated["auc"] - cpu["auc"]) <= 1e-5
 

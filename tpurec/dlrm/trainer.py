@@ -565,14 +565,21 @@ class Trainer:
                 padded_all_to_alls=padded_calls(),
                 programs_compiled=self.emulated.programs_compiled(),
                 recompiles_after_warmup=self.emulated.recompiles_after_warmup(),
+                # Which ops recompiled, and how often: where a shape followed the data.
+                recompiled_ops=dict(Counter(op for _, op, _ in self.emulated.late_programs()).most_common(10)),
             )
         elif self.device == "tpu":
             out.update(programs_compiled=None, recompiles_after_warmup=None)
         if self.device == "tpu":
             # tpurec's own device->host copies in the training steps (tpurec.runtime.host_copies): on an emulated
             # rank, of the tensors a real rank holds on its TPU.
-            copies = self._train_copies
-            out["device_to_host_copies_per_step"] = round(sum(copies.values()) / max(1, self._steps_run), 4)
+            copies, steps = self._train_copies, self._steps_run
+            if self.emulated:
+                # Every copy off the emulated device (tpurec.emulation.device), by call site, in the steps
+                # after warm-up; the warm-up's own (DDP's bucket rebuild in step 2) apart.
+                copies, steps = Counter(self.emulated.train_copies()), max(0, self._steps_run - 2)
+                out["device_to_host_copies_in_warmup"] = self.emulated.train_copies(steady=False)
+            out["device_to_host_copies_per_step"] = round(sum(copies.values()) / max(1, steps), 4)
             out["device_to_host_copies"] = dict(sorted(copies.items()))
         return out
 

@@ -46,7 +46,7 @@ from tpurec.emulation.rule_error import TorchTpuRuleError
 DEVICE = "tpu"
 _PU1 = torch._C.DispatchKey.PrivateUse1
 # Frames of these packages are not a copy's call site: the copy is charged to the code that asked.
-_NOT_CALL_SITES = ("torch", "tpurec.emulation", "torchrec.sparse", "contextlib", "threading")
+_NOT_CALL_SITES = ("torch", "tpurec.emulation", "tpurec.runtime.host_copies", "contextlib", "threading")
 # Which ops TorchTPU 0.2.0 serves on its device, read from its dispatcher (scripts/refresh_torchtpu_kernels.py).
 KERNELS_FILE = Path(__file__).with_name("torchtpu_kernels.json")
 # Transfers: the only ops that may take a host and a device tensor together.
@@ -62,17 +62,39 @@ _TRANSFERS = {
 
 @dataclass
 class DeviceRecord:
-    """What the device was asked: every program (op, compile key) in order, device->host copies."""
+    """What the device was asked, in bounded memory: each program (kind, op, compile key) with the phase
+    that first asked for it, and the device->host copies by call site, also per phase kind."""
 
-    calls: list[tuple[str, str, tuple]] = field(default_factory=list)  # (kind, op, key)
+    phase: tuple[str, int] = ("setup", 1)  # set by the emulated rank: ("train", 3) is the third step
+    programs: dict[tuple[str, str, Any], tuple[str, int]] = field(default_factory=dict)
     to_host: Counter = field(default_factory=Counter)  # call site -> copies
+    to_host_by_phase: Counter = field(default_factory=Counter)  # (phase kind, after warm-up, call site) -> copies
+
+    def program(self, kind: str, op: str, key: Any) -> None:
+        self.programs.setdefault((kind, op, key), self.phase)
+
+    def copy(self, site: str) -> None:
+        self.to_host[site] += 1
+        self.to_host_by_phase[self.phase[0], after_warmup(self.phase), site] += 1
 
     def reset(self) -> None:
-        self.calls.clear()
+        self.phase = ("setup", 1)
+        self.programs.clear()
         self.to_host.clear()
+        self.to_host_by_phase.clear()
 
 
 RECORD = DeviceRecord()
+# Phases of warm-up, by kind: the first two training steps (DDP rebuilds its gradient buckets once, at
+# the start of its second iteration: torch's `Reducer::rebuild_buckets`, new bucket views and a
+# broadcast of their sizes, on any device) and the first evaluation. Setup is all warm-up.
+WARMUP = {"setup": float("inf"), "train": 2, "eval": 1}
+
+
+def after_warmup(phase: tuple[str, int]) -> bool:
+    return phase[1] > WARMUP[phase[0]]
+
+
 # Ops the device refuses for want of a TorchTPU kernel (KERNELS_FILE's, at install).
 _refused: set[str] = set()
 
@@ -102,7 +124,7 @@ def _call_site() -> str:
     frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
-        if not module.startswith(_NOT_CALL_SITES):
+        if not any(module == p or module.startswith(p + ".") for p in _NOT_CALL_SITES):
             return f"{module}.{frame.f_code.co_name}"
         frame = frame.f_back
     return "?"
@@ -192,7 +214,7 @@ class TpuTensor(torch.Tensor):
         return int(self._data.data_ptr())
 
     def tolist(self) -> Any:
-        RECORD.to_host[_call_site()] += 1
+        RECORD.copy(_call_site())
         return self._data.tolist()
 
     def __reduce_ex__(self, protocol: Any) -> Any:  # pickling copies to the host, as torch.save of a device tensor
@@ -229,12 +251,12 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
             )
     to_host = _is_to_host(op, args, kwargs)
     if to_host:
-        RECORD.to_host[_call_site()] += 1
+        RECORD.copy(_call_site())
     elif op == "aten::_local_scalar_dense":
-        RECORD.to_host[_call_site()] += 1
+        RECORD.copy(_call_site())
     if op.startswith("c10d::alltoall_base"):
         _check_symmetric_all_to_all(args)
-    RECORD.calls.append((_kind(op), func.name(), _key_part((args, kwargs))))
+    RECORD.program(_kind(op), func.name(), _key_part((args, kwargs)))
     wrappers = {id(x._data): x for x in flat if isinstance(x, TpuTensor)}
     unwrapped_args, unwrapped_kwargs = tree_map(_unwrap, (args, kwargs))
     if "device" in unwrapped_kwargs and unwrapped_kwargs["device"] is not None:

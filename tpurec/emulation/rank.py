@@ -9,13 +9,11 @@ from __future__ import annotations
 import os
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
-from tpurec.emulation import torchtpu_dist, torchtpu_ops
+from tpurec.emulation import device, torchtpu_dist, torchtpu_ops
 from tpurec.errors import UserError
 from tpurec.planner.topology import SliceSpec, parse_slice
-
-# TorchTPU compiles a program per distinct compile key of its device ops; preprocessing runs on the host.
-_DEVICE_OPS = "_sparse_dense_matmul"
 
 
 @dataclass
@@ -23,34 +21,39 @@ class EmulatedRank:
     spec: SliceSpec
     local_rank: int
     ops: torchtpu_ops.StandIn
-    # Program (op, compile key) -> (phase kind, the how-many-th phase of that kind first asked for it).
-    first_seen: dict = field(default_factory=dict)
-    _phase: tuple[str, int] = ("setup", 1)
     _counts: Counter = field(default_factory=Counter)
-    _start: int = 0
 
     def begin(self, kind: str) -> None:
-        """A training step ("train") or an evaluation pass ("eval") starts."""
-        self._settle()
+        """A training step ("train") or an evaluation pass ("eval") starts: the device's ops from here
+        on belong to it."""
         self._counts[kind] += 1
-        self._phase = (kind, self._counts[kind])
+        device.RECORD.phase = (kind, self._counts[kind])
 
-    def _settle(self) -> None:
-        for call in self.ops.calls[self._start :]:
-            if call[0].startswith(_DEVICE_OPS):
-                self.first_seen.setdefault(call, self._phase)
-        self._start = len(self.ops.calls)
-
-    def programs_compiled(self) -> dict[str, int]:
-        """Distinct TorchTPU programs per op: one per distinct compile key (shapes, dtypes, constants)."""
-        self._settle()
-        return dict(sorted(Counter(op for op, _ in self.first_seen).items()))
+    def programs_compiled(self) -> dict[str, Any]:
+        """Distinct TorchTPU programs, one per distinct (op, compile key) asked of the device: SparseCore
+        programs by op, TensorCore and collective programs counted."""
+        by_kind: Counter = Counter(kind for kind, _, _ in device.RECORD.programs)
+        sparsecore = Counter(op for kind, op, _ in device.RECORD.programs if kind == "sparsecore")
+        return {
+            "sparsecore": dict(sorted(sparsecore.items())),
+            "tensorcore": by_kind["tensorcore"],
+            "collective": by_kind["collective"],
+        }
 
     def recompiles_after_warmup(self) -> int:
-        """Programs first asked for after warm-up (the first training step, the first evaluation):
-        on a TPU each would be a new XLA compilation in the middle of the run."""
-        self._settle()
-        return sum(1 for kind, n in self.first_seen.values() if kind != "setup" and n > 1)
+        """Programs of any kind first asked for after warm-up: on a TPU each would be a new XLA
+        compilation in the middle of the run."""
+        return len(self.late_programs())
+
+    def late_programs(self) -> list[tuple[str, str, Any]]:
+        """(kind, op, compile key) of each program first asked for after warm-up (`device.WARMUP`)."""
+        return [program for program, phase in device.RECORD.programs.items() if device.after_warmup(phase)]
+
+    def train_copies(self, steady: bool = True) -> dict[str, int]:
+        """Device->host copies made during training steps after warm-up (`steady`) or in it, by call
+        site ("tpurec.dlrm.trainer._read_loss")."""
+        found = device.RECORD.to_host_by_phase.items()
+        return {site: n for (kind, late, site), n in sorted(found) if kind == "train" and late == steady}
 
 
 _RANK: EmulatedRank | None = None
