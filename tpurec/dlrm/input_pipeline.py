@@ -4,14 +4,13 @@
 On one rank it also builds each SparseCore lookup's CSR inputs ahead (`SparseCoreEmbeddingBag.
 prepare`), because there the KJT a lookup receives is the batch's own, its features selected in the
 lookup's order: TorchRec's input distribution moves no id between ranks. With several ranks a lookup's
-ids come from the input all-to-all: `train_pipeline` then waits for batch i+1's all-to-all as soon
-as TorchRec's `TrainPipelineSparseDist` has started it (after batch i's forward) and builds its CSR on
-a worker thread while batch i's backward and optimizer step run; batch i+1's forward takes it.
+ids come from the input all-to-all: `train_pipeline` then gives TorchRec's `TrainPipelineSparseDist`
+the subclass of `tpurec.dlrm.sparsecore_pipeline`, which builds them as soon as the all-to-all is in.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tpurec.data.prefetch import Prefetcher
 
@@ -21,7 +20,6 @@ if TYPE_CHECKING:
     from torch.optim import Optimizer
     from torchrec.datasets.utils import Batch
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
-    from torchrec.distributed.train_pipeline.utils import TrainPipelineContext
 
     from tpurec.data.reader import ParquetReader
     from tpurec.sharding.kernel_module import SparseCoreEmbeddingBag
@@ -70,32 +68,21 @@ def train_pipeline(
     dmp: nn.Module, optimizer: Optimizer, device: torch.device, *, world_size: int, workers: int, prepare: bool = True
 ) -> TrainPipelineSparseDist:
     """TorchRec's `TrainPipelineSparseDist`; with several ranks, one that builds every SparseCore
-    lookup's CSR inputs on `workers` threads once the input all-to-all has delivered them."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    lookup's CSR inputs on `workers` threads once the input all-to-all has delivered them
+    (`tpurec.dlrm.sparsecore_pipeline`; its `close()` stops them)."""
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
-    from torchrec.distributed.types import LazyNoWait
 
     if world_size == 1 or not prepare:
         return TrainPipelineSparseDist(dmp, optimizer, device)
-    sharded: dict[str, Any] = {name: m for name, m in dmp.named_modules() if hasattr(m, "prepare_dist_input")}
-    pool = ThreadPoolExecutor(workers, thread_name_prefix="tpurec-csr")
+    from tpurec.dlrm.sparsecore_pipeline import SparseCoreTrainPipeline
 
-    def module_for(name: str) -> Any:  # a sharded module with prepare_dist_input, or None
-        # the pipeline names modules from the wrapped model; named_modules() from the DMP
-        return next((m for fqn, m in sharded.items() if fqn == name or fqn.endswith("." + name)), None)
+    return SparseCoreTrainPipeline(dmp, optimizer, device, workers=workers)
 
-    class SparseCoreTrainPipeline(TrainPipelineSparseDist):
-        def wait_sparse_data_dist(self, context: TrainPipelineContext) -> None:
-            super().wait_sparse_data_dist(context)
-            for name, request in list(context.input_dist_tensors_requests.items()):
-                module = module_for(name)
-                if module is None:
-                    continue
-                # Wait now for the ids (TorchRec's own experimental pipelines do the same) and hand
-                # forward the result unchanged.
-                features = request.wait()
-                context.input_dist_tensors_requests[name] = LazyNoWait(features)
-                module.prepare_dist_input(features, pool.submit)
 
-    return SparseCoreTrainPipeline(dmp, optimizer, device)
+def close_pipeline(pipeline: TrainPipelineSparseDist) -> None:
+    """Stop the worker threads of a pipeline `train_pipeline` made (TorchRec's own has none)."""
+    import sys
+
+    module = sys.modules.get("tpurec.dlrm.sparsecore_pipeline")  # loaded only if such a pipeline was built
+    if module is not None and isinstance(pipeline, module.SparseCoreTrainPipeline):
+        pipeline.close()

@@ -494,6 +494,9 @@ class Trainer:
             # evaluation succeeding (issue #36 item 2: on a TPU it once failed and lost this checkpoint).
             self.checkpoint()
         final = self._log_eval(self.evaluate())
+        from tpurec.dlrm.input_pipeline import close_pipeline
+
+        close_pipeline(self.pipeline)  # after the final evaluation, which still runs through it
         batch, world = self.batch_size, self.world
         sps = self._steps_run * batch * world / self._train_seconds if self._train_seconds > 0 else 0.0
         result = {

@@ -32,11 +32,11 @@ import types
 import torch.distributed as dist
 
 from tpurec.emulation.rule_error import TorchTpuRuleError
+from tpurec.runtime.device import LEGACY_DEVICE_APIS_ENV
 
 # torch_tpu/_internal/distributed/distributed.py: the variables `set_tpu_launch_env()` decides in the
 # parent; the binary refuses a distributed run without them.
 LAUNCH_ENV = ("TORCH_TPU_SLICEBUILDER_ADDRESSES", "TORCH_TPU_TOPOLOGY", "TORCH_TPU_XPROF_SESSION_ID")
-LEGACY_DEVICE_APIS_ENV = "TORCH_TPU_ALLOW_LEGACY_DEVICE_APIS"
 _FRAMEWORK = ("torch", "torch_tpu")
 
 

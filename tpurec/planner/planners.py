@@ -66,7 +66,6 @@ if TYPE_CHECKING:
 
     from tpurec.planner.id_limits import IdLimits
 
-GiB = 1024**3
 # Share of each device kept free for the XLA runtime, compiled programs and fragmentation; an
 # assumption (docs/planner.md), overridable per call.
 DEFAULT_HEADROOM_FRACTION = 0.05
