@@ -163,19 +163,24 @@ def test_a_sequence_table_over_its_partition_limits_equals_the_unlimited_one():
     assert limited.kernel.multipass_batches == 1
 
 
-def test_the_update_gather_is_padded_to_a_power_of_two_so_batch_sizes_share_programs():
-    from tpurec.embedding.multipass import MultiPassInput
+def test_the_update_gather_has_shapes_fixed_by_the_limits_whatever_the_batch():
+    """Each update pass's gradient is gathered in chunks of one size (a pass buffer's slots), each its
+    own tensor: batches of any id or pass count share the gather's programs (on the emulated device:
+    tests/embedding/test_fixed_programs_on_device.py)."""
+    from tpurec.embedding.multipass import MultiPassInput, gather_chunk
 
     _, limited = _pair("sgd")
-    sizes = set()
+    shapes, passes = set(), set()
     for seed in (1, 2, 3):
         for x in limited.kernel.preprocess(_heavy_batch(torch.Generator().manual_seed(seed))):
             assert isinstance(x, MultiPassInput)
-            n = x.entry_slots.numel()
-            assert n & (n - 1) == 0 and n >= 1024
-            assert int(x.entry_slots.max()) <= len(x.updates) * x.device_batch_size  # the spare row at most
-            sizes.add(n)
-    assert len(sizes) <= 2  # three batches of different id counts, at most two gather shapes
+            passes.add(len(x.updates))
+            chunk = gather_chunk(x.device_batch_size, NUM_SC, x.updates[0].max_ids_per_partition)
+            for chunks in x.gather:
+                for samples, slots, gains in chunks:
+                    shapes.add((samples.shape, slots.shape, gains.shape))
+                    assert int(slots.max()) <= x.device_batch_size  # the spare slot at most
+    assert shapes == {((chunk,), (chunk,), (chunk,))}, shapes
 
 
 SEQ_TABLES = [

@@ -77,6 +77,17 @@ class DLRMConfig:
     dense_optimizer: str = flag("adagrad", "optimiser of the dense MLPs", choices=spec_names())
     dense_lr: float = flag(0.1, "learning rate of the dense (MLP) optimiser", type=nonnegative_float)
     eps: float = flag(1e-8, "epsilon of Adagrad / Adam (tables and MLPs)", type=nonnegative_float)
+    # FBGEMM's weight decay of the fused table optimiser (tpurec/embedding/optimizers/weight_decay.py):
+    # row-wise Adagrad L2 or DECOUPLE, Adam decoupled; 0: none.
+    embedding_weight_decay: float = flag(
+        0.0, "weight decay of the fused table optimiser (0: none)", type=nonnegative_float
+    )
+    embedding_weight_decay_mode: str = flag(
+        "NONE",
+        "FBGEMM's weight_decay_mode of the fused table optimiser: L2 or DECOUPLE (row-wise Adagrad), "
+        "NONE or DECOUPLE (Adam: decoupled either way)",
+        choices=("NONE", "L2", "DECOUPLE"),
+    )
     # Learning-rate schedule applied to both: linear warm-up over `warmup_steps`, constant until
     # `decay_start`, then polynomial (power 2) decay to 0 over `decay_steps` (0 = no warm-up/decay).
     warmup_steps: int = flag(0, "linear learning-rate warm-up steps (0: none)", type=nonnegative_int)

@@ -94,6 +94,8 @@ def build_model(
         dlrm = DLRM(**common)
     model = DLRMTrain(dlrm)
     cls, kwargs = _optimizer(cfg.embedding_optimizer, cfg.embedding_lr, cfg.eps)
+    if cfg.embedding_weight_decay:  # FBGEMM's fused params, as TorchRec's sharder passes them on
+        kwargs |= {"weight_decay": cfg.embedding_weight_decay, "weight_decay_mode": cfg.embedding_weight_decay_mode}
     apply_optimizer_in_backward(cls, model.model.sparse_arch.parameters(), kwargs)
     return model
 

@@ -68,6 +68,8 @@ class TrainOptions:
     embedding_optimizer: str | None = _override("embedding_optimizer")
     dense_optimizer: str | None = _override("dense_optimizer")
     eps: float | None = _override("eps")
+    embedding_weight_decay: float | None = _override("embedding_weight_decay")
+    embedding_weight_decay_mode: str | None = _override("embedding_weight_decay_mode")
     warmup_steps: int | None = _override("warmup_steps")
     decay_start: int | None = _override("decay_start")
     decay_steps: int | None = _override("decay_steps")

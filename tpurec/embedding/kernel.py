@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import re
 import threading
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
@@ -35,7 +35,7 @@ from tpurec.embedding.kjt_checks import check_kjt
 from tpurec.embedding.layout import StackLayout, build_stacks
 from tpurec.embedding.multipass import MultiPassInput, split_into_passes, stacked_blocks
 from tpurec.embedding.optimizers.base import OptimizerSpec, check_hyperparameter, op_head, op_tail
-from tpurec.embedding.optimizers.weight_decay import decay_rows, decay_slots
+from tpurec.embedding.optimizers.weight_decay import DecayInput, apply_decay, decay_input, decay_rows, decay_slots
 from tpurec.embedding.preprocess import IdLimitExceededError, PreprocessStats, SparseCoreInput, preprocess
 from tpurec.embedding.settings import KernelSettings
 from tpurec.embedding.weight_grad import with_weight_grad
@@ -581,26 +581,26 @@ class SparseCoreKernel(nn.Module):
         return self._row_slots(i, csr, values, lengths, weights, batch, padded)
 
     def _row_slots(self, i: int, csr, values, lengths, weights, batch: int, padded: int):
-        """With weight decay, the update runs in the layout where each row has one slot holding its
-        whole gradient (multipass.py), which takes the row's decay term on the device
-        (optimizers/weight_decay.py); the lookup stays `csr`. Without, `csr` as it is."""
+        """With weight decay, a batch within its limits takes the decay on the device in shapes fixed
+        by the limits (optimizers/weight_decay.py, `DecayInput`: decoupled, a row scale before the
+        ordinary update; L2, one more update entry per row); the lookup stays `csr`. A batch over its
+        limits (MultiPassInput) takes it in its update passes' slots. Without decay, `csr` as it is."""
         if self.optimizer.weight_decay_mode is None or isinstance(csr, MultiPassInput):
             return csr
         if _writes_final_layout(self.stack_weight(i)):  # the CPU reference has the rows at hand
             return csr
+        lay = self.stacks[i].layout
         stacked_ids, samples, gains = self._stack_entries(i, values, lengths, weights, batch, padded)
-        update = split_into_passes(
+        return decay_input(
+            self.optimizer,
+            csr,
             stacked_ids,
             samples,
             gains,
-            device_batch_size=csr.device_batch_size,
-            num_sc_per_device=self.num_sc,
-            max_ids_per_partition=csr.max_ids_per_partition,
-            max_unique_ids_per_partition=csr.max_unique_ids_per_partition,
-            table_name=self.stacks[i].layout.name,
-            forward=False,
+            num_partitions=lay.num_partitions,
+            rows_per_partition=lay.rows_per_partition,
+            table_name=lay.name,
         )
-        return replace(update, forward=[csr])
 
     def _compiled_stack_input(self, i: int, values, lengths, weights, batch: int, padded: int):
         """The same SparseCore input from the compiled build (`csr_build`), or None: then the torch +
@@ -674,7 +674,9 @@ class SparseCoreKernel(nn.Module):
                 hook()
             self._steps[i] += 1
         states = [self.stack_state(i, s) for s in self.optimizer.state_names]
-        if self.optimizer.weight_decay_mode is not None:
+        if isinstance(csr, DecayInput):  # within its limits, on the TPU path
+            csr, grad = apply_decay(self.optimizer, self.stack_weight(i), grad, csr, lr)
+        elif self.optimizer.weight_decay_mode is not None:
             weight, dim = self.stack_weight(i), self.stacks[i].layout.dim
             if slot_ids is None:  # the CPU reference: each row and its gradient, decayed, updated
                 head = op_head(csr, weight)
@@ -758,6 +760,8 @@ class _FusedLookup(torch.autograd.Function):
                 csr.num_partitions,
                 batch_major=(ctx.features, batch, kernel.stacks[i].layout.dim),
             )
+        if isinstance(csr, DecayInput):
+            return _lookup_op(csr.lookup, weight)
         if isinstance(csr, MultiPassInput):  # over its limits: the passes' lookups, summed per block
             outs: list[torch.Tensor | None] = [None] * csr.blocks
             for part, b in zip(csr.forward, csr.forward_blocks or [0] * len(csr.forward)):
@@ -773,11 +777,10 @@ class _FusedLookup(torch.autograd.Function):
             grad = reference.batch_major_grad(grad, ctx.features)
         lr = kernel.current_lr()
         if isinstance(csr, MultiPassInput):  # each row once, with its whole gradient
-            rows = csr.update_gradients(grad.to(torch.float32))
-            size = csr.device_batch_size
+            grad = grad.to(torch.float32)
             for p, part in enumerate(csr.updates):
                 slots = csr.update_ids[p] if csr.update_ids else None
-                kernel.apply_update(ctx.i, part, rows[p * size : (p + 1) * size], lr, new_step=p == 0, slot_ids=slots)
+                kernel.apply_update(ctx.i, part, csr.update_gradient(p, grad), lr, new_step=p == 0, slot_ids=slots)
         else:
             kernel.apply_update(ctx.i, csr, grad, lr)
         return None, None, None, None, None, None

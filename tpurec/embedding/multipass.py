@@ -21,9 +21,11 @@ tpurec splits forward and backward differently, so that even such a row fits:
   Adam's step count advances once for the step. Every optimizer's update equals the unsplit one's
   (up to the order of float32 additions).
 
-All passes have the shapes of the fixed limits: on a TPU they reuse the step's programs. The update's
-gradient gather is padded to a power of two of entries, so it compiles a few programs, not one per
-batch size (its output grows with the number of update passes).
+All passes have the shapes of the fixed limits: on a TPU they reuse the step's programs, however
+many passes a batch needs. So does the update's gradient gather: each update pass's gradient is its
+own [device batch + 1, width] tensor, summed from its entries in chunks of a fixed size (a pass
+buffer's slots, `gather_chunk`), each chunk a separate tensor (no slice whose offset follows the
+pass count), padding entries adding 0 into the spare last row.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tpurec.embedding.constraints import SEGMENT_ALIGN, round_up
 from tpurec.embedding.preprocess import SparseCoreInput, preprocess
 
 
@@ -43,11 +46,10 @@ class MultiPassInput:
 
     forward: list[SparseCoreInput]  # lookups, summed
     updates: list[SparseCoreInput]  # fused updates, one entry per row, each row in exactly one
-    # Per batch entry: its sample (row of the output gradient), its row's slot over all update passes
-    # (pass x device_batch_size + slot) and its gain; the update passes' gradient is their scatter-sum.
-    entry_samples: torch.Tensor
-    entry_slots: torch.Tensor
-    entry_gains: torch.Tensor
+    # Per update pass, its entries in chunks of one fixed size: (samples (rows of the output
+    # gradient), slots (0..device_batch_size; the spare slot device_batch_size for padding), gains
+    # (0 for padding)); the pass's gradient is their scatter-sum.
+    gather: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]
     device_batch_size: int
     # Per forward pass, the output block it adds into (stacked_blocks); None: one block
     forward_blocks: list[int] | None = None
@@ -64,12 +66,14 @@ class MultiPassInput:
     def blocks(self) -> int:
         return max(self.forward_blocks) + 1 if self.forward_blocks else 1
 
-    def update_gradients(self, grad: torch.Tensor) -> torch.Tensor:
-        """[update passes x device_batch_size, width]: the slot of each row holds its full gradient.
-        Padding entries (gain 0) add into one spare row past the end, cut off here."""
-        size = len(self.updates) * self.device_batch_size
+    def update_gradient(self, p: int, grad: torch.Tensor) -> torch.Tensor:
+        """[device_batch_size, width]: update pass p's gradient, the slot of each of its rows holding
+        the row's full gradient. Every op has shapes fixed by the limits: padding entries (gain 0) add
+        into one spare row past the end, cut off here."""
+        size = self.device_batch_size
         out = grad.new_zeros(size + 1, grad.shape[1])
-        out.index_add_(0, self.entry_slots, grad.index_select(0, self.entry_samples) * self.entry_gains[:, None])
+        for samples, slots, gains in self.gather[p]:
+            out.index_add_(0, slots, grad.index_select(0, samples) * gains[:, None])
         return out[:size]
 
     def to(self, device: torch.device) -> MultiPassInput:
@@ -77,9 +81,7 @@ class MultiPassInput:
             self,
             forward=[c.to(device) for c in self.forward],
             updates=[c.to(device) for c in self.updates],
-            entry_samples=self.entry_samples.to(device),
-            entry_slots=self.entry_slots.to(device),
-            entry_gains=self.entry_gains.to(device),
+            gather=[[tuple(t.to(device) for t in chunk) for chunk in chunks] for chunks in self.gather],  # type: ignore[misc]
             update_ids=[u.to(device) for u in self.update_ids],
         )
 
@@ -147,22 +149,42 @@ def split_into_passes(
                 **limits,
             )[0]
         )
-    slots = (row_pass * device_batch_size + row_slot)[entry_row]
-    # The gather/scatter of the update's gradient runs on the device: its length is rounded up to a
-    # power of two (padding: sample 0, gain 0, into the spare row) so that batches of different sizes
-    # share a few programs instead of compiling one per entry count.
-    n = int(ids.numel())
-    padded = max(1024, 1 << max(n - 1, 0).bit_length())
-    spare = num_updates * device_batch_size
+    # The gather/scatter of each update pass's gradient runs on the device, in chunks of a fixed size
+    # (padding: sample 0, gain 0, into the spare slot), so every batch reuses one program per op.
+    chunk = gather_chunk(device_batch_size, num_sc, max_ids_per_partition)
+    entry_pass = row_pass[entry_row]
+    order = np.argsort(entry_pass, kind="stable")
+    bounds = np.searchsorted(entry_pass[order], np.arange(num_updates + 1))
+    smp_all, gains_all = samples.to(torch.int64), gains.to(torch.float32)
+    slots_all = torch.from_numpy(row_slot[entry_row])
+    gather = []
+    for p in range(num_updates):
+        mine = torch.from_numpy(order[bounds[p] : bounds[p + 1]])
+        gather.append(
+            [
+                (
+                    _padded(smp_all[idx], chunk, 0),
+                    _padded(slots_all[idx], chunk, device_batch_size),
+                    _padded(gains_all[idx], chunk, 0.0),
+                )
+                for idx in mine.split(chunk)
+            ]
+        )
     return MultiPassInput(
         forward=passes,
         updates=updates,
-        entry_samples=_padded(samples.to(torch.int64), padded, 0),
-        entry_slots=_padded(torch.from_numpy(slots), padded, spare),
-        entry_gains=_padded(gains.to(torch.float32), padded, 0.0),
+        gather=gather,
         device_batch_size=device_batch_size,
         update_ids=update_ids,
     )
+
+
+def gather_chunk(device_batch_size: int, num_sc_per_device: int, max_ids_per_partition: int) -> int:
+    """Entries per chunk of an update pass's gradient gather: the COO slots of one SparseCore input
+    at these limits (every SparseCore's buffer, round_up(max ids, 8) per partition), at least the
+    device batch. Fixed by the limits, so the gather's programs are too."""
+    buffer = num_sc_per_device * num_sc_per_device * round_up(max(max_ids_per_partition, 1), SEGMENT_ALIGN)
+    return max(buffer, device_batch_size)
 
 
 def _slot_ids(rows: np.ndarray, slots: np.ndarray, size: int) -> torch.Tensor:

@@ -20,13 +20,22 @@ path: an FP32 table read by one feature takes fbgemm's SparseAdaGrad kernel with
 
 tpurec honours the L2 and decoupled forms and refuses the rest by name (never trains without an
 option it was given). Both act on the rows of the batch only, as FBGEMM's do, and reach the fused op
-as its TorchTPU form allows (it has no weight-decay argument), through the update layout in which
-each row has one slot holding its whole gradient (`tpurec.embedding.multipass`):
+as its TorchTPU form allows (it has no weight-decay argument), with every device op of a shape fixed
+by the id limits, so that a TPU compiles nothing after the first steps (`DecayInput`):
 
-* L2: the slot's gradient becomes g + weight_decay * w (the row gathered on the device), so the op
-  sees FBGEMM's L2 gradient: accumulator from it, and w - m (g + wd w) = (1 - m wd) w - m g.
-* decoupled: the rows are scaled by 1 - lr * weight_decay before the op, as FBGEMM's
-  `correction * w - multiplier * g` (Adam: w - lr wd w - step).
+* decoupled: the batch's distinct rows are scaled by 1 - lr * weight_decay before the ordinary
+  update, as FBGEMM's `correction * w - multiplier * g` (Adam: w - lr wd w - step): one gather and
+  one write of `max_rows` rows (the most a batch within its limits touches), padded by repeating a
+  row (which writes its one new value again);
+* L2: the update op gets the batch's entries plus one entry per distinct row, in `extra` samples
+  added to each SparseCore slice (gain 1), whose activation gradient is weight_decay * w (the row
+  gathered on the device): the op sums FBGEMM's L2 gradient g + wd w (accumulator from it, and
+  w - m (g + wd w) = (1 - m wd) w - m g). The extra entry of a row goes to a slice where the row
+  already is, so each (slice, partition) gets at most its unique ids more entries: the update's
+  limits are (max ids + max unique ids, max unique ids), and `extra` = partitions x max unique ids.
+
+A batch over its limits runs in update passes in which each row has one slot holding its whole
+gradient (`tpurec.embedding.multipass`); there the slot takes the decay (`decay_slots`).
 
 The CPU reference needs no layout: it has each row and its gradient at hand, so there the decay
 applies to them and the spec updates the rows (`OptimizerSpec.update_rows`).
@@ -34,8 +43,12 @@ applies to them and the spec updates the rows (`OptimizerSpec.update_rows`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
+import numpy as np
 import torch
 
+from tpurec.embedding.preprocess import SparseCoreInput, preprocess
 from tpurec.errors import UserError
 
 MODES = ("NONE", "L2", "DECOUPLE", "COUNTER", "COWCLIP", "DECOUPLE_GLOBAL")
@@ -128,3 +141,104 @@ def decay_rows(spec, table: torch.Tensor, grad: torch.Tensor, rows: torch.Tensor
     factor = torch.tensor(1.0 - lr * spec.weight_decay, dtype=torch.float32, device=table.device)
     table.index_copy_(0, rows, w.mul_(factor).to(table.dtype))
     return grad
+
+
+@dataclass
+class DecayInput:
+    """A stack's input within its id limits when its update decays weights on the TPU path: the
+    batch's own lookup input and what the decay adds, each tensor of a shape fixed by the limits.
+
+    decoupled: `update` is `lookup`, `rows` the batch's distinct physical rows in chunks of
+    `max_rows` (a chunk's padding repeats its first row). L2: `update` holds the batch's entries and
+    one more per distinct row in `extra` samples after each SparseCore slice's own; `rows` is one
+    [SparseCores x extra] tensor, each extra sample's physical row (unused ones: row 0)."""
+
+    lookup: SparseCoreInput
+    update: SparseCoreInput
+    rows: list[torch.Tensor]
+    extra: int = 0
+
+    @property
+    def device_batch_size(self) -> int:
+        return self.lookup.device_batch_size
+
+    def to(self, device: torch.device) -> DecayInput:
+        return replace(
+            self, lookup=self.lookup.to(device), update=self.update.to(device), rows=[r.to(device) for r in self.rows]
+        )
+
+
+def decay_input(
+    spec,
+    csr: SparseCoreInput,
+    ids: torch.Tensor,
+    samples: torch.Tensor,
+    gains: torch.Tensor,
+    *,
+    num_partitions: int,
+    rows_per_partition: int,
+    table_name: str,
+) -> DecayInput:
+    """The `DecayInput` of a batch within its limits (host side). ids: the entries' SparseCore ids,
+    samples: their device samples, gains; csr: the batch's input at the stack's limits."""
+    num_sc, parts = csr.num_sc_per_device, num_partitions
+    max_uniq = csr.max_unique_ids_per_partition
+    num_rows = parts * rows_per_partition
+    ids_np = ids.numpy().astype(np.int64, copy=False)
+    uniq, first = np.unique(ids_np, return_index=True)
+    physical = (uniq % parts) * rows_per_partition + uniq // parts
+    if spec.weight_decay_mode != "L2":
+        # Distinct rows of a batch within its limits: at most max unique ids per (slice, partition).
+        max_rows = min(num_sc * parts * max_uniq, num_rows)
+        chunks = [_repeat_first(physical[k : k + max_rows], max_rows) for k in range(0, len(physical), max_rows)]
+        return DecayInput(csr, csr, chunks)
+    per = csr.device_batch_size // num_sc
+    extra = min(parts * max_uniq, num_rows)
+    smp = samples.numpy().astype(np.int64, copy=False)
+    slice_ = smp // per
+    row_slice = slice_[first]  # each row's extra entry joins a slice (and so a segment) it is in
+    order = np.argsort(row_slice, kind="stable")
+    rank = np.empty(len(uniq), dtype=np.int64)
+    counts = np.bincount(row_slice, minlength=num_sc)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    rank[order] = np.arange(len(uniq)) - np.repeat(starts, counts)
+    if len(uniq) and int(rank.max()) >= extra:  # not for a batch within its limits
+        raise AssertionError(f"{table_name}: {int(rank.max()) + 1} rows in one slice, over {extra}")
+    width = per + extra
+    slot_rows = np.zeros(num_sc * extra, dtype=np.int64)
+    slot_rows[row_slice * extra + rank] = physical
+    update, _ = preprocess(
+        torch.from_numpy(np.concatenate([ids_np, uniq])),
+        torch.from_numpy(np.concatenate([slice_ * width + smp % per, row_slice * width + per + rank])),
+        torch.cat([gains.to(torch.float32), torch.ones(len(uniq), dtype=torch.float32)]),
+        device_batch_size=num_sc * width,
+        num_sc_per_device=num_sc,
+        max_ids_per_partition=csr.max_ids_per_partition + max_uniq,
+        max_unique_ids_per_partition=max_uniq,
+        table_name=table_name,
+    )
+    return DecayInput(csr, update, [torch.from_numpy(slot_rows)], extra)
+
+
+def _repeat_first(rows: np.ndarray, size: int) -> torch.Tensor:
+    out = np.full(size, rows[0], dtype=np.int64)
+    out[: len(rows)] = rows
+    return torch.from_numpy(out)
+
+
+@torch.no_grad()
+def apply_decay(
+    spec, table: torch.Tensor, grad: torch.Tensor, decay: DecayInput, lr: float
+) -> tuple[SparseCoreInput, torch.Tensor]:
+    """The device side of `decay`: scales its rows (decoupled) or appends their L2 gradient rows;
+    returns the input and the [device batch, width] gradient of the fused update."""
+    if spec.weight_decay_mode == "L2":
+        (rows,) = decay.rows
+        num_sc, width = decay.lookup.num_sc_per_device, grad.shape[1]
+        term = table.index_select(0, rows).to(torch.float32).mul_(spec.weight_decay)
+        both = torch.cat([grad.view(num_sc, -1, width), term.view(num_sc, decay.extra, width)], dim=1)
+        return decay.update, both.view(-1, width)
+    factor = torch.tensor(1.0 - lr * spec.weight_decay, dtype=torch.float32, device=table.device)
+    for rows in decay.rows:
+        table.index_copy_(0, rows, table.index_select(0, rows).to(torch.float32).mul_(factor).to(table.dtype))
+    return decay.update, grad
