@@ -254,6 +254,11 @@ class DistributedModelParallel(_TorchrecDMP):
 
         # "uneven" is refused on the TPU path, before any group or plan is made (tpu_all_to_all.py).
         tpu_all_to_all.check(uneven_all_to_all, compute_device)
+        if compute_device == "tpu":
+            from tpurec.sharding.tpu_ops_check import refuse_modules_without_tpu_kernels
+
+            # A TorchRec module whose forward needs an op TorchTPU lacks: told now, not at its first step.
+            refuse_modules_without_tpu_kernels(module)
         _ensure_process_group(compute_device)
         if os.environ.get(heartbeat.TIMEOUT_ENV):
             # Opt-in for library users (it ends the process when a neighbour goes silent);
