@@ -126,7 +126,11 @@ def _dmp_checks(target, num_sc: int, seed: int) -> list[Check]:
         sd = dmp.state_dict()
         start = {k: v.local_shards()[0].tensor.detach().cpu().clone() for k, v in sd.items()}
         kjt = _kjt(torch.Generator().manual_seed(seed)).to(target)
-        dmp(kjt).values().sum().backward()
+        out = dmp(kjt).values()
+        out.sum().backward()
+        resident = out.device.type == target.type
+        placed = _placement_devices(dmp)
+        new_programs = _programs_of_a_second_step(dmp, kjt)
         moved = any(
             not torch.equal(v.local_shards()[0].tensor.detach().cpu(), start[k]) for k, v in dmp.state_dict().items()
         )
@@ -135,7 +139,25 @@ def _dmp_checks(target, num_sc: int, seed: int) -> list[Check]:
     from tpurec.runtime.device import tpu_path
 
     backend = process_group_backend("tpu" if tpu_path(target.type) else target.type)
-    checks = [Check("1-rank DMP step", moved, 0.0, 0.0, f"process group {backend}; tables updated: {moved}")]
+    own = "cpu" if target.type == "cpu" else f"{target.type}:0"
+    checks = [
+        Check("1-rank DMP step", moved, 0.0, 0.0, f"process group {backend}; tables updated: {moved}"),
+        # TorchTPU numbers each process's own device 0: shards anywhere else are refused by torch.
+        Check("shards on this process's device", placed == {own}, 0.0, 0.0, f"placed on {sorted(placed)}, want {own}"),
+        Check("lookup output on the device", resident, 0.0, 0.0, f"pooled output on {out.device}"),
+    ]
+    if new_programs is None:
+        checks.append(Check("no new program in a second step", True, 0.0, 0.0, "skipped: no program count to read"))
+    else:
+        checks.append(
+            Check(
+                "no new program in a second step",
+                new_programs == 0,
+                float(new_programs),
+                0.0,
+                f"{new_programs} device programs first asked for by an identical second step (every op counted)",
+            )
+        )
     used, peak = _device_bytes(target), _device_peak_bytes(target)
     if used is None or before is None:
         checks.append(Check("device memory vs planner", True, 0.0, 0.0, "skipped: no device allocator statistics"))
@@ -144,6 +166,34 @@ def _dmp_checks(target, num_sc: int, seed: int) -> list[Check]:
         tables = sum(t.num_embeddings * t.embedding_dim * 4 for t in _tables())
         checks.append(memory_check(used - before, None if peak is None else peak - before, planned, tables))
     return checks
+
+
+def _placement_devices(dmp: DistributedModelParallel) -> set[str]:
+    """The devices the DMP's plan places this rank's shards on ("tpu:0")."""
+    from tpurec.planner.plan_check import module_plans
+
+    return {
+        str(shard.placement.device())
+        for module_plan in module_plans(dmp.plan).values()
+        for ps in module_plan.values()
+        for shard in getattr(ps.sharding_spec, "shards", ())
+        if shard.placement is not None
+    }
+
+
+def _programs_of_a_second_step(dmp: DistributedModelParallel, kjt: Any) -> int | None:
+    """Device programs (every op: tpurec.emulation.device) first asked for by a second, identical step
+    (two steps: the first warms up); None where no count can be read (a real TPU: TorchTPU 0.2.0
+    exposes none tpurec reads)."""
+    import sys
+
+    device = sys.modules.get("tpurec.emulation.device")
+    if device is None or not device.installed():
+        return None
+    dmp(kjt).values().sum().backward()  # the second step; its programs are the steady state's
+    before = len(device.RECORD.programs)
+    dmp(kjt).values().sum().backward()
+    return len(device.RECORD.programs) - before
 
 
 # The selftest's batch: the DMP is planned for it, so buffers and activations are the planner's too.
