@@ -383,20 +383,3 @@ def _kernel_of(op: Any) -> Callable[..., Any]:
 
 def installed() -> bool:
     return bool(_LIBRARY)
-
-
-def to_device(x: torch.Tensor) -> TpuTensor:
-    """A host tensor copied to the emulated device (as `x.to("tpu")`)."""
-    return x.to(DEVICE)  # type: ignore[return-value]
-
-
-def on_device(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` made a device kernel: its tensors unwrapped, its results wrapped (for Python kernels the
-    emulation registers for the device, such as TorchTPU's stand-in ops)."""
-
-    def kernel(*args: Any, **kwargs: Any) -> Any:
-        flat, _ = tree_flatten((args, kwargs))
-        out = fn(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
-        return tree_map(lambda x: _wrap(x, {}), out)
-
-    return kernel
