@@ -50,15 +50,22 @@ class SequentialRanker(torch.nn.Module):
 
     def forward(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
         emb = self.ec(sparse)  # {"history": JaggedTensor [ids, DIM], "candidate": ...}
+        # Shapes fixed by MAX_LEN, whatever the batch's id count (on a TPU each new shape is a new
+        # program). The lengths and offsets are on the host (the ids never went to the device); on the
+        # TPU path values() is padded to a fixed capacity past the ids' rows (docs/sequence.md).
         hist, lengths = emb["history"].values(), emb["history"].lengths()
-        padded = torch.nn.utils.rnn.pad_sequence(list(hist.split(lengths.tolist())), batch_first=True)
-        if padded.shape[1] == 0:  # a batch without any history
-            padded = hist.new_zeros(lengths.numel(), 1, DIM)
-        mask = torch.arange(padded.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)  # True: a real item
-        encoded = self.encoder(padded, src_key_padding_mask=~mask & mask.any(1, keepdim=True))
+        batch, device = lengths.numel(), hist.device
+        steps = torch.arange(MAX_LEN).unsqueeze(0)
+        mask = steps < lengths.unsqueeze(1)  # True: a real item
+        rows = torch.where(mask, emb["history"].offsets()[:-1].unsqueeze(1) + steps, 0).reshape(-1)
+        if hist.shape[0] == 0:  # a batch without any history
+            hist = hist.new_zeros(1, DIM)
+        mask = mask.to(device)
         weights = mask.float().unsqueeze(2)
+        padded = hist.index_select(0, rows.to(device)).view(batch, MAX_LEN, DIM) * weights
+        encoded = self.encoder(padded, src_key_padding_mask=~mask & mask.any(1, keepdim=True))
         user = (encoded * weights).sum(1) / weights.sum(1).clamp(min=1)
-        candidate = emb["candidate"].values()  # one id per sample
+        candidate = emb["candidate"].values()[:batch]  # one id per sample
         return self.head(torch.cat([user, candidate, user * candidate], dim=1)).squeeze(1)
 
 
@@ -123,16 +130,21 @@ def main() -> None:
     apply_optimizer_in_backward(torch.optim.Adam, model.ec.parameters(), {"lr": 0.03})  # fused into backward
     model = tpurec.DistributedModelParallel(model, device=args.device, batch_size=args.batch_size)
     dense_params = dict(in_backward_optimizer_filter(model.named_parameters()))
-    dense_opt = KeyedOptimizerWrapper(dense_params, lambda params: torch.optim.Adam(params, lr=0.003))
+    # fused: one op per step whose step count is a tensor (TorchTPU has the kernel). The unfused Adam's
+    # bias corrections are Python floats, on a TPU new constants, so new programs, every step.
+    dense_opt = KeyedOptimizerWrapper(dense_params, lambda params: torch.optim.Adam(params, lr=0.003, fused=True))
     optimizer = CombinedOptimizer([model.fused_optimizer, dense_opt])
 
     rank, world = dist.get_rank(), dist.get_world_size()
     gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own users
     loss_fn = torch.nn.BCEWithLogitsLoss()
     losses = []
+    emulated = _emulated_rank()
     for _ in range(steps):
+        if emulated is not None:
+            emulated.begin("train")
         sparse, labels, _ = batch(gen, args.batch_size)
-        loss = loss_fn(model(sparse.to(model.device)), labels.to(model.device))
+        loss = loss_fn(model(sparse), labels.to(model.device))  # the ids stay on the host
         optimizer.zero_grad()
         loss.backward()  # the item table is updated here, inside backward
         optimizer.step()
@@ -143,8 +155,10 @@ def main() -> None:
     eval_gen = torch.Generator().manual_seed(7 + rank)
     parts = [batch(eval_gen, args.batch_size) for _ in range(max(1, 2048 // args.batch_size))]
     labels, bayes = torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts])
+    if emulated is not None:
+        emulated.begin("eval")
     with torch.no_grad():
-        scores = torch.cat([model(p[0].to(model.device)).cpu() for p in parts])
+        scores = torch.cat([model(p[0]).cpu() for p in parts])
     from torchmetrics.functional.classification import binary_auroc
 
     auc = float(binary_auroc(scores, labels.long()))
@@ -154,9 +168,16 @@ def main() -> None:
         dist.all_reduce(both)
         auc, bayes_auc = (both / world).tolist()
     if rank == 0:
+        report = {}
+        if emulated is not None:  # an emulated TPU rank (tpurec launch --emulate-tpu): rank 0's device
+            report = {
+                "recompiles_after_warmup": emulated.recompiles_after_warmup(),
+                "device_to_host_copies_per_step": sum(emulated.train_copies().values()) / max(1, steps - 2),
+            }
         print(
             json.dumps(
-                {
+                report
+                | {
                     "steps": steps,
                     "world_size": world,
                     "first_loss": round(sum(losses[:20]) / 20, 4),
@@ -168,6 +189,17 @@ def main() -> None:
                 }
             )
         )
+
+
+def _emulated_rank():
+    """This process's emulated TPU rank under `tpurec launch --emulate-tpu`, else None."""
+    from tpurec.runtime.device import emulated_slice
+
+    if not emulated_slice():
+        return None
+    from tpurec.emulation.rank import current
+
+    return current()
 
 
 if __name__ == "__main__":

@@ -103,6 +103,28 @@ class SparseCoreSequenceKernel(SparseCoreKernel):
         gather is needed. On a TPU the lookup's shape is fixed by the capacity, and slicing a prefix
         compiles nothing, where a gather of the batch's id count was a new program for every count
         (torchrec's TPU EmbeddingCollection slices the same way, `feat_emb[:actual_num_ids]`)."""
+        pooled, counts, rows = self._pooled(features)
+        n = counts.numel()
+        per_feature = pooled.view(rows, n, self.dim).transpose(0, 1)  # [n, blocks x cap, dim]
+        return [per_feature[k, : int(c)] for k, c in enumerate(counts.tolist())]
+
+    def forward_padded(self, features: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The lookup's whole output, [rows, dim] (rows = capacity x features: a fixed shape on a
+        TPU while no feature is over the capacity), and on the host, per id in `features.values()`
+        order, its row there (feature k's j-th id is row j x features + k). Rows no id names are
+        zeros (empty bags). The sharded EmbeddingCollection gathers from it with host-computed
+        indices, so that no device tensor takes the batch's id count as its shape."""
+        pooled, counts, rows = self._pooled(features)
+        n = counts.numel()
+        out = pooled.reshape(rows * n, self.dim)
+        if not n:
+            return out, torch.zeros(0, dtype=torch.long)
+        j = torch.arange(int(counts.sum())) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+        k = torch.repeat_interleave(torch.arange(n), counts)
+        return out, j * n + k
+
+    def _pooled(self, features: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(the pooled lookup [rows, features x dim], ids per feature (host), rows = blocks x capacity)."""
         features = host_copies.to_host(features, "ids")  # host preprocessing (see SparseCoreKernel.preprocess)
         check_kjt(features)
         keys = features.keys()
@@ -126,8 +148,7 @@ class SparseCoreSequenceKernel(SparseCoreKernel):
                 for q in range(blocks)
             ]
             pooled = self.lookup(self.preprocess_blocks(chunks), cap)  # [blocks x cap, n * dim]
-        per_feature = pooled.view(blocks * cap, n, self.dim).transpose(0, 1)  # [n, blocks x cap, dim]
-        return [per_feature[k, : int(c)] for k, c in enumerate(counts.tolist())]
+        return pooled, counts, blocks * cap
 
     @staticmethod
     def _one_id_bags(keys: list[str], values: torch.Tensor, counts: torch.Tensor, cap: int) -> KeyedJaggedTensor:

@@ -17,17 +17,24 @@ from torchrec.distributed.embedding import EmbeddingCollectionSharder, ShardedEm
 from torchrec.distributed.embedding_kernel import BaseEmbedding
 from torchrec.distributed.embedding_lookup import GroupedEmbeddingsLookup
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel, GroupedEmbeddingConfig
-from torchrec.distributed.types import ParameterSharding, ShardingEnv
+from torchrec.distributed.types import LazyAwaitable, LazyNoWait, ParameterSharding, ShardingEnv
 
 from tpurec.embedding.constraints import DEFAULT_NUM_SPARSECORES
+from tpurec.errors import UserError
 from tpurec.planner.kernel_choice import EC_SHARDING_TYPES
 from tpurec.sharding.host_input_dist import HostInputDistMixin
 from tpurec.sharding.kernel_module import SparseCoreEmbedding
+from tpurec.sharding.sequence_output import FixedSequenceOutput
 from tpurec.sharding.sharded_state import SparseCoreShardedMixin
 from tpurec.sharding.sharder import SparseCoreSharderMixin
 
 if TYPE_CHECKING:
+    from torchrec.distributed.embedding import EmbeddingCollectionContext
+    from torchrec.distributed.embedding_types import KJTList
     from torchrec.modules.embedding_modules import EmbeddingCollection
+    from torchrec.sparse.jagged_tensor import JaggedTensor
+
+_POSITIONS = "tpurec_fixed_positions"  # each id's row in a sharding's received rows (sequence_output.py)
 
 
 class SparseCoreGroupedSequenceLookup(GroupedEmbeddingsLookup):
@@ -65,6 +72,14 @@ class ShardedSparseCoreEC(HostInputDistMixin, SparseCoreShardedMixin, ShardedEmb
     ) -> None:
         self._num_sc_per_device = num_sc_per_device
         self._widen_tables = (fused_params or {}).get("widen_tables")  # as every kernel reads it
+        # The TPU path (fixed limits: a tpu device, or asked for): outputs of fixed shapes on the device
+        # (tpurec/sharding/sequence_output.py); elsewhere TorchRec's own output distribution.
+        fixed = (fused_params or {}).get("fixed_limits")
+        on_tpu = device is not None and torch.device(device).type == "tpu"
+        cap = (fused_params or {}).get("max_ids_per_feature")
+        self._fixed_output = (
+            FixedSequenceOutput(int(cap) if cap is not None else None) if (on_tpu if fixed is None else fixed) else None
+        )
         # TorchRec's __init__ ends by loading the unsharded module's state_dict (when not on meta):
         # our state hooks must be in place by then, so they are registered in _initialize_torch_state.
         super().__init__(
@@ -77,6 +92,62 @@ class ShardedSparseCoreEC(HostInputDistMixin, SparseCoreShardedMixin, ShardedEmb
         if not skip_registering and not getattr(self, "_sparsecore_state_registered", False):
             self._register_sparsecore_state()
             self._sparsecore_state_registered = True
+
+    def compute(self, ctx: EmbeddingCollectionContext, dist_input: KJTList) -> List[torch.Tensor]:
+        if self._fixed_output is None:
+            return super().compute(ctx, dist_input)
+        return self._fixed_compute(ctx, dist_input)
+
+    def output_dist(
+        self, ctx: EmbeddingCollectionContext, output: List[torch.Tensor]
+    ) -> LazyAwaitable[Dict[str, JaggedTensor]]:
+        if self._fixed_output is None:
+            return super().output_dist(ctx, output)
+        return LazyNoWait(self._fixed_jagged(ctx, output))
+
+    def compute_and_output_dist(
+        self, ctx: EmbeddingCollectionContext, input: KJTList
+    ) -> LazyAwaitable[Dict[str, JaggedTensor]]:
+        if self._fixed_output is None:
+            return super().compute_and_output_dist(ctx, input)
+        return LazyNoWait(self._fixed_jagged(ctx, self._fixed_compute(ctx, input)))
+
+    def _fixed_compute(self, ctx: EmbeddingCollectionContext, dist_input: KJTList) -> List[torch.Tensor]:
+        """Per sharding, the received rows [rounds x world x block rows, dim] on the device; each id's
+        row in them goes on the sharding context (`fixed_positions`, host)."""
+        fixed = self._fixed_output
+        assert fixed is not None
+        if any(ctx.reverse_indices) or ctx.seq_vbe_ctx:
+            raise UserError("the sharded EmbeddingCollection's TPU path takes neither index dedup nor VBE inputs")
+        shardings: Dict[str, Any] = self._sharding_type_to_sharding
+        out = []
+        for i, (lookup, odist, features, sharding_ctx, sharding_type) in enumerate(
+            zip(self._lookups, self._output_dists, dist_input, ctx.sharding_contexts, shardings)
+        ):
+            dim = self._embedding_dim_for_sharding_type(sharding_type)
+            device = self._device if self._device is not None else torch.device("cpu")
+            recv, position = fixed.sharding_output(i, lookup, features, sharding_ctx, odist, dim, device)
+            setattr(sharding_ctx, _POSITIONS, position)  # (host) for output_dist
+            out.append(recv)
+        return out
+
+    def _fixed_jagged(self, ctx: EmbeddingCollectionContext, output: List[torch.Tensor]) -> Dict[str, JaggedTensor]:
+        fixed = self._fixed_output
+        assert fixed is not None
+        result: Dict[str, JaggedTensor] = {}
+        for recv, sharding_ctx, names in zip(output, ctx.sharding_contexts, self._embedding_names_per_sharding):
+            assert sharding_ctx.features_before_input_dist is not None
+            result.update(
+                fixed.jagged_tensors(
+                    recv,
+                    getattr(sharding_ctx, _POSITIONS),
+                    sharding_ctx.features_before_input_dist,
+                    names,
+                    self._need_indices,
+                    self._features_to_permute_indices,
+                )
+            )
+        return result
 
     def _create_lookups(self) -> None:
         # the concrete shardings (TW, CW, RW) hold the groups, process group and environment

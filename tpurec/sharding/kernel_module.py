@@ -244,6 +244,13 @@ class SparseCoreEmbedding(_SparseCoreGroupKernel):
 
     pooled = False
 
+    def forward_padded(self, features: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel's fixed-shape output and each id's row in it (SparseCoreSequenceKernel.forward_padded)."""
+        kernel = self.kernel
+        assert isinstance(kernel, SparseCoreSequenceKernel)
+        out, rows = kernel.forward_padded(features)
+        return (out if self._output_dtype in (None, out.dtype) else out.to(self._output_dtype)), rows
+
 
 def _same_ids(a: KeyedJaggedTensor, b: KeyedJaggedTensor) -> bool:
     """Same stride, ids, lengths and weights: then the SparseCore inputs are the same too."""
