@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import re
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
@@ -581,26 +581,28 @@ class SparseCoreKernel(nn.Module):
         return self._row_slots(i, csr, values, lengths, weights, batch, padded)
 
     def _row_slots(self, i: int, csr, values, lengths, weights, batch: int, padded: int):
-        """With weight decay, a batch within its limits takes the decay on the device in shapes fixed
-        by the limits (optimizers/weight_decay.py, `DecayInput`: decoupled, a row scale before the
-        ordinary update; L2, one more update entry per row); the lookup stays `csr`. A batch over its
-        limits (MultiPassInput) takes it in its update passes' slots. Without decay, `csr` as it is."""
-        if self.optimizer.weight_decay_mode is None or isinstance(csr, MultiPassInput):
-            return csr
-        if _writes_final_layout(self.stack_weight(i)):  # the CPU reference has the rows at hand
+        """With weight decay, the TPU path takes the decay on the device in the shapes of a batch within
+        its limits (optimizers/weight_decay.py, `DecayInput`: decoupled, a row scale before the
+        ordinary update; L2, one more update entry per row), whether the batch is within its limits
+        (the lookup stays `csr`) or over them (its update passes, `MultiPassInput.decays`). Without
+        decay, or where the CPU reference has the rows at hand, `csr` as it is."""
+        spec = self.optimizer
+        if spec.weight_decay_mode is None or _writes_final_layout(self.stack_weight(i)):
             return csr
         lay = self.stacks[i].layout
-        stacked_ids, samples, gains = self._stack_entries(i, values, lengths, weights, batch, padded)
-        return decay_input(
-            self.optimizer,
-            csr,
-            stacked_ids,
-            samples,
-            gains,
-            num_partitions=lay.num_partitions,
-            rows_per_partition=lay.rows_per_partition,
-            table_name=lay.name,
+        where: dict[str, Any] = dict(
+            num_partitions=lay.num_partitions, rows_per_partition=lay.rows_per_partition, table_name=lay.name
         )
+        if isinstance(csr, MultiPassInput) and spec.weight_decay_mode == "L2":  # each pass's rows, one entry each
+            decays = [
+                decay_input(spec, part, ids, slots, torch.ones(len(ids)), **where)
+                for part, (ids, slots) in zip(csr.updates, csr.update_rows)
+            ]
+            return replace(csr, decays=decays)
+        stacked_ids, samples, gains = self._stack_entries(i, values, lengths, weights, batch, padded)
+        if isinstance(csr, MultiPassInput):  # decoupled: the batch's rows, at the limits' shapes
+            return replace(csr, decays=[decay_input(spec, csr.updates[0], stacked_ids, samples, gains, **where)])
+        return decay_input(spec, csr, stacked_ids, samples, gains, **where)
 
     def _compiled_stack_input(self, i: int, values, lengths, weights, batch: int, padded: int):
         """The same SparseCore input from the compiled build (`csr_build`), or None: then the torch +
@@ -778,9 +780,17 @@ class _FusedLookup(torch.autograd.Function):
         lr = kernel.current_lr()
         if isinstance(csr, MultiPassInput):  # each row once, with its whole gradient
             grad = grad.to(torch.float32)
+            decays, l2 = csr.decays, kernel.optimizer.weight_decay_mode == "L2"
+            if decays is not None and not l2:  # decoupled on the TPU path: the rows scaled once, first
+                apply_decay(kernel.optimizer, kernel.stack_weight(ctx.i), grad, decays[0], lr)
             for p, part in enumerate(csr.updates):
-                slots = csr.update_ids[p] if csr.update_ids else None
-                kernel.apply_update(ctx.i, part, csr.update_gradient(p, grad), lr, new_step=p == 0, slot_ids=slots)
+                g = csr.update_gradient(p, grad)
+                if decays is not None:  # L2: the pass with its rows' decay entries; decoupled: done
+                    step = decays[p] if l2 else DecayInput(part, part, [])
+                    kernel.apply_update(ctx.i, step, g, lr, new_step=p == 0)
+                    continue
+                slots = csr.update_ids[p] if csr.update_ids else None  # the CPU reference's decay
+                kernel.apply_update(ctx.i, part, g, lr, new_step=p == 0, slot_ids=slots)
         else:
             kernel.apply_update(ctx.i, csr, grad, lr)
         return None, None, None, None, None, None

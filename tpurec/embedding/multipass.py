@@ -57,6 +57,12 @@ class MultiPassInput:
     # of the pass's rows; an empty pass has none). Weight decay gathers and scales rows by them
     # (tpurec/embedding/optimizers/weight_decay.py).
     update_ids: list[torch.Tensor] = field(default_factory=list)
+    # Per update pass, its rows as entries (SparseCore ids, slots; host tensors): what weight decay's
+    # L2 entries are built from on the TPU path (kernel._row_slots).
+    update_rows: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # Weight decay on the TPU path (optimizers/weight_decay.DecayInput, in the shapes of a batch within
+    # the limits): L2, one per update pass; decoupled, one, the batch's rows scaled before the passes.
+    decays: list[Any] | None = None
 
     @property
     def passes(self) -> int:
@@ -83,6 +89,7 @@ class MultiPassInput:
             updates=[c.to(device) for c in self.updates],
             gather=[[tuple(t.to(device) for t in chunk) for chunk in chunks] for chunks in self.gather],  # type: ignore[misc]
             update_ids=[u.to(device) for u in self.update_ids],
+            decays=[d.to(device) for d in self.decays] if self.decays is not None else None,
         )
 
 
@@ -137,10 +144,11 @@ def split_into_passes(
     row_pass = rounds * groups + row_part // span
     row_slot = slice_ * per_slice + (row_part % span) * each + k % each
     num_updates = int(row_pass.max()) + 1 if rows.size else 1
-    updates, update_ids = [], []
+    updates, update_ids, update_rows = [], [], []
     for p in range(num_updates):
         mask = row_pass == p
         update_ids.append(_slot_ids(rows[mask], row_slot[mask], device_batch_size))
+        update_rows.append((torch.from_numpy(rows[mask]), torch.from_numpy(row_slot[mask])))
         updates.append(
             preprocess(
                 torch.from_numpy(rows[mask]),
@@ -176,6 +184,7 @@ def split_into_passes(
         gather=gather,
         device_batch_size=device_batch_size,
         update_ids=update_ids,
+        update_rows=update_rows,
     )
 
 

@@ -35,7 +35,10 @@ by the id limits, so that a TPU compiles nothing after the first steps (`DecayIn
   limits are (max ids + max unique ids, max unique ids), and `extra` = partitions x max unique ids.
 
 A batch over its limits runs in update passes in which each row has one slot holding its whole
-gradient (`tpurec.embedding.multipass`); there the slot takes the decay (`decay_slots`).
+gradient (`tpurec.embedding.multipass`); the decay takes the same shapes there: L2, each pass with
+its rows' extra entries (every pass fits the limits, so the same update program); decoupled, the
+batch's rows scaled once before the passes, in chunks of `max_rows`. The CPU reference's passes
+decay each pass's slots (`decay_slots`).
 
 The CPU reference needs no layout: it has each row and its gradient at hand, so there the decay
 applies to them and the spec updates the rows (`OptimizerSpec.update_rows`).
@@ -238,6 +241,8 @@ def apply_decay(
         term = table.index_select(0, rows).to(torch.float32).mul_(spec.weight_decay)
         both = torch.cat([grad.view(num_sc, -1, width), term.view(num_sc, decay.extra, width)], dim=1)
         return decay.update, both.view(-1, width)
+    if not decay.rows:
+        return decay.update, grad
     factor = torch.tensor(1.0 - lr * spec.weight_decay, dtype=torch.float32, device=table.device)
     for rows in decay.rows:
         table.index_copy_(0, rows, table.index_select(0, rows).to(torch.float32).mul_(factor).to(table.dtype))
