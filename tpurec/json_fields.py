@@ -118,6 +118,21 @@ def each(check: Check) -> Check:
     return run
 
 
+def finite_numbers(at: str, doc: Any) -> None:
+    """Every number anywhere in `doc` finite: Python's JSON parser reads `NaN`, `Infinity` and `1e400`
+    as floats no check of a field's kind would question in a free-form part. Walked with a stack, not
+    recursion (the parser already bounds the depth); the first one found is refused by its path."""
+    stack: list[tuple[str, Any]] = [(at, doc)]
+    while stack:
+        where, v = stack.pop()
+        if isinstance(v, float) and not math.isfinite(v):
+            raise bad(where, v, "a finite number")
+        if isinstance(v, dict):
+            stack.extend((key_path(where, str(k)), x) for k, x in reversed(list(v.items())))
+        elif isinstance(v, list):
+            stack.extend((f"{where}[{i}]", x) for i, x in reversed(list(enumerate(v))))
+
+
 def map_of(check: Check) -> Check:
     def run(at: str, v: Any) -> None:
         for k, x in obj(at, v).items():

@@ -256,9 +256,51 @@ def plan_layout(topology: str, batch_size_per_device: int) -> dict:
     }
 
 
+# The most ids a partition's limit can name: the kernel's buffers index ids and entries as int32 on the
+# SparseCore (and a host buffer of 2^31 entries is already 8 GiB); 10^12 was accepted and failed at
+# the first forward with a MemoryError.
+MAX_ID_LIMIT = 2**31 - 1
+# the fields of a limits entry, in their positions (docs/id_limits.md)
+LIMIT_FIELDS = (
+    "max_ids_per_partition",
+    "max_unique_ids_per_partition",
+    "max_ids_per_slice",
+    "max_unique_ids_per_slice",
+    "max_ids_per_feature",
+)
+
+
+def _limit(where: str, value: object) -> int:
+    """One limit: a whole number in [1, MAX_ID_LIMIT] (not a bool, a float, a string, NaN or inf)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_ID_LIMIT:
+        raise IdLimitsError(f"{where}: {value!r} is not a whole number in [1, {MAX_ID_LIMIT:,}]")
+    return value
+
+
+def check_table_limits(limits: object, source: str = "id_limits") -> dict[str, tuple[int, ...]]:
+    """`{table: (max ids, max unique ids per partition[, per slice (2)[, per feature]])}` as given to
+    DistributedModelParallel(id_limits=...), checked like a flag: each limit a whole number in
+    [1, MAX_ID_LIMIT], the table and the field named (IdLimitsError, a UserError)."""
+    if not isinstance(limits, dict):
+        raise IdLimitsError(f"{source}: {type(limits).__name__} is not a dict {{table: (max ids, max unique ids)}}")
+    out = {}
+    for name, values in limits.items():
+        if not isinstance(name, str):
+            raise IdLimitsError(f"{source}: table name {name!r} is not a string")
+        if not isinstance(values, (tuple, list)) or len(values) not in (2, 4, 5):
+            raise IdLimitsError(
+                f"{source}[{name!r}]: {values!r} is not (max ids, max unique ids per partition"
+                "[, max ids, max unique ids per slice[, max ids per feature]])"
+            )
+        out[name] = tuple(_limit(f"{source}[{name!r}] {LIMIT_FIELDS[i]}", v) for i, v in enumerate(values))
+    return out
+
+
 def load_limits(path: str, layout: dict | None = None) -> dict[str, tuple[int, ...]]:
     """{table: (max ids, max unique ids per partition[, max ids, max unique ids per slice])} from a
-    limits file; with `layout`, refused unless the file was measured for it."""
+    limits file; with `layout`, refused unless the file was measured for it. Every limit present must
+    be a whole number in [1, MAX_ID_LIMIT] (NaN, Infinity, 1.5, "8", 10^12 refused, the table and
+    field named); nesting deeper than Python's JSON parser reads is refused too."""
     try:
         with open(path) as f:
             doc = json.load(f)
@@ -266,28 +308,28 @@ def load_limits(path: str, layout: dict | None = None) -> dict[str, tuple[int, .
         raise IdLimitsError(f"--limits {path}: {e.strerror or e}") from None
     except json.JSONDecodeError as e:
         raise IdLimitsError(f"--limits {path}: not JSON ({e.msg}, line {e.lineno})") from None
+    except RecursionError:  # Python's parser recurses once per level: [[[[... a million deep
+        raise IdLimitsError(
+            f"--limits {path}: not a limits file (JSON nested deeper than Python's parser reads)"
+        ) from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("tables"), dict):
         raise IdLimitsError(f"--limits {path}: not a limits file (write one with `tpurec data stats`)")
     if layout is not None and not same_layout(doc.get("layout"), layout):
         raise IdLimitsError(f"--limits {path} was measured for {_describe(doc.get('layout'))}, not {_describe(layout)}")
     out = {}
     for name, t in doc["tables"].items():
-        try:
-            ids, uniq = int(t["max_ids_per_partition"]), int(t["max_unique_ids_per_partition"])
-        except (KeyError, TypeError, ValueError):
+        if not isinstance(t, dict) or any(k not in t for k in LIMIT_FIELDS[:2]):
             raise IdLimitsError(
                 f"--limits {path}: table {name!r} needs integer max_ids_per_partition and max_unique_ids_per_partition"
-            ) from None
-        if ids < 1 or uniq < 1:
-            raise IdLimitsError(f"--limits {path}: table {name!r}: limits must be >= 1, got {ids} / {uniq}")
-        # positions: per partition (2), then per slice (2), then per feature (1), each while present
-        limits: tuple[int, ...] = (ids, uniq)
-        per_slice = (t.get("max_ids_per_slice"), t.get("max_unique_ids_per_slice"))
-        if all(isinstance(v, int) and v >= 1 for v in per_slice):
-            limits += per_slice
-            feature = t.get("max_ids_per_feature")
-            if isinstance(feature, int) and feature >= 1:
-                limits += (feature,)
+            )
+        # positions: per partition (2), then per slice (2), then per feature (1), each while present;
+        # every value present is checked, used or not
+        given = {f: _limit(f"--limits {path}: table {name!r} {f}", t[f]) for f in LIMIT_FIELDS if t.get(f) is not None}
+        limits = tuple(given[f] for f in LIMIT_FIELDS[:2])
+        if all(f in given for f in LIMIT_FIELDS[2:4]):
+            limits += tuple(given[f] for f in LIMIT_FIELDS[2:4])
+            if LIMIT_FIELDS[4] in given:
+                limits += (given[LIMIT_FIELDS[4]],)
         out[str(name)] = limits
     return out
 

@@ -153,8 +153,8 @@ def _is_report(doc: dict) -> bool:
 
 
 def read_doc(path: str | os.PathLike) -> dict:
-    """The plan file's JSON object, its meta checked (plan_schema.py); UserError naming the file."""
-    from tpurec.planner.plan_schema import check_meta, obj
+    """The plan file's JSON object, its meta and numbers checked (plan_schema.py); UserError naming the file."""
+    from tpurec.planner.plan_schema import check_meta, check_numbers, obj
 
     try:
         doc = json.loads(Path(path).read_text())
@@ -168,6 +168,7 @@ def read_doc(path: str | os.PathLike) -> dict:
         check_meta("$.meta", doc.get("meta"))
         if _is_report(doc):
             check_meta("$.plan.meta", obj("$.plan", doc["plan"]).get("meta"))
+        check_numbers(doc, report=_is_report(doc))
     except UserError as e:
         raise UserError(f"{path}: {e}") from None
     return doc

@@ -22,6 +22,7 @@ from tpurec.json_fields import (
     choice,
     each,
     fields,
+    finite_numbers,
     flag,
     items,
     key_path,
@@ -116,7 +117,7 @@ def _table_spec(at: str, t: Any) -> None:
 
 
 def _id_limits(at: str, v: Any) -> None:
-    checks = {"tables": map_of(each(whole)), "layout": obj, "source": text}
+    checks = {"tables": map_of(each(lambda a, x: whole(a, x, 1))), "layout": obj, "source": text}
     fields(at, obj(at, v), checks, required=("tables", "layout"))
 
 
@@ -136,6 +137,43 @@ META_CHECKS: dict[str, Check] = {
     "refusal": optional(text),
     "smallest_fitting_topology": optional(map_of(optional(text))),
 }
+
+
+def _report_shard(at: str, v: Any) -> None:
+    checks = {"rank": whole, "offsets": _pair, "sizes": _pair, "bytes": whole, "time_ms": number}
+    fields(at, obj(at, v), checks, required=())
+
+
+def _report_table(at: str, v: Any) -> None:
+    checks = {
+        "rows": whole,
+        "dim": lambda a, x: whole(a, x, 1),
+        "pooling_factor": number,
+        "ranks": optional(each(whole)),
+        "bytes": whole,
+        "time_ms": number,
+        "shards": each(_report_shard),
+    }
+    fields(at, obj(at, v), checks, required=())
+
+
+# A `tpurec plan --format json` report's own figures (besides the plan and meta it holds): `plan show`
+# recomputes them, but a hand-edited report with a NaN shard size or a fractional world size was
+# read without a word (also by `data stats --plan`).
+REPORT_CHECKS: dict[str, Check] = {
+    "world_size": lambda a, v: whole(a, v, 1),
+    "num_slices": lambda a, v: whole(a, v, 1),
+    "batch_size_per_device": lambda a, v: whole(a, v, 1),
+    "tables": each(_report_table),
+}
+
+
+def check_numbers(doc: dict, report: bool) -> None:
+    """Every number of a plan file or report finite (NaN, Infinity anywhere refused by its JSON path),
+    and a report's own sizes and counts whole numbers."""
+    if report:
+        fields("$", doc, REPORT_CHECKS, required=())
+    finite_numbers("$", doc)
 
 
 def check_meta(at: str, meta: Any) -> None:

@@ -151,9 +151,12 @@ def _table_limits(
 ) -> dict[str, tuple[int, ...]] | None:
     """{table: (max ids, max unique ids)} from `id_limits`: a limits file (`tpurec data stats`),
     refused unless measured for this layout, or such a dict as it is; None: none given."""
-    if id_limits is None or isinstance(id_limits, dict):
-        return id_limits
-    from tpurec.planner.id_limits import load_limits
+    if id_limits is None:
+        return None
+    from tpurec.planner.id_limits import check_table_limits, load_limits
+
+    if isinstance(id_limits, dict):  # each limit checked like a flag, the table and field named
+        return check_table_limits(id_limits)
 
     if batch_size is None:
         raise UserError("id_limits from a file need batch_size= (the batch per device they were measured for)")
