@@ -4,6 +4,7 @@ history, trained through tpurec.DistributedModelParallel, scored against the bes
     .venv/bin/python examples/sequential_recommender.py               # CPU: the SparseCore reference kernels
     .venv/bin/python examples/sequential_recommender.py --device tpu  # a TPU VM (after tpurec selftest --device tpu)
     .venv/bin/torchrun --standalone --nproc-per-node 2 examples/sequential_recommender.py   # 2 ranks (gloo on CPU)
+    .venv/bin/tpurec launch --emulate-tpu v5p-8 examples/sequential_recommender.py --device tpu  # an emulated slice
 
 The model is plain TorchRec and torch: an EmbeddingCollection (one table of items, looked up
 unpooled for the history and the candidate: one embedding per id), a transformer encoder layer over
@@ -24,6 +25,7 @@ import json
 
 import torch
 import torch.distributed as dist
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torchrec import EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
@@ -63,7 +65,10 @@ class SequentialRanker(torch.nn.Module):
         mask = mask.to(device)
         weights = mask.float().unsqueeze(2)
         padded = hist.index_select(0, rows.to(device)).view(batch, MAX_LEN, DIM) * weights
-        encoded = self.encoder(padded, src_key_padding_mask=~mask & mask.any(1, keepdim=True))
+        # the attention's math kernel on every device: a TPU decomposes it so, and torch's CPU flash kernel
+        # sums in another order, so CPU and TPU runs could not be compared exactly
+        with sdpa_kernel(SDPBackend.MATH):
+            encoded = self.encoder(padded, src_key_padding_mask=~mask & mask.any(1, keepdim=True))
         user = (encoded * weights).sum(1) / weights.sum(1).clamp(min=1)
         candidate = emb["candidate"].values()[:batch]  # one id per sample
         return self.head(torch.cat([user, candidate, user * candidate], dim=1)).squeeze(1)
