@@ -157,6 +157,24 @@ def _check_out_dir(args: argparse.Namespace) -> None:
     check_outputs([("--out", args.out, "dir")])
 
 
+MAX_TABLE_SIZE = 2**40  # as tpurec plan --tables bounds rows (tpurec/planner/tables_file.py)
+
+
+def _whole_numbers(flag: str, text: str, lo: int | None = None) -> list[int]:
+    """A comma-separated list of whole numbers (each >= `lo`, and <= MAX_TABLE_SIZE when `lo` is given),
+    or UserError naming the flag and the entry: `--table-sizes abc` was a ValueError traceback."""
+    out = []
+    for i, x in enumerate(text.split(",")):
+        try:
+            v = int(x.strip())
+        except ValueError:
+            raise UserError(f"{flag} {text!r}: entry {i + 1} ({x.strip()!r}) is not a whole number") from None
+        if lo is not None and not lo <= v <= MAX_TABLE_SIZE:
+            raise UserError(f"{flag} {text!r}: entry {i + 1} ({v}) must be in [{lo}, {MAX_TABLE_SIZE:,}]")
+        out.append(v)
+    return out
+
+
 @reader_gone_ok
 def run_convert(args: argparse.Namespace) -> int:
     from tpurec.catalog import get_table_set
@@ -176,7 +194,7 @@ def run_convert(args: argparse.Namespace) -> int:
     if args.raw_ids and args.mod_ids:
         raise UserError("--raw-ids and --mod-ids exclude each other")
     _check_out_dir(args)
-    mins = [int(x) for x in args.npy_dense_min.split(",")] if args.npy_dense_min else None
+    mins = _whole_numbers("--npy-dense-min", args.npy_dense_min) if args.npy_dense_min else None
     opts = ConvertOptions(
         DataSchema(),  # replaced below, once the inputs are known
         input_format=args.format,
@@ -194,7 +212,7 @@ def run_convert(args: argparse.Namespace) -> int:
     hots = npy.multi_hot_sizes(days[0], 26) if days else [1] * 26
     multi = bool(days) and days[0].multi_hot
     if args.table_sizes:
-        sizes = [int(x) for x in args.table_sizes.split(",")]
+        sizes = _whole_numbers("--table-sizes", args.table_sizes, lo=1)
     else:
         table_set = args.tables or ("mlperf-dcnv2" if multi else "criteo-kaggle")
         sizes = [t.num_embeddings for t in get_table_set(table_set).tables]

@@ -123,6 +123,37 @@ def _tables(path: str, model: str | None, tables_file: str | None) -> list:
     return tables
 
 
+def batch_bytes_per_row(meta: dict) -> int:
+    """Host bytes a row of this dataset takes in a batch the reader builds: label and dense values
+    (float32), and per feature its ids (int64) and its length (int32); multi-hot features at their
+    recorded ids per sample (1 when not recorded)."""
+    sparse = meta.get("sparse") or []
+    hots = meta.get("multi_hot_sizes") or [1] * len(sparse)
+    ids = sum(int(h) if isinstance(h, int) and h > 0 else 1 for h in hots)
+    return 4 + 4 * len(meta.get("dense") or []) + 8 * ids + 4 * len(sparse)
+
+
+def _check_batch_memory(args: argparse.Namespace, layout: dict) -> None:
+    """Refuse a batch this host cannot hold once, before the reader allocates it: `--batch-size 1e9`
+    tried to allocate 416 GB and died with a RuntimeError traceback."""
+    from tpurec.data.schema import dataset_metadata
+    from tpurec.runtime.host_resources import available_bytes
+
+    memory = available_bytes()
+    if memory is None:
+        return
+    per_row = batch_bytes_per_row(dataset_metadata(args.path))
+    world, batch = layout["world_size"], layout["batch_size_per_device"]
+    need = batch * world * per_row
+    if need > memory:
+        flag = f"--batch-size {batch:,}" if args.batch_size else f"the plan's batch of {batch:,} per device"
+        raise UserError(
+            f"{flag}: a global batch of {batch * world:,} rows ({world} devices) needs about "
+            f"{need / 2**30:,.1f} GiB of memory ({per_row} bytes per row of {args.path}), but this host has "
+            f"{memory / 2**30:,.1f} GiB available: at most {max(1, memory // per_row // world):,} per device"
+        )
+
+
 def _run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -138,6 +169,7 @@ def _run(args: argparse.Namespace) -> int:
     layout = layout_of(report)
     tables = table_layouts(report)
     global_batch = layout["batch_size_per_device"] * layout["world_size"]
+    _check_batch_memory(args, layout)
     reader = ParquetReader(args.path, batch_size=global_batch, shuffle=False, drop_last=False)
     threads = args.threads or os.cpu_count() or 1
     tally = DemandTally(tables, layout)

@@ -70,10 +70,17 @@ def png_bytes(report: dict) -> bytes:
 
 
 def figure(report: dict) -> Figure:
-    """The matplotlib figure behind png_bytes: HBM bars over time bars, one bar per device."""
+    """The matplotlib figure behind png_bytes: HBM bars over time bars, one bar per device. Every
+    text is drawn literally: a table or model name holding `$...$` (a user's name) was parsed as
+    mathtext and crashed the PNG and HTML reports with a ValueError traceback."""
     import matplotlib
 
     matplotlib.use("Agg")
+    with matplotlib.rc_context({"text.parse_math": False, "text.usetex": False}):
+        return _draw(report)
+
+
+def _draw(report: dict) -> Figure:
     import matplotlib.pyplot as plt
 
     devices = report["devices"]

@@ -15,12 +15,26 @@ def available_bytes() -> int | None:
     pages; else None. TPUREC_HOST_MEMORY_BYTES overrides it (tests; hosts that misreport)."""
     override = os.environ.get("TPUREC_HOST_MEMORY_BYTES")
     if override:
-        return int(override)
+        return _override_bytes(override)
     found = _meminfo_available()
     limit = _cgroup_room()
     if found is not None and limit is not None:
         return min(found, limit)
     return found if found is not None else limit
+
+
+def _override_bytes(text: str) -> int:
+    """TPUREC_HOST_MEMORY_BYTES as a whole number of bytes >= 0 (UserError naming it otherwise:
+    `abc`, `-1`, `1.5e9` were a ValueError traceback, or a negative room)."""
+    from tpurec.errors import UserError
+
+    try:
+        value = int(text.strip())
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise UserError(f"TPUREC_HOST_MEMORY_BYTES={text!r}: not a whole number of bytes >= 0 (unset it to measure)")
+    return value
 
 
 def _cgroup_room() -> int | None:
