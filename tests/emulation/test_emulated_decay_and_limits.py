@@ -78,12 +78,13 @@ def test_rowwise_adagrad_weight_decay_compiles_nothing_after_warmup_and_equals_c
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("decay", [(), ("--embedding-weight-decay", 0.01, "--embedding-weight-decay-mode", "L2")])
-def test_batches_over_their_limits_compile_nothing_after_warmup_and_equal_cpu_gloo(setup, decay, monkeypatch):
+@pytest.mark.parametrize("mode", [None, "L2", "DECOUPLE"])
+def test_batches_over_their_limits_compile_nothing_after_warmup_and_equal_cpu_gloo(setup, mode, monkeypatch):
     """Before, each update pass's gradient was sliced out of one [passes x batch] tensor gathered
     over a power of two of entries: 5 programs after warm-up in this 40-step run (aten::slice at a
     new pass's offset, new_zeros, index_add_)."""
     monkeypatch.setenv("TPUREC_NO_DIRECT", "1")
+    decay = ("--embedding-weight-decay", 0.01, "--embedding-weight-decay-mode", mode) if mode else ()
     emulated, cpu = _both(setup, 40, "--limits", setup[2], *decay)
     assert emulated["id_limits"]["multipass_batches"] > 40  # every batch over its limits
     _check(emulated, cpu)
