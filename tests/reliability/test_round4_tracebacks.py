@@ -68,3 +68,16 @@ def test_convert_list_flags_that_are_not_numbers_are_one_line(tmp_path, capsys, 
     code, _, err = run_cli(["data", "convert", src, "--out", tmp_path / "out", "--quiet", *flags], capsys)
     assert_refused(code, err, says)
     assert not (tmp_path / "out").exists()
+
+
+BENCH_FLAGS = [
+    (["bench", "balance", "--batch-size", -1], "tpurec bench balance: error: argument --batch-size: '-1' must be > 0"),
+    (["bench", "pipeline", "--batch-size", 0], "argument --batch-size: '0' must be > 0"),
+    (["bench", "data", "--passes", 0], "argument --passes: '0' must be > 0"),
+]
+
+
+@pytest.mark.parametrize("argv,says", BENCH_FLAGS, ids=["balance_batch", "pipeline_batch", "data_passes"])
+def test_bench_counts_below_one_are_one_line(capsys, argv, says):
+    code, _, err = run_cli(argv, capsys)  # balance -1 was numpy's "negative dimensions" traceback
+    assert_refused(code, err, says)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from tpurec.argtypes import positive_int
+
 
 def _partition_loads(stacked_ids, layout, scheme: str):
     import numpy as np
@@ -84,7 +86,7 @@ def run(batch: int = 2048, pooling: int = 20, seed: int = 0) -> dict:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("balance", help="ids per SparseCore partition: natural-order storage vs MOD")
     p.add_argument("--json", action="store_true", help="one JSON document instead of text")
-    p.add_argument("--batch-size", type=int, default=2048, help="batch size per device (default 2048)")
+    p.add_argument("--batch-size", type=positive_int, default=2048, help="batch size per device (default 2048)")
     p.set_defaults(run=main)
 
 

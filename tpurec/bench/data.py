@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tpurec.argtypes import positive_int
 from tpurec.bench import timer
 
 BATCH = 8192
@@ -219,11 +220,16 @@ def run_bench(
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("data", help="Parquet reader vs torchrec's in-memory Criteo loader, converter MB/s")
-    p.add_argument("--rows", type=int, default=2_000_000, help="rows in the generated dataset (default 2M)")
+    p.add_argument("--rows", type=positive_int, default=2_000_000, help="rows in the generated dataset (default 2M)")
     p.add_argument("--tables", default="criteo-kaggle", help="table set for the ids (default criteo-kaggle)")
-    p.add_argument("--passes", type=int, default=5, help="timed passes per reader; the best is kept (default 5)")
     p.add_argument(
-        "--convert-rows", type=int, default=500_000, help="rows of raw TSV for the converter figure (default 500000)"
+        "--passes", type=positive_int, default=5, help="timed passes per reader; the best is kept (default 5)"
+    )
+    p.add_argument(
+        "--convert-rows",
+        type=positive_int,
+        default=500_000,
+        help="rows of raw TSV for the converter figure (default 500000)",
     )
     p.add_argument("--compression", default="none", help="codec of the generated Parquet (default none)")
     p.add_argument("--dir", help="work directory (kept); default a temporary one, removed afterwards")

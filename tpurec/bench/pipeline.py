@@ -37,6 +37,7 @@ import time
 
 import numpy as np
 
+from tpurec.argtypes import positive_int
 from tpurec.bench import rounds, timer
 from tpurec.runtime import safe_path
 
@@ -298,8 +299,8 @@ def _spawn(spec: dict, cpus: list[int]) -> dict:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("pipeline", help="Parquet -> KJT -> SparseCore CSR per step vs pyarrow + jax-tpu-embedding")
-    p.add_argument("--batch-size", type=int, default=2048, help="samples per step (default 2048)")
-    p.add_argument("--steps", type=int, default=24, help="batches in the generated data (default 24)")
+    p.add_argument("--batch-size", type=positive_int, default=2048, help="samples per step (default 2048)")
+    p.add_argument("--steps", type=positive_int, default=24, help="batches in the generated data (default 24)")
     p.add_argument("--cores", help="core counts, e.g. 1,2 (default 1 and all)")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds (default 3; the median ratio counts)")
     p.add_argument("--quick", action="store_true", help="batch 256, 8 steps, 1 timed pass")

@@ -38,6 +38,7 @@ import sys
 
 import numpy as np
 
+from tpurec.argtypes import positive_int
 from tpurec.bench import rounds, timer, workloads
 from tpurec.bench.equal_work import UnequalWork
 
@@ -274,7 +275,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("preprocess", help="SparseCore input preprocessing vs jax-tpu-embedding's C++ path")
     p.add_argument("--quick", action="store_true", help="fewer repetitions, same shapes")
     p.add_argument("--json", action="store_true", help="one JSON document instead of text")
-    p.add_argument("--batch-size", type=int, default=2048, help="device batch size: samples per step (default 2048)")
+    p.add_argument(
+        "--batch-size", type=positive_int, default=2048, help="device batch size: samples per step (default 2048)"
+    )
     p.add_argument("--threads", type=int, default=None, help="threads for both sides (default: all cores)")
     p.add_argument("--repeats", type=int, default=None, help="timed steps per side (default 15, --quick 3)")
     p.set_defaults(run=main)

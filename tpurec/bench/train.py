@@ -41,6 +41,7 @@ import subprocess
 import sys
 from typing import cast
 
+from tpurec.argtypes import positive_int
 from tpurec.bench import rounds, timer
 from tpurec.runtime import safe_path
 
@@ -78,9 +79,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="kaggle-1m: Criteo Kaggle tables capped at 1M rows, dim 64, DLRM-DCNv2 (default); tiny: dlrm-tiny",
     )
     p.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per side (default 50; tiny 300)")
+    p.add_argument("--steps", type=positive_int, default=None, help="timed steps per side (default 50; tiny 300)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5; tiny 30)")
-    p.add_argument("--batch-size", type=int, default=None, help="batch per rank (default 1024; tiny 512)")
+    p.add_argument("--batch-size", type=positive_int, default=None, help="batch per rank (default 1024; tiny 512)")
     p.add_argument(
         "--repeats",
         type=int,
