@@ -41,6 +41,13 @@ def test_data_stats_refuses_a_batch_beyond_host_memory_before_allocating(dataset
     assert json.loads(out.read_text())["layout"]["batch_size_per_device"] == 256
 
 
+def test_bench_stats_refuses_a_batch_beyond_host_memory(dataset, capsys, monkeypatch):
+    monkeypatch.setenv("TPUREC_HOST_MEMORY_BYTES", str(4 * 2**30))
+    argv = ["bench", "stats", dataset, "--model", "dlrm-tiny", "--topology", "v6e-4", "--batch-size", 1_000_000_000]
+    code, _, err = run_cli(argv, capsys)
+    assert_refused(code, err, "--batch-size 1,000,000,000: a global batch of 4,000,000,000 rows (4 devices) needs")
+
+
 @pytest.mark.parametrize("fmt", ["png", "html"])
 def test_table_names_with_dollars_are_drawn_literally(tmp_path, capsys, fmt):
     tables = tmp_path / "tables.json"

@@ -22,10 +22,11 @@ def run_bench(path: str, model: str, topology: str, batch_size: int | None, roun
     from tpurec.bench import timer
     from tpurec.data.reader import ParquetReader
     from tpurec.planner.id_limits import DemandTally, layout_of, table_layouts
-    from tpurec.planner.limits_cli import plan_report
+    from tpurec.planner.limits_cli import check_batch_memory, plan_report
 
     report = plan_report(path, model=model, tables_file=None, topology=topology, batch_size=batch_size)
     layout, tables = layout_of(report), table_layouts(report)
+    check_batch_memory(path, layout, flag_given=batch_size is not None)  # before the reader allocates it
     batch = layout["batch_size_per_device"] * layout["world_size"]
 
     def reader() -> ParquetReader:

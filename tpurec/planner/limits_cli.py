@@ -133,7 +133,7 @@ def batch_bytes_per_row(meta: dict) -> int:
     return 4 + 4 * len(meta.get("dense") or []) + 8 * ids + 4 * len(sparse)
 
 
-def _check_batch_memory(args: argparse.Namespace, layout: dict) -> None:
+def check_batch_memory(path: str, layout: dict, flag_given: bool) -> None:
     """Refuse a batch this host cannot hold once, before the reader allocates it: `--batch-size 1e9`
     tried to allocate 416 GB and died with a RuntimeError traceback."""
     from tpurec.data.schema import dataset_metadata
@@ -142,14 +142,14 @@ def _check_batch_memory(args: argparse.Namespace, layout: dict) -> None:
     memory = available_bytes()
     if memory is None:
         return
-    per_row = batch_bytes_per_row(dataset_metadata(args.path))
+    per_row = batch_bytes_per_row(dataset_metadata(path))
     world, batch = layout["world_size"], layout["batch_size_per_device"]
     need = batch * world * per_row
     if need > memory:
-        flag = f"--batch-size {batch:,}" if args.batch_size else f"the plan's batch of {batch:,} per device"
+        flag = f"--batch-size {batch:,}" if flag_given else f"the plan's batch of {batch:,} per device"
         raise UserError(
             f"{flag}: a global batch of {batch * world:,} rows ({world} devices) needs about "
-            f"{need / 2**30:,.1f} GiB of memory ({per_row} bytes per row of {args.path}), but this host has "
+            f"{need / 2**30:,.1f} GiB of memory ({per_row} bytes per row of {path}), but this host has "
             f"{memory / 2**30:,.1f} GiB available: at most {max(1, memory // per_row // world):,} per device"
         )
 
@@ -169,7 +169,7 @@ def _run(args: argparse.Namespace) -> int:
     layout = layout_of(report)
     tables = table_layouts(report)
     global_batch = layout["batch_size_per_device"] * layout["world_size"]
-    _check_batch_memory(args, layout)
+    check_batch_memory(args.path, layout, flag_given=args.batch_size is not None)
     reader = ParquetReader(args.path, batch_size=global_batch, shuffle=False, drop_last=False)
     threads = args.threads or os.cpu_count() or 1
     tally = DemandTally(tables, layout)
