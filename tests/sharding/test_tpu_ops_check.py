@@ -42,25 +42,14 @@ def test_a_model_without_one_passes():
 
 
 def test_distributedmodelparallel_refuses_it_on_the_tpu_path_before_any_group(monkeypatch):
-    import torch.distributed as dist
-
     import tpurec
     from tpurec.sharding import dmp
 
+    def no_group_yet(kind):
+        raise AssertionError("a process group was made before the refusal")
+
     # The TPU path as an emulated rank takes it, without a TPU: the device kind decides.
     monkeypatch.setattr(dmp, "device_kind", lambda device_type: "tpu")
+    monkeypatch.setattr(dmp, "_ensure_process_group", no_group_yet)
     with pytest.raises(UserError, match="regroup .KTRegroupAsDict. calls fbgemm::permute_multi_embedding"):
         tpurec.DistributedModelParallel(Tower(), device="cpu")
-    assert not dist.is_initialized()
-
-
-def test_ktregroupasdict_takes_fbgemms_permute_on_pooled_embeddings():
-    # The claim the table makes, checked on CPU: on 2-D pooled embeddings the module's forward takes
-    # its FBGEMM path (PermuteMultiEmbedding -> torch.ops.fbgemm.permute_multi_embedding).
-    from torchrec.sparse.jagged_tensor import KeyedTensor
-
-    kt = KeyedTensor.from_tensor_list(["f0", "f1"], [torch.randn(2, 8), torch.randn(2, 8)])
-    module = KTRegroupAsDict(groups=[["f0"], ["f1"]], keys=["user", "item"])
-    out = module([kt])
-    assert set(out) == {"user", "item"}
-    assert module._use_fbgemm_regroup
