@@ -14,8 +14,9 @@ import sys
 NO_TPU_ENV = {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "TPU_SKIP_MDS_QUERY": "1", "JAX_PLATFORMS": "cpu"}
 
 
-def skip_reason() -> str | None:
-    """Why torch_tpu cannot be imported safely here, or None. Never imports it in this process."""
+def skip_reason(probe_code: str = "import torch, torch_tpu") -> str | None:
+    """Why torch_tpu cannot be imported safely here (`probe_code` run in a child), or None. Never
+    imports it in this process."""
     if "torch_tpu" in sys.modules:
         return None
     if importlib.util.find_spec("torch_tpu") is None:
@@ -27,9 +28,7 @@ def skip_reason() -> str | None:
     # A crash or a hang must not take pytest down: try the import in a child first.
     env = dict(os.environ, **NO_TPU_ENV)
     try:
-        probe = subprocess.run(
-            [sys.executable, "-c", "import torch, torch_tpu"], env=env, capture_output=True, text=True, timeout=300
-        )
+        probe = subprocess.run([sys.executable, "-c", probe_code], env=env, capture_output=True, text=True, timeout=300)
     except subprocess.TimeoutExpired:
         return "`import torch_tpu` hung for 300 s in a subprocess"
     if probe.returncode != 0:

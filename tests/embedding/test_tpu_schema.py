@@ -17,11 +17,7 @@ CompositeImplicitAutograd `preprocess_sparse_dense_matmul_input`) without touchi
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -29,32 +25,12 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from tests.torchtpu_venv import skip_reason  # noqa: E402
+
 _PROBE = "import torch, torch_tpu; torch.ops.tpu._sparse_dense_matmul.default"
 
 
-def _skip_reason() -> str | None:
-    """Why torch_tpu cannot be imported safely here, or None. Never imports it in this process."""
-    if "torch_tpu" in sys.modules:
-        return None
-    if importlib.util.find_spec("torch_tpu") is None:
-        return "torch_tpu is not installed in this interpreter (run scripts/tpu_schema_env.sh)"
-    try:
-        importlib.metadata.version("libtpu")
-    except importlib.metadata.PackageNotFoundError:
-        return "torch_tpu is installed but libtpu is not: importing torch_tpu would abort the process"
-    # A crash or a hang must not take pytest down: try the import in a child first.
-    env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", TPU_SKIP_MDS_QUERY="1", JAX_PLATFORMS="cpu")
-    try:
-        probe = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=300)
-    except subprocess.TimeoutExpired:
-        return "`import torch_tpu` hung for 300 s in a subprocess"
-    if probe.returncode != 0:
-        tail = (probe.stderr.strip().splitlines() or ["(no stderr)"])[-1]
-        return f"`import torch_tpu` failed in a subprocess (exit {probe.returncode}): {tail}"
-    return None
-
-
-_reason = _skip_reason()
+_reason = skip_reason(_PROBE)
 if _reason:
     pytest.skip(_reason, allow_module_level=True)
 
