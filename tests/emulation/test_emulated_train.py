@@ -88,7 +88,8 @@ def test_two_host_emulation_equals_cpu_gloo_on_the_same_plan(tmp_path, how, monk
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_an_embedding_collection_model_on_two_emulated_hosts_equals_cpu_gloo():
-    """examples/sequential_recommender.py (an EmbeddingCollection) through `tpurec launch`."""
+    """examples/sequential_recommender.py (an EmbeddingCollection) through `tpurec launch`, on the
+    emulated device (`--device tpu`: the example's default is the CPU)."""
     script = [str(REPO / "examples" / "sequential_recommender.py"), "--steps", "30"]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TPUREC_NO_DIRECT="1")  # as above
 
@@ -97,7 +98,8 @@ def test_an_embedding_collection_model_on_two_emulated_hosts_equals_cpu_gloo():
         assert p.returncode == 0, p.stderr[-3000:]
         return json.loads(p.stdout.strip().splitlines()[-1])
 
-    emulated = last_json([sys.executable, "-m", "tpurec.cli", "launch", "--emulate-tpu", "v5p-16", *script])
+    launch = [sys.executable, "-m", "tpurec.cli", "launch", "--emulate-tpu", "v5p-16"]
+    emulated = last_json([*launch, *script, "--device", "tpu"])
     cpu = last_json([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8", *script])
     assert emulated["world_size"] == cpu["world_size"] == 8
     for key in ("first_loss", "last_loss", "auc"):
