@@ -11,9 +11,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def train(*args, cache, timeout=600, check=True) -> tuple[dict | None, subprocess.CompletedProcess]:
-    """`python -m tpurec.cli train ARGS` with its synthetic-data cache in `cache`; (final JSON, process)."""
-    env = dict(os.environ, TPUREC_CACHE=str(cache), PYTHONPATH=str(REPO))
+def train(*args, cache, timeout=600, check=True, pythonpath=()) -> tuple[dict | None, subprocess.CompletedProcess]:
+    """`python -m tpurec.cli train ARGS` with its synthetic-data cache in `cache`; (final JSON, process).
+    pythonpath: directories put before the repository on the ranks' PYTHONPATH."""
+    env = dict(os.environ, TPUREC_CACHE=str(cache), PYTHONPATH=os.pathsep.join([*map(str, pythonpath), str(REPO)]))
     p = subprocess.run(
         [sys.executable, "-m", "tpurec.cli", "train", "--quiet", *map(str, args)],
         env=env,
