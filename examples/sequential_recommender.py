@@ -187,6 +187,7 @@ def main() -> None:
                     "world_size": world,
                     "first_loss": round(sum(losses[:20]) / 20, 4),
                     "last_loss": round(sum(losses[-20:]) / 20, 4),
+                    "last_step_loss": losses[-1],  # full precision: runs compared for equality
                     "auc": round(auc, 4),
                     "bayes_auc": round(bayes_auc, 4),  # the ceiling: the exact posterior of the data
                     "auc_over_bayes": round(auc / bayes_auc, 4),
