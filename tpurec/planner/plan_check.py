@@ -40,10 +40,11 @@ class PlanMismatchError(UserError):
 
 def embedding_tables(module: nn.Module) -> dict[str, dict[str, tuple[int, int]]]:
     """{module path: {table name: (rows, dim)}} of every EmbeddingBagCollection and
-    EmbeddingCollection in `module`. A feature-processed EBC is sharded as one module, so its
-    tables are listed at its own path, not its inner EBC's."""
+    EmbeddingCollection in `module`. A feature-processed EBC and a managed-collision EBC/EC are each
+    sharded as one module, so their tables are listed at their own path, not their inner collection's."""
     from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
     from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+    from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
 
     out = {}
     inner = set()
@@ -51,6 +52,9 @@ def embedding_tables(module: nn.Module) -> dict[str, dict[str, tuple[int, int]]]
         if isinstance(m, FeatureProcessedEmbeddingBagCollection):
             inner.add(id(m._embedding_bag_collection))
             m = m._embedding_bag_collection
+        elif isinstance(m, BaseManagedCollisionEmbeddingCollection):
+            inner.add(id(m._embedding_module))
+            m = m._embedding_module
         elif id(m) in inner:
             continue
         if isinstance(m, EmbeddingBagCollection):

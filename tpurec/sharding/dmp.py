@@ -41,6 +41,7 @@ from tpurec.runtime.device import DeviceKind, device_kind
 from tpurec.sharding import sharded_tensor_device  # noqa: F401  (ShardedTensor.device on the TPU path)
 from tpurec.sharding.ec_sharder import SparseCoreECSharder
 from tpurec.sharding.fp_sharder import SparseCoreFPEBCSharder
+from tpurec.sharding.mc_sharder import SparseCoreMCEBCSharder, SparseCoreMCECSharder
 from tpurec.sharding.sharder import SparseCoreEBCSharder
 
 if TYPE_CHECKING:
@@ -87,13 +88,16 @@ def _ensure_process_group(device_type: DeviceKind = "cpu") -> None:
 
 
 def default_sharders(num_sparsecores: int, **sharder_kwargs: Any) -> List[ModuleSharder[nn.Module]]:
-    """tpurec's sharders for EmbeddingBagCollection, EmbeddingCollection and the feature-processed
-    EmbeddingBagCollection, TorchRec's defaults for every other module type."""
+    """tpurec's sharders for EmbeddingBagCollection, EmbeddingCollection, the feature-processed
+    EmbeddingBagCollection and the managed-collision EBC/EC, TorchRec's defaults for every other module type."""
     ebc = SparseCoreEBCSharder(num_sparsecores=num_sparsecores, **sharder_kwargs)
+    ec = SparseCoreECSharder(num_sparsecores=num_sparsecores, **sharder_kwargs)
     ours = [
         ebc,
-        SparseCoreECSharder(num_sparsecores=num_sparsecores, **sharder_kwargs),
+        ec,
         SparseCoreFPEBCSharder(ebc_sharder=ebc),
+        SparseCoreMCEBCSharder(ebc_sharder=ebc),
+        SparseCoreMCECSharder(ec_sharder=ec),
     ]
     mine = {s.module_type for s in ours}
     return ours + [s for s in get_default_sharders() if s.module_type not in mine]
@@ -115,14 +119,23 @@ def _swap_torchrec_sharders(sharders: List[ModuleSharder[nn.Module]], num_sc: in
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
+    from torchrec.distributed.mc_embedding import ManagedCollisionEmbeddingCollectionSharder
+    from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
 
     ours = {
         EmbeddingBagCollectionSharder: SparseCoreEBCSharder,
         EmbeddingCollectionSharder: SparseCoreECSharder,
         FeatureProcessedEmbeddingBagCollectionSharder: SparseCoreFPEBCSharder,
     }
-    out = []
+    out: List[ModuleSharder[nn.Module]] = []
     for s in sharders:
+        if type(s) in (ManagedCollisionEmbeddingBagCollectionSharder, ManagedCollisionEmbeddingCollectionSharder):
+            # TorchRec's MC sharders around their inner sharder: the inner one swapped, the remap's kept
+            mc = cast(Any, s)
+            (inner,) = _swap_torchrec_sharders([mc._e_sharder], num_sc)
+            wrap = SparseCoreMCEBCSharder if isinstance(inner, SparseCoreEBCSharder) else SparseCoreMCECSharder
+            out.append(cast(ModuleSharder[nn.Module], wrap(inner, mc._mc_sharder, s.qcomm_codecs_registry)))  # type: ignore[arg-type]
+            continue
         replacement = ours.get(type(s))
         if replacement is None:
             out.append(s)

@@ -32,6 +32,7 @@ from tpurec.embedding.sequence_kernel import SparseCoreSequenceKernel
 from tpurec.embedding.settings import KernelSettings
 from tpurec.embedding.weight_grad import with_weight_grad
 from tpurec.errors import UserError
+from tpurec.sharding.evicted_rows import EvictedRowsReset
 
 if TYPE_CHECKING:
     from torchrec.distributed.types import ShardingType
@@ -151,6 +152,12 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
     @property
     def config(self) -> GroupedEmbeddingConfig:
         return self._config
+
+    @property
+    def _emb_module(self) -> EvictedRowsReset:
+        # TorchRec's managed-collision modules reach a lookup's TBE here to reset evicted rows
+        # (tpurec/sharding/evicted_rows.py).
+        return EvictedRowsReset(self)
 
     @property
     def fused_optimizer(self) -> SparseCoreFusedOptimizer:

@@ -13,4 +13,4 @@ def _dynamic_graph_init(self, module, *args, **kwargs):
     _init(self, module, *args, **kwargs)
 
 
-DistributedDataParallel.__init__ = _dynamic_graph_init
+DistributedDataParallel.__init__ = _dynamic_graph_init  # type: ignore[method-assign]

@@ -1,0 +1,163 @@
+"""Rank functions for the managed-collision DMP tests (module level: ranks are spawned).
+
+One model, a TorchRec MC-EBC (or MC-EC) of two tables over raw ids, sharded row-wise (the only sharding
+TorchRec allows for managed-collision modules) by stock TorchRec's DMP or by tpurec's; both start from
+the same tables and train on the same batches, and each rank returns what the test compares."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+ZCH = {"t0": 32, "t1": 16}  # rows = remap slots
+DIMS = {"t0": 8, "t1": 16}
+RAW_IDS = 400  # distinct raw ids: many more than slots, so rows are evicted
+BATCH = 8  # per rank
+
+
+class _Wrap(nn.Module):
+    def __init__(self, mc: nn.Module) -> None:
+        super().__init__()
+        self.mc = mc
+
+    def forward(self, kjt):
+        return self.mc(kjt)
+
+
+def _policy(name: str):
+    from torchrec.modules.mc_modules import DistanceLFU_EvictionPolicy, LFU_EvictionPolicy, LRU_EvictionPolicy
+
+    return {"lru": LRU_EvictionPolicy, "lfu": LFU_EvictionPolicy, "distance_lfu": DistanceLFU_EvictionPolicy}[name]()
+
+
+def build(policy: str, bagged: bool = True) -> nn.Module:
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+    from torchrec.modules.mc_embedding_modules import (
+        ManagedCollisionEmbeddingBagCollection,
+        ManagedCollisionEmbeddingCollection,
+    )
+    from torchrec.modules.mc_modules import ManagedCollisionCollection, MCHManagedCollisionModule
+
+    meta = torch.device("meta")
+    tables: Any
+    collection: Any
+    if bagged:
+        tables = [
+            EmbeddingBagConfig(name=t, embedding_dim=DIMS[t], num_embeddings=n, feature_names=[f"f{t[1]}"])
+            for t, n in ZCH.items()
+        ]
+        collection = EmbeddingBagCollection(tables, device=meta)
+    else:
+        tables = [
+            EmbeddingConfig(name=t, embedding_dim=8, num_embeddings=n, feature_names=[f"f{t[1]}"])
+            for t, n in ZCH.items()
+        ]
+        collection = EmbeddingCollection(tables, device=meta)
+    mcs: Any = {
+        t.name: MCHManagedCollisionModule(
+            zch_size=t.num_embeddings,
+            device=torch.device("cpu"),
+            eviction_interval=2,
+            input_hash_size=RAW_IDS,
+            eviction_policy=_policy(policy),
+        )
+        for t in tables
+    }
+    mcc = ManagedCollisionCollection(managed_collision_modules=mcs, embedding_configs=tables)
+    if bagged:
+        return _Wrap(ManagedCollisionEmbeddingBagCollection(collection, mcc, return_remapped_features=True))
+    return _Wrap(ManagedCollisionEmbeddingCollection(collection, mcc, return_remapped_features=True))
+
+
+def batches(steps: int, rank: int):
+    """Skewed raw ids (a few hot, a long tail): some ids stay, the tail churns through the slots."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    gen = torch.Generator().manual_seed(11 + rank)
+    out = []
+    for _ in range(steps):
+        lengths = torch.randint(1, 4, (2 * BATCH,), generator=gen)
+        u = torch.rand(int(lengths.sum()), generator=gen)
+        values = (u**3 * RAW_IDS).long()  # density falls with the id: low ids are hot
+        out.append(KeyedJaggedTensor(keys=["f0", "f1"], values=values, lengths=lengths))
+    return out
+
+
+def run(rank: int, world: int, impl: str, policy: str, optimizer: str, bagged: bool, steps: int) -> dict:
+    from torchrec.distributed.mc_embedding import ManagedCollisionEmbeddingCollectionSharder
+    from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel as TorchrecDMP
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
+    from torchrec.distributed.types import ShardingPlan
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    import tpurec
+    from tpurec.planner.kernel_choice import COMPUTE_KERNEL
+
+    torch.manual_seed(0)
+    model: Any = build(policy, bagged)
+    opt = {"sgd": (torch.optim.SGD, {"lr": 0.05}), "adagrad": (torch.optim.Adagrad, {"lr": 0.05, "eps": 1e-3})}
+    cls, kwargs = opt[optimizer]
+    apply_optimizer_in_backward(cls, model.parameters(), kwargs)
+    stock_sharder: Any = (
+        ManagedCollisionEmbeddingBagCollectionSharder() if bagged else ManagedCollisionEmbeddingCollectionSharder()
+    )
+    kernel = "fused" if impl == "stock" else COMPUTE_KERNEL
+    plan = ShardingPlan(
+        {
+            "mc": construct_module_sharding_plan(
+                model.mc,
+                {t: row_wise(compute_kernel=kernel) for t in ZCH},
+                sharder=stock_sharder,
+                local_size=world,
+                world_size=world,
+                device_type="cpu",
+            )
+        }
+    )
+    if impl == "stock":
+        dmp = TorchrecDMP(model, device=torch.device("cpu"), plan=plan, sharders=[stock_sharder])
+    else:  # TorchRec's own MC sharder given: tpurec swaps its inner sharder for the SparseCore one
+        dmp = tpurec.DistributedModelParallel(model, device="cpu", plan=plan, sharders=[stock_sharder])
+    # the same starting tables on both (each DMP draws its own init)
+    seeded = torch.Generator().manual_seed(3)
+    full = {t: torch.randn(n, DIMS[t] if bagged else 8, generator=seeded) for t, n in ZCH.items()}
+    prefix = "mc._embedding_module." + ("embedding_bags" if bagged else "embeddings")
+    with torch.no_grad():
+        for key, value in dmp.state_dict().items():
+            for t in ZCH:
+                if key == f"{prefix}.{t}.weight":
+                    for shard in value.local_shards():
+                        r, n = shard.metadata.shard_offsets[0], shard.metadata.shard_sizes[0]
+                        shard.tensor.copy_(full[t][r : r + n])
+    torch.manual_seed(100 + rank)  # the evictions' re-init draws from the global generator
+    sharded: Any = dmp.module.mc
+    evicted = []
+    evict = sharded._evict
+
+    def counting_evict(per_table):  # TorchRec's eviction, counted (rows reset per step)
+        evicted.append(sum(int(v.numel()) for v in per_table.values() if v is not None))
+        evict(per_table)
+
+    sharded._evict = counting_evict
+    losses, remapped = [], []
+    for kjt in batches(steps, rank):
+        out, remap = dmp(kjt)
+        values = out.values() if bagged else torch.cat([jt.values() for jt in out.values()])
+        loss = (values * torch.linspace(-1, 1, values.numel()).view(values.shape)).sum() + (values**2).sum()
+        loss.backward()
+        losses.append(float(loss.detach()))
+        remapped.append(remap.values().clone())
+    state = {}
+    for key, value in dmp.state_dict().items():
+        tensor = value.local_shards()[0].tensor if hasattr(value, "local_shards") else value
+        state[key] = tensor.detach().clone()
+    optim_state = {}
+    for key, value in dmp.fused_optimizer.state_dict()["state"].items():
+        for name, s in value.items():
+            if hasattr(s, "local_shards") and s.local_shards():
+                optim_state[f"{key}.{name}"] = s.local_shards()[0].tensor.detach().clone()
+    return {"losses": losses, "remapped": remapped, "state": state, "optim": optim_state, "evicted": evicted}

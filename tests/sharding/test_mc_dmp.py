@@ -1,0 +1,53 @@
+"""TorchRec's managed-collision modules under tpurec's DMP (issue #38): an MC-EBC / MC-EC over raw ids,
+sharded row-wise with TorchRec's own MC sharder (its inner sharder swapped for tpurec's), trains as stock
+TorchRec's DMP does on the same plan, tables and batches: the same remapped ids, evictions, tables,
+optimizer state and losses, at 1 and 2 real gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .mc_cases import run
+from .multiprocess import run_ranks
+
+STEPS = 20
+
+
+def _compare(world: int, policy: str, optimizer: str, bagged: bool = True) -> None:
+    stock = run_ranks(run, world, "stock", policy, optimizer, bagged, STEPS)
+    ours = run_ranks(run, world, "tpurec", policy, optimizer, bagged, STEPS)
+    for a, b in zip(stock, ours):
+        assert sum(a["evicted"]) > 0 and a["evicted"] == b["evicted"]  # rows were evicted, the same ones
+        assert len(a["remapped"]) == STEPS
+        for x, y in zip(a["remapped"], b["remapped"]):
+            assert torch.equal(x, y)
+        assert set(a["state"]) == set(b["state"])
+        for key, x in a["state"].items():  # tables and the remap's buffers (identities, eviction metadata)
+            if x.is_floating_point():
+                torch.testing.assert_close(b["state"][key], x, rtol=0, atol=1e-6, msg=key)
+            else:
+                assert torch.equal(b["state"][key], x), key
+        assert set(a["optim"]) == set(b["optim"])
+        for key, x in a["optim"].items():
+            torch.testing.assert_close(b["optim"][key], x, rtol=1e-6, atol=1e-6, msg=key)
+        torch.testing.assert_close(torch.tensor(b["losses"]), torch.tensor(a["losses"]), rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.multiprocess
+def test_an_mc_ebc_with_lfu_eviction_trains_as_stock_torchrec_at_2_ranks():
+    _compare(2, "lfu", "adagrad")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "distance_lfu"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_mc_ebc_every_eviction_policy_trains_as_stock_torchrec(world, policy, optimizer):
+    _compare(world, policy, optimizer)
+
+
+@pytest.mark.multiprocess
+def test_an_mc_ec_trains_as_stock_torchrec_at_2_ranks():
+    _compare(2, "lru", "sgd", bagged=False)
