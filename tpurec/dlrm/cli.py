@@ -198,7 +198,7 @@ def interrupted(options: TrainOptions, trainer: Trainer | None) -> str:
     at = f" at step {trainer.step_count}" if trainer is not None and trainer.step_count else ""
     if not options.checkpoint_dir:
         return f"interrupted{at} (rank {rank}); nothing saved (no --checkpoint-dir)"
-    from tpurec.dlrm.ckpt import CheckpointManager
+    from tpurec.dlrm.ckpt.manager import CheckpointManager
 
     last = CheckpointManager(options.checkpoint_dir).latest()  # a reader only: no lock taken
     if last is None:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tpurec.catalog import get_table_set
-from tpurec.dlrm.ckpt import CheckpointManager
+from tpurec.dlrm.ckpt.manager import CheckpointManager
 from tpurec.dlrm.options import OPTIONS_ENV, TrainOptions
 from tpurec.dlrm.report import (
     MIN_EVAL_ROWS_FOR_AUC,
