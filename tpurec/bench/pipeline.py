@@ -94,31 +94,18 @@ def _jte_batches(data_dir, names, sizes, batch_size):
             carry = [c[n:] for c in cols] if n < len(cols[0]) else None
 
 
-def child(spec: dict) -> dict:
-    """One core count: runs in its own process, pinned to `cores` CPUs."""
-    cores, data_dir, batch_size = spec["cores"], spec["data"], spec["batch_size"]
-    os.environ["SPARSECORE_INPUT_PREPROCESSING_THREADS"] = str(cores)
+def _fixed_limits(table_set, sizes: list[int], batches: list, batch_size: int):
+    """Id limits from the data for both sides (untimed): the stack's, and each table's under jte's
+    MOD layout (8-aligned). Returns (the tpurec kernel with the stack's limits fixed, the stack's
+    max ids per partition, [[max ids, max unique ids] per table] for jte)."""
     import torch
 
-    torch.set_num_threads(1)
-    from tpurec.catalog import MLPERF_DCNV2_MULTI_HOT, get_table_set
-    from tpurec.data.prefetch import Prefetcher
-    from tpurec.data.reader import ParquetReader
-    from tpurec.embedding import csr_build
-    from tpurec.embedding.constraints import coo_entries_per_sc, round_up
+    from tpurec.embedding.constraints import round_up
     from tpurec.embedding.preprocess import preprocess
 
-    table_set = get_table_set("mlperf-dcnv2")
-    sizes = list(MLPERF_DCNV2_MULTI_HOT)
     names = [t.feature for t in table_set.tables]
-
-    def reader(prefetch):
-        return ParquetReader(data_dir, batch_size, prefetch=prefetch, drop_last=True)
-
-    # Limits from the data for both sides (untimed): the stack's, and each table's under jte's MOD.
     _, make = _kernel(table_set, [float(k) for k in sizes])
     sizing = make(fixed_limits=False)
-    batches = list(reader(0))
     stack_ids = stack_uniq = 0
     jte_lim = [[8, 8] for _ in names]
     for b in batches:
@@ -136,23 +123,16 @@ def child(spec: dict) -> dict:
             jte_lim[j][0] = max(jte_lim[j][0], round_up(s.max_ids_per_partition, 8))
             jte_lim[j][1] = max(jte_lim[j][1], round_up(s.max_unique_ids_per_partition, 8))
     kernel = make(fixed_limits=True, max_ids_per_partition=stack_ids, max_unique_ids_per_partition=stack_uniq)
-    ids_per_batch = int(batches[0].sparse_features.values().numel())
-    steps = len(batches)
+    return kernel, stack_ids, jte_lim
 
-    def ours() -> None:
-        if cores == 1:
-            for b in reader(0):
-                kernel.preprocess(b.sparse_features)
-        else:
-            pf = Prefetcher(reader(2), lambda b: kernel.preprocess(b.sparse_features), depth=2 * cores,
-                            workers=cores, epochs=1)  # fmt: skip
-            for _ in pf:
-                pass
 
+def _jte_side(data_dir, table_set, sizes: list[int], jte_lim: list[list[int]], batch_size: int):
+    """jte's run: pyarrow decode + its C++ preprocessing of every batch, with the limits `jte_lim`."""
     from jax_tpu_embedding.sparsecore.lib.nn import embedding
 
     from tpurec.bench.preprocess import jte_feature_specs
 
+    names = [t.feature for t in table_set.tables]
     specs = jte_feature_specs(
         [
             (names[j], t.name, t.num_embeddings, t.embedding_dim, k, tuple(jte_lim[j]))
@@ -167,9 +147,11 @@ def child(spec: dict) -> dict:
         for feats in _jte_batches(data_dir, names, sizes, batch_size):
             embedding.preprocess_sparse_dense_matmul_input(feats, weights, specs, 1, 1, num_sc_per_device=NUM_SC)
 
-    from tpurec.bench.preprocess import _Quiet
+    return theirs
 
-    # Equal work, checked once: both sides' input streams hold the same batches of the same ids.
+
+def _check_equal_work(batches: list, data_dir, names: list[str], sizes: list[int], batch_size: int) -> None:
+    """Equal work, checked once: both sides' input streams hold the same batches of the same ids."""
     ours_in = [(int(b.sparse_features.values().numel()), int(b.sparse_features.values().sum())) for b in batches]
     theirs_in = [
         (sum(f.size for f in feats), sum(int(f.sum(dtype=np.int64)) for f in feats))
@@ -177,6 +159,71 @@ def child(spec: dict) -> dict:
     ]
     if ours_in != theirs_in:
         raise RuntimeError(f"unequal work: tpurec reads {len(ours_in)} batches, jte {len(theirs_in)}, or other ids")
+
+
+def _bounds(kernel, batches: list, reader, repeats: int, ids_per_batch: int, csr_slots_per_step: int) -> dict:
+    """What bounds the pipeline: its two stages alone, and the machine's memory bandwidth.
+    CPU seconds (the child's only thread works): steadier than wall time on a shared host."""
+    steps = len(batches)
+
+    def csr_only() -> None:
+        for b in batches:  # results dropped at once, as a consumed step's are
+            kernel.preprocess(b.sparse_features)
+
+    t_read = min(timer.repeat(lambda: sum(1 for _ in reader(0)), warmup=0, repeats=repeats).cpu) / steps
+    t_csr = min(timer.repeat(csr_only, warmup=0, repeats=repeats).cpu) / steps
+    return dict(
+        read_kjt_cpu_ms=round(1e3 * t_read, 2),
+        csr_build_cpu_ms=round(1e3 * t_csr, 2),
+        read_kjt_ids_per_cpu_s=round(ids_per_batch / t_read),
+        csr_build_ids_per_cpu_s=round(ids_per_batch / t_csr),
+        copy_gb_per_s=round(_copy_gb_per_s(), 2),
+        # bytes a step must at least write: the CSR buffers (3 x 4 bytes per slot) and the KJT
+        csr_bytes_per_step=csr_slots_per_step * 12,
+    )
+
+
+def child(spec: dict) -> dict:
+    """One core count: runs in its own process, pinned to `cores` CPUs. Steps: read the batches and
+    fix both sides' id limits from them (untimed, `_fixed_limits`), check both sides do the same
+    work, time them in turns, and (with `bounds`) what bounds the pipeline."""
+    cores, data_dir, batch_size = spec["cores"], spec["data"], spec["batch_size"]
+    os.environ["SPARSECORE_INPUT_PREPROCESSING_THREADS"] = str(cores)
+    import torch
+
+    torch.set_num_threads(1)
+    from tpurec.catalog import MLPERF_DCNV2_MULTI_HOT, get_table_set
+    from tpurec.data.prefetch import Prefetcher
+    from tpurec.data.reader import ParquetReader
+    from tpurec.embedding import csr_build
+    from tpurec.embedding.constraints import coo_entries_per_sc
+
+    table_set = get_table_set("mlperf-dcnv2")
+    sizes = list(MLPERF_DCNV2_MULTI_HOT)
+    names = [t.feature for t in table_set.tables]
+
+    def reader(prefetch):
+        return ParquetReader(data_dir, batch_size, prefetch=prefetch, drop_last=True)
+
+    batches = list(reader(0))
+    kernel, stack_ids, jte_lim = _fixed_limits(table_set, sizes, batches, batch_size)
+    ids_per_batch = int(batches[0].sparse_features.values().numel())
+    steps = len(batches)
+
+    def ours() -> None:
+        if cores == 1:
+            for b in reader(0):
+                kernel.preprocess(b.sparse_features)
+        else:
+            pf = Prefetcher(reader(2), lambda b: kernel.preprocess(b.sparse_features), depth=2 * cores,
+                            workers=cores, epochs=1)  # fmt: skip
+            for _ in pf:
+                pass
+
+    theirs = _jte_side(data_dir, table_set, sizes, jte_lim, batch_size)
+    from tpurec.bench.preprocess import _Quiet
+
+    _check_equal_work(batches, data_dir, names, sizes, batch_size)
     warmup, repeats = spec["warmup"], spec["repeats"]
     orders: list = []
     load_before = rounds.load_average()[0]
@@ -214,23 +261,7 @@ def child(spec: dict) -> dict:
         "jte_csr_slots_per_step": int(sum(NUM_SC * coo_entries_per_sc(mi, NUM_SC) for mi, _ in jte_lim)),
     }
     if spec.get("bounds"):
-        # What bounds the pipeline: its two stages alone, and the machine's memory bandwidth.
-        # CPU seconds (the child's only thread works): steadier than wall time on a shared host.
-        def csr_only() -> None:
-            for b in batches:  # results dropped at once, as a consumed step's are
-                kernel.preprocess(b.sparse_features)
-
-        t_read = min(timer.repeat(lambda: sum(1 for _ in reader(0)), warmup=0, repeats=repeats).cpu) / steps
-        t_csr = min(timer.repeat(csr_only, warmup=0, repeats=repeats).cpu) / steps
-        out.update(
-            read_kjt_cpu_ms=round(1e3 * t_read, 2),
-            csr_build_cpu_ms=round(1e3 * t_csr, 2),
-            read_kjt_ids_per_cpu_s=round(ids_per_batch / t_read),
-            csr_build_ids_per_cpu_s=round(ids_per_batch / t_csr),
-            copy_gb_per_s=round(_copy_gb_per_s(), 2),
-            # bytes a step must at least write: the CSR buffers (3 x 4 bytes per slot) and the KJT
-            csr_bytes_per_step=out["csr_slots_per_step"] * 12,
-        )
+        out.update(_bounds(kernel, batches, reader, repeats, ids_per_batch, out["csr_slots_per_step"]))
     return out
 
 

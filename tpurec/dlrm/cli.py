@@ -198,9 +198,9 @@ def interrupted(options: TrainOptions, trainer: Trainer | None) -> str:
     at = f" at step {trainer.step_count}" if trainer is not None and trainer.step_count else ""
     if not options.checkpoint_dir:
         return f"interrupted{at} (rank {rank}); nothing saved (no --checkpoint-dir)"
-    from tpurec.dlrm.ckpt.checkpoint import latest
+    from tpurec.dlrm.ckpt.manager import CheckpointManager
 
-    last = latest(options.checkpoint_dir)
+    last = CheckpointManager(options.checkpoint_dir).latest()  # a reader only: no lock taken
     if last is None:
         return f"interrupted{at} (rank {rank}); no complete checkpoint in {options.checkpoint_dir}"
     return f"interrupted{at} (rank {rank}); the last complete checkpoint is step {int(last.name[5:])} ({last})"

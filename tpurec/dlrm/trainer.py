@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tpurec.catalog import get_table_set
-from tpurec.dlrm.ckpt import checkpoint as ckpt
+from tpurec.dlrm.ckpt.manager import CheckpointManager
 from tpurec.dlrm.options import OPTIONS_ENV, TrainOptions
 from tpurec.dlrm.report import (
     MIN_EVAL_ROWS_FOR_AUC,
@@ -72,7 +72,8 @@ def position_in_epoch(fraction: float, num_rows: int, batch_size: int) -> int:
 
 class Trainer:
     """Trains one rank of a `tpurec train` run. After `setup()`: `cfg` (the resolved DLRMConfig),
-    `table_set` (its catalog tables), `readers`, `dmp`, `optimizer`, `pipeline`, `step_count`."""
+    `table_set` (its catalog tables), `readers`, `dmp`, `optimizer`, `pipeline`, `step_count`,
+    `checkpointer` (the run's CheckpointManager: lock, resume, interval, save, retention)."""
 
     def __init__(self, options: TrainOptions) -> None:
         self.options = options
@@ -106,10 +107,9 @@ class Trainer:
         torch.set_num_threads(o.threads or 1)
         self.say = log.info if self.rank == 0 else (lambda *a, **k: None)
         self.cfg = o.config()
-        if o.checkpoint_dir and self.rank == 0:
-            from tpurec.dlrm.ckpt.lock import lock_dir
-
-            self._lock = lock_dir(o.checkpoint_dir)  # before any step: one run per directory
+        every = o.checkpoint_every if o.checkpoint_every is not None else self.cfg.eval_every
+        self.checkpointer = CheckpointManager(o.checkpoint_dir, every=every, keep=o.keep, rank=self.rank, say=self.say)
+        self.checkpointer.lock()  # before any step: one run per directory
         self.table_set = get_table_set(self.cfg.table_set)  # resolved once; everything below reads it
         if self.device == "cpu" or self.emulated:
             # Before any data is generated or read: a refusal in one line, not an OOM kill minutes in.
@@ -118,10 +118,8 @@ class Trainer:
         self._setup_data()
         self._setup_model()
         self._resume()
-        if o.checkpoint_dir:  # before the first step, not at the first save (tpurec/dlrm/ckpt/space.py)
-            from tpurec.dlrm.ckpt.space import check_room
-
-            check_room(o.checkpoint_dir, self.dmp, self.optimizer)
+        # Before the first step, not at the first save (tpurec/dlrm/ckpt/space.py).
+        self.checkpointer.check_room(self.dmp, self.optimizer)
         self._start_stream()
         self._batches = itertools.islice(self._stream, self.total_steps - self.step_count)
         self._ready = True
@@ -270,39 +268,16 @@ class Trainer:
             self.say(f"plan saved to {self.options.save_plan}")
 
     def _resume(self) -> None:
-        o, train = self.options, self.readers.train
-        if not o.resume:
+        """`--resume`: the checkpoint manager finds, checks and loads the checkpoint into the model and
+        optimizers; the step count and the data position follow here."""
+        train = self.readers.train
+        loaded = self.checkpointer.resume(self.options.resume, self.dmp, self.optimizer, self.cfg.to_dict())
+        if loaded is None:
             return
-        src: str | Path | None = o.checkpoint_dir if o.resume == "latest" else o.resume
-        if not src:
-            raise UserError("--resume needs --checkpoint-dir (or --resume PATH)")
-        if o.resume == "latest" or ckpt.is_root(src):  # the newest checkpoint that verifies
-            if ckpt.latest(src) is None and o.resume == "latest":
-                self.say(f"resume: no complete checkpoint in {src}; starting from scratch")
-                return
-            root, src = src, ckpt.latest_intact(src, self.say)
-            if src is None:
-                why = "intact and verified (see above)" if ckpt.latest(root) else "complete"
-                raise UserError(f"resume: no checkpoint in {root} is {why}; leave out --resume to start over")
-        else:
-            src = ckpt.resolve(src)
-            try:
-                ckpt.verify(src)  # --resume PATH: that checkpoint or none
-            except ckpt.CorruptCheckpointError as e:
-                raise UserError(f"resume: {e}") from None
-        from tpurec.dlrm.ckpt.config import config_mismatch
-
-        mismatch = config_mismatch(src, self.cfg.to_dict())
-        if mismatch:
-            raise UserError(f"resume: {mismatch}")
-        try:
-            cmeta, state = ckpt.load(src, self.dmp, self.optimizer, verified=True)
-        except (ckpt.CheckpointMismatchError, ckpt.CorruptCheckpointError) as e:
-            raise UserError(f"resume: {e}") from None
+        cmeta, state = loaded
         self.step_count, self.samples = cmeta["step"], cmeta["samples"]
         if state is not None:
-            train.load_state_dict(state["reader"])
-            ckpt.set_rng_state(state["rng"])
+            self.checkpointer.restore(state, train)
             how = "exact (same world size)"
         else:
             # Another world size: rows are dealt out differently, so continue at the same epoch and
@@ -400,7 +375,6 @@ class Trainer:
     def checkpoint(self) -> Path:
         """Save model, optimizer, reader position and RNG states at the current step (every rank)."""
         train, s = self.readers.train, self.step_count
-        assert self.options.checkpoint_dir is not None  # checkpoints are written only into one
         st = self._train_state()
         cmeta = {
             "step": s,
@@ -412,17 +386,7 @@ class Trainer:
             "config": self.cfg.to_dict(),
             "data": str(self.data_dir),
         }
-        path = ckpt.save(
-            self.options.checkpoint_dir,
-            s,
-            self.dmp,
-            self.optimizer,
-            {"reader": st, "rng": ckpt.rng_state(), "step": s},
-            cmeta,
-            keep=self.options.keep,
-        )
-        self.say(f"checkpoint: {path}")
-        return path
+        return self.checkpointer.save(s, self.dmp, self.optimizer, st, cmeta)
 
     def run(self) -> dict:
         """Set up (if not yet), train to the last step with evals and checkpoints on the way, then
@@ -436,7 +400,6 @@ class Trainer:
         self._metrics = MetricsLog(
             o.metrics_out if self.rank == 0 else None, append=bool(o.resume) and self.step_count > 0
         )
-        ckpt_every = o.checkpoint_every if o.checkpoint_every is not None else cfg.eval_every
         self._bar = tqdm(
             total=total,
             initial=self.step_count,
@@ -455,11 +418,7 @@ class Trainer:
         self._loss_n = 0
 
         def boundary(s: int) -> bool:
-            return (
-                s == total
-                or (cfg.eval_every and s % cfg.eval_every == 0)
-                or bool(o.checkpoint_dir and ckpt_every and s % ckpt_every == 0)
-            )
+            return s == total or (cfg.eval_every and s % cfg.eval_every == 0) or self.checkpointer.is_due(s)
 
         while self.step_count < total:
             self._train_segment(next(s for s in range(self.step_count + 1, total + 1) if boundary(s)))
@@ -471,7 +430,7 @@ class Trainer:
                         f"step {step}: eval AUC {ev['auc']:.4f}, NE {ev['ne']:.4f}, logloss {ev['logloss']:.4f}",
                         file=sys.stderr,
                     )
-            if o.checkpoint_dir and ckpt_every and step % ckpt_every == 0 and step != total:
+            if self.checkpointer.should_save(step, total):
                 self.checkpoint()
         self._bar.close()
         if self._prefetch is not None:
@@ -489,7 +448,7 @@ class Trainer:
             else:  # the CPU kernels' direct step builds no SparseCore layout (embedding/direct.py)
                 self.say("input pipeline: no SparseCore inputs to build ahead (the CPU kernels' direct step)")
 
-        if o.checkpoint_dir:
+        if self.checkpointer.enabled:
             # Written before the final evaluation, so the training it saves never depends on the
             # evaluation succeeding (issue #36 item 2: on a TPU it once failed and lost this checkpoint).
             self.checkpoint()

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Iterable
 
 from tpurec.catalog import TableSpec
 from tpurec.embedding import dtypes
 from tpurec.errors import UserError
-from tpurec.planner.estimators import shard_cost, table_elem_bytes
+from tpurec.planner.estimators import ShardCost, shard_cost, table_elem_bytes
 from tpurec.planner.id_limits import IdLimits
 from tpurec.planner.plan_check import module_plans
 from tpurec.planner.report_text import diff_reports, fitting_text, format_text  # noqa: F401 (re-exported)
@@ -38,6 +38,21 @@ def _shards(
     return [(s.placement.rank(), list(s.shard_offsets), list(s.shard_sizes)) for s in ps.sharding_spec.shards]
 
 
+# The per-device cost fields summed over the shards each device holds.
+_COST_KEYS = ("weights", "optimizer", "buffers", "activations", "transient")
+
+
+@dataclass(frozen=True)
+class _Costing:
+    """What costs every shard alike: the slice, the batch, the optimizer, the device, the id limits."""
+
+    spec: SliceSpec
+    batch_size: int
+    optimizer: str
+    compute_device: str
+    limits: IdLimits | None
+
+
 def build_report(
     plan: ShardingPlan,
     tables: Iterable[TableSpec],
@@ -52,98 +67,23 @@ def build_report(
     limits: IdLimits | None = None,
 ) -> dict:
     """The plan's report. `limits` (tpurec.planner.id_limits.IdLimits): SparseCore buffers sized
-    from measured id limits; each device's `worst_case_buffers_bytes` keeps the worst case beside."""
+    from measured id limits; each device's `worst_case_buffers_bytes` keeps the worst case beside.
+    Steps: an empty row per device, a row per table (adding its shards to their devices), the
+    devices' top tables, then the summary figures around them."""
     from tpurec.planner.plan_io import plan_to_dict
 
     by_name = {t.name: t for t in tables}
     world = spec.world_size
     cap = spec.generation.hbm_bytes
-    keys = ("weights", "optimizer", "buffers", "activations", "transient")
-    devices = [
-        dict(
-            rank=r,
-            hbm_used_bytes=reserved,
-            hbm_capacity_bytes=cap,
-            reserved_bytes=reserved,
-            **{f"{k}_bytes": 0 for k in keys},
-            worst_case_buffers_bytes=0,
-            estimated_time_ms=0.0,
-            lookup_ms=0.0,
-            update_ms=0.0,
-            comm_ms=0.0,
-        )
-        for r in range(world)
-    ]
+    costing = _Costing(spec, batch_size, optimizer, compute_device, limits)
+    devices = _empty_devices(world, cap, reserved)
     rows = []
     for path, module_plan in module_plans(plan).items():
         for name, ps in module_plan.items():
             t = by_name.get(name)
             if t is None:
                 raise UserError(f"plan has table {name!r} that is not among the given tables")
-            shards = _shards(ps, t, world)
-            dtype = dtypes.from_name(t.data_type)
-            stored = dtypes.short_name(dtypes.stored_dtype(dtype, compute_device))
-            total_bytes, total_ms, shard_rows = 0, 0.0, []
-            measured = (
-                limits.max_ids(name, batch_size * world, t.pooling_factor, max(1, spec.generation.sparsecores))
-                if limits is not None
-                else None
-            )
-            for rank, offsets, sizes in shards:
-                cost = functools.partial(
-                    shard_cost,
-                    sharding_type=ps.sharding_type,
-                    rows=sizes[0],
-                    cols=sizes[1],
-                    pooling_factor=t.pooling_factor,
-                    batch_per_device=batch_size,
-                    world_size=world,
-                    num_shards=len(shards),
-                    spec=spec,
-                    optimizer=optimizer,
-                    elem_bytes=table_elem_bytes(dtype, compute_device),
-                    num_features=len(t.feature_names),
-                    weighted=t.weighted,
-                    pooled=t.pooling != "none",
-                )
-                c = cost(max_ids_per_partition=measured)
-                d = devices[rank]
-                d["worst_case_buffers_bytes"] += cost().buffers if measured else c.buffers
-                for k in keys:
-                    d[f"{k}_bytes"] += getattr(c, k)
-                d["hbm_used_bytes"] += c.bytes
-                d["lookup_ms"] += c.lookup_ms
-                d["update_ms"] += c.update_ms
-                d["comm_ms"] += c.comm_ms
-                d["estimated_time_ms"] += c.time_ms
-                total_bytes += c.bytes
-                total_ms += c.time_ms
-                shard_rows.append(
-                    {"rank": rank, "offsets": offsets, "sizes": sizes, "bytes": c.bytes, "time_ms": c.time_ms}
-                )
-            rows.append(
-                {
-                    "name": name,
-                    "module": path,
-                    "rows": t.num_embeddings,
-                    "dim": t.embedding_dim,
-                    "pooling_factor": t.pooling_factor,
-                    "features": t.feature_names,
-                    "pooling": t.pooling,
-                    "weighted": t.weighted,
-                    "data_type": t.data_type,
-                    "stored_as": stored,  # differs where the device widens the table (bytes counted so)
-                    "note": None
-                    if stored == t.data_type
-                    else f"{t.data_type} stored as {stored} on {compute_device}: {dtypes.WIDEN_REASON}",
-                    "sharding_type": ps.sharding_type,
-                    "compute_kernel": ps.compute_kernel,
-                    "ranks": list(dict.fromkeys(s[0] for s in shards)),  # in shard order
-                    "bytes": total_bytes,
-                    "time_ms": total_ms,
-                    "shards": shard_rows,
-                }
-            )
+            rows.append(_table_row(path, ps, t, devices, costing))
     _name_top_tables(devices, rows)
     times = [d["estimated_time_ms"] for d in devices]
     used = [d["hbm_used_bytes"] for d in devices]
@@ -165,34 +105,138 @@ def build_report(
         "estimated_step_time_ms": max(times),
         "time_imbalance": max(times) / mean_t if mean_t else 1.0,
         "hbm_imbalance": max(used) / mean_b if mean_b else 1.0,
-        "assumptions": {
-            "sc_gather_fraction_of_hbm_bw": spec.sc_gather_fraction,
-            "sc_gather_bw_bytes_per_s": gen.hbm_bw * spec.sc_gather_fraction,
-            "hbm_bw_bytes_per_s": gen.hbm_bw,
-            "ici_bw_per_chip_bytes_per_s": gen.ici_bw_per_chip,
-            "dcn_bw_per_host_bytes_per_s": spec.dcn_bw_per_host,
-            "all_to_all_efficiency": spec.a2a_efficiency,
-            "headroom_fraction": headroom_fraction,
-            "id_limit": f"measured: {limits.source or 'limits'} ({len(limits.tables)} tables; others the worst case)"
-            if limits is not None
-            else "worst case: every id of a SparseCore's sample slice in one partition",
-        },
+        "assumptions": _assumptions(spec, headroom_fraction, limits),
         "tables": rows,
         "devices": devices,
-        "meta": {
-            "model": model,
-            "topology": spec.name,
-            "compute_device": compute_device,
-            "batch_size": batch_size,
-            "optimizer": optimizer,
-            "reserved_bytes": reserved,
-            "headroom_fraction": headroom_fraction,
-            "sc_gather_fraction": spec.sc_gather_fraction,
-            "dcn_bw_per_host": spec.dcn_bw_per_host,
-            "tables": [asdict(t) | {"extra_features": list(t.extra_features)} for t in by_name.values()],  # JSON lists
-            "id_limits": limits.to_json() if limits is not None else None,  # so `plan show` sizes buffers alike
-        },
+        "meta": _report_meta(by_name.values(), costing, model, reserved, headroom_fraction),
         "plan": plan_to_dict(plan),
+    }
+
+
+def _empty_devices(world: int, cap: int, reserved: int) -> list[dict]:
+    """One row per device before any shard is counted: only the reserved bytes in use."""
+    return [
+        dict(
+            rank=r,
+            hbm_used_bytes=reserved,
+            hbm_capacity_bytes=cap,
+            reserved_bytes=reserved,
+            **{f"{k}_bytes": 0 for k in _COST_KEYS},
+            worst_case_buffers_bytes=0,
+            estimated_time_ms=0.0,
+            lookup_ms=0.0,
+            update_ms=0.0,
+            comm_ms=0.0,
+        )
+        for r in range(world)
+    ]
+
+
+def _table_row(path: str, ps: Any, t: TableSpec, devices: list[dict], costing: _Costing) -> dict:
+    """Table `t`'s report row (ps: its ParameterSharding in module `path`); each of its shards'
+    cost is added to the device holding it."""
+    spec, batch_size, compute_device, limits = costing.spec, costing.batch_size, costing.compute_device, costing.limits
+    world = spec.world_size
+    shards = _shards(ps, t, world)
+    dtype = dtypes.from_name(t.data_type)
+    stored = dtypes.short_name(dtypes.stored_dtype(dtype, compute_device))
+    total_bytes, total_ms, shard_rows = 0, 0.0, []
+    measured = (
+        limits.max_ids(t.name, batch_size * world, t.pooling_factor, max(1, spec.generation.sparsecores))
+        if limits is not None
+        else None
+    )
+    for rank, offsets, sizes in shards:
+        cost = functools.partial(
+            shard_cost,
+            sharding_type=ps.sharding_type,
+            rows=sizes[0],
+            cols=sizes[1],
+            pooling_factor=t.pooling_factor,
+            batch_per_device=batch_size,
+            world_size=world,
+            num_shards=len(shards),
+            spec=spec,
+            optimizer=costing.optimizer,
+            elem_bytes=table_elem_bytes(dtype, compute_device),
+            num_features=len(t.feature_names),
+            weighted=t.weighted,
+            pooled=t.pooling != "none",
+        )
+        c = cost(max_ids_per_partition=measured)
+        _add_shard(devices[rank], c, worst_case_buffers=cost().buffers if measured else c.buffers)
+        total_bytes += c.bytes
+        total_ms += c.time_ms
+        shard_rows.append({"rank": rank, "offsets": offsets, "sizes": sizes, "bytes": c.bytes, "time_ms": c.time_ms})
+    return {
+        "name": t.name,
+        "module": path,
+        "rows": t.num_embeddings,
+        "dim": t.embedding_dim,
+        "pooling_factor": t.pooling_factor,
+        "features": t.feature_names,
+        "pooling": t.pooling,
+        "weighted": t.weighted,
+        "data_type": t.data_type,
+        "stored_as": stored,  # differs where the device widens the table (bytes counted so)
+        "note": None
+        if stored == t.data_type
+        else f"{t.data_type} stored as {stored} on {compute_device}: {dtypes.WIDEN_REASON}",
+        "sharding_type": ps.sharding_type,
+        "compute_kernel": ps.compute_kernel,
+        "ranks": list(dict.fromkeys(s[0] for s in shards)),  # in shard order
+        "bytes": total_bytes,
+        "time_ms": total_ms,
+        "shards": shard_rows,
+    }
+
+
+def _add_shard(d: dict, c: ShardCost, worst_case_buffers: int) -> None:
+    """Add one shard's cost `c` to device row `d`."""
+    d["worst_case_buffers_bytes"] += worst_case_buffers
+    for k in _COST_KEYS:
+        d[f"{k}_bytes"] += getattr(c, k)
+    d["hbm_used_bytes"] += c.bytes
+    d["lookup_ms"] += c.lookup_ms
+    d["update_ms"] += c.update_ms
+    d["comm_ms"] += c.comm_ms
+    d["estimated_time_ms"] += c.time_ms
+
+
+def _assumptions(spec: SliceSpec, headroom_fraction: float, limits: IdLimits | None) -> dict:
+    """The report's "assumptions": the bandwidths and fractions its figures rest on."""
+    gen = spec.generation
+    return {
+        "sc_gather_fraction_of_hbm_bw": spec.sc_gather_fraction,
+        "sc_gather_bw_bytes_per_s": gen.hbm_bw * spec.sc_gather_fraction,
+        "hbm_bw_bytes_per_s": gen.hbm_bw,
+        "ici_bw_per_chip_bytes_per_s": gen.ici_bw_per_chip,
+        "dcn_bw_per_host_bytes_per_s": spec.dcn_bw_per_host,
+        "all_to_all_efficiency": spec.a2a_efficiency,
+        "headroom_fraction": headroom_fraction,
+        "id_limit": f"measured: {limits.source or 'limits'} ({len(limits.tables)} tables; others the worst case)"
+        if limits is not None
+        else "worst case: every id of a SparseCore's sample slice in one partition",
+    }
+
+
+def _report_meta(
+    tables: Iterable[TableSpec], costing: _Costing, model: str | None, reserved: int, headroom_fraction: float
+) -> dict:
+    """The report's "meta": everything needed to build it again (`plan show`)."""
+    spec, limits = costing.spec, costing.limits
+    return {
+        "model": model,
+        "topology": spec.name,
+        "compute_device": costing.compute_device,
+        "batch_size": costing.batch_size,
+        "optimizer": costing.optimizer,
+        "reserved_bytes": reserved,
+        "headroom_fraction": headroom_fraction,
+        "sc_gather_fraction": spec.sc_gather_fraction,
+        "dcn_bw_per_host": spec.dcn_bw_per_host,
+        "tables": [asdict(t) | {"extra_features": list(t.extra_features)} for t in tables],  # JSON lists
+        "id_limits": limits.to_json() if limits is not None else None,  # so `plan show` sizes buffers alike
     }
 
 

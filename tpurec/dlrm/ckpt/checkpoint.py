@@ -8,8 +8,8 @@ Layout of CKPT_DIR/step-00000100/:
   rank-R.json    per rank: data reader position and RNG states (exact resume at the same world size);
                  JSON, never a pickle: reading a checkpoint must not be able to run code
   meta.json      step, world size, epoch and epoch fraction, config (rank 0); checked field by field
-                 on load (ckpt_meta.py), as rank-R.json is;
-  CHECKSUMS.json size and SHA-256 of every file above, after fsync (rank 0; ckpt_integrity.py): a
+                 on load (meta.py), as rank-R.json is;
+  CHECKSUMS.json size and SHA-256 of every file above, after fsync (rank 0; integrity.py): a
                  checkpoint is used only if it lists every file and each matches;
   COMPLETE       written last, after every rank has finished.
 Everything is first written under step-00000100.tmp/ and renamed once COMPLETE is in it; the
@@ -265,11 +265,21 @@ def save(
         if failed is None:
             raise
         raise failed from chain
-    if _rank() == 0 and keep > 0:
-        for old in complete_checkpoints(root)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+    if _rank() == 0:
+        purge(root, keep)
     _barrier()
     return final
+
+
+def purge(root: str | os.PathLike, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` complete checkpoints under root (none when keep <= 0: keep
+    them all); returns those deleted. Only complete ones count, so a run keeps `keep` usable ones."""
+    if keep <= 0:
+        return []
+    stale = complete_checkpoints(root)[:-keep]
+    for old in stale:
+        shutil.rmtree(old, ignore_errors=True)
+    return stale
 
 
 def _write(
