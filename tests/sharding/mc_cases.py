@@ -99,7 +99,13 @@ def run(rank: int, world: int, impl: str, policy: str, optimizer: str, bagged: b
 
     torch.manual_seed(0)
     model: Any = build(policy, bagged)
-    opt = {"sgd": (torch.optim.SGD, {"lr": 0.05}), "adagrad": (torch.optim.Adagrad, {"lr": 0.05, "eps": 1e-3})}
+    from torchrec.optim import RowWiseAdagrad
+
+    opt = {
+        "sgd": (torch.optim.SGD, {"lr": 0.05}),
+        "adagrad": (torch.optim.Adagrad, {"lr": 0.05, "eps": 1e-3}),
+        "rowwise_adagrad": (RowWiseAdagrad, {"lr": 0.05, "eps": 1e-3}),
+    }
     cls, kwargs = opt[optimizer]
     apply_optimizer_in_backward(cls, model.parameters(), kwargs)
     stock_sharder: Any = (
@@ -120,8 +126,11 @@ def run(rank: int, world: int, impl: str, policy: str, optimizer: str, bagged: b
     )
     if impl == "stock":
         dmp = TorchrecDMP(model, device=torch.device("cpu"), plan=plan, sharders=[stock_sharder])
-    else:  # TorchRec's own MC sharder given: tpurec swaps its inner sharder for the SparseCore one
+    elif impl == "tpurec":  # TorchRec's own MC sharder given: tpurec swaps its inner sharder for the SparseCore one
         dmp = tpurec.DistributedModelParallel(model, device="cpu", plan=plan, sharders=[stock_sharder])
+    else:  # "tpurec-planned": tpurec's default sharders and planner
+        dmp = tpurec.DistributedModelParallel(model, device="cpu")
+        assert {(p.sharding_type, p.compute_kernel) for p in dmp.plan.plan["mc"].values()} == {("row_wise", kernel)}
     # the same starting tables on both (each DMP draws its own init)
     seeded = torch.Generator().manual_seed(3)
     full = {t: torch.randn(n, DIMS[t] if bagged else 8, generator=seeded) for t, n in ZCH.items()}
@@ -138,9 +147,19 @@ def run(rank: int, world: int, impl: str, policy: str, optimizer: str, bagged: b
     evicted = []
     evict = sharded._evict
 
+    (group,) = (
+        [k for lookup in sharded._embedding_module._lookups for k in lookup._emb_modules] if impl != "stock" else [None]
+    )
+    resets = []  # (table, momentum of the evicted rows before and after TorchRec's eviction)
+
     def counting_evict(per_table):  # TorchRec's eviction, counted (rows reset per step)
         evicted.append(sum(int(v.numel()) for v in per_table.values() if v is not None))
+        watch = group is not None and optimizer == "rowwise_adagrad"
+        rows = {t: r.long() for t, r in per_table.items() if r is not None} if watch else {}
+        before = {t: group.kernel.read_state(f"{t}/0", "momentum1")[r].clone() for t, r in rows.items()}
         evict(per_table)
+        for t, r in rows.items():
+            resets.append((t, before[t], group.kernel.read_state(f"{t}/0", "momentum1")[r].clone()))
 
     sharded._evict = counting_evict
     losses, remapped = [], []
@@ -160,4 +179,11 @@ def run(rank: int, world: int, impl: str, policy: str, optimizer: str, bagged: b
         for name, s in value.items():
             if hasattr(s, "local_shards") and s.local_shards():
                 optim_state[f"{key}.{name}"] = s.local_shards()[0].tensor.detach().clone()
-    return {"losses": losses, "remapped": remapped, "state": state, "optim": optim_state, "evicted": evicted}
+    return {
+        "losses": losses,
+        "remapped": remapped,
+        "state": state,
+        "optim": optim_state,
+        "evicted": evicted,
+        "resets": resets,
+    }

@@ -14,9 +14,9 @@ from .multiprocess import run_ranks
 STEPS = 20
 
 
-def _compare(world: int, policy: str, optimizer: str, bagged: bool = True) -> None:
+def _compare(world: int, policy: str, optimizer: str, bagged: bool = True, ours_impl: str = "tpurec") -> None:
     stock = run_ranks(run, world, "stock", policy, optimizer, bagged, STEPS)
-    ours = run_ranks(run, world, "tpurec", policy, optimizer, bagged, STEPS)
+    ours = run_ranks(run, world, ours_impl, policy, optimizer, bagged, STEPS)
     for a, b in zip(stock, ours):
         assert sum(a["evicted"]) > 0 and a["evicted"] == b["evicted"]  # rows were evicted, the same ones
         assert len(a["remapped"]) == STEPS
@@ -35,8 +35,10 @@ def _compare(world: int, policy: str, optimizer: str, bagged: bool = True) -> No
 
 
 @pytest.mark.multiprocess
-def test_an_mc_ebc_with_lfu_eviction_trains_as_stock_torchrec_at_2_ranks():
-    _compare(2, "lfu", "adagrad")
+def test_an_mc_ebc_planned_by_tpurec_trains_as_stock_torchrec_at_2_ranks():
+    # no plan, no sharders: tpurec's planner plans the MC tables row-wise on its kernel (TorchRec's own
+    # planner refuses a one-bucket remap over 2 ranks), and stock is given that plan
+    _compare(2, "lfu", "adagrad", ours_impl="tpurec-planned")
 
 
 @pytest.mark.slow
@@ -51,3 +53,14 @@ def test_mc_ebc_every_eviction_policy_trains_as_stock_torchrec(world, policy, op
 @pytest.mark.multiprocess
 def test_an_mc_ec_trains_as_stock_torchrec_at_2_ranks():
     _compare(2, "lru", "sgd", bagged=False)
+
+
+@pytest.mark.multiprocess
+def test_evicted_rows_of_rowwise_adagrad_restart_their_optimizer_state():
+    """FBGEMM resets an evicted row's momentum (and weight, before TorchRec's re-init) for exact row-wise
+    Adagrad only (its CUDA reset_weight_momentum; no CPU kernel, so stock cannot run this on a CPU)."""
+    (ours,) = run_ranks(run, 1, "tpurec", "lru", "rowwise_adagrad", True, STEPS)
+    assert sum(ours["evicted"]) > 0 and ours["resets"]
+    assert any(bool((before > 0).any()) for _, before, _ in ours["resets"])  # rows that had trained
+    for table, _, after in ours["resets"]:
+        assert torch.equal(after, torch.zeros_like(after)), table

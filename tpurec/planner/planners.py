@@ -147,6 +147,19 @@ class TpuEnumerator(EmbeddingEnumerator):
             )
         return kept
 
+    def _get_num_buckets(self, parameter: str, module: nn.Module) -> int | None:
+        # A managed-collision table whose remap has one bucket (MCHManagedCollisionModule's) shards its
+        # slots row-wise like any table: TorchRec's planner refuses it at world > 1 behind an internal
+        # switch meant for multi-bucket remaps (enumerators.py, "uneven buckets per rank"), while the
+        # same row-wise plan given to TorchRec's DMP trains (tests/sharding/test_mc_dmp.py).
+        from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
+
+        if isinstance(module, BaseManagedCollisionEmbeddingCollection):
+            buckets = module._managed_collision_collection.table_to_number_buckets().get(parameter)
+            if buckets == 1:
+                return None
+        return super()._get_num_buckets(parameter, module)
+
 
 def _table_configs(module: nn.Module) -> list[BaseEmbeddingConfig]:
     return [
