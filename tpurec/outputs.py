@@ -93,7 +93,16 @@ def write_atomic(
     from tpurec.runtime.host_resources import free_disk_bytes
 
     blob = data.encode() if isinstance(data, str) else data
-    full = os.path.abspath(path)
+    full = os.path.realpath(path)  # through a symlink: the file it names is replaced, the link stays
+    if os.path.exists(full) and not stat.S_ISREG(os.stat(full).st_mode):
+        # a device or a pipe (`--out /dev/stdout`, a FIFO): nothing to rename over, and renaming
+        # would replace the device node itself; written straight through
+        try:
+            with open(full, "wb") as f:
+                f.write(blob)
+        except OSError as e:
+            raise UserError(f"{_named(flag, path)}: could not write it ({e.strerror or e})") from None
+        return
     where = os.path.dirname(full)
     free = free_disk_bytes(where)
     if free is not None and free < len(blob):

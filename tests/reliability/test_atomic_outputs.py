@@ -159,3 +159,22 @@ def test_train_on_a_really_full_disk_prints_its_result_and_names_each_path(
     [line] = [x for x in err.splitlines() if x.startswith("tpurec train: error")]
     assert f"--metrics-out {d / 'm.csv'}: " in line and f"--save-plan {d / 'p.json'}: " in line
     assert sorted(p.name for p in d.iterdir()) == ["filler"]
+
+
+def test_a_symlinked_output_replaces_the_file_it_names_and_a_pipe_is_written_through(tmp_path):
+    import threading
+
+    real = tmp_path / "real.json"
+    real.write_text("old\n")
+    link = tmp_path / "link.json"
+    link.symlink_to(real)
+    write_atomic(link, "new\n")
+    assert link.is_symlink() and real.read_text() == "new\n"
+    fifo = tmp_path / "fifo"  # as `--out /dev/stdout`: a rename would replace the node itself
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()))
+    reader.start()
+    write_atomic(fifo, "through\n")
+    reader.join(10)
+    assert got == ["through\n"] and fifo.is_fifo()
