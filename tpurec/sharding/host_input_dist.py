@@ -79,11 +79,12 @@ def agree_id_dtypes(features, pg) -> None:
     """UserError on every rank of `pg` when the ranks' KJTs differ in the dtype of their ids, lengths
     or weights (or in having weights); nothing with one rank or no group.
 
-    One all-gather of 3 int64 per rank, per sharded module and step: a separate collective, since the
-    first collective TorchRec's input dist issues (its splits all-to-all) is built inside TorchRec's
-    KJTAllToAll and folding a row into it would mean re-implementing that awaitable. Every rank
-    gathers all codes, so all refuse together (a rank refusing alone would leave the others waiting
-    in the next collective)."""
+    One all-gather of 3 int64 per rank, per sharded module and step, of its own: the first collective
+    of TorchRec's input dist (its splits all-to-all) comes too late to carry the codes, since
+    row-wise sharding first bucketizes the ids on each rank (fbgemm's block_bucketize, which has no
+    float kernel): a rank feeding float ids failed there alone while the others waited in the
+    all-to-all. Every rank gathers all codes, so all refuse together (a rank refusing alone would
+    leave the others waiting in the next collective)."""
     if pg is None or not dist.is_initialized() or pg.size() < 2:
         return
     weights = features.weights_or_none()
