@@ -178,3 +178,20 @@ def test_a_symlinked_output_replaces_the_file_it_names_and_a_pipe_is_written_thr
     write_atomic(fifo, "through\n")
     reader.join(10)
     assert got == ["through\n"] and fifo.is_fifo()
+
+
+@pytest.mark.parametrize("ext", ["csv", "jsonl"])
+def test_a_resumed_metrics_file_keeps_its_earlier_lines_as_they_were(tmp_path, ext):
+    """The file is rewritten whole from the records: those read back on --resume come out unchanged
+    (a CSV's whole numbers stay whole)."""
+    from tpurec.dlrm.report import MetricsLog
+
+    path = tmp_path / f"m.{ext}"
+    first = MetricsLog(str(path), append=False)
+    first.add({"kind": "train", "step": 1, "samples": 512, "loss": 0.5})
+    first.add({"kind": "eval", "step": 2, "auc": 0.7})
+    before = path.read_text()
+    resumed = MetricsLog(str(path), append=True)
+    resumed.add({"kind": "eval", "step": 3, "auc": 0.75})
+    after = path.read_text()
+    assert after.startswith(before) and len(after.splitlines()) == len(before.splitlines()) + 1

@@ -113,7 +113,8 @@ class MetricsLog:
         if self.csv:
             with open(self.path) as f:
                 return [
-                    {k: (float(v) if k not in ("kind", "table") and v != "" else v) for k, v in row.items()}
+                    # whole numbers stay whole: the file is rewritten from these records
+                    {k: (_number(v) if k not in ("kind", "table") and v != "" else v) for k, v in row.items()}
                     for row in csv.DictReader(f)
                 ]
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
@@ -147,6 +148,13 @@ class MetricsLog:
         except UserError as e:
             self.failure = str(e)
         self._flushed_at = time.monotonic()
+
+
+def _number(text: str) -> int | float:
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
 
 
 def summary_text(r: dict, data_dir: str | os.PathLike | None) -> str:
