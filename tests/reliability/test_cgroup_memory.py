@@ -82,3 +82,14 @@ def test_the_v1_limit_caps_available_bytes(tmp_path, monkeypatch):
     real = host_resources._cgroup_room
     monkeypatch.setattr(host_resources, "_cgroup_room", lambda: real(root, _self(tmp_path, V1_SELF)))
     assert host_resources.available_bytes() == GiB
+
+
+def test_the_inactive_file_cache_counts_as_room(tmp_path):
+    """The kernel reclaims it before an OOM kill: usage minus it is what the group holds."""
+    root = tmp_path / "cg"
+    _group(root, "memory/jobs/a", {"memory.limit_in_bytes": 4 * GiB, "memory.usage_in_bytes": 3 * GiB})
+    (root / "memory/jobs/a/memory.stat").write_text(f"cache 1\ninactive_file 5\ntotal_inactive_file {2 * GiB}\n")
+    assert _cgroup_room(root, _self(tmp_path, V1_SELF)) == 3 * GiB
+    _group(root, "v2/job", {"memory.max": 4 * GiB, "memory.current": 3 * GiB})
+    (root / "v2/job/memory.stat").write_text(f"anon 1\ninactive_file {GiB}\n")
+    assert _cgroup_room(root, _self(tmp_path, "0::/v2/job\n")) == 2 * GiB

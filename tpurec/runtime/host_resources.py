@@ -47,7 +47,10 @@ def _cgroup_room(
     root: str | os.PathLike = "/sys/fs/cgroup", self_cgroup: str | os.PathLike = "/proc/self/cgroup"
 ) -> int | None:
     """Memory this process's cgroup may still charge: the least limit - usage over its group and the
-    groups above it (a parent's limit binds its children too), or None when none is limited.
+    groups above it (a parent's limit binds its children too), or None when none is limited. Usage
+    leaves out the group's inactive file cache (memory.stat), which the kernel reclaims before it
+    OOM-kills: a container that read large files is not out of memory (the working set, as kubelet
+    and `docker stats` count it).
 
     Both hierarchies are read: cgroup v2 (memory.max / memory.current, line `0::PATH`) and cgroup v1
     (memory/memory.limit_in_bytes / memory.usage_in_bytes, line `N:...memory...:PATH`); hosts and
@@ -62,9 +65,10 @@ def _cgroup_room(
         hierarchy, _, rest = line.partition(":")
         controllers, _, path = rest.partition(":")
         if hierarchy == "0" and controllers == "":
-            room = _group_room(Path(root), path, "memory.max", "memory.current")
+            room = _group_room(Path(root), path, "memory.max", "memory.current", "inactive_file")
         elif "memory" in controllers.split(","):
-            room = _group_room(Path(root) / "memory", path, "memory.limit_in_bytes", "memory.usage_in_bytes")
+            v1 = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")  # total_: with children
+            room = _group_room(Path(root) / "memory", path, *v1)
         else:
             continue
         if room is not None:
@@ -72,7 +76,7 @@ def _cgroup_room(
     return min(rooms) if rooms else None
 
 
-def _group_room(mount: Path, path: str, limit_file: str, usage_file: str) -> int | None:
+def _group_room(mount: Path, path: str, limit_file: str, usage_file: str, cache_stat: str) -> int | None:
     """Least limit - usage from the group at `path` under `mount` up to the mount's root; None when
     no level has a limit (or the files are unreadable: not a cgroup of this kind).
 
@@ -86,13 +90,26 @@ def _group_room(mount: Path, path: str, limit_file: str, usage_file: str) -> int
         try:
             limit = (group / limit_file).read_text().strip()
             if limit != "max" and int(limit) < _V1_UNLIMITED:
-                left = int(limit) - int((group / usage_file).read_text().strip())
+                used = int((group / usage_file).read_text().strip()) - _stat(group, cache_stat)
+                left = int(limit) - used
                 room = left if room is None else min(room, left)
         except (OSError, ValueError):
             pass
         if group == mount or group.parent == group:
             return room
         group = group.parent
+
+
+def _stat(group: Path, key: str) -> int:
+    """Field `key` of the group's memory.stat (0 when absent or unreadable)."""
+    try:
+        for line in (group / "memory.stat").read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def _meminfo_available() -> int | None:
