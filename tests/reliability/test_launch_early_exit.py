@@ -41,9 +41,9 @@ def _launch(tmp_path, *program: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.slow  # 4 emulated ranks: 40-50 s each on 2 busy cores
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("as_module", [False, True], ids=["script", "module"])
+# 4 emulated ranks: 25 s on 2 quiet cores, 40-50 s on busy ones; the module's path in `make test-all`
+@pytest.mark.parametrize("as_module", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["script", "module"])
 def test_a_rank_exiting_0_before_the_group_forms_stops_the_run_in_one_line(tmp_path, as_module):
     if as_module:
         (tmp_path / "mods" / "pkg").mkdir(parents=True)
