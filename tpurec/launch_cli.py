@@ -20,6 +20,7 @@ import os
 import sys
 
 from tpurec.errors import UserError
+from tpurec.runtime import safe_path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -70,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
     from tpurec.dlrm import slice_launch
 
     program = ["-m", *args.args] if args.program == "-m" else [args.program, *args.args]
+    if args.program == "-m":  # through run_script too, which tells the launcher when the group formed
+        program = safe_path.script(*program)
     if args.program == "-m":
         problem = _module_problem(args.args[0]) if args.args else "-m needs a module name"
         if problem:

@@ -6,11 +6,19 @@ outputs first and refuses in one line naming the flag (or variable), the path an
 
 Writability is probed with a real file, not os.access: root passes every permission check but not
 a read-only mount.
+
+Every file a command outputs is then written by `write_atomic`: whole or not at all (a temporary file
+in the same directory, renamed over the target), its size checked against the free space first, and a
+failed write is one line naming the path. A full disk used to leave an empty or half-written
+metrics file, plan or limits file behind, and a traceback that named no path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
+import stat
 import tempfile
 
 from tpurec.errors import UserError
@@ -68,3 +76,56 @@ def check_outputs(outputs: list[tuple[str, str | os.PathLike | None, str]]) -> N
         problem = output_problem(flag, path, kind)
         if problem:
             raise UserError(problem)
+
+
+def _named(flag: str | None, path: str | os.PathLike) -> str:
+    return f"{flag}={path}" if flag and flag.isupper() else f"{flag} {path}" if flag else str(path)
+
+
+def write_atomic(
+    path: str | os.PathLike, data: str | bytes, flag: str | None = None, makes_parents: bool = False
+) -> None:
+    """Write `data` (text as UTF-8) to `path` whole or not at all: into a temporary file beside it,
+    flushed to disk, then renamed over it, so a reader (or a crash, or a full disk) never meets a
+    partial file and a file there before stays as it was. UserError in one line naming `flag` and
+    the path when it cannot be written (the free space is too small for `data`, or the write fails),
+    with no temporary file left. `makes_parents` creates missing directories first."""
+    from tpurec.runtime.host_resources import free_disk_bytes
+
+    blob = data.encode() if isinstance(data, str) else data
+    full = os.path.realpath(path)  # through a symlink: the file it names is replaced, the link stays
+    if os.path.exists(full) and not stat.S_ISREG(os.stat(full).st_mode):
+        # a device or a pipe (`--out /dev/stdout`, a FIFO): nothing to rename over, and renaming
+        # would replace the device node itself; written straight through
+        try:
+            with open(full, "wb") as f:
+                f.write(blob)
+        except OSError as e:
+            raise UserError(f"{_named(flag, path)}: could not write it ({e.strerror or e})") from None
+        return
+    where = os.path.dirname(full)
+    free = free_disk_bytes(where)
+    if free is not None and free < len(blob):
+        raise UserError(f"{_named(flag, path)}: {len(blob):,} bytes to write, but only {free:,} free there")
+    tmp = os.path.join(where, f".{os.path.basename(full)}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        if makes_parents:
+            os.makedirs(where, exist_ok=True)
+        # 0o666 less the umask, as open(path, "w") makes a new file; a file replaced keeps its mode
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(blob)
+                f.flush()
+                os.fsync(f.fileno())  # on disk before the rename makes it the file
+            try:
+                os.chmod(tmp, stat.S_IMODE(os.stat(full).st_mode))
+            except FileNotFoundError:
+                pass
+            os.replace(tmp, full)
+        finally:
+            with contextlib.suppress(OSError):  # gone once renamed; else never left behind
+                os.unlink(tmp)
+    except OSError as e:
+        why = (e.strerror or os.strerror(e.errno)) if e.errno else str(e)
+        raise UserError(f"{_named(flag, path)}: could not write it ({why})") from None

@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         agents = [(slice_launch.agent_command(args.nproc), env)]
     # SIGTERM / Ctrl-C of this launcher reach each torch.distributed.run, which stops its ranks; if
     # this process is killed outright, the kernel sends them SIGTERM (they die with their parent).
-    return slice_launch.run_hosts(agents)
+    return slice_launch.run_hosts(agents, "tpurec train")
 
 
 def _launch_problem(args: argparse.Namespace, options: TrainOptions) -> str | None:

@@ -100,7 +100,8 @@ def limits_document(demand: dict[str, list[int]], layout: dict, source: str) -> 
     return {"format": FORMAT, "version": 1, "layout": layout, "data": source, "tables": tables}
 
 
-def write(path: str, doc: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
+def write(path: str, doc: dict, flag: str | None = "--limits-out") -> None:
+    """The limits file, whole or not at all (UserError naming the path when it cannot be written)."""
+    from tpurec.outputs import write_atomic
+
+    write_atomic(path, json.dumps(doc, indent=1) + "\n", flag)

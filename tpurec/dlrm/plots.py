@@ -6,9 +6,19 @@ import os
 
 
 def plot_curves(
-    records: list[dict], out_png: str | os.PathLike, title: str = "", oracle_auc: float | None = None
+    records: list[dict],
+    out_png: str | os.PathLike,
+    title: str = "",
+    oracle_auc: float | None = None,
+    flag: str | None = "--curves-out",
 ) -> None:
+    """The curves PNG at `out_png` (its directories made), whole or not at all: rendered in memory,
+    then written atomically (UserError naming `flag` and the path when it cannot be)."""
+    import io
+
     import matplotlib
+
+    from tpurec.outputs import write_atomic
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -30,5 +40,7 @@ def plot_curves(
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(out_png, dpi=100)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
+    write_atomic(out_png, buf.getvalue(), flag, makes_parents=True)

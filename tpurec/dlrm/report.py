@@ -62,7 +62,15 @@ def plan_summary(report: dict) -> str:
 
 
 class MetricsLog:
-    """Rows of training / eval figures, appended to a CSV or JSONL file as they come (rank 0)."""
+    """Rows of training / eval figures, kept here and written to a CSV or JSONL file (rank 0).
+
+    The file is rewritten whole and atomically (tpurec.outputs.write_atomic): at once (its header),
+    at every evaluation, at most every `FLUSH_EVERY_S` seconds between them, and by `flush()` at the
+    end. A full disk thus never leaves a cut line, and a failed write does not stop training: it is
+    kept in `failure` (one line naming the path), retried at the next write, and the trainer reports
+    it after its result line."""
+
+    FLUSH_EVERY_S = 2.0  # the whole file each time: bounded so long runs do not rewrite it per step
 
     FIELDS = [
         "kind",
@@ -88,14 +96,14 @@ class MetricsLog:
     def __init__(self, path: str | None, append: bool) -> None:
         self.path = Path(path) if path else None
         self.records: list[dict] = []
+        self.failure: str | None = None
+        self._flushed_at = 0.0
         if self.path is None:
             return
         self.csv = self.path.suffix.lower() == ".csv"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         if append and self.path.exists():
             self.records = self._read()
-        else:
-            self.path.write_text(",".join(self.FIELDS) + "\n" if self.csv else "")
+        self.flush()
 
     def _read(self) -> list[dict]:
         import csv
@@ -105,20 +113,48 @@ class MetricsLog:
         if self.csv:
             with open(self.path) as f:
                 return [
-                    {k: (float(v) if k not in ("kind", "table") and v != "" else v) for k, v in row.items()}
+                    # whole numbers stay whole: the file is rewritten from these records
+                    {k: (_number(v) if k not in ("kind", "table") and v != "" else v) for k, v in row.items()}
                     for row in csv.DictReader(f)
                 ]
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
 
+    def _line(self, rec: dict) -> str:
+        if self.csv:
+            return ",".join("" if rec.get(k) is None else str(rec.get(k)) for k in self.FIELDS) + "\n"
+        return json.dumps(json_safe(rec), allow_nan=False) + "\n"
+
     def add(self, rec: dict) -> None:
+        import time
+
         self.records.append(rec)
+        due = rec.get("kind") == "eval" or time.monotonic() - self._flushed_at >= self.FLUSH_EVERY_S
+        if self.path is not None and due:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write every record so far (whole or not at all); a failure is kept in `failure`."""
+        import time
+
+        from tpurec.errors import UserError
+        from tpurec.outputs import write_atomic
+
         if self.path is None:
             return
-        with open(self.path, "a") as f:
-            if self.csv:
-                f.write(",".join("" if rec.get(k) is None else str(rec.get(k)) for k in self.FIELDS) + "\n")
-            else:
-                f.write(json.dumps(json_safe(rec), allow_nan=False) + "\n")
+        head = ",".join(self.FIELDS) + "\n" if self.csv else ""
+        try:
+            write_atomic(self.path, head + "".join(self._line(r) for r in self.records), "--metrics-out", True)
+            self.failure = None
+        except UserError as e:
+            self.failure = str(e)
+        self._flushed_at = time.monotonic()
+
+
+def _number(text: str) -> int | float:
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
 
 
 def summary_text(r: dict, data_dir: str | os.PathLike | None) -> str:

@@ -24,6 +24,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 from typing import TYPE_CHECKING
 
 from tpurec.errors import UserError
@@ -103,13 +104,27 @@ def agent_command(
     return cmd + [f"--nproc-per-node={nproc_per_node}", "--shutdown-timeout=5", *program]
 
 
-def run_hosts(agents: list[tuple[list[str], dict[str, str]]]) -> int:
+def run_hosts(agents: list[tuple[list[str], dict[str, str]]], command: str = "tpurec launch") -> int:
     """Run one agent per (command, environment) together; when one fails the others are stopped.
-    Exit code: the first failure's (2 if any agent reported bad input), else 0."""
+    Exit code: the first failure's (2 if any agent reported bad input), else 0.
+
+    A rank of a user's program that exits 0 before the process group forms, while others wait for it
+    in init_process_group, would leave them waiting (torch.distributed.run counts it done): the
+    ranks record how far they got (`tpurec.runtime.group_watch`) and the run is stopped with one
+    line naming it (exit code 1) once that state has lasted `_EARLY_EXIT_GRACE` seconds."""
+    import tempfile
+    import time
+
+    from tpurec.runtime import group_watch
     from tpurec.runtime.lifecycle import FORWARDED, die_with_parent
 
+    watch = tempfile.TemporaryDirectory(prefix="tpurec-group-watch-")
     procs = [
-        subprocess.Popen(cmd, env=safe_path.env(env), preexec_fn=functools.partial(die_with_parent, os.getpid()))
+        subprocess.Popen(
+            cmd,
+            env=safe_path.env(env, **{group_watch.WATCH_ENV: watch.name}),
+            preexec_fn=functools.partial(die_with_parent, os.getpid()),
+        )
         for cmd, env in agents
     ]
 
@@ -118,8 +133,15 @@ def run_hosts(agents: list[tuple[list[str], dict[str, str]]]) -> int:
             if p.poll() is None:
                 p.send_signal(signum)
 
+    def stop_all() -> None:
+        for q in procs:
+            if q.poll() is None:
+                q.terminate()
+
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
     codes: dict[int, int] = {}
+    stuck_since: float | None = None
+    stuck_line = None
     try:
         while len(codes) < len(procs):
             for i, p in enumerate(procs):
@@ -127,9 +149,18 @@ def run_hosts(agents: list[tuple[list[str], dict[str, str]]]) -> int:
                     continue
                 codes[i] = p.returncode
                 if p.returncode:  # one host failed: the others cannot finish their collectives
-                    for q in procs:
-                        if q.poll() is None:
-                            q.terminate()
+                    stop_all()
+            left, waiting = group_watch.early_exit(watch.name)
+            if left and waiting and stuck_line is None:
+                # the same state a moment later: a rank whose init_process_group just returned has
+                # had time to record `formed`
+                stuck_since = stuck_since or time.monotonic()
+                if time.monotonic() - stuck_since >= _EARLY_EXIT_GRACE:
+                    stuck_line = f"{command}: error: {group_watch.describe(left, waiting)}"
+                    print(stuck_line, file=sys.stderr, flush=True)
+                    stop_all()
+            else:
+                stuck_since = None
             if len(codes) < len(procs):
                 try:
                     procs[min(set(range(len(procs))) - set(codes))].wait(timeout=0.2)
@@ -138,11 +169,17 @@ def run_hosts(agents: list[tuple[list[str], dict[str, str]]]) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        watch.cleanup()
+    if stuck_line is not None:
+        return 1
     failed = [c for c in codes.values() if c]
     if not failed:
         return 0
     code = 2 if 2 in failed else failed[0]
     return 128 - code if code < 0 else code
+
+
+_EARLY_EXIT_GRACE = 1.0  # seconds a rank that left and a rank waiting are seen together before stopping
 
 
 def emulation_too_big(spec: SliceSpec) -> str | None:

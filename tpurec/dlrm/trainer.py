@@ -13,6 +13,7 @@ Everything but the final JSON line (rank 0) goes to stderr, so stdout stays mach
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -83,6 +84,7 @@ class Trainer:
         self._ready = False
         self.emulated: EmulatedRank | None = None  # the EmulatedRank of an emulated TPU rank (tpurec.emulation.rank)
         self._train_copies: Counter = Counter()  # device->host copies in training steps, by what
+        self._output_failures: list[str] = []  # side outputs that could not be written (_side_output)
 
     # ---- setup ----
     def setup(self) -> None:
@@ -261,11 +263,13 @@ class Trainer:
             self.say(plan_summary(report))
         except Exception as e:  # the summary is informative only; never fail a run on it
             self.say(f"(plan summary unavailable: {e})")
-        if self.options.save_plan:
+        # one writer per host (a later --plan reads it on every host)
+        if self.options.save_plan and int(os.environ.get("LOCAL_RANK", "0")) == 0:
             from tpurec.planner.plan_io import save_plan
 
-            save_plan(self.dmp.plan, self.options.save_plan, meta=report["meta"] if report else None)
-            self.say(f"plan saved to {self.options.save_plan}")
+            with self._side_output():
+                save_plan(self.dmp.plan, self.options.save_plan, report["meta"] if report else None, "--save-plan")
+                self.say(f"plan saved to {self.options.save_plan}")
 
     def _resume(self) -> None:
         """`--resume`: the checkpoint manager finds, checks and loads the checkpoint into the model and
@@ -420,18 +424,22 @@ class Trainer:
         def boundary(s: int) -> bool:
             return s == total or (cfg.eval_every and s % cfg.eval_every == 0) or self.checkpointer.is_due(s)
 
-        while self.step_count < total:
-            self._train_segment(next(s for s in range(self.step_count + 1, total + 1) if boundary(s)))
-            step = self.step_count
-            if cfg.eval_every and step % cfg.eval_every == 0 and step != total:
-                ev = self._log_eval(self.evaluate())
-                if self.rank == 0:
-                    self._bar.write(
-                        f"step {step}: eval AUC {ev['auc']:.4f}, NE {ev['ne']:.4f}, logloss {ev['logloss']:.4f}",
-                        file=sys.stderr,
-                    )
-            if self.checkpointer.should_save(step, total):
-                self.checkpoint()
+        try:
+            while self.step_count < total:
+                self._train_segment(next(s for s in range(self.step_count + 1, total + 1) if boundary(s)))
+                step = self.step_count
+                if cfg.eval_every and step % cfg.eval_every == 0 and step != total:
+                    ev = self._log_eval(self.evaluate())
+                    if self.rank == 0:
+                        self._bar.write(
+                            f"step {step}: eval AUC {ev['auc']:.4f}, NE {ev['ne']:.4f}, logloss {ev['logloss']:.4f}",
+                            file=sys.stderr,
+                        )
+                if self.checkpointer.should_save(step, total):
+                    self.checkpoint()
+        except BaseException:  # Ctrl-C, a failed step: the records so far reach the file
+            self._metrics.flush()
+            raise
         self._bar.close()
         if self._prefetch is not None:
             self._prefetch.close()
@@ -477,6 +485,8 @@ class Trainer:
         result["id_limits"] = self._id_limit_figures()
         if self.rank == 0:
             self._report(result)
+        elif self._output_failures:  # another host's copy of --save-plan
+            raise UserError("; ".join(self._output_failures))
         return result
 
     def _id_limit_figures(self) -> dict:
@@ -507,8 +517,9 @@ class Trainer:
                 "batch_size_per_device": self.batch_size,
             }
             if self.rank == 0:
-                id_feedback.write(o.limits_out, id_feedback.limits_document(demand, layout, o.data or "synthetic"))
-                self.say(f"id limits seen in training written to {o.limits_out} ({len(demand)} tables)")
+                with self._side_output():
+                    id_feedback.write(o.limits_out, id_feedback.limits_document(demand, layout, o.data or "synthetic"))
+                    self.say(f"id limits seen in training written to {o.limits_out} ({len(demand)} tables)")
             out["limits_out"] = o.limits_out
         return out
 
@@ -614,15 +625,35 @@ class Trainer:
         if png:
             from tpurec.dlrm.plots import plot_curves
 
-            Path(png).parent.mkdir(parents=True, exist_ok=True)
-            plot_curves(
-                self._metrics.records,
-                png,
-                title=f"{self.cfg.name}, {self.world} rank(s), batch {self.batch_size}/rank",
-                oracle_auc=self.oracle_auc,
-            )
-        if o.metrics_out or png:
-            self.say(", ".join(f"{k}: {v}" for k, v in (("metrics", o.metrics_out), ("curves", png)) if v))
+            with self._side_output():
+                plot_curves(
+                    self._metrics.records,
+                    png,
+                    title=f"{self.cfg.name}, {self.world} rank(s), batch {self.batch_size}/rank",
+                    oracle_auc=self.oracle_auc,
+                    flag="--curves-out" if o.curves_out else "the curves PNG",
+                )
+        self._metrics.flush()
+        if self._metrics.failure:
+            self._output_failures.append(self._metrics.failure)
+        written = (("metrics", o.metrics_out, self._metrics.failure), ("curves", png, png and self._failed(png)))
+        if any(v and not failed for _, v, failed in written):
+            self.say(", ".join(f"{k}: {v}" for k, v, failed in written if v and not failed))
         self.say(summary_text(result, self.data_dir))
         # One strict JSON line: a non-finite metric is null, never a bare NaN that JSON parsers refuse.
         print(json.dumps(json_safe(result), allow_nan=False), flush=True)
+        if self._output_failures:
+            # after the result line: the training it reports finished; the run still fails (exit 2)
+            raise UserError("; ".join(self._output_failures))
+
+    @contextlib.contextmanager
+    def _side_output(self) -> Iterator[None]:
+        """A file written beside the training (plan, limits, curves): its failure (a UserError naming
+        the path) is kept and reported after the result line, never ending the run before it."""
+        try:
+            yield
+        except UserError as e:
+            self._output_failures.append(str(e))
+
+    def _failed(self, path: str) -> bool:
+        return any(str(path) in f for f in self._output_failures)

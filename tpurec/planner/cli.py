@@ -164,21 +164,19 @@ def _check_out(args: argparse.Namespace) -> None:
 
 
 def _emit(report: dict, fmt: PlanFormat, out: str | None) -> None:
+    from tpurec.outputs import write_atomic
     from tpurec.planner import report as plan_report
     from tpurec.planner import report_html, report_png
 
     if fmt == "png":
-        data = report_png.png_bytes(report)
-        with open(out or "plan.png", "wb") as f:
-            f.write(data)
+        write_atomic(out or "plan.png", report_png.png_bytes(report), "--out")
         print(f"wrote {out or 'plan.png'}", file=sys.stderr)
         return
     text = {"text": plan_report.format_text, "html": report_html.html_page, "json": lambda r: json.dumps(r, indent=1)}[
         fmt
     ](report)
     if out:
-        with open(out, "w") as f:
-            f.write(text + "\n")
+        write_atomic(out, text + "\n", "--out")
         print(f"wrote {out}", file=sys.stderr)
     else:
         print(text)

@@ -192,9 +192,9 @@ def _run(args: argparse.Namespace) -> int:
         "rows_per_s": round(rows / seconds, 1) if seconds > 0 else None,
         "tables": tally.result(),
     }
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
+    from tpurec.outputs import write_atomic
+
+    write_atomic(args.out, json.dumps(doc, indent=1) + "\n", "--out")
     worst = max(doc["tables"].items(), key=lambda kv: kv[1]["max_ids_per_partition"], default=None)
     print(
         f"wrote {args.out}: {len(tables)} tables, {rows:,} rows in {doc['batches']} global batches of {global_batch} "

@@ -143,8 +143,11 @@ def _parameter_sharding(p: dict) -> ParameterSharding:
     )
 
 
-def save_plan(plan: ShardingPlan, path: str | os.PathLike, meta: dict | None = None) -> None:
-    Path(path).write_text(json.dumps(plan_to_dict(plan, meta), indent=1) + "\n")
+def save_plan(plan: ShardingPlan, path: str | os.PathLike, meta: dict | None = None, flag: str | None = None) -> None:
+    """Write the plan to `path` whole or not at all (UserError naming `flag` and the path when it cannot)."""
+    from tpurec.outputs import write_atomic
+
+    write_atomic(path, json.dumps(plan_to_dict(plan, meta), indent=1) + "\n", flag)
 
 
 def _is_report(doc: dict) -> bool:

@@ -7,6 +7,10 @@ Python puts it for `python prog.py`, so the program imports its sibling modules 
 environment is the caller's (PYTHONSAFEPATH as the caller had it). `tpurec` is imported before the
 program (this module is part of it): in an emulated rank that installs TorchTPU's stand-ins before the
 program's first line, as the program's own `import tpurec` would.
+
+`-m MODULE ARGS` runs a module as `python -P -m MODULE ARGS` would. Either way the rank records
+whether its process group formed before the program ended (`tpurec.runtime.group_watch`), so the
+launcher notices a rank that leaves while the others wait for it.
 """
 
 from __future__ import annotations
@@ -15,17 +19,35 @@ import os
 import runpy
 import sys
 
-from tpurec.runtime import safe_path
+from tpurec.runtime import group_watch, safe_path
 
 
 def main(argv: list[str]) -> None:
     if not argv:
         sys.exit("usage: python -P -m tpurec.runtime.run_script SCRIPT [ARGS...]")
-    script = argv[0]
-    if not safe_path.restore_caller_env():
-        sys.path.insert(0, os.path.dirname(os.path.realpath(script)))
-    sys.argv = list(argv)
-    runpy.run_path(os.path.abspath(script), run_name="__main__")
+    if argv[0] == "-m" and len(argv) < 2:
+        sys.exit("usage: python -P -m tpurec.runtime.run_script -m MODULE [ARGS...]")
+    module = argv[1] if argv[0] == "-m" else None
+    # a module keeps the ranks' PYTHONSAFEPATH, as it had when torch.distributed.run started it directly
+    caller_safe = module is None and safe_path.restore_caller_env()
+    group_watch.watch_group_forming()
+    code = 1  # an exception: Python exits 1 after printing it
+    try:
+        if module is not None:
+            sys.argv = [module, *argv[2:]]  # run_module sets argv[0] to the module's file
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            script = argv[0]
+            if not caller_safe:
+                sys.path.insert(0, os.path.dirname(os.path.realpath(script)))
+            sys.argv = list(argv)
+            runpy.run_path(os.path.abspath(script), run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = group_watch.exit_code(e)
+        raise
+    finally:
+        group_watch.program_ended(code)
 
 
 if __name__ == "__main__":

@@ -9,12 +9,19 @@ TPU that is one device->host copy per lookup and step, and a host KJT meeting de
 CPU, its all-to-alls on the process group's gloo half (`cpu:gloo,tpu:tpu_dist`), and a KJT handed in
 on the device is brought to the host once, at the door, as a counted copy (tpurec.runtime.host_copies).
 The output distribution (pooled or sequence embeddings) stays on the module's device.
+
+Before the ids' first collective the ranks agree on their dtypes (`agree_id_dtypes`): gloo sizes a
+transfer from the receiver's dtype, so one rank sending int32 or float32 ids while the others send
+int64 aborted the whole job (SIGABRT, "Received data size doesn't match") before any check of the
+KJT could run. Now every rank refuses the batch in one line naming which rank fed which dtype.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
+from tpurec.errors import UserError
 from tpurec.runtime import host_copies
 from tpurec.sharding.sharded_host import ShardedHost
 
@@ -25,7 +32,9 @@ class HostInputDistMixin(ShardedHost):
     """Mixed into a TorchRec sharded EBC/EC (before it in the bases)."""
 
     def input_dist(self, ctx, features, *args, **kwargs):
-        return super().input_dist(ctx, host_copies.to_host(features, "ids"), *args, **kwargs)
+        features = host_copies.to_host(features, "ids")
+        agree_id_dtypes(features, getattr(self._env, "process_group", None))
+        return super().input_dist(ctx, features, *args, **kwargs)
 
     def _create_input_dist(self, *args, **kwargs) -> None:
         shardings = list(getattr(self, "_embedding_shardings", None) or self._sharding_type_to_sharding.values())
@@ -37,3 +46,63 @@ class HostInputDistMixin(ShardedHost):
         finally:
             for owner, device in saved:
                 owner._device = device
+
+
+# dtype <-> a small code for the dtype all-gather; a dtype not listed travels as len(_DTYPES) and is
+# named by what this rank fed (a rank never needs another's unlisted name to refuse)
+_DTYPES = (
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+)
+_PARTS = ("ids (KJT values)", "lengths", "weights")
+
+
+def _code(t: torch.Tensor | None) -> int:
+    if t is None:
+        return -1  # no weights: a rank sending weights while another does not breaks the all-to-all too
+    return _DTYPES.index(t.dtype) if t.dtype in _DTYPES else len(_DTYPES)
+
+
+def _name(code: int) -> str:
+    return "none" if code < 0 else str(_DTYPES[code]).removeprefix("torch.") if code < len(_DTYPES) else "other"
+
+
+def agree_id_dtypes(features, pg) -> None:
+    """UserError on every rank of `pg` when the ranks' KJTs differ in the dtype of their ids, lengths
+    or weights (or in having weights); nothing with one rank or no group.
+
+    One all-gather of 3 int64 per rank, per sharded module and step, of its own: the first collective
+    of TorchRec's input dist (its splits all-to-all) comes too late to carry the codes, since
+    row-wise sharding first bucketizes the ids on each rank (fbgemm's block_bucketize, which has no
+    float kernel): a rank feeding float ids failed there alone while the others waited in the
+    all-to-all. Every rank gathers all codes, so all refuse together (a rank refusing alone would
+    leave the others waiting in the next collective)."""
+    if pg is None or not dist.is_initialized() or pg.size() < 2:
+        return
+    weights = features.weights_or_none()
+    mine = torch.tensor([_code(features.values()), _code(features.lengths()), _code(weights)], dtype=torch.int64)
+    everyone = [torch.empty_like(mine) for _ in range(pg.size())]
+    dist.all_gather(everyone, mine, group=pg)
+    table = torch.stack(everyone)  # [rank, part]
+    for part, column in zip(_PARTS, table.T.tolist()):
+        if len(set(column)) == 1:
+            continue
+        by_dtype: dict[int, list[int]] = {}
+        for rank, code in enumerate(column):
+            by_dtype.setdefault(code, []).append(rank)
+        fed = "; ".join(
+            f"{_name(code)} on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+            for code, ranks in sorted(by_dtype.items(), key=lambda kv: kv[1][0])
+        )
+        raise UserError(
+            f"the ranks fed {part} of different dtypes ({fed}): every rank must feed the same dtype "
+            "(int64 ids and lengths, as TorchRec's KeyedJaggedTensor makes them)"
+        )
