@@ -32,6 +32,27 @@ def _policy(name: str):
     return {"lru": LRU_EvictionPolicy, "lfu": LFU_EvictionPolicy, "distance_lfu": DistanceLFU_EvictionPolicy}[name]()
 
 
+def _hash_zch(tables: Any) -> dict:
+    """Multi-probe ZCH (fbgemm's zero_collision_hash, with a CPU kernel in fbgemm-gpu-cpu), LRU within the
+    probe range; 2 buckets, a multiple of the world sizes tested."""
+    from torchrec.modules.hash_mc_evictions import HashZchEvictionConfig, HashZchEvictionPolicyName
+    from torchrec.modules.hash_mc_modules import HashZchManagedCollisionModule
+
+    return {
+        t.name: HashZchManagedCollisionModule(
+            zch_size=t.num_embeddings,
+            device=torch.device("cpu"),
+            total_num_buckets=2,
+            max_probe=4,
+            input_hash_size=RAW_IDS,
+            name=t.name,
+            eviction_policy_name=HashZchEvictionPolicyName.LRU_EVICTION,
+            eviction_config=HashZchEvictionConfig(features=t.feature_names, single_ttl=1),
+        )
+        for t in tables
+    }
+
+
 def build(policy: str, bagged: bool = True) -> nn.Module:
     from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
     from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
@@ -56,16 +77,20 @@ def build(policy: str, bagged: bool = True) -> nn.Module:
             for t, n in ZCH.items()
         ]
         collection = EmbeddingCollection(tables, device=meta)
-    mcs: Any = {
-        t.name: MCHManagedCollisionModule(
-            zch_size=t.num_embeddings,
-            device=torch.device("cpu"),
-            eviction_interval=2,
-            input_hash_size=RAW_IDS,
-            eviction_policy=_policy(policy),
-        )
-        for t in tables
-    }
+    mcs: Any = (
+        _hash_zch(tables)
+        if policy == "hash_zch"
+        else {
+            t.name: MCHManagedCollisionModule(
+                zch_size=t.num_embeddings,
+                device=torch.device("cpu"),
+                eviction_interval=2,
+                input_hash_size=RAW_IDS,
+                eviction_policy=_policy(policy),
+            )
+            for t in tables
+        }
+    )
     mcc = ManagedCollisionCollection(managed_collision_modules=mcs, embedding_configs=tables)
     if bagged:
         return _Wrap(ManagedCollisionEmbeddingBagCollection(collection, mcc, return_remapped_features=True))
@@ -107,7 +132,8 @@ def run(rank: int, world: int, impl: str, policy: str, optimizer: str, bagged: b
         "rowwise_adagrad": (RowWiseAdagrad, {"lr": 0.05, "eps": 1e-3}),
     }
     cls, kwargs = opt[optimizer]
-    apply_optimizer_in_backward(cls, model.parameters(), kwargs)
+    # the tables only: the hash remap keeps its identities as frozen parameters
+    apply_optimizer_in_backward(cls, model.mc._embedding_module.parameters(), kwargs)
     stock_sharder: Any = (
         ManagedCollisionEmbeddingBagCollectionSharder() if bagged else ManagedCollisionEmbeddingCollectionSharder()
     )

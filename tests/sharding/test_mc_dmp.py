@@ -64,3 +64,14 @@ def test_evicted_rows_of_rowwise_adagrad_restart_their_optimizer_state():
     assert any(bool((before > 0).any()) for _, before, _ in ours["resets"])  # rows that had trained
     for table, _, after in ours["resets"]:
         assert torch.equal(after, torch.zeros_like(after)), table
+
+
+def test_a_training_model_with_the_multi_probe_hash_remap_is_refused_at_build_in_one_line():
+    import tpurec
+    from tpurec.errors import UserError
+
+    from .mc_cases import build
+
+    model = build("hash_zch")
+    with pytest.raises(UserError, match=r"mc\._managed_collision_collection.*HashZch\w* cannot train"):
+        tpurec.DistributedModelParallel(model, device="cpu")

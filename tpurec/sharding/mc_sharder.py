@@ -16,10 +16,12 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
+from torch import nn
 from torchrec.distributed.mc_embedding import ManagedCollisionEmbeddingCollectionSharder
 from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
 from torchrec.distributed.mc_modules import ManagedCollisionCollectionSharder
 
+from tpurec.errors import UserError
 from tpurec.sharding.ec_sharder import SparseCoreECSharder
 from tpurec.sharding.sharder import SparseCoreEBCSharder
 
@@ -52,3 +54,19 @@ class SparseCoreMCECSharder(ManagedCollisionEmbeddingCollectionSharder):
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
         return self._e_sharder.compute_kernels(sharding_type, compute_device_type)
+
+
+def refuse_hash_zch_training(module: nn.Module) -> None:
+    """A training model with TorchRec's multi-probe ZCH remap (`HashZchManagedCollisionModule`) is refused at
+    DMP build: the remap runs on the host, and fbgemm-gpu-cpu's `zero_collision_hash` inserts no ids (its
+    CPU kernel requires `readonly`: "Expected readonly to be true"), so its first training step would fail
+    there, as stock TorchRec's does on a CPU."""
+    from torchrec.modules.hash_mc_modules import HashZchManagedCollisionModule
+
+    for path, m in module.named_modules():
+        if isinstance(m, HashZchManagedCollisionModule) and m.training:
+            raise UserError(
+                f"{path}: HashZchManagedCollisionModule cannot train here: its remap runs on the host and "
+                "fbgemm-gpu-cpu's zero_collision_hash only looks ids up (readonly); use "
+                "MCHManagedCollisionModule (LRU/LFU/DistanceLFU eviction)"
+            )
