@@ -111,7 +111,8 @@ def batches(steps: int, rank: int):
     return out
 
 
-def run(rank: int, world: int, impl: str, policy: str, optimizer: str, bagged: bool, steps: int) -> dict:
+def make_dmp(rank: int, world: int, impl: str, policy: str, optimizer: str, bagged: bool, table_seed: int = 3) -> Any:
+    """The model sharded by `impl` (stock, tpurec, tpurec-planned), its tables drawn from `table_seed`."""
     from torchrec.distributed.mc_embedding import ManagedCollisionEmbeddingCollectionSharder
     from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel as TorchrecDMP
@@ -158,7 +159,7 @@ def run(rank: int, world: int, impl: str, policy: str, optimizer: str, bagged: b
         dmp = tpurec.DistributedModelParallel(model, device="cpu")
         assert {(p.sharding_type, p.compute_kernel) for p in dmp.plan.plan["mc"].values()} == {("row_wise", kernel)}
     # the same starting tables on both (each DMP draws its own init)
-    seeded = torch.Generator().manual_seed(3)
+    seeded = torch.Generator().manual_seed(table_seed)
     full = {t: torch.randn(n, DIMS[t] if bagged else 8, generator=seeded) for t, n in ZCH.items()}
     prefix = "mc._embedding_module." + ("embedding_bags" if bagged else "embeddings")
     with torch.no_grad():
@@ -168,6 +169,16 @@ def run(rank: int, world: int, impl: str, policy: str, optimizer: str, bagged: b
                     for shard in value.local_shards():
                         r, n = shard.metadata.shard_offsets[0], shard.metadata.shard_sizes[0]
                         shard.tensor.copy_(full[t][r : r + n])
+    return dmp
+
+
+def _loss(out: Any, bagged: bool) -> torch.Tensor:
+    values = out.values() if bagged else torch.cat([jt.values() for jt in out.values()])
+    return (values * torch.linspace(-1, 1, values.numel()).view(values.shape)).sum() + (values**2).sum()
+
+
+def run(rank: int, world: int, impl: str, policy: str, optimizer: str, bagged: bool, steps: int) -> dict:
+    dmp = make_dmp(rank, world, impl, policy, optimizer, bagged)
     torch.manual_seed(100 + rank)  # the evictions' re-init draws from the global generator
     sharded: Any = dmp.module.mc
     evicted = []
@@ -191,8 +202,7 @@ def run(rank: int, world: int, impl: str, policy: str, optimizer: str, bagged: b
     losses, remapped = [], []
     for kjt in batches(steps, rank):
         out, remap = dmp(kjt)
-        values = out.values() if bagged else torch.cat([jt.values() for jt in out.values()])
-        loss = (values * torch.linspace(-1, 1, values.numel()).view(values.shape)).sum() + (values**2).sum()
+        loss = _loss(out, bagged)
         loss.backward()
         losses.append(float(loss.detach()))
         remapped.append(remap.values().clone())
@@ -213,3 +223,46 @@ def run(rank: int, world: int, impl: str, policy: str, optimizer: str, bagged: b
         "evicted": evicted,
         "resets": resets,
     }
+
+
+def run_dcp(rank: int, world: int, save_impl: str, load_impl: str, path: str, policy: str, optimizer: str) -> dict:
+    """`save_impl` trains 10 steps, saves model and fused optimizer with DCP, trains 10 more (the
+    uninterrupted run); `load_impl`, built with other tables, loads the checkpoint and trains the same 10
+    steps. MC state (remap identities, eviction metadata) travels too. Returns also each rank's state
+    at the save and right after the load."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    kjts = batches(20, rank)
+
+    def steps(dmp: Any, part: list) -> list:
+        torch.manual_seed(100 + rank)  # the evictions' re-init draws from the global generator
+        out = []
+        for kjt in part:
+            emb, remap = dmp(kjt)
+            _loss(emb, True).backward()
+            out.append((float(_loss(emb, True).detach()), remap.values().clone()))
+        return out
+
+    saver = make_dmp(rank, world, save_impl, policy, optimizer, True)
+    steps(saver, kjts[:10])
+    dcp.save({"model": saver.state_dict(), "optim": saver.fused_optimizer.state_dict()}, checkpoint_id=path)
+    at_save = _local_state(saver)
+    uninterrupted = steps(saver, kjts[10:])
+    dist.barrier()
+    loader = make_dmp(rank, world, load_impl, policy, optimizer, True, table_seed=4)
+    sd = {"model": loader.state_dict(), "optim": loader.fused_optimizer.state_dict()}
+    dcp.load(sd, checkpoint_id=path)
+    loader.load_state_dict(sd["model"])
+    loader.fused_optimizer.load_state_dict(sd["optim"])
+    at_load = _local_state(loader)
+    resumed = steps(loader, kjts[10:])
+    return {"uninterrupted": uninterrupted, "resumed": resumed, "at_save": at_save, "at_load": at_load}
+
+
+def _local_state(dmp: Any) -> dict:
+    out = {}
+    for key, value in dmp.state_dict().items():
+        tensor = value.local_shards()[0].tensor if hasattr(value, "local_shards") else value
+        out[key] = tensor.detach().clone()
+    return out

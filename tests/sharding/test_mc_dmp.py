@@ -75,3 +75,26 @@ def test_a_training_model_with_the_multi_probe_hash_remap_is_refused_at_build_in
     model = build("hash_zch")
     with pytest.raises(UserError, match=r"mc\._managed_collision_collection.*HashZch\w* cannot train"):
         tpurec.DistributedModelParallel(model, device="cpu")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("other", ["stock", "tpurec"])
+def test_mc_state_travels_through_dcp_between_tpurec_and_stock(tmp_path, other):
+    """Saved by one library at 2 ranks, loaded by the other: every tensor (tables, optimizer state, the
+    remap's identities and eviction metadata) arrives bit for bit, and the loader then trains as it does
+    from its own checkpoint. (Not as the uninterrupted run: TorchRec's MCH sizes its in-memory eviction
+    history from the first batch a process sees and drops ids past it, so a resumed process, stock or
+    tpurec, evicts differently from one that never stopped; docs/managed_collision.md.)"""
+    from .mc_cases import run_dcp
+
+    mine = "tpurec" if other == "stock" else "stock"
+    crossed = run_ranks(run_dcp, 2, mine, other, str(tmp_path / "a"), "lru", "adagrad")
+    own = run_ranks(run_dcp, 2, other, other, str(tmp_path / "b"), "lru", "adagrad")
+    for a, b in zip(crossed, own):
+        assert set(a["at_load"]) == set(a["at_save"])
+        for key, saved in a["at_save"].items():
+            assert torch.equal(a["at_load"][key], saved), key
+        assert len(a["resumed"]) == 10
+        for (loss, remap), (want_loss, want_remap) in zip(a["resumed"], b["resumed"]):
+            assert torch.equal(remap, want_remap)
+            assert abs(loss - want_loss) <= 1e-5 * max(1.0, abs(want_loss))
