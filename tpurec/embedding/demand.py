@@ -295,14 +295,12 @@ class ShardsDemand:
     def _compiled_counts(self, values, lengths, stride: int, ids: int):
         """([shards, P, P] entries, distinct) by demand_kernels, or None: no numba, or keys too wide
         (then the numpy route). Not thread-safe: one counter per thread (its stamps)."""
-        from tpurec.embedding import csr_build, demand_kernels
+        from tpurec.embedding import csr_build
 
         if not csr_build.available() or self.num_shards == 0:
             return None
-        compiled = demand_kernels.kernels()
-        if compiled is None:
-            return None
-        walk, count_sorted = compiled
+        from tpurec.embedding.demand_kernels import count_sorted, walk  # numba: only once it is there
+
         p, pbits = self.p, _bits(self.p)
         lbits, fbits, sbits = _bits(self.max_rows), _bits(self.max_features), _bits(max(stride, 1))
         if _bits(self.num_shards) + 2 * pbits + lbits + fbits + sbits > 63:
