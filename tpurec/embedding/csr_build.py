@@ -1,6 +1,6 @@
 """Compiled CSR build of one stack: a KJT slice -> the SparseCore input, in three passes over the ids.
 
-The same result as `kernel._stack_input`'s torch + numpy route (ids checked, shifted into the stack,
+The same result as `kernel_input.KernelInput.stack_input`'s torch + numpy route (ids checked, shifted into the stack,
 renamed for MOD partitioning, then `preprocess.preprocess`), bit for bit, but without its ~20
 full-length temporaries: one compiled pass builds the sort keys (and gains), numpy sorts them
 (AVX-512 sort, GIL released), one pass merges repeats and counts the segments, one pass writes the

@@ -22,7 +22,7 @@ def keys_pass(values, lengths, batch, per, offsets, rows, mean, weights, has_w, 
         k = j // batch
         b = j - k * batch
         length = lengths[j]
-        # SparseCore sl gets samples sl*per..(sl+1)*per-1 of every feature (kernel.stacked_samples)
+        # SparseCore sl gets samples sl*per..(sl+1)*per-1 of every feature (kernel_input.stacked_samples)
         sl = b // per
         sin = k * per + (b - sl * per)
         hi = rows[k]

@@ -15,7 +15,7 @@ disk (`cache=True`), imported only when a CPU kernel first runs. A C++ torch ext
 build at install against the pinned torch and a compiler on every machine.
 
 Output rows: SparseCore c's local sample k * per + i (per = padded / num_sc samples of each feature
-per SparseCore, `kernel.stacked_samples`) is feature k's sample j = c * per + i; its bag is
+per SparseCore, `kernel_input.stacked_samples`) is feature k's sample j = c * per + i; its bag is
 k * nj + j (with nk = 1, the op's [device_batch_size, width] layout) or, batch-major, j * nk + k, so
 that the bags of `embedding_bag` are already the kernel's [batch, features * dim] output, with no
 reshape copy forward or backward. Single-threaded, like FBGEMM's CPU fused backward.

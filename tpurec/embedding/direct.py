@@ -84,7 +84,7 @@ def _tables_and_spec_fit(kernel) -> bool:
 
 def lookup(kernel, parts: list, batch: int) -> torch.Tensor | None:
     """Pooled [batch, sum of dims] in feature order with the fused update in backward, from
-    `SparseCoreKernel._stack_arrays`'s per-stack (values, lengths, weights); None when an id is out
+    `KernelInput.stack_arrays`'s per-stack (values, lengths, weights); None when an id is out
     of its table's range (the layout path then raises its message) or a sort key would not fit."""
     from tpurec.embedding import direct_kernels as dk
 
@@ -144,7 +144,7 @@ class _Stack:
 def _stack(kernel, i: int) -> _Stack:
     cache = kernel.__dict__.setdefault("_direct_stacks", {})
     if i not in cache:
-        offsets, rows, mean = kernel._stack_tensors[i]
+        offsets, rows, mean = kernel.inputs.stack_tensors[i]
         plan = kernel.stacks[i]
         runs: list[list] = []  # [first slot, past the last, first stack row, table] per feature slot run
         for k, (_, name) in enumerate(plan.features):

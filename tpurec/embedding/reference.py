@@ -140,7 +140,7 @@ def lookup_csr(
 
     Default: [device_batch_size, width], the op's result. batch_major=(features, batch, dim): the
     device batch is the kernel's stacked batch of `features` features, interleaved per SparseCore
-    (`kernel.stacked_samples`), and the result is [batch, features * dim], feature k's sample j in
+    (`kernel_input.stacked_samples`), and the result is [batch, features * dim], feature k's sample j in
     row j, columns k*dim.. (the kernel's output; samples past `batch` are padding and hold no ids).
     """
     from tpurec.embedding import csr_kernels
