@@ -24,6 +24,7 @@ import weakref
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from tpurec.embedding.constraints import PADDING_ID, SEGMENT_ALIGN
 
@@ -41,7 +42,7 @@ class _BufferPool:
         self.free: dict[tuple, list[np.ndarray]] = {}
         self.lock = threading.Lock()
 
-    def get(self, size: int, dtype) -> np.ndarray:
+    def get(self, size: int, dtype: npt.DTypeLike) -> np.ndarray:
         key = (size, np.dtype(dtype).str)
         with self.lock:
             stack = self.free.get(key)
@@ -52,7 +53,7 @@ class _BufferPool:
         weakref.finalize(view, self._put, key, base)
         return view
 
-    def _put(self, key, base) -> None:
+    def _put(self, key: tuple[int, str], base: np.ndarray) -> None:
         with self.lock:
             stack = self.free.setdefault(key, [])
             if len(stack) < self.per_key:
@@ -67,7 +68,7 @@ def available() -> bool:
     return os.environ.get("TPUREC_NO_NUMBA", "") in ("", "0") and _kernels() is not None
 
 
-def _kernels():
+def _kernels() -> tuple[Any, ...] | None:
     global _KERNELS
     if _KERNELS is None:
         try:
@@ -76,11 +77,25 @@ def _kernels():
             _KERNELS = False
         else:
             _KERNELS = (k.keys_pass, k.merge_pass, k.place_pass, k.merge_place_pass)
-    return _KERNELS or None
+    return _KERNELS if isinstance(_KERNELS, tuple) else None
 
 
-def stack_csr(values, lengths, weights, *, batch, padded, offsets, rows, mean, rows_per_partition, num_sc,
-              num_partitions, max_ids, max_uniq):  # fmt: skip
+def stack_csr(
+    values: np.ndarray,
+    lengths: np.ndarray,
+    weights: np.ndarray | None,
+    *,
+    batch: int,
+    padded: int,
+    offsets: np.ndarray,
+    rows: np.ndarray,
+    mean: np.ndarray,
+    rows_per_partition: int,
+    num_sc: int,
+    num_partitions: int,
+    max_ids: int | None,
+    max_uniq: int | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, int, tuple[np.ndarray, np.ndarray, int]] | None:
     """One stack's (row_pointers, embedding_ids, sample_ids, gains, max_ids, max_uniq, stats) as numpy,
     or None (then the numpy route decides). values/lengths/weights: numpy views of the stacked KJT
     slice; offsets/rows/mean: per feature slot. max_ids / max_uniq None: sized to this batch."""

@@ -11,8 +11,24 @@ import numpy as np
 
 
 @numba.njit(cache=True, nogil=True)
-def keys_pass(values, lengths, batch, per, offsets, rows, mean, weights, has_w, rpp, parts,
-              cbits, sbits, ibits, keys, gains):  # fmt: skip
+def keys_pass(
+    values: np.ndarray,
+    lengths: np.ndarray,
+    batch: int,
+    per: int,
+    offsets: np.ndarray,
+    rows: np.ndarray,
+    mean: np.ndarray,
+    weights: np.ndarray,
+    has_w: bool,
+    rpp: int,
+    parts: int,
+    cbits: int,
+    sbits: int,
+    ibits: int,
+    keys: np.ndarray,
+    gains: np.ndarray,
+) -> int:
     """Sort keys [segment | local id | sample in slice | input position]; gains when not uniform.
     Returns -1, or the position of the first id out of its table's range."""
     pos = 0
@@ -54,7 +70,16 @@ def keys_pass(values, lengths, batch, per, offsets, rows, mean, weights, has_w, 
 
 
 @numba.njit(cache=True, nogil=True)
-def merge_pass(keys, gains, ibits, sbits, seg_shift, counts, ucounts, out_gain):
+def merge_pass(
+    keys: np.ndarray,
+    gains: np.ndarray,
+    ibits: int,
+    sbits: int,
+    seg_shift: int,
+    counts: np.ndarray,
+    ucounts: np.ndarray,
+    out_gain: np.ndarray,
+) -> int:
     """Merges repeats of (segment, local id, sample) in place: keys[:m] become the entries
     (without position bits), out_gain[:m] their float32 gain sums in input order. Returns m."""
     n = keys.shape[0]
@@ -80,7 +105,22 @@ def merge_pass(keys, gains, ibits, sbits, seg_shift, counts, ucounts, out_gain):
 
 
 @numba.njit(cache=True, nogil=True)
-def place_pass(keys, ugain, counts, num_sc, parts, slots, cbits, sbits, emb, smp, gns, row_pointers, rpw, pad) -> None:
+def place_pass(
+    keys: np.ndarray,
+    ugain: np.ndarray,
+    counts: np.ndarray,
+    num_sc: int,
+    parts: int,
+    slots: int,
+    cbits: int,
+    sbits: int,
+    emb: np.ndarray,
+    smp: np.ndarray,
+    gns: np.ndarray,
+    row_pointers: np.ndarray,
+    rpw: int,
+    pad: int,
+) -> None:
     """Segment p of SparseCore s starts at the 8-aligned sum of earlier segments; the rest is padding."""
     src = 0
     cmask = (np.int64(1) << cbits) - 1
@@ -113,8 +153,27 @@ def place_pass(keys, ugain, counts, num_sc, parts, slots, cbits, sbits, emb, smp
 
 
 @numba.njit(cache=True, nogil=True)
-def merge_place_pass(keys, gains, ibits, sbits, seg_shift, cbits, num_sc, parts, slots, max_ids, max_uniq,
-                     counts, ucounts, emb, smp, gns, row_pointers, rpw, pad):  # fmt: skip
+def merge_place_pass(
+    keys: np.ndarray,
+    gains: np.ndarray,
+    ibits: int,
+    sbits: int,
+    seg_shift: int,
+    cbits: int,
+    num_sc: int,
+    parts: int,
+    slots: int,
+    max_ids: int,
+    max_uniq: int,
+    counts: np.ndarray,
+    ucounts: np.ndarray,
+    emb: np.ndarray,
+    smp: np.ndarray,
+    gns: np.ndarray,
+    row_pointers: np.ndarray,
+    rpw: int,
+    pad: int,
+) -> int:
     """merge_pass and place_pass in one pass over the sorted keys, for limits known in advance
     (fixed limits: the buffer shapes do not depend on the batch): each segment's merged entries
     are written straight into its place. Returns -1 if a segment goes over a limit (the caller

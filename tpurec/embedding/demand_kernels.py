@@ -25,9 +25,32 @@ import numpy as np
 
 
 @numba.njit(cache=True, nogil=True)
-def walk(values, lengths, offsets, stride, features, feature_table, feature_slot, table_rows,
-         table_first_shard, shard_start, shard_chunk, shard_stamp_at, shard_padded, stamps, bag_base,
-         per_slice, p, pbits, lbits, fbits, sbits, entries, distinct, keys):  # fmt: skip
+def walk(
+    values: np.ndarray,
+    lengths: np.ndarray,
+    offsets: np.ndarray,
+    stride: int,
+    features: np.ndarray,
+    feature_table: np.ndarray,
+    feature_slot: np.ndarray,
+    table_rows: np.ndarray,
+    table_first_shard: np.ndarray,
+    shard_start: np.ndarray,
+    shard_chunk: np.ndarray,
+    shard_stamp_at: np.ndarray,
+    shard_padded: np.ndarray,
+    stamps: np.ndarray,
+    bag_base: int,
+    per_slice: int,
+    p: int,
+    pbits: int,
+    lbits: int,
+    fbits: int,
+    sbits: int,
+    entries: np.ndarray,
+    distinct: np.ndarray,
+    keys: np.ndarray,
+) -> tuple[int, int]:
     """Counts stamped shards into entries / distinct ([shards * P * P]) and writes the other ids'
     packed keys; returns (number of keys, -1) or (0, position of an id outside its table)."""
     n = 0
@@ -80,7 +103,9 @@ def walk(values, lengths, offsets, stride, features, feature_table, feature_slot
 
 
 @numba.njit(cache=True, nogil=True)
-def count_sorted(keys, low, lbits, p, pbits, entries, distinct) -> None:
+def count_sorted(
+    keys: np.ndarray, low: int, lbits: int, p: int, pbits: int, entries: np.ndarray, distinct: np.ndarray
+) -> None:
     """Adds the sorted keys' new entries and new (segment, row) prefixes to the counts."""
     prev_key = np.int64(-1)
     prev_prefix = np.int64(-1)

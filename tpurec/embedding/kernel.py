@@ -371,7 +371,15 @@ class SparseCoreKernel(nn.Module):
 
 class _FusedLookup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, trigger, kernel: SparseCoreKernel, i: int, csr: SparseCoreInput, batch: int, direct: bool):
+    def forward(
+        ctx: Any,
+        trigger: torch.Tensor | None,
+        kernel: SparseCoreKernel,
+        i: int,
+        csr: SparseCoreInput,
+        batch: int,
+        direct: bool,
+    ) -> torch.Tensor:
         ctx.kernel, ctx.i, ctx.csr, ctx.direct = kernel, i, csr, direct
         weight = kernel.stack_weight(i)
         if ctx.direct:
@@ -398,7 +406,7 @@ class _FusedLookup(torch.autograd.Function):
         return _lookup_op(csr, weight)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:
         kernel, csr = ctx.kernel, ctx.csr
         if ctx.direct:  # [batch, n * dim]: the CPU reference reads it in place
             grad = reference.batch_major_grad(grad, ctx.features)

@@ -245,7 +245,7 @@ def stacked_blocks(
     return replace(update, forward=forward, forward_blocks=blocks)
 
 
-def _padded(t: torch.Tensor, size: int, value) -> torch.Tensor:
+def _padded(t: torch.Tensor, size: int, value: float) -> torch.Tensor:
     out = torch.full((size,), value, dtype=t.dtype)
     out[: t.numel()] = t
     return out

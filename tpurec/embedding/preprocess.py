@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from tpurec.embedding.constraints import PADDING_ID, SEGMENT_ALIGN
@@ -437,7 +438,7 @@ def _place(
     return emb, smp, gns, row_pointers, table_size
 
 
-def _per_table(value, num_tables: int, what: str) -> list:
+def _per_table(value: int | None | Sequence[int | None], num_tables: int, what: str) -> list:
     if value is None or isinstance(value, (int, np.integer)):
         return [value] * num_tables
     value = list(value)
@@ -476,7 +477,7 @@ class _Workspace(threading.local):
     def __init__(self) -> None:
         self.arrays: dict[str, np.ndarray] = {}
 
-    def get(self, name: str, size: int, dtype) -> np.ndarray:
+    def get(self, name: str, size: int, dtype: npt.DTypeLike) -> np.ndarray:
         if size > _WORKSPACE_MAX:
             return np.empty(size, dtype=dtype)
         a = self.arrays.get(name)
@@ -509,7 +510,7 @@ def _arange(n: int) -> np.ndarray:
     return a[:n]
 
 
-def _as_numpy(t: torch.Tensor, dtype) -> np.ndarray:
+def _as_numpy(t: torch.Tensor, dtype: npt.DTypeLike) -> np.ndarray:
     a = t.detach().cpu().numpy()
     return a if a.dtype == dtype else a.astype(dtype)
 
@@ -546,7 +547,17 @@ def _all_equal(x: np.ndarray) -> bool:
     return bool(x[0] == x[-1]) and bool((x == x[0]).all()) and not np.signbit(x[0])
 
 
-def _raise_limit_error(table, over, counts, ucounts, max_ids, max_uniq, num_sc, parts, per_sc):
+def _raise_limit_error(
+    table: str,
+    over: np.ndarray,
+    counts: np.ndarray,
+    ucounts: np.ndarray,
+    max_ids: int,
+    max_uniq: int,
+    num_sc: int,
+    parts: int,
+    per_sc: int,
+) -> None:
     first = int(np.flatnonzero(over)[0])
     sc, part = divmod(first, parts)
     where = (
