@@ -57,6 +57,9 @@ class StackPlan:
 
 
 class KernelInput:
+    """The host half of one SparseCoreKernel (see the module docstring); the kernel reads its figures
+    (`last_stats`, `dropped_id_count`, `multipass_batches`, `table_demand`, ...) through properties."""
+
     def __init__(
         self,
         tables: list[KernelTable],
