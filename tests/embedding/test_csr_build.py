@@ -124,10 +124,10 @@ def test_mlperf_shaped_stack_matches(monkeypatch):
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     kjt = KeyedJaggedTensor(keys=[t.feature for t in ts.tables], values=values, lengths=lengths)
-    got = [kernel._stack_input(0, *kernel._stacked_arrays(kjt), batch, batch)]
+    got = [kernel.inputs.stack_input(0, *kernel.inputs.stacked_arrays(kjt), batch, batch)]
     gs = dict(kernel.last_stats)
     monkeypatch.setenv("TPUREC_NO_NUMBA", "1")
-    want = [kernel._stack_input(0, *kernel._stacked_arrays(kjt), batch, batch)]
+    want = [kernel.inputs.stack_input(0, *kernel.inputs.stacked_arrays(kjt), batch, batch)]
     _assert_same(got, want, gs, dict(kernel.last_stats))
 
 

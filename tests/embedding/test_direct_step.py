@@ -137,7 +137,7 @@ def test_layout_path_kept_where_the_layout_matters(kw):
     kernel = SparseCoreKernel(kt, SGDSpec(lr=0.1), 4, **kw)
     assert not direct.applies(kernel)
     kernel(random_kjt(make_tables(), 4, torch.Generator().manual_seed(2)))
-    assert kernel._stats_pending is None and kernel.last_stats  # built by preprocess, as before
+    assert kernel.inputs.stats_pending is None and kernel.last_stats  # built by preprocess, as before
 
 
 def test_layout_path_on_the_standin_fp16_and_unknown_options(monkeypatch):

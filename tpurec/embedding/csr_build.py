@@ -1,16 +1,16 @@
 """Compiled CSR build of one stack: a KJT slice -> the SparseCore input, in three passes over the ids.
 
-The same result as `kernel._stack_input`'s torch + numpy route (ids checked, shifted into the stack,
+The same result as `kernel_input.KernelInput.stack_input`'s torch + numpy route (ids checked, shifted into the stack,
 renamed for MOD partitioning, then `preprocess.preprocess`), bit for bit, but without its ~20
 full-length temporaries: one compiled pass builds the sort keys (and gains), numpy sorts them
 (AVX-512 sort, GIL released), one pass merges repeats and counts the segments, one pass writes the
 padded buffers; with fixed limits (a TPU's case: the buffer shape is known before the batch) the
 last two are one pass that writes each segment's merged entries in place. Numba
-(`@njit(nogil=True, cache=True)`) because the work is tight loops that numpy can only express as
+(`@numba.njit(cache=True, nogil=True)`) because the work is tight loops that numpy can only express as
 many passes, it needs no build step (a C++ extension would need a compiler
 at install), compiles once per machine into numba's cache, and releases the GIL so pipeline workers
-run in parallel on threads. Imported lazily: without numba (or with TPUREC_NO_NUMBA=1) the kernel
-keeps its numpy route.
+run in parallel on threads. The loops live in `csr_build_kernels.py`, imported lazily: without numba
+(or with TPUREC_NO_NUMBA=1) the kernel keeps its numpy route.
 
 Anything unusual (an id out of range, keys over 62 bits, a limit exceeded, empty input) returns None
 and the caller takes the numpy route, which raises or drops exactly as documented.
@@ -21,12 +21,14 @@ from __future__ import annotations
 import os
 import threading
 import weakref
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from tpurec.embedding.constraints import PADDING_ID, SEGMENT_ALIGN
 
-_KERNELS = None
+_KERNELS: tuple[Any, ...] | bool | None = None  # the loops once loaded; False: numba missing
 
 
 class _BufferPool:
@@ -40,7 +42,7 @@ class _BufferPool:
         self.free: dict[tuple, list[np.ndarray]] = {}
         self.lock = threading.Lock()
 
-    def get(self, size: int, dtype) -> np.ndarray:
+    def get(self, size: int, dtype: npt.DTypeLike) -> np.ndarray:
         key = (size, np.dtype(dtype).str)
         with self.lock:
             stack = self.free.get(key)
@@ -51,7 +53,7 @@ class _BufferPool:
         weakref.finalize(view, self._put, key, base)
         return view
 
-    def _put(self, key, base) -> None:
+    def _put(self, key: tuple[int, str], base: np.ndarray) -> None:
         with self.lock:
             stack = self.free.setdefault(key, [])
             if len(stack) < self.per_key:
@@ -66,185 +68,34 @@ def available() -> bool:
     return os.environ.get("TPUREC_NO_NUMBA", "") in ("", "0") and _kernels() is not None
 
 
-def _kernels():
+def _kernels() -> tuple[Any, ...] | None:
     global _KERNELS
     if _KERNELS is None:
         try:
-            _KERNELS = _compile()
+            from tpurec.embedding import csr_build_kernels as k  # numba, loaded on first use
         except ImportError:
             _KERNELS = False
-    return _KERNELS or None
+        else:
+            _KERNELS = (k.keys_pass, k.merge_pass, k.place_pass, k.merge_place_pass)
+    return _KERNELS if isinstance(_KERNELS, tuple) else None
 
 
-def _compile():
-    from numba import njit
-
-    @njit(nogil=True, cache=True)
-    def keys_pass(values, lengths, batch, per, offsets, rows, mean, weights, has_w, rpp, parts,
-                  cbits, sbits, ibits, keys, gains):  # fmt: skip
-        """Sort keys [segment | local id | sample in slice | input position]; gains when not uniform.
-        Returns -1, or the position of the first id out of its table's range."""
-        pos = 0
-        nbags = lengths.shape[0]
-        inv_rpp = 1.0 / rpp
-        for j in range(nbags):
-            k = j // batch
-            b = j - k * batch
-            length = lengths[j]
-            # SparseCore sl gets samples sl*per..(sl+1)*per-1 of every feature (kernel.stacked_samples)
-            sl = b // per
-            sin = k * per + (b - sl * per)
-            hi = rows[k]
-            off = offsets[k]
-            for _ in range(length):
-                r = np.int64(values[pos])
-                if r < 0 or r >= hi:
-                    return pos
-                s = r + off
-                # s // rpp without a 64-bit division per id (the pass's cost): a float estimate,
-                # corrected by one step either way.
-                part = np.int64(s * inv_rpp)
-                if part * rpp > s:
-                    part -= 1
-                elif (part + 1) * rpp <= s:
-                    part += 1
-                local = s - part * rpp
-                seg = sl * parts + part
-                key = (((seg << cbits) | local) << sbits) | sin
-                if ibits:
-                    key = (key << ibits) | pos
-                    g = np.float32(weights[pos]) if has_w else np.float32(1.0)
-                    if mean[k]:
-                        g = g / np.float32(max(length, 1))
-                    gains[pos] = g
-                keys[pos] = key
-                pos += 1
-        return -1
-
-    @njit(nogil=True, cache=True)
-    def merge_pass(keys, gains, ibits, sbits, seg_shift, counts, ucounts, out_gain):
-        """Merges repeats of (segment, local id, sample) in place: keys[:m] become the entries
-        (without position bits), out_gain[:m] their float32 gain sums in input order. Returns m."""
-        n = keys.shape[0]
-        m = 0
-        mask = (np.int64(1) << ibits) - 1
-        prev = np.int64(-1)
-        for i in range(n):
-            raw = np.int64(keys[i])
-            k = raw >> ibits
-            g = gains[raw & mask] if ibits else np.float32(1.0)
-            if k != prev:
-                seg = k >> seg_shift
-                if m == 0 or (k >> sbits) != (prev >> sbits):
-                    ucounts[seg] += 1
-                counts[seg] += 1
-                keys[m] = k
-                out_gain[m] = g + np.float32(0.0)  # 0 + g, as the numpy route's float32 sum
-                m += 1
-                prev = k
-            else:
-                out_gain[m - 1] = out_gain[m - 1] + g
-        return m
-
-    @njit(nogil=True, cache=True)
-    def place_pass(
-        keys, ugain, counts, num_sc, parts, slots, cbits, sbits, emb, smp, gns, row_pointers, rpw, pad
-    ) -> None:
-        """Segment p of SparseCore s starts at the 8-aligned sum of earlier segments; the rest is padding."""
-        src = 0
-        cmask = (np.int64(1) << cbits) - 1
-        smask = (np.int64(1) << sbits) - 1
-        for s in range(num_sc):
-            base = s * slots
-            at = 0
-            for p in range(parts):
-                c = counts[s * parts + p]
-                for e in range(c):
-                    k = np.int64(keys[src + e])
-                    emb[base + at + e] = (k >> sbits) & cmask
-                    smp[base + at + e] = k & smask
-                    gns[base + at + e] = ugain[src + e]
-                src += c
-                end = at + c
-                row_pointers[s * rpw + p] = end
-                aligned = (c + 7) // 8 * 8
-                for e in range(end, at + aligned):
-                    emb[base + e] = pad
-                    smp[base + e] = pad
-                    gns[base + e] = np.nan
-                at += aligned
-            for p in range(parts, rpw):
-                row_pointers[s * rpw + p] = at
-            for e in range(at, slots):
-                emb[base + e] = pad
-                smp[base + e] = pad
-                gns[base + e] = np.nan
-
-    @njit(nogil=True, cache=True)
-    def merge_place_pass(keys, gains, ibits, sbits, seg_shift, cbits, num_sc, parts, slots, max_ids, max_uniq,
-                         counts, ucounts, emb, smp, gns, row_pointers, rpw, pad):  # fmt: skip
-        """merge_pass and place_pass in one pass over the sorted keys, for limits known in advance
-        (fixed limits: the buffer shapes do not depend on the batch): each segment's merged entries
-        are written straight into its place. Returns -1 if a segment goes over a limit (the caller
-        then takes the numpy route), else 0. Same entries, gains (float32 sums in input order) and
-        padding as the two passes."""
-        n = keys.shape[0]
-        mask = (np.int64(1) << ibits) - 1
-        cmask = (np.int64(1) << cbits) - 1
-        smask = (np.int64(1) << sbits) - 1
-        i = 0
-        for sc in range(num_sc):
-            base = sc * slots
-            at = 0
-            for p in range(parts):
-                seg = sc * parts + p
-                start = base + at
-                c = 0
-                u = 0
-                prev = np.int64(-1)
-                while i < n:
-                    raw = np.int64(keys[i])
-                    k = raw >> ibits
-                    if (k >> seg_shift) != seg:
-                        break
-                    g = gains[raw & mask] if ibits else np.float32(1.0)
-                    if k != prev:
-                        if c == max_ids:
-                            return -1
-                        if c == 0 or (k >> sbits) != (prev >> sbits):
-                            u += 1
-                        emb[start + c] = (k >> sbits) & cmask
-                        smp[start + c] = k & smask
-                        gns[start + c] = g + np.float32(0.0)  # 0 + g, as the numpy route's float32 sum
-                        c += 1
-                        prev = k
-                    else:
-                        gns[start + c - 1] = gns[start + c - 1] + g
-                    i += 1
-                if u > max_uniq:
-                    return -1
-                counts[seg] = c
-                ucounts[seg] = u
-                row_pointers[sc * rpw + p] = at + c
-                aligned = (c + 7) // 8 * 8
-                for e in range(start + c, start + aligned):
-                    emb[e] = pad
-                    smp[e] = pad
-                    gns[e] = np.nan
-                at += aligned
-            for p in range(parts, rpw):
-                row_pointers[sc * rpw + p] = at
-            for e in range(base + at, base + slots):
-                emb[e] = pad
-                smp[e] = pad
-                gns[e] = np.nan
-        return 0
-
-    return keys_pass, merge_pass, place_pass, merge_place_pass
-
-
-def stack_csr(values, lengths, weights, *, batch, padded, offsets, rows, mean, rows_per_partition, num_sc,
-              num_partitions, max_ids, max_uniq):  # fmt: skip
+def stack_csr(
+    values: np.ndarray,
+    lengths: np.ndarray,
+    weights: np.ndarray | None,
+    *,
+    batch: int,
+    padded: int,
+    offsets: np.ndarray,
+    rows: np.ndarray,
+    mean: np.ndarray,
+    rows_per_partition: int,
+    num_sc: int,
+    num_partitions: int,
+    max_ids: int | None,
+    max_uniq: int | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, int, tuple[np.ndarray, np.ndarray, int]] | None:
     """One stack's (row_pointers, embedding_ids, sample_ids, gains, max_ids, max_uniq, stats) as numpy,
     or None (then the numpy route decides). values/lengths/weights: numpy views of the stacked KJT
     slice; offsets/rows/mean: per feature slot. max_ids / max_uniq None: sized to this batch."""

@@ -15,7 +15,7 @@ disk (`cache=True`), imported only when a CPU kernel first runs. A C++ torch ext
 build at install against the pinned torch and a compiler on every machine.
 
 Output rows: SparseCore c's local sample k * per + i (per = padded / num_sc samples of each feature
-per SparseCore, `kernel.stacked_samples`) is feature k's sample j = c * per + i; its bag is
+per SparseCore, `kernel_input.stacked_samples`) is feature k's sample j = c * per + i; its bag is
 k * nj + j (with nk = 1, the op's [device_batch_size, width] layout) or, batch-major, j * nk + k, so
 that the bags of `embedding_bag` are already the kernel's [batch, features * dim] output, with no
 reshape copy forward or backward. Single-threaded, like FBGEMM's CPU fused backward.
@@ -32,7 +32,7 @@ _PADDING_ID = 2**31 - 1
 
 
 @numba.njit(cache=True, nogil=True)
-def _bag(sc, sample, per, nk, nj, batch_major):
+def _bag(sc: int, sample: int, per: int, nk: int, nj: int, batch_major: bool) -> int:
     """Output row of an entry, or -1 for a sample past the output's nj samples per feature."""
     k = sample // per
     j = sc * per + sample - k * per
@@ -42,7 +42,20 @@ def _bag(sc, sample, per, nk, nj, batch_major):
 
 
 @numba.njit(cache=True, nogil=True)
-def bag_order(rp, emb, smp, gns, rows_per_partition, num_rows, num_sc, parts, padded, nk, nj, batch_major):
+def bag_order(
+    rp: np.ndarray,
+    emb: np.ndarray,
+    smp: np.ndarray,
+    gns: np.ndarray,
+    rows_per_partition: int,
+    num_rows: int,
+    num_sc: int,
+    parts: int,
+    padded: int,
+    nk: int,
+    nj: int,
+    batch_major: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(rows, weights, offsets): every entry's physical row and gain, grouped by output row
     (bag b is rows[offsets[b]:offsets[b + 1]]), each bag in CSR order."""
     rpw = rp.size // num_sc
@@ -82,7 +95,7 @@ def bag_order(rp, emb, smp, gns, rows_per_partition, num_rows, num_sc, parts, pa
 
 
 @numba.njit(cache=True, nogil=True)
-def first_bad_sample(emb, smp, per):
+def first_bad_sample(emb: np.ndarray, smp: np.ndarray, per: int) -> int:
     """The first entry (embedding id not padding) whose sample is outside [0, per), or -1: the ops'
     input check (input_checks.py). Counted first without branches (vectorised: 0.7 ns per slot; an
     early-exit loop took 7 ns on shuffled entries), searched for only when some are bad."""
@@ -100,7 +113,9 @@ def first_bad_sample(emb, smp, per):
 
 
 @numba.njit(cache=True, nogil=True)
-def row_runs(rp, emb, rows_per_partition, num_sc, parts):
+def row_runs(
+    rp: np.ndarray, emb: np.ndarray, rows_per_partition: int, num_sc: int, parts: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(rows, offsets, order): the touched physical rows in increasing order, and for row u the CSR
     positions order[offsets[u]:offsets[u + 1]] of its entries, SparseCore by SparseCore.
 
@@ -155,7 +170,17 @@ def row_runs(rp, emb, rows_per_partition, num_sc, parts):
 
 
 @numba.njit(cache=True, nogil=True)
-def entry_bags(order, smp, gns, num_sc, slots, padded, nk, nj, batch_major):
+def entry_bags(
+    order: np.ndarray,
+    smp: np.ndarray,
+    gns: np.ndarray,
+    num_sc: int,
+    slots: int,
+    padded: int,
+    nk: int,
+    nj: int,
+    batch_major: bool,
+) -> tuple[np.ndarray, np.ndarray]:
     """(activation-gradient row, gain) of each entry in `order`; row 0 with gain 0 for a sample past
     the gradient's nj samples per feature (none arise from preprocessing)."""
     per = padded // num_sc
@@ -170,7 +195,7 @@ def entry_bags(order, smp, gns, num_sc, slots, padded, nk, nj, batch_major):
 
 
 @numba.njit(cache=True, nogil=True)
-def add_rows(table, rows, step):
+def add_rows(table: np.ndarray, rows: np.ndarray, step: np.ndarray) -> None:
     """table[rows[u]] += step[u], row by row (torch's index_add_ on CPU goes through an element-wise
     scatter over an expanded index, several times slower for [rows, 64] float32 steps)."""
     nrows = table.shape[0]

@@ -284,7 +284,9 @@ class ShardsDemand:
         )
         return self._figures(entries, distinct, most_sample, most_feature)
 
-    def _figures(self, entries, distinct, most_sample, most_feature) -> list[tuple[int, ...]]:
+    def _figures(
+        self, entries: np.ndarray, distinct: np.ndarray, most_sample: np.ndarray, most_feature: np.ndarray
+    ) -> list[tuple[int, ...]]:
         """Per table, from per-(shard, slice, partition) counts: the fullest shard's figures."""
         figures = np.stack(
             [entries.max((1, 2)), distinct.max((1, 2)), entries.sum(2).max(1), distinct.sum(2).max(1)], axis=1
@@ -292,17 +294,17 @@ class ShardsDemand:
         per_table = np.maximum.reduceat(figures, self.table_first_shard[:-1], axis=0)
         return [(*map(int, f), int(a), int(b)) for f, a, b in zip(per_table, most_sample, most_feature)]
 
-    def _compiled_counts(self, values, lengths, stride: int, ids: int):
+    def _compiled_counts(
+        self, values: np.ndarray, lengths: np.ndarray, stride: int, ids: int
+    ) -> tuple[np.ndarray, np.ndarray] | None:
         """([shards, P, P] entries, distinct) by demand_kernels, or None: no numba, or keys too wide
         (then the numpy route). Not thread-safe: one counter per thread (its stamps)."""
-        from tpurec.embedding import csr_build, demand_kernels
+        from tpurec.embedding import csr_build
 
         if not csr_build.available() or self.num_shards == 0:
             return None
-        compiled = demand_kernels.kernels()
-        if compiled is None:
-            return None
-        walk, count_sorted = compiled
+        from tpurec.embedding.demand_kernels import count_sorted, walk  # numba: only once it is there
+
         p, pbits = self.p, _bits(self.p)
         lbits, fbits, sbits = _bits(self.max_rows), _bits(self.max_features), _bits(max(stride, 1))
         if _bits(self.num_shards) + 2 * pbits + lbits + fbits + sbits > 63:

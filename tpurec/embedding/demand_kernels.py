@@ -13,100 +13,111 @@ so `count_stream`'s threads run side by side) walks the batch bag by bag:
   keys alone are sorted (numpy's sort, GIL released) and a second pass counts the new keys and the
   new (segment, row) prefixes.
 
-Same figures as the numpy route, checked equal in tests/data/test_data_stats.py. Imported lazily;
-without numba (or TPUREC_NO_NUMBA=1) `ShardsDemand` keeps the numpy route.
+Same figures as the numpy route, checked equal in tests/data/test_data_stats.py. Imported lazily,
+only once `csr_build.available()` says numba is there; without numba (or TPUREC_NO_NUMBA=1)
+`ShardsDemand` keeps the numpy route.
 """
 
 from __future__ import annotations
 
-_KERNELS = None
+import numba
+import numpy as np
 
 
-def kernels():
-    """(walk, count_sorted), or None without numba."""
-    global _KERNELS
-    if _KERNELS is None:
-        try:
-            _KERNELS = _compile()
-        except ImportError:
-            _KERNELS = False
-    return _KERNELS or None
+@numba.njit(cache=True, nogil=True)
+def walk(
+    values: np.ndarray,
+    lengths: np.ndarray,
+    offsets: np.ndarray,
+    stride: int,
+    features: np.ndarray,
+    feature_table: np.ndarray,
+    feature_slot: np.ndarray,
+    table_rows: np.ndarray,
+    table_first_shard: np.ndarray,
+    shard_start: np.ndarray,
+    shard_chunk: np.ndarray,
+    shard_stamp_at: np.ndarray,
+    shard_padded: np.ndarray,
+    stamps: np.ndarray,
+    bag_base: int,
+    per_slice: int,
+    p: int,
+    pbits: int,
+    lbits: int,
+    fbits: int,
+    sbits: int,
+    entries: np.ndarray,
+    distinct: np.ndarray,
+    keys: np.ndarray,
+) -> tuple[int, int]:
+    """Counts stamped shards into entries / distinct ([shards * P * P]) and writes the other ids'
+    packed keys; returns (number of keys, -1) or (0, position of an id outside its table)."""
+    n = 0
+    for j in range(features.shape[0]):
+        f = features[j]
+        t = feature_table[j]
+        slot = feature_slot[j]
+        rows = table_rows[t]
+        s0 = table_first_shard[t]
+        s1 = table_first_shard[t + 1]
+        pos = offsets[f * stride]
+        for b in range(stride):
+            length = lengths[f * stride + b]
+            bag = bag_base + j * stride + b
+            sl = b // per_slice
+            for _ in range(length):
+                r = np.int64(values[pos])
+                if r < 0 or r >= rows:
+                    return 0, pos
+                s = s0
+                if s1 - s0 > 1:  # row-wise: the last shard starting at or before r
+                    lo, hi = s0, s1 - 1
+                    while lo < hi:
+                        mid = (lo + hi + 1) // 2
+                        if shard_start[mid] <= r:
+                            lo = mid
+                        else:
+                            hi = mid - 1
+                    s = lo
+                local = r - shard_start[s]
+                part = local // shard_chunk[s]
+                seg = (s * p + sl) * p + part
+                at = shard_stamp_at[s]
+                if at >= 0:
+                    cell = at + sl * shard_padded[s] + local
+                    seen = stamps[cell]
+                    if seen < bag_base:  # not yet in this batch: a new id of its segment
+                        distinct[seg] += 1
+                        entries[seg] += 1
+                        stamps[cell] = bag
+                    elif seen != bag:  # in this batch, not in this bag: a new entry
+                        entries[seg] += 1
+                        stamps[cell] = bag
+                else:
+                    seg_key = ((s << pbits) | sl) << pbits | part
+                    keys[n] = (((seg_key << lbits) | local) << fbits | slot) << sbits | b
+                    n += 1
+                pos += 1
+    return n, -1
 
 
-def _compile():
-    import numpy as np
-    from numba import njit
-
-    @njit(nogil=True, cache=True)
-    def walk(values, lengths, offsets, stride, features, feature_table, feature_slot, table_rows,
-             table_first_shard, shard_start, shard_chunk, shard_stamp_at, shard_padded, stamps, bag_base,
-             per_slice, p, pbits, lbits, fbits, sbits, entries, distinct, keys):  # fmt: skip
-        """Counts stamped shards into entries / distinct ([shards * P * P]) and writes the other ids'
-        packed keys; returns (number of keys, -1) or (0, position of an id outside its table)."""
-        n = 0
-        for j in range(features.shape[0]):
-            f = features[j]
-            t = feature_table[j]
-            slot = feature_slot[j]
-            rows = table_rows[t]
-            s0 = table_first_shard[t]
-            s1 = table_first_shard[t + 1]
-            pos = offsets[f * stride]
-            for b in range(stride):
-                length = lengths[f * stride + b]
-                bag = bag_base + j * stride + b
-                sl = b // per_slice
-                for _ in range(length):
-                    r = np.int64(values[pos])
-                    if r < 0 or r >= rows:
-                        return 0, pos
-                    s = s0
-                    if s1 - s0 > 1:  # row-wise: the last shard starting at or before r
-                        lo, hi = s0, s1 - 1
-                        while lo < hi:
-                            mid = (lo + hi + 1) // 2
-                            if shard_start[mid] <= r:
-                                lo = mid
-                            else:
-                                hi = mid - 1
-                        s = lo
-                    local = r - shard_start[s]
-                    part = local // shard_chunk[s]
-                    seg = (s * p + sl) * p + part
-                    at = shard_stamp_at[s]
-                    if at >= 0:
-                        cell = at + sl * shard_padded[s] + local
-                        seen = stamps[cell]
-                        if seen < bag_base:  # not yet in this batch: a new id of its segment
-                            distinct[seg] += 1
-                            entries[seg] += 1
-                            stamps[cell] = bag
-                        elif seen != bag:  # in this batch, not in this bag: a new entry
-                            entries[seg] += 1
-                            stamps[cell] = bag
-                    else:
-                        seg_key = ((s << pbits) | sl) << pbits | part
-                        keys[n] = (((seg_key << lbits) | local) << fbits | slot) << sbits | b
-                        n += 1
-                    pos += 1
-        return n, -1
-
-    @njit(nogil=True, cache=True)
-    def count_sorted(keys, low, lbits, p, pbits, entries, distinct) -> None:
-        """Adds the sorted keys' new entries and new (segment, row) prefixes to the counts."""
-        prev_key = np.int64(-1)
-        prev_prefix = np.int64(-1)
-        mask = (1 << pbits) - 1
-        for i in range(keys.shape[0]):
-            k = keys[i]
-            prefix = k >> low
-            packed = prefix >> lbits  # (shard, slice, partition) in bit fields
-            seg = ((packed >> (2 * pbits)) * p + ((packed >> pbits) & mask)) * p + (packed & mask)
-            if k != prev_key:
-                entries[seg] += 1
-            if prefix != prev_prefix:
-                distinct[seg] += 1
-            prev_key = k
-            prev_prefix = prefix
-
-    return walk, count_sorted
+@numba.njit(cache=True, nogil=True)
+def count_sorted(
+    keys: np.ndarray, low: int, lbits: int, p: int, pbits: int, entries: np.ndarray, distinct: np.ndarray
+) -> None:
+    """Adds the sorted keys' new entries and new (segment, row) prefixes to the counts."""
+    prev_key = np.int64(-1)
+    prev_prefix = np.int64(-1)
+    mask = (1 << pbits) - 1
+    for i in range(keys.shape[0]):
+        k = keys[i]
+        prefix = k >> low
+        packed = prefix >> lbits  # (shard, slice, partition) in bit fields
+        seg = ((packed >> (2 * pbits)) * p + ((packed >> pbits) & mask)) * p + (packed & mask)
+        if k != prev_key:
+            entries[seg] += 1
+        if prefix != prev_prefix:
+            distinct[seg] += 1
+        prev_key = k
+        prev_prefix = prefix

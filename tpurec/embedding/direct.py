@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, fields
+from typing import Any
 
 import numpy as np
 import torch
 
 from tpurec.embedding.cpu_path import grad_trigger, writes_final_layout
+
+# `kernel` arguments are SparseCoreKernels, typed Any: tpurec.embedding.kernel imports this module.
 
 # The spec fields the update loops below implement, per optimizer name; any other field must be off.
 _IMPLEMENTED = {
@@ -43,7 +46,7 @@ def _available() -> bool:
     return csr_build.available()  # numba present and not switched off (TPUREC_NO_NUMBA)
 
 
-def applies(kernel) -> bool:
+def applies(kernel: Any) -> bool:
     """Whether `kernel`'s next step may take the direct path (see the module docstring). The checks
     of the tables, state and optimizer run again only when one of them was replaced: at pooling 1
     they cost as much as the step's arithmetic."""
@@ -61,7 +64,7 @@ def applies(kernel) -> bool:
     return seen[1]
 
 
-def _tables_and_spec_fit(kernel) -> bool:
+def _tables_and_spec_fit(kernel: Any) -> bool:
     spec = kernel.optimizer
     known = _IMPLEMENTED.get(spec.name)
     if known is None:
@@ -82,9 +85,9 @@ def _tables_and_spec_fit(kernel) -> bool:
     return True
 
 
-def lookup(kernel, parts: list, batch: int) -> torch.Tensor | None:
+def lookup(kernel: Any, parts: list, batch: int) -> torch.Tensor | None:
     """Pooled [batch, sum of dims] in feature order with the fused update in backward, from
-    `SparseCoreKernel._stack_arrays`'s per-stack (values, lengths, weights); None when an id is out
+    `KernelInput.stack_arrays`'s per-stack (values, lengths, weights); None when an id is out
     of its table's range (the layout path then raises its message) or a sort key would not fit."""
     from tpurec.embedding import direct_kernels as dk
 
@@ -141,10 +144,10 @@ class _Stack:
     row_bits: int  # bits of the largest table's row numbers
 
 
-def _stack(kernel, i: int) -> _Stack:
+def _stack(kernel: Any, i: int) -> _Stack:
     cache = kernel.__dict__.setdefault("_direct_stacks", {})
     if i not in cache:
-        offsets, rows, mean = kernel._stack_tensors[i]
+        offsets, rows, mean = kernel.inputs.stack_tensors[i]
         plan = kernel.stacks[i]
         runs: list[list] = []  # [first slot, past the last, first stack row, table] per feature slot run
         for k, (_, name) in enumerate(plan.features):
@@ -178,7 +181,7 @@ class _Bags:
 
 class _DirectLookup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, trigger, kernel, i: int, bags: _Bags, batch: int):
+    def forward(ctx: Any, trigger: torch.Tensor | None, kernel: Any, i: int, bags: _Bags, batch: int) -> torch.Tensor:
         ctx.kernel, ctx.i, ctx.bags = kernel, i, bags
         weight = kernel.stack_weight(i)
         dim = weight.shape[1]
@@ -192,7 +195,7 @@ class _DirectLookup(torch.autograd.Function):
 
     @staticmethod
     @torch.no_grad()
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:
         from tpurec.embedding import direct_kernels as dk
 
         kernel, i, bags = ctx.kernel, ctx.i, ctx.bags

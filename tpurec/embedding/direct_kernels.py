@@ -23,7 +23,20 @@ import numpy as np
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def bags(values, lengths, weights, has_w, mean, offsets, rows, batch, want_gains, backward, key_bits, keys):
+def bags(
+    values: np.ndarray,
+    lengths: np.ndarray,
+    weights: np.ndarray,
+    has_w: bool,
+    mean: np.ndarray,
+    offsets: np.ndarray,
+    rows: np.ndarray,
+    batch: int,
+    want_gains: bool,
+    backward: bool,
+    key_bits: int,
+    keys: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
     """(ids, bag_offsets, gains, bag_of, bad): the slice's stacked rows in batch-major bag order,
     the bags' offsets (include_last_offset), per-id gains when want_gains (else empty), and -1 or the
     input position of the first id outside its slot's table (then nothing else is meaningful).
@@ -74,7 +87,16 @@ def bags(values, lengths, weights, has_w, mean, offsets, rows, batch, want_gains
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
-def _gather(keys, i, row, key_bits, gains, bag_of, grad, g):
+def _gather(
+    keys: np.ndarray,
+    i: int,
+    row: int | np.int64,  # a key's row (numba's int64)
+    key_bits: int,
+    gains: np.ndarray,
+    bag_of: np.ndarray,
+    grad: np.ndarray,
+    g: np.ndarray,
+) -> int:
     """g[:] = the summed gradient of table row `row`, whose sorted keys start at i; returns the
     index past them. The first entry is assigned rather than added to zeros (the same sum, half the stores).
     Inlined into each update loop (numba IR inlining): called, its caller's loops stopped
@@ -110,7 +132,16 @@ def _gather(keys, i, row, key_bits, gains, bag_of, grad, g):
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def update_sgd(keys, key_bits, segments, gains, bag_of, grad, table, neg_lr):
+def update_sgd(
+    keys: np.ndarray,
+    key_bits: int,
+    segments: np.ndarray,
+    gains: np.ndarray,
+    bag_of: np.ndarray,
+    grad: np.ndarray,
+    table: np.ndarray,
+    neg_lr: np.float32,
+) -> None:
     """w += -lr * g."""
     g = np.empty(table.shape[1], np.float32)
     for seg in range(segments.shape[0]):
@@ -127,7 +158,18 @@ def update_sgd(keys, key_bits, segments, gains, bag_of, grad, table, neg_lr):
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def update_adagrad(keys, key_bits, segments, gains, bag_of, grad, table, acc, neg_lr, eps):
+def update_adagrad(
+    keys: np.ndarray,
+    key_bits: int,
+    segments: np.ndarray,
+    gains: np.ndarray,
+    bag_of: np.ndarray,
+    grad: np.ndarray,
+    table: np.ndarray,
+    acc: np.ndarray,
+    neg_lr: np.float32,
+    eps: np.float32,
+) -> None:
     """a += g*g; w += (-lr * g) / (sqrt(a) + eps), element-wise."""
     g = np.empty(table.shape[1], np.float32)
     for seg in range(segments.shape[0]):
@@ -148,7 +190,18 @@ def update_adagrad(keys, key_bits, segments, gains, bag_of, grad, table, acc, ne
 # reassoc: lets the sum of g*g vectorise (3x faster at dim 128); it changes that sum's order only,
 # as torch's vector_norm in the reference has its own
 @numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc"})
-def update_rowwise_adagrad(keys, key_bits, segments, gains, bag_of, grad, table, acc, neg_lr, eps):
+def update_rowwise_adagrad(
+    keys: np.ndarray,
+    key_bits: int,
+    segments: np.ndarray,
+    gains: np.ndarray,
+    bag_of: np.ndarray,
+    grad: np.ndarray,
+    table: np.ndarray,
+    acc: np.ndarray,
+    neg_lr: np.float32,
+    eps: np.float32,
+) -> None:
     """a += mean(g*g) (one float per row); w += g * (-lr / (sqrt(a) + eps))."""
     g = np.empty(table.shape[1], np.float32)
     for seg in range(segments.shape[0]):
@@ -171,7 +224,23 @@ def update_rowwise_adagrad(keys, key_bits, segments, gains, bag_of, grad, table,
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def update_adam(keys, key_bits, segments, gains, bag_of, grad, table, m, v, neg_alpha, b1, c1, b2, c2, eps):
+def update_adam(
+    keys: np.ndarray,
+    key_bits: int,
+    segments: np.ndarray,
+    gains: np.ndarray,
+    bag_of: np.ndarray,
+    grad: np.ndarray,
+    table: np.ndarray,
+    m: np.ndarray,
+    v: np.ndarray,
+    neg_alpha: np.float32,
+    b1: np.float32,
+    c1: np.float32,
+    b2: np.float32,
+    c2: np.float32,
+    eps: np.float32,
+) -> None:
     """m = b1 m + c1 g; v = b2 v + c2 g*g; w += -alpha_t m / (sqrt(v) + eps) (lazy: touched rows
     only), with c1 = 1 - b1 and c2 = 1 - b2 rounded from double as the torch ops round them."""
     g = np.empty(table.shape[1], np.float32)

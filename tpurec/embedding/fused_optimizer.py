@@ -117,7 +117,7 @@ class KernelFusedOptimizer(FusedOptimizer):
 
     # -- state ---------------------------------------------------------------------------------
     @property
-    def state(self):
+    def state(self) -> Any:
         if self._ready:
             version = self._kernels_version()
             if version != getattr(self, "_refreshed_at", None):
@@ -126,7 +126,7 @@ class KernelFusedOptimizer(FusedOptimizer):
         return self._state
 
     @state.setter
-    def state(self, value) -> None:
+    def state(self, value: Any) -> None:
         self._state = value
 
     def _kernels_version(self) -> tuple:

@@ -58,7 +58,7 @@ class MultiPassInput:
     # (tpurec/embedding/optimizers/weight_decay.py).
     update_ids: list[torch.Tensor] = field(default_factory=list)
     # Per update pass, its rows as entries (SparseCore ids, slots; host tensors): what weight decay's
-    # L2 entries are built from on the TPU path (kernel._row_slots).
+    # L2 entries are built from on the TPU path (kernel_input.KernelInput._row_slots).
     update_rows: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     # Weight decay on the TPU path (optimizers/weight_decay.DecayInput, in the shapes of a batch within
     # the limits): L2, one per update pass; decoupled, one, the batch's rows scaled before the passes.
@@ -245,7 +245,7 @@ def stacked_blocks(
     return replace(update, forward=forward, forward_blocks=blocks)
 
 
-def _padded(t: torch.Tensor, size: int, value) -> torch.Tensor:
+def _padded(t: torch.Tensor, size: int, value: float) -> torch.Tensor:
     out = torch.full((size,), value, dtype=t.dtype)
     out[: t.numel()] = t
     return out

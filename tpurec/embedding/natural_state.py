@@ -8,7 +8,7 @@ the live storage, so TorchRec's tools and DCP write into them in place.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tpurec.errors import UserError
 
@@ -21,14 +21,23 @@ def register(module: nn.Module) -> None:
     module._register_load_state_dict_pre_hook(_consume_natural_weights, with_module=True)
 
 
-def _emit_natural_weights(module, state_dict, prefix, local_metadata):
+def _emit_natural_weights(
+    module: Any, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any]
+) -> dict[str, Any]:
     for name in module.kernel.table_names:
         state_dict[f"{prefix}{module.STATE_PREFIX}.{name}.weight"] = module.kernel.read_weight(name)
     return state_dict
 
 
 def _consume_natural_weights(
-    module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    module: Any,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: dict[str, Any],
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
 ) -> None:
     for name in module.kernel.table_names:
         key = f"{prefix}{module.STATE_PREFIX}.{name}.weight"

@@ -16,6 +16,8 @@ and optimizer state in place (TorchTPU's return updated copies; the adapter copi
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -59,7 +61,15 @@ def sparse_dense_matmul(
 
 
 @sparse_dense_matmul.register_fake
-def _(row_pointers, embedding_ids, sample_ids, gains, embedding_table, device_batch_size, *_):
+def _(
+    row_pointers: torch.Tensor,
+    embedding_ids: torch.Tensor,
+    sample_ids: torch.Tensor,
+    gains: torch.Tensor,
+    embedding_table: torch.Tensor,
+    device_batch_size: int,
+    *_: Any,
+) -> torch.Tensor:
     return embedding_table.new_empty((device_batch_size, embedding_table.shape[1]), dtype=torch.float32)
 
 
@@ -75,7 +85,17 @@ def reference_is_cpu_kernel() -> bool:
     return current is not None and current is _REFERENCE_CPU_KERNEL
 
 
-def row_gradients(row_pointers, embedding_ids, sample_ids, gains, table, grad, device_batch_size, num_sc, parts):
+def row_gradients(
+    row_pointers: torch.Tensor,
+    embedding_ids: torch.Tensor,
+    sample_ids: torch.Tensor,
+    gains: torch.Tensor,
+    table: torch.Tensor,
+    grad: torch.Tensor,
+    device_batch_size: int,
+    num_sc: int,
+    parts: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(unique physical rows, summed gradient per row) of one SparseCore input: what every fused
     update op of `tpurec.embedding.optimizers` starts from. On CPU `grad` may also be a
     [features, samples, dim] view (`reference.row_gradients_csr`): the kernel's own output layout."""

@@ -23,8 +23,10 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from tpurec.embedding.constraints import PADDING_ID, SEGMENT_ALIGN
@@ -149,7 +151,7 @@ def preprocess_tables(
             f"table {names[0]!r}: device_batch_size={device_batch_size} is not a multiple of "
             f"num_sc_per_device={num_sc}; pad the batch (SparseCoreEmbeddingBagCollection does this)"
         )
-    kw = dict(
+    kw: dict[str, Any] = dict(
         device_batch_size=device_batch_size,
         num_sc=num_sc,
         parts=num_sc * global_device_count,
@@ -177,7 +179,17 @@ _GROUP_IDS = 1 << 16
 _SLICE_COPY_MIN = 256
 
 
-def _preprocess_group(inputs, names, lim_ids, lim_uniq, *, device_batch_size, num_sc, parts, allow_id_dropping):
+def _preprocess_group(
+    inputs: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    names: list[str],
+    lim_ids: Sequence[int | None],
+    lim_uniq: Sequence[int | None],
+    *,
+    device_batch_size: int,
+    num_sc: int,
+    parts: int,
+    allow_id_dropping: bool,
+) -> list[tuple[SparseCoreInput, PreprocessStats]]:
     """The work: tables t = 0..T-1 get disjoint key ranges, so one sort serves them all and every
     per-segment step below runs over the T x num_sc x P (table, slice, partition) segments."""
     num_tables = len(inputs)
@@ -189,19 +201,90 @@ def _preprocess_group(inputs, names, lim_ids, lim_uniq, *, device_batch_size, nu
     # Big temporaries live in per-thread workspace buffers: fresh arrays of this size are new pages,
     # and page faults were half the time (docs/kernels_preprocess.md).
     ws = _workspace()
+    ids_np, smp_np, gains_np, lengths = _group_arrays(inputs, ws)
+    check_ranges(names, lengths, ids_np, smp_np, device_batch_size)  # never wrapped, clamped or dropped below
+    key, scratch, cbits, sbits = _segment_keys(ids_np, smp_np, lengths, ws, device_batch_size, per_sc, parts, tseg)
+    seg_shift = cbits + sbits
+    ukey, ugain = _merged_entries(key, scratch, gains_np, ws, (nseg - 1).bit_length() + seg_shift)
+
+    # Entries are sorted by segment: segment g is ukey[bounds[g]:bounds[g + 1]].
+    bounds = np.empty(nseg + 1, dtype=np.int64)
+    bounds[:-1] = np.searchsorted(ukey, (np.arange(nseg, dtype=np.int64) << seg_shift).astype(ukey.dtype))
+    bounds[-1] = ukey.size
+    counts = np.diff(bounds)
+    seg_col = np.right_shift(ukey, sbits, out=ws.get("seg_col", ukey.size, ukey.dtype))  # (segment, local id)
+    col_starts = _run_starts(seg_col)
+    ucounts = np.diff(np.searchsorted(col_starts, bounds))
+
+    counts_t, ucounts_t = counts.reshape(num_tables, tseg), ucounts.reshape(num_tables, tseg)
+    max_ids = np.array(
+        [m if m is not None else max(int(c.max()) if tseg else 0, 1) for m, c in zip(lim_ids, counts_t)], dtype=np.int64
+    )
+    max_uniq = np.array([u if u is not None else m for u, m in zip(lim_uniq, max_ids)], dtype=np.int64)
+    observed = counts_t.reshape(num_tables, num_sc, parts)  # demand before any dropping, for tuning
+    observed_aligned = (observed + SEGMENT_ALIGN - 1) // SEGMENT_ALIGN * SEGMENT_ALIGN
+    observed_need = observed_aligned.sum(2).max(1) if tseg else np.zeros(num_tables, np.int64)
+    over = (counts_t > max_ids[:, None]) | (ucounts_t > max_uniq[:, None])
+    dropped = np.zeros(num_tables, dtype=np.int64)
+    if over.any():
+        if not allow_id_dropping:
+            t = int(np.flatnonzero(over.any(1))[0])
+            _raise_limit_error(
+                names[t], over[t], counts_t[t], ucounts_t[t], int(max_ids[t]), int(max_uniq[t]), num_sc, parts, per_sc
+            )
+        ukey, ugain, counts, dropped = _drop_over_limits(ukey, ugain, bounds, col_starts, max_ids, max_uniq, tseg)
+        seg_col = ukey >> sbits
+
+    placed = _place(ukey, ugain, seg_col, counts, max_ids, cbits, sbits, num_tables, num_sc, parts)
+    row_pointers, table_size = placed[3], placed[4]
+    sizes = table_size.tolist()
+    rp_t = torch.from_numpy(row_pointers.reshape(num_tables, -1))
+    emb_t, smp_t, gns_t = (torch.from_numpy(x).split(sizes) for x in placed[:3])
+    ids_t = torch.from_numpy(observed)
+    uniq_t = torch.from_numpy(ucounts_t.reshape(num_tables, num_sc, parts))
+    results = []
+    for t, (ids, mi, mu, need, drop) in enumerate(
+        zip((x[0] for x in inputs), max_ids.tolist(), max_uniq.tolist(), observed_need.tolist(), dropped.tolist())
+    ):
+        out = [rp_t[t], emb_t[t], smp_t[t], gns_t[t]]
+        if ids.device.type != "cpu":
+            out = [x.to(ids.device) for x in out]
+        rp, emb, smp, gns = out
+        csr = SparseCoreInput(rp, emb, smp, gns, device_batch_size, num_sc, parts, mi, mu)
+        # required_buffer_size_per_sc: before dropping, like ids_per_partition.
+        results.append((csr, PreprocessStats(ids_t[t], uniq_t[t], need, drop)))
+    return results
+
+
+def _group_arrays(
+    inputs: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], ws: _Workspace
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]:
+    """(ids, samples, gains) of the group's tables end to end as numpy, and each table's id count."""
     arrays = [(_as_numpy(i, np.int64), _as_numpy(s, np.int64), _as_numpy(g, np.float32)) for i, s, g in inputs]
     lengths = [a[0].size for a in arrays]
     n = sum(lengths)
-    if num_tables == 1:
-        ids_np, smp_np, gains_np = arrays[0]
-    else:
-        ids_np = np.concatenate([a[0] for a in arrays], out=ws.get("ids", n, np.int64))
-        smp_np = np.concatenate([a[1] for a in arrays], out=ws.get("smp", n, np.int64))
-        gains_np = np.concatenate([a[2] for a in arrays], out=ws.get("gains", n, np.float32))
-    check_ranges(names, lengths, ids_np, smp_np, device_batch_size)  # never wrapped, clamped or dropped below
+    if len(arrays) == 1:
+        return (*arrays[0], lengths)
+    ids_np = np.concatenate([a[0] for a in arrays], out=ws.get("ids", n, np.int64))
+    smp_np = np.concatenate([a[1] for a in arrays], out=ws.get("smp", n, np.int64))
+    gains_np = np.concatenate([a[2] for a in arrays], out=ws.get("gains", n, np.float32))
+    return ids_np, smp_np, gains_np, lengths
 
-    # One key orders everything as the SparseCore wants it: (table, slice, partition, local id,
-    # sample), as bit fields [segment | local id | sample in slice] so that taking it apart is shifts.
+
+def _segment_keys(
+    ids_np: np.ndarray,
+    smp_np: np.ndarray,
+    lengths: list[int],
+    ws: _Workspace,
+    device_batch_size: int,
+    per_sc: int,
+    parts: int,
+    tseg: int,
+) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """(keys, a scratch array of the same length, cbits, sbits). One key orders everything as the
+    SparseCore wants it: (table, slice, partition, local id, sample), as bit fields
+    [segment | local id (cbits) | sample in slice (sbits)] so that taking it apart is shifts."""
+    n = ids_np.size
     local_col, key = ws.get("col", n, np.int64), ws.get("key", n, np.int64)
     if parts & (parts - 1) == 0:
         np.right_shift(ids_np, parts.bit_length() - 1, out=local_col)
@@ -215,17 +298,23 @@ def _preprocess_group(inputs, names, lim_ids, lim_uniq, *, device_batch_size, nu
     key |= local_col
     key <<= sbits
     key += np.take(_row_keys(device_batch_size, per_sc, parts, seg_shift), smp_np, out=local_col, mode="clip")
-    if num_tables > 1:
+    if len(lengths) > 1:  # table t's keys from segment t x tseg on
         start = 0
         for t, length in enumerate(lengths):
             key[start : start + length] += (t * tseg) << seg_shift
             start += length
+    return key, local_col, cbits, sbits
 
-    # Sort once. With non-uniform gains the input position is packed into the low key bits, which
-    # makes the sort stable: duplicates of an (id, sample) pair keep input order, so their gains
-    # sum in input order, as the float32 accumulation always did. With all gains equal, the order
-    # of duplicates cannot matter and the bare key is sorted (as uint32 when it fits).
-    key_bits = (nseg - 1).bit_length() + seg_shift
+
+def _merged_entries(
+    key: np.ndarray, scratch: np.ndarray, gains_np: np.ndarray, ws: _Workspace, key_bits: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct keys in order, their float32 gain sums). Sorts once. With non-uniform gains the
+    input position is packed into the low key bits, which makes the sort stable: duplicates of an
+    (id, sample) pair keep input order, so their gains sum in input order, as the float32
+    accumulation always did. With all gains equal, the order of duplicates cannot matter and the
+    bare key is sorted (as uint32 when it fits). `scratch` (as long as `key`) takes the order."""
+    n = key.size
     uniform = n == 0 or _all_equal(gains_np)
     ibits = 0 if uniform else max(n - 1, 0).bit_length()
     if uniform:
@@ -238,7 +327,7 @@ def _preprocess_group(inputs, names, lim_ids, lim_uniq, *, device_batch_size, nu
         key <<= ibits
         key |= _arange(n)
         key.sort()
-        order = np.bitwise_and(key, (1 << ibits) - 1, out=local_col)
+        order = np.bitwise_and(key, (1 << ibits) - 1, out=scratch)
         key >>= ibits
     else:
         order = np.argsort(key, kind="stable")
@@ -267,45 +356,48 @@ def _preprocess_group(inputs, names, lim_ids, lim_uniq, *, device_batch_size, nu
             else:
                 assert gsorted is not None  # sorted above whenever the gains are not uniform
                 np.add.at(ugain, target, np.take(gsorted, dup))
+    return ukey, ugain
 
-    # Entries are sorted by segment: segment g is ukey[bounds[g]:bounds[g + 1]].
-    bounds = np.empty(nseg + 1, dtype=np.int64)
-    bounds[:-1] = np.searchsorted(ukey, (np.arange(nseg, dtype=np.int64) << seg_shift).astype(ukey.dtype))
-    bounds[-1] = ukey.size
+
+def _drop_over_limits(
+    ukey: np.ndarray,
+    ugain: np.ndarray,
+    bounds: np.ndarray,
+    col_starts: np.ndarray,
+    max_ids: np.ndarray,
+    max_uniq: np.ndarray,
+    tseg: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(kept keys, their gains, entries per segment, ids dropped per table): per segment, the first
+    max_ids entries whose id is among the first max_uniq ids are kept."""
+    nseg = bounds.size - 1
     counts = np.diff(bounds)
-    seg_col = np.right_shift(ukey, sbits, out=ws.get("seg_col", m, ukey.dtype))  # (segment, local id)
-    col_starts = _run_starts(seg_col)
-    ucounts = np.diff(np.searchsorted(col_starts, bounds))
+    seg = np.repeat(np.arange(nseg), counts)
+    rank = np.arange(seg.size) - bounds[:-1][seg]
+    col_rank = np.searchsorted(col_starts, np.arange(seg.size), side="right") - 1
+    col_rank -= np.searchsorted(col_starts, bounds[:-1])[seg]
+    table = seg // tseg
+    keep = (rank < max_ids[table]) & (col_rank < max_uniq[table])
+    dropped = np.bincount(table[~keep], minlength=max_ids.size)
+    return ukey[keep], ugain[keep], np.bincount(seg[keep], minlength=nseg), dropped
 
-    counts_t, ucounts_t = counts.reshape(num_tables, tseg), ucounts.reshape(num_tables, tseg)
-    max_ids = np.array(
-        [m if m is not None else max(int(c.max()) if tseg else 0, 1) for m, c in zip(lim_ids, counts_t)], dtype=np.int64
-    )
-    max_uniq = np.array([u if u is not None else m for u, m in zip(lim_uniq, max_ids)], dtype=np.int64)
-    observed = counts_t.reshape(num_tables, num_sc, parts)  # demand before any dropping, for tuning
-    observed_aligned = (observed + SEGMENT_ALIGN - 1) // SEGMENT_ALIGN * SEGMENT_ALIGN
-    observed_need = observed_aligned.sum(2).max(1) if tseg else np.zeros(num_tables, np.int64)
-    over = (counts_t > max_ids[:, None]) | (ucounts_t > max_uniq[:, None])
-    dropped = np.zeros(num_tables, dtype=np.int64)
-    if over.any():
-        if not allow_id_dropping:
-            t = int(np.flatnonzero(over.any(1))[0])
-            _raise_limit_error(
-                names[t], over[t], counts_t[t], ucounts_t[t], int(max_ids[t]), int(max_uniq[t]), num_sc, parts, per_sc
-            )
-        # Keep, per segment, the first max_ids entries whose id is among the first max_uniq ids.
-        seg = np.repeat(np.arange(nseg), counts)
-        rank = np.arange(seg.size) - bounds[:-1][seg]
-        col_rank = np.searchsorted(col_starts, np.arange(seg.size), side="right") - 1
-        col_rank -= np.searchsorted(col_starts, bounds[:-1])[seg]
-        table = seg // tseg
-        keep = (rank < max_ids[table]) & (col_rank < max_uniq[table])
-        dropped = np.bincount(table[~keep], minlength=num_tables)
-        ukey, ugain = ukey[keep], ugain[keep]
-        seg_col = ukey >> sbits
-        counts = np.bincount(seg[keep], minlength=nseg)
 
-    # Place entries: segment p of SparseCore s starts at the 8-aligned sum of earlier segments.
+def _place(
+    ukey: np.ndarray,
+    ugain: np.ndarray,
+    seg_col: np.ndarray,
+    counts: np.ndarray,
+    max_ids: np.ndarray,
+    cbits: int,
+    sbits: int,
+    num_tables: int,
+    num_sc: int,
+    parts: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(embedding ids, sample ids, gains, row pointers [tables, SparseCores, max(P, 8)], slots per
+    table): segment p of SparseCore s starts at the 8-aligned sum of earlier segments; the group's
+    tables lie end to end in the three buffers. `ukey` and `seg_col` are overwritten."""
+    tseg = num_sc * parts
     aligned = ((counts + SEGMENT_ALIGN - 1) // SEGMENT_ALIGN * SEGMENT_ALIGN).reshape(num_tables, num_sc, parts)
     starts = np.cumsum(aligned, 2) - aligned
     ends = starts + counts.reshape(num_tables, num_sc, parts)
@@ -343,27 +435,10 @@ def _preprocess_group(inputs, names, lim_ids, lim_uniq, *, device_batch_size, nu
     row_pointers[:, :, :parts] = ends
     if rp_width > parts:
         row_pointers[:, :, parts:] = aligned.sum(2, keepdims=True)
-
-    sizes = table_size.tolist()
-    rp_t = torch.from_numpy(row_pointers.reshape(num_tables, -1))
-    emb_t, smp_t, gns_t = (torch.from_numpy(x).split(sizes) for x in (emb, smp, gns))
-    ids_t = torch.from_numpy(observed)
-    uniq_t = torch.from_numpy(ucounts_t.reshape(num_tables, num_sc, parts))
-    results = []
-    for t, (ids, mi, mu, need, drop) in enumerate(
-        zip((x[0] for x in inputs), max_ids.tolist(), max_uniq.tolist(), observed_need.tolist(), dropped.tolist())
-    ):
-        out = [rp_t[t], emb_t[t], smp_t[t], gns_t[t]]
-        if ids.device.type != "cpu":
-            out = [x.to(ids.device) for x in out]
-        rp, emb, smp, gns = out
-        csr = SparseCoreInput(rp, emb, smp, gns, device_batch_size, num_sc, parts, mi, mu)
-        # required_buffer_size_per_sc: before dropping, like ids_per_partition.
-        results.append((csr, PreprocessStats(ids_t[t], uniq_t[t], need, drop)))
-    return results
+    return emb, smp, gns, row_pointers, table_size
 
 
-def _per_table(value, num_tables: int, what: str) -> list:
+def _per_table(value: int | None | Sequence[int | None], num_tables: int, what: str) -> list:
     if value is None or isinstance(value, (int, np.integer)):
         return [value] * num_tables
     value = list(value)
@@ -402,7 +477,7 @@ class _Workspace(threading.local):
     def __init__(self) -> None:
         self.arrays: dict[str, np.ndarray] = {}
 
-    def get(self, name: str, size: int, dtype) -> np.ndarray:
+    def get(self, name: str, size: int, dtype: npt.DTypeLike) -> np.ndarray:
         if size > _WORKSPACE_MAX:
             return np.empty(size, dtype=dtype)
         a = self.arrays.get(name)
@@ -435,7 +510,7 @@ def _arange(n: int) -> np.ndarray:
     return a[:n]
 
 
-def _as_numpy(t: torch.Tensor, dtype) -> np.ndarray:
+def _as_numpy(t: torch.Tensor, dtype: npt.DTypeLike) -> np.ndarray:
     a = t.detach().cpu().numpy()
     return a if a.dtype == dtype else a.astype(dtype)
 
@@ -472,7 +547,17 @@ def _all_equal(x: np.ndarray) -> bool:
     return bool(x[0] == x[-1]) and bool((x == x[0]).all()) and not np.signbit(x[0])
 
 
-def _raise_limit_error(table, over, counts, ucounts, max_ids, max_uniq, num_sc, parts, per_sc):
+def _raise_limit_error(
+    table: str,
+    over: np.ndarray,
+    counts: np.ndarray,
+    ucounts: np.ndarray,
+    max_ids: int,
+    max_uniq: int,
+    num_sc: int,
+    parts: int,
+    per_sc: int,
+) -> None:
     first = int(np.flatnonzero(over)[0])
     sc, part = divmod(first, parts)
     where = (

@@ -21,10 +21,14 @@ with the same sums bit for bit: the tests' independent reading of the layout.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from tpurec.embedding.constraints import PADDING_ID
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass
@@ -110,17 +114,17 @@ def row_gradients(d: DecodedInput, activations_grad: torch.Tensor) -> tuple[torc
     return rows, grad
 
 
-def _numpy(*tensors):
+def _numpy(*tensors: torch.Tensor) -> tuple[np.ndarray, ...]:
     return tuple(t.detach().contiguous().numpy() for t in tensors)
 
 
-def _pool(rows, table, offsets, weights) -> torch.Tensor:
+def _pool(rows: np.ndarray, table: torch.Tensor, offsets: np.ndarray, weights: np.ndarray) -> torch.Tensor:
     """Sum of weight * table[row] per bag, float32 (FP16/BF16 tables: their touched rows read into float32)."""
-    rows, offsets = torch.from_numpy(rows), torch.from_numpy(offsets)
+    rows_t, offsets_t = torch.from_numpy(rows), torch.from_numpy(offsets)
     if table.dtype != torch.float32:
-        table, rows = table.index_select(0, rows).to(torch.float32), torch.arange(rows.numel())
+        table, rows_t = table.index_select(0, rows_t).to(torch.float32), torch.arange(rows_t.numel())
     return torch.nn.functional.embedding_bag(
-        rows, table, offsets, mode="sum", per_sample_weights=torch.from_numpy(weights), include_last_offset=True
+        rows_t, table, offsets_t, mode="sum", per_sample_weights=torch.from_numpy(weights), include_last_offset=True
     )
 
 
@@ -140,7 +144,7 @@ def lookup_csr(
 
     Default: [device_batch_size, width], the op's result. batch_major=(features, batch, dim): the
     device batch is the kernel's stacked batch of `features` features, interleaved per SparseCore
-    (`kernel.stacked_samples`), and the result is [batch, features * dim], feature k's sample j in
+    (`kernel_input.stacked_samples`), and the result is [batch, features * dim], feature k's sample j in
     row j, columns k*dim.. (the kernel's output; samples past `batch` are padding and hold no ids).
     """
     from tpurec.embedding import csr_kernels

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 
 @dataclass
@@ -25,7 +26,7 @@ class Check:
     note: str = ""
 
 
-def _compare(name, got, want, tol, note: str = "") -> Check:
+def _compare(name: str, got: torch.Tensor, want: torch.Tensor, tol: float, note: str = "") -> Check:
     import torch
 
     err = float((got.double() - want.double()).abs().max()) if got.numel() else 0.0
@@ -33,7 +34,7 @@ def _compare(name, got, want, tol, note: str = "") -> Check:
     return Check(name, ok, err, tol, note)
 
 
-def _tables(pooling):
+def _tables(pooling: Any) -> list[Any]:
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
     return [
@@ -42,7 +43,7 @@ def _tables(pooling):
     ]
 
 
-def _batch(gen, tables, batch: int = 12, weighted: bool = False):
+def _batch(gen: torch.Generator, tables: list[Any], batch: int = 12, weighted: bool = False) -> KeyedJaggedTensor:
     import torch
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -96,7 +97,7 @@ def cpu_checks(seed: int = 0) -> list[Check]:
     return checks
 
 
-def _vs_fbgemm(optim, kwargs, gen) -> Check:
+def _vs_fbgemm(optim: Any, kwargs: dict[str, Any], gen: torch.Generator) -> Check:
     import torch
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
@@ -133,7 +134,7 @@ def _vs_fbgemm(optim, kwargs, gen) -> Check:
     return _compare(f"3 steps {kind} vs FBGEMM CPU TBE", got, want, 1e-5)
 
 
-def _adam_vs_torch(gen) -> Check:
+def _adam_vs_torch(gen: torch.Generator) -> Check:
     import torch
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -166,7 +167,7 @@ def _adam_vs_torch(gen) -> Check:
     )
 
 
-def _preprocess_vs_jax(gen) -> Check:
+def _preprocess_vs_jax(gen: torch.Generator) -> Check:
     import os
 
     import numpy as np

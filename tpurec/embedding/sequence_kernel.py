@@ -22,7 +22,7 @@ multipass.stacked_blocks): the same outputs and tables as one lookup of capacity
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -65,7 +65,7 @@ class SparseCoreSequenceKernel(SparseCoreKernel):
         self.max_ids_per_feature = max_ids_per_feature
         self._capacity: int | None = None if max_ids_per_feature is None else self._aligned(max_ids_per_feature)
 
-    def _measured_capacity(self, table_limits) -> int | None:
+    def _measured_capacity(self, table_limits: Mapping[str, tuple[int, ...]] | None) -> int | None:
         """The largest measured ids per feature of this kernel's tables (`tpurec data stats`, the 5th
         figure of `table_limits`), when every table has one; None otherwise."""
         if not table_limits:

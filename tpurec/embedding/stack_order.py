@@ -55,7 +55,7 @@ def balanced_order(rows: Sequence[int], padded: Sequence[int], ids: Sequence[flo
         return order
     evaluations = max(1, budget // (n + num_partitions))
 
-    def score(o):
+    def score(o: list[int]) -> tuple[float, float]:
         loads = partition_loads(o, rows, padded, ids, num_partitions)
         return (round(max(loads), 9), round(sum(x * x for x in loads), 9))
 

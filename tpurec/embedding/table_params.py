@@ -30,11 +30,18 @@ class TableSlot(nn.Module):
         super().__init__()
         self.weight = weight
 
-    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         pass  # the owner's state_dict hook publishes the table under this very key
 
     def _load_from_state_dict(
-        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
     ) -> None:
         # The owner's load hook has taken this table's key (or reported it missing); anything
         # left under this prefix is unknown, as for any module.

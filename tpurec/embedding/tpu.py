@@ -24,17 +24,17 @@ _DISPATCH_KEY = "privateuseone"
 
 
 def lookup(
-    row_pointers,
-    embedding_ids,
-    sample_ids,
-    gains,
-    embedding_table,
-    device_batch_size,
-    num_sc_per_device,
-    num_partitions,
-    max_ids_per_partition,
-    max_unique_ids_per_partition,
-):
+    row_pointers: torch.Tensor,
+    embedding_ids: torch.Tensor,
+    sample_ids: torch.Tensor,
+    gains: torch.Tensor,
+    embedding_table: torch.Tensor,
+    device_batch_size: int,
+    num_sc_per_device: int,
+    num_partitions: int,
+    max_ids_per_partition: int,
+    max_unique_ids_per_partition: int,
+) -> torch.Tensor:
     return tpu_ops()._sparse_dense_matmul(
         row_pointers,
         embedding_ids,
@@ -48,17 +48,17 @@ def lookup(
 
 
 def preprocess_with_torch_tpu(
-    ids_int32,
-    offsets_int32,
+    ids_int32: torch.Tensor,
+    offsets_int32: torch.Tensor,
     *,
-    max_ids_per_partition,
-    max_unique_ids_per_partition,
-    batch_size,
-    combiner,
-    num_sc_per_device,
-    allow_id_dropping,
-    table_name,
-):
+    max_ids_per_partition: int,
+    max_unique_ids_per_partition: int,
+    batch_size: int,
+    combiner: str,
+    num_sc_per_device: int,
+    allow_id_dropping: bool,
+    table_name: str,
+) -> dict[str, torch.Tensor]:
     """TorchTPU's C++ preprocessing (runs on the host CPU); returns its dict of tensors.
 
     The COO buffer is sized from the limits (every partition's 8-aligned segment on every local

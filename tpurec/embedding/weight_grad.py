@@ -31,7 +31,9 @@ def with_weight_grad(kernel: Any, features: KeyedJaggedTensor, out: torch.Tensor
 
 class _WeightGrad(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, out: torch.Tensor, weights: torch.Tensor, kernel, features) -> torch.Tensor:
+    def forward(
+        ctx: Any, out: torch.Tensor, weights: torch.Tensor, kernel: Any, features: KeyedJaggedTensor
+    ) -> torch.Tensor:
         ctx.kernel, ctx.features = kernel, features
         ctx.dtype, ctx.device = weights.dtype, weights.device
         # A copy, not a view: TorchRec adds to the pooled output in place (its FP module's DDP
@@ -39,7 +41,7 @@ class _WeightGrad(torch.autograd.Function):
         return out.clone()
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
         return grad, weight_gradient(ctx.kernel, ctx.features, grad).to(ctx.device, ctx.dtype), None, None
 
 

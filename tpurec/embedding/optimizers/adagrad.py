@@ -22,7 +22,9 @@ if TYPE_CHECKING:
 
 
 @torch.no_grad()
-def reference_update(table, accumulator, rows, grad, lr: float, eps: float) -> None:
+def reference_update(
+    table: torch.Tensor, accumulator: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor, lr: float, eps: float
+) -> None:
     """Element-wise (2-D accumulator) or row-wise (1-D accumulator) Adagrad."""
     if accumulator.dim() == 1:
         # mean(g*g) per row as a squared norm: one pass, no [rows, dim] temporary
@@ -78,20 +80,20 @@ op.register_fake(lambda *args, **kwargs: None)  # in place: nothing to compute u
 
 
 def tpu_update(
-    row_pointers,
-    embedding_ids,
-    sample_ids,
-    gains,
-    embedding_table,
-    accumulator,
-    activations_grad,
-    learning_rate,
-    epsilon,
-    device_batch_size,
-    num_sc_per_device,
-    num_partitions,
-    max_ids_per_partition,
-    max_unique_ids_per_partition,
+    row_pointers: torch.Tensor,
+    embedding_ids: torch.Tensor,
+    sample_ids: torch.Tensor,
+    gains: torch.Tensor,
+    embedding_table: torch.Tensor,
+    accumulator: torch.Tensor,
+    activations_grad: torch.Tensor,
+    learning_rate: float,
+    epsilon: float,
+    device_batch_size: int,
+    num_sc_per_device: int,
+    num_partitions: int,
+    max_ids_per_partition: int,
+    max_unique_ids_per_partition: int,
     computation_name: str = "tpurec_adagrad",
 ) -> None:
     """The op's TPU kernel: TorchTPU's op returns new table and accumulator; copy them back."""
@@ -134,7 +136,7 @@ class AdagradSpec(OptimizerSpec):
     refused_torch_kwargs = ("lr_decay", "maximize")  # weight_decay: FBGEMM's modes, weight_decay.py
 
     @classmethod
-    def _take_torch_kwargs(cls, kwargs: dict):
+    def _take_torch_kwargs(cls, kwargs: dict) -> AdagradSpec:
         return cls(
             lr=float(kwargs.pop("lr", 1e-2)),
             eps=float(kwargs.pop("eps", 1e-10)),

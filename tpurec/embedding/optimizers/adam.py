@@ -35,7 +35,15 @@ if TYPE_CHECKING:
 
 @torch.no_grad()
 def reference_update(
-    table, momentum, velocity, rows, grad, alpha_t: float, beta1: float, beta2: float, epsilon: float
+    table: torch.Tensor,
+    momentum: torch.Tensor,
+    velocity: torch.Tensor,
+    rows: torch.Tensor,
+    grad: torch.Tensor,
+    alpha_t: float,
+    beta1: float,
+    beta2: float,
+    epsilon: float,
 ) -> None:
     m = momentum.index_select(0, rows).mul_(beta1).add_(grad, alpha=1 - beta1)
     v = velocity.index_select(0, rows).mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
@@ -93,23 +101,23 @@ op.register_fake(lambda *args, **kwargs: None)  # in place: nothing to compute u
 
 
 def tpu_update(
-    row_pointers,
-    embedding_ids,
-    sample_ids,
-    gains,
-    embedding_table,
-    momentum,
-    velocity,
-    activations_grad,
-    alpha_t,
-    beta_1,
-    beta_2,
-    epsilon,
-    device_batch_size,
-    num_sc_per_device,
-    num_partitions,
-    max_ids_per_partition,
-    max_unique_ids_per_partition,
+    row_pointers: torch.Tensor,
+    embedding_ids: torch.Tensor,
+    sample_ids: torch.Tensor,
+    gains: torch.Tensor,
+    embedding_table: torch.Tensor,
+    momentum: torch.Tensor,
+    velocity: torch.Tensor,
+    activations_grad: torch.Tensor,
+    alpha_t: float,
+    beta_1: float,
+    beta_2: float,
+    epsilon: float,
+    device_batch_size: int,
+    num_sc_per_device: int,
+    num_partitions: int,
+    max_ids_per_partition: int,
+    max_unique_ids_per_partition: int,
     computation_name: str = "tpurec_adam",
 ) -> None:
     """The op's TPU kernel: TorchTPU's op returns new table and moments; copy them back."""
@@ -155,7 +163,7 @@ class AdamSpec(OptimizerSpec):
     keeps_step_count = True
 
     @classmethod
-    def _take_torch_kwargs(cls, kwargs: dict):
+    def _take_torch_kwargs(cls, kwargs: dict) -> AdamSpec:
         # torch.optim.Adam(decoupled_weight_decay=True) is AdamW, the decay tpurec applies (as FBGEMM's
         # Adam) either way: accepted as True or False, the decay always decoupled (docs/dmp.md).
         kwargs.pop("decoupled_weight_decay", None)

@@ -19,7 +19,7 @@ import contextlib
 import importlib
 import math
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Mapping, Sequence
 
 import torch
 
@@ -80,7 +80,7 @@ class OptimizerSpec(abc.ABC):
         if mode is None:  # no decay: one spec whatever mode was named with weight_decay 0
             object.__setattr__(self, "weight_decay", 0.0)
 
-    def __init_subclass__(cls, **kwargs) -> None:
+    def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         name = cls.__dict__.get("name")
         if name is None:
@@ -153,7 +153,7 @@ class OptimizerSpec(abc.ABC):
         return self.torch_optimizer(), self.torch_kwargs()
 
     @classmethod
-    def from_hyperparameters(cls, **values) -> OptimizerSpec:
+    def from_hyperparameters(cls, **values: float) -> OptimizerSpec:
         """The spec from generic settings (a config's lr and eps); ones it has no field for are ignored."""
         own = {f.name for f in fields(cls)}
         return cls(**{k: float(v) for k, v in values.items() if k in own})
@@ -245,7 +245,7 @@ class OptimizerSpec(abc.ABC):
         return {}
 
 
-def check_hyperparameter(optimizer: str, name: str, value) -> None:
+def check_hyperparameter(optimizer: str, name: str, value: float) -> None:
     """One-line UserError unless `value` is in the domain of hyper-parameter `name`: finite; lr >= 0;
     eps >= 0; betas in [0, 1) (torch's own domains)."""
     v = float(value)
@@ -324,20 +324,20 @@ def tpu_scalar(value: float, like: torch.Tensor) -> torch.Tensor:
 _RECORDED: list | None = None
 
 
-def _compile_key(args) -> tuple:
+def _compile_key(args: tuple[Any, ...]) -> tuple:
     # TorchTPU keys a compiled program on tensor shapes/dtypes and every non-tensor argument
     # (float hyper-parameters, id limits, names); tensor values (learning rates) are runtime inputs.
     return tuple((tuple(a.shape), str(a.dtype)) if isinstance(a, torch.Tensor) else a for a in args)
 
 
 class _RecordingOps:
-    def __init__(self, ops) -> None:
+    def __init__(self, ops: Any) -> None:
         self._ops = ops
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Callable[..., Any]:
         op = getattr(self._ops, name)
 
-        def call(*args):
+        def call(*args: Any) -> Any:
             if _RECORDED is not None:
                 _RECORDED.append((name, _compile_key(args)))
             return op(*args)
@@ -346,7 +346,7 @@ class _RecordingOps:
 
 
 @contextlib.contextmanager
-def record_tpu_calls():
+def record_tpu_calls() -> Iterator[list[tuple[Any, ...]]]:
     """Record the compile key of every TorchTPU op tpurec calls inside the block: the number of
     distinct keys is the number of programs TorchTPU compiles (`tpurec selftest --device tpu`)."""
     global _RECORDED
@@ -357,7 +357,7 @@ def record_tpu_calls():
         _RECORDED = None
 
 
-def tpu_ops():
+def tpu_ops() -> Any:
     """TorchTPU's op namespace; only called on a TPU host, where torch_tpu registered it."""
     return torch.ops.tpu if _RECORDED is None else _RecordingOps(torch.ops.tpu)
 

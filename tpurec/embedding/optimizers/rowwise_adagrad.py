@@ -68,7 +68,7 @@ class RowWiseAdagradSpec(AdagradSpec):
         reference_update(table, accumulator, rows, grad, lr, self.eps)
 
 
-def _at_width(grad, lr: float, width: int, dim: int | None):
+def _at_width(grad: torch.Tensor, lr: float, width: int, dim: int | None) -> tuple[torch.Tensor, float]:
     """(gradient, lr) for a table stored `width` wide whose rows are `dim` wide (apply_update says why)."""
     if dim is None or dim == width:
         return grad, lr

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 
 @torch.no_grad()
-def reference_update(table, rows, grad, lr: float) -> None:
+def reference_update(table: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor, lr: float) -> None:
     add_to_rows(table, rows, grad.mul_(-lr), round_step=True)  # FBGEMM's `w -= lr * g` on FP16 weights
 
 
@@ -62,18 +62,18 @@ op.register_fake(lambda *args, **kwargs: None)  # in place: nothing to compute u
 
 
 def tpu_update(
-    row_pointers,
-    embedding_ids,
-    sample_ids,
-    gains,
-    embedding_table,
-    activations_grad,
-    learning_rate,
-    device_batch_size,
-    num_sc_per_device,
-    num_partitions,
-    max_ids_per_partition,
-    max_unique_ids_per_partition,
+    row_pointers: torch.Tensor,
+    embedding_ids: torch.Tensor,
+    sample_ids: torch.Tensor,
+    gains: torch.Tensor,
+    embedding_table: torch.Tensor,
+    activations_grad: torch.Tensor,
+    learning_rate: float,
+    device_batch_size: int,
+    num_sc_per_device: int,
+    num_partitions: int,
+    max_ids_per_partition: int,
+    max_unique_ids_per_partition: int,
     computation_name: str = "tpurec_sgd",
 ) -> None:
     """The op's TPU kernel: TorchTPU's op returns the new table; copy it back in place."""

@@ -47,12 +47,15 @@ applies to them and the spec updates the rows (`OptimizerSpec.update_rows`).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
 
 from tpurec.embedding.preprocess import SparseCoreInput, preprocess
 from tpurec.errors import UserError
+
+# `spec` arguments are OptimizerSpecs, typed Any: optimizers/base.py imports this module.
 
 MODES = ("NONE", "L2", "DECOUPLE", "COUNTER", "COWCLIP", "DECOUPLE_GLOBAL")
 
@@ -64,7 +67,7 @@ _NEEDS_ROW_STATE = {
 }
 
 
-def mode_name(value) -> str:
+def mode_name(value: Any) -> str:
     """FBGEMM's name of a weight_decay_mode given as its `WeightDecayMode`, int value or name."""
     if value is None:
         return "NONE"
@@ -77,7 +80,7 @@ def mode_name(value) -> str:
     raise UserError(f"weight_decay_mode={value!r} is not one of FBGEMM's WeightDecayMode {'/'.join(MODES)}")
 
 
-def resolve(cls, weight_decay: float, mode) -> str | None:
+def resolve(cls: Any, weight_decay: float, mode: Any) -> str | None:
     """The mode tpurec applies for optimizer class `cls` ("L2", "DECOUPLE"; None: no decay), or a
     one-line UserError naming the optimizer, the option and what is supported."""
     label = cls.torch_class_name()
@@ -108,7 +111,7 @@ def resolve(cls, weight_decay: float, mode) -> str | None:
     raise UserError(f"{label}: {option} is not supported by the fused SparseCore update: {why}; {supported}")
 
 
-def fbgemm_mode(name: str):
+def fbgemm_mode(name: str) -> Any:
     """FBGEMM's `WeightDecayMode` member of a mode name (what TorchRec's sharder passes on)."""
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
 
@@ -116,7 +119,7 @@ def fbgemm_mode(name: str):
 
 
 def decay_slots(
-    spec, table: torch.Tensor, grad: torch.Tensor, slot_ids: torch.Tensor, lr: float, num_partitions: int
+    spec: Any, table: torch.Tensor, grad: torch.Tensor, slot_ids: torch.Tensor, lr: float, num_partitions: int
 ) -> torch.Tensor:
     """`decay_rows` for one update pass in the one-slot-per-row layout (the TPU path). slot_ids: [slots]
     the SparseCore id of each slot's row (empty slots repeat a row of the pass: their gradient is
@@ -131,7 +134,7 @@ def decay_slots(
 
 
 @torch.no_grad()
-def decay_rows(spec, table: torch.Tensor, grad: torch.Tensor, rows: torch.Tensor, lr: float) -> torch.Tensor:
+def decay_rows(spec: Any, table: torch.Tensor, grad: torch.Tensor, rows: torch.Tensor, lr: float) -> torch.Tensor:
     """Apply `spec`'s weight decay before its update of physical `rows` (grad: their gradients, one
     row each); returns the gradient for the update. L2 adds wd * w to it; decoupled scales the rows."""
     if spec.weight_decay_mode is None or rows.numel() == 0:
@@ -172,7 +175,7 @@ class DecayInput:
 
 
 def decay_input(
-    spec,
+    spec: Any,
     csr: SparseCoreInput,
     ids: torch.Tensor,
     samples: torch.Tensor,
@@ -231,7 +234,7 @@ def _repeat_first(rows: np.ndarray, size: int) -> torch.Tensor:
 
 @torch.no_grad()
 def apply_decay(
-    spec, table: torch.Tensor, grad: torch.Tensor, decay: DecayInput, lr: float
+    spec: Any, table: torch.Tensor, grad: torch.Tensor, decay: DecayInput, lr: float
 ) -> tuple[SparseCoreInput, torch.Tensor]:
     """The device side of `decay`: scales its rows (decoupled) or appends their L2 gradient rows;
     returns the input and the [device batch, width] gradient of the fused update."""

@@ -1,0 +1,47 @@
+"""KernelTable: one table as a SparseCoreKernel sees it, shared by the kernel's storage half
+(kernel.py) and its input half (kernel_input.py), so that neither imports the other for it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tpurec.errors import UserError
+
+
+@dataclass(frozen=True)
+class KernelTable:
+    """A table as this device sees it (under sharding: the local shard's rows and columns)."""
+
+    name: str
+    num_embeddings: int
+    embedding_dim: int
+    feature_names: tuple[str, ...]
+    pooling: str = "sum"  # "sum" | "mean"
+    init_rows: int | None = None  # rows of the whole (unsharded) table, for EBC's init bound
+    # The config's weight_init_min/max (TorchRec's get_weight_init_min/max); None: +-sqrt(1/rows).
+    init_min: float | None = None
+    init_max: float | None = None
+    dtype: torch.dtype = torch.float32  # the config's dtype (stored as such unless widened)
+    source: str | None = None  # the whole table's name when this is a shard (for messages)
+    # Ids per sample this table expects over its features (pooling factors): when every table of a
+    # stack has one, the stack places its tables so the SparseCore partitions share them (stack_order).
+    expected_ids: float | None = None
+
+
+def index_tables(tables: list[KernelTable]) -> tuple[dict[str, KernelTable], dict[str, KernelTable]]:
+    """({name: table}, {feature: its table}), refusing repeated names, features fed to two tables
+    and poolings other than sum and mean."""
+    names = [t.name for t in tables]
+    if len(set(names)) != len(names):
+        raise UserError(f"duplicate table names: {names}")
+    feature_table: dict[str, KernelTable] = {}
+    for t in tables:
+        if t.pooling not in ("sum", "mean"):
+            raise UserError(f"table {t.name!r}: pooling {t.pooling!r} is not supported (sum or mean)")
+        for f in t.feature_names:
+            if f in feature_table:
+                raise UserError(f"feature {f!r} is used by tables {feature_table[f].name!r} and {t.name!r}")
+            feature_table[f] = t
+    return {t.name: t for t in tables}, feature_table

@@ -1,0 +1,55 @@
+"""The id limits of a kernel's stacks before any batch: the given ones, or those the stack's tables'
+measured limits (`tpurec data stats`, KernelSettings.table_limits) bound; None where the first
+batch decides (fixed limits) or each batch does."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from tpurec.embedding.constraints import SEGMENT_ALIGN, padded_rows, round_up
+from tpurec.embedding.kernel_table import KernelTable
+from tpurec.embedding.layout import StackLayout
+from tpurec.embedding.settings import KernelSettings
+
+
+def initial_limits(
+    layouts: list[StackLayout], tables: Mapping[str, KernelTable], settings: KernelSettings, num_sc: int
+) -> list[tuple[int, int] | None]:
+    """Per stack: the given limits (8-aligned), or those its tables' measured limits bound
+    (`stack_bound`), or None (set by the first batch when limits are fixed)."""
+    max_ids, max_uniq = settings.max_ids_per_partition, settings.max_unique_ids_per_partition
+    given = None
+    if max_ids is not None:
+        given = (round_up(max_ids, SEGMENT_ALIGN), round_up(max_uniq or max_ids, SEGMENT_ALIGN))
+    limits: list[tuple[int, int] | None] = [given] * len(layouts)
+    if settings.table_limits:
+        for i, lay in enumerate(layouts):
+            bound = stack_bound(lay, tables, settings.table_limits, num_sc)
+            if bound is not None:
+                limits[i] = bound
+    return limits
+
+
+def stack_bound(
+    lay: StackLayout, tables: Mapping[str, KernelTable], limits: Mapping[str, tuple[int, ...]], num_sc: int
+) -> tuple[int, int] | None:
+    """Fixed limits for a stack from its tables' measured ones, or None if a table has none.
+
+    Measured per partition of a table alone (C_t rows each); in the stack the tables lie end to end
+    and a stack partition (C rows) overlaps at most min(P, ceil(C / C_t) + 1) of a table's own
+    partitions, and holds at most the table's whole slice: per table the smaller of the two, summed.
+    Exact for a table alone, an upper bound in any stack (a batch over it would still run, in passes).
+    """
+    ids = uniq = 0
+    for ts in lay.tables:
+        t = tables[ts.name]
+        m = limits.get(t.source or t.name)
+        if m is None:
+            return None
+        own = padded_rows(t.num_embeddings, num_sc) // num_sc
+        overlap = 1 if len(lay.tables) == 1 else min(num_sc, -(-lay.rows_per_partition // own) + 1)
+        big = 2**31
+        ids += min(m[0] * overlap, m[2] if len(m) > 2 else big)
+        uniq += min(m[1] * overlap, m[3] if len(m) > 3 else big)
+    ids = round_up(max(ids, 1), SEGMENT_ALIGN)
+    return ids, min(round_up(max(uniq, 1), SEGMENT_ALIGN), ids)
