@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shutil
 import stat
 import tempfile
 
@@ -90,8 +91,6 @@ def write_atomic(
     partial file and a file there before stays as it was. UserError in one line naming `flag` and
     the path when it cannot be written (the free space is too small for `data`, or the write fails),
     with no temporary file left. `makes_parents` creates missing directories first."""
-    from tpurec.runtime.host_resources import free_disk_bytes
-
     blob = data.encode() if isinstance(data, str) else data
     full = os.path.realpath(path)  # through a symlink: the file it names is replaced, the link stays
     if os.path.exists(full) and not stat.S_ISREG(os.stat(full).st_mode):
@@ -129,3 +128,18 @@ def write_atomic(
     except OSError as e:
         why = (e.strerror or os.strerror(e.errno)) if e.errno else str(e)
         raise UserError(f"{_named(flag, path)}: could not write it ({why})") from None
+
+
+def free_disk_bytes(path: str | os.PathLike) -> int | None:
+    """Free bytes on the filesystem `path` is on (or would be created on: its nearest existing
+    parent), for this user (shutil.disk_usage); None if it cannot be read."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            return None
+        probe = parent
+    try:
+        return shutil.disk_usage(probe).free
+    except OSError:
+        return None

@@ -52,7 +52,7 @@ def test_a_failed_write_names_the_path_and_leaves_the_old_file_whole(full_disk):
 
 
 def test_a_write_larger_than_the_free_space_is_refused_before_writing(tmp_path, monkeypatch):
-    monkeypatch.setattr("tpurec.runtime.host_resources.free_disk_bytes", lambda p: 100)
+    monkeypatch.setattr("tpurec.outputs.free_disk_bytes", lambda p: 100)
     target = tmp_path / "m.csv"
     with pytest.raises(UserError) as e:
         write_atomic(target, b"x" * 1000, "--metrics-out")

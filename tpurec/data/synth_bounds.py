@@ -18,7 +18,8 @@ from __future__ import annotations
 import os
 
 from tpurec.data.schema import DataSchema
-from tpurec.runtime.host_resources import available_bytes, free_disk_bytes
+from tpurec.outputs import free_disk_bytes
+from tpurec.runtime.host_resources import available_bytes
 
 MEMORY_BYTES_PER_ROW = 96  # 89 measured (module docstring), rounded up
 SAMPLE_ROWS = 16384

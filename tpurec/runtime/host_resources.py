@@ -6,7 +6,6 @@ full disk an hour later."""
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 
@@ -123,19 +122,4 @@ def _meminfo_available() -> int | None:
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
-        return None
-
-
-def free_disk_bytes(path: str | os.PathLike) -> int | None:
-    """Free bytes on the filesystem `path` is on (or would be created on: its nearest existing
-    parent), for this user (shutil.disk_usage); None if it cannot be read."""
-    probe = os.path.abspath(path)
-    while not os.path.exists(probe):
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            return None
-        probe = parent
-    try:
-        return shutil.disk_usage(probe).free
-    except OSError:
         return None

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from tpurec.errors import UserError
-from tpurec.runtime.host_resources import free_disk_bytes
+from tpurec.outputs import free_disk_bytes
 
 if TYPE_CHECKING:
     from torch import nn
