@@ -174,7 +174,8 @@ def make_dmp(rank: int, world: int, impl: str, policy: str, optimizer: str, bagg
 
 def _loss(out: Any, bagged: bool) -> torch.Tensor:
     values = out.values() if bagged else torch.cat([jt.values() for jt in out.values()])
-    return (values * torch.linspace(-1, 1, values.numel()).view(values.shape)).sum() + (values**2).sum()
+    weights = torch.linspace(-1, 1, values.numel()).view(values.shape).to(values.device)
+    return (values * weights).sum() + (values**2).sum()
 
 
 def run(rank: int, world: int, impl: str, policy: str, optimizer: str, bagged: bool, steps: int) -> dict:

@@ -25,7 +25,9 @@ def _compare(world: int, policy: str, optimizer: str, bagged: bool = True, ours_
         assert set(a["state"]) == set(b["state"])
         for key, x in a["state"].items():  # tables and the remap's buffers (identities, eviction metadata)
             if x.is_floating_point():
-                torch.testing.assert_close(b["state"][key], x, rtol=0, atol=1e-6, msg=key)
+                # float32 sums in another order, grown by the loss's square term: at most 3e-6 relative
+                # (4e-6 on a value of 1.3) after 20 SGD steps at 1 rank; Adagrad's within 1e-7
+                torch.testing.assert_close(b["state"][key], x, rtol=1e-5, atol=1e-6)
             else:
                 assert torch.equal(b["state"][key], x), key
         assert set(a["optim"]) == set(b["optim"])
@@ -98,3 +100,35 @@ def test_mc_state_travels_through_dcp_between_tpurec_and_stock(tmp_path, other):
         for (loss, remap), (want_loss, want_remap) in zip(a["resumed"], b["resumed"]):
             assert torch.equal(remap, want_remap)
             assert abs(loss - want_loss) <= 1e-5 * max(1.0, abs(want_loss))
+
+
+@pytest.mark.slow  # two 4-rank runs
+@pytest.mark.multiprocess
+def test_an_mc_ebc_on_an_emulated_tpu_slice_remaps_on_the_host_and_equals_cpu_ranks():
+    """The remap (its all-to-all, identities, eviction) stays on the host on the TPU path: no id reaches
+    the device unremapped, the remap costs no device->host copy (the only one a step makes is the
+    loss the program reads), and the 4 emulated ranks give the 4 CPU gloo ranks' losses."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    program = str(Path(__file__).parent / "mc_program.py")
+    env = dict(os.environ, PYTHONPATH=str(repo), OMP_NUM_THREADS="1", TPUREC_NO_DIRECT="1")
+
+    def last_json(cmd):
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=repo)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    emulated = last_json([sys.executable, "-m", "tpurec.cli", "launch", "--emulate-tpu", "v5p-8", program, "tpu"])
+    cpu = last_json(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", program, "cpu"]
+    )
+    assert emulated["evicted"] > 0 and emulated["evicted"] == cpu["evicted"]
+    assert emulated["remapped_on"] == ["cpu"]  # the remapped KJT: host ids, as the SparseCore input build takes them
+    assert emulated["losses"] == cpu["losses"]
+    assert emulated["recompiles_after_warmup"] == 0, emulated["late_programs"]
+    assert set(emulated["device_to_host_copies"]) == {"__main__.main"}  # the program's float(loss) only

@@ -8,6 +8,10 @@ then write `init_fn` of the evicted rows into the table's weight parameter. FBGE
 (`reset_weight_momentum_kernel`, split_embeddings_cache) sets each pruned row's weight and momentum1 to 0;
 for every other optimizer it does nothing, so the rows keep their optimizer state. tpurec's group kernels
 answer the same call on the SparseCore tables, with the same effect.
+
+On a TPU every write of evicted rows has one shape whatever the number of rows (`write_rows`): the rows go
+in chunks of `CHUNK`, a short chunk padded by repeating its first row and value (a row written twice with
+the same value is the same row), so an eviction of any size reuses the same programs.
 """
 
 from __future__ import annotations
@@ -17,6 +21,26 @@ from typing import Any
 import torch
 
 from tpurec.embedding.optimizers.rowwise_adagrad import RowWiseAdagradSpec
+
+CHUNK = 64  # rows per write of evicted rows on a device: one program shape for any eviction
+
+
+def write_rows(target: torch.Tensor, rows: torch.Tensor, values: torch.Tensor | float) -> None:
+    """target[rows] = values (host rows; values host rows or a scalar), in place. On the host at once;
+    on a device in fixed-shape chunks (module docstring)."""
+    if target.device.type == "cpu":
+        target[rows] = values if isinstance(values, float) else values.to(target.dtype)
+        return
+    for start in range(0, rows.numel(), CHUNK):
+        part = rows[start : start + CHUNK]
+        pad = CHUNK - part.numel()
+        index = torch.cat([part, part[:1].expand(pad)]) if pad else part
+        if isinstance(values, float):
+            target[index.to(target.device)] = values
+            continue
+        chunk = values[start : start + CHUNK]
+        chunk = torch.cat([chunk, chunk[:1].expand(pad, *chunk.shape[1:])]) if pad else chunk
+        target[index.to(target.device)] = chunk.to(target.dtype).to(target.device)
 
 
 class EvictedRowsReset:
@@ -42,8 +66,6 @@ class EvictedRowsReset:
             if rows.numel() == 0:
                 continue
             _, kname, _ = self._group.shards[table_index]
-            weight = kernel.read_weight(kname)  # views of the live storage: the writes land there
-            weight[rows.to(weight.device)] = 0.0
+            write_rows(kernel.read_weight(kname), rows, 0.0)  # views of the live storage: the writes land there
             for name in kernel.optimizer.state_names:
-                state = kernel.read_state(kname, name)
-                state[rows.to(state.device)] = 0.0
+                write_rows(kernel.read_state(kname, name), rows, 0.0)
