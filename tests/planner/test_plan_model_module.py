@@ -173,3 +173,11 @@ def test_the_plan_is_the_one_distributed_model_parallel_makes(user_module, tmp_p
     assert out.returncode == 0, out.stderr[-3000:]
     dmp_modules = json.loads(out.stdout.split("PLAN ", 1)[1])
     assert dmp_modules == r["plan"]["modules"]
+
+
+def test_a_model_with_managed_collision_tables_is_planned_row_wise_on_the_sparsecore_kernel(capsys):
+    # the remap's only sharding (TorchRec's MC sharders); over 4 devices, which TorchRec's own planner
+    # refuses for a one-bucket remap (docs/managed_collision.md)
+    r = _plan(capsys, "--model-module", "tests.sharding.mc_cases:build_lru", "--topology", "v6e-4")
+    assert set(r["plan"]["modules"]) == {"mc"}
+    assert {(t["name"], t["sharding_type"]) for t in r["tables"]} == {("t0", "row_wise"), ("t1", "row_wise")}

@@ -267,3 +267,8 @@ def _local_state(dmp: Any) -> dict:
         tensor = value.local_shards()[0].tensor if hasattr(value, "local_shards") else value
         out[key] = tensor.detach().clone()
     return out
+
+
+def build_lru() -> nn.Module:
+    """A `--model-module` target: the MC-EBC model with LRU eviction (tests/planner/test_plan_model_module.py)."""
+    return build("lru", True)

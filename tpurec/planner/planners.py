@@ -17,6 +17,9 @@ from torch import nn
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
+from torchrec.distributed.mc_embedding import ManagedCollisionEmbeddingCollectionSharder
+from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
+from torchrec.distributed.mc_modules import ManagedCollisionCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.partitioners import GreedyPerfPartitioner
@@ -120,10 +123,57 @@ class TpuPlanningFPSharder(FeatureProcessedEmbeddingBagCollectionSharder):
         return self._ebc_sharder.compute_kernels(sharding_type, compute_device_type)
 
 
+class TpuPlanningMCEBCSharder(ManagedCollisionEmbeddingBagCollectionSharder):
+    """TorchRec's managed-collision EBC sharder offering its inner sharder's kernel (TorchRec's lists FBGEMM's);
+    its sharding types stay TorchRec's (row-wise: the remap's). The run-time sharder
+    (sharding/mc_sharder.py's SparseCoreMCEBCSharder) derives from it."""
+
+    def __init__(
+        self,
+        ebc_sharder: EmbeddingBagCollectionSharder | None = None,
+        mc_sharder: ManagedCollisionCollectionSharder | None = None,
+        qcomm_codecs_registry: Dict[str, QuantizedCommCodecs] | None = None,
+    ) -> None:
+        super().__init__(
+            ebc_sharder=ebc_sharder or TpuPlanningSharder(),
+            mc_sharder=mc_sharder,
+            qcomm_codecs_registry=qcomm_codecs_registry,
+        )
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        return self._e_sharder.compute_kernels(sharding_type, compute_device_type)
+
+
+class TpuPlanningMCECSharder(ManagedCollisionEmbeddingCollectionSharder):
+    """TpuPlanningMCEBCSharder's counterpart for managed-collision EmbeddingCollections."""
+
+    def __init__(
+        self,
+        ec_sharder: EmbeddingCollectionSharder | None = None,
+        mc_sharder: ManagedCollisionCollectionSharder | None = None,
+        qcomm_codecs_registry: Dict[str, QuantizedCommCodecs] | None = None,
+    ) -> None:
+        super().__init__(
+            ec_sharder=ec_sharder or TpuPlanningECSharder(),
+            mc_sharder=mc_sharder,
+            qcomm_codecs_registry=qcomm_codecs_registry,
+        )
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        return self._e_sharder.compute_kernels(sharding_type, compute_device_type)
+
+
 def planning_sharders() -> List[ModuleSharder[nn.Module]]:
-    # A feature-processed EBC is planned as the module DMP shards, over its inner EBC's tables.
-    # ModuleSharder is invariant in its module type: TorchRec's own default sharders are cast the same way.
-    sharders = [TpuPlanningSharder(), TpuPlanningECSharder(), TpuPlanningFPSharder()]
+    # A feature-processed or managed-collision EBC is planned as the module DMP shards, over its inner
+    # collection's tables. ModuleSharder is invariant in its module type: TorchRec's own default sharders
+    # are cast the same way.
+    sharders = [
+        TpuPlanningSharder(),
+        TpuPlanningECSharder(),
+        TpuPlanningFPSharder(),
+        TpuPlanningMCEBCSharder(),
+        TpuPlanningMCECSharder(),
+    ]
     return [cast(ModuleSharder[nn.Module], s) for s in sharders]
 
 
@@ -552,6 +602,8 @@ __all__ = [
     "TpuPlanningECSharder",
     "planning_sharders",
     "TpuEnumerator",
+    "TpuPlanningMCEBCSharder",
+    "TpuPlanningMCECSharder",
     "TpuStorageReservation",
     "infer_optimizer",
     "pooling_constraints",

@@ -24,16 +24,15 @@ from typing import Any, Dict, List
 import torch
 from torch import nn
 from torchrec.distributed.mc_embedding import (
-    ManagedCollisionEmbeddingCollectionSharder,
     ShardedManagedCollisionEmbeddingCollection,
 )
 from torchrec.distributed.mc_embeddingbag import (
-    ManagedCollisionEmbeddingBagCollectionSharder,
     ShardedManagedCollisionEmbeddingBagCollection,
 )
 from torchrec.distributed.mc_modules import ManagedCollisionCollectionSharder, ShardedManagedCollisionCollection
 
 from tpurec.errors import UserError
+from tpurec.planner.planners import TpuPlanningMCEBCSharder, TpuPlanningMCECSharder
 from tpurec.sharding.ec_sharder import SparseCoreECSharder
 from tpurec.sharding.evicted_rows import write_rows
 from tpurec.sharding.sharder import SparseCoreEBCSharder
@@ -138,7 +137,7 @@ class ShardedSparseCoreMCEC(_HostRemapMixin, ShardedManagedCollisionEmbeddingCol
         self._indices_on_host()
 
 
-class SparseCoreMCEBCSharder(ManagedCollisionEmbeddingBagCollectionSharder):
+class SparseCoreMCEBCSharder(TpuPlanningMCEBCSharder):
     """TorchRec's managed-collision EBC sharder around tpurec's EBC sharder."""
 
     def __init__(
@@ -151,16 +150,13 @@ class SparseCoreMCEBCSharder(ManagedCollisionEmbeddingBagCollectionSharder):
             ebc_sharder=ebc_sharder, mc_sharder=_host_remap(mc_sharder), qcomm_codecs_registry=qcomm_codecs_registry
         )
 
-    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
-        return self._e_sharder.compute_kernels(sharding_type, compute_device_type)
-
     def shard(self, module: Any, params: Any, env: Any, device: Any = None, module_fqn: Any = None) -> Any:
         return ShardedSparseCoreMCEBC(
             module, params, ebc_sharder=self._e_sharder, mc_sharder=self._mc_sharder, env=env, device=device
         )
 
 
-class SparseCoreMCECSharder(ManagedCollisionEmbeddingCollectionSharder):
+class SparseCoreMCECSharder(TpuPlanningMCECSharder):
     """TorchRec's managed-collision EC sharder around tpurec's EC sharder."""
 
     def __init__(
@@ -172,9 +168,6 @@ class SparseCoreMCECSharder(ManagedCollisionEmbeddingCollectionSharder):
         super().__init__(
             ec_sharder=ec_sharder, mc_sharder=_host_remap(mc_sharder), qcomm_codecs_registry=qcomm_codecs_registry
         )
-
-    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
-        return self._e_sharder.compute_kernels(sharding_type, compute_device_type)
 
     def shard(self, module: Any, params: Any, env: Any, device: Any = None, module_fqn: Any = None) -> Any:
         return ShardedSparseCoreMCEC(
