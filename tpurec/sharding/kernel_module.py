@@ -118,16 +118,8 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
             device=device,
             positional=True,
             **extra,
-            settings=KernelSettings(
-                max_ids_per_partition=_fused_int(config, "max_ids_per_partition"),
-                max_unique_ids_per_partition=_fused_int(config, "max_unique_ids_per_partition"),
-                allow_id_dropping=bool(fused.get("allow_id_dropping", False)),
-                fixed_limits=fused.get("fixed_limits"),
-                pad_dims=fused.get("pad_dims"),
-                widen_tables=fused.get("widen_tables"),
-                # (table, limits...) tuples: TorchRec groups tables by hashing fused params
-                table_limits={str(n): tuple(int(x) for x in v) for n, *v in fused.get("table_limits") or ()} or None,
-            ),
+            # the one KernelSettings the sharder carries (KernelSettings.fused), whole
+            settings=KernelSettings.from_fused(fused),
         )
         self._optim = SparseCoreFusedOptimizer(self.kernel, param_prefix="", key_of=self._param_key)
         # TorchRec's `output_dtype` fused param (an FBGEMM SparseType): its TBE kernels return lookups in
