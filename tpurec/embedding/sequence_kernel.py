@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
+from torchrec.modules.embedding_configs import PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from tpurec.embedding.constraints import SEGMENT_ALIGN, round_up
@@ -56,7 +57,7 @@ class SparseCoreSequenceKernel(SparseCoreKernel):
                 f"sequence tables must share one embedding dim (as in TorchRec's EmbeddingCollection); "
                 f"got {sorted(dims)} for {[t.name for t in self.tables]}"
             )
-        if any(t.pooling != "sum" for t in self.tables):
+        if any(t.pooling is not PoolingType.SUM for t in self.tables):
             raise UserError("sequence tables are not pooled; build their KernelTables with pooling 'sum'")
         self.dim = dims.pop() if dims else 0
         if max_ids_per_feature is not None and max_ids_per_feature < 1:

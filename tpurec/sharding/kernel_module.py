@@ -27,6 +27,7 @@ from tpurec.embedding import direct
 from tpurec.embedding.dtypes import table_dtype
 from tpurec.embedding.fused_optimizer import SparseCoreFusedOptimizer
 from tpurec.embedding.kernel import KernelTable, SparseCoreKernel
+from tpurec.embedding.kernel_table import POOLINGS
 from tpurec.embedding.optimizers.registry import spec_from_fused_params
 from tpurec.embedding.sequence_kernel import SparseCoreSequenceKernel
 from tpurec.embedding.settings import KernelSettings
@@ -37,8 +38,6 @@ from tpurec.sharding.evicted_rows import EvictedRowsReset
 if TYPE_CHECKING:
     from torchrec.distributed.types import ShardingType
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-_POOLING = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 
 
 class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
@@ -81,9 +80,9 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
             for f in t.feature_names:
                 slots.append(f"{slot}:{f}")
                 slot += 1
-            if self.pooled and t.pooling not in _POOLING:
+            if self.pooled and t.pooling not in POOLINGS:
                 raise UserError(f"table {t.name!r}: pooling {t.pooling} is not supported (SUM or MEAN)")
-            pooling = "sum" if rowwise or not self.pooled else _POOLING[t.pooling]
+            pooling = PoolingType.SUM if rowwise or not self.pooled else t.pooling
             tables.append(
                 KernelTable(
                     kname,
