@@ -13,7 +13,7 @@ ShardedTensor state); only the compute kernel inside each shard changes. The pie
 from __future__ import annotations
 
 from dataclasses import fields, replace
-from typing import TYPE_CHECKING, Any, Dict, List
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,7 @@ from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingShard
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
 
 from tpurec.embedding.constraints import DEFAULT_NUM_SPARSECORES
-from tpurec.embedding.settings import SETTINGS_KEY, KernelSettings
+from tpurec.embedding.settings import SETTINGS_KEY, KernelSettings, TableLimits
 from tpurec.embedding.sparsecores import resolve_num_sparsecores
 from tpurec.errors import UserError
 from tpurec.planner import stock_estimates
@@ -118,14 +118,6 @@ class ShardedSparseCoreEBC(HostInputDistMixin, SparseCoreShardedMixin, ShardedEm
             )
 
 
-def sparsecore_fused_params(fused_params: Dict[str, Any] | None, **settings: Any) -> Dict[str, Any]:
-    """The sharder's fused params plus the kernel settings given (None: not given); TorchRec hands
-    fused params to every table's GroupedEmbeddingConfig, where the kernel modules read them."""
-    fused = dict(fused_params or {})
-    fused.update({k: v for k, v in settings.items() if v is not None})
-    return fused
-
-
 def _settings_in_fused_params(
     fused_params: Dict[str, Any] | None, given: Dict[str, Any]
 ) -> tuple[Dict[str, Any], KernelSettings]:
@@ -171,7 +163,7 @@ class SparseCoreSharderMixin(_SharderHost):
         pad_dims: bool | None = None,
         widen_tables: bool | None = None,
         pooling_factors: Dict[str, float] | None = None,
-        table_limits: Dict[str, tuple[int, ...]] | None = None,
+        table_limits: Mapping[str, TableLimits | tuple[int, ...]] | None = None,
         settings: KernelSettings | None = None,
         **kernel_settings: Any,
     ) -> None:
@@ -193,18 +185,13 @@ class SparseCoreSharderMixin(_SharderHost):
             if not settings.stack_tables:
                 raise UserError(f"{type(self).__name__}: settings.stack_tables=False is not supported by the sharders")
             loose = {f: v for f in _SETTINGS_FIELDS if (v := getattr(settings, f)) is not None and v is not False}
+        # TorchRec hands fused params to every table's GroupedEmbeddingConfig, where the kernel
+        # modules read them: the one KernelSettings, and the sharder's own settings (KERNEL_SETTINGS)
         fused, settings = _settings_in_fused_params(fused_params, loose)
-        fused.update(
-            settings.fused(),
+        fused.update(settings.fused(), **{k: v for k, v in kernel_settings.items() if v is not None})
+        if pooling_factors:
             # a tuple of (table, ids per sample): TorchRec groups tables by hashing their fused params
-            **sparsecore_fused_params(
-                None,
-                pooling_factors=tuple(sorted((str(k), float(v)) for k, v in pooling_factors.items()))
-                if pooling_factors
-                else None,
-                **kernel_settings,
-            ),
-        )
+            fused["pooling_factors"] = tuple(sorted((str(k), float(v)) for k, v in pooling_factors.items()))
         super().__init__(fused_params=fused, qcomm_codecs_registry=qcomm_codecs_registry)
         self.num_sparsecores = num_sparsecores
         # A patch of TorchRec's default planner estimators, made here where our sharder comes into
