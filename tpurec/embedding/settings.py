@@ -129,10 +129,10 @@ class KernelSettings:
             if value is not None and value < 1:
                 raise UserError(f"KernelSettings.{name} must be >= 1 or None, got {value!r}")
         if self.table_limits is not None and not isinstance(self.table_limits, _TableLimitsByName):
-            # converted once here, so every reader sees TableLimits (frozen: set through object)
-            object.__setattr__(
-                self, "table_limits", _TableLimitsByName((t, _limits_of(t, v)) for t, v in self.table_limits.items())
-            )
+            # converted once here, so every reader sees TableLimits (frozen: set through object);
+            # none measured is None, whether given as None or as {}
+            limits = _TableLimitsByName((t, _limits_of(t, v)) for t, v in self.table_limits.items())
+            object.__setattr__(self, "table_limits", limits or None)
 
     @classmethod
     def of(cls, settings: KernelSettings | None = None, **keywords: Any) -> KernelSettings:
