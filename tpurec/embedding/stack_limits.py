@@ -31,7 +31,7 @@ def initial_limits(
 
 
 def stack_bound(
-    lay: StackLayout, tables: Mapping[str, KernelTable], limits: Mapping[str, TableLimits], num_sc: int
+    lay: StackLayout, tables: Mapping[str, KernelTable], table_limits: Mapping[str, TableLimits], num_sc: int
 ) -> tuple[int, int] | None:
     """Fixed limits for a stack from its tables' measured ones, or None if a table has none.
 
@@ -43,7 +43,7 @@ def stack_bound(
     ids = uniq = 0
     for ts in lay.tables:
         t = tables[ts.name]
-        m = limits.get(t.source or t.name)
+        m = table_limits.get(t.source or t.name)
         if m is None:
             return None
         own = padded_rows(t.num_embeddings, num_sc) // num_sc
