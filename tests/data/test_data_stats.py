@@ -57,7 +57,10 @@ def test_data_stats_writes_limits_for_the_plans_layout(synth_dir, tmp_path, caps
     limits = [t["max_ids_per_partition"] for t in doc["tables"].values()]
     assert max(limits) == 512 and sum(lim < 512 for lim in limits) >= 20
     limits = load_limits(str(out), layout)
-    assert set(limits) == set(doc["tables"]) and all(v[0] >= v[1] and v[2] >= v[0] for v in limits.values())
+    assert set(limits) == set(doc["tables"]) and all(
+        v.max_ids_per_partition >= v.max_unique_ids_per_partition and v.max_ids_per_slice >= v.max_ids_per_partition
+        for v in limits.values()
+    )
     other = dict(layout, topology="v5p-16", world_size=8)
     with pytest.raises(IdLimitsError, match=r"measured for v5p-8 \(4 device\(s\).*not v5p-16 \(8 device\(s\)"):
         load_limits(str(out), other)

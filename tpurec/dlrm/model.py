@@ -125,10 +125,11 @@ def shard(
     *,
     plan: ShardingPlan | None = None,
     stock: bool = False,
-    limits: str | None = None,
+    id_limits: str | None = None,
 ) -> DistributedModelParallel:
     """tpurec.DistributedModelParallel (tpurec planner and SparseCore kernel), or with stock=True,
-    torchrec's own DMP with the FBGEMM `fused` kernel (for the benchmark)."""
+    torchrec's own DMP with the FBGEMM `fused` kernel (for the benchmark). id_limits: the `--limits`
+    file, read by DMP (only it knows the layout the file must match) into KernelSettings.table_limits."""
     if stock:
         from torchrec.distributed.model_parallel import DistributedModelParallel as TorchrecDMP
 
@@ -139,7 +140,7 @@ def shard(
     constraints = None if plan is not None else planner_constraints(cfg, device, names)
     dev = torch.device("cpu") if device == "cpu" else device
     return DistributedModelParallel(
-        model, device=dev, plan=plan, batch_size=cfg.batch_size, constraints=constraints, id_limits=limits
+        model, device=dev, plan=plan, batch_size=cfg.batch_size, constraints=constraints, id_limits=id_limits
     )
 
 

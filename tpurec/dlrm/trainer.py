@@ -239,7 +239,7 @@ class Trainer:
         from tpurec.planner.plan_check import PlanMismatchError
 
         try:
-            self.dmp = shard(model, cfg, self.device, plan=plan, limits=o.limits)
+            self.dmp = shard(model, cfg, self.device, plan=plan, id_limits=o.limits)
         except PlanMismatchError as e:  # DMP says "the plan": name the file
             raise e.named(f"--plan {o.plan}") from None
         self.optimizer = build_optimizer(self.dmp, cfg)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
+from torchrec.modules.embedding_configs import PoolingType
 
 from tpurec.embedding import csr_build
 from tpurec.embedding.constraints import DIM_ALIGN, SEGMENT_ALIGN, round_up
@@ -119,7 +120,7 @@ class KernelInput:
         tabs = [self.table[t] for _, t in plan.features]
         offsets = torch.tensor([plan.layout.table(t.name).offset for t in tabs], dtype=torch.int64)
         rows = torch.tensor([t.num_embeddings for t in tabs], dtype=torch.int64)
-        mean = torch.tensor([t.pooling == "mean" for t in tabs])
+        mean = torch.tensor([t.pooling is PoolingType.MEAN for t in tabs])
         return offsets, rows, mean if bool(mean.any()) else None
 
     def _initial_limits(self) -> list[tuple[int, int] | None]:

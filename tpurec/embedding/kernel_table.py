@@ -6,8 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torchrec.modules.embedding_configs import PoolingType
 
 from tpurec.errors import UserError
+
+# The poolings the kernel computes: TorchRec's own enum, so a config's pooling reaches the kernel as is.
+POOLINGS = (PoolingType.SUM, PoolingType.MEAN)
 
 
 @dataclass(frozen=True)
@@ -18,7 +22,8 @@ class KernelTable:
     num_embeddings: int
     embedding_dim: int
     feature_names: tuple[str, ...]
-    pooling: str = "sum"  # "sum" | "mean"
+    # TorchRec's PoolingType (SUM or MEAN); "sum" / "mean" are taken too, as the enum (`__post_init__`)
+    pooling: PoolingType = PoolingType.SUM
     init_rows: int | None = None  # rows of the whole (unsharded) table, for EBC's init bound
     # The config's weight_init_min/max (TorchRec's get_weight_init_min/max); None: +-sqrt(1/rows).
     init_min: float | None = None
@@ -29,6 +34,13 @@ class KernelTable:
     # stack has one, the stack places its tables so the SparseCore partitions share them (stack_order).
     expected_ids: float | None = None
 
+    def __post_init__(self) -> None:
+        if isinstance(self.pooling, str):  # the strings callers pass, turned into the enum once, here
+            pooling = PoolingType.__members__.get(self.pooling.upper())
+            if pooling is None:
+                raise UserError(f"table {self.name!r}: pooling {self.pooling!r} is not supported (sum or mean)")
+            object.__setattr__(self, "pooling", pooling)
+
 
 def index_tables(tables: list[KernelTable]) -> tuple[dict[str, KernelTable], dict[str, KernelTable]]:
     """({name: table}, {feature: its table}), refusing repeated names, features fed to two tables
@@ -38,8 +50,8 @@ def index_tables(tables: list[KernelTable]) -> tuple[dict[str, KernelTable], dic
         raise UserError(f"duplicate table names: {names}")
     feature_table: dict[str, KernelTable] = {}
     for t in tables:
-        if t.pooling not in ("sum", "mean"):
-            raise UserError(f"table {t.name!r}: pooling {t.pooling!r} is not supported (sum or mean)")
+        if t.pooling not in POOLINGS:
+            raise UserError(f"table {t.name!r}: pooling {t.pooling.name.lower()!r} is not supported (sum or mean)")
         for f in t.feature_names:
             if f in feature_table:
                 raise UserError(f"feature {f!r} is used by tables {feature_table[f].name!r} and {t.name!r}")

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 from torch import nn
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
@@ -21,6 +21,7 @@ from tpurec.embedding import natural_state, table_params
 from tpurec.embedding.dtypes import table_dtype
 from tpurec.embedding.fused_optimizer import SparseCoreFusedOptimizer
 from tpurec.embedding.kernel import KernelTable, SparseCoreKernel
+from tpurec.embedding.kernel_table import POOLINGS
 from tpurec.embedding.optimizers.registry import spec_from_torch
 from tpurec.embedding.settings import KernelSettings
 from tpurec.embedding.sparsecores import resolve_num_sparsecores
@@ -28,8 +29,6 @@ from tpurec.errors import UserError
 
 if TYPE_CHECKING:
     from tpurec.embedding.preprocess import PreprocessStats
-
-_POOLING = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 
 
 def kernel_tables(tables: Sequence[EmbeddingBagConfig], pooling_factors: dict | None = None) -> list[KernelTable]:
@@ -43,7 +42,7 @@ def kernel_tables(tables: Sequence[EmbeddingBagConfig], pooling_factors: dict | 
             raise UserError(f"pooling_factors[{name!r}] = {pf!r}: expected ids per sample, a finite number >= 0")
     out = []
     for t in tables:
-        if t.pooling not in _POOLING:
+        if t.pooling not in POOLINGS:
             raise UserError(f"table {t.name!r}: pooling {t.pooling} is not supported (SUM or MEAN)")
         out.append(
             KernelTable(
@@ -51,7 +50,7 @@ def kernel_tables(tables: Sequence[EmbeddingBagConfig], pooling_factors: dict | 
                 t.num_embeddings,
                 t.embedding_dim,
                 tuple(t.feature_names),
-                _POOLING[t.pooling],
+                t.pooling,
                 dtype=table_dtype(t.data_type, t.name),
                 expected_ids=float(pooling_factors[t.name]) if t.name in pooling_factors else None,
                 init_min=t.weight_init_min,

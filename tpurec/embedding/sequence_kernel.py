@@ -25,11 +25,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
+from torchrec.modules.embedding_configs import PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from tpurec.embedding.constraints import SEGMENT_ALIGN, round_up
 from tpurec.embedding.kernel import SparseCoreKernel
 from tpurec.embedding.kjt_checks import check_kjt
+from tpurec.embedding.settings import TableLimits
 from tpurec.errors import UserError
 from tpurec.runtime import host_copies
 
@@ -55,7 +57,7 @@ class SparseCoreSequenceKernel(SparseCoreKernel):
                 f"sequence tables must share one embedding dim (as in TorchRec's EmbeddingCollection); "
                 f"got {sorted(dims)} for {[t.name for t in self.tables]}"
             )
-        if any(t.pooling != "sum" for t in self.tables):
+        if any(t.pooling is not PoolingType.SUM for t in self.tables):
             raise UserError("sequence tables are not pooled; build their KernelTables with pooling 'sum'")
         self.dim = dims.pop() if dims else 0
         if max_ids_per_feature is not None and max_ids_per_feature < 1:
@@ -65,15 +67,16 @@ class SparseCoreSequenceKernel(SparseCoreKernel):
         self.max_ids_per_feature = max_ids_per_feature
         self._capacity: int | None = None if max_ids_per_feature is None else self._aligned(max_ids_per_feature)
 
-    def _measured_capacity(self, table_limits: Mapping[str, tuple[int, ...]] | None) -> int | None:
-        """The largest measured ids per feature of this kernel's tables (`tpurec data stats`, the 5th
-        figure of `table_limits`), when every table has one; None otherwise."""
+    def _measured_capacity(self, table_limits: Mapping[str, TableLimits] | None) -> int | None:
+        """The largest measured ids per feature of this kernel's tables (`tpurec data stats`,
+        `TableLimits.max_ids_per_feature`), when every table has one; None otherwise."""
         if not table_limits:
             return None
         found = [table_limits.get(t.source or t.name) for t in self.tables]
-        if not found or any(f is None or len(f) < 5 for f in found):
+        capacities = [f.max_ids_per_feature for f in found if f is not None and f.max_ids_per_feature is not None]
+        if not found or len(capacities) < len(found):
             return None
-        return max(int(f[4]) for f in found if f is not None)
+        return max(capacities)
 
     def _aligned(self, n: int) -> int:
         return round_up(max(n, 1), max(SEGMENT_ALIGN, self.num_sc) if self.fixed_limits else self.num_sc)

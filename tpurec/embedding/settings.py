@@ -1,16 +1,89 @@
 """KernelSettings: the SparseCore kernel's buffer and layout settings, as one frozen object.
 
-The modules, the sharders' fused params and the DMP build one from their keywords and hand it to
-SparseCoreKernel whole. Settings left as None are decided by the storage device, in one place:
-`resolved_for`.
+Built once where the options are known (the modules from their keywords, the sharders from theirs,
+DistributedModelParallel from `id_limits`) and handed whole to SparseCoreKernel; the sharders carry
+it in their fused params (`SETTINGS_KEY`), which TorchRec hands to every table's kernel module.
+Settings left as None are decided by the storage device, in one place: `resolved_for`.
+
+`TableLimits`: one table's measured id limits (`tpurec data stats`, docs/id_limits.md), by name;
+`KernelSettings.table_limits` maps table names to them from the limits file to the kernel.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Any, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 from tpurec.errors import UserError
+
+# The fused-params key the sharders carry their KernelSettings under (tpurec.sharding.sharder).
+SETTINGS_KEY = "sparsecore_settings"
+
+
+@dataclass(frozen=True)
+class TableLimits:
+    """One table's measured id limits (the fields of a limits file's table entry). Frozen and
+    hashable: they travel in the sharders' fused params, which TorchRec groups tables by hashing."""
+
+    max_ids_per_partition: int
+    """Ids one partition of the table alone held (its rows MOD-partitioned over the SparseCores)."""
+
+    max_unique_ids_per_partition: int
+    """Distinct ids one partition of the table alone held."""
+
+    max_ids_per_slice: int | None = None
+    """Ids of one SparseCore's sample slice (what a stack partition holding all of the table gets);
+    given with max_unique_ids_per_slice or not at all. None: not measured (no bound beyond the
+    per-partition figures)."""
+
+    max_unique_ids_per_slice: int | None = None
+    """Distinct ids of one SparseCore's sample slice. None: not measured."""
+
+    max_ids_per_feature: int | None = None
+    """The most ids one feature had in a batch: a sequence table's capacity. None: not measured."""
+
+    def __post_init__(self) -> None:
+        if (self.max_ids_per_slice is None) != (self.max_unique_ids_per_slice is None):
+            raise UserError(f"TableLimits: the per-slice limits come in pairs, got {self!r}")
+
+    @classmethod
+    def from_positions(cls, values: Sequence[int]) -> TableLimits:
+        """From the positional form the public APIs still take and plan files store: (max ids, max
+        unique ids per partition[, per slice (2)[, per feature]])."""
+        if len(values) not in (2, 4, 5):
+            raise UserError(
+                f"{tuple(values)!r} is not (max ids, max unique ids per partition"
+                "[, max ids, max unique ids per slice[, max ids per feature]])"
+            )
+        return cls(*(int(v) for v in values))
+
+    def positions(self) -> tuple[int, ...]:
+        """The positional form (`from_positions`): what plan files store."""
+        return tuple(getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None)
+
+
+class _TableLimitsByName(Mapping[str, TableLimits]):
+    """KernelSettings.table_limits as stored: a read-only mapping that hashes, so the settings
+    holding it can be a fused param (TorchRec groups tables by hashing fused params)."""
+
+    def __init__(self, items: Iterable[tuple[str, TableLimits]]) -> None:
+        self._items = dict(items)
+
+    def __getitem__(self, name: str) -> TableLimits:
+        return self._items[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._items.items()))
+
+    def __repr__(self) -> str:
+        return repr(self._items)
 
 
 @dataclass(frozen=True)
@@ -44,22 +117,22 @@ class KernelSettings:
     only, where TorchTPU's SparseCore ops take float32 tables (`tpurec.embedding.dtypes`). Otherwise
     each table is stored in its dtype and updated in float32, rounded once per step."""
 
-    table_limits: Mapping[str, tuple[int, ...]] | None = None
+    table_limits: Mapping[str, TableLimits] | None = None
     """Measured limits by table name (a shard's `source` table or its own name; `tpurec data
-    stats`): (max ids, max unique ids) per partition of the table alone, optionally followed by the
-    same per SparseCore slice and the most ids of one feature. A stack whose tables all have them
-    gets fixed limits. Default None: none measured."""
+    stats`). A stack whose tables all have them gets fixed limits. Positional tuples (max ids, max
+    unique ids[, per slice (2)[, per feature]]) are taken too, as TableLimits. Kept as a read-only
+    mapping that hashes. Default None: none measured."""
 
     def __post_init__(self) -> None:
         for name in ("max_ids_per_partition", "max_unique_ids_per_partition"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UserError(f"KernelSettings.{name} must be >= 1 or None, got {value!r}")
-        for table, limits in (self.table_limits or {}).items():
-            if len(limits) < 2:
-                raise UserError(
-                    f"KernelSettings.table_limits[{table!r}] needs (max ids, max unique ids), got {limits!r}"
-                )
+        if self.table_limits is not None and not isinstance(self.table_limits, _TableLimitsByName):
+            # converted once here, so every reader sees TableLimits (frozen: set through object);
+            # none measured is None, whether given as None or as {}
+            limits = _TableLimitsByName((t, _limits_of(t, v)) for t, v in self.table_limits.items())
+            object.__setattr__(self, "table_limits", limits or None)
 
     @classmethod
     def of(cls, settings: KernelSettings | None = None, **keywords: Any) -> KernelSettings:
@@ -70,6 +143,17 @@ class KernelSettings:
         if given:
             raise UserError(f"pass either settings= or its fields as keywords, not both (got {sorted(given)})")
         return settings
+
+    def fused(self) -> dict[str, KernelSettings]:
+        """As fused params: {SETTINGS_KEY: self}, or nothing for the defaults (a sharder's fused
+        params then stay TorchRec's own)."""
+        return {} if self == KernelSettings() else {SETTINGS_KEY: self}
+
+    @classmethod
+    def from_fused(cls, fused_params: Mapping[str, Any] | None) -> KernelSettings:
+        """The settings a sharder put in its fused params (`fused`); the defaults when none."""
+        settings = (fused_params or {}).get(SETTINGS_KEY)
+        return settings if isinstance(settings, KernelSettings) else cls()
 
     def resolved_for(self, device_type: str) -> KernelSettings:
         """A copy with the device-dependent defaults decided for tables stored on `device_type`.
@@ -85,3 +169,14 @@ class KernelSettings:
             widen_tables=tpu if self.widen_tables is None else self.widen_tables,
             fixed_limits=fixed,
         )
+
+
+def _limits_of(table: str, value: TableLimits | Sequence[int]) -> TableLimits:
+    if isinstance(value, TableLimits):
+        return value
+    if len(value) < 2:
+        raise UserError(f"KernelSettings.table_limits[{table!r}] needs (max ids, max unique ids), got {value!r}")
+    try:
+        return TableLimits.from_positions(value)
+    except UserError as e:
+        raise UserError(f"KernelSettings.table_limits[{table!r}]: {e}") from None

@@ -9,7 +9,7 @@ from typing import Mapping
 from tpurec.embedding.constraints import SEGMENT_ALIGN, padded_rows, round_up
 from tpurec.embedding.kernel_table import KernelTable
 from tpurec.embedding.layout import StackLayout
-from tpurec.embedding.settings import KernelSettings
+from tpurec.embedding.settings import KernelSettings, TableLimits
 
 
 def initial_limits(
@@ -31,7 +31,7 @@ def initial_limits(
 
 
 def stack_bound(
-    lay: StackLayout, tables: Mapping[str, KernelTable], limits: Mapping[str, tuple[int, ...]], num_sc: int
+    lay: StackLayout, tables: Mapping[str, KernelTable], table_limits: Mapping[str, TableLimits], num_sc: int
 ) -> tuple[int, int] | None:
     """Fixed limits for a stack from its tables' measured ones, or None if a table has none.
 
@@ -43,13 +43,15 @@ def stack_bound(
     ids = uniq = 0
     for ts in lay.tables:
         t = tables[ts.name]
-        m = limits.get(t.source or t.name)
+        m = table_limits.get(t.source or t.name)
         if m is None:
             return None
         own = padded_rows(t.num_embeddings, num_sc) // num_sc
         overlap = 1 if len(lay.tables) == 1 else min(num_sc, -(-lay.rows_per_partition // own) + 1)
         big = 2**31
-        ids += min(m[0] * overlap, m[2] if len(m) > 2 else big)
-        uniq += min(m[1] * overlap, m[3] if len(m) > 3 else big)
+        slice_ids = big if m.max_ids_per_slice is None else m.max_ids_per_slice
+        slice_uniq = big if m.max_unique_ids_per_slice is None else m.max_unique_ids_per_slice
+        ids += min(m.max_ids_per_partition * overlap, slice_ids)
+        uniq += min(m.max_unique_ids_per_partition * overlap, slice_uniq)
     ids = round_up(max(ids, 1), SEGMENT_ALIGN)
     return ids, min(round_up(max(uniq, 1), SEGMENT_ALIGN), ids)

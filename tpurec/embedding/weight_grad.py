@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torchrec.modules.embedding_configs import PoolingType
 
 if TYPE_CHECKING:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -73,7 +74,7 @@ def weight_gradient(kernel: Any, features: KeyedJaggedTensor, grad: torch.Tensor
         col = columns[feature]
         bag_grad = grad[:, col : col + table.embedding_dim].to(torch.float32).index_select(0, samples.to(grad.device))
         piece = (bag_grad * rows).sum(1)
-        if table.pooling == "mean":
+        if table.pooling is PoolingType.MEAN:
             piece = piece / bag_lengths.clamp(min=1).index_select(0, samples).to(piece)
         pieces.append(piece)
     return torch.cat(pieces) if pieces else grad.new_zeros(0)

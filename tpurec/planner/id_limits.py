@@ -22,13 +22,14 @@ import math
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from tpurec.embedding.constraints import SEGMENT_ALIGN, round_up
 from tpurec.embedding.demand import ShardsDemand, TableShards
+from tpurec.embedding.settings import TableLimits
 from tpurec.errors import UserError
 
 if TYPE_CHECKING:
@@ -205,7 +206,7 @@ class IdLimits:
     id of a SparseCore's sample slice in one partition) — how `smallest_fitting_topology` tries
     other slices with them."""
 
-    tables: dict[str, tuple[int, ...]]
+    tables: dict[str, TableLimits]
     layout: dict
     source: str = ""
 
@@ -215,7 +216,7 @@ class IdLimits:
 
         if table not in self.tables:
             return None
-        measured = self.tables[table][0]
+        measured = self.tables[table].max_ids_per_partition
         worst = worst_case_max_ids_per_partition(samples, pooling_factor, sparsecores)
         here = self.layout["batch_size_per_device"] * self.layout["world_size"]
         if samples == here and sparsecores == self.layout["sparsecores_per_device"]:
@@ -224,11 +225,16 @@ class IdLimits:
         return min(worst, round_up(max(1, math.ceil(worst * measured / then)), SEGMENT_ALIGN))
 
     def to_json(self) -> dict:
-        return {"layout": self.layout, "source": self.source, "tables": {k: list(v) for k, v in self.tables.items()}}
+        # a plan file stores each table's limits in their positional form (plan_schema reads lists)
+        return {
+            "layout": self.layout,
+            "source": self.source,
+            "tables": {k: list(v.positions()) for k, v in self.tables.items()},
+        }
 
     @classmethod
     def from_json(cls, doc: dict) -> IdLimits:
-        tables = {k: tuple(int(x) for x in v) for k, v in doc["tables"].items()}
+        tables = {k: TableLimits.from_positions([int(x) for x in v]) for k, v in doc["tables"].items()}
         return cls(tables, doc["layout"], doc.get("source", ""))
 
 
@@ -260,14 +266,8 @@ def plan_layout(topology: str, batch_size_per_device: int) -> dict:
 # SparseCore (and a host buffer of 2^31 entries is already 8 GiB); 10^12 was accepted and failed at
 # the first forward with a MemoryError.
 MAX_ID_LIMIT = 2**31 - 1
-# the fields of a limits entry, in their positions (docs/id_limits.md)
-LIMIT_FIELDS = (
-    "max_ids_per_partition",
-    "max_unique_ids_per_partition",
-    "max_ids_per_slice",
-    "max_unique_ids_per_slice",
-    "max_ids_per_feature",
-)
+# the fields of a limits entry, in their positions (docs/id_limits.md): TableLimits' own
+LIMIT_FIELDS = tuple(f.name for f in fields(TableLimits))
 
 
 def _limit(where: str, value: object) -> int:
@@ -277,29 +277,34 @@ def _limit(where: str, value: object) -> int:
     return value
 
 
-def check_table_limits(limits: object, source: str = "id_limits") -> dict[str, tuple[int, ...]]:
-    """`{table: (max ids, max unique ids per partition[, per slice (2)[, per feature]])}` as given to
-    DistributedModelParallel(id_limits=...), checked like a flag: each limit a whole number in
-    [1, MAX_ID_LIMIT], the table and the field named (IdLimitsError, a UserError)."""
+def check_table_limits(limits: object, source: str = "id_limits") -> dict[str, TableLimits]:
+    """`{table: TableLimits}` from `{table: TableLimits or (max ids, max unique ids per partition[,
+    per slice (2)[, per feature]])}` as given to DistributedModelParallel(id_limits=...), checked
+    like a flag: each limit a whole number in [1, MAX_ID_LIMIT], the table and the field named
+    (IdLimitsError, a UserError)."""
     if not isinstance(limits, dict):
         raise IdLimitsError(f"{source}: {type(limits).__name__} is not a dict {{table: (max ids, max unique ids)}}")
     out = {}
     for name, values in limits.items():
         if not isinstance(name, str):
             raise IdLimitsError(f"{source}: table name {name!r} is not a string")
+        if isinstance(values, TableLimits):  # checked like the positional form, field by field
+            values = values.positions()
         if not isinstance(values, (tuple, list)) or len(values) not in (2, 4, 5):
             raise IdLimitsError(
                 f"{source}[{name!r}]: {values!r} is not (max ids, max unique ids per partition"
                 "[, max ids, max unique ids per slice[, max ids per feature]])"
             )
-        out[name] = tuple(_limit(f"{source}[{name!r}] {LIMIT_FIELDS[i]}", v) for i, v in enumerate(values))
+        out[name] = TableLimits.from_positions(
+            [_limit(f"{source}[{name!r}] {LIMIT_FIELDS[i]}", v) for i, v in enumerate(values)]
+        )
     return out
 
 
-def load_limits(path: str, layout: dict | None = None) -> dict[str, tuple[int, ...]]:
-    """{table: (max ids, max unique ids per partition[, max ids, max unique ids per slice])} from a
-    limits file; with `layout`, refused unless the file was measured for it. Every limit present must
-    be a whole number in [1, MAX_ID_LIMIT] (NaN, Infinity, 1.5, "8", 10^12 refused, the table and
+def load_limits(path: str, layout: dict | None = None) -> dict[str, TableLimits]:
+    """{table: TableLimits} from a limits file (per partition; per slice and per feature when
+    given); with `layout`, refused unless the file was measured for it. Every limit present must be
+    a whole number in [1, MAX_ID_LIMIT] (NaN, Infinity, 1.5, "8", 10^12 refused, the table and
     field named); nesting deeper than Python's JSON parser reads is refused too."""
     try:
         with open(path) as f:
@@ -322,15 +327,15 @@ def load_limits(path: str, layout: dict | None = None) -> dict[str, tuple[int, .
             raise IdLimitsError(
                 f"--limits {path}: table {name!r} needs integer max_ids_per_partition and max_unique_ids_per_partition"
             )
-        # positions: per partition (2), then per slice (2), then per feature (1), each while present;
-        # every value present is checked, used or not
+        # every value present is checked, used or not; the per-slice pair is used when both are
+        # given, and the per-feature figure only with them (as a limits file has always been read)
         given = {f: _limit(f"--limits {path}: table {name!r} {f}", t[f]) for f in LIMIT_FIELDS if t.get(f) is not None}
-        limits = tuple(given[f] for f in LIMIT_FIELDS[:2])
-        if all(f in given for f in LIMIT_FIELDS[2:4]):
-            limits += tuple(given[f] for f in LIMIT_FIELDS[2:4])
-            if LIMIT_FIELDS[4] in given:
-                limits += (given[LIMIT_FIELDS[4]],)
-        out[str(name)] = limits
+        sliced = all(f in given for f in LIMIT_FIELDS[2:4])
+        out[str(name)] = TableLimits(
+            given["max_ids_per_partition"],
+            given["max_unique_ids_per_partition"],
+            **({f: given.get(f) for f in LIMIT_FIELDS[2:]} if sliced else {}),
+        )
     return out
 
 

@@ -34,6 +34,7 @@ from torchrec.distributed.model_parallel import DistributedModelParallel as _Tor
 from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 
+from tpurec.embedding.settings import KernelSettings, TableLimits
 from tpurec.embedding.sparsecores import resolve_num_sparsecores
 from tpurec.errors import UserError
 from tpurec.runtime import heartbeat, process_group
@@ -85,6 +86,11 @@ def _ensure_process_group(device_type: DeviceKind = "cpu") -> None:
     logger.info("tpurec: no process group; starting a single-process %s group for a local run", backend)
     # A TCP store as well: TorchTPU's uneven all-to-all needs a c10d Store (ProcessGroupTpu::alltoall_base).
     process_group.init(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
+# DistributedModelParallel(id_limits=...): a limits file, or limits by table name (TableLimits or
+# their positional tuples)
+IdLimitsArg = str | os.PathLike | dict[str, TableLimits | tuple[int, ...]] | None
 
 
 def default_sharders(num_sparsecores: int, **sharder_kwargs: Any) -> List[ModuleSharder[nn.Module]]:
@@ -157,13 +163,14 @@ def _swap_torchrec_sharders(sharders: List[ModuleSharder[nn.Module]], num_sc: in
 
 
 def _table_limits(
-    id_limits: str | os.PathLike | dict[str, tuple[int, ...]] | None,
+    id_limits: IdLimitsArg,
     world_size: int,
     num_sc: int,
     batch_size: int | None,
-) -> dict[str, tuple[int, ...]] | None:
-    """{table: (max ids, max unique ids)} from `id_limits`: a limits file (`tpurec data stats`),
-    refused unless measured for this layout, or such a dict as it is; None: none given."""
+) -> dict[str, TableLimits] | None:
+    """{table: TableLimits} (KernelSettings.table_limits) from `id_limits`: a limits file (`tpurec
+    data stats`), refused unless measured for this layout, or a dict of TableLimits or of their
+    positional tuples, checked; None: none given."""
     if id_limits is None:
         return None
     from tpurec.planner.id_limits import check_table_limits, load_limits
@@ -248,7 +255,7 @@ class DistributedModelParallel(_TorchrecDMP):
         *,
         batch_size: int | None = None,
         uneven_all_to_all: str | None = None,
-        id_limits: str | os.PathLike | dict[str, tuple[int, ...]] | None = None,
+        id_limits: IdLimitsArg = None,
         threads: int | None = None,
         **dmp_kwargs: Any,
     ) -> None:
@@ -302,11 +309,13 @@ class DistributedModelParallel(_TorchrecDMP):
         # The tables' expected ids per sample (ParameterConstraints.pooling_factors, summed over a
         # table's features) also place each stack's tables so its SparseCore partitions share the
         # ids (tpurec/embedding/stack_order.py); given sharders carry their own `pooling_factors`.
-        table_limits = _table_limits(id_limits, env.world_size, num_sc, batch_size)
+        # The kernel settings DMP decides (the measured limits), built once and carried whole by the
+        # sharders to every kernel.
+        settings = KernelSettings(table_limits=_table_limits(id_limits, env.world_size, num_sc, batch_size))
         sharders = (
             _swap_torchrec_sharders(sharders, num_sc)
             if sharders
-            else default_sharders(num_sc, pooling_factors=_pooling_factors(constraints), table_limits=table_limits)
+            else default_sharders(num_sc, pooling_factors=_pooling_factors(constraints), settings=settings)
         )
         if plan is None:
             from tpurec.planner.planners import plan as make_plan

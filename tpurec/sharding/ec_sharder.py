@@ -20,6 +20,7 @@ from torchrec.distributed.embedding_types import EmbeddingComputeKernel, Grouped
 from torchrec.distributed.types import LazyAwaitable, LazyNoWait, ParameterSharding, ShardingEnv
 
 from tpurec.embedding.constraints import DEFAULT_NUM_SPARSECORES
+from tpurec.embedding.settings import KernelSettings
 from tpurec.errors import UserError
 from tpurec.planner.kernel_choice import EC_SHARDING_TYPES
 from tpurec.sharding.host_input_dist import HostInputDistMixin
@@ -71,10 +72,10 @@ class ShardedSparseCoreEC(HostInputDistMixin, SparseCoreShardedMixin, ShardedEmb
         **kwargs: Any,
     ) -> None:
         self._num_sc_per_device = num_sc_per_device
-        self._widen_tables = (fused_params or {}).get("widen_tables")  # as every kernel reads it
+        self._widen_tables = KernelSettings.from_fused(fused_params).widen_tables  # as every kernel reads it
         # The TPU path (fixed limits: a tpu device, or asked for): outputs of fixed shapes on the device
         # (tpurec/sharding/sequence_output.py); elsewhere TorchRec's own output distribution.
-        fixed = (fused_params or {}).get("fixed_limits")
+        fixed = KernelSettings.from_fused(fused_params).fixed_limits
         on_tpu = device is not None and torch.device(device).type == "tpu"
         cap = (fused_params or {}).get("max_ids_per_feature")
         self._fixed_output = (

@@ -27,6 +27,7 @@ from tpurec.embedding import direct
 from tpurec.embedding.dtypes import table_dtype
 from tpurec.embedding.fused_optimizer import SparseCoreFusedOptimizer
 from tpurec.embedding.kernel import KernelTable, SparseCoreKernel
+from tpurec.embedding.kernel_table import POOLINGS
 from tpurec.embedding.optimizers.registry import spec_from_fused_params
 from tpurec.embedding.sequence_kernel import SparseCoreSequenceKernel
 from tpurec.embedding.settings import KernelSettings
@@ -37,8 +38,6 @@ from tpurec.sharding.evicted_rows import EvictedRowsReset
 if TYPE_CHECKING:
     from torchrec.distributed.types import ShardingType
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-_POOLING = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 
 
 class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
@@ -81,9 +80,9 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
             for f in t.feature_names:
                 slots.append(f"{slot}:{f}")
                 slot += 1
-            if self.pooled and t.pooling not in _POOLING:
+            if self.pooled and t.pooling not in POOLINGS:
                 raise UserError(f"table {t.name!r}: pooling {t.pooling} is not supported (SUM or MEAN)")
-            pooling = "sum" if rowwise or not self.pooled else _POOLING[t.pooling]
+            pooling = PoolingType.SUM if rowwise or not self.pooled else t.pooling
             tables.append(
                 KernelTable(
                     kname,
@@ -118,16 +117,8 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
             device=device,
             positional=True,
             **extra,
-            settings=KernelSettings(
-                max_ids_per_partition=_fused_int(config, "max_ids_per_partition"),
-                max_unique_ids_per_partition=_fused_int(config, "max_unique_ids_per_partition"),
-                allow_id_dropping=bool(fused.get("allow_id_dropping", False)),
-                fixed_limits=fused.get("fixed_limits"),
-                pad_dims=fused.get("pad_dims"),
-                widen_tables=fused.get("widen_tables"),
-                # (table, limits...) tuples: TorchRec groups tables by hashing fused params
-                table_limits={str(n): tuple(int(x) for x in v) for n, *v in fused.get("table_limits") or ()} or None,
-            ),
+            # the one KernelSettings the sharder carries (KernelSettings.fused), whole
+            settings=KernelSettings.from_fused(fused),
         )
         self._optim = SparseCoreFusedOptimizer(self.kernel, param_prefix="", key_of=self._param_key)
         # TorchRec's `output_dtype` fused param (an FBGEMM SparseType): its TBE kernels return lookups in

@@ -12,7 +12,8 @@ ShardedTensor state); only the compute kernel inside each shard changes. The pie
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List
+from dataclasses import fields, replace
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,7 @@ from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingShard
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
 
 from tpurec.embedding.constraints import DEFAULT_NUM_SPARSECORES
-from tpurec.embedding.settings import KernelSettings
+from tpurec.embedding.settings import SETTINGS_KEY, KernelSettings, TableLimits
 from tpurec.embedding.sparsecores import resolve_num_sparsecores
 from tpurec.errors import UserError
 from tpurec.planner import stock_estimates
@@ -81,7 +82,7 @@ class ShardedSparseCoreEBC(HostInputDistMixin, SparseCoreShardedMixin, ShardedEm
         **kwargs: Any,
     ) -> None:
         self._num_sc_per_device = num_sc_per_device
-        self._widen_tables = (fused_params or {}).get("widen_tables")  # as every kernel reads it
+        self._widen_tables = KernelSettings.from_fused(fused_params).widen_tables  # as every kernel reads it
         super().__init__(
             module, table_name_to_parameter_sharding, env, fused_params=fused_params, device=device, **kwargs
         )
@@ -117,12 +118,20 @@ class ShardedSparseCoreEBC(HostInputDistMixin, SparseCoreShardedMixin, ShardedEm
             )
 
 
-def sparsecore_fused_params(fused_params: Dict[str, Any] | None, **settings: Any) -> Dict[str, Any]:
-    """The sharder's fused params plus the kernel settings given (None: not given); TorchRec hands
-    fused params to every table's GroupedEmbeddingConfig, where the kernel modules read them."""
+def _settings_in_fused_params(
+    fused_params: Dict[str, Any] | None, given: Dict[str, Any]
+) -> tuple[Dict[str, Any], KernelSettings]:
+    """(the fused params without kernel settings, the one KernelSettings the sharder carries): the
+    fused params' own (a KernelSettings under SETTINGS_KEY, as another of these sharders carries it,
+    or its fields as keys) with the settings `given` to the sharder over them."""
     fused = dict(fused_params or {})
-    fused.update({k: v for k, v in settings.items() if v is not None})
-    return fused
+    carried = KernelSettings.from_fused(fused)
+    fused.pop(SETTINGS_KEY, None)
+    as_keys = {k: fused.pop(k) for k in _SETTINGS_FIELDS if k in fused}
+    return fused, replace(carried, **{**as_keys, **given})
+
+
+_SETTINGS_FIELDS = tuple(f.name for f in fields(KernelSettings))
 
 
 if TYPE_CHECKING:  # what the host sharder class (TorchRec's EBC or EC sharder) provides to the mixin
@@ -154,49 +163,35 @@ class SparseCoreSharderMixin(_SharderHost):
         pad_dims: bool | None = None,
         widen_tables: bool | None = None,
         pooling_factors: Dict[str, float] | None = None,
-        table_limits: Dict[str, tuple[int, ...]] | None = None,
+        table_limits: Mapping[str, TableLimits | tuple[int, ...]] | None = None,
         settings: KernelSettings | None = None,
         **kernel_settings: Any,
     ) -> None:
         unknown = sorted(set(kernel_settings) - set(self.KERNEL_SETTINGS))
         if unknown:
             raise TypeError(f"{type(self).__name__} got unexpected keyword argument(s) {unknown}")
-        if settings is not None:  # the object stands for the loose keywords (refused together)
-            KernelSettings.of(
-                settings,
-                max_ids_per_partition=max_ids_per_partition,
-                max_unique_ids_per_partition=max_unique_ids_per_partition,
-                allow_id_dropping=allow_id_dropping,
-                fixed_limits=fixed_limits,
-                pad_dims=pad_dims,
-                widen_tables=widen_tables,
-                table_limits=table_limits,
-            )
-            if not settings.stack_tables:
-                raise UserError(f"{type(self).__name__}: settings.stack_tables=False is not supported by the sharders")
-            max_ids_per_partition = settings.max_ids_per_partition
-            max_unique_ids_per_partition = settings.max_unique_ids_per_partition
-            allow_id_dropping, fixed_limits = settings.allow_id_dropping, settings.fixed_limits
-            pad_dims, widen_tables = settings.pad_dims, settings.widen_tables
-            table_limits = dict(settings.table_limits) if settings.table_limits else None
-        fused = sparsecore_fused_params(
-            fused_params,
+        loose = dict(
             max_ids_per_partition=max_ids_per_partition,
             max_unique_ids_per_partition=max_unique_ids_per_partition,
             allow_id_dropping=allow_id_dropping or None,
             fixed_limits=fixed_limits,
             pad_dims=pad_dims,
             widen_tables=widen_tables,
-            # a tuple of (table, ids per sample): TorchRec groups tables by hashing their fused params
-            pooling_factors=tuple(sorted((str(k), float(v)) for k, v in pooling_factors.items()))
-            if pooling_factors
-            else None,
-            # a tuple of (table, limits...), hashable for the same reason
-            table_limits=tuple(sorted((str(k), *(int(x) for x in v)) for k, v in table_limits.items()))
-            if table_limits
-            else None,
-            **kernel_settings,
+            table_limits=table_limits,
         )
+        loose = {k: v for k, v in loose.items() if v is not None}  # None: not given
+        if settings is not None:  # the object stands for the loose keywords (refused together)
+            KernelSettings.of(settings, **loose)
+            if not settings.stack_tables:
+                raise UserError(f"{type(self).__name__}: settings.stack_tables=False is not supported by the sharders")
+            loose = {f: v for f in _SETTINGS_FIELDS if (v := getattr(settings, f)) is not None and v is not False}
+        # TorchRec hands fused params to every table's GroupedEmbeddingConfig, where the kernel
+        # modules read them: the one KernelSettings, and the sharder's own settings (KERNEL_SETTINGS)
+        fused, settings = _settings_in_fused_params(fused_params, loose)
+        fused.update(settings.fused(), **{k: v for k, v in kernel_settings.items() if v is not None})
+        if pooling_factors:
+            # a tuple of (table, ids per sample): TorchRec groups tables by hashing their fused params
+            fused["pooling_factors"] = tuple(sorted((str(k), float(v)) for k, v in pooling_factors.items()))
         super().__init__(fused_params=fused, qcomm_codecs_registry=qcomm_codecs_registry)
         self.num_sparsecores = num_sparsecores
         # A patch of TorchRec's default planner estimators, made here where our sharder comes into
@@ -236,11 +231,12 @@ class SparseCoreEBCSharder(SparseCoreSharderMixin, EmbeddingBagCollectionSharder
     max_ids_per_partition / max_unique_ids_per_partition / allow_id_dropping / fixed_limits: id-limit
     settings passed to every kernel (see SparseCoreKernel: limits are fixed on a TPU, from these or
     from the first batch; on CPU None follows each batch). table_limits: measured limits by table,
-    {table: (max ids, max unique ids)} (`tpurec data stats`, read with id_limits.load_limits), fixed
-    per stack as the sums of its tables'. pad_dims: store rows 8 floats wide as the
+    {table: TableLimits} (or their positional tuples; `tpurec data stats`, read with
+    id_limits.load_limits), fixed per stack as the sums of its tables'. pad_dims: store rows 8 floats wide as the
     SparseCore needs (default: on a TPU only). widen_tables: store FP16/BF16 tables as float32
     (default: on a TPU only, where TorchTPU's ops take float32 tables; tpurec.embedding.dtypes).
-    settings: a KernelSettings instead of those keywords (stack_tables must stay True).
+    settings: a KernelSettings instead of those keywords (stack_tables must stay True). Either way
+    the sharder carries one KernelSettings in its fused params (KernelSettings.fused) to every kernel.
     """
 
     SHARDED_CLASS = ShardedSparseCoreEBC
