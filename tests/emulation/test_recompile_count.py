@@ -16,7 +16,7 @@ def rank():
     saved = device.RECORD
     device.RECORD = device.DeviceRecord()  # this test's own record; the process's is put back after
     try:
-        yield EmulatedRank(parse_slice("v5p-8"), 0, ops=None)  # type: ignore[arg-type]  # ops unused here
+        yield EmulatedRank(parse_slice("v5p-8"), 0, ops=None)  # ops: unused by the counter
     finally:
         device.RECORD = saved
 
