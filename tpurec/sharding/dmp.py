@@ -192,6 +192,21 @@ def _quiet_fx_tracing_notice() -> None:
         log.addFilter(_DropFxTracingNotice())
 
 
+def _quiet_sharded_tensor_notice() -> None:
+    """Drops torch's "Please use DTensor instead and we are deprecating ShardedTensor" FutureWarning of
+    DCP: TorchRec's sharded modules hold their tables as ShardedTensors (its design, not the user's
+    choice), so every `dcp.save` / `dcp.load` of a DMP's state dict printed it per rank. That message
+    from torch.distributed.checkpoint only; the user's own warnings are untouched."""
+    import warnings
+
+    warnings.filterwarnings(
+        "ignore",
+        message="Please use DTensor instead and we are deprecating ShardedTensor",
+        category=FutureWarning,
+        module=r"torch\.distributed\.checkpoint\.",
+    )
+
+
 class QuietDataParallelWrapper(DefaultDataParallelWrapper):
     """TorchRec's DDP wrapping of the dense modules, without its FutureWarning on every rank.
 
@@ -204,14 +219,38 @@ class QuietDataParallelWrapper(DefaultDataParallelWrapper):
     def wrap(self, dmp: _TorchrecDMP, env: ShardingEnv, device: torch.device) -> None:
         import warnings
 
+        from torch.nn.parallel import DistributedDataParallel
+
         with warnings.catch_warnings():
+            # attributed to TorchRec's call, or to the emulated device's DDP.__init__ in between
+            # (tpurec/emulation/torchtpu_dist.py), which calls it on TorchRec's behalf
             warnings.filterwarnings(
                 "ignore",
                 message="`broadcast_buffers` is deprecated",
                 category=FutureWarning,
-                module=r"torchrec\.distributed\.model_parallel",
+                module=r"(torchrec\.distributed\.model_parallel|tpurec\.emulation\.torchtpu_dist)$",
             )
             super().wrap(dmp, env, device)
+        ddp = dmp._dmp_wrapped_module
+        if isinstance(ddp, DistributedDataParallel) and ddp.device.type not in ("cpu", "cuda"):
+            ddp.logger = cast(Any, _NoRuntimeStats(ddp.logger))  # duck-typed: DDP only calls its methods
+
+
+class _NoRuntimeStats:
+    """DDP's logger, without its runtime stats on a device other than CPU and CUDA (the TPU, real or
+    emulated): torch times DDP's iterations with a timer registered per device type in C++ only, so on
+    the TPU `set_runtime_stats_and_log` (called by DDP's forward) measures nothing and prints "Time
+    stats are currently only collected for CPU and CUDA devices" from C++ on every rank, past any
+    Python filter. Everything else goes to torch's logger."""
+
+    def __init__(self, logger: Any) -> None:
+        self._logger = logger
+
+    def set_runtime_stats_and_log(self) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._logger, name)
 
 
 class TpuDataParallelWrapper(QuietDataParallelWrapper):
@@ -260,6 +299,7 @@ class DistributedModelParallel(_TorchrecDMP):
         # once, unless the user chose a count (tpurec/runtime/threads.py).
         torch_threads.apply(threads)
         _quiet_fx_tracing_notice()
+        _quiet_sharded_tensor_notice()
 
         torch_device = select_device(device)  # raises at once for "tpu" without a TPU
         if torch_device.type == "meta":
