@@ -332,3 +332,26 @@ def test_recommended_limits_are_the_maximum_plus_headroom_8_aligned():
     assert got + [entry["max_unique_ids_per_slice"], entry["max_ids_per_feature"]] == [144, 24, 216, 72, 2256]
     # never above what a segment holds: 512 samples x 1 id
     assert table_entry(600, 10, 600, 10, 1, per_slice=512)["max_ids_per_partition"] == 512
+
+
+def test_data_stats_prints_no_library_notice(synth_dir, tmp_path):
+    """The reader's KeyedJaggedTensors made torch log its `is_fx_tracing` notice (a `W...` line) on
+    every `data stats`; dropped at its logger (tpurec/runtime/library_notices.py). A process of its
+    own: torch logs it once per process."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    args = ["data", "stats", str(synth_dir), "--model", "dlrm-tiny", "--topology", "cpu-1", "--batch-size", "64"]
+    p = subprocess.run(
+        [sys.executable, "-m", "tpurec.cli", *args, "--out", str(tmp_path / "l.json")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONPATH=str(repo)),
+        cwd=repo,
+    )
+    assert p.returncode == 0, p.stderr
+    assert [line for line in p.stderr.splitlines() if not line.startswith("wrote ")] == [], p.stderr

@@ -159,7 +159,9 @@ def _run(args: argparse.Namespace) -> int:
 
     from tpurec.data.reader import ParquetReader
     from tpurec.planner.id_limits import FORMAT, DemandTally, layout_of, table_layouts
+    from tpurec.runtime.library_notices import quiet_fx_tracing_notice
 
+    quiet_fx_tracing_notice()  # the reader's KeyedJaggedTensors: torch's is_fx_tracing line otherwise
     _check_out(args.out)
     if not os.path.isdir(args.path):
         raise UserError(f"{args.path}: not a dataset directory (make one with `tpurec data convert`)")

@@ -38,6 +38,7 @@ from tpurec.embedding.sparsecores import resolve_num_sparsecores
 from tpurec.errors import UserError
 from tpurec.runtime import heartbeat, process_group
 from tpurec.runtime.device import DeviceKind, device_kind
+from tpurec.runtime.library_notices import quiet_fx_tracing_notice
 from tpurec.sharding import sharded_tensor_device  # noqa: F401  (ShardedTensor.device on the TPU path)
 from tpurec.sharding.ec_sharder import SparseCoreECSharder
 from tpurec.sharding.fp_sharder import SparseCoreFPEBCSharder
@@ -177,21 +178,6 @@ def _table_limits(
     return load_limits(str(id_limits), layout)
 
 
-class _DropFxTracingNotice(logging.Filter):
-    """Drops torch's one notice that `is_fx_tracing` covers torch.export too: torch's ProxyableClassMeta
-    (the metaclass of TorchRec's KeyedJaggedTensor) calls it at every KJT built, so every TorchRec
-    program logs it once per rank, whatever tpurec does (docs/dmp.md)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("is_fx_tracing will return true for both")
-
-
-def _quiet_fx_tracing_notice() -> None:
-    log = logging.getLogger("torch.fx._symbolic_trace")
-    if not any(isinstance(f, _DropFxTracingNotice) for f in log.filters):
-        log.addFilter(_DropFxTracingNotice())
-
-
 def _quiet_sharded_tensor_notice() -> None:
     """Drops torch's "Please use DTensor instead and we are deprecating ShardedTensor" FutureWarning of
     DCP: TorchRec's sharded modules hold their tables as ShardedTensors (its design, not the user's
@@ -298,7 +284,7 @@ class DistributedModelParallel(_TorchrecDMP):
         # Torch's start-up count is one thread per core for every rank: cores / local ranks instead,
         # once, unless the user chose a count (tpurec/runtime/threads.py).
         torch_threads.apply(threads)
-        _quiet_fx_tracing_notice()
+        quiet_fx_tracing_notice()
         _quiet_sharded_tensor_notice()
 
         torch_device = select_device(device)  # raises at once for "tpu" without a TPU
