@@ -38,8 +38,9 @@ def _warnings(stderr: str) -> list[str]:
 
 @pytest.mark.slow  # 4 emulated ranks: about 45 s
 @pytest.mark.multiprocess
-def test_an_emulated_launch_of_the_quickstart_prints_no_warning(tmp_path):
-    err = _run(["launch", "--emulate-tpu", "v5p-8", "examples/quickstart.py", "--quick"], tmp_path)
+@pytest.mark.parametrize("device", [[], ["--device", "tpu"]], ids=["cpu_model", "tpu_model"])
+def test_an_emulated_launch_of_the_quickstart_prints_no_warning(tmp_path, device):
+    err = _run(["launch", "--emulate-tpu", "v5p-8", "examples/quickstart.py", "--quick", *device], tmp_path)
     assert _warnings(err) == [], err[-3000:]
 
 
