@@ -19,6 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tpurec"
 # the same part (embedding and data are both L1 and independent).
 LAYERS = {
     "errors": -1,  # the user-error type (tpurec/errors.py): imported by every layer, imports nothing
+    "strict_json": -1,  # the JSON every layer writes (NaN as null, never NaN): imports nothing
     "runtime": 0,  # process and host plumbing: device, process groups, heartbeat, threads, locks, signals
     "catalog": 0,
     "argtypes": 0,

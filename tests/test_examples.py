@@ -35,6 +35,9 @@ def test_readme_first_python_block_is_a_complete_program(tmp_path):
 def _quickstart(cmd, tmp_path) -> dict:
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path, env=_env(tmp_path))
     assert p.returncode == 0, p.stderr[-3000:]
+    # no warning tpurec triggers, on any rank (issue #41: DCP's ShardedTensor notice at the save and
+    # load, torch.jit.script's when tpurec imported TorchRec's hash remap module, DDP's broadcast_buffers)
+    assert not [w for w in p.stderr.splitlines() if "Warning" in w], p.stderr[-3000:]
     return json.loads([line for line in p.stdout.splitlines() if line.startswith("{")][-1])
 
 

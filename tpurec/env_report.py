@@ -6,11 +6,10 @@ Reads installed versions from package metadata, so it never imports torch_tpu, l
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 
-from tpurec import __version__
+from tpurec import __version__, strict_json
 from tpurec.runtime import device
 
 _PACKAGES = (
@@ -52,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     info = collect()
     if args.json:
-        print(json.dumps(info, indent=2))
+        print(strict_json.dumps(info, indent=2))
         return 0
     print(f"tpurec        {info['tpurec']}")
     print(f"python        {info['python']} ({info['platform']})")

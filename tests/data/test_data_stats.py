@@ -292,3 +292,69 @@ def test_data_stats_measures_a_users_own_model_module(synth_dir, tmp_path, monke
     capsys.readouterr()
     assert main([*args, "--model-module", "my_stats_model:build_small"]) == 2
     assert "table 'one': id" in capsys.readouterr().err
+
+
+def test_the_limits_file_reads_back_each_field_from_its_own_place(limits_file):
+    """Exact figures, so that a reader taking the per-slice limits from the per-partition fields (or
+    an alignment off by 8) fails. t_C1 of this data (seed 3) at v5p-8, batch 512: at most 124 ids
+    (19 distinct) in a partition, 194 (59) in a SparseCore slice, 2048 in a feature; each +10%, 8-aligned."""
+    layout = {"topology": "v5p-8", "world_size": 4, "sparsecores_per_device": 4, "batch_size_per_device": 512}
+    doc = json.loads(limits_file.read_text())
+    c1 = doc["tables"]["t_C1"]
+    assert (c1["observed"]["max_ids"], c1["observed"]["max_unique_ids"]) == (124, 19)
+    assert (c1["observed"]["max_ids_per_slice"], c1["observed"]["max_unique_ids_per_slice"]) == (194, 59)
+    limits = load_limits(str(limits_file), layout)
+    assert limits["t_C1"] == (144, 24, 216, 72, 2256)
+    fields = ("max_ids_per_partition", "max_unique_ids_per_partition", "max_ids_per_slice", "max_unique_ids_per_slice")
+    for name, t in doc["tables"].items():
+        assert limits[name] == (*(t[f] for f in fields), t["max_ids_per_feature"]), name
+
+
+def test_the_quantiles_are_the_next_observed_value_up():
+    """`method="higher"`: a quantile is always a demand some batch had (a limit never below a real
+    batch's). Ten batches of 10, 20, ..., 100 ids: p50 falls between 50 and 60 (linear would say
+    55, lower or nearest 50), p99 and p99.9 between 90 and 100."""
+    from tpurec.planner.id_limits import DemandTally
+
+    tally = DemandTally([], {"sparsecores_per_device": 4, "batch_size_per_device": 64, "world_size": 1})
+    tally.per_batch["t"] = [(10 * k, k, 10 * k, k, 1, 10 * k) for k in range(1, 11)]
+    seen = tally.result()["t"]["observed"]
+    assert [seen[f"p{q}_ids"] for q in ("50", "99", "999")] == [60, 100, 100]
+    assert [seen[f"p{q}_unique_ids"] for q in ("50", "99", "999")] == [6, 10, 10]
+    assert seen["max_ids"] == 100
+
+
+def test_recommended_limits_are_the_maximum_plus_headroom_8_aligned():
+    """Exact values: an aligned figure stays where it is (an alignment that adds 8 to it fails)."""
+    from tpurec.planner.id_limits import recommended, table_entry
+
+    # 80 x 1.1 = 88 and 0 -> the minimum 8 are already aligned; 124 x 1.1 = 136.4 -> 144
+    assert [recommended(n) for n in (0, 1, 7, 8, 14, 15, 70, 80, 124, 2048)] == [8, 8, 8, 16, 16, 24, 80, 88, 144, 2256]
+    entry = table_entry(124, 19, 194, 59, 1, per_slice=512, per_feature=2048)
+    got = [entry[k] for k in ("max_ids_per_partition", "max_unique_ids_per_partition", "max_ids_per_slice")]
+    assert got + [entry["max_unique_ids_per_slice"], entry["max_ids_per_feature"]] == [144, 24, 216, 72, 2256]
+    # never above what a segment holds: 512 samples x 1 id
+    assert table_entry(600, 10, 600, 10, 1, per_slice=512)["max_ids_per_partition"] == 512
+
+
+def test_data_stats_prints_no_library_notice(synth_dir, tmp_path):
+    """The reader's KeyedJaggedTensors made torch log its `is_fx_tracing` notice (a `W...` line) on
+    every `data stats`; dropped at its logger (tpurec/runtime/library_notices.py). A process of its
+    own: torch logs it once per process."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    args = ["data", "stats", str(synth_dir), "--model", "dlrm-tiny", "--topology", "cpu-1", "--batch-size", "64"]
+    p = subprocess.run(
+        [sys.executable, "-m", "tpurec.cli", *args, "--out", str(tmp_path / "l.json")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONPATH=str(repo)),
+        cwd=repo,
+    )
+    assert p.returncode == 0, p.stderr
+    assert [line for line in p.stderr.splitlines() if not line.startswith("wrote ")] == [], p.stderr

@@ -13,11 +13,33 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.optim import RowWiseAdagrad
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from tpurec.embedding import csr_build, direct
 from tpurec.embedding.module import SparseCoreEmbeddingBagCollection
 
 from .helpers import make_tables, random_kjt
 
 STEPS = 5
+
+
+@pytest.fixture(params=["direct", "layout"])
+def step_path(request, monkeypatch):
+    """Each oracle test on both CPU update paths: with numba present every step here takes the
+    direct step (tpurec/embedding/direct.py), so without the layout run the layout path's update
+    code (the one TPUs run) would meet these oracles only through the direct-vs-layout comparison."""
+    if request.param == "layout":
+        monkeypatch.setenv("TPUREC_NO_DIRECT", "1")
+    else:
+        monkeypatch.delenv("TPUREC_NO_DIRECT", raising=False)
+        if not csr_build.available():
+            pytest.skip("numba not installed: no direct step")
+    return request.param
+
+
+def _check_path(sc, path: str) -> None:
+    takes_direct = direct.applies(sc.kernel)
+    if path == "direct" and not takes_direct:
+        pytest.skip("no direct step for these settings (weight decay, ...): the layout run is the one")
+    assert takes_direct == (path == "direct")
 
 
 def fbgemm_tbe(tables, optim, **kw):
@@ -47,10 +69,11 @@ def single_feature_tables():
     ],
 )
 @pytest.mark.parametrize("weighted", [False, True])
-def test_updates_equal_fbgemm_cpu_tbe(torch_optim, kwargs, fbgemm_optim, weighted):
+def test_updates_equal_fbgemm_cpu_tbe(torch_optim, kwargs, fbgemm_optim, weighted, step_path):
     tables = single_feature_tables()
     gen = torch.Generator().manual_seed(3)
     sc = SparseCoreEmbeddingBagCollection(tables, torch_optim, kwargs, num_sparsecores=4, is_weighted=weighted)
+    _check_path(sc, step_path)
     tbe = fbgemm_tbe(tables, fbgemm_optim, learning_rate=kwargs["lr"], eps=kwargs.get("eps", 1e-8))
     for w, t in zip(tbe.split_embedding_weights(), tables):
         w.data.copy_(sc.table_weight(t.name))
@@ -91,10 +114,11 @@ def _dense_step_model(tables, torch_optim, kwargs):
         ),
     ],
 )
-def test_updates_equal_torch_optimizer_when_every_row_is_touched(optim, kwargs, dense):
+def test_updates_equal_torch_optimizer_when_every_row_is_touched(optim, kwargs, dense, step_path):
     # With every row in every batch, a dense torch optimizer and the lazy sparse update coincide.
     tables = [EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=6, feature_names=["f"])]
     sc = SparseCoreEmbeddingBagCollection(tables, optim, kwargs, num_sparsecores=2)
+    _check_path(sc, step_path)
     ebc, opt = _dense_step_model(tables, dense, kwargs)
     ebc.load_state_dict(sc.state_dict())
     gen = torch.Generator().manual_seed(5)

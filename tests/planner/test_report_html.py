@@ -111,3 +111,39 @@ def test_refused_report_names_the_reason_and_the_fitting_slices(report):
     refused = dict(report, fits=False, refusal="too big <for> v5p-8", smallest_fitting_topology={"v5p": "v5p-16"})
     page = report_html.html_page(refused)
     assert "does NOT fit" in page and "too big &lt;for&gt; v5p-8" in page and "v5p-16" in page
+
+
+class _Markup(HTMLParser):
+    """Every start tag and all text of a page."""
+
+    def __init__(self):
+        super().__init__()
+        self.tags: list[str] = []
+        self.text = ""
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append(tag)
+
+    def handle_data(self, data):
+        self.text += data
+
+
+def test_names_that_look_like_markup_render_as_text():
+    """Table, feature and model names come from user files (`plan --tables`, a model module): a
+    table named `<script>` must be text on the page, never an element; a quote or an ampersand
+    must not end an attribute or start an entity."""
+    evil = "<script>alert(1)</script>"
+    tables = [
+        TableSpec(evil, '<img src=x onerror="alert(2)">', 1000, 16, 1.0),
+        TableSpec('a&b"c', "f", 10, 8, 1.0),
+    ]
+    page = report_html.html_page(I.plan_tables(tables, "v5p-8", batch_size=64, optimizer="sgd", model="<i>m</i>"))
+    markup = _Markup()
+    markup.feed(page)
+    assert markup.tags.count("script") == 1 and "img" in markup.tags  # the page's own script and PNG only
+    assert sum(1 for t in markup.tags if t == "img") == 1 and "i" not in markup.tags
+    assert evil in markup.text and 'a&b"c' in markup.text and "<i>m</i>" in markup.text
+    names = [row[0][1] for row in _parse(page)["tables"]["rows"]]
+    assert sorted(names) == sorted([evil, 'a&b"c'])
+    shards = {row[0][1] for row in _parse(page)["shards"]["rows"]}
+    assert shards == {evil, 'a&b"c'}

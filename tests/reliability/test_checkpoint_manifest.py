@@ -118,3 +118,22 @@ def test_a_file_added_after_the_save_is_not_verified(root):
     (step / "extra.distcp").write_bytes(b"\0" * 64)  # DCP would read any shard its metadata names
     with pytest.raises(ckpt.CorruptCheckpointError, match=r"lists 4 of the checkpoint's 5 files; not listed: extra"):
         ckpt.verify(step)
+
+
+def test_a_sane_edit_of_meta_json_is_refused_by_its_checksum(root, capsys):
+    """meta.json steers the resume (step, epoch, position, world size): a hand edit that keeps every
+    field in its range passes read_meta's checks, so only its checksum refuses it. Same length, so
+    the byte count alone cannot tell."""
+    step = root / STEP4
+    meta = step / "meta.json"
+    doc = json.loads(meta.read_text())
+    assert doc["step"] == 4
+    edited = meta.read_text().replace('"step": 4', '"step": 3')
+    assert edited != meta.read_text() and len(edited) == len(meta.read_text())
+    meta.write_text(edited)
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"meta.json: contents changed since it was written"):
+        ckpt.verify(step)
+    code, _, err = run_cli([*TINY_TRAIN, "--steps", 6, "--checkpoint-dir", root, "--resume"], capsys)
+    assert code == 0, err
+    assert f"checkpoint {step} is damaged: {meta}: contents changed since it was written" in err
+    assert f"resume: {root / STEP2} at step 2, exact" in err

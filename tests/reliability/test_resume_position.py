@@ -143,3 +143,26 @@ def test_a_run_saved_at_2_ranks_resumes_at_1_on_the_next_rows(tmp_path, tiny_cac
     got, said = _train_logged(tmp_path / "one", tiny_cache, "--steps", 8, "--checkpoint-dir", ck, "--resume")
     assert "at world size 1 from 2" in said
     assert got == reference[4:10]
+
+
+def test_a_checkpoint_saved_after_the_epochs_last_batch_resumes_at_the_next_epoch(
+    tmp_path, tiny_cache, monkeypatch, capsys
+):
+    """2,695 synthetic rows hold out 135 for evaluation: 2,560 train rows, 5 whole batches of 512. The
+    checkpoint after step 5 has read every row of its epoch (`rows_consumed == num_rows`, which a
+    `>=` in the train state's check refused as past the epoch); resumed, it trains the next epoch's
+    batches, as the uninterrupted run did."""
+    from tpurec.dlrm.ckpt.checkpoint import train_state_file
+
+    root = tmp_path / "ck"
+    monkeypatch.setenv("TPUREC_CACHE", str(tiny_cache))
+    at_end = dict(TINY, synth_rows=2695, steps=7)
+    batches = _trained_batches(TrainOptions(**at_end, checkpoint_dir=str(root), checkpoint_every=5, keep=0))
+    assert len(batches) == 7 and len(set(batches)) == 7
+    step = root / "step-00000005"
+    reader = json.loads(train_state_file(step, 0).read_text())["reader"]
+    assert reader["rows_consumed"] == reader["num_rows"] == 2560 and reader["epoch"] == 0
+    capsys.readouterr()
+    got = _trained_batches(TrainOptions(**at_end, resume=str(step)))
+    assert "exact (same world size)" in capsys.readouterr().err
+    assert got == batches[5:]

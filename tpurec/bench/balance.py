@@ -13,8 +13,8 @@ timing, so the figures do not depend on machine load.
 from __future__ import annotations
 
 import argparse
-import json
 
+from tpurec import strict_json
 from tpurec.argtypes import positive_int
 
 
@@ -93,7 +93,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def main(args: argparse.Namespace) -> int:
     result = run(batch=args.batch_size)
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(strict_json.dumps(result, indent=2))
         return 0
     print(f"max/mean ids per partition, Zipf(1.05), batch {args.batch_size} x 20 ids per table (MLPerf: its own)")
     for r in result["rows"]:

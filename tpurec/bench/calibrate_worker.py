@@ -14,10 +14,10 @@ Run by torch.distributed.run: `python -m tpurec.bench.calibrate_worker --data D 
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Iterator
 
+from tpurec import strict_json
 from tpurec.bench import timer
 
 
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     out = worker(a.data, a.plans.split(","), a.turns, a.block, a.warmup, a.batch_size)
     if out is not None:
-        print(json.dumps(out), flush=True)
+        print(strict_json.dumps(out), flush=True)
     return 0
 
 

@@ -22,6 +22,7 @@ import statistics
 import tempfile
 import time
 
+from tpurec import strict_json
 from tpurec.runtime import safe_path
 
 KERNEL_SHAPES = ((1, 1024, 16), (13, 1024, 16), (26, 1024, 16), (26, 512, 16), (26, 1024, 8), (13, 1024, 8))
@@ -214,6 +215,4 @@ def measure() -> dict:
 
 
 if __name__ == "__main__":
-    import json
-
-    print(json.dumps(measure(), indent=2))
+    print(strict_json.dumps(measure(), indent=2))

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tpurec import strict_json
 from tpurec.argtypes import positive_int
 from tpurec.bench import timer
 
@@ -244,7 +245,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args) -> int:
-    import json
     import sys
 
     from tpurec.outputs import check_outputs
@@ -261,7 +261,7 @@ def _run(args) -> int:
         compression=args.compression,
     )
     if args.json:
-        print(json.dumps(res, indent=2))
+        print(strict_json.dumps(res, indent=2))
         return 0
     print(
         f"rows {res['rows']:,}, batch {res['batch_size']}, 26 sparse + 13 dense ({res['table_set']} ids, "

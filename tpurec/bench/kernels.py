@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
 
+from tpurec import strict_json
 from tpurec.argtypes import positive_int
 from tpurec.bench import timer, workloads
 
@@ -93,7 +93,7 @@ def run_cli(args: argparse.Namespace) -> int:
         from tpurec.bench.sequence import format_sequence, run_sequence
 
         result = run_sequence(quick=args.quick, rounds=args.rounds)
-        print(json.dumps(result, indent=2) if args.json else format_sequence(result))
+        print(strict_json.dumps(result, indent=2) if args.json else format_sequence(result))
         return 0
     result = run(
         quick=args.quick, matrix=args.matrix, optimizers=args.optimizer, poolings=args.pooling, rounds=args.rounds
@@ -103,7 +103,7 @@ def run_cli(args: argparse.Namespace) -> int:
 
         print(format_markdown(result))
     else:
-        print(json.dumps(result, indent=2) if args.json else format_table(result))
+        print(strict_json.dumps(result, indent=2) if args.json else format_table(result))
     if result["refused"]:
         print(f"tpurec bench kernels: error: {len(result['refused'])} cell(s) refused: unequal work", file=sys.stderr)
         return 1

@@ -37,6 +37,7 @@ import time
 
 import numpy as np
 
+from tpurec import strict_json
 from tpurec.argtypes import positive_int
 from tpurec.bench import rounds, timer
 from tpurec.runtime import safe_path
@@ -317,7 +318,7 @@ def run_bench(
 def _spawn(spec: dict, cpus: list[int]) -> dict:
     env = safe_path.env(TPUREC_BENCH_CPUS=",".join(map(str, cpus)))  # no code from the working directory
     proc = subprocess.run(
-        safe_path.python("-m", "tpurec.bench.pipeline", json.dumps(spec)),
+        safe_path.python("-m", "tpurec.bench.pipeline", strict_json.dumps(spec)),
         env=env,
         capture_output=True,
         text=True,
@@ -355,7 +356,7 @@ def run(args: argparse.Namespace) -> int:
         os.makedirs(args.dir, exist_ok=True)
     res = run_bench(cores=cores, data_dir=args.dir, **kw)
     if args.json:
-        print(json.dumps(res, indent=2))
+        print(strict_json.dumps(res, indent=2))
         return 0
     print(res["workload"])
     for key, p in res.items():
@@ -378,4 +379,4 @@ if __name__ == "__main__":
     cpus = os.environ.get("TPUREC_BENCH_CPUS")
     if cpus:
         os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
-    print(json.dumps(child(json.loads(sys.argv[1]))))
+    print(strict_json.dumps(child(json.loads(sys.argv[1]))))

@@ -13,8 +13,8 @@ tpurec plans faster). Imports and the first (warm-up) round are not timed.
 from __future__ import annotations
 
 import argparse
-import json
 
+from tpurec import strict_json
 from tpurec.argtypes import positive_int
 from tpurec.catalog import MODEL_NAMES, TRAINING_DEFAULTS
 
@@ -140,7 +140,7 @@ def main(args: argparse.Namespace) -> int:
             paired_steps=args.paired_steps,
         )
         if args.json:
-            print(json.dumps(result, indent=2))
+            print(strict_json.dumps(result, indent=2))
         else:
             for r in result["plans"]:
                 fit = " (fit)" if r["fit"] else ""
@@ -160,7 +160,7 @@ def main(args: argparse.Namespace) -> int:
         return 0
     result = run(args.model, args.topology, args.batch_size, args.repeats)  # UserError: a bad slice, a misfit
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(strict_json.dumps(result, indent=2))
         return 0
     r = result
     print(

@@ -38,6 +38,7 @@ import sys
 
 import numpy as np
 
+from tpurec import strict_json
 from tpurec.argtypes import positive_int
 from tpurec.bench import rounds, timer, workloads
 from tpurec.bench.equal_work import UnequalWork
@@ -237,9 +238,7 @@ def run(
         },
     }
     if as_json:
-        import json
-
-        print(json.dumps(res, indent=2))
+        print(strict_json.dumps(res, indent=2))
     else:
         print(
             f"SparseCore preprocessing: {num_features} tables x batch {batch_size}, "

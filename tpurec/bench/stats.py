@@ -14,6 +14,7 @@ import argparse
 import os
 import statistics
 
+from tpurec import strict_json
 from tpurec.argtypes import positive_int
 from tpurec.catalog import MODEL_NAMES
 
@@ -74,12 +75,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
 
     threads = args.threads or os.cpu_count() or 1
     res = run_bench(args.path, args.model, args.topology, args.batch_size, args.rounds, threads)
     if args.json:
-        print(json.dumps(res, indent=1))
+        print(strict_json.dumps(res, indent=1))
         return 0
     print(
         f"{res['rows']:,} rows, global batch {res['global_batch']} ({args.model} on {args.topology}), "

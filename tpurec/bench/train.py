@@ -41,6 +41,7 @@ import subprocess
 import sys
 from typing import cast
 
+from tpurec import strict_json
 from tpurec.argtypes import positive_int
 from tpurec.bench import rounds, timer
 from tpurec.runtime import safe_path
@@ -121,7 +122,7 @@ def run_cli(args: argparse.Namespace) -> int:
         print(f"tpurec bench train: error: {e}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(strict_json.dumps(result, indent=2))
     else:
         print(format_table(result))
     return 0
@@ -427,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     out = worker(a.side, a.tables, a.data, a.steps, a.warmup, a.batch_size)
     if out is not None:
-        print(json.dumps(out), flush=True)
+        print(strict_json.dumps(out), flush=True)
     return 0
 
 

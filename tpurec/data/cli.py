@@ -7,10 +7,10 @@ Bad user input (a malformed line, a missing file, a bad option) raises UserError
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
 
+from tpurec import strict_json
 from tpurec.argtypes import nonnegative_int, positive_int
 from tpurec.catalog import MODEL_NAMES
 from tpurec.errors import UserError
@@ -231,7 +231,7 @@ def run_convert(args: argparse.Namespace) -> int:
     )
     summary = convert(inputs, args.out, opts, jobs=args.jobs, show_progress=_progress(args), overwrite=args.overwrite)
     if args.json:
-        print(json.dumps(summary, indent=2))
+        print(strict_json.dumps(summary, indent=2))
         return 0
     print(
         f"converted {summary['rows']:,} rows from {summary['files']} file(s) in {summary['seconds']} s "
@@ -272,7 +272,7 @@ def run_synth(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
     )
     if args.json:
-        print(json.dumps(summary, indent=2))
+        print(strict_json.dumps(summary, indent=2))
         return 0
     print(
         f"wrote {summary['rows']:,} rows ({summary['table_set']}, seed {summary['seed']}) in "
@@ -287,5 +287,5 @@ def run_inspect(args: argparse.Namespace) -> int:
     from tpurec.data.inspect import format_report, inspect_dataset
 
     report = inspect_dataset(args.path)
-    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    print(strict_json.dumps(report, indent=2) if args.json else format_report(report))
     return 0

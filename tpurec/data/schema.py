@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tpurec import strict_json
 from tpurec.errors import UserError
 from tpurec.json_fields import FieldError, choice, each, fields, flag, obj, optional, text
 
@@ -124,7 +125,7 @@ class DataSchema:
             fields.append(pa.field(f.name, t, nullable=False))
             if f.weights:
                 fields.append(pa.field(f.weights, items(pa.float32()), nullable=False))
-        return pa.schema(fields, metadata={METADATA_KEY: json.dumps(self.to_json()).encode()})
+        return pa.schema(fields, metadata={METADATA_KEY: strict_json.dumps(self.to_json()).encode()})
 
 
 def _sparse_feature(at: str, f: Any) -> None:
@@ -301,7 +302,7 @@ def write_dataset_json(out_dir: str | os.PathLike, schema: DataSchema, **facts: 
     d.update(facts)
     d["table_sizes"] = {f.name: f.num_embeddings for f in schema.sparse}
     tmp = Path(out_dir) / f"{DATASET_JSON}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(d, indent=2) + "\n")
+    tmp.write_text(strict_json.dumps(d, indent=2) + "\n")
     tmp.replace(Path(out_dir) / DATASET_JSON)
     (Path(out_dir) / LEGACY_DATASET_JSON).unlink(missing_ok=True)  # an older dataset's, now replaced
     return d

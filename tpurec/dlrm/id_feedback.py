@@ -8,11 +8,11 @@ maximum over shards) and the recommended limits derived the same way (tpurec.pla
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from tpurec import strict_json
 from tpurec.dlrm.input_pipeline import sparsecore_lookups
 from tpurec.embedding.constraints import round_up
 from tpurec.planner.id_limits import FORMAT, table_entry
@@ -104,4 +104,4 @@ def write(path: str, doc: dict, flag: str | None = "--limits-out") -> None:
     """The limits file, whole or not at all (UserError naming the path when it cannot be written)."""
     from tpurec.outputs import write_atomic
 
-    write_atomic(path, json.dumps(doc, indent=1) + "\n", flag)
+    write_atomic(path, strict_json.dumps(doc, indent=1) + "\n", flag)

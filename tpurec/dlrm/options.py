@@ -17,6 +17,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from tpurec import strict_json
 from tpurec.argtypes import nonnegative_float, nonnegative_int, positive_float, positive_int
 from tpurec.catalog import MODEL_NAMES
 from tpurec.dlrm import flags
@@ -139,7 +140,7 @@ class TrainOptions:
         return cls(**flags.values(cls, namespace))
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        return strict_json.dumps(asdict(self))
 
     @classmethod
     def from_json(cls, text: str) -> TrainOptions:

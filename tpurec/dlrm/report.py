@@ -6,10 +6,11 @@ The Trainer calls these on rank 0; they only format and write, so they stay out 
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from tpurec import strict_json
 
 if TYPE_CHECKING:
     from tpurec.catalog import TableSet
@@ -122,7 +123,7 @@ class MetricsLog:
     def _line(self, rec: dict) -> str:
         if self.csv:
             return ",".join("" if rec.get(k) is None else str(rec.get(k)) for k in self.FIELDS) + "\n"
-        return json.dumps(json_safe(rec), allow_nan=False) + "\n"
+        return strict_json.dumps(rec) + "\n"
 
     def add(self, rec: dict) -> None:
         import time
@@ -187,10 +188,4 @@ def noisy_auc_text(rows: int) -> str:
 
 def json_safe(value: object) -> object:
     """`value` with every non-finite float replaced by None (recursively through dicts and lists)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
+    return strict_json.finite(value)

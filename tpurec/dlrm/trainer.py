@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import math
 import os
 import sys
@@ -25,13 +24,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tpurec import strict_json
 from tpurec.catalog import get_table_set
 from tpurec.dlrm.ckpt.manager import CheckpointManager
 from tpurec.dlrm.options import OPTIONS_ENV, TrainOptions
 from tpurec.dlrm.report import (
     MIN_EVAL_ROWS_FOR_AUC,
     MetricsLog,
-    json_safe,
     noisy_auc_text,
     plan_report,
     plan_summary,
@@ -641,7 +640,7 @@ class Trainer:
             self.say(", ".join(f"{k}: {v}" for k, v, failed in written if v and not failed))
         self.say(summary_text(result, self.data_dir))
         # One strict JSON line: a non-finite metric is null, never a bare NaN that JSON parsers refuse.
-        print(json.dumps(json_safe(result), allow_nan=False), flush=True)
+        print(strict_json.dumps(result), flush=True)
         if self._output_failures:
             # after the result line: the training it reports finished; the run still fails (exit 2)
             raise UserError("; ".join(self._output_failures))

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
 import typing
 from collections.abc import Callable
 from typing import Any, Literal
 
+from tpurec import strict_json
 from tpurec.argtypes import fraction_above_zero, fraction_below_one, positive_float, positive_int
 from tpurec.catalog import MODEL_NAMES, TRAINING_DEFAULTS  # plain data: keeps `tpurec --help` instant
 from tpurec.errors import UserError
@@ -172,9 +172,11 @@ def _emit(report: dict, fmt: PlanFormat, out: str | None) -> None:
         write_atomic(out or "plan.png", report_png.png_bytes(report), "--out")
         print(f"wrote {out or 'plan.png'}", file=sys.stderr)
         return
-    text = {"text": plan_report.format_text, "html": report_html.html_page, "json": lambda r: json.dumps(r, indent=1)}[
-        fmt
-    ](report)
+    text = {
+        "text": plan_report.format_text,
+        "html": report_html.html_page,
+        "json": lambda r: strict_json.dumps(r, indent=1),
+    }[fmt](report)
     if out:
         write_atomic(out, text + "\n", "--out")
         print(f"wrote {out}", file=sys.stderr)

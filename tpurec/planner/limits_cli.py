@@ -9,11 +9,11 @@ for the layout a plan gives (tpurec.planner.id_limits), written as a limits file
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
+from tpurec import strict_json
 from tpurec.argtypes import positive_int
 from tpurec.catalog import MODEL_NAMES, TRAINING_DEFAULTS
 from tpurec.errors import UserError
@@ -159,7 +159,9 @@ def _run(args: argparse.Namespace) -> int:
 
     from tpurec.data.reader import ParquetReader
     from tpurec.planner.id_limits import FORMAT, DemandTally, layout_of, table_layouts
+    from tpurec.runtime.library_notices import quiet_fx_tracing_notice
 
+    quiet_fx_tracing_notice()  # the reader's KeyedJaggedTensors: torch's is_fx_tracing line otherwise
     _check_out(args.out)
     if not os.path.isdir(args.path):
         raise UserError(f"{args.path}: not a dataset directory (make one with `tpurec data convert`)")
@@ -194,7 +196,7 @@ def _run(args: argparse.Namespace) -> int:
     }
     from tpurec.outputs import write_atomic
 
-    write_atomic(args.out, json.dumps(doc, indent=1) + "\n", "--out")
+    write_atomic(args.out, strict_json.dumps(doc, indent=1) + "\n", "--out")
     worst = max(doc["tables"].items(), key=lambda kv: kv[1]["max_ids_per_partition"], default=None)
     print(
         f"wrote {args.out}: {len(tables)} tables, {rows:,} rows in {doc['batches']} global batches of {global_batch} "

@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tpurec import strict_json
 from tpurec.errors import UserError
 from tpurec.planner.plan_check import module_plans
 
@@ -147,7 +148,7 @@ def save_plan(plan: ShardingPlan, path: str | os.PathLike, meta: dict | None = N
     """Write the plan to `path` whole or not at all (UserError naming `flag` and the path when it cannot)."""
     from tpurec.outputs import write_atomic
 
-    write_atomic(path, json.dumps(plan_to_dict(plan, meta), indent=1) + "\n", flag)
+    write_atomic(path, strict_json.dumps(plan_to_dict(plan, meta), indent=1) + "\n", flag)
 
 
 def _is_report(doc: dict) -> bool:

@@ -14,10 +14,10 @@ stand-ins (tpurec.emulation): what the checklist exercises of tpurec, not of the
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
+from tpurec import strict_json
 from tpurec.errors import UserError
 
 if TYPE_CHECKING:
@@ -110,7 +110,7 @@ def _emulated_checks(slice_name: str, seed: int) -> list[Check]:
 def report(target: str, checks: list[Check], as_json: bool) -> None:
     if as_json:
         doc = {"device": target, "passed": all(c.passed for c in checks), "checks": [asdict(c) for c in checks]}
-        print(json.dumps(doc, indent=2))
+        print(strict_json.dumps(doc, indent=2))
         return
     print(f"tpurec selftest on {target}")
     print(f"{'check':<44} {'result':<6} {'max error':>10} {'tolerance':>10}  note")

@@ -39,6 +39,7 @@ from tpurec.embedding.sparsecores import resolve_num_sparsecores
 from tpurec.errors import UserError
 from tpurec.runtime import heartbeat, process_group
 from tpurec.runtime.device import DeviceKind, device_kind
+from tpurec.runtime.library_notices import quiet_fx_tracing_notice
 from tpurec.sharding import sharded_tensor_device  # noqa: F401  (ShardedTensor.device on the TPU path)
 from tpurec.sharding.ec_sharder import SparseCoreECSharder
 from tpurec.sharding.fp_sharder import SparseCoreFPEBCSharder
@@ -184,19 +185,19 @@ def _table_limits(
     return load_limits(str(id_limits), layout)
 
 
-class _DropFxTracingNotice(logging.Filter):
-    """Drops torch's one notice that `is_fx_tracing` covers torch.export too: torch's ProxyableClassMeta
-    (the metaclass of TorchRec's KeyedJaggedTensor) calls it at every KJT built, so every TorchRec
-    program logs it once per rank, whatever tpurec does (docs/dmp.md)."""
+def _quiet_sharded_tensor_notice() -> None:
+    """Drops torch's "Please use DTensor instead and we are deprecating ShardedTensor" FutureWarning of
+    DCP: TorchRec's sharded modules hold their tables as ShardedTensors (its design, not the user's
+    choice), so every `dcp.save` / `dcp.load` of a DMP's state dict printed it per rank. That message
+    from torch.distributed.checkpoint only; the user's own warnings are untouched."""
+    import warnings
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("is_fx_tracing will return true for both")
-
-
-def _quiet_fx_tracing_notice() -> None:
-    log = logging.getLogger("torch.fx._symbolic_trace")
-    if not any(isinstance(f, _DropFxTracingNotice) for f in log.filters):
-        log.addFilter(_DropFxTracingNotice())
+    warnings.filterwarnings(
+        "ignore",
+        message="Please use DTensor instead and we are deprecating ShardedTensor",
+        category=FutureWarning,
+        module=r"torch\.distributed\.checkpoint\.",
+    )
 
 
 class QuietDataParallelWrapper(DefaultDataParallelWrapper):
@@ -211,14 +212,38 @@ class QuietDataParallelWrapper(DefaultDataParallelWrapper):
     def wrap(self, dmp: _TorchrecDMP, env: ShardingEnv, device: torch.device) -> None:
         import warnings
 
+        from torch.nn.parallel import DistributedDataParallel
+
         with warnings.catch_warnings():
+            # attributed to TorchRec's call, or to the emulated device's DDP.__init__ in between
+            # (tpurec/emulation/torchtpu_dist.py), which calls it on TorchRec's behalf
             warnings.filterwarnings(
                 "ignore",
                 message="`broadcast_buffers` is deprecated",
                 category=FutureWarning,
-                module=r"torchrec\.distributed\.model_parallel",
+                module=r"(torchrec\.distributed\.model_parallel|tpurec\.emulation\.torchtpu_dist)$",
             )
             super().wrap(dmp, env, device)
+        ddp = dmp._dmp_wrapped_module
+        if isinstance(ddp, DistributedDataParallel) and ddp.device.type not in ("cpu", "cuda"):
+            ddp.logger = cast(Any, _NoRuntimeStats(ddp.logger))  # duck-typed: DDP only calls its methods
+
+
+class _NoRuntimeStats:
+    """DDP's logger, without its runtime stats on a device other than CPU and CUDA (the TPU, real or
+    emulated): torch times DDP's iterations with a timer registered per device type in C++ only, so on
+    the TPU `set_runtime_stats_and_log` (called by DDP's forward) measures nothing and prints "Time
+    stats are currently only collected for CPU and CUDA devices" from C++ on every rank, past any
+    Python filter. Everything else goes to torch's logger."""
+
+    def __init__(self, logger: Any) -> None:
+        self._logger = logger
+
+    def set_runtime_stats_and_log(self) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._logger, name)
 
 
 class TpuDataParallelWrapper(QuietDataParallelWrapper):
@@ -266,7 +291,8 @@ class DistributedModelParallel(_TorchrecDMP):
         # Torch's start-up count is one thread per core for every rank: cores / local ranks instead,
         # once, unless the user chose a count (tpurec/runtime/threads.py).
         torch_threads.apply(threads)
-        _quiet_fx_tracing_notice()
+        quiet_fx_tracing_notice()
+        _quiet_sharded_tensor_notice()
 
         torch_device = select_device(device)  # raises at once for "tpu" without a TPU
         if torch_device.type == "meta":

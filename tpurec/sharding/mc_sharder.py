@@ -19,6 +19,7 @@ TorchRec's: row-wise only (the remap's own sharding, `ManagedCollisionCollection
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Dict, List
 
 import torch
@@ -180,7 +181,12 @@ def refuse_hash_zch_training(module: nn.Module) -> None:
     DMP build: the remap runs on the host, and fbgemm-gpu-cpu's `zero_collision_hash` inserts no ids (its
     CPU kernel requires `readonly`: "Expected readonly to be true"), so its first training step would fail
     there, as stock TorchRec's does on a CPU."""
-    from torchrec.modules.hash_mc_modules import HashZchManagedCollisionModule
+    # A model holding one has imported its class: never imported here, since importing it runs
+    # `torch.jit.script` (torchrec/modules/hash_mc_evictions.py), whose FutureWarning every rank printed.
+    hash_mc = sys.modules.get("torchrec.modules.hash_mc_modules")
+    if hash_mc is None:
+        return
+    HashZchManagedCollisionModule = hash_mc.HashZchManagedCollisionModule  # noqa: N806
 
     for path, m in module.named_modules():
         if isinstance(m, HashZchManagedCollisionModule) and m.training:

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from tpurec import strict_json
 from tpurec.errors import UserError
 
 if TYPE_CHECKING:
@@ -300,12 +301,12 @@ def _write(
         tmp.mkdir()
     _barrier()
     dcp.save({"model": dmp.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=str(tmp))
-    train_state_file(tmp, _rank()).write_text(json.dumps(train_state))
+    train_state_file(tmp, _rank()).write_text(strict_json.dumps(train_state))
     _barrier()  # every rank's files are on disk
     if _rank() == 0:
         from tpurec.dlrm.ckpt.integrity import write_checksums
 
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2, default=str))
+        (tmp / "meta.json").write_text(strict_json.dumps(meta, indent=2, default=str))
         write_checksums(tmp)  # fsyncs the data first: COMPLETE never reaches the disk before it
         from tpurec.runtime.interrupts import deferred
 

@@ -18,6 +18,7 @@ import os
 import re
 from pathlib import Path, PurePosixPath
 
+from tpurec import strict_json
 from tpurec.errors import UserError
 
 CHECKSUMS = "CHECKSUMS.json"
@@ -51,7 +52,7 @@ def write_checksums(directory: str | os.PathLike) -> dict:
         table[str(p.relative_to(directory))] = {"bytes": p.stat().st_size, "sha256": _sha256(p)}
     out = directory / CHECKSUMS
     with open(out, "w") as f:
-        json.dump(table, f, indent=1)
+        strict_json.dump(table, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
     return table
