@@ -72,7 +72,31 @@ def test_limits_of_another_models_tables_are_refused_naming_missing_and_extra(tm
     limits = tmp_path / "limits.json"
     limits.write_text(json.dumps(doc))
     line = _refused_once(["--nproc", "2", "--limits", str(limits)], tmp_path, tiny_cache)
-    assert line == (
-        f"tpurec train: error: --limits {limits}: measured for other tables: no limits for the model's table(s) "
-        "t_C1, t_C2; table(s) t_other are not the model's (measure this model's: tpurec data stats --model/--plan)"
+    want = (
+        f"--limits {limits}: measured for other tables: no limits for the model's table(s) t_C1, t_C2; table(s) "
+        "t_other are not the model's (measure this model's: tpurec data stats --model/--plan)"
     )
+    assert line == f"tpurec train: error: {want}"
+    # one process: the trainer's own check, before the model is sharded
+    p = _tpurec(["train", "--synth-rows", "2000", "--steps", "1", "--limits", str(limits)], tmp_path, tiny_cache)
+    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1] == f"tpurec train: error: rank 0: {want}"
+
+
+@pytest.mark.slow  # 8 emulated ranks: about 3 minutes on 2 cores
+@pytest.mark.multiprocess
+def test_id_limits_recipe_runs_on_v5p_16_where_row_wise_shards_have_no_rows(plan16, tmp_path, tiny_cache):
+    """docs/id_limits.md's recipe on v5p-16: the planner row-wise shards t_C9 (3 rows) over 8 ranks,
+    leaving 0-row shards, whose stack bound divided by zero on every rank. The launcher's checks
+    accept the matching plan and limits."""
+    data, limits = tmp_path / "data", tmp_path / "limits.json"
+    assert _tpurec(["data", "synth", "--rows", "9000", "--out", str(data)], tmp_path).returncode == 0
+    shards = json.loads(plan16.read_text())["plan"]
+    assert "t_C9" in json.dumps(shards)
+    stats = ["data", "stats", str(data), "--model", "dlrm-tiny", "--plan", str(plan16), "--out", str(limits)]
+    assert _tpurec(stats, tmp_path).returncode == 0
+    train = ["train", "--data", str(data), "--emulate-tpu", "v5p-16", "--plan", str(plan16), "--limits", str(limits)]
+    p = _tpurec([*train, "--steps", "2", "--eval-every", "0"], tmp_path, tiny_cache)
+    assert p.returncode == 0, p.stderr[-3000:]
+    result = json.loads(p.stdout.strip().splitlines()[-1])
+    assert result["world_size"] == 8 and result["id_limits"]["limits"] == str(limits)
+    assert result["id_limits"]["dropped_ids"] == 0
