@@ -145,7 +145,10 @@ def test_a_plan_file_missing_a_table_of_another_module_is_refused(user_module, t
     "target,message",
     [
         ("tpurec_user_model", "expected MODULE:FUNCTION"),
-        ("no_such_module_xyz:build", "cannot import 'no_such_module_xyz'"),
+        # refused before torch loads (parse_target), pointing at the path form
+        ("no_such_module_xyz:build", "no module 'no_such_module_xyz' in "),
+        ("no_such_pkg_xyz.models:build", "no module 'no_such_pkg_xyz.models' in "),
+        ("./no_such_file.py:build", "--model-module './no_such_file.py:build': no file './no_such_file.py'"),
         ("tpurec_user_model:missing", "tpurec_user_model has no function 'missing'"),
         ("tpurec_user_model:not_a_model", "not_a_model() returned int, not an nn.Module"),
     ],
@@ -181,3 +184,11 @@ def test_a_model_with_managed_collision_tables_is_planned_row_wise_on_the_sparse
     r = _plan(capsys, "--model-module", "tests.sharding.mc_cases:build_lru", "--topology", "v6e-4")
     assert set(r["plan"]["modules"]) == {"mc"}
     assert {(t["name"], t["sharding_type"]) for t in r["tables"]} == {("t0", "row_wise"), ("t1", "row_wise")}
+
+
+def test_a_model_file_path_is_planned_like_its_module(user_module, tmp_path, monkeypatch, capsys):
+    """`./my_model.py:build` (a path where a module was expected) printed a TypeError traceback."""
+    by_module = _plan(capsys, "--model-module", f"{user_module}:build", "--topology", "v6e-4")
+    monkeypatch.chdir(tmp_path)
+    by_path = _plan(capsys, "--model-module", f"./{user_module}.py:build", "--topology", "v6e-4")
+    assert by_path["plan"] == by_module["plan"] and by_path["tables"] == by_module["tables"]

@@ -88,6 +88,8 @@ def _ours(gen, sharding_type=None):
 GENERATORS = {
     # table i on rank i % ws; column shards of 8 columns spread from rank i (wrapping, may repeat ranks)
     "table_wise": lambda i, ws: _ours(table_wise(rank=i % ws)),
+    # every table on rank 0: the other ranks hold none (as 4 tables on 8 ranks leave 4)
+    "table_wise_on_rank0": lambda i, ws: _ours(table_wise(rank=0)),
     "column_wise": lambda i, ws: _ours(column_wise(ranks=[(i + k) % ws for k in range(2)])),
     "table_column_wise": lambda i, ws: _ours(column_wise(ranks=[(i + k) % ws for k in range(2)]), "table_column_wise"),
     "row_wise": lambda i, ws: _ours(row_wise()),
@@ -325,3 +327,43 @@ def optimizer_checkpoint_resume(rank, world_size, path, sharding, optim_name, sa
         outs.append(out.detach())
     keys = sorted(model.fused_optimizer.state_dict()["state"])
     return {"outs": outs, "optim_keys": keys, "shards": shards}
+
+
+def optimizer_checkpoint_roundtrip(rank, world_size, path, init_state, sharding, optim_name):
+    """Train 2 steps, DCP-save model + fused optimizer, load into a fresh model in the same ranks (as
+    the quickstart does; one spawn instead of two), train 2 more. Returns the saved shards, what the
+    fresh model holds after loading, the outputs after the save from both models, and the optimizer's
+    state keys."""
+    import torch.distributed.checkpoint as dcp
+
+    optim, kwargs = optimizer(optim_name)
+    per = 8 // world_size
+    batches = global_batches(4, 8, False)
+
+    def step(model, kjt, upstream):
+        parts = model(local_slice(kjt, rank, world_size)).to_dict()
+        out = torch.cat([parts[k] for k in kjt.keys()], dim=1)
+        (out * upstream[rank * per : (rank + 1) * per]).sum().backward()
+        return out.detach()
+
+    model = build_sharded(rank, world_size, sharding, optim, kwargs, PoolingType.SUM, False, init_state)
+    for kjt, up in batches[:2]:
+        step(model, kjt, up)
+    saved = {"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}
+    dcp.save(saved, checkpoint_id=path)
+    saved_shards = shard_values(saved)
+    fresh = build_sharded(
+        rank, world_size, sharding, optim, kwargs, PoolingType.SUM, False, EmbeddingBagCollection(tables()).state_dict()
+    )
+    sd = {"model": fresh.state_dict(), "optim": fresh.fused_optimizer.state_dict()}
+    dcp.load(sd, checkpoint_id=path)
+    fresh.load_state_dict(sd["model"])
+    fresh.fused_optimizer.load_state_dict(sd["optim"])
+    loaded = shard_values({"model": fresh.state_dict(), "optim": fresh.fused_optimizer.state_dict()})
+    return {
+        "shards": saved_shards,
+        "loaded": loaded,
+        "outs": [step(model, kjt, up) for kjt, up in batches[2:]],
+        "resumed": [step(fresh, kjt, up) for kjt, up in batches[2:]],
+        "optim_keys": sorted(fresh.fused_optimizer.state_dict()["state"]),
+    }

@@ -100,6 +100,9 @@ def run(args: argparse.Namespace) -> int:
     # Make the default dataset here, once, before the ranks start (they then find it cached).
     if not options.data:
         _prepare_synth(options)
+    msg = _files_problem(args, options)
+    if msg:
+        return _error(msg)
     from tpurec.dlrm import slice_launch
 
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **{OPTIONS_ENV: options.to_json()})
@@ -147,6 +150,28 @@ def _launch_problem(args: argparse.Namespace, options: TrainOptions) -> str | No
             tpu_all_to_all.check(None, "tpu")  # TPUREC_TPU_ALL_TO_ALL=uneven: refused before any rank starts
         except UserError as e:
             return str(e)
+    return None
+
+
+def _files_problem(args: argparse.Namespace, options: TrainOptions) -> str | None:
+    """--plan and --limits against the model, world size and slice, once, before any rank starts
+    (tpurec/dlrm/preflight.py); a real TPU slice's world is known only to its ranks."""
+    if not (options.plan or options.limits):
+        return None
+    if args.emulate_tpu:
+        from tpurec.planner.topology import parse_slice
+
+        world, slice_name = parse_slice(args.emulate_tpu).world_size, args.emulate_tpu
+    elif options.device != "tpu":
+        world, slice_name = args.nproc or 1, None
+    else:
+        return None
+    from tpurec.dlrm.preflight import check_before_launch
+
+    try:
+        check_before_launch(options, world, slice_name)
+    except UserError as e:
+        return str(e)
     return None
 
 

@@ -237,6 +237,12 @@ class Trainer:
             plan = load_plan(o.plan)
         from tpurec.planner.plan_check import PlanMismatchError
 
+        if o.limits and OPTIONS_ENV not in os.environ:
+            # one process (a launcher checked it before its ranks started: tpurec/dlrm/preflight.py)
+            from tpurec.planner.id_limits import check_limits_tables, load_limits
+            from tpurec.planner.plan_check import embedding_tables
+
+            check_limits_tables(load_limits(o.limits), embedding_tables(model), f"--limits {o.limits}")
         try:
             self.dmp = shard(model, cfg, self.device, plan=plan, id_limits=o.limits)
         except PlanMismatchError as e:  # DMP says "the plan": name the file

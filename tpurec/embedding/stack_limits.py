@@ -39,10 +39,15 @@ def stack_bound(
     and a stack partition (C rows) overlaps at most min(P, ceil(C / C_t) + 1) of a table's own
     partitions, and holds at most the table's whole slice: per table the smaller of the two, summed.
     Exact for a table alone, an upper bound in any stack (a batch over it would still run, in passes).
+    A stack of 0-row shards alone gets the smallest limits (8, 8).
     """
     ids = uniq = 0
     for ts in lay.tables:
         t = tables[ts.name]
+        if t.num_embeddings == 0:
+            # A 0-row shard (a row-wise table with fewer rows than ranks) receives no id: nothing to
+            # bound, measured or not (its own partitions would be 0 rows, a division by zero).
+            continue
         m = table_limits.get(t.source or t.name)
         if m is None:
             return None

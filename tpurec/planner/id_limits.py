@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
@@ -337,6 +337,28 @@ def load_limits(path: str, layout: dict | None = None) -> dict[str, TableLimits]
             **({f: given.get(f) for f in LIMIT_FIELDS[2:]} if sliced else {}),
         )
     return out
+
+
+def check_limits_tables(
+    limits: Mapping[str, object], tables: Mapping[str, Mapping[str, object]], source: str = "id_limits"
+) -> None:
+    """Refuse limits whose tables are not the model's (`tables`: {module path: {table: ...}}, as
+    plan_check.embedding_tables gives), naming the missing and the extra tables: limits measured for
+    another model would otherwise bound none of its tables without a word."""
+    model = {name for own in tables.values() for name in own}
+    missing, extra = sorted(model - set(limits)), sorted(set(limits) - model)
+    if missing or extra:
+        parts = [f"no limits for the model's table(s) {_names(missing)}"] if missing else []
+        parts += [f"table(s) {_names(extra)} are not the model's"] if extra else []
+        raise IdLimitsError(
+            f"{source}: measured for other tables: {'; '.join(parts)} "
+            "(measure this model's: tpurec data stats --model/--plan)"
+        )
+
+
+def _names(names: list[str], most: int = 8) -> str:
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 # What the figures depend on; the topology's name only tells where they were measured (a v5p-8

@@ -165,6 +165,10 @@ def _run(args: argparse.Namespace) -> int:
     _check_out(args.out)
     if not os.path.isdir(args.path):
         raise UserError(f"{args.path}: not a dataset directory (make one with `tpurec data convert`)")
+    if args.model_module:  # a typo told at once, not after torch loads
+        from tpurec.planner.model_module import parse_target
+
+        parse_target(args.model_module)
     report = _report(args)
     if args.model and args.plan and report.get("model") not in (None, args.model):
         raise UserError(f"--plan {args.plan} is a plan for {report.get('model')!r}, not --model {args.model}")

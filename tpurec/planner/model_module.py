@@ -10,9 +10,11 @@ is then planned by `planner.plan`, the function DMP calls, with the same optimiz
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import sys
 from collections.abc import Sequence
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 from tpurec.catalog import TableSpec
@@ -24,20 +26,59 @@ if TYPE_CHECKING:
 
 
 def parse_target(target: str) -> tuple[str, str]:
-    """('pkg.mod', 'fn') from 'pkg.mod:fn' (checked before anything heavy is imported)."""
+    """('pkg.mod', 'fn') from 'pkg.mod:fn', or ('dir/file.py', 'fn') from a file's path, refused in
+    one line unless the module or file is there (checked before torch loads: a typo is told in a
+    second, not after the 20 s torch and TorchRec take to import)."""
     module_name, _, fn_name = target.partition(":")
     if not module_name or not fn_name.isidentifier():
         raise UserError(f"--model-module {target!r}: expected MODULE:FUNCTION, e.g. my_pkg.models:build")
+    if _is_path(module_name):
+        if not os.path.isfile(module_name):
+            raise UserError(f"--model-module {target!r}: no file {module_name!r}")
+        return module_name, fn_name
+    _cwd_on_path()
+    try:
+        found = importlib.util.find_spec(module_name) is not None
+    except (ImportError, ValueError):  # a parent package missing, or a relative name
+        found = False
+    if not found:
+        raise UserError(
+            f"--model-module {target!r}: no module {module_name!r} in {os.getcwd()} or on PYTHONPATH "
+            "(or give the file's path, e.g. ./my_model.py:build)"
+        )
     return module_name, fn_name
+
+
+def _is_path(module_name: str) -> bool:
+    """A file's path rather than a module's dotted name: ./m.py, dir/m.py, m.py."""
+    return module_name.endswith(".py") or "/" in module_name or os.sep in module_name
+
+
+def _cwd_on_path() -> None:
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` would: the user's package beside them
+
+
+def _import(module_name: str) -> ModuleType:
+    """The module of a dotted name, or of a file's path (imported under its file's stem)."""
+    if not _is_path(module_name):
+        return importlib.import_module(module_name)
+    name = os.path.splitext(os.path.basename(module_name))[0]
+    spec = importlib.util.spec_from_file_location(name, module_name)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{module_name} is not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look their module up by name
+    spec.loader.exec_module(module)
+    return module
 
 
 def load_model(target: str) -> tuple[nn.Module, dict[str, ParameterConstraints] | None]:
     """(model, constraints or None) from 'pkg.mod:fn'; a UserError naming what is wrong otherwise."""
     module_name, fn_name = parse_target(target)
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())  # as `python -m` would: the user's package beside them
+    _cwd_on_path()
     try:
-        module = importlib.import_module(module_name)
+        module = _import(module_name)
     except ImportError as e:
         raise UserError(f"--model-module {target!r}: cannot import {module_name!r} ({e})") from None
     fn = getattr(module, fn_name, None)

@@ -72,9 +72,15 @@ def module_plans(plan: ShardingPlan) -> dict[str, EmbeddingModuleShardingPlan]:
 
 def align_to_model(plan: ShardingPlan, module: nn.Module, source: str = "the plan") -> ShardingPlan:
     """The plan with each module plan keyed by the model's path of the EBC holding its tables."""
+    return align_to_model_tables(plan, embedding_tables(module), source)
+
+
+def align_to_model_tables(
+    plan: ShardingPlan, paths: Mapping[str, Mapping[str, tuple[int, int]]], source: str = "the plan"
+) -> ShardingPlan:
+    """`align_to_model` from the model's `embedding_tables` (what a launcher has without the model)."""
     from torchrec.distributed.types import ShardingPlan
 
-    paths = embedding_tables(module)
     out: dict[str, ModuleShardingPlan] = {}
     for path, module_plan in module_plans(plan).items():
         if path in paths:

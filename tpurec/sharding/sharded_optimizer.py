@@ -26,6 +26,8 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
 from tpurec.embedding.fused_optimizer import KernelFusedOptimizer
+from tpurec.embedding.optimizers.base import OptimizerSpec
+from tpurec.embedding.optimizers.registry import spec_from_fused_params
 from tpurec.errors import UserError
 
 if TYPE_CHECKING:
@@ -53,7 +55,7 @@ class ShardedSparseCoreOptimizer(KernelFusedOptimizer):
         specs = {k.optimizer for k in kernels.values()}
         if len(specs) > 1:
             raise UserError(f"tables of one embedding module use different fused optimizers: {specs}")
-        spec = next(iter(specs)) if specs else None
+        spec = next(iter(specs)) if specs else _spec_of_unheld_tables(sharded_ebc)
         # One step count for every table of this rank: TorchRec checkpoints one per table, and all
         # of a rank's kernels step together (each backward updates every stack).
         every_table = [(k, t) for k in kernels.values() for t in k.table_names]
@@ -78,9 +80,15 @@ class ShardedSparseCoreOptimizer(KernelFusedOptimizer):
                 else:
                     st = self._sharded(name, local, state_meta, pg)
                 entry[f"{table}.{name}"] = st
-            if spec is not None and spec.keeps_step_count:
+            if spec is not None and spec.keeps_step_count and every_table:  # a table-less rank counts none
                 entry[f"{table}.step"] = self._step(every_table)
-            state[weight] = entry
+            # No state, no entry (SGD): DCP drops a ShardedTensor without local shards, so on a rank
+            # lacking any table's shard dcp.load re-flattens the state_dict the pre-2.4 way, where a
+            # container holding no tensor is a leaf of its own, a key no checkpoint holds ("Missing
+            # key in checkpoint state_dict: optim.state.<table>.weight"). For the same reason a rank
+            # without tables still has every state, as ShardedTensors without local shards.
+            if entry:
+                state[weight] = entry
         super().__init__(list(kernels.values()), spec, params, state)
 
     def _sharded(
@@ -93,6 +101,20 @@ class ShardedSparseCoreOptimizer(KernelFusedOptimizer):
             # A view when contiguous (natural-order storage); a copy for a padded-width table.
             shards.append(Shard(self._track(kernel, kname, state_name, value.contiguous()), meta))
         return ShardedTensor._init_from_local_shards_and_global_metadata(shards, metadata, process_group=pg)
+
+
+def _spec_of_unheld_tables(sharded: Any) -> OptimizerSpec | None:
+    """The fused optimizer of a module's SparseCore tables on a rank that holds none of them: from the
+    per-table fused params TorchRec keeps for every table (an EBC's sharding infos), or None."""
+    ours = set(sharded._sc_tables)
+    infos = getattr(sharded, "sharding_type_to_sharding_infos", None) or {}
+    specs = {
+        spec_from_fused_params(i.fused_params, i.embedding_config.name)
+        for group in infos.values()
+        for i in group
+        if i.embedding_config.name in ours
+    }
+    return next(iter(specs)) if len(specs) == 1 else None
 
 
 def _rowwise_metadata(
