@@ -21,6 +21,7 @@ import sys
 
 from tpurec.errors import UserError
 from tpurec.runtime import safe_path
+from tpurec.runtime.device import DeviceKind
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -81,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         return _error(f"no such program: {args.program}")
     from tpurec.sharding import tpu_all_to_all
 
-    tpu_all_to_all.check(None, "tpu")  # TPUREC_TPU_ALL_TO_ALL=uneven: refused before any rank starts
+    tpu_all_to_all.check(None, DeviceKind.TPU)  # TPUREC_TPU_ALL_TO_ALL=uneven: refused before any rank starts
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     if args.emulate_tpu:
         from tpurec.planner.topology import parse_slice

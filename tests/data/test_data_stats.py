@@ -162,8 +162,8 @@ def test_measured_limits_bound_every_stack_so_no_batch_needs_a_second_pass():
             KeyedJaggedTensor(keys=[t.feature_names[0] for t in tables], values=torch.cat(parts), lengths=lengths)
         )
     limits = {t.name: _demand_of(batches, t, 4) for t in tables}
-    stacked = SparseCoreKernel(tables, SGDSpec(lr=0.1), 4, table_limits=limits)
-    alone = SparseCoreKernel(tables[2:3], SGDSpec(lr=0.1), 4, table_limits=limits)
+    stacked = SparseCoreKernel(tables, SGDSpec(lr=0.1), 4, id_limits=limits)
+    alone = SparseCoreKernel(tables[2:3], SGDSpec(lr=0.1), 4, id_limits=limits)
     assert len(stacked.stacks) == 1 and stacked.fixed_limits
     for kjt in batches:
         stacked.preprocess(kjt)
@@ -186,7 +186,7 @@ def test_a_sequence_tables_capacity_comes_from_its_measured_ids_per_feature(synt
     assert doc["t_C1"]["observed"]["max_ids_per_feature"] == 64 and doc["t_C1"]["max_ids_per_feature"] == 72
     limits = load_limits(str(out))
     kernel = SparseCoreSequenceKernel(
-        [KernelTable("t_C1/0", 1000, 8, ("0:C1",), source="t_C1")], SGDSpec(lr=0.1), 4, table_limits=limits
+        [KernelTable("t_C1/0", 1000, 8, ("0:C1",), source="t_C1")], SGDSpec(lr=0.1), 4, id_limits=limits
     )
     assert kernel.max_ids_per_feature == 72 and kernel.fixed_limits
 

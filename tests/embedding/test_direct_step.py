@@ -125,7 +125,7 @@ def test_direct_id_stats_and_bad_ids(monkeypatch):
     [
         {"max_ids_per_partition": 64},  # given limits: a batch over them runs in passes
         {"fixed_limits": True},  # a TPU's fixed buffers (the dry run)
-        {"table_limits": {"t1": (16, 16), "t2": (16, 16), "t3": (16, 16)}},
+        {"id_limits": {"t1": (16, 16), "t2": (16, 16), "t3": (16, 16)}},
     ],
 )
 def test_layout_path_kept_where_the_layout_matters(kw):

@@ -18,7 +18,7 @@ from .test_sequence_module import batch, seq_tables
     [
         ({"max_ids_per_partition": 0}, "KernelSettings.max_ids_per_partition"),
         ({"max_unique_ids_per_partition": -3}, "KernelSettings.max_unique_ids_per_partition"),
-        ({"table_limits": {"t1": (8,)}}, "KernelSettings.table_limits['t1']"),
+        ({"id_limits": {"t1": (8,)}}, "KernelSettings.id_limits['t1']"),
     ],
 )
 def test_bad_values_are_one_line_naming_the_field(kwargs, names):
@@ -40,9 +40,9 @@ def test_defaults_are_decided_by_the_device():
     given = KernelSettings(pad_dims=True, widen_tables=False, fixed_limits=False).resolved_for("tpu")
     assert (given.pad_dims, given.widen_tables, given.fixed_limits) == (True, False, False)
     # Measured table limits turn fixed limits on unless they were set.
-    measured = KernelSettings(table_limits={"t1": (8, 4)})
+    measured = KernelSettings(id_limits={"t1": (8, 4)})
     assert measured.resolved_for("cpu").fixed_limits is True
-    assert KernelSettings(table_limits={"t1": (8, 4)}, fixed_limits=False).resolved_for("cpu").fixed_limits is False
+    assert KernelSettings(id_limits={"t1": (8, 4)}, fixed_limits=False).resolved_for("cpu").fixed_limits is False
 
 
 def _ebc(**kwargs):

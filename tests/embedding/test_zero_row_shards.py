@@ -19,7 +19,7 @@ def _kernel(with_empty: bool, limits, stack: bool) -> SparseCoreKernel:
     tables = [KernelTable("big/0", 40, 16, ("f1",), source="big")]
     if with_empty:
         tables.insert(0, KernelTable("empty/0", 0, 16, ("f0",), source="empty"))
-    return SparseCoreKernel(tables, SGDSpec(lr=0.1), 2, table_limits=limits, stack_tables=stack)
+    return SparseCoreKernel(tables, SGDSpec(lr=0.1), 2, id_limits=limits, stack_tables=stack)
 
 
 @pytest.mark.parametrize("stack", [True, False])

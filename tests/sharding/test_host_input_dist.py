@@ -16,6 +16,7 @@ from tpurec.planner.plan_check import module_plans
 from tpurec.planner.planners import plan
 from tpurec.planner.topology import make_topology
 from tpurec.runtime import host_copies
+from tpurec.runtime.device import DeviceKind
 from tpurec.sharding.dmp import _ensure_process_group
 from tpurec.sharding.ec_sharder import SparseCoreECSharder
 from tpurec.sharding.sharder import SparseCoreEBCSharder
@@ -33,7 +34,7 @@ def _shard(kind: str, sharding_type: str, device: str = "meta"):
     is (an EmbeddingCollection's ShardedTensors cannot be built on meta: it is built on the CPU)."""
     from torchrec.distributed.planner.types import ParameterConstraints
 
-    _ensure_process_group("cpu")
+    _ensure_process_group(DeviceKind.CPU)
     config, module_type, sharder = (
         (EmbeddingBagConfig, EmbeddingBagCollection, SparseCoreEBCSharder())
         if kind == "ebc"

@@ -26,6 +26,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 import tpurec
+from tpurec.runtime.device import DeviceKind
 from tpurec.sharding.dmp import _ensure_process_group
 from tpurec.sharding.ec_sharder import SparseCoreECSharder
 from tpurec.sharding.sharded_optimizer import ShardedSparseCoreOptimizer
@@ -75,7 +76,7 @@ def _plan(model: _Model, sharding: str, kernel: str) -> ShardingPlan:
 
 def _sharded(dmp_class, sharding: str, rows: int = 96) -> nn.Module:
     """Stock TorchRec's DMP on FBGEMM's fused kernel, or tpurec's on its own, with the same plan."""
-    _ensure_process_group("cpu")
+    _ensure_process_group(DeviceKind.CPU)
     model = _model(rows)
     kernel = "fused" if dmp_class is StockDMP else "customized_kernel"
     return dmp_class(model, device=torch.device("cpu"), plan=_plan(model, sharding, kernel))
@@ -199,7 +200,7 @@ def test_embedding_collection_parameters_as_stock():
     ]
     described = []
     for dmp_class, kernel in ((StockDMP, "fused"), (tpurec.DistributedModelParallel, "customized_kernel")):
-        _ensure_process_group("cpu")
+        _ensure_process_group(DeviceKind.CPU)
         ec = EmbeddingCollection(tables=tables)
         apply_optimizer_in_backward(RowWiseAdagrad, ec.parameters(), {"lr": 0.05})
         plan = ShardingPlan(
@@ -231,7 +232,7 @@ def _trained(model: nn.Module) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("sharding", ["table_wise", "column_wise"])
 def test_shard_modules_trains_as_tpurec_dmp(sharding):
-    _ensure_process_group("cpu")
+    _ensure_process_group(DeviceKind.CPU)
     model = _model()
     plan = _plan(model, sharding, "customized_kernel")
     composable = shard_modules(model, device=torch.device("cpu"), plan=plan, sharders=[SparseCoreEBCSharder()])
@@ -245,7 +246,7 @@ def test_shard_modules_trains_as_tpurec_dmp(sharding):
 
 def test_shard_one_module_trains_as_tpurec_dmp():
     """`shard(ebc, plan, sharder=...)`: the module itself becomes the sharded one."""
-    _ensure_process_group("cpu")
+    _ensure_process_group(DeviceKind.CPU)
     ebcs = []
     for _ in range(2):
         torch.manual_seed(0)
@@ -274,7 +275,7 @@ def test_shard_one_module_trains_as_tpurec_dmp():
 
 
 def test_shard_modules_of_an_embedding_collection():
-    _ensure_process_group("cpu")
+    _ensure_process_group(DeviceKind.CPU)
     tables = [EmbeddingConfig(name="t0", embedding_dim=DIM, num_embeddings=96, feature_names=["f0"])]
 
     class WithEC(nn.Module):
@@ -340,7 +341,7 @@ def test_feature_processed_collection_parameters_as_stock():
 
     described = []
     for dmp_class, kernel in ((StockDMP, "fused"), (tpurec.DistributedModelParallel, "customized_kernel")):
-        _ensure_process_group("cpu")
+        _ensure_process_group(DeviceKind.CPU)
         torch.manual_seed(0)
         ebc = EmbeddingBagCollection(tables=_tables(96), is_weighted=True)
         fp = FeatureProcessedEmbeddingBagCollection(ebc, PositionWeightedModuleCollection({"f0": 4, "f1": 4}))

@@ -21,6 +21,7 @@ from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 import tpurec
+from tpurec.runtime.device import DeviceKind
 from tpurec.sharding.dmp import _ensure_process_group
 
 TABLES = [
@@ -35,7 +36,7 @@ SHARDINGS = {
 
 
 def _model(stock: bool, optimizer, sharding: str):
-    _ensure_process_group("cpu")
+    _ensure_process_group(DeviceKind.CPU)
     ebc = EmbeddingBagCollection(tables=TABLES, device=torch.device("meta"))
     apply_optimizer_in_backward(optimizer, ebc.parameters(), {"lr": 0.1})
     kernel = "fused" if stock else "customized_kernel"

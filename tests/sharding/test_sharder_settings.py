@@ -10,10 +10,10 @@ from tpurec.sharding.sharder import SparseCoreEBCSharder
 
 @pytest.mark.parametrize("sharder", [SparseCoreEBCSharder, SparseCoreECSharder])
 def test_settings_and_keywords_give_the_same_fused_params(sharder):
-    loose = dict(max_ids_per_partition=16, allow_id_dropping=True, pad_dims=True, table_limits={"t": (8, 4)})
+    loose = dict(max_ids_per_partition=16, allow_id_dropping=True, pad_dims=True, id_limits={"t": (8, 4)})
     by_keywords = sharder(num_sparsecores=2, **loose).fused_params
     carried = by_keywords[SETTINGS_KEY]
-    assert carried.max_ids_per_partition == 16 and carried.table_limits == {"t": TableLimits(8, 4)}
+    assert carried.max_ids_per_partition == 16 and carried.id_limits == {"t": TableLimits(8, 4)}
     assert sharder(num_sparsecores=2, settings=KernelSettings(**loose)).fused_params == by_keywords
     with pytest.raises(UserError, match=r"not both \(got \['pad_dims'\]\)"):
         sharder(settings=KernelSettings(), pad_dims=True)

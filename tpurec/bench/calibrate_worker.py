@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 from tpurec import strict_json
 from tpurec.bench import timer
+from tpurec.runtime.device import DeviceKind
 
 
 def turn_order(n: int, turn: int) -> list[int]:
@@ -51,7 +52,7 @@ def worker(data: str, plan_files: list[str], turns: int, block: int, warmup: int
     pipelines: list[tuple[TrainPipelineSparseDist, Iterator]] = []
     for path in plan_files:
         torch.manual_seed(0)
-        dmp = shard(build_model(cfg), cfg, "cpu", plan=load_plan(path))
+        dmp = shard(build_model(cfg), cfg, DeviceKind.CPU, plan=load_plan(path))
         pipelines.append(
             (TrainPipelineSparseDist(dmp, build_optimizer(dmp, cfg), torch.device("cpu")), itertools.cycle(batches))
         )

@@ -45,6 +45,7 @@ from tpurec import strict_json
 from tpurec.argtypes import positive_int
 from tpurec.bench import rounds, timer
 from tpurec.runtime import safe_path
+from tpurec.runtime.device import DeviceKind
 
 TABLE_MODULE = "model.sparse_arch.embedding_bag_collection"
 SIDES = ("torchrec-tw", "tpurec-tw", "torchrec", "tpurec")
@@ -371,7 +372,7 @@ def worker(side: str, tables: str, data: str, steps: int, warmup: int, batch_siz
         plan = stock_planner_plan(model, world, batch_size)
     else:
         plan = None  # tpurec's planner
-    dmp = shard(model, cfg, "cpu", plan=plan, stock=stock)
+    dmp = shard(model, cfg, DeviceKind.CPU, plan=plan, stock=stock)
     optimizer = build_optimizer(dmp, cfg)
     pipeline: TrainPipelineSparseDist = TrainPipelineSparseDist(dmp, optimizer, torch.device("cpu"))
     reader = ParquetReader(data, batch_size, rank=rank, world_size=world, drop_last=True, equal_rows=True)

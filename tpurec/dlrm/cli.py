@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from tpurec.dlrm.options import OPTIONS_ENV, TrainOptions
 from tpurec.errors import UserError
+from tpurec.runtime.device import DeviceKind
 
 if TYPE_CHECKING:
     from tpurec.dlrm.trainer import Trainer
@@ -147,7 +148,7 @@ def _launch_problem(args: argparse.Namespace, options: TrainOptions) -> str | No
         from tpurec.sharding import tpu_all_to_all
 
         try:
-            tpu_all_to_all.check(None, "tpu")  # TPUREC_TPU_ALL_TO_ALL=uneven: refused before any rank starts
+            tpu_all_to_all.check(None, DeviceKind.TPU)  # TPUREC_TPU_ALL_TO_ALL=uneven: refused before any rank starts
         except UserError as e:
             return str(e)
     return None
@@ -156,7 +157,7 @@ def _launch_problem(args: argparse.Namespace, options: TrainOptions) -> str | No
 def _files_problem(args: argparse.Namespace, options: TrainOptions) -> str | None:
     """--plan and --limits against the model, world size and slice, once, before any rank starts
     (tpurec/dlrm/preflight.py); a real TPU slice's world is known only to its ranks."""
-    if not (options.plan or options.limits):
+    if not (options.plan or options.id_limits):
         return None
     if args.emulate_tpu:
         from tpurec.planner.topology import parse_slice

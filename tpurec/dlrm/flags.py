@@ -52,12 +52,13 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
     for f in flagged_fields(cls):
         kwargs = dict(f.metadata[_KEY])
         aliases = kwargs.pop("aliases", ())  # other spellings, e.g. TorchRec's example's flag names
+        spelling = kwargs.pop("option", None) or option_string(f.name)  # a flag named unlike its field
         kind = _plain_type(hints[f.name])
         if kind is bool:
             kwargs.setdefault("action", "store_true")
         elif kind is not str and "type" not in kwargs:
             kwargs["type"] = kind  # str is argparse's own default: leave it implicit
-        parser.add_argument(option_string(f.name), *aliases, dest=f.name, default=f.default, **kwargs)
+        parser.add_argument(spelling, *aliases, dest=f.name, default=f.default, **kwargs)
 
 
 def values(cls: type, namespace: argparse.Namespace) -> dict:

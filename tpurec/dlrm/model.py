@@ -129,7 +129,7 @@ def shard(
 ) -> DistributedModelParallel:
     """tpurec.DistributedModelParallel (tpurec planner and SparseCore kernel), or with stock=True,
     torchrec's own DMP with the FBGEMM `fused` kernel (for the benchmark). id_limits: the `--limits`
-    file, read by DMP (only it knows the layout the file must match) into KernelSettings.table_limits."""
+    file, read by DMP (only it knows the layout the file must match) into KernelSettings.id_limits."""
     if stock:
         from torchrec.distributed.model_parallel import DistributedModelParallel as TorchrecDMP
 

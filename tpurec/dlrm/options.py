@@ -86,11 +86,14 @@ class TrainOptions:
     )
     plan: str | None = flag(None, "use a saved sharding plan instead of planning", metavar="PLAN.json")
     save_plan: str | None = flag(None, "save the plan used (for --plan later)", metavar="PLAN.json")
-    limits: str | None = flag(
+    # named id_limits from here to the kernel (DMP's id_limits=, KernelSettings.id_limits); the flag
+    # keeps its short spelling
+    id_limits: str | None = flag(
         None,
         "fixed SparseCore id limits per table, measured by `tpurec data stats` for this layout "
         "(devices, SparseCores, batch per device); batches over them run in several passes",
         metavar="LIMITS.json",
+        option="--limits",
     )
     limits_out: str | None = flag(
         None,
@@ -215,8 +218,8 @@ class TrainOptions:
             return f"--multi-hot-sizes shapes the synthetic data; --data {self.data} holds its own ids per sample"
         if self.plan and not os.path.isfile(self.plan):
             return f"--plan {self.plan}: file not found"
-        if self.limits and not os.path.isfile(self.limits):
-            return f"--limits {self.limits}: file not found (write one with `tpurec data stats`)"
+        if self.id_limits and not os.path.isfile(self.id_limits):
+            return f"--limits {self.id_limits}: file not found (write one with `tpurec data stats`)"
         if self.metrics_out and not self.metrics_out.lower().endswith((".csv", ".jsonl", ".json")):
             return "--metrics-out must end in .csv or .jsonl"
         if self.curves_out and self.curves_out.lower() != "none" and not self.curves_out.lower().endswith(".png"):

@@ -20,16 +20,16 @@ if TYPE_CHECKING:
 def check_before_launch(options: TrainOptions, world_size: int, slice_name: str | None) -> None:
     """Raise UserError (one line naming the file) when --plan or --limits does not fit the model,
     the world size or (an emulated TPU slice) its generation."""
-    if not (options.plan or options.limits):
+    if not (options.plan or options.id_limits):
         return
     tables = model_tables(options)
     if options.plan:
         check_plan_file(options.plan, tables, world_size, slice_name)
-    if options.limits:
+    if options.id_limits:
         from tpurec.planner.id_limits import check_limits_tables, load_limits
 
         # the layout (devices, SparseCores, batch) is the ranks' to check: a small dataset caps the batch
-        check_limits_tables(load_limits(options.limits), tables, f"--limits {options.limits}")
+        check_limits_tables(load_limits(options.id_limits), tables, f"--limits {options.id_limits}")
 
 
 def model_tables(options: TrainOptions) -> dict[str, dict[str, tuple[int, int]]]:

@@ -52,7 +52,7 @@ def setup_logging(rank: int) -> None:
         warnings.filterwarnings("ignore", category=category, module=r"(torchrec|fbgemm_gpu|torch)\b")
 
 
-def init_distributed(device: DeviceKind = "cpu", timeout: float | None = None) -> tuple[int, int]:
+def init_distributed(device: DeviceKind = DeviceKind.CPU, timeout: float | None = None) -> tuple[int, int]:
     """(rank, world_size): from torchrun's environment, else a single process.
 
     On TPU the ranks pair gloo (CPU tensors) with TorchTPU's `tpu_dist` (tpu tensors), as DMP does
@@ -70,7 +70,9 @@ def init_distributed(device: DeviceKind = "cpu", timeout: float | None = None) -
 
         # Without a usable TPU, stay on gloo: the device check later names what is missing.
         process_group.init(
-            process_group_backend("tpu" if device == "tpu" and (tpu_status().usable or emulated_slice()) else "cpu"),
+            process_group_backend(
+                DeviceKind.TPU if device == "tpu" and (tpu_status().usable or emulated_slice()) else DeviceKind.CPU
+            ),
             timeout=None if timeout is None else timedelta(seconds=timeout),
         )
     if dist.is_initialized():
@@ -82,8 +84,8 @@ def resolve_device(name: DeviceChoice) -> DeviceKind:
     from tpurec.runtime.device import emulated_slice, tpu_status
 
     if name == "auto":
-        return "tpu" if tpu_status().usable or emulated_slice() else "cpu"
-    return name
+        return DeviceKind.TPU if tpu_status().usable or emulated_slice() else DeviceKind.CPU
+    return DeviceKind(name)
 
 
 # What a CPU training rank holds besides its tables (torch, torchrec, the dense model, readers,

@@ -237,14 +237,9 @@ class Trainer:
             plan = load_plan(o.plan)
         from tpurec.planner.plan_check import PlanMismatchError
 
-        if o.limits and OPTIONS_ENV not in os.environ:
-            # one process (a launcher checked it before its ranks started: tpurec/dlrm/preflight.py)
-            from tpurec.planner.id_limits import check_limits_tables, load_limits
-            from tpurec.planner.plan_check import embedding_tables
-
-            check_limits_tables(load_limits(o.limits), embedding_tables(model), f"--limits {o.limits}")
         try:
-            self.dmp = shard(model, cfg, self.device, plan=plan, id_limits=o.limits)
+            # the --limits file is read and checked against the model by DMP (tpurec/sharding/dmp.py)
+            self.dmp = shard(model, cfg, self.device, plan=plan, id_limits=o.id_limits)
         except PlanMismatchError as e:  # DMP says "the plan": name the file
             raise e.named(f"--plan {o.plan}") from None
         self.optimizer = build_optimizer(self.dmp, cfg)
@@ -508,7 +503,11 @@ class Trainer:
             import torch.distributed as dist
 
             dist.all_reduce(counts)
-        out: dict[str, Any] = {"limits": o.limits, "multipass_batches": int(counts[0]), "dropped_ids": int(counts[1])}
+        out: dict[str, Any] = {
+            "limits": o.id_limits,
+            "multipass_batches": int(counts[0]),
+            "dropped_ids": int(counts[1]),
+        }
         demand, passes = id_feedback.merged(self.dmp, self.world)
         out["tables"] = id_feedback.per_table(demand, passes)
         for name, figures in out["tables"].items():

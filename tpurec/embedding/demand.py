@@ -10,7 +10,7 @@ in one sample (and feature) merge into one entry. The limits bound, per segment,
 Counted for the table alone (stack_tables=False), and per SparseCore slice over all partitions. In
 a stack the tables lie end to end and a stack partition can hold a whole small table, so the kernel
 bounds a stack's segment by each table's per-partition figure times the table partitions a stack
-partition can overlap, and never more than its per-slice figure (SparseCoreKernel, table_limits).
+partition can overlap, and never more than its per-slice figure (SparseCoreKernel, id_limits).
 
 `ShardsDemand` counts many tables and row-wise shards of one batch at once: one key per id, one
 sort for them all (a sort per table and shard costs numpy's per-call overhead hundreds of times a

@@ -10,7 +10,7 @@ with no sort (`direct_kernels.py`). The results equal the layout path's up to th
 additions (tests/embedding/test_direct_step.py).
 
 The layout path still runs whenever it is the thing being exercised or could differ: fixed or given
-limits (a TPU, `table_limits`, the dry run), the TorchTPU stand-in (the ops' CPU kernels replaced),
+limits (a TPU, `id_limits`, the dry run), the TorchTPU stand-in (the ops' CPU kernels replaced),
 meta/fake tensors or tracing, tables stored padded or in FP16/BF16, `TPUREC_NO_DIRECT=1`, and any
 optimizer option this module does not know (it refuses rather than ignores: a spec field it does not
 list must be off, i.e. 0, False or None). `SparseCoreKernel.preprocess` always builds the layout.

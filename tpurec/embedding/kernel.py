@@ -66,7 +66,7 @@ class SparseCoreKernel(nn.Module):
         """settings: the buffer and layout settings (KernelSettings, tpurec/embedding/settings.py,
         which says what each does); its fields may instead be passed as keywords.
 
-        A stack whose tables all have table_limits gets fixed limits that bound every segment
+        A stack whose tables all have id_limits gets fixed limits that bound every segment
         (`stack_limits.stack_bound`). With fixed limits, limits come from max_ids_per_partition /
         max_unique_ids_per_partition when given, else from the first batch (twice its fullest
         partition, 8-aligned). A batch over the limits (fixed or given) runs in several passes that

@@ -63,16 +63,16 @@ class SparseCoreSequenceKernel(SparseCoreKernel):
         if max_ids_per_feature is not None and max_ids_per_feature < 1:
             raise UserError(f"max_ids_per_feature must be >= 1, got {max_ids_per_feature}")
         if max_ids_per_feature is None:
-            max_ids_per_feature = self._measured_capacity(self.settings.table_limits)
+            max_ids_per_feature = self._measured_capacity(self.settings.id_limits)
         self.max_ids_per_feature = max_ids_per_feature
         self._capacity: int | None = None if max_ids_per_feature is None else self._aligned(max_ids_per_feature)
 
-    def _measured_capacity(self, table_limits: Mapping[str, TableLimits] | None) -> int | None:
+    def _measured_capacity(self, id_limits: Mapping[str, TableLimits] | None) -> int | None:
         """The largest measured ids per feature of this kernel's tables (`tpurec data stats`,
         `TableLimits.max_ids_per_feature`), when every table has one; None otherwise."""
-        if not table_limits:
+        if not id_limits:
             return None
-        found = [table_limits.get(t.source or t.name) for t in self.tables]
+        found = [id_limits.get(t.source or t.name) for t in self.tables]
         capacities = [f.max_ids_per_feature for f in found if f is not None and f.max_ids_per_feature is not None]
         if not found or len(capacities) < len(found):
             return None

@@ -6,7 +6,7 @@ it in their fused params (`SETTINGS_KEY`), which TorchRec hands to every table's
 Settings left as None are decided by the storage device, in one place: `resolved_for`.
 
 `TableLimits`: one table's measured id limits (`tpurec data stats`, docs/id_limits.md), by name;
-`KernelSettings.table_limits` maps table names to them from the limits file to the kernel.
+`KernelSettings.id_limits` maps table names to them from the limits file to the kernel.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class TableLimits:
 
 
 class _TableLimitsByName(Mapping[str, TableLimits]):
-    """KernelSettings.table_limits as stored: a read-only mapping that hashes, so the settings
+    """KernelSettings.id_limits as stored: a read-only mapping that hashes, so the settings
     holding it can be a fused param (TorchRec groups tables by hashing fused params)."""
 
     def __init__(self, items: Iterable[tuple[str, TableLimits]]) -> None:
@@ -104,7 +104,7 @@ class KernelSettings:
 
     fixed_limits: bool | None = None
     """Keep each stack's id limits (and every buffer shape) the same for every batch. Default None:
-    on when table_limits are given, else on where the tables are stored on a TPU (TorchTPU compiles
+    on when id_limits are given, else on where the tables are stored on a TPU (TorchTPU compiles
     the limits into the program, so limits sized to each batch would recompile every step);
     elsewhere limits left as None follow each batch."""
 
@@ -117,7 +117,7 @@ class KernelSettings:
     only, where TorchTPU's SparseCore ops take float32 tables (`tpurec.embedding.dtypes`). Otherwise
     each table is stored in its dtype and updated in float32, rounded once per step."""
 
-    table_limits: Mapping[str, TableLimits] | None = None
+    id_limits: Mapping[str, TableLimits] | None = None
     """Measured limits by table name (a shard's `source` table or its own name; `tpurec data
     stats`). A stack whose tables all have them gets fixed limits. Positional tuples (max ids, max
     unique ids[, per slice (2)[, per feature]]) are taken too, as TableLimits. Kept as a read-only
@@ -128,11 +128,11 @@ class KernelSettings:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UserError(f"KernelSettings.{name} must be >= 1 or None, got {value!r}")
-        if self.table_limits is not None and not isinstance(self.table_limits, _TableLimitsByName):
+        if self.id_limits is not None and not isinstance(self.id_limits, _TableLimitsByName):
             # converted once here, so every reader sees TableLimits (frozen: set through object);
             # none measured is None, whether given as None or as {}
-            limits = _TableLimitsByName((t, _limits_of(t, v)) for t, v in self.table_limits.items())
-            object.__setattr__(self, "table_limits", limits or None)
+            limits = _TableLimitsByName((t, _limits_of(t, v)) for t, v in self.id_limits.items())
+            object.__setattr__(self, "id_limits", limits or None)
 
     @classmethod
     def of(cls, settings: KernelSettings | None = None, **keywords: Any) -> KernelSettings:
@@ -157,12 +157,12 @@ class KernelSettings:
 
     def resolved_for(self, device_type: str) -> KernelSettings:
         """A copy with the device-dependent defaults decided for tables stored on `device_type`.
-        fixed_limits without table_limits stays None: the kernel follows its storage's device, which
+        fixed_limits without id_limits stays None: the kernel follows its storage's device, which
         moves with `.to()`."""
         from tpurec.runtime import device as _device
 
         tpu = _device.tpu_path(device_type)
-        fixed = True if self.fixed_limits is None and self.table_limits else self.fixed_limits
+        fixed = True if self.fixed_limits is None and self.id_limits else self.fixed_limits
         return replace(
             self,
             pad_dims=tpu if self.pad_dims is None else self.pad_dims,
@@ -175,8 +175,8 @@ def _limits_of(table: str, value: TableLimits | Sequence[int]) -> TableLimits:
     if isinstance(value, TableLimits):
         return value
     if len(value) < 2:
-        raise UserError(f"KernelSettings.table_limits[{table!r}] needs (max ids, max unique ids), got {value!r}")
+        raise UserError(f"KernelSettings.id_limits[{table!r}] needs (max ids, max unique ids), got {value!r}")
     try:
         return TableLimits.from_positions(value)
     except UserError as e:
-        raise UserError(f"KernelSettings.table_limits[{table!r}]: {e}") from None
+        raise UserError(f"KernelSettings.id_limits[{table!r}]: {e}") from None

@@ -1,5 +1,5 @@
 """The id limits of a kernel's stacks before any batch: the given ones, or those the stack's tables'
-measured limits (`tpurec data stats`, KernelSettings.table_limits) bound; None where the first
+measured limits (`tpurec data stats`, KernelSettings.id_limits) bound; None where the first
 batch decides (fixed limits) or each batch does."""
 
 from __future__ import annotations
@@ -22,16 +22,16 @@ def initial_limits(
     if max_ids is not None:
         given = (round_up(max_ids, SEGMENT_ALIGN), round_up(max_uniq or max_ids, SEGMENT_ALIGN))
     limits: list[tuple[int, int] | None] = [given] * len(layouts)
-    if settings.table_limits:
+    if settings.id_limits:
         for i, lay in enumerate(layouts):
-            bound = stack_bound(lay, tables, settings.table_limits, num_sc)
+            bound = stack_bound(lay, tables, settings.id_limits, num_sc)
             if bound is not None:
                 limits[i] = bound
     return limits
 
 
 def stack_bound(
-    lay: StackLayout, tables: Mapping[str, KernelTable], table_limits: Mapping[str, TableLimits], num_sc: int
+    lay: StackLayout, tables: Mapping[str, KernelTable], id_limits: Mapping[str, TableLimits], num_sc: int
 ) -> tuple[int, int] | None:
     """Fixed limits for a stack from its tables' measured ones, or None if a table has none.
 
@@ -48,7 +48,7 @@ def stack_bound(
             # A 0-row shard (a row-wise table with fewer rows than ranks) receives no id: nothing to
             # bound, measured or not (its own partitions would be 0 rows, a division by zero).
             continue
-        m = table_limits.get(t.source or t.name)
+        m = id_limits.get(t.source or t.name)
         if m is None:
             return None
         own = padded_rows(t.num_embeddings, num_sc) // num_sc

@@ -277,7 +277,7 @@ def _limit(where: str, value: object) -> int:
     return value
 
 
-def check_table_limits(limits: object, source: str = "id_limits") -> dict[str, TableLimits]:
+def check_id_limits(limits: object, source: str = "id_limits") -> dict[str, TableLimits]:
     """`{table: TableLimits}` from `{table: TableLimits or (max ids, max unique ids per partition[,
     per slice (2)[, per feature]])}` as given to DistributedModelParallel(id_limits=...), checked
     like a flag: each limit a whole number in [1, MAX_ID_LIMIT], the table and the field named
@@ -301,11 +301,15 @@ def check_table_limits(limits: object, source: str = "id_limits") -> dict[str, T
     return out
 
 
-def load_limits(path: str, layout: dict | None = None) -> dict[str, TableLimits]:
+def load_limits(
+    path: str, layout: dict | None = None, tables: Mapping[str, Mapping[str, object]] | None = None
+) -> dict[str, TableLimits]:
     """{table: TableLimits} from a limits file (per partition; per slice and per feature when
-    given); with `layout`, refused unless the file was measured for it. Every limit present must be
-    a whole number in [1, MAX_ID_LIMIT] (NaN, Infinity, 1.5, "8", 10^12 refused, the table and
-    field named); nesting deeper than Python's JSON parser reads is refused too."""
+    given); with `tables` (a model's, as plan_check.embedding_tables gives), refused unless it names
+    exactly them (`check_limits_tables`); with `layout`, refused unless the file was measured for it
+    (the tables first: limits for another model are the likelier mistake, and the clearer message).
+    Every limit present must be a whole number in [1, MAX_ID_LIMIT] (NaN, Infinity, 1.5, "8", 10^12
+    refused, the table and field named); nesting deeper than Python's JSON parser reads is refused too."""
     try:
         with open(path) as f:
             doc = json.load(f)
@@ -319,6 +323,8 @@ def load_limits(path: str, layout: dict | None = None) -> dict[str, TableLimits]
         ) from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("tables"), dict):
         raise IdLimitsError(f"--limits {path}: not a limits file (write one with `tpurec data stats`)")
+    if tables is not None:
+        check_limits_tables(doc["tables"], tables, f"--limits {path}")
     if layout is not None and not same_layout(doc.get("layout"), layout):
         raise IdLimitsError(f"--limits {path} was measured for {_describe(doc.get('layout'))}, not {_describe(layout)}")
     out = {}

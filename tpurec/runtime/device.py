@@ -14,6 +14,7 @@ import importlib.util
 import os
 import sys
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Literal
 
 from tpurec.errors import UserError
@@ -21,10 +22,15 @@ from tpurec.errors import UserError
 if TYPE_CHECKING:
     import torch  # imported where devices are made: detection needs no torch
 
+
 # The compute devices tpurec trains and plans for: TorchRec's `compute_device` strings (Topology,
 # ModuleSharder.sharding_types) that tpurec's kernel answers to. A torch.device's own `.type` stays a
 # plain str ("meta", "cuda", ...).
-DeviceKind = Literal["cpu", "tpu"]
+class DeviceKind(StrEnum):
+    CPU = "cpu"
+    TPU = "tpu"
+
+
 # `tpurec train --device`: a kind, or "auto" (TPU when this host has a usable one).
 DeviceChoice = Literal["auto", "cpu", "tpu"]
 
@@ -224,7 +230,7 @@ def emulated_slice() -> str | None:
 def device_kind(device_type: str) -> DeviceKind:
     """The kind of work a torch device type runs: the TPU path for "tpu" and an emulated TPU rank's
     CPU (tpurec.emulation), else the CPU path."""
-    return "tpu" if tpu_path(device_type) else "cpu"
+    return DeviceKind.TPU if tpu_path(device_type) else DeviceKind.CPU
 
 
 def tpu_path(device_type: str) -> bool:

@@ -136,9 +136,9 @@ def _dmp_checks(target, num_sc: int, seed: int) -> list[Check]:
         )
     except Exception as e:  # the checklist reports, it does not stop at the first failure
         return [Check("1-rank DMP step", False, 0.0, 0.0, f"{type(e).__name__}: {e}")]
-    from tpurec.runtime.device import tpu_path
+    from tpurec.runtime.device import device_kind
 
-    backend = process_group_backend("tpu" if tpu_path(target.type) else target.type)
+    backend = process_group_backend(device_kind(target.type))
     own = "cpu" if target.type == "cpu" else f"{target.type}:0"
     checks = [
         Check("1-rank DMP step", moved, 0.0, 0.0, f"process group {backend}; tables updated: {moved}"),

@@ -66,7 +66,7 @@ def process_group_backend(device_type: DeviceKind) -> str:
     return "cpu:gloo,tpu:tpu_dist" if device_type == "tpu" else "gloo"
 
 
-def _ensure_process_group(device_type: DeviceKind = "cpu") -> None:
+def _ensure_process_group(device_type: DeviceKind = DeviceKind.CPU) -> None:
     if dist.is_initialized():
         return
     backend = process_group_backend(device_type)
@@ -163,26 +163,30 @@ def _swap_torchrec_sharders(sharders: List[ModuleSharder[nn.Module]], num_sc: in
     return out
 
 
-def _table_limits(
+def _read_id_limits(
     id_limits: IdLimitsArg,
+    module: nn.Module,
     world_size: int,
     num_sc: int,
     batch_size: int | None,
 ) -> dict[str, TableLimits] | None:
-    """{table: TableLimits} (KernelSettings.table_limits) from `id_limits`: a limits file (`tpurec
-    data stats`), refused unless measured for this layout, or a dict of TableLimits or of their
+    """{table: TableLimits} (KernelSettings.id_limits) from `id_limits`: a limits file (`tpurec
+    data stats`), read here and only here (only DMP knows the layout it must match), refused unless
+    measured for this layout and for the module's tables; or a dict of TableLimits or of their
     positional tuples, checked; None: none given."""
     if id_limits is None:
         return None
-    from tpurec.planner.id_limits import check_table_limits, load_limits
+    from tpurec.planner.id_limits import check_id_limits, load_limits
+    from tpurec.planner.plan_check import embedding_tables
 
     if isinstance(id_limits, dict):  # each limit checked like a flag, the table and field named
-        return check_table_limits(id_limits)
+        return check_id_limits(id_limits)
 
     if batch_size is None:
         raise UserError("id_limits from a file need batch_size= (the batch per device they were measured for)")
     layout = {"world_size": world_size, "sparsecores_per_device": num_sc, "batch_size_per_device": batch_size}
-    return load_limits(str(id_limits), layout)
+    # measured for another model, they would bound none of its tables without a word
+    return load_limits(str(id_limits), layout, tables=embedding_tables(module))
 
 
 def _quiet_sharded_tensor_notice() -> None:
@@ -337,7 +341,7 @@ class DistributedModelParallel(_TorchrecDMP):
         # ids (tpurec/embedding/stack_order.py); given sharders carry their own `pooling_factors`.
         # The kernel settings DMP decides (the measured limits), built once and carried whole by the
         # sharders to every kernel.
-        settings = KernelSettings(table_limits=_table_limits(id_limits, env.world_size, num_sc, batch_size))
+        settings = KernelSettings(id_limits=_read_id_limits(id_limits, module, env.world_size, num_sc, batch_size))
         sharders = (
             _swap_torchrec_sharders(sharders, num_sc)
             if sharders

@@ -163,7 +163,7 @@ class SparseCoreSharderMixin(_SharderHost):
         pad_dims: bool | None = None,
         widen_tables: bool | None = None,
         pooling_factors: Dict[str, float] | None = None,
-        table_limits: Mapping[str, TableLimits | tuple[int, ...]] | None = None,
+        id_limits: Mapping[str, TableLimits | tuple[int, ...]] | None = None,
         settings: KernelSettings | None = None,
         **kernel_settings: Any,
     ) -> None:
@@ -177,7 +177,7 @@ class SparseCoreSharderMixin(_SharderHost):
             fixed_limits=fixed_limits,
             pad_dims=pad_dims,
             widen_tables=widen_tables,
-            table_limits=table_limits,
+            id_limits=id_limits,
         )
         loose = {k: v for k, v in loose.items() if v is not None}  # None: not given
         if settings is not None:  # the object stands for the loose keywords (refused together)
@@ -230,7 +230,7 @@ class SparseCoreEBCSharder(SparseCoreSharderMixin, EmbeddingBagCollectionSharder
     tpurec.DistributedModelParallel builds the sharder, else 4 on CPU.
     max_ids_per_partition / max_unique_ids_per_partition / allow_id_dropping / fixed_limits: id-limit
     settings passed to every kernel (see SparseCoreKernel: limits are fixed on a TPU, from these or
-    from the first batch; on CPU None follows each batch). table_limits: measured limits by table,
+    from the first batch; on CPU None follows each batch). id_limits: measured limits by table,
     {table: TableLimits} (or their positional tuples; `tpurec data stats`, read with
     id_limits.load_limits), fixed per stack as the sums of its tables'. pad_dims: store rows 8 floats wide as the
     SparseCore needs (default: on a TPU only). widen_tables: store FP16/BF16 tables as float32

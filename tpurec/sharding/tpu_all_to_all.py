@@ -25,12 +25,9 @@ hardware.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 from tpurec.errors import UserError
-
-if TYPE_CHECKING:
-    from tpurec.runtime.device import DeviceKind
+from tpurec.runtime.device import DeviceKind
 
 ENV = "TPUREC_TPU_ALL_TO_ALL"
 MODES = ("padded", "uneven")
@@ -72,7 +69,7 @@ def check(mode: str | None, kind: DeviceKind) -> str:
 def select(mode: str | None = None) -> str:
     """On the TPU path: check `mode` (`check`; "uneven" is refused) and install TorchRec's padding
     for this process, counting its calls; returns the mode ("padded")."""
-    mode = check(mode, "tpu")
+    mode = check(mode, DeviceKind.TPU)
     from torchrec.experimental.torch_tpu import uneven_all_to_all as hooks
 
     if not _originals:
