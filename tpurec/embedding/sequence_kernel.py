@@ -47,7 +47,9 @@ class SparseCoreSequenceKernel(SparseCoreKernel):
     dim, as in TorchRec's EmbeddingCollection and its sequence lookups.
     """
 
-    def __init__(self, *args: Any, max_ids_per_feature: int | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """SparseCoreKernel's arguments; the capacity is KernelSettings.max_ids_per_feature (or that
+        keyword)."""
         kwargs["positional"] = True
         kwargs["is_weighted"] = False  # EmbeddingCollection ignores weights (torchrec's does too)
         super().__init__(*args, **kwargs)
@@ -60,8 +62,7 @@ class SparseCoreSequenceKernel(SparseCoreKernel):
         if any(t.pooling is not PoolingType.SUM for t in self.tables):
             raise UserError("sequence tables are not pooled; build their KernelTables with pooling 'sum'")
         self.dim = dims.pop() if dims else 0
-        if max_ids_per_feature is not None and max_ids_per_feature < 1:
-            raise UserError(f"max_ids_per_feature must be >= 1, got {max_ids_per_feature}")
+        max_ids_per_feature = self.settings.max_ids_per_feature
         if max_ids_per_feature is None:
             max_ids_per_feature = self._measured_capacity(self.settings.id_limits)
         self.max_ids_per_feature = max_ids_per_feature

@@ -83,9 +83,9 @@ class SparseCoreEmbeddingCollection(nn.Module, FusedOptimizerModule):
             spec_from_torch(optimizer, optimizer_kwargs),
             resolve_num_sparsecores(num_sparsecores, self._device.type),
             device=self._device,
-            max_ids_per_feature=max_ids_per_feature,
             settings=KernelSettings.of(
                 settings,
+                max_ids_per_feature=max_ids_per_feature,
                 max_ids_per_partition=max_ids_per_partition,
                 max_unique_ids_per_partition=max_unique_ids_per_partition,
                 allow_id_dropping=allow_id_dropping,

@@ -117,6 +117,12 @@ class KernelSettings:
     only, where TorchTPU's SparseCore ops take float32 tables (`tpurec.embedding.dtypes`). Otherwise
     each table is stored in its dtype and updated in float32, rounded once per step."""
 
+    max_ids_per_feature: int | None = None
+    """Sequence tables (SparseCoreSequenceKernel) only: the ids one feature holds in a batch, the
+    fixed capacity a TPU's buffers are sized for. Default None: the measured
+    `TableLimits.max_ids_per_feature` when every table has one, else twice the first batch's
+    largest feature (fixed limits) or each batch's own. Bag kernels ignore it."""
+
     id_limits: Mapping[str, TableLimits] | None = None
     """Measured limits by table name (a shard's `source` table or its own name; `tpurec data
     stats`). A stack whose tables all have them gets fixed limits. Positional tuples (max ids, max
@@ -124,7 +130,7 @@ class KernelSettings:
     mapping that hashes. Default None: none measured."""
 
     def __post_init__(self) -> None:
-        for name in ("max_ids_per_partition", "max_unique_ids_per_partition"):
+        for name in ("max_ids_per_partition", "max_unique_ids_per_partition", "max_ids_per_feature"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UserError(f"KernelSettings.{name} must be >= 1 or None, got {value!r}")

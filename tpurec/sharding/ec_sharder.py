@@ -77,7 +77,7 @@ class ShardedSparseCoreEC(HostInputDistMixin, SparseCoreShardedMixin, ShardedEmb
         # (tpurec/sharding/sequence_output.py); elsewhere TorchRec's own output distribution.
         fixed = KernelSettings.from_fused(fused_params).fixed_limits
         on_tpu = device is not None and torch.device(device).type == "tpu"
-        cap = (fused_params or {}).get("max_ids_per_feature")
+        cap = KernelSettings.from_fused(fused_params).max_ids_per_feature
         self._fixed_output = (
             FixedSequenceOutput(int(cap) if cap is not None else None) if (on_tpu if fixed is None else fixed) else None
         )

@@ -105,11 +105,7 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
             )
             self.shards.append((t.name, kname, t.local_metadata))
         fused = config.embedding_tables[0].fused_params or {}
-        extra = (
-            {"is_weighted": config.is_weighted}
-            if self.pooled
-            else {"max_ids_per_feature": _fused_int(config, "max_ids_per_feature")}
-        )
+        extra = {"is_weighted": config.is_weighted} if self.pooled else {}
         self.kernel = (SparseCoreKernel if self.pooled else SparseCoreSequenceKernel)(
             tables,
             spec,
@@ -264,8 +260,3 @@ def _same_ids(a: KeyedJaggedTensor, b: KeyedJaggedTensor) -> bool:
         and torch.equal(a.values().to(torch.int64), b.values().to(torch.int64))
         and (wa is None or wb is None or torch.equal(wa, wb))
     )
-
-
-def _fused_int(config: GroupedEmbeddingConfig, key: str):
-    value = (config.embedding_tables[0].fused_params or {}).get(key)
-    return int(value) if value is not None else None

@@ -188,7 +188,9 @@ class SparseCoreSharderMixin(_SharderHost):
         # TorchRec hands fused params to every table's GroupedEmbeddingConfig, where the kernel
         # modules read them: the one KernelSettings, and the sharder's own settings (KERNEL_SETTINGS)
         fused, settings = _settings_in_fused_params(fused_params, loose)
-        fused.update(settings.fused(), **{k: v for k, v in kernel_settings.items() if v is not None})
+        # the sharder's own settings are KernelSettings fields too: the one object carries them all
+        settings = replace(settings, **{k: v for k, v in kernel_settings.items() if v is not None})
+        fused.update(settings.fused())
         if pooling_factors:
             # a tuple of (table, ids per sample): TorchRec groups tables by hashing their fused params
             fused["pooling_factors"] = tuple(sorted((str(k), float(v)) for k, v in pooling_factors.items()))
