@@ -187,11 +187,37 @@ def test_a_resumed_metrics_file_keeps_its_earlier_lines_as_they_were(tmp_path, e
     from tpurec.dlrm.report import MetricsLog
 
     path = tmp_path / f"m.{ext}"
-    first = MetricsLog(str(path), append=False)
+    first = MetricsLog(str(path))
     first.add({"kind": "train", "step": 1, "samples": 512, "loss": 0.5})
     first.add({"kind": "eval", "step": 2, "auc": 0.7})
     before = path.read_text()
-    resumed = MetricsLog(str(path), append=True)
+    resumed = MetricsLog(str(path), resume_step=2)
     resumed.add({"kind": "eval", "step": 3, "auc": 0.75})
     after = path.read_text()
     assert after.startswith(before) and len(after.splitlines()) == len(before.splitlines()) + 1
+
+
+@pytest.mark.parametrize("ext", ["csv", "jsonl"])
+def test_a_resumed_metrics_file_drops_the_rows_after_the_checkpoint_and_the_last_run_s_end_rows(tmp_path, ext):
+    """Rows logged after the checkpoint resumed from are trained again: the resumed file keeps the
+    rows up to its step and drops the later ones and the earlier run's end-of-run id_demand rows."""
+    from tpurec.dlrm.report import MetricsLog
+
+    path = tmp_path / f"m.{ext}"
+    first = MetricsLog(str(path))
+    for step in (10, 20, 30):
+        first.add({"kind": "train", "step": step, "loss": 1.0 / step})
+    first.add({"kind": "eval", "step": 20, "auc": 0.7})
+    first.add({"kind": "id_demand", "step": 30, "table": "t0", "max_ids": 8})
+    first.flush()
+    resumed = MetricsLog(str(path), resume_step=20)
+    resumed.add({"kind": "train", "step": 30, "loss": 0.02})
+    resumed.flush()
+    again = MetricsLog(str(path), resume_step=10**9)  # read back whole
+    assert [(r["kind"], r["step"]) for r in again.records] == [
+        ("train", 10),
+        ("train", 20),
+        ("eval", 20),
+        ("train", 30),
+    ]
+    assert again.records[-1]["loss"] == 0.02

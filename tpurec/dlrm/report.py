@@ -69,7 +69,11 @@ class MetricsLog:
     at every evaluation, at most every `FLUSH_EVERY_S` seconds between them, and by `flush()` at the
     end. A full disk thus never leaves a cut line, and a failed write does not stop training: it is
     kept in `failure` (one line naming the path), retried at the next write, and the trainer reports
-    it after its result line."""
+    it after its result line.
+
+    A resumed run (`resume_step`: the checkpoint's step) keeps the file's rows up to that step and
+    drops the rest: rows a run logged after its last checkpoint are trained again, and the end-of-run
+    rows (`id_demand`) are written anew, so the file has one row per step and a monotone curve."""
 
     FLUSH_EVERY_S = 2.0  # the whole file each time: bounded so long runs do not rewrite it per step
 
@@ -94,7 +98,7 @@ class MetricsLog:
         "dropped_ids",
     ]
 
-    def __init__(self, path: str | None, append: bool) -> None:
+    def __init__(self, path: str | None, resume_step: int | None = None) -> None:
         self.path = Path(path) if path else None
         self.records: list[dict] = []
         self.failure: str | None = None
@@ -102,8 +106,10 @@ class MetricsLog:
         if self.path is None:
             return
         self.csv = self.path.suffix.lower() == ".csv"
-        if append and self.path.exists():
-            self.records = self._read()
+        if resume_step is not None and self.path.exists():
+            self.records = [
+                r for r in self._read() if r.get("kind") in ("train", "eval") and int(r["step"]) <= resume_step
+            ]
         self.flush()
 
     def _read(self) -> list[dict]:

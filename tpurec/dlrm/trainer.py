@@ -402,7 +402,7 @@ class Trainer:
             self.setup()
         o, cfg, total = self.options, self.cfg, self.total_steps
         self._metrics = MetricsLog(
-            o.metrics_out if self.rank == 0 else None, append=bool(o.resume) and self.step_count > 0
+            o.metrics_out if self.rank == 0 else None, self.step_count if o.resume and self.step_count > 0 else None
         )
         self._bar = tqdm(
             total=total,
