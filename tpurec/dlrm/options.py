@@ -102,6 +102,11 @@ class TrainOptions:
         metavar="LIMITS.json",
     )
     metrics_out: str | None = flag(None, "metrics as .csv or .jsonl; curves as FILE.png beside it", metavar="FILE")
+    tensorboard: str | None = flag(
+        None,
+        "write TensorBoard event files here: train/loss, train/samples_per_s, eval/auc, eval/ne, ... (docs/train.md)",
+        metavar="DIR",
+    )
     curves_out: str | None = flag(
         None,
         "training-curves PNG (default: beside --metrics-out, else CHECKPOINT_DIR/curves.png, else "
@@ -183,6 +188,7 @@ class TrainOptions:
             ("--metrics-out", self.metrics_out, "file+dirs"),
             ("--save-plan", self.save_plan, "file"),
             ("--limits-out", self.limits_out, "file"),
+            ("--tensorboard", self.tensorboard, "dir"),
         ]
         png = self.curves_path("check")
         if png and (self.curves_out or self.metrics_out or self.checkpoint_dir):

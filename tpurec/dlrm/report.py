@@ -15,6 +15,7 @@ from tpurec import strict_json
 if TYPE_CHECKING:
     from tpurec.catalog import TableSet
     from tpurec.dlrm.configs import DLRMConfig
+    from tpurec.dlrm.tensorboard_log import TensorBoardLog
 
 
 def plan_report(dmp: Any, cfg: DLRMConfig, table_set: TableSet, table_sizes: list[int], batch_size: int) -> dict:
@@ -98,8 +99,11 @@ class MetricsLog:
         "dropped_ids",
     ]
 
-    def __init__(self, path: str | None, resume_step: int | None = None) -> None:
+    def __init__(
+        self, path: str | None, resume_step: int | None = None, tensorboard: TensorBoardLog | None = None
+    ) -> None:
         self.path = Path(path) if path else None
+        self.tensorboard = tensorboard  # each row added also goes there (`--tensorboard`)
         self.records: list[dict] = []
         self.failure: str | None = None
         self._flushed_at = 0.0
@@ -135,6 +139,8 @@ class MetricsLog:
         import time
 
         self.records.append(rec)
+        if self.tensorboard is not None:
+            self.tensorboard.add(rec)
         due = rec.get("kind") == "eval" or time.monotonic() - self._flushed_at >= self.FLUSH_EVERY_S
         if self.path is not None and due:
             self.flush()
@@ -146,6 +152,8 @@ class MetricsLog:
         from tpurec.errors import UserError
         from tpurec.outputs import write_atomic
 
+        if self.tensorboard is not None:
+            self.tensorboard.flush()
         if self.path is None:
             return
         head = ",".join(self.FIELDS) + "\n" if self.csv else ""

@@ -401,9 +401,13 @@ class Trainer:
         if not self._ready:
             self.setup()
         o, cfg, total = self.options, self.cfg, self.total_steps
-        self._metrics = MetricsLog(
-            o.metrics_out if self.rank == 0 else None, self.step_count if o.resume and self.step_count > 0 else None
-        )
+        resumed_at = self.step_count if o.resume and self.step_count > 0 else None
+        tensorboard = None
+        if o.tensorboard and self.rank == 0:
+            from tpurec.dlrm.tensorboard_log import TensorBoardLog
+
+            tensorboard = TensorBoardLog(o.tensorboard, resumed_at)
+        self._metrics = MetricsLog(o.metrics_out if self.rank == 0 else None, resumed_at, tensorboard)
         self._bar = tqdm(
             total=total,
             initial=self.step_count,
@@ -638,6 +642,8 @@ class Trainer:
                     flag="--curves-out" if o.curves_out else "the curves PNG",
                 )
         self._metrics.flush()
+        if self._metrics.tensorboard is not None:
+            self._metrics.tensorboard.close()
         if self._metrics.failure:
             self._output_failures.append(self._metrics.failure)
         written = (("metrics", o.metrics_out, self._metrics.failure), ("curves", png, png and self._failed(png)))

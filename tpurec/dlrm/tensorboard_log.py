@@ -1,0 +1,55 @@
+"""`tpurec train --tensorboard DIR`: the metrics rows as TensorBoard scalars (rank 0).
+
+Written with torch.utils.tensorboard (the `tensorboard` package), one scalar per figure, named
+`<kind>/<field>` as the metrics file's columns are (docs/train.md lists them):
+- train/loss, train/samples_per_s at every logged training step (the metrics file's "train" rows);
+- eval/auc, eval/ne, eval/logloss, eval/accuracy at every evaluation;
+- id_demand/<table>/max_ids, .../max_unique_ids, .../multipass_batches, .../dropped_ids at the end.
+A resumed run opens its writer with `purge_step` one past the checkpoint's step: TensorBoard then
+drops the earlier run's events from that step on, so the curve never loops back.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from tpurec.errors import UserError
+
+SCALARS = {
+    "train": ("loss", "samples_per_s"),
+    "eval": ("auc", "ne", "logloss", "accuracy"),
+    "id_demand": ("max_ids", "max_unique_ids", "multipass_batches", "dropped_ids"),
+}
+
+
+class TensorBoardLog:
+    """A SummaryWriter fed the metrics rows (`add`), flushed at each evaluation and at `close`."""
+
+    def __init__(self, logdir: str, resume_step: int | None = None) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:  # torch's module needs the tensorboard package
+            raise UserError(f"--tensorboard needs the tensorboard package ({e}): pip install tensorboard") from None
+        try:
+            purge = None if resume_step is None else resume_step + 1
+            self._writer: Any = SummaryWriter(log_dir=logdir, purge_step=purge)
+        except OSError as e:
+            raise UserError(f"--tensorboard {logdir}: {e.strerror or e}") from None
+
+    def add(self, rec: dict) -> None:
+        kind = rec.get("kind")
+        prefix = f"id_demand/{rec.get('table')}" if kind == "id_demand" else kind
+        for field in SCALARS.get(str(kind), ()):
+            value = rec.get(field)
+            # a figure not computed (None) or not finite (AUC of a one-class eval) is left out
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                self._writer.add_scalar(f"{prefix}/{field}", value, int(rec["step"]))
+        if kind == "eval":
+            self._writer.flush()
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
