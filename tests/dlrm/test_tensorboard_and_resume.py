@@ -50,4 +50,3 @@ def test_tensorboard_and_metrics_have_one_row_per_step_after_a_resume(cache, tmp
     # TensorBoard drops the first run's events from step 5 on (purge_step): one value per step
     assert [s for s, _ in again["train/loss"]] == [1, 2, 3, 4, 5, 6]
     assert [s for s, _ in again["eval/auc"]] == [2, 4, 6]
-
