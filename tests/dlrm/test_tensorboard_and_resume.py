@@ -5,6 +5,7 @@ logged step leaves one metrics row per step and a curve that never loops back.""
 from __future__ import annotations
 
 import csv
+import os
 
 import pytest
 
@@ -50,3 +51,35 @@ def test_tensorboard_and_metrics_have_one_row_per_step_after_a_resume(cache, tmp
     # TensorBoard drops the first run's events from step 5 on (purge_step): one value per step
     assert [s for s, _ in again["train/loss"]] == [1, 2, 3, 4, 5, 6]
     assert [s for s, _ in again["eval/auc"]] == [2, 4, 6]
+
+
+def test_progress_lines_in_a_log_carry_the_window_s_samples_per_s_and_an_eta(cache, tmp_path):
+    """Without a terminal (a log file) a line per tenth of the run: step, loss, the samples/s of the
+    steps since the last logged one, and the time left at that rate."""
+    import re
+    import subprocess
+    import sys
+
+    from .helpers import REPO
+
+    env = dict(os.environ, TPUREC_CACHE=str(cache), PYTHONPATH=str(REPO))
+    args = ["train", "--synth-rows", "30000", "--steps", "10", "--eval-every", "0", "--curves-out", "none"]
+    p = subprocess.run([sys.executable, "-m", "tpurec.cli", *args], env=env, capture_output=True, text=True, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = re.findall(r"step (\d+)/10: loss [0-9.]+, ([0-9,]+) samples/s, ETA (\d+):(\d\d)$", p.stderr, re.M)
+    assert [int(s) for s, *_ in lines] == list(range(1, 11))
+    assert all(int(sps.replace(",", "")) > 0 for _, sps, _, _ in lines)
+    assert lines[-1][2:] == ("0", "00")  # nothing left at the last step
+
+
+def test_eta_clock():
+    from tpurec.dlrm.trainer import _clock
+
+    assert [_clock(s) for s in (0, 59.4, 61, 3599, 3600, 3 * 3600 + 62)] == [
+        "0:00",
+        "0:59",
+        "1:01",
+        "59:59",
+        "1:00:00",
+        "3:01:02",
+    ]

@@ -421,6 +421,7 @@ class Trainer:
         )
         self._t_start = time.perf_counter()
         self._train_seconds, self._steps_run = 0.0, 0
+        self._window_seconds, self._window_steps = 0.0, 0  # training since the last logged step
         self._log_every = max(1, min(50, total // 100 or 1))
         self._loss_sum: torch.Tensor | float = 0.0  # a tensor once a step has run
         self._loss_n = 0
@@ -574,14 +575,21 @@ class Trainer:
         id_feedback.record(self.dmp, True)  # training batches only: evaluation's may differ in size
         batch, world = self.batch_size, self.world
         copies_before = host_copies.counts()
-        t0 = time.perf_counter()
+        t0 = mark = time.perf_counter()
         while (loss := self._advance()) is not None:
             self._steps_run += 1
+            self._window_steps += 1
             self._loss_sum = loss if self._loss_n == 0 else self._loss_sum + loss  # summed where computed
             self._loss_n += 1
             if self.step_count % self._log_every == 0 or self.step_count == end:
-                elapsed = self._train_seconds + time.perf_counter() - t0
-                sps = self._steps_run * batch * world / elapsed if elapsed > 0 else 0.0
+                # samples/s of the steps since the last logged one (a running average hides a slowdown)
+                now = time.perf_counter()
+                self._window_seconds += now - mark
+                mark = now
+                secs, steps = self._window_seconds, self._window_steps
+                sps = steps * batch * world / secs if secs > 0 else 0.0
+                eta = (self.total_steps - self.step_count) * secs / steps if steps else 0.0
+                self._window_seconds, self._window_steps = 0.0, 0
                 mean = self._read_loss(self._loss_sum, self._loss_n)
                 self._metrics.add(
                     {
@@ -596,9 +604,13 @@ class Trainer:
                 )
                 self._bar.set_postfix_str(f"loss {mean:.4f}, {sps:,.0f} samples/s", refresh=False)
                 if self._bar.disable and not self.options.quiet and self._crossed_tenth(end):
-                    self.say(f"step {self.step_count}/{self.total_steps}: loss {mean:.4f}, {sps:,.0f} samples/s")
+                    self.say(
+                        f"step {self.step_count}/{self.total_steps}: loss {mean:.4f}, {sps:,.0f} samples/s, "
+                        f"ETA {_clock(eta)}"
+                    )
                 self._loss_sum, self._loss_n = 0.0, 0
             self._bar.update(1)
+        self._window_seconds += time.perf_counter() - mark
         self._train_seconds += time.perf_counter() - t0
         for what, n in host_copies.counts().items():
             self._train_copies[what] += n - copies_before.get(what, 0)
@@ -651,7 +663,10 @@ class Trainer:
             self.say(", ".join(f"{k}: {v}" for k, v, failed in written if v and not failed))
         self.say(summary_text(result, self.data_dir))
         # One strict JSON line: a non-finite metric is null, never a bare NaN that JSON parsers refuse.
-        print(strict_json.dumps(result), flush=True)
+        # Short: each table's id demand (26 to hundreds of tables) goes to the metrics file's
+        # id_demand rows and --limits-out, not into the line (run() still returns it).
+        line = dict(result, id_limits={k: v for k, v in result["id_limits"].items() if k != "tables"})
+        print(strict_json.dumps(line), flush=True)
         if self._output_failures:
             # after the result line: the training it reports finished; the run still fails (exit 2)
             raise UserError("; ".join(self._output_failures))
@@ -667,3 +682,10 @@ class Trainer:
 
     def _failed(self, path: str) -> bool:
         return any(str(path) in f for f in self._output_failures)
+
+
+def _clock(seconds: float) -> str:
+    """An ETA as H:MM:SS (M:SS under an hour), as tqdm shows it."""
+    s = max(0, round(seconds))
+    h, rest = divmod(s, 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
