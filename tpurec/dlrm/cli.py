@@ -234,6 +234,7 @@ def interrupted(options: TrainOptions, trainer: Trainer | None) -> str:
 
 def _run_rank(trainer: Trainer) -> int:
     from tpurec.runtime import heartbeat, interrupts
+    from tpurec.runtime.stop_request import StoppedBySignal
 
     rank, options = os.environ.get("RANK", "0"), trainer.options
     try:
@@ -257,6 +258,10 @@ def _run_rank(trainer: Trainer) -> int:
             file=sys.stderr,
         )
         return heartbeat.EXIT_PEER_SILENT
+    except StoppedBySignal as e:  # SIGTERM / Ctrl-C: stopped at an agreed step, saved (stop_request.py)
+        if rank == "0":  # every rank stopped alike: one line
+            print(f"tpurec train: {e}", file=sys.stderr)
+        return int(e.code or 1)
     except BaseException as e:
         if not isinstance(e, KeyboardInterrupt):
             print(f"tpurec train: rank {rank} failed: {type(e).__name__}: {e}", file=sys.stderr)

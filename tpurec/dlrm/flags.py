@@ -46,19 +46,38 @@ def option_string(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def spelling(field: dataclasses.Field) -> str:
+    """The command-line spelling of a flagged field (its `option`, else from its name)."""
+    return field.metadata[_KEY].get("option") or option_string(field.name)
+
+
+def as_argv(obj: object, skip: tuple[str, ...] = ()) -> list[str]:
+    """The flags that give `obj`'s flagged fields their values, those at their default left out:
+    a run's command line again (a tuple as its comma-joined form, True as the bare flag)."""
+    words: list[str] = []
+    for f in flagged_fields(type(obj)):
+        value = getattr(obj, f.name)
+        if f.name in skip or value is None or value == f.default or value is False:
+            continue
+        words.append(spelling(f))
+        if value is not True:
+            words.append(",".join(map(str, value)) if isinstance(value, tuple) else str(value))
+    return words
+
+
 def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
     """One argparse option per flagged field of `cls`, in field order."""
     hints = typing.get_type_hints(cls)
     for f in flagged_fields(cls):
         kwargs = dict(f.metadata[_KEY])
         aliases = kwargs.pop("aliases", ())  # other spellings, e.g. TorchRec's example's flag names
-        spelling = kwargs.pop("option", None) or option_string(f.name)  # a flag named unlike its field
+        kwargs.pop("option", None)  # a flag named unlike its field: `spelling`
         kind = _plain_type(hints[f.name])
         if kind is bool:
             kwargs.setdefault("action", "store_true")
         elif kind is not str and "type" not in kwargs:
             kwargs["type"] = kind  # str is argparse's own default: leave it implicit
-        parser.add_argument(spelling, *aliases, dest=f.name, default=f.default, **kwargs)
+        parser.add_argument(spelling(f), *aliases, dest=f.name, default=f.default, **kwargs)
 
 
 def values(cls: type, namespace: argparse.Namespace) -> dict:

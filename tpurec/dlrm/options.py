@@ -155,6 +155,22 @@ class TrainOptions:
         return cls(**json.loads(text))
 
     # ---- reading ----
+    def resume_command(self) -> str:
+        """The command that continues this run from its newest checkpoint: the run's flags (read
+        back from these options, so a launched rank can say it too) and `--resume`. A multi-host
+        launch (--nnodes) is not known to a rank: the command then names only its own host's part."""
+        import shlex
+
+        from tpurec.runtime.device import emulated_slice
+
+        words = ["tpurec", "train"]
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if emulated_slice():
+            words += ["--emulate-tpu", str(emulated_slice())]
+        elif world > 1:
+            words += ["--nproc", os.environ.get("LOCAL_WORLD_SIZE", str(world))]
+        return shlex.join([*words, *flags.as_argv(self, skip=("resume",)), "--resume"])
+
     def config_overrides(self) -> dict:
         """{DLRMConfig field: value} for the config flags given (None: not given, keep the model's)."""
         return {

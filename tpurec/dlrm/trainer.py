@@ -22,7 +22,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from tpurec import strict_json
 from tpurec.catalog import get_table_set
@@ -38,6 +38,7 @@ from tpurec.dlrm.report import (
 )
 from tpurec.dlrm.runtime import check_host_memory, init_distributed, log, resolve_device, setup_logging
 from tpurec.errors import UserError
+from tpurec.runtime import stop_request
 
 if TYPE_CHECKING:
     import torch
@@ -79,7 +80,9 @@ class Trainer:
         self.options = options
         self.step_count = 0  # training steps taken (the same on every rank)
         self.samples = 0  # samples trained on, over all ranks
-        self._batches: Iterator[Batch] = iter(())  # the current segment's batches; see _train_segment
+        self._batches = _Cuttable(iter(()))  # the current segment's batches; see _train_segment
+        self._stop = stop_request.StopRequest()  # run() installs its own, which signals reach
+        self._stopping = 0  # the signal every rank agreed to stop for (stop_request.py); 0: none
         self._ready = False
         self.emulated: EmulatedRank | None = None  # the EmulatedRank of an emulated TPU rank (tpurec.emulation.rank)
         self._train_copies: Counter = Counter()  # device->host copies in training steps, by what
@@ -122,7 +125,7 @@ class Trainer:
         # Before the first step, not at the first save (tpurec/dlrm/ckpt/space.py).
         self.checkpointer.check_room(self.dmp, self.optimizer)
         self._start_stream()
-        self._batches = itertools.islice(self._stream, self.total_steps - self.step_count)
+        self._batches = _Cuttable(itertools.islice(self._stream, self.total_steps - self.step_count))
         self._ready = True
 
     def _start_stream(self) -> None:
@@ -429,19 +432,13 @@ class Trainer:
         def boundary(s: int) -> bool:
             return s == total or (cfg.eval_every and s % cfg.eval_every == 0) or self.checkpointer.is_due(s)
 
+        self._stop = stop_request.StopRequest()
         try:
-            while self.step_count < total:
-                self._train_segment(next(s for s in range(self.step_count + 1, total + 1) if boundary(s)))
-                step = self.step_count
-                if cfg.eval_every and step % cfg.eval_every == 0 and step != total:
-                    ev = self._log_eval(self.evaluate())
-                    if self.rank == 0:
-                        self._bar.write(
-                            f"step {step}: eval AUC {ev['auc']:.4f}, NE {ev['ne']:.4f}, logloss {ev['logloss']:.4f}",
-                            file=sys.stderr,
-                        )
-                if self.checkpointer.should_save(step, total):
-                    self.checkpoint()
+            while self.step_count < total and not self._stopping:
+                with stop_request.catching(self._stop):
+                    self._train_segment(next(s for s in range(self.step_count + 1, total + 1) if boundary(s)))
+                if not self._stopping:
+                    self._after_segment(total)
         except BaseException:  # Ctrl-C, a failed step: the records so far reach the file
             self._metrics.flush()
             raise
@@ -450,6 +447,40 @@ class Trainer:
             self._prefetch.close()
         for m in self._lookups:
             m.clear_prepared()  # batches read ahead that training will not take
+        if self._stopping:
+            with stop_request.catching(self._stop):  # the relayed copies of the signal must not cut the save
+                self._stop_here()
+        return self._finish()
+
+    def _after_segment(self, total: int) -> None:
+        """The evaluation and the periodic checkpoint due where a training segment ended."""
+        cfg, step = self.cfg, self.step_count
+        if cfg.eval_every and step % cfg.eval_every == 0 and step != total:
+            ev = self._log_eval(self.evaluate())
+            if self.rank == 0:
+                self._bar.write(
+                    f"step {step}: eval AUC {ev['auc']:.4f}, NE {ev['ne']:.4f}, logloss {ev['logloss']:.4f}",
+                    file=sys.stderr,
+                )
+        if self.checkpointer.should_save(step, total):
+            self.checkpoint()
+
+    def _stop_here(self) -> NoReturn:
+        """A SIGTERM or Ctrl-C stopped training at an agreed step (the pipeline drained): the last
+        checkpoint (every rank, when there is a checkpoint dir), then the metrics and curves (rank 0),
+        then StoppedBySignal, whose line says how to resume."""
+        from tpurec.dlrm.input_pipeline import close_pipeline
+        from tpurec.runtime.stop_request import StoppedBySignal
+
+        close_pipeline(self.pipeline)
+        saved = self.checkpoint() if self.checkpointer.enabled else None
+        if self.rank == 0:
+            self._write_curves()
+        raise StoppedBySignal(self._stopping, self.step_count, saved, self.options.resume_command())
+
+    def _finish(self) -> dict:
+        """After the last step: the final checkpoint, evaluation and report."""
+        cfg = self.cfg
         from tpurec.dlrm.input_pipeline import sparsecore_lookups
 
         lookups = sparsecore_lookups(self.dmp)
@@ -568,7 +599,7 @@ class Trainer:
     # ---- the loop's pieces ----
     def _train_segment(self, end: int) -> None:
         """Steps up to `end`; the pipeline drains at the end (its batch source ends there)."""
-        self._batches = itertools.islice(self._stream, end - self.step_count)
+        self._batches = _Cuttable(itertools.islice(self._stream, end - self.step_count))
         from tpurec.dlrm import id_feedback
         from tpurec.runtime import host_copies
 
@@ -590,6 +621,9 @@ class Trainer:
                 sps = steps * batch * world / secs if secs > 0 else 0.0
                 eta = (self.total_steps - self.step_count) * secs / steps if steps else 0.0
                 self._window_seconds, self._window_steps = 0.0, 0
+                # the same steps on every rank: where they agree to stop (the batches in flight drain)
+                if not self._batches.cut and (signum := self._stop.agreed(world)):
+                    self._stopping, self._batches.cut = signum, True
                 mean = self._read_loss(self._loss_sum, self._loss_n)
                 self._metrics.add(
                     {
@@ -615,7 +649,7 @@ class Trainer:
         for what, n in host_copies.counts().items():
             self._train_copies[what] += n - copies_before.get(what, 0)
         id_feedback.record(self.dmp, False)
-        if self.step_count < end:  # the data ran out (an empty epoch); cannot continue
+        if self.step_count < end and not self._stopping:  # the data ran out (an empty epoch); cannot continue
             raise RuntimeError(f"training data exhausted at step {self.step_count}")
 
     def _crossed_tenth(self, end: int) -> bool:
@@ -640,6 +674,20 @@ class Trainer:
         return ev
 
     def _report(self, result: dict) -> None:
+        self._write_curves()
+        self.say(summary_text(result, self.data_dir))
+        # One strict JSON line: a non-finite metric is null, never a bare NaN that JSON parsers refuse.
+        # Short: each table's id demand (26 to hundreds of tables) goes to the metrics file's
+        # id_demand rows and --limits-out, not into the line (run() still returns it).
+        line = dict(result, id_limits={k: v for k, v in result["id_limits"].items() if k != "tables"})
+        print(strict_json.dumps(line), flush=True)
+        if self._output_failures:
+            # after the result line: the training it reports finished; the run still fails (exit 2)
+            raise UserError("; ".join(self._output_failures))
+
+    def _write_curves(self) -> None:
+        """The curves PNG, the metrics file's last write and TensorBoard's (rank 0); a file that
+        cannot be written is kept in _output_failures, the others named in the log."""
         o = self.options
         png = o.curves_path(time.strftime("%Y%m%d-%H%M%S"))
         if png:
@@ -661,15 +709,6 @@ class Trainer:
         written = (("metrics", o.metrics_out, self._metrics.failure), ("curves", png, png and self._failed(png)))
         if any(v and not failed for _, v, failed in written):
             self.say(", ".join(f"{k}: {v}" for k, v, failed in written if v and not failed))
-        self.say(summary_text(result, self.data_dir))
-        # One strict JSON line: a non-finite metric is null, never a bare NaN that JSON parsers refuse.
-        # Short: each table's id demand (26 to hundreds of tables) goes to the metrics file's
-        # id_demand rows and --limits-out, not into the line (run() still returns it).
-        line = dict(result, id_limits={k: v for k, v in result["id_limits"].items() if k != "tables"})
-        print(strict_json.dumps(line), flush=True)
-        if self._output_failures:
-            # after the result line: the training it reports finished; the run still fails (exit 2)
-            raise UserError("; ".join(self._output_failures))
 
     @contextlib.contextmanager
     def _side_output(self) -> Iterator[None]:
@@ -682,6 +721,20 @@ class Trainer:
 
     def _failed(self, path: str) -> bool:
         return any(str(path) in f for f in self._output_failures)
+
+
+class _Cuttable(Iterator["Batch"]):
+    """A segment's batches that end early once `cut`: the pipeline then trains the batches it holds
+    and stops, as at a segment's end, so the reader's position is that of the last batch trained."""
+
+    def __init__(self, batches: Iterator[Batch]) -> None:
+        self._batches = batches
+        self.cut = False
+
+    def __next__(self) -> Batch:
+        if self.cut:
+            raise StopIteration
+        return next(self._batches)
 
 
 def _clock(seconds: float) -> str:
