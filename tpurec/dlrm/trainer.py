@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from torchrec.datasets.utils import Batch
 
     from tpurec.data.reader import ParquetReader
+    from tpurec.dlrm.zch import RemapCounters
     from tpurec.emulation.rank import EmulatedRank
 
 
@@ -84,6 +85,7 @@ class Trainer:
         self.emulated: EmulatedRank | None = None  # the EmulatedRank of an emulated TPU rank (tpurec.emulation.rank)
         self._train_copies: Counter = Counter()  # device->host copies in training steps, by what
         self._output_failures: list[str] = []  # side outputs that could not be written (_side_output)
+        self.remap: RemapCounters | None = None  # --zch: the remap's counters (tpurec.dlrm.zch)
 
     # ---- setup ----
     def setup(self) -> None:
@@ -131,7 +133,7 @@ class Trainer:
         from tpurec.dlrm.input_pipeline import lookups_to_prepare, make_prefetcher
 
         o = self.options
-        self._lookups = lookups_to_prepare(self.dmp, self.world) if o.pipeline_depth else []
+        self._lookups = lookups_to_prepare(self.dmp, self.world) if o.pipeline_depth and not o.zch else []
         self._prefetch = make_prefetcher(
             self.readers.train, self._lookups, depth=o.pipeline_depth, workers=o.pipeline_workers
         )
@@ -179,6 +181,12 @@ class Trainer:
             if world > 1:
                 dist.barrier()
             self.data_dir = synth_dir(cfg.table_set, cfg.synth_rows, cfg.seed, synth_multi_hot(cfg))
+        if self.options.zch:
+            from tpurec.dlrm.zch import data_problem
+
+            problem = data_problem(str(self.data_dir))
+            if problem:
+                raise UserError(problem)
         meta = dataset_metadata(self.data_dir)
         defaults = [t.num_embeddings for t in self.table_set.tables]
         self.table_sizes = model_table_sizes(self.data_dir, defaults)
@@ -198,6 +206,7 @@ class Trainer:
             eval_fraction=cfg.eval_fraction,
             table_sizes=self.table_sizes,
             warn=log.warning if rank == 0 else (lambda *a: None),
+            keep_raw_ids=self.options.zch,  # --zch: TorchRec's remap takes the raw ids
             # On a TPU every shape is compiled in: evaluating at the training batch reuses the step's
             # lookup program and id limits; another eval batch would be another program, other buffers.
             **({"eval_batch_size": cfg.batch_size} if self.device == "tpu" else {}),
@@ -229,7 +238,8 @@ class Trainer:
 
         cfg, o = self.cfg, self.options
         torch.manual_seed(cfg.seed)
-        model = build_model(cfg, table_sizes=self.table_sizes, feature_names=self.feature_names)
+        zch = o.zch_spec()
+        model = build_model(cfg, table_sizes=self.table_sizes, feature_names=self.feature_names, zch=zch)
         plan = None
         if o.plan:
             from tpurec.planner.plan_io import load_plan
@@ -247,6 +257,14 @@ class Trainer:
             self.dmp = shard(model, cfg, self.device, plan=plan, id_limits=o.limits)
         except PlanMismatchError as e:  # DMP says "the plan": name the file
             raise e.named(f"--plan {o.plan}") from None
+        if zch is not None:
+            from tpurec.dlrm.zch import RemapCounters
+
+            self.remap = RemapCounters(zch).attach(self.dmp)
+            self.say(
+                f"--zch: {len(self.remap.tables)} managed-collision table(s) on this rank, {zch.eviction} eviction "
+                f"every {zch.eviction_interval} steps"
+            )
         self.optimizer = build_optimizer(self.dmp, cfg)
         self.schedule = LRSchedule(self.optimizer, cfg.warmup_steps, cfg.decay_start, cfg.decay_steps)
         if self.rank == 0:
@@ -258,7 +276,8 @@ class Trainer:
             device,
             world_size=self.world,
             workers=o.pipeline_workers,
-            prepare=o.pipeline_depth > 0,
+            # --zch: the lookups take the remapped ids, known only in the step (the remap's input is raw)
+            prepare=o.pipeline_depth > 0 and zch is None,
         )
 
     def _report_plan(self) -> None:
@@ -362,6 +381,8 @@ class Trainer:
         from tpurec.dlrm.data import eval_batches
 
         self.dmp.eval()
+        if self.remap is not None:
+            self.remap.reset_eval()  # the eval figures are this evaluation's
         logits, labels = [], []
         it = eval_batches(self.readers.eval)
         if self.device == "tpu":
@@ -488,6 +509,8 @@ class Trainer:
             result["oracle_auc"] = self.oracle_auc
         result.update(self._slice_figures())
         result["id_limits"] = self._id_limit_figures()
+        if self.remap is not None:
+            result["zch"] = self._remap_figures()
         if self.rank == 0:
             self._report(result)
         elif self._output_failures:  # another host's copy of --save-plan
@@ -589,6 +612,7 @@ class Trainer:
                         "seconds": round(time.perf_counter() - self._t_start, 3),
                         "loss": mean,
                         "samples_per_s": round(sps, 1),
+                        **self._remap_record(train=True),
                     }
                 )
                 self._bar.set_postfix_str(f"loss {mean:.4f}, {sps:,.0f} samples/s", refresh=False)
@@ -620,9 +644,40 @@ class Trainer:
                 "samples": self.samples,
                 "seconds": round(time.perf_counter() - self._t_start, 3),
                 **ev,
+                **self._remap_record(train=False),
             }
         )
         return ev
+
+    def _remap_record(self, train: bool) -> dict:
+        """--zch: the remap's figures for a metrics record (every rank calls it: a collective). Training:
+        ids remapped so far, their hit rate, evictions so far, occupancy; eval: that evaluation's hit rate."""
+        if self.remap is None:
+            return {}
+        f = self.remap.figures(self.world)
+        return {
+            "zch_remapped_ids": f["remapped_ids"] if train else f["eval_remapped_ids"],
+            "zch_hit_rate": f["hit_rate"] if train else f["eval_hit_rate"],
+            "zch_evictions": f["evictions"],
+            "zch_occupancy": f["occupancy"],
+        }
+
+    def _remap_figures(self) -> dict:
+        """--zch: the result line's remap figures (all ranks), each table's in --metrics-out."""
+        assert self.remap is not None
+        for name, t in self.remap.per_table(self.world).items():
+            self._metrics.add(
+                {
+                    "kind": "zch_table",
+                    "step": self.step_count,
+                    "table": name,
+                    "zch_remapped_ids": t["ids"],
+                    "zch_hit_rate": round(t["hits"] / t["ids"], 6) if t["ids"] else None,
+                    "zch_evictions": t["evictions"],
+                    "zch_occupancy": t["occupancy"],
+                }
+            )
+        return self.remap.figures(self.world)
 
     def _report(self, result: dict) -> None:
         o = self.options
