@@ -53,11 +53,11 @@ def zipf_raw_ids(tmp_path_factory):
 
 
 def test_zch_counts_the_remap_below_capacity_exactly(cycling_raw_ids, cache, tmp_path):
-    metrics = tmp_path / "m.jsonl"
+    metrics, ck = tmp_path / "m.jsonl", tmp_path / "ck"
     result, _ = train(
         "--data", cycling_raw_ids, "--zch", "--zch-eviction-interval", INTERVAL, "--steps", STEPS,
         "--batch-size", BATCH, "--eval-every", 0, "--metrics-out", metrics, "--curves-out", "none",
-        cache=cache,
+        "--checkpoint-dir", ck, cache=cache,
     )  # fmt: skip
     z = result["zch"]
     assert (z["eviction"], z["eviction_interval"]) == ("lru", INTERVAL)
@@ -83,6 +83,10 @@ def test_zch_counts_the_remap_below_capacity_exactly(cycling_raw_ids, cache, tmp
     train_rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["kind"] == "train"]
     assert train_rows[-1]["zch_remapped_ids"] == z["remapped_ids"]
     assert train_rows[0]["zch_hit_rate"] == 0.0  # before the first eviction step every id shares the last row
+    # its checkpoint holds the remap's state: resuming it without --zch is refused in one line, naming the flag
+    resume = ["--steps", STEPS + 1, "--checkpoint-dir", ck, "--resume"]
+    _, p = train("--data", cycling_raw_ids, *resume, cache=cache, check=False)
+    assert p.returncode == 2 and "written with --zch" in p.stderr.strip().splitlines()[-1]
 
 
 @pytest.mark.multiprocess

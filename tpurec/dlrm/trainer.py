@@ -295,11 +295,16 @@ class Trainer:
                 save_plan(self.dmp.plan, self.options.save_plan, report["meta"] if report else None, "--save-plan")
                 self.say(f"plan saved to {self.options.save_plan}")
 
+    def _checkpoint_config(self) -> dict:
+        """The config a checkpoint records and a resume must match: the model's, and whether its tables
+        are behind the managed-collision remap (--zch: other state, other tensors)."""
+        return {**self.cfg.to_dict(), "zch": self.options.zch}
+
     def _resume(self) -> None:
         """`--resume`: the checkpoint manager finds, checks and loads the checkpoint into the model and
         optimizers; the step count and the data position follow here."""
         train = self.readers.train
-        loaded = self.checkpointer.resume(self.options.resume, self.dmp, self.optimizer, self.cfg.to_dict())
+        loaded = self.checkpointer.resume(self.options.resume, self.dmp, self.optimizer, self._checkpoint_config())
         if loaded is None:
             return
         cmeta, state = loaded
@@ -413,7 +418,7 @@ class Trainer:
             "batch_size": self.batch_size,
             "epoch": st["epoch"],
             "epoch_fraction": st["rows_consumed"] / max(1, train.num_rows),
-            "config": self.cfg.to_dict(),
+            "config": self._checkpoint_config(),
             "data": str(self.data_dir),
         }
         return self.checkpointer.save(s, self.dmp, self.optimizer, st, cmeta)
