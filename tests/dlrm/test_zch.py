@@ -98,8 +98,9 @@ def test_zch_at_two_ranks_evicts_above_capacity_and_sums_the_ranks(zipf_raw_ids,
     z = result["zch"]
     assert z["eviction"] == "lfu"
     assert z["remapped_ids"] == 12 * 64 * 2 * 26
-    # each rank's shard keeps its own end-marker slot: 2 per table
-    assert z["slots"] == sum(DLRM_TINY_ROWS) - 2 * 26
+    # each rank's shard keeps its own end-marker slot: 2 per table; the 3-row table grew to 2 blocks of 2 rows
+    assert z["slots"] == sum(DLRM_TINY_ROWS) + 1 - 2 * 26
+    assert "rows grown: t_C9 3 -> 4" in p.stderr
     assert z["evictions"] > 0 and z["admitted"] > z["evictions"]  # the long tail churns through the small tables
     assert 0 < z["occupancy"] <= 1 and z["tables_full"] >= 2
     assert "zch remap" in p.stderr  # the summary's line
@@ -138,6 +139,19 @@ def test_synth_raw_ids_are_skewed_over_an_id_space_larger_than_the_tables(tmp_pa
     _, counts = np.unique(ids, return_counts=True)
     assert len(counts) > 1000  # more distinct ids than dlrm-tiny's 1000-row tables
     assert np.sort(counts)[-10:].sum() > 0.2 * len(ids)  # 10 hot ids carry over a fifth of the traffic (28% here)
+
+
+@pytest.mark.parametrize(
+    ("rows", "world", "want"),
+    [(3, 1, 3), (3, 2, 4), (4, 2, 4), (3, 4, 8), (10, 4, 12), (9, 4, 12), (1000, 4, 1000)]
+    + [(27, 8, 32), (26, 8, 32), (30, 8, 30)],
+)
+def test_remap_rows_give_every_rank_a_block_of_at_least_2_rows(rows, world, want):
+    from tpurec.dlrm.zch import remap_rows
+
+    assert remap_rows(rows, world) == want
+    block = -(-want // world)  # row-wise: ceil(rows / ranks) each, the last ranks what is left
+    assert min(max(0, min(block, want - r * block)) for r in range(world)) >= 2
 
 
 def test_spread_ids_keeps_raw_ids_distinct_and_in_range():

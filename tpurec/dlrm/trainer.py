@@ -239,6 +239,8 @@ class Trainer:
         cfg, o = self.cfg, self.options
         torch.manual_seed(cfg.seed)
         zch = o.zch_spec()
+        if zch is not None:
+            self._zch_table_sizes()
         model = build_model(cfg, table_sizes=self.table_sizes, feature_names=self.feature_names, zch=zch)
         plan = None
         if o.plan:
@@ -279,6 +281,20 @@ class Trainer:
             # --zch: the lookups take the remapped ids, known only in the step (the remap's input is raw)
             prepare=o.pipeline_depth > 0 and zch is None,
         )
+
+    def _zch_table_sizes(self) -> None:
+        """--zch over several ranks: tables too small for a row-wise block of >= 2 rows on every rank
+        grow to the smallest size that has one (tpurec.dlrm.zch.remap_rows), said in one line."""
+        from tpurec.dlrm.zch import remap_rows
+
+        sizes = [remap_rows(n, self.world) for n in self.table_sizes]
+        grown = [f"{t.name} {a} -> {b}" for t, a, b in zip(self.table_set.tables, self.table_sizes, sizes) if a != b]
+        if grown:
+            self.say(
+                f"--zch at {self.world} ranks: every rank holds a row-wise block of every managed-collision table, "
+                f"of >= 2 rows (one id and TorchRec's end marker); rows grown: {', '.join(grown)}"
+            )
+            self.table_sizes = sizes
 
     def _report_plan(self) -> None:
         report = None

@@ -46,6 +46,17 @@ class ZchSpec:
     eviction_interval: int = DEFAULT_EVICTION_INTERVAL
 
 
+def remap_rows(rows: int, world_size: int) -> int:
+    """The rows of a managed-collision table of `rows` at `world_size` ranks: `rows` when every rank's
+    row-wise block (TorchRec's: ceil(rows / ranks) each, the last ranks what is left) has >= 2 rows (one id
+    and TorchRec's end marker; a block of 0 rows fails TorchRec's `zch_size > 0`), else rounded up to
+    equal blocks of at least 2 rows."""
+    block = -(-rows // world_size)
+    if rows - (world_size - 1) * block >= 2:
+        return rows
+    return max(2, block) * world_size
+
+
 def spread_ids(values: torch.Tensor, input_hash_size: int) -> torch.Tensor:
     """Raw ids spread over [0, input_hash_size): multiplied by an odd constant (int64 wraps), the sign
     bit dropped, then modulo `input_hash_size` (only 2**63 - 1, TorchRec's empty-slot marker, folds
