@@ -106,6 +106,21 @@ def test_zch_at_two_ranks_evicts_above_capacity_and_sums_the_ranks(zipf_raw_ids,
     assert "zch remap" in p.stderr  # the summary's line
 
 
+@pytest.mark.slow  # 4 emulated ranks, about 50 s
+@pytest.mark.multiprocess
+def test_zch_on_an_emulated_tpu_slice_keeps_the_remap_on_the_host(zipf_raw_ids, cache):
+    """The TPU code path (DMP moves a model with dense parameters to the device before DDP): the remap's
+    state stays on the host with the ids, and no step copies anything from the device but the loss."""
+    result, p = train(
+        "--emulate-tpu", "v5p-8", "--data", zipf_raw_ids, "--zch", "--steps", 12, "--batch-size", 64,
+        "--eval-every", 0, "--curves-out", "none", cache=cache, timeout=900,
+    )  # fmt: skip
+    z = result["zch"]
+    assert z["remapped_ids"] == 12 * 64 * 4 * 26 and z["admitted"] > 0
+    assert "rows grown: t_C9 3 -> 8, t_C17 10 -> 12, t_C20 4 -> 8" in p.stderr
+    assert set(result["device_to_host_copies"]) == {"tpurec.dlrm.trainer._read_loss"}
+
+
 def test_zch_on_hashed_data_or_without_data_is_refused_in_one_line(cache, tmp_path):
     hashed = tmp_path / "hashed"
     assert _cli("data", "synth", "--rows", 500, "--out", hashed, "--quiet").returncode == 0

@@ -53,11 +53,14 @@ def train_json(args: list[str], what: str) -> dict:
     `what`, with the tail of its stderr."""
     from tpurec.runtime import safe_path
 
+    # the child trains with this process's tpurec (a checkout on PYTHONPATH or the installed one)
+    root = str(Path(strict_json.__file__).resolve().parents[1])
+    path = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
     p = subprocess.run(
         safe_path.python("-m", "tpurec.cli", "train", *args),
         capture_output=True,
         text=True,
-        env=safe_path.env(OMP_NUM_THREADS="1"),
+        env=safe_path.env(OMP_NUM_THREADS="1", PYTHONPATH=path),
     )
     lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
     if p.returncode != 0 or not lines:
