@@ -20,6 +20,7 @@ BENCHES: dict[str, str] = {
     "plan": "tpurec.bench.plan",
     "pipeline": "tpurec.bench.pipeline",
     "stats": "tpurec.bench.stats",
+    "zch": "tpurec.bench.zch",
 }
 
 

@@ -109,6 +109,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     s.add_argument("--compression", default="none", help="Parquet codec (default none: fastest to read)")
     s.add_argument("--overwrite", action="store_true", help="replace a dataset already in --out (after success)")
+    s.add_argument(
+        "--raw-ids",
+        action="store_true",
+        help="raw ids as `data convert --raw-ids` keeps them (Zipf-skewed over --id-space ids per feature, "
+        "not table rows): hashed into the model's tables at read time, or remapped by `tpurec train --zch`",
+    )
+    s.add_argument(
+        "--id-space",
+        type=positive_int,
+        default=None,
+        help="with --raw-ids: distinct raw ids per feature (default 2**32, as Criteo's hex ids)",
+    )
     _common(s)
     s.set_defaults(run=run_synth)
 
@@ -256,6 +268,8 @@ def run_synth(args: argparse.Namespace) -> int:
     from tpurec.data.synth_bounds import rows_problem
 
     _check_out_dir(args)
+    if args.id_space is not None and not args.raw_ids:
+        raise UserError("--id-space is for --raw-ids data (table rows come from --table-set)")
     too_many = rows_problem("--rows", args.rows, args.out, args.tables, compression=args.compression)
     if too_many:  # before anything is written
         raise UserError(too_many)
@@ -270,6 +284,8 @@ def run_synth(args: argparse.Namespace) -> int:
         compression=args.compression,
         show_progress=_progress(args),
         overwrite=args.overwrite,
+        raw_ids=args.raw_ids,
+        **({"id_space": args.id_space} if args.id_space else {}),
     )
     if args.json:
         print(strict_json.dumps(summary, indent=2))

@@ -6,7 +6,11 @@ features are log1p of log-normal counts, and each label is drawn from a hidden l
 computed by hashing (seed, feature, id), so even 40M-row tables need no weight table in memory.
 Because labels are drawn from the true probabilities, scoring the rows with those probabilities
 gives the best AUC any model can reach on them; it is measured on the generated rows and recorded
-as ``oracle_auc``. Rows are generated in chunks seeded by (seed, chunk), so the output depends only
+as ``oracle_auc``. With ``raw_ids`` the ids are not table rows but raw ids as `tpurec data convert
+--raw-ids` keeps them: the same Zipf law over a larger id space (``id_space`` distinct ids per feature,
+default 2**32 as Criteo's 8-digit hex ids), scattered over it and shifted by 1 (0 stays "empty"),
+so a model hashes (or remaps, `tpurec train --zch`) a few hot ids and a long tail into its tables.
+Rows are generated in chunks seeded by (seed, chunk), so the output depends only
 on the seed and the sizes, not on timing.
 """
 
@@ -21,6 +25,7 @@ import numpy as np
 
 from tpurec.data.schema import (
     CAT_HASH,
+    CAT_RAW,
     DENSE_LOG1P,
     DataError,
     DataSchema,
@@ -40,6 +45,7 @@ ZIPF_EXPONENT = 1.1
 SPARSE_SCALE = 0.25  # spread of each feature's hidden weights
 DENSE_SCALE = 0.25
 BIAS = -1.6  # gives a positive rate near Criteo's ~25%
+RAW_ID_SPACE = 2**32  # distinct raw ids per feature of --raw-ids data (Criteo's hex ids are 32-bit)
 _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
@@ -93,9 +99,11 @@ def auc(scores: np.ndarray, labels: np.ndarray) -> float:
     return float(binary_auroc(t_scores, torch.from_numpy(labels).long(), validate_args=False))
 
 
-def synth_schema(table_set: str, multi_hot_sizes: list[int] | None = None) -> tuple[DataSchema, list[int]]:
+def synth_schema(
+    table_set: str, multi_hot_sizes: list[int] | None = None, raw_ids: bool = False
+) -> tuple[DataSchema, list[int]]:
     """The schema for a named table set (tpurec/catalog.py) and its ids per sample (the table set's
-    pooling factors, or ``multi_hot_sizes``)."""
+    pooling factors, or ``multi_hot_sizes``); with ``raw_ids`` the features have no table size."""
     from tpurec.catalog import get_table_set
 
     ts = get_table_set(table_set)
@@ -104,20 +112,30 @@ def synth_schema(table_set: str, multi_hot_sizes: list[int] | None = None) -> tu
         if len(multi_hot_sizes) != len(hots) or min(multi_hot_sizes) < 1:
             raise UserError(f"{len(hots)} multi-hot sizes >= 1 needed, got {list(multi_hot_sizes)}")
         hots = [int(h) for h in multi_hot_sizes]
-    sparse = [SparseFeature(t.feature, t.num_embeddings, h > 1) for t, h in zip(ts.tables, hots)]
+    sparse = [SparseFeature(t.feature, None if raw_ids else t.num_embeddings, h > 1) for t, h in zip(ts.tables, hots)]
     schema = DataSchema(
         sparse=sparse,
         dense_transform=DENSE_LOG1P,
-        categorical=CAT_HASH,
+        categorical=CAT_RAW if raw_ids else CAT_HASH,
         extra={"synthetic": True, "table_set": table_set},
     )
     return schema, hots
 
 
+def raw_ids(ranks: np.ndarray, n: int, feature: int) -> np.ndarray:
+    """Popularity ranks in [0, n) as raw ids in [1, n]: scattered by an odd multiplier modulo n (in
+    uint64, exact for n a power of 2, the default), shifted by 1 so that 0 keeps meaning "empty"."""
+    mult = np.uint64((2_654_435_761 + 2 * feature) % n or 1)
+    with np.errstate(over="ignore"):
+        scattered = (ranks.astype(np.uint64) * mult + np.uint64(17 * feature + 1)) % np.uint64(n)
+    return scattered.astype(np.int64) + 1
+
+
 def generate_chunk(
-    seed: int, chunk: int, rows: int, schema: DataSchema, hots: list[int]
+    seed: int, chunk: int, rows: int, schema: DataSchema, hots: list[int], id_space: int | None = None
 ) -> tuple[dict[str, pa.Array], np.ndarray, np.ndarray]:
-    """One chunk of rows: (pyarrow columns dict, true probabilities, labels)."""
+    """One chunk of rows: (pyarrow columns dict, true probabilities, labels). ``id_space``: raw ids
+    (a schema without table sizes), that many per feature."""
     import pyarrow as pa
 
     rng = np.random.default_rng([seed, chunk])
@@ -131,7 +149,11 @@ def generate_chunk(
     logit = BIAS + ((dense - mu) / sigma) @ v
     cols: dict[str, pa.Array] = {}
     for j, (f, h) in enumerate(zip(schema.sparse, hots)):
-        ids = _scatter(zipf_ids(rng, f.rows, (rows, h)), f.rows, j)
+        if f.num_embeddings is None:
+            n = id_space or RAW_ID_SPACE
+            ids = raw_ids(zipf_ids(rng, n, (rows, h)), n, j)
+        else:
+            ids = _scatter(zipf_ids(rng, f.rows, (rows, h)), f.rows, j)
         logit = logit + SPARSE_SCALE * hidden_weight(seed, j, ids).mean(axis=1)
         if f.multi_hot:
             offsets = pa.array(np.arange(0, rows * h + 1, h, dtype=np.int32))
@@ -158,9 +180,12 @@ def synthesize(
     show_progress: bool = True,
     overwrite: bool = False,
     multi_hot_sizes: list[int] | None = None,
+    raw_ids: bool = False,
+    id_space: int = RAW_ID_SPACE,
 ) -> dict:
     """Write ``rows`` synthetic rows to ``out_dir`` and return the dataset summary with oracle_auc.
-    ``multi_hot_sizes`` replaces the table set's ids per sample (one per feature).
+    ``multi_hot_sizes`` replaces the table set's ids per sample (one per feature); ``raw_ids``: raw
+    ids (unhashed, ``id_space`` of them per feature, Zipf-skewed) instead of table rows.
 
     Uncompressed by default: dictionary encoding already makes Zipf ids small, and uncompressed
     files (~18% bigger than snappy) decode about 1.7x faster, which is what training loops want.
@@ -169,11 +194,14 @@ def synthesize(
 
     if rows < 1:
         raise DataError("--rows must be >= 1")
-    schema, hots = synth_schema(table_set, multi_hot_sizes)
+    if raw_ids and id_space < 2:
+        raise DataError("--id-space must be >= 2")
+    schema, hots = synth_schema(table_set, multi_hot_sizes, raw_ids)
+    space = id_space if raw_ids else None
     # unwinding_on_sigterm: SIGTERM, too, ends in _synthesize_into's cleanup (no temporary part left)
     with unwinding_on_sigterm("tpurec data synth"), locked_output(out_dir, overwrite, "tpurec data synth") as out:
         return _synthesize_into(
-            out, rows, schema, hots, seed, table_set, rows_per_file, row_group_size, compression, show_progress
+            out, rows, schema, hots, seed, table_set, rows_per_file, row_group_size, compression, show_progress, space
         )
 
 
@@ -188,8 +216,9 @@ def _synthesize_into(
     row_group_size: int,
     compression: str,
     show_progress: bool,
+    id_space: int | None = None,
 ) -> dict:
-    """`synthesize` into the prepared, locked directory `out`."""
+    """`synthesize` into the prepared, locked directory `out` (``id_space``: raw ids, that many)."""
     import pyarrow as pa
     from tqdm import tqdm
 
@@ -207,7 +236,7 @@ def _synthesize_into(
             with parquet_writer(tmp, arrow_schema, compression) as w:
                 for s in range(start, min(rows, start + rows_per_file), row_group_size):
                     n = min(row_group_size, rows - s, start + rows_per_file - s)
-                    cols, p, y = generate_chunk(seed, chunk, n, schema, hots)
+                    cols, p, y = generate_chunk(seed, chunk, n, schema, hots, id_space)
                     chunk += 1
                     w.write_table(
                         pa.Table.from_arrays([cols[f.name] for f in arrow_schema], schema=arrow_schema),
@@ -254,5 +283,8 @@ def _synthesize_into(
         label_rate=summary["label_rate"],
         zipf_exponent=ZIPF_EXPONENT,
         multi_hot_sizes=hots,
+        **({"raw_id_space": id_space} if id_space else {}),
     )
+    if id_space:
+        summary["raw_id_space"] = id_space
     return summary

@@ -29,6 +29,7 @@ examples:
   tpurec train --nproc 2 --metrics-out run/metrics.csv
   tpurec train --data /data/criteo-parquet --model criteo-kaggle --epochs 1 --checkpoint-dir ckpt
   tpurec train --checkpoint-dir ckpt --resume    # continue from the newest complete checkpoint
+  tpurec train --data RAW --zch --zch-eviction lfu   # managed-collision tables on raw ids (data synth --raw-ids)
   tpurec train --emulate-tpu v5p-16              # a 2-host TPU slice's 8 ranks, on this machine's CPU
   tpurec train --device tpu --nproc 4            # one TPU VM (TorchTPU's launch environment set first)
   tpurec train --device tpu --nnodes 2 --data DIR   # multi-host: the same command on every host

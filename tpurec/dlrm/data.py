@@ -148,14 +148,17 @@ def make_readers(
     table_sizes: list[int],
     eval_batch_size: int = 4096,
     warn: Callable[[str], object] = log.warning,
+    keep_raw_ids: bool = False,
 ) -> Readers:
+    """Train and eval readers of this rank. Raw ids are hashed into `table_sizes` at read time unless
+    `keep_raw_ids` (`tpurec train --zch`: TorchRec's remap takes them as they are)."""
     from tpurec.data.reader import ParquetReader
     from tpurec.data.schema import dataset_metadata
     from tpurec.data.shards import split_train_eval
 
     meta = dataset_metadata(data_dir)
     raw_ids = any(f.get("num_embeddings") is None for f in meta.get("sparse", []))
-    sizes = None if not raw_ids else table_sizes  # hash raw ids into the model's tables at read time
+    sizes = table_sizes if raw_ids and not keep_raw_ids else None  # hash raw ids into the model's tables
     train_units, eval_units = split_train_eval(data_dir, eval_fraction)
     common: dict[str, Any] = dict(rank=rank, world_size=world_size, table_sizes=sizes)
     train = ParquetReader(train_units, batch_size, shuffle=True, seed=seed, drop_last=True, equal_rows=True, **common)
@@ -178,8 +181,9 @@ def make_readers(
         prefetch=0,
         **common,
     )
-    # every size is known: the dataset's, or raw ids hashed into the model's tables (sizes above)
-    return Readers(train, ev, batch_size, ev.num_rows, cast(list[int], list(train.table_sizes)))
+    # every size is known: the dataset's, or raw ids hashed into (or remapped to) the model's tables
+    known = list(table_sizes) if keep_raw_ids else cast(list[int], list(train.table_sizes))
+    return Readers(train, ev, batch_size, ev.num_rows, known)
 
 
 def eval_batches(reader: ParquetReader) -> Iterator[Batch]:

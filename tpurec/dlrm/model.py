@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.optim.keyed import CombinedOptimizer
 
+    from tpurec.dlrm.zch import ZchSpec
+
 
 def _optimizer(name: str, lr: float, eps: float) -> tuple[type, dict]:
     """(torch optimizer class, kwargs) of the named optimizer spec; eps is dropped by those without one.
@@ -52,14 +54,34 @@ def embedding_bag_configs(table_set: TableSet) -> list[EmbeddingBagConfig]:
     ]
 
 
+class ZchEmbeddingBags(torch.nn.Module):
+    """TorchRec's ManagedCollisionEmbeddingBagCollection as DLRM's SparseArch takes an EBC: its table
+    configs, and a forward giving the pooled embeddings alone (the MC-EBC's is a pair with the remapped
+    ids). `tpurec train --zch` (tpurec.dlrm.zch)."""
+
+    def __init__(self, mc: Any) -> None:
+        super().__init__()
+        self.mc: Any = mc
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        return self.mc._embedding_module.embedding_bag_configs()
+
+    def forward(self, features: Any) -> Any:
+        return self.mc(features)[0]
+
+
 def build_model(
-    cfg: DLRMConfig, table_sizes: list[int] | None = None, feature_names: list[str] | None = None
+    cfg: DLRMConfig,
+    table_sizes: list[int] | None = None,
+    feature_names: list[str] | None = None,
+    zch: ZchSpec | None = None,
 ) -> DLRMTrain:
     """DLRMTrain over a meta-device EmbeddingBagCollection, tables' optimiser fused into backward.
 
     table_sizes (one per C1..C26) replaces the table set's sizes, e.g. for data converted into other
     sizes and feature_names the C1..C26 feature names (data converted with other column names); the
-    dense MLPs are initialised from the current torch seed.
+    dense MLPs are initialised from the current torch seed. zch: the tables behind TorchRec's
+    managed-collision remap (`--zch`, tpurec.dlrm.zch), one slot per row.
     """
     from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRMTrain
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
@@ -79,7 +101,11 @@ def build_model(
         )
         for c, n, f in zip(configs, sizes, names)
     ]
-    ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+    ebc: torch.nn.Module = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+    if zch is not None:
+        from tpurec.dlrm.zch import managed_collision_ebc
+
+        ebc = ZchEmbeddingBags(managed_collision_ebc(ebc, zch))
     common: dict[str, Any] = dict(
         embedding_bag_collection=ebc,
         dense_in_features=NUM_DENSE,

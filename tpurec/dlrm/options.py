@@ -23,6 +23,8 @@ from tpurec.catalog import MODEL_NAMES
 from tpurec.dlrm import flags
 from tpurec.dlrm.configs import DLRMConfig, get_config, override
 from tpurec.dlrm.flags import flag
+from tpurec.dlrm.zch import DEFAULT_EVICTION_INTERVAL, POLICIES, RAW_IDS_FIX, ZchSpec
+from tpurec.dlrm.zch import data_problem as zch_data_problem
 from tpurec.errors import UserError
 from tpurec.runtime import heartbeat
 from tpurec.runtime.device import DeviceChoice
@@ -36,6 +38,10 @@ def _override(name: str) -> Any:
     """A flag overriding DLRMConfig field `name`: that field's help and choices, unset (None) by default."""
     declared = flags.flag_metadata(**flags.flag_kwargs(DLRMConfig, name))
     return field(default=None, metadata={**declared, _CONFIG: True})
+
+
+def _default(name: str) -> Any:
+    return next(f.default for f in fields(TrainOptions) if f.name == name)
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,22 @@ class TrainOptions:
         "write each table's id demand seen in training as a limits file (the `tpurec data stats` format), "
         "for --limits next time",
         metavar="LIMITS.json",
+    )
+    zch: bool = flag(
+        False,
+        "managed-collision tables: TorchRec's MCH remap gives each table's rows to the raw ids that matter "
+        "(eviction by --zch-eviction) instead of the modulo hash; needs raw-id data (data convert/synth "
+        "--raw-ids); remapped ids, evictions and occupancy in the result line and --metrics-out",
+    )
+    zch_eviction: str = flag(
+        "lru", "--zch eviction policy: lru (default), lfu or distance_lfu (TorchRec's)", choices=POLICIES
+    )
+    zch_eviction_interval: int = flag(
+        DEFAULT_EVICTION_INTERVAL,
+        "--zch: steps between evictions; ids new since the last one share their table's last row "
+        f"(default {DEFAULT_EVICTION_INTERVAL})",
+        type=positive_int,
+        metavar="STEPS",
     )
     metrics_out: str | None = flag(None, "metrics as .csv or .jsonl; curves as FILE.png beside it", metavar="FILE")
     tensorboard: str | None = flag(
@@ -183,6 +205,18 @@ class TrainOptions:
         """The named config with the given flags applied (UserError, one line, for bad values)."""
         return override(get_config(self.model), **self.config_overrides())
 
+    def zch_spec(self) -> ZchSpec | None:
+        """The managed-collision tables asked for (--zch), or None: the modulo hash."""
+        return ZchSpec(self.zch_eviction, self.zch_eviction_interval) if self.zch else None
+
+    def _zch_problem(self) -> str | None:
+        if not self.zch:
+            changed = [n for n in ("zch_eviction", "zch_eviction_interval") if getattr(self, n) != _default(n)]
+            return f"{flags.option_string(changed[0])} is for --zch" if changed else None
+        if not self.data:
+            return f"--zch trains on raw ids: give --data DIR ({RAW_IDS_FIX})"
+        return zch_data_problem(self.data)
+
     def curves_path(self, stamp: str) -> str | None:
         """Where the training-curves PNG goes (None: not written); ``stamp`` names a fallback file."""
         if self.curves_out:
@@ -236,6 +270,9 @@ class TrainOptions:
             problem = data_problem(self.data, get_config(self.model).table_set)
             if problem:
                 return problem
+        problem = self._zch_problem()
+        if problem:
+            return problem
         if self.data and self.multi_hot_sizes:
             return f"--multi-hot-sizes shapes the synthetic data; --data {self.data} holds its own ids per sample"
         if self.plan and not os.path.isfile(self.plan):

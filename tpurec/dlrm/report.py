@@ -97,6 +97,11 @@ class MetricsLog:
         "max_unique_ids",
         "multipass_batches",
         "dropped_ids",
+        # --zch (tpurec.dlrm.zch): on train and eval rows, and one "zch_table" row per table at the end
+        "zch_remapped_ids",
+        "zch_hit_rate",
+        "zch_evictions",
+        "zch_occupancy",
     ]
 
     def __init__(
@@ -183,6 +188,13 @@ def summary_text(r: dict, data_dir: str | os.PathLike | None) -> str:
         f"  eval NE        {r['ne']:.4f}   logloss {r['logloss']:.4f}   accuracy {r['accuracy']:.4f}"
         f"   ({r['eval_rows']:,} rows)",
     ]
+    z = r.get("zch")
+    if z:
+        hit = "n/a" if z["hit_rate"] is None else f"{z['hit_rate']:.1%}"
+        lines.append(
+            f"  zch remap      {z['remapped_ids']:,} ids ({hit} in their own slot), {z['evictions']:,} evictions, "
+            f"occupancy {z['occupancy']:.1%} of {z['slots']:,} slots ({z['eviction']})"
+        )
     if r["eval_rows"] < MIN_EVAL_ROWS_FOR_AUC:
         lines.append(f"  warning        {noisy_auc_text(r['eval_rows'])}")
     return "\n".join(lines)

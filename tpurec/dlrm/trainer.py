@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from torchrec.datasets.utils import Batch
 
     from tpurec.data.reader import ParquetReader
+    from tpurec.dlrm.zch import RemapCounters
     from tpurec.emulation.rank import EmulatedRank
 
 
@@ -87,6 +88,7 @@ class Trainer:
         self.emulated: EmulatedRank | None = None  # the EmulatedRank of an emulated TPU rank (tpurec.emulation.rank)
         self._train_copies: Counter = Counter()  # device->host copies in training steps, by what
         self._output_failures: list[str] = []  # side outputs that could not be written (_side_output)
+        self.remap: RemapCounters | None = None  # --zch: the remap's counters (tpurec.dlrm.zch)
 
     # ---- setup ----
     def setup(self) -> None:
@@ -134,7 +136,7 @@ class Trainer:
         from tpurec.dlrm.input_pipeline import lookups_to_prepare, make_prefetcher
 
         o = self.options
-        self._lookups = lookups_to_prepare(self.dmp, self.world) if o.pipeline_depth else []
+        self._lookups = lookups_to_prepare(self.dmp, self.world) if o.pipeline_depth and not o.zch else []
         self._prefetch = make_prefetcher(
             self.readers.train, self._lookups, depth=o.pipeline_depth, workers=o.pipeline_workers
         )
@@ -182,6 +184,12 @@ class Trainer:
             if world > 1:
                 dist.barrier()
             self.data_dir = synth_dir(cfg.table_set, cfg.synth_rows, cfg.seed, synth_multi_hot(cfg))
+        if self.options.zch:
+            from tpurec.dlrm.zch import data_problem
+
+            problem = data_problem(str(self.data_dir))
+            if problem:
+                raise UserError(problem)
         meta = dataset_metadata(self.data_dir)
         defaults = [t.num_embeddings for t in self.table_set.tables]
         self.table_sizes = model_table_sizes(self.data_dir, defaults)
@@ -201,6 +209,7 @@ class Trainer:
             eval_fraction=cfg.eval_fraction,
             table_sizes=self.table_sizes,
             warn=log.warning if rank == 0 else (lambda *a: None),
+            keep_raw_ids=self.options.zch,  # --zch: TorchRec's remap takes the raw ids
             # On a TPU every shape is compiled in: evaluating at the training batch reuses the step's
             # lookup program and id limits; another eval batch would be another program, other buffers.
             **({"eval_batch_size": cfg.batch_size} if self.device == "tpu" else {}),
@@ -232,7 +241,10 @@ class Trainer:
 
         cfg, o = self.cfg, self.options
         torch.manual_seed(cfg.seed)
-        model = build_model(cfg, table_sizes=self.table_sizes, feature_names=self.feature_names)
+        zch = o.zch_spec()
+        if zch is not None:
+            self._zch_table_sizes()
+        model = build_model(cfg, table_sizes=self.table_sizes, feature_names=self.feature_names, zch=zch)
         plan = None
         if o.plan:
             from tpurec.planner.plan_io import load_plan
@@ -245,6 +257,14 @@ class Trainer:
             self.dmp = shard(model, cfg, self.device, plan=plan, id_limits=o.id_limits)
         except PlanMismatchError as e:  # DMP says "the plan": name the file
             raise e.named(f"--plan {o.plan}") from None
+        if zch is not None:
+            from tpurec.dlrm.zch import RemapCounters
+
+            self.remap = RemapCounters(zch).attach(self.dmp)
+            self.say(
+                f"--zch: {len(self.remap.tables)} managed-collision table(s) on this rank, {zch.eviction} eviction "
+                f"every {zch.eviction_interval} steps"
+            )
         self.optimizer = build_optimizer(self.dmp, cfg)
         self.schedule = LRSchedule(self.optimizer, cfg.warmup_steps, cfg.decay_start, cfg.decay_steps)
         if self.rank == 0:
@@ -256,8 +276,23 @@ class Trainer:
             device,
             world_size=self.world,
             workers=o.pipeline_workers,
-            prepare=o.pipeline_depth > 0,
+            # --zch: the lookups take the remapped ids, known only in the step (the remap's input is raw)
+            prepare=o.pipeline_depth > 0 and zch is None,
         )
+
+    def _zch_table_sizes(self) -> None:
+        """--zch over several ranks: tables too small for a row-wise block of >= 2 rows on every rank
+        grow to the smallest size that has one (tpurec.dlrm.zch.remap_rows), said in one line."""
+        from tpurec.dlrm.zch import remap_rows
+
+        sizes = [remap_rows(n, self.world) for n in self.table_sizes]
+        grown = [f"{t.name} {a} -> {b}" for t, a, b in zip(self.table_set.tables, self.table_sizes, sizes) if a != b]
+        if grown:
+            self.say(
+                f"--zch at {self.world} ranks: every rank holds a row-wise block of every managed-collision table, "
+                f"of >= 2 rows (one id and TorchRec's end marker); rows grown: {', '.join(grown)}"
+            )
+            self.table_sizes = sizes
 
     def _report_plan(self) -> None:
         report = None
@@ -274,11 +309,16 @@ class Trainer:
                 save_plan(self.dmp.plan, self.options.save_plan, report["meta"] if report else None, "--save-plan")
                 self.say(f"plan saved to {self.options.save_plan}")
 
+    def _checkpoint_config(self) -> dict:
+        """The config a checkpoint records and a resume must match: the model's, and whether its tables
+        are behind the managed-collision remap (--zch: other state, other tensors)."""
+        return {**self.cfg.to_dict(), "zch": self.options.zch}
+
     def _resume(self) -> None:
         """`--resume`: the checkpoint manager finds, checks and loads the checkpoint into the model and
         optimizers; the step count and the data position follow here."""
         train = self.readers.train
-        loaded = self.checkpointer.resume(self.options.resume, self.dmp, self.optimizer, self.cfg.to_dict())
+        loaded = self.checkpointer.resume(self.options.resume, self.dmp, self.optimizer, self._checkpoint_config())
         if loaded is None:
             return
         cmeta, state = loaded
@@ -360,6 +400,8 @@ class Trainer:
         from tpurec.dlrm.data import eval_batches
 
         self.dmp.eval()
+        if self.remap is not None:
+            self.remap.reset_eval()  # the eval figures are this evaluation's
         logits, labels = [], []
         it = eval_batches(self.readers.eval)
         if self.device == "tpu":
@@ -390,7 +432,7 @@ class Trainer:
             "batch_size": self.batch_size,
             "epoch": st["epoch"],
             "epoch_fraction": st["rows_consumed"] / max(1, train.num_rows),
-            "config": self.cfg.to_dict(),
+            "config": self._checkpoint_config(),
             "data": str(self.data_dir),
         }
         return self.checkpointer.save(s, self.dmp, self.optimizer, st, cmeta)
@@ -519,6 +561,8 @@ class Trainer:
             result["oracle_auc"] = self.oracle_auc
         result.update(self._slice_figures())
         result["id_limits"] = self._id_limit_figures()
+        if self.remap is not None:
+            result["zch"] = self._remap_figures()
         if self.rank == 0:
             self._report(result)
         elif self._output_failures:  # another host's copy of --save-plan
@@ -634,6 +678,7 @@ class Trainer:
                         "seconds": round(time.perf_counter() - self._t_start, 3),
                         "loss": mean,
                         "samples_per_s": round(sps, 1),
+                        **self._remap_record(train=True),
                     }
                 )
                 self._bar.set_postfix_str(f"loss {mean:.4f}, {sps:,.0f} samples/s", refresh=False)
@@ -669,9 +714,40 @@ class Trainer:
                 "samples": self.samples,
                 "seconds": round(time.perf_counter() - self._t_start, 3),
                 **ev,
+                **self._remap_record(train=False),
             }
         )
         return ev
+
+    def _remap_record(self, train: bool) -> dict:
+        """--zch: the remap's figures for a metrics record (every rank calls it: a collective). Training:
+        ids remapped so far, their hit rate, evictions so far, occupancy; eval: that evaluation's hit rate."""
+        if self.remap is None:
+            return {}
+        f = self.remap.figures(self.world)
+        return {
+            "zch_remapped_ids": f["remapped_ids"] if train else f["eval_remapped_ids"],
+            "zch_hit_rate": f["hit_rate"] if train else f["eval_hit_rate"],
+            "zch_evictions": f["evictions"],
+            "zch_occupancy": f["occupancy"],
+        }
+
+    def _remap_figures(self) -> dict:
+        """--zch: the result line's remap figures (all ranks), each table's in --metrics-out."""
+        assert self.remap is not None
+        for name, t in self.remap.per_table(self.world).items():
+            self._metrics.add(
+                {
+                    "kind": "zch_table",
+                    "step": self.step_count,
+                    "table": name,
+                    "zch_remapped_ids": t["ids"],
+                    "zch_hit_rate": round(t["hits"] / t["ids"], 6) if t["ids"] else None,
+                    "zch_evictions": t["evictions"],
+                    "zch_occupancy": t["occupancy"],
+                }
+            )
+        return self.remap.figures(self.world)
 
     def _report(self, result: dict) -> None:
         self._write_curves()

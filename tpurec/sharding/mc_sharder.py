@@ -52,6 +52,18 @@ class HostShardedManagedCollisionCollection(ShardedManagedCollisionCollection):
             if isinstance(input_dist, nn.Module):
                 input_dist.to(_HOST)
 
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        """Module.to/cuda/... of a model holding the remap leave its tensors on the host. TorchRec's DMP
+        moves its whole wrapped module to the compute device before DDP wraps it when the model has dense
+        parameters (`DefaultDataParallelWrapper`: `module.to(device)`): the remap's identities and eviction
+        metadata would follow to the TPU, and the host ids meet them there. A conversion whose result
+        leaves the host (probed on an empty tensor) is skipped; others (a dtype, share_memory) apply."""
+
+        def on_host(t: torch.Tensor) -> torch.Tensor:
+            return t if fn(t.new_empty(0)).device.type != "cpu" else fn(t)
+
+        return super()._apply(on_host, recurse)
+
 
 class HostManagedCollisionCollectionSharder(ManagedCollisionCollectionSharder):
     """TorchRec's remap sharder, building the sharded remap on the host whatever the compute device."""

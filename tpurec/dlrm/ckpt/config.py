@@ -28,6 +28,7 @@ FIXED_CONFIG = (
     "synth_rows",
     "seed",
     "eval_fraction",
+    "zch",  # not a DLRMConfig field: the trainer adds it (tables behind the managed-collision remap)
 )
 
 
@@ -42,6 +43,11 @@ def config_mismatch(path: str | os.PathLike, config: dict) -> str | None:
         if name not in saved:
             continue  # a field added after the checkpoint was written
         theirs, ours = saved[name], json.loads(json.dumps(config.get(name)))  # tuples as JSON lists
+        if theirs != ours and name == "zch":
+            return (
+                f"{path} was written {'with' if theirs else 'without'} --zch (managed-collision tables), this run "
+                f"is {'with' if ours else 'without'}: {'give' if theirs else 'leave out'} --zch, or start a new run"
+            )
         if theirs != ours:
             flag = "--model" if name in ("name", "table_set") else "--" + name.replace("_", "-")
             fix = f"leave out {flag}" if theirs is None else f"give {flag} {_show(theirs, flag=True)}"
