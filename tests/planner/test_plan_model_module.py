@@ -192,3 +192,22 @@ def test_a_model_file_path_is_planned_like_its_module(user_module, tmp_path, mon
     monkeypatch.chdir(tmp_path)
     by_path = _plan(capsys, "--model-module", f"./{user_module}.py:build", "--topology", "v6e-4")
     assert by_path["plan"] == by_module["plan"] and by_path["tables"] == by_module["tables"]
+
+
+def test_the_remaps_host_memory_is_in_the_report_and_its_saved_plan(tmp_path, capsys):
+    """MCHManagedCollisionModule with LRU holds, per slot, the id kept, the row it maps to and its last
+    access (3 int64: 24 bytes), and per shard a few fixed buffers (1,025 output segments + 3
+    counters, int64: 8,224 bytes). t0 (32 slots) and t1 (16) row-wise over 4 ranks: 8 and 4 slots each."""
+    from tpurec.planner import report as I
+
+    r = _plan(capsys, "--model-module", "tests.sharding.mc_cases:build_lru", "--topology", "v6e-4")
+    t = {x["name"]: x for x in r["tables"]}
+    assert [s["remap_host_bytes"] for s in t["t0"]["shards"]] == [8 * 24 + 8224] * 4
+    assert [s["remap_host_bytes"] for s in t["t1"]["shards"]] == [4 * 24 + 8224] * 4
+    assert r["host_remap_bytes_per_rank"] == [8 * 24 + 4 * 24 + 2 * 8224] * 4
+    out = tmp_path / "r.json"
+    out.write_text(json.dumps(r))
+    again = I.report_from_file(out)  # `plan show` of the saved report: the same figures
+    assert again["host_remap_bytes_per_rank"] == r["host_remap_bytes_per_rank"] and again["tables"] == r["tables"]
+    assert _cli("show", str(out)) == 0
+    assert "managed-collision remaps of 2 table(s), up to 16.34 KiB per rank" in capsys.readouterr().out

@@ -136,6 +136,8 @@ META_CHECKS: dict[str, Check] = {
     "id_limits": optional(_id_limits),
     "refusal": optional(text),
     "smallest_fitting_topology": optional(map_of(optional(text))),
+    # {table: [slots, bytes per slot, fixed bytes]} of managed-collision remaps (planner/remap_memory.py)
+    "remap_buffers": optional(map_of(each(lambda a, x: whole(a, x, 0)))),
 }
 
 

@@ -408,6 +408,9 @@ def plan_module(
         model=model,
         limits=limits,
     )
+    from tpurec.planner import remap_memory
+
+    remap_memory.add_to_report(report, remap_memory.remap_buffers(module))  # host RAM, not HBM
     if refusal is not None:
         from tpurec.planner.sizing import smallest_fitting_topology
 
@@ -461,6 +464,9 @@ def report_from_plan_and_meta(plan: ShardingPlan, meta: dict) -> dict:
         model=meta.get("model"),
         limits=IdLimits.from_json(meta["id_limits"]) if meta.get("id_limits") else None,
     )
+    from tpurec.planner import remap_memory
+
+    remap_memory.add_to_report(report, remap_memory.from_meta(meta))
     if meta.get("refusal"):
         report["meta"].update(refusal=meta["refusal"], smallest_fitting_topology=meta["smallest_fitting_topology"])
         _mark_refused(report, meta["refusal"], meta["smallest_fitting_topology"])

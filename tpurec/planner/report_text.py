@@ -122,6 +122,12 @@ def format_text(report: dict, top: int = 5) -> str:
             f"id limits: {a['id_limit']}: SparseCore buffers up to "
             f"{format_bytes(max(d['buffers_bytes'] for d in devices))} per device (worst case {format_bytes(worst)})"
         )
+    if report.get("host_remap_bytes_per_rank"):
+        remaps = [t for t in report["tables"] if t.get("remap_host_bytes")]
+        out.append(
+            f"host memory: managed-collision remaps of {len(remaps)} table(s), up to "
+            f"{format_bytes(max(report['host_remap_bytes_per_rank']))} per rank (host RAM, not HBM)"
+        )
     if report.get("refusal"):
         out += [f"refused: {report['refusal']}", f"smallest fitting slice: {fitting_text(report)}"]
     out += [
