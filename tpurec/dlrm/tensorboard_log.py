@@ -4,6 +4,7 @@ Written with torch.utils.tensorboard (the `tensorboard` package), one scalar per
 `<kind>/<field>` as the metrics file's columns are (docs/train.md lists them):
 - train/loss, train/samples_per_s at every logged training step (the metrics file's "train" rows);
 - eval/auc, eval/ne, eval/logloss, eval/accuracy at every evaluation;
+- with --zch, train/zch_remapped_ids, .../zch_hit_rate, .../zch_evictions, .../zch_occupancy on both;
 - id_demand/<table>/max_ids, .../max_unique_ids, .../multipass_batches, .../dropped_ids at the end.
 A resumed run opens its writer with `purge_step` one past the checkpoint's step: TensorBoard then
 drops the earlier run's events from that step on, so the curve never loops back.
@@ -16,9 +17,10 @@ from typing import Any
 
 from tpurec.errors import UserError
 
+_ZCH = ("zch_remapped_ids", "zch_hit_rate", "zch_evictions", "zch_occupancy")  # with --zch only
 SCALARS = {
-    "train": ("loss", "samples_per_s"),
-    "eval": ("auc", "ne", "logloss", "accuracy"),
+    "train": ("loss", "samples_per_s", *_ZCH),
+    "eval": ("auc", "ne", "logloss", "accuracy", *_ZCH),
     "id_demand": ("max_ids", "max_unique_ids", "multipass_batches", "dropped_ids"),
 }
 
