@@ -95,6 +95,9 @@ def _resolves_to(cls: type[OptimizerSpec], optimizer: type) -> bool:
 TORCHREC_DEFAULT_OPTIMIZER = "sgd"
 TORCHREC_DEFAULT_LEARNING_RATE = 0.01
 _logged_default = False
+# FBGEMM's EmbOptimType members its TBE refuses ("deprecated in the CPU + GPU modes",
+# fbgemm_gpu/split_table_batched_embeddings_ops_training.py, SplitTableBatchedEmbeddingBagsCodegen.__init__)
+FBGEMM_DEPRECATED = ("SGD", "ROWWISE_ADAGRAD")
 
 
 def spec_from_fused_params(fused_params: Mapping[str, Any] | None, table: str) -> OptimizerSpec:
@@ -117,6 +120,13 @@ def spec_from_fused_params(fused_params: Mapping[str, Any] | None, table: str) -
             )
             _logged_default = True
         return spec
+    if getattr(opt, "name", None) in FBGEMM_DEPRECATED:
+        # TorchRec's fused kernel refuses them (FBGEMM's TBE asserts "Optimizer sgd is deprecated in
+        # the CPU + GPU modes"): so does this one, naming what to use
+        raise UserError(
+            f"table {table!r}: optimizer EmbOptimType.{opt.name} is deprecated in FBGEMM (TorchRec's fused "
+            f"kernel refuses it too); use EmbOptimType.EXACT_{opt.name}"
+        )
     for cls in classes.values():
         if getattr(opt, "value", opt) in cls.fbgemm_names():
             # TorchRec passes the optimizer's kwargs through as fused params: an option the fused
