@@ -117,6 +117,8 @@ class MappedSource:
         d = self.schema.to_json()
         d.update(rows=self.rows, files=self.files, table_sizes={f.name: f.rows for f in self.mapping.sparse})
         d["mapping"] = self.mapping.to_doc()
+        d["mapping_inferred"] = list(self.mapping.inferred)
+        d["sparse_kinds"] = {f.name: f.kind for f in self.mapping.sparse}
         return d
 
     def sizes(self, table_sizes: Any) -> list[int | None]:
@@ -258,6 +260,32 @@ def string_hash(vals: Any) -> np.ndarray:
 
     h = np.fromiter((one(s) for s in uniq), np.uint64, len(uniq))
     return h[np.asarray(enc.indices.to_numpy(zero_copy_only=False), np.int64)]
+
+
+def mapping_summary(meta: dict) -> str:
+    """One line about a mapped dataset's columns (from ``MappedSource.metadata()``)."""
+    from collections import Counter
+
+    kinds = Counter((meta.get("sparse_kinds") or {}).values())
+    sparse = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in kinds.items())
+    inferred = meta.get("mapping_inferred") or []
+    how = f"; inferred: {', '.join(inferred)} (`tpurec data inspect` prints the mapping)" if inferred else ""
+    return (
+        f"label {meta.get('label')!r}, {len(meta.get('dense') or [])} dense, "
+        f"{len(meta.get('sparse') or [])} sparse ({sparse}){how}"
+    )
+
+
+def unsized_note(meta: dict, sizes: list[int], table_set: str) -> str | None:
+    """The line saying which mapped features hash into the model's table sizes (no ``:ROWS`` given)."""
+    unsized = [i for i, f in enumerate(meta.get("sparse") or []) if f.get("num_embeddings") is None]
+    if "mapping" not in meta or not unsized:
+        return None
+    rows = [sizes[i] for i in unsized]
+    return (
+        f"tables: {len(unsized)} sparse column(s) without :ROWS hash their ids into the {table_set} table sizes "
+        f"({min(rows):,} to {max(rows):,} rows); give --sparse NAME:ROWS to choose"
+    )
 
 
 def check_model_shape(meta: dict, num_dense: int, num_sparse: int, where: str) -> None:

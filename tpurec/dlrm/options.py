@@ -15,7 +15,7 @@ import argparse
 import json
 import os
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tpurec import strict_json
 from tpurec.argtypes import nonnegative_float, nonnegative_int, positive_float, positive_int
@@ -26,6 +26,9 @@ from tpurec.dlrm.flags import flag
 from tpurec.errors import UserError
 from tpurec.runtime import heartbeat
 from tpurec.runtime.device import DeviceChoice
+
+if TYPE_CHECKING:
+    from tpurec.data.mapping import ColumnSpec
 
 OPTIONS_ENV = "TPUREC_TRAIN_OPTIONS"  # the launcher's JSON of TrainOptions for `python -m tpurec.dlrm`
 
@@ -45,6 +48,22 @@ class TrainOptions:
         "Parquet dataset (tpurec data convert/synth); default: synthetic data for "
         "the model's tables, generated once into ~/.cache/tpurec",
         metavar="DIR",
+    )
+    # Parquet tpurec did not write: its column mapping (tpurec/data/mapping.py); inferred when not given
+    label: str | None = flag(None, "Parquet without tpurec's metadata: the label column (0/1)", metavar="COL")
+    dense: str | None = flag(
+        None, "Parquet without tpurec's metadata: dense columns, globs allowed ('f_*')", metavar="COL[,COL...]"
+    )
+    sparse: str | None = flag(
+        None,
+        "Parquet without tpurec's metadata: sparse (id) columns, globs allowed; ROWS: the table size "
+        "to hash into (default: the model's)",
+        metavar="NAME[:ROWS][,...]",
+    )
+    columns: str | None = flag(
+        None,
+        "Parquet without tpurec's metadata: a YAML/JSON column mapping (`tpurec data inspect` prints one)",
+        metavar="FILE",
     )
     model: str = flag("dlrm-tiny", "named config (default dlrm-tiny)", choices=MODEL_NAMES)
     interaction: str | None = _override("interaction")
@@ -150,6 +169,13 @@ class TrainOptions:
         return cls(**json.loads(text))
 
     # ---- reading ----
+    def column_spec(self) -> ColumnSpec | None:
+        """The column mapping given for --data (None: none given; inferred if the data needs one)."""
+        from tpurec.data.mapping import ColumnSpec
+
+        spec = ColumnSpec(self.label, self.dense, self.sparse, self.columns)
+        return spec if spec.given() else None
+
     def config_overrides(self) -> dict:
         """{DLRMConfig field: value} for the config flags given (None: not given, keep the model's)."""
         return {
@@ -214,6 +240,11 @@ class TrainOptions:
             problem = data_problem(self.data, get_config(self.model).table_set)
             if problem:
                 return problem
+        mapped = [f for f in ("label", "dense", "sparse", "columns") if getattr(self, f) is not None]
+        if mapped and not self.data:
+            return f"{flags.option_string(mapped[0])} maps the columns of --data DIR; give --data"
+        if self.columns and not os.path.isfile(self.columns):
+            return f"--columns {self.columns}: file not found (`tpurec data inspect DIR` prints a mapping to save)"
         if self.data and self.multi_hot_sizes:
             return f"--multi-hot-sizes shapes the synthetic data; --data {self.data} holds its own ids per sample"
         if self.plan and not os.path.isfile(self.plan):

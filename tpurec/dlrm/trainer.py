@@ -154,17 +154,17 @@ class Trainer:
         defaults = [t.num_embeddings for t in self.table_set.tables]
         if not self.options.data:
             return defaults, ""  # the synthetic data is made for the table set's own sizes
-        sizes = model_table_sizes(self.options.data, defaults)
+        sizes = model_table_sizes(self.options.data, defaults, self.options.column_spec())
         if sizes == defaults:
             return sizes, ""
-        return sizes, f", sizes from {self.options.data}'s _dataset.json, not the {self.cfg.table_set} defaults"
+        return sizes, f", sizes from {self.options.data}'s metadata or mapping, not the {self.cfg.table_set} defaults"
 
     def _setup_data(self) -> None:
         import torch.distributed as dist
 
-        from tpurec.data.schema import dataset_metadata
+        from tpurec.data.mapped import mapping_summary, unsized_note
         from tpurec.dlrm.configs import synth_multi_hot
-        from tpurec.dlrm.data import ensure_synth, make_readers, model_table_sizes, synth_dir
+        from tpurec.dlrm.data import data_metadata, ensure_synth, make_readers, model_table_sizes, synth_dir
 
         cfg, rank, world = self.cfg, self.rank, self.world
         if self.options.data:
@@ -179,12 +179,18 @@ class Trainer:
             if world > 1:
                 dist.barrier()
             self.data_dir = synth_dir(cfg.table_set, cfg.synth_rows, cfg.seed, synth_multi_hot(cfg))
-        meta = dataset_metadata(self.data_dir)
+        columns = self.options.column_spec()  # the column mapping of Parquet tpurec did not write
+        meta = data_metadata(self.data_dir, columns)
+        if "mapping" in meta:
+            self.say(f"data: {self.data_dir}: Parquet read through a column mapping: {mapping_summary(meta)}")
         defaults = [t.num_embeddings for t in self.table_set.tables]
-        self.table_sizes = model_table_sizes(self.data_dir, defaults)
+        self.table_sizes = model_table_sizes(self.data_dir, defaults, columns)
+        note = unsized_note(meta, self.table_sizes, cfg.table_set)
+        if note:
+            self.say(note)
         if self.table_sizes != defaults:
             self.say(
-                f"tables: sizes from {self.data_dir}'s _dataset.json: {sum(self.table_sizes):,} rows in all "
+                f"tables: sizes from {self.data_dir}'s metadata or mapping: {sum(self.table_sizes):,} rows in all "
                 f"(the {cfg.table_set} defaults have {sum(defaults):,}); convert with --table-set {cfg.table_set} "
                 "to train the model's own sizes"
             )
@@ -198,6 +204,7 @@ class Trainer:
             eval_fraction=cfg.eval_fraction,
             table_sizes=self.table_sizes,
             warn=log.warning if rank == 0 else (lambda *a: None),
+            columns=columns,
             # On a TPU every shape is compiled in: evaluating at the training batch reuses the step's
             # lookup program and id limits; another eval batch would be another program, other buffers.
             **({"eval_batch_size": cfg.batch_size} if self.device == "tpu" else {}),
