@@ -42,7 +42,7 @@ def test_the_table_set_is_the_models(tmp_path, capsys, model, table_set):
     assert f"--out {tmp_path / 'day_0_parquet'} --table-set {table_set}`" in capsys.readouterr().err
 
 
-def test_a_parquet_file_points_to_its_directory(tmp_path, capsys):
+def test_a_parquet_file_is_read_and_a_damaged_one_named(tmp_path, capsys):
     f = tmp_path / "part-00000.parquet"
     f.write_bytes(b"PAR1")
-    assert f"--data takes its directory ({tmp_path})" in _train_error(capsys, f)
+    assert f"{f}: not a readable Parquet file" in _train_error(capsys, f)

@@ -87,7 +87,8 @@ class MappedSource:
         except Exception as e:  # unreadable directory, conflicting partition values, ...
             raise DataError(f"{path}: cannot open as a Parquet dataset ({str(e).splitlines()[0]})") from None
         if not fragments:
-            raise DataError(f"{path}: no Parquet files")
+            what = "not a readable Parquet file" if Path(path).is_file() else "no readable Parquet files"
+            raise DataError(f"{path}: {what}")
         self.arrow_schema = dataset.schema
         physical = set(fragments[0].physical_schema.names)
         self.partition_columns = tuple(n for n in dataset.schema.names if n not in physical)

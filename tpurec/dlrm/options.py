@@ -232,6 +232,26 @@ class TrainOptions:
             return None  # a bad override is refused on its own, by name
         return synth_cache_problem(cfg.table_set, cfg.synth_rows, cfg.seed, synth_multi_hot(cfg))
 
+    def _mapping_problem(self) -> str | None:
+        """A column mapping that does not fit --data (a column it lacks, of the wrong type) or the
+        model (its dense and sparse counts), told once before any rank starts; None for tpurec's own
+        data read without a mapping."""
+        if not self.data or not os.path.exists(self.data):
+            return None
+        from tpurec.catalog import get_table_set
+        from tpurec.data.mapped import has_tpurec_metadata
+        from tpurec.dlrm.data import model_table_sizes
+
+        columns = self.column_spec()
+        if columns is None and has_tpurec_metadata(self.data):
+            return None
+        try:
+            defaults = [t.num_embeddings for t in get_table_set(get_config(self.model).table_set).tables]
+            model_table_sizes(self.data, defaults, columns)
+        except UserError as e:
+            return str(e)
+        return None
+
     def check(self, nproc: int = 1) -> str | None:
         """A one-line message for bad input, checked before anything heavy starts."""
         if self.data:
@@ -245,6 +265,9 @@ class TrainOptions:
             return f"{flags.option_string(mapped[0])} maps the columns of --data DIR; give --data"
         if self.columns and not os.path.isfile(self.columns):
             return f"--columns {self.columns}: file not found (`tpurec data inspect DIR` prints a mapping to save)"
+        problem = self._mapping_problem()
+        if problem:
+            return problem
         if self.data and self.multi_hot_sizes:
             return f"--multi-hot-sizes shapes the synthetic data; --data {self.data} holds its own ids per sample"
         if self.plan and not os.path.isfile(self.plan):
