@@ -198,8 +198,9 @@ def test_trains_with_flags(layouts, tmp_path, layout):
     _train(layouts[layout], *FLAGS, cache=tmp_path)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", ["file", "dir", "hive"])
+@pytest.mark.parametrize(
+    "layout", ["file", pytest.param("dir", marks=pytest.mark.slow), pytest.param("hive", marks=pytest.mark.slow)]
+)
 def test_trains_with_the_inferred_mapping(layouts, tmp_path, layout):
     proc = _train(layouts[layout], cache=tmp_path)
     assert "26 sparse column(s) without :ROWS hash their ids into the dlrm-tiny table sizes" in proc.stderr
