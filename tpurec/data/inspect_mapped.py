@@ -41,12 +41,12 @@ def inspect_mapped(source: MappedSource, sample_rows: int = 1_000_000) -> dict:
             dense_max = np.maximum(dense_max, w.dense.max(axis=0))
         take = max(0, min(w.rows, sample_rows - sampled))
         assert w.features is not None  # mapped windows always carry per-feature lengths
-        for n, f in zip(names, w.features):
-            sketches[n].add(f.values)
-            empty_rows[n] += int(np.count_nonzero(f.lengths == 0))
-            id_counts[n] += len(f.values)
-            if take and f.offsets is not None:
-                samples[n].append(f.values[: int(f.offsets[take])])
+        for n, feat in zip(names, w.features):
+            sketches[n].add(feat.values)
+            empty_rows[n] += int(np.count_nonzero(feat.lengths == 0))
+            id_counts[n] += len(feat.values)
+            if take and feat.offsets is not None:
+                samples[n].append(feat.values[: int(feat.offsets[take])])
         sampled += take
     rows = source.rows
     columns: dict[str, dict] = {}
