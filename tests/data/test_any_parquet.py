@@ -14,6 +14,7 @@ from tpurec import cli
 from tpurec.data.mapped import MappedSource, open_source, string_hash
 from tpurec.data.mapping import ColumnSpec, MappingError
 from tpurec.data.reader import ParquetReader
+from tpurec.data.schema import DataError
 
 ROWS = 3000
 DENSE = [f"num_{i}" for i in range(13)]
@@ -224,3 +225,24 @@ def test_data_stats_reads_it(layouts, tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     doc = json.loads(out.read_text())
     assert doc["rows"] == ROWS and len(doc["tables"]) == 26
+
+
+def test_a_partition_column_can_be_a_feature(layouts):
+    src = open_source(layouts["hive"], ColumnSpec(dense="num_*", sparse="id_*,name_*,history,day:10"))
+    assert src.mapping.sparse[-1].name == "day" and src.partition_columns == ("day",)
+    (batch,) = list(ParquetReader(None, ROWS, source=src, prefetch=0, table_sizes={}))
+    days = batch.sparse_features["day"].values().numpy()
+    assert sorted(np.unique(days).tolist()) == [1, 2, 3] and len(days) == ROWS
+
+
+def test_a_file_with_a_column_of_another_type_is_named(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"label": [0, 1], "x": [1.0, 2.0], "c": [1, 2]}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"label": [0, 1], "x": [1.0, 2.0], "c": ["p", "q"]}), tmp_path / "b.parquet")
+    reader = ParquetReader(None, 4, source=open_source(tmp_path, None), prefetch=0, table_sizes=[10])
+    with pytest.raises(
+        DataError, match=r"b.parquet: row group 0: column 'c' has type string, but the dataset's is int64"
+    ):
+        list(reader)

@@ -146,6 +146,8 @@ class MappedDecoder:
         m = self.mapping
         self.columns = [m.label, *m.dense, *(f.name for f in m.sparse)]
         self.physical = [c for c in self.columns if c not in source.partition_columns]
+        numbers = ("float", "bool", INT)
+        self.kinds = {m.label: numbers, **dict.fromkeys(m.dense, numbers), **{f.name: (f.kind,) for f in m.sparse}}
         self.files: dict[str, Any] = {}
 
     def read(self, u: Unit) -> pa.Table:
@@ -163,12 +165,11 @@ class MappedDecoder:
                 typ = self.source.arrow_schema.field(name).type
                 one = pa.array([keys.get(name)], type=typ)
                 t = t.append_column(name, one.take(pa.array(np.zeros(t.num_rows, np.int64))))
-        for f in self.mapping.sparse:
-            got = _kind(t.column(f.name).type)
-            if got != f.kind:
+        for name, kinds in self.kinds.items():  # another file may hold a column of another type
+            if _kind(t.column(name).type) not in kinds:
                 raise DataError(
-                    f"{u.path}: row group {u.row_group}: column {f.name!r} has type {t.column(f.name).type}, "
-                    f"but the dataset's is {self.source.arrow_schema.field(f.name).type}"
+                    f"{u.path}: row group {u.row_group}: column {name!r} has type {t.column(name).type}, "
+                    f"but the dataset's is {self.source.arrow_schema.field(name).type}"
                 )
         return t
 
