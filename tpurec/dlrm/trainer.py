@@ -157,7 +157,7 @@ class Trainer:
         sizes = model_table_sizes(self.options.data, defaults, self.options.column_spec())
         if sizes == defaults:
             return sizes, ""
-        return sizes, f", sizes from {self.options.data}'s metadata or mapping, not the {self.cfg.table_set} defaults"
+        return sizes, f", sizes from {self.options.data}'s _dataset.json, not the {self.cfg.table_set} defaults"
 
     def _setup_data(self) -> None:
         import torch.distributed as dist
@@ -189,10 +189,11 @@ class Trainer:
         if note:
             self.say(note)
         if self.table_sizes != defaults:
+            mapped = "mapping" in meta  # sizes from --sparse NAME:ROWS (or --columns)
             self.say(
-                f"tables: sizes from {self.data_dir}'s metadata or mapping: {sum(self.table_sizes):,} rows in all "
-                f"(the {cfg.table_set} defaults have {sum(defaults):,}); convert with --table-set {cfg.table_set} "
-                "to train the model's own sizes"
+                f"tables: sizes from {self.data_dir}'s {'column mapping' if mapped else '_dataset.json'}: "
+                f"{sum(self.table_sizes):,} rows in all (the {cfg.table_set} defaults have {sum(defaults):,})"
+                + ("" if mapped else f"; convert with --table-set {cfg.table_set} to train the model's own sizes")
             )
         self.feature_names = [f["name"] for f in meta.get("sparse", [])]
         self.readers = make_readers(
