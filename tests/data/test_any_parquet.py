@@ -4,17 +4,17 @@ dataset, read through a column mapping given as flags, as a file, or inferred.""
 
 from __future__ import annotations
 
-import hashlib
 import json
 
 import numpy as np
 import pytest
 
 from tpurec import cli
-from tpurec.data.mapped import MappedSource, open_source, string_hash
+from tpurec.data.mapped import MappedSource, open_source
 from tpurec.data.mapping import ColumnSpec, MappingError
 from tpurec.data.reader import ParquetReader
 from tpurec.data.schema import DataError
+from tpurec.data.string_ids import reference, string_hash
 
 ROWS = 3000
 DENSE = [f"num_{i}" for i in range(13)]
@@ -94,14 +94,18 @@ def test_every_row_is_read_with_nulls_and_empty_lists_as_no_ids(layouts, layout)
         assert v.min() >= 0 and v.max() < size
 
 
-def test_string_ids_are_blake2b64_mod_rows():
+def test_string_ids_are_splitmix64_of_fnv1a64():
     import pyarrow as pa
 
-    want = int.from_bytes(hashlib.blake2b(b"user-1", digest_size=8).digest(), "little")
-    assert want == 0x88E1EA21865AAC9A  # fixed forever: the ids of a trained model depend on it
-    got = string_hash(pa.array(["user-1", "x", "user-1"])).tolist()
-    assert got[0] == got[2] == want and got[1] != want
-    assert string_hash(pa.array(["user-1"], pa.large_string())).tolist() == [want]
+    assert reference("user-1") == 0xF16D8D440FBB25D5  # fixed forever: a trained model's rows depend on it
+    words = ["", "a", "user-1", "héllo", "x" * 300, "user-1", "ab"]
+    for arr in (
+        pa.array(words),
+        pa.array(["z", *words], pa.large_string()).slice(1),
+        pa.array(words).cast(pa.binary()),
+    ):
+        assert string_hash(arr).tolist() == [reference(w) for w in words]
+    assert len(string_hash(pa.array([], pa.string()))) == 0
 
 
 def test_ids_already_in_the_table_are_kept_as_they_are(layouts):

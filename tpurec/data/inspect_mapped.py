@@ -84,7 +84,7 @@ def inspect_mapped(source: MappedSource, sample_rows: int = 1_000_000) -> dict:
         "label_rate": round(positives / max(rows, 1), 6),
         "label_null_share": nulls[m.label] / max(rows, 1),
         "dense_transform": "raw (nulls as 0.0)",
-        "categorical": "mapped (ints mod ROWS, strings blake2b64 mod ROWS; docs/data.md)",
+        "categorical": "mapped (ints mod ROWS, strings splitmix64(fnv1a64) mod ROWS; docs/data.md)",
         "oracle_auc": None,
         "skew_sample_rows": sampled,
         "columns": columns,

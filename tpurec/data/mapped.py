@@ -9,14 +9,13 @@ Decoding rules (docs/data.md, "Your own Parquet"):
   * label: one number per row, 0 or 1 (bool, integer or float); a null label is an error.
   * dense: cast to float32 as stored (no transform); null -> 0.0; NaN/inf are errors.
   * sparse: integer ids -> ``id mod ROWS`` (ids already in [0, ROWS) are kept as they are); string ids
-    -> ``blake2b64(utf-8 bytes) mod ROWS`` (``string_hash``); ``list<...>`` columns are multi-hot
+    -> ``splitmix64(fnv1a64(utf-8 bytes)) mod ROWS`` (tpurec/data/string_ids.py); ``list<...>`` columns are multi-hot
     (the list's length is the row's id count). A null (row or list element) is no id: a null or empty
     list, or a null scalar, gives the row length 0.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,6 +34,7 @@ from tpurec.data.schema import (
     dataset_json,
 )
 from tpurec.data.shards import Unit
+from tpurec.data.string_ids import string_hash
 from tpurec.errors import UserError
 
 if TYPE_CHECKING:
@@ -243,25 +243,6 @@ def _ids(vals: Any, kind: str, size: int | None) -> np.ndarray:
     assert kind in (INT, "int_list"), kind
     x = np.asarray(vals.to_numpy(zero_copy_only=False)).astype(np.int64, copy=False)
     return np.mod(x, size) if size else x
-
-
-def string_hash(vals: Any) -> np.ndarray:
-    """uint64 per string: the first 8 bytes, little-endian, of BLAKE2b with an 8-byte digest of its UTF-8
-    bytes (``int.from_bytes(hashlib.blake2b(s.encode(), digest_size=8).digest(), "little")``): the same
-    on every machine and in every process, unlike Python's hash(). Each distinct string is hashed once."""
-    import pyarrow.compute as pc
-
-    if not len(vals):
-        return np.empty(0, np.uint64)
-    enc = pc.dictionary_encode(vals)
-    uniq = enc.dictionary.to_pylist()
-
-    def one(s: str | bytes) -> int:
-        data = s.encode() if isinstance(s, str) else s
-        return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
-
-    h = np.fromiter((one(s) for s in uniq), np.uint64, len(uniq))
-    return h[np.asarray(enc.indices.to_numpy(zero_copy_only=False), np.int64)]
 
 
 def mapping_summary(meta: dict) -> str:
