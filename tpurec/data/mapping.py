@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tpurec import strict_json
 from tpurec.errors import UserError
 
 if TYPE_CHECKING:
@@ -75,10 +76,11 @@ class ColumnMapping:
         lines = ["# tpurec column mapping: tpurec train|data inspect|data stats --columns FILE"]
         if self.inferred:
             lines.append(f"# inferred: {', '.join(self.inferred)}; edit and save to fix it")
-        lines.append(f"label: {json.dumps(self.label)}")
-        lines.append("dense: [" + ", ".join(json.dumps(n) for n in self.dense) + "]")
+        lines.append(f"label: {strict_json.dumps(self.label)}")
+        lines.append("dense: [" + ", ".join(strict_json.dumps(n) for n in self.dense) + "]")
         lines.append("sparse:  # column: table rows (null: the model's table size; ids hashed into it)")
-        lines += [f"  {json.dumps(f.name)}: {'null' if f.rows is None else f.rows}  # {f.kind}" for f in self.sparse]
+        for f in self.sparse:
+            lines.append(f"  {strict_json.dumps(f.name)}: {'null' if f.rows is None else f.rows}  # {f.kind}")
         if not self.sparse:
             lines[-1] = "sparse: {}"
         if self.skipped:
