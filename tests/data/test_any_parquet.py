@@ -250,3 +250,27 @@ def test_a_file_with_a_column_of_another_type_is_named(tmp_path):
         DataError, match=r"b.parquet: row group 0: column 'c' has type string, but the dataset's is int64"
     ):
         list(reader)
+
+
+def test_bool_labels_categorical_strings_and_lists_of_strings(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table(
+        {
+            "target": pa.array([True, False, True]),
+            "age": pa.array([30, None, 41], pa.int32()),
+            "city": pa.array(["paris", "rome", None]).dictionary_encode(),
+            "tags": pa.array([["a", None, "b"], None, []], pa.list_(pa.string())),
+        }
+    )
+    pq.write_table(table, tmp_path / "t.parquet")
+    src = open_source(tmp_path / "t.parquet", ColumnSpec(dense="age", sparse="city:1000,tags:50"))
+    assert [f.kind for f in src.mapping.sparse] == ["string", "string_list"]
+    (batch,) = list(ParquetReader(None, 3, source=src, prefetch=0))
+    assert batch.labels.tolist() == [1.0, 0.0, 1.0] and batch.dense_features[:, 0].tolist() == [30.0, 0.0, 41.0]
+    kjt = batch.sparse_features.to_dict()
+    assert kjt["tags"].lengths().tolist() == [2, 0, 0]  # the null element dropped; null and empty lists: none
+    assert kjt["tags"].values().tolist() == [reference("a") % 50, reference("b") % 50]
+    assert kjt["city"].lengths().tolist() == [1, 1, 0]
+    assert kjt["city"].values().tolist() == [reference("paris") % 1000, reference("rome") % 1000]
