@@ -46,3 +46,14 @@ def test_a_parquet_file_is_read_and_a_damaged_one_named(tmp_path, capsys):
     f = tmp_path / "part-00000.parquet"
     f.write_bytes(b"PAR1")
     assert f"{f}: not a readable Parquet file" in _train_error(capsys, f)
+
+
+def test_parquet_named_otherwise_in_partitions_is_taken(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tpurec.dlrm.data_hint import data_problem
+
+    (tmp_path / "day=1").mkdir()
+    pq.write_table(pa.table({"label": [0, 1]}), tmp_path / "day=1" / "000000_0")
+    assert data_problem(str(tmp_path), "dlrm-tiny") is None

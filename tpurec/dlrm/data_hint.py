@@ -40,7 +40,7 @@ def data_problem(data: str, table_set: str) -> str | None:
         return f"--data {data}: a file; --data takes a Parquet directory: convert it first with " + _convert(
             data, _out_for(path), table_set, csv
         )
-    if any(path.glob("*.parquet")) or any(path.rglob("*.parq*")):  # also Hive-partitioned (day=1/...)
+    if any(path.glob("*.parquet")) or any(path.rglob("*.parq*")) or _holds_parquet(path):
         return None
     files = sorted(f.name.lower() for f in path.iterdir() if f.is_file() and not f.name.startswith((".", "_")))
     csvs = [f for f in files if f.endswith((".csv", ".csv.gz"))]
@@ -57,3 +57,18 @@ def data_problem(data: str, table_set: str) -> str | None:
         how = _convert("INPUT...", data, table_set)
         return f"--data {data}: an empty directory; --data takes the Parquet directory {how} writes"
     return f"--data {data}: no .parquet files ({len(files)} other file(s)); convert them first with {how}"
+
+
+def _holds_parquet(path: Path, most: int = 100) -> bool:
+    """Parquet files named otherwise (Hive's `000000_0`), in partition directories too: a look at the
+    first bytes of at most `most` files."""
+    import itertools
+
+    for f in itertools.islice((f for f in path.rglob("*") if f.is_file()), most):
+        try:
+            with open(f, "rb") as fh:
+                if fh.read(4) == b"PAR1":
+                    return True
+        except OSError:
+            continue
+    return False
