@@ -103,6 +103,8 @@ class MappedSource:
                     self.units.append(Unit(f.path, rg, 0, n))
         self.files = len(fragments)
         self.rows = sum(u.rows for u in self.units)
+        if not self.rows:
+            raise DataError(f"{path}: {self.files} Parquet file(s) without rows")
         m = self.mapping
         self.schema = DataSchema(
             label=m.label,
