@@ -42,7 +42,18 @@ def test_the_table_set_is_the_models(tmp_path, capsys, model, table_set):
     assert f"--out {tmp_path / 'day_0_parquet'} --table-set {table_set}`" in capsys.readouterr().err
 
 
-def test_a_parquet_file_points_to_its_directory(tmp_path, capsys):
+def test_a_parquet_file_is_read_and_a_damaged_one_named(tmp_path, capsys):
     f = tmp_path / "part-00000.parquet"
     f.write_bytes(b"PAR1")
-    assert f"--data takes its directory ({tmp_path})" in _train_error(capsys, f)
+    assert f"{f}: not a readable Parquet file" in _train_error(capsys, f)
+
+
+def test_parquet_named_otherwise_in_partitions_is_taken(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tpurec.dlrm.data_hint import data_problem
+
+    (tmp_path / "day=1").mkdir()
+    pq.write_table(pa.table({"label": [0, 1]}), tmp_path / "day=1" / "000000_0")
+    assert data_problem(str(tmp_path), "dlrm-tiny") is None

@@ -21,6 +21,8 @@ _EXPORTS = {
     "ConvertOptions": "tpurec.data.convert",
     "synthesize": "tpurec.data.synth",
     "inspect_dataset": "tpurec.data.inspect",
+    "ColumnSpec": "tpurec.data.mapping",  # Parquet tpurec did not write: its column mapping
+    "open_source": "tpurec.data.mapped",
 }
 __all__ = list(_EXPORTS)
 

@@ -125,8 +125,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.set_defaults(run=run_synth)
 
     i = dsub.add_parser("inspect", help="schema, rows, row groups, per-column stats, label rate")
-    i.add_argument("path", metavar="DIR", help="a dataset directory or one Parquet file")
+    i.add_argument(
+        "path",
+        metavar="DIR",
+        help="a dataset directory or one Parquet file; also Parquet tpurec did not write (see --label)",
+    )
     i.add_argument("--json", action="store_true", help="one JSON document instead of text")
+    i.add_argument(
+        "--mapping",
+        action="store_true",
+        help="Parquet without tpurec's metadata: print only its column mapping, as a --columns file (YAML)",
+    )
+    from tpurec.data.mapping import add_flags
+
+    add_flags(i)  # --label/--dense/--sparse/--columns: Parquet tpurec did not write
     i.set_defaults(run=run_inspect)
 
 
@@ -301,7 +313,26 @@ def run_synth(args: argparse.Namespace) -> int:
 @reader_gone_ok
 def run_inspect(args: argparse.Namespace) -> int:
     from tpurec.data.inspect import format_report, inspect_dataset
+    from tpurec.data.mapped import open_source
+    from tpurec.data.mapping import spec_from_args
 
-    report = inspect_dataset(args.path)
-    print(strict_json.dumps(report, indent=2) if args.json else format_report(report))
+    source = open_source(args.path, spec_from_args(args))  # None: tpurec's own data (no mapping given)
+    if args.mapping:
+        if source is None:
+            raise UserError(f"{args.path}: tpurec's own data needs no column mapping (drop --mapping)")
+        print(source.mapping.to_yaml(), end="")
+        return 0
+    if source is None:
+        report = inspect_dataset(args.path)
+    else:
+        from tpurec.data.inspect_mapped import inspect_mapped
+
+        report = inspect_mapped(source)
+    if args.json:
+        print(strict_json.dumps(report, indent=2))
+        return 0
+    print(format_report(report))
+    if source is not None:
+        print("\ncolumn mapping (save it and pass --columns FILE to train/inspect/stats; --mapping prints only this):")
+        print(source.mapping.to_yaml(), end="")
     return 0

@@ -128,8 +128,9 @@ def _sniff(path: str, fmt: str) -> bool:
         magic = f.read(4)
     if magic == b"PAR1":
         raise DataError(
-            f"{path}: is a Parquet file, not text to convert: train on its directory (tpurec train --data DIR) "
-            "or look at it with tpurec data inspect"
+            f"{path}: is a Parquet file, not text to convert: tpurec train --data, tpurec data inspect and "
+            "tpurec data stats read Parquet directly (any Parquet: its columns mapped with --label/--dense/--sparse, "
+            "or inferred; docs/data.md, Your own Parquet)"
         )
     opener = gzip.open if path.endswith(".gz") else open
     try:

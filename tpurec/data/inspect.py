@@ -179,8 +179,9 @@ def format_report(r: dict) -> str:
                 f"{c['distinct_ids_estimate']:>10,} {c['top1pct_ids_share']:>9.1%} "
                 f"{c['most_frequent_id_share']:>7.1%}"
             )
+    empty = r.get("empty_note") or f"empty: share of id {EMPTY_ID}, which blank categoricals become"
     lines.append(
-        f"(empty: share of id {EMPTY_ID}, which blank categoricals become; distinct ids: KMV sketch over all "
+        f"({empty}; distinct ids: KMV sketch over all "
         f"rows; frequency shares from the first "
         f"{r['skew_sample_rows']:,} rows)"
     )

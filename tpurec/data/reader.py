@@ -196,6 +196,8 @@ class ParquetReader:
     Args:
         paths: a dataset directory, a list of files/directories, or a list of ``shards.Unit``
             (e.g. one side of ``split_train_eval``).
+        source: Parquet without tpurec's metadata, read through a column mapping
+            (``tpurec.data.mapped.open_source``); ``paths`` may then be None (all of its units).
         batch_size: rows per batch.
         rank, world_size: this rank takes a disjoint, row-balanced share of the row groups.
         shuffle: epoch-seeded shuffle of row-group order and of rows within a window of at least
@@ -238,10 +240,15 @@ class ParquetReader:
         equal_rows: bool = False,
         dense_transform: str | None = None,
         table_sizes: Sequence[int] | dict[str, int] | None = None,
+        source: Any = None,  # a tpurec.data.mapped.MappedSource: Parquet read through a column mapping
     ) -> None:
         if batch_size < 1:
             raise UserError("batch_size must be >= 1")
-        if paths and isinstance(paths, (list, tuple)) and isinstance(paths[0], shards.Unit):
+        given_units = bool(paths) and isinstance(paths, (list, tuple)) and isinstance(paths[0], shards.Unit)
+        if source is not None:
+            self.schema = source.schema
+            all_units = list(paths) if given_units else list(source.units)
+        elif given_units:
             files = sorted({u.path for u in paths})
             self.schema, _ = shards.scan(files)
             all_units = list(paths)
@@ -260,7 +267,14 @@ class ParquetReader:
         self.epoch = 0
         self._consumed = 0  # rows of this epoch's stream already returned
         self.last_padding = 0
-        self._decoder = self._make_decoder(dense_transform, table_sizes)
+        self._decoder: Any
+        self.table_sizes: Sequence[int | None]  # what the batches' ids index into
+        if source is None:
+            self._decoder = self._make_decoder(dense_transform, table_sizes)
+        else:  # ids hashed into each feature's ROWS, else into the table sizes given (the model's)
+            sizes = source.sizes(table_sizes)
+            self.table_sizes = sizes
+            self._decoder = source.decoder(sizes)
         self.keys = self.schema.sparse_names
         self._ones: torch.Tensor | None = None
 
@@ -274,7 +288,7 @@ class ParquetReader:
             log1p = True
         rehash = None
         # what the batches' ids index into
-        self.table_sizes: Sequence[int | None] = [f.num_embeddings for f in s.sparse]
+        self.table_sizes = [f.num_embeddings for f in s.sparse]
         if table_sizes is not None:
             sizes = (
                 [int(table_sizes[f.name]) for f in s.sparse]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tpurec.data.schema import DataError, DataSchema, list_parquet_files, read_file_schema
 from tpurec.errors import UserError
@@ -88,7 +89,7 @@ def assign(units: list[Unit], rank: int, world_size: int) -> list[Unit]:
 
 
 def split_train_eval(
-    paths: str | os.PathLike | Sequence[str | os.PathLike], eval_fraction: float = 0.1
+    paths: str | os.PathLike | Sequence[str | os.PathLike], eval_fraction: float = 0.1, source: Any = None
 ) -> tuple[list[Unit], list[Unit]]:
     """A deterministic train/eval split; neither side is ever empty (needs >= 2 rows).
 
@@ -99,7 +100,7 @@ def split_train_eval(
     """
     if not 0.0 < eval_fraction < 1.0:
         raise UserError("eval_fraction must be in (0, 1)")
-    _, units = scan(paths)
+    units = list(source.units) if source is not None else scan(paths)[1]  # source: a mapped dataset's
     k = max(2, round(1.0 / eval_fraction))
     if len(units) >= k:
         last = len(units) - 1

@@ -8,6 +8,7 @@ that give every rank the same number of batches (collectives need it).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -20,6 +21,8 @@ from tpurec.errors import UserError
 if TYPE_CHECKING:
     from torchrec.datasets.utils import Batch
 
+    from tpurec.data.mapped import MappedSource
+    from tpurec.data.mapping import ColumnSpec
     from tpurec.data.reader import ParquetReader
     from tpurec.data.shards import Unit
 
@@ -149,18 +152,21 @@ def make_readers(
     eval_batch_size: int = 4096,
     warn: Callable[[str], object] = log.warning,
     keep_raw_ids: bool = False,
+    columns: ColumnSpec | None = None,
 ) -> Readers:
-    """Train and eval readers of this rank. Raw ids are hashed into `table_sizes` at read time unless
-    `keep_raw_ids` (`tpurec train --zch`: TorchRec's remap takes them as they are)."""
+    """The train and eval readers. Raw ids are hashed into `table_sizes` at read time unless
+    `keep_raw_ids` (`tpurec train --zch`: TorchRec's remap takes them as they are); ``columns``: the
+    column mapping of Parquet tpurec did not write (tpurec/data/mapping.py; inferred when None and the
+    data has no tpurec metadata)."""
     from tpurec.data.reader import ParquetReader
-    from tpurec.data.schema import dataset_metadata
     from tpurec.data.shards import split_train_eval
 
-    meta = dataset_metadata(data_dir)
+    source = data_source(data_dir, columns)
+    meta = data_metadata(data_dir, columns)
     raw_ids = any(f.get("num_embeddings") is None for f in meta.get("sparse", []))
     sizes = table_sizes if raw_ids and not keep_raw_ids else None  # hash raw ids into the model's tables
-    train_units, eval_units = split_train_eval(data_dir, eval_fraction)
-    common: dict[str, Any] = dict(rank=rank, world_size=world_size, table_sizes=sizes)
+    train_units, eval_units = split_train_eval(data_dir, eval_fraction, source=source)
+    common: dict[str, Any] = dict(rank=rank, world_size=world_size, table_sizes=sizes, source=source)
     train = ParquetReader(train_units, batch_size, shuffle=True, seed=seed, drop_last=True, equal_rows=True, **common)
     if train.num_rows < batch_size:
         # Fewer rows per rank than a batch: cap the batch so at least one full step exists.
@@ -224,12 +230,38 @@ def _eval_rows(units: list[Unit], world_size: int) -> int:
     return sum(u.rows for u in units) // world_size
 
 
-def model_table_sizes(data_dir: str | os.PathLike, table_set_sizes: list[int]) -> list[int]:
-    """The table sizes the data's ids index into (the converter/synth records them); for raw ids,
-    the model's own sizes (the reader hashes into them)."""
+def data_source(data_dir: str | os.PathLike, columns: ColumnSpec | None = None) -> MappedSource | None:
+    """The mapped source of Parquet tpurec did not write (or read with a mapping); None: tpurec's own."""
+    return _data_source(str(data_dir), columns)
+
+
+@functools.lru_cache(maxsize=4)  # the trainer asks several times; the scan reads every file's footer
+def _data_source(data_dir: str, columns: ColumnSpec | None) -> MappedSource | None:
+    from tpurec.data.mapped import open_source
+
+    return open_source(data_dir, columns)
+
+
+def data_metadata(data_dir: str | os.PathLike, columns: ColumnSpec | None = None) -> dict:
+    """`tpurec.data.schema.dataset_metadata` of tpurec's data, or the same facts of mapped Parquet."""
     from tpurec.data.schema import dataset_metadata
 
-    meta = dataset_metadata(data_dir)
+    source = data_source(data_dir, columns)
+    return source.metadata() if source is not None else dataset_metadata(data_dir)
+
+
+def model_table_sizes(
+    data_dir: str | os.PathLike, table_set_sizes: list[int], columns: ColumnSpec | None = None
+) -> list[int]:
+    """The table sizes the data's ids index into (the converter/synth records them, or --sparse
+    NAME:ROWS); for raw ids and mapped features without ROWS, the model's own sizes (the reader
+    hashes into them)."""
+    from tpurec.catalog import NUM_DENSE
+    from tpurec.data.mapped import check_model_shape
+
+    meta = data_metadata(data_dir, columns)
+    if data_source(data_dir, columns) is not None:
+        check_model_shape(meta, NUM_DENSE, len(table_set_sizes), str(data_dir))
     sparse = meta.get("sparse", [])
     if len(sparse) != len(table_set_sizes):
         raise UserError(f"{data_dir}: {len(sparse)} categorical features, the model has {len(table_set_sizes)}")

@@ -1,5 +1,6 @@
-"""`tpurec train --data PATH` that is not a converted Parquet directory: one line saying what PATH is
-and the `tpurec data convert` command that makes one from it."""
+"""`tpurec train --data PATH` that is not Parquet (a file, or a directory holding Parquet files, maybe
+in Hive partitions): one line saying what PATH is and the `tpurec data convert` command that makes
+Parquet from it."""
 
 from __future__ import annotations
 
@@ -33,13 +34,13 @@ def data_problem(data: str, table_set: str) -> str | None:
         )
     if path.is_file():
         lower = path.name.lower()
-        if lower.endswith(".parquet"):
-            return f"--data {data}: a Parquet file; --data takes its directory ({path.parent})"
+        if lower.endswith((".parquet", ".parq")):
+            return None  # one Parquet file: read as it is (through a column mapping if not tpurec's)
         csv = lower.endswith((".csv", ".csv.gz"))
         return f"--data {data}: a file; --data takes a Parquet directory: convert it first with " + _convert(
             data, _out_for(path), table_set, csv
         )
-    if any(path.glob("*.parquet")):
+    if any(path.glob("*.parquet")) or any(path.rglob("*.parq*")) or _holds_parquet(path):
         return None
     files = sorted(f.name.lower() for f in path.iterdir() if f.is_file() and not f.name.startswith((".", "_")))
     csvs = [f for f in files if f.endswith((".csv", ".csv.gz"))]
@@ -56,3 +57,18 @@ def data_problem(data: str, table_set: str) -> str | None:
         how = _convert("INPUT...", data, table_set)
         return f"--data {data}: an empty directory; --data takes the Parquet directory {how} writes"
     return f"--data {data}: no .parquet files ({len(files)} other file(s)); convert them first with {how}"
+
+
+def _holds_parquet(path: Path, most: int = 100) -> bool:
+    """Parquet files named otherwise (Hive's `000000_0`), in partition directories too: a look at the
+    first bytes of at most `most` files."""
+    import itertools
+
+    for f in itertools.islice((f for f in path.rglob("*") if f.is_file()), most):
+        try:
+            with open(f, "rb") as fh:
+                if fh.read(4) == b"PAR1":
+                    return True
+        except OSError:
+            continue
+    return False

@@ -15,7 +15,7 @@ import argparse
 import json
 import os
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tpurec import strict_json
 from tpurec.argtypes import nonnegative_float, nonnegative_int, positive_float, positive_int
@@ -28,6 +28,9 @@ from tpurec.dlrm.zch import data_problem as zch_data_problem
 from tpurec.errors import UserError
 from tpurec.runtime import heartbeat
 from tpurec.runtime.device import DeviceChoice
+
+if TYPE_CHECKING:
+    from tpurec.data.mapping import ColumnSpec
 
 OPTIONS_ENV = "TPUREC_TRAIN_OPTIONS"  # the launcher's JSON of TrainOptions for `python -m tpurec.dlrm`
 
@@ -51,6 +54,22 @@ class TrainOptions:
         "Parquet dataset (tpurec data convert/synth); default: synthetic data for "
         "the model's tables, generated once into ~/.cache/tpurec",
         metavar="DIR",
+    )
+    # Parquet tpurec did not write: its column mapping (tpurec/data/mapping.py); inferred when not given
+    label: str | None = flag(None, "Parquet without tpurec's metadata: the label column (0/1)", metavar="COL")
+    dense: str | None = flag(
+        None, "Parquet without tpurec's metadata: dense columns, globs allowed ('f_*')", metavar="COL[,COL...]"
+    )
+    sparse: str | None = flag(
+        None,
+        "Parquet without tpurec's metadata: sparse (id) columns, globs allowed; ROWS: the table size "
+        "to hash into (default: the model's)",
+        metavar="NAME[:ROWS][,...]",
+    )
+    columns: str | None = flag(
+        None,
+        "Parquet without tpurec's metadata: a YAML/JSON column mapping (`tpurec data inspect` prints one)",
+        metavar="FILE",
     )
     model: str = flag("dlrm-tiny", "named config (default dlrm-tiny)", choices=MODEL_NAMES)
     interaction: str | None = _override("interaction")
@@ -193,6 +212,13 @@ class TrainOptions:
             words += ["--nproc", os.environ.get("LOCAL_WORLD_SIZE", str(world))]
         return shlex.join([*words, *flags.as_argv(self, skip=("resume",)), "--resume"])
 
+    def column_spec(self) -> ColumnSpec | None:
+        """The column mapping given for --data (None: none given; inferred if the data needs one)."""
+        from tpurec.data.mapping import ColumnSpec
+
+        spec = ColumnSpec(self.label, self.dense, self.sparse, self.columns)
+        return spec if spec.given() else None
+
     def config_overrides(self) -> dict:
         """{DLRMConfig field: value} for the config flags given (None: not given, keep the model's)."""
         return {
@@ -262,6 +288,26 @@ class TrainOptions:
             return None  # a bad override is refused on its own, by name
         return synth_cache_problem(cfg.table_set, cfg.synth_rows, cfg.seed, synth_multi_hot(cfg))
 
+    def _mapping_problem(self) -> str | None:
+        """A column mapping that does not fit --data (a column it lacks, of the wrong type) or the
+        model (its dense and sparse counts), told once before any rank starts; None for tpurec's own
+        data read without a mapping."""
+        if not self.data or not os.path.exists(self.data):
+            return None
+        from tpurec.catalog import get_table_set
+        from tpurec.data.mapped import has_tpurec_metadata
+        from tpurec.dlrm.data import model_table_sizes
+
+        columns = self.column_spec()
+        if columns is None and has_tpurec_metadata(self.data):
+            return None
+        try:
+            defaults = [t.num_embeddings for t in get_table_set(get_config(self.model).table_set).tables]
+            model_table_sizes(self.data, defaults, columns)
+        except UserError as e:
+            return str(e)
+        return None
+
     def check(self, nproc: int = 1) -> str | None:
         """A one-line message for bad input, checked before anything heavy starts."""
         if self.data:
@@ -271,6 +317,14 @@ class TrainOptions:
             if problem:
                 return problem
         problem = self._zch_problem()
+        if problem:
+            return problem
+        mapped = [f for f in ("label", "dense", "sparse", "columns") if getattr(self, f) is not None]
+        if mapped and not self.data:
+            return f"{flags.option_string(mapped[0])} maps the columns of --data DIR; give --data"
+        if self.columns and not os.path.isfile(self.columns):
+            return f"--columns {self.columns}: file not found (`tpurec data inspect DIR` prints a mapping to save)"
+        problem = self._mapping_problem()
         if problem:
             return problem
         if self.data and self.multi_hot_sizes:

@@ -36,17 +36,17 @@ def model_tables(options: TrainOptions) -> dict[str, dict[str, tuple[int, int]]]
     """{module path: {table: (rows, dim)}} of the model the ranks will build (a meta-device model:
     no table is allocated), with the table sizes and feature names of the data they will read."""
     from tpurec.catalog import get_table_set
-    from tpurec.data.schema import dataset_metadata
     from tpurec.dlrm.configs import synth_multi_hot
-    from tpurec.dlrm.data import model_table_sizes, synth_dir
+    from tpurec.dlrm.data import data_metadata, model_table_sizes, synth_dir
     from tpurec.dlrm.model import build_model
     from tpurec.planner.plan_check import embedding_tables
 
     cfg = options.config()
     defaults = [t.num_embeddings for t in get_table_set(cfg.table_set).tables]
     data = options.data or synth_dir(cfg.table_set, cfg.synth_rows, cfg.seed, synth_multi_hot(cfg))
-    sizes = model_table_sizes(data, defaults)
-    names = [f["name"] for f in dataset_metadata(data).get("sparse", [])]
+    columns = options.column_spec() if options.data else None
+    sizes = model_table_sizes(data, defaults, columns)
+    names = [f["name"] for f in data_metadata(data, columns).get("sparse", [])]
     return embedding_tables(build_model(cfg, table_sizes=sizes, feature_names=names or None))
 
 

@@ -159,7 +159,7 @@ class Trainer:
         defaults = [t.num_embeddings for t in self.table_set.tables]
         if not self.options.data:
             return defaults, ""  # the synthetic data is made for the table set's own sizes
-        sizes = model_table_sizes(self.options.data, defaults)
+        sizes = model_table_sizes(self.options.data, defaults, self.options.column_spec())
         if sizes == defaults:
             return sizes, ""
         return sizes, f", sizes from {self.options.data}'s _dataset.json, not the {self.cfg.table_set} defaults"
@@ -167,9 +167,9 @@ class Trainer:
     def _setup_data(self) -> None:
         import torch.distributed as dist
 
-        from tpurec.data.schema import dataset_metadata
+        from tpurec.data.mapped import mapping_summary, unsized_note
         from tpurec.dlrm.configs import synth_multi_hot
-        from tpurec.dlrm.data import ensure_synth, make_readers, model_table_sizes, synth_dir
+        from tpurec.dlrm.data import data_metadata, ensure_synth, make_readers, model_table_sizes, synth_dir
 
         cfg, rank, world = self.cfg, self.rank, self.world
         if self.options.data:
@@ -190,14 +190,21 @@ class Trainer:
             problem = data_problem(str(self.data_dir))
             if problem:
                 raise UserError(problem)
-        meta = dataset_metadata(self.data_dir)
+        columns = self.options.column_spec()  # the column mapping of Parquet tpurec did not write
+        meta = data_metadata(self.data_dir, columns)
+        if "mapping" in meta:
+            self.say(f"data: {self.data_dir}: Parquet read through a column mapping: {mapping_summary(meta)}")
         defaults = [t.num_embeddings for t in self.table_set.tables]
-        self.table_sizes = model_table_sizes(self.data_dir, defaults)
+        self.table_sizes = model_table_sizes(self.data_dir, defaults, columns)
+        note = unsized_note(meta, self.table_sizes, cfg.table_set)
+        if note:
+            self.say(note)
         if self.table_sizes != defaults:
+            mapped = "mapping" in meta  # sizes from --sparse NAME:ROWS (or --columns)
             self.say(
-                f"tables: sizes from {self.data_dir}'s _dataset.json: {sum(self.table_sizes):,} rows in all "
-                f"(the {cfg.table_set} defaults have {sum(defaults):,}); convert with --table-set {cfg.table_set} "
-                "to train the model's own sizes"
+                f"tables: sizes from {self.data_dir}'s {'column mapping' if mapped else '_dataset.json'}: "
+                f"{sum(self.table_sizes):,} rows in all (the {cfg.table_set} defaults have {sum(defaults):,})"
+                + ("" if mapped else f"; convert with --table-set {cfg.table_set} to train the model's own sizes")
             )
         self.feature_names = [f["name"] for f in meta.get("sparse", [])]
         self.readers = make_readers(
@@ -210,6 +217,7 @@ class Trainer:
             table_sizes=self.table_sizes,
             warn=log.warning if rank == 0 else (lambda *a: None),
             keep_raw_ids=self.options.zch,  # --zch: TorchRec's remap takes the raw ids
+            columns=columns,
             # On a TPU every shape is compiled in: evaluating at the training batch reuses the step's
             # lookup program and id limits; another eval batch would be another program, other buffers.
             **({"eval_batch_size": cfg.batch_size} if self.device == "tpu" else {}),

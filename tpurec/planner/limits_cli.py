@@ -28,7 +28,11 @@ def register(actions: argparse._SubParsersAction) -> None:
         "plan tpurec makes for --topology; writes the limits to use with --limits.",
         epilog="example: tpurec data stats data/ --model dlrm-tiny --topology v5p-8 --out limits.json",
     )
-    s.add_argument("path", metavar="DIR", help="a dataset directory (tpurec data convert / synth)")
+    s.add_argument(
+        "path",
+        metavar="DIR",
+        help="a dataset directory (tpurec data convert / synth), or any Parquet file or directory (see --label)",
+    )
     src = s.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", choices=MODEL_NAMES, help="a named table set")
     src.add_argument("--tables", metavar="FILE", help="tables from a .json / .yaml file (as tpurec plan)")
@@ -46,6 +50,9 @@ def register(actions: argparse._SubParsersAction) -> None:
         "--threads", type=positive_int, default=None, help="batches counted at once, in threads (default: cores)"
     )
     s.add_argument("--quiet", action="store_true", help="no progress bar")
+    from tpurec.data.mapping import add_flags
+
+    add_flags(s)  # --label/--dense/--sparse/--columns: Parquet tpurec did not write
     s.set_defaults(run=run)
 
 
@@ -63,7 +70,7 @@ def _check_out(path: str) -> None:
     check_outputs([("--out", path, "file")])
 
 
-def _report(args: argparse.Namespace) -> dict:
+def _report(args: argparse.Namespace, meta: dict) -> dict:
     from tpurec.planner import report as reports
 
     if args.plan:
@@ -83,25 +90,38 @@ def _report(args: argparse.Namespace) -> dict:
             model=args.model_module,
         )
     return plan_report(
-        args.path, model=args.model, tables_file=args.tables, topology=args.topology, batch_size=args.batch_size
+        args.path,
+        model=args.model,
+        tables_file=args.tables,
+        topology=args.topology,
+        batch_size=args.batch_size,
+        meta=meta,
     )
 
 
 def plan_report(
-    path: str, *, model: str | None, tables_file: str | None, topology: str, batch_size: int | None
+    path: str,
+    *,
+    model: str | None,
+    tables_file: str | None,
+    topology: str,
+    batch_size: int | None,
+    meta: dict | None = None,
 ) -> dict:
-    """The plan tpurec makes for `topology` (as `tpurec plan`), for a named model's or a file's tables."""
+    """The plan tpurec makes for `topology` (as `tpurec plan`), for a named model's or a file's tables;
+    `meta`: the data's metadata (default: read from `path`)."""
     from tpurec.planner import report as reports
 
-    tables = _tables(path, model, tables_file)
+    tables = _tables(path, model, tables_file, meta)
     trained = TRAINING_DEFAULTS.get(model) if model else None
     batch = batch_size or (trained.batch_size if trained else 256)
     optimizer = trained.embedding_optimizer if trained else "rowwise_adagrad"
     return reports.plan_tables(tables, topology, batch_size=batch, optimizer=optimizer, model=model)
 
 
-def _tables(path: str, model: str | None, tables_file: str | None) -> list:
-    """The model's tables, with the row counts the data's ids index into (as `tpurec train` builds them)."""
+def _tables(path: str, model: str | None, tables_file: str | None, meta: dict | None = None) -> list:
+    """The model's tables, with the row counts the data's ids index into (as `tpurec train` builds them);
+    the feature names of mapped Parquet (its own column names, in order), as `tpurec train` names them."""
     from dataclasses import replace
 
     from tpurec.data.schema import dataset_metadata
@@ -114,12 +134,15 @@ def _tables(path: str, model: str | None, tables_file: str | None) -> list:
 
     assert model is not None  # argparse requires --model or --tables
     tables = list(get_table_set(model).tables)
-    sparse = dataset_metadata(path).get("sparse", [])
+    meta = meta if meta is not None else dataset_metadata(path)
+    sparse = meta.get("sparse", [])
     if len(sparse) == len(tables):
         tables = [
             replace(t, num_embeddings=int(f["num_embeddings"])) if f.get("num_embeddings") is not None else t
             for t, f in zip(tables, sparse)
         ]
+        if "mapping" in meta:
+            tables = [replace(t, feature=f["name"]) for t, f in zip(tables, sparse)]
     return tables
 
 
@@ -133,7 +156,7 @@ def batch_bytes_per_row(meta: dict) -> int:
     return 4 + 4 * len(meta.get("dense") or []) + 8 * ids + 4 * len(sparse)
 
 
-def check_batch_memory(path: str, layout: dict, flag_given: bool) -> None:
+def check_batch_memory(path: str, layout: dict, flag_given: bool, meta: dict | None = None) -> None:
     """Refuse a batch this host cannot hold once, before the reader allocates it: `--batch-size 1e9`
     tried to allocate 416 GB and died with a RuntimeError traceback."""
     from tpurec.data.schema import dataset_metadata
@@ -142,7 +165,7 @@ def check_batch_memory(path: str, layout: dict, flag_given: bool) -> None:
     memory = available_bytes()
     if memory is None:
         return
-    per_row = batch_bytes_per_row(dataset_metadata(path))
+    per_row = batch_bytes_per_row(meta if meta is not None else dataset_metadata(path))
     world, batch = layout["world_size"], layout["batch_size_per_device"]
     need = batch * world * per_row
     if need > memory:
@@ -163,20 +186,30 @@ def _run(args: argparse.Namespace) -> int:
 
     quiet_fx_tracing_notice()  # the reader's KeyedJaggedTensors: torch's is_fx_tracing line otherwise
     _check_out(args.out)
-    if not os.path.isdir(args.path):
-        raise UserError(f"{args.path}: not a dataset directory (make one with `tpurec data convert`)")
+    if not os.path.exists(args.path):
+        raise UserError(f"{args.path}: no such dataset directory or Parquet file")
     if args.model_module:  # a typo told at once, not after torch loads
         from tpurec.planner.model_module import parse_target
 
         parse_target(args.model_module)
-    report = _report(args)
+    from tpurec.data.mapped import open_source
+    from tpurec.data.mapping import spec_from_args
+    from tpurec.data.schema import dataset_metadata
+
+    source = open_source(args.path, spec_from_args(args))  # None: tpurec's own data
+    meta = source.metadata() if source is not None else dataset_metadata(args.path)
+    report = _report(args, meta)
     if args.model and args.plan and report.get("model") not in (None, args.model):
         raise UserError(f"--plan {args.plan} is a plan for {report.get('model')!r}, not --model {args.model}")
     layout = layout_of(report)
     tables = table_layouts(report)
     global_batch = layout["batch_size_per_device"] * layout["world_size"]
-    check_batch_memory(args.path, layout, flag_given=args.batch_size is not None)
-    reader = ParquetReader(args.path, batch_size=global_batch, shuffle=False, drop_last=False)
+    check_batch_memory(args.path, layout, flag_given=args.batch_size is not None, meta=meta)
+    # mapped features without :ROWS hash into the plan's table of that feature
+    sizes = {f: t.rows for t in tables for f in t.features} if source is not None else None
+    reader = ParquetReader(
+        args.path, batch_size=global_batch, shuffle=False, drop_last=False, source=source, table_sizes=sizes
+    )
     threads = args.threads or os.cpu_count() or 1
     tally = DemandTally(tables, layout)
     show = not args.quiet and sys.stderr.isatty()

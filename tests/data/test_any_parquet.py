@@ -1,0 +1,276 @@
+"""Any Parquet (#39): a dataset pandas wrote with the user's own column names (13 float dense, 20 int64 and
+5 string categoricals, a list<int64> history), as one file, a directory of files and a Hive-partitioned
+dataset, read through a column mapping given as flags, as a file, or inferred."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tpurec import cli
+from tpurec.data.mapped import MappedSource, open_source
+from tpurec.data.mapping import ColumnSpec, MappingError
+from tpurec.data.reader import ParquetReader
+from tpurec.data.schema import DataError
+from tpurec.data.string_ids import reference, string_hash
+
+ROWS = 3000
+DENSE = [f"num_{i}" for i in range(13)]
+INTS = [f"id_{i}" for i in range(20)]
+STRINGS = [f"name_{i}" for i in range(5)]
+FLAGS = ["--label", "clicked", "--dense", "num_*", "--sparse", "id_*:700,name_*:900,history:1200"]
+
+
+def _frame():
+    import pandas as pd
+
+    rng = np.random.default_rng(7)
+    d: dict = {"clicked": rng.integers(0, 2, ROWS)}
+    for n in DENSE:
+        d[n] = rng.random(ROWS)
+    for n in INTS:
+        d[n] = rng.integers(0, 5000, ROWS)
+    for n in STRINGS:
+        d[n] = [f"user-{j}" for j in rng.integers(0, 400, ROWS)]
+    d["history"] = [list(rng.integers(0, 10_000, rng.integers(1, 6))) for _ in range(ROWS)]
+    d["day"] = np.repeat([1, 2, 3], ROWS // 3)
+    df = pd.DataFrame(d)
+    df["id_3"] = df["id_3"].astype("Int64")  # nullable: stays int64 in Parquet
+    df.loc[10, "id_3"] = pd.NA
+    df.loc[11, "name_0"] = None
+    df.loc[12, "num_0"] = np.nan
+    df.at[13, "history"] = []
+    df.at[14, "history"] = None
+    return df
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    """{"file", "dir", "hive"}: the same rows as one file, three files, and day=N partitions."""
+    root = tmp_path_factory.mktemp("anyparquet")
+    df = _frame()
+    flat = df.drop(columns=["day"])
+    flat.to_parquet(root / "one.parquet", row_group_size=1000)
+    (root / "dir").mkdir()
+    for k in range(3):
+        flat.iloc[k * 1000 : (k + 1) * 1000].to_parquet(root / "dir" / f"part-{k}.parquet")
+    df.to_parquet(root / "hive", partition_cols=["day"])
+    return {"file": root / "one.parquet", "dir": root / "dir", "hive": root / "hive", "frame": df}
+
+
+@pytest.mark.parametrize("layout", ["file", "dir", "hive"])
+def test_the_inferred_mapping_finds_label_dense_and_sparse(layouts, layout):
+    src = open_source(layouts[layout], None)
+    assert isinstance(src, MappedSource)
+    m = src.mapping
+    assert m.label == "clicked" and m.dense == DENSE
+    assert [f.name for f in m.sparse] == INTS + STRINGS + ["history"]
+    assert {f.kind for f in m.sparse} == {"int", "string", "int_list"}
+    assert m.skipped == (("day",) if layout == "hive" else ())
+    assert src.rows == ROWS
+
+
+@pytest.mark.parametrize("layout", ["file", "dir", "hive"])
+def test_every_row_is_read_with_nulls_and_empty_lists_as_no_ids(layouts, layout):
+    src = open_source(layouts[layout], ColumnSpec(*FLAGS[1::2]))
+    reader = ParquetReader(None, 4096, source=src, prefetch=0)
+    (batch,) = list(reader)
+    assert batch.labels.shape == (ROWS,) and batch.dense_features.shape == (ROWS, 13)
+    kjt = batch.sparse_features.to_dict()
+    df = layouts["frame"]
+    if layout != "hive":  # partitions reorder the rows
+        assert kjt["history"].lengths()[13:15].tolist() == [0, 0]  # empty list, null list
+        assert kjt["id_3"].lengths()[10] == 0 and kjt["name_0"].lengths()[11] == 0
+        assert batch.dense_features[12, 0] == 0.0  # null dense -> 0.0
+        ids = kjt["id_0"].values().numpy()
+        assert np.array_equal(ids, df["id_0"].to_numpy() % 700)  # ids mod ROWS
+    lengths = {k: int(v.lengths().sum()) for k, v in kjt.items()}
+    assert lengths["history"] == sum(len(h) for h in df["history"] if h is not None)
+    assert lengths["id_3"] == ROWS - 1 and lengths["name_0"] == ROWS - 1
+    for name, size in [("id_5", 700), ("name_2", 900), ("history", 1200)]:
+        v = kjt[name].values().numpy()
+        assert v.min() >= 0 and v.max() < size
+
+
+def test_string_ids_are_splitmix64_of_fnv1a64():
+    import pyarrow as pa
+
+    assert reference("user-1") == 0xF16D8D440FBB25D5  # fixed forever: a trained model's rows depend on it
+    words = ["", "a", "user-1", "héllo", "x" * 300, "user-1", "ab"]
+    for arr in (
+        pa.array(words),
+        pa.array(["z", *words], pa.large_string()).slice(1),
+        pa.array(words).cast(pa.binary()),
+    ):
+        assert string_hash(arr).tolist() == [reference(w) for w in words]
+    assert len(string_hash(pa.array([], pa.string()))) == 0
+
+
+def test_ids_already_in_the_table_are_kept_as_they_are(layouts):
+    src = open_source(layouts["file"], ColumnSpec(sparse="id_*:5000,name_*:64,history:10000", dense="num_*"))
+    (batch,) = list(ParquetReader(None, ROWS, source=src, prefetch=0))
+    assert np.array_equal(batch.sparse_features["id_1"].values().numpy(), layouts["frame"]["id_1"].to_numpy())
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_the_printed_mapping_is_a_columns_file(layouts, tmp_path, suffix, capsys):
+    assert cli.main(["data", "inspect", str(layouts["hive"]), "--mapping", *FLAGS]) == 0
+    text = capsys.readouterr().out
+    f = tmp_path / f"m{suffix}"
+    if suffix == ".json":
+        import yaml
+
+        f.write_text(json.dumps(yaml.safe_load(text)))
+    else:
+        f.write_text(text)
+    again = open_source(layouts["hive"], ColumnSpec(file=str(f))).mapping
+    given = open_source(layouts["hive"], ColumnSpec(*FLAGS[1::2])).mapping
+    assert again.to_doc() == given.to_doc() and again.sparse[0].rows == 700
+
+
+def test_inspect_reports_and_prints_the_inferred_mapping(layouts, capsys):
+    assert cli.main(["data", "inspect", str(layouts["hive"])]) == 0
+    out = capsys.readouterr().out
+    assert "3,000 rows in 3 file(s)" in out and "label 'clicked'" in out
+    assert "history    int list" in out and "name_0     string" in out
+    assert "# inferred: label, dense, sparse" in out and '"history": null  # int_list' in out
+    assert "# left out: day" in out
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--dense", "num_*,nope"], "--dense: unknown column 'nope'"),
+        (["--dense", "name_0"], "--dense: column 'name_0' holds strings, not numbers; give it as --sparse"),
+        (["--label", "history"], "--label history: the column holds lists of ints"),
+        (["--sparse", "num_1"], "--sparse: column 'num_1' holds double, not integer or string ids"),
+        (["--sparse", "zz_*"], "--sparse 'zz_*' matches no column"),
+        (["--sparse", "id_1:lots"], "ROWS 'lots' is not a whole number"),
+        (["--sparse", "id_1,id_1"], "column 'id_1' is mapped twice"),
+    ],
+)
+def test_a_wrong_mapping_is_one_line_naming_the_column(layouts, capsys, flags, message):
+    assert cli.main(["data", "inspect", str(layouts["dir"]), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+@pytest.mark.parametrize("flags,column", [(["--dense", "num_*,nope"], "'nope'"), (["--dense", "name_3"], "'name_3'")])
+def test_train_refuses_a_wrong_mapping_before_starting(layouts, capsys, flags, column):
+    assert cli.main(["train", "--data", str(layouts["hive"]), "--steps", "3", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and column in err, err
+
+
+def test_a_mapping_of_another_shape_than_the_model_is_refused(layouts, capsys):
+    assert cli.main(["train", "--data", str(layouts["dir"]), "--sparse", "id_*"]) == 2
+    assert "13 dense and 20 sparse columns; the model takes 13 dense and 26 sparse" in capsys.readouterr().err
+
+
+def test_a_bad_columns_file_is_one_line(layouts, tmp_path):
+    bad = tmp_path / "m.yaml"
+    bad.write_text("label: [unclosed\n")
+    with pytest.raises(MappingError, match=r"--columns .*m.yaml: not valid YAML"):
+        open_source(layouts["dir"], ColumnSpec(file=str(bad)))
+    bad.write_text("lable: clicked\n")
+    with pytest.raises(MappingError, match="expected a mapping with label, dense and sparse"):
+        open_source(layouts["dir"], ColumnSpec(file=str(bad)))
+
+
+def test_tpurecs_own_data_keeps_the_fast_path(synth_dir):
+    assert open_source(synth_dir, None) is None
+    assert isinstance(open_source(synth_dir, ColumnSpec(label="label")), MappedSource)
+
+
+def _train(data, *flags, cache):
+    from tests.dlrm.helpers import train
+
+    result, proc = train("--data", data, "--steps", "3", "--batch-size", "256", "--device", "cpu", *flags, cache=cache)
+    assert result is not None and result["steps"] == 3, proc.stderr[-2000:]
+    return proc
+
+
+def test_trains_on_a_hive_dataset_with_flags(layouts, tmp_path):
+    proc = _train(layouts["hive"], *FLAGS, cache=tmp_path)
+    assert "read through a column mapping: label 'clicked', 13 dense, 26 sparse" in proc.stderr + proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["file", "dir"])
+def test_trains_with_flags(layouts, tmp_path, layout):
+    _train(layouts[layout], *FLAGS, cache=tmp_path)
+
+
+@pytest.mark.parametrize(
+    "layout", ["file", pytest.param("dir", marks=pytest.mark.slow), pytest.param("hive", marks=pytest.mark.slow)]
+)
+def test_trains_with_the_inferred_mapping(layouts, tmp_path, layout):
+    proc = _train(layouts[layout], cache=tmp_path)
+    assert "26 sparse column(s) without :ROWS hash their ids into the dlrm-tiny table sizes" in proc.stderr
+
+
+def test_data_stats_reads_it(layouts, tmp_path):
+    import subprocess
+    import sys
+
+    from tests.dlrm.helpers import REPO
+
+    out = tmp_path / "limits.json"
+    args = ["data", "stats", str(layouts["hive"]), "--model", "dlrm-tiny", "--topology", "v5p-8", "--quiet"]
+    p = subprocess.run(
+        [sys.executable, "-m", "tpurec.cli", *args, "--out", str(out), *FLAGS],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert doc["rows"] == ROWS and len(doc["tables"]) == 26
+
+
+def test_a_partition_column_can_be_a_feature(layouts):
+    src = open_source(layouts["hive"], ColumnSpec(dense="num_*", sparse="id_*,name_*,history,day:10"))
+    assert src.mapping.sparse[-1].name == "day" and src.partition_columns == ("day",)
+    (batch,) = list(ParquetReader(None, ROWS, source=src, prefetch=0, table_sizes={}))
+    days = batch.sparse_features["day"].values().numpy()
+    assert sorted(np.unique(days).tolist()) == [1, 2, 3] and len(days) == ROWS
+
+
+def test_a_file_with_a_column_of_another_type_is_named(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"label": [0, 1], "x": [1.0, 2.0], "c": [1, 2]}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"label": [0, 1], "x": [1.0, 2.0], "c": ["p", "q"]}), tmp_path / "b.parquet")
+    reader = ParquetReader(None, 4, source=open_source(tmp_path, None), prefetch=0, table_sizes=[10])
+    with pytest.raises(
+        DataError, match=r"b.parquet: row group 0: column 'c' has type string, but the dataset's is int64"
+    ):
+        list(reader)
+
+
+def test_bool_labels_categorical_strings_and_lists_of_strings(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table(
+        {
+            "target": pa.array([True, False, True]),
+            "age": pa.array([30, None, 41], pa.int32()),
+            "city": pa.array(["paris", "rome", None]).dictionary_encode(),
+            "tags": pa.array([["a", None, "b"], None, []], pa.list_(pa.string())),
+        }
+    )
+    pq.write_table(table, tmp_path / "t.parquet")
+    src = open_source(tmp_path / "t.parquet", ColumnSpec(dense="age", sparse="city:1000,tags:50"))
+    assert [f.kind for f in src.mapping.sparse] == ["string", "string_list"]
+    (batch,) = list(ParquetReader(None, 3, source=src, prefetch=0))
+    assert batch.labels.tolist() == [1.0, 0.0, 1.0] and batch.dense_features[:, 0].tolist() == [30.0, 0.0, 41.0]
+    kjt = batch.sparse_features.to_dict()
+    assert kjt["tags"].lengths().tolist() == [2, 0, 0]  # the null element dropped; null and empty lists: none
+    assert kjt["tags"].values().tolist() == [reference("a") % 50, reference("b") % 50]
+    assert kjt["city"].lengths().tolist() == [1, 1, 0]
+    assert kjt["city"].values().tolist() == [reference("paris") % 1000, reference("rome") % 1000]
