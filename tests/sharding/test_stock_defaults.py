@@ -97,3 +97,39 @@ def test_torchrecs_own_sharder_is_swapped_for_the_sparsecore_one_keeping_its_fus
     )
     for name, want in stock.items():
         torch.testing.assert_close(ours[name], want, rtol=0, atol=2e-7)
+
+
+def test_a_subclass_of_torchrecs_sharder_is_refused_naming_it_and_what_to_derive_from():
+    """TorchRec's own EmbeddingBagCollectionSharder is swapped for tpurec's; a user's subclass of it
+    was refused with "no sharding option" naming neither: now one line names both."""
+    import pytest
+    import torch
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    import tpurec
+    from tpurec.errors import UserError
+
+    class MySharder(EmbeddingBagCollectionSharder):
+        def sharding_types(self, compute_device_type: str) -> list[str]:
+            return ["table_wise"]
+
+    ebc = EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=20, feature_names=["f0"])],
+        device=torch.device("meta"),
+    )
+    with pytest.raises(UserError) as e:
+        tpurec.DistributedModelParallel(ebc, device="cpu", sharders=[MySharder()])
+    assert str(e.value) == (
+        "sharders=[MySharder(...)]: a subclass of TorchRec's EmbeddingBagCollectionSharder shards onto FBGEMM's "
+        "kernels, which tpurec does not run, and swapping it for tpurec's would drop what it overrides; derive it "
+        "from tpurec.sharding.sharder.SparseCoreEBCSharder instead (the same arguments), or pass TorchRec's "
+        "EmbeddingBagCollectionSharder itself, which tpurec swaps"
+    )
+
+    class Mine(tpurec.sharding.sharder.SparseCoreEBCSharder):  # what the message says: it shards
+        def sharding_types(self, compute_device_type: str) -> list[str]:
+            return ["table_wise"]
+
+    dmp = tpurec.DistributedModelParallel(ebc, device="cpu", sharders=[Mine(num_sparsecores=4)])
+    assert dmp.plan.plan[""]["t0"].sharding_type == "table_wise"

@@ -145,6 +145,7 @@ def _swap_torchrec_sharders(sharders: List[ModuleSharder[nn.Module]], num_sc: in
             continue
         replacement = ours.get(type(s))
         if replacement is None:
+            _refuse_torchrec_subclass(s, {**ours, **_MC_REPLACEMENTS})
             out.append(s)
             continue
         logger.warning(
@@ -161,6 +162,31 @@ def _swap_torchrec_sharders(sharders: List[ModuleSharder[nn.Module]], num_sc: in
             )
         )
     return out
+
+
+# TorchRec's managed-collision sharders and what tpurec shards their modules with (named in messages)
+_MC_REPLACEMENTS = {
+    "ManagedCollisionEmbeddingBagCollectionSharder": "mc_sharder.SparseCoreMCEBCSharder",
+    "ManagedCollisionEmbeddingCollectionSharder": "mc_sharder.SparseCoreMCECSharder",
+}
+
+
+def _refuse_torchrec_subclass(sharder: ModuleSharder[nn.Module], ours: dict) -> None:
+    """A user's subclass of one of TorchRec's embedding sharders (`ours`: TorchRec's class, or its
+    name, -> tpurec's) shards onto FBGEMM's kernels, and swapping it for tpurec's would drop what the
+    subclass overrides: refused in one line naming the class and what to derive from instead."""
+    if any(c.__module__.split(".")[0] == "tpurec" for c in type(sharder).__mro__):
+        return  # tpurec's own sharders (and the user's subclasses of them) derive from TorchRec's
+    for base in type(sharder).__mro__[1:]:
+        theirs = ours.get(base, ours.get(base.__name__)) if base.__module__.startswith("torchrec.") else None
+        if theirs is not None:
+            name = theirs if isinstance(theirs, str) else f"{theirs.__module__.split('.')[-1]}.{theirs.__name__}"
+            raise UserError(
+                f"sharders=[{type(sharder).__name__}(...)]: a subclass of TorchRec's {base.__name__} shards onto "
+                f"FBGEMM's kernels, which tpurec does not run, and swapping it for tpurec's would drop what it "
+                f"overrides; derive it from tpurec.sharding.{name} instead (the same arguments), or pass "
+                f"TorchRec's {base.__name__} itself, which tpurec swaps"
+            )
 
 
 def _read_id_limits(
