@@ -206,8 +206,8 @@ def run_worker(options: TrainOptions) -> int:
         trainer = None
         try:
             msg = options.check()
-            if msg:
-                return _error(msg)
+            if msg:  # every rank finds it: printed once (tpurec/runtime/rank_errors.py)
+                return _rank_error(msg)
             from tpurec.dlrm.trainer import Trainer
 
             trainer = Trainer(options)
@@ -215,6 +215,14 @@ def run_worker(options: TrainOptions) -> int:
         except KeyboardInterrupt:
             print(f"tpurec train: {interrupted(options, trainer)}", file=sys.stderr)
             return interrupts.EXIT_INTERRUPTED
+
+
+def _rank_error(message: str) -> int:
+    """A user error this rank found: one line naming the rank, once for all ranks that find it."""
+    from tpurec.runtime import rank_errors
+
+    rank_errors.report("tpurec train: error", message)
+    return 2
 
 
 def interrupted(options: TrainOptions, trainer: Trainer | None) -> str:
@@ -240,8 +248,7 @@ def _run_rank(trainer: Trainer) -> int:
         return 0
     except (UserError, OSError) as e:  # the user's input or environment (tpurec/errors.py)
         interrupts.check()  # DCP wraps a Ctrl-C in its save into an error of its own
-        print(f"tpurec train: error: rank {rank}: {e}", file=sys.stderr)
-        return 2
+        return _rank_error(str(e))
     except RuntimeError as e:
         interrupts.check()  # a peer that Ctrl-C stopped broke this rank's collective
         if not heartbeat.lost_peer(e):

@@ -48,6 +48,7 @@ TORCHTPU_LAUNCH_VARS = (
     "MASTER_PORT",
 )
 _MARK = "TPUREC_LAUNCH_ENV="
+COMMAND_ENV = "TPUREC_LAUNCH_COMMAND"  # the command that started the agents, named in their line on failed ranks
 
 
 def torchtpu_launch_env(nnodes: int, nproc_per_node: int | None) -> dict[str, str]:
@@ -104,9 +105,16 @@ def agent_command(
     return cmd + [f"--nproc-per-node={nproc_per_node}", "--shutdown-timeout=5", *program]
 
 
-def run_hosts(agents: list[tuple[list[str], dict[str, str]]], command: str = "tpurec launch") -> int:
+def run_hosts(
+    agents: list[tuple[list[str], dict[str, str]]], command: str = "tpurec launch", say_stopped: bool = False
+) -> int:
     """Run one agent per (command, environment) together; when one fails the others are stopped.
     Exit code: the first failure's (2 if any agent reported bad input), else 0.
+
+    The ranks' one-line errors are printed once each when the agents have ended, with the ranks that
+    raised them (`tpurec.runtime.rank_errors`). `say_stopped`: after a SIGINT/SIGTERM/SIGHUP forwarded
+    to the agents, one line says so (for programs that do not say it themselves, as `tpurec train`'s
+    ranks do).
 
     A rank of a user's program that exits 0 before the process group forms, while others wait for it
     in init_process_group, would leave them waiting (torch.distributed.run counts it done): the
@@ -115,20 +123,23 @@ def run_hosts(agents: list[tuple[list[str], dict[str, str]]], command: str = "tp
     import tempfile
     import time
 
-    from tpurec.runtime import group_watch
+    from tpurec.runtime import group_watch, rank_errors
     from tpurec.runtime.lifecycle import FORWARDED, die_with_parent
 
     watch = tempfile.TemporaryDirectory(prefix="tpurec-group-watch-")
     procs = [
         subprocess.Popen(
             cmd,
-            env=safe_path.env(env, **{group_watch.WATCH_ENV: watch.name}),
+            env=safe_path.env(env, **{group_watch.WATCH_ENV: watch.name, COMMAND_ENV: command}),
             preexec_fn=functools.partial(die_with_parent, os.getpid()),
         )
         for cmd, env in agents
     ]
 
+    signals: list[int] = []
+
     def forward(signum: int, _frame: FrameType | None) -> None:
+        signals.append(signum)
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signum)
@@ -169,7 +180,12 @@ def run_hosts(agents: list[tuple[list[str], dict[str, str]]], command: str = "tp
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        for line in rank_errors.collect(watch.name):
+            print(line, file=sys.stderr, flush=True)
         watch.cleanup()
+    if signals and say_stopped:
+        how = "interrupted" if signals[0] == signal.SIGINT else f"stopped by {signal.Signals(signals[0]).name}"
+        print(f"{command}: {how}; every rank of the run was stopped", file=sys.stderr, flush=True)
     if stuck_line is not None:
         return 1
     failed = [c for c in codes.values() if c]
