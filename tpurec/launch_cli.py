@@ -19,6 +19,7 @@ import argparse
 import os
 import sys
 
+from tpurec.argtypes import positive_float
 from tpurec.errors import UserError
 from tpurec.runtime import safe_path
 
@@ -36,6 +37,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     where.add_argument("--device", choices=("tpu",), help="this TPU host's devices (with --nnodes: every host)")
     p.add_argument("--nproc", type=int, default=None, help="ranks on this host (--device tpu; default its devices)")
     p.add_argument("--nnodes", type=int, default=1, help="hosts of the slice (--device tpu; run on each; default 1)")
+    p.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=None,
+        metavar="SECONDS",
+        help="stop every rank after SECONDS, in one line (exit 124); default: no bound",
+    )
     p.add_argument("program", help="a Python script, or -m MODULE (after --: `tpurec launch ... -- -m MODULE`)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the program's own arguments")
     p.set_defaults(run=run)
@@ -95,8 +103,10 @@ def run(args: argparse.Namespace) -> int:
         too_big = slice_launch.emulation_too_big(spec)
         if too_big:
             return _error(f"--emulate-tpu: {too_big}")
-        return slice_launch.run_hosts(slice_launch.emulated_agents(spec.name, env, program), say_stopped=True)
+        return slice_launch.run_hosts(
+            slice_launch.emulated_agents(spec.name, env, program), say_stopped=True, timeout=args.timeout
+        )
     if args.nnodes < 1 or (args.nproc is not None and args.nproc < 1):
         return _error("--nproc and --nnodes must be >= 1")
     agent = slice_launch.tpu_agent(args.nproc, args.nnodes, env, program)  # UserError when TorchTPU refuses
-    return slice_launch.run_hosts([agent], say_stopped=True)
+    return slice_launch.run_hosts([agent], say_stopped=True, timeout=args.timeout)

@@ -82,9 +82,9 @@ def test_under_plain_torchrun_an_error_every_rank_finds_is_printed_once(tmp_path
 TAG = "TPUREC_TEST_RUN_TAG"  # in the environment of every process of a launch: how its leftovers are found
 
 
-def _launch(tmp_path: Path, script: str, **popen) -> subprocess.Popen:
+def _launch(tmp_path: Path, script: str, *flags: str, **popen) -> subprocess.Popen:
     (tmp_path / "prog.py").write_text(textwrap.dedent(script))
-    cmd = [sys.executable, "-m", "tpurec.cli", "launch", "--emulate-tpu", "v5p-8", "prog.py"]
+    cmd = [sys.executable, "-m", "tpurec.cli", "launch", "--emulate-tpu", "v5p-8", *flags, "prog.py"]
     return subprocess.Popen(cmd, cwd=tmp_path, env=_env(**{TAG: str(tmp_path)}), text=True, **popen)
 
 
@@ -186,4 +186,29 @@ def test_ctrl_c_of_a_launch_ends_every_rank_in_one_line(tmp_path, early):
     assert [line for line in err.splitlines() if line.strip()] == [
         "tpurec launch: interrupted; every rank of the run was stopped"
     ], err[-3000:]
+    assert _ended(tmp_path, 10) == []
+
+
+@pytest.mark.multiprocess
+def test_a_program_that_never_returns_is_stopped_at_the_timeout_leaving_no_process(tmp_path):
+    start = time.monotonic()
+    p = _launch(tmp_path, SLEEPER, "--timeout", "5", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _, err = p.communicate(timeout=120)
+    assert time.monotonic() - start < 5 + 30  # the bound, torch.distributed.run's 5 s shutdown, slack
+    assert p.returncode == 124, err[-3000:]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines == ["tpurec launch: error: the program ran past --timeout 5 s; stopped every rank"], err[-3000:]
+    assert _ended(tmp_path, 10) == []
+
+
+@pytest.mark.slow  # 4 emulated ranks: 20-40 s
+@pytest.mark.multiprocess
+def test_a_rank_exiting_non_zero_ends_the_launch_in_one_line(tmp_path):
+    script = SLEEPER.replace('print("up"', 'sys.exit(3) if os.environ["RANK"] == "2" else print("up"')
+    p = _launch(tmp_path, script, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _, err = p.communicate(timeout=180)
+    assert p.returncode == 3, err[-3000:]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("tpurec launch: rank 2 exited with code 3"), err[-3000:]
+    assert lines[0].endswith("; torch.distributed.run stopped the other ranks")
     assert _ended(tmp_path, 10) == []
