@@ -160,5 +160,5 @@ def test_a_user_error_on_every_rank_of_a_two_rank_run_is_one_line_naming_both(tm
     assert p.returncode == 2, p.stderr[-3000:]
     said = [line for line in p.stderr.splitlines() if "error:" in line]
     assert len(said) == 1, p.stderr[-3000:]
-    assert said[0].startswith(f"tpurec train: error: ranks 0-1: --limits {limits} was measured for 4 device(s)")
+    assert said[0].startswith(f"tpurec train: error: ranks 0-1: --limits {limits} was measured for 4 device(s), not ")
     assert "Traceback" not in p.stderr

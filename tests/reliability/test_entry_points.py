@@ -14,6 +14,7 @@ once): tests/test_errors.py (slow); numeric and weight-decay flags: tests/test_b
 
 from __future__ import annotations
 
+import json
 import textwrap
 
 import pytest
@@ -103,3 +104,18 @@ def test_launch_refuses_a_slice_it_cannot_emulate_before_any_rank(tmp_path, caps
     code, out, err = _run(["launch", "--emulate-tpu", slice_name, prog], capsys)
     assert_refused(code, err, f"tpurec launch: error: {says}")
     assert out == "" and not (tmp_path / "prog.py.ran").exists()
+
+
+def test_limits_of_another_layout_name_only_the_fields_the_file_gives(tmp_path):
+    from tpurec.planner.id_limits import FORMAT, IdLimitsError, load_limits
+
+    entry = {"max_ids_per_partition": 16, "max_unique_ids_per_partition": 8}
+    limits = tmp_path / "limits.json"
+    limits.write_text(json.dumps({"format": FORMAT, "version": 1, "layout": {"world_size": 4}, "tables": {"t": entry}}))
+    ours = {"world_size": 2, "sparsecores_per_device": 4, "batch_size_per_device": 512}
+    with pytest.raises(IdLimitsError) as e:
+        load_limits(str(limits), ours)
+    # was: "4 device(s), None SparseCores each, batch None per device"
+    assert str(e.value) == (
+        f"--limits {limits} was measured for 4 device(s), not 2 device(s), 4 SparseCores each, batch 512 per device"
+    )
