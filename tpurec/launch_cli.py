@@ -4,13 +4,15 @@
     tpurec launch --device tpu --nproc 4 my_training.py          # one TPU VM
     tpurec launch --device tpu --nnodes 2 my_training.py         # every host of a 2-host slice
     tpurec launch --emulate-tpu v5p-8 -- -m mypackage.train      # a module (PYTHONPATH, installed)
+    tpurec launch --emulate-tpu v5p-8 --timeout 600 my_test.py   # every rank stopped after 10 minutes
 
 What `tpurec train` does for its own ranks (`tpurec.dlrm.slice_launch`): TorchTPU's launch
 environment decided first, one torch.distributed.run agent per host. In an emulated rank,
 `import tpurec` installs TorchTPU's stand-ins (`tpurec.emulation`), so the program's
 `tpurec.DistributedModelParallel(model, device="tpu")` takes the TPU code path on CPU tensors.
 The program's own directory is first on sys.path, as under `python my_training.py`; no rank has the
-working directory there (`PYTHONPATH=.` puts it there on purpose).
+working directory there (`PYTHONPATH=.` puts it there on purpose). An error every rank finds is printed
+once, naming the ranks; a killed rank, a Ctrl-C or --timeout stop every rank in one line.
 """
 
 from __future__ import annotations
