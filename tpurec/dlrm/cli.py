@@ -213,7 +213,12 @@ def run_worker(options: TrainOptions) -> int:
             trainer = Trainer(options)
             return _run_rank(trainer)
         except KeyboardInterrupt:
-            print(f"tpurec train: {interrupted(options, trainer)}", file=sys.stderr)
+            from tpurec.runtime import group_watch, rank_errors
+
+            if os.environ.get(group_watch.WATCH_ENV) and "RANK" in os.environ:  # once for the ranks
+                rank_errors.report("tpurec train", interrupted(options, trainer, rank_named=False))
+            else:
+                print(f"tpurec train: {interrupted(options, trainer)}", file=sys.stderr)
             return interrupts.EXIT_INTERRUPTED
 
 
@@ -225,18 +230,20 @@ def _rank_error(message: str) -> int:
     return 2
 
 
-def interrupted(options: TrainOptions, trainer: Trainer | None) -> str:
-    """What a Ctrl-C left: the step reached and the last complete checkpoint."""
-    rank = os.environ.get("RANK", "0")
+def interrupted(options: TrainOptions, trainer: Trainer | None, rank_named: bool = True) -> str:
+    """What a Ctrl-C left: the step reached and the last complete checkpoint (`rank_named`: with
+    ` (rank R)` after the step; a launcher names the ranks itself, `tpurec.runtime.rank_errors`)."""
     at = f" at step {trainer.step_count}" if trainer is not None and trainer.step_count else ""
+    if rank_named:
+        at += f" (rank {os.environ.get('RANK', '0')})"
     if not options.checkpoint_dir:
-        return f"interrupted{at} (rank {rank}); nothing saved (no --checkpoint-dir)"
+        return f"interrupted{at}; nothing saved (no --checkpoint-dir)"
     from tpurec.dlrm.ckpt.manager import CheckpointManager
 
     last = CheckpointManager(options.checkpoint_dir).latest()  # a reader only: no lock taken
     if last is None:
-        return f"interrupted{at} (rank {rank}); no complete checkpoint in {options.checkpoint_dir}"
-    return f"interrupted{at} (rank {rank}); the last complete checkpoint is step {int(last.name[5:])} ({last})"
+        return f"interrupted{at}; no complete checkpoint in {options.checkpoint_dir}"
+    return f"interrupted{at}; the last complete checkpoint is step {int(last.name[5:])} ({last})"
 
 
 def _run_rank(trainer: Trainer) -> int:
