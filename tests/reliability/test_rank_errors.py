@@ -100,6 +100,19 @@ def _processes_of(tmp_path: Path) -> list[psutil.Process]:
     return found
 
 
+def _rank_processes(tmp_path: Path) -> list[psutil.Process]:
+    """The launch's ranks (run_script processes, not the agent, whose command names it too)."""
+    found = []
+    for q in _processes_of(tmp_path):
+        try:
+            cmd = q.cmdline()
+        except psutil.Error:
+            continue
+        if "tpurec.runtime.run_script" in cmd and "tpurec.dlrm.launch" not in cmd:
+            found.append(q)
+    return found
+
+
 def _ended(tmp_path: Path, within: float) -> list[str]:
     """The launch's processes still alive after `within` seconds (their command lines)."""
     end = time.monotonic() + within
@@ -174,8 +187,11 @@ def test_a_killed_rank_ends_the_launch_in_one_line_leaving_no_process(tmp_path):
 def test_ctrl_c_of_a_launch_ends_every_rank_in_one_line(tmp_path, early):
     p = _launch(tmp_path, SLEEPER, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     if early:  # the ranks are importing torch: was a KeyboardInterrupt traceback out of it per rank
-        time.sleep(4)
-        assert len(_processes_of(tmp_path)) >= 2  # the launcher and its agent, at least
+        end = time.monotonic() + 120
+        while len(_rank_processes(tmp_path)) < 4 and time.monotonic() < end:
+            time.sleep(0.1)
+        assert len(_rank_processes(tmp_path)) == 4
+        time.sleep(1)  # into `import torch` (seconds)
     else:
         _ranks_up(p)
     start = time.monotonic()
