@@ -9,6 +9,9 @@ it got in a file of a directory the launcher made (`WATCH_ENV`): `joining` while
 launcher (`tpurec.dlrm.slice_launch.run_hosts`) reads them while it waits and stops the run in one
 line naming the rank that left while others wait for it.
 
+The same directory is the run's for the ranks' one-line errors (`error-R`, `tpurec.runtime.rank_errors`),
+which the launcher prints once each when the ranks have ended.
+
 Only exit code 0 needs this: a rank that fails (non-zero) is already noticed by torch.distributed.run,
 which stops the others. A group formed another way than `init_process_group` (a library holding the
 function from before the program started) records nothing; the watch then never fires.
