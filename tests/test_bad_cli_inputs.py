@@ -28,6 +28,9 @@ CASES = [
     (["train", "--batch-size", "0"], "--batch-size: '0' must be > 0"),
     (["train", "--eval-fraction", "1.5"], "--eval-fraction: '1.5' must be in [0, 1)"),
     (["train", "--steps", "ten"], "--steps: 'ten' is not a whole number"),
+    (["train", "--embedding-weight-decay", "-1"], "--embedding-weight-decay: '-1' must be >= 0"),
+    (["train", "--embedding-weight-decay", "nan"], "--embedding-weight-decay: 'nan' is not a finite number"),
+    (["train", "--embedding-weight-decay-mode", "bogus"], "invalid choice: 'bogus' (choose from 'NONE', 'L2'"),
     (["data", "synth", "--out", "/tmp/never-written", "--rows", "-3"], "--rows: '-3' must be > 0"),
 ]
 

@@ -17,9 +17,12 @@ _device.apply_safe_env()
 if _device.emulated_slice():
     # A rank of an emulated TPU slice (`tpurec launch/train --emulate-tpu`): TorchTPU's stand-ins go in
     # before the program builds a process group or a model (tpurec.emulation).
-    from tpurec.emulation.rank import activate as _activate
+    from tpurec.runtime.group_watch import quiet_interrupt_while_starting as _quiet
 
-    _activate()
+    with _quiet():  # a Ctrl-C of the launch during these imports (seconds): no traceback per rank
+        from tpurec.emulation.rank import activate as _activate
+
+        _activate()
 
 __all__ = ["__version__", "DistributedModelParallel"]
 

@@ -4,13 +4,15 @@
     tpurec launch --device tpu --nproc 4 my_training.py          # one TPU VM
     tpurec launch --device tpu --nnodes 2 my_training.py         # every host of a 2-host slice
     tpurec launch --emulate-tpu v5p-8 -- -m mypackage.train      # a module (PYTHONPATH, installed)
+    tpurec launch --emulate-tpu v5p-8 --timeout 600 my_test.py   # every rank stopped after 10 minutes
 
 What `tpurec train` does for its own ranks (`tpurec.dlrm.slice_launch`): TorchTPU's launch
 environment decided first, one torch.distributed.run agent per host. In an emulated rank,
 `import tpurec` installs TorchTPU's stand-ins (`tpurec.emulation`), so the program's
 `tpurec.DistributedModelParallel(model, device="tpu")` takes the TPU code path on CPU tensors.
 The program's own directory is first on sys.path, as under `python my_training.py`; no rank has the
-working directory there (`PYTHONPATH=.` puts it there on purpose).
+working directory there (`PYTHONPATH=.` puts it there on purpose). An error every rank finds is printed
+once, naming the ranks; a killed rank, a Ctrl-C or --timeout stop every rank in one line.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import argparse
 import os
 import sys
 
+from tpurec.argtypes import positive_float
 from tpurec.errors import UserError
 from tpurec.runtime import safe_path
 from tpurec.runtime.device import DeviceKind
@@ -37,6 +40,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     where.add_argument("--device", choices=("tpu",), help="this TPU host's devices (with --nnodes: every host)")
     p.add_argument("--nproc", type=int, default=None, help="ranks on this host (--device tpu; default its devices)")
     p.add_argument("--nnodes", type=int, default=1, help="hosts of the slice (--device tpu; run on each; default 1)")
+    p.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=None,
+        metavar="SECONDS",
+        help="stop every rank after SECONDS, in one line (exit 124); default: no bound",
+    )
     p.add_argument("program", help="a Python script, or -m MODULE (after --: `tpurec launch ... -- -m MODULE`)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the program's own arguments")
     p.set_defaults(run=run)
@@ -96,8 +106,10 @@ def run(args: argparse.Namespace) -> int:
         too_big = slice_launch.emulation_too_big(spec)
         if too_big:
             return _error(f"--emulate-tpu: {too_big}")
-        return slice_launch.run_hosts(slice_launch.emulated_agents(spec.name, env, program))
+        return slice_launch.run_hosts(
+            slice_launch.emulated_agents(spec.name, env, program), say_stopped=True, timeout=args.timeout
+        )
     if args.nnodes < 1 or (args.nproc is not None and args.nproc < 1):
         return _error("--nproc and --nnodes must be >= 1")
     agent = slice_launch.tpu_agent(args.nproc, args.nnodes, env, program)  # UserError when TorchTPU refuses
-    return slice_launch.run_hosts([agent])
+    return slice_launch.run_hosts([agent], say_stopped=True, timeout=args.timeout)

@@ -36,11 +36,15 @@ def _warnings(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if WARNING.search(line)]
 
 
-@pytest.mark.slow  # 4 emulated ranks: about 45 s
+@pytest.mark.slow  # 4 emulated ranks: about 45 s; 8 (the count, v5p-16): about 60 s
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("device", [[], ["--device", "tpu"]], ids=["cpu_model", "tpu_model"])
-def test_an_emulated_launch_of_the_quickstart_prints_no_warning(tmp_path, device):
-    err = _run(["launch", "--emulate-tpu", "v5p-8", "examples/quickstart.py", "--quick", *device], tmp_path)
+@pytest.mark.parametrize(
+    "slice_name,device",
+    [("v5p-8", []), ("v5p-8", ["--device", "tpu"]), ("v5p-16", [])],
+    ids=["cpu_model", "tpu_model", "cpu_model_8_ranks"],
+)
+def test_an_emulated_launch_of_the_quickstart_prints_no_warning(tmp_path, slice_name, device):
+    err = _run(["launch", "--emulate-tpu", slice_name, "examples/quickstart.py", "--quick", *device], tmp_path)
     assert _warnings(err) == [], err[-3000:]
 
 

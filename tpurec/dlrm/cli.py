@@ -208,29 +208,44 @@ def run_worker(options: TrainOptions) -> int:
         trainer = None
         try:
             msg = options.check()
-            if msg:
-                return _error(msg)
+            if msg:  # every rank finds it: printed once (tpurec/runtime/rank_errors.py)
+                return _rank_error(msg)
             from tpurec.dlrm.trainer import Trainer
 
             trainer = Trainer(options)
             return _run_rank(trainer)
         except KeyboardInterrupt:
-            print(f"tpurec train: {interrupted(options, trainer)}", file=sys.stderr)
+            from tpurec.runtime import group_watch, rank_errors
+
+            if os.environ.get(group_watch.WATCH_ENV) and "RANK" in os.environ:  # once for the ranks
+                rank_errors.report("tpurec train", interrupted(options, trainer, rank_named=False))
+            else:
+                print(f"tpurec train: {interrupted(options, trainer)}", file=sys.stderr)
             return interrupts.EXIT_INTERRUPTED
 
 
-def interrupted(options: TrainOptions, trainer: Trainer | None) -> str:
-    """What a Ctrl-C left: the step reached and the last complete checkpoint."""
-    rank = os.environ.get("RANK", "0")
+def _rank_error(message: str) -> int:
+    """A user error this rank found: one line naming the rank, once for all ranks that find it."""
+    from tpurec.runtime import rank_errors
+
+    rank_errors.report("tpurec train: error", message)
+    return 2
+
+
+def interrupted(options: TrainOptions, trainer: Trainer | None, rank_named: bool = True) -> str:
+    """What a Ctrl-C left: the step reached and the last complete checkpoint (`rank_named`: with
+    ` (rank R)` after the step; a launcher names the ranks itself, `tpurec.runtime.rank_errors`)."""
     at = f" at step {trainer.step_count}" if trainer is not None and trainer.step_count else ""
+    if rank_named:
+        at += f" (rank {os.environ.get('RANK', '0')})"
     if not options.checkpoint_dir:
-        return f"interrupted{at} (rank {rank}); nothing saved (no --checkpoint-dir)"
+        return f"interrupted{at}; nothing saved (no --checkpoint-dir)"
     from tpurec.dlrm.ckpt.manager import CheckpointManager
 
     last = CheckpointManager(options.checkpoint_dir).latest()  # a reader only: no lock taken
     if last is None:
-        return f"interrupted{at} (rank {rank}); no complete checkpoint in {options.checkpoint_dir}"
-    return f"interrupted{at} (rank {rank}); the last complete checkpoint is step {int(last.name[5:])} ({last})"
+        return f"interrupted{at}; no complete checkpoint in {options.checkpoint_dir}"
+    return f"interrupted{at}; the last complete checkpoint is step {int(last.name[5:])} ({last})"
 
 
 def _run_rank(trainer: Trainer) -> int:
@@ -243,8 +258,7 @@ def _run_rank(trainer: Trainer) -> int:
         return 0
     except (UserError, OSError) as e:  # the user's input or environment (tpurec/errors.py)
         interrupts.check()  # DCP wraps a Ctrl-C in its save into an error of its own
-        print(f"tpurec train: error: rank {rank}: {e}", file=sys.stderr)
-        return 2
+        return _rank_error(str(e))
     except RuntimeError as e:
         interrupts.check()  # a peer that Ctrl-C stopped broke this rank's collective
         if not heartbeat.lost_peer(e):

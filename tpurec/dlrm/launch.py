@@ -10,11 +10,13 @@ log lines are silenced. Exit code: 2 if a rank reported bad input, else the firs
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Collection
     from types import FrameType
 
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
@@ -34,15 +36,21 @@ def _code(failure: ProcessFailure) -> int:
     return 128 - failure.exitcode if failure.exitcode < 0 else failure.exitcode
 
 
-def summary(failures: dict) -> tuple[str, int]:
-    """(the one line, the exit code) for torch.distributed.run's {rank: ProcessFailure}."""
+def summary(failures: dict, command: str = "tpurec train", reported: Collection[int] = ()) -> tuple[str, int]:
+    """(the one line, the exit code) for torch.distributed.run's {rank: ProcessFailure}. `reported`:
+    ranks that told the launcher their error themselves (`tpurec.runtime.rank_errors`): left out of the
+    line, which is empty when the others were only stopped by torch.distributed.run (SIGTERM)."""
     # Earliest first; within a second, ranks ended by SIGTERM last: that is how the launcher stops
     # the others once one has failed, so the rank that failed on its own leads the line.
     order = sorted(failures, key=lambda r: (failures[r].timestamp, failures[r].exitcode == -signal.SIGTERM, r))
-    parts = [f"rank {r} {_how(failures[r])}" for r in order]
-    line = f"tpurec train: {', '.join(parts)}; torch.distributed.run stopped the other ranks"
     codes = [failures[r].exitcode for r in order]
-    return line, 2 if 2 in codes else (_code(failures[order[0]]) or 1)
+    code = 2 if 2 in codes else (_code(failures[order[0]]) or 1)
+    told = [r for r in order if r in reported]
+    order = [r for r in order if r not in reported]
+    if told and all(failures[r].exitcode == -signal.SIGTERM for r in order):
+        return "", code
+    parts = [f"rank {r} {_how(failures[r])}" for r in order]
+    return f"{command}: {', '.join(parts)}; torch.distributed.run stopped the other ranks", code
 
 
 def _stop_once() -> None:
@@ -80,8 +88,13 @@ def main(argv: list[str] | None = None) -> int:
         run(parse_args(sys.argv[1:] if argv is None else argv))
         return 0
     except ChildFailedError as e:
-        line, code = summary(e.failures)
-        print(line, file=sys.stderr, flush=True)
+        from tpurec.dlrm.slice_launch import COMMAND_ENV
+        from tpurec.runtime import group_watch, rank_errors
+
+        told = rank_errors.reported(os.environ.get(group_watch.WATCH_ENV))
+        line, code = summary(e.failures, os.environ.get(COMMAND_ENV, "tpurec train"), told)
+        if line:
+            print(line, file=sys.stderr, flush=True)
         return code
     except SignalException as e:  # SIGTERM/SIGINT/SIGHUP: the ranks were stopped with it
         return 128 + int(e.sigval)

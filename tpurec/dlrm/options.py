@@ -333,6 +333,13 @@ class TrainOptions:
             return f"--plan {self.plan}: file not found"
         if self.id_limits and not os.path.isfile(self.id_limits):
             return f"--limits {self.id_limits}: file not found (write one with `tpurec data stats`)"
+        if self.id_limits:  # read now (no torch): a malformed file or value before any data is made
+            from tpurec.planner.id_limits import load_limits
+
+            try:
+                load_limits(self.id_limits)
+            except UserError as e:
+                return str(e)
         if self.metrics_out and not self.metrics_out.lower().endswith((".csv", ".jsonl", ".json")):
             return "--metrics-out must end in .csv or .jsonl"
         if self.curves_out and self.curves_out.lower() != "none" and not self.curves_out.lower().endswith(".png"):

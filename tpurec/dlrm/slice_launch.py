@@ -48,6 +48,7 @@ TORCHTPU_LAUNCH_VARS = (
     "MASTER_PORT",
 )
 _MARK = "TPUREC_LAUNCH_ENV="
+COMMAND_ENV = "TPUREC_LAUNCH_COMMAND"  # the command that started the agents, named in their line on failed ranks
 
 
 def torchtpu_launch_env(nnodes: int, nproc_per_node: int | None) -> dict[str, str]:
@@ -104,9 +105,20 @@ def agent_command(
     return cmd + [f"--nproc-per-node={nproc_per_node}", "--shutdown-timeout=5", *program]
 
 
-def run_hosts(agents: list[tuple[list[str], dict[str, str]]], command: str = "tpurec launch") -> int:
+def run_hosts(
+    agents: list[tuple[list[str], dict[str, str]]],
+    command: str = "tpurec launch",
+    say_stopped: bool = False,
+    timeout: float | None = None,
+) -> int:
     """Run one agent per (command, environment) together; when one fails the others are stopped.
     Exit code: the first failure's (2 if any agent reported bad input), else 0.
+
+    The ranks' one-line errors are printed once each when the agents have ended, with the ranks that
+    raised them (`tpurec.runtime.rank_errors`). `say_stopped`: after a SIGINT/SIGTERM/SIGHUP forwarded
+    to the agents, one line says so (for programs that do not say it themselves, as `tpurec train`'s
+    ranks do). `timeout`: seconds after which every rank is stopped, in one line (exit code 124, as
+    timeout(1) gives).
 
     A rank of a user's program that exits 0 before the process group forms, while others wait for it
     in init_process_group, would leave them waiting (torch.distributed.run counts it done): the
@@ -115,20 +127,23 @@ def run_hosts(agents: list[tuple[list[str], dict[str, str]]], command: str = "tp
     import tempfile
     import time
 
-    from tpurec.runtime import group_watch
+    from tpurec.runtime import group_watch, rank_errors
     from tpurec.runtime.lifecycle import FORWARDED, die_with_parent
 
     watch = tempfile.TemporaryDirectory(prefix="tpurec-group-watch-")
     procs = [
         subprocess.Popen(
             cmd,
-            env=safe_path.env(env, **{group_watch.WATCH_ENV: watch.name}),
+            env=safe_path.env(env, **{group_watch.WATCH_ENV: watch.name, COMMAND_ENV: command}),
             preexec_fn=functools.partial(die_with_parent, os.getpid()),
         )
         for cmd, env in agents
     ]
 
+    signals: list[int] = []
+
     def forward(signum: int, _frame: FrameType | None) -> None:
+        signals.append(signum)
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signum)
@@ -141,7 +156,9 @@ def run_hosts(agents: list[tuple[list[str], dict[str, str]]], command: str = "tp
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
     codes: dict[int, int] = {}
     stuck_since: float | None = None
-    stuck_line = None
+    stopped: tuple[str, int] | None = None  # the line the run was stopped with, and its exit code
+    deadline = None if timeout is None else time.monotonic() + timeout
+    announced = False
     try:
         while len(codes) < len(procs):
             for i, p in enumerate(procs):
@@ -151,16 +168,20 @@ def run_hosts(agents: list[tuple[list[str], dict[str, str]]], command: str = "tp
                 if p.returncode:  # one host failed: the others cannot finish their collectives
                     stop_all()
             left, waiting = group_watch.early_exit(watch.name)
-            if left and waiting and stuck_line is None:
+            if left and waiting and stopped is None:
                 # the same state a moment later: a rank whose init_process_group just returned has
                 # had time to record `formed`
                 stuck_since = stuck_since or time.monotonic()
                 if time.monotonic() - stuck_since >= _EARLY_EXIT_GRACE:
-                    stuck_line = f"{command}: error: {group_watch.describe(left, waiting)}"
-                    print(stuck_line, file=sys.stderr, flush=True)
-                    stop_all()
+                    stopped = (f"{command}: error: {group_watch.describe(left, waiting)}", 1)
             else:
                 stuck_since = None
+            if deadline is not None and stopped is None and len(codes) < len(procs) and time.monotonic() >= deadline:
+                stopped = (f"{command}: error: the program ran past --timeout {timeout:g} s; stopped every rank", 124)
+            if stopped is not None and not announced:
+                announced = True  # once: the line, then SIGTERM to the agents
+                print(stopped[0], file=sys.stderr, flush=True)
+                stop_all()
             if len(codes) < len(procs):
                 try:
                     procs[min(set(range(len(procs))) - set(codes))].wait(timeout=0.2)
@@ -169,9 +190,14 @@ def run_hosts(agents: list[tuple[list[str], dict[str, str]]], command: str = "tp
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        for line in rank_errors.collect(watch.name):
+            print(line, file=sys.stderr, flush=True)
         watch.cleanup()
-    if stuck_line is not None:
-        return 1
+    if stopped is not None:
+        return stopped[1]
+    if signals and say_stopped:
+        how = "interrupted" if signals[0] == signal.SIGINT else f"stopped by {signal.Signals(signals[0]).name}"
+        print(f"{command}: {how}; every rank of the run was stopped", file=sys.stderr, flush=True)
     failed = [c for c in codes.values() if c]
     if not failed:
         return 0

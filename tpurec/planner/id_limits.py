@@ -379,8 +379,14 @@ def same_layout(a: object, b: object) -> bool:
 def _describe(layout: object) -> str:
     if not isinstance(layout, dict):
         return "an unknown layout"
-    figures = (
-        f"{layout.get('world_size')} device(s), {layout.get('sparsecores_per_device')} SparseCores each, "
-        f"batch {layout.get('batch_size_per_device')} per device"
-    )
+    said = [  # a field the file does not give is left out (was: "None SparseCores each")
+        text.format(layout[key])
+        for key, text in (
+            ("world_size", "{} device(s)"),
+            ("sparsecores_per_device", "{} SparseCores each"),
+            ("batch_size_per_device", "batch {} per device"),
+        )
+        if layout.get(key) is not None
+    ]
+    figures = ", ".join(said) or "an unknown layout"
     return f"{layout['topology']} ({figures})" if layout.get("topology") else figures

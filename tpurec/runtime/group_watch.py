@@ -9,6 +9,9 @@ it got in a file of a directory the launcher made (`WATCH_ENV`): `joining` while
 launcher (`tpurec.dlrm.slice_launch.run_hosts`) reads them while it waits and stops the run in one
 line naming the rank that left while others wait for it.
 
+The same directory is the run's for the ranks' one-line errors (`error-R`, `tpurec.runtime.rank_errors`),
+which the launcher prints once each when the ranks have ended.
+
 Only exit code 0 needs this: a rank that fails (non-zero) is already noticed by torch.distributed.run,
 which stops the others. A group formed another way than `init_process_group` (a library holding the
 function from before the program started) records nothing; the watch then never fires.
@@ -16,8 +19,12 @@ function from before the program started) records nothing; the watch then never 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import signal
+import threading
+from collections.abc import Iterator
 
 WATCH_ENV = "TPUREC_GROUP_WATCH_DIR"
 
@@ -35,6 +42,21 @@ def _record(text: str) -> None:
         os.replace(path + ".tmp", path)
     except OSError:
         pass  # the launcher gone or its directory removed: nobody to tell
+
+
+@contextlib.contextmanager
+def quiet_interrupt_while_starting() -> Iterator[None]:
+    """In a rank a tpurec launcher started (WATCH_ENV set): a SIGINT while the rank starts (importing
+    torch and TorchRec takes seconds) ends it at once with exit 130 and no KeyboardInterrupt traceback
+    out of the middle of an import; the launcher says in one line that the run was interrupted."""
+    if not os.environ.get(WATCH_ENV) or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, lambda _signum, _frame: os._exit(128 + signal.SIGINT))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def watch_group_forming() -> None:

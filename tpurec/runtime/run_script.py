@@ -8,6 +8,10 @@ environment is the caller's (PYTHONSAFEPATH as the caller had it). `tpurec` is i
 program (this module is part of it): in an emulated rank that installs TorchTPU's stand-ins before the
 program's first line, as the program's own `import tpurec` would.
 
+A `tpurec.errors.UserError` the program lets through (tpurec refusing its input: `id_limits`, a plan)
+is one line, printed once for every rank that raised it (`tpurec.runtime.rank_errors`), exit 2; under
+a launcher a Ctrl-C ends the rank with 130 without a traceback (the launcher says it in one line).
+
 `-m MODULE ARGS` runs a module as `python -P -m MODULE ARGS` would. Either way the rank records
 whether its process group formed before the program ended (`tpurec.runtime.group_watch`), so the
 launcher notices a rank that leaves while the others wait for it.
@@ -17,9 +21,11 @@ from __future__ import annotations
 
 import os
 import runpy
+import signal
 import sys
 
-from tpurec.runtime import group_watch, safe_path
+from tpurec.errors import EXIT_USER_ERROR, UserError
+from tpurec.runtime import group_watch, rank_errors, safe_path
 
 
 def main(argv: list[str]) -> None:
@@ -46,6 +52,15 @@ def main(argv: list[str]) -> None:
     except SystemExit as e:
         code = group_watch.exit_code(e)
         raise
+    except UserError as e:  # tpurec's one-line error, from tpurec code the program called: printed once
+        code = EXIT_USER_ERROR
+        rank_errors.report("tpurec launch: error", str(e))
+        raise SystemExit(code) from None
+    except KeyboardInterrupt:
+        if not os.environ.get(group_watch.WATCH_ENV):
+            raise
+        code = 128 + signal.SIGINT  # stopped with the run: the launcher says so in one line, not each rank
+        raise SystemExit(code) from None
     finally:
         group_watch.program_ended(code)
 
