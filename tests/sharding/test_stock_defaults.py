@@ -133,3 +133,49 @@ def test_a_subclass_of_torchrecs_sharder_is_refused_naming_it_and_what_to_derive
 
     dmp = tpurec.DistributedModelParallel(ebc, device="cpu", sharders=[Mine(num_sparsecores=4)])
     assert dmp.plan.plan[""]["t0"].sharding_type == "table_wise"
+
+
+def test_a_saved_plan_with_fbgemms_fused_kernel_runs_on_the_sparsecore_kernel_with_a_notice(caplog):
+    """A plan TorchRec's planner made for its own sharder names compute kernel "fused": tpurec's DMP
+    built FBGEMM's BatchedFusedEmbeddingBag inside its sharded module without a word. Now the table
+    runs on tpurec's kernel (same sharding), said in one warning, and trains as stock does."""
+    import logging
+
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.planner.types import ParameterConstraints
+
+    _ensure_process_group()
+    torch.manual_seed(0)
+    base = EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=20, feature_names=["f0"])],
+        device=torch.device("cpu"),
+    )
+    sharder = EmbeddingBagCollectionSharder(fused_params={"learning_rate": 0.1})
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=1, compute_device="cpu"),
+        constraints={"t0": ParameterConstraints(compute_kernels=["fused"])},
+    )
+    plan = planner.collective_plan(copy.deepcopy(base), [sharder])
+    assert plan.plan[""]["t0"].compute_kernel == "fused"
+    with caplog.at_level(logging.WARNING):
+        ours = tpurec.DistributedModelParallel(
+            copy.deepcopy(base), device="cpu", plan=copy.deepcopy(plan), sharders=[sharder]
+        )
+    assert "the plan puts 1 table(s) on FBGEMM's kernel (t0 (fused)): run on tpurec's SparseCore kernel" in caplog.text
+    assert [type(e).__name__ for lookup in ours.module._lookups for e in lookup._emb_modules] == [
+        "SparseCoreEmbeddingBag"
+    ]
+    assert ours.plan.plan[""]["t0"].compute_kernel == "customized_kernel"
+    stock = StockDMP(copy.deepcopy(base), device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    start = base.state_dict()["embedding_bags.t0.weight"]
+    with torch.no_grad():  # the same start for both (stock re-initialises the tables when sharding)
+        for d in (ours, stock):
+            d.state_dict()["embedding_bags.t0.weight"].local_tensor().copy_(start)
+    kjt = KeyedJaggedTensor.from_lengths_sync(["f0"], torch.tensor([3, 5, 7, 3]), torch.tensor([1, 3]))
+    for dmp in (ours, stock):
+        dmp(kjt).values().sum().backward()  # one fused SGD step, lr 0.1
+    t_ours, t_stock = (d.state_dict()["embedding_bags.t0.weight"].local_tensor() for d in (ours, stock))
+    assert torch.allclose(t_ours, t_stock, atol=1e-7) and not torch.equal(
+        t_ours, base.state_dict()["embedding_bags.t0.weight"]
+    )

@@ -5,7 +5,7 @@ the table and the fix."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping, cast
+from typing import TYPE_CHECKING, Iterable, Mapping, cast
 
 from torch import nn
 
@@ -149,6 +149,35 @@ def check_plan_for_tpu(plan: ShardingPlan, source: str = "the plan") -> None:
     from tpurec.planner.kernel_choice import NEEDS_SUBGROUPS, SUBGROUP_REFUSAL
 
     _refuse_sharding_types(plan, source, set(NEEDS_SUBGROUPS), f"{SUBGROUP_REFUSAL}; plan again for the TPU")
+
+
+# FBGEMM's fused TBE kernels (TorchRec's "fused" family): the same tables and fused optimizer on
+# tpurec's SparseCore kernel. Any other kernel (dense, quantized, key-value, SSD) trains otherwise.
+FBGEMM_FUSED_KERNELS = ("fused", "fused_uvm", "fused_uvm_caching")
+
+
+def adopt_compute_kernels(plan: ShardingPlan, paths: Iterable[str], source: str = "the plan") -> list[str]:
+    """Tables of the modules at `paths` (the ones tpurec's sharders shard: `embedding_tables`) that a
+    plan (a saved TorchRec one) puts on FBGEMM's fused kernels are put on tpurec's
+    SparseCore kernel, in place: TorchRec would otherwise build FBGEMM's kernel inside tpurec's
+    sharded module, silently. Returns "table (kernel)" for each table moved, for one notice; any
+    other kernel is refused (PlanMismatchError naming the table)."""
+    from tpurec.planner.kernel_choice import COMPUTE_KERNEL
+
+    moved, ours = [], set(paths)
+    for path, module_plan in module_plans(plan).items():
+        for name, ps in module_plan.items() if path in ours else ():
+            if ps.compute_kernel == COMPUTE_KERNEL:
+                continue
+            if ps.compute_kernel not in FBGEMM_FUSED_KERNELS:
+                raise PlanMismatchError(
+                    source,
+                    f", module {path or '<root>'!r}, table {name!r}: compute_kernel {ps.compute_kernel!r} is not "
+                    f"tpurec's SparseCore kernel nor FBGEMM's fused one it stands in for; plan again with tpurec",
+                )
+            moved.append(f"{name} ({ps.compute_kernel})")
+            ps.compute_kernel = COMPUTE_KERNEL
+    return moved
 
 
 def check_sharding_types(plan: ShardingPlan, source: str = "the plan") -> None:

@@ -386,6 +386,7 @@ class DistributedModelParallel(_TorchrecDMP):
             )
         else:
             from tpurec.planner.plan_check import (
+                adopt_compute_kernels,
                 align_to_model,
                 check_plan,
                 check_plan_for_tpu,
@@ -398,6 +399,14 @@ class DistributedModelParallel(_TorchrecDMP):
             plan = align_to_model(plan, module)
             check_plan(plan, embedding_tables(module), env.world_size)
             check_sharding_types(plan)
+            moved = adopt_compute_kernels(plan, embedding_tables(module))
+            if moved:
+                logger.warning(
+                    "tpurec: the plan puts %d table(s) on FBGEMM's kernel (%s): run on tpurec's SparseCore kernel "
+                    "instead, with the same sharding",
+                    len(moved),
+                    ", ".join(moved[:8]) + (f" and {len(moved) - 8} more" if len(moved) > 8 else ""),
+                )
             if compute_device == "tpu":
                 check_plan_for_tpu(plan)
         if torch_device.type in ("cpu", "tpu"):
