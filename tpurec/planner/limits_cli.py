@@ -196,9 +196,12 @@ def _run(args: argparse.Namespace) -> int:
     from tpurec.data.mapping import spec_from_args
     from tpurec.data.schema import dataset_metadata
 
+    # a plan file or a model's code is checked before the data is opened (it needs no data): a bad
+    # one is the user's first mistake to hear of, and told without reading a byte of the dataset
+    early = _report(args, {}) if args.plan or args.model_module else None
     source = open_source(args.path, spec_from_args(args))  # None: tpurec's own data
     meta = source.metadata() if source is not None else dataset_metadata(args.path)
-    report = _report(args, meta)
+    report = early if early is not None else _report(args, meta)
     if args.model and args.plan and report.get("model") not in (None, args.model):
         raise UserError(f"--plan {args.plan} is a plan for {report.get('model')!r}, not --model {args.model}")
     layout = layout_of(report)
