@@ -43,6 +43,7 @@ def test_a_bug_valueerror_in_a_command_keeps_its_traceback(monkeypatch, capsys):
 def test_a_bug_in_data_inspect_propagates_and_a_user_error_is_one_line(monkeypatch, capsys, tmp_path):
     from tpurec.data import inspect
 
+    (tmp_path / "_dataset.json").write_text("{}")  # a dataset tpurec wrote: inspect_dataset reads it
     monkeypatch.setattr(inspect, "inspect_dataset", lambda path: (_ for _ in ()).throw(ValueError("boom")))
     with pytest.raises(ValueError, match="^boom$"):
         main(["data", "inspect", str(tmp_path)])

@@ -204,7 +204,9 @@ def test_trains_with_flags(layouts, tmp_path, layout):
 
 
 @pytest.mark.parametrize(
-    "layout", ["file", pytest.param("dir", marks=pytest.mark.slow), pytest.param("hive", marks=pytest.mark.slow)]
+    "layout",
+    # every layout slow: the default suite trains the Hive set with flags, and reads each layout inferred
+    [pytest.param(x, marks=pytest.mark.slow) for x in ("file", "dir", "hive")],
 )
 def test_trains_with_the_inferred_mapping(layouts, tmp_path, layout):
     proc = _train(layouts[layout], cache=tmp_path)

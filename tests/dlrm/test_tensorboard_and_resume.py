@@ -53,6 +53,7 @@ def test_tensorboard_and_metrics_have_one_row_per_step_after_a_resume(cache, tmp
     assert [s for s, _ in again["eval/auc"]] == [2, 4, 6]
 
 
+@pytest.mark.slow  # a 10-step run, ~25 s; the ETA's clock is tested below in the default suite
 def test_progress_lines_in_a_log_carry_the_window_s_samples_per_s_and_an_eta(cache, tmp_path):
     """Without a terminal (a log file) a line per tenth of the run: step, loss, the samples/s of the
     steps since the last logged one, and the time left at that rate."""

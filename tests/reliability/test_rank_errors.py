@@ -121,6 +121,7 @@ def _ended(tmp_path: Path, within: float) -> list[str]:
     return [" ".join(q.cmdline()) for q in _processes_of(tmp_path)]
 
 
+@pytest.mark.slow  # a 4-rank launch, ~40 s: the default suite's 2-rank torchrun case covers the dedup
 @pytest.mark.multiprocess
 def test_a_user_error_raised_on_every_rank_of_a_launch_is_one_line(tmp_path):
     p = _launch(
