@@ -162,7 +162,8 @@ def test_a_saved_plan_with_fbgemms_fused_kernel_runs_on_the_sparsecore_kernel_wi
         ours = tpurec.DistributedModelParallel(
             copy.deepcopy(base), device="cpu", plan=copy.deepcopy(plan), sharders=[sharder]
         )
-    assert "the plan puts 1 table(s) on FBGEMM's kernel (t0 (fused)): run on tpurec's SparseCore kernel" in caplog.text
+    notice = "the plan puts 1 table(s) on TorchRec's own kernels (t0 (fused)): run on tpurec's SparseCore kernel"
+    assert notice in caplog.text
     assert [type(e).__name__ for lookup in ours.module._lookups for e in lookup._emb_modules] == [
         "SparseCoreEmbeddingBag"
     ]

@@ -151,9 +151,11 @@ def check_plan_for_tpu(plan: ShardingPlan, source: str = "the plan") -> None:
     _refuse_sharding_types(plan, source, set(NEEDS_SUBGROUPS), f"{SUBGROUP_REFUSAL}; plan again for the TPU")
 
 
-# FBGEMM's fused TBE kernels (TorchRec's "fused" family): the same tables and fused optimizer on
-# tpurec's SparseCore kernel. Any other kernel (dense, quantized, key-value, SSD) trains otherwise.
-FBGEMM_FUSED_KERNELS = ("fused", "fused_uvm", "fused_uvm_caching")
+# Kernels a plan made for TorchRec's own sharder names, which tpurec's kernel stands in for: FBGEMM's
+# fused TBE family, and "dense", what TorchRec's sharding-plan helpers (`construct_module_sharding_plan`
+# with `table_wise()`, `row_wise()` ... and no sharder) pick by default. Any other kernel (quantized,
+# key-value, SSD) is refused.
+FBGEMM_FUSED_KERNELS = ("fused", "fused_uvm", "fused_uvm_caching", "dense")
 
 
 def adopt_compute_kernels(plan: ShardingPlan, paths: Iterable[str], source: str = "the plan") -> list[str]:
@@ -173,7 +175,8 @@ def adopt_compute_kernels(plan: ShardingPlan, paths: Iterable[str], source: str 
                 raise PlanMismatchError(
                     source,
                     f", module {path or '<root>'!r}, table {name!r}: compute_kernel {ps.compute_kernel!r} is not "
-                    f"tpurec's SparseCore kernel nor FBGEMM's fused one it stands in for; plan again with tpurec",
+                    f"tpurec's SparseCore kernel nor one it stands in for ({', '.join(FBGEMM_FUSED_KERNELS)}); plan "
+                    "again with tpurec",
                 )
             moved.append(f"{name} ({ps.compute_kernel})")
             ps.compute_kernel = COMPUTE_KERNEL

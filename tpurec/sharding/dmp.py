@@ -402,8 +402,8 @@ class DistributedModelParallel(_TorchrecDMP):
             moved = adopt_compute_kernels(plan, embedding_tables(module))
             if moved:
                 logger.warning(
-                    "tpurec: the plan puts %d table(s) on FBGEMM's kernel (%s): run on tpurec's SparseCore kernel "
-                    "instead, with the same sharding",
+                    "tpurec: the plan puts %d table(s) on TorchRec's own kernels (%s): run on tpurec's SparseCore "
+                    "kernel instead, with the same sharding",
                     len(moved),
                     ", ".join(moved[:8]) + (f" and {len(moved) - 8} more" if len(moved) > 8 else ""),
                 )
