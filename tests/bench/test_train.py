@@ -51,12 +51,24 @@ def test_bench_train_json(tmp_path):
     assert r["ratio_own_plans_vs_torchrec"] == pytest.approx(own, rel=1e-6)
     assert len(r["load_average"]["start"]) == 3 and len({tuple(rd[s]["inputs"]) for s in sides}) == 1
     assert r["torchrec-tw_plan"] == "26 table_wise/fused" and "customized_kernel" in r["tpurec_plan"]
+    # the same starting tables (one checksum for all) and so losses that agree
+    assert all(rd[s]["start_tables"] == pytest.approx(r["start_tables_checked"], rel=1e-9) for s in sides)
+    assert r["loss_spread"] < 0.02, {s: r[f"{s}_final_loss"] for s in sides}
 
 
-def _fake_launch(inputs_of):
+def _fake_launch(inputs_of, start_off=0.0):
     def launch(side, tables, data, nproc, steps, warmup, batch_size):
         rate = {"torchrec-tw": 100.0, "tpurec-tw": 120.0, "torchrec": 90.0, "tpurec": 110.0}[side]
-        return {"samples_per_s": rate, "cpu_samples_per_s": rate, "loss": 0.5, "plan": "p", "inputs": inputs_of(side)}
+        start = [1.0, 2.0 + (side == "tpurec") * start_off]
+        loss = 0.5 + 0.01 * (side == "tpurec")
+        return {
+            "samples_per_s": rate,
+            "cpu_samples_per_s": rate,
+            "loss": loss,
+            "plan": "p",
+            "inputs": inputs_of(side),
+            "start_tables": start,
+        }
 
     return launch
 
@@ -72,6 +84,7 @@ def test_bench_train_rounds_in_random_order_with_worst_round(monkeypatch, tmp_pa
     assert r["order_seed"] == 0 and train.run(tables="tiny", steps=1, warmup=0, batch_size=8)["order_seed"] != 0
     assert r["ratio_vs_torchrec"] == pytest.approx(1.2) and r["ratio_own_plans_vs_torchrec"] == pytest.approx(110 / 90)
     assert r["ratio_vs_torchrec_min"] == pytest.approx(1.2) and len(r["ratio_vs_torchrec_rounds"]) == 6
+    assert r["loss_spread"] == pytest.approx(0.01) and r["start_tables_checked"] == [1.0, 2.0]
 
 
 def test_bench_train_refuses_sides_that_trained_on_other_inputs(monkeypatch, tmp_path):
@@ -81,4 +94,14 @@ def test_bench_train_refuses_sides_that_trained_on_other_inputs(monkeypatch, tmp
     monkeypatch.setattr(data, "ensure_synth", lambda *a, **k: tmp_path)
     monkeypatch.setattr(train, "launch", _fake_launch(lambda side: [10, 21 if side == "tpurec" else 20, 3.0]))
     with pytest.raises(RuntimeError, match="unequal work"):
+        train.run(tables="tiny", steps=1, warmup=0, batch_size=8, repeats=1)
+
+
+def test_bench_train_refuses_sides_that_started_from_other_tables(monkeypatch, tmp_path):
+    from tpurec.bench import train
+    from tpurec.dlrm import data
+
+    monkeypatch.setattr(data, "ensure_synth", lambda *a, **k: tmp_path)
+    monkeypatch.setattr(train, "launch", _fake_launch(lambda side: [10, 20, 3.0], start_off=1e-6))
+    with pytest.raises(RuntimeError, match="unequal start"):
         train.run(tables="tiny", steps=1, warmup=0, batch_size=8, repeats=1)

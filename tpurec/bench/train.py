@@ -27,8 +27,11 @@ warm-up), across all ranks. Equal work is checked once: every side reports the c
 of the ids and labels it trained on, which must agree (else the run is refused). The sides take
 turns `--repeats` times in a fresh random order each round (`tpurec.bench.timer.interleaved`); the
 JSON keeps every round, the median ratio over rounds with the worst and best round, and the load
-average at start and end. Tables are initialised by each library's own code, so the final losses
-are reported, not compared.
+average at start and end. Every side starts from the same tables: each rank writes its shards of
+tables drawn once per table from a fixed seed (TorchRec's default init, uniform +-sqrt(1/rows)) into
+the sharded model's `state_dict()`, and the checksum of what it wrote is checked equal on every side
+(the dense layers come from the same torch seed). So the sides learn alike, and their final losses
+are compared: `loss_spread` is the largest difference between two sides' final losses.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -179,6 +183,12 @@ def run(
     inputs = {side: rd[side]["inputs"] for rd in rounds_ for side in sides}
     if len({tuple(v) for v in inputs.values()}) != 1:
         raise RuntimeError(f"unequal work: the sides trained on different inputs {inputs}")
+    # Equal start: every side's tables were the same draws (checksums of what each rank wrote).
+    # Float64 sums over shards cut differently: equal to rounding, not bit for bit.
+    starts = {side: rd[side]["start_tables"] for rd in rounds_ for side in sides}
+    first = starts[sides[0]]
+    if not all(math.isclose(a, b, rel_tol=1e-9) for v in starts.values() for a, b in zip(v, first)):
+        raise RuntimeError(f"unequal start: the sides' starting tables differ {starts}")
     for rd, order in zip(rounds_, orders):
         rd["order"] = [sides[i] for i in order]
 
@@ -198,6 +208,7 @@ def run(
         "rounds": rounds_,
         "load_average": {"start": load_start, "end": rounds.load_average()},
         "inputs_checked": list(inputs[sides[0]]),
+        "start_tables_checked": list(starts[sides[0]]),
     }
     for side in sides:
         out[f"{side}_samples_per_s"] = median(side, "samples_per_s")
@@ -211,6 +222,8 @@ def run(
             out.update({name: r["ratio"], f"{name}_min": r["min"], f"{name}_max": r["max"]})
             out[f"{name}_rounds"] = r["round_ratios"]
             out[f"{name}_cpu"] = cpu["ratio"]
+    losses = [float(rounds_[-1][side]["loss"]) for side in sides]
+    out["loss_spread"] = round(max(losses) - min(losses), 5)
     return out
 
 
@@ -261,6 +274,8 @@ def format_table(r: dict) -> str:
                 f"  ratio, {label}: {r[name]:.3f} (worst round {r[name + '_min']:.3f}, best {r[name + '_max']:.3f}; "
                 f"per CPU-second {r[name + '_cpu']:.3f})"
             )
+    losses = ", ".join(f"{side} {r[f'{side}_final_loss']:.4f}" for side in SIDES if f"{side}_final_loss" in r)
+    lines.append(f"  final losses from the same starting tables: {losses} (spread {r['loss_spread']:.4f})")
     return "\n".join(lines)
 
 
@@ -329,6 +344,40 @@ def _plan_text(dmp) -> str:
     return ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
 
 
+def start_tables(dmp, module: str, configs: list, seed: int = 0) -> list[float]:
+    """Writes every table's starting values into this rank's shards through `state_dict()` (which
+    aliases the live tables on both sides): table k is drawn whole from seed + k, uniform in
+    +-sqrt(1/rows) as TorchRec's default init, and each shard takes its block. Returns the checksum
+    of what all ranks wrote (sum and sum of squares, float64, all-reduced), for the equal-start check."""
+    import torch
+    import torch.distributed as dist
+
+    sd = dmp.state_dict()
+    sums = torch.zeros(2, dtype=torch.float64)
+    for k, cfg in enumerate(configs):
+        key = f"{module}.embedding_bags.{cfg.name}.weight"
+        target = sd[key]
+        bound = (1.0 / cfg.num_embeddings) ** 0.5
+        gen = torch.Generator().manual_seed(seed + k)
+        full = torch.empty(cfg.num_embeddings, cfg.embedding_dim).uniform_(-bound, bound, generator=gen)
+        shards = target.local_shards() if hasattr(target, "local_shards") else None
+        if shards is None:  # a replicated (data-parallel) table: every rank holds it, rank 0 counts it
+            target.detach().copy_(full)
+            blocks = [full] if dist.get_rank() == 0 else []
+        else:
+            blocks = []
+            for sh in shards:
+                (r0, c0), (nr, nc) = sh.metadata.shard_offsets, sh.metadata.shard_sizes
+                block = full[r0 : r0 + nr, c0 : c0 + nc]
+                sh.tensor.detach().copy_(block)
+                blocks.append(block)
+        for b in blocks:
+            sums += torch.stack([b.double().sum(), b.double().square().sum()])
+        del full
+    dist.all_reduce(sums)
+    return [float(v) for v in sums]
+
+
 def _folded(batches: list, sizes: list[int]) -> list:
     """Each feature's ids folded into its capped table (id mod rows): the same on every side."""
     import torch
@@ -365,6 +414,7 @@ def worker(side: str, tables: str, data: str, steps: int, warmup: int, batch_siz
     ]
     torch.manual_seed(0)
     model = build_model(cfg, table_sizes=sizes)
+    configs = model.model.sparse_arch.embedding_bag_collection.embedding_bag_configs()
     stock = side.startswith("torchrec")
     if side.endswith("-tw"):
         plan = table_wise_plan(model, world, stock=stock)
@@ -373,6 +423,7 @@ def worker(side: str, tables: str, data: str, steps: int, warmup: int, batch_siz
     else:
         plan = None  # tpurec's planner
     dmp = shard(model, cfg, DeviceKind.CPU, plan=plan, stock=stock)
+    start = start_tables(dmp, TABLE_MODULE, configs)
     optimizer = build_optimizer(dmp, cfg)
     pipeline: TrainPipelineSparseDist = TrainPipelineSparseDist(dmp, optimizer, torch.device("cpu"))
     reader = ParquetReader(data, batch_size, rank=rank, world_size=world, drop_last=True, equal_rows=True)
@@ -411,6 +462,7 @@ def worker(side: str, tables: str, data: str, steps: int, warmup: int, batch_siz
         "loss": round(float(loss), 5),
         "plan": _plan_text(dmp),
         "inputs": [int(inputs[0]), int(inputs[1]), round(float(inputs[2]), 1)],
+        "start_tables": start,
     }
     dist.destroy_process_group()
     return out if rank == 0 else None
