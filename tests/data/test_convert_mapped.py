@@ -128,10 +128,10 @@ def test_hex_ids_in_text(tmp_path):
 @pytest.mark.parametrize(
     "case,flags,message",
     [
-        ("parquet", ["--dense", "num_*,nope"], "--dense: unknown column 'nope'"),
-        ("parquet", ["--dense", "name_0"], "--dense: column 'name_0' holds strings, not numbers"),
+        ("parquet", ["--dense", "num_*,nope"], "one.parquet: --dense: unknown column 'nope'"),
+        ("parquet", ["--dense", "name_0"], "one.parquet: --dense: column 'name_0' holds strings, not numbers"),
         ("parquet", ["--ids", "hex"], "--ids is for text input"),
-        ("csv", ["--dense", "name_0", "--ids", "decimal"], "--dense: column 'name_0' holds strings, not numbers"),
+        ("csv", ["--dense", "name_0", "--ids", "decimal"], "one.csv: --dense: column 'name_0' holds strings, not"),
         ("csv", [], "text ids are never guessed: say how they are written, --ids decimal"),
         ("csv", ["--ids", "decimal"], "one.csv:2: column 'name_0': 'user-251' is not a decimal id"),
         ("csv", ["--ids", "decimal,nam*=octal"], "'octal' is not one of decimal, hex, string"),
@@ -210,3 +210,13 @@ def test_pyarrow_reads_the_output(sources, tmp_path):
     _convert([sources["dir"]], tmp_path / "o", *FLAGS, "--compression", "zstd")
     t = pa.dataset.dataset(tmp_path / "o", format="parquet").to_table()
     assert t.num_rows == ROWS and t.column("history").type.value_type == pa.int64()
+
+
+def test_nulls_without_parquet_statistics_are_found_while_writing(tmp_path, capsys):
+    t = pa.table({"y": [0, 1, 1], "x": [0.5, 1.5, None], "c": pa.array([7, None, 9], pa.int64())})
+    pq.write_table(t, tmp_path / "s.parquet", write_statistics=False)
+    meta = _convert([tmp_path / "s.parquet"], tmp_path / "o", "--label", "y", "--sparse", "c:5")
+    assert "convert: c lack an id in some rows" in capsys.readouterr().err
+    assert meta["sparse"][0]["multi_hot"] is True
+    out = pq.read_table(tmp_path / "o")
+    assert out.column("c").to_pylist() == [[2], [], [4]] and out.column("x").to_pylist() == [0.5, 1.5, 0.0]

@@ -20,6 +20,7 @@ null: dense 0.0, no id; an empty label is refused.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import os
 import sys
@@ -117,10 +118,12 @@ def convert_mapped(
     if parquet:
         if opts.ids is not None:
             raise UserError(f"{parquet[0]}: --ids is for text input; Parquet's column types say what its ids are")
-        mapping, parts, unit = _parquet_parts(parquet[0], opts)
+        with _naming(parquet[0]):
+            mapping, parts, unit = _parquet_parts(parquet[0], opts)
         facts: dict[str, Any] = {"source_format": "parquet"}
     else:
-        mapping, parts, id_kinds = _text_parts(inputs, opts)
+        with _naming(inputs[0]):
+            mapping, parts, id_kinds = _text_parts(inputs, opts)
         unit = "B"
         facts = {"source_format": "text", "ids": id_kinds}
     sizes = table_sizes(mapping, opts.table_sizes)
@@ -131,6 +134,15 @@ def convert_mapped(
     summary["mapping_inferred"] = list(mapping.inferred)
     summary["mapping_yaml"] = mapping.to_yaml()
     return summary
+
+
+@contextlib.contextmanager
+def _naming(path: str) -> Iterator[None]:
+    """A mapping problem names the input it was resolved against (train/inspect name it themselves)."""
+    try:
+        yield
+    except MappingError as e:
+        raise MappingError(f"{path}: {e}") from None
 
 
 def table_sizes(mapping: ColumnMapping, by_position: list[int] | None) -> list[int]:
