@@ -171,7 +171,7 @@ def test_skip_bad_lines_drops_and_counts_them(sources, tmp_path, capsys):
     assert summary["bad_examples"][0].endswith("b.csv:4: expected 39 fields, got 3: '1,2,3'")
 
 
-def test_criteo_text_with_decimal_ids(criteo_sample, tmp_path):
+def test_criteo_text_with_decimal_ids(criteo_sample, tmp_path, capsys):
     """`--ids decimal` reads Criteo-shaped text's categoricals as decimal: the same ids as hex of the same values."""
     import csv
 
@@ -181,8 +181,13 @@ def test_criteo_text_with_decimal_ids(criteo_sample, tmp_path):
         "".join(",".join([*r[:14], *(str(int(v, 16)) if v else "" for v in r[14:])]) + "\n" for r in rows)
     )
     assert cli.main(["data", "convert", str(criteo_sample), "--out", str(tmp_path / "hex"), "--quiet"]) == 0
+    assert "notice" not in capsys.readouterr().err  # Criteo's own hex ids: no notice
     for out, ids in (("as_hex", []), ("d", ["--ids", "decimal"])):
         assert cli.main(["data", "convert", str(tmp_path / "dec.csv"), "--out", str(tmp_path / out), *ids]) == 0
+        notice = "dec.csv hold no hex letter: they were read as hex (Criteo's ids); if they are decimal numbers"
+        assert (notice in capsys.readouterr().err) == (not ids)
+    assert cli.main(["data", "convert", str(criteo_sample), "--out", str(tmp_path / "h2"), "--ids", "hex"]) == 0
+    assert "notice" not in capsys.readouterr().err
     a, b, c = (pq.read_table(tmp_path / d / "part-00000.parquet") for d in ("hex", "d", "as_hex"))
     assert a.equals(b) and len(rows) == 200
     assert a.column("C1") != c.column("C1")  # without --ids, Criteo text is hex, as before

@@ -322,6 +322,7 @@ def _run_convert_criteo(args: argparse.Namespace) -> int:
         compression=args.compression,
         npy_dense_min=mins,
         ids=_criteo_ids(args.ids),
+        ids_stated=args.ids is not None,
     )
     inputs = resolve_inputs(args.inputs, opts)  # text paths, or TorchRec days with their companions
     days = [d for d in inputs if isinstance(d, npy.NpyDay)]
@@ -354,6 +355,13 @@ def _run_convert_criteo(args: argparse.Namespace) -> int:
     if opts.ids == "decimal":
         opts.schema.extra["ids"] = "decimal"  # the categorical fields were read as decimal, not hex
     summary = convert(inputs, args.out, opts, jobs=args.jobs, show_progress=_progress(args), overwrite=args.overwrite)
+    if summary["digits_only_inputs"]:
+        first = summary["digits_only_inputs"][0]
+        print(
+            f"tpurec data convert: notice: the categorical fields of {first} hold no hex letter: they were read as hex "
+            "(Criteo's ids); if they are decimal numbers, convert again with --ids decimal (--ids hex: no notice)",
+            file=sys.stderr,
+        )
     if args.json:
         print(strict_json.dumps(summary, indent=2))
         return 0

@@ -47,6 +47,7 @@ class ConvertOptions:
     block_size: int = 16 << 20  # bytes of text parsed at a time
     npy_dense_min: list[int] | None = None  # per day (or one for all): undo TorchRec's dense log
     ids: str = "hex"  # how Criteo text's categorical fields are written: "hex" (Criteo's) or "decimal"
+    ids_stated: bool = False  # --ids given: no notice about fields that are digits only
 
 
 @dataclass
@@ -56,6 +57,7 @@ class FileResult:
     rows: int = 0
     bad_lines: int = 0
     bad_examples: list[str] = field(default_factory=list)
+    digits_only: bool = False  # read as hex, but no categorical field of the first block has a hex letter
     bytes_in: int = 0
     bytes_out: int = 0
 
@@ -285,6 +287,8 @@ def _convert_file(in_path: str, out_path: str, opts: ConvertOptions, advance, ty
                 err = parse_error(e)
             if err is not None:
                 _raise_clean(err)
+            if seen == 0 and opts.ids == "hex" and not opts.ids_stated:
+                res.digits_only = _digits_only(batch)
             cols, bad, reasons = _transform_block(batch, schema, opts.ids)
             if bad.any():
                 idx = np.flatnonzero(bad)
@@ -314,6 +318,17 @@ def _convert_file(in_path: str, out_path: str, opts: ConvertOptions, advance, ty
     advance(res.bytes_in)
     res.bytes_out = os.path.getsize(out_path)
     return res
+
+
+def _digits_only(batch) -> bool:
+    """No categorical field of this block holds a letter a-f: decimal ids read as hex? Criteo's are 8 random
+    hex digits, of which 2% have no letter, so a block of them always has some."""
+    import pyarrow.compute as pc
+
+    cols = [batch.column(14 + j) for j in range(NUM_COLUMNS - 14)]
+    digits = [pc.any(pc.match_substring_regex(c, "[0-9]")).as_py() for c in cols]
+    letters = [pc.any(pc.match_substring_regex(c, "[a-fA-F]")).as_py() for c in cols]
+    return any(digits) and not any(letters)
 
 
 def _column_of(e: Exception, schema: DataSchema) -> str:
@@ -505,6 +520,7 @@ def _convert_into(out: Path, inputs: list, opts: ConvertOptions, jobs: int | Non
         "mb_per_s": round(total_bytes / 1e6 / max(seconds, 1e-9), 2),
         "bad_lines": sum(r.bad_lines for r in results),
         "bad_examples": [e for r in results for e in r.bad_examples][:_MAX_EXAMPLES],
+        "digits_only_inputs": [r.input for r in results if r.digits_only],
         "out_dir": str(out),
     }
     publish(
