@@ -164,9 +164,45 @@ def test_train_refuses_a_wrong_mapping_before_starting(layouts, capsys, flags, c
     assert len(err.splitlines()) == 1 and column in err, err
 
 
-def test_a_mapping_of_another_shape_than_the_model_is_refused(layouts, capsys):
-    assert cli.main(["train", "--data", str(layouts["dir"]), "--sparse", "id_*"]) == 2
-    assert "13 dense and 20 sparse columns; the model takes 13 dense and 26 sparse" in capsys.readouterr().err
+def test_the_dlrm_takes_the_datas_shape():
+    from tpurec.dlrm.configs import get_config
+    from tpurec.dlrm.model import build_model
+
+    names = [f"c{i}" for i in range(28)]
+    model = build_model(
+        get_config("dlrm-tiny"), table_sizes=[10 + i for i in range(28)], feature_names=names, num_dense=5
+    )
+    configs = model.model.sparse_arch.embedding_bag_collection.embedding_bag_configs()
+    assert [c.feature_names for c in configs] == [[n] for n in names]
+    assert [c.num_embeddings for c in configs] == [10 + i for i in range(28)]
+    assert [c.name for c in configs[25:]] == ["t_C26", "t_c26", "t_c27"]  # past the table set's 26
+    assert model.model.dense_arch.model._mlp[0]._linear.in_features == 5
+
+
+@pytest.mark.slow
+def test_data_of_another_shape_trains_a_dlrm_of_its_shape(tmp_path):
+    """5 dense and 7 sparse columns: the built-in DLRM takes 5 dense features and has 7 tables."""
+    import pandas as pd
+
+    rng = np.random.default_rng(1)
+    d: dict = {"label": rng.integers(0, 2, 1500), **{f"f{i}": rng.random(1500) for i in range(5)}}
+    d |= {f"c{i}": rng.integers(0, 1000, 1500) for i in range(7)}
+    pd.DataFrame(d).to_parquet(tmp_path / "small.parquet")
+    proc = _train(tmp_path / "small.parquet", "--sparse", "c*:1000", cache=tmp_path)
+    assert "label 'label', 5 dense, 7 sparse (7 int)" in proc.stderr
+
+
+def test_a_feature_past_the_models_tables_needs_its_rows(layouts, tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(
+        pa.table({"label": [0, 1] * 10, "x": [1.0] * 20, **{f"c{i}": list(range(20)) for i in range(27)}}),
+        tmp_path / "w.parquet",
+    )
+    assert cli.main(["train", "--data", str(tmp_path / "w.parquet"), "--steps", "3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "sparse column 'c26' (number 27) has no table size and the model's table set has 26 tables" in err, err
 
 
 def test_a_bad_columns_file_is_one_line(layouts, tmp_path):

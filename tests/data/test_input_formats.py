@@ -40,7 +40,7 @@ def test_headerless_csv_keeps_its_first_row(criteo_sample, tmp_path):
     "kind,message",
     [
         ("comma-separated .txt", r"no tabs but 40 comma-separated fields: a CSV file\? pass --format csv"),
-        ("parquet", r"is a Parquet file, not text to convert: tpurec train --data, .* read Parquet directly"),
+        ("parquet", r"is a Parquet file, not Criteo text: `tpurec data convert` converts Parquet through a column"),
         ("latin-1", r":1: not UTF-8 text"),
         ("not gzip", r"cannot read .*a truncated or non-gzip \.gz\?"),
     ],

@@ -21,6 +21,13 @@ NAME_PRESETS = {
 }
 
 
+_MAPPING_FLAGS = (
+    ("label", "COL", "the label column (0/1) of Parquet or CSV/TSV with a header (default: label/click/target)"),
+    ("dense", "COL[,COL...]", "dense columns, globs allowed ('f_*'); as `tpurec train --dense`"),
+    ("sparse", "NAME[:ROWS][,...]", "sparse (id) columns, globs allowed; ROWS: table size to hash into"),
+    ("columns", "FILE", "a YAML/JSON column mapping (as `tpurec data inspect --mapping` prints)"),
+)
+
 _parser = None  # `tpurec data`, kept to print its help when no action is given
 # Its actions' subparsers: `tpurec.cli` adds actions of higher layers here (`stats` needs a plan).
 actions = None
@@ -34,22 +41,24 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     c = dsub.add_parser(
         "convert",
-        help="Criteo TSV day files (plain or .gz), CSV with a header, or TorchRec's .npy/MLPerf's .npz days -> Parquet",
+        help="Criteo TSV day files (plain or .gz), TorchRec's .npy/MLPerf's .npz days, or any Parquet/CSV/TSV "
+        "through a column mapping -> tpurec's Parquet",
     )
     c.add_argument(
         "inputs",
         nargs="+",
         metavar="INPUT",
-        help="text files, or TorchRec day files (day_N_dense.npy / _sparse.npy / _labels.npy, "
-        "day_N_sparse_multi_hot.npz) or directories of them",
+        help="text files, TorchRec day files (day_N_dense.npy / _sparse.npy / _labels.npy, "
+        "day_N_sparse_multi_hot.npz) or directories of them, or one Parquet file or directory (Hive partitions too)",
     )
     c.add_argument("--out", required=True, help="output directory (part-NNNNN.parquet + _dataset.json)")
     c.add_argument(
         "--format",
-        choices=["auto", "tsv", "csv", "npy"],
+        choices=["auto", "tsv", "csv", "npy", "parquet"],
         default="auto",
-        help="auto: *.npy/*.npz (or a directory of them) are TorchRec days, *.csv[.gz] has a header line, "
-        "anything else is raw Criteo TSV (default auto)",
+        help="auto: *.npy/*.npz (or a directory of them) are TorchRec days, Parquet (a file or a directory of them) "
+        "is read through a column mapping, *.csv[.gz] has a header line, anything else is raw Criteo TSV "
+        "(default auto)",
     )
     c.add_argument(
         "--table-set",
@@ -60,7 +69,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="named table set giving num_embeddings per categorical (default criteo-kaggle; "
         "mlperf-dcnv2, the MLPerf caps, for multi-hot .npz days)",
     )
-    c.add_argument("--table-sizes", help="26 comma-separated num_embeddings, overriding --table-set")
+    c.add_argument(
+        "--table-sizes",
+        help="26 comma-separated num_embeddings, overriding --table-set (with a column mapping: one per sparse "
+        "column given without :ROWS, by position)",
+    )
+    c.add_argument(
+        "--ids",
+        metavar="KIND[,GLOB=KIND...]",
+        default=None,
+        help="how text ids are written: hex, decimal, or (with a column mapping) string (hashed); per column with "
+        "GLOB=KIND. Criteo text: hex unless given; mapped text: required, never guessed",
+    )
+    for name, metavar, text in _MAPPING_FLAGS:
+        c.add_argument(f"--{name}", metavar=metavar, default=None, help=text)
     c.add_argument("--raw-ids", action="store_true", help="keep int(hex) ids instead of hashing into tables")
     c.add_argument(
         "--mod-ids",
@@ -80,7 +102,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="column names: merlin (default: label, I1.., C1..) or torchrec (label, int_0.., cat_0..)",
     )
     c.add_argument(
-        "--row-group-size", type=positive_int, default=65536, help="rows per Parquet row group (default 65536)"
+        "--row-group-size",
+        type=positive_int,
+        default=None,
+        help="rows per Parquet row group (default 65536; Parquet input keeps its own row groups)",
     )
     c.add_argument(
         "--compression", default="snappy", help="Parquet codec (default snappy; none reads faster, files are bigger)"
@@ -201,6 +226,76 @@ def _whole_numbers(flag: str, text: str, lo: int | None = None) -> list[int]:
 
 @reader_gone_ok
 def run_convert(args: argparse.Namespace) -> int:
+    from tpurec.data.convert_mapped import wants_mapping
+    from tpurec.data.mapping import spec_from_args
+
+    if wants_mapping(args.inputs, spec_from_args(args), args.format):
+        return _run_convert_mapped(args)
+    return _run_convert_criteo(args)
+
+
+def _run_convert_mapped(args: argparse.Namespace) -> int:
+    """Parquet, or CSV/TSV with a header, through a column mapping (tpurec/data/convert_mapped.py)."""
+    from tpurec.catalog import get_table_set
+    from tpurec.data.convert_mapped import MappedOptions, convert_mapped
+    from tpurec.data.mapping import spec_from_args
+
+    for flag, given in [
+        ("--raw-ids", args.raw_ids),
+        ("--mod-ids", args.mod_ids),
+        ("--raw-dense", args.raw_dense),
+        ("--npy-dense-min", args.npy_dense_min),
+        ("--names", args.names != "merlin"),
+    ]:
+        if given:
+            raise UserError(
+                f"{flag} is for Criteo text and TorchRec days; with a column mapping the dense values are kept as "
+                "stored, ids hashed into each column's ROWS and the columns keep their names"
+            )
+    _check_out_dir(args)
+    sizes = None
+    if args.table_sizes:
+        sizes = _whole_numbers("--table-sizes", args.table_sizes, lo=1)
+    elif args.tables:
+        sizes = [t.num_embeddings for t in get_table_set(args.tables).tables]
+    opts = MappedOptions(
+        spec=spec_from_args(args),
+        ids=args.ids,
+        input_format=args.format,
+        row_group_size=args.row_group_size,
+        compression=args.compression,
+        skip_bad_lines=args.skip_bad_lines,
+        table_sizes=sizes,
+    )
+    summary = convert_mapped(args.inputs, args.out, opts, show_progress=_progress(args), overwrite=args.overwrite)
+    yaml_text = summary.pop("mapping_yaml")
+    if args.json:
+        print(strict_json.dumps(summary, indent=2))
+        return 0
+    _print_summary(summary)
+    if summary["multi_hot_for_nulls"]:
+        names = ", ".join(summary["multi_hot_for_nulls"])
+        print(f"written as list columns (0 or 1 id per row: some rows have none): {names}")
+    inferred = summary["mapping_inferred"]
+    print(f"column mapping{' (inferred: ' + ', '.join(inferred) + ')' if inferred else ''}:")
+    print(yaml_text, end="")
+    return 0
+
+
+def _print_summary(summary: dict) -> None:
+    print(
+        f"converted {summary['rows']:,} rows from {summary['files']} file(s) in {summary['seconds']} s "
+        f"({summary['mb_per_s']} MB/s): {summary['bytes_in'] / 1e6:.1f} MB in -> "
+        f"{summary['bytes_out'] / 1e6:.1f} MB Parquet in {summary['out_dir']}"
+    )
+    if summary["bad_lines"]:
+        print(f"skipped {summary['bad_lines']:,} malformed line(s), e.g.:")
+        for e in summary["bad_examples"]:
+            print(f"  {e}")
+
+
+def _run_convert_criteo(args: argparse.Namespace) -> int:
+    """Criteo text (label, 13 dense, 26 categorical by position) and TorchRec's .npy/.npz days."""
     from tpurec.catalog import get_table_set
     from tpurec.data import npy
     from tpurec.data.convert import ConvertOptions, convert, resolve_inputs
@@ -222,13 +317,17 @@ def run_convert(args: argparse.Namespace) -> int:
     opts = ConvertOptions(
         DataSchema(),  # replaced below, once the inputs are known
         input_format=args.format,
-        row_group_size=args.row_group_size,
+        row_group_size=args.row_group_size or 65536,
         skip_bad_lines=args.skip_bad_lines,
         compression=args.compression,
         npy_dense_min=mins,
+        ids=_criteo_ids(args.ids),
+        ids_stated=args.ids is not None,
     )
     inputs = resolve_inputs(args.inputs, opts)  # text paths, or TorchRec days with their companions
     days = [d for d in inputs if isinstance(d, npy.NpyDay)]
+    if days and args.ids is not None:
+        raise UserError("--ids is for text: TorchRec's .npy/.npz days hold their ids as numbers")
     if mins and not days:
         raise UserError("--npy-dense-min is for TorchRec .npy days only")
     if days and args.raw_dense and not mins:
@@ -253,25 +352,36 @@ def run_convert(args: argparse.Namespace) -> int:
         dense_transform=dense,
         categorical=categorical,
     )
+    if opts.ids == "decimal":
+        opts.schema.extra["ids"] = "decimal"  # the categorical fields were read as decimal, not hex
     summary = convert(inputs, args.out, opts, jobs=args.jobs, show_progress=_progress(args), overwrite=args.overwrite)
+    if summary["digits_only_inputs"]:
+        first = summary["digits_only_inputs"][0]
+        print(
+            f"tpurec data convert: notice: the categorical fields of {first} hold no hex letter: they were read as hex "
+            "(Criteo's ids); if they are decimal numbers, convert again with --ids decimal (--ids hex: no notice)",
+            file=sys.stderr,
+        )
     if args.json:
         print(strict_json.dumps(summary, indent=2))
         return 0
-    print(
-        f"converted {summary['rows']:,} rows from {summary['files']} file(s) in {summary['seconds']} s "
-        f"({summary['mb_per_s']} MB/s): {summary['bytes_in'] / 1e6:.1f} MB in -> "
-        f"{summary['bytes_out'] / 1e6:.1f} MB Parquet in {summary['out_dir']}"
-    )
+    _print_summary(summary)
     if dense == DENSE_TORCHREC:
         print(
             "dense values kept as TorchRec wrote them (log(x - min + 2), min of each day file); "
             "--npy-dense-min gives tpurec's log(max(x, 0) + 1), as from the text"
         )
-    if summary["bad_lines"]:
-        print(f"skipped {summary['bad_lines']:,} malformed line(s), e.g.:")
-        for e in summary["bad_examples"]:
-            print(f"  {e}")
     return 0
+
+
+def _criteo_ids(text: str | None) -> str:
+    """Criteo text's categorical fields: hex (Criteo's own, the default) or decimal, for all 26."""
+    if text in (None, "hex", "decimal"):
+        return text or "hex"
+    raise UserError(
+        f"--ids {text!r}: Criteo text (label, 13 dense, 26 categorical by position) takes --ids hex or --ids decimal; "
+        "strings or per-column kinds need a column mapping (a header line and --label/--dense/--sparse or --columns)"
+    )
 
 
 @reader_gone_ok

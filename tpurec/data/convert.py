@@ -46,6 +46,8 @@ class ConvertOptions:
     compression: str = "snappy"
     block_size: int = 16 << 20  # bytes of text parsed at a time
     npy_dense_min: list[int] | None = None  # per day (or one for all): undo TorchRec's dense log
+    ids: str = "hex"  # how Criteo text's categorical fields are written: "hex" (Criteo's) or "decimal"
+    ids_stated: bool = False  # --ids given: no notice about fields that are digits only
 
 
 @dataclass
@@ -55,6 +57,7 @@ class FileResult:
     rows: int = 0
     bad_lines: int = 0
     bad_examples: list[str] = field(default_factory=list)
+    digits_only: bool = False  # read as hex, but no categorical field of the first block has a hex letter
     bytes_in: int = 0
     bytes_out: int = 0
 
@@ -128,9 +131,9 @@ def _sniff(path: str, fmt: str) -> bool:
         magic = f.read(4)
     if magic == b"PAR1":
         raise DataError(
-            f"{path}: is a Parquet file, not text to convert: tpurec train --data, tpurec data inspect and "
-            "tpurec data stats read Parquet directly (any Parquet: its columns mapped with --label/--dense/--sparse, "
-            "or inferred; docs/data.md, Your own Parquet)"
+            f"{path}: is a Parquet file, not Criteo text: `tpurec data convert` converts Parquet through a column "
+            "mapping (--label/--dense/--sparse, --columns, or inferred; tpurec/data/convert_mapped.py), and "
+            "tpurec train --data, data inspect and data stats read it directly"
         )
     opener = gzip.open if path.endswith(".gz") else open
     try:
@@ -158,7 +161,7 @@ def _sniff(path: str, fmt: str) -> bool:
     return fields[0].strip() not in ("0", "1")  # a label first: data, no header
 
 
-def _transform_block(batch, schema: DataSchema):
+def _transform_block(batch, schema: DataSchema, ids: str = "hex"):
     """One text block -> (dict of numpy columns, bad mask, first bad reason per row index)."""
     n = batch.num_rows
     bad = np.zeros(n, dtype=bool)
@@ -181,8 +184,12 @@ def _transform_block(batch, schema: DataSchema):
         note(dbad, name, "not a number")
         out[name] = parse.dense_log1p(x) if schema.dense_transform == DENSE_LOG1P else x.astype(np.float32)
     for j, feat in enumerate(schema.sparse):
-        raw, empty, cbad = parse.parse_hex(batch.column(14 + j))
-        note(cbad, feat.name, "not a hex string of at most 16 digits")
+        if ids == "decimal":
+            raw, empty, cbad = parse.parse_decimal(batch.column(14 + j))
+            note(cbad, feat.name, "not a decimal id of at most 19 digits (--ids decimal)")
+        else:
+            raw, empty, cbad = parse.parse_hex(batch.column(14 + j))
+            note(cbad, feat.name, "not a hex string of at most 16 digits (decimal ids: --ids decimal)")
         if schema.categorical == CAT_HASH:
             out[feat.name] = parse.hash_ids(raw, empty, feat.rows)
         else:
@@ -280,7 +287,9 @@ def _convert_file(in_path: str, out_path: str, opts: ConvertOptions, advance, ty
                 err = parse_error(e)
             if err is not None:
                 _raise_clean(err)
-            cols, bad, reasons = _transform_block(batch, schema)
+            if seen == 0 and opts.ids == "hex" and not opts.ids_stated:
+                res.digits_only = _digits_only(batch)
+            cols, bad, reasons = _transform_block(batch, schema, opts.ids)
             if bad.any():
                 idx = np.flatnonzero(bad)
                 if not opts.skip_bad_lines:
@@ -309,6 +318,17 @@ def _convert_file(in_path: str, out_path: str, opts: ConvertOptions, advance, ty
     advance(res.bytes_in)
     res.bytes_out = os.path.getsize(out_path)
     return res
+
+
+def _digits_only(batch) -> bool:
+    """No categorical field of this block holds a letter a-f: decimal ids read as hex? Criteo's are 8 random
+    hex digits, of which 2% have no letter, so a block of them always has some."""
+    import pyarrow.compute as pc
+
+    cols = [batch.column(14 + j) for j in range(NUM_COLUMNS - 14)]
+    digits = [pc.any(pc.match_substring_regex(c, "[0-9]")).as_py() for c in cols]
+    letters = [pc.any(pc.match_substring_regex(c, "[a-fA-F]")).as_py() for c in cols]
+    return any(digits) and not any(letters)
 
 
 def _column_of(e: Exception, schema: DataSchema) -> str:
@@ -432,6 +452,19 @@ def convert(
         return _convert_into(out, inputs, opts, jobs, show_progress)
 
 
+def publish(out: Path, tmps: list[Path], finals: list[Path], schema: DataSchema, **facts) -> None:
+    """Rename the finished parts into place, remove the old dataset's other parts, write _dataset.json:
+    one step a Ctrl-C waits for (a failed or stopped conversion leaves the old dataset whole)."""
+    try:
+        with deferred():
+            for t, f in zip(tmps, finals):
+                t.replace(f)
+            remove_stale_parts(out, finals)
+            write_dataset_json(out, schema, files=[f.name for f in finals], **facts)
+    except KeyboardInterrupt:
+        raise Interrupted(f"the dataset in {out} was already complete and is kept") from None
+
+
 def _convert_into(out: Path, inputs: list, opts: ConvertOptions, jobs: int | None, show_progress: bool) -> dict:
     """`convert` into the prepared, locked directory `out`."""
     from tqdm import tqdm
@@ -487,22 +520,17 @@ def _convert_into(out: Path, inputs: list, opts: ConvertOptions, jobs: int | Non
         "mb_per_s": round(total_bytes / 1e6 / max(seconds, 1e-9), 2),
         "bad_lines": sum(r.bad_lines for r in results),
         "bad_examples": [e for r in results for e in r.bad_examples][:_MAX_EXAMPLES],
+        "digits_only_inputs": [r.input for r in results if r.digits_only],
         "out_dir": str(out),
     }
-    try:
-        with deferred():  # parts and _dataset.json replaced as one step: a Ctrl-C now waits for them
-            for t, f in zip(tmps, finals):
-                t.replace(f)
-            remove_stale_parts(out, finals)  # only now: a failed conversion leaves the old dataset whole
-            write_dataset_json(
-                out,
-                opts.schema,
-                rows=summary["rows"],
-                files=[f.name for f in finals],
-                source=[n for p in inputs for n in _names(p)],
-                bad_lines=summary["bad_lines"],
-            )
-    except KeyboardInterrupt:
-        raise Interrupted(f"the dataset in {out} was already complete and is kept") from None
+    publish(
+        out,
+        tmps,
+        finals,
+        opts.schema,
+        rows=summary["rows"],
+        source=[n for p in inputs for n in _names(p)],
+        bad_lines=summary["bad_lines"],
+    )
     list_parquet_files(out)  # sanity: the outputs are there
     return summary

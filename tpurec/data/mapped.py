@@ -35,7 +35,6 @@ from tpurec.data.schema import (
 )
 from tpurec.data.shards import Unit
 from tpurec.data.string_ids import string_hash
-from tpurec.errors import UserError
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -271,14 +270,3 @@ def unsized_note(meta: dict, sizes: list[int], table_set: str) -> str | None:
         f"tables: {len(unsized)} sparse column(s) without :ROWS hash their ids into the {table_set} table sizes "
         f"({min(rows):,} to {max(rows):,} rows); give --sparse NAME:ROWS to choose"
     )
-
-
-def check_model_shape(meta: dict, num_dense: int, num_sparse: int, where: str) -> None:
-    """A mapped dataset trains a Criteo-shaped DLRM config: as many dense and sparse columns as it has."""
-    dense, sparse = len(meta.get("dense") or []), len(meta.get("sparse") or [])
-    if (dense, sparse) != (num_dense, num_sparse):
-        raise UserError(
-            f"{where}: the mapping has {dense} dense and {sparse} sparse columns; the model takes {num_dense} dense "
-            f"and {num_sparse} sparse (map that many with --dense/--sparse or --columns; `tpurec data inspect` "
-            "prints the inferred mapping)"
-        )

@@ -73,7 +73,7 @@ class ColumnMapping:
 
     def to_yaml(self) -> str:
         """The mapping as a file for ``--columns`` (YAML; also readable by any YAML parser)."""
-        lines = ["# tpurec column mapping: tpurec train|data inspect|data stats --columns FILE"]
+        lines = ["# tpurec column mapping: tpurec train|data inspect|data stats|data convert --columns FILE"]
         if self.inferred:
             lines.append(f"# inferred: {', '.join(self.inferred)}; edit and save to fix it")
         lines.append(f"label: {strict_json.dumps(self.label)}")

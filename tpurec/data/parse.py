@@ -70,6 +70,26 @@ def parse_hex(arr: pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return values, lengths == 0, bad
 
 
+_MAX_DECIMAL_DIGITS = 19  # below 2^63: every such id is an int64
+
+
+def parse_decimal(arr: pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Decimal digit strings (ids) -> (uint64 values, empty mask, bad mask). Empty strings give value 0;
+    a sign, a point or more than 19 digits is bad."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks()
+    if arr.null_count:
+        arr = arr.fill_null("")
+    empty = pc.equal(arr, "").to_numpy(zero_copy_only=False)
+    ok = pc.match_substring_regex(arr, f"^[0-9]{{1,{_MAX_DECIMAL_DIGITS}}}$").to_numpy(zero_copy_only=False)
+    safe = pc.if_else(pa.array(ok), arr, pa.scalar("0"))
+    values = safe.cast(pa.uint64()).to_numpy(zero_copy_only=False)
+    return values, empty, ~(ok | empty)
+
+
 def parse_numbers(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """Decimal strings (ints or floats, maybe negative) -> (float64 values, bad mask); empty -> 0.
     Non-finite values ("nan", "inf", "1e400") are bad too: a NaN feature trains to a NaN loss."""

@@ -253,18 +253,30 @@ def data_metadata(data_dir: str | os.PathLike, columns: ColumnSpec | None = None
 def model_table_sizes(
     data_dir: str | os.PathLike, table_set_sizes: list[int], columns: ColumnSpec | None = None
 ) -> list[int]:
-    """The table sizes the data's ids index into (the converter/synth records them, or --sparse
-    NAME:ROWS); for raw ids and mapped features without ROWS, the model's own sizes (the reader
-    hashes into them)."""
-    from tpurec.catalog import NUM_DENSE
-    from tpurec.data.mapped import check_model_shape
-
+    """The table sizes the data's ids index into, one per sparse feature of the data (the converter/synth
+    records them, or --sparse NAME:ROWS); for raw ids and mapped features without ROWS, the model's own
+    sizes by position (the reader hashes into them). Data with another number of features than the
+    model's table set gets a model of its shape (`build_model`); a feature past the table set's count
+    needs its own size."""
     meta = data_metadata(data_dir, columns)
-    if data_source(data_dir, columns) is not None:
-        check_model_shape(meta, NUM_DENSE, len(table_set_sizes), str(data_dir))
     sparse = meta.get("sparse", [])
-    if len(sparse) != len(table_set_sizes):
-        raise UserError(f"{data_dir}: {len(sparse)} categorical features, the model has {len(table_set_sizes)}")
-    return [
-        int(f["num_embeddings"]) if f.get("num_embeddings") is not None else n for f, n in zip(sparse, table_set_sizes)
-    ]
+    if not sparse:
+        raise UserError(f"{data_dir}: no sparse (id) columns; the DLRM needs at least one")
+    out = []
+    for i, f in enumerate(sparse):
+        if f.get("num_embeddings") is not None:
+            out.append(int(f["num_embeddings"]))
+        elif i < len(table_set_sizes):
+            out.append(table_set_sizes[i])
+        else:
+            how = "--sparse NAME:ROWS" if "mapping" in meta else "convert it with table sizes"
+            raise UserError(
+                f"{data_dir}: sparse column {f['name']!r} (number {i + 1}) has no table size and the model's table set "
+                f"has {len(table_set_sizes)} tables: give it one ({how})"
+            )
+    return out
+
+
+def model_num_dense(data_dir: str | os.PathLike, columns: ColumnSpec | None = None) -> int:
+    """The dense features the model takes: the data's."""
+    return len(data_metadata(data_dir, columns).get("dense") or [])

@@ -75,13 +75,16 @@ def build_model(
     table_sizes: list[int] | None = None,
     feature_names: list[str] | None = None,
     zch: ZchSpec | None = None,
+    num_dense: int = NUM_DENSE,
 ) -> DLRMTrain:
     """DLRMTrain over a meta-device EmbeddingBagCollection, tables' optimiser fused into backward.
 
     table_sizes (one per C1..C26) replaces the table set's sizes, e.g. for data converted into other
     sizes and feature_names the C1..C26 feature names (data converted with other column names); the
     dense MLPs are initialised from the current torch seed. zch: the tables behind TorchRec's
-    managed-collision remap (`--zch`, tpurec.dlrm.zch), one slot per row.
+    managed-collision remap (`--zch`, tpurec.dlrm.zch), one slot per row. Data of another shape
+    (a column mapping with num_dense dense and any number of sparse columns) gets a model of its shape:
+    the table set's first tables, and beyond its count tables ``t_<feature>`` of its last table's dim.
     """
     from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRMTrain
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
@@ -91,6 +94,17 @@ def build_model(
     configs = embedding_bag_configs(get_table_set(cfg.table_set))
     sizes = table_sizes or [c.num_embeddings for c in configs]
     names = feature_names or [c.feature_names[0] for c in configs]
+    for f in names[len(configs) :]:  # more features than the table set has tables
+        last = configs[-1]
+        configs.append(
+            EmbeddingBagConfig(
+                name=f"t_{f}",
+                embedding_dim=last.embedding_dim,
+                num_embeddings=last.num_embeddings,
+                feature_names=[f],
+                pooling=last.pooling,
+            )
+        )
     configs = [
         EmbeddingBagConfig(
             name=c.name,
@@ -108,7 +122,7 @@ def build_model(
         ebc = ZchEmbeddingBags(managed_collision_ebc(ebc, zch))
     common: dict[str, Any] = dict(
         embedding_bag_collection=ebc,
-        dense_in_features=NUM_DENSE,
+        dense_in_features=num_dense,
         dense_arch_layer_sizes=list(cfg.dense_arch),
         over_arch_layer_sizes=list(cfg.over_arch),
         dense_device=torch.device("cpu"),

@@ -46,8 +46,10 @@ def model_tables(options: TrainOptions) -> dict[str, dict[str, tuple[int, int]]]
     data = options.data or synth_dir(cfg.table_set, cfg.synth_rows, cfg.seed, synth_multi_hot(cfg))
     columns = options.column_spec() if options.data else None
     sizes = model_table_sizes(data, defaults, columns)
-    names = [f["name"] for f in data_metadata(data, columns).get("sparse", [])]
-    return embedding_tables(build_model(cfg, table_sizes=sizes, feature_names=names or None))
+    meta = data_metadata(data, columns)
+    names = [f["name"] for f in meta.get("sparse", [])]
+    dense = len(meta.get("dense") or []) or 1  # no dense columns: refused by the trainer, in one line
+    return embedding_tables(build_model(cfg, table_sizes=sizes, feature_names=names or None, num_dense=dense))
 
 
 def check_plan_file(

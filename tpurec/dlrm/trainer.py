@@ -207,6 +207,9 @@ class Trainer:
                 + ("" if mapped else f"; convert with --table-set {cfg.table_set} to train the model's own sizes")
             )
         self.feature_names = [f["name"] for f in meta.get("sparse", [])]
+        self.num_dense = len(meta.get("dense") or [])  # the model takes the data's dense features
+        if not self.num_dense:
+            raise UserError(f"{self.data_dir}: no dense columns; the DLRM's bottom MLP needs at least one")
         self.readers = make_readers(
             self.data_dir,
             cfg.batch_size,
@@ -252,7 +255,9 @@ class Trainer:
         zch = o.zch_spec()
         if zch is not None:
             self._zch_table_sizes()
-        model = build_model(cfg, table_sizes=self.table_sizes, feature_names=self.feature_names, zch=zch)
+        model = build_model(
+            cfg, table_sizes=self.table_sizes, feature_names=self.feature_names, zch=zch, num_dense=self.num_dense
+        )
         plan = None
         if o.plan:
             from tpurec.planner.plan_io import load_plan
