@@ -5,8 +5,9 @@ module and one `EmbeddingFusedOptimizer` per config. tpurec refused them ("diffe
 optimizers") before.
 
 Checked against stock TorchRec's DMP on FBGEMM's CPU kernel, same plan and same start: tables and
-optimizer state after 5 steps, the fused optimizer's layout (optimizers, keys, param groups with
-their learning rates) and which optimizer each table parameter names."""
+optimizer state after 5 steps (each param group's learning rate changed after step 2, as an LR
+scheduler changes it), the fused optimizer's layout (optimizers, keys, param groups with their
+learning rates) and which optimizer each table parameter names."""
 
 from __future__ import annotations
 
@@ -95,22 +96,27 @@ def train(rank: int, world_size: int, dmp: str, config: str, sharding: str, step
                 (r, c), (nr, nc) = s.metadata.shard_offsets, s.metadata.shard_sizes
                 s.tensor.copy_(full[r : r + nr, c : c + nc])
     per = 8 // world_size
-    for kjt, upstream in _batches()[:steps]:  # one global batch a step, each rank its slice of samples
+    # which fused optimizer (by its learning rate, before the change below) each table parameter names
+    marks = {
+        n: [o.param_groups[0]["lr"] for o in getattr(p, "_in_backward_optimizers", [])]
+        for n, p in model.named_parameters()
+        if p.numel()
+    }
+    opt = model.fused_optimizer
+    for step, (kjt, upstream) in enumerate(_batches()[:steps]):  # a global batch a step, each rank its samples
         pooled = model(local_slice(kjt, rank, world_size)).to_dict()
         out = torch.cat([pooled[f] for f in KEYS], 1)
         (out * upstream[rank * per : (rank + 1) * per]).sum().backward()
-    opt = model.fused_optimizer
+        if step == 1:  # as an LR scheduler would: each param group's own rate, applied by step()
+            for k, group in enumerate(opt.param_groups):
+                group["lr"] = group["lr"] * (0.5 + 0.25 * k)
+            opt.step()
     return {
         "state": _state(model),
         "lrs": [g["lr"] for g in opt.param_groups],
         "names": [name for name, _ in opt.optimizers],
         "params": list(opt.params),
-        # which fused optimizer (by its learning rate) each table parameter names
-        "marks": {
-            n: [o.param_groups[0]["lr"] for o in getattr(p, "_in_backward_optimizers", [])]
-            for n, p in model.named_parameters()
-            if p.numel()
-        },
+        "marks": marks,
     }
 
 
