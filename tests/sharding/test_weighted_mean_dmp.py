@@ -147,3 +147,31 @@ def test_row_wise_weighted_mean_divides_by_the_weights_sum_in_stock_and_tpurec_a
     _close(stock_tables, want_tables, "stock tables")
     _close(ours_outs, want_outs, "tpurec outputs")
     _close(ours_tables, want_tables, "tpurec tables")
+
+
+def test_fbgemms_cpu_tbe_drops_one_over_length_for_weighted_mean_in_both_gradients():
+    """FBGEMM's CPU TBE itself (what stock TorchRec runs on CPU): a weighted MEAN bag pools
+    sum(w e) / L, but the row update is lr * w * g and the weights' gradient <g, row>, both without
+    the 1/L of the output's gradient. (tpurec's weights' gradient keeps it: tests/embedding/test_weight_grad.py.)"""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        [(10, 4, EmbeddingLocation.HOST, ComputeDevice.CPU)], learning_rate=1.0, pooling_mode=PoolingMode.MEAN
+    )  # EXACT_SGD
+    table = tbe.split_embedding_weights()[0]
+    with torch.no_grad():
+        table.copy_(torch.linspace(-1, 1, 40).view(10, 4))
+    before = table.detach().clone()
+    ids, offsets = torch.tensor([1, 2, 3]), torch.tensor([0, 3])
+    w = torch.tensor([0.5, 2.0, 3.0], requires_grad=True)
+    out = tbe(ids, offsets, per_sample_weights=w)
+    torch.testing.assert_close(out[0], (w[:, None] * before[ids]).sum(0) / 3)
+    upstream = torch.tensor([[1.0, -2.0, 0.5, 3.0]])
+    (out * upstream).sum().backward()
+    torch.testing.assert_close(before[ids] - table[ids].detach(), w.detach()[:, None] * upstream)  # lr * w * g
+    assert w.grad is not None
+    torch.testing.assert_close(w.grad, (before[ids] * upstream).sum(1))  # <g, row>, no / 3
