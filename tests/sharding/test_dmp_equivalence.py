@@ -31,10 +31,10 @@ LEAN = [
     dict(sharding="row_wise", optim="rowwise_adagrad", pooling="SUM", weighted=True),
     dict(sharding="table_row_wise", optim="sgd", pooling="MEAN", weighted=False),
 ]
-# Weighted mean pooling is not compared with stock TorchRec: its fused kernel's outputs differ from
-# sum(w * e) / bag_length (the definition the unsharded EBC comparison uses) — see docs/dmp.md.
-# Row-wise sharded weighted mean pooling is left out: TorchRec's mean-pooling callback (which divides
-# the reduce-scattered sums) does not give sum(w * e) / bag_length there either.
+# Weighted mean pooling is not compared with stock TorchRec's tables: the outputs agree, but FBGEMM's
+# CPU TBE updates by w * g, not by the gradient w * g / bag_length (test_weighted_mean_dmp.py pins both).
+# Row-wise sharded weighted mean pooling is left out: TorchRec's mean-pooling callback divides the
+# reduce-scattered sums by sum(w) there, not by bag_length (test_weighted_mean_dmp.py).
 FULL = [
     dict(sharding=s, optim=o, pooling=p, weighted=w, stock=s in STOCK_SHARDINGS and not (w and p == "MEAN"))
     for s in c.GENERATORS

@@ -314,7 +314,7 @@ def test_a_table_without_a_shard_here_is_stocks_empty_parameter():
     from tpurec.sharding import table_params
 
     module = _ShardedStandIn([("t0", torch.zeros(4, 2))], ["t0", "t1"])
-    table_params.publish(module, ["the fused optimizer"])
+    table_params.publish(module, lambda table: ["the fused optimizer"])
     params = dict(module.named_parameters())
     assert params["embedding_bags.t0.weight"]._in_backward_optimizers == ["the fused optimizer"]
     empty = params["embedding_bags.t1.weight"]
@@ -327,7 +327,7 @@ def test_shards_in_different_storages_are_a_copy_said_in_a_warning(caplog):
     first, second = torch.ones(3, 2), torch.full((3, 4), 2.0)  # column shards of different widths
     module = _ShardedStandIn([("t0", first), ("t0", second)], ["t0"])
     with caplog.at_level("WARNING", logger="tpurec.sharding.table_params"):
-        table_params.publish(module, [])
+        table_params.publish(module, lambda table: [])
     (param,) = module.parameters()
     assert torch.equal(param, torch.cat([first.reshape(-1), second.reshape(-1)]))
     assert "table 't0': its 2 shards on this rank do not lie evenly in one storage" in caplog.text

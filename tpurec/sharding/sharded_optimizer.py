@@ -28,7 +28,6 @@ from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetada
 from tpurec.embedding.fused_optimizer import KernelFusedOptimizer
 from tpurec.embedding.optimizers.base import OptimizerSpec
 from tpurec.embedding.optimizers.registry import spec_from_fused_params
-from tpurec.errors import UserError
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -45,22 +44,26 @@ class ShardedSparseCoreOptimizer(KernelFusedOptimizer):
     # param groups of checkpoints line up.
     expose_hyperparameters = False
 
-    def __init__(self, sharded_ebc: Any) -> None:  # a SparseCoreShardedMixin (sharded_state imports us)
+    def __init__(
+        self, sharded_ebc: Any, tables: list[str], spec: OptimizerSpec | None
+    ) -> None:  # a SparseCoreShardedMixin (sharded_state imports us)
+        """The fused optimizer of `tables`, the module's SparseCore tables trained with `spec` (one
+        optimizer config: `optimizer_groups`)."""
         self._ebc = sharded_ebc
         pg = sharded_ebc._env.process_group
+        mine = set(tables)
         by_table = defaultdict(list)  # table -> [(kernel name, ShardMetadata, kernel)]
         for table, kname, meta, kmod in sharded_ebc._sc_shards():
-            by_table[table].append((kname, meta, kmod.kernel))
+            if table in mine:
+                by_table[table].append((kname, meta, kmod.kernel))
         kernels = {id(k): k for parts in by_table.values() for _, _, k in parts}
         specs = {k.optimizer for k in kernels.values()}
-        if len(specs) > 1:
-            raise UserError(f"tables of one embedding module use different fused optimizers: {specs}")
-        spec = next(iter(specs)) if specs else _spec_of_unheld_tables(sharded_ebc)
-        # One step count for every table of this rank: TorchRec checkpoints one per table, and all
-        # of a rank's kernels step together (each backward updates every stack).
+        assert specs <= {spec}, f"tables {tables} grouped under {spec} are trained with {specs}"  # optimizer_groups
+        # One step count for every table of this group on this rank: TorchRec checkpoints one per
+        # table, and all of a rank's kernels step together (each backward updates every stack).
         every_table = [(k, t) for k in kernels.values() for t in k.table_names]
         params, state = {}, {}
-        for table in sharded_ebc._sc_tables:
+        for table in tables:
             cfg = sharded_ebc._table_name_to_config[table]
             plan_spec = sharded_ebc.module_sharding_plan[table].sharding_spec
             assert plan_spec is not None, f"table {table} is sharded without a sharding spec"  # TorchRec sets one
@@ -103,18 +106,37 @@ class ShardedSparseCoreOptimizer(KernelFusedOptimizer):
         return ShardedTensor._init_from_local_shards_and_global_metadata(shards, metadata, process_group=pg)
 
 
-def _spec_of_unheld_tables(sharded: Any) -> OptimizerSpec | None:
-    """The fused optimizer of a module's SparseCore tables on a rank that holds none of them: from the
-    per-table fused params TorchRec keeps for every table (an EBC's sharding infos), or None."""
-    ours = set(sharded._sc_tables)
+def optimizer_groups(sharded: Any) -> list[tuple[OptimizerSpec | None, list[str]]]:
+    """A module's SparseCore tables grouped as stock TorchRec groups them into fused optimizers:
+    [(spec, tables)], one group per kernel module of this rank (TorchRec's `group_tables` puts tables
+    of one sharding type with the same fused params, dtype and pooling in one FBGEMM module, which
+    keeps one `EmbeddingFusedOptimizer`), in the order the lookups hold them; so tables given
+    different optimizers or learning rates train side by side, each group with its own param group.
+
+    A rank also keys the tables it holds no shard of (DCP wants every table's state on every
+    rank): those are grouped by sharding type and optimizer config, which they take from the
+    per-table fused params TorchRec keeps for every table (an EBC's sharding infos); where none is
+    kept (an EC's table held elsewhere), from the module's one other config, or None."""
+    ours = sharded._sc_tables
+    groups: dict[Any, tuple[OptimizerSpec | None, list[str]]] = {}
+    placed: set[str] = set()
+    for table, _, _, kmod in sharded._sc_shards():
+        if table not in placed:
+            placed.add(table)
+            groups.setdefault(id(kmod), (kmod.kernel.optimizer, []))[1].append(table)
+    spec_of: dict[str, OptimizerSpec] = {}
     infos = getattr(sharded, "sharding_type_to_sharding_infos", None) or {}
-    specs = {
-        spec_from_fused_params(i.fused_params, i.embedding_config.name)
-        for group in infos.values()
-        for i in group
-        if i.embedding_config.name in ours
-    }
-    return next(iter(specs)) if len(specs) == 1 else None
+    for group in infos.values():
+        for i in group:
+            spec_of.setdefault(i.embedding_config.name, spec_from_fused_params(i.fused_params, i.embedding_config.name))
+    known = {spec for spec, _ in groups.values()} | {spec_of[t] for t in ours if t in spec_of}
+    fallback = next(iter(known)) if len(known) == 1 else None
+    for table in ours:
+        if table not in placed:
+            spec = spec_of.get(table, fallback)
+            key = (sharded.module_sharding_plan[table].sharding_type, spec)
+            groups.setdefault(key, (spec, []))[1].append(table)
+    return list(groups.values())
 
 
 def _rowwise_metadata(

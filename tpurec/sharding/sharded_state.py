@@ -76,30 +76,35 @@ class SparseCoreShardedMixin(ShardedHost):
         return dtypes.stored_dtype(dtypes.table_dtype(cfg.data_type, table), device_type, self._widen_tables)
 
     def _adopt_sparsecore_optimizer(self) -> None:
-        """TorchRec combined each kernel module's own optimizer; replace ours by one keyed per table
-        with ShardedTensor state (what DCP and TorchRec's checkpoints expect), keep any others."""
+        """TorchRec combined each kernel module's own optimizer; replace ours by one per kernel
+        module, as stock has one per FBGEMM module (`optimizer_groups`: tables given different
+        optimizers or learning rates train side by side), each keyed per table with ShardedTensor
+        state (what DCP and TorchRec's checkpoints expect); keep any others."""
         from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 
-        from tpurec.sharding.sharded_optimizer import ShardedSparseCoreOptimizer
+        from tpurec.sharding.sharded_optimizer import ShardedSparseCoreOptimizer, optimizer_groups
 
         ours = {id(m.fused_optimizer) for _, _, _, m in self._sc_shards()}
         others = [(n, o) for n, o in self._optim._optims if id(o) not in ours]
         if self._sc_tables:
-            optimizer = ShardedSparseCoreOptimizer(self)
-            optims: List[KeyedOptimizer | tuple[str, KeyedOptimizer]] = [("", optimizer), *others]
-            self._optim = CombinedOptimizer(optims)
-            self._in_backward_optimizers()[:] = [optimizer]  # what the table parameters name
+            optims: List[KeyedOptimizer | tuple[str, KeyedOptimizer]] = []
+            for spec, tables in optimizer_groups(self):
+                optimizer = ShardedSparseCoreOptimizer(self, tables, spec)
+                optims.append(("", optimizer))
+                for table in tables:
+                    self._in_backward_optimizers(table)[:] = [optimizer]  # what the table parameter names
+            self._optim = CombinedOptimizer([*optims, *others])
 
-    def _in_backward_optimizers(self) -> list:
-        """The list every table parameter's `_in_backward_optimizers` is: filled with the fused
-        optimizer when it is adopted, which happens after TorchRec has built the parameters."""
-        return self.__dict__.setdefault("_sc_in_backward_optimizers", [])
+    def _in_backward_optimizers(self, table: str) -> list:
+        """The list table `table`'s parameter's `_in_backward_optimizers` is: filled with its fused
+        optimizer when that is adopted, which happens after TorchRec has built the parameters."""
+        return self.__dict__.setdefault("_sc_in_backward_optimizers", {}).setdefault(table, [])
 
     def _initialize_torch_state(self, skip_registering: bool = False) -> None:
         # TorchRec registers its tables' parameters here and skips `customized_kernel` ones; ours
         # go where it puts its own (tpurec/sharding/table_params.py).
         super()._initialize_torch_state(skip_registering)
-        table_params.publish(self, self._in_backward_optimizers())
+        table_params.publish(self, self._in_backward_optimizers)
 
     def _register_sparsecore_state(self) -> None:
         self._register_state_dict_hook(_emit_sharded_weights)

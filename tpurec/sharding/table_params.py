@@ -20,6 +20,7 @@ pooling factors) a copy, said in a warning.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -54,10 +55,10 @@ def local_view(views: list[torch.Tensor]) -> torch.Tensor | None:
     return first.as_strided((len(views), rows, cols), (step, *first.stride()))
 
 
-def publish(module: Any, in_backward_optimizers: list) -> None:  # Any: sharded_state imports us
+def publish(module: Any, in_backward_optimizers: Callable[[str], list]) -> None:  # Any: sharded_state imports us
     """Register every SparseCore table of `module` (a `SparseCoreShardedMixin`) under
-    `<STATE_PREFIX>.<table>.weight`, marked with `in_backward_optimizers` (a list the module fills
-    with its fused optimizer once it has one)."""
+    `<STATE_PREFIX>.<table>.weight`, marked with `in_backward_optimizers(table)` (a list the module
+    fills with the table's fused optimizer once it has one)."""
     views: dict[str, list[torch.Tensor]] = {}
     for table, kname, _, kmod in module._sc_shards():
         views.setdefault(table, []).append(kmod.kernel.read_weight(kname))
@@ -77,4 +78,4 @@ def publish(module: Any, in_backward_optimizers: list) -> None:  # Any: sharded_
                 len(views[table]),
             )
             view = torch.cat([v.reshape(-1) for v in views[table]])
-        add_slot(slots, table, TableSlot(table_parameter(view, in_backward_optimizers)))
+        add_slot(slots, table, TableSlot(table_parameter(view, in_backward_optimizers(table))))
