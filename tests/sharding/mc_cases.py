@@ -32,9 +32,9 @@ def _policy(name: str):
     return {"lru": LRU_EvictionPolicy, "lfu": LFU_EvictionPolicy, "distance_lfu": DistanceLFU_EvictionPolicy}[name]()
 
 
-def _hash_zch(tables: Any) -> dict:
-    """Multi-probe ZCH (fbgemm's zero_collision_hash, with a CPU kernel in fbgemm-gpu-cpu), LRU within the
-    probe range; 2 buckets, a multiple of the world sizes tested."""
+def _hash_zch(tables: Any, evicting: bool = True) -> dict:
+    """Multi-probe ZCH (fbgemm's zero_collision_hash; tpurec inserts on the host), LRU within the probe
+    range (or no eviction); 2 buckets, a multiple of the world sizes tested."""
     from torchrec.modules.hash_mc_evictions import HashZchEvictionConfig, HashZchEvictionPolicyName
     from torchrec.modules.hash_mc_modules import HashZchManagedCollisionModule
 
@@ -46,8 +46,8 @@ def _hash_zch(tables: Any) -> dict:
             max_probe=4,
             input_hash_size=RAW_IDS,
             name=t.name,
-            eviction_policy_name=HashZchEvictionPolicyName.LRU_EVICTION,
-            eviction_config=HashZchEvictionConfig(features=t.feature_names, single_ttl=1),
+            eviction_policy_name=HashZchEvictionPolicyName.LRU_EVICTION if evicting else None,
+            eviction_config=HashZchEvictionConfig(features=t.feature_names, single_ttl=1) if evicting else None,
         )
         for t in tables
     }
@@ -78,8 +78,8 @@ def build(policy: str, bagged: bool = True) -> nn.Module:
         ]
         collection = EmbeddingCollection(tables, device=meta)
     mcs: Any = (
-        _hash_zch(tables)
-        if policy == "hash_zch"
+        _hash_zch(tables, evicting=policy == "hash_zch")
+        if policy.startswith("hash_zch")
         else {
             t.name: MCHManagedCollisionModule(
                 zch_size=t.num_embeddings,
@@ -272,3 +272,47 @@ def _local_state(dmp: Any) -> dict:
 def build_lru() -> nn.Module:
     """A `--model-module` target: the MC-EBC model with LRU eviction (tests/planner/test_plan_model_module.py)."""
     return build("lru", True)
+
+
+def run_global_batch(rank: int, world: int, policy: str, steps: int) -> dict:
+    """The global batch of 2 ranks (each rank's `batches`), trained at `world` ranks (1: the two batches
+    in one, feature by feature in rank order, as the remap's input all-to-all orders them) by tpurec's DMP
+    with SGD and a loss that sums over samples: 1 and 2 ranks make the same updates. Returns per step
+    the loss and each feature's remapped ids of this rank's samples, and the full tables and remap
+    identities (gathered over the ranks)."""
+    import torch.distributed as dist
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    dmp = make_dmp(rank, world, "tpurec", policy, "sgd", True)
+    per_rank = [batches(steps, r) for r in range(2)]
+    mine = per_rank[rank] if world == 2 else [
+        KeyedJaggedTensor.from_jt_dict({
+            f: type(a[f])(values=torch.cat([a[f].values(), b[f].values()]),
+                          lengths=torch.cat([a[f].lengths(), b[f].lengths()]))
+            for f in ("f0", "f1")
+        })
+        for a, b in ((x.to_dict(), y.to_dict()) for x, y in zip(*per_rank))
+    ]  # fmt: skip
+    losses, remapped = [], []
+    for kjt in mine:
+        out, remap = dmp(kjt)
+        values = out.values()
+        loss = (values**2).sum() + values.sum()
+        # TorchRec divides the tables' gradients by the world size (its all-to-all's gradient division):
+        # the 2-rank update is half the summed gradient, so the 1-rank run takes half its loss's
+        (loss / (2 // world)).backward()
+        losses.append(float(loss.detach()))
+        remapped.append({f: jt.values().clone() for f, jt in remap.to_dict().items()})
+    tables = {}
+    for key, value in dmp.state_dict().items():
+        if hasattr(value, "local_shards") and any(k in key for k in ("weight", "_hash_zch_")):
+            local = value.local_shards()[0].tensor.detach()
+            if world == 1:
+                tables[key] = local.clone()
+                continue
+            full = torch.zeros(value.size(), dtype=local.dtype) if rank == 0 else None
+            value.gather(dst=0, out=full)
+            tables[key] = full
+    if world > 1:
+        dist.barrier()
+    return {"losses": losses, "remapped": remapped, "tables": tables}
