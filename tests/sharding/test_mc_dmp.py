@@ -68,13 +68,14 @@ def test_evicted_rows_of_rowwise_adagrad_restart_their_optimizer_state():
         assert torch.equal(after, torch.zeros_like(after)), table
 
 
-@pytest.mark.slow  # four runs of 1 and 2 ranks (about 30 s each pair)
+@pytest.mark.slow  # a run at 1 and one at 2 ranks per policy (about 30 s each pair)
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("policy", ["hash_zch", "hash_zch_plain"])
+@pytest.mark.parametrize("policy", ["hash_zch", "hash_zch_ttl", "hash_zch_plain"])
 def test_the_multi_probe_hash_remap_trains_alike_at_1_and_2_ranks(policy):
     """TorchRec's HashZchManagedCollisionModule trains under tpurec's DMP (ids inserted by tpurec's host
-    insert; LRU eviction or none): the global batch of 2 ranks at 1 rank gives each step's summed loss,
-    every remapped id, the tables and the remap's identities and metadata of the 2 ranks."""
+    insert; LRU or TTL eviction, on a clock moving 2 hours a step, or none): the global batch of 2 ranks
+    at 1 rank gives each step's summed loss, every remapped id, the rows evicted, the tables and the
+    remap's identities and metadata of the 2 ranks."""
     from .mc_cases import run_global_batch
 
     (one,) = run_ranks(run_global_batch, 1, policy, STEPS)
@@ -85,6 +86,9 @@ def test_the_multi_probe_hash_remap_trains_alike_at_1_and_2_ranks(policy):
         for f in ("f0", "f1"):
             mine = torch.cat([two[0]["remapped"][step][f], two[1]["remapped"][step][f]])
             assert torch.equal(one["remapped"][step][f], mine), (step, f)
+    evicted = [a + b for a, b in zip(two[0]["evicted"], two[1]["evicted"])]
+    assert one["evicted"] == evicted
+    assert (sum(evicted) > 0) == (policy != "hash_zch_plain"), evicted
     assert set(one["tables"]) == set(two[0]["tables"])
     for key, t in one["tables"].items():
         other = two[0]["tables"][key]
@@ -96,7 +100,7 @@ def test_the_multi_probe_hash_remap_trains_alike_at_1_and_2_ranks(policy):
     assert len(identities) == 2
     # ids went in: every slot of the 32- and 16-row tables holds one (400 raw ids, 20 steps)
     assert [int((t != -1).sum()) for t in identities] == [32, 16]
-    if policy == "hash_zch":  # LRU keeps a last-seen hour per slot: set on every taken slot
+    if policy != "hash_zch_plain":  # an hour (last seen, or expiry) per slot: set on every taken slot
         metadata = [t for k, t in one["tables"].items() if k.endswith("_hash_zch_metadata")]
         assert all(bool((m != -1).all()) for m in metadata)
 
