@@ -110,7 +110,7 @@ def test_resume_mid_epoch_continues_exactly(synth_dir, shuffle):
 
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_training_stream_resumed_after_an_epochs_last_batch_goes_on_with_the_next_epoch(synth_dir, shuffle):
-    from tpurec.dlrm.trainer import _infinite
+    from tpurec.dlrm.trainer import endless
 
     kw = dict(batch_size=384, shuffle=shuffle, seed=5, shuffle_buffer=1500, drop_last=True)
     full = ParquetReader(synth_dir, **kw)
@@ -122,11 +122,11 @@ def test_training_stream_resumed_after_an_epochs_last_batch_goes_on_with_the_nex
     state = r.state_dict()  # the rest of epoch 0: no batch (test_reader_properties: resume anywhere)
     r2 = ParquetReader(synth_dir, **kw)
     r2.load_state_dict(state)
-    first = next(_infinite(r2), None)  # was None: the empty rest of epoch 0 ended the training stream
+    first = next(endless(r2), None)  # was None: the empty rest of epoch 0 ended the training stream
     assert first is not None
     np.testing.assert_array_equal(_rows([first]), _rows(epoch1[:1]))
     empty = ParquetReader(synth_dir, **dict(kw, batch_size=10**7))  # drop_last: no batch in any epoch
-    assert next(_infinite(empty), None) is None  # still ends, after two empty passes
+    assert next(endless(empty), None) is None  # still ends, after two empty passes
 
 
 def test_resume_state_refuses_another_world_size(synth_dir):

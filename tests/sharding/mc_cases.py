@@ -32,12 +32,18 @@ def _policy(name: str):
     return {"lru": LRU_EvictionPolicy, "lfu": LFU_EvictionPolicy, "distance_lfu": DistanceLFU_EvictionPolicy}[name]()
 
 
-def _hash_zch(tables: Any) -> dict:
-    """Multi-probe ZCH (fbgemm's zero_collision_hash, with a CPU kernel in fbgemm-gpu-cpu), LRU within the
-    probe range; 2 buckets, a multiple of the world sizes tested."""
+def _hash_zch(tables: Any, policy: str = "hash_zch") -> dict:
+    """Multi-probe ZCH (fbgemm's zero_collision_hash; tpurec inserts on the host): `hash_zch` LRU within the
+    probe range, `hash_zch_ttl` TorchRec's single TTL of 1 hour, `hash_zch_plain` no eviction; 2 buckets,
+    a multiple of the world sizes tested."""
     from torchrec.modules.hash_mc_evictions import HashZchEvictionConfig, HashZchEvictionPolicyName
     from torchrec.modules.hash_mc_modules import HashZchManagedCollisionModule
 
+    names = {
+        "hash_zch": HashZchEvictionPolicyName.LRU_EVICTION,
+        "hash_zch_ttl": HashZchEvictionPolicyName.SINGLE_TTL_EVICTION,
+        "hash_zch_plain": None,
+    }
     return {
         t.name: HashZchManagedCollisionModule(
             zch_size=t.num_embeddings,
@@ -46,8 +52,8 @@ def _hash_zch(tables: Any) -> dict:
             max_probe=4,
             input_hash_size=RAW_IDS,
             name=t.name,
-            eviction_policy_name=HashZchEvictionPolicyName.LRU_EVICTION,
-            eviction_config=HashZchEvictionConfig(features=t.feature_names, single_ttl=1),
+            eviction_policy_name=names[policy],
+            eviction_config=HashZchEvictionConfig(features=t.feature_names, single_ttl=1) if names[policy] else None,
         )
         for t in tables
     }
@@ -78,8 +84,8 @@ def build(policy: str, bagged: bool = True) -> nn.Module:
         ]
         collection = EmbeddingCollection(tables, device=meta)
     mcs: Any = (
-        _hash_zch(tables)
-        if policy == "hash_zch"
+        _hash_zch(tables, policy)
+        if policy.startswith("hash_zch")
         else {
             t.name: MCHManagedCollisionModule(
                 zch_size=t.num_embeddings,
@@ -272,3 +278,72 @@ def _local_state(dmp: Any) -> dict:
 def build_lru() -> nn.Module:
     """A `--model-module` target: the MC-EBC model with LRU eviction (tests/planner/test_plan_model_module.py)."""
     return build("lru", True)
+
+
+def run_global_batch(rank: int, world: int, policy: str, steps: int) -> dict:
+    """The global batch of 2 ranks (each rank's `batches`), trained at `world` ranks (1: the two batches
+    in one, feature by feature in rank order, as the remap's input all-to-all orders them) by tpurec's DMP
+    with SGD and a loss that sums over samples: 1 and 2 ranks make the same updates. Returns per step
+    the loss and each feature's remapped ids of this rank's samples, and the full tables and remap
+    identities (gathered over the ranks)."""
+    import torch.distributed as dist
+    from torchrec.modules import hash_mc_evictions
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    # The eviction scores are wall-clock hours: a clock of TorchRec's eviction module alone that moves 2
+    # hours a step, so ids unseen for a step expire (TTL 1 hour) and LRU slots age
+    clock = {"hours": 500_000}
+
+    class _Clock:
+        @staticmethod
+        def time() -> float:
+            return clock["hours"] * 3600.0
+
+    hash_mc_evictions.time = _Clock  # type: ignore[assignment]
+    dmp = make_dmp(rank, world, "tpurec", policy, "sgd", True)
+    sharded: Any = dmp.module.mc
+    evicted: list[int] = []
+    evict = sharded._evict
+
+    def counting_evict(per_table: dict) -> None:
+        evicted.append(sum(int(v.numel()) for v in per_table.values() if v is not None))
+        evict(per_table)
+
+    sharded._evict = counting_evict
+    # evicted rows are re-initialised by init_fn: the same rows at 1 and 2 ranks, but their random draws
+    # would come from each rank's generator; zeros instead
+    for config in sharded._embedding_module._table_name_to_config.values():
+        config.init_fn = torch.nn.init.zeros_
+    per_rank = [batches(steps, r) for r in range(2)]
+    mine = per_rank[rank] if world == 2 else [
+        KeyedJaggedTensor.from_jt_dict({
+            f: type(a[f])(values=torch.cat([a[f].values(), b[f].values()]),
+                          lengths=torch.cat([a[f].lengths(), b[f].lengths()]))
+            for f in ("f0", "f1")
+        })
+        for a, b in ((x.to_dict(), y.to_dict()) for x, y in zip(*per_rank))
+    ]  # fmt: skip
+    losses, remapped = [], []
+    for kjt in mine:
+        clock["hours"] += 2
+        out, remap = dmp(kjt)
+        values = out.values()
+        loss = (values**2).sum() + values.sum()
+        # TorchRec divides the tables' gradients by the world size (its all-to-all's gradient division):
+        # the 2-rank update is half the summed gradient, so the 1-rank run takes half its loss's
+        (loss / (2 // world)).backward()
+        losses.append(float(loss.detach()))
+        remapped.append({f: jt.values().clone() for f, jt in remap.to_dict().items()})
+    tables = {}
+    for key, value in dmp.state_dict().items():
+        if hasattr(value, "local_shards") and any(k in key for k in ("weight", "_hash_zch_")):
+            local = value.local_shards()[0].tensor.detach()
+            if world == 1:
+                tables[key] = local.clone()
+                continue
+            full = torch.zeros(value.size(), dtype=local.dtype) if rank == 0 else None
+            value.gather(dst=0, out=full)
+            tables[key] = full
+    if world > 1:
+        dist.barrier()
+    return {"losses": losses, "remapped": remapped, "tables": tables, "evicted": evicted}

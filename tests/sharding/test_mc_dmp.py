@@ -68,15 +68,41 @@ def test_evicted_rows_of_rowwise_adagrad_restart_their_optimizer_state():
         assert torch.equal(after, torch.zeros_like(after)), table
 
 
-def test_a_training_model_with_the_multi_probe_hash_remap_is_refused_at_build_in_one_line():
-    import tpurec
-    from tpurec.errors import UserError
+@pytest.mark.slow  # a run at 1 and one at 2 ranks per policy (about 30 s each pair)
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("policy", ["hash_zch", "hash_zch_ttl", "hash_zch_plain"])
+def test_the_multi_probe_hash_remap_trains_alike_at_1_and_2_ranks(policy):
+    """TorchRec's HashZchManagedCollisionModule trains under tpurec's DMP (ids inserted by tpurec's host
+    insert; LRU or TTL eviction, on a clock moving 2 hours a step, or none): the global batch of 2 ranks
+    at 1 rank gives each step's summed loss, every remapped id, the rows evicted, the tables and the
+    remap's identities and metadata of the 2 ranks."""
+    from .mc_cases import run_global_batch
 
-    from .mc_cases import build
-
-    model = build("hash_zch")
-    with pytest.raises(UserError, match=r"mc\._managed_collision_collection.*HashZch\w* cannot train"):
-        tpurec.DistributedModelParallel(model, device="cpu")
+    (one,) = run_ranks(run_global_batch, 1, policy, STEPS)
+    two = run_ranks(run_global_batch, 2, policy, STEPS)
+    for step, loss in enumerate(one["losses"]):
+        both = two[0]["losses"][step] + two[1]["losses"][step]
+        assert abs(loss - both) <= 1e-5 * max(1.0, abs(loss)), step
+        for f in ("f0", "f1"):
+            mine = torch.cat([two[0]["remapped"][step][f], two[1]["remapped"][step][f]])
+            assert torch.equal(one["remapped"][step][f], mine), (step, f)
+    evicted = [a + b for a, b in zip(two[0]["evicted"], two[1]["evicted"])]
+    assert one["evicted"] == evicted
+    assert (sum(evicted) > 0) == (policy != "hash_zch_plain"), evicted
+    assert set(one["tables"]) == set(two[0]["tables"])
+    for key, t in one["tables"].items():
+        other = two[0]["tables"][key]
+        if t.is_floating_point():
+            assert torch.allclose(t, other, rtol=1e-5, atol=1e-6), key
+        else:
+            assert torch.equal(t, other), key
+    identities = [t for k, t in one["tables"].items() if k.endswith("_hash_zch_identities")]
+    assert len(identities) == 2
+    # ids went in: every slot of the 32- and 16-row tables holds one (400 raw ids, 20 steps)
+    assert [int((t != -1).sum()) for t in identities] == [32, 16]
+    if policy != "hash_zch_plain":  # an hour (last seen, or expiry) per slot: set on every taken slot
+        metadata = [t for k, t in one["tables"].items() if k.endswith("_hash_zch_metadata")]
+        assert all(bool((m != -1).all()) for m in metadata)
 
 
 @pytest.mark.multiprocess

@@ -65,10 +65,15 @@ def as_argv(obj: object, skip: tuple[str, ...] = ()) -> list[str]:
     return words
 
 
-def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One argparse option per flagged field of `cls`, in field order."""
+def add_flags(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, only: tuple[str, ...] | None = None
+) -> None:
+    """One argparse option per flagged field of `cls` (or of those named in `only`), in field order:
+    `only` lends another command some of a dataclass's flags, with the same spelling, default and help."""
     hints = typing.get_type_hints(cls)
     for f in flagged_fields(cls):
+        if only is not None and f.name not in only:
+            continue
         kwargs = dict(f.metadata[_KEY])
         aliases = kwargs.pop("aliases", ())  # other spellings, e.g. TorchRec's example's flag names
         kwargs.pop("option", None)  # a flag named unlike its field: `spelling`

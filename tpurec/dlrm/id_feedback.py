@@ -90,14 +90,17 @@ def per_table(demand: dict[str, list[int]], passes: dict[str, list[int]]) -> dic
     }
 
 
-def limits_document(demand: dict[str, list[int]], layout: dict, source: str) -> dict:
+def limits_document(demand: dict[str, list[int]], layout: dict, source: str, zch: dict | None = None) -> dict:
+    """The limits file of a run's demand; `zch`: the run's remap (--zch), recorded as `data stats --zch`
+    records it, so the file is taken only by a run with the same remap."""
     per_slice = round_up(layout["batch_size_per_device"] * layout["world_size"], layout["sparsecores_per_device"])
     per_slice //= layout["sparsecores_per_device"]
     tables = {}
     for name, (*figures, batches) in sorted(demand.items()):
         tables[name] = table_entry(*figures, per_slice=per_slice)  # pooled tables: no per-feature figure
         tables[name]["observed"]["batches"] = batches
-    return {"format": FORMAT, "version": 1, "layout": layout, "data": source, "tables": tables}
+    doc = {"format": FORMAT, "version": 1, "layout": layout, "data": source}
+    return doc | ({"zch": zch} if zch is not None else {}) | {"tables": tables}
 
 
 def write(path: str, doc: dict, flag: str | None = "--limits-out") -> None:

@@ -236,6 +236,13 @@ class TrainOptions:
         return ZchSpec(self.zch_eviction, self.zch_eviction_interval) if self.zch else None
 
     def _zch_problem(self) -> str | None:
+        if self.id_limits:  # limits of raw ids for a remapped run, or the reverse
+            from tpurec.planner.id_limits import remap_problem
+
+            spec = self.zch_spec()
+            problem = remap_problem(self.id_limits, spec.record() if spec is not None else None)
+            if problem:
+                return problem
         if not self.zch:
             changed = [n for n in ("zch_eviction", "zch_eviction_interval") if getattr(self, n) != _default(n)]
             return f"{flags.option_string(changed[0])} is for --zch" if changed else None

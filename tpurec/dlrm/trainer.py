@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from tpurec.emulation.rank import EmulatedRank
 
 
-def _infinite(reader: ParquetReader) -> Iterator[Batch]:
+def endless(reader: ParquetReader) -> Iterator[Batch]:
     """The reader's batches epoch after epoch (the reader tracks its own epoch and position); the
     loop decides when to stop. An epoch without a batch ends the stream (never spin forever), except
     the first pass: a reader resumed from a state taken right after an epoch's last batch finishes
@@ -140,7 +140,7 @@ class Trainer:
         self._prefetch = make_prefetcher(
             self.readers.train, self._lookups, depth=o.pipeline_depth, workers=o.pipeline_workers
         )
-        self._stream = iter(self._prefetch) if self._prefetch is not None else _infinite(self.readers.train)
+        self._stream = iter(self._prefetch) if self._prefetch is not None else endless(self.readers.train)
         if self.device == "tpu":
             from tpurec.data.host_ids import keep_ids_on_host
 
@@ -615,7 +615,11 @@ class Trainer:
             }
             if self.rank == 0:
                 with self._side_output():
-                    id_feedback.write(o.limits_out, id_feedback.limits_document(demand, layout, o.data or "synthetic"))
+                    zch = o.zch_spec()
+                    doc = id_feedback.limits_document(
+                        demand, layout, o.data or "synthetic", zch=zch.record() if zch is not None else None
+                    )
+                    id_feedback.write(o.limits_out, doc)
                     self.say(f"id limits seen in training written to {o.limits_out} ({len(demand)} tables)")
             out["limits_out"] = o.limits_out
         return out

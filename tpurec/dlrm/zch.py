@@ -45,6 +45,10 @@ class ZchSpec:
     eviction: str = "lru"
     eviction_interval: int = DEFAULT_EVICTION_INTERVAL
 
+    def record(self) -> dict:
+        """As a limits file records the remap its ids were counted after (tpurec.planner.id_limits)."""
+        return {"eviction": self.eviction, "eviction_interval": self.eviction_interval}
+
 
 def remap_rows(rows: int, world_size: int) -> int:
     """The rows of a managed-collision table of `rows` at `world_size` ranks: `rows` when every rank's
@@ -88,12 +92,28 @@ def _policy(name: str) -> Any:
     return {"lru": LRU_EvictionPolicy, "lfu": LFU_EvictionPolicy, "distance_lfu": DistanceLFU_EvictionPolicy}[name]()
 
 
+def mch_module(table: str, rows: int, spec: ZchSpec) -> Any:
+    """The (unsharded) remap of one table of `rows` slots: TorchRec's MCHManagedCollisionModule as
+    --zch builds it; sharding rebuilds it per rank (`rebuild_with_output_id_range`)."""
+    import torch
+    from torchrec.modules.mc_modules import MCHManagedCollisionModule
+
+    return MCHManagedCollisionModule(
+        zch_size=rows,
+        device=torch.device("cpu"),
+        eviction_policy=_policy(spec.eviction),
+        eviction_interval=spec.eviction_interval,
+        input_hash_size=INPUT_HASH_SIZE,
+        input_hash_func=spread_ids,
+        name=table,
+    )
+
+
 def managed_collision_ebc(ebc: Any, spec: ZchSpec) -> nn.Module:
     """`ebc` (a meta-device EmbeddingBagCollection) behind TorchRec's remap, one MCH module per table:
     TorchRec's ManagedCollisionEmbeddingBagCollection (tpurec.dlrm.model wraps it for DLRM)."""
-    import torch
     from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
-    from torchrec.modules.mc_modules import ManagedCollisionCollection, MCHManagedCollisionModule
+    from torchrec.modules.mc_modules import ManagedCollisionCollection
 
     if spec.eviction not in POLICIES:
         raise UserError(f"--zch-eviction {spec.eviction}: one of {', '.join(POLICIES)}")
@@ -101,18 +121,7 @@ def managed_collision_ebc(ebc: Any, spec: ZchSpec) -> nn.Module:
     small = [c for c in configs if c.num_embeddings < 2]
     if small:
         raise UserError(f"--zch: table {small[0].name} has {small[0].num_embeddings} row(s); a remap needs >= 2")
-    modules: dict[str, Any] = {
-        c.name: MCHManagedCollisionModule(
-            zch_size=c.num_embeddings,
-            device=torch.device("cpu"),
-            eviction_policy=_policy(spec.eviction),
-            eviction_interval=spec.eviction_interval,
-            input_hash_size=INPUT_HASH_SIZE,
-            input_hash_func=spread_ids,
-            name=c.name,
-        )
-        for c in configs
-    }
+    modules: dict[str, Any] = {c.name: mch_module(c.name, c.num_embeddings, spec) for c in configs}
     remap = ManagedCollisionCollection(managed_collision_modules=modules, embedding_configs=configs)
     return ManagedCollisionEmbeddingBagCollection(ebc, remap, return_remapped_features=False)
 

@@ -12,7 +12,9 @@ samples x the most ids a sample had): a later batch over it is not lost, it runs
 
 The JSON (`FORMAT`): `layout` (what the figures are for) and `tables`, each table with at least
 `max_ids_per_partition` and `max_unique_ids_per_partition`. Limits for another layout are refused,
-naming both.
+naming both. `zch` (absent: none) says the ids were counted after `tpurec train --zch`'s remap
+(`{"eviction": ..., "eviction_interval": ...}`): such limits fit only a run with that remap, and
+limits of raw ids only a run without one (`remap_problem`).
 """
 
 from __future__ import annotations
@@ -365,6 +367,36 @@ def check_limits_tables(
 def _names(names: list[str], most: int = 8) -> str:
     shown = ", ".join(names[:most])
     return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def remap_problem(path: str, zch: Mapping[str, object] | None) -> str | None:
+    """Why the limits file at `path` does not fit a run with the remap `zch` (its record, as `data
+    stats --zch` writes it) or without one (None): one line, or None. A file that is no limits file is
+    left to `load_limits` to name."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        return None
+    theirs = doc.get("zch")
+    if theirs == (dict(zch) if zch is not None else None):
+        return None
+    if theirs is None or zch is None:
+        said = "with" if theirs is not None else "without"
+        return (
+            f"--limits {path} was measured {said} --zch, but this run is {'with' if zch else 'without'} it "
+            f"(the remap changes which rows the ids are): measure with `tpurec data stats"
+            f"{' --zch' if zch else ''}`, or {'leave out' if theirs is None else 'give'} --zch"
+        )
+    return f"--limits {path} was measured for the --zch remap {_remap(theirs)}, not {_remap(zch)}: measure this one"
+
+
+def _remap(record: object) -> str:
+    if not isinstance(record, Mapping):
+        return repr(record)
+    return f"--zch-eviction {record.get('eviction')} --zch-eviction-interval {record.get('eviction_interval')}"
 
 
 # What the figures depend on; the topology's name only tells where they were measured (a v5p-8

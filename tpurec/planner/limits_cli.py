@@ -4,6 +4,10 @@ for the layout a plan gives (tpurec.planner.id_limits), written as a limits file
   tpurec data stats DIR --model dlrm-tiny --topology v5p-8 --out limits.json
   tpurec data stats DIR --model dlrm-tiny --plan P.json --out limits.json
   tpurec data stats DIR --model-module my_pkg.models:build --topology v5p-8 --out limits.json
+  tpurec data stats RAW --model dlrm-tiny --topology v5p-8 --zch --out limits.json
+
+`--zch` (the ids after `tpurec train --zch`'s remap) is added by tpurec.dlrm.zch_stats, which replays the
+remap and hands this pass its batches and tables (`RemappedIds`).
 """
 
 from __future__ import annotations
@@ -12,11 +16,16 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tpurec import strict_json
 from tpurec.argtypes import positive_int
 from tpurec.catalog import MODEL_NAMES, TRAINING_DEFAULTS
 from tpurec.errors import UserError
+
+if TYPE_CHECKING:
+    from tpurec.embedding.demand import TableShards
 
 
 def register(actions: argparse._SubParsersAction) -> None:
@@ -56,10 +65,27 @@ def register(actions: argparse._SubParsersAction) -> None:
     s.set_defaults(run=run)
 
 
-def run(args: argparse.Namespace) -> int:
+class Batches(Protocol):
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[Any]: ...
+
+
+class RemappedIds(Protocol):
+    """The ids after a remap instead of the data's own (`data stats --zch`, tpurec.dlrm.zch_stats): the
+    tables as the remapped run shards them, and its global batches with remapped ids, in its order."""
+
+    record: dict  # the limits file's `zch`: what remap the ids were counted after
+
+    def tables(self, report: dict, layout: dict) -> list[TableShards]: ...
+
+    def batches(self, path: str, layout: dict, tables: list[TableShards]) -> Batches: ...
+
+
+def run(args: argparse.Namespace, remap: RemappedIds | None = None) -> int:
     from tpurec.data.cli import reader_gone_ok
 
-    return reader_gone_ok(_run)(args)
+    return reader_gone_ok(lambda a: _run(a, remap))(args)
 
 
 def _check_out(path: str) -> None:
@@ -177,7 +203,7 @@ def check_batch_memory(path: str, layout: dict, flag_given: bool, meta: dict | N
         )
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, remap: RemappedIds | None = None) -> int:
     from tqdm import tqdm
 
     from tpurec.data.reader import ParquetReader
@@ -205,14 +231,20 @@ def _run(args: argparse.Namespace) -> int:
     if args.model and args.plan and report.get("model") not in (None, args.model):
         raise UserError(f"--plan {args.plan} is a plan for {report.get('model')!r}, not --model {args.model}")
     layout = layout_of(report)
-    tables = table_layouts(report)
+    tables = remap.tables(report, layout) if remap is not None else table_layouts(report)
     global_batch = layout["batch_size_per_device"] * layout["world_size"]
     check_batch_memory(args.path, layout, flag_given=args.batch_size is not None, meta=meta)
-    # mapped features without :ROWS hash into the plan's table of that feature
-    sizes = {f: t.rows for t in tables for f in t.features} if source is not None else None
-    reader = ParquetReader(
-        args.path, batch_size=global_batch, shuffle=False, drop_last=False, source=source, table_sizes=sizes
-    )
+    reader: Batches
+    if remap is not None:  # the remapped run's batches, in its order
+        reader = remap.batches(args.path, layout, tables)
+    else:
+        # mapped features without :ROWS hash into the plan's table of that feature, and raw ids (`data
+        # convert/synth --raw-ids`) into its tables, as `tpurec train` without --zch reads them
+        raw = any(f.get("num_embeddings") is None for f in meta.get("sparse", []))
+        sizes = {f: t.rows for t in tables for f in t.features} if source is not None or raw else None
+        reader = ParquetReader(
+            args.path, batch_size=global_batch, shuffle=False, drop_last=False, source=source, table_sizes=sizes
+        )
     threads = args.threads or os.cpu_count() or 1
     tally = DemandTally(tables, layout)
     show = not args.quiet and sys.stderr.isatty()
@@ -228,6 +260,7 @@ def _run(args: argparse.Namespace) -> int:
         "layout": layout,
         "data": os.path.abspath(args.path),
         "plan": args.plan or f"tpurec plan for {args.topology}",
+        **({"zch": remap.record} if remap is not None else {}),
         "rows": rows,
         "batches": len(tally.per_batch[tables[0].name]) if tables else 0,
         "seconds": round(seconds, 3),

@@ -43,7 +43,7 @@ from tpurec.runtime.library_notices import quiet_fx_tracing_notice
 from tpurec.sharding import sharded_tensor_device  # noqa: F401  (ShardedTensor.device on the TPU path)
 from tpurec.sharding.ec_sharder import SparseCoreECSharder
 from tpurec.sharding.fp_sharder import SparseCoreFPEBCSharder
-from tpurec.sharding.mc_sharder import SparseCoreMCEBCSharder, SparseCoreMCECSharder, refuse_hash_zch_training
+from tpurec.sharding.mc_sharder import SparseCoreMCEBCSharder, SparseCoreMCECSharder
 from tpurec.sharding.sharder import SparseCoreEBCSharder
 
 if TYPE_CHECKING:
@@ -338,7 +338,6 @@ class DistributedModelParallel(_TorchrecDMP):
 
             # A TorchRec module whose forward needs an op TorchTPU lacks: told now, not at its first step.
             refuse_modules_without_tpu_kernels(module)
-        refuse_hash_zch_training(module)  # its host remap cannot insert ids (mc_sharder.py)
         _ensure_process_group(compute_device)
         if os.environ.get(heartbeat.TIMEOUT_ENV):
             # Opt-in for library users (it ends the process when a neighbour goes silent);

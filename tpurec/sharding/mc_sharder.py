@@ -32,7 +32,6 @@ from torchrec.distributed.mc_embeddingbag import (
 )
 from torchrec.distributed.mc_modules import ManagedCollisionCollectionSharder, ShardedManagedCollisionCollection
 
-from tpurec.errors import UserError
 from tpurec.planner.planners import TpuPlanningMCEBCSharder, TpuPlanningMCECSharder
 from tpurec.sharding.ec_sharder import SparseCoreECSharder
 from tpurec.sharding.evicted_rows import write_rows
@@ -45,6 +44,22 @@ class HostShardedManagedCollisionCollection(ShardedManagedCollisionCollection):
     """TorchRec's sharded remap, built on the host. Its input all-to-alls take their block sizes from the
     embedding shardings' device (`sharding._device`, the TPU's): moved to the host when they are made
     (at the first batch), else every step would copy them back to the host ids."""
+
+    def _create_managed_collision_modules(self, module: Any) -> None:
+        """TorchRec's per-rank remap modules; a multi-probe hash remap (`HashZchManagedCollisionModule`)
+        inserts ids with tpurec's host insert (tpurec/embedding/zero_collision_hash.py: FBGEMM's CUDA
+        kernel one id at a time), since fbgemm-gpu-cpu's kernel only looks ids up; lookups stay FBGEMM's."""
+        super()._create_managed_collision_modules(module)
+        # a model holding one has imported its class: never imported here, since importing it runs
+        # `torch.jit.script` (torchrec/modules/hash_mc_evictions.py), whose FutureWarning every rank printed
+        hash_mc = sys.modules.get("torchrec.modules.hash_mc_modules")
+        if hash_mc is None:
+            return
+        from tpurec.embedding.zero_collision_hash import zero_collision_hash
+
+        for mcm in self._managed_collision_modules.values():
+            if isinstance(mcm, hash_mc.HashZchManagedCollisionModule):
+                mcm._zero_collision_hash = zero_collision_hash
 
     def _create_input_dists(self, input_feature_names: List[str]) -> None:
         super()._create_input_dists(input_feature_names)
@@ -186,24 +201,3 @@ class SparseCoreMCECSharder(TpuPlanningMCECSharder):
         return ShardedSparseCoreMCEC(
             module, params, ec_sharder=self._e_sharder, mc_sharder=self._mc_sharder, env=env, device=device
         )
-
-
-def refuse_hash_zch_training(module: nn.Module) -> None:
-    """A training model with TorchRec's multi-probe ZCH remap (`HashZchManagedCollisionModule`) is refused at
-    DMP build: the remap runs on the host, and fbgemm-gpu-cpu's `zero_collision_hash` inserts no ids (its
-    CPU kernel requires `readonly`: "Expected readonly to be true"), so its first training step would fail
-    there, as stock TorchRec's does on a CPU."""
-    # A model holding one has imported its class: never imported here, since importing it runs
-    # `torch.jit.script` (torchrec/modules/hash_mc_evictions.py), whose FutureWarning every rank printed.
-    hash_mc = sys.modules.get("torchrec.modules.hash_mc_modules")
-    if hash_mc is None:
-        return
-    HashZchManagedCollisionModule = hash_mc.HashZchManagedCollisionModule  # noqa: N806
-
-    for path, m in module.named_modules():
-        if isinstance(m, HashZchManagedCollisionModule) and m.training:
-            raise UserError(
-                f"{path}: HashZchManagedCollisionModule cannot train here: its remap runs on the host and "
-                "fbgemm-gpu-cpu's zero_collision_hash only looks ids up (readonly); use "
-                "MCHManagedCollisionModule (LRU/LFU/DistanceLFU eviction)"
-            )
