@@ -211,3 +211,22 @@ def test_the_remaps_host_memory_is_in_the_report_and_its_saved_plan(tmp_path, ca
     assert again["host_remap_bytes_per_rank"] == r["host_remap_bytes_per_rank"] and again["tables"] == r["tables"]
     assert _cli("show", str(out)) == 0
     assert "managed-collision remaps of 2 table(s), up to 16.34 KiB per rank" in capsys.readouterr().out
+
+
+def test_the_hash_remaps_host_memory_is_in_the_report(capsys):
+    """HashZchManagedCollisionModule with LRU eviction holds, per slot, the id kept (int64, a frozen
+    parameter its `buffers()` yields) and its eviction metadata (int32): 12 bytes; per shard its bucket
+    (int64) and its input mapper's two per-training-rank vectors (4 buckets: 4 int64 each): 72 bytes."""
+    r = _plan(capsys, "--model-module", "tests.sharding.mc_cases:build_hash_zch", "--topology", "v6e-4")
+    t = {x["name"]: x for x in r["tables"]}
+    assert [s["remap_host_bytes"] for s in t["t0"]["shards"]] == [8 * 12 + 72] * 4
+    assert [s["remap_host_bytes"] for s in t["t1"]["shards"]] == [4 * 12 + 72] * 4
+    assert r["host_remap_bytes_per_rank"] == [8 * 12 + 4 * 12 + 2 * 72] * 4
+
+
+def test_a_hash_remap_whose_buckets_the_ranks_cannot_share_is_one_line(capsys):
+    rc = _cli("--model-module", "tests.sharding.mc_cases:build_hash_zch_2_buckets", "--topology", "v6e-4")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc != 0 and len(err) == 1, err
+    assert "table t0's remap has 2 buckets, which 4 ranks cannot share evenly" in err[0]
+    assert "Traceback" not in err[0]

@@ -32,7 +32,7 @@ def _policy(name: str):
     return {"lru": LRU_EvictionPolicy, "lfu": LFU_EvictionPolicy, "distance_lfu": DistanceLFU_EvictionPolicy}[name]()
 
 
-def _hash_zch(tables: Any, policy: str = "hash_zch") -> dict:
+def _hash_zch(tables: Any, policy: str = "hash_zch", buckets: int = 2) -> dict:
     """Multi-probe ZCH (fbgemm's zero_collision_hash; tpurec inserts on the host): `hash_zch` LRU within the
     probe range, `hash_zch_ttl` TorchRec's single TTL of 1 hour, `hash_zch_plain` no eviction; 2 buckets,
     a multiple of the world sizes tested."""
@@ -48,7 +48,7 @@ def _hash_zch(tables: Any, policy: str = "hash_zch") -> dict:
         t.name: HashZchManagedCollisionModule(
             zch_size=t.num_embeddings,
             device=torch.device("cpu"),
-            total_num_buckets=2,
+            total_num_buckets=buckets,
             max_probe=4,
             input_hash_size=RAW_IDS,
             name=t.name,
@@ -59,7 +59,7 @@ def _hash_zch(tables: Any, policy: str = "hash_zch") -> dict:
     }
 
 
-def build(policy: str, bagged: bool = True) -> nn.Module:
+def build(policy: str, bagged: bool = True, buckets: int = 2) -> nn.Module:
     from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
     from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
     from torchrec.modules.mc_embedding_modules import (
@@ -84,7 +84,7 @@ def build(policy: str, bagged: bool = True) -> nn.Module:
         ]
         collection = EmbeddingCollection(tables, device=meta)
     mcs: Any = (
-        _hash_zch(tables, policy)
+        _hash_zch(tables, policy, buckets)
         if policy.startswith("hash_zch")
         else {
             t.name: MCHManagedCollisionModule(
@@ -278,6 +278,17 @@ def _local_state(dmp: Any) -> dict:
 def build_lru() -> nn.Module:
     """A `--model-module` target: the MC-EBC model with LRU eviction (tests/planner/test_plan_model_module.py)."""
     return build("lru", True)
+
+
+def build_hash_zch() -> nn.Module:
+    """A `--model-module` target: the MC-EBC model with the multi-probe hash remap, LRU within the probe,
+    4 buckets (a multiple of the 4 ranks it is planned for)."""
+    return build("hash_zch", True, buckets=4)
+
+
+def build_hash_zch_2_buckets() -> nn.Module:
+    """The same with 2 buckets: 4 ranks cannot share them (TorchRec's planner refuses it)."""
+    return build("hash_zch", True, buckets=2)
 
 
 def run_global_batch(rank: int, world: int, policy: str, steps: int) -> dict:

@@ -551,6 +551,9 @@ def plan(
     too_many = tables_problem(len(_table_configs(module)), topology.world_size)
     if too_many:  # planning would take hours (plan_bounds.py): refused before it starts
         raise UserError(f"{too_many}; plan fewer tables, or pass a saved plan")
+    uneven = uneven_buckets(module, topology.world_size)
+    if uneven:  # TorchRec's enumerator raises a bare ValueError for it in the middle of planning
+        raise UserError(uneven)
     optimizer = optimizer or infer_optimizer(module, sharders) or "sgd"
     sharders = sharders or planning_sharders()
     reservation = storage_reservation or TpuStorageReservation()
@@ -583,6 +586,24 @@ def plan(
     if topology.compute_device == "tpu":
         place_on_own_device(made, "tpu")  # TorchRec numbers devices by local rank; TorchTPU's is always 0
     return made
+
+
+def uneven_buckets(module: nn.Module, world_size: int) -> str | None:
+    """A managed-collision table whose remap's buckets (`total_num_buckets` of TorchRec's multi-probe
+    hash remap) do not divide among the ranks, as TorchRec's planner requires: the problem named, or None.
+    A one-bucket remap (MCHManagedCollisionModule's) shards row-wise like any table (`_get_num_buckets`)."""
+    from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
+
+    for path, m in module.named_modules():
+        if not isinstance(m, BaseManagedCollisionEmbeddingCollection):
+            continue
+        for table, buckets in m._managed_collision_collection.table_to_number_buckets().items():
+            if buckets > 1 and buckets % world_size:
+                return (
+                    f"{path}: table {table}'s remap has {buckets} buckets, which {world_size} ranks cannot share "
+                    f"evenly; make total_num_buckets of its HashZchManagedCollisionModule a multiple of {world_size}"
+                )
+    return None
 
 
 def _lower_bound_bytes(module: nn.Module, optimizer: str, compute_device: str = "tpu") -> int:

@@ -3,9 +3,12 @@
 tpurec runs every remap on the host (tpurec/sharding/mc_sharder.py), so its buffers cost host RAM,
 not HBM: the ids kept (`_mch_sorted_raw_ids`), the rows they map to (`_mch_remapped_ids_mapping`) and
 the eviction policy's metadata (`_mch_last_access_iter`, `_mch_counts`, ...), each one entry per
-slot, plus a few fixed buffers (`_output_segments_tensor`, ...). A row-wise shard of the table holds
-the slots of its rows. The figures are read off the model's own module buffers (a meta-device model
-has their shapes), so they follow whatever TorchRec's module allocates.
+slot, plus a few fixed buffers (`_output_segments_tensor`, ...). TorchRec's multi-probe remap
+(`HashZchManagedCollisionModule`) keeps its ids in a frozen parameter (`_hash_zch_identities`, one int64
+per slot), which its own `buffers()` yields beside its eviction metadata (int32 per slot). A row-wise
+shard of the table holds the slots of its rows (the hash remap's slots per training rank). The
+figures are read off the model's own module tensors (a meta-device model has their shapes), so they
+follow whatever TorchRec's module allocates.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ def remap_buffers(module: nn.Module) -> dict[str, RemapBuffers]:
         if not isinstance(m, BaseManagedCollisionEmbeddingCollection):
             continue
         for table, mc in m._managed_collision_collection._managed_collision_modules.items():
-            slots = int(getattr(mc, "_zch_size", 0))  # MCHManagedCollisionModule's; HashZch's is per rank
+            slots = int(getattr(mc, "_zch_size", 0))  # both modules' slots, the whole table's
             if slots < 1:
                 continue
             per_slot = fixed = 0
