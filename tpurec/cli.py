@@ -27,8 +27,11 @@ SUBCOMMANDS: dict[str, str] = {
 
 # Actions of a subcommand implemented in a higher layer than the subcommand's own module:
 # module holding the subcommand's `actions` subparsers -> module implementing the action.
-SUB_ACTIONS: dict[str, str] = {
-    "tpurec.data.cli": "tpurec.planner.limits_cli",  # `tpurec data stats`: limits for a plan's layout
+SUB_ACTIONS: dict[str, tuple[str, ...]] = {
+    "tpurec.data.cli": (
+        "tpurec.planner.limits_cli",  # `tpurec data stats`: limits for a plan's layout
+        "tpurec.planner.model_synth",  # `tpurec data synth --model-module`: data for a user's model
+    ),
 }
 
 
@@ -43,8 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in SUBCOMMANDS.values():
         importlib.import_module(module).register(sub)
-    for owner, module in SUB_ACTIONS.items():
-        importlib.import_module(module).register(importlib.import_module(owner).actions)
+    for owner, modules in SUB_ACTIONS.items():
+        for module in modules:
+            importlib.import_module(module).register(importlib.import_module(owner).actions)
     return parser
 
 
