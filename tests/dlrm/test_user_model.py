@@ -228,3 +228,13 @@ def test_my_model_trains_on_parquet_tpurec_did_not_write(tmp_path, capsys, monke
     assert_refused(
         code, err, "no column for feature(s) item_id, recent_items, device of --model-module", prefix="tpurec train"
     )
+
+
+def test_tables_this_host_cannot_hold_are_refused_before_the_data_is_read(my_data, tmp_path, capsys, monkeypatch):
+    """The example's tables (40,500 rows of dim 16 and 8, row-wise Adagrad: 2 MiB) and a rank's ~1 GiB
+    against a host said to have 1 GiB."""
+    monkeypatch.setenv("TPUREC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("TPUREC_HOST_MEMORY_BYTES", str(2**30))
+    code, _, err = run_cli(["train", "--quiet", "--model-module", EXAMPLE, "--data", my_data, "--steps", 2], capsys)
+    says = f"training {EXAMPLE} on CPU needs about 1.0 GiB on this host (0.0 GiB of tables and optimizer state for "
+    assert_refused(code, err, says + "40,500 rows, plus ~1 GiB per rank), which has 1.0 GiB available; give its tables")

@@ -124,6 +124,9 @@ class Trainer:
             from tpurec.dlrm.user_model import load
 
             self.user = load(o.model_module, self.cfg.seed)
+            if self.device == "cpu" or self.emulated:
+                rows, dims = [t.num_embeddings for t in self.user.tables], [t.embedding_dim for t in self.user.tables]
+                check_host_memory(self.cfg, rows, self.world, user=(o.model_module, dims, self._table_optimizer()))
         elif self.device == "cpu" or self.emulated:
             # Before any data is generated or read: a refusal in one line, not an OOM kill minutes in.
             sizes, source = self._table_sizes_and_source()
