@@ -31,6 +31,7 @@ SUB_ACTIONS: dict[str, tuple[str, ...]] = {
     "tpurec.data.cli": (
         "tpurec.planner.limits_cli",  # `tpurec data stats`: limits for a plan's layout
         "tpurec.dlrm.zch_stats",  # its --zch: the ids after `tpurec train --zch`'s remap
+        "tpurec.planner.model_synth",  # `tpurec data synth --model-module`: data for a user's model
     ),
 }
 

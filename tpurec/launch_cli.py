@@ -106,10 +106,10 @@ def run(args: argparse.Namespace) -> int:
         too_big = slice_launch.emulation_too_big(spec)
         if too_big:
             return _error(f"--emulate-tpu: {too_big}")
-        return slice_launch.run_hosts(
-            slice_launch.emulated_agents(spec.name, env, program), say_stopped=True, timeout=args.timeout
-        )
+        agents = slice_launch.emulated_agents(spec.name, env, program)
+        report = (spec.hosts, spec.name)
+        return slice_launch.run_hosts(agents, say_stopped=True, timeout=args.timeout, report=report)
     if args.nnodes < 1 or (args.nproc is not None and args.nproc < 1):
         return _error("--nproc and --nnodes must be >= 1")
     agent = slice_launch.tpu_agent(args.nproc, args.nnodes, env, program)  # UserError when TorchTPU refuses
-    return slice_launch.run_hosts([agent], say_stopped=True, timeout=args.timeout)
+    return slice_launch.run_hosts([agent], say_stopped=True, timeout=args.timeout, report=(args.nnodes, None))

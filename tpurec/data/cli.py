@@ -124,7 +124,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--table-set",
         "--tables",  # the older spelling
         dest="tables",
-        default="dlrm-tiny",
+        default=None,
         choices=MODEL_NAMES,
         help="named table set (tpurec/catalog.py), default dlrm-tiny",
     )
@@ -390,6 +390,7 @@ def run_synth(args: argparse.Namespace) -> int:
     from tpurec.data.synth_bounds import rows_problem
 
     _check_out_dir(args)
+    args.tables = args.tables or "dlrm-tiny"
     if args.id_space is not None and not args.raw_ids:
         raise UserError("--id-space is for --raw-ids data (table rows come from --table-set)")
     too_many = rows_problem("--rows", args.rows, args.out, args.tables, compression=args.compression)

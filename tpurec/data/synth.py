@@ -122,6 +122,28 @@ def synth_schema(
     return schema, hots
 
 
+def features_schema(
+    num_dense: int, features: list[tuple[str, int, int]], **extra: object
+) -> tuple[DataSchema, list[int]]:
+    """The schema of synthetic data for any model's features, as TorchRec's RandomRecDataset takes them:
+    ``num_dense`` dense columns (I1, I2, ...) and per feature (name, table rows, ids per sample); a
+    feature of more than one id per sample is a list column. ``extra``: facts recorded with it."""
+    if num_dense < 0:
+        raise UserError(f"{num_dense} dense features: must be >= 0")
+    bad = next(((n, r) for n, r, _ in features if r < 2), None)
+    if bad:  # id 0 is "empty" in tpurec's hashed ids; a 1-row table has no other
+        raise UserError(f"feature {bad[0]!r}: a table of {bad[1]} row(s); synthetic ids need >= 2")
+    sparse = [SparseFeature(name, int(rows), hots > 1) for name, rows, hots in features]
+    schema = DataSchema(
+        dense=[f"I{i}" for i in range(1, num_dense + 1)],
+        sparse=sparse,
+        dense_transform=DENSE_LOG1P,
+        categorical=CAT_HASH,
+        extra={"synthetic": True, **extra},
+    )
+    return schema, [max(1, int(h)) for _, _, h in features]
+
+
 def raw_ids(ranks: np.ndarray, n: int, feature: int) -> np.ndarray:
     """Popularity ranks in [0, n) as raw ids in [1, n]: scattered by an odd multiplier modulo n (in
     uint64, exact for n a power of 2, the default), shifted by 1 so that 0 keeps meaning "empty"."""
@@ -173,7 +195,7 @@ def synthesize(
     out_dir: str,
     *,
     seed: int = 0,
-    table_set: str = "dlrm-tiny",
+    table_set: str | None = "dlrm-tiny",  # None with own_schema: a model's features, no table set
     rows_per_file: int = 1_000_000,
     row_group_size: int = 65536,
     compression: str = "none",
@@ -182,10 +204,12 @@ def synthesize(
     multi_hot_sizes: list[int] | None = None,
     raw_ids: bool = False,
     id_space: int = RAW_ID_SPACE,
+    own_schema: tuple[DataSchema, list[int]] | None = None,
 ) -> dict:
     """Write ``rows`` synthetic rows to ``out_dir`` and return the dataset summary with oracle_auc.
     ``multi_hot_sizes`` replaces the table set's ids per sample (one per feature); ``raw_ids``: raw
-    ids (unhashed, ``id_space`` of them per feature, Zipf-skewed) instead of table rows.
+    ids (unhashed, ``id_space`` of them per feature, Zipf-skewed) instead of table rows. ``own_schema``: a
+    model's own features (``features_schema``) instead of the table set's.
 
     Uncompressed by default: dictionary encoding already makes Zipf ids small, and uncompressed
     files (~18% bigger than snappy) decode about 1.7x faster, which is what training loops want.
@@ -196,7 +220,7 @@ def synthesize(
         raise DataError("--rows must be >= 1")
     if raw_ids and id_space < 2:
         raise DataError("--id-space must be >= 2")
-    schema, hots = synth_schema(table_set, multi_hot_sizes, raw_ids)
+    schema, hots = own_schema or synth_schema(table_set or "dlrm-tiny", multi_hot_sizes, raw_ids)
     space = id_space if raw_ids else None
     # unwinding_on_sigterm: SIGTERM, too, ends in _synthesize_into's cleanup (no temporary part left)
     with unwinding_on_sigterm("tpurec data synth"), locked_output(out_dir, overwrite, "tpurec data synth") as out:
@@ -211,7 +235,7 @@ def _synthesize_into(
     schema: DataSchema,
     hots: list[int],
     seed: int,
-    table_set: str,
+    table_set: str | None,
     rows_per_file: int,
     row_group_size: int,
     compression: str,

@@ -54,15 +54,17 @@ def rows_problem(
     flag: str,
     rows: int,
     out_dir: str | os.PathLike,
-    table_set: str,
+    table_set: str | None,
     multi_hot_sizes: list[int] | None = None,
     compression: str = "none",
+    own_schema: tuple[DataSchema, list[int]] | None = None,
 ) -> str | None:
     """Why `rows` synthetic rows of `table_set` cannot be made into `out_dir` on this host (one line
-    naming `flag`, the value and the bound), or None. Callers ask before synthesize writes anything."""
+    naming `flag`, the value and the bound), or None. Callers ask before synthesize writes anything.
+    ``own_schema``: a model's own features (tpurec.data.synth.features_schema) instead of the table set's."""
     from tpurec.data.synth import synth_schema
 
-    schema, hots = synth_schema(table_set, multi_hot_sizes)
+    schema, hots = own_schema or synth_schema(table_set or "dlrm-tiny", multi_hot_sizes)
     memory = available_bytes()
     if memory is not None and rows * MEMORY_BYTES_PER_ROW > memory:
         return (

@@ -133,11 +133,18 @@ def build_model(
     else:
         dlrm = DLRM(**common)
     model = DLRMTrain(dlrm)
-    cls, kwargs = _optimizer(cfg.embedding_optimizer, cfg.embedding_lr, cfg.eps)
-    if cfg.embedding_weight_decay:  # FBGEMM's fused params, as TorchRec's sharder passes them on
-        kwargs |= {"weight_decay": cfg.embedding_weight_decay, "weight_decay_mode": cfg.embedding_weight_decay_mode}
+    cls, kwargs = table_optimizer(cfg)
     apply_optimizer_in_backward(cls, model.model.sparse_arch.parameters(), kwargs)
     return model
+
+
+def table_optimizer(cfg: DLRMConfig) -> tuple[type, dict]:
+    """(optimizer class, kwargs) of the tables' optimizer fused into backward: --embedding-optimizer,
+    --embedding-lr, and FBGEMM's weight decay as TorchRec's sharder passes it on."""
+    cls, kwargs = _optimizer(cfg.embedding_optimizer, cfg.embedding_lr, cfg.eps)
+    if cfg.embedding_weight_decay:
+        kwargs |= {"weight_decay": cfg.embedding_weight_decay, "weight_decay_mode": cfg.embedding_weight_decay_mode}
+    return cls, kwargs
 
 
 def planner_constraints(cfg: DLRMConfig, device: DeviceKind, table_names: list[str]) -> dict[str, ParameterConstraints]:
@@ -159,28 +166,32 @@ def planner_constraints(cfg: DLRMConfig, device: DeviceKind, table_names: list[s
 
 
 def shard(
-    model: DLRMTrain,
+    model: torch.nn.Module,
     cfg: DLRMConfig,
     device: DeviceKind,
     *,
     plan: ShardingPlan | None = None,
     stock: bool = False,
     id_limits: str | None = None,
+    constraints: dict[str, ParameterConstraints] | None = None,
 ) -> DistributedModelParallel:
     """tpurec.DistributedModelParallel (tpurec planner and SparseCore kernel), or with stock=True,
     torchrec's own DMP with the FBGEMM `fused` kernel (for the benchmark). id_limits: the `--limits`
-    file, read by DMP (only it knows the layout the file must match) into KernelSettings.id_limits."""
+    file, read by DMP (only it knows the layout the file must match) into KernelSettings.id_limits.
+    constraints: a `--model-module` model's own, {} for none (None: the built-in DLRM's, planner_constraints)."""
     if stock:
         from torchrec.distributed.model_parallel import DistributedModelParallel as TorchrecDMP
 
         return TorchrecDMP(model, device=torch.device("cpu"), plan=plan)
     from tpurec.sharding.dmp import DistributedModelParallel
 
-    names = [c.name for c in model.model.sparse_arch.embedding_bag_collection.embedding_bag_configs()]
-    constraints = None if plan is not None else planner_constraints(cfg, device, names)
+    if constraints is None and plan is None:  # the built-in DLRM's: its table set's pooling, CPU's types
+        dlrm: Any = model  # DLRMTrain: build_model's
+        names = [c.name for c in dlrm.model.sparse_arch.embedding_bag_collection.embedding_bag_configs()]
+        constraints = planner_constraints(cfg, device, names)
     dev = torch.device("cpu") if device == "cpu" else device
     return DistributedModelParallel(
-        model, device=dev, plan=plan, batch_size=cfg.batch_size, constraints=constraints, id_limits=id_limits
+        model, device=dev, plan=plan, batch_size=cfg.batch_size, constraints=constraints or None, id_limits=id_limits
     )
 
 

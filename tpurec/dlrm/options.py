@@ -35,6 +35,17 @@ if TYPE_CHECKING:
 OPTIONS_ENV = "TPUREC_TRAIN_OPTIONS"  # the launcher's JSON of TrainOptions for `python -m tpurec.dlrm`
 
 _CONFIG = "config"  # metadata marker of the fields that override a DLRMConfig field
+# Flags that shape the built-in DLRM or its synthetic data, not a --model-module model
+BUILT_IN_MODEL_FLAGS = (
+    "interaction",
+    "embedding_dim",
+    "dense_arch",
+    "over_arch",
+    "multi_hot_sizes",
+    "dcn_num_layers",
+    "dcn_low_rank_dim",
+    "synth_rows",
+)
 
 
 def _override(name: str) -> Any:
@@ -72,6 +83,12 @@ class TrainOptions:
         metavar="FILE",
     )
     model: str = flag("dlrm-tiny", "named config (default dlrm-tiny)", choices=MODEL_NAMES)
+    model_module: str | None = flag(
+        None,
+        "your own TorchRec model: FN() in module MOD (or FILE.py) returns it, taking (dense, KJT) and returning "
+        "logits; trained on --data, with --model's training settings (docs/your_model.md)",
+        metavar="MOD:FN",
+    )
     interaction: str | None = _override("interaction")
     device: DeviceChoice = flag(
         "auto", "auto (default): TPU when this host has a usable one, else CPU", choices=("auto", "cpu", "tpu")
@@ -260,7 +277,10 @@ class TrainOptions:
             return os.path.join(self.checkpoint_dir, "curves.png")
         from tpurec.dlrm.data import cache_root
 
-        return str(cache_root() / "runs" / f"curves-{self.model}-{stamp}.png")
+        name = self.model
+        if self.model_module:  # examples/my_model.py:build -> my_model.py_build
+            name = "".join(c if c.isalnum() or c in "._-" else "_" for c in os.path.basename(self.model_module))
+        return str(cache_root() / "runs" / f"curves-{name}-{stamp}.png")
 
     def outputs(self) -> list[tuple[str, str | None, str]]:
         """Everything this run writes, as (flag, path, "file" or "dir"), to check before any work."""
@@ -306,8 +326,8 @@ class TrainOptions:
         from tpurec.dlrm.data import model_table_sizes
 
         columns = self.column_spec()
-        if columns is None and has_tpurec_metadata(self.data):
-            return None
+        if self.model_module or (columns is None and has_tpurec_metadata(self.data)):
+            return None  # a --model-module's features are checked against the data once it is built
         try:
             defaults = [t.num_embeddings for t in get_table_set(get_config(self.model).table_set).tables]
             model_table_sizes(self.data, defaults, columns)
@@ -315,8 +335,33 @@ class TrainOptions:
             return str(e)
         return None
 
+    def _model_module_problem(self) -> str | None:
+        """--model-module: the target there (no torch loaded), --data given, and no flag that shapes
+        the built-in DLRM or its synthetic data."""
+        if not self.model_module:
+            return None
+        from tpurec.planner.model_module import parse_target
+
+        try:
+            parse_target(self.model_module)
+        except UserError as e:
+            return str(e)
+        if not self.data:
+            return (
+                f"--model-module trains on --data DIR; make one for the model's features with "
+                f"`tpurec data synth --model-module {self.model_module} --out DIR`"
+            )
+        shaping = ("zch", *BUILT_IN_MODEL_FLAGS)
+        given = [n for n in shaping if getattr(self, n) not in (None, False)]
+        if given:
+            return f"{flags.option_string(given[0])} shapes the built-in DLRM; --model-module builds its own model"
+        return None
+
     def check(self, nproc: int = 1) -> str | None:
         """A one-line message for bad input, checked before anything heavy starts."""
+        problem = self._model_module_problem()
+        if problem:
+            return problem
         if self.data:
             from tpurec.dlrm.data_hint import data_problem
 

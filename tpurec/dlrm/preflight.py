@@ -42,6 +42,10 @@ def model_tables(options: TrainOptions) -> dict[str, dict[str, tuple[int, int]]]
     from tpurec.planner.plan_check import embedding_tables
 
     cfg = options.config()
+    if options.model_module:  # the user's model, built on its own terms (tpurec.dlrm.user_model)
+        from tpurec.dlrm.user_model import load
+
+        return embedding_tables(load(options.model_module, cfg.seed).module)
     defaults = [t.num_embeddings for t in get_table_set(cfg.table_set).tables]
     data = options.data or synth_dir(cfg.table_set, cfg.synth_rows, cfg.seed, synth_multi_hot(cfg))
     columns = options.column_spec() if options.data else None

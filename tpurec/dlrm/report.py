@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from tpurec import strict_json
 
 if TYPE_CHECKING:
-    from tpurec.catalog import TableSet
+    from tpurec.catalog import TableSet, TableSpec
     from tpurec.dlrm.configs import DLRMConfig
     from tpurec.dlrm.tensorboard_log import TensorBoardLog
 
@@ -23,21 +23,27 @@ def plan_report(dmp: Any, cfg: DLRMConfig, table_set: TableSet, table_sizes: lis
 
     table_set is the config's catalog TableSet; table_sizes replace its sizes (those of the data)."""
     from tpurec.catalog import TableSpec
-    from tpurec.planner.report import build_report
 
     tables = [
         TableSpec(t.name, t.feature, n, cfg.embedding_dim or t.embedding_dim, t.pooling_factor)
         for t, n in zip(table_set.tables, table_sizes)
     ]
+    return plan_report_of(dmp, tables, batch_size, cfg.embedding_optimizer, cfg.name)
+
+
+def plan_report_of(dmp: Any, tables: list[TableSpec], batch_size: int, optimizer: str, model: str) -> dict:
+    """The report of the plan the DMP runs over `tables` (a `--model-module` model's own)."""
+    from tpurec.planner.report import build_report
+
     topo = dmp.topology
     return build_report(
         dmp.plan,
         tables,
         topo.spec,
         batch_size=batch_size,
-        optimizer=cfg.embedding_optimizer,
+        optimizer=optimizer,
         compute_device=topo.compute_device,
-        model=cfg.name,
+        model=model,
     )
 
 

@@ -97,30 +97,51 @@ RANK_OVERHEAD_BYTES = 1 << 30
 TABLE_PEAK_FACTOR = 1.1
 
 
-def projected_host_bytes(cfg: DLRMConfig, sizes: list[int], world: int, local: int) -> tuple[int, int]:
-    """(table bytes on this host, projected peak bytes of this host's ranks) for CPU training."""
+def projected_host_bytes(
+    cfg: DLRMConfig,
+    sizes: list[int],
+    world: int,
+    local: int,
+    dims: list[int] | None = None,
+    optimizer: str | None = None,
+) -> tuple[int, int]:
+    """(table bytes on this host, projected peak bytes of this host's ranks) for CPU training. `dims`,
+    `optimizer`: a `--model-module` model's tables' (default: the config's)."""
     from tpurec.dlrm.configs import embedding_dims
     from tpurec.embedding.optimizers.registry import spec_class
 
-    dims = embedding_dims(cfg)
-    state_bytes = spec_class(cfg.embedding_optimizer).state_bytes_per_row
+    dims = dims or embedding_dims(cfg)
+    state_bytes = spec_class(optimizer or cfg.embedding_optimizer).state_bytes_per_row
     total = sum(n * (d * 4 + state_bytes(d)) for n, d in zip(sizes, dims))
     tables = total * local // max(1, world)  # this host's ranks hold their share of the tables
     return tables, int(TABLE_PEAK_FACTOR * tables) + local * RANK_OVERHEAD_BYTES
 
 
-def check_host_memory(cfg: DLRMConfig, sizes: list[int], world: int, source: str = "") -> None:
+def check_host_memory(
+    cfg: DLRMConfig,
+    sizes: list[int],
+    world: int,
+    source: str = "",
+    user: tuple[str, list[int], str] | None = None,
+) -> None:
     """Refuse at once, in one line, tables that cannot fit in this host's free memory on CPU
     (criteo-kaggle / mlperf-dcnv2 are sized for TPU slices): better than an OOM kill mid-setup.
-    Runs before any data is generated or read. `source` says where the sizes came from."""
+    Runs before any data is generated or read. `source` says where the sizes came from. `user`: a
+    `--model-module` model's (name, table dims, table optimizer); `sizes` are then its tables' rows."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    tables, need = projected_host_bytes(cfg, sizes, world, local)
+    dims, optimizer = (user[1], user[2]) if user else (None, None)
+    tables, need = projected_host_bytes(cfg, sizes, world, local, dims, optimizer)
     free = available_bytes()
     if free is None or need <= free:
         return
+    fix = (
+        "give its tables fewer rows, more hosts, or a TPU"
+        if user
+        else "use --model dlrm-tiny, data converted with smaller tables (tpurec data convert --table-set dlrm-tiny), "
+        "more hosts, or a TPU"
+    )
     raise UserError(
-        f"training {cfg.table_set} on CPU needs about {need / 2**30:.1f} GiB on this host ({tables / 2**30:.1f} GiB "
-        f"of tables and optimizer state for {sum(sizes):,} rows{source}, plus ~1 GiB per rank), which has "
-        f"{free / 2**30:.1f} GiB available; use --model dlrm-tiny, data converted with smaller tables "
-        "(tpurec data convert --table-set dlrm-tiny), more hosts, or a TPU"
+        f"training {user[0] if user else cfg.table_set} on CPU needs about {need / 2**30:.1f} GiB on this host "
+        f"({tables / 2**30:.1f} GiB of tables and optimizer state for {sum(sizes):,} rows{source}, plus ~1 GiB per "
+        f"rank), which has {free / 2**30:.1f} GiB available; {fix}"
     )

@@ -110,6 +110,7 @@ def run_hosts(
     command: str = "tpurec launch",
     say_stopped: bool = False,
     timeout: float | None = None,
+    report: tuple[int, str | None] | None = None,
 ) -> int:
     """Run one agent per (command, environment) together; when one fails the others are stopped.
     Exit code: the first failure's (2 if any agent reported bad input), else 0.
@@ -118,7 +119,8 @@ def run_hosts(
     raised them (`tpurec.runtime.rank_errors`). `say_stopped`: after a SIGINT/SIGTERM/SIGHUP forwarded
     to the agents, one line says so (for programs that do not say it themselves, as `tpurec train`'s
     ranks do). `timeout`: seconds after which every rank is stopped, in one line (exit code 124, as
-    timeout(1) gives).
+    timeout(1) gives). `report`: (hosts, emulated slice or None) of a user's program: once every rank
+    ended well, one line with the end-of-run checks `tpurec train` reports (tpurec.runtime.run_report).
 
     A rank of a user's program that exits 0 before the process group forms, while others wait for it
     in init_process_group, would leave them waiting (torch.distributed.run counts it done): the
@@ -127,7 +129,7 @@ def run_hosts(
     import tempfile
     import time
 
-    from tpurec.runtime import group_watch, rank_errors
+    from tpurec.runtime import group_watch, rank_errors, run_report
     from tpurec.runtime.lifecycle import FORWARDED, die_with_parent
 
     watch = tempfile.TemporaryDirectory(prefix="tpurec-group-watch-")
@@ -192,6 +194,7 @@ def run_hosts(
             signal.signal(sig, handler)
         for line in rank_errors.collect(watch.name):
             print(line, file=sys.stderr, flush=True)
+        figures = run_report.collect(watch.name)
         watch.cleanup()
     if stopped is not None:
         return stopped[1]
@@ -200,6 +203,9 @@ def run_hosts(
         print(f"{command}: {how}; every rank of the run was stopped", file=sys.stderr, flush=True)
     failed = [c for c in codes.values() if c]
     if not failed:
+        checks = run_report.summary(command, figures, *report) if report else None
+        if checks:
+            print(checks, file=sys.stderr, flush=True)
         return 0
     code = 2 if 2 in failed else failed[0]
     return 128 - code if code < 0 else code

@@ -33,6 +33,7 @@ from tpurec.dlrm.report import (
     MetricsLog,
     noisy_auc_text,
     plan_report,
+    plan_report_of,
     plan_summary,
     summary_text,
 )
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from torchrec.datasets.utils import Batch
 
     from tpurec.data.reader import ParquetReader
+    from tpurec.dlrm.user_model import UserModel
     from tpurec.dlrm.zch import RemapCounters
     from tpurec.emulation.rank import EmulatedRank
 
@@ -89,6 +91,7 @@ class Trainer:
         self._train_copies: Counter = Counter()  # device->host copies in training steps, by what
         self._output_failures: list[str] = []  # side outputs that could not be written (_side_output)
         self.remap: RemapCounters | None = None  # --zch: the remap's counters (tpurec.dlrm.zch)
+        self.user: UserModel | None = None  # --model-module: the user's model (tpurec.dlrm.user_model)
 
     # ---- setup ----
     def setup(self) -> None:
@@ -117,7 +120,14 @@ class Trainer:
         self.checkpointer = CheckpointManager(o.checkpoint_dir, every=every, keep=o.keep, rank=self.rank, say=self.say)
         self.checkpointer.lock()  # before any step: one run per directory
         self.table_set = get_table_set(self.cfg.table_set)  # resolved once; everything below reads it
-        if self.device == "cpu" or self.emulated:
+        if o.model_module:  # built first: the data is checked against its features
+            from tpurec.dlrm.user_model import load
+
+            self.user = load(o.model_module, self.cfg.seed)
+            if self.device == "cpu" or self.emulated:
+                rows, dims = [t.num_embeddings for t in self.user.tables], [t.embedding_dim for t in self.user.tables]
+                check_host_memory(self.cfg, rows, self.world, user=(o.model_module, dims, self._table_optimizer()))
+        elif self.device == "cpu" or self.emulated:
             # Before any data is generated or read: a refusal in one line, not an OOM kill minutes in.
             sizes, source = self._table_sizes_and_source()
             check_host_memory(self.cfg, sizes, self.world, source)
@@ -195,10 +205,15 @@ class Trainer:
         if "mapping" in meta:
             self.say(f"data: {self.data_dir}: Parquet read through a column mapping: {mapping_summary(meta)}")
         defaults = [t.num_embeddings for t in self.table_set.tables]
-        self.table_sizes = model_table_sizes(self.data_dir, defaults, columns)
-        note = unsized_note(meta, self.table_sizes, cfg.table_set)
-        if note:
-            self.say(note)
+        if self.user is not None:  # each column's table: the model's (tpurec.dlrm.user_model)
+            from tpurec.dlrm.user_model import data_table_sizes
+
+            self.table_sizes = defaults = data_table_sizes(self.user, meta, str(self.data_dir))
+        else:
+            self.table_sizes = model_table_sizes(self.data_dir, defaults, columns)
+            note = unsized_note(meta, self.table_sizes, cfg.table_set)
+            if note:
+                self.say(note)
         if self.table_sizes != defaults:
             mapped = "mapping" in meta  # sizes from --sparse NAME:ROWS (or --columns)
             self.say(
@@ -208,7 +223,7 @@ class Trainer:
             )
         self.feature_names = [f["name"] for f in meta.get("sparse", [])]
         self.num_dense = len(meta.get("dense") or [])  # the model takes the data's dense features
-        if not self.num_dense:
+        if not self.num_dense and self.user is None:
             raise UserError(f"{self.data_dir}: no dense columns; the DLRM's bottom MLP needs at least one")
         self.readers = make_readers(
             self.data_dir,
@@ -255,9 +270,16 @@ class Trainer:
         zch = o.zch_spec()
         if zch is not None:
             self._zch_table_sizes()
-        model = build_model(
-            cfg, table_sizes=self.table_sizes, feature_names=self.feature_names, zch=zch, num_dense=self.num_dense
-        )
+        constraints = None  # the built-in DLRM's (model.planner_constraints)
+        if self.user is not None:
+            from tpurec.dlrm.user_model import apply_table_optimizer
+
+            apply_table_optimizer(self.user, cfg)
+            model, constraints = self.user.module, self.user.constraints or {}
+        else:
+            model = build_model(
+                cfg, table_sizes=self.table_sizes, feature_names=self.feature_names, zch=zch, num_dense=self.num_dense
+            )
         plan = None
         if o.plan:
             from tpurec.planner.plan_io import load_plan
@@ -267,7 +289,7 @@ class Trainer:
 
         try:
             # the --limits file is read and checked against the model by DMP (tpurec/sharding/dmp.py)
-            self.dmp = shard(model, cfg, self.device, plan=plan, id_limits=o.id_limits)
+            self.dmp = shard(model, cfg, self.device, plan=plan, id_limits=o.id_limits, constraints=constraints)
         except PlanMismatchError as e:  # DMP says "the plan": name the file
             raise e.named(f"--plan {o.plan}") from None
         if zch is not None:
@@ -293,6 +315,19 @@ class Trainer:
             prepare=o.pipeline_depth > 0 and zch is None,
         )
 
+    @property
+    def model_name(self) -> str:
+        """The model trained, as the result line and the reports name it: the config, or MOD:FN."""
+        return self.options.model_module or self.cfg.name
+
+    def _table_optimizer(self) -> str:
+        """The tables' optimizer: a `--model-module` model's own when it set one, else the config's."""
+        if self.user is not None and self.user.own_optimizer:
+            from tpurec.planner.planners import infer_optimizer
+
+            return infer_optimizer(self.user.module) or self.cfg.embedding_optimizer
+        return self.cfg.embedding_optimizer
+
     def _zch_table_sizes(self) -> None:
         """--zch over several ranks: tables too small for a row-wise block of >= 2 rows on every rank
         grow to the smallest size that has one (tpurec.dlrm.zch.remap_rows), said in one line."""
@@ -310,7 +345,12 @@ class Trainer:
     def _report_plan(self) -> None:
         report = None
         try:
-            report = plan_report(self.dmp, self.cfg, self.table_set, self.table_sizes, self.batch_size)
+            if self.user is not None:
+                report = plan_report_of(
+                    self.dmp, self.user.tables, self.batch_size, self._table_optimizer(), self.model_name
+                )
+            else:
+                report = plan_report(self.dmp, self.cfg, self.table_set, self.table_sizes, self.batch_size)
             self.say(plan_summary(report))
         except Exception as e:  # the summary is informative only; never fail a run on it
             self.say(f"(plan summary unavailable: {e})")
@@ -325,7 +365,8 @@ class Trainer:
     def _checkpoint_config(self) -> dict:
         """The config a checkpoint records and a resume must match: the model's, and whether its tables
         are behind the managed-collision remap (--zch: other state, other tensors)."""
-        return {**self.cfg.to_dict(), "zch": self.options.zch}
+        own = self.user.checkpoint_config() if self.user is not None else {}
+        return {**self.cfg.to_dict(), "zch": self.options.zch, **own}
 
     def _resume(self) -> None:
         """`--resume`: the checkpoint manager finds, checks and loads the checkpoint into the model and
@@ -535,7 +576,6 @@ class Trainer:
 
     def _finish(self) -> dict:
         """After the last step: the final checkpoint, evaluation and report."""
-        cfg = self.cfg
         from tpurec.dlrm.input_pipeline import sparsecore_lookups
 
         lookups = sparsecore_lookups(self.dmp)
@@ -567,7 +607,7 @@ class Trainer:
             "eval_rows": final["rows"],
             "world_size": world,
             "batch_size": batch,
-            "model": cfg.name,
+            "model": self.model_name,
             "seconds": round(time.perf_counter() - self._t_start, 2),
         }
         if self.oracle_auc:
@@ -790,7 +830,7 @@ class Trainer:
                 plot_curves(
                     self._metrics.records,
                     png,
-                    title=f"{self.cfg.name}, {self.world} rank(s), batch {self.batch_size}/rank",
+                    title=f"{self.model_name}, {self.world} rank(s), batch {self.batch_size}/rank",
                     oracle_auc=self.oracle_auc,
                     flag="--curves-out" if o.curves_out else "the curves PNG",
                 )

@@ -22,12 +22,39 @@ class EmulatedRank:
     local_rank: int
     ops: torchtpu_ops.StandIn
     _counts: Counter = field(default_factory=Counter)
+    _marked: bool = False  # the program marks its own steps (begin): DMP forwards do not
 
     def begin(self, kind: str) -> None:
         """A training step ("train") or an evaluation pass ("eval") starts: the device's ops from here
         on belong to it."""
+        self._marked = True
+        self._begin(kind)
+
+    def _begin(self, kind: str) -> None:
         self._counts[kind] += 1
         device.RECORD.phase = (kind, self._counts[kind])
+
+    def dmp_forward(self, kind: str) -> None:
+        """A forward of tpurec's DMP (tpurec.runtime.run_report): a step of a program that does not
+        mark its own."""
+        if not self._marked:
+            self._begin(kind)
+
+    def figures(self) -> dict[str, Any]:
+        """What `tpurec train` reports of an emulated rank, for any program (tpurec.runtime.run_report):
+        programs compiled, those first compiled after warm-up, and every device->host copy in the
+        training steps after warm-up, per step (the warm-up's apart)."""
+        copies = self.train_copies()
+        steady = max(0, self._counts["train"] - device.WARMUP["train"])
+        return {
+            "emulated_tpu": self.spec.name,
+            "programs_compiled": self.programs_compiled(),
+            "recompiles_after_warmup": self.recompiles_after_warmup(),
+            "recompiled_ops": dict(Counter(op for _, op, _ in self.late_programs()).most_common(10)),
+            "device_to_host_copies_per_step": round(sum(copies.values()) / max(1, steady), 4),
+            "device_to_host_copies": copies,
+            "device_to_host_copies_in_warmup": self.train_copies(steady=False),
+        }
 
     def programs_compiled(self) -> dict[str, Any]:
         """Distinct TorchTPU programs, one per distinct (op, compile key) asked of the device: SparseCore
@@ -99,4 +126,8 @@ def activate(slice_name: str | None = None) -> EmulatedRank:
     ops = torchtpu_ops.install(sparsecores=spec.generation.sparsecores)
     _register_device_kernels()
     _RANK = EmulatedRank(spec, local_rank, ops)
+    from tpurec.runtime import run_report
+
+    run_report.on_step(_RANK.dmp_forward)  # the steps of a program that does not mark them
+    run_report.provide(_RANK.figures)  # `tpurec launch`'s end-of-run line
     return _RANK

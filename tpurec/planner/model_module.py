@@ -14,6 +14,7 @@ import importlib.util
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -165,3 +166,61 @@ def model_tables(model: nn.Module, constraints: dict[str, ParameterConstraints] 
     if dup:
         raise UserError(f"table name(s) {dup} appear in more than one embedding collection; a plan keys tables by name")
     return out
+
+
+@dataclass(frozen=True)
+class ModelFeature:
+    """One sparse feature of a user's model: the data column of its name feeds it (docs/your_model.md)."""
+
+    name: str
+    table: str
+    rows: int  # the table's num_embeddings: the feature's ids are in [0, rows)
+    ids_per_sample: int  # its pooling factor (the constraints' pooling_factors), rounded, >= 1
+
+
+def model_features(model: nn.Module, constraints: dict[str, ParameterConstraints] | None = None) -> list[ModelFeature]:
+    """Every feature of the model's embedding tables, in table order, each once: what its data holds
+    (a column per feature). A feature two tables read must have the same rows in both (one column
+    indexes them)."""
+    from torchrec.modules.embedding_configs import BaseEmbeddingConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+
+    out: dict[str, ModelFeature] = {}
+    for m in model.modules():
+        configs: Sequence[BaseEmbeddingConfig]
+        if isinstance(m, EmbeddingBagCollection):
+            configs = m.embedding_bag_configs()
+        elif isinstance(m, EmbeddingCollection):
+            configs = m.embedding_configs()
+        else:
+            continue
+        for c in configs:
+            factors = getattr((constraints or {}).get(c.name), "pooling_factors", None) or []
+            for i, name in enumerate(c.feature_names):
+                hots = max(1, round(float(factors[i]))) if i < len(factors) else 1
+                feature = ModelFeature(name, c.name, int(c.num_embeddings), hots)
+                seen = out.setdefault(name, feature)
+                if seen.rows != feature.rows:
+                    raise UserError(
+                        f"feature {name!r} indexes table {seen.table!r} ({seen.rows:,} rows) and {c.name!r} "
+                        f"({feature.rows:,} rows): one data column cannot hold ids for both; give the tables one size"
+                    )
+    return list(out.values())
+
+
+def dense_in_features(model: nn.Module) -> int | None:
+    """How many dense features the model takes: its `dense_in_features` attribute (the name of
+    TorchRec's DLRM argument), else, for TorchRec's DLRM (and DLRM_DCN, DLRMTrain around them), the
+    input width of its dense arch's first Linear; None when the model does not say."""
+    from torch import nn
+    from torchrec.models.dlrm import DLRM
+
+    given = getattr(model, "dense_in_features", None)
+    if isinstance(given, int) and not isinstance(given, bool):
+        return given
+    inner = getattr(model, "model", None)
+    dlrm = model if isinstance(model, DLRM) else inner if isinstance(inner, DLRM) else None
+    if dlrm is None:
+        return None
+    first = next((m for m in dlrm.dense_arch.modules() if isinstance(m, nn.Linear)), None)
+    return None if first is None else int(first.in_features)

@@ -25,7 +25,7 @@ import signal
 import sys
 
 from tpurec.errors import EXIT_USER_ERROR, UserError
-from tpurec.runtime import group_watch, rank_errors, safe_path
+from tpurec.runtime import group_watch, rank_errors, run_report, safe_path
 
 
 def main(argv: list[str]) -> None:
@@ -49,8 +49,11 @@ def main(argv: list[str]) -> None:
             sys.argv = list(argv)
             runpy.run_path(os.path.abspath(script), run_name="__main__")
         code = 0
+        run_report.write()  # the launcher's end-of-run checks (tpurec/runtime/run_report.py)
     except SystemExit as e:
         code = group_watch.exit_code(e)
+        if code == 0:  # sys.exit(0) ends a program as well as its last line
+            run_report.write()
         raise
     except UserError as e:  # tpurec's one-line error, from tpurec code the program called: printed once
         code = EXIT_USER_ERROR

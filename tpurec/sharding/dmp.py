@@ -37,7 +37,7 @@ from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 from tpurec.embedding.settings import KernelSettings, TableLimits
 from tpurec.embedding.sparsecores import resolve_num_sparsecores
 from tpurec.errors import UserError
-from tpurec.runtime import heartbeat, process_group
+from tpurec.runtime import heartbeat, process_group, run_report
 from tpurec.runtime.device import DeviceKind, device_kind
 from tpurec.runtime.library_notices import quiet_fx_tracing_notice
 from tpurec.sharding import sharded_tensor_device  # noqa: F401  (ShardedTensor.device on the TPU path)
@@ -421,3 +421,10 @@ class DistributedModelParallel(_TorchrecDMP):
         super().__init__(module, env=env, device=torch_device, plan=plan, sharders=sharders, **dmp_kwargs)
         self.topology = topology
         self.uneven_all_to_all = all_to_all  # "padded" on the TPU path, else None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # A training step (training mode, gradients on) or an evaluation pass, for the end-of-run checks
+        # of a program `tpurec launch` runs (tpurec/runtime/run_report.py): on an emulated rank its
+        # device's ops belong to it.
+        run_report.forward(self.training and torch.is_grad_enabled())
+        return super().forward(*args, **kwargs)

@@ -34,7 +34,23 @@ class HostInputDistMixin(ShardedHost):
     def input_dist(self, ctx, features, *args, **kwargs):
         features = host_copies.to_host(features, "ids")
         agree_id_dtypes(features, getattr(self._env, "process_group", None))
-        return super().input_dist(ctx, features, *args, **kwargs)
+        out = super().input_dist(ctx, features, *args, **kwargs)
+        divisor = getattr(ctx, "divisor", None)
+        if isinstance(divisor, torch.Tensor) and divisor.device != self._device:
+            # A mean-pooled table sharded row- or column-wise: TorchRec divides the pooled output (on the
+            # module's device) by the ids per bag, counted here from the host KJT's lengths.
+            ctx.divisor = divisor.to(self._device)
+        return out
+
+    def _init_mean_pooling_callback(self, *args, **kwargs) -> None:
+        """TorchRec's index tensors of the mean-pooling divisor, on the host with the KJT they index (its
+        dims per output, which TorchRec made with the output distribution on the device, too)."""
+        device, self._device = self._device, _HOST
+        try:
+            super()._init_mean_pooling_callback(*args, **kwargs)
+        finally:
+            self._device = device
+        self._dim_per_key = torch.tensor(self._embedding_dims, device=_HOST)
 
     def _create_input_dist(self, *args, **kwargs) -> None:
         shardings = list(getattr(self, "_embedding_shardings", None) or self._sharding_type_to_sharding.values())

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
         _table_name_to_config: Dict[str, Any]  # EmbeddingBagConfig (EBC) or EmbeddingConfig (EC)
         _sharding_type_to_sharding: Dict[str, Any]  # EmbeddingSharding of the module's context type
         _device: torch.device | None
+        _dim_per_key: torch.Tensor | None  # the EBC's (its mean pooling)
+        _embedding_dims: List[int]
         _env: ShardingEnv
         _optim: CombinedOptimizer
 
@@ -32,6 +34,8 @@ if TYPE_CHECKING:
         def input_dist(self, ctx: Any, features: Any, *args: Any, **kwargs: Any) -> Any: ...
 
         def _create_input_dist(self, *args: Any, **kwargs: Any) -> None: ...
+
+        def _init_mean_pooling_callback(self, *args: Any, **kwargs: Any) -> None: ...  # the EBC's
 
 else:
     ShardedHost = object
