@@ -269,6 +269,49 @@ def test_data_stats_reads_it(layouts, tmp_path):
     assert doc["rows"] == ROWS and len(doc["tables"]) == 26
 
 
+@pytest.mark.parametrize("sparse", [7, 28])
+def test_data_stats_measures_the_tables_train_builds_for_data_of_another_shape(tmp_path, sparse):
+    """5 dense and 7 (or 28) sparse columns: `data stats --model` measures the tables `tpurec train`'s model
+    of the data's shape has (the table set's first ones, then `t_<column>`), with the data's rows."""
+    import subprocess
+    import sys
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.dlrm.helpers import REPO
+    from tpurec.dlrm.configs import get_config
+    from tpurec.dlrm.model import build_model
+
+    rng = np.random.default_rng(3)
+    rows = 512
+    cols = {"label": rng.integers(0, 2, rows), **{f"f{i}": rng.random(rows) for i in range(5)}}
+    cols |= {f"c{i}": rng.integers(0, 100 + i, rows) for i in range(sparse)}
+    pq.write_table(pa.table(cols), tmp_path / "d.parquet")
+    out = tmp_path / "limits.json"
+    mapping = ",".join(f"c{i}:{100 + i}" for i in range(sparse))
+    args = ["data", "stats", str(tmp_path / "d.parquet"), "--model", "dlrm-tiny", "--topology", "v5p-8", "--quiet"]
+    p = subprocess.run(
+        [sys.executable, "-m", "tpurec.cli", *args, "--out", str(out), "--label", "label", "--dense", "f*"]
+        + ["--sparse", mapping],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    model = build_model(
+        get_config("dlrm-tiny"),
+        table_sizes=[100 + i for i in range(sparse)],
+        feature_names=[f"c{i}" for i in range(sparse)],
+        num_dense=5,
+    )
+    built = model.model.sparse_arch.embedding_bag_collection.embedding_bag_configs()
+    assert sorted(doc["tables"]) == sorted(c.name for c in built)
+    assert doc["rows"] == rows
+
+
 def test_a_partition_column_can_be_a_feature(layouts):
     src = open_source(layouts["hive"], ColumnSpec(dense="num_*", sparse="id_*,name_*,history,day:10"))
     assert src.mapping.sparse[-1].name == "day" and src.partition_columns == ("day",)

@@ -162,13 +162,25 @@ def _tables(path: str, model: str | None, tables_file: str | None, meta: dict | 
     tables = list(get_table_set(model).tables)
     meta = meta if meta is not None else dataset_metadata(path)
     sparse = meta.get("sparse", [])
-    if len(sparse) == len(tables):
-        tables = [
-            replace(t, num_embeddings=int(f["num_embeddings"])) if f.get("num_embeddings") is not None else t
-            for t, f in zip(tables, sparse)
-        ]
-        if "mapping" in meta:
-            tables = [replace(t, feature=f["name"]) for t, f in zip(tables, sparse)]
+    if not sparse:
+        return tables
+    # Data of another shape gets a model of its shape (tpurec.dlrm.model.build_model): the table set's
+    # first tables, and past its count tables `t_<feature>` like its last one, sized by the data.
+    reshaped = len(sparse) != len(tables)
+    specs = tables[: len(sparse)]
+    for f in sparse[len(tables) :]:
+        if f.get("num_embeddings") is None:
+            raise UserError(
+                f"{path}: sparse column {f['name']!r} has no table size and the {model} tables are "
+                f"{len(tables)}: give it one (--sparse NAME:ROWS)"
+            )
+        specs.append(replace(tables[-1], name=f"t_{f['name']}", feature=f["name"], extra_features=()))
+    tables = [
+        replace(t, num_embeddings=int(f["num_embeddings"])) if f.get("num_embeddings") is not None else t
+        for t, f in zip(specs, sparse)
+    ]
+    if "mapping" in meta or reshaped:  # the data's own column names, as `tpurec train` names features
+        tables = [replace(t, feature=f["name"]) for t, f in zip(tables, sparse)]
     return tables
 
 
