@@ -201,6 +201,16 @@ def _whole_numbers(flag: str, text: str, lo: int | None = None) -> list[int]:
 
 @reader_gone_ok
 def run_convert(args: argparse.Namespace) -> int:
+    from tpurec.data.staging import staged_inputs, staged_output
+
+    out = args.out  # a bucket's --out and inputs go through local copies (tpurec/data/staging.py)
+    with staged_output(out, args.overwrite) as args.out, staged_inputs(args.inputs) as args.inputs:
+        code = _convert(args, out)
+    args.out = out
+    return code
+
+
+def _convert(args: argparse.Namespace, out: str) -> int:
     from tpurec.catalog import get_table_set
     from tpurec.data import npy
     from tpurec.data.convert import ConvertOptions, convert, resolve_inputs
@@ -254,6 +264,7 @@ def run_convert(args: argparse.Namespace) -> int:
         categorical=categorical,
     )
     summary = convert(inputs, args.out, opts, jobs=args.jobs, show_progress=_progress(args), overwrite=args.overwrite)
+    summary["out_dir"] = out  # not the local copy of a bucket's
     if args.json:
         print(strict_json.dumps(summary, indent=2))
         return 0
@@ -276,6 +287,15 @@ def run_convert(args: argparse.Namespace) -> int:
 
 @reader_gone_ok
 def run_synth(args: argparse.Namespace) -> int:
+    from tpurec.data.staging import staged_output
+
+    out = args.out  # a bucket's --out is written locally, then uploaded (tpurec/data/staging.py)
+    with staged_output(out, args.overwrite) as args.out:
+        code = _synth(args, out)
+    return code
+
+
+def _synth(args: argparse.Namespace, out: str) -> int:
     from tpurec.data.synth import synthesize
     from tpurec.data.synth_bounds import rows_problem
 
@@ -299,12 +319,13 @@ def run_synth(args: argparse.Namespace) -> int:
         raw_ids=args.raw_ids,
         **({"id_space": args.id_space} if args.id_space else {}),
     )
+    summary["out_dir"] = out
     if args.json:
         print(strict_json.dumps(summary, indent=2))
         return 0
     print(
         f"wrote {summary['rows']:,} rows ({summary['table_set']}, seed {summary['seed']}) in "
-        f"{summary['files']} file(s) to {summary['out_dir']} in {summary['seconds']} s"
+        f"{summary['files']} file(s) to {out} in {summary['seconds']} s"
     )
     print(f"label rate {summary['label_rate']:.4f}, oracle_auc {summary['oracle_auc']:.4f}")
     return 0

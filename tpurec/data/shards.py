@@ -13,6 +13,7 @@ from typing import Any
 
 from tpurec.data.schema import DataError, DataSchema, list_parquet_files, read_file_schema
 from tpurec.errors import UserError
+from tpurec.runtime import storage
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,8 @@ def scan(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> tuple[DataSc
             schema = s
         elif s.to_json() | {"extra": {}} != schema.to_json() | {"extra": {}}:
             raise DataError(f"{path}: its tpurec schema differs from {files[0]}'s")
-        meta = pq.read_metadata(path)
+        fs, where = storage.arrow(path)
+        meta = pq.read_metadata(where, filesystem=fs)
         for rg in range(meta.num_row_groups):
             n = meta.row_group(rg).num_rows
             if n:

@@ -186,7 +186,9 @@ def _run(args: argparse.Namespace) -> int:
 
     quiet_fx_tracing_notice()  # the reader's KeyedJaggedTensors: torch's is_fx_tracing line otherwise
     _check_out(args.out)
-    if not os.path.exists(args.path):
+    from tpurec.runtime import storage
+
+    if not storage.path(args.path).exists():
         raise UserError(f"{args.path}: no such dataset directory or Parquet file")
     if args.model_module:  # a typo told at once, not after torch loads
         from tpurec.planner.model_module import parse_target
@@ -226,7 +228,7 @@ def _run(args: argparse.Namespace) -> int:
         "format": FORMAT,
         "version": 1,
         "layout": layout,
-        "data": os.path.abspath(args.path),
+        "data": args.path if storage.is_uri(args.path) else os.path.abspath(args.path),
         "plan": args.plan or f"tpurec plan for {args.topology}",
         "rows": rows,
         "batches": len(tally.per_batch[tables[0].name]) if tables else 0,
