@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from tests.reliability.inproc import assert_refused, run_cli
@@ -80,8 +81,13 @@ def test_no_credentials_is_one_line(s3_bucket, monkeypatch, capsys):
     assert_refused(code, err, f"{s3_bucket}: no AWS credentials found")
 
 
-def test_gs_data_through_the_emulator(gcs_bucket, tmp_path, capsys):
+def test_gs_data_through_the_emulator(gcs_bucket, tmp_path, capsys, monkeypatch):
+    """gs:// goes to pyarrow's GcsFileSystem (here at the emulator): synth, inspect and a short
+    training run read what the same files read locally."""
+    from tpurec.runtime import storage
+
     uri = f"{gcs_bucket}/tiny"
+    assert type(storage.arrow(uri)[0]).__name__ == "GcsFileSystem"
     code, out, err = run_cli([*_synth(uri, rows=1500), "--quiet"], capsys)
     assert code == 0, err
     code, remote, err = run_cli(["data", "inspect", uri, "--json"], capsys)
@@ -90,6 +96,14 @@ def test_gs_data_through_the_emulator(gcs_bucket, tmp_path, capsys):
     code, local, err = run_cli(["data", "inspect", tmp_path / "tiny", "--json"], capsys)
     assert json.loads(remote)["columns"] == json.loads(local)["columns"]
     assert json.loads(remote)["rows"] == 1500
+    monkeypatch.setenv("TPUREC_CACHE", str(tmp_path / "cache"))
+    run = ["train", "--quiet", "--steps", 3, "--batch-size", 256, "--eval-every", 0, "--curves-out", "none"]
+    results = []
+    for data in (uri, tmp_path / "tiny"):
+        code, out, err = run_cli([*run, "--data", data], capsys)
+        assert code == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert (results[0]["auc"], results[0]["logloss"]) == (results[1]["auc"], results[1]["logloss"])
 
 
 @pytest.mark.parametrize(
@@ -102,3 +116,36 @@ def test_uri_parsing(uri, scheme, key):
     assert storage.is_uri(uri)
     assert storage.split(uri) == (scheme, key)
     assert not storage.is_uri("/data/s3://x") and not storage.is_uri("file.parquet")
+
+
+def _criteo_tsv(path, rows: int = 300) -> None:
+    """Criteo's text layout: label, 13 integer counts, 26 hex ids (some blank), tab-separated."""
+    rng = np.random.default_rng(1)
+    lines = []
+    for _ in range(rows):
+        dense = [str(v) if v >= 0 else "" for v in rng.integers(-3, 500, 13)]
+        cats = [f"{v:08x}" if v % 9 else "" for v in rng.integers(0, 2**32, 26)]
+        lines.append("\t".join([str(rng.integers(0, 2)), *dense, *cats]))
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_convert_from_s3_to_s3_writes_what_a_local_convert_writes(s3_bucket, tmp_path, capsys):
+    from tpurec.runtime import storage
+
+    _criteo_tsv(tmp_path / "day_0.tsv")
+    storage.path(f"{s3_bucket}/raw/day_0.tsv").write_bytes((tmp_path / "day_0.tsv").read_bytes())
+    out = f"{s3_bucket}/parquet"
+    convert = ["data", "convert", "--quiet", "--table-set", "dlrm-tiny", "--row-group-size", 100]
+    code, said, err = run_cli([*convert, f"{s3_bucket}/raw/day_*.tsv", "--out", out], capsys)
+    assert code == 0, err
+    assert f"Parquet in {out}" in said
+    assert run_cli([*convert, tmp_path / "day_0.tsv", "--out", tmp_path / "parquet"], capsys)[0] == 0
+    code, remote, err = run_cli(["data", "inspect", out, "--json"], capsys)
+    assert code == 0, err
+    local = run_cli(["data", "inspect", tmp_path / "parquet", "--json"], capsys)[1]
+    assert json.loads(remote)["rows"] == 300
+    assert json.loads(remote)["columns"] == json.loads(local)["columns"]
+    assert sorted(p.name for p in storage.path(out).iterdir()) == ["_dataset.json", "part-00000.parquet"]
+
+    code, _, err = run_cli([*convert, f"{s3_bucket}/raw/day_0.tsv", "--out", out], capsys)
+    assert_refused(code, err, f"{out} already holds 1 .parquet files; use --overwrite")

@@ -63,15 +63,25 @@ def upload(local: str, out: str) -> list[str]:
 @contextmanager
 def staged_inputs(inputs: list[str]) -> Iterator[list[str]]:
     """`inputs` with each bucket file or directory replaced by a local copy (one level of a
-    directory: the files convert reads); local ones as given."""
+    directory: the files convert reads), a glob in the last part of a URI (``s3://b/day_*.gz``: no
+    shell expands it) by the files it matches; local ones as given."""
     if not any(storage.is_uri(p) for p in inputs):
         yield inputs
         return
     from pyarrow import fs as pafs
 
+    expanded: list[str] = []
+    for p in inputs:
+        if storage.is_uri(p) and any(c in p.rpartition("/")[2] for c in "*?["):
+            found = sorted(str(f) for f in storage.path(p).parent.glob(p.rpartition("/")[2]) if f.is_file())
+            if not found:
+                raise DataError(f"{p}: no file matches")
+            expanded += found
+        else:
+            expanded.append(p)
     with tempfile.TemporaryDirectory(prefix="tpurec-in-") as local:
         out = []
-        for i, p in enumerate(inputs):
+        for i, p in enumerate(expanded):
             if not storage.is_uri(p):
                 out.append(p)
                 continue
