@@ -32,7 +32,7 @@ from tpurec.data.schema import (
     SparseFeature,
     dataset_json,
 )
-from tpurec.data.shards import Unit
+from tpurec.data.shards import Unit, footers
 from tpurec.data.string_ids import string_hash
 from tpurec.errors import UserError
 from tpurec.runtime import storage
@@ -102,8 +102,9 @@ class MappedSource:
         self.mapping: ColumnMapping = resolve(spec, dataset.schema, self.partition_columns)
         self.partition_keys = {named(f.path): ds.get_partition_keys(f.partition_expression) for f in fragments}
         self.units = []
-        for f in fragments:
-            meta = f.metadata
+        by_name = {named(f.path): f for f in fragments}
+        metas = footers(list(by_name), lambda p: by_name[p].metadata)  # a bucket's on threads
+        for f, meta in zip(fragments, metas):
             for rg in range(meta.num_row_groups):
                 n = meta.row_group(rg).num_rows
                 if n:

@@ -198,17 +198,23 @@ def list_parquet_files(paths: str | os.PathLike | Sequence[str | os.PathLike]) -
     return out
 
 
-def read_file_schema(path: str) -> DataSchema:
-    """The DataSchema recorded in one Parquet file's footer."""
+def read_footer(path: str) -> pq.FileMetaData:
+    """One Parquet file's footer (a local file, or an object in a bucket: tpurec/runtime/storage.py)."""
     import pyarrow.parquet as pq
 
     fs, where = storage.arrow(path)
     try:
-        meta = pq.read_metadata(where, filesystem=fs)
-    except UserError:  # the bucket refused (tpurec/runtime/storage.py): its own line
+        return pq.read_metadata(where, filesystem=fs)
+    except UserError:  # the bucket refused: its own line
         raise
     except Exception as e:  # truncated / not Parquet
         raise DataError(f"{path}: not a readable Parquet file ({e})") from None
+
+
+def read_file_schema(path: str, meta: pq.FileMetaData | None = None) -> DataSchema:
+    """The DataSchema recorded in one Parquet file's footer (`meta`, when already read)."""
+    if meta is None:
+        meta = read_footer(path)
     raw = (meta.metadata or {}).get(METADATA_KEY)
     if raw is None:
         raise DataError(f"{path}: no tpurec metadata in the Parquet footer (not written by tpurec data?)")
