@@ -25,6 +25,11 @@ S3_ENV = {
     "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
     "AWS_CONFIG_FILE": os.devnull,
 }
+# gcsfs 2026.7 first asks a gs:// bucket's layout over gRPC (its experimental hierarchical-namespace
+# support), which the emulator does not serve: 60 s per call. Read when gcsfs is imported.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+# Google's auth library would look for a GCE metadata server (off this machine): none here.
+os.environ.setdefault("NO_GCE_CHECK", "true")
 S3_UNSET = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_WEB_IDENTITY_TOKEN_FILE")
 
 

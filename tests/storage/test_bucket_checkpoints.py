@@ -79,6 +79,22 @@ def test_checkpoint_dir_in_a_missing_bucket_is_refused_before_training(s3_env, c
     assert_refused(code, err, "--checkpoint-dir s3://tpurec-nope/ck: bucket 'tpurec-nope' does not exist")
 
 
+@pytest.mark.slow  # the emulator lacks GCS's moveTo, which gcsfs retries for ~30 s at every DCP save
+def test_gs_checkpoints_through_the_emulator_resume_with_the_local_numbers(gcs_bucket, tmp_path, monkeypatch):
+    """gs://: DCP through gcsfs, the other files through pyarrow's GcsFileSystem, at the emulator."""
+    from tests.dlrm.helpers import train
+
+    monkeypatch.setenv("GCE_METADATA_HOST", "127.0.0.1:9")  # no metadata server lookup off this machine
+    monkeypatch.setenv("GCE_METADATA_IP", "127.0.0.1:9")
+    common = ["--synth-rows", 3000, "--eval-every", 0, "--curves-out", "none", "--keep", 0, "--checkpoint-every", 4]
+    ckpt, cache = f"{gcs_bucket}/ckpt", tmp_path / "cache"
+    local, _ = train(*common, "--steps", 8, "--checkpoint-dir", tmp_path / "ckpt", cache=cache)
+    train(*common, "--steps", 4, "--checkpoint-dir", ckpt, cache=cache)
+    resumed, p = train(*common, "--steps", 8, "--checkpoint-dir", ckpt, "--resume", cache=cache)
+    assert "at step 4, exact" in p.stderr, p.stderr
+    assert (resumed["auc"], resumed["logloss"]) == (local["auc"], local["logloss"])
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_two_ranks_resume_from_a_bucket_exactly(s3_bucket, tmp_path):

@@ -117,6 +117,14 @@ def require_aws_credentials(uri: str) -> None:
         )
 
 
+def fsspec_options(uri: str | os.PathLike) -> dict[str, Any]:
+    """fsspec's keyword arguments for `uri` (DCP's FsspecWriter / FsspecReader), reaching what
+    `filesystem` reaches: anonymous at a GCS emulator (gcsfs reads STORAGE_EMULATOR_HOST itself,
+    but would look for credentials first)."""
+    scheme = split(str(uri))[0]
+    return {"token": "anon"} if scheme != "s3" and os.environ.get("STORAGE_EMULATOR_HOST") else {}
+
+
 def arrow(p: str | os.PathLike) -> tuple[Any, str]:
     """(filesystem, path) for pyarrow's ``filesystem=`` and path arguments: (None, p) when local."""
     if isinstance(p, BucketPath):
@@ -248,15 +256,22 @@ class BucketPath:
         except OSError as e:
             raise UserError(f"{self}: cannot list ({_first_line(e)})") from None
 
+    def _names(self) -> list[str]:
+        """The names one level below, from a recursive listing: a delimited listing's common prefixes
+        (the "directories") are what S3-compatible stores and emulators implement least alike
+        (gcp-storage-emulator returns none), and a bucket's "directory" is only a prefix anyway."""
+        names = {info.path[len(self.key) + 1 :].split("/")[0] for info in self._children(True)}
+        return sorted(n for n in names if n)
+
     def iterdir(self) -> Iterator[BucketPath]:
-        for info in self._children(False):
-            yield BucketPath(self.scheme, info.path)
+        for name in self._names():
+            yield self / name
 
     def glob(self, pattern: str) -> Iterator[BucketPath]:
         """Children whose name matches `pattern` (one level; no ``**``)."""
-        for info in self._children(False):
-            if fnmatch.fnmatchcase(posixpath.basename(info.path), pattern):
-                yield BucketPath(self.scheme, info.path)
+        for name in self._names():
+            if fnmatch.fnmatchcase(name, pattern):
+                yield self / name
 
     def rglob(self, pattern: str) -> Iterator[BucketPath]:
         for info in self._children(True):

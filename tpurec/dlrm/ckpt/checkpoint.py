@@ -319,7 +319,7 @@ def _write(
     if remote:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # not re-exported (torch 2.14)
 
-        dcp.save(state, storage_writer=FsspecWriter(str(tmp)))
+        dcp.save(state, storage_writer=FsspecWriter(str(tmp), **storage.fsspec_options(tmp)))
     else:
         dcp.save(state, checkpoint_id=str(tmp))
     train_state_file(tmp, _rank()).write_text(strict_json.dumps(train_state))
@@ -397,7 +397,7 @@ def load(
     if storage.is_uri(path):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-        dcp.load(sd, storage_reader=FsspecReader(str(path)))
+        dcp.load(sd, storage_reader=FsspecReader(str(path), **storage.fsspec_options(path)))
     else:
         dcp.load(sd, checkpoint_id=str(path))
     dmp.load_state_dict(sd["model"])
