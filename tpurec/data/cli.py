@@ -226,15 +226,25 @@ def _whole_numbers(flag: str, text: str, lo: int | None = None) -> list[int]:
 
 @reader_gone_ok
 def run_convert(args: argparse.Namespace) -> int:
+    from tpurec.data.staging import staged_inputs, staged_output
+
+    out = args.out  # a bucket's --out and inputs go through local copies (tpurec/data/staging.py)
+    with staged_output(out, args.overwrite) as args.out, staged_inputs(args.inputs) as args.inputs:
+        code = _dispatch_convert(args, out)
+    args.out = out
+    return code
+
+
+def _dispatch_convert(args: argparse.Namespace, out: str) -> int:
     from tpurec.data.convert_mapped import wants_mapping
     from tpurec.data.mapping import spec_from_args
 
     if wants_mapping(args.inputs, spec_from_args(args), args.format):
-        return _run_convert_mapped(args)
-    return _run_convert_criteo(args)
+        return _run_convert_mapped(args, out)
+    return _run_convert_criteo(args, out)
 
 
-def _run_convert_mapped(args: argparse.Namespace) -> int:
+def _run_convert_mapped(args: argparse.Namespace, out: str) -> int:
     """Parquet, or CSV/TSV with a header, through a column mapping (tpurec/data/convert_mapped.py)."""
     from tpurec.catalog import get_table_set
     from tpurec.data.convert_mapped import MappedOptions, convert_mapped
@@ -268,6 +278,7 @@ def _run_convert_mapped(args: argparse.Namespace) -> int:
         table_sizes=sizes,
     )
     summary = convert_mapped(args.inputs, args.out, opts, show_progress=_progress(args), overwrite=args.overwrite)
+    summary["out_dir"] = out  # not the local copy of a bucket's
     yaml_text = summary.pop("mapping_yaml")
     if args.json:
         print(strict_json.dumps(summary, indent=2))
@@ -294,7 +305,7 @@ def _print_summary(summary: dict) -> None:
             print(f"  {e}")
 
 
-def _run_convert_criteo(args: argparse.Namespace) -> int:
+def _run_convert_criteo(args: argparse.Namespace, out: str) -> int:
     """Criteo text (label, 13 dense, 26 categorical by position) and TorchRec's .npy/.npz days."""
     from tpurec.catalog import get_table_set
     from tpurec.data import npy
@@ -355,6 +366,7 @@ def _run_convert_criteo(args: argparse.Namespace) -> int:
     if opts.ids == "decimal":
         opts.schema.extra["ids"] = "decimal"  # the categorical fields were read as decimal, not hex
     summary = convert(inputs, args.out, opts, jobs=args.jobs, show_progress=_progress(args), overwrite=args.overwrite)
+    summary["out_dir"] = out  # not the local copy of a bucket's
     if summary["digits_only_inputs"]:
         first = summary["digits_only_inputs"][0]
         print(
@@ -386,6 +398,15 @@ def _criteo_ids(text: str | None) -> str:
 
 @reader_gone_ok
 def run_synth(args: argparse.Namespace) -> int:
+    from tpurec.data.staging import staged_output
+
+    out = args.out  # a bucket's --out is written locally, then uploaded (tpurec/data/staging.py)
+    with staged_output(out, args.overwrite) as args.out:
+        code = _synth(args, out)
+    return code
+
+
+def _synth(args: argparse.Namespace, out: str) -> int:
     from tpurec.data.synth import synthesize
     from tpurec.data.synth_bounds import rows_problem
 
@@ -410,12 +431,13 @@ def run_synth(args: argparse.Namespace) -> int:
         raw_ids=args.raw_ids,
         **({"id_space": args.id_space} if args.id_space else {}),
     )
+    summary["out_dir"] = out
     if args.json:
         print(strict_json.dumps(summary, indent=2))
         return 0
     print(
         f"wrote {summary['rows']:,} rows ({summary['table_set']}, seed {summary['seed']}) in "
-        f"{summary['files']} file(s) to {summary['out_dir']} in {summary['seconds']} s"
+        f"{summary['files']} file(s) to {out} in {summary['seconds']} s"
     )
     print(f"label rate {summary['label_rate']:.4f}, oracle_auc {summary['oracle_auc']:.4f}")
     return 0

@@ -17,7 +17,6 @@ Decoding rules (docs/data.md, "Your own Parquet"):
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -33,8 +32,9 @@ from tpurec.data.schema import (
     SparseFeature,
     dataset_json,
 )
-from tpurec.data.shards import Unit
+from tpurec.data.shards import Unit, footers
 from tpurec.data.string_ids import string_hash
+from tpurec.runtime import storage
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -49,7 +49,7 @@ def has_tpurec_metadata(path: str | os.PathLike) -> bool:
     file carries tpurec's footer metadata; or such a file."""
     import pyarrow.parquet as pq
 
-    p = Path(path)
+    p = storage.path(path)
     if p.is_dir():
         if dataset_json(p) is not None:
             return True
@@ -57,8 +57,9 @@ def has_tpurec_metadata(path: str | os.PathLike) -> bool:
         if not files:
             return False
         p = files[0]
+    fs, where = storage.arrow(p)
     try:
-        meta = pq.read_metadata(p)
+        meta = pq.read_metadata(where, filesystem=fs)
     except Exception:  # not Parquet: the mapped reader names the problem
         return False
     return METADATA_KEY in (meta.metadata or {})
@@ -78,28 +79,35 @@ class MappedSource:
         import pyarrow.dataset as ds
 
         self.path = str(path)
-        if not Path(path).exists():
-            raise DataError(f"{path}: no such file or directory")
+        here = storage.path(path)
+        if not here.exists():
+            raise DataError(f"{path}: {here.missing_reason() if storage.is_uri(path) else 'no such file or directory'}")
+        fs, where = storage.arrow(path)
+        # A bucket's fragments are named "bucket/key" by its filesystem: units carry the URI again.
+        named = (lambda p: p) if fs is None else (lambda p: f"{here.scheme}://{p}")
         try:
-            dataset = ds.dataset(self.path, format="parquet", partitioning="hive", exclude_invalid_files=True)
+            dataset = ds.dataset(
+                where, format="parquet", partitioning="hive", exclude_invalid_files=True, filesystem=fs
+            )
             fragments = sorted(dataset.get_fragments(), key=lambda f: f.path)
         except Exception as e:  # unreadable directory, conflicting partition values, ...
             raise DataError(f"{path}: cannot open as a Parquet dataset ({str(e).splitlines()[0]})") from None
         if not fragments:
-            what = "not a readable Parquet file" if Path(path).is_file() else "no readable Parquet files"
+            what = "not a readable Parquet file" if here.is_file() else "no readable Parquet files"
             raise DataError(f"{path}: {what}")
         self.arrow_schema = dataset.schema
         physical = set(fragments[0].physical_schema.names)
         self.partition_columns = tuple(n for n in dataset.schema.names if n not in physical)
         self.mapping: ColumnMapping = resolve(spec, dataset.schema, self.partition_columns)
-        self.partition_keys = {f.path: ds.get_partition_keys(f.partition_expression) for f in fragments}
+        self.partition_keys = {named(f.path): ds.get_partition_keys(f.partition_expression) for f in fragments}
         self.units = []
-        for f in fragments:
-            meta = f.metadata
+        by_name = {named(f.path): f for f in fragments}
+        metas = footers(list(by_name), lambda p: by_name[p].metadata)  # a bucket's on threads
+        for f, meta in zip(fragments, metas):
             for rg in range(meta.num_row_groups):
                 n = meta.row_group(rg).num_rows
                 if n:
-                    self.units.append(Unit(f.path, rg, 0, n))
+                    self.units.append(Unit(named(f.path), rg, 0, n))
         self.files = len(fragments)
         self.rows = sum(u.rows for u in self.units)
         if not self.rows:

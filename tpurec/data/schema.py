@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from tpurec import strict_json
 from tpurec.errors import UserError
 from tpurec.json_fields import FieldError, choice, each, fields, flag, obj, optional, text
+from tpurec.runtime import storage
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -179,31 +180,41 @@ def criteo_schema(
 
 
 def list_parquet_files(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
-    """A directory (all ``*.parquet`` in it, sorted) or a list of files/directories."""
-    if isinstance(paths, (str, os.PathLike)):
+    """A directory (all ``*.parquet`` in it, sorted) or a list of files/directories; local paths
+    or bucket URIs (tpurec/runtime/storage.py)."""
+    if isinstance(paths, (str, os.PathLike, storage.BucketPath)):
         paths = [paths]
     out: list[str] = []
     for p in paths:
-        p = Path(p)
+        p = storage.path(p)
         if p.is_dir():
             out += sorted(str(f) for f in p.glob("*.parquet"))
         elif p.exists():
             out.append(str(p))
         else:
-            raise DataError(f"{p}: no such file or directory")
+            raise DataError(f"{p}: {p.missing_reason() if storage.is_uri(p) else 'no such file or directory'}")
     if not out:
         raise DataError(f"no .parquet files in {', '.join(map(str, paths))}")
     return out
 
 
-def read_file_schema(path: str) -> DataSchema:
-    """The DataSchema recorded in one Parquet file's footer."""
+def read_footer(path: str) -> pq.FileMetaData:
+    """One Parquet file's footer (a local file, or an object in a bucket: tpurec/runtime/storage.py)."""
     import pyarrow.parquet as pq
 
+    fs, where = storage.arrow(path)
     try:
-        meta = pq.read_metadata(path)
+        return pq.read_metadata(where, filesystem=fs)
+    except UserError:  # the bucket refused: its own line
+        raise
     except Exception as e:  # truncated / not Parquet
         raise DataError(f"{path}: not a readable Parquet file ({e})") from None
+
+
+def read_file_schema(path: str, meta: pq.FileMetaData | None = None) -> DataSchema:
+    """The DataSchema recorded in one Parquet file's footer (`meta`, when already read)."""
+    if meta is None:
+        meta = read_footer(path)
     raw = (meta.metadata or {}).get(METADATA_KEY)
     if raw is None:
         raise DataError(f"{path}: no tpurec metadata in the Parquet footer (not written by tpurec data?)")
@@ -220,7 +231,7 @@ def dataset_metadata(path: str | os.PathLike) -> dict:
     ``path`` is the dataset directory (reads ``_dataset.json``; falls back to the first file's footer)
     or a Parquet file.
     """
-    p = Path(path)
+    p = storage.path(path)
     found = dataset_json(p) if p.is_dir() else None
     first = list_parquet_files([p])[0]
     if found is None:
@@ -262,10 +273,11 @@ def check_table_sizes(where: object, doc: dict, footer: DataSchema, footer_file:
 
 
 def dataset_json(directory: str | os.PathLike) -> Path | None:
-    """The dataset's metadata file (``_dataset.json``, or the older ``dataset.json``), if written."""
+    """The dataset's metadata file (``_dataset.json``, or the older ``dataset.json``), if written
+    (a `storage.BucketPath` in a bucket)."""
     for name in (DATASET_JSON, LEGACY_DATASET_JSON):
-        if (Path(directory) / name).is_file():
-            return Path(directory) / name
+        if (storage.path(directory) / name).is_file():
+            return storage.path(directory) / name
     return None
 
 

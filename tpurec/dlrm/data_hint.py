@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from tpurec.runtime import storage
+
 # What `tpurec data convert` takes (its --format auto: tpurec/data/cli.py).
 TEXT_SUFFIXES = (".csv", ".csv.gz", ".tsv", ".tsv.gz", ".txt", ".txt.gz", ".gz")
 TORCHREC_DAY_SUFFIXES = (".npy", ".npz")
@@ -26,10 +28,11 @@ def _out_for(path: Path) -> str:
 
 def data_problem(data: str, table_set: str) -> str | None:
     """None when `data` is a directory holding .parquet files; else the one line."""
-    path = Path(data)
+    path = storage.path(data)  # a local Path, or a bucket's (tpurec/runtime/storage.py)
     if not path.exists():
+        why = path.missing_reason() if storage.is_uri(data) else "no such directory"
         return (
-            f"--data {data}: no such directory; --data takes the Parquet directory "
+            f"--data {data}: {why}; --data takes the Parquet directory "
             f"{_convert('INPUT...', data, table_set)} writes from Criteo text or TorchRec day files"
         )
     if path.is_file():
@@ -66,7 +69,7 @@ def _holds_parquet(path: Path, most: int = 100) -> bool:
 
     for f in itertools.islice((f for f in path.rglob("*") if f.is_file()), most):
         try:
-            with open(f, "rb") as fh:
+            with f.open("rb") as fh:
                 if fh.read(4) == b"PAR1":
                     return True
         except OSError:

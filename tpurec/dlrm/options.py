@@ -26,7 +26,7 @@ from tpurec.dlrm.flags import flag
 from tpurec.dlrm.zch import DEFAULT_EVICTION_INTERVAL, POLICIES, RAW_IDS_FIX, ZchSpec
 from tpurec.dlrm.zch import data_problem as zch_data_problem
 from tpurec.errors import UserError
-from tpurec.runtime import heartbeat
+from tpurec.runtime import heartbeat, storage
 from tpurec.runtime.device import DeviceChoice
 
 if TYPE_CHECKING:
@@ -273,7 +273,7 @@ class TrainOptions:
             return None if self.curves_out.lower() == "none" else self.curves_out
         if self.metrics_out:
             return os.path.splitext(self.metrics_out)[0] + ".png"
-        if self.checkpoint_dir:
+        if self.checkpoint_dir and not storage.is_uri(self.checkpoint_dir):  # a PNG goes to a local file
             return os.path.join(self.checkpoint_dir, "curves.png")
         from tpurec.dlrm.data import cache_root
 
@@ -286,8 +286,9 @@ class TrainOptions:
         """Everything this run writes, as (flag, path, "file" or "dir"), to check before any work."""
         from tpurec.dlrm.data import cache_root
 
+        local_ckpt = self.checkpoint_dir if not storage.is_uri(self.checkpoint_dir) else None  # a bucket's: check()
         found = [
-            ("--checkpoint-dir", self.checkpoint_dir, "dir"),
+            ("--checkpoint-dir", local_ckpt, "dir"),
             ("--metrics-out", self.metrics_out, "file+dirs"),
             ("--save-plan", self.save_plan, "file"),
             ("--limits-out", self.limits_out, "file"),
@@ -319,7 +320,7 @@ class TrainOptions:
         """A column mapping that does not fit --data (a column it lacks, of the wrong type) or the
         model (its dense and sparse counts), told once before any rank starts; None for tpurec's own
         data read without a mapping."""
-        if not self.data or not os.path.exists(self.data):
+        if not self.data or not storage.path(self.data).exists():
             return None
         from tpurec.catalog import get_table_set
         from tpurec.data.mapped import has_tpurec_metadata
@@ -403,8 +404,12 @@ class TrainOptions:
             # empty or absent only if --resume is left out): training from scratch would hide it.
             where = self.checkpoint_dir if self.resume == "latest" else self.resume
             assert where is not None  # "latest" without --checkpoint-dir was refused above
-            if not os.path.exists(where):
+            if not storage.path(where).exists():
                 return f"--resume: {where} does not exist (leave out --resume to start a new run)"
+        if self.checkpoint_dir and storage.is_uri(self.checkpoint_dir):
+            problem = storage.dir_problem(self.checkpoint_dir)
+            if problem:
+                return f"--checkpoint-dir {problem}"
         from tpurec.outputs import output_problem
 
         problems = (output_problem(name, path, kind) for name, path, kind in self.outputs())

@@ -39,7 +39,7 @@ from tpurec.dlrm.report import (
 )
 from tpurec.dlrm.runtime import check_host_memory, init_distributed, log, resolve_device, setup_logging
 from tpurec.errors import UserError
-from tpurec.runtime import stop_request
+from tpurec.runtime import stop_request, storage
 
 if TYPE_CHECKING:
     import torch
@@ -183,7 +183,7 @@ class Trainer:
 
         cfg, rank, world = self.cfg, self.rank, self.world
         if self.options.data:
-            self.data_dir = Path(self.options.data)
+            self.data_dir = storage.path(self.options.data)  # a Path, or a bucket's
         else:
             local_rank = int(os.environ.get("LOCAL_RANK", rank))
             if local_rank == 0:  # one writer per host; the others wait at the barrier

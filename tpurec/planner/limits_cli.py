@@ -224,7 +224,9 @@ def _run(args: argparse.Namespace, remap: RemappedIds | None = None) -> int:
 
     quiet_fx_tracing_notice()  # the reader's KeyedJaggedTensors: torch's is_fx_tracing line otherwise
     _check_out(args.out)
-    if not os.path.exists(args.path):
+    from tpurec.runtime import storage
+
+    if not storage.path(args.path).exists():
         raise UserError(f"{args.path}: no such dataset directory or Parquet file")
     if args.model_module:  # a typo told at once, not after torch loads
         from tpurec.planner.model_module import parse_target
@@ -270,7 +272,7 @@ def _run(args: argparse.Namespace, remap: RemappedIds | None = None) -> int:
         "format": FORMAT,
         "version": 1,
         "layout": layout,
-        "data": os.path.abspath(args.path),
+        "data": args.path if storage.is_uri(args.path) else os.path.abspath(args.path),
         "plan": args.plan or f"tpurec plan for {args.topology}",
         **({"zch": remap.record} if remap is not None else {}),
         "rows": rows,

@@ -14,7 +14,13 @@ Layout of CKPT_DIR/step-00000100/:
   COMPLETE       written last, after every rank has finished.
 Everything is first written under step-00000100.tmp/ and renamed once COMPLETE is in it; the
 loader only considers directories holding COMPLETE. Multi-host runs need CKPT_DIR on a filesystem
-every host sees.
+every host sees, or in a bucket.
+
+CKPT_DIR may be an s3:// or gs:// URI (tpurec/runtime/storage.py): DCP writes through its fsspec
+writer and reader (s3fs, gcsfs), the other files through pyarrow. A bucket cannot rename a
+directory, so there step-00000100/ is written in place and COMPLETE, written last, is what makes it
+a checkpoint (an object appears whole or not at all); the loader ignores one without it, and the
+next save of that step replaces it.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import torch.distributed as dist
 
 from tpurec import strict_json
 from tpurec.errors import UserError
+from tpurec.runtime import storage
 
 if TYPE_CHECKING:
     from torch import nn
@@ -56,17 +63,17 @@ def _barrier() -> None:
 
 
 def step_dir(root: str | os.PathLike, step: int) -> Path:
-    return Path(root) / f"step-{step:08d}"
+    return storage.path(root) / f"step-{step:08d}"
 
 
 def complete_checkpoints(root: str | os.PathLike) -> list[Path]:
     """Complete checkpoints under root, oldest first (a dir counts only with its COMPLETE marker)."""
-    root = Path(root)
-    if not root.is_dir():
+    top = storage.path(root)
+    if not top.is_dir():
         return []
     found = [
         p
-        for p in root.iterdir()
+        for p in top.iterdir()
         if p.is_dir() and p.name.startswith("step-") and not p.name.endswith(".tmp") and (p / MARKER).exists()
     ]
     return sorted(found, key=lambda p: p.name)
@@ -117,13 +124,13 @@ def latest_intact(root: str | os.PathLike, say: Callable[[str], object] = print)
 
 def is_root(path: str | os.PathLike) -> bool:
     """True for a directory of checkpoints (a --checkpoint-dir), not one checkpoint itself."""
-    p = Path(path)
+    p = storage.path(path)
     return p.is_dir() and not (p / MARKER).exists() and not p.name.startswith("step-")
 
 
 def resolve(path: str | os.PathLike) -> Path:
     """A checkpoint dir itself, or the newest complete one under a root; one-line errors otherwise."""
-    p = Path(path)
+    p = storage.path(path)
     if (p / MARKER).exists():
         return p
     if is_root(p):
@@ -160,7 +167,7 @@ def set_rng_state(state: dict) -> None:
 
 
 def train_state_file(path: str | os.PathLike, rank: int) -> Path:
-    return Path(path) / f"rank-{rank}.json"
+    return storage.path(path) / f"rank-{rank}.json"
 
 
 class CheckpointWriteError(UserError):
@@ -228,6 +235,8 @@ FULL_BELOW_BYTES = 16 << 20  # free space under which a failed write is taken fo
 
 
 def _nearly_full(path: str | os.PathLike) -> bool:
+    if storage.is_uri(path):  # a bucket has no free space to run out of
+        return False
     p = Path(path)
     while not p.exists() and p != p.parent:
         p = p.parent
@@ -251,13 +260,14 @@ def save(
     read-only directory) raises CheckpointWriteError naming the directory, on the ranks that see it;
     the unfinished step-N.tmp is removed and every complete checkpoint is left as it was."""
     final = step_dir(root, step)
-    tmp = final.with_name(final.name + ".tmp")
+    # A bucket cannot rename a directory: the checkpoint is written where it stays (module docstring).
+    tmp = final if storage.is_uri(root) else final.with_name(final.name + ".tmp")
     previous = latest(root)
     try:
         _write(root, step, final, tmp, dmp, optimizer, train_state, meta)
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         if _rank() == 0 and not (tmp / MARKER).exists():
-            shutil.rmtree(tmp, ignore_errors=True)  # give the space back: it never was a checkpoint
+            storage.rmtree(tmp, ignore_errors=True)  # give the space back: it never was a checkpoint
         if _behind(e, KeyboardInterrupt) is not None:  # Ctrl-C (DCP wraps it): complete ones stay as they were
             raise KeyboardInterrupt from None
         failed, chain = write_error(e, tmp, previous), None
@@ -279,7 +289,9 @@ def purge(root: str | os.PathLike, keep: int) -> list[Path]:
         return []
     stale = complete_checkpoints(root)[:-keep]
     for old in stale:
-        shutil.rmtree(old, ignore_errors=True)
+        if storage.is_uri(old):
+            (old / MARKER).unlink(missing_ok=True)  # first: a purge cut short leaves no "complete" remnant
+        storage.rmtree(old, ignore_errors=True)
     return stale
 
 
@@ -295,12 +307,21 @@ def _write(
 ) -> None:
     import torch.distributed.checkpoint as dcp
 
+    remote = storage.is_uri(root)
     if _rank() == 0:
-        Path(root).mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # a leftover from a killed run
+        storage.path(root).mkdir(parents=True, exist_ok=True)
+        if remote:  # written in place: an older copy of this step is no longer complete from here on
+            (tmp / MARKER).unlink(missing_ok=True)
+        storage.rmtree(tmp, ignore_errors=True)  # a leftover from a killed run
         tmp.mkdir()
     _barrier()
-    dcp.save({"model": dmp.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=str(tmp))
+    state = {"model": dmp.state_dict(), "optim": optimizer.state_dict()}
+    if remote:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # not re-exported (torch 2.14)
+
+        dcp.save(state, storage_writer=FsspecWriter(str(tmp), **storage.fsspec_options(tmp)))
+    else:
+        dcp.save(state, checkpoint_id=str(tmp))
     train_state_file(tmp, _rank()).write_text(strict_json.dumps(train_state))
     _barrier()  # every rank's files are on disk
     if _rank() == 0:
@@ -315,8 +336,10 @@ def _write(
 
 
 def _publish(step: int, tmp: Path, final: Path) -> None:
-    """Mark `tmp` complete and rename it to `final`."""
+    """Mark `tmp` complete and rename it to `final` (in a bucket they are one: the marker is all)."""
     (tmp / MARKER).write_text(f"step {step}, world size {_world()}\n")
+    if tmp == final:
+        return
     if final.exists():
         # Same step saved again (a final save right after a periodic one): the old copy goes only
         # now that the new one is complete, so a failed save never loses it.
@@ -371,7 +394,12 @@ def load(
     mismatch = model_mismatch(metadata, sd["model"])
     if mismatch:
         raise CheckpointMismatchError(f"checkpoint {path} {mismatch}")
-    dcp.load(sd, checkpoint_id=str(path))
+    if storage.is_uri(path):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        dcp.load(sd, storage_reader=FsspecReader(str(path), **storage.fsspec_options(path)))
+    else:
+        dcp.load(sd, checkpoint_id=str(path))
     dmp.load_state_dict(sd["model"])
     optimizer.load_state_dict(sd["optim"])
     return meta | {"path": str(path)}, train_state

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
+
+from tpurec.runtime import storage
 
 # Config fields a checkpoint fixes: the model's shape and state (architecture, tables, optimizers)
 # and the data it was reading (dataset, split, shuffle). Learning rates, schedule, batch size,
@@ -36,9 +37,9 @@ def config_mismatch(path: str | os.PathLike, config: dict) -> str | None:
     """A one-line refusal when checkpoint `path` was written with another value of a FIXED_CONFIG
     field than `config` (a DLRMConfig.to_dict()), naming the field and both values; else None."""
     try:
-        saved = json.loads((Path(path) / "meta.json").read_text()).get("config") or {}
+        saved = json.loads((storage.path(path) / "meta.json").read_text()).get("config") or {}
     except (OSError, json.JSONDecodeError) as e:
-        return f"{Path(path) / 'meta.json'}: unreadable ({e}); the checkpoint is damaged"
+        return f"{storage.path(path) / 'meta.json'}: unreadable ({e}); the checkpoint is damaged"
     for name in FIXED_CONFIG:
         if name not in saved:
             continue  # a field added after the checkpoint was written

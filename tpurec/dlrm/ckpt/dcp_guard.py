@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tpurec.errors import UserError
+from tpurec.runtime import storage
 
 _DCP = "torch.distributed.checkpoint."
 _OTHER = {
@@ -60,7 +61,7 @@ class _AllowListUnpickler(pickle.Unpickler):
 def check_metadata(checkpoint_dir: str | os.PathLike) -> Any:
     """The DCP metadata of `.metadata`, unpickled with the allow-list; UnsafeCheckpointError (or
     FileNotFoundError) unless it holds only DCP metadata."""
-    path = Path(checkpoint_dir) / ".metadata"
+    path = storage.path(checkpoint_dir) / ".metadata"
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: {checkpoint_dir} is not a torch.distributed.checkpoint")
     try:

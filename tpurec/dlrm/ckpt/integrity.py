@@ -20,6 +20,7 @@ from pathlib import Path, PurePosixPath
 
 from tpurec import strict_json
 from tpurec.errors import UserError
+from tpurec.runtime import storage
 
 CHECKSUMS = "CHECKSUMS.json"
 _SKIP = {CHECKSUMS, "COMPLETE"}
@@ -32,7 +33,7 @@ class ManifestError(UserError):
 
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
     return h.hexdigest()
@@ -42,15 +43,19 @@ def _files(directory: Path) -> list[Path]:
     return sorted(p for p in directory.rglob("*") if p.is_file() and p.name not in _SKIP)
 
 
-def write_checksums(directory: str | os.PathLike) -> dict:
-    """fsync every file of `directory`, then write CHECKSUMS.json (itself fsync-ed)."""
-    directory = Path(directory)
+def write_checksums(where: str | os.PathLike) -> dict:
+    """fsync every file of directory `where`, then write CHECKSUMS.json (itself fsync-ed)."""
+    directory = storage.path(where)
     table = {}
     for p in _files(directory):
-        with open(p, "rb") as f:
-            os.fsync(f.fileno())
+        if not storage.is_uri(p):  # an object in a bucket is durable once its write returned
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
         table[str(p.relative_to(directory))] = {"bytes": p.stat().st_size, "sha256": _sha256(p)}
     out = directory / CHECKSUMS
+    if storage.is_uri(out):
+        out.write_text(strict_json.dumps(table, indent=1))
+        return table
     with open(out, "w") as f:
         strict_json.dump(table, f, indent=1)
         f.flush()
@@ -58,10 +63,10 @@ def write_checksums(directory: str | os.PathLike) -> dict:
     return table
 
 
-def read_manifest(directory: str | os.PathLike) -> dict[str, dict]:
+def read_manifest(where: str | os.PathLike) -> dict[str, dict]:
     """CHECKSUMS.json as {relative path: {"bytes": int, "sha256": hex}}, covering every file of
-    `directory`; ManifestError (one line naming the file and what is wrong) otherwise."""
-    directory = Path(directory)
+    directory `where`; ManifestError (one line naming the file and what is wrong) otherwise."""
+    directory = storage.path(where)
     path = directory / CHECKSUMS
     if not path.is_file():
         raise ManifestError(f"{path} is missing, so no file of the checkpoint can be checked")
@@ -101,10 +106,10 @@ def _entry_problem(name: str, want: object) -> str | None:
     return None
 
 
-def problems(directory: str | os.PathLike, table: dict[str, dict] | None = None) -> list[str]:
+def problems(where: str | os.PathLike, table: dict[str, dict] | None = None) -> list[str]:
     """What differs from the manifest `table` (read with `read_manifest` when not given; its
     ManifestError propagates). Empty: every file is intact."""
-    directory = Path(directory)
+    directory = storage.path(where)
     if table is None:
         table = read_manifest(directory)
     found = []

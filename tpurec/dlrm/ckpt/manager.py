@@ -70,8 +70,11 @@ class CheckpointManager:
     def lock(self) -> None:
         """Hold the directory's lock for the life of this manager (rank 0 only: one holder per run
         is enough, and the other ranks may share its filesystem); CheckpointDirInUse if another run
-        holds it. Nothing without a root."""
-        if self.enabled and self.rank == 0 and self._lock is None:
+        holds it. Nothing without a root, nor in a bucket, which has no lock that a killed run
+        releases: one run at a time writes a bucket's directory (docs/checkpoints.md)."""
+        from tpurec.runtime import storage
+
+        if self.enabled and self.rank == 0 and self._lock is None and not storage.is_uri(self.root or ""):
             from tpurec.dlrm.ckpt.lock import lock_dir
 
             assert self.root is not None

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tpurec.errors import UserError
+from tpurec.runtime import storage
 
 # meta.json field -> (type, lowest, highest); every field is required (tpurec has written them all
 # since checkpoints carry CHECKSUMS.json, which older ones without are refused for anyway).
@@ -93,7 +94,7 @@ def _read_json(path: Path) -> Any:
 
 def read_meta(checkpoint: str | os.PathLike) -> dict:
     """The checkpoint's meta.json, every field present, of its type and in its range."""
-    path = Path(checkpoint) / "meta.json"
+    path = storage.path(checkpoint) / "meta.json"
     meta = _read_json(path)
     _check(path, meta, META_FIELDS)
     return meta

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from tpurec.errors import UserError
 from tpurec.outputs import free_disk_bytes
+from tpurec.runtime import storage
 
 if TYPE_CHECKING:
     from torch import nn
@@ -40,7 +41,10 @@ def state_bytes(state: Mapping[str, Any]) -> int:
 
 
 def check_room(root: str | os.PathLike, dmp: nn.Module, optimizer: Optimizer) -> None:
-    """UserError unless `root`'s filesystem has room for one checkpoint of `dmp` and `optimizer`."""
+    """UserError unless `root`'s filesystem has room for one checkpoint of `dmp` and `optimizer`
+    (a bucket has no free space to ask for: not checked)."""
+    if storage.is_uri(root):
+        return
     need = state_bytes({"model": dmp.state_dict(), "optim": optimizer.state_dict()})
     free = free_disk_bytes(root)
     if free is not None and need > free:
