@@ -55,6 +55,17 @@ class TinyModel(torch.nn.Module):
         return torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
 
 
+def _optimizers() -> dict:
+    """The kernel tests' four fused optimizers, and row-wise Adagrad and Adam with weight decay."""
+    out = fused_optimizers()
+    cls, kwargs = out["rowwise_adagrad"]
+    for mode in ("L2", "DECOUPLE"):
+        out[f"rowwise_adagrad_{mode}"] = (cls, {**kwargs, "weight_decay": 0.05, "weight_decay_mode": mode})
+    cls, kwargs = out["adam"]
+    out["adam_decay"] = (cls, {**kwargs, "weight_decay": 0.05})
+    return out
+
+
 def _batches(tables: list[EmbeddingBagConfig]) -> list[tuple]:
     gen = torch.Generator().manual_seed(7)
     out = []
@@ -71,7 +82,7 @@ def _train_pair(
 ) -> tuple[TinyModel, TinyModel, list, list, CompileCounterWithBackend]:
     torch.manual_seed(0)
     tables = make_tables()
-    model = TinyModel(tables, *fused_optimizers()[optimizer_name])
+    model = TinyModel(tables, *_optimizers()[optimizer_name])
     twin = copy.deepcopy(model)
     eager_opt = torch.optim.SGD(model.dense.parameters(), lr=DENSE_LR)
 
@@ -131,7 +142,10 @@ def _assert_same_training(model: TinyModel, twin: TinyModel, eager: list, compil
         torch.testing.assert_close(q, p, atol=tol, rtol=0)
 
 
-@pytest.mark.parametrize("optimizer_name", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
+@pytest.mark.parametrize(
+    "optimizer_name",
+    ["sgd", "adagrad", "rowwise_adagrad", "adam", "rowwise_adagrad_L2", "rowwise_adagrad_DECOUPLE", "adam_decay"],
+)
 def test_compiled_step_equals_eager_aot_eager(optimizer_name):
     model, twin, eager, compiled, counter = _train_pair(optimizer_name, "aot_eager")
     assert counter.frame_count == 1  # one graph for all 5 batches: no graph break, no recompile
