@@ -10,7 +10,7 @@ lookup, dense model, loss, backward (the fused update) and the dense optimizer i
 from __future__ import annotations
 
 import copy
-from typing import cast
+from typing import Any, cast
 
 import pytest
 import torch
@@ -244,3 +244,56 @@ def test_compiled_lookup_without_grad_equals_eager():
         torch.testing.assert_close(got, want, atol=0, rtol=0)
     for name, before in model.initial_tables.items():
         assert torch.equal(model.ebc.kernel.read_weight(name), before)  # no update without grad
+
+
+def test_torchrec_dlrm_step_compiles_with_preprocessed_features():
+    # TorchRec's own DLRM with tpurec's EBC as its embedding_bag_collection: the model is called with
+    # the EBC's `preprocess(kjt)` in place of the KJT, so the whole step (sparse arch, interaction,
+    # over arch, loss, backward with fused updates, dense SGD) is one graph; oracle: the eager step
+    # on the KJT.
+    from torchrec.models.dlrm import DLRM
+    from torchrec.optim import RowWiseAdagrad
+
+    tables = [
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=n, feature_names=[f"f{i}"])
+        for i, n in enumerate([40, 100, 7])
+    ]
+    torch.manual_seed(0)
+    ebc = SparseCoreEmbeddingBagCollection(
+        tables, RowWiseAdagrad, {"lr": 0.1}, num_sparsecores=2, device="cpu", max_ids_per_partition=64
+    )
+    model = DLRM(
+        embedding_bag_collection=ebc, dense_in_features=4, dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[8, 1]
+    )
+    twin = copy.deepcopy(model)
+    twin_ebc = twin.sparse_arch.embedding_bag_collection
+    initial = {name: ebc.kernel.read_weight(name).clone() for name in ebc.kernel.table_names}
+
+    def step(m: DLRM, dense: torch.Tensor, features: Any, labels: torch.Tensor) -> torch.Tensor:
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(m(dense, features).squeeze(1), labels)
+        loss.backward()
+        with torch.no_grad():
+            for p in m.parameters():
+                if p.grad is not None:  # the tables never get one: the fused update took it
+                    p.add_(p.grad, alpha=-DENSE_LR)
+                    p.grad = None
+        return loss.detach()
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, fullgraph=True, dynamic=False, backend=counter)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(STEPS):
+        kjt = random_kjt(tables, 16, gen)
+        dense, labels = torch.randn(16, 4, generator=gen), torch.randint(0, 2, (16,), generator=gen).float()
+        want = step(model, dense, kjt, labels)
+        got = compiled(twin, dense, twin_ebc.preprocess(kjt), labels)
+        assert float(got) == float(want)
+    assert counter.frame_count == 1
+    for name in ebc.kernel.table_names:
+        assert torch.equal(twin_ebc.kernel.read_weight(name), ebc.kernel.read_weight(name))
+        assert not torch.equal(ebc.kernel.read_weight(name), initial[name])
+    dense_params = {n: p for n, p in model.named_parameters() if "embedding_bags" not in n}
+    twin_params = dict(twin.named_parameters())
+    assert len(dense_params) == 8  # two layers in each MLP, weight and bias
+    for n, p in dense_params.items():
+        assert torch.equal(twin_params[n], p), n
