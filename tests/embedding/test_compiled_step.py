@@ -17,6 +17,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
+from tpurec.embedding import ops
 from tpurec.embedding.module import SparseCoreEmbeddingBagCollection
 from tpurec.emulation import torchtpu_ops as tpu_standin
 
@@ -207,6 +208,8 @@ def test_compiled_step_through_the_tpu_adapter_on_the_standin():
     keys = standin.compile_keys()
     assert len(keys) == 2 * len(model.ebc.kernel.stacks), sorted(keys)  # a lookup and an update per stack
     assert all(count == 2 * STEPS for count in keys.values())  # eager and compiled steps, same programs
+    # leaving the block puts the reference back as the ops' CPU kernel (the direct CPU step checks it)
+    assert ops.reference_is_cpu_kernel()
 
 
 def test_opcheck_fused_lookup_and_update():
