@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 from torch import nn
 
-from tpurec.embedding import direct, dtypes, ops, reference  # noqa: F401  (ops registers torch.ops.tpurec.*)
+from tpurec.embedding import custom_ops, direct, dtypes, ops, reference  # noqa: F401  (ops registers torch.ops.tpurec.*)
 from tpurec.embedding.constraints import round_up
 from tpurec.embedding.cpu_path import grad_trigger as _trigger
 from tpurec.embedding.cpu_path import writes_final_layout as _writes_final_layout
@@ -51,6 +51,10 @@ _KERNEL_NUMBERS = itertools.count()
 
 
 class SparseCoreKernel(nn.Module):
+    # Set by custom_ops.prepare: the kernel's key in the compiled ops' arguments, and their grad trigger.
+    custom_op_key: int
+    custom_op_trigger: torch.Tensor
+
     def __init__(
         self,
         tables: Sequence[KernelTable],
@@ -105,6 +109,11 @@ class SparseCoreKernel(nn.Module):
         self._init_update_state()
         self._allocate_storage(device)
         self.reset_parameters()
+        custom_ops.prepare(self)  # what a compiled lookup needs (custom_ops.py)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        custom_ops.prepare(self)  # a copy (deepcopy, pickle) is a kernel of its own to the ops
 
     def _check_arguments(self, num_sc_per_device: int, optimizer: OptimizerSpec) -> None:
         if num_sc_per_device < 1:
@@ -281,11 +290,17 @@ class SparseCoreKernel(nn.Module):
         `preprocess_blocks`); backward applies the fused update."""
         padded = round_up(max(batch, 1), self.num_sc)
         blocks = max((c.blocks for c in csrs if isinstance(c, MultiPassInput)), default=1)
-        trigger = _trigger() if torch.is_grad_enabled() else None
+        compiling = torch.compiler.is_compiling()  # the ops with registered autograd (custom_ops.py)
+        trigger = None
+        if torch.is_grad_enabled():
+            trigger = self.custom_op_trigger if compiling else _trigger()
         per_stack = []
         for i, (plan, csr) in enumerate(zip(self.stacks, csrs)):
             direct = _writes_final_layout(self.stack_weight(i)) and not isinstance(csr, MultiPassInput)
-            out = _FusedLookup.apply(trigger, self, i, csr, batch, direct)
+            if compiling:
+                out = custom_ops.stack_lookup(self, trigger, i, csr)
+            else:
+                out = _FusedLookup.apply(trigger, self, i, csr, batch, direct)
             if direct:
                 per_stack.append(out)
                 continue
@@ -320,6 +335,7 @@ class SparseCoreKernel(nn.Module):
         lr: float,
         new_step: bool = True,
         slot_ids: torch.Tensor | None = None,
+        storage: tuple[torch.Tensor, list[torch.Tensor]] | None = None,
     ) -> None:
         """Stack i's fused update: the optimizer spec runs its op on the stack's table and state.
         grad: [device_batch_size, width], or on CPU the [features, batch, dim] view of the kernel's
@@ -327,7 +343,9 @@ class SparseCoreKernel(nn.Module):
         new_step: False for the later update passes of a step run in several (multipass.py): the
         step count (Adam's bias correction) advances once per step.
         slot_ids: in the one-slot-per-row layout, each slot's row (MultiPassInput.update_ids), which
-        weight decay needs."""
+        weight decay needs.
+        storage: (table, state tensors) to update in place of the stack's own (a compiled step's
+        copies of them, custom_ops.py)."""
         grad = grad.to(torch.float32)
         if grad.dim() == 2:
             grad = grad.contiguous()
@@ -335,11 +353,11 @@ class SparseCoreKernel(nn.Module):
             for hook in self.pre_update_hooks:
                 hook()
             self._steps[i] += 1
-        states = [self.stack_state(i, s) for s in self.optimizer.state_names]
+        weight, states = storage or (self.stack_weight(i), [self.stack_state(i, s) for s in self.optimizer.state_names])
         if isinstance(csr, DecayInput):  # within its limits, on the TPU path
-            csr, grad = apply_decay(self.optimizer, self.stack_weight(i), grad, csr, lr)
+            csr, grad = apply_decay(self.optimizer, weight, grad, csr, lr)
         elif self.optimizer.weight_decay_mode is not None:
-            weight, dim = self.stack_weight(i), self.stacks[i].layout.dim
+            dim = self.stacks[i].layout.dim
             if slot_ids is None:  # the CPU reference: each row and its gradient, decayed, updated
                 head = op_head(csr, weight)
                 rows, g = ops.row_gradients(*head, grad, *op_tail(csr)[:3])
@@ -349,7 +367,7 @@ class SparseCoreKernel(nn.Module):
             grad = decay_slots(self.optimizer, weight, grad, slot_ids, lr, self.stacks[i].layout.num_partitions)
         self.optimizer.apply_update(
             csr,
-            self.stack_weight(i),
+            weight,
             states,
             grad,
             lr,

@@ -23,6 +23,7 @@ from tpurec.embedding.fused_optimizer import SparseCoreFusedOptimizer
 from tpurec.embedding.kernel import KernelTable, SparseCoreKernel
 from tpurec.embedding.kernel_table import POOLINGS
 from tpurec.embedding.optimizers.registry import spec_from_torch
+from tpurec.embedding.preprocessed import PreprocessedFeatures
 from tpurec.embedding.settings import KernelSettings
 from tpurec.embedding.sparsecores import resolve_num_sparsecores
 from tpurec.errors import UserError
@@ -113,8 +114,17 @@ class SparseCoreEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         table_params.register(self)  # named_parameters() lists the tables, as TorchRec's does
 
     # -- torchrec EBC surface ------------------------------------------------------------------
-    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        values = self.kernel(features)
+    def preprocess(self, features: KeyedJaggedTensor) -> PreprocessedFeatures:
+        """The host half of `forward(features)`, to run ahead of (and outside) a compiled step."""
+        return PreprocessedFeatures(self.kernel.preprocess(features), features.stride())
+
+    def forward(self, features: KeyedJaggedTensor | PreprocessedFeatures) -> KeyedTensor:
+        """features: a KJT, or what `preprocess` built from one (then only the device half runs; per-id
+        weights that require grad need the KJT)."""
+        if isinstance(features, PreprocessedFeatures):
+            values = self.kernel.lookup(features.inputs, features.batch)
+        else:
+            values = self.kernel(features)
         return KeyedTensor(
             keys=list(self.kernel.feature_order),
             length_per_key=list(self.kernel.feature_dims),

@@ -1,0 +1,209 @@
+"""The kernel's lookup and fused update as custom ops with registered autograd: what
+`torch.compile(fullgraph=True)` traces (docs/kernels.md, "Compiled step").
+
+The eager step runs `kernel._FusedLookup`, a `torch.autograd.Function` whose context holds the
+kernel and the stack's input objects and whose backward mutates Python state (step counts, the
+fused optimizers' hooks, the param group's learning rate): Dynamo cannot trace that. Under
+`torch.compile` the kernel's `lookup` runs these two ops instead, as TorchRec's own TPU path does
+(`torchrec/experimental/torch_tpu/modules/custom_ops.py`: a forward op with `register_fake` and
+`register_autograd` whose backward calls an update op that mutates the table):
+
+* `tpurec::fused_lookup` takes the stack's SparseCore input tensors and table and runs
+  `torch.ops.tpurec.sparse_dense_matmul` (so the CPU reference, the TPU adapter or the TorchTPU
+  stand-in, whichever kernel the device has); its fake returns [device_batch_size, width] float32;
+* its autograd backward calls `tpurec::fused_update`, which declares the table and the optimizer
+  state it writes (`mutates_args`) and runs `SparseCoreKernel.apply_update` on exactly those tensors:
+  the same code as the eager backward, so the same numbers, hooks, step counts and learning rate.
+
+Both ops are opaque to the compiler: the graph holds one call per stack and direction, with fixed
+shapes when the stack's id limits are fixed (its COO buffers are then the same size every batch).
+The kernel is named in the graph by an integer key (`prepare`), found again at run time here.
+The host half (KJT -> SparseCore inputs, `SparseCoreKernel.preprocess`) is data-dependent and stays
+eager, before the compiled step, as in TorchRec's `SparseCoreTrainPipeline`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from tpurec.embedding import ops
+from tpurec.embedding.cpu_path import grad_trigger
+from tpurec.embedding.preprocess import SparseCoreInput
+
+if TYPE_CHECKING:
+    from tpurec.embedding.kernel_input import StackInput
+
+# A kernel is a SparseCoreKernel, typed Any here: tpurec.embedding.kernel imports this module.
+SparseCoreKernel = Any
+
+# key -> kernel: the ops name their kernel by an int (a graph constant), not by the object.
+_KERNELS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
+
+
+def prepare(kernel: SparseCoreKernel) -> None:
+    """Give a new kernel what its compiled lookups need, made here because a compiled region cannot
+    make them: its key in the ops' arguments, and the empty tensor that requires grad (`trigger`)."""
+    key = next(_KEYS)
+    _KERNELS[key] = kernel
+    kernel.custom_op_key = key
+    kernel.custom_op_trigger = grad_trigger()
+
+
+def _kernel(key: int) -> SparseCoreKernel:
+    kernel = _KERNELS.get(key)
+    if kernel is None:
+        raise RuntimeError(f"tpurec custom ops: kernel {key} no longer exists (a compiled step outlived its model)")
+    return kernel
+
+
+@torch.library.custom_op("tpurec::fused_lookup", mutates_args=())
+def fused_lookup(
+    trigger: Tensor,
+    row_pointers: Tensor,
+    embedding_ids: Tensor,
+    sample_ids: Tensor,
+    gains: Tensor,
+    embedding_table: Tensor,
+    states: list[Tensor],
+    device_batch_size: int,
+    num_sc_per_device: int,
+    num_partitions: int,
+    max_ids_per_partition: int,
+    max_unique_ids_per_partition: int,
+    kernel: int,
+    stack: int,
+) -> Tensor:
+    """Stack `stack`'s pooled lookup, [device_batch_size, width] float32. `trigger` (an empty tensor
+    that requires grad) makes autograd reach the update; `states` are only carried to it."""
+    return torch.ops.tpurec.sparse_dense_matmul(
+        row_pointers,
+        embedding_ids,
+        sample_ids,
+        gains,
+        embedding_table,
+        device_batch_size,
+        num_sc_per_device,
+        num_partitions,
+        max_ids_per_partition,
+        max_unique_ids_per_partition,
+    )
+
+
+@fused_lookup.register_fake
+def _(
+    trigger: Tensor,
+    row_pointers: Tensor,
+    embedding_ids: Tensor,
+    sample_ids: Tensor,
+    gains: Tensor,
+    embedding_table: Tensor,
+    states: list[Tensor],
+    device_batch_size: int,
+    *_: Any,
+) -> Tensor:
+    return embedding_table.new_empty((device_batch_size, embedding_table.shape[1]), dtype=torch.float32)
+
+
+@torch.library.custom_op("tpurec::fused_update", mutates_args=("embedding_table", "states"))
+def fused_update(
+    activations_grad: Tensor,
+    row_pointers: Tensor,
+    embedding_ids: Tensor,
+    sample_ids: Tensor,
+    gains: Tensor,
+    embedding_table: Tensor,
+    states: list[Tensor],
+    device_batch_size: int,
+    num_sc_per_device: int,
+    num_partitions: int,
+    max_ids_per_partition: int,
+    max_unique_ids_per_partition: int,
+    kernel: int,
+    stack: int,
+) -> None:
+    """Stack `stack`'s fused update, in place on `embedding_table` and `states` (which may be the
+    compiler's copies of the kernel's storage: written here, copied back by the graph)."""
+    csr = SparseCoreInput(
+        row_pointers,
+        embedding_ids,
+        sample_ids,
+        gains,
+        device_batch_size,
+        num_sc_per_device,
+        num_partitions,
+        max_ids_per_partition,
+        max_unique_ids_per_partition,
+    )
+    k = _kernel(kernel)
+    k.apply_update(stack, csr, activations_grad, k.current_lr(), storage=(embedding_table, list(states)))
+
+
+fused_update.register_fake(lambda *args, **kwargs: None)  # in place: nothing to compute under fake tensors
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    _, rp, emb, smp, gains, table, states, *ints = inputs
+    ctx.save_for_backward(rp, emb, smp, gains, table, *states)
+    ctx.ints, ctx.num_states = ints, len(states)
+
+
+def _backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
+    rp, emb, smp, gains, table, *states = ctx.saved_tensors
+    torch.ops.tpurec.fused_update(grad, rp, emb, smp, gains, table, states, *ctx.ints)
+    # no gradient for any input (the table's is consumed by the update); the states' as a list
+    return (None,) * 6 + ([None] * ctx.num_states,) + (None,) * 7
+
+
+fused_lookup.register_autograd(_backward, setup_context=_setup_context)
+
+
+def stack_lookup(kernel: SparseCoreKernel, trigger: Tensor | None, i: int, csr: StackInput) -> Tensor:
+    """Stack i's lookup through the ops: [device_batch_size, width] float32."""
+    if type(csr) is not SparseCoreInput:
+        # Several passes (a batch over its limits) or the TPU path's weight-decay layout: their
+        # number of op calls depends on the batch, so they have no fixed graph.
+        raise NotImplementedError(
+            f"compiled step: stack {kernel.stacks[i].layout.name} got a {type(csr).__name__}; only inputs within "
+            "fixed id limits (one pass, no TPU weight-decay layout) run in a compiled step yet"
+        )
+    states = [kernel.stack_state(i, s) for s in kernel.optimizer.state_names]
+    if trigger is None:  # no grad: the plain lookup op
+        return ops.sparse_dense_matmul(*op_args(csr, kernel.stack_weight(i)))
+    return torch.ops.tpurec.fused_lookup(
+        trigger,
+        csr.row_pointers,
+        csr.embedding_ids,
+        csr.sample_ids,
+        csr.gains,
+        kernel.stack_weight(i),
+        states,
+        csr.device_batch_size,
+        csr.num_sc_per_device,
+        csr.num_partitions,
+        csr.max_ids_per_partition,
+        csr.max_unique_ids_per_partition,
+        kernel.custom_op_key,
+        i,
+    )
+
+
+def op_args(csr: SparseCoreInput, table: Tensor) -> tuple[Any, ...]:
+    """The lookup op's arguments for one stack."""
+    return (
+        csr.row_pointers,
+        csr.embedding_ids,
+        csr.sample_ids,
+        csr.gains,
+        table,
+        csr.device_batch_size,
+        csr.num_sc_per_device,
+        csr.num_partitions,
+        csr.max_ids_per_partition,
+        csr.max_unique_ids_per_partition,
+    )
