@@ -29,12 +29,14 @@ from tpurec.errors import UserError
 # (entries, distinct ids) of the fullest segment, the same of the fullest SparseCore slice
 Demand = tuple[int, int, int, int]
 
-# The compiled route stamps a shard whose P x padded rows fit STAMP_CELLS_PER_SHARD int64 cells, while
-# a counter's stamps stay within STAMP_CELLS (2 MiB, about a core's L2: a stamp read that misses the
-# cache costs more than sorting the id; measured on criteo-kaggle's tables, 128 MiB of stamps made the
-# pass 4x slower than sorting); larger shards sort.
+# The compiled route (demand_kernels) stamps a shard whose padded rows fit STAMP_CELLS_PER_SHARD int64
+# cells, while a counter's stamps stay within STAMP_CELLS (2 MiB, about a core's L2: a stamp read that
+# misses the cache costs more than a probe of the small set the other shards use); larger shards go
+# through that set.
 STAMP_CELLS_PER_SHARD = 1 << 16
 STAMP_CELLS = 1 << 18
+# the compiled route's set starts with this many slots (grown as a group needs, kept across batches)
+SET_SLOTS = 1 << 12
 
 
 def _bits(n: int) -> int:
@@ -205,26 +207,34 @@ class ShardsDemand:
         self.row_wise_features = [j for j in range(len(ft)) if shards_of[ft[j]] > 1]
         self.one_feature_per_table = all(len(t.features) == 1 for t in tables)
         self.one_hot_cache: dict[int, np.ndarray] = {}
-        # The compiled route (demand_kernels): shards small enough are counted by stamps, the rest sorted.
+        # The compiled route (demand_kernels): shards small enough are counted by stamps, the rest in a set.
         padded = np.array([padded_rows(r, num_partitions) for r in sizes], dtype=np.int64)
-        self.shard_padded = padded
         self.shard_stamp_at = np.full(len(sizes), -1, dtype=np.int64)
         cells = 0
         for s in np.argsort(padded, kind="stable"):  # smallest first: the most shards stamped
-            need = int(padded[s]) * num_partitions
+            need = int(padded[s])
             if need > STAMP_CELLS_PER_SHARD or cells + need > STAMP_CELLS:
                 break
             self.shard_stamp_at[s] = cells
             cells += need
         self.stamp_cells = cells
+        self.shard_inv = 1.0 / np.maximum(self.shard_chunk, 1).astype(np.float64)
+        # a row's shard guessed as row div the table's first shard's rows (then stepped to the right one)
+        first_rows = [sizes[i] if i < len(sizes) else 1 for i in self.table_first_shard[:-1]]
+        self.table_inv_shard = 1.0 / np.maximum(np.array(first_rows, dtype=np.float64), 1)
+        self.table_first_feature_all = np.cumsum([0] + [len(t.features) for t in tables]).astype(np.int64)
+        self.multi_feature_tables = [i for i, t in enumerate(tables) if len(t.features) > 1]
         self._stamps: np.ndarray | None = None
+        self._set: np.ndarray | None = None
         self._bag_base = 0
-        self.max_rows = int(max(sizes, default=1))
-        self.max_features = max((len(t.features) for t in tables), default=1)
 
     def count(self, values: np.ndarray, lengths: np.ndarray, stride: int) -> list[tuple[int, ...]]:
         """Per table: (entries, distinct ids) of its fullest segment and fullest slice over its
         shards, the most ids of one sample, the most ids of one of its features in the batch."""
+        from tpurec.embedding import csr_build
+
+        if csr_build.available() and self.num_shards and stride:
+            return self._compiled_count(values, lengths, stride)
         lens = lengths.reshape(-1, stride)[self.features]  # [features, batch], grouped by table
         per_feature = lens.sum(1)
         if self.one_feature_per_table:
@@ -235,10 +245,6 @@ class ShardsDemand:
         total = int(per_feature.sum())
         if total == 0:
             return [(0, 0, 0, 0, int(a), int(b)) for a, b in zip(most_sample, most_feature)]
-        compiled = self._compiled_counts(values, lengths, stride, total)
-        if compiled is not None:
-            entries, distinct = compiled
-            return self._figures(entries, distinct, most_sample, most_feature)
         if self.every_feature_in_order:
             ids = values.astype(np.int64, copy=False)
         else:
@@ -294,44 +300,50 @@ class ShardsDemand:
         per_table = np.maximum.reduceat(figures, self.table_first_shard[:-1], axis=0)
         return [(*map(int, f), int(a), int(b)) for f, a, b in zip(per_table, most_sample, most_feature)]
 
-    def _compiled_counts(
-        self, values: np.ndarray, lengths: np.ndarray, stride: int, ids: int
-    ) -> tuple[np.ndarray, np.ndarray] | None:
-        """([shards, P, P] entries, distinct) by demand_kernels, or None: no numba, or keys too wide
-        (then the numpy route). Not thread-safe: one counter per thread (its stamps)."""
-        from tpurec.embedding import csr_build
+    def _compiled_count(self, values: np.ndarray, lengths: np.ndarray, stride: int) -> list[tuple[int, ...]]:
+        """`count` by demand_kernels: no sort, no per-id temporaries. Not thread-safe: one counter
+        per thread (its stamps and set)."""
+        from tpurec.embedding.demand_kernels import count_groups, key_lengths, most_per_sample  # numba: lazily
 
-        if not csr_build.available() or self.num_shards == 0:
-            return None
-        from tpurec.embedding.demand_kernels import count_sorted, walk  # numba: only once it is there
-
-        p, pbits = self.p, _bits(self.p)
-        lbits, fbits, sbits = _bits(self.max_rows), _bits(self.max_features), _bits(max(stride, 1))
-        if _bits(self.num_shards) + 2 * pbits + lbits + fbits + sbits > 63:
-            return None
-        if self._stamps is None:
+        p, nkeys = self.p, lengths.size // stride
+        nslices = -(-stride // self.per_slice)
+        if nslices > p:
+            raise ValueError(f"a batch of {stride} samples is over the layout's batch of {self.batch}")
+        key_sum, key_max = np.empty(nkeys, np.int64), np.empty(nkeys, np.int64)
+        slice_start = np.empty((nkeys, nslices + 1), np.int64)
+        key_lengths(lengths, stride, self.per_slice, key_sum, key_max, slice_start)
+        key_first = np.zeros(nkeys, np.int64)
+        np.cumsum(key_sum[:-1], out=key_first[1:])
+        if self._stamps is None or self._set is None:
             self._stamps = np.full(max(self.stamp_cells, 1), -1, dtype=np.int64)
+            self._set = np.full(2 * SET_SLOTS, -1, dtype=np.int64)
+        stamps, table = self._stamps, self._set
         size = self.num_shards * p * p
-        entries, distinct = np.zeros(size, np.int64), np.zeros(size, np.int64)
-        keys = np.empty(ids, np.int64)
-        offsets = np.zeros(lengths.size + 1, np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        n, bad = walk(
-            values, lengths, offsets, stride, self.features, self.feature_table, self.feature_slot.astype(np.int64),
-            self.table_rows, self.table_first_shard, self.shard_start, self.shard_chunk, self.shard_stamp_at,
-            self.shard_padded, self._stamps, self._bag_base, self.per_slice, p, pbits, lbits, fbits, sbits,
-            entries, distinct, keys,
-        )  # fmt: skip
-        # stamps older than this batch's bags read as "not in this batch" (no clearing between batches)
-        self._bag_base += len(self.features) * stride
+        while True:
+            entries, distinct = np.zeros(size, np.int64), np.zeros(size, np.int64)
+            bad, bad_table, self._bag_base = count_groups(
+                values, lengths, stride, key_first, slice_start, self.features, self.table_first_feature_all,
+                self.table_rows, self.table_first_shard, self.table_inv_shard, self.shard_start, self.shard_chunk,
+                self.shard_inv, self.shard_stamp_at, stamps, table, self._bag_base, self.per_slice, p,
+                entries, distinct,
+            )  # fmt: skip
+            if bad != -2:
+                break
+            # a group filled half the set: twice the set, and the batch again (the bags counted so
+            # far are older than the new count's, so its stamps read as not in this batch)
+            self._set = table = np.full(2 * table.size, -1, dtype=np.int64)
         if bad >= 0:
-            j = next(j for j, f in enumerate(self.features) if offsets[f * stride] <= bad < offsets[(f + 1) * stride])
-            t = self.tables[int(self.feature_table[j])]
+            t = self.tables[bad_table]
             raise UserError(f"table {t.name!r}: id {int(values[bad])} outside its {t.rows} rows")
-        if n:
-            ordered = np.sort(keys[:n])
-            count_sorted(ordered, fbits + sbits, lbits, p, pbits, entries, distinct)
-        return entries.reshape(-1, p, p), distinct.reshape(-1, p, p)
+        per_feature = key_sum[self.features]
+        most_feature = np.maximum.reduceat(per_feature, self.table_first_feature)
+        most_sample = np.maximum.reduceat(key_max[self.features], self.table_first_feature)
+        if self.multi_feature_tables:
+            scratch = np.empty(stride, np.int64)
+            for i in self.multi_feature_tables:
+                j0, j1 = self.table_first_feature_all[i], self.table_first_feature_all[i + 1]
+                most_sample[i] = most_per_sample(lengths, stride, self.features, j0, j1, scratch)
+        return self._figures(entries.reshape(-1, p, p), distinct.reshape(-1, p, p), most_sample, most_feature)
 
     def _check_range(self, ids: np.ndarray, first: np.ndarray, per_feature: np.ndarray) -> None:
         """Every id inside its table (one pass: each feature's smallest and largest id)."""
