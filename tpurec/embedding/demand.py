@@ -319,21 +319,24 @@ class ShardsDemand:
             self._set = np.full(2 * SET_SLOTS, -1, dtype=np.int64)
         stamps, table = self._stamps, self._set
         size = self.num_shards * p * p
+        entries, distinct = np.zeros(size, np.int64), np.zeros(size, np.int64)
+        saved = np.empty(2 * p * int(np.diff(self.table_first_shard).max()), np.int64)
+        group = 0
         while True:
-            entries, distinct = np.zeros(size, np.int64), np.zeros(size, np.int64)
-            bad, bad_table, self._bag_base = count_groups(
+            bad, where, self._bag_base = count_groups(
                 values, lengths, stride, key_first, slice_start, self.features, self.table_first_feature_all,
                 self.table_rows, self.table_first_shard, self.table_inv_shard, self.shard_start, self.shard_chunk,
-                self.shard_inv, self.shard_stamp_at, stamps, table, self._bag_base, self.per_slice, p,
-                entries, distinct,
+                self.shard_inv, self.shard_stamp_at, stamps, table, self._bag_base, group, self.per_slice, p,
+                entries, distinct, saved,
             )  # fmt: skip
             if bad != -2:
                 break
-            # a group filled half the set: twice the set, and the batch again (the bags counted so
-            # far are older than the new count's, so its stamps read as not in this batch)
+            # a group filled half the set (its counts undone): twice the set, counted on from that
+            # group (the bags counted so far are older than its new ones: their slots read as empty)
             self._set = table = np.full(2 * table.size, -1, dtype=np.int64)
+            group = where
         if bad >= 0:
-            t = self.tables[bad_table]
+            t = self.tables[where]
             raise UserError(f"table {t.name!r}: id {int(values[bad])} outside its {t.rows} rows")
         per_feature = key_sum[self.features]
         most_feature = np.maximum.reduceat(per_feature, self.table_first_feature)
