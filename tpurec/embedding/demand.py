@@ -218,10 +218,7 @@ class ShardsDemand:
             self.shard_stamp_at[s] = cells
             cells += need
         self.stamp_cells = cells
-        self.shard_inv = 1.0 / np.maximum(self.shard_chunk, 1).astype(np.float64)
-        # a row's shard guessed as row div the table's first shard's rows (then stepped to the right one)
-        first_rows = [sizes[i] if i < len(sizes) else 1 for i in self.table_first_shard[:-1]]
-        self.table_inv_shard = 1.0 / np.maximum(np.array(first_rows, dtype=np.float64), 1)
+        self._segment_lookup(tables, sizes)
         self.table_first_feature_all = np.cumsum([0] + [len(t.features) for t in tables]).astype(np.int64)
         self.multi_feature_tables = [i for i, t in enumerate(tables) if len(t.features) > 1]
         self._stamps: np.ndarray | None = None
@@ -300,6 +297,46 @@ class ShardsDemand:
         per_table = np.maximum.reduceat(figures, self.table_first_shard[:-1], axis=0)
         return [(*map(int, f), int(a), int(b)) for f, a, b in zip(per_table, most_sample, most_feature)]
 
+    def _segment_lookup(self, tables: list[TableShards], sizes: list[int]) -> None:
+        """Per table, its (shard, partition) row ranges in row order (each table's list closed by its
+        row count) and, per block of 2^shift rows, the range of the block's first row: an id's segment
+        without a division (demand_kernels)."""
+        p = self.p
+        seg_row: list[int] = []
+        seg_shard: list[int] = []
+        seg_part: list[int] = []
+        block_seg: list[int] = []
+        shifts, first_block = [], []
+        for t, table in enumerate(tables):
+            mine = len(seg_row)
+            for s in range(int(self.table_first_shard[t]), int(self.table_first_shard[t + 1])):
+                start, chunk = int(self.shard_start[s]), int(self.shard_chunk[s])
+                for q in range(p):
+                    if q * chunk < sizes[s]:  # a partition past the shard's rows holds none of them
+                        seg_row.append(start + q * chunk)
+                        seg_shard.append(s)
+                        seg_part.append(q)
+            seg_row.append(max(table.rows, 1))  # closes the table's list
+            seg_shard.append(0)
+            seg_part.append(0)
+            rows = max(table.rows, 1)
+            shortest = (
+                min(b - a for a, b in zip(seg_row[mine:-1], seg_row[mine + 1 :])) if len(seg_row) > mine + 1 else rows
+            )
+            # blocks no longer than the shortest range (one boundary each at most), but 1024 at most
+            shift = max(shortest.bit_length() - 1, (rows - 1).bit_length() - 10, 0)
+            shifts.append(shift)
+            first_block.append(len(block_seg))
+            ranges = np.array(seg_row[mine:], dtype=np.int64)
+            blocks = np.arange(((rows - 1) >> shift) + 1, dtype=np.int64) << shift
+            block_seg.extend((mine + np.searchsorted(ranges, blocks, side="right") - 1).tolist())
+        self.seg_row, self.seg_shard, self.seg_part = (
+            np.array(a, dtype=np.int64) for a in (seg_row, seg_shard, seg_part)
+        )
+        self.block_seg = np.array(block_seg, dtype=np.int64)
+        self.table_block_shift = np.array(shifts, dtype=np.int64)
+        self.table_first_block = np.array(first_block, dtype=np.int64)
+
     def _compiled_count(self, values: np.ndarray, lengths: np.ndarray, stride: int) -> list[tuple[int, ...]]:
         """`count` by demand_kernels: no sort, no per-id temporaries. Not thread-safe: one counter
         per thread (its stamps and set)."""
@@ -325,9 +362,10 @@ class ShardsDemand:
         while True:
             bad, where, self._bag_base = count_groups(
                 values, lengths, stride, key_first, slice_start, self.features, self.table_first_feature_all,
-                self.table_rows, self.table_first_shard, self.table_inv_shard, self.shard_start, self.shard_chunk,
-                self.shard_inv, self.shard_stamp_at, stamps, table, self._bag_base, group, self.per_slice, p,
-                entries, distinct, saved,
+                self.table_rows, self.table_first_shard, self.table_block_shift, self.table_first_block,
+                self.block_seg, self.seg_row, self.seg_shard, self.seg_part, self.shard_start, self.shard_chunk,
+                self.shard_stamp_at,
+                stamps, table, self._bag_base, group, self.per_slice, p, entries, distinct, saved,
             )  # fmt: skip
             if bad != -2:
                 break

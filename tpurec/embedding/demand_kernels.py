@@ -123,10 +123,14 @@ def count_groups(
     table_first_feature: np.ndarray,
     table_rows: np.ndarray,
     table_first_shard: np.ndarray,
-    table_inv_shard: np.ndarray,
+    table_block_shift: np.ndarray,
+    table_first_block: np.ndarray,
+    block_seg: np.ndarray,
+    seg_row: np.ndarray,
+    seg_shard: np.ndarray,
+    seg_part: np.ndarray,
     shard_start: np.ndarray,
     shard_chunk: np.ndarray,
-    shard_inv: np.ndarray,
     shard_stamp_at: np.ndarray,
     stamps: np.ndarray,
     table: np.ndarray,
@@ -152,6 +156,10 @@ def count_groups(
         s1 = table_first_shard[t + 1]
         j0 = table_first_feature[t]
         j1 = table_first_feature[t + 1]
+        block_shift = table_block_shift[t]
+        first_block = table_first_block[t]
+        chunk = shard_chunk[s0]
+        chunk_inv = 1.0 / chunk
         for sl in range(first_group % nslices if t == first_group // nslices else 0, nslices):
             b0 = sl * per_slice
             b1 = min(b0 + per_slice, stride)
@@ -193,22 +201,24 @@ def count_groups(
                         r = np.int64(values[pos])
                         if r < 0 or r >= rows:
                             return pos, t, bag
-                        s = s0
-                        if s1 - s0 > 1:  # row-wise: the last shard starting at or before r
-                            # guessed from the first shard's size (exact when the shards are even, as
-                            # TorchRec cuts them), then stepped: a binary search's branches are data
-                            s = min(s0 + np.int64(r * table_inv_shard[t]), s1 - 1)
-                            while shard_start[s] > r:
-                                s -= 1
-                            while s + 1 < s1 and shard_start[s + 1] <= r:
-                                s += 1
-                        local = r - shard_start[s]
-                        chunk = shard_chunk[s]
-                        part = np.int64(local * shard_inv[s])  # local div chunk, off by one at most
-                        if part * chunk > local:
-                            part -= 1
-                        elif (part + 1) * chunk <= local:
-                            part += 1
+                        if s1 - s0 == 1:  # one shard: the partition by a float reciprocal, off by one at most
+                            s = s0
+                            local = r
+                            part = np.int64(local * chunk_inv)
+                            if part * chunk > local:
+                                part -= 1
+                            elif (part + 1) * chunk <= local:
+                                part += 1
+                        else:  # row-wise: the (shard, partition) range of the row's block, stepped over
+                            # the boundary inside the block (blocks are at most a range long unless the
+                            # table has over 1024 ranges' worth of blocks)
+                            g = block_seg[first_block + (r >> block_shift)]
+                            g += seg_row[g + 1] <= r  # branch-free: which side of a boundary is data
+                            while seg_row[g + 1] <= r:
+                                g += 1
+                            s = seg_shard[g]
+                            local = r - shard_start[s]
+                            part = seg_part[g]
                         seg = seg_base + (s - s0) * p * p + part
                         at = shard_stamp_at[s]
                         # branch-free: whether an id is new to its group or to its bag is data, not a
