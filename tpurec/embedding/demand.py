@@ -12,9 +12,10 @@ a stack the tables lie end to end and a stack partition can hold a whole small t
 bounds a stack's segment by each table's per-partition figure times the table partitions a stack
 partition can overlap, and never more than its per-slice figure (SparseCoreKernel, id_limits).
 
-`ShardsDemand` counts many tables and row-wise shards of one batch at once: one key per id, one
-sort for them all (a sort per table and shard costs numpy's per-call overhead hundreds of times a
-batch, and a shard mask per shard makes row-wise tables cost O(ids x shards)).
+`ShardsDemand` counts many tables and row-wise shards of one batch at once: compiled
+(demand_kernels, with numba: one pass over the ids, no sort, no array per id), or with numpy one key
+per id and one sort for them all (a sort per table and shard costs numpy's per-call overhead
+hundreds of times a batch, and a shard mask per shard makes row-wise tables cost O(ids x shards)).
 """
 
 from __future__ import annotations

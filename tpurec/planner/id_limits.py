@@ -59,8 +59,9 @@ def layout_of(report: dict) -> dict:
     return plan_layout(report["topology"], int(report["batch_size_per_device"]))
 
 
-# ids counted in one sort at most (about 70 bytes of temporaries each): bounds the pass's memory on
-# large global batches (an MLPerf DCNv2 batch on v5p-128 holds 112 M ids)
+# ids counted in one sort at most by the numpy route (about 70 bytes of temporaries each): bounds the
+# pass's memory on large global batches (an MLPerf DCNv2 batch on v5p-128 holds 112 M ids); the
+# compiled route keeps no array per id (a set of a few slots per distinct id of one table's slice)
 IDS_PER_GROUP = 8_000_000
 
 
