@@ -80,11 +80,15 @@ class DemandTally:
         self._lock = threading.Lock()
 
     def _groups(self, keys: tuple[str, ...], ids: int) -> list[ShardsDemand]:
-        """All tables in one sort, or in groups of about equal features when a batch holds more ids
-        than IDS_PER_GROUP (the pass's memory). A counter per thread: its stamps are its own."""
+        """All tables in one counter; with the numpy route (one sort), in groups of about equal
+        features when a batch holds more ids than IDS_PER_GROUP (the pass's memory; the compiled
+        route keeps no array per id, and a group's counter would hold a set of its own). A counter
+        per thread: its stamps are its own."""
+        from tpurec.embedding import csr_build
+
         key = (keys, threading.get_ident())
         if key not in self._counters:
-            n = min(len(self.tables), max(1, -(-ids // IDS_PER_GROUP))) or 1
+            n = 1 if csr_build.available() else min(len(self.tables), max(1, -(-ids // IDS_PER_GROUP))) or 1
             load = [0] * n
             groups: list[list[TableShards]] = [[] for _ in range(n)]
             for t in sorted(self.tables, key=lambda t: -len(t.features)):
