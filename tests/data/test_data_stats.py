@@ -199,17 +199,17 @@ def test_data_stats_reads_the_layout_of_a_saved_plan(synth_dir, limits_file, tmp
     assert a["layout"] == b["layout"] and a["tables"] == b["tables"]
 
 
-@pytest.mark.parametrize("route", ["compiled", "compiled_sorted", "numpy"])
+@pytest.mark.parametrize("route", ["compiled", "compiled_set", "numpy"])
 @pytest.mark.parametrize("one_hot", [False, True])
 def test_all_tables_and_row_wise_shards_in_one_pass_count_as_each_shard_alone(one_hot, route, monkeypatch):
-    """ShardsDemand's routes (compiled: small shards stamped, the rest sorted; compiled_sorted: every
-    shard sorted; numpy) against partition_demand per table and shard (checked against the kernel)."""
+    """ShardsDemand's routes (compiled: small shards stamped, the rest in a set; compiled_set: every
+    shard in the set; numpy) against partition_demand per table and shard (checked against the kernel)."""
     from tpurec.embedding import demand
     from tpurec.embedding.demand import ShardsDemand, TableShards
 
     if route == "numpy":
         monkeypatch.setenv("TPUREC_NO_NUMBA", "1")
-    if route == "compiled_sorted":
+    if route == "compiled_set":
         monkeypatch.setattr(demand, "STAMP_CELLS_PER_SHARD", 0)
 
     gen = np.random.default_rng(7)
@@ -227,7 +227,7 @@ def test_all_tables_and_row_wise_shards_in_one_pass_count_as_each_shard_alone(on
     )
     values[::5] = values[0] % 3  # repeats across and within bags
     counter = ShardsDemand(tables, keys, num_partitions=num_sc, batch=batch)
-    assert (counter.stamp_cells > 0) == (route != "compiled_sorted")  # every shard here fits stamps
+    assert (counter.stamp_cells > 0) == (route != "compiled_set")  # every shard here fits stamps
     got = counter.count(values, lengths, batch)
     assert counter.count(values, lengths, batch) == got  # a second batch: the first's stamps do not count
 

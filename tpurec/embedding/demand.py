@@ -12,9 +12,10 @@ a stack the tables lie end to end and a stack partition can hold a whole small t
 bounds a stack's segment by each table's per-partition figure times the table partitions a stack
 partition can overlap, and never more than its per-slice figure (SparseCoreKernel, id_limits).
 
-`ShardsDemand` counts many tables and row-wise shards of one batch at once: one key per id, one
-sort for them all (a sort per table and shard costs numpy's per-call overhead hundreds of times a
-batch, and a shard mask per shard makes row-wise tables cost O(ids x shards)).
+`ShardsDemand` counts many tables and row-wise shards of one batch at once: compiled
+(demand_kernels, with numba: one pass over the ids, no sort, no array per id), or with numpy one key
+per id and one sort for them all (a sort per table and shard costs numpy's per-call overhead
+hundreds of times a batch, and a shard mask per shard makes row-wise tables cost O(ids x shards)).
 """
 
 from __future__ import annotations
@@ -29,12 +30,14 @@ from tpurec.errors import UserError
 # (entries, distinct ids) of the fullest segment, the same of the fullest SparseCore slice
 Demand = tuple[int, int, int, int]
 
-# The compiled route stamps a shard whose P x padded rows fit STAMP_CELLS_PER_SHARD int64 cells, while
-# a counter's stamps stay within STAMP_CELLS (2 MiB, about a core's L2: a stamp read that misses the
-# cache costs more than sorting the id; measured on criteo-kaggle's tables, 128 MiB of stamps made the
-# pass 4x slower than sorting); larger shards sort.
+# The compiled route (demand_kernels) stamps a shard whose padded rows fit STAMP_CELLS_PER_SHARD int64
+# cells, while a counter's stamps stay within STAMP_CELLS (2 MiB, about a core's L2: a stamp read that
+# misses the cache costs more than a probe of the small set the other shards use); larger shards go
+# through that set.
 STAMP_CELLS_PER_SHARD = 1 << 16
 STAMP_CELLS = 1 << 18
+# the compiled route's set starts with this many slots (grown as a group needs, kept across batches)
+SET_SLOTS = 1 << 12
 
 
 def _bits(n: int) -> int:
@@ -205,26 +208,31 @@ class ShardsDemand:
         self.row_wise_features = [j for j in range(len(ft)) if shards_of[ft[j]] > 1]
         self.one_feature_per_table = all(len(t.features) == 1 for t in tables)
         self.one_hot_cache: dict[int, np.ndarray] = {}
-        # The compiled route (demand_kernels): shards small enough are counted by stamps, the rest sorted.
+        # The compiled route (demand_kernels): shards small enough are counted by stamps, the rest in a set.
         padded = np.array([padded_rows(r, num_partitions) for r in sizes], dtype=np.int64)
-        self.shard_padded = padded
         self.shard_stamp_at = np.full(len(sizes), -1, dtype=np.int64)
         cells = 0
         for s in np.argsort(padded, kind="stable"):  # smallest first: the most shards stamped
-            need = int(padded[s]) * num_partitions
+            need = int(padded[s])
             if need > STAMP_CELLS_PER_SHARD or cells + need > STAMP_CELLS:
                 break
             self.shard_stamp_at[s] = cells
             cells += need
         self.stamp_cells = cells
+        self._segment_lookup(tables, sizes)
+        self.table_first_feature_all = np.cumsum([0] + [len(t.features) for t in tables]).astype(np.int64)
+        self.multi_feature_tables = [i for i, t in enumerate(tables) if len(t.features) > 1]
         self._stamps: np.ndarray | None = None
+        self._set: np.ndarray | None = None
         self._bag_base = 0
-        self.max_rows = int(max(sizes, default=1))
-        self.max_features = max((len(t.features) for t in tables), default=1)
 
     def count(self, values: np.ndarray, lengths: np.ndarray, stride: int) -> list[tuple[int, ...]]:
         """Per table: (entries, distinct ids) of its fullest segment and fullest slice over its
         shards, the most ids of one sample, the most ids of one of its features in the batch."""
+        from tpurec.embedding import csr_build
+
+        if csr_build.available() and self.num_shards and stride:
+            return self._compiled_count(values, lengths, stride)
         lens = lengths.reshape(-1, stride)[self.features]  # [features, batch], grouped by table
         per_feature = lens.sum(1)
         if self.one_feature_per_table:
@@ -235,10 +243,6 @@ class ShardsDemand:
         total = int(per_feature.sum())
         if total == 0:
             return [(0, 0, 0, 0, int(a), int(b)) for a, b in zip(most_sample, most_feature)]
-        compiled = self._compiled_counts(values, lengths, stride, total)
-        if compiled is not None:
-            entries, distinct = compiled
-            return self._figures(entries, distinct, most_sample, most_feature)
         if self.every_feature_in_order:
             ids = values.astype(np.int64, copy=False)
         else:
@@ -294,44 +298,94 @@ class ShardsDemand:
         per_table = np.maximum.reduceat(figures, self.table_first_shard[:-1], axis=0)
         return [(*map(int, f), int(a), int(b)) for f, a, b in zip(per_table, most_sample, most_feature)]
 
-    def _compiled_counts(
-        self, values: np.ndarray, lengths: np.ndarray, stride: int, ids: int
-    ) -> tuple[np.ndarray, np.ndarray] | None:
-        """([shards, P, P] entries, distinct) by demand_kernels, or None: no numba, or keys too wide
-        (then the numpy route). Not thread-safe: one counter per thread (its stamps)."""
-        from tpurec.embedding import csr_build
+    def _segment_lookup(self, tables: list[TableShards], sizes: list[int]) -> None:
+        """Per table, its (shard, partition) row ranges in row order (each table's list closed by its
+        row count) and, per block of 2^shift rows, the range of the block's first row: an id's segment
+        without a division (demand_kernels)."""
+        p = self.p
+        seg_row: list[int] = []
+        seg_shard: list[int] = []
+        seg_part: list[int] = []
+        block_seg: list[int] = []
+        shifts, first_block = [], []
+        for t, table in enumerate(tables):
+            mine = len(seg_row)
+            for s in range(int(self.table_first_shard[t]), int(self.table_first_shard[t + 1])):
+                start, chunk = int(self.shard_start[s]), int(self.shard_chunk[s])
+                for q in range(p):
+                    if q * chunk < sizes[s]:  # a partition past the shard's rows holds none of them
+                        seg_row.append(start + q * chunk)
+                        seg_shard.append(s)
+                        seg_part.append(q)
+            seg_row.append(max(table.rows, 1))  # closes the table's list
+            seg_shard.append(0)
+            seg_part.append(0)
+            rows = max(table.rows, 1)
+            shortest = (
+                min(b - a for a, b in zip(seg_row[mine:-1], seg_row[mine + 1 :])) if len(seg_row) > mine + 1 else rows
+            )
+            # blocks no longer than the shortest range (one boundary each at most), but 1024 at most
+            shift = max(shortest.bit_length() - 1, (rows - 1).bit_length() - 10, 0)
+            shifts.append(shift)
+            first_block.append(len(block_seg))
+            ranges = np.array(seg_row[mine:], dtype=np.int64)
+            blocks = np.arange(((rows - 1) >> shift) + 1, dtype=np.int64) << shift
+            block_seg.extend((mine + np.searchsorted(ranges, blocks, side="right") - 1).tolist())
+        self.seg_row, self.seg_shard, self.seg_part = (
+            np.array(a, dtype=np.int64) for a in (seg_row, seg_shard, seg_part)
+        )
+        self.block_seg = np.array(block_seg, dtype=np.int64)
+        self.table_block_shift = np.array(shifts, dtype=np.int64)
+        self.table_first_block = np.array(first_block, dtype=np.int64)
 
-        if not csr_build.available() or self.num_shards == 0:
-            return None
-        from tpurec.embedding.demand_kernels import count_sorted, walk  # numba: only once it is there
+    def _compiled_count(self, values: np.ndarray, lengths: np.ndarray, stride: int) -> list[tuple[int, ...]]:
+        """`count` by demand_kernels: no sort, no per-id temporaries. Not thread-safe: one counter
+        per thread (its stamps and set)."""
+        from tpurec.embedding.demand_kernels import count_groups, key_lengths, most_per_sample  # numba: lazily
 
-        p, pbits = self.p, _bits(self.p)
-        lbits, fbits, sbits = _bits(self.max_rows), _bits(self.max_features), _bits(max(stride, 1))
-        if _bits(self.num_shards) + 2 * pbits + lbits + fbits + sbits > 63:
-            return None
-        if self._stamps is None:
+        p, nkeys = self.p, lengths.size // stride
+        nslices = -(-stride // self.per_slice)
+        if nslices > p:
+            raise ValueError(f"a batch of {stride} samples is over the layout's batch of {self.batch}")
+        key_sum, key_max = np.empty(nkeys, np.int64), np.empty(nkeys, np.int64)
+        slice_start = np.empty((nkeys, nslices + 1), np.int64)
+        key_lengths(lengths, stride, self.per_slice, key_sum, key_max, slice_start)
+        key_first = np.zeros(nkeys, np.int64)
+        np.cumsum(key_sum[:-1], out=key_first[1:])
+        if self._stamps is None or self._set is None:
             self._stamps = np.full(max(self.stamp_cells, 1), -1, dtype=np.int64)
+            self._set = np.full(2 * SET_SLOTS, -1, dtype=np.int64)
+        stamps, table = self._stamps, self._set
         size = self.num_shards * p * p
         entries, distinct = np.zeros(size, np.int64), np.zeros(size, np.int64)
-        keys = np.empty(ids, np.int64)
-        offsets = np.zeros(lengths.size + 1, np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        n, bad = walk(
-            values, lengths, offsets, stride, self.features, self.feature_table, self.feature_slot.astype(np.int64),
-            self.table_rows, self.table_first_shard, self.shard_start, self.shard_chunk, self.shard_stamp_at,
-            self.shard_padded, self._stamps, self._bag_base, self.per_slice, p, pbits, lbits, fbits, sbits,
-            entries, distinct, keys,
-        )  # fmt: skip
-        # stamps older than this batch's bags read as "not in this batch" (no clearing between batches)
-        self._bag_base += len(self.features) * stride
+        saved = np.empty(2 * p * int(np.diff(self.table_first_shard).max()), np.int64)
+        group = 0
+        while True:
+            bad, where, self._bag_base = count_groups(
+                values, lengths, stride, key_first, slice_start, self.features, self.table_first_feature_all,
+                self.table_rows, self.table_first_shard, self.table_block_shift, self.table_first_block,
+                self.block_seg, self.seg_row, self.seg_shard, self.seg_part, self.shard_start, self.shard_chunk,
+                self.shard_stamp_at,
+                stamps, table, self._bag_base, group, self.per_slice, p, entries, distinct, saved,
+            )  # fmt: skip
+            if bad != -2:
+                break
+            # a group filled half the set (its counts undone): twice the set, counted on from that
+            # group (the bags counted so far are older than its new ones: their slots read as empty)
+            self._set = table = np.full(2 * table.size, -1, dtype=np.int64)
+            group = where
         if bad >= 0:
-            j = next(j for j, f in enumerate(self.features) if offsets[f * stride] <= bad < offsets[(f + 1) * stride])
-            t = self.tables[int(self.feature_table[j])]
+            t = self.tables[where]
             raise UserError(f"table {t.name!r}: id {int(values[bad])} outside its {t.rows} rows")
-        if n:
-            ordered = np.sort(keys[:n])
-            count_sorted(ordered, fbits + sbits, lbits, p, pbits, entries, distinct)
-        return entries.reshape(-1, p, p), distinct.reshape(-1, p, p)
+        per_feature = key_sum[self.features]
+        most_feature = np.maximum.reduceat(per_feature, self.table_first_feature)
+        most_sample = np.maximum.reduceat(key_max[self.features], self.table_first_feature)
+        if self.multi_feature_tables:
+            scratch = np.empty(stride, np.int64)
+            for i in self.multi_feature_tables:
+                j0, j1 = self.table_first_feature_all[i], self.table_first_feature_all[i + 1]
+                most_sample[i] = most_per_sample(lengths, stride, self.features, j0, j1, scratch)
+        return self._figures(entries.reshape(-1, p, p), distinct.reshape(-1, p, p), most_sample, most_feature)
 
     def _check_range(self, ids: np.ndarray, first: np.ndarray, per_feature: np.ndarray) -> None:
         """Every id inside its table (one pass: each feature's smallest and largest id)."""

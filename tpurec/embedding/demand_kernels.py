@@ -1,123 +1,253 @@
 """Compiled counting for `ShardsDemand` (the `tpurec data stats` pass): a batch's entries and
-distinct ids per (shard, SparseCore slice, partition) in one pass over the ids, plus one sort for
-the shards too large to stamp.
+distinct ids per (shard, SparseCore slice, partition), with no sort.
 
 The numpy route (demand.segment_counts) builds a packed key per id in about a dozen full-length
-passes and sorts them all. Here one compiled pass (numba, as csr_build: no build step, GIL released,
-so `count_stream`'s threads run side by side) walks the batch bag by bag:
+passes and sorts them all. Here (numba, as csr_build: no build step, GIL released, so
+`count_stream`'s threads run side by side) one pass over the lengths finds each feature's slices,
+then one pass over the ids counts them table by table and, in a table, SparseCore slice by slice:
+a segment's ids are those of one (table, slice) group, so a group's distinct ids are known once its
+bags are walked, and a set the size of one group is all the memory the count needs.
 
-* a **stamped** shard (P x its rows fit a small array) keeps, per (slice, row), the last bag that
-  touched it: an id is a new distinct id of its segment when its stamp predates this batch, and a
-  new entry when its stamp is not this bag (repeats in one bag merge). No sort.
-* any other shard's ids get the packed key (segment, row, feature, sample) of the numpy route; those
-  keys alone are sorted (numpy's sort, GIL released) and a second pass counts the new keys and the
-  new (segment, row) prefixes.
+* Each id's segment: its shard (row-wise tables: guessed as row div the first shard's rows, then
+  stepped to the last shard starting at or before the row), its
+  row in the shard, and its partition, row div C (C = padded rows / P), taken as a multiply by a
+  float reciprocal corrected by one step (exact for rows below 2^52; an int64 division costs several
+  times the rest of the id's work).
+* A **stamped** shard (its padded rows fit a small array) keeps, per row, the last bag that touched
+  it: an id is a new distinct id of its segment when its stamp predates this group, and a new entry
+  when its stamp is not this bag (repeats in one bag merge). One array per shard serves every slice.
+* Any other shard's ids go through an open-addressing set (multiplicative hash, linear probing) of
+  (table row, last bag) pairs with the same two tests; its slots whose bag predates the group read as
+  empty, so it is never cleared. A group uses twice its ids' slots, at most the whole set; a group
+  that fills half the set is undone, and the caller doubles the set and counts on from that group,
+  so the set ends at most four slots per distinct id of the largest group (the memory bound: no
+  array per id).
 
-Same figures as the numpy route, checked equal in tests/data/test_data_stats.py. Imported lazily,
+Bags are numbered by a counter that runs on across batches (the caller keeps it), so stamps and set
+slots from earlier groups and batches never need resetting. Same figures as the numpy route, checked
+equal in tests/data/test_data_stats.py and tests/embedding/test_demand_kernels.py. Imported lazily,
 only once `csr_build.available()` says numba is there; without numba (or TPUREC_NO_NUMBA=1)
 `ShardsDemand` keeps the numpy route.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import numba
 import numpy as np
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.core.extending import intrinsic
+
+# Fibonacci hashing's multiplier (2^64 / golden ratio, as a signed int64): consecutive rows spread
+# over the whole set, so a skewed table's hot low rows do not collide
+_HASH_MUL = -7046029254386353131
+MIN_SET_BITS = 4
+# ids ahead whose set slot is prefetched: a set larger than the cache (a multi-hot table of millions of
+# rows) makes every probe a memory access, and a prefetch lets these overlap (MLPerf DCNv2's
+# tables: a third less time per id)
+AHEAD = 16
+
+
+def _prefetch_typing(typingctx: object, arr: types.Array, index: types.Integer) -> tuple:
+    """Hints the cache to fetch arr[index] for writing (LLVM's prefetch: never faults, no result)."""
+    sig = types.void(arr, index)
+
+    def codegen(context: object, builder: object, signature: object, args: tuple) -> object:
+        ary = context.make_array(signature.args[0])(context, builder, args[0])  # type: ignore[attr-defined]
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")  # type: ignore[attr-defined]
+        ptr = builder.bitcast(builder.gep(ary.data, [args[1]]), i8p)  # type: ignore[attr-defined]
+        # (write, keep in all cache levels, data cache)
+        builder.call(fn, [ptr, ir.Constant(i32, 1), ir.Constant(i32, 3), ir.Constant(i32, 1)])  # type: ignore[attr-defined]
+        return context.get_dummy_value()  # type: ignore[attr-defined]
+
+    return sig, codegen
+
+
+_prefetch: Any = intrinsic(_prefetch_typing)  # Any: called from compiled code with (array, index) only
 
 
 @numba.njit(cache=True, nogil=True)
-def walk(
+def key_lengths(
+    lengths: np.ndarray, stride: int, per_slice: int, key_sum: np.ndarray, key_max: np.ndarray, slice_start: np.ndarray
+) -> None:
+    """Per key (feature column of the batch): its ids (key_sum), its longest bag (key_max), and for
+    each SparseCore slice the ids of the key before the slice's first bag (slice_start[key, slice];
+    the last column is the key's ids)."""
+    nslices = slice_start.shape[1] - 1
+    for k in range(key_sum.shape[0]):
+        base = k * stride
+        total = 0
+        most = 0
+        for sl in range(nslices):
+            slice_start[k, sl] = total
+            for b in range(min(sl * per_slice, stride), min((sl + 1) * per_slice, stride)):
+                n = lengths[base + b]
+                total += n
+                if n > most:
+                    most = n
+        slice_start[k, nslices] = total
+        key_sum[k] = total
+        key_max[k] = most
+
+
+@numba.njit(cache=True, nogil=True)
+def most_per_sample(
+    lengths: np.ndarray, stride: int, features: np.ndarray, first: int, last: int, scratch: np.ndarray
+) -> int:
+    """The most ids one sample has over the features features[first:last] (one table's)."""
+    for b in range(stride):
+        scratch[b] = 0
+    for j in range(first, last):
+        base = features[j] * stride
+        for b in range(stride):
+            scratch[b] += lengths[base + b]
+    most = 0
+    for b in range(stride):
+        if scratch[b] > most:
+            most = scratch[b]
+    return most
+
+
+@numba.njit(cache=True, nogil=True)
+def count_groups(
     values: np.ndarray,
     lengths: np.ndarray,
-    offsets: np.ndarray,
     stride: int,
+    key_first: np.ndarray,
+    slice_start: np.ndarray,
     features: np.ndarray,
-    feature_table: np.ndarray,
-    feature_slot: np.ndarray,
+    table_first_feature: np.ndarray,
     table_rows: np.ndarray,
     table_first_shard: np.ndarray,
+    table_block_shift: np.ndarray,
+    table_first_block: np.ndarray,
+    block_seg: np.ndarray,
+    seg_row: np.ndarray,
+    seg_shard: np.ndarray,
+    seg_part: np.ndarray,
     shard_start: np.ndarray,
     shard_chunk: np.ndarray,
     shard_stamp_at: np.ndarray,
-    shard_padded: np.ndarray,
     stamps: np.ndarray,
+    table: np.ndarray,
     bag_base: int,
+    first_group: int,
     per_slice: int,
     p: int,
-    pbits: int,
-    lbits: int,
-    fbits: int,
-    sbits: int,
     entries: np.ndarray,
     distinct: np.ndarray,
-    keys: np.ndarray,
-) -> tuple[int, int]:
-    """Counts stamped shards into entries / distinct ([shards * P * P]) and writes the other ids'
-    packed keys; returns (number of keys, -1) or (0, position of an id outside its table)."""
-    n = 0
-    for j in range(features.shape[0]):
-        f = features[j]
-        t = feature_table[j]
-        slot = feature_slot[j]
+    saved: np.ndarray,
+) -> tuple[int, int, int]:
+    """Counts every table's ids into entries / distinct ([shards * P * P]); `table`, the set, holds
+    2^k (row, bag) pairs. Counts the groups (table x nslices + slice) from `first_group` on. Returns
+    (status, where, the next bag number): status -1 when counted; the position of an id outside its
+    table (where: the table); or -2 when a group had more distinct ids than half the set (where: that
+    group, its counts undone: count on from it with a set twice the size). saved: 2 x P x the most
+    shards of a table, scratch."""
+    nslices = slice_start.shape[1] - 1
+    bag = bag_base
+    for t in range(first_group // nslices, table_rows.shape[0]):
         rows = table_rows[t]
         s0 = table_first_shard[t]
         s1 = table_first_shard[t + 1]
-        pos = offsets[f * stride]
-        for b in range(stride):
-            length = lengths[f * stride + b]
-            bag = bag_base + j * stride + b
-            sl = b // per_slice
-            for _ in range(length):
-                r = np.int64(values[pos])
-                if r < 0 or r >= rows:
-                    return 0, pos
-                s = s0
-                if s1 - s0 > 1:  # row-wise: the last shard starting at or before r
-                    lo, hi = s0, s1 - 1
-                    while lo < hi:
-                        mid = (lo + hi + 1) // 2
-                        if shard_start[mid] <= r:
-                            lo = mid
+        j0 = table_first_feature[t]
+        j1 = table_first_feature[t + 1]
+        block_shift = table_block_shift[t]
+        first_block = table_first_block[t]
+        chunk = shard_chunk[s0]
+        chunk_inv = 1.0 / chunk
+        for sl in range(first_group % nslices if t == first_group // nslices else 0, nslices):
+            b0 = sl * per_slice
+            b1 = min(b0 + per_slice, stride)
+            if b0 >= b1:
+                break
+            group_base = bag
+            k = 0
+            for s in range(s0, s1):  # the group's counts as they were, should it have to be undone
+                for q in range(p):
+                    saved[k] = entries[(s * p + sl) * p + q]
+                    saved[k + 1] = distinct[(s * p + sl) * p + q]
+                    k += 2
+            n = 0
+            for j in range(j0, j1):
+                f = features[j]
+                n += slice_start[f, sl + 1] - slice_start[f, sl]
+            # this group's part of the set: twice its ids (every id may be distinct), at most the set:
+            # a small group's probes stay in a few cache lines
+            bits = MIN_SET_BITS
+            while (1 << bits) < 2 * n and (2 << bits) <= table.shape[0] // 2:
+                bits += 1
+            mask = (1 << bits) - 1
+            shift = 64 - bits
+            held = 0
+            hashed = False
+            for s in range(s0, s1):
+                hashed |= shard_stamp_at[s] < 0
+            last_ahead = values.shape[0] - AHEAD
+            seg_base = (s0 * p + sl) * p  # shard s0's; a row-wise table's other shards add theirs
+            for j in range(j0, j1):
+                f = features[j]
+                pos = key_first[f] + slice_start[f, sl]
+                for b in range(b0, b1):
+                    length = lengths[f * stride + b]
+                    for _ in range(length):
+                        if hashed and pos < last_ahead:
+                            ahead = np.int64(values[pos + AHEAD])
+                            _prefetch(table, 2 * (((ahead * _HASH_MUL) >> shift) & mask))
+                        r = np.int64(values[pos])
+                        if r < 0 or r >= rows:
+                            return pos, t, bag
+                        if s1 - s0 == 1:  # one shard: the partition by a float reciprocal, off by one at most
+                            s = s0
+                            local = r
+                            part = np.int64(local * chunk_inv)
+                            if part * chunk > local:
+                                part -= 1
+                            elif (part + 1) * chunk <= local:
+                                part += 1
+                        else:  # row-wise: the (shard, partition) range of the row's block, stepped over
+                            # the boundary inside the block (blocks are at most a range long unless the
+                            # table has over 1024 ranges' worth of blocks)
+                            g = block_seg[first_block + (r >> block_shift)]
+                            g += seg_row[g + 1] <= r  # branch-free: which side of a boundary is data
+                            while seg_row[g + 1] <= r:
+                                g += 1
+                            s = seg_shard[g]
+                            local = r - shard_start[s]
+                            part = seg_part[g]
+                        seg = seg_base + (s - s0) * p * p + part
+                        at = shard_stamp_at[s]
+                        # branch-free: whether an id is new to its group or to its bag is data, not a
+                        # pattern a branch predictor learns (a miss costs more than the rest of the id)
+                        if at >= 0:
+                            cell = at + local
+                            seen = stamps[cell]
+                            distinct[seg] += seen < group_base  # not yet in this group: a new id
+                            entries[seg] += seen != bag  # not yet in this bag: a new entry
+                            stamps[cell] = bag
                         else:
-                            hi = mid - 1
-                    s = lo
-                local = r - shard_start[s]
-                part = local // shard_chunk[s]
-                seg = (s * p + sl) * p + part
-                at = shard_stamp_at[s]
-                if at >= 0:
-                    cell = at + sl * shard_padded[s] + local
-                    seen = stamps[cell]
-                    if seen < bag_base:  # not yet in this batch: a new id of its segment
-                        distinct[seg] += 1
-                        entries[seg] += 1
-                        stamps[cell] = bag
-                    elif seen != bag:  # in this batch, not in this bag: a new entry
-                        entries[seg] += 1
-                        stamps[cell] = bag
-                else:
-                    seg_key = ((s << pbits) | sl) << pbits | part
-                    keys[n] = (((seg_key << lbits) | local) << fbits | slot) << sbits | b
-                    n += 1
-                pos += 1
-    return n, -1
-
-
-@numba.njit(cache=True, nogil=True)
-def count_sorted(
-    keys: np.ndarray, low: int, lbits: int, p: int, pbits: int, entries: np.ndarray, distinct: np.ndarray
-) -> None:
-    """Adds the sorted keys' new entries and new (segment, row) prefixes to the counts."""
-    prev_key = np.int64(-1)
-    prev_prefix = np.int64(-1)
-    mask = (1 << pbits) - 1
-    for i in range(keys.shape[0]):
-        k = keys[i]
-        prefix = k >> low
-        packed = prefix >> lbits  # (shard, slice, partition) in bit fields
-        seg = ((packed >> (2 * pbits)) * p + ((packed >> pbits) & mask)) * p + (packed & mask)
-        if k != prev_key:
-            entries[seg] += 1
-        if prefix != prev_prefix:
-            distinct[seg] += 1
-        prev_key = k
-        prev_prefix = prefix
+                            h = ((r * _HASH_MUL) >> shift) & mask
+                            while table[2 * h + 1] >= group_base and table[2 * h] != r:
+                                h = (h + 1) & mask  # a slot of this group holding another row
+                            seen = table[2 * h + 1]
+                            fresh = seen < group_base  # an empty slot (or a stale one): r is new
+                            distinct[seg] += fresh
+                            entries[seg] += seen != bag
+                            table[2 * h] = r
+                            table[2 * h + 1] = bag
+                            held += fresh
+                            if 2 * held > mask + 1:  # (a grown array here costs every access: numba
+                                k = 0  # then reloads it each time, a third slower)
+                                for s in range(s0, s1):
+                                    for q in range(p):
+                                        entries[(s * p + sl) * p + q] = saved[k]
+                                        distinct[(s * p + sl) * p + q] = saved[k + 1]
+                                        k += 2
+                                return -2, t * nslices + sl, bag
+                        pos += 1
+                    bag += 1
+    return -1, -1, bag

@@ -59,8 +59,9 @@ def layout_of(report: dict) -> dict:
     return plan_layout(report["topology"], int(report["batch_size_per_device"]))
 
 
-# ids counted in one sort at most (about 70 bytes of temporaries each): bounds the pass's memory on
-# large global batches (an MLPerf DCNv2 batch on v5p-128 holds 112 M ids)
+# ids counted in one sort at most by the numpy route (about 70 bytes of temporaries each): bounds the
+# pass's memory on large global batches (an MLPerf DCNv2 batch on v5p-128 holds 112 M ids); the
+# compiled route keeps no array per id (a set of a few slots per distinct id of one table's slice)
 IDS_PER_GROUP = 8_000_000
 
 
@@ -79,11 +80,15 @@ class DemandTally:
         self._lock = threading.Lock()
 
     def _groups(self, keys: tuple[str, ...], ids: int) -> list[ShardsDemand]:
-        """All tables in one sort, or in groups of about equal features when a batch holds more ids
-        than IDS_PER_GROUP (the pass's memory). A counter per thread: its stamps are its own."""
+        """All tables in one counter; with the numpy route (one sort), in groups of about equal
+        features when a batch holds more ids than IDS_PER_GROUP (the pass's memory; the compiled
+        route keeps no array per id, and a group's counter would hold a set of its own). A counter
+        per thread: its stamps are its own."""
+        from tpurec.embedding import csr_build
+
         key = (keys, threading.get_ident())
         if key not in self._counters:
-            n = min(len(self.tables), max(1, -(-ids // IDS_PER_GROUP))) or 1
+            n = 1 if csr_build.available() else min(len(self.tables), max(1, -(-ids // IDS_PER_GROUP))) or 1
             load = [0] * n
             groups: list[list[TableShards]] = [[] for _ in range(n)]
             for t in sorted(self.tables, key=lambda t: -len(t.features)):

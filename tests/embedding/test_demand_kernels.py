@@ -1,0 +1,109 @@
+"""The compiled demand count (demand_kernels: stamps and a set, no sort) against a plain numpy
+reference written here: np.unique over each id's (shard, SparseCore slice, partition, row[, feature,
+sample]) tuple, for random and skewed ids, one-hot and multi-hot bags, power-of-two and other
+partition counts, even and uneven row-wise shards, and a short last batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tpurec.embedding import csr_build, demand
+from tpurec.embedding.constraints import padded_rows
+from tpurec.embedding.demand import ShardsDemand, TableShards
+
+pytestmark = pytest.mark.skipif(not csr_build.available(), reason="numba not installed")
+
+
+def reference(t: TableShards, keys: list[str], values, lengths, stride: int, p: int, batch: int) -> tuple[int, ...]:
+    """One table's six figures, from scratch."""
+    per_slice = -(-batch // p)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    rows, samples, slots = [], [], []
+    for slot, f in enumerate(t.features):
+        k = keys.index(f)
+        ls = lengths[k * stride : (k + 1) * stride]
+        rows.append(values[offsets[k * stride] : offsets[(k + 1) * stride]])
+        samples.append(np.repeat(np.arange(stride), ls))
+        slots.append(np.full(int(ls.sum()), slot))
+    r, sample, feature = (np.concatenate(a).astype(np.int64) for a in (rows, samples, slots))
+    starts = np.array([first for first, _ in t.shards])
+    sizes = np.array([n for _, n in t.shards])
+    shard = np.searchsorted(starts, r, side="right") - 1
+    local = r - starts[shard]
+    part = local // (np.array([padded_rows(n, p) for n in sizes]) // p)[shard]
+    slc = sample // per_slice
+    seg = (shard * p + slc) * p + part
+    size = len(t.shards) * p * p
+    entries = np.bincount(np.unique(np.stack([seg, local, feature, sample]), axis=1)[0], minlength=size)
+    distinct = np.bincount(np.unique(np.stack([seg, local]), axis=1)[0], minlength=size)
+    entries, distinct = entries.reshape(-1, p, p), distinct.reshape(-1, p, p)
+    per_sample = np.bincount(sample, minlength=stride) if r.size else np.zeros(1, np.int64)
+    return (
+        int(entries.max()),
+        int(distinct.max()),
+        int(entries.sum(2).max()),
+        int(distinct.sum(2).max()),
+        int(per_sample.max()),
+        int(max(int((lengths[keys.index(f) * stride : (keys.index(f) + 1) * stride]).sum()) for f in t.features)),
+    )
+
+
+def _batch(gen, keys, rows, stride, one_hot, skewed):
+    lengths = np.ones(len(keys) * stride, np.int32) if one_hot else gen.integers(0, 9, len(keys) * stride, np.int32)
+    parts = []
+    for i, k in enumerate(keys):
+        n = int(lengths[i * stride : (i + 1) * stride].sum())
+        if skewed:  # Zipf-like: most ids in a few hot rows, the rest spread over the table
+            ids = np.minimum(gen.zipf(1.3, n) - 1, rows[k] - 1)
+        else:
+            ids = gen.integers(0, rows[k], n)
+        parts.append(ids)
+    return np.concatenate(parts).astype(np.int64), lengths
+
+
+@pytest.mark.parametrize("skewed", [False, True])
+@pytest.mark.parametrize("one_hot", [False, True])
+@pytest.mark.parametrize("p", [1, 3, 4, 5, 8])
+def test_the_compiled_count_equals_a_numpy_reference(p, one_hot, skewed, monkeypatch):
+    gen = np.random.default_rng(p * 4 + 2 * one_hot + skewed)
+    tables = [
+        TableShards("big", ("fb",), 200_000, ((0, 200_000),)),  # the set (over STAMP_CELLS_PER_SHARD)
+        TableShards("two", ("f2a", "f2b"), 1000, ((0, 1000),)),  # two features: bags per feature
+        TableShards("even", ("fe",), 90_000, ((0, 30_000), (30_000, 30_000), (60_000, 30_000))),
+        TableShards("uneven", ("fu",), 5000, ((0, 1700), (1700, 1700), (3400, 1600))),
+        TableShards("tiny", ("ft",), 3, ((0, 3),)),
+    ]
+    rows = {"fb": 200_000, "f2a": 1000, "f2b": 1000, "fe": 90_000, "fu": 5000, "ft": 3, "unused": 7}
+    keys = ["unused", "fu", "f2b", "fb", "ft", "fe", "f2a"]  # not in table order; one column unread
+    batch = 101  # not a multiple of p: the last SparseCore slice is short
+    monkeypatch.setattr(demand, "SET_SLOTS", 16)  # a set that must grow (the batch counted again)
+    counter = ShardsDemand(tables, keys, num_partitions=p, batch=batch)
+    assert counter.stamp_cells > 0 and (counter.shard_stamp_at < 0).any()  # both routes taken
+    for stride in (batch, batch, 40):  # the stamps and set of a batch before do not count; a short last batch
+        values, lengths = _batch(gen, keys, rows, stride, one_hot, skewed)
+        got = counter.count(values, lengths, stride)
+        want = [reference(t, keys, values, lengths, stride, p, batch) for t in tables]
+        assert got == want
+    assert counter._set is not None and counter._set.size > 2 * 16  # the set grew
+
+
+def test_every_shard_in_the_set_equals_every_shard_stamped(monkeypatch):
+    gen = np.random.default_rng(5)
+    tables = [TableShards("a", ("fa",), 4000, ((0, 2000), (2000, 2000))), TableShards("b", ("fb",), 999, ((0, 999),))]
+    keys = ["fa", "fb"]
+    values, lengths = _batch(gen, keys, {"fa": 4000, "fb": 999}, 64, False, True)
+    stamped = ShardsDemand(tables, keys, num_partitions=4, batch=64).count(values, lengths, 64)
+    monkeypatch.setattr(demand, "STAMP_CELLS_PER_SHARD", 0)
+    hashed = ShardsDemand(tables, keys, num_partitions=4, batch=64)
+    assert hashed.stamp_cells == 0
+    want = [reference(t, keys, values, lengths, 64, 4, 64) for t in tables]
+    assert hashed.count(values, lengths, 64) == stamped == want
+
+
+def test_an_id_outside_its_table_is_named_with_its_table():
+    tables = [TableShards("a", ("fa",), 10, ((0, 10),)), TableShards("b", ("fb",), 500_000, ((0, 500_000),))]
+    counter = ShardsDemand(tables, ["fa", "fb"], num_partitions=4, batch=4)
+    values = np.array([1, 2, 3, 4, 7, 500_000, 8, 9], np.int64)
+    with pytest.raises(ValueError, match="table 'b': id 500000 outside its 500000 rows"):
+        counter.count(values, np.ones(8, np.int32), 4)
