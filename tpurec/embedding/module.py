@@ -25,6 +25,7 @@ from tpurec.embedding.kernel_table import POOLINGS
 from tpurec.embedding.optimizers.registry import spec_from_torch
 from tpurec.embedding.settings import KernelSettings
 from tpurec.embedding.sparsecores import resolve_num_sparsecores
+from tpurec.embedding.vbe import expand_to_batch, pad_to_common_batch
 from tpurec.errors import UserError
 
 if TYPE_CHECKING:
@@ -114,7 +115,13 @@ class SparseCoreEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
 
     # -- torchrec EBC surface ------------------------------------------------------------------
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        values = self.kernel(features)
+        if features.variable_stride_per_key():
+            # a batch per feature (VBE): pooled per feature's own bags, then expanded to the full
+            # batch by the KJT's inverse indices, as TorchRec's EmbeddingBagCollection does
+            padded = self.kernel(pad_to_common_batch(features))
+            values = expand_to_batch(padded, features, self.kernel.feature_dims, self.kernel.feature_order)
+        else:
+            values = self.kernel(features)
         return KeyedTensor(
             keys=list(self.kernel.feature_order),
             length_per_key=list(self.kernel.feature_dims),
