@@ -78,10 +78,11 @@ class _Model(nn.Module):
         return torch.cat([pooled[f] for f in KEYS], 1)
 
 
-def _batches(rank: int) -> list[tuple[KeyedJaggedTensor, torch.Tensor]]:
-    """(VBE KJT, loss weights [BATCH, sum of dims]) per step; bags of 0 to 3 ids."""
+def _batches(rank: int, vbe: bool = True) -> list[tuple[KeyedJaggedTensor, torch.Tensor]]:
+    """(VBE KJT, loss weights [BATCH, sum of dims]) per step; bags of 0 to 3 ids. Not vbe: every
+    feature has BATCH bags, an ordinary KJT."""
     gen = torch.Generator().manual_seed(17 + rank)
-    bags = BAGS[rank]
+    bags = BAGS[rank] if vbe else [BATCH] * len(TABLES)
     out = []
     for _ in range(STEPS):
         lengths = torch.cat([torch.randint(0, 4, (b,), generator=gen) for b in bags])
@@ -90,12 +91,16 @@ def _batches(rank: int) -> list[tuple[KeyedJaggedTensor, torch.Tensor]]:
             values.append(torch.randint(0, rows, (int(lengths[start : start + b].sum()),), generator=gen))
             start += b
         inverse = torch.stack([torch.randint(0, b, (BATCH,), generator=gen) for b in bags])
-        kjt = KeyedJaggedTensor(
-            keys=KEYS,
-            values=torch.cat(values),
-            lengths=lengths,
-            stride_per_key_per_rank=[[b] for b in bags],
-            inverse_indices=(KEYS, inverse),
+        kjt = (
+            KeyedJaggedTensor(
+                keys=KEYS,
+                values=torch.cat(values),
+                lengths=lengths,
+                stride_per_key_per_rank=[[b] for b in bags],
+                inverse_indices=(KEYS, inverse),
+            )
+            if vbe
+            else KeyedJaggedTensor(keys=KEYS, values=torch.cat(values), lengths=lengths)
         )
         out.append((kjt, torch.randn(BATCH, sum(d for _, _, d, _ in TABLES), generator=gen)))
     return out
@@ -125,7 +130,14 @@ def _plan(model: _Model, sharding: str | tuple[str, ...], world_size: int, stock
 
 
 def _train(
-    stock: bool, rank: int, world_size: int, sharding, optimizer: str, poolings: str, split: bool = False
+    stock: bool,
+    rank: int,
+    world_size: int,
+    sharding,
+    optimizer: str,
+    poolings: str,
+    split: bool = False,
+    vbe: bool = True,
 ) -> dict:
     """poolings: one letter per table, "s" SUM or "m" MEAN."""
     torch.manual_seed(0)
@@ -140,7 +152,7 @@ def _train(
                 (r, c), (nr, nc) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
                 shard.tensor.copy_(full[r : r + nr, c : c + nc])
     outputs = []
-    for kjt, loss_weights in _batches(rank):
+    for kjt, loss_weights in _batches(rank, vbe):
         out = model(kjt)
         (out * loss_weights).sum().backward()
         outputs.append(out.detach().clone())
@@ -157,7 +169,7 @@ def _train(
     return {"outputs": outputs, "tables": tables, "kernels": kernels, "groups": groups}
 
 
-def _unsharded_first_output(poolings: str) -> torch.Tensor:
+def _unsharded_first_output(poolings: str, vbe: bool = True) -> torch.Tensor:
     """TorchRec's unsharded EmbeddingBagCollection on rank 0's first batch: it expands a VBE lookup by
     the inverse indices itself."""
     configs = [
@@ -168,7 +180,7 @@ def _unsharded_first_output(poolings: str) -> torch.Tensor:
     with torch.no_grad():
         for key, value in ebc.state_dict().items():
             value.copy_(_initial(key.split(".")[-2], *value.size()))
-        pooled = ebc(_batches(0)[0][0])
+        pooled = ebc(_batches(0, vbe)[0][0])
     return torch.cat([pooled[f] for f in KEYS], 1)
 
 
@@ -209,7 +221,7 @@ def test_vbe_trains_as_in_stock_torchrec(sharding, optimizer, poolings):
     torch.testing.assert_close(ours["outputs"][0], _unsharded_first_output(poolings), rtol=0, atol=1e-6)
 
 
-@pytest.mark.slow  # two ranks importing torchrec twice, ~8 s each; the one-rank cases above run by default
+@pytest.mark.slow  # two ranks training both sides, 12-17 s each; the one-rank cases above run by default
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("sharding", list(PLANS))
 def test_vbe_trains_as_in_stock_torchrec_at_two_ranks(sharding):
@@ -229,6 +241,24 @@ def test_sum_and_mean_tables_in_one_lookup():
     torch.testing.assert_close(ours["outputs"][0], _unsharded_first_output("sms"), rtol=0, atol=1e-6)
 
 
+def _split_and_ours(rank: int, world_size: int) -> tuple[dict, dict]:
+    return (
+        _train(True, rank, world_size, "column_wise", "row_wise_adagrad", "sms", split=True),
+        _train(False, rank, world_size, "column_wise", "row_wise_adagrad", "sms"),
+    )
+
+
+@pytest.mark.slow  # two ranks, ~15 s
+@pytest.mark.multiprocess
+def test_sum_and_mean_tables_in_one_lookup_at_two_ranks():
+    """Column-wise over 2 ranks: rank 0's lookup holds a SUM and a MEAN kernel, each filling its
+    blocks of both ranks' batches in TorchRec's pre-allocated output."""
+    results = run_ranks(_split_and_ours, 2)
+    assert results[0][1]["groups"] == [2]  # rank 0's lookup: a SUM and a MEAN kernel
+    for stock, ours in results:
+        _assert_same(stock, ours)
+
+
 def test_stock_refuses_sum_and_mean_tables_in_one_lookup():
     """Stock TorchRec groups SUM and MEAN tables into two FBGEMM modules, and with VBE its lookup then
     pre-allocates their output, which FBGEMM's CPU TBE refuses."""
@@ -237,7 +267,8 @@ def test_stock_refuses_sum_and_mean_tables_in_one_lookup():
         _train(True, 0, 1, "table_wise", "sgd", "sms")
 
 
-def test_row_wise_mean_beside_another_sharding_type_is_as_wrong_as_in_stock_torchrec():
+@pytest.mark.parametrize("vbe", [True, False])
+def test_row_wise_mean_beside_another_sharding_type_is_as_wrong_as_in_stock_torchrec(vbe):
     """A stock TorchRec bug tpurec inherits (its sharded EBC is TorchRec's): when an EBC holds a MEAN
     table row-wise (or table-row-wise), TorchRec's mean-pooling callback divides the pooled output by
     a divisor (`_create_mean_pooling_divisor`) set to 1 only for the SUM tables held row-wise, so
@@ -245,13 +276,16 @@ def test_row_wise_mean_beside_another_sharding_type_is_as_wrong_as_in_stock_torc
     their bag lengths once more, VBE or not. With VBE the row-wise table's divisor is off too when the
     sharded EBC permutes its features (f0, f2 table-wise before f1): it reorders the inverse indices
     only when their key count differs from the KJT's. Pinned: tpurec equals stock TorchRec, and both
-    differ from the unsharded EBC in every feature."""
+    differ from the unsharded EBC in f0 and f2 (and, with VBE, f1)."""
     _ensure_process_group("cpu")
-    stock, ours = _both(0, 1, ("table_wise", "row_wise", "table_wise"), "sgd", "mmm")
+    stock = _train(True, 0, 1, ("table_wise", "row_wise", "table_wise"), "sgd", "mmm", vbe=vbe)
+    ours = _train(False, 0, 1, ("table_wise", "row_wise", "table_wise"), "sgd", "mmm", vbe=vbe)
     _assert_same(stock, ours)
-    got, unsharded = ours["outputs"][0], _unsharded_first_output("mmm")
-    for block in (slice(0, 4), slice(4, 12), slice(12, 24)):  # f0, f1, f2
+    got, unsharded = ours["outputs"][0], _unsharded_first_output("mmm", vbe)
+    for block in (slice(0, 4), slice(12, 24)):  # f0, f2
         assert (got[:, block] - unsharded[:, block]).abs().max() > 0.01
+    f1 = (got[:, 4:12] - unsharded[:, 4:12]).abs().max()
+    assert f1 > 0.01 if vbe else f1 < 1e-6
 
 
 def test_vbe_is_refused_on_a_tpu_device():
@@ -266,3 +300,25 @@ def test_vbe_is_refused_on_a_tpu_device():
     with pytest.raises(UserError, match=r"VBE KeyedJaggedTensors\) is supported on a CPU device only: on tpu"):
         tpu = SimpleNamespace(type="tpu")  # a torch.device("tpu") needs TorchTPU
         ShardedSparseCoreEBC.input_dist(SimpleNamespace(_device=tpu), None, kjt)
+
+
+def test_vbe_inputs_built_ahead_are_used(monkeypatch):
+    """The SparseCore inputs built ahead of a lookup (`prepare`, the input pipeline's path; on the
+    CSR path, TPUREC_NO_DIRECT=1) are built from the padded batch and found again by the lookup."""
+    from tpurec.sharding.kernel_module import SparseCoreEmbeddingBag
+
+    _ensure_process_group("cpu")
+    stock = _train(True, 0, 1, "table_wise", "row_wise_adagrad", "sms", split=True)
+    monkeypatch.setenv("TPUREC_NO_DIRECT", "1")
+    forward, hits = SparseCoreEmbeddingBag.forward, []
+
+    def prepared_forward(self, features, *args, **kwargs):
+        self.prepare(features)
+        out = forward(self, features, *args, **kwargs)
+        hits.append(self.prepared_hits)
+        return out
+
+    monkeypatch.setattr(SparseCoreEmbeddingBag, "forward", prepared_forward)
+    ours = _train(False, 0, 1, "table_wise", "row_wise_adagrad", "sms")
+    assert hits == [1, 1, 2, 2, 3, 3]  # two kernels (SUM, MEAN), three steps
+    _assert_same(stock, ours)

@@ -164,7 +164,8 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
         to build: embedding/direct.py), so a pipelined run takes the same path as an inline one."""
         if direct.applies(self.kernel):
             return
-        csrs = self.kernel.preprocess(_common_batch(features))
+        features = _common_batch(features)  # kept as looked up: forward compares the padded KJT
+        csrs = self.kernel.preprocess(features)
         with self._prepared_lock:
             self._prepared.append((features, csrs))
             del self._prepared[: -self.prepared_limit]
