@@ -62,14 +62,16 @@ PLANS = {  # table i's placement at world size ws with compute kernel k
 class _Model(nn.Module):
     """The tables in one EBC, or (split) the SUM tables in one and the MEAN tables in another."""
 
-    def __init__(self, poolings: str, split: bool = False) -> None:
+    def __init__(self, poolings: str, split: bool = False, weighted: bool = False) -> None:
         super().__init__()
         configs = [
             EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=[f], pooling=POOLINGS[p])
             for (n, r, d, f), p in zip(TABLES, poolings)
         ]
         groups = [[c for c in configs if c.pooling == p] for p in POOLINGS.values()] if split else [configs]
-        self.ebcs = nn.ModuleList(EmbeddingBagCollection(tables=g, device=torch.device("meta")) for g in groups if g)
+        self.ebcs = nn.ModuleList(
+            EmbeddingBagCollection(tables=g, is_weighted=weighted, device=torch.device("meta")) for g in groups if g
+        )
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         pooled = {}  # KeyedTensors, their keys in each sharded module's order: taken by name
@@ -78,9 +80,9 @@ class _Model(nn.Module):
         return torch.cat([pooled[f] for f in KEYS], 1)
 
 
-def _batches(rank: int, vbe: bool = True) -> list[tuple[KeyedJaggedTensor, torch.Tensor]]:
+def _batches(rank: int, vbe: bool = True, weighted: bool = False) -> list[tuple[KeyedJaggedTensor, torch.Tensor]]:
     """(VBE KJT, loss weights [BATCH, sum of dims]) per step; bags of 0 to 3 ids. Not vbe: every
-    feature has BATCH bags, an ordinary KJT."""
+    feature has BATCH bags, an ordinary KJT. weighted: per-id weights in [0.5, 1.5)."""
     gen = torch.Generator().manual_seed(17 + rank)
     bags = BAGS[rank] if vbe else [BATCH] * len(TABLES)
     out = []
@@ -91,16 +93,19 @@ def _batches(rank: int, vbe: bool = True) -> list[tuple[KeyedJaggedTensor, torch
             values.append(torch.randint(0, rows, (int(lengths[start : start + b].sum()),), generator=gen))
             start += b
         inverse = torch.stack([torch.randint(0, b, (BATCH,), generator=gen) for b in bags])
+        ids = torch.cat(values)
+        weights = torch.rand(ids.numel(), generator=gen) + 0.5 if weighted else None
         kjt = (
             KeyedJaggedTensor(
                 keys=KEYS,
-                values=torch.cat(values),
+                values=ids,
+                weights=weights,
                 lengths=lengths,
                 stride_per_key_per_rank=[[b] for b in bags],
                 inverse_indices=(KEYS, inverse),
             )
             if vbe
-            else KeyedJaggedTensor(keys=KEYS, values=torch.cat(values), lengths=lengths)
+            else KeyedJaggedTensor(keys=KEYS, values=ids, weights=weights, lengths=lengths)
         )
         out.append((kjt, torch.randn(BATCH, sum(d for _, _, d, _ in TABLES), generator=gen)))
     return out
@@ -138,10 +143,11 @@ def _train(
     poolings: str,
     split: bool = False,
     vbe: bool = True,
+    weighted: bool = False,
 ) -> dict:
     """poolings: one letter per table, "s" SUM or "m" MEAN."""
     torch.manual_seed(0)
-    module = _Model(poolings, split)
+    module = _Model(poolings, split, weighted)
     apply_optimizer_in_backward(OPTIMIZERS[optimizer], module.ebcs.parameters(), {"lr": LR})
     dmp_class = StockDMP if stock else tpurec.DistributedModelParallel
     model = dmp_class(module, device=torch.device("cpu"), plan=_plan(module, sharding, world_size, stock))
@@ -152,7 +158,7 @@ def _train(
                 (r, c), (nr, nc) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
                 shard.tensor.copy_(full[r : r + nr, c : c + nc])
     outputs = []
-    for kjt, loss_weights in _batches(rank, vbe):
+    for kjt, loss_weights in _batches(rank, vbe, weighted):
         out = model(kjt)
         (out * loss_weights).sum().backward()
         outputs.append(out.detach().clone())
@@ -219,6 +225,15 @@ def test_vbe_trains_as_in_stock_torchrec(sharding, optimizer, poolings):
     stock, ours = _both(0, 1, sharding, optimizer, poolings)
     _assert_same(stock, ours)
     torch.testing.assert_close(ours["outputs"][0], _unsharded_first_output(poolings), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("sharding", ["table_wise", "row_wise"])
+def test_weighted_vbe_trains_as_in_stock_torchrec(sharding):
+    """Per-id weights (a weighted EBC) ride along unchanged: the padding adds bags, not ids."""
+    _ensure_process_group("cpu")
+    stock = _train(True, 0, 1, sharding, "row_wise_adagrad", "sss", weighted=True)
+    ours = _train(False, 0, 1, sharding, "row_wise_adagrad", "sss", weighted=True)
+    _assert_same(stock, ours)
 
 
 @pytest.mark.slow  # two ranks training both sides, 12-17 s each; the one-rank cases above run by default

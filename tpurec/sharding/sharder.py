@@ -101,9 +101,9 @@ class ShardedSparseCoreEBC(HostInputDistMixin, SparseCoreShardedMixin, ShardedEm
         device = self._device
         kind = "cpu" if device is None else torch.device(device).type if isinstance(device, str) else device.type
         if kind != "cpu" and getattr(features, "variable_stride_per_key", lambda: False)():
-            # TorchRec's VBE output path (its variable-batch all-to-all / reduce-scatter and the
-            # inverse-indices expansion, fbgemm's batch_index_select_dim0) runs FBGEMM float ops on
-            # the output device, which have CPU and CUDA kernels only.
+            # TorchRec expands a VBE lookup to the full batch on the output device with FBGEMM's
+            # batch_index_select_dim0 (VariableBatchEmbeddingBagCollectionAwaitable), which has CPU
+            # and CUDA kernels only; refused before the ids' collectives rather than inside them.
             raise UserError(
                 "variable batch per feature (VBE KeyedJaggedTensors) is supported on a CPU device only: "
                 f"on {kind}, TorchRec's VBE output path runs FBGEMM ops (batch_index_select_dim0) with CPU and "
