@@ -37,7 +37,9 @@ from tpurec.sharding.sharder import SparseCoreEBCSharder
 
 TABLES = [("t0", 20, 4, "f0"), ("t1", 15, 8, "f1"), ("t2", 10, 12, "f2")]  # name, rows, dim, feature
 KEYS = [f for *_, f in TABLES]
-BAGS = [[2, 3, 1], [3, 1, 2]]  # distinct bags per feature, by rank
+# distinct bags per feature, by rank: 44 pooled floats per rank (2x4 + 3x8 + 1x12, 3x4 + 1x8 + 2x12)
+BAGS = [[2, 3, 1], [3, 1, 2]]
+UNEQUAL = [[2, 3, 1], [1, 1, 1]]  # 44 and 24 floats
 BATCH, STEPS, LR = 4, 3, 0.05
 OPTIMIZERS = {"sgd": torch.optim.SGD, "row_wise_adagrad": RowWiseAdagrad}
 POOLINGS = {"s": PoolingType.SUM, "m": PoolingType.MEAN}
@@ -80,11 +82,13 @@ class _Model(nn.Module):
         return torch.cat([pooled[f] for f in KEYS], 1)
 
 
-def _batches(rank: int, vbe: bool = True, weighted: bool = False) -> list[tuple[KeyedJaggedTensor, torch.Tensor]]:
+def _batches(
+    rank: int, vbe: bool = True, weighted: bool = False, bags_by_rank: list[list[int]] = BAGS
+) -> list[tuple[KeyedJaggedTensor, torch.Tensor]]:
     """(VBE KJT, loss weights [BATCH, sum of dims]) per step; bags of 0 to 3 ids. Not vbe: every
     feature has BATCH bags, an ordinary KJT. weighted: per-id weights in [0.5, 1.5)."""
     gen = torch.Generator().manual_seed(17 + rank)
-    bags = BAGS[rank] if vbe else [BATCH] * len(TABLES)
+    bags = bags_by_rank[rank] if vbe else [BATCH] * len(TABLES)
     out = []
     for _ in range(STEPS):
         lengths = torch.cat([torch.randint(0, 4, (b,), generator=gen) for b in bags])
@@ -144,6 +148,7 @@ def _train(
     split: bool = False,
     vbe: bool = True,
     weighted: bool = False,
+    bags_by_rank: list[list[int]] = BAGS,
 ) -> dict:
     """poolings: one letter per table, "s" SUM or "m" MEAN."""
     torch.manual_seed(0)
@@ -158,7 +163,7 @@ def _train(
                 (r, c), (nr, nc) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
                 shard.tensor.copy_(full[r : r + nr, c : c + nc])
     outputs = []
-    for kjt, loss_weights in _batches(rank, vbe, weighted):
+    for kjt, loss_weights in _batches(rank, vbe, weighted, bags_by_rank):
         out = model(kjt)
         (out * loss_weights).sum().backward()
         outputs.append(out.detach().clone())
@@ -254,6 +259,30 @@ def test_sum_and_mean_tables_in_one_lookup():
     assert ours["groups"] == [2] and stock["groups"] == [1, 1]
     _assert_same(stock, ours)
     torch.testing.assert_close(ours["outputs"][0], _unsharded_first_output("sms"), rtol=0, atol=1e-6)
+
+
+def _unequal(rank: int, world_size: int, sharding: str) -> list[str]:
+    """Each side's training on UNEQUAL, or the last line of its error."""
+    out = []
+    for stock in (True, False):
+        try:
+            _train(stock, rank, world_size, sharding, "sgd", "sss", bags_by_rank=UNEQUAL)
+            out.append("ok")
+        except Exception as e:  # noqa: BLE001 (the error is the result)
+            out.append(str(e).strip().splitlines()[-1])
+    return out
+
+
+@pytest.mark.slow  # two ranks, ~25 s
+@pytest.mark.multiprocess
+def test_ranks_of_unequal_vbe_sizes_under_row_wise_fail_on_gloo_as_in_stock_torchrec():
+    """Ranks whose VBE batches pool to different sizes (44 and 24 floats): table-wise trains (stock and
+    tpurec equal, checked above with equal sizes); row-wise fails in the backward of TorchRec's
+    variable-batch reduce-scatter, whose gloo all_gather takes equal sizes only, in stock TorchRec and
+    tpurec alike (as TorchRec's harness shows for variable batch per rank: docs/dmp.md)."""
+    assert run_ranks(_unequal, 2, "table_wise") == [["ok", "ok"]] * 2
+    for errors in run_ranks(_unequal, 2, "row_wise"):
+        assert len(errors) == 2 and all("ProcessGroupGloo::allgather: invalid tensor size" in e for e in errors), errors
 
 
 def _split_and_ours(rank: int, world_size: int) -> tuple[dict, dict]:
