@@ -57,8 +57,19 @@ VARIATIONS = {
 }
 
 
-def case(sharding, optim="fused", dtype="fp32", index="int64", offsets=False, pooling="SUM", qcomms=False, vb=False):
+def case(
+    sharding,
+    optim="fused",
+    dtype="fp32",
+    index="int64",
+    offsets=False,
+    pooling="SUM",
+    qcomms=False,
+    vb=False,
+    vbe=False,
+):
     return dict(
+        vbe=vbe,
         sharding=sharding,
         optim=optim,
         dtype=dtype,
@@ -73,6 +84,7 @@ def case(sharding, optim="fused", dtype="fp32", index="int64", offsets=False, po
 def case_id(c) -> str:
     parts = [SHORT[c["sharding"]], c["optim"], c["dtype"], c["index"], "offsets" if c["offsets"] else "lengths"]
     parts += [c["pooling"].lower()] + ["qcomms"] * c["qcomms"] + ["vb"] * c["variable_batch"]
+    parts += ["vbe"] * c.get("vbe", False)
     parts += [f"lr{c['learning_rate']}"] if "learning_rate" in c else []
     parts += ["stock"] if c.get("stock") else []
     return "-".join(parts)
@@ -124,6 +136,14 @@ def fp16_cases(sharding: str) -> list:
 VB_ROW_WISE = [dict(case(s, vb=True), **extra) for s in ROW_WISE for extra in ({}, {"stock": True})]
 # The checks' own check: a learning rate 10% off.
 WRONG_LR = [dict(case(s), learning_rate=0.11) for s in ("table_wise", "row_wise")]
+# Variable batch per feature (the harness's `variable_batch_per_feature`: VBE KJTs whose feature batch
+# sizes differ per rank), tpurec and stock TorchRec; under RW/TWRW both fail on gloo as for `vb`.
+VBE = [
+    dict(case(s, pooling=p, vbe=True), **extra)
+    for s, p in (("table_wise", "SUM"), ("column_wise", "MEAN"), ("table_column_wise", "SUM"))
+    for extra in ({}, {"stock": True})
+]
+VBE_ROW_WISE = [dict(case(s, vbe=True), **extra) for s in ROW_WISE for extra in ({}, {"stock": True})]
 
 SLOW = {
     s: pairwise_cases(s, [d for d in DEFAULT if d["sharding"] == s and d["dtype"] == "fp32"])
@@ -136,7 +156,8 @@ SLOW = {
 def _launch(group: str):
     """Run a group of cases in one launch of 2 ranks: results by case id, or the launch's error (kept,
     so that the group's other tests do not launch again)."""
-    cases = {"default": DEFAULT + VB_ROW_WISE + WRONG_LR, "stock": STOCK}.get(group) or SLOW[group]
+    cases = {"default": DEFAULT + VB_ROW_WISE + WRONG_LR, "stock": STOCK, "vbe": VBE + VBE_ROW_WISE}.get(group)
+    cases = cases or SLOW[group]
     try:
         per_rank = run_ranks(run_cases, WORLD_SIZE, cases, timeout=900)
     except Exception as e:
@@ -253,3 +274,21 @@ def test_checks_catch_what_the_prediction_check_misses(c):
     assert all(r["harness_error"] is None for r in ranks), "the harness's own check caught it after all"
     with pytest.raises(AssertionError, match="forward after the step|update differs"):
         check(c, ranks)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # one launch of 2 ranks, ~40 s
+@pytest.mark.parametrize("c", _params(VBE))
+def test_harness_vbe(c):
+    check(c, _results("vbe")[case_id(c)])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("c", _params(VBE_ROW_WISE))
+def test_vbe_row_wise_fails_as_in_stock_torchrec(c):
+    """VBE batches of different sizes per rank under RW/TWRW on gloo: the reduce-scatter's backward
+    fails in stock TorchRec and in tpurec alike, as for variable batch per rank."""
+    for r, res in enumerate(_results("vbe")[case_id(c)]):
+        error = res["harness_error"] or ""
+        assert "ProcessGroupGloo::allgather: invalid tensor size" in error, (r, error)
