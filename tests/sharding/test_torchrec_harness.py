@@ -20,12 +20,15 @@ pooling; qcomms `QCommsConfig(forward FP16, backward BF16)`; variable batch size
 of hypothesis draws, a fixed covering design: for every sharding type, every pair of values of
 two variations appears in some case (`pairwise_cases`). The default run holds one case per sharding
 type that between them take every value of every variation (and one FP16 case), the left-out
-variable-batch cases and the check of the checks (a wrong learning rate); the rest are marked slow.
+variable-batch cases and the check of the checks (a wrong learning rate); the rest are marked slow,
+among them variable batch per feature (the harness's `variable_batch_per_feature`, VBE) under TW, CW
+and TWCW, for tpurec and stock TorchRec (`test_harness_vbe`).
 
 Left out, each with the reason:
 * variable batch size per rank under RW and TWRW: stock TorchRec fails it on gloo in the backward
   of the pooled-embedding reduce-scatter (`ProcessGroupGloo::allgather: invalid tensor size`), and
   so does tpurec, with the same error (`test_variable_batch_row_wise_fails_as_in_stock_torchrec`);
+  the same for VBE under RW and TWRW (`test_vbe_row_wise_fails_as_in_stock_torchrec`);
 * backward BF16 qcomms: on a CPU device TorchRec's codec registry itself replaces BF16 by FP16
   (its warning: "BF16 ... is not supported on GLOO"), for stock TorchRec and tpurec alike, so the
   qcomms cases run forward FP16 / backward FP16;
