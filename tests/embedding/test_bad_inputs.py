@@ -90,15 +90,19 @@ def test_public_preprocess_refuses_ids_outside_int32(bad):
         )
 
 
-def test_variable_batch_per_feature_is_refused_with_the_reason():
-    m = _module()
-    keys = list(m.kernel.feature_order)
-    strides = [[2]] + [[3]] * (len(keys) - 1)  # feature 0: batch 2, the others: batch 3
-    lengths = torch.ones(sum(s[0] for s in strides), dtype=torch.long)
+def test_variable_batch_per_feature_is_refused_by_the_sequence_kernel():
+    """EmbeddingBagCollections take VBE batches (tests/embedding/test_vbe.py); the unpooled
+    EmbeddingCollection's kernel does not, and says so rather than reading it as one batch."""
+    from torchrec.modules.embedding_configs import EmbeddingConfig
+
+    from tpurec.embedding.sequence_module import SparseCoreEmbeddingCollection
+
+    tables = [EmbeddingConfig(name="t", embedding_dim=8, num_embeddings=10, feature_names=["a", "b"])]
+    m = SparseCoreEmbeddingCollection(tables, torch.optim.SGD, {"lr": 0.1}, num_sparsecores=2)
+    lengths = torch.ones(5, dtype=torch.long)  # a: batch 2, b: batch 3
     kjt = KeyedJaggedTensor(
-        keys=keys, values=torch.zeros(int(lengths.sum()), dtype=torch.long), lengths=lengths,
-        stride_per_key_per_rank=strides,
-    )  # fmt: skip
+        keys=["a", "b"], values=torch.zeros(5, dtype=torch.long), lengths=lengths, stride_per_key_per_rank=[[2], [3]]
+    )
     assert kjt.variable_stride_per_key()
     with pytest.raises(NotImplementedError, match=r"variable batch per feature \(VBE KeyedJaggedTensors\)"):
         m(kjt)

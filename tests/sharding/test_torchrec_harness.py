@@ -20,12 +20,15 @@ pooling; qcomms `QCommsConfig(forward FP16, backward BF16)`; variable batch size
 of hypothesis draws, a fixed covering design: for every sharding type, every pair of values of
 two variations appears in some case (`pairwise_cases`). The default run holds one case per sharding
 type that between them take every value of every variation (and one FP16 case), the left-out
-variable-batch cases and the check of the checks (a wrong learning rate); the rest are marked slow.
+variable-batch cases and the check of the checks (a wrong learning rate); the rest are marked slow,
+among them variable batch per feature (the harness's `variable_batch_per_feature`, VBE) under TW, CW
+and TWCW, for tpurec and stock TorchRec (`test_harness_vbe`).
 
 Left out, each with the reason:
 * variable batch size per rank under RW and TWRW: stock TorchRec fails it on gloo in the backward
   of the pooled-embedding reduce-scatter (`ProcessGroupGloo::allgather: invalid tensor size`), and
   so does tpurec, with the same error (`test_variable_batch_row_wise_fails_as_in_stock_torchrec`);
+  the same for VBE under RW and TWRW (`test_vbe_row_wise_fails_as_in_stock_torchrec`);
 * backward BF16 qcomms: on a CPU device TorchRec's codec registry itself replaces BF16 by FP16
   (its warning: "BF16 ... is not supported on GLOO"), for stock TorchRec and tpurec alike, so the
   qcomms cases run forward FP16 / backward FP16;
@@ -57,8 +60,19 @@ VARIATIONS = {
 }
 
 
-def case(sharding, optim="fused", dtype="fp32", index="int64", offsets=False, pooling="SUM", qcomms=False, vb=False):
+def case(
+    sharding,
+    optim="fused",
+    dtype="fp32",
+    index="int64",
+    offsets=False,
+    pooling="SUM",
+    qcomms=False,
+    vb=False,
+    vbe=False,
+):
     return dict(
+        vbe=vbe,
         sharding=sharding,
         optim=optim,
         dtype=dtype,
@@ -73,6 +87,7 @@ def case(sharding, optim="fused", dtype="fp32", index="int64", offsets=False, po
 def case_id(c) -> str:
     parts = [SHORT[c["sharding"]], c["optim"], c["dtype"], c["index"], "offsets" if c["offsets"] else "lengths"]
     parts += [c["pooling"].lower()] + ["qcomms"] * c["qcomms"] + ["vb"] * c["variable_batch"]
+    parts += ["vbe"] * c.get("vbe", False)
     parts += [f"lr{c['learning_rate']}"] if "learning_rate" in c else []
     parts += ["stock"] if c.get("stock") else []
     return "-".join(parts)
@@ -124,6 +139,14 @@ def fp16_cases(sharding: str) -> list:
 VB_ROW_WISE = [dict(case(s, vb=True), **extra) for s in ROW_WISE for extra in ({}, {"stock": True})]
 # The checks' own check: a learning rate 10% off.
 WRONG_LR = [dict(case(s), learning_rate=0.11) for s in ("table_wise", "row_wise")]
+# Variable batch per feature (the harness's `variable_batch_per_feature`: VBE KJTs whose feature batch
+# sizes differ per rank), tpurec and stock TorchRec; under RW/TWRW both fail on gloo as for `vb`.
+VBE = [
+    dict(case(s, pooling=p, vbe=True), **extra)
+    for s, p in (("table_wise", "SUM"), ("column_wise", "MEAN"), ("table_column_wise", "SUM"))
+    for extra in ({}, {"stock": True})
+]
+VBE_ROW_WISE = [dict(case(s, vbe=True), **extra) for s in ROW_WISE for extra in ({}, {"stock": True})]
 
 SLOW = {
     s: pairwise_cases(s, [d for d in DEFAULT if d["sharding"] == s and d["dtype"] == "fp32"])
@@ -136,7 +159,8 @@ SLOW = {
 def _launch(group: str):
     """Run a group of cases in one launch of 2 ranks: results by case id, or the launch's error (kept,
     so that the group's other tests do not launch again)."""
-    cases = {"default": DEFAULT + VB_ROW_WISE + WRONG_LR, "stock": STOCK}.get(group) or SLOW[group]
+    cases = {"default": DEFAULT + VB_ROW_WISE + WRONG_LR, "stock": STOCK, "vbe": VBE + VBE_ROW_WISE}.get(group)
+    cases = cases or SLOW[group]
     try:
         per_rank = run_ranks(run_cases, WORLD_SIZE, cases, timeout=900)
     except Exception as e:
@@ -253,3 +277,21 @@ def test_checks_catch_what_the_prediction_check_misses(c):
     assert all(r["harness_error"] is None for r in ranks), "the harness's own check caught it after all"
     with pytest.raises(AssertionError, match="forward after the step|update differs"):
         check(c, ranks)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # one launch of 2 ranks, ~40 s
+@pytest.mark.parametrize("c", _params(VBE))
+def test_harness_vbe(c):
+    check(c, _results("vbe")[case_id(c)])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("c", _params(VBE_ROW_WISE))
+def test_vbe_row_wise_fails_as_in_stock_torchrec(c):
+    """VBE batches of different sizes per rank under RW/TWRW on gloo: the reduce-scatter's backward
+    fails in stock TorchRec and in tpurec alike, as for variable batch per rank."""
+    for r, res in enumerate(_results("vbe")[case_id(c)]):
+        error = res["harness_error"] or ""
+        assert "ProcessGroupGloo::allgather: invalid tensor size" in error, (r, error)

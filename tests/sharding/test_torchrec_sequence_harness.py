@@ -26,7 +26,7 @@ the check of the checks; the covering design (every pair of values of two variat
 type) and the stock TorchRec runs are marked slow.
 
 Left out: data-parallel sharding and the DENSE kernel (tpurec's EC sharder offers TW/CW/RW on its
-kernel only); per-feature variable batch (VBE), which tpurec refuses; TorchRec's TensorDict input.
+kernel only); per-feature variable batch (VBE), which tpurec's EC refuses; TorchRec's TensorDict input.
 """
 
 from __future__ import annotations

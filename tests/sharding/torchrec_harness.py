@@ -184,6 +184,7 @@ def harness_kwargs(case: dict, pg, rank: int, world_size: int) -> dict:
         # parameters (torchrec's own tests run each case in a new process, so never see it).
         apply_optimizer_in_backward_config=copy.deepcopy(IN_BACKWARD_SGD) if case["optim"] == "in_backward" else None,
         variable_batch_size=case["variable_batch"],
+        variable_batch_per_feature=case.get("vbe", False),
         use_offsets=case["offsets"],
         indices_dtype=index,
         offsets_dtype=index,

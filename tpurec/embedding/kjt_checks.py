@@ -18,11 +18,12 @@ def check_kjt(features: KeyedJaggedTensor) -> None:
     lengths = features.lengths()
     values = features.values()
     if features.variable_stride_per_key():
-        # VBE KJTs (a batch size per feature, stride_per_key_per_rank) would need per-feature sample
-        # offsets in the CSR; refused rather than laid out as if every feature had `stride`.
+        # A VBE KJT (a batch per feature, stride_per_key_per_rank) is laid out by the EBC modules
+        # (embedding/vbe.py pads it to one batch); one reaching a kernel as it is would be laid out
+        # as if every feature had `stride`, so it is refused.
         raise NotImplementedError(
-            "variable batch per feature (VBE KeyedJaggedTensors) is not supported by the SparseCore "
-            "kernel yet; give every feature the same batch size"
+            "variable batch per feature (VBE KeyedJaggedTensors) is not supported by this SparseCore kernel "
+            "(EmbeddingBagCollections take it, EmbeddingCollections do not); give every feature the same batch size"
         )
     expected = len(keys) * features.stride()
     if lengths.numel() != expected:

@@ -26,6 +26,7 @@ from tpurec.embedding.optimizers.registry import spec_from_torch
 from tpurec.embedding.preprocessed import PreprocessedFeatures
 from tpurec.embedding.settings import KernelSettings
 from tpurec.embedding.sparsecores import resolve_num_sparsecores
+from tpurec.embedding.vbe import expand_to_batch, pad_to_common_batch
 from tpurec.errors import UserError
 
 if TYPE_CHECKING:
@@ -116,6 +117,11 @@ class SparseCoreEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
     # -- torchrec EBC surface ------------------------------------------------------------------
     def preprocess(self, features: KeyedJaggedTensor) -> PreprocessedFeatures:
         """The host half of `forward(features)`, to run ahead of (and outside) a compiled step."""
+        if features.variable_stride_per_key():
+            raise UserError(
+                "a batch per feature (VBE KJT) cannot be preprocessed ahead of a compiled step yet: call forward "
+                "with the KJT"
+            )
         return PreprocessedFeatures(self.kernel.preprocess(features), features.stride())
 
     def forward(self, features: KeyedJaggedTensor | PreprocessedFeatures) -> KeyedTensor:
@@ -123,6 +129,11 @@ class SparseCoreEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         weights that require grad need the KJT)."""
         if isinstance(features, PreprocessedFeatures):
             values = self.kernel.lookup(features.inputs, features.batch)
+        elif features.variable_stride_per_key():
+            # a batch per feature (VBE): pooled per feature's own bags, then expanded to the full
+            # batch by the KJT's inverse indices, as TorchRec's EmbeddingBagCollection does
+            padded = self.kernel(pad_to_common_batch(features))
+            values = expand_to_batch(padded, features, self.kernel.feature_dims, self.kernel.feature_order)
         else:
             values = self.kernel(features)
         return KeyedTensor(

@@ -23,6 +23,7 @@ from tpurec.embedding import natural_state, table_params
 from tpurec.embedding.dtypes import table_dtype
 from tpurec.embedding.fused_optimizer import SparseCoreFusedOptimizer
 from tpurec.embedding.kernel import KernelTable
+from tpurec.embedding.kjt_checks import check_kjt
 from tpurec.embedding.optimizers.registry import spec_from_torch
 from tpurec.embedding.sequence_kernel import SparseCoreSequenceKernel
 from tpurec.embedding.settings import KernelSettings
@@ -117,6 +118,8 @@ class SparseCoreEmbeddingCollection(nn.Module, FusedOptimizerModule):
 
     # -- torchrec EmbeddingCollection surface ----------------------------------------------------
     def forward(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
+        if features.variable_stride_per_key():
+            check_kjt(features)  # refuses it by name (the KJT rebuilt below would lose its batches)
         keys = features.keys()
         index = {k: j for j, k in enumerate(keys)}
         missing = sorted({f for f in self._slot_features if f not in index})

@@ -31,6 +31,7 @@ from tpurec.embedding.kernel_table import POOLINGS
 from tpurec.embedding.optimizers.registry import spec_from_fused_params
 from tpurec.embedding.sequence_kernel import SparseCoreSequenceKernel
 from tpurec.embedding.settings import KernelSettings
+from tpurec.embedding.vbe import pad_to_common_batch, to_vbe_layout
 from tpurec.embedding.weight_grad import with_weight_grad
 from tpurec.errors import UserError
 from tpurec.sharding.evicted_rows import EvictedRowsReset
@@ -163,6 +164,7 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
         to build: embedding/direct.py), so a pipelined run takes the same path as an inline one."""
         if direct.applies(self.kernel):
             return
+        features = _common_batch(features)  # kept as looked up: forward compares the padded KJT
         csrs = self.kernel.preprocess(features)
         with self._prepared_lock:
             self._prepared.append((features, csrs))
@@ -173,6 +175,7 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
         `forward` waits for it when its KJT matches. Nothing, as in `prepare`, on the direct path."""
         if direct.applies(self.kernel):
             return
+        features = _common_batch(features)
         future = submit(self.kernel.preprocess, features)
         with self._prepared_lock:
             self._prepared.append((features, future))
@@ -219,12 +222,25 @@ class SparseCoreEmbeddingBag(_SparseCoreGroupKernel):
 
     pooled = True
 
-    def forward(self, features) -> torch.Tensor:
-        csrs = self._take_prepared(features) if self._prepared else None
+    def forward(
+        self,
+        features: KeyedJaggedTensor,
+        vbe_output_offsets: torch.Tensor | None = None,
+        vbe_output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """[batch, sum of dims]; for a VBE batch (a batch per feature) FBGEMM's flat VBE layout, as
+        TorchRec's sharded EBC expects it from its lookups (embedding/vbe.py). `vbe_output` and
+        `vbe_output_offsets`: TorchRec's pre-allocated output of a lookup with several kernels."""
+        padded = _common_batch(features)
+        csrs = self._take_prepared(padded) if self._prepared else None
         if csrs is None:
-            return super().forward(features)
-        out = with_weight_grad(self.kernel, features, self.kernel.lookup(csrs, features.stride()))
-        return out if self._output_dtype in (None, out.dtype) else out.to(self._output_dtype)
+            out = super().forward(padded)
+        else:
+            out = with_weight_grad(self.kernel, padded, self.kernel.lookup(csrs, padded.stride()))
+            out = out if self._output_dtype in (None, out.dtype) else out.to(self._output_dtype)
+        if padded is features:
+            return out
+        return to_vbe_layout(out, features, self._config.embedding_dims(), vbe_output, vbe_output_offsets)
 
     def feature_keys(self) -> list[str]:
         """The KJT keys this lookup receives, in order (TorchRec passes a group's features in table
@@ -244,6 +260,11 @@ class SparseCoreEmbedding(_SparseCoreGroupKernel):
         assert isinstance(kernel, SparseCoreSequenceKernel)
         out, rows = kernel.forward_padded(features)
         return (out if self._output_dtype in (None, out.dtype) else out.to(self._output_dtype)), rows
+
+
+def _common_batch(features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    """A VBE batch as the kernel takes it (one batch for all features, embedding/vbe.py); others as they are."""
+    return pad_to_common_batch(features) if features.variable_stride_per_key() else features
 
 
 def _same_ids(a: KeyedJaggedTensor, b: KeyedJaggedTensor) -> bool:

@@ -97,6 +97,20 @@ class ShardedSparseCoreEBC(HostInputDistMixin, SparseCoreShardedMixin, ShardedEm
                 if weight is not None and not weight.is_meta:
                     kmod.kernel.write_weight(kname, shard_slice(weight, meta))
 
+    def input_dist(self, ctx: Any, features: Any, *args: Any, **kwargs: Any) -> Any:
+        device = self._device
+        kind = "cpu" if device is None else torch.device(device).type if isinstance(device, str) else device.type
+        if kind != "cpu" and getattr(features, "variable_stride_per_key", lambda: False)():
+            # TorchRec expands a VBE lookup to the full batch on the output device with FBGEMM's
+            # batch_index_select_dim0 (VariableBatchEmbeddingBagCollectionAwaitable), which has CPU
+            # and CUDA kernels only; refused before the ids' collectives rather than inside them.
+            raise UserError(
+                "variable batch per feature (VBE KeyedJaggedTensors) is supported on a CPU device only: "
+                f"on {kind}, TorchRec's VBE output path runs FBGEMM ops (batch_index_select_dim0) with CPU and "
+                "CUDA kernels only"
+            )
+        return super().input_dist(ctx, features, *args, **kwargs)
+
     def _create_lookups(self) -> None:
         # the concrete shardings (TW, CW, RW, ...) hold the groups, process group and environment
         shardings: List[Any] = self._embedding_shardings
