@@ -6,8 +6,9 @@ local shards, and values after training.
 Kept differences, both for torch.distributed.checkpoint (tpurec/sharding/sharded_optimizer.py):
 SGD tables get no empty state entry (stock's `{}` entry is a tensor-less leaf in dcp.load's pre-2.4
 re-flattening, which a rank lacking some table's shard triggers: `dcp_with_dense_optimizer` shows
-stock failing there), and a rank holding no table keys every table's state without local shards
-(stock keys none; tests/sharding/test_dmp_checkpoint.py). Adam: stock cannot run it on CPU, so its
+stock failing there), and a rank whose own tables leave it no state tensor (none held, or SGD only)
+keys the other tables' state without local shards (stock keys none; tests/sharding/
+test_dmp_checkpoint.py). Adam: stock cannot run it on CPU, so its
 states are checked against the rule stock applies (pointwise, the table's own sharding).
 """
 

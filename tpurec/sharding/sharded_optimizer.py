@@ -116,19 +116,20 @@ def optimizer_groups(sharded: Any) -> list[tuple[OptimizerSpec | None, list[str]
     different optimizers or learning rates train side by side, each group with its own param group.
 
     Only tables this rank holds a shard of, as stock (its `EmbeddingFusedOptimizer` keys the tables
-    of its FBGEMM module): DCP loads each rank's own keys. Except on a rank holding none of the
-    module's tables, where stock's fused optimizer is empty and a DCP load of it fails as the
-    comment in `ShardedSparseCoreOptimizer` says ("Missing key in checkpoint state_dict: optim"):
-    there every table's state is keyed as ShardedTensors without local shards, grouped by sharding
-    type and optimizer config, taken from the per-table fused params TorchRec keeps for every table
-    (an EBC's sharding infos); where none is kept (an EC), from the module's one config, or None."""
+    of its FBGEMM module): DCP loads each rank's own keys. Except where that leaves a rank no state
+    tensor (it holds no table, or only SGD ones) while other tables have state: there stock's
+    `dcp.load` of the fused optimizer fails as the comment in `ShardedSparseCoreOptimizer` says
+    ("Missing key in checkpoint state_dict: optim"), so the rank also keys those tables, their state
+    as ShardedTensors without local shards, grouped by sharding type and optimizer config, taken from
+    the per-table fused params TorchRec keeps for every table (an EBC's sharding infos); where none
+    is kept (an EC), from the module's one config."""
     groups: dict[Any, tuple[OptimizerSpec | None, list[str]]] = {}
     placed: set[str] = set()
     for table, _, _, kmod in sharded._sc_shards():
         if table not in placed:
             placed.add(table)
             groups.setdefault(id(kmod), (kmod.kernel.optimizer, []))[1].append(table)
-    if groups:
+    if any(spec is not None and spec.state_names for spec, _ in groups.values()):
         return list(groups.values())
     spec_of: dict[str, OptimizerSpec] = {}
     infos = getattr(sharded, "sharding_type_to_sharding_infos", None) or {}
@@ -136,10 +137,12 @@ def optimizer_groups(sharded: Any) -> list[tuple[OptimizerSpec | None, list[str]
         for i in infos_of_type:
             spec_of.setdefault(i.embedding_config.name, spec_from_fused_params(i.fused_params, i.embedding_config.name))
     ours = sharded._sc_tables
-    known = {spec_of[t] for t in ours if t in spec_of}
+    known = {spec for spec, _ in groups.values()} | {spec_of[t] for t in ours if t in spec_of}
     fallback = next(iter(known)) if len(known) == 1 else None
     for table in ours:
         spec = spec_of.get(table, fallback)
+        if table in placed or spec is None or not spec.state_names:
+            continue
         key = (sharded.module_sharding_plan[table].sharding_type, spec)
         groups.setdefault(key, (spec, []))[1].append(table)
     return list(groups.values())
