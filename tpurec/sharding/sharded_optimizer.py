@@ -72,7 +72,7 @@ class ShardedSparseCoreOptimizer(KernelFusedOptimizer):
             size = torch.Size([cfg.num_embeddings, cfg.embedding_dim])
             weight_meta = plan_spec.build_metadata(size, _props(sharded_ebc.stored_dtype(table)))
             state_meta = plan_spec.build_metadata(size, _props())  # state is float32 for any table dtype
-            local = by_table.get(table, [])  # none on a rank holding no table (`optimizer_groups`)
+            local = by_table.get(table, [])  # none for a table held elsewhere (`optimizer_groups`)
             weight = self._sharded(None, local, weight_meta, pg)
             params[f"{sharded_ebc.STATE_PREFIX}.{table}.weight"] = weight
             entry: dict[str, Any] = {}  # ShardedTensors and the step count
