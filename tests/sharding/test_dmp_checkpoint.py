@@ -122,7 +122,7 @@ def test_dcp_save_and_load_of_model_and_optimizer_where_a_rank_holds_no_table(tm
     init = EmbeddingBagCollection(c.tables()).state_dict()
     path = str(tmp_path / "ckpt")
     ranks = run_ranks(c.optimizer_checkpoint_roundtrip, 2, path, init, "table_wise_on_rank0", "rowwise_adagrad")
-    # every rank keys every table's state (ShardedTensors, with local shards or none)
+    # rank 0 holds every table; rank 1 none, so it keys every table's state without local shards
     want = ["embedding_bags.t0.weight", "embedding_bags.t1.weight", "embedding_bags.t2.weight"]
     assert [r["optim_keys"] for r in ranks] == [want, want]
     assert ranks[1]["loaded"] and all(shards == [] for shards in ranks[1]["loaded"].values())

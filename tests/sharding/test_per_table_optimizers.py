@@ -175,8 +175,8 @@ def test_per_table_optimizers_at_two_ranks_train_as_stock_torchrec(sharding):
     stock = run_ranks(train, 2, "stock", "sgd_and_adagrad", sharding)
     ours = run_ranks(train, 2, "tpurec", "sgd_and_adagrad", sharding)
     for o, s in zip(ours, stock):
-        # at world > 1 tpurec also keys the tables a rank holds none of, stock only its own (issue
-        # #40 item 1): the values of stock's entries, and the marks, are compared
+        # a rank holding only SGD tables (rank 1: t1) also keys t2's state without local shards, which
+        # DCP needs (tpurec/sharding/sharded_optimizer.py); stock's entries are compared by value
         extra = {k: v for k, v in o["state"].items() if k not in s["state"]}
         assert not any(extra.values()), "an entry stock lacks holds local shards"
         o["state"] = {k: v for k, v in o["state"].items() if k in s["state"]}

@@ -1,9 +1,11 @@
 """The fused optimizer of a sharded EBC or EC on tpurec's kernel, with ShardedTensor state for DCP.
 
 TorchRec keys a fused optimizer by table (`embedding_bags.<table>.weight` for an EBC,
-`embeddings.<table>.weight` for an EC) and gives every state a ShardedTensor over all ranks, so
-torch.distributed.checkpoint saves each rank's part and can reshard it. This does the same for
-SparseCore tables, following TorchRec's layout so checkpoints line up:
+`embeddings.<table>.weight` for an EC) and gives every state a ShardedTensor with the table's
+global metadata, so torch.distributed.checkpoint saves each rank's part and can reshard it. Each
+rank keys only the tables it holds a shard of (stock's `EmbeddingFusedOptimizer` keys the tables of
+its FBGEMM module). This does the same for SparseCore tables, following TorchRec's layout so
+checkpoints line up (two differences, both for DCP: `optimizer_groups`, `ShardedSparseCoreOptimizer`):
 
 * element-wise state (Adagrad's sum, Adam's moments) is sharded exactly like the table;
 * row-wise state (row-wise Adagrad, one float per row and column shard) is 1-D: shard k in
@@ -70,7 +72,7 @@ class ShardedSparseCoreOptimizer(KernelFusedOptimizer):
             size = torch.Size([cfg.num_embeddings, cfg.embedding_dim])
             weight_meta = plan_spec.build_metadata(size, _props(sharded_ebc.stored_dtype(table)))
             state_meta = plan_spec.build_metadata(size, _props())  # state is float32 for any table dtype
-            local = by_table.get(table, [])
+            local = by_table.get(table, [])  # none for a table held elsewhere (`optimizer_groups`)
             weight = self._sharded(None, local, weight_meta, pg)
             params[f"{sharded_ebc.STATE_PREFIX}.{table}.weight"] = weight
             entry: dict[str, Any] = {}  # ShardedTensors and the step count
@@ -85,11 +87,11 @@ class ShardedSparseCoreOptimizer(KernelFusedOptimizer):
                 entry[f"{table}.{name}"] = st
             if spec is not None and spec.keeps_step_count and every_table:  # a table-less rank counts none
                 entry[f"{table}.step"] = self._step(every_table)
-            # No state, no entry (SGD): DCP drops a ShardedTensor without local shards, so on a rank
-            # lacking any table's shard dcp.load re-flattens the state_dict the pre-2.4 way, where a
-            # container holding no tensor is a leaf of its own, a key no checkpoint holds ("Missing
-            # key in checkpoint state_dict: optim.state.<table>.weight"). For the same reason a rank
-            # without tables still has every state, as ShardedTensors without local shards.
+            # No state, no entry (SGD), where stock keeps an empty one: on a rank lacking some table's
+            # shard (a ShardedTensor without local shards, which DCP drops), dcp.load re-flattens the
+            # state_dict the pre-2.4 way, where a container holding no tensor is a leaf of its own, a
+            # key no checkpoint holds ("Missing key in checkpoint state_dict: optim.state.<table>.
+            # weight"); stock fails there (tests/sharding/test_optimizer_state_per_rank.py).
             if entry:
                 state[weight] = entry
         super().__init__(list(kernels.values()), spec, params, state)
@@ -107,35 +109,42 @@ class ShardedSparseCoreOptimizer(KernelFusedOptimizer):
 
 
 def optimizer_groups(sharded: Any) -> list[tuple[OptimizerSpec | None, list[str]]]:
-    """A module's SparseCore tables grouped as stock TorchRec groups them into fused optimizers:
+    """This rank's SparseCore tables grouped as stock TorchRec groups them into fused optimizers:
     [(spec, tables)], one group per kernel module of this rank (TorchRec's `group_tables` puts tables
     of one sharding type with the same fused params, dtype and pooling in one FBGEMM module, which
     keeps one `EmbeddingFusedOptimizer`), in the order the lookups hold them; so tables given
     different optimizers or learning rates train side by side, each group with its own param group.
 
-    A rank also keys the tables it holds no shard of (DCP wants every table's state on every
-    rank): those are grouped by sharding type and optimizer config, which they take from the
-    per-table fused params TorchRec keeps for every table (an EBC's sharding infos); where none is
-    kept (an EC's table held elsewhere), from the module's one other config, or None."""
-    ours = sharded._sc_tables
+    Only tables this rank holds a shard of, as stock (its `EmbeddingFusedOptimizer` keys the tables
+    of its FBGEMM module): DCP loads each rank's own keys. Except where that leaves a rank no state
+    tensor (it holds no table, or only SGD ones) while other tables have state: there stock's
+    `dcp.load` of the fused optimizer fails as the comment in `ShardedSparseCoreOptimizer` says
+    ("Missing key in checkpoint state_dict: optim"), so the rank also keys those tables, their state
+    as ShardedTensors without local shards, grouped by sharding type and optimizer config, taken from
+    the per-table fused params TorchRec keeps for every table (an EBC's sharding infos); where none
+    is kept (an EC), from the module's one config."""
     groups: dict[Any, tuple[OptimizerSpec | None, list[str]]] = {}
     placed: set[str] = set()
     for table, _, _, kmod in sharded._sc_shards():
         if table not in placed:
             placed.add(table)
             groups.setdefault(id(kmod), (kmod.kernel.optimizer, []))[1].append(table)
+    if any(spec is not None and spec.state_names for spec, _ in groups.values()):
+        return list(groups.values())
     spec_of: dict[str, OptimizerSpec] = {}
     infos = getattr(sharded, "sharding_type_to_sharding_infos", None) or {}
-    for group in infos.values():
-        for i in group:
+    for infos_of_type in infos.values():
+        for i in infos_of_type:
             spec_of.setdefault(i.embedding_config.name, spec_from_fused_params(i.fused_params, i.embedding_config.name))
+    ours = sharded._sc_tables
     known = {spec for spec, _ in groups.values()} | {spec_of[t] for t in ours if t in spec_of}
     fallback = next(iter(known)) if len(known) == 1 else None
     for table in ours:
-        if table not in placed:
-            spec = spec_of.get(table, fallback)
-            key = (sharded.module_sharding_plan[table].sharding_type, spec)
-            groups.setdefault(key, (spec, []))[1].append(table)
+        spec = spec_of.get(table, fallback)
+        if table in placed or spec is None or not spec.state_names:
+            continue
+        key = (sharded.module_sharding_plan[table].sharding_type, spec)
+        groups.setdefault(key, (spec, []))[1].append(table)
     return list(groups.values())
 
 
