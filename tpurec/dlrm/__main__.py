@@ -9,8 +9,11 @@ The `--nproc` launcher of `tpurec train` passes the parsed options as JSON in TP
 from __future__ import annotations
 
 import argparse
+import atexit
+import logging
 import os
 import sys
+from typing import NoReturn
 
 from tpurec.dlrm.cli import run_worker
 from tpurec.dlrm.options import OPTIONS_ENV, TrainOptions
@@ -34,5 +37,19 @@ def main(argv: list[str] | None = None) -> int:
     return run_worker(parse_options(sys.argv[1:] if argv is None else argv))
 
 
+def exit_without_finalizing(code: int) -> NoReturn:
+    """A rank that finished normally exits without finalizing the interpreter: now and then a multi-rank
+    CPU run aborted after its last line (SIGABRT, "terminate called without an active exception") while
+    Python freed C++ objects that gloo's worker threads still held (docs/reliability.md; the process
+    group is destroyed by an exit handler, tpurec/runtime/process_group.py). The exit handlers still
+    run (that destroy, temporary directories, TensorBoard's writer) and the output is flushed; only the
+    interpreter's teardown, where the abort struck, is skipped."""
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_finalizing(main())
