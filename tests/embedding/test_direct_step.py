@@ -68,6 +68,41 @@ def test_direct_equals_layout_path(name, weighted, pooling, monkeypatch):
     assert all(not torch.equal(a.kernel.read_weight(t), w) for t, w in before.items())  # they trained
 
 
+DECAYED = {
+    "rowwise_adagrad_l2": ("rowwise_adagrad", {"weight_decay": 0.05, "weight_decay_mode": "L2"}),
+    "rowwise_adagrad_decouple": ("rowwise_adagrad", {"weight_decay": 0.05, "weight_decay_mode": "DECOUPLE"}),
+    "adam_decoupled": ("adam", {"weight_decay": 0.05}),
+}
+
+
+@pytest.mark.parametrize("case", list(DECAYED))
+def test_direct_weight_decay_equals_layout_path(case, monkeypatch):
+    """The decayed update in the direct loops (direct_kernels._decay) gives the layout path's numbers
+    (optimizers/weight_decay.decay_rows), touched rows only; with an lr changed between steps, as a
+    scheduler does (the decoupled scale is 1 - lr * weight_decay)."""
+    name, decay = DECAYED[case]
+    cls, kwargs = OPTIMIZERS[name]
+    tables = make_tables()
+    a = SparseCoreEmbeddingBagCollection(tables, cls, kwargs | decay, num_sparsecores=4)
+    b = SparseCoreEmbeddingBagCollection(tables, cls, kwargs | decay, num_sparsecores=4)
+    b.load_state_dict(a.state_dict())
+    plain = SparseCoreEmbeddingBagCollection(tables, cls, kwargs, num_sparsecores=4)
+    plain.load_state_dict(a.state_dict())
+    gen = torch.Generator().manual_seed(5)
+    for step in range(3):
+        if step == 2:  # a scheduler's new lr, read at update time
+            for m in (a, b, plain):
+                for group in m.fused_optimizer.param_groups:
+                    group["lr"] *= 0.5
+        kjt = random_kjt(tables, 6, gen, hot_ids=step == 1)
+        grad = torch.randn(6, sum(t.embedding_dim * len(t.feature_names) for t in tables), generator=gen)
+        _assert_close(_step(a, kjt, grad, False, monkeypatch), _step(b, kjt, grad, True, monkeypatch))
+        _assert_same_tables(a, b)
+        _step(plain, kjt, grad, False, monkeypatch)
+    # the decay acted: the decayed tables differ from the undecayed run's
+    assert any(not torch.equal(a.kernel.read_weight(t.name), plain.kernel.read_weight(t.name)) for t in tables)
+
+
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_direct_batch_zero_and_all_empty(name, monkeypatch):
     tables = make_tables()
@@ -159,7 +194,7 @@ def test_layout_path_on_the_standin_fp16_and_unknown_options(monkeypatch):
     decayed = SparseCoreEmbeddingBagCollection(
         tables, RowWiseAdagrad, {"lr": 0.1, "weight_decay": 0.01, "weight_decay_mode": "L2"}, num_sparsecores=4
     )
-    assert not direct.applies(decayed.kernel)  # weight decay: the layout path's update (weight_decay.py)
+    assert direct.applies(decayed.kernel)  # weight decay: in the direct loops too (direct_kernels._decay)
     odd = [EmbeddingBagConfig(name="o", embedding_dim=12, num_embeddings=9, feature_names=["f"])]
     assert direct.applies(SparseCoreEmbeddingBagCollection(odd, torch.optim.SGD, {"lr": 0.1}, num_sparsecores=2).kernel)
     padded = SparseCoreEmbeddingBagCollection(odd, torch.optim.SGD, {"lr": 0.1}, num_sparsecores=2, pad_dims=True)

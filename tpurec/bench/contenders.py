@@ -57,12 +57,14 @@ def _optimizer_class(path: str):
     return getattr(importlib.import_module(module), name)
 
 
-def tpurec_side(num_tables: int, rows: int, dim: int, optimizer: str) -> Side:
+def tpurec_side(num_tables: int, rows: int, dim: int, optimizer: str, extra: dict | None = None) -> Side:
+    """extra: more optimizer kwargs (weight decay, `tpurec.bench.decay`)."""
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
     from tpurec.embedding.module import SparseCoreEmbeddingBagCollection
 
     path, kwargs, _ = OPTIMIZERS[optimizer]
+    kwargs = kwargs | (extra or {})
     configs = [
         EmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=rows, feature_names=[f"f{i}"])
         for i in range(num_tables)

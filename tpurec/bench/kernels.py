@@ -77,6 +77,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="timed rounds per cell, in random order, the median reported (default 7, --quick 2)",
     )
     p.add_argument(
+        "--weight-decay",
+        action="store_true",
+        help="instead: what weight decay costs tpurec's step, each decay against its undecayed twin "
+        "(tpurec/bench/decay.py)",
+    )
+    p.add_argument(
         "--sequence",
         action="store_true",
         help="instead: an EmbeddingCollection (unpooled) training step, tpurec vs stock TorchRec's EC "
@@ -94,6 +100,17 @@ def run_cli(args: argparse.Namespace) -> int:
 
         result = run_sequence(quick=args.quick, rounds=args.rounds)
         print(strict_json.dumps(result, indent=2) if args.json else format_sequence(result))
+        return 0
+    if args.weight_decay:
+        from tpurec.bench import decay
+
+        r = decay.run(
+            quick=args.quick,
+            poolings=args.pooling or decay.POOLINGS,
+            rounds_=args.rounds,
+            say=lambda msg: print(msg, file=sys.stderr, flush=True),
+        )
+        print(strict_json.dumps(r, indent=2) if args.json else decay.format_decay(r))
         return 0
     result = run(
         quick=args.quick, matrix=args.matrix, optimizers=args.optimizer, poolings=args.pooling, rounds=args.rounds

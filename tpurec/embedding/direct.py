@@ -12,7 +12,8 @@ additions (tests/embedding/test_direct_step.py).
 The layout path still runs whenever it is the thing being exercised or could differ: fixed or given
 limits (a TPU, `id_limits`, the dry run), the TorchTPU stand-in (the ops' CPU kernels replaced),
 meta/fake tensors or tracing, tables stored padded or in FP16/BF16, `TPUREC_NO_DIRECT=1`, and any
-optimizer option this module does not know (it refuses rather than ignores: a spec field it does not
+optimizer option this module does not know (weight decay it knows: L2 and decoupled, on the touched
+rows before their update, as `optimizers/weight_decay.py`) (it refuses rather than ignores: a spec field it does not
 list must be off, i.e. 0, False or None). `SparseCoreKernel.preprocess` always builds the layout.
 """
 
@@ -33,8 +34,8 @@ from tpurec.embedding.cpu_path import grad_trigger, writes_final_layout
 _IMPLEMENTED = {
     "sgd": {"lr"},
     "adagrad": {"lr", "eps", "initial_accumulator_value"},
-    "rowwise_adagrad": {"lr", "eps", "initial_accumulator_value"},
-    "adam": {"lr", "eps", "beta1", "beta2"},
+    "rowwise_adagrad": {"lr", "eps", "initial_accumulator_value", "weight_decay", "weight_decay_mode"},
+    "adam": {"lr", "eps", "beta1", "beta2", "weight_decay", "weight_decay_mode"},
 }
 
 
@@ -215,13 +216,17 @@ class _DirectLookup(torch.autograd.Function):
         for lo, hi, _ in bags.segments:
             bags.keys[lo:hi].sort()  # numpy's sort (AVX-512 on x86): a row's entries adjacent, rows increasing
         head = (bags.keys, bags.key_bits, bags.segments, bags.gains.numpy(), bags.bag_of, g, weight.numpy())
+        # Weight decay of the touched rows (optimizers/weight_decay.py): L2's coefficient, the decoupled
+        # scale 1 - lr * wd rounded to float32 as the layout path's factor is; (0, 1) for none.
+        mode, wd = spec.weight_decay_mode, spec.weight_decay
+        decay = (f32(wd if mode == "L2" else 0.0), f32(1.0 - lr * wd if mode == "DECOUPLE" else 1.0))
         if spec.name == "sgd":
             dk.update_sgd(*head, f32(-lr))
         elif spec.name == "adagrad":
             dk.update_adagrad(*head, states[0], f32(-lr), f32(spec.eps))
         elif spec.name == "rowwise_adagrad":
-            dk.update_rowwise_adagrad(*head, states[0], f32(-lr), f32(spec.eps))
+            dk.update_rowwise_adagrad(*head, states[0], f32(-lr), f32(spec.eps), *decay)
         else:  # adam (applies() admits no other)
             m, v = states
-            dk.update_adam(*head, m, v, f32(-a), f32(b1), f32(1 - b1), f32(b2), f32(1 - b2), f32(spec.eps))
+            dk.update_adam(*head, m, v, f32(-a), f32(b1), f32(1 - b1), f32(b2), f32(1 - b2), f32(spec.eps), *decay)
         return None, None, None, None, None

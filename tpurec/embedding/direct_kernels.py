@@ -189,6 +189,18 @@ def update_adagrad(
 
 # reassoc: lets the sum of g*g vectorise (3x faster at dim 128); it changes that sum's order only,
 # as torch's vector_norm in the reference has its own
+@numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _decay(w: np.ndarray, g: np.ndarray, l2: np.float32, scale: np.float32) -> None:
+    """A touched row's weight decay before its update: L2 adds l2 * w to its gradient, decoupled
+    scales it by `scale`, as the layout path's `decay_rows` (weight_decay.py) does."""
+    if l2 != np.float32(0.0):
+        for d in range(g.size):
+            g[d] += l2 * w[d]
+    if scale != np.float32(1.0):
+        for d in range(w.size):
+            w[d] *= scale
+
+
 @numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc"})
 def update_rowwise_adagrad(
     keys: np.ndarray,
@@ -201,8 +213,12 @@ def update_rowwise_adagrad(
     acc: np.ndarray,
     neg_lr: np.float32,
     eps: np.float32,
+    l2: np.float32,
+    scale: np.float32,
 ) -> None:
-    """a += mean(g*g) (one float per row); w += g * (-lr / (sqrt(a) + eps))."""
+    """a += mean(g*g) (one float per row); w += g * (-lr / (sqrt(a) + eps)). Weight decay of the
+    touched rows first (optimizers/weight_decay.py): L2 adds l2 * w to g (0: none); decoupled scales w
+    by `scale` = 1 - lr * weight_decay (1: none)."""
     g = np.empty(table.shape[1], np.float32)
     for seg in range(segments.shape[0]):
         lo, hi, base = segments[seg, 0], segments[seg, 1], segments[seg, 2]
@@ -212,6 +228,7 @@ def update_rowwise_adagrad(
             local = np.int64(part[i]) >> key_bits
             i = _gather(part, i, local, key_bits, gains, bag_of, grad, g)
             row = base + local
+            _decay(table[row], g, l2, scale)
             sq = np.float32(0.0)
             for d in range(g.size):
                 sq += g[d] * g[d]
@@ -240,9 +257,12 @@ def update_adam(
     b2: np.float32,
     c2: np.float32,
     eps: np.float32,
+    l2: np.float32,
+    scale: np.float32,
 ) -> None:
     """m = b1 m + c1 g; v = b2 v + c2 g*g; w += -alpha_t m / (sqrt(v) + eps) (lazy: touched rows
-    only), with c1 = 1 - b1 and c2 = 1 - b2 rounded from double as the torch ops round them."""
+    only), with c1 = 1 - b1 and c2 = 1 - b2 rounded from double as the torch ops round them. Weight
+    decay of the touched rows first, as in `update_rowwise_adagrad` (Adam's is decoupled)."""
     g = np.empty(table.shape[1], np.float32)
     for seg in range(segments.shape[0]):
         lo, hi, base = segments[seg, 0], segments[seg, 1], segments[seg, 2]
@@ -253,6 +273,7 @@ def update_adam(
             i = _gather(part, i, local, key_bits, gains, bag_of, grad, g)
             row = base + local
             w = table[row]
+            _decay(w, g, l2, scale)
             mr = m[row]
             vr = v[row]
             for d in range(g.size):
