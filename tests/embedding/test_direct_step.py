@@ -77,7 +77,7 @@ DECAYED = {
 
 @pytest.mark.parametrize("case", list(DECAYED))
 def test_direct_weight_decay_equals_layout_path(case, monkeypatch):
-    """The decayed update in the direct loops (direct_kernels._decay) gives the layout path's numbers
+    """The decayed update in the direct loops (direct_kernels.py) gives the layout path's numbers
     (optimizers/weight_decay.decay_rows), touched rows only; with an lr changed between steps, as a
     scheduler does (the decoupled scale is 1 - lr * weight_decay)."""
     name, decay = DECAYED[case]
@@ -194,7 +194,7 @@ def test_layout_path_on_the_standin_fp16_and_unknown_options(monkeypatch):
     decayed = SparseCoreEmbeddingBagCollection(
         tables, RowWiseAdagrad, {"lr": 0.1, "weight_decay": 0.01, "weight_decay_mode": "L2"}, num_sparsecores=4
     )
-    assert direct.applies(decayed.kernel)  # weight decay: in the direct loops too (direct_kernels._decay)
+    assert direct.applies(decayed.kernel)  # weight decay: in the direct loops too (direct_kernels.py)
     odd = [EmbeddingBagConfig(name="o", embedding_dim=12, num_embeddings=9, feature_names=["f"])]
     assert direct.applies(SparseCoreEmbeddingBagCollection(odd, torch.optim.SGD, {"lr": 0.1}, num_sparsecores=2).kernel)
     padded = SparseCoreEmbeddingBagCollection(odd, torch.optim.SGD, {"lr": 0.1}, num_sparsecores=2, pad_dims=True)

@@ -189,18 +189,6 @@ def update_adagrad(
 
 # reassoc: lets the sum of g*g vectorise (3x faster at dim 128); it changes that sum's order only,
 # as torch's vector_norm in the reference has its own
-@numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
-def _decay(w: np.ndarray, g: np.ndarray, l2: np.float32, scale: np.float32) -> None:
-    """A touched row's weight decay before its update: L2 adds l2 * w to its gradient, decoupled
-    scales it by `scale`, as the layout path's `decay_rows` (weight_decay.py) does."""
-    if l2 != np.float32(0.0):
-        for d in range(g.size):
-            g[d] += l2 * w[d]
-    if scale != np.float32(1.0):
-        for d in range(w.size):
-            w[d] *= scale
-
-
 @numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc"})
 def update_rowwise_adagrad(
     keys: np.ndarray,
@@ -217,8 +205,8 @@ def update_rowwise_adagrad(
     scale: np.float32,
 ) -> None:
     """a += mean(g*g) (one float per row); w += g * (-lr / (sqrt(a) + eps)). Weight decay of the
-    touched rows first (optimizers/weight_decay.py): L2 adds l2 * w to g (0: none); decoupled scales w
-    by `scale` = 1 - lr * weight_decay (1: none)."""
+    touched rows (optimizers/weight_decay.py): L2 adds l2 * w to g (0: none); decoupled scales w by
+    `scale` = 1 - lr * weight_decay (1: none) before the update."""
     g = np.empty(table.shape[1], np.float32)
     for seg in range(segments.shape[0]):
         lo, hi, base = segments[seg, 0], segments[seg, 1], segments[seg, 2]
@@ -228,16 +216,27 @@ def update_rowwise_adagrad(
             local = np.int64(part[i]) >> key_bits
             i = _gather(part, i, local, key_bits, gains, bag_of, grad, g)
             row = base + local
-            _decay(table[row], g, l2, scale)
+            w = table[row]
+            # the decay fused into the row's two passes (one pass each over g and w, as without it):
+            # L2 adds l2 * w to g as the squares are summed; decoupled scales w as it is updated,
+            # (w * scale) + g * mult rounded as the layout path's scale, then update
             sq = np.float32(0.0)
-            for d in range(g.size):
-                sq += g[d] * g[d]
+            if l2 != np.float32(0.0):
+                for d in range(g.size):
+                    g[d] += l2 * w[d]
+                    sq += g[d] * g[d]
+            else:
+                for d in range(g.size):
+                    sq += g[d] * g[d]
             a = acc[row] + sq / np.float32(g.size)
             acc[row] = a
             mult = neg_lr / (np.sqrt(a) + eps)
-            w = table[row]
-            for d in range(g.size):
-                w[d] += g[d] * mult
+            if scale != np.float32(1.0):
+                for d in range(g.size):
+                    w[d] = w[d] * scale + g[d] * mult
+            else:
+                for d in range(g.size):
+                    w[d] += g[d] * mult
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
@@ -262,7 +261,7 @@ def update_adam(
 ) -> None:
     """m = b1 m + c1 g; v = b2 v + c2 g*g; w += -alpha_t m / (sqrt(v) + eps) (lazy: touched rows
     only), with c1 = 1 - b1 and c2 = 1 - b2 rounded from double as the torch ops round them. Weight
-    decay of the touched rows first, as in `update_rowwise_adagrad` (Adam's is decoupled)."""
+    decay of the touched rows as in `update_rowwise_adagrad` (Adam's is decoupled), in the same pass."""
     g = np.empty(table.shape[1], np.float32)
     for seg in range(segments.shape[0]):
         lo, hi, base = segments[seg, 0], segments[seg, 1], segments[seg, 2]
@@ -273,10 +272,11 @@ def update_adam(
             i = _gather(part, i, local, key_bits, gains, bag_of, grad, g)
             row = base + local
             w = table[row]
-            _decay(w, g, l2, scale)
             mr = m[row]
             vr = v[row]
             for d in range(g.size):
-                mr[d] = b1 * mr[d] + c1 * g[d]
-                vr[d] = b2 * vr[d] + c2 * (g[d] * g[d])
-                w[d] += neg_alpha * mr[d] / (np.sqrt(vr[d]) + eps)
+                gd = g[d] + l2 * w[d]  # L2 (l2 = 0: none); Adam's own decay is decoupled
+                mr[d] = b1 * mr[d] + c1 * gd
+                vr[d] = b2 * vr[d] + c2 * (gd * gd)
+                # decoupled: w scaled (scale = 1: none) as the layout path scales it, then the step
+                w[d] = w[d] * scale + neg_alpha * mr[d] / (np.sqrt(vr[d]) + eps)
