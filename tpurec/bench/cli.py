@@ -16,6 +16,7 @@ BENCHES: dict[str, str] = {
     "kernels": "tpurec.bench.kernels",
     "preprocess": "tpurec.bench.preprocess",
     "train": "tpurec.bench.train",
+    "track": "tpurec.bench.track",
     "balance": "tpurec.bench.balance",
     "plan": "tpurec.bench.plan",
     "pipeline": "tpurec.bench.pipeline",

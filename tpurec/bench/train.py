@@ -392,7 +392,11 @@ def _folded(batches: list, sizes: list[int]) -> list:
     return out
 
 
-def worker(side: str, tables: str, data: str, steps: int, warmup: int, batch_size: int) -> dict | None:
+def prepare_side(side: str, workload: tuple, data: str, batch_size: int, n_batches: int) -> tuple:
+    """One rank's side of a stock-vs-tpurec DLRM run (this module's and `bench track`'s): the
+    process group, the sharded model from the shared starting tables, its optimizer and pipeline,
+    and `n_batches` of this rank's batches folded into the capped tables. Returns (dmp, pipeline,
+    batches, inputs: count and sums of ids and labels over all ranks, start-table checksum)."""
     import itertools
 
     import torch
@@ -407,7 +411,7 @@ def worker(side: str, tables: str, data: str, steps: int, warmup: int, batch_siz
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    model_name, cap, overrides, *_ = WORKLOADS[tables]
+    model_name, cap, overrides, *_ = workload
     cfg = override(get_config(model_name), batch_size=batch_size, **overrides)
     sizes = [
         t.num_embeddings if cap is None else min(t.num_embeddings, cap) for t in get_table_set(cfg.table_set).tables
@@ -427,8 +431,8 @@ def worker(side: str, tables: str, data: str, steps: int, warmup: int, batch_siz
     optimizer = build_optimizer(dmp, cfg)
     pipeline: TrainPipelineSparseDist = TrainPipelineSparseDist(dmp, optimizer, torch.device("cpu"))
     reader = ParquetReader(data, batch_size, rank=rank, world_size=world, drop_last=True, equal_rows=True)
-    batches = list(itertools.islice(iter(reader), warmup + steps))
-    if len(batches) < warmup + steps:
+    batches = list(itertools.islice(iter(reader), n_batches))
+    if len(batches) < n_batches:
         raise RuntimeError(f"{data} holds only {len(batches)} batches per rank")
     if cap is not None:
         batches = _folded(batches, sizes)
@@ -441,6 +445,15 @@ def worker(side: str, tables: str, data: str, steps: int, warmup: int, batch_siz
         dtype=torch.float64,
     )
     dist.all_reduce(inputs)
+    return dmp, pipeline, batches, [int(inputs[0]), int(inputs[1]), round(float(inputs[2]), 1)], start
+
+
+def worker(side: str, tables: str, data: str, steps: int, warmup: int, batch_size: int) -> dict | None:
+    import torch
+    import torch.distributed as dist
+
+    dmp, pipeline, batches, inputs, start = prepare_side(side, WORKLOADS[tables], data, batch_size, warmup + steps)
+    rank, world = dist.get_rank(), dist.get_world_size()
     it = iter(batches)
     for _ in range(warmup):
         pipeline.progress(it)
@@ -461,7 +474,7 @@ def worker(side: str, tables: str, data: str, steps: int, warmup: int, batch_siz
         "cpu_samples_per_s": round(samples / cpu.item(), 1),
         "loss": round(float(loss), 5),
         "plan": _plan_text(dmp),
-        "inputs": [int(inputs[0]), int(inputs[1]), round(float(inputs[2]), 1)],
+        "inputs": inputs,
         "start_tables": start,
     }
     dist.destroy_process_group()

@@ -104,7 +104,7 @@ def lookup(kernel: Any, parts: list, batch: int) -> torch.Tensor | None:
         # uint32 keys sort about twice as fast as int64 ones
         keys = np.empty(n if grad else 0, np.uint32 if st.row_bits + key_bits <= 32 else np.int64)
         w = weights.to(torch.float32).contiguous().numpy() if weights is not None else _NO_WEIGHTS
-        ids, boff, gains, bag_of, bad = dk.bags(
+        ids, boff, fwd_w, scale, bag_of, gains, bad = dk.bags(
             values.numpy(), lengths.numpy(), w, weights is not None, st.mean, st.offsets, st.rows, batch,
             want_gains, grad, key_bits, keys,
         )  # fmt: skip
@@ -112,15 +112,16 @@ def lookup(kernel: Any, parts: list, batch: int) -> torch.Tensor | None:
             return None
         segments = None
         if grad and st.first_row.size == 1:  # one table: all the keys
-            segments = np.array([[0, n, st.first_row[0]]], np.int64)
+            segments = np.array([[0, n, st.first_row[0], ns > 1]], np.int64)
         elif grad:  # each table's keys: the ids of its feature slots, one run of the input
             ends = np.zeros(ns + 1, np.int64)
             if batch:
                 np.cumsum(lengths.numpy().reshape(ns, batch).sum(1), out=ends[1:])
-            segments = np.empty((st.first_row.size, 3), np.int64)
+            segments = np.empty((st.first_row.size, 4), np.int64)
             segments[:, 0], segments[:, 1], segments[:, 2] = ends[st.first_slot], ends[st.end_slot], st.first_row
-        t_ids, t_boff, t_gains = (torch.from_numpy(x) for x in (ids, boff, gains))
-        inputs.append(_Bags(t_ids, t_boff, t_gains, keys, key_bits, segments, bag_of, ns))
+            segments[:, 3] = st.end_slot - st.first_slot > 1  # a table several feature slots share
+        t_ids, t_boff, t_w, t_scale = (torch.from_numpy(x) for x in (ids, boff, fwd_w, scale))
+        inputs.append(_Bags(t_ids, t_boff, t_w, t_scale, gains, keys, key_bits, segments, bag_of, ns))
     trigger = grad_trigger() if grad else None
     outs = [_DirectLookup.apply(trigger, kernel, i, b, batch) for i, b in enumerate(inputs)]
     return kernel._feature_order_output(outs)
@@ -172,11 +173,13 @@ class _Bags:
 
     ids: torch.Tensor  # int64 stacked rows
     offsets: torch.Tensor  # int64 [bags + 1]
-    gains: torch.Tensor  # float32 per id, or empty (all 1)
+    weights: torch.Tensor  # float32 the ids' own weights, or empty (all 1)
+    scale: torch.Tensor  # float32 per bag (1 / length where its slot mean-pools), or empty (no mean slot)
+    gains: np.ndarray  # float32 per key's low part (entries with their own gains), else empty
     keys: np.ndarray  # uint32 or int64 per id in input order (empty without backward)
     key_bits: int
-    segments: np.ndarray | None  # int64 [tables, 3]: first key, past the last, first stack row
-    bag_of: np.ndarray  # int32 bag per batch-major position (with gains), else empty
+    segments: np.ndarray | None  # int64 [tables, 4]: first key, past the last, first stack row, shared
+    bag_of: np.ndarray  # int32 batch-major bag per key's low part (empty without backward)
     slots: int
 
 
@@ -190,8 +193,10 @@ class _DirectLookup(torch.autograd.Function):
             return torch.zeros(batch, bags.slots * dim)
         # torch.embedding_bag itself: F.embedding_bag's argument checks cost ~10 us a call (pooling 1)
         out = torch.embedding_bag(
-            weight, bags.ids, bags.offsets, False, 0, False, bags.gains if bags.gains.numel() else None, True
-        )[0]  # mode 0: sum; include_last_offset
+            weight, bags.ids, bags.offsets, False, 0, False, bags.weights if bags.weights.numel() else None, True
+        )[0]  # mode 0: sum (fma(w, row, sum) with weights, as FBGEMM's CPU forward); include_last_offset
+        if bags.scale.numel():  # mean-pooled slots: the sum times 1 / length, FBGEMM's rounding
+            out.mul_(bags.scale.unsqueeze(1))
         return out.view(batch, bags.slots * dim)
 
     @staticmethod
@@ -213,9 +218,9 @@ class _DirectLookup(torch.autograd.Function):
 
             b1, b2 = spec.beta1, spec.beta2
             a = alpha_t(lr, b1, b2, kernel._steps[i])
-        for lo, hi, _ in bags.segments:
+        for lo, hi, _, _ in bags.segments:
             bags.keys[lo:hi].sort()  # numpy's sort (AVX-512 on x86): a row's entries adjacent, rows increasing
-        head = (bags.keys, bags.key_bits, bags.segments, bags.gains.numpy(), bags.bag_of, g, weight.numpy())
+        head = (bags.keys, bags.key_bits, bags.segments, bags.gains, bags.bag_of, g, weight.numpy())
         # Weight decay of the touched rows (optimizers/weight_decay.py): L2's coefficient, the decoupled
         # scale 1 - lr * wd rounded to float32 as the layout path's factor is; (0, 1) for none.
         mode, wd = spec.weight_decay_mode, spec.weight_decay

@@ -18,8 +18,32 @@ Why numba: see `csr_kernels.py` (a wheel, no compiler at install, cached on disk
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, cast
+
 import numba
 import numpy as np
+from llvmlite import ir
+from numba.core import types
+from numba.extending import intrinsic
+
+
+@intrinsic
+def _fma_intrinsic(typingctx, a, b, c):  # type: ignore[no-untyped-def]
+    """a * b + c rounded once (llvm.fma.f32, one instruction where the CPU has FMA): FBGEMM's CPU
+    kernels are compiled with floating-point contraction, so their `acc += w * x` and `w -= lr * g`
+    round once; numba rounds the product and the sum apart unless told."""
+    sig = types.float32(types.float32, types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        f = ir.FloatType()
+        fn = builder.module.declare_intrinsic("llvm.fma", [f], ir.FunctionType(f, [f, f, f]))
+        return builder.call(fn, args)
+
+    return sig, codegen
+
+
+_fma = cast(Callable[[Any, Any, Any], np.float32], _fma_intrinsic)  # as jitted code calls it
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
@@ -36,14 +60,19 @@ def bags(
     backward: bool,
     key_bits: int,
     keys: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
-    """(ids, bag_offsets, gains, bag_of, bad): the slice's stacked rows in batch-major bag order,
-    the bags' offsets (include_last_offset), per-id gains when want_gains (else empty), and -1 or the
-    input position of the first id outside its slot's table (then nothing else is meaningful).
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    """(ids, bag_offsets, weights, scale, bag_of, gains, bad): the slice's stacked rows in batch-major
+    bag order and the bags' offsets (include_last_offset); the ids' own weights in that order (has_w,
+    else empty); each bag's scale after its sum, 1 / length where the slot mean-pools (has a mean
+    slot, else empty); -1 or the input position of the first id outside its slot's table (then
+    nothing else is meaningful).
 
-    keys ([ids] in input order, uint32 or int64, or empty: none wanted): (id << key_bits) | bag, the
-    id's row within its table, or with want_gains (weights or mean pooling: each entry has its own
-    gain) | batch-major position, whose bag is bag_of[pos] (filled when `backward`)."""
+    Backward (keys [ids] in input order, uint32 or int64, or empty: none wanted): (id << key_bits) |
+    low, the id's row within its table and, as FBGEMM's CPU backward walks a row's entries (feature
+    of the table, then sample, then position: its csr2csc's stable sort), low = the bag's
+    feature-major number k * batch + j, or with want_gains (weights or mean pooling: each entry has
+    its own gain) the input position. bag_of[low] is the batch-major bag whose gradient row the entry
+    reads, gains[low] its gain (the weight, divided by the bag's length when the slot mean-pools)."""
     ns = offsets.size
     n = values.size
     nb = batch * ns
@@ -54,9 +83,14 @@ def bags(
             b = j * ns + k
             boff[b + 1] = boff[b] + lengths[k * batch + j]
     ids = np.empty(n, np.int64)
-    gains = np.empty(n if want_gains else 0, np.float32)
+    fwd_w = np.empty(n if has_w else 0, np.float32)
+    any_mean = False
+    for k in range(ns):
+        any_mean = any_mean or mean[k]
+    scale = np.empty(nb if any_mean else 0, np.float32)
     with_keys = keys.size > 0
-    bag_of = np.empty(n if want_gains and backward else 0, np.int32)
+    gains = np.empty(n if want_gains and with_keys else 0, np.float32)
+    bag_of = np.empty((n if want_gains else nb) if with_keys else 0, np.int32)
     pos = 0
     for k in range(ns):
         off = offsets[k]
@@ -65,25 +99,30 @@ def bags(
         for j in range(batch):
             length = lengths[k * batch + j]
             b = j * ns + k
+            if any_mean:
+                # FBGEMM's forward scales the bag's sum by 1 / length (float32), as these do
+                scale[b] = np.float32(1.0) / np.float32(length) if mk and length > 0 else np.float32(1.0)
+            if with_keys and not want_gains:
+                bag_of[k * batch + j] = b
             dst = boff[b]
             for e in range(length):
                 r = values[pos]
                 if r < 0 or r >= hi:
-                    return ids, boff, gains, bag_of, pos
-                s = r + off
-                ids[dst + e] = s
-                if want_gains:
-                    g = weights[pos] if has_w else np.float32(1.0)
-                    # g / length, not g * (1 / length): the layout path's float32 division
-                    gains[dst + e] = g / np.float32(max(length, 1)) if mk else g
-                    if backward:
-                        bag_of[dst + e] = b
-                    if with_keys:
-                        keys[pos] = (r << key_bits) | (dst + e)
-                elif with_keys:
-                    keys[pos] = (r << key_bits) | b
+                    return ids, boff, fwd_w, scale, bag_of, gains, pos
+                ids[dst + e] = r + off
+                if has_w:
+                    fwd_w[dst + e] = weights[pos]
+                if with_keys:
+                    if want_gains:
+                        g = weights[pos] if has_w else np.float32(1.0)
+                        # g / length, not g * (1 / length): the layout path's float32 division
+                        gains[pos] = g / np.float32(max(length, 1)) if mk else g
+                        bag_of[pos] = b
+                        keys[pos] = (r << key_bits) | pos
+                    else:
+                        keys[pos] = (r << key_bits) | (k * batch + j)
                 pos += 1
-    return ids, boff, gains, bag_of, -1
+    return ids, boff, fwd_w, scale, bag_of, gains, -1
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
@@ -98,32 +137,84 @@ def _gather(
     g: np.ndarray,
 ) -> int:
     """g[:] = the summed gradient of table row `row`, whose sorted keys start at i; returns the
-    index past them. The first entry is assigned rather than added to zeros (the same sum, half the stores).
+    index past them. FBGEMM's CPU order and rounding: entries in key order, the first assigned
+    (0 + w * x, one rounding), each next added, weighted ones as fma(w, x, g).
     Inlined into each update loop (numba IR inlining): called, its caller's loops stopped
     vectorising (measured 1.5-2x slower), as the compiler could no longer tell g from the table."""
     n = keys.size
     mask = (np.int64(1) << key_bits) - 1
     weighted = gains.size > 0
     low = np.int64(keys[i]) & mask
-    gain = gains[low] if weighted else np.float32(1.0)
-    src = grad[bag_of[low] if weighted else low]
-    for d in range(g.size):
-        g[d] = gain * src[d]
+    src = grad[bag_of[low]]
+    if weighted:
+        gain = gains[low]
+        for d in range(g.size):
+            g[d] = gain * src[d]
+    else:
+        for d in range(g.size):
+            g[d] = src[d]
     i += 1
     while i < n and (keys[i] >> key_bits) == row:
         low = np.int64(keys[i]) & mask
-        gain = gains[low] if weighted else np.float32(1.0)
-        src = grad[bag_of[low] if weighted else low]
-        for d in range(g.size):
-            g[d] += gain * src[d]
+        src = grad[bag_of[low]]
+        if weighted:
+            gain = gains[low]
+            for d in range(g.size):
+                g[d] = _fma(gain, src[d], g[d])
+        else:
+            for d in range(g.size):
+                g[d] += src[d]
         i += 1
     return i
 
 
+@numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _sum_squares(g: np.ndarray, lanes8: bool) -> np.float32:
+    """sum(g * g) in FBGEMM's CPU order. lanes8: its SparseAdaGrad kernel's (a table with one
+    feature), eight float32 lanes (d mod 8, AVX2) each summing its squares in turn, then
+    ((0+1)+(2+3))+((4+5)+(6+7)); else its generic loop's (a table shared by several features),
+    one running sum, each square added with contraction (fma(g, g, s))."""
+    n = g.size
+    if not lanes8:
+        s = np.float32(0.0)
+        for d in range(n):
+            s += g[d] * g[d]
+        return s
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
+    d = 0
+    while d + 8 <= n:
+        s0 += g[d] * g[d]
+        s1 += g[d + 1] * g[d + 1]
+        s2 += g[d + 2] * g[d + 2]
+        s3 += g[d + 3] * g[d + 3]
+        s4 += g[d + 4] * g[d + 4]
+        s5 += g[d + 5] * g[d + 5]
+        s6 += g[d + 6] * g[d + 6]
+        s7 += g[d + 7] * g[d + 7]
+        d += 8
+    t = n - d  # the tail: lanes 0 .. t-1
+    if t > 0:
+        s0 += g[d] * g[d]
+    if t > 1:
+        s1 += g[d + 1] * g[d + 1]
+    if t > 2:
+        s2 += g[d + 2] * g[d + 2]
+    if t > 3:
+        s3 += g[d + 3] * g[d + 3]
+    if t > 4:
+        s4 += g[d + 4] * g[d + 4]
+    if t > 5:
+        s5 += g[d + 5] * g[d + 5]
+    if t > 6:
+        s6 += g[d + 6] * g[d + 6]
+    return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
+
+
 # One loop per optimizer over the sorted keys of each table: every touched row once, with its
 # summed gradient g, the same float32 expressions as the optimizer's reference update
-# (optimizers/*.py). segments: int64 [tables, 3], a table's keys keys[lo:hi] (each table sorted on
-# its own) and its first stack row; grad is [bags, dim] (bag b = j * slots + k); gains / bag_of
+# (optimizers/*.py). segments: int64 [tables, 4], a table's keys keys[lo:hi] (each table sorted on
+# its own), its first stack row and 1 if several feature slots share it (FBGEMM's CPU kernels take
+# another loop for those: `_sum_squares`); grad is [bags, dim] (bag b = j * slots + k); gains / bag_of
 # empty unless entries carry their own gains. One call per stack: a call per table cost more than
 # the work at pooling 1 (numba's dispatch, ~20 us).
 # (Measured, numba 0.68: one loop branching on the optimizer, or an update split into several loops
@@ -142,7 +233,7 @@ def update_sgd(
     table: np.ndarray,
     neg_lr: np.float32,
 ) -> None:
-    """w += -lr * g."""
+    """w = fma(-lr, g, w) (FBGEMM's `w -= lr * g`, contracted)."""
     g = np.empty(table.shape[1], np.float32)
     for seg in range(segments.shape[0]):
         lo, hi, base = segments[seg, 0], segments[seg, 1], segments[seg, 2]
@@ -154,7 +245,7 @@ def update_sgd(
             row = base + local
             w = table[row]
             for d in range(g.size):
-                w[d] += neg_lr * g[d]
+                w[d] = _fma(neg_lr, g[d], w[d])
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
@@ -187,9 +278,7 @@ def update_adagrad(
                 w[d] += (neg_lr * g[d]) / (np.sqrt(a[d]) + eps)
 
 
-# reassoc: lets the sum of g*g vectorise (3x faster at dim 128); it changes that sum's order only,
-# as torch's vector_norm in the reference has its own
-@numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc"})
+@numba.njit(cache=True, nogil=True, error_model="numpy")
 def update_rowwise_adagrad(
     keys: np.ndarray,
     key_bits: int,
@@ -204,12 +293,14 @@ def update_rowwise_adagrad(
     l2: np.float32,
     scale: np.float32,
 ) -> None:
-    """a += mean(g*g) (one float per row); w += g * (-lr / (sqrt(a) + eps)). Weight decay of the
-    touched rows (optimizers/weight_decay.py): L2 adds l2 * w to g (0: none); decoupled scales w by
-    `scale` = 1 - lr * weight_decay (1: none) before the update."""
+    """a += mean(g*g) (one float per row); w = fma(g, -lr / (sqrt(a) + eps), w), FBGEMM's CPU
+    arithmetic (`_sum_squares`). Weight decay of the touched rows (optimizers/weight_decay.py): L2
+    adds l2 * w to g (0: none); decoupled scales w by `scale` = 1 - lr * weight_decay (1: none)
+    before the update."""
     g = np.empty(table.shape[1], np.float32)
     for seg in range(segments.shape[0]):
         lo, hi, base = segments[seg, 0], segments[seg, 1], segments[seg, 2]
+        lanes8 = segments[seg, 3] == 0
         part = keys[lo:hi]
         i = 0
         while i < part.size:
@@ -217,23 +308,15 @@ def update_rowwise_adagrad(
             i = _gather(part, i, local, key_bits, gains, bag_of, grad, g)
             row = base + local
             w = table[row]
-            # the decay fused into the row's two passes (one pass each over g and w, as without it):
-            # L2 adds l2 * w to g as the squares are summed; decoupled scales w as it is updated,
-            # (w * scale) + g * mult rounded as the layout path's scale, then update
-            sq = np.float32(0.0)
             if l2 != np.float32(0.0):
                 for d in range(g.size):
-                    g[d] += l2 * w[d]
-                    sq += g[d] * g[d]
-            else:
-                for d in range(g.size):
-                    sq += g[d] * g[d]
-            a = acc[row] + sq / np.float32(g.size)
+                    g[d] = _fma(l2, w[d], g[d])
+            a = acc[row] + _sum_squares(g, lanes8) / np.float32(g.size)
             acc[row] = a
             mult = neg_lr / (np.sqrt(a) + eps)
             if scale != np.float32(1.0):
                 for d in range(g.size):
-                    w[d] = w[d] * scale + g[d] * mult
+                    w[d] = _fma(g[d], mult, w[d] * scale)
             else:
                 for d in range(g.size):
                     w[d] += g[d] * mult
