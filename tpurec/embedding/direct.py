@@ -105,7 +105,7 @@ def lookup(kernel: Any, parts: list, batch: int) -> torch.Tensor | None:
         keys = np.empty(n if grad else 0, np.uint32 if st.row_bits + key_bits <= 32 else np.int64)
         w = weights.to(torch.float32).contiguous().numpy() if weights is not None else _NO_WEIGHTS
         ids, boff, fwd_w, scale, bag_of, gains, bad = dk.bags(
-            values.numpy(), lengths.numpy(), w, weights is not None, st.mean, st.offsets, st.rows, batch,
+            values.numpy(), lengths.numpy(), w, weights is not None, st.mean, st.shared, st.offsets, st.rows, batch,
             want_gains, grad, key_bits, keys,
         )  # fmt: skip
         if bad >= 0:
@@ -138,6 +138,7 @@ class _Stack:
     offsets: np.ndarray  # int64 first stack row of each feature slot's table
     rows: np.ndarray  # int64 rows of each slot's table (the id check)
     mean: np.ndarray  # bool per slot
+    shared: np.ndarray  # bool per slot: its table is read by several slots
     has_mean: bool
     # the stack's tables: a table's features are consecutive slots (kernel order), its rows one run
     first_slot: np.ndarray
@@ -158,9 +159,12 @@ def _stack(kernel: Any, i: int) -> _Stack:
             else:
                 runs.append([k, k + 1, plan.layout.table(name).offset, name])
         first, end, base, names = (list(c) for c in zip(*runs))
+        shared = np.zeros(len(plan.features), np.bool_)
+        for a, b, _, _ in runs:
+            shared[a:b] = b - a > 1
         cache[i] = _Stack(
             len(plan.features), offsets.numpy(), rows.numpy(),
-            mean.numpy() if mean is not None else np.zeros(len(plan.features), np.bool_), mean is not None,
+            mean.numpy() if mean is not None else np.zeros(len(plan.features), np.bool_), shared, mean is not None,
             np.array(first), np.array(end), np.array(base, np.int64),
             max((kernel._table[t].num_embeddings - 1).bit_length() for t in names),
         )  # fmt: skip

@@ -24,7 +24,7 @@ from typing import Any, cast
 import numba
 import numpy as np
 from llvmlite import ir
-from numba.core import types
+from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 
@@ -46,6 +46,47 @@ def _fma_intrinsic(typingctx, a, b, c):  # type: ignore[no-untyped-def]
 _fma = cast(Callable[[Any, Any, Any], np.float32], _fma_intrinsic)  # as jitted code calls it
 
 
+@intrinsic
+def _sum_squares8_intrinsic(typingctx, g):  # type: ignore[no-untyped-def]
+    """sum(g * g) as fbgemm's SparseAdaGrad AVX2 loop sums it: eight float32 lanes, lane d mod 8
+    adding its squares in turn (each product rounded, then added: no fast-math flag, no fma), then
+    ((0+1)+(2+3))+((4+5)+(6+7)). Written as <8 x float> IR because LLVM leaves eight scalar
+    accumulators scalar (measured: the row-wise Adagrad update 2x slower at dim 128). The tail's
+    squares go into their lanes through a vector of zeros elsewhere (x + 0 = x for these sums)."""
+    sig = types.float32(g)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        garr = context.make_array(signature.args[0])(context, builder, args[0])
+        n = builder.extract_value(garr.shape, 0)
+        f = ir.FloatType()
+        v8 = ir.VectorType(f, 8)
+        eight = ir.Constant(n.type, 8)
+        full = builder.udiv(n, eight)
+        acc = cgutils.alloca_once_value(builder, ir.Constant(v8, None))  # zeros
+        with cgutils.for_range(builder, full) as loop:
+            at = builder.gep(garr.data, [builder.mul(loop.index, eight)])
+            x = builder.load(builder.bitcast(at, v8.as_pointer()), align=4)
+            builder.store(builder.fadd(builder.load(acc), builder.fmul(x, x)), acc)
+        start = builder.mul(full, eight)
+        rest = builder.sub(n, start)
+        with builder.if_then(builder.icmp_unsigned("!=", rest, ir.Constant(n.type, 0)), likely=False):
+            tail = cgutils.alloca_once_value(builder, ir.Constant(v8, None))
+            with cgutils.for_range(builder, rest) as loop:
+                x = builder.load(builder.gep(garr.data, [builder.add(start, loop.index)]))
+                builder.store(builder.insert_element(builder.load(tail), builder.fmul(x, x), loop.index), tail)
+            builder.store(builder.fadd(builder.load(acc), builder.load(tail)), acc)
+        v = builder.load(acc)
+        e = [builder.extract_element(v, ir.Constant(ir.IntType(32), k)) for k in range(8)]
+        lo = builder.fadd(builder.fadd(e[0], e[1]), builder.fadd(e[2], e[3]))
+        hi = builder.fadd(builder.fadd(e[4], e[5]), builder.fadd(e[6], e[7]))
+        return builder.fadd(lo, hi)
+
+    return sig, codegen
+
+
+_sum_squares8 = cast(Callable[[np.ndarray], np.float32], _sum_squares8_intrinsic)
+
+
 @numba.njit(cache=True, nogil=True, error_model="numpy")
 def bags(
     values: np.ndarray,
@@ -53,6 +94,7 @@ def bags(
     weights: np.ndarray,
     has_w: bool,
     mean: np.ndarray,
+    shared: np.ndarray,
     offsets: np.ndarray,
     rows: np.ndarray,
     batch: int,
@@ -69,10 +111,11 @@ def bags(
 
     Backward (keys [ids] in input order, uint32 or int64, or empty: none wanted): (id << key_bits) |
     low, the id's row within its table and, as FBGEMM's CPU backward walks a row's entries (feature
-    of the table, then sample, then position: its csr2csc's stable sort), low = the bag's
-    feature-major number k * batch + j, or with want_gains (weights or mean pooling: each entry has
-    its own gain) the input position. bag_of[low] is the batch-major bag whose gradient row the entry
-    reads, gains[low] its gain (the weight, divided by the bag's length when the slot mean-pools)."""
+    of the table, then sample, then position: its csr2csc's stable sort), low = the batch-major bag
+    j * slots + k (a table read by one slot: sample order), the bag's feature-major number
+    k * batch + j (`shared`: a table several slots read, bag_of[low] its batch-major bag), or with
+    want_gains (weights or mean pooling: each entry has its own gain) the input position (bag_of[low]
+    its bag, gains[low] its gain: the weight, divided by the bag's length when the slot mean-pools)."""
     ns = offsets.size
     n = values.size
     nb = batch * ns
@@ -102,7 +145,7 @@ def bags(
             if any_mean:
                 # FBGEMM's forward scales the bag's sum by 1 / length (float32), as these do
                 scale[b] = np.float32(1.0) / np.float32(length) if mk and length > 0 else np.float32(1.0)
-            if with_keys and not want_gains:
+            if with_keys and not want_gains and shared[k]:
                 bag_of[k * batch + j] = b
             dst = boff[b]
             for e in range(length):
@@ -120,7 +163,7 @@ def bags(
                         bag_of[pos] = b
                         keys[pos] = (r << key_bits) | pos
                     else:
-                        keys[pos] = (r << key_bits) | (k * batch + j)
+                        keys[pos] = (r << key_bits) | ((k * batch + j) if shared[k] else b)
                 pos += 1
     return ids, boff, fwd_w, scale, bag_of, gains, -1
 
@@ -135,6 +178,7 @@ def _gather(
     bag_of: np.ndarray,
     grad: np.ndarray,
     g: np.ndarray,
+    mapped: bool,
 ) -> int:
     """g[:] = the summed gradient of table row `row`, whose sorted keys start at i; returns the
     index past them. FBGEMM's CPU order and rounding: entries in key order, the first assigned
@@ -144,26 +188,19 @@ def _gather(
     n = keys.size
     mask = (np.int64(1) << key_bits) - 1
     weighted = gains.size > 0
+    mapped = mapped or weighted  # the key's low part is no bag number: bag_of maps it
     low = np.int64(keys[i]) & mask
-    src = grad[bag_of[low]]
-    if weighted:
-        gain = gains[low]
-        for d in range(g.size):
-            g[d] = gain * src[d]
-    else:
-        for d in range(g.size):
-            g[d] = src[d]
+    gain = gains[low] if weighted else np.float32(1.0)
+    src = grad[bag_of[low] if mapped else low]
+    for d in range(g.size):
+        g[d] = gain * src[d]
     i += 1
     while i < n and (keys[i] >> key_bits) == row:
         low = np.int64(keys[i]) & mask
-        src = grad[bag_of[low]]
-        if weighted:
-            gain = gains[low]
-            for d in range(g.size):
-                g[d] = _fma(gain, src[d], g[d])
-        else:
-            for d in range(g.size):
-                g[d] += src[d]
+        gain = gains[low] if weighted else np.float32(1.0)
+        src = grad[bag_of[low] if mapped else low]
+        for d in range(g.size):
+            g[d] = _fma(gain, src[d], g[d])  # with gain 1: g + x, one rounding either way
         i += 1
     return i
 
@@ -173,41 +210,14 @@ def _sum_squares(g: np.ndarray, lanes8: bool) -> np.float32:
     """sum(g * g) in FBGEMM's CPU order. lanes8: its SparseAdaGrad kernel's (a table with one
     feature), eight float32 lanes (d mod 8, AVX2) each summing its squares in turn, then
     ((0+1)+(2+3))+((4+5)+(6+7)); else its generic loop's (a table shared by several features),
-    one running sum, each square added with contraction (fma(g, g, s))."""
+    one running sum."""
     n = g.size
     if not lanes8:
         s = np.float32(0.0)
         for d in range(n):
             s += g[d] * g[d]
         return s
-    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
-    d = 0
-    while d + 8 <= n:
-        s0 += g[d] * g[d]
-        s1 += g[d + 1] * g[d + 1]
-        s2 += g[d + 2] * g[d + 2]
-        s3 += g[d + 3] * g[d + 3]
-        s4 += g[d + 4] * g[d + 4]
-        s5 += g[d + 5] * g[d + 5]
-        s6 += g[d + 6] * g[d + 6]
-        s7 += g[d + 7] * g[d + 7]
-        d += 8
-    t = n - d  # the tail: lanes 0 .. t-1
-    if t > 0:
-        s0 += g[d] * g[d]
-    if t > 1:
-        s1 += g[d + 1] * g[d + 1]
-    if t > 2:
-        s2 += g[d + 2] * g[d + 2]
-    if t > 3:
-        s3 += g[d + 3] * g[d + 3]
-    if t > 4:
-        s4 += g[d + 4] * g[d + 4]
-    if t > 5:
-        s5 += g[d + 5] * g[d + 5]
-    if t > 6:
-        s6 += g[d + 6] * g[d + 6]
-    return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
+    return _sum_squares8(g)
 
 
 # One loop per optimizer over the sorted keys of each table: every touched row once, with its
@@ -237,11 +247,12 @@ def update_sgd(
     g = np.empty(table.shape[1], np.float32)
     for seg in range(segments.shape[0]):
         lo, hi, base = segments[seg, 0], segments[seg, 1], segments[seg, 2]
+        shared = segments[seg, 3] != 0
         part = keys[lo:hi]
         i = 0
         while i < part.size:
             local = np.int64(part[i]) >> key_bits
-            i = _gather(part, i, local, key_bits, gains, bag_of, grad, g)
+            i = _gather(part, i, local, key_bits, gains, bag_of, grad, g, shared)
             row = base + local
             w = table[row]
             for d in range(g.size):
@@ -265,11 +276,12 @@ def update_adagrad(
     g = np.empty(table.shape[1], np.float32)
     for seg in range(segments.shape[0]):
         lo, hi, base = segments[seg, 0], segments[seg, 1], segments[seg, 2]
+        shared = segments[seg, 3] != 0
         part = keys[lo:hi]
         i = 0
         while i < part.size:
             local = np.int64(part[i]) >> key_bits
-            i = _gather(part, i, local, key_bits, gains, bag_of, grad, g)
+            i = _gather(part, i, local, key_bits, gains, bag_of, grad, g, shared)
             row = base + local
             w = table[row]
             a = acc[row]
@@ -300,18 +312,18 @@ def update_rowwise_adagrad(
     g = np.empty(table.shape[1], np.float32)
     for seg in range(segments.shape[0]):
         lo, hi, base = segments[seg, 0], segments[seg, 1], segments[seg, 2]
-        lanes8 = segments[seg, 3] == 0
+        shared = segments[seg, 3] != 0
         part = keys[lo:hi]
         i = 0
         while i < part.size:
             local = np.int64(part[i]) >> key_bits
-            i = _gather(part, i, local, key_bits, gains, bag_of, grad, g)
+            i = _gather(part, i, local, key_bits, gains, bag_of, grad, g, shared)
             row = base + local
             w = table[row]
             if l2 != np.float32(0.0):
                 for d in range(g.size):
                     g[d] = _fma(l2, w[d], g[d])
-            a = acc[row] + _sum_squares(g, lanes8) / np.float32(g.size)
+            a = acc[row] + _sum_squares(g, not shared) / np.float32(g.size)
             acc[row] = a
             mult = neg_lr / (np.sqrt(a) + eps)
             if scale != np.float32(1.0):
@@ -348,11 +360,12 @@ def update_adam(
     g = np.empty(table.shape[1], np.float32)
     for seg in range(segments.shape[0]):
         lo, hi, base = segments[seg, 0], segments[seg, 1], segments[seg, 2]
+        shared = segments[seg, 3] != 0
         part = keys[lo:hi]
         i = 0
         while i < part.size:
             local = np.int64(part[i]) >> key_bits
-            i = _gather(part, i, local, key_bits, gains, bag_of, grad, g)
+            i = _gather(part, i, local, key_bits, gains, bag_of, grad, g, shared)
             row = base + local
             w = table[row]
             mr = m[row]
