@@ -46,45 +46,85 @@ def _fma_intrinsic(typingctx, a, b, c):  # type: ignore[no-untyped-def]
 _fma = cast(Callable[[Any, Any, Any], np.float32], _fma_intrinsic)  # as jitted code calls it
 
 
-@intrinsic
-def _sum_squares8_intrinsic(typingctx, g):  # type: ignore[no-untyped-def]
-    """sum(g * g) as fbgemm's SparseAdaGrad AVX2 loop sums it: eight float32 lanes, lane d mod 8
+def _lane_sums(context, builder, g_type, g_value, decay=None):  # type: ignore[no-untyped-def]
+    """IR of sum(g * g) as fbgemm's SparseAdaGrad AVX2 loop sums it: eight float32 lanes, lane d mod 8
     adding its squares in turn (each product rounded, then added: no fast-math flag, no fma), then
     ((0+1)+(2+3))+((4+5)+(6+7)). Written as <8 x float> IR because LLVM leaves eight scalar
     accumulators scalar (measured: the row-wise Adagrad update 2x slower at dim 128). The tail's
-    squares go into their lanes through a vector of zeros elsewhere (x + 0 = x for these sums)."""
-    sig = types.float32(g)
+    squares go into their lanes through a vector of zeros (x + 0 = x for these sums).
+    decay = (w's type, w, l2): first g = fma(l2, w, g), stored back (L2 weight decay in the same pass)."""
+    garr = context.make_array(g_type)(context, builder, g_value)
+    n = builder.extract_value(garr.shape, 0)
+    f = ir.FloatType()
+    v8 = ir.VectorType(f, 8)
+    eight = ir.Constant(n.type, 8)
+    wdata = l2v = fma8 = None
+    if decay is not None:
+        wdata = context.make_array(decay[0])(context, builder, decay[1]).data
+        l2v = ir.Constant(v8, None)
+        for k in range(8):
+            l2v = builder.insert_element(l2v, decay[2], ir.Constant(ir.IntType(32), k))
+        # (declare_intrinsic cannot name a vector overload: llvmlite's types lack intrinsic_name)
+        fma8 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [v8, v8, v8]), "llvm.fma.v8f32")
+
+    def block(at):  # type: ignore[no-untyped-def]  # the 8 floats of g at element `at`, decayed
+        gp = builder.bitcast(builder.gep(garr.data, [at]), v8.as_pointer())
+        x = builder.load(gp, align=4)
+        if decay is not None:
+            wv = builder.load(builder.bitcast(builder.gep(wdata, [at]), v8.as_pointer()), align=4)
+            x = builder.call(fma8, [l2v, wv, x])
+            builder.store(x, gp, align=4)
+        return x
+
+    full = builder.udiv(n, eight)
+    acc = cgutils.alloca_once_value(builder, ir.Constant(v8, None))  # zeros
+    with cgutils.for_range(builder, full) as loop:
+        x = block(builder.mul(loop.index, eight))
+        builder.store(builder.fadd(builder.load(acc), builder.fmul(x, x)), acc)
+    start = builder.mul(full, eight)
+    rest = builder.sub(n, start)
+    with builder.if_then(builder.icmp_unsigned("!=", rest, ir.Constant(n.type, 0)), likely=False):
+        tail = cgutils.alloca_once_value(builder, ir.Constant(v8, None))
+        with cgutils.for_range(builder, rest) as loop:
+            at = builder.add(start, loop.index)
+            gp = builder.gep(garr.data, [at])
+            x = builder.load(gp)
+            if decay is not None:
+                wx = builder.load(builder.gep(wdata, [at]))
+                fma1 = builder.module.declare_intrinsic("llvm.fma", [f], ir.FunctionType(f, [f, f, f]))
+                x = builder.call(fma1, [decay[2], wx, x])
+                builder.store(x, gp)
+            builder.store(builder.insert_element(builder.load(tail), builder.fmul(x, x), loop.index), tail)
+        builder.store(builder.fadd(builder.load(acc), builder.load(tail)), acc)
+    v = builder.load(acc)
+    e = [builder.extract_element(v, ir.Constant(ir.IntType(32), k)) for k in range(8)]
+    lo = builder.fadd(builder.fadd(e[0], e[1]), builder.fadd(e[2], e[3]))
+    hi = builder.fadd(builder.fadd(e[4], e[5]), builder.fadd(e[6], e[7]))
+    return builder.fadd(lo, hi)
+
+
+@intrinsic
+def _sum_squares8_intrinsic(typingctx, g):  # type: ignore[no-untyped-def]
+    """sum(g * g) in fbgemm's eight lanes (`_lane_sums`)."""
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        garr = context.make_array(signature.args[0])(context, builder, args[0])
-        n = builder.extract_value(garr.shape, 0)
-        f = ir.FloatType()
-        v8 = ir.VectorType(f, 8)
-        eight = ir.Constant(n.type, 8)
-        full = builder.udiv(n, eight)
-        acc = cgutils.alloca_once_value(builder, ir.Constant(v8, None))  # zeros
-        with cgutils.for_range(builder, full) as loop:
-            at = builder.gep(garr.data, [builder.mul(loop.index, eight)])
-            x = builder.load(builder.bitcast(at, v8.as_pointer()), align=4)
-            builder.store(builder.fadd(builder.load(acc), builder.fmul(x, x)), acc)
-        start = builder.mul(full, eight)
-        rest = builder.sub(n, start)
-        with builder.if_then(builder.icmp_unsigned("!=", rest, ir.Constant(n.type, 0)), likely=False):
-            tail = cgutils.alloca_once_value(builder, ir.Constant(v8, None))
-            with cgutils.for_range(builder, rest) as loop:
-                x = builder.load(builder.gep(garr.data, [builder.add(start, loop.index)]))
-                builder.store(builder.insert_element(builder.load(tail), builder.fmul(x, x), loop.index), tail)
-            builder.store(builder.fadd(builder.load(acc), builder.load(tail)), acc)
-        v = builder.load(acc)
-        e = [builder.extract_element(v, ir.Constant(ir.IntType(32), k)) for k in range(8)]
-        lo = builder.fadd(builder.fadd(e[0], e[1]), builder.fadd(e[2], e[3]))
-        hi = builder.fadd(builder.fadd(e[4], e[5]), builder.fadd(e[6], e[7]))
-        return builder.fadd(lo, hi)
+        return _lane_sums(context, builder, signature.args[0], args[0])
 
-    return sig, codegen
+    return types.float32(g), codegen
+
+
+@intrinsic
+def _decay_sum_squares8_intrinsic(typingctx, g, w, l2):  # type: ignore[no-untyped-def]
+    """g = fma(l2, w, g) in place, then sum(g * g) in fbgemm's eight lanes, in one pass (`_lane_sums`)."""
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return _lane_sums(context, builder, signature.args[0], args[0], (signature.args[1], args[1], args[2]))
+
+    return types.float32(g, w, types.float32), codegen
 
 
 _sum_squares8 = cast(Callable[[np.ndarray], np.float32], _sum_squares8_intrinsic)
+_decay_sum_squares8 = cast(Callable[[np.ndarray, np.ndarray, Any], np.float32], _decay_sum_squares8_intrinsic)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
@@ -320,10 +360,15 @@ def update_rowwise_adagrad(
             i = _gather(part, i, local, key_bits, gains, bag_of, grad, g, shared)
             row = base + local
             w = table[row]
-            if l2 != np.float32(0.0):
+            if l2 == np.float32(0.0):
+                sq = _sum_squares(g, not shared)
+            elif shared:
                 for d in range(g.size):
                     g[d] = _fma(l2, w[d], g[d])
-            a = acc[row] + _sum_squares(g, not shared) / np.float32(g.size)
+                sq = _sum_squares(g, False)
+            else:  # the decay fused into the eight lanes' pass over g
+                sq = _decay_sum_squares8(g, w, l2)
+            a = acc[row] + sq / np.float32(g.size)
             acc[row] = a
             mult = neg_lr / (np.sqrt(a) + eps)
             if scale != np.float32(1.0):
