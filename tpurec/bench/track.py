@@ -168,14 +168,15 @@ def worker(side: str, tables: str, data: str, steps: int, batch_size: int, eval_
 
     from tpurec.dlrm import metrics
 
-    dmp, pipeline, batches, inputs, start = prepare_side(
+    dmp, pipeline, batches, inputs, start, schedule = prepare_side(
         side, WORKLOADS[tables], data, batch_size, steps + eval_batches
     )
     rank, world = dist.get_rank(), dist.get_world_size()
     train, held_out = batches[:steps], batches[steps:]
     losses = []
     it = iter(train)
-    for _ in range(steps):  # the pipeline drains its in-flight batches once the list runs out
+    for t in range(steps):  # the pipeline drains its in-flight batches once the list runs out
+        schedule.set_step(t)  # the config's learning-rate schedule (warm-up), as `tpurec train` runs it
         losses.append(float(pipeline.progress(it)[0]))
     dmp.eval()
     logits, labels = [], []

@@ -396,7 +396,8 @@ def prepare_side(side: str, workload: tuple, data: str, batch_size: int, n_batch
     """One rank's side of a stock-vs-tpurec DLRM run (this module's and `bench track`'s): the
     process group, the sharded model from the shared starting tables, its optimizer and pipeline,
     and `n_batches` of this rank's batches folded into the capped tables. Returns (dmp, pipeline,
-    batches, inputs: count and sums of ids and labels over all ranks, start-table checksum)."""
+    batches, inputs: count and sums of ids and labels over all ranks, start-table checksum, the
+    config's learning-rate schedule: call its `set_step(t)` before step t, as `tpurec train` does)."""
     import itertools
 
     import torch
@@ -406,7 +407,7 @@ def prepare_side(side: str, workload: tuple, data: str, batch_size: int, n_batch
     from tpurec.catalog import get_table_set
     from tpurec.data.reader import ParquetReader
     from tpurec.dlrm.configs import get_config, override
-    from tpurec.dlrm.model import build_model, build_optimizer, shard
+    from tpurec.dlrm.model import LRSchedule, build_model, build_optimizer, shard
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -445,22 +446,27 @@ def prepare_side(side: str, workload: tuple, data: str, batch_size: int, n_batch
         dtype=torch.float64,
     )
     dist.all_reduce(inputs)
-    return dmp, pipeline, batches, [int(inputs[0]), int(inputs[1]), round(float(inputs[2]), 1)], start
+    schedule = LRSchedule(optimizer, cfg.warmup_steps, cfg.decay_start, cfg.decay_steps)
+    return dmp, pipeline, batches, [int(inputs[0]), int(inputs[1]), round(float(inputs[2]), 1)], start, schedule
 
 
 def worker(side: str, tables: str, data: str, steps: int, warmup: int, batch_size: int) -> dict | None:
     import torch
     import torch.distributed as dist
 
-    dmp, pipeline, batches, inputs, start = prepare_side(side, WORKLOADS[tables], data, batch_size, warmup + steps)
+    dmp, pipeline, batches, inputs, start, schedule = prepare_side(
+        side, WORKLOADS[tables], data, batch_size, warmup + steps
+    )
     rank, world = dist.get_rank(), dist.get_world_size()
     it = iter(batches)
-    for _ in range(warmup):
+    for t in range(warmup):
+        schedule.set_step(t)  # the config's warm-up (the kaggle config's logits blow up without it)
         pipeline.progress(it)
     dist.barrier()
     with timer.Stopwatch() as wall:  # until every rank is done
         with timer.Stopwatch() as mine:  # this rank's CPU time, barrier wait excluded
-            for _ in range(steps):  # the pipeline drains its in-flight batches once the list runs out
+            for t in range(warmup, warmup + steps):  # the pipeline drains its batches once the list runs out
+                schedule.set_step(t)
                 loss = pipeline.progress(it)[0]
         dist.barrier()
     cpu = torch.tensor([mine.cpu], dtype=torch.float64)

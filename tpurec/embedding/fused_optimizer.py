@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
 
+import numpy as np
 import torch
 from torchrec.optim.fused import FusedOptimizer
 
@@ -87,6 +88,10 @@ class KernelFusedOptimizer(FusedOptimizer):
 
     # Whether the param group shows the spec's hyper-parameters (eps, betas) besides lr.
     expose_hyperparameters: ClassVar[bool] = True
+    # Whether the param group's lr starts rounded to float32, as a TorchRec DMP's fused optimizer
+    # shows it (FBGEMM's `get_learning_rate()` reads its float32 learning-rate tensor back): a
+    # scheduler multiplying that lr then sets the same values on both.
+    float32_lr: ClassVar[bool] = False
     _ready = False
 
     def __init__(
@@ -94,7 +99,8 @@ class KernelFusedOptimizer(FusedOptimizer):
     ) -> None:
         self._kernels = list(kernels)
         self._spec = spec
-        group = {"params": list(params.values()), "lr": spec.lr if spec is not None else 0.0}
+        lr = spec.lr if spec is not None else 0.0
+        group = {"params": list(params.values()), "lr": float(np.float32(lr)) if self.float32_lr else lr}
         if spec is not None and self.expose_hyperparameters:
             group.update(spec.param_group_entries())
         super().__init__(params, state, [group])

@@ -45,6 +45,7 @@ class ShardedSparseCoreOptimizer(KernelFusedOptimizer):
     # TorchRec's sharded fused optimizers show only "lr" in their param group; so do we, so that
     # param groups of checkpoints line up.
     expose_hyperparameters = False
+    float32_lr = True  # stock's param group lr is FBGEMM's float32 learning rate read back
 
     def __init__(
         self, sharded_ebc: Any, tables: list[str], spec: OptimizerSpec | None
