@@ -232,7 +232,7 @@ class _DirectLookup(torch.autograd.Function):
         if spec.name == "sgd":
             dk.update_sgd(*head, f32(-lr))
         elif spec.name == "adagrad":
-            dk.update_adagrad(*head, states[0], f32(-lr), f32(spec.eps))
+            dk.update_adagrad(*head, states[0], f32(-lr), np.float64(f32(spec.eps)))  # FBGEMM adds eps in double
         elif spec.name == "rowwise_adagrad":
             dk.update_rowwise_adagrad(*head, states[0], f32(-lr), f32(spec.eps), *decay)
         else:  # adam (applies() admits no other)

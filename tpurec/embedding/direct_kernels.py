@@ -310,9 +310,11 @@ def update_adagrad(
     table: np.ndarray,
     acc: np.ndarray,
     neg_lr: np.float32,
-    eps: np.float32,
+    eps: np.float64,
 ) -> None:
-    """a += g*g; w += (-lr * g) / (sqrt(a) + eps), element-wise."""
+    """a += g*g; w += (-lr * g) / (sqrt(a) + eps), element-wise, in FBGEMM's CPU precisions: its
+    `w -= learning_rate * g / (sqrt(m) + eps)` takes lr * g in float32 (a float lr), the square root,
+    eps (a double) and the division and subtraction in float64, then rounds to float32 once."""
     g = np.empty(table.shape[1], np.float32)
     for seg in range(segments.shape[0]):
         lo, hi, base = segments[seg, 0], segments[seg, 1], segments[seg, 2]
@@ -326,8 +328,9 @@ def update_adagrad(
             w = table[row]
             a = acc[row]
             for d in range(g.size):
-                a[d] += g[d] * g[d]
-                w[d] += (neg_lr * g[d]) / (np.sqrt(a[d]) + eps)
+                a[d] = _fma(g[d], g[d], a[d])
+                step = np.float64(neg_lr * g[d]) / (np.sqrt(np.float64(a[d])) + eps)
+                w[d] = np.float32(np.float64(w[d]) + step)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
