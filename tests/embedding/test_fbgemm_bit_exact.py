@@ -88,7 +88,8 @@ def test_direct_step_equals_fbgemm_cpu_bit_for_bit(optimizer, dim, weighted, sha
     if optimizer != "sgd":
         state = ours.fused_optimizer.state_dict()["state"]
         for s, t in zip(theirs.split_optimizer_states(), tables):
-            assert torch.equal(state[f"embedding_bags.{t.name}.weight"][f"{t.name}.momentum1"].flatten(), s[0].flatten())
+            ours_state = state[f"embedding_bags.{t.name}.weight"][f"{t.name}.momentum1"]
+            assert torch.equal(ours_state.flatten(), s[0].flatten())
 
 
 def test_the_layout_path_differs_in_the_last_bit(monkeypatch):
