@@ -359,3 +359,53 @@ def test_data_stats_prints_no_library_notice(synth_dir, tmp_path):
     )
     assert p.returncode == 0, p.stderr
     assert [line for line in p.stderr.splitlines() if not line.startswith("wrote ")] == [], p.stderr
+
+
+def test_a_batch_counted_in_parts_on_threads_equals_one_thread(monkeypatch):
+    """count_stream with batches of SPLIT_IDS ids or more: each batch's tables split over the
+    threads by their ids (a table of no ids included), figures recorded in batch order, equal to
+    one thread counting every table of every batch."""
+    from types import SimpleNamespace
+
+    from tpurec.embedding import csr_build
+    from tpurec.embedding.demand import TableShards
+    from tpurec.planner import id_limits
+    from tpurec.planner.id_limits import DemandTally
+
+    if not csr_build.available():
+        pytest.skip("numba not installed: only the compiled route splits")
+    monkeypatch.setattr(id_limits, "SPLIT_IDS", 100)
+    gen = np.random.default_rng(3)
+    tables = [
+        TableShards("big", ("fb",), 50_000, ((0, 50_000),)),
+        TableShards("rw", ("fr",), 9000, ((0, 3000), (3000, 3000), (6000, 3000))),
+        TableShards("two", ("f1", "f2"), 700, ((0, 700),)),
+        TableShards("none", ("f0",), 10, ((0, 10),)),  # no ids at all
+        TableShards("one_hot", ("fo",), 40, ((0, 40),)),
+    ]
+    keys = ["fb", "fr", "f1", "f2", "f0", "fo"]
+    rows = [50_000, 9000, 700, 700, 10, 40]
+    batch = 64
+    layout = {"sparsecores_per_device": 4, "batch_size_per_device": 16, "world_size": 4}
+
+    def batches() -> list[SimpleNamespace]:
+        out = []
+        for _ in range(7):
+            lens = [gen.integers(0, 30, batch), gen.integers(0, 9, batch), gen.integers(0, 4, batch),
+                    gen.integers(0, 4, batch), np.zeros(batch, np.int64), np.ones(batch, np.int64)]  # fmt: skip
+            vals = [np.minimum(gen.zipf(1.3, int(n.sum())) - 1, r - 1) for n, r in zip(lens, rows)]
+            kjt = KeyedJaggedTensor.from_lengths_sync(
+                keys, torch.from_numpy(np.concatenate(vals)), torch.from_numpy(np.concatenate(lens))
+            )
+            out.append(SimpleNamespace(sparse_features=kjt))
+        return out
+
+    data = batches()
+    one = DemandTally(tables, layout)
+    assert one.count_stream(data, 1) == 7 * batch
+    several = DemandTally(tables, layout)
+    assert several.count_stream(data, 3) == 7 * batch
+    split = several._splits[tuple(keys)]
+    assert len(set(split)) == 3 and split[0] != split[1]  # the largest tables in parts of their own
+    assert several.per_batch == one.per_batch
+    assert all(len(v) == 7 for v in one.per_batch.values()) and one.per_batch["none"][0] == (0, 0, 0, 0, 0, 0)
