@@ -63,10 +63,6 @@ def layout_of(report: dict) -> dict:
 # pass's memory on large global batches (an MLPerf DCNv2 batch on v5p-128 holds 112 M ids); the
 # compiled route keeps no array per id (a set of a few slots per distinct id of one table's slice)
 IDS_PER_GROUP = 8_000_000
-# a global batch of at least this many ids is counted in parts, its tables split over `count_stream`'s
-# threads: MLPerf DCNv2's (7 M ids at batch 32768) are few, and the last one's count would otherwise
-# run on one core after the reading has ended
-SPLIT_IDS = 1_000_000
 
 
 class DemandTally:
@@ -80,77 +76,40 @@ class DemandTally:
         # per batch: (entries, distinct ids) of the fullest segment and of the fullest SparseCore slice,
         # the ids of the fullest sample and of the fullest feature
         self.per_batch: dict[str, list[tuple[int, ...]]] = {t.name: [] for t in tables}
-        self._counters: dict[tuple[tuple[str, ...], int, tuple[int, ...]], list[ShardsDemand]] = {}
-        self._splits: dict[tuple[str, ...], tuple[int, ...]] = {}
+        self._counters: dict[tuple[tuple[str, ...], int], list[ShardsDemand]] = {}
         self._lock = threading.Lock()
 
-    def _groups(self, keys: tuple[str, ...], ids: int, split: tuple[int, ...] = ()) -> list[ShardsDemand]:
+    def _groups(self, keys: tuple[str, ...], ids: int) -> list[ShardsDemand]:
         """All tables in one counter; with the numpy route (one sort), in groups of about equal
         features when a batch holds more ids than IDS_PER_GROUP (the pass's memory; the compiled
-        route keeps no array per id, and a group's counter would hold a set of its own); with
-        `split` (the compiled route, a batch counted on several threads: `_split`), each table in
-        the part `split` gives it. A counter per thread: its stamps are its own."""
+        route keeps no array per id, and a group's counter would hold a set of its own). A counter
+        per thread: its stamps are its own."""
         from tpurec.embedding import csr_build
 
-        key = (keys, threading.get_ident(), split)
+        key = (keys, threading.get_ident())
         if key not in self._counters:
-            if split:
-                n = max(split) + 1
-                groups: list[list[TableShards]] = [[t for t, i in zip(self.tables, split) if i == g] for g in range(n)]
-            else:
-                n = 1 if csr_build.available() else min(len(self.tables), max(1, -(-ids // IDS_PER_GROUP))) or 1
-                load = [0] * n
-                groups = [[] for _ in range(n)]
-                for t in sorted(self.tables, key=lambda t: -len(t.features)):
-                    i = load.index(min(load))
-                    groups[i].append(t)
-                    load[i] += len(t.features)
+            n = 1 if csr_build.available() else min(len(self.tables), max(1, -(-ids // IDS_PER_GROUP))) or 1
+            load = [0] * n
+            groups: list[list[TableShards]] = [[] for _ in range(n)]
+            for t in sorted(self.tables, key=lambda t: -len(t.features)):
+                i = load.index(min(load))
+                groups[i].append(t)
+                load[i] += len(t.features)
             self._counters[key] = [
                 ShardsDemand(g, list(keys), num_partitions=self.partitions, batch=self.batch) for g in groups if g
             ]
         return self._counters[key]
 
-    def _split(self, kjt: KeyedJaggedTensor, parts: int) -> tuple[int, ...]:
-        """Each table's part when a batch is counted on `parts` threads at once: parts of about equal
-        ids (the first such batch's), the largest table first; () for one part. Only the compiled
-        route splits, and only batches of SPLIT_IDS ids or more (a smaller batch costs more in calls
-        than it gains)."""
-        from tpurec.embedding import csr_build
-
-        if parts <= 1 or len(self.tables) < 2 or kjt.values().numel() < SPLIT_IDS or not csr_build.available():
-            return ()
-        keys = tuple(kjt.keys())
-        with self._lock:
-            if keys not in self._splits:
-                per_key = dict(zip(keys, kjt.length_per_key()))
-                ids = [sum(per_key.get(f, 0) for f in t.features) for t in self.tables]
-                load = [0] * parts
-                part = [0] * len(self.tables)
-                for i in sorted(range(len(ids)), key=lambda i: -ids[i]):
-                    part[i] = load.index(min(load))
-                    load[part[i]] += ids[i]
-                used = sorted(set(part))  # numbered 0.. without gaps (tables of no ids can leave a part empty)
-                self._splits[keys] = tuple(used.index(i) for i in part) if len(used) > 1 else ()
-            return self._splits[keys]
-
-    def _arrays(self, kjt: KeyedJaggedTensor) -> tuple[tuple[str, ...], np.ndarray, np.ndarray, int]:
+    def figures(self, kjt: KeyedJaggedTensor) -> list[tuple[str, tuple[int, ...]]]:
+        """One global batch's figures per table (a KeyedJaggedTensor whose keys include every
+        table's features). Safe to call from several threads at once, on different batches."""
         keys = tuple(kjt.keys())
         missing = sorted({f for t in self.tables for f in t.features} - set(keys))
         if missing:
             raise IdLimitsError(f"the data has no column(s) {missing} (it has {list(keys)})")
-        return keys, kjt.values().numpy(), kjt.lengths().numpy(), kjt.stride()
-
-    def figures(
-        self, kjt: KeyedJaggedTensor, split: tuple[int, ...] = (), part: int | None = None
-    ) -> list[tuple[str, tuple[int, ...]]]:
-        """One global batch's figures per table (a KeyedJaggedTensor whose keys include every
-        table's features); with `split` and `part`, those of the tables in that part only. Safe to
-        call from several threads at once, on different batches or parts."""
-        keys, values, lengths, stride = self._arrays(kjt)
+        values, lengths, stride = kjt.values().numpy(), kjt.lengths().numpy(), kjt.stride()
         with self._lock:
-            counters = self._groups(keys, values.size, split)
-        if part is not None:
-            counters = counters[part : part + 1]
+            counters = self._groups(keys, values.size)
         try:
             return [(t.name, f) for c in counters for t, f in zip(c.tables, c.count(values, lengths, stride))]
         except UserError as e:  # an id outside its table
@@ -181,17 +140,14 @@ class DemandTally:
         pending: deque = deque()
         with ThreadPoolExecutor(threads) as pool:
             for batch in batches:
-                kjt = batch.sparse_features
-                split = self._split(kjt, threads)
-                parts = max(split) + 1 if split else 1
-                pending.append([pool.submit(self.figures, kjt, split, i if split else None) for i in range(parts)])
-                rows += kjt.stride()
+                pending.append(pool.submit(self.figures, batch.sparse_features))
+                rows += batch.sparse_features.stride()
                 if len(pending) > threads:
-                    self.record([x for f in pending.popleft() for x in f.result()])
+                    self.record(pending.popleft().result())
                     if on_batch:
                         on_batch()
             while pending:
-                self.record([x for f in pending.popleft() for x in f.result()])
+                self.record(pending.popleft().result())
                 if on_batch:
                     on_batch()
         return rows
