@@ -98,15 +98,17 @@ def key_lengths(
     nslices = slice_start.shape[1] - 1
     for k in range(key_sum.shape[0]):
         base = k * stride
-        total = 0
-        most = 0
+        total = np.int64(0)
+        most = np.int64(0)
         for sl in range(nslices):
             slice_start[k, sl] = total
-            for b in range(min(sl * per_slice, stride), min((sl + 1) * per_slice, stride)):
-                n = lengths[base + b]
-                total += n
-                if n > most:
-                    most = n
+            # a slice's bags as a view, summed and maxed by numpy's reductions (vectorized; an indexed
+            # loop checks each index for wrapping and does not)
+            bags = lengths[base + min(sl * per_slice, stride) : base + min((sl + 1) * per_slice, stride)]
+            if bags.size:
+                total += np.int64(bags.sum())
+                top = np.int64(bags.max())
+                most = top if top > most else most
         slice_start[k, nslices] = total
         key_sum[k] = total
         key_max[k] = most
