@@ -32,7 +32,7 @@ bags are walked, and a set the size of one group is all the memory the count nee
   in a byte array (a store per id: a hot row's repeats do not wait on each other) counted and
   cleared per partition at the group's end; the others insert rows into a set of their own, two to
   four slots per id of the largest one-hot group, cleared per group (`_one_hot_group`). Criteo-kaggle's
-  tables: 10.1 to 7.6 ns per id on this host.
+  tables: 10.1 to about 6 ns per id on this host (batches out of cache).
 
 Bags are numbered by a counter that runs on across batches (the caller keeps it), so stamps and set
 slots from earlier groups and batches never need resetting. Same figures as the numpy route, checked
@@ -167,13 +167,9 @@ def _one_hot_group(
         f = features[j]
         lo = key_first[f] + slice_start[f, sl]
         hi = key_first[f] + slice_start[f, sl + 1]
-        low = np.int64(rows)
-        high = np.int64(-1)
-        for pos in range(lo, hi):  # selects, not branches: vectorizes
-            x = np.int64(values[pos])
-            low = x if x < low else low
-            high = x if x > high else high
-        if lo < hi and (low < 0 or high >= rows):
+        # views, iterated or reduced by numpy: no index to check for wrapping, so the passes vectorize
+        ids = values[lo:hi]
+        if lo < hi and (np.int64(ids.min()) < 0 or np.int64(ids.max()) >= rows):
             for pos in range(lo, hi):
                 if values[pos] < 0 or values[pos] >= rows:
                     return pos
@@ -185,16 +181,17 @@ def _one_hot_group(
         lo = key_first[f] + slice_start[f, sl]
         hi = key_first[f] + slice_start[f, sl + 1]
         if use_flags:
+            ids = values[lo:hi]
             for q in range(p):  # ids at or past partition q's first row
                 first = q * chunk
                 at_or_past = np.int64(0)
-                for pos in range(lo, hi):
-                    at_or_past += np.int64(values[pos] >= first)
+                for x in ids:
+                    at_or_past += np.int64(x >= first)
                 lanes[2 * q * LANES + 1] += at_or_past
                 if q:
                     lanes[2 * (q - 1) * LANES + 1] -= at_or_past
-            for pos in range(lo, hi):
-                flags[values[pos]] = 1
+            for x in ids:
+                flags[x] = 1
             continue
         chunk_inv = 1.0 / chunk
         for pos in range(lo, hi):
@@ -213,11 +210,10 @@ def _one_hot_group(
             oneset[h] = r
     if use_flags:
         for q in range(p):
-            marked = np.int64(0)
-            for row in range(q * chunk, min((q + 1) * chunk, rows)):
-                marked += np.int64(flags[row])
-                flags[row] = 0
-            lanes[2 * q * LANES] += marked
+            marks = flags[q * chunk : min((q + 1) * chunk, rows)]
+            if marks.size:
+                lanes[2 * q * LANES] += np.int64(marks.sum())
+                marks[:] = 0
     return -1
 
 
