@@ -224,6 +224,33 @@ def test_multi_hot_with_weights(tmp_path, shuffle, nullable_items):
     assert seen == 60
 
 
+@pytest.mark.parametrize("multi_hot", [False, True])
+def test_ids_only_gives_the_same_ids_without_reading_dense_or_labels(synth_dir, tmp_path, multi_hot):
+    """`ids_only` (tpurec data stats): the same KJTs as a full read; the label and dense columns are not
+    read, so a dense column of the wrong type is not even noticed."""
+    if multi_hot:
+        _write_multi_hot(tmp_path / "mh.parquet")
+        data = tmp_path
+    else:
+        data = synth_dir
+    full = list(ParquetReader(data, 16 if multi_hot else 512))
+    ids = list(ParquetReader(data, 16 if multi_hot else 512, ids_only=True))
+    assert len(ids) == len(full)
+    for a, b in zip(full, ids):
+        ka, kb = a.sparse_features, b.sparse_features
+        assert ka.keys() == kb.keys() and ka.stride() == kb.stride()
+        assert torch.equal(ka.values(), kb.values()) and torch.equal(ka.lengths(), kb.lengths())
+        assert b.dense_features.shape == (ka.stride(), 0) and b.labels.eq(0).all()
+    if not multi_hot:
+        t = pq.read_table(synth_dir / "part-00000.parquet").slice(0, 600)
+        _copy_with(t, tmp_path / "x.parquet", I4=t.column("I4").cast(pa.string()))
+        with pytest.raises(DataError, match="column 'I4' has type string"):
+            list(ParquetReader(tmp_path, 100))
+        got = [b.sparse_features.values().view(26, -1) for b in ParquetReader(tmp_path, 100, ids_only=True)]
+        want = np.stack([t.column(f).to_numpy() for f in FEATS])
+        np.testing.assert_array_equal(torch.cat(got, 1).numpy(), want)
+
+
 # ---- bad inputs ---------------------------------------------------------------------------------
 
 

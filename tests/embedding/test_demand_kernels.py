@@ -85,7 +85,8 @@ def test_the_compiled_count_equals_a_numpy_reference(p, one_hot, skewed, monkeyp
         got = counter.count(values, lengths, stride)
         want = [reference(t, keys, values, lengths, stride, p, batch) for t in tables]
         assert got == want
-    assert counter._set is not None and counter._set.size > 2 * 16  # the set grew
+    if not one_hot:  # (one-hot tables of one shard take their own route: _one_hot_group)
+        assert counter._set is not None and counter._set.size > 2 * 16  # the set grew
 
 
 def test_every_shard_in_the_set_equals_every_shard_stamped(monkeypatch):
@@ -107,3 +108,51 @@ def test_an_id_outside_its_table_is_named_with_its_table():
     values = np.array([1, 2, 3, 4, 7, 500_000, 8, 9], np.int64)
     with pytest.raises(ValueError, match="table 'b': id 500000 outside its 500000 rows"):
         counter.count(values, np.ones(8, np.int32), 4)
+
+
+@pytest.mark.parametrize("p", [1, 3, 4, 8])
+def test_one_hot_tables_by_marks_and_by_a_set_equal_the_reference(p):
+    """The one-hot route (demand_kernels._one_hot_group): tables of few rows marked in a byte array,
+    the others in a set of rows, two features in one table, on random, all-one-row and
+    partition-boundary ids; the same counter over several batches (no marks or slots left behind)."""
+    gen = np.random.default_rng(p)
+    tables = [
+        TableShards("marks", ("fm",), 700, ((0, 700),)),  # padded rows <= 8 x a group's ids: marks
+        TableShards("set", ("fs",), 50_000, ((0, 50_000),)),  # stamped shard, but one-hot: the set of rows
+        TableShards("huge", ("fh",), 3_000_000, ((0, 3_000_000),)),  # a set-counted shard
+        TableShards("pair", ("fa", "fb"), 300, ((0, 300),)),  # two features: each id its own bag still
+        TableShards("one", ("f1",), 1, ((0, 1),)),
+    ]
+    rows = {"fm": 700, "fs": 50_000, "fh": 3_000_000, "fa": 300, "fb": 300, "f1": 1}
+    keys = ["fs", "fa", "f1", "fm", "fh", "fb"]
+    batch = 403
+    counter = ShardsDemand(tables, keys, num_partitions=p, batch=batch)
+    lengths = np.ones(len(keys) * batch, np.int32)
+    for kind in ("random", "one row", "boundaries", "random"):
+        parts = []
+        for k in keys:
+            r = rows[k]
+            chunk = padded_rows(r, p) // p
+            if kind == "random":
+                ids = gen.integers(0, r, batch)
+            elif kind == "one row":
+                ids = np.full(batch, r - 1)
+            else:  # each partition's first and last rows, and the table's last
+                edges = [x for q in range(p) for x in (q * chunk - 1, q * chunk) if 0 <= x < r] + [r - 1]
+                ids = gen.choice(edges, batch)
+            parts.append(ids)
+        values = np.concatenate(parts).astype(np.int64)
+        got = counter.count(values, lengths, batch)
+        assert got == [reference(t, keys, values, lengths, batch, p, batch) for t in tables], kind
+    assert counter._flags is not None and not counter._flags.any()  # every mark cleared after its group
+
+
+def test_an_id_outside_a_one_hot_table_leaves_no_marks():
+    tables = [TableShards("a", ("fa", "fb"), 10, ((0, 10),))]
+    counter = ShardsDemand(tables, ["fa", "fb"], num_partitions=2, batch=4)
+    with pytest.raises(ValueError, match="table 'a': id 10 outside its 10 rows"):
+        counter.count(np.array([1, 2, 3, 4, 5, 10, 6, 7], np.int64), np.ones(8, np.int32), 4)
+    assert counter._flags is not None and not counter._flags.any()
+    values = np.array([1, 1, 3, 4, 1, 9, 6, 6], np.int64)
+    want = [reference(tables[0], ["fa", "fb"], values, np.ones(8, np.int32), 4, 2, 4)]
+    assert counter.count(values, np.ones(8, np.int32), 4) == want

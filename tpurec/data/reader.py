@@ -62,12 +62,16 @@ def _list_parts(arr):
 class _Decoder:
     """Reads units into windows, validating as it goes; owns the open ParquetFile handles."""
 
-    def __init__(self, schema: DataSchema, dense_log1p: bool = False, rehash: list[int] | None = None) -> None:
+    def __init__(
+        self, schema: DataSchema, dense_log1p: bool = False, rehash: list[int] | None = None, ids_only: bool = False
+    ) -> None:
         self.schema = schema
         self.dense_log1p = dense_log1p  # apply log1p_clamp0 here (the files hold raw dense)
         self.rehash = rehash  # apply mod_reserve0 into these sizes here (the files hold raw ids)
         self.files: dict[str, object] = {}
-        self.columns = [schema.label, *schema.dense]
+        # ids_only: the label and dense columns are neither read nor checked (a pass over the ids alone)
+        self.ids_only = ids_only
+        self.columns = [] if ids_only else [schema.label, *schema.dense]
         for f in schema.sparse:
             self.columns.append(f.name)
             if f.weights:
@@ -84,9 +88,10 @@ class _Decoder:
         if u.start or u.stop != t.num_rows:
             t = t.slice(u.start, u.rows)
         s = self.schema
-        validate.check_column(u.path, u.row_group, s.label, t.column(s.label), "int")
-        for n in s.dense:
-            validate.check_column(u.path, u.row_group, n, t.column(n), "number")
+        if not self.ids_only:
+            validate.check_column(u.path, u.row_group, s.label, t.column(s.label), "int")
+            for n in s.dense:
+                validate.check_column(u.path, u.row_group, n, t.column(n), "number")
         for f in s.sparse:
             kind = "int_list" if f.multi_hot else "int"
             validate.check_column(u.path, u.row_group, f.name, t.column(f.name), kind)
@@ -100,18 +105,21 @@ class _Decoder:
         n = t.num_rows
         s = self.schema
         where = f"{u.path}: row group {u.row_group}"
-        labels = t.column(s.label).to_numpy()
-        validate.check_labels(where, s.label, labels, u.start)
-        labels = labels.astype(np.float32)
-        # np.stack writes the row-major block in one pass (3x faster than filling column by column).
-        dense = (
-            np.stack([t.column(name).to_numpy().astype(np.float32, copy=False) for name in s.dense], axis=1)
-            if s.dense
-            else np.zeros((n, 0), np.float32)
-        )
-        validate.check_dense(where, s.dense, dense, u.start)  # before log1p, which would hide -inf
-        if self.dense_log1p:
-            np.log1p(np.maximum(dense, 0.0, out=dense), out=dense)
+        if self.ids_only:  # batches of ids: no dense features, labels 0 (np.zeros maps pages lazily)
+            labels, dense = np.zeros(n, np.float32), np.zeros((n, 0), np.float32)
+        else:
+            labels = t.column(s.label).to_numpy()
+            validate.check_labels(where, s.label, labels, u.start)
+            labels = labels.astype(np.float32)
+            # np.stack writes the row-major block in one pass (3x faster than filling column by column).
+            dense = (
+                np.stack([t.column(name).to_numpy().astype(np.float32, copy=False) for name in s.dense], axis=1)
+                if s.dense
+                else np.zeros((n, 0), np.float32)
+            )
+            validate.check_dense(where, s.dense, dense, u.start)  # before log1p, which would hide -inf
+            if self.dense_log1p:
+                np.log1p(np.maximum(dense, 0.0, out=dense), out=dense)
         if self.one_hot:
             # One 1-D array per feature, zero-copy from Arrow.
             ids = [t.column(f.name).to_numpy().astype(np.int64, copy=False) for f in s.sparse]
@@ -215,6 +223,9 @@ class ParquetReader:
         table_sizes: for files converted with raw ids, hash them at read time (``mod_reserve0``)
             into these sizes (list, or dict by feature name); ``table_sizes`` attribute: the sizes
             the batches' ids index into.
+        ids_only: read the categorical columns alone (`tpurec data stats`): batches with no dense
+            features and labels 0, the label and dense columns neither read nor checked; a mapped
+            ``source`` reads all of its columns regardless.
         cache: keep decoded row groups in memory after the first epoch (like torchrec's in-memory
             loader: only for data that fits in RAM); later epochs then skip Parquet decoding.
 
@@ -241,6 +252,7 @@ class ParquetReader:
         dense_transform: str | None = None,
         table_sizes: Sequence[int] | dict[str, int] | None = None,
         source: Any = None,  # a tpurec.data.mapped.MappedSource: Parquet read through a column mapping
+        ids_only: bool = False,
     ) -> None:
         if batch_size < 1:
             raise UserError("batch_size must be >= 1")
@@ -270,7 +282,7 @@ class ParquetReader:
         self._decoder: Any
         self.table_sizes: Sequence[int | None]  # what the batches' ids index into
         if source is None:
-            self._decoder = self._make_decoder(dense_transform, table_sizes)
+            self._decoder = self._make_decoder(dense_transform, table_sizes, ids_only)
         else:  # ids hashed into each feature's ROWS, else into the table sizes given (the model's)
             sizes = source.sizes(table_sizes)
             self.table_sizes = sizes
@@ -278,7 +290,7 @@ class ParquetReader:
         self.keys = self.schema.sparse_names
         self._ones: torch.Tensor | None = None
 
-    def _make_decoder(self, dense_transform, table_sizes) -> _Decoder:
+    def _make_decoder(self, dense_transform, table_sizes, ids_only: bool = False) -> _Decoder:
         """Apply at read time the transforms the files do not hold yet (recorded in their metadata)."""
         s = self.schema
         log1p = False
@@ -308,7 +320,7 @@ class ParquetReader:
                     f"feature {f.name!r}: the files' ids are already hashed ({s.categorical}) into "
                     f"{f.num_embeddings} rows, not {want}; convert with --raw-ids to choose sizes at read time"
                 )
-        return _Decoder(s, log1p, rehash)
+        return _Decoder(s, log1p, rehash, ids_only)
 
     # ----- position -----------------------------------------------------------------------------
     def __len__(self) -> int:

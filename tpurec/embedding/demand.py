@@ -224,6 +224,8 @@ class ShardsDemand:
         self.multi_feature_tables = [i for i, t in enumerate(tables) if len(t.features) > 1]
         self._stamps: np.ndarray | None = None
         self._set: np.ndarray | None = None
+        self._flags: np.ndarray | None = None
+        self._oneset: np.ndarray | None = None
         self._bag_base = 0
 
     def count(self, values: np.ndarray, lengths: np.ndarray, stride: int) -> list[tuple[int, ...]]:
@@ -341,7 +343,14 @@ class ShardsDemand:
     def _compiled_count(self, values: np.ndarray, lengths: np.ndarray, stride: int) -> list[tuple[int, ...]]:
         """`count` by demand_kernels: no sort, no per-id temporaries. Not thread-safe: one counter
         per thread (its stamps and set)."""
-        from tpurec.embedding.demand_kernels import count_groups, key_lengths, most_per_sample  # numba: lazily
+        from tpurec.embedding.demand_kernels import (  # numba: lazily
+            FLAG_CELLS,
+            LANES,
+            MIN_SET_BITS,
+            count_groups,
+            key_lengths,
+            most_per_sample,
+        )
 
         p, nkeys = self.p, lengths.size // stride
         nslices = -(-stride // self.per_slice)
@@ -352,13 +361,19 @@ class ShardsDemand:
         key_lengths(lengths, stride, self.per_slice, key_sum, key_max, slice_start)
         key_first = np.zeros(nkeys, np.int64)
         np.cumsum(key_sum[:-1], out=key_first[1:])
-        if self._stamps is None or self._set is None:
+        if self._stamps is None or self._set is None or self._oneset is None or self._flags is None:
             self._stamps = np.full(max(self.stamp_cells, 1), -1, dtype=np.int64)
             self._set = np.full(2 * SET_SLOTS, -1, dtype=np.int64)
-        stamps, table = self._stamps, self._set
+            self._flags = np.zeros(FLAG_CELLS, np.uint8)
+            # a one-hot group's set of rows: two to four slots per id of the largest such group (its
+            # features x a SparseCore slice's samples), cleared by the group itself
+            most = self.per_slice * max((len(t.features) for t in self.tables), default=1)
+            self._oneset = np.full(1 << (max(2 * most, 1 << MIN_SET_BITS) - 1).bit_length(), -1, dtype=np.int64)
+        stamps, table, flags, oneset = self._stamps, self._set, self._flags, self._oneset
+        assert flags is not None  # (set with the rest)
         size = self.num_shards * p * p
         entries, distinct = np.zeros(size, np.int64), np.zeros(size, np.int64)
-        saved = np.empty(2 * p * int(np.diff(self.table_first_shard).max()), np.int64)
+        lanes = np.empty(2 * LANES * p * int(np.diff(self.table_first_shard).max()), np.int64)
         group = 0
         while True:
             bad, where, self._bag_base = count_groups(
@@ -366,7 +381,8 @@ class ShardsDemand:
                 self.table_rows, self.table_first_shard, self.table_block_shift, self.table_first_block,
                 self.block_seg, self.seg_row, self.seg_shard, self.seg_part, self.shard_start, self.shard_chunk,
                 self.shard_stamp_at,
-                stamps, table, self._bag_base, group, self.per_slice, p, entries, distinct, saved,
+                stamps, table, self._bag_base, group, self.per_slice, p, entries, distinct, lanes, key_max, flags,
+                oneset,
             )  # fmt: skip
             if bad != -2:
                 break

@@ -256,8 +256,15 @@ def _run(args: argparse.Namespace, remap: RemappedIds | None = None) -> int:
         # convert/synth --raw-ids`) into its tables, as `tpurec train` without --zch reads them
         raw = any(f.get("num_embeddings") is None for f in meta.get("sparse", []))
         sizes = {f: t.rows for t in tables for f in t.features} if source is not None or raw else None
+        # the ids alone: the label and dense columns are not read (a third less reading on Criteo's columns)
         reader = ParquetReader(
-            args.path, batch_size=global_batch, shuffle=False, drop_last=False, source=source, table_sizes=sizes
+            args.path,
+            batch_size=global_batch,
+            shuffle=False,
+            drop_last=False,
+            source=source,
+            table_sizes=sizes,
+            ids_only=True,
         )
     threads = args.threads or os.cpu_count() or 1
     tally = DemandTally(tables, layout)
