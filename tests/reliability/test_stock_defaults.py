@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 
+import numpy as np
 import pytest
 import torch
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
@@ -164,7 +165,8 @@ def test_dmp_given_only_lr_shows_fbgemms_hyperparameters(name):
     (spec,) = {kernel_module.kernel.optimizer for *_, kernel_module in dmp.module._sc_shards()}
     assert type(spec) is cls
     _assert_fbgemms_defaults(spec, {"learning_rate": 0.05})
-    assert dmp.fused_optimizer.param_groups[0]["lr"] == 0.05
+    # as stock's group shows it: FBGEMM's float32 learning rate read back (test_lr_schedule_dmp.py)
+    assert list(dmp.fused_optimizer.param_groups)[0]["lr"] == float(np.float32(0.05))
 
 
 # -- constructors: sharders, the module, DMP ------------------------------------------------------
