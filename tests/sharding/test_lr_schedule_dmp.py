@@ -50,7 +50,7 @@ def _train(stock: bool) -> tuple[list[float], dict]:
         for g, b in zip(opt.param_groups, base):  # linear warm-up, as tpurec.dlrm.model.LRSchedule
             g["lr"] = b * min(1.0, (step + 1) / WARMUP)
         opt.zero_grad()  # stock latches the group's lr into FBGEMM here (TrainPipelineSparseDist calls it)
-        lrs.append(opt.param_groups[0]["lr"])
+        lrs.append(list(opt.param_groups)[0]["lr"])
         lengths = torch.randint(0, 4, (len(KEYS) * 8,), generator=gen)
         kjt = KeyedJaggedTensor(
             keys=KEYS, values=torch.randint(0, 50, (int(lengths.sum()),), generator=gen), lengths=lengths
