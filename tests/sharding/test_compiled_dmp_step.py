@@ -10,6 +10,7 @@ is bit-equal, and the test asserts exact equality.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -78,6 +79,22 @@ def _tables(dmp: Any) -> dict[str, torch.Tensor]:
     return out
 
 
+class _Recorder(CompileCounterWithBackend):
+    """Counts the compiled frames and keeps each graph's code."""
+
+    def __init__(self, backend: str) -> None:
+        super().__init__(backend)
+        self.codes: list[str] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        # the top graph's code and its subgraphs' (an autograd.Function's forward and backward bodies)
+        self.codes += [m.code for m in gm.modules() if isinstance(m, torch.fx.GraphModule)]
+        return super().__call__(gm, example_inputs)
+
+
+_COLLECTIVE = r"(\w*(?:all_to_all|reduce_scatter|all_reduce|all_gather)\w*)"
+
+
 def train_pair(rank: int, world_size: int, sharding_types: dict[str, str] | None = None) -> dict:
     """STEPS steps of the eager and of the compiled step on twin DMPs; the figures to compare."""
     from torchrec.optim.optimizers import in_backward_optimizer_filter
@@ -89,7 +106,7 @@ def train_pair(rank: int, world_size: int, sharding_types: dict[str, str] | None
     same_start = all(torch.equal(initial[k], v) for k, v in _tables(twin).items())
     dense = [p for _, p in in_backward_optimizer_filter(eager.named_parameters())]
     sgd = torch.optim.SGD(dense, lr=DENSE_LR)
-    counter = CompileCounterWithBackend("aot_eager")
+    counter = _Recorder("aot_eager")
     step = CompiledStep(twin, DENSE_LR, backend=counter)
     eager_losses, compiled_losses = [], []
     for batch in batches(STEPS, BATCH, rank, world_size):
@@ -109,6 +126,7 @@ def train_pair(rank: int, world_size: int, sharding_types: dict[str, str] | None
         "tables_equal": all(torch.equal(after[k], twin_after[k]) for k in after),
         "tables_moved": min(float((after[k] - initial[k]).abs().max()) for k in after) if after else None,
         "dense_equal": all(torch.equal(p, q) for p, q in zip(dense, twin_dense, strict=True)),
+        "collectives": sorted({name for code in counter.codes for name in re.findall(_COLLECTIVE, code)}),
         "plan": sorted({ps.sharding_type for mp in twin.plan.plan.values() for ps in mp.values()}),
     }
 
@@ -139,6 +157,14 @@ def test_compiled_dmp_step_equals_eager_one_rank():
     _assert_same_training(result)
 
 
+OUTPUT_DIST = {
+    "table_wise": ["all_to_all_single"],
+    "row_wise": ["all_to_all_single"],
+    "column_wise": ["all_to_all_single"],
+    "table_row_wise": ["reduce_scatter_tensor"],
+    "table_column_wise": ["all_to_all_single"],
+    "mixed": ["all_to_all_single", "reduce_scatter_tensor"],
+}
 MIXED = {"t0": "table_wise", "t1": "row_wise", "t2": "column_wise", "t3": "table_row_wise"}
 
 
@@ -153,3 +179,7 @@ def test_compiled_dmp_step_equals_eager_two_ranks(sharding_type):
     for rank, result in enumerate(run_ranks(train_pair, 2, types, timeout=600)):
         assert result["plan"] == sorted(set(types.values())), rank
         _assert_same_training(result)
+        # in the graph (Dynamo traces TorchRec's comm ops as functional collectives): the dense
+        # gradients' all-reduce, and the pooled embeddings' output dist: an all-to-all (RW's
+        # reduce-scatter-v too, comm_ops.py), TWRW's intra-host reduce-scatter (one host: no cross all-to-all)
+        assert result["collectives"] == ["all_reduce", *OUTPUT_DIST[sharding_type]], rank
