@@ -70,6 +70,44 @@ def _dmp(world_size: int, sharding_types: dict[str, str] | None) -> Any:
     )
 
 
+def _dlrm_tiny(world_size: int, sharding_types: dict[str, str] | None) -> Any:
+    """tpurec's dlrm-tiny (26 tables, Kaggle sizes capped at 1000 rows, dim 16; its DLRMTrain and
+    table optimizer) sharded by tpurec's DMP with fixed id limits."""
+    import tpurec
+    from tpurec.dlrm.configs import get_config
+    from tpurec.dlrm.model import build_model
+    from tpurec.sharding.sharder import SparseCoreEBCSharder
+
+    assert world_size == 1 and sharding_types is None
+    torch.manual_seed(0)
+    model = build_model(get_config("dlrm-tiny"))
+    return tpurec.DistributedModelParallel(
+        model, device="cpu", batch_size=BATCH, sharders=[SparseCoreEBCSharder(max_ids_per_partition=64)]
+    )
+
+
+def _dlrm_tiny_batches(n: int, batch: int, rank: int, world_size: int) -> list:
+    """One id per feature and sample, uniform over each dlrm-tiny table's rows; labels at random."""
+    from torchrec.datasets.utils import Batch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from tpurec.catalog import DLRM_TINY_ROWS, FEATURE_NAMES, NUM_DENSE
+
+    assert world_size == 1 and rank == 0
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.tensor(DLRM_TINY_ROWS)
+    out = []
+    for _ in range(n):
+        ids = (torch.rand(len(rows), batch, generator=gen) * rows[:, None]).long()
+        kjt = KeyedJaggedTensor(
+            keys=FEATURE_NAMES, values=ids.reshape(-1), lengths=torch.ones(len(rows) * batch, dtype=torch.long)
+        )
+        dense = torch.randn(batch, NUM_DENSE, generator=gen)
+        labels = torch.randint(0, 2, (batch,), generator=gen).float()
+        out.append(Batch(dense_features=dense, sparse_features=kjt, labels=labels))
+    return out
+
+
 def _tables(dmp: Any) -> dict[str, torch.Tensor]:
     """This rank's table shards, by state-dict key (local shards of the ShardedTensors)."""
     out = {}
@@ -95,13 +133,16 @@ class _Recorder(CompileCounterWithBackend):
 _COLLECTIVE = r"(\w*(?:all_to_all|reduce_scatter|all_reduce|all_gather)\w*)"
 
 
-def train_pair(rank: int, world_size: int, sharding_types: dict[str, str] | None = None) -> dict:
+def train_pair(
+    rank: int, world_size: int, sharding_types: dict[str, str] | None = None, model: str = "dlrm_case"
+) -> dict:
     """STEPS steps of the eager and of the compiled step on twin DMPs; the figures to compare."""
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     from tpurec.sharding.compiled_step import CompiledStep
 
-    eager, twin = _dmp(world_size, sharding_types), _dmp(world_size, sharding_types)
+    build, data = (_dmp, batches) if model == "dlrm_case" else (_dlrm_tiny, _dlrm_tiny_batches)
+    eager, twin = build(world_size, sharding_types), build(world_size, sharding_types)
     initial = _tables(eager)
     same_start = all(torch.equal(initial[k], v) for k, v in _tables(twin).items())
     dense = [p for _, p in in_backward_optimizer_filter(eager.named_parameters())]
@@ -109,7 +150,7 @@ def train_pair(rank: int, world_size: int, sharding_types: dict[str, str] | None
     counter = _Recorder("aot_eager")
     step = CompiledStep(twin, DENSE_LR, backend=counter)
     eager_losses, compiled_losses = [], []
-    for batch in batches(STEPS, BATCH, rank, world_size):
+    for batch in data(STEPS, BATCH, rank, world_size):
         loss = eager(batch)[0]  # DLRMTrain: (loss, (loss, logits, labels))
         loss.backward()
         sgd.step()
@@ -165,6 +206,14 @@ OUTPUT_DIST = {
     "table_column_wise": ["all_to_all_single"],
     "mixed": ["all_to_all_single", "reduce_scatter_tensor"],
 }
+
+
+def test_compiled_dmp_step_equals_eager_dlrm_tiny():
+    result = train_pair(0, 1, model="dlrm_tiny")
+    assert result["plan"] == ["table_wise"]
+    _assert_same_training(result)
+
+
 MIXED = {"t0": "table_wise", "t1": "row_wise", "t2": "column_wise", "t3": "table_row_wise"}
 
 
