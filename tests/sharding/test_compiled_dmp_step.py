@@ -134,7 +134,11 @@ _COLLECTIVE = r"(\w*(?:all_to_all|reduce_scatter|all_reduce|all_gather)\w*)"
 
 
 def train_pair(
-    rank: int, world_size: int, sharding_types: dict[str, str] | None = None, model: str = "dlrm_case"
+    rank: int,
+    world_size: int,
+    sharding_types: dict[str, str] | None = None,
+    model: str = "dlrm_case",
+    backend: str = "aot_eager",
 ) -> dict:
     """STEPS steps of the eager and of the compiled step on twin DMPs; the figures to compare."""
     from torchrec.optim.optimizers import in_backward_optimizer_filter
@@ -147,7 +151,7 @@ def train_pair(
     same_start = all(torch.equal(initial[k], v) for k, v in _tables(twin).items())
     dense = [p for _, p in in_backward_optimizer_filter(eager.named_parameters())]
     sgd = torch.optim.SGD(dense, lr=DENSE_LR)
-    counter = _Recorder("aot_eager")
+    counter = _Recorder(backend)
     step = CompiledStep(twin, DENSE_LR, backend=counter)
     eager_losses, compiled_losses = [], []
     for batch in data(STEPS, BATCH, rank, world_size):
@@ -164,19 +168,19 @@ def train_pair(
         "eager": eager_losses,
         "compiled": compiled_losses,
         "frames": counter.frame_count,
-        "tables_equal": all(torch.equal(after[k], twin_after[k]) for k in after),
+        "table_diff": max(float((after[k] - twin_after[k]).abs().max()) for k in after),
         "tables_moved": min(float((after[k] - initial[k]).abs().max()) for k in after) if after else None,
-        "dense_equal": all(torch.equal(p, q) for p, q in zip(dense, twin_dense, strict=True)),
+        "dense_diff": max(float((p - q).abs().max()) for p, q in zip(dense, twin_dense, strict=True)),
         "collectives": sorted({name for code in counter.codes for name in re.findall(_COLLECTIVE, code)}),
         "plan": sorted({ps.sharding_type for mp in twin.plan.plan.values() for ps in mp.values()}),
     }
 
 
-def _assert_same_training(result: dict) -> None:
+def _assert_same_training(result: dict, tol: float = 0.0) -> None:
     assert result["same_start"]
     assert result["frames"] == 1  # one graph for all STEPS batches: no graph break, no recompile
-    assert result["compiled"] == result["eager"]  # aot_eager: the same kernels in the same order, bit-equal
-    assert result["tables_equal"] and result["dense_equal"]
+    assert result["compiled"] == pytest.approx(result["eager"], abs=tol, rel=0)
+    assert result["table_diff"] <= tol and result["dense_diff"] <= tol
     # the fused updates ran in the graph: every table shard moved (a lost update would leave both at the start)
     assert result["tables_moved"] > 1e-3
 
@@ -212,6 +216,14 @@ def test_compiled_dmp_step_equals_eager_dlrm_tiny():
     result = train_pair(0, 1, model="dlrm_tiny")
     assert result["plan"] == ["table_wise"]
     _assert_same_training(result)
+
+
+@pytest.mark.slow
+def test_compiled_dmp_step_inductor_one_rank():
+    # inductor fuses the dense model's kernels and reorders their float32 sums: the eager numbers
+    # within 1e-6 over 20 steps, not bit for bit (aot_eager runs the eager kernels: exact)
+    result = train_pair(0, 1, backend="inductor")
+    _assert_same_training(result, tol=1e-6)
 
 
 MIXED = {"t0": "table_wise", "t1": "row_wise", "t2": "column_wise", "t3": "table_row_wise"}
