@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
 from .dlrm_case import DENSE, DIM, FEATURES, ROWS, batches
 from .multiprocess import run_ranks
@@ -31,7 +31,7 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _dmp(world_size: int, sharding_types: dict[str, str] | None) -> Any:
+def _dmp(world_size: int, sharding_types: dict[str, str] | None, pooling: str = "SUM") -> Any:
     """TorchRec's DLRMTrain over FEATURES tables of ROWS x DIM, sharded by tpurec's DMP; fixed id
     limits (64 per partition) give every batch the same SparseCore shapes: one graph for all."""
     from torchrec.distributed.planner.types import ParameterConstraints
@@ -45,7 +45,13 @@ def _dmp(world_size: int, sharding_types: dict[str, str] | None) -> Any:
 
     torch.manual_seed(0)
     tables = [
-        EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"f{i}"])
+        EmbeddingBagConfig(
+            name=f"t{i}",
+            embedding_dim=DIM,
+            num_embeddings=ROWS,
+            feature_names=[f"f{i}"],
+            pooling=PoolingType[pooling],
+        )
         for i in range(FEATURES)
     ]
     ebc = EmbeddingBagCollection(tables, device=torch.device("meta"))
@@ -70,7 +76,7 @@ def _dmp(world_size: int, sharding_types: dict[str, str] | None) -> Any:
     )
 
 
-def _dlrm_tiny(world_size: int, sharding_types: dict[str, str] | None) -> Any:
+def _dlrm_tiny(world_size: int, sharding_types: dict[str, str] | None, pooling: str = "SUM") -> Any:
     """tpurec's dlrm-tiny (26 tables, Kaggle sizes capped at 1000 rows, dim 16; its DLRMTrain and
     table optimizer) sharded by tpurec's DMP with fixed id limits."""
     import tpurec
@@ -78,7 +84,7 @@ def _dlrm_tiny(world_size: int, sharding_types: dict[str, str] | None) -> Any:
     from tpurec.dlrm.model import build_model
     from tpurec.sharding.sharder import SparseCoreEBCSharder
 
-    assert world_size == 1 and sharding_types is None
+    assert world_size == 1 and sharding_types is None and pooling == "SUM"
     torch.manual_seed(0)
     model = build_model(get_config("dlrm-tiny"))
     return tpurec.DistributedModelParallel(
@@ -139,6 +145,7 @@ def train_pair(
     sharding_types: dict[str, str] | None = None,
     model: str = "dlrm_case",
     backend: str = "aot_eager",
+    pooling: str = "SUM",
 ) -> dict:
     """STEPS steps of the eager and of the compiled step on twin DMPs; the figures to compare."""
     from torchrec.optim.optimizers import in_backward_optimizer_filter
@@ -146,7 +153,7 @@ def train_pair(
     from tpurec.sharding.compiled_step import CompiledStep
 
     build, data = (_dmp, batches) if model == "dlrm_case" else (_dlrm_tiny, _dlrm_tiny_batches)
-    eager, twin = build(world_size, sharding_types), build(world_size, sharding_types)
+    eager, twin = build(world_size, sharding_types, pooling), build(world_size, sharding_types, pooling)
     initial = _tables(eager)
     same_start = all(torch.equal(initial[k], v) for k, v in _tables(twin).items())
     dense = [p for _, p in in_backward_optimizer_filter(eager.named_parameters())]
@@ -209,6 +216,7 @@ OUTPUT_DIST = {
     "table_row_wise": ["reduce_scatter_tensor"],
     "table_column_wise": ["all_to_all_single"],
     "mixed": ["all_to_all_single", "reduce_scatter_tensor"],
+    "row_wise_mean": ["all_to_all_single"],
 }
 
 
@@ -230,14 +238,15 @@ MIXED = {"t0": "table_wise", "t1": "row_wise", "t2": "column_wise", "t3": "table
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "sharding_type", ["table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise", "mixed"]
-)
+@pytest.mark.parametrize("sharding_type", list(OUTPUT_DIST))
 def test_compiled_dmp_step_equals_eager_two_ranks(sharding_type):
     # two gloo ranks: the output dist's all-to-all / reduce-scatter and the dense gradients' all-reduce
-    # as functional collectives inside the graph; "mixed": four sharding types, four lookups and dists
-    types = MIXED if sharding_type == "mixed" else {f"t{i}": sharding_type for i in range(FEATURES)}
-    for rank, result in enumerate(run_ranks(train_pair, 2, types, timeout=600)):
+    # as functional collectives inside the graph; "mixed": four sharding types, four lookups and dists;
+    # "row_wise_mean": mean pooling, the pooled sums divided in the graph by the host's id counts
+    pooling = "MEAN" if sharding_type == "row_wise_mean" else "SUM"
+    kind = sharding_type.removesuffix("_mean")
+    types = MIXED if kind == "mixed" else {f"t{i}": kind for i in range(FEATURES)}
+    for rank, result in enumerate(run_ranks(train_pair, 2, types, "dlrm_case", "aot_eager", pooling, timeout=600)):
         assert result["plan"] == sorted(set(types.values())), rank
         _assert_same_training(result)
         # in the graph (Dynamo traces TorchRec's comm ops as functional collectives): the dense
