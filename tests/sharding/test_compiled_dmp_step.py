@@ -220,6 +220,32 @@ OUTPUT_DIST = {
 }
 
 
+def test_compiled_step_refuses_what_it_cannot_split():
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from tpurec.errors import UserError
+    from tpurec.sharding.compiled_step import CompiledStep
+
+    # no sharded EBC for batch.sparse_features to go to
+    with pytest.raises(UserError, match="exactly one sharded EmbeddingBagCollection.*has 0"):
+        CompiledStep(SimpleNamespace(module=torch.nn.Linear(2, 2)), DENSE_LR)
+    # a batch per feature (VBE): refused before any collective, in one line
+    step = CompiledStep(_dmp(1, None), DENSE_LR)
+    vbe = KeyedJaggedTensor(
+        keys=[f"f{i}" for i in range(FEATURES)],
+        values=torch.arange(2 * FEATURES),
+        lengths=torch.ones(2 * FEATURES, dtype=torch.long),
+        stride_per_key_per_rank=[[1], [2], [3], [2]],
+        inverse_indices=([f"f{i}" for i in range(FEATURES)], torch.zeros(FEATURES, 3, dtype=torch.int)),
+    )
+    batch = replace(batches(1, 3, 0, 1)[0], sparse_features=vbe)
+    with pytest.raises(UserError, match="VBE"):
+        step.step(batch)
+
+
 def test_compiled_dmp_step_equals_eager_dlrm_tiny():
     result = train_pair(0, 1, model="dlrm_tiny")
     assert result["plan"] == ["table_wise"]

@@ -10,8 +10,9 @@ The split is TorchRec's own (TrainPipelineSparseDist runs `input_dist` ahead of
   gradients' average over the ranks (a functional all-reduce, as DDP's) and plain SGD on them.
 
 The model is DMP's unwrapped module: DDP's backward hooks are what the graph does itself. The
-graph is compiled once for the batch shape and the tables' fixed id limits (the sharder's
-`max_ids_per_partition` or measured `id_limits`: without them every batch has other shapes).
+graph is compiled for the batch's shape and each stack's SparseCore buffer sizes: fixed id limits
+(the sharder's `max_ids_per_partition`, measured `id_limits`, a TPU) keep those the same for every
+batch; without them they follow the batch's ids, and a batch with new sizes compiles a new graph.
 """
 
 from __future__ import annotations
