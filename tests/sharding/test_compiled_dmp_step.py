@@ -209,6 +209,9 @@ def test_compiled_dmp_step_equals_eager_one_rank():
     _assert_same_training(result)
 
 
+MIXED = {"t0": "table_wise", "t1": "row_wise", "t2": "column_wise", "t3": "table_row_wise"}
+
+
 OUTPUT_DIST = {
     "table_wise": ["all_to_all_single"],
     "row_wise": ["all_to_all_single"],
@@ -253,14 +256,17 @@ def test_compiled_dmp_step_equals_eager_dlrm_tiny():
 
 
 @pytest.mark.slow
-def test_compiled_dmp_step_inductor_one_rank():
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_compiled_dmp_step_inductor(world_size):
     # inductor fuses the dense model's kernels and reorders their float32 sums: the eager numbers
-    # within 1e-6 over 20 steps, not bit for bit (aot_eager runs the eager kernels: exact)
-    result = train_pair(0, 1, backend="inductor")
-    _assert_same_training(result, tol=1e-6)
-
-
-MIXED = {"t0": "table_wise", "t1": "row_wise", "t2": "column_wise", "t3": "table_row_wise"}
+    # within 1e-6 over 20 steps, not bit for bit (aot_eager runs the eager kernels: exact); at two
+    # ranks the mixed model (four sharding types)
+    if world_size == 1:
+        results = [train_pair(0, 1, backend="inductor")]
+    else:
+        results = run_ranks(train_pair, 2, MIXED, "dlrm_case", "inductor", "SUM", timeout=900)
+    for result in results:
+        _assert_same_training(result, tol=1e-6)
 
 
 @pytest.mark.slow
