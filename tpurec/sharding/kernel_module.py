@@ -29,6 +29,7 @@ from tpurec.embedding.fused_optimizer import SparseCoreFusedOptimizer
 from tpurec.embedding.kernel import KernelTable, SparseCoreKernel
 from tpurec.embedding.kernel_table import POOLINGS
 from tpurec.embedding.optimizers.registry import spec_from_fused_params
+from tpurec.embedding.preprocessed import PreprocessedFeatures
 from tpurec.embedding.sequence_kernel import SparseCoreSequenceKernel
 from tpurec.embedding.settings import KernelSettings
 from tpurec.embedding.vbe import pad_to_common_batch, to_vbe_layout
@@ -241,6 +242,12 @@ class SparseCoreEmbeddingBag(_SparseCoreGroupKernel):
         if padded is features:
             return out
         return to_vbe_layout(out, features, self._config.embedding_dims(), vbe_output, vbe_output_offsets)
+
+    def lookup_preprocessed(self, features: PreprocessedFeatures) -> torch.Tensor:
+        """`forward`'s device half on SparseCore inputs built ahead (tpurec/sharding/sharded_preprocess.py):
+        traceable by torch.compile. Per-id weights that require grad need the KJT (`forward`)."""
+        out = self.kernel.lookup(features.inputs, features.batch)
+        return out if self._output_dtype in (None, out.dtype) else out.to(self._output_dtype)
 
     def feature_keys(self) -> list[str]:
         """The KJT keys this lookup receives, in order (TorchRec passes a group's features in table

@@ -32,6 +32,7 @@ from tpurec.planner import stock_estimates
 from tpurec.planner.kernel_choice import COMPUTE_KERNEL, SHARDING_TYPES, sharding_types_for
 from tpurec.sharding.host_input_dist import HostInputDistMixin
 from tpurec.sharding.kernel_module import SparseCoreEmbeddingBag
+from tpurec.sharding.sharded_preprocess import ShardedPreprocessed, compute_preprocessed
 from tpurec.sharding.sharded_state import SparseCoreShardedMixin, shard_slice
 
 
@@ -96,6 +97,13 @@ class ShardedSparseCoreEBC(HostInputDistMixin, SparseCoreShardedMixin, ShardedEm
                 weight = source.get(f"{table}.weight")
                 if weight is not None and not weight.is_meta:
                     kmod.kernel.write_weight(kname, shard_slice(weight, meta))
+
+    def forward(self, *input: Any, **kwargs: Any) -> Any:
+        # SparseCore inputs built ahead (`preprocess_sharded`): only the device half, traceable by
+        # torch.compile (tpurec/sharding/compiled_step.py); a KJT: TorchRec's whole forward
+        if len(input) == 1 and not kwargs and isinstance(input[0], ShardedPreprocessed):
+            return compute_preprocessed(self, input[0])
+        return super().forward(*input, **kwargs)
 
     def input_dist(self, ctx: Any, features: Any, *args: Any, **kwargs: Any) -> Any:
         device = self._device

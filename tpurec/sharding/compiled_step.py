@@ -1,0 +1,121 @@
+"""`CompiledStep`: a tpurec-DMP training step with its device half under `torch.compile(fullgraph=True)`.
+
+The split is TorchRec's own (TrainPipelineSparseDist runs `input_dist` ahead of
+`compute_and_output_dist`; SparseCoreTrainPipeline feeds its compiled step preprocessed inputs):
+
+* eager, per batch: the sharded EBC's input dist (the ids' all-to-alls, data-dependent sizes) and
+  the SparseCore preprocessing of each kernel's ids (`sharded_preprocess.preprocess_sharded`);
+* one graph: the lookups (`tpurec::fused_lookup`), the output dist of the pooled embeddings, the
+  dense model and loss, backward (each stack's fused update, `tpurec::fused_update`), the dense
+  gradients' average over the ranks (a functional all-reduce, as DDP's) and plain SGD on them.
+
+The model is DMP's unwrapped module: DDP's backward hooks are what the graph does itself. The
+graph is compiled for the batch's shape and each stack's SparseCore buffer sizes: fixed id limits
+(the sharder's `max_ids_per_partition`, measured `id_limits`, a TPU) keep those the same for every
+batch; without them they follow the batch's ids, and a batch with new sizes compiles a new graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tpurec.errors import UserError
+from tpurec.sharding.sharded_preprocess import ShardedPreprocessed, preprocess_sharded
+from tpurec.sharding.sharder import ShardedSparseCoreEBC
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+def model_loss(module: nn.Module, batch: Any) -> torch.Tensor:
+    """TorchRec's convention (DLRMTrain, its train pipelines): `module(batch)` returns (loss, outputs)."""
+    loss: torch.Tensor = module(batch)[0]
+    return loss
+
+
+class CompiledStep:
+    """`step(batch)`: one training step of `dmp` (a tpurec.DistributedModelParallel), returns the loss.
+
+    batch: a dataclass with `sparse_features` (a KJT, e.g. torchrec's `Batch`), handed to
+    `loss_fn(module, batch)` with `sparse_features` replaced by its SparseCore inputs. The model's
+    forward must pass that KJT to its one sharded EmbeddingBagCollection (TorchRec's DLRM does).
+    dense_lr: plain SGD on the dense parameters (those without a fused optimizer), in the graph.
+    backend: torch.compile's backend ("aot_eager", "inductor", ...).
+    """
+
+    def __init__(
+        self, dmp: Any, dense_lr: float, loss_fn: LossFn = model_loss, backend: str | Any = "aot_eager"
+    ) -> None:
+        from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+        self.module: nn.Module = dmp.module  # without DDP: the graph averages the dense gradients itself
+        self.sharded = _the_sharded_ebc(self.module)
+        self.dense_params = [p for _, p in in_backward_optimizer_filter(self.module.named_parameters())]
+        self.dense_lr = float(dense_lr)
+        self.loss_fn = loss_fn
+        env = getattr(dmp, "_env", None)
+        self.group = getattr(env, "process_group", None)
+        self.world_size = self.group.size() if self.group is not None and dist.is_initialized() else 1
+        self.compiled = torch.compile(self._step, fullgraph=True, dynamic=False, backend=backend)
+
+    def preprocess(self, batch: Any) -> Any:
+        """The eager half: `batch` with its KJT replaced by the sharded EBC's SparseCore inputs."""
+        features: ShardedPreprocessed = preprocess_sharded(self.sharded, batch.sparse_features)
+        return replace(batch, sparse_features=features)
+
+    def step(self, batch: Any) -> torch.Tensor:
+        prepared = self.preprocess(batch)
+        # loss.backward() inside the graph: Dynamo traces it only with this set (TorchRec's
+        # SparseCoreTrainPipeline sets it for the whole process; here only around the step)
+        with torch._dynamo.config.patch(trace_autograd_ops=True):
+            out: torch.Tensor = self.compiled(prepared)
+        return out
+
+    def explain(self, batch: Any) -> Any:
+        """torch._dynamo.explain of the compiled part on `batch` (it runs the step: the tables and
+        dense parameters are updated)."""
+        prepared = self.preprocess(batch)
+        with torch._dynamo.config.patch(trace_autograd_ops=True):
+            return torch._dynamo.explain(self._step)(prepared)
+
+    def _step(self, prepared: Any) -> torch.Tensor:
+        loss = self.loss_fn(self.module, prepared)
+        loss.backward()
+        # torch.optim's step() breaks the graph on purpose (optimizer.py, `_use_grad`); its CPU SGD
+        # without momentum is w += -lr * g per parameter, as TorchRec's pipeline keeps a functional
+        # dense optimizer in its compiled step. One foreach op, the same numbers: torch 2.14.1's
+        # inductor computes a per-parameter `p.add_(p.grad, alpha=-lr)` after traced backward wrongly
+        # (the losses drift 0.03 in 20 steps; aot_eager does not), the foreach form right.
+        with torch.no_grad():
+            params: list[torch.Tensor] = [p for p in self.dense_params if p.grad is not None]
+            grads: list[torch.Tensor] = [p.grad for p in params if p.grad is not None]
+            if self.world_size > 1:
+                grads = [_mean_over_ranks(g, self.group, self.world_size) for g in grads]
+            torch._foreach_add_(params, grads, alpha=-self.dense_lr)
+            for p in params:
+                p.grad = None
+        return loss.detach()
+
+
+def _mean_over_ranks(grad: torch.Tensor, group: Any, world_size: int) -> torch.Tensor:
+    """DDP's average: each rank's gradient divided by the world size, then summed (its reducer divides
+    before the all-reduce); a functional collective, which Dynamo traces."""
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol.all_reduce(grad / world_size, "sum", group)
+
+
+def _the_sharded_ebc(module: nn.Module) -> ShardedSparseCoreEBC:
+    found = [(name, m) for name, m in module.named_modules() if isinstance(m, ShardedSparseCoreEBC)]
+    if len(found) != 1:
+        names = [n for n, _ in found]
+        raise UserError(
+            f"CompiledStep needs a model with exactly one sharded EmbeddingBagCollection (batch.sparse_features "
+            f"goes to it); this one has {len(found)}: {names}"
+        )
+    return found[0][1]

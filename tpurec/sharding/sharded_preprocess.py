@@ -1,0 +1,107 @@
+"""A sharded EBC's step split at the compile boundary: host half (`preprocess_sharded`), device half
+(`compute_preprocessed`).
+
+TorchRec's pipelines run a sharded module's `input_dist` ahead of its `compute_and_output_dist`
+(TrainPipelineSparseDist, through the module's context); TorchRec's `SparseCoreTrainPipeline`
+feeds its compiled step SparseCore inputs built ahead. tpurec's sharded EBC splits the same way:
+
+* `preprocess_sharded(module, kjt)` (eager, data-dependent): TorchRec's input dist of the ids
+  (permute, split, KJT all-to-alls), then each lookup's kernels' SparseCore inputs
+  (`SparseCoreKernel.preprocess`), in a `ShardedPreprocessed`;
+* `compute_preprocessed(module, prepared)` (what `torch.compile(fullgraph=True)` traces): each
+  kernel's lookup (the `tpurec::fused_lookup` op when compiling), TorchRec's output dist of the
+  pooled embeddings (its comm ops switch to functional collectives under Dynamo) and the
+  KeyedTensor, as `compute_and_output_dist` builds it.
+
+`ShardedSparseCoreEBC.forward` takes a `ShardedPreprocessed` in place of the KJT, so a model whose
+forward hands its KJT to the sharded EBC (TorchRec's DLRM) runs only the device half
+(tpurec/sharding/compiled_step.py, docs/kernels.md "Compiled step").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from torchrec.distributed.embedding_lookup import embeddings_cat_empty_rank_handle, fx_wrap_tensor_view2d
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionAwaitable, _apply_mean_pooling
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+
+from tpurec.embedding.preprocessed import PreprocessedFeatures
+from tpurec.errors import UserError
+
+
+@dataclass
+class ShardedPreprocessed:
+    """One batch of one sharded EBC after its input dist and SparseCore preprocessing."""
+
+    owner: Any  # the sharded EBC that built it (its lookups own the kernels the inputs are for)
+    ctx: Any  # TorchRec's EmbeddingBagCollectionContext of this batch (sharding contexts, divisor)
+    inputs: list[list[PreprocessedFeatures]]  # per lookup (sharding type), per kernel of the lookup
+    strides: list[int]  # per lookup: the batch it looks up (after the ids' all-to-all)
+    batch: int  # the KJT's stride on this rank
+
+    def stride(self) -> int:
+        """The batch size, as a KeyedJaggedTensor says it (models call `features.stride()`)."""
+        return self.batch
+
+
+def preprocess_sharded(module: Any, features: KeyedJaggedTensor) -> ShardedPreprocessed:
+    """The host half of `module(features)` (module: a ShardedSparseCoreEBC): eager, before a compiled step."""
+    if features.variable_stride_per_key():
+        raise UserError(
+            "a batch per feature (VBE KJT) cannot be preprocessed ahead of a compiled step yet: call the "
+            "model with the KJT"
+        )
+    ctx = module.create_context()
+    dist_input = module.input_dist(ctx, features).wait().wait()  # KJTList, one KJT per lookup
+    inputs, strides = [], []
+    for lookup, kjt in zip(module._lookups, dist_input):
+        if not lookup._emb_modules:
+            # A rank without tables of this sharding type looks up TorchRec's [batch, 0] dummy, which
+            # requires grad (so the output dist's backward runs on every rank) and so collects an
+            # empty .grad in backward; a compiled step guards on it being None: cleared per batch.
+            lookup._dummy_embs_tensor.grad = None
+        per_kernel = []
+        # GroupedPooledEmbeddingsLookup.forward's split: one KJT per kernel module, in order
+        for kmod, part in zip(lookup._emb_modules, kjt.split(lookup._feature_splits)):
+            per_kernel.append(PreprocessedFeatures(kmod.kernel.preprocess(part), part.stride()))
+        inputs.append(per_kernel)
+        strides.append(kjt.stride())
+    for output_dist, sharding_ctx in zip(module._output_dists, ctx.sharding_contexts):
+        _build_output_dist(output_dist, sharding_ctx)
+    return ShardedPreprocessed(module, ctx, inputs, strides, features.stride())
+
+
+def _build_output_dist(output_dist: Any, sharding_ctx: Any) -> None:
+    """TorchRec's TW and RW output dists build their all-to-all module, TWRW (and grid) theirs of
+    reduce-scatter and all-to-all, on their first call; built inside the compiled region, that
+    changes the module tree after the first trace (a guard fails: one recompile). Built here,
+    eagerly, as that first call would."""
+    if getattr(output_dist, "_dist", False) is None:
+        output_dist._create_output_dist_module(sharding_ctx)
+    elif getattr(output_dist, "_intra_dist", False) is None or getattr(output_dist, "_cross_dist", False) is None:
+        output_dist._create_output_dist_modules(sharding_ctx)
+
+
+def compute_preprocessed(module: Any, prepared: ShardedPreprocessed) -> KeyedTensor:
+    """The device half: `compute_and_output_dist` of ShardedEmbeddingBagCollection on the inputs built
+    ahead, waited (a compiled region returns tensors, not TorchRec's lazy awaitables)."""
+    if prepared.owner is not module:
+        raise ValueError("these SparseCore inputs were preprocessed for another sharded module")
+    ctx = prepared.ctx
+    awaitables = []
+    for i in range(len(module._lookups)):  # indexed, not zipped, as TorchRec writes it for Dynamo
+        lookup = module._lookups[i]
+        outs = [kmod.lookup_preprocessed(f) for kmod, f in zip(lookup._emb_modules, prepared.inputs[i])]
+        dummy = fx_wrap_tensor_view2d(lookup._dummy_embs_tensor, prepared.strides[i], 0)  # a rank without tables
+        embs = embeddings_cat_empty_rank_handle(outs, dummy, dim=1)
+        awaitables.append(module._output_dists[i](embs, ctx.sharding_contexts[i]))
+    awaitable = EmbeddingBagCollectionAwaitable(
+        awaitables=awaitables, embedding_dims=module._embedding_dims, embedding_names=module._embedding_names
+    )
+    if module._has_mean_pooling_callback:  # row- or column-wise mean pooling: divided by the host's counts
+        awaitable.callbacks.append(partial(_apply_mean_pooling, divisor=ctx.divisor))
+    out: KeyedTensor = awaitable.wait()
+    return out
