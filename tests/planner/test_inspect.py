@@ -75,6 +75,45 @@ def test_report_numbers_and_schema():
     assert r["time_imbalance"] > 1.0
 
 
+def _cost(sharding_type, rows, pooling, spec, batch):
+    return shard_cost(
+        sharding_type=sharding_type,
+        rows=rows,
+        cols=16,
+        pooling_factor=pooling,
+        batch_per_device=batch,
+        world_size=4,
+        num_shards=4 if sharding_type == "row_wise" else 1,
+        spec=spec,
+        optimizer="sgd",
+    )
+
+
+@pytest.mark.parametrize("batch", [8, 4096])
+def test_pipelined_step_time_is_the_longest_of_the_overlapped_stages(batch):
+    # Device 0 holds table a (TW) and a shard of b (RW); the other devices a shard of b each. On v6e-4
+    # both batches are SparseCore-bound (MLPerf DCNv2 on v5p-128 is bound by its collectives: docs).
+    spec = parse_slice("v6e-4")
+    r = I.build_report(_plan(), TABLES, spec, batch_size=batch, optimizer="sgd")
+    a, b = _cost("table_wise", 1000, 1.0, spec, batch), _cost("row_wise", 100, 2.0, spec, batch)
+    sparsecore = a.lookup_ms + a.update_ms + b.lookup_ms + b.update_ms
+    collectives = a.output_comm_ms + a.grad_comm_ms + b.output_comm_ms + b.grad_comm_ms
+    inputs = a.input_comm_ms + b.input_comm_ms
+    d0 = r["devices"][0]
+    assert d0["pipelined_time_ms"] == pytest.approx(max(sparsecore, collectives, inputs))
+    assert d0["estimated_time_ms"] == pytest.approx(sparsecore + collectives + inputs)
+    assert r["pipelined_step_time_ms"] == pytest.approx(max(d["pipelined_time_ms"] for d in r["devices"]))
+    assert r["pipelined_step_time_ms"] < r["estimated_step_time_ms"]
+    assert f"pipelined step: {r['pipelined_step_time_ms']:.3f} ms" in I.format_text(r)
+
+
+def test_cpu_plans_have_no_pipelined_step_time():
+    spec = parse_slice("v6e-4")
+    r = I.build_report(_plan(), TABLES, spec, batch_size=8, optimizer="sgd", compute_device="cpu")
+    assert r["pipelined_step_time_ms"] is None
+    assert "pipelined step" not in I.format_text(r)
+
+
 def test_text_and_diff():
     spec = parse_slice("v6e-4")
     r1 = I.build_report(_plan(), TABLES, spec, batch_size=8, optimizer="sgd")

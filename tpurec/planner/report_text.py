@@ -101,6 +101,17 @@ def _hot_lines(devices: list[dict]) -> list[str]:
     return out
 
 
+def _pipelined_line(report: dict) -> list[str]:
+    """What overlap would give (docs/planner.md "Which stages overlap"); TPU plans only."""
+    t = report.get("pipelined_step_time_ms")
+    if t is None:
+        return []
+    return [
+        f"pipelined step: {t:.3f} ms (SparseCore lookups and updates, ICI collectives and the host's input "
+        "dist overlapped; above: one after the other)"
+    ]
+
+
 def format_text(report: dict, top: int = 5) -> str:
     a = report["assumptions"]
     cap = report["devices"][0]["hbm_capacity_bytes"]
@@ -111,6 +122,7 @@ def format_text(report: dict, top: int = 5) -> str:
         f"fits: {'yes' if report['fits'] else 'NO'}    estimated embedding step time: "
         f"{report['estimated_step_time_ms']:.3f} ms    imbalance (max/mean): time "
         f"{report['time_imbalance']:.2f}, HBM {report['hbm_imbalance']:.2f}",
+        *_pipelined_line(report),
         f"assumptions: SparseCore gather {a['sc_gather_fraction_of_hbm_bw']:.0%} of HBM bw "
         f"({a['sc_gather_bw_bytes_per_s'] / 1e9:.0f} GB/s), all-to-all efficiency {a['all_to_all_efficiency']}, "
         f"DCN {a['dcn_bw_per_host_bytes_per_s'] / 1e9:.0f} GB/s per host, headroom {a['headroom_fraction']:.0%}",
