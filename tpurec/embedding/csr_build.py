@@ -76,8 +76,82 @@ def _kernels() -> tuple[Any, ...] | None:
         except ImportError:
             _KERNELS = False
         else:
-            _KERNELS = (k.keys_pass, k.merge_pass, k.place_pass, k.merge_place_pass)
+            _KERNELS = (k.keys_pass, k.merge_pass, k.place_pass, k.tables_merge_place_pass)
     return _KERNELS if isinstance(_KERNELS, tuple) else None
+
+
+def tables_csr(
+    ids: np.ndarray,
+    samples: np.ndarray,
+    gains: np.ndarray | None,
+    uniform_gain: float,
+    starts: np.ndarray,
+    *,
+    device_batch_size: int,
+    num_sc: int,
+    parts: int,
+    max_ids: list[int | None],
+    max_uniq: list[int | None],
+    row_keys: Any,
+) -> tuple[np.ndarray, ...] | None:
+    """`preprocess_tables`'s work for a group of tables (natural ids, MOD partitioning), compiled:
+    one pass builds every table's sort keys, numpy sorts each table's, one pass merges repeats and
+    writes the padded buffers (a count pass before it when a limit is left to the batch). The same
+    buffers as the numpy route, bit for bit. ids/samples/gains: the tables' end to end (int64,
+    int64, float32; gains None when all equal `uniform_gain`), table t at starts[t]:starts[t + 1];
+    ids and samples already range-checked. row_keys(seg_shift): the key bits of each sample.
+    Returns (row_pointers [T, num_sc * rpw], emb, smp, gns, slots per table, counts, ucounts
+    [T, num_sc, parts], max_ids, max_uniq), or None (a limit exceeded, keys over 62 bits, no ids):
+    then the numpy route raises or drops as documented."""
+    if _kernels() is None or ids.size == 0:
+        return None
+    from tpurec.embedding import csr_build_kernels as k
+
+    num_tables = starts.size - 1
+    per_sc = device_batch_size // num_sc
+    tseg = num_sc * parts
+    pshift = parts.bit_length() - 1 if parts & (parts - 1) == 0 else -1
+    cbits = (int(ids.max()) // parts).bit_length()
+    sbits = (per_sc - 1).bit_length()
+    seg_shift = cbits + sbits
+    ibits = 0 if gains is None else max(int(np.diff(starts).max()) - 1, 1).bit_length()
+    key_bits = (tseg - 1).bit_length() + seg_shift + ibits
+    if key_bits > 62:
+        return None
+    keys = np.empty(ids.size, np.uint32 if key_bits <= 32 else np.int64)
+    rk = row_keys(seg_shift)
+    k.tables_keys_pass(ids, samples, starts, rk, parts, pshift, cbits, sbits, ibits, keys)
+    bounds = starts.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        keys[a:b].sort()
+    counts = np.zeros(num_tables * tseg, np.int64)
+    ucounts = np.zeros(num_tables * tseg, np.int64)
+    if any(m is None for m in max_ids) or any(u is None for u in max_uniq):
+        k.tables_count_pass(keys, starts, ibits, sbits, seg_shift, tseg, counts, ucounts)
+        per_table = counts.reshape(num_tables, tseg).max(1) if tseg else np.zeros(num_tables, np.int64)
+        mi = np.array([m if m is not None else max(int(c), 1) for m, c in zip(max_ids, per_table)], np.int64)
+    else:
+        mi = np.array(max_ids, np.int64)
+    mu = np.array([u if u is not None else m for u, m in zip(max_uniq, mi.tolist())], np.int64)
+    # slots per SparseCore: round_up(max_ids, 8) x P; the limits hold every segment (else the pass
+    # stops), so no segment needs more
+    slots = (mi + SEGMENT_ALIGN - 1) // SEGMENT_ALIGN * SEGMENT_ALIGN * parts
+    size = num_sc * slots
+    out_start = np.zeros(num_tables, np.int64)
+    np.cumsum(size[:-1], out=out_start[1:])
+    total = int(size.sum())
+    emb, smp, gns = np.empty(total, np.int32), np.empty(total, np.int32), np.empty(total, np.float32)
+    rpw = max(parts, SEGMENT_ALIGN)
+    row_pointers = np.empty(num_tables * num_sc * rpw, np.int32)
+    g = gains if gains is not None else np.empty(1, np.float32)
+    over = k.tables_merge_place_pass(keys, g, np.float32(uniform_gain), starts, ibits, sbits, seg_shift, cbits,
+                                     num_sc, parts, slots, out_start, mi, mu, counts, ucounts, emb, smp, gns,
+                                     row_pointers, rpw, PADDING_ID)  # fmt: skip
+    if over >= 0:
+        return None
+    shape = (num_tables, num_sc, parts)
+    return (row_pointers.reshape(num_tables, -1), emb, smp, gns, size, counts.reshape(shape),
+            ucounts.reshape(shape), mi, mu)  # fmt: skip
 
 
 def stack_csr(
@@ -133,8 +207,10 @@ def stack_csr(
         smp = _POOL.get(num_sc * slots, np.int32)
         gns = _POOL.get(num_sc * slots, np.float32)
         row_pointers = np.empty(num_sc * rpw, np.int32)
-        if merge_place_pass(keys, gains, ibits, sbits, seg_shift, cbits, num_sc, parts, slots, mi, mu, counts,
-                            ucounts, emb, smp, gns, row_pointers, rpw, PADDING_ID) < 0:  # fmt: skip
+        one = np.array([0, n], np.int64)  # the stack as a group of one table
+        if merge_place_pass(keys, gains, np.float32(1.0), one, ibits, sbits, seg_shift, cbits, num_sc, parts,
+                            np.array([slots], np.int64), one[:1], np.array([mi], np.int64), np.array([mu], np.int64),
+                            counts, ucounts, emb, smp, gns, row_pointers, rpw, PADDING_ID) >= 0:  # fmt: skip
             return None  # over a limit: the numpy route raises or drops
         aligned = (counts + SEGMENT_ALIGN - 1) // SEGMENT_ALIGN * SEGMENT_ALIGN
         need = int(aligned.reshape(num_sc, parts).sum(1).max())

@@ -152,19 +152,77 @@ def place_pass(
             gns[base + e] = np.nan
 
 
+# ---- `preprocess_tables`'s compiled route: natural ids of several tables, MOD partitioning ----------
+
+
 @numba.njit(cache=True, nogil=True)
-def merge_place_pass(
+def tables_keys_pass(
+    ids: np.ndarray,
+    samples: np.ndarray,
+    starts: np.ndarray,
+    row_keys: np.ndarray,
+    parts: int,
+    pshift: int,
+    cbits: int,
+    sbits: int,
+    ibits: int,
+    keys: np.ndarray,
+) -> None:
+    """Table t's sort keys in keys[starts[t]:starts[t + 1]]: [segment | local id | sample in slice]
+    (`row_keys[sample]` holds the sample's slice and its index in it) and, when ibits, the id's
+    position in its table below them. MOD partitioning: partition id % parts, local id id // parts
+    (a shift and a mask when parts is a power of two, pshift >= 0)."""
+    pmask = parts - 1
+    for t in range(starts.shape[0] - 1):
+        a = starts[t]
+        for i in range(a, starts[t + 1]):
+            r = np.int64(ids[i])
+            if pshift >= 0:
+                part = r & pmask
+                local = r >> pshift
+            else:
+                part = r % parts
+                local = r // parts
+            key = (((part << cbits) | local) << sbits) + row_keys[samples[i]]
+            if ibits:
+                key = (key << ibits) | (i - a)
+            keys[i] = key
+
+
+@numba.njit(cache=True, nogil=True)
+def tables_count_pass(
+    keys: np.ndarray, starts: np.ndarray, ibits: int, sbits: int, seg_shift: int, tseg: int, counts: np.ndarray,
+    ucounts: np.ndarray,
+) -> None:  # fmt: skip
+    """Entries (distinct (id, sample)) and distinct ids per (table, segment) of the sorted keys."""
+    for t in range(starts.shape[0] - 1):
+        prev = np.int64(-1)
+        for i in range(starts[t], starts[t + 1]):
+            k = np.int64(keys[i]) >> ibits
+            if k != prev:
+                seg = t * tseg + (k >> seg_shift)
+                if (k >> sbits) != (prev >> sbits):
+                    ucounts[seg] += 1
+                counts[seg] += 1
+                prev = k
+
+
+@numba.njit(cache=True, nogil=True)
+def tables_merge_place_pass(
     keys: np.ndarray,
     gains: np.ndarray,
+    uniform_gain: np.float32,
+    starts: np.ndarray,
     ibits: int,
     sbits: int,
     seg_shift: int,
     cbits: int,
     num_sc: int,
     parts: int,
-    slots: int,
-    max_ids: int,
-    max_uniq: int,
+    slots: np.ndarray,
+    out_start: np.ndarray,
+    max_ids: np.ndarray,
+    max_uniq: np.ndarray,
     counts: np.ndarray,
     ucounts: np.ndarray,
     emb: np.ndarray,
@@ -174,59 +232,63 @@ def merge_place_pass(
     rpw: int,
     pad: int,
 ) -> int:
-    """merge_pass and place_pass in one pass over the sorted keys, for limits known in advance
-    (fixed limits: the buffer shapes do not depend on the batch): each segment's merged entries
-    are written straight into its place. Returns -1 if a segment goes over a limit (the caller
-    then takes the numpy route), else 0. Same entries, gains (float32 sums in input order) and
-    padding as the two passes."""
-    n = keys.shape[0]
+    """merge_pass and place_pass in one pass over the sorted keys, for limits known in advance (fixed
+    limits: the buffer shapes do not depend on the batch; or counted first): each segment's merged
+    entries are written straight into its place. For each table of a group (a stack is one table),
+    each with its own limits, slots and place in the shared buffers; the gains of table t are
+    gains[starts[t] + position] (or all `uniform_gain`). Returns the first table over a limit (the
+    caller then takes the numpy route), else -1. Same entries, gains (float32 sums in input order)
+    and padding as the two passes."""
     mask = (np.int64(1) << ibits) - 1
     cmask = (np.int64(1) << cbits) - 1
     smask = (np.int64(1) << sbits) - 1
-    i = 0
-    for sc in range(num_sc):
-        base = sc * slots
-        at = 0
-        for p in range(parts):
-            seg = sc * parts + p
-            start = base + at
-            c = 0
-            u = 0
-            prev = np.int64(-1)
-            while i < n:
-                raw = np.int64(keys[i])
-                k = raw >> ibits
-                if (k >> seg_shift) != seg:
-                    break
-                g = gains[raw & mask] if ibits else np.float32(1.0)
-                if k != prev:
-                    if c == max_ids:
-                        return -1
-                    if c == 0 or (k >> sbits) != (prev >> sbits):
-                        u += 1
-                    emb[start + c] = (k >> sbits) & cmask
-                    smp[start + c] = k & smask
-                    gns[start + c] = g + np.float32(0.0)  # 0 + g, as the numpy route's float32 sum
-                    c += 1
-                    prev = k
-                else:
-                    gns[start + c - 1] = gns[start + c - 1] + g
-                i += 1
-            if u > max_uniq:
-                return -1
-            counts[seg] = c
-            ucounts[seg] = u
-            row_pointers[sc * rpw + p] = at + c
-            aligned = (c + 7) // 8 * 8
-            for e in range(start + c, start + aligned):
+    tseg = num_sc * parts
+    for t in range(starts.shape[0] - 1):
+        i = starts[t]
+        n = starts[t + 1]
+        for sc in range(num_sc):
+            base = out_start[t] + sc * slots[t]
+            at = 0
+            for p in range(parts):
+                seg = sc * parts + p
+                start = base + at
+                c = 0
+                u = 0
+                prev = np.int64(-1)
+                while i < n:
+                    raw = np.int64(keys[i])
+                    k = raw >> ibits
+                    if (k >> seg_shift) != seg:
+                        break
+                    g = gains[starts[t] + (raw & mask)] if ibits else uniform_gain
+                    if k != prev:
+                        if c == max_ids[t]:
+                            return t
+                        if c == 0 or (k >> sbits) != (prev >> sbits):
+                            u += 1
+                        emb[start + c] = (k >> sbits) & cmask
+                        smp[start + c] = k & smask
+                        gns[start + c] = g + np.float32(0.0)  # 0 + g, as the numpy route's float32 sum
+                        c += 1
+                        prev = k
+                    else:
+                        gns[start + c - 1] = gns[start + c - 1] + g
+                    i += 1
+                if u > max_uniq[t]:
+                    return t
+                counts[t * tseg + seg] = c
+                ucounts[t * tseg + seg] = u
+                row_pointers[(t * num_sc + sc) * rpw + p] = at + c
+                aligned = (c + 7) // 8 * 8
+                for e in range(start + c, start + aligned):
+                    emb[e] = pad
+                    smp[e] = pad
+                    gns[e] = np.nan
+                at += aligned
+            for p in range(parts, rpw):
+                row_pointers[(t * num_sc + sc) * rpw + p] = at
+            for e in range(base + at, base + slots[t]):
                 emb[e] = pad
                 smp[e] = pad
                 gns[e] = np.nan
-            at += aligned
-        for p in range(parts, rpw):
-            row_pointers[sc * rpw + p] = at
-        for e in range(base + at, base + slots):
-            emb[e] = pad
-            smp[e] = pad
-            gns[e] = np.nan
-    return 0
+    return -1

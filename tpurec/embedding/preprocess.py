@@ -29,6 +29,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from tpurec.embedding import csr_build
 from tpurec.embedding.constraints import PADDING_ID, SEGMENT_ALIGN
 from tpurec.embedding.input_checks import check_batch, check_ranges, whole
 from tpurec.errors import UserError
@@ -160,7 +161,11 @@ def preprocess_tables(
     sizes = [int(x[0].numel()) for x in inputs]
     threads = max(1, min(num_threads or torch.get_num_threads(), num_tables))
     # Groups of tables small enough for the caches, and at least one per thread.
-    groups = _split_by_size(sizes, max(threads, -(-sum(sizes) // _GROUP_IDS)))
+    # Groups of about _GROUP_IDS ids (their arrays stay in cache), one per thread at least; on the
+    # compiled route a second thread only from _THREAD_MIN_IDS ids, below which its handoff costs
+    # more than it saves (bench preprocess, pooling 1).
+    min_groups = threads if not csr_build.available() or sum(sizes) >= _THREAD_MIN_IDS else 1
+    groups = _split_by_size(sizes, max(min_groups, -(-sum(sizes) // _GROUP_IDS)))
     if threads == 1 or len(groups) == 1:
         return [
             r for a, b in groups for r in _preprocess_group(inputs[a:b], names[a:b], lim_ids[a:b], lim_uniq[a:b], **kw)
@@ -175,6 +180,8 @@ def preprocess_tables(
 # Ids per group of tables sorted together: beyond this the arrays outgrow the caches and one
 # sort per group costs more than it saves (measured on the benchmark, docs/kernels_preprocess.md).
 _GROUP_IDS = 1 << 16
+# Ids from which the compiled route splits the tables over threads.
+_THREAD_MIN_IDS = 1 << 18
 # Average entries per segment from which per-segment slice copies beat one scatter.
 _SLICE_COPY_MIN = 256
 
@@ -203,6 +210,11 @@ def _preprocess_group(
     ws = _workspace()
     ids_np, smp_np, gains_np, lengths = _group_arrays(inputs, ws)
     check_ranges(names, lengths, ids_np, smp_np, device_batch_size)  # never wrapped, clamped or dropped below
+    if csr_build.available():
+        compiled = _compiled_group(inputs, ids_np, smp_np, gains_np, lengths, lim_ids, lim_uniq, device_batch_size,
+                                   num_sc, parts)  # fmt: skip
+        if compiled is not None:
+            return compiled
     key, scratch, cbits, sbits = _segment_keys(ids_np, smp_np, lengths, ws, device_batch_size, per_sc, parts, tseg)
     seg_shift = cbits + sbits
     ukey, ugain = _merged_entries(key, scratch, gains_np, ws, (nseg - 1).bit_length() + seg_shift)
@@ -253,6 +265,60 @@ def _preprocess_group(
         csr = SparseCoreInput(rp, emb, smp, gns, device_batch_size, num_sc, parts, mi, mu)
         # required_buffer_size_per_sc: before dropping, like ids_per_partition.
         results.append((csr, PreprocessStats(ids_t[t], uniq_t[t], need, drop)))
+    return results
+
+
+def _compiled_group(
+    inputs: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    ids_np: np.ndarray,
+    smp_np: np.ndarray,
+    gains_np: np.ndarray,
+    lengths: list[int],
+    lim_ids: Sequence[int | None],
+    lim_uniq: Sequence[int | None],
+    device_batch_size: int,
+    num_sc: int,
+    parts: int,
+) -> list[tuple[SparseCoreInput, PreprocessStats]] | None:
+    """The group by `csr_build.tables_csr` (compiled passes, a sort per table), or None when the numpy
+    route must decide (a limit exceeded: it raises or drops; keys too wide)."""
+    n = ids_np.size
+    uniform = n == 0 or _all_equal(gains_np)
+    starts = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=starts[1:])
+    per_sc = device_batch_size // num_sc
+    out = csr_build.tables_csr(
+        ids_np,
+        smp_np,
+        None if uniform else gains_np,
+        float(gains_np[0]) if n else 0.0,
+        starts,
+        device_batch_size=device_batch_size,
+        num_sc=num_sc,
+        parts=parts,
+        max_ids=list(lim_ids),
+        max_uniq=list(lim_uniq),
+        row_keys=functools.partial(_row_keys, device_batch_size, per_sc, parts),
+    )
+    if out is None:
+        return None
+    row_pointers, emb, smp, gns, size, counts, ucounts, max_ids, max_uniq = out
+    aligned = (counts + SEGMENT_ALIGN - 1) // SEGMENT_ALIGN * SEGMENT_ALIGN
+    need = aligned.sum(2).max(1) if counts.size else np.zeros(len(lengths), np.int64)
+    sizes = size.tolist()
+    rp_t = torch.from_numpy(row_pointers)
+    emb_t, smp_t, gns_t = (torch.from_numpy(x).split(sizes) for x in (emb, smp, gns))
+    ids_t, uniq_t = torch.from_numpy(counts), torch.from_numpy(ucounts)
+    results = []
+    for t, (ids, mi, mu, nd) in enumerate(
+        zip((x[0] for x in inputs), max_ids.tolist(), max_uniq.tolist(), need.tolist())
+    ):
+        parts_t = [rp_t[t], emb_t[t], smp_t[t], gns_t[t]]
+        if ids.device.type != "cpu":
+            parts_t = [x.to(ids.device) for x in parts_t]
+        rp, e, s, g = parts_t
+        csr = SparseCoreInput(rp, e, s, g, device_batch_size, num_sc, parts, mi, mu)
+        results.append((csr, PreprocessStats(ids_t[t], uniq_t[t], nd, 0)))
     return results
 
 
