@@ -288,33 +288,42 @@ class SparseCoreKernel(nn.Module):
     def lookup(self, csrs: list[StackInput], batch: int) -> torch.Tensor:
         """Device side: pooled embeddings [batch, sum(dims)] ([blocks x batch, ..] for the inputs of
         `preprocess_blocks`); backward applies the fused update."""
-        padded = round_up(max(batch, 1), self.num_sc)
         blocks = max((c.blocks for c in csrs if isinstance(c, MultiPassInput)), default=1)
         compiling = torch.compiler.is_compiling()  # the ops with registered autograd (custom_ops.py)
         trigger = None
         if torch.is_grad_enabled():
             trigger = self.custom_op_trigger if compiling else _trigger()
         per_stack = []
-        for i, (plan, csr) in enumerate(zip(self.stacks, csrs)):
+        for i, (_, csr) in enumerate(zip(self.stacks, csrs)):
             direct = _writes_final_layout(self.stack_weight(i)) and not isinstance(csr, MultiPassInput)
             if compiling:
                 out = custom_ops.stack_lookup(self, trigger, i, csr)
             else:
                 out = _FusedLookup.apply(trigger, self, i, csr, batch, direct)
-            if direct:
-                per_stack.append(out)
-                continue
-            n, dim, width = len(plan.features), plan.layout.dim, plan.layout.storage_dim
-            # [blocks, SparseCores, features, padded / S, width] -> [blocks x batch, features * dim]:
-            # one reshape, so backward is one copy (per-feature indexing would cost a full-size zero
-            # fill per feature in backward); columns past dim are storage padding to the SparseCore's
-            # 8 and are cut here. Blocks: preprocess_blocks' batches, stacked (else one).
-            s, m = self.num_sc, blocks
-            block = out.view(m, s, n, padded // s, width).transpose(2, 3).reshape(m, padded, n, width)
-            per_stack.append(block[:, :batch, :, :dim].reshape(m * batch, n * dim))
+            per_stack.append(out if direct else self._stack_block(i, out, batch, blocks))
         if not self.feature_order:
             return torch.zeros(blocks * batch, 0)
         return self._feature_order_output(per_stack)
+
+    def assemble(self, raw: list[torch.Tensor], batch: int) -> torch.Tensor:
+        """`lookup`'s output from each stack's lookup-op output ([device batch, width], one block):
+        [batch, sum(dims)], differentiable back to `raw` (a pipelined step's activations,
+        tpurec/sharding/pipelined_step.py)."""
+        if not self.feature_order:
+            return torch.zeros(batch, 0)
+        return self._feature_order_output([self._stack_block(i, out, batch, 1) for i, out in enumerate(raw)])
+
+    def _stack_block(self, i: int, out: torch.Tensor, batch: int, blocks: int) -> torch.Tensor:
+        """Stack i's op output as [blocks x batch, its features * dim]."""
+        plan, padded = self.stacks[i], round_up(max(batch, 1), self.num_sc)
+        n, dim, width = len(plan.features), plan.layout.dim, plan.layout.storage_dim
+        # [blocks, SparseCores, features, padded / S, width] -> [blocks x batch, features * dim]:
+        # one reshape, so backward is one copy (per-feature indexing would cost a full-size zero
+        # fill per feature in backward); columns past dim are storage padding to the SparseCore's
+        # 8 and are cut here. Blocks: preprocess_blocks' batches, stacked (else one).
+        s, m = self.num_sc, blocks
+        block = out.view(m, s, n, padded // s, width).transpose(2, 3).reshape(m, padded, n, width)
+        return block[:, :batch, :, :dim].reshape(m * batch, n * dim)
 
     def _feature_order_output(self, per_stack: list[torch.Tensor]) -> torch.Tensor:
         """The stacks' [rows, their features * dim] outputs as one [rows, sum of dims] in feature order."""

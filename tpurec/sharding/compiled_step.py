@@ -17,7 +17,7 @@ batch; without them they follow the batch's ids, and a batch with new sizes comp
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -54,7 +54,7 @@ class CompiledStep:
         from torchrec.optim.optimizers import in_backward_optimizer_filter
 
         self.module: nn.Module = dmp.module  # without DDP: the graph averages the dense gradients itself
-        self.sharded = _the_sharded_ebc(self.module)
+        self.sharded = the_sharded_ebc(self.module, "CompiledStep")
         self.dense_params = [p for _, p in in_backward_optimizer_filter(self.module.named_parameters())]
         self.dense_lr = float(dense_lr)
         self.loss_fn = loss_fn
@@ -91,15 +91,20 @@ class CompiledStep:
         # dense optimizer in its compiled step. One foreach op, the same numbers: torch 2.14.1's
         # inductor computes a per-parameter `p.add_(p.grad, alpha=-lr)` after traced backward wrongly
         # (the losses drift 0.03 in 20 steps; aot_eager does not), the foreach form right.
-        with torch.no_grad():
-            params: list[torch.Tensor] = [p for p in self.dense_params if p.grad is not None]
-            grads: list[torch.Tensor] = [p.grad for p in params if p.grad is not None]
-            if self.world_size > 1:
-                grads = [_mean_over_ranks(g, self.group, self.world_size) for g in grads]
-            torch._foreach_add_(params, grads, alpha=-self.dense_lr)
-            for p in params:
-                p.grad = None
+        dense_sgd(self.dense_params, self.dense_lr, self.group, self.world_size)
         return loss.detach()
+
+
+def dense_sgd(dense_params: Sequence[torch.Tensor], lr: float, group: Any, world_size: int) -> None:
+    """Plain SGD on the dense parameters' gradients averaged over the ranks, traceable; clears them."""
+    with torch.no_grad():
+        params: list[torch.Tensor] = [p for p in dense_params if p.grad is not None]
+        grads: list[torch.Tensor] = [p.grad for p in params if p.grad is not None]
+        if world_size > 1:
+            grads = [_mean_over_ranks(g, group, world_size) for g in grads]
+        torch._foreach_add_(params, grads, alpha=-lr)
+        for p in params:
+            p.grad = None
 
 
 def _mean_over_ranks(grad: torch.Tensor, group: Any, world_size: int) -> torch.Tensor:
@@ -110,12 +115,12 @@ def _mean_over_ranks(grad: torch.Tensor, group: Any, world_size: int) -> torch.T
     return funcol.all_reduce(grad / world_size, "sum", group)
 
 
-def _the_sharded_ebc(module: nn.Module) -> ShardedSparseCoreEBC:
+def the_sharded_ebc(module: nn.Module, who: str) -> ShardedSparseCoreEBC:
     found = [(name, m) for name, m in module.named_modules() if isinstance(m, ShardedSparseCoreEBC)]
     if len(found) != 1:
         names = [n for n, _ in found]
         raise UserError(
-            f"CompiledStep needs a model with exactly one sharded EmbeddingBagCollection (batch.sparse_features "
+            f"{who} needs a model with exactly one sharded EmbeddingBagCollection (batch.sparse_features "
             f"goes to it); this one has {len(found)}: {names}"
         )
     return found[0][1]

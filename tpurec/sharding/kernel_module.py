@@ -249,6 +249,12 @@ class SparseCoreEmbeddingBag(_SparseCoreGroupKernel):
         out = self.kernel.lookup(features.inputs, features.batch)
         return out if self._output_dtype in (None, out.dtype) else out.to(self._output_dtype)
 
+    def assemble_raw(self, raw: list[torch.Tensor], features: PreprocessedFeatures) -> torch.Tensor:
+        """`lookup_preprocessed`'s output from its stacks' lookup-op outputs computed earlier (a
+        pipelined step's SparseCore forward, tpurec/sharding/pipelined_step.py)."""
+        out = self.kernel.assemble(raw, features.batch)
+        return out if self._output_dtype in (None, out.dtype) else out.to(self._output_dtype)
+
     def feature_keys(self) -> list[str]:
         """The KJT keys this lookup receives, in order (TorchRec passes a group's features in table
         order; a feature repeats for each column shard of its table held here)."""

@@ -13,9 +13,14 @@ feeds its compiled step SparseCore inputs built ahead. tpurec's sharded EBC spli
   pooled embeddings (its comm ops switch to functional collectives under Dynamo) and the
   KeyedTensor, as `compute_and_output_dist` builds it.
 
-`ShardedSparseCoreEBC.forward` takes a `ShardedPreprocessed` in place of the KJT, so a model whose
-forward hands its KJT to the sharded EBC (TorchRec's DLRM) runs only the device half
-(tpurec/sharding/compiled_step.py, docs/kernels.md "Compiled step").
+A pipelined step (tpurec/sharding/pipelined_step.py) splits the device half once more:
+`lookup_sharded` (the SparseCore forward, no autograd graph), `output_dist_activations` (the
+kernels' outputs from those activations as leaves, and the output dist) and `update_sharded` (the
+SparseCore backward: each stack's fused update from its activations' gradient).
+
+`ShardedSparseCoreEBC.forward` takes a `ShardedPreprocessed` (or `ShardedActivations`) in place
+of the KJT, so a model whose forward hands its KJT to the sharded EBC (TorchRec's DLRM) runs only
+the device half (tpurec/sharding/compiled_step.py, docs/kernels.md "Compiled step").
 """
 
 from __future__ import annotations
@@ -24,10 +29,14 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import torch
+from torch import Tensor
 from torchrec.distributed.embedding_lookup import embeddings_cat_empty_rank_handle, fx_wrap_tensor_view2d
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionAwaitable, _apply_mean_pooling
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from tpurec.embedding import custom_ops
+from tpurec.embedding.preprocess import SparseCoreInput
 from tpurec.embedding.preprocessed import PreprocessedFeatures
 from tpurec.errors import UserError
 
@@ -88,15 +97,109 @@ def _build_output_dist(output_dist: Any, sharding_ctx: Any) -> None:
 def compute_preprocessed(module: Any, prepared: ShardedPreprocessed) -> KeyedTensor:
     """The device half: `compute_and_output_dist` of ShardedEmbeddingBagCollection on the inputs built
     ahead, waited (a compiled region returns tensors, not TorchRec's lazy awaitables)."""
-    if prepared.owner is not module:
-        raise ValueError("these SparseCore inputs were preprocessed for another sharded module")
-    ctx = prepared.ctx
-    awaitables = []
+    _check_owner(module, prepared)
+    per_lookup = []
     for i in range(len(module._lookups)):  # indexed, not zipped, as TorchRec writes it for Dynamo
         lookup = module._lookups[i]
-        outs = [kmod.lookup_preprocessed(f) for kmod, f in zip(lookup._emb_modules, prepared.inputs[i])]
+        per_lookup.append([kmod.lookup_preprocessed(f) for kmod, f in zip(lookup._emb_modules, prepared.inputs[i])])
+    return _output_dist(module, prepared, per_lookup)
+
+
+# -- a pipelined step's stages (tpurec/sharding/pipelined_step.py) ------------------------------
+# TorchRec's SparseCoreTrainPipeline splits the device half once more: the SparseCore forward
+# (lookups) of one batch, the model on another batch's activations, the SparseCore backward (fused
+# update) of a third. Raw activations: each stack's lookup-op output, [device batch, width].
+
+RawActivations = list[list[list[Tensor]]]  # per lookup, per kernel of the lookup, per stack
+
+
+@dataclass
+class ShardedActivations:
+    """A batch whose lookups ran ahead: what the sharded EBC's forward takes in place of the KJT to
+    run only TorchRec's output dist (`output_dist_activations`), differentiable back to `raw`."""
+
+    prepared: ShardedPreprocessed
+    raw: RawActivations
+
+    def stride(self) -> int:
+        return self.prepared.batch
+
+
+def lookup_sharded(module: Any, prepared: ShardedPreprocessed) -> RawActivations:
+    """SparseCore forward: each stack's lookup op on the tables as they are now; no autograd graph."""
+    _check_owner(module, prepared)
+    out = []
+    with torch.no_grad():
+        for i in range(len(module._lookups)):
+            lookup = module._lookups[i]
+            out.append(
+                [
+                    [custom_ops.stack_lookup(kmod.kernel, None, s, csr) for s, csr in enumerate(f.inputs)]
+                    for kmod, f in zip(lookup._emb_modules, prepared.inputs[i])
+                ]
+            )
+    return out
+
+
+def output_dist_activations(module: Any, acts: ShardedActivations) -> KeyedTensor:
+    """The model's side of a pipelined step: the kernels' outputs assembled from the raw activations,
+    then TorchRec's output dist, as `compute_preprocessed` runs them after its lookups."""
+    prepared = acts.prepared
+    _check_owner(module, prepared)
+    per_lookup = []
+    for i in range(len(module._lookups)):
+        lookup = module._lookups[i]
+        kernels = zip(lookup._emb_modules, prepared.inputs[i], acts.raw[i])
+        per_lookup.append([kmod.assemble_raw(raw, f) for kmod, f, raw in kernels])
+    return _output_dist(module, prepared, per_lookup)
+
+
+def update_sharded(module: Any, prepared: ShardedPreprocessed, grads: RawActivations) -> int:
+    """SparseCore backward: each stack's fused update from its raw activations' gradient, through
+    `tpurec::fused_update` (the compiled backward's op: the same optimizer code, hooks, step counts
+    and learning rate as the eager step's). Returns the number of stack updates run."""
+    _check_owner(module, prepared)
+    count = 0
+    for i in range(len(module._lookups)):
+        lookup = module._lookups[i]
+        for kmod, f, per_stack in zip(lookup._emb_modules, prepared.inputs[i], grads[i]):
+            kernel = kmod.kernel
+            for s, (csr, grad) in enumerate(zip(f.inputs, per_stack)):
+                assert isinstance(csr, SparseCoreInput)  # lookup_sharded refused the others (custom_ops.stack_lookup)
+                states = [kernel.stack_state(s, name) for name in kernel.optimizer.state_names]
+                torch.ops.tpurec.fused_update(
+                    grad,
+                    csr.row_pointers,
+                    csr.embedding_ids,
+                    csr.sample_ids,
+                    csr.gains,
+                    kernel.stack_weight(s),
+                    states,
+                    csr.device_batch_size,
+                    csr.num_sc_per_device,
+                    csr.num_partitions,
+                    csr.max_ids_per_partition,
+                    csr.max_unique_ids_per_partition,
+                    kernel.custom_op_key,
+                    s,
+                )
+                count += 1
+    return count
+
+
+def _check_owner(module: Any, prepared: ShardedPreprocessed) -> None:
+    if prepared.owner is not module:
+        raise ValueError("these SparseCore inputs were preprocessed for another sharded module")
+
+
+def _output_dist(module: Any, prepared: ShardedPreprocessed, per_lookup: list[list[Tensor]]) -> KeyedTensor:
+    """TorchRec's output dist of each lookup's kernel outputs and the KeyedTensor, waited."""
+    ctx = prepared.ctx
+    awaitables = []
+    for i in range(len(module._lookups)):
+        lookup = module._lookups[i]
         dummy = fx_wrap_tensor_view2d(lookup._dummy_embs_tensor, prepared.strides[i], 0)  # a rank without tables
-        embs = embeddings_cat_empty_rank_handle(outs, dummy, dim=1)
+        embs = embeddings_cat_empty_rank_handle(per_lookup[i], dummy, dim=1)
         awaitables.append(module._output_dists[i](embs, ctx.sharding_contexts[i]))
     awaitable = EmbeddingBagCollectionAwaitable(
         awaitables=awaitables, embedding_dims=module._embedding_dims, embedding_names=module._embedding_names

@@ -32,7 +32,12 @@ from tpurec.planner import stock_estimates
 from tpurec.planner.kernel_choice import COMPUTE_KERNEL, SHARDING_TYPES, sharding_types_for
 from tpurec.sharding.host_input_dist import HostInputDistMixin
 from tpurec.sharding.kernel_module import SparseCoreEmbeddingBag
-from tpurec.sharding.sharded_preprocess import ShardedPreprocessed, compute_preprocessed
+from tpurec.sharding.sharded_preprocess import (
+    ShardedActivations,
+    ShardedPreprocessed,
+    compute_preprocessed,
+    output_dist_activations,
+)
 from tpurec.sharding.sharded_state import SparseCoreShardedMixin, shard_slice
 
 
@@ -103,6 +108,9 @@ class ShardedSparseCoreEBC(HostInputDistMixin, SparseCoreShardedMixin, ShardedEm
         # torch.compile (tpurec/sharding/compiled_step.py); a KJT: TorchRec's whole forward
         if len(input) == 1 and not kwargs and isinstance(input[0], ShardedPreprocessed):
             return compute_preprocessed(self, input[0])
+        # lookups run ahead (a pipelined step's SparseCore forward, pipelined_step.py): the output dist only
+        if len(input) == 1 and not kwargs and isinstance(input[0], ShardedActivations):
+            return output_dist_activations(self, input[0])
         return super().forward(*input, **kwargs)
 
     def input_dist(self, ctx: Any, features: Any, *args: Any, **kwargs: Any) -> Any:

@@ -1,0 +1,174 @@
+"""`PipelinedStep`: a tpurec-DMP trainer in the shape of TorchRec's `SparseCoreTrainPipeline`
+(torchrec/experimental/torch_tpu/pipelining/train_pipeline.py).
+
+Three stages, each on a different batch; a steady step runs, in this order (TorchRec's):
+
+* SparseCore backward of batch t: each stack's fused update from t's activation gradients
+  (`sharded_preprocess.update_sharded`, the `tpurec::fused_update` op of the compiled backward);
+* TensorCore stage of batch t+1: t+1's raw activations as leaves requiring grad, TorchRec's output
+  dist, the model and loss, backward, the dense gradients averaged over the ranks and plain SGD
+  (CompiledStep's `dense_sgd`), giving the activations' gradients;
+* SparseCore forward of batch t+2: its lookups on the tables as they are now (no autograd graph).
+
+So t+2's lookup sees t's update but not t+1's: the tables are one step stale, the dense parameters
+are not. Where consecutive batches touch disjoint rows of every table the stale rows are not read
+and the pipelined step computes the unpipelined step's numbers exactly. The host half of each batch
+(input dist, SparseCore preprocessing: `preprocess_sharded`) runs eagerly before the step, as
+CompiledStep's does; with `compile=True` the steady step is one `torch.compile(fullgraph=True,
+dynamic=False)` graph, the warm-up and drain steps run eagerly (TorchRec's choice too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tpurec.sharding.compiled_step import LossFn, dense_sgd, model_loss, the_sharded_ebc
+from tpurec.sharding.sharded_preprocess import (
+    RawActivations,
+    ShardedActivations,
+    ShardedPreprocessed,
+    lookup_sharded,
+    preprocess_sharded,
+    update_sharded,
+)
+
+
+class PipelinedStep:
+    """`progress(iterator)` / `step(batch)`: one pipelined step of `dmp` (a tpurec.DistributedModelParallel
+    with one sharded EmbeddingBagCollection), returning the loss of the previous batch (None for the
+    first batch); `drain()` finishes the batches in flight, `iterate(loader)` yields every loss.
+
+    batch, loss_fn, dense_lr and backend: as CompiledStep's. compile: False runs the steady step eagerly.
+    """
+
+    def __init__(
+        self,
+        dmp: Any,
+        dense_lr: float,
+        loss_fn: LossFn = model_loss,
+        compile: bool = True,
+        backend: str | Any = "aot_eager",
+    ) -> None:
+        from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+        self.module: nn.Module = dmp.module  # without DDP: the step averages the dense gradients itself
+        self.sharded = the_sharded_ebc(self.module, "PipelinedStep")
+        self.dense_params = [p for _, p in in_backward_optimizer_filter(self.module.named_parameters())]
+        self.dense_lr = float(dense_lr)
+        self.loss_fn = loss_fn
+        env = getattr(dmp, "_env", None)
+        self.group = getattr(env, "process_group", None)
+        self.world_size = self.group.size() if self.group is not None and dist.is_initialized() else 1
+        self._steady_fn = (
+            torch.compile(self._steady, fullgraph=True, dynamic=False, backend=backend) if compile else self._steady
+        )
+        self.updated_batches = 0  # batches whose SparseCore backward ran (all of them after a drain)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the batches in flight (their updates are lost: call `drain()` first to keep them)."""
+        self._count = 0
+        self._behind: tuple[ShardedPreprocessed, RawActivations] | None = None  # batch t: its gradients
+        self._ahead: Any = None  # batch t+1: looked up, waiting for the model
+        self._drain_iter: Iterator[torch.Tensor] | None = None
+
+    def preprocess(self, batch: Any) -> ShardedPreprocessed:
+        """The host half of a batch (eager): input dist and each kernel's SparseCore inputs."""
+        return preprocess_sharded(self.sharded, batch.sparse_features)
+
+    def step(self, batch: Any) -> torch.Tensor | None:
+        prepared = self.preprocess(batch)
+        if self._count == 0:  # warm-up 0: SparseCore forward of batch 0
+            self._ahead = _activated(batch, prepared, lookup_sharded(self.sharded, prepared))
+            self._count = 1
+            return None
+        if self._count == 1:  # warm-up 1: SparseCore forward of batch 1, the model on batch 0
+            raw = lookup_sharded(self.sharded, prepared)
+            grads, loss = self._tensor_core(self._ahead)
+        else:
+            assert self._behind is not None
+            with torch._dynamo.config.patch(trace_autograd_ops=True):  # loss.backward() in the graph
+                raw, grads, loss = self._steady_fn(*self._behind, self._ahead, prepared)
+            self.updated_batches += 1
+        self._behind = (self._ahead.sparse_features.prepared, grads)
+        self._ahead = _activated(batch, prepared, raw)
+        self._count += 1
+        return loss
+
+    def drain(self) -> Iterator[torch.Tensor]:
+        """The batches in flight: the last batch's model stage (its loss yielded), then the last two
+        SparseCore backwards; the pipeline is empty after it."""
+        if self._count == 0:
+            return
+        if self._behind is not None:
+            update_sharded(self.sharded, *self._behind)
+            self.updated_batches += 1
+        grads, loss = self._tensor_core(self._ahead)
+        self._behind = (self._ahead.sparse_features.prepared, grads)
+        self._ahead = None
+        yield loss
+        update_sharded(self.sharded, *self._behind)
+        self.updated_batches += 1
+        self.reset()
+
+    def progress(self, dataloader_iter: Iterator[Any]) -> torch.Tensor | None:
+        """The next batch's step, then the drain's; StopIteration when all are done (TorchRec's
+        train pipelines' contract). The first call returns None (nothing has reached the model yet)."""
+        if self._drain_iter is None:
+            batch = next(dataloader_iter, None)
+            if batch is not None:
+                return self.step(batch)
+            self._drain_iter = self.drain()
+        return next(self._drain_iter)  # StopIteration at the end (then the pipeline is reset)
+
+    def iterate(self, loader: Iterable[Any]) -> Iterator[torch.Tensor]:
+        """Every batch's loss, in order, the drain's included."""
+        for batch in loader:
+            loss = self.step(batch)
+            if loss is not None:
+                yield loss
+        yield from self.drain()
+
+    def explain(self, batch: Any) -> Any:
+        """torch._dynamo.explain of the steady step on the pipeline's state and `batch` (after two
+        warm-up steps). It runs the step (tables and dense parameters are updated) but does not
+        advance the pipeline: for inspection, then `reset()`."""
+        if self._behind is None:
+            raise ValueError("PipelinedStep.explain needs two steps first (the warm-up)")
+        prepared = self.preprocess(batch)
+        with torch._dynamo.config.patch(trace_autograd_ops=True):
+            return torch._dynamo.explain(self._steady)(*self._behind, self._ahead, prepared)
+
+    def _steady(
+        self, prepared_t: ShardedPreprocessed, grads_t: RawActivations, batch_t1: Any, prepared_t2: ShardedPreprocessed
+    ) -> tuple[RawActivations, RawActivations, torch.Tensor]:
+        update_sharded(self.sharded, prepared_t, grads_t)
+        grads_t1, loss_t1 = self._tensor_core(batch_t1)
+        raw_t2 = lookup_sharded(self.sharded, prepared_t2)
+        return raw_t2, grads_t1, loss_t1
+
+    def _tensor_core(self, batch: Any) -> tuple[RawActivations, torch.Tensor]:
+        """Model, loss and backward on a batch's raw activations (leaves), dense SGD; their gradients."""
+        loss = self.loss_fn(self.module, batch)
+        loss.backward()
+        grads = [
+            [[a.grad if a.grad is not None else torch.zeros_like(a) for a in stacks] for stacks in kernels]
+            for kernels in batch.sparse_features.raw
+        ]
+        dense_sgd(self.dense_params, self.dense_lr, self.group, self.world_size)
+        return grads, loss.detach()
+
+
+def _activated(batch: Any, prepared: ShardedPreprocessed, raw: RawActivations) -> Any:
+    """`batch` with its KJT replaced by its looked-up activations, as leaves the model's backward fills."""
+    for kernels in raw:
+        for stacks in kernels:
+            for a in stacks:
+                a.requires_grad_()
+    return replace(batch, sparse_features=ShardedActivations(prepared, raw))
