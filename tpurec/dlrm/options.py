@@ -29,6 +29,8 @@ from tpurec.errors import UserError
 from tpurec.runtime import heartbeat, storage
 from tpurec.runtime.device import DeviceChoice
 
+STEP_KINDS = ("eager", "compiled", "pipelined")  # --step: tpurec/dlrm/step_kind.py
+
 if TYPE_CHECKING:
     from tpurec.data.mapping import ColumnSpec
 
@@ -194,6 +196,14 @@ class TrainOptions:
         type=nonnegative_int,
     )
     pipeline_workers: int = flag(1, "threads preparing batches ahead (default 1)", type=positive_int)
+    step: str = flag(
+        "eager",
+        "the training step: eager (TorchRec's pipeline, default), compiled (the device half as one "
+        "torch.compile graph) or pipelined (SparseCore forward ahead, table update behind: the tables "
+        "one step stale, docs/dmp.md 'Pipelined step'); compiled and pipelined run plain SGD on the dense "
+        "parameters (--dense-optimizer sgd) on --device cpu; compiled needs --limits, pipelined compiles with it",
+        choices=STEP_KINDS,
+    )
 
     # ---- building ----
     @classmethod
@@ -358,9 +368,35 @@ class TrainOptions:
             return f"{flags.option_string(given[0])} shapes the built-in DLRM; --model-module builds its own model"
         return None
 
+    def _step_problem(self) -> str | None:
+        """What --step compiled/pipelined cannot run: their dense update is plain SGD at a fixed lr in
+        the step itself, and they take the built-in DLRM's one sharded EBC on the CPU."""
+        if self.step == "eager":
+            return None
+        try:
+            cfg = self.config()
+        except UserError as e:
+            return str(e)
+        if cfg.dense_optimizer != "sgd":
+            opt = cfg.dense_optimizer
+            return f"--step {self.step} runs plain SGD on the dense parameters: give --dense-optimizer sgd (not {opt})"
+        if cfg.warmup_steps or cfg.decay_steps:
+            return f"--step {self.step} keeps the dense lr fixed: leave out --warmup-steps and --decay-steps"
+        given = [f for f in ("model_module", "zch") if getattr(self, f)]
+        if given:
+            flag_name = flags.option_string(given[0])
+            return f"--step {self.step} trains the built-in DLRM without {flag_name} (use --step eager)"
+        if self.step == "compiled" and not self.id_limits:
+            return (
+                "--step compiled needs fixed SparseCore buffer sizes: give --limits LIMITS.json (`tpurec data stats`)"
+            )
+        if self.device == "tpu":
+            return f"--step {self.step} runs on --device cpu for now (not yet run on a TPU; use --step eager there)"
+        return None
+
     def check(self, nproc: int = 1) -> str | None:
         """A one-line message for bad input, checked before anything heavy starts."""
-        problem = self._model_module_problem()
+        problem = self._model_module_problem() or self._step_problem()
         if problem:
             return problem
         if self.data:

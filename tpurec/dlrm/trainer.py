@@ -305,6 +305,17 @@ class Trainer:
         if self.rank == 0:
             self._report_plan()
         device = torch.device(self.device) if self.device == "cpu" else self.dmp.device
+        if o.step != "eager":  # tpurec's compiled or pipelined step (step_kind.py), on the CPU for now
+            from tpurec.dlrm.step_kind import StepPipeline
+
+            if self.device != "cpu":
+                raise UserError(f"--step {o.step} runs on --device cpu for now (use --step eager on {self.device})")
+            # compiled only with fixed SparseCore buffer sizes (--limits): else a graph per batch
+            fixed = o.id_limits is not None
+            self.pipeline: Any = StepPipeline(o.step, self.dmp, cfg.dense_lr, compile=fixed)
+            how = "under torch.compile" if fixed else "eagerly (no --limits: buffer sizes follow each batch)"
+            self.say(f"--step {o.step}: the steady step runs {how}")
+            return
         self.pipeline = train_pipeline(
             self.dmp,
             self.optimizer,
@@ -608,6 +619,7 @@ class Trainer:
             "world_size": world,
             "batch_size": batch,
             "model": self.model_name,
+            "step": self.options.step,
             "seconds": round(time.perf_counter() - self._t_start, 2),
         }
         if self.oracle_auc:

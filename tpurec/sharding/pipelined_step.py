@@ -125,7 +125,11 @@ class PipelinedStep:
             if batch is not None:
                 return self.step(batch)
             self._drain_iter = self.drain()
-        return next(self._drain_iter)  # StopIteration at the end (then the pipeline is reset)
+        try:
+            return next(self._drain_iter)
+        except StopIteration:  # drained (and reset): the next call starts a new epoch
+            self._drain_iter = None
+            raise
 
     def iterate(self, loader: Iterable[Any]) -> Iterator[torch.Tensor]:
         """Every batch's loss, in order, the drain's included."""

@@ -1,0 +1,47 @@
+"""`tpurec train --step`: the training step behind the trainer's pipeline interface.
+
+`eager` is TorchRec's TrainPipelineSparseDist (input_pipeline.train_pipeline); `compiled` and
+`pipelined` are tpurec's CompiledStep and PipelinedStep (tpurec/sharding/), run here behind the same
+`progress(iterator)` the trainer calls: (loss, None, None) per training batch, StopIteration when the
+batches (and, pipelined, the batches in flight) are done; in eval mode the model's forward,
+(loss, logits, labels), as TorchRec's pipeline returns them from TorchRec's DLRMTrain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+
+class StepPipeline:
+    """kind: "compiled" or "pipelined" (options.STEP_KINDS); dense_lr: their plain SGD's lr.
+    compile: the pipelined steady step under torch.compile (it needs fixed id limits: without them
+    the SparseCore buffers follow each batch's ids, a new graph per batch), else eager."""
+
+    def __init__(self, kind: str, dmp: Any, dense_lr: float, compile: bool = True) -> None:
+        self.kind, self.dmp = kind, dmp
+        self._compiled: Any = None
+        self._pipelined: Any = None
+        if kind == "compiled":
+            from tpurec.sharding.compiled_step import CompiledStep
+
+            self._compiled = CompiledStep(dmp, dense_lr)
+        elif kind == "pipelined":
+            from tpurec.sharding.pipelined_step import PipelinedStep
+
+            self._pipelined = PipelinedStep(dmp, dense_lr, compile=compile)
+        else:
+            raise ValueError(f"no step kind {kind!r}")
+
+    def progress(self, batches: Iterator[Any]) -> tuple[torch.Tensor, Any, Any]:
+        if not self.dmp.training:  # evaluation: the model's forward, nothing updated
+            out: tuple[torch.Tensor, Any, Any] = self.dmp(next(batches))[1]
+            return out
+        if self._compiled is not None:
+            return self._compiled.step(next(batches)), None, None
+        loss = self._pipelined.progress(batches)
+        while loss is None:  # the warm-up's first batch: looked up, not yet through the model
+            loss = self._pipelined.progress(batches)
+        return loss, None, None
