@@ -122,6 +122,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out", required=True)
     parser.add_argument("--host-tensor-check", action="store_true")
+    # the eager step's dense gradient average: DDP's (bucketed), or one all-reduce per gradient
+    parser.add_argument("--oracle", choices=["ddp", "allreduce"], default="ddp")
     args = parser.parse_args()
 
     import torch.distributed as dist
@@ -141,8 +143,17 @@ def main() -> None:
     step = CompiledStep(twin, DENSE_LR, backend="tpu")
     eager_losses, compiled_losses, per_step_programs = [], [], []
     for batch in _batches(eager, args.steps, rank, world):
-        loss = eager(batch)[0]
-        loss.backward()
+        if args.oracle == "ddp":
+            loss = eager(batch)[0]
+            loss.backward()
+        else:  # DMP's module without DDP, each dense gradient averaged alone, as the graph does
+            loss = eager.module(batch)[0]
+            loss.backward()
+            for p in dense:
+                if p.grad is not None and world > 1:
+                    g = p.grad / world
+                    dist.all_reduce(g)
+                    p.grad = g
         sgd.step()
         sgd.zero_grad()
         eager_losses.append(float(loss.detach()))
