@@ -157,3 +157,26 @@ def test_a_graph_is_split_into_programs_at_its_collectives_as_torchtpu_splits_it
     stretches = [key for kind, _, key in programs if kind == "compiled"]
     assert [s[:2] for s in stretches] == [("forward", 0), ("forward", 1), ("forward", 2)]
     assert all(s[2] == (((4,), "torch.float32"),) for s in stretches)  # keyed by the graph's input shapes
+
+
+def test_graph_counts_count_graphs_and_breaks():
+    """The result line's `graphs_compiled` and `graph_breaks` (torch._dynamo's counters) on a function
+    with one break: two graphs, one break."""
+    import torch
+
+    from tpurec.emulation.compiled import graph_counts
+
+    def broken(x):
+        y = x * 2
+        torch._dynamo.graph_break()
+        return y + 1
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    try:
+        assert graph_counts() == {"graphs_compiled": 0, "graph_breaks": 0}
+        assert torch.equal(torch.compile(broken, backend="eager")(torch.ones(3)), torch.full((3,), 3.0))
+        assert graph_counts() == {"graphs_compiled": 2, "graph_breaks": 1}
+    finally:
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
