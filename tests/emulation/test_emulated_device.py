@@ -71,6 +71,17 @@ PROBE = textwrap.dedent(
     )
     seen["aten_missing"] = refused(lambda: torch.unique(a, dim=0), NotImplementedError)
 
+    # Module.to of parameters already on the device: torch swaps a traceable wrapper subclass's
+    # parameters (torch.utils.swap_tensors); each keeps its identity, attributes and hooks
+    lin = torch.nn.Linear(2, 2, device="tpu")
+    weight, fired = lin.weight, []
+    weight.tag = "kept"
+    weight.register_hook(lambda g: fired.append("hook") or g * 2)
+    weight.register_post_accumulate_grad_hook(lambda p: fired.append("post"))
+    lin.to("tpu")
+    lin(torch.ones(1, 2, device="tpu")).sum().backward()
+    seen["swapped"] = [lin.weight is weight, getattr(lin.weight, "tag", None), fired, lin.weight.grad.cpu().tolist()]
+
     device.RECORD.reset()
     for shape in ((3, 4), (3, 4), (5, 4)):
         torch.ones(shape, device="tpu") * 3.0
@@ -122,3 +133,9 @@ def test_ops_without_a_torchtpu_kernel_raise_torchtpus_error(seen):
 def test_every_op_shape_is_a_program(seen):
     shapes = [key for _, key in seen["programs"]]
     assert len(shapes) == 2 and any("(3, 4)" in k for k in shapes) and any("(5, 4)" in k for k in shapes)
+
+
+def test_moving_a_module_already_on_the_device_keeps_its_parameters(seen):
+    # TpuTensor is traceable (torch.compile traces through it), so nn.Module.to swaps its parameters;
+    # before it kept them as they were, and so must the swap: same object, attributes, hooks
+    assert seen["swapped"] == [True, "kept", ["hook", "post"], [[2.0, 2.0], [2.0, 2.0]]]

@@ -26,6 +26,7 @@ def test_programs_first_asked_after_warmup_are_counted_in_training_and_evaluatio
     for _ in range(2):  # training's warm-up: the first two steps
         rank.begin("train")
         device.RECORD.program("tensorcore", "aten::mm", (2,))
+        device.RECORD.program("compiled", "graph:a", ("forward", 0, ()))  # a torch.compile graph (compiled.py)
     rank.begin("train")  # step 3: a new program is a recompile; one already compiled is not
     device.RECORD.program("tensorcore", "aten::mm", (1,))
     device.RECORD.program("sparsecore", "tpurec::sparse_dense_matmul", (3,))
@@ -37,9 +38,12 @@ def test_programs_first_asked_after_warmup_are_counted_in_training_and_evaluatio
         device.RECORD.program("collective", "c10d::allreduce_", (6,))
     rank.begin("train")  # step 4, after an evaluation: a program only evaluation asked for before is no recompile
     device.RECORD.program("tensorcore", "aten::mm", (5,))
-    assert rank.recompiles_after_warmup() == 3
+    device.RECORD.program("compiled", "graph:a", ("forward", 0, ()))  # the same graph: no recompile
+    device.RECORD.program("compiled", "graph:a", ("forward", 0, ((8,),)))  # new input shapes: a recompile
+    assert rank.recompiles_after_warmup() == 4
     assert sorted(rank.late_programs()) == [
         ("collective", "c10d::allreduce_", (6,)),
+        ("compiled", "graph:a", ("forward", 0, ((8,),))),
         ("sparsecore", "tpurec::sparse_dense_matmul", (3,)),
         ("tensorcore", "aten::mm", (5,)),
     ]
@@ -47,4 +51,5 @@ def test_programs_first_asked_after_warmup_are_counted_in_training_and_evaluatio
         "sparsecore": {"tpurec::sparse_dense_matmul": 1},
         "tensorcore": 4,
         "collective": 1,
+        "compiled": 2,
     }

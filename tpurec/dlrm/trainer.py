@@ -693,6 +693,7 @@ class Trainer:
                 recompiles_after_warmup=self.emulated.recompiles_after_warmup(),
                 # Which ops recompiled, and how often: where a shape followed the data.
                 recompiled_ops=dict(Counter(op for _, op, _ in self.emulated.late_programs()).most_common(10)),
+                **self.emulated.graph_counts(),  # torch.compile graphs and graph breaks (0: an eager step)
             )
         elif self.device == "tpu":
             out.update(programs_compiled=None, recompiles_after_warmup=None)

@@ -32,7 +32,6 @@ import torch
 from torch import Tensor
 
 from tpurec.embedding import ops
-from tpurec.embedding.cpu_path import grad_trigger
 from tpurec.embedding.preprocess import SparseCoreInput
 
 if TYPE_CHECKING:
@@ -52,7 +51,9 @@ def prepare(kernel: SparseCoreKernel) -> None:
     key = next(_KEYS)
     _KERNELS[key] = kernel
     kernel.custom_op_key = key
-    kernel.custom_op_trigger = grad_trigger()
+    # 0-dim: a scalar, which an op on device tensors may take from the host (torch's device rule; an
+    # empty host tensor of shape (0,) among a TPU's tensors is refused, by the emulated device too)
+    kernel.custom_op_trigger = torch.zeros((), requires_grad=True)
 
 
 def _kernel(key: int) -> SparseCoreKernel:
@@ -79,7 +80,7 @@ def fused_lookup(
     kernel: int,
     stack: int,
 ) -> Tensor:
-    """Stack `stack`'s pooled lookup, [device_batch_size, width] float32. `trigger` (an empty tensor
+    """Stack `stack`'s pooled lookup, [device_batch_size, width] float32. `trigger` (a 0-dim tensor
     that requires grad) makes autograd reach the update; `states` are only carried to it."""
     return torch.ops.tpurec.sparse_dense_matmul(
         row_pointers,

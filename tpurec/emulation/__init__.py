@@ -9,11 +9,13 @@ environment TorchTPU wants decided in the parent (`launch_env`). In each rank (`
   adapter (`tpurec.embedding.tpu`);
 * `torch.tpu`, the `tpu_dist` process-group backend and DDP's parameter check follow TorchTPU
   0.2.0's rules (`torchtpu_dist`);
+* `torch.compile(..., backend="tpu")` is TorchTPU's backend name: the graph runs on the CPU data, and
+  each run asks the device for the programs TorchTPU's compiler would make of it (`compiled`);
 * every TPU-path decision tpurec makes (fixed id limits, the chip's SparseCore count, float32 tables,
   the `cpu:gloo,tpu:tpu_dist` group, planning for the slice) is taken as on the TPU
   (`tpurec.runtime.device.tpu_path`).
 
-What it cannot show: anything of the chip itself (speed, memory, XLA's compilation), and which
-tensors would live on the device (they are all CPU tensors here). docs/tpu.md lists each rule and
+What it cannot show: anything of the chip itself (speed, memory, XLA's compilation). Device tensors
+are `device.TpuTensor`s over CPU data, under TorchTPU's device rules. docs/tpu.md lists each rule and
 the TorchTPU source it was read from.
 """

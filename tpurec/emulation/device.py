@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_flatten, tree_map
 
 from tpurec.emulation.rule_error import TorchTpuRuleError
@@ -180,8 +181,8 @@ def torchtpu_fallback_ops() -> set[str]:
 class TpuTensor(torch.Tensor):
     """A tensor on the emulated `tpu:0`; `_data` is its value, a CPU tensor."""
 
-    _data: torch.Tensor
-    __slots__ = ("_data",)
+    _data: torch.Tensor  # an instance attribute, no __slots__: nn.Module.to swaps a traceable subclass's
+    # parameters in (torch.utils.swap_tensors), which refuses tensors with different slots
     # No torch-function layer: its default would turn every result, host copies too, into this type.
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
@@ -196,9 +197,18 @@ class TpuTensor(torch.Tensor):
             dtype=data.dtype,
             device=torch.device(DEVICE, 0),
             requires_grad=data.requires_grad,
+            # An empty tensor's wrapper gets a storage of its own: torch's fake-tensor conversion (tracing)
+            # resizes a zero-byte storage to zero through the device's `resizePrivateUse1Bytes` hook,
+            # which a Python backend cannot register. `_data` keeps the real (empty) data.
+            storage_size=None if data.numel() else 1,
         )
         t._data = data
         return t
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name == "_is_param" and _DETACHED_PARAM and _DETACHED_PARAM[0][0] is self:
+            _keep_parameter(self, _DETACHED_PARAM.pop()[1])
 
     def __repr__(self, **kwargs: Any) -> str:  # type: ignore[override]
         return f"{self._data!r} (on emulated {self.device})"
@@ -220,11 +230,43 @@ class TpuTensor(torch.Tensor):
     def __reduce_ex__(self, protocol: Any) -> Any:  # pickling copies to the host, as torch.save of a device tensor
         return (_from_host, (self._data.detach().clone(),))
 
+    # A traceable wrapper subclass (torch/testing/_internal/two_tensor.py): torch.compile traces
+    # through it (each op reaches `__torch_dispatch__` with fake data, the device's rules apply) and
+    # its compiled graph runs on `_data`, the CPU tensors underneath.
+    def __tensor_flatten__(self) -> tuple[list[str], None]:
+        return ["_data"], None
+
+    @staticmethod
+    def __tensor_unflatten__(
+        inner: dict[str, torch.Tensor], ctx: None, outer_size: Any, outer_stride: Any
+    ) -> TpuTensor:
+        return TpuTensor(inner["_data"])
+
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]
         cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
         return _dispatch(func, args, kwargs or {})
+
+
+# nn.Module.to swaps a traceable subclass's parameters (torch.utils.swap_tensors) for
+# `Parameter(p.to(device))`, even when `p` is on the device already: `Parameter` detaches `p`, calls
+# `requires_grad_` and sets `_is_param`. So that the parameter keeps its Python attributes (TorchRec's
+# `_in_backward_optimizers`, ...) and autograd hooks, as torch's non-swapping path keeps them (a TPU's
+# tensors are not wrappers: nothing is swapped there), the last detach of a parameter is remembered
+# and the copy takes them when marked a parameter (autograd gives detach's result fresh metadata
+# after the dispatch, so hooks set there would be lost).
+_DETACHED_PARAM: list[tuple[TpuTensor, TpuTensor]] = []  # (detached copy, parameter)
+_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")  # a tensor's autograd hooks, as Python dicts
+
+
+def _keep_parameter(copy: TpuTensor, param: TpuTensor) -> None:
+    for name, value in param.__dict__.items():
+        if name not in ("_data", "_is_param"):
+            copy.__dict__.setdefault(name, value)
+    for hooks in _HOOKS:
+        if getattr(param, hooks):
+            setattr(copy, hooks, getattr(param, hooks))
 
 
 def _from_host(data: torch.Tensor) -> TpuTensor:
@@ -250,13 +292,12 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
                 f"(emulated TPU: {op} got a host tensor of shape {tuple(mixed[0].shape)})"
             )
     to_host = _is_to_host(op, args, kwargs)
-    if to_host:
-        RECORD.copy(_call_site())
-    elif op == "aten::_local_scalar_dense":
-        RECORD.copy(_call_site())
-    if op.startswith("c10d::alltoall_base"):
-        _check_symmetric_all_to_all(args)
-    RECORD.program(_kind(op), func.name(), _key_part((args, kwargs)))
+    if not _tracing(flat):  # torch.compile tracing (fake data): the rules above apply, nothing runs
+        if to_host or op == "aten::_local_scalar_dense":
+            RECORD.copy(_call_site())
+        if op.startswith("c10d::alltoall_base"):
+            _check_symmetric_all_to_all(args)
+        RECORD.program(_kind(op), func.name(), _key_part((args, kwargs)))
     wrappers = {id(x._data): x for x in flat if isinstance(x, TpuTensor)}
     unwrapped_args, unwrapped_kwargs = tree_map(_unwrap, (args, kwargs))
     if "device" in unwrapped_kwargs and unwrapped_kwargs["device"] is not None:
@@ -265,7 +306,17 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     out = func(*unwrapped_args, **unwrapped_kwargs)
     if to_host:
         return out
-    return tree_map(lambda x: _wrap(x, wrappers), out)
+    result = tree_map(lambda x: _wrap(x, wrappers), out)
+    if op == "aten::detach" and getattr(args[0], "_is_param", False) and isinstance(result, TpuTensor):
+        _DETACHED_PARAM[:] = [(result, args[0])]  # see _keep_parameter
+    return result
+
+
+def _tracing(flat: list) -> bool:
+    """Whether this op is torch.compile tracing the program (Dynamo's or AOTAutograd's fake tensors,
+    under the device tensors or beside them) rather than running it: the compiled graph is the
+    program (`emulation/compiled.py`), not each op traced into it."""
+    return any(is_fake(x._data if isinstance(x, TpuTensor) else x) for x in flat if isinstance(x, torch.Tensor))
 
 
 def _is_to_host(op: str, args: tuple, kwargs: dict) -> bool:

@@ -11,7 +11,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from tpurec.emulation import device, torchtpu_dist, torchtpu_ops
+from tpurec.emulation import compiled, device, torchtpu_dist, torchtpu_ops
 from tpurec.errors import UserError
 from tpurec.planner.topology import SliceSpec, parse_slice
 
@@ -54,17 +54,23 @@ class EmulatedRank:
             "device_to_host_copies_per_step": round(sum(copies.values()) / max(1, steady), 4),
             "device_to_host_copies": copies,
             "device_to_host_copies_in_warmup": self.train_copies(steady=False),
+            **self.graph_counts(),
         }
+
+    def graph_counts(self) -> dict[str, int]:
+        """`graphs_compiled` and `graph_breaks`: what torch.compile traced in this process (`compiled.py`)."""
+        return compiled.graph_counts()
 
     def programs_compiled(self) -> dict[str, Any]:
         """Distinct TorchTPU programs, one per distinct (op, compile key) asked of the device: SparseCore
-        programs by op, TensorCore and collective programs counted."""
+        programs by op, TensorCore, collective and compiled-graph programs (`compiled.py`) counted."""
         by_kind: Counter = Counter(kind for kind, _, _ in device.RECORD.programs)
         sparsecore = Counter(op for kind, op, _ in device.RECORD.programs if kind == "sparsecore")
         return {
             "sparsecore": dict(sorted(sparsecore.items())),
             "tensorcore": by_kind["tensorcore"],
             "collective": by_kind["collective"],
+            "compiled": by_kind["compiled"],
         }
 
     def recompiles_after_warmup(self) -> int:
@@ -124,6 +130,7 @@ def activate(slice_name: str | None = None) -> EmulatedRank:
     torchtpu_dist.refuse_ddp_shape_check_across_hosts(spec.hosts)
     torchtpu_dist.ddp_without_pinned_host_memory()
     ops = torchtpu_ops.install(sparsecores=spec.generation.sparsecores)
+    compiled.register_backend()
     _register_device_kernels()
     _RANK = EmulatedRank(spec, local_rank, ops)
     from tpurec.runtime import run_report

@@ -29,6 +29,7 @@ import os
 import sys
 import types
 
+import torch
 import torch.distributed as dist
 
 from tpurec.emulation.rule_error import TorchTpuRuleError
@@ -80,8 +81,10 @@ class EmulatedTpuModule(types.ModuleType):
         self._local_devices = local_devices
 
     def _check(self, name: str) -> bool:
-        """True (the device is there); raises where TorchTPU would for a caller outside torch."""
-        if _framework_caller(3):
+        """True (the device is there); raises where TorchTPU would for a caller outside torch. Not
+        while torch.compile traces: Dynamo cannot trace `sys._getframe`, and TorchTPU skips the
+        caller check then too (`_internal/utils/annotations.py`, `torch.compiler.is_compiling()`)."""
+        if torch.compiler.is_compiling() or _framework_caller(3):
             return True
         if self._STRICT_INTERNAL_DEVICE_APIS:
             raise TorchTpuRuleError(
