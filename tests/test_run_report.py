@@ -76,3 +76,28 @@ def test_no_rank_figures_no_line_and_outside_a_launcher_nothing_written(fresh, m
     monkeypatch.setenv("RANK", "0")
     run_report.write()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_compiled_graphs_programs_and_counts_are_in_the_line(fresh, monkeypatch):
+    # A rank that trained through torch.compile on the emulated device: its graphs' programs count
+    # in the total, and the graphs and breaks Dynamo made are named.
+    programs = {"sparsecore": {}, "tensorcore": 2, "collective": 0, "compiled": 5}
+    run_report.provide(
+        lambda: {
+            "programs_compiled": programs,
+            "recompiles_after_warmup": 0,
+            "device_to_host_copies_per_step": 0.0,
+            "device_to_host_copies": {},
+            "graphs_compiled": 1,
+            "graph_breaks": 0,
+        }
+    )
+    run_report.forward(True)
+    monkeypatch.setenv("RANK", "0")
+    run_report.write()
+    line = run_report.summary("tpurec launch", run_report.collect(str(fresh)), 1, "v5p-8")
+    assert line == (
+        "tpurec launch: 1 rank(s) on 1 host(s) (emulated v5p-8), 1 training step(s); 7 programs compiled "
+        "(sparsecore 0, tensorcore 2, collective 0, from compiled graphs 5); 1 graph(s) compiled, 0 graph break(s); "
+        "0 recompile(s) after warm-up; 0 device->host copies per step"
+    )

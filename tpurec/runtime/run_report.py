@@ -108,17 +108,25 @@ def summary(command: str, by_rank: dict[int, dict[str, Any]], hosts: int, slice_
     where = f"emulated {slice_name}" if slice_name else "TPU"
     parts = [f"{len(by_rank)} rank(s) on {hosts} host(s) ({where}), {first['steps']} training step(s)"]
     programs = first.get("programs_compiled")
-    if programs is not None and not any(programs["sparsecore"].values()) and not programs["tensorcore"]:
+    if (
+        programs is not None
+        and not any(programs["sparsecore"].values())
+        and not programs["tensorcore"]
+        and not programs.get("compiled")
+    ):
         return f"{command}: " + parts[0] + "; nothing ran on the emulated TPU (the program's device was not 'tpu')"
     if programs is None:
         parts.append("programs compiled and recompiles not measured (TorchTPU 0.2.0 exposes no count)")
     else:
         sc = sum(programs["sparsecore"].values())
-        total = sc + programs["tensorcore"] + programs["collective"]
+        graphs = programs.get("compiled", 0)  # a torch.compile graph's programs (emulation/compiled.py)
+        total = sc + programs["tensorcore"] + programs["collective"] + graphs
         parts.append(
             f"{total} programs compiled (sparsecore {sc}, tensorcore {programs['tensorcore']}, "
-            f"collective {programs['collective']})"
+            f"collective {programs['collective']}" + (f", from compiled graphs {graphs}" if graphs else "") + ")"
         )
+        if first.get("graphs_compiled"):
+            parts.append(f"{first['graphs_compiled']} graph(s) compiled, {first.get('graph_breaks', 0)} graph break(s)")
         worst = max(r.get("recompiles_after_warmup", 0) for r in by_rank.values())
         ops = first.get("recompiled_ops") or {}
         parts.append(f"{worst} recompile(s) after warm-up" + (f" ({', '.join(ops)})" if ops else ""))
