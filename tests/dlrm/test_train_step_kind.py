@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from tests.reliability.inproc import run_cli
 
@@ -73,3 +74,30 @@ REFUSED = [
 def test_train_step_refusals(capsys, flags, says):
     code, _, err = run_cli(["train", *flags], capsys)
     assert code == 2 and says in err and "Traceback" not in err and err.strip().count("\n") == 0, err
+
+
+ON_TPU = [
+    (["--step", "pipelined", "--dense-optimizer", "sgd", "--device", "tpu"], "runs on --device cpu only"),
+    (
+        ["--step", "compiled", "--dense-optimizer", "sgd", "--device", "tpu", "--limits", "L.json"],
+        "not yet run on a real TPU",
+    ),
+]
+
+
+@pytest.mark.parametrize("flags,says", ON_TPU, ids=[" ".join(f) for f, _ in ON_TPU])
+def test_train_step_refusals_on_a_real_tpu(capsys, monkeypatch, flags, says):
+    monkeypatch.delenv("TPUREC_EMULATE_TPU", raising=False)
+    code, _, err = run_cli(["train", *flags], capsys)
+    assert code == 2 and says in err and "Traceback" not in err and err.strip().count("\n") == 0, err
+
+
+def test_default_backend_follows_the_tables_device():
+    """backend=None: TorchTPU's "tpu" where the sharded tables are on a tpu device, else aot_eager."""
+    from types import SimpleNamespace
+
+    from tpurec.sharding.compiled_step import default_backend
+
+    assert default_backend(SimpleNamespace(_device=torch.device("cpu"))) == "aot_eager"
+    assert default_backend(SimpleNamespace(_device=None)) == "aot_eager"
+    assert default_backend(SimpleNamespace(_device="tpu:0")) == "tpu"

@@ -370,7 +370,8 @@ class TrainOptions:
 
     def _step_problem(self) -> str | None:
         """What --step compiled/pipelined cannot run: their dense update is plain SGD at a fixed lr in
-        the step itself, and they take the built-in DLRM's one sharded EBC on the CPU."""
+        the step itself, and they take the built-in DLRM's one sharded EBC; compiled runs on the CPU and the
+        emulated TPU, pipelined on the CPU."""
         if self.step == "eager":
             return None
         try:
@@ -390,8 +391,22 @@ class TrainOptions:
             return (
                 "--step compiled needs fixed SparseCore buffer sizes: give --limits LIMITS.json (`tpurec data stats`)"
             )
-        if self.device == "tpu":
-            return f"--step {self.step} runs on --device cpu for now (not yet run on a TPU; use --step eager there)"
+        from tpurec.runtime.device import emulated_slice
+
+        if self.device == "tpu" and self.step == "pipelined":
+            # Its steady step's SparseCore forward is the plain lookup op, whose TPU kernel calls TorchTPU's
+            # tpu::_sparse_dense_matmul: the emulated one has no fake kernel, so Dynamo stops at it
+            # ("Operator does not support running with fake tensors"); the compiled step's lookups go
+            # through tpurec::fused_lookup, traced by its own fake. Unknown for the real op.
+            return (
+                "--step pipelined runs on --device cpu only: its SparseCore forward calls TorchTPU's "
+                "tpu::_sparse_dense_matmul, which has no fake kernel to trace on the emulated TPU; use --step compiled"
+            )
+        if self.device == "tpu" and not emulated_slice():
+            return (
+                f"--step {self.step} runs on --device cpu and on --emulate-tpu SLICE; not yet run on a real TPU "
+                "(use --step eager there)"
+            )
         return None
 
     def check(self, nproc: int = 1) -> str | None:

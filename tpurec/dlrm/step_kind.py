@@ -18,10 +18,15 @@ import torch
 class StepPipeline:
     """kind: "compiled" or "pipelined" (options.STEP_KINDS); dense_lr: their plain SGD's lr.
     compile: the pipelined steady step under torch.compile (it needs fixed id limits: without them
-    the SparseCore buffers follow each batch's ids, a new graph per batch), else eager."""
+    the SparseCore buffers follow each batch's ids, a new graph per batch), else eager.
+    device: where each batch goes first, as TorchRec's pipeline copies it (`batch.to(device)`); on the
+    TPU path the trainer's batches move only their dense features and labels (tpurec.data.host_ids)."""
 
-    def __init__(self, kind: str, dmp: Any, dense_lr: float, compile: bool = True) -> None:
+    def __init__(
+        self, kind: str, dmp: Any, dense_lr: float, compile: bool = True, device: torch.device | None = None
+    ) -> None:
         self.kind, self.dmp = kind, dmp
+        self.device = device
         self._compiled: Any = None
         self._pipelined: Any = None
         if kind == "compiled":
@@ -35,7 +40,11 @@ class StepPipeline:
         else:
             raise ValueError(f"no step kind {kind!r}")
 
+    def _to_device(self, batch: Any) -> Any:
+        return batch if self.device is None else batch.to(self.device, non_blocking=True)
+
     def progress(self, batches: Iterator[Any]) -> tuple[torch.Tensor, Any, Any]:
+        batches = map(self._to_device, batches)
         if not self.dmp.training:  # evaluation: the model's forward, nothing updated
             out: tuple[torch.Tensor, Any, Any] = self.dmp(next(batches))[1]
             return out

@@ -305,14 +305,12 @@ class Trainer:
         if self.rank == 0:
             self._report_plan()
         device = torch.device(self.device) if self.device == "cpu" else self.dmp.device
-        if o.step != "eager":  # tpurec's compiled or pipelined step (step_kind.py), on the CPU for now
+        if o.step != "eager":  # tpurec's compiled or pipelined step (step_kind.py); options.py refuses a real TPU
             from tpurec.dlrm.step_kind import StepPipeline
 
-            if self.device != "cpu":
-                raise UserError(f"--step {o.step} runs on --device cpu for now (use --step eager on {self.device})")
             # compiled only with fixed SparseCore buffer sizes (--limits): else a graph per batch
             fixed = o.id_limits is not None
-            self.pipeline: Any = StepPipeline(o.step, self.dmp, cfg.dense_lr, compile=fixed)
+            self.pipeline: Any = StepPipeline(o.step, self.dmp, cfg.dense_lr, compile=fixed, device=device)
             how = "under torch.compile" if fixed else "eagerly (no --limits: buffer sizes follow each batch)"
             self.say(f"--step {o.step}: the steady step runs {how}")
             return

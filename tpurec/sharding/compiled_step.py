@@ -45,11 +45,12 @@ class CompiledStep:
     `loss_fn(module, batch)` with `sparse_features` replaced by its SparseCore inputs. The model's
     forward must pass that KJT to its one sharded EmbeddingBagCollection (TorchRec's DLRM does).
     dense_lr: plain SGD on the dense parameters (those without a fused optimizer), in the graph.
-    backend: torch.compile's backend ("aot_eager", "inductor", ...).
+    backend: torch.compile's backend ("aot_eager", "inductor", "tpu", ...); None: `default_backend`'s
+    choice for where the tables are.
     """
 
     def __init__(
-        self, dmp: Any, dense_lr: float, loss_fn: LossFn = model_loss, backend: str | Any = "aot_eager"
+        self, dmp: Any, dense_lr: float, loss_fn: LossFn = model_loss, backend: str | Any | None = None
     ) -> None:
         from torchrec.optim.optimizers import in_backward_optimizer_filter
 
@@ -61,7 +62,8 @@ class CompiledStep:
         env = getattr(dmp, "_env", None)
         self.group = getattr(env, "process_group", None)
         self.world_size = self.group.size() if self.group is not None and dist.is_initialized() else 1
-        self.compiled = torch.compile(self._step, fullgraph=True, dynamic=False, backend=backend)
+        self.backend = default_backend(self.sharded) if backend is None else backend
+        self.compiled = torch.compile(self._step, fullgraph=True, dynamic=False, backend=self.backend)
 
     def preprocess(self, batch: Any) -> Any:
         """The eager half: `batch` with its KJT replaced by the sharded EBC's SparseCore inputs."""
@@ -113,6 +115,21 @@ def _mean_over_ranks(grad: torch.Tensor, group: Any, world_size: int) -> torch.T
     import torch.distributed._functional_collectives as funcol
 
     return funcol.all_reduce(grad / world_size, "sum", group)
+
+
+def default_backend(sharded: ShardedSparseCoreEBC) -> str:
+    """ "tpu" when the sharded tables are on a tpu device, else "aot_eager".
+
+    "tpu" is TorchTPU's Dynamo backend (torch-tpu 0.2.0, `torch_tpu/_internal/compile/__init__.py`:
+    `register_backend(compiler_fn=TpuBackend(), name="tpu")`; docs/tpu.md): AOTAutograd, and each graph
+    split at its collectives into XLA programs. On the emulated device it is tpurec.emulation.compiled's
+    stand-in, registered by the emulated rank. On a CPU, aot_eager: AOTAutograd's graphs run by the
+    eager kernels, the eager step's numbers (inductor computes the traced update wrongly, `_step`).
+    """
+    device = sharded._device
+    # a string: "tpu" parses as a torch.device only once TorchTPU (or the emulation) has named it
+    kind = "cpu" if device is None else str(device).split(":")[0]
+    return "tpu" if kind == "tpu" else "aot_eager"
 
 
 def the_sharded_ebc(module: nn.Module, who: str) -> ShardedSparseCoreEBC:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tpurec.sharding.compiled_step import LossFn, dense_sgd, model_loss, the_sharded_ebc
+from tpurec.sharding.compiled_step import LossFn, default_backend, dense_sgd, model_loss, the_sharded_ebc
 from tpurec.sharding.sharded_preprocess import (
     RawActivations,
     ShardedActivations,
@@ -53,7 +53,7 @@ class PipelinedStep:
         dense_lr: float,
         loss_fn: LossFn = model_loss,
         compile: bool = True,
-        backend: str | Any = "aot_eager",
+        backend: str | Any | None = None,
     ) -> None:
         from torchrec.optim.optimizers import in_backward_optimizer_filter
 
@@ -65,8 +65,11 @@ class PipelinedStep:
         env = getattr(dmp, "_env", None)
         self.group = getattr(env, "process_group", None)
         self.world_size = self.group.size() if self.group is not None and dist.is_initialized() else 1
+        self.backend = default_backend(self.sharded) if backend is None else backend
         self._steady_fn = (
-            torch.compile(self._steady, fullgraph=True, dynamic=False, backend=backend) if compile else self._steady
+            torch.compile(self._steady, fullgraph=True, dynamic=False, backend=self.backend)
+            if compile
+            else self._steady
         )
         self.updated_batches = 0  # batches whose SparseCore backward ran (all of them after a drain)
         self.reset()

@@ -1,0 +1,76 @@
+"""`tpurec train --emulate-tpu v5p-8 --step compiled|pipelined` (issue #42): the steps behind
+`--step` on the emulated TPU path, torch.compile's backend "tpu" (tpurec/emulation/compiled.py),
+against `--step eager` on the same slice, plan, limits and seed."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.dlrm.helpers import train
+from tpurec.cli import main
+
+ROWS = 20_000
+STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """`tpurec train`'s synthetic data (seed 3) in its own cache, the planner's v5p-8 plan for dlrm-tiny
+    and the limits `tpurec data stats` measures on that data for that plan."""
+    from tpurec.dlrm import data
+
+    root = tmp_path_factory.mktemp("emulated_step")
+    old = os.environ.get("TPUREC_CACHE")
+    os.environ["TPUREC_CACHE"] = str(root)
+    try:
+        synth = data.ensure_synth("dlrm-tiny", ROWS, 3, say=lambda _: None)
+    finally:
+        if old is None:
+            del os.environ["TPUREC_CACHE"]
+        else:
+            os.environ["TPUREC_CACHE"] = old
+    plan, limits = root / "P.json", root / "L.json"
+    assert main(["plan", "--model", "dlrm-tiny", "--topology", "v5p-8", "--format", "json", "--out", str(plan)]) == 0
+    assert main(["data", "stats", str(synth), "--model", "dlrm-tiny", "--plan", str(plan), "--out", str(limits)]) == 0
+    return root, plan, limits
+
+
+def _run(setup, step: str) -> tuple[dict, str]:
+    root, plan, limits = setup
+    args: tuple[object, ...] = ("--step", step, "--dense-optimizer", "sgd", "--plan", plan, "--limits", limits)
+    args += ("--curves-out", "none", "--synth-rows", ROWS, "--steps", STEPS, "--eval-every", STEPS, "--seed", 3)
+    result, p = train("--emulate-tpu", "v5p-8", *args, cache=root, timeout=1200)
+    assert result is not None and result["step"] == step and result["world_size"] == 4
+    return result, p.stderr
+
+
+@pytest.mark.slow  # two 4-rank emulated runs: about 40 s
+@pytest.mark.multiprocess
+def test_emulated_compiled_step_is_one_graph_and_equals_eager(setup):
+    eager, _ = _run(setup, "eager")
+    compiled, err = _run(setup, "compiled")
+    assert "--step compiled: the steady step runs under torch.compile" in err
+    # one graph per rank, no break, nothing compiled after warm-up; the graph's programs (its stretches
+    # between collectives, SplitCompiler's cut) counted with the device's own
+    assert compiled["graphs_compiled"] == 1 and compiled["graph_breaks"] == 0
+    assert compiled["recompiles_after_warmup"] == 0 and compiled["recompiled_ops"] == {}
+    assert compiled["programs_compiled"]["compiled"] >= 2 and eager["programs_compiled"]["compiled"] == 0
+    assert eager["graphs_compiled"] == 0
+    assert compiled["device_to_host_copies_per_step"] <= 1.0, compiled["device_to_host_copies"]
+    # The same numbers: the graph runs the eager kernels (the emulated backend is aot_eager's
+    # execution), and its per-gradient all-reduce of grad/world sums each element over the ranks in
+    # the same order as DDP's bucketed one (DDP also divides before it reduces).
+    assert (compiled["auc"], compiled["logloss"]) == (eager["auc"], eager["logloss"])
+
+
+@pytest.mark.slow  # a 4-rank launch that each rank refuses: about 15 s
+@pytest.mark.multiprocess
+def test_emulated_pipelined_step_is_refused_with_its_reason(setup):
+    root, plan, limits = setup
+    args = ("--step", "pipelined", "--dense-optimizer", "sgd", "--plan", plan, "--limits", limits)
+    _, p = train("--emulate-tpu", "v5p-8", *args, "--synth-rows", ROWS, "--steps", 2, cache=root, check=False)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "--step pipelined runs on --device cpu only" in p.stderr and "tpu::_sparse_dense_matmul" in p.stderr
+    assert "Traceback" not in p.stderr
