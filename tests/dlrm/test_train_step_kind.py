@@ -77,7 +77,7 @@ def test_train_step_refusals(capsys, flags, says):
 
 
 ON_TPU = [
-    (["--step", "pipelined", "--dense-optimizer", "sgd", "--device", "tpu"], "runs on --device cpu only"),
+    (["--step", "pipelined", "--dense-optimizer", "sgd", "--device", "tpu"], "not yet run on a real TPU"),
     (
         ["--step", "compiled", "--dense-optimizer", "sgd", "--device", "tpu", "--limits", "L.json"],
         "not yet run on a real TPU",

@@ -65,12 +65,19 @@ def test_emulated_compiled_step_is_one_graph_and_equals_eager(setup):
     assert (compiled["auc"], compiled["logloss"]) == (eager["auc"], eager["logloss"])
 
 
-@pytest.mark.slow  # a 4-rank launch that each rank refuses: about 15 s
+@pytest.mark.slow  # two 4-rank emulated runs: about 40 s
 @pytest.mark.multiprocess
-def test_emulated_pipelined_step_is_refused_with_its_reason(setup):
-    root, plan, limits = setup
-    args = ("--step", "pipelined", "--dense-optimizer", "sgd", "--plan", plan, "--limits", limits)
-    _, p = train("--emulate-tpu", "v5p-8", *args, "--synth-rows", ROWS, "--steps", 2, cache=root, check=False)
-    assert p.returncode == 2, p.stderr[-2000:]
-    assert "--step pipelined runs on --device cpu only" in p.stderr and "tpu::_sparse_dense_matmul" in p.stderr
-    assert "Traceback" not in p.stderr
+def test_emulated_pipelined_step_is_one_graph_and_trains(setup):
+    eager, _ = _run(setup, "eager")
+    pipelined, _ = _run(setup, "pipelined")
+    # the steady step is one graph on every rank; its SparseCore forward runs tpurec::fused_lookup
+    # under no_grad (a plain lookup's TPU kernel reaches TorchTPU's op, which has no fake to trace)
+    assert pipelined["graphs_compiled"] == 1 and pipelined["graph_breaks"] == 0
+    # after warm-up only the drain's eager table updates are new programs (the last two batches'
+    # SparseCore backward, run eagerly once the data ends, as TorchRec's drain does): compiled once there
+    assert set(pipelined["recompiled_ops"]) <= {"tpurec::fused_update"}, pipelined["recompiled_ops"]
+    assert pipelined["programs_compiled"]["compiled"] >= 2
+    # not the eager numbers: the tables are one step stale (docs/dmp.md "Pipelined step"); the same
+    # data and model, so the held-out figures stay close
+    assert pipelined["auc"] != eager["auc"]
+    assert abs(pipelined["auc"] - eager["auc"]) < 0.02 and abs(pipelined["logloss"] - eager["logloss"]) < 0.02

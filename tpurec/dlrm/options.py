@@ -201,7 +201,8 @@ class TrainOptions:
         "the training step: eager (TorchRec's pipeline, default), compiled (the device half as one "
         "torch.compile graph) or pipelined (SparseCore forward ahead, table update behind: the tables "
         "one step stale, docs/dmp.md 'Pipelined step'); compiled and pipelined run plain SGD on the dense "
-        "parameters (--dense-optimizer sgd) on --device cpu; compiled needs --limits, pipelined compiles with it",
+        "parameters (--dense-optimizer sgd) on --device cpu and --emulate-tpu; compiled needs --limits, pipelined "
+        "compiles with it",
         choices=STEP_KINDS,
     )
 
@@ -370,8 +371,8 @@ class TrainOptions:
 
     def _step_problem(self) -> str | None:
         """What --step compiled/pipelined cannot run: their dense update is plain SGD at a fixed lr in
-        the step itself, and they take the built-in DLRM's one sharded EBC; compiled runs on the CPU and the
-        emulated TPU, pipelined on the CPU."""
+        the step itself, and they take the built-in DLRM's one sharded EBC; both run on the CPU and the
+        emulated TPU (not yet on a real one)."""
         if self.step == "eager":
             return None
         try:
@@ -393,15 +394,6 @@ class TrainOptions:
             )
         from tpurec.runtime.device import emulated_slice
 
-        if self.device == "tpu" and self.step == "pipelined":
-            # Its steady step's SparseCore forward is the plain lookup op, whose TPU kernel calls TorchTPU's
-            # tpu::_sparse_dense_matmul: the emulated one has no fake kernel, so Dynamo stops at it
-            # ("Operator does not support running with fake tensors"); the compiled step's lookups go
-            # through tpurec::fused_lookup, traced by its own fake. Unknown for the real op.
-            return (
-                "--step pipelined runs on --device cpu only: its SparseCore forward calls TorchTPU's "
-                "tpu::_sparse_dense_matmul, which has no fake kernel to trace on the emulated TPU; use --step compiled"
-            )
         if self.device == "tpu" and not emulated_slice():
             return (
                 f"--step {self.step} runs on --device cpu and on --emulate-tpu SLICE; not yet run on a real TPU "

@@ -174,8 +174,13 @@ def stack_lookup(kernel: SparseCoreKernel, trigger: Tensor | None, i: int, csr: 
             "fixed id limits (one pass, no TPU weight-decay layout) run in a compiled step yet"
         )
     states = [kernel.stack_state(i, s) for s in kernel.optimizer.state_names]
-    if trigger is None:  # no grad: the plain lookup op
-        return ops.sparse_dense_matmul(*op_args(csr, kernel.stack_weight(i)))
+    if trigger is None:
+        if not torch.compiler.is_compiling():  # no grad, eager: the plain lookup op
+            return ops.sparse_dense_matmul(*op_args(csr, kernel.stack_weight(i)))
+        # no grad, compiling (the pipelined step's SparseCore forward): fused_lookup too, whose fake
+        # kernel traces on any device (the plain op's TPU kernel reaches TorchTPU's op, which may have
+        # none); under no_grad its autograd is not recorded
+        trigger = kernel.custom_op_trigger
     return torch.ops.tpurec.fused_lookup(
         trigger,
         csr.row_pointers,
