@@ -1,5 +1,7 @@
 """The benchmarks' shared timer and workload generator."""
 
+import gc
+
 import numpy as np
 import pytest
 
@@ -17,6 +19,15 @@ def test_interleaved_takes_turns_in_a_fresh_random_order_and_keeps_every_run():
     assert a.results == [1] * 12 and b.results == [2] * 12
     assert len(a.wall) == len(a.cpu) == 12 and all(t >= 0 for t in a.wall + a.cpu)
     assert a.best <= a.median <= max(a.wall)
+
+
+def test_timed_rounds_run_with_the_process_objects_frozen_and_the_warmup_not():
+    """A full collection in a timed run scans only what the contestants made (the rest frozen)."""
+    seen = []
+    timer.interleaved([lambda: seen.append(gc.get_freeze_count())], warmup=1, repeats=3)
+    assert seen[0] == 0  # warm-up: nothing frozen yet
+    assert all(n > 10_000 for n in seen[1:])  # timed: the imported modules' objects, frozen
+    assert gc.get_freeze_count() == 0  # and thawed after
 
 
 def test_repeat_and_stopwatch():

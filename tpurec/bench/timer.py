@@ -11,6 +11,7 @@ set themselves.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import random
 import statistics
@@ -69,21 +70,32 @@ def interleaved(
     """`warmup` untimed rounds, then `repeats` timed rounds; in each round every fn runs once, in a
     fresh random order (a fixed order hands one contestant the warm caches, or the quiet moment
     after another's burst, every round). `orders`, when given, receives each timed round's order
-    (indices into fns), so that a report can show who went first."""
+    (indices into fns), so that a report can show who went first.
+
+    The timed rounds run with the process's objects up to then frozen (`gc.freeze`, after one full
+    collection): Python's full collections scan every tracked object, which with torch, TorchRec and
+    jax imported took 155 ms here, and one landing in a timed run made that round ~4-8x slower
+    (`tpurec bench preprocess`, pooling 20: one round in 15). Frozen objects are not scanned; the
+    collector still runs, on what the contestants allocate."""
     rng = random.Random(seed)
     order = list(range(len(fns)))
     for _ in range(warmup):
         for fn in fns:
             fn()
     out = [Runs() for _ in fns]
-    for _ in range(repeats):
-        rng.shuffle(order)
-        if orders is not None:
-            orders.append(tuple(order))
-        for i in order:
-            with Stopwatch() as sw:
-                result = fns[i]()
-            out[i].add(sw, result)
+    gc.collect()
+    gc.freeze()
+    try:
+        for _ in range(repeats):
+            rng.shuffle(order)
+            if orders is not None:
+                orders.append(tuple(order))
+            for i in order:
+                with Stopwatch() as sw:
+                    result = fns[i]()
+                out[i].add(sw, result)
+    finally:
+        gc.unfreeze()
     return out
 
 

@@ -588,7 +588,8 @@ class Trainer:
         from tpurec.dlrm.input_pipeline import sparsecore_lookups
 
         lookups = sparsecore_lookups(self.dmp)
-        if lookups and self.options.pipeline_depth:
+        # --step compiled|pipelined preprocess in their own step (step_kind.py): no input pipeline to report
+        if lookups and self.options.pipeline_depth and self.options.step == "eager":
             hits = sum(m.prepared_hits for m in lookups)
             misses = sum(m.prepared_misses for m in lookups)
             if hits + misses:
