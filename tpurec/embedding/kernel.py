@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 from torch import nn
 
-from tpurec.embedding import custom_ops, direct, dtypes, ops, reference  # noqa: F401  (ops registers torch.ops.tpurec.*)
+from tpurec.embedding import custom_ops, direct, dtypes, huge_pages, ops, reference  # noqa: F401  (ops registers torch.ops.tpurec.*)
 from tpurec.embedding.constraints import round_up
 from tpurec.embedding.cpu_path import grad_trigger as _trigger
 from tpurec.embedding.cpu_path import writes_final_layout as _writes_final_layout
@@ -158,15 +158,15 @@ class SparseCoreKernel(nn.Module):
         # module expose them per table in natural row order.
         for i, plan in enumerate(self.stacks):
             lay = plan.layout
-            self.register_buffer(
-                f"weight_{i}",
-                torch.zeros(lay.total_rows, lay.storage_dim, dtype=lay.dtype, device=device),
-                persistent=False,
-            )
+            # on the host: huge pages where Linux grants them (random rows of a large table otherwise
+            # miss the TLB too; huge_pages.py)
+            table = huge_pages.filled((lay.total_rows, lay.storage_dim), 0.0, lay.dtype, device)
+            self.register_buffer(f"weight_{i}", table, persistent=False)
             for s in self.optimizer.state_names:  # float32 whatever the table's dtype, as FBGEMM keeps it
                 shape = self.optimizer.state_shape(s, lay.total_rows, lay.storage_dim)
                 init = self.optimizer.initial_value(s)
-                self.register_buffer(f"{s}_{i}", torch.full(shape, init, device=device), persistent=False)
+                state = huge_pages.filled(tuple(shape), init, torch.float32, device)
+                self.register_buffer(f"{s}_{i}", state, persistent=False)
 
     # -- the input half's figures (kernel_input.py), read and set here as before -----------------
     @property

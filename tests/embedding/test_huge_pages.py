@@ -1,0 +1,71 @@
+"""Host tables advised onto transparent huge pages (tpurec/embedding/huge_pages.py)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tpurec.embedding import huge_pages
+from tpurec.embedding.module import SparseCoreEmbeddingBagCollection
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _huge_kib(t: torch.Tensor) -> int:
+    """AnonHugePages of the mappings overlapping t's memory (/proc/self/smaps), in KiB."""
+    lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start < hi and end > lo
+        elif inside and head == "AnonHugePages:":
+            total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [10, 70_000])  # 2.6 KB / 17.9 MB (float32): below and above MIN_BYTES
+def test_filled_equals_torch_full(rows, dtype):
+    got = huge_pages.filled((rows, 64), 0.25, dtype, "cpu")
+    want = torch.full((rows, 64), 0.25, dtype=dtype)
+    assert got.dtype == dtype and got.shape == want.shape and got.is_contiguous()
+    assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not THP.exists() or "[never]" in THP.read_text(),
+    reason="transparent huge pages are off on this host",
+)
+def test_a_large_table_lies_on_huge_pages_and_a_small_one_is_left_alone():
+    big = huge_pages.filled((100_000, 64), 0.0, torch.float32, "cpu")  # 25.6 MB: 12 whole granules at least
+    assert _huge_kib(big) >= 10 * 2048, _huge_kib(big)
+    # the kernels' own tables and optimizer state take that path
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+    ebc = SparseCoreEmbeddingBagCollection(
+        [EmbeddingBagConfig(name="t", embedding_dim=64, num_embeddings=100_000, feature_names=["f"])],
+        torch.optim.Adagrad,
+        {"lr": 0.1},
+        device="cpu",
+    )
+    assert _huge_kib(ebc.kernel.stack_weight(0)) >= 10 * 2048
+    assert _huge_kib(ebc.kernel.stack_state(0, ebc.kernel.optimizer.state_names[0])) >= 10 * 2048
+
+
+def test_switched_off_or_small_tables_are_never_advised(monkeypatch):
+    def refuse(t):
+        raise AssertionError("advised")
+
+    monkeypatch.setattr(huge_pages, "advise", refuse)
+    huge_pages.filled((10, 64), 0.0, torch.float32, "cpu")  # under MIN_BYTES
+    monkeypatch.setenv("TPUREC_NO_HUGE_PAGES", "1")
+    t = huge_pages.filled((100_000, 64), 1.5, torch.float32, "cpu")
+    assert torch.equal(t, torch.full((100_000, 64), 1.5))
+
+
+def test_advise_covers_only_whole_granules():
+    tiny = torch.zeros(16)  # 64 bytes: no whole 2 MiB granule inside
+    assert huge_pages.advise(tiny) is False
