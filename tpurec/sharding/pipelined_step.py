@@ -6,13 +6,16 @@ Three stages, each on a different batch; a steady step runs, in this order (Torc
 * SparseCore backward of batch t: each stack's fused update from t's activation gradients
   (`sharded_preprocess.update_sharded`, the `tpurec::fused_update` op of the compiled backward);
 * TensorCore stage of batch t+1: t+1's raw activations as leaves requiring grad, TorchRec's output
-  dist, the model and loss, backward, the dense gradients averaged over the ranks and plain SGD
-  (CompiledStep's `dense_sgd`), giving the activations' gradients;
+  dist, the model and loss, backward, the dense gradients averaged over the ranks and the dense
+  optimizer's update (CompiledStep's: `dense_update.DenseOptimizer`), giving the activations' gradients;
 * SparseCore forward of batch t+2: its lookups on the tables as they are now (no autograd graph).
 
 So t+2's lookup sees t's update but not t+1's: the tables are one step stale, the dense parameters
-are not. Where consecutive batches touch disjoint rows of every table the stale rows are not read
-and the pipelined step computes the unpipelined step's numbers exactly. The host half of each batch
+are not. Under an lr schedule the dense update of batch t+1 takes the lr of the step that returns
+its loss (the eager step's), and t's fused table update the lr of that same step (one step later
+than the eager step's for t: the update runs one step later). Where consecutive batches touch
+disjoint rows of every table the stale rows are not read and the pipelined step computes the
+unpipelined step's numbers exactly. The host half of each batch
 (input dist, SparseCore preprocessing: `preprocess_sharded`) runs eagerly before the step, as
 CompiledStep's does; with `compile=True` the steady step is one `torch.compile(fullgraph=True,
 dynamic=False)` graph, the warm-up and drain steps run eagerly (TorchRec's choice too).
@@ -28,7 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tpurec.sharding.compiled_step import LossFn, default_backend, dense_sgd, model_loss, the_sharded_ebc
+from tpurec.sharding.compiled_step import LossFn, default_backend, model_loss, the_sharded_ebc
+from tpurec.sharding.dense_update import DenseOptimizer
 from tpurec.sharding.sharded_preprocess import (
     RawActivations,
     ShardedActivations,
@@ -44,13 +48,13 @@ class PipelinedStep:
     with one sharded EmbeddingBagCollection), returning the loss of the previous batch (None for the
     first batch); `drain()` finishes the batches in flight, `iterate(loader)` yields every loss.
 
-    batch, loss_fn, dense_lr and backend: as CompiledStep's. compile: False runs the steady step eagerly.
+    batch, loss_fn, dense_optimizer and backend: as CompiledStep's. compile: False runs the steady step eagerly.
     """
 
     def __init__(
         self,
         dmp: Any,
-        dense_lr: float,
+        dense_optimizer: float | Any,
         loss_fn: LossFn = model_loss,
         compile: bool = True,
         backend: str | Any | None = None,
@@ -60,11 +64,11 @@ class PipelinedStep:
         self.module: nn.Module = dmp.module  # without DDP: the step averages the dense gradients itself
         self.sharded = the_sharded_ebc(self.module, "PipelinedStep")
         self.dense_params = [p for _, p in in_backward_optimizer_filter(self.module.named_parameters())]
-        self.dense_lr = float(dense_lr)
         self.loss_fn = loss_fn
         env = getattr(dmp, "_env", None)
         self.group = getattr(env, "process_group", None)
         self.world_size = self.group.size() if self.group is not None and dist.is_initialized() else 1
+        self.dense = DenseOptimizer(dense_optimizer, self.dense_params, self.group, self.world_size)
         self.backend = default_backend(self.sharded) if backend is None else backend
         self._steady_fn = (
             torch.compile(self._steady, fullgraph=True, dynamic=False, backend=self.backend)
@@ -97,7 +101,8 @@ class PipelinedStep:
         else:
             assert self._behind is not None
             with torch._dynamo.config.patch(trace_autograd_ops=True):  # loss.backward() in the graph
-                raw, grads, loss = self._steady_fn(*self._behind, self._ahead, prepared)
+                dense = (self.dense.lr_inputs(), self.dense.state_inputs())
+                raw, grads, loss = self._steady_fn(*self._behind, self._ahead, prepared, *dense)
             self.updated_batches += 1
         self._behind = (self._ahead.sparse_features.prepared, grads)
         self._ahead = _activated(batch, prepared, raw)
@@ -150,25 +155,35 @@ class PipelinedStep:
             raise ValueError("PipelinedStep.explain needs two steps first (the warm-up)")
         prepared = self.preprocess(batch)
         with torch._dynamo.config.patch(trace_autograd_ops=True):
-            return torch._dynamo.explain(self._steady)(*self._behind, self._ahead, prepared)
+            dense = (self.dense.lr_inputs(), self.dense.state_inputs())
+            return torch._dynamo.explain(self._steady)(*self._behind, self._ahead, prepared, *dense)
 
     def _steady(
-        self, prepared_t: ShardedPreprocessed, grads_t: RawActivations, batch_t1: Any, prepared_t2: ShardedPreprocessed
+        self,
+        prepared_t: ShardedPreprocessed,
+        grads_t: RawActivations,
+        batch_t1: Any,
+        prepared_t2: ShardedPreprocessed,
+        lrs: list[torch.Tensor],
+        states: Any,
     ) -> tuple[RawActivations, RawActivations, torch.Tensor]:
         update_sharded(self.sharded, prepared_t, grads_t)
-        grads_t1, loss_t1 = self._tensor_core(batch_t1)
+        grads_t1, loss_t1 = self._tensor_core(batch_t1, lrs, states)
         raw_t2 = lookup_sharded(self.sharded, prepared_t2)
         return raw_t2, grads_t1, loss_t1
 
-    def _tensor_core(self, batch: Any) -> tuple[RawActivations, torch.Tensor]:
-        """Model, loss and backward on a batch's raw activations (leaves), dense SGD; their gradients."""
+    def _tensor_core(self, batch: Any, lrs: Any = None, states: Any = None) -> tuple[RawActivations, torch.Tensor]:
+        """Model, loss and backward on a batch's raw activations (leaves), the dense update (its lr and
+        state: the optimizer's current ones unless given, as the graph is given them); their gradients."""
         loss = self.loss_fn(self.module, batch)
         loss.backward()
         grads = [
             [[a.grad if a.grad is not None else torch.zeros_like(a) for a in stacks] for stacks in kernels]
             for kernels in batch.sparse_features.raw
         ]
-        dense_sgd(self.dense_params, self.dense_lr, self.group, self.world_size)
+        if lrs is None:
+            lrs, states = self.dense.lr_inputs(), self.dense.state_inputs()
+        self.dense.apply(lrs, states)
         return grads, loss.detach()
 
 
