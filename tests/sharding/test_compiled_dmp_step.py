@@ -179,6 +179,8 @@ def train_pair(
         "tables_moved": min(float((after[k] - initial[k]).abs().max()) for k in after) if after else None,
         "dense_diff": max(float((p - q).abs().max()) for p, q in zip(dense, twin_dense, strict=True)),
         "collectives": sorted({name for code in counter.codes for name in re.findall(_COLLECTIVE, code)}),
+        # the top graph's all-reduces: the dense gradients' one bucket (dense_update.py)
+        "all_reduces": len(re.findall(r"\ball_reduce\b", counter.codes[0])),
         "plan": sorted({ps.sharding_type for mp in twin.plan.plan.values() for ps in mp.values()}),
     }
 
@@ -285,6 +287,7 @@ def test_compiled_dmp_step_equals_eager_two_ranks(sharding_type):
         # gradients' all-reduce, and the pooled embeddings' output dist: an all-to-all (RW's
         # reduce-scatter-v too, comm_ops.py), TWRW's intra-host reduce-scatter (one host: no cross all-to-all)
         assert result["collectives"] == ["all_reduce", *OUTPUT_DIST[sharding_type]], rank
+        assert result["all_reduces"] == 1, rank  # the 8 dense gradients in one bucket
 
 
 def _trainer_optimizer(dmp: Any, kind: str) -> Any:

@@ -11,11 +11,11 @@ Three stages, each on a different batch; a steady step runs, in this order (Torc
 * SparseCore forward of batch t+2: its lookups on the tables as they are now (no autograd graph).
 
 So t+2's lookup sees t's update but not t+1's: the tables are one step stale, the dense parameters
-are not. Under an lr schedule the dense update of batch t+1 takes the lr of the step that returns
-its loss (the eager step's), and t's fused table update the lr of that same step (one step later
-than the eager step's for t: the update runs one step later). Where consecutive batches touch
-disjoint rows of every table the stale rows are not read and the pipelined step computes the
-unpipelined step's numbers exactly. The host half of each batch
+are not. Under an lr schedule each batch's updates take the lr of the step that returns its loss
+(the eager step's): the dense one runs in that step, and the fused table update of t, one step
+later, runs with the tables' param groups set back to the lr t's model stage saw (`_table_lr`).
+Where consecutive batches touch disjoint rows of every table the stale rows are not read and the
+pipelined step computes the unpipelined step's numbers exactly. The host half of each batch
 (input dist, SparseCore preprocessing: `preprocess_sharded`) runs eagerly before the step, as
 CompiledStep's does; with `compile=True` the steady step is one `torch.compile(fullgraph=True,
 dynamic=False)` graph, the warm-up and drain steps run eagerly (TorchRec's choice too).
@@ -23,6 +23,7 @@ dynamic=False)` graph, the warm-up and drain steps run eagerly (TorchRec's choic
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from typing import Any
@@ -76,12 +77,16 @@ class PipelinedStep:
             else self._steady
         )
         self.updated_batches = 0  # batches whose SparseCore backward ran (all of them after a drain)
+        # the fused table optimizers' param groups, whose lr each kernel reads when its update runs
+        groups = {id(g): g for k in _kernels(self.sharded) if (g := k.lr_source) is not None}
+        self._table_groups = list(groups.values())
         self.reset()
 
     def reset(self) -> None:
         """Forget the batches in flight (their updates are lost: call `drain()` first to keep them)."""
         self._count = 0
         self._behind: tuple[ShardedPreprocessed, RawActivations] | None = None  # batch t: its gradients
+        self._behind_lr: list[float] = []  # the tables' lr when batch t went through the model
         self._ahead: Any = None  # batch t+1: looked up, waiting for the model
         self._drain_iter: Iterator[torch.Tensor] | None = None
 
@@ -100,11 +105,13 @@ class PipelinedStep:
             grads, loss = self._tensor_core(self._ahead)
         else:
             assert self._behind is not None
-            with torch._dynamo.config.patch(trace_autograd_ops=True):  # loss.backward() in the graph
+            # loss.backward() in the graph; t's table update (in it) at the lr t's model stage saw
+            with torch._dynamo.config.patch(trace_autograd_ops=True), self._table_lr(self._behind_lr):
                 dense = (self.dense.lr_inputs(), self.dense.state_inputs())
                 raw, grads, loss = self._steady_fn(*self._behind, self._ahead, prepared, *dense)
             self.updated_batches += 1
         self._behind = (self._ahead.sparse_features.prepared, grads)
+        self._behind_lr = [float(g["lr"]) for g in self._table_groups]
         self._ahead = _activated(batch, prepared, raw)
         self._count += 1
         return loss
@@ -115,15 +122,31 @@ class PipelinedStep:
         if self._count == 0:
             return
         if self._behind is not None:
-            update_sharded(self.sharded, *self._behind)
+            with self._table_lr(self._behind_lr):
+                update_sharded(self.sharded, *self._behind)
             self.updated_batches += 1
         grads, loss = self._tensor_core(self._ahead)
         self._behind = (self._ahead.sparse_features.prepared, grads)
+        self._behind_lr = [float(g["lr"]) for g in self._table_groups]
         self._ahead = None
         yield loss
-        update_sharded(self.sharded, *self._behind)
+        with self._table_lr(self._behind_lr):
+            update_sharded(self.sharded, *self._behind)
         self.updated_batches += 1
         self.reset()
+
+    @contextlib.contextmanager
+    def _table_lr(self, lrs: list[float]) -> Iterator[None]:
+        """The tables' param groups at `lrs` (those of the batch being updated) for the update, then
+        back to what the schedule set: the update of t runs a step after t's model stage."""
+        now = [g["lr"] for g in self._table_groups]
+        for g, lr in zip(self._table_groups, lrs):
+            g["lr"] = lr
+        try:
+            yield
+        finally:
+            for g, lr in zip(self._table_groups, now):
+                g["lr"] = lr
 
     def progress(self, dataloader_iter: Iterator[Any]) -> torch.Tensor | None:
         """The next batch's step, then the drain's; StopIteration when all are done (TorchRec's
@@ -185,6 +208,11 @@ class PipelinedStep:
             lrs, states = self.dense.lr_inputs(), self.dense.state_inputs()
         self.dense.apply(lrs, states)
         return grads, loss.detach()
+
+
+def _kernels(sharded: Any) -> list[Any]:
+    """The SparseCore kernels of the sharded EBC's lookups."""
+    return [k.kernel for lookup in sharded._lookups for k in lookup._emb_modules]
 
 
 def _activated(batch: Any, prepared: ShardedPreprocessed, raw: RawActivations) -> Any:
