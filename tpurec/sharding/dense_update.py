@@ -179,8 +179,10 @@ def _adam(param: torch.Tensor, grad: torch.Tensor, state: Sequence[torch.Tensor]
 
 
 def _scalar(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A float64 scalar as the kernels use a Python float operand: rounded once to the tensor's dtype."""
-    return value.to(like.dtype)
+    """A float64 scalar (shape (1,), on the host) as the kernels use a Python float operand: rounded
+    once to the tensor's dtype, 0-d (an op on device tensors takes a 0-d host tensor as a scalar;
+    TorchTPU and the emulated device refuse a host tensor of another shape)."""
+    return value.reshape(()).to(like.dtype)
 
 
 def _addcmul_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, value: float = 1) -> torch.Tensor:
