@@ -151,7 +151,7 @@ def main() -> None:
             loss.backward()
             have = [p for p in dense if p.grad is not None]
             if have and world > 1:
-                flat = torch.cat([p.grad.reshape(-1) for p in have]) / world
+                flat = torch.cat([g.reshape(-1) for p in have if (g := p.grad) is not None]) / world
                 dist.all_reduce(flat)
                 for p, part in zip(have, torch.split(flat, [p.numel() for p in have])):
                     p.grad = part.view_as(p)
