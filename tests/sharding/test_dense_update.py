@@ -93,6 +93,8 @@ def test_dense_update_refuses_what_it_does_not_implement():
     params = _params(0)
     with pytest.raises(UserError, match="momentum=0.9"):
         DenseOptimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9), params, None, 1)
+    with pytest.raises(UserError, match="not foreach=True"):
+        DenseOptimizer(torch.optim.Adagrad(params, lr=0.1, foreach=True), params, None, 1)
     with pytest.raises(UserError, match="not AdamW"):
         DenseOptimizer(torch.optim.AdamW(params, lr=0.1), params, None, 1)
     with pytest.raises(UserError, match="exactly the model's 2 dense parameters"):

@@ -5,16 +5,17 @@ step, written so `torch.compile(fullgraph=True)` traces it and a changing lr com
 and after), and a float lr read in the graph is a constant Dynamo guards on: every new lr of a
 warm-up or decay would compile a new graph. So the update here is the optimizer's single-tensor CPU
 step (`torch.optim.sgd/adagrad/adam._single_tensor_*`, what the eager trainer runs on CPU tensors)
-with its Python-float arithmetic on 0-d float64 tensors: the lr of each param group comes in as a
-0-d tensor argument of the graph (`lr_inputs`, refreshed from the param group before each step, so
-`LRSchedule` drives it), and the optimizer's state tensors are its own (`state_inputs`: found again
-every step, so a `load_state_dict` that replaces them is followed; checkpoints keep working).
+with its Python-float arithmetic on float64 tensors: the lr of each param group comes in as a
+float64 tensor argument of the graph (`lr_inputs`, refreshed from the param group before each step,
+so `LRSchedule` drives it), and the optimizer's state tensors are its own (`state_inputs`: found
+again every step, so a `load_state_dict` that replaces them is followed; checkpoints keep working).
 
-The same numbers as torch.optim, op for op: a float64 0-d tensor operand is cast to float32 by the
-kernel exactly as a Python float scalar is, `param.addcdiv_(a, b, value=-s)` is
-`param.add_(a * -s / b)` (the kernel's own order: scalar * a, / b, + param) and
-`param.add_(g, alpha=-lr)` is `param.addcmul_(g, -lr)` (one rounding each: the eager kernels'
-fused multiply-add; measured bit-equal in tests/sharding/test_dense_update.py).
+The same numbers as torch.optim, op for op (bit-equal: tests/sharding/test_dense_update.py): a
+float64 scalar tensor rounded to float32 is the float32 a kernel makes of a Python float operand;
+`param.addcdiv_(a, b, value=-s)` is `param.add_(a * -s / b)` (the kernel's own order: scalar * a,
+/ b, + param); `param.add_(g, alpha=-lr)` is `aten.addcmul_(param, g, -lr)`. The aten op is called
+directly: Dynamo rewrites the method `addcmul_(..., value=v)` into a multiply and a fused
+multiply-add (CUDA's rounding), another float32 result than the CPU kernel's.
 
 The dense gradients are averaged over the ranks in one bucket: DDP's division by the world size,
 then one functional all-reduce of their concatenation (on TorchTPU every collective is a program of
@@ -85,6 +86,13 @@ class DenseOptimizer:
         self.kind = _kind(self.optimizer)
         self.group, self.world_size = group, world_size
         for g in self.optimizer.param_groups:
+            # foreach/fused/differentiable: the eager step would run other kernels, other numbers
+            for key in ("foreach", "fused", "differentiable"):
+                if g.get(key):
+                    raise UserError(
+                        f"the compiled/pipelined step's dense {type(self.optimizer).__name__} runs torch.optim's "
+                        f"single-tensor step, not {key}=True (leave it out, or use the eager step)"
+                    )
             for key, default in _DEFAULTS[self.kind].items():
                 if g.get(key, default) != default:
                     raise UserError(
