@@ -1,5 +1,6 @@
 """`tpurec train --step compiled|pipelined` (tpurec/dlrm/step_kind.py): a tiny synthetic run trains
-through the pipelined step, and what the two steps cannot run is refused in one line."""
+through the pipelined step with the config's dense optimizer (dlrm-tiny's: adagrad) and an lr
+warm-up and decay, and what the two steps cannot run is refused in one line."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import torch
 
 from tests.reliability.inproc import run_cli
 
-from .helpers import train
+from .helpers import checkpoint_tensors, train
 
-COMMON: tuple[str | int, ...] = ("--dense-optimizer", "sgd", "--steps", 40, "--synth-rows", 30000, "--eval-every", 40)
-COMMON += ("--device", "cpu", "--curves-out", "none")
+# the default dense optimizer (adagrad) and every step of the 40 with another lr: 10 of warm-up,
+# then a decay from step 20 over 25 steps
+COMMON: tuple[str | int, ...] = ("--steps", 40, "--synth-rows", 30000, "--eval-every", 40)
+COMMON += ("--warmup-steps", 10, "--decay-start", 20, "--decay-steps", 25, "--device", "cpu", "--curves-out", "none")
 
 
 @pytest.fixture(scope="module")
@@ -32,17 +35,31 @@ def test_train_step_pipelined_trains(cache, tmp_path):
     assert losses[-1] < losses[0], losses  # it learns
 
 
-@pytest.mark.slow  # three runs and a `tpurec data stats`: about 40 s
+@pytest.mark.slow  # five runs and a `tpurec data stats`: about 50 s
 def test_train_steps_against_eager(cache, tmp_path):
     """Measured limits fix the SparseCore buffer sizes: the compiled step runs one graph and ends
-    where the eager step does (the same eval numbers); the pipelined one, compiled too, within the
-    tables' one step of staleness (measured: AUC 0.6636 against 0.6609, logloss 0.5464 against 0.5460)."""
+    where the eager step does (the same eval numbers, adagrad and the lr schedule included), also
+    when resumed from its step-20 checkpoint (the dense optimizer's state is the checkpointed
+    optimizer's); the pipelined one, compiled too, within the tables' one step of staleness
+    (measured: AUC 0.7002 against 0.7081, logloss 0.5235 against 0.5219)."""
     import subprocess
     import sys
 
     from .helpers import REPO
 
-    eager, _ = train("--step", "eager", *COMMON, cache=cache)
+    def ck(name: str) -> tuple:
+        return ("--checkpoint-dir", tmp_path / name, "--checkpoint-every", 20, "--keep", 0)
+
+    def logged(name: str) -> tuple:
+        return ("--metrics-out", tmp_path / f"{name}.jsonl")
+
+    def losses(name: str) -> list[float]:
+        rows = map(json.loads, (tmp_path / f"{name}.jsonl").read_text().splitlines())
+        return [r["loss"] for r in rows if r["kind"] == "train"]
+
+    # the eager run's SparseCore buffers from the same limits: its kernels then sum what the compiled
+    # step's sum (without, batches over the default limits go in several passes, another float order)
+    train("--step", "eager", "--steps", 1, "--synth-rows", 30000, "--eval-every", 0, cache=cache)  # the data
     data = cache / "synth-dlrm-tiny-30000-0"
     limits = tmp_path / "limits.json"
     stats = ["data", "stats", data, "--model", "dlrm-tiny", "--topology", "cpu-1", "--batch-size", 512]
@@ -53,20 +70,39 @@ def test_train_steps_against_eager(cache, tmp_path):
         cwd=REPO,
     )
     assert p.returncode == 0, p.stderr
-    compiled, _ = train("--step", "compiled", *COMMON, "--limits", limits, cache=cache)
-    pipelined, p = train("--step", "pipelined", *COMMON, "--limits", limits, cache=cache)
+    fixed = ("--limits", limits)
+    eager, _ = train("--step", "eager", *COMMON, *fixed, *ck("eager"), *logged("eager"), cache=cache)
+    compiled, p = train("--step", "compiled", *COMMON, *fixed, *ck("compiled"), *logged("compiled"), cache=cache)
+    assert "--step compiled: the steady step runs under torch.compile" in p.stderr
+    at_20 = ("--resume", tmp_path / "compiled" / "step-00000020")
+    resumed, p = train("--step", "compiled", *COMMON, *fixed, *ck("resumed"), *logged("resumed"), *at_20, cache=cache)
+    assert "at step 20" in p.stderr
+    pipelined, p = train("--step", "pipelined", *COMMON, *fixed, cache=cache)
     assert "--step pipelined: the steady step runs under torch.compile" in p.stderr
-    assert eager is not None and compiled is not None and pipelined is not None
+    assert eager is not None and compiled is not None and pipelined is not None and resumed is not None
     assert compiled["step"] == "compiled" and pipelined["step"] == "pipelined"
+    assert losses("compiled") == losses("eager") and len(losses("eager")) == 40  # every step's, bit for bit
+    assert losses("resumed")[-20:] == losses("compiled")[20:]
     assert (compiled["auc"], compiled["logloss"]) == (eager["auc"], eager["logloss"])
+    assert (resumed["auc"], resumed["logloss"]) == (eager["auc"], eager["logloss"])
+    # at step 40, uninterrupted and resumed from step 20: tables, dense weights and both optimizers'
+    # state (the dense adagrad's step and sum) bit-equal to the eager run's
+    want = checkpoint_tensors(tmp_path / "eager" / "step-00000040")
+    assert any(k.endswith("sum") for k in want), sorted(want)[:20]
+    for name in ("compiled", "resumed"):
+        got = checkpoint_tensors(tmp_path / name / "step-00000040")
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], v) for k, v in want.items() if isinstance(v, torch.Tensor)), name
     assert abs(pipelined["logloss"] - eager["logloss"]) < 5e-3 and abs(pipelined["auc"] - eager["auc"]) < 0.01
 
 
 REFUSED = [
-    (["--step", "pipelined"], "--step pipelined runs plain SGD on the dense parameters: give --dense-optimizer sgd"),
-    (["--step", "compiled", "--dense-optimizer", "sgd"], "--step compiled needs fixed SparseCore buffer sizes"),
-    (["--step", "pipelined", "--dense-optimizer", "sgd", "--warmup-steps", "5"], "keeps the dense lr fixed"),
-    (["--step", "pipelined", "--dense-optimizer", "sgd", "--zch"], "without --zch"),
+    (
+        ["--step", "pipelined", "--dense-optimizer", "rowwise_adagrad"],
+        "--step pipelined updates the dense parameters with --dense-optimizer sgd|adagrad|adam (not rowwise_adagrad)",
+    ),
+    (["--step", "compiled"], "--step compiled needs fixed SparseCore buffer sizes"),
+    (["--step", "pipelined", "--zch"], "without --zch"),
 ]
 
 
@@ -77,11 +113,8 @@ def test_train_step_refusals(capsys, flags, says):
 
 
 ON_TPU = [
-    (["--step", "pipelined", "--dense-optimizer", "sgd", "--device", "tpu"], "not yet run on a real TPU"),
-    (
-        ["--step", "compiled", "--dense-optimizer", "sgd", "--device", "tpu", "--limits", "L.json"],
-        "not yet run on a real TPU",
-    ),
+    (["--step", "pipelined", "--device", "tpu"], "not yet run on a real TPU"),
+    (["--step", "compiled", "--device", "tpu", "--limits", "L.json"], "not yet run on a real TPU"),
 ]
 
 

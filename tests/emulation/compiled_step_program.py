@@ -122,7 +122,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out", required=True)
     parser.add_argument("--host-tensor-check", action="store_true")
-    # the eager step's dense gradient average: DDP's (bucketed), or one all-reduce per gradient
+    # the eager step's dense gradient average: DDP's (its buckets), or the graph's (one bucket, one all-reduce)
     parser.add_argument("--oracle", choices=["ddp", "allreduce"], default="ddp")
     args = parser.parse_args()
 
@@ -146,14 +146,15 @@ def main() -> None:
         if args.oracle == "ddp":
             loss = eager(batch)[0]
             loss.backward()
-        else:  # DMP's module without DDP, each dense gradient averaged alone, as the graph does
+        else:  # DMP's module without DDP, the dense gradients averaged in one bucket, as the graph does
             loss = eager.module(batch)[0]
             loss.backward()
-            for p in dense:
-                if p.grad is not None and world > 1:
-                    g = p.grad / world
-                    dist.all_reduce(g)
-                    p.grad = g
+            have = [p for p in dense if p.grad is not None]
+            if have and world > 1:
+                flat = torch.cat([g.reshape(-1) for p in have if (g := p.grad) is not None]) / world
+                dist.all_reduce(flat)
+                for p, part in zip(have, torch.split(flat, [p.numel() for p in have])):
+                    p.grad = part.view_as(p)
         sgd.step()
         sgd.zero_grad()
         eager_losses.append(float(loss.detach()))
@@ -179,6 +180,9 @@ def main() -> None:
         "compiled_programs": sorted([op, str(key)] for kind, op, key in device.RECORD.programs if kind == "compiled"),
         "graphs": len(compiled.COMPILED),
         "programs_per_run": [dict(Counter(kind for kind, _, _ in graph)) for graph in compiled.COMPILED],
+        "all_reduces_per_run": [
+            sum(op == "_c10d_functional::all_reduce" for kind, op, _ in graph) for graph in compiled.COMPILED
+        ],
         "graph_collectives": sorted(
             {op for graph in compiled.COMPILED for kind, op, _ in graph if kind == "collective"}
         ),

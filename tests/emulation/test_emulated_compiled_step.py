@@ -107,11 +107,11 @@ def test_compiled_dlrm_tiny_on_every_emulated_rank_of_a_v5p_8_plan_with_every_sh
         assert seen["world"] == 4, rank
         # every sharding type the planner offers on a TPU (tests/emulation/every_sharding_type.py)
         assert seen["plan"] == ["column_wise", "row_wise", "table_column_wise", "table_wise"], rank
-        # Against an eager step that averages each dense gradient with its own all-reduce, as the graph
-        # does: bit for bit. Against DDP's step within 1e-6: DDP all-reduces the gradients bucketed, and
+        # Against an eager step that averages the dense gradients in one bucket with one all-reduce, as
+        # the graph does: bit for bit. Against DDP's step within 1e-6: DDP's buckets are others, and
         # gloo's sum of four ranks' float32 values comes out in another order (of two it cannot: two
-        # gloo ranks are bit-equal, tests/sharding/test_compiled_dmp_step.py). Measured: losses 6e-8
-        # apart at most (from step 12), tables and dense weights 2e-7.
+        # gloo ranks are bit-equal, tests/sharding/test_compiled_dmp_step.py); one all-reduce per
+        # gradient, as the graph had before dense_update.py, also differs by 6e-8 in one loss of 20.
         _assert_trains_as_eager(seen, tol=0.0 if oracle == "allreduce" else 1e-6)
         assert seen["explain"]["graphs"] == 1 and seen["explain"]["breaks"] == 0, seen["explain"]["reasons"]
         # In the graph, as TorchTPU's backend splits it: the output dist's all-to-alls and the dense
@@ -121,6 +121,8 @@ def test_compiled_dlrm_tiny_on_every_emulated_rank_of_a_v5p_8_plan_with_every_sh
             "_c10d_functional::all_to_all_single",
         ], rank
         assert len(seen["compiled_programs"]) >= 2, rank
+        # the dense gradients' one bucket (one per gradient: 37 programs per run, not 19)
+        assert seen["all_reduces_per_run"] == [1], rank
 
 
 def test_a_graph_is_split_into_programs_at_its_collectives_as_torchtpu_splits_it():

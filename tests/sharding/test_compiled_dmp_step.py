@@ -179,6 +179,8 @@ def train_pair(
         "tables_moved": min(float((after[k] - initial[k]).abs().max()) for k in after) if after else None,
         "dense_diff": max(float((p - q).abs().max()) for p, q in zip(dense, twin_dense, strict=True)),
         "collectives": sorted({name for code in counter.codes for name in re.findall(_COLLECTIVE, code)}),
+        # the top graph's all-reduces: the dense gradients' one bucket (dense_update.py)
+        "all_reduces": len(re.findall(r"\ball_reduce\b", counter.codes[0])),
         "plan": sorted({ps.sharding_type for mp in twin.plan.plan.values() for ps in mp.values()}),
     }
 
@@ -285,3 +287,61 @@ def test_compiled_dmp_step_equals_eager_two_ranks(sharding_type):
         # gradients' all-reduce, and the pooled embeddings' output dist: an all-to-all (RW's
         # reduce-scatter-v too, comm_ops.py), TWRW's intra-host reduce-scatter (one host: no cross all-to-all)
         assert result["collectives"] == ["all_reduce", *OUTPUT_DIST[sharding_type]], rank
+        assert result["all_reduces"] == 1, rank  # the 8 dense gradients in one bucket
+
+
+def _trainer_optimizer(dmp: Any, kind: str) -> Any:
+    """The trainer's optimizer (tpurec.dlrm.model.build_optimizer's shape: the fused table optimizer
+    and the dense torch.optim one in a CombinedOptimizer) and its LRSchedule: 5 steps of warm-up,
+    then a quadratic decay from step 8 over 15 steps (every step of the 20 has another lr)."""
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    from tpurec.dlrm.model import LRSchedule, _optimizer
+
+    cls, kwargs = _optimizer(kind, DENSE_LR, 1e-8)
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda ps: cls(ps, **kwargs)
+    )
+    optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
+    return optimizer, LRSchedule(optimizer, warmup_steps=5, decay_start=8, decay_steps=15)
+
+
+@pytest.mark.parametrize("kind", ["adagrad", "adam", "sgd"])
+def test_compiled_step_trains_with_the_trainers_optimizer_and_lr_schedule(kind):
+    """The trainer's dense optimizer (adagrad: the built-in configs' default) and its lr schedule in
+    the compiled step: 20 steps bit-equal to the eager step (TorchRec's DMP, torch.optim's step,
+    the fused table update reading the scheduled lr), one graph: the changing lrs compile nothing new."""
+    from tpurec.sharding.compiled_step import CompiledStep
+
+    eager, twin = _dmp(1, None), _dmp(1, None)
+    eager_opt, eager_schedule = _trainer_optimizer(eager, kind)
+    twin_opt, twin_schedule = _trainer_optimizer(twin, kind)
+    counter = CompileCounterWithBackend("aot_eager")
+    step = CompiledStep(twin, twin_opt, backend=counter)
+    initial = _tables(eager)
+    eager_losses, compiled_losses = [], []
+    for i, batch in enumerate(batches(STEPS, BATCH, 0, 1)):
+        eager_schedule.set_step(i)
+        loss = eager(batch)[0]
+        loss.backward()
+        eager_opt.step()
+        eager_opt.zero_grad()
+        eager_losses.append(float(loss.detach()))
+        twin_schedule.set_step(i)
+        compiled_losses.append(float(step.step(batch)))
+    assert counter.frame_count == 1
+    assert compiled_losses == eager_losses
+    after, twin_after = _tables(eager), _tables(twin)
+    assert all(torch.equal(after[k], twin_after[k]) for k in after)
+    assert min(float((after[k] - initial[k]).abs().max()) for k in after) > 1e-3
+    # the dense state is the optimizer's own, as the eager step left its twin's (what a checkpoint saves)
+    eager_state, twin_state = eager_opt.state_dict()["state"], twin_opt.state_dict()["state"]
+    assert eager_state.keys() == twin_state.keys()
+    dense = [key for key in eager_state if "embedding_bags" not in key]  # the tables: compared above
+    # the dense MLPs' 8 weights and biases: adagrad's step and sum, adam's step and moments; sgd keeps none
+    assert len(dense) == (0 if kind == "sgd" else 8)
+    assert all(len(eager_state[key]) == {"adagrad": 2, "adam": 3}[kind] for key in dense)
+    for key in dense:
+        for name, tensor in eager_state[key].items():
+            assert torch.equal(tensor, twin_state[key][name]), (key, name)

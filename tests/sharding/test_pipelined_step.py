@@ -184,3 +184,44 @@ def test_pipelined_two_ranks(kind):
                 assert result["loss_diff"] > 1e-5 and result["loss_diff"] < STALE_TOL["loss"], rank
                 assert result["table_rel"] < STALE_TOL["table_rel"], rank
                 assert result["dense_diff"] < STALE_TOL["dense"], rank
+
+
+@pytest.mark.parametrize("scheduled", [False, True], ids=["fixed_lr", "warmup_decay"])
+def test_pipelined_with_the_trainers_adagrad(scheduled):
+    """The trainer's optimizer (the configs' default dense adagrad) in the compiled pipelined step,
+    disjoint batches: bit-equal to the eager step, at a fixed lr and under warm-up and decay (the
+    dense lr a graph input; batch t's table update, a step late, at the lr of t's own step), one
+    graph for all steady steps."""
+    from tpurec.sharding.pipelined_step import PipelinedStep
+
+    from .test_compiled_dmp_step import _trainer_optimizer
+
+    eager, twin = _dmp(1, None), _dmp(1, None)
+    (eager_opt, eager_schedule), (twin_opt, twin_schedule) = (_trainer_optimizer(m, "adagrad") for m in (eager, twin))
+    if not scheduled:
+        eager_schedule.warmup = eager_schedule.decay_steps = twin_schedule.warmup = twin_schedule.decay_steps = 0
+    data = disjoint_batches(STEPS, BATCH, 0, 1)
+    eager_losses = []
+    for i, batch in enumerate(data):
+        eager_schedule.set_step(i)
+        loss = eager(batch)[0]
+        loss.backward()
+        eager_opt.step()
+        eager_opt.zero_grad()
+        eager_losses.append(float(loss.detach()))
+    counter = CompileCounterWithBackend("aot_eager")
+    pipe = PipelinedStep(twin, twin_opt, backend=counter)
+    losses = []
+    for i, batch in enumerate(data):  # the trainer's loop: the lr of the step whose loss comes back
+        twin_schedule.set_step(max(0, i - 1))
+        loss = pipe.step(batch)
+        if loss is not None:
+            losses.append(float(loss))
+    twin_schedule.set_step(STEPS - 1)  # the drain: the last batch's step
+    losses += [float(x) for x in pipe.drain()]
+    assert counter.frame_count == 1
+    after, twin_after = _tables(eager), _tables(twin)
+    assert losses == eager_losses
+    assert all(torch.equal(after[k], twin_after[k]) for k in after)
+    # every param group back at the schedule's last lr (the table update's own lr was put back)
+    assert [g["lr"] for g in twin_opt.param_groups] == [g["lr"] for g in eager_opt.param_groups]

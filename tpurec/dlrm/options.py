@@ -30,6 +30,9 @@ from tpurec.runtime import heartbeat, storage
 from tpurec.runtime.device import DeviceChoice
 
 STEP_KINDS = ("eager", "compiled", "pipelined")  # --step: tpurec/dlrm/step_kind.py
+# the dense optimizers their update implements (tpurec/sharding/dense_update.py SUPPORTED; here
+# without importing torch, for the check before anything starts)
+STEP_DENSE_OPTIMIZERS = ("sgd", "adagrad", "adam")
 
 if TYPE_CHECKING:
     from tpurec.data.mapping import ColumnSpec
@@ -370,20 +373,18 @@ class TrainOptions:
         return None
 
     def _step_problem(self) -> str | None:
-        """What --step compiled/pipelined cannot run: their dense update is plain SGD at a fixed lr in
-        the step itself, and they take the built-in DLRM's one sharded EBC; both run on the CPU and the
-        emulated TPU (not yet on a real one)."""
+        """What --step compiled/pipelined cannot run: their dense update implements torch.optim's SGD,
+        Adagrad and Adam (tpurec/sharding/dense_update.py), and they take the built-in DLRM's one
+        sharded EBC; both run on the CPU and the emulated TPU (not yet on a real one)."""
         if self.step == "eager":
             return None
         try:
             cfg = self.config()
         except UserError as e:
             return str(e)
-        if cfg.dense_optimizer != "sgd":
-            opt = cfg.dense_optimizer
-            return f"--step {self.step} runs plain SGD on the dense parameters: give --dense-optimizer sgd (not {opt})"
-        if cfg.warmup_steps or cfg.decay_steps:
-            return f"--step {self.step} keeps the dense lr fixed: leave out --warmup-steps and --decay-steps"
+        if cfg.dense_optimizer not in STEP_DENSE_OPTIMIZERS:
+            known, opt = "|".join(STEP_DENSE_OPTIMIZERS), cfg.dense_optimizer
+            return f"--step {self.step} updates the dense parameters with --dense-optimizer {known} (not {opt})"
         given = [f for f in ("model_module", "zch") if getattr(self, f)]
         if given:
             flag_name = flags.option_string(given[0])

@@ -16,14 +16,16 @@ import torch
 
 
 class StepPipeline:
-    """kind: "compiled" or "pipelined" (options.STEP_KINDS); dense_lr: their plain SGD's lr.
+    """kind: "compiled" or "pipelined" (options.STEP_KINDS); optimizer: the trainer's (model.build_optimizer:
+    the dense torch.optim optimizer in it is stepped in the graph, with the lr LRSchedule set in its
+    param group, on its own state, so checkpoints and resumes see it as the eager step leaves it).
     compile: the pipelined steady step under torch.compile (it needs fixed id limits: without them
     the SparseCore buffers follow each batch's ids, a new graph per batch), else eager.
     device: where each batch goes first, as TorchRec's pipeline copies it (`batch.to(device)`); on the
     TPU path the trainer's batches move only their dense features and labels (tpurec.data.host_ids)."""
 
     def __init__(
-        self, kind: str, dmp: Any, dense_lr: float, compile: bool = True, device: torch.device | None = None
+        self, kind: str, dmp: Any, optimizer: Any, compile: bool = True, device: torch.device | None = None
     ) -> None:
         self.kind, self.dmp = kind, dmp
         self.device = device
@@ -32,11 +34,11 @@ class StepPipeline:
         if kind == "compiled":
             from tpurec.sharding.compiled_step import CompiledStep
 
-            self._compiled = CompiledStep(dmp, dense_lr)
+            self._compiled = CompiledStep(dmp, optimizer)
         elif kind == "pipelined":
             from tpurec.sharding.pipelined_step import PipelinedStep
 
-            self._pipelined = PipelinedStep(dmp, dense_lr, compile=compile)
+            self._pipelined = PipelinedStep(dmp, optimizer, compile=compile)
         else:
             raise ValueError(f"no step kind {kind!r}")
 

@@ -310,7 +310,7 @@ class Trainer:
 
             # compiled only with fixed SparseCore buffer sizes (--limits): else a graph per batch
             fixed = o.id_limits is not None
-            self.pipeline: Any = StepPipeline(o.step, self.dmp, cfg.dense_lr, compile=fixed, device=device)
+            self.pipeline: Any = StepPipeline(o.step, self.dmp, self.optimizer, compile=fixed, device=device)
             how = "under torch.compile" if fixed else "eagerly (no --limits: buffer sizes follow each batch)"
             self.say(f"--step {o.step}: the steady step runs {how}")
             return

@@ -7,7 +7,13 @@ The split is TorchRec's own (TrainPipelineSparseDist runs `input_dist` ahead of
   the SparseCore preprocessing of each kernel's ids (`sharded_preprocess.preprocess_sharded`);
 * one graph: the lookups (`tpurec::fused_lookup`), the output dist of the pooled embeddings, the
   dense model and loss, backward (each stack's fused update, `tpurec::fused_update`), the dense
-  gradients' average over the ranks (a functional all-reduce, as DDP's) and plain SGD on them.
+  gradients' average over the ranks (one functional all-reduce of one bucket, as DDP's) and the
+  dense optimizer's update (`dense_update.DenseOptimizer`: torch.optim's SGD, Adagrad or Adam, its
+  own state, the lr a graph input).
+
+The learning rates change without a new graph: the dense one is a tensor argument read from the
+optimizer's param group each step, and the fused update (an opaque op) reads its param group's lr
+when it runs (`custom_ops.fused_update`: `kernel.current_lr()`), so `LRSchedule` drives both.
 
 The model is DMP's unwrapped module: DDP's backward hooks are what the graph does itself. The
 graph is compiled for the batch's shape and each stack's SparseCore buffer sizes: fixed id limits
@@ -17,7 +23,7 @@ batch; without them they follow the batch's ids, and a batch with new sizes comp
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -26,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tpurec.errors import UserError
+from tpurec.sharding.dense_update import DenseOptimizer
 from tpurec.sharding.sharded_preprocess import ShardedPreprocessed, preprocess_sharded
 from tpurec.sharding.sharder import ShardedSparseCoreEBC
 
@@ -44,24 +51,30 @@ class CompiledStep:
     batch: a dataclass with `sparse_features` (a KJT, e.g. torchrec's `Batch`), handed to
     `loss_fn(module, batch)` with `sparse_features` replaced by its SparseCore inputs. The model's
     forward must pass that KJT to its one sharded EmbeddingBagCollection (TorchRec's DLRM does).
-    dense_lr: plain SGD on the dense parameters (those without a fused optimizer), in the graph.
+    dense_optimizer: the dense parameters' (those without a fused optimizer) torch.optim SGD, Adagrad
+    or Adam (or TorchRec's KeyedOptimizerWrapper / CombinedOptimizer holding it, e.g. `tpurec.dlrm.model
+    .build_optimizer`'s), stepped in the graph with its param group's current lr; a float: plain SGD at that lr.
     backend: torch.compile's backend ("aot_eager", "inductor", "tpu", ...); None: `default_backend`'s
     choice for where the tables are.
     """
 
     def __init__(
-        self, dmp: Any, dense_lr: float, loss_fn: LossFn = model_loss, backend: str | Any | None = None
+        self,
+        dmp: Any,
+        dense_optimizer: float | Any,
+        loss_fn: LossFn = model_loss,
+        backend: str | Any | None = None,
     ) -> None:
         from torchrec.optim.optimizers import in_backward_optimizer_filter
 
         self.module: nn.Module = dmp.module  # without DDP: the graph averages the dense gradients itself
         self.sharded = the_sharded_ebc(self.module, "CompiledStep")
         self.dense_params = [p for _, p in in_backward_optimizer_filter(self.module.named_parameters())]
-        self.dense_lr = float(dense_lr)
         self.loss_fn = loss_fn
         env = getattr(dmp, "_env", None)
         self.group = getattr(env, "process_group", None)
         self.world_size = self.group.size() if self.group is not None and dist.is_initialized() else 1
+        self.dense = DenseOptimizer(dense_optimizer, self.dense_params, self.group, self.world_size)
         self.backend = default_backend(self.sharded) if backend is None else backend
         self.compiled = torch.compile(self._step, fullgraph=True, dynamic=False, backend=self.backend)
 
@@ -75,7 +88,7 @@ class CompiledStep:
         # loss.backward() inside the graph: Dynamo traces it only with this set (TorchRec's
         # SparseCoreTrainPipeline sets it for the whole process; here only around the step)
         with torch._dynamo.config.patch(trace_autograd_ops=True):
-            out: torch.Tensor = self.compiled(prepared)
+            out: torch.Tensor = self.compiled(prepared, self.dense.lr_inputs(), self.dense.state_inputs())
         return out
 
     def explain(self, batch: Any) -> Any:
@@ -83,38 +96,15 @@ class CompiledStep:
         dense parameters are updated)."""
         prepared = self.preprocess(batch)
         with torch._dynamo.config.patch(trace_autograd_ops=True):
-            return torch._dynamo.explain(self._step)(prepared)
+            return torch._dynamo.explain(self._step)(prepared, self.dense.lr_inputs(), self.dense.state_inputs())
 
-    def _step(self, prepared: Any) -> torch.Tensor:
+    def _step(self, prepared: Any, lrs: list[torch.Tensor], states: Any) -> torch.Tensor:
         loss = self.loss_fn(self.module, prepared)
         loss.backward()
-        # torch.optim's step() breaks the graph on purpose (optimizer.py, `_use_grad`); its CPU SGD
-        # without momentum is w += -lr * g per parameter, as TorchRec's pipeline keeps a functional
-        # dense optimizer in its compiled step. One foreach op, the same numbers: torch 2.14.1's
-        # inductor computes a per-parameter `p.add_(p.grad, alpha=-lr)` after traced backward wrongly
-        # (the losses drift 0.03 in 20 steps; aot_eager does not), the foreach form right.
-        dense_sgd(self.dense_params, self.dense_lr, self.group, self.world_size)
+        # torch.optim's step() breaks the graph on purpose (optimizer.py, `_use_grad`): the same
+        # update written traceably, on the optimizer's own state (dense_update.py)
+        self.dense.apply(lrs, states)
         return loss.detach()
-
-
-def dense_sgd(dense_params: Sequence[torch.Tensor], lr: float, group: Any, world_size: int) -> None:
-    """Plain SGD on the dense parameters' gradients averaged over the ranks, traceable; clears them."""
-    with torch.no_grad():
-        params: list[torch.Tensor] = [p for p in dense_params if p.grad is not None]
-        grads: list[torch.Tensor] = [p.grad for p in params if p.grad is not None]
-        if world_size > 1:
-            grads = [_mean_over_ranks(g, group, world_size) for g in grads]
-        torch._foreach_add_(params, grads, alpha=-lr)
-        for p in params:
-            p.grad = None
-
-
-def _mean_over_ranks(grad: torch.Tensor, group: Any, world_size: int) -> torch.Tensor:
-    """DDP's average: each rank's gradient divided by the world size, then summed (its reducer divides
-    before the all-reduce); a functional collective, which Dynamo traces."""
-    import torch.distributed._functional_collectives as funcol
-
-    return funcol.all_reduce(grad / world_size, "sum", group)
 
 
 def default_backend(sharded: ShardedSparseCoreEBC) -> str:

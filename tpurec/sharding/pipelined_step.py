@@ -6,13 +6,16 @@ Three stages, each on a different batch; a steady step runs, in this order (Torc
 * SparseCore backward of batch t: each stack's fused update from t's activation gradients
   (`sharded_preprocess.update_sharded`, the `tpurec::fused_update` op of the compiled backward);
 * TensorCore stage of batch t+1: t+1's raw activations as leaves requiring grad, TorchRec's output
-  dist, the model and loss, backward, the dense gradients averaged over the ranks and plain SGD
-  (CompiledStep's `dense_sgd`), giving the activations' gradients;
+  dist, the model and loss, backward, the dense gradients averaged over the ranks and the dense
+  optimizer's update (CompiledStep's: `dense_update.DenseOptimizer`), giving the activations' gradients;
 * SparseCore forward of batch t+2: its lookups on the tables as they are now (no autograd graph).
 
 So t+2's lookup sees t's update but not t+1's: the tables are one step stale, the dense parameters
-are not. Where consecutive batches touch disjoint rows of every table the stale rows are not read
-and the pipelined step computes the unpipelined step's numbers exactly. The host half of each batch
+are not. Under an lr schedule each batch's updates take the lr of the step that returns its loss
+(the eager step's): the dense one runs in that step, and the fused table update of t, one step
+later, runs with the tables' param groups set back to the lr t's model stage saw (`_table_lr`).
+Where consecutive batches touch disjoint rows of every table the stale rows are not read and the
+pipelined step computes the unpipelined step's numbers exactly. The host half of each batch
 (input dist, SparseCore preprocessing: `preprocess_sharded`) runs eagerly before the step, as
 CompiledStep's does; with `compile=True` the steady step is one `torch.compile(fullgraph=True,
 dynamic=False)` graph, the warm-up and drain steps run eagerly (TorchRec's choice too).
@@ -20,6 +23,7 @@ dynamic=False)` graph, the warm-up and drain steps run eagerly (TorchRec's choic
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from typing import Any
@@ -28,7 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tpurec.sharding.compiled_step import LossFn, default_backend, dense_sgd, model_loss, the_sharded_ebc
+from tpurec.sharding.compiled_step import LossFn, default_backend, model_loss, the_sharded_ebc
+from tpurec.sharding.dense_update import DenseOptimizer
 from tpurec.sharding.sharded_preprocess import (
     RawActivations,
     ShardedActivations,
@@ -44,13 +49,13 @@ class PipelinedStep:
     with one sharded EmbeddingBagCollection), returning the loss of the previous batch (None for the
     first batch); `drain()` finishes the batches in flight, `iterate(loader)` yields every loss.
 
-    batch, loss_fn, dense_lr and backend: as CompiledStep's. compile: False runs the steady step eagerly.
+    batch, loss_fn, dense_optimizer and backend: as CompiledStep's. compile: False runs the steady step eagerly.
     """
 
     def __init__(
         self,
         dmp: Any,
-        dense_lr: float,
+        dense_optimizer: float | Any,
         loss_fn: LossFn = model_loss,
         compile: bool = True,
         backend: str | Any | None = None,
@@ -60,11 +65,11 @@ class PipelinedStep:
         self.module: nn.Module = dmp.module  # without DDP: the step averages the dense gradients itself
         self.sharded = the_sharded_ebc(self.module, "PipelinedStep")
         self.dense_params = [p for _, p in in_backward_optimizer_filter(self.module.named_parameters())]
-        self.dense_lr = float(dense_lr)
         self.loss_fn = loss_fn
         env = getattr(dmp, "_env", None)
         self.group = getattr(env, "process_group", None)
         self.world_size = self.group.size() if self.group is not None and dist.is_initialized() else 1
+        self.dense = DenseOptimizer(dense_optimizer, self.dense_params, self.group, self.world_size)
         self.backend = default_backend(self.sharded) if backend is None else backend
         self._steady_fn = (
             torch.compile(self._steady, fullgraph=True, dynamic=False, backend=self.backend)
@@ -72,12 +77,16 @@ class PipelinedStep:
             else self._steady
         )
         self.updated_batches = 0  # batches whose SparseCore backward ran (all of them after a drain)
+        # the fused table optimizers' param groups, whose lr each kernel reads when its update runs
+        groups = {id(g): g for k in _kernels(self.sharded) if (g := k.lr_source) is not None}
+        self._table_groups = list(groups.values())
         self.reset()
 
     def reset(self) -> None:
         """Forget the batches in flight (their updates are lost: call `drain()` first to keep them)."""
         self._count = 0
         self._behind: tuple[ShardedPreprocessed, RawActivations] | None = None  # batch t: its gradients
+        self._behind_lr: list[float] = []  # the tables' lr when batch t went through the model
         self._ahead: Any = None  # batch t+1: looked up, waiting for the model
         self._drain_iter: Iterator[torch.Tensor] | None = None
 
@@ -96,10 +105,13 @@ class PipelinedStep:
             grads, loss = self._tensor_core(self._ahead)
         else:
             assert self._behind is not None
-            with torch._dynamo.config.patch(trace_autograd_ops=True):  # loss.backward() in the graph
-                raw, grads, loss = self._steady_fn(*self._behind, self._ahead, prepared)
+            # loss.backward() in the graph; t's table update (in it) at the lr t's model stage saw
+            with torch._dynamo.config.patch(trace_autograd_ops=True), self._table_lr(self._behind_lr):
+                dense = (self.dense.lr_inputs(), self.dense.state_inputs())
+                raw, grads, loss = self._steady_fn(*self._behind, self._ahead, prepared, *dense)
             self.updated_batches += 1
         self._behind = (self._ahead.sparse_features.prepared, grads)
+        self._behind_lr = [float(g["lr"]) for g in self._table_groups]
         self._ahead = _activated(batch, prepared, raw)
         self._count += 1
         return loss
@@ -110,15 +122,31 @@ class PipelinedStep:
         if self._count == 0:
             return
         if self._behind is not None:
-            update_sharded(self.sharded, *self._behind)
+            with self._table_lr(self._behind_lr):
+                update_sharded(self.sharded, *self._behind)
             self.updated_batches += 1
         grads, loss = self._tensor_core(self._ahead)
         self._behind = (self._ahead.sparse_features.prepared, grads)
+        self._behind_lr = [float(g["lr"]) for g in self._table_groups]
         self._ahead = None
         yield loss
-        update_sharded(self.sharded, *self._behind)
+        with self._table_lr(self._behind_lr):
+            update_sharded(self.sharded, *self._behind)
         self.updated_batches += 1
         self.reset()
+
+    @contextlib.contextmanager
+    def _table_lr(self, lrs: list[float]) -> Iterator[None]:
+        """The tables' param groups at `lrs` (those of the batch being updated) for the update, then
+        back to what the schedule set: the update of t runs a step after t's model stage."""
+        now = [g["lr"] for g in self._table_groups]
+        for g, lr in zip(self._table_groups, lrs):
+            g["lr"] = lr
+        try:
+            yield
+        finally:
+            for g, lr in zip(self._table_groups, now):
+                g["lr"] = lr
 
     def progress(self, dataloader_iter: Iterator[Any]) -> torch.Tensor | None:
         """The next batch's step, then the drain's; StopIteration when all are done (TorchRec's
@@ -150,26 +178,41 @@ class PipelinedStep:
             raise ValueError("PipelinedStep.explain needs two steps first (the warm-up)")
         prepared = self.preprocess(batch)
         with torch._dynamo.config.patch(trace_autograd_ops=True):
-            return torch._dynamo.explain(self._steady)(*self._behind, self._ahead, prepared)
+            dense = (self.dense.lr_inputs(), self.dense.state_inputs())
+            return torch._dynamo.explain(self._steady)(*self._behind, self._ahead, prepared, *dense)
 
     def _steady(
-        self, prepared_t: ShardedPreprocessed, grads_t: RawActivations, batch_t1: Any, prepared_t2: ShardedPreprocessed
+        self,
+        prepared_t: ShardedPreprocessed,
+        grads_t: RawActivations,
+        batch_t1: Any,
+        prepared_t2: ShardedPreprocessed,
+        lrs: list[torch.Tensor],
+        states: Any,
     ) -> tuple[RawActivations, RawActivations, torch.Tensor]:
         update_sharded(self.sharded, prepared_t, grads_t)
-        grads_t1, loss_t1 = self._tensor_core(batch_t1)
+        grads_t1, loss_t1 = self._tensor_core(batch_t1, lrs, states)
         raw_t2 = lookup_sharded(self.sharded, prepared_t2)
         return raw_t2, grads_t1, loss_t1
 
-    def _tensor_core(self, batch: Any) -> tuple[RawActivations, torch.Tensor]:
-        """Model, loss and backward on a batch's raw activations (leaves), dense SGD; their gradients."""
+    def _tensor_core(self, batch: Any, lrs: Any = None, states: Any = None) -> tuple[RawActivations, torch.Tensor]:
+        """Model, loss and backward on a batch's raw activations (leaves), the dense update (its lr and
+        state: the optimizer's current ones unless given, as the graph is given them); their gradients."""
         loss = self.loss_fn(self.module, batch)
         loss.backward()
         grads = [
             [[a.grad if a.grad is not None else torch.zeros_like(a) for a in stacks] for stacks in kernels]
             for kernels in batch.sparse_features.raw
         ]
-        dense_sgd(self.dense_params, self.dense_lr, self.group, self.world_size)
+        if lrs is None:
+            lrs, states = self.dense.lr_inputs(), self.dense.state_inputs()
+        self.dense.apply(lrs, states)
         return grads, loss.detach()
+
+
+def _kernels(sharded: Any) -> list[Any]:
+    """The SparseCore kernels of the sharded EBC's lookups."""
+    return [k.kernel for lookup in sharded._lookups for k in lookup._emb_modules]
 
 
 def _activated(batch: Any, prepared: ShardedPreprocessed, raw: RawActivations) -> Any:
