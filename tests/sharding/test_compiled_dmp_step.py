@@ -345,3 +345,58 @@ def test_compiled_step_trains_with_the_trainers_optimizer_and_lr_schedule(kind):
     for key in dense:
         for name, tensor in eager_state[key].items():
             assert torch.equal(tensor, twin_state[key][name]), (key, name)
+
+
+def test_a_batch_over_the_fixed_limits_steps_eagerly_and_the_graph_stays_one():
+    """A batch over its fixed id limits (several passes: no fixed graph) runs its step eagerly, with
+    the eager DMP step's numbers; the batches around it stay in the one compiled graph."""
+    from dataclasses import replace
+
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from tpurec.sharding.compiled_step import CompiledStep
+
+    eager, twin = _dmp(1, None), _dmp(1, None)
+    data = batches(4, BATCH, 0, 1, seed=2)
+    # batch 1: 20 ids per bag of f0, rows 0, 4, .., 76 (one partition of four, MOD sharding): each
+    # SparseCore's 8 samples put 160 ids there, over the limit of 64
+    keys = [f"f{i}" for i in range(FEATURES)]
+    lengths = torch.ones(FEATURES * BATCH, dtype=torch.long)
+    lengths[:BATCH] = 20
+    values = torch.cat([(torch.arange(20 * BATCH) % 20) * 4, data[1].sparse_features.values()[BATCH:]])
+    data[1] = replace(data[1], sparse_features=KeyedJaggedTensor(keys=keys, values=values, lengths=lengths))
+    sgd = torch.optim.SGD([p for _, p in in_backward_optimizer_filter(eager.named_parameters())], lr=DENSE_LR)
+    counter = _Recorder("aot_eager")
+    step = CompiledStep(twin, DENSE_LR, backend=counter)
+    kernels = [k.kernel for lookup in step.sharded._lookups for k in lookup._emb_modules]
+    for i, batch in enumerate(data):
+        loss = eager(batch)[0]
+        loss.backward()
+        sgd.step()
+        sgd.zero_grad()
+        assert float(step.step(batch)) == float(loss.detach()), i
+        assert step.eager_steps == (0 if i == 0 else 1)
+    assert counter.frame_count == 1  # compiled for batch 0, reused by batches 2 and 3
+    assert sum(k.multipass_batches for k in kernels) >= 1
+    after, twin_after = _tables(eager), _tables(twin)
+    assert all(torch.equal(after[k], twin_after[k]) for k in after)
+
+
+def test_the_pipelined_step_refuses_a_batch_over_the_fixed_limits_in_one_line():
+    from dataclasses import replace
+
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from tpurec.errors import UserError
+    from tpurec.sharding.pipelined_step import PipelinedStep
+
+    step = PipelinedStep(_dmp(1, None), DENSE_LR, compile=False)
+    batch = batches(1, BATCH, 0, 1)[0]
+    lengths = torch.ones(FEATURES * BATCH, dtype=torch.long)
+    lengths[:BATCH] = 20
+    values = torch.cat([(torch.arange(20 * BATCH) % 20) * 4, batch.sparse_features.values()[BATCH:]])
+    kjt = KeyedJaggedTensor(keys=[f"f{i}" for i in range(FEATURES)], values=values, lengths=lengths)
+    # the stack and its tables' shards named ("t0/0": table t0's shard 0)
+    with pytest.raises(UserError, match=r"limits of stack_d8 \(tables t0/0, t1/0, t2/0, t3/0\) .*`tpurec data stats`"):
+        step.step(replace(batch, sparse_features=kjt))

@@ -33,7 +33,7 @@ from torch import nn
 
 from tpurec.errors import UserError
 from tpurec.sharding.dense_update import DenseOptimizer
-from tpurec.sharding.sharded_preprocess import ShardedPreprocessed, preprocess_sharded
+from tpurec.sharding.sharded_preprocess import ShardedPreprocessed, over_limits, preprocess_sharded
 from tpurec.sharding.sharder import ShardedSparseCoreEBC
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -77,6 +77,7 @@ class CompiledStep:
         self.dense = DenseOptimizer(dense_optimizer, self.dense_params, self.group, self.world_size)
         self.backend = default_backend(self.sharded) if backend is None else backend
         self.compiled = torch.compile(self._step, fullgraph=True, dynamic=False, backend=self.backend)
+        self.eager_steps = 0  # batches over their fixed id limits, stepped eagerly (`step`)
 
     def preprocess(self, batch: Any) -> Any:
         """The eager half: `batch` with its KJT replaced by the sharded EBC's SparseCore inputs."""
@@ -85,10 +86,18 @@ class CompiledStep:
 
     def step(self, batch: Any) -> torch.Tensor:
         prepared = self.preprocess(batch)
+        run = self.compiled
+        if over_limits(prepared.sparse_features):
+            # Over its fixed id limits (measured on other data, say) a batch runs as several passes,
+            # with no fixed graph: this one step runs eagerly, the same arithmetic, rather than
+            # compiling a graph for it or failing mid-training. Counted (and, per table, in the
+            # kernels' multipass_batches, which the trainer reports).
+            run = self._step
+            self.eager_steps += 1
         # loss.backward() inside the graph: Dynamo traces it only with this set (TorchRec's
         # SparseCoreTrainPipeline sets it for the whole process; here only around the step)
         with torch._dynamo.config.patch(trace_autograd_ops=True):
-            out: torch.Tensor = self.compiled(prepared, self.dense.lr_inputs(), self.dense.state_inputs())
+            out: torch.Tensor = run(prepared, self.dense.lr_inputs(), self.dense.state_inputs())
         return out
 
     def explain(self, batch: Any) -> Any:

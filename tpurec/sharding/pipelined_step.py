@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tpurec.errors import UserError
 from tpurec.sharding.compiled_step import LossFn, default_backend, model_loss, the_sharded_ebc
 from tpurec.sharding.dense_update import DenseOptimizer
 from tpurec.sharding.sharded_preprocess import (
@@ -39,6 +40,7 @@ from tpurec.sharding.sharded_preprocess import (
     ShardedActivations,
     ShardedPreprocessed,
     lookup_sharded,
+    over_limits,
     preprocess_sharded,
     update_sharded,
 )
@@ -92,7 +94,17 @@ class PipelinedStep:
 
     def preprocess(self, batch: Any) -> ShardedPreprocessed:
         """The host half of a batch (eager): input dist and each kernel's SparseCore inputs."""
-        return preprocess_sharded(self.sharded, batch.sparse_features)
+        prepared = preprocess_sharded(self.sharded, batch.sparse_features)
+        over = over_limits(prepared)
+        if over:
+            # several passes have no fixed lookup to run ahead of the model (CompiledStep steps such
+            # a batch eagerly; here the batches in flight would have to be drained first)
+            raise UserError(
+                f"a batch is over the fixed id limits of {', '.join(sorted(set(over)))} (it would take several "
+                "passes), which the pipelined step cannot run: measure the limits on this data (`tpurec data "
+                "stats`) or use the compiled or eager step"
+            )
+        return prepared
 
     def step(self, batch: Any) -> torch.Tensor | None:
         prepared = self.preprocess(batch)

@@ -83,6 +83,21 @@ def preprocess_sharded(module: Any, features: KeyedJaggedTensor) -> ShardedPrepr
     return ShardedPreprocessed(module, ctx, inputs, strides, features.stride())
 
 
+def over_limits(prepared: ShardedPreprocessed) -> list[str]:
+    """The stacks ("name (tables a, b)") whose inputs are not one fixed-size pass: a batch over its fixed id
+    limits runs as several passes (multipass.py), whose number of op calls depends on the batch, so
+    it has no fixed graph (as the TPU path's weight-decay layout has none). Empty: every input is one."""
+    out = []
+    for lookup, per_kernel in zip(prepared.owner._lookups, prepared.inputs):
+        for kmod, f in zip(lookup._emb_modules, per_kernel):
+            for s, csr in enumerate(f.inputs):
+                if type(csr) is not SparseCoreInput:
+                    plan = kmod.kernel.stacks[s]
+                    tables = ", ".join(dict.fromkeys(t for _, t in plan.features))
+                    out.append(f"{plan.layout.name} (tables {tables})")
+    return out
+
+
 def _build_output_dist(output_dist: Any, sharding_ctx: Any) -> None:
     """TorchRec's TW and RW output dists build their all-to-all module, TWRW (and grid) theirs of
     reduce-scatter and all-to-all, on their first call; built inside the compiled region, that
