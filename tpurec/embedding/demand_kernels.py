@@ -372,6 +372,7 @@ def count_groups(
             while (1 << bits) < 2 * n and (2 << bits) <= table.shape[0] // 2:
                 bits += 1
             mask = (1 << bits) - 1
+            umask, one = np.uint64(mask), np.uint64(1)  # unsigned indices: no negative-index checks
             shift = 64 - bits
             held = 0
             # prefetching pays only for a set beyond the core's cache (below it, the look-ahead is pure cost)
@@ -383,9 +384,9 @@ def count_groups(
                     length = lengths[f * stride + b]
                     for _ in range(length):
                         if pos < last_ahead:
-                            ahead = np.int64(values[pos + AHEAD])
+                            ahead = np.int64(values[np.uint64(pos + AHEAD)])
                             _prefetch(table, 2 * (((ahead * _HASH_MUL) >> shift) & mask))
-                        r = np.int64(values[pos])
+                        r = np.int64(values[np.uint64(pos)])
                         if r < 0 or r >= rows:
                             return pos, t, bag
                         if s1 - s0 == 1:  # one shard: the partition by a float reciprocal, off by one at most
@@ -411,21 +412,21 @@ def count_groups(
                         # branch-free: whether an id is new to its group or to its bag is data, not a
                         # pattern a branch predictor learns (a miss costs more than the rest of the id)
                         if at >= 0:
-                            cell = at + local
+                            cell = np.uint64(at + local)
                             seen = stamps[cell]
                             lanes[li] += seen < group_base  # not yet in this group: a new id
                             lanes[li + 1] += seen != bag  # not yet in this bag: a new entry
                             stamps[cell] = bag
                         else:
-                            h = ((r * _HASH_MUL) >> shift) & mask
-                            while table[2 * h + 1] >= group_base and table[2 * h] != r:
-                                h = (h + 1) & mask  # a slot of this group holding another row
-                            seen = table[2 * h + 1]
+                            h = np.uint64(((r * _HASH_MUL) >> shift) & mask)
+                            while table[h + h + one] >= group_base and table[h + h] != r:
+                                h = (h + one) & umask  # a slot of this group holding another row
+                            seen = table[h + h + one]
                             fresh = seen < group_base  # an empty slot (or a stale one): r is new
                             lanes[li] += fresh
                             lanes[li + 1] += seen != bag
-                            table[2 * h] = r
-                            table[2 * h + 1] = bag
+                            table[h + h] = r
+                            table[h + h + one] = bag
                             held += fresh
                             if 2 * held > mask + 1:  # (a grown array here costs every access: numba
                                 return -2, t * nslices + sl, bag  # then reloads it each time, a third slower)
