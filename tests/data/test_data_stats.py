@@ -361,9 +361,9 @@ def test_data_stats_prints_no_library_notice(synth_dir, tmp_path):
     assert [line for line in p.stderr.splitlines() if not line.startswith("wrote ")] == [], p.stderr
 
 
-@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("threads", [2, 3, 5])
 def test_counting_on_threads_records_every_batch_in_order_as_one_thread_does(threads):
-    """count_stream on threads (threads - 1 counting while the caller reads) records the same
+    """count_stream on threads (threads - 2 counting while the caller reads) records the same
     figures, batch by batch in order, as counting each batch in turn."""
     from types import SimpleNamespace
 

@@ -55,7 +55,9 @@ def register(actions: argparse._SubParsersAction) -> None:
     where.add_argument("--plan", metavar="P.json", help="a saved plan (tpurec plan --format json)")
     s.add_argument("--batch-size", type=positive_int, default=None, help="batch per device (default: as tpurec plan)")
     s.add_argument("--out", required=True, metavar="FILE", help="the limits file to write (JSON)")
-    s.add_argument("--threads", type=positive_int, default=None, help="threads, the reader included (default: cores)")
+    s.add_argument(
+        "--threads", type=positive_int, default=None, help="threads in all, the reader's two included (default: cores)"
+    )
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     from tpurec.data.mapping import add_flags
 
