@@ -359,3 +359,31 @@ def test_data_stats_prints_no_library_notice(synth_dir, tmp_path):
     )
     assert p.returncode == 0, p.stderr
     assert [line for line in p.stderr.splitlines() if not line.startswith("wrote ")] == [], p.stderr
+
+
+@pytest.mark.parametrize("threads", [2, 3, 5])
+def test_counting_on_threads_records_every_batch_in_order_as_one_thread_does(threads):
+    """count_stream on threads (threads - 2 counting while the caller reads) records the same
+    figures, batch by batch in order, as counting each batch in turn."""
+    from types import SimpleNamespace
+
+    from tpurec.embedding.demand import TableShards
+    from tpurec.planner.id_limits import DemandTally
+
+    gen = np.random.default_rng(threads)
+    tables = [TableShards("a", ("fa",), 500, ((0, 500),)), TableShards("b", ("fb",), 40, ((0, 40),))]
+    layout = {"sparsecores_per_device": 2, "batch_size_per_device": 8, "world_size": 2}
+    batches = []
+    for i in range(7):  # batches unlike each other: an out-of-order record would show
+        lengths = gen.integers(0, 4 + i, 2 * 16)
+        values = np.concatenate(
+            [gen.integers(0, 500, int(lengths[:16].sum())), gen.integers(0, 40 - i, int(lengths[16:].sum()))]
+        )
+        kjt = KeyedJaggedTensor.from_lengths_sync(["fa", "fb"], torch.from_numpy(values), torch.from_numpy(lengths))
+        batches.append(SimpleNamespace(sparse_features=kjt))
+    one = DemandTally(tables, layout)
+    assert one.count_stream(batches, 1) == 7 * 16
+    many = DemandTally(tables, layout)
+    assert many.count_stream(batches, threads) == 7 * 16
+    assert many.per_batch == one.per_batch
+    assert len({f for f in one.per_batch["a"]}) > 1  # (the batches' figures differ)

@@ -110,11 +110,17 @@ def test_an_id_outside_its_table_is_named_with_its_table():
         counter.count(values, np.ones(8, np.int32), 4)
 
 
+@pytest.mark.parametrize("bitmap", [True, False])
 @pytest.mark.parametrize("p", [1, 3, 4, 8])
-def test_one_hot_tables_by_marks_and_by_a_set_equal_the_reference(p):
+def test_one_hot_tables_by_marks_and_by_a_set_equal_the_reference(p, bitmap, monkeypatch):
     """The one-hot route (demand_kernels._one_hot_group): tables of few rows marked in a byte array,
-    the others in a set of rows, two features in one table, on random, all-one-row and
-    partition-boundary ids; the same counter over several batches (no marks or slots left behind)."""
+    the others in a bitmap of rows (or, over BITMAP_ROWS, a set of rows), two features in one table,
+    on random, all-one-row, partition-boundary and bitmap-word-boundary ids; the same counter over
+    several batches (no marks, bits or slots left behind)."""
+    from tpurec.embedding import demand_kernels
+
+    if not bitmap:  # every table over the bitmap's rows: the set of rows
+        monkeypatch.setattr(demand_kernels, "BITMAP_ROWS", 0)
     gen = np.random.default_rng(p)
     tables = [
         TableShards("marks", ("fm",), 700, ((0, 700),)),  # padded rows <= 8 x a group's ids: marks
@@ -128,7 +134,7 @@ def test_one_hot_tables_by_marks_and_by_a_set_equal_the_reference(p):
     batch = 403
     counter = ShardsDemand(tables, keys, num_partitions=p, batch=batch)
     lengths = np.ones(len(keys) * batch, np.int32)
-    for kind in ("random", "one row", "boundaries", "random"):
+    for kind in ("random", "one row", "boundaries", "words", "random"):
         parts = []
         for k in keys:
             r = rows[k]
@@ -137,6 +143,8 @@ def test_one_hot_tables_by_marks_and_by_a_set_equal_the_reference(p):
                 ids = gen.integers(0, r, batch)
             elif kind == "one row":
                 ids = np.full(batch, r - 1)
+            elif kind == "words":  # a bitmap word's first and last bits (bit 63: the sign), a hot row
+                ids = np.minimum(gen.choice([0, 1, 63, 64, 127, 128, 191, 4095, 4096, r - 1], batch), r - 1)
             else:  # each partition's first and last rows, and the table's last
                 edges = [x for q in range(p) for x in (q * chunk - 1, q * chunk) if 0 <= x < r] + [r - 1]
                 ids = gen.choice(edges, batch)
@@ -145,6 +153,8 @@ def test_one_hot_tables_by_marks_and_by_a_set_equal_the_reference(p):
         got = counter.count(values, lengths, batch)
         assert got == [reference(t, keys, values, lengths, batch, p, batch) for t in tables], kind
     assert counter._flags is not None and not counter._flags.any()  # every mark cleared after its group
+    assert counter._bitmap is not None and not counter._bitmap.any()  # and every bit
+    assert (counter._bitmap.size > 0) == bitmap  # (the route meant was taken)
 
 
 def test_an_id_outside_a_one_hot_table_leaves_no_marks():

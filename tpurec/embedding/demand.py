@@ -226,6 +226,7 @@ class ShardsDemand:
         self._set: np.ndarray | None = None
         self._flags: np.ndarray | None = None
         self._oneset: np.ndarray | None = None
+        self._bitmap: np.ndarray | None = None
         self._bag_base = 0
 
     def count(self, values: np.ndarray, lengths: np.ndarray, stride: int) -> list[tuple[int, ...]]:
@@ -344,6 +345,7 @@ class ShardsDemand:
         """`count` by demand_kernels: no sort, no per-id temporaries. Not thread-safe: one counter
         per thread (its stamps and set)."""
         from tpurec.embedding.demand_kernels import (  # numba: lazily
+            BITMAP_ROWS,
             FLAG_CELLS,
             LANES,
             MIN_SET_BITS,
@@ -361,7 +363,7 @@ class ShardsDemand:
         key_lengths(lengths, stride, self.per_slice, key_sum, key_max, slice_start)
         key_first = np.zeros(nkeys, np.int64)
         np.cumsum(key_sum[:-1], out=key_first[1:])
-        if self._stamps is None or self._set is None or self._oneset is None or self._flags is None:
+        if self._bitmap is None:  # (all made together)
             self._stamps = np.full(max(self.stamp_cells, 1), -1, dtype=np.int64)
             self._set = np.full(2 * SET_SLOTS, -1, dtype=np.int64)
             self._flags = np.zeros(FLAG_CELLS, np.uint8)
@@ -369,8 +371,11 @@ class ShardsDemand:
             # features x a SparseCore slice's samples), cleared by the group itself
             most = self.per_slice * max((len(t.features) for t in self.tables), default=1)
             self._oneset = np.full(1 << (max(2 * most, 1 << MIN_SET_BITS) - 1).bit_length(), -1, dtype=np.int64)
-        stamps, table, flags, oneset = self._stamps, self._set, self._flags, self._oneset
-        assert flags is not None  # (set with the rest)
+            # a bit per row of the largest table within BITMAP_ROWS (its one-hot groups' distinct ids)
+            fits = [t.rows for t in self.tables if t.rows <= BITMAP_ROWS]
+            self._bitmap = np.zeros((max(fits, default=0) + 63) // 64, np.int64)
+        stamps, table, flags, oneset, bitmap = self._stamps, self._set, self._flags, self._oneset, self._bitmap
+        assert stamps is not None and table is not None and flags is not None and oneset is not None  # (made above)
         size = self.num_shards * p * p
         entries, distinct = np.zeros(size, np.int64), np.zeros(size, np.int64)
         lanes = np.empty(2 * LANES * p * int(np.diff(self.table_first_shard).max()), np.int64)
@@ -382,7 +387,7 @@ class ShardsDemand:
                 self.block_seg, self.seg_row, self.seg_shard, self.seg_part, self.shard_start, self.shard_chunk,
                 self.shard_stamp_at,
                 stamps, table, self._bag_base, group, self.per_slice, p, entries, distinct, lanes, key_max, flags,
-                oneset,
+                oneset, bitmap,
             )  # fmt: skip
             if bad != -2:
                 break

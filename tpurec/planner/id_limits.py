@@ -125,12 +125,18 @@ class DemandTally:
     def count_stream(
         self, batches: Iterable[Any], threads: int = 1, on_batch: Callable[[], object] | None = None
     ) -> int:
-        """Counts every batch of `batches` (objects with `.sparse_features`), `threads` batches at a
-        time while the next are read; returns the rows seen. Figures are recorded in batch order."""
+        """Counts every batch of `batches` (objects with `.sparse_features`) with `threads` threads in
+        all, two of them the reader's (ParquetReader decodes on a thread of its own while the caller
+        builds batches): threads - 2 batches counted at a time on threads of their own while the next
+        are read, and at most two threads: each batch counted by the caller in turn (the decoding goes
+        on beside it). Returns the rows seen; figures are recorded in batch order. (Counting on one or
+        two threads more made the pass 5-25% slower on this 2-core host: criteo-kaggle 1.21-1.23x the
+        reader counting in turn, 1.06-1.19x on one thread more, 0.93-1.08x on two.)"""
         from collections import deque
 
         rows = 0
-        if threads <= 1:
+        workers = threads - 2
+        if workers <= 0:
             for batch in batches:
                 self.add(batch.sparse_features)
                 rows += batch.sparse_features.stride()
@@ -138,11 +144,11 @@ class DemandTally:
                     on_batch()
             return rows
         pending: deque = deque()
-        with ThreadPoolExecutor(threads) as pool:
+        with ThreadPoolExecutor(workers) as pool:
             for batch in batches:
                 pending.append(pool.submit(self.figures, batch.sparse_features))
                 rows += batch.sparse_features.stride()
-                if len(pending) > threads:
+                if len(pending) > workers:  # (batches held: one per counting thread, and the next)
                     self.record(pending.popleft().result())
                     if on_batch:
                         on_batch()
