@@ -73,7 +73,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--topology", default="v5p-8", help="slice whose layout is measured (default v5p-8)")
     p.add_argument("--batch-size", type=positive_int, default=None, help="batch per device (default: as tpurec plan)")
     p.add_argument("--rounds", type=positive_int, default=5, help="timed rounds (default 5)")
-    p.add_argument("--threads", type=positive_int, default=None, help="stats threads (default: cores)")
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="the stats pass's threads in all, the reader's two included (default: cores), as data stats counts them",
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(run=run)
 
