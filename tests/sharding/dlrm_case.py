@@ -31,6 +31,16 @@ def batches(n: int, batch: int, rank: int, world_size: int, seed: int = 0):
     return out
 
 
+def eager_step(model, optimizer, batch) -> float:
+    """TorchRec's eager training step of a DLRMTrain (its forward returns (loss, ...)): the oracle
+    the compiled and pipelined steps are compared with. The loss."""
+    loss = model(batch)[0]
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return float(loss.detach())
+
+
 def train_dlrm(rank, world_size, steps):
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
     from torchrec.models.dlrm import DLRM, DLRMTrain

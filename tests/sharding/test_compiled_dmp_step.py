@@ -18,7 +18,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
-from .dlrm_case import DENSE, DIM, FEATURES, ROWS, batches
+from .dlrm_case import DENSE, DIM, FEATURES, ROWS, batches, eager_step
 from .multiprocess import run_ranks
 
 STEPS, BATCH, DENSE_LR, TABLE_LR = 20, 32, 0.05, 0.1
@@ -162,11 +162,7 @@ def train_pair(
     step = CompiledStep(twin, DENSE_LR, backend=counter)
     eager_losses, compiled_losses = [], []
     for batch in data(STEPS, BATCH, rank, world_size):
-        loss = eager(batch)[0]  # DLRMTrain: (loss, (loss, logits, labels))
-        loss.backward()
-        sgd.step()
-        sgd.zero_grad()
-        eager_losses.append(float(loss.detach()))
+        eager_losses.append(eager_step(eager, sgd, batch))
         compiled_losses.append(float(step.step(batch)))
     after, twin_after = _tables(eager), _tables(twin)
     twin_dense = [p for _, p in in_backward_optimizer_filter(twin.named_parameters())]
@@ -323,11 +319,7 @@ def test_compiled_step_trains_with_the_trainers_optimizer_and_lr_schedule(kind):
     eager_losses, compiled_losses = [], []
     for i, batch in enumerate(batches(STEPS, BATCH, 0, 1)):
         eager_schedule.set_step(i)
-        loss = eager(batch)[0]
-        loss.backward()
-        eager_opt.step()
-        eager_opt.zero_grad()
-        eager_losses.append(float(loss.detach()))
+        eager_losses.append(eager_step(eager, eager_opt, batch))
         twin_schedule.set_step(i)
         compiled_losses.append(float(step.step(batch)))
     assert counter.frame_count == 1
@@ -371,11 +363,7 @@ def test_a_batch_over_the_fixed_limits_steps_eagerly_and_the_graph_stays_one():
     step = CompiledStep(twin, DENSE_LR, backend=counter)
     kernels = [k.kernel for lookup in step.sharded._lookups for k in lookup._emb_modules]
     for i, batch in enumerate(data):
-        loss = eager(batch)[0]
-        loss.backward()
-        sgd.step()
-        sgd.zero_grad()
-        assert float(step.step(batch)) == float(loss.detach()), i
+        assert float(step.step(batch)) == eager_step(eager, sgd, batch), i
         assert step.eager_steps == (0 if i == 0 else 1)
     assert counter.frame_count == 1  # compiled for batch 0, reused by batches 2 and 3
     assert sum(k.multipass_batches for k in kernels) >= 1

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from .dlrm_case import FEATURES, ROWS, batches
+from .dlrm_case import FEATURES, ROWS, batches, eager_step
 from .multiprocess import run_ranks
 from .test_compiled_dmp_step import BATCH, DENSE_LR, MIXED, _dmp, _tables
 
@@ -70,11 +70,7 @@ def train_both(rank: int, world_size: int, data: str, types: dict[str, str] | No
     sgd = torch.optim.SGD(dense, lr=DENSE_LR)
     eager_losses = []
     for batch in make(STEPS, BATCH, rank, world_size):
-        loss = eager(batch)[0]
-        loss.backward()
-        sgd.step()
-        sgd.zero_grad()
-        eager_losses.append(float(loss.detach()))
+        eager_losses.append(eager_step(eager, sgd, batch))
     counter = CompileCounterWithBackend("aot_eager")
     pipe = PipelinedStep(twin, DENSE_LR, compile=compile, backend=counter)
     losses = [float(x) for x in pipe.iterate(make(STEPS, BATCH, rank, world_size))]
@@ -204,11 +200,7 @@ def test_pipelined_with_the_trainers_adagrad(scheduled):
     eager_losses = []
     for i, batch in enumerate(data):
         eager_schedule.set_step(i)
-        loss = eager(batch)[0]
-        loss.backward()
-        eager_opt.step()
-        eager_opt.zero_grad()
-        eager_losses.append(float(loss.detach()))
+        eager_losses.append(eager_step(eager, eager_opt, batch))
     counter = CompileCounterWithBackend("aot_eager")
     pipe = PipelinedStep(twin, twin_opt, backend=counter)
     losses = []
