@@ -12,17 +12,22 @@ from tpurec.embedding.module import SparseCoreEmbeddingBagCollection
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
-def _huge_kib(t: torch.Tensor) -> int:
-    """AnonHugePages of the mappings overlapping t's memory (/proc/self/smaps), in KiB."""
+def _advised_kib(t: torch.Tensor) -> int:
+    """KiB of t's memory in mappings advised onto huge pages ("hg" in /proc/self/smaps' VmFlags).
+
+    The advice is what tpurec controls; how many huge pages Linux then grants (AnonHugePages)
+    depends on the host's free, unfragmented memory (a CI host granted 5 of 12), so that is not
+    asserted.
+    """
     lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
-    total, inside = 0, False
+    total, overlap = 0, 0
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
             start, end = (int(x, 16) for x in head.split("-"))
-            inside = start < hi and end > lo
-        elif inside and head == "AnonHugePages:":
-            total += int(line.split()[1])
+            overlap = max(0, min(end, hi) - max(start, lo))
+        elif head == "VmFlags:" and "hg" in line.split()[1:]:
+            total += overlap // 1024
     return total
 
 
@@ -39,9 +44,9 @@ def test_filled_equals_torch_full(rows, dtype):
     not sys.platform.startswith("linux") or not THP.exists() or "[never]" in THP.read_text(),
     reason="transparent huge pages are off on this host",
 )
-def test_a_large_table_lies_on_huge_pages_and_a_small_one_is_left_alone():
-    big = huge_pages.filled((100_000, 64), 0.0, torch.float32, "cpu")  # 25.6 MB: 12 whole granules at least
-    assert _huge_kib(big) >= 10 * 2048, _huge_kib(big)
+def test_a_large_table_and_its_state_are_advised_onto_huge_pages():
+    big = huge_pages.filled((100_000, 64), 0.0, torch.float32, "cpu")  # 25.6 MB = 12.2 granules: 11 whole ones at least
+    assert _advised_kib(big) >= 11 * 2048, _advised_kib(big)
     # the kernels' own tables and optimizer state take that path
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
@@ -51,8 +56,10 @@ def test_a_large_table_lies_on_huge_pages_and_a_small_one_is_left_alone():
         {"lr": 0.1},
         device="cpu",
     )
-    assert _huge_kib(ebc.kernel.stack_weight(0)) >= 10 * 2048
-    assert _huge_kib(ebc.kernel.stack_state(0, ebc.kernel.optimizer.state_names[0])) >= 10 * 2048
+    assert _advised_kib(ebc.kernel.stack_weight(0)) >= 11 * 2048
+    state = ebc.kernel.stack_state(0, ebc.kernel.optimizer.state_names[0])
+    assert state.numel() * state.element_size() >= huge_pages.MIN_BYTES
+    assert _advised_kib(state) >= 11 * 2048
 
 
 def test_switched_off_or_small_tables_are_never_advised(monkeypatch):
