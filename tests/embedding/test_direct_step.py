@@ -203,3 +203,46 @@ def test_layout_path_on_the_standin_fp16_and_unknown_options(monkeypatch):
         assert not direct.applies(padded.kernel) and not direct.applies(m.kernel)
         monkeypatch.undo()
         assert not direct.applies(m.kernel)
+
+
+@pytest.mark.parametrize(
+    "switch",
+    [("TPUREC_NO_DIRECT", "1"), ("TPUREC_NO_NUMBA", "1"), ("TPUREC_EMULATE_TPU", "v5p-8")],  # the last: fixed limits
+)
+def test_the_kept_verdict_follows_switches_set_at_run_time(switch, monkeypatch):
+    """applies() keeps its verdict per kernel; a variable set between two steps must still turn the
+    direct step off for the next one, and on again once unset (the cheap reads of env_flags.py)."""
+    m = SparseCoreEmbeddingBagCollection(make_tables(), torch.optim.SGD, {"lr": 0.1}, num_sparsecores=4)
+    assert direct.applies(m.kernel) and direct.applies(m.kernel)
+    monkeypatch.setenv(*switch)
+    assert not direct.applies(m.kernel)
+    monkeypatch.setenv(switch[0], "0" if switch[0] != "TPUREC_EMULATE_TPU" else "")
+    assert direct.applies(m.kernel)
+    monkeypatch.delenv(switch[0])
+    assert direct.applies(m.kernel)
+
+
+def test_a_kjt_out_of_stacked_order_takes_the_checked_general_route(monkeypatch):
+    """host_parts' compiled pass serves a KJT in the kernel's stacked order; one in another key order
+    (permuted by the general route, KernelInput.stack_arrays) gives the same output, and bad lengths
+    raise check_kjt's messages."""
+    from tpurec.errors import UserError
+
+    tables = make_tables()
+    m = SparseCoreEmbeddingBagCollection(tables, torch.optim.SGD, {"lr": 0.0}, num_sparsecores=4)
+    kjt = random_kjt(tables, 8, torch.Generator().manual_seed(3))
+    order = m.kernel.inputs.stacked_order
+    assert kjt.keys() != order  # f3 and f4 swap places in the stacks
+    stacked = kjt.permute([kjt.keys().index(f) for f in order])
+    with torch.no_grad():
+        general = m(kjt).values()
+        monkeypatch.setattr(type(m.kernel.inputs), "stack_arrays", None)  # the fast route must not need it
+        assert torch.equal(m(stacked).values(), general)
+    monkeypatch.undo()
+    lengths = stacked.lengths().clone()
+    lengths[0] += 1  # one id more than the values hold
+    with pytest.raises(UserError, match="lengths sum to"):
+        m(KeyedJaggedTensor(keys=order, values=stacked.values(), lengths=lengths))
+    lengths[0] = -1  # a negative length (checked before the sum)
+    with pytest.raises(UserError, match="negative length"):
+        m(KeyedJaggedTensor(keys=order, values=stacked.values(), lengths=lengths))

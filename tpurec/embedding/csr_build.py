@@ -18,7 +18,6 @@ and the caller takes the numpy route, which raises or drops exactly as documente
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 from typing import Any
@@ -27,6 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from tpurec.embedding.constraints import PADDING_ID, SEGMENT_ALIGN
+from tpurec.runtime import env_flags
 
 _KERNELS: tuple[Any, ...] | bool | None = None  # the loops once loaded; False: numba missing
 
@@ -65,7 +65,7 @@ _POOL = _BufferPool()
 
 def available() -> bool:
     """True when numba is importable and not switched off (TPUREC_NO_NUMBA=1)."""
-    return os.environ.get("TPUREC_NO_NUMBA", "") in ("", "0") and _kernels() is not None
+    return not env_flags.is_on("TPUREC_NO_NUMBA") and _kernels() is not None
 
 
 def _kernels() -> tuple[Any, ...] | None:

@@ -19,14 +19,17 @@ list must be off, i.e. 0, False or None). `SparseCoreKernel.preprocess` always b
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
 import torch
 
+from tpurec.embedding import ops
 from tpurec.embedding.cpu_path import grad_trigger, writes_final_layout
+from tpurec.embedding.kjt_checks import check_kjt_shape
+from tpurec.runtime import device as _device
+from tpurec.runtime import env_flags
 
 # `kernel` arguments are SparseCoreKernels, typed Any: tpurec.embedding.kernel imports this module.
 
@@ -40,7 +43,7 @@ _IMPLEMENTED = {
 
 
 def _available() -> bool:
-    if os.environ.get("TPUREC_NO_DIRECT", "") not in ("", "0"):
+    if env_flags.is_on("TPUREC_NO_DIRECT"):
         return False
     from tpurec.embedding import csr_build
 
@@ -48,21 +51,43 @@ def _available() -> bool:
 
 
 def applies(kernel: Any) -> bool:
-    """Whether `kernel`'s next step may take the direct path (see the module docstring). The checks
-    of the tables, state and optimizer run again only when one of them was replaced: at pooling 1
-    they cost as much as the step's arithmetic."""
+    """Whether `kernel`'s next step may take the direct path (see the module docstring).
+
+    The verdict is kept per kernel with what it was drawn from: the optimizer spec, the table and
+    state tensors (by identity), the settings, limits and switches (by value); it is drawn again only
+    when one of them changed. At pooling 1 the checks cost as much as the step's arithmetic, and the
+    cheap comparison here is what remains of them per batch."""
+    values = (
+        kernel.inputs.settings,
+        kernel.max_ids_per_partition,
+        kernel.max_unique_ids_per_partition,
+        env_flags.get(_device.EMULATE_ENV),  # the emulated TPU rank's fixed limits (device.tpu_path)
+        env_flags.get("TPUREC_NO_DIRECT"),
+        env_flags.get("TPUREC_NO_NUMBA"),
+        torch.compiler.is_compiling(),
+        ops.reference_is_cpu_kernel(),  # the TorchTPU stand-in replaces the CPU kernels
+    )
+    objects = (kernel.optimizer, _IMPLEMENTED.get(kernel.optimizer.name), *kernel._buffers.values())
+    seen = kernel.__dict__.get("_direct_checked")
+    if seen is not None and seen[0] == values and len(seen[1]) == len(objects):
+        for a, b in zip(seen[1], objects):
+            if a is not b:
+                break
+        else:
+            return seen[2]
+    verdict = _applies(kernel)
+    kernel.__dict__["_direct_checked"] = (values, objects, verdict)
+    return verdict
+
+
+def _applies(kernel: Any) -> bool:
     if not kernel.stacks or kernel.fixed_limits:
         return False
     if kernel.max_ids_per_partition is not None or kernel.max_unique_ids_per_partition is not None:
         return False
     if not writes_final_layout(kernel.stack_weight(0)) or not _available():  # the stand-in, tracing, ...
         return False
-    spec = kernel.optimizer
-    key = (spec, _IMPLEMENTED.get(spec.name), *kernel._buffers.values())
-    seen = kernel.__dict__.get("_direct_checked")
-    if seen is None or len(seen[0]) != len(key) or any(a is not b for a, b in zip(seen[0], key)):
-        seen = kernel.__dict__["_direct_checked"] = (key, _tables_and_spec_fit(kernel))
-    return seen[1]
+    return _tables_and_spec_fit(kernel)
 
 
 def _tables_and_spec_fit(kernel: Any) -> bool:
@@ -86,27 +111,81 @@ def _tables_and_spec_fit(kernel: Any) -> bool:
     return True
 
 
-def lookup(kernel: Any, parts: list, batch: int) -> torch.Tensor | None:
+# One stack's slice of the batch as numpy: ids, lengths (slot-major), float32 weights or None, and
+# the slots' value offsets within the slice [slots + 1].
+HostPart = tuple[np.ndarray, np.ndarray, "np.ndarray | None", np.ndarray]
+
+
+def host_parts(kernel: Any, features: Any, batch: int) -> list[HostPart]:
+    """Per stack, its slice of the KJT (keys in the kernel's stacked order) as numpy views, checked as
+    `kjt_checks.check_kjt` checks it. A KJT in stacked order takes one compiled pass over its lengths
+    and no torch op: this runs every step, after kernels that evicted the caches, where each torch
+    reduction costs ~10-25 us; any other KJT (or one failing a check, or a batch whose demand is
+    being recorded) takes `KernelInput.stack_arrays`, which raises the checks' messages."""
+    from tpurec.embedding import direct_kernels as dk
+
+    inputs = kernel.inputs
+    values, weights = features.values(), features.weights_or_none()
+    if (
+        inputs.table_demand is None
+        and not inputs.positional
+        and features.keys() == inputs.stacked_order
+        and not (values.is_floating_point() or values.dtype == torch.bool)
+        and (weights is not None or not inputs.is_weighted)
+        and (weights is None or weights.numel() == values.numel())
+    ):
+        check_kjt_shape(features)
+        lengths = features.lengths().numpy()
+        ends = np.empty(len(inputs.stacked_order) + 1, np.int64)
+        if dk.slot_ends(lengths, batch, ends) >= 0 and ends[-1] == values.numel():
+            w = weights.detach().to(torch.float32).contiguous().numpy() if inputs.is_weighted else None
+            return _cut(kernel, values.numpy(), lengths, w, ends, batch)
+    _, _, parts = inputs.stack_arrays(features)
+    out = []
+    for plan, (v, lengths, weights) in zip(kernel.stacks, parts):
+        ns = len(plan.features)
+        ends = np.zeros(ns + 1, np.int64)
+        if batch:
+            np.cumsum(lengths.numpy().reshape(ns, batch).sum(1), out=ends[1:])
+        w = weights.to(torch.float32).contiguous().numpy() if weights is not None else None
+        out.append((v.numpy(), lengths.numpy(), w, ends))
+    return out
+
+
+def _cut(
+    kernel: Any, values: np.ndarray, lengths: np.ndarray, weights: np.ndarray | None, ends: np.ndarray, batch: int
+) -> list[HostPart]:
+    parts: list[HostPart] = []
+    k0 = 0
+    for plan in kernel.stacks:
+        n = len(plan.features)
+        lo, hi = ends[k0], ends[k0 + n]
+        w = weights[lo:hi] if weights is not None else None
+        parts.append((values[lo:hi], lengths[k0 * batch : (k0 + n) * batch], w, ends[k0 : k0 + n + 1] - lo))
+        k0 += n
+    return parts
+
+
+def lookup(kernel: Any, parts: list[HostPart], batch: int) -> torch.Tensor | None:
     """Pooled [batch, sum of dims] in feature order with the fused update in backward, from
-    `KernelInput.stack_arrays`'s per-stack (values, lengths, weights); None when an id is out
-    of its table's range (the layout path then raises its message) or a sort key would not fit."""
+    `host_parts`' per-stack slices; None when an id is out of its table's range (the layout path then
+    raises its message) or a sort key would not fit."""
     from tpurec.embedding import direct_kernels as dk
 
     grad = torch.is_grad_enabled()
     inputs = []
-    for i, (values, lengths, weights) in enumerate(parts):
+    for i, (values, lengths, weights, ends) in enumerate(parts):
         st = _stack(kernel, i)
-        ns, n = st.slots, values.numel()
+        ns, n = st.slots, values.size
         want_gains = weights is not None or st.has_mean
         key_bits = max(int((n if want_gains else batch * ns) - 1).bit_length(), 1)
         if st.row_bits + key_bits > 63:
             return None
         # uint32 keys sort about twice as fast as int64 ones
         keys = np.empty(n if grad else 0, np.uint32 if st.row_bits + key_bits <= 32 else np.int64)
-        w = weights.to(torch.float32).contiguous().numpy() if weights is not None else _NO_WEIGHTS
         ids, boff, fwd_w, scale, bag_of, gains, bad = dk.bags(
-            values.numpy(), lengths.numpy(), w, weights is not None, st.mean, st.shared, st.offsets, st.rows, batch,
-            want_gains, grad, key_bits, keys,
+            values, lengths, _NO_WEIGHTS if weights is None else weights, weights is not None, st.mean, st.shared,
+            st.offsets, st.rows, batch, want_gains, grad, key_bits, keys,
         )  # fmt: skip
         if bad >= 0:
             return None
@@ -114,9 +193,6 @@ def lookup(kernel: Any, parts: list, batch: int) -> torch.Tensor | None:
         if grad and st.first_row.size == 1:  # one table: all the keys
             segments = np.array([[0, n, st.first_row[0], ns > 1]], np.int64)
         elif grad:  # each table's keys: the ids of its feature slots, one run of the input
-            ends = np.zeros(ns + 1, np.int64)
-            if batch:
-                np.cumsum(lengths.numpy().reshape(ns, batch).sum(1), out=ends[1:])
             segments = np.empty((st.first_row.size, 4), np.int64)
             segments[:, 0], segments[:, 1], segments[:, 2] = ends[st.first_slot], ends[st.end_slot], st.first_row
             segments[:, 3] = st.end_slot - st.first_slot > 1  # a table several feature slots share
@@ -204,8 +280,7 @@ class _DirectLookup(torch.autograd.Function):
         return out.view(batch, bags.slots * dim)
 
     @staticmethod
-    @torch.no_grad()
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:  # numpy and numba only: no autograd
         from tpurec.embedding import direct_kernels as dk
 
         kernel, i, bags = ctx.kernel, ctx.i, ctx.bags
@@ -214,7 +289,9 @@ class _DirectLookup(torch.autograd.Function):
             hook()
         kernel._steps[i] += 1
         spec, weight = kernel.optimizer, kernel.stack_weight(i)
-        g = grad.to(torch.float32).contiguous().view(-1, weight.shape[1]).numpy()
+        if grad.dtype != torch.float32 or not grad.is_contiguous() or grad.requires_grad:  # (create_graph)
+            grad = grad.detach().to(torch.float32).contiguous()
+        g = grad.numpy().reshape(-1, weight.shape[1])  # numpy's reshape: a torch view costs a dispatch
         states = [kernel.stack_state(i, s).numpy() for s in spec.state_names]
         f32 = np.float32
         if spec.name == "adam":
@@ -222,7 +299,7 @@ class _DirectLookup(torch.autograd.Function):
 
             b1, b2 = spec.beta1, spec.beta2
             a = alpha_t(lr, b1, b2, kernel._steps[i])
-        for lo, hi, _, _ in bags.segments:
+        for lo, hi in bags.segments[:, :2].tolist():  # (a list: iterating numpy rows costs ~0.5 us each)
             bags.keys[lo:hi].sort()  # numpy's sort (AVX-512 on x86): a row's entries adjacent, rows increasing
         head = (bags.keys, bags.key_bits, bags.segments, bags.gains, bags.bag_of, g, weight.numpy())
         # Weight decay of the touched rows (optimizers/weight_decay.py): L2's coefficient, the decoupled

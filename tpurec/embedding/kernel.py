@@ -279,7 +279,7 @@ class SparseCoreKernel(nn.Module):
         batch = features.stride()
         if direct.applies(self):
             features = host_copies.to_host(features, "ids")
-            out = direct.lookup(self, self.inputs.stack_arrays(features)[2], batch)
+            out = direct.lookup(self, direct.host_parts(self, features, batch), batch)
             if out is not None:
                 self.inputs.stats_pending = features
                 return with_weight_grad(self, features, out)

@@ -18,6 +18,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Literal
 
 from tpurec.errors import UserError
+from tpurec.runtime import env_flags
 
 if TYPE_CHECKING:
     import torch  # imported where devices are made: detection needs no torch
@@ -224,7 +225,7 @@ EMULATE_ENV = "TPUREC_EMULATE_TPU"
 
 def emulated_slice() -> str | None:
     """The slice this process emulates a rank of ("v5p-16"), or None on a real host."""
-    return os.environ.get(EMULATE_ENV) or None
+    return env_flags.get(EMULATE_ENV) or None  # read per batch (tpu_path): the cheap read
 
 
 def device_kind(device_type: str) -> DeviceKind:
