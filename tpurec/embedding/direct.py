@@ -183,9 +183,14 @@ def lookup(kernel: Any, parts: list[HostPart], batch: int) -> torch.Tensor | Non
             return None
         # uint32 keys sort about twice as fast as int64 ones
         keys = np.empty(n if grad else 0, np.uint32 if st.row_bits + key_bits <= 32 else np.int64)
+        # The forward's bags in the input's feature-major order when the ids outnumber an eighth of
+        # the output's floats: embedding_bag then reads one table at a time (its rows stay in cache)
+        # and the ids stay where they are, at the cost of one copy of the output into batch-major
+        # [batch, slots * dim] (measured: pooling 20-100 ~10-25% faster; pooling 1 slower).
+        batch_major = ns == 1 or 8 * n < batch * ns * st.dim
         ids, boff, fwd_w, scale, bag_of, gains, bad = dk.bags(
             values, lengths, _NO_WEIGHTS if weights is None else weights, weights is not None, st.mean, st.shared,
-            st.offsets, st.rows, batch, want_gains, grad, key_bits, keys,
+            st.offsets, st.rows, batch, want_gains, grad, key_bits, keys, batch_major,
         )  # fmt: skip
         if bad >= 0:
             return None
@@ -197,7 +202,7 @@ def lookup(kernel: Any, parts: list[HostPart], batch: int) -> torch.Tensor | Non
             segments[:, 0], segments[:, 1], segments[:, 2] = ends[st.first_slot], ends[st.end_slot], st.first_row
             segments[:, 3] = st.end_slot - st.first_slot > 1  # a table several feature slots share
         t_ids, t_boff, t_w, t_scale = (torch.from_numpy(x) for x in (ids, boff, fwd_w, scale))
-        inputs.append(_Bags(t_ids, t_boff, t_w, t_scale, gains, keys, key_bits, segments, bag_of, ns))
+        inputs.append(_Bags(t_ids, t_boff, t_w, t_scale, gains, keys, key_bits, segments, bag_of, ns, batch_major))
     trigger = grad_trigger() if grad else None
     outs = [_DirectLookup.apply(trigger, kernel, i, b, batch) for i, b in enumerate(inputs)]
     return kernel._feature_order_output(outs)
@@ -221,6 +226,7 @@ class _Stack:
     end_slot: np.ndarray
     first_row: np.ndarray
     row_bits: int  # bits of the largest table's row numbers
+    dim: int  # the stack's row width
 
 
 def _stack(kernel: Any, i: int) -> _Stack:
@@ -242,7 +248,7 @@ def _stack(kernel: Any, i: int) -> _Stack:
             len(plan.features), offsets.numpy(), rows.numpy(),
             mean.numpy() if mean is not None else np.zeros(len(plan.features), np.bool_), shared, mean is not None,
             np.array(first), np.array(end), np.array(base, np.int64),
-            max((kernel._table[t].num_embeddings - 1).bit_length() for t in names),
+            max((kernel._table[t].num_embeddings - 1).bit_length() for t in names), plan.layout.dim,
         )  # fmt: skip
     return cache[i]
 
@@ -261,6 +267,7 @@ class _Bags:
     segments: np.ndarray | None  # int64 [tables, 4]: first key, past the last, first stack row, shared
     bag_of: np.ndarray  # int32 batch-major bag per key's low part (empty without backward)
     slots: int
+    batch_major: bool  # the forward's bags (ids, offsets, scale): batch-major, else feature-major
 
 
 class _DirectLookup(torch.autograd.Function):
@@ -277,6 +284,8 @@ class _DirectLookup(torch.autograd.Function):
         )[0]  # mode 0: sum (fma(w, row, sum) with weights, as FBGEMM's CPU forward); include_last_offset
         if bags.scale.numel():  # mean-pooled slots: the sum times 1 / length, FBGEMM's rounding
             out.mul_(bags.scale.unsqueeze(1))
+        if not bags.batch_major:  # [slots, batch, dim] -> [batch, slots * dim]
+            return out.view(bags.slots, batch, dim).transpose(0, 1).reshape(batch, bags.slots * dim)
         return out.view(batch, bags.slots * dim)
 
     @staticmethod

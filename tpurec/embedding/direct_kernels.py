@@ -187,12 +187,14 @@ def bags(
     backward: bool,
     key_bits: int,
     keys: np.ndarray,
+    batch_major: bool,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
-    """(ids, bag_offsets, weights, scale, bag_of, gains, bad): the slice's stacked rows in batch-major
+    """(ids, bag_offsets, weights, scale, bag_of, gains, bad): the slice's stacked rows in the forward's
     bag order and the bags' offsets (include_last_offset); the ids' own weights in that order (has_w,
     else empty); each bag's scale after its sum, 1 / length where the slot mean-pools (has a mean
     slot, else empty); -1 or the input position of the first id outside its slot's table (then
-    nothing else is meaningful).
+    nothing else is meaningful). The forward's bag order: batch-major (b = j * slots + k, the ids
+    moved), or the input's feature-major one (k * batch + j, the ids where they are: see `lookup`).
 
     Backward (keys [ids] in input order, uint32 or int64, or empty: none wanted): (id << key_bits) |
     low, the id's row within its table and, as FBGEMM's CPU backward walks a row's entries (feature
@@ -206,10 +208,14 @@ def bags(
     nb = batch * ns
     boff = np.empty(nb + 1, np.int64)
     boff[0] = 0
-    for j in range(batch):
-        for k in range(ns):
-            b = j * ns + k
-            boff[b + 1] = boff[b] + lengths[k * batch + j]
+    if batch_major:
+        for j in range(batch):
+            for k in range(ns):
+                b = j * ns + k
+                boff[b + 1] = boff[b] + lengths[k * batch + j]
+    else:
+        for b in range(nb):
+            boff[b + 1] = boff[b] + lengths[b]
     ids = np.empty(n, np.int64)
     fwd_w = np.empty(n if has_w else 0, np.float32)
     any_mean = False
@@ -227,12 +233,13 @@ def bags(
         for j in range(batch):
             length = lengths[k * batch + j]
             b = j * ns + k
+            fb = b if batch_major else k * batch + j  # the bag in the forward's order
             if any_mean:
                 # FBGEMM's forward scales the bag's sum by 1 / length (float32), as these do
-                scale[b] = np.float32(1.0) / np.float32(length) if mk and length > 0 else np.float32(1.0)
+                scale[fb] = np.float32(1.0) / np.float32(length) if mk and length > 0 else np.float32(1.0)
             if with_keys and not want_gains and shared[k]:
                 bag_of[k * batch + j] = b
-            dst = boff[b]
+            dst = boff[fb]
             for e in range(length):
                 r = values[pos]
                 if r < 0 or r >= hi:
