@@ -78,7 +78,9 @@ def test_two_host_emulation_equals_cpu_gloo_on_the_same_plan(tmp_path, how, monk
     monkeypatch.setenv("TPUREC_NO_DIRECT", "1")
     args = ("--plan", _plan(tmp_path, *how), "--steps", 20, "--seed", 3, "--synth-rows", ROWS)
     emulated, _ = train("--emulate-tpu", "v5p-16", *args, cache=tmp_path, timeout=1200)
-    cpu, _ = train("--nproc", 8, *args, cache=tmp_path, timeout=1200)
+    # the CPU ranks' DDP in the emulated device's graph mode (see the bit-for-bit test below)
+    dynamic = Path(__file__).parent / "ddp_dynamic_graph"
+    cpu, _ = train("--nproc", 8, *args, cache=tmp_path, timeout=1200, pythonpath=[dynamic])
     assert emulated["world_size"] == cpu["world_size"] == 8
     assert emulated["hosts"] == 2 and cpu["hosts"] == 1
     assert emulated["recompiles_after_warmup"] == 0
