@@ -8,6 +8,8 @@ torch.compile(fullgraph=True) with aot_eager, and the changing lr compiles no se
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -20,6 +22,16 @@ OPTIMIZERS = {
     "sgd": (torch.optim.SGD, {"lr": 0.05}),
     "adagrad": (torch.optim.Adagrad, {"lr": 0.05, "eps": 1e-8}),
     "adam": (torch.optim.Adam, {"lr": 0.01, "eps": 1e-8}),
+    # the options users' dense optimizers carry
+    "sgd-weight-decay": (torch.optim.SGD, {"lr": 0.05, "weight_decay": 0.01}),
+    "sgd-momentum": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+    "sgd-dampening": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "dampening": 0.3, "weight_decay": 1e-3}),
+    "sgd-nesterov": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.8, "nesterov": True, "weight_decay": 1e-3}),
+    "adagrad-decay": (torch.optim.Adagrad, {"lr": 0.05, "weight_decay": 0.01, "lr_decay": 0.05}),
+    "adam-l2": (torch.optim.Adam, {"lr": 0.01, "weight_decay": 0.01}),
+    "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.05}),
+    "adam-amsgrad": (torch.optim.Adam, {"lr": 0.01, "amsgrad": True, "betas": (0.8, 0.99)}),
+    "adamw-amsgrad": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.05, "amsgrad": True}),
 }
 
 
@@ -38,7 +50,17 @@ def _params(seed: int) -> list[torch.nn.Parameter]:
 
 def _grads(step: int, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(100 + step)
-    return [torch.randn(p.shape, generator=gen) * (step + 1) for p in params]
+    grads = [torch.randn(p.shape, generator=gen) * (step + 1) for p in params]
+    if step == 0:  # signed zeros: a first momentum buffer must be the gradient's clone, -0.0 kept
+        for g in grads:
+            g.view(-1)[::7] = -0.0
+            g.view(-1)[3::11] = 0.0
+    return grads
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (torch.equal takes -0.0 for 0.0)."""
+    return a.dtype == b.dtype and torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
 def _lr(base: float, step: int) -> float:
@@ -46,6 +68,32 @@ def _lr(base: float, step: int) -> float:
     if step < 5:
         return base * (step + 1) / 5
     return base * max(0.0, 1.0 - (step - 10) / 12) ** 2 if step >= 10 else base
+
+
+def _assert_same(reference, ref_params, mine, params) -> None:
+    """Parameters and the optimizers' own state bit for bit, the state keys alike."""
+    for p, q in zip(ref_params, params):
+        assert _bits_equal(p.detach(), q.detach()), float((p - q).abs().max())
+        assert reference.state[p].keys() == mine.state[q].keys()
+        for key, value in reference.state[p].items():
+            assert _bits_equal(value, mine.state[q][key]), key
+
+
+def _step(step: int, base_lr: float, pairs, without: tuple[int, ...] = ()) -> None:
+    """One step of each (optimizer, params, run): the lr of `step`, the same gradients (none for the
+    parameters `without`), `run()`."""
+    grads = _grads(step, pairs[0][1])
+    for opt, params, run in pairs:
+        for g in opt.param_groups:
+            g["lr"] = _lr(base_lr, step)
+        for i, (p, g) in enumerate(zip(params, grads)):
+            p.grad = None if i in without else g.clone()
+        run()
+
+
+def _compiled(update: DenseOptimizer, counter) -> object:
+    apply = torch.compile(update.apply, fullgraph=True, dynamic=False, backend=counter)
+    return lambda: apply(update.lr_inputs(), update.state_inputs())
 
 
 @pytest.mark.parametrize("kind", list(OPTIMIZERS))
@@ -57,24 +105,61 @@ def test_dense_update_equals_torch_optim(kind, compiled):
     mine = cls(params, **kwargs)
     update = DenseOptimizer(mine, params, None, 1)
     counter = CompileCounterWithBackend("aot_eager")
-    apply = torch.compile(update.apply, fullgraph=True, dynamic=False, backend=counter) if compiled else update.apply
+    run = _compiled(update, counter) if compiled else lambda: update.apply(update.lr_inputs(), update.state_inputs())
     for step in range(STEPS):
-        for opt in (reference, mine):
-            for g in opt.param_groups:
-                g["lr"] = _lr(kwargs["lr"], step)
-        for p, q, g in zip(ref_params, params, _grads(step, params)):
-            p.grad, q.grad = g.clone(), g.clone()
-        reference.step()
-        apply(update.lr_inputs(), update.state_inputs())
+        _step(step, kwargs["lr"], [(reference, ref_params, reference.step), (mine, params, run)])
         assert all(q.grad is None for q in params)
-    for p, q, start in zip(ref_params, params, _params(0)):
-        assert torch.equal(p, q), float((p - q).abs().max())
-        assert not torch.equal(q, start)  # it trained
-    for p, q in zip(ref_params, params):  # the state is the optimizer's own, the same as torch.optim's
-        for key, value in reference.state[p].items():
-            assert torch.equal(value, mine.state[q][key]), key
+        _assert_same(reference, ref_params, mine, params)  # every step: the first one's signed zeros too
+    assert not any(torch.equal(q, start) for q, start in zip(params, _params(0)))  # it trained
     if compiled:
         assert counter.frame_count == 1  # 20 lrs, one graph
+
+
+@pytest.mark.parametrize("kind", ["sgd-dampening", "sgd-nesterov", "adagrad-decay", "adamw-amsgrad", "adam-l2"])
+def test_dense_update_state_dict_round_trip(kind):
+    """Compiled steps, a checkpoint of the optimizer, loaded into a fresh one: continued by
+    torch.optim's eager step, and by a new compiled update over it, both equal the compiled update
+    that never stopped (the state the graph leaves is torch.optim's, its momentum buffers too)."""
+
+    cls, kwargs = OPTIMIZERS[kind]
+    params = _params(0)
+    mine = cls(params, **kwargs)
+    counter = CompileCounterWithBackend("aot_eager")
+    run = _compiled(DenseOptimizer(mine, params, None, 1), counter)
+    for step in range(3):
+        _step(step, kwargs["lr"], [(mine, params, run)])
+    saved = copy.deepcopy(mine.state_dict())
+    resumed = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    eager = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    resumed_opt, eager_opt = cls(resumed, **kwargs), cls(eager, **kwargs)
+    resumed_opt.load_state_dict(copy.deepcopy(saved))
+    eager_opt.load_state_dict(copy.deepcopy(saved))
+    resumed_run = _compiled(DenseOptimizer(resumed_opt, resumed, None, 1), counter)
+    for step in range(3, 8):
+        _step(
+            step,
+            kwargs["lr"],
+            [(mine, params, run), (eager_opt, eager, eager_opt.step), (resumed_opt, resumed, resumed_run)],
+        )
+        _assert_same(eager_opt, eager, mine, params)
+        _assert_same(eager_opt, eager, resumed_opt, resumed)
+
+
+def test_dense_update_makes_a_momentum_buffer_when_torch_optim_does():
+    """SGD makes a parameter's momentum buffer on its first step with a gradient: none before it,
+    then the gradient's clone, also when other parameters have stepped for a while."""
+    kwargs = {"lr": 0.05, "momentum": 0.9, "dampening": 0.5}
+    ref_params, params = _params(0), _params(0)
+    reference, mine = torch.optim.SGD(ref_params, **kwargs), torch.optim.SGD(params, **kwargs)
+    update = DenseOptimizer(mine, params, None, 1)
+    run = _compiled(update, CompileCounterWithBackend("aot_eager"))
+    for step in range(5):
+        # the last parameter gets its first gradient in step 2
+        _step(
+            step, kwargs["lr"], [(reference, ref_params, reference.step), (mine, params, run)], (2,) if step < 2 else ()
+        )
+        _assert_same(reference, ref_params, mine, params)
+        assert ("momentum_buffer" in mine.state[params[2]]) == (step >= 2)
 
 
 def test_dense_update_finds_the_dense_optimizer_in_the_trainers_combined_optimizer():
@@ -91,12 +176,18 @@ def test_dense_update_finds_the_dense_optimizer_in_the_trainers_combined_optimiz
 
 def test_dense_update_refuses_what_it_does_not_implement():
     params = _params(0)
-    with pytest.raises(UserError, match="momentum=0.9"):
-        DenseOptimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9), params, None, 1)
+    with pytest.raises(UserError, match="^the compiled/pipelined step's dense SGD does not implement maximize=True"):
+        DenseOptimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9, maximize=True), params, None, 1)
+    with pytest.raises(UserError, match="dense AdamW does not implement capturable=True"):
+        DenseOptimizer(torch.optim.AdamW(params, lr=0.1, capturable=True), params, None, 1)
     with pytest.raises(UserError, match="not foreach=True"):
         DenseOptimizer(torch.optim.Adagrad(params, lr=0.1, foreach=True), params, None, 1)
-    with pytest.raises(UserError, match="not AdamW"):
-        DenseOptimizer(torch.optim.AdamW(params, lr=0.1), params, None, 1)
+    with pytest.raises(UserError, match="not fused=True"):
+        DenseOptimizer(torch.optim.Adam(params, lr=0.1, fused=True), params, None, 1)
+    with pytest.raises(UserError, match="dense Adam takes betas as a float, not a tensor"):
+        DenseOptimizer(torch.optim.Adam(params, lr=0.1, betas=(torch.tensor(0.9), torch.tensor(0.99))), params, None, 1)
+    with pytest.raises(UserError, match="implements torch.optim SGD, Adagrad, Adam, AdamW, not RAdam"):
+        DenseOptimizer(torch.optim.RAdam(params, lr=0.1), params, None, 1)
     with pytest.raises(UserError, match="exactly the model's 2 dense parameters"):
         DenseOptimizer(torch.optim.SGD(params, lr=0.1), params[:2], None, 1)
 
@@ -106,3 +197,23 @@ def test_the_trainers_check_knows_the_same_dense_optimizers():
     from tpurec.sharding.dense_update import SUPPORTED
 
     assert STEP_DENSE_OPTIMIZERS == SUPPORTED
+
+
+def test_dense_update_follows_a_momentum_buffer_loaded_over_a_fresh_one():
+    """A buffer the update made (fresh, not yet stepped) and then replaced by `load_state_dict` of a
+    checkpoint is a stepped one: the next step applies the momentum to it, as torch.optim does."""
+    kwargs = {"lr": 0.05, "momentum": 0.9, "dampening": 0.5}
+    ref_params, params = _params(0), _params(0)
+    reference, mine = torch.optim.SGD(ref_params, **kwargs), torch.optim.SGD(params, **kwargs)
+    _step(0, kwargs["lr"], [(reference, ref_params, reference.step)])
+    update = DenseOptimizer(mine, params, None, 1)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    update.state_inputs()  # makes the buffers, fresh
+    with torch.no_grad():
+        for p, q in zip(params, ref_params):
+            p.copy_(q)
+    mine.load_state_dict(copy.deepcopy(reference.state_dict()))  # torch.optim shares tensors otherwise
+    run = _compiled(update, CompileCounterWithBackend("aot_eager"))
+    _step(1, kwargs["lr"], [(reference, ref_params, reference.step), (mine, params, run)])
+    _assert_same(reference, ref_params, mine, params)
