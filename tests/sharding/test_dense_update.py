@@ -86,14 +86,32 @@ def _step(step: int, base_lr: float, pairs, without: tuple[int, ...] = ()) -> No
     for opt, params, run in pairs:
         for g in opt.param_groups:
             g["lr"] = _lr(base_lr, step)
+        if isinstance(run, _Update):
+            run.take_inputs()  # before the gradients, as the compiled steps do before their backward
         for i, (p, g) in enumerate(zip(params, grads)):
             p.grad = None if i in without else g.clone()
         run()
 
 
-def _compiled(update: DenseOptimizer, counter) -> object:
-    apply = torch.compile(update.apply, fullgraph=True, dynamic=False, backend=counter)
-    return lambda: apply(update.lr_inputs(), update.state_inputs())
+class _Update:
+    """`DenseOptimizer.apply` as CompiledStep / PipelinedStep run it: its inputs taken before the
+    backward, compiled (fullgraph, aot_eager, counted by `counter`) or not (counter None)."""
+
+    def __init__(self, update: DenseOptimizer, counter=None) -> None:
+        self.update = update
+        self.apply = update.apply
+        if counter is not None:
+            self.apply = torch.compile(update.apply, fullgraph=True, dynamic=False, backend=counter)
+
+    def take_inputs(self) -> None:
+        self.inputs = (self.update.lr_inputs(), self.update.state_inputs())
+
+    def __call__(self) -> None:
+        self.apply(*self.inputs)
+
+
+def _compiled(update: DenseOptimizer, counter) -> _Update:
+    return _Update(update, counter)
 
 
 @pytest.mark.parametrize("kind", list(OPTIMIZERS))
@@ -105,7 +123,7 @@ def test_dense_update_equals_torch_optim(kind, compiled):
     mine = cls(params, **kwargs)
     update = DenseOptimizer(mine, params, None, 1)
     counter = CompileCounterWithBackend("aot_eager")
-    run = _compiled(update, counter) if compiled else lambda: update.apply(update.lr_inputs(), update.state_inputs())
+    run = _Update(update, counter if compiled else None)
     for step in range(STEPS):
         _step(step, kwargs["lr"], [(reference, ref_params, reference.step), (mine, params, run)])
         assert all(q.grad is None for q in params)
@@ -145,21 +163,25 @@ def test_dense_update_state_dict_round_trip(kind):
         _assert_same(eager_opt, eager, resumed_opt, resumed)
 
 
-def test_dense_update_makes_a_momentum_buffer_when_torch_optim_does():
-    """SGD makes a parameter's momentum buffer on its first step with a gradient: none before it,
-    then the gradient's clone, also when other parameters have stepped for a while."""
+def test_dense_update_steps_a_late_momentum_buffer_as_torch_optim():
+    """A parameter whose first gradient comes late: its buffer (zeros, made up front: the graph
+    cannot add state) is not stepped until then, and its first step is still the gradient's clone,
+    as torch.optim's, after the other parameters have stepped for a while."""
     kwargs = {"lr": 0.05, "momentum": 0.9, "dampening": 0.5}
     ref_params, params = _params(0), _params(0)
     reference, mine = torch.optim.SGD(ref_params, **kwargs), torch.optim.SGD(params, **kwargs)
-    update = DenseOptimizer(mine, params, None, 1)
-    run = _compiled(update, CompileCounterWithBackend("aot_eager"))
+    run = _compiled(DenseOptimizer(mine, params, None, 1), CompileCounterWithBackend("aot_eager"))
     for step in range(5):
         # the last parameter gets its first gradient in step 2
-        _step(
-            step, kwargs["lr"], [(reference, ref_params, reference.step), (mine, params, run)], (2,) if step < 2 else ()
-        )
-        _assert_same(reference, ref_params, mine, params)
-        assert ("momentum_buffer" in mine.state[params[2]]) == (step >= 2)
+        pairs = [(reference, ref_params, reference.step), (mine, params, run)]
+        _step(step, kwargs["lr"], pairs, (2,) if step < 2 else ())
+        if step < 2:
+            assert "momentum_buffer" not in reference.state[ref_params[2]]
+            assert not mine.state[params[2]]["momentum_buffer"].any()
+            _assert_same(reference, ref_params[:2], mine, params[:2])
+            assert torch.equal(ref_params[2], params[2])
+        else:
+            _assert_same(reference, ref_params, mine, params)
 
 
 def test_dense_update_finds_the_dense_optimizer_in_the_trainers_combined_optimizer():
@@ -217,3 +239,44 @@ def test_dense_update_follows_a_momentum_buffer_loaded_over_a_fresh_one():
     run = _compiled(update, CompileCounterWithBackend("aot_eager"))
     _step(1, kwargs["lr"], [(reference, ref_params, reference.step), (mine, params, run)])
     _assert_same(reference, ref_params, mine, params)
+
+
+@pytest.mark.parametrize("kind", ["sgd-dampening", "sgd-nesterov", "adamw-amsgrad"])
+def test_compiled_dmp_step_with_the_options_equals_the_eager_step(kind):
+    """The options in `CompiledStep` (its dense inputs taken before the backward, the momentum
+    buffers made then): 8 steps of a DLRM under tpurec's DMP bit-equal to TorchRec's eager step with
+    torch.optim's, one graph under a changing lr, the dense state the same."""
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    from tpurec.sharding.compiled_step import CompiledStep
+
+    from .dlrm_case import batches, eager_step
+    from .test_compiled_dmp_step import BATCH, _dmp
+
+    cls, kwargs = OPTIMIZERS[kind]
+
+    def optimizer(dmp):
+        named = dict(in_backward_optimizer_filter(dmp.named_parameters()))
+        return CombinedOptimizer([dmp.fused_optimizer, KeyedOptimizerWrapper(named, lambda ps: cls(ps, **kwargs))])
+
+    eager, twin = _dmp(1, None), _dmp(1, None)
+    eager_opt, twin_opt = optimizer(eager), optimizer(twin)
+    counter = CompileCounterWithBackend("aot_eager")
+    step = CompiledStep(twin, twin_opt, backend=counter)
+    for i, batch in enumerate(batches(8, BATCH, 0, 1)):
+        for opt in (eager_opt, twin_opt):
+            for g in opt.optimizers[1][1].param_groups:
+                g["lr"] = _lr(kwargs["lr"], i)
+        assert float(step.step(batch)) == eager_step(eager, eager_opt, batch), i
+    assert counter.frame_count == 1
+    eager_state, twin_state = eager_opt.state_dict()["state"], twin_opt.state_dict()["state"]
+    assert eager_state.keys() == twin_state.keys()
+    dense = [key for key in eager_state if "embedding_bags" not in key]
+    assert len(dense) == 8  # the dense MLPs' weights and biases
+    for key in dense:
+        assert eager_state[key].keys() == twin_state[key].keys()
+        for name, tensor in eager_state[key].items():
+            assert _bits_equal(tensor, twin_state[key][name]), (key, name)
+    for (name, p), (_, q) in zip(eager.named_parameters(), twin.named_parameters()):
+        assert torch.equal(p, q), name

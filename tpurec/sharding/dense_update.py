@@ -175,14 +175,12 @@ class DenseOptimizer:
         return out
 
     def _momentum_state(self, gi: int, i: int, p: torch.Tensor) -> list[torch.Tensor]:
-        """[momentum_buffer, fresh] of one parameter; the buffer made (zeros, flagged fresh) where
-        torch.optim would make it in this step: none yet and a gradient now. No buffer and no
-        gradient: none (torch.optim makes none either; the graph skips the parameter)."""
+        """[momentum_buffer, fresh] of one parameter; the buffer made (zeros, flagged fresh) if it
+        has none yet. Made whether or not a gradient is there yet: the compiled steps take their
+        inputs before the backward that makes it."""
         state, fresh = self.optimizer.state[p], self._fresh[gi][i]
         buf = state.get("momentum_buffer")
         if buf is None:
-            if p.grad is None:
-                return []
             buf = state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             self._made[gi][i] = buf
             fresh.fill_(1.0)
