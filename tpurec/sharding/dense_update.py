@@ -21,10 +21,14 @@ Implemented: SGD with weight_decay, momentum, dampening and nesterov; Adagrad wi
 lr_decay; Adam with weight_decay (L2) and amsgrad; AdamW (torch's Adam with decoupled_weight_decay:
 `param.mul_(1 - lr * wd)`, the float64 product rounded once to the parameter's dtype, as the kernel
 rounds the Python float). Adam's state (and amsgrad's max_exp_avg_sq) is made up front as its first
-step makes it. SGD's momentum buffer is made by `state_inputs` just before the parameter's first
-step with a gradient (when torch.optim makes it), as zeros flagged fresh; the graph's step then
-scales it by -0.0 and adds the gradient at alpha 1 (not 1 - dampening): exactly torch.optim's
-`clone(grad)`, signed zeros included, and the flag cleared. Refused in one line, by name: maximize,
+step makes it. SGD's momentum buffer, which torch.optim makes on a parameter's first step as
+`clone(grad)`, is made by `state_inputs` (the graph cannot add state) as zeros flagged fresh; the
+graph's step scales a fresh buffer by -0.0 and adds the gradient at alpha 1 (not 1 - dampening):
+exactly the clone, signed zeros included, and clears the flag. The compiled steps take their
+inputs before the backward, so every parameter gets its buffer then, gradient or not: one that
+has had none yet holds a zero buffer torch.optim would not have made (a checkpoint or an eager
+step before its first gradient sees a stepped buffer: with dampening its first step differs; the
+graph's own first step of it is the clone). Refused in one line, by name: maximize,
 Adam's capturable, foreach/fused/differentiable, hyperparameters given as tensors (but the lr), and
 every other class.
 
