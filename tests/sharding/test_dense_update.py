@@ -1,9 +1,12 @@
 """The compiled steps' dense update (tpurec/sharding/dense_update.py) against torch.optim's own step.
 
-The oracle is torch.optim's SGD / Adagrad / Adam `step()` (their CPU single-tensor path, what the
-eager trainer runs) on twin parameters, the lr changed every step as LRSchedule changes it. The
-update here runs the same kernels on the same numbers: bit-equal, eagerly and under
-torch.compile(fullgraph=True) with aot_eager, and the changing lr compiles no second graph.
+The oracle is torch.optim's SGD / Adagrad / Adam / AdamW `step()` (their CPU single-tensor path,
+what the eager trainer runs), with the options users' dense optimizers carry (weight decay,
+momentum, dampening, nesterov, lr_decay, amsgrad), on twin parameters, the lr changed every step
+as LRSchedule changes it. The update here runs the same kernels on the same numbers: bit-equal
+(signed zeros too), eagerly and under torch.compile(fullgraph=True) with aot_eager, and the changing
+lr compiles no second graph; through a state_dict round trip; and inside CompiledStep /
+PipelinedStep under DMP against TorchRec's eager step.
 """
 
 from __future__ import annotations
@@ -241,35 +244,18 @@ def test_dense_update_follows_a_momentum_buffer_loaded_over_a_fresh_one():
     _assert_same(reference, ref_params, mine, params)
 
 
-@pytest.mark.parametrize("kind", ["sgd-dampening", "sgd-nesterov", "adamw-amsgrad"])
-def test_compiled_dmp_step_with_the_options_equals_the_eager_step(kind):
-    """The options in `CompiledStep` (its dense inputs taken before the backward, the momentum
-    buffers made then): 8 steps of a DLRM under tpurec's DMP bit-equal to TorchRec's eager step with
-    torch.optim's, one graph under a changing lr, the dense state the same."""
+def _dmp_optimizer(dmp, kind: str):
+    """The trainer's shape of optimizer: the DMP's fused table optimizer beside the dense `kind`."""
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-    from tpurec.sharding.compiled_step import CompiledStep
-
-    from .dlrm_case import batches, eager_step
-    from .test_compiled_dmp_step import BATCH, _dmp
-
     cls, kwargs = OPTIMIZERS[kind]
+    named = dict(in_backward_optimizer_filter(dmp.named_parameters()))
+    return CombinedOptimizer([dmp.fused_optimizer, KeyedOptimizerWrapper(named, lambda ps: cls(ps, **kwargs))])
 
-    def optimizer(dmp):
-        named = dict(in_backward_optimizer_filter(dmp.named_parameters()))
-        return CombinedOptimizer([dmp.fused_optimizer, KeyedOptimizerWrapper(named, lambda ps: cls(ps, **kwargs))])
 
-    eager, twin = _dmp(1, None), _dmp(1, None)
-    eager_opt, twin_opt = optimizer(eager), optimizer(twin)
-    counter = CompileCounterWithBackend("aot_eager")
-    step = CompiledStep(twin, twin_opt, backend=counter)
-    for i, batch in enumerate(batches(8, BATCH, 0, 1)):
-        for opt in (eager_opt, twin_opt):
-            for g in opt.optimizers[1][1].param_groups:
-                g["lr"] = _lr(kwargs["lr"], i)
-        assert float(step.step(batch)) == eager_step(eager, eager_opt, batch), i
-    assert counter.frame_count == 1
+def _assert_same_dmp(eager, eager_opt, twin, twin_opt) -> None:
+    """Every parameter (tables too) and the dense optimizer's state, bit for bit."""
     eager_state, twin_state = eager_opt.state_dict()["state"], twin_opt.state_dict()["state"]
     assert eager_state.keys() == twin_state.keys()
     dense = [key for key in eager_state if "embedding_bags" not in key]
@@ -280,3 +266,50 @@ def test_compiled_dmp_step_with_the_options_equals_the_eager_step(kind):
             assert _bits_equal(tensor, twin_state[key][name]), (key, name)
     for (name, p), (_, q) in zip(eager.named_parameters(), twin.named_parameters()):
         assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize("kind", ["sgd-dampening", "sgd-nesterov", "adamw-amsgrad"])
+def test_compiled_dmp_step_with_the_options_equals_the_eager_step(kind):
+    """The options in `CompiledStep` (its dense inputs taken before the backward, the momentum
+    buffers made then): 8 steps of a DLRM under tpurec's DMP bit-equal to TorchRec's eager step with
+    torch.optim's, one graph under a changing lr, the dense state the same."""
+    from tpurec.sharding.compiled_step import CompiledStep
+
+    from .dlrm_case import batches, eager_step
+    from .test_compiled_dmp_step import BATCH, _dmp
+
+    lr = OPTIMIZERS[kind][1]["lr"]
+    eager, twin = _dmp(1, None), _dmp(1, None)
+    eager_opt, twin_opt = _dmp_optimizer(eager, kind), _dmp_optimizer(twin, kind)
+    counter = CompileCounterWithBackend("aot_eager")
+    step = CompiledStep(twin, twin_opt, backend=counter)
+    for i, batch in enumerate(batches(8, BATCH, 0, 1)):
+        for opt in (eager_opt, twin_opt):
+            for g in opt.optimizers[1][1].param_groups:
+                g["lr"] = _lr(lr, i)
+        assert float(step.step(batch)) == eager_step(eager, eager_opt, batch), i
+    assert counter.frame_count == 1
+    _assert_same_dmp(eager, eager_opt, twin, twin_opt)
+
+
+@pytest.mark.parametrize("kind", ["sgd-dampening", "adamw-amsgrad"])
+def test_pipelined_step_with_the_options_equals_the_eager_step(kind):
+    """The same in the compiled `PipelinedStep` on batches touching disjoint rows (where it is
+    exact): 10 batches, the losses, parameters and dense state as TorchRec's eager step's."""
+    from tpurec.sharding.pipelined_step import PipelinedStep
+
+    from .dlrm_case import eager_step
+    from .test_compiled_dmp_step import BATCH, _dmp
+    from .test_pipelined_step import disjoint_batches
+
+    eager, twin = _dmp(1, None), _dmp(1, None)
+    eager_opt, twin_opt = _dmp_optimizer(eager, kind), _dmp_optimizer(twin, kind)
+    data = disjoint_batches(10, BATCH, 0, 1)
+    eager_losses = [eager_step(eager, eager_opt, batch) for batch in data]
+    counter = CompileCounterWithBackend("aot_eager")
+    pipe = PipelinedStep(twin, twin_opt, backend=counter)
+    losses = [float(loss) for loss in map(pipe.step, data) if loss is not None]
+    losses += [float(x) for x in pipe.drain()]
+    assert counter.frame_count == 1
+    assert losses == eager_losses
+    _assert_same_dmp(eager, eager_opt, twin, twin_opt)
