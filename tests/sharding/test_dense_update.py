@@ -12,6 +12,7 @@ PipelinedStep under DMP against TorchRec's eager step.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from tpurec.errors import UserError
 from tpurec.sharding.dense_update import DenseOptimizer
 
 STEPS = 20
-OPTIMIZERS = {
+OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "sgd": (torch.optim.SGD, {"lr": 0.05}),
     "adagrad": (torch.optim.Adagrad, {"lr": 0.05, "eps": 1e-8}),
     "adam": (torch.optim.Adam, {"lr": 0.01, "eps": 1e-8}),
