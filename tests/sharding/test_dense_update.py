@@ -167,25 +167,32 @@ def test_dense_update_state_dict_round_trip(kind):
         _assert_same(eager_opt, eager, resumed_opt, resumed)
 
 
-def test_dense_update_steps_a_late_momentum_buffer_as_torch_optim():
+@pytest.mark.parametrize("first_by", ["graph", "torch_optim"])
+def test_dense_update_steps_a_late_momentum_buffer_as_torch_optim(first_by):
     """A parameter whose first gradient comes late: its buffer (zeros, made up front: the graph
-    cannot add state) is not stepped until then, and its first step is still the gradient's clone,
-    as torch.optim's, after the other parameters have stepped for a while."""
+    cannot add state) is none of torch.optim's until then: its state_dict leaves it out (a resume
+    from it equals the run), and its first step, by the graph or by torch.optim's own `step()`, is
+    the gradient's clone (dampening 0.5 would scale anything else)."""
     kwargs = {"lr": 0.05, "momentum": 0.9, "dampening": 0.5}
     ref_params, params = _params(0), _params(0)
     reference, mine = torch.optim.SGD(ref_params, **kwargs), torch.optim.SGD(params, **kwargs)
     run = _compiled(DenseOptimizer(mine, params, None, 1), CompileCounterWithBackend("aot_eager"))
-    for step in range(5):
-        # the last parameter gets its first gradient in step 2
-        pairs = [(reference, ref_params, reference.step), (mine, params, run)]
-        _step(step, kwargs["lr"], pairs, (2,) if step < 2 else ())
-        if step < 2:
-            assert "momentum_buffer" not in reference.state[ref_params[2]]
-            assert not mine.state[params[2]]["momentum_buffer"].any()
-            _assert_same(reference, ref_params[:2], mine, params[:2])
-            assert torch.equal(ref_params[2], params[2])
-        else:
-            _assert_same(reference, ref_params, mine, params)
+    for step in range(2):  # the last parameter has no gradient yet
+        _step(step, kwargs["lr"], [(reference, ref_params, reference.step), (mine, params, run)], (2,))
+        assert not mine.state[params[2]]["momentum_buffer"].any()  # made, not stepped
+        _assert_same(reference, ref_params[:2], mine, params[:2])
+        assert torch.equal(ref_params[2], params[2])
+    saved = copy.deepcopy(mine.state_dict())
+    assert saved["state"].keys() == reference.state_dict()["state"].keys() == {0, 1}
+    resumed = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    resumed_opt = torch.optim.SGD(resumed, **kwargs)
+    resumed_opt.load_state_dict(saved)
+    for step in range(2, 5):
+        mine_run = mine.step if first_by == "torch_optim" and step == 2 else run
+        pairs = [(reference, ref_params, reference.step), (mine, params, mine_run)]
+        _step(step, kwargs["lr"], [*pairs, (resumed_opt, resumed, resumed_opt.step)])
+        _assert_same(reference, ref_params, mine, params)
+        _assert_same(reference, ref_params, resumed_opt, resumed)
 
 
 def test_dense_update_finds_the_dense_optimizer_in_the_trainers_combined_optimizer():

@@ -25,10 +25,11 @@ step makes it. SGD's momentum buffer, which torch.optim makes on a parameter's f
 `clone(grad)`, is made by `state_inputs` (the graph cannot add state) as zeros flagged fresh; the
 graph's step scales a fresh buffer by -0.0 and adds the gradient at alpha 1 (not 1 - dampening):
 exactly the clone, signed zeros included, and clears the flag. The compiled steps take their
-inputs before the backward, so every parameter gets its buffer then, gradient or not: one that
-has had none yet holds a zero buffer torch.optim would not have made (a checkpoint or an eager
-step before its first gradient sees a stepped buffer: with dampening its first step differs; the
-graph's own first step of it is the clone). Refused in one line, by name: maximize,
+inputs before the backward, so every parameter gets its buffer then, gradient or not. Until its
+first step such a buffer is none of torch.optim's: hooks on the optimizer leave it out of
+`state_dict()` and drop it before torch.optim's own `step()` (which then makes the clone itself).
+TorchRec's KeyedOptimizer reads `state` directly: its checkpoint holds such a zero buffer, which a
+resumed step takes as a stepped one (with dampening, that first step differs). Refused in one line, by name: maximize,
 Adam's capturable, foreach/fused/differentiable, hyperparameters given as tensors (but the lr), and
 every other class.
 
@@ -141,6 +142,11 @@ class DenseOptimizer:
         # first step then computes exactly the clone (see `_sgd`) and clears the flag
         self._fresh = [[torch.zeros(1, dtype=torch.float64) for _ in ps] for ps in self._params]
         self._made: list[list[torch.Tensor | None]] = [[None for _ in ps] for ps in self._params]
+        if self.kind == "sgd":
+            # a buffer made but not stepped yet is none of torch.optim's: its own step and its
+            # state_dict do not see it (TorchRec's KeyedOptimizer reads `state` itself: it does)
+            self.optimizer.register_step_pre_hook(self._drop_unstepped)
+            self.optimizer.register_state_dict_post_hook(self._without_unstepped)
 
     def _init_adam_state(self) -> None:
         """Adam's state as its first step makes it (adam.py `_init_group`, capturable and fused off):
@@ -191,6 +197,34 @@ class DenseOptimizer:
         elif buf is not self._made[gi][i]:
             fresh.fill_(0.0)  # an eager step's or a loaded one: the momentum applies
         return [buf, fresh]
+
+    def _unstepped(self) -> list[torch.Tensor]:
+        """The parameters whose momentum buffer is one made here and not stepped yet."""
+        out = []
+        for made, fresh, ps in zip(self._made, self._fresh, self._params):
+            for buf, flag, p in zip(made, fresh, ps):
+                if buf is not None and bool(flag) and self.optimizer.state.get(p, {}).get("momentum_buffer") is buf:
+                    out.append(p)
+        return out
+
+    def _drop_unstepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        # before torch.optim's own step: it makes these buffers itself, as clones of the gradients
+        for p in self._unstepped():
+            del optimizer.state[p]["momentum_buffer"]
+            if not optimizer.state[p]:
+                del optimizer.state[p]
+
+    def _without_unstepped(self, optimizer: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+        # the packed state's entries are the live state dicts: copied, not edited
+        index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+        packed = dict(state_dict["state"])
+        for p in self._unstepped():
+            entry = {k: v for k, v in packed[index[id(p)]].items() if k != "momentum_buffer"}
+            if entry:
+                packed[index[id(p)]] = entry
+            else:
+                del packed[index[id(p)]]
+        return {**state_dict, "state": packed}
 
     def apply(self, lrs: Sequence[torch.Tensor], states: Sequence[Sequence[Sequence[torch.Tensor]]]) -> None:
         """The update of every parameter that has a gradient, averaged over the ranks first; clears
