@@ -17,6 +17,22 @@ float64 scalar tensor rounded to float32 is the float32 a kernel makes of a Pyth
 directly: Dynamo rewrites the method `addcmul_(..., value=v)` into a multiply and a fused
 multiply-add (CUDA's rounding), another float32 result than the CPU kernel's.
 
+Implemented: SGD with weight_decay, momentum, dampening and nesterov; Adagrad with weight_decay and
+lr_decay; Adam with weight_decay (L2) and amsgrad; AdamW (torch's Adam with decoupled_weight_decay:
+`param.mul_(1 - lr * wd)`, the float64 product rounded once to the parameter's dtype, as the kernel
+rounds the Python float). Adam's state (and amsgrad's max_exp_avg_sq) is made up front as its first
+step makes it. SGD's momentum buffer, which torch.optim makes on a parameter's first step as
+`clone(grad)`, is made by `state_inputs` (the graph cannot add state) as zeros flagged fresh; the
+graph's step scales a fresh buffer by -0.0 and adds the gradient at alpha 1 (not 1 - dampening):
+exactly the clone, signed zeros included, and clears the flag. The compiled steps take their
+inputs before the backward, so every parameter gets its buffer then, gradient or not. Until its
+first step such a buffer is none of torch.optim's: hooks on the optimizer leave it out of
+`state_dict()` and drop it before torch.optim's own `step()` (which then makes the clone itself).
+TorchRec's KeyedOptimizer reads `state` directly: its checkpoint holds such a zero buffer, which a
+resumed step takes as a stepped one (with dampening, that first step differs). Refused in one line, by name: maximize,
+Adam's capturable, foreach/fused/differentiable, hyperparameters given as tensors (but the lr), and
+every other class.
+
 The dense gradients are averaged over the ranks in one bucket: DDP's division by the world size,
 then one functional all-reduce of their concatenation (on TorchTPU every collective is a program of
 its own), split back; each element is summed over the same ranks as before.
@@ -35,17 +51,21 @@ SUPPORTED = ("sgd", "adagrad", "adam")  # tpurec.dlrm.options.STEP_DENSE_OPTIMIZ
 Hp = dict[str, Any]  # a param group's hyperparameters but its params and lr
 
 # the options each kind's eager step would honour but this one does not implement: refused by name
-# (their defaults are what the trainer's `--dense-optimizer` builds)
 _DEFAULTS: dict[str, dict[str, Any]] = {
-    "sgd": {"momentum": 0, "weight_decay": 0, "nesterov": False, "maximize": False},
-    "adagrad": {"weight_decay": 0, "maximize": False},
-    "adam": {"weight_decay": 0, "amsgrad": False, "maximize": False, "capturable": False},
+    "sgd": {"maximize": False},
+    "adagrad": {"maximize": False},
+    "adam": {"maximize": False, "capturable": False},
 }
+# hyperparameters torch.optim also takes as tensors (its `_to_scalar` path, other kernels): refused
+# as tensors, taken as floats (the lr alone may be a tensor: it is read into `lr_inputs` each step)
+_FLOATS = ("momentum", "dampening", "weight_decay", "lr_decay", "eps", "betas")
 
 
 def _kind(optimizer: torch.optim.Optimizer) -> str:
-    # the exact classes: a subclass (AdamW, RAdam ...) steps differently
-    kinds = {torch.optim.SGD: "sgd", torch.optim.Adagrad: "adagrad", torch.optim.Adam: "adam"}
+    # the exact classes: another subclass steps differently; AdamW is Adam with
+    # decoupled_weight_decay=True (torch/optim/adamw.py), the same step
+    o = torch.optim
+    kinds = {o.SGD: "sgd", o.Adagrad: "adagrad", o.Adam: "adam", o.AdamW: "adam"}
     kind = kinds.get(type(optimizer))
     if kind is None:
         raise UserError(
@@ -93,6 +113,13 @@ class DenseOptimizer:
                         f"the compiled/pipelined step's dense {type(self.optimizer).__name__} runs torch.optim's "
                         f"single-tensor step, not {key}=True (leave it out, or use the eager step)"
                     )
+            for key in _FLOATS:
+                values = g.get(key)
+                if any(isinstance(v, torch.Tensor) for v in (values if isinstance(values, tuple) else (values,))):
+                    raise UserError(
+                        f"the compiled/pipelined step's dense {type(self.optimizer).__name__} takes {key} as a "
+                        f"float, not a tensor (give a float, or use the eager step)"
+                    )
             for key, default in _DEFAULTS[self.kind].items():
                 if g.get(key, default) != default:
                     raise UserError(
@@ -109,18 +136,32 @@ class DenseOptimizer:
         self._lrs = [torch.zeros(1, dtype=torch.float64) for _ in self._params]
         if self.kind == "adam":
             self._init_adam_state()
+        # SGD's momentum buffers: torch.optim makes each on its parameter's first step, as a clone
+        # of the gradient; the graph cannot add a state entry, so `state_inputs` makes it (zeros)
+        # before that step and flags it fresh here (1.0, float64 (1,) like the lrs): the graph's
+        # first step then computes exactly the clone (see `_sgd`) and clears the flag
+        self._fresh = [[torch.zeros(1, dtype=torch.float64) for _ in ps] for ps in self._params]
+        self._made: list[list[torch.Tensor | None]] = [[None for _ in ps] for ps in self._params]
+        if self.kind == "sgd":
+            # a buffer made but not stepped yet is none of torch.optim's: its own step and its
+            # state_dict do not see it (TorchRec's KeyedOptimizer reads `state` itself: it does)
+            self.optimizer.register_step_pre_hook(self._drop_unstepped)
+            self.optimizer.register_state_dict_post_hook(self._without_unstepped)
 
     def _init_adam_state(self) -> None:
         """Adam's state as its first step makes it (adam.py `_init_group`, capturable and fused off):
         made now because the graph cannot add entries to the state dict."""
         from torch.optim.optimizer import _get_scalar_dtype
 
-        for p in (p for ps in self._params for p in ps):
-            state = self.optimizer.state[p]
-            if len(state) == 0:
-                state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        for hp, ps in zip(self._groups, self._params):
+            for p in ps:
+                state = self.optimizer.state[p]
+                if len(state) == 0:
+                    state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    if hp["amsgrad"]:
+                        state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
     def lr_inputs(self) -> list[torch.Tensor]:
         """Each param group's current lr (what LRSchedule set) as a float64 tensor: a graph input,
@@ -131,9 +172,59 @@ class DenseOptimizer:
 
     def state_inputs(self) -> list[list[list[torch.Tensor]]]:
         """The optimizer's own state tensors per group and parameter (adagrad: step, sum; adam: step,
-        exp_avg, exp_avg_sq; sgd: none), looked up now (a resume may have replaced them)."""
-        keys = {"sgd": (), "adagrad": ("step", "sum"), "adam": ("step", "exp_avg", "exp_avg_sq")}[self.kind]
-        return [[[self.optimizer.state[p][k] for k in keys] for p in ps] for ps in self._params]
+        exp_avg, exp_avg_sq, max_exp_avg_sq with amsgrad; sgd with momentum: momentum_buffer and its
+        fresh flag; sgd without: none), looked up now (a resume may have replaced them)."""
+        out: list[list[list[torch.Tensor]]] = []
+        for gi, (hp, ps) in enumerate(zip(self._groups, self._params)):
+            if self.kind == "sgd":
+                out.append([self._momentum_state(gi, i, p) if hp["momentum"] else [] for i, p in enumerate(ps)])
+                continue
+            keys: tuple[str, ...] = ("step", "sum") if self.kind == "adagrad" else ("step", "exp_avg", "exp_avg_sq")
+            keys += ("max_exp_avg_sq",) if self.kind == "adam" and hp["amsgrad"] else ()
+            out.append([[self.optimizer.state[p][k] for k in keys] for p in ps])
+        return out
+
+    def _momentum_state(self, gi: int, i: int, p: torch.Tensor) -> list[torch.Tensor]:
+        """[momentum_buffer, fresh] of one parameter; the buffer made (zeros, flagged fresh) if it
+        has none yet. Made whether or not a gradient is there yet: the compiled steps take their
+        inputs before the backward that makes it."""
+        state, fresh = self.optimizer.state[p], self._fresh[gi][i]
+        buf = state.get("momentum_buffer")
+        if buf is None:
+            buf = state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            self._made[gi][i] = buf
+            fresh.fill_(1.0)
+        elif buf is not self._made[gi][i]:
+            fresh.fill_(0.0)  # an eager step's or a loaded one: the momentum applies
+        return [buf, fresh]
+
+    def _unstepped(self) -> list[torch.Tensor]:
+        """The parameters whose momentum buffer is one made here and not stepped yet."""
+        out = []
+        for made, fresh, ps in zip(self._made, self._fresh, self._params):
+            for buf, flag, p in zip(made, fresh, ps):
+                if buf is not None and bool(flag) and self.optimizer.state.get(p, {}).get("momentum_buffer") is buf:
+                    out.append(p)
+        return out
+
+    def _drop_unstepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        # before torch.optim's own step: it makes these buffers itself, as clones of the gradients
+        for p in self._unstepped():
+            del optimizer.state[p]["momentum_buffer"]
+            if not optimizer.state[p]:
+                del optimizer.state[p]
+
+    def _without_unstepped(self, optimizer: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+        # the packed state's entries are the live state dicts: copied, not edited
+        index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+        packed = dict(state_dict["state"])
+        for p in self._unstepped():
+            entry = {k: v for k, v in packed[index[id(p)]].items() if k != "momentum_buffer"}
+            if entry:
+                packed[index[id(p)]] = entry
+            else:
+                del packed[index[id(p)]]
+        return {**state_dict, "state": packed}
 
     def apply(self, lrs: Sequence[torch.Tensor], states: Sequence[Sequence[Sequence[torch.Tensor]]]) -> None:
         """The update of every parameter that has a gradient, averaged over the ranks first; clears
@@ -155,7 +246,21 @@ class DenseOptimizer:
 
 
 def _sgd(param: torch.Tensor, grad: torch.Tensor, state: Sequence[torch.Tensor], lr: torch.Tensor, hp: Hp) -> None:
-    # sgd.py `_single_tensor_sgd`: param.add_(grad, alpha=-lr)
+    # sgd.py `_single_tensor_sgd`
+    if hp["weight_decay"] != 0:
+        grad = _add(grad, param, hp["weight_decay"])
+    if hp["momentum"] != 0:
+        buf, fresh = state
+        # torch.optim: a fresh buffer is grad.clone(), then buf.mul_(momentum).add_(grad, alpha=1 -
+        # dampening). Here the fresh buffer is zeros scaled by -0.0 and grad added at alpha 1: -0.0
+        # + x is x for every x, signed zeros included, so the first step is the clone bit for bit
+        first = fresh > 0
+        scale = torch.where(first, torch.full_like(fresh, -0.0), torch.full_like(fresh, hp["momentum"]))
+        alpha = torch.where(first, torch.ones_like(fresh), torch.full_like(fresh, 1 - hp["dampening"]))
+        _addcmul_(buf.mul_(_scalar(scale, buf)), grad, _scalar(alpha, buf))
+        fresh.zero_()
+        grad = _add(grad, buf, hp["momentum"]) if hp["nesterov"] else buf
+    # param.add_(grad, alpha=-lr)
     _addcmul_(param, grad, _scalar(-lr, param))
 
 
@@ -163,6 +268,8 @@ def _adagrad(param: torch.Tensor, grad: torch.Tensor, state: Sequence[torch.Tens
     # adagrad.py `_single_tensor_adagrad`, its float arithmetic in float64
     step_t, state_sum = state
     step_t += 1
+    if hp["weight_decay"] != 0:
+        grad = _add(grad, param, hp["weight_decay"])
     clr = lr / (1 + (step_t.to(torch.float64) - 1) * hp["lr_decay"])
     _addcmul_(state_sum, grad, grad, value=1)
     std = state_sum.sqrt().add_(hp["eps"])
@@ -170,10 +277,16 @@ def _adagrad(param: torch.Tensor, grad: torch.Tensor, state: Sequence[torch.Tens
 
 
 def _adam(param: torch.Tensor, grad: torch.Tensor, state: Sequence[torch.Tensor], lr: torch.Tensor, hp: Hp) -> None:
-    # adam.py `_single_tensor_adam` (not capturable), its float arithmetic in float64
-    step_t, exp_avg, exp_avg_sq = state
+    # adam.py `_single_tensor_adam` (not capturable), its float arithmetic in float64; AdamW is
+    # decoupled_weight_decay=True
+    step_t, exp_avg, exp_avg_sq = state[:3]
     beta1, beta2 = hp["betas"]
     step_t += 1
+    if hp["weight_decay"] != 0:
+        if hp["decoupled_weight_decay"]:
+            param.mul_(_scalar(1 - lr * hp["weight_decay"], param))  # Python's float64 `1 - lr * wd`
+        else:
+            grad = _add(grad, param, hp["weight_decay"])
     torch.ops.aten.lerp_.Scalar(exp_avg, grad, 1 - beta1)
     _addcmul_(exp_avg_sq.mul_(beta2), grad, grad, value=1 - beta2)
     step = step_t.to(torch.float64)
@@ -182,7 +295,11 @@ def _adam(param: torch.Tensor, grad: torch.Tensor, state: Sequence[torch.Tensor]
     step_size = lr / bias_correction1
     # Python's `x ** 0.5` is C pow(x, 0.5); torch's pow by the Scalar 0.5 is a sqrt: pow by a tensor
     bias_correction2_sqrt = torch.pow(bias_correction2, torch.full((), 0.5, dtype=torch.float64))
-    denom = (exp_avg_sq.sqrt() / _scalar(bias_correction2_sqrt, param)).add_(hp["eps"])
+    second = exp_avg_sq
+    if hp["amsgrad"]:
+        # torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq): the same kernel, written back
+        second = state[3].copy_(torch.maximum(state[3], exp_avg_sq))
+    denom = (second.sqrt() / _scalar(bias_correction2_sqrt, param)).add_(hp["eps"])
     param.add_(exp_avg * _scalar(-step_size, param) / denom)  # param.addcdiv_(exp_avg, denom, value=-step_size)
 
 
@@ -198,6 +315,11 @@ def _addcmul_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, value: float 
     # fused multiply-add (tensor.py `method_addcmul_`, CUDA's rounding), which rounds once more than
     # the CPU kernel torch.optim's eager step runs
     return torch.ops.aten.addcmul_.default(out, a, b, value=value)
+
+
+def _add(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
+    # `a.add(b, alpha=alpha)` with a float alpha, torch.optim's own kernel (the aten op, as _addcmul_)
+    return torch.ops.aten.add.Tensor(a, b, alpha=alpha)
 
 
 _UPDATE = {"sgd": _sgd, "adagrad": _adagrad, "adam": _adam}
