@@ -12,21 +12,20 @@ from __future__ import annotations
 
 import os
 
-_DATA: dict | None = getattr(os.environ, "_data", None)
-_ENCODE = getattr(os.environ, "encodekey", None)
-_DECODE = getattr(os.environ, "decodevalue", None)
 _KEYS: dict[str, object] = {}  # name -> its encoded form, as os.environ stores it
 
 
 def get(name: str) -> str | None:
     """os.environ.get(name)."""
-    if _DATA is None or _ENCODE is None or _DECODE is None:
-        return os.environ.get(name)
+    env = os.environ  # looked up each time: a test may replace it
+    data = getattr(env, "_data", None)
+    if data is None or not hasattr(env, "encodekey"):
+        return env.get(name)
     key = _KEYS.get(name)
     if key is None:
-        key = _KEYS[name] = _ENCODE(name)
-    value = _DATA.get(key)
-    return None if value is None else _DECODE(value)
+        key = _KEYS[name] = env.encodekey(name)
+    value = data.get(key)
+    return None if value is None else env.decodevalue(value)
 
 
 def is_on(name: str) -> bool:
