@@ -70,9 +70,18 @@ LANES = 4  # interleaved copies of a group's counts (a power of two)
 # (the marks are counted and cleared per group: a pass over the table's rows)
 FLAG_ROWS_PER_ID = 8
 FLAG_CELLS = 1 << 16  # the marks' bytes (a quarter of a core's L2 here)
-# a larger one-hot group's table of at most this many rows marks them in a bitmap (2 MiB: a core's L2
-# here), test-and-set per id with no branch; larger tables go through the set of rows
-BITMAP_ROWS = 1 << 24
+# a group's table of at most this many rows (a bitmap of 16 MiB) may mark its rows in a bitmap,
+# test-and-set per id with no branch: a larger one-hot group's table of at most SPARSE_BITS_ROWS rows
+# (2 MiB: a core's L2 here), and any group whose table holds at most BITS_WORDS_PER_ID words of rows
+# per id of the group (`_multi_hot_bits` for multi-hot ones); sparser groups, their bits scattered
+# over more cache lines than their ids, go through a set
+BITMAP_ROWS = 1 << 27
+SPARSE_BITS_ROWS = 1 << 24
+BITS_WORDS_PER_ID = 16
+# `_multi_hot_bits`' slots per id of a table's longest bag (collisions then take 1-3% of ids), and the
+# slots at most (a table of longer bags goes through the set)
+BAG_SLOTS_PER_ID = 32
+BAG_SLOTS = 1 << 16
 
 
 def _prefetch_typing(typingctx: object, arr: types.Array, index: types.Integer) -> tuple:
@@ -225,7 +234,8 @@ def _one_hot_group(
     p = lanes.shape[0] // (2 * LANES)
     padded = chunk * p
     use_flags = padded <= flags.shape[0] and padded <= FLAG_ROWS_PER_ID * n
-    use_bits = not use_flags and rows <= 64 * bitmap.shape[0]
+    dense = n * BITS_WORDS_PER_ID >= (rows + 63) >> 6
+    use_bits = not use_flags and rows <= 64 * bitmap.shape[0] and (rows <= SPARSE_BITS_ROWS or dense)
     bits = MIN_SET_BITS
     while (1 << bits) < 2 * n and (2 << bits) <= oneset.shape[0]:
         bits += 1
@@ -280,6 +290,132 @@ def _one_hot_group(
 
 
 @numba.njit(cache=True, nogil=True)
+def _multi_hot_bits(
+    values: np.ndarray,
+    lengths: np.ndarray,
+    stride: int,
+    key_first: np.ndarray,
+    slice_start: np.ndarray,
+    features: np.ndarray,
+    j0: int,
+    j1: int,
+    sl: int,
+    b0: int,
+    b1: int,
+    rows: int,
+    s0: int,
+    single: bool,
+    uniform: bool,
+    chunk: int,
+    block_shift: int,
+    first_block: int,
+    block_seg: np.ndarray,
+    seg_row: np.ndarray,
+    seg_shard: np.ndarray,
+    seg_part: np.ndarray,
+    p: int,
+    bag: int,
+    bitmap: np.ndarray,
+    bagset: np.ndarray,
+    lanes: np.ndarray,
+) -> int:
+    """One group of a table of at most BITMAP_ROWS rows, any bags: an id is a new distinct id of
+    its segment when its row's bit in `bitmap` was clear (a load and a store per id, no branch: the
+    partitions hold disjoint rows, so one bitmap of the table's rows serves them all), and a new
+    entry when its row is not yet in its bag: `bagset` holds (row, bag) slots, one per hash of a row,
+    stamped by the bag number (never cleared), at least BAG_SLOTS_PER_ID per id of the longest bag
+    (a few KiB, in L1): no probing, and a slot this bag filled with another row is settled by
+    comparing the bag's earlier ids (a third the time of a probed set). A row-wise table whose shards
+    are P whole partitions each (`uniform`) finds an id's shard and partition by a float reciprocal,
+    as a one-shard table does, not by its block's ranges. Counts into `lanes` as count_groups does;
+    the bits set are cleared before returning. Returns the position of an id outside the table, or -1."""
+    bmask = (bagset.shape[0] >> 1) - 1
+    bshift = 64
+    while (1 << (64 - bshift)) <= bmask:
+        bshift -= 1
+    one = np.uint64(1)
+    chunk_inv, p_inv = 1.0 / chunk, 1.0 / p
+    n = 0
+    bad = -1
+    # a set beyond the core's cache: each id's bitmap word fetched AHEAD ids early (a fifth less time)
+    last_ahead = values.shape[0] - AHEAD if rows >= 64 * PREFETCH_SLOTS else 0
+    for j in range(j0, j1):
+        f = features[j]
+        pos = key_first[f] + slice_start[f, sl]
+        for b in range(b0, b1):
+            length = lengths[f * stride + b]
+            start = pos
+            for _ in range(length):
+                if pos < last_ahead:
+                    _prefetch(bitmap, np.uint64(values[np.uint64(pos + AHEAD)] >> 6))
+                r = np.int64(values[np.uint64(pos)])
+                if r < 0 or r >= rows:
+                    bad = pos
+                    break
+                if single or uniform:  # the partition by a float reciprocal, off by one at most
+                    part = np.int64(r * chunk_inv)
+                    if part * chunk > r:
+                        part -= 1
+                    elif (part + 1) * chunk <= r:
+                        part += 1
+                    s = s0
+                    if uniform:  # shards of P whole partitions each: partition `part` of the table
+                        k = np.int64(part * p_inv)
+                        if k * p > part:
+                            k -= 1
+                        elif (k + 1) * p <= part:
+                            k += 1
+                        s = s0 + int(k)
+                        part -= k * p
+                else:  # row-wise: as count_groups
+                    g = block_seg[first_block + (r >> block_shift)]
+                    g += seg_row[g + 1] <= r
+                    while seg_row[g + 1] <= r:
+                        g += 1
+                    s = seg_shard[g]
+                    part = seg_part[g]
+                li = 2 * (((s - s0) * p + part) * LANES + (pos & (LANES - 1)))
+                word = np.uint64(r >> 6)
+                bit = np.int64(1) << (r & 63)
+                old = bitmap[word]
+                bitmap[word] = old | bit
+                lanes[li] += (old & bit) == 0
+                # a new entry unless the row's slot holds it for this bag; a slot this bag filled with
+                # another row (a collision, rare with BAG_SLOTS_PER_ID) is settled by the bag's ids
+                h = np.uint64(((r * _HASH_MUL) >> bshift) & bmask)
+                held = bagset[h + h + one] == bag
+                if held and bagset[h + h] != r:
+                    new = 1
+                    for i in range(np.uint64(start), np.uint64(pos)):
+                        if values[i] == r:
+                            new = 0
+                            break
+                    lanes[li + 1] += new
+                else:
+                    lanes[li + 1] += not held
+                bagset[h + h] = r
+                bagset[h + h + one] = bag
+                pos += 1
+            if bad >= 0:
+                break
+            bag += 1
+            n += length
+        if bad >= 0:
+            break
+    words = (rows + 63) >> 6
+    if bad >= 0 or n * 4 >= words:  # (clearing every word costs less than finding the touched ones)
+        bitmap[:words] = 0
+        return bad
+    for j in range(j0, j1):
+        f = features[j]
+        lo = key_first[f] + slice_start[f, sl]
+        hi = key_first[f] + slice_start[f, sl + 1]
+        for i in range(np.uint64(lo), np.uint64(hi)):
+            bitmap[np.uint64(values[i] >> 6)] = 0
+    return -1
+
+
+@numba.njit(cache=True, nogil=True)
 def count_groups(
     values: np.ndarray,
     lengths: np.ndarray,
@@ -292,6 +428,7 @@ def count_groups(
     table_first_shard: np.ndarray,
     table_block_shift: np.ndarray,
     table_first_block: np.ndarray,
+    table_uniform: np.ndarray,
     block_seg: np.ndarray,
     seg_row: np.ndarray,
     seg_shard: np.ndarray,
@@ -312,6 +449,7 @@ def count_groups(
     flags: np.ndarray,
     oneset: np.ndarray,
     bitmap: np.ndarray,
+    bagset: np.ndarray,
 ) -> tuple[int, int, int]:
     """Counts every table's ids into entries / distinct ([shards * P * P]); `table`, the set, holds
     2^k (row, bag) pairs. Counts the groups (table x nslices + slice) from `first_group` on. Returns
@@ -366,6 +504,31 @@ def count_groups(
             hashed = False
             for s in range(s0, s1):
                 hashed |= shard_stamp_at[s] < 0
+            longest = 0
+            for j in range(j0, j1):
+                longest = max(longest, key_max[features[j]])
+            if (
+                hashed
+                and rows <= 64 * bitmap.shape[0]
+                and n * BITS_WORDS_PER_ID >= (rows + 63) >> 6
+                and longest * BAG_SLOTS_PER_ID <= bagset.shape[0] // 2
+            ):
+                bad = _multi_hot_bits(
+                    values, lengths, stride, key_first, slice_start, features, j0, j1, sl, b0, b1, rows, s0,
+                    s1 - s0 == 1, table_uniform[t] != 0, chunk, block_shift, first_block, block_seg, seg_row,
+                    seg_shard, seg_part, p, bag, bitmap, bagset, lanes[: 2 * LANES * p * (s1 - s0)],
+                )  # fmt: skip
+                if bad >= 0:
+                    return bad, t, bag
+                bag += (j1 - j0) * (b1 - b0)  # a bag per feature and sample, as counted
+                for s in range(s0, s1):
+                    for q in range(p):
+                        li = 2 * ((s - s0) * p + q) * LANES
+                        seg = (s * p + sl) * p + q
+                        for lane in range(LANES):
+                            distinct[seg] += lanes[li + 2 * lane]
+                            entries[seg] += lanes[li + 2 * lane + 1]
+                continue
             # this group's part of the set: twice its ids (every id may be distinct), at most the set:
             # a small group's probes stay in a few cache lines
             bits = MIN_SET_BITS
