@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -196,6 +196,18 @@ def _permute(w: _Window, perm: np.ndarray) -> _Window:
         idx = np.repeat(f.offsets[:-1][perm] - off[:-1], lengths) + np.arange(off[-1])
         feats.append(_Feature(f.values[idx], lengths, off, None if f.weights is None else f.weights[idx]))
     return _Window(w.rows, w.labels[perm], w.dense[perm], None, feats)
+
+
+@dataclass
+class IdColumns:
+    """One batch's ids alone (`ParquetReader.id_columns`): per key its ids (int64, the column as
+    decoded where the batch lies in one window), and every key's bag lengths, key-major as a
+    KeyedJaggedTensor's ([keys x stride])."""
+
+    keys: list[str]
+    stride: int
+    columns: list[np.ndarray]
+    lengths: np.ndarray
 
 
 class ParquetReader:
@@ -428,6 +440,27 @@ class ParquetReader:
 
     # ----- batches ------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Batch]:
+        pieces = self._batch_pieces()
+        try:  # (closed with this generator: the decoding thread stops at once, as before)
+            for done, n in pieces:
+                yield self._build(done, n)
+        finally:
+            pieces.close()
+
+    def id_columns(self) -> Iterator[IdColumns]:
+        """The batches `__iter__` gives (same rows, order and position), each as its keys' ids and
+        lengths alone, the ids of a key a view of the decoded column where the batch lies in one
+        window (no concatenation of every key's ids into one array, as a KeyedJaggedTensor needs):
+        what `tpurec data stats` counts (`DemandTally.count_stream`). Padding as `__iter__` pads."""
+        pieces = self._batch_pieces()
+        try:
+            for done, n in pieces:
+                yield self._columns(done, n)
+        finally:
+            pieces.close()
+
+    def _batch_pieces(self) -> Generator[tuple[list[tuple[_Window, int, int]], int], None, None]:
+        """Each batch of the rest of the epoch as its (window, first row, end row) pieces and rows."""
         epoch = self.epoch
         end = self._epoch_rows()
         plan = self._windows_plan(epoch)
@@ -448,15 +481,40 @@ class ParquetReader:
                 pos += want
                 have += want
                 if have == self.batch_size or self._consumed + have == end:
-                    batch = self._build(pieces, have)
+                    done = (pieces, have)
                     self._consumed += have
                     pieces, have = [], 0
-                    yield batch
+                    yield done
             if self._consumed + have >= end:
                 break
         if pieces:  # only if the plan ran out early; cannot happen with consistent units
             raise DataError("internal: rows left over at the end of an epoch")
         self.epoch, self._consumed = epoch + 1, 0
+
+    def _columns(self, pieces, n) -> IdColumns:
+        pad = self.batch_size - n if (self.pad_last and n < self.batch_size) else 0
+        self.last_padding = pad
+        nf = len(self.keys)
+        columns: list[np.ndarray] = []
+        lens: list[np.ndarray] = []
+        for j in range(nf):
+            vals = []
+            for w, s, e in pieces:
+                if w.ids is not None:
+                    vals.append(w.ids[j][s:e])
+                    lens.append(np.ones(e - s, np.int32))
+                    continue
+                f = w.features[j]
+                if f.offsets is None:
+                    vals.append(f.values[s:e])
+                    lens.append(np.ones(e - s, np.int32))
+                else:
+                    vals.append(f.values[int(f.offsets[s]) : int(f.offsets[e])])
+                    lens.append(f.lengths[s:e])
+            columns.append(vals[0] if len(vals) == 1 else np.concatenate(vals))
+            if pad:
+                lens.append(np.zeros(pad, np.int32))
+        return IdColumns(self.keys, n + pad, columns, np.concatenate(lens) if lens else np.zeros(0, np.int32))
 
     def _build(self, pieces, n):
         import torch
