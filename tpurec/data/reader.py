@@ -301,6 +301,7 @@ class ParquetReader:
             self._decoder = source.decoder(sizes)
         self.keys = self.schema.sparse_names
         self._ones: torch.Tensor | None = None
+        self._ones_np: np.ndarray | None = None
 
     def _make_decoder(self, dense_transform, table_sizes, ids_only: bool = False) -> _Decoder:
         """Apply at read time the transforms the files do not hold yet (recorded in their metadata)."""
@@ -497,6 +498,13 @@ class ParquetReader:
         nf = len(self.keys)
         columns: list[np.ndarray] = []
         lens: list[np.ndarray] = []
+        if not pad and all(w.ids is not None for w, _, _ in pieces):  # one-hot: every bag one id
+            for j in range(nf):
+                cols = [w.ids[j][s:e] for w, s, e in pieces]
+                columns.append(cols[0] if len(cols) == 1 else np.concatenate(cols))
+            if self._ones_np is None or self._ones_np.size < nf * n:  # (read only: one array serves all)
+                self._ones_np = np.ones(nf * max(n, self.batch_size), np.int32)
+            return IdColumns(self.keys, n, columns, self._ones_np[: nf * n])
         for j in range(nf):
             vals = []
             for w, s, e in pieces:
