@@ -387,3 +387,51 @@ def test_counting_on_threads_records_every_batch_in_order_as_one_thread_does(thr
     assert many.count_stream(batches, threads) == 7 * 16
     assert many.per_batch == one.per_batch
     assert len({f for f in one.per_batch["a"]}) > 1  # (the batches' figures differ)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_a_readers_id_columns_count_as_its_batches_do(tmp_path, threads, monkeypatch):
+    """count_stream takes a ParquetReader's batches as `id_columns` (each key's ids where decoded):
+    the same figures, batch by batch, as its KeyedJaggedTensors counted, on multi-hot data whose
+    batches span row groups, with a row-wise table; and the numpy route (no numba) on the columns too."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tpurec.data.reader import ParquetReader
+    from tpurec.data.schema import DataSchema, SparseFeature
+    from tpurec.embedding import csr_build
+    from tpurec.embedding.demand import ShardsDemand, TableShards
+    from tpurec.planner.id_limits import DemandTally
+
+    schema = DataSchema(dense=["I1"], sparse=[SparseFeature("a", 90_000, multi_hot=True), SparseFeature("b", 40)])
+    gen = np.random.default_rng(threads)
+    rows = 700
+    a = [gen.integers(0, 90_000, n).tolist() for n in gen.integers(0, 30, rows)]
+    t = pa.Table.from_arrays(
+        [
+            pa.array(np.zeros(rows, np.int8)),
+            pa.array(np.zeros(rows, np.float32)),
+            pa.array(a, pa.list_(pa.int64())),
+            pa.array(gen.integers(0, 40, rows)),
+        ],
+        schema=schema.arrow_schema(),
+    )
+    pq.write_table(t, tmp_path / "d.parquet", row_group_size=150)
+    tables = [
+        TableShards("ta", ("a",), 90_000, ((0, 45_000), (45_000, 45_000))),
+        TableShards("tb", ("b",), 40, ((0, 40),)),
+    ]
+    layout = {"sparsecores_per_device": 4, "batch_size_per_device": 32, "world_size": 2}
+
+    def reader():
+        return ParquetReader(tmp_path, 64, ids_only=True)
+
+    by_columns, by_kjt = DemandTally(tables, layout), DemandTally(tables, layout)
+    assert by_columns.count_stream(reader(), threads) == by_kjt.count_stream(list(reader()), threads) == rows
+    assert by_columns.per_batch == by_kjt.per_batch and len(by_kjt.per_batch["ta"]) == 11
+    counter = ShardsDemand(tables, ["a", "b"], num_partitions=4, batch=64)
+    first = next(reader().id_columns())
+    want = counter.count(np.concatenate(first.columns), first.lengths, first.stride)
+    assert counter.count_columns(first.columns, first.lengths, first.stride) == want
+    monkeypatch.setattr(csr_build, "available", lambda: False)
+    assert counter.count_columns(first.columns, first.lengths, first.stride) == want

@@ -251,6 +251,41 @@ def test_ids_only_gives_the_same_ids_without_reading_dense_or_labels(synth_dir, 
         np.testing.assert_array_equal(torch.cat(got, 1).numpy(), want)
 
 
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("multi_hot", [False, True])
+def test_id_columns_are_the_batches_ids_key_by_key(synth_dir, tmp_path, multi_hot, shuffle):
+    """`id_columns` (what data stats counts): per batch, each key's ids and the lengths exactly as the
+    KJT of the same batch holds them, for one-hot and multi-hot windows, batches that span row
+    groups (25-row groups, batches of 16; 1,000-row groups, batches of 384), shuffled or not, a short
+    padded last batch; resuming mid-epoch resumes at the same batch."""
+    if multi_hot:
+        _write_multi_hot(tmp_path / "mh.parquet")
+        data, batch = tmp_path, 16
+    else:
+        data, batch = synth_dir, 384
+
+    def reader():
+        return ParquetReader(data, batch, ids_only=True, shuffle=shuffle, shuffle_buffer=50, seed=4, pad_last=True)
+
+    kjts = [b.sparse_features for b in reader()]
+    cols = list(reader().id_columns())
+    assert len(cols) == len(kjts) > 2 and cols[-1].stride == kjts[-1].stride() == batch
+    for kjt, c in zip(kjts, cols):
+        assert c.keys == kjt.keys() and c.stride == kjt.stride()
+        np.testing.assert_array_equal(c.lengths, kjt.lengths().numpy())
+        per_key = kjt.to_dict()
+        for k, col in zip(c.keys, c.columns):
+            assert col.dtype == np.int64
+            np.testing.assert_array_equal(col, per_key[k].values().numpy())
+    r = reader()
+    it = r.id_columns()
+    next(it), next(it)
+    state = r.state_dict()
+    again = reader()
+    again.load_state_dict(state)
+    np.testing.assert_array_equal(next(again.id_columns()).lengths, cols[2].lengths)
+
+
 # ---- bad inputs ---------------------------------------------------------------------------------
 
 

@@ -166,3 +166,93 @@ def test_an_id_outside_a_one_hot_table_leaves_no_marks():
     values = np.array([1, 1, 3, 4, 1, 9, 6, 6], np.int64)
     want = [reference(tables[0], ["fa", "fb"], values, np.ones(8, np.int32), 4, 2, 4)]
     assert counter.count(values, np.ones(8, np.int32), 4) == want
+
+
+def _multi_hot_batch(gen, keys, rows, chunks, stride, kind):
+    """Multi-hot bags of `kind`: random, skewed (hot rows repeated in bags), boundaries (ids on both
+    sides of every partition and shard start), long (bags of hundreds: slot collisions), with empty bags."""
+    if kind == "long":
+        lengths = gen.integers(0, 300, len(keys) * stride, np.int32)
+    else:
+        lengths = gen.integers(0, 12, len(keys) * stride, np.int32)
+        lengths[gen.random(lengths.size) < 0.2] = 0  # empty bags
+    parts = []
+    for i, k in enumerate(keys):
+        n = int(lengths[i * stride : (i + 1) * stride].sum())
+        if kind == "skewed":
+            ids = np.minimum(gen.zipf(1.2, n) - 1, rows[k] - 1)
+        elif kind == "boundaries":
+            edges = np.array(sorted({e + d for e in chunks[k] for d in (-1, 0, 1)} - {-1, rows[k]}))
+            ids = gen.choice(edges[edges < rows[k]], n)
+        else:
+            ids = gen.integers(0, rows[k], n)
+        parts.append(ids)
+    return np.concatenate(parts).astype(np.int64), lengths
+
+
+@pytest.mark.parametrize("p", [1, 3, 4, 8])
+def test_multi_hot_tables_by_a_bitmap_equal_the_reference(p):
+    """The multi-hot bitmap route (demand_kernels._multi_hot_bits: a group dense in its table's rows,
+    distinct ids by bits, entries by a bag's slots): one-shard tables, row-wise shards of P whole
+    partitions each (the shard by division) and uneven ones (by the ranges), two features in a table,
+    bags long enough for slot collisions and one longer than the slots allow (the set instead);
+    random, skewed, boundary and long-bag ids, several batches on one counter (bits cleared)."""
+    gen = np.random.default_rng(100 + p)
+    chunk = padded_rows(90_000, p) // p
+    tables = [
+        TableShards("one", ("fo",), 70_000, ((0, 70_000),)),
+        TableShards("even", ("fe",), 4 * p * chunk, tuple((s * p * chunk, p * chunk) for s in range(4))),
+        TableShards("uneven", ("fu",), 250_000, ((0, 100_000), (100_000, 70_000), (170_000, 80_000))),
+        TableShards("pair", ("fa", "fb"), 80_000, ((0, 80_000),)),
+    ]
+    rows = {"fo": 70_000, "fe": 4 * p * chunk, "fu": 250_000, "fa": 80_000, "fb": 80_000}
+    edges = {}
+    for t in tables:
+        e = []
+        for first, size in t.shards:
+            c = padded_rows(size, p) // p
+            e += [first + q * c for q in range(p) if q * c < size]
+        for f in t.features:
+            edges[f] = e
+    keys = ["fu", "fa", "fe", "fo", "fb"]
+    batch = 1001  # the last SparseCore slice short
+    counter = ShardsDemand(tables, keys, num_partitions=p, batch=batch)
+    assert counter.table_uniform.tolist() == [0, 1, 0, 0]
+    for kind in ("random", "skewed", "boundaries", "long", "random"):
+        values, lengths = _multi_hot_batch(gen, keys, rows, edges, batch, kind)
+        want = [reference(t, keys, values, lengths, batch, p, batch) for t in tables]
+        assert counter.count(values, lengths, batch) == want, kind
+        assert counter._bitmap is not None and not counter._bitmap.any()
+    # a bag longer than the slots allow: that table's groups go through the set, the others still by bits
+    values, lengths = _multi_hot_batch(gen, keys, rows, edges, batch, "random")
+    first = keys.index("fo") * batch
+    values = np.insert(values, int(lengths[:first].sum()), gen.integers(0, 70_000, 3000))
+    lengths[first] += 3000
+    want = [reference(t, keys, values, lengths, batch, p, batch) for t in tables]
+    assert counter.count(values, lengths, batch) == want
+
+
+def test_dense_multi_hot_groups_take_the_bitmap_and_sparse_ones_the_set(monkeypatch):
+    """Which route a group takes (run uncompiled, the bitmap route's calls counted): a group with an
+    id per 16 words of its table's rows or more takes the bitmap, a sparser one the set."""
+    from tpurec.embedding import demand_kernels
+
+    calls = []
+    bits = demand_kernels._multi_hot_bits
+
+    def counted(*args):
+        calls.append(args[6])  # (the group's first feature)
+        return bits(*args)
+
+    monkeypatch.setattr(demand_kernels, "_multi_hot_bits", counted)
+    monkeypatch.setattr(demand_kernels, "count_groups", demand_kernels.count_groups.py_func)
+    # 64 samples of 4 ids on one slice: 256 ids; 4096 rows are 64 words (dense), 10^6 rows 15,625 (sparse)
+    tables = [TableShards("dense", ("fd",), 4096, ((0, 4096),)), TableShards("sparse", ("fs",), 10**6, ((0, 10**6),))]
+    monkeypatch.setattr(demand, "STAMP_CELLS_PER_SHARD", 0)  # (small tables are otherwise stamped)
+    counter = ShardsDemand(tables, ["fd", "fs"], num_partitions=1, batch=64)
+    gen = np.random.default_rng(3)
+    lengths = np.full(128, 4, np.int32)
+    values = np.concatenate([gen.integers(0, 4096, 256), gen.integers(0, 10**6, 256)]).astype(np.int64)
+    want = [reference(t, ["fd", "fs"], values, lengths, 64, 1, 64) for t in tables]
+    assert counter.count(values, lengths, 64) == want
+    assert calls == [0]

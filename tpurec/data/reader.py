@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -198,6 +198,18 @@ def _permute(w: _Window, perm: np.ndarray) -> _Window:
     return _Window(w.rows, w.labels[perm], w.dense[perm], None, feats)
 
 
+@dataclass
+class IdColumns:
+    """One batch's ids alone (`ParquetReader.id_columns`): per key its ids (int64, the column as
+    decoded where the batch lies in one window), and every key's bag lengths, key-major as a
+    KeyedJaggedTensor's ([keys x stride])."""
+
+    keys: list[str]
+    stride: int
+    columns: list[np.ndarray]
+    lengths: np.ndarray
+
+
 class ParquetReader:
     """Batches of ``torchrec.datasets.utils.Batch`` from tpurec Parquet files.
 
@@ -289,6 +301,7 @@ class ParquetReader:
             self._decoder = source.decoder(sizes)
         self.keys = self.schema.sparse_names
         self._ones: torch.Tensor | None = None
+        self._ones_np: np.ndarray | None = None
 
     def _make_decoder(self, dense_transform, table_sizes, ids_only: bool = False) -> _Decoder:
         """Apply at read time the transforms the files do not hold yet (recorded in their metadata)."""
@@ -428,6 +441,27 @@ class ParquetReader:
 
     # ----- batches ------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Batch]:
+        pieces = self._batch_pieces()
+        try:  # (closed with this generator: the decoding thread stops at once, as before)
+            for done, n in pieces:
+                yield self._build(done, n)
+        finally:
+            pieces.close()
+
+    def id_columns(self) -> Iterator[IdColumns]:
+        """The batches `__iter__` gives (same rows, order and position), each as its keys' ids and
+        lengths alone, the ids of a key a view of the decoded column where the batch lies in one
+        window (no concatenation of every key's ids into one array, as a KeyedJaggedTensor needs):
+        what `tpurec data stats` counts (`DemandTally.count_stream`). Padding as `__iter__` pads."""
+        pieces = self._batch_pieces()
+        try:
+            for done, n in pieces:
+                yield self._columns(done, n)
+        finally:
+            pieces.close()
+
+    def _batch_pieces(self) -> Generator[tuple[list[tuple[_Window, int, int]], int], None, None]:
+        """Each batch of the rest of the epoch as its (window, first row, end row) pieces and rows."""
         epoch = self.epoch
         end = self._epoch_rows()
         plan = self._windows_plan(epoch)
@@ -448,15 +482,47 @@ class ParquetReader:
                 pos += want
                 have += want
                 if have == self.batch_size or self._consumed + have == end:
-                    batch = self._build(pieces, have)
+                    done = (pieces, have)
                     self._consumed += have
                     pieces, have = [], 0
-                    yield batch
+                    yield done
             if self._consumed + have >= end:
                 break
         if pieces:  # only if the plan ran out early; cannot happen with consistent units
             raise DataError("internal: rows left over at the end of an epoch")
         self.epoch, self._consumed = epoch + 1, 0
+
+    def _columns(self, pieces, n) -> IdColumns:
+        pad = self.batch_size - n if (self.pad_last and n < self.batch_size) else 0
+        self.last_padding = pad
+        nf = len(self.keys)
+        columns: list[np.ndarray] = []
+        lens: list[np.ndarray] = []
+        if not pad and all(w.ids is not None for w, _, _ in pieces):  # one-hot: every bag one id
+            for j in range(nf):
+                cols = [w.ids[j][s:e] for w, s, e in pieces]
+                columns.append(cols[0] if len(cols) == 1 else np.concatenate(cols))
+            if self._ones_np is None or self._ones_np.size < nf * n:  # (read only: one array serves all)
+                self._ones_np = np.ones(nf * max(n, self.batch_size), np.int32)
+            return IdColumns(self.keys, n, columns, self._ones_np[: nf * n])
+        for j in range(nf):
+            vals = []
+            for w, s, e in pieces:
+                if w.ids is not None:
+                    vals.append(w.ids[j][s:e])
+                    lens.append(np.ones(e - s, np.int32))
+                    continue
+                f = w.features[j]
+                if f.offsets is None:
+                    vals.append(f.values[s:e])
+                    lens.append(np.ones(e - s, np.int32))
+                else:
+                    vals.append(f.values[int(f.offsets[s]) : int(f.offsets[e])])
+                    lens.append(f.lengths[s:e])
+            columns.append(vals[0] if len(vals) == 1 else np.concatenate(vals))
+            if pad:
+                lens.append(np.zeros(pad, np.int32))
+        return IdColumns(self.keys, n + pad, columns, np.concatenate(lens) if lens else np.zeros(0, np.int32))
 
     def _build(self, pieces, n):
         import torch

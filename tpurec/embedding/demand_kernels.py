@@ -70,9 +70,18 @@ LANES = 4  # interleaved copies of a group's counts (a power of two)
 # (the marks are counted and cleared per group: a pass over the table's rows)
 FLAG_ROWS_PER_ID = 8
 FLAG_CELLS = 1 << 16  # the marks' bytes (a quarter of a core's L2 here)
-# a larger one-hot group's table of at most this many rows marks them in a bitmap (2 MiB: a core's L2
-# here), test-and-set per id with no branch; larger tables go through the set of rows
-BITMAP_ROWS = 1 << 24
+# a group's table of at most this many rows (a bitmap of 16 MiB) may mark its rows in a bitmap,
+# test-and-set per id with no branch: a larger one-hot group's table of at most SPARSE_BITS_ROWS rows
+# (2 MiB: a core's L2 here), and any group whose table holds at most BITS_WORDS_PER_ID words of rows
+# per id of the group (`_multi_hot_bits` for multi-hot ones); sparser groups, their bits scattered
+# over more cache lines than their ids, go through a set
+BITMAP_ROWS = 1 << 27
+SPARSE_BITS_ROWS = 1 << 24
+BITS_WORDS_PER_ID = 16
+# `_multi_hot_bits`' slots per id of a table's longest bag (collisions then take 1-3% of ids), and the
+# slots at most (a table of longer bags goes through the set)
+BAG_SLOTS_PER_ID = 32
+BAG_SLOTS = 1 << 16
 
 
 def _prefetch_typing(typingctx: object, arr: types.Array, index: types.Integer) -> tuple:
@@ -93,6 +102,26 @@ def _prefetch_typing(typingctx: object, arr: types.Array, index: types.Integer) 
 
 
 _prefetch: Any = intrinsic(_prefetch_typing)  # Any: called from compiled code with (array, index) only
+
+
+def _pointer_typing(typingctx: object, address: types.Integer) -> tuple:
+    """An int64 address as a pointer to int64 (numba.carray makes it an array)."""
+    sig = types.CPointer(types.int64)(address)
+
+    def codegen(context: object, builder: object, signature: object, args: tuple) -> object:
+        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))  # type: ignore[attr-defined]
+
+    return sig, codegen
+
+
+_pointer: Any = intrinsic(_pointer_typing)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _key(key_at: np.ndarray, key_sum: np.ndarray, f: int) -> np.ndarray:
+    """Key f's ids (int64, contiguous, at address key_at[f]): a batch's keys need not be one array
+    (count from the columns as read, no concatenation), the caller holding them while counted."""
+    return numba.carray(_pointer(key_at[f]), key_sum[f])
 
 
 @numba.njit(cache=True, nogil=True)
@@ -157,8 +186,8 @@ def _at_or_past(ids: np.ndarray, lo: int, hi: int, p: int, chunk: int, lanes: np
 
 @numba.njit(cache=True, nogil=True)
 def _one_hot_bits(
-    values: np.ndarray,
-    key_first: np.ndarray,
+    key_at: np.ndarray,
+    key_sum: np.ndarray,
     slice_start: np.ndarray,
     features: np.ndarray,
     j0: int,
@@ -179,8 +208,9 @@ def _one_hot_bits(
     k = 0
     for j in range(j0, j1):
         f = features[j]
-        lo = key_first[f] + slice_start[f, sl]
-        hi = key_first[f] + slice_start[f, sl + 1]
+        values = _key(key_at, key_sum, f)
+        lo = slice_start[f, sl]
+        hi = slice_start[f, sl + 1]
         for i in range(np.uint64(lo), np.uint64(hi)):  # (unsigned: no index checks, as _at_or_past)
             r = np.int64(values[i])
             word = np.uint64(r >> 6)
@@ -193,15 +223,16 @@ def _one_hot_bits(
     _at_or_past(fresh, 0, n, p, chunk, lanes, 0)
     for j in range(j0, j1):
         f = features[j]
-        for i in range(np.uint64(key_first[f] + slice_start[f, sl]), np.uint64(key_first[f] + slice_start[f, sl + 1])):
+        values = _key(key_at, key_sum, f)
+        for i in range(np.uint64(slice_start[f, sl]), np.uint64(slice_start[f, sl + 1])):
             bitmap[np.uint64(values[i] >> 6)] = 0
     return -1
 
 
 @numba.njit(cache=True, nogil=True)
 def _one_hot_group(
-    values: np.ndarray,
-    key_first: np.ndarray,
+    key_at: np.ndarray,
+    key_sum: np.ndarray,
     slice_start: np.ndarray,
     features: np.ndarray,
     j0: int,
@@ -214,6 +245,7 @@ def _one_hot_group(
     oneset: np.ndarray,
     bitmap: np.ndarray,
     lanes: np.ndarray,
+    bad_id: np.ndarray,
 ) -> int:
     """One group of a one-shard table whose bags all hold one id: every id is an entry of its own,
     so only distinct ids need a test, against nothing but this group (no bag numbers). Each
@@ -221,11 +253,12 @@ def _one_hot_group(
     passes that vectorize). A table of few rows marks them in `flags` (a store per id, no load: repeats
     of a hot row do not wait on each other), then counts each partition's marks; the others go through
     `oneset`, a set of rows cleared for the group. Counts into `lanes` as count_groups does. Returns
-    the position of an id outside the table, or -1."""
+    0 for an id outside the table (its value in bad_id[0]), or -1."""
     p = lanes.shape[0] // (2 * LANES)
     padded = chunk * p
     use_flags = padded <= flags.shape[0] and padded <= FLAG_ROWS_PER_ID * n
-    use_bits = not use_flags and rows <= 64 * bitmap.shape[0]
+    dense = n * BITS_WORDS_PER_ID >= (rows + 63) >> 6
+    use_bits = not use_flags and rows <= 64 * bitmap.shape[0] and (rows <= SPARSE_BITS_ROWS or dense)
     bits = MIN_SET_BITS
     while (1 << bits) < 2 * n and (2 << bits) <= oneset.shape[0]:
         bits += 1
@@ -233,23 +266,26 @@ def _one_hot_group(
     shift = 64 - bits
     for j in range(j0, j1):  # every id in the table before any is marked (no marks left behind)
         f = features[j]
-        lo = key_first[f] + slice_start[f, sl]
-        hi = key_first[f] + slice_start[f, sl + 1]
+        values = _key(key_at, key_sum, f)
+        lo = slice_start[f, sl]
+        hi = slice_start[f, sl + 1]
         # views, iterated or reduced by numpy: no index to check for wrapping, so the passes vectorize
         ids = values[lo:hi]
         if lo < hi and (np.int64(ids.min()) < 0 or np.int64(ids.max()) >= rows):
             for pos in range(lo, hi):
                 if values[pos] < 0 or values[pos] >= rows:
-                    return pos
+                    bad_id[0] = values[pos]
+                    return 0
     if use_bits:
-        return _one_hot_bits(values, key_first, slice_start, features, j0, j1, sl, chunk, n, bitmap, oneset, lanes)
+        return _one_hot_bits(key_at, key_sum, slice_start, features, j0, j1, sl, chunk, n, bitmap, oneset, lanes)
     if not use_flags:
         for slot in range(mask + 1):
             oneset[slot] = -1
     for j in range(j0, j1):
         f = features[j]
-        lo = key_first[f] + slice_start[f, sl]
-        hi = key_first[f] + slice_start[f, sl + 1]
+        values = _key(key_at, key_sum, f)
+        lo = slice_start[f, sl]
+        hi = slice_start[f, sl + 1]
         if use_flags:
             _at_or_past(values, lo, hi, p, chunk, lanes, 1)
             for i in range(np.uint64(lo), np.uint64(hi)):
@@ -280,11 +316,142 @@ def _one_hot_group(
 
 
 @numba.njit(cache=True, nogil=True)
-def count_groups(
-    values: np.ndarray,
+def _multi_hot_bits(
+    key_at: np.ndarray,
     lengths: np.ndarray,
     stride: int,
-    key_first: np.ndarray,
+    key_sum: np.ndarray,
+    slice_start: np.ndarray,
+    features: np.ndarray,
+    j0: int,
+    j1: int,
+    sl: int,
+    b0: int,
+    b1: int,
+    rows: int,
+    s0: int,
+    single: bool,
+    uniform: bool,
+    chunk: int,
+    block_shift: int,
+    first_block: int,
+    block_seg: np.ndarray,
+    seg_row: np.ndarray,
+    seg_shard: np.ndarray,
+    seg_part: np.ndarray,
+    p: int,
+    bag: int,
+    bitmap: np.ndarray,
+    bagset: np.ndarray,
+    lanes: np.ndarray,
+    bad_id: np.ndarray,
+) -> int:
+    """One group of a table of at most BITMAP_ROWS rows, any bags: an id is a new distinct id of
+    its segment when its row's bit in `bitmap` was clear (a load and a store per id, no branch: the
+    partitions hold disjoint rows, so one bitmap of the table's rows serves them all), and a new
+    entry when its row is not yet in its bag: `bagset` holds (row, bag) slots, one per hash of a row,
+    stamped by the bag number (never cleared), at least BAG_SLOTS_PER_ID per id of the longest bag
+    (a few KiB, in L1): no probing, and a slot this bag filled with another row is settled by
+    comparing the bag's earlier ids (a third the time of a probed set). A row-wise table whose shards
+    are P whole partitions each (`uniform`) finds an id's shard and partition by a float reciprocal,
+    as a one-shard table does, not by its block's ranges. Counts into `lanes` as count_groups does;
+    the bits set are cleared before returning. Returns 0 for an id outside the table (its value in bad_id[0]), or -1."""
+    bmask = (bagset.shape[0] >> 1) - 1
+    bshift = 64
+    while (1 << (64 - bshift)) <= bmask:
+        bshift -= 1
+    one = np.uint64(1)
+    chunk_inv, p_inv = 1.0 / chunk, 1.0 / p
+    n = 0
+    bad = -1
+    # a set beyond the core's cache: each id's bitmap word fetched AHEAD ids early (a fifth less time)
+    ahead_of_bits = rows >= 64 * PREFETCH_SLOTS
+    for j in range(j0, j1):
+        f = features[j]
+        values = _key(key_at, key_sum, f)
+        last_ahead = values.shape[0] - AHEAD if ahead_of_bits else 0
+        pos = slice_start[f, sl]
+        for b in range(b0, b1):
+            length = lengths[f * stride + b]
+            start = pos
+            for _ in range(length):
+                if pos < last_ahead:
+                    _prefetch(bitmap, np.uint64(values[np.uint64(pos + AHEAD)] >> 6))
+                r = np.int64(values[np.uint64(pos)])
+                if r < 0 or r >= rows:
+                    bad_id[0] = r
+                    bad = 0
+                    break
+                if single or uniform:  # the partition by a float reciprocal, off by one at most
+                    part = np.int64(r * chunk_inv)
+                    if part * chunk > r:
+                        part -= 1
+                    elif (part + 1) * chunk <= r:
+                        part += 1
+                    s = s0
+                    if uniform:  # shards of P whole partitions each: partition `part` of the table
+                        k = np.int64(part * p_inv)
+                        if k * p > part:
+                            k -= 1
+                        elif (k + 1) * p <= part:
+                            k += 1
+                        s = s0 + int(k)
+                        part -= k * p
+                else:  # row-wise: as count_groups
+                    g = block_seg[first_block + (r >> block_shift)]
+                    g += seg_row[g + 1] <= r
+                    while seg_row[g + 1] <= r:
+                        g += 1
+                    s = seg_shard[g]
+                    part = seg_part[g]
+                li = 2 * (((s - s0) * p + part) * LANES + (pos & (LANES - 1)))
+                word = np.uint64(r >> 6)
+                bit = np.int64(1) << (r & 63)
+                old = bitmap[word]
+                bitmap[word] = old | bit
+                lanes[li] += (old & bit) == 0
+                # a new entry unless the row's slot holds it for this bag; a slot this bag filled with
+                # another row (a collision, rare with BAG_SLOTS_PER_ID) is settled by the bag's ids
+                h = np.uint64(((r * _HASH_MUL) >> bshift) & bmask)
+                held = bagset[h + h + one] == bag
+                if held and bagset[h + h] != r:
+                    new = 1
+                    for i in range(np.uint64(start), np.uint64(pos)):
+                        if values[i] == r:
+                            new = 0
+                            break
+                    lanes[li + 1] += new
+                else:
+                    lanes[li + 1] += not held
+                bagset[h + h] = r
+                bagset[h + h + one] = bag
+                pos += 1
+            if bad >= 0:
+                break
+            bag += 1
+            n += length
+        if bad >= 0:
+            break
+    words = (rows + 63) >> 6
+    if bad >= 0 or n * 4 >= words:  # (clearing every word costs less than finding the touched ones)
+        bitmap[:words] = 0
+        return bad
+    for j in range(j0, j1):
+        f = features[j]
+        values = _key(key_at, key_sum, f)
+        lo = slice_start[f, sl]
+        hi = slice_start[f, sl + 1]
+        for i in range(np.uint64(lo), np.uint64(hi)):
+            bitmap[np.uint64(values[i] >> 6)] = 0
+    return -1
+
+
+@numba.njit(cache=True, nogil=True)
+def count_groups(
+    key_at: np.ndarray,
+    lengths: np.ndarray,
+    stride: int,
+    key_sum: np.ndarray,
     slice_start: np.ndarray,
     features: np.ndarray,
     table_first_feature: np.ndarray,
@@ -292,6 +459,7 @@ def count_groups(
     table_first_shard: np.ndarray,
     table_block_shift: np.ndarray,
     table_first_block: np.ndarray,
+    table_uniform: np.ndarray,
     block_seg: np.ndarray,
     seg_row: np.ndarray,
     seg_shard: np.ndarray,
@@ -312,11 +480,14 @@ def count_groups(
     flags: np.ndarray,
     oneset: np.ndarray,
     bitmap: np.ndarray,
+    bagset: np.ndarray,
+    bad_id: np.ndarray,
 ) -> tuple[int, int, int]:
-    """Counts every table's ids into entries / distinct ([shards * P * P]); `table`, the set, holds
-    2^k (row, bag) pairs. Counts the groups (table x nslices + slice) from `first_group` on. Returns
-    (status, where, the next bag number): status -1 when counted; the position of an id outside its
-    table (where: the table); or -2 when a group had more distinct ids than half the set (where: that
+    """Counts every table's ids into entries / distinct ([shards * P * P]); key f's ids are
+    key_sum[f] int64 at address key_at[f] (`_key`); `table`, the set, holds 2^k (row, bag) pairs.
+    Counts the groups (table x nslices + slice) from `first_group` on. Returns (status, where, the
+    next bag number): status -1 when counted; 0 for an id outside its table (where: the table; the
+    id in bad_id[0]); or -2 when a group had more distinct ids than half the set (where: that
     group, its counts undone: count on from it with a set twice the size). saved: 2 x P x the most
     shards of a table, scratch."""
     nslices = slice_start.shape[1] - 1
@@ -351,8 +522,8 @@ def count_groups(
                 one_hot &= key_max[features[j]] <= 1
             if one_hot:
                 bad = _one_hot_group(
-                    values, key_first, slice_start, features, j0, j1, sl, rows, chunk, n, flags, oneset, bitmap,
-                    lanes[: 2 * LANES * p],
+                    key_at, key_sum, slice_start, features, j0, j1, sl, rows, chunk, n, flags, oneset, bitmap,
+                    lanes[: 2 * LANES * p], bad_id,
                 )  # fmt: skip
                 if bad >= 0:
                     return bad, t, bag
@@ -366,6 +537,31 @@ def count_groups(
             hashed = False
             for s in range(s0, s1):
                 hashed |= shard_stamp_at[s] < 0
+            longest = 0
+            for j in range(j0, j1):
+                longest = max(longest, key_max[features[j]])
+            if (
+                hashed
+                and rows <= 64 * bitmap.shape[0]
+                and n * BITS_WORDS_PER_ID >= (rows + 63) >> 6
+                and longest * BAG_SLOTS_PER_ID <= bagset.shape[0] // 2
+            ):
+                bad = _multi_hot_bits(
+                    key_at, lengths, stride, key_sum, slice_start, features, j0, j1, sl, b0, b1, rows, s0,
+                    s1 - s0 == 1, table_uniform[t] != 0, chunk, block_shift, first_block, block_seg, seg_row,
+                    seg_shard, seg_part, p, bag, bitmap, bagset, lanes[: 2 * LANES * p * (s1 - s0)], bad_id,
+                )  # fmt: skip
+                if bad >= 0:
+                    return bad, t, bag
+                bag += (j1 - j0) * (b1 - b0)  # a bag per feature and sample, as counted
+                for s in range(s0, s1):
+                    for q in range(p):
+                        li = 2 * ((s - s0) * p + q) * LANES
+                        seg = (s * p + sl) * p + q
+                        for lane in range(LANES):
+                            distinct[seg] += lanes[li + 2 * lane]
+                            entries[seg] += lanes[li + 2 * lane + 1]
+                continue
             # this group's part of the set: twice its ids (every id may be distinct), at most the set:
             # a small group's probes stay in a few cache lines
             bits = MIN_SET_BITS
@@ -376,10 +572,12 @@ def count_groups(
             shift = 64 - bits
             held = 0
             # prefetching pays only for a set beyond the core's cache (below it, the look-ahead is pure cost)
-            last_ahead = values.shape[0] - AHEAD if hashed and mask >= PREFETCH_SLOTS else 0
+            ahead_of_set = hashed and mask >= PREFETCH_SLOTS
             for j in range(j0, j1):
                 f = features[j]
-                pos = key_first[f] + slice_start[f, sl]
+                values = _key(key_at, key_sum, f)
+                last_ahead = values.shape[0] - AHEAD if ahead_of_set else 0
+                pos = slice_start[f, sl]
                 for b in range(b0, b1):
                     length = lengths[f * stride + b]
                     for _ in range(length):
@@ -388,7 +586,8 @@ def count_groups(
                             _prefetch(table, 2 * (((ahead * _HASH_MUL) >> shift) & mask))
                         r = np.int64(values[np.uint64(pos)])
                         if r < 0 or r >= rows:
-                            return pos, t, bag
+                            bad_id[0] = r
+                            return 0, t, bag
                         if s1 - s0 == 1:  # one shard: the partition by a float reciprocal, off by one at most
                             s = s0
                             local = r
