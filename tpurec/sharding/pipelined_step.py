@@ -144,8 +144,8 @@ class PipelinedStep:
         return loss
 
     def drain(self) -> Iterator[torch.Tensor]:
-        """The batches not yet trained: a pending over-limit batch's eager step, or the last batch's
-        model stage, then the last two SparseCore backwards (their loss yielded); empty after it."""
+        """The batches not yet trained, their losses yielded: a pending over-limit batch's eager step,
+        or the pipeline's batches in flight (`_drain_flight`); the pipeline is empty after it."""
         loss = self._step_pending()
         if loss is not None:
             yield loss
@@ -187,7 +187,8 @@ class PipelinedStep:
 
     def _over_limits(self, prepared: ShardedPreprocessed) -> bool:
         """Whether any rank's batch is over its fixed id limits. A rank sees only its own shards'
-        inputs; the ranks must agree (all drain and step eagerly) or their collectives would not pair."""
+        inputs; the ranks agree, all drain and step eagerly: the rank that did not (its collectives
+        pair up all the same) would look its rows up stale across that batch."""
         over = bool(over_limits(prepared))
         if self.group is None or self.world_size == 1:
             return over
