@@ -369,22 +369,3 @@ def test_a_batch_over_the_fixed_limits_steps_eagerly_and_the_graph_stays_one():
     assert sum(k.multipass_batches for k in kernels) >= 1
     after, twin_after = _tables(eager), _tables(twin)
     assert all(torch.equal(after[k], twin_after[k]) for k in after)
-
-
-def test_the_pipelined_step_refuses_a_batch_over_the_fixed_limits_in_one_line():
-    from dataclasses import replace
-
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-    from tpurec.errors import UserError
-    from tpurec.sharding.pipelined_step import PipelinedStep
-
-    step = PipelinedStep(_dmp(1, None), DENSE_LR, compile=False)
-    batch = batches(1, BATCH, 0, 1)[0]
-    lengths = torch.ones(FEATURES * BATCH, dtype=torch.long)
-    lengths[:BATCH] = 20
-    values = torch.cat([(torch.arange(20 * BATCH) % 20) * 4, batch.sparse_features.values()[BATCH:]])
-    kjt = KeyedJaggedTensor(keys=[f"f{i}" for i in range(FEATURES)], values=values, lengths=lengths)
-    # the stack and its tables' shards named ("t0/0": table t0's shard 0)
-    with pytest.raises(UserError, match=r"limits of stack_d8 \(tables t0/0, t1/0, t2/0, t3/0\) .*`tpurec data stats`"):
-        step.step(replace(batch, sparse_features=kjt))

@@ -6,7 +6,8 @@ pipelined trainer looks batch t+2 up before batch t+1's update: where consecutiv
 disjoint rows of every table no stale row is read, the same kernels run on the same numbers in the
 same order, and every loss, table and dense weight is bit-equal (asserted exactly). Where rows
 repeat, the lookups miss one update and the numbers differ: asserted to differ, and to stay within
-the tolerance measured here (STALE_TOL).
+the tolerance measured here (STALE_TOL). A batch over its fixed id limits is stepped eagerly between
+drained and restarted pipelines: on disjoint rows, bit-equal too.
 """
 
 from __future__ import annotations
@@ -182,12 +183,17 @@ def test_pipelined_two_ranks(kind):
                 assert result["dense_diff"] < STALE_TOL["dense"], rank
 
 
-@pytest.mark.parametrize("scheduled", [False, True], ids=["fixed_lr", "warmup_decay"])
-def test_pipelined_with_the_trainers_adagrad(scheduled):
+@pytest.mark.parametrize(
+    ("scheduled", "over"),
+    [(False, False), (True, False), (True, True)],
+    ids=["fixed_lr", "warmup_decay", "over_limits"],
+)
+def test_pipelined_with_the_trainers_adagrad(scheduled, over):
     """The trainer's optimizer (the configs' default dense adagrad) in the compiled pipelined step,
     disjoint batches: bit-equal to the eager step, at a fixed lr and under warm-up and decay (the
     dense lr a graph input; batch t's table update, a step late, at the lr of t's own step), one
-    graph for all steady steps."""
+    graph for all steady steps. over: batch 3 and the last over their limits, each stepped eagerly
+    at the lr of its own step (the call that returns its loss), the pipeline restarted."""
     from tpurec.sharding.pipelined_step import PipelinedStep
 
     from .test_compiled_dmp_step import _trainer_optimizer
@@ -196,7 +202,7 @@ def test_pipelined_with_the_trainers_adagrad(scheduled):
     (eager_opt, eager_schedule), (twin_opt, twin_schedule) = (_trainer_optimizer(m, "adagrad") for m in (eager, twin))
     if not scheduled:
         eager_schedule.warmup = eager_schedule.decay_steps = twin_schedule.warmup = twin_schedule.decay_steps = 0
-    data = disjoint_batches(STEPS, BATCH, 0, 1)
+    data = over_stream(STEPS, 0, 1) if over else disjoint_batches(STEPS, BATCH, 0, 1)
     eager_losses = []
     for i, batch in enumerate(data):
         eager_schedule.set_step(i)
@@ -211,9 +217,130 @@ def test_pipelined_with_the_trainers_adagrad(scheduled):
             losses.append(float(loss))
     twin_schedule.set_step(STEPS - 1)  # the drain: the last batch's step
     losses += [float(x) for x in pipe.drain()]
-    assert counter.frame_count == 1
+    assert counter.frame_count == 1 and pipe.eager_steps == (2 if over else 0)
     after, twin_after = _tables(eager), _tables(twin)
     assert losses == eager_losses
     assert all(torch.equal(after[k], twin_after[k]) for k in after)
     # every param group back at the schedule's last lr (the table update's own lr was put back)
     assert [g["lr"] for g in twin_opt.param_groups] == [g["lr"] for g in eager_opt.param_groups]
+
+
+OVER_STEPS = 8  # the streams below: batch 3 and the last over their fixed id limits
+
+
+def over_the_limits(batch: Any, upper: bool, rows_of: Any) -> Any:
+    """`batch` with 20 ids per bag of f0 on rows 0, 4, .., 76 (+100 if `upper`: disjoint from the
+    batches before and after it): one partition of four (MOD sharding) gets 160 ids from each
+    SparseCore's 8 samples, over the limit of 64, so the batch runs as several passes. Its other
+    features take the ids of `rows_of` (the batch before it): rows repeat across this batch, where
+    only a drained pipeline (no lookup ahead of an update) gives the eager step's numbers."""
+    from dataclasses import replace
+
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    lengths = torch.ones(FEATURES * BATCH, dtype=torch.long)
+    lengths[:BATCH] = 20
+    f0 = (torch.arange(20 * BATCH) % 20) * 4 + (ROWS // 2 if upper else 0)
+    values = torch.cat([f0, rows_of.sparse_features.values()[BATCH:]])
+    kjt = KeyedJaggedTensor(keys=[f"f{i}" for i in range(FEATURES)], values=values, lengths=lengths)
+    return replace(batch, sparse_features=kjt)
+
+
+def over_stream(n: int, rank: int, world_size: int) -> list:
+    """`disjoint_batches` with batch 3 and the last (n - 1) over their limits, sharing rows of f1-f3
+    with the batches before and after them."""
+    out = disjoint_batches(n, BATCH, rank, world_size)
+    for t in (3, n - 1):
+        out[t] = over_the_limits(out[t], upper=t % 2 == 1, rows_of=out[t - 1])
+    return out
+
+
+def train_over(
+    compile: bool, drive: str, rank: int = 0, world_size: int = 1, types: dict[str, str] | None = None
+) -> dict:
+    """The over-limit stream through the eager step and the pipelined step (`iterate`, or `progress`
+    until StopIteration: then every value it returned, the warm-up's None included)."""
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    from tpurec.sharding.pipelined_step import PipelinedStep
+    from tpurec.sharding.sharded_preprocess import over_limits
+
+    eager, twin = _dmp(world_size, types), _dmp(world_size, types)
+    dense = [p for _, p in in_backward_optimizer_filter(eager.named_parameters())]
+    sgd = torch.optim.SGD(dense, lr=DENSE_LR)
+    eager_losses = [eager_step(eager, sgd, batch) for batch in over_stream(OVER_STEPS, rank, world_size)]
+    counter = CompileCounterWithBackend("aot_eager")
+    pipe = PipelinedStep(twin, DENSE_LR, compile=compile, backend=counter)
+    # the oracle's premise: those two batches are the ones over the limits
+    stream = over_stream(OVER_STEPS, rank, world_size)
+    over_here = [t for t, b in enumerate(stream) if over_limits(pipe.preprocess(b))]  # this rank's shards
+    checked = sum(k.multipass_batches for k in _kernels(twin))  # counted by those preprocess calls
+    if drive == "iterate":
+        losses: list = [float(x) for x in pipe.iterate(over_stream(OVER_STEPS, rank, world_size))]
+    else:
+        it, losses = iter(over_stream(OVER_STEPS, rank, world_size)), []
+        with pytest.raises(StopIteration):
+            while True:
+                out = pipe.progress(it)
+                losses.append(None if out is None else float(out))
+    after, twin_after = _tables(eager), _tables(twin)
+    twin_dense = [p for _, p in in_backward_optimizer_filter(twin.named_parameters())]
+    return {
+        "over_here": over_here,
+        "eager": eager_losses,
+        "pipelined": losses,
+        "frames": counter.frame_count,
+        "eager_steps": pipe.eager_steps,
+        "updated": pipe.updated_batches,
+        "tables_equal": all(torch.equal(after[k], twin_after[k]) for k in after),
+        "dense_equal": all(torch.equal(p, q) for p, q in zip(dense, twin_dense, strict=True)),
+        "multipass": sum(k.multipass_batches for k in _kernels(twin)) - checked,
+        "stack_steps": sorted({n for k in _kernels(twin) for n in k._steps}),
+    }
+
+
+def test_pipelined_steps_a_batch_over_the_limits_eagerly():
+    """Batches 3 and 7 (the last) over their limits: the pipeline drains, each is stepped eagerly and
+    the pipeline restarts; every loss, table and dense weight is the eager step's, rows shared
+    across those batches included (no staleness across them)."""
+    result = train_over(compile=False, drive="iterate")
+    assert result["over_here"] == [3, OVER_STEPS - 1]  # the oracle's premise
+    assert result["pipelined"] == result["eager"]  # bit-equal, every batch's loss once, in order
+    assert result["tables_equal"] and result["dense_equal"]
+    assert result["eager_steps"] == 2 and result["updated"] == OVER_STEPS
+    assert result["multipass"] == 2  # the two batches did run as several passes
+    assert result["stack_steps"] == [OVER_STEPS]  # each stack updated once per batch
+
+
+def test_pipelined_progress_over_the_limits():
+    result = train_over(compile=False, drive="progress")
+    # None once (the first batch, looked up), then every loss once and StopIteration
+    assert result["pipelined"] == [None, *result["eager"]]
+    assert result["tables_equal"] and result["dense_equal"] and result["eager_steps"] == 2
+
+
+def test_pipelined_compiled_restarts_in_the_same_graph():
+    result = train_over(compile=True, drive="iterate")
+    # steady steps at batches 2 (before the eager step) and 6 (after the restart): one graph, no recompile
+    assert result["frames"] == 1
+    assert result["pipelined"] == result["eager"]
+    assert result["tables_equal"] and result["dense_equal"] and result["eager_steps"] == 2
+
+
+def _train_over_compiled(rank: int, world_size: int, types: dict[str, str]) -> dict:
+    return train_over(True, "iterate", rank, world_size, types)
+
+
+@pytest.mark.slow
+def test_pipelined_over_the_limits_two_ranks():
+    """Two gloo ranks, compiled, TW: table t0 (whose ids go over the limit) lives on one rank, so only
+    that rank's inputs are over; both drain and step eagerly, exact. (Deciding per rank, the
+    collectives would still pair up, but the other rank's lookups of the shared rows went stale:
+    measured, its losses and tables then differ.)"""
+    types = {f"t{i}": "table_wise" for i in range(FEATURES)}
+    results = run_ranks(_train_over_compiled, 2, types, timeout=600)
+    assert sorted(r["over_here"] for r in results) == [[], [3, OVER_STEPS - 1]]
+    for rank, result in enumerate(results):
+        assert result["pipelined"] == result["eager"], rank
+        assert result["tables_equal"] and result["dense_equal"], rank
+        assert result["eager_steps"] == 2 and result["frames"] == 1, rank

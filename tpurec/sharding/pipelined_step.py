@@ -19,6 +19,14 @@ pipelined step computes the unpipelined step's numbers exactly. The host half of
 (input dist, SparseCore preprocessing: `preprocess_sharded`) runs eagerly before the step, as
 CompiledStep's does; with `compile=True` the steady step is one `torch.compile(fullgraph=True,
 dynamic=False)` graph, the warm-up and drain steps run eagerly (TorchRec's choice too).
+
+A batch over its fixed id limits (measured on other data, say) runs as several passes, with no
+lookup of fixed shape to run ahead of the model: the batches in flight are drained (model stages
+and SparseCore backwards, in order, each at its own lr), the batch waits in the pending slot for
+one unpipelined eager step (CompiledStep's arithmetic, at the lr of the step that returns its
+loss), and the following batches restart the pipeline (warm-up again; compiled, the same graph).
+No staleness across that batch: it reads the tables after every earlier update, and the next
+batch reads them after its update. Counted in `eager_steps`.
 """
 
 from __future__ import annotations
@@ -32,7 +40,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tpurec.errors import UserError
 from tpurec.sharding.compiled_step import LossFn, default_backend, model_loss, the_sharded_ebc
 from tpurec.sharding.dense_update import DenseOptimizer
 from tpurec.sharding.sharded_preprocess import (
@@ -50,6 +57,12 @@ class PipelinedStep:
     """`progress(iterator)` / `step(batch)`: one pipelined step of `dmp` (a tpurec.DistributedModelParallel
     with one sharded EmbeddingBagCollection), returning the loss of the previous batch (None for the
     first batch); `drain()` finishes the batches in flight, `iterate(loader)` yields every loss.
+
+    A batch over its fixed id limits is not pipelined: `step` drains the batches in flight (returning
+    the last one's loss, the previous batch's) and keeps the batch in a pending slot; the next `step`
+    (or `drain`) runs its eager step first and returns its loss, then goes on (a new warm-up:
+    `step` returns the pending loss where a first batch would return None). The slot and the
+    pipeline are never both full.
 
     batch, loss_fn, dense_optimizer and backend: as CompiledStep's. compile: False runs the steady step eagerly.
     """
@@ -79,6 +92,7 @@ class PipelinedStep:
             else self._steady
         )
         self.updated_batches = 0  # batches whose SparseCore backward ran (all of them after a drain)
+        self.eager_steps = 0  # batches over their fixed id limits, stepped eagerly (`_step_pending`)
         # the fused table optimizers' param groups, whose lr each kernel reads when its update runs
         groups = {id(g): g for k in _kernels(self.sharded) if (g := k.lr_source) is not None}
         self._table_groups = list(groups.values())
@@ -91,27 +105,28 @@ class PipelinedStep:
         self._behind_lr: list[float] = []  # the tables' lr when batch t went through the model
         self._ahead: Any = None  # batch t+1: looked up, waiting for the model
         self._drain_iter: Iterator[torch.Tensor] | None = None
+        # a batch over its fixed id limits (its SparseCore inputs in place of its KJT), the pipeline
+        # drained before it: stepped eagerly at the next `step` or `drain`, which returns its loss
+        self._pending: Any = None
 
     def preprocess(self, batch: Any) -> ShardedPreprocessed:
         """The host half of a batch (eager): input dist and each kernel's SparseCore inputs."""
-        prepared = preprocess_sharded(self.sharded, batch.sparse_features)
-        over = over_limits(prepared)
-        if over:
-            # several passes have no fixed lookup to run ahead of the model (CompiledStep steps such
-            # a batch eagerly; here the batches in flight would have to be drained first)
-            raise UserError(
-                f"a batch is over the fixed id limits of {', '.join(sorted(set(over)))} (it would take several "
-                "passes), which the pipelined step cannot run: measure the limits on this data (`tpurec data "
-                "stats`) or use the compiled or eager step"
-            )
-        return prepared
+        return preprocess_sharded(self.sharded, batch.sparse_features)
 
     def step(self, batch: Any) -> torch.Tensor | None:
         prepared = self.preprocess(batch)
-        if self._count == 0:  # warm-up 0: SparseCore forward of batch 0
+        previous = self._step_pending()  # the previous batch, if it was over its limits: its loss
+        if self._over_limits(prepared):
+            # several passes: no lookup of fixed shape to run ahead. The batches in flight finish
+            # (the last one's loss is the previous batch's), this one waits for its eager step
+            for loss in self._drain_flight():
+                previous = loss
+            self._pending = replace(batch, sparse_features=prepared)
+            return previous
+        if self._count == 0:  # warm-up 0: SparseCore forward of this batch (a restart after an eager step too)
             self._ahead = _activated(batch, prepared, lookup_sharded(self.sharded, prepared))
             self._count = 1
-            return None
+            return previous
         if self._count == 1:  # warm-up 1: SparseCore forward of batch 1, the model on batch 0
             raw = lookup_sharded(self.sharded, prepared)
             grads, loss = self._tensor_core(self._ahead)
@@ -129,8 +144,16 @@ class PipelinedStep:
         return loss
 
     def drain(self) -> Iterator[torch.Tensor]:
-        """The batches in flight: the last batch's model stage (its loss yielded), then the last two
-        SparseCore backwards; the pipeline is empty after it."""
+        """The batches not yet trained, their losses yielded: a pending over-limit batch's eager step,
+        or the pipeline's batches in flight (`_drain_flight`); the pipeline is empty after it."""
+        loss = self._step_pending()
+        if loss is not None:
+            yield loss
+        yield from self._drain_flight()
+
+    def _drain_flight(self) -> Iterator[torch.Tensor]:
+        """The pipeline's batches in flight: the last batch's model stage (its loss yielded), then the
+        last two SparseCore backwards, each at the lr its model stage saw."""
         if self._count == 0:
             return
         if self._behind is not None:
@@ -146,6 +169,34 @@ class PipelinedStep:
             update_sharded(self.sharded, *self._behind)
         self.updated_batches += 1
         self.reset()
+
+    def _step_pending(self) -> torch.Tensor | None:
+        """The pending over-limit batch's unpipelined eager step (CompiledStep's arithmetic: the model
+        on its SparseCore inputs, backward with each stack's multi-pass fused update, the dense
+        update), at the lrs set now: the schedule's for the step that returns its loss. Its loss."""
+        if self._pending is None:
+            return None
+        assert self._count == 0  # the pipeline was drained when the batch arrived
+        batch, self._pending = self._pending, None
+        loss = self.loss_fn(self.module, batch)
+        loss.backward()
+        self.dense.apply(self.dense.lr_inputs(), self.dense.state_inputs())
+        self.eager_steps += 1
+        self.updated_batches += 1
+        return loss.detach()
+
+    def _over_limits(self, prepared: ShardedPreprocessed) -> bool:
+        """Whether any rank's batch is over its fixed id limits. A rank sees only its own shards'
+        inputs; the ranks agree, all drain and step eagerly: the rank that did not (its collectives
+        pair up all the same) would look its rows up stale across that batch."""
+        over = bool(over_limits(prepared))
+        if self.group is None or self.world_size == 1:
+            return over
+        import torch.distributed._functional_collectives as funcol
+
+        device = self.dense_params[0].device if self.dense_params else torch.device("cpu")
+        flag = torch.tensor([int(over)], dtype=torch.int32, device=device)
+        return bool(funcol.all_reduce(flag, "sum", self.group).item())
 
     @contextlib.contextmanager
     def _table_lr(self, lrs: list[float]) -> Iterator[None]:
