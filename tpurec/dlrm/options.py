@@ -203,9 +203,9 @@ class TrainOptions:
         "eager",
         "the training step: eager (TorchRec's pipeline, default), compiled (the device half as one "
         "torch.compile graph) or pipelined (SparseCore forward ahead, table update behind: the tables "
-        "one step stale, docs/dmp.md 'Pipelined step'); compiled and pipelined run plain SGD on the dense "
-        "parameters (--dense-optimizer sgd) on --device cpu and --emulate-tpu; compiled needs --limits, pipelined "
-        "compiles with it",
+        "one step stale, docs/dmp.md 'Pipelined step'); compiled and pipelined update the dense parameters "
+        "with --dense-optimizer sgd|adagrad|adam inside the graph, on --device cpu and --emulate-tpu; a batch "
+        "over the id limits steps eagerly; compiled needs --limits, pipelined compiles with it",
         choices=STEP_KINDS,
     )
 
