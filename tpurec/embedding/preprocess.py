@@ -165,7 +165,8 @@ def preprocess_tables(
     # compiled route a second thread only from _THREAD_MIN_IDS ids, below which its handoff costs
     # more than it saves (bench preprocess, pooling 1).
     min_groups = threads if not csr_build.available() or sum(sizes) >= _THREAD_MIN_IDS else 1
-    groups = _split_by_size(sizes, max(min_groups, -(-sum(sizes) // _GROUP_IDS)))
+    group_ids = _GROUP_IDS if threads == 1 else _GROUP_IDS_THREADED
+    groups = _split_by_size(sizes, max(min_groups, -(-sum(sizes) // group_ids)))
     if threads == 1 or len(groups) == 1:
         return [
             r for a, b in groups for r in _preprocess_group(inputs[a:b], names[a:b], lim_ids[a:b], lim_uniq[a:b], **kw)
@@ -180,6 +181,10 @@ def preprocess_tables(
 # Ids per group of tables sorted together: beyond this the arrays outgrow the caches and one
 # sort per group costs more than it saves (measured on the benchmark, docs/kernels_preprocess.md).
 _GROUP_IDS = 1 << 16
+# On several threads: each group's Python glue holds the GIL (~0.3 ms a group), so fewer, larger
+# groups overlap better (26 tables at pooling 20, 2 threads: 15.7 -> 12.5 ms a batch with groups of
+# 64k -> 256k ids; one thread 21.2 -> 20.4 ms, within noise; docs/results.md, session 19).
+_GROUP_IDS_THREADED = 1 << 18
 # Ids from which the compiled route splits the tables over threads.
 _THREAD_MIN_IDS = 1 << 18
 # Average entries per segment from which per-segment slice copies beat one scatter.
