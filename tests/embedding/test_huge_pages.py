@@ -45,6 +45,9 @@ def test_filled_equals_torch_full(rows, dtype):
     reason="transparent huge pages are off on this host",
 )
 def test_a_large_table_and_its_state_are_advised_onto_huge_pages():
+    probe = torch.empty(5 << 20, dtype=torch.uint8)  # 5 MiB: one whole 2 MiB granule wherever it starts
+    if not huge_pages.advise(probe):
+        pytest.skip("this host refuses madvise(MADV_HUGEPAGE) (a sandbox's seccomp, say)")
     big = huge_pages.filled((100_000, 64), 0.0, torch.float32, "cpu")  # 25.6 MB = 12.2 granules: 11 whole ones at least
     assert _advised_kib(big) >= 11 * 2048, _advised_kib(big)
     # the kernels' own tables and optimizer state take that path
