@@ -435,3 +435,75 @@ def test_a_readers_id_columns_count_as_its_batches_do(tmp_path, threads, monkeyp
     assert counter.count_columns(first.columns, first.lengths, first.stride) == want
     monkeypatch.setattr(csr_build, "available", lambda: False)
     assert counter.count_columns(first.columns, first.lengths, first.stride) == want
+
+
+def _multi_hot_dir(path, rows: int, bad_row: int | None = None):
+    """A multi-hot feature `a` (90k rows) and a one-hot `b` in row groups of 150; `bad_row`'s first
+    id of `a` is 90,000 (outside its table)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tpurec.data.schema import DataSchema, SparseFeature
+
+    schema = DataSchema(dense=["I1"], sparse=[SparseFeature("a", 90_000, multi_hot=True), SparseFeature("b", 40)])
+    gen = np.random.default_rng(rows)
+    a = [gen.integers(0, 90_000, n).tolist() for n in gen.integers(1, 30, rows)]
+    if bad_row is not None:
+        a[bad_row][0] = 90_000
+    ids = pa.array(a, pa.list_(pa.int64()))
+    cols = [np.zeros(rows, np.int8), np.zeros(rows, np.float32), ids, gen.integers(0, 40, rows)]
+    pq.write_table(pa.Table.from_arrays(cols, schema=schema.arrow_schema()), path / "d.parquet", row_group_size=150)
+
+
+_TWO_TABLES = {"sparsecores_per_device": 4, "batch_size_per_device": 32, "world_size": 2}
+
+
+def _two_tables():
+    from tpurec.embedding.demand import TableShards
+
+    return [TableShards("ta", ("a",), 90_000, ((0, 90_000),)), TableShards("tb", ("b",), 40, ((0, 40),))]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_multi_hot_reader_is_decoded_on_the_counting_pool(tmp_path, threads, monkeypatch):
+    """With threads >= 2 a multi-hot reader's windows are decoded by the pool that counts its batches
+    (threads named tpurec-stats), not by the reader's own decoding thread; with one thread, or on
+    one-hot data, by the reader's thread (tpurec-data-prefetch). The figures equal one thread's."""
+    import threading
+
+    from tpurec.data.reader import ParquetReader
+    from tpurec.planner.id_limits import DemandTally
+
+    _multi_hot_dir(tmp_path, 1000)
+    decoded_on: list[str] = []
+    load = ParquetReader._load
+
+    def recording(self, *args):
+        decoded_on.append(threading.current_thread().name)
+        return load(self, *args)
+
+    monkeypatch.setattr(ParquetReader, "_load", recording)
+    tally = DemandTally(_two_tables(), _TWO_TABLES)
+    assert tally.count_stream(ParquetReader(tmp_path, 64, ids_only=True), threads) == 1000
+    assert len(decoded_on) == 7  # row groups of 150
+    want = "tpurec-stats" if threads >= 2 else "tpurec-data-prefetch"
+    assert {name.split("_")[0] for name in decoded_on} == {want}
+    serial = DemandTally(_two_tables(), _TWO_TABLES)
+    serial.count_stream(list(ParquetReader(tmp_path, 64, ids_only=True)), 1)
+    assert tally.per_batch == serial.per_batch and len(serial.per_batch["ta"]) == 16
+
+
+def test_an_id_outside_its_table_stops_the_pooled_pass_with_its_row(tmp_path):
+    """An id outside its table in a later row group, decoded on the counting pool, is the reader's
+    one-line DataError naming file, row group and row; the pass stops (no thread left behind)."""
+    import threading
+
+    from tpurec.data.reader import ParquetReader
+    from tpurec.data.schema import DataError
+    from tpurec.planner.id_limits import DemandTally
+
+    _multi_hot_dir(tmp_path, 1000, bad_row=700)
+    before = threading.active_count()
+    with pytest.raises(DataError, match=r"d\.parquet: row group 4.*'a'.*90000"):
+        DemandTally(_two_tables(), _TWO_TABLES).count_stream(ParquetReader(tmp_path, 64, ids_only=True), 2)
+    assert threading.active_count() == before

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections import deque
 from collections.abc import Generator, Iterator, Sequence
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -52,8 +54,8 @@ def _list_parts(arr):
     """A (chunked) list array -> (flat values, int64 offsets starting at 0)."""
     import pyarrow as pa
 
-    if isinstance(arr, pa.ChunkedArray):
-        arr = arr.combine_chunks()
+    if isinstance(arr, pa.ChunkedArray):  # (a row group's column is one chunk: combining it would copy)
+        arr = arr.chunk(0) if arr.num_chunks == 1 else arr.combine_chunks()
     off = arr.offsets.to_numpy().astype(np.int64)
     vals = arr.values.slice(off[0], off[-1] - off[0]).to_numpy(zero_copy_only=False)
     return vals, off - off[0]
@@ -397,8 +399,22 @@ class ParquetReader:
             w = _permute(w, np.random.default_rng([self.seed, epoch, self.rank, index, 1]).permutation(w.rows))
         return w
 
-    def _window_stream(self, epoch, plan, first):
-        """Yields windows plan[first:], decoded ``prefetch`` ahead in a background thread."""
+    def _window_stream(self, epoch, plan, first, pool: Executor | None = None, ahead: int = 2):
+        """Yields windows plan[first:], decoded ``prefetch`` ahead in a background thread, or with
+        `pool` as tasks on it, `ahead` at a time."""
+        if pool is not None:
+            futures: deque[Future] = deque()
+            nxt = first
+            try:
+                while nxt < len(plan) or futures:
+                    while nxt < len(plan) and len(futures) < max(ahead, 1):
+                        futures.append(pool.submit(self._load, epoch, nxt, plan[nxt]))
+                        nxt += 1
+                    yield futures.popleft().result()
+            finally:  # (closed early: windows not started are dropped; running ones end in the pool)
+                for f in futures:
+                    f.cancel()
+            return
         if self.prefetch <= 0:
             for i in range(first, len(plan)):
                 yield self._load(epoch, i, plan[i])
@@ -448,19 +464,24 @@ class ParquetReader:
         finally:
             pieces.close()
 
-    def id_columns(self) -> Iterator[IdColumns]:
+    def id_columns(self, pool: Executor | None = None, ahead: int = 2) -> Iterator[IdColumns]:
         """The batches `__iter__` gives (same rows, order and position), each as its keys' ids and
         lengths alone, the ids of a key a view of the decoded column where the batch lies in one
         window (no concatenation of every key's ids into one array, as a KeyedJaggedTensor needs):
-        what `tpurec data stats` counts (`DemandTally.count_stream`). Padding as `__iter__` pads."""
-        pieces = self._batch_pieces()
+        what `tpurec data stats` counts (`DemandTally.count_stream`). Padding as `__iter__` pads.
+        With `pool`, the windows are decoded as tasks on it, `ahead` in flight, instead of on the
+        reader's own thread: a caller that counts on the same pool shares its threads between
+        decoding and counting."""
+        pieces = self._batch_pieces(pool, ahead)
         try:
             for done, n in pieces:
                 yield self._columns(done, n)
         finally:
             pieces.close()
 
-    def _batch_pieces(self) -> Generator[tuple[list[tuple[_Window, int, int]], int], None, None]:
+    def _batch_pieces(
+        self, pool: Executor | None = None, ahead: int = 2
+    ) -> Generator[tuple[list[tuple[_Window, int, int]], int], None, None]:
         """Each batch of the rest of the epoch as its (window, first row, end row) pieces and rows."""
         epoch = self.epoch
         end = self._epoch_rows()
@@ -473,7 +494,7 @@ class ParquetReader:
         pieces: list[tuple[_Window, int, int]] = []
         have = 0
         self.last_padding = 0
-        for w in self._window_stream(epoch, plan, first):
+        for w in self._window_stream(epoch, plan, first, pool, ahead):
             pos = skip
             skip = 0
             while pos < w.rows and self._consumed + have < end:
