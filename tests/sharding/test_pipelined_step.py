@@ -51,11 +51,10 @@ def disjoint_batches(n: int, batch: int, rank: int, world_size: int) -> list:
 
 
 def _kernels(dmp: Any) -> list[Any]:
-    """The SparseCore kernels of the DMP's one sharded EBC."""
-    from tpurec.sharding.compiled_step import the_sharded_ebc
+    """The SparseCore kernels of the DMP's sharded EBCs."""
+    from tpurec.sharding.step_inputs import sharded_ebcs
 
-    sharded: Any = the_sharded_ebc(dmp.module, "test")
-    return [k.kernel for lookup in sharded._lookups for k in lookup._emb_modules]
+    return [k.kernel for m in sharded_ebcs(dmp.module, "test") for lookup in m._lookups for k in lookup._emb_modules]
 
 
 def train_both(rank: int, world_size: int, data: str, types: dict[str, str] | None, compile: bool) -> dict:
@@ -273,7 +272,7 @@ def train_over(
     pipe = PipelinedStep(twin, DENSE_LR, compile=compile, backend=counter)
     # the oracle's premise: those two batches are the ones over the limits
     stream = over_stream(OVER_STEPS, rank, world_size)
-    over_here = [t for t, b in enumerate(stream) if over_limits(pipe.preprocess(b))]  # this rank's shards
+    over_here = [t for t, b in enumerate(stream) if any(map(over_limits, pipe.preprocess(b)[1]))]  # this rank's shards
     checked = sum(k.multipass_batches for k in _kernels(twin))  # counted by those preprocess calls
     if drive == "iterate":
         losses: list = [float(x) for x in pipe.iterate(over_stream(OVER_STEPS, rank, world_size))]

@@ -3,7 +3,7 @@
 The split is TorchRec's own (TrainPipelineSparseDist runs `input_dist` ahead of
 `compute_and_output_dist`; SparseCoreTrainPipeline feeds its compiled step preprocessed inputs):
 
-* eager, per batch: the sharded EBC's input dist (the ids' all-to-alls, data-dependent sizes) and
+* eager, per batch: each sharded EBC's input dist (the ids' all-to-alls, data-dependent sizes) and
   the SparseCore preprocessing of each kernel's ids (`sharded_preprocess.preprocess_sharded`);
 * one graph: the lookups (`tpurec::fused_lookup`), the output dist of the pooled embeddings, the
   dense model and loss, backward (each stack's fused update, `tpurec::fused_update`), the dense
@@ -24,17 +24,17 @@ batch; without them they follow the batch's ids, and a batch with new sizes comp
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from tpurec.errors import UserError
+from tpurec.sharding import step_inputs
 from tpurec.sharding.dense_update import DenseOptimizer
-from tpurec.sharding.sharded_preprocess import ShardedPreprocessed, over_limits, preprocess_sharded
+from tpurec.sharding.sharded_preprocess import over_limits
 from tpurec.sharding.sharder import ShardedSparseCoreEBC
+from tpurec.sharding.step_inputs import FieldMap
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -48,9 +48,11 @@ def model_loss(module: nn.Module, batch: Any) -> torch.Tensor:
 class CompiledStep:
     """`step(batch)`: one training step of `dmp` (a tpurec.DistributedModelParallel), returns the loss.
 
-    batch: a dataclass with `sparse_features` (a KJT, e.g. torchrec's `Batch`), handed to
-    `loss_fn(module, batch)` with `sparse_features` replaced by its SparseCore inputs. The model's
-    forward must pass that KJT to its one sharded EmbeddingBagCollection (TorchRec's DLRM does).
+    batch: a dataclass (e.g. torchrec's `Batch`) handed to `loss_fn(module, batch)` with each
+    KeyedJaggedTensor field that feeds the model's sharded EmbeddingBagCollections replaced by their
+    SparseCore inputs (`step_inputs.py`): a field feeds the EBCs whose features it holds (TorchRec's
+    DLRM: `sparse_features` its one EBC; several EBCs may share a field or have one each), and the
+    model's forward must hand that field to them.
     dense_optimizer: the dense parameters' (those without a fused optimizer) torch.optim SGD, Adagrad
     or Adam (or TorchRec's KeyedOptimizerWrapper / CombinedOptimizer holding it, e.g. `tpurec.dlrm.model
     .build_optimizer`'s), stepped in the graph with its param group's current lr; a float: plain SGD at that lr.
@@ -68,7 +70,8 @@ class CompiledStep:
         from torchrec.optim.optimizers import in_backward_optimizer_filter
 
         self.module: nn.Module = dmp.module  # without DDP: the graph averages the dense gradients itself
-        self.sharded = the_sharded_ebc(self.module, "CompiledStep")
+        self.fields = FieldMap(self.module, "CompiledStep")
+        self.sharded = self.fields.modules[0]  # (where the tables are: `default_backend`)
         self.dense_params = [p for _, p in in_backward_optimizer_filter(self.module.named_parameters())]
         self.loss_fn = loss_fn
         env = getattr(dmp, "_env", None)
@@ -80,14 +83,14 @@ class CompiledStep:
         self.eager_steps = 0  # batches over their fixed id limits, stepped eagerly (`step`)
 
     def preprocess(self, batch: Any) -> Any:
-        """The eager half: `batch` with its KJT replaced by the sharded EBC's SparseCore inputs."""
-        features: ShardedPreprocessed = preprocess_sharded(self.sharded, batch.sparse_features)
-        return replace(batch, sparse_features=features)
+        """The eager half: `batch` with its KJTs replaced by the sharded EBCs' SparseCore inputs."""
+        prepared, _ = step_inputs.prepare(batch, self.fields.fields(batch))
+        return prepared
 
     def step(self, batch: Any) -> torch.Tensor:
         prepared = self.preprocess(batch)
         run = self.compiled
-        if over_limits(prepared.sparse_features):
+        if any(over_limits(p) for p in step_inputs.parts(prepared)):
             # Over its fixed id limits (measured on other data, say) a batch runs as several passes,
             # with no fixed graph: this one step runs eagerly, the same arithmetic, rather than
             # compiling a graph for it or failing mid-training. Counted (and, per table, in the
@@ -129,14 +132,3 @@ def default_backend(sharded: ShardedSparseCoreEBC) -> str:
     # a string: "tpu" parses as a torch.device only once TorchTPU (or the emulation) has named it
     kind = "cpu" if device is None else str(device).split(":")[0]
     return "tpu" if kind == "tpu" else "aot_eager"
-
-
-def the_sharded_ebc(module: nn.Module, who: str) -> ShardedSparseCoreEBC:
-    found = [(name, m) for name, m in module.named_modules() if isinstance(m, ShardedSparseCoreEBC)]
-    if len(found) != 1:
-        names = [n for n, _ in found]
-        raise UserError(
-            f"{who} needs a model with exactly one sharded EmbeddingBagCollection (batch.sparse_features "
-            f"goes to it); this one has {len(found)}: {names}"
-        )
-    return found[0][1]

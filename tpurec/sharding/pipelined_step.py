@@ -33,14 +33,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
-from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from tpurec.sharding.compiled_step import LossFn, default_backend, model_loss, the_sharded_ebc
+from tpurec.sharding import step_inputs
+from tpurec.sharding.compiled_step import LossFn, default_backend, model_loss
 from tpurec.sharding.dense_update import DenseOptimizer
 from tpurec.sharding.sharded_preprocess import (
     RawActivations,
@@ -48,14 +48,17 @@ from tpurec.sharding.sharded_preprocess import (
     ShardedPreprocessed,
     lookup_sharded,
     over_limits,
-    preprocess_sharded,
     update_sharded,
 )
+from tpurec.sharding.step_inputs import FieldMap
+
+# per sharded EBC (step_inputs.parts order): a batch's SparseCore inputs and its activations' gradients
+Behind = list[tuple[ShardedPreprocessed, RawActivations]]
 
 
 class PipelinedStep:
     """`progress(iterator)` / `step(batch)`: one pipelined step of `dmp` (a tpurec.DistributedModelParallel
-    with one sharded EmbeddingBagCollection), returning the loss of the previous batch (None for the
+    with sharded EmbeddingBagCollections), returning the loss of the previous batch (None for the
     first batch); `drain()` finishes the batches in flight, `iterate(loader)` yields every loss.
 
     A batch over its fixed id limits is not pipelined: `step` drains the batches in flight (returning
@@ -78,7 +81,8 @@ class PipelinedStep:
         from torchrec.optim.optimizers import in_backward_optimizer_filter
 
         self.module: nn.Module = dmp.module  # without DDP: the step averages the dense gradients itself
-        self.sharded = the_sharded_ebc(self.module, "PipelinedStep")
+        self.fields = FieldMap(self.module, "PipelinedStep")
+        self.sharded = self.fields.modules[0]  # (where the tables are: `default_backend`)
         self.dense_params = [p for _, p in in_backward_optimizer_filter(self.module.named_parameters())]
         self.loss_fn = loss_fn
         env = getattr(dmp, "_env", None)
@@ -94,14 +98,14 @@ class PipelinedStep:
         self.updated_batches = 0  # batches whose SparseCore backward ran (all of them after a drain)
         self.eager_steps = 0  # batches over their fixed id limits, stepped eagerly (`_step_pending`)
         # the fused table optimizers' param groups, whose lr each kernel reads when its update runs
-        groups = {id(g): g for k in _kernels(self.sharded) if (g := k.lr_source) is not None}
+        groups = {id(g): g for m in self.fields.modules for k in _kernels(m) if (g := k.lr_source) is not None}
         self._table_groups = list(groups.values())
         self.reset()
 
     def reset(self) -> None:
         """Forget the batches in flight (their updates are lost: call `drain()` first to keep them)."""
         self._count = 0
-        self._behind: tuple[ShardedPreprocessed, RawActivations] | None = None  # batch t: its gradients
+        self._behind: Behind | None = None  # batch t: its inputs and gradients, per sharded EBC
         self._behind_lr: list[float] = []  # the tables' lr when batch t went through the model
         self._ahead: Any = None  # batch t+1: looked up, waiting for the model
         self._drain_iter: Iterator[torch.Tensor] | None = None
@@ -109,35 +113,36 @@ class PipelinedStep:
         # drained before it: stepped eagerly at the next `step` or `drain`, which returns its loss
         self._pending: Any = None
 
-    def preprocess(self, batch: Any) -> ShardedPreprocessed:
-        """The host half of a batch (eager): input dist and each kernel's SparseCore inputs."""
-        return preprocess_sharded(self.sharded, batch.sparse_features)
+    def preprocess(self, batch: Any) -> tuple[Any, list[ShardedPreprocessed]]:
+        """The host half of a batch (eager): each sharded EBC's input dist and its kernels' SparseCore
+        inputs; the batch with them in its KJTs' place (`step_inputs.prepare`), and them."""
+        return step_inputs.prepare(batch, self.fields.fields(batch))
 
     def step(self, batch: Any) -> torch.Tensor | None:
-        prepared = self.preprocess(batch)
+        batch, prepared = self.preprocess(batch)
         previous = self._step_pending()  # the previous batch, if it was over its limits: its loss
         if self._over_limits(prepared):
             # several passes: no lookup of fixed shape to run ahead. The batches in flight finish
             # (the last one's loss is the previous batch's), this one waits for its eager step
             for loss in self._drain_flight():
                 previous = loss
-            self._pending = replace(batch, sparse_features=prepared)
+            self._pending = batch
             return previous
         if self._count == 0:  # warm-up 0: SparseCore forward of this batch (a restart after an eager step too)
-            self._ahead = _activated(batch, prepared, lookup_sharded(self.sharded, prepared))
+            self._ahead = _activated(batch, prepared, _lookups(prepared))
             self._count = 1
             return previous
         if self._count == 1:  # warm-up 1: SparseCore forward of batch 1, the model on batch 0
-            raw = lookup_sharded(self.sharded, prepared)
+            raw = _lookups(prepared)
             grads, loss = self._tensor_core(self._ahead)
         else:
             assert self._behind is not None
             # loss.backward() in the graph; t's table update (in it) at the lr t's model stage saw
             with torch._dynamo.config.patch(trace_autograd_ops=True), self._table_lr(self._behind_lr):
                 dense = (self.dense.lr_inputs(), self.dense.state_inputs())
-                raw, grads, loss = self._steady_fn(*self._behind, self._ahead, prepared, *dense)
+                raw, grads, loss = self._steady_fn(self._behind, self._ahead, prepared, *dense)
             self.updated_batches += 1
-        self._behind = (self._ahead.sparse_features.prepared, grads)
+        self._behind = _behind(self._ahead, grads)
         self._behind_lr = [float(g["lr"]) for g in self._table_groups]
         self._ahead = _activated(batch, prepared, raw)
         self._count += 1
@@ -158,15 +163,15 @@ class PipelinedStep:
             return
         if self._behind is not None:
             with self._table_lr(self._behind_lr):
-                update_sharded(self.sharded, *self._behind)
+                _updates(self._behind)
             self.updated_batches += 1
         grads, loss = self._tensor_core(self._ahead)
-        self._behind = (self._ahead.sparse_features.prepared, grads)
+        self._behind = _behind(self._ahead, grads)
         self._behind_lr = [float(g["lr"]) for g in self._table_groups]
         self._ahead = None
         yield loss
         with self._table_lr(self._behind_lr):
-            update_sharded(self.sharded, *self._behind)
+            _updates(self._behind)
         self.updated_batches += 1
         self.reset()
 
@@ -185,11 +190,11 @@ class PipelinedStep:
         self.updated_batches += 1
         return loss.detach()
 
-    def _over_limits(self, prepared: ShardedPreprocessed) -> bool:
+    def _over_limits(self, prepared: list[ShardedPreprocessed]) -> bool:
         """Whether any rank's batch is over its fixed id limits. A rank sees only its own shards'
         inputs; the ranks agree, all drain and step eagerly: the rank that did not (its collectives
         pair up all the same) would look its rows up stale across that batch."""
-        over = bool(over_limits(prepared))
+        over = any(over_limits(p) for p in prepared)
         if self.group is None or self.world_size == 1:
             return over
         import torch.distributed._functional_collectives as funcol
@@ -239,33 +244,38 @@ class PipelinedStep:
         advance the pipeline: for inspection, then `reset()`."""
         if self._behind is None:
             raise ValueError("PipelinedStep.explain needs two steps first (the warm-up)")
-        prepared = self.preprocess(batch)
+        _, prepared = self.preprocess(batch)
         with torch._dynamo.config.patch(trace_autograd_ops=True):
             dense = (self.dense.lr_inputs(), self.dense.state_inputs())
-            return torch._dynamo.explain(self._steady)(*self._behind, self._ahead, prepared, *dense)
+            return torch._dynamo.explain(self._steady)(self._behind, self._ahead, prepared, *dense)
 
     def _steady(
         self,
-        prepared_t: ShardedPreprocessed,
-        grads_t: RawActivations,
+        behind_t: Behind,
         batch_t1: Any,
-        prepared_t2: ShardedPreprocessed,
+        prepared_t2: list[ShardedPreprocessed],
         lrs: list[torch.Tensor],
         states: Any,
-    ) -> tuple[RawActivations, RawActivations, torch.Tensor]:
-        update_sharded(self.sharded, prepared_t, grads_t)
+    ) -> tuple[list[RawActivations], list[RawActivations], torch.Tensor]:
+        _updates(behind_t)
         grads_t1, loss_t1 = self._tensor_core(batch_t1, lrs, states)
-        raw_t2 = lookup_sharded(self.sharded, prepared_t2)
+        raw_t2 = _lookups(prepared_t2)
         return raw_t2, grads_t1, loss_t1
 
-    def _tensor_core(self, batch: Any, lrs: Any = None, states: Any = None) -> tuple[RawActivations, torch.Tensor]:
+    def _tensor_core(
+        self, batch: Any, lrs: Any = None, states: Any = None
+    ) -> tuple[list[RawActivations], torch.Tensor]:
         """Model, loss and backward on a batch's raw activations (leaves), the dense update (its lr and
-        state: the optimizer's current ones unless given, as the graph is given them); their gradients."""
+        state: the optimizer's current ones unless given, as the graph is given them); their gradients,
+        per sharded EBC."""
         loss = self.loss_fn(self.module, batch)
         loss.backward()
         grads = [
-            [[a.grad if a.grad is not None else torch.zeros_like(a) for a in stacks] for stacks in kernels]
-            for kernels in batch.sparse_features.raw
+            [
+                [[a.grad if a.grad is not None else torch.zeros_like(a) for a in stacks] for stacks in kernels]
+                for kernels in acts.raw
+            ]
+            for acts in step_inputs.parts(batch)
         ]
         if lrs is None:
             lrs, states = self.dense.lr_inputs(), self.dense.state_inputs()
@@ -274,14 +284,32 @@ class PipelinedStep:
 
 
 def _kernels(sharded: Any) -> list[Any]:
-    """The SparseCore kernels of the sharded EBC's lookups."""
+    """The SparseCore kernels of a sharded EBC's lookups."""
     return [k.kernel for lookup in sharded._lookups for k in lookup._emb_modules]
 
 
-def _activated(batch: Any, prepared: ShardedPreprocessed, raw: RawActivations) -> Any:
-    """`batch` with its KJT replaced by its looked-up activations, as leaves the model's backward fills."""
-    for kernels in raw:
-        for stacks in kernels:
-            for a in stacks:
-                a.requires_grad_()
-    return replace(batch, sparse_features=ShardedActivations(prepared, raw))
+def _lookups(prepared: list[ShardedPreprocessed]) -> list[RawActivations]:
+    """SparseCore forward of each sharded EBC's inputs."""
+    return [lookup_sharded(p.owner, p) for p in prepared]
+
+
+def _updates(behind: Behind) -> None:
+    """SparseCore backward of each sharded EBC's inputs from its activations' gradients."""
+    for prepared, grads in behind:
+        update_sharded(prepared.owner, prepared, grads)
+
+
+def _behind(ahead: Any, grads: list[RawActivations]) -> Behind:
+    """A batch past its model stage: each sharded EBC's inputs with its activations' gradients."""
+    return [(acts.prepared, g) for acts, g in zip(step_inputs.parts(ahead), grads, strict=True)]
+
+
+def _activated(batch: Any, prepared: list[ShardedPreprocessed], raw: list[RawActivations]) -> Any:
+    """A prepared `batch` with each sharded EBC's inputs replaced by its looked-up activations, as
+    leaves the model's backward fills."""
+    for per_module in raw:
+        for kernels in per_module:
+            for stacks in kernels:
+                for a in stacks:
+                    a.requires_grad_()
+    return step_inputs.with_parts(batch, [ShardedActivations(p, r) for p, r in zip(prepared, raw, strict=True)])

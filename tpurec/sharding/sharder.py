@@ -39,6 +39,7 @@ from tpurec.sharding.sharded_preprocess import (
     output_dist_activations,
 )
 from tpurec.sharding.sharded_state import SparseCoreShardedMixin, shard_slice
+from tpurec.sharding.step_inputs import ModuleInputs
 
 
 class SparseCoreGroupedLookup(GroupedPooledEmbeddingsLookup):
@@ -104,6 +105,9 @@ class ShardedSparseCoreEBC(HostInputDistMixin, SparseCoreShardedMixin, ShardedEm
                     kmod.kernel.write_weight(kname, shard_slice(weight, meta))
 
     def forward(self, *input: Any, **kwargs: Any) -> Any:
+        # a batch field that feeds several sharded modules (step_inputs.py): this module's part
+        if len(input) == 1 and not kwargs and isinstance(input[0], ModuleInputs):
+            input = (input[0].part_for(self),)
         # SparseCore inputs built ahead (`preprocess_sharded`): only the device half, traceable by
         # torch.compile (tpurec/sharding/compiled_step.py); a KJT: TorchRec's whole forward
         if len(input) == 1 and not kwargs and isinstance(input[0], ShardedPreprocessed):

@@ -1,0 +1,187 @@
+"""The compiled and pipelined steps on a model of two sharded EmbeddingBagCollections
+(tpurec/sharding/step_inputs.py): both handed the batch's one KJT (each takes its own features), or
+each a KJT field of its own. The oracle is TorchRec's eager step of a twin DMP (same seed, same
+batches): with aot_eager and, for the pipelined step, batches whose consecutive rows are disjoint,
+every loss, table and dense weight is bit-equal (as tests/sharding/test_compiled_dmp_step.py and
+test_pipelined_step.py assert for one EBC).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from .dlrm_case import DENSE, DIM, ROWS, eager_step
+from .multiprocess import run_ranks
+from .test_compiled_dmp_step import BATCH, DENSE_LR, MIXED, TABLE_LR, _tables
+from .test_pipelined_step import disjoint_batches
+
+STEPS = 12
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@dataclass
+class TwoFields:
+    """A batch whose ids come in two KJTs: f0, f1 in `sparse_features`, f2, f3 in `user_features`."""
+
+    dense_features: torch.Tensor
+    sparse_features: KeyedJaggedTensor
+    user_features: KeyedJaggedTensor
+    labels: torch.Tensor
+
+
+class TwoEBCs(nn.Module):
+    """Two EBCs (tables t0, t1 of f0, f1; t2, t3 of f2, f3) and a linear model over their pooled
+    embeddings and the dense features; forward returns (loss, logits) as TorchRec's DLRMTrain does."""
+
+    def __init__(self, fields: str) -> None:
+        from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+        super().__init__()
+
+        def ebc(first: int) -> EmbeddingBagCollection:
+            tables = [
+                EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"f{i}"])
+                for i in (first, first + 1)
+            ]
+            return EmbeddingBagCollection(tables, device=torch.device("meta"))
+
+        self.fields = fields
+        self.items, self.users = ebc(0), ebc(2)
+        self.dense = nn.Linear(DENSE, DIM)
+        self.over = nn.Linear(5 * DIM, 1)
+
+    def forward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        users = batch.sparse_features if self.fields == "shared" else batch.user_features
+        x = torch.cat(
+            [self.dense(batch.dense_features), self.items(batch.sparse_features).values(), self.users(users).values()],
+            dim=1,
+        )
+        logits = self.over(x).squeeze(1)
+        return nn.functional.binary_cross_entropy_with_logits(logits, batch.labels), logits
+
+
+def _dmp(fields: str, types: dict[str, str] | None = None) -> Any:
+    from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec.optim import RowWiseAdagrad
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    import tpurec
+    from tpurec.sharding.sharder import SparseCoreEBCSharder
+
+    torch.manual_seed(0)
+    model = TwoEBCs(fields)
+    tables = [*model.items.parameters(), *model.users.parameters()]
+    apply_optimizer_in_backward(RowWiseAdagrad, tables, {"lr": TABLE_LR})
+    constraints = {t: ParameterConstraints(sharding_types=[st]) for t, st in (types or {}).items()} or None
+    return tpurec.DistributedModelParallel(
+        model,
+        device="cpu",
+        batch_size=BATCH,
+        constraints=constraints,
+        sharders=[SparseCoreEBCSharder(max_ids_per_partition=64)],
+    )
+
+
+def _batches(fields: str, rank: int = 0, world_size: int = 1) -> list:
+    """dlrm_case's batches (consecutive ones on disjoint rows); with "split", f2 and f3 in a field of their own."""
+    out = disjoint_batches(STEPS, BATCH, rank, world_size)
+    if fields == "shared":
+        return out
+    split = []
+    for b in out:
+        items, users = b.sparse_features.split([2, 2])
+        split.append(TwoFields(b.dense_features, items, users, b.labels))
+    return split
+
+
+def _train(rank: int, world_size: int, fields: str, kind: str, types: dict[str, str] | None = None) -> dict:
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    from tpurec.sharding.compiled_step import CompiledStep
+    from tpurec.sharding.pipelined_step import PipelinedStep
+
+    eager, twin = _dmp(fields, types), _dmp(fields, types)
+    initial = _tables(eager)
+    dense = [p for _, p in in_backward_optimizer_filter(eager.named_parameters())]
+    sgd = torch.optim.SGD(dense, lr=DENSE_LR)
+    eager_losses = [eager_step(eager, sgd, b) for b in _batches(fields, rank, world_size)]
+    counter = CompileCounterWithBackend("aot_eager")
+    if kind == "compiled":
+        step = CompiledStep(twin, DENSE_LR, backend=counter)
+        losses = [float(step.step(b)) for b in _batches(fields, rank, world_size)]
+        modules = step.fields.modules
+    else:
+        pipe = PipelinedStep(twin, DENSE_LR, backend=counter)
+        losses = [float(x) for x in pipe.iterate(_batches(fields, rank, world_size))]
+        modules = pipe.fields.modules
+    after, twin_after = _tables(eager), _tables(twin)
+    twin_dense = [p for _, p in in_backward_optimizer_filter(twin.named_parameters())]
+    return {
+        "modules": len(modules),
+        "eager": eager_losses,
+        "stepped": losses,
+        "frames": counter.frame_count,
+        "table_diff": max(float((after[k] - twin_after[k]).abs().max()) for k in after),
+        "tables": sorted(after),
+        "tables_moved": min(float((twin_after[k] - initial[k]).abs().max()) for k in after),
+        "dense_diff": max(float((p - q).detach().abs().max()) for p, q in zip(dense, twin_dense, strict=True)),
+        "plan": sorted({ps.sharding_type for mp in twin.plan.plan.values() for ps in mp.values()}),
+    }
+
+
+@pytest.mark.parametrize("kind", ["compiled", "pipelined"])
+@pytest.mark.parametrize("fields", ["shared", "split"])
+def test_two_sharded_ebcs_step_as_the_eager_step(fields, kind):
+    result = _train(0, 1, fields, kind)
+    assert len(result["tables"]) == 4  # every table of both EBCs compared
+    _assert_exact(result)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["compiled", "pipelined"])
+def test_two_sharded_ebcs_on_two_ranks(kind):
+    # two gloo ranks, TW, RW, CW and TWRW tables over the two EBCs: each EBC's input dist, in the
+    # same order on every rank, and its output dists in the one graph
+    results = run_ranks(_train, 2, "split", kind, MIXED, timeout=600)
+    for rank, result in enumerate(results):
+        assert result["plan"] == sorted(set(MIXED.values())), rank
+        _assert_exact(result)
+    assert len({t for r in results for t in r["tables"]}) == 4  # (a TW table lives on one rank)
+
+
+def _assert_exact(result: dict) -> None:
+    assert result["modules"] == 2
+    assert result["frames"] == 1  # one graph for every step (the pipelined step's steady ones)
+    assert result["stepped"] == result["eager"]  # bit-equal, every step
+    assert result["table_diff"] == 0.0 and result["dense_diff"] == 0.0
+    assert result["tables_moved"] > 1e-3  # every table was updated (a lost update: both at the start)
+
+
+def test_a_batch_that_does_not_say_which_field_feeds_an_ebc_is_refused():
+    from tpurec.errors import UserError
+    from tpurec.sharding.compiled_step import CompiledStep
+
+    step = CompiledStep(_dmp("split"), DENSE_LR)
+    b = _batches("split")[0]
+    # no field holds f2 and f3: the module named, with what the batch has
+    f0 = b.sparse_features.split([1, 1])[0]
+    with pytest.raises(UserError, match=r"every feature of the sharded EBC 'users' \(f2, f3\).*user_features: f0$"):
+        step.step(TwoFields(b.dense_features, b.sparse_features, f0, b.labels))
+    # two fields hold them: which one the model hands the EBC is not known
+    both = _batches("shared")[0].sparse_features
+    with pytest.raises(UserError, match=r"fields sparse_features, user_features all hold.*'items' \(f0, f1\)"):
+        step.step(TwoFields(b.dense_features, both, both, b.labels))

@@ -1,0 +1,150 @@
+"""Which KeyedJaggedTensor of a batch feeds which sharded EmbeddingBagCollection, for the compiled and
+pipelined steps (compiled_step.py, pipelined_step.py).
+
+A model's forward hands each sharded EBC a KJT of its batch: TorchRec's DLRM hands
+`batch.sparse_features` to its one EBC; a model of several EBCs may hand them all the same KJT (each
+takes its own features, as TorchRec's input dist selects them) or each a field of its own (TorchRec's
+test models: `idlist_features` and `idscore_features`). The steps run each EBC's host half ahead of the
+compiled part, so each such field is replaced by a `ModuleInputs`: for every sharded EBC it feeds,
+that module's SparseCore inputs (`ShardedPreprocessed`) or its looked-up activations
+(`ShardedActivations`); each module's forward takes its own part (`ShardedSparseCoreEBC.forward`).
+
+A sharded EBC is fed by the one field of the batch (a dataclass) whose keys hold every feature it
+reads; none, or more than one, is a one-line UserError before anything runs: a part prepared for a
+field the model does not hand to it would be a batch the module never sees (its input dist's
+collectives would still run, and a pipelined step would update its tables from a zero gradient).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from tpurec.errors import UserError
+from tpurec.sharding.sharded_preprocess import ShardedActivations, ShardedPreprocessed
+
+
+@dataclass
+class ModuleInputs:
+    """A batch field's KJT after the host half of every sharded EBC it feeds, in the field's place."""
+
+    parts: list[Any]  # ShardedPreprocessed or ShardedActivations, one per sharded EBC the field feeds
+    batch: int  # the KJT's stride
+
+    def stride(self) -> int:
+        """The batch size, as a KeyedJaggedTensor says it (models call `features.stride()`)."""
+        return self.batch
+
+    def part_for(self, module: Any) -> Any:
+        for part in self.parts:
+            owner = part.prepared.owner if isinstance(part, ShardedActivations) else part.owner
+            if owner is module:
+                return part
+        raise ValueError("this batch field holds no SparseCore inputs for this sharded module")
+
+
+def sharded_ebcs(model: nn.Module, who: str) -> list[Any]:
+    """The model's tpurec-sharded EmbeddingBagCollections, in module order; at least one."""
+    from tpurec.sharding.sharder import ShardedSparseCoreEBC
+
+    found = [m for m in model.modules() if isinstance(m, ShardedSparseCoreEBC)]
+    if not found:
+        raise UserError(
+            f"{who} needs a model with a sharded EmbeddingBagCollection (tpurec's sharder); this one has none"
+        )
+    return found
+
+
+def features_of(module: Any) -> list[str]:
+    """The features a sharded EBC reads (its input dist's, in its shardings' order)."""
+    return [f for sharding in module._embedding_shardings for f in sharding.feature_names()]
+
+
+class FieldMap:
+    """The batch fields feeding each sharded EBC of `model` (worked out from the first batch's keys,
+    again when a batch's fields or keys differ)."""
+
+    def __init__(self, model: nn.Module, who: str) -> None:
+        self.who = who
+        self.modules = sharded_ebcs(model, who)
+        self._names = {id(m): name for name, m in model.named_modules()}
+        self._seen: tuple | None = None
+        self._fields: dict[str, list[Any]] = {}
+
+    def fields(self, batch: Any) -> dict[str, list[Any]]:
+        """field name -> the sharded EBCs it feeds, in module order (fields feeding none left out)."""
+        if not dataclasses.is_dataclass(batch):
+            raise UserError(f"{self.who} needs a batch dataclass (torchrec's Batch, say); got {type(batch).__name__}")
+        kjts = {
+            f.name: v for f in dataclasses.fields(batch) if isinstance(v := getattr(batch, f.name), KeyedJaggedTensor)
+        }
+        seen = tuple((name, tuple(kjt.keys())) for name, kjt in kjts.items())
+        if seen != self._seen:
+            self._fields = self._match(kjts)
+            self._seen = seen
+        return self._fields
+
+    def _match(self, kjts: dict[str, KeyedJaggedTensor]) -> dict[str, list[Any]]:
+        out: dict[str, list[Any]] = {}
+        for module in self.modules:
+            wanted = features_of(module)
+            name = self._names.get(id(module), "?")
+            fits = [field for field, kjt in kjts.items() if set(wanted) <= set(kjt.keys())]
+            if not fits:
+                raise UserError(
+                    f"{self.who}: no KeyedJaggedTensor of the batch holds every feature of the sharded EBC "
+                    f"{name!r} ({', '.join(wanted)}); the batch's: "
+                    + "; ".join(f"{f}: {', '.join(k.keys())}" for f, k in kjts.items())
+                )
+            if len(fits) > 1:
+                raise UserError(
+                    f"{self.who}: the batch fields {', '.join(fits)} all hold the features of the sharded EBC "
+                    f"{name!r} ({', '.join(wanted)}): which one the model hands it is not known; give each "
+                    "field features of its own"
+                )
+            out.setdefault(fits[0], []).append(module)
+        return out
+
+
+def prepare(batch: Any, fields: dict[str, list[Any]]) -> tuple[Any, list[ShardedPreprocessed]]:
+    """The host half of every sharded EBC (`preprocess_sharded`): `batch` with each field that feeds
+    one replaced by its ModuleInputs, and every module's inputs in `parts` order (field order, then
+    module order: the order the steps keep their per-module state in)."""
+    from tpurec.sharding.sharded_preprocess import preprocess_sharded
+
+    replaced, flat = {}, []
+    for f in dataclasses.fields(batch):  # (the batch's field order, as `parts` reads them back)
+        if f.name in fields:
+            kjt = getattr(batch, f.name)
+            prepared = [preprocess_sharded(m, kjt) for m in fields[f.name]]
+            replaced[f.name] = ModuleInputs(prepared, kjt.stride())
+            flat += prepared
+    return dataclasses.replace(batch, **replaced), flat
+
+
+def parts(batch: Any) -> list[Any]:
+    """Every ModuleInputs part of a prepared batch, in `prepare`'s order."""
+    out: list[Any] = []
+    for f in dataclasses.fields(batch):
+        value = getattr(batch, f.name)
+        if isinstance(value, ModuleInputs):
+            out += value.parts
+    return out
+
+
+def with_parts(batch: Any, new_parts: list[Any]) -> Any:
+    """A prepared batch with its ModuleInputs' parts replaced, in `parts` order (activations for inputs)."""
+    replaced, k = {}, 0
+    for f in dataclasses.fields(batch):
+        value = getattr(batch, f.name)
+        if isinstance(value, ModuleInputs):
+            n = len(value.parts)
+            replaced[f.name] = ModuleInputs(new_parts[k : k + n], value.batch)
+            k += n
+    if k != len(new_parts):
+        raise ValueError(f"{len(new_parts)} parts for a batch of {k}")
+    return dataclasses.replace(batch, **replaced)
