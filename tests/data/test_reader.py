@@ -9,6 +9,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from tpurec.data.reader import ParquetReader
 from tpurec.data.schema import DataError, DataSchema, SparseFeature, dataset_metadata
 from tpurec.data.shards import scan, split_train_eval
+from tpurec.errors import UserError
 
 FEATS = [f"C{i}" for i in range(1, 27)]
 DENSE = [f"I{i}" for i in range(1, 14)]
@@ -448,3 +449,68 @@ def test_batches_feed_a_torchrec_embedding_bag_collection(synth_dir):
     # C9's bag for row 0 is exactly its table row for that id (one-hot, sum pooling).
     row = b.sparse_features["C9"].values()[0]
     torch.testing.assert_close(out["C9"][0], ebc.embedding_bags["t_C9"].weight[row])
+
+
+# ---- decoding on several threads ----------------------------------------------------------------
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_windows_decoded_on_several_threads_give_the_same_batches(synth_dir, shuffle, monkeypatch):
+    """decode_threads=3: the windows decoded on three threads (named tpurec-data-decode), the batches
+    exactly those of one thread, in order, over two epochs; a resume mid-epoch continues at the same
+    row; an epoch abandoned early leaves no thread behind."""
+    import threading
+    import time
+
+    kw = dict(batch_size=384, rank=1, world_size=2, shuffle=shuffle, seed=5, shuffle_buffer=500)
+    one = ParquetReader(synth_dir, **kw)
+    want = [_rows(one), _rows(one)]
+    decoded_on: list[str] = []
+    load = ParquetReader._load
+
+    def recording(self, *args):
+        decoded_on.append(threading.current_thread().name)
+        time.sleep(0.02)  # (a window that takes a while: the next ones go to other threads meanwhile)
+        return load(self, *args)
+
+    monkeypatch.setattr(ParquetReader, "_load", recording)
+    many = ParquetReader(synth_dir, decode_threads=3, **kw)
+    for epoch in want:
+        np.testing.assert_array_equal(_rows(many), epoch)
+    assert decoded_on and {n.split("_")[0] for n in decoded_on} == {"tpurec-data-decode"}
+    assert len({n for n in decoded_on}) > 1  # (windows really went to several threads)
+    r = ParquetReader(synth_dir, decode_threads=3, **kw)
+    before = threading.active_count()
+    it = iter(r)
+    head = [next(it) for _ in range(3)]
+    state = r.state_dict()
+    assert threading.active_count() > before
+    it.close()
+    assert threading.active_count() == before  # the decoding threads ended with the epoch
+    again = ParquetReader(synth_dir, decode_threads=3, **kw)
+    again.load_state_dict(state)
+    np.testing.assert_array_equal(np.concatenate([_rows(head), _rows(again)]), want[0])
+
+
+def test_an_error_in_a_window_decoded_on_another_thread_is_the_readers_line(synth_table, tmp_path):
+    t = synth_table.slice(0, 4000)
+    c9 = t.column("C9").to_numpy().copy()  # table C9 has 3 rows
+    c9[3500] = 3
+    t = t.set_column(t.schema.get_field_index("C9"), t.schema.field("C9"), pa.array(c9))
+    pq.write_table(t, tmp_path / "r.parquet", row_group_size=1000)
+    with pytest.raises(DataError, match=r"r\.parquet: row group 3: column 'C9': id 3 out of range \[0, 3\)"):
+        list(ParquetReader(tmp_path, 100, decode_threads=2))
+    with pytest.raises(UserError, match="decode_threads must be >= 1"):
+        ParquetReader(tmp_path, 100, decode_threads=0)
+
+
+def test_the_training_readers_decoding_threads_follow_the_cores_per_rank(monkeypatch):
+    from tpurec.data import reader
+
+    monkeypatch.setattr(reader.os, "sched_getaffinity", lambda pid: set(range(208)))  # a v5p host's vCPUs
+    assert reader.default_decode_threads({}) == 4  # 208 cores for one rank: at most 4
+    assert reader.default_decode_threads({"LOCAL_WORLD_SIZE": "4"}) == 4  # 52 each
+    assert reader.default_decode_threads({"LOCAL_WORLD_SIZE": "8"}) == 3  # 26 each
+    monkeypatch.setattr(reader.os, "sched_getaffinity", lambda pid: {0, 1})  # this host
+    assert reader.default_decode_threads({}) == 1
+    assert reader.default_decode_threads({"TPUREC_DECODE_THREADS": "6"}) == 6  # the user's choice
+    with pytest.raises(UserError, match="TPUREC_DECODE_THREADS must be a whole number >= 1, got 'x'"):
+        reader.default_decode_threads({"TPUREC_DECODE_THREADS": "x"})

@@ -158,7 +158,7 @@ def make_readers(
     `keep_raw_ids` (`tpurec train --zch`: TorchRec's remap takes them as they are); ``columns``: the
     column mapping of Parquet tpurec did not write (tpurec/data/mapping.py; inferred when None and the
     data has no tpurec metadata)."""
-    from tpurec.data.reader import ParquetReader
+    from tpurec.data.reader import ParquetReader, default_decode_threads
     from tpurec.data.shards import split_train_eval
 
     source = data_source(data_dir, columns)
@@ -167,7 +167,10 @@ def make_readers(
     sizes = table_sizes if raw_ids and not keep_raw_ids else None  # hash raw ids into the model's tables
     train_units, eval_units = split_train_eval(data_dir, eval_fraction, source=source)
     common: dict[str, Any] = dict(rank=rank, world_size=world_size, table_sizes=sizes, source=source)
-    train = ParquetReader(train_units, batch_size, shuffle=True, seed=seed, drop_last=True, equal_rows=True, **common)
+    # the training reader decodes on several threads where the host has cores to spare (a TPU VM)
+    train_opts: dict[str, Any] = dict(shuffle=True, seed=seed, drop_last=True, equal_rows=True)
+    train_opts["decode_threads"] = default_decode_threads()
+    train = ParquetReader(train_units, batch_size, **train_opts, **common)
     if train.num_rows < batch_size:
         # Fewer rows per rank than a batch: cap the batch so at least one full step exists.
         warn(
@@ -175,9 +178,7 @@ def make_readers(
             f"capping the batch at {train.num_rows}"
         )
         batch_size = train.num_rows
-        train = ParquetReader(
-            train_units, batch_size, shuffle=True, seed=seed, drop_last=True, equal_rows=True, **common
-        )
+        train = ParquetReader(train_units, batch_size, **train_opts, **common)
     # Eval: every row of the split, so ranks may hold different row counts; eval_batches() tops the
     # shorter ranks up with empty batches so all run the same number of forward passes.
     ev = ParquetReader(
