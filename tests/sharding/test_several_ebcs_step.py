@@ -185,3 +185,32 @@ def test_a_batch_that_does_not_say_which_field_feeds_an_ebc_is_refused():
     both = _batches("shared")[0].sparse_features
     with pytest.raises(UserError, match=r"fields sparse_features, user_features all hold.*'items' \(f0, f1\)"):
         step.step(TwoFields(b.dense_features, both, both, b.labels))
+
+
+def test_a_model_with_other_sharded_modules_is_refused_by_name():
+    """An FP-EBC (its own forward runs the EBC inside it) or an EmbeddingCollection beside the EBCs:
+    refused in one line naming each, before anything runs."""
+    from torchrec.modules.embedding_configs import EmbeddingConfig
+    from torchrec.modules.embedding_modules import EmbeddingCollection
+
+    import tpurec
+    from tpurec.errors import UserError
+    from tpurec.sharding.compiled_step import CompiledStep
+    from tpurec.sharding.pipelined_step import PipelinedStep
+
+    from .test_fpebc_dmp import _Model as FPModel
+
+    fp = tpurec.DistributedModelParallel(FPModel(), device="cpu", batch_size=BATCH)
+    with pytest.raises(UserError, match=r"also has fp \(ShardedFeatureProcessedEmbeddingBagCollection\)"):
+        CompiledStep(fp, DENSE_LR)
+
+    class WithEC(TwoEBCs):
+        def __init__(self) -> None:
+            super().__init__("shared")
+            config = EmbeddingConfig(name="s0", embedding_dim=DIM, num_embeddings=ROWS, feature_names=["s"])
+            self.seq = EmbeddingCollection([config], device=torch.device("meta"))
+
+    torch.manual_seed(0)
+    ec = tpurec.DistributedModelParallel(WithEC(), device="cpu", batch_size=BATCH)
+    with pytest.raises(UserError, match=r"PipelinedStep steps sharded EmbeddingBagCollections only.*seq \(Sharded"):
+        PipelinedStep(ec, DENSE_LR)

@@ -48,9 +48,23 @@ class ModuleInputs:
 
 
 def sharded_ebcs(model: nn.Module, who: str) -> list[Any]:
-    """The model's tpurec-sharded EmbeddingBagCollections, in module order; at least one."""
+    """The model's tpurec-sharded EmbeddingBagCollections, in module order; at least one. Any other
+    sharded module (an EmbeddingCollection, a FeatureProcessedEmbeddingBagCollection, whose own
+    forward runs the EBC inside it, stock TorchRec's) is refused by name: the step would hand it
+    SparseCore inputs it does not take."""
+    from torchrec.distributed.types import ShardedModule
+
     from tpurec.sharding.sharder import ShardedSparseCoreEBC
 
+    others = []
+    for name, m in model.named_modules():
+        if isinstance(m, ShardedModule) and not isinstance(m, ShardedSparseCoreEBC):
+            others.append(f"{name or 'the model'} ({type(m).__name__})")
+    if others:
+        raise UserError(
+            f"{who} steps sharded EmbeddingBagCollections only; this model also has {', '.join(others)}: "
+            "train it with the eager step"
+        )
     found = [m for m in model.modules() if isinstance(m, ShardedSparseCoreEBC)]
     if not found:
         raise UserError(
