@@ -33,8 +33,10 @@ def test_bench_data_code_path_emits_the_keys(tmp_path, capsys):
         "tpurec_in_memory_samples_per_s",
         "converter_mb_per_s",
         "ratio_vs_torchrec_cpu",
+        "tpurec_decode_threads_samples_per_s",
     ):
         assert res[key] > 0
+    assert res["tpurec_decode_threads"] >= 1
     assert res["rows"] == 20000 and res["batch_size"] == 8192
     assert abs(res["ratio_vs_torchrec"] - res["tpurec_samples_per_s"] / res["torchrec_samples_per_s"]) < 2e-3
 

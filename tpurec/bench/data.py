@@ -156,11 +156,13 @@ def run_bench(
         synth_s = synth_time.wall
         multi_hot = any(f.get("multi_hot") for f in dataset_metadata(str(pq_dir)).get("sparse", []))
 
-        def tpurec_iter(prefetch):
-            return lambda: ParquetReader(str(pq_dir), BATCH, prefetch=prefetch)
+        def tpurec_iter(prefetch, decode_threads=1):
+            return lambda: ParquetReader(str(pq_dir), BATCH, prefetch=prefetch, decode_threads=decode_threads)
 
         tp_wall, tp_cpu, tp_rows = _time_iter(tpurec_iter(0), passes)
         tp_pf, _, _ = _time_iter(tpurec_iter(2), passes)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        tp_threads, _, _ = _time_iter(tpurec_iter(2, cores), passes) if cores > 1 else (tp_pf, 0.0, 0)
         cached = ParquetReader(str(pq_dir), BATCH, prefetch=0, cache=True)
         for _ in cached:  # first epoch decodes and fills the cache, like torchrec's load
             pass
@@ -197,6 +199,8 @@ def run_bench(
             "tpurec_samples_per_s": round(tp_wall),
             "tpurec_cpu_samples_per_s": round(tp_cpu),
             "tpurec_prefetch_samples_per_s": round(tp_pf),
+            "tpurec_decode_threads": cores,
+            "tpurec_decode_threads_samples_per_s": round(tp_threads),
             "tpurec_in_memory_samples_per_s": round(tp_mem),
             **(torchrec or dict.fromkeys(TORCHREC_FIGURES)),
             "torchrec_skipped": None
