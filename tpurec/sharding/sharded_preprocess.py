@@ -140,6 +140,26 @@ class ShardedActivations:
         return self.prepared.batch
 
 
+@dataclass
+class ModuleInputs:
+    """A batch field's KJT after the host half of every sharded EBC it feeds, in the field's place
+    (tpurec/sharding/step_inputs.py: which field feeds which module)."""
+
+    parts: list[Any]  # ShardedPreprocessed or ShardedActivations, one per sharded EBC the field feeds
+    batch: int  # the KJT's stride
+
+    def stride(self) -> int:
+        """The batch size, as a KeyedJaggedTensor says it (models call `features.stride()`)."""
+        return self.batch
+
+    def part_for(self, module: Any) -> Any:
+        for part in self.parts:
+            owner = part.prepared.owner if isinstance(part, ShardedActivations) else part.owner
+            if owner is module:
+                return part
+        raise ValueError("this batch field holds no SparseCore inputs for this sharded module")
+
+
 def lookup_sharded(module: Any, prepared: ShardedPreprocessed) -> RawActivations:
     """SparseCore forward: each stack's lookup op on the tables as they are now; no autograd graph."""
     _check_owner(module, prepared)

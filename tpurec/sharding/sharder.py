@@ -33,13 +33,13 @@ from tpurec.planner.kernel_choice import COMPUTE_KERNEL, SHARDING_TYPES, shardin
 from tpurec.sharding.host_input_dist import HostInputDistMixin
 from tpurec.sharding.kernel_module import SparseCoreEmbeddingBag
 from tpurec.sharding.sharded_preprocess import (
+    ModuleInputs,
     ShardedActivations,
     ShardedPreprocessed,
     compute_preprocessed,
     output_dist_activations,
 )
 from tpurec.sharding.sharded_state import SparseCoreShardedMixin, shard_slice
-from tpurec.sharding.step_inputs import ModuleInputs
 
 
 class SparseCoreGroupedLookup(GroupedPooledEmbeddingsLookup):

@@ -18,33 +18,13 @@ collectives would still run, and a pipelined step would update its tables from a
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from tpurec.errors import UserError
-from tpurec.sharding.sharded_preprocess import ShardedActivations, ShardedPreprocessed
-
-
-@dataclass
-class ModuleInputs:
-    """A batch field's KJT after the host half of every sharded EBC it feeds, in the field's place."""
-
-    parts: list[Any]  # ShardedPreprocessed or ShardedActivations, one per sharded EBC the field feeds
-    batch: int  # the KJT's stride
-
-    def stride(self) -> int:
-        """The batch size, as a KeyedJaggedTensor says it (models call `features.stride()`)."""
-        return self.batch
-
-    def part_for(self, module: Any) -> Any:
-        for part in self.parts:
-            owner = part.prepared.owner if isinstance(part, ShardedActivations) else part.owner
-            if owner is module:
-                return part
-        raise ValueError("this batch field holds no SparseCore inputs for this sharded module")
+from tpurec.sharding.sharded_preprocess import ModuleInputs, ShardedPreprocessed
 
 
 def sharded_ebcs(model: nn.Module, who: str) -> list[Any]:
