@@ -507,3 +507,60 @@ def test_an_id_outside_its_table_stops_the_pooled_pass_with_its_row(tmp_path):
     with pytest.raises(DataError, match=r"d\.parquet: row group 4.*'a'.*90000"):
         DemandTally(_two_tables(), _TWO_TABLES).count_stream(ParquetReader(tmp_path, 64, ids_only=True), 2)
     assert threading.active_count() == before
+
+
+@pytest.mark.parametrize(("multi_hot", "threads"), [(True, 3), (False, 4), (False, 2)])
+def test_the_batches_counted_at_once_stay_within_what_memory_holds(tmp_path, multi_hot, threads, monkeypatch):
+    """max_held=1 (one batch fits the host's memory): one batch counted at a time whatever the
+    threads; max_held=2: at most two; the same figures as one thread's. `batches_in_memory` is half
+    the available memory over a global batch's bytes."""
+    import threading
+
+    from tpurec.data.reader import ParquetReader
+    from tpurec.planner import limits_cli
+    from tpurec.planner.id_limits import DemandTally
+
+    if multi_hot:
+        _multi_hot_dir(tmp_path, 1000)
+    else:  # the multi-hot column dropped: one-hot data (the counting workers' route)
+        import pyarrow.parquet as pq
+
+        _multi_hot_dir(tmp_path, 1000)
+        t = pq.read_table(tmp_path / "d.parquet").drop_columns(["a"])
+        from tpurec.data.schema import DataSchema, SparseFeature
+
+        schema = DataSchema(dense=["I1"], sparse=[SparseFeature("b", 40)])
+        (tmp_path / "d.parquet").unlink()
+        pq.write_table(t.cast(schema.arrow_schema()), tmp_path / "d.parquet", row_group_size=150)
+    tables = _two_tables() if multi_hot else _two_tables()[1:]
+    lock, busy, most = threading.Lock(), [0], [0]
+    figures = DemandTally.figures
+
+    def counting(self, ids):
+        with lock:
+            busy[0] += 1
+            most[0] = max(most[0], busy[0])
+        try:
+            return figures(self, ids)
+        finally:
+            with lock:
+                busy[0] -= 1
+
+    monkeypatch.setattr(DemandTally, "figures", counting)
+    serial = DemandTally(tables, _TWO_TABLES)
+    serial.count_stream(list(ParquetReader(tmp_path, 64, ids_only=True)), 1)
+    for held in (1, 2):
+        most[0] = 0
+        tally = DemandTally(tables, _TWO_TABLES)
+        assert tally.count_stream(ParquetReader(tmp_path, 64, ids_only=True), threads, max_held=held) == 1000
+        assert 1 <= most[0] <= held
+        assert tally.per_batch == serial.per_batch
+
+    meta = {"dense": ["I1"], "sparse": [{"name": "a"}, {"name": "b"}], "multi_hot_sizes": [10, 1]}
+    per_row = limits_cli.batch_bytes_per_row(meta)  # 4 + 4 + 8 * 11 + 4 * 2
+    assert per_row == 104
+    layout = {"batch_size_per_device": 1000, "world_size": 4}
+    monkeypatch.setattr("tpurec.runtime.host_resources.available_bytes", lambda: 10 * 4000 * per_row)
+    assert limits_cli.batches_in_memory("unused", layout, meta) == 5
+    monkeypatch.setattr("tpurec.runtime.host_resources.available_bytes", lambda: 4000 * per_row)
+    assert limits_cli.batches_in_memory("unused", layout, meta) == 1

@@ -137,11 +137,17 @@ class DemandTally:
         self.record(self.figures(kjt))
 
     def count_stream(
-        self, batches: Iterable[Any], threads: int = 1, on_batch: Callable[[], object] | None = None
+        self,
+        batches: Iterable[Any],
+        threads: int = 1,
+        on_batch: Callable[[], object] | None = None,
+        max_held: int | None = None,
     ) -> int:
         """Counts every batch of `batches` (objects with `.sparse_features`; a ParquetReader's batches
         are taken as its `id_columns`, the ids counted where decoded) with `threads` threads in
-        all, and returns the rows seen; figures are recorded in batch order.
+        all, and returns the rows seen; figures are recorded in batch order. At most `max_held`
+        batches wait for their counts at once (None: `threads`; `batches_in_memory` bounds it by the
+        host's memory), the decoding pausing meanwhile.
 
         * A ParquetReader of multi-hot data, threads >= 2: one pool of `threads` threads decodes its
           windows (two ahead) and counts its batches, task by task, the caller only handing them
@@ -162,8 +168,11 @@ class DemandTally:
         from tpurec.data.reader import IdColumns, ParquetReader
 
         rows = 0
+        # batches waiting for their counts once the next is handed over: `threads`, fewer where
+        # the host's memory holds fewer (`max_held` batches at once, the one being read included)
+        waiting = threads if max_held is None else max(0, min(threads, max_held - 1))
         if isinstance(batches, ParquetReader) and threads >= 2 and any(f.multi_hot for f in batches.schema.sparse):
-            return self._count_on_one_pool(batches, threads, on_batch)
+            return self._count_on_one_pool(batches, threads, on_batch, waiting)
         stream: Iterable[Any] = (
             batches.id_columns() if isinstance(batches, ParquetReader) else (b.sparse_features for b in batches)
         )
@@ -172,7 +181,9 @@ class DemandTally:
             # with two threads, a reader's last two batches are counted side by side: its decoding
             # thread has then (but for windows shorter than a batch) nothing left to decode, and
             # the pass would otherwise end on one thread counting the last window's batches in turn
-            last_two = len(batches) - 2 if threads == 2 and isinstance(batches, ParquetReader) else -1
+            last_two = -1
+            if threads == 2 and waiting >= 1 and isinstance(batches, ParquetReader):
+                last_two = len(batches) - 2
             held = None
             for i, ids in enumerate(stream):
                 rows += ids.stride if isinstance(ids, IdColumns) else ids.stride()
@@ -202,7 +213,7 @@ class DemandTally:
             for ids in stream:
                 pending.append(pool.submit(self.figures, ids))
                 rows += ids.stride if isinstance(ids, IdColumns) else ids.stride()
-                if len(pending) > workers:  # (batches held: one per counting thread, and the next)
+                if len(pending) > min(workers, waiting):  # (batches held: one per counting thread, and the next)
                     self.record(pending.popleft().result())
                     if on_batch:
                         on_batch()
@@ -212,9 +223,10 @@ class DemandTally:
                     on_batch()
         return rows
 
-    def _count_on_one_pool(self, reader: Any, threads: int, on_batch: Callable[[], object] | None) -> int:
+    def _count_on_one_pool(self, reader: Any, threads: int, on_batch: Callable[[], object] | None, waiting: int) -> int:
         """count_stream's shared pool: `threads` threads decode the reader's windows and count its
-        batches; at most `threads` batches wait for their counts (memory: the windows they view)."""
+        batches; at most `waiting` batches wait for their counts while the next is read (memory: the
+        windows they view)."""
         from collections import deque
 
         rows = 0
@@ -225,7 +237,7 @@ class DemandTally:
                 for ids in batches:
                     rows += ids.stride
                     pending.append(pool.submit(self.figures, ids))
-                    while pending and (len(pending) > threads or pending[0].done()):
+                    while pending and (len(pending) > waiting or pending[0].done()):
                         self.record(pending.popleft().result())
                         if on_batch:
                             on_batch()

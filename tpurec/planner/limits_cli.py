@@ -194,6 +194,21 @@ def batch_bytes_per_row(meta: dict) -> int:
     return 4 + 4 * len(meta.get("dense") or []) + 8 * ids + 4 * len(sparse)
 
 
+def batches_in_memory(path: str, layout: dict, meta: dict | None = None) -> int | None:
+    """How many global batches the stats pass may hold at once (counted side by side, or waiting):
+    half of this host's available memory over a batch's bytes, at least 1; None where unknown. On a
+    host of many cores, `--threads` batches of 2M samples each would otherwise outgrow its memory."""
+    from tpurec.data.schema import dataset_metadata
+    from tpurec.runtime.host_resources import available_bytes
+
+    memory = available_bytes()
+    if memory is None:
+        return None
+    per_row = batch_bytes_per_row(meta if meta is not None else dataset_metadata(path))
+    need = layout["batch_size_per_device"] * layout["world_size"] * per_row
+    return max(1, memory // 2 // max(need, 1))
+
+
 def check_batch_memory(path: str, layout: dict, flag_given: bool, meta: dict | None = None) -> None:
     """Refuse a batch this host cannot hold once, before the reader allocates it: `--batch-size 1e9`
     tried to allocate 416 GB and died with a RuntimeError traceback."""
@@ -271,7 +286,8 @@ def _run(args: argparse.Namespace, remap: RemappedIds | None = None) -> int:
     show = not args.quiet and sys.stderr.isatty()
     start = time.perf_counter()
     with tqdm(total=len(reader), unit="batch", disable=not show, desc="tpurec data stats") as bar:
-        rows = tally.count_stream(reader, threads, on_batch=lambda: bar.update(1))
+        held = batches_in_memory(args.path, layout, meta)
+        rows = tally.count_stream(reader, threads, on_batch=lambda: bar.update(1), max_held=held)
     seconds = time.perf_counter() - start
     if rows == 0:
         raise UserError(f"{args.path}: no rows to measure")
