@@ -62,7 +62,21 @@ def _dlrm_tiny_every_sharding_type() -> tuple[Any, Any]:
     return build_model(get_config("dlrm-tiny")), constraints
 
 
-MODELS = {"small": _small_dlrm, "dlrm-tiny": _dlrm_tiny_every_sharding_type}
+def _two_ebcs() -> tuple[Any, Any]:
+    """Two sharded EBCs, each fed a KJT field of its own (tests/sharding/test_several_ebcs_step.py)."""
+    from torchrec.optim import RowWiseAdagrad
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    from tests.sharding.test_several_ebcs_step import TwoEBCs
+
+    model = TwoEBCs("split")
+    apply_optimizer_in_backward(
+        RowWiseAdagrad, [*model.items.parameters(), *model.users.parameters()], {"lr": TABLE_LR}
+    )
+    return model, None
+
+
+MODELS = {"small": _small_dlrm, "dlrm-tiny": _dlrm_tiny_every_sharding_type, "two-ebcs": _two_ebcs}
 
 
 def _dmp(model_name: str) -> Any:
@@ -88,6 +102,15 @@ def _batches(dmp: Any, n: int, rank: int, world: int) -> list:
     from torchrec.datasets.utils import Batch
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+    if not hasattr(dmp.module, "model"):  # the two EBCs: dlrm_case's ids, f2 and f3 in a field of their own
+        from tests.sharding.test_pipelined_step import disjoint_batches
+        from tests.sharding.test_several_ebcs_step import TwoFields
+
+        two = []
+        for b in disjoint_batches(n, BATCH, rank, world):
+            items, users = b.sparse_features.split([2, 2])
+            two.append(TwoFields(b.dense_features.to("tpu"), items, users, b.labels.to("tpu")))
+        return two
     ebc = dmp.module.model.sparse_arch.embedding_bag_collection
     configs = ebc._embedding_bag_configs  # TorchRec keeps them on the sharded module
     keys = [f for c in configs for f in c.feature_names]

@@ -86,6 +86,16 @@ def test_compiled_dmp_step_on_the_emulated_device_is_one_graph_and_equals_eager(
     assert "got a host tensor of shape (32, 5)" in error
 
 
+def test_two_sharded_ebcs_compile_to_one_program_on_the_emulated_device(tmp_path):
+    """Two sharded EBCs fed a KJT field each (step_inputs.py): on the device, one graph, one program
+    asked for by the first step, and the eager step's numbers bit for bit."""
+    seen = _one_rank(tmp_path, "--model", "two-ebcs")
+    assert seen["world"] == 1
+    _assert_trains_as_eager(seen)
+    assert seen["explain"]["graphs"] == 1 and seen["explain"]["breaks"] == 0, seen["explain"]["reasons"]
+    assert len(seen["compiled_programs"]) == 1 and all(new == [] for new in seen["new_programs_by_step"][1:])
+
+
 @pytest.mark.slow  # four ranks, two dlrm-tiny DMPs each: 35 s, minutes on a loaded host
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("oracle", ["allreduce", "ddp"])
