@@ -197,11 +197,14 @@ class PipelinedStep:
         over = any(over_limits(p) for p in prepared)
         if self.group is None or self.world_size == 1:
             return over
-        import torch.distributed._functional_collectives as funcol
-
-        device = self.dense_params[0].device if self.dense_params else torch.device("cpu")
+        # A flag on the host where the group has a CPU backend (tpurec's TPU group pairs gloo with
+        # tpu_dist: dmp.process_group_backend): reading it back waits for the other hosts, not for
+        # this device's queue of work; else on the device, as the dense parameters are.
+        host = "gloo" in str(dist.get_backend(self.group))
+        device = torch.device("cpu") if host or not self.dense_params else self.dense_params[0].device
         flag = torch.tensor([int(over)], dtype=torch.int32, device=device)
-        return bool(funcol.all_reduce(flag, "sum", self.group).item())
+        dist.all_reduce(flag, group=self.group)
+        return bool(flag.item())
 
     @contextlib.contextmanager
     def _table_lr(self, lrs: list[float]) -> Iterator[None]:
