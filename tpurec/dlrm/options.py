@@ -374,8 +374,9 @@ class TrainOptions:
 
     def _step_problem(self) -> str | None:
         """What --step compiled/pipelined cannot run: their dense update implements torch.optim's SGD,
-        Adagrad and Adam (tpurec/sharding/dense_update.py), and they take the built-in DLRM's one
-        sharded EBC; both run on the CPU and the emulated TPU (not yet on a real one)."""
+        Adagrad and Adam (tpurec/sharding/dense_update.py), and they take sharded EBCs (the built-in
+        DLRM's, a --model-module's), not --zch's managed-collision modules; both run on the CPU and the
+        emulated TPU (not yet on a real one)."""
         if self.step == "eager":
             return None
         try:
@@ -385,10 +386,8 @@ class TrainOptions:
         if cfg.dense_optimizer not in STEP_DENSE_OPTIMIZERS:
             known, opt = "|".join(STEP_DENSE_OPTIMIZERS), cfg.dense_optimizer
             return f"--step {self.step} updates the dense parameters with --dense-optimizer {known} (not {opt})"
-        given = [f for f in ("model_module", "zch") if getattr(self, f)]
-        if given:
-            flag_name = flags.option_string(given[0])
-            return f"--step {self.step} trains the built-in DLRM without {flag_name} (use --step eager)"
+        if self.zch:  # TorchRec's managed-collision modules: sharded modules the steps do not take
+            return f"--step {self.step} trains without {flags.option_string('zch')} (use --step eager)"
         if self.step == "compiled" and not self.id_limits:
             return (
                 "--step compiled needs fixed SparseCore buffer sizes: give --limits LIMITS.json (`tpurec data stats`)"
