@@ -266,6 +266,7 @@ def test_bench_stats_reports_the_ratio_to_the_reader_with_its_worst_round(synth_
     assert res["rows"] == 5000 and res["global_batch"] == 512 * 4 and res["rounds"] == 2
     assert 0 < res["worst_ratio_vs_reader"] <= res["ratio_vs_reader"] <= res["best_ratio_vs_reader"]
     assert len(res["load_average"]) == 2 and res["stats_rows_per_s"] > 0
+    assert res["route"] == "split"  # dlrm-tiny's one-hot data: the reader's thread beside the counting caller
 
 
 def test_data_stats_measures_a_users_own_model_module(synth_dir, tmp_path, monkeypatch, capsys):

@@ -56,6 +56,9 @@ def run_bench(path: str, model: str, topology: str, batch_size: int | None, roun
         "global_batch": batch,
         "threads": threads,
         "stats_reads": "id columns",
+        # count_stream's route: one pool decoding and counting (multi-hot data, 2+ threads), or the
+        # reader's decoding thread beside the counting caller (and threads - 2 counting threads)
+        "route": "pool" if threads >= 2 and any(f.multi_hot for f in reader(True).schema.sparse) else "split",
         "rounds": rounds,
         "reader_rows_per_s": round(rows / r_read.median),
         "stats_rows_per_s": round(rows / r_stats.median),
@@ -77,7 +80,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--threads",
         type=positive_int,
         default=None,
-        help="the stats pass's threads in all, the reader's two included (default: cores), as data stats counts them",
+        help="the stats pass's threads in all (default: cores), as data stats counts them",
     )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(run=run)

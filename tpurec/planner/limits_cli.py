@@ -56,7 +56,11 @@ def register(actions: argparse._SubParsersAction) -> None:
     s.add_argument("--batch-size", type=positive_int, default=None, help="batch per device (default: as tpurec plan)")
     s.add_argument("--out", required=True, metavar="FILE", help="the limits file to write (JSON)")
     s.add_argument(
-        "--threads", type=positive_int, default=None, help="threads in all, the reader's two included (default: cores)"
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="threads in all (default: cores): on multi-hot data one pool decodes and counts; "
+        "else two read and the rest count",
     )
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     from tpurec.data.mapping import add_flags
