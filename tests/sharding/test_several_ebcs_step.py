@@ -214,3 +214,31 @@ def test_a_model_with_other_sharded_modules_is_refused_by_name():
     ec = tpurec.DistributedModelParallel(WithEC(), device="cpu", batch_size=BATCH)
     with pytest.raises(UserError, match=r"PipelinedStep steps sharded EmbeddingBagCollections only.*seq \(Sharded"):
         PipelinedStep(ec, DENSE_LR)
+
+
+class _ReadsTheKJT(TwoEBCs):
+    """Reads its KJT's keys before handing it to the EBCs: it needs the KJT itself."""
+
+    def forward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if len(batch.sparse_features.keys()) != 4:
+            raise AssertionError("a batch of four features")
+        return super().forward(batch)
+
+
+@pytest.mark.parametrize("kind", ["compiled", "pipelined"])
+def test_a_model_that_reads_its_kjt_gets_one_line_saying_so(kind, monkeypatch):
+    """The steps hand the model's EBCs their SparseCore inputs in the KJT's place: a forward that reads
+    the KJT's own attributes is told so in one UserError line (out of Dynamo's trace too), not an
+    AttributeError deep in a compiled frame."""
+    from tpurec.errors import UserError
+    from tpurec.sharding.compiled_step import CompiledStep
+    from tpurec.sharding.pipelined_step import PipelinedStep
+
+    monkeypatch.setattr(__import__(__name__, fromlist=["TwoEBCs"]), "TwoEBCs", _ReadsTheKJT)
+    dmp = _dmp("shared")
+    assert isinstance(dmp.module, _ReadsTheKJT)
+    step: Any = CompiledStep(dmp, DENSE_LR) if kind == "compiled" else PipelinedStep(dmp, DENSE_LR)
+    batches = _batches("shared")
+    with pytest.raises(UserError, match=r"the model's forward reads `\.keys` of it, which needs the KJT itself"):
+        for b in batches[:3]:
+            step.step(b)

@@ -23,13 +23,16 @@ batch; without them they follow the batch's ids, and a batch with new sizes comp
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import re
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from tpurec.errors import UserError
 from tpurec.sharding import step_inputs
 from tpurec.sharding.dense_update import DenseOptimizer
 from tpurec.sharding.sharded_preprocess import over_limits
@@ -99,7 +102,7 @@ class CompiledStep:
             self.eager_steps += 1
         # loss.backward() inside the graph: Dynamo traces it only with this set (TorchRec's
         # SparseCoreTrainPipeline sets it for the whole process; here only around the step)
-        with torch._dynamo.config.patch(trace_autograd_ops=True):
+        with torch._dynamo.config.patch(trace_autograd_ops=True), user_errors_of_the_trace():
             out: torch.Tensor = run(prepared, self.dense.lr_inputs(), self.dense.state_inputs())
         return out
 
@@ -117,6 +120,26 @@ class CompiledStep:
         # update written traceably, on the optimizer's own state (dense_update.py)
         self.dense.apply(lrs, states)
         return loss.detach()
+
+
+@contextlib.contextmanager
+def user_errors_of_the_trace() -> Iterator[None]:
+    """A tpurec UserError raised while Dynamo traces a step (the model reading its KJT where the step
+    hands it SparseCore inputs: `ModuleInputs`) comes out of torch.compile as `Unsupported: Observed
+    exception`, the error's text inside its cause; raised here as that UserError again (one line).
+    Nothing of the step ran: Dynamo traces the whole graph before running it (fullgraph)."""
+    try:
+        yield
+    except torch._dynamo.exc.Unsupported as e:
+        from torch._dynamo.exc import observed_exception_map
+
+        cause = e.__cause__
+        ours = {v for k, v in observed_exception_map.items() if isinstance(k, type) and issubclass(k, UserError)}
+        if cause is None or type(cause) not in ours:
+            raise
+        text = str(cause)
+        found = re.search(r"exception \w+\(([\"'])(.*)\1\)", text, re.S)
+        raise UserError(found.group(2) if found else text) from None
 
 
 def default_backend(sharded: ShardedSparseCoreEBC) -> str:

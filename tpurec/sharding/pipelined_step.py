@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tpurec.sharding import step_inputs
-from tpurec.sharding.compiled_step import LossFn, default_backend, model_loss
+from tpurec.sharding.compiled_step import LossFn, default_backend, model_loss, user_errors_of_the_trace
 from tpurec.sharding.dense_update import DenseOptimizer
 from tpurec.sharding.sharded_preprocess import (
     RawActivations,
@@ -140,7 +140,8 @@ class PipelinedStep:
             # loss.backward() in the graph; t's table update (in it) at the lr t's model stage saw
             with torch._dynamo.config.patch(trace_autograd_ops=True), self._table_lr(self._behind_lr):
                 dense = (self.dense.lr_inputs(), self.dense.state_inputs())
-                raw, grads, loss = self._steady_fn(self._behind, self._ahead, prepared, *dense)
+                with user_errors_of_the_trace():
+                    raw, grads, loss = self._steady_fn(self._behind, self._ahead, prepared, *dense)
             self.updated_batches += 1
         self._behind = _behind(self._ahead, grads)
         self._behind_lr = [float(g["lr"]) for g in self._table_groups]

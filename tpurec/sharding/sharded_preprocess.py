@@ -140,6 +140,11 @@ class ShardedActivations:
         return self.prepared.batch
 
 
+class KJTNeeded(UserError, AttributeError):
+    """The model read a KeyedJaggedTensor's attribute of a batch field a step replaced by `ModuleInputs`
+    (an AttributeError too: `hasattr` probes see the attribute missing, as it is)."""
+
+
 @dataclass
 class ModuleInputs:
     """A batch field's KJT after the host half of every sharded EBC it feeds, in the field's place
@@ -151,6 +156,19 @@ class ModuleInputs:
     def stride(self) -> int:
         """The batch size, as a KeyedJaggedTensor says it (models call `features.stride()`)."""
         return self.batch
+
+    def __getattr__(self, name: str) -> Any:
+        # (called only for names the dataclass does not have: a KeyedJaggedTensor's methods)
+        if name.startswith("__"):  # Python's and libraries' protocol probes (copy, pickle, pytree)
+            raise AttributeError(name)
+        raise KJTNeeded(
+            f"the compiled/pipelined step hands the model its sharded EmbeddingBagCollections' SparseCore "
+            f"inputs in place of the batch's KeyedJaggedTensor; the model's forward reads `.{name}` of it, "
+            "which needs the KJT itself: hand the KJT to the EBCs unchanged, or train with the eager step"
+        )
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.__getattr__(f"[{key!r}]")
 
     def part_for(self, module: Any) -> Any:
         for part in self.parts:
