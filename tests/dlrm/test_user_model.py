@@ -115,6 +115,35 @@ def test_my_model_trains_with_the_compiled_and_pipelined_steps(my_data, tmp_path
     assert abs(runs["pipelined"]["logloss"] - runs["eager"]["logloss"]) < 5e-3  # measured: 0.5024 against 0.5047
 
 
+def test_a_model_of_two_ebcs_trains_with_every_step(tmp_path, capsys, monkeypatch):
+    """tests/dlrm/two_ebc_model.py (two EBCs handed one KJT): data synth, data stats and 20 steps of
+    each --step from its --model-module; the compiled step's losses and eval figures are the eager
+    step's bit for bit, the pipelined step's within its staleness."""
+    from tpurec.cli import main
+
+    monkeypatch.setenv("TPUREC_CACHE", str(tmp_path / "cache"))
+    target = f"{REPO / 'tests' / 'dlrm' / 'two_ebc_model.py'}:build"
+    data, limits = str(tmp_path / "data"), str(tmp_path / "limits.json")
+    assert (
+        main(["data", "synth", "--model-module", target, "--rows", "8000", "--row-group-size", "2048", "--out", data])
+        == 0
+    )
+    stats = ["data", "stats", data, "--model-module", target, "--topology", "cpu-1", "--batch-size", "256"]
+    assert main([*stats, "--out", limits, "--quiet"]) == 0
+    capsys.readouterr()
+    common = ["--model-module", target, "--data", data, "--batch-size", 256, "--steps", 20, "--eval-every", 20]
+    runs, losses = {}, {}
+    for step in ("eager", "compiled", "pipelined"):
+        metrics = tmp_path / f"{step}.csv"
+        runs[step], _ = _train_here(
+            capsys, *common, "--step", step, "--limits", limits, "--keep", 0, "--metrics-out", metrics
+        )
+        losses[step] = [float(r["loss"]) for r in csv.DictReader(metrics.open()) if r["kind"] == "train"]
+    assert len(losses["eager"]) == 20 and losses["compiled"] == losses["eager"]
+    assert (runs["compiled"]["auc"], runs["compiled"]["logloss"]) == (runs["eager"]["auc"], runs["eager"]["logloss"])
+    assert abs(runs["pipelined"]["logloss"] - runs["eager"]["logloss"]) < 5e-3
+
+
 @pytest.mark.parametrize(
     ("target", "says"),
     [
