@@ -88,29 +88,35 @@ def test_train_my_model_learns_and_resumes_to_the_uninterrupted_runs_numbers(my_
     assert (a["auc"], a["logloss"]) == (b["auc"], b["logloss"])
 
 
+def _every_step(capsys, target: str, data, tmp_path) -> tuple[dict, dict, dict]:
+    """Limits measured by `data stats --model-module` (cpu-1, batch 256), then 20 steps of each
+    --step with them: (result lines, per-step train losses, stderr) by step."""
+    from tpurec.cli import main
+
+    limits = str(tmp_path / "limits.json")
+    stats = ["data", "stats", str(data), "--model-module", target, "--topology", "cpu-1", "--batch-size", "256"]
+    assert main([*stats, "--out", limits, "--quiet"]) == 0
+    capsys.readouterr()
+    common = ["--model-module", target, "--data", data, "--batch-size", 256, "--steps", 20, "--eval-every", 20]
+    runs, losses, errs = {}, {}, {}
+    for step in ("eager", "compiled", "pipelined"):
+        metrics = tmp_path / f"{step}.csv"
+        flags = ("--step", step, "--limits", limits, "--keep", 0, "--metrics-out", metrics)
+        runs[step], errs[step] = _train_here(capsys, *common, *flags)
+        losses[step] = [float(r["loss"]) for r in csv.DictReader(metrics.open()) if r["kind"] == "train"]
+    assert len(losses["eager"]) == 20 and losses["compiled"] == losses["eager"]  # every step's, bit for bit
+    assert (runs["compiled"]["auc"], runs["compiled"]["logloss"]) == (runs["eager"]["auc"], runs["eager"]["logloss"])
+    return runs, losses, errs
+
+
 def test_my_model_trains_with_the_compiled_and_pipelined_steps(my_data, tmp_path, capsys, monkeypatch):
     """--step compiled with limits measured by `data stats --model-module`: one graph, every step's loss
     and the eval figures bit-equal to the eager step's (a MEAN table and a table two features share
     among the model's); --step pipelined, compiled too, within its one step of table staleness."""
-    from tpurec.cli import main
-
     monkeypatch.setenv("TPUREC_CACHE", str(tmp_path / "cache"))
-    limits = tmp_path / "limits.json"
-    stats = ["data", "stats", str(my_data), "--model-module", EXAMPLE, "--topology", "cpu-1", "--batch-size", "256"]
-    assert main([*stats, "--out", str(limits), "--quiet"]) == 0
-    capsys.readouterr()
-    common = ["--model-module", EXAMPLE, "--data", my_data, "--batch-size", 256, "--steps", 20, "--eval-every", 20]
-    runs, losses = {}, {}
-    for step in ("eager", "compiled", "pipelined"):
-        metrics = tmp_path / f"{step}.csv"
-        runs[step], err = _train_here(
-            capsys, *common, "--step", step, "--limits", limits, "--keep", 0, "--metrics-out", metrics
-        )
-        losses[step] = [float(r["loss"]) for r in csv.DictReader(metrics.open()) if r["kind"] == "train"]
-        if step != "eager":
-            assert f"--step {step}: the steady step runs under torch.compile" in err
-    assert len(losses["eager"]) == 20 and losses["compiled"] == losses["eager"]
-    assert (runs["compiled"]["auc"], runs["compiled"]["logloss"]) == (runs["eager"]["auc"], runs["eager"]["logloss"])
+    runs, losses, errs = _every_step(capsys, EXAMPLE, my_data, tmp_path)
+    for step in ("compiled", "pipelined"):
+        assert f"--step {step}: the steady step runs under torch.compile" in errs[step]
     assert losses["pipelined"][0] == losses["eager"][0] and losses["pipelined"] != losses["eager"]  # stale from then on
     assert abs(runs["pipelined"]["logloss"] - runs["eager"]["logloss"]) < 5e-3  # measured: 0.5024 against 0.5047
 
@@ -123,24 +129,10 @@ def test_a_model_of_two_ebcs_trains_with_every_step(tmp_path, capsys, monkeypatc
 
     monkeypatch.setenv("TPUREC_CACHE", str(tmp_path / "cache"))
     target = f"{REPO / 'tests' / 'dlrm' / 'two_ebc_model.py'}:build"
-    data, limits = str(tmp_path / "data"), str(tmp_path / "limits.json")
-    assert (
-        main(["data", "synth", "--model-module", target, "--rows", "8000", "--row-group-size", "2048", "--out", data])
-        == 0
-    )
-    stats = ["data", "stats", data, "--model-module", target, "--topology", "cpu-1", "--batch-size", "256"]
-    assert main([*stats, "--out", limits, "--quiet"]) == 0
-    capsys.readouterr()
-    common = ["--model-module", target, "--data", data, "--batch-size", 256, "--steps", 20, "--eval-every", 20]
-    runs, losses = {}, {}
-    for step in ("eager", "compiled", "pipelined"):
-        metrics = tmp_path / f"{step}.csv"
-        runs[step], _ = _train_here(
-            capsys, *common, "--step", step, "--limits", limits, "--keep", 0, "--metrics-out", metrics
-        )
-        losses[step] = [float(r["loss"]) for r in csv.DictReader(metrics.open()) if r["kind"] == "train"]
-    assert len(losses["eager"]) == 20 and losses["compiled"] == losses["eager"]
-    assert (runs["compiled"]["auc"], runs["compiled"]["logloss"]) == (runs["eager"]["auc"], runs["eager"]["logloss"])
+    data = str(tmp_path / "data")
+    synth = ["data", "synth", "--model-module", target, "--rows", "8000", "--row-group-size", "2048"]
+    assert main([*synth, "--out", data]) == 0
+    runs, _, _ = _every_step(capsys, target, data, tmp_path)
     assert abs(runs["pipelined"]["logloss"] - runs["eager"]["logloss"]) < 5e-3
 
 

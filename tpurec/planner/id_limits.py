@@ -214,14 +214,16 @@ class DemandTally:
                 pending.append(pool.submit(self.figures, ids))
                 rows += ids.stride if isinstance(ids, IdColumns) else ids.stride()
                 if len(pending) > min(workers, waiting):  # (batches held: one per counting thread, and the next)
-                    self.record(pending.popleft().result())
-                    if on_batch:
-                        on_batch()
+                    self._record_first(pending, on_batch)
             while pending:
-                self.record(pending.popleft().result())
-                if on_batch:
-                    on_batch()
+                self._record_first(pending, on_batch)
         return rows
+
+    def _record_first(self, pending: Any, on_batch: Callable[[], object] | None) -> None:
+        """The oldest pending batch's figures, waited for and recorded (batch order)."""
+        self.record(pending.popleft().result())
+        if on_batch:
+            on_batch()
 
     def _count_on_one_pool(self, reader: Any, threads: int, on_batch: Callable[[], object] | None, waiting: int) -> int:
         """count_stream's shared pool: `threads` threads decode the reader's windows and count its
@@ -238,13 +240,9 @@ class DemandTally:
                     rows += ids.stride
                     pending.append(pool.submit(self.figures, ids))
                     while pending and (len(pending) > waiting or pending[0].done()):
-                        self.record(pending.popleft().result())
-                        if on_batch:
-                            on_batch()
+                        self._record_first(pending, on_batch)
                 while pending:
-                    self.record(pending.popleft().result())
-                    if on_batch:
-                        on_batch()
+                    self._record_first(pending, on_batch)
             finally:  # (an error: the reader's windows not started are dropped before the pool joins)
                 batches.close()
                 for f in pending:
