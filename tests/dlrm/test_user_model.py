@@ -121,6 +121,7 @@ def test_my_model_trains_with_the_compiled_and_pipelined_steps(my_data, tmp_path
     assert abs(runs["pipelined"]["logloss"] - runs["eager"]["logloss"]) < 5e-3  # measured: 0.5024 against 0.5047
 
 
+@pytest.mark.slow  # (tests/sharding/test_several_ebcs_step.py covers two EBCs in the default suite)
 def test_a_model_of_two_ebcs_trains_with_every_step(tmp_path, capsys, monkeypatch):
     """tests/dlrm/two_ebc_model.py (two EBCs handed one KJT): data synth, data stats and 20 steps of
     each --step from its --model-module; the compiled step's losses and eval figures are the eager
