@@ -123,13 +123,13 @@ def test_my_model_trains_with_the_compiled_and_pipelined_steps(my_data, tmp_path
 
 @pytest.mark.slow  # (tests/sharding/test_several_ebcs_step.py covers two EBCs in the default suite)
 def test_a_model_of_two_ebcs_trains_with_every_step(tmp_path, capsys, monkeypatch):
-    """tests/dlrm/two_ebc_model.py (two EBCs handed one KJT): data synth, data stats and 20 steps of
+    """examples/two_ebcs.py (two EBCs handed one KJT): data synth, data stats and 20 steps of
     each --step from its --model-module; the compiled step's losses and eval figures are the eager
     step's bit for bit, the pipelined step's within its staleness."""
     from tpurec.cli import main
 
     monkeypatch.setenv("TPUREC_CACHE", str(tmp_path / "cache"))
-    target = f"{REPO / 'tests' / 'dlrm' / 'two_ebc_model.py'}:build"
+    target = f"{REPO / 'examples' / 'two_ebcs.py'}:build"
     data = str(tmp_path / "data")
     synth = ["data", "synth", "--model-module", target, "--rows", "8000", "--row-group-size", "2048"]
     assert main([*synth, "--out", data]) == 0

@@ -1,5 +1,13 @@
-"""A --model-module of two EmbeddingBagCollections reading one KJT (users' and items' tables apart):
-tests/dlrm/test_user_model.py trains it with every --step."""
+"""A ranking model of two TorchRec EmbeddingBagCollections (users' tables and items' apart), both handed
+the batch's one KeyedJaggedTensor: each takes its own features, as TorchRec's input distribution
+selects them (docs/your_model.md).
+
+    tpurec data synth --model-module examples/two_ebcs.py:build --rows 20000 --out /tmp/two_data
+    tpurec data stats /tmp/two_data --model-module examples/two_ebcs.py:build --topology cpu-1 \
+        --batch-size 256 --out /tmp/two_limits.json
+    tpurec train --model-module examples/two_ebcs.py:build --data /tmp/two_data --steps 20 \
+        --batch-size 256 --step compiled --limits /tmp/two_limits.json
+"""
 
 import torch
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
