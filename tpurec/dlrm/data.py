@@ -180,12 +180,13 @@ def make_readers(
         batch_size = train.num_rows
         train = ParquetReader(train_units, batch_size, **train_opts, **common)
     # Eval: every row of the split, so ranks may hold different row counts; eval_batches() tops the
-    # shorter ranks up with empty batches so all run the same number of forward passes.
+    # shorter ranks up with empty batches so all run the same number of forward passes. Decoded
+    # ahead as the training reader is (a forward pass no longer waits on Parquet decoding).
     ev = ParquetReader(
         eval_units,
         min(eval_batch_size, max(1, _eval_rows(eval_units, world_size))),
         pad_last=True,
-        prefetch=0,
+        decode_threads=train_opts["decode_threads"],
         **common,
     )
     # every size is known: the dataset's, or raw ids hashed into (or remapped to) the model's tables
