@@ -35,7 +35,6 @@ from torch import nn
 from tpurec.errors import UserError
 from tpurec.sharding import step_inputs
 from tpurec.sharding.dense_update import DenseOptimizer
-from tpurec.sharding.sharded_preprocess import over_limits
 from tpurec.sharding.sharder import ShardedSparseCoreEBC
 from tpurec.sharding.step_inputs import FieldMap
 
@@ -93,7 +92,7 @@ class CompiledStep:
     def step(self, batch: Any) -> torch.Tensor:
         prepared = self.preprocess(batch)
         run = self.compiled
-        if any(over_limits(p) for p in step_inputs.parts(prepared)):
+        if any(step_inputs.over_limits(p) for p in step_inputs.parts(prepared)):
             # Over its fixed id limits (measured on other data, say) a batch runs as several passes,
             # with no fixed graph: this one step runs eagerly, the same arithmetic, rather than
             # compiling a graph for it or failing mid-training. Counted (and, per table, in the

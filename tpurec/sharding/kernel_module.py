@@ -30,7 +30,7 @@ from tpurec.embedding.kernel import KernelTable, SparseCoreKernel
 from tpurec.embedding.kernel_table import POOLINGS
 from tpurec.embedding.optimizers.registry import spec_from_fused_params
 from tpurec.embedding.preprocessed import PreprocessedFeatures
-from tpurec.embedding.sequence_kernel import SparseCoreSequenceKernel
+from tpurec.embedding.sequence_kernel import SequenceInputs, SparseCoreSequenceKernel
 from tpurec.embedding.settings import KernelSettings
 from tpurec.embedding.vbe import pad_to_common_batch, to_vbe_layout
 from tpurec.embedding.weight_grad import with_weight_grad
@@ -269,10 +269,21 @@ class SparseCoreEmbedding(_SparseCoreGroupKernel):
 
     def forward_padded(self, features: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The kernel's fixed-shape output and each id's row in it (SparseCoreSequenceKernel.forward_padded)."""
+        inputs = self.preprocess_padded(features)
+        return self.lookup_padded(inputs), inputs.id_rows()
+
+    def preprocess_padded(self, features: KeyedJaggedTensor) -> SequenceInputs:
+        """`forward_padded`'s host half (eager, ahead of a compiled step: tpurec/sharding/ec_preprocess.py)."""
         kernel = self.kernel
         assert isinstance(kernel, SparseCoreSequenceKernel)
-        out, rows = kernel.forward_padded(features)
-        return (out if self._output_dtype in (None, out.dtype) else out.to(self._output_dtype)), rows
+        return kernel.preprocess_sequence(features)
+
+    def lookup_padded(self, inputs: SequenceInputs) -> torch.Tensor:
+        """`forward_padded`'s device half: the lookup's whole output [rows, dim] (traceable by torch.compile)."""
+        kernel = self.kernel
+        assert isinstance(kernel, SparseCoreSequenceKernel)
+        out = kernel.lookup_sequence(inputs)
+        return out if self._output_dtype in (None, out.dtype) else out.to(self._output_dtype)
 
 
 def _common_batch(features: KeyedJaggedTensor) -> KeyedJaggedTensor:

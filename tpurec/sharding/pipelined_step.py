@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tpurec.errors import UserError
 from tpurec.sharding import step_inputs
 from tpurec.sharding.compiled_step import LossFn, default_backend, model_loss, user_errors_of_the_trace
 from tpurec.sharding.dense_update import DenseOptimizer
@@ -82,6 +83,8 @@ class PipelinedStep:
 
         self.module: nn.Module = dmp.module  # without DDP: the step averages the dense gradients itself
         self.fields = FieldMap(self.module, "PipelinedStep")
+        if any(step_inputs.is_ec(m) for m in self.fields.modules):
+            raise UserError("PipelinedStep does not step sharded EmbeddingCollections yet: use CompiledStep")
         self.sharded = self.fields.modules[0]  # (where the tables are: `default_backend`)
         self.dense_params = [p for _, p in in_backward_optimizer_filter(self.module.named_parameters())]
         self.loss_fn = loss_fn
