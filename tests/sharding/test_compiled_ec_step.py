@@ -110,7 +110,8 @@ def batches(n: int, longest: int = 3, seed: int = 0) -> list[SeqBatch]:
     return out
 
 
-def _dmp(ebc: bool, fixed: bool = True) -> Any:
+def _dmp(ebc: bool, fixed: bool = True, types: dict[str, str] | None = None) -> Any:
+    from torchrec.distributed.planner.types import ParameterConstraints
     from torchrec.optim import RowWiseAdagrad
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
@@ -127,7 +128,10 @@ def _dmp(ebc: bool, fixed: bool = True) -> Any:
     ]
     if ebc:
         sharders.append(SparseCoreEBCSharder(max_ids_per_partition=64))
-    dmp = tpurec.DistributedModelParallel(model, device="cpu", batch_size=BATCH, sharders=sharders)
+    constraints = {t: ParameterConstraints(sharding_types=[st]) for t, st in (types or {}).items()} or None
+    dmp = tpurec.DistributedModelParallel(
+        model, device="cpu", batch_size=BATCH, sharders=sharders, constraints=constraints
+    )
     if not fixed:  # the same kernels, TorchRec's own sequence output dist (values unpadded)
         dmp.module.ec._fixed_output = None
     return dmp
@@ -211,3 +215,43 @@ def test_a_batch_over_the_capacity_steps_eagerly_and_the_next_ones_stay_in_the_g
     assert losses == eager_losses
     got, want = _tables(twin), _tables(eager)
     assert all(torch.equal(got[k], want[k]) for k in got)
+
+
+def _train_rank(rank: int, world_size: int, types: dict[str, str]) -> dict:
+    from tpurec.sharding.compiled_step import CompiledStep
+
+    data = batches(STEPS, seed=rank)
+    eager, twin = _dmp(True, types=types), _dmp(True, types=types)
+    eager_losses = _eager(eager, data)
+    counter = CompileCounterWithBackend("aot_eager")
+    step = CompiledStep(twin, DENSE_LR, backend=counter)
+    losses = [float(step.step(b)) for b in data]
+    got, want = _tables(twin), _tables(eager)
+    return {
+        "frames": counter.frame_count,
+        "eager_steps": step.eager_steps,
+        "losses": losses,
+        "eager": eager_losses,
+        "tables": sorted(got),
+        "table_diff": max(float((got[k] - want[k]).abs().max()) for k in got),
+        "dense_diff": max(float((p - q).abs().max()) for p, q in zip(_dense(twin), _dense(eager), strict=True)),
+        "plan": {t: ps.sharding_type for mp in twin.plan.plan.values() for t, ps in mp.items()},
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_compiled_ec_step_on_two_ranks_equals_the_eager_step():
+    """Two gloo ranks, the EC's tables table-wise (one rank holds none: its rows sent carry no gradient,
+    yet it takes part in the backward all-to-all) and row-wise, the EBC's column- and row-wise: the output
+    dists' functional all-to-alls in the one graph."""
+    from .multiprocess import run_ranks
+
+    types = {"e0": "table_wise", "e1": "row_wise", "t0": "column_wise", "t1": "row_wise"}
+    results = run_ranks(_train_rank, 2, types, timeout=600)
+    for rank, r in enumerate(results):
+        assert r["plan"] == types, rank
+        assert r["frames"] == 1 and r["eager_steps"] == 0, rank
+        assert r["losses"] == r["eager"], rank
+        assert r["table_diff"] == 0.0 and r["dense_diff"] == 0.0, rank
+    assert len({t for r in results for t in r["tables"]}) == 4  # (the TW table lives on one rank)
