@@ -22,11 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List
 
+import torch
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from tpurec.embedding.preprocess import SparseCoreInput
 from tpurec.errors import UserError
 from tpurec.sharding.sequence_output import JaggedPlan, ShardingPlan, jagged_from_plans
+from tpurec.sharding.sharded_preprocess import RawActivations, ShardedActivations, lookup_kernel, update_kernel
 
 
 @dataclass
@@ -94,11 +96,51 @@ def ec_over_limits(prepared: ShardedECPreprocessed) -> List[str]:
     return out
 
 
-def compute_preprocessed_ec(module: Any, prepared: ShardedECPreprocessed) -> Dict[str, JaggedTensor]:
-    """The device half: each sharding's lookups and all-to-all, then each output's gathers."""
-    if prepared.owner is not module:
-        raise ValueError("these SparseCore inputs were preprocessed for another sharded module")
+def compute_preprocessed_ec(module: Any, prepared: ShardedECPreprocessed, raw: Any = None) -> Dict[str, JaggedTensor]:
+    """The device half: each sharding's lookups (given `raw`: assembled from the stacks' outputs computed
+    earlier) and all-to-all, then each output's gathers."""
+    _check_owner(module, prepared)
     out: Dict[str, JaggedTensor] = {}
-    for recv, outputs in zip(module._fixed_received(prepared.plans), prepared.jagged):
+    for recv, outputs in zip(module._fixed_received(prepared.plans, raw), prepared.jagged):
         out.update(jagged_from_plans(recv, outputs))
     return out
+
+
+# -- a pipelined step's stages (tpurec/sharding/pipelined_step.py; sharded_preprocess.py's for an EBC) --
+
+
+def lookup_sharded_ec(module: Any, prepared: ShardedECPreprocessed) -> RawActivations:
+    """SparseCore forward: each stack's lookup op on the tables as they are now; no autograd graph."""
+    _check_owner(module, prepared)
+    with torch.no_grad():
+        return [
+            [
+                lookup_kernel(kmod.kernel, inputs.inputs)
+                for kmod, inputs in zip(module._lookups[i]._emb_modules, plan.kernels)
+            ]
+            for i, plan in enumerate(prepared.plans)
+        ]
+
+
+def output_dist_activations_ec(module: Any, acts: ShardedActivations) -> Dict[str, JaggedTensor]:
+    """The model's side of a pipelined step: the lookups' outputs assembled from the raw activations,
+    then the all-to-all and the outputs' gathers, as `compute_preprocessed_ec` runs them."""
+    prepared = acts.prepared
+    assert isinstance(prepared, ShardedECPreprocessed)
+    return compute_preprocessed_ec(module, prepared, acts.raw)
+
+
+def update_sharded_ec(module: Any, prepared: ShardedECPreprocessed, grads: RawActivations) -> int:
+    """SparseCore backward: each stack's fused update from its raw activations' gradient
+    (`sharded_preprocess.update_kernel`). Returns the number of stack updates run."""
+    _check_owner(module, prepared)
+    count = 0
+    for i, plan in enumerate(prepared.plans):
+        for kmod, inputs, per_stack in zip(module._lookups[i]._emb_modules, plan.kernels, grads[i]):
+            count += update_kernel(kmod.kernel, inputs.inputs, per_stack)
+    return count
+
+
+def _check_owner(module: Any, prepared: ShardedECPreprocessed) -> None:
+    if prepared.owner is not module:
+        raise ValueError("these SparseCore inputs were preprocessed for another sharded module")

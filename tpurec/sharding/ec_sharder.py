@@ -23,11 +23,11 @@ from tpurec.embedding.constraints import DEFAULT_NUM_SPARSECORES
 from tpurec.embedding.settings import KernelSettings
 from tpurec.errors import UserError
 from tpurec.planner.kernel_choice import EC_SHARDING_TYPES
-from tpurec.sharding.ec_preprocess import ShardedECPreprocessed, compute_preprocessed_ec
+from tpurec.sharding.ec_preprocess import ShardedECPreprocessed, compute_preprocessed_ec, output_dist_activations_ec
 from tpurec.sharding.host_input_dist import HostInputDistMixin
 from tpurec.sharding.kernel_module import SparseCoreEmbedding
-from tpurec.sharding.sequence_output import FixedSequenceOutput, ShardingPlan
-from tpurec.sharding.sharded_preprocess import ModuleInputs
+from tpurec.sharding.sequence_output import FixedSequenceOutput, ShardingPlan, assembled, lookup_planned
+from tpurec.sharding.sharded_preprocess import ModuleInputs, ShardedActivations
 from tpurec.sharding.sharded_state import SparseCoreShardedMixin
 from tpurec.sharding.sharder import SparseCoreSharderMixin
 
@@ -123,6 +123,9 @@ class ShardedSparseCoreEC(HostInputDistMixin, SparseCoreShardedMixin, ShardedEmb
         # by torch.compile (tpurec/sharding/compiled_step.py); a KJT: TorchRec's whole forward
         if len(input) == 1 and not kwargs and isinstance(input[0], ShardedECPreprocessed):
             return compute_preprocessed_ec(self, input[0])
+        # lookups run ahead (a pipelined step's SparseCore forward, pipelined_step.py): the rest only
+        if len(input) == 1 and not kwargs and isinstance(input[0], ShardedActivations):
+            return output_dist_activations_ec(self, input[0])
         return super().forward(*input, **kwargs)
 
     def _fixed_compute(self, ctx: EmbeddingCollectionContext, dist_input: KJTList) -> List[torch.Tensor]:
@@ -145,15 +148,21 @@ class ShardedSparseCoreEC(HostInputDistMixin, SparseCoreShardedMixin, ShardedEmb
             plans.append(plan)
         return plans
 
-    def _fixed_received(self, plans: List[ShardingPlan]) -> List[torch.Tensor]:
-        """`_fixed_compute`'s device half: per sharding, its lookups and all-to-all."""
+    def _fixed_received(self, plans: List[ShardingPlan], raw: Any = None) -> List[torch.Tensor]:
+        """`_fixed_compute`'s device half: per sharding, its lookups (or, given `raw`, their outputs
+        assembled from each stack's lookup run earlier: a pipelined step) and all-to-all."""
         fixed = self._fixed_output
         assert fixed is not None
         shardings: Dict[str, Any] = self._sharding_type_to_sharding
-        return [
-            fixed.received(plan, lookup, self._embedding_dim_for_sharding_type(sharding_type), self._fixed_device())
-            for lookup, plan, sharding_type in zip(self._lookups, plans, shardings)
-        ]
+        out = []
+        for i, (lookup, plan, sharding_type) in enumerate(zip(self._lookups, plans, shardings)):
+            dim, device = self._embedding_dim_for_sharding_type(sharding_type), self._fixed_device()
+            if raw is None:
+                local = lookup_planned(lookup, plan.kernels, dim, device)
+            else:
+                local = assembled(lookup, plan.kernels, raw[i], dim, device)
+            out.append(fixed.received(plan, local))
+        return out
 
     def _fixed_device(self) -> torch.device:
         return self._device if self._device is not None else torch.device("cpu")

@@ -285,6 +285,14 @@ class SparseCoreEmbedding(_SparseCoreGroupKernel):
         out = kernel.lookup_sequence(inputs)
         return out if self._output_dtype in (None, out.dtype) else out.to(self._output_dtype)
 
+    def assemble_padded(self, raw: list[torch.Tensor], inputs: SequenceInputs) -> torch.Tensor:
+        """`lookup_padded`'s output from its stacks' lookup-op outputs computed earlier (a pipelined step's
+        SparseCore forward, tpurec/sharding/pipelined_step.py)."""
+        kernel = self.kernel
+        assert isinstance(kernel, SparseCoreSequenceKernel)
+        out = kernel.assemble(raw, inputs.capacity).reshape(inputs.rows(), kernel.dim)
+        return out if self._output_dtype in (None, out.dtype) else out.to(self._output_dtype)
+
 
 def _common_batch(features: KeyedJaggedTensor) -> KeyedJaggedTensor:
     """A VBE batch as the kernel takes it (one batch for all features, embedding/vbe.py); others as they are."""

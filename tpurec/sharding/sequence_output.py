@@ -107,7 +107,7 @@ class FixedSequenceOutput:
         """Sharding i: the received rows on the device [rounds x world x block rows, dim] and, on the host,
         the row of each id of this rank's batch (TorchRec's output order for the sharding) in it."""
         plan = self.plan_sharding(i, lookup, features, ctx, odist, device)
-        return self.received(plan, lookup, dim, device), plan.position
+        return self.received(plan, lookup_planned(lookup, plan.kernels, dim, device)), plan.position
 
     def plan_sharding(
         self, i: int, lookup: Any, features: KeyedJaggedTensor, ctx: Any, odist: Any, device: torch.device
@@ -149,10 +149,10 @@ class FixedSequenceOutput:
         anchor = torch.zeros((), requires_grad=True)
         return ShardingPlan(kernels, index.reshape(rounds, world * block).to(device), position, group, anchor)
 
-    def received(self, plan: ShardingPlan, lookup: Any, dim: int, device: torch.device) -> torch.Tensor:
-        """`sharding_output`'s device half: the lookups, one gather and one all-to-all of equal blocks per
-        round (traceable by torch.compile when the batch is one round of one block)."""
-        local = lookup_planned(lookup, plan.kernels, dim, device)
+    def received(self, plan: ShardingPlan, local: torch.Tensor) -> torch.Tensor:
+        """`sharding_output`'s device half after the lookups (`local`: their outputs stacked,
+        `lookup_planned`): one gather and one all-to-all of equal blocks per round (traceable by
+        torch.compile when the batch is one round)."""
         received = []
         for q in range(plan.index.shape[0]):
             send = local.index_select(0, plan.index[q])
@@ -312,6 +312,18 @@ def lookup_planned(lookup: Any, kernels: List[Any], dim: int, device: torch.devi
     if not modules:
         return torch.zeros(1, dim, device=device)
     outs = [module.lookup_padded(inputs) for module, inputs in zip(modules, kernels)]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def assembled(
+    lookup: Any, kernels: List[Any], raw: List[List[torch.Tensor]], dim: int, device: torch.device
+) -> torch.Tensor:
+    """`lookup_planned`'s output from its kernels' stacks' lookup-op outputs computed earlier (a pipelined
+    step's SparseCore forward)."""
+    modules = list(getattr(lookup, "_emb_modules", ()))
+    if not modules:
+        return torch.zeros(1, dim, device=device)
+    outs = [module.assemble_padded(r, inputs) for module, inputs, r in zip(modules, kernels, raw)]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
