@@ -30,6 +30,10 @@ it (`GRADIENT_DIVISION`).
 
 The output is TorchRec's: `{embedding name: JaggedTensor}` with the lengths (and, with `need_indices`,
 the ids) on the host, as the input distribution left them; only `values()` is padded to the capacity.
+
+Each part is split into its host half (`plan_sharding`, `plan_jagged`: SparseCore inputs and every index,
+on the host) and its device half (`received`, `jagged_from_plans`: lookups, gathers, all-to-all), so that a
+compiled step runs the first ahead, eagerly, and traces the second (tpurec/sharding/ec_preprocess.py).
 """
 
 from __future__ import annotations
