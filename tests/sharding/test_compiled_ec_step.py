@@ -44,18 +44,19 @@ class SeqBatch:
 
 def sequence_sum(jt: JaggedTensor) -> torch.Tensor:
     """[batch, dim]: each sample's embeddings summed, as a [batch, rows] 0/1 mask from the offsets times
-    `values()` (fixed shapes: rows is the values' padded length in the compiled step)."""
+    `values()` (fixed shapes: rows is the values' padded length in the compiled step). The offsets are on
+    the host (the ids never went to a device): the mask is built there and copied to the values' device."""
     values, offsets = jt.values(), jt.offsets()
     row = torch.arange(values.shape[0])
     mask = (row >= offsets[:-1, None]) & (row < offsets[1:, None])
-    return mask.to(values.dtype) @ values
+    return mask.to(values.device, values.dtype) @ values
 
 
 class SeqModel(nn.Module):
     """An EC of tables e0, e1 (features s0, s1) and, with `ebc`, an EBC of t0, t1 (f0, f1); a linear
     layer over the summed sequences, the pooled embeddings and the dense features; (loss, logits)."""
 
-    def __init__(self, ebc: bool) -> None:
+    def __init__(self, ebc: bool, pool: str = "mask") -> None:
         from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
         super().__init__()
@@ -78,10 +79,19 @@ class SeqModel(nn.Module):
             else None
         )
         self.over = nn.Linear((4 if ebc else 2) * DIM + DENSE, 1)
+        self.pool = pool
+
+    def pooled(self, jt: JaggedTensor, batch: int) -> torch.Tensor:
+        if self.pool == "mask":
+            return sequence_sum(jt)
+        # "total": every id's embedding summed, the same for each sample (padding rows add zeros): reads
+        # no host tensor, so on a device nothing moves from the host into the graph
+        return jt.values().sum(0, keepdim=True).expand(batch, -1)
 
     def forward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         seqs = self.ec(batch.seq_features)
-        x = [sequence_sum(seqs["s0"]), sequence_sum(seqs["s1"]), batch.dense_features]
+        n = batch.labels.shape[0]
+        x = [self.pooled(seqs["s0"], n), self.pooled(seqs["s1"], n), batch.dense_features]
         if self.ebc is not None:
             x.append(self.ebc(batch.sparse_features).values())
         logits = self.over(torch.cat(x, dim=1)).squeeze(1)
@@ -110,7 +120,9 @@ def batches(n: int, longest: int = 3, seed: int = 0) -> list[SeqBatch]:
     return out
 
 
-def _dmp(ebc: bool, fixed: bool = True, types: dict[str, str] | None = None) -> Any:
+def _dmp(
+    ebc: bool, fixed: bool = True, types: dict[str, str] | None = None, device: str = "cpu", pool: str = "mask"
+) -> Any:
     from torchrec.distributed.planner.types import ParameterConstraints
     from torchrec.optim import RowWiseAdagrad
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -120,7 +132,7 @@ def _dmp(ebc: bool, fixed: bool = True, types: dict[str, str] | None = None) -> 
     from tpurec.sharding.sharder import SparseCoreEBCSharder
 
     torch.manual_seed(0)
-    model = SeqModel(ebc)
+    model = SeqModel(ebc, pool)
     tables = [p for m in (model.ec, model.ebc) if m is not None for p in m.parameters()]
     apply_optimizer_in_backward(RowWiseAdagrad, tables, {"lr": TABLE_LR})
     sharders: list[Any] = [
@@ -130,7 +142,7 @@ def _dmp(ebc: bool, fixed: bool = True, types: dict[str, str] | None = None) -> 
         sharders.append(SparseCoreEBCSharder(max_ids_per_partition=64))
     constraints = {t: ParameterConstraints(sharding_types=[st]) for t, st in (types or {}).items()} or None
     dmp = tpurec.DistributedModelParallel(
-        model, device="cpu", batch_size=BATCH, sharders=sharders, constraints=constraints
+        model, device=device, batch_size=BATCH, sharders=sharders, constraints=constraints
     )
     if not fixed:  # the same kernels, TorchRec's own sequence output dist (values unpadded)
         dmp.module.ec._fixed_output = None
