@@ -267,19 +267,15 @@ class SparseCoreEmbedding(_SparseCoreGroupKernel):
 
     pooled = False
 
-    def forward_padded(self, features: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The kernel's fixed-shape output and each id's row in it (SparseCoreSequenceKernel.forward_padded)."""
-        inputs = self.preprocess_padded(features)
-        return self.lookup_padded(inputs), inputs.id_rows()
-
     def preprocess_padded(self, features: KeyedJaggedTensor) -> SequenceInputs:
-        """`forward_padded`'s host half (eager, ahead of a compiled step: tpurec/sharding/ec_preprocess.py)."""
+        """The kernel's fixed-shape lookup's host half (SparseCoreSequenceKernel.forward_padded; eager, ahead
+        of a compiled step: tpurec/sharding/ec_preprocess.py)."""
         kernel = self.kernel
         assert isinstance(kernel, SparseCoreSequenceKernel)
         return kernel.preprocess_sequence(features)
 
     def lookup_padded(self, inputs: SequenceInputs) -> torch.Tensor:
-        """`forward_padded`'s device half: the lookup's whole output [rows, dim] (traceable by torch.compile)."""
+        """Its device half: the lookup's whole output [rows, dim] (traceable by torch.compile)."""
         kernel = self.kernel
         assert isinstance(kernel, SparseCoreSequenceKernel)
         out = kernel.lookup_sequence(inputs)

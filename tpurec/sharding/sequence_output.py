@@ -331,14 +331,6 @@ def assembled(
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def lookup_padded(
-    lookup: Any, features: KeyedJaggedTensor, dim: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A grouped sequence lookup's groups' fixed outputs, stacked, and each id's row in them (host)."""
-    kernels, rows_of = preprocess_padded(lookup, features)
-    return lookup_planned(lookup, kernels, dim, device), rows_of
-
-
 def _sequence_order(
     odist: Any, recat: torch.Tensor | None, lengths: torch.Tensor, world: int, total: int
 ) -> torch.Tensor:
