@@ -76,14 +76,23 @@ def _two_ebcs() -> tuple[Any, Any]:
     return model, None
 
 
-MODELS = {"small": _small_dlrm, "dlrm-tiny": _dlrm_tiny_every_sharding_type, "two-ebcs": _two_ebcs}
+# "seq", "seq-mask": tests/sharding/test_compiled_ec_step.py's EC and EBC model (built there), pooling
+# its sequences by a total (no host tensor read) or by a mask from the host offsets
+MODELS = {"small": _small_dlrm, "dlrm-tiny": _dlrm_tiny_every_sharding_type, "two-ebcs": _two_ebcs, "seq": None}
+MODELS["seq-mask"] = None
 
 
 def _dmp(model_name: str) -> Any:
     from tpurec.sharding.sharder import SparseCoreEBCSharder
 
+    if model_name.startswith("seq"):  # an EC (fixed limits on the device) beside an EBC
+        from tests.sharding.test_compiled_ec_step import _dmp as seq_dmp
+
+        return seq_dmp(True, device="tpu", pool="mask" if model_name == "seq-mask" else "total")
     torch.manual_seed(0)
-    model, constraints = MODELS[model_name]()
+    make = MODELS[model_name]
+    assert make is not None
+    model, constraints = make()
     return tpurec.DistributedModelParallel(
         model,
         device="tpu",
@@ -102,6 +111,13 @@ def _batches(dmp: Any, n: int, rank: int, world: int) -> list:
     from torchrec.datasets.utils import Batch
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+    if hasattr(dmp.module, "ec"):  # the EC model: its batches, dense features and labels on the device
+        from tests.sharding.test_compiled_ec_step import batches
+
+        return [
+            replace(b, dense_features=b.dense_features.to("tpu"), labels=b.labels.to("tpu"))
+            for b in batches(n, seed=rank)
+        ]
     if not hasattr(dmp.module, "model"):  # the two EBCs: dlrm_case's ids, f2 and f3 in a field of their own
         from tests.sharding.test_pipelined_step import disjoint_batches
         from tests.sharding.test_several_ebcs_step import TwoFields
@@ -134,7 +150,7 @@ def _tables(dmp: Any) -> dict[str, torch.Tensor]:
     """This rank's table shards, read back to the host."""
     out = {}
     for key, value in dmp.state_dict().items():
-        if "embedding_bags" in key and sum(s.tensor.numel() for s in value.local_shards()):
+        if ("embedding_bags" in key or "embeddings." in key) and sum(s.tensor.numel() for s in value.local_shards()):
             out[key] = torch.cat([s.tensor.flatten().cpu() for s in value.local_shards()])
     return out
 

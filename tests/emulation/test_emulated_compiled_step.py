@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -37,7 +38,7 @@ def _assert_trains_as_eager(seen: dict, tol: float = 0.0) -> None:
     assert seen["graphs_compiled"] == 1 and seen["graph_breaks"] == 0
 
 
-def _one_rank(tmp_path: Path, *args: str) -> dict:
+def _one_rank(tmp_path: Path, *args: str, fails: bool = False) -> Any:
     """The program as the only rank of an emulated v6e-1 (one chip, one host: world 1)."""
     from tpurec.emulation.launch_env import _unused_port, emulated_launch_env
     from tpurec.planner.topology import parse_slice
@@ -63,6 +64,9 @@ def _one_rank(tmp_path: Path, *args: str) -> dict:
         text=True,
         timeout=300,
     )
+    if fails:  # the run's error output
+        assert done.returncode != 0
+        return done.stderr
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads((tmp_path / "seen.rank0.json").read_text())
 
@@ -94,6 +98,27 @@ def test_two_sharded_ebcs_compile_to_one_program_on_the_emulated_device(tmp_path
     _assert_trains_as_eager(seen)
     assert seen["explain"]["graphs"] == 1 and seen["explain"]["breaks"] == 0, seen["explain"]["reasons"]
     assert len(seen["compiled_programs"]) == 1 and all(new == [] for new in seen["new_programs_by_step"][1:])
+
+
+def test_an_embedding_collection_model_compiles_to_one_program_on_the_emulated_device(tmp_path):
+    """A sharded EC (its fixed-shape path, the device's default) beside a sharded EBC
+    (tests/sharding/test_compiled_ec_step.py's model, each sequence pooled by its total: no host tensor
+    read in the graph): one graph, one program asked for by the first step, the eager step's numbers."""
+    seen = _one_rank(tmp_path, "--model", "seq")
+    _assert_trains_as_eager(seen)
+    assert seen["explain"]["graphs"] == 1 and seen["explain"]["breaks"] == 0, seen["explain"]["reasons"]
+    assert len(seen["compiled_programs"]) == 1 and all(new == [] for new in seen["new_programs_by_step"][1:])
+
+
+def test_a_model_that_copies_the_ecs_host_offsets_into_the_graph_fails_the_trace(tmp_path):
+    """The EC's lengths and offsets are host tensors (graph inputs); a model that builds its mask from them
+    and copies it to the device (`mask.to(values.device)`, the eager TPU path's way) fails Dynamo's trace on
+    the emulated device: the copy's fake result is a plain tensor said to be on tpu, which meets the
+    device's wrapper tensors (CPU data underneath) as a tensor of another device. What TorchTPU's own
+    compiler does with a host->device copy inside a graph is not known (docs/kernels.md)."""
+    err = _one_rank(tmp_path, "--model", "seq-mask", fails=True)
+    assert "found at least two devices, tpu:0 and cpu" in err, err[-3000:]
+    assert "return mask.to(values.device, values.dtype) @ values" in err
 
 
 @pytest.mark.slow  # four ranks, two dlrm-tiny DMPs each: 35 s, minutes on a loaded host

@@ -262,7 +262,7 @@ def train_over(
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     from tpurec.sharding.pipelined_step import PipelinedStep
-    from tpurec.sharding.sharded_preprocess import over_limits
+    from tpurec.sharding.step_inputs import over_limits
 
     eager, twin = _dmp(world_size, types), _dmp(world_size, types)
     dense = [p for _, p in in_backward_optimizer_filter(eager.named_parameters())]

@@ -188,8 +188,8 @@ def test_a_batch_that_does_not_say_which_field_feeds_an_ebc_is_refused():
 
 
 def test_a_model_with_other_sharded_modules_is_refused_by_name():
-    """An FP-EBC (its own forward runs the EBC inside it) or an EmbeddingCollection beside the EBCs:
-    refused in one line naming each, before anything runs."""
+    """An FP-EBC (its own forward runs the EBC inside it) beside the EBCs, or an EmbeddingCollection off
+    its fixed-shape path (CPU's default): refused in one line naming each, before anything runs."""
     from torchrec.modules.embedding_configs import EmbeddingConfig
     from torchrec.modules.embedding_modules import EmbeddingCollection
 
@@ -201,7 +201,7 @@ def test_a_model_with_other_sharded_modules_is_refused_by_name():
     from .test_fpebc_dmp import _Model as FPModel
 
     fp = tpurec.DistributedModelParallel(FPModel(), device="cpu", batch_size=BATCH)
-    with pytest.raises(UserError, match=r"also has fp \(ShardedFeatureProcessedEmbeddingBagCollection\)"):
+    with pytest.raises(UserError, match=r"and EmbeddingCollections only; .*also has fp \(ShardedFeature"):
         CompiledStep(fp, DENSE_LR)
 
     class WithEC(TwoEBCs):
@@ -212,7 +212,9 @@ def test_a_model_with_other_sharded_modules_is_refused_by_name():
 
     torch.manual_seed(0)
     ec = tpurec.DistributedModelParallel(WithEC(), device="cpu", batch_size=BATCH)
-    with pytest.raises(UserError, match=r"PipelinedStep steps sharded EmbeddingBagCollections only.*seq \(Sharded"):
+    with pytest.raises(UserError, match=r"CompiledStep: .*EmbeddingCollection \(seq\) on its fixed-shape output path"):
+        CompiledStep(ec, DENSE_LR)
+    with pytest.raises(UserError, match=r"PipelinedStep: .*EmbeddingCollection \(seq\).*fixed_limits=True"):
         PipelinedStep(ec, DENSE_LR)
 
 

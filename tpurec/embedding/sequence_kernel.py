@@ -22,6 +22,7 @@ multipass.stacked_blocks): the same outputs and tables as one lookup of capacity
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
@@ -37,6 +38,31 @@ from tpurec.runtime import host_copies
 
 if TYPE_CHECKING:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+
+@dataclass
+class SequenceInputs:
+    """A sequence lookup's host half (`SparseCoreSequenceKernel.preprocess_sequence`): the kernel's
+    SparseCore inputs of the one-id bags and what places each id's row in the output."""
+
+    inputs: Any  # the kernel's per-stack inputs (`SparseCoreKernel.preprocess` / `preprocess_blocks`)
+    counts: torch.Tensor  # ids per feature (host)
+    capacity: int  # C: bags per feature and block
+    blocks: int  # 1 unless a feature is over C
+
+    def rows(self) -> int:
+        """Rows of the lookup's [rows, dim] output: blocks x capacity x features."""
+        return self.blocks * self.capacity * self.counts.numel()
+
+    def id_rows(self) -> torch.Tensor:
+        """Per id in the KJT's values order, its row in the lookup's [rows, dim] output (host): feature k's
+        j-th id is row j x features + k."""
+        counts, n = self.counts, self.counts.numel()
+        if not n:
+            return torch.zeros(0, dtype=torch.long)
+        j = torch.arange(int(counts.sum())) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+        k = torch.repeat_interleave(torch.arange(n), counts)
+        return j * n + k
 
 
 class SparseCoreSequenceKernel(SparseCoreKernel):
@@ -118,17 +144,11 @@ class SparseCoreSequenceKernel(SparseCoreKernel):
         order, its row there (feature k's j-th id is row j x features + k). Rows no id names are
         zeros (empty bags). The sharded EmbeddingCollection gathers from it with host-computed
         indices, so that no device tensor takes the batch's id count as its shape."""
-        pooled, counts, rows = self._pooled(features)
-        n = counts.numel()
-        out = pooled.reshape(rows * n, self.dim)
-        if not n:
-            return out, torch.zeros(0, dtype=torch.long)
-        j = torch.arange(int(counts.sum())) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-        k = torch.repeat_interleave(torch.arange(n), counts)
-        return out, j * n + k
+        inputs = self.preprocess_sequence(features)
+        return self.lookup_sequence(inputs), inputs.id_rows()
 
-    def _pooled(self, features: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """(the pooled lookup [rows, features x dim], ids per feature (host), rows = blocks x capacity)."""
+    def preprocess_sequence(self, features: KeyedJaggedTensor) -> SequenceInputs:
+        """`forward_padded`'s host half (data-dependent, eager ahead of a compiled step)."""
         features = host_copies.to_host(features, "ids")  # host preprocessing (see SparseCoreKernel.preprocess)
         check_kjt(features)
         keys = features.keys()
@@ -142,7 +162,7 @@ class SparseCoreSequenceKernel(SparseCoreKernel):
         blocks = max(1, -(-largest // cap))
         values = features.values()
         if blocks == 1:
-            pooled = self.lookup(self.preprocess(self._one_id_bags(keys, values, counts, cap)), cap)
+            inputs = self.preprocess(self._one_id_bags(keys, values, counts, cap))
         else:
             # over the capacity: ids q*C .. (q+1)*C - 1 of every feature form block q
             position = torch.arange(values.numel()) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
@@ -151,8 +171,20 @@ class SparseCoreSequenceKernel(SparseCoreKernel):
                 self._one_id_bags(keys, values[block_of == q], (counts - q * cap).clamp(0, cap), cap)
                 for q in range(blocks)
             ]
-            pooled = self.lookup(self.preprocess_blocks(chunks), cap)  # [blocks x cap, n * dim]
-        return pooled, counts, blocks * cap
+            inputs = self.preprocess_blocks(chunks)
+        return SequenceInputs(inputs, counts, cap, blocks)
+
+    def lookup_sequence(self, inputs: SequenceInputs) -> torch.Tensor:
+        """`forward_padded`'s device half: [blocks x capacity x features, dim] (traceable by torch.compile
+        when the inputs are one block within fixed id limits)."""
+        pooled = self.lookup(inputs.inputs, inputs.capacity)  # [blocks x cap, n * dim]
+        return pooled.reshape(inputs.rows(), self.dim)
+
+    def _pooled(self, features: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(the pooled lookup [rows, features x dim], ids per feature (host), rows = blocks x capacity)."""
+        inputs = self.preprocess_sequence(features)
+        pooled = self.lookup(inputs.inputs, inputs.capacity)
+        return pooled, inputs.counts, inputs.blocks * inputs.capacity
 
     @staticmethod
     def _one_id_bags(keys: list[str], values: torch.Tensor, counts: torch.Tensor, cap: int) -> KeyedJaggedTensor:

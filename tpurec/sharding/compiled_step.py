@@ -4,8 +4,11 @@ The split is TorchRec's own (TrainPipelineSparseDist runs `input_dist` ahead of
 `compute_and_output_dist`; SparseCoreTrainPipeline feeds its compiled step preprocessed inputs):
 
 * eager, per batch: each sharded EBC's input dist (the ids' all-to-alls, data-dependent sizes) and
-  the SparseCore preprocessing of each kernel's ids (`sharded_preprocess.preprocess_sharded`);
-* one graph: the lookups (`tpurec::fused_lookup`), the output dist of the pooled embeddings, the
+  the SparseCore preprocessing of each kernel's ids (`sharded_preprocess.preprocess_sharded`); for a
+  sharded EmbeddingCollection on its fixed-shape path the same and every index its output dist needs
+  (`ec_preprocess.preprocess_sharded_ec`);
+* one graph: the lookups (`tpurec::fused_lookup`), the output dist of the pooled embeddings (of an EC's
+  sequence embeddings: gathers and an all-to-all of fixed shapes, `sequence_output.py`), the
   dense model and loss, backward (each stack's fused update, `tpurec::fused_update`), the dense
   gradients' average over the ranks (one functional all-reduce of one bucket, as DDP's) and the
   dense optimizer's update (`dense_update.DenseOptimizer`: torch.optim's SGD, Adagrad or Adam, its
@@ -35,7 +38,6 @@ from torch import nn
 from tpurec.errors import UserError
 from tpurec.sharding import step_inputs
 from tpurec.sharding.dense_update import DenseOptimizer
-from tpurec.sharding.sharded_preprocess import over_limits
 from tpurec.sharding.sharder import ShardedSparseCoreEBC
 from tpurec.sharding.step_inputs import FieldMap
 
@@ -52,9 +54,10 @@ class CompiledStep:
     """`step(batch)`: one training step of `dmp` (a tpurec.DistributedModelParallel), returns the loss.
 
     batch: a dataclass (e.g. torchrec's `Batch`) handed to `loss_fn(module, batch)` with each
-    KeyedJaggedTensor field that feeds the model's sharded EmbeddingBagCollections replaced by their
-    SparseCore inputs (`step_inputs.py`): a field feeds the EBCs whose features it holds (TorchRec's
-    DLRM: `sparse_features` its one EBC; several EBCs may share a field or have one each), and the
+    KeyedJaggedTensor field that feeds the model's sharded EmbeddingBagCollections (and
+    EmbeddingCollections) replaced by their SparseCore inputs (`step_inputs.py`): a field feeds the modules
+    whose features it holds (TorchRec's DLRM: `sparse_features` its one EBC; several may share a field or
+    have one each), and the
     model's forward must hand that field to them.
     dense_optimizer: the dense parameters' (those without a fused optimizer) torch.optim SGD, Adagrad
     or Adam (or TorchRec's KeyedOptimizerWrapper / CombinedOptimizer holding it, e.g. `tpurec.dlrm.model
@@ -93,7 +96,7 @@ class CompiledStep:
     def step(self, batch: Any) -> torch.Tensor:
         prepared = self.preprocess(batch)
         run = self.compiled
-        if any(over_limits(p) for p in step_inputs.parts(prepared)):
+        if any(step_inputs.over_limits(p) for p in step_inputs.parts(prepared)):
             # Over its fixed id limits (measured on other data, say) a batch runs as several passes,
             # with no fixed graph: this one step runs eagerly, the same arithmetic, rather than
             # compiling a graph for it or failing mid-training. Counted (and, per table, in the

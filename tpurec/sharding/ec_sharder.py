@@ -23,9 +23,11 @@ from tpurec.embedding.constraints import DEFAULT_NUM_SPARSECORES
 from tpurec.embedding.settings import KernelSettings
 from tpurec.errors import UserError
 from tpurec.planner.kernel_choice import EC_SHARDING_TYPES
+from tpurec.sharding.ec_preprocess import ShardedECPreprocessed, compute_preprocessed_ec, output_dist_activations_ec
 from tpurec.sharding.host_input_dist import HostInputDistMixin
 from tpurec.sharding.kernel_module import SparseCoreEmbedding
-from tpurec.sharding.sequence_output import FixedSequenceOutput
+from tpurec.sharding.sequence_output import FixedSequenceOutput, ShardingPlan, assembled, lookup_planned
+from tpurec.sharding.sharded_preprocess import ModuleInputs, ShardedActivations
 from tpurec.sharding.sharded_state import SparseCoreShardedMixin
 from tpurec.sharding.sharder import SparseCoreSharderMixin
 
@@ -113,24 +115,57 @@ class ShardedSparseCoreEC(HostInputDistMixin, SparseCoreShardedMixin, ShardedEmb
             return super().compute_and_output_dist(ctx, input)
         return LazyNoWait(self._fixed_jagged(ctx, self._fixed_compute(ctx, input)))
 
+    def forward(self, *input: Any, **kwargs: Any) -> Any:
+        # a batch field that feeds several sharded modules (step_inputs.py): this module's part
+        if len(input) == 1 and not kwargs and isinstance(input[0], ModuleInputs):
+            input = (input[0].part_for(self),)
+        # the host half run ahead (`ec_preprocess.preprocess_sharded_ec`): only the device half, traceable
+        # by torch.compile (tpurec/sharding/compiled_step.py); a KJT: TorchRec's whole forward
+        if len(input) == 1 and not kwargs and isinstance(input[0], ShardedECPreprocessed):
+            return compute_preprocessed_ec(self, input[0])
+        # lookups run ahead (a pipelined step's SparseCore forward, pipelined_step.py): the rest only
+        if len(input) == 1 and not kwargs and isinstance(input[0], ShardedActivations):
+            return output_dist_activations_ec(self, input[0])
+        return super().forward(*input, **kwargs)
+
     def _fixed_compute(self, ctx: EmbeddingCollectionContext, dist_input: KJTList) -> List[torch.Tensor]:
         """Per sharding, the received rows [rounds x world x block rows, dim] on the device; each id's
         row in them goes on the sharding context (`fixed_positions`, host)."""
+        return self._fixed_received(self._fixed_plans(ctx, dist_input))
+
+    def _fixed_plans(self, ctx: EmbeddingCollectionContext, dist_input: KJTList) -> List[ShardingPlan]:
+        """`_fixed_compute`'s host half, per sharding (its SparseCore inputs, all-to-all indices)."""
         fixed = self._fixed_output
         assert fixed is not None
         if any(ctx.reverse_indices) or ctx.seq_vbe_ctx:
             raise UserError("the sharded EmbeddingCollection's TPU path takes neither index dedup nor VBE inputs")
+        plans = []
+        for i, (lookup, odist, features, sharding_ctx) in enumerate(
+            zip(self._lookups, self._output_dists, dist_input, ctx.sharding_contexts)
+        ):
+            plan = fixed.plan_sharding(i, lookup, features, sharding_ctx, odist, self._fixed_device())
+            setattr(sharding_ctx, _POSITIONS, plan.position)  # (host) for output_dist
+            plans.append(plan)
+        return plans
+
+    def _fixed_received(self, plans: List[ShardingPlan], raw: Any = None) -> List[torch.Tensor]:
+        """`_fixed_compute`'s device half: per sharding, its lookups (or, given `raw`, their outputs
+        assembled from each stack's lookup run earlier: a pipelined step) and all-to-all."""
+        fixed = self._fixed_output
+        assert fixed is not None
         shardings: Dict[str, Any] = self._sharding_type_to_sharding
         out = []
-        for i, (lookup, odist, features, sharding_ctx, sharding_type) in enumerate(
-            zip(self._lookups, self._output_dists, dist_input, ctx.sharding_contexts, shardings)
-        ):
-            dim = self._embedding_dim_for_sharding_type(sharding_type)
-            device = self._device if self._device is not None else torch.device("cpu")
-            recv, position = fixed.sharding_output(i, lookup, features, sharding_ctx, odist, dim, device)
-            setattr(sharding_ctx, _POSITIONS, position)  # (host) for output_dist
-            out.append(recv)
+        for i, (lookup, plan, sharding_type) in enumerate(zip(self._lookups, plans, shardings)):
+            dim, device = self._embedding_dim_for_sharding_type(sharding_type), self._fixed_device()
+            if raw is None:
+                local = lookup_planned(lookup, plan.kernels, dim, device)
+            else:
+                local = assembled(lookup, plan.kernels, raw[i], dim, device)
+            out.append(fixed.received(plan, local))
         return out
+
+    def _fixed_device(self) -> torch.device:
+        return self._device if self._device is not None else torch.device("cpu")
 
     def _fixed_jagged(self, ctx: EmbeddingCollectionContext, output: List[torch.Tensor]) -> Dict[str, JaggedTensor]:
         fixed = self._fixed_output

@@ -30,7 +30,7 @@ from tpurec.embedding.kernel import KernelTable, SparseCoreKernel
 from tpurec.embedding.kernel_table import POOLINGS
 from tpurec.embedding.optimizers.registry import spec_from_fused_params
 from tpurec.embedding.preprocessed import PreprocessedFeatures
-from tpurec.embedding.sequence_kernel import SparseCoreSequenceKernel
+from tpurec.embedding.sequence_kernel import SequenceInputs, SparseCoreSequenceKernel
 from tpurec.embedding.settings import KernelSettings
 from tpurec.embedding.vbe import pad_to_common_batch, to_vbe_layout
 from tpurec.embedding.weight_grad import with_weight_grad
@@ -267,12 +267,27 @@ class SparseCoreEmbedding(_SparseCoreGroupKernel):
 
     pooled = False
 
-    def forward_padded(self, features: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The kernel's fixed-shape output and each id's row in it (SparseCoreSequenceKernel.forward_padded)."""
+    def preprocess_padded(self, features: KeyedJaggedTensor) -> SequenceInputs:
+        """The kernel's fixed-shape lookup's host half (SparseCoreSequenceKernel.forward_padded; eager, ahead
+        of a compiled step: tpurec/sharding/ec_preprocess.py)."""
         kernel = self.kernel
         assert isinstance(kernel, SparseCoreSequenceKernel)
-        out, rows = kernel.forward_padded(features)
-        return (out if self._output_dtype in (None, out.dtype) else out.to(self._output_dtype)), rows
+        return kernel.preprocess_sequence(features)
+
+    def lookup_padded(self, inputs: SequenceInputs) -> torch.Tensor:
+        """Its device half: the lookup's whole output [rows, dim] (traceable by torch.compile)."""
+        kernel = self.kernel
+        assert isinstance(kernel, SparseCoreSequenceKernel)
+        out = kernel.lookup_sequence(inputs)
+        return out if self._output_dtype in (None, out.dtype) else out.to(self._output_dtype)
+
+    def assemble_padded(self, raw: list[torch.Tensor], inputs: SequenceInputs) -> torch.Tensor:
+        """`lookup_padded`'s output from its stacks' lookup-op outputs computed earlier (a pipelined step's
+        SparseCore forward, tpurec/sharding/pipelined_step.py)."""
+        kernel = self.kernel
+        assert isinstance(kernel, SparseCoreSequenceKernel)
+        out = kernel.assemble(raw, inputs.capacity).reshape(inputs.rows(), kernel.dim)
+        return out if self._output_dtype in (None, out.dtype) else out.to(self._output_dtype)
 
 
 def _common_batch(features: KeyedJaggedTensor) -> KeyedJaggedTensor:

@@ -42,18 +42,19 @@ from torch import nn
 from tpurec.sharding import step_inputs
 from tpurec.sharding.compiled_step import LossFn, default_backend, model_loss, user_errors_of_the_trace
 from tpurec.sharding.dense_update import DenseOptimizer
+from tpurec.sharding.ec_preprocess import ShardedECPreprocessed, lookup_sharded_ec, update_sharded_ec
 from tpurec.sharding.sharded_preprocess import (
     RawActivations,
     ShardedActivations,
     ShardedPreprocessed,
     lookup_sharded,
-    over_limits,
     update_sharded,
 )
 from tpurec.sharding.step_inputs import FieldMap
 
-# per sharded EBC (step_inputs.parts order): a batch's SparseCore inputs and its activations' gradients
-Behind = list[tuple[ShardedPreprocessed, RawActivations]]
+# per sharded EBC or EC (step_inputs.parts order): a batch's host half and its activations' gradients
+Prepared = ShardedPreprocessed | ShardedECPreprocessed
+Behind = list[tuple[Prepared, RawActivations]]
 
 
 class PipelinedStep:
@@ -113,7 +114,7 @@ class PipelinedStep:
         # drained before it: stepped eagerly at the next `step` or `drain`, which returns its loss
         self._pending: Any = None
 
-    def preprocess(self, batch: Any) -> tuple[Any, list[ShardedPreprocessed]]:
+    def preprocess(self, batch: Any) -> tuple[Any, list[Prepared]]:
         """The host half of a batch (eager): each sharded EBC's input dist and its kernels' SparseCore
         inputs; the batch with them in its KJTs' place (`step_inputs.prepare`), and them."""
         return step_inputs.prepare(batch, self.fields.fields(batch))
@@ -191,11 +192,11 @@ class PipelinedStep:
         self.updated_batches += 1
         return loss.detach()
 
-    def _over_limits(self, prepared: list[ShardedPreprocessed]) -> bool:
+    def _over_limits(self, prepared: list[Prepared]) -> bool:
         """Whether any rank's batch is over its fixed id limits. A rank sees only its own shards'
         inputs; the ranks agree, all drain and step eagerly: the rank that did not (its collectives
         pair up all the same) would look its rows up stale across that batch."""
-        over = any(over_limits(p) for p in prepared)
+        over = any(step_inputs.over_limits(p) for p in prepared)
         if self.group is None or self.world_size == 1:
             return over
         # A flag on the host where the group has a CPU backend (tpurec's TPU group pairs gloo with
@@ -257,7 +258,7 @@ class PipelinedStep:
         self,
         behind_t: Behind,
         batch_t1: Any,
-        prepared_t2: list[ShardedPreprocessed],
+        prepared_t2: list[Prepared],
         lrs: list[torch.Tensor],
         states: Any,
     ) -> tuple[list[RawActivations], list[RawActivations], torch.Tensor]:
@@ -292,15 +293,21 @@ def _kernels(sharded: Any) -> list[Any]:
     return [k.kernel for lookup in sharded._lookups for k in lookup._emb_modules]
 
 
-def _lookups(prepared: list[ShardedPreprocessed]) -> list[RawActivations]:
-    """SparseCore forward of each sharded EBC's inputs."""
-    return [lookup_sharded(p.owner, p) for p in prepared]
+def _lookups(prepared: list[Prepared]) -> list[RawActivations]:
+    """SparseCore forward of each sharded EBC's and EC's inputs."""
+    return [
+        lookup_sharded_ec(p.owner, p) if isinstance(p, ShardedECPreprocessed) else lookup_sharded(p.owner, p)
+        for p in prepared
+    ]
 
 
 def _updates(behind: Behind) -> None:
     """SparseCore backward of each sharded EBC's inputs from its activations' gradients."""
     for prepared, grads in behind:
-        update_sharded(prepared.owner, prepared, grads)
+        if isinstance(prepared, ShardedECPreprocessed):
+            update_sharded_ec(prepared.owner, prepared, grads)
+        else:
+            update_sharded(prepared.owner, prepared, grads)
 
 
 def _behind(ahead: Any, grads: list[RawActivations]) -> Behind:
@@ -308,7 +315,7 @@ def _behind(ahead: Any, grads: list[RawActivations]) -> Behind:
     return [(acts.prepared, g) for acts, g in zip(step_inputs.parts(ahead), grads, strict=True)]
 
 
-def _activated(batch: Any, prepared: list[ShardedPreprocessed], raw: list[RawActivations]) -> Any:
+def _activated(batch: Any, prepared: list[Prepared], raw: list[RawActivations]) -> Any:
     """A prepared `batch` with each sharded EBC's inputs replaced by its looked-up activations, as
     leaves the model's backward fills."""
     for per_module in raw:

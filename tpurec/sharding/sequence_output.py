@@ -30,11 +30,17 @@ it (`GRADIENT_DIVISION`).
 
 The output is TorchRec's: `{embedding name: JaggedTensor}` with the lengths (and, with `need_indices`,
 the ids) on the host, as the input distribution left them; only `values()` is padded to the capacity.
+
+Each part is split into its host half (`plan_sharding`, `plan_jagged`: SparseCore inputs and every index,
+on the host) and its device half (`received`, `jagged_from_plans`: lookups, gathers, all-to-all), so that a
+compiled step runs the first ahead, eagerly, and traces the second (tpurec/sharding/ec_preprocess.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any, Dict, List
 
 import torch
@@ -104,9 +110,17 @@ class FixedSequenceOutput:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sharding i: the received rows on the device [rounds x world x block rows, dim] and, on the host,
         the row of each id of this rank's batch (TorchRec's output order for the sharding) in it."""
+        plan = self.plan_sharding(i, lookup, features, ctx, odist, device)
+        return self.received(plan, lookup_planned(lookup, plan.kernels, dim, device)), plan.position
+
+    def plan_sharding(
+        self, i: int, lookup: Any, features: KeyedJaggedTensor, ctx: Any, odist: Any, device: torch.device
+    ) -> ShardingPlan:
+        """`sharding_output`'s host half (eager; ahead of a compiled step, tpurec/sharding/ec_preprocess.py):
+        the lookup's SparseCore inputs, the all-to-all's send index and each id's row in what comes back."""
         group = odist._dist._pg
         world = group.size()
-        local, rows_of = lookup_padded(lookup, features, dim, device)
+        kernels, rows_of = preprocess_padded(lookup, features)
         lengths = features.lengths().view(-1, features.stride()) if features.stride() else features.lengths()
         ctx.lengths_after_input_dist = lengths
         send_counts = list(ctx.output_splits)  # ids each rank sent here: their rows go back to it
@@ -125,12 +139,6 @@ class FixedSequenceOutput:
             for q in range(rounds):
                 piece = rows[q * block : (q + 1) * block]
                 index[q, s, : piece.numel()] = piece
-        received = []
-        for q in range(rounds):
-            send = local.index_select(0, index[q].reshape(-1).to(device))
-            anchor = torch.zeros(0, requires_grad=torch.is_grad_enabled())
-            received.append(_EvenAllToAll.apply(send, group, anchor))
-        recv = received[0] if rounds == 1 else torch.cat(received)
         # each received id's row: source r's j-th row is in round j // block, block r, row j % block
         source = torch.repeat_interleave(torch.arange(world), torch.tensor(recv_counts, dtype=torch.long))
         j = torch.arange(int(source.numel())) - torch.repeat_interleave(
@@ -139,7 +147,21 @@ class FixedSequenceOutput:
         position = (j // block) * world * block + source * block + j % block
         if ctx.unbucketize_permute_tensor is not None:  # row-wise: back to the batch's own order
             position = position[ctx.unbucketize_permute_tensor.to(_HOST, torch.long)]
-        return recv, position
+        # a 0-dim leaf that requires grad, made here (a compiled region cannot make one): added to the rows
+        # sent when they need no gradient (a rank without tables of the sharding), so that every rank
+        # runs the backward all-to-all in a compiled step (`_exchange`)
+        anchor = torch.zeros((), requires_grad=True)
+        return ShardingPlan(kernels, index.reshape(rounds, world * block).to(device), position, group, anchor)
+
+    def received(self, plan: ShardingPlan, local: torch.Tensor) -> torch.Tensor:
+        """`sharding_output`'s device half after the lookups (`local`: their outputs stacked,
+        `lookup_planned`): one gather and one all-to-all of equal blocks per round (traceable by
+        torch.compile when the batch is one round)."""
+        received = []
+        for q in range(plan.index.shape[0]):
+            send = local.index_select(0, plan.index[q])
+            received.append(_exchange(send, plan.group, plan.anchor))
+        return received[0] if len(received) == 1 else torch.cat(received)
 
     def jagged_tensors(
         self,
@@ -151,6 +173,18 @@ class FixedSequenceOutput:
         features_to_permute_indices: Dict[str, List[int]] | None,
     ) -> Dict[str, JaggedTensor]:
         """TorchRec's `construct_jagged_tensors` on the padded path: per feature one gather of fixed shape."""
+        plans = self.plan_jagged(position, features, embedding_names, need_indices, features_to_permute_indices)
+        return jagged_from_plans(recv, [p.to(recv.device) for p in plans])
+
+    def plan_jagged(
+        self,
+        position: torch.Tensor,
+        features: KeyedJaggedTensor,
+        embedding_names: List[str],
+        need_indices: bool,
+        features_to_permute_indices: Dict[str, List[int]] | None,
+    ) -> List[JaggedPlan]:
+        """`jagged_tensors`' host half: per output, the received rows to gather, its mask and lengths."""
         lengths = features.lengths().view(-1, features.stride()) if features.stride() else features.lengths()
         per_key = features.length_per_key()
         starts = [0]
@@ -161,42 +195,140 @@ class FixedSequenceOutput:
         key_indices: Dict[str, List[int]] = defaultdict(list)
         for k, name in enumerate(embedding_names):
             key_indices[name].append(k)
-        out: Dict[str, JaggedTensor] = {}
+        out: List[JaggedPlan] = []
         for name, indices in key_indices.items():
             if features_to_permute_indices and name in features_to_permute_indices:
                 indices = [indices[p] for p in features_to_permute_indices[name]]
             n = per_key[indices[0]]
             cap = self.capacity.setdefault(name, _capacity(n, self.max_ids_per_feature))
             rows = cap if n <= cap else round_up(n, cap)  # over the capacity: a multiple of it
-            pieces = []
-            mask = (torch.arange(rows) < n).to(recv.dtype)
-            for k in indices:
-                index = torch.zeros(rows, dtype=torch.long)
-                index[:n] = position[starts[k] : starts[k] + n]
-                pieces.append(recv.index_select(0, index.to(recv.device)))
-            values = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
-            out[name] = JaggedTensor(
-                values=values * mask.to(recv.device).unsqueeze(1),
-                lengths=lengths_tuple[indices[0]],
-                weights=values_list[indices[0]] if values_list is not None else None,
+            index = torch.zeros(len(indices), rows, dtype=torch.long)
+            for piece, k in enumerate(indices):
+                index[piece, :n] = position[starts[k] : starts[k] + n]
+            feature_lengths = lengths_tuple[indices[0]]
+            offsets = torch.cat([feature_lengths.new_zeros(1), feature_lengths.cumsum(0).to(feature_lengths.dtype)])
+            out.append(
+                JaggedPlan(
+                    name,
+                    index,
+                    torch.arange(rows) < n,
+                    feature_lengths,
+                    offsets,
+                    values_list[indices[0]] if values_list is not None else None,
+                    over=n > cap,
+                )
             )
         return out
 
 
-def lookup_padded(
-    lookup: Any, features: KeyedJaggedTensor, dim: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A grouped sequence lookup's groups' fixed outputs, stacked, and each id's row in them (host)."""
+@dataclass
+class ShardingPlan:
+    """One sharding's host half of the fixed output (`FixedSequenceOutput.plan_sharding`)."""
+
+    kernels: List[Any]  # per kernel of the lookup: its SequenceInputs
+    index: torch.Tensor  # [rounds, world x block rows]: the lookup's rows each round sends (on the device)
+    position: torch.Tensor  # host: per id of this rank's batch, its row in the received rows
+    group: Any  # the sharding's process group
+    anchor: torch.Tensor  # 0-dim, requires grad (`_exchange`)
+
+    def over_limits(self) -> bool:
+        """Several all-to-all rounds (a block over its agreed rows) or lookup blocks: no fixed graph."""
+        return self.index.shape[0] > 1 or any(k.blocks > 1 for k in self.kernels)
+
+
+@dataclass
+class JaggedPlan:
+    """One output's host half (`FixedSequenceOutput.plan_jagged`): what builds its JaggedTensor."""
+
+    name: str
+    index: torch.Tensor  # [pieces (column shards), rows]: received rows gathered into the output
+    mask: torch.Tensor  # [rows] bool: rows holding an id (the rest are zeros)
+    lengths: torch.Tensor  # host, as the input distribution left them
+    offsets: torch.Tensor  # host
+    weights: torch.Tensor | None  # the ids (need_indices)
+    over: bool = False  # more ids than the capacity: rows a multiple of it (a new shape)
+
+    def to(self, device: torch.device) -> JaggedPlan:
+        return dataclasses.replace(self, index=self.index.to(device), mask=self.mask.to(device))
+
+
+def jagged_from_plans(recv: torch.Tensor, plans: List[JaggedPlan]) -> Dict[str, JaggedTensor]:
+    """`jagged_tensors`' device half: per output one gather per column piece and the padding rows zeroed."""
+    out: Dict[str, JaggedTensor] = {}
+    for plan in plans:
+        pieces = [recv.index_select(0, plan.index[p]) for p in range(plan.index.shape[0])]
+        values = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+        out[plan.name] = JaggedTensor(
+            values=values * plan.mask.to(recv.dtype).unsqueeze(1),
+            lengths=plan.lengths,
+            offsets=plan.offsets,
+            weights=plan.weights,
+        )
+    return out
+
+
+def _exchange(send: torch.Tensor, group: dist.ProcessGroup, anchor: torch.Tensor) -> torch.Tensor:
+    """One all-to-all of equal blocks, its gradient sent back (divided as TorchRec divides it)."""
+    if not torch.compiler.is_compiling():
+        return _EvenAllToAll.apply(send, group, anchor.detach().requires_grad_(torch.is_grad_enabled()))
+    world = group.size()
+    if world == 1:  # (the eager all-to-all of one rank copies; its gradient divided by 1)
+        return send
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    if torch.is_grad_enabled() and not send.requires_grad:
+        send = send + anchor  # (adds zeros) every rank runs the backward all-to-all
+    out = all_to_all_single_autograd(send, None, None, group)
+    return _GradDivided.apply(out, world) if get_gradient_division() else out
+
+
+class _GradDivided(torch.autograd.Function):
+    """The identity, its gradient divided by the world size (the compiled `_exchange`'s TorchRec division)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, world: int) -> torch.Tensor:
+        ctx.world = world
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad / ctx.world, None
+
+
+def preprocess_padded(lookup: Any, features: KeyedJaggedTensor) -> tuple[List[Any], torch.Tensor]:
+    """A grouped sequence lookup's host half: each kernel's SequenceInputs, and each id's row in the
+    kernels' outputs stacked (host)."""
     modules = list(getattr(lookup, "_emb_modules", ()))
     if not modules:
-        return torch.zeros(1, dim, device=device), torch.zeros(0, dtype=torch.long)
-    outs, rows, offset = [], [], 0
+        return [], torch.zeros(0, dtype=torch.long)
+    kernels, rows, offset = [], [], 0
     for module, group_features in zip(modules, features.split(lookup._feature_splits)):
-        out, at = module.forward_padded(group_features)
-        outs.append(out)
-        rows.append(at + offset)
-        offset += out.shape[0]
-    return (outs[0] if len(outs) == 1 else torch.cat(outs)), torch.cat(rows)
+        inputs = module.preprocess_padded(group_features)
+        kernels.append(inputs)
+        rows.append(inputs.id_rows() + offset)
+        offset += inputs.rows()
+    return kernels, torch.cat(rows)
+
+
+def lookup_planned(lookup: Any, kernels: List[Any], dim: int, device: torch.device) -> torch.Tensor:
+    """The grouped lookup's device half: its kernels' fixed outputs, stacked [rows, dim]."""
+    modules = list(getattr(lookup, "_emb_modules", ()))
+    if not modules:
+        return torch.zeros(1, dim, device=device)
+    outs = [module.lookup_padded(inputs) for module, inputs in zip(modules, kernels)]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def assembled(
+    lookup: Any, kernels: List[Any], raw: List[List[torch.Tensor]], dim: int, device: torch.device
+) -> torch.Tensor:
+    """`lookup_planned`'s output from its kernels' stacks' lookup-op outputs computed earlier (a pipelined
+    step's SparseCore forward)."""
+    modules = list(getattr(lookup, "_emb_modules", ()))
+    if not modules:
+        return torch.zeros(1, dim, device=device)
+    outs = [module.assemble_padded(r, inputs) for module, inputs, r in zip(modules, kernels, raw)]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def _sequence_order(

@@ -130,10 +130,10 @@ RawActivations = list[list[list[Tensor]]]  # per lookup, per kernel of the looku
 
 @dataclass
 class ShardedActivations:
-    """A batch whose lookups ran ahead: what the sharded EBC's forward takes in place of the KJT to
-    run only TorchRec's output dist (`output_dist_activations`), differentiable back to `raw`."""
+    """A batch whose lookups ran ahead: what the sharded EBC's (EC's) forward takes in place of the KJT
+    to run only TorchRec's output dist (`output_dist_activations`), differentiable back to `raw`."""
 
-    prepared: ShardedPreprocessed
+    prepared: Any  # ShardedPreprocessed (or a sharded EC's ShardedECPreprocessed: ec_preprocess.py)
     raw: RawActivations
 
     def stride(self) -> int:
@@ -186,12 +186,14 @@ def lookup_sharded(module: Any, prepared: ShardedPreprocessed) -> RawActivations
         for i in range(len(module._lookups)):
             lookup = module._lookups[i]
             out.append(
-                [
-                    [custom_ops.stack_lookup(kmod.kernel, None, s, csr) for s, csr in enumerate(f.inputs)]
-                    for kmod, f in zip(lookup._emb_modules, prepared.inputs[i])
-                ]
+                [lookup_kernel(kmod.kernel, f.inputs) for kmod, f in zip(lookup._emb_modules, prepared.inputs[i])]
             )
     return out
+
+
+def lookup_kernel(kernel: Any, inputs: list[Any]) -> list[Tensor]:
+    """One kernel's stacks' lookup-op outputs (raw activations) from its SparseCore inputs."""
+    return [custom_ops.stack_lookup(kernel, None, s, csr) for s, csr in enumerate(inputs)]
 
 
 def output_dist_activations(module: Any, acts: ShardedActivations) -> KeyedTensor:
@@ -216,27 +218,33 @@ def update_sharded(module: Any, prepared: ShardedPreprocessed, grads: RawActivat
     for i in range(len(module._lookups)):
         lookup = module._lookups[i]
         for kmod, f, per_stack in zip(lookup._emb_modules, prepared.inputs[i], grads[i]):
-            kernel = kmod.kernel
-            for s, (csr, grad) in enumerate(zip(f.inputs, per_stack)):
-                assert isinstance(csr, SparseCoreInput)  # lookup_sharded refused the others (custom_ops.stack_lookup)
-                states = [kernel.stack_state(s, name) for name in kernel.optimizer.state_names]
-                torch.ops.tpurec.fused_update(
-                    grad,
-                    csr.row_pointers,
-                    csr.embedding_ids,
-                    csr.sample_ids,
-                    csr.gains,
-                    kernel.stack_weight(s),
-                    states,
-                    csr.device_batch_size,
-                    csr.num_sc_per_device,
-                    csr.num_partitions,
-                    csr.max_ids_per_partition,
-                    csr.max_unique_ids_per_partition,
-                    kernel.custom_op_key,
-                    s,
-                )
-                count += 1
+            count += update_kernel(kmod.kernel, f.inputs, per_stack)
+    return count
+
+
+def update_kernel(kernel: Any, inputs: list[Any], grads: list[Tensor]) -> int:
+    """One kernel's stacks' fused updates from their raw activations' gradients; the number run."""
+    count = 0
+    for s, (csr, grad) in enumerate(zip(inputs, grads)):
+        assert isinstance(csr, SparseCoreInput)  # lookup_kernel refused the others (custom_ops.stack_lookup)
+        states = [kernel.stack_state(s, name) for name in kernel.optimizer.state_names]
+        torch.ops.tpurec.fused_update(
+            grad,
+            csr.row_pointers,
+            csr.embedding_ids,
+            csr.sample_ids,
+            csr.gains,
+            kernel.stack_weight(s),
+            states,
+            csr.device_batch_size,
+            csr.num_sc_per_device,
+            csr.num_partitions,
+            csr.max_ids_per_partition,
+            csr.max_unique_ids_per_partition,
+            kernel.custom_op_key,
+            s,
+        )
+        count += 1
     return count
 
 

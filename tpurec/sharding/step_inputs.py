@@ -24,38 +24,51 @@ from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from tpurec.errors import UserError
-from tpurec.sharding.sharded_preprocess import ModuleInputs, ShardedPreprocessed
+from tpurec.sharding.sharded_preprocess import ModuleInputs
 
 
 def sharded_ebcs(model: nn.Module, who: str) -> list[Any]:
-    """The model's tpurec-sharded EmbeddingBagCollections, in module order; at least one. Any other
-    sharded module (an EmbeddingCollection, a FeatureProcessedEmbeddingBagCollection, whose own
-    forward runs the EBC inside it, stock TorchRec's) is refused by name: the step would hand it
-    SparseCore inputs it does not take."""
+    """The model's tpurec-sharded EmbeddingBagCollections and EmbeddingCollections, in module order; at
+    least one. An EmbeddingCollection must be on its fixed-shape output path (ec_preprocess.py). Any other
+    sharded module (a FeatureProcessedEmbeddingBagCollection, whose own forward runs the EBC inside it,
+    stock TorchRec's) is refused by name: the step would hand it SparseCore inputs it does not take."""
     from torchrec.distributed.types import ShardedModule
 
+    from tpurec.sharding.ec_preprocess import fixed_path_needed
+    from tpurec.sharding.ec_sharder import ShardedSparseCoreEC
     from tpurec.sharding.sharder import ShardedSparseCoreEBC
 
     others = []
     for name, m in model.named_modules():
-        if isinstance(m, ShardedModule) and not isinstance(m, ShardedSparseCoreEBC):
+        if isinstance(m, ShardedModule) and not isinstance(m, (ShardedSparseCoreEBC, ShardedSparseCoreEC)):
             others.append(f"{name or 'the model'} ({type(m).__name__})")
     if others:
         raise UserError(
-            f"{who} steps sharded EmbeddingBagCollections only; this model also has {', '.join(others)}: "
-            "train it with the eager step"
+            f"{who} steps sharded EmbeddingBagCollections and EmbeddingCollections only; this model also has "
+            f"{', '.join(others)}: train it with the eager step"
         )
-    found = [m for m in model.modules() if isinstance(m, ShardedSparseCoreEBC)]
+    for name, m in model.named_modules():
+        if isinstance(m, ShardedSparseCoreEC) and m._fixed_output is None:
+            raise UserError(f"{who}: {fixed_path_needed(name or 'the model')}")
+    found = [m for m in model.modules() if isinstance(m, (ShardedSparseCoreEBC, ShardedSparseCoreEC))]
     if not found:
         raise UserError(
-            f"{who} needs a model with a sharded EmbeddingBagCollection (tpurec's sharder); this one has none"
+            f"{who} needs a model with a sharded EmbeddingBagCollection or EmbeddingCollection (tpurec's "
+            "sharders); this one has none"
         )
     return found
 
 
+def is_ec(module: Any) -> bool:
+    from tpurec.sharding.ec_sharder import ShardedSparseCoreEC
+
+    return isinstance(module, ShardedSparseCoreEC)
+
+
 def features_of(module: Any) -> list[str]:
-    """The features a sharded EBC reads (its input dist's, in its shardings' order)."""
-    return [f for sharding in module._embedding_shardings for f in sharding.feature_names()]
+    """The features a sharded EBC or EC reads (its input dist's, in its shardings' order)."""
+    shardings = module._sharding_type_to_sharding.values() if is_ec(module) else module._embedding_shardings
+    return [f for sharding in shardings for f in sharding.feature_names()]
 
 
 class FieldMap:
@@ -104,20 +117,29 @@ class FieldMap:
         return out
 
 
-def prepare(batch: Any, fields: dict[str, list[Any]]) -> tuple[Any, list[ShardedPreprocessed]]:
-    """The host half of every sharded EBC (`preprocess_sharded`): `batch` with each field that feeds
-    one replaced by its ModuleInputs, and every module's inputs in `parts` order (field order, then
-    module order: the order the steps keep their per-module state in)."""
+def prepare(batch: Any, fields: dict[str, list[Any]]) -> tuple[Any, list[Any]]:
+    """The host half of every sharded EBC (`preprocess_sharded`) and EC (`preprocess_sharded_ec`): `batch`
+    with each field that feeds one replaced by its ModuleInputs, and every module's inputs in `parts`
+    order (field order, then module order: the order the steps keep their per-module state in)."""
+    from tpurec.sharding.ec_preprocess import preprocess_sharded_ec
     from tpurec.sharding.sharded_preprocess import preprocess_sharded
 
     replaced, flat = {}, []
     for f in dataclasses.fields(batch):  # (the batch's field order, as `parts` reads them back)
         if f.name in fields:
             kjt = getattr(batch, f.name)
-            prepared = [preprocess_sharded(m, kjt) for m in fields[f.name]]
+            prepared = [(preprocess_sharded_ec if is_ec(m) else preprocess_sharded)(m, kjt) for m in fields[f.name]]
             replaced[f.name] = ModuleInputs(prepared, kjt.stride())
             flat += prepared
     return dataclasses.replace(batch, **replaced), flat
+
+
+def over_limits(part: Any) -> list[str]:
+    """What keeps one module's prepared inputs out of the one fixed graph (empty: nothing)."""
+    from tpurec.sharding.ec_preprocess import ShardedECPreprocessed, ec_over_limits
+    from tpurec.sharding.sharded_preprocess import over_limits as ebc_over_limits
+
+    return ec_over_limits(part) if isinstance(part, ShardedECPreprocessed) else ebc_over_limits(part)
 
 
 def parts(batch: Any) -> list[Any]:
