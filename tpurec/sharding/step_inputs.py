@@ -27,25 +27,38 @@ from tpurec.errors import UserError
 from tpurec.sharding.sharded_preprocess import ModuleInputs, ShardedPreprocessed
 
 
-def sharded_ebcs(model: nn.Module, who: str) -> list[Any]:
-    """The model's tpurec-sharded EmbeddingBagCollections, in module order; at least one. Any other
-    sharded module (an EmbeddingCollection, a FeatureProcessedEmbeddingBagCollection, whose own
-    forward runs the EBC inside it, stock TorchRec's) is refused by name: the step would hand it
-    SparseCore inputs it does not take."""
+def sharded_ebcs(model: nn.Module, who: str, fp: bool = False) -> list[Any]:
+    """The model's tpurec-sharded EmbeddingBagCollections (and with `fp`, FeatureProcessedEmbeddingBag-
+    Collections over tpurec's EBC sharder: fp_preprocess.py), in module order; at least one. Any other
+    sharded module (an EmbeddingCollection, an FP-EBC without `fp`, whose own forward runs the EBC
+    inside it, stock TorchRec's) is refused by name: the step would hand it SparseCore inputs it does
+    not take."""
     from torchrec.distributed.types import ShardedModule
 
+    from tpurec.sharding.fp_sharder import ShardedSparseCoreFPEBC
     from tpurec.sharding.sharder import ShardedSparseCoreEBC
 
-    others = []
+    others, inner = [], set()
     for name, m in model.named_modules():
+        if fp and isinstance(m, ShardedSparseCoreFPEBC):
+            if isinstance(m._embedding_bag_collection, ShardedSparseCoreEBC):
+                inner.add(id(m._embedding_bag_collection))  # stepped through its FP module
+                continue
         if isinstance(m, ShardedModule) and not isinstance(m, ShardedSparseCoreEBC):
             others.append(f"{name or 'the model'} ({type(m).__name__})")
     if others:
-        raise UserError(
-            f"{who} steps sharded EmbeddingBagCollections only; this model also has {', '.join(others)}: "
-            "train it with the eager step"
+        what = (
+            "EmbeddingBagCollections and FeatureProcessedEmbeddingBagCollections" if fp else "EmbeddingBagCollections"
         )
-    found = [m for m in model.modules() if isinstance(m, ShardedSparseCoreEBC)]
+        raise UserError(
+            f"{who} steps sharded {what} only; this model also has {', '.join(others)}: train it with the eager step"
+        )
+    found = [
+        m
+        for m in model.modules()
+        if (isinstance(m, ShardedSparseCoreEBC) and id(m) not in inner)
+        or (fp and isinstance(m, ShardedSparseCoreFPEBC))
+    ]
     if not found:
         raise UserError(
             f"{who} needs a model with a sharded EmbeddingBagCollection (tpurec's sharder); this one has none"
@@ -54,7 +67,8 @@ def sharded_ebcs(model: nn.Module, who: str) -> list[Any]:
 
 
 def features_of(module: Any) -> list[str]:
-    """The features a sharded EBC reads (its input dist's, in its shardings' order)."""
+    """The features a sharded EBC (or an FP-EBC's inner one) reads (its input dist's, in its shardings' order)."""
+    module = getattr(module, "_embedding_bag_collection", module)
     return [f for sharding in module._embedding_shardings for f in sharding.feature_names()]
 
 
@@ -62,9 +76,9 @@ class FieldMap:
     """The batch fields feeding each sharded EBC of `model` (worked out from the first batch's keys,
     again when a batch's fields or keys differ)."""
 
-    def __init__(self, model: nn.Module, who: str) -> None:
+    def __init__(self, model: nn.Module, who: str, fp: bool = False) -> None:
         self.who = who
-        self.modules = sharded_ebcs(model, who)
+        self.modules = sharded_ebcs(model, who, fp)
         self._names = {id(m): name for name, m in model.named_modules()}
         self._seen: tuple | None = None
         self._fields: dict[str, list[Any]] = {}
@@ -108,13 +122,18 @@ def prepare(batch: Any, fields: dict[str, list[Any]]) -> tuple[Any, list[Sharded
     """The host half of every sharded EBC (`preprocess_sharded`): `batch` with each field that feeds
     one replaced by its ModuleInputs, and every module's inputs in `parts` order (field order, then
     module order: the order the steps keep their per-module state in)."""
+    from tpurec.sharding.fp_preprocess import FPPreprocessed, preprocess_fp
+    from tpurec.sharding.fp_sharder import ShardedSparseCoreFPEBC
     from tpurec.sharding.sharded_preprocess import preprocess_sharded
+
+    def host_half(m: Any, kjt: KeyedJaggedTensor) -> ShardedPreprocessed | FPPreprocessed:
+        return preprocess_fp(m, kjt) if isinstance(m, ShardedSparseCoreFPEBC) else preprocess_sharded(m, kjt)
 
     replaced, flat = {}, []
     for f in dataclasses.fields(batch):  # (the batch's field order, as `parts` reads them back)
         if f.name in fields:
             kjt = getattr(batch, f.name)
-            prepared = [preprocess_sharded(m, kjt) for m in fields[f.name]]
+            prepared = [host_half(m, kjt) for m in fields[f.name]]
             replaced[f.name] = ModuleInputs(prepared, kjt.stride())
             flat += prepared
     return dataclasses.replace(batch, **replaced), flat
