@@ -191,3 +191,26 @@ def test_compiled_fp_ebc_step_is_one_graph_without_breaks():
     ops = [str(n.target) for g in explained.graphs for n in g.graph.nodes if n.op == "call_function"]
     assert sum("fused_lookup" in op for op in ops) == 1  # t0 and t1 in one stack, one lookup op
     assert any("gather" in op for op in ops)  # the position weights gathered in the graph
+
+
+@pytest.mark.slow  # two gloo ranks importing torchrec and compiling: 40-60 s each on a shared host
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "types",
+    [
+        {"t0": "row_wise", "t1": "table_wise", "t2": "column_wise"},
+        {"t0": "column_wise", "t1": "table_row_wise", "t2": "row_wise"},
+    ],
+)
+def test_compiled_fp_ebc_on_two_ranks(types):
+    """Two gloo ranks, every sharding type over the FP-EBC's tables: row-wise ids are tagged with their
+    positions before they are bucketed (TorchRec's pre-processing); the weights' gradient is scaled
+    back up by the world size as TorchRec's lookup scales it; the position weights' gradients are
+    averaged with the other dense ones in the graph."""
+    from .multiprocess import run_ranks
+
+    results = run_ranks(_train, 2, True, "SUM", types, timeout=600)
+    for rank, result in enumerate(results):
+        assert result["plan"] == sorted(set(types.values())), rank
+        _assert_exact(result, modules=2)
+    assert len({t for r in results for t in r["tables"]}) == 3  # (a TW table lives on one rank)

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torchrec.distributed.embedding_lookup import CommOpGradientScaling
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from tpurec.embedding import custom_ops
@@ -270,6 +271,12 @@ def compute_fp_preprocessed(module: Any, prepared: FPPreprocessed) -> KeyedTenso
         # the weights as the feature processors gather them (one gather per lookup, in its KJT's order:
         # the position weights' gradient sums in the eager step's order)
         weights = torch.gather(_weight_table(module, lw.features), 0, lw.positions)
+        factor = getattr(lookup, "_scale_gradient_factor", 1)
+        if factor != 1:
+            # TorchRec's grouped lookup scales the weights' gradient back up by the world size: its
+            # output all-to-all divided the gradient (comm_ops.GRADIENT_DIVISION) and DDP averages
+            # these dense parameters again (embedding_lookup.py, CommOpGradientScaling); the same here
+            weights = CommOpGradientScaling.apply(weights, factor)
         outs = []
         for kmod, f, stacks in zip(lookup._emb_modules, prepared.inputs[i], lw.stacks):
             kernel = kmod.kernel
