@@ -135,10 +135,13 @@ def preprocess_fp(module: Any, features: KeyedJaggedTensor) -> FPPreprocessed:
         for kernel in gains:
             for g in kernel:
                 g.index[g.index < 0] = size - 1
+                _on_device(g)
         inputs.append(per_kernel)
         strides.append(kjt.stride())
         names = list(processors)
-        weights.append(LookupWeights(names, _padded(_positions(kjt, processors), size, _ones_place(processors)), gains))
+        positions = _padded(_positions(kjt, processors), size, _ones_place(processors))
+        device = next((p.position_weight.device for p in processors.values()), torch.device("cpu"))
+        weights.append(LookupWeights(names, positions.to(device), gains))
     for output_dist, sharding_ctx in zip(inner._output_dists, ctx.sharding_contexts):
         _build_output_dist(output_dist, sharding_ctx)
     return FPPreprocessed(module, ctx, inputs, strides, features.stride(), weights)
@@ -229,6 +232,14 @@ def _stack_gains(kernel: Any, part: KeyedJaggedTensor, where: KeyedJaggedTensor,
     return out
 
 
+def _on_device(g: StackGains) -> None:
+    """The graph's per-id tensors where the stack's gains are built (`base`: on its inputs' device): a
+    TPU's op takes no host tensor beside device ones."""
+    device = g.base.device
+    g.index, g.slots = g.index.to(device), g.slots.to(device)
+    g.divisor = g.divisor.to(device) if g.divisor is not None else None
+
+
 def _slots(csr: SparseCoreInput, ids: Tensor, samples: Tensor) -> Tensor:
     """Each (SparseCore id, device sample) entry's slot in the COO buffers of `csr` (the number of
     slots for an entry the preprocessing dropped). A slot's entry is found from the buffers alone:
@@ -299,7 +310,8 @@ def compute_fp_preprocessed(module: Any, prepared: FPPreprocessed) -> KeyedTenso
 def _weight_table(module: Any, features: list[str]) -> Tensor:
     """`features`' position weights end to end, then a 1 (the weight of a feature without a processor)."""
     params = [module._feature_processors[key].position_weight for key in features]
-    return torch.cat([*params, torch.ones(1, dtype=params[0].dtype if params else torch.float32)])
+    one = params[0].new_ones(1) if params else torch.ones(1)  # (on the parameters' device)
+    return torch.cat([*params, one])
 
 
 def _gains(weights: Tensor, g: StackGains) -> Tensor:
