@@ -285,7 +285,8 @@ def test_table_sizes_from_the_data_are_announced(tmp_path, criteo_sample):
     convert([str(criteo_sample)], str(out), ConvertOptions(criteo_schema(sizes)), show_progress=False)
     _, p = train("--data", out, "--steps", 1, cache=tmp_path / "cache", check=False)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert f"tables: sizes from {out}'s _dataset.json: {sum(sizes):,} rows in all (the dlrm-tiny defaults have" in p.stderr
+    said = f"tables: sizes from {out}'s _dataset.json: {sum(sizes):,} rows in all (the dlrm-tiny defaults have"
+    assert said in p.stderr
 
 
 @pytest.mark.slow  # over 35 s: `make test-all` (the default suite's 20 minutes)

@@ -188,8 +188,9 @@ def test_a_batch_that_does_not_say_which_field_feeds_an_ebc_is_refused():
 
 
 def test_a_model_with_other_sharded_modules_is_refused_by_name():
-    """An FP-EBC (its own forward runs the EBC inside it) beside the EBCs, or an EmbeddingCollection off
-    its fixed-shape path (CPU's default): refused in one line naming each, before anything runs."""
+    """An FP-EBC (its own forward runs the EBC inside it; the compiled step takes it:
+    test_compiled_fp_step.py) in a pipelined step, or an EmbeddingCollection off its fixed-shape path
+    (CPU's default): refused in one line naming each, before anything runs."""
     from torchrec.modules.embedding_configs import EmbeddingConfig
     from torchrec.modules.embedding_modules import EmbeddingCollection
 
@@ -201,8 +202,13 @@ def test_a_model_with_other_sharded_modules_is_refused_by_name():
     from .test_fpebc_dmp import _Model as FPModel
 
     fp = tpurec.DistributedModelParallel(FPModel(), device="cpu", batch_size=BATCH)
-    with pytest.raises(UserError, match=r"and EmbeddingCollections only; .*also has fp \(ShardedFeature"):
-        CompiledStep(fp, DENSE_LR)
+    with pytest.raises(
+        UserError,
+        match=r"PipelinedStep steps sharded EmbeddingBagCollections, EmbeddingCollections only.*"
+        r"fp \(ShardedSparseCoreFPEBC\)",
+    ):
+        PipelinedStep(fp, DENSE_LR)
+    assert CompiledStep(fp, DENSE_LR).fields.modules == [fp.module.fp]
 
     class WithEC(TwoEBCs):
         def __init__(self) -> None:

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from tpurec.embedding import ops
+from tpurec.embedding.constraints import PADDING_ID
 from tpurec.embedding.preprocess import SparseCoreInput
 
 if TYPE_CHECKING:
@@ -156,16 +157,65 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
 
 def _backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
     rp, emb, smp, gains, table, *states = ctx.saved_tensors
+    # trainable per-id weights (a FeatureProcessedEmbeddingBagCollection's position weights, built
+    # in the graph: tpurec/sharding/fp_preprocess.py): their gradient from the rows before the update
+    gains_grad = gains_gradient(grad, rp, emb, smp, gains, table, *ctx.ints[:5]) if ctx.needs_input_grad[4] else None
     torch.ops.tpurec.fused_update(grad, rp, emb, smp, gains, table, states, *ctx.ints)
-    # no gradient for any input (the table's is consumed by the update); the states' as a list
-    return (None,) * 6 + ([None] * ctx.num_states,) + (None,) * 7
+    # no gradient for the other inputs (the table's is consumed by the update); the states' as a list
+    return (None,) * 4 + (gains_grad, None, [None] * ctx.num_states) + (None,) * 7
+
+
+def gains_gradient(
+    grad: Tensor,
+    row_pointers: Tensor,
+    embedding_ids: Tensor,
+    sample_ids: Tensor,
+    gains: Tensor,
+    table: Tensor,
+    device_batch_size: int,
+    num_sc_per_device: int,
+    num_partitions: int,
+    max_ids_per_partition: int,
+    max_unique_ids_per_partition: int,
+) -> Tensor:
+    """d loss / d gains of one stack's lookup: entry e's is <grad[sample of e], row(id of e)>, 0 in
+    padded slots (as weight_grad.py computes it per id, eagerly; the caller runs it before the update).
+
+    Each entry's row comes from the lookup op itself, so from whatever storage layout and kernel the
+    device has: the same COO entries with gain 1 and each entry its own sample (its slot within its
+    SparseCore), a [slots, width] output whose row e is row(id of e)."""
+    slots = embedding_ids.numel()
+    per_sc_slots = slots // num_sc_per_device
+    per_sc = device_batch_size // num_sc_per_device
+    slot = torch.arange(slots, device=embedding_ids.device)
+    valid = embedding_ids != PADDING_ID
+    ones = torch.where(valid, 1.0, gains)  # (NaN, the padding's gain, in padded slots)
+    own = (slot % per_sc_slots).to(torch.int32)
+    rows = torch.ops.tpurec.sparse_dense_matmul(
+        row_pointers,
+        embedding_ids,
+        torch.where(valid, own, sample_ids),
+        ones,
+        table,
+        slots,
+        num_sc_per_device,
+        num_partitions,
+        max_ids_per_partition,
+        max_unique_ids_per_partition,
+    )
+    sample = torch.where(valid, (slot // per_sc_slots) * per_sc + sample_ids.to(torch.int64), 0)
+    out = (grad.index_select(0, sample) * rows).sum(1)
+    return torch.where(valid, out, 0.0)
 
 
 fused_lookup.register_autograd(_backward, setup_context=_setup_context)
 
 
-def stack_lookup(kernel: SparseCoreKernel, trigger: Tensor | None, i: int, csr: StackInput) -> Tensor:
-    """Stack i's lookup through the ops: [device_batch_size, width] float32."""
+def stack_lookup(
+    kernel: SparseCoreKernel, trigger: Tensor | None, i: int, csr: StackInput, gains: Tensor | None = None
+) -> Tensor:
+    """Stack i's lookup through the ops: [device_batch_size, width] float32. gains: in place of the
+    input's (a tensor of the graph that may require grad: `_backward` then returns its gradient)."""
     if type(csr) is not SparseCoreInput:
         # Several passes (a batch over its limits) or the TPU path's weight-decay layout: their
         # number of op calls depends on the batch, so they have no fixed graph.
@@ -176,7 +226,8 @@ def stack_lookup(kernel: SparseCoreKernel, trigger: Tensor | None, i: int, csr: 
     states = [kernel.stack_state(i, s) for s in kernel.optimizer.state_names]
     if trigger is None:
         if not torch.compiler.is_compiling():  # no grad, eager: the plain lookup op
-            return ops.sparse_dense_matmul(*op_args(csr, kernel.stack_weight(i)))
+            args = op_args(csr, kernel.stack_weight(i))
+            return ops.sparse_dense_matmul(*args[:3], csr.gains if gains is None else gains, *args[4:])
         # no grad, compiling (the pipelined step's SparseCore forward): fused_lookup too, whose fake
         # kernel traces on any device (the plain op's TPU kernel reaches TorchTPU's op, which may have
         # none); under no_grad its autograd is not recorded
@@ -186,7 +237,7 @@ def stack_lookup(kernel: SparseCoreKernel, trigger: Tensor | None, i: int, csr: 
         csr.row_pointers,
         csr.embedding_ids,
         csr.sample_ids,
-        csr.gains,
+        csr.gains if gains is None else gains,
         kernel.stack_weight(i),
         states,
         csr.device_batch_size,

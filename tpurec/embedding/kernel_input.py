@@ -210,15 +210,16 @@ class KernelInput:
         self.multipass_batches += 1
         return self._to_device(out)
 
-    def stack_arrays(self, features: KeyedJaggedTensor) -> tuple[int, int, list[StackArrays]]:
+    def stack_arrays(self, features: KeyedJaggedTensor, demand: bool = True) -> tuple[int, int, list[StackArrays]]:
         """(batch, padded batch, per stack its (values, lengths, weights)): the KJT in stacked order,
-        cut into one contiguous slice per stack; the batch's demand recorded when asked for."""
+        cut into one contiguous slice per stack; the batch's demand recorded when asked for (and
+        `demand`: False for a second look at a batch already counted)."""
         values, lengths, weights = self.stacked_arrays(features)
         batch = features.stride()
         padded = round_up(max(batch, 1), self.num_sc)
         per_slot = lengths.view(-1, batch).sum(1) if batch else torch.zeros(len(self.stacked_order), dtype=torch.long)
         value_offsets = [0] + torch.cumsum(per_slot, 0).tolist()
-        if self.table_demand is not None:
+        if demand and self.table_demand is not None:
             self._record_demand(values, lengths, batch)
         parts: list[StackArrays] = []
         k0 = 0

@@ -16,14 +16,32 @@ Of what TorchRec's FP sharder offers, data-parallel is left out as for every Spa
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict
+from typing import TYPE_CHECKING, Any, Dict, Type
 
+import torch
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.fp_embeddingbag import ShardedFeatureProcessedEmbeddingBagCollection
+from torchrec.distributed.types import ParameterSharding, ShardingEnv
+from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
 
 from tpurec.planner.planners import TpuPlanningFPSharder
+from tpurec.sharding.fp_preprocess import FPPreprocessed, compute_fp_preprocessed
+from tpurec.sharding.sharded_preprocess import ModuleInputs
 
 if TYPE_CHECKING:
     from torchrec.distributed.embedding_types import QuantizedCommCodecs
+
+
+class ShardedSparseCoreFPEBC(ShardedFeatureProcessedEmbeddingBagCollection):
+    """TorchRec's sharded FP-EBC whose forward also takes its inputs built ahead (`FPPreprocessed`, in a
+    compiled step's batch: tpurec/sharding/fp_preprocess.py) and then runs only the device half."""
+
+    def forward(self, *input: Any, **kwargs: Any) -> Any:
+        if len(input) == 1 and not kwargs and isinstance(input[0], ModuleInputs):
+            input = (input[0].part_for(self),)
+        if len(input) == 1 and not kwargs and isinstance(input[0], FPPreprocessed):
+            return compute_fp_preprocessed(self, input[0])
+        return super().forward(*input, **kwargs)
 
 
 class SparseCoreFPEBCSharder(TpuPlanningFPSharder):
@@ -45,3 +63,22 @@ class SparseCoreFPEBCSharder(TpuPlanningFPSharder):
         elif settings:
             raise TypeError(f"settings {sorted(settings)} go to the EBC sharder; given one, set them there")
         super().__init__(ebc_sharder=ebc_sharder, qcomm_codecs_registry=qcomm_codecs_registry)
+
+    def shard(
+        self,
+        module: FeatureProcessedEmbeddingBagCollection,
+        params: Dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        module_fqn: str | None = None,
+    ) -> ShardedSparseCoreFPEBC:
+        # TorchRec's shard(), building the subclass
+        if device is None:
+            device = torch.device("cuda")
+        return ShardedSparseCoreFPEBC(
+            module, params, ebc_sharder=self._ebc_sharder, env=env, device=device, module_fqn=module_fqn
+        )
+
+    @property
+    def sharded_module_type(self) -> Type[ShardedSparseCoreFPEBC]:
+        return ShardedSparseCoreFPEBC

@@ -27,30 +27,44 @@ from tpurec.errors import UserError
 from tpurec.sharding.sharded_preprocess import ModuleInputs
 
 
-def sharded_ebcs(model: nn.Module, who: str) -> list[Any]:
-    """The model's tpurec-sharded EmbeddingBagCollections and EmbeddingCollections, in module order; at
-    least one. An EmbeddingCollection must be on its fixed-shape output path (ec_preprocess.py). Any other
-    sharded module (a FeatureProcessedEmbeddingBagCollection, whose own forward runs the EBC inside it,
-    stock TorchRec's) is refused by name: the step would hand it SparseCore inputs it does not take."""
+def sharded_ebcs(model: nn.Module, who: str, fp: bool = False) -> list[Any]:
+    """The model's tpurec-sharded EmbeddingBagCollections and EmbeddingCollections (and with `fp`,
+    FeatureProcessedEmbeddingBagCollections over tpurec's EBC sharder: fp_preprocess.py), in module
+    order; at least one. An EmbeddingCollection must be on its fixed-shape output path
+    (ec_preprocess.py). Any other sharded module (an FP-EBC without `fp`, whose own forward runs the
+    EBC inside it, stock TorchRec's) is refused by name: the step would hand it SparseCore inputs it
+    does not take."""
     from torchrec.distributed.types import ShardedModule
 
     from tpurec.sharding.ec_preprocess import fixed_path_needed
     from tpurec.sharding.ec_sharder import ShardedSparseCoreEC
+    from tpurec.sharding.fp_sharder import ShardedSparseCoreFPEBC
     from tpurec.sharding.sharder import ShardedSparseCoreEBC
 
-    others = []
+    others, inner = [], set()
     for name, m in model.named_modules():
+        if fp and isinstance(m, ShardedSparseCoreFPEBC):
+            if isinstance(m._embedding_bag_collection, ShardedSparseCoreEBC):
+                inner.add(id(m._embedding_bag_collection))  # stepped through its FP module
+                continue
         if isinstance(m, ShardedModule) and not isinstance(m, (ShardedSparseCoreEBC, ShardedSparseCoreEC)):
             others.append(f"{name or 'the model'} ({type(m).__name__})")
     if others:
+        what = "EmbeddingBagCollections, EmbeddingCollections" + (
+            " and FeatureProcessedEmbeddingBagCollections" if fp else ""
+        )
         raise UserError(
-            f"{who} steps sharded EmbeddingBagCollections and EmbeddingCollections only; this model also has "
-            f"{', '.join(others)}: train it with the eager step"
+            f"{who} steps sharded {what} only; this model also has {', '.join(others)}: train it with the eager step"
         )
     for name, m in model.named_modules():
         if isinstance(m, ShardedSparseCoreEC) and m._fixed_output is None:
             raise UserError(f"{who}: {fixed_path_needed(name or 'the model')}")
-    found = [m for m in model.modules() if isinstance(m, (ShardedSparseCoreEBC, ShardedSparseCoreEC))]
+    found = [
+        m
+        for m in model.modules()
+        if (isinstance(m, (ShardedSparseCoreEBC, ShardedSparseCoreEC)) and id(m) not in inner)
+        or (fp and isinstance(m, ShardedSparseCoreFPEBC))
+    ]
     if not found:
         raise UserError(
             f"{who} needs a model with a sharded EmbeddingBagCollection or EmbeddingCollection (tpurec's "
@@ -66,7 +80,9 @@ def is_ec(module: Any) -> bool:
 
 
 def features_of(module: Any) -> list[str]:
-    """The features a sharded EBC or EC reads (its input dist's, in its shardings' order)."""
+    """The features a sharded EBC, EC or FP-EBC (its inner EBC's) reads (its input dist's, in its
+    shardings' order)."""
+    module = getattr(module, "_embedding_bag_collection", module)
     shardings = module._sharding_type_to_sharding.values() if is_ec(module) else module._embedding_shardings
     return [f for sharding in shardings for f in sharding.feature_names()]
 
@@ -75,9 +91,9 @@ class FieldMap:
     """The batch fields feeding each sharded EBC of `model` (worked out from the first batch's keys,
     again when a batch's fields or keys differ)."""
 
-    def __init__(self, model: nn.Module, who: str) -> None:
+    def __init__(self, model: nn.Module, who: str, fp: bool = False) -> None:
         self.who = who
-        self.modules = sharded_ebcs(model, who)
+        self.modules = sharded_ebcs(model, who, fp)
         self._names = {id(m): name for name, m in model.named_modules()}
         self._seen: tuple | None = None
         self._fields: dict[str, list[Any]] = {}
@@ -118,17 +134,25 @@ class FieldMap:
 
 
 def prepare(batch: Any, fields: dict[str, list[Any]]) -> tuple[Any, list[Any]]:
-    """The host half of every sharded EBC (`preprocess_sharded`) and EC (`preprocess_sharded_ec`): `batch`
-    with each field that feeds one replaced by its ModuleInputs, and every module's inputs in `parts`
-    order (field order, then module order: the order the steps keep their per-module state in)."""
+    """The host half of every sharded EBC (`preprocess_sharded`), EC (`preprocess_sharded_ec`) and FP-EBC
+    (`preprocess_fp`): `batch` with each field that feeds one replaced by its ModuleInputs, and every
+    module's inputs in `parts` order (field order, then module order: the order the steps keep their
+    per-module state in)."""
     from tpurec.sharding.ec_preprocess import preprocess_sharded_ec
+    from tpurec.sharding.fp_preprocess import preprocess_fp
+    from tpurec.sharding.fp_sharder import ShardedSparseCoreFPEBC
     from tpurec.sharding.sharded_preprocess import preprocess_sharded
+
+    def host_half(m: Any, kjt: KeyedJaggedTensor) -> Any:
+        if isinstance(m, ShardedSparseCoreFPEBC):
+            return preprocess_fp(m, kjt)
+        return (preprocess_sharded_ec if is_ec(m) else preprocess_sharded)(m, kjt)
 
     replaced, flat = {}, []
     for f in dataclasses.fields(batch):  # (the batch's field order, as `parts` reads them back)
         if f.name in fields:
             kjt = getattr(batch, f.name)
-            prepared = [(preprocess_sharded_ec if is_ec(m) else preprocess_sharded)(m, kjt) for m in fields[f.name]]
+            prepared = [host_half(m, kjt) for m in fields[f.name]]
             replaced[f.name] = ModuleInputs(prepared, kjt.stride())
             flat += prepared
     return dataclasses.replace(batch, **replaced), flat
