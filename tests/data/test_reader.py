@@ -502,6 +502,23 @@ def test_an_error_in_a_window_decoded_on_another_thread_is_the_readers_line(synt
         ParquetReader(tmp_path, 100, decode_threads=0)
 
 
+def test_each_decoding_thread_reads_a_file_through_its_own_handle(tmp_path):
+    # pyarrow's ParquetFile pre-buffers a read into one cache per handle, which a second thread's read
+    # replaces (CI once failed with "ReadRangeCache did not find matching cache entry")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tpurec.data import validate
+
+    pq.write_table(pa.table({"a": list(range(10))}), tmp_path / "a.parquet", row_group_size=5)
+    files = validate.OpenFiles(["a"])
+    here = files.get(tmp_path / "a.parquet")
+    assert files.get(tmp_path / "a.parquet") is here  # opened once per thread
+    with ThreadPoolExecutor(1) as pool:
+        there = pool.submit(files.get, tmp_path / "a.parquet").result()
+    assert there is not here
+    assert there.read_row_group(1).column("a").to_pylist() == [5, 6, 7, 8, 9]
+
+
 def test_the_training_readers_decoding_threads_follow_the_cores_per_rank(monkeypatch):
     from tpurec.data import reader
 

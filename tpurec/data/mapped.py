@@ -157,15 +157,13 @@ class MappedDecoder:
         self.physical = [c for c in self.columns if c not in source.partition_columns]
         numbers = ("float", "bool", INT)
         self.kinds = {m.label: numbers, **dict.fromkeys(m.dense, numbers), **{f.name: (f.kind,) for f in m.sparse}}
-        self.files: dict[str, Any] = {}
+        self.files = validate.OpenFiles(self.physical)  # windows are decoded on several threads
 
     def read(self, u: Unit) -> pa.Table:
         """The unit's mapped columns (partition columns filled in from the directory names), type-checked."""
         import pyarrow as pa
 
-        if u.path not in self.files:
-            self.files[u.path] = validate.open_parquet(u.path, self.physical)
-        t = validate.read_row_group(self.files[u.path], u.path, u.row_group, self.physical)
+        t = validate.read_row_group(self.files.get(u.path), u.path, u.row_group, self.physical)
         if u.start or u.stop != t.num_rows:
             t = t.slice(u.start, u.rows)
         keys = self.source.partition_keys.get(u.path, {})

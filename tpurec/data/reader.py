@@ -91,7 +91,6 @@ class _Decoder:
         self.schema = schema
         self.dense_log1p = dense_log1p  # apply log1p_clamp0 here (the files hold raw dense)
         self.rehash = rehash  # apply mod_reserve0 into these sizes here (the files hold raw ids)
-        self.files: dict[str, object] = {}
         # ids_only: the label and dense columns are neither read nor checked (a pass over the ids alone)
         self.ids_only = ids_only
         self.columns = [] if ids_only else [schema.label, *schema.dense]
@@ -100,14 +99,10 @@ class _Decoder:
             if f.weights:
                 self.columns.append(f.weights)
         self.one_hot = all(not f.multi_hot for f in schema.sparse) and not any(f.weights for f in schema.sparse)
-
-    def _file(self, path):
-        if path not in self.files:
-            self.files[path] = validate.open_parquet(path, self.columns)
-        return self.files[path]
+        self.files = validate.OpenFiles(self.columns)  # windows are decoded on several threads
 
     def read_unit(self, u: shards.Unit):
-        t = validate.read_row_group(self._file(u.path), u.path, u.row_group, self.columns)
+        t = validate.read_row_group(self.files.get(u.path), u.path, u.row_group, self.columns)
         if u.start or u.stop != t.num_rows:
             t = t.slice(u.start, u.rows)
         s = self.schema

@@ -10,6 +10,7 @@ one-line ``DataError`` naming file, row group, column, row and value.
 from __future__ import annotations
 
 import os
+import threading
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -40,6 +41,23 @@ def open_parquet(path: str | os.PathLike, columns: list[str]) -> pq.ParquetFile:
     if missing:
         raise DataError(f"{path}: missing column(s) {', '.join(map(repr, missing))}")
     return pf
+
+
+class OpenFiles:
+    """ParquetFiles opened on first use, one handle per file per thread: a ParquetFile is not safe to
+    read from two threads at once (each read pre-buffers into the handle's one cache, which the other
+    thread's read replaces: "ReadRangeCache did not find matching cache entry", seen in CI with two
+    decoding threads on one file)."""
+
+    def __init__(self, columns: list[str]) -> None:
+        self.columns = columns
+        self._local = threading.local()
+
+    def get(self, path: str | os.PathLike) -> pq.ParquetFile:
+        files = self._local.__dict__.setdefault("files", {})
+        if path not in files:
+            files[path] = open_parquet(path, self.columns)
+        return files[path]
 
 
 def read_row_group(pf: pq.ParquetFile, path: str | os.PathLike, rg: int, columns: list[str]) -> pa.Table:
