@@ -346,3 +346,30 @@ def test_ec_steps_on_two_ranks_equal_the_eager_step(kind, types):
         assert r["losses"] == r["eager"], rank
         assert r["table_diff"] == 0.0 and r["dense_diff"] == 0.0, rank
     assert len({t for r in results for t in r["tables"]}) == 4  # every table compared on some rank
+
+
+def test_dmp_fixed_limits_puts_the_default_sharders_ec_on_its_fixed_path():
+    """DistributedModelParallel(fixed_limits=True) (what `tpurec train --step compiled` sets for a model
+    with an EC): the EC's outputs on the fixed-shape path and every kernel's limits fixed, on CPU; the
+    default leaves both as TorchRec's; with the user's own sharders the keyword is refused."""
+    import tpurec
+    from tpurec.errors import UserError
+
+    def shard(**kwargs: Any) -> Any:
+        torch.manual_seed(0)
+        return tpurec.DistributedModelParallel(SeqModel(ebc=True), device="cpu", batch_size=BATCH, **kwargs)
+
+    from tpurec.sharding.ec_sharder import SparseCoreECSharder
+    from tpurec.sharding.sharded_state import SparseCoreShardedMixin
+
+    def kernels(dmp: Any) -> list[Any]:
+        sharded = [m for m in dmp.modules() if isinstance(m, SparseCoreShardedMixin)]
+        return [lookup.kernel for m in sharded for lookup in m.sparsecore_lookups()]
+
+    fixed, default = shard(fixed_limits=True), shard()
+    assert fixed.module.ec._fixed_output is not None and default.module.ec._fixed_output is None
+    assert len(kernels(fixed)) == 2 and all(k.fixed_limits for k in kernels(fixed))  # the EC's and the EBC's
+    assert len(kernels(default)) == 2 and not any(k.fixed_limits for k in kernels(default))
+
+    with pytest.raises(UserError, match=r"fixed_limits= sets the default sharders' limits"):
+        shard(fixed_limits=True, sharders=[SparseCoreECSharder()])

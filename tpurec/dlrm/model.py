@@ -174,11 +174,13 @@ def shard(
     stock: bool = False,
     id_limits: str | None = None,
     constraints: dict[str, ParameterConstraints] | None = None,
+    fixed_limits: bool | None = None,
 ) -> DistributedModelParallel:
     """tpurec.DistributedModelParallel (tpurec planner and SparseCore kernel), or with stock=True,
     torchrec's own DMP with the FBGEMM `fused` kernel (for the benchmark). id_limits: the `--limits`
     file, read by DMP (only it knows the layout the file must match) into KernelSettings.id_limits.
-    constraints: a `--model-module` model's own, {} for none (None: the built-in DLRM's, planner_constraints)."""
+    constraints: a `--model-module` model's own, {} for none (None: the built-in DLRM's, planner_constraints).
+    fixed_limits: DMP's (every buffer shape fixed; EmbeddingCollections on their fixed-shape outputs)."""
     if stock:
         from torchrec.distributed.model_parallel import DistributedModelParallel as TorchrecDMP
 
@@ -191,7 +193,13 @@ def shard(
         constraints = planner_constraints(cfg, device, names)
     dev = torch.device("cpu") if device == "cpu" else device
     return DistributedModelParallel(
-        model, device=dev, plan=plan, batch_size=cfg.batch_size, constraints=constraints or None, id_limits=id_limits
+        model,
+        device=dev,
+        plan=plan,
+        batch_size=cfg.batch_size,
+        constraints=constraints or None,
+        id_limits=id_limits,
+        fixed_limits=fixed_limits,
     )
 
 

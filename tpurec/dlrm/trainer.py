@@ -74,6 +74,12 @@ def position_in_epoch(fraction: float, num_rows: int, batch_size: int) -> int:
     return int(fraction * num_rows * (1 + 1e-12)) // batch_size * batch_size
 
 
+def _holds_embedding_collection(model: torch.nn.Module) -> bool:
+    from torchrec.modules.embedding_modules import EmbeddingCollection
+
+    return any(isinstance(m, EmbeddingCollection) for m in model.modules())
+
+
 class Trainer:
     """Trains one rank of a `tpurec train` run. After `setup()`: `cfg` (the resolved DLRMConfig),
     `table_set` (its catalog tables), `readers`, `dmp`, `optimizer`, `pipeline`, `step_count`,
@@ -287,9 +293,14 @@ class Trainer:
             plan = load_plan(o.plan)
         from tpurec.planner.plan_check import PlanMismatchError
 
+        # --step compiled|pipelined take an EmbeddingCollection on its fixed-shape output path only
+        # (tpurec/sharding/ec_preprocess.py): on CPU ranks too, with fixed limits; EBCs keep theirs
+        fixed = True if o.step != "eager" and _holds_embedding_collection(model) else None
         try:
             # the --limits file is read and checked against the model by DMP (tpurec/sharding/dmp.py)
-            self.dmp = shard(model, cfg, self.device, plan=plan, id_limits=o.id_limits, constraints=constraints)
+            self.dmp = shard(
+                model, cfg, self.device, plan=plan, id_limits=o.id_limits, constraints=constraints, fixed_limits=fixed
+            )
         except PlanMismatchError as e:  # DMP says "the plan": name the file
             raise e.named(f"--plan {o.plan}") from None
         if zch is not None:

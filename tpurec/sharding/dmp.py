@@ -311,6 +311,7 @@ class DistributedModelParallel(_TorchrecDMP):
         batch_size: int | None = None,
         uneven_all_to_all: str | None = None,
         id_limits: IdLimitsArg = None,
+        fixed_limits: bool | None = None,
         threads: int | None = None,
         **dmp_kwargs: Any,
     ) -> None:
@@ -366,7 +367,12 @@ class DistributedModelParallel(_TorchrecDMP):
         # ids (tpurec/embedding/stack_order.py); given sharders carry their own `pooling_factors`.
         # The kernel settings DMP decides (the measured limits), built once and carried whole by the
         # sharders to every kernel.
-        settings = KernelSettings(id_limits=_read_id_limits(id_limits, module, env.world_size, num_sc, batch_size))
+        # fixed_limits=True: every buffer shape fixed, as on a TPU (and the EmbeddingCollections' outputs
+        # on their fixed-shape path, which CompiledStep and PipelinedStep need); the default sharders only.
+        if fixed_limits is not None and sharders:
+            raise UserError("fixed_limits= sets the default sharders' limits: give it to your sharders instead")
+        limits = _read_id_limits(id_limits, module, env.world_size, num_sc, batch_size)
+        settings = KernelSettings(id_limits=limits, fixed_limits=fixed_limits)
         sharders = (
             _swap_torchrec_sharders(sharders, num_sc)
             if sharders

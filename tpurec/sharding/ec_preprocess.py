@@ -76,7 +76,8 @@ def preprocess_sharded_ec(module: Any, features: KeyedJaggedTensor) -> ShardedEC
 def fixed_path_needed(module_name: str) -> str:
     return (
         f"the compiled and pipelined steps take a sharded EmbeddingCollection ({module_name}) on its fixed-shape "
-        "output path only (a TPU device, or SparseCoreECSharder(fixed_limits=True)): elsewhere its outputs "
+        "output path only (a TPU device, DistributedModelParallel(fixed_limits=True) or "
+        "SparseCoreECSharder(fixed_limits=True)): elsewhere its outputs "
         "take each batch's id count as their shape"
     )
 
