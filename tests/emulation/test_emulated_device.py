@@ -86,6 +86,27 @@ PROBE = textwrap.dedent(
     for shape in ((3, 4), (3, 4), (5, 4)):
         torch.ones(shape, device="tpu") * 3.0
     seen["programs"] = sorted({(op, str(key)) for _, op, key in device.RECORD.programs if op == "aten::mul.Tensor"})
+
+    # compiled (TorchTPU's backend, emulated): a mask made on the device inside the graph is part of its
+    # one program; a host tensor copied to the device inside the graph is refused
+    x = torch.arange(6, dtype=torch.float32).to("tpu")
+
+    def masked(x):
+        return (x * (torch.arange(x.shape[0], device=x.device) < 4)).sum()
+
+    def from_host(x):
+        return (x * (torch.arange(x.shape[0]) < 4).to(x.device)).sum()
+
+    compiled = torch.compile(masked, fullgraph=True, dynamic=False, backend="tpu")
+    compiled(x)
+    device.RECORD.reset()
+    out = compiled(x)
+    seen["in_graph_programs"] = [kind for kind, _, _ in device.RECORD.programs]
+    seen["in_graph_copies"] = sum(device.RECORD.to_host.values())
+    seen["in_graph_factory"] = [out.cpu().item(), masked(x).cpu().item()]
+    seen["in_graph_from_host"] = refused(
+        lambda: torch.compile(from_host, fullgraph=True, dynamic=False, backend="tpu")(x), Exception
+    )
     print(json.dumps(seen))
     """
 )
@@ -139,3 +160,11 @@ def test_moving_a_module_already_on_the_device_keeps_its_parameters(seen):
     # TpuTensor is traceable (torch.compile traces through it), so nn.Module.to swaps its parameters;
     # before it kept them as they were, and so must the swap: same object, attributes, hooks
     assert seen["swapped"] == [True, "kept", ["hook", "post"], [[2.0, 2.0], [2.0, 2.0]]]
+
+
+def test_a_tensor_made_on_the_device_inside_a_compiled_graph_is_part_of_its_program(seen):
+    # arange(device=x.device) inside the graph: FakeTensorMode makes it, not the device; the emulated
+    # backend runs it on the CPU data with the rest of the graph (compiled._on_the_data)
+    assert seen["in_graph_factory"] == [6.0, 6.0]  # 0 + 1 + 2 + 3, as eagerly
+    assert seen["in_graph_programs"] == ["compiled"] and seen["in_graph_copies"] == 0  # no eager op, no copy
+    assert "copied to the device inside a compiled graph" in seen["in_graph_from_host"]

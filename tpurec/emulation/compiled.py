@@ -116,8 +116,31 @@ def graph_programs(gm: torch.fx.GraphModule, example_inputs: Any, forward: bool)
 COMPILED: list[list[tuple[str, str, Any]]] = []
 
 
+def _on_the_data(gm: torch.fx.GraphModule) -> None:
+    """The graph made to run on the CPU data under the device tensors: a tensor the graph makes on the
+    device (`torch.arange(n, device=x.device)`, `zeros`, `full`: part of the program on a TPU) is made
+    on the CPU, as that data is; the traced copy of it beside the device data (`device._dispatch`) is
+    then a CPU copy. A copy of a host tensor to the device inside the graph is refused: whether TorchTPU's
+    compiler takes one (a host input of an XLA program) is not known."""
+    for node in gm.graph.nodes:
+        where = node.kwargs.get("device") if node.op == "call_function" else None
+        if where is None or torch.device(where).type != device.DEVICE:
+            continue
+        source = node.args[0] if _op_name(node) == "aten::_to_copy" and node.args else None
+        value = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+        if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+            raise device.TorchTpuRuleError(
+                f"a host tensor {tuple(value.shape)} copied to the device inside a compiled graph ({node.name}): "
+                "whether TorchTPU's compiler takes a host->device copy in a program is not known (emulated "
+                "device); build it on the device (from device tensors) or copy it before the compiled step"
+            )
+        node.kwargs = {**node.kwargs, "device": torch.device("cpu")}
+    gm.recompile()
+
+
 def _compiler(forward: bool) -> Callable[[torch.fx.GraphModule, Any], Any]:
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        _on_the_data(gm)
         programs = graph_programs(gm, example_inputs, forward)
         COMPILED.append(programs)
 

@@ -300,6 +300,8 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         RECORD.program(_kind(op), func.name(), _key_part((args, kwargs)))
     wrappers = {id(x._data): x for x in flat if isinstance(x, TpuTensor)}
     unwrapped_args, unwrapped_kwargs = tree_map(_unwrap, (args, kwargs))
+    if _tracing(flat):  # a tensor the traced graph made on the device meets the device's data
+        unwrapped_args, unwrapped_kwargs = tree_map(_made_in_the_graph, (unwrapped_args, unwrapped_kwargs))
     if "device" in unwrapped_kwargs and unwrapped_kwargs["device"] is not None:
         if torch.device(unwrapped_kwargs["device"]).type == DEVICE:
             unwrapped_kwargs["device"] = torch.device("cpu")
@@ -326,6 +328,16 @@ def _is_to_host(op: str, args: tuple, kwargs: dict) -> bool:
     if op == "aten::copy_":
         return _is_host_tensor(args[0])  # into a host tensor, from the device
     return False
+
+
+def _made_in_the_graph(x: Any) -> Any:
+    """While tracing, a factory asked for the device (`torch.arange(n, device=x.device)`) gives a plain fake
+    tensor said to be on tpu, not a device tensor: FakeTensorMode makes it, the device's fallback never
+    sees it. Beside the device tensors' CPU data it is taken as a traced copy to the CPU, which the
+    emulated backend's graph pass (`compiled._on_the_data`) makes a CPU copy of a tensor made on the CPU."""
+    if isinstance(x, torch.Tensor) and not isinstance(x, TpuTensor) and x.device.type == DEVICE:
+        return torch.ops.aten._to_copy.default(x, device=torch.device("cpu"))
+    return x
 
 
 def _unwrap(x: Any) -> Any:
