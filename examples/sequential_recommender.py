@@ -53,18 +53,18 @@ class SequentialRanker(torch.nn.Module):
     def forward(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
         emb = self.ec(sparse)  # {"history": JaggedTensor [ids, DIM], "candidate": ...}
         # Shapes fixed by MAX_LEN, whatever the batch's id count (on a TPU each new shape is a new
-        # program). The lengths and offsets are on the host (the ids never went to the device); on the
-        # TPU path values() is padded to a fixed capacity past the ids' rows (docs/sequence.md).
+        # program). The lengths and offsets are beside the values (on the TPU path the sharded EC
+        # copies them to the device, and values() is padded to a fixed capacity past the ids' rows:
+        # docs/sequence.md), so the mask and the rows are built there.
         hist, lengths = emb["history"].values(), emb["history"].lengths()
-        batch, device = lengths.numel(), hist.device
-        steps = torch.arange(MAX_LEN).unsqueeze(0)
+        batch = lengths.numel()
+        steps = torch.arange(MAX_LEN, device=lengths.device).unsqueeze(0)
         mask = steps < lengths.unsqueeze(1)  # True: a real item
         rows = torch.where(mask, emb["history"].offsets()[:-1].unsqueeze(1) + steps, 0).reshape(-1)
         if hist.shape[0] == 0:  # a batch without any history
             hist = hist.new_zeros(1, DIM)
-        mask = mask.to(device)
         weights = mask.float().unsqueeze(2)
-        padded = hist.index_select(0, rows.to(device)).view(batch, MAX_LEN, DIM) * weights
+        padded = hist.index_select(0, rows).view(batch, MAX_LEN, DIM) * weights
         # the attention's math kernel on every device: a TPU decomposes it so, and torch's CPU flash kernel
         # sums in another order, so CPU and TPU runs could not be compared exactly
         with sdpa_kernel(SDPBackend.MATH):

@@ -77,7 +77,7 @@ def _two_ebcs() -> tuple[Any, Any]:
 
 
 # "seq", "seq-mask": tests/sharding/test_compiled_ec_step.py's EC and EBC model (built there), pooling
-# its sequences by a total (no host tensor read) or by a mask from the host offsets
+# its sequences by a total (no lengths read) or by a mask from the offsets (on the device)
 MODELS = {"small": _small_dlrm, "dlrm-tiny": _dlrm_tiny_every_sharding_type, "two-ebcs": _two_ebcs, "seq": None}
 MODELS["seq-mask"] = None
 

@@ -44,12 +44,12 @@ class SeqBatch:
 
 def sequence_sum(jt: JaggedTensor) -> torch.Tensor:
     """[batch, dim]: each sample's embeddings summed, as a [batch, rows] 0/1 mask from the offsets times
-    `values()` (fixed shapes: rows is the values' padded length in the compiled step). The offsets are on
-    the host (the ids never went to a device): the mask is built there and copied to the values' device."""
+    `values()` (fixed shapes: rows is the values' padded length in the compiled step), built where the
+    offsets are: beside the values, on the device (as a model written for TorchRec on a GPU builds it)."""
     values, offsets = jt.values(), jt.offsets()
-    row = torch.arange(values.shape[0])
+    row = torch.arange(values.shape[0], device=offsets.device)
     mask = (row >= offsets[:-1, None]) & (row < offsets[1:, None])
-    return mask.to(values.device, values.dtype) @ values
+    return mask.to(values.dtype) @ values
 
 
 class SeqModel(nn.Module):
@@ -85,7 +85,7 @@ class SeqModel(nn.Module):
         if self.pool == "mask":
             return sequence_sum(jt)
         # "total": every id's embedding summed, the same for each sample (padding rows add zeros): reads
-        # no host tensor, so on a device nothing moves from the host into the graph
+        # neither lengths nor offsets
         return jt.values().sum(0, keepdim=True).expand(batch, -1)
 
     def forward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -359,12 +359,8 @@ def test_dmp_fixed_limits_puts_the_default_sharders_ec_on_its_fixed_path():
         torch.manual_seed(0)
         return tpurec.DistributedModelParallel(SeqModel(ebc=True), device="cpu", batch_size=BATCH, **kwargs)
 
+    from tpurec.dlrm.id_feedback import every_kernel as kernels
     from tpurec.sharding.ec_sharder import SparseCoreECSharder
-    from tpurec.sharding.sharded_state import SparseCoreShardedMixin
-
-    def kernels(dmp: Any) -> list[Any]:
-        sharded = [m for m in dmp.modules() if isinstance(m, SparseCoreShardedMixin)]
-        return [lookup.kernel for m in sharded for lookup in m.sparsecore_lookups()]
 
     fixed, default = shard(fixed_limits=True), shard()
     assert fixed.module.ec._fixed_output is not None and default.module.ec._fixed_output is None

@@ -11,7 +11,7 @@ sharder's `fixed_limits=True`), whose device tensors do not take the batch's id 
 * `compute_preprocessed_ec(module, prepared)` (what `torch.compile(fullgraph=True)` traces): the lookups
   (`tpurec::fused_lookup`), one gather and one all-to-all of equal blocks per sharding, one gather per
   output, and TorchRec's `{embedding name: JaggedTensor}`, each `values()` padded to its capacity with
-  zero rows (lengths and offsets on the host, as the input dist left them).
+  zero rows (lengths and offsets copied to the device in the host half, ahead of the graph).
 
 The eager fixed path runs the same two halves back to back (`ShardedSparseCoreEC._fixed_compute`), so
 the compiled step computes the eager step's numbers.

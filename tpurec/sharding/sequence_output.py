@@ -28,8 +28,8 @@ unless a batch is over `block_rows`. The gradient goes back the same way (gather
 device, the all-to-all reversed), divided by the world size as TorchRec's sequence all-to-all divides
 it (`GRADIENT_DIVISION`).
 
-The output is TorchRec's: `{embedding name: JaggedTensor}` with the lengths (and, with `need_indices`,
-the ids) on the host, as the input distribution left them; only `values()` is padded to the capacity.
+The output is TorchRec's: `{embedding name: JaggedTensor}`, its lengths, offsets (and, with `need_indices`,
+the ids) copied to the device beside `values()`; only `values()` is padded to the capacity.
 
 Each part is split into its host half (`plan_sharding`, `plan_jagged`: SparseCore inputs and every index,
 on the host) and its device half (`received`, `jagged_from_plans`: lookups, gathers, all-to-all), so that a
@@ -243,13 +243,18 @@ class JaggedPlan:
     name: str
     index: torch.Tensor  # [pieces (column shards), rows]: received rows gathered into the output
     mask: torch.Tensor  # [rows] bool: rows holding an id (the rest are zeros)
-    lengths: torch.Tensor  # host, as the input distribution left them
-    offsets: torch.Tensor  # host
+    lengths: torch.Tensor  # as the input distribution left them (on the host)
+    offsets: torch.Tensor
     weights: torch.Tensor | None  # the ids (need_indices)
     over: bool = False  # more ids than the capacity: rows a multiple of it (a new shape)
 
     def to(self, device: torch.device) -> JaggedPlan:
-        return dataclasses.replace(self, index=self.index.to(device), mask=self.mask.to(device))
+        """Everything on `device`, the output's lengths, offsets and ids too: the model gets them beside
+        `values()`, as TorchRec's EC gives them on a GPU (the KJT moved there) and TorchRec's TPU EC
+        (`SparseCorePreprocessedInput.to` moves its lengths), so it builds masks and gathers on the device
+        (a host->device copy inside a compiled graph is not possible on the emulated device)."""
+        moved = {f: getattr(self, f).to(device) for f in ("index", "mask", "lengths", "offsets")}
+        return dataclasses.replace(self, weights=None if self.weights is None else self.weights.to(device), **moved)
 
 
 def jagged_from_plans(recv: torch.Tensor, plans: List[JaggedPlan]) -> Dict[str, JaggedTensor]:
