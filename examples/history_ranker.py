@@ -8,10 +8,14 @@ DIN), beside an EmbeddingBagCollection of the user and the candidate (docs/your_
     tpurec train --model-module examples/history_ranker.py:build --data /tmp/hist_data --steps 20 \
         --batch-size 256 --step compiled --limits /tmp/hist_limits.json
 
-Under `--step compiled|pipelined` the EmbeddingCollection's output is on its fixed-shape path: each
-feature's `values()` padded past its ids to a fixed capacity with zero rows. The forward reads the
-history through `to_padded_dense` (which takes each sample's ids by its offsets), so it sees the same
-tensor on either path.
+On a TPU (and under `--step compiled|pipelined`) the EmbeddingCollection's output is on its
+fixed-shape path: each feature's `values()` padded past its ids to a fixed capacity, its lengths and
+offsets on the device beside it. The forward gathers each sample's items by the offsets into a
+[batch, HISTORY, DIM] block (plain torch ops, every shape fixed: no new TPU program per batch), so
+it reads the same numbers on either path.
+
+    tpurec train --model-module examples/history_ranker.py:build --data /tmp/hist_data --steps 20 \
+        --batch-size 64 --emulate-tpu v5p-8 --step compiled --limits /tmp/hist_limits_v5p8.json
 """
 
 import torch
@@ -20,6 +24,7 @@ from torchrec import (
     EmbeddingBagConfig,
     EmbeddingCollection,
     EmbeddingConfig,
+    JaggedTensor,
     KeyedJaggedTensor,
 )
 from torchrec.distributed.planner.types import ParameterConstraints
@@ -47,12 +52,21 @@ class HistoryRanker(torch.nn.Module):
     def forward(self, dense_features: torch.Tensor, sparse_features: KeyedJaggedTensor) -> torch.Tensor:
         profile = self.profile(sparse_features)
         user, item = profile["user_id"], profile["item_id"]  # [B, DIM] each
-        # [B, HISTORY, DIM]: a sample's items in order, zero rows past them
-        history = self.sequence(sparse_features)["history"].to_padded_dense(desired_length=HISTORY)
+        history = self._history(self.sequence(sparse_features)["history"])
         weight = torch.sigmoid((history * item.unsqueeze(1)).sum(-1, keepdim=True))  # each item's match
         interest = (weight * history).sum(1)  # zero rows add nothing: no mask needed
         x = torch.cat([torch.relu(self.bottom(dense_features)), user, item, interest], dim=1)
         return self.top(x).squeeze(-1)
+
+    @staticmethod
+    def _history(jt: JaggedTensor) -> torch.Tensor:
+        """[B, HISTORY, DIM]: each sample's first HISTORY items in order, zero rows past its length. No
+        Python branch on a shape: TorchRec's training pipeline traces this forward with torch.fx."""
+        values, lengths, offsets = jt.values(), jt.lengths(), jt.offsets()
+        steps = torch.arange(HISTORY, device=offsets.device)
+        padded = torch.cat([values, values.new_zeros(1, values.shape[1])])  # a zero row past every id
+        rows = torch.where(steps < lengths.unsqueeze(1), offsets[:-1].unsqueeze(1) + steps, values.shape[0])
+        return padded.index_select(0, rows.reshape(-1)).view(lengths.shape[0], HISTORY, values.shape[1])
 
 
 def build() -> tuple[HistoryRanker, dict[str, ParameterConstraints]]:

@@ -189,6 +189,12 @@ def test_a_sequence_tables_capacity_comes_from_its_measured_ids_per_feature(synt
         [KernelTable("t_C1/0", 1000, 8, ("0:C1",), source="t_C1")], SGDSpec(lr=0.1), 4, id_limits=limits
     )
     assert kernel.max_ids_per_feature == 72 and kernel.fixed_limits
+    # its id limits are what a SparseCore slice of its one-id bags holds (72 / 4 bags, 8-aligned), not the
+    # pooled figures: 64 ids all in one partition (rows = 0 mod 4) fill slice 0 and still take one pass
+    assert kernel.stack_limits(0) == (24, 24)
+    one_partition = torch.arange(64) * 4
+    kernel.preprocess_sequence(KeyedJaggedTensor(["0:C1"], one_partition, lengths=torch.ones(64, dtype=torch.int32)))
+    assert kernel.multipass_batches == 0
 
 
 def test_data_stats_reads_the_layout_of_a_saved_plan(synth_dir, limits_file, tmp_path):

@@ -104,6 +104,7 @@ def _every_step(capsys, target: str, data, tmp_path) -> tuple[dict, dict, dict]:
         flags = ("--step", step, "--limits", limits, "--keep", 0, "--metrics-out", metrics)
         runs[step], errs[step] = _train_here(capsys, *common, *flags)
         losses[step] = [float(r["loss"]) for r in csv.DictReader(metrics.open()) if r["kind"] == "train"]
+    assert runs["compiled"]["eager_steps"] == runs["pipelined"]["eager_steps"] == 0  # every batch in the graph
     assert len(losses["eager"]) == 20 and losses["compiled"] == losses["eager"]  # every step's, bit for bit
     assert (runs["compiled"]["auc"], runs["compiled"]["logloss"]) == (runs["eager"]["auc"], runs["eager"]["logloss"])
     return runs, losses, errs
@@ -138,10 +139,11 @@ def test_a_model_of_two_ebcs_trains_with_every_step(tmp_path, capsys, monkeypatc
 
 
 def test_a_model_with_an_embedding_collection_trains_with_every_step(tmp_path, capsys, monkeypatch):
-    """examples/history_ranker.py (an EmbeddingCollection of 8 recent items per user, read through
-    to_padded_dense, beside an EBC): under --step compiled the EC is on its fixed-shape output path
-    (zero rows past each feature's ids), under --step eager on TorchRec's; every loss and the eval
-    figures agree bit for bit, and the pipelined step is within its staleness."""
+    """examples/history_ranker.py (an EmbeddingCollection of 8 recent items per user, gathered by the
+    offsets, beside an EBC): under --step compiled the EC is on its fixed-shape output path (zero rows
+    past each feature's ids), under --step eager on TorchRec's; with the limits `data stats` measured no
+    training batch leaves the graph (the sequence kernel's limits follow its capacity), every loss and
+    the eval figures agree bit for bit, and the pipelined step is within its staleness."""
     from tpurec.cli import main
 
     monkeypatch.setenv("TPUREC_CACHE", str(tmp_path / "cache"))
@@ -266,6 +268,35 @@ def test_my_model_on_an_emulated_v5p_16_gives_the_cpu_ranks_numbers(my_data, tmp
     assert len(losses[0]) == 12
     assert max(abs(x - y) for x, y in zip(*losses)) <= 1e-5, losses
     assert abs(emulated["logloss"] - cpu["logloss"]) <= 1e-5 and abs(emulated["auc"] - cpu["auc"]) <= 1e-5
+
+
+@pytest.mark.slow  # two runs of 4 emulated ranks: 40 s here
+def test_an_ec_model_steps_in_one_graph_on_an_emulated_v5p_8(tmp_path):
+    """examples/history_ranker.py under `--emulate-tpu v5p-8` (the EC on its fixed-shape path, lengths and
+    offsets on the device beside its values, the forward's mask built there), limits from `data stats
+    --topology v5p-8`: --step compiled is one graph without breaks, no batch out of it, no recompile after
+    warm-up, one device->host copy per step, and the eval figures of --step eager; losses within 1e-6."""
+    from tpurec.cli import main
+
+    target = f"{REPO / 'examples' / 'history_ranker.py'}:build"
+    data, limits = tmp_path / "data", tmp_path / "limits.json"
+    synth = ["data", "synth", "--model-module", target, "--rows", "8000", "--row-group-size", "2048"]
+    assert main([*synth, "--out", str(data)]) == 0
+    stats = ["data", "stats", str(data), "--model-module", target, "--topology", "v5p-8", "--batch-size", "64"]
+    assert main([*stats, "--out", str(limits), "--quiet"]) == 0
+    args = ("--model-module", target, "--data", data, "--batch-size", 64, "--steps", 12, "--eval-every", 12)
+    args += ("--emulate-tpu", "v5p-8", "--limits", limits, "--keep", 0)
+    runs, losses = {}, {}
+    for step in ("eager", "compiled"):
+        metrics = tmp_path / f"{step}.csv"
+        runs[step], _ = train(*args, "--step", step, "--metrics-out", metrics, cache=tmp_path, timeout=1200)
+        losses[step] = [float(r["loss"]) for r in csv.DictReader(metrics.open()) if r["kind"] == "train"]
+    compiled = runs["compiled"]
+    assert (compiled["graphs_compiled"], compiled["graph_breaks"], compiled["eager_steps"]) == (1, 0, 0)
+    assert compiled["recompiles_after_warmup"] == 0 and compiled["device_to_host_copies_per_step"] == 1.0
+    assert (compiled["auc"], compiled["logloss"]) == (runs["eager"]["auc"], runs["eager"]["logloss"])
+    assert len(losses["eager"]) == 12
+    assert max(abs(a - b) for a, b in zip(losses["eager"], losses["compiled"])) < 1e-6  # measured 6e-8
 
 
 def test_my_model_trains_on_parquet_tpurec_did_not_write(tmp_path, capsys, monkeypatch):

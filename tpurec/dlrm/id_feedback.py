@@ -37,9 +37,17 @@ def record(dmp: nn.Module, on: bool) -> None:
             k.table_demand = None
 
 
+def every_kernel(dmp: nn.Module) -> list:
+    """Every SparseCore kernel of this rank, sequence (EmbeddingCollection) lookups' too."""
+    from tpurec.sharding.sharded_state import SparseCoreShardedMixin
+
+    sharded = [m for m in dmp.modules() if isinstance(m, SparseCoreShardedMixin)]
+    return [lookup.kernel for m in sharded for lookup in m.sparsecore_lookups()]
+
+
 def summary(dmp: nn.Module) -> dict:
-    """This rank's kernels: stack inputs run in several passes, ids dropped."""
-    ks = kernels(dmp)
+    """This rank's kernels (every lookup's): stack inputs run in several passes, ids dropped."""
+    ks = every_kernel(dmp)
     return {
         "multipass_batches": sum(k.multipass_batches for k in ks),
         "dropped_ids": sum(k.dropped_id_count for k in ks),

@@ -42,6 +42,12 @@ class StepPipeline:
         else:
             raise ValueError(f"no step kind {kind!r}")
 
+    @property
+    def eager_steps(self) -> int:
+        """This rank's training batches over their fixed id limits, stepped eagerly (outside the graph)."""
+        step = self._compiled if self._compiled is not None else self._pipelined
+        return int(step.eager_steps)
+
     def _to_device(self, batch: Any) -> Any:
         return batch if self.device is None else batch.to(self.device, non_blocking=True)
 

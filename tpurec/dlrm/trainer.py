@@ -634,6 +634,8 @@ class Trainer:
         }
         if self.oracle_auc:
             result["oracle_auc"] = self.oracle_auc
+        if self.options.step != "eager":  # batches over their fixed id limits leave the graph: how many
+            result["eager_steps"] = self.pipeline.eager_steps
         result.update(self._slice_figures())
         result["id_limits"] = self._id_limit_figures()
         if self.remap is not None:

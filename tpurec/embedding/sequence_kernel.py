@@ -93,6 +93,24 @@ class SparseCoreSequenceKernel(SparseCoreKernel):
             max_ids_per_feature = self._measured_capacity(self.settings.id_limits)
         self.max_ids_per_feature = max_ids_per_feature
         self._capacity: int | None = None if max_ids_per_feature is None else self._aligned(max_ids_per_feature)
+        if self.settings.id_limits and self.settings.max_ids_per_partition is None and self._capacity is not None:
+            self._limits_of_the_capacity(self._capacity)
+
+    def _limits_of_the_capacity(self, capacity: int) -> None:
+        """Fixed id limits for measured tables: what a SparseCore slice of these one-id bags can hold.
+
+        `tpurec data stats` measures a table's ids per partition as a pooled kernel lays them out (each
+        SparseCore slice the ids of its share of the samples), and those figures (`stack_bound`) do not
+        bound this layout: a feature's ids fill its capacity's bags from the front, so one slice's
+        C / P bags can hold all of a row-wise shard's ids (measured: every batch of an EC of 8-id
+        histories over 2048 ids ran in passes). A slice holds at most C / P ids per feature of the
+        stack, and no more distinct ids in a partition than the partition's rows: limits no batch
+        within the capacity exceeds (a batch over it runs in blocks of the same limits)."""
+        per_slice = -(-capacity // self.num_sc)
+        for i, plan in enumerate(self.stacks):
+            ids = round_up(max(len(plan.features), 1) * per_slice, SEGMENT_ALIGN)
+            uniq = min(ids, round_up(max(plan.layout.rows_per_partition, 1), SEGMENT_ALIGN))
+            self.inputs._stack_limits[i] = (ids, uniq)
 
     def _measured_capacity(self, id_limits: Mapping[str, TableLimits] | None) -> int | None:
         """The largest measured ids per feature of this kernel's tables (`tpurec data stats`,
