@@ -122,18 +122,23 @@ def test_my_model_trains_with_the_compiled_and_pipelined_steps(my_data, tmp_path
     assert abs(runs["pipelined"]["logloss"] - runs["eager"]["logloss"]) < 5e-3  # measured: 0.5024 against 0.5047
 
 
+def _example_data(example: str, tmp_path) -> tuple[str, str]:
+    """examples/EXAMPLE's `--model-module` target and 8,000 rows `data synth` wrote for it (tmp_path/data)."""
+    from tpurec.cli import main
+
+    target, data = f"{REPO / 'examples' / example}:build", str(tmp_path / "data")
+    synth = ["data", "synth", "--model-module", target, "--rows", "8000", "--row-group-size", "2048"]
+    assert main([*synth, "--out", data]) == 0
+    return target, data
+
+
 @pytest.mark.slow  # (tests/sharding/test_several_ebcs_step.py covers two EBCs in the default suite)
 def test_a_model_of_two_ebcs_trains_with_every_step(tmp_path, capsys, monkeypatch):
     """examples/two_ebcs.py (two EBCs handed one KJT): data synth, data stats and 20 steps of
     each --step from its --model-module; the compiled step's losses and eval figures are the eager
     step's bit for bit, the pipelined step's within its staleness."""
-    from tpurec.cli import main
-
     monkeypatch.setenv("TPUREC_CACHE", str(tmp_path / "cache"))
-    target = f"{REPO / 'examples' / 'two_ebcs.py'}:build"
-    data = str(tmp_path / "data")
-    synth = ["data", "synth", "--model-module", target, "--rows", "8000", "--row-group-size", "2048"]
-    assert main([*synth, "--out", data]) == 0
+    target, data = _example_data("two_ebcs.py", tmp_path)
     runs, _, _ = _every_step(capsys, target, data, tmp_path)
     assert abs(runs["pipelined"]["logloss"] - runs["eager"]["logloss"]) < 5e-3
 
@@ -144,13 +149,8 @@ def test_a_model_with_an_embedding_collection_trains_with_every_step(tmp_path, c
     past each feature's ids), under --step eager on TorchRec's; with the limits `data stats` measured no
     training batch leaves the graph (the sequence kernel's limits follow its capacity), every loss and
     the eval figures agree bit for bit, and the pipelined step is within its staleness."""
-    from tpurec.cli import main
-
     monkeypatch.setenv("TPUREC_CACHE", str(tmp_path / "cache"))
-    target = f"{REPO / 'examples' / 'history_ranker.py'}:build"
-    data = str(tmp_path / "data")
-    synth = ["data", "synth", "--model-module", target, "--rows", "8000", "--row-group-size", "2048"]
-    assert main([*synth, "--out", data]) == 0
+    target, data = _example_data("history_ranker.py", tmp_path)
     runs, losses, errs = _every_step(capsys, target, data, tmp_path)
     assert "--step compiled: the steady step runs under torch.compile" in errs["compiled"]
     assert losses["pipelined"][0] == losses["eager"][0] and losses["pipelined"] != losses["eager"]
@@ -278,10 +278,8 @@ def test_an_ec_model_steps_in_one_graph_on_an_emulated_v5p_8(tmp_path):
     warm-up, one device->host copy per step, and the eval figures of --step eager; losses within 1e-6."""
     from tpurec.cli import main
 
-    target = f"{REPO / 'examples' / 'history_ranker.py'}:build"
-    data, limits = tmp_path / "data", tmp_path / "limits.json"
-    synth = ["data", "synth", "--model-module", target, "--rows", "8000", "--row-group-size", "2048"]
-    assert main([*synth, "--out", str(data)]) == 0
+    target, data = _example_data("history_ranker.py", tmp_path)
+    limits = tmp_path / "limits.json"
     stats = ["data", "stats", str(data), "--model-module", target, "--topology", "v5p-8", "--batch-size", "64"]
     assert main([*stats, "--out", str(limits), "--quiet"]) == 0
     args = ("--model-module", target, "--data", data, "--batch-size", 64, "--steps", 12, "--eval-every", 12)
