@@ -270,6 +270,34 @@ def test_my_model_on_an_emulated_v5p_16_gives_the_cpu_ranks_numbers(my_data, tmp
     assert abs(emulated["logloss"] - cpu["logloss"]) <= 1e-5 and abs(emulated["auc"] - cpu["auc"]) <= 1e-5
 
 
+def test_a_model_with_position_weights_trains_eagerly_and_compiled(tmp_path, capsys, monkeypatch):
+    """examples/position_weighted.py (a FeatureProcessedEmbeddingBagCollection of trainable position
+    weights beside an EBC): the default eager step (whose input pipeline used to build the weighted
+    lookup's inputs ahead from ids without their weights, and stopped) and --step compiled (the weights
+    trained in its graph, no batch out of it) give the same losses bit for bit; --step pipelined refuses
+    the model in one line."""
+    from tpurec.cli import main
+
+    monkeypatch.setenv("TPUREC_CACHE", str(tmp_path / "cache"))
+    target, data = _example_data("position_weighted.py", tmp_path)
+    limits = str(tmp_path / "limits.json")
+    stats = ["data", "stats", data, "--model-module", target, "--topology", "cpu-1", "--batch-size", "256"]
+    assert main([*stats, "--out", limits, "--quiet"]) == 0
+    common = ["--model-module", target, "--data", data, "--batch-size", 256, "--steps", 12, "--eval-every", 12]
+    common += ["--limits", limits, "--keep", 0]
+    runs, losses = {}, {}
+    for step in ("eager", "compiled"):
+        metrics = tmp_path / f"{step}.csv"
+        runs[step], _ = _train_here(capsys, *common, "--step", step, "--metrics-out", metrics)
+        losses[step] = [float(r["loss"]) for r in csv.DictReader(metrics.open()) if r["kind"] == "train"]
+    assert len(losses["eager"]) == 12 and losses["compiled"] == losses["eager"] and runs["compiled"]["eager_steps"] == 0
+    assert (runs["compiled"]["auc"], runs["compiled"]["logloss"]) == (runs["eager"]["auc"], runs["eager"]["logloss"])
+    code, _, err = run_cli(["train", "--quiet", *map(str, common), "--step", "pipelined"], capsys)
+    last = err.strip().splitlines()[-1]  # after the plan's lines: the one line of the refusal
+    assert code == 2 and last.startswith("tpurec train: error: rank 0: PipelinedStep steps sharded")
+    assert "model.history (ShardedSparseCoreFPEBC)" in last
+
+
 @pytest.mark.slow  # two runs of 4 emulated ranks: 40 s here
 def test_an_ec_model_steps_in_one_graph_on_an_emulated_v5p_8(tmp_path):
     """examples/history_ranker.py under `--emulate-tpu v5p-8` (the EC on its fixed-shape path, lengths and

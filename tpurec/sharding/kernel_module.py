@@ -162,8 +162,9 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
         thread, e.g. the input pipeline's), through the kernel's own `preprocess`. `forward` uses them
         when its KJT has the same ids, lengths and weights; otherwise it preprocesses inline.
         Nothing is built when the kernel's next step takes the direct CPU path (no SparseCore layout
-        to build: embedding/direct.py), so a pipelined run takes the same path as an inline one."""
-        if direct.applies(self.kernel):
+        to build: embedding/direct.py), so a pipelined run takes the same path as an inline one, nor
+        for a weighted lookup handed ids without weights (`_weights_come_later`)."""
+        if direct.applies(self.kernel) or self._weights_come_later(features):
             return
         features = _common_batch(features)  # kept as looked up: forward compares the padded KJT
         csrs = self.kernel.preprocess(features)
@@ -173,14 +174,21 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
 
     def prepare_later(self, features: KeyedJaggedTensor, submit: Callable[..., Future]) -> None:
         """`prepare` on another thread: submit(fn, *args) returns a Future (an executor's submit);
-        `forward` waits for it when its KJT matches. Nothing, as in `prepare`, on the direct path."""
-        if direct.applies(self.kernel):
+        `forward` waits for it when its KJT matches. Nothing, as in `prepare`, on the direct path or
+        while the weights are still to come."""
+        if direct.applies(self.kernel) or self._weights_come_later(features):
             return
         features = _common_batch(features)
         future = submit(self.kernel.preprocess, features)
         with self._prepared_lock:
             self._prepared.append((features, future))
             del self._prepared[: -self.prepared_limit]
+
+    def _weights_come_later(self, features: KeyedJaggedTensor) -> bool:
+        """A weighted lookup's ids without weights: a FeatureProcessedEmbeddingBagCollection's, whose
+        position weights its forward computes (trainable: nothing to build ahead; the kernel would refuse
+        the KJT, which is not the one the lookup receives)."""
+        return bool(self.kernel.is_weighted) and features.weights_or_none() is None
 
     def _take_prepared(self, features):
         with self._prepared_lock:
