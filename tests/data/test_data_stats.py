@@ -195,6 +195,12 @@ def test_a_sequence_tables_capacity_comes_from_its_measured_ids_per_feature(synt
     one_partition = torch.arange(64) * 4
     kernel.preprocess_sequence(KeyedJaggedTensor(["0:C1"], one_partition, lengths=torch.ones(64, dtype=torch.int32)))
     assert kernel.multipass_batches == 0
+    # and the planner sizes a sequence table's buffers from the same figure (a pooled one's from the file's)
+    from tpurec.planner.id_limits import read_limits
+
+    measured = read_limits(str(out), json.loads(out.read_text())["layout"])
+    assert measured.max_ids("t_C1", 64, 1.0, 4, pooled=False) == kernel.stack_limits(0)[0] == 24
+    assert measured.max_ids("t_C1", 64, 1.0, 4) == doc["t_C1"]["max_ids_per_partition"]
 
 
 def test_data_stats_reads_the_layout_of_a_saved_plan(synth_dir, limits_file, tmp_path):

@@ -229,7 +229,14 @@ def option_costs(
     is_weighted = getattr(option.module[1], "is_weighted", None)  # EmbeddingBagCollection.is_weighted()
     weighted = bool(is_weighted()) if callable(is_weighted) else False
     max_ids = (
-        limits.max_ids(option.name, option.batch_size * world_size, pooling, max(1, spec.generation.sparsecores))
+        limits.max_ids(
+            option.name,
+            option.batch_size * world_size,
+            pooling,
+            max(1, spec.generation.sparsecores),
+            pooled=option.is_pooled,
+            features=max(1, len(option.input_lengths or [])),
+        )
         if limits is not None
         else None
     )

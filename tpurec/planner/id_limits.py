@@ -314,12 +314,20 @@ class IdLimits:
     layout: dict
     source: str = ""
 
-    def max_ids(self, table: str, samples: int, pooling_factor: float, sparsecores: int) -> int | None:
-        """The buffers' max ids per partition for `table` served `samples` samples (None: not measured)."""
+    def max_ids(
+        self, table: str, samples: int, pooling_factor: float, sparsecores: int, pooled: bool = True, features: int = 1
+    ) -> int | None:
+        """The buffers' max ids per partition for `table` served `samples` samples (None: not measured).
+        A sequence table (`pooled` False) with a measured capacity gets what its kernel takes: a SparseCore
+        slice's share of the capacity per feature (`SparseCoreSequenceKernel._limits_of_the_capacity`)."""
         from tpurec.embedding.constraints import worst_case_max_ids_per_partition
 
         if table not in self.tables:
             return None
+        capacity = self.tables[table].max_ids_per_feature
+        if not pooled and capacity is not None:
+            per_slice = -(-round_up(capacity, max(SEGMENT_ALIGN, sparsecores)) // sparsecores)
+            return round_up(max(features, 1) * per_slice, SEGMENT_ALIGN)
         measured = self.tables[table].max_ids_per_partition
         worst = worst_case_max_ids_per_partition(samples, pooling_factor, sparsecores)
         here = self.layout["batch_size_per_device"] * self.layout["world_size"]

@@ -146,7 +146,14 @@ def _table_row(path: str, ps: Any, t: TableSpec, devices: list[dict], costing: _
     stored = dtypes.short_name(dtypes.stored_dtype(dtype, compute_device))
     total_bytes, total_ms, shard_rows = 0, 0.0, []
     measured = (
-        limits.max_ids(t.name, batch_size * world, t.pooling_factor, max(1, spec.generation.sparsecores))
+        limits.max_ids(
+            t.name,
+            batch_size * world,
+            t.pooling_factor,
+            max(1, spec.generation.sparsecores),
+            pooled=t.pooling != "none",
+            features=len(t.feature_names),
+        )
         if limits is not None
         else None
     )
