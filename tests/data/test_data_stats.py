@@ -230,9 +230,11 @@ def test_all_tables_and_row_wise_shards_in_one_pass_count_as_each_shard_alone(on
         TableShards("a", ("fa", "fa2"), 1000, ((0, 1000),)),
         TableShards("rw", ("frw",), 5000, ((0, 1700), (1700, 1700), (3400, 1600))),  # row-wise, uneven
         TableShards("tiny", ("ft",), 3, ((0, 3),)),
+        # a row-wise sequence table: its most ids per feature counted per shard
+        TableShards("seq", ("fs", "fs2"), 4000, ((0, 1000), (1000, 3000)), sequence=True),
     ]
-    rows = {"fa": 1000, "fa2": 1000, "frw": 5000, "ft": 3, "unused": 10}
-    keys = ["unused", "frw", "fa", "ft", "fa2"]  # not in table order, one column no table reads
+    rows = {"fa": 1000, "fa2": 1000, "frw": 5000, "ft": 3, "unused": 10, "fs": 4000, "fs2": 4000}
+    keys = ["unused", "frw", "fs2", "fa", "ft", "fa2", "fs"]  # not in table order, one column no table reads
     lengths = np.ones(len(keys) * batch, np.int64) if one_hot else gen.integers(0, 7, len(keys) * batch)
     values = np.concatenate(
         [gen.integers(0, rows[k], int(lengths[i * batch : (i + 1) * batch].sum())) for i, k in enumerate(keys)]
@@ -244,6 +246,8 @@ def test_all_tables_and_row_wise_shards_in_one_pass_count_as_each_shard_alone(on
     assert counter.count(values, lengths, batch) == got  # a second batch: the first's stamps do not count
 
     offsets = np.concatenate([[0], np.cumsum(lengths)])
+    columns = [values[offsets[k * batch] : offsets[(k + 1) * batch]] for k in range(len(keys))]
+    assert counter.count_columns(columns, lengths, batch) == got  # the ids one array per key
     for t, figures in zip(tables, got):
         ids, samples, slots = [], [], []
         for slot, f in enumerate(t.features):
@@ -262,6 +266,13 @@ def test_all_tables_and_row_wise_shards_in_one_pass_count_as_each_shard_alone(on
             best = tuple(max(x, y) for x, y in zip(best, d))
         most = int(np.bincount(samples, minlength=batch).max())
         per_feature = int(np.bincount(slots).max())
+        if t.sequence:  # per shard: the most of one feature's ids in one shard's rows
+            per_feature = max(
+                int(((ids >= first) & (ids < first + n) & (slots == slot)).sum())
+                for first, n in t.shards
+                for slot in range(len(t.features))
+            )
+            assert 0 < per_feature < int(np.bincount(slots).max())
         assert figures == (*best, most, per_feature), t.name
         assert best[0] > 0
     with pytest.raises(ValueError, match="table 'tiny': id 3 outside its 3 rows"):

@@ -21,6 +21,7 @@ hundreds of times a batch, and a shard mask per shard makes row-wise tables cost
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -150,12 +151,15 @@ def _fullest(entries: np.ndarray, distinct: np.ndarray) -> Demand:
 @dataclass(frozen=True)
 class TableShards:
     """A table as `ShardsDemand` counts it: its features and the distinct row ranges of its shards
-    (first row, rows), disjoint and covering the table."""
+    (first row, rows), disjoint and covering the table. `sequence`: an EmbeddingCollection's table,
+    whose most ids per feature are counted per shard (a row-wise shard's kernel sees only its rows'
+    ids, and sizes its capacity from them)."""
 
     name: str
     features: tuple[str, ...]
     rows: int
     shards: tuple[tuple[int, int], ...]
+    sequence: bool = False
 
 
 class ShardsDemand:
@@ -206,6 +210,7 @@ class ShardsDemand:
         self.feature_chunk = self.shard_chunk[self.feature_shard] if len(ft) else np.zeros(0, np.int64)
         shards_of = np.diff(self.table_first_shard)
         self.row_wise_features = [j for j in range(len(ft)) if shards_of[ft[j]] > 1]
+        self.row_wise_sequence = [j for j in self.row_wise_features if tables[ft[j]].sequence]
         self.one_feature_per_table = all(len(t.features) == 1 for t in tables)
         self.one_hot_cache: dict[int, np.ndarray] = {}
         # The compiled route (demand_kernels): shards small enough are counted by stamps, the rest in a set.
@@ -260,6 +265,8 @@ class ShardsDemand:
         total = int(per_feature.sum())
         if total == 0:
             return [(0, 0, 0, 0, int(a), int(b)) for a, b in zip(most_sample, most_feature)]
+        if self.row_wise_sequence:
+            most_feature = most_feature.copy()
         if self.every_feature_in_order:
             ids = values.astype(np.int64, copy=False)
         else:
@@ -268,6 +275,7 @@ class ShardsDemand:
             ids = np.concatenate([values[s : s + n] for s, n in zip(starts, per_feature)]).astype(np.int64, copy=False)
         first = np.concatenate([[0], np.cumsum(per_feature)])
         self._check_range(ids, first, per_feature)
+        self._per_shard_features(lambda j: ids[first[j] : first[j + 1]], most_feature)
         # Per id: its shard, row in the shard and partition. Ids come grouped by feature, so a table of
         # one shard takes its figures from per-feature constants; only row-wise tables look theirs up.
         shard = np.repeat(self.feature_shard, per_feature)
@@ -304,6 +312,18 @@ class ShardsDemand:
             per_slice=self.per_slice,
         )
         return self._figures(entries, distinct, most_sample, most_feature)
+
+    def _per_shard_features(self, feature_ids: Callable[[int], np.ndarray], most_feature: np.ndarray) -> None:
+        """A row-wise sequence table's most ids per feature: the most of one feature in one of its
+        shards (`feature_ids(j)`: the ids of feature j in table order), in place of the whole feature's."""
+        seen: dict[int, int] = {}
+        for j in self.row_wise_sequence:
+            t = int(self.feature_table[j])
+            starts = self.shard_start[self.table_first_shard[t] : self.table_first_shard[t + 1]]
+            k = np.searchsorted(starts, feature_ids(j), side="right") - 1
+            seen[t] = max(seen.get(t, 0), int(np.bincount(k, minlength=1).max()))
+        for t, n in seen.items():
+            most_feature[t] = n
 
     def _figures(
         self, entries: np.ndarray, distinct: np.ndarray, most_sample: np.ndarray, most_feature: np.ndarray
@@ -451,6 +471,13 @@ class ShardsDemand:
             raise UserError(f"table {t.name!r}: id {int(bad_id[0])} outside its {t.rows} rows")
         per_feature = key_sum[self.features]
         most_feature = np.maximum.reduceat(per_feature, self.table_first_feature)
+        if columns is None:
+            key_first = np.concatenate([[0], np.cumsum(key_sum)])
+            self._per_shard_features(
+                lambda j: held[0][key_first[self.features[j]] : key_first[self.features[j] + 1]], most_feature
+            )
+        else:
+            self._per_shard_features(lambda j: held[self.features[j]], most_feature)
         most_sample = np.maximum.reduceat(key_max[self.features], self.table_first_feature)
         if self.multi_feature_tables:
             scratch = np.empty(stride, np.int64)

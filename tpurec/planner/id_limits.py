@@ -52,7 +52,8 @@ def table_layouts(report: dict) -> list[TableShards]:
     out = []
     for t in report["tables"]:
         ranges = sorted({(int(s["offsets"][0]), int(s["sizes"][0])) for s in t["shards"]})
-        out.append(TableShards(t["name"], tuple(t["features"]), int(t["rows"]), tuple(ranges)))
+        sequence = t.get("pooling") == "none"  # an EmbeddingCollection's table (report._table_row)
+        out.append(TableShards(t["name"], tuple(t["features"]), int(t["rows"]), tuple(ranges), sequence))
     return out
 
 
