@@ -96,10 +96,12 @@ class CompiledStep:
     def step(self, batch: Any) -> torch.Tensor:
         prepared = self.preprocess(batch)
         run = self.compiled
-        if any(step_inputs.over_limits(p) for p in step_inputs.parts(prepared)):
+        device = self.dense_params[0].device if self.dense_params else None
+        if step_inputs.any_rank_over_limits(step_inputs.parts(prepared), self.group, self.world_size, device):
             # Over its fixed id limits (measured on other data, say) a batch runs as several passes,
             # with no fixed graph: this one step runs eagerly, the same arithmetic, rather than
-            # compiling a graph for it or failing mid-training. Counted (and, per table, in the
+            # compiling a graph for it or failing mid-training; on every rank when one is over (the
+            # ranks agree: one program per step across the slice). Counted (and, per table, in the
             # kernels' multipass_batches, which the trainer reports).
             run = self._step
             self.eager_steps += 1

@@ -193,20 +193,10 @@ class PipelinedStep:
         return loss.detach()
 
     def _over_limits(self, prepared: list[Prepared]) -> bool:
-        """Whether any rank's batch is over its fixed id limits. A rank sees only its own shards'
-        inputs; the ranks agree, all drain and step eagerly: the rank that did not (its collectives
-        pair up all the same) would look its rows up stale across that batch."""
-        over = any(step_inputs.over_limits(p) for p in prepared)
-        if self.group is None or self.world_size == 1:
-            return over
-        # A flag on the host where the group has a CPU backend (tpurec's TPU group pairs gloo with
-        # tpu_dist: dmp.process_group_backend): reading it back waits for the other hosts, not for
-        # this device's queue of work; else on the device, as the dense parameters are.
-        host = "gloo" in str(dist.get_backend(self.group))
-        device = torch.device("cpu") if host or not self.dense_params else self.dense_params[0].device
-        flag = torch.tensor([int(over)], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, group=self.group)
-        return bool(flag.item())
+        """Whether any rank's batch is over its fixed id limits: the ranks agree, all drain and step
+        eagerly (the rank that did not would look its rows up stale across that batch)."""
+        device = self.dense_params[0].device if self.dense_params else None
+        return step_inputs.any_rank_over_limits(list(prepared), self.group, self.world_size, device)
 
     @contextlib.contextmanager
     def _table_lr(self, lrs: list[float]) -> Iterator[None]:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -164,6 +166,25 @@ def over_limits(part: Any) -> list[str]:
     from tpurec.sharding.sharded_preprocess import over_limits as ebc_over_limits
 
     return ec_over_limits(part) if isinstance(part, ShardedECPreprocessed) else ebc_over_limits(part)
+
+
+def any_rank_over_limits(parts: list[Any], group: Any, world_size: int, device: torch.device | None) -> bool:
+    """Whether any rank's batch is over its fixed id limits (`over_limits` of its `parts`). A rank
+    sees only its own shards' inputs; the ranks agree so that all of them take the same step, eager
+    or compiled: on a TPU a compiled step's collectives are its own programs, whose first run
+    handshakes with every rank's (TorchTPU's SplitCompiler: fingerprint and collective counts, docs/tpu.md),
+    and a pipelined rank that did not drain would look its rows up stale across the batch.
+
+    One all-reduce of a flag: on the host where the group has a CPU backend (tpurec's TPU group pairs
+    gloo with tpu_dist: dmp.process_group_backend), so reading it back waits for the other hosts and
+    not for this device's queue of work; else on `device` (the dense parameters')."""
+    over = any(over_limits(p) for p in parts)
+    if group is None or world_size == 1 or not dist.is_initialized():
+        return over
+    host = "gloo" in str(dist.get_backend(group))
+    flag = torch.tensor([int(over)], dtype=torch.int32, device="cpu" if host or device is None else device)
+    dist.all_reduce(flag, group=group)
+    return bool(flag.item())
 
 
 def parts(batch: Any) -> list[Any]:
