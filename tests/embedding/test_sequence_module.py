@@ -245,3 +245,28 @@ def test_an_empty_table_shard_looks_up_nothing_and_refuses_any_id():
     out.sum().backward()
     with pytest.raises(IndexError, match=r"table 't/0'\): ids must be in \[0, 0\)"):
         kernel(KeyedJaggedTensor(keys=["f", "g"], values=torch.tensor([0]), lengths=torch.tensor([1, 0, 0, 0])))
+
+
+def test_a_features_ids_are_dealt_round_the_sparsecores():
+    """Feature k's j-th id goes to SparseCore j mod P: a batch of N ids under a capacity C puts ceil(N / P)
+    or floor(N / P) on each SparseCore (at sample j div P of its C / P), not min(N, C / P) on the first;
+    the ids still come back in order, equal to TorchRec's EmbeddingCollection."""
+    from tpurec.embedding.sequence_kernel import slots
+
+    assert slots(torch.arange(8), 8, 4).tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
+    tables = [EmbeddingConfig(name="t", embedding_dim=8, num_embeddings=64, feature_names=["f", "g"])]
+    torch.manual_seed(0)
+    ours = SparseCoreEmbeddingCollection(
+        tables, torch.optim.SGD, {"lr": 0.1}, num_sparsecores=4, max_ids_per_feature=32, fixed_limits=True
+    )
+    stock = EmbeddingCollection(tables=tables)
+    stock.embeddings["t"].weight.data.copy_(ours.kernel.read_weight("t"))
+    # f: 10 ids, g: 3 (one bag each of 4 samples); the capacity is 32
+    lengths = torch.tensor([4, 0, 6, 0, 1, 1, 0, 1])
+    kjt = KeyedJaggedTensor(keys=["f", "g"], values=torch.arange(13) * 3 % 64, lengths=lengths)
+    out, expected = ours(kjt), stock(kjt)
+    for key in ("f", "g"):
+        assert torch.equal(out[key].values(), expected[key].values()), key
+    # ids per SparseCore (both features, summed over partitions): f's 10 as 3, 3, 2, 2 and g's 3 as 1, 1, 1, 0
+    (stats,) = ours.kernel.last_stats.values()
+    assert stats.ids_per_partition.sum(1).tolist() == [4, 4, 3, 2]

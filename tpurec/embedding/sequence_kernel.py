@@ -4,8 +4,13 @@ An EmbeddingCollection returns one embedding per id, not one per bag. The Sparse
 pools, so unpooled lookups are expressed with it the way torchrec's TPU path
 (`experimental/torch_tpu/datasets/input_preprocessing.py`, unpooled mode: offsets 0, 1, ..., N, N,
 ..., N) and jax-tpu-embedding's sequence features do: feature k's N_k ids become samples 0..N_k-1
-of a batch of C samples (C >= every N_k; samples past N_k are empty bags and look up zeros), so
-the pooled output row j of feature k IS the embedding of its j-th id. Preprocessing, id limits,
+of a batch of C samples (C >= every N_k; samples no id names are empty bags and look up zeros), so
+each pooled output row of feature k IS the embedding of one of its ids. Which sample: the SparseCore
+op gives each of its P SparseCores a contiguous C / P of the samples, so the j-th id takes sample
+(j mod P) x C / P + j div P (`slots`), dealing a feature's ids round the SparseCores; torchrec's TPU
+path and jax-tpu-embedding put it at sample j, which fills the first SparseCores' samples and leaves
+the last ones idle until a batch reaches the capacity (a batch of N ids: ceil(N / P) on every
+SparseCore here, min(N, C / P) on the first one there). Preprocessing, id limits,
 the CSR layout, the TorchTPU adapter and the fused update are the pooled kernel's, unchanged:
 backward hands each id's output gradient to its row, and rows hit twice sum their gradients, as
 a dense `nn.Embedding` does.
@@ -22,6 +27,7 @@ multipass.stacked_blocks): the same outputs and tables as one lookup of capacity
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -54,15 +60,27 @@ class SequenceInputs:
         """Rows of the lookup's [rows, dim] output: blocks x capacity x features."""
         return self.blocks * self.capacity * self.counts.numel()
 
+    sparsecores: int = 1  # P: the SparseCores the capacity's samples are dealt to (`slots`)
+
     def id_rows(self) -> torch.Tensor:
         """Per id in the KJT's values order, its row in the lookup's [rows, dim] output (host): feature k's
-        j-th id is row j x features + k."""
+        j-th id, in block q = j div C, is row (q x C + slot) x features + k, slot its sample in the block
+        (`slots`)."""
         counts, n = self.counts, self.counts.numel()
         if not n:
             return torch.zeros(0, dtype=torch.long)
         j = torch.arange(int(counts.sum())) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
         k = torch.repeat_interleave(torch.arange(n), counts)
-        return j * n + k
+        cap = self.capacity
+        return ((j // cap) * cap + slots(j % cap, cap, self.sparsecores)) * n + k
+
+
+def slots(j: torch.Tensor, capacity: int, sparsecores: int) -> torch.Tensor:
+    """The sample of a feature's j-th id (j < capacity) in a batch of `capacity` one-id bags: the ids
+    dealt round the SparseCores, each of which holds a contiguous capacity / sparsecores of the samples
+    (the capacity a multiple of `sparsecores`): id j on SparseCore j mod P, as its (j div P)-th sample."""
+    per_sc = capacity // sparsecores
+    return (j % sparsecores) * per_sc + j // sparsecores
 
 
 class SparseCoreSequenceKernel(SparseCoreKernel):
@@ -101,9 +119,9 @@ class SparseCoreSequenceKernel(SparseCoreKernel):
 
         `tpurec data stats` measures a table's ids per partition as a pooled kernel lays them out (each
         SparseCore slice the ids of its share of the samples), and those figures (`stack_bound`) do not
-        bound this layout: a feature's ids fill its capacity's bags from the front, so one slice's
-        C / P bags can hold all of a row-wise shard's ids (measured: every batch of an EC of 8-id
-        histories over 2048 ids ran in passes). A slice holds at most C / P ids per feature of the
+        bound this layout: a slice's C / P bags hold up to C / P of each feature's ids whatever the
+        batch size (`slots`; measured, when the ids filled the bags from the front: every batch of an EC
+        of 8-id histories over 2048 ids ran in passes). A slice holds at most C / P ids per feature of the
         stack, and no more distinct ids in a partition than the partition's rows: limits no batch
         within the capacity exceeds (a batch over it runs in blocks of the same limits)."""
         per_slice = -(-capacity // self.num_sc)
@@ -124,7 +142,8 @@ class SparseCoreSequenceKernel(SparseCoreKernel):
         return max(capacities)
 
     def _aligned(self, n: int) -> int:
-        return round_up(max(n, 1), max(SEGMENT_ALIGN, self.num_sc) if self.fixed_limits else self.num_sc)
+        # a multiple of the SparseCores (`slots` deals the ids round them), and 8-aligned when fixed
+        return round_up(max(n, 1), math.lcm(SEGMENT_ALIGN, self.num_sc) if self.fixed_limits else self.num_sc)
 
     def capacity(self, ids_per_feature: torch.Tensor) -> int:
         """C: samples per feature in the SparseCore batch for these per-feature id counts (a batch
@@ -146,20 +165,23 @@ class SparseCoreSequenceKernel(SparseCoreKernel):
         return torch.cat(pieces) if pieces else torch.zeros(0, self.dim)
 
     def forward_per_feature(self, features: KeyedJaggedTensor) -> list[torch.Tensor]:
-        """Feature k's rows [N_k, dim], as views of the lookup's fixed [capacity, features * dim]
-        output: feature k's j-th id is sample j of its capacity slots, so its rows are a prefix and no
-        gather is needed. On a TPU the lookup's shape is fixed by the capacity, and slicing a prefix
-        compiles nothing, where a gather of the batch's id count was a new program for every count
-        (torchrec's TPU EmbeddingCollection slices the same way, `feat_emb[:actual_num_ids]`)."""
-        pooled, counts, rows = self._pooled(features)
-        n = counts.numel()
-        per_feature = pooled.view(rows, n, self.dim).transpose(0, 1)  # [n, blocks x cap, dim]
+        """Feature k's rows [N_k, dim], from the lookup's fixed [blocks x capacity, features * dim]
+        output: its samples put back in id order (`slots` undone: one transpose of a fixed shape), so
+        its rows are a prefix and no gather is needed. On a TPU the lookup's shape is fixed by the
+        capacity, and slicing a prefix compiles nothing, where a gather of the batch's id count was a
+        new program for every count (torchrec's TPU EmbeddingCollection slices too, `feat_emb[:actual_num_ids]`)."""
+        inputs = self.preprocess_sequence(features)
+        pooled = self.lookup(inputs.inputs, inputs.capacity)
+        counts, n, p, cap = inputs.counts, inputs.counts.numel(), inputs.sparsecores, inputs.capacity
+        # [blocks, P, cap / P, n, dim]: sample (a, i) of a block holds id i x P + a
+        dealt = pooled.view(inputs.blocks, p, cap // p, n, self.dim)
+        per_feature = dealt.permute(3, 0, 2, 1, 4).reshape(n, inputs.blocks * cap, self.dim)  # id order
         return [per_feature[k, : int(c)] for k, c in enumerate(counts.tolist())]
 
     def forward_padded(self, features: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The lookup's whole output, [rows, dim] (rows = capacity x features: a fixed shape on a
         TPU while no feature is over the capacity), and on the host, per id in `features.values()`
-        order, its row there (feature k's j-th id is row j x features + k). Rows no id names are
+        order, its row there (`SequenceInputs.id_rows`). Rows no id names are
         zeros (empty bags). The sharded EmbeddingCollection gathers from it with host-computed
         indices, so that no device tensor takes the batch's id count as its shape."""
         inputs = self.preprocess_sequence(features)
@@ -179,18 +201,19 @@ class SparseCoreSequenceKernel(SparseCoreKernel):
         largest = int(counts.max()) if n else 0
         blocks = max(1, -(-largest // cap))
         values = features.values()
+        p = self.num_sc
         if blocks == 1:
-            inputs = self.preprocess(self._one_id_bags(keys, values, counts, cap))
+            inputs = self.preprocess(self._one_id_bags(keys, values, counts, cap, p))
         else:
             # over the capacity: ids q*C .. (q+1)*C - 1 of every feature form block q
             position = torch.arange(values.numel()) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
             block_of = position // cap
             chunks = [
-                self._one_id_bags(keys, values[block_of == q], (counts - q * cap).clamp(0, cap), cap)
+                self._one_id_bags(keys, values[block_of == q], (counts - q * cap).clamp(0, cap), cap, p)
                 for q in range(blocks)
             ]
             inputs = self.preprocess_blocks(chunks)
-        return SequenceInputs(inputs, counts, cap, blocks)
+        return SequenceInputs(inputs, counts, cap, blocks, p)
 
     def lookup_sequence(self, inputs: SequenceInputs) -> torch.Tensor:
         """`forward_padded`'s device half: [blocks x capacity x features, dim] (traceable by torch.compile
@@ -198,18 +221,20 @@ class SparseCoreSequenceKernel(SparseCoreKernel):
         pooled = self.lookup(inputs.inputs, inputs.capacity)  # [blocks x cap, n * dim]
         return pooled.reshape(inputs.rows(), self.dim)
 
-    def _pooled(self, features: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """(the pooled lookup [rows, features x dim], ids per feature (host), rows = blocks x capacity)."""
-        inputs = self.preprocess_sequence(features)
-        pooled = self.lookup(inputs.inputs, inputs.capacity)
-        return pooled, inputs.counts, inputs.blocks * inputs.capacity
-
     @staticmethod
-    def _one_id_bags(keys: list[str], values: torch.Tensor, counts: torch.Tensor, cap: int) -> KeyedJaggedTensor:
-        """Feature k's ids as samples 0..counts[k]-1 of a batch of `cap` bags of one id."""
+    def _one_id_bags(
+        keys: list[str], values: torch.Tensor, counts: torch.Tensor, cap: int, sparsecores: int
+    ) -> KeyedJaggedTensor:
+        """Feature k's counts[k] ids as bags of one id in a batch of `cap`, id j at sample `slots(j)`
+        (the others empty); `values` feature-major, each feature's ids in order."""
+        id_of_sample = torch.arange(cap).view(cap // sparsecores, sparsecores).t().reshape(-1)  # slots undone
+        used = id_of_sample.unsqueeze(0) < counts.unsqueeze(1)  # [features, cap]
+        # each feature's ids in sample order: feature k's first id plus the id's index, per used sample
+        first = torch.cumsum(counts, 0) - counts
+        order = (first.unsqueeze(1) + id_of_sample.unsqueeze(0))[used]
         return KeyedJaggedTensor(
             keys=keys,
-            values=values,
-            lengths=(torch.arange(cap).unsqueeze(0) < counts.unsqueeze(1)).to(torch.int32).reshape(-1),
+            values=values[order] if order.numel() else values,
+            lengths=used.to(torch.int32).reshape(-1),
             stride=cap,
         )
