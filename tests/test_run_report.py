@@ -101,3 +101,26 @@ def test_compiled_graphs_programs_and_counts_are_in_the_line(fresh, monkeypatch)
         "(sparsecore 0, tensorcore 2, collective 0, from compiled graphs 5); 1 graph(s) compiled, 0 graph break(s); "
         "0 recompile(s) after warm-up; 0 device->host copies per step"
     )
+
+
+def test_the_handshakes_verdicts_are_in_the_line(fresh, monkeypatch):
+    # With TORCH_TPU_SPMD_HANDSHAKE_STAGE set the emulated rank reports its handshakes
+    # (tpurec/emulation/handshake.py): how many collective graphs stayed whole, how many were split.
+    run_report.provide(
+        lambda: {
+            "programs_compiled": {"sparsecore": {}, "tensorcore": 0, "collective": 0, "compiled": 1},
+            "recompiles_after_warmup": 0,
+            "device_to_host_copies_per_step": 0.0,
+            "device_to_host_copies": {},
+            "graphs_compiled": 1,
+            "graph_breaks": 0,
+            "handshake_stage": "COMPILE_STAGE",
+            "handshakes_agreed": 1,
+            "handshakes_split": 0,
+        }
+    )
+    run_report.forward(True)
+    monkeypatch.setenv("RANK", "0")
+    run_report.write()
+    line = run_report.summary("tpurec launch", run_report.collect(str(fresh)), 1, "v5p-8")
+    assert "; 1 graph(s) compiled, 0 graph break(s); handshakes (COMPILE_STAGE): 1 agreed, 0 split; 0 recompile" in line

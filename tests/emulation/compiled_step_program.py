@@ -168,7 +168,7 @@ def main() -> None:
     import torch.distributed as dist
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-    from tpurec.emulation import compiled, device
+    from tpurec.emulation import compiled, device, handshake
     from tpurec.sharding.compiled_step import CompiledStep
     from tpurec.strict_json import dumps
 
@@ -227,6 +227,7 @@ def main() -> None:
         ),
         "plan": sorted({ps.sharding_type for mp in twin.plan.plan.values() for ps in mp.values()}),
         **counts,
+        **handshake.figures(),
     }
     explained = step.explain(_batches(eager, 1, rank, world)[0])
     found["explain"] = {

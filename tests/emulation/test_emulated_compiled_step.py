@@ -71,6 +71,23 @@ def _one_rank(tmp_path: Path, *args: str, fails: bool = False) -> Any:
     return json.loads((tmp_path / "seen.rank0.json").read_text())
 
 
+def _v5p_8(tmp_path: Path, model: str, oracle: str, **env_vars: str) -> tuple[list[dict], str]:
+    """The program on every rank of an emulated v5p-8 (`tpurec launch`): each rank's JSON, the launcher's
+    error output (its end-of-run line)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **env_vars)
+    launch = [sys.executable, "-m", "tpurec.cli", "launch", "--emulate-tpu", "v5p-8"]
+    done = subprocess.run(
+        [*launch, str(PROGRAM), "--model", model, "--oracle", oracle, "--out", str(tmp_path / "seen")],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads((tmp_path / f"seen.rank{r}.json").read_text()) for r in range(4)], done.stderr
+
+
 def test_compiled_dmp_step_on_the_emulated_device_is_one_graph_and_equals_eager(tmp_path):
     seen = _one_rank(tmp_path, "--host-tensor-check")
     assert seen["world"] == 1 and seen["plan"] == ["table_wise"]
@@ -116,19 +133,7 @@ def test_an_embedding_collection_model_compiles_to_one_program_on_the_emulated_d
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("oracle", ["allreduce", "ddp"])
 def test_compiled_dlrm_tiny_on_every_emulated_rank_of_a_v5p_8_plan_with_every_sharding_type(tmp_path, oracle):
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    out = tmp_path / "seen"
-    launch = [sys.executable, "-m", "tpurec.cli", "launch", "--emulate-tpu", "v5p-8"]
-    done = subprocess.run(
-        [*launch, str(PROGRAM), "--model", "dlrm-tiny", "--oracle", oracle, "--out", str(out)],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"seen.rank{r}.json").read_text()) for r in range(4)]
+    ranks, _ = _v5p_8(tmp_path, "dlrm-tiny", oracle)
     for rank, seen in enumerate(ranks):
         assert seen["world"] == 4, rank
         # every sharding type the planner offers on a TPU (tests/emulation/every_sharding_type.py)
@@ -149,6 +154,29 @@ def test_compiled_dlrm_tiny_on_every_emulated_rank_of_a_v5p_8_plan_with_every_sh
         assert len(seen["compiled_programs"]) >= 2, rank
         # the dense gradients' one bucket (one per gradient: 37 programs per run, not 19)
         assert seen["all_reduces_per_run"] == [1], rank
+
+
+@pytest.mark.slow  # four ranks, two DMPs each: 50 s a case
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("model, agreed", [("small", True), ("dlrm-tiny", False)])
+def test_under_the_compile_stage_handshake_a_plan_whose_ranks_trace_one_graph_stays_one_program(
+    tmp_path, model, agreed
+):
+    """TORCH_TPU_SPMD_HANDSHAKE_STAGE=COMPILE_STAGE (emulation/handshake.py): the small model's plan (a
+    table of equal shape on each rank) traces the same step on every rank, which the handshake keeps
+    one program, its all-to-alls inside; dlrm-tiny's plan of every sharding type gives each rank
+    other shards (other lookups, split sizes and views), so its graph is split at every collective as
+    with the handshake off. Either way the step trains bit for bit as the eager one."""
+    ranks, err = _v5p_8(tmp_path, model, "allreduce", TORCH_TPU_SPMD_HANDSHAKE_STAGE="COMPILE_STAGE")
+    assert f"handshakes (COMPILE_STAGE): {int(agreed)} agreed, {int(not agreed)} split" in err
+    for rank, seen in enumerate(ranks):
+        _assert_trains_as_eager(seen)
+        assert (seen["handshakes_agreed"], seen["handshakes_split"]) == (int(agreed), int(not agreed)), rank
+        programs = seen["programs_per_run"]
+        if agreed:
+            assert programs == [{"compiled": 1}], rank
+        else:
+            assert programs[0]["collective"] >= 2 and programs[0]["compiled"] >= 2, rank
 
 
 def test_a_graph_is_split_into_programs_at_its_collectives_as_torchtpu_splits_it():

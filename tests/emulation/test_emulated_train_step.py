@@ -37,11 +37,19 @@ def setup(tmp_path_factory):
     return root, plan, limits
 
 
-def _run(setup, step: str) -> tuple[dict, str]:
+def _run(setup, step: str, handshake: str | None = None) -> tuple[dict, str]:
     root, plan, limits = setup
     args: tuple[object, ...] = ("--step", step, "--dense-optimizer", "sgd", "--plan", plan, "--limits", limits)
     args += ("--curves-out", "none", "--synth-rows", ROWS, "--steps", STEPS, "--eval-every", STEPS, "--seed", 3)
-    result, p = train("--emulate-tpu", "v5p-8", *args, cache=root, timeout=1200)
+    saved = os.environ.pop("TORCH_TPU_SPMD_HANDSHAKE_STAGE", None)
+    if handshake:
+        os.environ["TORCH_TPU_SPMD_HANDSHAKE_STAGE"] = handshake
+    try:
+        result, p = train("--emulate-tpu", "v5p-8", *args, cache=root, timeout=1200)
+    finally:
+        os.environ.pop("TORCH_TPU_SPMD_HANDSHAKE_STAGE", None)
+        if saved is not None:
+            os.environ["TORCH_TPU_SPMD_HANDSHAKE_STAGE"] = saved
     assert result is not None and result["step"] == step and result["world_size"] == 4
     return result, p.stderr
 
@@ -82,3 +90,19 @@ def test_emulated_pipelined_step_is_one_graph_and_trains(setup):
     # data and model, so the held-out figures stay close
     assert pipelined["auc"] != eager["auc"]
     assert abs(pipelined["auc"] - eager["auc"]) < 0.02 and abs(pipelined["logloss"] - eager["logloss"]) < 0.02
+
+
+@pytest.mark.slow  # two 4-rank emulated runs: about 40 s
+@pytest.mark.multiprocess
+def test_under_the_compile_stage_handshake_the_planners_plan_steps_as_one_program(setup):
+    """The planner's v5p-8 plan gives each rank table-wise tables of other sizes, so the measured limits
+    of a rank's stack differ from the others' and with them the graph's code; with TorchTPU's handshake
+    on, DMP raises every rank's limits to the largest (tpurec/sharding/rank_limits.py), the ranks' graphs
+    agree and the step is one program with its collectives inside, training as the split one does."""
+    split, _ = _run(setup, "compiled")
+    whole, _ = _run(setup, "compiled", handshake="COMPILE_STAGE")
+    assert "handshake_stage" not in split  # unset: OFF, nothing handshaken, every collective graph split
+    assert (whole["handshake_stage"], whole["handshakes_agreed"], whole["handshakes_split"]) == ("COMPILE_STAGE", 1, 0)
+    assert whole["programs_compiled"]["compiled"] == 1 and split["programs_compiled"]["compiled"] >= 2
+    assert whole["graphs_compiled"] == 1 and whole["recompiles_after_warmup"] == 0
+    assert (whole["auc"], whole["logloss"]) == (split["auc"], split["logloss"])

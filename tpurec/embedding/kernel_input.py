@@ -152,6 +152,11 @@ class KernelInput:
         """Stack i's fixed (max ids, max unique ids) per partition; None until set (or when not fixed)."""
         return self._stack_limits[i] if self.fixed_limits else None
 
+    def set_stack_limits(self, i: int, limits: tuple[int, int]) -> None:
+        """Fix stack i's limits to `limits` (the sharded modules raise them to every rank's largest:
+        tpurec/sharding/rank_limits.py)."""
+        self._stack_limits[i] = limits
+
     # -- stats -----------------------------------------------------------------------------------
     def stats(self) -> dict[str, PreprocessStats]:
         """PreprocessStats of the last batch per stack (built on demand after a direct step)."""

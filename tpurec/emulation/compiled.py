@@ -6,7 +6,8 @@ torch-tpu 0.2.0 registers a Dynamo backend named "tpu" (`torch_tpu/_internal/com
 and gives each forward/backward graph to a `SplitCompiler` (`split_compiler.py`), which splits it on
 its collectives (COLLECTIVES below) and compiles every piece with XLA: the stretches of computation
 between collectives and each collective are programs of their own. Its inputs' mutations are copied back by AOTAutograd
-after the graph, as eager device ops.
+after the graph, as eager device ops. With `TORCH_TPU_SPMD_HANDSHAKE_STAGE` set, the ranks handshake
+each such graph and keep it whole, its collectives inside one program, when all agree (handshake.py).
 
 Here the same AOTAutograd call runs the graph eagerly on the CPU data under the device tensors, as
 `aot_eager` does (the same kernels: the same numbers), and every run asks the device for the graph's
@@ -24,7 +25,7 @@ from typing import Any
 
 import torch
 
-from tpurec.emulation import device
+from tpurec.emulation import device, handshake
 
 NAME = "tpu"  # TorchTPU's name for its backend
 _PHASE_NAMES = {True: "forward", False: "backward"}
@@ -81,10 +82,16 @@ def _shape(value: Any) -> Any:
     return None
 
 
-def graph_programs(gm: torch.fx.GraphModule, example_inputs: Any, forward: bool) -> list[tuple[str, str, Any]]:
-    """The programs one run of `gm` asks of the device, as SplitCompiler cuts it: (kind, op, key)."""
+def graph_programs(
+    gm: torch.fx.GraphModule, example_inputs: Any, forward: bool, whole: bool = False
+) -> list[tuple[str, str, Any]]:
+    """The programs one run of `gm` asks of the device, as SplitCompiler cuts it: (kind, op, key). Cut
+    at every collective, unless the ranks' handshake agreed (`whole`): then one program, its
+    collectives inside (handshake.py)."""
     digest = hashlib.sha256(gm.code.encode()).hexdigest()[:12]
     shapes = tuple(_shape(x) for x in example_inputs)
+    if whole:
+        return [("compiled", f"graph:{digest}", (_PHASE_NAMES[forward], "whole", shapes))]
     programs: list[tuple[str, str, Any]] = []
     stretch = 0
     pending = False  # the current stretch has ops
@@ -138,15 +145,37 @@ def _on_the_data(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
+def _record(programs: list[tuple[str, str, Any]]) -> None:
+    for kind, op, key in programs:
+        device.RECORD.program(kind, op, key)
+
+
 def _compiler(forward: bool) -> Callable[[torch.fx.GraphModule, Any], Any]:
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
         _on_the_data(gm)
-        programs = graph_programs(gm, example_inputs, forward)
+        # SplitCompiler.__call__: a graph with collectives (all of the global group here: the emulated
+        # tpu_dist refuses any other) is handshaken at the stage the variable names, else split
+        collectives = sum(_collective(node) is not None for node in gm.graph.nodes)
+        when = handshake.stage() if collectives else "OFF"
+        whole = when == "DISPATCH_STAGE"  # compiled whole, handshaken at each run
+        if when == "COMPILE_STAGE":
+            whole = handshake.submit(handshake.fingerprint(gm.code), collectives)
+        programs = graph_programs(gm, example_inputs, forward, whole=whole)
         COMPILED.append(programs)
+        executable = handshake.fingerprint(gm.code, tuple(_shape(x) for x in example_inputs))
+        dispatching = when == "DISPATCH_STAGE"
 
         def run(args: list) -> Any:
-            for kind, op, key in programs:
-                device.RECORD.program(kind, op, key)
+            nonlocal programs, dispatching
+            # _SplitCompiledExecutable._maybe_handshake_and_recompile: the whole executable is compiled
+            # (its fingerprint is the handshake's), and a mismatch recompiles it split and ends the handshakes
+            if dispatching:
+                _record(programs)
+                if not handshake.submit(executable, collectives):
+                    dispatching = False
+                    programs = graph_programs(gm, example_inputs, forward)
+                    COMPILED.append(programs)
+            _record(programs)
             return torch.fx.Interpreter(gm).boxed_run(args)  # aot_eager's `boxed_nop`
 
         run._boxed_call = True  # type: ignore[attr-defined]

@@ -11,7 +11,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from tpurec.emulation import compiled, device, torchtpu_dist, torchtpu_ops
+from tpurec.emulation import compiled, device, handshake, torchtpu_dist, torchtpu_ops
 from tpurec.errors import UserError
 from tpurec.planner.topology import SliceSpec, parse_slice
 
@@ -57,9 +57,10 @@ class EmulatedRank:
             **self.graph_counts(),
         }
 
-    def graph_counts(self) -> dict[str, int]:
-        """`graphs_compiled` and `graph_breaks`: what torch.compile traced in this process (`compiled.py`)."""
-        return compiled.graph_counts()
+    def graph_counts(self) -> dict[str, Any]:
+        """`graphs_compiled` and `graph_breaks`: what torch.compile traced in this process (`compiled.py`);
+        with a handshake stage set, how many of its collective graphs the ranks agreed on (`handshake.py`)."""
+        return {**compiled.graph_counts(), **handshake.figures()}
 
     def programs_compiled(self) -> dict[str, Any]:
         """Distinct TorchTPU programs, one per distinct (op, compile key) asked of the device: SparseCore

@@ -85,6 +85,9 @@ def tpu_status() -> TpuStatus:
 # torch/torch_tpu calls them, unless this variable is set when torch_tpu is imported
 # (torch_tpu/_internal/device/_device_module.py reads it once, `_STRICT_INTERNAL_DEVICE_APIS`).
 LEGACY_DEVICE_APIS_ENV = "TORCH_TPU_ALLOW_LEGACY_DEVICE_APIS"
+# torch-tpu 0.2.0's handshake of compiled collective graphs across ranks (docs/tpu.md): unset is OFF,
+# else COMPILE_STAGE or DISPATCH_STAGE (torch_tpu::GetHandshakeStageEnvVarOnce, read once).
+HANDSHAKE_STAGE_ENV = "TORCH_TPU_SPMD_HANDSHAKE_STAGE"
 
 
 def apply_safe_env() -> None:

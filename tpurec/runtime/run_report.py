@@ -127,6 +127,11 @@ def summary(command: str, by_rank: dict[int, dict[str, Any]], hosts: int, slice_
         )
         if first.get("graphs_compiled"):
             parts.append(f"{first['graphs_compiled']} graph(s) compiled, {first.get('graph_breaks', 0)} graph break(s)")
+        if first.get("handshake_stage"):  # emulation/handshake.py: graphs kept whole or split at collectives
+            parts.append(
+                f"handshakes ({first['handshake_stage']}): {first['handshakes_agreed']} agreed, "
+                f"{first['handshakes_split']} split"
+            )
         worst = max(r.get("recompiles_after_warmup", 0) for r in by_rank.values())
         ops = first.get("recompiled_ops") or {}
         parts.append(f"{worst} recompile(s) after warm-up" + (f" ({', '.join(ops)})" if ops else ""))

@@ -1,0 +1,73 @@
+"""The ranks' fixed id limits made equal (tpurec/sharding/rank_limits.py), on two gloo ranks.
+
+Table-wise, each rank holds its own tables, whose measured limits differ; after `align_fixed_limits`
+every rank's stack has the largest limits any rank had for it, and a step still trains as before.
+Where the ranks' kernels differ in their stacks (other table dims on one rank), nothing is changed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.sharding.multiprocess import run_ranks
+
+# rank 0 holds t0 and t1 (table-wise), rank 1 holds t2 and t3; the measured limits differ per table
+LIMITS = {"t0": (40, 24), "t1": (16, 8), "t2": (24, 16), "t3": (8, 8)}
+PLACE = {"t0": 0, "t1": 0, "t2": 1, "t3": 1}
+
+
+def _limits_on_rank(rank: int, world: int, dims: dict[str, int]) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+    from torchrec.distributed.types import ShardingPlan
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    import tpurec
+    from tpurec.sharding.rank_limits import _kernels, align_fixed_limits
+
+    torch.manual_seed(0)
+    tables = [
+        EmbeddingBagConfig(name=t, embedding_dim=dims[t], num_embeddings=64, feature_names=[f"f{t[1:]}"])
+        for t in LIMITS
+    ]
+    ebc = EmbeddingBagCollection(tables)
+    plan = ShardingPlan({"": construct_module_sharding_plan(ebc, {t: table_wise(rank=r) for t, r in PLACE.items()})})
+    dmp = tpurec.DistributedModelParallel(ebc, device="cpu", plan=plan, id_limits=LIMITS, fixed_limits=True)
+    kjt = KeyedJaggedTensor(
+        keys=[f"f{i}" for i in range(4)], values=torch.arange(32) % 64, lengths=torch.ones(32, dtype=torch.long)
+    )
+    before = [k.inputs.stack_limits(i) for _, k in _kernels(dmp) for i in range(len(k.inputs.stacks))]
+    first = dmp(kjt).wait().values()
+    raised = align_fixed_limits(dmp, dist.group.WORLD)
+    after = [k.inputs.stack_limits(i) for _, k in _kernels(dmp) for i in range(len(k.inputs.stacks))]
+    same = torch.equal(dmp(kjt).wait().values(), first)  # larger buffers, the same lookup
+    return {"before": before, "after": after, "raised": raised, "same": same}
+
+
+@pytest.mark.multiprocess
+def test_the_ranks_stacks_take_the_largest_limits_any_rank_has():
+    ranks = run_ranks(_limits_on_rank, 2, {t: 8 for t in LIMITS})
+    # one stack per rank (both tables of dim 8), bounded by its own tables' measured limits
+    assert ranks[0]["before"] != ranks[1]["before"]
+    assert ranks[0]["after"] == ranks[1]["after"]
+    for seen in ranks:
+        (ids, uniq), *_ = seen["after"]
+        assert len(seen["after"]) == 1
+        assert ids == max(r["before"][0][0] for r in ranks) and uniq == max(r["before"][0][1] for r in ranks)
+    assert [r["raised"] for r in ranks] == [int(r["before"] != r["after"]) for r in ranks]
+    assert all(r["same"] for r in ranks)
+    assert sum(r["raised"] for r in ranks) >= 1
+
+
+@pytest.mark.multiprocess
+def test_ranks_whose_stacks_differ_keep_their_own_limits():
+    # t1 of dim 16: rank 0 has two stacks (dims 8 and 16), rank 1 one: their graphs differ anyway
+    ranks = run_ranks(_limits_on_rank, 2, {"t0": 8, "t1": 16, "t2": 8, "t3": 8})
+    assert len(ranks[0]["before"]) == 2 and len(ranks[1]["before"]) == 1
+    for seen in ranks:
+        assert seen["after"] == seen["before"] and seen["raised"] == 0
