@@ -291,6 +291,7 @@ class _DirectLookup(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:  # numpy and numba only: no autograd
         from tpurec.embedding import direct_kernels as dk
+        from tpurec.embedding import key_sort
 
         kernel, i, bags = ctx.kernel, ctx.i, ctx.bags
         lr = kernel.current_lr()
@@ -308,8 +309,8 @@ class _DirectLookup(torch.autograd.Function):
 
             b1, b2 = spec.beta1, spec.beta2
             a = alpha_t(lr, b1, b2, kernel._steps[i])
-        for lo, hi in bags.segments[:, :2].tolist():  # (a list: iterating numpy rows costs ~0.5 us each)
-            bags.keys[lo:hi].sort()  # numpy's sort (AVX-512 on x86): a row's entries adjacent, rows increasing
+        # a row's entries adjacent, rows increasing (numpy's sort or a radix sort: key_sort.py)
+        key_sort.sort_keys(bags.keys, bags.segments, bags.key_bits, _stack(kernel, i).row_bits)
         head = (bags.keys, bags.key_bits, bags.segments, bags.gains, bags.bag_of, g, weight.numpy())
         # Weight decay of the touched rows (optimizers/weight_decay.py): L2's coefficient, the decoupled
         # scale 1 - lr * wd rounded to float32 as the layout path's factor is; (0, 1) for none.

@@ -9,8 +9,8 @@ divided by the bag's length when the slot mean-pools, in float32 as the layout p
 Bags are renumbered batch-major, b = j * slots + k, so that `embedding_bag`'s [bags, dim] result IS
 the kernel's [batch, slots * dim] output (feature k's sample j at row j, columns k * dim ..), and its
 gradient is read as [bags, dim] in place. The backward sorts one int64 key per entry,
-(row << bits) | bag (or | position when ids carry their own weights), with numpy's sort (AVX-512
-on x86), so every touched row's entries are adjacent: its gradient is summed once and the optimizer
+(row << bits) | bag (or | position when ids carry their own weights), with numpy's sort or a radix
+sort (`key_sort.py`), so every touched row's entries are adjacent: its gradient is summed once and the optimizer
 applied once, rows in increasing order (the table and its state are walked front to back).
 
 Why numba: see `csr_kernels.py` (a wheel, no compiler at install, cached on disk, GIL released).
