@@ -121,9 +121,11 @@ def tables_csr(
     keys = np.empty(ids.size, np.uint32 if key_bits <= 32 else np.int64)
     rk = row_keys(seg_shift)
     k.tables_keys_pass(ids, samples, starts, rk, parts, pshift, cbits, sbits, ibits, keys)
-    bounds = starts.tolist()
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        keys[a:b].sort()
+    from tpurec.embedding import key_sort
+
+    tables = np.zeros((num_tables, 2), np.int64)
+    tables[:, 0], tables[:, 1] = starts[:-1], starts[1:]
+    key_sort.sort_keys(keys, tables, 0, key_bits)  # each table's keys (numpy's sort or a radix sort)
     counts = np.zeros(num_tables * tseg, np.int64)
     ucounts = np.zeros(num_tables * tseg, np.int64)
     if any(m is None for m in max_ids) or any(u is None for u in max_uniq):
@@ -196,7 +198,9 @@ def stack_csr(
                     rows_per_partition, parts, cbits, sbits, ibits, keys, gains)  # fmt: skip
     if bad >= 0:
         return None
-    keys.sort()
+    from tpurec.embedding import key_sort
+
+    key_sort.sort_keys(keys, np.array([[0, n]], np.int64), 0, total_bits)
     counts = np.zeros(nseg, np.int64)
     ucounts = np.zeros(nseg, np.int64)
     rpw = max(parts, SEGMENT_ALIGN)

@@ -1,15 +1,19 @@
-"""The direct step's backward sort: each table's keys, (row << key_bits) | low, in increasing order.
+"""Sorting the SparseCore keys: numpy's sort, or a radix sort where this CPU runs that faster.
 
 Two sorts give the same array. numpy's `sort` is x86-simd-sort's AVX-512 quicksort where numpy
 dispatches to it (about 2 ns a key on the Intel hosts of docs/results.md's earlier runs), and a scalar
 or AVX2 quicksort elsewhere: 17-42 ns a key on an AMD EPYC host with AVX-512 (its sort took 28 of a
 61 ms SGD step at pooling 100, `tpurec bench kernels --matrix`). `sort_segments` is an LSD radix sort
-on the row bits alone, 3.5-4 ns a key on that host. Sorting by row alone is the whole sort because
-within a table's keys `low` never decreases in input order (direct_kernels.bags: the batch-major bag,
-the feature-major bag, or the input position), and the radix sort is stable, so equal rows keep it.
+of 11-bit digits, 3.5-4 ns a key for two digits on that host.
 
-Which one runs is measured once per process (`use_radix`): both sort the same 32k keys, the faster
-wins. The results are the same either way.
+Its callers: the direct step's backward (direct.py) sorts each table's keys, (row << key_bits) | low,
+by the row bits alone: within a table's keys `low` never decreases in input order
+(direct_kernels.bags: the batch-major bag, the feature-major bag or the input position), and the
+radix sort is stable, so rows that tie keep it and the array is the fully sorted one. The layout
+path's CSR build (csr_build.py) sorts whole keys: every bit.
+
+Which sort runs is measured once per process (`use_radix`): both sort the same 32k keys of two
+digits, the faster wins. The results are the same either way.
 """
 
 from __future__ import annotations
@@ -25,11 +29,11 @@ _choice: bool | None = None
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def sort_segments(keys: np.ndarray, segments: np.ndarray, key_bits: int, row_bits: int) -> None:
-    """keys[lo:hi] sorted in place for each segment row (lo, hi, ...): an LSD radix sort of the bits
-    key_bits .. key_bits + row_bits, stable, so keys whose rows tie keep their order (see the module)."""
-    passes = max(1, -(-row_bits // DIGIT_BITS))
-    digit = -(-row_bits // passes)
+def sort_segments(keys: np.ndarray, segments: np.ndarray, shift: int, bits: int) -> None:
+    """keys[lo:hi] sorted in place for each segment row (lo, hi, ...) by their bits shift ..
+    shift + bits: an LSD radix sort, stable, so keys that tie on those bits keep their order."""
+    passes = max(1, -(-bits // DIGIT_BITS))
+    digit = -(-bits // passes)
     mask = (1 << digit) - 1
     counts = np.empty(1 << digit, np.int64)
     most = 0
@@ -42,11 +46,11 @@ def sort_segments(keys: np.ndarray, segments: np.ndarray, key_bits: int, row_bit
         if n < 2:
             continue
         src, dst = keys[lo:hi], scratch[:n]
-        shift = key_bits
+        at = shift
         for _ in range(passes):
             counts[:] = 0
             for i in range(n):
-                counts[(np.int64(src[i]) >> shift) & mask] += 1
+                counts[(np.int64(src[i]) >> at) & mask] += 1
             total = 0
             for b in range(counts.size):
                 c = counts[b]
@@ -54,11 +58,11 @@ def sort_segments(keys: np.ndarray, segments: np.ndarray, key_bits: int, row_bit
                 total += c
             for i in range(n):
                 v = src[i]
-                d = (np.int64(v) >> shift) & mask
+                d = (np.int64(v) >> at) & mask
                 dst[counts[d]] = v
                 counts[d] += 1
             src, dst = dst, src
-            shift += digit
+            at += digit
         if passes % 2 == 1:  # the sorted keys are in the scratch
             keys[lo:hi] = src
 
@@ -91,9 +95,11 @@ def use_radix() -> bool:
     return _choice
 
 
-def sort_keys(keys: np.ndarray, segments: np.ndarray, key_bits: int, row_bits: int) -> None:
-    """Each segment's keys in increasing order, by whichever sort this CPU runs faster."""
+def sort_keys(keys: np.ndarray, segments: np.ndarray, shift: int, bits: int) -> None:
+    """Each segment's keys in increasing order, by whichever sort this CPU runs faster. The keys'
+    bits below `shift` must already be in order within every run of equal higher bits (else shift
+    0), and none is set above shift + bits."""
     if use_radix():
-        sort_segments(keys, segments, key_bits, row_bits)
+        sort_segments(keys, segments, shift, bits)
     else:
         numpy_sort_segments(keys, segments)
