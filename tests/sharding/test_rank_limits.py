@@ -71,3 +71,50 @@ def test_ranks_whose_stacks_differ_keep_their_own_limits():
     assert len(ranks[0]["before"]) == 2 and len(ranks[1]["before"]) == 1
     for seen in ranks:
         assert seen["after"] == seen["before"] and seen["raised"] == 0
+
+
+def _first_batch_on_rank(rank: int, world: int, stage: str | None) -> dict[str, Any]:
+    """Limits left to the first batch (fixed, no limits file): each rank sets its own from its batch
+    (rank 1's ids more crowded), then `after_first_batch` with or without a handshake stage."""
+    import os
+
+    import torch.distributed as dist
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+    from torchrec.distributed.types import ShardingPlan
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    import tpurec
+    from tpurec.sharding.rank_limits import _kernels, after_first_batch
+
+    if stage:
+        os.environ["TORCH_TPU_SPMD_HANDSHAKE_STAGE"] = stage
+    torch.manual_seed(0)
+    tables = [
+        EmbeddingBagConfig(name=t, embedding_dim=8, num_embeddings=64, feature_names=[f"f{t[1:]}"]) for t in LIMITS
+    ]
+    ebc = EmbeddingBagCollection(tables)
+    plan = ShardingPlan({"": construct_module_sharding_plan(ebc, {t: table_wise(rank=r) for t, r in PLACE.items()})})
+    dmp = tpurec.DistributedModelParallel(ebc, device="cpu", plan=plan, fixed_limits=True)
+    # this rank's part of the global batch: f0, f1 (on rank 0) spread; f2, f3 (on rank 1) on few rows
+    values = torch.cat([torch.arange(16) * 4, torch.arange(16) * 4, torch.zeros(16), torch.zeros(16)]).long()
+    kjt = KeyedJaggedTensor(keys=["f0", "f1", "f2", "f3"], values=values, lengths=torch.ones(64, dtype=torch.long))
+    dmp(kjt).wait()  # the first batch sets each stack's limits
+    before = [k.inputs.stack_limits(i) for _, k in _kernels(dmp) for i in range(len(k.inputs.stacks))]
+    changed = after_first_batch(dmp, dist.group.WORLD, world)
+    after = [k.inputs.stack_limits(i) for _, k in _kernels(dmp) for i in range(len(k.inputs.stacks))]
+    return {"before": before, "after": after, "changed": changed}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", ["COMPILE_STAGE", None])
+def test_limits_the_first_batch_set_are_aligned_when_the_handshake_is_on(stage):
+    ranks = run_ranks(_first_batch_on_rank, 2, stage)
+    assert ranks[0]["before"] != ranks[1]["before"]  # each rank's own first batch
+    if stage:
+        assert ranks[0]["after"] == ranks[1]["after"]
+        assert [r["changed"] for r in ranks] == [r["before"] != r["after"] for r in ranks]
+        assert any(r["changed"] for r in ranks)
+    else:  # no handshake: nothing is exchanged or changed
+        assert all(r["after"] == r["before"] and not r["changed"] for r in ranks)

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tpurec.errors import UserError
-from tpurec.sharding import step_inputs
+from tpurec.sharding import rank_limits, step_inputs
 from tpurec.sharding.dense_update import DenseOptimizer
 from tpurec.sharding.sharder import ShardedSparseCoreEBC
 from tpurec.sharding.step_inputs import FieldMap
@@ -87,10 +87,15 @@ class CompiledStep:
         self.backend = default_backend(self.sharded) if backend is None else backend
         self.compiled = torch.compile(self._step, fullgraph=True, dynamic=False, backend=self.backend)
         self.eager_steps = 0  # batches over their fixed id limits, stepped eagerly (`step`)
+        self._first_done = False
 
     def preprocess(self, batch: Any) -> Any:
         """The eager half: `batch` with its KJTs replaced by the sharded EBCs' SparseCore inputs."""
         prepared, _ = step_inputs.prepare(batch, self.fields.fields(batch))
+        if not self._first_done:  # limits the first batch set, made the same on every rank (rank_limits.py)
+            self._first_done = True
+            if rank_limits.after_first_batch(self.module, self.group, self.world_size):
+                prepared, _ = step_inputs.prepare(batch, self.fields.fields(batch))
         return prepared
 
     def step(self, batch: Any) -> torch.Tensor:

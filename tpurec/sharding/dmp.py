@@ -38,7 +38,7 @@ from tpurec.embedding.settings import KernelSettings, TableLimits
 from tpurec.embedding.sparsecores import resolve_num_sparsecores
 from tpurec.errors import UserError
 from tpurec.runtime import heartbeat, process_group, run_report
-from tpurec.runtime.device import HANDSHAKE_STAGE_ENV, DeviceKind, device_kind
+from tpurec.runtime.device import DeviceKind, device_kind
 from tpurec.runtime.library_notices import quiet_fx_tracing_notice
 from tpurec.sharding import sharded_tensor_device  # noqa: F401  (ShardedTensor.device on the TPU path)
 from tpurec.sharding.ec_sharder import SparseCoreECSharder
@@ -429,11 +429,11 @@ class DistributedModelParallel(_TorchrecDMP):
         # With TorchTPU's handshake of compiled collective graphs on, the ranks' graphs must be the same
         # code to stay one program: their fixed id limits made equal (rank_limits.py). Stacks raised here.
         self.limits_aligned = 0
-        stage = os.environ.get(HANDSHAKE_STAGE_ENV)
-        if compute_device == "tpu" and env.world_size > 1 and stage in ("COMPILE_STAGE", "DISPATCH_STAGE"):
-            from tpurec.sharding.rank_limits import align_fixed_limits
+        if compute_device == "tpu" and env.world_size > 1:
+            from tpurec.sharding.rank_limits import align_fixed_limits, handshake_on
 
-            self.limits_aligned = align_fixed_limits(self, env.process_group or dist.group.WORLD)
+            if handshake_on():
+                self.limits_aligned = align_fixed_limits(self, env.process_group or dist.group.WORLD)
         self.uneven_all_to_all = all_to_all  # "padded" on the TPU path, else None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

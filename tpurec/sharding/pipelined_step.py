@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tpurec.sharding import step_inputs
+from tpurec.sharding import rank_limits, step_inputs
 from tpurec.sharding.compiled_step import LossFn, default_backend, model_loss, user_errors_of_the_trace
 from tpurec.sharding.dense_update import DenseOptimizer
 from tpurec.sharding.ec_preprocess import ShardedECPreprocessed, lookup_sharded_ec, update_sharded_ec
@@ -98,6 +98,7 @@ class PipelinedStep:
         )
         self.updated_batches = 0  # batches whose SparseCore backward ran (all of them after a drain)
         self.eager_steps = 0  # batches over their fixed id limits, stepped eagerly (`_step_pending`)
+        self._first_done = False
         # the fused table optimizers' param groups, whose lr each kernel reads when its update runs
         groups = {id(g): g for m in self.fields.modules for k in _kernels(m) if (g := k.lr_source) is not None}
         self._table_groups = list(groups.values())
@@ -117,7 +118,12 @@ class PipelinedStep:
     def preprocess(self, batch: Any) -> tuple[Any, list[Prepared]]:
         """The host half of a batch (eager): each sharded EBC's input dist and its kernels' SparseCore
         inputs; the batch with them in its KJTs' place (`step_inputs.prepare`), and them."""
-        return step_inputs.prepare(batch, self.fields.fields(batch))
+        prepared = step_inputs.prepare(batch, self.fields.fields(batch))
+        if not self._first_done:  # limits the first batch set, made the same on every rank (rank_limits.py)
+            self._first_done = True
+            if rank_limits.after_first_batch(self.module, self.group, self.world_size):
+                prepared = step_inputs.prepare(batch, self.fields.fields(batch))
+        return prepared
 
     def step(self, batch: Any) -> torch.Tensor | None:
         batch, prepared = self.preprocess(batch)

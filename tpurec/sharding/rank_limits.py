@@ -8,12 +8,15 @@ graph one program only when every rank's graph code is the same (its handshake, 
 `TORCH_TPU_SPMD_HANDSHAKE_STAGE` is set; docs/tpu.md), so with the handshake on, DMP raises each
 stack's limits to the largest any rank has for it. Larger limits are still bounds (buffers a little
 larger on some ranks; no batch runs in more passes). Only where every rank has the same kernels with
-the same number of stacks: elsewhere the graphs differ by more than limits.
+the same number of stacks: elsewhere the graphs differ by more than limits. Limits left to the first
+batch (no limits file) are aligned by the compiled and pipelined steps once that batch set them
+(`after_first_batch`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from typing import Any
 
 import torch
@@ -21,6 +24,12 @@ import torch.distributed as dist
 from torch import nn
 
 from tpurec.embedding.kernel import SparseCoreKernel
+from tpurec.runtime.device import HANDSHAKE_STAGE_ENV
+
+
+def handshake_on() -> bool:
+    """Whether TorchTPU will handshake compiled collective graphs (`TORCH_TPU_SPMD_HANDSHAKE_STAGE`)."""
+    return os.environ.get(HANDSHAKE_STAGE_ENV) in ("COMPILE_STAGE", "DISPATCH_STAGE")
 
 
 def _kernels(module: nn.Module) -> list[tuple[str, SparseCoreKernel]]:
@@ -65,3 +74,12 @@ def align_fixed_limits(module: nn.Module, group: Any) -> int:
                 k.inputs.set_stack_limits(i, (ids, uniq))
                 raised += 1
     return raised
+
+
+def after_first_batch(module: nn.Module, group: Any, world_size: int) -> bool:
+    """With the handshake on, the ranks' limits aligned once their first batch has set those left to
+    it (each rank's own: twice its fullest partition). A collective, called by every rank at its first
+    step. Whether this rank's limits changed: its first batch must then be prepared again."""
+    if world_size <= 1 or group is None or not handshake_on():
+        return False
+    return align_fixed_limits(module, group) > 0
