@@ -49,9 +49,29 @@ def _limits_on_rank(rank: int, world: int, dims: dict[str, int]) -> dict[str, An
     return {"before": before, "after": after, "raised": raised, "same": same}
 
 
+def _every_case(rank: int, world: int) -> dict[str, Any]:
+    """Every case below on the same two ranks (one spawn: each costs seconds of imports)."""
+    import os
+
+    out = {
+        "same_stacks": _limits_on_rank(rank, world, {t: 8 for t in LIMITS}),
+        "other_stacks": _limits_on_rank(rank, world, {"t0": 8, "t1": 16, "t2": 8, "t3": 8}),
+        "first_batch_off": _first_batch_on_rank(rank, world, None),
+        "first_batch_on": _first_batch_on_rank(rank, world, "COMPILE_STAGE"),
+    }
+    os.environ.pop("TORCH_TPU_SPMD_HANDSHAKE_STAGE", None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def cases() -> dict[str, list[dict[str, Any]]]:
+    ranks = run_ranks(_every_case, 2)
+    return {name: [r[name] for r in ranks] for name in ranks[0]}
+
+
 @pytest.mark.multiprocess
-def test_the_ranks_stacks_take_the_largest_limits_any_rank_has():
-    ranks = run_ranks(_limits_on_rank, 2, {t: 8 for t in LIMITS})
+def test_the_ranks_stacks_take_the_largest_limits_any_rank_has(cases):
+    ranks = cases["same_stacks"]
     # one stack per rank (both tables of dim 8), bounded by its own tables' measured limits
     assert ranks[0]["before"] != ranks[1]["before"]
     assert ranks[0]["after"] == ranks[1]["after"]
@@ -65,9 +85,9 @@ def test_the_ranks_stacks_take_the_largest_limits_any_rank_has():
 
 
 @pytest.mark.multiprocess
-def test_ranks_whose_stacks_differ_keep_their_own_limits():
+def test_ranks_whose_stacks_differ_keep_their_own_limits(cases):
     # t1 of dim 16: rank 0 has two stacks (dims 8 and 16), rank 1 one: their graphs differ anyway
-    ranks = run_ranks(_limits_on_rank, 2, {"t0": 8, "t1": 16, "t2": 8, "t3": 8})
+    ranks = cases["other_stacks"]
     assert len(ranks[0]["before"]) == 2 and len(ranks[1]["before"]) == 1
     for seen in ranks:
         assert seen["after"] == seen["before"] and seen["raised"] == 0
@@ -88,6 +108,7 @@ def _first_batch_on_rank(rank: int, world: int, stage: str | None) -> dict[str, 
     import tpurec
     from tpurec.sharding.rank_limits import _kernels, after_first_batch
 
+    os.environ.pop("TORCH_TPU_SPMD_HANDSHAKE_STAGE", None)
     if stage:
         os.environ["TORCH_TPU_SPMD_HANDSHAKE_STAGE"] = stage
     torch.manual_seed(0)
@@ -109,8 +130,8 @@ def _first_batch_on_rank(rank: int, world: int, stage: str | None) -> dict[str, 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("stage", ["COMPILE_STAGE", None])
-def test_limits_the_first_batch_set_are_aligned_when_the_handshake_is_on(stage):
-    ranks = run_ranks(_first_batch_on_rank, 2, stage)
+def test_limits_the_first_batch_set_are_aligned_when_the_handshake_is_on(cases, stage):
+    ranks = cases["first_batch_on" if stage else "first_batch_off"]
     assert ranks[0]["before"] != ranks[1]["before"]  # each rank's own first batch
     if stage:
         assert ranks[0]["after"] == ranks[1]["after"]
