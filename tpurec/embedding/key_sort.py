@@ -1,7 +1,8 @@
 """Sorting the SparseCore keys: numpy's sort, or a radix sort where this CPU runs that faster.
 
 Two sorts give the same array. numpy's `sort` is x86-simd-sort's AVX-512 quicksort where numpy
-dispatches to it (about 2 ns a key on the Intel hosts of docs/results.md's earlier runs), and a scalar
+dispatches to it (the earlier sessions' hosts sorted the direct step's keys at about 2 ns a key; the one
+docs/results.md names is an Intel Xeon with AVX-512), and a scalar
 or AVX2 quicksort elsewhere: 17-42 ns a key on an AMD EPYC host with AVX-512 (its sort took 28 of a
 61 ms SGD step at pooling 100, `tpurec bench kernels --matrix`). `sort_segments` is an LSD radix sort
 of 11-bit digits, 3.5-4 ns a key for two digits on that host.
