@@ -256,3 +256,42 @@ def test_dense_multi_hot_groups_take_the_bitmap_and_sparse_ones_the_set(monkeypa
     want = [reference(t, ["fd", "fs"], values, lengths, 64, 1, 64) for t in tables]
     assert counter.count(values, lengths, 64) == want
     assert calls == [0]
+
+
+def test_one_shard_stamped_multi_hot_groups_take_their_own_loop(monkeypatch):
+    """A one-shard table small enough for stamps, multi-hot, is counted by `_stamped_group` (run
+    uncompiled, its calls counted), a stamped row-wise one by count_groups' own loop; both equal the
+    reference, on skewed ids (a hot row's stamp read right after its write), and an id outside the
+    stamped table is named with the table (negative ids included)."""
+    from tpurec.embedding import demand_kernels
+
+    calls = []
+    stamped = demand_kernels._stamped_group
+
+    def counted(*args):
+        calls.append(args[6])  # (the group's first feature)
+        return stamped(*args)
+
+    monkeypatch.setattr(demand_kernels, "_stamped_group", counted)
+    monkeypatch.setattr(demand_kernels, "count_groups", demand_kernels.count_groups.py_func)
+    tables = [
+        TableShards("one", ("fo", "fp"), 300, ((0, 300),)),
+        TableShards("rw", ("fr",), 600, ((0, 250), (250, 350))),
+    ]
+    keys = ["fr", "fo", "fp"]
+    rows = {"fo": 300, "fp": 300, "fr": 600}
+    counter = ShardsDemand(tables, keys, num_partitions=3, batch=40)
+    assert (counter.shard_stamp_at >= 0).all()
+    gen = np.random.default_rng(11)
+    for skewed in (True, False):
+        values, lengths = _batch(gen, keys, rows, 40, False, skewed)
+        want = [reference(t, keys, values, lengths, 40, 3, 40) for t in tables]
+        assert counter.count(values, lengths, 40) == want
+    assert calls and set(calls) == {0}  # the table "one" (first feature: index 0 of its table's list)
+    for bad in (300, -2):
+        values, lengths = _batch(gen, keys, rows, 40, False, False)
+        lengths[40 + 7] = max(lengths[40 + 7], 1)  # feature fo, sample 7: at least one id
+        at = int(lengths[:47].sum())
+        values[at] = bad
+        with pytest.raises(ValueError, match=f"table 'one': id {bad} outside its 300 rows"):
+            counter.count(values, lengths, 40)

@@ -16,6 +16,8 @@ bags are walked, and a set the size of one group is all the memory the count nee
 * A **stamped** shard (its padded rows fit a small array) keeps, per row, the last bag that touched
   it: an id is a new distinct id of its segment when its stamp predates this group, and a new entry
   when its stamp is not this bag (repeats in one bag merge). One array per shard serves every slice.
+  A one-shard table's groups run a loop of their own (`_stamped_group`: the shared loop's tests of
+  shard and route per id cost MLPerf DCNv2's small multi-hot tables 40% more time).
 * Any other shard's ids go through an open-addressing set (multiplicative hash, linear probing) of
   (table row, last bag) pairs with the same two tests; its slots whose bag predates the group read as
   empty, so it is never cleared. A group uses twice its ids' slots, at most the whole set; a group
@@ -352,16 +354,20 @@ def _multi_hot_bits(
     entry when its row is not yet in its bag: `bagset` holds (row, bag) slots, one per hash of a row,
     stamped by the bag number (never cleared), at least BAG_SLOTS_PER_ID per id of the longest bag
     (a few KiB, in L1): no probing, and a slot this bag filled with another row is settled by
-    comparing the bag's earlier ids (a third the time of a probed set). A row-wise table whose shards
-    are P whole partitions each (`uniform`) finds an id's shard and partition by a float reciprocal,
-    as a one-shard table does, not by its block's ranges. Counts into `lanes` as count_groups does;
-    the bits set are cleared before returning. Returns 0 for an id outside the table (its value in bad_id[0]), or -1."""
+    comparing the bag's earlier ids (a third the time of a probed set), behind one branch taken only
+    then (a branch on the slot's bag alone, taken at every repeat in a bag, cost MLPerf DCNv2's
+    pooling-100 table a sixth of its time). A row-wise table whose shards are P whole partitions each
+    (`uniform`) takes an id's segment as a one-shard table does, its row div the partition size by a
+    float reciprocal (shard k holds the table's partitions kP on), not by its block's ranges. Counts
+    into `lanes` as count_groups does; the bits set are cleared before returning. Returns 0 for an
+    id outside the table (its value in bad_id[0]), or -1."""
     bmask = (bagset.shape[0] >> 1) - 1
     bshift = 64
     while (1 << (64 - bshift)) <= bmask:
         bshift -= 1
     one = np.uint64(1)
-    chunk_inv, p_inv = 1.0 / chunk, 1.0 / p
+    chunk_inv = 1.0 / chunk
+    urows = np.uint64(rows)
     n = 0
     bad = -1
     # a set beyond the core's cache: each id's bitmap word fetched AHEAD ids early (a fifth less time)
@@ -378,33 +384,25 @@ def _multi_hot_bits(
                 if pos < last_ahead:
                     _prefetch(bitmap, np.uint64(values[np.uint64(pos + AHEAD)] >> 6))
                 r = np.int64(values[np.uint64(pos)])
-                if r < 0 or r >= rows:
+                if np.uint64(r) >= urows:  # (unsigned: a negative id is past every row)
                     bad_id[0] = r
                     bad = 0
                     break
-                if single or uniform:  # the partition by a float reciprocal, off by one at most
-                    part = np.int64(r * chunk_inv)
-                    if part * chunk > r:
-                        part -= 1
-                    elif (part + 1) * chunk <= r:
-                        part += 1
-                    s = s0
-                    if uniform:  # shards of P whole partitions each: partition `part` of the table
-                        k = np.int64(part * p_inv)
-                        if k * p > part:
-                            k -= 1
-                        elif (k + 1) * p <= part:
-                            k += 1
-                        s = s0 + int(k)
-                        part -= k * p
+                if single or uniform:  # the partition by a float reciprocal, off by one at most: the
+                    # table's partition (shards of P whole partitions each: shard k holds k * P on),
+                    # which is the segment's place in `lanes`, (shard - s0) * P + partition
+                    seg = np.int64(r * chunk_inv)
+                    if seg * chunk > r:
+                        seg -= 1
+                    elif (seg + 1) * chunk <= r:
+                        seg += 1
                 else:  # row-wise: as count_groups
                     g = block_seg[first_block + (r >> block_shift)]
                     g += seg_row[g + 1] <= r
                     while seg_row[g + 1] <= r:
                         g += 1
-                    s = seg_shard[g]
-                    part = seg_part[g]
-                li = 2 * (((s - s0) * p + part) * LANES + (pos & (LANES - 1)))
+                    seg = (seg_shard[g] - s0) * p + seg_part[g]
+                li = np.uint64(2 * (seg * LANES + (pos & (LANES - 1))))  # (unsigned: no index checks)
                 word = np.uint64(r >> 6)
                 bit = np.int64(1) << (r & 63)
                 old = bitmap[word]
@@ -413,16 +411,18 @@ def _multi_hot_bits(
                 # a new entry unless the row's slot holds it for this bag; a slot this bag filled with
                 # another row (a collision, rare with BAG_SLOTS_PER_ID) is settled by the bag's ids
                 h = np.uint64(((r * _HASH_MUL) >> bshift) & bmask)
-                held = bagset[h + h + one] == bag
-                if held and bagset[h + h] != r:
+                held_by = bagset[h + h + one]
+                # zero only when the slot is this bag's and holds another row (a collision): one
+                # rare branch (a test of `held` alone would be taken on every repeat in a bag)
+                if ((held_by ^ bag) | np.int64(bagset[h + h] == r)) == 0:
                     new = 1
                     for i in range(np.uint64(start), np.uint64(pos)):
                         if values[i] == r:
                             new = 0
                             break
-                    lanes[li + 1] += new
+                    lanes[li + one] += new
                 else:
-                    lanes[li + 1] += not held
+                    lanes[li + one] += held_by != bag
                 bagset[h + h] = r
                 bagset[h + h + one] = bag
                 pos += 1
@@ -443,6 +443,60 @@ def _multi_hot_bits(
         hi = slice_start[f, sl + 1]
         for i in range(np.uint64(lo), np.uint64(hi)):
             bitmap[np.uint64(values[i] >> 6)] = 0
+    return -1
+
+
+@numba.njit(cache=True, nogil=True)
+def _stamped_group(
+    key_at: np.ndarray,
+    lengths: np.ndarray,
+    stride: int,
+    key_sum: np.ndarray,
+    slice_start: np.ndarray,
+    features: np.ndarray,
+    j0: int,
+    j1: int,
+    sl: int,
+    b0: int,
+    b1: int,
+    rows: int,
+    chunk: int,
+    at: int,
+    group_base: int,
+    bag: int,
+    stamps: np.ndarray,
+    lanes: np.ndarray,
+    bad_id: np.ndarray,
+) -> int:
+    """One group of a one-shard stamped table (count_groups' stamps, its loop with nothing else in
+    it): per id one stamp read and written, the partition by a float reciprocal. Counts into `lanes`
+    as count_groups does. Returns 0 for an id outside the table (its value in bad_id[0]), or -1."""
+    chunk_inv = 1.0 / chunk
+    urows = np.uint64(rows)
+    one = np.uint64(1)
+    for j in range(j0, j1):
+        f = features[j]
+        values = _key(key_at, key_sum, f)
+        pos = slice_start[f, sl]
+        for b in range(b0, b1):
+            for _ in range(lengths[f * stride + b]):
+                r = np.int64(values[np.uint64(pos)])
+                if np.uint64(r) >= urows:  # (unsigned: a negative id is past every row)
+                    bad_id[0] = r
+                    return 0
+                part = np.int64(r * chunk_inv)  # off by one at most
+                if part * chunk > r:
+                    part -= 1
+                elif (part + 1) * chunk <= r:
+                    part += 1
+                li = np.uint64(2 * (part * LANES + (pos & (LANES - 1))))
+                cell = np.uint64(at + r)
+                seen = stamps[cell]
+                lanes[li] += seen < group_base  # not yet in this group: a new id
+                lanes[li + one] += seen != bag  # not yet in this bag: a new entry
+                stamps[cell] = bag
+                pos += 1
+            bag += 1
     return -1
 
 
@@ -534,6 +588,20 @@ def count_groups(
                         distinct[seg] += lanes[2 * (q * LANES + lane)]
                         entries[seg] += lanes[2 * (q * LANES + lane) + 1]
                 continue
+            if s1 - s0 == 1 and shard_stamp_at[s0] >= 0:
+                bad = _stamped_group(
+                    key_at, lengths, stride, key_sum, slice_start, features, j0, j1, sl, b0, b1, rows, chunk,
+                    shard_stamp_at[s0], group_base, bag, stamps, lanes[: 2 * LANES * p], bad_id,
+                )  # fmt: skip
+                if bad >= 0:
+                    return bad, t, bag
+                bag += (j1 - j0) * (b1 - b0)
+                for q in range(p):
+                    seg = (s0 * p + sl) * p + q
+                    for lane in range(LANES):
+                        distinct[seg] += lanes[2 * (q * LANES + lane)]
+                        entries[seg] += lanes[2 * (q * LANES + lane) + 1]
+                continue
             hashed = False
             for s in range(s0, s1):
                 hashed |= shard_stamp_at[s] < 0
@@ -606,7 +674,7 @@ def count_groups(
                             s = seg_shard[g]
                             local = r - shard_start[s]
                             part = seg_part[g]
-                        li = 2 * (((s - s0) * p + part) * LANES + (pos & (LANES - 1)))
+                        li = np.uint64(2 * (((s - s0) * p + part) * LANES + (pos & (LANES - 1))))
                         at = shard_stamp_at[s]
                         # branch-free: whether an id is new to its group or to its bag is data, not a
                         # pattern a branch predictor learns (a miss costs more than the rest of the id)
@@ -614,7 +682,7 @@ def count_groups(
                             cell = np.uint64(at + local)
                             seen = stamps[cell]
                             lanes[li] += seen < group_base  # not yet in this group: a new id
-                            lanes[li + 1] += seen != bag  # not yet in this bag: a new entry
+                            lanes[li + one] += seen != bag  # not yet in this bag: a new entry
                             stamps[cell] = bag
                         else:
                             h = np.uint64(((r * _HASH_MUL) >> shift) & mask)
@@ -623,7 +691,7 @@ def count_groups(
                             seen = table[h + h + one]
                             fresh = seen < group_base  # an empty slot (or a stale one): r is new
                             lanes[li] += fresh
-                            lanes[li + 1] += seen != bag
+                            lanes[li + one] += seen != bag
                             table[h + h] = r
                             table[h + h + one] = bag
                             held += fresh
