@@ -232,20 +232,27 @@ def test_multi_hot_tables_by_a_bitmap_equal_the_reference(p):
     assert counter.count(values, lengths, batch) == want
 
 
+def _route_calls(monkeypatch, route: str) -> list[int]:
+    """count_groups run uncompiled, each call of its compiled `route` recorded (the group's first
+    feature, its seventh argument): which groups took that route."""
+    from tpurec.embedding import demand_kernels
+
+    calls: list[int] = []
+    kernel = getattr(demand_kernels, route)
+
+    def counted(*args):
+        calls.append(args[6])
+        return kernel(*args)
+
+    monkeypatch.setattr(demand_kernels, route, counted)
+    monkeypatch.setattr(demand_kernels, "count_groups", demand_kernels.count_groups.py_func)
+    return calls
+
+
 def test_dense_multi_hot_groups_take_the_bitmap_and_sparse_ones_the_set(monkeypatch):
     """Which route a group takes (run uncompiled, the bitmap route's calls counted): a group with an
     id per 16 words of its table's rows or more takes the bitmap, a sparser one the set."""
-    from tpurec.embedding import demand_kernels
-
-    calls = []
-    bits = demand_kernels._multi_hot_bits
-
-    def counted(*args):
-        calls.append(args[6])  # (the group's first feature)
-        return bits(*args)
-
-    monkeypatch.setattr(demand_kernels, "_multi_hot_bits", counted)
-    monkeypatch.setattr(demand_kernels, "count_groups", demand_kernels.count_groups.py_func)
+    calls = _route_calls(monkeypatch, "_multi_hot_bits")
     # 64 samples of 4 ids on one slice: 256 ids; 4096 rows are 64 words (dense), 10^6 rows 15,625 (sparse)
     tables = [TableShards("dense", ("fd",), 4096, ((0, 4096),)), TableShards("sparse", ("fs",), 10**6, ((0, 10**6),))]
     monkeypatch.setattr(demand, "STAMP_CELLS_PER_SHARD", 0)  # (small tables are otherwise stamped)
@@ -263,17 +270,7 @@ def test_one_shard_stamped_multi_hot_groups_take_their_own_loop(monkeypatch):
     uncompiled, its calls counted), a stamped row-wise one by count_groups' own loop; both equal the
     reference, on skewed ids (a hot row's stamp read right after its write), and an id outside the
     stamped table is named with the table (negative ids included)."""
-    from tpurec.embedding import demand_kernels
-
-    calls = []
-    stamped = demand_kernels._stamped_group
-
-    def counted(*args):
-        calls.append(args[6])  # (the group's first feature)
-        return stamped(*args)
-
-    monkeypatch.setattr(demand_kernels, "_stamped_group", counted)
-    monkeypatch.setattr(demand_kernels, "count_groups", demand_kernels.count_groups.py_func)
+    calls = _route_calls(monkeypatch, "_stamped_group")
     tables = [
         TableShards("one", ("fo", "fp"), 300, ((0, 300),)),
         TableShards("rw", ("fr",), 600, ((0, 250), (250, 350))),
