@@ -292,3 +292,21 @@ def test_one_shard_stamped_multi_hot_groups_take_their_own_loop(monkeypatch):
         values[at] = bad
         with pytest.raises(ValueError, match=f"table 'one': id {bad} outside its 300 rows"):
             counter.count(values, lengths, 40)
+
+
+def test_the_divider_equals_integer_division_below_2_to_the_27():
+    """`_divider`'s multiply and shift against numpy's floor division, in int64 as the kernels
+    compute it: every partition size kind (1, powers of two and their neighbours, primes, the
+    largest), rows at and around each multiple of the size and the last row below 2^27."""
+    from tpurec.embedding.demand_kernels import ROW_BITS, _divider
+
+    top = 1 << ROW_BITS
+    gen = np.random.default_rng(7)
+    sizes = [1, 2, 3, 7, 8, 9, 1000, 2_500_000, 10_000_019, (1 << 26) - 1, 1 << 26, (1 << 26) + 1, top - 1, top]
+    sizes += gen.integers(1, top, 40).tolist()
+    for d in sizes:
+        m, s = _divider(d)
+        k = np.arange(0, top // d + 1, max(1, top // d // 4096), dtype=np.int64)
+        r = np.concatenate([k * d - 1, k * d, k * d + 1, gen.integers(0, top, 4096), [top - 1]]).astype(np.int64)
+        r = r[(r >= 0) & (r < top)]
+        assert np.array_equal((r * np.int64(m)) >> np.int64(s), r // d), d

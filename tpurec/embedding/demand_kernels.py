@@ -12,7 +12,8 @@ bags are walked, and a set the size of one group is all the memory the count nee
   stepped to the last shard starting at or before the row), its
   row in the shard, and its partition, row div C (C = padded rows / P), taken as a multiply by a
   float reciprocal corrected by one step (exact for rows below 2^52; an int64 division costs several
-  times the rest of the id's work).
+  times the rest of the id's work), or in the bitmap and stamped loops (tables below 2^27 rows) as
+  an integer multiply and shift (`_divider`: a sixth less time an id there than the float's).
 * A **stamped** shard (its padded rows fit a small array) keeps, per row, the last bag that touched
   it: an id is a new distinct id of its segment when its stamp predates this group, and a new entry
   when its stamp is not this bag (repeats in one bag merge). One array per shard serves every slice.
@@ -77,7 +78,8 @@ FLAG_CELLS = 1 << 16  # the marks' bytes (a quarter of a core's L2 here)
 # (2 MiB: a core's L2 here), and any group whose table holds at most BITS_WORDS_PER_ID words of rows
 # per id of the group (`_multi_hot_bits` for multi-hot ones); sparser groups, their bits scattered
 # over more cache lines than their ids, go through a set
-BITMAP_ROWS = 1 << 27
+ROW_BITS = 27
+BITMAP_ROWS = 1 << ROW_BITS
 SPARSE_BITS_ROWS = 1 << 24
 BITS_WORDS_PER_ID = 16
 # `_multi_hot_bits`' slots per id of a table's longest bag (collisions then take 1-3% of ids), and the
@@ -117,6 +119,19 @@ def _pointer_typing(typingctx: object, address: types.Integer) -> tuple:
 
 
 _pointer: Any = intrinsic(_pointer_typing)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _divider(d: int) -> tuple[int, int]:
+    """(m, s) with (r * m) >> s == r // d for every 0 <= r < 2^ROW_BITS (Granlund and Montgomery,
+    "Division by invariant integers using multiplication", PLDI 1994, theorem 4.2: m * d lies in
+    (2^s, 2^s + 2^l] for l = ceil(log2 d)); r * m stays below 2^55: one multiply and a shift an id,
+    where the float reciprocal takes two conversions, a multiply and a correction."""
+    lg = 0
+    while (1 << lg) < d:
+        lg += 1
+    s = ROW_BITS + lg
+    return (1 << s) // d + 1, s
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -358,7 +373,7 @@ def _multi_hot_bits(
     then (a branch on the slot's bag alone, taken at every repeat in a bag, cost MLPerf DCNv2's
     pooling-100 table a sixth of its time). A row-wise table whose shards are P whole partitions each
     (`uniform`) takes an id's segment as a one-shard table does, its row div the partition size by a
-    float reciprocal (shard k holds the table's partitions kP on), not by its block's ranges. Counts
+    multiply (_divider; shard k holds the table's partitions kP on), not by its block's ranges. Counts
     into `lanes` as count_groups does; the bits set are cleared before returning. Returns 0 for an
     id outside the table (its value in bad_id[0]), or -1."""
     bmask = (bagset.shape[0] >> 1) - 1
@@ -366,7 +381,7 @@ def _multi_hot_bits(
     while (1 << (64 - bshift)) <= bmask:
         bshift -= 1
     one = np.uint64(1)
-    chunk_inv = 1.0 / chunk
+    div_m, div_s = _divider(chunk)
     urows = np.uint64(rows)
     n = 0
     bad = -1
@@ -388,14 +403,10 @@ def _multi_hot_bits(
                     bad_id[0] = r
                     bad = 0
                     break
-                if single or uniform:  # the partition by a float reciprocal, off by one at most: the
-                    # table's partition (shards of P whole partitions each: shard k holds k * P on),
-                    # which is the segment's place in `lanes`, (shard - s0) * P + partition
-                    seg = np.int64(r * chunk_inv)
-                    if seg * chunk > r:
-                        seg -= 1
-                    elif (seg + 1) * chunk <= r:
-                        seg += 1
+                if single or uniform:  # the table's partition, row div the partition size (_divider;
+                    # shards of P whole partitions each: shard k holds k * P on), which is the
+                    # segment's place in `lanes`, (shard - s0) * P + partition
+                    seg = (r * div_m) >> div_s
                 else:  # row-wise: as count_groups
                     g = block_seg[first_block + (r >> block_shift)]
                     g += seg_row[g + 1] <= r
@@ -469,9 +480,9 @@ def _stamped_group(
     bad_id: np.ndarray,
 ) -> int:
     """One group of a one-shard stamped table (count_groups' stamps, its loop with nothing else in
-    it): per id one stamp read and written, the partition by a float reciprocal. Counts into `lanes`
+    it): per id one stamp read and written, the partition by a multiply (_divider). Counts into `lanes`
     as count_groups does. Returns 0 for an id outside the table (its value in bad_id[0]), or -1."""
-    chunk_inv = 1.0 / chunk
+    div_m, div_s = _divider(chunk)
     urows = np.uint64(rows)
     one = np.uint64(1)
     for j in range(j0, j1):
@@ -484,11 +495,7 @@ def _stamped_group(
                 if np.uint64(r) >= urows:  # (unsigned: a negative id is past every row)
                     bad_id[0] = r
                     return 0
-                part = np.int64(r * chunk_inv)  # off by one at most
-                if part * chunk > r:
-                    part -= 1
-                elif (part + 1) * chunk <= r:
-                    part += 1
+                part = (r * div_m) >> div_s
                 li = np.uint64(2 * (part * LANES + (pos & (LANES - 1))))
                 cell = np.uint64(at + r)
                 seen = stamps[cell]
