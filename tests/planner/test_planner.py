@@ -334,6 +334,7 @@ def test_critical_device_proposer_finds_the_slowest_device_of_a_cached_plan(monk
         for s in o.shards:
             s.rank = None
     p.feedback(partitionable=True, plan=cached, perf_rating=4.0, storage_constraint=object())
+    assert all(s.rank is None for o in cached for s in o.shards)  # a copy placed: the planner's cache as it was
     assert [len(o.shards) for o in p.propose()] == [1, 2, 1]  # b spread, a left table-wise
 
 

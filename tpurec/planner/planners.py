@@ -301,6 +301,18 @@ def _storage(shard: Shard) -> Storage:
     return shard.storage
 
 
+def _placeable_copy(plan: List[ShardingOption]) -> List[ShardingOption]:
+    """A copy of `plan` the partitioner may place: each option and shard copied, their contents
+    shared (the partitioner only assigns shard ranks). copy.deepcopy of MLPerf DCNv2's options on
+    v5p-128 (128 shards a row-wise table) took 0.26 s of `tpurec plan`'s 5."""
+    out = []
+    for option in plan:
+        placed = copy.copy(option)
+        placed.shards = [copy.copy(s) for s in option.shards]
+        out.append(placed)
+    return out
+
+
 class CriticalDeviceProposer(Proposer):
     """Spreads, one table at a time, whatever sits on the device that sets the step time.
 
@@ -364,7 +376,7 @@ class CriticalDeviceProposer(Proposer):
             # A proposal the planner had partitioned before (for torchrec's proposers or for this one)
             # comes back from its cache with the shard ranks it cleared since (planners.py,
             # reset_shard_rank): partition a copy again, as the planner did, to find the slowest device.
-            plan = GreedyPerfPartitioner().partition(copy.deepcopy(plan), storage_constraint)
+            plan = GreedyPerfPartitioner().partition(_placeable_copy(plan), storage_constraint)
         load: Dict[int, float] = {}
         on_rank: Dict[int, Dict[str, float]] = {}
         for o in plan:
