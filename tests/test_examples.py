@@ -90,6 +90,7 @@ def test_sequential_recommender_learns_most_of_what_the_data_allows(tmp_path):
     assert 0.7 < r["auc"] <= r["bayes_auc"] + 0.01
 
 
+@pytest.mark.slow  # 15 s: the default suite's torchrun path is test_quickstart_under_torchrun_at_two_ranks
 @pytest.mark.multiprocess
 def test_sequential_recommender_under_torchrun_at_two_ranks(tmp_path):
     r = _sequential([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"], tmp_path)
