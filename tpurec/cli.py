@@ -59,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     propagates with its traceback."""
     from tpurec.errors import EXIT_USER_ERROR, UserError
     from tpurec.runtime import interrupts
+    from tpurec.runtime.gc_tuning import collect_less
+
+    collect_less()  # before a command imports torch
 
     args = None
     with interrupts.handled():

@@ -326,7 +326,7 @@ def test_critical_device_proposer_finds_the_slowest_device_of_a_cached_plan(monk
                     s.rank = placed[o.fqn]
             return proposal
 
-    monkeypatch.setattr(P, "GreedyPerfPartitioner", Partitioner)
+    monkeypatch.setattr(P, "TpuPartitioner", Partitioner)
     p = P.CriticalDeviceProposer()
     p.load(a + b + c)
     cached = copy.deepcopy(p.propose())

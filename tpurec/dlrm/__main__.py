@@ -15,8 +15,12 @@ import os
 import sys
 from typing import NoReturn
 
-from tpurec.dlrm.cli import run_worker
-from tpurec.dlrm.options import OPTIONS_ENV, TrainOptions
+from tpurec.runtime.gc_tuning import collect_less
+
+collect_less()  # before the imports below bring in torch and TorchRec
+
+from tpurec.dlrm.cli import run_worker  # noqa: E402
+from tpurec.dlrm.options import OPTIONS_ENV, TrainOptions  # noqa: E402
 
 
 def parse_options(argv: list[str]) -> TrainOptions:

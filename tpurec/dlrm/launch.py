@@ -73,6 +73,9 @@ def _stop_once() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tpurec.runtime.gc_tuning import collect_less
+
+    collect_less()  # before torch loads
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run

@@ -22,7 +22,6 @@ from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCol
 from torchrec.distributed.mc_modules import ManagedCollisionCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
-from torchrec.distributed.planner.partitioners import GreedyPerfPartitioner
 from torchrec.distributed.planner.proposers import GreedyProposer, GridSearchProposer, UniformProposer
 from torchrec.distributed.planner.types import (
     Enumerator,
@@ -51,8 +50,10 @@ from tpurec.planner.estimators import (
     table_elem_bytes,
 )
 from tpurec.planner.kernel_choice import COMPUTE_KERNEL, EC_SHARDING_TYPES, SHARDING_TYPES, sharding_types_for
+from tpurec.planner.partitioner import TpuPartitioner
 from tpurec.planner.plan_bounds import tables_problem
 from tpurec.planner.plan_check import place_on_own_device
+from tpurec.planner.planned_shard import planned_shards
 from tpurec.planner.proposal_budget import (
     DEFAULT_SHARD_BUDGET,
     NO_FIT_FACTOR,
@@ -195,6 +196,7 @@ class TpuEnumerator(EmbeddingEnumerator):
                 f"no sharding option the SparseCore kernel can run for table(s) {lost}: it needs compute kernel "
                 f"{COMPUTE_KERNEL!r} and one of {SHARDING_TYPES}; check the sharders and ParameterConstraints"
             )
+        planned_shards(kept)  # cheaper for the planner to copy and hash
         return kept
 
     def _get_num_buckets(self, parameter: str, module: nn.Module) -> int | None:
@@ -376,7 +378,7 @@ class CriticalDeviceProposer(Proposer):
             # A proposal the planner had partitioned before (for torchrec's proposers or for this one)
             # comes back from its cache with the shard ranks it cleared since (planners.py,
             # reset_shard_rank): partition a copy again, as the planner did, to find the slowest device.
-            plan = GreedyPerfPartitioner().partition(_placeable_copy(plan), storage_constraint)
+            plan = TpuPartitioner().partition(_placeable_copy(plan), storage_constraint)
         load: Dict[int, float] = {}
         on_rank: Dict[int, Dict[str, float]] = {}
         for o in plan:
@@ -430,6 +432,7 @@ def make_planner(
             topology=topology, batch_size=batch_size, constraints=constraints, estimator=estimators
         ),
         storage_reservation=storage_reservation or TpuStorageReservation(),
+        partitioner=TpuPartitioner(),  # TorchRec's greedy placement, its uniform step in one pass
         # torchrec's default proposers, then ours (see CriticalDeviceProposer), each within a work
         # budget once a plan fits (proposal_budget.py: planning time about linear in tables x devices)
         proposer=budgeted(
