@@ -9,6 +9,12 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 import pytest  # noqa: E402
 
+from tpurec.runtime.gc_tuning import collect_less  # noqa: E402
+
+# As the `tpurec` command does: the test process imports torch, TorchRec, numba and jax, and full
+# collections over those objects took 3% of tests/embedding's time (2.2 of 68 s; 0.45 s after this).
+collect_less()
+
 REPO = Path(__file__).resolve().parents[1]
 # The real Criteo fixture sits in ../shared/data beside the clone (CI copies shared/ there too).
 CRITEO_SAMPLE = REPO.parent / "shared" / "data" / "criteo_sample.csv"
