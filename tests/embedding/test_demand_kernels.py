@@ -230,6 +230,14 @@ def test_multi_hot_tables_by_a_bitmap_equal_the_reference(p):
     lengths[first] += 3000
     want = [reference(t, keys, values, lengths, batch, p, batch) for t in tables]
     assert counter.count(values, lengths, batch) == want
+    # an id outside its table, in either of the route's loops (the shard by division, or by the ranges)
+    for name, feature, bad in (("even", "fe", 4 * p * chunk), ("uneven", "fu", -3)):
+        values, lengths = _multi_hot_batch(gen, keys, rows, edges, batch, "random")
+        at = int(lengths[: keys.index(feature) * batch].sum()) + 5
+        values[at] = bad
+        with pytest.raises(ValueError, match=f"table '{name}': id {bad} outside its {rows[feature]} rows"):
+            counter.count(values, lengths, batch)
+        assert not counter._bitmap.any()
 
 
 def _route_calls(monkeypatch, route: str) -> list[int]:

@@ -332,6 +332,49 @@ def _one_hot_group(
     return -1
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _bag_id(
+    r: int,
+    seg: int,
+    pos: int,
+    start: int,
+    values: np.ndarray,
+    bitmap: np.ndarray,
+    bagset: np.ndarray,
+    lanes: np.ndarray,
+    bag: int,
+    bshift: int,
+    bmask: int,
+) -> None:
+    """_multi_hot_bits' work on one id of row `r` in segment `seg`, at `pos` of a bag that starts at
+    `start`: a new distinct id when its row's bit was clear, a new entry unless the row is already
+    in the bag."""
+    one = np.uint64(1)
+    li = np.uint64(2 * (seg * LANES + (pos & (LANES - 1))))  # (unsigned: no index checks)
+    word = np.uint64(r >> 6)
+    bit = np.int64(1) << (r & 63)
+    old = bitmap[word]
+    bitmap[word] = old | bit
+    lanes[li] += (old & bit) == 0
+    # a new entry unless the row's slot holds it for this bag; a slot this bag filled with
+    # another row (a collision, rare with BAG_SLOTS_PER_ID) is settled by the bag's ids
+    h = np.uint64(((r * _HASH_MUL) >> bshift) & bmask)
+    held_by = bagset[h + h + one]
+    # zero only when the slot is this bag's and holds another row (a collision): one
+    # rare branch (a test of `held` alone would be taken on every repeat in a bag)
+    if ((held_by ^ bag) | np.int64(bagset[h + h] == r)) == 0:
+        new = 1
+        for i in range(np.uint64(start), np.uint64(pos)):
+            if values[i] == r:
+                new = 0
+                break
+        lanes[li + one] += new
+    else:
+        lanes[li + one] += held_by != bag
+    bagset[h + h] = r
+    bagset[h + h + one] = bag
+
+
 @numba.njit(cache=True, nogil=True)
 def _multi_hot_bits(
     key_at: np.ndarray,
@@ -380,67 +423,64 @@ def _multi_hot_bits(
     bshift = 64
     while (1 << (64 - bshift)) <= bmask:
         bshift -= 1
-    one = np.uint64(1)
     div_m, div_s = _divider(chunk)
     urows = np.uint64(rows)
     n = 0
     bad = -1
     # a set beyond the core's cache: each id's bitmap word fetched AHEAD ids early (a fifth less time)
     ahead_of_bits = rows >= 64 * PREFETCH_SLOTS
+    # Two copies of the loop, one per way of finding an id's segment: in one loop, the row-wise way's
+    # arrays kept the divided way short of registers (a dozen stack loads and stores per id).
     for j in range(j0, j1):
         f = features[j]
         values = _key(key_at, key_sum, f)
         last_ahead = values.shape[0] - AHEAD if ahead_of_bits else 0
         pos = slice_start[f, sl]
-        for b in range(b0, b1):
-            length = lengths[f * stride + b]
-            start = pos
-            for _ in range(length):
-                if pos < last_ahead:
-                    _prefetch(bitmap, np.uint64(values[np.uint64(pos + AHEAD)] >> 6))
-                r = np.int64(values[np.uint64(pos)])
-                if np.uint64(r) >= urows:  # (unsigned: a negative id is past every row)
-                    bad_id[0] = r
-                    bad = 0
-                    break
-                if single or uniform:  # the table's partition, row div the partition size (_divider;
-                    # shards of P whole partitions each: shard k holds k * P on), which is the
-                    # segment's place in `lanes`, (shard - s0) * P + partition
+        if single or uniform:
+            for b in range(b0, b1):
+                length = lengths[f * stride + b]
+                start = pos
+                for _ in range(length):
+                    if pos < last_ahead:
+                        _prefetch(bitmap, np.uint64(values[np.uint64(pos + AHEAD)] >> 6))
+                    r = np.int64(values[np.uint64(pos)])
+                    if np.uint64(r) >= urows:  # (unsigned: a negative id is past every row)
+                        bad_id[0] = r
+                        bad = 0
+                        break
+                    # the table's partition, row div the partition size (_divider; shards of P whole
+                    # partitions each: shard k holds k * P on), which is the segment's place in
+                    # `lanes`, (shard - s0) * P + partition
                     seg = (r * div_m) >> div_s
-                else:  # row-wise: as count_groups
-                    g = block_seg[first_block + (r >> block_shift)]
+                    _bag_id(r, seg, pos, start, values, bitmap, bagset, lanes, bag, bshift, bmask)
+                    pos += 1
+                if bad >= 0:
+                    break
+                bag += 1
+                n += length
+        else:
+            for b in range(b0, b1):
+                length = lengths[f * stride + b]
+                start = pos
+                for _ in range(length):
+                    if pos < last_ahead:
+                        _prefetch(bitmap, np.uint64(values[np.uint64(pos + AHEAD)] >> 6))
+                    r = np.int64(values[np.uint64(pos)])
+                    if np.uint64(r) >= urows:
+                        bad_id[0] = r
+                        bad = 0
+                        break
+                    g = block_seg[first_block + (r >> block_shift)]  # row-wise: as count_groups
                     g += seg_row[g + 1] <= r
                     while seg_row[g + 1] <= r:
                         g += 1
                     seg = (seg_shard[g] - s0) * p + seg_part[g]
-                li = np.uint64(2 * (seg * LANES + (pos & (LANES - 1))))  # (unsigned: no index checks)
-                word = np.uint64(r >> 6)
-                bit = np.int64(1) << (r & 63)
-                old = bitmap[word]
-                bitmap[word] = old | bit
-                lanes[li] += (old & bit) == 0
-                # a new entry unless the row's slot holds it for this bag; a slot this bag filled with
-                # another row (a collision, rare with BAG_SLOTS_PER_ID) is settled by the bag's ids
-                h = np.uint64(((r * _HASH_MUL) >> bshift) & bmask)
-                held_by = bagset[h + h + one]
-                # zero only when the slot is this bag's and holds another row (a collision): one
-                # rare branch (a test of `held` alone would be taken on every repeat in a bag)
-                if ((held_by ^ bag) | np.int64(bagset[h + h] == r)) == 0:
-                    new = 1
-                    for i in range(np.uint64(start), np.uint64(pos)):
-                        if values[i] == r:
-                            new = 0
-                            break
-                    lanes[li + one] += new
-                else:
-                    lanes[li + one] += held_by != bag
-                bagset[h + h] = r
-                bagset[h + h + one] = bag
-                pos += 1
-            if bad >= 0:
-                break
-            bag += 1
-            n += length
+                    _bag_id(r, seg, pos, start, values, bitmap, bagset, lanes, bag, bshift, bmask)
+                    pos += 1
+                if bad >= 0:
+                    break
+                bag += 1
+                n += length
         if bad >= 0:
             break
     words = (rows + 63) >> 6
