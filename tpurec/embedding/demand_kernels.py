@@ -334,8 +334,8 @@ def _one_hot_group(
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _bag_id(
-    r: int,
-    seg: int,
+    r: int | np.integer,
+    seg: int | np.integer,
     pos: int,
     start: int,
     values: np.ndarray,
