@@ -152,7 +152,7 @@ class DemandTally:
 
         * A ParquetReader of multi-hot data, threads >= 2: one pool of `threads` threads decodes its
           windows (two ahead) and counts its batches, task by task, the caller only handing them
-          over. Counting a multi-hot batch costs nearly what decoding it does (MLPerf DCNv2: ~4.5
+          over. Counting a multi-hot batch costs nearly what decoding it does (MLPerf DCNv2: ~4.1
           and ~5.3 ns an id), so neither a decoding thread nor a counting one may sit idle waiting
           for the other: 10-15% less wall time than the split below (`tpurec bench stats`, 2 cores).
         * Otherwise two of the threads are the reader's (ParquetReader decodes on a thread of its
