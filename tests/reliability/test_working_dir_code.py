@@ -297,3 +297,140 @@ def test_bench_plan_calibrate(work, tmp_path):
     argv = ["bench", "plan", "--calibrate", "--steps", 8, "--block", 4, "--paired-steps", 8, "--warmup", 1]
     p = _tpurec(*argv, "--rounds", 1, "--json", cwd=work, env=_env(TPUREC_CACHE=str(tmp_path / "cache")))
     _assert_clean(work, p)
+
+
+# ----- --model-module: the user's module is imported without the working directory first (#61) ---
+
+# What tpurec imports after the user's module (yaml: train's options; matplotlib: plan --format png;
+# pyarrow/pandas: the data commands; tensorboard, tqdm): each a hostile stand-in in the working directory.
+LATER = ("yaml", "matplotlib", "pyarrow", "pandas", "tensorboard", "tqdm")
+
+
+def test_loading_a_model_module_leaves_sys_path_as_it_was(tmp_path, monkeypatch):
+    """A file path puts nothing on sys.path; a dotted name finds its package in the working directory
+    for that one import (appended, so it shadows nothing) and leaves no trace."""
+    from tpurec.planner import model_module
+
+    (tmp_path / "tpurec_probe_beside.py").write_text("X = 1\n")  # only the working directory holds it
+    (tmp_path / "tpurec_probe_pkg").mkdir()
+    (tmp_path / "tpurec_probe_pkg" / "__init__.py").write_text("")
+    (tmp_path / "tpurec_probe_pkg" / "m.py").write_text("import json\nJSON = json.__file__\ndef build(): return 1\n")
+    (tmp_path / "tpurec_probe_file.py").write_text("import json\nJSON = json.__file__\ndef build(): return 1\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if os.path.abspath(p or ".") != str(tmp_path)])
+    before = list(sys.path)
+    assert model_module.parse_target("tpurec_probe_pkg.m:build") == ("tpurec_probe_pkg.m", "build")
+    assert sys.path == before
+    by_name = model_module._import("tpurec_probe_pkg.m")
+    assert sys.path == before and by_name.JSON == json.__file__
+    by_path = model_module._import("./tpurec_probe_file.py")
+    assert sys.path == before and by_path.JSON == json.__file__
+    import importlib.util
+
+    assert importlib.util.find_spec("tpurec_probe_beside") is None  # the working directory is not searched
+
+
+def _hostile_later(work: Path) -> None:
+    marker = work.parent / "hostile-ran.txt"
+    for name in LATER:
+        (work / f"{name}.py").write_text(
+            "import os, sys\n"
+            f"with open({str(marker)!r}, 'a') as f:\n"
+            f"    f.write({name!r} + ' imported by ' + ' '.join(sys.orig_argv) + '\\n')\n"
+            "os._exit(97)\n"
+        )
+
+
+@pytest.fixture
+def model_work(work):
+    """The hostile working directory holding the user's model, as a file and as a package."""
+    _hostile_later(work)
+    model = (REPO / "examples" / "my_model.py").read_text()
+    (work / "my_model.py").write_text(model)
+    (work / "my_models").mkdir()
+    (work / "my_models" / "__init__.py").write_text("")
+    (work / "my_models" / "ranker.py").write_text(model)
+    return work
+
+
+def test_plan_png_of_a_model_file(model_work, tmp_path):
+    out = tmp_path / "plan.png"
+    p = _tpurec(
+        "plan",
+        "--model-module",
+        "./my_model.py:build",
+        "--topology",
+        "v5p-8",
+        "--format",
+        "png",
+        "--out",
+        out,
+        cwd=model_work,
+    )
+    _assert_clean(model_work, p)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_data_synth_stats_and_train_of_a_model_package(model_work, tmp_path):
+    """data synth, data stats and one-process train, the model given by its dotted name."""
+    data, target = tmp_path / "data", "my_models.ranker:build"
+    env = _env(TPUREC_CACHE=str(tmp_path / "cache"))
+    p = _tpurec(
+        "data", "synth", "--model-module", target, "--rows", 2000, "--out", data, "--quiet", cwd=model_work, env=env
+    )
+    _assert_clean(model_work, p)
+    stats = [
+        "data",
+        "stats",
+        "--model-module",
+        target,
+        data,
+        "--topology",
+        "v5p-8",
+        "--out",
+        tmp_path / "l.json",
+    ]
+    p = _tpurec(*stats, cwd=model_work, env=env)
+    _assert_clean(model_work, p)
+    argv = ["train", "--model-module", target, "--data", data, "--steps", 2, "--batch-size", 256, "--eval-every", 0]
+    p = _tpurec(*argv, "--keep", 0, "--curves-out", "none", "--quiet", cwd=model_work, env=env)
+    _assert_clean(model_work, p)
+    assert json.loads(p.stdout.splitlines()[-1])["steps"] == 2
+
+
+@pytest.mark.slow  # 13 s; the default suite covers the ranks' path by test_train_nproc_2
+@pytest.mark.multiprocess
+def test_train_nproc_2_of_a_model_file(model_work, tmp_path):
+    data = tmp_path / "data"
+    env = _env(TPUREC_CACHE=str(tmp_path / "cache"))
+    p = _tpurec(
+        "data",
+        "synth",
+        "--model-module",
+        "./my_model.py:build",
+        "--rows",
+        2000,
+        "--out",
+        data,
+        "--quiet",
+        cwd=model_work,
+        env=env,
+    )
+    _assert_clean(model_work, p)
+    argv = ["train", "--model-module", "./my_model.py:build", "--data", data, "--nproc", 2, "--steps", 2]
+    p = _tpurec(
+        *argv,
+        "--batch-size",
+        256,
+        "--eval-every",
+        0,
+        "--keep",
+        0,
+        "--curves-out",
+        "none",
+        "--quiet",
+        cwd=model_work,
+        env=env,
+    )
+    _assert_clean(model_work, p)
+    assert json.loads(p.stdout.splitlines()[-1])["steps"] == 2

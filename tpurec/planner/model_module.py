@@ -9,11 +9,12 @@ is then planned by `planner.plan`, the function DMP calls, with the same optimiz
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -37,9 +38,9 @@ def parse_target(target: str) -> tuple[str, str]:
         if not os.path.isfile(module_name):
             raise UserError(f"--model-module {target!r}: no file {module_name!r}")
         return module_name, fn_name
-    _cwd_on_path()
     try:
-        found = importlib.util.find_spec(module_name) is not None
+        with _on_path_for_now(os.getcwd()):
+            found = importlib.util.find_spec(module_name) is not None
     except (ImportError, ValueError):  # a parent package missing, or a relative name
         found = False
     if not found:
@@ -55,15 +56,32 @@ def _is_path(module_name: str) -> bool:
     return module_name.endswith(".py") or "/" in module_name or os.sep in module_name
 
 
-def _cwd_on_path() -> None:
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())  # as `python -m` would: the user's package beside them
+@contextlib.contextmanager
+def _on_path_for_now(directory: str) -> Iterator[None]:
+    """`directory` at the END of sys.path while the user's module imports, then gone again.
+
+    The user's package is found there (as `python -m` would find it), but it never shadows an
+    installed or standard module: a `yaml.py` or `matplotlib.py` left in the working directory must
+    not run in place of the real one, now or when tpurec imports it later (#61)."""
+    directory = os.path.abspath(directory)
+    present = any(os.path.abspath(p or os.curdir) == directory for p in sys.path)
+    if not present:
+        sys.path.append(directory)
+    try:
+        yield
+    finally:
+        if not present and directory in sys.path:
+            sys.path.remove(directory)
+        importlib.invalidate_caches()
 
 
 def _import(module_name: str) -> ModuleType:
-    """The module of a dotted name, or of a file's path (imported under its file's stem)."""
+    """The module of a dotted name (found with the working directory appended to sys.path, for this
+    import only), or of a file's path (imported under its file's stem; sys.path untouched: the file
+    is found by its path, and its own imports come from PYTHONPATH and the installed packages)."""
     if not _is_path(module_name):
-        return importlib.import_module(module_name)
+        with _on_path_for_now(os.getcwd()):
+            return importlib.import_module(module_name)
     name = os.path.splitext(os.path.basename(module_name))[0]
     spec = importlib.util.spec_from_file_location(name, module_name)
     if spec is None or spec.loader is None:
@@ -99,7 +117,6 @@ def _user_code_failed(target: str, what: str, error: Exception) -> UserError:
 def load_model(target: str) -> tuple[nn.Module, dict[str, ParameterConstraints] | None]:
     """(model, constraints or None) from 'pkg.mod:fn'; a UserError naming what is wrong otherwise."""
     module_name, fn_name = parse_target(target)
-    _cwd_on_path()
     try:
         module = _import(module_name)
     except ImportError as e:
