@@ -31,7 +31,7 @@ def test_real_dcp_metadata_is_accepted(tmp_path):
     sd = {"w": torch.randn(3, 4), "h": torch.zeros(2, dtype=torch.float16), "n": {"step": 3, "name": "x"}}
     with pytest.warns(UserWarning):  # DCP: no process group, one process assumed
         dcp.save(sd, checkpoint_id=str(tmp_path), no_dist=True)
-    check_metadata(tmp_path)
+    assert set(check_metadata(tmp_path).state_dict_metadata) == {"w", "h", "n.step", "n.name"}
 
 
 class _RunsCode:
@@ -115,3 +115,86 @@ def test_train_state_is_json_and_an_old_pickle_is_never_read(tmp_path):
     write_checksums(step)
     meta, loaded = ckpt.load(step, Empty(), Empty())
     assert meta["step"] == 10 and loaded == json.loads(json.dumps(state))
+
+
+class _Holder:
+    """A model or optimizer as `ckpt.load` sees one: a state dict of tensors, loaded in place."""
+
+    def __init__(self, state: dict) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return self.state
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.state = sd
+
+
+def _checkpoint_with_a_planted_pickle(root, marker, key="optim.state.t0.momentum"):
+    """A real tpurec-shaped checkpoint whose entry `key` an attacker re-declared as bytes holding a
+    pickle appended to the shard, CHECKSUMS.json re-sealed: all anyone who can write the directory
+    can do. The optimizer's param_groups hold a plain number, stored as bytes as DCP stores them."""
+    import io
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    step = root / "step-00000010"
+    step.mkdir()
+    model = {"w": torch.ones(4, 2)}
+    optim = {"state": {"t0.momentum": torch.zeros(4)}, "param_groups": [{"lr": 0.5}]}
+    with pytest.warns(UserWarning):
+        dcp.save({"model": model, "optim": optim}, checkpoint_id=str(step), no_dist=True)
+    (step / ckpt.MARKER).write_text("step 10\n")
+    (step / "meta.json").write_text(json.dumps(checkpoint_meta(10)))
+    ckpt.train_state_file(step, 0).write_text(json.dumps(train_state(10)))
+    metadata = pickle.loads((step / ".metadata").read_bytes())
+    info = next(v for k, v in metadata.storage_data.items() if k.fqn.startswith("model."))
+    shard = step / info.relative_path
+    payload = io.BytesIO()
+    torch.save(_RunsCode(marker), payload)
+    offset = shard.stat().st_size
+    with shard.open("ab") as f:
+        f.write(payload.getvalue())
+    metadata.storage_data = {k: v for k, v in metadata.storage_data.items() if k.fqn != key}
+    metadata.storage_data[MetadataIndex(key)] = type(info)(info.relative_path, offset, len(payload.getvalue()))
+    metadata.state_dict_metadata[key] = BytesStorageMetadata()
+    (step / ".metadata").write_bytes(pickle.dumps(metadata))
+    write_checksums(step)
+    return step, model, optim
+
+
+def _fresh(model, optim):
+    zeros = {"state": {"t0.momentum": torch.full((4,), 7.0)}, "param_groups": [{"lr": 0.0}]}
+    return _Holder({"w": torch.zeros(4, 2)}), _Holder(zeros if optim else {})
+
+
+def test_resume_never_unpickles_a_bytes_entry_planted_in_the_optimizer_state(tmp_path):
+    """The optimizer's tensor re-declared as bytes: refused before DCP reads a byte."""
+    marker = tmp_path / "ran"
+    step, model, optim = _checkpoint_with_a_planted_pickle(tmp_path, marker)
+    fresh_model, fresh_optim = _fresh(model, optim)
+    with pytest.raises(UnsafeCheckpointError, match=r"entry 'optim\.state\.t0\.momentum' is stored as BytesStorage"):
+        ckpt.load(step, fresh_model, fresh_optim)
+    assert not marker.exists()
+    assert torch.equal(fresh_model.state["w"], torch.zeros(4, 2))  # nothing loaded
+
+
+def test_a_pickle_planted_where_dcp_stores_bytes_is_refused_by_the_safe_reader(tmp_path):
+    """param_groups' number is bytes in any DCP checkpoint of a torch optimizer: its planted pickle
+    reaches the reader, which unpickles plain values only."""
+    marker = tmp_path / "ran"
+    step, model, optim = _checkpoint_with_a_planted_pickle(tmp_path, marker, key="optim.param_groups.0.lr")
+    with pytest.raises(UnsafeCheckpointError, match=r"entry 'optim\.param_groups\.0\.lr' holds a pickle of something"):
+        ckpt.load(step, *_fresh(model, optim))
+    assert not marker.exists()
+
+
+def test_a_checkpoint_with_plain_values_as_bytes_loads(tmp_path):
+    """What DCP stores as bytes legitimately (a torch optimizer's param_groups) still loads."""
+    step, model, optim = _checkpoint_with_a_planted_pickle(tmp_path, tmp_path / "ran", key="none")
+    fresh_model, fresh_optim = _fresh(model, optim)
+    ckpt.load(step, fresh_model, fresh_optim)
+    assert torch.equal(fresh_model.state["w"], torch.ones(4, 2))
+    assert fresh_optim.state["param_groups"] == [{"lr": 0.5}]
+    assert torch.equal(fresh_optim.state["state"]["t0.momentum"], torch.zeros(4))

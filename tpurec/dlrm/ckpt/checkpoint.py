@@ -364,7 +364,7 @@ def load(
     `verify(path)` (hashing a large checkpoint twice costs minutes)."""
     import torch.distributed.checkpoint as dcp
 
-    from tpurec.dlrm.ckpt.dcp_guard import check_metadata
+    from tpurec.dlrm.ckpt.dcp_guard import UnsafeCheckpointError, check_entries, check_metadata, safe_load_planner
     from tpurec.dlrm.ckpt.meta import CheckpointMetaError, check_train_state, read_meta
     from tpurec.dlrm.ckpt.shapes import model_mismatch
 
@@ -391,15 +391,23 @@ def load(
             raise CorruptCheckpointError(str(e)) from None
     # Every check before DCP writes into the model: a refused checkpoint leaves it untouched.
     sd = {"model": dmp.state_dict(), "optim": optimizer.state_dict()}
+    check_entries(metadata, sd, path)  # a tensor stored as bytes would be unpickled by DCP
     mismatch = model_mismatch(metadata, sd["model"])
     if mismatch:
         raise CheckpointMismatchError(f"checkpoint {path} {mismatch}")
-    if storage.is_uri(path):
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+    try:
+        if storage.is_uri(path):
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-        dcp.load(sd, storage_reader=FsspecReader(str(path), **storage.fsspec_options(path)))
-    else:
-        dcp.load(sd, checkpoint_id=str(path))
+            reader = FsspecReader(str(path), **storage.fsspec_options(path))
+            dcp.load(sd, storage_reader=reader, planner=safe_load_planner())
+        else:
+            dcp.load(sd, checkpoint_id=str(path), planner=safe_load_planner())
+    except BaseException as e:  # DCP wraps each rank's error in a CheckpointException
+        unsafe = _behind(e, UnsafeCheckpointError)
+        if unsafe is not None:
+            raise UnsafeCheckpointError(f"{path}: {unsafe}") from None
+        raise
     dmp.load_state_dict(sd["model"])
     optimizer.load_state_dict(sd["optim"])
     return meta | {"path": str(path)}, train_state
