@@ -112,8 +112,6 @@ def check_entries(metadata: Any, state: dict[str, Any], checkpoint_dir: str | os
 def safe_load_planner() -> Any:
     """A DCP load planner that reads bytes entries with `torch.load(weights_only=True)` (DCP's own
     uses weights_only=False: any pickle); a pickle naming anything else is refused by torch."""
-    import io
-
     import torch
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.planner import ReadItem
