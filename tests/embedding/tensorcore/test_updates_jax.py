@@ -1,0 +1,110 @@
+"""The JAX row gradients and fused updates against the CPU reference ops: every optimizer over three
+successive steps that carry their table and state, float32 and BF16 tables."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+pytest.importorskip("jax")
+
+from tpurec.embedding import ops  # noqa: E402
+from tpurec.embedding import reference as R  # noqa: E402
+from tpurec.embedding.optimizers import adagrad, adam, sgd  # noqa: E402
+from tpurec.embedding.tensorcore import torch_ops, update_jax  # noqa: E402
+
+from .compare import assert_close_f32, assert_close_table  # noqa: E402
+from .inputs import Case, csr_input, head, table, tail  # noqa: E402
+
+LR, EPS, BETAS = 0.1, 1e-6, (0.9, 0.999)
+
+
+def _states(name: str, rows: int, width: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(9)  # nonzero starting state: the update reads it
+    return {
+        "sgd": [],
+        "adagrad": [torch.rand(rows, width, generator=gen)],
+        "rowwise_adagrad": [torch.rand(rows, generator=gen)],
+        "adam": [torch.randn(rows, width, generator=gen) * 0.1, torch.rand(rows, width, generator=gen) * 0.01],
+    }[name]
+
+
+def _step(name: str, kernels: tuple[Callable, ...], csr, tensors: list[torch.Tensor], grad: torch.Tensor, t: int):
+    sgd_k, adagrad_k, adam_k = kernels
+    if name == "sgd":
+        sgd_k(*head(csr), *tensors, grad, LR, *tail(csr))
+    elif name in ("adagrad", "rowwise_adagrad"):
+        adagrad_k(*head(csr), *tensors, grad, LR, EPS, *tail(csr))
+    else:
+        adam_k(*head(csr), *tensors, grad, adam.alpha_t(LR, *BETAS, t), *BETAS, EPS, *tail(csr))
+
+
+REFERENCE = (sgd.op, adagrad.op, adam.op)
+JAX = (torch_ops.sgd_update, torch_ops.adagrad_update, torch_ops.adam_update)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(num_sc=1, pooling="weighted"),
+        Case(num_sc=4, pooling="mean", batch=13),
+        Case(num_sc=2, devices=2, pooling="sum"),
+        Case(num_sc=2, pooling="weighted", dtype=torch.bfloat16),
+    ],
+    ids=str,
+)
+def test_three_steps_equal_the_reference_op(name, case):
+    gen = torch.Generator().manual_seed(5)
+    t0 = table(case, gen)
+    states = _states(name, *t0.shape)
+    want = [t0.clone(), *(s.clone() for s in states)]
+    got = [t0.clone(), *(s.clone() for s in states)]
+    for t in (1, 2, 3):
+        csr = csr_input(case, gen)
+        grad = torch.randn(case.device_batch_size, case.width, generator=gen)
+        _step(name, REFERENCE, csr, want, grad, t)
+        _step(name, JAX, csr, got, grad, t)
+        assert not torch.equal(want[0], t0), "the step should have moved the table"
+        assert_close_table(got[0], want[0])
+        for g, w in zip(got[1:], want[1:]):
+            assert_close_f32(g, w)
+
+
+@pytest.mark.parametrize("case", [Case(num_sc=1), Case(num_sc=4, pooling="weighted", batch=13)], ids=str)
+def test_row_gradients_equal_the_reference(case):
+    gen = torch.Generator().manual_seed(2)
+    csr = csr_input(case, gen)
+    t = table(case, gen)
+    grad = torch.randn(case.device_batch_size, case.width, generator=gen)
+    want_rows, want_grads = ops.row_gradients(*head(csr), t, grad, *tail(csr)[:3])
+    rows, grads = update_jax.row_gradients(
+        *(torch_ops.to_jax(x) for x in head(csr)),
+        torch_ops.to_jax(grad),
+        num_rows=t.shape[0],
+        width=t.shape[1],
+        device_batch_size=case.device_batch_size,
+        num_sc=case.num_sc,
+        num_partitions=case.partitions,
+    )
+    rows_t, grads_t = torch.from_dlpack(rows).long(), torch.from_dlpack(grads)
+    n = want_rows.numel()
+    assert torch.equal(rows_t[:n], want_rows)
+    assert bool((rows_t[n:] == t.shape[0]).all()) and bool((grads_t[n:] == 0).all())
+    assert_close_f32(grads_t[:n], want_grads)
+
+
+def test_the_kernel_layout_gradient_view_is_taken_as_the_reference_takes_it():
+    """On CPU the update ops may get `reference.batch_major_grad`'s [features, batch, dim] view."""
+    case = Case(num_sc=4, pooling="weighted", batch=13, features=2, width=16)
+    gen = torch.Generator().manual_seed(4)
+    csr = csr_input(case, gen)
+    t0 = table(case, gen)
+    view = R.batch_major_grad(torch.randn(case.batch, case.features * 8, generator=gen), case.features)  # dim 8 < 16
+    want, got = t0.clone(), t0.clone()
+    sgd.op(*head(csr), want, view, LR, *tail(csr))
+    torch_ops.sgd_update(*head(csr), got, view, LR, *tail(csr))
+    assert_close_table(got, want)
+    assert torch.equal(got[:, 8:], t0[:, 8:])  # storage columns past dim: zero gradients

@@ -1,0 +1,44 @@
+"""The SparseCore lookup in JAX: gather the entries' rows, scale by their gains, sum per sample.
+
+`reference.lookup_csr`'s result: [device_batch_size, width] float32, row b the sum over the entries
+of sample b of gain * table[row]. An FP16/BF16 table's gathered rows are read into float32 first and
+summed in float32 (as the reference, after FBGEMM's CPU TBE). Each sample's entries are summed in
+slot order, which is the reference's bag order (a bag lies in one SparseCore's slice, read in CSR
+order), so float32 sums agree up to XLA's scatter-add order.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from tpurec.embedding.tensorcore.csr_jax import decode
+
+
+def lookup(
+    row_pointers: jax.Array,
+    embedding_ids: jax.Array,
+    sample_ids: jax.Array,
+    gains: jax.Array,
+    table: jax.Array,
+    *,
+    device_batch_size: int,
+    num_sc: int,
+    num_partitions: int,
+) -> jax.Array:
+    """Pooled activations [device_batch_size, table width], float32; padding contributes nothing."""
+    e = decode(
+        row_pointers,
+        embedding_ids,
+        sample_ids,
+        gains,
+        num_rows=table.shape[0],
+        device_batch_size=device_batch_size,
+        num_sc=num_sc,
+        num_partitions=num_partitions,
+    )
+    # invalid entries gather row 0 (mode="fill" would too, at a cost per slot) and are dropped by
+    # their out-of-range sample below; their gain is 0 as well, so a NaN never reaches the sums
+    rows = jnp.where(e.valid, e.rows, 0)
+    values = table[rows].astype(jnp.float32) * e.gains[:, None]
+    return jax.ops.segment_sum(values, e.samples, num_segments=device_batch_size)

@@ -1,0 +1,137 @@
+"""The fused backward-with-update ops in JAX: row gradients, then one optimizer step per touched row.
+
+`row_gradients` is `reference.row_gradients_csr`'s: the touched physical rows in increasing order
+and each row's float32 gradient, the sum over its entries of gain * activations_grad[sample]. Sizes
+are static: the entries are sorted by row with an argsort over every COO slot, duplicates merged by
+a sorted segment sum, and the unique rows padded to the slot count with `num_rows`, an index past
+the table that every scatter below drops (mode="drop"), so no dense table-sized gradient is formed.
+A stable sort keeps a row's entries in slot order (SparseCore by SparseCore, then by sample), the
+reference's summation order.
+
+The optimizer steps (`sgd`, `adagrad`, `adam`) are functional: they return the new table and state,
+with only the touched rows changed, and follow each spec's `reference_update` operation by
+operation (docs/kernels.md). A FP16/BF16 table rounds as `optimizers.base.add_to_rows`:
+round_step=True (SGD, element-wise Adagrad) rounds the float32 step to the table's dtype first,
+then the sum once; otherwise the sum is formed in float32 and rounded once.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from tpurec.embedding.tensorcore.csr_jax import decode
+
+Scalar = jax.Array | float
+
+
+def row_gradients(
+    row_pointers: jax.Array,
+    embedding_ids: jax.Array,
+    sample_ids: jax.Array,
+    gains: jax.Array,
+    activations_grad: jax.Array,
+    *,
+    num_rows: int,
+    width: int,
+    device_batch_size: int,
+    num_sc: int,
+    num_partitions: int,
+) -> tuple[jax.Array, jax.Array]:
+    """(rows int32 [slots], grads float32 [slots, width]): unique touched rows in increasing order,
+    then num_rows padding (their gradients are zero); activations_grad: [device_batch_size, <= width]
+    (columns past its width, a table's storage padding, get zero gradients)."""
+    e = decode(
+        row_pointers,
+        embedding_ids,
+        sample_ids,
+        gains,
+        num_rows=num_rows,
+        device_batch_size=device_batch_size,
+        num_sc=num_sc,
+        num_partitions=num_partitions,
+    )
+    n = e.rows.shape[0]
+    grad = activations_grad.astype(jnp.float32)
+    if grad.shape[1] < width:
+        grad = jnp.pad(grad, ((0, 0), (0, width - grad.shape[1])))
+    order = jnp.argsort(e.rows, stable=True)  # invalid entries (row num_rows) sort last
+    rows_sorted = e.rows[order]
+    samples = jnp.where(e.valid, e.samples, 0)[order]  # invalid: sample 0 with gain 0
+    contributions = grad[samples] * e.gains[order][:, None]
+    starts = jnp.concatenate([jnp.ones(1, bool), rows_sorted[1:] != rows_sorted[:-1]]) if n else jnp.zeros(0, bool)
+    segment = jnp.cumsum(starts.astype(jnp.int32)) - 1
+    grads = jax.ops.segment_sum(contributions, segment, num_segments=n, indices_are_sorted=True)
+    rows = jnp.full(n, num_rows, jnp.int32).at[jnp.where(starts, segment, n)].set(rows_sorted, mode="drop")
+    return rows, grads
+
+
+def _gather(values: jax.Array, rows: jax.Array) -> jax.Array:
+    """values[rows]; the padding rows (past the end) read zeros."""
+    return values.at[rows].get(mode="fill", fill_value=0, indices_are_sorted=True)
+
+
+def _scatter(values: jax.Array, rows: jax.Array, new: jax.Array) -> jax.Array:
+    """values with values[rows] = new; the padding rows (past the end) dropped."""
+    return values.at[rows].set(new.astype(values.dtype), mode="drop", indices_are_sorted=True)
+
+
+def _add_to_rows(table: jax.Array, rows: jax.Array, step: jax.Array, round_step: bool) -> jax.Array:
+    """`optimizers.base.add_to_rows` (float32 step; rows unique apart from the padding)."""
+    old = _gather(table, rows)
+    if table.dtype != jnp.float32 and round_step:
+        step = step.astype(table.dtype)  # FBGEMM's `w -= step` on a Half: the step rounded first
+    return _scatter(table, rows, old.astype(jnp.float32) + step.astype(jnp.float32))
+
+
+def _f32(value: Scalar) -> jax.Array:
+    return jnp.asarray(value, jnp.float32)
+
+
+def sgd(table: jax.Array, rows: jax.Array, grads: jax.Array, lr: Scalar) -> jax.Array:
+    """The new table: w -= lr * g on the given rows (`sgd.reference_update`)."""
+    return _add_to_rows(table, rows, grads * -_f32(lr), round_step=True)
+
+
+def adagrad(
+    table: jax.Array, accumulator: jax.Array, rows: jax.Array, grads: jax.Array, lr: Scalar, eps: Scalar
+) -> tuple[jax.Array, jax.Array]:
+    """(new table, new accumulator): element-wise Adagrad for a 2-D accumulator, row-wise for a 1-D
+    one (`adagrad.reference_update`)."""
+    lr, eps = _f32(lr), _f32(eps)
+    if accumulator.ndim == 1:
+        # the reference's mean(g*g) is a squared norm over the row: sqrt, square, / dim, as there
+        norm_sq = jnp.square(jnp.sqrt(jnp.sum(grads * grads, axis=1)))
+        acc = _gather(accumulator, rows) + norm_sq / jnp.float32(grads.shape[1])
+        step = grads * (-lr / (jnp.sqrt(acc) + eps))[:, None]
+    else:
+        acc = _gather(accumulator, rows) + grads * grads
+        step = (grads * -lr) / (jnp.sqrt(acc) + eps)
+    table = _add_to_rows(table, rows, step, round_step=accumulator.ndim != 1)
+    return table, _scatter(accumulator, rows, acc)
+
+
+def adam(
+    table: jax.Array,
+    momentum: jax.Array,
+    velocity: jax.Array,
+    rows: jax.Array,
+    grads: jax.Array,
+    alpha_t: Scalar,
+    beta_1: Scalar,
+    beta_2: Scalar,
+    epsilon: Scalar,
+    one_minus_beta_1: Scalar | None = None,
+    one_minus_beta_2: Scalar | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(new table, momentum, velocity): lazy Adam with the bias correction in alpha_t
+    (`adam.reference_update`). one_minus_beta_*: 1 - beta as the reference rounds it (from the
+    float64 beta, `torch_ops.adam_scalars`); by default 1 - beta in float32, which may differ by an ulp."""
+    b1, b2 = _f32(beta_1), _f32(beta_2)
+    c1 = 1 - b1 if one_minus_beta_1 is None else _f32(one_minus_beta_1)
+    c2 = 1 - b2 if one_minus_beta_2 is None else _f32(one_minus_beta_2)
+    m = _gather(momentum, rows) * b1 + grads * c1
+    v = _gather(velocity, rows) * b2 + c2 * grads * grads
+    step = (m * _f32(alpha_t)) / (jnp.sqrt(v) + _f32(epsilon))
+    table = _add_to_rows(table, rows, -step, round_step=False)
+    return table, _scatter(momentum, rows, m), _scatter(velocity, rows, v)
