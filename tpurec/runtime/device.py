@@ -290,9 +290,18 @@ def sparsecores_per_device(generation: str | None = None) -> int | None:
     return SPARSECORES_PER_DEVICE.get(generation) if generation else None
 
 
+def tensorcore_only(generation: str | None = None) -> bool:
+    """Whether this TPU (or `generation`) is one tpurec drives with its TensorCore kernel: a chip
+    whose SparseCores no public kernel drives (v5e has none; v4's are not driven)."""
+    return sparsecores_per_device(generation) == 0
+
+
 def kernel_backend() -> str:
-    """Which embedding kernels would run: 'sparsecore' (TorchTPU ops) or 'cpu-reference'."""
-    return "sparsecore" if tpu_status().usable else "cpu-reference"
+    """Which embedding kernels would run: 'sparsecore' (TorchTPU's SparseCore ops), 'tensorcore'
+    (tpurec's JAX programs through TorchTPU's JAX bridge, on v5e and v4) or 'cpu-reference'."""
+    if not tpu_status().usable:
+        return "cpu-reference"
+    return "tensorcore" if tensorcore_only() else "sparsecore"
 
 
 class TpuUnavailableError(UserError, RuntimeError):

@@ -79,14 +79,11 @@ def _ensure_process_group(device_type: DeviceKind = DeviceKind.CPU) -> None:
         logger.info("tpurec: joining the launched ranks through env:// (%s)", backend)
         process_group.init(backend, timeout=timedelta(seconds=seconds) if seconds else None)
         return
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     logger.info("tpurec: no process group; starting a single-process %s group for a local run", backend)
-    # A TCP store as well: TorchTPU's uneven all-to-all needs a c10d Store (ProcessGroupTpu::alltoall_base).
-    process_group.init(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    # One process needs no network: an in-memory store (TorchTPU's uneven all-to-all needs a c10d Store,
+    # ProcessGroupTpu::alltoall_base, and a HashStore is one). A TCP store opened a socket, which a TPU VM
+    # sandbox may refuse (seen on the v5e chip, ../shared/tpu-vm/README.md).
+    process_group.init(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 # DistributedModelParallel(id_limits=...): a limits file, or limits by table name (TableLimits or

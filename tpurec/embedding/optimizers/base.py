@@ -359,7 +359,12 @@ def record_tpu_calls() -> Iterator[list[tuple[Any, ...]]]:
 
 def tpu_ops() -> Any:
     """TorchTPU's op namespace; only called on a TPU host, where torch_tpu registered it."""
-    return torch.ops.tpu if _RECORDED is None else _RecordingOps(torch.ops.tpu)
+    return recorded(torch.ops.tpu)
+
+
+def recorded(namespace: Any) -> Any:
+    """`namespace` (ops as attributes), its calls recorded while `record_tpu_calls()` is active."""
+    return namespace if _RECORDED is None else _RecordingOps(namespace)
 
 
 def registered() -> dict[str, type[OptimizerSpec]]:

@@ -1,0 +1,107 @@
+"""The first runs on a TPU VM, in one command, into one JSON report (issue 58; docs/tpu_vm.md).
+
+    python3 scripts/tpu_check.py OUT_DIR [--steps 200]
+
+Runs, each as its own process (one program holds the chip at a time): `tpurec env`, `tpurec selftest
+--device tpu`, the README program (`examples/quickstart.py --device tpu`), `tpurec train --device tpu`
+(DLRM-DCNv2, fixed seed and synthetic data) and the same train on the CPU; then compares the two
+trains' losses at every logged step and reads the TPU train's per-step times for a compile spike
+after warm-up. Writes OUT_DIR/tpu_check.json and each run's log beside it. Exit 0 when every part
+passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+TRAIN = ["train", "--interaction", "dcn", "--batch-size", "256", "--synth-rows", "60000", "--seed", "0"]
+TRAIN += ["--eval-every", "0", "--curves-out", "none", "--quiet"]
+LOSS_TOLERANCE = 1e-4  # issue 58: f32 tables, every logged step
+WARMUP_STEPS = 10  # steps whose programs may still compile
+
+
+def _tpurec(*args: str) -> list[str]:
+    return [sys.executable, "-c", "import sys; from tpurec.cli import main; sys.exit(main())", *args]
+
+
+def _run(name: str, cmd: list[str], out: Path, timeout: float, env: dict | None = None) -> dict:
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        rc, stdout, stderr = p.returncode, p.stdout, p.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, stdout, stderr = 124, str(e.stdout or ""), str(e.stderr or "")
+    (out / f"{name}.log").write_text(f"$ {' '.join(cmd)}\n--- stdout\n{stdout}\n--- stderr\n{stderr}")
+    print(f"{name}: rc {rc} in {time.perf_counter() - t0:.1f} s", flush=True)
+    return {"rc": rc, "seconds": round(time.perf_counter() - t0, 1), "stdout_tail": stdout[-2000:]}
+
+
+def _losses(path: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {r["step"]: r["loss"] for r in rows if r.get("kind") == "train"}
+
+
+def _step_times(path: Path) -> list[tuple[int, float]]:
+    """(step, seconds per step since the previous logged step) of a metrics file."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    train = [(r["step"], r["seconds"]) for r in rows if r.get("kind") == "train"]
+    return [(s1, (t1 - t0) / (s1 - s0)) for (s0, t0), (s1, t1) in zip(train, train[1:])]
+
+
+def compare(tpu: Path, cpu: Path) -> dict:
+    a, b = _losses(tpu), _losses(cpu)
+    steps = sorted(set(a) & set(b))
+    diffs = [abs(a[s] - b[s]) for s in steps]
+    worst = max(range(len(steps)), key=diffs.__getitem__) if steps else None
+    times = _step_times(tpu)
+    steady = [t for s, t in times if s > WARMUP_STEPS]
+    median = statistics.median(steady) if steady else None
+    spikes = [(s, round(t * 1e3, 2)) for s, t in times if s > WARMUP_STEPS and median and t > 5 * median]
+    return {
+        "logged_steps": len(steps),
+        "steps_only_in_one": sorted(set(a) ^ set(b)),
+        "max_abs_loss_diff": max(diffs) if diffs else None,
+        "worst_step": None if worst is None else steps[worst],
+        "losses_within_tolerance": bool(steps) and max(diffs) <= LOSS_TOLERANCE and not (set(a) ^ set(b)),
+        "tpu_median_step_ms_after_warmup": None if median is None else round(median * 1e3, 3),
+        "tpu_steps_over_5x_median_after_warmup": spikes,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--steps", type=int, default=200)
+    args = parser.parse_args()
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "steps": args.steps}
+    report["env"] = _run("env", _tpurec("env"), out, 120)
+    report["selftest"] = _run("selftest", _tpurec("selftest", "--device", "tpu"), out, 600)
+    report["readme_program"] = _run("readme", [sys.executable, "examples/quickstart.py", "--device", "tpu"], out, 600)
+    train = [*TRAIN, "--steps", str(args.steps)]
+    for device in ("tpu", "cpu"):
+        # the CPU run leaves the chip alone: JAX on its CPU, torch_tpu not loaded
+        env = dict(os.environ, JAX_PLATFORMS="cpu", TORCH_DEVICE_BACKEND_AUTOLOAD="0") if device == "cpu" else None
+        cmd = _tpurec(*train, "--device", device, "--metrics-out", str(out / f"train_{device}.jsonl"))
+        report[f"train_{device}"] = _run(f"train_{device}", cmd, out, 900, env)
+    if all(report[f"train_{d}"]["rc"] == 0 for d in ("tpu", "cpu")):
+        report["compare"] = compare(out / "train_tpu.jsonl", out / "train_cpu.jsonl")
+    parts = ("env", "selftest", "readme_program", "train_tpu", "train_cpu")
+    report["passed"] = all(report[k]["rc"] == 0 for k in parts) and report.get("compare", {}).get(
+        "losses_within_tolerance", False
+    )
+    (out / "tpu_check.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps({k: report[k] for k in ("passed", "compare") if k in report}, indent=2))
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
