@@ -177,3 +177,42 @@ def _strongly_connected(graph: dict[str, set[str]]) -> list[set[str]]:
 )
 def test_cycle_finder_finds_cycles(graph, expected):
     assert sorted(map(sorted, _strongly_connected(graph))) == sorted(map(sorted, expected))
+
+
+# The kernel seam (tpurec/embedding/kernel_protocol.py): the concrete kernels' modules, and the
+# classes they define, which only embedding/ itself names (kernel_kinds.py picks one for the sharded
+# lookups). bench/ times the SparseCore kernel itself, so it may name it.
+CONCRETE_KERNEL_MODULES = {"tpurec.embedding.kernel", "tpurec.embedding.sequence_kernel"}
+CONCRETE_KERNEL_CLASSES = {"SparseCoreKernel", "SparseCoreSequenceKernel"}
+MAY_NAME_A_KERNEL = {"embedding", "bench"}
+
+
+def _concrete_kernel_imports(edges) -> list[str]:
+    bad = []
+    for source, path, line, target, imported in edges:
+        if _part(source) in MAY_NAME_A_KERNEL or _part(source) == FACADE:
+            continue
+        if target in CONCRETE_KERNEL_MODULES or imported in CONCRETE_KERNEL_CLASSES:
+            bad.append(f"{path.relative_to(PACKAGE.parent)}:{line} {source} -> {target} {imported}".rstrip())
+    return bad
+
+
+def test_only_embedding_names_a_concrete_kernel():
+    bad = _concrete_kernel_imports(_edges())
+    assert not bad, (
+        "import the kernel protocol (tpurec.embedding.kernel_protocol) and pick a class through "
+        "tpurec.embedding.kernel_kinds instead:\n" + "\n".join(bad)
+    )
+
+
+def test_the_kernel_seam_check_sees_concrete_imports():
+    # the check itself: a sharding module naming the kernel, its module, or the sequence kernel's
+    here = PACKAGE / "sharding" / "kernel_module.py"
+    edges = [
+        ("tpurec.sharding.kernel_module", here, 1, "tpurec.embedding.kernel", "SparseCoreKernel"),
+        ("tpurec.sharding.rank_limits", here, 2, "tpurec.embedding.sequence_kernel", ""),
+        ("tpurec.sharding.kernel_module", here, 3, "tpurec.embedding.kernel_kinds", ""),
+        ("tpurec.embedding.kernel_kinds", here, 4, "tpurec.embedding.kernel", "SparseCoreKernel"),
+    ]
+    found = [b.split()[1] for b in _concrete_kernel_imports(edges)]
+    assert found == ["tpurec.sharding.kernel_module", "tpurec.sharding.rank_limits"]

@@ -37,8 +37,11 @@ from tpurec.embedding.preprocess import SparseCoreInput
 
 if TYPE_CHECKING:
     from tpurec.embedding.kernel_input import StackInput
+    from tpurec.embedding.kernel_protocol import EmbeddingKernel
 
-# A kernel is a SparseCoreKernel, typed Any here: tpurec.embedding.kernel imports this module.
+# The ops' lookups take any EmbeddingKernel (kernel_protocol.py). `prepare` writes the two members
+# the protocol only reads, and the update runs the SparseCore kernel's own `apply_update`: those two
+# take its SparseCoreKernel, typed Any here (tpurec.embedding.kernel imports this module).
 SparseCoreKernel = Any
 
 # key -> kernel: the ops name their kernel by an int (a graph constant), not by the object.
@@ -212,7 +215,7 @@ fused_lookup.register_autograd(_backward, setup_context=_setup_context)
 
 
 def stack_lookup(
-    kernel: SparseCoreKernel, trigger: Tensor | None, i: int, csr: StackInput, gains: Tensor | None = None
+    kernel: EmbeddingKernel, trigger: Tensor | None, i: int, csr: StackInput, gains: Tensor | None = None
 ) -> Tensor:
     """Stack i's lookup through the ops: [device_batch_size, width] float32. gains: in place of the
     input's (a tensor of the graph that may require grad: `_backward` then returns its gradient)."""

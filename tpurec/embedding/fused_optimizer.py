@@ -1,4 +1,4 @@
-"""The torchrec `FusedOptimizer` view of SparseCoreKernels' optimizer: one base, two uses.
+"""The torchrec `FusedOptimizer` view of embedding kernels' optimizer (kernel_protocol.py): one base, two uses.
 
 Updates happen inside backward, so step() and zero_grad() do nothing. What this object gives is
 what TorchRec users expect of a fused optimizer: `param_groups` with a learning rate that LR
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torchrec.optim.fused import FusedOptimizer
 
-from tpurec.embedding.kernel import SparseCoreKernel
+from tpurec.embedding.kernel_protocol import EmbeddingKernel
 from tpurec.embedding.optimizers.base import OptimizerSpec
 
 
@@ -35,7 +35,7 @@ from tpurec.embedding.optimizers.base import OptimizerSpec
 class KernelEntry:
     """One natural-order view the optimizer exposes and the kernel storage behind it."""
 
-    kernel: SparseCoreKernel
+    kernel: EmbeddingKernel
     table: str  # the kernel's table name
     state: str | None  # an optimizer state name, or None for the table's weight
     tensor: torch.Tensor  # a view of the kernel's storage (a ShardedTensor's local shard under sharding)
@@ -63,7 +63,7 @@ class StepEntry:
     """A checkpointed "<table>.step" and the kernel tables whose step count it stands for."""
 
     tensor: torch.Tensor
-    tables: list[tuple[SparseCoreKernel, str]]
+    tables: list[tuple[EmbeddingKernel, str]]
     seen: float = 0.0  # the value last mirrored from (or written to) the kernels
 
     def adopt_if_written(self) -> None:
@@ -95,7 +95,7 @@ class KernelFusedOptimizer(FusedOptimizer):
     _ready = False
 
     def __init__(
-        self, kernels: Sequence[SparseCoreKernel], spec: OptimizerSpec | None, params: dict, state: dict
+        self, kernels: Sequence[EmbeddingKernel], spec: OptimizerSpec | None, params: dict, state: dict
     ) -> None:
         self._kernels = list(kernels)
         self._spec = spec
@@ -110,12 +110,12 @@ class KernelFusedOptimizer(FusedOptimizer):
             k.pre_update_hooks.append(self._adopt_written_steps)
 
     # -- building ------------------------------------------------------------------------------
-    def _track(self, kernel: SparseCoreKernel, table: str, state: str | None, tensor: torch.Tensor) -> torch.Tensor:
+    def _track(self, kernel: EmbeddingKernel, table: str, state: str | None, tensor: torch.Tensor) -> torch.Tensor:
         """Register `tensor`, a view of kernel table `table`'s weight (state None) or state."""
         self.__dict__.setdefault("_entries", []).append(KernelEntry(kernel, table, state, tensor))
         return tensor
 
-    def _step(self, tables: list[tuple[SparseCoreKernel, str]]) -> torch.Tensor:
+    def _step(self, tables: list[tuple[EmbeddingKernel, str]]) -> torch.Tensor:
         """A "<table>.step" scalar standing for the step counts of `tables` (kernel, table name)."""
         tensor = torch.tensor(0.0)
         self.__dict__.setdefault("_step_entries", []).append(StepEntry(tensor, list(tables)))
@@ -179,7 +179,7 @@ class SparseCoreFusedOptimizer(KernelFusedOptimizer):
 
     def __init__(
         self,
-        kernel: SparseCoreKernel,
+        kernel: EmbeddingKernel,
         param_prefix: str = "embedding_bags.",
         key_of: Callable[[str], str] | None = None,
     ) -> None:

@@ -182,6 +182,10 @@ class SparseCoreKernel(nn.Module):
         """Stack i's fixed (max ids, max unique ids) per partition; None until set (or when not fixed)."""
         return self.inputs.stack_limits(i)
 
+    def set_stack_limits(self, i: int, limits: tuple[int, int]) -> None:
+        """Fix stack i's limits (KernelInput.set_stack_limits: the ranks' alignment, rank_limits.py)."""
+        self.inputs.set_stack_limits(i, limits)
+
     @property
     def dropped_id_count(self) -> int:
         return self.inputs.dropped_id_count
@@ -225,6 +229,10 @@ class SparseCoreKernel(nn.Module):
         if i is None:
             raise KeyError(f"unknown table {table!r}; tables: {[t.name for t in self.tables]}")
         return i, self.stacks[i].layout
+
+    def table_of(self, feature: str) -> KernelTable | None:
+        """The table feature `feature` feeds (None: none of this kernel's)."""
+        return self._feature_table.get(feature)
 
     @property
     def table_names(self) -> list[str]:

@@ -19,9 +19,10 @@ from torchrec.modules.embedding_configs import PoolingType
 if TYPE_CHECKING:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+    from tpurec.embedding.kernel_protocol import EmbeddingKernel
 
-# `kernel` is a SparseCoreKernel, typed Any here: tpurec.embedding.kernel imports this module.
-def with_weight_grad(kernel: Any, features: KeyedJaggedTensor, out: torch.Tensor) -> torch.Tensor:
+
+def with_weight_grad(kernel: EmbeddingKernel, features: KeyedJaggedTensor, out: torch.Tensor) -> torch.Tensor:
     """`out` (the kernel's pooled lookup of `features`), made to pass a gradient to the KJT's weights
     when they require one; `out` itself otherwise."""
     weights = features.weights_or_none() if kernel.is_weighted else None
@@ -33,7 +34,7 @@ def with_weight_grad(kernel: Any, features: KeyedJaggedTensor, out: torch.Tensor
 class _WeightGrad(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, out: torch.Tensor, weights: torch.Tensor, kernel: Any, features: KeyedJaggedTensor
+        ctx: Any, out: torch.Tensor, weights: torch.Tensor, kernel: EmbeddingKernel, features: KeyedJaggedTensor
     ) -> torch.Tensor:
         ctx.kernel, ctx.features = kernel, features
         ctx.dtype, ctx.device = weights.dtype, weights.device
@@ -47,7 +48,7 @@ class _WeightGrad(torch.autograd.Function):
 
 
 @torch.no_grad()
-def weight_gradient(kernel: Any, features: KeyedJaggedTensor, grad: torch.Tensor) -> torch.Tensor:
+def weight_gradient(kernel: EmbeddingKernel, features: KeyedJaggedTensor, grad: torch.Tensor) -> torch.Tensor:
     """d loss / d weights ([ids], in the KJT's values order) from the output gradient `grad` [batch,
     sum of dims], reading the kernel's tables as they are now. Keys the kernel has no table for
     (looked up by name) get 0."""
@@ -63,7 +64,7 @@ def weight_gradient(kernel: Any, features: KeyedJaggedTensor, grad: torch.Tensor
         lo, hi = value_offsets[j], value_offsets[j + 1]
         # positional kernels (TorchRec's sharded lookups) take the j-th key as their j-th feature
         feature = kernel.feature_order[j] if kernel.positional else key
-        table = kernel._feature_table.get(feature)
+        table = kernel.table_of(feature)
         if table is None or hi == lo:
             pieces.append(torch.zeros(hi - lo, device=grad.device))
             continue

@@ -26,7 +26,7 @@ through the gather, and the compiled step averages and steps them with the other
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -39,6 +39,10 @@ from tpurec.embedding.preprocess import SparseCoreInput
 from tpurec.embedding.preprocessed import PreprocessedFeatures
 from tpurec.errors import UserError
 from tpurec.sharding.sharded_preprocess import ShardedPreprocessed, _build_output_dist, _output_dist
+
+if TYPE_CHECKING:
+    from tpurec.embedding.kernel_input import StackInput
+    from tpurec.embedding.kernel_protocol import EmbeddingKernel
 
 
 @dataclass
@@ -200,7 +204,9 @@ def _positions(kjt: KeyedJaggedTensor, processors: dict[str, Any]) -> Tensor:
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64)
 
 
-def _stack_gains(kernel: Any, part: KeyedJaggedTensor, where: KeyedJaggedTensor, csrs: list[Any]) -> list[StackGains]:
+def _stack_gains(
+    kernel: EmbeddingKernel, part: KeyedJaggedTensor, where: KeyedJaggedTensor, csrs: list[StackInput]
+) -> list[StackGains]:
     """Per stack of `kernel`: where each id of `part` (its weights' places: `where`'s values) goes. The
     index is padded with -1 (the caller's padding place, once the lookup's capacity is known)."""
     inputs = kernel.inputs

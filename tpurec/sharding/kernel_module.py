@@ -1,4 +1,4 @@
-"""The compute kernels TorchRec's sharded lookups run for tpurec tables: one SparseCoreKernel per group.
+"""The compute kernels TorchRec's sharded lookups run for tpurec tables: one embedding kernel per group.
 
 A `GroupedEmbeddingConfig` lists this rank's table shards (rows and columns after sharding) and the
 features that feed them, in order. Every shard becomes a kernel table of its local size; inside the
@@ -26,11 +26,11 @@ from torchrec.optim.fused import FusedOptimizerModule
 from tpurec.embedding import direct
 from tpurec.embedding.dtypes import table_dtype
 from tpurec.embedding.fused_optimizer import SparseCoreFusedOptimizer
-from tpurec.embedding.kernel import KernelTable, SparseCoreKernel
-from tpurec.embedding.kernel_table import POOLINGS
+from tpurec.embedding.kernel_kinds import kernel_classes, kernel_kind
+from tpurec.embedding.kernel_table import POOLINGS, KernelTable
 from tpurec.embedding.optimizers.registry import spec_from_fused_params
 from tpurec.embedding.preprocessed import PreprocessedFeatures
-from tpurec.embedding.sequence_kernel import SequenceInputs, SparseCoreSequenceKernel
+from tpurec.embedding.sequence_inputs import SequenceInputs
 from tpurec.embedding.settings import KernelSettings
 from tpurec.embedding.vbe import pad_to_common_batch, to_vbe_layout
 from tpurec.embedding.weight_grad import with_weight_grad
@@ -41,11 +41,14 @@ if TYPE_CHECKING:
     from torchrec.distributed.types import ShardingType
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+    from tpurec.embedding.kernel_protocol import EmbeddingKernel, KernelFactory, SequenceEmbeddingKernel
+
 
 class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
-    """One group's tables on one SparseCoreKernel; subclasses say whether lookups pool."""
+    """One group's tables on one embedding kernel (kernel_protocol.py); subclasses say whether lookups pool."""
 
     pooled = True
+    kernel: EmbeddingKernel
     prepared_limit = 16  # inputs built ahead and kept until looked up (a pipeline's depth + slack)
 
     def __init__(
@@ -108,7 +111,10 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
             self.shards.append((t.name, kname, t.local_metadata))
         fused = config.embedding_tables[0].fused_params or {}
         extra = {"is_weighted": config.is_weighted} if self.pooled else {}
-        self.kernel = (SparseCoreKernel if self.pooled else SparseCoreSequenceKernel)(
+        # the kernel class for this device (kernel_kinds.py: the SparseCore kernel everywhere so far)
+        kind = kernel_classes(kernel_kind(device.type if device is not None else None))
+        factory: KernelFactory = kind.pooled if self.pooled else kind.sequence
+        self.kernel = factory(
             tables,
             spec,
             num_sc_per_device,
@@ -274,26 +280,22 @@ class SparseCoreEmbedding(_SparseCoreGroupKernel):
     sequence lookups, which view it as [-1, dim])."""
 
     pooled = False
+    kernel: SequenceEmbeddingKernel  # built as kernel_kinds' sequence class (`pooled` False)
 
     def preprocess_padded(self, features: KeyedJaggedTensor) -> SequenceInputs:
         """The kernel's fixed-shape lookup's host half (SparseCoreSequenceKernel.forward_padded; eager, ahead
         of a compiled step: tpurec/sharding/ec_preprocess.py)."""
-        kernel = self.kernel
-        assert isinstance(kernel, SparseCoreSequenceKernel)
-        return kernel.preprocess_sequence(features)
+        return self.kernel.preprocess_sequence(features)
 
     def lookup_padded(self, inputs: SequenceInputs) -> torch.Tensor:
         """Its device half: the lookup's whole output [rows, dim] (traceable by torch.compile)."""
-        kernel = self.kernel
-        assert isinstance(kernel, SparseCoreSequenceKernel)
-        out = kernel.lookup_sequence(inputs)
+        out = self.kernel.lookup_sequence(inputs)
         return out if self._output_dtype in (None, out.dtype) else out.to(self._output_dtype)
 
     def assemble_padded(self, raw: list[torch.Tensor], inputs: SequenceInputs) -> torch.Tensor:
         """`lookup_padded`'s output from its stacks' lookup-op outputs computed earlier (a pipelined step's
         SparseCore forward, tpurec/sharding/pipelined_step.py)."""
         kernel = self.kernel
-        assert isinstance(kernel, SparseCoreSequenceKernel)
         out = kernel.assemble(raw, inputs.capacity).reshape(inputs.rows(), kernel.dim)
         return out if self._output_dtype in (None, out.dtype) else out.to(self._output_dtype)
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,9 @@ from tpurec.sharding.sharded_preprocess import (
     update_sharded,
 )
 from tpurec.sharding.step_inputs import FieldMap
+
+if TYPE_CHECKING:
+    from tpurec.embedding.kernel_protocol import EmbeddingKernel
 
 # per sharded EBC or EC (step_inputs.parts order): a batch's host half and its activations' gradients
 Prepared = ShardedPreprocessed | ShardedECPreprocessed
@@ -284,8 +287,8 @@ class PipelinedStep:
         return grads, loss.detach()
 
 
-def _kernels(sharded: Any) -> list[Any]:
-    """The SparseCore kernels of a sharded EBC's lookups."""
+def _kernels(sharded: Any) -> list[EmbeddingKernel]:
+    """The embedding kernels of a sharded EBC's lookups."""
     return [k.kernel for lookup in sharded._lookups for k in lookup._emb_modules]
 
 

@@ -17,14 +17,17 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from tpurec.embedding.kernel import SparseCoreKernel
 from tpurec.runtime.device import HANDSHAKE_STAGE_ENV
+from tpurec.sharding.kernel_module import SparseCoreEmbeddingBag
+
+if TYPE_CHECKING:
+    from tpurec.embedding.kernel_protocol import EmbeddingKernel
 
 
 def handshake_on() -> bool:
@@ -32,16 +35,16 @@ def handshake_on() -> bool:
     return os.environ.get(HANDSHAKE_STAGE_ENV) in ("COMPILE_STAGE", "DISPATCH_STAGE")
 
 
-def _kernels(module: nn.Module) -> list[tuple[str, SparseCoreKernel]]:
+def _kernels(module: nn.Module) -> list[tuple[str, EmbeddingKernel]]:
     """The pooled kernels with fixed limits, named by their sharded module's path, lookup and group
     (TorchRec keeps a sharded module's lookups in a plain list, out of `named_modules`)."""
     out = []
     for name, m in module.named_modules():
         for i, lookup in enumerate(getattr(m, "_lookups", None) or ()):
             for j, group in enumerate(getattr(lookup, "_emb_modules", None) or ()):
-                k = getattr(group, "kernel", None)
-                if type(k) is SparseCoreKernel and k.inputs.fixed_limits:
-                    out.append((f"{name}._lookups.{i}.{j}", k))
+                # pooled lookups only (the module docstring), as SparseCoreEmbeddingBag builds them
+                if isinstance(group, SparseCoreEmbeddingBag) and group.kernel.fixed_limits:
+                    out.append((f"{name}._lookups.{i}.{j}", group.kernel))
     return out
 
 
@@ -57,21 +60,21 @@ def align_fixed_limits(module: nn.Module, group: Any) -> int:
     has for it, when all ranks hold the same kernels and stacks. A collective: every rank calls it.
     Returns how many of this rank's stacks were raised."""
     kernels = _kernels(module)
-    shape = repr([(name, len(k.inputs.stacks)) for name, k in kernels])
+    shape = repr([(name, len(k.stacks)) for name, k in kernels])
     digest = int.from_bytes(hashlib.sha256(shape.encode()).digest()[:7], "big")
     low, high = _max_over_ranks([-digest, digest], group)
     if -low != high:  # some rank's kernels or stacks differ: its graph differs whatever the limits
         return 0
-    mine = [k.inputs.stack_limits(i) for _, k in kernels for i in range(len(k.inputs.stacks))]
+    mine = [k.stack_limits(i) for _, k in kernels for i in range(len(k.stacks))]
     flat = [v for lim in mine for v in (lim if lim is not None else (-1, -1))]
     top = _max_over_ranks(flat, group) if flat else []
     raised, j = 0, 0
     for _, k in kernels:
-        for i in range(len(k.inputs.stacks)):
+        for i in range(len(k.stacks)):
             ids, uniq = top[2 * j], top[2 * j + 1]
             j += 1
-            if ids >= 0 and (ids, uniq) != k.inputs.stack_limits(i):
-                k.inputs.set_stack_limits(i, (ids, uniq))
+            if ids >= 0 and (ids, uniq) != k.stack_limits(i):
+                k.set_stack_limits(i, (ids, uniq))
                 raised += 1
     return raised
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -39,6 +39,10 @@ from tpurec.embedding import custom_ops
 from tpurec.embedding.preprocess import SparseCoreInput
 from tpurec.embedding.preprocessed import PreprocessedFeatures
 from tpurec.errors import UserError
+
+if TYPE_CHECKING:
+    from tpurec.embedding.kernel_input import StackInput
+    from tpurec.embedding.kernel_protocol import EmbeddingKernel
 
 
 @dataclass
@@ -191,7 +195,7 @@ def lookup_sharded(module: Any, prepared: ShardedPreprocessed) -> RawActivations
     return out
 
 
-def lookup_kernel(kernel: Any, inputs: list[Any]) -> list[Tensor]:
+def lookup_kernel(kernel: EmbeddingKernel, inputs: list[StackInput]) -> list[Tensor]:
     """One kernel's stacks' lookup-op outputs (raw activations) from its SparseCore inputs."""
     return [custom_ops.stack_lookup(kernel, None, s, csr) for s, csr in enumerate(inputs)]
 
@@ -222,7 +226,7 @@ def update_sharded(module: Any, prepared: ShardedPreprocessed, grads: RawActivat
     return count
 
 
-def update_kernel(kernel: Any, inputs: list[Any], grads: list[Tensor]) -> int:
+def update_kernel(kernel: EmbeddingKernel, inputs: list[StackInput], grads: list[Tensor]) -> int:
     """One kernel's stacks' fused updates from their raw activations' gradients; the number run."""
     count = 0
     for s, (csr, grad) in enumerate(zip(inputs, grads)):
