@@ -92,8 +92,12 @@ def run(args: argparse.Namespace) -> int:
     if "RANK" in os.environ or (args.nproc in (None, 1) and args.nnodes == 1 and not args.emulate_tpu):
         if options.device == "tpu" and "RANK" not in os.environ:
             from tpurec.runtime.device import tpu_status
+            from tpurec.runtime.local_group import sockets_refused
 
-            if tpu_status().usable:  # one process still needs TorchTPU's launch environment
+            # One process asks TorchTPU for its launch environment (ports for a slice builder); a host
+            # that refuses sockets cannot give ports, and one process runs without them (on the v5e
+            # chip, docs/tpu.md): its group is then tpurec's local one (runtime/local_group.py).
+            if tpu_status().usable and not sockets_refused():
                 from tpurec.dlrm.slice_launch import torchtpu_launch_env
 
                 launch = torchtpu_launch_env(1, 1)  # UserError when TorchTPU refuses this host

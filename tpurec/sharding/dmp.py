@@ -83,6 +83,11 @@ def _ensure_process_group(device_type: DeviceKind = DeviceKind.CPU) -> None:
     # One process needs no network: an in-memory store (TorchTPU's uneven all-to-all needs a c10d Store,
     # ProcessGroupTpu::alltoall_base, and a HashStore is one). A TCP store opened a socket, which a TPU VM
     # sandbox may refuse (seen on the v5e chip, ../shared/tpu-vm/README.md).
+    from tpurec.runtime import local_group
+
+    if local_group.sockets_refused():  # gloo binds a socket even alone: a group that needs none
+        local_group.register()
+        backend = local_group.BACKEND
     process_group.init(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
