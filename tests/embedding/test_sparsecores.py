@@ -23,9 +23,11 @@ def test_tpu_refuses_a_count_the_chip_does_not_have():
 
 
 @pytest.mark.parametrize("generation", ["v5e", "v4"])
-def test_tpu_without_usable_sparsecores_is_refused_up_front(generation):
-    with pytest.raises(ValueError, match=f"TPU {generation} has no SparseCore the embedding kernels can drive"):
-        resolve_num_sparsecores(None, "tpu", generation=generation)
+def test_a_tpu_without_usable_sparsecores_gets_the_tensorcore_kernels_layout(generation):
+    # the TensorCore kernel reads the layout for any count: one per device unless another is asked for
+    assert resolve_num_sparsecores(None, "tpu", generation=generation) == 1
+    assert resolve_num_sparsecores(2, "tpu", generation=generation) == 2
+    assert device.tensorcore_only(generation) and not device.tensorcore_only("v5p")
 
 
 def test_unknown_tpu_is_an_error_not_a_default(monkeypatch):

@@ -366,7 +366,8 @@ def plan_layout(topology: str, batch_size_per_device: int) -> dict:
         world, sparsecores = int(topology.split("-", 1)[1]), DEFAULT_NUM_SPARSECORES
     else:
         spec = parse_slice(topology)
-        world, sparsecores = spec.world_size, spec.generation.sparsecores
+        # the TensorCore kernel (no SparseCores: v5e, v4) is given a layout of one per device
+        world, sparsecores = spec.world_size, max(1, spec.generation.sparsecores)
     return {
         "topology": topology,
         "world_size": world,

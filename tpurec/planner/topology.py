@@ -412,10 +412,8 @@ def make_topology(
             spec = SliceSpec(name=f"{gen.name}x{world_size}dev", generation=gen, chips_per_slice=chips)
     if world_size is not None and world_size != spec.world_size:
         raise UserError(f"{spec.name} has {spec.world_size} devices but world_size={world_size}")
-    if compute_device == "tpu" and spec.generation.name != CPU_GENERATION and spec.generation.sparsecores == 0:
-        raise UserError(
-            f"{spec.generation.name} has no usable SparseCores; tpurec's embedding kernel needs v5p, v6e or v7x"
-        )
+    # A generation without SparseCores (v5e, v4) plans for the TensorCore kernel, which reads the
+    # SparseCore layout with one partition set per device (tpurec/embedding/tensorcore).
     overrides: dict[str, Any] = {
         k: v
         for k, v in (("dcn_bw_per_host", dcn_bw_per_host), ("sc_gather_fraction", sc_gather_fraction))
