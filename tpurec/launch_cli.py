@@ -101,8 +101,6 @@ def run(args: argparse.Namespace) -> int:
             spec = parse_slice(args.emulate_tpu)
         except UserError as e:
             raise UserError(f"--emulate-tpu: {e}") from None
-        if not spec.generation.sparsecores:
-            return _error(f"--emulate-tpu {args.emulate_tpu}: {spec.generation.name} has no SparseCore tpurec drives")
         too_big = slice_launch.emulation_too_big(spec)
         if too_big:
             return _error(f"--emulate-tpu: {too_big}")

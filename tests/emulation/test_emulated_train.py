@@ -159,3 +159,23 @@ def test_emulated_ranks_equal_cpu_gloo_bit_for_bit_when_ddp_runs_in_the_same_gra
     assert len(losses("emu.csv")) == 40
     assert losses("emu.csv") == losses("cpu.csv")
     assert emulated["logloss"] == cpu["logloss"] and emulated["auc"] == cpu["auc"]
+
+
+@pytest.mark.slow  # 8 ranks twice
+@pytest.mark.multiprocess
+def test_an_emulated_v5e_8_runs_the_tensorcore_kernel_and_equals_cpu_gloo(tmp_path, monkeypatch):
+    """v5e has no SparseCore: its 8 ranks run the TensorCore kernel's TPU kernels (JAX programs through
+    the stand-in of TorchTPU's JAX bridge) on a layout of one SparseCore per device; the CPU ranks run
+    the reference on the same plan and layout. Same seed, same numbers within 1e-5."""
+    monkeypatch.setenv("TPUREC_NO_DIRECT", "1")  # the CPU ranks on the layout path, as above
+    plan = _plan(tmp_path, "--model", "dlrm-tiny", topology="v5e-8")
+    args = ("--plan", plan, "--steps", 20, "--seed", 3, "--synth-rows", 20_000)
+    emulated, _ = train("--emulate-tpu", "v5e-8", *args, cache=tmp_path, timeout=1200)
+    dynamic = Path(__file__).parent / "ddp_dynamic_graph"  # the CPU ranks' DDP in the device's graph mode
+    cpu, _ = train("--nproc", 8, *args, cache=tmp_path, timeout=1200, pythonpath=[dynamic])
+    assert emulated["world_size"] == cpu["world_size"] == 8 and emulated["emulated_tpu"] == "v5e-8"
+    programs = emulated["programs_compiled"]
+    assert programs["sparsecore"] == {} and programs["tensorcore"] > 50  # no SparseCore op was asked for
+    assert emulated["recompiles_after_warmup"] == 0
+    assert abs(emulated["logloss"] - cpu["logloss"]) <= 1e-5
+    assert abs(emulated["auc"] - cpu["auc"]) <= 1e-5

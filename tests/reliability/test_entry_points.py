@@ -95,7 +95,6 @@ def test_a_bad_limits_file_is_refused_before_any_data_is_made(tmp_path, capsys, 
         ("foo-8", "--emulate-tpu: unknown TPU generation 'foo' in 'foo-8'"),
         ("v6e-3", "--emulate-tpu: 'v6e-3' is not a Cloud TPU v6e slice"),
         ("v5p-100000000", "--emulate-tpu: 'v5p-100000000': 50,000,000 chips, but a v5p slice is at most 6,144"),
-        ("v5e-8", "--emulate-tpu v5e-8: v5e has no SparseCore tpurec drives"),
     ],
 )
 def test_launch_refuses_a_slice_it_cannot_emulate_before_any_rank(tmp_path, capsys, slice_name, says):

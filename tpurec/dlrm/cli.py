@@ -135,8 +135,6 @@ def _launch_problem(args: argparse.Namespace, options: TrainOptions) -> str | No
             spec = parse_slice(args.emulate_tpu)
         except UserError as e:
             return f"--emulate-tpu: {e}"
-        if not spec.generation.sparsecores:
-            return f"--emulate-tpu {args.emulate_tpu}: {spec.generation.name} has no SparseCore tpurec can drive"
         from tpurec.dlrm.slice_launch import emulation_too_big
 
         too_big = emulation_too_big(spec)

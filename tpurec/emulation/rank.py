@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tpurec.emulation import compiled, device, handshake, torchtpu_dist, torchtpu_ops
-from tpurec.errors import UserError
 from tpurec.planner.topology import SliceSpec, parse_slice
 
 
@@ -122,15 +121,19 @@ def activate(slice_name: str | None = None) -> EmulatedRank:
     if _RANK is not None:
         return _RANK
     spec = parse_slice(name)
-    if not spec.generation.sparsecores:
-        raise UserError(f"--emulate-tpu {name}: {spec.generation.name} has no SparseCore tpurec can drive")
     os.environ[EMULATE_ENV] = spec.name
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torchtpu_dist.install_device_module(local_rank, spec.devices_per_host)
     torchtpu_dist.register_backend()
     torchtpu_dist.refuse_ddp_shape_check_across_hosts(spec.hosts)
     torchtpu_dist.ddp_without_pinned_host_memory()
-    ops = torchtpu_ops.install(sparsecores=spec.generation.sparsecores)
+    # no SparseCores (v5e, v4): the TensorCore kernel's TPU kernels run through the JAX-bridge stand-in
+    ops = torchtpu_ops.install(sparsecores=max(1, spec.generation.sparsecores))
+    if not spec.generation.sparsecores:
+        from tpurec.embedding.tensorcore import tpu_bridge
+        from tpurec.emulation import jax_bridge
+
+        tpu_bridge.use_jax_op(jax_bridge.jax_op)
     compiled.register_backend()
     _register_device_kernels()
     _RANK = EmulatedRank(spec, local_rank, ops)

@@ -87,8 +87,6 @@ def _emulated_checks(slice_name: str, seed: int) -> list[Check]:
     from tpurec.runtime.device import EMULATE_ENV
 
     spec = parse_slice(slice_name)
-    if not spec.generation.sparsecores:
-        raise UserError(f"{spec.generation.name} has no SparseCore tpurec can drive")
     launch = emulated_launch_env(spec)[0]
     one_rank = launch["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(",")[0]
     os.environ.update(

@@ -127,10 +127,25 @@ def tc_adam(
     )
 
 
+# A stand-in for TorchTPU's jax_op (the emulated device's, tpurec/emulation/jax_bridge.py), or None.
+_JAX_OP: Callable[[str], Callable[[Callable[..., Any]], Any]] | None = None
+
+
+def use_jax_op(jax_op: Callable[[str], Callable[[Callable[..., Any]], Any]] | None) -> None:
+    """Register the programs through `jax_op` instead of TorchTPU's (None: TorchTPU's again)."""
+    global _JAX_OP
+    _JAX_OP = jax_op
+    _registered.cache_clear()
+
+
 @functools.cache
 def _registered() -> SimpleNamespace:
     """The JAX programs registered as torch ops on TorchTPU's device (once per process)."""
-    from torch_tpu._internal.pallas import jax_op  # private API: this module alone calls it
+    jax_op: Any = _JAX_OP
+    if jax_op is None:
+        from torch_tpu._internal.pallas import jax_op as torchtpu_jax_op  # private: this module alone calls it
+
+        jax_op = torchtpu_jax_op
 
     fns = {"lookup": tc_lookup, "sgd": tc_sgd, "adagrad": tc_adagrad, "adam": tc_adam}
     return SimpleNamespace(**{name: jax_op(f"tpurec_tensorcore::{name}")(fn) for name, fn in fns.items()})
