@@ -17,6 +17,8 @@ from typing import IO
 import pytest
 
 from tests.dlrm.helpers import REPO
+from tests.reliability.inproc import TINY_TRAIN, run_cli
+from tpurec.runtime import stop_request
 
 STOPPED = re.compile(
     r"^tpurec train: stopped by (SIGTERM|Ctrl-C) at step (\d+); checkpoint (\S+) written; resume with: (.+)$", re.M
@@ -106,3 +108,111 @@ def test_ctrl_c_to_a_two_rank_job_stops_every_rank_at_one_step(tmp_path, cache):
 @pytest.mark.multiprocess
 def test_sigterm_to_the_launcher_of_a_two_rank_job(tmp_path, cache):
     _stop_and_resume(tmp_path, cache, ["--nproc", "2"], signal.SIGTERM, group=False)
+
+
+# ----- SIGTERM outside a training step (issue #61 item 3), in this process --------------------------
+
+
+def _sigterm_on_call(monkeypatch, owner, name: str, calls: int = 1) -> None:
+    """SIGTERM to this process on the `calls`-th call of `owner.name`, which then runs as usual.
+    Only under a StopRequest's handler: the default action would end the test session itself."""
+    original = getattr(owner, name)
+    seen = []
+
+    def wrapper(*a, **k):
+        seen.append(1)
+        if len(seen) == calls:
+            handler = signal.getsignal(signal.SIGTERM)
+            assert isinstance(getattr(handler, "__self__", None), stop_request.StopRequest), (
+                f"SIGTERM is not handled during {name} (handler {handler!r}): it would kill the process"
+            )
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.01)  # its handler runs here, inside the work
+        return original(*a, **k)
+
+    monkeypatch.setattr(owner, name, wrapper)
+
+
+def _stopped(err: str, step: int, ck) -> None:
+    """One line: stopped at `step` with checkpoint step-`step` written, and the --resume command."""
+    found = STOPPED.findall(err)
+    assert len(found) == 1 and "Traceback" not in err, err
+    what, at, saved, command = found[0]
+    assert (what, int(at), saved) == ("SIGTERM", step, str(ck / f"step-{step:08d}")), err
+    assert shlex.split(command)[-1] == "--resume"
+
+
+def test_sigterm_during_a_periodic_save_finishes_it_and_stops_there(tiny_cache, tmp_path, monkeypatch, capsys):
+    """The save of step 4 is under way (sealing it): it completes, and the run stops at step 4 with
+    it as the checkpoint to resume (was: the process killed, rc -15, its .tmp left, no line)."""
+    from tpurec.dlrm.ckpt import integrity
+
+    monkeypatch.setenv("TPUREC_CACHE", str(tiny_cache))
+    ck = tmp_path / "ck"
+    _sigterm_on_call(monkeypatch, integrity, "write_checksums", calls=2)
+    argv = [*TINY_TRAIN, "--steps", 8, "--checkpoint-every", 2, "--checkpoint-dir", ck]
+    code, out, err = run_cli(argv, capsys)
+    assert code == 143, err
+    _stopped(err, 4, ck)
+    assert out == "" and sorted(p.name for p in ck.glob("step-*")) == ["step-00000002", "step-00000004"]
+    assert (ck / "step-00000004" / "COMPLETE").exists()
+
+
+def test_sigterm_during_an_evaluation_stops_after_it_with_a_checkpoint(tiny_cache, tmp_path, monkeypatch, capsys):
+    """The evaluation at step 3 runs to its end, then the run saves step 3 and stops there."""
+    from tpurec.dlrm.trainer import Trainer
+
+    monkeypatch.setenv("TPUREC_CACHE", str(tiny_cache))
+    ck = tmp_path / "ck"
+    _sigterm_on_call(monkeypatch, Trainer, "evaluate")
+    argv = [*TINY_TRAIN, "--steps", 9, "--eval-every", 3, "--checkpoint-every", 100, "--checkpoint-dir", ck]
+    code, out, err = run_cli([*argv, "--metrics-out", tmp_path / "m.csv"], capsys)
+    assert code == 143, err
+    _stopped(err, 3, ck)
+    assert out == "" and sorted(p.name for p in ck.glob("step-*")) == ["step-00000003"]
+    with open(tmp_path / "m.csv") as f:
+        evals = [int(r["step"]) for r in csv.DictReader(f) if r["kind"] == "eval"]
+    assert evals == [3]  # the evaluation under way finished and was recorded; no later one ran
+
+
+def test_sigterm_during_the_final_save_stops_before_the_final_evaluation(tiny_cache, tmp_path, monkeypatch, capsys):
+    from tpurec.dlrm.ckpt import integrity
+
+    monkeypatch.setenv("TPUREC_CACHE", str(tiny_cache))
+    ck = tmp_path / "ck"
+    _sigterm_on_call(monkeypatch, integrity, "write_checksums")
+    code, out, err = run_cli([*TINY_TRAIN, "--steps", 4, "--checkpoint-dir", ck], capsys)
+    assert code == 143, err
+    _stopped(err, 4, ck)
+    assert out == "" and sorted(p.name for p in ck.glob("step-*")) == ["step-00000004"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_sigterm_to_a_two_rank_job_saving_every_step_is_one_line_naming_a_complete_checkpoint(tmp_path, cache):
+    """Saves fill most of the run, so the relayed SIGTERM lands in one (was: rc 143, no line, the
+    ranks killed mid-save); in a training step the agreed stop gives the same line."""
+    ck = tmp_path / "ck"
+    args = ["--quiet", "--nproc", "2", "--synth-rows", "30000", "--steps", "100000", "--eval-every", "0"]
+    p, err = _start(
+        [*args, "--curves-out", "none", "--checkpoint-dir", str(ck), "--checkpoint-every", "1"], tmp_path, cache
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while "checkpoint:" not in (tmp_path / "stderr.txt").read_text() and p.poll() is None:
+            assert time.monotonic() < deadline, "no checkpoint written"
+            time.sleep(0.2)
+        time.sleep(0.3)  # into the next saves
+        p.send_signal(signal.SIGTERM)  # to the launcher, as a scheduler does; it relays it to the ranks
+        code = p.wait(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        err.close()
+    text = (tmp_path / "stderr.txt").read_text()
+    assert code == 143, text[-3000:]
+    found = STOPPED.findall(text)
+    assert len(found) == 1 and "Traceback" not in text, text[-3000:]
+    what, step, saved, _ = found[0]
+    assert what == "SIGTERM" and saved == str(ck / f"step-{int(step):08d}"), text[-3000:]
+    assert (ck / f"step-{int(step):08d}" / "COMPLETE").exists() and not list(ck.glob("*.tmp"))

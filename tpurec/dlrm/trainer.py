@@ -92,6 +92,7 @@ class Trainer:
         self._batches = _Cuttable(iter(()))  # the current segment's batches; see _train_segment
         self._stop = stop_request.StopRequest()  # run() installs its own, which signals reach
         self._stopping = 0  # the signal every rank agreed to stop for (stop_request.py); 0: none
+        self._saved: tuple[int, Path] | None = None  # the step and directory of the last checkpoint written
         self._ready = False
         self.emulated: EmulatedRank | None = None  # the EmulatedRank of an emulated TPU rank (tpurec.emulation.rank)
         self._train_copies: Counter = Counter()  # device->host copies in training steps, by what
@@ -509,7 +510,8 @@ class Trainer:
             "config": self._checkpoint_config(),
             "data": str(self.data_dir),
         }
-        return self.checkpointer.save(s, self.dmp, self.optimizer, st, cmeta)
+        self._saved = (s, self.checkpointer.save(s, self.dmp, self.optimizer, st, cmeta))
+        return self._saved[1]
 
     def run(self) -> dict:
         """Set up (if not yet), train to the last step with evals and checkpoints on the way, then
@@ -549,24 +551,32 @@ class Trainer:
             return s == total or (cfg.eval_every and s % cfg.eval_every == 0) or self.checkpointer.is_due(s)
 
         self._stop = stop_request.StopRequest()
-        try:
-            while self.step_count < total and not self._stopping:
-                with stop_request.catching(self._stop):
-                    self._train_segment(next(s for s in range(self.step_count + 1, total + 1) if boundary(s)))
-                if not self._stopping:
-                    self._after_segment(total)
-        except BaseException:  # Ctrl-C, a failed step: the records so far reach the file
-            self._metrics.flush()
-            raise
-        self._bar.close()
-        if self._prefetch is not None:
-            self._prefetch.close()
-        for m in self._lookups:
-            m.clear_prepared()  # batches read ahead that training will not take
-        if self._stopping:
-            with stop_request.catching(self._stop):  # the relayed copies of the signal must not cut the save
-                self._stop_here()
-        return self._finish()
+        # SIGTERM (a preemption) is recorded to the end of the run, through evaluations and saves,
+        # and stops it at the next point the ranks agree on; Ctrl-C only within training segments.
+        with stop_request.catching(self._stop, stop_request.PREEMPTION):
+            try:
+                while self.step_count < total and not self._stopping:
+                    with stop_request.catching(self._stop):
+                        self._train_segment(next(s for s in range(self.step_count + 1, total + 1) if boundary(s)))
+                    if not self._stopping:
+                        self._after_segment(total)
+            except BaseException:  # Ctrl-C, a failed step: the records so far reach the file
+                self._metrics.flush()
+                raise
+            self._bar.close()
+            if self._prefetch is not None:
+                self._prefetch.close()
+            for m in self._lookups:
+                m.clear_prepared()  # batches read ahead that training will not take
+            if not self._stopping and self.checkpointer.enabled:
+                # Written before the final evaluation, so the training it saves never depends on the
+                # evaluation succeeding (issue #36 item 2: on a TPU it once failed and lost this checkpoint).
+                self.checkpoint()
+                self._stopping = self._stop.agreed(self.world)  # a SIGTERM during it: stop, it is saved
+            if self._stopping:
+                with stop_request.catching(self._stop):  # the relayed copies of the signal must not cut the save
+                    self._stop_here()
+            return self._finish()
 
     def _after_segment(self, total: int) -> None:
         """The evaluation and the periodic checkpoint due where a training segment ended."""
@@ -580,6 +590,9 @@ class Trainer:
                 )
         if self.checkpointer.should_save(step, total):
             self.checkpoint()
+        # A SIGTERM during the evaluation or the save (recorded, stop_request.PREEMPTION): every rank
+        # is here, after both, so they stop at this step together.
+        self._stopping = self._stop.agreed(self.world)
 
     def _stop_here(self) -> NoReturn:
         """A SIGTERM or Ctrl-C stopped training at an agreed step (the pipeline drained): the last
@@ -589,13 +602,15 @@ class Trainer:
         from tpurec.runtime.stop_request import StoppedBySignal
 
         close_pipeline(self.pipeline)
-        saved = self.checkpoint() if self.checkpointer.enabled else None
+        saved = None
+        if self.checkpointer.enabled:  # a SIGTERM during a save stops right after it: that one is saved
+            saved = self._saved[1] if self._saved and self._saved[0] == self.step_count else self.checkpoint()
         if self.rank == 0:
             self._write_curves()
         raise StoppedBySignal(self._stopping, self.step_count, saved, self.options.resume_command())
 
     def _finish(self) -> dict:
-        """After the last step: the final checkpoint, evaluation and report."""
+        """After the last step and its checkpoint (run()): the final evaluation and report."""
         from tpurec.dlrm.input_pipeline import sparsecore_lookups
 
         lookups = sparsecore_lookups(self.dmp)
@@ -608,11 +623,7 @@ class Trainer:
             else:  # the CPU kernels' direct step builds no SparseCore layout (embedding/direct.py)
                 self.say("input pipeline: no SparseCore inputs to build ahead (the CPU kernels' direct step)")
 
-        if self.checkpointer.enabled:
-            # Written before the final evaluation, so the training it saves never depends on the
-            # evaluation succeeding (issue #36 item 2: on a TPU it once failed and lost this checkpoint).
-            self.checkpoint()
-        final = self._log_eval(self.evaluate())
+        final = self._log_eval(self.evaluate())  # the final checkpoint is written (run()); a SIGTERM now lets it end
         from tpurec.dlrm.input_pipeline import close_pipeline
 
         close_pipeline(self.pipeline)  # after the final evaluation, which still runs through it

@@ -5,9 +5,10 @@ A preempted spot TPU VM, a maintenance event or a scheduler's kill sends SIGTERM
 30 s before the VM stops; torch.distributed.run gives its ranks 30 s before SIGKILL); a user's
 Ctrl-C reaches every process of the job. Raising at once (tpurec/runtime/interrupts.py, terminate.py)
 unwinds each rank wherever it happens to be, mid-collective, and nothing can be saved consistently.
-Within `catching()` (the trainer's training segments) the first SIGTERM or SIGINT only records the
-signal; the training loop asks `agreed()` at its log steps (the same steps on every rank), which
-takes the maximum over the ranks, so a signal that reached one rank stops them all at the same step.
+Within `catching()` (the trainer's training segments; SIGTERM alone through its evaluations and
+saves) the first SIGTERM or SIGINT only records the signal; the training loop asks `agreed()` at its
+log steps and after each evaluation and save (the same points on every rank), which takes the
+maximum over the ranks, so a signal that reached one rank stops them all at the same step.
 Repeats are ignored while the run stops (torch.distributed.run relays the signal), except a Ctrl-C
 more than `interrupts.REPEAT_S` after the first: the user insists, and the process ends at once
 (exit 130).
@@ -80,16 +81,23 @@ def installed() -> bool:
     return isinstance(getattr(handler, "__self__", None), StopRequest)
 
 
+TRAINING = (signal.SIGTERM, signal.SIGINT)  # what a training segment records
+PREEMPTION = (signal.SIGTERM,)  # what the rest of a run records: Ctrl-C there stays interrupts.py's
+
+
 @contextmanager
-def catching(request: StopRequest) -> Iterator[StopRequest]:
-    """SIGTERM and SIGINT recorded in `request` for the block (main thread only: elsewhere signals
-    cannot be handled and the request never fires). The previous handlers are back afterwards: the
-    trainer catches them only while it trains, so a Ctrl-C during a checkpoint save or an evaluation
-    still interrupts it at once (tpurec/runtime/interrupts.py names the last complete checkpoint)."""
+def catching(request: StopRequest, signals: tuple[signal.Signals, ...] = TRAINING) -> Iterator[StopRequest]:
+    """`signals` recorded in `request` for the block (main thread only: elsewhere signals cannot be
+    handled and the request never fires). The previous handlers are back afterwards. The trainer
+    records both while it trains, and SIGTERM alone (PREEMPTION) through its evaluations and saves:
+    a preempted VM's save finishes and the run stops after it with that checkpoint, where the
+    default action would end the process mid-save with no line. A Ctrl-C during a save or an
+    evaluation still interrupts it at once (tpurec/runtime/interrupts.py names the last complete
+    checkpoint): the user at the terminal asked to stop now."""
     if threading.current_thread() is not threading.main_thread():
         yield request
         return
-    previous = {s: signal.signal(s, request._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {s: signal.signal(s, request._on_signal) for s in signals}
     try:
         yield request
     finally:

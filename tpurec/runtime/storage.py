@@ -13,9 +13,10 @@ AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, AWS_PROFILE and ~/.aws files, web ide
 role; endpoint AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL; region AWS_DEFAULT_REGION or the bucket's)
 and GCS (Google's application default credentials: GOOGLE_APPLICATION_CREDENTIALS, gcloud's ADC
 file, the VM's service account). STORAGE_EMULATOR_HOST (the variable Google's client libraries
-read) points gs:// at an emulator, anonymously. A bucket has no directories, no rename of a
-directory, no flock and no free space: the callers decide what replaces each (docs/data.md,
-"Cloud storage").
+read) points gs:// at an emulator, anonymously. The first use of a gs:// bucket asks for it once,
+within `PROBE_S`: an endpoint that cannot be reached is one line naming it. A bucket has no
+directories, no rename of a directory, no flock and no free space: the callers decide what replaces
+each (docs/data.md, "Cloud storage").
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import fnmatch
 import io
 import os
 import posixpath
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -49,6 +51,11 @@ _S3_ENV = (
 )
 _GCS_ENV = ("GOOGLE_APPLICATION_CREDENTIALS", "STORAGE_EMULATOR_HOST")
 _filesystems: dict[tuple, Any] = {}
+# An unreachable gs:// endpoint is one line within PROBE_S (_probe_gcs), not a hang; a reachable
+# one's transient errors are retried for GCS_RETRY_S (pyarrow's default: 15 minutes).
+PROBE_S = 15.0  # at most this long for the probe's answer
+PROBE_RETRY_S = 5.0  # the probe's retries of a refused connection (google-cloud-cpp backs off past it)
+GCS_RETRY_S = 120.0
 
 
 def is_uri(path: object) -> bool:
@@ -89,17 +96,77 @@ def filesystem(scheme: str, bucket: str) -> Any:
         uri = f"{scheme}://{bucket}"
         if scheme == "s3":
             require_aws_credentials(uri)
-        emulator = os.environ.get("STORAGE_EMULATOR_HOST") if scheme != "s3" else None
         try:
-            if emulator:
-                how, _, host = emulator.rpartition("://")
-                made = pafs.GcsFileSystem(anonymous=True, scheme=how or "http", endpoint_override=host.rstrip("/"))
-            else:
-                made = pafs.FileSystem.from_uri(uri)[0]
+            made = pafs.FileSystem.from_uri(uri)[0] if scheme == "s3" else _gcs(GCS_RETRY_S)
         except (OSError, ValueError) as e:
             raise UserError(f"{uri}: cannot open the bucket ({_first_line(e)})") from None
+        if scheme != "s3":
+            _probe_gcs(uri, bucket)
         _filesystems[key] = made
     return _filesystems[key]
+
+
+def _gcs(retry_s: float) -> Any:
+    """pyarrow's GcsFileSystem retrying a transient error for at most `retry_s` (its own default is
+    15 minutes, during which an unreachable endpoint is a silent hang); at STORAGE_EMULATOR_HOST
+    anonymously when set."""
+    from datetime import timedelta
+
+    from pyarrow import fs as pafs
+
+    limit = timedelta(seconds=retry_s)
+    emulator = os.environ.get("STORAGE_EMULATOR_HOST")
+    if emulator:
+        how, _, host = emulator.rpartition("://")
+        return pafs.GcsFileSystem(
+            anonymous=True, scheme=how or "http", endpoint_override=host.rstrip("/"), retry_time_limit=limit
+        )
+    return pafs.GcsFileSystem(retry_time_limit=limit)
+
+
+def gcs_endpoint() -> str:
+    """Where gs:// requests go, for messages."""
+    return os.environ.get("STORAGE_EMULATOR_HOST") or "https://storage.googleapis.com"
+
+
+def _probe_gcs(uri: str, bucket: str) -> None:
+    """One request for `bucket` before any other, answered within PROBE_S: UserError naming the
+    bucket and the endpoint if it cannot be reached. Its retry limit bounds an endpoint that refuses
+    connections; the join's deadline one that accepts them and never answers (curl itself would wait
+    120 s per attempt). Any other answer (no such bucket, access denied) is left to the request
+    that meets it, whose error says so."""
+    import threading
+
+    outcome: list[BaseException | None] = []
+
+    def ask() -> None:
+        try:
+            _gcs(PROBE_RETRY_S).get_file_info(bucket)
+            outcome.append(None)
+        except BaseException as e:  # reported by the caller's thread
+            outcome.append(e)
+
+    # A daemon: one that never returns must not keep the process from exiting with the error.
+    asking = threading.Thread(target=ask, name="gcs-probe", daemon=True)
+    asking.start()
+    asking.join(PROBE_S)
+    why = f"no answer within {PROBE_S:g} s" if not outcome else _unreachable(outcome[0])
+    if why:
+        raise UserError(
+            f"{uri}: cannot reach the bucket at {gcs_endpoint()} ({why}); check the network or the endpoint"
+        )
+
+
+def _unreachable(e: BaseException | None) -> str | None:
+    """What made a request fail for want of a reachable endpoint (google-cloud-cpp's UNAVAILABLE or
+    DEADLINE_EXCEEDED: connection refused, timed out), else None."""
+    if not isinstance(e, OSError):
+        return None
+    text = str(e)
+    if "UNAVAILABLE" not in text and "DEADLINE_EXCEEDED" not in text:
+        return None
+    curl = re.search(r"CURL error \[\d+\]=(.*?)(?: error_info=|$)", text)  # curl's own words
+    return curl.group(1).strip() if curl else _first_line(e)[:200]
 
 
 def require_aws_credentials(uri: str) -> None:

@@ -1,0 +1,65 @@
+"""An unreachable gs:// endpoint is one line naming the bucket and the endpoint within seconds, exit 2
+(issue #61 item 4; was: `tpurec train` silent for over 300 s while pyarrow's GCS client retried for
+its default 15 minutes). Only loopback addresses: a closed port refuses the connection; a listening
+socket that never accepts is an endpoint that never answers."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from tests.dlrm.helpers import REPO
+from tpurec.runtime import storage
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_train_with_a_checkpoint_dir_at_a_refusing_endpoint_is_one_line(tmp_path):
+    endpoint = f"http://127.0.0.1:{_closed_port()}"
+    env = dict(os.environ, PYTHONPATH=str(REPO), STORAGE_EMULATOR_HOST=endpoint, TPUREC_CACHE=str(tmp_path))
+    t0 = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "tpurec.cli", "train", "--quiet", "--steps", "4", "--checkpoint-dir", "gs://bkt/ck"],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,  # was: no end in sight
+    )
+    took = time.monotonic() - t0
+    assert (done.returncode, done.stdout) == (2, ""), done.stderr[-3000:]
+    assert done.stderr.splitlines() == [
+        f"tpurec train: error: --checkpoint-dir gs://bkt: cannot reach the bucket at {endpoint} "
+        "(Could not connect to server); check the network or the endpoint"
+    ]
+    assert took < 30, took
+
+
+def test_an_endpoint_that_never_answers_is_refused_at_the_probe_deadline(monkeypatch):
+    """It accepts the connection (the kernel does, from the backlog) and never replies: curl alone
+    would wait 120 s for each attempt."""
+    monkeypatch.setattr(storage, "PROBE_S", 2.0, raising=False)  # absent before: then a hang
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", endpoint)
+        said: list[str | None] = []
+        # In a thread of the test's own: were it to hang, the test fails at the deadline instead
+        asking = threading.Thread(target=lambda: said.append(storage.dir_problem("gs://quiet/ck")), daemon=True)
+        t0 = time.monotonic()
+        asking.start()
+        asking.join(30)
+        took = time.monotonic() - t0
+    assert said == [
+        f"gs://quiet: cannot reach the bucket at {endpoint} (no answer within 2 s); check the network or the endpoint"
+    ]
+    assert 2 <= took < 5, took
