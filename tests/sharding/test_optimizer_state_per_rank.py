@@ -131,7 +131,9 @@ def _groups_on(held: list[str], specs: dict[str, str]) -> list[tuple[str | None,
 
     kinds = {"rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "sgd": EmbOptimType.EXACT_SGD}
     fused = {t: {"optimizer": kinds[k], "learning_rate": 0.1} for t, k in specs.items()}
-    modules = {k: SimpleNamespace(kernel=SimpleNamespace(optimizer=spec_from_fused_params(fused[t], t))) for t, k in specs.items()}  # fmt: skip
+    modules = {}
+    for t, k in specs.items():
+        modules[k] = SimpleNamespace(kernel=SimpleNamespace(optimizer=spec_from_fused_params(fused[t], t)))
     infos = [SimpleNamespace(embedding_config=SimpleNamespace(name=t), fused_params=fused[t]) for t in specs]
     sharded = SimpleNamespace(
         _sc_shards=lambda: [(t, f"{t}/0", None, modules[specs[t]]) for t in held],

@@ -82,7 +82,12 @@ def test_any_ranks_batch_over_its_limits_sends_every_rank_to_the_eager_step(monk
         flag[0] = sum(values) if op == dist.ReduceOp.SUM else max(values) if op == dist.ReduceOp.MAX else min(values)
 
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
-    cases = [(["ok"], [0, 0], False), (["ok", "ok"], [0, 1], True), (["ok", "over"], [0, 0], True), (["over"], [1, 1], True)]
+    cases = [
+        (["ok"], [0, 0], False),
+        (["ok", "ok"], [0, 1], True),
+        (["ok", "over"], [0, 0], True),
+        (["over"], [1, 1], True),
+    ]
     for parts, others[:], want in cases:
         assert step_inputs.any_rank_over_limits(parts, "g", 3, None) is want, (parts, others)
     # one rank, or no group: its own batch decides, no collective
