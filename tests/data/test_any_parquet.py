@@ -355,3 +355,36 @@ def test_bool_labels_categorical_strings_and_lists_of_strings(tmp_path):
     assert kjt["tags"].values().tolist() == [reference("a") % 50, reference("b") % 50]
     assert kjt["city"].lengths().tolist() == [1, 1, 0]
     assert kjt["city"].values().tolist() == [reference("paris") % 1000, reference("rome") % 1000]
+
+
+def test_the_label_is_inferred_whatever_its_case():
+    import pyarrow as pa
+
+    from tpurec.data.mapping import resolve
+
+    schema = pa.schema([("f", pa.float32()), ("Click", pa.int64()), ("uid", pa.int64())])
+    m = resolve(ColumnSpec(), schema)
+    assert (m.label, m.dense, [f.name for f in m.sparse]) == ("Click", ["f"], ["uid"])
+    assert m.inferred == ("label", "dense", "sparse")
+
+
+def test_negative_integer_ids_are_taken_mod_the_table_size():
+    import pyarrow as pa
+
+    from tpurec.data.mapped import _ids
+    from tpurec.data.mapping import INT
+
+    ids = _ids(pa.array([-1, -7, 5, -8, 0], pa.int64()), INT, 4)
+    assert ids.dtype == np.int64 and ids.tolist() == [3, 1, 1, 0, 0]  # Python's mod: never negative
+
+
+def test_a_label_neither_0_nor_1_is_refused_naming_its_row():
+    import pyarrow as pa
+
+    from tpurec.data.mapped import _labels
+
+    ok = _labels("f.parquet", "y", pa.chunked_array([[0.0, 1.0, 1.0]]), 0)
+    assert ok.dtype == np.float32 and ok.tolist() == [0.0, 1.0, 1.0]
+    for bad, shown in ((0.5, "0.5"), (2.0, "2"), (-1.0, "-1")):
+        with pytest.raises(DataError, match=rf"f.parquet: column 'y': row 11: label {shown}, expected 0 or 1"):
+            _labels("f.parquet", "y", pa.chunked_array([[1.0, bad, 0.0]]), 10)

@@ -78,3 +78,22 @@ def test_ec_keywords_and_settings_build_the_same_kernel():
     assert all(torch.equal(out_loose[k].values(), out_whole[k].values()) for k in out_whole.keys())
     with pytest.raises(UserError, match="not both"):
         ec(settings=KernelSettings(), max_ids_per_partition=24)
+
+
+def test_fixed_limits_left_to_the_first_batch_are_twice_its_fullest_partition():
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from tpurec.embedding.kernel import KernelTable, SparseCoreKernel
+    from tpurec.embedding.optimizers.sgd import SGDSpec
+
+    kernel = SparseCoreKernel([KernelTable("t", 64, 8, ("f",))], SGDSpec(lr=0.1), 4, fixed_limits=True)
+    assert kernel.stack_limits(0) is None
+    # 8 samples over 4 SparseCores: samples 0 and 1 are SparseCore 0's; their 10 ids are rows 0-4 (5
+    # distinct), all of partition 0 (rows 0-15): limits 2 * 10 -> 24 ids and 2 * 5 -> 16 unique (8-aligned)
+    ids = torch.tensor([0, 1, 2, 3, 4, 4, 3, 2, 1, 0])
+    lengths = torch.tensor([5, 5, 0, 0, 0, 0, 0, 0], dtype=torch.int32)
+    kernel.preprocess(KeyedJaggedTensor(["f"], ids, lengths=lengths))
+    assert kernel.stack_limits(0) == (24, 16) and kernel.multipass_batches == 0
+    # a later batch with twice as many ids runs within them, and leaves them as they are
+    kernel.preprocess(KeyedJaggedTensor(["f"], torch.cat([ids, ids]), lengths=lengths * 2))
+    assert kernel.stack_limits(0) == (24, 16) and kernel.multipass_batches == 0

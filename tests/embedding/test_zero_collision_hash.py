@@ -139,3 +139,40 @@ def test_a_readonly_call_is_fbgemms_lookup_and_changes_nothing():
     out, _ = zero_collision_hash(torch.tensor([a, b]), identities, 3, True, readonly=True)
     assert out.tolist() == [2, 2]  # b: not found in 3 probes, its first slot
     assert torch.equal(identities, before)
+
+
+@pytest.mark.parametrize("policy", [0, 1])
+def test_a_slot_exactly_at_the_eviction_threshold_is_kept(policy):
+    """A slot is evicted only when its metadata is below the threshold: at it, it is kept (both policies),
+    one hour below, it is taken."""
+    a, p = _ids_with_first_slot(5, 2)
+    for threshold, want, evicted_slots in ((10, 6, []), (11, 5, [5])):
+        identities, metadata = _table(evict=True)
+        identities[5, 0], metadata[5, 0] = p, 10
+        out, evicted = zero_collision_hash(
+            torch.tensor([a]), identities, 2 if policy == 0 else 1, True, metadata=metadata,
+            input_metadata=torch.tensor([30], dtype=torch.int32), eviction_threshold=threshold,
+            eviction_policy=policy,
+        )  # fmt: skip
+        # policy 0 (2 probes): kept -> the empty slot 6; policy 1 (1 probe): kept -> a falls back to its
+        # first slot 5 without taking it (p stays there)
+        kept = threshold == 10
+        assert out.tolist() == [want if policy == 0 or not kept else 5], threshold
+        assert evicted.tolist() == evicted_slots, threshold
+        assert identities[5, 0] == (p if kept else a) and metadata[5, 0] == (10 if kept else 30), threshold
+
+
+def test_an_id_finds_its_own_slot_wrapping_around_its_probe_block_not_the_table():
+    """With reserved slots (opt_in_prob) the probe block is the table less the reserved slots: an id whose
+    first slot is the block's last finds itself at the block's first slot, and so stays there even when
+    its draw would opt it out (an id not found goes to a reserved slot)."""
+    (a,) = _ids_with_first_slot(5, 1, modulo=6)  # block 6 of 8 slots, 2 reserved (6, 7)
+    (p,) = _ids_with_first_slot(1, 1, modulo=6)  # any other id
+    identities, _ = _table()
+    identities[5, 0], identities[0, 0] = p, a  # a's first slot 5 is taken; a sits at 0 (wrapped)
+    out, _ = zero_collision_hash(
+        torch.tensor([a]), identities, 3, True, opt_in_prob=50, num_reserved_slots=2,
+        opt_in_rands=torch.tensor([99], dtype=torch.int32),
+    )  # fmt: skip
+    assert out.tolist() == [0]
+    assert identities[:, 0].tolist() == [a, EMPTY, EMPTY, EMPTY, EMPTY, p, EMPTY, EMPTY]

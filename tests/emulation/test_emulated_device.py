@@ -44,6 +44,7 @@ PROBE = textwrap.dedent(
     seen["sum_device"] = str((a + a).device)
     seen["index_1"] = refused(lambda: torch.zeros(2, device="tpu:1"), TorchTpuRuleError)
     seen["mixed"] = refused(lambda: a + torch.ones(3, 4), RuntimeError)
+    seen["mixed_1d"] = refused(lambda: a[0] + torch.ones(4), RuntimeError)
     seen["scalar_ok"] = str((a * torch.tensor(2.0)).device)
     seen["numpy"] = refused(lambda: a.numpy(), TypeError)
     seen["factory"] = str(torch.tensor([1, 2], device="tpu").device)
@@ -86,6 +87,10 @@ PROBE = textwrap.dedent(
     for shape in ((3, 4), (3, 4), (5, 4)):
         torch.ones(shape, device="tpu") * 3.0
     seen["programs"] = sorted({(op, str(key)) for _, op, key in device.RECORD.programs if op == "aten::mul.Tensor"})
+    device.RECORD.reset()
+    for dtype in (torch.float32, torch.float32, torch.float64):
+        torch.ones(3, device="tpu", dtype=dtype) * 3.0
+    seen["dtype_programs"] = sorted(str(key[0]) for _, op, key in device.RECORD.programs if op == "aten::mul.Tensor")
 
     # compiled (TorchTPU's backend, emulated): a mask made on the device inside the graph is part of its
     # one program; a host tensor copied to the device inside the graph is refused
@@ -131,6 +136,8 @@ def test_every_rank_drives_tpu_0(seen):
 def test_host_and_device_tensors_do_not_mix(seen):
     assert "Expected all tensors to be on the same device" in seen["mixed"]
     assert seen["scalar_ok"] == "tpu:0"  # a 0-dim CPU tensor is a scalar, as in torch
+    # a 1-D host tensor is no scalar: it mixes as a 2-D one does
+    assert "got a host tensor of shape (4,)" in seen["mixed_1d"]
 
 
 def test_numpy_refused_and_copies_to_host_counted_where_made(seen):
@@ -154,6 +161,53 @@ def test_ops_without_a_torchtpu_kernel_raise_torchtpus_error(seen):
 def test_every_op_shape_is_a_program(seen):
     shapes = [key for _, key in seen["programs"]]
     assert len(shapes) == 2 and any("(3, 4)" in k for k in shapes) and any("(5, 4)" in k for k in shapes)
+
+
+def test_the_same_shape_in_another_dtype_is_another_program(seen):
+    assert seen["dtype_programs"] == [
+        "(('tensor', (3,), 'torch.float32'), 3.0)",
+        "(('tensor', (3,), 'torch.float64'), 3.0)",
+    ]
+
+
+def test_a_program_key_names_each_tensors_shape_and_dtype():
+    import torch
+
+    from tpurec.emulation.device import _key_part
+
+    key = _key_part(([torch.zeros(2, 3, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.int32)], 7, torch.float16))
+    assert key == ((("tensor", (2, 3), "torch.bfloat16"), ("tensor", (4,), "torch.int32")), 7, "torch.float16")
+
+
+def _all_to_all_on_rank_0(monkeypatch, buffers: list[tuple[int, int]]) -> None:
+    """`_check_symmetric_all_to_all` on rank 0 of len(buffers) ranks, each rank's (input, output) numel
+    given: the all-gather of the sizes is faked, filling what each rank would send."""
+    import types
+
+    import torch
+
+    from tpurec.emulation import device
+
+    def all_gather(sizes, mine, group):
+        assert mine.tolist() == list(buffers[0])
+        for out, b in zip(sizes, buffers):
+            out.copy_(torch.tensor(b))
+
+    group = types.SimpleNamespace(size=lambda: len(buffers))
+    fake = types.SimpleNamespace(ProcessGroup=types.SimpleNamespace(unbox=lambda boxed: group), all_gather=all_gather)
+    monkeypatch.setattr(device, "dist", fake)
+    inp, out = torch.zeros(buffers[0][0]), torch.zeros(buffers[0][1])
+    device._check_symmetric_all_to_all((out, inp, object(), [1, 1], [2, 2]))
+
+
+def test_the_all_to_all_rule_is_judged_on_the_input_buffers(monkeypatch):
+    from tpurec.emulation.rule_error import TorchTpuRuleError
+
+    # equal inputs, outputs of different sizes: accepted
+    _all_to_all_on_rank_0(monkeypatch, [(6, 4), (6, 8)])
+    # inputs of different sizes, equal outputs: refused, naming both sizes
+    with pytest.raises(TorchTpuRuleError, match=r"this rank sends 4 elements, others \[4, 8\]"):
+        _all_to_all_on_rank_0(monkeypatch, [(4, 6), (8, 6)])
 
 
 def test_moving_a_module_already_on_the_device_keeps_its_parameters(seen):

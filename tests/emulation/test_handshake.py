@@ -117,3 +117,30 @@ def test_an_invalid_handshake_stage_is_refused_and_unset_is_off(monkeypatch):
     monkeypatch.setenv(handshake.TIMEOUT_ENV, "-1")
     with pytest.raises(ValueError, match="must be non-negative, got -1"):
         handshake.timeout_s()
+
+
+def test_a_handshake_compares_the_running_collective_count_with_the_graph(monkeypatch):
+    """Rank 0 of 2, the other rank's submission already in the store: the same graph fingerprint with
+    another running count of compiled collectives (TorchTPU's `_RANK_COLLECTIVE_COUNTS`) is a mismatch."""
+    import itertools
+    from collections import Counter
+
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    from tpurec.emulation import handshake
+
+    store = dist.HashStore()
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(c10d, "_get_default_store", lambda: store)
+    monkeypatch.setattr(handshake, "_COLLECTIVES", Counter())
+    monkeypatch.setattr(handshake, "_ROUND", itertools.count())
+    monkeypatch.setattr(handshake, "VERDICTS", Counter())
+    monkeypatch.setenv(handshake.TIMEOUT_ENV, "1")
+    store.set("tpurec/handshake/0/1", "g1/2")  # rank 1: graph g1, 2 collectives so far
+    assert handshake.submit("g1", 2) is True  # rank 0: the same graph and count
+    store.set("tpurec/handshake/1/1", "g2/5")  # rank 1 has compiled 3 collectives more: 5
+    assert handshake.submit("g2", 1) is False  # rank 0: the same graph, 3 collectives so far
+    assert store.get("tpurec/handshake/1/0") == b"g2/3"
+    assert handshake.VERDICTS == Counter({"agreed": 1, "split": 1})

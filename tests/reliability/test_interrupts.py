@@ -209,3 +209,26 @@ def test_ctrl_c_of_train_nproc_2_during_a_save_is_one_line_naming_the_ranks(tmp_
         assert [x[:21] for x in said] == ["tpurec train: rank 0:", "tpurec train: rank 1:"], err[-3000:]
     assert "; the last complete checkpoint is step " in said[0]
     assert not list(root.glob("*.tmp"))  # the save that was under way left nothing behind
+
+
+def test_the_ranks_stop_for_the_largest_signal_any_rank_got(monkeypatch):
+    """`StopRequest.agreed` over 3 ranks, the all-reduce faked with the other ranks' signals: each rank
+    stops for the largest (a signal on one rank stops them all); 1 rank asks no collective."""
+    import torch.distributed as dist
+
+    others: list[int] = []
+    ops: list = []
+
+    def all_reduce(flag, op):
+        ops.append(op)
+        values = [int(flag[0]), *others]
+        flag[0] = max(values) if op == dist.ReduceOp.MAX else min(values) if op == dist.ReduceOp.MIN else sum(values)
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    request = stop_request.StopRequest()
+    for mine, others[:], want in ((0, [0, 0], 0), (0, [2, 15], 15), (2, [0, 0], 2), (15, [2, 0], 15)):
+        request.signum = mine
+        assert request.agreed(3) == want, (mine, others)
+    assert ops == [dist.ReduceOp.MAX] * 4
+    request.signum = 15
+    assert request.agreed(1) == 15 and len(ops) == 4

@@ -321,3 +321,23 @@ def test_pipelined_step_with_the_options_equals_the_eager_step(kind):
     assert counter.frame_count == 1
     assert losses == eager_losses
     _assert_same_dmp(eager, eager_opt, twin, twin_opt)
+
+
+def test_the_dense_gradients_are_averaged_over_the_ranks(monkeypatch):
+    """`_mean_over_ranks` on rank 0 of 2, the functional all-reduce faked with rank 1's contribution:
+    each gradient is the mean of the two ranks', in its own shape."""
+    import torch.distributed._functional_collectives as funcol
+
+    from tpurec.sharding.dense_update import _mean_over_ranks
+
+    other = torch.tensor([0.0, 8.0, -2.0, 6.0])  # rank 1's gradients, concatenated
+
+    def all_reduce(flat, op, group):
+        assert op == "sum" and group == "g"
+        return flat + other / 2  # rank 1 divides by the world size too
+
+    monkeypatch.setattr(funcol, "all_reduce", all_reduce)
+    grads = [torch.tensor([2.0, 4.0]), torch.tensor([[6.0], [10.0]])]
+    out = _mean_over_ranks(grads, "g", 2)
+    assert [g.tolist() for g in out] == [[1.0, 6.0], [[2.0], [8.0]]]
+    assert _mean_over_ranks(grads, "g", 1) is grads and _mean_over_ranks([], "g", 2) == []

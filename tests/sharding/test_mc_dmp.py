@@ -158,3 +158,45 @@ def test_an_mc_ebc_on_an_emulated_tpu_slice_remaps_on_the_host_and_equals_cpu_ra
     assert emulated["losses"] == cpu["losses"]
     assert emulated["recompiles_after_warmup"] == 0, emulated["late_programs"]
     assert set(emulated["device_to_host_copies"]) == {"__main__.main"}  # the program's float(loss) only
+
+
+def test_evicted_rows_are_written_on_a_device_in_chunks_padded_with_their_first_row(monkeypatch):
+    """`write_rows` to a device table: chunks of CHUNK rows (4 here), a short one padded by repeating its
+    first row and value. The device is the meta device; a dispatch mode records each write's rows and
+    values (keeping them on the host) instead of making it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tpurec.sharding import evicted_rows
+
+    aten = torch.ops.aten
+
+    class Writes(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.writes: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is aten._to_copy.default and kwargs.get("device") == torch.device("meta"):
+                return args[0]  # "to the device": kept on the host, readable
+            if func is aten.index_put_.default:
+                rows, values = args[1][0], args[2]
+                self.writes.append((rows.tolist(), None if values.is_meta else values.tolist()))
+                return args[0]
+            return func(*args, **kwargs)
+
+    monkeypatch.setattr(evicted_rows, "CHUNK", 4)
+    target, rows = torch.empty(10, 2, device="meta"), torch.tensor([7, 2, 5, 9, 1, 3])
+    with Writes() as w:
+        evicted_rows.write_rows(target, rows, torch.arange(12.0).view(6, 2))
+    assert w.writes == [
+        ([7, 2, 5, 9], [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0, 7.0]]),
+        ([1, 3, 1, 1], [[8.0, 9.0], [10.0, 11.0], [8.0, 9.0], [8.0, 9.0]]),
+    ]
+    with Writes() as w:
+        evicted_rows.write_rows(target, rows[:5], 0.0)
+    assert w.writes == [([7, 2, 5, 9], None), ([1, 1, 1, 1], None)]
+    # on the host: the rows at once
+    host = torch.zeros(10, 2)
+    evicted_rows.write_rows(host, rows, torch.arange(12.0).view(6, 2))
+    assert host[:, 0].tolist() == [0.0, 8.0, 2.0, 10.0, 0.0, 4.0, 0.0, 0.0, 0.0, 6.0]

@@ -117,3 +117,40 @@ def test_dcp_load_next_to_a_dense_optimizer_where_stocks_empty_sgd_entries_fail(
         "embedding_bags.t2.weight",
     ]
     assert [r["keys"] for r in ours[1:]] == [r["keys"] for r in stock[1:]] == [["embedding_bags.t1.weight"]]
+
+
+def _groups_on(held: list[str], specs: dict[str, str]) -> list[tuple[str | None, list[str]]]:
+    """`optimizer_groups` of a table-wise sharded module over 4 ranks, on the rank holding `held`
+    (each table in a kernel module of its own optimizer); specs: table -> its fused optimizer."""
+    from types import SimpleNamespace
+
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    from tpurec.embedding.optimizers.registry import spec_from_fused_params
+    from tpurec.sharding.sharded_optimizer import optimizer_groups
+
+    kinds = {"rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "sgd": EmbOptimType.EXACT_SGD}
+    fused = {t: {"optimizer": kinds[k], "learning_rate": 0.1} for t, k in specs.items()}
+    modules = {}
+    for t, k in specs.items():
+        modules[k] = SimpleNamespace(kernel=SimpleNamespace(optimizer=spec_from_fused_params(fused[t], t)))
+    infos = [SimpleNamespace(embedding_config=SimpleNamespace(name=t), fused_params=fused[t]) for t in specs]
+    sharded = SimpleNamespace(
+        _sc_shards=lambda: [(t, f"{t}/0", None, modules[specs[t]]) for t in held],
+        sharding_type_to_sharding_infos={"table_wise": infos},
+        _sc_tables=list(specs),
+        module_sharding_plan={t: SimpleNamespace(sharding_type="table_wise") for t in specs},
+    )
+    return [(type(spec).__name__ if spec else None, tables) for spec, tables in optimizer_groups(sharded)]
+
+
+def test_each_rank_keys_its_own_tables_and_a_rank_without_state_keys_the_others():
+    adagrad = {"t0": "rowwise_adagrad", "t1": "rowwise_adagrad", "t2": "rowwise_adagrad"}
+    assert _groups_on(["t1"], adagrad) == [("RowWiseAdagradSpec", ["t1"])]
+    assert _groups_on(["t0", "t2"], adagrad) == [("RowWiseAdagradSpec", ["t0", "t2"])]
+    # rank 3 of 4 holds no table: it keys every table (their state without local shards), for DCP
+    assert _groups_on([], adagrad) == [("RowWiseAdagradSpec", ["t0", "t1", "t2"])]
+    # a rank holding only an SGD table keys the tables with state besides it
+    mixed = {"t0": "sgd", "t1": "rowwise_adagrad", "t2": "rowwise_adagrad"}
+    assert _groups_on(["t0"], mixed) == [("SGDSpec", ["t0"]), ("RowWiseAdagradSpec", ["t1", "t2"])]
+    assert _groups_on(["t1"], mixed) == [("RowWiseAdagradSpec", ["t1"])]

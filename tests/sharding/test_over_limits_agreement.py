@@ -63,3 +63,34 @@ def test_compiled_step_ranks_agree_on_a_batch_over_the_limits():
         assert result["frames"] == 1, rank  # the other six in the one graph
         assert result["compiled"] == result["eager"], rank
         assert result["tables_equal"], rank
+
+
+def test_any_ranks_batch_over_its_limits_sends_every_rank_to_the_eager_step(monkeypatch):
+    """`any_rank_over_limits` on one rank of 3, the all-reduce faked with the other ranks' flags."""
+    import torch.distributed as dist
+
+    from tpurec.sharding import step_inputs
+
+    others: list[int] = []
+    monkeypatch.setattr(step_inputs, "over_limits", lambda part: ["t0"] if part == "over" else [])
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group: "gloo")
+
+    def all_reduce(flag, group, op=dist.ReduceOp.SUM):
+        assert group == "g" and flag.device.type == "cpu"
+        values = [int(flag[0]), *others]
+        flag[0] = sum(values) if op == dist.ReduceOp.SUM else max(values) if op == dist.ReduceOp.MAX else min(values)
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    cases = [
+        (["ok"], [0, 0], False),
+        (["ok", "ok"], [0, 1], True),
+        (["ok", "over"], [0, 0], True),
+        (["over"], [1, 1], True),
+    ]
+    for parts, others[:], want in cases:
+        assert step_inputs.any_rank_over_limits(parts, "g", 3, None) is want, (parts, others)
+    # one rank, or no group: its own batch decides, no collective
+    others[:] = [1, 1]
+    assert step_inputs.any_rank_over_limits(["ok"], "g", 1, None) is False
+    assert step_inputs.any_rank_over_limits(["over"], None, 3, None) is True

@@ -118,6 +118,55 @@ def test_uri_parsing(uri, scheme, key):
     assert not storage.is_uri("/data/s3://x") and not storage.is_uri("file.parquet")
 
 
+def test_a_buckets_filesystem_is_made_again_when_credentials_or_endpoint_change(monkeypatch):
+    """`storage.filesystem` keeps one pyarrow filesystem per bucket and credential settings: a changed
+    key, endpoint or GCS emulator gets a new one, the settings of before the same one again. pyarrow's
+    filesystems are faked here (counted, never connected)."""
+    import types
+
+    import pyarrow
+
+    from tpurec.runtime import storage
+
+    made: list[tuple] = []
+
+    def from_uri(uri):
+        made.append(("uri", uri))
+        return object(), ""
+
+    def gcs(**kw):
+        made.append(("gcs", kw["endpoint_override"]))
+        return object()
+
+    fake = types.SimpleNamespace(FileSystem=types.SimpleNamespace(from_uri=from_uri), GcsFileSystem=gcs)
+    monkeypatch.setattr(pyarrow, "fs", fake, raising=False)
+    monkeypatch.setattr(storage, "_filesystems", {})
+    monkeypatch.setattr(storage, "require_aws_credentials", lambda uri: None)
+    for name in (*storage._S3_ENV, *storage._GCS_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "alice")
+    first = storage.filesystem("s3", "b")
+    assert storage.filesystem("s3", "b") is first and len(made) == 1
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "bob")
+    bob = storage.filesystem("s3", "b")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    elsewhere = storage.filesystem("s3", "b")
+    assert len({id(first), id(bob), id(elsewhere)}) == 3 and len(made) == 3
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "alice")
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    assert storage.filesystem("s3", "b") is first and len(made) == 3
+    # gs://: the emulator's endpoint and the credentials file are settings too
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:1")
+    one = storage.filesystem("gs", "b")
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:2")
+    two = storage.filesystem("gs", "b")
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", "/tmp/key.json")
+    three = storage.filesystem("gs", "b")
+    assert len({id(one), id(two), id(three)}) == 3
+    assert made[3:] == [("gcs", "127.0.0.1:1"), ("gcs", "127.0.0.1:2"), ("gcs", "127.0.0.1:2")]
+    assert made[:3] == [("uri", "s3://b")] * 3
+
+
 def _criteo_tsv(path, rows: int = 300) -> None:
     """Criteo's text layout: label, 13 integer counts, 26 hex ids (some blank), tab-separated."""
     rng = np.random.default_rng(1)
