@@ -128,6 +128,7 @@ class MappedSource:
         d.update(rows=self.rows, files=self.files, table_sizes={f.name: f.rows for f in self.mapping.sparse})
         d["mapping"] = self.mapping.to_doc()
         d["mapping_inferred"] = list(self.mapping.inferred)
+        d["mapping_label_note"] = self.mapping.label_like_note()
         d["sparse_kinds"] = {f.name: f.kind for f in self.mapping.sparse}
         return d
 
@@ -260,9 +261,10 @@ def mapping_summary(meta: dict) -> str:
     sparse = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in kinds.items())
     inferred = meta.get("mapping_inferred") or []
     how = f"; inferred: {', '.join(inferred)} (`tpurec data inspect` prints the mapping)" if inferred else ""
+    note = meta.get("mapping_label_note")
     return (
         f"label {meta.get('label')!r}, {len(meta.get('dense') or [])} dense, "
-        f"{len(meta.get('sparse') or [])} sparse ({sparse}){how}"
+        f"{len(meta.get('sparse') or [])} sparse ({sparse}){how}" + (f"; {note}" if note else "")
     )
 
 

@@ -1,0 +1,37 @@
+"""Data mistakes that used to pass in silence (#61 item 5): a second label-named column fed to the model
+as a feature, a damaged ``*.parquet`` skipped as "not Parquet", uint64 ids near 2^64 hashed as negative
+numbers."""
+
+from __future__ import annotations
+
+from tpurec import cli
+from tpurec.data.mapped import open_source
+from tpurec.data.mapping import ColumnSpec
+
+
+def _two_labels(path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"label": [0, 1, 1, 0], "clicked": [0, 1, 1, 0], "x": [0.5, 1.5, 2.5, 3.5], "c": [3, 4, 5, 6]})
+    pq.write_table(table, path)
+    return path
+
+
+def test_another_label_named_column_is_left_out_of_the_features_and_named(tmp_path, capsys):
+    src = open_source(_two_labels(tmp_path / "t.parquet"), None)
+    m = src.mapping
+    assert (m.label, m.dense, [f.name for f in m.sparse]) == ("label", ["x"], ["c"])
+    assert m.skipped == ("clicked",) and m.label_like == ("clicked",)
+    note = (
+        "label 'label' chosen; also label-named and left out of the features: clicked "
+        "(name one with --label, or as a feature with --dense/--sparse)"
+    )
+    assert src.metadata()["mapping_label_note"] == note
+    assert cli.main(["data", "inspect", str(tmp_path / "t.parquet"), "--mapping"]) == 0
+    assert capsys.readouterr().out.splitlines()[-2:] == ["# left out: clicked", f"# {note}"]
+
+
+def test_a_label_named_column_given_as_a_feature_is_a_feature(tmp_path):
+    m = open_source(_two_labels(tmp_path / "t.parquet"), ColumnSpec(dense="x,clicked")).mapping
+    assert (m.label, m.dense, [f.name for f in m.sparse], m.label_like) == ("label", ["x", "clicked"], ["c"], ())
