@@ -7,6 +7,7 @@ from __future__ import annotations
 from tpurec import cli
 from tpurec.data.mapped import open_source
 from tpurec.data.mapping import ColumnSpec
+from tpurec.data.reader import ParquetReader
 
 
 def _two_labels(path):
@@ -35,3 +36,15 @@ def test_another_label_named_column_is_left_out_of_the_features_and_named(tmp_pa
 def test_a_label_named_column_given_as_a_feature_is_a_feature(tmp_path):
     m = open_source(_two_labels(tmp_path / "t.parquet"), ColumnSpec(dense="x,clicked")).mapping
     assert (m.label, m.dense, [f.name for f in m.sparse], m.label_like) == ("label", ["x", "clicked"], ["c"], ())
+
+
+def test_uint64_ids_near_2_64_are_reduced_as_unsigned_numbers(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    big = [2**64 - 1, 2**63, 2**63 + 7, 12]
+    pq.write_table(pa.table({"label": [0, 1, 0, 1], "u": pa.array(big, pa.uint64())}), tmp_path / "u.parquet")
+    src = open_source(tmp_path / "u.parquet", ColumnSpec(sparse="u:1000"))
+    (batch,) = list(ParquetReader(None, 4, source=src, prefetch=0))
+    # 2^64 - 1 = 18446744073709551615 -> 615 (read as -1 it was 999); 2^63 -> 808, 2^63 + 7 -> 815
+    assert batch.sparse_features.to_dict()["u"].values().tolist() == [615, 808, 815, 12]

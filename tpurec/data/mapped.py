@@ -8,10 +8,11 @@ groups, as for tpurec's own data, so sharding, shuffling and resuming work uncha
 Decoding rules (docs/data.md, "Your own Parquet"):
   * label: one number per row, 0 or 1 (bool, integer or float); a null label is an error.
   * dense: cast to float32 as stored (no transform); null -> 0.0; NaN/inf are errors.
-  * sparse: integer ids -> ``id mod ROWS`` (ids already in [0, ROWS) are kept as they are); string ids
-    -> ``splitmix64(fnv1a64(utf-8 bytes)) mod ROWS`` (tpurec/data/string_ids.py); ``list<...>`` columns are multi-hot
-    (the list's length is the row's id count). A null (row or list element) is no id: a null or empty
-    list, or a null scalar, gives the row length 0.
+  * sparse: integer ids -> ``id mod ROWS`` (uint64 ids as unsigned numbers; ids already in [0, ROWS) are
+    kept as they are); string ids -> ``splitmix64(fnv1a64(utf-8 bytes)) mod ROWS``
+    (tpurec/data/string_ids.py); ``list<...>`` columns are multi-hot (the list's length is the row's id
+    count). A null (row or list element) is no id: a null or empty list, or a null scalar, gives the row
+    length 0.
 """
 
 from __future__ import annotations
@@ -249,7 +250,11 @@ def _ids(vals: Any, kind: str, size: int | None) -> np.ndarray:
         h = string_hash(vals)
         return (h % np.uint64(size)).astype(np.int64) if size else (h >> np.uint64(1)).astype(np.int64)
     assert kind in (INT, "int_list"), kind
-    x = np.asarray(vals.to_numpy(zero_copy_only=False)).astype(np.int64, copy=False)
+    x = np.asarray(vals.to_numpy(zero_copy_only=False))
+    if x.dtype == np.uint64 and size:
+        # mod in uint64: cast to int64 first, 2^64 - 1 read as -1 and hashed to size - 1
+        return (x % np.uint64(size)).astype(np.int64)
+    x = x.astype(np.int64, copy=False)  # unhashed uint64 ids keep their bits: distinct ids stay distinct
     return np.mod(x, size) if size else x
 
 
