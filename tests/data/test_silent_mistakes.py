@@ -4,6 +4,8 @@ numbers."""
 
 from __future__ import annotations
 
+import pytest
+
 from tpurec import cli
 from tpurec.data.mapped import open_source
 from tpurec.data.mapping import ColumnSpec
@@ -48,3 +50,22 @@ def test_uint64_ids_near_2_64_are_reduced_as_unsigned_numbers(tmp_path):
     (batch,) = list(ParquetReader(None, 4, source=src, prefetch=0))
     # 2^64 - 1 = 18446744073709551615 -> 615 (read as -1 it was 999); 2^63 -> 808, 2^63 + 7 -> 815
     assert batch.sparse_features.to_dict()["u"].values().tolist() == [615, 808, 815, 12]
+
+
+def test_a_truncated_parquet_file_in_a_directory_is_an_error_naming_it(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tpurec.data.schema import DataError
+
+    table = pa.table({"label": [0, 1] * 50, "x": [0.5] * 100})
+    pq.write_table(table, tmp_path / "part-0.parquet")
+    blob = (tmp_path / "part-0.parquet").read_bytes()
+    (tmp_path / "part-1.parquet").write_bytes(blob[: len(blob) // 2])  # cut short
+    (tmp_path / "README").write_text("not Parquet, and not named so: skipped")
+    (tmp_path / "_SUCCESS").write_bytes(b"")
+    with pytest.raises(DataError, match=r"part-1\.parquet: not a readable Parquet file") as e:
+        open_source(tmp_path, None)
+    assert str(e.value).startswith(f"{tmp_path / 'part-1.parquet'}: not a readable Parquet file (")
+    (tmp_path / "part-1.parquet").unlink()
+    assert open_source(tmp_path, None).rows == 100  # the README and _SUCCESS left out by name

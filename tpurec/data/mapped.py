@@ -1,9 +1,10 @@
 """Any Parquet: files, directories and Hive-partitioned datasets that tpurec did not write, read through
 a column mapping (tpurec/data/mapping.py) into the reader's windows (tpurec/data/reader.py).
 
-pyarrow.dataset finds the files (recursively, skipping ``_*`` and ``.*`` names and files that are not
-Parquet) and the partition columns of ``key=value`` directories; the reader's units are the files' row
-groups, as for tpurec's own data, so sharding, shuffling and resuming work unchanged.
+pyarrow.dataset finds the files (recursively, skipping ``_*`` and ``.*`` names, and files of other
+names that are not Parquet; a ``*.parquet`` that does not open is an error naming it) and the partition
+columns of ``key=value`` directories; the reader's units are the files' row groups, as for tpurec's own
+data, so sharding, shuffling and resuming work unchanged.
 
 Decoding rules (docs/data.md, "Your own Parquet"):
   * label: one number per row, 0 or 1 (bool, integer or float); a null label is an error.
@@ -73,6 +74,27 @@ def open_source(path: str | os.PathLike, spec: ColumnSpec | None) -> MappedSourc
     return MappedSource(path, spec or ColumnSpec())
 
 
+PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")  # a file named so must be Parquet: damage is an error
+
+
+def _refuse_damaged(root: Any, found: set[str], local: bool) -> None:
+    """DataError naming the first file under directory `root` named as Parquet (PARQUET_SUFFIXES, not
+    under a ``_``/``.`` name) that pyarrow's discovery left out of `found`: it skips a file that does not
+    open as Parquet, so a truncated part was dropped and half the data trained without a word. Files
+    named otherwise (``README``, ``_SUCCESS``) are still skipped when they are not Parquet."""
+    from tpurec.data.schema import read_footer
+
+    norm = (lambda p: os.path.normpath(p)) if local else (lambda p: p)
+    have = {norm(p) for p in found}
+    for f in sorted(root.rglob("*"), key=str):
+        rel = f.relative_to(root).parts
+        if not f.name.lower().endswith(PARQUET_SUFFIXES) or any(x.startswith(("_", ".")) for x in rel):
+            continue
+        if norm(str(f)) not in have and f.is_file():
+            read_footer(str(f))  # raises, naming the file and pyarrow's reason
+            raise DataError(f"{f}: named as Parquet but not read as part of the dataset {root}")
+
+
 class MappedSource:
     """A Parquet dataset and its column mapping: ``schema`` (a DataSchema), ``units``, ``decoder()``."""
 
@@ -93,6 +115,8 @@ class MappedSource:
             fragments = sorted(dataset.get_fragments(), key=lambda f: f.path)
         except Exception as e:  # unreadable directory, conflicting partition values, ...
             raise DataError(f"{path}: cannot open as a Parquet dataset ({str(e).splitlines()[0]})") from None
+        if here.is_dir():
+            _refuse_damaged(here, {named(f.path) for f in fragments}, local=fs is None)
         if not fragments:
             what = "not a readable Parquet file" if here.is_file() else "no readable Parquet files"
             raise DataError(f"{path}: {what}")
