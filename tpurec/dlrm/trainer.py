@@ -288,9 +288,11 @@ class Trainer:
             )
         plan = None
         if o.plan:
-            from tpurec.planner.plan_io import load_plan
+            from tpurec.planner.plan_check import check_plan_world
+            from tpurec.planner.plan_io import load_plan, read_doc
 
             plan = load_plan(o.plan)
+            check_plan_world(read_doc(o.plan), self.world, f"--plan {o.plan}")
         from tpurec.planner.plan_check import PlanMismatchError
 
         # --step compiled|pipelined take an EmbeddingCollection on its fixed-shape output path only
