@@ -39,6 +39,19 @@ positive_float = _domain(float, lambda v: v > 0, "> 0")
 nonnegative_float = _domain(float, lambda v: v >= 0, ">= 0")
 fraction_below_one = _domain(float, lambda v: 0 <= v < 1, "in [0, 1)")  # a share: HBM kept free, data held out
 fraction_above_zero = _domain(float, lambda v: 0 < v <= 1, "in (0, 1]")  # e.g. SparseCore share of HBM bw
+# a seed: torch.manual_seed takes 64 bits and numpy's generators any int; 2^64 was torch's
+# "Overflow when unpacking long long" traceback, so seeds stay in what every consumer takes
+seed_int = _domain(int, lambda v: 0 <= v < 2**63, "in [0, 2^63)")
+
+PARQUET_CODECS = ("none", "snappy", "gzip", "brotli", "zstd", "lz4")  # pyarrow's Parquet writer's
+
+
+def parquet_codec(text: str) -> str:
+    """A Parquet codec name (any case): `--compression bogus` was pyarrow's traceback after the output
+    directory had been made, and left it empty."""
+    if text.lower() not in PARQUET_CODECS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a Parquet codec (choose from {', '.join(PARQUET_CODECS)})")
+    return text.lower()
 
 
 def int_list(text: str) -> tuple[int, ...]:

@@ -42,9 +42,24 @@ def dir_problem(path: str | os.PathLike) -> str | None:
     return None
 
 
+def _uri_scheme(path: str | os.PathLike) -> str | None:
+    """The scheme of a URI (``s3`` of ``s3://b/k``), else None."""
+    text = os.fspath(path)
+    scheme, sep, _ = text.partition("://") if isinstance(text, str) else ("", "", "")
+    return scheme if sep and scheme[:1].isalpha() and all(c.isalnum() or c in "+.-" for c in scheme) else None
+
+
 def file_problem(path: str | os.PathLike, makes_parents: bool = False) -> str | None:
     """Why a file cannot be written (created or replaced) at `path`, else None. Its directory must
-    exist unless the writer makes it (`makes_parents`)."""
+    exist unless the writer makes it (`makes_parents`). A URI is refused: these files are written to
+    local paths only, and `s3://b/m.csv` would land in a local directory `s3:` while the command
+    printed "wrote s3://b/m.csv" (datasets and checkpoints, not files, go to buckets)."""
+    scheme = _uri_scheme(path)
+    if scheme:
+        return (
+            f"a {scheme}:// URI; this file is written to a local path only (it would land in a local "
+            f"directory '{scheme}:'): write it locally and copy it to the bucket"
+        )
     full = os.path.abspath(path)
     if os.path.isdir(full):
         return f"{path} is a directory"
@@ -92,6 +107,9 @@ def write_atomic(
     the path when it cannot be written (the free space is too small for `data`, or the write fails),
     with no temporary file left. `makes_parents` creates missing directories first."""
     blob = data.encode() if isinstance(data, str) else data
+    uri = file_problem(path) if _uri_scheme(path) else None
+    if uri:  # a caller that did not check its outputs first: still never a local "s3:" directory
+        raise UserError(f"{_named(flag, path)}: {uri}")
     full = os.path.realpath(path)  # through a symlink: the file it names is replaced, the link stays
     if os.path.exists(full) and not stat.S_ISREG(os.stat(full).st_mode):
         # a device or a pipe (`--out /dev/stdout`, a FIFO): nothing to rename over, and renaming

@@ -6,7 +6,7 @@ import torch
 
 from tpurec.embedding.module import SparseCoreEmbeddingBagCollection
 from tpurec.embedding.sequence_module import SparseCoreEmbeddingCollection
-from tpurec.embedding.settings import KernelSettings
+from tpurec.embedding.settings import KernelSettings, TableLimits
 from tpurec.errors import UserError
 
 from .helpers import make_tables, random_kjt
@@ -97,3 +97,37 @@ def test_fixed_limits_left_to_the_first_batch_are_twice_its_fullest_partition():
     # a later batch with twice as many ids runs within them, and leaves them as they are
     kernel.preprocess(KeyedJaggedTensor(["f"], torch.cat([ids, ids]), lengths=lengths * 2))
     assert kernel.stack_limits(0) == (24, 16) and kernel.multipass_batches == 0
+
+
+@pytest.mark.parametrize(
+    "value,says",
+    [
+        ((0, 4), "KernelSettings.id_limits['t1'] max_ids_per_partition: 0 is not a whole number in [1, 2,147,483,647]"),
+        ((8, -8), "KernelSettings.id_limits['t1'] max_unique_ids_per_partition: -8 is not a whole number in [1, "),
+        (("8", 4), "KernelSettings.id_limits['t1'] max_ids_per_partition: '8' is not a whole number in [1, "),
+        ((float("nan"), 4), "KernelSettings.id_limits['t1'] max_ids_per_partition: nan is not a whole number in [1, "),
+        ((8.5, 4), "KernelSettings.id_limits['t1'] max_ids_per_partition: 8.5 is not a whole number in [1, "),
+        ((True, 4), "KernelSettings.id_limits['t1'] max_ids_per_partition: True is not a whole number in [1, "),
+        (
+            (8, 4, 16, 2**31),
+            "KernelSettings.id_limits['t1'] max_unique_ids_per_slice: 2147483648 is not a whole number",
+        ),
+    ],
+)
+def test_id_limits_values_are_whole_numbers_in_range(value, says):
+    """0 and -8 were kept (and failed in the kernel), "8" was taken as 8, NaN was a bare ValueError."""
+    with pytest.raises(UserError) as err:
+        KernelSettings(id_limits={"t1": value})
+    assert str(err.value).startswith(says), str(err.value)
+    with pytest.raises(UserError, match=r"^TableLimits max_ids_per_partition: 0 is not a whole number"):
+        TableLimits(0, 4)
+
+
+def test_id_limits_of_a_table_the_module_lacks_are_refused():
+    with pytest.raises(UserError) as err:
+        _ebc(settings=KernelSettings(id_limits={"t1": (8, 4), "t_nope": (8, 4)}))
+    assert str(err.value) == (
+        "KernelSettings.id_limits: table(s) 't_nope' are not this SparseCoreEmbeddingBagCollection's "
+        "(its tables: t1, t2, t3)"
+    )
+    assert _ebc(settings=KernelSettings(id_limits={"t1": (8, 4)})).kernel.settings.id_limits["t1"] == TableLimits(8, 4)

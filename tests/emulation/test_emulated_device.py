@@ -164,10 +164,23 @@ def test_every_op_shape_is_a_program(seen):
 
 
 def test_the_same_shape_in_another_dtype_is_another_program(seen):
+    # the float operand is a runtime value (as on the chip), the dtype part of the program
     assert seen["dtype_programs"] == [
-        "(('tensor', (3,), 'torch.float32'), 3.0)",
-        "(('tensor', (3,), 'torch.float64'), 3.0)",
+        "(('tensor', (3,), 'torch.float32'), 'float')",
+        "(('tensor', (3,), 'torch.float64'), 'float')",
     ]
+
+
+def test_keyword_dtypes_make_programs_and_a_changing_python_float_does_not():
+    import torch
+
+    from tpurec.emulation.device import _key_part
+
+    as32, as64 = ({"dtype": d, "pin_memory": False} for d in (torch.float32, torch.float64))
+    assert _key_part(((3,), as32)) != _key_part(((3,), as64))  # `torch.ones(3, dtype=...)`
+    assert _key_part(((3,), as32)) == ((3,), (("dtype", "torch.float32"), ("pin_memory", False)))
+    x = torch.zeros(4)
+    assert _key_part((x, 0.1)) == _key_part((x, 0.2)) == (("tensor", (4,), "torch.float32"), "float")
 
 
 def test_a_program_key_names_each_tensors_shape_and_dtype():

@@ -28,7 +28,20 @@ SAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tables.yaml"
         ('{"name": "x", "rows": 10, "dim": 8, "poolng": 3}', "table #0 ('x'): unknown field(s) ['poolng']; known:"),
         (
             '{"name": "x", "rows": 10, "dim": 8, "pooling_factor": -1}',
-            "pooling_factor -1.0 must be a finite number > 0",
+            "pooling_factor -1.0 must be a finite number in (0, 2,147,483,647]",
+        ),
+        # both were OverflowError tracebacks (#61): an int past a float's range, a factor whose buffers overflow
+        (
+            '{"name": "x", "rows": 1' + "0" * 400 + ', "dim": 8}',
+            "rows 1" + "0" * 400 + " must be in [1, 1,099,511,627,776]",
+        ),
+        (
+            '{"name": "x", "rows": 10, "dim": 8, "pooling_factor": 1e308}',
+            "pooling_factor 1e+308 must be a finite number in (0, 2,147,483,647]",
+        ),
+        (
+            '{"name": "x", "rows": 10, "dim": 8, "pooling_factor": 1' + "0" * 400 + "}",
+            "pooling_factor 1" + "0" * 400 + " is not a number",
         ),
         ('{"name": "x", "rows": 10}', "table #0 ('x'): needs 'embedding_dim' (or 'dim')"),
         ('{"rows": 10, "dim": 8}', "table #0: needs 'name'"),

@@ -64,11 +64,36 @@ def _limits_file(tmp_path, text: str):
 
 
 def _entry(ids: str) -> str:
+    """A limits file for dlrm-tiny on v6e-4 (all 26 tables: another model's are refused) with `ids` as
+    t_C1's max_ids_per_partition, as written in the JSON text."""
+    others = "".join(
+        f', "t_C{i}": {{"max_ids_per_partition": 8, "max_unique_ids_per_partition": 8}}' for i in range(2, 27)
+    )
     return (
         '{"format": "tpurec-id-limits", "layout": {"world_size": 4, "sparsecores_per_device": 2, '
         '"batch_size_per_device": 512}, "tables": {"t_C1": '
-        f'{{"max_ids_per_partition": {ids}, "max_unique_ids_per_partition": 8}}}}}}'
+        f'{{"max_ids_per_partition": {ids}, "max_unique_ids_per_partition": 8}}{others}}}}}'
     )
+
+
+def test_plan_refuses_limits_of_another_models_tables(tmp_path, capsys):
+    """`tpurec plan --limits` took a limits file of another model, and sized none of its tables."""
+    path = _limits_file(tmp_path, _entry("8").replace('"t_C26"', '"t_other"'))
+    code, _, err = run_cli(["plan", "--model", "dlrm-tiny", "--topology", "v6e-4", "--limits", path], capsys)
+    assert_refused(
+        code,
+        err,
+        f"tpurec plan: --limits {path}: measured for other tables: no limits for the model's table(s) t_C26; "
+        "table(s) t_other are not the model's (measure this model's: tpurec data stats --model/--plan)",
+    )
+    code, _, err = run_cli(
+        ["plan", "--model", "dlrm-tiny", "--topology", "v6e-4", "--limits", _entry_file(tmp_path)], capsys
+    )
+    assert code == 0, err
+
+
+def _entry_file(tmp_path):
+    return _limits_file(tmp_path, _entry("8"))
 
 
 BAD_FILES = [

@@ -153,3 +153,48 @@ def test_bench_refuses_a_work_dir_or_cache_it_cannot_write(a_file, monkeypatch, 
     code, out, err = run_cli([str(a).replace("{F}", str(a_file)) for a in argv], capsys)
     assert_refused(code, err, says.replace("{F}", str(a_file)))
     assert not out or json.loads(out) is None
+
+
+URI_SAYS = "a s3:// URI; this file is written to a local path only (it would land in a local directory 's3:')"
+
+
+@pytest.mark.parametrize(
+    "argv,line",
+    [
+        (TRAIN + ["--metrics-out", "s3://b/m.csv"], "tpurec train: error: --metrics-out s3://b/m.csv: "),
+        (TRAIN + ["--save-plan", "s3://b/p.json"], "tpurec train: error: --save-plan s3://b/p.json: "),
+        (["plan", "--model", "dlrm-tiny", "--topology", "v6e-4", "--out", "s3://b/p.txt"], "tpurec plan: --out s3"),
+        (
+            ["data", "stats", "D", "--model", "dlrm-tiny", "--topology", "v5p-8", "--out", "s3://b/l.json"],
+            "tpurec data",
+        ),
+    ],
+    ids=["metrics", "save_plan", "plan_out", "stats_out"],
+)
+def test_a_file_output_given_as_a_uri_is_refused_not_written_to_a_local_s3_dir(
+    tmp_path, empty_cache, capsys, monkeypatch, argv, line
+):
+    """`s3://b/m.csv` used to land in `./s3:/b/m.csv` while the command printed `wrote s3://b/m.csv`."""
+    from tpurec.data.synth import synthesize
+
+    monkeypatch.chdir(tmp_path)
+    if "stats" in argv:
+        synthesize(300, str(tmp_path / "D"), seed=0, show_progress=False)
+    code, out, err = run_cli(argv, capsys)
+    assert_refused(code, err, line)
+    assert err.strip().endswith(f"{URI_SAYS}: write it locally and copy it to the bucket"), err
+    assert not (tmp_path / "s3:").exists() and not empty_cache.exists()
+
+
+def test_write_atomic_refuses_a_uri(tmp_path, monkeypatch):
+    from tpurec.errors import UserError
+    from tpurec.outputs import write_atomic
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError) as e:
+        write_atomic("gs://b/x.json", "{}", "--out")
+    assert str(e.value) == (
+        "--out gs://b/x.json: a gs:// URI; this file is written to a local path only (it would land in a local "
+        "directory 'gs:'): write it locally and copy it to the bucket"
+    )
+    assert list(tmp_path.iterdir()) == []

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from tpurec import strict_json
-from tpurec.argtypes import positive_int
+from tpurec.argtypes import parquet_codec, positive_int
 from tpurec.bench import timer
 
 BATCH = 8192
@@ -236,7 +236,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=500_000,
         help="rows of raw TSV for the converter figure (default 500000)",
     )
-    p.add_argument("--compression", default="none", help="codec of the generated Parquet (default none)")
+    p.add_argument(
+        "--compression", type=parquet_codec, default="none", help="codec of the generated Parquet (default none)"
+    )
     p.add_argument("--dir", help="work directory (kept); default a temporary one, removed afterwards")
     p.add_argument("--json", action="store_true", help="one JSON document instead of text")
     p.set_defaults(run=run)

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable
 
 from tpurec import strict_json
-from tpurec.argtypes import nonnegative_int, positive_int
+from tpurec.argtypes import parquet_codec, positive_int, seed_int
 from tpurec.catalog import MODEL_NAMES
 from tpurec.errors import UserError
 
@@ -108,7 +108,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="rows per Parquet row group (default 65536; Parquet input keeps its own row groups)",
     )
     c.add_argument(
-        "--compression", default="snappy", help="Parquet codec (default snappy; none reads faster, files are bigger)"
+        "--compression",
+        type=parquet_codec,
+        default="snappy",
+        help="Parquet codec (default snappy; none reads faster, files are bigger)",
     )
     c.add_argument("--jobs", type=positive_int, default=None, help="parallel processes (default: cores, <= inputs)")
     c.add_argument("--skip-bad-lines", action="store_true", help="drop malformed lines, count and report them")
@@ -119,7 +122,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     s = dsub.add_parser("synth", help="synthetic Criteo-shaped data with a known best AUC (oracle_auc)")
     s.add_argument("--rows", type=positive_int, default=200_000, help="rows to generate (default 200000)")
     s.add_argument("--out", required=True, help="output directory (part-NNNNN.parquet + _dataset.json)")
-    s.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the data and its signal (default 0)")
+    s.add_argument("--seed", type=seed_int, default=0, help="seed of the data and its signal (default 0)")
     s.add_argument(
         "--table-set",
         "--tables",  # the older spelling
@@ -132,7 +135,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument(
         "--row-group-size", type=positive_int, default=65536, help="rows per Parquet row group (default 65536)"
     )
-    s.add_argument("--compression", default="none", help="Parquet codec (default none: fastest to read)")
+    s.add_argument(
+        "--compression", type=parquet_codec, default="none", help="Parquet codec (default none: fastest to read)"
+    )
     s.add_argument("--overwrite", action="store_true", help="replace a dataset already in --out (after success)")
     s.add_argument(
         "--raw-ids",

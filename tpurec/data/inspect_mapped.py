@@ -91,5 +91,6 @@ def inspect_mapped(source: MappedSource, sample_rows: int = 1_000_000) -> dict:
         "partition_columns": list(source.partition_columns),
         "mapping": m.to_doc(),
         "mapping_inferred": list(m.inferred),
+        "mapping_label_like_left_out": list(m.label_like),
         "empty_note": "empty: share of rows without ids (null or empty list)",
     }

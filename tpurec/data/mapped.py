@@ -1,17 +1,19 @@
 """Any Parquet: files, directories and Hive-partitioned datasets that tpurec did not write, read through
 a column mapping (tpurec/data/mapping.py) into the reader's windows (tpurec/data/reader.py).
 
-pyarrow.dataset finds the files (recursively, skipping ``_*`` and ``.*`` names and files that are not
-Parquet) and the partition columns of ``key=value`` directories; the reader's units are the files' row
-groups, as for tpurec's own data, so sharding, shuffling and resuming work unchanged.
+pyarrow.dataset finds the files (recursively, skipping ``_*`` and ``.*`` names, and files of other
+names that are not Parquet; a ``*.parquet`` that does not open is an error naming it) and the partition
+columns of ``key=value`` directories; the reader's units are the files' row groups, as for tpurec's own
+data, so sharding, shuffling and resuming work unchanged.
 
 Decoding rules (docs/data.md, "Your own Parquet"):
   * label: one number per row, 0 or 1 (bool, integer or float); a null label is an error.
   * dense: cast to float32 as stored (no transform); null -> 0.0; NaN/inf are errors.
-  * sparse: integer ids -> ``id mod ROWS`` (ids already in [0, ROWS) are kept as they are); string ids
-    -> ``splitmix64(fnv1a64(utf-8 bytes)) mod ROWS`` (tpurec/data/string_ids.py); ``list<...>`` columns are multi-hot
-    (the list's length is the row's id count). A null (row or list element) is no id: a null or empty
-    list, or a null scalar, gives the row length 0.
+  * sparse: integer ids -> ``id mod ROWS`` (uint64 ids as unsigned numbers; ids already in [0, ROWS) are
+    kept as they are); string ids -> ``splitmix64(fnv1a64(utf-8 bytes)) mod ROWS``
+    (tpurec/data/string_ids.py); ``list<...>`` columns are multi-hot (the list's length is the row's id
+    count). A null (row or list element) is no id: a null or empty list, or a null scalar, gives the row
+    length 0.
 """
 
 from __future__ import annotations
@@ -72,6 +74,27 @@ def open_source(path: str | os.PathLike, spec: ColumnSpec | None) -> MappedSourc
     return MappedSource(path, spec or ColumnSpec())
 
 
+PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")  # a file named so must be Parquet: damage is an error
+
+
+def _refuse_damaged(root: Any, found: set[str], local: bool) -> None:
+    """DataError naming the first file under directory `root` named as Parquet (PARQUET_SUFFIXES, not
+    under a ``_``/``.`` name) that pyarrow's discovery left out of `found`: it skips a file that does not
+    open as Parquet, so a truncated part was dropped and half the data trained without a word. Files
+    named otherwise (``README``, ``_SUCCESS``) are still skipped when they are not Parquet."""
+    from tpurec.data.schema import read_footer
+
+    norm = (lambda p: os.path.normpath(p)) if local else (lambda p: p)
+    have = {norm(p) for p in found}
+    for f in sorted(root.rglob("*"), key=str):
+        rel = f.relative_to(root).parts
+        if not f.name.lower().endswith(PARQUET_SUFFIXES) or any(x.startswith(("_", ".")) for x in rel):
+            continue
+        if norm(str(f)) not in have and f.is_file():
+            read_footer(str(f))  # raises, naming the file and pyarrow's reason
+            raise DataError(f"{f}: named as Parquet but not read as part of the dataset {root}")
+
+
 class MappedSource:
     """A Parquet dataset and its column mapping: ``schema`` (a DataSchema), ``units``, ``decoder()``."""
 
@@ -92,6 +115,8 @@ class MappedSource:
             fragments = sorted(dataset.get_fragments(), key=lambda f: f.path)
         except Exception as e:  # unreadable directory, conflicting partition values, ...
             raise DataError(f"{path}: cannot open as a Parquet dataset ({str(e).splitlines()[0]})") from None
+        if here.is_dir():
+            _refuse_damaged(here, {named(f.path) for f in fragments}, local=fs is None)
         if not fragments:
             what = "not a readable Parquet file" if here.is_file() else "no readable Parquet files"
             raise DataError(f"{path}: {what}")
@@ -128,6 +153,7 @@ class MappedSource:
         d.update(rows=self.rows, files=self.files, table_sizes={f.name: f.rows for f in self.mapping.sparse})
         d["mapping"] = self.mapping.to_doc()
         d["mapping_inferred"] = list(self.mapping.inferred)
+        d["mapping_label_note"] = self.mapping.label_like_note()
         d["sparse_kinds"] = {f.name: f.kind for f in self.mapping.sparse}
         return d
 
@@ -248,7 +274,11 @@ def _ids(vals: Any, kind: str, size: int | None) -> np.ndarray:
         h = string_hash(vals)
         return (h % np.uint64(size)).astype(np.int64) if size else (h >> np.uint64(1)).astype(np.int64)
     assert kind in (INT, "int_list"), kind
-    x = np.asarray(vals.to_numpy(zero_copy_only=False)).astype(np.int64, copy=False)
+    x = np.asarray(vals.to_numpy(zero_copy_only=False))
+    if x.dtype == np.uint64 and size:
+        # mod in uint64: cast to int64 first, 2^64 - 1 read as -1 and hashed to size - 1
+        return (x % np.uint64(size)).astype(np.int64)
+    x = x.astype(np.int64, copy=False)  # unhashed uint64 ids keep their bits: distinct ids stay distinct
     return np.mod(x, size) if size else x
 
 
@@ -260,9 +290,10 @@ def mapping_summary(meta: dict) -> str:
     sparse = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in kinds.items())
     inferred = meta.get("mapping_inferred") or []
     how = f"; inferred: {', '.join(inferred)} (`tpurec data inspect` prints the mapping)" if inferred else ""
+    note = meta.get("mapping_label_note")
     return (
         f"label {meta.get('label')!r}, {len(meta.get('dense') or [])} dense, "
-        f"{len(meta.get('sparse') or [])} sparse ({sparse}){how}"
+        f"{len(meta.get('sparse') or [])} sparse ({sparse}){how}" + (f"; {note}" if note else "")
     )
 
 

@@ -5,7 +5,9 @@ Given on the command line (``--label COL --dense COL,... --sparse NAME[:ROWS],..
 in a small YAML or JSON file (``--columns FILE``, the format ``ColumnMapping.to_yaml`` prints), or
 inferred from the Parquet schema: a column named label/click/clicked/target/y is the label, other
 float (and bool) columns are dense, integer, string and ``list<int|string>`` columns are sparse;
-partition columns (``day=3/`` directories) and columns of other types are left out unless named.
+partition columns (``day=3/`` directories) and columns of other types are left out unless named. So are
+the other label-named columns when the data has several (``label`` and ``clicked``): inferred as features
+they would hand the model the answer (AUC 1.0 after a few steps); `label_like` names them.
 A part not given (e.g. only ``--label``) is inferred from the columns the given parts leave.
 
 Every problem is one line (UserError) naming the column.
@@ -66,6 +68,7 @@ class ColumnMapping:
     sparse: list[SparseColumn]
     inferred: tuple[str, ...] = ()  # the parts inferred ("label", "dense", "sparse")
     skipped: tuple[str, ...] = ()  # columns left out by inference (other types, partition columns)
+    label_like: tuple[str, ...] = ()  # of `skipped`: other label-named columns, never inferred as features
 
     def to_doc(self) -> dict:
         """The mapping file's document: {label, dense: [...], sparse: {name: rows or null}}."""
@@ -85,7 +88,18 @@ class ColumnMapping:
             lines[-1] = "sparse: {}"
         if self.skipped:
             lines.append(f"# left out: {', '.join(self.skipped)}")
+        if self.label_like:
+            lines.append(f"# {self.label_like_note()}")
         return "\n".join(lines) + "\n"
+
+    def label_like_note(self) -> str:
+        """The line naming the label-named columns left out of the features (empty when none)."""
+        if not self.label_like:
+            return ""
+        return (
+            f"label {self.label!r} chosen; also label-named and left out of the features: "
+            f"{', '.join(self.label_like)} (name one with --label, or as a feature with --dense/--sparse)"
+        )
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -240,7 +254,9 @@ def resolve(spec: ColumnSpec, schema: pa.Schema, partition_columns: tuple[str, .
     used = {label}
     dense = _dense(dense_p, columns, kinds, schema, used) if dense_p is not None else None
     sparse = _sparse(sparse_p, columns, kinds, schema, used) if sparse_p is not None else None
-    free = [c for c in columns if c not in used and c not in partition_columns]
+    # another label-named column is a copy or a variant of the label: never inferred as a feature
+    label_like = tuple(c for c in columns if c.lower() in LABEL_NAMES and c not in used)
+    free = [c for c in columns if c not in used and c not in partition_columns and c not in label_like]
     if dense is None:
         dense = [c for c in free if kinds[c] in ("float", "bool") and not _taken(c, sparse)]
         inferred.append("dense")
@@ -252,7 +268,8 @@ def resolve(spec: ColumnSpec, schema: pa.Schema, partition_columns: tuple[str, .
         inferred.append("sparse")
     chosen = {label, *dense, *(f.name for f in sparse)}
     skipped = tuple(c for c in columns if c not in chosen) if inferred else ()
-    return ColumnMapping(label, dense, sparse, tuple(inferred), skipped)
+    left_out = tuple(c for c in label_like if c in skipped and ("dense" in inferred or "sparse" in inferred))
+    return ColumnMapping(label, dense, sparse, tuple(inferred), skipped, left_out)
 
 
 def _taken(name: str, sparse: list[SparseColumn] | None) -> bool:

@@ -18,6 +18,7 @@ from tpurec.argtypes import (
     nonnegative_int,
     positive_float,
     positive_int,
+    seed_int,
 )
 from tpurec.catalog import TRAINING_DEFAULTS
 from tpurec.dlrm.flags import flag
@@ -102,7 +103,7 @@ class DLRMConfig:
     eval_fraction: float = flag(0.05, "held-out share of the data (config default 0.05)", type=fraction_below_one)
     # rows of the synthetic dataset made when no --data is given
     synth_rows: int = flag(200_000, "rows of the default synthetic dataset", type=positive_int)
-    seed: int = flag(0, "seed for init, shuffling and synthetic data (default 0)", type=nonnegative_int)
+    seed: int = flag(0, "seed for init, shuffling and synthetic data (default 0)", type=seed_int)
 
     def to_dict(self) -> dict:
         return asdict(self)

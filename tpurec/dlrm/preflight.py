@@ -61,8 +61,8 @@ def check_plan_file(
 ) -> None:
     """The plan at `path` against the model's tables and the world size (plan_check), and, for an
     emulated TPU slice, against its TPU generation (the SparseCores per device it was planned for)."""
-    from tpurec.planner.plan_check import PlanMismatchError, align_to_model_tables, check_plan
-    from tpurec.planner.plan_io import load_meta, load_plan
+    from tpurec.planner.plan_check import PlanMismatchError, align_to_model_tables, check_plan, check_plan_world
+    from tpurec.planner.plan_io import load_meta, load_plan, read_doc
 
     source = f"--plan {path}"
     try:
@@ -72,15 +72,20 @@ def check_plan_file(
         raise e.named(source) from None
     planned = load_meta(path).get("topology")
     if slice_name and isinstance(planned, str) and not planned.lower().startswith("cpu"):
-        from tpurec.planner.topology import parse_slice
+        _check_generation(source, planned, slice_name)
+    check_plan_world(read_doc(path), world_size, source)  # after the generation: its line says more
 
-        try:
-            theirs = parse_slice(planned)
-        except UserError:
-            return  # a topology name tpurec does not know: the shards were checked above
-        ours = parse_slice(slice_name)
-        if theirs.generation.name != ours.generation.name:
-            raise UserError(
-                f"{source} was planned for {theirs.name} ({theirs.generation.name}), not {ours.name} "
-                f"({ours.generation.name}): plan for the slice you run (tpurec plan --topology {ours.name})"
-            )
+
+def _check_generation(source: str, planned: str, slice_name: str) -> None:
+    from tpurec.planner.topology import parse_slice
+
+    try:
+        theirs = parse_slice(planned)
+    except UserError:
+        return  # a topology name tpurec does not know: the shards were checked
+    ours = parse_slice(slice_name)
+    if theirs.generation.name != ours.generation.name:
+        raise UserError(
+            f"{source} was planned for {theirs.name} ({theirs.generation.name}), not {ours.name} "
+            f"({ours.generation.name}): plan for the slice you run (tpurec plan --topology {ours.name})"
+        )

@@ -304,6 +304,11 @@ class Trainer:
             )
         except PlanMismatchError as e:  # DMP says "the plan": name the file
             raise e.named(f"--plan {o.plan}") from None
+        if o.plan:  # after DMP's shard checks, as the launcher's preflight orders them
+            from tpurec.planner.plan_check import check_plan_world
+            from tpurec.planner.plan_io import read_doc
+
+            check_plan_world(read_doc(o.plan), self.world, f"--plan {o.plan}")
         if zch is not None:
             from tpurec.dlrm.zch import RemapCounters
 

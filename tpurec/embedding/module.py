@@ -108,7 +108,7 @@ class SparseCoreEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
                 fixed_limits=fixed_limits,
                 pad_dims=pad_dims,
                 widen_tables=widen_tables,
-            ),
+            ).for_tables((t.name for t in self._embedding_bag_configs), "this SparseCoreEmbeddingBagCollection"),
         )
         self._fused_optimizer = SparseCoreFusedOptimizer(self.kernel)
         natural_state.register(self)

@@ -94,7 +94,7 @@ class SparseCoreEmbeddingCollection(nn.Module, FusedOptimizerModule):
                 fixed_limits=fixed_limits,
                 pad_dims=pad_dims,
                 widen_tables=widen_tables,
-            ),
+            ).for_tables((t.name for t in self._embedding_configs), "this SparseCoreEmbeddingCollection"),
         )
         self.reset_parameters()
         self._fused_optimizer = SparseCoreFusedOptimizer(self.kernel, param_prefix="embeddings.")

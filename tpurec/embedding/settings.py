@@ -11,6 +11,7 @@ Settings left as None are decided by the storage device, in one place: `resolved
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -19,6 +20,18 @@ from tpurec.errors import UserError
 
 # The fused-params key the sharders carry their KernelSettings under (tpurec.sharding.sharder).
 SETTINGS_KEY = "sparsecore_settings"
+# The most ids a limit can name: the kernel's buffers index ids and entries as int32 on the SparseCore
+# (tpurec/planner/id_limits.py bounds limits files by the same figure).
+MAX_ID_LIMIT = 2**31 - 1
+
+
+def _whole_limit(where: str, value: object) -> int:
+    """One limit: a whole number in [1, MAX_ID_LIMIT]. A bool, a string ("8"), a float (NaN, 8.5) or a
+    number out of range is refused naming `where`: int() took "8", truncated 8.5 and raised a bare
+    ValueError on NaN, and 0 or -8 were kept and failed inside the kernel."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 1 <= int(value) <= MAX_ID_LIMIT:
+        raise UserError(f"{where}: {value!r} is not a whole number in [1, {MAX_ID_LIMIT:,}]")
+    return int(value)
 
 
 @dataclass(frozen=True)
@@ -44,6 +57,10 @@ class TableLimits:
     """The most ids one feature had in a batch: a sequence table's capacity. None: not measured."""
 
     def __post_init__(self) -> None:
+        for i, f in enumerate(fields(self)):
+            value = getattr(self, f.name)
+            if value is not None or i < 2:  # the per-partition pair is required; the others optional
+                object.__setattr__(self, f.name, _whole_limit(f"TableLimits {f.name}", value))
         if (self.max_ids_per_slice is None) != (self.max_unique_ids_per_slice is None):
             raise UserError(f"TableLimits: the per-slice limits come in pairs, got {self!r}")
 
@@ -56,7 +73,7 @@ class TableLimits:
                 f"{tuple(values)!r} is not (max ids, max unique ids per partition"
                 "[, max ids, max unique ids per slice[, max ids per feature]])"
             )
-        return cls(*(int(v) for v in values))
+        return cls(*values)  # each checked (and made an int) by __post_init__
 
     def positions(self) -> tuple[int, ...]:
         """The positional form (`from_positions`): what plan files store."""
@@ -140,6 +157,18 @@ class KernelSettings:
             limits = _TableLimitsByName((t, _limits_of(t, v)) for t, v in self.id_limits.items())
             object.__setattr__(self, "id_limits", limits or None)
 
+    def for_tables(self, names: Iterable[str], owner: str) -> KernelSettings:
+        """These settings, refused when `id_limits` names a table `owner` (a module built over the
+        tables `names`) lacks: a misspelt or another model's table bounded nothing, without a word."""
+        have = set(names)
+        extra = sorted(t for t in (self.id_limits or {}) if t not in have)
+        if extra:
+            raise UserError(
+                f"KernelSettings.id_limits: table(s) {', '.join(map(repr, extra[:8]))} are not {owner}'s "
+                f"(its tables: {', '.join(sorted(have)[:8])}{', ...' if len(have) > 8 else ''})"
+            )
+        return self
+
     @classmethod
     def of(cls, settings: KernelSettings | None = None, **keywords: Any) -> KernelSettings:
         """`settings`, or one built from the loose keywords the public APIs still take; not both."""
@@ -177,12 +206,16 @@ class KernelSettings:
         )
 
 
-def _limits_of(table: str, value: TableLimits | Sequence[int]) -> TableLimits:
+def _limits_of(table: object, value: TableLimits | Sequence[int]) -> TableLimits:
+    where = f"KernelSettings.id_limits[{table!r}]"
+    if not isinstance(table, str):
+        raise UserError(f"{where}: a table name is a string")
     if isinstance(value, TableLimits):
         return value
-    if len(value) < 2:
-        raise UserError(f"KernelSettings.id_limits[{table!r}] needs (max ids, max unique ids), got {value!r}")
-    try:
-        return TableLimits.from_positions(value)
-    except UserError as e:
-        raise UserError(f"KernelSettings.id_limits[{table!r}]: {e}") from None
+    if not isinstance(value, Sequence) or isinstance(value, str) or len(value) not in (2, 4, 5):
+        raise UserError(
+            f"{where} needs (max ids, max unique ids per partition[, per slice (2)[, per feature]]), got {value!r}"
+        )
+    for name, v in zip((f.name for f in fields(TableLimits)), value):
+        _whole_limit(f"{where} {name}", v)  # named here: TableLimits would name no table
+    return TableLimits.from_positions(value)

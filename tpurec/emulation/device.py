@@ -114,7 +114,13 @@ def _key_part(value: Any) -> Any:
         return ("tensor", tuple(value.shape), str(value.dtype))
     if isinstance(value, (list, tuple)):
         return tuple(_key_part(v) for v in value)
-    if isinstance(value, (int, float, bool, str, type(None))):
+    if isinstance(value, dict):  # keyword arguments: `dtype=`, `device=` make other programs
+        return tuple(sorted((str(k), _key_part(v)) for k, v in value.items()))
+    if isinstance(value, float):
+        # A Python float is a runtime value of the chip's program: on the v5e chip `x / s` with an `s`
+        # that changed every call compiled nothing new (docs/tpu.md, "Measured on a TPU v5e chip")
+        return "float"
+    if isinstance(value, (int, bool, str, type(None))):
         return value
     if isinstance(value, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
         return str(value)

@@ -23,6 +23,9 @@ from tpurec.argtypes import fraction_above_zero, fraction_below_one, positive_fl
 from tpurec.catalog import MODEL_NAMES, TRAINING_DEFAULTS  # plain data: keeps `tpurec --help` instant
 from tpurec.errors import UserError
 
+if typing.TYPE_CHECKING:
+    from tpurec.planner.id_limits import IdLimits
+
 # Defaults where no model config says otherwise. DistributedModelParallel's own planning batch
 # (tpurec.sharding.dmp.DEFAULT_PLANNING_BATCH_SIZE, checked equal in tests) is repeated here so that
 # `tpurec plan --help` imports no torch.
@@ -163,6 +166,17 @@ def _check_out(args: argparse.Namespace) -> None:
     check_outputs([("--out", args.out or ("plan.png" if args.format == "png" else None), "file")])
 
 
+def _limits(args: argparse.Namespace, batch_size: int, tables: list[str]) -> IdLimits | None:
+    """--limits as IdLimits, refused unless measured for this model's `tables` (the missing and the
+    extra ones named; another model's file was taken and sized none of these tables) and layout."""
+    if not args.limits:
+        return None
+    from tpurec.planner.id_limits import IdLimits, load_limits, plan_layout
+
+    layout = plan_layout(args.topology, batch_size)
+    return IdLimits(load_limits(args.limits, layout, {"": dict.fromkeys(tables)}), layout, str(args.limits))
+
+
 def _emit(report: dict, fmt: PlanFormat, out: str | None) -> None:
     from tpurec.outputs import write_atomic
     from tpurec.planner import report as plan_report
@@ -219,29 +233,25 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         batch_size = args.batch_size or (trained.batch_size if trained else TABLES_BATCH_SIZE)
     optimizer = args.optimizer or (trained.embedding_optimizer if trained else TABLES_OPTIMIZER)
-    limits = None
-    if args.limits:
-        from tpurec.planner.id_limits import plan_layout, read_limits
-
-        limits = read_limits(args.limits, plan_layout(args.topology, batch_size))
     kw = dict(
         batch_size=batch_size,
         sc_gather_fraction=args.sc_gather_fraction,
         dcn_bw_per_host=args.dcn_gbps * 1e9 if args.dcn_gbps else None,
         headroom_fraction=args.headroom,
-        limits=limits,
     )
     if args.model_module:
         from tpurec.planner import model_module
 
         model, constraints = model_module.load_model(args.model_module)
+        specs = model_module.model_tables(model, constraints)
         report = plan_report.plan_module(
             model,
-            model_module.model_tables(model, constraints),
+            specs,
             args.topology,
             optimizer=args.optimizer,
             constraints=constraints,
             model=args.model_module,
+            limits=_limits(args, batch_size, [t.name for t in specs]),
             **kw,
         )
     else:
@@ -250,8 +260,14 @@ def _plan(args: argparse.Namespace) -> int:
 
             tables = list(get_table_set(args.model).tables)
         assert tables is not None  # --model or --tables: checked first thing
+        names = [t.spec.name if hasattr(t, "spec") else t.name for t in tables]
         report = plan_report.plan_tables(
-            tables, args.topology, optimizer=optimizer, model=args.model or args.tables, **kw
+            tables,
+            args.topology,
+            optimizer=optimizer,
+            model=args.model or args.tables,
+            limits=_limits(args, batch_size, names),
+            **kw,
         )
     # A refused plan still writes its report (fits: false), then says why and what would fit.
     _emit(report, args.format, args.out)

@@ -248,3 +248,36 @@ def _check_rank(source: str, where: str, rank: int, world_size: int) -> None:
             f"{where}: placed on rank {rank}, but the world size is {world_size} (a plan made for another "
             "world size: plan again for this one)",
         )
+
+
+def planned_world_size(doc: Mapping) -> int | None:
+    """The number of devices a plan file (`read_doc`'s object) was planned for: a report's
+    `world_size`, else its meta's topology (`cpu-N`, or a slice name); None when it does not say."""
+    from tpurec.planner.topology import cpu_ranks, parse_slice
+
+    world = doc.get("world_size")
+    if isinstance(world, int) and not isinstance(world, bool) and world >= 1:
+        return world
+    meta = doc.get("meta") or (doc.get("plan") or {}).get("meta") or {}
+    topology = meta.get("topology") if isinstance(meta, Mapping) else None
+    if not isinstance(topology, str):
+        return None
+    try:
+        return cpu_ranks(topology) if topology.lower().startswith("cpu-") else parse_slice(topology).world_size
+    except UserError:  # a topology name tpurec does not know: the shards' ranks are still checked
+        return None
+
+
+def check_plan_world(doc: Mapping, world_size: int, source: str) -> None:
+    """UserError when the plan was made for another number of devices than the run has. Its ranks
+    all exist in a larger world (a cpu-1 plan on 4 ranks), so the shard check alone let it run with
+    every table on rank 0 and the other ranks idle, without a word."""
+    planned = planned_world_size(doc)
+    if planned is not None and planned != world_size:
+        meta = doc.get("meta") or (doc.get("plan") or {}).get("meta") or {}
+        topology = meta.get("topology") if isinstance(meta, Mapping) else None
+        named = f"{topology}, {planned} device(s)" if isinstance(topology, str) else f"{planned} device(s)"
+        raise UserError(
+            f"{source} was planned for {named}, but this run has {world_size}: plan for the devices you run "
+            f"(tpurec plan --topology ...; cpu-{world_size} for {world_size} CPU ranks)"
+        )

@@ -53,7 +53,8 @@ def _whole(hi: int) -> Callable[[Any, dict], int]:
             number = value if isinstance(value, int) else float(value)
         except ValueError:
             raise _Bad(f"{value!r} is not a whole number") from None
-        if not math.isfinite(number) or number != int(number):
+        # an int is whole already; isfinite() of one past a float's range (10**400) raised OverflowError
+        if not isinstance(number, int) and (not math.isfinite(number) or number != int(number)):
             raise _Bad(f"{value!r} is not a whole number")
         if not 1 <= number <= hi:
             raise _Bad(f"{value!r} must be in [1, {hi:,}]")
@@ -77,15 +78,20 @@ def _features(value: Any, t: dict) -> tuple[str, ...]:
     return tuple(items)
 
 
+# The most ids per sample a feature can have: a batch's ids are int32 on the SparseCore. 1e308 passed
+# as finite and overflowed to infinity in the buffer sizes (an OverflowError traceback).
+MAX_POOLING_FACTOR = 2**31 - 1
+
+
 def _positive(value: Any) -> float:
     if isinstance(value, bool):
         raise _Bad(f"{value!r} is not a number")
     try:
         number = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an int past a float's range
         raise _Bad(f"{value!r} is not a number") from None
-    if not math.isfinite(number) or number <= 0:
-        raise _Bad(f"{number!r} must be a finite number > 0")
+    if not math.isfinite(number) or not 0 < number <= MAX_POOLING_FACTOR:
+        raise _Bad(f"{number!r} must be a finite number in (0, {MAX_POOLING_FACTOR:,}]")
     return number
 
 

@@ -1,0 +1,71 @@
+"""Data mistakes that used to pass in silence (#61 item 5): a second label-named column fed to the model
+as a feature, a damaged ``*.parquet`` skipped as "not Parquet", uint64 ids near 2^64 hashed as negative
+numbers."""
+
+from __future__ import annotations
+
+import pytest
+
+from tpurec import cli
+from tpurec.data.mapped import open_source
+from tpurec.data.mapping import ColumnSpec
+from tpurec.data.reader import ParquetReader
+
+
+def _two_labels(path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"label": [0, 1, 1, 0], "clicked": [0, 1, 1, 0], "x": [0.5, 1.5, 2.5, 3.5], "c": [3, 4, 5, 6]})
+    pq.write_table(table, path)
+    return path
+
+
+def test_another_label_named_column_is_left_out_of_the_features_and_named(tmp_path, capsys):
+    src = open_source(_two_labels(tmp_path / "t.parquet"), None)
+    m = src.mapping
+    assert (m.label, m.dense, [f.name for f in m.sparse]) == ("label", ["x"], ["c"])
+    assert m.skipped == ("clicked",) and m.label_like == ("clicked",)
+    note = (
+        "label 'label' chosen; also label-named and left out of the features: clicked "
+        "(name one with --label, or as a feature with --dense/--sparse)"
+    )
+    assert src.metadata()["mapping_label_note"] == note
+    assert cli.main(["data", "inspect", str(tmp_path / "t.parquet"), "--mapping"]) == 0
+    assert capsys.readouterr().out.splitlines()[-2:] == ["# left out: clicked", f"# {note}"]
+
+
+def test_a_label_named_column_given_as_a_feature_is_a_feature(tmp_path):
+    m = open_source(_two_labels(tmp_path / "t.parquet"), ColumnSpec(dense="x,clicked")).mapping
+    assert (m.label, m.dense, [f.name for f in m.sparse], m.label_like) == ("label", ["x", "clicked"], ["c"], ())
+
+
+def test_uint64_ids_near_2_64_are_reduced_as_unsigned_numbers(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    big = [2**64 - 1, 2**63, 2**63 + 7, 12]
+    pq.write_table(pa.table({"label": [0, 1, 0, 1], "u": pa.array(big, pa.uint64())}), tmp_path / "u.parquet")
+    src = open_source(tmp_path / "u.parquet", ColumnSpec(sparse="u:1000"))
+    (batch,) = list(ParquetReader(None, 4, source=src, prefetch=0))
+    # 2^64 - 1 = 18446744073709551615 -> 615 (read as -1 it was 999); 2^63 -> 808, 2^63 + 7 -> 815
+    assert batch.sparse_features.to_dict()["u"].values().tolist() == [615, 808, 815, 12]
+
+
+def test_a_truncated_parquet_file_in_a_directory_is_an_error_naming_it(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tpurec.data.schema import DataError
+
+    table = pa.table({"label": [0, 1] * 50, "x": [0.5] * 100})
+    pq.write_table(table, tmp_path / "part-0.parquet")
+    blob = (tmp_path / "part-0.parquet").read_bytes()
+    (tmp_path / "part-1.parquet").write_bytes(blob[: len(blob) // 2])  # cut short
+    (tmp_path / "README").write_text("not Parquet, and not named so: skipped")
+    (tmp_path / "_SUCCESS").write_bytes(b"")
+    with pytest.raises(DataError, match=r"part-1\.parquet: not a readable Parquet file") as e:
+        open_source(tmp_path, None)
+    assert str(e.value).startswith(f"{tmp_path / 'part-1.parquet'}: not a readable Parquet file (")
+    (tmp_path / "part-1.parquet").unlink()
+    assert open_source(tmp_path, None).rows == 100  # the README and _SUCCESS left out by name

@@ -1,0 +1,47 @@
+"""Flags whose values were tracebacks (#61 item 6), now argparse's one line naming the flag, before any
+work: nothing made, nothing trained."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.reliability.inproc import assert_refused, run_cli
+
+
+@pytest.mark.parametrize(
+    "argv,says",
+    [
+        (
+            ["data", "synth", "--rows", 100, "--out", "{T}/syn", "--compression", "bogus"],
+            "tpurec data synth: error: argument --compression: 'bogus' is not a Parquet codec (choose from none, "
+            "snappy, gzip, brotli, zstd, lz4)",
+        ),
+        (
+            ["data", "convert", "{T}/in.tsv", "--out", "{T}/syn", "--compression", "bogus"],
+            "tpurec data convert: error: argument --compression: 'bogus' is not a Parquet codec",
+        ),
+        (
+            ["data", "synth", "--rows", 100, "--out", "{T}/syn", "--seed", 2**64],
+            "tpurec data synth: error: argument --seed: '18446744073709551616' must be in [0, 2^63)",
+        ),
+        (
+            ["train", "--steps", 1, "--seed", 2**64],
+            "tpurec train: error: argument --seed: '18446744073709551616' must be in [0, 2^63)",
+        ),
+    ],
+    ids=["synth_codec", "convert_codec", "synth_seed", "train_seed"],
+)
+def test_a_bad_codec_or_seed_is_one_line_and_nothing_is_made(tmp_path, capsys, monkeypatch, argv, says):
+    """--compression bogus was pyarrow's traceback, leaving an empty --out; --seed 2^64 was torch's
+    "Overflow when unpacking long long" traceback."""
+    monkeypatch.setenv("TPUREC_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "in.tsv").write_text("1\t" + "\t".join(["1"] * 13 + ["a"] * 26) + "\n")
+    code, out, err = run_cli([str(a).replace("{T}", str(tmp_path)) for a in argv], capsys)
+    assert_refused(code, err, says)
+    assert not (tmp_path / "syn").exists() and not (tmp_path / "cache").exists()
+
+
+def test_a_codec_is_taken_in_any_case():
+    from tpurec.argtypes import parquet_codec
+
+    assert [parquet_codec(c) for c in ("ZSTD", "none", "Snappy")] == ["zstd", "none", "snappy"]
