@@ -73,7 +73,7 @@ def main() -> None:
     out["sgd_program_ms"] = _time(sgd, *head, table, grad, lr, *layout)
     out["rowwise_adagrad_program_ms"] = _time(adagrad, *head, table, acc, grad, lr, eps, *layout)
     out["table_copy_ms"] = _time(copy, table)
-    t = table + 0
+    t = sgd_donated(*head, table + 0, grad, lr, *layout)  # compiled before the clock starts
     jax.block_until_ready(t)
     t0 = time.perf_counter()
     for _ in range(20):
