@@ -343,10 +343,10 @@ def test_meta_kernels_reject_a_python_float_learning_rate():
 
 
 def test_register_puts_privateuse1_kernels_on_the_tpurec_ops():
-    tpu.register()
-    for op in tpu.kernels():
+    tpu.register(tpu.sparsecore_kernels())
+    for op in tpu.sparsecore_kernels():
         assert torch._C._dispatch_has_kernel_for_dispatch_key(op._qualname, "PrivateUse1"), op._qualname
-    assert set(tpu.kernels()) == {ops.sparse_dense_matmul, sgd.op, adagrad.op, adam.op}
+    assert set(tpu.sparsecore_kernels()) == {ops.sparse_dense_matmul, sgd.op, adagrad.op, adam.op}
 
 
 # ------------------------------------------------ TorchTPU's host preprocessing against tpurec's

@@ -22,7 +22,9 @@ def load_tpu_backend() -> None:
     from tpurec.runtime import host_ops, torchrec_ops
 
     _device.correct_legacy_device_apis()  # torch came before tpurec: TorchRec's device calls would raise
-    tpu.register()
+    from tpurec.embedding.kernel_kinds import device_kernels
+
+    tpu.register(device_kernels())  # this chip's kind: SparseCore ops, or the TensorCore kernel
     host_ops.register()  # FBGEMM KJT ops TorchRec runs on the device: route them through the host
     torchrec_ops.register()  # torchrec::permute_pooled_embs (column-wise outputs) with aten kernels on the device
     _tpu_loaded = True

@@ -2,9 +2,9 @@
 
 The sharded lookups (tpurec/sharding/) and embedding/'s helpers (the fused optimizer, the custom
 ops, the weights' gradient) speak to a kernel only through these protocols; which class implements
-them is picked in one place (kernel_kinds.py). Today's one implementation is the SparseCore kernel
-(kernel.py, sequence_kernel.py); another (a TensorCore kernel) is a new package under embedding/
-that answers these members, plus one entry in kernel_kinds.py.
+them is picked in one place (kernel_kinds.py). The SparseCore kernel (kernel.py, sequence_kernel.py)
+implements them; the TensorCore kernel (tensorcore/, for TPUs without SparseCore) shares its host
+half and brings its own device kernels for the ops, one entry in kernel_kinds.py.
 
 A leaf: it imports data types only (for annotations), never a kernel, so that the kernel's own
 modules (custom_ops.py, weight_grad.py import it) and the sharded lookups can both name it.

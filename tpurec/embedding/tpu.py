@@ -81,22 +81,16 @@ def preprocess_with_torch_tpu(
     )
 
 
-def kernels() -> dict:
-    """{tpurec op: its TPU kernel}: on a chip with SparseCores, TorchTPU's SparseCore ops (the lookup
-    here, every optimizer's fused update from its spec); on one without (v5e, v4), the TensorCore
-    kernel's JAX programs (`tpurec/embedding/tensorcore/tpu_bridge.py`)."""
-    from tpurec.runtime import device as _device
-
-    if _device.tensorcore_only():
-        from tpurec.embedding.tensorcore import tpu_bridge
-
-        return tpu_bridge.kernels()
+def sparsecore_kernels() -> dict:
+    """{tpurec op: its SparseCore kernel}: the lookup here, every optimizer's fused update from its spec."""
     out = {ops.sparse_dense_matmul: lookup}
     for spec in registry.spec_classes().values():
         out.update(spec.tpu_kernels())
     return out
 
 
-def register() -> None:
-    for op, kernel in kernels().items():
+def register(kernels: dict) -> None:
+    """Make `kernels` ({tpurec op: kernel}: this chip's kind's, `kernel_kinds.device_kernels()`) the ops'
+    PrivateUse1 ("tpu") kernels."""
+    for op, kernel in kernels.items():
         op.register_kernel(_DISPATCH_KEY)(kernel)

@@ -95,11 +95,11 @@ _RANK: EmulatedRank | None = None
 def _register_device_kernels() -> None:
     """The kernels tpurec registers for the TPU (its adapter onto TorchTPU's ops, its host routes for
     FBGEMM's KJT ops), as the emulated device's: called with device tensors, as on a TPU."""
-    from tpurec.embedding import tpu
+    from tpurec.embedding.kernel_kinds import device_kernels
     from tpurec.emulation import device
     from tpurec.runtime import host_ops, torchrec_ops
 
-    kernels = {op._qualname: kernel for op, kernel in tpu.kernels().items()}
+    kernels = {op._qualname: kernel for op, kernel in device_kernels().items()}
     kernels.update(host_ops.kernels())
     kernels.update(torchrec_ops.kernels())
     device.register_kernels(kernels)

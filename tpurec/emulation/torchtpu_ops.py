@@ -238,13 +238,13 @@ _KERNELS = {
 
 
 def route_adapter_to_cpu() -> dict:
-    """Make the real TPU adapter's kernels (`tpurec.embedding.tpu.kernels()`) the CPU kernels of
+    """Make the real SparseCore adapter's kernels (`tpurec.embedding.tpu.sparsecore_kernels()`) the CPU kernels of
     torch.ops.tpurec.*, so CPU tensors go adapter -> stand-in ops; returns the kernels replaced.
     Needs `install()` first (the adapter calls torch.ops.tpu.*)."""
     from tpurec.embedding import tpu
 
     saved = {}
-    for op, kernel in tpu.kernels().items():
+    for op, kernel in tpu.sparsecore_kernels().items():
         saved[op] = op._backend_fns.get("cpu")
         op.register_kernel("cpu")(kernel)
     return saved

@@ -236,8 +236,8 @@ def memory_check(held: int, peak: int | None, planned: dict, tables: int) -> Che
         peak_note = f"peak statistic {peak:,} B is more than the device holds ({capacity:,} B): not read"
         peak = None
     else:
-        planned_peak = f"peak {peak:,} B vs planned {full:,} B with the transient"
-        peak_note = "no peak statistics" if peak is None else planned_peak
+        peak_note = "no peak statistics" if peak is None else f"peak {peak:,} B vs planned {full:,} B"
+        peak_note += "" if peak is None else " with the transient"
     ok = tables <= held <= steady + MEMORY_SLACK_BYTES and (peak is None or peak <= full + MEMORY_SLACK_BYTES)
     return Check(
         "device memory vs planner",

@@ -111,7 +111,7 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
             self.shards.append((t.name, kname, t.local_metadata))
         fused = config.embedding_tables[0].fused_params or {}
         extra = {"is_weighted": config.is_weighted} if self.pooled else {}
-        # the kernel class for this device (kernel_kinds.py: the SparseCore kernel everywhere so far)
+        # the kernel class for this device and chip (kernel_kinds.py)
         kind = kernel_classes(kernel_kind(device.type if device is not None else None))
         factory: KernelFactory = kind.pooled if self.pooled else kind.sequence
         self.kernel = factory(

@@ -191,7 +191,7 @@ def adam_update(
 
 
 def kernels() -> dict[Any, Callable[..., Any]]:
-    """{tpurec op: its JAX kernel}, as `tpurec.embedding.tpu.kernels()` maps the ops to TorchTPU's."""
+    """{tpurec op: its JAX kernel}, as `tpurec.embedding.tpu.sparsecore_kernels()` maps the ops to TorchTPU's."""
     return {
         ops.sparse_dense_matmul: lookup,
         sgd.op: sgd_update,

@@ -271,5 +271,5 @@ def adam_update(
 
 
 def kernels() -> dict[Any, Callable[..., Any]]:
-    """{tpurec op: its TensorCore TPU kernel}, as `tpurec.embedding.tpu.kernels()` maps them to SparseCore ones."""
+    """{tpurec op: its TensorCore TPU kernel} (`tpu.sparsecore_kernels()`: the SparseCore ones)."""
     return {ops.sparse_dense_matmul: lookup, sgd.op: sgd_update, adagrad.op: adagrad_update, adam.op: adam_update}
