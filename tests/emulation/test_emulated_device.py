@@ -42,7 +42,10 @@ PROBE = textwrap.dedent(
     seen["type"] = type(a).__name__
     seen["device"] = str(a.device)
     seen["sum_device"] = str((a + a).device)
-    seen["index_1"] = refused(lambda: torch.zeros(2, device="tpu:1"), TorchTpuRuleError)
+    seen["index_n"] = [str(torch.zeros(2, device="tpu:1").device), str(torch.ones(2).to("tpu:3").device)]
+    host_index = torch.tensor([2, 0])
+    seen["host_index"] = [str(a[host_index].device), a[host_index].cpu().tolist()]
+    seen["host_index_select"] = refused(lambda: a.index_select(0, host_index), RuntimeError)
     seen["mixed"] = refused(lambda: a + torch.ones(3, 4), RuntimeError)
     seen["mixed_1d"] = refused(lambda: a[0] + torch.ones(4), RuntimeError)
     seen["scalar_ok"] = str((a * torch.tensor(2.0)).device)
@@ -130,7 +133,14 @@ def test_every_rank_drives_tpu_0(seen):
     assert seen["resolved"] == "tpu:0" and seen["current_device"] == 0
     assert seen["device"] == seen["sum_device"] == seen["factory"] == "tpu:0"
     assert seen["type"] == "TpuTensor"
-    assert "tpu:1 does not exist in this process" in seen["index_1"]
+    # tpu:N names tpu:0, as on the v5e chip (one device per process); the emulation refused it before
+    assert seen["index_n"] == ["tpu:0", "tpu:0"]
+
+
+def test_a_host_index_works_with_x_of_idx_and_not_with_index_select(seen):
+    # as on the v5e chip: x[cpu_index] runs on the device, index_select refuses it with these words
+    assert seen["host_index"] == ["tpu:0", [[8.0, 9.0, 10.0, 11.0], [0.0, 1.0, 2.0, 3.0]]]
+    assert seen["host_index_select"] == "index_select(): expected tensor to be on tpu, got cpu"
 
 
 def test_host_and_device_tensors_do_not_mix(seen):

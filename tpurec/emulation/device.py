@@ -10,9 +10,10 @@ hooks, so autograd runs on it), and a device tensor is a `TpuTensor`: a wrapper 
 Both enforce what a TorchTPU device does (docs/tpu.md, "The emulated device", names where each rule
 was read) and then run the op on the CPU data:
 
-* each process's device is index 0 (`tpu:1` and above are refused);
+* each process's device is index 0: `tpu:1` and above name it too, as on the chip;
 * an op mixing host and device tensors raises, as torch does (0-dim CPU tensors, scalars, excepted;
-  `copy_`/`_to_copy` are the transfers);
+  `copy_`/`_to_copy` are the transfers; `x[cpu_index]` takes its host index, as the chip does, and
+  `index_select` refuses one with the chip's message);
 * `.numpy()` of a device tensor raises torch's TypeError; `.item()`, `float()`, `.tolist()`,
   `.cpu()`, `.to("cpu")` are device->host copies, counted by the call site that made them;
 * an op without a TorchTPU kernel raises TorchTPU's "not implemented for TPU" error
@@ -59,6 +60,10 @@ _TRANSFERS = {
     "aten::_copy_from_and_resize",
     "aten::lift_fresh",
 }
+# Ops the chip runs with a host index tensor (`x[cpu_index]`: the index goes to the device)...
+_HOST_INDEX_OPS = {"aten::index"}
+# ... and ops it refuses one with its own message (`x.index_select(0, cpu_index)`), both read on a v5e chip.
+_INDEX_ON_DEVICE_OPS = {"aten::index_select"}
 
 
 @dataclass
@@ -137,15 +142,8 @@ def _call_site() -> str:
     return "?"
 
 
-def _check_index(device: Any) -> None:
-    if device is None:
-        return
-    d = torch.device(device)
-    if d.type == DEVICE and d.index not in (None, 0):
-        raise TorchTpuRuleError(
-            f"device {d} does not exist in this process: each TorchTPU process drives its own device, tpu:0 "
-            "(torch-tpu 0.2.0: device_ids=[0] names this process's own device)"
-        )
+def _to_device(x: Any) -> Any:
+    return TpuTensor(x) if _is_host_tensor(x) else x
 
 
 def _is_host_tensor(x: Any) -> bool:
@@ -288,10 +286,16 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     if missing_kernel(func.name()):
         said = _missing_message().format(op=func.name())
         raise NotImplementedError(f"{said} (emulated torch-tpu 0.2.0: its CPU fallback is off by default)")
-    _check_index(kwargs.get("device"))
     flat, _ = tree_flatten((args, kwargs))
     if op not in _TRANSFERS:
+        if op in _HOST_INDEX_OPS:
+            # x[idx] with a host index: the chip takes it (the result on tpu:0)
+            args = (args[0], [_to_device(i) for i in args[1]], *args[2:])
+            flat, _ = tree_flatten((args, kwargs))
         mixed = [x for x in flat if _is_host_tensor(x) and x.dim() > 0]
+        if mixed and op in _INDEX_ON_DEVICE_OPS:
+            # the chip's own words (torch_tpu 0.2.0, TPU v5e: docs/tpu.md, "Measured on a TPU v5e chip")
+            raise RuntimeError(f"{op.split('::')[1]}(): expected tensor to be on tpu, got cpu")
         if mixed:
             raise RuntimeError(
                 f"Expected all tensors to be on the same device, but found at least two devices, tpu:0 and cpu! "
