@@ -223,14 +223,17 @@ def _all_to_all_on_rank_0(monkeypatch, buffers: list[tuple[int, int]]) -> None:
     device._check_symmetric_all_to_all((out, inp, object(), [1, 1], [2, 2]))
 
 
-def test_the_all_to_all_rule_is_judged_on_the_input_buffers(monkeypatch):
+def test_the_all_to_all_rule_is_judged_on_the_input_and_the_output_buffers(monkeypatch):
     from tpurec.emulation.rule_error import TorchTpuRuleError
 
-    # equal inputs, outputs of different sizes: accepted
-    _all_to_all_on_rank_0(monkeypatch, [(6, 4), (6, 8)])
+    # every rank's buffers of one size: accepted
+    _all_to_all_on_rank_0(monkeypatch, [(6, 4), (6, 4)])
     # inputs of different sizes, equal outputs: refused, naming both sizes
-    with pytest.raises(TorchTpuRuleError, match=r"this rank sends 4 elements, others \[4, 8\]"):
+    with pytest.raises(TorchTpuRuleError, match=r"this rank sends 4 elements, others \[4, 8\]\)$"):
         _all_to_all_on_rank_0(monkeypatch, [(4, 6), (8, 6)])
+    # equal inputs, outputs of different sizes: refused too (was accepted)
+    with pytest.raises(TorchTpuRuleError, match=r"^asymmetric .* this rank receives 4 elements, others \[4, 8\]\)$"):
+        _all_to_all_on_rank_0(monkeypatch, [(6, 4), (6, 8)])
 
 
 def test_moving_a_module_already_on_the_device_keeps_its_parameters(seen):

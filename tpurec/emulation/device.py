@@ -20,8 +20,8 @@ was read) and then run the op on the CPU data:
   (`missing_kernel`): FBGEMM's ops unless tpurec routes them (`tpurec.runtime.host_ops`);
 * every op is a program, keyed by (op, shapes, dtypes, non-tensor arguments), as TorchTPU's eager
   mode compiles them: SparseCore (`tpu::`), collective (`c10d::`) or TensorCore (the rest);
-* an all-to-all with split sizes refuses input buffers of different sizes on different ranks, as
-  `ProcessGroupTpu::AllToAllBaseUnevenSplits` does.
+* an all-to-all with split sizes refuses input or output buffers of different sizes on different
+  ranks, as `ProcessGroupTpu::AllToAllBaseUnevenSplits` does.
 
 Ops with a Python kernel registered for the device (tpurec's TPU adapter, its host routes, the
 TorchTPU stand-in ops) run that kernel on the device tensors, as on a TPU.
@@ -366,7 +366,8 @@ def _wrap(x: Any, wrappers: dict[int, TpuTensor]) -> Any:
 
 def _check_symmetric_all_to_all(args: tuple) -> None:
     """ProcessGroupTpu::AllToAllBaseUnevenSplits: 'asymmetric input buffer sizes across ranks are not
-    supported on TPU.' (strings on torch-tpu 0.2.0's glue library)."""
+    supported on TPU.' (strings on torch-tpu 0.2.0's glue library); judged on the output buffers too, whose
+    sizes the same symmetric exchange needs equal on every rank (issue 58)."""
     output, tensor, boxed, output_splits, input_splits = args[:5]
     if not output_splits and not input_splits:
         return
@@ -375,11 +376,16 @@ def _check_symmetric_all_to_all(args: tuple) -> None:
     sizes = [torch.zeros(2, dtype=torch.int64) for _ in range(world)]
     mine = torch.tensor([tensor.numel(), output.numel()], dtype=torch.int64)
     dist.all_gather(sizes, mine, group=group)
-    inputs = {int(s[0]) for s in sizes}
+    inputs, outputs = {int(s[0]) for s in sizes}, {int(s[1]) for s in sizes}
     if len(inputs) > 1:
         raise TorchTpuRuleError(
             "asymmetric input buffer sizes across ranks are not supported on TPU. (emulated torch-tpu 0.2.0 "
             f"ProcessGroupTpu all-to-all: this rank sends {tensor.numel()} elements, others {sorted(inputs)})"
+        )
+    if len(outputs) > 1:  # the output buffers too: every rank's of one size (docs/tpu.md, the device's rules)
+        raise TorchTpuRuleError(
+            "asymmetric input buffer sizes across ranks are not supported on TPU. (emulated torch-tpu 0.2.0 "
+            f"ProcessGroupTpu all-to-all: this rank receives {output.numel()} elements, others {sorted(outputs)})"
         )
 
 
