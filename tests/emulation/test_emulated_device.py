@@ -75,6 +75,21 @@ PROBE = textwrap.dedent(
     )
     seen["aten_missing"] = refused(lambda: torch.unique(a, dim=0), NotImplementedError)
 
+    # what the v5e chip aborts on (SIGABRT in XLA's compiler) is refused with its message on an emulated v5e
+    table = torch.ones(10, 4, device="tpu", requires_grad=True)
+    offsets = torch.tensor([0, 2]).to("tpu")
+
+    def bag(dtype, grad=True):
+        ids = torch.tensor([1, 2, 3], dtype=dtype).to("tpu")
+        weight = table if grad else table.detach()
+        return torch.nn.functional.embedding_bag(ids, weight, offsets.to(dtype), mode="sum")
+
+    seen["bag_on_v5p"] = bag(torch.int64).cpu().tolist()
+    device.set_generation("v5e")
+    dtypes, grads = (torch.int64, torch.int32), (True, False)
+    seen["bag_on_v5e"] = [refused(lambda: bag(d, g), TorchTpuRuleError) for d in dtypes for g in grads]
+    device.set_generation("v5p")
+
     # Module.to of parameters already on the device: torch swaps a traceable wrapper subclass's
     # parameters (torch.utils.swap_tensors); each keeps its identity, attributes and hooks
     lin = torch.nn.Linear(2, 2, device="tpu")
@@ -166,6 +181,17 @@ def test_ops_without_a_torchtpu_kernel_raise_torchtpus_error(seen):
     # permute_pooled_embs_auto_grad reaches the device as the op it wraps, fbgemm::permute_pooled_embs.
     for key, op in (("fbgemm_missing", "fbgemm::permute_pooled_embs"), ("aten_missing", "aten::unique_dim")):
         assert seen[key] is not None and f"operator '{op}' is not implemented for TPU" in seen[key], seen[key]
+
+
+def test_ops_the_v5e_chip_aborts_on_are_refused_with_its_message(seen):
+    assert seen["bag_on_v5p"] == [[2.0, 2.0, 2.0, 2.0], [1.0, 1.0, 1.0, 1.0]]  # not measured there: it runs
+    said = (
+        "Unsupported conversion from vmreg/vreg to U64 (emulated TPU v5e: the chip's XLA compiler aborts the process "
+        "compiling aten::{op}, torch_tpu 0.2.0; torch.nn.EmbeddingBag / F.embedding_bag cannot run there: use "
+        "TorchRec's EmbeddingBagCollection, which tpurec shards)"
+    )
+    # int64 and int32 ids, a table that takes gradients (_embedding_bag) and one that does not (_forward_only)
+    assert seen["bag_on_v5e"] == [said.format(op=op) for op in ("_embedding_bag", "_embedding_bag_forward_only") * 2]
 
 
 def test_every_op_shape_is_a_program(seen):

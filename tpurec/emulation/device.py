@@ -18,6 +18,9 @@ was read) and then run the op on the CPU data:
   `.cpu()`, `.to("cpu")` are device->host copies, counted by the call site that made them;
 * an op without a TorchTPU kernel raises TorchTPU's "not implemented for TPU" error
   (`missing_kernel`): FBGEMM's ops unless tpurec routes them (`tpurec.runtime.host_ops`);
+* an op the emulated generation's chip aborts on (KERNELS_FILE's `chip_aborts`: `aten::_embedding_bag` on
+  v5e, XLA's "Unsupported conversion from vmreg/vreg to U64") raises with the chip's message instead of
+  running (`set_generation`);
 * every op is a program, keyed by (op, shapes, dtypes, non-tensor arguments), as TorchTPU's eager
   mode compiles them: SparseCore (`tpu::`), collective (`c10d::`) or TensorCore (the rest);
 * an all-to-all with split sizes refuses input or output buffers of different sizes on different
@@ -103,6 +106,22 @@ def after_warmup(phase: tuple[str, int]) -> bool:
 
 # Ops the device refuses for want of a TorchTPU kernel (KERNELS_FILE's, at install).
 _refused: set[str] = set()
+# Ops the emulated generation's chip aborts the process on (KERNELS_FILE's `chip_aborts`): op -> its message.
+_aborts: dict[str, str] = {}
+_GENERATION: list[str] = []
+
+
+def chip_aborts(generation: str) -> dict[str, str]:
+    """The ops a chip of `generation` ("v5e") was seen to abort the process on, each with the chip's message."""
+    ops = json.loads(KERNELS_FILE.read_text())["chip_aborts"]["ops"]
+    return {op: by_gen[generation] for op, by_gen in ops.items() if generation in by_gen}
+
+
+def set_generation(generation: str) -> None:
+    """The TPU generation the device stands for: the ops its chip aborts on are refused from here on."""
+    _GENERATION[:] = [generation]
+    _aborts.clear()
+    _aborts.update(chip_aborts(generation))
 
 
 def _kind(op: str) -> str:
@@ -283,6 +302,14 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     if kernel is not None:
         # A kernel tpurec registers for the device (its TPU adapter, a host route): it takes device tensors.
         return kernel(*args, **kwargs)
+    said = _aborts.get(func.name())
+    if said is not None:
+        # the chip would kill the process (SIGABRT in XLA's compiler); the emulation says why instead
+        raise TorchTpuRuleError(
+            f"{said} (emulated TPU {_GENERATION[0]}: the chip's XLA compiler aborts the process compiling "
+            f"{func.name()}, torch_tpu 0.2.0; torch.nn.EmbeddingBag / F.embedding_bag cannot run there: use "
+            "TorchRec's EmbeddingBagCollection, which tpurec shards)"
+        )
     if missing_kernel(func.name()):
         said = _missing_message().format(op=func.name())
         raise NotImplementedError(f"{said} (emulated torch-tpu 0.2.0: its CPU fallback is off by default)")
