@@ -169,6 +169,9 @@ def main() -> None:
     }
     if other:
         data["other"] = other
+    if OUT.exists() and "chip_aborts" in json.loads(OUT.read_text()):
+        # What a chip aborted on: measured on hardware, not in the dispatcher; kept as it was.
+        data["chip_aborts"] = json.loads(OUT.read_text())["chip_aborts"]
     out.write_text(_dump(data))
     counts = ", ".join(f"{k} {len(v)}" for k, v in groups.items())
     print(f"wrote {out} ({counts})", file=sys.stderr)

@@ -72,6 +72,22 @@ def test_resolve_device_tpu_without_tpu_names_what_is_missing(monkeypatch):
         assert "torch_tpu is not installed" in msg and "libtpu" in msg and "device='cpu'" in msg
 
 
+def test_resolve_device_tpu_n_is_this_processs_tpu_0(monkeypatch):
+    # As TorchTPU on the v5e chip: one device per process, tpu:1 names tpu:0 (it reached DDP as device_ids=[1])
+    monkeypatch.setattr(device, "emulated_slice", lambda: None)
+    monkeypatch.setattr(device, "tpu_status", lambda: device.TpuStatus("0.2.0", "0.0.52", ("/dev/accel0",)))
+    monkeypatch.setattr(device, "_load_torch_tpu", lambda: None)
+
+    class Device:  # torch.device as torch_tpu's import leaves it (PrivateUse1 named "tpu"), for this test only
+        def __init__(self, kind: str, index: int | None = None) -> None:
+            self.type, self.index = kind, index
+
+    monkeypatch.setattr(torch, "device", Device)
+    for spec in ("tpu", "tpu:0", "tpu:1", "tpu:3", "privateuseone:2"):
+        got = device.resolve_device(spec)
+        assert (got.type, got.index) == ("tpu", 0), spec
+
+
 def test_resolve_device_rejects_nonsense():
     with pytest.raises(ValueError, match="unsupported device"):
         device.resolve_device("gpu")

@@ -7,6 +7,8 @@ import re
 import tomllib
 from pathlib import Path
 
+import pytest
+
 from tpurec.runtime.device import TpuStatus
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,3 +39,44 @@ def test_every_tpu_install_hint_is_the_same_command():
 def test_tpu_env_names_the_install_command_for_each_missing_piece():
     missing = TpuStatus(torch_tpu=None, libtpu=None, device_nodes=("/dev/accel0",)).missing()
     assert len(missing) == 2 and all(HINT in m for m in missing), missing
+
+
+def test_the_tpu_extra_pins_the_libtpu_torch_tpu_asks():
+    assert "libtpu>=0.0.50" in _requirements(REPO / "requirements" / "tpu.txt")
+
+
+@pytest.mark.parametrize(
+    "version,problem",
+    [
+        (
+            "0.0.42.1",  # JAX's, as on the v5e chip
+            "libtpu 0.0.42.1 is older than the 0.0.50 torch-tpu 0.2.0 asks and has 4 parts, where torch-tpu 0.2.0's "
+            "loader parses only 3 (major.minor.patch): .venv/bin/pip install -r requirements/tpu.txt",
+        ),
+        (
+            "0.0.49",
+            "libtpu 0.0.49 is older than the 0.0.50 torch-tpu 0.2.0 asks: "
+            ".venv/bin/pip install -r requirements/tpu.txt",
+        ),
+        (
+            "0.0.52.1",
+            "libtpu 0.0.52.1 has 4 parts, where torch-tpu 0.2.0's loader parses only 3 (major.minor.patch): "
+            ".venv/bin/pip install -r requirements/tpu.txt",
+        ),
+        ("0.0.50", None),
+        ("0.1.0", None),
+        (None, None),
+    ],
+)
+def test_tpurec_env_flags_a_libtpu_torch_tpu_cannot_take(monkeypatch, capsys, version, problem):
+    import argparse
+
+    from tpurec import env_report
+    from tpurec.runtime import device
+
+    status = TpuStatus(torch_tpu="0.2.0", libtpu=version, device_nodes=("/dev/accel0",))
+    monkeypatch.setattr(device, "tpu_status", lambda: status)
+    assert env_report.run(argparse.Namespace(json=False)) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "libtpu" in line]
+    assert warnings == ([f"warning: {problem}"] if problem else [])
+    assert env_report.collect()["libtpu_problem"] == problem

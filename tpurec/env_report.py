@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import re
 import sys
 
 from tpurec import __version__, strict_json
@@ -26,6 +27,27 @@ _PACKAGES = (
 )
 
 
+# What torch-tpu 0.2.0 asks of libtpu: >= 0.0.50, in a major.minor.patch version its loader can parse.
+LIBTPU_MIN = (0, 0, 50)
+
+
+def libtpu_problem(version: str | None) -> str | None:
+    """Why torch-tpu 0.2.0 would not take this libtpu version, or None (also when libtpu is not installed).
+    On the v5e chip JAX's libtpu 0.0.42.1 was older and had 4 parts (../shared/tpu-vm/README.md)."""
+    if version is None:
+        return None
+    found = re.match(r"\d+(?:\.\d+)*", version)
+    parts = tuple(int(p) for p in found.group(0).split(".")) if found else ()
+    why = []
+    if parts[:3] < LIBTPU_MIN:
+        why.append("is older than the 0.0.50 torch-tpu 0.2.0 asks")
+    if len(parts) != 3:
+        why.append(f"has {len(parts)} parts, where torch-tpu 0.2.0's loader parses only 3 (major.minor.patch)")
+    if not why:
+        return None
+    return f"libtpu {version} " + " and ".join(why) + ": .venv/bin/pip install -r requirements/tpu.txt"
+
+
 def collect() -> dict:
     status = device.tpu_status()
     return {
@@ -39,6 +61,7 @@ def collect() -> dict:
         "tpu_usable": status.usable,
         "kernel_backend": device.kernel_backend(),
         "missing_for_tpu": status.missing(),
+        "libtpu_problem": libtpu_problem(status.libtpu),
     }
 
 
@@ -62,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
         f"kernels       {info['kernel_backend']}"
         + ("" if info["tpu_usable"] else "  (SparseCore needs: " + "; ".join(info["missing_for_tpu"]) + ")")
     )
+    if info["libtpu_problem"]:
+        print(f"warning: {info['libtpu_problem']}", file=sys.stderr)
     if info["packages"]["fbgemm-gpu"]:
         print(
             "warning: the CUDA fbgemm-gpu is installed; it shadows fbgemm-gpu-cpu (see docs/install.md)",

@@ -42,7 +42,10 @@ PROBE = textwrap.dedent(
     seen["type"] = type(a).__name__
     seen["device"] = str(a.device)
     seen["sum_device"] = str((a + a).device)
-    seen["index_1"] = refused(lambda: torch.zeros(2, device="tpu:1"), TorchTpuRuleError)
+    seen["index_n"] = [str(torch.zeros(2, device="tpu:1").device), str(torch.ones(2).to("tpu:3").device)]
+    host_index = torch.tensor([2, 0])
+    seen["host_index"] = [str(a[host_index].device), a[host_index].cpu().tolist()]
+    seen["host_index_select"] = refused(lambda: a.index_select(0, host_index), RuntimeError)
     seen["mixed"] = refused(lambda: a + torch.ones(3, 4), RuntimeError)
     seen["mixed_1d"] = refused(lambda: a[0] + torch.ones(4), RuntimeError)
     seen["scalar_ok"] = str((a * torch.tensor(2.0)).device)
@@ -71,6 +74,21 @@ PROBE = textwrap.dedent(
         NotImplementedError,
     )
     seen["aten_missing"] = refused(lambda: torch.unique(a, dim=0), NotImplementedError)
+
+    # what the v5e chip aborts on (SIGABRT in XLA's compiler) is refused with its message on an emulated v5e
+    table = torch.ones(10, 4, device="tpu", requires_grad=True)
+    offsets = torch.tensor([0, 2]).to("tpu")
+
+    def bag(dtype, grad=True):
+        ids = torch.tensor([1, 2, 3], dtype=dtype).to("tpu")
+        weight = table if grad else table.detach()
+        return torch.nn.functional.embedding_bag(ids, weight, offsets.to(dtype), mode="sum")
+
+    seen["bag_on_v5p"] = bag(torch.int64).cpu().tolist()
+    device.set_generation("v5e")
+    dtypes, grads = (torch.int64, torch.int32), (True, False)
+    seen["bag_on_v5e"] = [refused(lambda: bag(d, g), TorchTpuRuleError) for d in dtypes for g in grads]
+    device.set_generation("v5p")
 
     # Module.to of parameters already on the device: torch swaps a traceable wrapper subclass's
     # parameters (torch.utils.swap_tensors); each keeps its identity, attributes and hooks
@@ -130,7 +148,14 @@ def test_every_rank_drives_tpu_0(seen):
     assert seen["resolved"] == "tpu:0" and seen["current_device"] == 0
     assert seen["device"] == seen["sum_device"] == seen["factory"] == "tpu:0"
     assert seen["type"] == "TpuTensor"
-    assert "tpu:1 does not exist in this process" in seen["index_1"]
+    # tpu:N names tpu:0, as on the v5e chip (one device per process); the emulation refused it before
+    assert seen["index_n"] == ["tpu:0", "tpu:0"]
+
+
+def test_a_host_index_works_with_x_of_idx_and_not_with_index_select(seen):
+    # as on the v5e chip: x[cpu_index] runs on the device, index_select refuses it with these words
+    assert seen["host_index"] == ["tpu:0", [[8.0, 9.0, 10.0, 11.0], [0.0, 1.0, 2.0, 3.0]]]
+    assert seen["host_index_select"] == "index_select(): expected tensor to be on tpu, got cpu"
 
 
 def test_host_and_device_tensors_do_not_mix(seen):
@@ -156,6 +181,17 @@ def test_ops_without_a_torchtpu_kernel_raise_torchtpus_error(seen):
     # permute_pooled_embs_auto_grad reaches the device as the op it wraps, fbgemm::permute_pooled_embs.
     for key, op in (("fbgemm_missing", "fbgemm::permute_pooled_embs"), ("aten_missing", "aten::unique_dim")):
         assert seen[key] is not None and f"operator '{op}' is not implemented for TPU" in seen[key], seen[key]
+
+
+def test_ops_the_v5e_chip_aborts_on_are_refused_with_its_message(seen):
+    assert seen["bag_on_v5p"] == [[2.0, 2.0, 2.0, 2.0], [1.0, 1.0, 1.0, 1.0]]  # not measured there: it runs
+    said = (
+        "Unsupported conversion from vmreg/vreg to U64 (emulated TPU v5e: the chip's XLA compiler aborts the process "
+        "compiling aten::{op}, torch_tpu 0.2.0; torch.nn.EmbeddingBag / F.embedding_bag cannot run there: use "
+        "TorchRec's EmbeddingBagCollection, which tpurec shards)"
+    )
+    # int64 and int32 ids, a table that takes gradients (_embedding_bag) and one that does not (_forward_only)
+    assert seen["bag_on_v5e"] == [said.format(op=op) for op in ("_embedding_bag", "_embedding_bag_forward_only") * 2]
 
 
 def test_every_op_shape_is_a_program(seen):
@@ -213,14 +249,17 @@ def _all_to_all_on_rank_0(monkeypatch, buffers: list[tuple[int, int]]) -> None:
     device._check_symmetric_all_to_all((out, inp, object(), [1, 1], [2, 2]))
 
 
-def test_the_all_to_all_rule_is_judged_on_the_input_buffers(monkeypatch):
+def test_the_all_to_all_rule_is_judged_on_the_input_and_the_output_buffers(monkeypatch):
     from tpurec.emulation.rule_error import TorchTpuRuleError
 
-    # equal inputs, outputs of different sizes: accepted
-    _all_to_all_on_rank_0(monkeypatch, [(6, 4), (6, 8)])
+    # every rank's buffers of one size: accepted
+    _all_to_all_on_rank_0(monkeypatch, [(6, 4), (6, 4)])
     # inputs of different sizes, equal outputs: refused, naming both sizes
-    with pytest.raises(TorchTpuRuleError, match=r"this rank sends 4 elements, others \[4, 8\]"):
+    with pytest.raises(TorchTpuRuleError, match=r"this rank sends 4 elements, others \[4, 8\]\)$"):
         _all_to_all_on_rank_0(monkeypatch, [(4, 6), (8, 6)])
+    # equal inputs, outputs of different sizes: refused too (was accepted)
+    with pytest.raises(TorchTpuRuleError, match=r"^asymmetric .* this rank receives 4 elements, others \[4, 8\]\)$"):
+        _all_to_all_on_rank_0(monkeypatch, [(6, 4), (6, 8)])
 
 
 def test_moving_a_module_already_on_the_device_keeps_its_parameters(seen):

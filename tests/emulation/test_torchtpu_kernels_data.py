@@ -125,3 +125,13 @@ def test_the_file_is_what_this_venvs_torch_tpu_registers(tmp_path):
     fresh, kept = json.loads(out.read_text()), json.loads(DATA.read_text())
     fresh.pop("source"), kept.pop("source")
     assert fresh == kept
+
+
+def test_the_ops_the_v5e_chip_aborts_on_with_its_message(data):
+    # a column the dispatcher cannot give: read off a v5e chip (../shared/tpu-vm/README.md); both have kernels
+    from tpurec.emulation.device import chip_aborts
+
+    said = "Unsupported conversion from vmreg/vreg to U64"
+    assert chip_aborts("v5e") == {"aten::_embedding_bag": said, "aten::_embedding_bag_forward_only": said}
+    assert chip_aborts("v5p") == {} and chip_aborts("v6e") == {}
+    assert {group(data, op) for op in data["chip_aborts"]["ops"]} == {"kernel_ops"}

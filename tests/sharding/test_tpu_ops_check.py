@@ -53,3 +53,38 @@ def test_distributedmodelparallel_refuses_it_on_the_tpu_path_before_any_group(mo
     monkeypatch.setattr(dmp, "_ensure_process_group", no_group_yet)
     with pytest.raises(UserError, match="regroup .KTRegroupAsDict. calls fbgemm::permute_multi_embedding"):
         tpurec.DistributedModelParallel(Tower(), device="cpu")
+
+
+class WithABag(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tower = Tower().ebc  # TorchRec's EBC: its tables are EmbeddingBags, which tpurec shards
+        self.side = torch.nn.Sequential(torch.nn.EmbeddingBag(10, 4, mode="sum", device="meta"))
+
+
+BAG_REFUSAL = (
+    "side.0 (torch.nn.EmbeddingBag) cannot run on a TPU: its aten::_embedding_bag aborts the process in the chip's "
+    "XLA compiler (TPU v5e, torch_tpu 0.2.0), and tpurec does not shard it; use TorchRec's EmbeddingBagCollection "
+    "(torchrec.EmbeddingBagCollection), which tpurec shards"
+)
+
+
+def test_a_plain_embedding_bag_is_named_with_the_alternative_and_an_ebcs_own_are_not():
+    with pytest.raises(UserError) as err:
+        refuse_modules_without_tpu_kernels(WithABag())
+    assert str(err.value) == BAG_REFUSAL
+    refuse_modules_without_tpu_kernels(WithABag().tower)  # the EBC's own EmbeddingBags pass
+
+
+def test_distributedmodelparallel_refuses_a_plain_embedding_bag_on_the_tpu_path(monkeypatch):
+    import tpurec
+    from tpurec.sharding import dmp
+
+    def no_group_yet(kind):
+        raise AssertionError("a process group was made before the refusal")
+
+    monkeypatch.setattr(dmp, "device_kind", lambda device_type: "tpu")
+    monkeypatch.setattr(dmp, "_ensure_process_group", no_group_yet)
+    with pytest.raises(UserError) as err:
+        tpurec.DistributedModelParallel(WithABag(), device="cpu")
+    assert str(err.value) == BAG_REFUSAL

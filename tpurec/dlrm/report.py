@@ -203,7 +203,19 @@ def summary_text(r: dict, data_dir: str | os.PathLike | None) -> str:
         )
     if r["eval_rows"] < MIN_EVAL_ROWS_FOR_AUC:
         lines.append(f"  warning        {noisy_auc_text(r['eval_rows'])}")
+    if r.get("recompiles_after_warmup"):  # an emulated TPU run's count (None on a TPU, absent on CPU)
+        lines.append(f"  warning        {recompiles_text(r['recompiles_after_warmup'], r.get('recompiled_ops') or {})}")
     return "\n".join(lines)
+
+
+def recompiles_text(count: int, ops: dict[str, int]) -> str:
+    """The terminal's word on programs first compiled after warm-up (`recompiles_after_warmup`): each one
+    a new XLA compilation in the middle of a TPU run."""
+    which = f" ({', '.join(f'{op} {n}' for op, n in ops.items())})" if ops else ""
+    return (
+        f"{count} program(s) compiled after warm-up{which}: a shape or dtype followed the data, and on a TPU "
+        "each is a new compilation mid-run (recompiles_after_warmup, recompiled_ops in the JSON line)"
+    )
 
 
 # Below this many eval rows an AUC moves by several hundredths from one sample to the next (its

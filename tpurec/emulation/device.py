@@ -10,17 +10,21 @@ hooks, so autograd runs on it), and a device tensor is a `TpuTensor`: a wrapper 
 Both enforce what a TorchTPU device does (docs/tpu.md, "The emulated device", names where each rule
 was read) and then run the op on the CPU data:
 
-* each process's device is index 0 (`tpu:1` and above are refused);
+* each process's device is index 0: `tpu:1` and above name it too, as on the chip;
 * an op mixing host and device tensors raises, as torch does (0-dim CPU tensors, scalars, excepted;
-  `copy_`/`_to_copy` are the transfers);
+  `copy_`/`_to_copy` are the transfers; `x[cpu_index]` takes its host index, as the chip does, and
+  `index_select` refuses one with the chip's message);
 * `.numpy()` of a device tensor raises torch's TypeError; `.item()`, `float()`, `.tolist()`,
   `.cpu()`, `.to("cpu")` are device->host copies, counted by the call site that made them;
 * an op without a TorchTPU kernel raises TorchTPU's "not implemented for TPU" error
   (`missing_kernel`): FBGEMM's ops unless tpurec routes them (`tpurec.runtime.host_ops`);
+* an op the emulated generation's chip aborts on (KERNELS_FILE's `chip_aborts`: `aten::_embedding_bag` on
+  v5e, XLA's "Unsupported conversion from vmreg/vreg to U64") raises with the chip's message instead of
+  running (`set_generation`);
 * every op is a program, keyed by (op, shapes, dtypes, non-tensor arguments), as TorchTPU's eager
   mode compiles them: SparseCore (`tpu::`), collective (`c10d::`) or TensorCore (the rest);
-* an all-to-all with split sizes refuses input buffers of different sizes on different ranks, as
-  `ProcessGroupTpu::AllToAllBaseUnevenSplits` does.
+* an all-to-all with split sizes refuses input or output buffers of different sizes on different
+  ranks, as `ProcessGroupTpu::AllToAllBaseUnevenSplits` does.
 
 Ops with a Python kernel registered for the device (tpurec's TPU adapter, its host routes, the
 TorchTPU stand-in ops) run that kernel on the device tensors, as on a TPU.
@@ -59,6 +63,10 @@ _TRANSFERS = {
     "aten::_copy_from_and_resize",
     "aten::lift_fresh",
 }
+# Ops the chip runs with a host index tensor (`x[cpu_index]`: the index goes to the device)...
+_HOST_INDEX_OPS = {"aten::index"}
+# ... and ops it refuses one with its own message (`x.index_select(0, cpu_index)`), both read on a v5e chip.
+_INDEX_ON_DEVICE_OPS = {"aten::index_select"}
 
 
 @dataclass
@@ -98,6 +106,22 @@ def after_warmup(phase: tuple[str, int]) -> bool:
 
 # Ops the device refuses for want of a TorchTPU kernel (KERNELS_FILE's, at install).
 _refused: set[str] = set()
+# Ops the emulated generation's chip aborts the process on (KERNELS_FILE's `chip_aborts`): op -> its message.
+_aborts: dict[str, str] = {}
+_GENERATION: list[str] = []
+
+
+def chip_aborts(generation: str) -> dict[str, str]:
+    """The ops a chip of `generation` ("v5e") was seen to abort the process on, each with the chip's message."""
+    ops = json.loads(KERNELS_FILE.read_text())["chip_aborts"]["ops"]
+    return {op: by_gen[generation] for op, by_gen in ops.items() if generation in by_gen}
+
+
+def set_generation(generation: str) -> None:
+    """The TPU generation the device stands for: the ops its chip aborts on are refused from here on."""
+    _GENERATION[:] = [generation]
+    _aborts.clear()
+    _aborts.update(chip_aborts(generation))
 
 
 def _kind(op: str) -> str:
@@ -137,15 +161,8 @@ def _call_site() -> str:
     return "?"
 
 
-def _check_index(device: Any) -> None:
-    if device is None:
-        return
-    d = torch.device(device)
-    if d.type == DEVICE and d.index not in (None, 0):
-        raise TorchTpuRuleError(
-            f"device {d} does not exist in this process: each TorchTPU process drives its own device, tpu:0 "
-            "(torch-tpu 0.2.0: device_ids=[0] names this process's own device)"
-        )
+def _to_device(x: Any) -> Any:
+    return TpuTensor(x) if _is_host_tensor(x) else x
 
 
 def _is_host_tensor(x: Any) -> bool:
@@ -285,13 +302,27 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     if kernel is not None:
         # A kernel tpurec registers for the device (its TPU adapter, a host route): it takes device tensors.
         return kernel(*args, **kwargs)
+    said = _aborts.get(func.name())
+    if said is not None:
+        # the chip would kill the process (SIGABRT in XLA's compiler); the emulation says why instead
+        raise TorchTpuRuleError(
+            f"{said} (emulated TPU {_GENERATION[0]}: the chip's XLA compiler aborts the process compiling "
+            f"{func.name()}, torch_tpu 0.2.0; torch.nn.EmbeddingBag / F.embedding_bag cannot run there: use "
+            "TorchRec's EmbeddingBagCollection, which tpurec shards)"
+        )
     if missing_kernel(func.name()):
         said = _missing_message().format(op=func.name())
         raise NotImplementedError(f"{said} (emulated torch-tpu 0.2.0: its CPU fallback is off by default)")
-    _check_index(kwargs.get("device"))
     flat, _ = tree_flatten((args, kwargs))
     if op not in _TRANSFERS:
+        if op in _HOST_INDEX_OPS:
+            # x[idx] with a host index: the chip takes it (the result on tpu:0)
+            args = (args[0], [_to_device(i) for i in args[1]], *args[2:])
+            flat, _ = tree_flatten((args, kwargs))
         mixed = [x for x in flat if _is_host_tensor(x) and x.dim() > 0]
+        if mixed and op in _INDEX_ON_DEVICE_OPS:
+            # the chip's own words (torch_tpu 0.2.0, TPU v5e: docs/tpu.md, "Measured on a TPU v5e chip")
+            raise RuntimeError(f"{op.split('::')[1]}(): expected tensor to be on tpu, got cpu")
         if mixed:
             raise RuntimeError(
                 f"Expected all tensors to be on the same device, but found at least two devices, tpu:0 and cpu! "
@@ -362,7 +393,8 @@ def _wrap(x: Any, wrappers: dict[int, TpuTensor]) -> Any:
 
 def _check_symmetric_all_to_all(args: tuple) -> None:
     """ProcessGroupTpu::AllToAllBaseUnevenSplits: 'asymmetric input buffer sizes across ranks are not
-    supported on TPU.' (strings on torch-tpu 0.2.0's glue library)."""
+    supported on TPU.' (strings on torch-tpu 0.2.0's glue library); judged on the output buffers too, whose
+    sizes the same symmetric exchange needs equal on every rank (issue 58)."""
     output, tensor, boxed, output_splits, input_splits = args[:5]
     if not output_splits and not input_splits:
         return
@@ -371,11 +403,16 @@ def _check_symmetric_all_to_all(args: tuple) -> None:
     sizes = [torch.zeros(2, dtype=torch.int64) for _ in range(world)]
     mine = torch.tensor([tensor.numel(), output.numel()], dtype=torch.int64)
     dist.all_gather(sizes, mine, group=group)
-    inputs = {int(s[0]) for s in sizes}
+    inputs, outputs = {int(s[0]) for s in sizes}, {int(s[1]) for s in sizes}
     if len(inputs) > 1:
         raise TorchTpuRuleError(
             "asymmetric input buffer sizes across ranks are not supported on TPU. (emulated torch-tpu 0.2.0 "
             f"ProcessGroupTpu all-to-all: this rank sends {tensor.numel()} elements, others {sorted(inputs)})"
+        )
+    if len(outputs) > 1:  # the output buffers too: every rank's of one size (docs/tpu.md, the device's rules)
+        raise TorchTpuRuleError(
+            "asymmetric input buffer sizes across ranks are not supported on TPU. (emulated torch-tpu 0.2.0 "
+            f"ProcessGroupTpu all-to-all: this rank receives {output.numel()} elements, others {sorted(outputs)})"
         )
 
 

@@ -124,6 +124,7 @@ def activate(slice_name: str | None = None) -> EmulatedRank:
     os.environ[EMULATE_ENV] = spec.name
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torchtpu_dist.install_device_module(local_rank, spec.devices_per_host)
+    device.set_generation(spec.generation.name)  # the ops its chip aborts on are refused
     torchtpu_dist.register_backend()
     torchtpu_dist.refuse_ddp_shape_check_across_hosts(spec.hosts)
     torchtpu_dist.ddp_without_pinned_host_memory()

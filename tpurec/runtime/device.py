@@ -310,7 +310,7 @@ class TpuUnavailableError(UserError, RuntimeError):
 
 
 def resolve_device(device: torch.device | str) -> torch.device:
-    """Turn "tpu", "tpu:0", "cpu", "meta" or a torch.device into a torch.device.
+    """Turn "tpu", "tpu:N", "cpu", "meta" or a torch.device into a torch.device ("tpu:N" is tpu:0).
 
     "tpu" on a host without a usable TPU raises TpuUnavailableError at once, naming what is missing.
     """
@@ -339,9 +339,10 @@ def resolve_device(device: torch.device | str) -> torch.device:
                 + "\n  - ".join(status.missing())
             )
         _load_torch_tpu()
-        if index is None:
-            index = torch.accelerator.current_device_index()
-        return torch.device("tpu", index)
+        # One device per process, index 0, whatever index was asked: on a v5e chip TorchTPU 0.2.0 gave
+        # `torch.ones(2, device="tpu:1").device` tpu:0 (docs/tpu.md). Kept, "tpu:1" reached DDP as
+        # device_ids=[1].
+        return torch.device("tpu", 0)
     raise UserError(f"unsupported device {device!r}: use 'tpu', 'tpu:N', 'cpu' or a torch.device")
 
 
