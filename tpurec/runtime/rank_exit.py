@@ -25,7 +25,7 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import NoReturn
 
 
@@ -79,11 +79,12 @@ def run_and_exit(main: Callable[[], int | None], wait_for_threads: bool = False)
     exit_without_finalizing(code)
 
 
-def end_despite_threads(command: str, code: int) -> None:
-    """After a command's result: non-daemon threads that a user's code started and left running would
-    keep the process alive for ever (Python waits for them before its exit). Warn once naming them, and
-    end the process with `code` when the interpreter starts its shutdown, without waiting for them."""
-    threads = other_threads()
+def end_despite_threads(command: str, code: int, before: Collection[threading.Thread] = ()) -> None:
+    """After a command's result: non-daemon threads that a user's code started and left running (not
+    among `before`) would keep the process alive for ever (Python waits for them before its exit).
+    Warn once naming them, and end the process with `code` when the interpreter starts its shutdown,
+    without waiting for them (unless they ended by then)."""
+    threads = [t for t in other_threads() if t not in before]
     if not threads:
         return
     names = ", ".join(repr(t.name) for t in threads)
@@ -94,5 +95,10 @@ def end_despite_threads(command: str, code: int) -> None:
         file=sys.stderr,
         flush=True,
     )
+
+    def end() -> None:
+        if any(t.is_alive() for t in threads):
+            exit_without_finalizing(code)
+
     # Python calls these first when it shuts down, before it waits for the threads.
-    threading._register_atexit(lambda: exit_without_finalizing(code))  # type: ignore[attr-defined]
+    threading._register_atexit(end)  # type: ignore[attr-defined]
