@@ -14,7 +14,6 @@ Run by torch.distributed.run: `python -m tpurec.bench.calibrate_worker --data D 
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 
 from tpurec import strict_json
@@ -108,4 +107,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from tpurec.runtime.rank_exit import run_and_exit
+
+    run_and_exit(main)  # not through the interpreter's teardown: gloo can abort it (rank_exit.py)

@@ -505,4 +505,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from tpurec.runtime.rank_exit import run_and_exit
+
+    run_and_exit(main)  # not through the interpreter's teardown: gloo can abort it (rank_exit.py)

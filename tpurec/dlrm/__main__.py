@@ -9,11 +9,8 @@ The `--nproc` launcher of `tpurec train` passes the parsed options as JSON in TP
 from __future__ import annotations
 
 import argparse
-import atexit
-import logging
 import os
 import sys
-from typing import NoReturn
 
 from tpurec.runtime.gc_tuning import collect_less
 
@@ -21,6 +18,7 @@ collect_less()  # before the imports below bring in torch and TorchRec
 
 from tpurec.dlrm.cli import run_worker  # noqa: E402
 from tpurec.dlrm.options import OPTIONS_ENV, TrainOptions  # noqa: E402
+from tpurec.runtime.rank_exit import exit_without_finalizing, run_and_exit  # noqa: E402, F401
 
 
 def parse_options(argv: list[str]) -> TrainOptions:
@@ -41,19 +39,5 @@ def main(argv: list[str] | None = None) -> int:
     return run_worker(parse_options(sys.argv[1:] if argv is None else argv))
 
 
-def exit_without_finalizing(code: int) -> NoReturn:
-    """A rank that finished normally exits without finalizing the interpreter: now and then a multi-rank
-    CPU run aborted after its last line (SIGABRT, "terminate called without an active exception") while
-    Python freed C++ objects that gloo's worker threads still held (docs/reliability.md; the process
-    group is destroyed by an exit handler, tpurec/runtime/process_group.py). The exit handlers still
-    run (that destroy, temporary directories, TensorBoard's writer) and the output is flushed; only the
-    interpreter's teardown, where the abort struck, is skipped."""
-    atexit._run_exitfuncs()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
-    exit_without_finalizing(main())
+    run_and_exit(main)

@@ -203,7 +203,19 @@ def run_worker(options: TrainOptions) -> int:
     """One rank: user errors (UserError, OSError) print one line naming the rank and exit 2; other
     failures re-raise after a line naming the rank, so torch.distributed.run reports them and stops
     the job. Ctrl-C:
-    one line saying which checkpoint is the last complete one, exit 130."""
+    one line saying which checkpoint is the last complete one, exit 130. A non-daemon thread the
+    model started and left running does not keep the process alive: one warning names it."""
+    import threading
+
+    from tpurec.runtime import rank_exit
+
+    before = set(threading.enumerate())
+    code = _run_worker(options)
+    rank_exit.end_despite_threads("tpurec train", code, before)
+    return code
+
+
+def _run_worker(options: TrainOptions) -> int:
     from tpurec.runtime import interrupts
 
     with interrupts.handled():

@@ -9,12 +9,21 @@ joins its ranks through `tpurec.DistributedModelParallel` and never destroys the
 whatever tpurec initializes, it also tears down at exit, unless the program already did, or is
 exiting on an unhandled exception (destroying a group while other ranks may still be in a
 collective can hang them; the failure is already reported then).
+
+Destroying is not enough while a model (a DMP's sharding env) still holds the group: gloo's worker
+threads live on, and one that frees a finished collective's tensors after the interpreter began
+finalizing aborts the process (the cause, found in a core dump: tpurec/runtime/rank_exit.py). The
+ranks tpurec launches therefore end without finalizing (`rank_exit.run_and_exit`); for a program run
+under a plain torchrun this handler also lets go of the GIL for a moment, so a worker still freeing
+the last collective's tensors does it while the interpreter is whole (narrows the window; only
+`os._exit` closes it).
 """
 
 from __future__ import annotations
 
 import atexit
 import sys
+import time
 from typing import Any
 
 import torch.distributed as dist
@@ -36,3 +45,4 @@ def _destroy_at_exit() -> None:
         return
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    time.sleep(0.05)  # the GIL released: a gloo worker freeing Python tensors finishes now

@@ -25,7 +25,7 @@ import signal
 import sys
 
 from tpurec.errors import EXIT_USER_ERROR, UserError
-from tpurec.runtime import group_watch, rank_errors, run_report, safe_path
+from tpurec.runtime import group_watch, rank_errors, rank_exit, run_report, safe_path
 
 
 def main(argv: list[str]) -> None:
@@ -69,4 +69,6 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    # Ended as `python prog.py` ends (its non-daemon threads waited for, its exit handlers run), but
+    # without the interpreter's teardown, where gloo can abort a finished rank (rank_exit.py).
+    rank_exit.run_and_exit(lambda: main(sys.argv[1:]), wait_for_threads=True)
