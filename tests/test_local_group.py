@@ -10,10 +10,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-import torch
-import torch.distributed as dist
-
 from tests.dlrm.helpers import REPO
 from tpurec.runtime import local_group
 
@@ -68,36 +64,43 @@ def test_with_sockets_refused_a_one_process_dmp_trains_as_on_gloo():
     assert refused["losses"] == gloo["losses"] and len(set(gloo["losses"])) == 3  # the tables moved
 
 
-@pytest.fixture
-def local():
+COLLECTIVES = textwrap.dedent("""
+    import torch, torch.distributed as dist
+    from tpurec.runtime import local_group
     local_group.register()
     dist.init_process_group(local_group.BACKEND, store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-def test_every_collective_of_one_rank_is_its_input(local):
     x = torch.arange(6.0)
-    out = torch.empty(6)
-    dist.all_to_all_single(out, x, [6], [6])
-    assert torch.equal(out, x)
-    out = torch.empty(6)
-    dist.all_gather_into_tensor(out, x)
-    assert torch.equal(out, x)
-    out = torch.empty(6)
-    dist.reduce_scatter_tensor(out, x)
-    assert torch.equal(out, x)
-    outs = [torch.empty(6)]
-    dist.all_gather(outs, x)
-    assert torch.equal(outs[0], x)
+    outs = {}
+    for name, call in {
+        "all_to_all_single": lambda o: dist.all_to_all_single(o, x, [6], [6]),
+        "all_gather_into_tensor": lambda o: dist.all_gather_into_tensor(o, x),
+        "reduce_scatter_tensor": lambda o: dist.reduce_scatter_tensor(o, x),
+    }.items():
+        o = torch.empty(6)
+        call(o)
+        outs[name] = o.tolist()
+    gathered = [torch.empty(6)]
+    dist.all_gather(gathered, x)
     y = x.clone()
     dist.all_reduce(y)
     dist.broadcast(y, 0)
-    assert torch.equal(y, x)
     dist.barrier()
-    objs: list = [None]
+    objs = [None]
     dist.all_gather_object(objs, {"a": 1})
-    assert objs == [{"a": 1}]
+    print(json.dumps({"outs": outs, "gathered": gathered[0].tolist(), "y": y.tolist(), "objs": objs}))
+    dist.destroy_process_group()
+""")
+
+
+def test_every_collective_of_one_rank_is_its_input():
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    code = "import json\n" + COLLECTIVES
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.splitlines()[-1])
+    x = [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert got["outs"] == {"all_to_all_single": x, "all_gather_into_tensor": x, "reduce_scatter_tensor": x}
+    assert got["gathered"] == got["y"] == x and got["objs"] == [{"a": 1}]
 
 
 def test_the_probe_tells_a_refusing_host(monkeypatch):

@@ -68,7 +68,7 @@ def test_the_op_is_defined_and_served_on_the_tpu_key_once_tpurecs_tpu_registrati
         from itertools import accumulate
         assert not torch._C._jit_get_schemas_for_operator("torchrec::permute_pooled_embs")
         from tpurec.embedding import backend, tpu
-        tpu.register = lambda: None  # the SparseCore adapter needs TorchTPU
+        tpu.register = lambda kernels: None  # the SparseCore adapter needs TorchTPU
         backend.load_tpu_backend()
         pu1 = torch._C.DispatchKeySet(torch._C.DispatchKey.PrivateUse1)
         for name in ("permute_pooled_embs", "permute_pooled_embs_backward"):

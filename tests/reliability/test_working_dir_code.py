@@ -371,6 +371,7 @@ def test_plan_png_of_a_model_file(model_work, tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # 25 s; the default suite checks the import itself (above) and plan --format png
 def test_data_synth_stats_and_train_of_a_model_package(model_work, tmp_path):
     """data synth, data stats and one-process train, the model given by its dotted name."""
     data, target = tmp_path / "data", "my_models.ranker:build"

@@ -22,8 +22,20 @@ def test_tpu_device_starts_the_tpu_backend_with_a_store(monkeypatch):
     dmp._ensure_process_group("tpu")
     ((backend, kw),) = calls
     assert backend == "cpu:gloo,tpu:tpu_dist"
-    # TorchTPU's uneven all-to-all needs a c10d Store: a TCP init method gives the group one.
-    assert kw["init_method"].startswith("tcp://127.0.0.1:") and kw["world_size"] == 1 and kw["rank"] == 0
+    # TorchTPU's uneven all-to-all needs a c10d Store: an in-memory one, no socket for one process
+    assert isinstance(kw["store"], dist.HashStore) and kw["world_size"] == 1 and kw["rank"] == 0
+
+
+def test_a_host_that_refuses_sockets_gets_the_local_group_for_one_process(monkeypatch):
+    from tpurec.runtime import local_group
+
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw)))
+    monkeypatch.setattr(local_group, "sockets_refused", lambda: True)
+    dmp._ensure_process_group("tpu")
+    ((backend, kw),) = calls
+    assert backend == local_group.BACKEND and isinstance(kw["store"], dist.HashStore)
 
 
 def test_dmp_leaves_torchrec_all_to_all_to_the_backend():

@@ -142,6 +142,7 @@ def test_a_buckets_filesystem_is_made_again_when_credentials_or_endpoint_change(
     monkeypatch.setattr(pyarrow, "fs", fake, raising=False)
     monkeypatch.setattr(storage, "_filesystems", {})
     monkeypatch.setattr(storage, "require_aws_credentials", lambda uri: None)
+    monkeypatch.setattr(storage, "_probe_gcs", lambda uri, bucket: None)  # its own short-lived filesystem
     for name in (*storage._S3_ENV, *storage._GCS_ENV):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "alice")
