@@ -193,20 +193,30 @@ def a_string():
     return "model"
 
 class Logits(torch.nn.Module):
-    def __init__(self, feature="user_id", logits=1):
+    def __init__(self, feature="user_id", logits=1, returns=None):
         super().__init__()
         config = EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=20_000, feature_names=[feature])
         self.ebc = EmbeddingBagCollection(tables=[config], device=torch.device("meta"))
         self.top = torch.nn.Linear(8 + 8, logits)
+        self.returns = returns
 
     def forward(self, dense_features, sparse_features):
-        return self.top(torch.cat([dense_features, self.ebc(sparse_features).values()], dim=1))
+        out = self.top(torch.cat([dense_features, self.ebc(sparse_features).values()], dim=1))
+        if self.returns == "raise":
+            raise RuntimeError("my forward broke\\nits second line")  # line 23 of wrong.py
+        return "logits" if self.returns == "str" else out
 
 def two_logits():
     return Logits(logits=2)
 
 def other_columns():
     return Logits(feature="clicks")
+
+def forward_raises():
+    return Logits(returns="raise")
+
+def forward_returns_a_string():
+    return Logits(returns="str")
 """
 
 
@@ -216,6 +226,9 @@ def other_columns():
         ("a_string", "a_string() returned str, not an nn.Module"),
         ("just_tables", "EmbeddingBagCollection.forward takes neither (dense_features, sparse_features) nor (batch)"),
         ("two_logits", "the model returned logits of shape [256, 2] for a batch of 256; expected [256] or [256, 1]"),
+        # #61 item 6: these two were tracebacks through TorchRec's pipeline (its torch.fx trace of the forward)
+        ("forward_raises", "Logits.forward raised RuntimeError: my forward broke at {wrong.py}:23"),
+        ("forward_returns_a_string", "Logits.forward returned str, not a tensor of logits ([B] or [B, 1]"),
     ],
 )
 def test_a_model_that_cannot_train_is_one_line(fn, says, my_data, tmp_path, capsys, monkeypatch):
@@ -224,7 +237,9 @@ def test_a_model_that_cannot_train_is_one_line(fn, says, my_data, tmp_path, caps
     target = f"{tmp_path / 'wrong.py'}:{fn}"
     args = ["train", "--quiet", "--model-module", target, "--data", my_data, "--batch-size", 256, "--steps", 2]
     code, _, err = run_cli(args, capsys)
+    says = says.replace("{wrong.py}", str(tmp_path / "wrong.py"))
     assert_refused(code, err, f"--model-module {target!r}: {says}", prefix="tpurec train: error")
+    assert "its second line" not in err
 
 
 def test_data_without_the_models_columns_is_one_line_naming_them(my_data, tmp_path, capsys, monkeypatch):

@@ -47,7 +47,20 @@ class UserModelTrain(torch.nn.Module):
         self.loss_fn = torch.nn.BCEWithLogitsLoss()
 
     def forward(self, batch: Any) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        logits = self.model(batch.dense_features, batch.sparse_features)
+        try:
+            logits = self.model(batch.dense_features, batch.sparse_features)
+        except Exception as e:  # raised in the user's forward (also under the pipeline's torch.fx trace)
+            from tpurec.planner.model_module import raised_by_user_code, user_code_failed
+
+            if not raised_by_user_code(e):
+                raise  # out of tpurec: a bug, its traceback kept
+            raise user_code_failed(self.target, f"{type(self.model).__name__}.forward", e) from e
+        tensor = isinstance(logits, (torch.Tensor, torch.fx.Proxy))  # a Proxy: the tensor under the trace
+        if not tensor:
+            raise UserError(
+                f"--model-module {self.target!r}: {type(self.model).__name__}.forward returned "
+                f"{type(logits).__name__}, not a tensor of logits ([B] or [B, 1] for a batch of B; docs/your_model.md)"
+            )
         # TorchRec's pipeline traces this forward (torch.fx) to find the input distribution: no checks then
         if not torch.fx._symbolic_trace.is_fx_tracing():
             self._check(logits, batch.labels)
@@ -56,13 +69,8 @@ class UserModelTrain(torch.nn.Module):
         return loss, (loss.detach(), logits.detach(), batch.labels.detach())
 
     def _check(self, logits: Any, labels: torch.Tensor) -> None:
-        """Logits [B] or [B, 1], or one line saying what the model returned."""
+        """Logits [B] or [B, 1], or one line saying what shape the model returned."""
         b = labels.shape[0]
-        if not isinstance(logits, torch.Tensor):
-            raise UserError(
-                f"--model-module {self.target!r}: the model returned {type(logits).__name__}, not a logits tensor "
-                f"([{b}] or [{b}, 1] for a batch of {b}; docs/your_model.md)"
-            )
         if tuple(logits.shape) not in ((b,), (b, 1)):
             raise UserError(
                 f"--model-module {self.target!r}: the model returned logits of shape {list(logits.shape)} for a batch "

@@ -92,21 +92,37 @@ def _import(module_name: str) -> ModuleType:
     return module
 
 
-def _user_code_failed(target: str, what: str, error: Exception) -> UserError:
+def _library_frame(filename: str) -> bool:
+    """A frame of tpurec, the standard library or an installed package (not the user's code)."""
+    ours = os.path.dirname(os.path.dirname(os.path.realpath(__file__))) + os.sep
+    libs = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    return (
+        filename.startswith("<")
+        or os.path.realpath(filename).startswith((ours, *(p + os.sep for p in libs)))
+        or "site-packages" in filename
+    )
+
+
+def raised_by_user_code(error: BaseException) -> bool:
+    """Whether the innermost frame of `error`'s traceback outside the standard library and the
+    installed packages is the user's (not tpurec's: an exception out of tpurec is a bug, kept whole)."""
+    import traceback
+
+    ours = os.path.dirname(os.path.dirname(os.path.realpath(__file__))) + os.sep
+    for f in reversed(traceback.extract_tb(error.__traceback__)):
+        if os.path.realpath(f.filename).startswith(ours):
+            return False
+        if not _library_frame(f.filename):
+            return True
+    return False
+
+
+def user_code_failed(target: str, what: str, error: BaseException) -> UserError:
     """One line for an exception out of the user's module: what raised it, and where (the innermost
     frame outside tpurec, the standard library and the installed packages; the exception stays chained)."""
     import traceback
 
-    ours = os.path.dirname(os.path.dirname(os.path.realpath(__file__))) + os.sep
-    libs = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
-    frames = traceback.extract_tb(error.__traceback__)
-    theirs = [
-        f
-        for f in frames
-        if not f.filename.startswith("<")
-        and not os.path.realpath(f.filename).startswith((ours, *(p + os.sep for p in libs)))
-        and "site-packages" not in f.filename
-    ]
+    theirs = [f for f in traceback.extract_tb(error.__traceback__) if not _library_frame(f.filename)]
     where = theirs[-1] if theirs else None  # none: it failed calling in (a missing argument)
     at = f" at {where.filename}:{where.lineno}" if where is not None else ""
     said = (str(error).strip().splitlines() or [""])[0]
@@ -122,14 +138,14 @@ def load_model(target: str) -> tuple[nn.Module, dict[str, ParameterConstraints] 
     except ImportError as e:
         raise UserError(f"--model-module {target!r}: cannot import {module_name!r} ({e})") from None
     except Exception as e:  # the module's own code failed: named where, not a traceback through tpurec
-        raise _user_code_failed(target, f"importing {module_name}", e) from e
+        raise user_code_failed(target, f"importing {module_name}", e) from e
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise UserError(f"--model-module {target!r}: {module_name} has no function {fn_name!r}")
     try:
         built = fn()
     except Exception as e:
-        raise _user_code_failed(target, f"{fn_name}()", e) from e
+        raise user_code_failed(target, f"{fn_name}()", e) from e
     model, constraints = built if isinstance(built, tuple) and len(built) == 2 else (built, None)
     from torch import nn
 
