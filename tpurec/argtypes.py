@@ -43,6 +43,9 @@ fraction_above_zero = _domain(float, lambda v: 0 < v <= 1, "in (0, 1]")  # e.g. 
 # "Overflow when unpacking long long" traceback, so seeds stay in what every consumer takes
 seed_int = _domain(int, lambda v: 0 <= v < 2**63, "in [0, 2^63)")
 
+# steps between two events (--zch-eviction-interval): a whole number TorchRec's modules hold as a C int
+step_interval = _domain(int, lambda v: 1 <= v <= 2**31 - 1, "a whole number of steps in [1, 2^31-1]")
+
 PARQUET_CODECS = ("none", "snappy", "gzip", "brotli", "zstd", "lz4")  # pyarrow's Parquet writer's
 
 

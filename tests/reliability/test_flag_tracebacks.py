@@ -28,8 +28,17 @@ from tests.reliability.inproc import assert_refused, run_cli
             ["train", "--steps", 1, "--seed", 2**64],
             "tpurec train: error: argument --seed: '18446744073709551616' must be in [0, 2^63)",
         ),
+        (
+            ["train", "--zch", "--zch-eviction-interval", 10**20],
+            "tpurec train: error: argument --zch-eviction-interval: '100000000000000000000' must be a whole number of "
+            "steps in [1, 2^31-1]",
+        ),
+        (
+            ["train", "--zch-eviction-interval", "1e20"],
+            "tpurec train: error: argument --zch-eviction-interval: '1e20' is not a whole number",
+        ),
     ],
-    ids=["synth_codec", "convert_codec", "synth_seed", "train_seed"],
+    ids=["synth_codec", "convert_codec", "synth_seed", "train_seed", "zch_interval_huge", "zch_interval_float"],
 )
 def test_a_bad_codec_or_seed_is_one_line_and_nothing_is_made(tmp_path, capsys, monkeypatch, argv, says):
     """--compression bogus was pyarrow's traceback, leaving an empty --out; --seed 2^64 was torch's

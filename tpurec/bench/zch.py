@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from tpurec import strict_json
-from tpurec.argtypes import positive_float, positive_int
+from tpurec.argtypes import positive_float, positive_int, step_interval
 from tpurec.catalog import MODEL_NAMES
 from tpurec.errors import UserError
 
@@ -43,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--eviction", nargs="+", choices=POLICIES, default=["lru"], help="zch sides, one per policy (default lru)"
     )
-    p.add_argument("--eviction-interval", type=positive_int, default=None, help="--zch-eviction-interval (default 10)")
+    p.add_argument("--eviction-interval", type=step_interval, default=None, help="--zch-eviction-interval (default 10)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.set_defaults(run=run)
 

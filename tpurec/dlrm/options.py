@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from tpurec import strict_json
-from tpurec.argtypes import nonnegative_float, nonnegative_int, positive_float, positive_int
+from tpurec.argtypes import nonnegative_float, nonnegative_int, positive_float, positive_int, step_interval
 from tpurec.catalog import MODEL_NAMES
 from tpurec.dlrm import flags
 from tpurec.dlrm.configs import DLRMConfig, get_config, override
@@ -161,7 +161,7 @@ class TrainOptions:
         DEFAULT_EVICTION_INTERVAL,
         "--zch: steps between evictions; ids new since the last one share their table's last row "
         f"(default {DEFAULT_EVICTION_INTERVAL})",
-        type=positive_int,
+        type=step_interval,
         metavar="STEPS",
     )
     metrics_out: str | None = flag(None, "metrics as .csv or .jsonl; curves as FILE.png beside it", metavar="FILE")
