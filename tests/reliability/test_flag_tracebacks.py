@@ -54,3 +54,37 @@ def test_a_codec_is_taken_in_any_case():
     from tpurec.argtypes import parquet_codec
 
     assert [parquet_codec(c) for c in ("ZSTD", "none", "Snappy")] == ["zstd", "none", "snappy"]
+
+
+@pytest.mark.parametrize(
+    "blob,says",
+    [
+        ("{batch_size: 5", "TPUREC_TRAIN_OPTIONS is not JSON (Expecting property name enclosed in double quotes"),
+        ("[1, 2]", "TPUREC_TRAIN_OPTIONS holds list, not a JSON object of `tpurec train`'s options"),
+        ('{"batch_szie": 5}', "TPUREC_TRAIN_OPTIONS: unknown option 'batch_szie' (did you mean 'batch_size'?)"),
+        ('{"batch_size": "5"}', 'batch_size (--batch-size) is "5"; it takes a whole number or null'),
+        ('{"quiet": 1}', "quiet (--quiet) is 1; it takes true or false"),
+        ('{"dense_arch": [8, "x"]}', 'dense_arch (--dense-arch) is [8, "x"]; it takes a list of whole numbers or null'),
+        ('{"device": "gpu"}', 'device (--device) is "gpu"; it takes one of auto, cpu, tpu'),
+    ],
+    ids=["not_json", "not_object", "unknown_field", "wrong_type", "not_bool", "bad_list", "not_a_choice"],
+)
+def test_a_bad_options_variable_is_one_line(capsys, monkeypatch, blob, says):
+    """`python -m tpurec.dlrm` (a rank of `tpurec train --nproc`) reads its options from
+    TPUREC_TRAIN_OPTIONS: a bad one was json's or the dataclass's traceback (a TypeError for an unknown
+    field; a wrong type taken and failing later)."""
+    from tpurec.dlrm.__main__ import main
+
+    monkeypatch.setenv("TPUREC_TRAIN_OPTIONS", blob)
+    code = main([])
+    err = capsys.readouterr().err
+    assert_refused(code, err, "tpurec train: error: ")
+    assert says in err, err
+
+
+def test_the_options_variable_takes_what_the_launcher_writes():
+    from tpurec.dlrm.options import TrainOptions
+
+    options = TrainOptions(batch_size=64, dense_arch=(8, 4), epochs=1.5, quiet=True, device="cpu")
+    assert TrainOptions.from_json(options.to_json()) == options
+    assert TrainOptions.from_json(TrainOptions().to_json()) == TrainOptions()

@@ -36,7 +36,14 @@ def parse_options(argv: list[str]) -> TrainOptions:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_worker(parse_options(sys.argv[1:] if argv is None else argv))
+    from tpurec.errors import EXIT_USER_ERROR, UserError
+
+    try:
+        options = parse_options(sys.argv[1:] if argv is None else argv)
+    except UserError as e:  # a bad OPTIONS_ENV: one line, as `tpurec train` says a bad flag
+        print(f"tpurec train: error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    return run_worker(options)
 
 
 if __name__ == "__main__":

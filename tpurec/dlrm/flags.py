@@ -17,7 +17,7 @@ from types import UnionType
 from typing import Any, TypeVar
 
 _T = TypeVar("_T")
-_KEY = "flag"  # metadata key: the argparse keywords of a flagged field
+FLAG_KEY = _KEY = "flag"  # metadata key: the argparse keywords of a flagged field
 
 
 def flag(default: _T, help: str, **argparse_kwargs: Any) -> _T:

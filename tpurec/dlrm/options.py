@@ -63,6 +63,48 @@ def _default(name: str) -> Any:
     return next(f.default for f in fields(TrainOptions) if f.name == name)
 
 
+def _option_value(name: str, value: Any) -> Any:
+    """`value` of TrainOptions field `name` read from OPTIONS_ENV (a list as the tuple the flag gives),
+    or a UserError naming the field and what it takes."""
+    import difflib
+    import typing
+
+    known = {f.name: f for f in fields(TrainOptions)}
+    if name not in known:
+        near = difflib.get_close_matches(name, known, n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise UserError(f"{OPTIONS_ENV}: unknown option {name!r}{hint}; it takes the fields of `tpurec train`'s flags")
+    hint_type = typing.get_type_hints(TrainOptions)[name]
+    args = typing.get_args(hint_type)
+    optional = type(None) in args
+    kind = next((a for a in args if a is not type(None)), hint_type) if optional else hint_type
+    choices = known[name].metadata.get(flags.FLAG_KEY, {}).get("choices")
+    if typing.get_origin(kind) is typing.Literal:
+        choices, kind = typing.get_args(kind), str
+    if value is None and optional:
+        return None
+    if typing.get_origin(kind) is tuple:
+        ok = isinstance(value, list | tuple) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        what = "a list of whole numbers"
+        value = tuple(value) if ok else value
+    elif kind is float:
+        ok, what = isinstance(value, int | float) and not isinstance(value, bool), "a number"
+    elif kind is int:
+        ok, what = isinstance(value, int) and not isinstance(value, bool), "a whole number"
+    elif kind is bool:
+        ok, what = isinstance(value, bool), "true or false"
+    else:
+        ok, what = isinstance(value, str), "a string"
+    if ok and choices is not None and value not in choices:
+        ok, what = False, "one of " + ", ".join(map(str, choices))
+    if not ok:
+        raise UserError(
+            f"{OPTIONS_ENV}: {name} ({flags.option_string(name)}) is {json.dumps(value)}; it takes {what}"
+            + (" or null" if optional else "")
+        )
+    return value
+
+
 @dataclass(frozen=True)
 class TrainOptions:
     data: str | None = flag(
@@ -224,7 +266,21 @@ class TrainOptions:
 
     @classmethod
     def from_json(cls, text: str) -> TrainOptions:
-        return cls(**json.loads(text))
+        """The options of `to_json`'s text (the launcher's OPTIONS_ENV); a UserError naming OPTIONS_ENV,
+        the field and what it takes for text that is not JSON, not an object, or holds a field that
+        TrainOptions lacks or a value of the wrong type or outside its choices."""
+        try:
+            raw = json.loads(text)
+        except ValueError as e:
+            raise UserError(
+                f"{OPTIONS_ENV} is not JSON ({e}); it holds `tpurec train`'s options as a JSON object"
+            ) from None
+        if not isinstance(raw, dict):
+            raise UserError(
+                f"{OPTIONS_ENV} holds {type(raw).__name__}, not a JSON object of `tpurec train`'s options "
+                '({"batch_size": 512, ...})'
+            )
+        return cls(**{name: _option_value(name, value) for name, value in raw.items()})
 
     # ---- reading ----
     def resume_command(self) -> str:
