@@ -99,7 +99,7 @@ def _option_value(name: str, value: Any) -> Any:
         ok, what = False, "one of " + ", ".join(map(str, choices))
     if not ok:
         raise UserError(
-            f"{OPTIONS_ENV}: {name} ({flags.option_string(name)}) is {json.dumps(value)}; it takes {what}"
+            f"{OPTIONS_ENV}: {name} ({flags.option_string(name)}) is {strict_json.dumps(value)}; it takes {what}"
             + (" or null" if optional else "")
         )
     return value
