@@ -100,6 +100,7 @@ def test_dmp_sets_the_share_once_and_says_how_to_override(tmp_path):
     assert len(said) == 1 and "threads=N" in said[0] and "TPUREC_THREADS" in said[0], p.stderr[-2000:]
 
 
+@pytest.mark.slow  # in make test-all since session 27: the default suite's 20 minutes
 def test_dmp_keeps_a_count_the_user_set(tmp_path):
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one core")

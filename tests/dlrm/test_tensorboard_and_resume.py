@@ -25,6 +25,7 @@ def _scalars(logdir) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
+@pytest.mark.slow  # in make test-all since session 27: the default suite's 20 minutes
 def test_tensorboard_and_metrics_have_one_row_per_step_after_a_resume(cache, tmp_path):
     common = ["--synth-rows", 30000, "--eval-every", 2, "--keep", 0, "--checkpoint-dir", tmp_path / "ck"]
     outs = ["--metrics-out", tmp_path / "m.csv", "--tensorboard", tmp_path / "tb", "--curves-out", "none"]

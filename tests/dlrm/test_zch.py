@@ -89,6 +89,7 @@ def test_zch_counts_the_remap_below_capacity_exactly(cycling_raw_ids, cache, tmp
     assert p.returncode == 2 and "written with --zch" in p.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.slow  # in make test-all since session 27: the default suite's 20 minutes
 @pytest.mark.multiprocess
 def test_zch_at_two_ranks_evicts_above_capacity_and_sums_the_ranks(zipf_raw_ids, cache, tmp_path):
     result, p = train(

@@ -117,6 +117,7 @@ def test_two_sharded_ebcs_compile_to_one_program_on_the_emulated_device(tmp_path
     assert len(seen["compiled_programs"]) == 1 and all(new == [] for new in seen["new_programs_by_step"][1:])
 
 
+@pytest.mark.slow  # in make test-all since session 27: the default suite's 20 minutes
 @pytest.mark.parametrize("model", ["seq", "seq-mask"])
 def test_an_embedding_collection_model_compiles_to_one_program_on_the_emulated_device(tmp_path, model):
     """A sharded EC (its fixed-shape path, the device's default) beside a sharded EBC

@@ -31,6 +31,7 @@ def _kjt_all_to_all(rank, world_size, mode, on_device=True):
     return (None if out is None else out[0].tolist()), tpu_all_to_all.padded_calls() - before
 
 
+@pytest.mark.slow  # in make test-all since session 27: the default suite's 20 minutes
 @pytest.mark.multiprocess
 def test_padded_is_torchrecs_padding():
     r0, r1 = run_ranks(_kjt_all_to_all, 2, "padded")

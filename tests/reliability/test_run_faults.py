@@ -74,6 +74,7 @@ def _fault_rank_one(cache, sig) -> tuple[int, str, float]:
             proc.wait()
 
 
+@pytest.mark.slow  # in make test-all since session 27: the default suite's 20 minutes
 @pytest.mark.multiprocess
 def test_a_stopped_rank_is_named_and_the_job_ends_within_the_heartbeat_timeout(cache):
     code, err, seconds = _fault_rank_one(cache, signal.SIGSTOP)

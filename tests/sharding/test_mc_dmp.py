@@ -52,6 +52,7 @@ def test_mc_ebc_every_eviction_policy_trains_as_stock_torchrec(world, policy, op
     _compare(world, policy, optimizer)
 
 
+@pytest.mark.slow  # in make test-all since session 27: the default suite's 20 minutes
 @pytest.mark.multiprocess
 def test_an_mc_ec_trains_as_stock_torchrec_at_2_ranks():
     _compare(2, "lru", "sgd", bagged=False)
@@ -105,6 +106,7 @@ def test_the_multi_probe_hash_remap_trains_alike_at_1_and_2_ranks(policy):
         assert all(bool((m != -1).all()) for m in metadata)
 
 
+@pytest.mark.slow  # in make test-all since session 27: the default suite's 20 minutes
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("other", ["stock", "tpurec"])
 def test_mc_state_travels_through_dcp_between_tpurec_and_stock(tmp_path, other):
