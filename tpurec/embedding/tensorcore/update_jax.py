@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from tpurec.embedding.tensorcore.csr_jax import decode
+from tpurec.embedding.tensorcore.csr_jax import Entries, decode
 
 Scalar = jax.Array | float
 
@@ -55,14 +55,33 @@ def row_gradients(
     grad = activations_grad.astype(jnp.float32)
     if grad.shape[1] < width:
         grad = jnp.pad(grad, ((0, 0), (0, width - grad.shape[1])))
+    if num_sc == 1:
+        return _merge_in_slot_order(e, grad, num_rows)
     order = jnp.argsort(e.rows, stable=True)  # invalid entries (row num_rows) sort last
     rows_sorted = e.rows[order]
     samples = jnp.where(e.valid, e.samples, 0)[order]  # invalid: sample 0 with gain 0
-    contributions = grad[samples] * e.gains[order][:, None]
+    contributions = jnp.where(e.valid[order][:, None], grad[samples] * e.gains[order][:, None], 0.0)
     starts = jnp.concatenate([jnp.ones(1, bool), rows_sorted[1:] != rows_sorted[:-1]]) if n else jnp.zeros(0, bool)
     segment = jnp.cumsum(starts.astype(jnp.int32)) - 1
     grads = jax.ops.segment_sum(contributions, segment, num_segments=n, indices_are_sorted=True)
     rows = jnp.full(n, num_rows, jnp.int32).at[jnp.where(starts, segment, n)].set(rows_sorted, mode="drop")
+    return rows, grads
+
+
+def _merge_in_slot_order(e: Entries, grad: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
+    """`row_gradients` for one SparseCore's buffer, without a sort: there the valid entries' rows
+    increase in slot order (partition p's segment holds rows p * rows_per_partition + id, sorted by
+    id), so a row's entries are adjacent and a row starts where the slot before holds another row;
+    the invalid slots between segments add exactly zero to the row before them. Same sums in the same
+    order as the sorted path (a TPU sort of every slot was half the update's time: docs/results.md)."""
+    n = e.rows.shape[0]
+    before = jnp.concatenate([jnp.full(1, -1, jnp.int32), e.rows[:-1]]) if n else e.rows
+    starts = e.valid & (e.rows != before)
+    segment = jnp.cumsum(starts.astype(jnp.int32)) - 1  # invalid slots before the first row: -1, dropped
+    samples = jnp.where(e.valid, e.samples, 0)
+    contributions = jnp.where(e.valid[:, None], grad[samples] * e.gains[:, None], 0.0)
+    grads = jax.ops.segment_sum(contributions, segment, num_segments=n, indices_are_sorted=True)
+    rows = jnp.full(n, num_rows, jnp.int32).at[jnp.where(starts, segment, n)].set(e.rows, mode="drop")
     return rows, grads
 
 
