@@ -146,6 +146,24 @@ TRAINING_DEFAULTS: dict[str, TrainingDefaults] = {
 }
 
 
+# `tpurec train`'s --model when none is given; a --model-module run takes its training settings
+# (the tables' optimizer among them) from it, and `tpurec plan --model-module` plans with the same.
+DEFAULT_TRAIN_MODEL = "dlrm-tiny"
+
+
+def model_module_optimizer(own: str | None, training_model: str | None = None) -> tuple[str, str]:
+    """(the tables' optimizer, where it comes from) of a `--model-module` model, as `tpurec train`
+    resolves it and `tpurec plan` prints it: the model's own (apply_optimizer_in_backward), else the
+    --embedding-optimizer of the training config (--model, default DEFAULT_TRAIN_MODEL)."""
+    if own:
+        return own, "the model's own, set with apply_optimizer_in_backward"
+    name = training_model or DEFAULT_TRAIN_MODEL
+    return (
+        TRAINING_DEFAULTS[name].embedding_optimizer,
+        f"the model sets none: tpurec train's default, --model {name}'s --embedding-optimizer",
+    )
+
+
 # The named models every CLI offers (`tpurec train --model`, `tpurec plan --model`): each DLRM
 # config of tpurec/dlrm/configs.py is named after the table set it trains.
 MODEL_NAMES: tuple[str, ...] = tuple(TABLE_SETS)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -377,3 +378,26 @@ def test_tables_this_host_cannot_hold_are_refused_before_the_data_is_read(my_dat
     code, _, err = run_cli(["train", "--quiet", "--model-module", EXAMPLE, "--data", my_data, "--steps", 2], capsys)
     says = f"training {EXAMPLE} on CPU needs about 1.0 GiB on this host (0.0 GiB of tables and optimizer state for "
     assert_refused(code, err, says + "40,500 rows, plus ~1 GiB per rank), which has 1.0 GiB available; give its tables")
+
+
+def test_plan_and_train_give_my_model_one_table_optimizer(my_data, tmp_path, capsys, monkeypatch):
+    """A model that sets no optimizer: `tpurec plan` plans it with what `tpurec train` fuses (dlrm-tiny's
+    row-wise Adagrad: 158.38 KiB of state for its 40,500 rows), and says where it comes from (#63 item 4;
+    plan said SGD, 0 B of state)."""
+    monkeypatch.setenv("TPUREC_CACHE", str(tmp_path / "cache"))
+    plan = ["plan", "--model-module", EXAMPLE, "--topology", "cpu-1", "--batch-size", 256]
+    code, plan_text, err = run_cli(plan, capsys)
+    assert code == 0, err
+    header = plan_text.splitlines()[0]
+    source = "the model sets none: tpurec train's default, --model dlrm-tiny's --embedding-optimizer"
+    assert header.endswith(f"optimizer rowwise_adagrad ({source})")
+    _, err = _train_here(capsys, "--model-module", EXAMPLE, "--data", my_data, "--steps", 1, "--batch-size", 256)
+    assert "batch 256/device, optimizer rowwise_adagrad" in err
+
+    def optim(text: str) -> str:  # the devices table's optimizer-state column
+        heading = next(line for line in text.splitlines() if line.startswith("devs "))
+        row = text.splitlines()[text.splitlines().index(heading) + 1]
+        cells = re.split(r"\s{2,}|(?<=B)\s", row.strip())
+        return cells[heading.split().index("optim")]
+
+    assert optim(plan_text) == optim(err) == "158.38 KiB"

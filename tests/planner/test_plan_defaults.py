@@ -83,4 +83,5 @@ def test_help_says_where_the_defaults_come_from(capsys):
         _cli("-h")
     out = " ".join(capsys.readouterr().out.split())
     assert "batch size per device (default: --model: its training config's;" in out
-    assert "(default: --model: its training config's;" in out and "apply_optimizer_in_backward, else sgd" in out
+    assert "(default: --model: its training config's;" in out
+    assert "apply_optimizer_in_backward, else what `tpurec train --model-module` fuses" in out

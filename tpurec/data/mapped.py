@@ -279,6 +279,8 @@ def _ids(vals: Any, kind: str, size: int | None) -> np.ndarray:
         # mod in uint64: cast to int64 first, 2^64 - 1 read as -1 and hashed to size - 1
         return (x % np.uint64(size)).astype(np.int64)
     x = x.astype(np.int64, copy=False)  # unhashed uint64 ids keep their bits: distinct ids stay distinct
+    if size and size >= 2**63:  # a managed-collision remap's whole int64 range: negative ids as unsigned
+        return (x.view(np.uint64) % np.uint64(size)).astype(np.int64)
     return np.mod(x, size) if size else x
 
 

@@ -86,11 +86,18 @@ class _Decoder:
     """Reads units into windows, validating as it goes; owns the open ParquetFile handles."""
 
     def __init__(
-        self, schema: DataSchema, dense_log1p: bool = False, rehash: list[int] | None = None, ids_only: bool = False
+        self,
+        schema: DataSchema,
+        dense_log1p: bool = False,
+        rehash: list[int] | None = None,
+        ids_only: bool = False,
+        remapped: frozenset[int] = frozenset(),
     ) -> None:
         self.schema = schema
         self.dense_log1p = dense_log1p  # apply log1p_clamp0 here (the files hold raw dense)
         self.rehash = rehash  # apply mod_reserve0 into these sizes here (the files hold raw ids)
+        # of rehash, the features a managed-collision remap takes: raw ids kept, only bounded by its range
+        self.remapped = remapped
         # ids_only: the label and dense columns are neither read nor checked (a pass over the ids alone)
         self.ids_only = ids_only
         self.columns = [] if ids_only else [schema.label, *schema.dense]
@@ -144,7 +151,7 @@ class _Decoder:
             for f, col in zip(s.sparse, ids):
                 validate.check_ids(where, f.name, col, f.num_embeddings, u.start)
             if self.rehash:
-                ids = [_hash(col, size) for col, size in zip(ids, self.rehash)]
+                ids = [self._rehash(i, col) for i, col in enumerate(ids)]
             return _Window(n, labels, dense, ids, None)
         feats: list[_Feature] = []
         for f in s.sparse:
@@ -157,7 +164,7 @@ class _Decoder:
                 vals, off, lengths = col.to_numpy().astype(np.int64, copy=False), None, None
             validate.check_ids(where, f.name, vals, f.num_embeddings, u.start, off)
             if self.rehash:
-                vals = _hash(vals, self.rehash[len(feats)])
+                vals = self._rehash(len(feats), vals)
             w = None
             if f.weights:
                 w, woff = _list_parts(t.column(f.weights))
@@ -166,6 +173,12 @@ class _Decoder:
                 w = w.astype(np.float32, copy=False)
             feats.append(_Feature(vals, lengths, off, w))
         return _Window(n, labels, dense, None, feats)
+
+    def _rehash(self, i: int, raw: np.ndarray) -> np.ndarray:
+        assert self.rehash is not None
+        if i in self.remapped:  # the remap's input: the id as stored, below the remap's input range
+            return raw if self.rehash[i] >= 2**63 else raw % self.rehash[i]
+        return _hash(raw, self.rehash[i])
 
 
 def _hash(raw: np.ndarray, num_embeddings: int) -> np.ndarray:
@@ -257,6 +270,9 @@ class ParquetReader:
         table_sizes: for files converted with raw ids, hash them at read time (``mod_reserve0``)
             into these sizes (list, or dict by feature name); ``table_sizes`` attribute: the sizes
             the batches' ids index into.
+        remap_ranges: {feature: range} of features whose table is behind a managed-collision remap
+            (a ``--model-module``'s MC tables): their raw ids are not hashed into ``table_sizes`` but
+            handed on as read, reduced modulo the remap's input range (``table_sizes`` gives that range).
         ids_only: read the categorical columns alone (`tpurec data stats`): batches with no dense
             features and labels 0, the label and dense columns neither read nor checked; a mapped
             ``source`` reads all of its columns regardless.
@@ -288,6 +304,7 @@ class ParquetReader:
         table_sizes: Sequence[int] | dict[str, int] | None = None,
         source: Any = None,  # a tpurec.data.mapped.MappedSource: Parquet read through a column mapping
         ids_only: bool = False,
+        remap_ranges: dict[str, int] | None = None,
     ) -> None:
         if batch_size < 1:
             raise UserError("batch_size must be >= 1")
@@ -320,8 +337,8 @@ class ParquetReader:
         self._decoder: Any
         self.table_sizes: Sequence[int | None]  # what the batches' ids index into
         if source is None:
-            self._decoder = self._make_decoder(dense_transform, table_sizes, ids_only)
-        else:  # ids hashed into each feature's ROWS, else into the table sizes given (the model's)
+            self._decoder = self._make_decoder(dense_transform, table_sizes, ids_only, remap_ranges or {})
+        else:  # ids hashed into each feature's ROWS, else into the table sizes given (the model's, a remap's range)
             sizes = source.sizes(table_sizes)
             self.table_sizes = sizes
             self._decoder = source.decoder(sizes)
@@ -329,7 +346,7 @@ class ParquetReader:
         self._ones: torch.Tensor | None = None
         self._ones_np: np.ndarray | None = None
 
-    def _make_decoder(self, dense_transform, table_sizes, ids_only: bool = False) -> _Decoder:
+    def _make_decoder(self, dense_transform, table_sizes, ids_only: bool = False, remap_ranges=None) -> _Decoder:
         """Apply at read time the transforms the files do not hold yet (recorded in their metadata)."""
         s = self.schema
         log1p = False
@@ -359,7 +376,8 @@ class ParquetReader:
                     f"feature {f.name!r}: the files' ids are already hashed ({s.categorical}) into "
                     f"{f.num_embeddings} rows, not {want}; convert with --raw-ids to choose sizes at read time"
                 )
-        return _Decoder(s, log1p, rehash, ids_only)
+        remapped = frozenset(i for i, f in enumerate(s.sparse) if rehash and f.name in (remap_ranges or {}))
+        return _Decoder(s, log1p, rehash, ids_only, remapped)
 
     # ----- position -----------------------------------------------------------------------------
     def __len__(self) -> int:

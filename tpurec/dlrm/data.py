@@ -153,11 +153,13 @@ def make_readers(
     warn: Callable[[str], object] = log.warning,
     keep_raw_ids: bool = False,
     columns: ColumnSpec | None = None,
+    remap_ranges: dict[str, int] | None = None,
 ) -> Readers:
     """The train and eval readers. Raw ids are hashed into `table_sizes` at read time unless
     `keep_raw_ids` (`tpurec train --zch`: TorchRec's remap takes them as they are); ``columns``: the
     column mapping of Parquet tpurec did not write (tpurec/data/mapping.py; inferred when None and the
-    data has no tpurec metadata)."""
+    data has no tpurec metadata); ``remap_ranges``: features of a managed-collision table, whose raw ids
+    are kept (below the remap's range, which `table_sizes` gives for them; ParquetReader)."""
     from tpurec.data.reader import ParquetReader, default_decode_threads
     from tpurec.data.shards import split_train_eval
 
@@ -166,7 +168,9 @@ def make_readers(
     raw_ids = any(f.get("num_embeddings") is None for f in meta.get("sparse", []))
     sizes = table_sizes if raw_ids and not keep_raw_ids else None  # hash raw ids into the model's tables
     train_units, eval_units = split_train_eval(data_dir, eval_fraction, source=source)
-    common: dict[str, Any] = dict(rank=rank, world_size=world_size, table_sizes=sizes, source=source)
+    common: dict[str, Any] = dict(
+        rank=rank, world_size=world_size, table_sizes=sizes, source=source, remap_ranges=remap_ranges
+    )
     # the training reader decodes on several threads where the host has cores to spare (a TPU VM)
     train_opts: dict[str, Any] = dict(shuffle=True, seed=seed, drop_last=True, equal_rows=True)
     train_opts["decode_threads"] = default_decode_threads()

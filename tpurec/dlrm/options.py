@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from tpurec import strict_json
 from tpurec.argtypes import nonnegative_float, nonnegative_int, positive_float, positive_int, step_interval
-from tpurec.catalog import MODEL_NAMES
+from tpurec.catalog import DEFAULT_TRAIN_MODEL, MODEL_NAMES
 from tpurec.dlrm import flags
 from tpurec.dlrm.configs import DLRMConfig, get_config, override
 from tpurec.dlrm.flags import flag
@@ -129,7 +129,7 @@ class TrainOptions:
         "Parquet without tpurec's metadata: a YAML/JSON column mapping (`tpurec data inspect` prints one)",
         metavar="FILE",
     )
-    model: str = flag("dlrm-tiny", "named config (default dlrm-tiny)", choices=MODEL_NAMES)
+    model: str = flag(DEFAULT_TRAIN_MODEL, f"named config (default {DEFAULT_TRAIN_MODEL})", choices=MODEL_NAMES)
     model_module: str | None = flag(
         None,
         "your own TorchRec model: FN() in module MOD (or FILE.py) returns it, taking (dense, KJT) and returning "
@@ -422,8 +422,13 @@ class TrainOptions:
                 f"--model-module trains on --data DIR; make one for the model's features with "
                 f"`tpurec data synth --model-module {self.model_module} --out DIR`"
             )
-        shaping = ("zch", *BUILT_IN_MODEL_FLAGS)
-        given = [n for n in shaping if getattr(self, n) not in (None, False)]
+        if self.zch:
+            return (
+                "--zch puts the built-in DLRM's tables behind TorchRec's managed-collision remap; a --model-module "
+                "model brings its own (ManagedCollisionEmbeddingBagCollection / -EmbeddingCollection): their features "
+                "get the data's raw ids and the run reports the remap's counters without --zch (docs/your_model.md)"
+            )
+        given = [n for n in BUILT_IN_MODEL_FLAGS if getattr(self, n) not in (None, False)]
         if given:
             return f"{flags.option_string(given[0])} shapes the built-in DLRM; --model-module builds its own model"
         return None

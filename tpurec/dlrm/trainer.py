@@ -131,6 +131,17 @@ class Trainer:
             from tpurec.dlrm.user_model import load
 
             self.user = load(o.model_module, self.cfg.seed)
+            remapped = self.user.remap_ranges()
+            if o.step != "eager" and remapped:  # as --zch: TorchRec's sharded remaps, which the steps do not take
+                raise UserError(
+                    f"--step {o.step} trains without managed-collision tables (--model-module {o.model_module}: "
+                    f"features {', '.join(remapped)}); use --step eager"
+                )
+            if self.rank == 0:
+                from tpurec.planner.model_module import unspread_remaps
+
+                for line in unspread_remaps(self.user.module, self.world):
+                    log.warning(line)
             if self.device == "cpu" or self.emulated:
                 rows, dims = [t.num_embeddings for t in self.user.tables], [t.embedding_dim for t in self.user.tables]
                 check_host_memory(self.cfg, rows, self.world, user=(o.model_module, dims, self._table_optimizer()))
@@ -153,7 +164,7 @@ class Trainer:
         from tpurec.dlrm.input_pipeline import lookups_to_prepare, make_prefetcher
 
         o = self.options
-        self._lookups = lookups_to_prepare(self.dmp, self.world) if o.pipeline_depth and not o.zch else []
+        self._lookups = lookups_to_prepare(self.dmp, self.world) if o.pipeline_depth and not self._remapped() else []
         self._prefetch = make_prefetcher(
             self.readers.train, self._lookups, depth=o.pipeline_depth, workers=o.pipeline_workers
         )
@@ -243,6 +254,8 @@ class Trainer:
             warn=log.warning if rank == 0 else (lambda *a: None),
             keep_raw_ids=self.options.zch,  # --zch: TorchRec's remap takes the raw ids
             columns=columns,
+            # a --model-module's managed-collision tables: so do their remaps (tpurec.dlrm.user_model)
+            remap_ranges=self.user.remap_ranges() if self.user is not None else None,
             # On a TPU every shape is compiled in: evaluating at the training batch reuses the step's
             # lookup program and id limits; another eval batch would be another program, other buffers.
             **({"eval_batch_size": cfg.batch_size} if self.device == "tpu" else {}),
@@ -317,6 +330,8 @@ class Trainer:
                 f"--zch: {len(self.remap.tables)} managed-collision table(s) on this rank, {zch.eviction} eviction "
                 f"every {zch.eviction_interval} steps"
             )
+        elif self._remapped():
+            self._count_model_remaps()
         self.optimizer = build_optimizer(self.dmp, cfg)
         self.schedule = LRSchedule(self.optimizer, cfg.warmup_steps, cfg.decay_start, cfg.decay_steps)
         if self.rank == 0:
@@ -337,14 +352,41 @@ class Trainer:
             device,
             world_size=self.world,
             workers=o.pipeline_workers,
-            # --zch: the lookups take the remapped ids, known only in the step (the remap's input is raw)
-            prepare=o.pipeline_depth > 0 and zch is None,
+            # --zch, a model's MC tables: the lookups take the remapped ids, known only in the step
+            prepare=o.pipeline_depth > 0 and not self._remapped(),
         )
 
     @property
     def model_name(self) -> str:
         """The model trained, as the result line and the reports name it: the config, or MOD:FN."""
         return self.options.model_module or self.cfg.name
+
+    def _remapped(self) -> bool:
+        """Tables behind a managed-collision remap: --zch's, or a --model-module's own."""
+        return self.options.zch or (self.user is not None and bool(self.user.remap_ranges()))
+
+    def _count_model_remaps(self) -> None:
+        """A --model-module's own managed-collision tables: their remaps counted as --zch's are
+        (tpurec.dlrm.zch.RemapCounters), said in one line with what they take."""
+        from tpurec.dlrm.zch import RemapCounters
+
+        assert self.user is not None
+        self.remap = RemapCounters(None).attach(self.dmp)
+        ranges = self.user.remap_ranges()
+        said = ", ".join(f"{f} (ids below {n:,})" for f, n in ranges.items())
+        eviction, interval = self.remap.policy()
+        counted = (
+            f"{len(self.remap.tables)} counted on this rank ({eviction} eviction every {interval} steps)"
+            if self.remap.tables
+            else "none counted"
+        )
+        uncounted = f"; not counted: {', '.join(self.remap.uncounted)} (not MCHManagedCollisionModule)"
+        self.say(
+            f"managed-collision tables of {self.user.target}: features {said} read unhashed for the remap; "
+            f"{counted}{uncounted if self.remap.uncounted else ''}"
+        )
+        if not self.remap.tables:
+            self.remap = None
 
     def _table_optimizer(self) -> str:
         """The tables' optimizer: a `--model-module` model's own when it set one, else the config's."""

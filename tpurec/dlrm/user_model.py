@@ -91,6 +91,11 @@ class UserModel:
     dense_in_features: int | None
     own_optimizer: bool  # the model set its tables' optimizer (apply_optimizer_in_backward)
 
+    def remap_ranges(self) -> dict[str, int]:
+        """{feature: its remap's input range} of the features of managed-collision tables: the reader
+        hands them the column's ids unhashed (below that range), for TorchRec's remap to place."""
+        return {f.name: f.remap_range for f in self.features if f.remap_range is not None}
+
     def checkpoint_config(self) -> dict:
         """What a checkpoint records of the model, for a resume to match: the target and its tables."""
         return {
@@ -163,9 +168,10 @@ def apply_table_optimizer(user: UserModel, cfg: DLRMConfig) -> None:
 
 
 def data_table_sizes(user: UserModel, meta: dict, where: str) -> list[int]:
-    """For each sparse column of the data (its metadata `meta`), the table size its ids index into:
-    the model's table for a feature the model reads (raw ids are hashed into it), the data's own for
-    a column it does not read. One line naming the column when data and model disagree."""
+    """For each sparse column of the data (its metadata `meta`), the size its ids are read into: the
+    model's table for a feature the model reads (raw ids are hashed into it), the remap's input range
+    for a feature of a managed-collision table (raw ids go to the remap unhashed, `remap_ranges`), the
+    data's own for a column it does not read. One line naming the column when data and model disagree."""
     sparse = meta.get("sparse") or []
     names = [f["name"] for f in sparse]
     missing = [f.name for f in user.features if f.name not in names]
@@ -174,11 +180,11 @@ def data_table_sizes(user: UserModel, meta: dict, where: str) -> list[int]:
             f"{where}: no column for feature(s) {', '.join(missing[:8])} of --model-module {user.target} "
             f"(a feature is read from the sparse column of its name); the data's sparse columns: {_listing(names)}"
         )
-    dense = len(meta.get("dense") or [])
-    if user.dense_in_features is not None and dense != user.dense_in_features:
+    dense = meta.get("dense") or []
+    if user.dense_in_features is not None and len(dense) != user.dense_in_features:
         raise UserError(
-            f"{where}: {dense} dense column(s); --model-module {user.target} takes {user.dense_in_features} "
-            "(its dense_in_features)"
+            f"{where}: {len(dense)} dense column(s){_named(dense)}; --model-module {user.target} takes "
+            f"{user.dense_in_features} (its dense_in_features){_inference(user, meta)}"
         )
     by_name = {f.name: f for f in user.features}
     sizes = []
@@ -188,13 +194,43 @@ def data_table_sizes(user: UserModel, meta: dict, where: str) -> list[int]:
         if feature is None:  # a column the model does not read: its ids go nowhere
             sizes.append(int(held) if held is not None else 2)
             continue
-        if held is not None and int(held) > feature.rows:
+        bound = feature.rows if feature.remap_range is None else feature.remap_range
+        if held is not None and int(held) > bound:
+            takes = (
+                f"has {bound:,} rows"
+                if feature.remap_range is None
+                else f"takes ids below {bound:,} (its remap's input_hash_size)"
+            )
             raise UserError(
                 f"{where}: column {f['name']!r} holds ids in [0, {int(held):,}), but table {feature.table!r} of "
-                f"--model-module {user.target} has {feature.rows:,} rows"
+                f"--model-module {user.target} {takes}"
             )
-        sizes.append(feature.rows if held is None else int(held))
+        sizes.append(bound if held is None else int(held))
     return sizes
+
+
+def _named(columns: list[str]) -> str:
+    return f" ({_listing(columns, 6)})" if columns else ""
+
+
+def _inference(user: UserModel, meta: dict) -> str:
+    """What the column mapping inferred that explains a dense count other than the model's: the integer
+    columns read as sparse that no table of the model reads, or the float columns read as dense."""
+    inferred = meta.get("mapping_inferred") or []
+    kinds = meta.get("sparse_kinds") or {}
+    read = {f.name for f in user.features}
+    dense = list(meta.get("dense") or [])
+    if "sparse" in inferred:
+        unread = [n for n, k in kinds.items() if k == "int" and n not in read]
+        if unread and len(dense) < (user.dense_in_features or 0):
+            return (
+                f"; the column mapping inferred integer column(s) {_listing(unread, 6)} as sparse, and no table of "
+                f"the model reads them: give --dense {','.join([*dense, *unread])} (or --columns FILE) to read them "
+                "as dense"
+            )
+    if "dense" in inferred:
+        return "; the column mapping inferred the float and bool columns as dense: give --dense COL,... to choose"
+    return ""
 
 
 def _listing(names: list[str], most: int = 12) -> str:

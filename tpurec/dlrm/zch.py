@@ -142,27 +142,47 @@ class _Table:
 
 class RemapCounters:
     """Counts the remap's work on every MCH module of a (sharded) model: `attach(dmp)` once after
-    sharding, then `figures()` on every rank at the same points (it sums over the ranks)."""
+    sharding, then `figures()` on every rank at the same points (it sums over the ranks). `spec`:
+    --zch's; None for a --model-module's own modules (their policy and interval read off them)."""
 
     FIELDS = ("ids", "hits", "eval_ids", "eval_hits", "admitted", "evictions", "occupied", "slots")
 
-    def __init__(self, spec: ZchSpec) -> None:
+    def __init__(self, spec: ZchSpec | None) -> None:
         self.spec = spec
         self.tables: list[_Table] = []
+        self.uncounted: list[str] = []  # tables behind another kind of remap (HashZch): not counted
 
     def attach(self, model: nn.Module) -> RemapCounters:
+        from torchrec.modules.mc_modules import MCHManagedCollisionModule
+
         for owner in model.modules():
             mcms = getattr(owner, "_managed_collision_modules", None)
             if mcms is None:
                 continue
             for name, mcm in mcms.items():
-                table = _Table(name, mcm)
-                mcm.remap = self._counting_remap(table, mcm.remap)
-                mcm._update_and_evict = self._counting_update(table, mcm._update_and_evict)
+                if not isinstance(mcm, MCHManagedCollisionModule):  # no sorted ids, no eviction policy to read
+                    self.uncounted.append(name)
+                    continue
+                mch: Any = mcm  # its methods wrapped below
+                table = _Table(name, mch)
+                mch.remap = self._counting_remap(table, mch.remap)
+                mch._update_and_evict = self._counting_update(table, mch._update_and_evict)
                 self.tables.append(table)
-        if not self.tables:
+        if not self.tables and self.spec is not None:
             raise RuntimeError("--zch: no managed-collision module found in the sharded model")
         return self
+
+    def policy(self) -> tuple[str, int | None]:
+        """(eviction policy, interval): --zch's, or the model's modules' ("lru", "lfu", "distance_lfu",
+        else the class name; several joined by commas; the interval None when they differ)."""
+        if self.spec is not None:
+            return self.spec.eviction, self.spec.eviction_interval
+        names = {"LRU_EvictionPolicy": "lru", "LFU_EvictionPolicy": "lfu", "DistanceLFU_EvictionPolicy": "distance_lfu"}
+        kinds = sorted(
+            {names.get(type(p).__name__, type(p).__name__) for p in (t.module._eviction_policy for t in self.tables)}
+        )
+        intervals = {int(t.module._eviction_interval) for t in self.tables}
+        return ",".join(kinds), (intervals.pop() if len(intervals) == 1 else None)
 
     @staticmethod
     def _counting_remap(table: _Table, remap: Callable) -> Callable:
@@ -243,9 +263,10 @@ class RemapCounters:
         """The totals over tables and ranks (collective when world_size > 1), for the result line."""
         tables = self.per_table(world_size)
         total = {k: sum(int(t[k]) for t in tables.values()) for k in self.FIELDS}
+        eviction, interval = self.policy()
         return {
-            "eviction": self.spec.eviction,
-            "eviction_interval": self.spec.eviction_interval,
+            "eviction": eviction,
+            "eviction_interval": interval,
             "remapped_ids": total["ids"],
             "remap_hits": total["hits"],
             "hit_rate": round(total["hits"] / total["ids"], 6) if total["ids"] else None,

@@ -91,7 +91,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=spec_names(),
         default=None,
         help="fused embedding optimizer, for optimizer-state bytes (default: --model: its training "
-        "config's; --model-module: what the model sets with apply_optimizer_in_backward, else sgd; "
+        "config's; --model-module: what the model sets with apply_optimizer_in_backward, else what "
+        "`tpurec train --model-module` fuses, --model's (default dlrm-tiny's) --embedding-optimizer; "
         f"--tables: {TABLES_OPTIMIZER})",
     )
     _output_flags(p, default="text")
@@ -244,11 +245,21 @@ def _plan(args: argparse.Namespace) -> int:
 
         model, constraints = model_module.load_model(args.model_module)
         specs = model_module.model_tables(model, constraints)
+        for line in model_module.unspread_remaps(model, devices or 1):
+            print(f"tpurec plan: warning: {line}", file=sys.stderr)
+        from tpurec.catalog import model_module_optimizer
+        from tpurec.planner.planners import infer_optimizer
+
+        # as `tpurec train --model-module` trains it (not DMP's SGD for a model that sets none)
+        optimizer, source = model_module_optimizer(infer_optimizer(model), args.model)
+        if args.optimizer:
+            optimizer, source = args.optimizer, "--optimizer"
         report = plan_report.plan_module(
             model,
             specs,
             args.topology,
-            optimizer=args.optimizer,
+            optimizer=optimizer,
+            optimizer_source=source,
             constraints=constraints,
             model=args.model_module,
             limits=_limits(args, batch_size, [t.name for t in specs]),

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 from tpurec.catalog import TableSpec
 from tpurec.errors import UserError
@@ -209,6 +209,55 @@ class ModelFeature:
     table: str
     rows: int  # the table's num_embeddings: the feature's ids are in [0, rows)
     ids_per_sample: int  # its pooling factor (the constraints' pooling_factors), rounded, >= 1
+    # A managed-collision table's remap input range (its module's input_size()): the feature's ids go
+    # to the remap unhashed, in [0, remap_range); None: an ordinary table, ids hashed into its rows.
+    remap_range: int | None = None
+
+
+UNBOUNDED_REMAP = 2**63  # a remap that states no input range (HashZch's 0) takes any int64 id >= 0
+
+
+def remap_ranges(model: nn.Module) -> dict[str, int]:
+    """{table: its remap's input range} for every table behind a managed-collision module of `model`
+    (TorchRec's ManagedCollisionCollection, e.g. inside a ManagedCollisionEmbeddingBagCollection)."""
+    from torchrec.modules.mc_modules import ManagedCollisionCollection
+
+    out: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, ManagedCollisionCollection):
+            for table, mcm in m._managed_collision_modules.items():
+                size = int(cast(Any, mcm).input_size())
+                out[table] = size if size > 0 else UNBOUNDED_REMAP
+    return out
+
+
+def unspread_remaps(model: nn.Module, world_size: int) -> list[str]:
+    """A line per managed-collision table whose raw ids all land on one rank at `world_size` ranks:
+    TorchRec's row-wise remap sends an id to the rank owning its block of [0, input_hash_size), so an
+    MCH module of TorchRec's default range (2**63 - 1, as docs/managed_collision.md's example once had)
+    and no input_hash_func to spread the ids puts every id below a block's size (all 32-bit ids) in
+    rank 0's block: one rank's slots fill and evict while the others stay empty."""
+    from torchrec.modules.mc_modules import ManagedCollisionCollection, MCHManagedCollisionModule
+
+    if world_size < 2:
+        return []
+    out = []
+    for m in model.modules():
+        if not isinstance(m, ManagedCollisionCollection):
+            continue
+        for table, mcm in m._managed_collision_modules.items():
+            if not isinstance(mcm, MCHManagedCollisionModule) or mcm._input_hash_func is not None:
+                continue
+            block = -(-int(mcm.input_size()) // world_size)
+            if mcm.input_size() >= 2**62:  # a range sized to the ids (2**40 for 40-bit ids) spreads them
+                out.append(
+                    f"managed-collision table {table!r}: its remap's input range [0, {mcm.input_size():,}) is cut into "
+                    f"{world_size} row-wise blocks of {block:,} ids, one per rank, and it has no input_hash_func: "
+                    f"every id below {block:,} (all 32-bit ids) goes to rank 0's block; give its "
+                    "MCHManagedCollisionModule input_hash_func=tpurec.dlrm.zch.spread_ids, or an input_hash_size "
+                    "near the ids' own range (docs/managed_collision.md)"
+                )
+    return out
 
 
 def model_features(model: nn.Module, constraints: dict[str, ParameterConstraints] | None = None) -> list[ModelFeature]:
@@ -219,6 +268,7 @@ def model_features(model: nn.Module, constraints: dict[str, ParameterConstraints
     from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
     out: dict[str, ModelFeature] = {}
+    ranges = remap_ranges(model)
     for m in model.modules():
         configs: Sequence[BaseEmbeddingConfig]
         if isinstance(m, EmbeddingBagCollection):
@@ -231,14 +281,25 @@ def model_features(model: nn.Module, constraints: dict[str, ParameterConstraints
             factors = getattr((constraints or {}).get(c.name), "pooling_factors", None) or []
             for i, name in enumerate(c.feature_names):
                 hots = max(1, round(float(factors[i]))) if i < len(factors) else 1
-                feature = ModelFeature(name, c.name, int(c.num_embeddings), hots)
+                feature = ModelFeature(name, c.name, int(c.num_embeddings), hots, ranges.get(c.name))
                 seen = out.setdefault(name, feature)
+                if seen.remap_range != feature.remap_range:
+                    raise UserError(
+                        f"feature {name!r} indexes table {seen.table!r} ({_fed(seen)}) and {c.name!r} "
+                        f"({_fed(feature)}): one data column cannot feed both; give both tables one kind of input"
+                    )
                 if seen.rows != feature.rows:
                     raise UserError(
                         f"feature {name!r} indexes table {seen.table!r} ({seen.rows:,} rows) and {c.name!r} "
                         f"({feature.rows:,} rows): one data column cannot hold ids for both; give the tables one size"
                     )
     return list(out.values())
+
+
+def _fed(feature: ModelFeature) -> str:
+    if feature.remap_range is None:
+        return "ids hashed into its rows"
+    return f"raw ids below {feature.remap_range:,} for its managed-collision remap"
 
 
 def dense_in_features(model: nn.Module) -> int | None:

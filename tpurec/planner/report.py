@@ -400,8 +400,10 @@ def plan_module(
     dcn_bw_per_host: float | None = None,
     headroom_fraction: float | None = None,
     limits: IdLimits | None = None,
+    optimizer_source: str | None = None,
 ) -> dict:
     """Plan `module` (its EmbeddingBagCollections, `tables` describing them) and return the report.
+    `optimizer_source`: where `optimizer` came from, printed beside it (the report's and meta's).
 
     A model that does not fit is planned again with unbounded memory, so its report still shows
     where the bytes go: `fits` False, `refusal` (the planner's reason) and
@@ -437,6 +439,8 @@ def plan_module(
     from tpurec.planner import remap_memory
 
     remap_memory.add_to_report(report, remap_memory.remap_buffers(module))  # host RAM, not HBM
+    if optimizer_source:
+        report["optimizer_source"] = report["meta"]["optimizer_source"] = optimizer_source
     if refusal is not None:
         from tpurec.planner.sizing import smallest_fitting_topology
 
@@ -493,6 +497,8 @@ def report_from_plan_and_meta(plan: ShardingPlan, meta: dict) -> dict:
     from tpurec.planner import remap_memory
 
     remap_memory.add_to_report(report, remap_memory.from_meta(meta))
+    if meta.get("optimizer_source"):
+        report["optimizer_source"] = report["meta"]["optimizer_source"] = meta["optimizer_source"]
     if meta.get("refusal"):
         report["meta"].update(refusal=meta["refusal"], smallest_fitting_topology=meta["smallest_fitting_topology"])
         _mark_refused(report, meta["refusal"], meta["smallest_fitting_topology"])

@@ -118,7 +118,8 @@ def format_text(report: dict, top: int = 5) -> str:
     out = [
         f"tpurec plan: {report.get('model') or 'tables'} on {report['topology']} "
         f"({report['world_size']} devices, {format_bytes(cap)} each), batch {report['batch_size_per_device']}/device, "
-        f"optimizer {report['optimizer']}",
+        f"optimizer {report['optimizer']}"
+        + (f" ({report['optimizer_source']})" if report.get("optimizer_source") else ""),
         f"fits: {'yes' if report['fits'] else 'NO'}    estimated embedding step time: "
         f"{report['estimated_step_time_ms']:.3f} ms    imbalance (max/mean): time "
         f"{report['time_imbalance']:.2f}, HBM {report['hbm_imbalance']:.2f}",
