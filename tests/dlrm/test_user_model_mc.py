@@ -13,7 +13,7 @@ from tests.reliability.inproc import assert_refused, run_cli
 
 from .helpers import REPO, checkpoint_tensors
 
-MODEL = f"{REPO / 'tests' / 'dlrm' / 'mc_ranker.py'}"
+MODEL = f"{REPO / 'tests' / 'dlrm' / 'mc_user_model.py'}"
 EMPTY = 2**63 - 1  # TorchRec's marker of an unused slot
 
 

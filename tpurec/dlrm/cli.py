@@ -158,18 +158,19 @@ def _launch_problem(args: argparse.Namespace, options: TrainOptions) -> str | No
 
 
 def _files_problem(args: argparse.Namespace, options: TrainOptions) -> str | None:
-    """--plan and --limits against the model, world size and slice, once, before any rank starts
-    (tpurec/dlrm/preflight.py); a real TPU slice's world is known only to its ranks."""
-    if not (options.plan or options.id_limits):
+    """A --model-module against --data, and --plan and --limits against the model, world size and
+    slice, once, before any rank starts (tpurec/dlrm/preflight.py); a real TPU slice's world is known
+    only to its ranks."""
+    if not (options.plan or options.id_limits or options.model_module):
         return None
+    world: int | None = None
+    slice_name = None
     if args.emulate_tpu:
         from tpurec.planner.topology import parse_slice
 
         world, slice_name = parse_slice(args.emulate_tpu).world_size, args.emulate_tpu
     elif options.device != "tpu":
-        world, slice_name = args.nproc or 1, None
-    else:
-        return None
+        world = args.nproc or 1
     from tpurec.dlrm.preflight import check_before_launch
 
     try:

@@ -1,6 +1,9 @@
 """What `tpurec train` checks once, in the launching process, before any rank starts.
 
-A plan file and a limits file need only the files and the model's tables, so a plan for another model,
+A --model-module's features and dense count are checked against the data's columns (the model built
+here once, on the meta device), so a mapping that leaves out a feature's column or reads an integer
+column as sparse is one line at once, not one from `rank 0` after the ranks built their data. A plan
+file and a limits file need only the files and the model's tables, so a plan for another model,
 world size or TPU generation, or limits measured for another model, are refused here, in one line,
 within seconds, instead of once per rank after each rank built its data and model. The checks are
 the ones the ranks run (tpurec/planner/plan_check.py, tpurec/planner/id_limits.py), called here too;
@@ -15,12 +18,17 @@ from tpurec.errors import UserError
 
 if TYPE_CHECKING:
     from tpurec.dlrm.options import TrainOptions
+    from tpurec.dlrm.user_model import UserModel
 
 
-def check_before_launch(options: TrainOptions, world_size: int, slice_name: str | None) -> None:
-    """Raise UserError (one line naming the file) when --plan or --limits does not fit the model,
-    the world size or (an emulated TPU slice) its generation."""
-    if not (options.plan or options.id_limits):
+def check_before_launch(options: TrainOptions, world_size: int | None, slice_name: str | None) -> None:
+    """Raise UserError (one line naming the file) when a --model-module does not fit --data (its
+    features' columns, its dense count, its tables' id ranges), or --plan or --limits does not fit
+    the model, the world size (None: a real TPU slice's, known only to its ranks) or (an emulated TPU
+    slice) its generation."""
+    if options.model_module:
+        check_model_data(options)
+    if not (options.plan or options.id_limits) or world_size is None:
         return
     tables = model_tables(options)
     if options.plan:
@@ -43,9 +51,7 @@ def model_tables(options: TrainOptions) -> dict[str, dict[str, tuple[int, int]]]
 
     cfg = options.config()
     if options.model_module:  # the user's model, built on its own terms (tpurec.dlrm.user_model)
-        from tpurec.dlrm.user_model import load
-
-        return embedding_tables(load(options.model_module, cfg.seed).module)
+        return embedding_tables(_user_model(options).module)
     defaults = [t.num_embeddings for t in get_table_set(cfg.table_set).tables]
     data = options.data or synth_dir(cfg.table_set, cfg.synth_rows, cfg.seed, synth_multi_hot(cfg))
     columns = options.column_spec() if options.data else None
@@ -54,6 +60,31 @@ def model_tables(options: TrainOptions) -> dict[str, dict[str, tuple[int, int]]]
     names = [f["name"] for f in meta.get("sparse", [])]
     dense = len(meta.get("dense") or []) or 1  # no dense columns: refused by the trainer, in one line
     return embedding_tables(build_model(cfg, table_sizes=sizes, feature_names=names or None, num_dense=dense))
+
+
+_LOADED: dict[tuple[str, int], UserModel] = {}  # built once for every check of this process
+
+
+def _user_model(options: TrainOptions) -> UserModel:
+    from tpurec.dlrm.user_model import load
+
+    assert options.model_module
+    key = (options.model_module, options.config().seed)
+    if key not in _LOADED:
+        _LOADED[key] = load(*key)
+    return _LOADED[key]
+
+
+def check_model_data(options: TrainOptions) -> None:
+    """The --model-module's features and dense count against --data's columns (the column mapping
+    applied), as each rank checks them once it has built the model (tpurec.dlrm.user_model)."""
+    from tpurec.dlrm.data import data_metadata
+    from tpurec.dlrm.user_model import data_table_sizes
+    from tpurec.runtime import storage
+
+    assert options.data
+    data = storage.path(options.data)
+    data_table_sizes(_user_model(options), data_metadata(data, options.column_spec()), str(data))
 
 
 def check_plan_file(

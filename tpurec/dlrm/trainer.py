@@ -195,7 +195,7 @@ class Trainer:
     def _setup_data(self) -> None:
         import torch.distributed as dist
 
-        from tpurec.data.mapped import mapping_summary, unsized_note
+        from tpurec.data.mapped import large_dense_note, mapping_summary, unsized_note
         from tpurec.dlrm.configs import synth_multi_hot
         from tpurec.dlrm.data import data_metadata, ensure_synth, make_readers, model_table_sizes, synth_dir
 
@@ -222,6 +222,9 @@ class Trainer:
         meta = data_metadata(self.data_dir, columns)
         if "mapping" in meta:
             self.say(f"data: {self.data_dir}: Parquet read through a column mapping: {mapping_summary(meta)}")
+            large = large_dense_note(meta)
+            if large:
+                self.say(large)
         defaults = [t.num_embeddings for t in self.table_set.tables]
         if self.user is not None:  # each column's table: the model's (tpurec.dlrm.user_model)
             from tpurec.dlrm.user_model import data_table_sizes
