@@ -401,3 +401,45 @@ def test_plan_and_train_give_my_model_one_table_optimizer(my_data, tmp_path, cap
         return cells[heading.split().index("optim")]
 
     assert optim(plan_text) == optim(err) == "158.38 KiB"
+
+
+PADDED = """
+import sys
+
+import torch
+from torchrec import JaggedTensor
+
+sys.path.insert(0, {examples!r})
+import my_model
+
+
+class Padded(my_model.MyRanker):
+    def forward(self, dense_features, sparse_features):
+        jt = JaggedTensor(values=dense_features, lengths=torch.ones_like(dense_features[:, 0], dtype=torch.long))
+        dense = jt.to_padded_dense(desired_length=1)[:, 0]
+        return super().forward(dense, sparse_features)
+
+
+def build():
+    return Padded(), my_model.CONSTRAINTS
+"""
+
+
+@pytest.mark.slow  # 4 emulated ranks, about 20 s: the mechanism is tests/emulation/test_missing_op_line.py
+@pytest.mark.multiprocess
+def test_an_op_torchtpu_lacks_in_the_forward_is_one_line_for_all_ranks(my_data, tmp_path):
+    """Issue 63 item 2: `JaggedTensor.to_padded_dense` in the forward, on an emulated v5p-8, was a traceback
+    on each of the ranks; one line now, naming the ranks, the user's line, the op and the alternative."""
+    (tmp_path / "padded.py").write_text(PADDED.format(examples=str(REPO / "examples")))
+    args = ["--model-module", f"{tmp_path / 'padded.py'}:build", "--data", my_data, "--batch-size", 64, "--steps", 2]
+    _, p = train("--emulate-tpu", "v5p-8", *args, cache=tmp_path, check=False, timeout=900)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    lines = [line for line in p.stderr.splitlines() if "to_padded_dense" in line]
+    assert lines == [
+        f"tpurec train: error: ranks 0-3: {tmp_path / 'padded.py'}:14: JaggedTensor.to_padded_dense calls "
+        "fbgemm::jagged_to_padded_dense_forward, which has no TorchTPU 0.2.0 kernel (its CPU fallback is off: on a "
+        "TPU this line fails on every rank); gather each sample's rows by offsets() with a fixed number of rows, the "
+        "indices built on the device (torch.arange(n, device=offsets.device)), as examples/history_ranker.py does "
+        "(docs/sequence.md)"
+    ], p.stderr[-3000:]

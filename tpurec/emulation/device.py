@@ -17,7 +17,8 @@ was read) and then run the op on the CPU data:
 * `.numpy()` of a device tensor raises torch's TypeError; `.item()`, `float()`, `.tolist()`,
   `.cpu()`, `.to("cpu")` are device->host copies, counted by the call site that made them;
 * an op without a TorchTPU kernel raises TorchTPU's "not implemented for TPU" error
-  (`missing_kernel`): FBGEMM's ops unless tpurec routes them (`tpurec.runtime.host_ops`);
+  (`missing_kernel`): FBGEMM's ops unless tpurec routes them (`tpurec.runtime.host_ops`); called from
+  the user's code, one line naming the call, its file:line and what to use instead (`missing_op`);
 * an op the emulated generation's chip aborts on (KERNELS_FILE's `chip_aborts`: `aten::_embedding_bag` on
   v5e, XLA's "Unsupported conversion from vmreg/vreg to U64") raises with the chip's message instead of
   running (`set_generation`);
@@ -311,8 +312,11 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
             "TorchRec's EmbeddingBagCollection, which tpurec shards)"
         )
     if missing_kernel(func.name()):
+        from tpurec.emulation import missing_op
+
         said = _missing_message().format(op=func.name())
-        raise NotImplementedError(f"{said} (emulated torch-tpu 0.2.0: its CPU fallback is off by default)")
+        # one line naming the user's call, where the user's code made it (missing_op.py)
+        raise missing_op.error(func.name(), f"{said} (emulated torch-tpu 0.2.0: its CPU fallback is off by default)")
     flat, _ = tree_flatten((args, kwargs))
     if op not in _TRANSFERS:
         if op in _HOST_INDEX_OPS:

@@ -92,7 +92,7 @@ def _import(module_name: str) -> ModuleType:
     return module
 
 
-def _library_frame(filename: str) -> bool:
+def library_frame(filename: str) -> bool:
     """A frame of tpurec, the standard library or an installed package (not the user's code)."""
     ours = os.path.dirname(os.path.dirname(os.path.realpath(__file__))) + os.sep
     libs = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
@@ -112,7 +112,7 @@ def raised_by_user_code(error: BaseException) -> bool:
     for f in reversed(traceback.extract_tb(error.__traceback__)):
         if os.path.realpath(f.filename).startswith(ours):
             return False
-        if not _library_frame(f.filename):
+        if not library_frame(f.filename):
             return True
     return False
 
@@ -122,7 +122,7 @@ def user_code_failed(target: str, what: str, error: BaseException) -> UserError:
     frame outside tpurec, the standard library and the installed packages; the exception stays chained)."""
     import traceback
 
-    theirs = [f for f in traceback.extract_tb(error.__traceback__) if not _library_frame(f.filename)]
+    theirs = [f for f in traceback.extract_tb(error.__traceback__) if not library_frame(f.filename)]
     where = theirs[-1] if theirs else None  # none: it failed calling in (a missing argument)
     at = f" at {where.filename}:{where.lineno}" if where is not None else ""
     said = (str(error).strip().splitlines() or [""])[0]
