@@ -72,6 +72,7 @@ def test_other_hyperparameters_out_of_domain_are_refused(optim, kwargs, match):
 def test_learning_rate_set_to_nan_by_a_scheduler_stops_the_update():
     m = _module()
     m.fused_optimizer.param_groups[0]["lr"] = float("nan")
+    m.fused_optimizer.zero_grad()  # the lr the next forward's update takes (stock's set_learning_rate)
     with pytest.raises(ValueError, match=r"\(param_groups\): lr=nan must be a finite number"):
         m(_good_kjt(m)).values().sum().backward()
 

@@ -218,8 +218,10 @@ def test_fused_optimizer_lr_scheduler_and_state_roundtrip():
     sc(kjt).values().sum().backward()
     saved_opt = {k: {s: v.clone() for s, v in d.items()} for k, d in sc.fused_optimizer.state_dict()["state"].items()}
     saved_w = {k: v.clone() for k, v in sc.state_dict().items()}
-    sched.step()  # lr -> 0: further backward passes must not move the weights
+    sc.fused_optimizer.step()  # hands the group's lr to the kernel (0.1, as it was), as stock's does
+    sched.step()  # lr -> 0: further backward passes must not move the weights...
     assert sc.fused_optimizer.param_groups[0]["lr"] == 0.0
+    sc.fused_optimizer.zero_grad()  # ...once the fused optimizer hands it over (stock: set_learning_rate)
     sc(kjt).values().sum().backward()
     for k, v in saved_w.items():
         assert torch.equal(sc.state_dict()[k], v)

@@ -33,11 +33,12 @@ def batches(n: int, batch: int, rank: int, world_size: int, seed: int = 0):
 
 def eager_step(model, optimizer, batch) -> float:
     """TorchRec's eager training step of a DLRMTrain (its forward returns (loss, ...)): the oracle
-    the compiled and pipelined steps are compared with. The loss."""
+    the compiled and pipelined steps are compared with, in TrainPipelineSparseDist's order: zero_grad()
+    first, which hands the fused optimizer's scheduled lr to the tables' update, as stock's does. The loss."""
+    optimizer.zero_grad()
     loss = model(batch)[0]
     loss.backward()
     optimizer.step()
-    optimizer.zero_grad()
     return float(loss.detach())
 
 

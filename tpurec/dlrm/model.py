@@ -218,8 +218,9 @@ def build_optimizer(dmp: DistributedModelParallel, cfg: DLRMConfig) -> CombinedO
 class LRSchedule:
     """Linear warm-up, constant, then polynomial (power 2) decay to 0 (the DLRM/MLPerf policy).
 
-    Sets every param group's lr to base_lr * factor(step); the fused table optimiser reads its
-    param group's lr at every update, so one object schedules both sides.
+    Sets every param group's lr to base_lr * factor(step) before the step; the step's zero_grad()
+    hands it to the fused table update (the compiled and pipelined steps read it when the update
+    runs), so one object schedules both sides.
     """
 
     def __init__(self, optimizer: Optimizer, warmup_steps: int, decay_start: int, decay_steps: int) -> None:

@@ -274,6 +274,7 @@ class _DirectLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, trigger: torch.Tensor | None, kernel: Any, i: int, bags: _Bags, batch: int) -> torch.Tensor:
         ctx.kernel, ctx.i, ctx.bags = kernel, i, bags
+        ctx.lr = kernel.forward_lr()  # the update's lr: fixed when the forward runs, as stock's
         weight = kernel.stack_weight(i)
         dim = weight.shape[1]
         if bags.ids.numel() == 0:  # no ids (batch 0 or all bags empty): embedding_bag wants some
@@ -293,8 +294,7 @@ class _DirectLookup(torch.autograd.Function):
         from tpurec.embedding import direct_kernels as dk
         from tpurec.embedding import key_sort
 
-        kernel, i, bags = ctx.kernel, ctx.i, ctx.bags
-        lr = kernel.current_lr()
+        kernel, i, bags, lr = ctx.kernel, ctx.i, ctx.bags, ctx.lr
         for hook in kernel.pre_update_hooks:
             hook()
         kernel._steps[i] += 1

@@ -1,8 +1,10 @@
 """The torchrec `FusedOptimizer` view of embedding kernels' optimizer (kernel_protocol.py): one base, two uses.
 
-Updates happen inside backward, so step() and zero_grad() do nothing. What this object gives is
-what TorchRec users expect of a fused optimizer: `param_groups` with a learning rate that LR
-schedulers may change (the kernels read it at every update), and a keyed `state_dict()` /
+Updates happen inside backward, so step() and zero_grad() only hand the param group's learning
+rate to the kernels, when stock TorchRec's fused optimizer hands it to FBGEMM. What this object
+gives is what TorchRec users expect of a fused optimizer: `param_groups` with a learning rate that LR
+schedulers may change (an eager forward's update uses the lr handed over last, as stock's does; the
+compiled and pipelined steps read it at their update), and a keyed `state_dict()` /
 `load_state_dict()` for checkpoints. Kernels keep tables and state in natural row order
 (`tpurec.embedding.layout`), so the state handed out is VIEWS of the live storage: an in-place
 write (torch.distributed.checkpoint's load, TorchRec's copy_state_dict) lands in the kernel, and
@@ -107,6 +109,7 @@ class KernelFusedOptimizer(FusedOptimizer):
         self._ready = True
         for k in self._kernels:  # kernels read the learning rate from here at every update
             k.lr_source = group
+            k.latch_lr()
             k.pre_update_hooks.append(self._adopt_written_steps)
 
     # -- building ------------------------------------------------------------------------------
@@ -167,11 +170,18 @@ class KernelFusedOptimizer(FusedOptimizer):
         self._write_back()
         self._refreshed_at = self._kernels_version()
 
+    # Updates run inside backward: step() and zero_grad() only hand the group's lr to the kernels, as
+    # stock's fused optimizer hands it to FBGEMM there (`set_learning_rate`); a forward's update uses
+    # the lr latched last (`SparseCoreKernel.forward_lr`).
     def step(self, closure: Any = None) -> None:  # type: ignore[override]  # fused into backward: no closure value
-        return None
+        self._latch_lr()
 
     def zero_grad(self, set_to_none: bool = False) -> None:
-        return None
+        self._latch_lr()
+
+    def _latch_lr(self) -> None:
+        for k in self._kernels:
+            k.latch_lr()
 
 
 class SparseCoreFusedOptimizer(KernelFusedOptimizer):

@@ -143,6 +143,10 @@ class SparseCoreKernel(nn.Module):
         self.pre_update_hooks: list[Callable[[], None]] = []
         # The param group whose "lr" every update reads (see current_lr); None: the spec's lr.
         self.lr_source: dict[str, Any] | None = None
+        # The group's lr as its fused optimizer last handed it over (`latch_lr`): what an eager
+        # forward's update uses (`forward_lr`); None until a fused optimizer binds the kernel.
+        self.latched_lr: float | None = None
+        self.lr_at_update = False  # True: every update reads the group's lr then (compiled, pipelined steps)
         # One name per stack for TorchTPU's update ops, unique in the process and the same every step:
         # TorchTPU reuses a function by name inside one program, so stacks must not share one, and a
         # name that changed per step would compile a new program each time.
@@ -394,7 +398,8 @@ class SparseCoreKernel(nn.Module):
         )
 
     # The learning rate is read at update time from `lr_source`, so torch LR schedulers acting on a
-    # FusedOptimizer's param_groups take effect (the fused optimizers bind their group here).
+    # FusedOptimizer's param_groups take effect (the fused optimizers bind their group here): the
+    # compiled and pipelined steps' updates read it so.
     def current_lr(self) -> float:
         group = self.lr_source
         if group is None:
@@ -402,6 +407,22 @@ class SparseCoreKernel(nn.Module):
         lr = float(group["lr"])
         check_hyperparameter(f"{self.optimizer.name} (param_groups)", "lr", lr)  # a scheduler or user may set it
         return lr
+
+    def latch_lr(self) -> None:
+        """Take the group's lr now, as stock TorchRec's fused optimizer hands it to FBGEMM
+        (`set_learning_rate`) at its construction, `zero_grad()` and `step()`."""
+        # checked when a forward takes it (forward_lr): zero_grad() refuses nothing, as stock's
+        self.latched_lr = float(self.lr_source["lr"]) if self.lr_source is not None else None
+
+    def forward_lr(self) -> float:
+        """The lr the update of a forward run now uses (the eager path): the one latched last, as stock's
+        FBGEMM CPU update uses the learning rate its module held when the forward ran, so a scheduler
+        stepped, or a group lr set, between the fused optimizer's step() / zero_grad() and the
+        forward waits for the next of those calls (issue 63 item 6); the group's lr now when unbound."""
+        if self.latched_lr is None or self.lr_at_update:
+            return self.current_lr()
+        check_hyperparameter(f"{self.optimizer.name} (param_groups)", "lr", self.latched_lr)
+        return self.latched_lr
 
 
 class _FusedLookup(torch.autograd.Function):
@@ -416,6 +437,7 @@ class _FusedLookup(torch.autograd.Function):
         direct: bool,
     ) -> torch.Tensor:
         ctx.kernel, ctx.i, ctx.csr, ctx.direct = kernel, i, csr, direct
+        ctx.lr = kernel.forward_lr()  # the update's lr: fixed when the forward runs, as stock's
         weight = kernel.stack_weight(i)
         if ctx.direct:
             ctx.features = len(kernel.stacks[i].features)
@@ -445,7 +467,7 @@ class _FusedLookup(torch.autograd.Function):
         kernel, csr = ctx.kernel, ctx.csr
         if ctx.direct:  # [batch, n * dim]: the CPU reference reads it in place
             grad = reference.batch_major_grad(grad, ctx.features)
-        lr = kernel.current_lr()
+        lr = ctx.lr
         if isinstance(csr, MultiPassInput):  # each row once, with its whole gradient
             grad = grad.to(torch.float32)
             decays, l2 = csr.decays, kernel.optimizer.weight_decay_mode == "L2"

@@ -77,6 +77,7 @@ class CompiledStep:
 
         self.module: nn.Module = dmp.module  # without DDP: the graph averages the dense gradients itself
         self.fields = FieldMap(self.module, "CompiledStep", fp=True)
+        step_inputs.lr_at_update(self.fields.modules)  # each update at its param group's lr then
         self.sharded = self.fields.modules[0]  # (where the tables are: `default_backend`)
         self.dense_params = [p for _, p in in_backward_optimizer_filter(self.module.named_parameters())]
         self.loss_fn = loss_fn

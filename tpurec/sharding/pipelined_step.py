@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,9 +51,6 @@ from tpurec.sharding.sharded_preprocess import (
     update_sharded,
 )
 from tpurec.sharding.step_inputs import FieldMap
-
-if TYPE_CHECKING:
-    from tpurec.embedding.kernel_protocol import EmbeddingKernel
 
 # per sharded EBC or EC (step_inputs.parts order): a batch's host half and its activations' gradients
 Prepared = ShardedPreprocessed | ShardedECPreprocessed
@@ -103,7 +100,9 @@ class PipelinedStep:
         self.eager_steps = 0  # batches over their fixed id limits, stepped eagerly (`_step_pending`)
         self._first_done = False
         # the fused table optimizers' param groups, whose lr each kernel reads when its update runs
-        groups = {id(g): g for m in self.fields.modules for k in _kernels(m) if (g := k.lr_source) is not None}
+        step_inputs.lr_at_update(self.fields.modules)
+        kernels = [k for m in self.fields.modules for k in step_inputs.kernels(m)]
+        groups = {id(g): g for k in kernels if (g := k.lr_source) is not None}
         self._table_groups = list(groups.values())
         self.reset()
 
@@ -285,11 +284,6 @@ class PipelinedStep:
             lrs, states = self.dense.lr_inputs(), self.dense.state_inputs()
         self.dense.apply(lrs, states)
         return grads, loss.detach()
-
-
-def _kernels(sharded: Any) -> list[EmbeddingKernel]:
-    """The embedding kernels of a sharded EBC's lookups."""
-    return [k.kernel for lookup in sharded._lookups for k in lookup._emb_modules]
 
 
 def _lookups(prepared: list[Prepared]) -> list[RawActivations]:

@@ -75,6 +75,20 @@ def sharded_ebcs(model: nn.Module, who: str, fp: bool = False) -> list[Any]:
     return found
 
 
+def kernels(sharded: Any) -> list[Any]:
+    """The embedding kernels of a sharded EBC's (or EC's) lookups."""
+    return [k.kernel for lookup in sharded._lookups for k in lookup._emb_modules]
+
+
+def lr_at_update(modules: list[Any]) -> None:
+    """The kernels of `modules` read their param group's lr when their update runs, whatever runs it
+    (the compiled and pipelined steps set the lr of each update themselves, an eager batch's too),
+    not the lr the fused optimizer handed over last (`SparseCoreKernel.forward_lr`)."""
+    for module in modules:
+        for kernel in kernels(module):
+            kernel.lr_at_update = True
+
+
 def is_ec(module: Any) -> bool:
     from tpurec.sharding.ec_sharder import ShardedSparseCoreEC
 
