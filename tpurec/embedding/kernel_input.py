@@ -26,7 +26,7 @@ from tpurec.embedding import csr_build
 from tpurec.embedding.constraints import DIM_ALIGN, SEGMENT_ALIGN, round_up
 from tpurec.embedding.cpu_path import writes_final_layout
 from tpurec.embedding.demand import ShardsDemand, TableShards
-from tpurec.embedding.kernel_table import KernelTable
+from tpurec.embedding.kernel_table import KernelTable, out_of_range
 from tpurec.embedding.kjt_checks import check_kjt
 from tpurec.embedding.layout import StackLayout, build_stacks
 from tpurec.embedding.multipass import MultiPassInput, split_into_passes, stacked_blocks
@@ -475,12 +475,7 @@ class KernelInput:
     def _raise_bad_ids(self, plan: StackPlan, ids: torch.Tensor, slot: torch.Tensor, bad: torch.Tensor) -> None:
         first = int(bad.nonzero()[0])
         f, tname = plan.features[int(slot[first])]
-        mine = ids[slot == slot[first]]
-        rows = self.table[tname].num_embeddings
-        raise IndexError(
-            f"feature {f!r} (table {tname!r}): ids must be in [0, {rows}), "
-            f"got min {int(mine.min())}, max {int(mine.max())}"
-        )
+        raise out_of_range(self.table[tname], f, ids[slot == slot[first]])
 
 
 def stacked_samples(slot: torch.Tensor, b: torch.Tensor, n: int, padded: int, num_sc: int) -> torch.Tensor:

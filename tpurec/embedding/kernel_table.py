@@ -30,6 +30,10 @@ class KernelTable:
     init_max: float | None = None
     dtype: torch.dtype = torch.float32  # the config's dtype (stored as such unless widened)
     source: str | None = None  # the whole table's name when this is a shard (for messages)
+    # Under sharding: the user's feature name of each of `feature_names` (the kernel's own are slots,
+    # "1:item_id"), and the shard's first row in the whole table (a row-wise shard's ids are local).
+    source_features: tuple[str, ...] = ()
+    row_offset: int = 0
     # Ids per sample this table expects over its features (pooling factors): when every table of a
     # stack has one, the stack places its tables so the SparseCore partitions share them (stack_order).
     expected_ids: float | None = None
@@ -40,6 +44,23 @@ class KernelTable:
             if pooling is None:
                 raise UserError(f"table {self.name!r}: pooling {self.pooling!r} is not supported (sum or mean)")
             object.__setattr__(self, "pooling", pooling)
+
+
+def out_of_range(table: KernelTable, feature: str, ids: torch.Tensor) -> IdOutOfRange:
+    """The error for `ids` of `feature` (one of `table.feature_names`) some of which lie outside `table`:
+    named as the user named them (the whole table, its rows and ids; under sharding the kernel's table
+    is a shard and its features are slots)."""
+    user_feature = dict(zip(table.feature_names, table.source_features)).get(feature, feature)
+    rows = table.init_rows if table.source is not None and table.init_rows is not None else table.num_embeddings
+    low, high = int(ids.min()) + table.row_offset, int(ids.max()) + table.row_offset
+    return IdOutOfRange(
+        f"feature {user_feature!r} (table {table.source or table.name!r}): ids must be in [0, {rows}), "
+        f"got min {low}, max {high}"
+    )
+
+
+class IdOutOfRange(UserError, IndexError):
+    """A batch holds an id outside its table's rows. An IndexError too, as it was before it was a UserError."""
 
 
 def index_tables(tables: list[KernelTable]) -> tuple[dict[str, KernelTable], dict[str, KernelTable]]:

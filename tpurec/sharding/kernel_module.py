@@ -100,6 +100,8 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
                     init_max=t.weight_init_max,
                     dtype=table_dtype(t.data_type, t.name),
                     source=t.name,
+                    source_features=tuple(t.feature_names),
+                    row_offset=int(t.local_metadata.shard_offsets[0]) if t.local_metadata is not None else 0,
                     # a row shard gets its share of the table's ids (hashed ids spread over the rows)
                     expected_ids=(
                         float(expected[t.name]) * t.local_rows / max(t.num_embeddings, 1)
