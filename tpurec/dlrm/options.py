@@ -530,7 +530,7 @@ class TrainOptions:
         if self.device == "tpu":
             from tpurec.runtime.device import emulated_slice, tpu_status
 
-            missing = [] if emulated_slice() else tpu_status().missing()
+            missing = [] if emulated_slice() else tpu_status().missing(cpu="--device cpu")
             if missing:
                 return f"--device tpu: this host cannot run TPU kernels ({'; '.join(missing)}); see `tpurec env`"
         return None

@@ -59,7 +59,9 @@ class TpuStatus:
     def usable(self) -> bool:
         return bool(self.torch_tpu and self.libtpu and self.device_nodes)
 
-    def missing(self) -> list[str]:
+    def missing(self, cpu: str = "device='cpu'") -> list[str]:
+        """What is missing, one sentence each; `cpu`: how the caller's user asks for the CPU instead
+        (a command's `--device cpu`, a program's device='cpu')."""
         out = []
         if not self.torch_tpu:
             out.append("torch_tpu is not installed (on a TPU VM: .venv/bin/pip install -r requirements/tpu.txt)")
@@ -68,7 +70,7 @@ class TpuStatus:
         if not self.device_nodes:
             out.append(
                 "no TPU devices on this host (no /dev/accel* or /dev/vfio/N); "
-                "run on a Cloud TPU VM, or use device='cpu' for a dry run with the CPU reference kernels"
+                f"run on a Cloud TPU VM, or use {cpu} for a dry run with the CPU reference kernels"
             )
         return out
 

@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         if not status.usable:
             print(
                 "tpurec selftest --device tpu: this host cannot run TPU kernels:\n  - "
-                + "\n  - ".join(status.missing())
+                + "\n  - ".join(status.missing(cpu="--device cpu"))
             )
             return 2
         from tpurec.selftest.tpu import tpu_checks
