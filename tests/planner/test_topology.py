@@ -169,3 +169,19 @@ def test_cpu_training_still_works_after_planning_for_tpu():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.strip() == "trained"
+
+
+def test_the_slice_a_rank_runs_on_names_its_unnamed_topology(monkeypatch):
+    """DMP plans with make_topology(None, world_size): on a Cloud TPU VM (TPU_ACCELERATOR_TYPE) or an emulated
+    rank (`tpurec launch --emulate-tpu v5p-16`) the topology is that slice, its name in the plan's header; it
+    said `on v5px8dev` (issue 63 item 7). Another world size keeps the generic name."""
+    from tpurec.runtime.device import EMULATE_ENV
+
+    monkeypatch.delenv("TPU_ACCELERATOR_TYPE", raising=False)
+    monkeypatch.setenv(EMULATE_ENV, "v5p-16")
+    emulated = make_topology(None, 8, "tpu")
+    assert (emulated.spec.name, emulated.spec.hosts, emulated.local_world_size) == ("v5p-16", 2, 4)
+    assert make_topology(None, 4, "tpu").spec.name == "v5px4dev"
+    monkeypatch.delenv(EMULATE_ENV)
+    monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v6e-8")
+    assert make_topology(None, 8, "tpu").spec.name == "v6e-8"

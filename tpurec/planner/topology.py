@@ -404,12 +404,16 @@ def make_topology(
             spec = cpu_spec(world_size, num_sc_per_device=num_sc_per_device)
         else:
             env = _spec_from_environment()
+            emulated = _device.emulated_slice()
+            running = env or (parse_slice(emulated) if emulated else None)  # the slice this rank is one of
             host = _device.tpu_generation()  # the chips of this host, from PCI ids (None off a TPU VM)
             gen = env.generation if env else GENERATIONS.get(host or "", GENERATIONS["v5p"])
             if env is None and host is None:
                 logger.warning("no TPU slice given and TPU_ACCELERATOR_TYPE unset: planning for v5p devices")
             chips = -(-world_size // gen.devices_per_chip)
             spec = SliceSpec(name=f"{gen.name}x{world_size}dev", generation=gen, chips_per_slice=chips)
+            if running is not None and running.world_size == world_size:
+                spec = running  # its name in the plan's header ("v5p-16", not "v5px8dev")
     if world_size is not None and world_size != spec.world_size:
         raise UserError(f"{spec.name} has {spec.world_size} devices but world_size={world_size}")
     # A generation without SparseCores (v5e, v4) plans for the TensorCore kernel, which reads the
