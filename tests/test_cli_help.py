@@ -29,3 +29,15 @@ def test_every_option_has_help_and_names_its_default():
         and "default" not in a.help
     ]
     assert silent_default == []
+
+
+def test_the_command_list_says_train_takes_your_own_model_and_data():
+    """Issue 63 item 7: `tpurec --help` described train as DLRM / DLRM-DCNv2 only, data as Criteo-style
+    only; `train --model-module` trains the user's own TorchRec model on any Parquet (docs/your_model.md)."""
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    helps = {c.dest: c.help for c in commands._choices_actions}
+    assert "--model-module" in helps["train"] and "your own" in helps["train"], helps["train"]
+    assert "your own Parquet" in helps["data"], helps["data"]
+    train = commands.choices["train"]
+    assert "--model-module" in train.description, train.description

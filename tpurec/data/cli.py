@@ -35,7 +35,10 @@ actions = None
 
 def register(sub: argparse._SubParsersAction) -> None:
     global _parser, actions
-    p = _parser = sub.add_parser("data", help="Criteo-style Parquet data: convert, synth, inspect, stats")
+    p = _parser = sub.add_parser(
+        "data",
+        help="Criteo-style Parquet data, or your own Parquet through a column mapping: convert, synth, inspect, stats",
+    )
     dsub = actions = p.add_subparsers(dest="data_command", metavar="ACTION")
     p.set_defaults(run=run)  # each action overrides this with its own run
 

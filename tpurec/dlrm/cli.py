@@ -41,9 +41,11 @@ stdout gets one JSON line with the final figures; everything else goes to stderr
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "train",
-        help="train DLRM / DLRM-DCNv2 (tpurec DMP, planner, Parquet reader)",
-        description="Train DLRM or DLRM-DCNv2 with tpurec.DistributedModelParallel and "
-        "TorchRec's TrainPipelineSparseDist, evaluating AUC / NE / log loss.",
+        help="train DLRM / DLRM-DCNv2, or your own TorchRec model (--model-module), on tpurec's DMP, planner "
+        "and Parquet reader",
+        description="Train DLRM or DLRM-DCNv2, or your own TorchRec model (--model-module MOD:FN, "
+        "docs/your_model.md), with tpurec.DistributedModelParallel and TorchRec's TrainPipelineSparseDist, "
+        "evaluating AUC / NE / log loss.",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
