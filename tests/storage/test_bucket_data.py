@@ -72,6 +72,8 @@ def test_missing_bucket_and_key_are_one_line_naming_the_uri(s3_bucket, capsys):
     assert_refused(code, err, "s3://tpurec-no-such-bucket/data: bucket 'tpurec-no-such-bucket' does not exist")
     code, _, err = run_cli(["train", "--data", "s3://tpurec-no-such-bucket/data", "--steps", 1], capsys)
     assert_refused(code, err, "--data s3://tpurec-no-such-bucket/data: bucket 'tpurec-no-such-bucket' does not exist")
+    # a mistyped bucket is the whole story: no "--data takes the Parquet directory ... from Criteo text" (issue 63)
+    assert err.rstrip().endswith("(or these credentials cannot see it)"), err
 
 
 def test_no_credentials_is_one_line(s3_bucket, monkeypatch, capsys):

@@ -31,6 +31,8 @@ def data_problem(data: str, table_set: str) -> str | None:
     path = storage.path(data)  # a local Path, or a bucket's (tpurec/runtime/storage.py)
     if not path.exists():
         why = path.missing_reason() if storage.is_uri(data) else "no such directory"
+        if storage.is_uri(data) and not path.bucket_exists():
+            return f"--data {data}: {why}"  # a mistyped bucket: converting data into it is no answer
         return (
             f"--data {data}: {why}; --data takes the Parquet directory "
             f"{_convert('INPUT...', data, table_set)} writes from Criteo text or TorchRec day files"
