@@ -1,14 +1,19 @@
 """A TorchRec ranking model trained with tpurec.DistributedModelParallel: the README example, whole.
 
-    .venv/bin/python examples/quickstart.py                 # CPU: the SparseCore reference kernels, one process
-    .venv/bin/python examples/quickstart.py --device tpu    # a TPU VM (after `tpurec selftest --device tpu`)
+    .venv/bin/python examples/quickstart.py                 # the TPU where there is one, else the CPU
+    .venv/bin/python examples/quickstart.py --device cpu    # CPU: the SparseCore reference kernels, one process
     .venv/bin/torchrun --standalone --nproc-per-node 2 examples/quickstart.py   # 2 ranks (gloo on CPU)
+    tpurec launch --emulate-tpu v5p-16 examples/quickstart.py   # every rank of a v5p-16 on the TPU path, here
 
 The model is plain TorchRec (an EmbeddingBagCollection built on the meta device, an MLP); the
 tables' optimizer is fused into backward (apply_optimizer_in_backward), the MLP has its own. The
 data is synthetic with a known signal: a click is likelier when the item id (feature f0) is even,
 so a trained model reaches an AUC well above 0.5 within a few hundred steps. At the end the model
 and its fused optimizer state are saved with torch.distributed.checkpoint and loaded back.
+
+Each step moves the dense features and labels to the model's device and leaves the ids (the
+KeyedJaggedTensor) on the host: tpurec's input distribution runs there (docs/tpu.md, "Ids stay on the
+host"); a KJT moved to a TPU would be copied back, every step.
 """
 
 from __future__ import annotations
@@ -67,7 +72,13 @@ def batch(gen: torch.Generator, size: int):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cpu", help="cpu or tpu")
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "tpu"],
+        help="auto (the default): a TPU where this host has one, or an emulated TPU rank's under "
+        "`tpurec launch --emulate-tpu`, else cpu",
+    )
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=256, help="per rank")
     p.add_argument("--quick", action="store_true", help="60 steps (CI)")
@@ -78,7 +89,8 @@ def main() -> None:
     model = Ranker()
     apply_optimizer_in_backward(RowWiseAdagrad, model.ebc.parameters(), {"lr": 0.1})  # fused into backward
     # Plans (tpurec's TPU-aware planner) and shards the tables. Under torchrun it joins the launched ranks.
-    model = tpurec.DistributedModelParallel(model, device=args.device)
+    # device=None: tpurec's choice (the TPU, real or emulated, where there is one; else the CPU)
+    model = tpurec.DistributedModelParallel(model, device=None if args.device == "auto" else args.device)
     dense_params = dict(in_backward_optimizer_filter(model.named_parameters()))
     dense_opt = KeyedOptimizerWrapper(dense_params, lambda params: torch.optim.Adagrad(params, lr=0.05))
     optimizer = CombinedOptimizer([model.fused_optimizer, dense_opt])  # one object for checkpoints
@@ -90,7 +102,7 @@ def main() -> None:
     for _ in range(steps):
         dense, sparse, labels = batch(gen, args.batch_size)
         device = model.device
-        loss = loss_fn(model(dense.to(device), sparse.to(device)), labels.to(device))
+        loss = loss_fn(model(dense.to(device), sparse), labels.to(device))  # the ids stay on the host
         optimizer.zero_grad()
         loss.backward()  # the tables are updated here, inside backward
         optimizer.step()  # the MLP's Adagrad (the fused part does nothing more)
@@ -103,7 +115,7 @@ def main() -> None:
     parts = [batch(eval_gen, args.batch_size) for _ in range(max(1, 4096 // args.batch_size))]
     labels = torch.cat([p[2] for p in parts])
     with torch.no_grad():
-        scores = torch.cat([model(d.to(model.device), s.to(model.device)).cpu() for d, s, _ in parts])
+        scores = torch.cat([model(d.to(model.device), s).cpu() for d, s, _ in parts])
     from torchmetrics.functional.classification import binary_auroc
 
     auc = float(binary_auroc(scores, labels.long()))

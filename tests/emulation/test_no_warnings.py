@@ -40,7 +40,7 @@ def _warnings(stderr: str) -> list[str]:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "slice_name,device",
-    [("v5p-8", []), ("v5p-8", ["--device", "tpu"]), ("v5p-16", [])],
+    [("v5p-8", ["--device", "cpu"]), ("v5p-8", []), ("v5p-16", ["--device", "cpu"])],
     ids=["cpu_model", "tpu_model", "cpu_model_8_ranks"],
 )
 def test_an_emulated_launch_of_the_quickstart_prints_no_warning(tmp_path, slice_name, device):
