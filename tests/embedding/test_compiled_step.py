@@ -101,10 +101,12 @@ def _train_pair(
     step = torch.compile(compiled_part, fullgraph=True, dynamic=False, backend=counter)
     eager_losses, compiled_losses = [], []
     for n, (kjt, dense, labels) in enumerate(_batches(tables)):
-        if n == 2:  # a scheduler's move: read at update time, so no recompile
+        if n == 2:  # a scheduler's move: a runtime value in the program, so no recompile
             for m in (model, twin):
                 for group in m.ebc.fused_optimizer.param_groups:
                     cast(dict, group)["lr"] *= 0.5  # torchrec types the groups as Mappings
+                # as in stock TorchRec, a new lr reaches the kernel at zero_grad() or step()
+                m.ebc.fused_optimizer.zero_grad()
         loss = model.head(model.ebc(kjt).values(), dense, labels)
         loss.backward()
         eager_opt.step()
