@@ -11,6 +11,7 @@ from tpurec.embedding.backend import load_tpu_backend
 from tpurec.embedding.constraints import round_up
 from tpurec.embedding.optimizers import adagrad, adam, sgd
 from tpurec.embedding.preprocess import preprocess
+from tpurec.embedding.tensorcore import tpu_bridge
 
 load_tpu_backend()
 dev = torch.device("tpu")
@@ -61,6 +62,8 @@ y = ops.sparse_dense_matmul(*head, table, *tail)
 ref = ops.sparse_dense_matmul(*head_cpu, table_cpu, *tail)
 out["lookup_max_abs_err"] = float((y.cpu() - ref).abs().max())
 out["lookup_ms"] = tm(lambda: ops.sparse_dense_matmul(*head, table, *tail))
+# the pooling's kernel: Pallas where JAX sees the chip's VMEM in this process, XLA's otherwise
+out["vmem_capacity_seen_by_jax"] = tpu_bridge._vmem_capacity()
 grad = torch.randn(B, D, generator=g).to(dev)
 acc = torch.zeros(R, device=dev)
 m, v = torch.zeros(R, D, device=dev), torch.zeros(R, D, device=dev)

@@ -25,8 +25,13 @@ def lookup(
     device_batch_size: int,
     num_sc: int,
     num_partitions: int,
+    pallas_pool: bool = False,
+    interpret: bool = False,
 ) -> jax.Array:
-    """Pooled activations [device_batch_size, table width], float32; padding contributes nothing."""
+    """Pooled activations [device_batch_size, table width], float32; padding contributes nothing.
+
+    pallas_pool: sum the rows into their samples with `pallas_pool.segment_sum` (a TPU kernel; on
+    CPU only with `interpret`) instead of XLA's segment sum: the same sums in the same order."""
     e = decode(
         row_pointers,
         embedding_ids,
@@ -41,4 +46,8 @@ def lookup(
     # their out-of-range sample below; their gain is 0 as well, so a NaN never reaches the sums
     rows = jnp.where(e.valid, e.rows, 0)
     values = table[rows].astype(jnp.float32) * e.gains[:, None]
+    if pallas_pool:
+        from tpurec.embedding.tensorcore import pallas_pool as kernel  # Pallas: only when asked for
+
+        return kernel.segment_sum(values, e.samples, num_segments=device_batch_size, interpret=interpret)
     return jax.ops.segment_sum(values, e.samples, num_segments=device_batch_size)

@@ -17,6 +17,7 @@ on v5e (docs/results.md), but would leave those views on a freed buffer; see doc
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -28,7 +29,7 @@ from torch import Tensor
 from tpurec.embedding import ops
 from tpurec.embedding.optimizers import adagrad, adam, sgd
 from tpurec.embedding.optimizers.base import recorded, tpu_scalar
-from tpurec.embedding.tensorcore import lookup_jax, update_jax
+from tpurec.embedding.tensorcore import lookup_jax, pallas_pool, update_jax
 
 # torch_tpu's version the bridge was read from; `tpurec env` reports the installed one.
 BRIDGE_READ_FROM = "torch_tpu 0.2.0, torch_tpu/_internal/pallas/pallas.py (jax_op)"
@@ -64,8 +65,32 @@ def tc_lookup(
     num_partitions: int,
 ) -> jax.Array:
     return lookup_jax.lookup(
-        rp, emb, smp, gns, table, device_batch_size=device_batch_size, num_sc=num_sc, num_partitions=num_partitions
+        rp,
+        emb,
+        smp,
+        gns,
+        table,
+        device_batch_size=device_batch_size,
+        num_sc=num_sc,
+        num_partitions=num_partitions,
+        pallas_pool=pallas_pool.fits(device_batch_size, table.shape[1], _vmem_capacity()),
     )
+
+
+@functools.cache
+def _vmem_capacity() -> int | None:
+    """VMEM bytes of the chip JAX lowers for in this process (JAX's table, jax/_src/pallas/mosaic/
+    tpu_info.py: 128 MiB on v5e), or None where JAX has no TPU (the emulated device's stand-in runs
+    these programs on CPU, where a Pallas kernel cannot run) or TPUREC_NO_PALLAS=1: the pooling is
+    then XLA's."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    if os.environ.get("TPUREC_NO_PALLAS", "") not in ("", "0"):  # XLA's programs only (a fallback, A/B runs)
+        return None
+    try:
+        return int(pltpu.get_tpu_info().vmem_capacity_bytes)
+    except (ValueError, RuntimeError):  # "Unsupported TPU device kind: cpu"
+        return None
 
 
 def tc_sgd(

@@ -1,0 +1,74 @@
+"""The Pallas pooling kernel (interpreted on CPU) against XLA's segment sum, and when the TPU lookup takes it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("jax")
+
+import jax.numpy as jnp  # noqa: E402
+
+from tpurec.embedding.tensorcore import lookup_jax, pallas_pool, torch_ops, tpu_bridge  # noqa: E402
+
+from .inputs import Case, csr_input, head, table, tail  # noqa: E402
+
+
+def test_segment_sum_is_xlas_bit_for_bit_dropping_the_invalid_marker():
+    """Entries over several chunks and a ragged last one; samples in any order, repeated, and the
+    invalid marker (== num_segments) dropped; each sample's rows summed in entry order, as XLA's."""
+    rng = np.random.default_rng(3)
+    n, segments, width = 300, 37, 128
+    values = jnp.asarray(rng.standard_normal((n, width)).astype(np.float32))
+    samples = jnp.asarray(rng.integers(0, segments + 1, n).astype(np.int32))
+    got = pallas_pool.segment_sum(values, samples, num_segments=segments, chunk=128, interpret=True)
+    want = jnp.zeros((segments + 1, width), jnp.float32).at[samples].add(values)[:segments]
+    assert got.shape == (segments, width)
+    assert bool((samples == segments).any()) and bool(jnp.abs(want).max() > 0)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("case", [Case(num_sc=1, pooling="weighted", width=128), Case(num_sc=1, devices=3)], ids=str)
+def test_the_lookup_with_the_pallas_pooling_equals_the_xla_one(case):
+    gen = torch.Generator().manual_seed(11)
+    csr = csr_input(case, gen)
+    t = torch_ops.to_jax(table(case, gen))
+    args = [torch_ops.to_jax(x) for x in head(csr)]
+    batch, num_sc, parts = tail(csr)[:3]
+    kw = {"device_batch_size": batch, "num_sc": num_sc, "num_partitions": parts}
+    want = lookup_jax.lookup(*args, t, **kw)
+    got = lookup_jax.lookup(*args, t, **kw, pallas_pool=True, interpret=True)
+    assert float(jnp.abs(want).max()) > 0
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_the_pallas_pooling_serves_what_fits_in_vmem_and_only_on_a_tpu():
+    v5e = 128 << 20  # JAX's table for v5e
+    assert pallas_pool.fits(16384, 128, v5e)
+    assert pallas_pool.fits(16384, 512, v5e)  # two 32 MiB output buffers: within three quarters
+    assert not pallas_pool.fits(16384, 1024, v5e)  # two 64 MiB ones: not
+    assert not pallas_pool.fits(16384, 128, 16 << 20)  # v4's 16 MiB a core
+    # a narrow row takes a whole lane tile in VMEM: dlrm-tiny's width-16 stack at batch 4,096 x 26
+    # features failed to compile on v5e ("scoped allocation 53.00M, limit 29.13M") when it counted 16
+    assert not pallas_pool.fits(106496, 16, v5e)
+    assert pallas_pool.vmem_bytes(106496, 16) == pallas_pool.vmem_bytes(106496, 128)
+    assert not pallas_pool.fits(8, 128, None)
+    # no TPU in this process (CI, the emulated device's stand-in): the lookup keeps XLA's pooling
+    assert tpu_bridge._vmem_capacity() is None
+
+
+def test_a_tpu_seen_by_jax_takes_the_pallas_pooling_unless_turned_off(monkeypatch):
+    from types import SimpleNamespace
+
+    from jax.experimental.pallas import tpu as pltpu
+
+    monkeypatch.setattr(pltpu, "get_tpu_info", lambda: SimpleNamespace(vmem_capacity_bytes=128 << 20))
+    tpu_bridge._vmem_capacity.cache_clear()
+    try:
+        assert tpu_bridge._vmem_capacity() == 128 << 20
+        tpu_bridge._vmem_capacity.cache_clear()
+        monkeypatch.setenv("TPUREC_NO_PALLAS", "1")
+        assert tpu_bridge._vmem_capacity() is None
+    finally:
+        tpu_bridge._vmem_capacity.cache_clear()

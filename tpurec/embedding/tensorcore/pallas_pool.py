@@ -1,0 +1,93 @@
+"""Pooling (a scatter-add of rows into samples) as a Pallas TPU kernel with the output held in VMEM.
+
+Why: in the pooled lookup on a v5e TensorCore, XLA's row gather is fast (114 GB/s of rows at width
+128) and its unsorted segment sum is two thirds of the time (docs/results.md, session 28). Here the
+gathered rows stream through VMEM in chunks (the pipeline double-buffers them) and each entry adds
+its row into its sample's row of an output that stays in VMEM for the whole call: no scatter to HBM.
+Samples reach the scalar unit one chunk at a time through SMEM (1 MiB on v5e:
+jax/_src/pallas/mosaic/tpu_info.py, JAX 0.10.2). Entries with sample == num_segments (the decode's
+invalid marker) add into a spare row that is sliced off.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+# A kernel argument is a Pallas Ref (indexed, sliced with .at); JAX types it loosely.
+Ref = Any
+
+# Entries per grid step, and adds unrolled per loop turn: 1,024 and 8 were within 3% of the best of
+# (512, 8), (1024, 8), (2048, 16) in every cell measured on v5e (docs/results.md, session 28).
+CHUNK, UNROLL = 1024, 8
+LANES = 128  # a VMEM tile's lanes for 32-bit values (jax/_src/pallas/mosaic/tpu_info.py, num_lanes)
+
+
+def _kernel(samples: Ref, values: Ref, out: Ref, *, chunk: int, unroll: int) -> None:
+    @pl.when(pl.program_id(0) == 0)
+    def _first() -> None:
+        out[...] = jnp.zeros_like(out)
+
+    def add(k: jax.Array, carry: None) -> None:
+        s = samples[k]
+        out[pl.ds(s, 1), :] += values[pl.ds(k, 1), :]
+
+    jax.lax.fori_loop(0, chunk, add, None, unroll=unroll)
+
+
+def output_rows(num_segments: int) -> int:
+    """Rows of the kernel's output: the segments, a spare row for invalid entries, to a sublane tile."""
+    return -(-(num_segments + 1) // 8) * 8
+
+
+def vmem_bytes(num_segments: int, width: int, chunk: int = CHUNK) -> int:
+    """VMEM the kernel holds: the output and a chunk of rows, each double-buffered by the pipeline,
+    every row padded to whole 128-lane tiles (a width-16 output of 106,504 rows took 53 MiB on v5e:
+    the compiler's VMEM error, docs/results.md, session 28)."""
+    lanes = -(-width // LANES) * LANES
+    return (2 * output_rows(num_segments) + 2 * chunk) * lanes * 4
+
+
+def fits(num_segments: int, width: int, vmem_capacity: int | None) -> bool:
+    """Whether the kernel serves a pooling on a chip of `vmem_capacity` bytes of VMEM (None: no TPU
+    in this process). A quarter of VMEM stays for the compiler's own buffers."""
+    return vmem_capacity is not None and vmem_bytes(num_segments, width) <= vmem_capacity * 3 // 4
+
+
+@functools.partial(jax.jit, static_argnames=("num_segments", "chunk", "unroll", "interpret"))
+def segment_sum(
+    values: jax.Array,
+    samples: jax.Array,
+    *,
+    num_segments: int,
+    chunk: int = CHUNK,
+    unroll: int = UNROLL,
+    interpret: bool = False,
+) -> jax.Array:
+    """jax.ops.segment_sum(values, samples, num_segments) for float32 values [n, width] and int32
+    samples in [0, num_segments] (num_segments: dropped), each segment summed in entry order."""
+    n, width = values.shape
+    padded = -(-max(n, 1) // chunk) * chunk
+    samples = jnp.pad(samples.astype(jnp.int32), (0, padded - n), constant_values=num_segments)
+    values = jnp.pad(values.astype(jnp.float32), ((0, padded - n), (0, 0)))
+    rows = output_rows(num_segments)
+    out = pl.pallas_call(
+        functools.partial(_kernel, chunk=chunk, unroll=unroll),
+        grid=(padded // chunk,),
+        in_specs=[
+            pl.BlockSpec((chunk,), lambda i: (i,), memory_space=pltpu.SMEM),
+            pl.BlockSpec((chunk, width), lambda i: (i, 0)),
+        ],
+        out_specs=pl.BlockSpec((rows, width), lambda i: (0, 0)),
+        out_shape=jax.ShapeDtypeStruct((rows, width), jnp.float32),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("arbitrary",), vmem_limit_bytes=vmem_bytes(num_segments, width, chunk) + (16 << 20)
+        ),
+        interpret=pltpu.InterpretParams() if interpret else False,
+    )(samples, values)
+    return out[:num_segments]
