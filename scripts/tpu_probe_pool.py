@@ -3,25 +3,71 @@ the XLA program; and the TensorCore update's row gradients taken apart (decode, 
 unique rows). One cell per width (1M rows, batch 16,384 x pooling 8, uniform; width 128 also Zipf).
 Contenders interleave in a random order per round; outputs compared to the program's once.
 Writes $OUT/pool.json. Usage: python3 scripts/tpu_probe_pool.py [--cpu]
+(Probes 5-6, the DMA-per-row Pallas kernels that measured slower than XLA, are in commit e2c05c3.)
 """
 
 import functools
 import json
 import os
+import random
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from tpu_probe_pallas import block, csr_for, timed_rounds  # noqa: E402
-
-from tpurec.embedding.tensorcore import pallas_pool, programs  # noqa: E402
-from tpurec.embedding.tensorcore.csr_jax import decode  # noqa: E402
+from tpurec.embedding.constraints import round_up
+from tpurec.embedding.preprocess import preprocess
+from tpurec.embedding.tensorcore import pallas_pool, programs
+from tpurec.embedding.tensorcore.csr_jax import decode
 
 CPU = "--cpu" in sys.argv
 OUT = os.environ.get("OUT", "/tmp")
+
+
+def csr_for(rows: int, batch: int, pooling: int, dist: str, seed: int):
+    g = np.random.default_rng(seed)
+    n = batch * pooling
+    if dist == "zipf":
+        ids = (g.zipf(1.1, n) - 1) % rows
+    else:
+        ids = g.integers(0, rows, n)
+    samples = np.repeat(np.arange(batch), pooling)
+    csr, _ = preprocess(
+        torch.from_numpy(ids),
+        torch.from_numpy(samples),
+        torch.ones(n),
+        device_batch_size=batch,
+        num_sc_per_device=1,
+        global_device_count=1,
+        max_ids_per_partition=round_up(n + 8, 8),
+    )
+    head = tuple(jnp.asarray(t.numpy()) for t in (csr.row_pointers, csr.embedding_ids, csr.sample_ids, csr.gains))
+    return head, (csr.device_batch_size, csr.num_sc_per_device, csr.num_partitions), n
+
+
+def block(x):
+    jax.tree_util.tree_map(lambda a: a.block_until_ready(), x)
+    return x
+
+
+def timed_rounds(contenders: dict, rounds: int, reps: int) -> dict:
+    """contenders: name -> zero-arg callable (runs one op, returns arrays). Median ms per op per name."""
+    times = {k: [] for k in contenders}
+    for _ in range(rounds):
+        order = list(contenders)
+        random.shuffle(order)
+        for k in order:
+            f = contenders[k]
+            block(f())
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                r = f()
+            block(r)
+            times[k].append((time.perf_counter() - t0) / reps * 1e3)
+    return {k: float(np.median(v)) for k, v in times.items()}
 
 
 def lookup_cell(R, D, B, H, dist, out):
