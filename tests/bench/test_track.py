@@ -27,6 +27,7 @@ def _track(tmp_path, *args: str) -> dict:
     return json.loads(p.stdout)
 
 
+@pytest.mark.slow  # 20 s, make test-all: stock's bit-equal losses stay in the fast suite through the sharding harness
 @pytest.mark.multiprocess
 def test_dlrm_tiny_losses_equal_stock_torchrec_at_every_step(tmp_path):
     r = _track(tmp_path, "--tables", "tiny", "--steps", "40", "--eval-batches", "4")

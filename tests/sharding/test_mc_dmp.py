@@ -36,6 +36,8 @@ def _compare(world: int, policy: str, optimizer: str, bagged: bool = True, ours_
         torch.testing.assert_close(torch.tensor(b["losses"]), torch.tensor(a["losses"]), rtol=1e-6, atol=1e-5)
 
 
+# 21 s: make test-all (the default suite's 20 minutes); MC training stays fast in tests/dlrm/test_user_model_mc.py
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_an_mc_ebc_planned_by_tpurec_trains_as_stock_torchrec_at_2_ranks():
     # no plan, no sharders: tpurec's planner plans the MC tables row-wise on its kernel (TorchRec's own
