@@ -22,6 +22,7 @@ BENCHES: dict[str, str] = {
     "pipeline": "tpurec.bench.pipeline",
     "stats": "tpurec.bench.stats",
     "zch": "tpurec.bench.zch",
+    "tpu-kernels": "tpurec.bench.tpu_kernels",
 }
 
 

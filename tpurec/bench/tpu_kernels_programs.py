@@ -1,0 +1,113 @@
+"""The contenders of `tpurec bench tpu-kernels`, per op: tpurec's TensorCore programs and plain JAX.
+
+Each `*_pair(cell, inputs, interpret)` returns {"tpurec": call, "xla": call}; an update's call carries
+its donated table (and state) from one call to the next, so no table is copied per step. Both start
+from the same table, so their first results compare (`equal_work`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from tpurec.bench.tpu_kernels import Cell
+from tpurec.embedding.tensorcore import lookup_jax, pallas_pool, programs
+
+LR, EPS = 0.01, 1e-8
+
+
+def _table(cell: Cell) -> jax.Array:
+    return jax.random.normal(jax.random.key(0), (cell.rows, cell.width), jnp.float32).astype(cell.dtype)
+
+
+def _grad(cell: Cell) -> jax.Array:
+    return jax.random.normal(jax.random.key(1), (cell.batch, cell.width), jnp.float32)
+
+
+def _pallas_pool(cell: Cell, interpret: bool) -> bool:
+    """The kernel's own choice on this chip (tpu_bridge), or the interpreted kernel on CPU."""
+    if interpret:
+        return True
+    from tpurec.embedding.tensorcore import tpu_bridge
+
+    return pallas_pool.fits(cell.batch, cell.width, tpu_bridge._vmem_capacity())
+
+
+def lookup_pair(cell: Cell, inp: dict[str, Any], interpret: bool) -> dict[str, Callable[[], Any]]:
+    batch, num_sc, parts = inp["layout"]
+    table = _table(cell)
+    ours = jax.jit(
+        functools.partial(
+            lookup_jax.lookup,
+            device_batch_size=batch,
+            num_sc=num_sc,
+            num_partitions=parts,
+            pallas_pool=_pallas_pool(cell, interpret),
+            interpret=interpret,
+        )
+    )
+
+    @jax.jit
+    def xla(ids: jax.Array, samples: jax.Array, t: jax.Array) -> jax.Array:
+        return jax.ops.segment_sum(jnp.take(t, ids, axis=0).astype(jnp.float32), samples, num_segments=cell.batch)
+
+    return {"tpurec": lambda: ours(*inp["csr"], table), "xla": lambda: xla(inp["ids"], inp["samples"], table)}
+
+
+def sgd_pair(cell: Cell, inp: dict[str, Any], interpret: bool) -> dict[str, Callable[[], Any]]:
+    grad, lr = _grad(cell), jnp.float32(LR)
+    ours = jax.jit(functools.partial(programs._sgd, inp["layout"]), donate_argnums=1)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def xla(t: jax.Array, ids: jax.Array, samples: jax.Array) -> jax.Array:
+        return t.at[ids].add((grad[samples] * -lr).astype(t.dtype))
+
+    state = {"tpurec": _table(cell), "xla": _table(cell)}
+
+    def step_ours() -> jax.Array:
+        state["tpurec"] = ours(inp["csr"], state["tpurec"], grad, lr)
+        return state["tpurec"]
+
+    def step_xla() -> jax.Array:
+        state["xla"] = xla(state["xla"], inp["ids"], inp["samples"])
+        return state["xla"]
+
+    return {"tpurec": step_ours, "xla": step_xla}
+
+
+def rowwise_adagrad_pair(cell: Cell, inp: dict[str, Any], interpret: bool) -> dict[str, Callable[[], Any]]:
+    """Plain JAX's row-wise Adagrad: the gradient summed into a dense [rows, width] array (what merges
+    duplicate ids without a sort), the accumulator and table updated everywhere (zero steps elsewhere)."""
+    grad, lr, eps = _grad(cell), jnp.float32(LR), jnp.float32(EPS)
+    ours = jax.jit(functools.partial(programs._adagrad, inp["layout"]), donate_argnums=(1, 2))
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def xla(t: jax.Array, acc: jax.Array, ids: jax.Array, samples: jax.Array) -> tuple[jax.Array, jax.Array]:
+        g = jax.ops.segment_sum(grad[samples], ids, num_segments=cell.rows)
+        acc = acc + jnp.mean(g * g, axis=1)
+        new = t.astype(jnp.float32) + g * (-lr / (jnp.sqrt(acc) + eps))[:, None]
+        return new.astype(t.dtype), acc
+
+    zeros = functools.partial(jnp.zeros, (cell.rows,), jnp.float32)
+    state = {"tpurec": (_table(cell), zeros()), "xla": (_table(cell), zeros())}
+
+    def step_ours() -> jax.Array:
+        state["tpurec"] = ours(inp["csr"], *state["tpurec"], grad, lr, eps)
+        return state["tpurec"][0]
+
+    def step_xla() -> jax.Array:
+        state["xla"] = xla(*state["xla"], inp["ids"], inp["samples"])
+        return state["xla"][0]
+
+    return {"tpurec": step_ours, "xla": step_xla}
+
+
+def equal_work(op: str, calls: dict[str, Callable[[], Any]]) -> float:
+    """Max |tpurec - xla| of the first call's results (both from the same table): float32 rounding
+    apart (sums in another order; bf16 tables an ulp), the two did the same work."""
+    ours, theirs = calls["tpurec"](), calls["xla"]()
+    return float(jnp.max(jnp.abs(ours.astype(jnp.float32) - theirs.astype(jnp.float32))))
