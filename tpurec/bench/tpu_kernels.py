@@ -161,7 +161,7 @@ def summary(results: list[dict], hbm_gbps: float | None) -> dict:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tpu-kernels", help="the TensorCore kernel vs plain JAX on a TPU (--cpu: a smoke run)")
     p.add_argument("--cpu", action="store_true", help="tiny cells on CPU, the Pallas kernel interpreted (CI)")
-    p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}")
+    p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset (default {','.join(OPS)})")
     p.add_argument("--rounds", type=int, default=5, help="rounds per cell (default 5)")
     p.add_argument("--reps", type=int, default=10, help="calls timed per round (default 10)")
     p.add_argument("--seed", type=int, default=None, help="order and data seed (default: fresh, reported)")
