@@ -16,6 +16,7 @@ from torch import Tensor
 
 from tpurec.embedding import ops
 from tpurec.embedding.optimizers.base import OptimizerSpec, add_to_rows, op_head, op_tail, tpu_ops, tpu_scalar
+from tpurec.embedding.optimizers.defaults import fused_lr
 
 if TYPE_CHECKING:
     from tpurec.embedding.preprocess import SparseCoreInput
@@ -116,9 +117,8 @@ def tpu_update(
     accumulator.copy_(new_acc)
 
 
-# FBGEMM's defaults for what TorchRec's fused params leave out (fbgemm_gpu
+# FBGEMM's default eps for what TorchRec's fused params leave out (fbgemm_gpu
 # split_table_batched_embeddings_ops_training.SplitTableBatchedEmbeddingBagsCodegen.__init__).
-FBGEMM_LEARNING_RATE = 0.01
 FBGEMM_EPS = 1.0e-8
 
 
@@ -138,7 +138,7 @@ class AdagradSpec(OptimizerSpec):
     @classmethod
     def _take_torch_kwargs(cls, kwargs: dict) -> AdagradSpec:
         return cls(
-            lr=float(kwargs.pop("lr", 1e-2)),
+            lr=float(kwargs.pop("lr", cls.default_lr())),
             eps=float(kwargs.pop("eps", 1e-10)),
             initial_accumulator_value=float(kwargs.pop("initial_accumulator_value", 0.0)),
         )
@@ -155,7 +155,7 @@ class AdagradSpec(OptimizerSpec):
         # (SplitTableBatchedEmbeddingBagsCodegen: learning_rate 0.01, eps 1.0e-8). torch.optim.Adagrad's
         # 1e-10 (the torch-kwargs route above) is what an unsharded module's in-backward optimizer uses.
         return cls(
-            lr=float(fused_params.get("learning_rate", fused_params.get("lr", FBGEMM_LEARNING_RATE))),
+            lr=fused_lr(fused_params),
             eps=float(fused_params.get("eps", FBGEMM_EPS)),
             initial_accumulator_value=float(fused_params.get("initial_accumulator_value", 0.0)),
         )

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from tpurec.embedding import ops
 from tpurec.embedding.optimizers.base import OptimizerSpec, add_to_rows, op_head, op_tail, tpu_ops, tpu_scalar
+from tpurec.embedding.optimizers.defaults import fused_lr
 
 if TYPE_CHECKING:
     from tpurec.embedding.preprocess import SparseCoreInput
@@ -169,7 +170,10 @@ class AdamSpec(OptimizerSpec):
         kwargs.pop("decoupled_weight_decay", None)
         b1, b2 = kwargs.pop("betas", (0.9, 0.999))
         return cls(
-            lr=float(kwargs.pop("lr", 1e-3)), eps=float(kwargs.pop("eps", 1e-8)), beta1=float(b1), beta2=float(b2)
+            lr=float(kwargs.pop("lr", cls.default_lr())),
+            eps=float(kwargs.pop("eps", 1e-8)),
+            beta1=float(b1),
+            beta2=float(b2),
         )
 
     def torch_kwargs(self) -> dict:
@@ -183,7 +187,7 @@ class AdamSpec(OptimizerSpec):
         fp = fused_params
         betas = fp.get("betas", (fp.get("beta1", 0.9), fp.get("beta2", 0.999)))
         return cls(
-            lr=float(fp.get("learning_rate", fp.get("lr", 0.01))),
+            lr=fused_lr(fp),
             eps=float(fp.get("eps", 1e-8)),
             beta1=float(betas[0]),
             beta2=float(betas[1]),

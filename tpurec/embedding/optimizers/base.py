@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Mapping, Se
 
 import torch
 
+from tpurec.embedding.optimizers.defaults import fused_lr
 from tpurec.errors import UserError
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ _HARMLESS_TORCH_KWARGS = ("foreach", "differentiable", "capturable", "fused")
 class OptimizerSpec(abc.ABC):
     """One fused optimizer's hyper-parameters; the class attributes describe the optimizer."""
 
-    lr: float = 0.01
+    lr: float = 0.01  # each spec's is its torch optimizer's default (tests/embedding/test_lr_defaults.py)
     # FBGEMM's weight decay (`weight_decay.py`): the mode is None when no decay applies, else the one
     # tpurec applies ("L2" or "DECOUPLE"); any FBGEMM mode name or `WeightDecayMode` may be given.
     weight_decay: float = field(default=0.0, kw_only=True)
@@ -171,7 +172,14 @@ class OptimizerSpec(abc.ABC):
     @classmethod
     def from_fused_params(cls, fused_params: Mapping[str, Any]) -> OptimizerSpec:
         """The spec from the per-table fused params TorchRec's sharder builds (FBGEMM's vocabulary)."""
-        return cls(lr=float(fused_params.get("learning_rate", fused_params.get("lr", 0.01))))
+        return cls(lr=fused_lr(fused_params))
+
+    @classmethod
+    def default_lr(cls) -> float:
+        """The lr a spec built from torch kwargs without one gets: its torch optimizer's default."""
+        default = cls.__dataclass_fields__["lr"].default
+        assert isinstance(default, float), default  # every spec's lr field has one
+        return default
 
     # -- state ---------------------------------------------------------------------------------
     @classmethod

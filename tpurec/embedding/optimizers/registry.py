@@ -16,13 +16,14 @@ import pkgutil
 import sys
 from typing import TYPE_CHECKING, Any, Mapping
 
+from tpurec.embedding.optimizers.defaults import FBGEMM_LEARNING_RATE
 from tpurec.errors import UserError
 
 if TYPE_CHECKING:
     from tpurec.embedding.optimizers.base import OptimizerSpec
 
 _PACKAGE = __name__.rpartition(".")[0]
-_MACHINERY = {"base", "registry", "weight_decay"}
+_MACHINERY = {"base", "defaults", "registry", "weight_decay"}
 
 
 def _package_path() -> list[str]:
@@ -91,9 +92,8 @@ def _resolves_to(cls: type[OptimizerSpec], optimizer: type) -> bool:
 
 # TorchRec's fused kernel (FBGEMM's SplitTableBatchedEmbeddingBagsCodegen) trains with these when the
 # sharder's fused params name no optimizer (no apply_optimizer_in_backward): optimizer=EXACT_SGD,
-# learning_rate=0.01 (fbgemm_gpu/split_table_batched_embeddings_ops_training.py defaults).
+# learning_rate=FBGEMM_LEARNING_RATE (fbgemm_gpu/split_table_batched_embeddings_ops_training.py defaults).
 TORCHREC_DEFAULT_OPTIMIZER = "sgd"
-TORCHREC_DEFAULT_LEARNING_RATE = 0.01
 _logged_default = False
 # FBGEMM's EmbOptimType members its TBE refuses ("deprecated in the CPU + GPU modes",
 # fbgemm_gpu/split_table_batched_embeddings_ops_training.py, SplitTableBatchedEmbeddingBagsCodegen.__init__)
@@ -109,7 +109,7 @@ def spec_from_fused_params(fused_params: Mapping[str, Any] | None, table: str) -
     opt = fp.get("optimizer")
     classes = spec_classes()
     if opt is None:
-        fp.setdefault("learning_rate", TORCHREC_DEFAULT_LEARNING_RATE)
+        fp.setdefault("learning_rate", FBGEMM_LEARNING_RATE)
         spec = _with_weight_decay(classes[TORCHREC_DEFAULT_OPTIMIZER].from_fused_params(fp), fp, table)
         if not _logged_default:
             logging.getLogger(__name__).warning(

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from tpurec.embedding import ops
 from tpurec.embedding.optimizers.base import OptimizerSpec, add_to_rows, op_head, op_tail, tpu_ops, tpu_scalar
+from tpurec.embedding.optimizers.defaults import fused_lr
 
 if TYPE_CHECKING:
     from tpurec.embedding.preprocess import SparseCoreInput
@@ -105,14 +106,14 @@ class SGDSpec(OptimizerSpec):
 
     @classmethod
     def _take_torch_kwargs(cls, kwargs: dict) -> SGDSpec:
-        return cls(lr=float(kwargs.pop("lr", 1e-3)))
+        return cls(lr=float(kwargs.pop("lr", cls.default_lr())))
 
     def torch_kwargs(self) -> dict:
         return {"lr": self.lr}
 
     @classmethod
     def from_fused_params(cls, fused_params: Mapping[str, Any]) -> SGDSpec:
-        return cls(lr=float(fused_params.get("learning_rate", fused_params.get("lr", 0.01))))
+        return cls(lr=fused_lr(fused_params))
 
     def apply_update(
         self,
