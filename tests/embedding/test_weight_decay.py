@@ -90,7 +90,9 @@ def test_rowwise_adagrad_weight_decay_equals_fbgemm(mode, layout):
     if layout == "passes":
         assert sc.kernel.multipass_batches > 0, "no batch went over the limits"
     for w, p, t in zip(tbe.split_embedding_weights(), plain.split_embedding_weights(), TABLES):
-        torch.testing.assert_close(sc.table_weight(t.name), w, rtol=1e-5, atol=1e-7)
+        # atol: 2 ulps of the update's intermediates (magnitude ~1): a weight that cancels to ~6e-5 keeps
+        # their rounding (1.1e-7 apart from FBGEMM's seen with the tables' random start of one test order)
+        torch.testing.assert_close(sc.table_weight(t.name), w, rtol=1e-5, atol=2.5e-7)
         assert (w - p).abs().max() > 1e-3, "the decay made no difference: the oracle did not apply it"
     state = sc.fused_optimizer.state_dict()["state"]
     for s, t in zip(tbe.get_optimizer_state(), TABLES):
