@@ -241,7 +241,7 @@ def test_multi_hot_tables_by_a_bitmap_equal_the_reference(p):
 
 
 def _route_calls(monkeypatch, route: str) -> list[int]:
-    """count_groups run uncompiled, each call of its compiled `route` recorded (the group's first
+    """count_groups and _routed_group run uncompiled, each call of its compiled `route` recorded (the group's first
     feature, its seventh argument): which groups took that route."""
     from tpurec.embedding import demand_kernels
 
@@ -254,6 +254,7 @@ def _route_calls(monkeypatch, route: str) -> list[int]:
 
     monkeypatch.setattr(demand_kernels, route, counted)
     monkeypatch.setattr(demand_kernels, "count_groups", demand_kernels.count_groups.py_func)
+    monkeypatch.setattr(demand_kernels, "_routed_group", demand_kernels._routed_group.py_func)  # (it calls the route)
     return calls
 
 

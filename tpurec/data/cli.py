@@ -41,7 +41,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     dsub = actions = p.add_subparsers(dest="data_command", metavar="ACTION")
     p.set_defaults(run=run)  # each action overrides this with its own run
+    _add_convert(dsub)
+    _add_synth(dsub)
+    _add_inspect(dsub)
 
+
+def _add_convert(dsub: argparse._SubParsersAction) -> None:
+    """`tpurec data convert`'s flags."""
     c = dsub.add_parser(
         "convert",
         help="Criteo TSV day files (plain or .gz), TorchRec's .npy/MLPerf's .npz days, or any Parquet/CSV/TSV "
@@ -122,6 +128,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     _common(c)
     c.set_defaults(run=run_convert)
 
+
+def _add_synth(dsub: argparse._SubParsersAction) -> None:
+    """`tpurec data synth`'s flags."""
     s = dsub.add_parser("synth", help="synthetic Criteo-shaped data with a known best AUC (oracle_auc)")
     s.add_argument("--rows", type=positive_int, default=200_000, help="rows to generate (default 200000)")
     s.add_argument("--out", required=True, help="output directory (part-NNNNN.parquet + _dataset.json)")
@@ -157,6 +166,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     _common(s)
     s.set_defaults(run=run_synth)
 
+
+def _add_inspect(dsub: argparse._SubParsersAction) -> None:
+    """`tpurec data inspect`'s flags."""
     i = dsub.add_parser("inspect", help="schema, rows, row groups, per-column stats, label rate")
     i.add_argument(
         "path",

@@ -547,46 +547,126 @@ def _stamped_group(
     return -1
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _fold_lanes(
+    lanes: np.ndarray, entries: np.ndarray, distinct: np.ndarray, s0: int, s1: int, p: int, sl: int
+) -> None:
+    """A done group's LANES interleaved copies of its counts added to entries / distinct (shards
+    s0..s1, SparseCore slice sl)."""
+    for s in range(s0, s1):
+        for q in range(p):
+            li = 2 * ((s - s0) * p + q) * LANES
+            seg = (s * p + sl) * p + q
+            for lane in range(LANES):
+                distinct[seg] += lanes[li + 2 * lane]
+                entries[seg] += lanes[li + 2 * lane + 1]
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _group_shape(
+    slice_start: np.ndarray, features: np.ndarray, key_max: np.ndarray, j0: int, j1: int, sl: int
+) -> tuple[int, int]:
+    """A group's ids (its features' on SparseCore slice sl) and its longest bag."""
+    n = 0
+    longest = 0
+    for j in range(j0, j1):
+        f = features[j]
+        n += slice_start[f, sl + 1] - slice_start[f, sl]
+        longest = max(longest, key_max[f])
+    return n, longest
+
+
 @numba.njit(cache=True, nogil=True)
-def count_groups(
+def _routed_group(
     key_at: np.ndarray,
     lengths: np.ndarray,
     stride: int,
     key_sum: np.ndarray,
     slice_start: np.ndarray,
     features: np.ndarray,
-    table_first_feature: np.ndarray,
-    table_rows: np.ndarray,
-    table_first_shard: np.ndarray,
-    table_block_shift: np.ndarray,
-    table_first_block: np.ndarray,
-    table_uniform: np.ndarray,
+    j0: int,
+    j1: int,
+    sl: int,
+    b0: int,
+    b1: int,
+    rows: int,
+    s0: int,
+    s1: int,
+    uniform: bool,
+    chunk: int,
+    block_shift: int,
+    first_block: int,
     block_seg: np.ndarray,
     seg_row: np.ndarray,
     seg_shard: np.ndarray,
     seg_part: np.ndarray,
-    shard_start: np.ndarray,
-    shard_chunk: np.ndarray,
     shard_stamp_at: np.ndarray,
     stamps: np.ndarray,
-    table: np.ndarray,
-    bag_base: int,
-    first_group: int,
-    per_slice: int,
     p: int,
-    entries: np.ndarray,
-    distinct: np.ndarray,
-    lanes: np.ndarray,
-    key_max: np.ndarray,
+    n: int,
+    longest: int,
+    hashed: bool,
+    bag: int,
     flags: np.ndarray,
     oneset: np.ndarray,
     bitmap: np.ndarray,
     bagset: np.ndarray,
+    lanes: np.ndarray,
     bad_id: np.ndarray,
-) -> tuple[int, int, int]:
+) -> int:
+    """A group counted by the first of count_groups' own routes that fits it: one-hot
+    (_one_hot_group), one stamped shard (_stamped_group), the bitmap (_multi_hot_bits). Returns -3
+    when none fits (count_groups' own loop counts it), else the route's status (-1 counted, 0 an id
+    outside the table)."""
+    if s1 - s0 == 1 and n == (j1 - j0) * (b1 - b0) and longest <= 1:
+        return _one_hot_group(
+            key_at, key_sum, slice_start, features, j0, j1, sl, rows, chunk, n, flags, oneset, bitmap,
+            lanes[: 2 * LANES * p], bad_id,
+        )  # fmt: skip
+    if s1 - s0 == 1 and shard_stamp_at[s0] >= 0:
+        return _stamped_group(
+            key_at, lengths, stride, key_sum, slice_start, features, j0, j1, sl, b0, b1, rows, chunk,
+            shard_stamp_at[s0], bag, bag, stamps, lanes[: 2 * LANES * p], bad_id,
+        )  # fmt: skip
+    if (
+        hashed
+        and rows <= 64 * bitmap.shape[0]
+        and n * BITS_WORDS_PER_ID >= (rows + 63) >> 6
+        and longest * BAG_SLOTS_PER_ID <= bagset.shape[0] // 2
+    ):
+        return _multi_hot_bits(
+            key_at, lengths, stride, key_sum, slice_start, features, j0, j1, sl, b0, b1, rows, s0, s1 - s0 == 1,
+            uniform, chunk, block_shift, first_block, block_seg, seg_row, seg_shard, seg_part, p, bag, bitmap,
+            bagset, lanes[: 2 * LANES * p * (s1 - s0)], bad_id,
+        )  # fmt: skip
+    return -3
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _set_bits(n: int, table: np.ndarray) -> int:
+    """The bits of a group's part of the set: twice its ids (every id may be distinct), at most the
+    set: a small group's probes stay in a few cache lines."""
+    bits = MIN_SET_BITS
+    while (1 << bits) < 2 * n and (2 << bits) <= table.shape[0] // 2:
+        bits += 1
+    return bits
+
+
+@numba.njit(cache=True, nogil=True)
+def count_groups(
+    key_at: np.ndarray, lengths: np.ndarray, stride: int, key_sum: np.ndarray, slice_start: np.ndarray,
+    features: np.ndarray, table_first_feature: np.ndarray, table_rows: np.ndarray, table_first_shard: np.ndarray,
+    table_block_shift: np.ndarray, table_first_block: np.ndarray, table_uniform: np.ndarray, block_seg: np.ndarray,
+    seg_row: np.ndarray, seg_shard: np.ndarray, seg_part: np.ndarray, shard_start: np.ndarray, shard_chunk: np.ndarray,
+    shard_stamp_at: np.ndarray, stamps: np.ndarray, table: np.ndarray, bag_base: int, first_group: int, per_slice: int,
+    p: int, entries: np.ndarray, distinct: np.ndarray, lanes: np.ndarray, key_max: np.ndarray, flags: np.ndarray,
+    oneset: np.ndarray, bitmap: np.ndarray, bagset: np.ndarray, bad_id: np.ndarray,
+) -> tuple[int, int, int]:  # fmt: skip
     """Counts every table's ids into entries / distinct ([shards * P * P]); key f's ids are
     key_sum[f] int64 at address key_at[f] (`_key`); `table`, the set, holds 2^k (row, bag) pairs.
-    Counts the groups (table x nslices + slice) from `first_group` on. Returns (status, where, the
+    Counts the groups (table x nslices + slice) from `first_group` on, each by the first route that
+    fits it (_routed_group), else by its own loop: stamps where the table's shards have them,
+    else the set. Returns (status, where, the
     next bag number): status -1 when counted; 0 for an id outside its table (where: the table; the
     id in bad_id[0]); or -2 when a group had more distinct ids than half the set (where: that
     group, its counts undone: count on from it with a set twice the size). saved: 2 x P x the most
@@ -610,78 +690,23 @@ def count_groups(
                 break
             group_base = bag
             # the group's counts go to LANES interleaved copies (an id's lane: its position), added to
-            # entries / distinct once the group is done: consecutive ids of one segment then do not
-            # wait on each other's store, and a group to be redone has nothing to undo
-            for k in range(2 * LANES * p * (s1 - s0)):
-                lanes[k] = 0
-            n = 0
-            for j in range(j0, j1):
-                f = features[j]
-                n += slice_start[f, sl + 1] - slice_start[f, sl]
-            one_hot = s1 - s0 == 1 and n == (j1 - j0) * (b1 - b0)
-            for j in range(j0, j1):
-                one_hot &= key_max[features[j]] <= 1
-            if one_hot:
-                bad = _one_hot_group(
-                    key_at, key_sum, slice_start, features, j0, j1, sl, rows, chunk, n, flags, oneset, bitmap,
-                    lanes[: 2 * LANES * p], bad_id,
-                )  # fmt: skip
-                if bad >= 0:
-                    return bad, t, bag
-                bag += n
-                for q in range(p):
-                    seg = (s0 * p + sl) * p + q
-                    for lane in range(LANES):
-                        distinct[seg] += lanes[2 * (q * LANES + lane)]
-                        entries[seg] += lanes[2 * (q * LANES + lane) + 1]
-                continue
-            if s1 - s0 == 1 and shard_stamp_at[s0] >= 0:
-                bad = _stamped_group(
-                    key_at, lengths, stride, key_sum, slice_start, features, j0, j1, sl, b0, b1, rows, chunk,
-                    shard_stamp_at[s0], group_base, bag, stamps, lanes[: 2 * LANES * p], bad_id,
-                )  # fmt: skip
-                if bad >= 0:
-                    return bad, t, bag
-                bag += (j1 - j0) * (b1 - b0)
-                for q in range(p):
-                    seg = (s0 * p + sl) * p + q
-                    for lane in range(LANES):
-                        distinct[seg] += lanes[2 * (q * LANES + lane)]
-                        entries[seg] += lanes[2 * (q * LANES + lane) + 1]
-                continue
-            hashed = False
-            for s in range(s0, s1):
-                hashed |= shard_stamp_at[s] < 0
-            longest = 0
-            for j in range(j0, j1):
-                longest = max(longest, key_max[features[j]])
-            if (
-                hashed
-                and rows <= 64 * bitmap.shape[0]
-                and n * BITS_WORDS_PER_ID >= (rows + 63) >> 6
-                and longest * BAG_SLOTS_PER_ID <= bagset.shape[0] // 2
-            ):
-                bad = _multi_hot_bits(
-                    key_at, lengths, stride, key_sum, slice_start, features, j0, j1, sl, b0, b1, rows, s0,
-                    s1 - s0 == 1, table_uniform[t] != 0, chunk, block_shift, first_block, block_seg, seg_row,
-                    seg_shard, seg_part, p, bag, bitmap, bagset, lanes[: 2 * LANES * p * (s1 - s0)], bad_id,
-                )  # fmt: skip
-                if bad >= 0:
-                    return bad, t, bag
+            # entries / distinct once the group is done (_fold_lanes): consecutive ids of one segment
+            # then do not wait on each other's store, and a group to be redone has nothing to undo
+            lanes[: 2 * LANES * p * (s1 - s0)] = 0
+            n, longest = _group_shape(slice_start, features, key_max, j0, j1, sl)
+            hashed = bool((shard_stamp_at[s0:s1] < 0).any())
+            bad = _routed_group(
+                key_at, lengths, stride, key_sum, slice_start, features, j0, j1, sl, b0, b1, rows, s0, s1,
+                table_uniform[t] != 0, chunk, block_shift, first_block, block_seg, seg_row, seg_shard, seg_part,
+                shard_stamp_at, stamps, p, n, longest, hashed, bag, flags, oneset, bitmap, bagset, lanes, bad_id,
+            )  # fmt: skip
+            if bad >= 0:
+                return bad, t, bag
+            if bad == -1:
                 bag += (j1 - j0) * (b1 - b0)  # a bag per feature and sample, as counted
-                for s in range(s0, s1):
-                    for q in range(p):
-                        li = 2 * ((s - s0) * p + q) * LANES
-                        seg = (s * p + sl) * p + q
-                        for lane in range(LANES):
-                            distinct[seg] += lanes[li + 2 * lane]
-                            entries[seg] += lanes[li + 2 * lane + 1]
+                _fold_lanes(lanes, entries, distinct, s0, s1, p, sl)
                 continue
-            # this group's part of the set: twice its ids (every id may be distinct), at most the set:
-            # a small group's probes stay in a few cache lines
-            bits = MIN_SET_BITS
-            while (1 << bits) < 2 * n and (2 << bits) <= table.shape[0] // 2:
-                bits += 1
+            bits = _set_bits(n, table)
             mask = (1 << bits) - 1
             umask, one = np.uint64(mask), np.uint64(1)  # unsigned indices: no negative-index checks
             shift = 64 - bits
@@ -746,11 +771,5 @@ def count_groups(
                                 return -2, t * nslices + sl, bag  # then reloads it each time, a third slower)
                         pos += 1
                     bag += 1
-            for s in range(s0, s1):
-                for q in range(p):
-                    li = 2 * ((s - s0) * p + q) * LANES
-                    seg = (s * p + sl) * p + q
-                    for lane in range(LANES):
-                        distinct[seg] += lanes[li + 2 * lane]
-                        entries[seg] += lanes[li + 2 * lane + 1]
+            _fold_lanes(lanes, entries, distinct, s0, s1, p, sl)
     return -1, -1, bag

@@ -317,9 +317,9 @@ class DistributedModelParallel(_TorchrecDMP):
         threads: int | None = None,
         **dmp_kwargs: Any,
     ) -> None:
-        from tpurec.embedding.backend import select_device
         from tpurec.planner.topology import make_topology
         from tpurec.runtime import threads as torch_threads
+        from tpurec.sharding import tpu_all_to_all
 
         # Torch's start-up count is one thread per core for every rank: cores / local ranks instead,
         # once, unless the user chose a count (tpurec/runtime/threads.py).
@@ -327,43 +327,14 @@ class DistributedModelParallel(_TorchrecDMP):
         quiet_fx_tracing_notice()
         _quiet_sharded_tensor_notice()
 
-        torch_device = select_device(device)  # raises at once for "tpu" without a TPU
-        if torch_device.type == "meta":
-            raise UserError("device='meta' is for building the unsharded model; shard onto 'tpu' or 'cpu'")
-        # The TPU code path: a tpu device, or an emulated TPU rank's CPU (tpurec.emulation).
-        compute_device = device_kind(torch_device.type)
-        from tpurec.sharding import tpu_all_to_all
-
-        # "uneven" is refused on the TPU path, before any group or plan is made (tpu_all_to_all.py).
-        tpu_all_to_all.check(uneven_all_to_all, compute_device)
-        if compute_device == "tpu":
-            from tpurec.sharding.tpu_ops_check import refuse_modules_without_tpu_kernels
-
-            # A TorchRec module whose forward needs an op TorchTPU lacks: told now, not at its first step.
-            refuse_modules_without_tpu_kernels(module)
-        _ensure_process_group(compute_device)
-        if os.environ.get(heartbeat.TIMEOUT_ENV):
-            # Opt-in for library users (it ends the process when a neighbour goes silent);
-            # `tpurec train` starts it itself, by default.
-            heartbeat.start()
+        torch_device, compute_device = _start_device(device, module, uneven_all_to_all)
         if env is None:
             world = dist.group.WORLD
             assert world is not None  # _ensure_process_group above
             env = ShardingEnv.from_process_group(world)
         if topology is None or isinstance(topology, str):
             topology = make_topology(topology, world_size=env.world_size, compute_device=compute_device)
-        slice_spec: Any = getattr(topology, "spec", None)  # tpurec's topologies carry their SliceSpec
-        planned_sc = getattr(getattr(slice_spec, "generation", None), "sparsecores", None)
-        if compute_device == "tpu":
-            # The chip decides (TorchTPU's ops use its own count); a plan for another generation is refused.
-            num_sc = resolve_num_sparsecores(None, "tpu")
-            if planned_sc and planned_sc != num_sc:
-                raise UserError(
-                    f"the topology {slice_spec.name} has {planned_sc} SparseCores per device but "
-                    f"this TPU has {num_sc}; plan for this host's TPU generation"
-                )
-        else:
-            num_sc = resolve_num_sparsecores(planned_sc or None, torch_device.type)
+        num_sc = _num_sparsecores(topology, compute_device, torch_device)
         # The tables' expected ids per sample (ParameterConstraints.pooling_factors, summed over a
         # table's features) also place each stack's tables so its SparseCore partitions share the
         # ids (tpurec/embedding/stack_order.py); given sharders carry their own `pooling_factors`.
@@ -392,30 +363,7 @@ class DistributedModelParallel(_TorchrecDMP):
                 pg=env.process_group,
             )
         else:
-            from tpurec.planner.plan_check import (
-                adopt_compute_kernels,
-                align_to_model,
-                check_plan,
-                check_plan_for_tpu,
-                check_sharding_types,
-                embedding_tables,
-            )
-
-            # A given plan must fit this model and world size (else TorchRec fails deep inside, or
-            # shards onto ranks that do not exist); plans from `tpurec plan` are keyed by table names.
-            plan = align_to_model(plan, module)
-            check_plan(plan, embedding_tables(module), env.world_size)
-            check_sharding_types(plan)
-            moved = adopt_compute_kernels(plan, embedding_tables(module))
-            if moved:
-                logger.warning(
-                    "tpurec: the plan puts %d table(s) on TorchRec's own kernels (%s): run on tpurec's SparseCore "
-                    "kernel instead, with the same sharding",
-                    len(moved),
-                    ", ".join(moved[:8]) + (f" and {len(moved) - 8} more" if len(moved) > 8 else ""),
-                )
-            if compute_device == "tpu":
-                check_plan_for_tpu(plan)
+            plan = _checked_plan(plan, module, env.world_size, compute_device)
         if torch_device.type in ("cpu", "tpu"):
             from tpurec.planner.plan_check import place_on_own_device
 
@@ -444,3 +392,79 @@ class DistributedModelParallel(_TorchrecDMP):
         # device's ops belong to it.
         run_report.forward(self.training and torch.is_grad_enabled())
         return super().forward(*args, **kwargs)
+
+
+def _start_device(
+    device: torch.device | str | None, module: nn.Module, uneven_all_to_all: str | None
+) -> tuple[torch.device, DeviceKind]:
+    """The torch device and the kind of code path (tpu, cpu) DMP shards onto, once the process group
+    (and, when asked for, the heartbeat) runs; a module or all-to-all the TPU path cannot run is
+    refused first."""
+    from tpurec.embedding.backend import select_device
+    from tpurec.sharding import tpu_all_to_all
+
+    torch_device = select_device(device)  # raises at once for "tpu" without a TPU
+    if torch_device.type == "meta":
+        raise UserError("device='meta' is for building the unsharded model; shard onto 'tpu' or 'cpu'")
+    # The TPU code path: a tpu device, or an emulated TPU rank's CPU (tpurec.emulation).
+    compute_device = device_kind(torch_device.type)
+    # "uneven" is refused on the TPU path, before any group or plan is made (tpu_all_to_all.py).
+    tpu_all_to_all.check(uneven_all_to_all, compute_device)
+    if compute_device == "tpu":
+        from tpurec.sharding.tpu_ops_check import refuse_modules_without_tpu_kernels
+
+        # A TorchRec module whose forward needs an op TorchTPU lacks: told now, not at its first step.
+        refuse_modules_without_tpu_kernels(module)
+    _ensure_process_group(compute_device)
+    if os.environ.get(heartbeat.TIMEOUT_ENV):
+        # Opt-in for library users (it ends the process when a neighbour goes silent);
+        # `tpurec train` starts it itself, by default.
+        heartbeat.start()
+    return torch_device, compute_device
+
+
+def _num_sparsecores(topology: Topology, compute_device: DeviceKind, torch_device: torch.device) -> int:
+    """SparseCores per device: the TPU's own count (a topology planned for another is refused), else
+    the topology's."""
+    slice_spec: Any = getattr(topology, "spec", None)  # tpurec's topologies carry their SliceSpec
+    planned_sc = getattr(getattr(slice_spec, "generation", None), "sparsecores", None)
+    if compute_device == "tpu":
+        # The chip decides (TorchTPU's ops use its own count); a plan for another generation is refused.
+        num_sc = resolve_num_sparsecores(None, "tpu")
+        if planned_sc and planned_sc != num_sc:
+            raise UserError(
+                f"the topology {slice_spec.name} has {planned_sc} SparseCores per device but "
+                f"this TPU has {num_sc}; plan for this host's TPU generation"
+            )
+    else:
+        num_sc = resolve_num_sparsecores(planned_sc or None, torch_device.type)
+    return num_sc
+
+
+def _checked_plan(plan: ShardingPlan, module: nn.Module, world_size: int, compute_device: DeviceKind) -> ShardingPlan:
+    """A given plan fitted to the model and checked (tpurec/planner/plan_check.py)."""
+    from tpurec.planner.plan_check import (
+        adopt_compute_kernels,
+        align_to_model,
+        check_plan,
+        check_plan_for_tpu,
+        check_sharding_types,
+        embedding_tables,
+    )
+
+    # A given plan must fit this model and world size (else TorchRec fails deep inside, or
+    # shards onto ranks that do not exist); plans from `tpurec plan` are keyed by table names.
+    plan = align_to_model(plan, module)
+    check_plan(plan, embedding_tables(module), world_size)
+    check_sharding_types(plan)
+    moved = adopt_compute_kernels(plan, embedding_tables(module))
+    if moved:
+        logger.warning(
+            "tpurec: the plan puts %d table(s) on TorchRec's own kernels (%s): run on tpurec's SparseCore "
+            "kernel instead, with the same sharding",
+            len(moved),
+            ", ".join(moved[:8]) + (f" and {len(moved) - 8} more" if len(moved) > 8 else ""),
+        )
+    if compute_device == "tpu":
+        check_plan_for_tpu(plan)
+    return plan
