@@ -11,6 +11,12 @@ margin for summation order in the outputs) does not hide a different update.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
 RTOL, ATOL = 1e-5, 1e-5
 
 
@@ -18,7 +24,7 @@ class UnequalWork(AssertionError):
     """The two sides did not compute the same step: the comparison must not be reported."""
 
 
-def upstream_gradient(batch: int, width: int, seed: int = 0):
+def upstream_gradient(batch: int, width: int, seed: int = 0) -> torch.Tensor:
     """[batch, width] float32 integers in 1..4: exact per-row gradient sums on every side."""
     import torch
 
@@ -26,11 +32,11 @@ def upstream_gradient(batch: int, width: int, seed: int = 0):
     return torch.randint(1, 5, (batch, width), generator=g).float()
 
 
-def _max_diff(a, b) -> float:
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
 
 
-def check(ours, theirs, kjt, upstream) -> dict:
+def check(ours: Any, theirs: Any, kjt: KeyedJaggedTensor, upstream: torch.Tensor) -> dict:
     """One step of each side on `kjt`; UnequalWork naming the first difference beyond tolerance,
     else the largest absolute differences seen (outputs, tables)."""
     import torch

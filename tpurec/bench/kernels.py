@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from tpurec import strict_json
 from tpurec.argtypes import positive_int
@@ -29,7 +31,7 @@ from tpurec.bench import timer, workloads
 NUM_TABLES, ROWS, DIM = 26, 100_000, 64
 
 
-def _pooling(text: str):
+def _pooling(text: str) -> int | str:
     if text == "var":
         return text
     try:
@@ -128,7 +130,13 @@ def run_cli(args: argparse.Namespace) -> int:
 
 
 def run(
-    quick: bool = False, matrix: bool = False, optimizers=None, poolings=None, rounds=None, shapes=None, say=None
+    quick: bool = False,
+    matrix: bool = False,
+    optimizers: Sequence[str] | None = None,
+    poolings: Sequence[int | str] | None = None,
+    rounds: int | None = None,
+    shapes: dict[str, Any] | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> dict:
     """The matrix (`matrix=True`) or the issue's workload; see the module docstring."""
     from tpurec.bench import matrix as m

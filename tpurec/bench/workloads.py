@@ -19,6 +19,11 @@ Every function takes the caller's numpy Generator, so a seed fixes the whole wor
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
 import functools
 
 import numpy as np
@@ -33,7 +38,11 @@ def _permutation(vocab: int, seed: int) -> np.ndarray:
 
 
 def zipf_ids(
-    rng: np.random.Generator, size, vocab: int, a: float = ZIPF_A, scatter_seed: int | None = None
+    rng: np.random.Generator,
+    size: int | tuple[int, ...],
+    vocab: int,
+    a: float = ZIPF_A,
+    scatter_seed: int | None = None,
 ) -> np.ndarray:
     """int64 ids in [0, vocab) of shape `size`: numpy's discrete Zipf(a) ranks folded into the vocabulary.
 
@@ -78,7 +87,7 @@ def variable_pooling_ids(
     return out
 
 
-def jagged_kjt(features: list[tuple[np.ndarray, np.ndarray]], keys: list[str]):
+def jagged_kjt(features: list[tuple[np.ndarray, np.ndarray]], keys: list[str]) -> KeyedJaggedTensor:
     """A torchrec KeyedJaggedTensor of features given as (ids, lengths) pairs, in keys order."""
     import torch
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -88,6 +97,6 @@ def jagged_kjt(features: list[tuple[np.ndarray, np.ndarray]], keys: list[str]):
     return KeyedJaggedTensor(keys=keys, values=torch.from_numpy(values), lengths=torch.from_numpy(lengths))
 
 
-def kjt(ids: list[np.ndarray], keys: list[str]):
+def kjt(ids: list[np.ndarray], keys: list[str]) -> KeyedJaggedTensor:
     """A torchrec KeyedJaggedTensor of fixed-pooling features: ids[k] is feature keys[k]'s [batch, pooling]."""
     return jagged_kjt([(x.reshape(-1), np.full(x.shape[0], x.shape[1], dtype=np.int64)) for x in ids], keys)

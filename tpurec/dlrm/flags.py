@@ -90,7 +90,7 @@ def values(cls: type, namespace: argparse.Namespace) -> dict:
     return {f.name: getattr(namespace, f.name) for f in flagged_fields(cls) if hasattr(namespace, f.name)}
 
 
-def _plain_type(hint):
+def _plain_type(hint: Any) -> Any:
     """`int | None` -> int; a plain type unchanged."""
     if typing.get_origin(hint) is tuple:
         return tuple

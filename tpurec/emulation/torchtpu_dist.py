@@ -28,6 +28,7 @@ import contextlib
 import os
 import sys
 import types
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -172,7 +173,7 @@ def _check_local_rank() -> None:
         )
 
 
-def _create_tpu_dist(options, backend_options=None):
+def _create_tpu_dist(options: Any, backend_options: Any = None) -> Any:
     """c10d's extended-API creator for `tpu_dist`: TorchTPU's rules, then gloo carries the tensors."""
     ranks = list(options.global_ranks_in_group)
     world = dist.get_world_size() if dist.is_initialized() else options.group_size
@@ -207,7 +208,7 @@ def ddp_without_pinned_host_memory() -> None:
     if getattr(init, "_tpurec_emulated", False):
         return
 
-    def __init__(self, module, *args, **kwargs):  # noqa: N807
+    def __init__(self: Any, module: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
         if any(p.device.type == "tpu" for p in module.parameters()):
             kwargs["static_graph"] = False
         init(self, module, *args, **kwargs)
@@ -222,7 +223,7 @@ def refuse_ddp_shape_check_across_hosts(hosts: int) -> None:
         return
     import torch.nn.parallel.distributed as ddp
 
-    def _transfer_fails(process_group, tensors, logger=None):
+    def _transfer_fails(process_group: Any, tensors: Any, logger: Any = None) -> None:
         raise TorchTpuRuleError(
             "transfer to 'cpu' device failed with: cHLO => [StableHLO+Shape] => StableHLO failed (emulated "
             f"torch-tpu 0.2.0 on {hosts} hosts: DDP's _verify_param_shape_across_processes copies to the host)"

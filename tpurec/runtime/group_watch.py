@@ -25,6 +25,7 @@ import os
 import signal
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 WATCH_ENV = "TPUREC_GROUP_WATCH_DIR"
 
@@ -70,7 +71,7 @@ def watch_group_forming() -> None:
     original = distributed_c10d.init_process_group
 
     @functools.wraps(original)
-    def init_process_group(*args, **kwargs):
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
         _record("joining")
         out = original(*args, **kwargs)
         _state["formed"] = True

@@ -18,6 +18,8 @@ KJT could run. Now every rank refuses the batch in one line naming which rank fe
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -31,7 +33,7 @@ _HOST = torch.device("cpu")
 class HostInputDistMixin(ShardedHost):
     """Mixed into a TorchRec sharded EBC/EC (before it in the bases)."""
 
-    def input_dist(self, ctx, features, *args, **kwargs):
+    def input_dist(self, ctx: Any, features: Any, *args: Any, **kwargs: Any) -> Any:
         features = host_copies.to_host(features, "ids")
         agree_id_dtypes(features, getattr(self._env, "process_group", None))
         out = super().input_dist(ctx, features, *args, **kwargs)
@@ -42,7 +44,7 @@ class HostInputDistMixin(ShardedHost):
             ctx.divisor = divisor.to(self._device)
         return out
 
-    def _init_mean_pooling_callback(self, *args, **kwargs) -> None:
+    def _init_mean_pooling_callback(self, *args: Any, **kwargs: Any) -> None:
         """TorchRec's index tensors of the mean-pooling divisor, on the host with the KJT they index (its
         dims per output, which TorchRec made with the output distribution on the device, too)."""
         device, self._device = self._device, _HOST
@@ -52,7 +54,7 @@ class HostInputDistMixin(ShardedHost):
             self._device = device
         self._dim_per_key = torch.tensor(self._embedding_dims, device=_HOST)
 
-    def _create_input_dist(self, *args, **kwargs) -> None:
+    def _create_input_dist(self, *args: Any, **kwargs: Any) -> None:
         shardings = list(getattr(self, "_embedding_shardings", None) or self._sharding_type_to_sharding.values())
         saved = [(self, self._device)] + [(s, s._device) for s in shardings]
         try:
@@ -91,7 +93,7 @@ def _name(code: int) -> str:
     return "none" if code < 0 else str(_DTYPES[code]).removeprefix("torch.") if code < len(_DTYPES) else "other"
 
 
-def agree_id_dtypes(features, pg) -> None:
+def agree_id_dtypes(features: Any, pg: Any) -> None:
     """UserError on every rank of `pg` when the ranks' KJTs differ in the dtype of their ids, lengths
     or weights (or in having weights); nothing with one rank or no group.
 

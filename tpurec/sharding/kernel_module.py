@@ -198,7 +198,7 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
         the KJT, which is not the one the lookup receives)."""
         return bool(self.kernel.is_weighted) and features.weights_or_none() is None
 
-    def _take_prepared(self, features):
+    def _take_prepared(self, features: Any) -> Any:
         with self._prepared_lock:
             for j, (kjt, csrs) in enumerate(self._prepared):
                 if _same_ids(kjt, features):
@@ -221,7 +221,7 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
     def named_split_embedding_weights(self, *args: Any, **kwargs: Any) -> Iterator:
         return iter(())
 
-    def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):
+    def state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
         # TorchRec's grouped lookups call their kernels' state_dict(destination, prefix, keep_vars)
         # positionally (torchrec/distributed/embedding_lookup.py), which torch's Module.state_dict
         # answers with a FutureWarning per lookup: taken here and passed on by keyword.

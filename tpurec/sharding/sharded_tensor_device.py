@@ -11,6 +11,8 @@ CPU tensors, as torch intends for gloo; every other case keeps torch's answer.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import custom_sharded_op_impl
@@ -26,7 +28,7 @@ def _has_cpu_gloo(pg: dist.ProcessGroup) -> bool:
 
 
 @custom_sharded_op_impl(torch.Tensor.device.__get__)
-def tensor_device(types, args=(), kwargs=None, pg=None):
+def tensor_device(types: Any, args: Any = (), kwargs: Any = None, pg: Any = None) -> torch.device:
     st = args[0]
     if not st._local_shards and pg is not None and _has_cpu_gloo(pg):
         return torch.device("cpu")

@@ -25,6 +25,8 @@ hardware.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 from tpurec.errors import UserError
 from tpurec.runtime.device import DeviceKind
@@ -36,8 +38,8 @@ _originals: dict = {}
 _padded_calls = 0
 
 
-def _counting(padded):
-    def padded_all_to_all_single(*args, **kwargs):
+def _counting(padded: Callable[..., Any]) -> Callable[..., Any]:
+    def padded_all_to_all_single(*args: Any, **kwargs: Any) -> Any:
         global _padded_calls
         _padded_calls += 1
         return padded(*args, **kwargs)
@@ -81,12 +83,12 @@ def select(mode: str | None = None) -> str:
     return mode
 
 
-def _padded_on_device_only(padded_kjt_all_to_all):
+def _padded_on_device_only(padded_kjt_all_to_all: Callable[..., Any]) -> Callable[..., Any]:
     """TorchRec pads a KJT all-to-all whenever torch.tpu is available; ids kept on the host
     (tpurec.sharding.host_input_dist) go over gloo, which takes uneven splits: no padding there."""
     from tpurec.runtime.host_copies import on_device
 
-    def maybe_kjt_a2a_uneven_tpu(group, input_tensors, *args, **kwargs):
+    def maybe_kjt_a2a_uneven_tpu(group: Any, input_tensors: Any, *args: Any, **kwargs: Any) -> Any:
         if not any(on_device(t) for t in input_tensors):
             return None
         return padded_kjt_all_to_all(group, input_tensors, *args, **kwargs)
