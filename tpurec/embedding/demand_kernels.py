@@ -564,16 +564,28 @@ def _fold_lanes(
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _group_shape(
-    slice_start: np.ndarray, features: np.ndarray, key_max: np.ndarray, j0: int, j1: int, sl: int
-) -> tuple[int, int]:
-    """A group's ids (its features' on SparseCore slice sl) and its longest bag."""
+    slice_start: np.ndarray,
+    features: np.ndarray,
+    key_max: np.ndarray,
+    shard_stamp_at: np.ndarray,
+    j0: int,
+    j1: int,
+    s0: int,
+    s1: int,
+    sl: int,
+) -> tuple[int, int, bool]:
+    """A group's ids (its features' on SparseCore slice sl), its longest bag, and whether a shard of
+    its table has no stamps (its ids go to the set)."""
     n = 0
     longest = 0
     for j in range(j0, j1):
         f = features[j]
         n += slice_start[f, sl + 1] - slice_start[f, sl]
         longest = max(longest, key_max[f])
-    return n, longest
+    hashed = False
+    for s in range(s0, s1):
+        hashed |= shard_stamp_at[s] < 0
+    return n, longest, hashed
 
 
 @numba.njit(cache=True, nogil=True)
@@ -692,9 +704,9 @@ def count_groups(
             # the group's counts go to LANES interleaved copies (an id's lane: its position), added to
             # entries / distinct once the group is done (_fold_lanes): consecutive ids of one segment
             # then do not wait on each other's store, and a group to be redone has nothing to undo
-            lanes[: 2 * LANES * p * (s1 - s0)] = 0
-            n, longest = _group_shape(slice_start, features, key_max, j0, j1, sl)
-            hashed = bool((shard_stamp_at[s0:s1] < 0).any())
+            for k in range(2 * LANES * p * (s1 - s0)):
+                lanes[k] = 0
+            n, longest, hashed = _group_shape(slice_start, features, key_max, shard_stamp_at, j0, j1, s0, s1, sl)
             bad = _routed_group(
                 key_at, lengths, stride, key_sum, slice_start, features, j0, j1, sl, b0, b1, rows, s0, s1,
                 table_uniform[t] != 0, chunk, block_shift, first_block, block_seg, seg_row, seg_shard, seg_part,
