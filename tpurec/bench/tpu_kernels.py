@@ -14,49 +14,20 @@ bandwidth. `--cpu`: a smoke run on CPU (tiny cells, the Pallas kernel interprete
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
+from tpurec import strict_json
 from tpurec.bench.rounds import fresh_seed, load_average, ratio_summary
+from tpurec.bench.tpu_kernel_cells import CHIP_CELLS, CPU_CELLS, Cell
 
 # v5e HBM bandwidth, 819 GB/s: cloud.google.com/tpu/docs/v5e (the chip this benchmark was written on)
 HBM_GBPS = {"v5e": 819.0}
 
 
-@dataclass(frozen=True)
-class Cell:
-    rows: int
-    width: int
-    batch: int
-    pooling: int
-    dist: str = "uniform"
-    dtype: str = "float32"
-
-    @property
-    def ids(self) -> int:
-        return self.batch * self.pooling
-
-    def __str__(self) -> str:
-        return f"{self.rows}x{self.width} {self.dtype} B{self.batch} H{self.pooling} {self.dist}"
-
-
-CHIP_CELLS = [
-    Cell(1_000_000, 128, 16384, 8),
-    Cell(1_000_000, 256, 16384, 8),
-    Cell(1_000_000, 64, 16384, 8),
-    Cell(1_000_000, 16, 16384, 8),
-    Cell(1_000_000, 128, 16384, 1),
-    Cell(1_000_000, 128, 4096, 32),
-    Cell(1_000_000, 128, 16384, 8, "zipf"),
-    Cell(1_000_000, 128, 16384, 8, dtype="bfloat16"),
-    Cell(4_000_000, 128, 16384, 8),
-]
-CPU_CELLS = [Cell(2000, 128, 32, 4, "zipf")]
 OPS = ("lookup", "sgd", "rowwise_adagrad")
 
 
@@ -196,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
             r = run_cell(op, cell, rounds, reps, rng, interpret=args.cpu)
             results.append(r)
             if not args.json:
-                print(json.dumps(r), flush=True)
+                print(strict_json.dumps(r), flush=True)
     kind = str(jax.devices()[0].device_kind)
     hbm = HBM_GBPS["v5e"] if "v5 lite" in kind.lower() or "v5e" in kind.lower() else None  # JAX: "TPU v5 lite"
     doc = {
@@ -207,5 +178,5 @@ def run(args: argparse.Namespace) -> int:
         "summary": summary(results, hbm),
         "cells": results,
     }
-    print(json.dumps(doc if args.json else {k: v for k, v in doc.items() if k != "cells"}, indent=1))
+    print(strict_json.dumps(doc if args.json else {k: v for k, v in doc.items() if k != "cells"}, indent=1))
     return 0

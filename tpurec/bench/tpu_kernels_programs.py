@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from tpurec.bench.tpu_kernels import Cell
+from tpurec.bench.tpu_kernel_cells import Cell
 from tpurec.embedding.tensorcore import lookup_jax, pallas_pool, programs
 
 LR, EPS = 0.01, 1e-8
