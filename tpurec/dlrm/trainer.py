@@ -921,10 +921,13 @@ class Trainer:
                     flag="--curves-out" if o.curves_out else "the curves PNG",
                 )
         self._metrics.flush()
-        if self._metrics.tensorboard is not None:
-            self._metrics.tensorboard.close()
         if self._metrics.failure:
             self._output_failures.append(self._metrics.failure)
+        tensorboard = self._metrics.tensorboard
+        if tensorboard is not None:
+            tensorboard.close()
+            if tensorboard.failure:
+                self._output_failures.append(tensorboard.failure)
         written = (("metrics", o.metrics_out, self._metrics.failure), ("curves", png, png and self._failed(png)))
         if any(v and not failed for _, v, failed in written):
             self.say(", ".join(f"{k}: {v}" for k, v, failed in written if v and not failed))
