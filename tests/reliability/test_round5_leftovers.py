@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from tests.reliability.inproc import TINY_TRAIN, run_cli
+from tests.reliability.inproc import TINY_TRAIN, assert_refused, run_cli
 
 
 # the event writer's thread dying with a traceback (pytest turns its print into this warning)
@@ -38,3 +38,34 @@ def test_tensorboard_on_a_disk_that_fills_keeps_the_result_line_and_says_so(tmp_
     assert code == 2 and "Traceback" not in err and "Exception in thread" not in err, err
     [line] = [x for x in err.splitlines() if x.startswith("tpurec train: error")]
     assert f"--tensorboard {tb}: writing the TensorBoard events failed (No space left on device)" in line
+
+
+@pytest.fixture(scope="module")
+def raw_ids(tmp_path_factory):
+    """3,000 synthetic rows of raw (unhashed) ids, as --zch trains on."""
+    from tpurec.cli import main
+
+    path = tmp_path_factory.mktemp("raw") / "d"
+    assert main(["data", "synth", "--rows", "3000", "--raw-ids", "--out", str(path), "--quiet"]) == 0
+    return path
+
+
+def test_zch_with_a_table_wise_plan_is_one_line_naming_the_plan_and_the_table(raw_ids, tmp_path, capsys):
+    """Before: TorchRec's `AssertionError: Only ROW_WISE sharding is supported.` from deep in DMP."""
+    argv = [*TINY_TRAIN[:2], "--data", raw_ids, *TINY_TRAIN[4:], "--steps", 1]
+    plan = tmp_path / "tw.json"
+    code, _, err = run_cli([*argv, "--save-plan", plan], capsys)  # the plan without --zch: table-wise
+    assert code == 0, err
+    assert (
+        json.loads(plan.read_text())["modules"]["model.sparse_arch.embedding_bag_collection"]["t_C1"]["sharding_type"]
+        == "table_wise"
+    )
+    code, out, err = run_cli([*argv, "--zch", "--plan", plan], capsys)
+    assert_refused(
+        code,
+        err,
+        f"--plan {plan}, module 'model.sparse_arch.embedding_bag_collection.mc', table 't_C1': sharding_type "
+        "'table_wise' is not for a managed-collision table (--zch): TorchRec's remap shards those row_wise only; "
+        "plan with --zch (tpurec train --zch --save-plan FILE) or leave out --plan",
+    )
+    assert out == ""

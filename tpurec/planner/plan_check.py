@@ -195,8 +195,28 @@ def check_sharding_types(plan: ShardingPlan, source: str = "the plan") -> None:
     _refuse_sharding_types(plan, source, unsupported, why)
 
 
-def _refuse_sharding_types(plan: ShardingPlan, source: str, refused: set[str], why: str) -> None:
+def check_managed_collision_row_wise(plan: ShardingPlan, module: nn.Module, source: str = "the plan") -> None:
+    """Raise PlanMismatchError for a managed-collision table (`--zch`, an MC-EBC/EC) the plan shards
+    other than row_wise: TorchRec's remap asserts row-wise sharding deep inside DMP (a plan saved
+    without --zch is table-wise)."""
+    from torchrec.distributed.types import ShardingType
+    from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
+
+    paths = {p for p, m in module.named_modules() if isinstance(m, BaseManagedCollisionEmbeddingCollection)}
+    why = (
+        "is not for a managed-collision table (--zch): TorchRec's remap shards those row_wise only; "
+        "plan with --zch (tpurec train --zch --save-plan FILE) or leave out --plan"
+    )
+    refused = {t.value for t in ShardingType} - {ShardingType.ROW_WISE.value}
+    _refuse_sharding_types(plan, source, refused, why, paths)
+
+
+def _refuse_sharding_types(
+    plan: ShardingPlan, source: str, refused: set[str], why: str, paths: set[str] | None = None
+) -> None:
     for path, module_plan in module_plans(plan).items():
+        if paths is not None and path not in paths:
+            continue
         for name, ps in module_plan.items():
             if ps.sharding_type in refused:
                 raise PlanMismatchError(

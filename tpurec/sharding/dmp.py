@@ -446,6 +446,7 @@ def _checked_plan(plan: ShardingPlan, module: nn.Module, world_size: int, comput
     from tpurec.planner.plan_check import (
         adopt_compute_kernels,
         align_to_model,
+        check_managed_collision_row_wise,
         check_plan,
         check_plan_for_tpu,
         check_sharding_types,
@@ -457,6 +458,7 @@ def _checked_plan(plan: ShardingPlan, module: nn.Module, world_size: int, comput
     plan = align_to_model(plan, module)
     check_plan(plan, embedding_tables(module), world_size)
     check_sharding_types(plan)
+    check_managed_collision_row_wise(plan, module)
     moved = adopt_compute_kernels(plan, embedding_tables(module))
     if moved:
         logger.warning(
