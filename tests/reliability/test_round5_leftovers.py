@@ -67,5 +67,47 @@ def test_zch_with_a_table_wise_plan_is_one_line_naming_the_plan_and_the_table(ra
         f"--plan {plan}, module 'model.sparse_arch.embedding_bag_collection.mc', table 't_C1': sharding_type "
         "'table_wise' is not for a managed-collision table (--zch): TorchRec's remap shards those row_wise only; "
         "plan with --zch (tpurec train --zch --save-plan FILE) or leave out --plan",
+        prefix="tpurec train",
     )
     assert out == ""
+
+
+@pytest.fixture(scope="module")
+def zch_checkpoint(raw_ids, tmp_path_factory):
+    """A 1-rank --zch (lru) checkpoint of 2 steps on the raw-id data."""
+    from tpurec.cli import main
+
+    ck = tmp_path_factory.mktemp("zch") / "ck"
+    argv = [*TINY_TRAIN[:2], "--data", raw_ids, *TINY_TRAIN[4:], "--steps", 2, "--zch", "--checkpoint-dir", ck]
+    assert main([str(a) for a in argv]) == 0
+    return ck / "step-00000002"
+
+
+def test_resuming_with_another_zch_eviction_names_the_setting(raw_ids, zch_checkpoint, tmp_path, capsys):
+    """Before: 'holds no ..._mch_counts: it was written for another model than this run's'."""
+    argv = [*TINY_TRAIN[:2], "--data", raw_ids, *TINY_TRAIN[4:], "--steps", 3, "--zch", "--zch-eviction", "lfu"]
+    code, _, err = run_cli([*argv, "--checkpoint-dir", tmp_path / "ck", "--resume", zch_checkpoint], capsys)
+    assert_refused(
+        code,
+        err,
+        f"resume: {zch_checkpoint} was written with zch_eviction = lru (--zch-eviction), this run has lfu: a "
+        "checkpoint resumes only the model and data it was written for (give --zch-eviction lru, or start a new run)",
+        prefix="tpurec train",
+    )
+    assert not list((tmp_path / "ck").glob("step-*"))  # nothing saved
+
+
+def test_a_one_rank_zch_checkpoint_at_two_ranks_names_the_world_size(raw_ids, zch_checkpoint, tmp_path):
+    """Before: 'has table t_C9 with 3 rows, this run's has 4 (tables take their sizes from the data's
+    _dataset.json: resume on the data the checkpoint was trained on ...)': the data was the same."""
+    from tests.dlrm.helpers import train
+
+    args = ["--data", raw_ids, *TINY_TRAIN[4:], "--steps", 3, "--zch", "--nproc", 2]
+    _, p = train(*args, "--resume", zch_checkpoint, cache=tmp_path, check=False)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    [line] = [x for x in p.stderr.splitlines() if x.startswith("tpurec train: error")]
+    assert line.endswith(
+        f"resume: {zch_checkpoint} was written with --zch at 1 rank(s), this run has 2: the managed-collision "
+        "remap keeps each rank's block of every table (their ids and sizes follow the world size), so it resumes "
+        "only at the world size it was written at (--nproc 1, or start a new run)"
+    ), line

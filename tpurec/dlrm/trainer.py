@@ -437,7 +437,10 @@ class Trainer:
         """The config a checkpoint records and a resume must match: the model's, and whether its tables
         are behind the managed-collision remap (--zch: other state, other tensors)."""
         own = self.user.checkpoint_config() if self.user is not None else {}
-        return {**self.cfg.to_dict(), "zch": self.options.zch, **own}
+        o = self.options
+        # the remap's state differs by eviction policy, and its per-rank blocks by world size
+        zch = {"zch_eviction": o.zch_eviction, "zch_ranks": self.world} if o.zch else {}
+        return {**self.cfg.to_dict(), "zch": o.zch, **zch, **own}
 
     def _resume(self) -> None:
         """`--resume`: the checkpoint manager finds, checks and loads the checkpoint into the model and

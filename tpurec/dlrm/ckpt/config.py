@@ -30,6 +30,8 @@ FIXED_CONFIG = (
     "seed",
     "eval_fraction",
     "zch",  # not a DLRMConfig field: the trainer adds it (tables behind the managed-collision remap)
+    "zch_eviction",  # with --zch only, as the next: the remap's state differs by policy
+    "zch_ranks",  # each rank holds its block of the remap: its ids and table sizes follow the world size
 )
 
 
@@ -44,6 +46,12 @@ def config_mismatch(path: str | os.PathLike, config: dict) -> str | None:
         if name not in saved:
             continue  # a field added after the checkpoint was written
         theirs, ours = saved[name], json.loads(json.dumps(config.get(name)))  # tuples as JSON lists
+        if theirs != ours and name == "zch_ranks":
+            return (
+                f"{path} was written with --zch at {theirs} rank(s), this run has {ours}: the managed-collision "
+                "remap keeps each rank's block of every table (their ids and sizes follow the world size), so it "
+                f"resumes only at the world size it was written at (--nproc {theirs}, or start a new run)"
+            )
         if theirs != ours and name == "zch":
             return (
                 f"{path} was written {'with' if theirs else 'without'} --zch (managed-collision tables), this run "
