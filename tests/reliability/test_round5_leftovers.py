@@ -111,3 +111,19 @@ def test_a_one_rank_zch_checkpoint_at_two_ranks_names_the_world_size(raw_ids, zc
         "remap keeps each rank's block of every table (their ids and sizes follow the world size), so it resumes "
         "only at the world size it was written at (--nproc 1, or start a new run)"
     ), line
+
+
+def test_data_inspect_of_a_dataset_of_0_rows_is_one_line(tmp_path, capsys):
+    """tpurec's own dataset (its _dataset.json, its Parquet schema) whose files hold no rows. Before:
+    `ValueError: min() arg is an empty sequence` from the row-group summary."""
+    import pyarrow.parquet as pq
+
+    from tpurec.data.synth import synthesize
+
+    d = tmp_path / "d"
+    synthesize(300, str(d), seed=0, show_progress=False)
+    [part] = d.glob("*.parquet")
+    pq.write_table(pq.read_table(part).slice(0, 0), part)
+    code, out, err = run_cli(["data", "inspect", d], capsys)
+    assert_refused(code, err, f"tpurec data: error: {d}: 0 rows in 1 Parquet file(s): nothing to inspect")
+    assert out == ""

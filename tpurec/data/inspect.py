@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tpurec.data import validate
-from tpurec.data.schema import EMPTY_ID, dataset_metadata
-from tpurec.data.shards import scan
+from tpurec.data.schema import EMPTY_ID, DataError, dataset_metadata
+from tpurec.data.shards import list_parquet_files, scan
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -52,6 +52,8 @@ def inspect_dataset(path: str | os.PathLike, sample_rows: int = 1_000_000) -> di
     where the writer stored them), missing columns, columns of another type, labels other than 0/1,
     non-finite dense values, ids outside their table. Nulls are counted, not refused."""
     schema, units = scan(path)
+    if not units:  # files of tpurec's schema holding no rows: no row group, no rate, no range to report
+        raise DataError(f"{path}: 0 rows in {len(list_parquet_files(path))} Parquet file(s): nothing to inspect")
     meta = dataset_metadata(path)
     rows = sum(u.rows for u in units)
     files = sorted({u.path for u in units})
