@@ -218,6 +218,31 @@ def forward_raises():
 
 def forward_returns_a_string():
     return Logits(returns="str")
+
+class OneArgument(Logits):  # forward(batch): trained as it is, so it must return DLRMTrain's tuple
+    def __init__(self, as_tensor=False):
+        super().__init__()
+        self.as_tensor = as_tensor
+
+    def forward(self, batch):
+        if self.as_tensor:  # takes the argument for the dense tensor
+            return self.top(torch.cat([batch, batch], dim=1))  # line 45 of wrong.py
+        return self.top(torch.cat([batch.dense_features, self.ebc(batch.sparse_features).values()], dim=1))
+
+def batch_returns_logits():
+    return OneArgument()
+
+def batch_as_a_tensor():
+    return OneArgument(as_tensor=True)
+
+class AsDLRMTrain(OneArgument):
+    def forward(self, batch):
+        logits = super().forward(batch).reshape(-1)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels.float())
+        return loss, (loss.detach(), logits.detach(), batch.labels.detach())
+
+def batch_as_dlrm_train():
+    return AsDLRMTrain()
 """
 
 
@@ -230,6 +255,20 @@ def forward_returns_a_string():
         # #61 item 6: these two were tracebacks through TorchRec's pipeline (its torch.fx trace of the forward)
         ("forward_raises", "Logits.forward raised RuntimeError: my forward broke at {wrong.py}:23"),
         ("forward_returns_a_string", "Logits.forward returned str, not a tensor of logits ([B] or [B, 1]"),
+        # #61 item 6: forward(batch) returning logits, or reading its argument as a tensor, were
+        # `ValueError: too many values to unpack` / a TypeError traceback from the first step
+        (
+            "batch_returns_logits",
+            "OneArgument.forward(batch) returned Tensor, not (loss, (loss, logits, labels)): train calls a forward "
+            "of one argument with the batch (a torchrec Batch: dense_features, sparse_features, labels) and trains "
+            "it on its own loss, as DLRMTrain; a model returning logits takes (dense_features, sparse_features)",
+        ),
+        (
+            "batch_as_a_tensor",
+            "OneArgument.forward(batch) raised TypeError: expected Tensor as element 0 in argument 0, but got Batch "
+            "at {wrong.py}:45 (train calls a forward of one argument with the batch (a torchrec Batch: "
+            "dense_features, sparse_features, labels)",
+        ),
     ],
 )
 def test_a_model_that_cannot_train_is_one_line(fn, says, my_data, tmp_path, capsys, monkeypatch):
@@ -241,6 +280,21 @@ def test_a_model_that_cannot_train_is_one_line(fn, says, my_data, tmp_path, caps
     says = says.replace("{wrong.py}", str(tmp_path / "wrong.py"))
     assert_refused(code, err, f"--model-module {target!r}: {says}", prefix="tpurec train: error")
     assert "its second line" not in err
+
+
+def test_a_forward_of_the_batch_returning_dlrm_trains_tuple_trains_and_resumes(my_data, tmp_path, capsys, monkeypatch):
+    """The checked forward(batch) (tpurec.dlrm.user_model._checked_batch_forward) leaves a model that
+    returns (loss, (loss, logits, labels)) to train, checkpoint (no key of its own) and resume."""
+    monkeypatch.setenv("TPUREC_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "wrong.py").write_text(WRONG)
+    target = f"{tmp_path / 'wrong.py'}:batch_as_dlrm_train"
+    args = ["train", "--quiet", "--model-module", target, "--data", my_data, "--batch-size", 256, "--keep", 0]
+    code, out, err = run_cli([*args, "--steps", 2, "--checkpoint-dir", tmp_path / "ck"], capsys)
+    assert code == 0, err
+    assert json.loads(out.strip().splitlines()[-1])["steps"] == 2
+    code, out, err = run_cli([*args, "--steps", 3, "--resume", tmp_path / "ck" / "step-00000002"], capsys)
+    assert code == 0 and "at step 2" in err, err
+    assert json.loads(out.strip().splitlines()[-1])["steps"] == 3
 
 
 def test_data_without_the_models_columns_is_one_line_naming_them(my_data, tmp_path, capsys, monkeypatch):

@@ -118,6 +118,43 @@ def _takes_batch(model: nn.Module) -> bool | None:
     return None
 
 
+BATCH_CALL = (
+    "train calls a forward of one argument with the batch (a torchrec Batch: dense_features, sparse_features, "
+    "labels) and trains it on its own loss, as DLRMTrain"
+)
+
+
+def _checked_batch_forward(self: nn.Module, batch: Any, *, target: str) -> Any:
+    """A forward(batch) model's own forward, with what it raises or returns other than DLRMTrain's
+    (loss, (loss, logits, labels)) as one line: TorchRec's pipeline unpacks the result itself
+    (`ValueError: too many values to unpack`). Bound to the instance (`_check_batch_forward`): the
+    pipeline's torch.fx trace reads the class's forward, and a deep copy binds to its copy."""
+    name = f"{type(self).__name__}.forward(batch)"
+    try:
+        out = type(self).forward(self, batch)
+    except Exception as e:
+        from tpurec.planner.model_module import raised_by_user_code, user_code_failed
+
+        if not raised_by_user_code(e):
+            raise  # out of tpurec: a bug, its traceback kept
+        raise user_code_failed(target, name, e, BATCH_CALL) from e
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], (tuple, list)) and len(out[1]) == 3):
+        what = type(out).__name__ if not isinstance(out, tuple) else f"a tuple of {len(out)}"
+        raise UserError(
+            f"--model-module {target!r}: {name} returned {what}, not (loss, (loss, logits, labels)): {BATCH_CALL}; "
+            "a model returning logits takes (dense_features, sparse_features) (docs/your_model.md)"
+        )
+    return out
+
+
+def _check_batch_forward(model: nn.Module, target: str) -> None:
+    import functools
+    import types
+
+    # an instance attribute, not a submodule or a buffer: the state dict's keys stay the model's own
+    model.forward = types.MethodType(functools.partial(_checked_batch_forward, target=target), model)
+
+
 def _embedding_parameters(model: nn.Module) -> list[torch.nn.Parameter]:
     from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
@@ -143,6 +180,8 @@ def load(target: str, seed: int) -> UserModel:
         )
     params = _embedding_parameters(model)
     own = any(getattr(p, "_optimizer_classes", None) for p in params)
+    if takes_batch:
+        _check_batch_forward(model, target)
     module = model if takes_batch else UserModelTrain(model, target)
     return UserModel(
         target,

@@ -117,9 +117,10 @@ def raised_by_user_code(error: BaseException) -> bool:
     return False
 
 
-def user_code_failed(target: str, what: str, error: BaseException) -> UserError:
+def user_code_failed(target: str, what: str, error: BaseException, hint: str = "") -> UserError:
     """One line for an exception out of the user's module: what raised it, and where (the innermost
-    frame outside tpurec, the standard library and the installed packages; the exception stays chained)."""
+    frame outside tpurec, the standard library and the installed packages; the exception stays chained);
+    `hint` (how tpurec called it) follows in parentheses."""
     import traceback
 
     theirs = [f for f in traceback.extract_tb(error.__traceback__) if not library_frame(f.filename)]
@@ -127,7 +128,7 @@ def user_code_failed(target: str, what: str, error: BaseException) -> UserError:
     at = f" at {where.filename}:{where.lineno}" if where is not None else ""
     said = (str(error).strip().splitlines() or [""])[0]
     said = f"{type(error).__name__}: {said}" if said else type(error).__name__
-    return UserError(f"--model-module {target!r}: {what} raised {said}{at}")
+    return UserError(f"--model-module {target!r}: {what} raised {said}{at}" + (f" ({hint})" if hint else ""))
 
 
 def load_model(target: str) -> tuple[nn.Module, dict[str, ParameterConstraints] | None]:
