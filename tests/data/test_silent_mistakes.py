@@ -69,3 +69,33 @@ def test_a_truncated_parquet_file_in_a_directory_is_an_error_naming_it(tmp_path)
     assert str(e.value).startswith(f"{tmp_path / 'part-1.parquet'}: not a readable Parquet file (")
     (tmp_path / "part-1.parquet").unlink()
     assert open_source(tmp_path, None).rows == 100  # the README and _SUCCESS left out by name
+
+
+def test_uint64_ids_near_2_64_in_tpurecs_own_data_are_refused_as_themselves(tmp_path, capsys):
+    """tpurec's own data (ids already in their table's rows, not hashed at read time) with a uint64
+    column: 2^64 - 1 is refused by its own value, naming the column and the table's rows. Before: it
+    was cast to int64 first and refused as 'id -1', a number the file does not hold."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tpurec.data.schema import DataError
+    from tpurec.data.synth import synthesize
+
+    d = tmp_path / "d"
+    synthesize(300, str(d), seed=0, show_progress=False)
+    [part] = d.glob("*.parquet")
+    t = pq.read_table(part)
+    ids = t.column("C1").to_numpy().astype(np.uint64)
+    ids[5] = 2**64 - 1
+    t = t.set_column(t.schema.get_field_index("C1"), pa.field("C1", pa.uint64()), pa.array(ids))
+    pq.write_table(t.replace_schema_metadata(pq.read_schema(part).metadata), part)
+    says = (
+        f"{part}: row group 0: column 'C1': id 18446744073709551615 out of range [0, 1000) at row 5 "
+        "(the table has 1000 rows: were the files written for other table sizes?)"
+    )
+    with pytest.raises(DataError) as e:
+        list(ParquetReader(str(d), 300, shuffle=False, prefetch=0))
+    assert str(e.value) == says
+    assert cli.main(["data", "inspect", str(d)]) == 2
+    assert capsys.readouterr().err.strip() == f"tpurec data: error: {says}"

@@ -147,9 +147,11 @@ class _Decoder:
                 np.log1p(np.maximum(dense, 0.0, out=dense), out=dense)
         if self.one_hot:
             # One 1-D array per feature, zero-copy from Arrow.
-            ids = [t.column(f.name).to_numpy().astype(np.int64, copy=False) for f in s.sparse]
-            for f, col in zip(s.sparse, ids):
+            # checked as stored: a uint64 2^64 - 1 is refused as itself, not as the -1 int64 makes of it
+            stored = [t.column(f.name).to_numpy() for f in s.sparse]
+            for f, col in zip(s.sparse, stored):
                 validate.check_ids(where, f.name, col, f.num_embeddings, u.start)
+            ids = [col.astype(np.int64, copy=False) for col in stored]
             if self.rehash:
                 ids = [self._rehash(i, col) for i, col in enumerate(ids)]
             return _Window(n, labels, dense, ids, None)
@@ -158,11 +160,11 @@ class _Decoder:
             col = t.column(f.name)
             if f.multi_hot:
                 vals, off = _list_parts(col)
-                vals = vals.astype(np.int64, copy=False)
                 lengths = np.diff(off).astype(np.int32)
             else:
-                vals, off, lengths = col.to_numpy().astype(np.int64, copy=False), None, None
-            validate.check_ids(where, f.name, vals, f.num_embeddings, u.start, off)
+                vals, off, lengths = col.to_numpy(), None, None
+            validate.check_ids(where, f.name, vals, f.num_embeddings, u.start, off)  # as stored (above)
+            vals = vals.astype(np.int64, copy=False)
             if self.rehash:
                 vals = self._rehash(len(feats), vals)
             w = None
