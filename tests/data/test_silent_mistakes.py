@@ -4,6 +4,8 @@ numbers."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tpurec import cli
@@ -99,3 +101,58 @@ def test_uint64_ids_near_2_64_in_tpurecs_own_data_are_refused_as_themselves(tmp_
     assert str(e.value) == says
     assert cli.main(["data", "inspect", str(d)]) == 2
     assert capsys.readouterr().err.strip() == f"tpurec data: error: {says}"
+
+
+def test_files_a_mapped_dataset_skips_are_named_once(tmp_path, capsys):
+    """pyarrow's discovery skips a file that is not Parquet: a count and an example, on stderr (the
+    report on stdout stays clean); a Parquet file named otherwise (no suffix) is read, `_SUCCESS` unsaid."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"label": [0, 1] * 50, "x": [0.5] * 100, "c": [3] * 100}), tmp_path / "part-0.parquet")
+    (tmp_path / "part-1").write_bytes((tmp_path / "part-0.parquet").read_bytes())
+    (tmp_path / "README").write_text("about the data")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("not Parquet either")
+    (tmp_path / "_SUCCESS").write_bytes(b"")
+    assert open_source(tmp_path, None).rows == 200
+    assert cli.main(["data", "inspect", str(tmp_path), "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["rows"] == 200
+    assert err.splitlines() == [f"notice: {tmp_path}: 2 file(s) not read, not Parquet (e.g. README)"]
+
+
+def test_files_not_named_parquet_in_tpurecs_own_data_are_named_once_by_train(tmp_path, capsys, monkeypatch):
+    """Before: a part renamed `.snappy` (a third of the data) and a README were left out without a word."""
+    import shutil
+
+    from tests.reliability.inproc import run_cli
+    from tpurec.data.synth import synthesize
+
+    monkeypatch.setenv("TPUREC_CACHE", str(tmp_path / "cache"))
+    d = tmp_path / "d"
+    synthesize(300, str(d), seed=0, show_progress=False)
+    [part] = d.glob("*.parquet")
+    shutil.copy(part, d / "part-00001.snappy")
+    (d / "notes.txt").write_text("how the data was made")
+    (d / "_SUCCESS").write_bytes(b"")
+    argv = [
+        "train",
+        "--quiet",
+        "--data",
+        d,
+        "--steps",
+        1,
+        "--batch-size",
+        64,
+        "--eval-every",
+        0,
+        "--curves-out",
+        "none",
+    ]
+    code, _, err = run_cli(argv, capsys)
+    assert code == 0, err
+    says = (
+        f"notice: {d}: 2 file(s) not read, not named *.parquet (tpurec's data is read from those only) (e.g. notes.txt)"
+    )
+    assert [line for line in err.splitlines() if "not read" in line] == [says]

@@ -466,7 +466,7 @@ def _synth(args: argparse.Namespace, out: str) -> int:
 @reader_gone_ok
 def run_inspect(args: argparse.Namespace) -> int:
     from tpurec.data.inspect import format_report, inspect_dataset
-    from tpurec.data.mapped import open_source
+    from tpurec.data.mapped import open_source, unread_files_note
     from tpurec.data.mapping import spec_from_args
 
     source = open_source(args.path, spec_from_args(args))  # None: tpurec's own data (no mapping given)
@@ -481,6 +481,9 @@ def run_inspect(args: argparse.Namespace) -> int:
         from tpurec.data.inspect_mapped import inspect_mapped
 
         report = inspect_mapped(source)
+    unread = unread_files_note(args.path, source.metadata() if source is not None else {})
+    if unread:
+        print(unread, file=sys.stderr)
     if args.json:
         print(strict_json.dumps(report, indent=2))
         return 0

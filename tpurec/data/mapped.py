@@ -77,22 +77,27 @@ def open_source(path: str | os.PathLike, spec: ColumnSpec | None) -> MappedSourc
 PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")  # a file named so must be Parquet: damage is an error
 
 
-def _refuse_damaged(root: Any, found: set[str], local: bool) -> None:
+def _refuse_damaged(root: Any, found: set[str], local: bool) -> list[str]:
     """DataError naming the first file under directory `root` named as Parquet (PARQUET_SUFFIXES, not
     under a ``_``/``.`` name) that pyarrow's discovery left out of `found`: it skips a file that does not
     open as Parquet, so a truncated part was dropped and half the data trained without a word. Files
-    named otherwise (``README``, ``_SUCCESS``) are still skipped when they are not Parquet."""
+    named otherwise (``README``) are still skipped when they are not Parquet: returned (paths under
+    `root`) for one notice; ``_``/``.`` names (``_SUCCESS``) are left out unsaid, as pyarrow does."""
     from tpurec.data.schema import read_footer
 
     norm = (lambda p: os.path.normpath(p)) if local else (lambda p: p)
     have = {norm(p) for p in found}
+    skipped = []
     for f in sorted(root.rglob("*"), key=str):
         rel = f.relative_to(root).parts
-        if not f.name.lower().endswith(PARQUET_SUFFIXES) or any(x.startswith(("_", ".")) for x in rel):
+        if any(x.startswith(("_", ".")) for x in rel) or norm(str(f)) in have or not f.is_file():
             continue
-        if norm(str(f)) not in have and f.is_file():
-            read_footer(str(f))  # raises, naming the file and pyarrow's reason
-            raise DataError(f"{f}: named as Parquet but not read as part of the dataset {root}")
+        if not f.name.lower().endswith(PARQUET_SUFFIXES):
+            skipped.append("/".join(rel))
+            continue
+        read_footer(str(f))  # raises, naming the file and pyarrow's reason
+        raise DataError(f"{f}: named as Parquet but not read as part of the dataset {root}")
+    return skipped
 
 
 class MappedSource:
@@ -115,8 +120,9 @@ class MappedSource:
             fragments = sorted(dataset.get_fragments(), key=lambda f: f.path)
         except Exception as e:  # unreadable directory, conflicting partition values, ...
             raise DataError(f"{path}: cannot open as a Parquet dataset ({str(e).splitlines()[0]})") from None
+        self.unread: list[str] = []  # files pyarrow's discovery skipped as not Parquet (named otherwise)
         if here.is_dir():
-            _refuse_damaged(here, {named(f.path) for f in fragments}, local=fs is None)
+            self.unread = _refuse_damaged(here, {named(f.path) for f in fragments}, local=fs is None)
         if not fragments:
             what = "not a readable Parquet file" if here.is_file() else "no readable Parquet files"
             raise DataError(f"{path}: {what}")
@@ -159,6 +165,7 @@ class MappedSource:
         d["mapping_label_note"] = self.mapping.label_like_note()
         d["sparse_kinds"] = {f.name: f.kind for f in self.mapping.sparse}
         d["dense_max_abs"] = self.dense_max_abs
+        d["unread_files"] = self.unread
         return d
 
     def sizes(self, table_sizes: Any) -> list[int | None]:
@@ -211,6 +218,16 @@ def large_dense_note(meta: dict) -> str | None:
         "large and training slow; scale them when writing the Parquet (log(1 + x) of counts, as Criteo's "
         "are converted, or standardise them; docs/data.md#your-own-parquet)"
     )
+
+
+def unread_files_note(path: str | os.PathLike, meta: dict) -> str | None:
+    """The notice naming the files in dataset directory `path` that are not read (a count and an
+    example), for tpurec's own data (`meta` its dataset_metadata) or mapped Parquet (`metadata()`)."""
+    from tpurec.data.schema import unread_files, unread_note
+
+    if "mapping" in meta:
+        return unread_note(path, meta.get("unread_files") or [], "not Parquet")
+    return unread_note(path, unread_files(path), "not named *.parquet (tpurec's data is read from those only)")
 
 
 class MappedDecoder:

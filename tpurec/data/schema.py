@@ -198,6 +198,23 @@ def list_parquet_files(paths: str | os.PathLike | Sequence[str | os.PathLike]) -
     return out
 
 
+def unread_files(path: str | os.PathLike) -> list[str]:
+    """The files in tpurec's dataset directory `path` its reader leaves out, sorted: those not named
+    ``*.parquet`` (a part renamed ``.snappy``, a README), except ``_``/``.`` names (``_dataset.json``,
+    ``_SUCCESS``, lock files): said once (`unread_note`), never read in silence."""
+    p = storage.path(path)
+    if not p.is_dir():
+        return []
+    return sorted(f.name for f in p.glob("*") if not f.name.startswith(("_", ".")) and f.suffix != ".parquet")
+
+
+def unread_note(path: str | os.PathLike, names: Sequence[str], why: str) -> str | None:
+    """One notice line for the files a dataset's reader skipped (`names`): the count and an example."""
+    if not names:
+        return None
+    return f"notice: {path}: {len(names):,} file(s) not read, {why} (e.g. {names[0]})"
+
+
 def read_footer(path: str) -> pq.FileMetaData:
     """One Parquet file's footer (a local file, or an object in a bucket: tpurec/runtime/storage.py)."""
     import pyarrow.parquet as pq

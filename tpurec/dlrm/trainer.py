@@ -195,7 +195,7 @@ class Trainer:
     def _setup_data(self) -> None:
         import torch.distributed as dist
 
-        from tpurec.data.mapped import large_dense_note, mapping_summary, unsized_note
+        from tpurec.data.mapped import large_dense_note, mapping_summary, unread_files_note, unsized_note
         from tpurec.dlrm.configs import synth_multi_hot
         from tpurec.dlrm.data import data_metadata, ensure_synth, make_readers, model_table_sizes, synth_dir
 
@@ -220,6 +220,9 @@ class Trainer:
                 raise UserError(problem)
         columns = self.options.column_spec()  # the column mapping of Parquet tpurec did not write
         meta = data_metadata(self.data_dir, columns)
+        unread = unread_files_note(self.data_dir, meta)
+        if unread:
+            self.say(unread)
         if "mapping" in meta:
             self.say(f"data: {self.data_dir}: Parquet read through a column mapping: {mapping_summary(meta)}")
             large = large_dense_note(meta)
