@@ -216,3 +216,52 @@ def test_sigterm_to_a_two_rank_job_saving_every_step_is_one_line_naming_a_comple
     what, step, saved, _ = found[0]
     assert what == "SIGTERM" and saved == str(ck / f"step-{int(step):08d}"), text[-3000:]
     assert (ck / f"step-{int(step):08d}" / "COMPLETE").exists() and not list(ck.glob("*.tmp"))
+
+
+SLOW_BUILD = """
+import importlib.util, os, pathlib, time
+
+spec = importlib.util.spec_from_file_location("my_model", {example!r})
+example = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(example)
+
+def build():  # the model is being built when the SIGTERM comes
+    pathlib.Path(os.environ["TPUREC_TEST_BUILDING"]).touch()
+    time.sleep(120)
+    return example.build()
+"""
+
+
+def test_sigterm_while_the_model_is_built_ends_the_run_in_one_line(tmp_path):
+    """SIGTERM before the training loop (here: inside the --model-module's FN) used to end the process
+    by the signal's default action: rc -15, no line. Now: one line naming what is saved, exit 143."""
+    from tpurec.cli import main
+
+    example = str(REPO / "examples" / "my_model.py")
+    data = tmp_path / "data"
+    assert main(["data", "synth", "--model-module", f"{example}:build", "--rows", "2000", "--out", str(data)]) == 0
+    (tmp_path / "slow.py").write_text(SLOW_BUILD.format(example=example))
+    marker, ck = tmp_path / "building", tmp_path / "ck"
+    env = dict(os.environ, PYTHONPATH=str(REPO), TPUREC_TEST_BUILDING=str(marker), TPUREC_CACHE=str(tmp_path))
+    args = ["--model-module", f"{tmp_path / 'slow.py'}:build", "--data", data, "--checkpoint-dir", ck, "--steps", 5]
+    p = subprocess.Popen(
+        [sys.executable, "-m", "tpurec.cli", "train", "--quiet", *map(str, args)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()[1][-3000:]
+            time.sleep(0.1)
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 143, err[-3000:]
+    assert "Traceback" not in err and out == ""
+    assert err.strip().splitlines()[-1] == f"tpurec train: stopped by SIGTERM (rank 0); no complete checkpoint in {ck}"
+    assert not list(ck.glob("step-*"))

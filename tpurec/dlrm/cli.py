@@ -219,9 +219,11 @@ def run_worker(options: TrainOptions) -> int:
 
 
 def _run_worker(options: TrainOptions) -> int:
-    from tpurec.runtime import interrupts
+    from tpurec.runtime import interrupts, terminate
 
-    with interrupts.handled():
+    # SIGTERM before the training loop (building the model, opening the data, planning) unwinds as
+    # Terminated: one line, exit 143; from the loop on the trainer records it (stop_request.py).
+    with interrupts.handled(), terminate.unwinding_on_sigterm():
         trainer = None
         try:
             msg = options.check()
@@ -232,13 +234,21 @@ def _run_worker(options: TrainOptions) -> int:
             trainer = Trainer(options)
             return _run_rank(trainer)
         except KeyboardInterrupt:
-            from tpurec.runtime import group_watch, rank_errors
-
-            if os.environ.get(group_watch.WATCH_ENV) and "RANK" in os.environ:  # once for the ranks
-                rank_errors.report("tpurec train", interrupted(options, trainer, rank_named=False))
-            else:
-                print(f"tpurec train: {interrupted(options, trainer)}", file=sys.stderr)
+            _report_stop(options, trainer, "interrupted")
             return interrupts.EXIT_INTERRUPTED
+        except terminate.Terminated:
+            _report_stop(options, trainer, "stopped by SIGTERM")
+            return terminate.EXIT_TERMINATED
+
+
+def _report_stop(options: TrainOptions, trainer: Trainer | None, what: str) -> None:
+    """What a signal left, one line: once for the ranks of a launched job (rank_errors), else here."""
+    from tpurec.runtime import group_watch, rank_errors
+
+    if os.environ.get(group_watch.WATCH_ENV) and "RANK" in os.environ:
+        rank_errors.report("tpurec train", interrupted(options, trainer, rank_named=False, what=what))
+    else:
+        print(f"tpurec train: {interrupted(options, trainer, what=what)}", file=sys.stderr)
 
 
 def _rank_error(message: str) -> int:
@@ -249,20 +259,23 @@ def _rank_error(message: str) -> int:
     return 2
 
 
-def interrupted(options: TrainOptions, trainer: Trainer | None, rank_named: bool = True) -> str:
-    """What a Ctrl-C left: the step reached and the last complete checkpoint (`rank_named`: with
-    ` (rank R)` after the step; a launcher names the ranks itself, `tpurec.runtime.rank_errors`)."""
+def interrupted(
+    options: TrainOptions, trainer: Trainer | None, rank_named: bool = True, what: str = "interrupted"
+) -> str:
+    """What a Ctrl-C (or a SIGTERM before the training loop) left: the step reached and the last
+    complete checkpoint (`rank_named`: with ` (rank R)` after the step; a launcher names the ranks
+    itself, `tpurec.runtime.rank_errors`)."""
     at = f" at step {trainer.step_count}" if trainer is not None and trainer.step_count else ""
     if rank_named:
         at += f" (rank {os.environ.get('RANK', '0')})"
     if not options.checkpoint_dir:
-        return f"interrupted{at}; nothing saved (no --checkpoint-dir)"
+        return f"{what}{at}; nothing saved (no --checkpoint-dir)"
     from tpurec.dlrm.ckpt.manager import CheckpointManager
 
     last = CheckpointManager(options.checkpoint_dir).latest()  # a reader only: no lock taken
     if last is None:
-        return f"interrupted{at}; no complete checkpoint in {options.checkpoint_dir}"
-    return f"interrupted{at}; the last complete checkpoint is step {int(last.name[5:])} ({last})"
+        return f"{what}{at}; no complete checkpoint in {options.checkpoint_dir}"
+    return f"{what}{at}; the last complete checkpoint is step {int(last.name[5:])} ({last})"
 
 
 def _run_rank(trainer: Trainer) -> int:
@@ -295,7 +308,7 @@ def _run_rank(trainer: Trainer) -> int:
             print(f"tpurec train: {e}", file=sys.stderr)
         return int(e.code or 1)
     except BaseException as e:
-        if not isinstance(e, KeyboardInterrupt):
+        if not isinstance(e, (KeyboardInterrupt, SystemExit)):  # SystemExit: terminate.Terminated's own line
             print(f"tpurec train: rank {rank} failed: {type(e).__name__}: {e}", file=sys.stderr)
         raise
     finally:
