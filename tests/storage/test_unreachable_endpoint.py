@@ -63,3 +63,41 @@ def test_an_endpoint_that_never_answers_is_refused_at_the_probe_deadline(monkeyp
         f"gs://quiet: cannot reach the bucket at {endpoint} (no answer within 2 s); check the network or the endpoint"
     ]
     assert 2 <= took < 5, took
+
+
+def test_a_checkpoint_save_after_the_endpoint_went_away_is_one_line_within_seconds(tmp_path, monkeypatch):
+    """The bucket answered when the run began (its filesystem made and probed), then its endpoint
+    stopped answering: the next save is refused by a fresh probe in one line. Before: the save listed
+    the bucket through pyarrow (retrying 120 s) and wrote through gcsfs (a 60 s bucket-type lookup,
+    then 6 tries a request), minutes with no line; a resume read the same way."""
+    import torch
+
+    from tpurec.dlrm.ckpt import checkpoint
+
+    endpoint = f"http://127.0.0.1:{_closed_port()}"
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", endpoint)
+    real_probe = storage._probe_gcs
+    monkeypatch.setattr(storage, "_probe_gcs", lambda uri, bucket: None)  # it answered at the start
+    storage.filesystem("gs", "went-away")
+    monkeypatch.setattr(storage, "_probe_gcs", real_probe)
+    monkeypatch.setattr(storage, "PROBE_RETRY_S", 0.5)  # a refused connection: retried briefly (test time)
+    model = torch.nn.Linear(2, 1)
+    said: list[BaseException] = []
+
+    def save() -> None:
+        try:
+            checkpoint.save("gs://went-away/ck", 4, model, torch.optim.SGD(model.parameters(), lr=0.1), {}, {})
+        except BaseException as e:
+            said.append(e)
+
+    saving = threading.Thread(target=save, daemon=True)  # a hang fails the test at the deadline
+    t0 = time.monotonic()
+    saving.start()
+    saving.join(60)
+    took = time.monotonic() - t0
+    assert said and isinstance(said[0], checkpoint.CheckpointWriteError), (took, said)
+    assert str(said[0]) == (
+        f"cannot write checkpoint gs://went-away/ck/step-00000004: gs://went-away: cannot reach the bucket at "
+        f"{endpoint} (Could not connect to server); check the network or the endpoint"
+    )
+    assert took < 60, took

@@ -157,6 +157,20 @@ def _probe_gcs(uri: str, bucket: str) -> None:
         )
 
 
+def check_reachable(p: str | os.PathLike) -> None:
+    """For a gs:// `p`, the probe again (`_probe_gcs`, at most PROBE_S): before a checkpoint's save or
+    load, whose requests would otherwise meet an endpoint that went away since the run began with
+    pyarrow's retries (GCS_RETRY_S) and gcsfs's (a 60 s bucket-type lookup, then 6 tries a request
+    backing off to 16 s: minutes a save), with no line. A local path or s3:// (one line in seconds
+    already): nothing."""
+    if not is_uri(p):
+        return
+    scheme, key = split(os.fspath(p) if not isinstance(p, BucketPath) else str(p))
+    if scheme != "s3":
+        bucket = key.split("/")[0]
+        _probe_gcs(f"{scheme}://{bucket}", bucket)
+
+
 def _unreachable(e: BaseException | None) -> str | None:
     """What made a request fail for want of a reachable endpoint (google-cloud-cpp's UNAVAILABLE or
     DEADLINE_EXCEEDED: connection refused, timed out), else None."""

@@ -260,6 +260,10 @@ def save(
     read-only directory) raises CheckpointWriteError naming the directory, on the ranks that see it;
     the unfinished step-N.tmp is removed and every complete checkpoint is left as it was."""
     final = step_dir(root, step)
+    try:
+        storage.check_reachable(root)  # before any request that would retry for minutes
+    except UserError as e:
+        raise CheckpointWriteError(f"cannot write checkpoint {final}: {e}") from None
     # A bucket cannot rename a directory: the checkpoint is written where it stays (module docstring).
     tmp = final if storage.is_uri(root) else final.with_name(final.name + ".tmp")
     previous = latest(root)
@@ -368,6 +372,7 @@ def load(
     from tpurec.dlrm.ckpt.meta import CheckpointMetaError, check_train_state, read_meta
     from tpurec.dlrm.ckpt.shapes import model_mismatch
 
+    storage.check_reachable(path)  # one line within seconds, not minutes of retries
     path = resolve(path)
     if not verified:
         verify(path)  # before DCP reads a byte: a damaged file would load as near-random weights
