@@ -209,4 +209,9 @@ def _emulated_rank():
 
 
 if __name__ == "__main__":
-    main()
+    # Ends without the interpreter's teardown, where a gloo worker thread of a multi-rank CPU run can
+    # abort the process ("terminate called without an active exception", SIGABRT): exit handlers run,
+    # output is flushed, then os._exit (tpurec/runtime/rank_exit.py; tpurec launch does the same).
+    from tpurec.runtime.rank_exit import run_and_exit
+
+    run_and_exit(main, wait_for_threads=True)
