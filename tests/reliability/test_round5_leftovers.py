@@ -97,6 +97,7 @@ def test_resuming_with_another_zch_eviction_names_the_setting(raw_ids, zch_check
     assert not list((tmp_path / "ck").glob("step-*"))  # nothing saved
 
 
+@pytest.mark.multiprocess
 def test_a_one_rank_zch_checkpoint_at_two_ranks_names_the_world_size(raw_ids, zch_checkpoint, tmp_path):
     """Before: 'has table t_C9 with 3 rows, this run's has 4 (tables take their sizes from the data's
     _dataset.json: resume on the data the checkpoint was trained on ...)': the data was the same."""
