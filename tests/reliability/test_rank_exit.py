@@ -105,3 +105,17 @@ def test_a_launched_program_is_ended_as_python_ends_it(tmp_path):
     prog.write_text("def f():\n    raise ValueError('boom')\nf()\n")
     p = run("0")
     assert p.returncode == 1 and "Traceback" in p.stderr and p.stderr.endswith("ValueError: boom\n")
+
+
+def test_inside_another_run_and_exit_it_leaves_the_ending_to_the_outer_one(monkeypatch):
+    """An example ending itself through run_and_exit (for a plain torchrun), run by `tpurec launch`'s
+    run_script: the inner call raises SystemExit with the program's code, so the outer one still writes
+    the launch report and ends the process (the report line was lost when the inner one ended it)."""
+    from tpurec.runtime import rank_exit
+
+    monkeypatch.setattr(rank_exit, "_running", True)
+    with pytest.raises(SystemExit) as stop:
+        rank_exit.run_and_exit(lambda: 3, wait_for_threads=True)
+    assert stop.value.code == 3
+    with pytest.raises(ZeroDivisionError):  # an error reaches the outer one's handlers as it is
+        rank_exit.run_and_exit(lambda: 1 // 0)

@@ -58,11 +58,22 @@ def other_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t is not me and not t.daemon and t.is_alive()]
 
 
+# True while a run_and_exit is running its main: a program it runs (an example ending itself so under
+# a plain torchrun, run by `tpurec launch`'s run_script) then leaves the ending to it, whose own
+# end-of-run work (the launch report) would otherwise be skipped.
+_running = False
+
+
 def run_and_exit(main: Callable[[], int | None], wait_for_threads: bool = False) -> NoReturn:
     """`sys.exit(main())` for a rank, ended by `exit_without_finalizing`. An exception other than
     SystemExit or KeyboardInterrupt prints its traceback (as Python does) and exits 1; a Ctrl-C keeps
     Python's own ending. `wait_for_threads`: first wait for the program's non-daemon threads, as
-    `python prog.py` does (a user's program under `tpurec launch`)."""
+    `python prog.py` does (a user's program under `tpurec launch`). Called inside another
+    run_and_exit's main, it is `sys.exit(main())`: the outer one ends the process."""
+    global _running
+    if _running:
+        raise SystemExit(main())
+    _running = True
     try:
         code = int(main() or 0)
     except SystemExit as e:
