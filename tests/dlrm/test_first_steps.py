@@ -20,6 +20,7 @@ def _tpurec(*args):
     subprocess.run([sys.executable, "-m", "tpurec.cli", *map(str, args)], check=True, capture_output=True, cwd=REPO)
 
 
+@pytest.mark.slow  # session 28: make test-all (the default suite's 20 minutes)
 def test_a_huge_batch_on_a_small_dataset_is_capped_planned_and_its_auc_called_noisy(cache, tmp_path):
     data = tmp_path / "tiny"
     _tpurec("data", "synth", "--rows", "50", "--out", data)

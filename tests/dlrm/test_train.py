@@ -376,6 +376,7 @@ def test_messages_on_a_terminal_start_their_own_line(cache, tmp_path):
     assert glued == []
 
 
+@pytest.mark.slow  # session 28: make test-all (the default suite's 20 minutes)
 def test_multi_hot_sizes_flag_shapes_the_synthetic_data(cache, tmp_path):
     """TorchRec's --multi_hot_sizes: the synthetic data gets that many ids per sample per feature (its
     own cache directory), the model trains on the list columns, and the planner is told the pooling."""

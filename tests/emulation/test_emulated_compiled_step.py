@@ -107,6 +107,7 @@ def test_compiled_dmp_step_on_the_emulated_device_is_one_graph_and_equals_eager(
     assert "got a host tensor of shape (32, 5)" in error
 
 
+@pytest.mark.slow  # session 28: make test-all (the default suite's 20 minutes)
 def test_two_sharded_ebcs_compile_to_one_program_on_the_emulated_device(tmp_path):
     """Two sharded EBCs fed a KJT field each (step_inputs.py): on the device, one graph, one program
     asked for by the first step, and the eager step's numbers bit for bit."""

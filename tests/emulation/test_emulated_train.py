@@ -17,6 +17,7 @@ ROWS = 60_000
 EVERY_SHARDING_TYPE = ("--model-module", "tests.emulation.every_sharding_type:dlrm_tiny", "--batch-size", "512")
 
 
+@pytest.mark.slow  # session 28: make test-all (the default suite's 20 minutes)
 @pytest.mark.multiprocess
 def test_emulated_single_host_slice_trains_on_the_tpu_path(tmp_path):
     result, _ = train("--emulate-tpu", "v5p-8", "--steps", 3, "--synth-rows", ROWS, "--seed", 3, cache=tmp_path)

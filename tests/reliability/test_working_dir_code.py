@@ -177,6 +177,7 @@ def test_train_nproc_2(work, tmp_path):
     assert json.loads(p.stdout.splitlines()[-1])["steps"] == 2
 
 
+@pytest.mark.slow  # session 28: make test-all (the default suite's 20 minutes)
 def test_launch_of_a_script_that_imports_its_sibling(work, tmp_path):
     prog, out = _program(tmp_path), tmp_path / "out"
     out.mkdir()

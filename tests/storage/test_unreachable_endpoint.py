@@ -12,6 +12,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 from tests.dlrm.helpers import REPO
 from tpurec.runtime import storage
 
@@ -22,6 +24,7 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # session 28: make test-all (the default suite's 20 minutes)
 def test_train_with_a_checkpoint_dir_at_a_refusing_endpoint_is_one_line(tmp_path):
     endpoint = f"http://127.0.0.1:{_closed_port()}"
     env = dict(os.environ, PYTHONPATH=str(REPO), STORAGE_EMULATOR_HOST=endpoint, TPUREC_CACHE=str(tmp_path))
