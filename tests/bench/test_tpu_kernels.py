@@ -27,3 +27,11 @@ def test_the_cpu_smoke_run_reports_every_op_with_equal_work(capsys):
 def test_off_a_tpu_without_cpu_it_is_one_line(capsys):
     assert main(["bench", "tpu-kernels"]) == 2
     assert "JAX sees no TPU here (its backend: cpu)" in capsys.readouterr().err
+
+
+def test_cells_are_listed_and_picked_by_number(capsys):
+    assert main(["bench", "tpu-kernels", "--list-cells"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert listed[0].startswith("0  1000000x128 float32 B16384 H8 uniform") and len(listed) >= 9
+    assert main(["bench", "tpu-kernels", "--cells", "0,99"]) == 2
+    assert "--cells: numbers in 0..8" in capsys.readouterr().err

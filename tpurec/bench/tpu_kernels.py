@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -90,10 +91,11 @@ def _time(calls: dict[str, Callable[[], Any]], rounds: int, reps: int, rng: rand
     return secs
 
 
-def run_cell(op: str, cell: Cell, rounds: int, reps: int, rng: random.Random, interpret: bool) -> dict:
+def run_cell(
+    op: str, cell: Cell, inp: dict[str, Any], rounds: int, reps: int, rng: random.Random, interpret: bool
+) -> dict:
     from tpurec.bench import tpu_kernels_programs as P
 
-    inp = _inputs(cell, seed=rng.randrange(2**31))
     calls = _contenders(op, cell, inp, interpret)
     equal = P.equal_work(op, calls)
     secs = _time(calls, rounds, reps, rng)
@@ -129,10 +131,27 @@ def summary(results: list[dict], hbm_gbps: float | None) -> dict:
     return out
 
 
+def _pick_cells(cells: list[Cell], spec: str | None) -> list[Cell]:
+    from tpurec.errors import UserError
+
+    if spec is None:
+        return cells
+    try:
+        picked = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--cells takes cell numbers like 0,2,5 (see --list-cells); got {spec!r}") from None
+    bad = [i for i in picked if not 0 <= i < len(cells)]
+    if bad or not picked:
+        raise UserError(f"--cells: numbers in 0..{len(cells) - 1} (see --list-cells); got {spec!r}")
+    return [cells[i] for i in picked]
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tpu-kernels", help="the TensorCore kernel vs plain JAX on a TPU (--cpu: a smoke run)")
     p.add_argument("--cpu", action="store_true", help="tiny cells on CPU, the Pallas kernel interpreted (CI)")
     p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset (default {','.join(OPS)})")
+    p.add_argument("--cells", default=None, help="comma-separated cell numbers (0-based; default: all; --list-cells)")
+    p.add_argument("--list-cells", action="store_true", help="print the cells with their numbers and exit")
     p.add_argument("--rounds", type=int, default=5, help="rounds per cell (default 5)")
     p.add_argument("--reps", type=int, default=10, help="calls timed per round (default 10)")
     p.add_argument("--seed", type=int, default=None, help="order and data seed (default: fresh, reported)")
@@ -149,6 +168,12 @@ def run(args: argparse.Namespace) -> int:
     bad = [o for o in ops if o not in OPS]
     if bad:
         raise UserError(f"--ops takes {', '.join(OPS)}; got {', '.join(bad)}")
+    all_cells = CPU_CELLS if args.cpu else CHIP_CELLS
+    if args.list_cells:
+        for i, c in enumerate(all_cells):
+            print(f"{i}  {c}")
+        return 0
+    cells = _pick_cells(all_cells, args.cells)
     if args.cpu:
         os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
@@ -158,14 +183,18 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"JAX sees no TPU here (its backend: {platform}); run on a TPU VM, or --cpu for a smoke run")
     seed = fresh_seed() if args.seed is None else args.seed
     rng = random.Random(seed)
-    cells = CPU_CELLS if args.cpu else CHIP_CELLS
     rounds, reps = (2, 1) if args.cpu else (args.rounds, args.reps)
     load_before = load_average()
     results = []
+    t0 = time.perf_counter()
     for cell in cells:
+        inp = _inputs(cell, seed=rng.randrange(2**31))  # once per cell: every op sees the same ids
         for op in ops:
-            r = run_cell(op, cell, rounds, reps, rng, interpret=args.cpu)
+            r = run_cell(op, cell, inp, rounds, reps, rng, interpret=args.cpu)
             results.append(r)
+            # progress on stderr whatever the output: a cell compiles two programs per op (seconds each)
+            ratio = r["vs_xla"]["ratio"]
+            print(f"[{time.perf_counter() - t0:6.1f} s] {op:16s} {cell}: {ratio:.3f}x xla", file=sys.stderr, flush=True)
             if not args.json:
                 print(strict_json.dumps(r), flush=True)
     kind = str(jax.devices()[0].device_kind)
