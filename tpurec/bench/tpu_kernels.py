@@ -2,7 +2,8 @@
 
 Each cell (table rows x width x dtype, batch x pooling, uniform or Zipf ids) runs, in JAX on the chip:
 - `tpurec`: the kernel's own programs on tpurec's CSR input (decode, gather, the Pallas pooling where
-  it fits; row gradients without a sort, then the optimizer on the distinct rows);
+  it fits; row gradients without a sort (merged by the Pallas kernel where it fits), then the optimizer
+  on the distinct rows);
 - `xla`: what a JAX user writes on the same ids: `jnp.take` + `segment_sum` for the lookup, and for the
   updates `.at[ids].add` (SGD) or a dense gradient (row-wise Adagrad), jitted with donated tables.
 Contenders interleave in a random order per round (seed reported); equal work is checked once (same

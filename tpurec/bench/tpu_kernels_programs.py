@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from tpurec.bench.tpu_kernel_cells import Cell
-from tpurec.embedding.tensorcore import lookup_jax, pallas_pool, programs
+from tpurec.embedding.tensorcore import lookup_jax, pallas_pool
 
 LR, EPS = 0.01, 1e-8
 
@@ -26,6 +26,13 @@ def _table(cell: Cell) -> jax.Array:
 
 def _grad(cell: Cell) -> jax.Array:
     return jax.random.normal(jax.random.key(1), (cell.batch, cell.width), jnp.float32)
+
+
+def _bridge() -> Any:
+    """The chip's own programs (tpu_bridge: the Pallas merge where it serves; XLA's without a TPU)."""
+    from tpurec.embedding.tensorcore import tpu_bridge
+
+    return tpu_bridge
 
 
 def _pallas_pool(cell: Cell, interpret: bool) -> bool:
@@ -60,7 +67,7 @@ def lookup_pair(cell: Cell, inp: dict[str, Any], interpret: bool) -> dict[str, C
 
 def sgd_pair(cell: Cell, inp: dict[str, Any], interpret: bool) -> dict[str, Callable[[], Any]]:
     grad, lr = _grad(cell), jnp.float32(LR)
-    ours = jax.jit(functools.partial(programs._sgd, inp["layout"]), donate_argnums=1)
+    ours = jax.jit(lambda csr, t, g, lr: _bridge().tc_sgd(*csr, t, g, lr, *inp["layout"]), donate_argnums=1)
 
     @functools.partial(jax.jit, donate_argnums=0)
     def xla(t: jax.Array, ids: jax.Array, samples: jax.Array) -> jax.Array:
@@ -83,7 +90,10 @@ def rowwise_adagrad_pair(cell: Cell, inp: dict[str, Any], interpret: bool) -> di
     """Plain JAX's row-wise Adagrad: the gradient summed into a dense [rows, width] array (what merges
     duplicate ids without a sort), the accumulator and table updated everywhere (zero steps elsewhere)."""
     grad, lr, eps = _grad(cell), jnp.float32(LR), jnp.float32(EPS)
-    ours = jax.jit(functools.partial(programs._adagrad, inp["layout"]), donate_argnums=(1, 2))
+    ours = jax.jit(
+        lambda csr, t, acc, g, lr, eps: _bridge().tc_adagrad(*csr, t, acc, g, lr, eps, *inp["layout"]),
+        donate_argnums=(1, 2),
+    )
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def xla(t: jax.Array, acc: jax.Array, ids: jax.Array, samples: jax.Array) -> tuple[jax.Array, jax.Array]:

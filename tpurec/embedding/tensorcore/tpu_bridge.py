@@ -29,7 +29,7 @@ from torch import Tensor
 from tpurec.embedding import ops
 from tpurec.embedding.optimizers import adagrad, adam, sgd
 from tpurec.embedding.optimizers.base import recorded, tpu_scalar
-from tpurec.embedding.tensorcore import lookup_jax, pallas_pool, update_jax
+from tpurec.embedding.tensorcore import lookup_jax, pallas_merge, pallas_pool, update_jax
 
 # torch_tpu's version the bridge was read from; `tpurec env` reports the installed one.
 BRIDGE_READ_FROM = "torch_tpu 0.2.0, torch_tpu/_internal/pallas/pallas.py (jax_op)"
@@ -37,9 +37,12 @@ BRIDGE_READ_FROM = "torch_tpu 0.2.0, torch_tpu/_internal/pallas/pallas.py (jax_o
 
 def _row_gradients(
     rp: jax.Array, emb: jax.Array, smp: jax.Array, gns: jax.Array, table: jax.Array, grad: jax.Array, layout: tuple
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, bool]:
+    """(rows, gradients, whether the rows are sorted): duplicates merged by the Pallas kernel where
+    it serves (one SparseCore, the gradient within VMEM), else by XLA (update_jax.row_gradients)."""
     batch, num_sc, parts = layout
-    return update_jax.row_gradients(
+    merge = num_sc == 1 and pallas_merge.fits(batch, table.shape[1], _vmem_capacity())
+    rows, g = update_jax.row_gradients(
         rp,
         emb,
         smp,
@@ -50,7 +53,9 @@ def _row_gradients(
         device_batch_size=batch,
         num_sc=num_sc,
         num_partitions=parts,
+        merge_kernel=merge,
     )
+    return rows, g, not merge
 
 
 # The functions jax_op wraps: annotated as it requires (jax.Array = runtime input, int = static).
@@ -81,8 +86,8 @@ def tc_lookup(
 def _vmem_capacity() -> int | None:
     """VMEM bytes of the chip JAX lowers for in this process (JAX's table, jax/_src/pallas/mosaic/
     tpu_info.py: 128 MiB on v5e), or None where JAX has no TPU (the emulated device's stand-in runs
-    these programs on CPU, where a Pallas kernel cannot run) or TPUREC_NO_PALLAS=1: the pooling is
-    then XLA's."""
+    these programs on CPU, where a Pallas kernel cannot run) or TPUREC_NO_PALLAS=1: the pooling and
+    the update's merge are then XLA's."""
     from jax.experimental.pallas import tpu as pltpu
 
     if os.environ.get("TPUREC_NO_PALLAS", "") not in ("", "0"):  # XLA's programs only (a fallback, A/B runs)
@@ -105,8 +110,8 @@ def tc_sgd(
     num_sc: int,
     num_partitions: int,
 ) -> jax.Array:
-    rows, g = _row_gradients(rp, emb, smp, gns, table, grad, (device_batch_size, num_sc, num_partitions))
-    return update_jax.sgd(table, rows, g, lr)
+    rows, g, rows_sorted = _row_gradients(rp, emb, smp, gns, table, grad, (device_batch_size, num_sc, num_partitions))
+    return update_jax.sgd(table, rows, g, lr, rows_sorted=rows_sorted)
 
 
 def tc_adagrad(
@@ -123,8 +128,8 @@ def tc_adagrad(
     num_sc: int,
     num_partitions: int,
 ) -> tuple[jax.Array, jax.Array]:
-    rows, g = _row_gradients(rp, emb, smp, gns, table, grad, (device_batch_size, num_sc, num_partitions))
-    return update_jax.adagrad(table, accumulator, rows, g, lr, eps)
+    rows, g, rows_sorted = _row_gradients(rp, emb, smp, gns, table, grad, (device_batch_size, num_sc, num_partitions))
+    return update_jax.adagrad(table, accumulator, rows, g, lr, eps, rows_sorted=rows_sorted)
 
 
 def tc_adam(
@@ -146,10 +151,9 @@ def tc_adam(
     num_sc: int,
     num_partitions: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    rows, g = _row_gradients(rp, emb, smp, gns, table, grad, (device_batch_size, num_sc, num_partitions))
-    return update_jax.adam(
-        table, momentum, velocity, rows, g, alpha_t, beta_1, beta_2, epsilon, one_minus_beta_1, one_minus_beta_2
-    )
+    rows, g, rows_sorted = _row_gradients(rp, emb, smp, gns, table, grad, (device_batch_size, num_sc, num_partitions))
+    scalars = (alpha_t, beta_1, beta_2, epsilon, one_minus_beta_1, one_minus_beta_2)
+    return update_jax.adam(table, momentum, velocity, rows, g, *scalars, rows_sorted=rows_sorted)
 
 
 # A stand-in for TorchTPU's jax_op (the emulated device's, tpurec/emulation/jax_bridge.py), or None.

@@ -37,10 +37,17 @@ def row_gradients(
     device_batch_size: int,
     num_sc: int,
     num_partitions: int,
+    merge_kernel: bool = False,
+    interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """(rows int32 [slots], grads float32 [slots, width]): unique touched rows in increasing order,
     then num_rows padding (their gradients are zero); activations_grad: [device_batch_size, <= width]
-    (columns past its width, a table's storage padding, get zero gradients)."""
+    (columns past its width, a table's storage padding, get zero gradients).
+
+    merge_kernel (one SparseCore only; on CPU only with `interpret`): the rows merged by
+    `pallas_merge`: each row's gradient at its last slot, num_rows at every other slot (with a
+    partial sum there, which the optimizers' drop-padding gather and scatter ignore); the rows are
+    then not sorted: pass rows_sorted=False to the optimizers."""
     e = decode(
         row_pointers,
         embedding_ids,
@@ -55,6 +62,8 @@ def row_gradients(
     grad = activations_grad.astype(jnp.float32)
     if grad.shape[1] < width:
         grad = jnp.pad(grad, ((0, 0), (0, width - grad.shape[1])))
+    if num_sc == 1 and merge_kernel:
+        return _merge_with_kernel(e, grad, num_rows, interpret)
     if num_sc == 1:
         return _merge_in_slot_order(e, grad, num_rows)
     order = jnp.argsort(e.rows, stable=True)  # invalid entries (row num_rows) sort last
@@ -85,35 +94,56 @@ def _merge_in_slot_order(e: Entries, grad: jax.Array, num_rows: int) -> tuple[ja
     return rows, grads
 
 
-def _gather(values: jax.Array, rows: jax.Array) -> jax.Array:
+def _merge_with_kernel(e: Entries, grad: jax.Array, num_rows: int, interpret: bool) -> tuple[jax.Array, jax.Array]:
+    """`_merge_in_slot_order`'s sums by `pallas_merge.running_sums`, left at each row's last slot."""
+    from tpurec.embedding.tensorcore import pallas_merge  # Pallas: only when asked for
+
+    n = e.rows.shape[0]
+    before = jnp.concatenate([jnp.full(1, -1, jnp.int32), e.rows[:-1]]) if n else e.rows
+    after = jnp.concatenate([e.rows[1:], jnp.full(1, -1, jnp.int32)]) if n else e.rows
+    starts, last = e.valid & (e.rows != before), e.valid & (e.rows != after)
+    flags = jnp.where(e.valid, pallas_merge.VALID, 0) | jnp.where(starts, pallas_merge.START, 0)
+    samples = jnp.where(e.valid, e.samples, 0)
+    sums = pallas_merge.running_sums(grad, samples, e.gains, flags, interpret=interpret)
+    return jnp.where(last, e.rows, num_rows), sums
+
+
+def _gather(values: jax.Array, rows: jax.Array, rows_sorted: bool = True) -> jax.Array:
     """values[rows]; the padding rows (past the end) read zeros."""
-    return values.at[rows].get(mode="fill", fill_value=0, indices_are_sorted=True)
+    return values.at[rows].get(mode="fill", fill_value=0, indices_are_sorted=rows_sorted)
 
 
-def _scatter(values: jax.Array, rows: jax.Array, new: jax.Array) -> jax.Array:
+def _scatter(values: jax.Array, rows: jax.Array, new: jax.Array, rows_sorted: bool = True) -> jax.Array:
     """values with values[rows] = new; the padding rows (past the end) dropped."""
-    return values.at[rows].set(new.astype(values.dtype), mode="drop", indices_are_sorted=True)
+    return values.at[rows].set(new.astype(values.dtype), mode="drop", indices_are_sorted=rows_sorted)
 
 
-def _add_to_rows(table: jax.Array, rows: jax.Array, step: jax.Array, round_step: bool) -> jax.Array:
+def _add_to_rows(table: jax.Array, rows: jax.Array, step: jax.Array, round_step: bool, rows_sorted: bool) -> jax.Array:
     """`optimizers.base.add_to_rows` (float32 step; rows unique apart from the padding)."""
-    old = _gather(table, rows)
+    old = _gather(table, rows, rows_sorted)
     if table.dtype != jnp.float32 and round_step:
         step = step.astype(table.dtype)  # FBGEMM's `w -= step` on a Half: the step rounded first
-    return _scatter(table, rows, old.astype(jnp.float32) + step.astype(jnp.float32))
+    return _scatter(table, rows, old.astype(jnp.float32) + step.astype(jnp.float32), rows_sorted)
 
 
 def _f32(value: Scalar) -> jax.Array:
     return jnp.asarray(value, jnp.float32)
 
 
-def sgd(table: jax.Array, rows: jax.Array, grads: jax.Array, lr: Scalar) -> jax.Array:
+def sgd(table: jax.Array, rows: jax.Array, grads: jax.Array, lr: Scalar, *, rows_sorted: bool = True) -> jax.Array:
     """The new table: w -= lr * g on the given rows (`sgd.reference_update`)."""
-    return _add_to_rows(table, rows, grads * -_f32(lr), round_step=True)
+    return _add_to_rows(table, rows, grads * -_f32(lr), round_step=True, rows_sorted=rows_sorted)
 
 
 def adagrad(
-    table: jax.Array, accumulator: jax.Array, rows: jax.Array, grads: jax.Array, lr: Scalar, eps: Scalar
+    table: jax.Array,
+    accumulator: jax.Array,
+    rows: jax.Array,
+    grads: jax.Array,
+    lr: Scalar,
+    eps: Scalar,
+    *,
+    rows_sorted: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """(new table, new accumulator): element-wise Adagrad for a 2-D accumulator, row-wise for a 1-D
     one (`adagrad.reference_update`)."""
@@ -121,13 +151,13 @@ def adagrad(
     if accumulator.ndim == 1:
         # the reference's mean(g*g) is a squared norm over the row: sqrt, square, / dim, as there
         norm_sq = jnp.square(jnp.sqrt(jnp.sum(grads * grads, axis=1)))
-        acc = _gather(accumulator, rows) + norm_sq / jnp.float32(grads.shape[1])
+        acc = _gather(accumulator, rows, rows_sorted) + norm_sq / jnp.float32(grads.shape[1])
         step = grads * (-lr / (jnp.sqrt(acc) + eps))[:, None]
     else:
-        acc = _gather(accumulator, rows) + grads * grads
+        acc = _gather(accumulator, rows, rows_sorted) + grads * grads
         step = (grads * -lr) / (jnp.sqrt(acc) + eps)
-    table = _add_to_rows(table, rows, step, round_step=accumulator.ndim != 1)
-    return table, _scatter(accumulator, rows, acc)
+    table = _add_to_rows(table, rows, step, round_step=accumulator.ndim != 1, rows_sorted=rows_sorted)
+    return table, _scatter(accumulator, rows, acc, rows_sorted)
 
 
 def adam(
@@ -142,6 +172,8 @@ def adam(
     epsilon: Scalar,
     one_minus_beta_1: Scalar | None = None,
     one_minus_beta_2: Scalar | None = None,
+    *,
+    rows_sorted: bool = True,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(new table, momentum, velocity): lazy Adam with the bias correction in alpha_t
     (`adam.reference_update`). one_minus_beta_*: 1 - beta as the reference rounds it (from the
@@ -149,8 +181,8 @@ def adam(
     b1, b2 = _f32(beta_1), _f32(beta_2)
     c1 = 1 - b1 if one_minus_beta_1 is None else _f32(one_minus_beta_1)
     c2 = 1 - b2 if one_minus_beta_2 is None else _f32(one_minus_beta_2)
-    m = _gather(momentum, rows) * b1 + grads * c1
-    v = _gather(velocity, rows) * b2 + c2 * grads * grads
+    m = _gather(momentum, rows, rows_sorted) * b1 + grads * c1
+    v = _gather(velocity, rows, rows_sorted) * b2 + c2 * grads * grads
     step = (m * _f32(alpha_t)) / (jnp.sqrt(v) + _f32(epsilon))
-    table = _add_to_rows(table, rows, -step, round_step=False)
-    return table, _scatter(momentum, rows, m), _scatter(velocity, rows, v)
+    table = _add_to_rows(table, rows, -step, round_step=False, rows_sorted=rows_sorted)
+    return table, _scatter(momentum, rows, m, rows_sorted), _scatter(velocity, rows, v, rows_sorted)
