@@ -104,6 +104,11 @@ def run(args: argparse.Namespace) -> int:
 
                 launch = torchtpu_launch_env(1, 1)  # UserError when TorchTPU refuses this host
                 os.environ.update({k: v for k, v in launch.items() if k not in os.environ})
+        if options.model_module and "RANK" not in os.environ and _on_tpu(options):
+            # one process on a TPU: its forward's missing ops are one line here, not TorchTPU's traceback
+            msg = _files_problem(args, options)
+            if msg:
+                return _error(msg)
         return run_worker(options)
     # Make the default dataset here, once, before the ranks start (they then find it cached).
     if not options.data:
@@ -176,10 +181,19 @@ def _files_problem(args: argparse.Namespace, options: TrainOptions) -> str | Non
     from tpurec.dlrm.preflight import check_before_launch
 
     try:
-        check_before_launch(options, world, slice_name)
+        check_before_launch(options, world, slice_name, tpu=_on_tpu(options))
     except UserError as e:
         return str(e)
     return None
+
+
+def _on_tpu(options: TrainOptions) -> bool:
+    """Whether the ranks run on a TPU (an emulated slice's ranks have device 'tpu' here)."""
+    if options.device == "auto":
+        from tpurec.runtime.device import tpu_status
+
+        return tpu_status().usable
+    return options.device == "tpu"
 
 
 def _prepare_synth(options: TrainOptions) -> None:

@@ -5,7 +5,10 @@ here once, on the meta device), so a mapping that leaves out a feature's column 
 column as sparse is one line at once, not one from `rank 0` after the ranks built their data. A plan
 file and a limits file need only the files and the model's tables, so a plan for another model,
 world size or TPU generation, or limits measured for another model, are refused here, in one line,
-within seconds, instead of once per rank after each rank built its data and model. The checks are
+within seconds, instead of once per rank after each rank built its data and model. On a TPU (real
+or emulated) the --model-module's forward also runs once here on 2 samples, for ops TorchTPU lacks
+(tpurec/dlrm/forward_preflight.py): one line naming the op and the user's line, not one per rank at
+step 1. The checks are
 the ones the ranks run (tpurec/planner/plan_check.py, tpurec/planner/id_limits.py), called here too;
 the ranks still run theirs (a library user has no launcher).
 """
@@ -21,13 +24,20 @@ if TYPE_CHECKING:
     from tpurec.dlrm.user_model import UserModel
 
 
-def check_before_launch(options: TrainOptions, world_size: int | None, slice_name: str | None) -> None:
+def check_before_launch(
+    options: TrainOptions, world_size: int | None, slice_name: str | None, tpu: bool = False
+) -> None:
     """Raise UserError (one line naming the file) when a --model-module does not fit --data (its
-    features' columns, its dense count, its tables' id ranges), or --plan or --limits does not fit
-    the model, the world size (None: a real TPU slice's, known only to its ranks) or (an emulated TPU
-    slice) its generation."""
+    features' columns, its dense count, its tables' id ranges) or (`tpu`: the ranks run on a TPU, real
+    or emulated) its forward calls an op TorchTPU lacks, or --plan or --limits does not fit the model,
+    the world size (None: a real TPU slice's, known only to its ranks) or (an emulated TPU slice) its
+    generation."""
     if options.model_module:
-        check_model_data(options)
+        meta = check_model_data(options)
+        if tpu:
+            from tpurec.dlrm.forward_preflight import check_forward
+
+            check_forward(_user_model(options), meta)
     if not (options.plan or options.id_limits) or world_size is None:
         return
     tables = model_tables(options)
@@ -75,16 +85,19 @@ def _user_model(options: TrainOptions) -> UserModel:
     return _LOADED[key]
 
 
-def check_model_data(options: TrainOptions) -> None:
+def check_model_data(options: TrainOptions) -> dict:
     """The --model-module's features and dense count against --data's columns (the column mapping
-    applied), as each rank checks them once it has built the model (tpurec.dlrm.user_model)."""
+    applied), as each rank checks them once it has built the model (tpurec.dlrm.user_model); returns
+    the data's metadata."""
     from tpurec.dlrm.data import data_metadata
     from tpurec.dlrm.user_model import data_table_sizes
     from tpurec.runtime import storage
 
     assert options.data
     data = storage.path(options.data)
-    data_table_sizes(_user_model(options), data_metadata(data, options.column_spec()), str(data))
+    meta = data_metadata(data, options.column_spec())
+    data_table_sizes(_user_model(options), meta, str(data))
+    return meta
 
 
 def check_plan_file(
