@@ -1,9 +1,11 @@
 """What a training run saw of its id limits: each table's demand, the batches run in several passes,
 the ids dropped; written as a limits file (`--limits-out`) so the next run can start from it.
 
-Every SparseCore kernel of the run counts its tables' demand per training batch as `tpurec data
-stats` does (tpurec.embedding.demand), on this rank's shards; the ranks' figures are merged (the
-maximum over shards) and the recommended limits derived the same way (tpurec.planner.id_limits).
+Every SparseCore kernel of the run, an EmbeddingCollection's sequence lookups' too, counts its
+tables' demand per training batch as `tpurec data stats` does (tpurec.embedding.demand), on this
+rank's shards; the ranks' figures are merged (the maximum over shards) and the recommended limits
+derived the same way (tpurec.planner.id_limits), a sequence table's capacity (`max_ids_per_feature`)
+among them.
 """
 
 from __future__ import annotations
@@ -13,23 +15,19 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from tpurec import strict_json
-from tpurec.dlrm.input_pipeline import sparsecore_lookups
 from tpurec.embedding.constraints import round_up
 from tpurec.planner.id_limits import FORMAT, table_entry
 
 if TYPE_CHECKING:
     from torch import nn
 
-_FIGURES = 6  # per table: max ids, unique ids (partition), max ids, unique ids (slice), ids of a sample, batches
-
-
-def kernels(dmp: nn.Module) -> list:
-    return [m.kernel for m in sparsecore_lookups(dmp)]
+# per table: max ids, unique ids (partition), max ids, unique ids (slice), ids of a sample, batches, ids of a feature
+_FIGURES = 7
 
 
 def record(dmp: nn.Module, on: bool) -> None:
     """Count the tables' demand in the batches from now on (training), or stop (evaluation)."""
-    for k in kernels(dmp):
+    for k in every_kernel(dmp):
         if on:
             k.table_demand = getattr(k, "_kept_demand", None) or {}
             k._kept_demand = k.table_demand
@@ -58,7 +56,7 @@ def merged(dmp: nn.Module, world: int) -> tuple[dict[str, list[int]], dict[str, 
     """({table: the `_FIGURES`}, {table: [multipass batches, dropped ids]}) over every rank's shards:
     the maximum of each demand figure, the sum of the counts (a shard's stack on each rank)."""
     mine: tuple[dict[str, list[int]], dict[str, list[int]]] = ({}, {})
-    for k in kernels(dmp):
+    for k in every_kernel(dmp):
         _merge(mine, (getattr(k, "_kept_demand", None) or {}, k.table_passes))
     if world == 1 or not dist.is_initialized():
         return mine
@@ -89,6 +87,7 @@ def per_table(demand: dict[str, list[int]], passes: dict[str, list[int]]) -> dic
             "max_ids_per_slice": d[2],
             "max_unique_ids_per_slice": d[3],
             "max_ids_per_sample": d[4],
+            "max_ids_per_feature": d[6],
             "batches": d[5],
             # its stack's: the tables of one stack share its passes and drops
             "multipass_batches": passes.get(name, [0, 0])[0],
@@ -104,8 +103,9 @@ def limits_document(demand: dict[str, list[int]], layout: dict, source: str, zch
     per_slice = round_up(layout["batch_size_per_device"] * layout["world_size"], layout["sparsecores_per_device"])
     per_slice //= layout["sparsecores_per_device"]
     tables = {}
-    for name, (*figures, batches) in sorted(demand.items()):
-        tables[name] = table_entry(*figures, per_slice=per_slice)  # pooled tables: no per-feature figure
+    for name, (*figures, batches, per_feature) in sorted(demand.items()):
+        # the most ids of one feature: a sequence table's capacity, recorded for every table as `data stats` does
+        tables[name] = table_entry(*figures, per_slice=per_slice, per_feature=per_feature)
         tables[name]["observed"]["batches"] = batches
     doc = {"format": FORMAT, "version": 1, "layout": layout, "data": source}
     return doc | ({"zch": zch} if zch is not None else {}) | {"tables": tables}

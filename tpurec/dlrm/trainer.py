@@ -737,7 +737,7 @@ class Trainer:
         for name, figures in out["tables"].items():
             self._metrics.add({"kind": "id_demand", "step": self.step_count, "table": name, **figures})
         if o.limits_out:
-            kernels = id_feedback.kernels(self.dmp)
+            kernels = id_feedback.every_kernel(self.dmp)
             layout = {
                 "topology": self.emulated.spec.name if self.emulated else None,
                 "world_size": self.world,

@@ -135,9 +135,12 @@ class KernelInput:
         self.multipass_batches = 0  # stack inputs run as several passes (over their limits)
         # {} to record every table's demand per batch (tpurec.embedding.demand): by the table's source
         # name, [max ids, max unique ids per partition, the same per slice, most ids of one sample,
-        # batches] over the batches seen.
+        # batches, most ids of one feature] over the batches seen.
         self.table_demand: dict[str, list[int]] | None = None
         self.table_passes: dict[str, list[int]] = {}  # with table_demand: [multipass batches, dropped ids]
+        # The kernel counts the demand itself (`record_demand`), on the batch as it came, not on the
+        # inputs it makes of it (a sequence kernel's one-id bags: SparseCoreSequenceKernel).
+        self.demand_counted_by_kernel = False
         self._demand_counters: dict[tuple[int, int], ShardsDemand] = {}
         self._no_mean: dict[int, torch.Tensor] = {}  # all-False mean flags per slot count (compiled build)
 
@@ -224,7 +227,7 @@ class KernelInput:
         padded = round_up(max(batch, 1), self.num_sc)
         per_slot = lengths.view(-1, batch).sum(1) if batch else torch.zeros(len(self.stacked_order), dtype=torch.long)
         value_offsets = [0] + torch.cumsum(per_slot, 0).tolist()
-        if demand and self.table_demand is not None:
+        if demand and self.table_demand is not None and not self.demand_counted_by_kernel:
             self._record_demand(values, lengths, batch)
         parts: list[StackArrays] = []
         k0 = 0
@@ -271,11 +274,18 @@ class KernelInput:
         return values, features.lengths(), weights.detach() if self.is_weighted and weights is not None else None
 
     # -- demand --------------------------------------------------------------------------------
+    def record_demand(self, features: KeyedJaggedTensor) -> None:
+        """Count this batch's demand (when asked for: `table_demand`) as it is, in its own samples."""
+        if self.table_demand is not None:
+            values, lengths, _ = self.stacked_arrays(features)
+            self._record_demand(values, lengths, features.stride())
+
     def _record_demand(self, values: torch.Tensor, lengths: torch.Tensor, batch: int) -> None:
         """Each table's demand in this batch, counted as `tpurec data stats` counts it (the table
         alone, its shard's rows, this kernel's SparseCores): the feedback for the next run's limits.
         Per table (by its source name): the four partition / slice figures, the most ids of a
-        sample, the batches counted."""
+        sample, the batches counted, the most ids of one feature in a batch (a sequence table's
+        capacity, `max_ids_per_feature`)."""
         # a counter per batch size and thread (pipeline workers preprocess side by side; its stamps are its own)
         key = (batch, threading.get_ident())
         counter = self._demand_counters.get(key)
@@ -300,9 +310,10 @@ class KernelInput:
             return
         for t, d in zip(counter.tables, figures):
             k = self.table[t.name]
-            seen = self.table_demand.setdefault(k.source or k.name, [0] * 6)  # type: ignore[union-attr]
+            seen = self.table_demand.setdefault(k.source or k.name, [0] * 7)  # type: ignore[union-attr]
             seen[:5] = [max(a, b) for a, b in zip(seen[:5], d[:5])]
             seen[5] += 1
+            seen[6] = max(seen[6], d[5])
 
     def _record_passes(self, i: int, stats: PreprocessStats) -> None:
         """Per table of stack i (source name): batches its stack ran in several passes, ids its

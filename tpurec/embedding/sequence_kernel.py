@@ -73,6 +73,9 @@ class SparseCoreSequenceKernel(SparseCoreKernel):
         if any(t.pooling is not PoolingType.SUM for t in self.tables):
             raise UserError("sequence tables are not pooled; build their KernelTables with pooling 'sum'")
         self.dim = dims.pop() if dims else 0
+        # the demand of the batch as given (ids per sample and per feature, as `tpurec data stats` counts
+        # a sequence table), not of the one-id bags it becomes (`preprocess_sequence`)
+        self.inputs.demand_counted_by_kernel = True
         max_ids_per_feature = self.settings.max_ids_per_feature
         if max_ids_per_feature is None:
             max_ids_per_feature = self._measured_capacity(self.settings.id_limits)
@@ -161,6 +164,7 @@ class SparseCoreSequenceKernel(SparseCoreKernel):
         keys = features.keys()
         if len(keys) != len(self.feature_order):  # positional: key k feeds the k-th feature slot
             raise KeyError(f"expected {len(self.feature_order)} features in table order, got keys {keys}")
+        self.inputs.record_demand(features)
         n = len(keys)
         batch = features.stride()
         counts = features.lengths().view(n, batch).sum(1) if n and batch else torch.zeros(n, dtype=torch.long)
