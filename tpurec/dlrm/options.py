@@ -166,6 +166,17 @@ class TrainOptions:
     checkpoint_dir: str | None = flag(None, "write checkpoints here (periodic and final)", metavar="DIR")
     checkpoint_every: int | None = flag(None, "steps between checkpoints (default: --eval-every)", type=positive_int)
     keep: int = flag(2, "complete checkpoints to keep (0: all; default 2)", type=nonnegative_int)
+    keep_best: bool = flag(
+        False,
+        "also keep the checkpoint of the best eval AUC (over --eval-every's evaluations and the final one) in "
+        "--checkpoint-dir/best/, its step and AUC in the result line and its meta.json",
+    )
+    early_stop: int | None = flag(
+        None,
+        "stop training after N evaluations (--eval-every) in a row without a higher eval AUC",
+        type=positive_int,
+        metavar="N",
+    )
     resume: str | None = flag(
         None,
         "continue from the newest complete checkpoint in --checkpoint-dir, or from PATH",
@@ -463,9 +474,24 @@ class TrainOptions:
             )
         return None
 
+    def _best_problem(self) -> str | None:
+        """--keep-best and --early-stop compare evaluations: they need --eval-every (and a directory)."""
+        if not (self.keep_best or self.early_stop):
+            return None
+        name = "--keep-best" if self.keep_best else "--early-stop"
+        if self.keep_best and not self.checkpoint_dir:
+            return "--keep-best keeps a checkpoint in --checkpoint-dir/best/; give --checkpoint-dir"
+        try:
+            every = self.config().eval_every
+        except UserError:
+            return None  # the config's own line comes from its check
+        if not every:
+            return f"{name} compares the evaluations of --eval-every N; give --eval-every (else only the end's)"
+        return None
+
     def check(self, nproc: int = 1) -> str | None:
         """A one-line message for bad input, checked before anything heavy starts."""
-        problem = self._model_module_problem() or self._step_problem()
+        problem = self._model_module_problem() or self._step_problem() or self._best_problem()
         if problem:
             return problem
         if self.data:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tpurec import strict_json
+from tpurec.dlrm.keep_best import summary_lines as best_summary_lines
 
 if TYPE_CHECKING:
     from tpurec.catalog import TableSet, TableSpec
@@ -194,6 +195,7 @@ def summary_text(r: dict, data_dir: str | os.PathLike | None) -> str:
         f"  eval NE        {r['ne']:.4f}   logloss {r['logloss']:.4f}   accuracy {r['accuracy']:.4f}"
         f"   ({r['eval_rows']:,} rows)",
     ]
+    lines += best_summary_lines(r)
     z = r.get("zch")
     if z:
         hit = "n/a" if z["hit_rate"] is None else f"{z['hit_rate']:.1%}"

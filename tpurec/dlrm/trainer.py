@@ -26,7 +26,9 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from tpurec import strict_json
 from tpurec.catalog import get_table_set
+from tpurec.dlrm import keep_best
 from tpurec.dlrm.ckpt.manager import CheckpointManager
+from tpurec.dlrm.keep_best import BestEval
 from tpurec.dlrm.options import OPTIONS_ENV, TrainOptions
 from tpurec.dlrm.report import (
     MIN_EVAL_ROWS_FOR_AUC,
@@ -99,6 +101,10 @@ class Trainer:
         self._output_failures: list[str] = []  # side outputs that could not be written (_side_output)
         self.remap: RemapCounters | None = None  # --zch: the remap's counters (tpurec.dlrm.zch)
         self.user: UserModel | None = None  # --model-module: the user's model (tpurec.dlrm.user_model)
+        self.best = BestEval()  # the best eval AUC so far (--keep-best, --early-stop: keep_best.py)
+        self._best_path: Path | None = None  # --keep-best: the checkpoint kept for it
+        self._early_stop: tuple[int, dict] | None = None  # --early-stop: (the step it stopped at, that eval)
+        self._eval_owed = False  # resumed where the run before evaluated last: again, for BestEval (keep_best.py)
 
     # ---- setup ----
     def setup(self) -> None:
@@ -454,6 +460,9 @@ class Trainer:
             return
         cmeta, state = loaded
         self.step_count, self.samples = cmeta["step"], cmeta["samples"]
+        self.best = BestEval.from_meta(cmeta, cmeta["path"])  # compared and counted as the run before
+        o = self.options
+        self._eval_owed = bool(o.keep_best or o.early_stop) and self.best.owed(self.step_count, self.cfg.eval_every)
         if state is not None:
             self.checkpointer.restore(state, train)
             how = "exact (same world size)"
@@ -554,20 +563,35 @@ class Trainer:
 
     def checkpoint(self) -> Path:
         """Save model, optimizer, reader position and RNG states at the current step (every rank)."""
-        train, s = self.readers.train, self.step_count
         st = self._train_state()
-        cmeta = {
-            "step": s,
+        s = self.step_count
+        self._saved = (s, self.checkpointer.save(s, self.dmp, self.optimizer, st, self._checkpoint_meta(st)))
+        return self._saved[1]
+
+    def _checkpoint_meta(self, st: dict) -> dict:
+        """meta.json of a checkpoint at this step (`st`: the reader's position)."""
+        return {
+            "step": self.step_count,
             "samples": self.samples,
             "world_size": self.world,
             "batch_size": self.batch_size,
             "epoch": st["epoch"],
-            "epoch_fraction": st["rows_consumed"] / max(1, train.num_rows),
+            "epoch_fraction": st["rows_consumed"] / max(1, self.readers.train.num_rows),
             "config": self._checkpoint_config(),
             "data": str(self.data_dir),
+            keep_best.META_KEY: self.best.record(),
         }
-        self._saved = (s, self.checkpointer.save(s, self.dmp, self.optimizer, st, cmeta))
-        return self._saved[1]
+
+    def _evaluated(self, ev: dict) -> None:
+        """An evaluation at this step (every rank, the same figures): the best so far, kept as a
+        checkpoint (--keep-best) when it is, and --early-stop's count."""
+        o = self.options
+        if self.best.seen(self.step_count, ev["auc"]) and o.keep_best:
+            st = self._train_state()
+            meta = {**self._checkpoint_meta(st), "eval": {k: ev[k] for k in ("auc", "ne", "logloss", "accuracy")}}
+            self._best_path = self.checkpointer.save_best(self.step_count, self.dmp, self.optimizer, st, meta)
+        if o.early_stop and self.best.since >= o.early_stop and self.step_count < self.total_steps:
+            self._early_stop = (self.step_count, ev)
 
     def run(self) -> dict:
         """Set up (if not yet), train to the last step with evals and checkpoints on the way, then
@@ -606,12 +630,14 @@ class Trainer:
         def boundary(s: int) -> bool:
             return s == total or (cfg.eval_every and s % cfg.eval_every == 0) or self.checkpointer.is_due(s)
 
+        if self._eval_owed and self.step_count < total:  # not logged: the metrics file holds it
+            self._evaluated(self.evaluate())
         self._stop = stop_request.StopRequest()
         # SIGTERM (a preemption) is recorded to the end of the run, through evaluations and saves,
         # and stops it at the next point the ranks agree on; Ctrl-C only within training segments.
         with stop_request.catching(self._stop, stop_request.PREEMPTION):
             try:
-                while self.step_count < total and not self._stopping:
+                while self.step_count < total and not self._stopping and self._early_stop is None:
                     with stop_request.catching(self._stop):
                         self._train_segment(next(s for s in range(self.step_count + 1, total + 1) if boundary(s)))
                     if not self._stopping:
@@ -624,7 +650,8 @@ class Trainer:
                 self._prefetch.close()
             for m in self._lookups:
                 m.clear_prepared()  # batches read ahead that training will not take
-            if not self._stopping and self.checkpointer.enabled:
+            saved_here = self._saved is not None and self._saved[0] == self.step_count  # an early stop's
+            if not self._stopping and self.checkpointer.enabled and not saved_here:
                 # Written before the final evaluation, so the training it saves never depends on the
                 # evaluation succeeding (issue #36 item 2: on a TPU it once failed and lost this checkpoint).
                 self.checkpoint()
@@ -644,6 +671,7 @@ class Trainer:
                     f"step {step}: eval AUC {ev['auc']:.4f}, NE {ev['ne']:.4f}, logloss {ev['logloss']:.4f}",
                     file=sys.stderr,
                 )
+            self._evaluated(ev)
         if self.checkpointer.should_save(step, total):
             self.checkpoint()
         # A SIGTERM during the evaluation or the save (recorded, stop_request.PREEMPTION): every rank
@@ -679,7 +707,11 @@ class Trainer:
             else:  # the CPU kernels' direct step builds no SparseCore layout (embedding/direct.py)
                 self.say("input pipeline: no SparseCore inputs to build ahead (the CPU kernels' direct step)")
 
-        final = self._log_eval(self.evaluate())  # the final checkpoint is written (run()); a SIGTERM now lets it end
+        if self._early_stop is not None:  # the model of the evaluation that stopped it: not evaluated again
+            final = self._early_stop[1]
+        else:  # the final checkpoint is written (run()); a SIGTERM now lets it end
+            final = self._log_eval(self.evaluate())
+            self._evaluated(final)
         from tpurec.dlrm.input_pipeline import close_pipeline
 
         close_pipeline(self.pipeline)  # after the final evaluation, which still runs through it
@@ -704,6 +736,7 @@ class Trainer:
         if self.options.step != "eager":  # batches over their fixed id limits leave the graph: how many
             result["eager_steps"] = self.pipeline.eager_steps
         result.update(self._slice_figures())
+        result.update(self._best_figures())
         result["id_limits"] = self._id_limit_figures()
         if self.remap is not None:
             result["zch"] = self._remap_figures()
@@ -712,6 +745,21 @@ class Trainer:
         elif self._output_failures:  # another host's copy of --save-plan
             raise UserError("; ".join(self._output_failures))
         return result
+
+    def _best_figures(self) -> dict:
+        """--keep-best / --early-stop: the result line's "best" and, when it stopped early, "early_stop"."""
+        o = self.options
+        if not (o.keep_best or o.early_stop):
+            return {}
+        out = {"best": keep_best.result(self.best, self._best_path)}
+        if self._early_stop is not None:
+            out["early_stop"] = {
+                "step": self._early_stop[0],
+                "steps_asked": self.total_steps,
+                "evaluations": o.early_stop,
+                "best_step": self.best.step,
+            }
+        return out
 
     def _id_limit_figures(self) -> dict:
         """The limits used, the stack inputs run in several passes and the ids dropped (all ranks);

@@ -293,10 +293,15 @@ def purge(root: str | os.PathLike, keep: int) -> list[Path]:
         return []
     stale = complete_checkpoints(root)[:-keep]
     for old in stale:
-        if storage.is_uri(old):
-            (old / MARKER).unlink(missing_ok=True)  # first: a purge cut short leaves no "complete" remnant
-        storage.rmtree(old, ignore_errors=True)
+        delete(old)
     return stale
+
+
+def delete(old: Path) -> None:
+    """Delete complete checkpoint `old` (rank 0's job)."""
+    if storage.is_uri(old):
+        (old / MARKER).unlink(missing_ok=True)  # first: a delete cut short leaves no "complete" remnant
+    storage.rmtree(old, ignore_errors=True)
 
 
 def _write(

@@ -13,6 +13,7 @@ before this class the trainer called them one by one; the manager keeps that ord
   check_room()  before the first step: a disk too small fails now, not at the first save
   is_due(step)  the save interval (`--checkpoint-every`, default `--eval-every`)
   save(...)     every rank; then purge() keeps the newest `--keep` complete ones
+  save_best(...) every rank, `--keep-best`: the best evaluation's checkpoint under root/best/, alone
 
 Messages, file formats and the order of every check are those of the module functions it calls.
 """
@@ -115,6 +116,28 @@ class CheckpointManager:
         # checkpoint.save purges (rank 0) before its last barrier: no rank goes on while it deletes.
         path = checkpoint.save(self.root, step, dmp, optimizer, train_state, meta, keep=self.keep)
         self.say(f"checkpoint: {path}")
+        return path
+
+    def best_root(self) -> Path:
+        """Where `--keep-best` keeps its checkpoint: a checkpoint directory of its own (`--resume
+        ROOT/best` takes it), which the root's `step-*` listing, retention and `--resume` never see."""
+        from tpurec.runtime import storage
+
+        assert self.root is not None
+        return storage.path(self.root) / "best"
+
+    def save_best(self, step: int, dmp: nn.Module, optimizer: Optimizer, reader_state: dict, meta: dict) -> Path:
+        """Collective: write checkpoint `step` under `best_root()` as `save` does, then (rank 0) delete
+        the best one before it, so the best stays the one checkpoint there (by evaluation, not by
+        step: a run resumed from an earlier step may have left a later one)."""
+        root = self.best_root()
+        train_state = {"reader": reader_state, "rng": checkpoint.rng_state(), "step": step}
+        path = checkpoint.save(root, step, dmp, optimizer, train_state, meta, keep=0)
+        if self.rank == 0:
+            for old in checkpoint.complete_checkpoints(root):
+                if old.name != path.name:
+                    checkpoint.delete(old)
+        self.say(f"best checkpoint: {path}")
         return path
 
     def purge(self) -> list[Path]:
