@@ -8,7 +8,8 @@ data, so sharding, shuffling and resuming work unchanged.
 
 Decoding rules (docs/data.md, "Your own Parquet"):
   * label: one number per row, 0 or 1 (bool, integer or float); a null label is an error.
-  * dense: cast to float32 as stored (no transform); null -> 0.0; NaN/inf are errors.
+  * dense: cast to float32 as stored (no transform; `tpurec train --dense-transform log1p`: log(1 + max(x,
+    0)), checked first); null -> 0.0; NaN/inf are errors.
   * sparse: integer ids -> ``id mod ROWS`` (uint64 ids as unsigned numbers; ids already in [0, ROWS) are
     kept as they are); string ids -> ``splitmix64(fnv1a64(utf-8 bytes)) mod ROWS``
     (tpurec/data/string_ids.py); ``list<...>`` columns are multi-hot (the list's length is the row's id
@@ -180,8 +181,8 @@ class MappedSource:
                 out.append(int(table_sizes[i]) if i < len(table_sizes) else None)
         return out
 
-    def decoder(self, sizes: list[int | None]) -> MappedDecoder:
-        return MappedDecoder(self, sizes)
+    def decoder(self, sizes: list[int | None], dense_log1p: bool = False) -> MappedDecoder:
+        return MappedDecoder(self, sizes, dense_log1p)
 
 
 def _dense_extremes(meta: Any, dense: list[str], out: dict[str, float]) -> None:
@@ -215,8 +216,8 @@ def large_dense_note(meta: dict) -> str | None:
     )
     return (
         f"notice: dense column(s) {shown} go to the model as stored: values this large make the first losses "
-        "large and training slow; scale them when writing the Parquet (log(1 + x) of counts, as Criteo's "
-        "are converted, or standardise them; docs/data.md#your-own-parquet)"
+        "large and training slow; give --dense-transform log1p (log(1 + x) of counts, as Criteo's are "
+        "converted), or scale them when writing the Parquet (docs/data.md#your-own-parquet)"
     )
 
 
@@ -233,8 +234,9 @@ def unread_files_note(path: str | os.PathLike, meta: dict) -> str | None:
 class MappedDecoder:
     """Reads a unit's mapped columns and decodes them into a reader window (the module's rules)."""
 
-    def __init__(self, source: MappedSource, sizes: list[int | None]) -> None:
+    def __init__(self, source: MappedSource, sizes: list[int | None], dense_log1p: bool = False) -> None:
         self.source, self.mapping, self.sizes = source, source.mapping, sizes
+        self.dense_log1p = dense_log1p  # log(1 + max(x, 0)) of every dense value (--dense-transform log1p)
         m = self.mapping
         self.columns = [m.label, *m.dense, *(f.name for f in m.sparse)]
         self.physical = [c for c in self.columns if c not in source.partition_columns]
@@ -271,7 +273,9 @@ class MappedDecoder:
         m, n = self.mapping, t.num_rows
         labels = _labels(where, m.label, t.column(m.label), u.start)
         dense = np.stack([_dense(t.column(c)) for c in m.dense], axis=1) if m.dense else np.zeros((n, 0), np.float32)
-        validate.check_dense(where, m.dense, dense, u.start)
+        validate.check_dense(where, m.dense, dense, u.start)  # before log1p, which would hide -inf
+        if self.dense_log1p:
+            np.log1p(np.maximum(dense, 0.0, out=dense), out=dense)
         feats = [_sparse(f, t.column(f.name), size, n) for f, size in zip(m.sparse, self.sizes)]
         return _Window(n, labels, dense, None, feats)
 

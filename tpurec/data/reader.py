@@ -268,7 +268,7 @@ class ParquetReader:
             its last window is left out), so all ranks run the same number of steps, as collective
             training needs; which rows are left out changes with the epoch when shuffling.
         dense_transform: ``"log1p_clamp0"`` applies log(max(x, 0) + 1) at read time to files
-            converted with raw dense values (None: as stored).
+            converted with raw dense values, and to a mapped ``source``'s dense columns (None: as stored).
         table_sizes: for files converted with raw ids, hash them at read time (``mod_reserve0``)
             into these sizes (list, or dict by feature name); ``table_sizes`` attribute: the sizes
             the batches' ids index into.
@@ -343,7 +343,9 @@ class ParquetReader:
         else:  # ids hashed into each feature's ROWS, else into the table sizes given (the model's, a remap's range)
             sizes = source.sizes(table_sizes)
             self.table_sizes = sizes
-            self._decoder = source.decoder(sizes)
+            if dense_transform not in (None, DENSE_LOG1P):  # mapped columns are raw: log1p is the one transform
+                raise UserError(f"cannot turn mapped dense columns into {dense_transform!r}")
+            self._decoder = source.decoder(sizes, dense_log1p=dense_transform == DENSE_LOG1P)
         self.keys = self.schema.sparse_names
         self._ones: torch.Tensor | None = None
         self._ones_np: np.ndarray | None = None

@@ -154,13 +154,16 @@ def make_readers(
     keep_raw_ids: bool = False,
     columns: ColumnSpec | None = None,
     remap_ranges: dict[str, int] | None = None,
+    dense_log1p: bool = False,
 ) -> Readers:
     """The train and eval readers. Raw ids are hashed into `table_sizes` at read time unless
     `keep_raw_ids` (`tpurec train --zch`: TorchRec's remap takes them as they are); ``columns``: the
     column mapping of Parquet tpurec did not write (tpurec/data/mapping.py; inferred when None and the
     data has no tpurec metadata); ``remap_ranges``: features of a managed-collision table, whose raw ids
-    are kept (below the remap's range, which `table_sizes` gives for them; ParquetReader)."""
+    are kept (below the remap's range, which `table_sizes` gives for them; ParquetReader); ``dense_log1p``:
+    every dense value read as log(1 + max(x, 0)) (`--dense-transform log1p`: raw dense columns only)."""
     from tpurec.data.reader import ParquetReader, default_decode_threads
+    from tpurec.data.schema import DENSE_LOG1P
     from tpurec.data.shards import split_train_eval
 
     source = data_source(data_dir, columns)
@@ -171,6 +174,8 @@ def make_readers(
     common: dict[str, Any] = dict(
         rank=rank, world_size=world_size, table_sizes=sizes, source=source, remap_ranges=remap_ranges
     )
+    if dense_log1p:
+        common["dense_transform"] = DENSE_LOG1P
     # the training reader decodes on several threads where the host has cores to spare (a TPU VM)
     train_opts: dict[str, Any] = dict(shuffle=True, seed=seed, drop_last=True, equal_rows=True)
     train_opts["decode_threads"] = default_decode_threads()

@@ -129,6 +129,12 @@ class TrainOptions:
         "Parquet without tpurec's metadata: a YAML/JSON column mapping (`tpurec data inspect` prints one)",
         metavar="FILE",
     )
+    dense_transform: str | None = flag(
+        None,
+        "log1p: read every dense column as log(1 + max(x, 0)) (Criteo's practice for counts), for Parquet tpurec "
+        "did not write and data converted with --raw-dense (tpurec's converted and synthetic data hold it already)",
+        choices=("log1p",),
+    )
     model: str = flag(DEFAULT_TRAIN_MODEL, f"named config (default {DEFAULT_TRAIN_MODEL})", choices=MODEL_NAMES)
     model_module: str | None = flag(
         None,
@@ -397,6 +403,27 @@ class TrainOptions:
             return None  # a bad override is refused on its own, by name
         return synth_cache_problem(cfg.table_set, cfg.synth_rows, cfg.seed, synth_multi_hot(cfg))
 
+    def _dense_transform_problem(self) -> str | None:
+        """--dense-transform for data whose dense values are stored transformed already: refused."""
+        if not self.dense_transform:
+            return None
+        if not self.data:
+            return "--dense-transform transforms --data's dense columns; the synthetic data's are log(1 + x) already"
+        from tpurec.data.mapped import has_tpurec_metadata
+        from tpurec.data.schema import DENSE_RAW, dataset_metadata
+
+        if not storage.path(self.data).exists() or self.column_spec() is not None:
+            return None  # read through a column mapping: as stored, raw
+        if not has_tpurec_metadata(self.data):
+            return None
+        stored = dataset_metadata(self.data).get("dense_transform")
+        if stored != DENSE_RAW:
+            return (
+                f"--dense-transform {self.dense_transform}: {self.data}'s dense values are stored as {stored} already "
+                "(tpurec data convert/synth); leave out --dense-transform"
+            )
+        return None
+
     def _mapping_problem(self) -> str | None:
         """A column mapping that does not fit --data (a column it lacks, of the wrong type) or the
         model (its dense and sparse counts), told once before any rank starts; None for tpurec's own
@@ -500,7 +527,7 @@ class TrainOptions:
             problem = data_problem(self.data, get_config(self.model).table_set)
             if problem:
                 return problem
-        problem = self._zch_problem()
+        problem = self._zch_problem() or self._dense_transform_problem()
         if problem:
             return problem
         mapped = [f for f in ("label", "dense", "sparse", "columns") if getattr(self, f) is not None]

@@ -231,9 +231,11 @@ class Trainer:
             self.say(unread)
         if "mapping" in meta:
             self.say(f"data: {self.data_dir}: Parquet read through a column mapping: {mapping_summary(meta)}")
-            large = large_dense_note(meta)
+            large = None if self.options.dense_transform else large_dense_note(meta)
             if large:
                 self.say(large)
+        if self.options.dense_transform:
+            self.say("data: every dense column read as log(1 + max(x, 0)) (--dense-transform log1p)")
         defaults = [t.num_embeddings for t in self.table_set.tables]
         if self.user is not None:  # each column's table: the model's (tpurec.dlrm.user_model)
             from tpurec.dlrm.user_model import data_table_sizes
@@ -268,6 +270,7 @@ class Trainer:
             columns=columns,
             # a --model-module's managed-collision tables: so do their remaps (tpurec.dlrm.user_model)
             remap_ranges=self.user.remap_ranges() if self.user is not None else None,
+            dense_log1p=self.options.dense_transform == "log1p",
             # On a TPU every shape is compiled in: evaluating at the training batch reuses the step's
             # lookup program and id limits; another eval batch would be another program, other buffers.
             **({"eval_batch_size": cfg.batch_size} if self.device == "tpu" else {}),
@@ -449,7 +452,8 @@ class Trainer:
         o = self.options
         # the remap's state differs by eviction policy, and its per-rank blocks by world size
         zch = {"zch_eviction": o.zch_eviction, "zch_ranks": self.world} if o.zch else {}
-        return {**self.cfg.to_dict(), "zch": o.zch, **zch, **own}
+        # other dense inputs are another model's: --dense-transform resumes only as it was written
+        return {**self.cfg.to_dict(), "zch": o.zch, **zch, "dense_transform": o.dense_transform, **own}
 
     def _resume(self) -> None:
         """`--resume`: the checkpoint manager finds, checks and loads the checkpoint into the model and

@@ -32,6 +32,7 @@ FIXED_CONFIG = (
     "zch",  # not a DLRMConfig field: the trainer adds it (tables behind the managed-collision remap)
     "zch_eviction",  # with --zch only, as the next: the remap's state differs by policy
     "zch_ranks",  # each rank holds its block of the remap: its ids and table sizes follow the world size
+    "dense_transform",  # not a DLRMConfig field either: the dense inputs the model was trained on
 )
 
 
