@@ -44,6 +44,8 @@ from tpurec.runtime import host_copies
 if TYPE_CHECKING:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+    from tpurec.embedding.host_tier.table_tier import TableTier
+
 __all__ = ["KernelTable", "SparseCoreKernel"]
 
 # Kernel numbers for computation names: unique within the process, fixed for a kernel's lifetime.
@@ -54,6 +56,9 @@ class SparseCoreKernel(nn.Module):
     # Set by custom_ops.prepare: the kernel's key in the compiled ops' arguments, and their grad trigger.
     custom_op_key: int
     custom_op_trigger: torch.Tensor
+    # The tables kept in host memory behind a cache of their rows, by table name (host_tier/kernel.py's
+    # subclass sets it); None: every table resident.
+    host_tier: dict[str, TableTier] | None = None
 
     def __init__(
         self,
@@ -295,7 +300,9 @@ class SparseCoreKernel(nn.Module):
             if out is not None:
                 self.inputs.stats_pending = features
                 return with_weight_grad(self, features, out)
-        return with_weight_grad(self, features, self.lookup(self.preprocess(features), batch))
+        # the input half itself: a subclass's `preprocess` takes a batch before forward has prepared it
+        # (host_tier/kernel.py maps its ids to cache slots there and here, once)
+        return with_weight_grad(self, features, self.lookup(self.inputs.preprocess(features), batch))
 
     def lookup(self, csrs: list[StackInput], batch: int) -> torch.Tensor:
         """Device side: pooled embeddings [batch, sum(dims)] ([blocks x batch, ..] for the inputs of

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import torch
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+    from tpurec.embedding.host_tier.table_tier import TableTier
     from tpurec.embedding.kernel_input import KernelInput, StackInput, StackPlan
     from tpurec.embedding.kernel_table import KernelTable
     from tpurec.embedding.optimizers.base import OptimizerSpec
@@ -65,6 +66,10 @@ class EmbeddingKernel(Protocol):
     def read_state(self, table: str, name: str) -> torch.Tensor: ...
 
     def write_state(self, table: str, name: str, value: torch.Tensor) -> None: ...
+
+    # tables kept in host memory behind a cache of their rows (host_tier/), by table name; None: all
+    # resident. Their inputs depend on the cache at step time: the sharded lookups build none ahead.
+    host_tier: dict[str, TableTier] | None
 
     # -- the fused optimizer (fused_optimizer.py binds its param group and step counts) ---------
     @property

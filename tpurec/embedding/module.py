@@ -9,7 +9,7 @@ in place with the optimizer given at construction; `fused_optimizer` holds its s
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -30,6 +30,8 @@ from tpurec.embedding.vbe import expand_to_batch, pad_to_common_batch
 from tpurec.errors import UserError
 
 if TYPE_CHECKING:
+    from torchrec.distributed.types import CacheParams
+
     from tpurec.embedding.preprocess import PreprocessStats
 
 
@@ -83,17 +85,27 @@ class SparseCoreEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
         widen_tables: bool | None = None,
         settings: KernelSettings | None = None,
         pooling_factors: dict[str, float] | None = None,
+        cache_params: Mapping[str, CacheParams | None] | None = None,
     ) -> None:
         """pooling_factors: expected ids per sample by table name, as in TorchRec's
         ParameterConstraints; with them each stack places its tables so that the SparseCore
-        partitions share the ids (tpurec/embedding/stack_order.py). Results do not depend on it."""
+        partitions share the ids (tpurec/embedding/stack_order.py). Results do not depend on it.
+        cache_params: tables to keep on the host tier, by name, each with TorchRec's CacheParams (its
+        load_factor and algorithm; None: the defaults): the table and its optimizer state in host
+        memory, a cache of its rows in the kernel (docs/host_tier.md). Results do not depend on it."""
         super().__init__()
         from tpurec.embedding.backend import select_device
 
         self._device = select_device(device)
         self._embedding_bag_configs = list(tables)
         self._is_weighted = is_weighted
-        self.kernel = SparseCoreKernel(
+        kernel_class: Callable[..., SparseCoreKernel] = SparseCoreKernel
+        extra: dict[str, Any] = {}
+        if cache_params:
+            from tpurec.embedding.host_tier.kernel import HostTierKernel
+
+            kernel_class, extra = HostTierKernel, {"cache_params": cache_params}
+        self.kernel = kernel_class(
             kernel_tables(tables, pooling_factors),
             spec_from_torch(optimizer, optimizer_kwargs),
             resolve_num_sparsecores(num_sparsecores, self._device.type),
@@ -109,6 +121,7 @@ class SparseCoreEmbeddingBagCollection(nn.Module, FusedOptimizerModule):
                 pad_dims=pad_dims,
                 widen_tables=widen_tables,
             ).for_tables((t.name for t in self._embedding_bag_configs), "this SparseCoreEmbeddingBagCollection"),
+            **extra,
         )
         self._fused_optimizer = SparseCoreFusedOptimizer(self.kernel)
         natural_state.register(self)

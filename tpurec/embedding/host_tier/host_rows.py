@@ -1,0 +1,47 @@
+"""A table's rows and their optimizer state, on one side of the host tier: the whole table in host
+memory, or its cache (views of the kernel's storage), and the copy of rows from one to the other.
+
+A row travels with every optimizer state of it (row-wise Adagrad's one float, Adagrad's and Adam's
+dim floats each), so a row's update continues exactly where it left off wherever it lives. Copies
+are plain element copies in the stored dtype: nothing is rounded on the way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tpurec.embedding import huge_pages
+from tpurec.embedding.optimizers.base import OptimizerSpec
+
+
+@dataclass
+class Rows:
+    """weight [rows, dim] and each optimizer state ([rows] or [rows, dim]), by state name."""
+
+    weight: torch.Tensor
+    states: dict[str, torch.Tensor]
+
+
+def host_rows(rows: int, dim: int, dtype: torch.dtype, optimizer: OptimizerSpec) -> Rows:
+    """A whole table in host memory (zeros: the kernel draws its initial values) and its optimizer
+    state at the optimizer's initial values, float32 as the kernel keeps state; on huge pages where
+    Linux grants them (huge_pages.py: the host tier's tables are the large ones)."""
+    weight = huge_pages.filled((rows, dim), 0.0, dtype, "cpu")
+    states = {}
+    for name in optimizer.state_names:
+        shape = tuple(optimizer.state_shape(name, rows, dim))
+        states[name] = huge_pages.filled(shape, optimizer.initial_value(name), torch.float32, "cpu")
+    return Rows(weight, states)
+
+
+@torch.no_grad()
+def copy_rows(src: Rows, src_index: torch.Tensor, dst: Rows, dst_index: torch.Tensor) -> None:
+    """dst[dst_index] = src[src_index], weight and every state (int64 host indices, one per row)."""
+    if src_index.numel() == 0:
+        return
+    pairs = [(src.weight, dst.weight)] + [(src.states[name], t) for name, t in dst.states.items()]
+    for a, b in pairs:
+        values = a.index_select(0, src_index.to(a.device)).to(b.device, b.dtype)
+        b.index_copy_(0, dst_index.to(b.device), values)

@@ -1,0 +1,163 @@
+"""One table's host tier: the whole table on the host, `cached_rows` of its rows in the kernel's cache.
+
+Before each batch (`map_ids`) the host, which sees every id, finds the batch's distinct rows in the
+cache; the ones missing are loaded (row and optimizer state) into free slots, or into slots of
+victims the eviction policy picks, whose rows are written back first when a step may have changed
+them. The batch's own rows are never victims, so a batch's rows stay put from its forward to its
+update. The kernel then runs on the cache with the batch's ids replaced by their slots.
+
+The rows of a batch whose update has not run yet (its forward had gradients on; the table's stack
+has not counted a step since) are "in flight": a later batch evicts them only when nothing else is
+left to evict. `flush` makes the host table whole: it writes back every row an update may have
+changed and empties the cache, except the rows in flight, whose update will land in the cache; they
+are read from the host again before the next batch unless an update ran in between (then the
+cache holds the newer values). So a checkpoint loaded into the host table in place between steps is
+what the next step reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tpurec.embedding.host_tier.host_rows import Rows, copy_rows
+from tpurec.embedding.host_tier.params import HostTierParams
+from tpurec.embedding.host_tier.policy import EvictionPolicy
+from tpurec.embedding.host_tier.slot_map import EMPTY, SlotMap
+from tpurec.errors import UserError
+
+
+@dataclass
+class CacheCounters:
+    """What the cache did since the run started (distinct rows per batch, summed over batches)."""
+
+    batches: int = 0
+    hits: int = 0  # distinct rows a batch found cached
+    misses: int = 0  # distinct rows loaded from the host for a batch
+    evictions: int = 0  # rows that left the cache to make room
+    writebacks: int = 0  # rows copied back to the host (evicted or flushed after an update may have changed them)
+    flushes: int = 0  # times the host table was made whole (state_dict, checkpoints, loads)
+
+    @property
+    def hit_rate(self) -> float:
+        looked_up = self.hits + self.misses
+        return self.hits / looked_up if looked_up else 0.0
+
+
+class TableTier:
+    """The host tier of one table: its host rows, the cache's slot map, the eviction policy, counters.
+
+    The cache itself is the kernel's storage of this table ([cached_rows, dim] and its state): each
+    call that copies rows is handed its views (`cache`), so a copied kernel (deepcopy) copies its own."""
+
+    def __init__(self, name: str, params: HostTierParams, host: Rows) -> None:
+        self.name = name  # the user's table name (messages)
+        self.params = params
+        self.host = host
+        slots = params.cached_rows
+        self.slots = SlotMap(params.rows, slots)
+        self.policy = EvictionPolicy(params.algorithm, params.rows, slots)
+        self.counters = CacheCounters()
+        self._dirty = np.zeros(slots, np.bool_)  # slots an update may have changed since they were loaded
+        self._flight = np.zeros(slots, np.bool_)  # slots of batches whose update has not run (in flight)
+        self._flight_step = -1  # the stack's step count when they were mapped
+        self._reread_at: int | None = None  # flushed with rows in flight at this step count (`flush`)
+
+    # -- a batch ---------------------------------------------------------------------------------
+    def map_ids(self, ids: np.ndarray, step: int, grad: bool, cache: Rows) -> np.ndarray:
+        """The cache slot of every id (int64, in [0, rows), checked by the caller), after loading the
+        rows missing. step: the table's stack step count now; grad: the batch's update will run."""
+        self._reread_flight(step, cache)
+        if self._flight_step != step:  # the stack stepped: earlier batches' updates have run
+            self._flight[:] = False
+        rows, inverse, counts = np.unique(ids, return_inverse=True, return_counts=True)
+        if rows.size > self.params.cached_rows:
+            p = self.params
+            raise UserError(
+                f"table {self.name!r} on the host tier: a batch needs {rows.size} distinct rows but its cache "
+                f"holds {p.cached_rows} (load_factor {p.load_factor:g} of {p.rows} rows); raise "
+                f"cache_params.load_factor to at least {rows.size / max(p.rows, 1):.3g} or make the batch smaller"
+            )
+        slots = self.slots.slot_of[rows].astype(np.int64)
+        missing = slots == EMPTY
+        n_missing = int(missing.sum())
+        if n_missing:
+            slots[missing] = self._load(rows[missing], slots[~missing], cache)
+        self.policy.touch(rows, counts, slots)
+        if grad:
+            self._dirty[slots] = True
+            self._flight[slots] = True
+            self._flight_step = step
+        c = self.counters
+        c.batches, c.hits, c.misses = c.batches + 1, c.hits + rows.size - n_missing, c.misses + n_missing
+        return slots[inverse.reshape(-1)]
+
+    def _load(self, rows: np.ndarray, keep: np.ndarray, cache: Rows) -> np.ndarray:
+        """Slots for `rows` (none cached), their rows and state copied in; `keep`: the batch's cached
+        slots, never evicted."""
+        free = self.slots.free()
+        short = rows.size - free.size
+        if short > 0:
+            victims = self._victims(keep, short)
+            self._write_back(victims, cache)
+            self.slots.release(victims)
+            self.counters.evictions += victims.size
+            free = np.concatenate([free, victims])
+        target = free[: rows.size]
+        copy_rows(self.host, torch.from_numpy(rows), cache, torch.from_numpy(target))
+        self.slots.assign(rows, target)
+        self._dirty[target] = False
+        self._flight[target] = False
+        return target
+
+    def _victims(self, keep: np.ndarray, k: int) -> np.ndarray:
+        """k occupied slots outside `keep`, rows in flight only when nothing else is left."""
+        movable = np.ones(self.params.cached_rows, np.bool_)
+        movable[keep] = False
+        movable &= self.slots.row_of != EMPTY
+        settled = np.flatnonzero(movable & ~self._flight)
+        chosen = self.policy.victims(settled, self.slots.row_of, k)
+        if chosen.size < k:  # (the previous batch's forward never got its backward, or two forwards share one)
+            flying = np.flatnonzero(movable & self._flight)
+            chosen = np.concatenate([chosen, self.policy.victims(flying, self.slots.row_of, k - chosen.size)])
+        return chosen
+
+    def _write_back(self, slots: np.ndarray, cache: Rows) -> None:
+        """The rows in `slots` that an update may have changed, copied to the host with their state."""
+        changed = slots[self._dirty[slots]]
+        if changed.size:
+            copy_rows(cache, torch.from_numpy(changed), self.host, torch.from_numpy(self.slots.row_of[changed]))
+            self._dirty[changed] = False
+            self.counters.writebacks += changed.size
+
+    # -- the whole table ---------------------------------------------------------------------------
+    def flush(self, step: int, cache: Rows) -> None:
+        """Make the host table whole (every changed row written back) and empty the cache, except the
+        rows in flight (module docstring); `step`: the table's stack step count now."""
+        occupied = self.slots.occupied()
+        if occupied.size == 0:
+            return
+        self._write_back(occupied, cache)
+        in_flight = self._flight if self._flight_step == step else np.zeros_like(self._flight)
+        self.slots.release(occupied[~in_flight[occupied]])
+        if in_flight.any():
+            self._dirty[in_flight] = True  # their update is still to come
+            self._reread_at = step
+        self.counters.flushes += 1
+
+    def _reread_flight(self, step: int, cache: Rows) -> None:
+        """After a flush that kept rows in flight: no update ran since (same step count), so the host
+        holds their values, perhaps loaded since: read them again."""
+        if self._reread_at is None:
+            return
+        if self._reread_at == step:
+            kept = self.slots.occupied()
+            # (still dirty: the update of the forward in flight may yet come, as with gradients accumulated)
+            copy_rows(self.host, torch.from_numpy(self.slots.row_of[kept]), cache, torch.from_numpy(kept))
+        self._reread_at = None
+
+    def cached_rows(self) -> np.ndarray:
+        """The table rows the cache holds now (increasing slot order)."""
+        return self.slots.row_of[self.slots.occupied()]
