@@ -164,6 +164,9 @@ def adopt_compute_kernels(plan: ShardingPlan, paths: Iterable[str], source: str 
     SparseCore kernel, in place: TorchRec would otherwise build FBGEMM's kernel inside tpurec's
     sharded module, silently. Returns "table (kernel)" for each table moved, for one notice; any
     other kernel is refused (PlanMismatchError naming the table)."""
+    from torchrec.distributed.types import CacheParams
+
+    from tpurec.planner.host_tier_choice import HOST_TIER_KERNEL
     from tpurec.planner.kernel_choice import COMPUTE_KERNEL
 
     moved, ours = [], set(paths)
@@ -178,7 +181,11 @@ def adopt_compute_kernels(plan: ShardingPlan, paths: Iterable[str], source: str 
                     f"tpurec's SparseCore kernel nor one it stands in for ({', '.join(FBGEMM_FUSED_KERNELS)}); plan "
                     "again with tpurec",
                 )
-            moved.append(f"{name} ({ps.compute_kernel})")
+            # FBGEMM's UVM cache is tpurec's host tier (host_tier_choice.py), its CacheParams kept (TorchRec's
+            # defaults where the plan has none); TorchRec ignores cache_params on the other kernels, so does tpurec
+            host_tier = ps.compute_kernel == HOST_TIER_KERNEL
+            moved.append(f"{name} ({ps.compute_kernel}{': host tier' if host_tier else ''})")
+            ps.cache_params = (ps.cache_params or CacheParams()) if host_tier else None
             ps.compute_kernel = COMPUTE_KERNEL
     return moved
 

@@ -20,8 +20,10 @@ from torchrec.distributed.embedding_types import EmbeddingComputeKernel, Grouped
 from torchrec.distributed.types import LazyAwaitable, LazyNoWait, ParameterSharding, ShardingEnv
 
 from tpurec.embedding.constraints import DEFAULT_NUM_SPARSECORES
+from tpurec.embedding.host_tier.kernel import refuse_unpooled
 from tpurec.embedding.settings import KernelSettings
 from tpurec.errors import UserError
+from tpurec.planner.host_tier_choice import host_tier_tables
 from tpurec.planner.kernel_choice import EC_SHARDING_TYPES
 from tpurec.sharding.ec_preprocess import ShardedECPreprocessed, compute_preprocessed_ec, output_dist_activations_ec
 from tpurec.sharding.host_input_dist import HostInputDistMixin
@@ -75,6 +77,9 @@ class ShardedSparseCoreEC(HostInputDistMixin, SparseCoreShardedMixin, ShardedEmb
     ) -> None:
         self._num_sc_per_device = num_sc_per_device
         self._widen_tables = KernelSettings.from_fused(fused_params).widen_tables  # as every kernel reads it
+        on_host = host_tier_tables(table_name_to_parameter_sharding)
+        if on_host:  # (unpooled kernels have no host tier yet)
+            refuse_unpooled(sorted(on_host))
         # The TPU path (fixed limits: a tpu device, or asked for): outputs of fixed shapes on the device
         # (tpurec/sharding/sequence_output.py); elsewhere TorchRec's own output distribution.
         fixed = KernelSettings.from_fused(fused_params).fixed_limits

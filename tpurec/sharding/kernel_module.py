@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
 from torchrec.distributed.embedding_kernel import BaseEmbedding
@@ -26,6 +26,7 @@ from torchrec.optim.fused import FusedOptimizerModule
 from tpurec.embedding import direct
 from tpurec.embedding.dtypes import table_dtype
 from tpurec.embedding.fused_optimizer import SparseCoreFusedOptimizer
+from tpurec.embedding.host_tier.kernel import host_tier_factory
 from tpurec.embedding.kernel_kinds import kernel_classes, kernel_kind
 from tpurec.embedding.kernel_table import POOLINGS, KernelTable
 from tpurec.embedding.optimizers.registry import spec_from_fused_params
@@ -38,7 +39,7 @@ from tpurec.errors import UserError
 from tpurec.sharding.evicted_rows import EvictedRowsReset
 
 if TYPE_CHECKING:
-    from torchrec.distributed.types import ShardingType
+    from torchrec.distributed.types import CacheParams, ShardingType
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     from tpurec.embedding.kernel_protocol import EmbeddingKernel, KernelFactory, SequenceEmbeddingKernel
@@ -57,7 +58,10 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
         device: torch.device | None,
         num_sc_per_device: int,
         sharding_type: ShardingType | str | None = None,
+        cache_params: Mapping[str, CacheParams] | None = None,
     ) -> None:
+        """cache_params: the tables (by the user's name) on the host tier, with their CacheParams
+        (tpurec/embedding/host_tier/); the group's shards of them keep their rows in host memory."""
         super().__init__()
         # Row-wise shards see only part of each bag: TorchRec sums there and divides by the full bag
         # length after the reduce-scatter (its mean-pooling callback), so the kernel must sum.
@@ -112,10 +116,19 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
             )
             self.shards.append((t.name, kname, t.local_metadata))
         fused = config.embedding_tables[0].fused_params or {}
-        extra = {"is_weighted": config.is_weighted} if self.pooled else {}
+        extra: dict[str, Any] = {"is_weighted": config.is_weighted} if self.pooled else {}
         # the kernel class for this device and chip (kernel_kinds.py)
         kind = kernel_classes(kernel_kind(device.type if device is not None else None))
         factory: KernelFactory = kind.pooled if self.pooled else kind.sequence
+        cache_params = cache_params or {}
+        on_host = {kname: cache_params[t] for t, kname, _ in self.shards if t in cache_params}
+        if on_host:
+            factory = host_tier_factory(
+                kind.pooled if self.pooled else None,
+                sorted({t for t, _, _ in self.shards if t in cache_params}),
+                device,
+            )
+            extra["cache_params"] = on_host
         self.kernel = factory(
             tables,
             spec,
@@ -171,8 +184,9 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
         when its KJT has the same ids, lengths and weights; otherwise it preprocesses inline.
         Nothing is built when the kernel's next step takes the direct CPU path (no SparseCore layout
         to build: embedding/direct.py), so a pipelined run takes the same path as an inline one, nor
-        for a weighted lookup handed ids without weights (`_weights_come_later`)."""
-        if direct.applies(self.kernel) or self._weights_come_later(features):
+        for a weighted lookup handed ids without weights (`_weights_come_later`), nor for a kernel with
+        host-tier tables, whose inputs depend on the cache when the step runs (embedding/host_tier/)."""
+        if direct.applies(self.kernel) or self._weights_come_later(features) or self.kernel.host_tier is not None:
             return
         features = _common_batch(features)  # kept as looked up: forward compares the padded KJT
         csrs = self.kernel.preprocess(features)
@@ -182,9 +196,9 @@ class _SparseCoreGroupKernel(BaseEmbedding, FusedOptimizerModule):
 
     def prepare_later(self, features: KeyedJaggedTensor, submit: Callable[..., Future]) -> None:
         """`prepare` on another thread: submit(fn, *args) returns a Future (an executor's submit);
-        `forward` waits for it when its KJT matches. Nothing, as in `prepare`, on the direct path or
-        while the weights are still to come."""
-        if direct.applies(self.kernel) or self._weights_come_later(features):
+        `forward` waits for it when its KJT matches. Nothing, as in `prepare`, on the direct path,
+        while the weights are still to come, or on the host tier."""
+        if direct.applies(self.kernel) or self._weights_come_later(features) or self.kernel.host_tier is not None:
             return
         features = _common_batch(features)
         future = submit(self.kernel.preprocess, features)

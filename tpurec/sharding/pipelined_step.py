@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tpurec.errors import UserError
 from tpurec.sharding import rank_limits, step_inputs
 from tpurec.sharding.compiled_step import LossFn, default_backend, model_loss, user_errors_of_the_trace
 from tpurec.sharding.dense_update import DenseOptimizer
@@ -102,6 +103,12 @@ class PipelinedStep:
         # the fused table optimizers' param groups, whose lr each kernel reads when its update runs
         step_inputs.lr_at_update(self.fields.modules)
         kernels = [k for m in self.fields.modules for k in step_inputs.kernels(m)]
+        on_host = sorted({t.name for k in kernels for t in (k.host_tier or {}).values()})
+        if on_host:  # batch t+2's rows would be loaded and evicted while t's and t+1's updates are to come
+            raise UserError(
+                f"PipelinedStep: tables {on_host} are on the host tier, which the pipelined step does not run yet; "
+                "train them with CompiledStep or the eager step"
+            )
         groups = {id(g): g for k in kernels if (g := k.lr_source) is not None}
         self._table_groups = list(groups.values())
         self.reset()

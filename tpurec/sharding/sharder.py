@@ -22,13 +22,14 @@ from torchrec.distributed.embedding_lookup import GroupedPooledEmbeddingsLookup
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel, GroupedEmbeddingConfig
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder, ShardedEmbeddingBagCollection
 from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingSharding
-from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
+from torchrec.distributed.types import CacheParams, ParameterSharding, ShardingEnv, ShardingType
 
 from tpurec.embedding.constraints import DEFAULT_NUM_SPARSECORES
 from tpurec.embedding.settings import SETTINGS_KEY, KernelSettings, TableLimits
 from tpurec.embedding.sparsecores import resolve_num_sparsecores
 from tpurec.errors import UserError
 from tpurec.planner import stock_estimates
+from tpurec.planner.host_tier_choice import host_tier_tables
 from tpurec.planner.kernel_choice import COMPUTE_KERNEL, SHARDING_TYPES, sharding_types_for
 from tpurec.sharding.host_input_dist import HostInputDistMixin
 from tpurec.sharding.kernel_module import SparseCoreEmbeddingBag
@@ -43,8 +44,12 @@ from tpurec.sharding.sharded_state import SparseCoreShardedMixin, shard_slice
 
 
 class SparseCoreGroupedLookup(GroupedPooledEmbeddingsLookup):
-    def __init__(self, *args: Any, num_sc_per_device: int, **kwargs: Any) -> None:
-        self._num_sc_per_device = num_sc_per_device  # read by _create_embedding_kernel during super().__init__
+    def __init__(
+        self, *args: Any, num_sc_per_device: int, cache_params: Mapping[str, CacheParams] | None = None, **kwargs: Any
+    ) -> None:
+        # read by _create_embedding_kernel during super().__init__
+        self._num_sc_per_device = num_sc_per_device
+        self._cache_params = cache_params  # the host-tier tables (host_tier_choice.host_tier_tables)
         super().__init__(*args, **kwargs)
 
     def _create_embedding_kernel(
@@ -57,7 +62,7 @@ class SparseCoreGroupedLookup(GroupedPooledEmbeddingsLookup):
     ) -> BaseEmbedding:
         if config.compute_kernel != EmbeddingComputeKernel.CUSTOMIZED_KERNEL:
             return super()._create_embedding_kernel(config, device, pg, sharding_type, env)
-        return SparseCoreEmbeddingBag(config, device, self._num_sc_per_device, sharding_type)
+        return SparseCoreEmbeddingBag(config, device, self._num_sc_per_device, sharding_type, self._cache_params)
 
 
 def _sharding_type_of(sharding: object) -> ShardingType:
@@ -90,6 +95,8 @@ class ShardedSparseCoreEBC(HostInputDistMixin, SparseCoreShardedMixin, ShardedEm
     ) -> None:
         self._num_sc_per_device = num_sc_per_device
         self._widen_tables = KernelSettings.from_fused(fused_params).widen_tables  # as every kernel reads it
+        # tables the plan puts on the host tier (tpurec/embedding/host_tier/), read by _create_lookups
+        self._host_tier_tables = host_tier_tables(table_name_to_parameter_sharding)
         super().__init__(
             module, table_name_to_parameter_sharding, env, fused_params=fused_params, device=device, **kwargs
         )
@@ -148,6 +155,7 @@ class ShardedSparseCoreEBC(HostInputDistMixin, SparseCoreShardedMixin, ShardedEm
                     sharding_type=_sharding_type_of(sharding),
                     env=sharding._env,
                     num_sc_per_device=self._num_sc_per_device,
+                    cache_params=self._host_tier_tables,
                 )
             )
 

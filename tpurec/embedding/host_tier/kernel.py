@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import numpy as np
 import torch
@@ -38,6 +38,8 @@ from tpurec.runtime import host_copies
 if TYPE_CHECKING:
     from torchrec.distributed.types import CacheParams
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from tpurec.embedding.kernel_protocol import KernelFactory
 
 
 class HostTierKernel(SparseCoreKernel):
@@ -167,3 +169,27 @@ def _write(target: torch.Tensor, value: torch.Tensor, table: str) -> None:
     if value.data_ptr() != target.data_ptr():  # a view handed out and loaded in place is already there
         with torch.no_grad():
             target.copy_(value)
+
+
+def host_tier_factory(pooled: KernelFactory | None, tables: list[str], device: torch.device | None) -> KernelFactory:
+    """The kernel class of a sharded lookup group holding host-tier `tables`: HostTierKernel over the
+    pooled kernel every kind shares (kernel_kinds.py); `pooled` None (an EmbeddingCollection's
+    unpooled lookup) and devices other than the CPU are refused: not there yet (docs/host_tier.md)."""
+    if pooled is None:
+        refuse_unpooled(tables)
+    if device is not None and device.type != "cpu":
+        raise UserError(
+            f"tables {tables}: the host tier (compute kernel fused_uvm_caching) runs on the CPU only so far, not on "
+            f"{device.type}; plan them on another kernel (fused) there"
+        )
+    if pooled is not SparseCoreKernel:  # a kind with its own pooled class would need its own host tier
+        raise ValueError(f"the host tier extends SparseCoreKernel, not {pooled}")
+    return cast("KernelFactory", HostTierKernel)
+
+
+def refuse_unpooled(tables: list[str]) -> NoReturn:
+    """An EmbeddingCollection's `tables` asked for the host tier: refused, its kernel has none yet."""
+    raise UserError(
+        f"tables {tables}: the host tier (compute kernel fused_uvm_caching) runs EmbeddingBagCollection tables "
+        "only so far, not an EmbeddingCollection's; plan them on another kernel (fused)"
+    )

@@ -1,0 +1,128 @@
+"""The host tier through tpurec.DistributedModelParallel, in TorchRec's words: constraints naming
+`fused_uvm_caching` with CacheParams, or a TorchRec plan on that kernel; training equal bit for bit to
+the all-resident model, and DCP checkpoints between the two."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import CacheAlgorithm
+from torchrec.distributed.planner.types import ParameterConstraints
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+from torchrec.distributed.types import CacheParams, ShardingPlan
+from torchrec.modules.embedding_configs import EmbeddingConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+
+import tpurec
+from tpurec.errors import UserError
+from tpurec.planner.kernel_choice import COMPUTE_KERNEL
+from tpurec.sharding.dmp import _ensure_process_group
+
+from . import host_tier_cases as c
+from .multiprocess import run_ranks
+
+STEPS = 300
+
+
+@functools.cache
+def _resident(optim: str, world_size: int = 1, steps: int = STEPS) -> list[dict]:
+    if world_size == 1:
+        _ensure_process_group()
+        return [c.train(0, 1, optim, None, steps)]
+    return run_ranks(c.train, world_size, optim, None, steps, timeout=600)
+
+
+def assert_same_training(got: list[dict], want: list[dict]) -> None:
+    """Per rank: the same losses, and the same shards (offsets and values) of every table and state."""
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g["losses"], w["losses"])
+        assert sorted(g["shards"]) == sorted(w["shards"])
+        for key, shards in w["shards"].items():
+            assert [o for o, _ in g["shards"][key]] == [o for o, _ in shards], key
+            for (_, a), (_, b) in zip(g["shards"][key], shards):
+                assert torch.equal(a, b), key
+
+
+def assert_cached_a_tenth(result: dict, algorithm: str) -> None:
+    assert result["plan"]["t1"] == (COMPUTE_KERNEL, None)
+    for table, rows in (("t0", 1000), ("t2", 2000)):
+        kernel, cache = result["plan"][table]
+        assert kernel == COMPUTE_KERNEL and cache.load_factor == 0.1 and cache.algorithm == CacheAlgorithm[algorithm]
+        counters = result["counters"][f"{table}/0"]
+        assert counters["hits"] > 0 and counters["evictions"] > 0
+        assert result["cached"][f"{table}/0"] == rows // 10 == counters["misses"] - counters["evictions"]
+
+
+@pytest.mark.parametrize("algorithm", ["LRU", "LFU"])
+@pytest.mark.parametrize("optim", ["sgd", "rowwise_adagrad"])
+def test_constraints_put_tables_on_the_host_tier_and_300_steps_equal_the_resident_run(optim, algorithm):
+    _ensure_process_group()
+    got = c.train(0, 1, optim, algorithm, STEPS)
+    assert got["host_tier_kernels"] == 1
+    assert_cached_a_tenth(got, algorithm)
+    assert_same_training([got], _resident(optim))
+
+
+def test_a_torchrec_plan_on_fused_uvm_caching_runs_on_the_host_tier():
+    """A plan as TorchRec writes it (`table_wise(compute_kernel="fused_uvm_caching")`, CacheParams on
+    the ParameterSharding; t2 with none: FBGEMM's load factor 0.2), t1 on FBGEMM's `fused`."""
+    _ensure_process_group()
+    kernels = {"t0": "fused_uvm_caching", "t1": "fused", "t2": "fused_uvm_caching"}
+    module_plan = construct_module_sharding_plan(
+        EmbeddingBagCollection(c.TABLES, device=torch.device("meta")),
+        {name: table_wise(rank=0, compute_kernel=kernel) for name, kernel in kernels.items()},
+        local_size=1,
+        world_size=1,
+        device_type="cpu",
+    )
+    module_plan["t0"].cache_params = CacheParams(load_factor=0.1, algorithm=CacheAlgorithm.LFU)
+    model = c.build("rowwise_adagrad", None, plan=ShardingPlan({"": module_plan}))
+    got = c.report(model, c.steps(model, 0, 1, c.batches(STEPS)))
+
+    assert got["plan"]["t0"] == (COMPUTE_KERNEL, CacheParams(load_factor=0.1, algorithm=CacheAlgorithm.LFU))
+    assert got["plan"]["t2"] == (COMPUTE_KERNEL, CacheParams())
+    assert got["plan"]["t1"] == (COMPUTE_KERNEL, None)
+    assert got["cached"] == {"t0/0": 100, "t2/0": 400}
+    assert_same_training([got], _resident("rowwise_adagrad"))
+
+
+@pytest.mark.parametrize(("save", "load"), [("LRU", None), (None, "LFU")], ids=["host_to_resident", "resident_to_host"])
+def test_a_dcp_checkpoint_moves_between_host_tier_and_resident_runs(tmp_path, save, load):
+    _ensure_process_group()
+    got = c.save_then_load(0, 1, "rowwise_adagrad", save, load, str(tmp_path / "ckpt"), 200, STEPS - 200)
+    assert_same_training([got], _resident("rowwise_adagrad"))
+
+
+def test_cache_params_without_the_caching_kernel_leave_the_table_resident():
+    """TorchRec copies a constraint's cache_params into the plan whatever the kernel; only
+    `fused_uvm_caching` means the host tier."""
+    _ensure_process_group()
+    torch.manual_seed(0)
+    constraints = {"t0": ParameterConstraints(cache_params=CacheParams(load_factor=0.1))}
+    model = tpurec.DistributedModelParallel(EmbeddingBagCollection(c.TABLES), device="cpu", constraints=constraints)
+    assert all(ps.cache_params is None for ps in model.plan.plan[""].values())
+    assert not any(m.kernel.host_tier for m in model.module.sparsecore_lookups())
+
+
+def test_an_embedding_collection_on_the_host_tier_is_refused_naming_its_tables():
+    _ensure_process_group()
+    ec = EmbeddingCollection([EmbeddingConfig(name="seq", embedding_dim=8, num_embeddings=100, feature_names=["s"])])
+    constraints = {"seq": ParameterConstraints(compute_kernels=["fused_uvm_caching"])}
+    with pytest.raises(UserError, match=r"tables \['seq'\]: the host tier .* EmbeddingBagCollection tables only"):
+        tpurec.DistributedModelParallel(ec, device="cpu", constraints=constraints)
+
+
+@pytest.mark.slow  # about 60 s of spawned ranks: `make test-all`
+@pytest.mark.multiprocess
+def test_two_ranks_train_and_resume_on_the_host_tier_as_resident_ones(tmp_path):
+    """Table-wise over 2 ranks (t0 and t2 on the host tier, LRU): 300 steps equal to the resident run
+    per rank; then a DCP checkpoint of the host-tier run after 200 steps, resumed all resident."""
+    got = run_ranks(c.train, 2, "rowwise_adagrad", "LRU", STEPS, timeout=600)
+    assert sum(r["host_tier_kernels"] for r in got) >= 1
+    assert sorted(t for r in got for t in r["cached"]) == ["t0/0", "t2/0"]
+    assert_same_training(got, _resident("rowwise_adagrad", 2))
+    path = str(tmp_path / "ckpt")
+    resumed = run_ranks(c.save_then_load, 2, "rowwise_adagrad", "LRU", None, path, 200, STEPS - 200, timeout=600)
+    assert_same_training(resumed, _resident("rowwise_adagrad", 2))
