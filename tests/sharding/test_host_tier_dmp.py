@@ -126,3 +126,22 @@ def test_two_ranks_train_and_resume_on_the_host_tier_as_resident_ones(tmp_path):
     path = str(tmp_path / "ckpt")
     resumed = run_ranks(c.save_then_load, 2, "rowwise_adagrad", "LRU", None, path, 200, STEPS - 200, timeout=600)
     assert_same_training(resumed, _resident("rowwise_adagrad", 2))
+
+
+def test_the_pipelined_step_refuses_host_tier_tables():
+    from tpurec.sharding.pipelined_step import PipelinedStep
+
+    _ensure_process_group()
+
+    class Model(torch.nn.Module):  # a batch field feeding the EBC, as PipelinedStep finds it
+        def __init__(self) -> None:
+            super().__init__()
+            self.ebc = EmbeddingBagCollection(c.TABLES)
+            self.head = torch.nn.Linear(40, 1)  # a dense parameter for the step's dense optimizer
+
+        def forward(self, features):  # pragma: no cover (not stepped)
+            return self.head(self.ebc(features).values())
+
+    model = tpurec.DistributedModelParallel(Model(), device="cpu", constraints=c.constraints("LRU"))
+    with pytest.raises(UserError, match=r"PipelinedStep: tables \['t0', 't2'\] are on the host tier"):
+        PipelinedStep(model, 0.1, compile=False)
