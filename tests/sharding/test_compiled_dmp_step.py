@@ -31,9 +31,10 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _dmp(world_size: int, sharding_types: dict[str, str] | None, pooling: str = "SUM") -> Any:
+def _dmp(world_size: int, sharding_types: dict[str, str] | None, pooling: str = "SUM", constraints: Any = None) -> Any:
     """TorchRec's DLRMTrain over FEATURES tables of ROWS x DIM, sharded by tpurec's DMP; fixed id
-    limits (64 per partition) give every batch the same SparseCore shapes: one graph for all."""
+    limits (64 per partition) give every batch the same SparseCore shapes: one graph for all.
+    constraints: ParameterConstraints by table, in place of those `sharding_types` makes."""
     from torchrec.distributed.planner.types import ParameterConstraints
     from torchrec.models.dlrm import DLRM, DLRMTrain
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -64,9 +65,8 @@ def _dmp(world_size: int, sharding_types: dict[str, str] | None, pooling: str = 
         )
     )
     apply_optimizer_in_backward(RowWiseAdagrad, model.model.sparse_arch.parameters(), {"lr": TABLE_LR})
-    constraints = (
-        {t: ParameterConstraints(sharding_types=[st]) for t, st in sharding_types.items()} if sharding_types else None
-    )
+    if constraints is None and sharding_types:
+        constraints = {t: ParameterConstraints(sharding_types=[st]) for t, st in sharding_types.items()}
     return tpurec.DistributedModelParallel(
         model,
         device="cpu",

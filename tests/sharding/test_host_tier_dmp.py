@@ -145,3 +145,29 @@ def test_the_pipelined_step_refuses_host_tier_tables():
     model = tpurec.DistributedModelParallel(Model(), device="cpu", constraints=c.constraints("LRU"))
     with pytest.raises(UserError, match=r"PipelinedStep: tables \['t0', 't2'\] are on the host tier"):
         PipelinedStep(model, 0.1, compile=False)
+
+
+def test_the_compiled_step_maps_ids_in_its_host_half():
+    """CompiledStep (aot_eager; fixed id limits: the SparseCore layout path) over TorchRec's DLRM with
+    table t0 on the host tier (half its 200 rows cached): its host half maps each batch's ids to the
+    cache before the compiled lookup; with one id per bag (no summation order to differ) the losses
+    equal the resident model's bit for bit."""
+    from tpurec.sharding.compiled_step import CompiledStep
+
+    from .dlrm_case import batches
+    from .test_compiled_dmp_step import BATCH, DENSE_LR, _dmp
+
+    _ensure_process_group()
+    half = CacheParams(load_factor=0.5)
+    on_host = {"t0": ParameterConstraints(compute_kernels=["fused_uvm_caching"], cache_params=half)}
+    losses, kernels = [], []
+    for constraints in (None, on_host):
+        torch._dynamo.reset()
+        model = _dmp(1, None, constraints=constraints)
+        step = CompiledStep(model, DENSE_LR, backend="aot_eager")
+        losses.append(torch.stack([step.step(b) for b in batches(20, BATCH, 0, 1)]))
+        kernels = [m.kernel for m in model.module.model.sparse_arch.embedding_bag_collection.sparsecore_lookups()]
+    torch._dynamo.reset()
+    assert torch.equal(losses[1], losses[0])
+    (counters,) = [k.host_tier_counters()["t0/0"] for k in kernels if k.host_tier]
+    assert counters.batches == 20 and counters.hits > 0 and counters.evictions > 0
