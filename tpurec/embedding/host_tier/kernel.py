@@ -70,7 +70,8 @@ class HostTierKernel(SparseCoreKernel):
             for t in tables
         ]
         super().__init__(cached, optimizer, num_sc_per_device, **keywords)  # (draws no values: reset_parameters)
-        self._whole = {f: t for t in tables for f in t.feature_names}  # each feature's table as the user sized it
+        # each feature's table as the user sized it: ids are checked against its rows
+        self._full_table_of = {f: t for t in tables for f in t.feature_names}
         tiers = {}
         for name, p in params.items():
             dtype = self.stacks[self._stack_of[name]].layout.dtype
@@ -113,7 +114,7 @@ class HostTierKernel(SparseCoreKernel):
         def map_ids(table: str, ids: np.ndarray) -> np.ndarray:
             return self._tier[table].map_ids(ids, self._step_of(table), grad, self._cache(table))
 
-        return remap_kjt(features, key_features, self._whole, self._tier, map_ids)
+        return remap_kjt(features, key_features, self._full_table_of, self._tier, map_ids)
 
     @property
     def _tier(self) -> dict[str, TableTier]:
@@ -129,7 +130,7 @@ class HostTierKernel(SparseCoreKernel):
         return Rows(super().read_weight(table), states)
 
     # -- whole tables: the host's, made whole first ------------------------------------------------
-    def _whole_host(self, table: str) -> Rows | None:
+    def _flushed_host(self, table: str) -> Rows | None:
         tier = self.host_tier.get(table) if self.host_tier is not None else None
         if tier is None:
             return None
@@ -137,22 +138,22 @@ class HostTierKernel(SparseCoreKernel):
         return tier.host
 
     def read_weight(self, table: str) -> torch.Tensor:
-        host = self._whole_host(table)
+        host = self._flushed_host(table)
         return super().read_weight(table) if host is None else host.weight
 
     def read_state(self, table: str, name: str) -> torch.Tensor:
-        host = self._whole_host(table)
+        host = self._flushed_host(table)
         return super().read_state(table, name) if host is None else host.states[name]
 
     def write_weight(self, table: str, value: torch.Tensor) -> None:
-        host = self._whole_host(table)
+        host = self._flushed_host(table)
         if host is None:
             super().write_weight(table, value)
         else:
             _write(host.weight, value, table)
 
     def write_state(self, table: str, name: str, value: torch.Tensor) -> None:
-        host = self._whole_host(table)
+        host = self._flushed_host(table)
         if host is None:
             super().write_state(table, name, value)
         else:
