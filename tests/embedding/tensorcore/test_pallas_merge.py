@@ -116,3 +116,17 @@ def test_the_merge_serves_what_fits_in_vmem():
     )
     assert not pallas_merge.fits(16384 * 8, 256, v5e)  # two 128 MiB ones
     assert not pallas_merge.fits(8, 128, None)
+
+
+def test_the_merge_is_taken_on_a_tpu_only_when_asked_for(monkeypatch):
+    from tpurec.embedding.tensorcore import tpu_bridge
+
+    monkeypatch.setattr(tpu_bridge, "_vmem_capacity", lambda: 128 << 20)  # a v5e, as JAX reports it
+    monkeypatch.delenv("TPUREC_PALLAS_MERGE", raising=False)
+    assert not tpu_bridge.merge_chosen(16384, 128, num_sc=1)  # off by default (docs/tensorcore.md)
+    monkeypatch.setenv("TPUREC_PALLAS_MERGE", "1")
+    assert tpu_bridge.merge_chosen(16384, 128, num_sc=1)
+    assert not tpu_bridge.merge_chosen(16384, 128, num_sc=4)  # rows not adjacent: XLA's sorted merge
+    assert not tpu_bridge.merge_chosen(16384 * 8, 256, num_sc=1)  # gradient past VMEM
+    monkeypatch.setattr(tpu_bridge, "_vmem_capacity", lambda: None)  # CPU
+    assert not tpu_bridge.merge_chosen(64, 128, num_sc=1)

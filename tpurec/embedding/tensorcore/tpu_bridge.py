@@ -39,9 +39,13 @@ def _row_gradients(
     rp: jax.Array, emb: jax.Array, smp: jax.Array, gns: jax.Array, table: jax.Array, grad: jax.Array, layout: tuple
 ) -> tuple[jax.Array, jax.Array, bool]:
     """(rows, gradients, whether the rows are sorted): duplicates merged by the Pallas kernel where
-    it serves (one SparseCore, the gradient within VMEM), else by XLA (update_jax.row_gradients)."""
+    asked for and it serves (one SparseCore, the gradient within VMEM), else by XLA.
+
+    Opt-in (TPUREC_PALLAS_MERGE=1): on v5e it took SGD's update from 7.4 to 6.2 ms through torch,
+    bit-equal, but the one `tpurec train` run with it (batch 256, 200 steps) took 71.7 s against 32.3
+    without it, same AUC, cause not yet known (docs/results.md, session 29)."""
     batch, num_sc, parts = layout
-    merge = num_sc == 1 and pallas_merge.fits(batch, table.shape[1], _vmem_capacity())
+    merge = merge_chosen(batch, table.shape[1], num_sc)
     rows, g = update_jax.row_gradients(
         rp,
         emb,
@@ -56,6 +60,12 @@ def _row_gradients(
         merge_kernel=merge,
     )
     return rows, g, not merge
+
+
+def merge_chosen(device_batch_size: int, width: int, num_sc: int) -> bool:
+    """Whether the update's rows are merged by `pallas_merge` (see `_row_gradients`)."""
+    asked = os.environ.get("TPUREC_PALLAS_MERGE", "") not in ("", "0")
+    return asked and num_sc == 1 and pallas_merge.fits(device_batch_size, width, _vmem_capacity())
 
 
 # The functions jax_op wraps: annotated as it requires (jax.Array = runtime input, int = static).
