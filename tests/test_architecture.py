@@ -31,12 +31,12 @@ LAYERS = {
     "planner": 2,
     "sharding": 3,
     "emulation": 3,  # a TPU rank on CPU: TorchTPU's stand-ins over embedding, slices from the planner
+    "launch": 3.5,  # a program's ranks on a slice (`tpurec launch`, `tpurec train`'s ranks): under dlrm
     "dlrm": 4,
     "bench": 5,
     "cli": 5,
     "env_report": 5,
     "selftest": 5,
-    "launch_cli": 5,
 }
 FACADE = "tpurec"  # the root __init__: above every layer
 

@@ -21,7 +21,7 @@ SUBCOMMANDS: dict[str, str] = {
     "plan": "tpurec.planner.cli",
     "selftest": "tpurec.selftest.cli",
     "train": "tpurec.dlrm.cli",
-    "launch": "tpurec.launch_cli",
+    "launch": "tpurec.launch.cli",
 }
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tpurec.dlrm.launch import summary
+from tpurec.launch.agent import summary
 from tpurec.runtime import group_watch, rank_errors
 
 REPO = Path(__file__).resolve().parents[2]
@@ -108,7 +108,7 @@ def _rank_processes(tmp_path: Path) -> list[psutil.Process]:
             cmd = q.cmdline()
         except psutil.Error:
             continue
-        if "tpurec.runtime.run_script" in cmd and "tpurec.dlrm.launch" not in cmd:
+        if "tpurec.runtime.run_script" in cmd and "tpurec.launch.agent" not in cmd:
             found.append(q)
     return found
 
@@ -168,7 +168,7 @@ def _ranks_up(launcher: subprocess.Popen, deadline: float = 180) -> list[psutil.
 def test_a_killed_rank_ends_the_launch_in_one_line_leaving_no_process(tmp_path):
     p = _launch(tmp_path, SLEEPER, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     procs = _ranks_up(p)
-    ranks = [q for q in procs if "prog.py" in q.cmdline() and "tpurec.dlrm.launch" not in q.cmdline()]
+    ranks = [q for q in procs if "prog.py" in q.cmdline() and "tpurec.launch.agent" not in q.cmdline()]
     assert len(ranks) == 4 and any(q.cmdline()[:2] == ["sleep", "300"] for q in procs)
     victim = sorted(ranks, key=lambda q: q.pid)[1]
     start = time.monotonic()

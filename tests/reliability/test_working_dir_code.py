@@ -142,13 +142,14 @@ def test_children_get_a_safe_path_and_a_users_program_the_callers_environment(mo
 
 
 def test_every_rank_command_starts_with_a_safe_path():
-    from tpurec.dlrm import slice_launch
+    from tpurec.dlrm.cli import RANK_PROGRAM
+    from tpurec.launch import hosts
 
-    train = slice_launch.agent_command(2)
-    assert train[:4] == [sys.executable, "-P", "-m", "tpurec.dlrm.launch"] and train[-2:] == ["-m", "tpurec.dlrm"]
-    script = slice_launch.agent_command(4, program=["prog.py", "--x"])
+    train = hosts.agent_command(2, RANK_PROGRAM)
+    assert train[:4] == [sys.executable, "-P", "-m", "tpurec.launch.agent"] and train[-2:] == ["-m", "tpurec.dlrm"]
+    script = hosts.agent_command(4, ["prog.py", "--x"])
     assert script[:2] == [sys.executable, "-P"] and script[-4:] == ["-m", "tpurec.runtime.run_script", "prog.py", "--x"]
-    module = slice_launch.agent_command(4, program=["-m", "pkg.mod", "--x"])
+    module = hosts.agent_command(4, ["-m", "pkg.mod", "--x"])
     assert module[-3:] == ["-m", "pkg.mod", "--x"]
 
 
@@ -238,7 +239,7 @@ def test_the_child_asking_torchtpu_for_its_launch_environment(work, tmp_path):
     fake = tmp_path / "fake"
     fake.mkdir()
     (fake / "sitecustomize.py").write_text(FAKE_TORCH_TPU)
-    code = "from tpurec.dlrm.slice_launch import torchtpu_launch_env; print(torchtpu_launch_env(1, 1))"
+    code = "from tpurec.launch.hosts import torchtpu_launch_env; print(torchtpu_launch_env(1, 1))"
     p = _python(code, work, _env(PYTHONPATH=f"{fake}{os.pathsep}{REPO}"))
     _assert_clean(work, p)
     assert "'TORCH_TPU_TOPOLOGY': '1,1,1'" in p.stdout
@@ -272,7 +273,7 @@ def test_launch_of_a_module_found_only_in_the_working_directory_is_one_line_nami
 
 
 def test_a_module_of_the_working_directory_is_found_when_put_on_pythonpath_on_purpose(tmp_path, monkeypatch):
-    from tpurec.launch_cli import _module_problem
+    from tpurec.launch.cli import _module_problem
 
     (tmp_path / "mymod.py").write_text("raise SystemExit(97)\n")
     monkeypatch.chdir(tmp_path)

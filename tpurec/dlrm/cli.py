@@ -23,6 +23,8 @@ from tpurec.runtime.device import DeviceKind
 if TYPE_CHECKING:
     from tpurec.dlrm.trainer import Trainer
 
+RANK_PROGRAM = ("-m", "tpurec.dlrm")  # what each launched rank runs: one rank of `tpurec train`
+
 _EPILOG = """\
 examples:
   tpurec train                                   # dlrm-tiny on cached synthetic data, ~1 min on 2 cores
@@ -100,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
             # that refuses sockets cannot give ports, and one process runs without them (on the v5e
             # chip, docs/tpu.md): its group is then tpurec's local one (runtime/local_group.py).
             if tpu_status().usable and not sockets_refused():
-                from tpurec.dlrm.slice_launch import torchtpu_launch_env
+                from tpurec.launch.hosts import torchtpu_launch_env
 
                 launch = torchtpu_launch_env(1, 1)  # UserError when TorchTPU refuses this host
                 os.environ.update({k: v for k, v in launch.items() if k not in os.environ})
@@ -116,18 +118,18 @@ def run(args: argparse.Namespace) -> int:
     msg = _files_problem(args, options)
     if msg:
         return _error(msg)
-    from tpurec.dlrm import slice_launch
+    from tpurec.launch import hosts
 
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **{OPTIONS_ENV: options.to_json()})
     if args.emulate_tpu:
-        agents = slice_launch.emulated_agents(args.emulate_tpu, env)
+        agents = hosts.emulated_agents(args.emulate_tpu, env, RANK_PROGRAM)
     elif options.device == "tpu":
-        agents = [slice_launch.tpu_agent(args.nproc, args.nnodes, env)]
+        agents = [hosts.tpu_agent(args.nproc, args.nnodes, env, RANK_PROGRAM)]
     else:
-        agents = [(slice_launch.agent_command(args.nproc), env)]
+        agents = [(hosts.agent_command(args.nproc, RANK_PROGRAM), env)]
     # SIGTERM / Ctrl-C of this launcher reach each torch.distributed.run, which stops its ranks; if
     # this process is killed outright, the kernel sends them SIGTERM (they die with their parent).
-    return slice_launch.run_hosts(agents, "tpurec train")
+    return hosts.run_hosts(agents, "tpurec train")
 
 
 def _launch_problem(args: argparse.Namespace, options: TrainOptions) -> str | None:
@@ -142,7 +144,7 @@ def _launch_problem(args: argparse.Namespace, options: TrainOptions) -> str | No
             spec = parse_slice(args.emulate_tpu)
         except UserError as e:
             return f"--emulate-tpu: {e}"
-        from tpurec.dlrm.slice_launch import emulation_too_big
+        from tpurec.launch.hosts import emulation_too_big
 
         too_big = emulation_too_big(spec)
         if too_big:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from tpurec.errors import UserError
 from tpurec.runtime.device import DeviceChoice, DeviceKind
-from tpurec.runtime.host_resources import available_bytes
+from tpurec.runtime.host_resources import RANK_OVERHEAD_BYTES, available_bytes
 
 if TYPE_CHECKING:
     from tpurec.dlrm.configs import DLRMConfig
@@ -88,12 +88,9 @@ def resolve_device(name: DeviceChoice) -> DeviceKind:
     return DeviceKind(name)
 
 
-# What a CPU training rank holds besides its tables (torch, torchrec, the dense model, readers,
-# batches): measured ~0.93 GiB peak RSS for dlrm-tiny (`/usr/bin/time -v tpurec train --steps 20`),
-# rounded up. Tables and their optimizer state are held once (docs/dmp.md); 10% covers the
-# step's temporaries (measured: 33.8 M rows x 16 with row-wise Adagrad, 2.30 GB of tables, peaked at
-# 3.23 GB RSS, i.e. tables + 0.93 GB).
-RANK_OVERHEAD_BYTES = 1 << 30
+# Tables and their optimizer state are held once (docs/dmp.md); 10% covers the step's temporaries
+# (measured: 33.8 M rows x 16 with row-wise Adagrad, 2.30 GB of tables, peaked at 3.23 GB RSS, i.e.
+# tables + 0.93 GB, the rest of a rank: `RANK_OVERHEAD_BYTES`).
 TABLE_PEAK_FACTOR = 1.1
 
 

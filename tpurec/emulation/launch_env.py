@@ -1,7 +1,7 @@
 """The launch environment of an emulated slice: each host given what a Cloud TPU VM gives it, then
 TorchTPU's `set_tpu_launch_env()` rules applied there, as on the real host.
 
-A real multi-host launch (`tpurec.dlrm.slice_launch.tpu_agent`) takes this host's index and the
+A real multi-host launch (`tpurec.launch.hosts.tpu_agent`) takes this host's index and the
 slice's hostnames from the TPU VM (`tpurec.runtime.tpu_vm.cloud_tpu_host_env`: `TPU_WORKER_ID` / `TPU_WORKER_HOSTNAMES`
 when set, as GKE sets them, else the metadata server's `agent-worker-number` and
 `worker-network-endpoints`), hands them to TorchTPU as `JOB_COMPLETION_INDEX` and

@@ -6,7 +6,7 @@ return, a misread flag), the others wait in `init_process_group` for up to its 3
 while nothing is printed. Each rank of a user's program (`tpurec.runtime.run_script`) records how far
 it got in a file of a directory the launcher made (`WATCH_ENV`): `joining` while inside
 `init_process_group`, `formed` once it returned, `left CODE` when the program ended before that. The
-launcher (`tpurec.dlrm.slice_launch.run_hosts`) reads them while it waits and stops the run in one
+launcher (`tpurec.launch.hosts.run_hosts`) reads them while it waits and stops the run in one
 line naming the rank that left while others wait for it.
 
 The same directory is the run's for the ranks' one-line errors (`error-R`, `tpurec.runtime.rank_errors`),

@@ -7,7 +7,7 @@ them at once: 8 ranks printed 8 copies of the same line. Here a rank's one-line 
   the run directory the launcher made (`group_watch.WATCH_ENV`); the rank prints nothing. When the
   ranks have ended the launcher prints each distinct line once, with the ranks that raised it
   (`tpurec train: error: ranks 0-7: --plan p.json: file not found`; `collect`), and its agent leaves
-  those ranks out of its own line on failed ranks (`tpurec.dlrm.launch`);
+  those ranks out of its own line on failed ranks (`tpurec.launch.agent`);
 * under a torchrun tpurec does not own (`.venv/bin/torchrun ... -m tpurec.dlrm`), the first rank of
   each host to find a given line prints it (`... error: rank 3: ...`), the others of that host stay
   quiet: an exclusive-create file per line and run in the temporary directory decides, which takes no

@@ -7,7 +7,7 @@ takes this host's rank from `JOB_COMPLETION_INDEX` (or from its chips' coordinat
 ValueError without them. A VM made by `gcloud compute tpus tpu-vm create` has neither variable: its
 metadata server holds them. GKE sets `TPU_WORKER_ID` and `TPU_WORKER_HOSTNAMES` (and
 `JOB_COMPLETION_INDEX` in an Indexed Job). `cloud_tpu_host_env` turns whichever this host has into what
-TorchTPU reads; the real launch (`tpurec.dlrm.slice_launch`) and the emulated one
+TorchTPU reads; the real launch (`tpurec.launch.hosts`) and the emulated one
 (`tpurec.emulation.launch_env`, with a metadata server of its own) both use it.
 """
 

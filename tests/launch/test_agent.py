@@ -6,7 +6,7 @@ import signal
 
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from tpurec.dlrm.launch import summary
+from tpurec.launch.agent import summary
 
 
 def _failure(rank: int, exitcode: int, timestamp: int) -> ProcessFailure:

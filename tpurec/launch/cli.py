@@ -6,7 +6,7 @@
     tpurec launch --emulate-tpu v5p-8 -- -m mypackage.train      # a module (PYTHONPATH, installed)
     tpurec launch --emulate-tpu v5p-8 --timeout 600 my_test.py   # every rank stopped after 10 minutes
 
-What `tpurec train` does for its own ranks (`tpurec.dlrm.slice_launch`): TorchTPU's launch
+What `tpurec train` does for its own ranks (`tpurec.launch.hosts`): TorchTPU's launch
 environment decided first, one torch.distributed.run agent per host. In an emulated rank,
 `import tpurec` installs TorchTPU's stand-ins (`tpurec.emulation`), so the program's
 `tpurec.DistributedModelParallel(model, device="tpu")` takes the TPU code path on CPU tensors.
@@ -79,7 +79,7 @@ def _module_problem(name: str) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tpurec.dlrm import slice_launch
+    from tpurec.launch import hosts
 
     program = ["-m", *args.args] if args.program == "-m" else [args.program, *args.args]
     if args.program == "-m":  # through run_script too, which tells the launcher when the group formed
@@ -101,13 +101,13 @@ def run(args: argparse.Namespace) -> int:
             spec = parse_slice(args.emulate_tpu)
         except UserError as e:
             raise UserError(f"--emulate-tpu: {e}") from None
-        too_big = slice_launch.emulation_too_big(spec)
+        too_big = hosts.emulation_too_big(spec)
         if too_big:
             return _error(f"--emulate-tpu: {too_big}")
-        agents = slice_launch.emulated_agents(spec.name, env, program)
+        agents = hosts.emulated_agents(spec.name, env, program)
         report = (spec.hosts, spec.name)
-        return slice_launch.run_hosts(agents, say_stopped=True, timeout=args.timeout, report=report)
+        return hosts.run_hosts(agents, say_stopped=True, timeout=args.timeout, report=report)
     if args.nnodes < 1 or (args.nproc is not None and args.nproc < 1):
         return _error("--nproc and --nnodes must be >= 1")
-    agent = slice_launch.tpu_agent(args.nproc, args.nnodes, env, program)  # UserError when TorchTPU refuses
-    return slice_launch.run_hosts([agent], say_stopped=True, timeout=args.timeout, report=(args.nnodes, None))
+    agent = hosts.tpu_agent(args.nproc, args.nnodes, env, program)  # UserError when TorchTPU refuses
+    return hosts.run_hosts([agent], say_stopped=True, timeout=args.timeout, report=(args.nnodes, None))

@@ -1,4 +1,4 @@
-"""`python -m tpurec.dlrm.launch ARGS`: torch.distributed.run (ARGS are its own) ending in one line.
+"""`python -m tpurec.launch.agent ARGS`: torch.distributed.run (ARGS are its own) ending in one line.
 
 torch.distributed.run already stops every rank when one fails, but then reports the failure as a
 Python traceback of its own, with a multi-line box of details. Here it runs in-process and its
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         run(parse_args(sys.argv[1:] if argv is None else argv))
         return 0
     except ChildFailedError as e:
-        from tpurec.dlrm.slice_launch import COMMAND_ENV
+        from tpurec.launch.hosts import COMMAND_ENV
         from tpurec.runtime import group_watch, rank_errors
 
         told = rank_errors.reported(os.environ.get(group_watch.WATCH_ENV))

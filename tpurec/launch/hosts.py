@@ -1,4 +1,5 @@
-"""Launching `tpurec train` ranks on a TPU slice: real (one host, or this host of several) or emulated.
+"""Launching a program's ranks (`tpurec launch`, `tpurec train`) on a TPU slice: real (one host, or this
+host of several) or emulated.
 
 TorchTPU 0.2.0 needs its launch environment decided in the parent before any rank starts
 (`torch.tpu.distributed.set_tpu_launch_env()`, `torch_tpu/_internal/distributed/distributed.py`):
@@ -78,23 +79,20 @@ def torchtpu_launch_env(nnodes: int, nproc_per_node: int | None) -> dict[str, st
     return dict(given, **json.loads(lines[-1][len(_MARK) :]))
 
 
-TRAIN = ("-m", "tpurec.dlrm")  # what each rank runs by default: `tpurec train`'s rank
-
-
 def agent_command(
     nproc_per_node: int,
+    program: tuple[str, ...] | list[str],
     nnodes: int = 1,
     node_rank: int = 0,
     master: str | None = None,
-    program: tuple[str, ...] | list[str] = TRAIN,
 ) -> list[str]:
-    """torch.distributed.run (failures reported in one line, `tpurec.dlrm.launch`) for one host,
+    """torch.distributed.run (failures reported in one line, `tpurec.launch.agent`) for one host,
     running `program` (`-m MODULE ...` or `SCRIPT ...`) in every rank. The agent and its ranks start
     without the working directory on sys.path; a SCRIPT gets its own directory, as `python SCRIPT`
     gives it (`tpurec.runtime.safe_path`)."""
     if program[0] != "-m":
         program = safe_path.script(*program)
-    cmd = safe_path.python("-m", "tpurec.dlrm.launch")
+    cmd = safe_path.python("-m", "tpurec.launch.agent")
     if nnodes == 1 and master is None:
         cmd.append("--standalone")
     else:
@@ -216,9 +214,8 @@ _EARLY_EXIT_GRACE = 1.0  # seconds a rank that left and a rank waiting are seen 
 
 def emulation_too_big(spec: SliceSpec) -> str | None:
     """Why this machine cannot hold every rank of `spec` (each a whole Python process with torch and
-    TorchRec, ~1 GiB: `tpurec.dlrm.runtime.RANK_OVERHEAD_BYTES`), or None."""
-    from tpurec.dlrm.runtime import RANK_OVERHEAD_BYTES
-    from tpurec.runtime.host_resources import available_bytes
+    TorchRec, ~1 GiB: `tpurec.runtime.host_resources.RANK_OVERHEAD_BYTES`), or None."""
+    from tpurec.runtime.host_resources import RANK_OVERHEAD_BYTES, available_bytes
 
     free = available_bytes()
     need = spec.world_size * RANK_OVERHEAD_BYTES
@@ -233,7 +230,7 @@ def emulation_too_big(spec: SliceSpec) -> str | None:
 
 
 def emulated_agents(
-    slice_name: str, base_env: dict[str, str], program: tuple[str, ...] | list[str] = TRAIN
+    slice_name: str, base_env: dict[str, str], program: tuple[str, ...] | list[str]
 ) -> list[tuple[list[str], dict[str, str]]]:
     """One agent per host of the emulated slice, each with its launch environment."""
     from tpurec.emulation.launch_env import emulated_launch_env
@@ -246,12 +243,12 @@ def emulated_agents(
         # A Cloud TPU VM names its slice in TPU_ACCELERATOR_TYPE; tpurec plans for it when given none.
         env = dict(base_env, **launch, **{EMULATE_ENV: spec.name, "TPU_ACCELERATOR_TYPE": spec.name})
         master = f"{launch['MASTER_ADDR']}:{launch['MASTER_PORT']}" if spec.hosts > 1 else None
-        agents.append((agent_command(spec.devices_per_host, spec.hosts, host, master, program), env))
+        agents.append((agent_command(spec.devices_per_host, program, spec.hosts, host, master), env))
     return agents
 
 
 def tpu_agent(
-    nproc: int | None, nnodes: int, base_env: dict[str, str], program: tuple[str, ...] | list[str] = TRAIN
+    nproc: int | None, nnodes: int, base_env: dict[str, str], program: tuple[str, ...] | list[str]
 ) -> tuple[list[str], dict[str, str]]:
     """This host's agent of a real TPU launch, with TorchTPU's launch environment."""
     launch = torchtpu_launch_env(nnodes, nproc)
@@ -259,6 +256,6 @@ def tpu_agent(
     per_host = nproc or len(addresses) // nnodes  # TorchTPU gives every host the same number of addresses
     env = dict(base_env, **launch)
     if nnodes == 1:
-        return agent_command(per_host, program=program), env
+        return agent_command(per_host, program), env
     master = f"{launch['MASTER_ADDR']}:{launch['MASTER_PORT']}"
-    return agent_command(per_host, nnodes, int(launch["NODE_RANK"]), master, program), env
+    return agent_command(per_host, program, nnodes, int(launch["NODE_RANK"]), master), env

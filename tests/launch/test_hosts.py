@@ -48,12 +48,13 @@ def _fake_torch_tpu(tmp_path, monkeypatch):
 
 
 def test_a_tpu_hosts_agent_gets_torchtpus_launch_env_and_its_node_rank(tmp_path, monkeypatch):
-    from tpurec.dlrm import slice_launch
+    from tpurec.dlrm.cli import RANK_PROGRAM
+    from tpurec.launch import hosts
 
     _fake_torch_tpu(tmp_path, monkeypatch)
     monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "10.0.0.5,10.0.0.6")
     monkeypatch.setenv("TPU_WORKER_ID", "1")  # as GKE sets them
-    cmd, env = slice_launch.tpu_agent(None, 2, {"X": "1"})
+    cmd, env = hosts.tpu_agent(None, 2, {"X": "1"}, RANK_PROGRAM)
     assert env["X"] == "1" and env["JOB_COMPLETION_INDEX"] == "1" and env["NODE_RANK"] == "1"
     assert env["TORCH_TPU_TOPOLOGY"] == "2,2,1" and "TORCH_TPU_DEVICES_PER_HOST" not in env
     assert len(env["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(",")) == 8
@@ -63,7 +64,7 @@ def test_a_tpu_hosts_agent_gets_torchtpus_launch_env_and_its_node_rank(tmp_path,
 
 
 def test_a_cloud_tpu_vm_host_takes_its_index_and_the_hosts_from_the_metadata_server(tmp_path, monkeypatch):
-    from tpurec.dlrm import slice_launch
+    from tpurec.launch import hosts
     from tpurec.runtime import tpu_vm
 
     _fake_torch_tpu(tmp_path, monkeypatch)
@@ -71,7 +72,7 @@ def test_a_cloud_tpu_vm_host_takes_its_index_and_the_hosts_from_the_metadata_ser
     # attributes: jax/_src/clusters/cloud_tpu_cluster.py). Older endpoints are name:id:ip triples.
     answers = {"agent-worker-number": "1", "worker-network-endpoints": "w-0:0:10.0.0.5,w-1:1:10.0.0.6"}
     monkeypatch.setattr(tpu_vm, "gce_metadata", answers.get)
-    cmd, env = slice_launch.tpu_agent(None, 2, {})
+    cmd, env = hosts.tpu_agent(None, 2, {}, ["prog.py"])
     assert env["TPU_WORKER_HOSTNAMES"] == "10.0.0.5,10.0.0.6" and env["JOB_COMPLETION_INDEX"] == "1"
     assert "--node-rank=1" in cmd and "--master-addr=10.0.0.5" in cmd
     # One host: nothing from the metadata (JOB_COMPLETION_INDEX would put TorchTPU on its multi-host path).
@@ -95,11 +96,11 @@ def test_a_host_that_cannot_tell_its_index_is_refused_with_the_fix(monkeypatch):
 
 
 def test_a_failing_set_tpu_launch_env_is_one_line(tmp_path, monkeypatch):
-    from tpurec.dlrm import slice_launch
+    from tpurec.launch import hosts
 
     _fake_torch_tpu(tmp_path, monkeypatch)  # no TPU_WORKER_HOSTNAMES: the fake then fails, as TorchTPU would
     with pytest.raises(ValueError, match="set_tpu_launch_env\\(\\) failed on this host: KeyError"):
-        slice_launch.tpu_agent(None, 1, {})
+        hosts.tpu_agent(None, 1, {}, ["prog.py"])
 
 
 PROBE = textwrap.dedent("""
@@ -148,7 +149,7 @@ def test_tpurec_launch_groups_an_emulated_slices_ranks_into_its_hosts(tmp_path, 
 
 
 def test_an_emulated_slice_gets_one_agent_per_host_with_its_node_rank():
-    from tpurec.dlrm.slice_launch import emulated_agents
+    from tpurec.launch.hosts import emulated_agents
 
     agents = emulated_agents("v6e-16", {"X": "1"}, ["prog.py", "--flag"])
     assert len(agents) == 4  # 4-chip VMs
