@@ -176,7 +176,7 @@ def test_train_flags_come_from_the_config_fields():
 
 def test_tables_too_big_for_this_host_are_refused_in_one_line():
     from tpurec.catalog import get_table_set
-    from tpurec.dlrm.runtime import check_host_memory
+    from tpurec.dlrm.rank_setup import check_host_memory
 
     cfg = get_config("mlperf-dcnv2")  # 204 M rows x 128: about 100 GiB of weights + Adagrad state
     with pytest.raises(ValueError, match=r"training mlperf-dcnv2 on CPU needs about \d+\.\d GiB on this host"):
@@ -188,18 +188,18 @@ def test_tables_too_big_for_this_host_are_refused_in_one_line():
 def test_memory_projection_counts_tables_once_plus_a_rank_overhead(monkeypatch):
     """The projection behind the guard: 1.1 x (weights + state) of this host's share + 1 GiB per rank
     (measured: 2.30 GB of tables peaked at 3.23 GB RSS)."""
-    from tpurec.dlrm import runtime
+    from tpurec.dlrm import rank_setup
 
     cfg = get_config("dlrm-tiny")  # dim 16, row-wise Adagrad: 16 * 4 + 4 bytes per row
     sizes = [1_000_000] * 26
-    tables, need = runtime.projected_host_bytes(cfg, sizes, world=2, local=2)
+    tables, need = rank_setup.projected_host_bytes(cfg, sizes, world=2, local=2)
     assert tables == 26_000_000 * 68
     assert need == int(1.1 * tables) + 2 * 2**30
     monkeypatch.setenv("TPUREC_HOST_MEMORY_BYTES", str(need - 1))
     with pytest.raises(ValueError, match=r"26,000,000 rows, sizes from X"):
-        runtime.check_host_memory(cfg, sizes, 2, source=", sizes from X")
+        rank_setup.check_host_memory(cfg, sizes, 2, source=", sizes from X")
     monkeypatch.setenv("TPUREC_HOST_MEMORY_BYTES", str(need))
-    runtime.check_host_memory(cfg, sizes, 2)
+    rank_setup.check_host_memory(cfg, sizes, 2)
 
 
 def test_multi_hot_sizes_reach_the_planner_as_pooling_factors():

@@ -30,6 +30,7 @@ from tpurec.dlrm import keep_best
 from tpurec.dlrm.ckpt.manager import CheckpointManager
 from tpurec.dlrm.keep_best import BestEval
 from tpurec.dlrm.options import OPTIONS_ENV, TrainOptions
+from tpurec.dlrm.rank_setup import check_host_memory, init_distributed, log, resolve_device, setup_logging
 from tpurec.dlrm.report import (
     MIN_EVAL_ROWS_FOR_AUC,
     MetricsLog,
@@ -39,7 +40,6 @@ from tpurec.dlrm.report import (
     plan_summary,
     summary_text,
 )
-from tpurec.dlrm.runtime import check_host_memory, init_distributed, log, resolve_device, setup_logging
 from tpurec.errors import UserError
 from tpurec.runtime import stop_request, storage
 

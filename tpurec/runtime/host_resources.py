@@ -10,7 +10,7 @@ from pathlib import Path
 
 # What a rank process holds besides its tables (torch, torchrec, the dense model, readers, batches):
 # measured ~0.93 GiB peak RSS for a dlrm-tiny training rank on CPU (`/usr/bin/time -v tpurec train
-# --steps 20`), rounded up. Used to size CPU training (tpurec.dlrm.runtime) and emulated slices.
+# --steps 20`), rounded up. Used to size CPU training (tpurec.dlrm.rank_setup) and emulated slices.
 RANK_OVERHEAD_BYTES = 1 << 30
 
 
