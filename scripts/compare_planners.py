@@ -16,7 +16,7 @@ from torchrec.distributed.planner import EmbeddingShardingPlanner
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 import tpurec.planner.planners as P
-from tpurec.catalog import get_table_set
+from tpurec.data.catalog import get_table_set
 from tpurec.dlrm.model import embedding_bag_configs
 from tpurec.planner.report import build_report
 from tpurec.planner.topology import GiB, make_topology

@@ -21,7 +21,6 @@ LAYERS = {
     "errors": -1,  # the user-error type (tpurec/errors.py): imported by every layer, imports nothing
     "strict_json": -1,  # the JSON every layer writes (NaN as null, never NaN): imports nothing
     "runtime": 0,  # process and host plumbing: device, process groups, heartbeat, threads, locks, signals
-    "catalog": 0,
     "argtypes": 0,
     "outputs": 0,
     "json_fields": 0,

@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from tpurec.catalog import CRITEO_KAGGLE_ROWS
+from tpurec.data.catalog import CRITEO_KAGGLE_ROWS
 from tpurec.data.convert import ConvertOptions, convert
 from tpurec.data.schema import CAT_RAW, DENSE_RAW, DataError, criteo_schema, dataset_metadata
 

@@ -12,7 +12,7 @@ import pytest
 
 from tests.data.test_any_parquet import DENSE, FLAGS, INTS, ROWS, STRINGS, _frame
 from tpurec import cli
-from tpurec.catalog import get_table_set
+from tpurec.data.catalog import get_table_set
 from tpurec.data.mapped import open_source
 from tpurec.data.mapping import ColumnSpec
 from tpurec.data.reader import ParquetReader

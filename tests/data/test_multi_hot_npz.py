@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tpurec.catalog import MLPERF_DCNV2_MULTI_HOT, MLPERF_DCNV2_ROWS
+from tpurec.data.catalog import MLPERF_DCNV2_MULTI_HOT, MLPERF_DCNV2_ROWS
 from tpurec.data.convert import ConvertOptions, convert
 from tpurec.data.reader import ParquetReader
 from tpurec.data.schema import CAT_MOD, DENSE_TORCHREC, DataError, criteo_schema, dataset_metadata

@@ -381,7 +381,7 @@ def test_abandoning_an_epoch_with_prefetch_does_not_hang(synth_dir):
 
 
 def test_transforms_recorded_as_raw_are_applied_at_read_time(criteo_sample, tmp_path):
-    from tpurec.catalog import DLRM_TINY_ROWS
+    from tpurec.data.catalog import DLRM_TINY_ROWS
     from tpurec.data.convert import ConvertOptions, convert
     from tpurec.data.schema import CAT_RAW, DENSE_RAW, criteo_schema
 
@@ -439,7 +439,7 @@ def test_corrupt_row_group_is_named(tmp_path):
 def test_batches_feed_a_torchrec_embedding_bag_collection(synth_dir):
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-    from tpurec.catalog import TABLE_SETS
+    from tpurec.data.catalog import TABLE_SETS
     from tpurec.dlrm.model import embedding_bag_configs
 
     ebc = EmbeddingBagCollection(tables=embedding_bag_configs(TABLE_SETS["dlrm-tiny"]))

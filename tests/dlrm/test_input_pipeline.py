@@ -26,7 +26,7 @@ def multi_hot_dir(tmp_path_factory):
 
 
 def _kernel(num_sc=4, **kw):
-    from tpurec.catalog import get_table_set
+    from tpurec.data.catalog import get_table_set
     from tpurec.embedding.kernel import KernelTable, SparseCoreKernel
     from tpurec.embedding.optimizers.sgd import SGDSpec
 

@@ -150,7 +150,7 @@ def test_train_flags_come_from_the_config_fields():
     import argparse
     import dataclasses
 
-    from tpurec.catalog import MODEL_NAMES
+    from tpurec.data.catalog import MODEL_NAMES
     from tpurec.dlrm.configs import DLRMConfig
     from tpurec.dlrm.flags import flag_kwargs, flagged_fields
     from tpurec.dlrm.options import TrainOptions
@@ -175,7 +175,7 @@ def test_train_flags_come_from_the_config_fields():
 
 
 def test_tables_too_big_for_this_host_are_refused_in_one_line():
-    from tpurec.catalog import get_table_set
+    from tpurec.data.catalog import get_table_set
     from tpurec.dlrm.rank_setup import check_host_memory
 
     cfg = get_config("mlperf-dcnv2")  # 204 M rows x 128: about 100 GiB of weights + Adagrad state
@@ -203,7 +203,7 @@ def test_memory_projection_counts_tables_once_plus_a_rank_overhead(monkeypatch):
 
 
 def test_multi_hot_sizes_reach_the_planner_as_pooling_factors():
-    from tpurec.catalog import get_table_set
+    from tpurec.data.catalog import get_table_set
     from tpurec.dlrm.model import planner_constraints
 
     cfg = override(get_config("dlrm-tiny"), multi_hot_sizes=[3, 1, 2] + [1] * 23)

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from tpurec.catalog import DLRM_TINY_ROWS
+from tpurec.data.catalog import DLRM_TINY_ROWS
 
 from .helpers import REPO, train
 

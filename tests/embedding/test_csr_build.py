@@ -107,7 +107,7 @@ def test_a_batch_over_given_limits_is_dropped_as_the_numpy_route_drops(max_ids, 
 
 def test_mlperf_shaped_stack_matches(monkeypatch):
     """One stack of 26 multi-hot features with 40M-row tables (large local ids, uint64 keys)."""
-    from tpurec.catalog import MLPERF_DCNV2_MULTI_HOT, get_table_set
+    from tpurec.data.catalog import MLPERF_DCNV2_MULTI_HOT, get_table_set
 
     rng = np.random.default_rng(0)
     ts = get_table_set("mlperf-dcnv2")

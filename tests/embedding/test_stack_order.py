@@ -6,7 +6,7 @@ import pytest
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from tpurec.catalog import MLPERF_DCNV2_MULTI_HOT, get_table_set
+from tpurec.data.catalog import MLPERF_DCNV2_MULTI_HOT, get_table_set
 from tpurec.embedding.constraints import padded_rows
 from tpurec.embedding.kernel import KernelTable, SparseCoreKernel
 from tpurec.embedding.layout import build_stacks

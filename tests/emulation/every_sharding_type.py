@@ -7,7 +7,7 @@ import torch
 from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from tpurec.catalog import get_table_set
+from tpurec.data.catalog import get_table_set
 from tpurec.planner.kernel_choice import sharding_types_for
 
 

@@ -3,7 +3,7 @@ import logging
 import pytest
 import torch
 
-from tpurec.catalog import get_table_set
+from tpurec.data.catalog import get_table_set
 from tpurec.dlrm.model import embedding_bag_configs
 
 # torchrec warns that our Topology is not built by its TopologyFactory; not actionable in tests.

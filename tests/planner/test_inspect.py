@@ -9,7 +9,7 @@ from torchrec.distributed.types import (
     ShardingPlan,
 )
 
-from tpurec.catalog import TableSpec
+from tpurec.data.catalog import TableSpec
 from tpurec.planner import plan_io, report_html, report_png
 from tpurec.planner import report as I
 from tpurec.planner.estimators import shard_cost

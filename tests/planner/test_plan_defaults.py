@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tpurec.catalog import MODEL_NAMES, TRAINING_DEFAULTS
+from tpurec.data.catalog import MODEL_NAMES, TRAINING_DEFAULTS
 
 from .test_inspect import _cli
 
@@ -43,7 +43,7 @@ def test_named_model_plans_with_its_training_optimizer_and_batch(capsys):
 def test_cpu_plan_is_the_plan_cpu_training_makes(capsys):
     import torch
 
-    from tpurec.catalog import get_table_set
+    from tpurec.data.catalog import get_table_set
     from tpurec.dlrm.configs import CONFIGS
     from tpurec.dlrm.model import embedding_bag_configs, planner_constraints
     from tpurec.planner import planners as P

@@ -13,7 +13,7 @@ import re
 import pytest
 
 from tests.headless_chromium import INSTALL_HINT, Chromium, find_browser
-from tpurec.catalog import get_table_set
+from tpurec.data.catalog import get_table_set
 from tpurec.planner import report as I
 from tpurec.planner import report_html
 

@@ -86,7 +86,7 @@ def test_loaded_plan_shards_model_identically(tmp_path):
     from torchrec.distributed.planner.types import Topology
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-    from tpurec.catalog import get_table_set
+    from tpurec.data.catalog import get_table_set
     from tpurec.dlrm.model import embedding_bag_configs
 
     # A file rendezvous: no port to collide with other jobs on the host, no environment left behind.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tpurec.catalog import get_table_set
+from tpurec.data.catalog import get_table_set
 from tpurec.planner import report as I
 from tpurec.planner import report_html, report_png
 

@@ -6,7 +6,7 @@ from torchrec.distributed.types import ShardingType
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from tests.planner.conftest import ebc_for, pooling_of
-from tpurec.catalog import get_table_set
+from tpurec.data.catalog import get_table_set
 from tpurec.planner import planners as P
 from tpurec.planner import report as I
 from tpurec.planner.kernel_choice import COMPUTE_KERNEL, SHARDING_TYPES

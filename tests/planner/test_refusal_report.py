@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tpurec.catalog import TableSpec
+from tpurec.data.catalog import TableSpec
 from tpurec.planner import plan_io, sizing
 from tpurec.planner import report as I
 

@@ -9,7 +9,7 @@ from html.parser import HTMLParser
 
 import pytest
 
-from tpurec.catalog import TableSpec
+from tpurec.data.catalog import TableSpec
 from tpurec.planner import report as I
 from tpurec.planner import report_html
 

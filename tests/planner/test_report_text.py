@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tpurec.catalog import TableSpec
+from tpurec.data.catalog import TableSpec
 from tpurec.planner import report as I
 from tpurec.planner import report_png
 from tpurec.planner.report_text import rank_ranges

@@ -10,7 +10,7 @@ import torch
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from tpurec.catalog import TableSpec
+from tpurec.data.catalog import TableSpec
 from tpurec.planner import planners as P
 from tpurec.planner import report as I
 from tpurec.planner.estimators import shard_cost, table_elem_bytes

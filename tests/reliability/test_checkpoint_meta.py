@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.reliability.inproc import TINY_TRAIN, assert_refused, run_cli
-from tpurec.catalog import get_table_set
+from tpurec.data.catalog import get_table_set
 from tpurec.dlrm.ckpt import checkpoint as ckpt
 from tpurec.dlrm.ckpt.integrity import write_checksums
 

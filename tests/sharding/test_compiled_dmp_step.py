@@ -97,7 +97,7 @@ def _dlrm_tiny_batches(n: int, batch: int, rank: int, world_size: int) -> list:
     from torchrec.datasets.utils import Batch
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    from tpurec.catalog import DLRM_TINY_ROWS, FEATURE_NAMES, NUM_DENSE
+    from tpurec.data.catalog import DLRM_TINY_ROWS, FEATURE_NAMES, NUM_DENSE
 
     assert world_size == 1 and rank == 0
     gen = torch.Generator().manual_seed(5)

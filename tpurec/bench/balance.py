@@ -55,7 +55,7 @@ def _case(tables, partitions, hashed: bool, batch: int, pooling, seed: int) -> d
 
 
 def run(batch: int = 2048, pooling: int = 20, seed: int = 0) -> dict:
-    from tpurec.catalog import MLPERF_DCNV2_MULTI_HOT, get_table_set
+    from tpurec.data.catalog import MLPERF_DCNV2_MULTI_HOT, get_table_set
 
     tiny = [(t.name, t.num_embeddings) for t in get_table_set("dlrm-tiny").tables]
     mlperf = [(t.name, t.num_embeddings) for t in get_table_set("mlperf-dcnv2").tables]

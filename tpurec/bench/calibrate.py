@@ -37,7 +37,7 @@ def candidate_plans(world: int = WORLD) -> dict:
     )
     from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardingPlan
 
-    from tpurec.catalog import get_table_set
+    from tpurec.data.catalog import get_table_set
     from tpurec.planner import planners as P
     from tpurec.planner.kernel_choice import COMPUTE_KERNEL, CPU_TRAINING_SHARDING_TYPES
     from tpurec.planner.report import tables_module
@@ -100,7 +100,7 @@ def candidate_plans(world: int = WORLD) -> dict:
 
 
 def _batch_size() -> int:
-    from tpurec.catalog import TRAINING_DEFAULTS
+    from tpurec.data.catalog import TRAINING_DEFAULTS
 
     return TRAINING_DEFAULTS[MODEL].batch_size
 
@@ -110,7 +110,7 @@ FIT_PLANS = (ROUND_ROBIN, "row_wise all", "table_wise and row_wise alternating",
 
 def estimate(plan, costs=None, world: int = WORLD) -> dict:
     """The CPU cost model's step of `plan` (cpu_cost.step_ms on the `cpu-N` report: what it consists of)."""
-    from tpurec.catalog import get_table_set
+    from tpurec.data.catalog import get_table_set
     from tpurec.planner import cpu_cost
     from tpurec.planner.report import build_report
     from tpurec.planner.topology import cpu_spec

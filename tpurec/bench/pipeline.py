@@ -193,7 +193,7 @@ def child(spec: dict) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from tpurec.catalog import MLPERF_DCNV2_MULTI_HOT, get_table_set
+    from tpurec.data.catalog import MLPERF_DCNV2_MULTI_HOT, get_table_set
     from tpurec.data.prefetch import Prefetcher
     from tpurec.data.reader import ParquetReader
     from tpurec.embedding import csr_build

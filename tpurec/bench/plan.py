@@ -16,7 +16,7 @@ import argparse
 
 from tpurec import strict_json
 from tpurec.argtypes import positive_int
-from tpurec.catalog import MODEL_NAMES, TRAINING_DEFAULTS
+from tpurec.data.catalog import MODEL_NAMES, TRAINING_DEFAULTS
 
 GPUS_PER_HOST = 8  # an 8-GPU host, as the MLPerf DLRM-DCNv2 reference's 8xH200 (DESIGN.md, "Anchors")
 
@@ -66,7 +66,7 @@ def _contestants(model: str, topology: str, batch_size: int, optimizer: str):
     from torchrec.distributed.planner import EmbeddingShardingPlanner
     from torchrec.distributed.planner.types import Topology
 
-    from tpurec.catalog import get_table_set
+    from tpurec.data.catalog import get_table_set
     from tpurec.planner import planners as P
     from tpurec.planner.report import tables_module
     from tpurec.planner.topology import make_topology

@@ -19,7 +19,7 @@ import statistics
 
 from tpurec import strict_json
 from tpurec.argtypes import positive_int
-from tpurec.catalog import MODEL_NAMES
+from tpurec.data.catalog import MODEL_NAMES
 
 
 def run_bench(path: str, model: str, topology: str, batch_size: int | None, rounds: int, threads: int) -> dict:

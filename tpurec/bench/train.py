@@ -404,7 +404,7 @@ def prepare_side(side: str, workload: tuple, data: str, batch_size: int, n_batch
     import torch.distributed as dist
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-    from tpurec.catalog import get_table_set
+    from tpurec.data.catalog import get_table_set
     from tpurec.data.reader import ParquetReader
     from tpurec.dlrm.configs import get_config, override
     from tpurec.dlrm.model import LRSchedule, build_model, build_optimizer, shard

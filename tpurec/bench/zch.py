@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tpurec import strict_json
 from tpurec.argtypes import positive_float, positive_int, step_interval
-from tpurec.catalog import MODEL_NAMES
+from tpurec.data.catalog import MODEL_NAMES
 from tpurec.errors import UserError
 
 POLICIES = ("lru", "lfu", "distance_lfu")  # tpurec.dlrm.zch.POLICIES (not imported: `--help` stays light)

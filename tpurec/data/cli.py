@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from tpurec import strict_json
 from tpurec.argtypes import parquet_codec, positive_int, seed_int
-from tpurec.catalog import MODEL_NAMES
+from tpurec.data.catalog import MODEL_NAMES
 from tpurec.errors import UserError
 
 NAME_PRESETS = {
@@ -141,7 +141,7 @@ def _add_synth(dsub: argparse._SubParsersAction) -> None:
         dest="tables",
         default=None,
         choices=MODEL_NAMES,
-        help="named table set (tpurec/catalog.py), default dlrm-tiny",
+        help="named table set (tpurec/data/catalog.py), default dlrm-tiny",
     )
     s.add_argument("--rows-per-file", type=positive_int, default=1_000_000, help="rows per file (default 1000000)")
     s.add_argument(
@@ -266,7 +266,7 @@ def _dispatch_convert(args: argparse.Namespace, out: str) -> int:
 
 def _run_convert_mapped(args: argparse.Namespace, out: str) -> int:
     """Parquet, or CSV/TSV with a header, through a column mapping (tpurec/data/convert_mapped.py)."""
-    from tpurec.catalog import get_table_set
+    from tpurec.data.catalog import get_table_set
     from tpurec.data.convert_mapped import MappedOptions, convert_mapped
     from tpurec.data.mapping import spec_from_args
 
@@ -327,8 +327,8 @@ def _print_summary(summary: dict) -> None:
 
 def _run_convert_criteo(args: argparse.Namespace, out: str) -> int:
     """Criteo text (label, 13 dense, 26 categorical by position) and TorchRec's .npy/.npz days."""
-    from tpurec.catalog import get_table_set
     from tpurec.data import npy
+    from tpurec.data.catalog import get_table_set
     from tpurec.data.convert import ConvertOptions, convert, resolve_inputs
     from tpurec.data.schema import (
         CAT_HASH,

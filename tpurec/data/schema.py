@@ -160,9 +160,9 @@ def criteo_schema(
     """The Criteo layout: label, 13 dense, 26 categorical, with Merlin/HugeCTR names by default.
 
     ``dense_names``/``sparse_names`` rename columns (e.g. torchrec's ``int_0..``/``cat_0..``).
-    ``table_sizes`` defaults to the Criteo Kaggle vocabulary sizes (tpurec/catalog.py).
+    ``table_sizes`` defaults to the Criteo Kaggle vocabulary sizes (tpurec/data/catalog.py).
     """
-    from tpurec.catalog import CRITEO_KAGGLE_ROWS, FEATURE_NAMES
+    from tpurec.data.catalog import CRITEO_KAGGLE_ROWS, FEATURE_NAMES
 
     dense_names = dense_names or [f"I{i}" for i in range(1, 14)]
     sparse_names = sparse_names or list(FEATURE_NAMES)

@@ -102,9 +102,9 @@ def auc(scores: np.ndarray, labels: np.ndarray) -> float:
 def synth_schema(
     table_set: str, multi_hot_sizes: list[int] | None = None, raw_ids: bool = False
 ) -> tuple[DataSchema, list[int]]:
-    """The schema for a named table set (tpurec/catalog.py) and its ids per sample (the table set's
+    """The schema for a named table set (tpurec/data/catalog.py) and its ids per sample (the table set's
     pooling factors, or ``multi_hot_sizes``); with ``raw_ids`` the features have no table size."""
-    from tpurec.catalog import get_table_set
+    from tpurec.data.catalog import get_table_set
 
     ts = get_table_set(table_set)
     hots = [max(1, int(round(t.pooling_factor))) for t in ts.tables]

@@ -20,7 +20,7 @@ from tpurec.argtypes import (
     positive_int,
     seed_int,
 )
-from tpurec.catalog import TRAINING_DEFAULTS
+from tpurec.data.catalog import TRAINING_DEFAULTS
 from tpurec.dlrm.flags import flag
 from tpurec.embedding.optimizers.registry import spec_names
 from tpurec.errors import UserError
@@ -29,7 +29,7 @@ from tpurec.errors import UserError
 @dataclass(frozen=True)
 class DLRMConfig:
     name: str
-    table_set: str  # tpurec/catalog.py: the embedding tables (and the synthetic data's)
+    table_set: str  # tpurec/data/catalog.py: the embedding tables (and the synthetic data's)
     # "dot" = DLRM, "dcn" = DLRM-DCNv2 (low-rank cross layers)
     interaction: str = flag(
         "dot",
@@ -199,14 +199,14 @@ def override(cfg: DLRMConfig, **changes: Any) -> DLRMConfig:
 
 def embedding_dims(cfg: DLRMConfig) -> list[int]:
     """Each table's embedding dim: --embedding-dim for all, else the table set's own."""
-    from tpurec.catalog import get_table_set
+    from tpurec.data.catalog import get_table_set
 
     return [cfg.embedding_dim or t.embedding_dim for t in get_table_set(cfg.table_set).tables]
 
 
 def validate(cfg: DLRMConfig) -> None:
     """One-line errors for settings that would otherwise fail deep inside torchrec."""
-    from tpurec.catalog import get_table_set
+    from tpurec.data.catalog import get_table_set
 
     dim = embedding_dims(cfg)[0]
     if cfg.interaction not in ("dot", "dcn"):

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tpurec.catalog import NUM_DENSE, TableSet, get_table_set
+from tpurec.data.catalog import NUM_DENSE, TableSet, get_table_set
 from tpurec.dlrm.configs import DLRMConfig
 from tpurec.runtime.device import DeviceKind
 
@@ -39,7 +39,7 @@ def _optimizer(name: str, lr: float, eps: float) -> tuple[type, dict]:
 def embedding_bag_configs(table_set: TableSet) -> list[EmbeddingBagConfig]:
     """TorchRec's EmbeddingBagConfig (sum pooling) for every table of a catalog table set.
 
-    Here rather than in tpurec.catalog, which stays plain data without torch."""
+    Here rather than in tpurec.data.catalog, which stays plain data without torch."""
     from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
     return [

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from tpurec import strict_json
 from tpurec.argtypes import nonnegative_float, nonnegative_int, positive_float, positive_int, step_interval
-from tpurec.catalog import DEFAULT_TRAIN_MODEL, MODEL_NAMES
+from tpurec.data.catalog import DEFAULT_TRAIN_MODEL, MODEL_NAMES
 from tpurec.dlrm import flags
 from tpurec.dlrm.configs import DLRMConfig, get_config, override
 from tpurec.dlrm.flags import flag
@@ -430,7 +430,7 @@ class TrainOptions:
         data read without a mapping."""
         if not self.data or not storage.path(self.data).exists():
             return None
-        from tpurec.catalog import get_table_set
+        from tpurec.data.catalog import get_table_set
         from tpurec.data.mapped import has_tpurec_metadata
         from tpurec.dlrm.data import model_table_sizes
 

@@ -53,7 +53,7 @@ def check_before_launch(
 def model_tables(options: TrainOptions) -> dict[str, dict[str, tuple[int, int]]]:
     """{module path: {table: (rows, dim)}} of the model the ranks will build (a meta-device model:
     no table is allocated), with the table sizes and feature names of the data they will read."""
-    from tpurec.catalog import get_table_set
+    from tpurec.data.catalog import get_table_set
     from tpurec.dlrm.configs import synth_multi_hot
     from tpurec.dlrm.data import data_metadata, model_table_sizes, synth_dir
     from tpurec.dlrm.model import build_model

@@ -14,7 +14,7 @@ from tpurec import strict_json
 from tpurec.dlrm.keep_best import summary_lines as best_summary_lines
 
 if TYPE_CHECKING:
-    from tpurec.catalog import TableSet, TableSpec
+    from tpurec.data.catalog import TableSet, TableSpec
     from tpurec.dlrm.configs import DLRMConfig
     from tpurec.dlrm.tensorboard_log import TensorBoardLog
 
@@ -23,7 +23,7 @@ def plan_report(dmp: Any, cfg: DLRMConfig, table_set: TableSet, table_sizes: lis
     """The inspector's report of the plan the DMP is running (also the meta `tpurec plan show` reads).
 
     table_set is the config's catalog TableSet; table_sizes replace its sizes (those of the data)."""
-    from tpurec.catalog import TableSpec
+    from tpurec.data.catalog import TableSpec
 
     tables = [
         TableSpec(t.name, t.feature, n, cfg.embedding_dim or t.embedding_dim, t.pooling_factor)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from tpurec import strict_json
-from tpurec.catalog import get_table_set
+from tpurec.data.catalog import get_table_set
 from tpurec.dlrm import keep_best
 from tpurec.dlrm.ckpt.manager import CheckpointManager
 from tpurec.dlrm.keep_best import BestEval

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from torch import nn
     from torchrec.distributed.planner.types import ParameterConstraints
 
-    from tpurec.catalog import TableSpec
+    from tpurec.data.catalog import TableSpec
     from tpurec.dlrm.configs import DLRMConfig
     from tpurec.planner.model_module import ModelFeature
 

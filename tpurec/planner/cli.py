@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from tpurec import strict_json
 from tpurec.argtypes import fraction_above_zero, fraction_below_one, positive_float, positive_int
-from tpurec.catalog import MODEL_NAMES, TRAINING_DEFAULTS  # plain data: keeps `tpurec --help` instant
+from tpurec.data.catalog import MODEL_NAMES, TRAINING_DEFAULTS  # plain data: keeps `tpurec --help` instant
 from tpurec.errors import UserError
 
 if typing.TYPE_CHECKING:
@@ -247,7 +247,7 @@ def _plan(args: argparse.Namespace) -> int:
         specs = model_module.model_tables(model, constraints)
         for line in model_module.unspread_remaps(model, devices or 1):
             print(f"tpurec plan: warning: {line}", file=sys.stderr)
-        from tpurec.catalog import model_module_optimizer
+        from tpurec.data.catalog import model_module_optimizer
         from tpurec.planner.planners import infer_optimizer
 
         # as `tpurec train --model-module` trains it (not DMP's SGD for a model that sets none)
@@ -267,7 +267,7 @@ def _plan(args: argparse.Namespace) -> int:
         )
     else:
         if args.model:
-            from tpurec.catalog import get_table_set
+            from tpurec.data.catalog import get_table_set
 
             tables = list(get_table_set(args.model).tables)
         assert tables is not None  # --model or --tables: checked first thing

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from tpurec import strict_json
 from tpurec.argtypes import positive_int
-from tpurec.catalog import MODEL_NAMES, TRAINING_DEFAULTS
+from tpurec.data.catalog import MODEL_NAMES, TRAINING_DEFAULTS
 from tpurec.errors import UserError
 
 if TYPE_CHECKING:
@@ -160,7 +160,7 @@ def _tables(path: str, model: str | None, tables_file: str | None, meta: dict | 
         from tpurec.planner.tables_file import load_tables
 
         return load_tables(tables_file)
-    from tpurec.catalog import get_table_set
+    from tpurec.data.catalog import get_table_set
 
     assert model is not None  # argparse requires --model or --tables
     tables = list(get_table_set(model).tables)

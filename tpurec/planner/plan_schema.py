@@ -100,7 +100,7 @@ def check_modules(at: str, modules: Any) -> None:
 
 
 def _table_spec(at: str, t: Any) -> None:
-    """A meta table: tpurec.catalog.TableSpec's fields, as `build_report` writes them."""
+    """A meta table: tpurec.data.catalog.TableSpec's fields, as `build_report` writes them."""
     checks = {
         "name": text,
         "feature": text,

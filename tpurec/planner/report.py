@@ -11,7 +11,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Iterable
 
-from tpurec.catalog import TableSpec
+from tpurec.data.catalog import TableSpec
 from tpurec.embedding import dtypes
 from tpurec.errors import UserError
 from tpurec.planner.estimators import ShardCost, shard_cost, table_elem_bytes

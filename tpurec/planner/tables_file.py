@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from tpurec.catalog import TableSpec
+from tpurec.data.catalog import TableSpec
 from tpurec.errors import UserError
 from tpurec.planner.plan_bounds import tables_problem
 

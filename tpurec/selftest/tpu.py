@@ -208,7 +208,7 @@ MEMORY_SLACK_BYTES = 2 * 2**20
 
 def planned_figures(dmp: DistributedModelParallel) -> dict:
     """The planner's bytes for rank 0 of `dmp`'s plan, from the same cost model `tpurec plan` prints."""
-    from tpurec.catalog import TableSpec
+    from tpurec.data.catalog import TableSpec
     from tpurec.planner.estimators import spec_of
     from tpurec.planner.report import build_report
 

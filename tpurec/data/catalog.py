@@ -1,9 +1,9 @@
 """Named embedding-table sets: the 26 Criteo categorical features at three scales.
 
-Layer 0 (docs/architecture.md), and plain data without torch: the data converter and synthetic
-generator, the planner/inspector (`tpurec plan --model ...`) and the DLRM configs all read it, so
-that `dlrm-tiny` data, plans and models always agree, and every CLI offers the same model names
-without importing anything heavy. TorchRec's `EmbeddingBagConfig`s are built from a TableSet by
+In tpurec.data (layer 1, docs/architecture.md), and plain data without torch: the data converter and
+synthetic generator, the planner/inspector (`tpurec plan --model ...`) and the DLRM configs all read
+it, so that `dlrm-tiny` data, plans and models always agree, and every CLI offers the same model
+names without importing anything heavy. TorchRec's `EmbeddingBagConfig`s are built from a TableSet by
 `tpurec.dlrm.model.embedding_bag_configs`.
 """
 

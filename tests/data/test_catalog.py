@@ -1,15 +1,15 @@
-"""tpurec.catalog: the named table sets and model names, plain data every layer and CLI shares."""
+"""tpurec.data.catalog: the named table sets and model names, plain data every layer and CLI shares."""
 
 import subprocess
 import sys
 
 import pytest
 
-from tpurec.catalog import FEATURE_NAMES, MODEL_NAMES, NUM_SPARSE, TABLE_SETS, get_table_set
+from tpurec.data.catalog import FEATURE_NAMES, MODEL_NAMES, NUM_SPARSE, TABLE_SETS, get_table_set
 
 
 def test_catalog_imports_no_torch():
-    code = "import sys, tpurec.catalog; print('torch' in sys.modules)"
+    code = "import sys, tpurec.data.catalog; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
 
