@@ -24,7 +24,6 @@ LAYERS = {
     "argtypes": 0,
     "outputs": 0,
     "json_fields": 0,
-    "arg_parser": 0,
     "embedding": 1,
     "data": 1,
     "planner": 2,

@@ -1,4 +1,4 @@
-"""Command-line mistakes: one line, with the nearest real flag or choice (tpurec/arg_parser.py)."""
+"""Command-line mistakes: one line, with the nearest real flag or choice (tpurec/cli.py)."""
 
 from __future__ import annotations
 
