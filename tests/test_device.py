@@ -135,3 +135,21 @@ def test_strict_device_apis_are_corrected_to_torch_accelerator(monkeypatch):
     assert tpu.current_stream is torch.accelerator.current_stream
     assert device.tpu_env_problems() == []
     assert device.correct_legacy_device_apis() is False  # once
+
+
+@pytest.mark.parametrize(
+    "usable,emulated,expected",
+    [(True, None, "tpu"), (False, "v5p-8", "tpu"), (False, None, "cpu")],
+)
+def test_auto_is_a_tpu_when_this_process_has_one(monkeypatch, usable, emulated, expected):
+    """The "auto" device, resolved in one place (tpurec train, selftest, DMP's device=None): a usable TPU
+    or an emulated TPU rank's, else the CPU; a kind asked for by name is that kind."""
+    nodes = ("/dev/vfio/0",) if usable else ()
+    monkeypatch.setattr(device, "tpu_status", lambda: _status("0.2.0" if usable else None, nodes))
+    if emulated:
+        monkeypatch.setenv(device.EMULATE_ENV, emulated)
+    else:
+        monkeypatch.delenv(device.EMULATE_ENV, raising=False)
+    assert device.resolve_choice("auto") is device.DeviceKind(expected)
+    assert device.resolve_choice("cpu") is device.DeviceKind.CPU
+    assert device.resolve_choice(device.DeviceKind.TPU) is device.DeviceKind.TPU

@@ -25,6 +25,7 @@ from typing import Any
 from tpurec import strict_json
 from tpurec.bench.rounds import fresh_seed, load_average, ratio_summary
 from tpurec.bench.tpu_kernel_cells import CHIP_CELLS, CPU_CELLS, Cell
+from tpurec.runtime.device import DeviceKind
 
 # v5e HBM bandwidth, 819 GB/s: cloud.google.com/tpu/docs/v5e (the chip this benchmark was written on)
 HBM_GBPS = {"v5e": 819.0}
@@ -180,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     import jax
 
     platform = jax.default_backend()
-    if platform != "tpu" and not args.cpu:
+    if platform != DeviceKind.TPU and not args.cpu:
         raise UserError(f"JAX sees no TPU here (its backend: {platform}); run on a TPU VM, or --cpu for a smoke run")
     seed = fresh_seed() if args.seed is None else args.seed
     rng = random.Random(seed)

@@ -20,6 +20,7 @@ import torch
 from torchrec.datasets.utils import Batch
 
 from tpurec.runtime import host_copies
+from tpurec.runtime.device import DeviceKind
 
 if TYPE_CHECKING:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -39,7 +40,7 @@ class HostIdsBatch(Batch):
         from tpurec.runtime.device import emulated_slice
 
         device = torch.device(device)
-        emulated = device.type == "cpu" and emulated_slice() is not None
+        emulated = device.type == DeviceKind.CPU and emulated_slice() is not None
         return HostIdsBatch(
             dense_features=_move(self.dense_features, device, non_blocking, emulated),
             sparse_features=self.sparse_features,
@@ -71,7 +72,7 @@ def mark_plain_batch_moves() -> None:
 
     def to(self: Batch, device: torch.device, non_blocking: bool = False) -> Batch:
         moved = original(self, device, non_blocking)
-        if torch.device(device).type == "cpu":
+        if torch.device(device).type == DeviceKind.CPU:
             moved = Batch(
                 dense_features=_move(moved.dense_features, torch.device("cpu"), False, True),
                 sparse_features=_marked_kjt(moved.sparse_features),

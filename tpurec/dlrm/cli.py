@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     if msg:
         return _error(msg)
     if "RANK" in os.environ or (args.nproc in (None, 1) and args.nnodes == 1 and not args.emulate_tpu):
-        if options.device == "tpu" and "RANK" not in os.environ:
+        if options.device == DeviceKind.TPU and "RANK" not in os.environ:
             from tpurec.runtime.device import tpu_status
             from tpurec.runtime.local_group import sockets_refused
 
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **{OPTIONS_ENV: options.to_json()})
     if args.emulate_tpu:
         agents = hosts.emulated_agents(args.emulate_tpu, env, RANK_PROGRAM)
-    elif options.device == "tpu":
+    elif options.device == DeviceKind.TPU:
         agents = [hosts.tpu_agent(args.nproc, args.nnodes, env, RANK_PROGRAM)]
     else:
         agents = [(hosts.agent_command(args.nproc, RANK_PROGRAM), env)]
@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
 def _launch_problem(args: argparse.Namespace, options: TrainOptions) -> str | None:
     if args.nnodes < 1:
         return "--nnodes must be >= 1"
-    if args.nnodes > 1 and options.device != "tpu":
+    if args.nnodes > 1 and options.device != DeviceKind.TPU:
         return "--nnodes is for a multi-host TPU slice (--device tpu); on CPU hosts use torchrun on each host"
     if args.emulate_tpu:
         from tpurec.planner.topology import parse_slice
@@ -154,9 +154,9 @@ def _launch_problem(args: argparse.Namespace, options: TrainOptions) -> str | No
                 f"--emulate-tpu {spec.name} runs {spec.hosts} host(s) x {spec.devices_per_host} ranks; "
                 "leave --nproc and --nnodes unset"
             )
-        if options.device not in ("auto", "tpu"):
+        if options.device not in ("auto", DeviceKind.TPU):
             return f"--emulate-tpu runs the TPU code path; --device {options.device} contradicts it"
-    if args.emulate_tpu or options.device == "tpu":
+    if args.emulate_tpu or options.device == DeviceKind.TPU:
         from tpurec.sharding import tpu_all_to_all
 
         try:
@@ -178,7 +178,7 @@ def _files_problem(args: argparse.Namespace, options: TrainOptions) -> str | Non
         from tpurec.planner.topology import parse_slice
 
         world, slice_name = parse_slice(args.emulate_tpu).world_size, args.emulate_tpu
-    elif options.device != "tpu":
+    elif options.device != DeviceKind.TPU:
         world = args.nproc or 1
     from tpurec.dlrm.preflight import check_before_launch
 

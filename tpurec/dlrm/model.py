@@ -158,7 +158,7 @@ def planner_constraints(cfg: DLRMConfig, device: DeviceKind, table_names: list[s
     specs = get_table_set(cfg.table_set).tables
     base = (
         {n: ParameterConstraints(sharding_types=list(CPU_TRAINING_SHARDING_TYPES)) for n in table_names}
-        if device == "cpu"
+        if device == DeviceKind.CPU
         else None
     )
     pooling = [t.pooling_factor for t in specs] if cfg.multi_hot_sizes is None else list(cfg.multi_hot_sizes)
@@ -191,7 +191,7 @@ def shard(
         dlrm: Any = model  # DLRMTrain: build_model's
         names = [c.name for c in dlrm.model.sparse_arch.embedding_bag_collection.embedding_bag_configs()]
         constraints = planner_constraints(cfg, device, names)
-    dev = torch.device("cpu") if device == "cpu" else device
+    dev = torch.device("cpu") if device == DeviceKind.CPU else device
     return DistributedModelParallel(
         model,
         device=dev,

@@ -27,7 +27,7 @@ from tpurec.dlrm.zch import DEFAULT_EVICTION_INTERVAL, POLICIES, RAW_IDS_FIX, Zc
 from tpurec.dlrm.zch import data_problem as zch_data_problem
 from tpurec.errors import UserError
 from tpurec.runtime import heartbeat, storage
-from tpurec.runtime.device import DeviceChoice
+from tpurec.runtime.device import DeviceChoice, DeviceKind
 
 STEP_KINDS = ("eager", "compiled", "pipelined")  # --step: tpurec/dlrm/step_kind.py
 # the dense optimizers their update implements (tpurec/sharding/dense_update.py SUPPORTED; here
@@ -494,7 +494,7 @@ class TrainOptions:
             )
         from tpurec.runtime.device import emulated_slice
 
-        if self.device == "tpu" and not emulated_slice():
+        if self.device == DeviceKind.TPU and not emulated_slice():
             return (
                 f"--step {self.step} runs on --device cpu and on --emulate-tpu SLICE; not yet run on a real TPU "
                 "(use --step eager there)"
@@ -580,7 +580,7 @@ class TrainOptions:
                 return f"{flags.option_string(name)} must be >= 1"
         if nproc < 1:
             return "--nproc must be >= 1"
-        if self.device == "tpu":
+        if self.device == DeviceKind.TPU:
             from tpurec.runtime.device import emulated_slice, tpu_status
 
             missing = [] if emulated_slice() else tpu_status().missing(cpu="--device cpu")

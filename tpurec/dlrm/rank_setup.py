@@ -12,7 +12,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from tpurec.errors import UserError
-from tpurec.runtime.device import DeviceChoice, DeviceKind
+from tpurec.runtime.device import DeviceKind, resolve_choice
 from tpurec.runtime.host_resources import RANK_OVERHEAD_BYTES, available_bytes
 
 if TYPE_CHECKING:
@@ -65,27 +65,16 @@ def init_distributed(device: DeviceKind = DeviceKind.CPU, timeout: float | None 
 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized():
         from tpurec.runtime import process_group
-        from tpurec.runtime.device import emulated_slice, tpu_status
         from tpurec.sharding.dmp import process_group_backend
 
         # Without a usable TPU, stay on gloo: the device check later names what is missing.
         process_group.init(
-            process_group_backend(
-                DeviceKind.TPU if device == "tpu" and (tpu_status().usable or emulated_slice()) else DeviceKind.CPU
-            ),
+            process_group_backend(resolve_choice("auto") if device == DeviceKind.TPU else DeviceKind.CPU),
             timeout=None if timeout is None else timedelta(seconds=timeout),
         )
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def resolve_device(name: DeviceChoice) -> DeviceKind:
-    from tpurec.runtime.device import emulated_slice, tpu_status
-
-    if name == "auto":
-        return DeviceKind.TPU if tpu_status().usable or emulated_slice() else DeviceKind.CPU
-    return DeviceKind(name)
 
 
 # Tables and their optimizer state are held once (docs/dmp.md); 10% covers the step's temporaries

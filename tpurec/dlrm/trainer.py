@@ -30,7 +30,7 @@ from tpurec.dlrm import keep_best
 from tpurec.dlrm.ckpt.manager import CheckpointManager
 from tpurec.dlrm.keep_best import BestEval
 from tpurec.dlrm.options import OPTIONS_ENV, TrainOptions
-from tpurec.dlrm.rank_setup import check_host_memory, init_distributed, log, resolve_device, setup_logging
+from tpurec.dlrm.rank_setup import check_host_memory, init_distributed, log, setup_logging
 from tpurec.dlrm.report import (
     MIN_EVAL_ROWS_FOR_AUC,
     MetricsLog,
@@ -42,6 +42,7 @@ from tpurec.dlrm.report import (
 )
 from tpurec.errors import UserError
 from tpurec.runtime import stop_request, storage
+from tpurec.runtime.device import DeviceKind, resolve_choice
 
 if TYPE_CHECKING:
     import torch
@@ -117,7 +118,7 @@ class Trainer:
             from tpurec.emulation.rank import activate
 
             self.emulated = activate()
-        self.device = resolve_device(o.device)
+        self.device = resolve_choice(o.device)
         self.rank, self.world = init_distributed(self.device, o.dist_timeout)
         setup_logging(self.rank)
         from tpurec.runtime import heartbeat
@@ -148,10 +149,10 @@ class Trainer:
 
                 for line in unspread_remaps(self.user.module, self.world):
                     log.warning(line)
-            if self.device == "cpu" or self.emulated:
+            if self.device == DeviceKind.CPU or self.emulated:
                 rows, dims = [t.num_embeddings for t in self.user.tables], [t.embedding_dim for t in self.user.tables]
                 check_host_memory(self.cfg, rows, self.world, user=(o.model_module, dims, self._table_optimizer()))
-        elif self.device == "cpu" or self.emulated:
+        elif self.device == DeviceKind.CPU or self.emulated:
             # Before any data is generated or read: a refusal in one line, not an OOM kill minutes in.
             sizes, source = self._table_sizes_and_source()
             check_host_memory(self.cfg, sizes, self.world, source)
@@ -175,7 +176,7 @@ class Trainer:
             self.readers.train, self._lookups, depth=o.pipeline_depth, workers=o.pipeline_workers
         )
         self._stream = iter(self._prefetch) if self._prefetch is not None else endless(self.readers.train)
-        if self.device == "tpu":
+        if self.device == DeviceKind.TPU:
             from tpurec.data.host_ids import keep_ids_on_host
 
             # Only dense features and labels go to the TPU; the ids stay on the host for the input
@@ -273,7 +274,7 @@ class Trainer:
             dense_log1p=self.options.dense_transform == "log1p",
             # On a TPU every shape is compiled in: evaluating at the training batch reuses the step's
             # lookup program and id limits; another eval batch would be another program, other buffers.
-            **({"eval_batch_size": cfg.batch_size} if self.device == "tpu" else {}),
+            **({"eval_batch_size": cfg.batch_size} if self.device == DeviceKind.TPU else {}),
         )
         self.batch_size = batch = self.readers.batch_size
         if batch != cfg.batch_size:
@@ -351,7 +352,7 @@ class Trainer:
         self.schedule = LRSchedule(self.optimizer, cfg.warmup_steps, cfg.decay_start, cfg.decay_steps)
         if self.rank == 0:
             self._report_plan()
-        device = torch.device(self.device) if self.device == "cpu" else self.dmp.device
+        device = torch.device(self.device) if self.device == DeviceKind.CPU else self.dmp.device
         if o.step != "eager":  # tpurec's compiled or pipelined step (step_kind.py); options.py refuses a real TPU
             from tpurec.dlrm.step_kind import StepPipeline
 
@@ -548,7 +549,7 @@ class Trainer:
             self.remap.reset_eval()  # the eval figures are this evaluation's
         logits, labels = [], []
         it = eval_batches(self.readers.eval)
-        if self.device == "tpu":
+        if self.device == DeviceKind.TPU:
             from tpurec.data.host_ids import keep_ids_on_host
 
             it = map(keep_ids_on_host, it)
@@ -812,7 +813,7 @@ class Trainer:
         its ops; None on a real TPU (TorchTPU 0.2.0 exposes no count tpurec reads yet)."""
         local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
         out: dict = {"hosts": max(1, self.world // max(1, local))}
-        if self.device == "tpu":
+        if self.device == DeviceKind.TPU:
             out["uneven_all_to_all"] = getattr(self.dmp, "uneven_all_to_all", None)
         if self.emulated:
             from tpurec.sharding.tpu_all_to_all import padded_calls
@@ -826,9 +827,9 @@ class Trainer:
                 recompiled_ops=dict(Counter(op for _, op, _ in self.emulated.late_programs()).most_common(10)),
                 **self.emulated.graph_counts(),  # torch.compile graphs and graph breaks (0: an eager step)
             )
-        elif self.device == "tpu":
+        elif self.device == DeviceKind.TPU:
             out.update(programs_compiled=None, recompiles_after_warmup=None)
-        if self.device == "tpu":
+        if self.device == DeviceKind.TPU:
             # tpurec's own device->host copies in the training steps (tpurec.runtime.host_copies): on an emulated
             # rank, of the tensors a real rank holds on its TPU.
             copies, steps = self._train_copies, self._steps_run

@@ -31,10 +31,10 @@ def load_tpu_backend() -> None:
 
 
 def select_device(device: torch.device | str | None) -> torch.device:
-    """None means: a TPU if this host has a usable one, else the CPU."""
+    """None means "auto": a TPU if this process has one, else the CPU (`resolve_choice`)."""
     if device is None:
-        device = "tpu" if _device.tpu_status().usable or _device.emulated_slice() else "cpu"
+        device = _device.resolve_choice("auto")
     resolved = _device.resolve_device(device)
-    if resolved.type not in ("cpu", "meta"):
+    if resolved.type not in (_device.DeviceKind.CPU, "meta"):
         load_tpu_backend()
     return resolved

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from tpurec.embedding import ops
+from tpurec.runtime.device import DeviceKind
 
 
 def grad_trigger() -> torch.Tensor:
@@ -20,7 +21,7 @@ def writes_final_layout(weight: torch.Tensor) -> bool:
     or meta tensors, tracing) the op runs, [features * padded batch, width], reshaped by `lookup`;
     on CPU that reshape was a full copy of the activations forward and again backward."""
     return (
-        weight.device.type == "cpu"
+        weight.device.type == DeviceKind.CPU
         and type(weight) is torch.Tensor
         and not torch.compiler.is_compiling()
         and ops.reference_is_cpu_kernel()

@@ -23,6 +23,8 @@ import sys
 
 import torch
 
+from tpurec.runtime.device import DeviceKind
+
 HUGE_PAGE = 2 << 20  # bytes in an x86-64 / arm64 transparent huge page (Linux's default PMD size)
 MIN_BYTES = 8 << 20  # smaller tables mostly fit the TLB's reach; not worth a 2 MiB granule
 # Linux's <asm-generic/mman-common.h> value, which Python's mmap module names where it knows it
@@ -33,7 +35,7 @@ def filled(shape: tuple[int, ...], value: float, dtype: torch.dtype, device: tor
     """torch.full(shape, value), its storage advised onto huge pages first where that applies."""
     dev = torch.device(device)
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    if dev.type != "cpu" or nbytes < MIN_BYTES or not _enabled():
+    if dev.type != DeviceKind.CPU or nbytes < MIN_BYTES or not _enabled():
         return torch.full(shape, value, dtype=dtype, device=dev)
     out = torch.empty(shape, dtype=dtype)
     advise(out)

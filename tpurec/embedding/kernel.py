@@ -40,6 +40,7 @@ from tpurec.embedding.settings import KernelSettings
 from tpurec.embedding.weight_grad import with_weight_grad
 from tpurec.errors import UserError
 from tpurec.runtime import host_copies
+from tpurec.runtime.device import DeviceKind
 
 if TYPE_CHECKING:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -285,7 +286,7 @@ class SparseCoreKernel(nn.Module):
             lo = -bound if t.init_min is None else t.init_min
             hi = bound if t.init_max is None else t.init_max
             view = self.read_weight(t.name)
-            if view.device.type == "cpu":  # in place: no second copy of a large table, same draws
+            if view.device.type == DeviceKind.CPU:  # in place: no second copy of a large table, same draws
                 view.uniform_(lo, hi)
             else:  # drawn on the host so that a TPU run starts from the CPU run's tables
                 view.copy_(torch.empty(t.num_embeddings, t.embedding_dim).uniform_(lo, hi))

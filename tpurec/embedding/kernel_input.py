@@ -38,6 +38,7 @@ from tpurec.embedding.stack_limits import initial_limits
 from tpurec.errors import UserError
 from tpurec.runtime import device as _device
 from tpurec.runtime import host_copies
+from tpurec.runtime.device import DeviceKind
 
 if TYPE_CHECKING:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -244,7 +245,7 @@ class KernelInput:
         device = self._storage(0).device if self.stacks else torch.device("cpu")
         # A kernel on "meta" holds no tables: a preprocessing-only kernel (benchmarks, pipelines
         # sizing buffers), whose inputs stay on the host.
-        if device.type not in ("cpu", "meta"):
+        if device.type not in (DeviceKind.CPU, "meta"):
             csrs = [c.to(device) for c in csrs]
         return csrs
 
@@ -442,7 +443,7 @@ class KernelInput:
     ) -> SparseCoreInput | None:
         """The same SparseCore input from the compiled build (`csr_build`), or None: then the torch +
         numpy route of `stack_input` runs, which also owns every error message and the dropping."""
-        if values.device.type != "cpu" or not csr_build.available():
+        if values.device.type != DeviceKind.CPU or not csr_build.available():
             return None
         lay = self.stacks[i].layout
         offsets, rows, mean = self.stack_tensors[i]

@@ -33,6 +33,7 @@ from tpurec.embedding import csr_build
 from tpurec.embedding.constraints import PADDING_ID, SEGMENT_ALIGN
 from tpurec.embedding.input_checks import check_batch, check_ranges, whole
 from tpurec.errors import UserError
+from tpurec.runtime.device import DeviceKind
 
 
 class IdLimitExceededError(UserError):
@@ -264,7 +265,7 @@ def _preprocess_group(
         zip((x[0] for x in inputs), max_ids.tolist(), max_uniq.tolist(), observed_need.tolist(), dropped.tolist())
     ):
         out = [rp_t[t], emb_t[t], smp_t[t], gns_t[t]]
-        if ids.device.type != "cpu":
+        if ids.device.type != DeviceKind.CPU:
             out = [x.to(ids.device) for x in out]
         rp, emb, smp, gns = out
         csr = SparseCoreInput(rp, emb, smp, gns, device_batch_size, num_sc, parts, mi, mu)
@@ -319,7 +320,7 @@ def _compiled_group(
         zip((x[0] for x in inputs), max_ids.tolist(), max_uniq.tolist(), need.tolist())
     ):
         parts_t = [rp_t[t], emb_t[t], smp_t[t], gns_t[t]]
-        if ids.device.type != "cpu":
+        if ids.device.type != DeviceKind.CPU:
             parts_t = [x.to(ids.device) for x in parts_t]
         rp, e, s, g = parts_t
         csr = SparseCoreInput(rp, e, s, g, device_batch_size, num_sc, parts, mi, mu)

@@ -29,6 +29,7 @@ from tpurec.embedding.sequence_kernel import SparseCoreSequenceKernel
 from tpurec.embedding.settings import KernelSettings
 from tpurec.embedding.sparsecores import resolve_num_sparsecores
 from tpurec.errors import UserError
+from tpurec.runtime.device import DeviceKind
 
 
 class SparseCoreEmbeddingCollection(nn.Module, FusedOptimizerModule):
@@ -109,7 +110,7 @@ class SparseCoreEmbeddingCollection(nn.Module, FusedOptimizerModule):
             view = self.kernel.read_weight(t.name)
             if view.is_meta or t.init_fn is None:
                 continue
-            if view.device.type == "cpu" and view.dtype == torch.float32 and view.is_contiguous():
+            if view.device.type == DeviceKind.CPU and view.dtype == torch.float32 and view.is_contiguous():
                 t.init_fn(view)
             else:  # drawn as TorchRec draws it (a contiguous tensor of the config's dtype), then stored
                 fresh = torch.empty(t.num_embeddings, t.embedding_dim, dtype=table_dtype(t.data_type, t.name))

@@ -36,6 +36,8 @@ import numba
 import numpy as np
 import numpy.typing as npt
 
+from tpurec.runtime.device import DeviceKind
+
 EMPTY = -1  # FBGEMM's kDefaultTensor: an empty slot, unset metadata, an unlocked slot
 _MAX_IDENTITY = 2**31 - 1  # kMaxIdentityNum: identities of another dtype than the ids are id % this
 _MAX_HOURS = 2**31 - 1
@@ -263,7 +265,7 @@ def zero_collision_hash(
     if opt_in_prob != -1 and not (0 < opt_in_prob <= 100 and num_reserved_slots > 0):
         raise ValueError("zero_collision_hash: opt_in_prob in (0, 100] with reserved slots")
     for t in (input, identities, local_sizes, offsets, metadata, input_metadata, opt_in_rands, runtime_meta):
-        if t is not None and (t.device.type != "cpu" or not t.is_contiguous()):
+        if t is not None and (t.device.type != DeviceKind.CPU or not t.is_contiguous()):
             raise ValueError("zero_collision_hash: contiguous host tensors only")
     n = int(input.numel())
     output = torch.empty(n, dtype=torch.int64)

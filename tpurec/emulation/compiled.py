@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from tpurec.emulation import device, handshake
+from tpurec.runtime.device import DeviceKind
 
 NAME = "tpu"  # TorchTPU's name for its backend
 _PHASE_NAMES = {True: "forward", False: "backward"}
@@ -135,7 +136,7 @@ def _on_the_data(gm: torch.fx.GraphModule) -> None:
             continue
         source = node.args[0] if _op_name(node) == "aten::_to_copy" and node.args else None
         value = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
-        if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+        if isinstance(value, torch.Tensor) and value.device.type == DeviceKind.CPU:
             raise device.TorchTpuRuleError(
                 f"a host tensor {tuple(value.shape)} copied to the device inside a compiled graph ({node.name}): "
                 "whether TorchTPU's compiler takes a host->device copy in a program is not known (emulated "

@@ -48,6 +48,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_flatten, tree_map
 
 from tpurec.emulation.rule_error import TorchTpuRuleError
+from tpurec.runtime.device import DeviceKind
 
 DEVICE = "tpu"
 _PU1 = torch._C.DispatchKey.PrivateUse1
@@ -167,7 +168,7 @@ def _to_device(x: Any) -> Any:
 
 
 def _is_host_tensor(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and not isinstance(x, TpuTensor) and x.device.type == "cpu"
+    return isinstance(x, torch.Tensor) and not isinstance(x, TpuTensor) and x.device.type == DeviceKind.CPU
 
 
 _PU1_SET = torch._C.DispatchKeySet(_PU1)
@@ -212,7 +213,7 @@ class TpuTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, data: torch.Tensor) -> TpuTensor:
-        assert not isinstance(data, TpuTensor) and data.device.type == "cpu", type(data)
+        assert not isinstance(data, TpuTensor) and data.device.type == DeviceKind.CPU, type(data)
         t = torch.Tensor._make_wrapper_subclass(
             cls,
             data.shape,
@@ -365,7 +366,7 @@ def _tracing(flat: list) -> bool:
 def _is_to_host(op: str, args: tuple, kwargs: dict) -> bool:
     if op in ("aten::_to_copy", "aten::to"):
         devices = [a for a in (*args[1:], kwargs.get("device")) if isinstance(a, (torch.device, str))]
-        return bool(devices) and torch.device(devices[0]).type == "cpu"
+        return bool(devices) and torch.device(devices[0]).type == DeviceKind.CPU
     if op == "aten::copy_":
         return _is_host_tensor(args[0])  # into a host tensor, from the device
     return False
@@ -390,7 +391,7 @@ def _wrap(x: Any, wrappers: dict[int, TpuTensor]) -> Any:
         return x
     if id(x) in wrappers:  # an in-place op or an out= argument: the caller's own device tensor
         return wrappers[id(x)]
-    if x.device.type != "cpu":
+    if x.device.type != DeviceKind.CPU:
         return x
     return TpuTensor(x)
 

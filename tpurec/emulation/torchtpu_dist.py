@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from tpurec.emulation.rule_error import TorchTpuRuleError
-from tpurec.runtime.device import LEGACY_DEVICE_APIS_ENV
+from tpurec.runtime.device import LEGACY_DEVICE_APIS_ENV, DeviceKind
 
 # torch_tpu/_internal/distributed/distributed.py: the variables `set_tpu_launch_env()` decides in the
 # parent; the binary refuses a distributed run without them.
@@ -209,7 +209,7 @@ def ddp_without_pinned_host_memory() -> None:
         return
 
     def __init__(self: Any, module: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
-        if any(p.device.type == "tpu" for p in module.parameters()):
+        if any(p.device.type == DeviceKind.TPU for p in module.parameters()):
             kwargs["static_graph"] = False
         init(self, module, *args, **kwargs)
 

@@ -33,6 +33,7 @@ from tpurec.embedding.optimizers.registry import spec_class
 from tpurec.planner import cpu_cost
 from tpurec.planner.id_limits import IdLimits
 from tpurec.planner.topology import CPU_GENERATION, SliceSpec, cpu_spec
+from tpurec.runtime.device import DeviceKind
 
 if TYPE_CHECKING:
     from torchrec.distributed.planner.types import SharderDataMap
@@ -268,7 +269,7 @@ def option_costs(
 
 def shard_storage(cost: ShardCost, compute_device: str) -> Storage:
     """A shard's bytes where its device keeps them: host DDR for CPU ranks, HBM on a TPU."""
-    return Storage(hbm=0, ddr=cost.bytes) if compute_device == "cpu" else Storage(hbm=cost.bytes, ddr=0)
+    return Storage(hbm=0, ddr=cost.bytes) if compute_device == DeviceKind.CPU else Storage(hbm=cost.bytes, ddr=0)
 
 
 def shard_perf(cost: ShardCost) -> Perf:

@@ -10,6 +10,8 @@ UNFUSED_TPU is avoided: TorchRec wires it to its own unfused Pallas kernel and G
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.types import ShardingType
 
+from tpurec.runtime.device import DeviceKind
+
 COMPUTE_KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
 
 # Data-parallel is excluded: it replicates the table and leaves updates to a dense optimizer after
@@ -36,7 +38,7 @@ SUBGROUP_REFUSAL = (
 
 def sharding_types_for(compute_device_type: str) -> list[str]:
     """The sharding types the SparseCore sharder offers on `compute_device_type`."""
-    if compute_device_type == "tpu":
+    if compute_device_type == DeviceKind.TPU:
         return [t for t in SHARDING_TYPES if t not in NEEDS_SUBGROUPS]
     return list(SHARDING_TYPES)
 

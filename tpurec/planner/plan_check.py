@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Iterable, Mapping, cast
 from torch import nn
 
 from tpurec.errors import UserError
+from tpurec.runtime.device import DeviceKind
 
 if TYPE_CHECKING:
     from torchrec.distributed.types import (
@@ -135,7 +136,7 @@ def place_on_own_device(plan: ShardingPlan, device_type: str) -> None:
     from torch.distributed import _remote_device
     from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
 
-    own = "cpu" if device_type == "cpu" else f"{device_type}:0"
+    own = "cpu" if device_type == DeviceKind.CPU else f"{device_type}:0"
     for module_plan in module_plans(plan).values():
         for ps in module_plan.values():
             spec = ps.sharding_spec

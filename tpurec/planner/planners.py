@@ -62,6 +62,7 @@ from tpurec.planner.proposal_budget import (
     budgeted,
 )
 from tpurec.planner.topology import format_bytes
+from tpurec.runtime.device import DeviceKind
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -241,7 +242,7 @@ class TpuStorageReservation(StorageReservation):
         constraints: Dict[str, ParameterConstraints] | None = None,
     ) -> Topology:
         reserved = copy.deepcopy(topology)
-        on_cpu = topology.compute_device == "cpu"
+        on_cpu = topology.compute_device == DeviceKind.CPU
         for device in reserved.devices:
             cap = device.storage.ddr if on_cpu else device.storage.hbm
             amount = min(cap, self.amount(module, batch_size, cap))
@@ -464,7 +465,7 @@ def _refusal(
 ) -> str:
     """Name the largest table, what it needs on one device, and what the best device has free."""
     spec = spec_of(topology)
-    on_cpu = topology.compute_device == "cpu"
+    on_cpu = topology.compute_device == DeviceKind.CPU
     caps = [d.storage.ddr if on_cpu else d.storage.hbm for d in topology.devices]
     reserved = [reservation.amount(module, batch_size, c) for c in caps]
     free = [c - r for c, r in zip(caps, reserved)]
@@ -581,7 +582,7 @@ def plan(
         limits=limits,
     )
     # Fast refusal: weights + optimizer state alone exceed the slice's free memory.
-    caps = [d.storage.ddr if topology.compute_device == "cpu" else d.storage.hbm for d in topology.devices]
+    caps = [d.storage.ddr if topology.compute_device == DeviceKind.CPU else d.storage.hbm for d in topology.devices]
     free = sum(c - reservation.amount(module, batch_size, c) for c in caps)
     if _lower_bound_bytes(module, optimizer, topology.compute_device) > free:
         raise PlanDoesNotFit(_refusal(module, topology, batch_size, constraints, optimizer, reservation, limits))
@@ -598,7 +599,7 @@ def plan(
                 "tpurec/planner/proposal_budget.py); they may still fit: try a larger slice, or fewer tables"
             ) from e
         raise PlanDoesNotFit(_refusal(module, topology, batch_size, constraints, optimizer, reservation, limits)) from e
-    if topology.compute_device == "tpu":
+    if topology.compute_device == DeviceKind.TPU:
         place_on_own_device(made, "tpu")  # TorchRec numbers devices by local rank; TorchTPU's is always 0
     return made
 

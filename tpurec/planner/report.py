@@ -19,6 +19,7 @@ from tpurec.planner.id_limits import IdLimits
 from tpurec.planner.plan_check import module_plans
 from tpurec.planner.report_text import diff_reports, fitting_text, format_text  # noqa: F401 (re-exported)
 from tpurec.planner.topology import SliceSpec
+from tpurec.runtime.device import DeviceKind
 
 if TYPE_CHECKING:
     from torch import nn
@@ -89,6 +90,8 @@ def build_report(
     used = [d["hbm_used_bytes"] for d in devices]
     mean_t = sum(times) / world
     mean_b = sum(used) / world
+    # TPU only: the CPU step runs its stages one after the other
+    pipelined = max(d["pipelined_time_ms"] for d in devices) if compute_device == DeviceKind.TPU else None
     gen = spec.generation
     return {
         "format": REPORT_FORMAT,
@@ -103,8 +106,7 @@ def build_report(
         "optimizer": optimizer,
         "fits": all(u <= cap for u in used),
         "estimated_step_time_ms": max(times),
-        # TPU only: the CPU step runs its stages one after the other
-        "pipelined_step_time_ms": max(d["pipelined_time_ms"] for d in devices) if compute_device == "tpu" else None,
+        "pipelined_step_time_ms": pipelined,
         "time_imbalance": max(times) / mean_t if mean_t else 1.0,
         "hbm_imbalance": max(used) / mean_b if mean_b else 1.0,
         "assumptions": _assumptions(spec, headroom_fraction, limits),

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from tpurec.errors import UserError
 from tpurec.planner.cpu_cost import DEFAULT_CPU_COSTS, CpuCosts
 from tpurec.runtime import device as _device
+from tpurec.runtime.device import DeviceKind
 
 if TYPE_CHECKING:  # the class itself is made on first use (_tpu_topology_class)
     from torchrec.distributed.planner.types import Topology as TpuTopology
@@ -387,7 +388,7 @@ def make_topology(
     """Topology for a slice name ('v5p-8'), or, with spec=None, a generic one for `compute_device`
     with `world_size` devices (the TPU_ACCELERATOR_TYPE generation if set, else v5p with a warning;
     CPU: a dry-run topology where tables live in DDR)."""
-    if compute_device not in ("tpu", "cpu"):
+    if compute_device not in tuple(DeviceKind):
         raise UserError(f"compute_device must be 'tpu' or 'cpu', not {compute_device!r}")
     if isinstance(spec, str) and spec.lower().startswith("cpu-"):
         # "cpu-N": a CPU dry run with N ranks, the form `tpurec plan --topology` accepts too.
@@ -400,7 +401,7 @@ def make_topology(
     if spec is None:
         if world_size is None:
             raise UserError("make_topology(None, ...) needs world_size")
-        if compute_device == "cpu":
+        if compute_device == DeviceKind.CPU:
             spec = cpu_spec(world_size, num_sc_per_device=num_sc_per_device)
         else:
             env = _spec_from_environment()
@@ -426,7 +427,7 @@ def make_topology(
     spec = replace(spec, **overrides)
     gen = spec.generation
     cap = hbm_cap if hbm_cap is not None else gen.hbm_bytes
-    if compute_device == "tpu":
+    if compute_device == DeviceKind.TPU:
         _enable_offline_tpu()
         memory = {"hbm_cap": cap, "ddr_cap": 0}
     else:

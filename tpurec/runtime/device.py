@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 
 # The compute devices tpurec trains and plans for: TorchRec's `compute_device` strings (Topology,
 # ModuleSharder.sharding_types) that tpurec's kernel answers to. A torch.device's own `.type` stays a
-# plain str ("meta", "cuda", ...).
+# plain str ("meta", "cuda", ...), compared against these members where it is "cpu" or "tpu" (a
+# StrEnum member equals its string), so the word is written once.
 class DeviceKind(StrEnum):
     CPU = "cpu"
     TPU = "tpu"
@@ -207,7 +208,7 @@ def name_tpu_backend(module: Any = None) -> None:  # torch_tpu's device module, 
     if current == "privateuseone":
         torch.utils.rename_privateuse1_backend("tpu")
         torch._C._acc.register_python_privateuseone_hook(NoTpuHooks())
-    elif current != "tpu":
+    elif current != DeviceKind.TPU:
         raise RuntimeError(f"PrivateUse1 backend is already named {current!r}; cannot use 'tpu'")
     elif "torch_tpu" in sys.modules:
         return
@@ -233,6 +234,15 @@ def emulated_slice() -> str | None:
     return env_flags.get(EMULATE_ENV) or None  # read per batch (tpu_path): the cheap read
 
 
+def resolve_choice(choice: DeviceChoice | DeviceKind) -> DeviceKind:
+    """The kind a device choice names. "auto" (every command's default, a program's device=None) is
+    the TPU when this process has one, a usable TPU or an emulated rank's, else the CPU: resolved here
+    only, so `tpurec train`, `tpurec selftest` and DMP agree."""
+    if choice == "auto":
+        return DeviceKind.TPU if tpu_status().usable or emulated_slice() else DeviceKind.CPU
+    return DeviceKind(choice)
+
+
 def device_kind(device_type: str) -> DeviceKind:
     """The kind of work a torch device type runs: the TPU path for "tpu" and an emulated TPU rank's
     CPU (tpurec.emulation), else the CPU path."""
@@ -242,7 +252,7 @@ def device_kind(device_type: str) -> DeviceKind:
 def tpu_path(device_type: str) -> bool:
     """Whether tables on `device_type` take the TPU code path: a tpu device, or the CPU of an emulated
     TPU rank (fixed id limits, the chip's SparseCore count, float32 tables, TorchTPU's ops)."""
-    return device_type == "tpu" or (device_type == "cpu" and emulated_slice() is not None)
+    return device_type == DeviceKind.TPU or (device_type == DeviceKind.CPU and emulated_slice() is not None)
 
 
 # TPU chips by PCI id (vendor 0x1ae0, Google), as torch-tpu 0.2.0 identifies them
@@ -326,9 +336,9 @@ def resolve_device(device: torch.device | str) -> torch.device:
         index = int(idx) if idx else None
     else:
         raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
-    if kind in ("cpu", "meta"):
+    if kind in (DeviceKind.CPU, "meta"):
         return torch.device(kind) if index is None else torch.device(kind, index)
-    if kind in ("tpu", "privateuseone"):
+    if kind in (DeviceKind.TPU, "privateuseone"):
         if emulated_slice():
             # An emulated TPU rank: its device is tpu:0 (tpurec.emulation.device), as TorchTPU numbers a
             # process's own device; before the emulation is active (planning), the CPU.

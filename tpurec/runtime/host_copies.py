@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, overload
 
 import torch
 
+from tpurec.runtime.device import DeviceKind
+
 if TYPE_CHECKING:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -30,7 +32,7 @@ def on_device(t: torch.Tensor | None) -> bool:
     """Whether `t` is off the host (on an accelerator, or on an emulated TPU rank, would be)."""
     if t is None:
         return False
-    return t.device.type != "cpu" or bool(getattr(t, _MARK, False))
+    return t.device.type != DeviceKind.CPU or bool(getattr(t, _MARK, False))
 
 
 def mark_on_device(t: torch.Tensor | None) -> None:
@@ -58,11 +60,11 @@ def to_host(x: torch.Tensor | KeyedJaggedTensor, what: str) -> torch.Tensor | Ke
         if not on_device(x):
             return x
         _counts[what] += 1
-        return x.to(torch.device("cpu")) if x.device.type != "cpu" else x
+        return x.to(torch.device("cpu")) if x.device.type != DeviceKind.CPU else x
     if not _kjt_on_device(x):
         return x
     _counts[what] += 1
-    return x.to(torch.device("cpu")) if x.values().device.type != "cpu" else x
+    return x.to(torch.device("cpu")) if x.values().device.type != DeviceKind.CPU else x
 
 
 def counts() -> dict[str, int]:

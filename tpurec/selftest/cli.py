@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from tpurec import strict_json
 from tpurec.errors import UserError
+from tpurec.runtime.device import DeviceKind
 
 if TYPE_CHECKING:
     from tpurec.embedding.selftest import Check
@@ -48,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
 
     target = args.device
     if args.emulate_tpu:
-        if target == "cpu":
+        if target == DeviceKind.CPU:
             print("tpurec selftest: --emulate-tpu runs the tpu checklist; --device cpu contradicts it")
             return 2
         try:
@@ -57,9 +58,8 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--emulate-tpu: {e}") from None
         report(f"tpu (emulated {args.emulate_tpu})", checks, args.json)
         return 0 if all(c.passed for c in checks) else 1
-    if target == "auto":
-        target = "tpu" if dev.tpu_status().usable else "cpu"
-    if target == "tpu":
+    target = dev.resolve_choice(target)
+    if target == DeviceKind.TPU:
         status = dev.tpu_status()
         if not status.usable:
             print(

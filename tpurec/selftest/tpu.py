@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from tpurec.embedding.selftest import Check, _compare
+from tpurec.runtime.device import DeviceKind
 
 if TYPE_CHECKING:
     from tpurec.sharding.dmp import DistributedModelParallel
@@ -143,7 +144,7 @@ def _dmp_checks(target, num_sc: int, seed: int) -> list[Check]:
     from tpurec.runtime.device import device_kind
 
     backend = process_group_backend(device_kind(target.type))
-    own = "cpu" if target.type == "cpu" else f"{target.type}:0"
+    own = "cpu" if target.type == DeviceKind.CPU else f"{target.type}:0"
     checks = [
         Check("1-rank DMP step", moved, 0.0, 0.0, f"process group {backend}; tables updated: {moved}"),
         # TorchTPU numbers each process's own device 0: shards anywhere else are refused by torch.
@@ -252,7 +253,7 @@ def _reset_peak(target) -> None:
     import torch
 
     reset = getattr(torch.accelerator, "reset_peak_memory_stats", None)
-    if target.type != "cpu" and reset is not None:
+    if target.type != DeviceKind.CPU and reset is not None:
         try:
             reset()
         except Exception:  # an accelerator without statistics
@@ -263,7 +264,7 @@ def _device_peak_bytes(target) -> int | None:
     import torch
 
     peak = getattr(torch.accelerator, "max_memory_allocated", None)
-    if target.type == "cpu" or peak is None:
+    if target.type == DeviceKind.CPU or peak is None:
         return None
     try:
         return int(peak())
@@ -274,7 +275,7 @@ def _device_peak_bytes(target) -> int | None:
 def _device_bytes(target) -> int | None:
     import torch
 
-    if target.type == "cpu":
+    if target.type == DeviceKind.CPU:
         return None
     allocated = getattr(torch.accelerator, "memory_allocated", None)
     try:

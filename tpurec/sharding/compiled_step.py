@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tpurec.errors import UserError
+from tpurec.runtime.device import DeviceKind
 from tpurec.sharding import rank_limits, step_inputs
 from tpurec.sharding.dense_update import DenseOptimizer
 from tpurec.sharding.sharder import ShardedSparseCoreEBC
@@ -165,4 +166,4 @@ def default_backend(sharded: ShardedSparseCoreEBC) -> str:
     device = sharded._device
     # a string: "tpu" parses as a torch.device only once TorchTPU (or the emulation) has named it
     kind = "cpu" if device is None else str(device).split(":")[0]
-    return "tpu" if kind == "tpu" else "aot_eager"
+    return "tpu" if kind == DeviceKind.TPU else "aot_eager"

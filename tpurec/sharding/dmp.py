@@ -63,7 +63,7 @@ def process_group_backend(device_type: DeviceKind) -> str:
     TorchRec's pipelines still exchange) with TorchTPU's `tpu_dist`, which torch-tpu 0.2.0 registers
     for device "tpu" (torch_tpu/_loader.py, `Backend.register_backend("tpu_dist", ..., devices=["tpu"])`).
     """
-    return "cpu:gloo,tpu:tpu_dist" if device_type == "tpu" else "gloo"
+    return "cpu:gloo,tpu:tpu_dist" if device_type == DeviceKind.TPU else "gloo"
 
 
 def _ensure_process_group(device_type: DeviceKind = DeviceKind.CPU) -> None:
@@ -257,7 +257,7 @@ class QuietDataParallelWrapper(DefaultDataParallelWrapper):
             )
             super().wrap(dmp, env, device)
         ddp = dmp._dmp_wrapped_module
-        if isinstance(ddp, DistributedDataParallel) and ddp.device.type not in ("cpu", "cuda"):
+        if isinstance(ddp, DistributedDataParallel) and ddp.device.type not in (DeviceKind.CPU, "cuda"):
             ddp.logger = cast(Any, _NoRuntimeStats(ddp.logger))  # duck-typed: DDP only calls its methods
 
 
@@ -367,12 +367,12 @@ class DistributedModelParallel(_TorchrecDMP):
             host_tier_choice.mark_host_tier(plan, host_tier_choice.host_tier_requests(constraints))
         else:
             plan = _checked_plan(plan, module, env.world_size, compute_device)
-        if torch_device.type in ("cpu", "tpu"):
+        if torch_device.type in tuple(DeviceKind):
             from tpurec.planner.plan_check import place_on_own_device
 
             place_on_own_device(plan, torch_device.type)  # "rank:R/cpu", or "rank:R/tpu:0" on every TPU rank
         all_to_all = None
-        if compute_device == "tpu":
+        if compute_device == DeviceKind.TPU:
             # TorchRec's padding of uneven all-to-alls on the device (tpu_all_to_all.py).
             all_to_all = tpu_all_to_all.select(uneven_all_to_all)
             dmp_kwargs.setdefault("data_parallel_wrapper", TpuDataParallelWrapper())
@@ -382,7 +382,7 @@ class DistributedModelParallel(_TorchrecDMP):
         # With TorchTPU's handshake of compiled collective graphs on, the ranks' graphs must be the same
         # code to stay one program: their fixed id limits made equal (rank_limits.py). Stacks raised here.
         self.limits_aligned = 0
-        if compute_device == "tpu" and env.world_size > 1:
+        if compute_device == DeviceKind.TPU and env.world_size > 1:
             from tpurec.sharding.rank_limits import align_fixed_limits, handshake_on
 
             if handshake_on():
@@ -413,7 +413,7 @@ def _start_device(
     compute_device = device_kind(torch_device.type)
     # "uneven" is refused on the TPU path, before any group or plan is made (tpu_all_to_all.py).
     tpu_all_to_all.check(uneven_all_to_all, compute_device)
-    if compute_device == "tpu":
+    if compute_device == DeviceKind.TPU:
         from tpurec.sharding.tpu_ops_check import refuse_modules_without_tpu_kernels
 
         # A TorchRec module whose forward needs an op TorchTPU lacks: told now, not at its first step.
@@ -431,7 +431,7 @@ def _num_sparsecores(topology: Topology, compute_device: DeviceKind, torch_devic
     the topology's."""
     slice_spec: Any = getattr(topology, "spec", None)  # tpurec's topologies carry their SliceSpec
     planned_sc = getattr(getattr(slice_spec, "generation", None), "sparsecores", None)
-    if compute_device == "tpu":
+    if compute_device == DeviceKind.TPU:
         # The chip decides (TorchTPU's ops use its own count); a plan for another generation is refused.
         num_sc = resolve_num_sparsecores(None, "tpu")
         if planned_sc and planned_sc != num_sc:
@@ -470,6 +470,6 @@ def _checked_plan(plan: ShardingPlan, module: nn.Module, world_size: int, comput
             len(moved),
             ", ".join(moved[:8]) + (f" and {len(moved) - 8} more" if len(moved) > 8 else ""),
         )
-    if compute_device == "tpu":
+    if compute_device == DeviceKind.TPU:
         check_plan_for_tpu(plan)
     return plan

@@ -25,6 +25,7 @@ from tpurec.embedding.settings import KernelSettings
 from tpurec.errors import UserError
 from tpurec.planner.host_tier_choice import host_tier_tables
 from tpurec.planner.kernel_choice import EC_SHARDING_TYPES
+from tpurec.runtime.device import DeviceKind
 from tpurec.sharding.ec_preprocess import ShardedECPreprocessed, compute_preprocessed_ec, output_dist_activations_ec
 from tpurec.sharding.host_input_dist import HostInputDistMixin
 from tpurec.sharding.kernel_module import SparseCoreEmbedding
@@ -83,7 +84,7 @@ class ShardedSparseCoreEC(HostInputDistMixin, SparseCoreShardedMixin, ShardedEmb
         # The TPU path (fixed limits: a tpu device, or asked for): outputs of fixed shapes on the device
         # (tpurec/sharding/sequence_output.py); elsewhere TorchRec's own output distribution.
         fixed = KernelSettings.from_fused(fused_params).fixed_limits
-        on_tpu = device is not None and torch.device(device).type == "tpu"
+        on_tpu = device is not None and torch.device(device).type == DeviceKind.TPU
         cap = KernelSettings.from_fused(fused_params).max_ids_per_feature
         self._fixed_output = (
             FixedSequenceOutput(int(cap) if cap is not None else None) if (on_tpu if fixed is None else fixed) else None

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from tpurec.embedding.optimizers.rowwise_adagrad import RowWiseAdagradSpec
+from tpurec.runtime.device import DeviceKind
 
 CHUNK = 64  # rows per write of evicted rows on a device: one program shape for any eviction
 
@@ -28,7 +29,7 @@ CHUNK = 64  # rows per write of evicted rows on a device: one program shape for 
 def write_rows(target: torch.Tensor, rows: torch.Tensor, values: torch.Tensor | float) -> None:
     """target[rows] = values (host rows; values host rows or a scalar), in place. On the host at once;
     on a device in fixed-shape chunks (module docstring)."""
-    if target.device.type == "cpu":
+    if target.device.type == DeviceKind.CPU:
         target[rows] = values if isinstance(values, float) else values.to(target.dtype)
         return
     for start in range(0, rows.numel(), CHUNK):

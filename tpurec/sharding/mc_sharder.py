@@ -33,6 +33,7 @@ from torchrec.distributed.mc_embeddingbag import (
 from torchrec.distributed.mc_modules import ManagedCollisionCollectionSharder, ShardedManagedCollisionCollection
 
 from tpurec.planner.planners import TpuPlanningMCEBCSharder, TpuPlanningMCECSharder
+from tpurec.runtime.device import DeviceKind
 from tpurec.sharding.ec_sharder import SparseCoreECSharder
 from tpurec.sharding.evicted_rows import write_rows
 from tpurec.sharding.sharder import SparseCoreEBCSharder
@@ -75,7 +76,7 @@ class HostShardedManagedCollisionCollection(ShardedManagedCollisionCollection):
         leaves the host (probed on an empty tensor) is skipped; others (a dtype, share_memory) apply."""
 
         def on_host(t: torch.Tensor) -> torch.Tensor:
-            return t if fn(t.new_empty(0)).device.type != "cpu" else fn(t)
+            return t if fn(t.new_empty(0)).device.type != DeviceKind.CPU else fn(t)
 
         return super()._apply(on_host, recurse)
 
@@ -129,7 +130,7 @@ class _HostRemapMixin:
 
     def _evict(self, evictions_per_table: Dict[str, torch.Tensor | None]) -> None:
         tables = self._embedding_module.embedding_bags if self.bagged else self._embedding_module.embeddings
-        on_host = all(p.device.type == "cpu" for p in tables.parameters())
+        on_host = all(p.device.type == DeviceKind.CPU for p in tables.parameters())
         if on_host:  # TorchRec's own eviction, as it runs on a CPU
             super()._evict(evictions_per_table)  # type: ignore[misc]
             return

@@ -31,6 +31,7 @@ from tpurec.errors import UserError
 from tpurec.planner import stock_estimates
 from tpurec.planner.host_tier_choice import host_tier_tables
 from tpurec.planner.kernel_choice import COMPUTE_KERNEL, SHARDING_TYPES, sharding_types_for
+from tpurec.runtime.device import DeviceKind
 from tpurec.sharding.host_input_dist import HostInputDistMixin
 from tpurec.sharding.kernel_module import SparseCoreEmbeddingBag
 from tpurec.sharding.sharded_preprocess import (
@@ -127,7 +128,7 @@ class ShardedSparseCoreEBC(HostInputDistMixin, SparseCoreShardedMixin, ShardedEm
     def input_dist(self, ctx: Any, features: Any, *args: Any, **kwargs: Any) -> Any:
         device = self._device
         kind = "cpu" if device is None else torch.device(device).type if isinstance(device, str) else device.type
-        if kind != "cpu" and getattr(features, "variable_stride_per_key", lambda: False)():
+        if kind != DeviceKind.CPU and getattr(features, "variable_stride_per_key", lambda: False)():
             # TorchRec expands a VBE lookup to the full batch on the output device with FBGEMM's
             # batch_index_select_dim0 (VariableBatchEmbeddingBagCollectionAwaitable), which has CPU
             # and CUDA kernels only; refused before the ids' collectives rather than inside them.

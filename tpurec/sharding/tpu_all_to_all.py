@@ -61,7 +61,7 @@ def check(mode: str | None, kind: DeviceKind) -> str:
     mode = mode or os.environ.get(ENV) or "padded"
     if mode not in MODES:
         raise UserError(f"uneven all-to-all mode {mode!r} (or {ENV}) must be one of {', '.join(MODES)}")
-    if mode == "uneven" and kind == "tpu":
+    if mode == "uneven" and kind == DeviceKind.TPU:
         raise UserError(
             f"{where} is refused on a TPU: {UNEVEN_ON_TPU}; leave it unset for 'padded' (TorchRec's padding)"
         )

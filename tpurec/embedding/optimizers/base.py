@@ -25,6 +25,7 @@ import torch
 
 from tpurec.embedding.optimizers.defaults import fused_lr
 from tpurec.errors import UserError
+from tpurec.runtime.device import DeviceKind
 
 if TYPE_CHECKING:
     from tpurec.embedding.preprocess import SparseCoreInput
@@ -297,9 +298,9 @@ def add_to_rows(table: torch.Tensor, rows: torch.Tensor, step: torch.Tensor, rou
 def _plain_cpu(table: torch.Tensor, *others: torch.Tensor) -> bool:
     """Real, contiguous CPU tensors outside tracing: what the compiled row loop may write to in place."""
     return (
-        table.device.type == "cpu"
+        table.device.type == DeviceKind.CPU
         and table.is_contiguous()
-        and all(type(t) is torch.Tensor and t.device.type == "cpu" for t in (table, *others))
+        and all(type(t) is torch.Tensor and t.device.type == DeviceKind.CPU for t in (table, *others))
         and not torch.compiler.is_compiling()
     )
 
