@@ -4,11 +4,16 @@
 - Strict typing (disallow_untyped_defs) by package wildcard in pyproject.toml: every package is
   `tpurec.<pkg>.*`, so a module added to one is strict by default; each module excepted from it is
   listed on a line of its own with a comment giving the reason.
+- One word per idea: a device kind is compared against `tpurec.runtime.device.DeviceKind`, not
+  written as "tpu" / "cpu" (fewer than MAX_DEVICE_STRINGS comparisons left, each not a device kind).
+- `tpurec launch` is its own room: nothing in tpurec/launch* imports a module of tpurec/dlrm
+  (`tpurec train` launches its ranks through tpurec/launch, not the other way round).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import tomllib
 from pathlib import Path
 
@@ -85,3 +90,75 @@ def test_each_exception_to_strict_typing_says_why():
         line = next(line for line in lines if line.strip().startswith(f'"{module}",'))
         reason = line.partition("#")[2].strip()
         assert len(reason.split()) >= 3, f"{module}: the exception needs its reason in a comment"
+
+
+# `== "tpu"`, `!= "cpu"`: a device kind written as a string. What is left (an op's namespace) is
+# not a device kind; the bound keeps new ones from creeping back.
+DEVICE_STRING = re.compile(r'[=!]= "(tpu|cpu)"')
+MAX_DEVICE_STRINGS = 10
+
+
+def _device_strings(source: str, name: str) -> list[str]:
+    return [f"{name}:{i}" for i, line in enumerate(source.splitlines(), 1) if DEVICE_STRING.search(line)]
+
+
+def test_device_kinds_are_compared_as_device_kind():
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        found += _device_strings(path.read_text(), str(path.relative_to(ROOT)))
+    assert len(found) < MAX_DEVICE_STRINGS, (
+        "compare against tpurec.runtime.device.DeviceKind (DeviceKind.TPU, DeviceKind.CPU) instead of "
+        f"the strings: {found}"
+    )
+
+
+def test_the_device_string_check_sees_both_operators():
+    source = 'if kind == "tpu":\n    pass\nif t.device.type != "cpu":\n    pass\nif kind == DeviceKind.TPU:\n'
+    assert _device_strings(source, "m") == ["m:1", "m:3"]
+
+
+def _imported_modules(source: str, name: str) -> set[str]:
+    """Every tpurec module `name` imports, at module level or inside a function; `from pkg import x`
+    counts as `pkg.x` (a module or a name in one: either way it reaches into pkg)."""
+    package = name.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            out |= {f"{base}.{a.name}" for a in node.names}
+    return {m for m in out if m.split(".")[0] == "tpurec"}
+
+
+def _launch_modules() -> dict[str, Path]:
+    paths = sorted(PACKAGE.glob("launch*.py")) + sorted((PACKAGE / "launch").rglob("*.py"))
+    return {".".join(p.relative_to(ROOT).with_suffix("").parts): p for p in paths}
+
+
+def test_the_launcher_imports_nothing_from_dlrm():
+    assert _launch_modules(), "tpurec/launch* is gone: update this check"
+    bad = [
+        f"{name} imports {target}"
+        for name, path in _launch_modules().items()
+        for target in sorted(_imported_modules(path.read_text(), name))
+        if target == "tpurec.dlrm" or target.startswith("tpurec.dlrm.")
+    ]
+    assert not bad, f"tpurec launch must not depend on the DLRM app (move what it needs down): {bad}"
+
+
+def test_the_import_check_sees_lazy_relative_and_from_imports():
+    source = (
+        "from tpurec import dlrm\n"
+        "def f():\n    import tpurec.dlrm.cli\n    from ..dlrm.configs import X\n"
+        "from .hosts import run_hosts\n"
+    )
+    assert _imported_modules(source, "tpurec.launch.cli") == {
+        "tpurec.dlrm",
+        "tpurec.dlrm.cli",
+        "tpurec.dlrm.configs.X",
+        "tpurec.launch.hosts.run_hosts",
+    }
