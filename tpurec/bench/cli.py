@@ -23,6 +23,7 @@ BENCHES: dict[str, str] = {
     "stats": "tpurec.bench.stats",
     "zch": "tpurec.bench.zch",
     "tpu-kernels": "tpurec.bench.tpu_kernels",
+    "tpu-train": "tpurec.bench.tpu_train",
 }
 
 

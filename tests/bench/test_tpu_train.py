@@ -1,0 +1,84 @@
+"""`tpurec bench tpu-train --cpu`: the smoke run CI can do, and the plain-JAX contender's own checks
+(the figures come from a TPU: docs/results.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("jax")
+
+from tpurec.bench.tpu_train import CPU_DIMS  # noqa: E402
+from tpurec.bench.tpu_train_shapes import workload  # noqa: E402
+from tpurec.cli import main  # noqa: E402
+
+
+def test_the_cpu_smoke_run_reports_both_contenders_and_their_ratio(capsys):
+    assert main(["bench", "tpu-train", "--cpu", "--json", "--seed", "3"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["seed"] == 3 and doc["device"] == "cpu" and doc["platform"] == "cpu"
+    assert len(doc["load_average"]["before"]) == 3 and len(doc["load_average"]["after"]) == 3
+    w = doc["workload"]
+    assert (w["tables"], w["rows_cap"], w["batch"], w["ids_per_sample"]) == (26, 300, 64, 214)
+    assert max(w["rows"]) == 300 and w["rows_total"] == sum(w["rows"]) and w["timed_steps"] == 3
+    [rnd] = doc["rounds"]
+    assert sorted(rnd["order"]) == ["jax", "tpurec"]
+    jax_side, ours = rnd["jax"], rnd["tpurec"]
+    assert jax_side["platform"] == "cpu" and len(jax_side["losses"]) == 2 + 3
+    assert ours["steps_timed"] == 3 and "--model mlperf-dcnv2" in ours["command"]
+    assert "--embedding-optimizer rowwise_adagrad" in ours["command"] and "--device cpu" in ours["command"]
+    s = doc["summary"]
+    assert s["jax"]["samples_per_s"] > 0 and s["tpurec"]["samples_per_s"] > 0
+    # the ratio is tpurec's samples/s over JAX's, from the step times of the same round
+    assert s["ratio_tpurec_vs_jax"]["ratio"] == pytest.approx(jax_side["step_ms"] / ours["step_ms"], rel=1e-3)
+    # the JAX side's tables and state: f32 rows of dim 16 and one accumulator per row
+    assert doc["hbm_jax"]["table_bytes"] == sum(w["rows"]) * (16 + 1) * 4 and doc["hbm_jax"]["memory"] is None
+
+
+def test_off_a_tpu_without_cpu_it_is_one_line(capsys):
+    assert main(["bench", "tpu-train", "--contenders", "jax"]) == 2
+    assert "JAX sees no TPU here (its backend: cpu)" in capsys.readouterr().err
+
+
+def test_a_cap_over_the_budget_is_refused(capsys):
+    assert main(["bench", "tpu-train", "--rows-cap", "3000000"]) == 2
+    assert "over the 8 GiB" in capsys.readouterr().err
+
+
+def test_the_jax_model_learns_a_learnable_target():
+    """20 steps on 4 batches whose label is a function of one feature's ids: the loss must fall far
+    below log 2, where a model that learns nothing stays (with both learning rates 0 the same steps
+    give 0.68-0.71)."""
+    from tpurec.bench.tpu_train_jax import host_batches, train
+
+    w = dataclasses.replace(workload(300, 64), **CPU_DIMS, embedding_lr=0.1, dense_lr=0.01)
+    batches = host_batches(w, 4)
+    for b in batches:
+        b["labels"] = (b["ids"][0][:, 0] % 2).astype(np.float32)  # feature C1's id decides the label
+    losses = train(w, batches, warmup=4, steps=16)["losses"]
+    assert len(losses) == 20
+    assert losses[0] > 0.6 and np.mean(losses[-4:]) < 0.25, losses
+
+
+def test_row_wise_adagrad_sums_duplicate_ids_first():
+    """The sparse update equals the dense reference: each row's gradient summed over its occurrences,
+    then acc += mean(g^2) and row -= lr g / (sqrt(acc) + eps); untouched rows stay as they were."""
+    import jax.numpy as jnp
+
+    from tpurec.bench.tpu_train_jax_step import rowwise_adagrad
+
+    rng = np.random.default_rng(0)
+    table, acc = rng.normal(size=(7, 4)).astype(np.float32), rng.random(7).astype(np.float32)
+    ids = np.array([3, 1, 3, 3, 6, 1], np.int32)
+    grads = rng.normal(size=(6, 4)).astype(np.float32)
+    t, a, i, g = (jnp.asarray(x) for x in (table, acc, ids, grads))
+    new_t, new_acc = rowwise_adagrad(t, a, i, g, 0.1, 1e-8)
+    summed = np.zeros_like(table)
+    np.add.at(summed, ids, grads)
+    want_acc = acc + (summed * summed).mean(axis=1) * (np.bincount(ids, minlength=7) > 0)
+    want_t = table - 0.1 * summed / (np.sqrt(want_acc) + 1e-8)[:, None]
+    np.testing.assert_allclose(np.asarray(new_acc), want_acc, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(new_t), want_t, rtol=1e-5, atol=1e-6)
