@@ -115,12 +115,12 @@ def _jax_round(w: Workload, warmup: int, steps: int, args: argparse.Namespace, e
 
 def _rounds(w: Workload, warmup: int, steps: int, rounds: int, args: argparse.Namespace, work: str) -> list[dict]:
     """Every round's results, each contender once in a random order; a contender that fails is dropped."""
-    from tpurec.bench.tpu_train_tpurec import make_data, run_round
+    from tpurec.bench.tpu_train_tpurec import run_round
 
     env = _env(args.cpu, work)
     contenders = _contenders(args.contenders)
     if "tpurec" in contenders:
-        make_data(w, os.path.join(work, "data"), args.batches)
+        _make_data(w, os.path.join(work, "data"), args.batches, env)
     extra = shlex.split(args.tpurec_args)
     rng, out = random.Random(args.seed), []
     for k in range(rounds):
@@ -138,6 +138,20 @@ def _rounds(w: Workload, warmup: int, steps: int, rounds: int, args: argparse.Na
         out.append(rec)
         contenders = [c for c in contenders if "error" not in rec[c]]
     return out
+
+
+def _make_data(w: Workload, out: str, batches: int, env: dict[str, str]) -> None:
+    """tpu_train_tpurec.make_data in a child: its oracle AUC imports torch, which on a TPU VM may load
+    TorchTPU; this process keeps away from the chip (and from torch) so the rounds can have it."""
+    from tpurec.runtime import safe_path
+
+    code = "import sys; from tpurec.bench.tpu_train_tpurec import main_make_data; main_make_data(sys.argv[1:])"
+    child = {**env, "JAX_PLATFORMS": "cpu", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
+    p = subprocess.run(
+        safe_path.python("-c", code, w.to_json(), out, str(batches)), capture_output=True, text=True, env=child
+    )
+    if p.returncode != 0:
+        raise RuntimeError(f"making the synthetic data failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
 
 
 def _contenders(text: str) -> list[str]:

@@ -46,6 +46,11 @@ def make_data(w: Workload, out_dir: str, batches: int) -> dict:
     )
 
 
+def main_make_data(argv: list[str]) -> None:
+    """make_data(Workload JSON, out dir, batches): what `tpurec bench tpu-train` runs in a child."""
+    make_data(Workload.from_json(argv[0]), argv[1], int(argv[2]))
+
+
 def _made(out_dir: str) -> dict | None:
     try:
         with open(os.path.join(out_dir, "_dataset.json")) as f:
@@ -108,7 +113,10 @@ def run_round(w: Workload, data: str, warmup: int, steps: int, device: str, extr
     result = json.loads(lines[-1])
     with open(metrics) as f:
         records = [json.loads(line) for line in f if line.strip()]
-    sps, step_ms, timed = steady_rate(records, warmup)
+    try:
+        sps, step_ms, timed = steady_rate(records, warmup)
+    except RuntimeError as e:  # a run too short to time: recorded like a failure, the other side goes on
+        return {"error": str(e)}
     return {
         "samples_per_s": round(sps, 1),
         "step_ms": round(step_ms, 3),
