@@ -33,7 +33,9 @@ def data_schema(w: Workload) -> Any:
 
 
 def host_batches(w: Workload, count: int) -> list[dict[str, Any]]:
-    """The first `count` batches of the synthetic data (numpy): ids [batch, hots] per table, dense, labels."""
+    """The first `count` batches of the synthetic data (numpy): ids per table (flat, sample-major:
+    [batch * hots]; a TPU pads a [batch, 1] int32 array's minor dim to 128 lanes, a flat one hardly at
+    all), dense [batch, 13], labels [batch]."""
     from tpurec.data.synth import generate_chunk
 
     schema, hots = data_schema(w)
@@ -41,7 +43,7 @@ def host_batches(w: Workload, count: int) -> list[dict[str, Any]]:
     for k in range(count):
         cols, _, labels = generate_chunk(w.seed, k, w.batch, schema, hots)
         ids = [
-            np.asarray(cols[f.name].flatten() if f.multi_hot else cols[f.name]).astype(np.int32).reshape(w.batch, h)
+            np.asarray(cols[f.name].flatten() if f.multi_hot else cols[f.name]).astype(np.int32).reshape(w.batch * h)
             for f, h in zip(schema.sparse, hots)
         ]
         dense = np.stack([np.asarray(cols[d]) for d in schema.dense], axis=1).astype(np.float32)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from tpurec.bench.tpu_train_jax_model import Params, bce_with_logits, logits
 from tpurec.bench.tpu_train_shapes import Workload
 
-Batch = dict[str, Any]  # "ids": [batch, hots] int32 per table, "dense": [batch, 13], "labels": [batch]
+Batch = dict[str, Any]  # "ids": [batch * hots] int32 per table (sample-major), "dense": [batch, 13], "labels": [batch]
 
 
 def init_state(params: Params) -> Params:
@@ -60,7 +60,8 @@ def _loss(dense_params: Params, gathered: list[jax.Array], batch: Batch) -> jax.
 
 def train_step(w: Workload, params: Params, state: Params, batch: Batch) -> tuple[Params, Params, jax.Array]:
     """One step: (new params, new state, the batch's loss before the update)."""
-    gathered = [jnp.take(t, ids, axis=0) for t, ids in zip(params["tables"], batch["ids"])]
+    shaped = [ids.reshape(w.batch, h) for ids, h in zip(batch["ids"], w.hots)]
+    gathered = [jnp.take(t, ids, axis=0) for t, ids in zip(params["tables"], shaped)]  # [batch, hots, dim]
     loss, (g_dense, g_rows) = jax.value_and_grad(_loss, argnums=(0, 1))(params["dense"], gathered, batch)
     leaves, tree = jax.tree.flatten(params["dense"])
     acc_leaves, grads = jax.tree.leaves(state["dense"]), jax.tree.leaves(g_dense)
@@ -69,7 +70,7 @@ def train_step(w: Workload, params: Params, state: Params, batch: Batch) -> tupl
     dense_acc = jax.tree.unflatten(tree, [a for _, a in pairs])
     tables, accs = [], []
     for t, acc, ids, g in zip(params["tables"], state["tables"], batch["ids"], g_rows):
-        t, acc = rowwise_adagrad(t, acc, ids.reshape(-1), g.reshape(-1, w.dim), w.embedding_lr, w.eps)
+        t, acc = rowwise_adagrad(t, acc, ids, g.reshape(-1, w.dim), w.embedding_lr, w.eps)
         tables.append(t)
         accs.append(acc)
     return {"tables": tables, "dense": dense}, {"tables": accs, "dense": dense_acc}, loss

@@ -20,6 +20,9 @@ from tpurec.errors import UserError
 # v5e's 16 GiB of HBM (cloud.google.com/tpu/docs/v5e), leaving ~9 GiB for the step's activations (the
 # gathered rows alone are 16,384 x 214 x 128 x 4 B = 1.8 GB at the default batch).
 DEFAULT_ROWS_CAP = 2_000_000
+# HBM of one v5e chip as JAX reports it usable: 15.7 GiB (docs/results.md, 2026-12-06, the first runs on
+# the chip; 16 GB nominal: cloud.google.com/tpu/docs/v5e)
+V5E_HBM_GIB = 15.7
 BUDGET_GIB = 8.0  # weights + optimizer state of the tables, at most (the rest of the chip: activations)
 CHIP_BATCH = 16_384  # per chip (the figure; MLPerf's global batch 65,536 is 8 x 8,192)
 CPU_ROWS_CAP, CPU_BATCH = 300, 64  # `--cpu`: a smoke run, a few hundred rows per table
