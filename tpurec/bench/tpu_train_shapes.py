@@ -3,7 +3,7 @@
 Plain data (no jax, no torch), shared by both contenders and passed to the JAX worker process as JSON,
 so the two train exactly the same shapes. The model is the `mlperf-dcnv2` config of
 tpurec/dlrm/configs.py (its architecture is read from there, not copied); its 26 tables get the MLPerf
-rows (tpurec/catalog.py) capped at `rows_cap` each, and its multi-hot sizes are MLPerf's (214 ids
+rows (tpurec/data/catalog.py) capped at `rows_cap` each, and its multi-hot sizes are MLPerf's (214 ids
 per sample).
 """
 
@@ -26,7 +26,7 @@ V5E_HBM_GIB = 15.7
 BUDGET_GIB = 8.0  # weights + optimizer state of the tables, at most (the rest of the chip: activations)
 CHIP_BATCH = 16_384  # per chip (the issue's figure; MLPerf's global batch 65,536 is 8 x 8,192)
 CPU_ROWS_CAP, CPU_BATCH = 300, 64  # `--cpu`: a smoke run, a few hundred rows per table
-NUM_DENSE = 13  # Criteo's dense features (tpurec.catalog.NUM_DENSE)
+NUM_DENSE = 13  # Criteo's dense features (tpurec.data.catalog.NUM_DENSE)
 
 
 @dataclass(frozen=True)
@@ -83,14 +83,14 @@ class Workload:
 
 
 def _mlperf_rows() -> list[int]:
-    from tpurec.catalog import MLPERF_DCNV2_ROWS
+    from tpurec.data.catalog import MLPERF_DCNV2_ROWS
 
     return list(MLPERF_DCNV2_ROWS)
 
 
 def workload(rows_cap: int, batch: int, seed: int = 0) -> Workload:
     """The mlperf-dcnv2 config's model over its tables capped at `rows_cap` rows each."""
-    from tpurec.catalog import MLPERF_DCNV2_MULTI_HOT
+    from tpurec.data.catalog import MLPERF_DCNV2_MULTI_HOT
     from tpurec.dlrm.configs import embedding_dims, get_config
 
     if rows_cap < 2:  # tpurec's synthetic ids keep row 0 for "empty": a table needs another
