@@ -6,8 +6,8 @@ Runs, each as its own process (one program holds the chip at a time): `tpurec en
 --device tpu`, the README program (`examples/quickstart.py --device tpu`), `tpurec train --device tpu`
 (DLRM-DCNv2, fixed seed and synthetic data) and the same train on the CPU; then compares the two
 trains' losses at every logged step and reads the TPU train's per-step times for a compile spike
-after warm-up. Writes OUT_DIR/tpu_check.json and each run's log beside it. Exit 0 when every part
-passed.
+after warm-up. Writes OUT_DIR/tpu_check.json and each run's log beside it, and OUT_DIR.tar.gz of them all.
+Exit 0 when every part passed.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -99,6 +100,8 @@ def main() -> int:
         "losses_within_tolerance", False
     )
     (out / "tpu_check.json").write_text(json.dumps(report, indent=2))
+    # the device tool brings back 8 files at most: the whole folder also as one archive beside it
+    shutil.make_archive(str(out), "gztar", root_dir=out)
     print(json.dumps({k: report[k] for k in ("passed", "compare") if k in report}, indent=2))
     return 0 if report["passed"] else 1
 
