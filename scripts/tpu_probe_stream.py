@@ -2,7 +2,7 @@
 blocks, each block's slots merged and its rows updated in VMEM, in place) against XLA's sparse update
 (update_jax: row gradients, then a gather and a scatter of the distinct rows) and plain JAX (`.at[ids]
 .add` SGD; row-wise Adagrad over a dense gradient). SGD and row-wise Adagrad, tables donated.
-Cells: 1,048,576 rows (whole blocks), batch 16,384 x pooling 8; widths 128 uniform and Zipf, 256.
+Cells: 1M rows (a partial last block), batch 16,384 x pooling 8; widths 128 uniform and Zipf, 256.
 Contenders interleave in a random order per round; tables after one step compared once.
 Writes $OUT/stream.json. Usage: python3 scripts/tpu_probe_stream.py [--cpu]
 """
@@ -100,9 +100,9 @@ def main():
         [(3072, 128, 64, 4, "uniform")]
         if CPU
         else [
-            (1 << 20, 128, 16384, 8, "uniform"),
-            (1 << 20, 128, 16384, 8, "zipf"),
-            (1 << 20, 256, 16384, 8, "uniform"),
+            (1_000_000, 128, 16384, 8, "uniform"),
+            (1_000_000, 128, 16384, 8, "zipf"),
+            (1_000_000, 256, 16384, 8, "uniform"),
         ]
     )
     out = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "cells": []}

@@ -34,7 +34,7 @@ from tpurec.embedding.tensorcore.pallas_pool import LANES
 
 Ref = Any  # a kernel argument is a Pallas Ref; JAX types it loosely
 
-BLOCK = 1024  # table rows per block: a multiple of 8 x 128, so a 1-D row-wise state blocks as (8, 128)
+BLOCK = 1024  # table rows per block (512 KiB of a 128-wide f32 table; its row-wise state: 4 KiB of SMEM)
 CHUNK = 2048  # slots per SMEM chunk (x2 buffers x 8 bytes = 32 KiB of v5e's 1 MiB SMEM)
 VALID, START, LAST = 1, 2, 4
 ROW_BITS, ROW_SHIFT, SAMPLE_SHIFT = 11, 3, 14  # flags in bits 0-2, row-in-block 3-13, sample 14-31
@@ -123,8 +123,10 @@ def _kernel(
         start(first_chunk)
 
     table[...] = table_in[...]
-    if optimizer == "rowwise_adagrad":
-        acc[...] = acc_in[...]
+    if optimizer == "rowwise_adagrad":  # SMEM holds scalars only: the block copied by a local DMA
+        local_copy = pltpu.make_async_copy(acc_in, acc, sems.at[0, 2])
+        local_copy.start()
+        local_copy.wait()
     lr = scalars[0]
     width = table.shape[1]
 
@@ -143,12 +145,9 @@ def _kernel(
                 step = run * -lr
             else:
                 eps = scalars[1]
-                lane = jax.lax.broadcasted_iota(jnp.int32, (1, LANES), 1)
-                here = lane == local % LANES
-                row = acc[pl.ds(local // LANES, 1), :]
                 norm_sq = jnp.square(jnp.sqrt(jnp.sum(run * run, axis=1, keepdims=True)))
-                new = jnp.sum(jnp.where(here, row, 0.0), axis=1, keepdims=True) + norm_sq / jnp.float32(width)
-                acc[pl.ds(local // LANES, 1), :] = jnp.where(here, new, row)
+                new = acc[local] + norm_sq / jnp.float32(width)  # [1, 1]: the row's state, in SMEM
+                acc[local] = new[0, 0]
                 step = run * (-lr / (jnp.sqrt(new) + eps))
             table[pl.ds(local, 1), :] = (old + step).astype(table.dtype)
 
@@ -164,20 +163,18 @@ def _kernel(
 
 def vmem_bytes(device_batch_size: int, width: int) -> int:
     """VMEM the kernel holds: the gradient, the table's and the state's in and out blocks, each
-    double-buffered, rows padded to 128 lanes (pallas_pool.vmem_bytes)."""
+    double-buffered, rows padded to 128 lanes (pallas_pool.vmem_bytes); a row-wise state is in SMEM."""
     lanes = -(-width // LANES) * LANES
-    return (2 * device_batch_size + 8 * BLOCK) * lanes * 4 + 8 * BLOCK * 4
+    return (2 * device_batch_size + 4 * BLOCK) * lanes * 4
 
 
 def fits(num_rows: int, device_batch_size: int, width: int, vmem_capacity: int | None) -> bool:
-    """Whether the kernel serves this update (None: no TPU here): the gradient within VMEM, samples
-    within the packed bits, the table a whole number of blocks (a partial last block would need its
-    own path: Pallas' interpreter mis-sizes an aliased output there, and a 1-D state must reshape to
-    whole 128-lane rows)."""
+    """Whether the kernel serves this update (None: no TPU here): the gradient within VMEM and the
+    samples within the packed bits."""
+    del num_rows  # any: the last block may be partial
     return (
         vmem_capacity is not None
         and device_batch_size <= MAX_SAMPLES
-        and num_rows % BLOCK == 0
         and vmem_bytes(device_batch_size, width) <= vmem_capacity * 3 // 4
     )
 
@@ -213,7 +210,7 @@ def update(
     rowwise = optimizer == "rowwise_adagrad"
     blocks = bounds.shape[0] - 1
     block = pl.BlockSpec((BLOCK, width), lambda b, *_: (b, 0))
-    state = pl.BlockSpec((BLOCK // LANES, LANES), lambda b, *_: (b, 0))
+    state = pl.BlockSpec((BLOCK,), lambda b, *_: (b,), memory_space=pltpu.SMEM)
     any_ = pl.BlockSpec(memory_space=pl.ANY)
     inputs = [scalars, packed, gains, grad.astype(jnp.float32), table]
     in_specs = [
@@ -226,12 +223,14 @@ def update(
     out_specs, out_shape = [block], [jax.ShapeDtypeStruct(table.shape, table.dtype)]
     if rowwise:
         assert accumulator is not None
-        inputs.append(accumulator.reshape(num_rows // LANES, LANES))
+        inputs.append(accumulator)
         in_specs.append(state)
         out_specs.append(state)
-        out_shape.append(jax.ShapeDtypeStruct((num_rows // LANES, LANES), jnp.float32))
-    # operand indices count the scalar-prefetch bounds first: the table is 5, the accumulator 6
-    aliases = {5: 0, 6: 1} if rowwise else {5: 0}
+        out_shape.append(jax.ShapeDtypeStruct((num_rows,), jnp.float32))
+    # operand indices count the scalar-prefetch bounds first: the table is 5, the accumulator 6.
+    # Interpreted, an aliased output of a partial last block comes back padded to whole blocks
+    # (JAX 0.10.2): there the outputs are fresh arrays, the same values.
+    aliases = {} if interpret else ({5: 0, 6: 1} if rowwise else {5: 0})
     outs = pl.pallas_call(
         functools.partial(_kernel, optimizer=optimizer, num_chunks=padded // CHUNK),
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -242,7 +241,7 @@ def update(
             scratch_shapes=[
                 pltpu.SMEM((2, CHUNK), jnp.int32),
                 pltpu.SMEM((2, CHUNK), jnp.float32),
-                pltpu.SemaphoreType.DMA((2, 2)),
+                pltpu.SemaphoreType.DMA((2, 3)),
                 pltpu.SMEM((1,), jnp.int32),
             ],
         ),
@@ -254,5 +253,5 @@ def update(
         interpret=pltpu.InterpretParams() if interpret else False,
     )(bounds, *inputs)
     if rowwise:
-        return outs[0], outs[1].reshape(num_rows)
+        return outs[0], outs[1]
     return outs[0], None
