@@ -67,3 +67,43 @@ def test_streaming_serves_tables_near_the_rows_a_batch_touches():
     # 1M x 128 f32 (1 GB read and written, ~1.25 ms) against 131,072 slots x 20 ns (2.6 ms): stream
     assert pallas_stream.worth_streaming(1_000_000, 131_072, 512)
     assert not pallas_stream.worth_streaming(40_000_000, 131_072, 512)
+
+
+def test_the_stream_is_taken_on_a_tpu_only_when_asked_for(monkeypatch):
+    import jax
+
+    from tpurec.embedding.tensorcore import tpu_bridge
+
+    t = jax.ShapeDtypeStruct((1_000_000, 128), jnp.float32)
+    monkeypatch.setattr(tpu_bridge, "_vmem_capacity", lambda: 128 << 20)  # a v5e, as JAX reports it
+    monkeypatch.delenv("TPUREC_PALLAS_STREAM", raising=False)
+    assert not tpu_bridge.stream_chosen(t, 131_072, 16384, num_sc=1)  # off by default (docs/tensorcore.md)
+    monkeypatch.setenv("TPUREC_PALLAS_STREAM", "1")
+    assert tpu_bridge.stream_chosen(t, 131_072, 16384, num_sc=1)
+    assert not tpu_bridge.stream_chosen(t, 131_072, 16384, num_sc=4)  # rows not adjacent
+    assert not tpu_bridge.stream_chosen(t, 1_000, 16384, num_sc=1)  # a pass over 1M rows for 1,000 ids
+    bf16 = jax.ShapeDtypeStruct((1_000_000, 128), jnp.bfloat16)
+    assert not tpu_bridge.stream_chosen(bf16, 131_072, 16384, num_sc=1)  # FBGEMM's bf16 rounding: XLA's path
+
+
+def test_the_bridge_streams_a_narrower_gradient_as_the_xla_update_takes_it():
+    """The gradient may be narrower than the table's storage (columns padded past a table's dim): those
+    columns get zero gradients on both paths."""
+    from tpurec.embedding.tensorcore import tpu_bridge
+
+    case = Case(num_sc=1, pooling="sum", rows=1200, batch=16, features=3, width=16)
+    gen = torch.Generator().manual_seed(8)
+    csr = csr_input(case, gen)
+    t0 = table(case, gen)
+    grad = torch.randn(case.device_batch_size, 8, generator=gen)  # dim 8 of a 16-wide storage row
+    e, head_j, kw = _entries(case, csr, t0.shape[0])
+    layout = (kw["device_batch_size"], kw["num_sc"], kw["num_partitions"])
+    lr = jnp.float32(0.1)
+    got, _ = tpu_bridge._streamed(
+        head_j, torch_ops.to_jax(t0.clone()), None, torch_ops.to_jax(grad), lr, None, layout, interpret=True
+    )
+    r, gr = update_jax.row_gradients(*head_j, torch_ops.to_jax(grad), width=case.width, **kw)
+    want = update_jax.sgd(torch_ops.to_jax(t0.clone()), r, gr, lr)
+    got_t, want_t = torch.from_numpy(np.array(got)), torch.from_numpy(np.array(want))
+    assert not torch.equal(want_t, t0) and torch.equal(got_t[:, 8:], t0[:, 8:])
+    assert_close_f32(got_t, want_t)

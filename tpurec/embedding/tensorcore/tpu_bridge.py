@@ -23,13 +23,15 @@ from types import SimpleNamespace
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import torch
 from torch import Tensor
 
 from tpurec.embedding import ops
 from tpurec.embedding.optimizers import adagrad, adam, sgd
 from tpurec.embedding.optimizers.base import recorded, tpu_scalar
-from tpurec.embedding.tensorcore import lookup_jax, pallas_merge, pallas_pool, update_jax
+from tpurec.embedding.tensorcore import lookup_jax, pallas_merge, pallas_pool, pallas_stream, update_jax
+from tpurec.embedding.tensorcore.csr_jax import decode
 
 # torch_tpu's version the bridge was read from; `tpurec env` reports the installed one.
 BRIDGE_READ_FROM = "torch_tpu 0.2.0, torch_tpu/_internal/pallas/pallas.py (jax_op)"
@@ -108,6 +110,39 @@ def _vmem_capacity() -> int | None:
         return None
 
 
+def stream_chosen(table: jax.Array, slots: int, device_batch_size: int, num_sc: int) -> bool:
+    """Whether the update streams the table (`pallas_stream`): opt-in (TPUREC_PALLAS_STREAM=1) until
+    a chip run measures it; one SparseCore, a float32 table, within VMEM, worth a pass over the table."""
+    num_rows, width = table.shape
+    return (
+        os.environ.get("TPUREC_PALLAS_STREAM", "") not in ("", "0")
+        and num_sc == 1
+        and table.dtype == jnp.float32
+        and pallas_stream.fits(num_rows, device_batch_size, width, _vmem_capacity())
+        and pallas_stream.worth_streaming(num_rows, slots, width * 4)
+    )
+
+
+def _streamed(
+    csr: tuple[jax.Array, ...],
+    table: jax.Array,
+    acc: jax.Array | None,
+    grad: jax.Array,
+    lr: jax.Array,
+    eps: Any,
+    layout: tuple,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array | None]:
+    """The update by `pallas_stream` (interpret: on CPU, tests)."""
+    batch, num_sc, parts = layout
+    e = decode(*csr, num_rows=table.shape[0], device_batch_size=batch, num_sc=num_sc, num_partitions=parts)
+    grad = grad.astype(jnp.float32)
+    if grad.shape[1] < table.shape[1]:  # storage columns past the gradient's: zero gradients
+        grad = jnp.pad(grad, ((0, 0), (0, table.shape[1] - grad.shape[1])))
+    optimizer = "sgd" if acc is None else "rowwise_adagrad"
+    return pallas_stream.update(table, acc, e, grad, lr, eps, optimizer=optimizer, interpret=interpret)
+
+
 def tc_sgd(
     rp: jax.Array,
     emb: jax.Array,
@@ -120,7 +155,10 @@ def tc_sgd(
     num_sc: int,
     num_partitions: int,
 ) -> jax.Array:
-    rows, g, rows_sorted = _row_gradients(rp, emb, smp, gns, table, grad, (device_batch_size, num_sc, num_partitions))
+    layout = (device_batch_size, num_sc, num_partitions)
+    if stream_chosen(table, emb.shape[0], device_batch_size, num_sc):
+        return _streamed((rp, emb, smp, gns), table, None, grad, lr, None, layout)[0]
+    rows, g, rows_sorted = _row_gradients(rp, emb, smp, gns, table, grad, layout)
     return update_jax.sgd(table, rows, g, lr, rows_sorted=rows_sorted)
 
 
@@ -138,7 +176,12 @@ def tc_adagrad(
     num_sc: int,
     num_partitions: int,
 ) -> tuple[jax.Array, jax.Array]:
-    rows, g, rows_sorted = _row_gradients(rp, emb, smp, gns, table, grad, (device_batch_size, num_sc, num_partitions))
+    layout = (device_batch_size, num_sc, num_partitions)
+    if accumulator.ndim == 1 and stream_chosen(table, emb.shape[0], device_batch_size, num_sc):
+        new_table, new_acc = _streamed((rp, emb, smp, gns), table, accumulator, grad, lr, eps, layout)
+        assert new_acc is not None
+        return new_table, new_acc
+    rows, g, rows_sorted = _row_gradients(rp, emb, smp, gns, table, grad, layout)
     return update_jax.adagrad(table, accumulator, rows, g, lr, eps, rows_sorted=rows_sorted)
 
 
