@@ -24,6 +24,7 @@ BENCHES: dict[str, str] = {
     "zch": "tpurec.bench.zch",
     "tpu-kernels": "tpurec.bench.tpu_kernels",
     "tpu-train": "tpurec.bench.tpu_train",
+    "host-tier": "tpurec.bench.host_tier",
 }
 
 
