@@ -8,7 +8,6 @@ Writes $OUT/merge.json. Usage: python3 scripts/tpu_probe_merge.py [--cpu]
 """
 
 import functools
-import json
 import os
 import sys
 
@@ -17,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from tpu_probe_pool import block, csr_for, timed_rounds  # noqa: E402
+from tpu_probe_pool import block, csr_for, run_cells, timed_rounds  # noqa: E402
 
 from tpurec.embedding.tensorcore import update_jax  # noqa: E402
 
@@ -108,13 +107,7 @@ def main():
             (1_000_000, 256, 16384, 8, "uniform"),
         ]
     )
-    out = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "cells": []}
-    for c in cells:
-        r = cell(*c)
-        print(json.dumps(r), flush=True)
-        out["cells"].append(r)
-    with open(os.path.join(OUT, "merge.json"), "w") as f:
-        json.dump(out, f, indent=1)
+    run_cells(cells, cell, "merge")
 
 
 if __name__ == "__main__":

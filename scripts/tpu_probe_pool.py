@@ -70,6 +70,18 @@ def timed_rounds(contenders: dict, rounds: int, reps: int) -> dict:
     return {k: float(np.median(v)) for k, v in times.items()}
 
 
+def run_cells(cells: list, cell_fn, name: str) -> None:
+    """Run cell_fn(*cell) for each cell, print each result as a JSON line and keep them all (after
+    each cell, so a timed-out run keeps what it measured) in $OUT/<name>.json."""
+    out = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "cells": []}
+    for c in cells:
+        r = cell_fn(*c)
+        print(json.dumps(r), flush=True)
+        out["cells"].append(r)
+        with open(os.path.join(OUT, f"{name}.json"), "w") as f:
+            json.dump(out, f, indent=1)
+
+
 def lookup_cell(R, D, B, H, dist, out):
     head, layout, n = csr_for(R, B, H, dist, seed=D + H)
     table = jax.random.normal(jax.random.key(0), (R, D), jnp.float32)

@@ -7,7 +7,6 @@ Contenders interleave in a random order per round; tables after one step compare
 Writes $OUT/stream.json. Usage: python3 scripts/tpu_probe_stream.py [--cpu]
 """
 
-import json
 import os
 import sys
 
@@ -16,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from tpu_probe_pool import csr_for, timed_rounds  # noqa: E402
+from tpu_probe_pool import csr_for, run_cells, timed_rounds  # noqa: E402
 
 from tpurec.embedding.tensorcore import pallas_stream, update_jax  # noqa: E402
 from tpurec.embedding.tensorcore.csr_jax import decode  # noqa: E402
@@ -105,13 +104,7 @@ def main():
             (1_000_000, 256, 16384, 8, "uniform"),
         ]
     )
-    out = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "cells": []}
-    for c in cells:
-        r = cell(*c)
-        print(json.dumps(r), flush=True)
-        out["cells"].append(r)
-        with open(os.path.join(OUT, "stream.json"), "w") as f:
-            json.dump(out, f, indent=1)
+    run_cells(cells, cell, "stream")
 
 
 if __name__ == "__main__":
