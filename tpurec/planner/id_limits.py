@@ -33,6 +33,7 @@ from tpurec.embedding.constraints import SEGMENT_ALIGN, round_up
 from tpurec.embedding.demand import ShardsDemand, TableShards
 from tpurec.embedding.settings import TableLimits
 from tpurec.errors import UserError
+from tpurec.planner.hot_rows import HotRowTally
 
 if TYPE_CHECKING:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -79,6 +80,8 @@ class DemandTally:
         # per batch: (entries, distinct ids) of the fullest segment and of the fullest SparseCore slice,
         # the ids of the fullest sample and of the fullest feature
         self.per_batch: dict[str, list[tuple[int, ...]]] = {t.name: [] for t in tables}
+        # every id of every table once more, for its hot-row curve (hot_rows.py: the host tier's cache)
+        self.hot = HotRowTally({t.name: t.rows for t in tables})
         self._counters: dict[tuple[tuple[str, ...], int], list[ShardsDemand]] = {}
         self._lock = threading.Lock()
 
@@ -124,8 +127,15 @@ class DemandTally:
         try:
             if isinstance(kjt, IdColumns):
                 counted = [c.count_columns(kjt.columns, lengths, stride) for c in counters]
+                by_key = dict(zip(keys, kjt.columns))
             else:
                 counted = [c.count(values, lengths, stride) for c in counters]
+                ends = np.cumsum(np.asarray(lengths).reshape(len(keys), stride).sum(1))
+                by_key = dict(zip(keys, np.split(values, ends[:-1])))
+            # (after the counters: they refuse an id outside its table first)
+            for t in self.tables:
+                self.hot.add(t.name, np.concatenate([by_key[f] for f in t.features]))
+            self.hot.add_samples(stride)
             return [(t.name, f) for c, figs in zip(counters, counted) for t, f in zip(c.tables, figs)]
         except UserError as e:  # an id outside its table
             raise IdLimitsError(str(e)) from None
@@ -252,6 +262,7 @@ class DemandTally:
 
     def result(self) -> dict:
         tables = {}
+        curves = self.hot.result()
         for name, seen in self.per_batch.items():
             a = np.array(seen, dtype=np.int64).reshape(-1, 6)
             top = a.max(0) if a.size else np.zeros(6, np.int64)
@@ -261,6 +272,8 @@ class DemandTally:
                 {f"p{_pct(q)}_ids": _quantile(ids, q) for q in QUANTILES}
                 | {f"p{_pct(q)}_unique_ids": _quantile(uniq, q) for q in QUANTILES}
             )
+            if name in curves:
+                entry["hot_rows"] = curves[name].to_json()
             tables[name] = entry
         return tables
 
