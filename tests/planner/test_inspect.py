@@ -170,7 +170,8 @@ def test_cli_tables_file_and_png(tmp_path, capsys):
 
 
 def test_cli_refusal_exit_2(capsys):
-    assert _cli("--model", "mlperf-dcnv2", "--topology", "v5p-8", "--optimizer", "adam") == 2
+    # (with the host tier, its default, it plans: tests/planner/test_host_tier_planning.py)
+    assert _cli("--model", "mlperf-dcnv2", "--topology", "v5p-8", "--optimizer", "adam", "--host-tier", "off") == 2
     err = capsys.readouterr().err
     assert "does not fit" in err and "largest table t_C21" in err and "free of 95.00 GiB" in err
 

@@ -49,7 +49,7 @@ def test_cli_writes_the_refused_report_and_exits_2(tmp_path, capsys):
     tables = tmp_path / "t.json"
     tables.write_text(json.dumps([{"name": t.name, "rows": t.num_embeddings, "dim": 128} for t in BIG]))
     out = tmp_path / "r.json"
-    args = ("--tables", str(tables), "--topology", "v5p-8", "--optimizer", "sgd")
+    args = ("--tables", str(tables), "--topology", "v5p-8", "--optimizer", "sgd", "--host-tier", "off")
     assert _cli(*args, "--format", "json", "--out", str(out)) == 2
     err = capsys.readouterr().err
     assert "plan does not fit on v5p-8" in err and "smallest fitting slice: v5p-16, v6e-16, v7x-4" in err

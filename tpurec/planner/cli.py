@@ -40,6 +40,8 @@ examples:
   tpurec plan --model dlrm-tiny --topology cpu-2 --format json --out plan.json   # CPU dry run
   tpurec plan --model-module my_pkg.models:build_meta_model --topology v5p-128
   tpurec plan --model dlrm-tiny --topology v5p-8 --limits limits.json   # buffers from tpurec data stats
+  tpurec plan --tables big.yaml --topology v6e-1 --limits limits.json    # too big: the host tier, caches from the data
+  tpurec plan --model dlrm-tiny --topology cpu-1 --host-tier t_C3:0.2:lru   # a table on the host tier
   tpurec plan show plan.json
   tpurec plan diff a.json b.json
 
@@ -101,6 +103,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help="size SparseCore buffers from measured id limits (tpurec data stats, for this topology and "
         "batch) instead of the worst case",
+    )
+    p.add_argument(
+        "--host-tier",
+        metavar="auto|off|TABLE[:LF[:lru|lfu]],...",
+        default="auto",
+        help="tables in host memory behind a device cache of their rows (docs/host_tier.md): auto (default) moves "
+        "the largest there when the model does not fit the slice's HBM (caches sized from --limits' hot-row "
+        "curves, else 0.2 of the rows); off: none; or the tables named, each with its load factor and eviction",
     )
     p.add_argument(
         "--sc-gather-fraction",
@@ -172,10 +182,9 @@ def _limits(args: argparse.Namespace, batch_size: int, tables: list[str]) -> IdL
     extra ones named; another model's file was taken and sized none of these tables) and layout."""
     if not args.limits:
         return None
-    from tpurec.planner.id_limits import IdLimits, load_limits, plan_layout
+    from tpurec.planner.id_limits import plan_layout, read_limits
 
-    layout = plan_layout(args.topology, batch_size)
-    return IdLimits(load_limits(args.limits, layout, {"": dict.fromkeys(tables)}), layout, str(args.limits))
+    return read_limits(args.limits, plan_layout(args.topology, batch_size), {"": dict.fromkeys(tables)})
 
 
 def _emit(report: dict, fmt: PlanFormat, out: str | None) -> None:
@@ -207,7 +216,10 @@ def _plan(args: argparse.Namespace) -> int:
         )
         return 2
     _check_out(args)
+    from tpurec.planner import host_tier_flag
     from tpurec.planner.topology import cpu_ranks, parse_slice
+
+    host_tier = host_tier_flag.parse(args.host_tier)  # a bad flag told before anything loads
 
     devices = None
     try:  # a malformed or impossible slice, or more devices than tpurec plans: refused before the heavy imports
@@ -236,6 +248,7 @@ def _plan(args: argparse.Namespace) -> int:
     optimizer = args.optimizer or (trained.embedding_optimizer if trained else TABLES_OPTIMIZER)
     kw = dict(
         batch_size=batch_size,
+        host_tier=host_tier,
         sc_gather_fraction=args.sc_gather_fraction,
         dcn_bw_per_host=args.dcn_gbps * 1e9 if args.dcn_gbps else None,
         headroom_fraction=args.headroom,

@@ -7,7 +7,8 @@ assumptions are written out in docs/planner.md.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Dict, List
 
 import torch
@@ -32,48 +33,19 @@ from tpurec.embedding.constraints import (
 from tpurec.embedding.optimizers.registry import spec_class
 from tpurec.planner import cpu_cost
 from tpurec.planner.id_limits import IdLimits
+from tpurec.planner.shard_costs import ShardCost
 from tpurec.planner.topology import CPU_GENERATION, SliceSpec, cpu_spec
 from tpurec.runtime.device import DeviceKind
 
 if TYPE_CHECKING:
     from torchrec.distributed.planner.types import SharderDataMap
+    from torchrec.distributed.types import CacheParams
     from torchrec.types import DataType
 
 ID_BYTES = 4  # int32 ids on the wire and in the SparseCore buffers
 ACTIVATION_BYTES = 4  # pooled outputs and their gradients are float32 for every table dtype
 WEIGHT_BYTES = 4  # a weighted table's per-id weights (float32) travel with the ids
 ROW_WISE = (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value)
-
-
-@dataclass(frozen=True)
-class ShardCost:
-    weights: int  # table rows after MOD padding over the device's SparseCores
-    optimizer: int
-    buffers: int  # SparseCore CSR/COO input buffers sized by the worst-case id limit
-    activations: int  # output of this shard for the global batch (pooled, or one row per id), and its gradient
-    # TPU only: TorchTPU's fused update ops return a new table and new state (docs/tpu.md), which
-    # live beside the old ones until the adapter copies them back. Counted per shard, this is exact
-    # when a device's shards form one stack (same width and optimizer, e.g. every MLPerf table) and
-    # an upper bound otherwise (stacks are updated one after another, so the true peak is the
-    # largest stack's). Zero on CPU, where the reference updates in place.
-    transient: int
-    lookup_ms: float
-    update_ms: float
-    input_comm_ms: float  # ids to the shard (all-to-all)
-    output_comm_ms: float  # pooled embeddings out (all-to-all / reduce-scatter)
-    grad_comm_ms: float  # their gradients back
-
-    @property
-    def bytes(self) -> int:
-        return self.weights + self.optimizer + self.buffers + self.activations + self.transient
-
-    @property
-    def comm_ms(self) -> float:
-        return self.input_comm_ms + self.output_comm_ms + self.grad_comm_ms
-
-    @property
-    def time_ms(self) -> float:
-        return self.lookup_ms + self.update_ms + self.comm_ms
 
 
 def _collective_ms(
@@ -225,7 +197,9 @@ def option_costs(
     optimizer: str,
     compute_device: str = "tpu",
     limits: IdLimits | None = None,
+    cache: CacheParams | None = None,
 ) -> List[ShardCost]:
+    """Each shard's cost; `cache`: the table is on the host tier with these CacheParams."""
     pooling = float(sum(option.input_lengths)) if option.input_lengths else 1.0
     is_weighted = getattr(option.module[1], "is_weighted", None)  # EmbeddingBagCollection.is_weighted()
     weighted = bool(is_weighted()) if callable(is_weighted) else False
@@ -248,9 +222,9 @@ def option_costs(
     for shard in option.shards:
         size = (shard.size[0], shard.size[1])
         if size not in by_size:
-            by_size[size] = shard_cost(
+            resident = functools.partial(
+                shard_cost,
                 sharding_type=option.sharding_type,
-                rows=size[0],
                 cols=size[1],
                 pooling_factor=pooling,
                 batch_per_device=option.batch_size,
@@ -264,12 +238,61 @@ def option_costs(
                 weighted=weighted,
                 max_ids_per_partition=max_ids,
             )
+            by_size[size] = (
+                resident(rows=size[0])
+                if cache is None
+                else _host_tier_option_cost(
+                    option,
+                    size,
+                    cache,
+                    resident,
+                    elem_bytes=elem_bytes,
+                    optimizer=optimizer,
+                    samples=option.batch_size * world_size,
+                    pooling=pooling,
+                    limits=limits,
+                )
+            )
     return [by_size[(shard.size[0], shard.size[1])] for shard in option.shards]
 
 
+def _host_tier_option_cost(
+    option: ShardingOption,
+    size: tuple[int, int],
+    cache: CacheParams,
+    resident: Callable[..., ShardCost],
+    *,
+    elem_bytes: int,
+    optimizer: str,
+    samples: int,
+    pooling: float,
+    limits: IdLimits | None,
+) -> ShardCost:
+    """A host-tier shard of `size` of the option's table (host_tier_cost.py), `samples` a global batch."""
+    from tpurec.planner.host_tier_cost import host_tier_shard_cost
+
+    row_group = option.num_shards if option.sharding_type in ROW_WISE else 1
+    return host_tier_shard_cost(
+        resident,
+        table=option.name,
+        table_rows=int(option.tensor.shape[0]),
+        shard_rows=size[0],
+        cols=size[1],
+        cache=cache,
+        elem_bytes=elem_bytes,
+        optimizer=optimizer,
+        curve=limits.hot_rows.get(option.name) if limits is not None else None,
+        samples=samples,
+        shard_ids=samples * pooling / row_group,
+    )
+
+
 def shard_storage(cost: ShardCost, compute_device: str) -> Storage:
-    """A shard's bytes where its device keeps them: host DDR for CPU ranks, HBM on a TPU."""
-    return Storage(hbm=0, ddr=cost.bytes) if compute_device == DeviceKind.CPU else Storage(hbm=cost.bytes, ddr=0)
+    """A shard's bytes where its device keeps them: HBM on a TPU, with a host-tier shard's rows in host
+    DDR; a CPU rank keeps both in its one memory, DDR."""
+    if compute_device == DeviceKind.CPU:
+        return Storage(hbm=0, ddr=cost.bytes + cost.host)
+    return Storage(hbm=cost.bytes, ddr=cost.host)
 
 
 def shard_perf(cost: ShardCost) -> Perf:
@@ -280,6 +303,7 @@ def shard_perf(cost: ShardCost) -> Perf:
         bwd_compute=cost.update_ms,
         bwd_comms=cost.grad_comm_ms,
         input_dist_comms=cost.input_comm_ms,
+        prefetch_compute=cost.host_ms,  # TorchRec's term for a cache's loads (its UVM caching kernel's)
     )
 
 
@@ -290,9 +314,11 @@ class _TpuEstimator(ShardEstimator):
         constraints: Dict[str, ParameterConstraints] | None = None,
         optimizer: str = "sgd",
         limits: IdLimits | None = None,
+        host_tier: Mapping[str, CacheParams] | None = None,
     ) -> None:
         spec_class(optimizer)  # refuses an unknown name now, not at the first estimate
         self._limits = limits
+        self._host_tier = dict(host_tier or {})  # tables on the host tier, by name, with their CacheParams
         self._topology = topology
         self._constraints = constraints
         self._optimizer = optimizer
@@ -300,7 +326,10 @@ class _TpuEstimator(ShardEstimator):
 
     def _costs(self, option: ShardingOption) -> List[ShardCost]:
         topo = self._topology
-        return option_costs(option, self._spec, topo.world_size, self._optimizer, topo.compute_device, self._limits)
+        cache = self._host_tier.get(option.name)
+        return option_costs(
+            option, self._spec, topo.world_size, self._optimizer, topo.compute_device, self._limits, cache
+        )
 
 
 class TpuStorageEstimator(_TpuEstimator):

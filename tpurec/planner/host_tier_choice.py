@@ -9,8 +9,9 @@ with its `cache_params` set: that pair is what the sharded modules read (`host_t
 copies a constraint's cache_params into every table's plan whatever its kernel, so tables that did
 not ask for the caching kernel have theirs cleared (`mark_host_tier`).
 
-The planner does not choose the tier yet: it plans a host-tier table as if it were resident (its
-HBM need counted whole), and puts no table on the host tier by itself.
+The planner (`planners.plan`) takes the constraints as given, costs those tables as their caches on
+the device and whole in host memory (host_tier_cost.py), and, asked to, moves tables there itself
+(host_tier_plan.py).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ import math
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
@@ -33,7 +33,7 @@ from tpurec.embedding.constraints import SEGMENT_ALIGN, round_up
 from tpurec.embedding.demand import ShardsDemand, TableShards
 from tpurec.embedding.settings import TableLimits
 from tpurec.errors import UserError
-from tpurec.planner.hot_rows import HotRowTally
+from tpurec.planner.hot_rows import HotRows, HotRowTally, load_hot_rows
 
 if TYPE_CHECKING:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -327,6 +327,8 @@ class IdLimits:
     tables: dict[str, TableLimits]
     layout: dict
     source: str = ""
+    # each table's hot-row curve where the file has one (hot_rows.py): the host tier's cache sizes
+    hot_rows: dict[str, HotRows] = field(default_factory=dict)
 
     def max_ids(
         self, table: str, samples: int, pooling_factor: float, sparsecores: int, pooled: bool = True, features: int = 1
@@ -356,17 +358,22 @@ class IdLimits:
             "layout": self.layout,
             "source": self.source,
             "tables": {k: list(v.positions()) for k, v in self.tables.items()},
+            **({"hot_rows": {k: v.to_json() for k, v in self.hot_rows.items()}} if self.hot_rows else {}),
         }
 
     @classmethod
     def from_json(cls, doc: dict) -> IdLimits:
         tables = {k: TableLimits.from_positions([int(x) for x in v]) for k, v in doc["tables"].items()}
-        return cls(tables, doc["layout"], doc.get("source", ""))
+        hot = {k: HotRows.from_json(v) for k, v in (doc.get("hot_rows") or {}).items()}
+        return cls(tables, doc["layout"], doc.get("source", ""), hot)
 
 
-def read_limits(path: str, layout: dict) -> IdLimits:
-    """A limits file as IdLimits, refused unless measured for `layout`."""
-    return IdLimits(load_limits(path, layout), layout, str(path))
+def read_limits(path: str, layout: dict, tables: Mapping[str, Mapping[str, object]] | None = None) -> IdLimits:
+    """A limits file as IdLimits (with the tables' hot-row curves), refused unless measured for
+    `layout` (and, with `tables`, for those tables: `load_limits`)."""
+    with open(path) as f:  # (load_limits read it whole already: a malformed file never gets here)
+        hot = load_hot_rows(json.load(f)) if (limits := load_limits(path, layout, tables)) is not None else {}
+    return IdLimits(limits, layout, str(path), hot)
 
 
 def plan_layout(topology: str, batch_size_per_device: int) -> dict:

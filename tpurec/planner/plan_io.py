@@ -6,7 +6,8 @@ torchrec has only a private `_serialize` and no loader, so this is our own versi
      "modules": {module_path: {param: {"sharding_type", "compute_kernel", "ranks",
                                        "shards": [{"offsets", "sizes", "placement"}] | null,
                                        "enforce_hbm", "stochastic_rounding", "bounds_check_mode",
-                                       "output_dtype"}}},
+                                       "output_dtype", "cache_params"}}},   # cache_params: a host-tier
+                                       # table's {"load_factor", "algorithm": "LRU" | "LFU"} (absent: none)
      "meta": {...}}   # free-form: topology, batch size, tables... (used by `tpurec plan show`)
 
 A `tpurec plan --format json` report embeds the same object under "plan", so either file loads.
@@ -24,7 +25,7 @@ from tpurec.errors import UserError
 from tpurec.planner.plan_check import module_plans
 
 if TYPE_CHECKING:
-    from torchrec.distributed.types import ParameterSharding, ShardingPlan
+    from torchrec.distributed.types import CacheParams, ParameterSharding, ShardingPlan
 
 FORMAT = "tpurec-sharding-plan"
 VERSION = 1
@@ -37,8 +38,8 @@ def plan_to_dict(plan: ShardingPlan, meta: dict | None = None) -> dict:
     for path, module_plan in module_plans(plan).items():
         params = {}
         for name, ps in module_plan.items():
-            if ps.cache_params is not None or ps.key_value_params is not None:
-                raise UserError(f"{path}.{name}: cache_params / key_value_params are not serializable here")
+            if ps.key_value_params is not None:
+                raise UserError(f"{path}.{name}: key_value_params are not serializable here")
             spec = ps.sharding_spec
             if spec is not None and not isinstance(spec, EnumerableShardingSpec):
                 raise UserError(f"{path}.{name}: only EnumerableShardingSpec is supported, got {type(spec).__name__}")
@@ -56,12 +57,32 @@ def plan_to_dict(plan: ShardingPlan, meta: dict | None = None) -> dict:
                 "stochastic_rounding": ps.stochastic_rounding,
                 "bounds_check_mode": ps.bounds_check_mode.name if ps.bounds_check_mode is not None else None,
                 "output_dtype": ps.output_dtype.name if ps.output_dtype is not None else None,
+                **({"cache_params": _cache_to_dict(ps.cache_params)} if ps.cache_params is not None else {}),
             }
         modules[path] = params
     out = {"format": FORMAT, "version": VERSION, "modules": modules}
     if meta is not None:
         out["meta"] = meta
     return out
+
+
+def _cache_to_dict(cache: CacheParams) -> dict:
+    """A host-tier table's CacheParams as the plan keeps them: the two fields tpurec reads (the others
+    are about FBGEMM's CUDA cache: docs/host_tier.md)."""
+    return {
+        "load_factor": cache.load_factor,
+        "algorithm": cache.algorithm.name if cache.algorithm is not None else None,
+    }
+
+
+def _cache_from_dict(d: dict) -> CacheParams:
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import CacheAlgorithm
+    from torchrec.distributed.types import CacheParams
+
+    algorithm = d.get("algorithm")
+    return CacheParams(
+        load_factor=d.get("load_factor"), algorithm=CacheAlgorithm[algorithm] if algorithm is not None else None
+    )
 
 
 def _placement(text: str) -> str:
@@ -141,6 +162,7 @@ def _parameter_sharding(p: dict) -> ParameterSharding:
         stochastic_rounding=p.get("stochastic_rounding"),
         bounds_check_mode=BoundsCheckMode[p["bounds_check_mode"]] if p.get("bounds_check_mode") else None,
         output_dtype=DataType[p["output_dtype"]] if p.get("output_dtype") else None,
+        cache_params=_cache_from_dict(p["cache_params"]) if p.get("cache_params") is not None else None,
     )
 
 

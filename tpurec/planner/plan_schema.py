@@ -45,6 +45,7 @@ PARAMETER_FIELDS = (
     "stochastic_rounding",
     "bounds_check_mode",
     "output_dtype",
+    "cache_params",
 )
 SHARD_FIELDS = ("offsets", "sizes", "placement")
 
@@ -75,6 +76,18 @@ def _enum_names() -> tuple[list[str], list[str]]:
     return [m.name for m in BoundsCheckMode], [m.name for m in DataType]
 
 
+def _cache_params(at: str, v: Any) -> None:
+    """A host-tier table's cache: its load factor in (0, 1] and LRU or LFU (each may be null: the default)."""
+
+    def load_factor(a: str, x: Any) -> None:
+        number(a, x)
+        if not 0 < x <= 1:
+            raise bad(a, x, "a load factor in (0, 1]")
+
+    checks = {"load_factor": optional(load_factor), "algorithm": optional(choice(["LRU", "LFU"]))}
+    fields(at, obj(at, v, tuple(checks)), checks, required=())
+
+
 def check_parameter(at: str, p: Any) -> None:
     """One table's entry of a module plan."""
     bounds, dtypes = _enum_names()
@@ -87,6 +100,7 @@ def check_parameter(at: str, p: Any) -> None:
         "stochastic_rounding": optional(flag),
         "bounds_check_mode": optional(choice(bounds)),
         "output_dtype": optional(choice(dtypes)),
+        "cache_params": optional(_cache_params),
     }
     fields(at, obj(at, p, PARAMETER_FIELDS), checks, required=("sharding_type", "compute_kernel", "ranks", "shards"))
 
@@ -117,7 +131,12 @@ def _table_spec(at: str, t: Any) -> None:
 
 
 def _id_limits(at: str, v: Any) -> None:
-    checks = {"tables": map_of(each(lambda a, x: whole(a, x, 1))), "layout": obj, "source": text}
+    checks = {
+        "tables": map_of(each(lambda a, x: whole(a, x, 1))),
+        "layout": obj,
+        "source": text,
+        "hot_rows": optional(map_of(obj)),  # each table's curve (hot_rows.py), read by HotRows.from_json
+    }
     fields(at, obj(at, v), checks, required=("tables", "layout"))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import weakref
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Dict, List, cast
 
 import torch
@@ -36,7 +37,7 @@ from torchrec.distributed.planner.types import (
     StorageReservation,
     Topology,
 )
-from torchrec.distributed.types import ModuleSharder, ShardingPlan
+from torchrec.distributed.types import CacheParams, ModuleSharder, ShardingPlan
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from tpurec.embedding.constraints import DIM_ALIGN
@@ -49,10 +50,12 @@ from tpurec.planner.estimators import (
     spec_of,
     table_elem_bytes,
 )
+from tpurec.planner.host_memory import HOST_HEADROOM_FRACTION
 from tpurec.planner.kernel_choice import COMPUTE_KERNEL, EC_SHARDING_TYPES, SHARDING_TYPES, sharding_types_for
 from tpurec.planner.partitioner import TpuPartitioner
 from tpurec.planner.plan_bounds import tables_problem
 from tpurec.planner.plan_check import place_on_own_device
+from tpurec.planner.plan_errors import PlanDoesNotFit
 from tpurec.planner.planned_shard import planned_shards
 from tpurec.planner.proposal_budget import (
     DEFAULT_SHARD_BUDGET,
@@ -76,10 +79,6 @@ if TYPE_CHECKING:
 DEFAULT_HEADROOM_FRACTION = 0.05
 # Dense parameters cost weights + gradients + two Adam moments (the usual dense optimizer).
 DENSE_BYTES_PER_PARAM_BYTE = 4
-
-
-class PlanDoesNotFit(UserError):
-    """The tables cannot be placed in the devices' memory; the message says by how much."""
 
 
 class TpuPlanningSharder(EmbeddingBagCollectionSharder):
@@ -250,6 +249,8 @@ class TpuStorageReservation(StorageReservation):
                 device.storage.ddr -= amount
             else:
                 device.storage.hbm -= amount
+                # host memory, the host tier's (host_memory.py): what else the host runs keeps a share
+                device.storage.ddr -= int(device.storage.ddr * HOST_HEADROOM_FRACTION)
             self.reserved_bytes = amount
         self._last = reserved
         return reserved
@@ -421,10 +422,12 @@ def make_planner(
     optimizer: str = "sgd",
     storage_reservation: StorageReservation | None = None,
     limits: IdLimits | None = None,
+    host_tier: Mapping[str, CacheParams] | None = None,
 ) -> EmbeddingShardingPlanner:
+    """TorchRec's planner with tpurec's parts; `host_tier`: the tables on the host tier, costed so."""
     estimators: List[ShardEstimator] = [
-        TpuPerfEstimator(topology, constraints, optimizer, limits),
-        TpuStorageEstimator(topology, constraints, optimizer, limits),
+        TpuPerfEstimator(topology, constraints, optimizer, limits, host_tier),
+        TpuStorageEstimator(topology, constraints, optimizer, limits, host_tier),
     ]
     return EmbeddingShardingPlanner(
         topology=topology,
@@ -556,14 +559,21 @@ def plan(
     pg: dist.ProcessGroup | None = None,
     storage_reservation: TpuStorageReservation | None = None,
     limits: IdLimits | None = None,
+    host_tier: str | None = None,
 ) -> ShardingPlan:
     """Plan `module` (a model holding EmbeddingBagCollections, meta tensors fine) on `topology`.
 
     `batch_size` is per device. `optimizer` defaults to what apply_optimizer_in_backward or the
     sharders' fused_params say, else SGD. With `pg`, rank 0 plans and broadcasts. `limits`
-    (tpurec.planner.id_limits.IdLimits): SparseCore buffers sized from measured id limits.
+    (tpurec.planner.id_limits.IdLimits): SparseCore buffers sized from measured id limits, and the
+    tables' hot-row curves. Tables whose constraints name `fused_uvm_caching` go on the host tier
+    with their CacheParams (host_tier_choice.py); `host_tier="auto"`: a model that does not fit a
+    TPU slice's device memory is planned again with tables moved there (host_tier_plan.py).
     Raises PlanDoesNotFit when the tables cannot fit.
     """
+    from tpurec.planner import host_tier_choice as choice
+    from tpurec.planner import host_tier_plan
+
     too_many = tables_problem(len(_table_configs(module)), topology.world_size)
     if too_many:  # planning would take hours (plan_bounds.py): refused before it starts
         raise UserError(f"{too_many}; plan fewer tables, or pass a saved plan")
@@ -573,24 +583,74 @@ def plan(
     optimizer = optimizer or infer_optimizer(module, sharders) or "sgd"
     sharders = sharders or planning_sharders()
     reservation = storage_reservation or TpuStorageReservation()
-    planner = make_planner(
-        topology,
-        batch_size=batch_size,
-        constraints=constraints,
-        optimizer=optimizer,
-        storage_reservation=reservation,
-        limits=limits,
-    )
-    # Fast refusal: weights + optimizer state alone exceed the slice's free memory.
-    caps = [d.storage.ddr if topology.compute_device == DeviceKind.CPU else d.storage.hbm for d in topology.devices]
-    free = sum(c - reservation.amount(module, batch_size, c) for c in caps)
-    if _lower_bound_bytes(module, optimizer, topology.compute_device) > free:
-        raise PlanDoesNotFit(_refusal(module, topology, batch_size, constraints, optimizer, reservation, limits))
+    requests = choice.host_tier_requests(constraints)
+    planning = choice.planning_constraints(constraints)
+    one_memory = topology.compute_device == DeviceKind.CPU
+
+    def fits(req: Dict[str, CacheParams]) -> str | None:
+        return _fits_by_bytes(module, topology, batch_size, optimizer, reservation, req)
+
+    def attempt(req: Dict[str, CacheParams]) -> ShardingPlan:
+        why = fits(req)
+        if why is not None:  # fast refusal: weights + optimizer state alone exceed the slice's free memory
+            raise PlanDoesNotFit(
+                why
+                if why.startswith("host")
+                else _refusal(module, topology, batch_size, planning, optimizer, reservation, limits)
+            )
+        planner = make_planner(
+            topology,
+            batch_size=batch_size,
+            constraints=planning,
+            optimizer=optimizer,
+            storage_reservation=reservation,
+            limits=limits,
+            host_tier=req,
+        )
+        return _run_planner(
+            planner,
+            module,
+            topology,
+            sharders,
+            pg,
+            lambda: _refusal(module, topology, batch_size, planning, optimizer, reservation, limits),
+        )
+
+    try:
+        made = attempt(requests)
+    except PlanDoesNotFit as e:
+        if host_tier != host_tier_plan.AUTO or one_memory:
+            raise
+        made, requests = host_tier_plan.auto_host_tier(
+            host_tier_plan.eligible_tables(module),
+            attempt,
+            requests,
+            fits=fits,
+            curves=limits.hot_rows if limits is not None else {},
+            samples=batch_size * topology.world_size,
+            pooling={n: sum(c.pooling_factors or [1.0]) for n, c in (constraints or {}).items()},
+            refusal=e,
+        )
+    choice.mark_host_tier(made, requests)
+    if topology.compute_device == DeviceKind.TPU:
+        place_on_own_device(made, "tpu")  # TorchRec numbers devices by local rank; TorchTPU's is always 0
+    return made
+
+
+def _run_planner(
+    planner: EmbeddingShardingPlanner,
+    module: nn.Module,
+    topology: Topology,
+    sharders: List[ModuleSharder[nn.Module]],
+    pg: dist.ProcessGroup | None,
+    refusal: Callable[[], str],
+) -> ShardingPlan:
+    """TorchRec's planner run (collectively with `pg`); PlanDoesNotFit with `refusal()` when no
+    placement fits, SearchBoundReached when the proposers stopped at their bound first."""
     try:
         if pg is not None and torch.distributed.is_initialized():
-            made = planner.collective_plan(module, sharders, pg)
-        else:
-            made = planner.plan(module, sharders)
+            return planner.collective_plan(module, sharders, pg)
+        return planner.plan(module, sharders)
     except PlannerError as e:
         if bound_reached(planner._proposers):
             raise SearchBoundReached(
@@ -598,10 +658,37 @@ def plan(
                 f"the planner's bound ({NO_FIT_FACTOR} x {DEFAULT_SHARD_BUDGET:,} shards per proposer, "
                 "tpurec/planner/proposal_budget.py); they may still fit: try a larger slice, or fewer tables"
             ) from e
-        raise PlanDoesNotFit(_refusal(module, topology, batch_size, constraints, optimizer, reservation, limits)) from e
-    if topology.compute_device == DeviceKind.TPU:
-        place_on_own_device(made, "tpu")  # TorchRec numbers devices by local rank; TorchTPU's is always 0
-    return made
+        raise PlanDoesNotFit(refusal()) from e
+
+
+def _fits_by_bytes(
+    module: nn.Module,
+    topology: Topology,
+    batch_size: int,
+    optimizer: str,
+    reservation: TpuStorageReservation,
+    requests: Dict[str, CacheParams],
+) -> str | None:
+    """Whether weights and optimizer state alone leave room on the slice (the host tier's tables
+    counted as their caches on the device and whole in host memory): None, else what is short
+    ("device ..." or "host ...")."""
+    from tpurec.planner.host_memory import HOST_HEADROOM_FRACTION
+    from tpurec.planner.host_tier_plan import host_fit_problem, lower_bounds
+
+    on_cpu = topology.compute_device == DeviceKind.CPU
+    caps = [d.storage.ddr if on_cpu else d.storage.hbm for d in topology.devices]
+    free = sum(c - reservation.amount(module, batch_size, c) for c in caps)
+    device, host = lower_bounds(
+        _table_configs(module),
+        optimizer,
+        lambda cfg: table_elem_bytes(cfg.data_type, topology.compute_device),
+        requests,
+        one_memory=on_cpu,
+    )
+    if device > free:
+        return f"device memory: {device} > {free}"
+    host_free = 0 if on_cpu else int(sum(d.storage.ddr for d in topology.devices) * (1 - HOST_HEADROOM_FRACTION))
+    return host_fit_problem(host, host_free) if host else None
 
 
 def uneven_buckets(module: nn.Module, world_size: int) -> str | None:
@@ -623,12 +710,11 @@ def uneven_buckets(module: nn.Module, world_size: int) -> str | None:
 
 
 def _lower_bound_bytes(module: nn.Module, optimizer: str, compute_device: str = "tpu") -> int:
-    """Weights + optimizer state of every table, unpadded: no plan can need less."""
-    return sum(
-        cfg.num_embeddings * cfg.embedding_dim * table_elem_bytes(cfg.data_type, compute_device)
-        + spec_class(optimizer).state_bytes(cfg.num_embeddings, cfg.embedding_dim)
-        for cfg in _table_configs(module)
-    )
+    """Weights + optimizer state of every table, unpadded, all resident: no plan can need less."""
+    from tpurec.planner.host_tier_plan import lower_bounds
+
+    elem = lambda cfg: table_elem_bytes(cfg.data_type, compute_device)  # noqa: E731
+    return lower_bounds(_table_configs(module), optimizer, elem, {}, one_memory=False)[0]
 
 
 __all__ = [

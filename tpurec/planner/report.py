@@ -14,8 +14,10 @@ from typing import TYPE_CHECKING, Any, Iterable
 from tpurec.data.catalog import TableSpec
 from tpurec.embedding import dtypes
 from tpurec.errors import UserError
-from tpurec.planner.estimators import ShardCost, shard_cost, table_elem_bytes
+from tpurec.planner.estimators import ROW_WISE, ShardCost, shard_cost, table_elem_bytes
+from tpurec.planner.host_tier_cost import host_tier_shard, host_tier_shard_cost, table_estimate
 from tpurec.planner.id_limits import IdLimits
+from tpurec.planner.kernel_choice import COMPUTE_KERNEL
 from tpurec.planner.plan_check import module_plans
 from tpurec.planner.report_text import diff_reports, fitting_text, format_text  # noqa: F401 (re-exported)
 from tpurec.planner.topology import SliceSpec
@@ -24,8 +26,11 @@ from tpurec.runtime.device import DeviceKind
 if TYPE_CHECKING:
     from torch import nn
     from torchrec.distributed.planner.types import ParameterConstraints
-    from torchrec.distributed.types import ShardingPlan
+    from torchrec.distributed.types import CacheParams, ShardingPlan
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+    from tpurec.planner.host_tier_flag import HostTierTable
+    from tpurec.planner.hot_rows import HotRows
 
 REPORT_FORMAT = "tpurec-plan-report"
 
@@ -77,7 +82,8 @@ def build_report(
     world = spec.world_size
     cap = spec.generation.hbm_bytes
     costing = _Costing(spec, batch_size, optimizer, compute_device, limits)
-    devices = _empty_devices(world, cap, reserved)
+    host_cap, host_reserved = _host_memory(spec, compute_device, cap)
+    devices = _empty_devices(world, cap, reserved, host_cap, host_reserved)
     rows = []
     for path, module_plan in module_plans(plan).items():
         for name, ps in module_plan.items():
@@ -104,7 +110,7 @@ def build_report(
         "num_slices": spec.num_slices,
         "batch_size_per_device": batch_size,
         "optimizer": optimizer,
-        "fits": all(u <= cap for u in used),
+        "fits": all(u <= cap for u in used) and all(d["host_used_bytes"] <= host_cap for d in devices),
         "estimated_step_time_ms": max(times),
         "pipelined_step_time_ms": pipelined,
         "time_imbalance": max(times) / mean_t if mean_t else 1.0,
@@ -117,7 +123,18 @@ def build_report(
     }
 
 
-def _empty_devices(world: int, cap: int, reserved: int) -> list[dict]:
+def _host_memory(spec: SliceSpec, compute_device: str, cap: int) -> tuple[int, int]:
+    """(capacity, reserved) of each device's host memory, the host tier's (host_memory.py): a CPU
+    rank's is its one memory (the host tier's rows counted in its `hbm_used_bytes` too)."""
+    from tpurec.planner.host_memory import HOST_HEADROOM_FRACTION, host_bytes_per_device
+
+    if compute_device == DeviceKind.CPU:
+        return cap, 0
+    host = host_bytes_per_device(spec.generation.name, spec.generation.devices_per_chip)
+    return host, int(host * HOST_HEADROOM_FRACTION)
+
+
+def _empty_devices(world: int, cap: int, reserved: int, host_cap: int, host_reserved: int) -> list[dict]:
     """One row per device before any shard is counted: only the reserved bytes in use."""
     return [
         dict(
@@ -125,6 +142,11 @@ def _empty_devices(world: int, cap: int, reserved: int) -> list[dict]:
             hbm_used_bytes=reserved,
             hbm_capacity_bytes=cap,
             reserved_bytes=reserved,
+            host_used_bytes=host_reserved,
+            host_capacity_bytes=host_cap,
+            host_reserved_bytes=host_reserved,
+            host_tier_bytes=0,
+            host_ms=0.0,
             **{f"{k}_bytes": 0 for k in _COST_KEYS},
             worst_case_buffers_bytes=0,
             estimated_time_ms=0.0,
@@ -146,7 +168,7 @@ def _table_row(path: str, ps: Any, t: TableSpec, devices: list[dict], costing: _
     shards = _shards(ps, t, world)
     dtype = dtypes.from_name(t.data_type)
     stored = dtypes.short_name(dtypes.stored_dtype(dtype, compute_device))
-    total_bytes, total_ms, shard_rows = 0, 0.0, []
+    total_bytes, total_ms, shard_rows, host_total = 0, 0.0, [], 0
     measured = (
         limits.max_ids(
             t.name,
@@ -159,11 +181,14 @@ def _table_row(path: str, ps: Any, t: TableSpec, devices: list[dict], costing: _
         if limits is not None
         else None
     )
+    cache = ps.cache_params if ps.compute_kernel == COMPUTE_KERNEL else None  # the host tier's (host_tier_choice)
+    samples = batch_size * world
+    row_group = len(shards) if ps.sharding_type in ROW_WISE else 1
+    curve = limits.hot_rows.get(t.name) if limits is not None else None
     for rank, offsets, sizes in shards:
         cost = functools.partial(
             shard_cost,
             sharding_type=ps.sharding_type,
-            rows=sizes[0],
             cols=sizes[1],
             pooling_factor=t.pooling_factor,
             batch_per_device=batch_size,
@@ -176,11 +201,30 @@ def _table_row(path: str, ps: Any, t: TableSpec, devices: list[dict], costing: _
             weighted=t.weighted,
             pooled=t.pooling != "none",
         )
-        c = cost(max_ids_per_partition=measured)
-        _add_shard(devices[rank], c, worst_case_buffers=cost().buffers if measured else c.buffers)
+        c = cost(rows=sizes[0], max_ids_per_partition=measured)
+        if cache is not None:
+            c = host_tier_shard_cost(
+                functools.partial(cost, max_ids_per_partition=measured),
+                table=t.name,
+                table_rows=t.num_embeddings,
+                shard_rows=sizes[0],
+                cols=sizes[1],
+                cache=cache,
+                elem_bytes=table_elem_bytes(dtype, compute_device),
+                optimizer=costing.optimizer,
+                curve=curve,
+                samples=samples,
+                shard_ids=samples * t.pooling_factor / row_group,
+            )
+        worst = cost(rows=sizes[0]).buffers if measured else c.buffers
+        _add_shard(devices[rank], c, worst_case_buffers=worst, one_memory=compute_device == DeviceKind.CPU)
         total_bytes += c.bytes
         total_ms += c.time_ms
-        shard_rows.append({"rank": rank, "offsets": offsets, "sizes": sizes, "bytes": c.bytes, "time_ms": c.time_ms})
+        host_total += c.host
+        shard_rows.append(
+            {"rank": rank, "offsets": offsets, "sizes": sizes, "bytes": c.bytes, "time_ms": c.time_ms}
+            | ({"host_bytes": c.host} if cache is not None else {})
+        )
     return {
         "name": t.name,
         "module": path,
@@ -201,15 +245,20 @@ def _table_row(path: str, ps: Any, t: TableSpec, devices: list[dict], costing: _
         "bytes": total_bytes,
         "time_ms": total_ms,
         "shards": shard_rows,
+        **tier_fields(t, cache, shards, curve, samples, host_total),
     }
 
 
-def _add_shard(d: dict, c: ShardCost, worst_case_buffers: int) -> None:
-    """Add one shard's cost `c` to device row `d`."""
+def _add_shard(d: dict, c: ShardCost, worst_case_buffers: int, one_memory: bool = False) -> None:
+    """Add one shard's cost `c` to device row `d`; `one_memory` (CPU ranks): its host-tier rows are in
+    the device's memory too."""
     d["worst_case_buffers_bytes"] += worst_case_buffers
     for k in _COST_KEYS:
         d[f"{k}_bytes"] += getattr(c, k)
-    d["hbm_used_bytes"] += c.bytes
+    d["hbm_used_bytes"] += c.bytes + (c.host if one_memory else 0)
+    d["host_tier_bytes"] += c.host
+    d["host_used_bytes"] += c.host
+    d["host_ms"] += c.host_ms
     d["lookup_ms"] += c.lookup_ms
     d["update_ms"] += c.update_ms
     d["comm_ms"] += c.comm_ms
@@ -228,7 +277,8 @@ def pipelined_ms(d: dict) -> float:
     collectives with SparseCore work, and the TensorCore's dense model (not modelled) is shorter."""
     sparsecore = d["lookup_ms"] + d["update_ms"]
     collectives = d["comm_ms"] - d["input_comm_ms"]
-    return max(sparsecore, collectives, d["input_comm_ms"])
+    # the host tier's row copies: on the host link, beside the rest (a pipelined host tier: docs/host_tier.md)
+    return max(sparsecore, collectives, d["input_comm_ms"], d.get("host_ms", 0.0))
 
 
 def _assumptions(spec: SliceSpec, headroom_fraction: float, limits: IdLimits | None) -> dict:
@@ -268,6 +318,30 @@ def _report_meta(
     }
 
 
+def tier_fields(
+    t: TableSpec, cache: CacheParams | None, shards: list, curve: HotRows | None, samples: int, host: int
+) -> dict:
+    """A table's tier in its report row: "hbm" (resident), or "host" with its cache (rows over all its
+    shards, load factor, algorithm), its host bytes and the expected hit rate (None without a hot-row
+    curve: `tpurec data stats`, then `tpurec plan --limits`)."""
+    if cache is None:
+        return {"tier": "hbm"}
+    # a column-wise table's shards share their rows: its cache is counted once per row range
+    ranges = {(offsets[0], sizes[0]) for _, offsets, sizes in shards}
+    per_range = [host_tier_shard(t.name, rows, cache) for _, rows in sorted(ranges)]
+    cached = sum(p.cached_rows for p in per_range)
+    est = table_estimate(curve, cached, samples, per_range[0].algorithm)
+    return {
+        "tier": "host",
+        "cache_rows": cached,
+        "load_factor": per_range[0].load_factor,
+        "cache_algorithm": per_range[0].algorithm,
+        "host_bytes": host,
+        "expected_hit_rate": round(est.hit_rate, 4) if est is not None else None,
+        "expected_misses_per_batch": round(est.misses_per_batch, 1) if est is not None else None,
+    }
+
+
 TOP_TABLES_PER_DEVICE = 3
 
 
@@ -295,7 +369,7 @@ def _topology_for(name: str, hbm_cap: int | None = None, **assumptions: Any) -> 
 
     if name.lower().startswith("cpu-"):
         return make_topology(name, None, "cpu", hbm_cap=hbm_cap)
-    return make_topology(name, None, "tpu", hbm_cap=hbm_cap, **assumptions)
+    return make_topology(name, None, "tpu", hbm_cap=hbm_cap, host_cap=hbm_cap, **assumptions)
 
 
 # Memory per device when a refused model is planned anyway, for its report: no real device has it.
@@ -403,9 +477,12 @@ def plan_module(
     headroom_fraction: float | None = None,
     limits: IdLimits | None = None,
     optimizer_source: str | None = None,
+    host_tier: str | list[HostTierTable] | None = None,
 ) -> dict:
     """Plan `module` (its EmbeddingBagCollections, `tables` describing them) and return the report.
     `optimizer_source`: where `optimizer` came from, printed beside it (the report's and meta's).
+    `host_tier`: host_tier_flag.parse's (AUTO: the planner moves tables there when they do not fit;
+    tables: these, with their caches; None: as the constraints say).
 
     A model that does not fit is planned again with unbounded memory, so its report still shows
     where the bytes go: `fits` False, `refusal` (the planner's reason) and
@@ -417,10 +494,16 @@ def plan_module(
     assumptions: dict[str, Any] = dict(sc_gather_fraction=sc_gather_fraction, dcn_bw_per_host=dcn_bw_per_host)
     topo = _topology_for(topology, **assumptions)
     headroom = P.DEFAULT_HEADROOM_FRACTION if headroom_fraction is None else headroom_fraction
+    if isinstance(host_tier, list):
+        from tpurec.planner.host_tier_flag import check_tables, with_host_tier
+
+        check_tables(host_tier, [t.name for t in tables])
+        constraints = with_host_tier(constraints, host_tier)
     kw: dict[str, Any] = dict(batch_size=batch_size, optimizer=optimizer, constraints=constraints, limits=limits)
     refusal = None
     try:
-        plan = P.plan(module, topo, storage_reservation=P.TpuStorageReservation(headroom), **kw)
+        auto = host_tier if isinstance(host_tier, str) else None
+        plan = P.plan(module, topo, storage_reservation=P.TpuStorageReservation(headroom), host_tier=auto, **kw)
     except PlanDoesNotFit as e:
         refusal = str(e)
         unbounded = _topology_for(topology, hbm_cap=UNBOUNDED_MEMORY, **assumptions)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from tpurec.planner.topology import format_bytes
+from tpurec.runtime.device import DeviceKind
 
 DEVICES_HEADER = "devices (memory; ms per step; identical devices share a row)"
 HOT_DEVICES = 3  # slowest devices named with their top tables
@@ -112,6 +113,38 @@ def _pipelined_line(report: dict) -> list[str]:
     ]
 
 
+def _tier_cells(t: dict) -> str:
+    """A table's tier, cache rows and expected hit rate ('-' where unknown: no hot-row curve)."""
+    if t.get("tier") != "host":
+        return f"{t.get('tier', 'hbm'):<5} {'-':>12} {'-':>6}"
+    hit = t.get("expected_hit_rate")
+    return f"{'host':<5} {t['cache_rows']:>12,} {(f'{hit:.1%}' if hit is not None else '-'):>6}"
+
+
+def _host_tier_lines(report: dict) -> list[str]:
+    """The host tier's summary: its tables, their caches and the host memory they take."""
+    host = [t for t in report["tables"] if t.get("tier") == "host"]
+    if not host:
+        return []
+    d = max(report["devices"], key=lambda d: d.get("host_used_bytes", 0))
+    one_memory = report.get("compute_device") == DeviceKind.CPU
+    where = (
+        "in the ranks' memory beside their caches (CPU: one memory)"
+        if one_memory
+        else f"up to {format_bytes(d['host_used_bytes'])} of {format_bytes(d['host_capacity_bytes'])} host memory "
+        f"per device (rank {d['rank']}, {format_bytes(d['host_reserved_bytes'])} of it reserved)"
+    )
+    out = [f"host tier: {len(host)} table(s) in host memory behind a device cache of their rows, {where}"]
+    for t in sorted(host, key=lambda t: -t["host_bytes"]):
+        hit = t.get("expected_hit_rate")
+        out.append(
+            f"  {t['name']:<12} cache {t['cache_rows']:,} of {t['rows']:,} rows (load factor {t['load_factor']:g}, "
+            f"{t['cache_algorithm']}), host {format_bytes(t['host_bytes'])}, expected hit rate "
+            + (f"{hit:.1%}" if hit is not None else "unknown (no hot-row curve: tpurec data stats, then --limits)")
+        )
+    return out
+
+
 def format_text(report: dict, top: int = 5) -> str:
     a = report["assumptions"]
     cap = report["devices"][0]["hbm_capacity_bytes"]
@@ -143,17 +176,18 @@ def format_text(report: dict, top: int = 5) -> str:
         )
     if report.get("refusal"):
         out += [f"refused: {report['refusal']}", f"smallest fitting slice: {fitting_text(report)}"]
-    out += [
+    tiered = any(t.get("tier") == "host" for t in report["tables"])
+    out += _host_tier_lines(report) + [
         "",
         "tables (largest first)",
         f"{'name':<12} {'rows':>12} {'dim':>4} {'pool':>6} {'sharding':<16} {'kernel':<18} {'ranks':<12} "
-        f"{'memory':>10} {'ms':>8}",
+        f"{'memory':>10} {'ms':>8}" + (f" {'tier':<5} {'cache rows':>12} {'hit':>6}" if tiered else ""),
     ]
     for t in sorted(report["tables"], key=lambda t: -t["bytes"]):
         out.append(
             f"{t['name']:<12} {t['rows']:>12,} {t['dim']:>4} {t['pooling_factor']:>6g} "
             f"{t['sharding_type']:<16} {t['compute_kernel']:<18} {ranks_in_order(t['ranks']):<12} "
-            f"{format_bytes(t['bytes']):>10} {t['time_ms']:>8.3f}"
+            f"{format_bytes(t['bytes']):>10} {t['time_ms']:>8.3f}" + (f" {_tier_cells(t)}" if tiered else "")
         )
     out += ["", DEVICES_HEADER, *_device_rows(report["devices"])]
     out += ["", "slowest devices and the tables that take their time", *_hot_lines(report["devices"])]

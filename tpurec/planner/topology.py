@@ -384,10 +384,12 @@ def make_topology(
     sc_gather_fraction: float | None = None,
     hbm_cap: int | None = None,
     num_sc_per_device: int = 4,
+    host_cap: int | None = None,
 ) -> TpuTopology:
     """Topology for a slice name ('v5p-8'), or, with spec=None, a generic one for `compute_device`
     with `world_size` devices (the TPU_ACCELERATOR_TYPE generation if set, else v5p with a warning;
-    CPU: a dry-run topology where tables live in DDR)."""
+    CPU: a dry-run topology where tables live in DDR). On a TPU `ddr_cap` is each device's host
+    memory (`host_cap`, default host_memory.py's figure for the generation): the host tier's."""
     if compute_device not in tuple(DeviceKind):
         raise UserError(f"compute_device must be 'tpu' or 'cpu', not {compute_device!r}")
     if isinstance(spec, str) and spec.lower().startswith("cpu-"):
@@ -428,8 +430,11 @@ def make_topology(
     gen = spec.generation
     cap = hbm_cap if hbm_cap is not None else gen.hbm_bytes
     if compute_device == DeviceKind.TPU:
+        from tpurec.planner.host_memory import host_bytes_per_device
+
         _enable_offline_tpu()
-        memory = {"hbm_cap": cap, "ddr_cap": 0}
+        host_memory = host_cap if host_cap is not None else host_bytes_per_device(gen.name, gen.devices_per_chip)
+        memory = {"hbm_cap": cap, "ddr_cap": host_memory}
     else:
         memory = {"hbm_cap": 0, "ddr_cap": cap}
     per_ms = 1e-3

@@ -352,19 +352,17 @@ class DistributedModelParallel(_TorchrecDMP):
             else default_sharders(num_sc, pooling_factors=_pooling_factors(constraints), settings=settings)
         )
         if plan is None:
-            from tpurec.planner import host_tier_choice
             from tpurec.planner.planners import plan as make_plan
 
+            # tables whose constraints name `fused_uvm_caching` go on the host tier (docs/host_tier.md)
             plan = make_plan(
                 module,
                 topology,
                 batch_size=batch_size or DEFAULT_PLANNING_BATCH_SIZE,
-                constraints=host_tier_choice.planning_constraints(constraints),
+                constraints=constraints,
                 sharders=sharders,
                 pg=env.process_group,
             )
-            # tables whose constraints name `fused_uvm_caching`: on the host tier (docs/host_tier.md)
-            host_tier_choice.mark_host_tier(plan, host_tier_choice.host_tier_requests(constraints))
         else:
             plan = _checked_plan(plan, module, env.world_size, compute_device)
         if torch_device.type in tuple(DeviceKind):
