@@ -223,6 +223,13 @@ class TrainOptions:
         type=step_interval,
         metavar="STEPS",
     )
+    host_tier: str | None = flag(
+        None,
+        "tables kept in host memory behind a cache of their rows, each with its load factor (share of rows "
+        "cached, default 0.2) and eviction (lru, default, or lfu); CPU only so far; hits, misses and the "
+        "hit rate in the result line (docs/host_tier.md)",
+        metavar="TABLE[:LF[:lru|lfu]],...",
+    )
     metrics_out: str | None = flag(None, "metrics as .csv or .jsonl; curves as FILE.png beside it", metavar="FILE")
     tensorboard: str | None = flag(
         None,
@@ -527,7 +534,10 @@ class TrainOptions:
             problem = data_problem(self.data, get_config(self.model).table_set)
             if problem:
                 return problem
-        problem = self._zch_problem() or self._dense_transform_problem()
+        from tpurec.dlrm import host_tier
+
+        problem = host_tier.problem(self.host_tier, device=self.device, plan=self.plan, zch=self.zch)
+        problem = problem or self._zch_problem() or self._dense_transform_problem()
         if problem:
             return problem
         mapped = [f for f in ("label", "dense", "sparse", "columns") if getattr(self, f) is not None]

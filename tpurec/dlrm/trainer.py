@@ -101,6 +101,7 @@ class Trainer:
         self._train_copies: Counter = Counter()  # device->host copies in training steps, by what
         self._output_failures: list[str] = []  # side outputs that could not be written (_side_output)
         self.remap: RemapCounters | None = None  # --zch: the remap's counters (tpurec.dlrm.zch)
+        self.host_tier_tables: list[str] = []  # tables on the host tier (--host-tier, or --plan's cache_params)
         self.user: UserModel | None = None  # --model-module: the user's model (tpurec.dlrm.user_model)
         self.best = BestEval()  # the best eval AUC so far (--keep-best, --early-stop: keep_best.py)
         self._best_path: Path | None = None  # --keep-best: the checkpoint kept for it
@@ -255,6 +256,9 @@ class Trainer:
                 + ("" if mapped else f"; convert with --table-set {cfg.table_set} to train the model's own sizes")
             )
         self.feature_names = [f["name"] for f in meta.get("sparse", [])]
+        from tpurec.dlrm.host_tier import table_names
+
+        self.host_tier_tables = table_names(self.options.host_tier, self.options.plan)  # --host-tier's, or --plan's
         self.num_dense = len(meta.get("dense") or [])  # the model takes the data's dense features
         if not self.num_dense and self.user is None:
             raise UserError(f"{self.data_dir}: no dense columns; the DLRM's bottom MLP needs at least one")
@@ -274,7 +278,8 @@ class Trainer:
             dense_log1p=self.options.dense_transform == "log1p",
             # On a TPU every shape is compiled in: evaluating at the training batch reuses the step's
             # lookup program and id limits; another eval batch would be another program, other buffers.
-            **({"eval_batch_size": cfg.batch_size} if self.device == DeviceKind.TPU else {}),
+            # A host-tier table's cache is sized for the training batch's rows (--host-tier): so is eval's.
+            **({"eval_batch_size": cfg.batch_size} if self.device == DeviceKind.TPU or self.host_tier_tables else {}),
         )
         self.batch_size = batch = self.readers.batch_size
         if batch != cfg.batch_size:
@@ -316,6 +321,8 @@ class Trainer:
             model = build_model(
                 cfg, table_sizes=self.table_sizes, feature_names=self.feature_names, zch=zch, num_dense=self.num_dense
             )
+        if o.host_tier:  # tables on the host tier, in the planner's words (tpurec/dlrm/host_tier.py)
+            constraints = self._host_tier_constraints(model, constraints)
         plan = None
         if o.plan:
             from tpurec.planner.plan_io import load_plan
@@ -371,6 +378,20 @@ class Trainer:
             # --zch, a model's MC tables: the lookups take the remapped ids, known only in the step
             prepare=o.pipeline_depth > 0 and not self._remapped(),
         )
+
+    def _host_tier_constraints(self, model: Any, constraints: dict | None) -> dict:
+        """The planner's constraints with --host-tier's tables on the host tier: the model's own (a
+        --model-module's), or the built-in DLRM's (model.planner_constraints)."""
+        from tpurec.dlrm import host_tier
+        from tpurec.dlrm.model import planner_constraints
+
+        assert self.options.host_tier is not None
+        if self.user is not None:
+            names = [t.name for t in self.user.tables]
+        else:
+            names = [c.name for c in model.model.sparse_arch.embedding_bag_collection.embedding_bag_configs()]
+            constraints = planner_constraints(self.cfg, self.device, names)
+        return host_tier.constraints(self.options.host_tier, names, constraints)
 
     @property
     def model_name(self) -> str:
@@ -745,6 +766,11 @@ class Trainer:
         result["id_limits"] = self._id_limit_figures()
         if self.remap is not None:
             result["zch"] = self._remap_figures()
+        if self.host_tier_tables:
+            from tpurec.dlrm import host_tier
+
+            result["host_tier"] = host_tier.figures(self.dmp, self.host_tier_tables, self.world)
+            self.say(host_tier.summary(result["host_tier"]))
         if self.rank == 0:
             self._report(result)
         elif self._output_failures:  # another host's copy of --save-plan

@@ -1,0 +1,103 @@
+"""`tpurec train --host-tier`: tables in host memory behind a cache of their rows (docs/host_tier.md),
+end to end as a user runs it, against the resident run and against the planner's expected hit rate."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tpurec.cli import main
+
+from .helpers import train
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("tpurec-cache")
+
+
+@pytest.fixture(scope="module")
+def zipf_data(tmp_path_factory):
+    """40,000 dlrm-tiny rows: each table's ids Zipf(1.1)-distributed over its rows (tpurec data synth)."""
+    out = tmp_path_factory.mktemp("zipf")
+    assert main(["data", "synth", "--rows", "40000", "--out", str(out / "data"), "--quiet"]) == 0
+    return out / "data"
+
+
+def _losses(path) -> list[float]:
+    return [r["loss"] for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == "train"]
+
+
+def test_the_planners_expected_hit_rate_is_within_5_points_of_the_measured_one(zipf_data, cache, tmp_path):
+    """t_C3 (1,000 rows, 999 of them used) on the host tier with an LRU cache of 20% of its rows, batch 256:
+    `tpurec data stats` measures its hot-row curve, `tpurec plan` expects a hit rate from it, and 300 steps
+    of `tpurec train` (and their evaluation, at the same batch) measure one: 50.5% against 49.9%."""
+    limits, report = tmp_path / "limits.json", tmp_path / "plan.json"
+    common = ["--model", "dlrm-tiny", "--topology", "cpu-1", "--batch-size", "256"]
+    assert main(["data", "stats", str(zipf_data), *common, "--out", str(limits), "--quiet"]) == 0
+    plan = ["plan", *common, "--limits", str(limits), "--host-tier", "t_C3:0.2:lru"]
+    assert main([*plan, "--format", "json", "--out", str(report)]) == 0
+    row = next(t for t in json.loads(report.read_text())["tables"] if t["name"] == "t_C3")
+    assert (row["tier"], row["cache_rows"], row["cache_algorithm"]) == ("host", 200, "lru")
+    expected = row["expected_hit_rate"]
+    result, p = train(
+        "--data", zipf_data, "--batch-size", 256, "--steps", 300, "--host-tier", "t_C3:0.2:lru", "--curves-out", "none",
+        cache=cache,
+    )  # fmt: skip
+    measured = result["host_tier"]["t_C3"]
+    assert (measured["rows"], measured["cache_rows"], measured["algorithm"]) == (1000, 200, "lru")
+    # every batch's distinct rows are counted: 300 training batches and the evaluation's
+    assert measured["hits"] + measured["misses"] > 300 * 100
+    assert measured["evictions"] >= measured["misses"] - 200  # a full cache evicts a row per miss
+    assert abs(measured["hit_rate"] - expected) < 0.05, (expected, measured)
+    assert 0.3 < measured["hit_rate"] < 0.7  # a test of the model, not of a cache that always or never hits
+    assert "host tier: t_C3 " in p.stderr and "cache 200 of 1,000 rows, lru" in p.stderr
+
+
+def test_host_tier_training_gives_the_resident_runs_losses_and_a_saved_plan_runs_it_again(zipf_data, cache, tmp_path):
+    """Two tables on the host tier (LFU at 30%, LRU at the default 20%): every training loss and the final
+    evaluation equal the resident run's; the plan saved keeps their caches and trains the same again."""
+    common = ["--data", zipf_data, "--batch-size", 256, "--steps", 60, "--eval-every", 30, "--curves-out", "none"]
+    resident, _ = train(*common, "--metrics-out", tmp_path / "a.jsonl", cache=cache)
+    tiered, _ = train(
+        *common, "--metrics-out", tmp_path / "b.jsonl", "--host-tier", "t_C1:0.3:lfu,t_C3", "--save-plan",
+        tmp_path / "p.json", cache=cache,
+    )  # fmt: skip
+    assert len(_losses(tmp_path / "a.jsonl")) == 60
+    assert _losses(tmp_path / "b.jsonl") == _losses(tmp_path / "a.jsonl")
+    assert (tiered["auc"], tiered["logloss"]) == (resident["auc"], resident["logloss"])
+    assert "host_tier" not in resident
+    figures = tiered["host_tier"]
+    assert (figures["t_C1"]["cache_rows"], figures["t_C1"]["algorithm"]) == (300, "lfu")
+    assert (figures["t_C3"]["cache_rows"], figures["t_C3"]["algorithm"]) == (200, "lru")
+    saved = json.loads((tmp_path / "p.json").read_text())["modules"]
+    [module] = saved.values()
+    assert module["t_C1"]["cache_params"] == {"load_factor": 0.3, "algorithm": "LFU"}
+    assert module["t_C3"]["cache_params"] == {"load_factor": None, "algorithm": None}  # FBGEMM's defaults
+    assert "cache_params" not in module["t_C2"]
+    again, _ = train(*common, "--metrics-out", tmp_path / "c.jsonl", "--plan", tmp_path / "p.json", cache=cache)
+    assert _losses(tmp_path / "c.jsonl") == _losses(tmp_path / "a.jsonl")
+    assert again["host_tier"] == figures  # the plan's tables on the host tier, the same caches, the same batches
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--host-tier", "auto"], "--host-tier auto is tpurec plan's"),
+        (["--host-tier", "t_C3:0", "--device", "cpu"], "load factor '0' of t_C3 is not a number in (0, 1]"),
+        (["--host-tier", "t_C3:0.2:fifo"], "eviction 'fifo' of t_C3 is not lru or lfu"),
+        (["--host-tier", "t_C3", "--device", "tpu"], "the host tier runs on the CPU only so far"),
+        (["--host-tier", "t_C3", "--zch"], "--zch's managed-collision tables are not on the host tier yet"),
+    ],
+)
+def test_a_host_tier_flag_the_run_cannot_take_is_one_line(flags, message, cache, capsys):
+    assert main(["train", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_a_table_the_model_lacks_is_named_with_the_models_tables(zipf_data, cache):
+    result, p = train("--data", zipf_data, "--steps", 2, "--host-tier", "t_C99", cache=cache, check=False)
+    assert p.returncode == 2
+    assert "--host-tier: no table t_C99 in the model (its tables: t_C1, t_C2" in p.stderr

@@ -1,0 +1,118 @@
+"""`tpurec train --host-tier`: tables kept in host memory behind a cache of their rows (docs/host_tier.md).
+
+    tpurec train --host-tier t_C3:0.2:lru,t_C10:0.1
+
+Each named table goes to the planner in TorchRec's words (`fused_uvm_caching` with its CacheParams,
+tpurec/planner/host_tier_flag.py), merged into the model's own constraints; the run's result line then
+reports each host-tier table's cache: hits, misses, evictions and the hit rate (distinct rows per
+batch, summed over the run's training and evaluation batches and over the ranks). CPU only, as the host
+tier itself; `auto` is `tpurec plan`'s: on CPU ranks both tiers share the rank's memory, so the planner
+has nothing to gain by moving a table.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from tpurec.planner import host_tier_flag
+from tpurec.runtime.device import DeviceKind
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torchrec.distributed.planner.types import ParameterConstraints
+
+FLAG = "--host-tier"
+COUNTERS = ("hits", "misses", "evictions", "writebacks", "rows", "cache_rows")
+
+
+def problem(text: str | None, *, device: str, plan: str | None, zch: bool) -> str | None:
+    """Why `--host-tier text` cannot run with the other options (one line), or None."""
+    if text is None:
+        return None
+    try:
+        tables = host_tier_flag.parse(text, FLAG)
+    except ValueError as e:
+        return str(e)
+    if tables == host_tier_flag.AUTO:
+        return (
+            f"{FLAG} auto is tpurec plan's (it moves tables off a TPU slice's HBM); a CPU rank keeps both tiers in one "
+            f"memory: name the tables ({FLAG} TABLE[:LOAD_FACTOR[:lru|lfu]],...)"
+        )
+    if device == DeviceKind.TPU:
+        return f"{FLAG}: the host tier runs on the CPU only so far (--device cpu), not on a TPU (docs/host_tier.md)"
+    if plan:
+        return f"{FLAG} plans the tables onto the host tier; --plan {plan} holds its own (its cache_params): give one"
+    if zch:
+        return f"{FLAG}: --zch's managed-collision tables are not on the host tier yet; leave out one of them"
+    return None
+
+
+def constraints(
+    text: str, names: list[str], base: dict[str, ParameterConstraints] | None
+) -> dict[str, ParameterConstraints]:
+    """`base` with the tables of `--host-tier text` on the host tier (refused unless they are `names`)."""
+    tables = host_tier_flag.parse(text, FLAG)
+    assert isinstance(tables, list)  # (`problem` refused auto and off before the run)
+    host_tier_flag.check_tables(tables, names, FLAG)
+    return host_tier_flag.with_host_tier(base, tables)
+
+
+def _tiers(dmp: nn.Module) -> list[Any]:
+    """Every host-tier table shard of this rank (embedding/host_tier/table_tier.py's TableTier)."""
+    from tpurec.dlrm.input_pipeline import sparsecore_lookups
+
+    return [t for m in sparsecore_lookups(dmp) for t in (getattr(m.kernel, "host_tier", None) or {}).values()]
+
+
+def figures(dmp: nn.Module, tables: list[str], world_size: int) -> dict[str, dict[str, Any]]:
+    """{table: its cache's figures over every shard and rank} (a collective when world_size > 1)."""
+    import torch
+
+    counts = torch.zeros(len(tables), len(COUNTERS), dtype=torch.int64)
+    algorithm: dict[str, str] = {}
+    for tier in _tiers(dmp):
+        c = tier.counters
+        row = (c.hits, c.misses, c.evictions, c.writebacks, tier.params.rows, tier.params.cached_rows)
+        counts[tables.index(tier.name)] += torch.tensor(row, dtype=torch.int64)
+        algorithm[tier.name] = tier.params.algorithm.name.lower()
+    if world_size > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(counts)
+    out: dict[str, dict[str, Any]] = {}
+    for name, row in zip(tables, counts.tolist()):
+        f: dict[str, Any] = dict(zip(COUNTERS, row))
+        looked_up = f["hits"] + f["misses"]
+        f["hit_rate"] = round(f["hits"] / looked_up, 6) if looked_up else None
+        f["algorithm"] = algorithm.get(name)
+        out[name] = f
+    return out
+
+
+def table_names(text: str | None, plan: str | None) -> list[str]:
+    """The tables a run keeps on the host tier: --host-tier's, or those its --plan gives cache_params."""
+    if text is not None:
+        tables = host_tier_flag.parse(text, FLAG)
+        return [t.name for t in tables] if isinstance(tables, list) else []
+    if plan is None:
+        return []
+    from tpurec.planner.plan_io import plan_from_dict, read_doc
+
+    doc = read_doc(plan)
+    from tpurec.planner.host_tier_choice import host_tier_tables
+    from tpurec.planner.plan_check import module_plans
+
+    made = plan_from_dict(doc, source=f"--plan {plan}")
+    return sorted({name for module in module_plans(made).values() for name in host_tier_tables(module)})
+
+
+def summary(figures: dict[str, dict[str, Any]]) -> str:
+    """One line for the log: each table's hit rate and counts."""
+    parts = [
+        f"{name} {f['hit_rate']:.1%} ({f['hits']:,} hits, {f['misses']:,} misses, {f['evictions']:,} evictions; "
+        f"cache {f['cache_rows']:,} of {f['rows']:,} rows, {f['algorithm']})"
+        if f["hit_rate"] is not None
+        else f"{name}: no lookups"
+        for name, f in figures.items()
+    ]
+    return "host tier: " + "; ".join(parts)
