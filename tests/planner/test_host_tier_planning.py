@@ -160,6 +160,14 @@ def test_a_model_half_again_over_hbm_is_planned_onto_the_host_tier_largest_table
     assert f"expected hit rate {t0['expected_hit_rate']:.1%}" in text
     line = next(row for row in text.splitlines() if row.startswith("t0 "))
     assert line.split()[-3:] == ["host", "1,200,000", f"{t0['expected_hit_rate']:.1%}"]
+    # `plan diff` against the resident plan of the same tables on a slice where they fit names the move
+    resident = tmp_path / "resident.json"
+    assert (
+        main(["plan", "--tables", str(tables), "--topology", "v6e-4", "--format", "json", "--out", str(resident)]) == 0
+    )
+    capsys.readouterr()
+    assert main(["plan", "diff", str(resident), str(out)]) == 0
+    assert "(tier hbm -> host, cache 1,200,000 rows)" in capsys.readouterr().out
 
 
 def test_without_a_curve_the_cache_is_the_default_fifth_and_the_hit_rate_unknown(tmp_path):

@@ -121,6 +121,11 @@ def _tier_cells(t: dict) -> str:
     return f"{'host':<5} {t['cache_rows']:>12,} {(f'{hit:.1%}' if hit is not None else '-'):>6}"
 
 
+def _tier_text(t: dict) -> str:
+    """'hbm', or 'host, cache 1,200,000 rows' (the host tier's cache is part of where a table is)."""
+    return f"host, cache {t['cache_rows']:,} rows" if t.get("tier") == "host" else "hbm"
+
+
 def _host_tier_lines(report: dict) -> list[str]:
     """The host tier's summary: its tables, their caches and the host memory they take."""
     host = [t for t in report["tables"] if t.get("tier") == "host"]
@@ -266,7 +271,13 @@ def diff_reports(a: dict, b: dict) -> str:
             continue
         sx = [(s["rank"], s["offsets"], s["sizes"]) for s in x["shards"]]
         sy = [(s["rank"], s["offsets"], s["sizes"]) for s in y["shards"]]
-        if (x["sharding_type"], x["compute_kernel"], sx) != (y["sharding_type"], y["compute_kernel"], sy):
+        tiers = (_tier_text(x), _tier_text(y))
+        if (x["sharding_type"], x["compute_kernel"], sx, tiers[0]) != (
+            y["sharding_type"],
+            y["compute_kernel"],
+            sy,
+            tiers[1],
+        ):
             changed += 1
             moved.append(
                 f"  {name}: {x['sharding_type']} ranks {ranks_in_order(x['ranks'])} -> "
@@ -276,5 +287,6 @@ def diff_reports(a: dict, b: dict) -> str:
                     if x["compute_kernel"] != y["compute_kernel"]
                     else ""
                 )
+                + (f" (tier {tiers[0]} -> {tiers[1]})" if tiers[0] != tiers[1] else "")
             )
     return "\n".join([out[0], f"{changed} of {len(set(ta) | set(tb))} tables differ", *out[1:], *moved])
