@@ -20,6 +20,19 @@ def test_the_curve_is_the_share_of_ids_the_top_k_rows_get_at_doubling_k():
     assert HotRows.from_json(json.loads(json.dumps(c.to_json()))) == c
 
 
+def test_a_pass_over_the_id_budget_counts_every_kth_batch(monkeypatch):
+    """With 10 batches of 100 ids and a budget of 300 ids, every 4th batch is counted (ceil(1000 / 300))."""
+    import tpurec.planner.hot_rows as H
+
+    monkeypatch.setattr(H, "HOT_ROWS_IDS", 300)
+    tally = HotRowTally({"t": 10}, batches=10)
+    for i in range(10):
+        tally.add("t", np.full(100, i % 10), samples=50)
+    c = tally.result()["t"]
+    assert (c.ids, c.ids_per_sample, c.rows_seen) == (300, 2.0, 3)  # batches 0, 4 and 8
+    assert c.covered == (round(1 / 3, 6), round(2 / 3, 6), 1.0)
+
+
 def test_equally_popular_rows_hit_in_proportion_to_the_cache():
     """Uniform ids: whatever the batch, an LRU or LFU cache of C of R rows holds C / R of them."""
     uniform = HotRows(10**6, 1.0, 1000, tuple(curve_points(1000)), tuple(k / 1000 for k in curve_points(1000)))
@@ -57,8 +70,7 @@ def test_the_lru_estimate_from_a_measured_curve_matches_a_simulated_cache():
     batches = rng.permutation(1000)[zipf_ids(rng, 1000, (600, 128), 1.1)]
     tally = HotRowTally({"t": 1000})
     for b in batches:
-        tally.add("t", b)
-    tally.add_samples(batches.size)
+        tally.add("t", b, samples=b.size)
     curve = tally.result()["t"]
     got = estimate(curve, 100, ids_per_batch=128).hit_rate
     simulated = _lru_hit_rate(batches, 100, warm=100)

@@ -15,6 +15,7 @@ tables over HOT_ROWS_MAX_ROWS rows get no curve (the planner then uses the defau
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 
@@ -22,6 +23,9 @@ import numpy as np
 
 # 2^26 rows: 512 MiB of counts for the largest table counted (MLPerf DCNv2's 40 M-row tables fit)
 HOT_ROWS_MAX_ROWS = 2**26
+# ids counted per table over a pass, at most (HotRowTally): about 13 s for a table too large for the
+# host's caches, 0.15 s for a small one
+HOT_ROWS_IDS = 2**27
 
 
 @dataclass(frozen=True)
@@ -74,26 +78,38 @@ def curve_of(counts: np.ndarray, samples: int) -> HotRows:
 
 
 class HotRowTally:
-    """Per table, how many ids each row received over the pass; safe to call from several threads."""
+    """Per table, how many ids each row received over the pass; safe to call from several threads.
 
-    def __init__(self, rows: dict[str, int]) -> None:
+    Counting an id into a large table costs a cache miss (about 100 ns, 20x what the limits' count
+    of it costs), so a table is counted on every batch only up to HOT_ROWS_IDS ids over the pass:
+    given the pass's `batches`, a table with more has every k-th batch counted (k from its first
+    batch's ids), a sample of the pass's batches whose shares of ids are the pass's, up to sampling."""
+
+    def __init__(self, rows: dict[str, int], batches: int | None = None) -> None:
         self.counts = {t: np.zeros(n, np.int64) for t, n in rows.items() if n <= HOT_ROWS_MAX_ROWS}
-        self.samples = 0
+        self.batches = batches
+        self._seen = dict.fromkeys(self.counts, 0)  # batches seen, per table
+        self._stride: dict[str, int] = {}
+        self._samples = dict.fromkeys(self.counts, 0)  # samples of the batches counted, per table
         self._locks = {t: threading.Lock() for t in self.counts}
-        self._samples_lock = threading.Lock()
 
-    def add(self, table: str, ids: np.ndarray) -> None:
-        """Count one batch's `ids` of `table` (rows of it, checked in range by the caller's pass)."""
-        if table in self.counts and ids.size:
-            with self._locks[table]:
-                np.add.at(self.counts[table], ids.astype(np.int64, copy=False), 1)
-
-    def add_samples(self, n: int) -> None:
-        with self._samples_lock:
-            self.samples += n
+    def add(self, table: str, ids: np.ndarray, samples: int) -> None:
+        """One batch's `ids` of `table` (rows of it, checked in range by the caller's pass) over `samples`."""
+        if table not in self.counts:
+            return
+        with self._locks[table]:
+            seen = self._seen[table]
+            self._seen[table] += 1
+            if seen == 0:
+                total = (self.batches or 1) * ids.size
+                self._stride[table] = max(1, math.ceil(total / HOT_ROWS_IDS))
+            if seen % self._stride[table]:
+                return
+            np.add.at(self.counts[table], ids.astype(np.int64, copy=False), 1)
+            self._samples[table] += samples
 
     def result(self) -> dict[str, HotRows]:
-        return {t: curve_of(c, self.samples) for t, c in self.counts.items()}
+        return {t: curve_of(c, self._samples[t]) for t, c in self.counts.items()}
 
 
 def load_hot_rows(doc: dict) -> dict[str, HotRows]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import math
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sized
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Mapping
@@ -134,8 +134,7 @@ class DemandTally:
                 by_key = dict(zip(keys, np.split(values, ends[:-1])))
             # (after the counters: they refuse an id outside its table first)
             for t in self.tables:
-                self.hot.add(t.name, np.concatenate([by_key[f] for f in t.features]))
-            self.hot.add_samples(stride)
+                self.hot.add(t.name, np.concatenate([by_key[f] for f in t.features]), stride)
             return [(t.name, f) for c, figs in zip(counters, counted) for t, f in zip(c.tables, figs)]
         except UserError as e:  # an id outside its table
             raise IdLimitsError(str(e)) from None
@@ -179,6 +178,8 @@ class DemandTally:
         from tpurec.data.reader import IdColumns, ParquetReader
 
         rows = 0
+        if isinstance(batches, Sized):  # the hot-row curves sample the pass's batches by its length
+            self.hot.batches = len(batches)
         # batches waiting for their counts once the next is handed over: `threads`, fewer where
         # the host's memory holds fewer (`max_held` batches at once, the one being read included)
         waiting = threads if max_held is None else max(0, min(threads, max_held - 1))
