@@ -13,6 +13,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from tpurec import strict_json
 from tpurec.errors import UserError
 
 # Rows per table, at most: 13,116,632 rows in all (of MLPerf's 204,184,588): at dim 128 in f32 with
@@ -60,7 +61,7 @@ class Workload:
         return n + sum(a * b + b for a, b in zip(top, top[1:]))
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        return strict_json.dumps(asdict(self))
 
     @classmethod
     def from_json(cls, text: str) -> Workload:
