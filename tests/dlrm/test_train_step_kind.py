@@ -1,4 +1,4 @@
-"""`tpurec train --step compiled|pipelined` (tpurec/dlrm/step_kind.py): a tiny synthetic run trains
+"""`tpurec train --step compiled|pipelined` (tpurec/sharding/step/kinds.py): a tiny synthetic run trains
 through the pipelined step with the config's dense optimizer (dlrm-tiny's: adagrad) and an lr
 warm-up and decay, and what the two steps cannot run is refused in one line."""
 
@@ -129,7 +129,7 @@ def test_default_backend_follows_the_tables_device():
     """backend=None: TorchTPU's "tpu" where the sharded tables are on a tpu device, else aot_eager."""
     from types import SimpleNamespace
 
-    from tpurec.sharding.compiled_step import default_backend
+    from tpurec.sharding.step.compiled import default_backend
 
     assert default_backend(SimpleNamespace(_device=torch.device("cpu"))) == "aot_eager"
     assert default_backend(SimpleNamespace(_device=None)) == "aot_eager"

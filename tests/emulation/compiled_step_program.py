@@ -169,7 +169,7 @@ def main() -> None:
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     from tpurec.emulation import compiled, device, handshake
-    from tpurec.sharding.compiled_step import CompiledStep
+    from tpurec.sharding.step.compiled import CompiledStep
     from tpurec.strict_json import dumps
 
     eager, twin = _dmp(args.model), _dmp(args.model)

@@ -1,5 +1,5 @@
 """A tpurec-DMP training step compiled with torch.compile(fullgraph=True): one graph, no graph break,
-and the eager step's losses and tables (tpurec/sharding/compiled_step.py, docs/kernels.md "Compiled step").
+and the eager step's losses and tables (tpurec/sharding/step/compiled.py, docs/kernels.md "Compiled step").
 
 The oracle is TorchRec's own eager step of an identical DMP (built from the same seed) on the same
 batches: DMP's forward (input dist, lookups, output dist through TorchRec's awaitables), DDP's
@@ -150,7 +150,7 @@ def train_pair(
     """STEPS steps of the eager and of the compiled step on twin DMPs; the figures to compare."""
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-    from tpurec.sharding.compiled_step import CompiledStep
+    from tpurec.sharding.step.compiled import CompiledStep
 
     build, data = (_dmp, batches) if model == "dlrm_case" else (_dlrm_tiny, _dlrm_tiny_batches)
     eager, twin = build(world_size, sharding_types, pooling), build(world_size, sharding_types, pooling)
@@ -191,7 +191,7 @@ def _assert_same_training(result: dict, tol: float = 0.0) -> None:
 
 
 def test_compiled_dmp_step_is_one_graph_without_breaks():
-    from tpurec.sharding.compiled_step import CompiledStep
+    from tpurec.sharding.step.compiled import CompiledStep
 
     step = CompiledStep(_dmp(1, None), DENSE_LR)
     explained = step.explain(batches(1, BATCH, 0, 1)[0])
@@ -228,7 +228,7 @@ def test_compiled_step_refuses_what_it_cannot_split():
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     from tpurec.errors import UserError
-    from tpurec.sharding.compiled_step import CompiledStep
+    from tpurec.sharding.step.compiled import CompiledStep
 
     # no sharded EBC for batch.sparse_features to go to
     with pytest.raises(UserError, match="a sharded EmbeddingBagCollection.*has none"):
@@ -308,7 +308,7 @@ def test_compiled_step_trains_with_the_trainers_optimizer_and_lr_schedule(kind):
     """The trainer's dense optimizer (adagrad: the built-in configs' default) and its lr schedule in
     the compiled step: 20 steps bit-equal to the eager step (TorchRec's DMP, torch.optim's step,
     the fused table update reading the scheduled lr), one graph: the changing lrs compile nothing new."""
-    from tpurec.sharding.compiled_step import CompiledStep
+    from tpurec.sharding.step.compiled import CompiledStep
 
     eager, twin = _dmp(1, None), _dmp(1, None)
     eager_opt, eager_schedule = _trainer_optimizer(eager, kind)
@@ -347,7 +347,7 @@ def test_a_batch_over_the_fixed_limits_steps_eagerly_and_the_graph_stays_one():
     from torchrec.optim.optimizers import in_backward_optimizer_filter
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    from tpurec.sharding.compiled_step import CompiledStep
+    from tpurec.sharding.step.compiled import CompiledStep
 
     eager, twin = _dmp(1, None), _dmp(1, None)
     data = batches(4, BATCH, 0, 1, seed=2)

@@ -172,7 +172,7 @@ def _eager(dmp: Any, data: list[SeqBatch]) -> list[float]:
 
 @pytest.mark.parametrize("ebc", [False, True], ids=["ec", "ec_and_ebc"])
 def test_compiled_step_of_an_ec_model_is_one_graph_and_equals_the_eager_step(ebc):
-    from tpurec.sharding.compiled_step import CompiledStep
+    from tpurec.sharding.step.compiled import CompiledStep
 
     data = batches(STEPS)
     assert len({int(b.seq_features.values().numel()) for b in data}) > 3  # id counts differ batch to batch
@@ -202,7 +202,7 @@ def test_compiled_step_of_an_ec_model_is_one_graph_and_equals_the_eager_step(ebc
 @pytest.mark.slow  # inductor's compile: 15 s
 def test_compiled_ec_step_with_inductor_is_one_graph_within_1e6():
     """Inductor reorders float32 sums: one frame, and losses, tables and dense weights within 1e-6."""
-    from tpurec.sharding.compiled_step import CompiledStep
+    from tpurec.sharding.step.compiled import CompiledStep
 
     data = batches(STEPS)
     eager, twin = _dmp(True), _dmp(True)
@@ -218,7 +218,7 @@ def test_compiled_ec_step_with_inductor_is_one_graph_within_1e6():
 
 
 def test_explain_shows_one_graph_without_breaks():
-    from tpurec.sharding.compiled_step import CompiledStep
+    from tpurec.sharding.step.compiled import CompiledStep
 
     step = CompiledStep(_dmp(True), DENSE_LR)
     out = step.explain(batches(1)[0])
@@ -233,8 +233,8 @@ def test_a_batch_over_the_capacity_steps_eagerly_and_the_next_ones_stay_in_the_g
     """A batch with a sequence over `max_ids_per_feature` (lookup blocks, two all-to-all rounds, longer
     values) has no fixed graph: it is stepped eagerly, the same arithmetic (the pipelined step drains the
     batches in flight first); the others in one graph. Disjoint batches, for the pipelined step's sake."""
-    from tpurec.sharding.compiled_step import CompiledStep
-    from tpurec.sharding.pipelined_step import PipelinedStep
+    from tpurec.sharding.step.compiled import CompiledStep
+    from tpurec.sharding.step.pipelined import PipelinedStep
 
     def data() -> list[SeqBatch]:
         out = batches(8)
@@ -274,7 +274,7 @@ def test_pipelined_step_of_an_ec_model_equals_the_eager_step_on_disjoint_batches
     """PipelinedStep (SparseCore forward of t+2, the model on t+1, SparseCore backward of t; its steady
     step compiled): on batches whose consecutive ones share no row, every loss, table and dense weight
     bit-equal to the eager step's; one compiled frame for the steady steps."""
-    from tpurec.sharding.pipelined_step import PipelinedStep
+    from tpurec.sharding.step.pipelined import PipelinedStep
 
     eager, twin = _dmp(ebc), _dmp(ebc)
     initial = _tables(twin)
@@ -293,8 +293,8 @@ def test_pipelined_step_of_an_ec_model_equals_the_eager_step_on_disjoint_batches
 
 
 def _train_rank(rank: int, world_size: int, types: dict[str, str], kind: str) -> dict:
-    from tpurec.sharding.compiled_step import CompiledStep
-    from tpurec.sharding.pipelined_step import PipelinedStep
+    from tpurec.sharding.step.compiled import CompiledStep
+    from tpurec.sharding.step.pipelined import PipelinedStep
 
     def data() -> list[SeqBatch]:
         return disjoint(batches(STEPS, seed=rank))

@@ -1,4 +1,4 @@
-"""The compiled step (tpurec/sharding/compiled_step.py) on a model holding a tpurec-sharded
+"""The compiled step (tpurec/sharding/step/compiled.py) on a model holding a tpurec-sharded
 FeatureProcessedEmbeddingBagCollection of PositionWeightedModules (tpurec/sharding/fp_preprocess.py):
 the position weights are dense parameters trained inside the graph. The oracle is TorchRec's eager
 step of a twin DMP (same seed, same batches, same starting position weights): DMP's forward (the FP
@@ -129,7 +129,7 @@ def _position_weights(dmp: Any) -> dict[str, torch.Tensor]:
 def _train(rank: int = 0, world_size: int = 1, plain: bool = False, pooling: str = "SUM", types=None) -> dict:
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-    from tpurec.sharding.compiled_step import CompiledStep
+    from tpurec.sharding.step.compiled import CompiledStep
 
     eager, twin = _dmp(plain, pooling, types), _dmp(plain, pooling, types)
     initial, initial_pw = _tables(eager), _position_weights(eager)
@@ -183,7 +183,7 @@ def test_compiled_fp_ebc_beside_a_weighted_ebc():
 
 
 def test_compiled_fp_ebc_step_is_one_graph_without_breaks():
-    from tpurec.sharding.compiled_step import CompiledStep
+    from tpurec.sharding.step.compiled import CompiledStep
 
     step = CompiledStep(_dmp(), DENSE_LR)
     explained = step.explain(_batches()[0])

@@ -1,4 +1,4 @@
-"""The compiled steps' dense update (tpurec/sharding/dense_update.py) against torch.optim's own step.
+"""The compiled steps' dense update (tpurec/sharding/step/dense_update.py) against torch.optim's own step.
 
 The oracle is torch.optim's SGD / Adagrad / Adam / AdamW `step()` (their CPU single-tensor path,
 what the eager trainer runs), with the options users' dense optimizers carry (weight decay,
@@ -19,7 +19,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from tpurec.errors import UserError
-from tpurec.sharding.dense_update import DenseOptimizer
+from tpurec.sharding.step.dense_update import DenseOptimizer
 
 STEPS = 20
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
@@ -227,7 +227,7 @@ def test_dense_update_refuses_what_it_does_not_implement():
 
 def test_the_trainers_check_knows_the_same_dense_optimizers():
     from tpurec.dlrm.options import STEP_DENSE_OPTIMIZERS
-    from tpurec.sharding.dense_update import SUPPORTED
+    from tpurec.sharding.step.dense_update import SUPPORTED
 
     assert STEP_DENSE_OPTIMIZERS == SUPPORTED
 
@@ -281,7 +281,7 @@ def test_compiled_dmp_step_with_the_options_equals_the_eager_step(kind):
     """The options in `CompiledStep` (its dense inputs taken before the backward, the momentum
     buffers made then): 8 steps of a DLRM under tpurec's DMP bit-equal to TorchRec's eager step with
     torch.optim's, one graph under a changing lr, the dense state the same."""
-    from tpurec.sharding.compiled_step import CompiledStep
+    from tpurec.sharding.step.compiled import CompiledStep
 
     from .dlrm_case import batches, eager_step
     from .test_compiled_dmp_step import BATCH, _dmp
@@ -304,7 +304,7 @@ def test_compiled_dmp_step_with_the_options_equals_the_eager_step(kind):
 def test_pipelined_step_with_the_options_equals_the_eager_step(kind):
     """The same in the compiled `PipelinedStep` on batches touching disjoint rows (where it is
     exact): 10 batches, the losses, parameters and dense state as TorchRec's eager step's."""
-    from tpurec.sharding.pipelined_step import PipelinedStep
+    from tpurec.sharding.step.pipelined import PipelinedStep
 
     from .dlrm_case import eager_step
     from .test_compiled_dmp_step import BATCH, _dmp
@@ -328,7 +328,7 @@ def test_the_dense_gradients_are_averaged_over_the_ranks(monkeypatch):
     each gradient is the mean of the two ranks', in its own shape."""
     import torch.distributed._functional_collectives as funcol
 
-    from tpurec.sharding.dense_update import _mean_over_ranks
+    from tpurec.sharding.step.dense_update import _mean_over_ranks
 
     other = torch.tensor([0.0, 8.0, -2.0, 6.0])  # rank 1's gradients, concatenated
 

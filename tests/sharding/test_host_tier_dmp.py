@@ -129,7 +129,7 @@ def test_two_ranks_train_and_resume_on_the_host_tier_as_resident_ones(tmp_path):
 
 
 def test_the_pipelined_step_refuses_host_tier_tables():
-    from tpurec.sharding.pipelined_step import PipelinedStep
+    from tpurec.sharding.step.pipelined import PipelinedStep
 
     _ensure_process_group()
 
@@ -152,7 +152,7 @@ def test_the_compiled_step_maps_ids_in_its_host_half():
     table t0 on the host tier (half its 200 rows cached): its host half maps each batch's ids to the
     cache before the compiled lookup; with one id per bag (no summation order to differ) the losses
     equal the resident model's bit for bit."""
-    from tpurec.sharding.compiled_step import CompiledStep
+    from tpurec.sharding.step.compiled import CompiledStep
 
     from .dlrm_case import batches
     from .test_compiled_dmp_step import BATCH, DENSE_LR, _dmp

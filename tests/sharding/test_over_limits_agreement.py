@@ -27,8 +27,8 @@ def compiled_over(rank: int, world_size: int, types: dict[str, str]) -> dict[str
     from torch._dynamo.testing import CompileCounterWithBackend
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-    from tpurec.sharding.compiled_step import CompiledStep
-    from tpurec.sharding.step_inputs import over_limits, parts
+    from tpurec.sharding.step.compiled import CompiledStep
+    from tpurec.sharding.step.inputs import over_limits, parts
 
     torch._dynamo.reset()
     eager, twin = _dmp(world_size, types), _dmp(world_size, types)
@@ -69,7 +69,7 @@ def test_any_ranks_batch_over_its_limits_sends_every_rank_to_the_eager_step(monk
     """`any_rank_over_limits` on one rank of 3, the all-reduce faked with the other ranks' flags."""
     import torch.distributed as dist
 
-    from tpurec.sharding import step_inputs
+    from tpurec.sharding.step import inputs as step_inputs
 
     others: list[int] = []
     monkeypatch.setattr(step_inputs, "over_limits", lambda part: ["t0"] if part == "over" else [])

@@ -1,4 +1,4 @@
-"""The pipelined trainer (tpurec/sharding/pipelined_step.py) against the unpipelined step.
+"""The pipelined trainer (tpurec/sharding/step/pipelined.py) against the unpipelined step.
 
 The oracle is TorchRec's own eager step of an identical DMP (same seed) on the same batches: DMP's
 forward, backward with the fused table updates, torch.optim.SGD on the dense parameters. The
@@ -52,7 +52,7 @@ def disjoint_batches(n: int, batch: int, rank: int, world_size: int) -> list:
 
 def _kernels(dmp: Any) -> list[Any]:
     """The SparseCore kernels of the DMP's sharded EBCs."""
-    from tpurec.sharding.step_inputs import sharded_ebcs
+    from tpurec.sharding.step.inputs import sharded_ebcs
 
     return [k.kernel for m in sharded_ebcs(dmp.module, "test") for lookup in m._lookups for k in lookup._emb_modules]
 
@@ -61,7 +61,7 @@ def train_both(rank: int, world_size: int, data: str, types: dict[str, str] | No
     """STEPS steps of the eager step and of the pipelined trainer on twin DMPs; the figures to compare."""
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-    from tpurec.sharding.pipelined_step import PipelinedStep
+    from tpurec.sharding.step.pipelined import PipelinedStep
 
     make = disjoint_batches if data == "disjoint" else batches
     eager, twin = _dmp(world_size, types), _dmp(world_size, types)
@@ -121,7 +121,7 @@ def test_pipelined_stale_differs_within_tolerance():
 
 
 def test_pipelined_compiled_is_one_graph_and_equals_uncompiled():
-    from tpurec.sharding.pipelined_step import PipelinedStep
+    from tpurec.sharding.step.pipelined import PipelinedStep
 
     data = batches(3, BATCH, 0, 1)
     dmp = _dmp(1, None)
@@ -145,7 +145,7 @@ def test_pipelined_compiled_is_one_graph_and_equals_uncompiled():
 
 
 def test_pipelined_drain_counts():
-    from tpurec.sharding.pipelined_step import PipelinedStep
+    from tpurec.sharding.step.pipelined import PipelinedStep
 
     dmp = _dmp(1, None)
     pipe = PipelinedStep(dmp, DENSE_LR, compile=False)
@@ -193,7 +193,7 @@ def test_pipelined_with_the_trainers_adagrad(scheduled, over):
     dense lr a graph input; batch t's table update, a step late, at the lr of t's own step), one
     graph for all steady steps. over: batch 3 and the last over their limits, each stepped eagerly
     at the lr of its own step (the call that returns its loss), the pipeline restarted."""
-    from tpurec.sharding.pipelined_step import PipelinedStep
+    from tpurec.sharding.step.pipelined import PipelinedStep
 
     from .test_compiled_dmp_step import _trainer_optimizer
 
@@ -261,8 +261,8 @@ def train_over(
     until StopIteration: then every value it returned, the warm-up's None included)."""
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-    from tpurec.sharding.pipelined_step import PipelinedStep
-    from tpurec.sharding.step_inputs import over_limits
+    from tpurec.sharding.step.inputs import over_limits
+    from tpurec.sharding.step.pipelined import PipelinedStep
 
     eager, twin = _dmp(world_size, types), _dmp(world_size, types)
     dense = [p for _, p in in_backward_optimizer_filter(eager.named_parameters())]

@@ -1,5 +1,5 @@
 """The compiled and pipelined steps on a model of two sharded EmbeddingBagCollections
-(tpurec/sharding/step_inputs.py): both handed the batch's one KJT (each takes its own features), or
+(tpurec/sharding/step/inputs.py): both handed the batch's one KJT (each takes its own features), or
 each a KJT field of its own. The oracle is TorchRec's eager step of a twin DMP (same seed, same
 batches): with aot_eager and, for the pipelined step, batches whose consecutive rows are disjoint,
 every loss, table and dense weight is bit-equal (as tests/sharding/test_compiled_dmp_step.py and
@@ -111,8 +111,8 @@ def _batches(fields: str, rank: int = 0, world_size: int = 1) -> list:
 def _train(rank: int, world_size: int, fields: str, kind: str, types: dict[str, str] | None = None) -> dict:
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-    from tpurec.sharding.compiled_step import CompiledStep
-    from tpurec.sharding.pipelined_step import PipelinedStep
+    from tpurec.sharding.step.compiled import CompiledStep
+    from tpurec.sharding.step.pipelined import PipelinedStep
 
     eager, twin = _dmp(fields, types), _dmp(fields, types)
     initial = _tables(eager)
@@ -173,7 +173,7 @@ def _assert_exact(result: dict) -> None:
 
 def test_a_batch_that_does_not_say_which_field_feeds_an_ebc_is_refused():
     from tpurec.errors import UserError
-    from tpurec.sharding.compiled_step import CompiledStep
+    from tpurec.sharding.step.compiled import CompiledStep
 
     step = CompiledStep(_dmp("split"), DENSE_LR)
     b = _batches("split")[0]
@@ -196,8 +196,8 @@ def test_a_model_with_other_sharded_modules_is_refused_by_name():
 
     import tpurec
     from tpurec.errors import UserError
-    from tpurec.sharding.compiled_step import CompiledStep
-    from tpurec.sharding.pipelined_step import PipelinedStep
+    from tpurec.sharding.step.compiled import CompiledStep
+    from tpurec.sharding.step.pipelined import PipelinedStep
 
     from .test_fpebc_dmp import _Model as FPModel
 
@@ -239,8 +239,8 @@ def test_a_model_that_reads_its_kjt_gets_one_line_saying_so(kind, monkeypatch):
     the KJT's own attributes is told so in one UserError line (out of Dynamo's trace too), not an
     AttributeError deep in a compiled frame."""
     from tpurec.errors import UserError
-    from tpurec.sharding.compiled_step import CompiledStep
-    from tpurec.sharding.pipelined_step import PipelinedStep
+    from tpurec.sharding.step.compiled import CompiledStep
+    from tpurec.sharding.step.pipelined import PipelinedStep
 
     monkeypatch.setattr(__import__(__name__, fromlist=["TwoEBCs"]), "TwoEBCs", _ReadsTheKJT)
     dmp = _dmp("shared")

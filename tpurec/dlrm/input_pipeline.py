@@ -5,7 +5,7 @@ On one rank it also builds each SparseCore lookup's CSR inputs ahead (`SparseCor
 prepare`), because there the KJT a lookup receives is the batch's own, its features selected in the
 lookup's order: TorchRec's input distribution moves no id between ranks. With several ranks a lookup's
 ids come from the input all-to-all: `train_pipeline` then gives TorchRec's `TrainPipelineSparseDist`
-the subclass of `tpurec.dlrm.sparsecore_pipeline`, which builds them as soon as the all-to-all is in.
+the subclass of `tpurec.sharding.step.sparsecore_pipeline`, which builds them as soon as the all-to-all is in.
 """
 
 from __future__ import annotations
@@ -69,12 +69,12 @@ def train_pipeline(
 ) -> TrainPipelineSparseDist:
     """TorchRec's `TrainPipelineSparseDist`; with several ranks, one that builds every SparseCore
     lookup's CSR inputs on `workers` threads once the input all-to-all has delivered them
-    (`tpurec.dlrm.sparsecore_pipeline`; its `close()` stops them)."""
+    (`tpurec.sharding.step.sparsecore_pipeline`; its `close()` stops them)."""
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
     if world_size == 1 or not prepare:
         return TrainPipelineSparseDist(dmp, optimizer, device)
-    from tpurec.dlrm.sparsecore_pipeline import SparseCoreTrainPipeline
+    from tpurec.sharding.step.sparsecore_pipeline import SparseCoreTrainPipeline
 
     return SparseCoreTrainPipeline(dmp, optimizer, device, workers=workers)
 
@@ -83,6 +83,6 @@ def close_pipeline(pipeline: TrainPipelineSparseDist) -> None:
     """Stop the worker threads of a pipeline `train_pipeline` made (TorchRec's own has none)."""
     import sys
 
-    module = sys.modules.get("tpurec.dlrm.sparsecore_pipeline")  # loaded only if such a pipeline was built
+    module = sys.modules.get("tpurec.sharding.step.sparsecore_pipeline")  # loaded only if such a pipeline was built
     if module is not None and isinstance(pipeline, module.SparseCoreTrainPipeline):
         pipeline.close()

@@ -29,8 +29,8 @@ from tpurec.errors import UserError
 from tpurec.runtime import heartbeat, storage
 from tpurec.runtime.device import DeviceChoice, DeviceKind
 
-STEP_KINDS = ("eager", "compiled", "pipelined")  # --step: tpurec/dlrm/step_kind.py
-# the dense optimizers their update implements (tpurec/sharding/dense_update.py SUPPORTED; here
+STEP_KINDS = ("eager", "compiled", "pipelined")  # --step: tpurec/sharding/step/kinds.py
+# the dense optimizers their update implements (tpurec/sharding/step/dense_update.py SUPPORTED; here
 # without importing torch, for the check before anything starts)
 STEP_DENSE_OPTIMIZERS = ("sgd", "adagrad", "adam")
 
@@ -480,7 +480,7 @@ class TrainOptions:
 
     def _step_problem(self) -> str | None:
         """What --step compiled/pipelined cannot run: their dense update implements torch.optim's SGD,
-        Adagrad and Adam (tpurec/sharding/dense_update.py), and they take sharded EBCs (the built-in
+        Adagrad and Adam (tpurec/sharding/step/dense_update.py), and they take sharded EBCs (the built-in
         DLRM's, a --model-module's) and ECs (on their fixed-shape outputs: trainer.py), not --zch's
         managed-collision modules; both run on the CPU and the
         emulated TPU (not yet on a real one)."""

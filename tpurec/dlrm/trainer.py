@@ -360,8 +360,8 @@ class Trainer:
         if self.rank == 0:
             self._report_plan()
         device = torch.device(self.device) if self.device == DeviceKind.CPU else self.dmp.device
-        if o.step != "eager":  # tpurec's compiled or pipelined step (step_kind.py); options.py refuses a real TPU
-            from tpurec.dlrm.step_kind import StepPipeline
+        if o.step != "eager":  # tpurec's compiled or pipelined step (sharding/step/); options.py refuses a real TPU
+            from tpurec.sharding.step.kinds import StepPipeline
 
             # compiled only with fixed SparseCore buffer sizes (--limits): else a graph per batch
             fixed = o.id_limits is not None
@@ -724,7 +724,7 @@ class Trainer:
         from tpurec.dlrm.input_pipeline import sparsecore_lookups
 
         lookups = sparsecore_lookups(self.dmp)
-        # --step compiled|pipelined preprocess in their own step (step_kind.py): no input pipeline to report
+        # --step compiled|pipelined preprocess in their own step (sharding/step/): no input pipeline to report
         if lookups and self.options.pipeline_depth and self.options.step == "eager":
             hits = sum(m.prepared_hits for m in lookups)
             misses = sum(m.prepared_misses for m in lookups)

@@ -328,7 +328,7 @@ class SparseCoreKernel(nn.Module):
     def assemble(self, raw: list[torch.Tensor], batch: int) -> torch.Tensor:
         """`lookup`'s output from each stack's lookup-op output ([device batch, width], one block):
         [batch, sum(dims)], differentiable back to `raw` (a pipelined step's activations,
-        tpurec/sharding/pipelined_step.py)."""
+        tpurec/sharding/step/pipelined.py)."""
         if not self.feature_order:
             return torch.zeros(batch, 0)
         return self._feature_order_output([self._stack_block(i, out, batch, 1) for i, out in enumerate(raw)])

@@ -107,7 +107,7 @@ def compute_preprocessed_ec(module: Any, prepared: ShardedECPreprocessed, raw: A
     return out
 
 
-# -- a pipelined step's stages (tpurec/sharding/pipelined_step.py; sharded_preprocess.py's for an EBC) --
+# -- a pipelined step's stages (tpurec/sharding/step/pipelined.py; sharded_preprocess.py's for an EBC) --
 
 
 def lookup_sharded_ec(module: Any, prepared: ShardedECPreprocessed) -> RawActivations:

@@ -122,14 +122,14 @@ class ShardedSparseCoreEC(HostInputDistMixin, SparseCoreShardedMixin, ShardedEmb
         return LazyNoWait(self._fixed_jagged(ctx, self._fixed_compute(ctx, input)))
 
     def forward(self, *input: Any, **kwargs: Any) -> Any:
-        # a batch field that feeds several sharded modules (step_inputs.py): this module's part
+        # a batch field that feeds several sharded modules (step/inputs.py): this module's part
         if len(input) == 1 and not kwargs and isinstance(input[0], ModuleInputs):
             input = (input[0].part_for(self),)
         # the host half run ahead (`ec_preprocess.preprocess_sharded_ec`): only the device half, traceable
-        # by torch.compile (tpurec/sharding/compiled_step.py); a KJT: TorchRec's whole forward
+        # by torch.compile (tpurec/sharding/step/compiled.py); a KJT: TorchRec's whole forward
         if len(input) == 1 and not kwargs and isinstance(input[0], ShardedECPreprocessed):
             return compute_preprocessed_ec(self, input[0])
-        # lookups run ahead (a pipelined step's SparseCore forward, pipelined_step.py): the rest only
+        # lookups run ahead (a pipelined step's SparseCore forward, step/pipelined.py): the rest only
         if len(input) == 1 and not kwargs and isinstance(input[0], ShardedActivations):
             return output_dist_activations_ec(self, input[0])
         return super().forward(*input, **kwargs)

@@ -1,5 +1,5 @@
 """A sharded FeatureProcessedEmbeddingBagCollection's step split at the compile boundary, its position
-weights trained inside the graph (tpurec/sharding/compiled_step.py).
+weights trained inside the graph (tpurec/sharding/step/compiled.py).
 
 TorchRec's sharded FP-EBC (`ShardedFeatureProcessedEmbeddingBagCollection`, fp_sharder.py) runs the
 inner EBC's input dist, then each rank's `PositionWeightedModule`s (weights = position_weight[position

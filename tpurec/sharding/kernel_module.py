@@ -281,7 +281,7 @@ class SparseCoreEmbeddingBag(_SparseCoreGroupKernel):
 
     def assemble_raw(self, raw: list[torch.Tensor], features: PreprocessedFeatures) -> torch.Tensor:
         """`lookup_preprocessed`'s output from its stacks' lookup-op outputs computed earlier (a
-        pipelined step's SparseCore forward, tpurec/sharding/pipelined_step.py)."""
+        pipelined step's SparseCore forward, tpurec/sharding/step/pipelined.py)."""
         out = self.kernel.assemble(raw, features.batch)
         return out if self._output_dtype in (None, out.dtype) else out.to(self._output_dtype)
 
@@ -310,7 +310,7 @@ class SparseCoreEmbedding(_SparseCoreGroupKernel):
 
     def assemble_padded(self, raw: list[torch.Tensor], inputs: SequenceInputs) -> torch.Tensor:
         """`lookup_padded`'s output from its stacks' lookup-op outputs computed earlier (a pipelined step's
-        SparseCore forward, tpurec/sharding/pipelined_step.py)."""
+        SparseCore forward, tpurec/sharding/step/pipelined.py)."""
         kernel = self.kernel
         out = kernel.assemble(raw, inputs.capacity).reshape(inputs.rows(), kernel.dim)
         return out if self._output_dtype in (None, out.dtype) else out.to(self._output_dtype)

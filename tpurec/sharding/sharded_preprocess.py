@@ -13,14 +13,14 @@ feeds its compiled step SparseCore inputs built ahead. tpurec's sharded EBC spli
   pooled embeddings (its comm ops switch to functional collectives under Dynamo) and the
   KeyedTensor, as `compute_and_output_dist` builds it.
 
-A pipelined step (tpurec/sharding/pipelined_step.py) splits the device half once more:
+A pipelined step (tpurec/sharding/step/pipelined.py) splits the device half once more:
 `lookup_sharded` (the SparseCore forward, no autograd graph), `output_dist_activations` (the
 kernels' outputs from those activations as leaves, and the output dist) and `update_sharded` (the
 SparseCore backward: each stack's fused update from its activations' gradient).
 
 `ShardedSparseCoreEBC.forward` takes a `ShardedPreprocessed` (or `ShardedActivations`) in place
 of the KJT, so a model whose forward hands its KJT to the sharded EBC (TorchRec's DLRM) runs only
-the device half (tpurec/sharding/compiled_step.py, docs/kernels.md "Compiled step").
+the device half (tpurec/sharding/step/compiled.py, docs/kernels.md "Compiled step").
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def compute_preprocessed(module: Any, prepared: ShardedPreprocessed) -> KeyedTen
     return _output_dist(module, prepared, per_lookup)
 
 
-# -- a pipelined step's stages (tpurec/sharding/pipelined_step.py) ------------------------------
+# -- a pipelined step's stages (tpurec/sharding/step/pipelined.py) ------------------------------
 # TorchRec's SparseCoreTrainPipeline splits the device half once more: the SparseCore forward
 # (lookups) of one batch, the model on another batch's activations, the SparseCore backward (fused
 # update) of a third. Raw activations: each stack's lookup-op output, [device batch, width].
@@ -152,7 +152,7 @@ class KJTNeeded(UserError, AttributeError):
 @dataclass
 class ModuleInputs:
     """A batch field's KJT after the host half of every sharded EBC it feeds, in the field's place
-    (tpurec/sharding/step_inputs.py: which field feeds which module)."""
+    (tpurec/sharding/step/inputs.py: which field feeds which module)."""
 
     parts: list[Any]  # ShardedPreprocessed or ShardedActivations, one per sharded EBC the field feeds
     batch: int  # the KJT's stride

@@ -113,14 +113,14 @@ class ShardedSparseCoreEBC(HostInputDistMixin, SparseCoreShardedMixin, ShardedEm
                     kmod.kernel.write_weight(kname, shard_slice(weight, meta))
 
     def forward(self, *input: Any, **kwargs: Any) -> Any:
-        # a batch field that feeds several sharded modules (step_inputs.py): this module's part
+        # a batch field that feeds several sharded modules (step/inputs.py): this module's part
         if len(input) == 1 and not kwargs and isinstance(input[0], ModuleInputs):
             input = (input[0].part_for(self),)
         # SparseCore inputs built ahead (`preprocess_sharded`): only the device half, traceable by
-        # torch.compile (tpurec/sharding/compiled_step.py); a KJT: TorchRec's whole forward
+        # torch.compile (tpurec/sharding/step/compiled.py); a KJT: TorchRec's whole forward
         if len(input) == 1 and not kwargs and isinstance(input[0], ShardedPreprocessed):
             return compute_preprocessed(self, input[0])
-        # lookups run ahead (a pipelined step's SparseCore forward, pipelined_step.py): the output dist only
+        # lookups run ahead (a pipelined step's SparseCore forward, step/pipelined.py): the output dist only
         if len(input) == 1 and not kwargs and isinstance(input[0], ShardedActivations):
             return output_dist_activations(self, input[0])
         return super().forward(*input, **kwargs)

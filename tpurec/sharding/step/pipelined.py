@@ -40,9 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tpurec.errors import UserError
-from tpurec.sharding import rank_limits, step_inputs
-from tpurec.sharding.compiled_step import LossFn, default_backend, model_loss, user_errors_of_the_trace
-from tpurec.sharding.dense_update import DenseOptimizer
+from tpurec.sharding import rank_limits
 from tpurec.sharding.ec_preprocess import ShardedECPreprocessed, lookup_sharded_ec, update_sharded_ec
 from tpurec.sharding.sharded_preprocess import (
     RawActivations,
@@ -51,7 +49,10 @@ from tpurec.sharding.sharded_preprocess import (
     lookup_sharded,
     update_sharded,
 )
-from tpurec.sharding.step_inputs import FieldMap
+from tpurec.sharding.step import inputs as step_inputs
+from tpurec.sharding.step.compiled import LossFn, default_backend, model_loss, user_errors_of_the_trace
+from tpurec.sharding.step.dense_update import DenseOptimizer
+from tpurec.sharding.step.inputs import FieldMap
 
 # per sharded EBC or EC (step_inputs.parts order): a batch's host half and its activations' gradients
 Prepared = ShardedPreprocessed | ShardedECPreprocessed

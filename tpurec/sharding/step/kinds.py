@@ -1,7 +1,7 @@
 """`tpurec train --step`: the training step behind the trainer's pipeline interface.
 
-`eager` is TorchRec's TrainPipelineSparseDist (input_pipeline.train_pipeline); `compiled` and
-`pipelined` are tpurec's CompiledStep and PipelinedStep (tpurec/sharding/), run here behind the same
+`eager` is TorchRec's TrainPipelineSparseDist (tpurec.dlrm.input_pipeline.train_pipeline); `compiled` and
+`pipelined` are tpurec's CompiledStep and PipelinedStep (compiled.py, pipelined.py), run here behind the same
 `progress(iterator)` the trainer calls: (loss, None, None) per training batch, StopIteration when the
 batches (and, pipelined, the batches in flight) are done; in eval mode the model's forward,
 (loss, logits, labels), as TorchRec's pipeline returns them from TorchRec's DLRMTrain.
@@ -32,11 +32,11 @@ class StepPipeline:
         self._compiled: Any = None
         self._pipelined: Any = None
         if kind == "compiled":
-            from tpurec.sharding.compiled_step import CompiledStep
+            from tpurec.sharding.step.compiled import CompiledStep
 
             self._compiled = CompiledStep(dmp, optimizer)
         elif kind == "pipelined":
-            from tpurec.sharding.pipelined_step import PipelinedStep
+            from tpurec.sharding.step.pipelined import PipelinedStep
 
             self._pipelined = PipelinedStep(dmp, optimizer, compile=compile)
         else:

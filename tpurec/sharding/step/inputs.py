@@ -1,5 +1,5 @@
 """Which KeyedJaggedTensor of a batch feeds which sharded EmbeddingBagCollection, for the compiled and
-pipelined steps (compiled_step.py, pipelined_step.py).
+pipelined steps (compiled.py, pipelined.py).
 
 A model's forward hands each sharded EBC a KJT of its batch: TorchRec's DLRM hands
 `batch.sparse_features` to its one EBC; a model of several EBCs may hand them all the same KJT (each

@@ -37,10 +37,11 @@ from torch import nn
 
 from tpurec.errors import UserError
 from tpurec.runtime.device import DeviceKind
-from tpurec.sharding import rank_limits, step_inputs
-from tpurec.sharding.dense_update import DenseOptimizer
+from tpurec.sharding import rank_limits
 from tpurec.sharding.sharder import ShardedSparseCoreEBC
-from tpurec.sharding.step_inputs import FieldMap
+from tpurec.sharding.step import inputs as step_inputs
+from tpurec.sharding.step.dense_update import DenseOptimizer
+from tpurec.sharding.step.inputs import FieldMap
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -56,7 +57,7 @@ class CompiledStep:
 
     batch: a dataclass (e.g. torchrec's `Batch`) handed to `loss_fn(module, batch)` with each
     KeyedJaggedTensor field that feeds the model's sharded EmbeddingBagCollections (and
-    EmbeddingCollections) replaced by their SparseCore inputs (`step_inputs.py`): a field feeds the modules
+    EmbeddingCollections) replaced by their SparseCore inputs (`inputs.py`): a field feeds the modules
     whose features it holds (TorchRec's DLRM: `sparse_features` its one EBC; several may share a field or
     have one each), and the
     model's forward must hand that field to them.
