@@ -8,6 +8,8 @@
   written as "tpu" / "cpu" (fewer than MAX_DEVICE_STRINGS comparisons left, each not a device kind).
 - `tpurec launch` is its own room: nothing in tpurec/launch* imports a module of tpurec/dlrm
   (`tpurec train` launches its ranks through tpurec/launch, not the other way round).
+- The Trainer is composed of small parts: its class body under MAX_PART_LINES lines, and every
+  module of its parts (tpurec/dlrm/training/) under MAX_PART_LINES lines.
 """
 
 from __future__ import annotations
@@ -162,3 +164,29 @@ def test_the_import_check_sees_lazy_relative_and_from_imports():
         "tpurec.dlrm.configs.X",
         "tpurec.launch.hosts.run_hosts",
     }
+
+
+MAX_PART_LINES = 300
+TRAINER = PACKAGE / "dlrm" / "trainer.py"
+TRAINER_PARTS = PACKAGE / "dlrm" / "training"
+
+
+def _class_lines(source: str, name: str) -> int:
+    """Lines of class `name` in `source`, its `class` line to its last (decorators excluded)."""
+    node = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef) and n.name == name)
+    assert node.end_lineno is not None  # (set by ast.parse)
+    return node.end_lineno - node.lineno + 1
+
+
+def test_the_trainer_is_small_parts():
+    lines = _class_lines(TRAINER.read_text(), "Trainer")
+    assert lines < MAX_PART_LINES, f"Trainer is {lines} lines: move a job into a part of {TRAINER_PARTS.name}/"
+    parts = sorted(TRAINER_PARTS.glob("*.py"))
+    assert len(parts) > 5, f"{TRAINER_PARTS} is gone: update this check"
+    long = [f"{p.name} ({n} lines)" for p in parts if (n := len(p.read_text().splitlines())) >= MAX_PART_LINES]
+    assert not long, f"parts of the Trainer over {MAX_PART_LINES} lines (split them): {long}"
+
+
+def test_the_class_length_check_counts_the_class_alone():
+    source = "x = 1\n@dataclass\nclass A:\n    a: int\n    b: int\n\n\ndef f():\n    pass\n"
+    assert _class_lines(source, "A") == 3

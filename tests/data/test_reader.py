@@ -111,7 +111,7 @@ def test_resume_mid_epoch_continues_exactly(synth_dir, shuffle):
 
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_training_stream_resumed_after_an_epochs_last_batch_goes_on_with_the_next_epoch(synth_dir, shuffle):
-    from tpurec.dlrm.trainer import endless
+    from tpurec.dlrm.training.data import endless
 
     kw = dict(batch_size=384, shuffle=shuffle, seed=5, shuffle_buffer=1500, drop_last=True)
     full = ParquetReader(synth_dir, **kw)

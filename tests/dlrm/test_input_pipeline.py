@@ -121,12 +121,12 @@ def test_one_rank_training_uses_the_inputs_built_ahead_and_is_the_same_run(cache
     # take the direct step instead, which needs no inputs built ahead (the test below).
     monkeypatch.setenv("TPUREC_NO_DIRECT", "1")
     ahead = _trainer(cache, monkeypatch, "--pipeline-depth", "3")
-    assert ahead._lookups, "no SparseCore lookup found to build inputs for"
+    assert ahead.data.lookups, "no SparseCore lookup found to build inputs for"
     losses = [ahead.step() for _ in range(12)]
-    assert sum(m.prepared_hits for m in ahead._lookups) == 12 * len(ahead._lookups)
-    assert sum(m.prepared_misses for m in ahead._lookups) == 0
-    state = ahead._train_state()
-    ahead._prefetch.close()
+    assert sum(m.prepared_hits for m in ahead.data.lookups) == 12 * len(ahead.data.lookups)
+    assert sum(m.prepared_misses for m in ahead.data.lookups) == 0
+    state = ahead.data.train_state()
+    ahead.data.prefetch.close()
     inline = _trainer(cache, monkeypatch, "--pipeline-depth", "0")
     assert [inline.step() for _ in range(12)] == losses  # bit for bit: the same batches and inputs
     assert state == inline.readers.train.state_dict()  # the position of the last batch trained
@@ -135,11 +135,11 @@ def test_one_rank_training_uses_the_inputs_built_ahead_and_is_the_same_run(cache
 def test_on_the_direct_cpu_step_nothing_is_built_ahead_and_the_run_is_the_same(cache, monkeypatch):
     monkeypatch.delenv("TPUREC_NO_DIRECT", raising=False)
     ahead = _trainer(cache, monkeypatch, "--pipeline-depth", "3")
-    assert ahead._lookups
+    assert ahead.data.lookups
     losses = [ahead.step() for _ in range(6)]
-    assert [m._prepared for m in ahead._lookups] == [[]] * len(ahead._lookups)
-    assert sum(m.prepared_hits + m.prepared_misses for m in ahead._lookups) == 0
-    ahead._prefetch.close()
+    assert [m._prepared for m in ahead.data.lookups] == [[]] * len(ahead.data.lookups)
+    assert sum(m.prepared_hits + m.prepared_misses for m in ahead.data.lookups) == 0
+    ahead.data.prefetch.close()
     inline = _trainer(cache, monkeypatch, "--pipeline-depth", "0")
     assert [inline.step() for _ in range(6)] == losses  # bit for bit: both took the direct step
 

@@ -75,9 +75,9 @@ def test_progress_lines_in_a_log_carry_the_window_s_samples_per_s_and_an_eta(cac
 
 
 def test_eta_clock():
-    from tpurec.dlrm.trainer import _clock
+    from tpurec.dlrm.training.progress import clock
 
-    assert [_clock(s) for s in (0, 59.4, 61, 3599, 3600, 3 * 3600 + 62)] == [
+    assert [clock(s) for s in (0, 59.4, 61, 3599, 3600, 3 * 3600 + 62)] == [
         "0:00",
         "0:59",
         "1:01",

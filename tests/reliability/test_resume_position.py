@@ -22,7 +22,7 @@ import pytest
 from tests.reliability.batchlog.sitecustomize import fingerprint as _fingerprint
 from tpurec.dlrm.ckpt.integrity import write_checksums
 from tpurec.dlrm.options import TrainOptions
-from tpurec.dlrm.trainer import position_in_epoch
+from tpurec.dlrm.training.data import position_in_epoch
 
 STEPS = 12  # over two epochs
 TINY: dict[str, Any] = dict(synth_rows=3000, eval_every=0, curves_out="none", quiet=True, steps=STEPS)
@@ -45,7 +45,7 @@ def _trained_batches(options: TrainOptions) -> list[str]:
                 taken.append(_fingerprint(batch))
                 yield batch
 
-        trainer._stream = recorded(trainer._stream)
+        trainer.data.stream = recorded(trainer.data.stream)
         trainer.run()
     finally:
         torch.set_num_threads(threads)

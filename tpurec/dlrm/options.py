@@ -481,7 +481,7 @@ class TrainOptions:
     def _step_problem(self) -> str | None:
         """What --step compiled/pipelined cannot run: their dense update implements torch.optim's SGD,
         Adagrad and Adam (tpurec/sharding/step/dense_update.py), and they take sharded EBCs (the built-in
-        DLRM's, a --model-module's) and ECs (on their fixed-shape outputs: trainer.py), not --zch's
+        DLRM's, a --model-module's) and ECs (on their fixed-shape outputs: training/model.py), not --zch's
         managed-collision modules; both run on the CPU and the
         emulated TPU (not yet on a real one)."""
         if self.step == "eager":

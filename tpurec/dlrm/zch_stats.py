@@ -213,7 +213,7 @@ class _RemappedBatches:
         return self.steps
 
     def __iter__(self) -> Iterator[SimpleNamespace]:
-        from tpurec.dlrm.trainer import endless
+        from tpurec.dlrm.training.data import endless
 
         streams = [endless(r) for r in self.readers]
         for _ in range(self.steps):

@@ -2,8 +2,9 @@
 
 Python imports `sitecustomize` at start-up from PYTHONPATH: a test puts this directory there and sets
 TPUREC_TEST_BATCH_LOG=DIR, and every process of the run (the launcher, each rank of `--nproc`)
-appends one fingerprint per training batch to DIR/rank-R.txt. The trainer is wrapped when it is
-first imported (an import hook), so nothing is imported early and processes without it are untouched.
+appends one fingerprint per training batch to DIR/rank-R.txt. The trainer's data part
+(tpurec.dlrm.training.data) is wrapped when it is first imported (an import hook), so nothing is
+imported early and processes without it are untouched.
 """
 
 from __future__ import annotations
@@ -32,19 +33,19 @@ def _recorded(stream, path: str):
         yield batch
 
 
-def _wrap(trainer_class) -> None:
-    start = trainer_class._start_stream
+def _wrap(data_class) -> None:
+    start = data_class.start_stream
 
-    def _start_stream(self) -> None:
-        start(self)
-        self._stream = _recorded(self._stream, os.path.join(str(LOG), f"rank-{self.rank}.txt"))
+    def start_stream(self, dmp) -> None:
+        start(self, dmp)
+        self.stream = _recorded(self.stream, os.path.join(str(LOG), f"rank-{self.run.rank}.txt"))
 
-    trainer_class._start_stream = _start_stream
+    data_class.start_stream = start_stream
 
 
-class _WrapTrainer(importlib.abc.MetaPathFinder):
+class _WrapTrainingData(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name != "tpurec.dlrm.trainer":
+        if name != "tpurec.dlrm.training.data":
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
@@ -53,11 +54,11 @@ class _WrapTrainer(importlib.abc.MetaPathFinder):
 
         def exec_module(module) -> None:
             run(module)
-            _wrap(module.Trainer)
+            _wrap(module.TrainingData)
 
         spec.loader.exec_module = exec_module
         return spec
 
 
 if LOG:
-    sys.meta_path.insert(0, _WrapTrainer())
+    sys.meta_path.insert(0, _WrapTrainingData())
