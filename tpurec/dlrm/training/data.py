@@ -209,9 +209,8 @@ class TrainingData:
             # a --model-module's managed-collision tables: so do their remaps (tpurec.dlrm.user_model)
             remap_ranges=run.user.remap_ranges() if run.user is not None else None,
             dense_log1p=o.dense_transform == "log1p",
-            # On a TPU every shape is compiled in: evaluating at the training batch reuses the step's
-            # lookup program and id limits; another eval batch would be another program, other buffers.
-            # A host-tier table's cache is sized for the training batch's rows (--host-tier): so is eval's.
+            # Eval at the training batch: on a TPU, its lookup program and id limits (every shape is compiled
+            # in); with the host tier, its caches (sized for the training batch's rows, --host-tier).
             **({"eval_batch_size": cfg.batch_size} if run.device == DeviceKind.TPU or self.host_tier_tables else {}),
         )
 
