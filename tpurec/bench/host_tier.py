@@ -138,9 +138,13 @@ def run_dist(shape: dict, dist: str, load_factors: list[float], algorithm: str, 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("host-tier", help="a table on the host tier vs resident, on the CPU (hit rate, samples/s)")
-    p.add_argument("--load-factors", default="0.05,0.1,0.2,0.5", help="cache sizes as shares of the rows")
+    p.add_argument(
+        "--load-factors",
+        default="0.05,0.1,0.2,0.5",
+        help="cache sizes as shares of the rows (default 0.05,0.1,0.2,0.5)",
+    )
     p.add_argument("--algorithm", choices=("lru", "lfu"), default="lru", help="eviction (default lru)")
-    p.add_argument("--dists", default="zipf,uniform", help="id laws: zipf (exponent 1.05), uniform")
+    p.add_argument("--dists", default="zipf,uniform", help="id laws: zipf (exponent 1.05), uniform (default both)")
     p.add_argument("--quick", action="store_true", help="tiny shapes (CI's smoke run)")
     p.add_argument("--seed", type=int, default=None, help="order and data seed (default: fresh, reported)")
     p.set_defaults(run=run)
