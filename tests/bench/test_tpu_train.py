@@ -16,6 +16,7 @@ from tpurec.bench.tpu_train_shapes import V5E_HBM_GIB, workload  # noqa: E402
 from tpurec.cli import main  # noqa: E402
 
 
+@pytest.mark.slow  # 28 s: two trainings through the CLI; the JAX model's learning test stays in the default suite
 def test_the_cpu_smoke_run_reports_both_contenders_and_their_ratio(capsys):
     assert main(["bench", "tpu-train", "--cpu", "--json", "--seed", "3"]) == 0
     doc = json.loads(capsys.readouterr().out)
