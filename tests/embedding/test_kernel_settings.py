@@ -9,7 +9,7 @@ from tpurec.embedding.sequence_module import SparseCoreEmbeddingCollection
 from tpurec.embedding.settings import KernelSettings, TableLimits
 from tpurec.errors import UserError
 
-from .helpers import make_tables, random_kjt
+from .helpers import fused_optimizers, make_tables, random_kjt
 from .test_sequence_module import batch, seq_tables
 
 
@@ -43,6 +43,45 @@ def test_defaults_are_decided_by_the_device():
     measured = KernelSettings(id_limits={"t1": (8, 4)})
     assert measured.resolved_for("cpu").fixed_limits is True
     assert KernelSettings(id_limits={"t1": (8, 4)}, fixed_limits=False).resolved_for("cpu").fixed_limits is False
+
+
+def test_the_tensorcore_kernel_on_a_tpu_caps_its_stacks(monkeypatch):
+    from tpurec.embedding.settings import TENSORCORE_MAX_STACK_BYTES
+    from tpurec.runtime import device as _device
+
+    monkeypatch.setattr(_device, "tensorcore_only", lambda generation=None: True)
+    assert KernelSettings().resolved_for("tpu").max_stack_bytes == TENSORCORE_MAX_STACK_BYTES
+    assert KernelSettings().resolved_for("cpu").max_stack_bytes is None
+    assert KernelSettings(max_stack_bytes=4096).resolved_for("tpu").max_stack_bytes == 4096
+    monkeypatch.setattr(_device, "tensorcore_only", lambda generation=None: False)  # SparseCore: in place
+    assert KernelSettings().resolved_for("tpu").max_stack_bytes is None
+    with pytest.raises(UserError, match="KernelSettings.max_stack_bytes must be >= 1"):
+        KernelSettings(max_stack_bytes=0)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adam"])
+def test_stacks_cut_by_bytes_train_as_one_stack(optimizer):
+    """t1 and t3 share dim 8: under a cap smaller than both they go to two stacks, and training gives
+    the same outputs and tables as one stack (each table's rows are updated on their own either way)."""
+
+    def ebc(settings):
+        torch.manual_seed(0)
+        opt, kw = fused_optimizers()[optimizer]
+        return SparseCoreEmbeddingBagCollection(make_tables(), opt, kw, num_sparsecores=2, settings=settings)
+
+    one, cut = ebc(KernelSettings()), ebc(KernelSettings(max_stack_bytes=48 * 4 * 8))
+    assert [len(s.layout.tables) for s in one.kernel.stacks] == [2, 1]
+    assert [[t.name for t in s.layout.tables] for s in cut.kernel.stacks] == [["t1"], ["t3"], ["t2"]]
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        kjt = random_kjt(make_tables(), 6, gen, hot_ids=True)
+        a, b = one(kjt).values(), cut(kjt).values()
+        assert torch.equal(a, b)
+        grad = torch.randn(a.shape, generator=gen)
+        a.backward(grad)
+        b.backward(grad)
+    for name, value in one.state_dict().items():
+        assert torch.equal(value, cut.state_dict()[name]), name
 
 
 def _ebc(**kwargs):

@@ -78,3 +78,18 @@ def test_buffer_and_padding_arithmetic():
     assert padded_rows(1, 4) == 32 and padded_rows(32, 4) == 32 and padded_rows(33, 4) == 64
     # 4 SCs, 1 device, max 10 ids/partition: per SC 8 row pointers + 16*4 COO slots of 12 bytes
     assert csr_buffer_bytes(10, 4) == 4 * (4 * 8 + 12 * 16 * 4)
+
+
+def test_a_byte_cap_cuts_a_group_into_consecutive_stacks():
+    # dim 8 float32: 32 bytes a row; P=2 pads each table to a multiple of 16 rows
+    tables = [("a", 10, 8), ("b", 20, 8), ("c", 5, 8), ("d", 40, 8), ("e", 3, 16)]
+    stacks = build_stacks(tables, num_partitions=2, max_bytes=48 * 32)
+    assert [s.name for s in stacks] == ["stack_d8", "stack_d8_p1", "stack_d8_p2", "stack_d16"]
+    assert [[t.name for t in s.tables] for s in stacks] == [["a", "b"], ["c"], ["d"], ["e"]]
+    # a, b: 16 + 32 rows = 48 (the cap exactly); c would make 64; d (48 rows) alone; offsets restart
+    assert [[t.offset for t in s.tables] for s in stacks] == [[0, 16], [0], [0], [0]]
+    assert all(s.total_rows * s.storage_dim * 4 <= 48 * 32 for s in stacks)
+    # a table larger than the cap alone keeps a stack of its own rather than being refused
+    (alone,) = build_stacks([("big", 100, 8)], num_partitions=2, max_bytes=32)
+    assert alone.name == "stack_d8" and alone.total_rows == 112
+    assert len(build_stacks(tables, num_partitions=2)) == 2  # no cap: one stack per dim

@@ -109,7 +109,10 @@ def run_round(w: Workload, data: str, warmup: int, steps: int, device: str, extr
     )
     lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
     if p.returncode != 0 or not lines:
-        return {"error": f"tpurec train exited {p.returncode}", "stderr_tail": p.stderr[-3000:]}
+        # the first error lines too: a device failure's cause comes first, then pages of its echoes
+        first = [ln for ln in p.stderr.splitlines() if "rror" in ln and "materialization" not in ln][:20]
+        error = f"tpurec train exited {p.returncode}"
+        return {"error": error, "stderr_first_errors": first, "stderr_tail": p.stderr[-3000:]}
     result = json.loads(lines[-1])
     with open(metrics) as f:
         records = [json.loads(line) for line in f if line.strip()]

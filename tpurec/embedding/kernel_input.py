@@ -104,6 +104,7 @@ class KernelInput:
             stack=bool(self.settings.stack_tables),
             pad_to=DIM_ALIGN if self.settings.pad_dims else 1,
             expected_ids={t.name: t.expected_ids for t in self.tables if t.expected_ids is not None},
+            max_bytes=self.settings.max_stack_bytes,
         )
         stacks = []
         for lay in layouts:

@@ -106,9 +106,13 @@ def build_stacks(
     stack: bool = True,
     pad_to: int = DIM_ALIGN,
     expected_ids: dict[str, float] | None = None,
+    max_bytes: int | None = None,
 ) -> list[StackLayout]:
     """Group (name, num_embeddings, dim[, stored dtype]) tables into stacks: one per (dim, dtype) when
     stacking, else one each. A float32 stack of dim d is "stack_d<d>", others "stack_d<d>_<dtype>".
+    `max_bytes`: a (dim, dtype) group whose stored rows would take more is cut into consecutive
+    stacks of at most that many bytes each (a table larger alone gets a stack of its own), named
+    "..._p1", "..._p2" after the first.
 
     Stacks come out in order of first appearance, and tables keep their order inside a stack, unless
     `expected_ids` (ids per sample by table name) covers every table of a stack: then they are placed
@@ -131,19 +135,33 @@ def build_stacks(
             order = balanced_order([m[1] for m in members], pads, [float(expected_ids[m[0]]) for m in members],
                                    num_partitions)  # fmt: skip
             members = [members[i] for i in order]
-        offset, placed = 0, []
-        for name, rows, _, _ in members:
-            # An empty table (a row-wise shard past the end of a small table: TorchRec gives rank 3 of
-            # 4 no rows of a 9-row table) still gets one segment of storage, so that a stack holding
-            # only it has partitions to divide by; no id can reach it (ids must be < 0 rows).
-            pad = padded_rows(max(rows, 1), num_partitions)
-            placed.append(TableInStack(name, rows, offset, pad))
-            offset += pad
         dim, dtype = members[0][2], members[0][3]
         if not stack:
             stack_name = str(key)
         else:
             suffix = "" if dtype == torch.float32 else "_" + str(dtype).removeprefix("torch.")
             stack_name = f"stack_d{dim}{suffix}"
-        layouts.append(StackLayout(stack_name, dim, num_partitions, tables=tuple(placed), pad_to=pad_to, dtype=dtype))
+        row_bytes = round_up(dim, pad_to) * dtype.itemsize
+        for part, chunk in enumerate(_cut(members, num_partitions, row_bytes, max_bytes)):
+            name = stack_name if part == 0 else f"{stack_name}_p{part}"
+            layouts.append(StackLayout(name, dim, num_partitions, tables=chunk, pad_to=pad_to, dtype=dtype))
     return layouts
+
+
+def _cut(
+    members: list[tuple[str, int, int, torch.dtype]], num_partitions: int, row_bytes: int, max_bytes: int | None
+) -> list[tuple[TableInStack, ...]]:
+    """The members placed in stacks, in order: one stack, or consecutive ones of at most `max_bytes`."""
+    stacks: list[tuple[TableInStack, ...]] = []
+    offset, placed = 0, []
+    for name, rows, _, _ in members:
+        # An empty table (a row-wise shard past the end of a small table: TorchRec gives rank 3 of
+        # 4 no rows of a 9-row table) still gets one segment of storage, so that a stack holding
+        # only it has partitions to divide by; no id can reach it (ids must be < 0 rows).
+        pad = padded_rows(max(rows, 1), num_partitions)
+        if placed and max_bytes is not None and (offset + pad) * row_bytes > max_bytes:
+            stacks.append(tuple(placed))
+            offset, placed = 0, []
+        placed.append(TableInStack(name, rows, offset, pad))
+        offset += pad
+    return [*stacks, tuple(placed)]

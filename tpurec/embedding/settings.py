@@ -23,6 +23,11 @@ SETTINGS_KEY = "sparsecore_settings"
 # The most ids a limit can name: the kernel's buffers index ids and entries as int32 on the SparseCore
 # (tpurec/planner/id_limits.py bounds limits files by the same figure).
 MAX_ID_LIMIT = 2**31 - 1
+# The largest stack the TensorCore kernel keeps on a TPU: its updates return a new stack that is copied
+# back, so the largest stack's rows are held twice for a moment. One 6.3 GiB stack of MLPerf DLRM-DCNv2's
+# 26 tables (2M-row caps) failed that way on a v5e's 16 GiB; 1 GiB keeps the transient at 1/16 of the
+# chip (docs/results.md, 2026-12-06; docs/tensorcore.md).
+TENSORCORE_MAX_STACK_BYTES = 1 << 30
 
 
 def _whole_limit(where: str, value: object) -> int:
@@ -140,6 +145,12 @@ class KernelSettings:
     `TableLimits.max_ids_per_feature` when every table has one, else twice the first batch's
     largest feature (fixed limits) or each batch's own. Bag kernels ignore it."""
 
+    max_stack_bytes: int | None = None
+    """The most bytes one stack's stored rows take: tables of one dim and dtype beyond it go to further
+    stacks (layout.build_stacks). Default None: TENSORCORE_MAX_STACK_BYTES where the TensorCore
+    kernel runs on a TPU (v5e, v4), whose updates write a new stack and copy it back, so that a stack
+    briefly takes twice its memory; elsewhere no bound."""
+
     id_limits: Mapping[str, TableLimits] | None = None
     """Measured limits by table name (a shard's `source` table or its own name; `tpurec data
     stats`). A stack whose tables all have them gets fixed limits. Positional tuples (max ids, max
@@ -147,7 +158,7 @@ class KernelSettings:
     mapping that hashes. Default None: none measured."""
 
     def __post_init__(self) -> None:
-        for name in ("max_ids_per_partition", "max_unique_ids_per_partition", "max_ids_per_feature"):
+        for name in ("max_ids_per_partition", "max_unique_ids_per_partition", "max_ids_per_feature", "max_stack_bytes"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UserError(f"KernelSettings.{name} must be >= 1 or None, got {value!r}")
@@ -198,11 +209,15 @@ class KernelSettings:
 
         tpu = _device.tpu_path(device_type)
         fixed = True if self.fixed_limits is None and self.id_limits else self.fixed_limits
+        copied_back = tpu and _device.tensorcore_only()  # the TensorCore kernel's updates (see above)
         return replace(
             self,
             pad_dims=tpu if self.pad_dims is None else self.pad_dims,
             widen_tables=tpu if self.widen_tables is None else self.widen_tables,
             fixed_limits=fixed,
+            max_stack_bytes=TENSORCORE_MAX_STACK_BYTES
+            if self.max_stack_bytes is None and copied_back
+            else self.max_stack_bytes,
         )
 
 
