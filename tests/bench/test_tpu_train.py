@@ -13,6 +13,7 @@ pytest.importorskip("jax")
 
 from tpurec.bench.tpu_train import CPU_DIMS  # noqa: E402
 from tpurec.bench.tpu_train_shapes import V5E_HBM_GIB, workload  # noqa: E402
+from tpurec.bench.tpu_train_split import PHASES  # noqa: E402
 from tpurec.cli import main  # noqa: E402
 
 
@@ -26,7 +27,9 @@ def test_the_cpu_smoke_run_reports_both_contenders_and_their_ratio(capsys):
     assert (w["tables"], w["rows_cap"], w["batch"], w["ids_per_sample"]) == (26, 300, 64, 214)
     assert max(w["rows"]) == 300 and w["rows_total"] == sum(w["rows"]) and w["timed_steps"] == 3
     [rnd] = doc["rounds"]
-    assert sorted(rnd["order"]) == ["jax", "tpurec"]
+    assert sorted(rnd["order"]) == ["jax", "split", "tpurec"]
+    pieces = doc["summary"]["split"]
+    assert pieces["sum_ms"] == pytest.approx(sum(pieces[k] for k in PHASES), abs=0.01) and pieces["update_ms"] > 0
     jax_side, ours = rnd["jax"], rnd["tpurec"]
     assert jax_side["platform"] == "cpu" and len(jax_side["losses"]) == 2 + 3
     assert ours["steps_timed"] == 3 and "--model mlperf-dcnv2" in ours["command"]
@@ -109,3 +112,28 @@ def test_the_full_size_jax_step_fits_a_v5e_by_xla_s_own_count():
     mem = jitted_step(w).lower(params, state, batch).compile().memory_analysis()
     assert mem.alias_size_in_bytes >= w.table_bytes()  # donated: updated in place, not copied
     assert mem.argument_size_in_bytes + mem.temp_size_in_bytes < V5E_HBM_GIB * 2**30
+
+
+def test_the_split_step_does_the_whole_step_s_work():
+    """The split contender drains the device between pieces; the pieces are still one training step:
+    after 2 steps its tables and dense weights are the undrained step's, and each piece is timed."""
+    import torch
+
+    from tpurec.bench.tpu_train_jax import host_batches
+    from tpurec.bench.tpu_train_split import Step, split_step
+
+    w = dataclasses.replace(workload(300, 64), **CPU_DIMS)
+    batches = host_batches(w, 2)
+    split, whole = Step(w, batches, torch.device("cpu")), Step(w, batches, torch.device("cpu"))
+    drained = []
+    for i in range(2):
+        drained.append(split_step(split, i, lambda t: None))
+        whole.whole(i)
+    assert all(set(d) == set(PHASES) and min(d.values()) > 0 for d in drained)
+    for t in ("t0", "t9", "t25"):
+        assert torch.equal(split.ebc.kernel.read_weight(t), whole.ebc.kernel.read_weight(t)), t
+    for (name, a), b in zip(split.dense.named_parameters(), whole.dense.parameters()):
+        assert torch.equal(a, b), name
+    assert not torch.equal(
+        split.ebc.kernel.read_weight("t0"), Step(w, batches, torch.device("cpu")).ebc.kernel.read_weight("t0")
+    )

@@ -30,9 +30,10 @@ from typing import Any
 from tpurec import strict_json
 from tpurec.argtypes import positive_int
 from tpurec.bench.tpu_train_shapes import CHIP_BATCH, CPU_BATCH, CPU_ROWS_CAP, DEFAULT_ROWS_CAP, Workload
+from tpurec.bench.tpu_train_split import PHASES
 from tpurec.errors import UserError
 
-CONTENDERS = ("jax", "tpurec")
+CONTENDERS = ("jax", "tpurec", "split")  # split: tpurec's step in pieces, first round only (tpu_train_split.py)
 # --cpu: (rows cap, batch, warm-up steps, timed steps, rounds); small dims keep JAX's compile short
 CPU_RUN = (CPU_ROWS_CAP, CPU_BATCH, 2, 3, 1)
 CPU_DIMS = {"dim": 16, "dense_arch": (32, 16), "over_arch": (64, 32, 1), "dcn_rank": 16}
@@ -49,7 +50,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", type=positive_int, default=None, help="steps before timing (default 10)")
     p.add_argument("--rounds", type=positive_int, default=None, help="rounds, each contender once a round (default 3)")
     p.add_argument("--batches", type=positive_int, default=8, help="distinct synthetic batches cycled (default 8)")
-    p.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated subset (default jax,tpurec)")
+    p.add_argument(
+        "--contenders", default=",".join(CONTENDERS), help="comma-separated subset (default jax,tpurec,split)"
+    )
     p.add_argument(
         "--tpurec-args",
         default="",
@@ -99,17 +102,21 @@ def _probe(env: dict[str, str]) -> tuple[str, str]:
     return backend, kind
 
 
-def _jax_round(w: Workload, warmup: int, steps: int, args: argparse.Namespace, env: dict[str, str]) -> dict:
+def _child_round(
+    name: str, w: Workload, warmup: int, steps: int, args: argparse.Namespace, env: dict[str, str]
+) -> dict:
+    """The jax or split contender's round: its module run in a child, its JSON line read back."""
     import json
 
     from tpurec.runtime import safe_path
 
-    cmd = ["-m", "tpurec.bench.tpu_train_jax", w.to_json(), "--warmup", str(warmup), "--steps", str(steps)]
-    cmd += ["--batches", str(args.batches), "--precision", args.precision]
+    module = {"jax": "tpurec.bench.tpu_train_jax", "split": "tpurec.bench.tpu_train_split"}[name]
+    cmd = ["-m", module, w.to_json(), "--warmup", str(warmup), "--steps", str(steps), "--batches", str(args.batches)]
+    cmd += ["--precision", args.precision] if name == "jax" else ["--device", "cpu" if args.cpu else "tpu"]
     p = subprocess.run(safe_path.python(*cmd), capture_output=True, text=True, env=env)
     lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
     if p.returncode != 0 or not lines:
-        return {"error": f"the JAX contender exited {p.returncode}", "stderr_tail": p.stderr[-3000:]}
+        return {"error": f"the {name} contender exited {p.returncode}", "stderr_tail": p.stderr[-3000:]}
     return dict(json.loads(lines[-1]))
 
 
@@ -128,15 +135,16 @@ def _rounds(w: Workload, warmup: int, steps: int, rounds: int, args: argparse.Na
         rng.shuffle(order)
         rec: dict[str, Any] = {"round": k + 1, "order": order}
         for name in order:
-            if name == "jax":
-                rec[name] = _jax_round(w, warmup, steps, args, env)
+            if name != "tpurec":
+                rec[name] = _child_round(name, w, warmup, steps, args, env)
             else:
                 device = "cpu" if args.cpu else "tpu"
                 rec[name] = run_round(w, os.path.join(work, "data"), warmup, steps, device, extra, work)
             if not args.json:
                 print(strict_json.dumps({"round": k + 1, name: _brief(rec[name])}), flush=True)
         out.append(rec)
-        contenders = [c for c in contenders if "error" not in rec[c]]
+        # the split's figures are per piece, not a contest: one round of them
+        contenders = [c for c in contenders if "error" not in rec[c] and c != "split"]
     return out
 
 
@@ -181,9 +189,11 @@ def summary(results: list[dict]) -> dict:
                 "step_ms": round(statistics.median(r["step_ms"] for r in ok), 3),
                 "rounds": len(ok),
             }
+            if name == "split":  # its pieces: where tpurec's step goes
+                out[name].update({k: ok[0][k] for k in (*PHASES, "sum_ms")})
         if errors:
             out.setdefault(name, {})["error"] = errors[0]
-    both = [r for r in results if all(c in r and "error" not in r[c] for c in CONTENDERS)]
+    both = [r for r in results if all(c in r and "error" not in r[c] for c in ("jax", "tpurec"))]
     # ratio_summary takes seconds (theirs / ours): JAX's step time over tpurec's = tpurec's samples/s over JAX's
     out["ratio_tpurec_vs_jax"] = (
         ratio_summary([r["tpurec"]["step_ms"] for r in both], [r["jax"]["step_ms"] for r in both]) if both else None

@@ -153,7 +153,7 @@ def _cut(
 ) -> list[tuple[TableInStack, ...]]:
     """The members placed in stacks, in order: one stack, or consecutive ones of at most `max_bytes`."""
     stacks: list[tuple[TableInStack, ...]] = []
-    offset, placed = 0, []
+    offset, placed = 0, list[TableInStack]()
     for name, rows, _, _ in members:
         # An empty table (a row-wise shard past the end of a small table: TorchRec gives rank 3 of
         # 4 no rows of a 9-row table) still gets one segment of storage, so that a stack holding
@@ -161,7 +161,7 @@ def _cut(
         pad = padded_rows(max(rows, 1), num_partitions)
         if placed and max_bytes is not None and (offset + pad) * row_bytes > max_bytes:
             stacks.append(tuple(placed))
-            offset, placed = 0, []
+            offset, placed = 0, list[TableInStack]()
         placed.append(TableInStack(name, rows, offset, pad))
         offset += pad
     return [*stacks, tuple(placed)]

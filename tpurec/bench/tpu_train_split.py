@@ -1,0 +1,194 @@
+"""The step-time split of `tpurec bench tpu-train` (contender "split"), one process per round.
+
+`python -m tpurec.bench.tpu_train_split WORKLOAD_JSON --warmup W --steps T --batches K --device D`
+prints one JSON line. It runs tpurec's pieces of the DLRM-DCNv2 step one after another with the device
+drained after each (a value read to the host), so that each piece's time is its own:
+- `host_ms`: the host input half (ids into one CSR input per table stack, `KernelInput.preprocess`,
+  and the dense features and labels to the device);
+- `lookup_ms`: the pooled lookup of every stack (`kernel.lookup`);
+- `dense_ms`: the dense model's forward and backward (TorchRec's DLRM_DCN arches) down to the pooled
+  embeddings' gradient;
+- `update_ms`: the tables' fused row-wise Adagrad update (the lookup's backward);
+- `dense_update_ms`: the dense Adagrad step.
+Then the same step with no drain inside (`step_ms`, a loss read at the end of the T steps only), so
+`sum_ms - step_ms` is what the device and the host overlap. Batches: the first K batches of the synthetic
+data `tpurec train`'s side reads (tpu_train_jax.host_batches), cycled. The embedding module is tpurec's
+own (SparseCoreEmbeddingBagCollection with fixed id limits, as DistributedModelParallel builds at one
+rank); TorchRec's sharding, the trainer and its input pipeline are not in these figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tpurec.bench.tpu_train_shapes import Workload
+
+PHASES = ("host_ms", "lookup_ms", "dense_ms", "update_ms", "dense_update_ms")
+
+
+def _drain(t: Any) -> None:
+    """Wait for the device: one element of `t` read to the host (the last op that wrote it is done)."""
+    t.reshape(-1)[:1].cpu()
+
+
+def build(w: Workload, device: Any) -> tuple[Any, Any, Any]:
+    """(tpurec's embedding module, the dense arches as one callable module, the dense optimizer)."""
+    import torch
+    from torchrec.models.dlrm import DLRM_DCN
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.optim import RowWiseAdagrad
+
+    from tpurec.embedding.module import SparseCoreEmbeddingBagCollection
+
+    tables = [
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=w.dim, num_embeddings=r, feature_names=[f"C{i + 1}"])
+        for i, r in enumerate(w.rows)
+    ]
+    torch.manual_seed(w.seed)
+    ebc = SparseCoreEmbeddingBagCollection(
+        tables, RowWiseAdagrad, {"lr": w.embedding_lr, "eps": w.eps}, device=device, fixed_limits=True
+    )
+    model = DLRM_DCN(
+        EmbeddingBagCollection(tables, device=torch.device("meta")),
+        dense_in_features=w.num_dense,
+        dense_arch_layer_sizes=list(w.dense_arch),
+        over_arch_layer_sizes=list(w.over_arch),
+        dcn_num_layers=w.dcn_layers,
+        dcn_low_rank_dim=w.dcn_rank,
+        dense_device=torch.device("cpu"),
+    )
+    dense = torch.nn.ModuleDict({"dense": model.dense_arch, "inter": model.inter_arch, "over": model.over_arch})
+    dense = dense.to(device)
+    opt = torch.optim.Adagrad(dense.parameters(), lr=w.dense_lr, eps=w.eps)
+    return ebc, dense, opt
+
+
+def _kjt(w: Workload, batch: dict[str, Any]) -> Any:
+    import torch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    values = torch.cat([torch.from_numpy(ids).to(torch.int64) for ids in batch["ids"]])
+    lengths = torch.cat([torch.full((w.batch,), h, dtype=torch.int32) for h in w.hots])
+    return KeyedJaggedTensor([f"C{i + 1}" for i in range(len(w.rows))], values, lengths=lengths)
+
+
+class Step:
+    """One training step in its pieces (each a method), on batch i of the cycled batches."""
+
+    def __init__(self, w: Workload, batches: list[dict[str, Any]], device: Any) -> None:
+        import torch
+
+        self.w, self.device = w, device
+        self.ebc, self.dense, self.opt = build(w, device)
+        self.kjts = [_kjt(w, b) for b in batches]  # the KJTs are the data loader's work, not timed
+        self.host = [(torch.from_numpy(b["dense"]), torch.from_numpy(b["labels"])) for b in batches]
+        self.loss_fn = torch.nn.BCEWithLogitsLoss()
+
+    def inputs(self, i: int) -> tuple[Any, Any, Any]:
+        k = i % len(self.kjts)
+        dense, labels = (t.to(self.device) for t in self.host[k])
+        return self.ebc.kernel.inputs.preprocess(self.kjts[k]), dense, labels
+
+    def lookup(self, csrs: Any) -> Any:
+        return self.ebc.kernel.lookup(csrs, self.w.batch)
+
+    def dense_step(self, pooled: Any, dense: Any, labels: Any) -> tuple[Any, Any]:
+        """(the loss, the pooled embeddings' gradient): the dense forward and backward."""
+        emb = pooled.detach().requires_grad_()
+        x = self.dense["dense"](dense)
+        z = self.dense["inter"](dense_features=x, sparse_features=emb.view(self.w.batch, len(self.w.rows), self.w.dim))
+        loss = self.loss_fn(self.dense["over"](z).squeeze(-1), labels)
+        loss.backward()
+        return loss, emb.grad
+
+    def dense_update(self) -> None:
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def whole(self, i: int) -> Any:
+        csrs, dense, labels = self.inputs(i)
+        pooled = self.lookup(csrs)
+        loss, grad = self.dense_step(pooled, dense, labels)
+        pooled.backward(grad)
+        self.dense_update()
+        return loss
+
+    def some_table(self) -> Any:
+        return self.ebc.kernel.stack_weight(0)
+
+    def some_dense(self) -> Any:
+        return next(self.dense.parameters())
+
+
+def _timed(fn: Callable[[], Any], drain: Callable[[Any], None]) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    out = fn()
+    drain(out)
+    return out, (time.perf_counter() - t0) * 1e3
+
+
+def split_step(s: Step, i: int, drain: Callable[[Any], None]) -> dict[str, float]:
+    """Step i with the device drained after each piece: each piece's milliseconds."""
+    (csrs, dense, labels), host = _timed(lambda: s.inputs(i), lambda out: drain(out[1]))
+    pooled, lookup = _timed(lambda: s.lookup(csrs), drain)
+    (_, grad), dense_ms = _timed(lambda: s.dense_step(pooled, dense, labels), lambda out: drain(out[1]))
+    _, update = _timed(lambda: pooled.backward(grad), lambda _: drain(s.some_table()))
+    _, dense_update = _timed(s.dense_update, lambda _: drain(s.some_dense()))
+    return dict(zip(PHASES, (host, lookup, dense_ms, update, dense_update)))
+
+
+def run(w: Workload, batches: list[dict[str, Any]], warmup: int, steps: int, device: Any) -> dict:
+    """Warm-up steps, T split steps (median of each piece), then T whole steps undrained."""
+    s = Step(w, batches, device)
+    t0 = time.perf_counter()
+    for i in range(warmup):
+        loss = s.whole(i)
+        _drain(loss)
+    first_s = time.perf_counter() - t0
+    splits = [split_step(s, warmup + i, _drain) for i in range(steps)]
+    t0 = time.perf_counter()
+    for i in range(steps):
+        loss = s.whole(warmup + steps + i)
+    _drain(loss)
+    step_ms = (time.perf_counter() - t0) * 1e3 / steps
+    out: dict[str, Any] = {k: round(statistics.median(x[k] for x in splits), 3) for k in PHASES}
+    out["sum_ms"] = round(sum(out[k] for k in PHASES), 3)
+    out["step_ms"] = round(step_ms, 3)
+    out["samples_per_s"] = round(w.batch / step_ms * 1e3, 1)
+    out["warmup_s"] = round(first_s, 3)
+    out["stacks"] = len(s.ebc.kernel.stacks)
+    out["loss"] = round(float(loss.detach()), 6)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from tpurec import strict_json
+    from tpurec.bench.tpu_train_jax import host_batches
+
+    p = argparse.ArgumentParser(prog="python -m tpurec.bench.tpu_train_split")
+    p.add_argument("workload")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--batches", type=int, default=4)
+    p.add_argument("--device", default="cpu")
+    a = p.parse_args(argv)
+    w = Workload.from_json(a.workload)
+    if a.device != "cpu":
+        from tpurec.embedding.backend import load_tpu_backend
+
+        load_tpu_backend()
+    result = run(w, host_batches(w, a.batches), a.warmup, a.steps, torch.device(a.device))
+    print(strict_json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
