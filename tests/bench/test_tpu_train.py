@@ -137,3 +137,16 @@ def test_the_split_step_does_the_whole_step_s_work():
     assert not torch.equal(
         split.ebc.kernel.read_weight("t0"), Step(w, batches, torch.device("cpu")).ebc.kernel.read_weight("t0")
     )
+
+
+def test_a_compiled_step_asked_for_gets_limits_measured_for_this_chip():
+    """--tpurec-args with --step compiled/pipelined and no --limits: the bench measures them with
+    `tpurec data stats` for one device of the chip it sees; on a chip it cannot name, one line."""
+    from tpurec.bench.tpu_train import _measure_limits, _step_of
+    from tpurec.errors import UserError
+
+    assert _step_of([]) == "eager" and _step_of(["--step", "compiled", "--x"]) == "compiled"
+    assert _step_of(["--step=pipelined"]) == "pipelined" and _step_of(["--step"]) == "eager"
+    w = workload(300, 64)
+    with pytest.raises(UserError, match=r"^on a TPU v4 give the id limits: --tpurec-args='--step S --limits L.json'"):
+        _measure_limits(w, "/nowhere", "TPU v4", {}, "/tmp")

@@ -113,7 +113,7 @@ def test_train_step_refusals(capsys, flags, says):
 
 
 ON_TPU = [
-    (["--step", "pipelined", "--device", "tpu"], "not yet run on a real TPU"),
+    (["--step", "pipelined", "--device", "tpu"], "not yet run on a real TPU (use --step eager there, or TPUREC_STEP_ON_TPU=1"),
     (["--step", "compiled", "--device", "tpu", "--limits", "L.json"], "not yet run on a real TPU"),
 ]
 
@@ -123,6 +123,16 @@ def test_train_step_refusals_on_a_real_tpu(capsys, monkeypatch, flags, says):
     monkeypatch.delenv("TPUREC_EMULATE_TPU", raising=False)
     code, _, err = run_cli(["train", *flags], capsys)
     assert code == 2 and says in err and "Traceback" not in err and err.strip().count("\n") == 0, err
+
+
+def test_the_step_on_tpu_flag_lets_a_real_tpu_try_it(capsys, monkeypatch):
+    """TPUREC_STEP_ON_TPU=1: no refusal of the step; on this host without a TPU the run then stops at
+    the device, in one line."""
+    monkeypatch.delenv("TPUREC_EMULATE_TPU", raising=False)
+    monkeypatch.setenv("TPUREC_STEP_ON_TPU", "1")
+    code, _, err = run_cli(["train", "--step", "pipelined", "--device", "tpu", "--steps", "2"], capsys)
+    assert "not yet run on a real TPU" not in err and "--step" not in err, err
+    assert code != 0 and "TPU" in err and "Traceback" not in err and err.strip().count("\n") == 0, err
 
 
 def test_default_backend_follows_the_tables_device():

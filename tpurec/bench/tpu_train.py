@@ -120,7 +120,9 @@ def _child_round(
     return dict(json.loads(lines[-1]))
 
 
-def _rounds(w: Workload, warmup: int, steps: int, rounds: int, args: argparse.Namespace, work: str) -> list[dict]:
+def _rounds(
+    w: Workload, warmup: int, steps: int, rounds: int, args: argparse.Namespace, work: str, kind: str
+) -> list[dict]:
     """Every round's results, each contender once in a random order; a contender that fails is dropped."""
     from tpurec.bench.tpu_train_tpurec import run_round
 
@@ -129,6 +131,8 @@ def _rounds(w: Workload, warmup: int, steps: int, rounds: int, args: argparse.Na
     if "tpurec" in contenders:
         _make_data(w, os.path.join(work, "data"), args.batches, env)
     extra = shlex.split(args.tpurec_args)
+    if "tpurec" in contenders and _step_of(extra) != "eager" and "--limits" not in extra:
+        extra += ["--limits", _measure_limits(w, os.path.join(work, "data"), kind, env, work)]
     rng, out = random.Random(args.seed), []
     for k in range(rounds):
         order = list(contenders)
@@ -145,6 +149,37 @@ def _rounds(w: Workload, warmup: int, steps: int, rounds: int, args: argparse.Na
         out.append(rec)
         # the split's figures are per piece, not a contest: one round of them
         contenders = [c for c in contenders if "error" not in rec[c] and c != "split"]
+    return out
+
+
+def _step_of(extra: list[str]) -> str:
+    """The --step value among `tpurec train`'s extra flags ("--step X" or "--step=X"), else "eager"."""
+    for i, arg in enumerate(extra):
+        if arg.startswith("--step="):
+            return arg.split("=", 1)[1]
+        if arg == "--step" and i + 1 < len(extra):
+            return extra[i + 1]
+    return "eager"
+
+
+def _measure_limits(w: Workload, data: str, kind: str, env: dict[str, str], work: str) -> str:
+    """`tpurec data stats` over the data for one device of this chip (--step compiled and pipelined
+    compile with the limits fixed): the limits file's path."""
+    from tpurec.runtime import safe_path
+
+    # JAX's device_kind of one chip -> its one-chip slice (v5e: "TPU v5 lite", v6e: "TPU v6 lite")
+    topology = {"cpu": "cpu-1", "tpu v5 lite": "v5e-1", "tpu v6 lite": "v6e-1"}.get(kind.lower())
+    if topology is None:  # one chip of another generation: its slice name is the user's to give
+        raise UserError(
+            f"on a {kind} give the id limits: --tpurec-args='--step S --limits L.json' (`tpurec data stats`)"
+        )
+    out = os.path.join(work, "limits.json")
+    cmd = ["-m", "tpurec.cli", "data", "stats", data, "--model", "mlperf-dcnv2", "--topology", topology]
+    cmd += ["--batch-size", str(w.batch), "--out", out, "--quiet"]
+    child = {**env, "JAX_PLATFORMS": "cpu", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}  # host work: the chip stays free
+    p = subprocess.run(safe_path.python(*cmd), capture_output=True, text=True, env=child)
+    if p.returncode != 0:
+        raise RuntimeError(f"measuring the id limits failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
     return out
 
 
@@ -213,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
         if backend != "tpu" and not args.cpu:
             raise UserError(f"JAX sees no TPU here (its backend: {backend}); run on a TPU VM, or --cpu for a smoke run")
         load_before = load_average()
-        results = _rounds(w, warmup, steps, rounds, args, work)
+        results = _rounds(w, warmup, steps, rounds, args, work, "cpu" if args.cpu else kind)
     doc = {
         "device": kind,
         "platform": backend,

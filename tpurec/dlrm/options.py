@@ -30,6 +30,8 @@ from tpurec.runtime import heartbeat, storage
 from tpurec.runtime.device import DeviceChoice, DeviceKind
 
 STEP_KINDS = ("eager", "compiled", "pipelined")  # --step: tpurec/sharding/step/kinds.py
+# Lets --step compiled/pipelined run on a real TPU, where they have not run yet (docs/tpu.md)
+STEP_ON_TPU_FLAG = "TPUREC_STEP_ON_TPU"
 # the dense optimizers their update implements (tpurec/sharding/step/dense_update.py SUPPORTED; here
 # without importing torch, for the check before anything starts)
 STEP_DENSE_OPTIMIZERS = ("sgd", "adagrad", "adam")
@@ -483,7 +485,7 @@ class TrainOptions:
         Adagrad and Adam (tpurec/sharding/step/dense_update.py), and they take sharded EBCs (the built-in
         DLRM's, a --model-module's) and ECs (on their fixed-shape outputs: training/model.py), not --zch's
         managed-collision modules; both run on the CPU and the
-        emulated TPU (not yet on a real one)."""
+        emulated TPU (on a real one only when STEP_ON_TPU_FLAG asks: not yet run there)."""
         if self.step == "eager":
             return None
         try:
@@ -501,10 +503,12 @@ class TrainOptions:
             )
         from tpurec.runtime.device import emulated_slice
 
-        if self.device == DeviceKind.TPU and not emulated_slice():
+        from tpurec.runtime import env_flags
+
+        if self.device == DeviceKind.TPU and not emulated_slice() and not env_flags.is_on(STEP_ON_TPU_FLAG):
             return (
                 f"--step {self.step} runs on --device cpu and on --emulate-tpu SLICE; not yet run on a real TPU "
-                "(use --step eager there)"
+                f"(use --step eager there, or {STEP_ON_TPU_FLAG}=1 to try it)"
             )
         return None
 
