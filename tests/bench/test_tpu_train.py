@@ -130,6 +130,8 @@ def test_the_split_step_does_the_whole_step_s_work():
         drained.append(split_step(split, i, lambda t: None))
         whole.whole(i)
     assert all(set(d) == set(PHASES) and min(d.values()) > 0 for d in drained)
+    # the stacks' rows (padded to the partitions) and one row-wise Adagrad float a row
+    assert sum(w.rows) * (16 + 1) * 4 <= split.table_state_bytes() < 1.2 * sum(w.rows) * (16 + 1) * 4
     for t in ("t0", "t9", "t25"):
         assert torch.equal(split.ebc.kernel.read_weight(t), whole.ebc.kernel.read_weight(t)), t
     for (name, a), b in zip(split.dense.named_parameters(), whole.dense.parameters()):

@@ -119,11 +119,36 @@ class Step:
         self.dense_update()
         return loss
 
+    def table_state_bytes(self) -> int:
+        """The stacks' stored rows and optimizer state, in bytes (what the planner counts as weights
+        and state)."""
+        k = self.ebc.kernel
+        tensors = [t for i in range(len(k.stacks)) for t in (k.stack_weight(i), *self._states(i))]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def _states(self, i: int) -> list[Any]:
+        return [self.ebc.kernel.stack_state(i, n) for n in self.ebc.kernel.optimizer.state_names]
+
     def some_table(self) -> Any:
         return self.ebc.kernel.stack_weight(0)
 
     def some_dense(self) -> Any:
         return next(self.dense.parameters())
+
+
+def _device_bytes(device: Any) -> int | None:
+    """The device allocator's bytes in use (torch.accelerator), None on the CPU or without statistics
+    (docs/tpu.md: TorchTPU's peak figure is no reading; its bytes in use are compared here)."""
+    import torch
+
+    from tpurec.runtime.device import DeviceKind
+
+    if device.type == DeviceKind.CPU:
+        return None
+    try:
+        return int(torch.accelerator.memory_allocated())
+    except Exception:  # an accelerator without statistics
+        return None
 
 
 def _timed(fn: Callable[[], Any], drain: Callable[[Any], None]) -> tuple[Any, float]:
@@ -163,6 +188,8 @@ def run(w: Workload, batches: list[dict[str, Any]], warmup: int, steps: int, dev
     out["samples_per_s"] = round(w.batch / step_ms * 1e3, 1)
     out["warmup_s"] = round(first_s, 3)
     out["stacks"] = len(s.ebc.kernel.stacks)
+    out["table_state_bytes"] = s.table_state_bytes()
+    out["device_bytes_in_use"] = _device_bytes(device)
     out["loss"] = round(float(loss.detach()), 6)
     return out
 
