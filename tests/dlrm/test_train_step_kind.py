@@ -113,7 +113,7 @@ def test_train_step_refusals(capsys, flags, says):
 
 
 ON_TPU = [
-    (["--step", "pipelined", "--device", "tpu"], "not yet run on a real TPU (use --step eager there, or TPUREC_STEP_ON_TPU=1"),
+    (["--step", "pipelined", "--device", "tpu"], "a real TPU (use --step eager there, or TPUREC_STEP_ON_TPU=1"),
     (["--step", "compiled", "--device", "tpu", "--limits", "L.json"], "not yet run on a real TPU"),
 ]
 

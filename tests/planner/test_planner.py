@@ -354,3 +354,30 @@ def test_tpu_plans_never_use_table_row_wise():
     ps.sharding_type = ShardingType.TABLE_ROW_WISE.value
     with pytest.raises(ValueError, match=f"table '{name}': sharding_type 'table_row_wise' needs TorchRec's"):
         check_plan_for_tpu(cpu)
+
+
+def test_v5e_reserves_one_stack_copy_not_a_copy_of_every_table():
+    """The TensorCore kernel (v5e) cuts its stacks at 1 GiB of rows and updates them one by one, so the
+    update's new table and state are one stack's, reserved once per device: 9.2 GB of tables plan on
+    one 16 GB v5e (each shard's copy, as a SparseCore stack needs, would make 18.4 GB)."""
+    from tpurec.embedding.settings import TENSORCORE_MAX_STACK_BYTES
+
+    tables = [
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=128, num_embeddings=2_000_000, feature_names=[f"f{i}"])
+        for i in range(9)
+    ]
+    one_stack = P.stack_transient("v5e", ebc_for(tables))
+    assert one_stack == TENSORCORE_MAX_STACK_BYTES  # no optimizer named: SGD's, no state
+    assert P.stack_transient("v6e", ebc_for(tables)) == 0  # per shard there
+    topo = make_topology("v5e-1")
+    planner = P.make_planner(topo, batch_size=256, optimizer="rowwise_adagrad")
+    plan = planner.plan(ebc_for(tables), [P.TpuPlanningSharder()])
+    assert len(plan.plan[""]) == 9
+    shards = [s for o in planner.get_selected_options() for s in o.shards]
+    weights = 9 * 2_000_000 * 128 * 4
+    # per shard: rows, row-wise state, buffers and activations; no copy of the rows
+    assert weights < sum(s.storage.hbm for s in shards) < 1.05 * weights
+    # a SparseCore chip's shards count their copies: twice the rows
+    planner = P.make_planner(make_topology("v6e-1"), batch_size=256, optimizer="rowwise_adagrad")
+    planner.plan(ebc_for(tables), [P.TpuPlanningSharder()])
+    assert sum(s.storage.hbm for o in planner.get_selected_options() for s in o.shards) > 2 * weights

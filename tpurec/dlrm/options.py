@@ -501,9 +501,8 @@ class TrainOptions:
             return (
                 "--step compiled needs fixed SparseCore buffer sizes: give --limits LIMITS.json (`tpurec data stats`)"
             )
-        from tpurec.runtime.device import emulated_slice
-
         from tpurec.runtime import env_flags
+        from tpurec.runtime.device import emulated_slice
 
         if self.device == DeviceKind.TPU and not emulated_slice() and not env_flags.is_on(STEP_ON_TPU_FLAG):
             return (

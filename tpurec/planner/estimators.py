@@ -35,7 +35,7 @@ from tpurec.planner import cpu_cost
 from tpurec.planner.id_limits import IdLimits
 from tpurec.planner.shard_costs import ShardCost
 from tpurec.planner.topology import CPU_GENERATION, SliceSpec, cpu_spec
-from tpurec.runtime.device import DeviceKind
+from tpurec.runtime.device import DeviceKind, tensorcore_only
 
 if TYPE_CHECKING:
     from torchrec.distributed.planner.types import SharderDataMap
@@ -156,7 +156,12 @@ def shard_cost(
         total = cpu_cost.compute_ms(ids, cols, spec.cpu_costs)
         share = lookup_ms / (lookup_ms + update_ms) if lookup_ms + update_ms else 0.0
         lookup_ms, update_ms = total * share, total * (1 - share)
-    transient = 0 if spec.generation.name == CPU_GENERATION else weights + opt
+    # The fused update writes a new table and state, then copies them back. On a SparseCore TPU a
+    # stack holds every table of a dim, so each shard's copy counts; the TensorCore kernel (v5e, v4)
+    # cuts stacks at TENSORCORE_MAX_STACK_BYTES and updates them one by one: its one copy alive at a
+    # time is reserved per device (planners.TpuStorageReservation), not per shard.
+    one_stack = spec.generation.name == CPU_GENERATION or tensorcore_only(spec.generation.name)
+    transient = 0 if one_stack else weights + opt
     return ShardCost(
         weights=weights,
         optimizer=opt,

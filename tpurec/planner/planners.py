@@ -40,7 +40,7 @@ from torchrec.distributed.planner.types import (
 from torchrec.distributed.types import CacheParams, ModuleSharder, ShardingPlan
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
-from tpurec.embedding.constraints import DIM_ALIGN
+from tpurec.embedding.constraints import DIM_ALIGN, round_up
 from tpurec.embedding.optimizers.registry import spec_class, spec_name_for, spec_names
 from tpurec.errors import UserError
 from tpurec.planner.estimators import (
@@ -223,7 +223,8 @@ def _table_configs(module: nn.Module) -> list[BaseEmbeddingConfig]:
 
 class TpuStorageReservation(StorageReservation):
     """Per device: dense parameters (x4: weights, grads, Adam moments), the pooled embeddings every
-    rank receives for its local batch and their gradients, plus a headroom fraction."""
+    rank receives for its local batch and their gradients, plus a headroom fraction; on a chip the
+    TensorCore kernel drives (v5e, v4), the fused update's copy of one stack (`stack_transient`)."""
 
     def __init__(self, headroom_fraction: float = DEFAULT_HEADROOM_FRACTION, dense_bytes: int = 0) -> None:
         self._headroom = headroom_fraction
@@ -242,9 +243,10 @@ class TpuStorageReservation(StorageReservation):
     ) -> Topology:
         reserved = copy.deepcopy(topology)
         on_cpu = topology.compute_device == DeviceKind.CPU
+        one_stack = 0 if on_cpu else stack_transient(spec_of(topology).generation.name, module, sharders)
         for device in reserved.devices:
             cap = device.storage.ddr if on_cpu else device.storage.hbm
-            amount = min(cap, self.amount(module, batch_size, cap))
+            amount = min(cap, self.amount(module, batch_size, cap) + one_stack)
             if on_cpu:
                 device.storage.ddr -= amount
             else:
@@ -268,6 +270,26 @@ class TpuStorageReservation(StorageReservation):
     @property
     def last_reserved_topology(self) -> Topology | None:
         return copy.deepcopy(self._last)
+
+
+def stack_transient(generation: str, module: nn.Module, sharders: List[ModuleSharder] | None = None) -> int:
+    """Bytes of the new stack and state the TensorCore kernel's fused update holds besides the live
+    ones, on a chip it drives (v5e, v4; else 0: per shard, estimators.py): its stacks are at most
+    TENSORCORE_MAX_STACK_BYTES of rows and updated one by one, so one stack's copy at a time, at most
+    all the tables' rows, with the most optimizer state a row of theirs carries."""
+    from tpurec.embedding.settings import TENSORCORE_MAX_STACK_BYTES
+    from tpurec.runtime.device import tensorcore_only
+
+    configs = _table_configs(module)
+    if not tensorcore_only(generation) or not configs:
+        return 0
+    optimizer = spec_class(infer_optimizer(module, sharders) or "sgd")
+    widths = {round_up(c.embedding_dim, DIM_ALIGN) for c in configs}
+    state_per_weight = max(optimizer.state_bytes_per_row(w) / (4 * w) for w in widths)
+    rows = min(
+        TENSORCORE_MAX_STACK_BYTES, sum(c.num_embeddings * round_up(c.embedding_dim, DIM_ALIGN) * 4 for c in configs)
+    )
+    return int(rows * (1 + state_per_weight))
 
 
 def infer_optimizer(module: nn.Module, sharders: List[ModuleSharder] | None = None) -> str | None:
