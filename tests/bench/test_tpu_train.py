@@ -152,3 +152,18 @@ def test_a_compiled_step_asked_for_gets_limits_measured_for_this_chip():
     w = workload(300, 64)
     with pytest.raises(UserError, match=r"^on a TPU v4 give the id limits: --tpurec-args='--step S --limits L.json'"):
         _measure_limits(w, "/nowhere", "TPU v4", {}, "/tmp")
+
+
+def test_tpurec_logs_at_the_warmup_s_end_and_the_run_s_and_seldom_between():
+    """Each logged step reads the loss back (the host waits for the device): the bench asks for the two
+    records it times between, and at most one every 10 steps (not tpurec train's every step below 200)."""
+    from tpurec.bench.tpu_train_tpurec import train_args
+
+    w = workload(300, 64)
+
+    def every(warmup, timed):
+        args = train_args(w, "D", warmup + timed, "tpu", "M", 8, warmup)
+        return int(args[args.index("--log-every") + 1])
+
+    assert every(10, 50) == 10 and every(5, 20) == 5 and every(4, 8) == 2 and every(2, 3) == 1
+    assert every(0, 30) == 10

@@ -111,10 +111,13 @@ def test_tiny_dataset_caps_batch_and_keeps_eval(cache, tmp_path):
         capture_output=True,
         cwd=REPO,
     )
-    result, p = train("--data", data, "--steps", 5, "--metrics-out", tmp_path / "m.csv", cache=cache)
+    result, p = train("--data", data, "--steps", 5, "--metrics-out", tmp_path / "m.csv", "--log-every", 2, cache=cache)
     assert "capping the batch" in p.stderr
     assert result["batch_size"] < 512 and result["eval_rows"] >= 1 and result["steps"] == 5
     assert (tmp_path / "m.csv").read_text().startswith("kind,step")
+    # --log-every 2: a loss read at steps 2 and 4, and at the run's end (its default here: every step)
+    lines = (tmp_path / "m.csv").read_text().splitlines()
+    assert [int(x.split(",")[1]) for x in lines if x.startswith("train,")] == [2, 4, 5]
     assert (tmp_path / "m.png").exists()
 
 

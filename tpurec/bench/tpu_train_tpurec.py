@@ -17,6 +17,7 @@ one, over the seconds between them.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 from pathlib import Path
@@ -59,7 +60,9 @@ def _made(out_dir: str) -> dict | None:
         return None
 
 
-def train_args(w: Workload, data: str, steps: int, device: str, metrics: str, batches: int) -> list[str]:
+def train_args(
+    w: Workload, data: str, steps: int, device: str, metrics: str, batches: int, warmup: int = 0
+) -> list[str]:
     """The `tpurec train` command line (after `train`) for the workload on `data`."""
     return [
         *("--data", data, "--model", "mlperf-dcnv2", "--device", device),
@@ -73,6 +76,9 @@ def train_args(w: Workload, data: str, steps: int, device: str, metrics: str, ba
         # one row group held out (make_data): the final evaluation is 1 batch, not 5% of the run
         *("--eval-every", "0", "--eval-fraction", repr(1.0 / (batches + 1))),
         *("--quiet", "--curves-out", "none", "--metrics-out", metrics),
+        # a loss read (the host waits for the device) at the warm-up's end and the run's, and between
+        # them no more often than every 10 steps: the host runs ahead as the JAX side's does
+        *("--log-every", str(math.gcd(warmup, steps - warmup, 10) if steps > warmup else 1)),
     ]
 
 
@@ -98,7 +104,7 @@ def run_round(w: Workload, data: str, warmup: int, steps: int, device: str, extr
 
     metrics = os.path.join(work, "tpurec-metrics.jsonl")
     Path(metrics).unlink(missing_ok=True)
-    args = train_args(w, data, warmup + steps, device, metrics, _batches_of(data, w.batch)) + extra
+    args = train_args(w, data, warmup + steps, device, metrics, _batches_of(data, w.batch), warmup) + extra
     root = str(Path(strict_json.__file__).resolve().parents[1])  # this checkout's tpurec, in the child too
     path = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
     p = subprocess.run(

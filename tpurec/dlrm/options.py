@@ -246,6 +246,13 @@ class TrainOptions:
     )
     threads: int | None = flag(None, "torch threads per rank (default: 1 with several ranks)", type=positive_int)
     quiet: bool = flag(False, "no progress bar")
+    log_every: int | None = flag(
+        None,
+        "steps between logged losses, each a device->host read the host waits for "
+        "(default: about 100 in a run, 1 to 50 steps apart)",
+        type=positive_int,
+        metavar="STEPS",
+    )
     dist_timeout: float = flag(
         heartbeat.DEFAULT_DIST_TIMEOUT,
         f"seconds a collective may wait for the other ranks (default {heartbeat.DEFAULT_DIST_TIMEOUT:g}; "

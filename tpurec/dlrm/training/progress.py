@@ -70,7 +70,9 @@ class Progress:
         self.train_seconds, self.steps_run = 0.0, 0
         self.train_copies: Counter = Counter()
         self._window_seconds, self._window_steps = 0.0, 0  # training since the last logged step
-        self.log_every = max(1, min(50, total // 100 or 1))
+        # each logged step reads the loss back (a device->host copy the host waits for): by default
+        # about 100 in a run, 1 to 50 steps apart
+        self.log_every = o.log_every or max(1, min(50, total // 100 or 1))
         self.loss_sum: torch.Tensor | float = (
             0.0  # the losses since the last logged step (a tensor once a step has run)
         )
