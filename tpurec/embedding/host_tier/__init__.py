@@ -4,7 +4,8 @@ TorchRec's `fused_uvm_caching` on a TPU (docs/host_tier.md). Its parts, one job 
 
 * `params.py`: how many rows the cache holds and which rows leave first, from TorchRec's CacheParams;
 * `policy.py`: LRU and LFU victim choice; `slot_map.py`: which row each cache slot holds;
-* `host_rows.py`: the whole table and its optimizer state in host memory;
+* `host_rows.py`: the whole table and its optimizer state in host memory, and rows copied with their
+  state; `device_copies.py`: those copies in a few fixed shapes where the cache is on a TPU;
 * `table_tier.py`: one table's cache: a batch's ids to slots, loads, write-backs, flushes, counters;
 * `kjt_remap.py`: a KeyedJaggedTensor's ids turned into cache slots;
 * `kernel.py`: `HostTierKernel`, the SparseCore kernel whose host-tier tables are those caches.

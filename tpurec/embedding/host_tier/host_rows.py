@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from tpurec.embedding import huge_pages
+from tpurec.embedding.host_tier import device_copies
 from tpurec.embedding.optimizers.base import OptimizerSpec
+from tpurec.runtime.device import DeviceKind
 
 
 @dataclass
@@ -38,10 +40,24 @@ def host_rows(rows: int, dim: int, dtype: torch.dtype, optimizer: OptimizerSpec)
 
 @torch.no_grad()
 def copy_rows(src: Rows, src_index: torch.Tensor, dst: Rows, dst_index: torch.Tensor) -> None:
-    """dst[dst_index] = src[src_index], weight and every state (int64 host indices, one per row)."""
+    """dst[dst_index] = src[src_index], weight and every state (int64 host indices, one per row). Both
+    on the host: one indexed copy each; a side on a device (a TPU's cache): in the few fixed shapes of
+    device_copies.py."""
     if src_index.numel() == 0:
         return
-    pairs = [(src.weight, dst.weight)] + [(src.states[name], t) for name, t in dst.states.items()]
-    for a, b in pairs:
-        values = a.index_select(0, src_index.to(a.device)).to(b.device, b.dtype)
-        b.index_copy_(0, dst_index.to(b.device), values)
+    for a, b in _pairs(src, dst):
+        if device_copies.on_host(a) and device_copies.on_host(b):
+            b.index_copy_(0, dst_index, a.index_select(0, src_index).to(dtype=b.dtype))
+        else:
+            device_copies.copy_tensor(a, src_index, b, dst_index)
+
+
+def warm_up(host: Rows, cache: Rows) -> None:
+    """A cache on a TPU, holding no row yet: every copy shape it will use run once (device_copies.py)."""
+    if cache.weight.device.type == DeviceKind.TPU:
+        for a, b in _pairs(host, cache):
+            device_copies.warm_up(a, b)
+
+
+def _pairs(src: Rows, dst: Rows) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(src.weight, dst.weight)] + [(src.states[name], t) for name, t in dst.states.items()]

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, cast
 import numpy as np
 import torch
 
-from tpurec.embedding.host_tier.host_rows import Rows, host_rows
+from tpurec.embedding.host_tier.host_rows import Rows, host_rows, warm_up
 from tpurec.embedding.host_tier.kjt_remap import remap_kjt
 from tpurec.embedding.host_tier.params import host_tier_params
 from tpurec.embedding.host_tier.table_tier import CacheCounters, TableTier
@@ -77,6 +77,7 @@ class HostTierKernel(SparseCoreKernel):
             dtype = self.stacks[self._stack_of[name]].layout.dtype
             host = host_rows(p.rows, self._table[name].embedding_dim, dtype, optimizer)
             tiers[name] = TableTier(self._table[name].source or name, p, host)
+            warm_up(host, self._cache(name))  # on a TPU: each copy's shapes compiled now, not mid-run
         self.host_tier = tiers
         self.reset_parameters()  # every table in order, host-tier ones into the host: the resident kernel's draws
 
