@@ -156,7 +156,7 @@ def test_a_model_half_again_over_hbm_is_planned_onto_the_host_tier_largest_table
     assert main([*args]) == 0
     text = capsys.readouterr().out
     assert "host tier: 1 table(s) in host memory" in text
-    assert "(planned only: the host tier runs on CPU ranks today, not yet on a TPU" in text  # issue 60: TPU left
+    assert "(the host tier runs on the TPU path, tested on the emulated TPU; not yet measured on a chip" in text
     assert "t0           cache 1,200,000 of 24,000,000 rows (load factor 0.05, lru), host 11.53 GiB" in text
     assert f"expected hit rate {t0['expected_hit_rate']:.1%}" in text
     line = next(row for row in text.splitlines() if row.startswith("t0 "))

@@ -65,14 +65,14 @@ def constraints(algorithm: str | None) -> dict[str, ParameterConstraints]:
     return out
 
 
-def build(optim: str, algorithm: str | None, plan=None) -> tpurec.DistributedModelParallel:
+def build(optim: str, algorithm: str | None, plan=None, device: str = "cpu") -> tpurec.DistributedModelParallel:
     torch.manual_seed(0)  # the same tables on every rank and in every run
     ebc = EmbeddingBagCollection(TABLES)
     cls, kwargs = optimizer(optim)
     apply_optimizer_in_backward(cls, ebc.parameters(), kwargs)
     if plan is not None:
-        return tpurec.DistributedModelParallel(ebc, device="cpu", plan=plan)
-    return tpurec.DistributedModelParallel(ebc, device="cpu", constraints=constraints(algorithm))
+        return tpurec.DistributedModelParallel(ebc, device=device, plan=plan)
+    return tpurec.DistributedModelParallel(ebc, device=device, constraints=constraints(algorithm))
 
 
 def steps(model, rank: int, world_size: int, data: list) -> torch.Tensor:
@@ -82,7 +82,7 @@ def steps(model, rank: int, world_size: int, data: list) -> torch.Tensor:
     for kjt, upstream in data:
         parts = model(local_slice(kjt, rank, world_size)).to_dict()
         out = torch.cat([parts[k] for k in KEYS], dim=1)
-        loss = (out * upstream[rank * per : (rank + 1) * per]).sum()
+        loss = (out * upstream[rank * per : (rank + 1) * per].to(out.device)).sum()
         loss.backward()
         losses.append(loss.detach())
     return torch.stack(losses)
@@ -104,22 +104,22 @@ def report(model, losses: torch.Tensor) -> dict:
     return out
 
 
-def train(rank: int, world_size: int, optim: str, algorithm: str | None, n: int) -> dict:
-    model = build(optim, algorithm)
+def train(rank: int, world_size: int, optim: str, algorithm: str | None, n: int, device: str = "cpu") -> dict:
+    model = build(optim, algorithm, device=device)
     return report(model, steps(model, rank, world_size, batches(n)))
 
 
 def save_then_load(
     rank: int, world_size: int, optim: str, save_algorithm: str | None, load_algorithm: str | None, path: str,
-    first: int, then: int,
+    first: int, then: int, device: str = "cpu",
 ) -> dict:  # fmt: skip
     """Train `first` steps (host tier with `save_algorithm`, None: resident), save with DCP; a second
     model (`load_algorithm`) loads it and trains the `then` steps after."""
     data = batches(first + then)
-    saver = build(optim, save_algorithm)
+    saver = build(optim, save_algorithm, device=device)
     first_losses = steps(saver, rank, world_size, data[:first])
     dcp.save({"model": saver.state_dict(), "optim": saver.fused_optimizer.state_dict()}, checkpoint_id=path)
-    loader = build(optim, load_algorithm)
+    loader = build(optim, load_algorithm, device=device)
     state = {"model": loader.state_dict(), "optim": loader.fused_optimizer.state_dict()}
     dcp.load(state, checkpoint_id=path)
     loader.load_state_dict(state["model"])

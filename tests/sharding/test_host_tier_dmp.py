@@ -171,3 +171,46 @@ def test_the_compiled_step_maps_ids_in_its_host_half():
     assert torch.equal(losses[1], losses[0])
     (counters,) = [k.host_tier_counters()["t0/0"] for k in kernels if k.host_tier]
     assert counters.batches == 20 and counters.hits > 0 and counters.evictions > 0
+
+
+@pytest.mark.slow  # one emulated rank, five models: about 30 s
+@pytest.mark.multiprocess
+def test_on_an_emulated_tpu_rank_the_host_tier_trains_and_checkpoints_as_resident(tmp_path):
+    """`tpurec launch --emulate-tpu v5e-1` (device "tpu", the TensorCore kernel): t0 and t2 on the host tier
+    with LRU and with LFU, 30 steps, against the model all resident on the same device; DCP checkpoints after
+    20 steps from the host tier to resident and back, 10 steps more (host_tier_tpu_program.py)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    program = str(Path(__file__).parent / "host_tier_tpu_program.py")
+    env = dict(os.environ, PYTHONPATH=str(repo), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "tpurec.cli", "launch", "--emulate-tpu", "v5e-1", program, str(tmp_path)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=repo)
+    assert p.returncode == 0, p.stderr[-3000:]
+    runs = json.loads(p.stdout.strip().splitlines()[-1])
+    want = runs["resident"]
+    assert len(want["losses"]) == 30
+    for name in ("LRU", "LFU", "host_to_resident", "resident_to_host"):
+        got = runs[name]
+        # The loss (sum of the pooled output times a fixed upstream gradient) within float32 rounding: on
+        # the TPU path a bag's rows are summed in partition order, which follows the cache slots. The
+        # gradient does not depend on the output, and each row's update sums its entries in sample order
+        # whatever its slot: every table and state shard is the resident one bit for bit.
+        assert got["losses"] == pytest.approx(want["losses"], rel=1e-5, abs=1e-5), name
+        assert sorted(got["shards"]) == sorted(want["shards"])
+        for key, shards in want["shards"].items():
+            assert [(o, v) for o, v, _ in got["shards"][key]] == [(o, v) for o, v, _ in shards], (name, key)
+        # The host tier's shards are host tensors (the whole table in host memory); the rest on the device.
+        on_host = name in ("LRU", "LFU", "resident_to_host")
+        for key, shards in got["shards"].items():
+            cpu = on_host and key.split(".")[1] in c.ON_HOST
+            assert {d for _, _, d in shards} == {"cpu" if cpu else "tpu:0"}, (name, key)
+    for name in ("LRU", "LFU"):
+        for table in ("t0/0", "t2/0"):
+            counters = runs[name]["counters"][table]
+            assert counters["hits"] > 0 and counters["evictions"] > 0 and counters["writebacks"] > 0
+        assert runs[name]["cached"] == {"t0/0": 100, "t2/0": 200}

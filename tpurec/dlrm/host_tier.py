@@ -5,9 +5,9 @@
 Each named table goes to the planner in TorchRec's words (`fused_uvm_caching` with its CacheParams,
 tpurec/planner/host_tier_flag.py), merged into the model's own constraints; the run's result line then
 reports each host-tier table's cache: hits, misses, evictions and the hit rate (distinct rows per
-batch, summed over the run's training and evaluation batches and over the ranks). CPU only, as the host
-tier itself; `auto` is `tpurec plan`'s: on CPU ranks both tiers share the rank's memory, so the planner
-has nothing to gain by moving a table.
+batch, summed over the run's training and evaluation batches and over the ranks). CPU ranks and the
+TPU path (the caches on the device; run on the emulated TPU so far); `auto` is `tpurec plan`'s: on CPU
+ranks both tiers share the rank's memory, so the planner has nothing to gain by moving a table.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from tpurec.planner import host_tier_flag
-from tpurec.runtime.device import DeviceKind
 
 if TYPE_CHECKING:
     from torch import nn
@@ -25,7 +24,7 @@ FLAG = "--host-tier"
 COUNTERS = ("hits", "misses", "evictions", "writebacks", "rows", "cache_rows")
 
 
-def problem(text: str | None, *, device: str, plan: str | None, zch: bool) -> str | None:
+def problem(text: str | None, *, plan: str | None, zch: bool) -> str | None:
     """Why `--host-tier text` cannot run with the other options (one line), or None."""
     if text is None:
         return None
@@ -38,8 +37,6 @@ def problem(text: str | None, *, device: str, plan: str | None, zch: bool) -> st
             f"{FLAG} auto is tpurec plan's (it moves tables off a TPU slice's HBM); a CPU rank keeps both tiers in one "
             f"memory: name the tables ({FLAG} TABLE[:LOAD_FACTOR[:lru|lfu]],...)"
         )
-    if device == DeviceKind.TPU:
-        return f"{FLAG}: the host tier runs on the CPU only so far (--device cpu), not on a TPU (docs/host_tier.md)"
     if plan:
         return f"{FLAG} plans the tables onto the host tier; --plan {plan} holds its own (its cache_params): give one"
     if zch:

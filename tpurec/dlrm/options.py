@@ -227,9 +227,9 @@ class TrainOptions:
     )
     host_tier: str | None = flag(
         None,
-        "tables kept in host memory behind a cache of their rows, each with its load factor (share of rows "
-        "cached, default 0.2) and eviction (lru, default, or lfu); CPU only so far; hits, misses and the "
-        "hit rate in the result line (docs/host_tier.md)",
+        "tables kept in host memory behind a cache of their rows on the run's device, each with its load factor "
+        "(share of rows cached, default 0.2) and eviction (lru, default, or lfu); hits, misses and the hit rate in "
+        "the result line (docs/host_tier.md)",
         metavar="TABLE[:LF[:lru|lfu]],...",
     )
     metrics_out: str | None = flag(None, "metrics as .csv or .jsonl; curves as FILE.png beside it", metavar="FILE")
@@ -546,7 +546,7 @@ class TrainOptions:
                 return problem
         from tpurec.dlrm import host_tier
 
-        problem = host_tier.problem(self.host_tier, device=self.device, plan=self.plan, zch=self.zch)
+        problem = host_tier.problem(self.host_tier, plan=self.plan, zch=self.zch)
         problem = problem or self._zch_problem() or self._dense_transform_problem()
         if problem:
             return problem

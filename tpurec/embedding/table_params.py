@@ -24,11 +24,18 @@ from torch import nn
 
 
 class TableSlot(nn.Module):
-    """`<prefix>.<table>`: holds the table's `weight` parameter, for named_parameters() only."""
+    """`<prefix>.<table>`: holds the table's `weight` parameter, for named_parameters() only.
+    `on_host`: the table is on the host tier (docs/host_tier.md): the parameter is the whole table in
+    host memory, and moving the module (`.to(device)`, as DMP does before DDP) leaves it there: the
+    table's cache on the device is the kernel's storage, which moves with the kernel."""
 
-    def __init__(self, weight: nn.Parameter) -> None:
+    def __init__(self, weight: nn.Parameter, on_host: bool = False) -> None:
         super().__init__()
         self.weight = weight
+        self.on_host = on_host
+
+    def _apply(self, fn: Any, recurse: bool = True) -> TableSlot:
+        return self if self.on_host else super()._apply(fn, recurse)
 
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         pass  # the owner's state_dict hook publishes the table under this very key
@@ -62,8 +69,10 @@ def register(module: nn.Module) -> None:
     `kernel` (tables named as its configs), `STATE_PREFIX` and `fused_optimizer`."""
     owner: Any = module  # kernel, STATE_PREFIX and fused_optimizer: set by the standalone module classes
     slots = nn.ModuleDict()
+    on_host = owner.kernel.host_tier or {}
     for name in owner.kernel.table_names:
-        add_slot(slots, name, TableSlot(table_parameter(owner.kernel.read_weight(name), [owner.fused_optimizer])))
+        weight = table_parameter(owner.kernel.read_weight(name), [owner.fused_optimizer])
+        add_slot(slots, name, TableSlot(weight, on_host=name in on_host))
     module.add_module(owner.STATE_PREFIX, slots)
 
 

@@ -35,6 +35,16 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
 
+def local_shard(tensor: torch.Tensor, meta: ShardMetadata) -> Shard:
+    """Shard(tensor, meta), placed on the device `tensor` is on: a host-tier table's shard lives in host
+    memory (docs/host_tier.md) where the plan places the table on the rank's TPU, and a Shard must sit
+    where its placement says."""
+    placement = meta.placement
+    if placement is not None and placement.device() != tensor.device:
+        meta = ShardMetadata(meta.shard_offsets, meta.shard_sizes, f"rank:{placement.rank()}/{tensor.device}")
+    return Shard(tensor, meta)
+
+
 def _props(dtype: torch.dtype = torch.float32) -> TensorProperties:
     return TensorProperties(dtype=dtype, requires_grad=False)
 
@@ -105,7 +115,7 @@ class ShardedSparseCoreOptimizer(KernelFusedOptimizer):
         for kname, meta, kernel in local:
             value = kernel.read_weight(kname) if state_name is None else kernel.read_state(kname, state_name)
             # A view when contiguous (natural-order storage); a copy for a padded-width table.
-            shards.append(Shard(self._track(kernel, kname, state_name, value.contiguous()), meta))
+            shards.append(local_shard(self._track(kernel, kname, state_name, value.contiguous()), meta))
         return ShardedTensor._init_from_local_shards_and_global_metadata(shards, metadata, process_group=pg)
 
 

@@ -24,6 +24,7 @@ from tpurec.planner.kernel_choice import COMPUTE_KERNEL
 from tpurec.sharding import table_params
 from tpurec.sharding.kernel_module import SparseCoreEmbeddingBag, _SparseCoreGroupKernel
 from tpurec.sharding.sharded_host import ShardedHost
+from tpurec.sharding.sharded_optimizer import local_shard
 
 if TYPE_CHECKING:
     from torch.distributed._shard.metadata import ShardMetadata
@@ -135,7 +136,7 @@ def _emit_sharded_weights(
     tables = module._sc_tables
     shards: Dict[str, List[Shard]] = {t: [] for t in tables}
     for table, kname, meta, kmod in module._sc_shards():
-        shards[table].append(Shard(kmod.kernel.read_weight(kname).contiguous(), meta))
+        shards[table].append(local_shard(kmod.kernel.read_weight(kname).contiguous(), meta))
     pg = module._env.process_group
     for table in tables:
         cfg = module._table_name_to_config[table]

@@ -60,8 +60,11 @@ def publish(module: Any, in_backward_optimizers: Callable[[str], list]) -> None:
     `<STATE_PREFIX>.<table>.weight`, marked with `in_backward_optimizers(table)` (a list the module
     fills with the table's fused optimizer once it has one)."""
     views: dict[str, list[torch.Tensor]] = {}
+    on_host: set[str] = set()  # tables on the host tier (docs/host_tier.md): their views are host tensors
     for table, kname, _, kmod in module._sc_shards():
         views.setdefault(table, []).append(kmod.kernel.read_weight(kname))
+        if kname in (getattr(kmod.kernel, "host_tier", None) or {}):
+            on_host.add(table)
     slots = getattr(module, module.STATE_PREFIX)
     for table in module._sc_tables:
         if table not in views:  # no shard here: TorchRec's empty parameter
@@ -78,4 +81,6 @@ def publish(module: Any, in_backward_optimizers: Callable[[str], list]) -> None:
                 len(views[table]),
             )
             view = torch.cat([v.reshape(-1) for v in views[table]])
-        add_slot(slots, table, TableSlot(table_parameter(view, in_backward_optimizers(table))))
+        add_slot(
+            slots, table, TableSlot(table_parameter(view, in_backward_optimizers(table)), on_host=table in on_host)
+        )

@@ -73,11 +73,13 @@ def test_a_lookup_without_gradients_changes_no_row_on_the_host():
     assert torch.equal(ebc.state_dict()["embedding_bags.t2.weight"], before)
 
 
-def test_sharded_lookups_on_a_device_other_than_the_cpu_are_refused():
+@pytest.mark.parametrize("device", ["meta", "cuda"])
+def test_sharded_lookups_on_a_device_other_than_the_cpu_or_a_tpu_are_refused(device):
     from tpurec.embedding.host_tier.kernel import HostTierKernel, host_tier_factory
     from tpurec.embedding.kernel import SparseCoreKernel
 
     assert host_tier_factory(SparseCoreKernel, ["t0"], torch.device("cpu")) is HostTierKernel
-    # (a TPU device needs torch_tpu; any other device type is refused the same way)
-    with pytest.raises(UserError, match=r"tables \['t0'\]: the host tier .* runs on the CPU only so far, not on meta"):
-        host_tier_factory(SparseCoreKernel, ["t0"], torch.device("meta"))
+    # (a TPU device: tests/embedding/host_tier/test_on_tpu_device.py, on the emulated one)
+    message = rf"tables \['t0'\]: the host tier .* runs on the CPU and a TPU only so far, not on {device};"
+    with pytest.raises(UserError, match=message):
+        host_tier_factory(SparseCoreKernel, ["t0"], torch.device(device))

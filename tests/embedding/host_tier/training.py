@@ -48,12 +48,14 @@ class Model:
     dense: torch.optim.Optimizer
 
 
-def build(optimizer: tuple, cache_params: dict | None = None) -> Model:
-    """The EBC (tables drawn from seed 0) with a linear head (seed 1) and dense SGD."""
+def build(optimizer: tuple, cache_params: dict | None = None, device: str | None = None) -> Model:
+    """The EBC (tables drawn from seed 0) with a linear head (seed 1) and dense SGD, on `device`."""
     torch.manual_seed(0)
-    ebc = SparseCoreEmbeddingBagCollection(TABLES, optimizer[0], dict(optimizer[1]), cache_params=cache_params)
+    ebc = SparseCoreEmbeddingBagCollection(
+        TABLES, optimizer[0], dict(optimizer[1]), cache_params=cache_params, device=device
+    )
     torch.manual_seed(1)
-    head = torch.nn.Linear(WIDTH, 1)
+    head = torch.nn.Linear(WIDTH, 1).to(ebc.device)
     return Model(ebc, head, torch.optim.SGD(head.parameters(), lr=0.05))
 
 
@@ -62,7 +64,7 @@ def train(model: Model, data: list) -> torch.Tensor:
     losses = []
     for kjt, labels in data:
         logits = model.head(model.ebc(kjt).values()).squeeze(1)
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels.to(logits.device))
         model.dense.zero_grad()
         loss.backward()
         model.dense.step()

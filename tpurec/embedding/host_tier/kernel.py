@@ -3,12 +3,16 @@
 A host-tier table is, to the kernel underneath, a table of `cached_rows` rows: its cache. The whole
 table and its optimizer state live in host memory (`TableTier`). Before each batch's lookup (the
 forward, or `preprocess` ahead of a compiled step) the batch's ids of those tables are mapped to
-cache slots, loading the rows missing; the kernel then runs unchanged on the remapped ids.
+cache slots, loading the rows missing; the kernel then runs unchanged on the remapped ids. The cache
+is the kernel's own storage, on the CPU or a TPU (there its copies take a few fixed shapes, all
+compiled when the kernel is made: device_copies.py); the host table, the slot map, the policy and the
+counters stay in host memory.
 
 Everything that reads or writes a table as a whole (`read_weight`, `write_weight`, `read_state`,
 `write_state`: state_dict, the fused optimizer's state, checkpoints, named_parameters) gets the
 host table, made whole first (`TableTier.flush`), so what users see is the whole table, coherent,
-and a checkpoint written into those views in place is what the next step reads.
+and a checkpoint written into those views in place is what the next step reads: host tensors, with
+the kernel on a TPU too.
 
 Not here yet (docs/host_tier.md): inputs built ahead on other threads (the lookups build them at
 step time instead), trainable per-id weights, EmbeddingCollections (unpooled kernels).
@@ -34,6 +38,7 @@ from tpurec.embedding.kjt_checks import check_kjt
 from tpurec.embedding.optimizers.base import OptimizerSpec
 from tpurec.errors import UserError
 from tpurec.runtime import host_copies
+from tpurec.runtime.device import DeviceKind
 
 if TYPE_CHECKING:
     from torchrec.distributed.types import CacheParams
@@ -175,14 +180,15 @@ def _write(target: torch.Tensor, value: torch.Tensor, table: str) -> None:
 
 def host_tier_factory(pooled: KernelFactory | None, tables: list[str], device: torch.device | None) -> KernelFactory:
     """The kernel class of a sharded lookup group holding host-tier `tables`: HostTierKernel over the
-    pooled kernel every kind shares (kernel_kinds.py); `pooled` None (an EmbeddingCollection's
-    unpooled lookup) and devices other than the CPU are refused: not there yet (docs/host_tier.md)."""
+    pooled kernel every kind shares (kernel_kinds.py), its cache on the CPU or a TPU; `pooled` None
+    (an EmbeddingCollection's unpooled lookup) and other devices are refused: not there yet
+    (docs/host_tier.md)."""
     if pooled is None:
         refuse_unpooled(tables)
-    if device is not None and device.type != "cpu":
+    if device is not None and device.type not in (DeviceKind.CPU, DeviceKind.TPU):
         raise UserError(
-            f"tables {tables}: the host tier (compute kernel fused_uvm_caching) runs on the CPU only so far, not on "
-            f"{device.type}; plan them on another kernel (fused) there"
+            f"tables {tables}: the host tier (compute kernel fused_uvm_caching) runs on the CPU and a TPU only so "
+            f"far, not on {device.type}; plan them on another kernel (fused) there"
         )
     if pooled is not SparseCoreKernel:  # a kind with its own pooled class would need its own host tier
         raise ValueError(f"the host tier extends SparseCoreKernel, not {pooled}")
