@@ -1,4 +1,5 @@
-"""The compiled steps' dense update (tpurec/sharding/step/dense_update.py) against torch.optim's own step.
+"""The compiled steps' dense update (tpurec/sharding/step/dense_update.py, dense_supported.py and
+dense_arithmetic.py) against torch.optim's own step.
 
 The oracle is torch.optim's SGD / Adagrad / Adam / AdamW `step()` (their CPU single-tensor path,
 what the eager trainer runs), with the options users' dense optimizers carry (weight decay,
@@ -227,7 +228,7 @@ def test_dense_update_refuses_what_it_does_not_implement():
 
 def test_the_trainers_check_knows_the_same_dense_optimizers():
     from tpurec.dlrm.options import STEP_DENSE_OPTIMIZERS
-    from tpurec.sharding.step.dense_update import SUPPORTED
+    from tpurec.sharding.step.dense_supported import SUPPORTED
 
     assert STEP_DENSE_OPTIMIZERS == SUPPORTED
 

@@ -32,7 +32,7 @@ from tpurec.runtime.device import DeviceChoice, DeviceKind
 STEP_KINDS = ("eager", "compiled", "pipelined")  # --step: tpurec/sharding/step/kinds.py
 # Lets --step compiled/pipelined run on a real TPU, where they have not run yet (docs/tpu.md)
 STEP_ON_TPU_FLAG = "TPUREC_STEP_ON_TPU"
-# the dense optimizers their update implements (tpurec/sharding/step/dense_update.py SUPPORTED; here
+# the dense optimizers their update implements (tpurec/sharding/step/dense_supported.py SUPPORTED; here
 # without importing torch, for the check before anything starts)
 STEP_DENSE_OPTIMIZERS = ("sgd", "adagrad", "adam")
 

@@ -27,6 +27,9 @@ one unpipelined eager step (CompiledStep's arithmetic, at the lr of the step tha
 loss), and the following batches restart the pipeline (warm-up again; compiled, the same graph).
 No staleness across that batch: it reads the tables after every earlier update, and the next
 batch reads them after its update. Counted in `eager_steps`.
+
+The SparseCore stages on a batch in flight (forward, backward, the batch between them) are in
+`pipeline_stages.py`.
 """
 
 from __future__ import annotations
@@ -41,22 +44,13 @@ from torch import nn
 
 from tpurec.errors import UserError
 from tpurec.sharding import rank_limits
-from tpurec.sharding.ec_preprocess import ShardedECPreprocessed, lookup_sharded_ec, update_sharded_ec
-from tpurec.sharding.sharded_preprocess import (
-    RawActivations,
-    ShardedActivations,
-    ShardedPreprocessed,
-    lookup_sharded,
-    update_sharded,
-)
+from tpurec.sharding.sharded_preprocess import RawActivations
 from tpurec.sharding.step import inputs as step_inputs
+from tpurec.sharding.step import pipeline_stages as stages
 from tpurec.sharding.step.compiled import LossFn, default_backend, model_loss, user_errors_of_the_trace
 from tpurec.sharding.step.dense_update import DenseOptimizer
 from tpurec.sharding.step.inputs import FieldMap
-
-# per sharded EBC or EC (step_inputs.parts order): a batch's host half and its activations' gradients
-Prepared = ShardedPreprocessed | ShardedECPreprocessed
-Behind = list[tuple[Prepared, RawActivations]]
+from tpurec.sharding.step.pipeline_stages import Behind, Prepared
 
 
 class PipelinedStep:
@@ -146,11 +140,11 @@ class PipelinedStep:
             self._pending = batch
             return previous
         if self._count == 0:  # warm-up 0: SparseCore forward of this batch (a restart after an eager step too)
-            self._ahead = _activated(batch, prepared, _lookups(prepared))
+            self._ahead = stages.activated(batch, prepared, stages.lookups(prepared))
             self._count = 1
             return previous
         if self._count == 1:  # warm-up 1: SparseCore forward of batch 1, the model on batch 0
-            raw = _lookups(prepared)
+            raw = stages.lookups(prepared)
             grads, loss = self._tensor_core(self._ahead)
         else:
             assert self._behind is not None
@@ -160,9 +154,9 @@ class PipelinedStep:
                 with user_errors_of_the_trace():
                     raw, grads, loss = self._steady_fn(self._behind, self._ahead, prepared, *dense)
             self.updated_batches += 1
-        self._behind = _behind(self._ahead, grads)
+        self._behind = stages.behind(self._ahead, grads)
         self._behind_lr = [float(g["lr"]) for g in self._table_groups]
-        self._ahead = _activated(batch, prepared, raw)
+        self._ahead = stages.activated(batch, prepared, raw)
         self._count += 1
         return loss
 
@@ -181,15 +175,15 @@ class PipelinedStep:
             return
         if self._behind is not None:
             with self._table_lr(self._behind_lr):
-                _updates(self._behind)
+                stages.updates(self._behind)
             self.updated_batches += 1
         grads, loss = self._tensor_core(self._ahead)
-        self._behind = _behind(self._ahead, grads)
+        self._behind = stages.behind(self._ahead, grads)
         self._behind_lr = [float(g["lr"]) for g in self._table_groups]
         self._ahead = None
         yield loss
         with self._table_lr(self._behind_lr):
-            _updates(self._behind)
+            stages.updates(self._behind)
         self.updated_batches += 1
         self.reset()
 
@@ -268,9 +262,9 @@ class PipelinedStep:
         lrs: list[torch.Tensor],
         states: Any,
     ) -> tuple[list[RawActivations], list[RawActivations], torch.Tensor]:
-        _updates(behind_t)
+        stages.updates(behind_t)
         grads_t1, loss_t1 = self._tensor_core(batch_t1, lrs, states)
-        raw_t2 = _lookups(prepared_t2)
+        raw_t2 = stages.lookups(prepared_t2)
         return raw_t2, grads_t1, loss_t1
 
     def _tensor_core(
@@ -292,36 +286,3 @@ class PipelinedStep:
             lrs, states = self.dense.lr_inputs(), self.dense.state_inputs()
         self.dense.apply(lrs, states)
         return grads, loss.detach()
-
-
-def _lookups(prepared: list[Prepared]) -> list[RawActivations]:
-    """SparseCore forward of each sharded EBC's and EC's inputs."""
-    return [
-        lookup_sharded_ec(p.owner, p) if isinstance(p, ShardedECPreprocessed) else lookup_sharded(p.owner, p)
-        for p in prepared
-    ]
-
-
-def _updates(behind: Behind) -> None:
-    """SparseCore backward of each sharded EBC's inputs from its activations' gradients."""
-    for prepared, grads in behind:
-        if isinstance(prepared, ShardedECPreprocessed):
-            update_sharded_ec(prepared.owner, prepared, grads)
-        else:
-            update_sharded(prepared.owner, prepared, grads)
-
-
-def _behind(ahead: Any, grads: list[RawActivations]) -> Behind:
-    """A batch past its model stage: each sharded EBC's inputs with its activations' gradients."""
-    return [(acts.prepared, g) for acts, g in zip(step_inputs.parts(ahead), grads, strict=True)]
-
-
-def _activated(batch: Any, prepared: list[Prepared], raw: list[RawActivations]) -> Any:
-    """A prepared `batch` with each sharded EBC's inputs replaced by its looked-up activations, as
-    leaves the model's backward fills."""
-    for per_module in raw:
-        for kernels in per_module:
-            for stacks in kernels:
-                for a in stacks:
-                    a.requires_grad_()
-    return step_inputs.with_parts(batch, [ShardedActivations(p, r) for p, r in zip(prepared, raw, strict=True)])
