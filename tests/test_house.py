@@ -10,6 +10,7 @@
   (`tpurec train` launches its ranks through tpurec/launch, not the other way round).
 - The Trainer is composed of small parts: its class body under MAX_PART_LINES lines, and every
   module of its parts (tpurec/dlrm/training/) under MAX_PART_LINES lines.
+- The training steps' room (tpurec/sharding/step/): every module under MAX_PART_LINES lines.
 """
 
 from __future__ import annotations
@@ -169,6 +170,7 @@ def test_the_import_check_sees_lazy_relative_and_from_imports():
 MAX_PART_LINES = 300
 TRAINER = PACKAGE / "dlrm" / "trainer.py"
 TRAINER_PARTS = PACKAGE / "dlrm" / "training"
+STEPS = PACKAGE / "sharding" / "step"  # the training steps' room
 
 
 def _class_lines(source: str, name: str) -> int:
@@ -178,15 +180,32 @@ def _class_lines(source: str, name: str) -> int:
     return node.end_lineno - node.lineno + 1
 
 
+def _long_modules(sources: dict[str, str]) -> list[str]:
+    """The modules in `sources` (name: text) of MAX_PART_LINES lines or more."""
+    return [f"{name} ({n} lines)" for name, text in sources.items() if (n := len(text.splitlines())) >= MAX_PART_LINES]
+
+
 def test_the_trainer_is_small_parts():
     lines = _class_lines(TRAINER.read_text(), "Trainer")
     assert lines < MAX_PART_LINES, f"Trainer is {lines} lines: move a job into a part of {TRAINER_PARTS.name}/"
     parts = sorted(TRAINER_PARTS.glob("*.py"))
     assert len(parts) > 5, f"{TRAINER_PARTS} is gone: update this check"
-    long = [f"{p.name} ({n} lines)" for p in parts if (n := len(p.read_text().splitlines())) >= MAX_PART_LINES]
+    long = _long_modules({p.name: p.read_text() for p in parts})
     assert not long, f"parts of the Trainer over {MAX_PART_LINES} lines (split them): {long}"
 
 
 def test_the_class_length_check_counts_the_class_alone():
     source = "x = 1\n@dataclass\nclass A:\n    a: int\n    b: int\n\n\ndef f():\n    pass\n"
     assert _class_lines(source, "A") == 3
+
+
+def test_the_training_steps_are_small_modules():
+    modules = sorted(STEPS.glob("*.py"))
+    assert len(modules) > 5, f"{STEPS} is gone: update this check"
+    long = _long_modules({p.name: p.read_text() for p in modules})
+    assert not long, f"modules of {STEPS.relative_to(ROOT)}/ over {MAX_PART_LINES} lines (split them): {long}"
+
+
+def test_the_module_length_check_counts_every_line():
+    fits, over = "x = 1\n" * (MAX_PART_LINES - 1), '"""doc"""\n\n' + "x = 1\n" * (MAX_PART_LINES - 2)
+    assert _long_modules({"a.py": fits, "b.py": over}) == [f"b.py ({MAX_PART_LINES} lines)"]
