@@ -11,6 +11,8 @@
 - The Trainer is composed of small parts: its class body under MAX_PART_LINES lines, and every
   module of its parts (tpurec/dlrm/training/) under MAX_PART_LINES lines.
 - The training steps' room (tpurec/sharding/step/): every module under MAX_PART_LINES lines.
+- Each optimizer's direct CPU step is a method of its spec: tpurec/embedding/direct.py reads no
+  optimizer's name (no `spec.name == ...` branches, no tables keyed by it).
 - Duplicate code in tpurec/ no more than MAX_DUPLICATES blocks (pylint's duplicate-code checker),
   and falling.
 """
@@ -213,6 +215,34 @@ def test_the_training_steps_are_small_modules():
 def test_the_module_length_check_counts_every_line():
     fits, over = "x = 1\n" * (MAX_PART_LINES - 1), '"""doc"""\n\n' + "x = 1\n" * (MAX_PART_LINES - 2)
     assert _long_modules({"a.py": fits, "b.py": over}) == [f"b.py ({MAX_PART_LINES} lines)"]
+
+
+def _optimizer_name_reads(source: str) -> list[int]:
+    """Lines reading an optimizer spec's name: `spec.name` or `<...>.optimizer.name`."""
+    return sorted(
+        node.lineno
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Attribute)
+        and node.attr == "name"
+        and (
+            (isinstance(node.value, ast.Name) and node.value.id == "spec")
+            or (isinstance(node.value, ast.Attribute) and node.value.attr == "optimizer")
+        )
+    )
+
+
+def test_the_direct_step_does_not_branch_on_the_optimizers_name():
+    direct = PACKAGE / "embedding" / "direct.py"
+    found = _optimizer_name_reads(direct.read_text())
+    assert not found, (
+        f"{direct.relative_to(ROOT)} reads the optimizer's name on lines {found}: put that optimizer's step in "
+        "its spec (OptimizerSpec.direct_update / direct_fields, tpurec/embedding/optimizers/)"
+    )
+
+
+def test_the_name_check_sees_branches_and_lookups():
+    source = 'if spec.name == "adam":\n    pass\nk = T.get(kernel.optimizer.name)\nspec.direct_update(h)\nt.name\n'
+    assert _optimizer_name_reads(source) == [1, 3]
 
 
 # pylint's duplicate-code checker (R0801, its `Symilar`): blocks of 6 or more lines that stand in two

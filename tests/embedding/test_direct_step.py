@@ -11,6 +11,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from tests.embedding.helpers import fused_optimizers, make_tables, random_kjt
 from tpurec.embedding import csr_build, direct
 from tpurec.embedding.module import SparseCoreEmbeddingBagCollection
+from tpurec.embedding.optimizers.adagrad import AdagradSpec
 
 pytestmark = pytest.mark.skipif(not csr_build.available(), reason="numba not installed")
 
@@ -185,7 +186,7 @@ def test_layout_path_on_the_standin_fp16_and_unknown_options(monkeypatch):
     m = SparseCoreEmbeddingBagCollection(tables, torch.optim.Adagrad, {"lr": 0.1}, num_sparsecores=4)
     assert direct.applies(m.kernel)
     # an optimizer field the direct loops do not implement, set: refused rather than ignored
-    monkeypatch.setitem(direct._IMPLEMENTED, "adagrad", {"lr", "initial_accumulator_value"})
+    monkeypatch.setattr(AdagradSpec, "direct_fields", frozenset({"lr", "initial_accumulator_value"}))
     assert not direct.applies(m.kernel)  # eps=1e-10 is on
     fp16 = [EmbeddingBagConfig(name="h", embedding_dim=8, num_embeddings=9, feature_names=["f"])]
     fp16[0].data_type = DataType.FP16

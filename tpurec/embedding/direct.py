@@ -12,9 +12,11 @@ additions (tests/embedding/test_direct_step.py).
 The layout path still runs whenever it is the thing being exercised or could differ: fixed or given
 limits (a TPU, `id_limits`, the dry run), the TorchTPU stand-in (the ops' CPU kernels replaced),
 meta/fake tensors or tracing, tables stored padded or in FP16/BF16, `TPUREC_NO_DIRECT=1`, and any
-optimizer option this module does not know (weight decay it knows: L2 and decoupled, on the touched
-rows before their update, as `optimizers/weight_decay.py`) (it refuses rather than ignores: a spec field it does not
-list must be off, i.e. 0, False or None). `SparseCoreKernel.preprocess` always builds the layout.
+optimizer option its spec's direct step does not implement (refused rather than ignored: a spec field
+not in its `direct_fields` must be off, i.e. 0, False or None). Each optimizer's update loop is a method
+of its spec (`direct_update`, in `optimizers/`), weight decay included (L2 and decoupled, on the
+touched rows before their update, as `optimizers/weight_decay.py`). `SparseCoreKernel.preprocess`
+always builds the layout.
 """
 
 from __future__ import annotations
@@ -28,18 +30,11 @@ import torch
 from tpurec.embedding import ops
 from tpurec.embedding.cpu_path import grad_trigger, writes_final_layout
 from tpurec.embedding.kjt_checks import check_kjt_shape
+from tpurec.embedding.optimizers.base import DirectHead
 from tpurec.runtime import device as _device
 from tpurec.runtime import env_flags
 
 # `kernel` arguments are SparseCoreKernels, typed Any: tpurec.embedding.kernel imports this module.
-
-# The spec fields the update loops below implement, per optimizer name; any other field must be off.
-_IMPLEMENTED = {
-    "sgd": {"lr"},
-    "adagrad": {"lr", "eps", "initial_accumulator_value"},
-    "rowwise_adagrad": {"lr", "eps", "initial_accumulator_value", "weight_decay", "weight_decay_mode"},
-    "adam": {"lr", "eps", "beta1", "beta2", "weight_decay", "weight_decay_mode"},
-}
 
 
 def _available() -> bool:
@@ -67,7 +62,7 @@ def applies(kernel: Any) -> bool:
         torch.compiler.is_compiling(),
         ops.reference_is_cpu_kernel(),  # the TorchTPU stand-in replaces the CPU kernels
     )
-    objects = (kernel.optimizer, _IMPLEMENTED.get(kernel.optimizer.name), *kernel._buffers.values())
+    objects = (kernel.optimizer, type(kernel.optimizer).direct_fields, *kernel._buffers.values())
     seen = kernel.__dict__.get("_direct_checked")
     if seen is not None and seen[0] == values and len(seen[1]) == len(objects):
         for a, b in zip(seen[1], objects):
@@ -92,7 +87,7 @@ def _applies(kernel: Any) -> bool:
 
 def _tables_and_spec_fit(kernel: Any) -> bool:
     spec = kernel.optimizer
-    known = _IMPLEMENTED.get(spec.name)
+    known = spec.direct_fields  # the fields its `direct_update` implements (optimizers/base.py)
     if known is None:
         return False
     for f in fields(spec):
@@ -291,7 +286,6 @@ class _DirectLookup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:  # numpy and numba only: no autograd
-        from tpurec.embedding import direct_kernels as dk
         from tpurec.embedding import key_sort
 
         kernel, i, bags, lr = ctx.kernel, ctx.i, ctx.bags, ctx.lr
@@ -303,26 +297,10 @@ class _DirectLookup(torch.autograd.Function):
             grad = grad.detach().to(torch.float32).contiguous()
         g = grad.numpy().reshape(-1, weight.shape[1])  # numpy's reshape: a torch view costs a dispatch
         states = [kernel.stack_state(i, s).numpy() for s in spec.state_names]
-        f32 = np.float32
-        if spec.name == "adam":
-            from tpurec.embedding.optimizers.adam import alpha_t
-
-            b1, b2 = spec.beta1, spec.beta2
-            a = alpha_t(lr, b1, b2, kernel._steps[i])
         # a row's entries adjacent, rows increasing (numpy's sort or a radix sort: key_sort.py)
         key_sort.sort_keys(bags.keys, bags.segments, bags.key_bits, _stack(kernel, i).row_bits)
-        head = (bags.keys, bags.key_bits, bags.segments, bags.gains, bags.bag_of, g, weight.numpy())
-        # Weight decay of the touched rows (optimizers/weight_decay.py): L2's coefficient, the decoupled
-        # scale 1 - lr * wd rounded to float32 as the layout path's factor is; (0, 1) for none.
-        mode, wd = spec.weight_decay_mode, spec.weight_decay
-        decay = (f32(wd if mode == "L2" else 0.0), f32(1.0 - lr * wd if mode == "DECOUPLE" else 1.0))
-        if spec.name == "sgd":
-            dk.update_sgd(*head, f32(-lr))
-        elif spec.name == "adagrad":
-            dk.update_adagrad(*head, states[0], f32(-lr), np.float64(f32(spec.eps)))  # FBGEMM adds eps in double
-        elif spec.name == "rowwise_adagrad":
-            dk.update_rowwise_adagrad(*head, states[0], f32(-lr), f32(spec.eps), *decay)
-        else:  # adam (applies() admits no other)
-            m, v = states
-            dk.update_adam(*head, m, v, f32(-a), f32(b1), f32(1 - b1), f32(b2), f32(1 - b2), f32(spec.eps), *decay)
+        head: DirectHead = (bags.keys, bags.key_bits, bags.segments, bags.gains, bags.bag_of, g, weight.numpy())
+        # the optimizer's own loop (its spec's `direct_update`: applies() admits only specs that have one),
+        # weight decay of the touched rows fused into it (`OptimizerSpec.direct_decay`)
+        spec.direct_update(head, states, lr, kernel._steps[i])
         return None, None, None, None, None

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -19,6 +20,7 @@ from tpurec.embedding.optimizers.base import OptimizerSpec, add_to_rows, op_head
 from tpurec.embedding.optimizers.defaults import fused_lr
 
 if TYPE_CHECKING:
+    from tpurec.embedding.optimizers.base import DirectHead
     from tpurec.embedding.preprocess import SparseCoreInput
 
 
@@ -134,6 +136,7 @@ class AdagradSpec(OptimizerSpec):
     fbgemm_aliases: ClassVar[tuple[str, ...]] = ("adagrad",)
     state_names: ClassVar[tuple[str, ...]] = ("momentum1",)  # TorchRec's name for Adagrad's sum
     refused_torch_kwargs = ("lr_decay", "maximize")  # weight_decay: FBGEMM's modes, weight_decay.py
+    direct_fields = frozenset({"lr", "eps", "initial_accumulator_value"})
 
     @classmethod
     def _take_torch_kwargs(cls, kwargs: dict) -> AdagradSpec:
@@ -181,6 +184,12 @@ class AdagradSpec(OptimizerSpec):
         torch.ops.tpurec.sparse_dense_matmul_grad_with_adagrad(
             *op_head(csr, table), accumulator, grad, lr, self.eps, *op_tail(csr), computation_name
         )
+
+    def direct_update(self, head: DirectHead, states: Sequence[np.ndarray], lr: float, step: int) -> None:
+        from tpurec.embedding import direct_kernels as dk
+
+        f32 = np.float32
+        dk.update_adagrad(*head, states[0], f32(-lr), np.float64(f32(self.eps)))  # FBGEMM adds eps in double
 
     @classmethod
     def tpu_kernels(cls) -> dict[Any, Callable]:

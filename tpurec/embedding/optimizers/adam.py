@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -31,6 +32,7 @@ from tpurec.embedding.optimizers.base import OptimizerSpec, add_to_rows, op_head
 from tpurec.embedding.optimizers.defaults import fused_lr
 
 if TYPE_CHECKING:
+    from tpurec.embedding.optimizers.base import DirectHead
     from tpurec.embedding.preprocess import SparseCoreInput
 
 
@@ -162,6 +164,7 @@ class AdamSpec(OptimizerSpec):
     weight_decay_modes = {"NONE": "DECOUPLE", "DECOUPLE": "DECOUPLE"}
     weight_decay_note = "decays decoupled (AdamW: w -= lr * weight_decay * w) whatever the mode, not as named"
     keeps_step_count = True
+    direct_fields = frozenset({"lr", "eps", "beta1", "beta2", "weight_decay", "weight_decay_mode"})
 
     @classmethod
     def _take_torch_kwargs(cls, kwargs: dict) -> AdamSpec:
@@ -234,6 +237,14 @@ class AdamSpec(OptimizerSpec):
         momentum, velocity = states
         a = alpha_t(lr, self.beta1, self.beta2, step)
         reference_update(table, momentum, velocity, rows, grad, a, self.beta1, self.beta2, self.eps)
+
+    def direct_update(self, head: DirectHead, states: Sequence[np.ndarray], lr: float, step: int) -> None:
+        from tpurec.embedding import direct_kernels as dk
+
+        f32, (m, v), b1, b2 = np.float32, states, self.beta1, self.beta2
+        a = alpha_t(lr, b1, b2, step)
+        decay = self.direct_decay(lr)
+        dk.update_adam(*head, m, v, f32(-a), f32(b1), f32(1 - b1), f32(b2), f32(1 - b2), f32(self.eps), *decay)
 
     @classmethod
     def tpu_kernels(cls) -> dict[Any, Callable]:

@@ -5,7 +5,8 @@ tpurec uses for it (CLI choices, DLRM configs, the planner), the torch/TorchRec 
 stands for and which of its kwargs the fused update implements, FBGEMM's `EmbOptimType` (what
 TorchRec's sharder puts in fused params), its state (TorchRec's names, shapes, bytes per row,
 initial values), the param-group entries a `FusedOptimizer` exposes, whether it counts steps, and
-`apply_update`, which calls its fused update op on one stack.
+`apply_update`, which calls its fused update op on one stack, and `direct_update`, its update loop in
+the direct CPU step (tpurec/embedding/direct.py).
 
 Subclasses register themselves when their module is imported (`__init_subclass__`); the registry
 (`tpurec.embedding.optimizers.registry`) imports every module of this package, so adding an
@@ -21,6 +22,7 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from tpurec.embedding.optimizers.defaults import fused_lr
@@ -32,6 +34,10 @@ if TYPE_CHECKING:
 
 # name -> spec class, filled by OptimizerSpec.__init_subclass__ as spec modules are imported.
 _REGISTERED: dict[str, type[OptimizerSpec]] = {}
+
+# One stack's batch as the direct CPU step's update loops take it (direct_kernels.update_*, after the
+# sort): keys, key bits, the tables' key segments, gains, bags, the activations' gradient, the table.
+DirectHead = tuple[np.ndarray, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 # Torch optimizer kwargs that change nothing about the update's math; accepted and ignored.
 _HARMLESS_TORCH_KWARGS = ("foreach", "differentiable", "capturable", "fused")
@@ -247,6 +253,23 @@ class OptimizerSpec(abc.ABC):
         what weight decay runs on CPU, where rows and gradients are at hand (kernel.apply_update).
         Only optimizers with weight decay modes need it."""
         raise NotImplementedError(f"{self.name}: no update of given rows (it takes no weight decay)")
+
+    # -- the direct CPU step (tpurec/embedding/direct.py) ----------------------------------------
+    # The spec fields `direct_update` implements; any other must be off (0, False or None) for a kernel
+    # to take the direct step. None: the optimizer has none (its kernels take the layout path).
+    direct_fields: ClassVar[frozenset[str] | None] = None
+
+    def direct_update(self, head: DirectHead, states: Sequence[np.ndarray], lr: float, step: int) -> None:
+        """The direct CPU step's update of one stack, in place: `head` is the batch's sorted keys and
+        gradients and the table as `direct_kernels.update_sgd` takes them, `states` the stack's state
+        arrays in `state_names` order, `step` the 1-based count including this update."""
+        raise NotImplementedError(f"{self.name}: no direct CPU step (direct_fields is None)")
+
+    def direct_decay(self, lr: float) -> tuple[np.float32, np.float32]:
+        """Weight decay of the touched rows in the direct step (`weight_decay.py`): L2's coefficient, and
+        the decoupled scale 1 - lr * wd rounded to float32 as the layout path's factor is; (0, 1) for none."""
+        mode, wd, f32 = self.weight_decay_mode, self.weight_decay, np.float32
+        return f32(wd if mode == "L2" else 0.0), f32(1.0 - lr * wd if mode == "DECOUPLE" else 1.0)
 
     @classmethod
     def tpu_kernels(cls) -> dict[Any, Callable]:

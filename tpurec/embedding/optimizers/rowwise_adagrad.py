@@ -12,11 +12,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from tpurec.embedding.optimizers.adagrad import AdagradSpec, reference_update
 
 if TYPE_CHECKING:
+    from tpurec.embedding.optimizers.base import DirectHead
     from tpurec.embedding.preprocess import SparseCoreInput
 
 
@@ -30,6 +32,7 @@ class RowWiseAdagradSpec(AdagradSpec):
     # FBGEMM's row-wise Adagrad: L2 (gradient + wd * w) and decoupled (w *= 1 - lr * wd); NONE applies
     # none (weight_decay.py).
     weight_decay_modes = {"L2": "L2", "DECOUPLE": "DECOUPLE"}
+    direct_fields = frozenset({"lr", "eps", "initial_accumulator_value", "weight_decay", "weight_decay_mode"})
 
     @classmethod
     def state_shape(cls, name: str, rows: int, dim: int) -> tuple[int, ...]:
@@ -66,6 +69,12 @@ class RowWiseAdagradSpec(AdagradSpec):
         (accumulator,) = states
         grad, lr = _at_width(grad, lr, table.shape[1], dim)
         reference_update(table, accumulator, rows, grad, lr, self.eps)
+
+    def direct_update(self, head: DirectHead, states: Sequence[np.ndarray], lr: float, step: int) -> None:
+        from tpurec.embedding import direct_kernels as dk
+
+        f32 = np.float32
+        dk.update_rowwise_adagrad(*head, states[0], f32(-lr), f32(self.eps), *self.direct_decay(lr))
 
 
 def _at_width(grad: torch.Tensor, lr: float, width: int, dim: int | None) -> tuple[torch.Tensor, float]:

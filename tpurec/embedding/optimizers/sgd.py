@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -19,6 +20,7 @@ from tpurec.embedding.optimizers.base import OptimizerSpec, add_to_rows, op_head
 from tpurec.embedding.optimizers.defaults import fused_lr
 
 if TYPE_CHECKING:
+    from tpurec.embedding.optimizers.base import DirectHead
     from tpurec.embedding.preprocess import SparseCoreInput
 
 
@@ -103,6 +105,7 @@ class SGDSpec(OptimizerSpec):
     fbgemm_optim = "EXACT_SGD"
     fbgemm_aliases = ("sgd",)
     refused_torch_kwargs = ("momentum", "dampening", "nesterov", "maximize")  # weight_decay: weight_decay.py
+    direct_fields = frozenset({"lr"})
 
     @classmethod
     def _take_torch_kwargs(cls, kwargs: dict) -> SGDSpec:
@@ -129,6 +132,11 @@ class SGDSpec(OptimizerSpec):
         torch.ops.tpurec.sparse_dense_matmul_grad_with_sgd(
             *op_head(csr, table), grad, lr, *op_tail(csr), computation_name
         )
+
+    def direct_update(self, head: DirectHead, states: Sequence[np.ndarray], lr: float, step: int) -> None:
+        from tpurec.embedding import direct_kernels as dk
+
+        dk.update_sgd(*head, np.float32(-lr))
 
     @classmethod
     def tpu_kernels(cls) -> dict[Any, Callable]:
