@@ -13,6 +13,8 @@
 - The training steps' room (tpurec/sharding/step/): every module under MAX_PART_LINES lines.
 - Each optimizer's direct CPU step is a method of its spec: tpurec/embedding/direct.py reads no
   optimizer's name (no `spec.name == ...` branches, no tables keyed by it).
+- Tests mirror the package and share helpers through tests/helpers/: no module under tests/ imports
+  from a test module (`test_*.py`).
 - Duplicate code in tpurec/ no more than MAX_DUPLICATES blocks (pylint's duplicate-code checker),
   and falling.
 """
@@ -126,9 +128,9 @@ def test_the_device_string_check_sees_both_operators():
     assert _device_strings(source, "m") == ["m:1", "m:3"]
 
 
-def _imported_modules(source: str, name: str) -> set[str]:
-    """Every tpurec module `name` imports, at module level or inside a function; `from pkg import x`
-    counts as `pkg.x` (a module or a name in one: either way it reaches into pkg)."""
+def _imported_modules(source: str, name: str, root: str = "tpurec") -> set[str]:
+    """Every module of package `root` that `name` imports, at module level or inside a function;
+    `from pkg import x` counts as `pkg.x` (a module or a name in one: either way it reaches into pkg)."""
     package = name.rpartition(".")[0]
     out: set[str] = set()
     for node in ast.walk(ast.parse(source)):
@@ -140,7 +142,7 @@ def _imported_modules(source: str, name: str) -> set[str]:
                 parts = package.split(".")
                 base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
             out |= {f"{base}.{a.name}" for a in node.names}
-    return {m for m in out if m.split(".")[0] == "tpurec"}
+    return {m for m in out if m.split(".")[0] == root}
 
 
 def _launch_modules() -> dict[str, Path]:
@@ -243,6 +245,36 @@ def test_the_direct_step_does_not_branch_on_the_optimizers_name():
 def test_the_name_check_sees_branches_and_lookups():
     source = 'if spec.name == "adam":\n    pass\nk = T.get(kernel.optimizer.name)\nspec.direct_update(h)\nt.name\n'
     assert _optimizer_name_reads(source) == [1, 3]
+
+
+TESTS = ROOT / "tests"
+
+
+def _test_module_imports(source: str, name: str) -> list[str]:
+    """The test modules (`tests...test_*`) module `name` imports, at module level or in a function."""
+    imported = _imported_modules(source, name, "tests")
+    return sorted(m for m in imported if any(part.startswith("test_") for part in m.split(".")))
+
+
+def test_no_test_module_imports_another():
+    found = []
+    for path in sorted(TESTS.rglob("*.py")):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        found += [f"{name} imports {m}" for m in _test_module_imports(path.read_text(), name)]
+    assert not found, f"move what test modules share into tests/helpers/ (or a directory's helpers.py): {found}"
+
+
+def test_the_test_import_check_sees_relative_absolute_and_lazy_imports():
+    source = (
+        "from .test_a import x\nfrom tests.b.test_c import y\nfrom ..helpers.frames import f\n"
+        "def g():\n    import tests.test_d\n    from . import test_e\n"
+    )
+    assert _test_module_imports(source, "tests.b.test_z") == [
+        "tests.b.test_a.x",
+        "tests.b.test_c.y",
+        "tests.b.test_e",
+        "tests.test_d",
+    ]
 
 
 # pylint's duplicate-code checker (R0801, its `Symilar`): blocks of 6 or more lines that stand in two

@@ -9,6 +9,7 @@ import json
 import numpy as np
 import pytest
 
+from tests.helpers.user_parquet import DENSE, FLAGS, INTS, ROWS, STRINGS, user_frame
 from tpurec import cli
 from tpurec.data.mapped import MappedSource, open_source
 from tpurec.data.mapping import ColumnSpec, MappingError
@@ -16,41 +17,12 @@ from tpurec.data.reader import ParquetReader
 from tpurec.data.schema import DataError
 from tpurec.data.string_ids import reference, string_hash
 
-ROWS = 3000
-DENSE = [f"num_{i}" for i in range(13)]
-INTS = [f"id_{i}" for i in range(20)]
-STRINGS = [f"name_{i}" for i in range(5)]
-FLAGS = ["--label", "clicked", "--dense", "num_*", "--sparse", "id_*:700,name_*:900,history:1200"]
-
-
-def _frame():
-    import pandas as pd
-
-    rng = np.random.default_rng(7)
-    d: dict = {"clicked": rng.integers(0, 2, ROWS)}
-    for n in DENSE:
-        d[n] = rng.random(ROWS)
-    for n in INTS:
-        d[n] = rng.integers(0, 5000, ROWS)
-    for n in STRINGS:
-        d[n] = [f"user-{j}" for j in rng.integers(0, 400, ROWS)]
-    d["history"] = [list(rng.integers(0, 10_000, rng.integers(1, 6))) for _ in range(ROWS)]
-    d["day"] = np.repeat([1, 2, 3], ROWS // 3)
-    df = pd.DataFrame(d)
-    df["id_3"] = df["id_3"].astype("Int64")  # nullable: stays int64 in Parquet
-    df.loc[10, "id_3"] = pd.NA
-    df.loc[11, "name_0"] = None
-    df.loc[12, "num_0"] = np.nan
-    df.at[13, "history"] = []
-    df.at[14, "history"] = None
-    return df
-
 
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory):
     """{"file", "dir", "hive"}: the same rows as one file, three files, and day=N partitions."""
     root = tmp_path_factory.mktemp("anyparquet")
-    df = _frame()
+    df = user_frame()
     flat = df.drop(columns=["day"])
     flat.to_parquet(root / "one.parquet", row_group_size=1000)
     (root / "dir").mkdir()

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.data.test_any_parquet import DENSE, FLAGS, INTS, ROWS, STRINGS, _frame
+from tests.helpers.user_parquet import DENSE, FLAGS, INTS, ROWS, STRINGS, user_frame
 from tpurec import cli
 from tpurec.data.catalog import get_table_set
 from tpurec.data.mapped import open_source
@@ -27,7 +27,7 @@ TEXT_FLAGS = ["--label", "clicked", "--dense", "num_*", "--sparse", "id_*:700,na
 def sources(tmp_path_factory):
     """The frame of test_any_parquet as one file, a directory, Hive partitions, CSV and TSV (no list column)."""
     root = tmp_path_factory.mktemp("convsrc")
-    df = _frame()
+    df = user_frame()
     flat = df.drop(columns=["day"])
     flat.to_parquet(root / "one.parquet", row_group_size=700)
     (root / "dir").mkdir()

@@ -1,9 +1,10 @@
-"""Random ragged batches and table configs shared by the embedding tests."""
+"""Random ragged batches and table configs shared by the embedding tests (the sequence ones: `seq_tables`,
+`seq_batch`)."""
 
 from __future__ import annotations
 
 import torch
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, EmbeddingConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 
@@ -65,3 +66,23 @@ def fused_optimizers() -> dict:
         "rowwise_adagrad": (RowWiseAdagrad, {"lr": 0.1, "eps": 1e-6}),
         "adam": (torch.optim.Adam, {"lr": 0.01, "eps": 1e-6}),
     }
+
+
+def seq_tables(dtype=DataType.FP32):
+    # t1 feeds two features; f1 also feeds t2 (a shared feature: outputs "f1@t1", "f1@t2");
+    # t3 is smaller than its partitions x 8.
+    return [
+        EmbeddingConfig(name="t1", embedding_dim=8, num_embeddings=37, feature_names=["f1", "f2"], data_type=dtype),
+        EmbeddingConfig(name="t2", embedding_dim=8, num_embeddings=50, feature_names=["f3", "f1"], data_type=dtype),
+        EmbeddingConfig(name="t3", embedding_dim=8, num_embeddings=5, feature_names=["f4"], data_type=dtype),
+    ]
+
+
+def seq_batch(gen, bsz=6, hot=False, dtype=torch.int64, max_len=5):
+    # random_kjt reads tables' feature names once each: give it one entry per distinct input feature.
+    features = [
+        EmbeddingConfig(name=f, embedding_dim=8, num_embeddings=n, feature_names=[f])
+        for f, n in (("f4", 5), ("f1", 37), ("f3", 50), ("f2", 37))
+    ]
+    kjt = random_kjt(features, bsz, gen, max_len=max_len, hot_ids=hot)  # keys deliberately not in table order
+    return KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values().to(dtype), lengths=kjt.lengths())

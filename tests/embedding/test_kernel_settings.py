@@ -9,8 +9,7 @@ from tpurec.embedding.sequence_module import SparseCoreEmbeddingCollection
 from tpurec.embedding.settings import KernelSettings, TableLimits
 from tpurec.errors import UserError
 
-from .helpers import fused_optimizers, make_tables, random_kjt
-from .test_sequence_module import batch, seq_tables
+from .helpers import fused_optimizers, make_tables, random_kjt, seq_batch, seq_tables
 
 
 @pytest.mark.parametrize(
@@ -112,7 +111,7 @@ def test_ec_keywords_and_settings_build_the_same_kernel():
     loose = ec(stack_tables=False, max_ids_per_partition=24)
     whole = ec(settings=KernelSettings(stack_tables=False, max_ids_per_partition=24))
     assert loose.kernel.settings == whole.kernel.settings and len(whole.kernel.stacks) == 3
-    kjt = batch(torch.Generator().manual_seed(2))
+    kjt = seq_batch(torch.Generator().manual_seed(2))
     out_loose, out_whole = loose(kjt), whole(kjt)
     assert all(torch.equal(out_loose[k].values(), out_whole[k].values()) for k in out_whole.keys())
     with pytest.raises(UserError, match="not both"):

@@ -16,29 +16,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from tpurec.embedding.sequence_module import SparseCoreEmbeddingCollection
 
-from .helpers import random_kjt
+from .helpers import random_kjt, seq_batch, seq_tables
 
 STEPS = 5
-
-
-def seq_tables(dtype=DataType.FP32):
-    # t1 feeds two features; f1 also feeds t2 (a shared feature: outputs "f1@t1", "f1@t2");
-    # t3 is smaller than its partitions x 8.
-    return [
-        EmbeddingConfig(name="t1", embedding_dim=8, num_embeddings=37, feature_names=["f1", "f2"], data_type=dtype),
-        EmbeddingConfig(name="t2", embedding_dim=8, num_embeddings=50, feature_names=["f3", "f1"], data_type=dtype),
-        EmbeddingConfig(name="t3", embedding_dim=8, num_embeddings=5, feature_names=["f4"], data_type=dtype),
-    ]
-
-
-def batch(gen, bsz=6, hot=False, dtype=torch.int64, max_len=5):
-    # random_kjt reads tables' feature names once each: give it one entry per distinct input feature.
-    features = [
-        EmbeddingConfig(name=f, embedding_dim=8, num_embeddings=n, feature_names=[f])
-        for f, n in (("f4", 5), ("f1", 37), ("f3", 50), ("f2", 37))
-    ]
-    kjt = random_kjt(features, bsz, gen, max_len=max_len, hot_ids=hot)  # keys deliberately not in table order
-    return KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values().to(dtype), lengths=kjt.lengths())
 
 
 def _stock(tables, need_indices=False):
@@ -53,7 +33,7 @@ def test_forward_equals_embedding_collection(dtype):
     ec.load_state_dict(sc.state_dict())
     gen = torch.Generator().manual_seed(0)
     for hot in (False, True):
-        kjt = batch(gen, hot=hot, dtype=dtype)
+        kjt = seq_batch(gen, hot=hot, dtype=dtype)
         ours, theirs = sc(kjt), ec(kjt)
         assert list(ours) == list(theirs) == ["f1@t1", "f2", "f3", "f1@t2", "f4"]
         for k in theirs:
@@ -102,7 +82,7 @@ def test_fused_updates_equal_embedding_collection_with_torch_optimizer(optim, kw
     opt = optim(ec.parameters(), **kwargs)
     gen = torch.Generator().manual_seed(1)
     for step in range(STEPS):
-        kjt = batch(gen, hot=step % 2 == 0)
+        kjt = seq_batch(gen, hot=step % 2 == 0)
         ours, theirs = sc(kjt), ec(kjt)
         ups = {k: torch.randn(v.values().shape, generator=gen) for k, v in theirs.items()}
         sum((ours[k].values() * u).sum() for k, u in ups.items()).backward()
@@ -187,7 +167,7 @@ def test_fp16_tables_match_embedding_collection_forward():
     ec = _stock(tables)
     assert sc.state_dict()["embeddings.t1.weight"].dtype == torch.float16
     ec.load_state_dict(sc.state_dict())
-    kjt = batch(torch.Generator().manual_seed(2))
+    kjt = seq_batch(torch.Generator().manual_seed(2))
     ours, theirs = sc(kjt), ec(kjt)
     for k in theirs:
         assert torch.equal(ours[k].values(), theirs[k].values()), k

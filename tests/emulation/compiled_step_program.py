@@ -26,29 +26,9 @@ BATCH, DENSE_LR, TABLE_LR = 32, 0.05, 0.1
 
 def _small_dlrm() -> tuple[Any, Any]:
     """TorchRec's DLRMTrain over four tables of 200 x 8 (tests/sharding/dlrm_case.py), row-wise Adagrad."""
-    from torchrec.models.dlrm import DLRM, DLRMTrain
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
-    from torchrec.optim import RowWiseAdagrad
-    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from tests.sharding.dlrm_case import dlrm_train
 
-    from tests.sharding.dlrm_case import DENSE, DIM, FEATURES, ROWS
-
-    tables = [
-        EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"f{i}"])
-        for i in range(FEATURES)
-    ]
-    ebc = EmbeddingBagCollection(tables, device=torch.device("meta"))
-    model = DLRMTrain(
-        DLRM(
-            embedding_bag_collection=ebc,
-            dense_in_features=DENSE,
-            dense_arch_layer_sizes=[16, DIM],
-            over_arch_layer_sizes=[16, 1],
-        )
-    )
-    apply_optimizer_in_backward(RowWiseAdagrad, model.model.sparse_arch.parameters(), {"lr": TABLE_LR})
-    return model, None
+    return dlrm_train(table_lr=TABLE_LR), None
 
 
 def _dlrm_tiny_every_sharding_type() -> tuple[Any, Any]:
@@ -63,11 +43,11 @@ def _dlrm_tiny_every_sharding_type() -> tuple[Any, Any]:
 
 
 def _two_ebcs() -> tuple[Any, Any]:
-    """Two sharded EBCs, each fed a KJT field of its own (tests/sharding/test_several_ebcs_step.py)."""
+    """Two sharded EBCs, each fed a KJT field of its own (tests/helpers/two_ebcs.py)."""
     from torchrec.optim import RowWiseAdagrad
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-    from tests.sharding.test_several_ebcs_step import TwoEBCs
+    from tests.helpers.two_ebcs import TwoEBCs
 
     model = TwoEBCs("split")
     apply_optimizer_in_backward(
@@ -76,7 +56,7 @@ def _two_ebcs() -> tuple[Any, Any]:
     return model, None
 
 
-# "seq", "seq-mask": tests/sharding/test_compiled_ec_step.py's EC and EBC model (built there), pooling
+# "seq", "seq-mask": tests/helpers/sequence_model.py's EC and EBC model (built there), pooling
 # its sequences by a total (no lengths read) or by a mask from the offsets (on the device)
 MODELS = {"small": _small_dlrm, "dlrm-tiny": _dlrm_tiny_every_sharding_type, "two-ebcs": _two_ebcs, "seq": None}
 MODELS["seq-mask"] = None
@@ -86,9 +66,9 @@ def _dmp(model_name: str) -> Any:
     from tpurec.sharding.sharder import SparseCoreEBCSharder
 
     if model_name.startswith("seq"):  # an EC (fixed limits on the device) beside an EBC
-        from tests.sharding.test_compiled_ec_step import _dmp as seq_dmp
+        from tests.helpers.sequence_model import sequence_dmp
 
-        return seq_dmp(True, device="tpu", pool="mask" if model_name == "seq-mask" else "total")
+        return sequence_dmp(True, device="tpu", pool="mask" if model_name == "seq-mask" else "total")
     torch.manual_seed(0)
     make = MODELS[model_name]
     assert make is not None
@@ -112,15 +92,15 @@ def _batches(dmp: Any, n: int, rank: int, world: int) -> list:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     if hasattr(dmp.module, "ec"):  # the EC model: its batches, dense features and labels on the device
-        from tests.sharding.test_compiled_ec_step import batches
+        from tests.helpers.sequence_model import sequence_batches
 
         return [
             replace(b, dense_features=b.dense_features.to("tpu"), labels=b.labels.to("tpu"))
-            for b in batches(n, seed=rank)
+            for b in sequence_batches(n, seed=rank)
         ]
     if not hasattr(dmp.module, "model"):  # the two EBCs: dlrm_case's ids, f2 and f3 in a field of their own
-        from tests.sharding.test_pipelined_step import disjoint_batches
-        from tests.sharding.test_several_ebcs_step import TwoFields
+        from tests.helpers.dlrm_step import disjoint_batches
+        from tests.helpers.two_ebcs import TwoFields
 
         two = []
         for b in disjoint_batches(n, BATCH, rank, world):

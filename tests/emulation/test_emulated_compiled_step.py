@@ -122,7 +122,7 @@ def test_two_sharded_ebcs_compile_to_one_program_on_the_emulated_device(tmp_path
 @pytest.mark.parametrize("model", ["seq", "seq-mask"])
 def test_an_embedding_collection_model_compiles_to_one_program_on_the_emulated_device(tmp_path, model):
     """A sharded EC (its fixed-shape path, the device's default) beside a sharded EBC
-    (tests/sharding/test_compiled_ec_step.py's model), each sequence pooled by its total (no lengths read)
+    (tests/helpers/sequence_model.py's model), each sequence pooled by its total (no lengths read)
     or by a mask built from the output's offsets, which are on the device beside `values()` (as TorchRec
     gives them on a GPU): one graph, one program asked for by the first step, the eager step's numbers."""
     seen = _one_rank(tmp_path, "--model", model)

@@ -1,45 +1,17 @@
 import json
 
 import pytest
-from torch.distributed._shard.metadata import ShardMetadata
-from torchrec.distributed.types import (
-    EmbeddingModuleShardingPlan,
-    EnumerableShardingSpec,
-    ParameterSharding,
-    ShardingPlan,
-)
 
-from tpurec.data.catalog import TableSpec
+from tests.helpers.plans import KERNEL, TABLES, run_plan, two_table_plan
 from tpurec.planner import plan_io, report_html, report_png
 from tpurec.planner import report as I
 from tpurec.planner.estimators import shard_cost
-from tpurec.planner.topology import make_topology, parse_slice
-
-K = "customized_kernel"
-TABLES = [TableSpec("a", "fa", 1000, 16, 1.0), TableSpec("b", "fb", 400, 16, 2.0)]
-
-
-def _plan(b_ranks=(0, 1, 2, 3)):
-    make_topology("v6e-4")  # names the tpu backend so placements parse
-    a = EnumerableShardingSpec([ShardMetadata([0, 0], [1000, 16], "rank:0/tpu:0")])
-    b = EnumerableShardingSpec(
-        [ShardMetadata([100 * i, 0], [100, 16], f"rank:{r}/tpu:{r}") for i, r in enumerate(b_ranks)]
-    )
-    return ShardingPlan(
-        {
-            "": EmbeddingModuleShardingPlan(
-                {
-                    "a": ParameterSharding("table_wise", K, [0], a),
-                    "b": ParameterSharding("row_wise", K, list(b_ranks), b),
-                }
-            )
-        }
-    )
+from tpurec.planner.topology import parse_slice
 
 
 def test_report_numbers_and_schema():
     spec = parse_slice("v6e-4")
-    r = I.build_report(_plan(), TABLES, spec, batch_size=8, optimizer="sgd", reserved=1000)
+    r = I.build_report(two_table_plan(), TABLES, spec, batch_size=8, optimizer="sgd", reserved=1000)
     for key in ("topology", "world_size", "fits", "estimated_step_time_ms", "tables", "devices"):
         assert key in r
     assert (r["topology"], r["world_size"], r["fits"]) == ("v6e-4", 4, True)
@@ -48,7 +20,7 @@ def test_report_numbers_and_schema():
         "rows": 1000,
         "dim": 16,
         "sharding_type": "table_wise",
-        "compute_kernel": K,
+        "compute_kernel": KERNEL,
         "ranks": [0],
         "bytes": 133952,  # 64512 weights + 832 buffers + 4096 activations + 64512 transient (SGD: no state)
     }
@@ -94,7 +66,7 @@ def test_pipelined_step_time_is_the_longest_of_the_overlapped_stages(batch):
     # Device 0 holds table a (TW) and a shard of b (RW); the other devices a shard of b each. On v6e-4
     # both batches are SparseCore-bound (MLPerf DCNv2 on v5p-128 is bound by its collectives: docs).
     spec = parse_slice("v6e-4")
-    r = I.build_report(_plan(), TABLES, spec, batch_size=batch, optimizer="sgd")
+    r = I.build_report(two_table_plan(), TABLES, spec, batch_size=batch, optimizer="sgd")
     a, b = _cost("table_wise", 1000, 1.0, spec, batch), _cost("row_wise", 100, 2.0, spec, batch)
     sparsecore = a.lookup_ms + a.update_ms + b.lookup_ms + b.update_ms
     collectives = a.output_comm_ms + a.grad_comm_ms + b.output_comm_ms + b.grad_comm_ms
@@ -109,15 +81,15 @@ def test_pipelined_step_time_is_the_longest_of_the_overlapped_stages(batch):
 
 def test_cpu_plans_have_no_pipelined_step_time():
     spec = parse_slice("v6e-4")
-    r = I.build_report(_plan(), TABLES, spec, batch_size=8, optimizer="sgd", compute_device="cpu")
+    r = I.build_report(two_table_plan(), TABLES, spec, batch_size=8, optimizer="sgd", compute_device="cpu")
     assert r["pipelined_step_time_ms"] is None
     assert "pipelined step" not in I.format_text(r)
 
 
 def test_text_and_diff():
     spec = parse_slice("v6e-4")
-    r1 = I.build_report(_plan(), TABLES, spec, batch_size=8, optimizer="sgd")
-    r2 = I.build_report(_plan((3, 2, 1, 0)), TABLES, spec, batch_size=8, optimizer="sgd")
+    r1 = I.build_report(two_table_plan(), TABLES, spec, batch_size=8, optimizer="sgd")
+    r2 = I.build_report(two_table_plan((3, 2, 1, 0)), TABLES, spec, batch_size=8, optimizer="sgd")
     text = I.format_text(r1)
     assert "fits: yes" in text and "row_wise" in text and "top 5 tables by time" in text
     d = I.diff_reports(r1, r2)
@@ -126,22 +98,15 @@ def test_text_and_diff():
 
 
 def test_png_and_html(tmp_path):
-    r = I.build_report(_plan(), TABLES, parse_slice("v6e-4"), batch_size=8, optimizer="sgd")
+    r = I.build_report(two_table_plan(), TABLES, parse_slice("v6e-4"), batch_size=8, optimizer="sgd")
     png = report_png.png_bytes(r)
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     page = report_html.html_page(r)
     assert page.startswith("<!doctype html>") and "data:image/png;base64," in page and '<td class="text">b</td>' in page
 
 
-def _cli(*argv):
-    """`tpurec plan ARGV` in this process, through the command's entry point (which prints user errors)."""
-    from tpurec.cli import main
-
-    return main(["plan", *argv])
-
-
 def test_cli_json_show_and_round_trip(tmp_path, capsys):
-    assert _cli("--model", "dlrm-tiny", "--topology", "v5p-8", "--batch-size", "64", "--format", "json") == 0
+    assert run_plan("--model", "dlrm-tiny", "--topology", "v5p-8", "--batch-size", "64", "--format", "json") == 0
     report = json.loads(capsys.readouterr().out)
     assert report["world_size"] == 4 and report["fits"] and len(report["tables"]) == 26
     assert {"rank", "hbm_used_bytes", "hbm_capacity_bytes", "estimated_time_ms"} <= set(report["devices"][0])
@@ -150,9 +115,9 @@ def test_cli_json_show_and_round_trip(tmp_path, capsys):
     # the report is a plan file: load_plan reads it, and show recomputes the identical report
     assert len(plan_io.load_plan(out).plan[""]) == 26
     assert I.report_from_file(out) == report
-    assert _cli("show", str(out)) == 0
+    assert run_plan("show", str(out)) == 0
     assert "tables (largest first)" in capsys.readouterr().out
-    assert _cli("diff", str(out), str(out)) == 0
+    assert run_plan("diff", str(out), str(out)) == 0
     assert "0 of 26 tables differ" in capsys.readouterr().out
 
 
@@ -163,41 +128,41 @@ def test_cli_tables_file_and_png(tmp_path, capsys):
         "  - {name: y, num_embeddings: 10, embedding_dim: 8}\n"
     )
     png = tmp_path / "p.png"
-    assert _cli("--tables", str(tables), "--topology", "v7x-8", "--format", "png", "--out", str(png)) == 0
+    assert run_plan("--tables", str(tables), "--topology", "v7x-8", "--format", "png", "--out", str(png)) == 0
     assert png.read_bytes()[:4] == b"\x89PNG"
-    assert _cli("--tables", str(tables), "--topology", "cpu-2", "--format", "json") == 0
+    assert run_plan("--tables", str(tables), "--topology", "cpu-2", "--format", "json") == 0
     assert json.loads(capsys.readouterr().out)["compute_device"] == "cpu"
 
 
 def test_cli_refusal_exit_2(capsys):
     # (with the host tier, its default, it plans: tests/planner/test_host_tier_planning.py)
-    assert _cli("--model", "mlperf-dcnv2", "--topology", "v5p-8", "--optimizer", "adam", "--host-tier", "off") == 2
+    assert run_plan("--model", "mlperf-dcnv2", "--topology", "v5p-8", "--optimizer", "adam", "--host-tier", "off") == 2
     err = capsys.readouterr().err
     assert "does not fit" in err and "largest table t_C21" in err and "free of 95.00 GiB" in err
 
 
 def test_cli_bad_inputs(capsys):
-    assert _cli("--model", "dlrm-tiny", "--topology", "v5p-7") == 2
+    assert run_plan("--model", "dlrm-tiny", "--topology", "v5p-7") == 2
     assert "even" in capsys.readouterr().err
-    assert _cli("--model", "dlrm-tiny", "--topology", "h100-8") == 2
+    assert run_plan("--model", "dlrm-tiny", "--topology", "h100-8") == 2
     assert "valid forms" in capsys.readouterr().err
-    assert _cli("--model", "dlrm-tiny") == 2
-    assert _cli("show") == 2
+    assert run_plan("--model", "dlrm-tiny") == 2
+    assert run_plan("show") == 2
 
 
 def test_show_and_diff_are_subcommands_with_their_own_help(tmp_path, capsys):
     for action, words in (("show", "Re-report a saved plan"), ("diff", "Which tables moved")):
         with pytest.raises(SystemExit) as e:
-            _cli(action, "-h")
+            run_plan(action, "-h")
         assert e.value.code == 0 and words in capsys.readouterr().out
     plan = str(tmp_path / "p.json")
-    assert _cli("--model", "dlrm-tiny", "--topology", "v5p-8", "--format", "json", "--out", plan) == 0
+    assert run_plan("--model", "dlrm-tiny", "--topology", "v5p-8", "--format", "json", "--out", plan) == 0
     capsys.readouterr()
     # --format before or after `show`
     for argv in (("--format", "json", "show", plan), ("show", plan, "--format", "json")):
-        assert _cli(*argv) == 0
+        assert run_plan(*argv) == 0
         assert json.loads(capsys.readouterr().out)["world_size"] == 4
-    assert _cli("diff", plan) == 2
+    assert run_plan("diff", plan) == 2
     assert "needs 2 plan file(s)" in capsys.readouterr().err
 
 

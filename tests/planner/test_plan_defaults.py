@@ -7,9 +7,8 @@ import json
 
 import pytest
 
+from tests.helpers.plans import run_plan
 from tpurec.data.catalog import MODEL_NAMES, TRAINING_DEFAULTS
-
-from .test_inspect import _cli
 
 
 def test_catalog_defaults_are_the_training_configs():
@@ -28,7 +27,7 @@ def test_catalog_defaults_are_the_training_configs():
 
 
 def _report(capsys, *args) -> dict:
-    assert _cli(*args, "--format", "json") == 0
+    assert run_plan(*args, "--format", "json") == 0
     return json.loads(capsys.readouterr().out)
 
 
@@ -71,7 +70,7 @@ def test_cpu_plan_is_the_plan_cpu_training_makes(capsys):
 def test_cpu_plan_refuses_a_table_cpu_training_cannot_shard(tmp_path, capsys):
     path = tmp_path / "t.json"
     path.write_text('[{"name": "x", "rows": 1000, "dim": 64, "sharding_types": ["column_wise"]}]')
-    assert _cli("--tables", str(path), "--topology", "cpu-2") == 2
+    assert run_plan("--tables", str(path), "--topology", "cpu-2") == 2
     assert "table 'x': sharding_types ['column_wise'] include none that CPU training runs" in capsys.readouterr().err
     # a TPU slice plans it as asked
     r = _report(capsys, "--tables", str(path), "--topology", "v6e-4")
@@ -80,7 +79,7 @@ def test_cpu_plan_refuses_a_table_cpu_training_cannot_shard(tmp_path, capsys):
 
 def test_help_says_where_the_defaults_come_from(capsys):
     with pytest.raises(SystemExit):
-        _cli("-h")
+        run_plan("-h")
     out = " ".join(capsys.readouterr().out.split())
     assert "batch size per device (default: --model: its training config's;" in out
     assert "(default: --model: its training config's;" in out

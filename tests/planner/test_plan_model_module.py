@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from .test_inspect import _cli
+from tests.helpers.plans import run_plan
 
 USER_MODEL = textwrap.dedent("""
     import torch
@@ -84,7 +84,7 @@ def user_module(tmp_path, monkeypatch):
 
 
 def _plan(capsys, *args) -> dict:
-    assert _cli(*args, "--format", "json") == 0
+    assert run_plan(*args, "--format", "json") == 0
     return json.loads(capsys.readouterr().out)
 
 
@@ -111,14 +111,14 @@ def test_constraints_returned_with_the_model_steer_the_plan(user_module, capsys)
 def test_a_model_with_an_embedding_collection_is_planned_and_shown_again(user_module, tmp_path, capsys):
     out = tmp_path / "plan.json"
     args = ("--model-module", f"{user_module}:build_with_sequence", "--topology", "v6e-4", "--format", "json")
-    assert _cli(*args, "--out", str(out)) == 0
+    assert run_plan(*args, "--out", str(out)) == 0
     r = json.loads(out.read_text())
     assert set(r["plan"]["modules"]) == {"sparse.ebc", "terms", "seq"}
     hist = next(x for x in r["tables"] if x["name"] == "hist")
     assert (hist["module"], hist["pooling"], hist["rows"]) == ("seq", "none", 3000)
     capsys.readouterr()
     # `plan show` reads the file back (three modules, each with its own tables) to the same report
-    assert _cli("show", str(out), "--format", "json") == 0
+    assert run_plan("show", str(out), "--format", "json") == 0
     shown = json.loads(capsys.readouterr().out)
     assert shown["tables"] == r["tables"] and shown["devices"] == r["devices"]
 
@@ -131,7 +131,7 @@ def test_a_model_of_embedding_collections_only_is_planned(user_module, capsys):
 def test_a_plan_file_missing_a_table_of_another_module_is_refused(user_module, tmp_path, capsys):
     out = tmp_path / "plan.json"
     args = ("--model-module", f"{user_module}:build_with_sequence", "--topology", "v6e-4", "--format", "json")
-    assert _cli(*args, "--out", str(out)) == 0
+    assert run_plan(*args, "--out", str(out)) == 0
     doc = json.loads(out.read_text())
     del doc["plan"]["modules"]["seq"]
     out.write_text(json.dumps(doc))
@@ -154,7 +154,7 @@ def test_a_plan_file_missing_a_table_of_another_module_is_refused(user_module, t
     ],
 )
 def test_bad_model_module_is_one_line(user_module, capsys, target, message):
-    assert _cli("--model-module", target, "--topology", "v6e-4") == 2
+    assert run_plan("--model-module", target, "--topology", "v6e-4") == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1, err
 
@@ -209,7 +209,7 @@ def test_the_remaps_host_memory_is_in_the_report_and_its_saved_plan(tmp_path, ca
     out.write_text(json.dumps(r))
     again = I.report_from_file(out)  # `plan show` of the saved report: the same figures
     assert again["host_remap_bytes_per_rank"] == r["host_remap_bytes_per_rank"] and again["tables"] == r["tables"]
-    assert _cli("show", str(out)) == 0
+    assert run_plan("show", str(out)) == 0
     assert "managed-collision remaps of 2 table(s), up to 16.34 KiB per rank" in capsys.readouterr().out
 
 
@@ -225,7 +225,7 @@ def test_the_hash_remaps_host_memory_is_in_the_report(capsys):
 
 
 def test_a_hash_remap_whose_buckets_the_ranks_cannot_share_is_one_line(capsys):
-    rc = _cli("--model-module", "tests.sharding.mc_cases:build_hash_zch_2_buckets", "--topology", "v6e-4")
+    rc = run_plan("--model-module", "tests.sharding.mc_cases:build_hash_zch_2_buckets", "--topology", "v6e-4")
     err = capsys.readouterr().err.strip().splitlines()
     assert rc != 0 and len(err) == 1, err
     assert "table t0's remap has 2 buckets, which 4 ranks cannot share evenly" in err[0]

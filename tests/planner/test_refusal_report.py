@@ -7,11 +7,10 @@ import json
 
 import pytest
 
+from tests.helpers.plans import run_plan
 from tpurec.data.catalog import TableSpec
 from tpurec.planner import plan_io, sizing
 from tpurec.planner import report as I
-
-from .test_inspect import _cli
 
 # Ten 40M x 128 fp32 tables with SGD: 19.07 GiB of weights each, twice on a TPU (the update's
 # transient new table) = 381.5 GiB. v5p-8 has 4 x 90.25 GiB free (361 GiB): refused, v5p-16 fits;
@@ -50,7 +49,7 @@ def test_cli_writes_the_refused_report_and_exits_2(tmp_path, capsys):
     tables.write_text(json.dumps([{"name": t.name, "rows": t.num_embeddings, "dim": 128} for t in BIG]))
     out = tmp_path / "r.json"
     args = ("--tables", str(tables), "--topology", "v5p-8", "--optimizer", "sgd", "--host-tier", "off")
-    assert _cli(*args, "--format", "json", "--out", str(out)) == 2
+    assert run_plan(*args, "--format", "json", "--out", str(out)) == 2
     err = capsys.readouterr().err
     assert "plan does not fit on v5p-8" in err and "smallest fitting slice: v5p-16, v6e-16, v7x-4" in err
     report = json.loads(out.read_text())
@@ -59,6 +58,6 @@ def test_cli_writes_the_refused_report_and_exits_2(tmp_path, capsys):
     assert I.report_from_file(out) == report
     with pytest.raises(ValueError, match="does not fit its slice, so it cannot be applied"):
         plan_io.load_plan(out)
-    assert _cli(*args) == 2
+    assert run_plan(*args) == 2
     text = capsys.readouterr().out
     assert "fits: NO" in text and "smallest fitting slice: v5p-16, v6e-16, v7x-4" in text

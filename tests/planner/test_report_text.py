@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from tests.helpers.plans import TABLES, two_table_plan
 from tpurec.data.catalog import TableSpec
 from tpurec.planner import report as I
 from tpurec.planner import report_png
 from tpurec.planner.report_text import rank_ranges
 from tpurec.planner.topology import GiB, format_bytes, parse_slice
-
-from .test_inspect import TABLES, _plan
 
 
 @pytest.mark.parametrize(
@@ -37,7 +36,7 @@ def test_rank_ranges():
 @pytest.fixture
 def report():
     # a: 1000 x 16 table-wise on rank 0; b: 400 x 16 row-wise, 100 rows on each of ranks 0-3
-    return I.build_report(_plan(), TABLES, parse_slice("v6e-4"), batch_size=8, optimizer="sgd")
+    return I.build_report(two_table_plan(), TABLES, parse_slice("v6e-4"), batch_size=8, optimizer="sgd")
 
 
 def test_small_tables_read_in_small_units_and_equal_devices_share_a_row(report):
@@ -69,7 +68,7 @@ def test_slowest_devices_are_named_with_their_tables(report):
 def test_diff_lists_the_inputs_that_changed(report):
     assert "inputs: the same" in I.diff_reports(report, report)
     changed = [TABLES[0], TableSpec("b", "fb", 400, 16, 3.0), TableSpec("c", "fc", 10, 8, 1.0)]
-    plan = _plan()
+    plan = two_table_plan()
     from torchrec.distributed.types import ParameterSharding
 
     plan.plan[""]["c"] = ParameterSharding("table_wise", "customized_kernel", [1], None)

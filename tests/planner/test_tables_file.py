@@ -7,11 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.plans import run_plan
 from tpurec.planner import tables_file
 from tpurec.planner.estimators import shard_cost
 from tpurec.planner.topology import parse_slice
-
-from .test_inspect import _cli
 
 GOOD = '{"name": "x", "num_embeddings": 5000, "embedding_dim": 32}'
 SAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tables.yaml"
@@ -71,7 +70,7 @@ SAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tables.yaml"
 def test_bad_table_entry_is_named(tmp_path, capsys, entry, message):
     path = tmp_path / "t.json"
     path.write_text(f"[{entry}]")
-    assert _cli("--tables", str(path), "--topology", "v6e-4") == 2
+    assert run_plan("--tables", str(path), "--topology", "v6e-4") == 2
     err = capsys.readouterr().err
     assert f"{path}: " in err and message in err, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
@@ -80,22 +79,22 @@ def test_bad_table_entry_is_named(tmp_path, capsys, entry, message):
 def test_truncated_duplicate_and_shared_feature_files(tmp_path, capsys):
     path = tmp_path / "t.json"
     path.write_text(f"[{GOOD}, {GOOD[:20]}")
-    assert _cli("--tables", str(path), "--topology", "v6e-4") == 2
+    assert run_plan("--tables", str(path), "--topology", "v6e-4") == 2
     assert f"{path}: not a valid tables file (JSONDecodeError" in capsys.readouterr().err
     path.write_text(f"[{GOOD}, {GOOD}]")
-    assert _cli("--tables", str(path), "--topology", "v6e-4") == 2
+    assert run_plan("--tables", str(path), "--topology", "v6e-4") == 2
     assert "table #1: name 'x' is used twice" in capsys.readouterr().err
     path.write_text(
         '[{"name": "a", "rows": 9, "dim": 8, "feature": "f"}, {"name": "b", "rows": 9, "dim": 8, "feature": "f"}]'
     )
-    assert _cli("--tables", str(path), "--topology", "v6e-4") == 2
+    assert run_plan("--tables", str(path), "--topology", "v6e-4") == 2
     assert "table #1 ('b'): feature 'f' is already served by table 'a'" in capsys.readouterr().err
     path.write_text(f'{{"tables": [{GOOD}], "optimiser": "adam"}}')
-    assert _cli("--tables", str(path), "--topology", "v6e-4") == 2
+    assert run_plan("--tables", str(path), "--topology", "v6e-4") == 2
     assert "unknown top-level key(s) ['optimiser']" in capsys.readouterr().err
     yaml_path = tmp_path / "t.yaml"
     yaml_path.write_text("tables:\n  - {name: x, rows: [1\n")
-    assert _cli("--tables", str(yaml_path), "--topology", "v6e-4") == 2
+    assert run_plan("--tables", str(yaml_path), "--topology", "v6e-4") == 2
     assert f"{yaml_path}: not a valid tables file" in capsys.readouterr().err
 
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.processes import descendants, wait_for
 from tests.reliability.inproc import TINY_TRAIN, assert_refused, run_cli
-from tests.test_lifecycle import _descendants, _wait_for
 from tpurec.runtime import interrupts, stop_request
 
 REPO = Path(__file__).resolve().parents[2]
@@ -158,9 +158,9 @@ def test_ctrl_c_of_convert_jobs_2_is_one_line_from_the_converter_and_none_from_i
     proc = _start(["data", "convert", *days, "--out", out, "--jobs", 2])
     try:
         # Interrupted once both workers write their parts.
-        assert _wait_for(lambda: len(list(out.glob("*.tmp-*"))) == 2 or proc.poll() is not None, 120)
+        assert wait_for(lambda: len(list(out.glob("*.tmp-*"))) == 2 or proc.poll() is not None, 120)
         assert proc.poll() is None, "the conversion ended before it could be interrupted; use larger inputs"
-        workers = _descendants(proc.pid)
+        workers = descendants(proc.pid)
         os.killpg(proc.pid, signal.SIGINT)  # the terminal's Ctrl-C: the converter and its workers
         _, err = proc.communicate(timeout=60)
     finally:
@@ -169,7 +169,7 @@ def test_ctrl_c_of_convert_jobs_2_is_one_line_from_the_converter_and_none_from_i
     assert proc.returncode == 130, err
     assert err.strip() == f"tpurec data: interrupted; nothing written to {out}"
     assert list(out.iterdir()) == []
-    assert _wait_for(lambda: not any(Path(f"/proc/{w}").exists() for w in workers), 30)
+    assert wait_for(lambda: not any(Path(f"/proc/{w}").exists() for w in workers), 30)
 
 
 @pytest.mark.slow
@@ -183,14 +183,14 @@ def test_ctrl_c_of_train_nproc_2_during_a_save_is_one_line_naming_the_ranks(tmp_
     )
     lines = _read_stderr(proc)
     try:
-        assert _wait_for(lambda: any("checkpoint:" in x for x in lines) or proc.poll() is not None, 300)
+        assert wait_for(lambda: any("checkpoint:" in x for x in lines) or proc.poll() is not None, 300)
         time.sleep(0.3)  # into the next steps and saves
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-            for pid in _descendants(proc.pid):
+            for pid in descendants(proc.pid):
                 os.kill(pid, signal.SIGKILL)
     time.sleep(0.5)
     err = "".join(lines)

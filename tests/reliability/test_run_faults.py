@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.dlrm.helpers import REPO, train
-from tests.test_lifecycle import _descendants, _start
+from tests.helpers.processes import descendants, start_cli
 
 SMALL = ["--synth-rows", 30000, "--eval-every", 0, "--curves-out", "none"]
 
@@ -31,7 +31,7 @@ def cache(tmp_path_factory):
 
 def _rank_pid(launcher: int, rank: int) -> int | None:
     """The pid of `rank` among the launcher's descendants (torch.distributed.run sets RANK)."""
-    for pid in _descendants(launcher):
+    for pid in descendants(launcher):
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
@@ -43,7 +43,7 @@ def _rank_pid(launcher: int, rank: int) -> int | None:
 
 def _start_two_ranks(cache):
     cmd = ["train", "--quiet", "--nproc", 2, *SMALL, "--steps", 100000, "--heartbeat-timeout", 5]
-    return _start(cmd, env={"TPUREC_CACHE": str(cache)})
+    return start_cli(cmd, env={"TPUREC_CACHE": str(cache)})
 
 
 def _fault_rank_one(cache, sig) -> tuple[int, str, float]:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torchrec.datasets.utils import Batch
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -42,24 +44,24 @@ def eager_step(model, optimizer, batch) -> float:
     return float(loss.detach())
 
 
-def train_dlrm(rank, world_size, steps):
-    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+def table_configs(n: int, pooling: str = "SUM", rows: int = ROWS) -> list[EmbeddingBagConfig]:
+    """Tables t0.. of `rows` x DIM, table ti read by feature fi, pooled by `pooling` (a PoolingType name)."""
+    return [
+        EmbeddingBagConfig(
+            name=f"t{i}", embedding_dim=DIM, num_embeddings=rows, feature_names=[f"f{i}"], pooling=PoolingType[pooling]
+        )
+        for i in range(n)
+    ]
+
+
+def dlrm_train(pooling: str = "SUM", table_lr: float = 0.1) -> Any:
+    """TorchRec's DLRMTrain over FEATURES tables of ROWS x DIM (on the meta device: DMP places them),
+    pooled by `pooling`, its tables under a fused RowWiseAdagrad at `table_lr`."""
     from torchrec.models.dlrm import DLRM, DLRMTrain
     from torchrec.optim import RowWiseAdagrad
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
-    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
-    from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-    import tpurec
-
-    torch.manual_seed(0)
-    ebc = EmbeddingBagCollection(
-        [
-            EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"f{i}"])
-            for i in range(FEATURES)
-        ],
-        device=torch.device("meta"),
-    )
+    ebc = EmbeddingBagCollection(table_configs(FEATURES, pooling), device=torch.device("meta"))
     model = DLRMTrain(
         DLRM(
             embedding_bag_collection=ebc,
@@ -68,7 +70,19 @@ def train_dlrm(rank, world_size, steps):
             over_arch_layer_sizes=[16, 1],
         )
     )
-    apply_optimizer_in_backward(RowWiseAdagrad, model.model.sparse_arch.parameters(), {"lr": 0.1})
+    apply_optimizer_in_backward(RowWiseAdagrad, model.model.sparse_arch.parameters(), {"lr": table_lr})
+    return model
+
+
+def train_dlrm(rank, world_size, steps):
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    import tpurec
+
+    torch.manual_seed(0)
+    model = dlrm_train()
     dmp = tpurec.DistributedModelParallel(model, device="cpu", batch_size=32)
     dense_opt = KeyedOptimizerWrapper(
         dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda params: torch.optim.Adagrad(params, lr=0.1)

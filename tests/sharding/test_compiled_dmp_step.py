@@ -16,12 +16,13 @@ from typing import Any
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
-from .dlrm_case import DENSE, DIM, FEATURES, ROWS, batches, eager_step
+from tests.helpers.dlrm_step import BATCH, DENSE_LR, MIXED, dlrm_dmp, table_shards, trainer_optimizer
+
+from .dlrm_case import FEATURES, batches, eager_step
 from .multiprocess import run_ranks
 
-STEPS, BATCH, DENSE_LR, TABLE_LR = 20, 32, 0.05, 0.1
+STEPS = 20
 
 
 @pytest.fixture(autouse=True)
@@ -29,51 +30,6 @@ def _fresh_dynamo():
     torch._dynamo.reset()  # every test compiles its own graph
     yield
     torch._dynamo.reset()
-
-
-def _dmp(world_size: int, sharding_types: dict[str, str] | None, pooling: str = "SUM", constraints: Any = None) -> Any:
-    """TorchRec's DLRMTrain over FEATURES tables of ROWS x DIM, sharded by tpurec's DMP; fixed id
-    limits (64 per partition) give every batch the same SparseCore shapes: one graph for all.
-    constraints: ParameterConstraints by table, in place of those `sharding_types` makes."""
-    from torchrec.distributed.planner.types import ParameterConstraints
-    from torchrec.models.dlrm import DLRM, DLRMTrain
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
-    from torchrec.optim import RowWiseAdagrad
-    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
-
-    import tpurec
-    from tpurec.sharding.sharder import SparseCoreEBCSharder
-
-    torch.manual_seed(0)
-    tables = [
-        EmbeddingBagConfig(
-            name=f"t{i}",
-            embedding_dim=DIM,
-            num_embeddings=ROWS,
-            feature_names=[f"f{i}"],
-            pooling=PoolingType[pooling],
-        )
-        for i in range(FEATURES)
-    ]
-    ebc = EmbeddingBagCollection(tables, device=torch.device("meta"))
-    model = DLRMTrain(
-        DLRM(
-            embedding_bag_collection=ebc,
-            dense_in_features=DENSE,
-            dense_arch_layer_sizes=[16, DIM],
-            over_arch_layer_sizes=[16, 1],
-        )
-    )
-    apply_optimizer_in_backward(RowWiseAdagrad, model.model.sparse_arch.parameters(), {"lr": TABLE_LR})
-    if constraints is None and sharding_types:
-        constraints = {t: ParameterConstraints(sharding_types=[st]) for t, st in sharding_types.items()}
-    return tpurec.DistributedModelParallel(
-        model,
-        device="cpu",
-        batch_size=BATCH,
-        constraints=constraints,
-        sharders=[SparseCoreEBCSharder(max_ids_per_partition=64)],
-    )
 
 
 def _dlrm_tiny(world_size: int, sharding_types: dict[str, str] | None, pooling: str = "SUM") -> Any:
@@ -114,15 +70,6 @@ def _dlrm_tiny_batches(n: int, batch: int, rank: int, world_size: int) -> list:
     return out
 
 
-def _tables(dmp: Any) -> dict[str, torch.Tensor]:
-    """This rank's table shards, by state-dict key (local shards of the ShardedTensors)."""
-    out = {}
-    for key, value in dmp.state_dict().items():
-        if "embedding_bags" in key and value.local_shards():  # TW at 2 ranks: some tables live elsewhere
-            out[key] = torch.cat([s.tensor.flatten() for s in value.local_shards()]).clone()
-    return out
-
-
 class _Recorder(CompileCounterWithBackend):
     """Counts the compiled frames and keeps each graph's code."""
 
@@ -152,10 +99,10 @@ def train_pair(
 
     from tpurec.sharding.step.compiled import CompiledStep
 
-    build, data = (_dmp, batches) if model == "dlrm_case" else (_dlrm_tiny, _dlrm_tiny_batches)
+    build, data = (dlrm_dmp, batches) if model == "dlrm_case" else (_dlrm_tiny, _dlrm_tiny_batches)
     eager, twin = build(world_size, sharding_types, pooling), build(world_size, sharding_types, pooling)
-    initial = _tables(eager)
-    same_start = all(torch.equal(initial[k], v) for k, v in _tables(twin).items())
+    initial = table_shards(eager)
+    same_start = all(torch.equal(initial[k], v) for k, v in table_shards(twin).items())
     dense = [p for _, p in in_backward_optimizer_filter(eager.named_parameters())]
     sgd = torch.optim.SGD(dense, lr=DENSE_LR)
     counter = _Recorder(backend)
@@ -164,7 +111,7 @@ def train_pair(
     for batch in data(STEPS, BATCH, rank, world_size):
         eager_losses.append(eager_step(eager, sgd, batch))
         compiled_losses.append(float(step.step(batch)))
-    after, twin_after = _tables(eager), _tables(twin)
+    after, twin_after = table_shards(eager), table_shards(twin)
     twin_dense = [p for _, p in in_backward_optimizer_filter(twin.named_parameters())]
     return {
         "same_start": same_start,
@@ -193,7 +140,7 @@ def _assert_same_training(result: dict, tol: float = 0.0) -> None:
 def test_compiled_dmp_step_is_one_graph_without_breaks():
     from tpurec.sharding.step.compiled import CompiledStep
 
-    step = CompiledStep(_dmp(1, None), DENSE_LR)
+    step = CompiledStep(dlrm_dmp(1, None), DENSE_LR)
     explained = step.explain(batches(1, BATCH, 0, 1)[0])
     assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
     code = explained.graphs[0].code
@@ -205,9 +152,6 @@ def test_compiled_dmp_step_equals_eager_one_rank():
     result = train_pair(0, 1)
     assert result["plan"] == ["table_wise"]
     _assert_same_training(result)
-
-
-MIXED = {"t0": "table_wise", "t1": "row_wise", "t2": "column_wise", "t3": "table_row_wise"}
 
 
 OUTPUT_DIST = {
@@ -234,7 +178,7 @@ def test_compiled_step_refuses_what_it_cannot_split():
     with pytest.raises(UserError, match="a sharded EmbeddingBagCollection.*has none"):
         CompiledStep(SimpleNamespace(module=torch.nn.Linear(2, 2)), DENSE_LR)
     # a batch per feature (VBE): refused before any collective, in one line
-    step = CompiledStep(_dmp(1, None), DENSE_LR)
+    step = CompiledStep(dlrm_dmp(1, None), DENSE_LR)
     vbe = KeyedJaggedTensor(
         keys=[f"f{i}" for i in range(FEATURES)],
         values=torch.arange(2 * FEATURES),
@@ -286,23 +230,6 @@ def test_compiled_dmp_step_equals_eager_two_ranks(sharding_type):
         assert result["all_reduces"] == 1, rank  # the 8 dense gradients in one bucket
 
 
-def _trainer_optimizer(dmp: Any, kind: str) -> Any:
-    """The trainer's optimizer (tpurec.dlrm.model.build_optimizer's shape: the fused table optimizer
-    and the dense torch.optim one in a CombinedOptimizer) and its LRSchedule: 5 steps of warm-up,
-    then a quadratic decay from step 8 over 15 steps (every step of the 20 has another lr)."""
-    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
-    from torchrec.optim.optimizers import in_backward_optimizer_filter
-
-    from tpurec.dlrm.model import LRSchedule, _optimizer
-
-    cls, kwargs = _optimizer(kind, DENSE_LR, 1e-8)
-    dense = KeyedOptimizerWrapper(
-        dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda ps: cls(ps, **kwargs)
-    )
-    optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
-    return optimizer, LRSchedule(optimizer, warmup_steps=5, decay_start=8, decay_steps=15)
-
-
 @pytest.mark.parametrize("kind", ["adagrad", "adam", "sgd"])
 def test_compiled_step_trains_with_the_trainers_optimizer_and_lr_schedule(kind):
     """The trainer's dense optimizer (adagrad: the built-in configs' default) and its lr schedule in
@@ -310,12 +237,12 @@ def test_compiled_step_trains_with_the_trainers_optimizer_and_lr_schedule(kind):
     the fused table update reading the scheduled lr), one graph: the changing lrs compile nothing new."""
     from tpurec.sharding.step.compiled import CompiledStep
 
-    eager, twin = _dmp(1, None), _dmp(1, None)
-    eager_opt, eager_schedule = _trainer_optimizer(eager, kind)
-    twin_opt, twin_schedule = _trainer_optimizer(twin, kind)
+    eager, twin = dlrm_dmp(1, None), dlrm_dmp(1, None)
+    eager_opt, eager_schedule = trainer_optimizer(eager, kind)
+    twin_opt, twin_schedule = trainer_optimizer(twin, kind)
     counter = CompileCounterWithBackend("aot_eager")
     step = CompiledStep(twin, twin_opt, backend=counter)
-    initial = _tables(eager)
+    initial = table_shards(eager)
     eager_losses, compiled_losses = [], []
     for i, batch in enumerate(batches(STEPS, BATCH, 0, 1)):
         eager_schedule.set_step(i)
@@ -324,7 +251,7 @@ def test_compiled_step_trains_with_the_trainers_optimizer_and_lr_schedule(kind):
         compiled_losses.append(float(step.step(batch)))
     assert counter.frame_count == 1
     assert compiled_losses == eager_losses
-    after, twin_after = _tables(eager), _tables(twin)
+    after, twin_after = table_shards(eager), table_shards(twin)
     assert all(torch.equal(after[k], twin_after[k]) for k in after)
     assert min(float((after[k] - initial[k]).abs().max()) for k in after) > 1e-3
     # the dense state is the optimizer's own, as the eager step left its twin's (what a checkpoint saves)
@@ -349,7 +276,7 @@ def test_a_batch_over_the_fixed_limits_steps_eagerly_and_the_graph_stays_one():
 
     from tpurec.sharding.step.compiled import CompiledStep
 
-    eager, twin = _dmp(1, None), _dmp(1, None)
+    eager, twin = dlrm_dmp(1, None), dlrm_dmp(1, None)
     data = batches(4, BATCH, 0, 1, seed=2)
     # batch 1: 20 ids per bag of f0, rows 0, 4, .., 76 (one partition of four, MOD sharding): each
     # SparseCore's 8 samples put 160 ids there, over the limit of 64
@@ -367,5 +294,5 @@ def test_a_batch_over_the_fixed_limits_steps_eagerly_and_the_graph_stays_one():
         assert step.eager_steps == (0 if i == 0 else 1)
     assert counter.frame_count == 1  # compiled for batch 0, reused by batches 2 and 3
     assert sum(k.multipass_batches for k in kernels) >= 1
-    after, twin_after = _tables(eager), _tables(twin)
+    after, twin_after = table_shards(eager), table_shards(twin)
     assert all(torch.equal(after[k], twin_after[k]) for k in after)

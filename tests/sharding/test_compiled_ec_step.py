@@ -12,19 +12,23 @@ the segment sum's matmul runs over more rows, which may change its float32 summa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
-from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
-from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
-STEPS, BATCH, DIM, ROWS, DENSE = 12, 8, 8, 40, 3
-DENSE_LR, TABLE_LR = 0.1, 0.1
-CAPACITY = 32  # max_ids_per_feature: a batch's sequences hold at most BATCH x 3 = 24 ids per feature
+from tests.helpers.sequence_model import (
+    BATCH,
+    CAPACITY,
+    ROWS,
+    SeqBatch,
+    SeqModel,
+    sequence_batches,
+    sequence_dmp,
+)
+
+STEPS, DENSE_LR = 12, 0.1
 
 
 @pytest.fixture(autouse=True)
@@ -32,121 +36,6 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
-
-
-@dataclass
-class SeqBatch:
-    dense_features: torch.Tensor
-    sparse_features: KeyedJaggedTensor  # f0, f1: one id per sample (the EBC's)
-    seq_features: KeyedJaggedTensor  # s0, s1: 0-3 ids per sample (the EC's)
-    labels: torch.Tensor
-
-
-def sequence_sum(jt: JaggedTensor) -> torch.Tensor:
-    """[batch, dim]: each sample's embeddings summed, as a [batch, rows] 0/1 mask from the offsets times
-    `values()` (fixed shapes: rows is the values' padded length in the compiled step), built where the
-    offsets are: beside the values, on the device (as a model written for TorchRec on a GPU builds it)."""
-    values, offsets = jt.values(), jt.offsets()
-    row = torch.arange(values.shape[0], device=offsets.device)
-    mask = (row >= offsets[:-1, None]) & (row < offsets[1:, None])
-    return mask.to(values.dtype) @ values
-
-
-class SeqModel(nn.Module):
-    """An EC of tables e0, e1 (features s0, s1) and, with `ebc`, an EBC of t0, t1 (f0, f1); a linear
-    layer over the summed sequences, the pooled embeddings and the dense features; (loss, logits)."""
-
-    def __init__(self, ebc: bool, pool: str = "mask") -> None:
-        from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
-
-        super().__init__()
-        self.ec = EmbeddingCollection(
-            [
-                EmbeddingConfig(name=f"e{i}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"s{i}"])
-                for i in range(2)
-            ],
-            device=torch.device("meta"),
-        )
-        self.ebc = (
-            EmbeddingBagCollection(
-                [
-                    EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"f{i}"])
-                    for i in range(2)
-                ],
-                device=torch.device("meta"),
-            )
-            if ebc
-            else None
-        )
-        self.over = nn.Linear((4 if ebc else 2) * DIM + DENSE, 1)
-        self.pool = pool
-
-    def pooled(self, jt: JaggedTensor, batch: int) -> torch.Tensor:
-        if self.pool == "mask":
-            return sequence_sum(jt)
-        # "total": every id's embedding summed, the same for each sample (padding rows add zeros): reads
-        # neither lengths nor offsets
-        return jt.values().sum(0, keepdim=True).expand(batch, -1)
-
-    def forward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        seqs = self.ec(batch.seq_features)
-        n = batch.labels.shape[0]
-        x = [self.pooled(seqs["s0"], n), self.pooled(seqs["s1"], n), batch.dense_features]
-        if self.ebc is not None:
-            x.append(self.ebc(batch.sparse_features).values())
-        logits = self.over(torch.cat(x, dim=1)).squeeze(1)
-        return nn.functional.binary_cross_entropy_with_logits(logits, batch.labels), logits
-
-
-def batches(n: int, longest: int = 3, seed: int = 0) -> list[SeqBatch]:
-    """Sequences of 0..longest ids (empty ones too, repeated ids), a label that depends on the ids."""
-    gen = torch.Generator().manual_seed(seed)
-    score = torch.randn(ROWS, generator=torch.Generator().manual_seed(7))
-    out = []
-    for _ in range(n):
-        lengths = torch.randint(0, longest + 1, (2 * BATCH,), generator=gen)
-        ids = torch.randint(0, ROWS, (int(lengths.sum()),), generator=gen)
-        seq = KeyedJaggedTensor(keys=["s0", "s1"], values=ids, lengths=lengths)
-        per_sample = torch.zeros(BATCH).index_add_(
-            0, torch.repeat_interleave(torch.arange(2 * BATCH) % BATCH, lengths), score[ids]
-        )
-        sparse = KeyedJaggedTensor(
-            keys=["f0", "f1"],
-            values=torch.randint(0, ROWS, (2 * BATCH,), generator=gen),
-            lengths=torch.ones(2 * BATCH, dtype=torch.long),
-        )
-        dense = torch.randn(BATCH, DENSE, generator=gen)
-        out.append(SeqBatch(dense, sparse, seq, (per_sample > 0).float()))
-    return out
-
-
-def _dmp(
-    ebc: bool, fixed: bool = True, types: dict[str, str] | None = None, device: str = "cpu", pool: str = "mask"
-) -> Any:
-    from torchrec.distributed.planner.types import ParameterConstraints
-    from torchrec.optim import RowWiseAdagrad
-    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
-
-    import tpurec
-    from tpurec.sharding.ec_sharder import SparseCoreECSharder
-    from tpurec.sharding.sharder import SparseCoreEBCSharder
-
-    torch.manual_seed(0)
-    model = SeqModel(ebc, pool)
-    tables = [p for m in (model.ec, model.ebc) if m is not None for p in m.parameters()]
-    apply_optimizer_in_backward(RowWiseAdagrad, tables, {"lr": TABLE_LR})
-    sharders: list[Any] = [
-        SparseCoreECSharder(fixed_limits=True, max_ids_per_feature=CAPACITY, max_ids_per_partition=64)
-    ]
-    if ebc:
-        sharders.append(SparseCoreEBCSharder(max_ids_per_partition=64))
-    constraints = {t: ParameterConstraints(sharding_types=[st]) for t, st in (types or {}).items()} or None
-    dmp = tpurec.DistributedModelParallel(
-        model, device=device, batch_size=BATCH, sharders=sharders, constraints=constraints
-    )
-    if not fixed:  # the same kernels, TorchRec's own sequence output dist (values unpadded)
-        dmp.module.ec._fixed_output = None
-    return dmp
 
 
 def _tables(dmp: Any) -> dict[str, torch.Tensor]:
@@ -174,9 +63,9 @@ def _eager(dmp: Any, data: list[SeqBatch]) -> list[float]:
 def test_compiled_step_of_an_ec_model_is_one_graph_and_equals_the_eager_step(ebc):
     from tpurec.sharding.step.compiled import CompiledStep
 
-    data = batches(STEPS)
+    data = sequence_batches(STEPS)
     assert len({int(b.seq_features.values().numel()) for b in data}) > 3  # id counts differ batch to batch
-    eager, torchrec_path, twin = _dmp(ebc), _dmp(ebc, fixed=False), _dmp(ebc)
+    eager, torchrec_path, twin = sequence_dmp(ebc), sequence_dmp(ebc, fixed=False), sequence_dmp(ebc)
     initial = _tables(twin)
     eager_losses, torchrec_losses = _eager(eager, data), _eager(torchrec_path, data)
     counter = CompileCounterWithBackend("aot_eager")
@@ -204,8 +93,8 @@ def test_compiled_ec_step_with_inductor_is_one_graph_within_1e6():
     """Inductor reorders float32 sums: one frame, and losses, tables and dense weights within 1e-6."""
     from tpurec.sharding.step.compiled import CompiledStep
 
-    data = batches(STEPS)
-    eager, twin = _dmp(True), _dmp(True)
+    data = sequence_batches(STEPS)
+    eager, twin = sequence_dmp(True), sequence_dmp(True)
     eager_losses = _eager(eager, data)
     counter = CompileCounterWithBackend("inductor")
     step = CompiledStep(twin, DENSE_LR, backend=counter)
@@ -220,8 +109,8 @@ def test_compiled_ec_step_with_inductor_is_one_graph_within_1e6():
 def test_explain_shows_one_graph_without_breaks():
     from tpurec.sharding.step.compiled import CompiledStep
 
-    step = CompiledStep(_dmp(True), DENSE_LR)
-    out = step.explain(batches(1)[0])
+    step = CompiledStep(sequence_dmp(True), DENSE_LR)
+    out = step.explain(sequence_batches(1)[0])
     assert out.graph_count == 1 and out.graph_break_count == 0, out.break_reasons
     code = "".join(g.code for g in out.graphs)
     # one lookup per stack: the EC's two tables in one stack, the EBC's in another
@@ -237,12 +126,12 @@ def test_a_batch_over_the_capacity_steps_eagerly_and_the_next_ones_stay_in_the_g
     from tpurec.sharding.step.pipelined import PipelinedStep
 
     def data() -> list[SeqBatch]:
-        out = batches(8)
-        out[4] = batches(1, longest=12, seed=3)[0]  # 33 and 45 ids in its features: over 32
+        out = sequence_batches(8)
+        out[4] = sequence_batches(1, longest=12, seed=3)[0]  # 33 and 45 ids in its features: over 32
         return disjoint(out)
 
     assert max(data()[4].seq_features.length_per_key()) > CAPACITY
-    eager, twin = _dmp(False), _dmp(False)
+    eager, twin = sequence_dmp(False), sequence_dmp(False)
     eager_losses = _eager(eager, data())
     counter = CompileCounterWithBackend("aot_eager")
     if kind == "compiled":
@@ -276,12 +165,12 @@ def test_pipelined_step_of_an_ec_model_equals_the_eager_step_on_disjoint_batches
     bit-equal to the eager step's; one compiled frame for the steady steps."""
     from tpurec.sharding.step.pipelined import PipelinedStep
 
-    eager, twin = _dmp(ebc), _dmp(ebc)
+    eager, twin = sequence_dmp(ebc), sequence_dmp(ebc)
     initial = _tables(twin)
-    eager_losses = _eager(eager, disjoint(batches(STEPS)))
+    eager_losses = _eager(eager, disjoint(sequence_batches(STEPS)))
     counter = CompileCounterWithBackend("aot_eager")
     pipe = PipelinedStep(twin, DENSE_LR, backend=counter)
-    losses = [float(x) for x in pipe.iterate(disjoint(batches(STEPS)))]
+    losses = [float(x) for x in pipe.iterate(disjoint(sequence_batches(STEPS)))]
     assert counter.frame_count == 1 and pipe.eager_steps == 0 and pipe.updated_batches == STEPS
     assert losses == eager_losses
     got, want = _tables(twin), _tables(eager)
@@ -297,9 +186,9 @@ def _train_rank(rank: int, world_size: int, types: dict[str, str], kind: str) ->
     from tpurec.sharding.step.pipelined import PipelinedStep
 
     def data() -> list[SeqBatch]:
-        return disjoint(batches(STEPS, seed=rank))
+        return disjoint(sequence_batches(STEPS, seed=rank))
 
-    eager, twin = _dmp(True, types=types), _dmp(True, types=types)
+    eager, twin = sequence_dmp(True, types=types), sequence_dmp(True, types=types)
     eager_losses = _eager(eager, data())
     counter = CompileCounterWithBackend("aot_eager")
     if kind == "compiled":

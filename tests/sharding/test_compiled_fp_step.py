@@ -16,11 +16,12 @@ import torch
 from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 from torchrec.datasets.utils import Batch
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from .dlrm_case import DENSE, DIM, eager_step
-from .test_compiled_dmp_step import _tables
+from tests.helpers.dlrm_step import table_shards
+
+from .dlrm_case import DENSE, DIM, eager_step, table_configs
 
 STEPS, BATCH, DENSE_LR, TABLE_LR = 12, 16, 0.05, 0.1
 ROWS, MAX_LENGTH = 24, 4  # few rows: a bag often holds an id twice (one merged SparseCore entry)
@@ -45,17 +46,9 @@ class FPModel(nn.Module):
         from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
 
         super().__init__()
-        tables = [
-            EmbeddingBagConfig(
-                name=f"t{i}",
-                embedding_dim=DIM,
-                num_embeddings=ROWS,
-                feature_names=[f"f{i}"],
-                pooling=PoolingType[pooling],
-            )
-            for i in range(2)
-        ]
-        ebc = EmbeddingBagCollection(tables, is_weighted=True, device=torch.device("meta"))
+        ebc = EmbeddingBagCollection(
+            table_configs(2, pooling, rows=ROWS), is_weighted=True, device=torch.device("meta")
+        )
         self.fp = FeatureProcessedEmbeddingBagCollection(
             ebc, {f"f{i}": PositionWeightedModule(MAX_LENGTH) for i in range(2)}
         )
@@ -132,14 +125,14 @@ def _train(rank: int = 0, world_size: int = 1, plain: bool = False, pooling: str
     from tpurec.sharding.step.compiled import CompiledStep
 
     eager, twin = _dmp(plain, pooling, types), _dmp(plain, pooling, types)
-    initial, initial_pw = _tables(eager), _position_weights(eager)
+    initial, initial_pw = table_shards(eager), _position_weights(eager)
     dense = [p for _, p in in_backward_optimizer_filter(eager.named_parameters())]
     sgd = torch.optim.SGD(dense, lr=DENSE_LR)
     eager_losses = [eager_step(eager, sgd, b) for b in _batches(plain, rank, world_size)]
     counter = CompileCounterWithBackend("aot_eager")
     step = CompiledStep(twin, DENSE_LR, backend=counter)
     losses = [float(step.step(b)) for b in _batches(plain, rank, world_size)]
-    after, twin_after = _tables(eager), _tables(twin)
+    after, twin_after = table_shards(eager), table_shards(twin)
     pw, twin_pw = _position_weights(eager), _position_weights(twin)
     twin_dense = [p for _, p in in_backward_optimizer_filter(twin.named_parameters())]
     return {

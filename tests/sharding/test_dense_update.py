@@ -282,13 +282,13 @@ def test_compiled_dmp_step_with_the_options_equals_the_eager_step(kind):
     """The options in `CompiledStep` (its dense inputs taken before the backward, the momentum
     buffers made then): 8 steps of a DLRM under tpurec's DMP bit-equal to TorchRec's eager step with
     torch.optim's, one graph under a changing lr, the dense state the same."""
+    from tests.helpers.dlrm_step import BATCH, dlrm_dmp
     from tpurec.sharding.step.compiled import CompiledStep
 
     from .dlrm_case import batches, eager_step
-    from .test_compiled_dmp_step import BATCH, _dmp
 
     lr = OPTIMIZERS[kind][1]["lr"]
-    eager, twin = _dmp(1, None), _dmp(1, None)
+    eager, twin = dlrm_dmp(1, None), dlrm_dmp(1, None)
     eager_opt, twin_opt = _dmp_optimizer(eager, kind), _dmp_optimizer(twin, kind)
     counter = CompileCounterWithBackend("aot_eager")
     step = CompiledStep(twin, twin_opt, backend=counter)
@@ -305,13 +305,12 @@ def test_compiled_dmp_step_with_the_options_equals_the_eager_step(kind):
 def test_pipelined_step_with_the_options_equals_the_eager_step(kind):
     """The same in the compiled `PipelinedStep` on batches touching disjoint rows (where it is
     exact): 10 batches, the losses, parameters and dense state as TorchRec's eager step's."""
+    from tests.helpers.dlrm_step import BATCH, disjoint_batches, dlrm_dmp
     from tpurec.sharding.step.pipelined import PipelinedStep
 
     from .dlrm_case import eager_step
-    from .test_compiled_dmp_step import BATCH, _dmp
-    from .test_pipelined_step import disjoint_batches
 
-    eager, twin = _dmp(1, None), _dmp(1, None)
+    eager, twin = dlrm_dmp(1, None), dlrm_dmp(1, None)
     eager_opt, twin_opt = _dmp_optimizer(eager, kind), _dmp_optimizer(twin, kind)
     data = disjoint_batches(10, BATCH, 0, 1)
     eager_losses = [eager_step(eager, eager_opt, batch) for batch in data]

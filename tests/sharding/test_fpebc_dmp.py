@@ -10,24 +10,20 @@ from typing import cast
 
 import pytest
 import torch
-from torch import nn
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec import KeyedJaggedTensor
 from torchrec.distributed.model_parallel import DistributedModelParallel as StockDMP
 from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, row_wise, table_wise
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
-from torchrec.modules.feature_processor_ import PositionWeightedModule
-from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 import tpurec
+from tests.helpers.fp_model import MAX_LENGTH, TABLES, FPModel
 from tests.sharding.multiprocess import run_ranks
 from tpurec.planner.kernel_choice import COMPUTE_KERNEL
 from tpurec.sharding.dmp import _ensure_process_group
 from tpurec.sharding.fp_sharder import SparseCoreFPEBCSharder
 
-TABLES = [("t0", 40, 8, "f0"), ("t1", 30, 16, "f1")]
-MAX_LENGTH = 4  # ids per sample at most: the position weights' length
 BATCH, STEPS = 6, 3
 OPTIMIZERS = {"row_wise_adagrad": RowWiseAdagrad, "sgd": torch.optim.SGD}
 # tpurec's layouts: None is its own planner's choice; stock TorchRec always runs table-wise on FBGEMM
@@ -37,26 +33,6 @@ PLANS = {
     "column_wise": lambda i, ws: column_wise(ranks=[(i + k) % ws for k in range(2)], compute_kernel=COMPUTE_KERNEL),
     "row_wise": lambda i, ws: row_wise(compute_kernel=COMPUTE_KERNEL),
 }
-
-
-class _Model(nn.Module):
-    """The FP-EBC inside a model whose output is a tensor, as a ranking model's is: DMP's DDP then
-    all-reduces the position weights' gradients. (With the FP-EBC itself as the model, its KeyedTensor
-    output gives DDP's static graph no tensor to hook, and in stock TorchRec as in tpurec each rank
-    keeps its own gradient: under row-wise sharding a part of it.)"""
-
-    def __init__(self) -> None:
-        super().__init__()
-        tables = [
-            EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=[f]) for n, r, d, f in TABLES
-        ]
-        ebc = EmbeddingBagCollection(tables=tables, is_weighted=True)
-        self.fp = FeatureProcessedEmbeddingBagCollection(
-            ebc, {f: PositionWeightedModule(MAX_LENGTH) for *_, f in TABLES}
-        )
-
-    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        return self.fp(features).values()
 
 
 def _batches(rank: int) -> list[tuple[KeyedJaggedTensor, torch.Tensor]]:
@@ -76,7 +52,7 @@ def _batches(rank: int) -> list[tuple[KeyedJaggedTensor, torch.Tensor]]:
     return out
 
 
-def _plan(model: _Model, sharding: str | None, world_size: int) -> ShardingPlan | None:
+def _plan(model: FPModel, sharding: str | None, world_size: int) -> ShardingPlan | None:
     if sharding is None:
         return None  # tpurec's planner
     stock = sharding == "stock"
@@ -122,7 +98,7 @@ def _full_tables(model) -> dict[str, torch.Tensor]:
 
 def _train(dmp_class, optimizer: str, sharding: str | None, rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
-    module = _Model()
+    module = FPModel()
     apply_optimizer_in_backward(OPTIMIZERS[optimizer], module.fp._embedding_bag_collection.parameters(), {"lr": 0.05})
     model = dmp_class(module, device=torch.device("cpu"), plan=_plan(module, sharding, world_size))
     _start(model)
@@ -205,7 +181,7 @@ def test_sharding_types_stock_offers_and_sparsecore_does_not_are_refused_by_name
     from torchrec.distributed.sharding_plan import data_parallel, grid_shard
 
     _ensure_process_group("cpu")
-    model = _Model()
+    model = FPModel()
     gen = {"data_parallel": data_parallel, "grid_shard": lambda: grid_shard(host_indexes=[0])}[sharding]
     module_plan = construct_module_sharding_plan(
         model.fp,
@@ -227,7 +203,7 @@ def test_tpurec_plan_plans_the_fpebc_as_the_module_dmp_shards():
     from tpurec.planner import report as plan_report
     from tpurec.planner.topology import make_topology
 
-    model = _Model()
+    model = FPModel()
     plan = P.plan(model, make_topology("v5p-8"), batch_size=64)
     assert set(plan.plan) == {"fp"}
     assert {ps.compute_kernel for ps in plan.plan["fp"].values()} == {COMPUTE_KERNEL}

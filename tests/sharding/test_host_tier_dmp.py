@@ -152,10 +152,10 @@ def test_the_compiled_step_maps_ids_in_its_host_half():
     table t0 on the host tier (half its 200 rows cached): its host half maps each batch's ids to the
     cache before the compiled lookup; with one id per bag (no summation order to differ) the losses
     equal the resident model's bit for bit."""
+    from tests.helpers.dlrm_step import BATCH, DENSE_LR, dlrm_dmp
     from tpurec.sharding.step.compiled import CompiledStep
 
     from .dlrm_case import batches
-    from .test_compiled_dmp_step import BATCH, DENSE_LR, _dmp
 
     _ensure_process_group()
     half = CacheParams(load_factor=0.5)
@@ -163,7 +163,7 @@ def test_the_compiled_step_maps_ids_in_its_host_half():
     losses, kernels = [], []
     for constraints in (None, on_host):
         torch._dynamo.reset()
-        model = _dmp(1, None, constraints=constraints)
+        model = dlrm_dmp(1, None, constraints=constraints)
         step = CompiledStep(model, DENSE_LR, backend="aot_eager")
         losses.append(torch.stack([step.step(b) for b in batches(20, BATCH, 0, 1)]))
         kernels = [m.kernel for m in model.module.model.sparse_arch.embedding_bag_collection.sparsecore_lookups()]

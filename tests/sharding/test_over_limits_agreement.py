@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import torch
 
+from tests.helpers.dlrm_step import DENSE_LR, OVER_STEPS, dlrm_dmp, over_stream, table_shards
+
 from .dlrm_case import FEATURES, eager_step
 from .multiprocess import run_ranks
-from .test_compiled_dmp_step import DENSE_LR, _dmp, _tables
-from .test_pipelined_step import OVER_STEPS, over_stream
 
 
 def compiled_over(rank: int, world_size: int, types: dict[str, str]) -> dict[str, Any]:
@@ -31,7 +31,7 @@ def compiled_over(rank: int, world_size: int, types: dict[str, str]) -> dict[str
     from tpurec.sharding.step.inputs import over_limits, parts
 
     torch._dynamo.reset()
-    eager, twin = _dmp(world_size, types), _dmp(world_size, types)
+    eager, twin = dlrm_dmp(world_size, types), dlrm_dmp(world_size, types)
     sgd = torch.optim.SGD([p for _, p in in_backward_optimizer_filter(eager.named_parameters())], lr=DENSE_LR)
     eager_losses = [eager_step(eager, sgd, b) for b in over_stream(OVER_STEPS, rank, world_size)]
     counter = CompileCounterWithBackend("aot_eager")
@@ -41,7 +41,7 @@ def compiled_over(rank: int, world_size: int, types: dict[str, str]) -> dict[str
         if any(over_limits(p) for p in parts(step.preprocess(batch))):  # this rank's own shards
             over_here.append(t)
         losses.append(float(step.step(batch)))
-    after, twin_after = _tables(eager), _tables(twin)
+    after, twin_after = table_shards(eager), table_shards(twin)
     return {
         "over_here": over_here,
         "eager": eager_losses,

@@ -18,9 +18,19 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from .dlrm_case import FEATURES, ROWS, batches, eager_step
+from tests.helpers.dlrm_step import (
+    BATCH,
+    DENSE_LR,
+    MIXED,
+    OVER_STEPS,
+    disjoint_batches,
+    dlrm_dmp,
+    over_stream,
+    table_shards,
+)
+
+from .dlrm_case import FEATURES, batches, eager_step
 from .multiprocess import run_ranks
-from .test_compiled_dmp_step import BATCH, DENSE_LR, MIXED, _dmp, _tables
 
 STEPS = 20
 # Stale tables over 20 steps of random batches (200 rows, 32 samples x 4 features a step per rank:
@@ -40,16 +50,6 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-def disjoint_batches(n: int, batch: int, rank: int, world_size: int) -> list:
-    """dlrm_case's batches with each id folded into the lower half of its table's rows on even
-    steps and the upper half on odd ones: consecutive batches share no row of any table."""
-    out = batches(n, batch, rank, world_size)
-    for t, b in enumerate(out):
-        ids = b.sparse_features.values()
-        ids.copy_(ids % (ROWS // 2) + (ROWS // 2) * (t % 2))
-    return out
-
-
 def _kernels(dmp: Any) -> list[Any]:
     """The SparseCore kernels of the DMP's sharded EBCs."""
     from tpurec.sharding.step.inputs import sharded_ebcs
@@ -64,8 +64,8 @@ def train_both(rank: int, world_size: int, data: str, types: dict[str, str] | No
     from tpurec.sharding.step.pipelined import PipelinedStep
 
     make = disjoint_batches if data == "disjoint" else batches
-    eager, twin = _dmp(world_size, types), _dmp(world_size, types)
-    initial = _tables(eager)
+    eager, twin = dlrm_dmp(world_size, types), dlrm_dmp(world_size, types)
+    initial = table_shards(eager)
     dense = [p for _, p in in_backward_optimizer_filter(eager.named_parameters())]
     sgd = torch.optim.SGD(dense, lr=DENSE_LR)
     eager_losses = []
@@ -74,7 +74,7 @@ def train_both(rank: int, world_size: int, data: str, types: dict[str, str] | No
     counter = CompileCounterWithBackend("aot_eager")
     pipe = PipelinedStep(twin, DENSE_LR, compile=compile, backend=counter)
     losses = [float(x) for x in pipe.iterate(make(STEPS, BATCH, rank, world_size))]
-    after, twin_after = _tables(eager), _tables(twin)
+    after, twin_after = table_shards(eager), table_shards(twin)
     twin_dense = [p for _, p in in_backward_optimizer_filter(twin.named_parameters())]
     return {
         "eager": eager_losses,
@@ -124,7 +124,7 @@ def test_pipelined_compiled_is_one_graph_and_equals_uncompiled():
     from tpurec.sharding.step.pipelined import PipelinedStep
 
     data = batches(3, BATCH, 0, 1)
-    dmp = _dmp(1, None)
+    dmp = dlrm_dmp(1, None)
     pipe = PipelinedStep(dmp, DENSE_LR)
     pipe.step(data[0]), pipe.step(data[1])  # the warm-up: eager
     explained = pipe.explain(data[2])
@@ -147,7 +147,7 @@ def test_pipelined_compiled_is_one_graph_and_equals_uncompiled():
 def test_pipelined_drain_counts():
     from tpurec.sharding.step.pipelined import PipelinedStep
 
-    dmp = _dmp(1, None)
+    dmp = dlrm_dmp(1, None)
     pipe = PipelinedStep(dmp, DENSE_LR, compile=False)
     total = 0
     for n in (1, 2, 5, 0, 3):  # epochs through one pipeline, an empty one among them
@@ -193,12 +193,11 @@ def test_pipelined_with_the_trainers_adagrad(scheduled, over):
     dense lr a graph input; batch t's table update, a step late, at the lr of t's own step), one
     graph for all steady steps. over: batch 3 and the last over their limits, each stepped eagerly
     at the lr of its own step (the call that returns its loss), the pipeline restarted."""
+    from tests.helpers.dlrm_step import trainer_optimizer
     from tpurec.sharding.step.pipelined import PipelinedStep
 
-    from .test_compiled_dmp_step import _trainer_optimizer
-
-    eager, twin = _dmp(1, None), _dmp(1, None)
-    (eager_opt, eager_schedule), (twin_opt, twin_schedule) = (_trainer_optimizer(m, "adagrad") for m in (eager, twin))
+    eager, twin = dlrm_dmp(1, None), dlrm_dmp(1, None)
+    (eager_opt, eager_schedule), (twin_opt, twin_schedule) = (trainer_optimizer(m, "adagrad") for m in (eager, twin))
     if not scheduled:
         eager_schedule.warmup = eager_schedule.decay_steps = twin_schedule.warmup = twin_schedule.decay_steps = 0
     data = over_stream(STEPS, 0, 1) if over else disjoint_batches(STEPS, BATCH, 0, 1)
@@ -217,41 +216,11 @@ def test_pipelined_with_the_trainers_adagrad(scheduled, over):
     twin_schedule.set_step(STEPS - 1)  # the drain: the last batch's step
     losses += [float(x) for x in pipe.drain()]
     assert counter.frame_count == 1 and pipe.eager_steps == (2 if over else 0)
-    after, twin_after = _tables(eager), _tables(twin)
+    after, twin_after = table_shards(eager), table_shards(twin)
     assert losses == eager_losses
     assert all(torch.equal(after[k], twin_after[k]) for k in after)
     # every param group back at the schedule's last lr (the table update's own lr was put back)
     assert [g["lr"] for g in twin_opt.param_groups] == [g["lr"] for g in eager_opt.param_groups]
-
-
-OVER_STEPS = 8  # the streams below: batch 3 and the last over their fixed id limits
-
-
-def over_the_limits(batch: Any, upper: bool, rows_of: Any) -> Any:
-    """`batch` with 20 ids per bag of f0 on rows 0, 4, .., 76 (+100 if `upper`: disjoint from the
-    batches before and after it): one partition of four (MOD sharding) gets 160 ids from each
-    SparseCore's 8 samples, over the limit of 64, so the batch runs as several passes. Its other
-    features take the ids of `rows_of` (the batch before it): rows repeat across this batch, where
-    only a drained pipeline (no lookup ahead of an update) gives the eager step's numbers."""
-    from dataclasses import replace
-
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-    lengths = torch.ones(FEATURES * BATCH, dtype=torch.long)
-    lengths[:BATCH] = 20
-    f0 = (torch.arange(20 * BATCH) % 20) * 4 + (ROWS // 2 if upper else 0)
-    values = torch.cat([f0, rows_of.sparse_features.values()[BATCH:]])
-    kjt = KeyedJaggedTensor(keys=[f"f{i}" for i in range(FEATURES)], values=values, lengths=lengths)
-    return replace(batch, sparse_features=kjt)
-
-
-def over_stream(n: int, rank: int, world_size: int) -> list:
-    """`disjoint_batches` with batch 3 and the last (n - 1) over their limits, sharing rows of f1-f3
-    with the batches before and after them."""
-    out = disjoint_batches(n, BATCH, rank, world_size)
-    for t in (3, n - 1):
-        out[t] = over_the_limits(out[t], upper=t % 2 == 1, rows_of=out[t - 1])
-    return out
 
 
 def train_over(
@@ -264,7 +233,7 @@ def train_over(
     from tpurec.sharding.step.inputs import over_limits
     from tpurec.sharding.step.pipelined import PipelinedStep
 
-    eager, twin = _dmp(world_size, types), _dmp(world_size, types)
+    eager, twin = dlrm_dmp(world_size, types), dlrm_dmp(world_size, types)
     dense = [p for _, p in in_backward_optimizer_filter(eager.named_parameters())]
     sgd = torch.optim.SGD(dense, lr=DENSE_LR)
     eager_losses = [eager_step(eager, sgd, batch) for batch in over_stream(OVER_STEPS, rank, world_size)]
@@ -282,7 +251,7 @@ def train_over(
             while True:
                 out = pipe.progress(it)
                 losses.append(None if out is None else float(out))
-    after, twin_after = _tables(eager), _tables(twin)
+    after, twin_after = table_shards(eager), table_shards(twin)
     twin_dense = [p for _, p in in_backward_optimizer_filter(twin.named_parameters())]
     return {
         "over_here": over_here,

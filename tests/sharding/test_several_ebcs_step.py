@@ -8,20 +8,17 @@ test_pipelined_step.py assert for one EBC).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
-from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from .dlrm_case import DENSE, DIM, ROWS, eager_step
+from tests.helpers.dlrm_step import BATCH, DENSE_LR, MIXED, TABLE_LR, disjoint_batches, fixed_limits_dmp, table_shards
+from tests.helpers.two_ebcs import TwoEBCs, TwoFields
+
+from .dlrm_case import DIM, ROWS, eager_step
 from .multiprocess import run_ranks
-from .test_compiled_dmp_step import BATCH, DENSE_LR, MIXED, TABLE_LR, _tables
-from .test_pipelined_step import disjoint_batches
 
 STEPS = 12
 
@@ -33,67 +30,17 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-@dataclass
-class TwoFields:
-    """A batch whose ids come in two KJTs: f0, f1 in `sparse_features`, f2, f3 in `user_features`."""
-
-    dense_features: torch.Tensor
-    sparse_features: KeyedJaggedTensor
-    user_features: KeyedJaggedTensor
-    labels: torch.Tensor
-
-
-class TwoEBCs(nn.Module):
-    """Two EBCs (tables t0, t1 of f0, f1; t2, t3 of f2, f3) and a linear model over their pooled
-    embeddings and the dense features; forward returns (loss, logits) as TorchRec's DLRMTrain does."""
-
-    def __init__(self, fields: str) -> None:
-        from torchrec.modules.embedding_modules import EmbeddingBagCollection
-
-        super().__init__()
-
-        def ebc(first: int) -> EmbeddingBagCollection:
-            tables = [
-                EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"f{i}"])
-                for i in (first, first + 1)
-            ]
-            return EmbeddingBagCollection(tables, device=torch.device("meta"))
-
-        self.fields = fields
-        self.items, self.users = ebc(0), ebc(2)
-        self.dense = nn.Linear(DENSE, DIM)
-        self.over = nn.Linear(5 * DIM, 1)
-
-    def forward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        users = batch.sparse_features if self.fields == "shared" else batch.user_features
-        x = torch.cat(
-            [self.dense(batch.dense_features), self.items(batch.sparse_features).values(), self.users(users).values()],
-            dim=1,
-        )
-        logits = self.over(x).squeeze(1)
-        return nn.functional.binary_cross_entropy_with_logits(logits, batch.labels), logits
-
-
 def _dmp(fields: str, types: dict[str, str] | None = None) -> Any:
     from torchrec.distributed.planner.types import ParameterConstraints
     from torchrec.optim import RowWiseAdagrad
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
-
-    import tpurec
-    from tpurec.sharding.sharder import SparseCoreEBCSharder
 
     torch.manual_seed(0)
     model = TwoEBCs(fields)
     tables = [*model.items.parameters(), *model.users.parameters()]
     apply_optimizer_in_backward(RowWiseAdagrad, tables, {"lr": TABLE_LR})
     constraints = {t: ParameterConstraints(sharding_types=[st]) for t, st in (types or {}).items()} or None
-    return tpurec.DistributedModelParallel(
-        model,
-        device="cpu",
-        batch_size=BATCH,
-        constraints=constraints,
-        sharders=[SparseCoreEBCSharder(max_ids_per_partition=64)],
-    )
+    return fixed_limits_dmp(model, constraints)
 
 
 def _batches(fields: str, rank: int = 0, world_size: int = 1) -> list:
@@ -115,7 +62,7 @@ def _train(rank: int, world_size: int, fields: str, kind: str, types: dict[str, 
     from tpurec.sharding.step.pipelined import PipelinedStep
 
     eager, twin = _dmp(fields, types), _dmp(fields, types)
-    initial = _tables(eager)
+    initial = table_shards(eager)
     dense = [p for _, p in in_backward_optimizer_filter(eager.named_parameters())]
     sgd = torch.optim.SGD(dense, lr=DENSE_LR)
     eager_losses = [eager_step(eager, sgd, b) for b in _batches(fields, rank, world_size)]
@@ -128,7 +75,7 @@ def _train(rank: int, world_size: int, fields: str, kind: str, types: dict[str, 
         pipe = PipelinedStep(twin, DENSE_LR, backend=counter)
         losses = [float(x) for x in pipe.iterate(_batches(fields, rank, world_size))]
         modules = pipe.fields.modules
-    after, twin_after = _tables(eager), _tables(twin)
+    after, twin_after = table_shards(eager), table_shards(twin)
     twin_dense = [p for _, p in in_backward_optimizer_filter(twin.named_parameters())]
     return {
         "modules": len(modules),
@@ -195,11 +142,10 @@ def test_a_model_with_other_sharded_modules_is_refused_by_name():
     from torchrec.modules.embedding_modules import EmbeddingCollection
 
     import tpurec
+    from tests.helpers.fp_model import FPModel
     from tpurec.errors import UserError
     from tpurec.sharding.step.compiled import CompiledStep
     from tpurec.sharding.step.pipelined import PipelinedStep
-
-    from .test_fpebc_dmp import _Model as FPModel
 
     fp = tpurec.DistributedModelParallel(FPModel(), device="cpu", batch_size=BATCH)
     with pytest.raises(
