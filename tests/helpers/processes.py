@@ -1,6 +1,6 @@
 """Processes a test starts and watches: `start_cli` runs `python -m tpurec.cli ARGS` from the repository,
 `descendants` lists a process's children and theirs (from /proc), `alive` tells a running process from
-an exited one (a zombie too), `wait_for` polls a condition (tests/test_lifecycle.py, tests/reliability/)."""
+an exited one (a zombie too), `wait_for` polls a condition (tests/runtime/test_lifecycle.py, tests/reliability/)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ Covered elsewhere, not repeated here:
   tables files (typos, zero/absurd sizes, truncated YAML): tests/planner/test_tables_file.py
   plans that do not fit the model or world (bogus_wise, rank 7 of 2, shards not covering):
       tests/planner/test_plan_check.py
-  crafted DCP metadata, pickled train state: tests/dlrm/test_checkpoint_safety.py
+  crafted DCP metadata, pickled train state: tests/dlrm/ckpt/test_checkpoint_safety.py
   data files (Parquet, converter, reader, cache): test_data_faults.py (written with the data side)
 """
 

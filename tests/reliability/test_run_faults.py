@@ -2,7 +2,7 @@
 (a small tmpfs), resuming a checkpoint with another model config, a saved plan of another model.
 Each asserts the exit code, one line naming what and where, no traceback, and a time bound.
 
-Signals sent to the launcher itself (SIGTERM, SIGKILL) are in tests/test_lifecycle.py; a rank that
+Signals sent to the launcher itself (SIGTERM, SIGKILL) are in tests/runtime/test_lifecycle.py; a rank that
 raises and an interrupted checkpoint in tests/dlrm/test_train.py.
 """
 

@@ -11,7 +11,7 @@ import pytest
 
 from tpurec.runtime import threads
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_cores_are_divided_among_the_local_ranks():
