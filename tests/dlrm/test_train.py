@@ -45,6 +45,9 @@ def test_no_argument_run_reaches_oracle_auc(cache, tmp_path):
     assert metrics.with_suffix(".png").stat().st_size > 10_000
 
 
+# default suite time: 20-22 s here; bit-equal resumes stay: tests/storage/test_bucket_checkpoints.py
+# (a local run against one resumed from a bucket) and test_user_model.py
+@pytest.mark.slow
 def test_exact_resume_same_world_size(cache, tmp_path):
     """Interrupted at step 70 (across an epoch boundary at ~55) and resumed: same weights and optimiser
     state, bit for bit, as the uninterrupted run."""
@@ -85,6 +88,7 @@ def test_a_plan_from_tpurec_plan_trains_and_one_for_another_world_size_is_refuse
     assert "but the world size is 1 (a plan made for another world size" in p.stderr and "Traceback" not in p.stderr
 
 
+@pytest.mark.slow  # default suite time: 7-11 s here; test_architecture_flags_... below trains DCN in 3 steps
 def test_dcnv2_interaction_trains(cache):
     """DLRM-DCNv2 (torchrec's DLRM_DCN, low-rank cross layers) on the dlrm-tiny tables."""
     result, _ = train("--interaction", "dcn", "--dense-lr", 0.005, "--synth-rows", 30000, "--steps", 60, cache=cache)
@@ -149,6 +153,9 @@ def test_trains_on_converted_criteo_sample(cache, tmp_path, criteo_sample):
     assert all(result[k] == result[k] for k in ("auc", "ne", "logloss")), result  # not NaN
 
 
+# default suite time: 6-11 s here; tests/reliability/test_data_faults.py's train on a bad label (exit 2,
+# the file named) and its reader's id-range cases stay
+@pytest.mark.slow
 def test_bad_data_names_file_and_row_group(cache, tmp_path):
     import pyarrow.parquet as pq
 
@@ -172,6 +179,9 @@ def test_bad_data_names_file_and_row_group(cache, tmp_path):
     assert f"rank 0: {f}: row group 0: column 'C1': id 1000000 out of range" in p.stderr
 
 
+# default suite time: 10-14 s here; tests/reliability/test_checkpoint_faults.py (saves cut short) and
+# test_units.py's test_incomplete_checkpoints_are_never_picked stay
+@pytest.mark.slow
 def test_killed_run_leaves_no_checkpoint_that_looks_complete(cache, tmp_path):
     env = dict(os.environ, TPUREC_CACHE=str(cache), PYTHONPATH=str(REPO))
     root = tmp_path / "ck"

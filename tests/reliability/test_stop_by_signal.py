@@ -93,6 +93,9 @@ def _stop_and_resume(tmp_path, cache, launch: list[str], sig: int, group: bool) 
     assert steps == sorted(set(steps)) and steps[-1] == int(step) + 40  # no step twice, a monotone curve
 
 
+# default suite time: 13 s here; the stop's parts stay: SIGTERM in a save, an evaluation, the final save
+# (below, in this process), Ctrl-C in a step (test_interrupts.py), resumes (tests/dlrm/test_keep_best.py)
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_sigterm_stops_one_process_run_at_a_step_with_a_checkpoint_and_the_resume_command(tmp_path, cache):
     _stop_and_resume(tmp_path, cache, [], signal.SIGTERM, group=False)

@@ -41,6 +41,9 @@ def _plan_save_load_shard(rank, world_size, path):
     }
 
 
+# default suite time: 5-15 s here; tests/planner/test_plan_io.py's loaded plan sharding at 1 rank and
+# tests/dlrm/test_train_host_tier.py's saved plan trained again stay
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_saved_and_loaded_tpurec_plan_shards_identically(tmp_path):
     for r in run_ranks(_plan_save_load_shard, 2, str(tmp_path / "plan.json"), timeout=600):
