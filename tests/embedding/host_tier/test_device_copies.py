@@ -94,3 +94,41 @@ def test_rows_and_their_state_on_the_host_copy_as_before_without_padding(monkeyp
     copy_rows(host, torch.tensor([7, 2]), cache, torch.tensor([1, 3]))
     assert torch.equal(cache.weight, torch.tensor([[0.0, 0], [14, 15], [0, 0], [4, 5]]))
     assert torch.equal(cache.states["m"], torch.tensor([0.0, 7, 0, 2]))
+
+
+def test_a_write_back_moves_a_rows_weight_and_states_in_one_copy_per_chunk(monkeypatch):
+    """Each device->host copy makes the host wait for the device: a write-back of rows with Adam's two
+    states and a row-wise one (mixed widths, a bf16 weight) is one copy per chunk of at most 4,096 rows,
+    every value exact."""
+    from tpurec.runtime import host_copies
+
+    gen = torch.Generator().manual_seed(5)
+    cap, rows = 5000, 9000
+
+    def side(n):
+        return Rows(
+            torch.randn(n, DIM, generator=gen).to(torch.bfloat16),
+            {
+                "m": torch.randn(n, DIM, generator=gen),
+                "v": torch.rand(n, DIM, generator=gen),
+                "r": torch.rand(n, generator=gen),
+            },
+        )
+
+    host, cache = side(rows), side(cap)
+    on_cache = {t.data_ptr() for t in (cache.weight, *cache.states.values())}
+    monkeypatch.setattr(device_copies, "on_host", lambda t: t.data_ptr() not in on_cache)
+    copies = []
+    real = host_copies.to_host
+    monkeypatch.setattr(host_copies, "to_host", lambda x, what: copies.append((tuple(x.shape), what)) or real(x, what))
+    slots = torch.randperm(cap, generator=gen)[:4500]
+    dest = torch.randperm(rows, generator=gen)[:4500]
+    want = Rows(host.weight.clone(), {k: v.clone() for k, v in host.states.items()})
+    want.weight[dest] = cache.weight[slots]
+    for k in want.states:
+        want.states[k][dest] = cache.states[k][slots]
+    copy_rows(cache, slots, host, dest)
+    # 4,500 rows: a chunk of 4,096 and one of 404 padded to 512; DIM + DIM + DIM + 1 columns side by side
+    assert copies == [((4096, 3 * DIM + 1), "host tier rows"), ((512, 3 * DIM + 1), "host tier rows")]
+    assert torch.equal(host.weight, want.weight) and host.weight.dtype == torch.bfloat16
+    assert all(torch.equal(host.states[k], want.states[k]) for k in want.states)

@@ -12,7 +12,10 @@ and tensor (the weight, each optimizer state) the device ops then see one shape 
 * host -> device (loads): the rows gathered on the host (exact, unpadded), padded, moved to the device
   in one tensor of the bucket's rows, and scattered there with the padded destination slots;
 * device -> host (write-backs): the rows gathered on the device with the padded source slots, moved
-  to the host, the padding dropped, and scattered into the host table.
+  to the host, the padding dropped, and scattered into the host table. A row's weight and optimizer
+  state go back together (`write_back`): gathered, laid side by side in one float32 tensor on the
+  device and moved in ONE copy, since each device->host copy makes the host wait for the device
+  (float32 holds every stored dtype's values exactly: f32, and bf16/fp16 widened).
 
 `warm_up` runs every bucket's device ops once when the cache is made, so that a batch needing a bucket
 for the first time compiles nothing mid-run. Nothing is rounded: the values are the rows' own, in
@@ -77,11 +80,35 @@ def _copy_chunk(src: torch.Tensor, src_index: torch.Tensor, dst: torch.Tensor, d
 
 
 @torch.no_grad()
+def write_back(
+    srcs: list[torch.Tensor], src_index: torch.Tensor, dsts: list[torch.Tensor], dst_index: torch.Tensor
+) -> None:
+    """dsts[k][dst_index] = srcs[k][src_index] for each k: the cache's weight and states (on a device,
+    rows along dim 0) into the host table's, one device->host copy per chunk for all of them."""
+    for start in range(0, src_index.numel(), MAX_BUCKET):
+        _write_back_chunk(srcs, src_index[start : start + MAX_BUCKET], dsts, dst_index[start : start + MAX_BUCKET])
+
+
+def _write_back_chunk(
+    srcs: list[torch.Tensor], src_index: torch.Tensor, dsts: list[torch.Tensor], dst_index: torch.Tensor
+) -> None:
+    from tpurec.runtime import host_copies
+
+    n, cache = src_index.numel(), srcs[0]
+    size = bucket(n, cache.shape[0])
+    index = pad(src_index, size).to(cache.device)
+    parts = [s.index_select(0, index).reshape(size, -1).to(torch.float32) for s in srcs]
+    packed = host_copies.to_host(torch.cat(parts, dim=1), "host tier rows")[:n]
+    for part, dst in zip(packed.split([p.shape[1] for p in parts], dim=1), dsts):
+        dst.index_copy_(0, dst_index, part.reshape(n, *dst.shape[1:]).to(dst.dtype))
+
+
+@torch.no_grad()
 def warm_up(host: torch.Tensor, cache: torch.Tensor) -> None:
-    """Run every bucket's device ops between `host` (a host table's tensor) and `cache` (its cache's,
-    on a device, holding no row yet) once: each copies host row 0 into cache slot 0 and reads it back
-    (into nothing), so the cache's contents and the host table stay as they were for the rows in use."""
+    """Run every bucket's load between `host` (a host table's tensor) and `cache` (its cache's, on a
+    device, holding no row yet) once: each copies host row 0 into cache slot 0, so the cache's contents
+    and the host table stay as they were for the rows in use. (Write-backs go with the row's states:
+    `write_back`, warmed up by host_rows.warm_up after these loads.)"""
     for size in buckets(cache.shape[0]):
         zeros = torch.zeros(size, dtype=torch.long)
         _copy_chunk(host, zeros, cache, zeros)
-        cache.index_select(0, zeros.to(cache.device)).to("cpu")
