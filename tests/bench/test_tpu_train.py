@@ -167,3 +167,30 @@ def test_tpurec_logs_at_the_warmup_s_end_and_the_run_s_and_seldom_between():
 
     assert every(10, 50) == 10 and every(5, 20) == 5 and every(4, 8) == 2 and every(2, 3) == 1
     assert every(0, 30) == 10
+
+
+def test_tables_on_the_host_tier_leave_the_chip_s_budget():
+    """MLPerf's five 40M-row tables capped at 10M (26 GiB in all) fit the bench's budget only when they
+    are on the host tier (--tpurec-args' --host-tier, tpurec alone); a table it does not have is named."""
+    import argparse
+
+    from tpurec.bench.tpu_train import _settings
+    from tpurec.errors import UserError
+
+    big = ("t_C1", "t_C10", "t_C20", "t_C21", "t_C22")
+    with pytest.raises(UserError, match=r"resident tables' weights and state take 26\.04 GiB"):
+        workload(10_000_000, 16_384)
+    w = workload(10_000_000, 16_384, host_tier=big)
+    assert round(w.table_bytes() / 2**30, 2) == 26.04
+    assert w.table_bytes(resident=True) == (sum(w.rows) - 5 * 10**7) * 129 * 4
+    with pytest.raises(UserError, match=r"^--host-tier names t_C27: the tables are t_C1 \.\. t_C26$"):
+        workload(300, 64, host_tier=("t_C27",))
+
+    def settings(contenders, extra):
+        ns = argparse.Namespace(cpu=False, rows_cap=10_000_000, batch=None, warmup=None, steps=None, rounds=None)
+        return _settings(argparse.Namespace(**vars(ns), contenders=contenders, tpurec_args=extra))
+
+    w, *_ = settings("tpurec", "--host-tier=t_C1:0.2,t_C10:0.2,t_C20,t_C21:0.2:lfu,t_C22 --step eager")
+    assert w.host_tier == big and w.describe()["host_tier"] == list(big)
+    with pytest.raises(UserError, match=r"only tpurec keeps tables in host memory; give --contenders tpurec$"):
+        settings("jax,tpurec", "--host-tier t_C1")

@@ -72,7 +72,10 @@ def _settings(args: argparse.Namespace) -> tuple[Workload, int, int, int]:
     from tpurec.bench.tpu_train_shapes import workload
 
     cap, batch, warmup, steps, rounds = CPU_RUN if args.cpu else (DEFAULT_ROWS_CAP, CHIP_BATCH, 10, 50, 3)
-    w = workload(args.rows_cap or cap, args.batch or batch)
+    host_tier = _host_tier_of(shlex.split(args.tpurec_args))
+    if host_tier and set(_contenders(args.contenders)) != {"tpurec"}:
+        raise UserError("--tpurec-args' --host-tier: only tpurec keeps tables in host memory; give --contenders tpurec")
+    w = workload(args.rows_cap or cap, args.batch or batch, host_tier=host_tier)
     if args.cpu:
         w = dataclasses.replace(w, **CPU_DIMS)  # type: ignore[arg-type]
     return w, args.warmup or warmup, args.steps or steps, args.rounds or rounds
@@ -152,14 +155,29 @@ def _rounds(
     return out
 
 
+def _host_tier_of(extra: list[str]) -> tuple[str, ...]:
+    """The table names of a --host-tier among `tpurec train`'s extra flags (auto: refused here)."""
+    from tpurec.planner import host_tier_flag
+
+    text = _flag_value(extra, "--host-tier")
+    tables = host_tier_flag.parse(text, "--host-tier") if text is not None else None
+    if tables == host_tier_flag.AUTO:
+        raise UserError("--tpurec-args' --host-tier: name the tables (t_C1:0.2,...); the bench checks them")
+    return tuple(t.name for t in tables) if isinstance(tables, list) else ()
+
+
+def _flag_value(extra: list[str], flag: str) -> str | None:
+    for i, arg in enumerate(extra):
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+        if arg == flag and i + 1 < len(extra):
+            return extra[i + 1]
+    return None
+
+
 def _step_of(extra: list[str]) -> str:
     """The --step value among `tpurec train`'s extra flags ("--step X" or "--step=X"), else "eager"."""
-    for i, arg in enumerate(extra):
-        if arg.startswith("--step="):
-            return arg.split("=", 1)[1]
-        if arg == "--step" and i + 1 < len(extra):
-            return extra[i + 1]
-    return "eager"
+    return _flag_value(extra, "--step") or "eager"
 
 
 def _measure_limits(w: Workload, data: str, kind: str, env: dict[str, str], work: str) -> str:

@@ -46,10 +46,13 @@ class Workload:
     eps: float
     seed: int = 0
     num_dense: int = NUM_DENSE
+    host_tier: tuple[str, ...] = ()  # tables kept in host memory by `tpurec train --host-tier` (names: table_names)
 
-    def table_bytes(self) -> int:
-        """Weights (f32) and row-wise Adagrad's state (one f32 per row) of all tables."""
-        return sum(self.rows) * (self.dim + 1) * 4
+    def table_bytes(self, resident: bool = False) -> int:
+        """Weights (f32) and row-wise Adagrad's state (one f32 per row) of all tables, or (`resident`)
+        of those not on the host tier."""
+        rows = sum(r for name, r in zip(table_names(self), self.rows) if not (resident and name in self.host_tier))
+        return rows * (self.dim + 1) * 4
 
     def dense_params(self) -> int:
         """Parameters of the bottom MLP, the cross layers and the top MLP (Adagrad's state: as many)."""
@@ -79,8 +82,15 @@ class Workload:
             "dim": self.dim,
             "batch": self.batch,
             "table_gib": round(self.table_bytes() / 2**30, 3),
+            "host_tier": list(self.host_tier),
+            "resident_table_gib": round(self.table_bytes(resident=True) / 2**30, 3),
             "dense_params": self.dense_params(),
         }
+
+
+def table_names(w: Workload) -> list[str]:
+    """`tpurec train`'s table names for the workload's tables (t_ + the feature, C1..C26)."""
+    return [f"t_C{i + 1}" for i in range(len(w.rows))]
 
 
 def _mlperf_rows() -> list[int]:
@@ -89,8 +99,10 @@ def _mlperf_rows() -> list[int]:
     return list(MLPERF_DCNV2_ROWS)
 
 
-def workload(rows_cap: int, batch: int, seed: int = 0) -> Workload:
-    """The mlperf-dcnv2 config's model over its tables capped at `rows_cap` rows each."""
+def workload(rows_cap: int, batch: int, seed: int = 0, host_tier: tuple[str, ...] = ()) -> Workload:
+    """The mlperf-dcnv2 config's model over its tables capped at `rows_cap` rows each. `host_tier`:
+    the tables (`t_C1`..`t_C26`, `tpurec train`'s names) kept in host memory (`--host-tier`), which
+    the chip's budget does not count (nor their caches: `tpurec train`'s planner checks those)."""
     from tpurec.data.catalog import MLPERF_DCNV2_MULTI_HOT
     from tpurec.dlrm.configs import embedding_dims, get_config
 
@@ -111,12 +123,17 @@ def workload(rows_cap: int, batch: int, seed: int = 0) -> Workload:
         dense_lr=cfg.dense_lr,
         eps=cfg.eps,
         seed=seed,
+        host_tier=tuple(host_tier),
     )
-    gib = w.table_bytes() / 2**30
+    unknown = sorted(set(host_tier) - set(table_names(w)))
+    if unknown:
+        raise UserError(f"--host-tier names {', '.join(unknown)}: the tables are t_C1 .. t_C{len(w.rows)}")
+    gib = w.table_bytes(resident=True) / 2**30
     if gib > BUDGET_GIB:
         raise UserError(
-            f"--rows-cap {rows_cap:,}: the tables' weights and state take {gib:.2f} GiB, over the "
-            f"{BUDGET_GIB:g} GiB this benchmark leaves them on a 16 GiB chip; lower --rows-cap "
-            f"(default {DEFAULT_ROWS_CAP:,}: {workload(DEFAULT_ROWS_CAP, batch).table_bytes() / 2**30:.2f} GiB)"
+            f"--rows-cap {rows_cap:,}: the resident tables' weights and state take {gib:.2f} GiB, over the "
+            f"{BUDGET_GIB:g} GiB this benchmark leaves them on a 16 GiB chip; lower --rows-cap, or keep tables in "
+            f"host memory (--contenders tpurec --tpurec-args='--host-tier t_C1:0.2,...'; "
+            f"default cap {DEFAULT_ROWS_CAP:,}: {workload(DEFAULT_ROWS_CAP, batch).table_bytes() / 2**30:.2f} GiB)"
         )
     return w

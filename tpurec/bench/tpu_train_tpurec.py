@@ -133,6 +133,7 @@ def run_round(w: Workload, data: str, warmup: int, steps: int, device: str, extr
         "samples_per_s_all_steps": result.get("samples_per_s"),  # tpurec train's own, compile included
         "seconds": result.get("seconds"),
         "losses": [round(r["loss"], 6) for r in records if r.get("kind") == "train"],
+        **({"host_tier": result["host_tier"]} if "host_tier" in result else {}),
         "command": "tpurec train " + " ".join(args),
     }
 
