@@ -124,3 +124,33 @@ def test_rows_kept_in_flight_are_read_again_when_no_update_came():
     tier.host.weight[5] = -5.0  # a checkpoint loaded in place
     tier.map_ids(_ids(5, 6), step=0, grad=True, cache=cache)  # still no update: the host is the truth
     assert torch.equal(cache.weight[slots[1]], torch.tensor([-5.0, -5.0]))
+
+
+def test_with_the_cache_on_a_device_an_eviction_reaches_the_host_at_the_next_batch(monkeypatch):
+    """The cache taken for a device's: an evicted row's write-back is gathered when it is evicted and
+    copied to the host (the host's wait for the device) only when the next batch is mapped or the table
+    flushed, so the host queues the current step first; a row evicted and wanted by the very next batch
+    comes back with its updated values, and the host table is whole after a flush."""
+    from tpurec.embedding.host_tier import device_copies
+    from tpurec.runtime import host_copies
+
+    tier, cache = _tier()
+    on_cache = {t.data_ptr() for t in (cache.weight, *cache.states.values())}
+    monkeypatch.setattr(device_copies, "on_host", lambda t: t.data_ptr() not in on_cache)
+    copies: list[tuple[int, ...]] = []
+    real = host_copies.to_host
+    monkeypatch.setattr(host_copies, "to_host", lambda x, what: copies.append(tuple(x.shape)) or real(x, what))
+
+    first = tier.map_ids(_ids(3, 7, 1, 2), step=0, grad=True, cache=cache)
+    cache.weight[torch.from_numpy(first)] += 100.0  # the update of batch 0
+    cache.states["momentum1"][torch.from_numpy(first)] += 1.0
+    tier.map_ids(_ids(3, 0, 4), step=1, grad=True, cache=cache)  # 0 and 4 evict LRU 7 and 1
+    assert copies == [] and float(tier.host.weight[7, 0]) == 7.0  # gathered, not on the host yet
+    assert tier.counters.writebacks == 2
+    back = tier.map_ids(_ids(7, 1), step=1, grad=False, cache=cache)  # both wanted again at once
+    assert copies == [(SLOTS, DIM + 1)]  # one copy (padded to the 4-slot cache) when this batch began
+    assert torch.equal(cache.weight[torch.from_numpy(back)], torch.tensor([[107.0, 107.5], [101.0, 101.5]]))
+    assert torch.allclose(cache.states["momentum1"][torch.from_numpy(back)], torch.tensor([1.7, 1.1]))
+    tier.flush(step=1, cache=cache)
+    for row in (1, 2, 3, 7):  # every updated row on the host after the flush
+        assert float(tier.host.weight[row, 0]) == row + 100.0, row

@@ -15,7 +15,10 @@ and tensor (the weight, each optimizer state) the device ops then see one shape 
   to the host, the padding dropped, and scattered into the host table. A row's weight and optimizer
   state go back together (`write_back`): gathered, laid side by side in one float32 tensor on the
   device and moved in ONE copy, since each device->host copy makes the host wait for the device
-  (float32 holds every stored dtype's values exactly: f32, and bf16/fp16 widened).
+  (float32 holds every stored dtype's values exactly: f32, and bf16/fp16 widened). The table tier
+  starts an eviction's write-back (`start_write_back`: the gather, queued on the device) and completes
+  it (the copy to the host) at the next batch, so the host does not wait for the device while the
+  current step is still to be queued (table_tier.py).
 
 `warm_up` runs every bucket's device ops once when the cache is made, so that a batch needing a bucket
 for the first time compiles nothing mid-run. Nothing is rounded: the values are the rows' own, in
@@ -23,6 +26,8 @@ their stored dtype (host_rows.py).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -85,22 +90,52 @@ def write_back(
 ) -> None:
     """dsts[k][dst_index] = srcs[k][src_index] for each k: the cache's weight and states (on a device,
     rows along dim 0) into the host table's, one device->host copy per chunk for all of them."""
-    for start in range(0, src_index.numel(), MAX_BUCKET):
-        _write_back_chunk(srcs, src_index[start : start + MAX_BUCKET], dsts, dst_index[start : start + MAX_BUCKET])
+    for pending in start_write_back(srcs, src_index, dsts, dst_index):
+        pending.complete()
 
 
-def _write_back_chunk(
+@torch.no_grad()
+def start_write_back(
     srcs: list[torch.Tensor], src_index: torch.Tensor, dsts: list[torch.Tensor], dst_index: torch.Tensor
-) -> None:
-    from tpurec.runtime import host_copies
+) -> list[PendingWriteBack]:
+    """`write_back`'s device half only: the rows gathered on the device (queued there, in order before
+    whatever later overwrites their slots), the host not waiting; each chunk's `complete()` moves them
+    to the host table. Until then those host rows hold their older values."""
+    return [
+        _gather_chunk(srcs, src_index[start : start + MAX_BUCKET], dsts, dst_index[start : start + MAX_BUCKET])
+        for start in range(0, src_index.numel(), MAX_BUCKET)
+    ]
 
+
+@dataclass
+class PendingWriteBack:
+    """A chunk of rows gathered on the device, side by side in float32, not yet on the host."""
+
+    packed: torch.Tensor  # [bucket, sum of widths] on the device
+    rows: int  # the chunk's real rows (the rest is padding)
+    widths: list[int]
+    dsts: list[torch.Tensor]
+    dst_index: torch.Tensor
+
+    @torch.no_grad()
+    def complete(self) -> None:
+        """One device->host copy (the host waits for the gather), then the rows into the host table."""
+        from tpurec.runtime import host_copies
+
+        n = self.rows
+        packed = host_copies.to_host(self.packed, "host tier rows")[:n]
+        for part, dst in zip(packed.split(self.widths, dim=1), self.dsts):
+            dst.index_copy_(0, self.dst_index, part.reshape(n, *dst.shape[1:]).to(dst.dtype))
+
+
+def _gather_chunk(
+    srcs: list[torch.Tensor], src_index: torch.Tensor, dsts: list[torch.Tensor], dst_index: torch.Tensor
+) -> PendingWriteBack:
     n, cache = src_index.numel(), srcs[0]
     size = bucket(n, cache.shape[0])
     index = pad(src_index, size).to(cache.device)
     parts = [s.index_select(0, index).reshape(size, -1).to(torch.float32) for s in srcs]
-    packed = host_copies.to_host(torch.cat(parts, dim=1), "host tier rows")[:n]
-    for part, dst in zip(packed.split([p.shape[1] for p in parts], dim=1), dsts):
-        dst.index_copy_(0, dst_index, part.reshape(n, *dst.shape[1:]).to(dst.dtype))
+    return PendingWriteBack(torch.cat(parts, dim=1), n, [p.shape[1] for p in parts], dsts, dst_index)
 
 
 @torch.no_grad()

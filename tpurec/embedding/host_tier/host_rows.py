@@ -39,6 +39,19 @@ def host_rows(rows: int, dim: int, dtype: torch.dtype, optimizer: OptimizerSpec)
 
 
 @torch.no_grad()
+def start_copy_rows(
+    src: Rows, src_index: torch.Tensor, dst: Rows, dst_index: torch.Tensor
+) -> list[device_copies.PendingWriteBack]:
+    """`copy_rows`, except that a write-back from a device's cache is only started: the chunks to
+    complete (device_copies.start_write_back); every other copy is done at once (none returned)."""
+    if src_index.numel() and not device_copies.on_host(src.weight) and device_copies.on_host(dst.weight):
+        pairs = _pairs(src, dst)
+        return device_copies.start_write_back([a for a, _ in pairs], src_index, [b for _, b in pairs], dst_index)
+    copy_rows(src, src_index, dst, dst_index)
+    return []
+
+
+@torch.no_grad()
 def copy_rows(src: Rows, src_index: torch.Tensor, dst: Rows, dst_index: torch.Tensor) -> None:
     """dst[dst_index] = src[src_index], weight and every state (int64 host indices, one per row). Both
     on the host: one indexed copy each; a side on a device (a TPU's cache): in the few fixed shapes of

@@ -13,6 +13,13 @@ changed and empties the cache, except the rows in flight, whose update will land
 are read from the host again before the next batch unless an update ran in between (then the
 cache holds the newer values). So a checkpoint loaded into the host table in place between steps is
 what the next step reads.
+
+With the cache on a device, an eviction's write-back is started (the victims' rows gathered on the
+device, queued before the loads that overwrite their slots) and completed (copied to the host table)
+at the start of the next batch's `map_ids`, or at a `flush`, whichever comes first: copying them at
+once would make the host wait for the device before it has queued this batch's step, so the device
+would sit idle meanwhile. Nothing reads the host rows in between: a load happens only in `map_ids`,
+and whole-table reads and writes go through `flush`.
 """
 
 from __future__ import annotations
@@ -22,7 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tpurec.embedding.host_tier.host_rows import Rows, copy_rows
+from tpurec.embedding.host_tier.device_copies import PendingWriteBack
+from tpurec.embedding.host_tier.host_rows import Rows, copy_rows, start_copy_rows
 from tpurec.embedding.host_tier.params import HostTierParams
 from tpurec.embedding.host_tier.policy import EvictionPolicy
 from tpurec.embedding.host_tier.slot_map import EMPTY, SlotMap
@@ -64,11 +72,13 @@ class TableTier:
         self._flight = np.zeros(slots, np.bool_)  # slots of batches whose update has not run (in flight)
         self._flight_step = -1  # the stack's step count when they were mapped
         self._reread_at: int | None = None  # flushed with rows in flight at this step count (`flush`)
+        self._pending: list[PendingWriteBack] = []  # evictions' write-backs started, not on the host yet
 
     # -- a batch ---------------------------------------------------------------------------------
     def map_ids(self, ids: np.ndarray, step: int, grad: bool, cache: Rows) -> np.ndarray:
         """The cache slot of every id (int64, in [0, rows), checked by the caller), after loading the
         rows missing. step: the table's stack step count now; grad: the batch's update will run."""
+        self.complete_write_backs()  # the last batch's evictions: its step is queued by now
         self._reread_flight(step, cache)
         if self._flight_step != step:  # the stack stepped: earlier batches' updates have run
             self._flight[:] = False
@@ -101,7 +111,7 @@ class TableTier:
         short = rows.size - free.size
         if short > 0:
             victims = self._victims(keep, short)
-            self._write_back(victims, cache)
+            self._pending += self._write_back(victims, cache, start_only=True)
             self.slots.release(victims)
             self.counters.evictions += victims.size
             free = np.concatenate([free, victims])
@@ -124,18 +134,31 @@ class TableTier:
             chosen = np.concatenate([chosen, self.policy.victims(flying, self.slots.row_of, k - chosen.size)])
         return chosen
 
-    def _write_back(self, slots: np.ndarray, cache: Rows) -> None:
-        """The rows in `slots` that an update may have changed, copied to the host with their state."""
+    def _write_back(self, slots: np.ndarray, cache: Rows, start_only: bool = False) -> list[PendingWriteBack]:
+        """The rows in `slots` that an update may have changed, copied to the host with their state;
+        `start_only`: a device's part only, the rest returned to complete (module docstring)."""
         changed = slots[self._dirty[slots]]
-        if changed.size:
-            copy_rows(cache, torch.from_numpy(changed), self.host, torch.from_numpy(self.slots.row_of[changed]))
-            self._dirty[changed] = False
-            self.counters.writebacks += changed.size
+        if changed.size == 0:
+            return []
+        src, dst = torch.from_numpy(changed), torch.from_numpy(self.slots.row_of[changed])
+        self._dirty[changed] = False
+        self.counters.writebacks += changed.size
+        if start_only:
+            return start_copy_rows(cache, src, self.host, dst)
+        copy_rows(cache, src, self.host, dst)
+        return []
+
+    def complete_write_backs(self) -> None:
+        """The started write-backs' rows into the host table (each chunk waits for its gather)."""
+        pending, self._pending = self._pending, []
+        for chunk in pending:
+            chunk.complete()
 
     # -- the whole table ---------------------------------------------------------------------------
     def flush(self, step: int, cache: Rows) -> None:
         """Make the host table whole (every changed row written back) and empty the cache, except the
         rows in flight (module docstring); `step`: the table's stack step count now."""
+        self.complete_write_backs()
         occupied = self.slots.occupied()
         if occupied.size == 0:
             return
