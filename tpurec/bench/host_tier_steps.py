@@ -1,0 +1,129 @@
+"""The model, batches and timed steps of `tpurec bench host-tier` (tpurec/bench/host_tier.py).
+
+One table (ROWS x DIM, row-wise Adagrad) in tpurec's SparseCoreEmbeddingBagCollection, resident or on
+the host tier, and a linear head, both on the bench's device (the CPU, or a TPU: a chip or an emulated
+one). A contender's steps are timed up to a drain of the device (one value of the head and one of the
+table read to the host after the last step, as tpu_train_split._drain does), so a TPU's queued work is
+in the time; the losses stay on the device until then.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+ZIPF_EXPONENT = 1.05  # issue 60's id law
+WRITE_BACK_COPIES = "host tier rows"  # what device_copies.write_back counts its device->host copies under
+
+
+def batches(shape: dict, dist: str, count: int, seed: int, device: Any) -> list[tuple[Any, Any]]:
+    """`count` (ids KJT on the host, labels on `device`): ids of one feature, `pooling` per sample, Zipf
+    (hot rows scattered over the table by a fixed permutation) or uniform."""
+    import numpy as np
+    import torch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    g = np.random.default_rng(seed)
+    rows, n = shape["rows"], shape["batch"] * shape["pooling"]
+    if dist == "zipf":
+        cdf = np.cumsum(1.0 / np.arange(1, rows + 1) ** ZIPF_EXPONENT)
+        cdf /= cdf[-1]
+        hot = g.permutation(rows)  # rank k -> a row: hot rows spread over the table
+        draw = lambda: hot[np.minimum(np.searchsorted(cdf, g.random(n), side="right"), rows - 1)]  # noqa: E731
+    else:
+        draw = lambda: g.integers(0, rows, n)  # noqa: E731
+    out = []
+    for _ in range(count):
+        kjt = KeyedJaggedTensor(
+            keys=["f"],
+            values=torch.from_numpy(draw().astype(np.int64)),
+            lengths=torch.full((shape["batch"],), shape["pooling"]),
+        )
+        labels = torch.from_numpy(g.integers(0, 2, shape["batch"]).astype(np.float32)).to(device)
+        out.append((kjt, labels))
+    return out
+
+
+def model(shape: dict, cache: Any, device: Any) -> dict[str, Any]:
+    """The table (values drawn from seed 0, whatever its tier) and the head (seed 1), on `device`."""
+    import torch
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.optim import RowWiseAdagrad
+
+    from tpurec.embedding.module import SparseCoreEmbeddingBagCollection
+
+    table = EmbeddingBagConfig(name="t", embedding_dim=shape["dim"], num_embeddings=shape["rows"], feature_names=["f"])
+    torch.manual_seed(0)
+    ebc = SparseCoreEmbeddingBagCollection(
+        [table],
+        RowWiseAdagrad,
+        {"lr": 0.05, "eps": 1e-8},
+        device=device,
+        cache_params=None if cache is None else {"t": cache},
+    )
+    torch.manual_seed(1)
+    head = torch.nn.Linear(shape["dim"], 1).to(device)
+    return {"ebc": ebc, "head": head, "opt": torch.optim.SGD(head.parameters(), lr=0.05)}
+
+
+def _drain(t: Any) -> None:
+    """Wait for the device: one element of `t` read to the host (the last op that wrote it is done)."""
+    t.detach().reshape(-1)[:1].cpu()
+
+
+def train(m: dict[str, Any], data: list) -> tuple[list[float], float, int]:
+    """One step per batch: (the losses, the seconds up to the device's drain, write-back copies made).
+
+    The drain reads the head's weight (its SGD step is each step's last op) and the table's storage
+    (the fused update's output) after the last step; the losses are read after the clock stops."""
+    import torch
+
+    from tpurec.runtime import host_copies
+
+    copies = host_copies.counts().get(WRITE_BACK_COPIES, 0)
+    losses = []
+    t0 = time.perf_counter()
+    for kjt, labels in data:
+        logits = m["head"](m["ebc"](kjt).values()).squeeze(1)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
+        m["opt"].zero_grad()
+        loss.backward()
+        m["opt"].step()
+        losses.append(loss.detach())
+    _drain(m["head"].weight)
+    _drain(m["ebc"].kernel.stack_weight(0))
+    secs = time.perf_counter() - t0
+    copies = host_copies.counts().get(WRITE_BACK_COPIES, 0) - copies
+    return torch.stack(losses).cpu().tolist(), secs, copies
+
+
+def counters(m: dict[str, Any]) -> dict[str, Any] | None:
+    """The table's cache counters now (None: resident)."""
+    found = getattr(m["ebc"].kernel, "host_tier_counters", None)
+    if found is None:
+        return None
+    c = found()["t"]
+    return {"hits": c.hits, "misses": c.misses, "evictions": c.evictions, "writebacks": c.writebacks}
+
+
+def steady(warm: dict[str, Any] | None, end: dict[str, Any] | None, steps: int, copies: int) -> dict[str, Any] | None:
+    """The counters after the first round (the cache warm) over its `steps` steps, with their hit rate,
+    rows loaded and written back a step, and `copies` (device->host write-back copies) a step."""
+    if warm is None or end is None:
+        return None
+    hits, misses = end["hits"] - warm["hits"], end["misses"] - warm["misses"]
+    writebacks, per = end["writebacks"] - warm["writebacks"], max(steps, 1)
+    return {
+        "hit_rate_after_round_1": round(hits / max(hits + misses, 1), 4),
+        "hits": hits,
+        "misses": misses,
+        "evictions": end["evictions"] - warm["evictions"],
+        "rows_loaded_per_step": round(misses / per, 1),
+        "rows_written_back_per_step": round(writebacks / per, 1),
+        "write_back_copies_per_step": round(copies / per, 2),
+    }
+
+
+def max_rel_diff(got: list[float], want: list[float]) -> float:
+    """The largest |got - want| / max(|want|, 1e-12) over the steps."""
+    return max((abs(g - w) / max(abs(w), 1e-12) for g, w in zip(got, want, strict=True)), default=0.0)
