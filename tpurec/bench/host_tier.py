@@ -71,6 +71,8 @@ def run_dist(shape: dict, dist: str, load_factors: list[float], algorithm: str, 
         t1 = time.perf_counter()
         first[name] = s.train(models[name], warm_data)[0] if warm_data else []
         setup[name] = {"build_s": round(t1 - t0, 2), "warmup_s": round(time.perf_counter() - t1, 2)}
+        if env["progress"]:
+            print(strict_json.dumps({"dist": dist, "contender": name, **setup[name]}), flush=True)
     in_use = _device_bytes(device)
     secs: dict[str, list[float]] = {name: [] for name in models}
     losses: dict[str, list[float]] = {name: [] for name in models}
