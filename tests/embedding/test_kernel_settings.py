@@ -137,6 +137,33 @@ def test_fixed_limits_left_to_the_first_batch_are_twice_its_fullest_partition():
     assert kernel.stack_limits(0) == (24, 16) and kernel.multipass_batches == 0
 
 
+def test_the_tensorcore_kernel_sets_its_first_batch_limits_10_percent_over_the_batch(monkeypatch):
+    """On a TPU without driven SparseCores every slot of the buffers is worked on: the first batch's
+    counts plus 10% (8-aligned), not twice them; a later batch over them runs in two passes, exact."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from tpurec.embedding.kernel import KernelTable, SparseCoreKernel
+    from tpurec.embedding.optimizers.sgd import SGDSpec
+    from tpurec.embedding.settings import FIRST_BATCH_HEADROOM, FIRST_BATCH_HEADROOM_TENSORCORE
+    from tpurec.runtime import device as _device
+
+    monkeypatch.setattr(_device, "tensorcore_only", lambda generation=None: True)
+    assert KernelSettings().resolved_for("tpu").first_batch_headroom == FIRST_BATCH_HEADROOM_TENSORCORE == 0.1
+    assert KernelSettings().resolved_for("cpu").first_batch_headroom == FIRST_BATCH_HEADROOM == 1.0
+    assert KernelSettings(first_batch_headroom=0.5).resolved_for("tpu").first_batch_headroom == 0.5
+    with pytest.raises(UserError, match=r"^KernelSettings.first_batch_headroom must be in \[0, 100\] or None"):
+        KernelSettings(first_batch_headroom=-0.1)
+    settings = KernelSettings(fixed_limits=True, first_batch_headroom=0.1)
+    kernel = SparseCoreKernel([KernelTable("t", 512, 8, ("f",))], SGDSpec(lr=0.1), 1, settings=settings)
+    # 100 ids of 60 distinct rows in one partition: 110 -> 112 ids, 66 -> 72 distinct (8-aligned)
+    ids = torch.cat([torch.arange(60), torch.arange(40)])
+    lengths = torch.tensor([50, 50, 0, 0], dtype=torch.int32)
+    kernel.preprocess(KeyedJaggedTensor(["f"], ids, lengths=lengths))
+    assert kernel.stack_limits(0) == (112, 72) and kernel.multipass_batches == 0
+    kernel.preprocess(KeyedJaggedTensor(["f"], torch.arange(120), lengths=torch.tensor([60, 60, 0, 0])))
+    assert kernel.stack_limits(0) == (112, 72) and kernel.multipass_batches == 1
+
+
 @pytest.mark.parametrize(
     "value,says",
     [

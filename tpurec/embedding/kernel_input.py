@@ -15,6 +15,8 @@ feature (`stacked_samples`).
 
 from __future__ import annotations
 
+import math
+
 import threading
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping
@@ -24,6 +26,7 @@ from torchrec.modules.embedding_configs import PoolingType
 
 from tpurec.embedding import csr_build
 from tpurec.embedding.constraints import DIM_ALIGN, SEGMENT_ALIGN, round_up
+from tpurec.embedding.settings import FIRST_BATCH_HEADROOM
 from tpurec.embedding.cpu_path import writes_final_layout
 from tpurec.embedding.demand import ShardsDemand, TableShards
 from tpurec.embedding.kernel_table import KernelTable, out_of_range
@@ -354,15 +357,21 @@ class KernelInput:
 
     def _limits(self, i: int, entries: StackEntries, common: dict[str, Any]) -> tuple[int | None, int | None]:
         """Stack i's (max ids, max unique ids) for this batch: the given ones when limits follow the
-        batch, else the fixed ones, set from this first batch (twice its fullest partition) if none."""
+        batch, else the fixed ones, set from this first batch if none (its fullest partition's counts
+        times 1 + `first_batch_headroom`: KernelSettings)."""
         if not self.fixed_limits:
             return self.settings.max_ids_per_partition, self.settings.max_unique_ids_per_partition
         limits = self._stack_limits[i]
         if limits is None:
             _, first = preprocess(*entries, **common)
-            max_ids = round_up(max(SEGMENT_ALIGN, 2 * first.max_ids_per_partition), SEGMENT_ALIGN)
-            max_uniq = round_up(max(SEGMENT_ALIGN, 2 * first.max_unique_ids_per_partition), SEGMENT_ALIGN)
-            limits = self._stack_limits[i] = (max_ids, min(max_uniq, max_ids))
+            headroom = self.settings.first_batch_headroom
+            factor = 1.0 + (FIRST_BATCH_HEADROOM if headroom is None else headroom)
+
+            def bound(n: int) -> int:
+                return round_up(max(SEGMENT_ALIGN, math.ceil(factor * n)), SEGMENT_ALIGN)
+
+            max_ids = bound(first.max_ids_per_partition)
+            limits = self._stack_limits[i] = (max_ids, min(bound(first.max_unique_ids_per_partition), max_ids))
         return limits
 
     def stack_input(

@@ -28,6 +28,12 @@ MAX_ID_LIMIT = 2**31 - 1
 # 26 tables (2M-row caps) failed that way on a v5e's 16 GiB; 1 GiB keeps the transient at 1/16 of the
 # chip (docs/results.md, 2026-12-06; docs/tensorcore.md).
 TENSORCORE_MAX_STACK_BYTES = 1 << 30
+# The first batch's limits, over its own counts: twice them (SparseCore partitions), or 10% more on the
+# TensorCore kernel, whose lookup and update work on every slot of the buffers: with twice the ids, MLPerf
+# DLRM-DCNv2's step on v5e spent 530 ms in the update and 154 ms in the lookup over 5.9M slots holding
+# 3.0M ids (docs/results.md, session 31). 10% is `tpurec data stats`' headroom (planner/id_limits.py).
+FIRST_BATCH_HEADROOM = 1.0
+FIRST_BATCH_HEADROOM_TENSORCORE = 0.10
 
 
 def _whole_limit(where: str, value: object) -> int:
@@ -151,6 +157,14 @@ class KernelSettings:
     kernel runs on a TPU (v5e, v4), whose updates write a new stack and copy it back, so that a stack
     briefly takes twice its memory; elsewhere no bound."""
 
+    first_batch_headroom: float | None = None
+    """With fixed limits and none given or measured, the first batch sets them: its fullest partition's
+    ids (and distinct ids) times 1 + this, 8-aligned; a later batch over them runs in passes (exact,
+    slower). Default None: FIRST_BATCH_HEADROOM_TENSORCORE where the TensorCore kernel runs on a TPU
+    (one partition a stack: its ids per batch are a sum over every sample and vary little, and every
+    slot of the buffers is worked on, padding or not), else FIRST_BATCH_HEADROOM (a SparseCore
+    partition's share of a batch varies more)."""
+
     id_limits: Mapping[str, TableLimits] | None = None
     """Measured limits by table name (a shard's `source` table or its own name; `tpurec data
     stats`). A stack whose tables all have them gets fixed limits. Positional tuples (max ids, max
@@ -162,6 +176,9 @@ class KernelSettings:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UserError(f"KernelSettings.{name} must be >= 1 or None, got {value!r}")
+        h = self.first_batch_headroom
+        if h is not None and not 0 <= h <= 100:
+            raise UserError(f"KernelSettings.first_batch_headroom must be in [0, 100] or None, got {h!r}")
         if self.id_limits is not None and not isinstance(self.id_limits, _TableLimitsByName):
             # converted once here, so every reader sees TableLimits (frozen: set through object);
             # none measured is None, whether given as None or as {}
@@ -218,6 +235,9 @@ class KernelSettings:
             max_stack_bytes=TENSORCORE_MAX_STACK_BYTES
             if self.max_stack_bytes is None and copied_back
             else self.max_stack_bytes,
+            first_batch_headroom=(FIRST_BATCH_HEADROOM_TENSORCORE if copied_back else FIRST_BATCH_HEADROOM)
+            if self.first_batch_headroom is None
+            else self.first_batch_headroom,
         )
 
 
