@@ -4,7 +4,9 @@ against the pure-JAX contender's update (`tpurec bench tpu-train`'s), on the sam
 One stack as the TensorCore kernel builds it on a v5e (one SparseCore per device, one partition:
 `TENSORCORE_LAYOUT_SPARSECORES`): tables t_C21, t_C22, t_C20 (MLPerf multi-hot 100, 27, 12 ids a sample)
 end to end in one `--rows` x 128 f32 stack (default 2,000,000 rows, 1 GiB: the kernel's largest stack on
-the chip) with row-wise Adagrad's one f32 per row, batch 16,384, ids Zipf(`--zipf`) per table
+the chip; in `tpurec bench tpu-train` at its 2M-row cap C20-C22 are 2M rows each, a stack each: `--features
+C21` is that run's biggest stack, the default its three busiest features' ids on one stack's rows) with
+row-wise Adagrad's one f32 per row, batch 16,384, ids Zipf(`--zipf`) per table
 (`tpurec.data.synth`'s ids: `zipf_ids`, then its hot-id scatter). The stacked ids and samples are made
 as `KernelInput._stack_entries` makes them and turned into the CSR input by `tpurec.embedding.preprocess`,
 with id limits at each `--limits` factor times the batch's own fullest partition (one cell per factor:
@@ -65,7 +67,7 @@ from tpurec.embedding.tensorcore import csr_jax, pallas_pool, tpu_bridge, update
 NUM_SC = TENSORCORE_LAYOUT_SPARSECORES  # one "SparseCore" per device on a TensorCore-only chip
 DEVICES = 1  # one chip: partitions = NUM_SC x DEVICES
 PIECES = ("decode", "grad_rows", "segment_ids", "segment_sum", "distinct_rows", "apply")
-CPU_SHAPE = dict(rows=3_000, batch=64, hots="10,4,2", reps=2, warmup=1)
+CPU_SHAPE = dict(rows=3_000, batch=64, reps=2, warmup=1)  # and MLPerf's hots / 10 (at least 1)
 
 
 def log(msg: str) -> None:
@@ -332,6 +334,9 @@ def setup(a: argparse.Namespace, doc: dict) -> Setup:
         hots = [int(h) for h in a.hots.split(",")]
     else:
         hots = [MLPERF_DCNV2_MULTI_HOT[FEATURE_NAMES.index(f)] for f in features]
+        hots = [max(1, h // 10) for h in hots] if a.cpu else hots
+    if len(hots) != len(features):
+        raise SystemExit(f"--hots: {len(hots)} values for {len(features)} features")
     names = [f"t_{f}" for f in features]
     rows = [a.rows // len(features)] * len(features)
     rows[-1] += a.rows - sum(rows)

@@ -30,7 +30,11 @@ def test_cpu_smoke_run_times_every_program_and_checks_equal_work(tmp_path, monke
     assert printed == json.loads(json.dumps(doc))
     assert doc["platform"] == "cpu" and doc["jax"] and doc["device"]
     assert doc["shape"]["tables"] == ["t_C21", "t_C22", "t_C20"] and doc["shape"]["num_partitions"] == 1
-    assert doc["ids"] == 64 * 16 and 0 < doc["distinct_rows"] <= doc["entries_after_merge"] <= doc["ids"]
+    assert (
+        doc["shape"]["hots"] == [10, 2, 1]
+        and doc["ids"] == 64 * 13
+        and 0 < doc["distinct_rows"] <= doc["entries_after_merge"] <= doc["ids"]
+    )
 
     eq = doc["equal_work"]
     assert eq["passed"] is True, eq
