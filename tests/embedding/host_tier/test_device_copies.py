@@ -16,16 +16,19 @@ ROWS, CAP, DIM = 1000, 100, 3
 
 
 class _CacheOps(TorchDispatchMode):
-    """The index length of every index_select / index_copy_ on `cache` (the 'device' tensor)."""
+    """The index length of every index_select / index_copy_ on `caches` (the 'device' tensors), and
+    (`by_tensor`) which of them each was on."""
 
-    def __init__(self, cache: torch.Tensor) -> None:
+    def __init__(self, *caches: torch.Tensor) -> None:
         super().__init__()
-        self.cache = cache
+        self.caches = [c.data_ptr() for c in caches]
         self.lengths: list[int] = []
+        self.by_tensor: list[tuple[int, int]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.name() in ("aten::index_select", "aten::index_copy_") and args[0].data_ptr() == self.cache.data_ptr():
+        if func.name() in ("aten::index_select", "aten::index_copy_") and args[0].data_ptr() in self.caches:
             self.lengths.append(args[2].numel())
+            self.by_tensor.append((self.caches.index(args[0].data_ptr()), args[2].numel()))
         return func(*args, **(kwargs or {}))
 
 
@@ -38,13 +41,16 @@ def tables(monkeypatch):
     return host, cache
 
 
-def test_buckets_are_powers_of_two_from_16_up_to_the_cache_and_at_most_4096():
+def test_buckets_are_powers_of_two_from_16_up_to_the_cache_and_at_most_32768():
     assert buckets(100) == [16, 32, 64, 100]
     assert buckets(128) == [16, 32, 64, 128]
     assert buckets(10) == [10] and buckets(1) == [1]
-    assert buckets(10**6) == [16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+    assert buckets(10**6) == [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
+    assert buckets(20000) == [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 20000]
     assert [bucket(n, 100) for n in (1, 16, 17, 33, 64, 65, 100)] == [16, 16, 32, 64, 64, 100, 100]
     assert bucket(3, 10) == 10 and bucket(4096, 10**6) == 4096
+    # a batch of 16,384 x 8 Zipf ids misses ~24,400 rows of a 20% cache of 4M rows: one chunk
+    assert bucket(24400, 819200) == 32768 and bucket(32768, 10**6) == 32768
     with pytest.raises(ValueError):
         bucket(0, 100)
     with pytest.raises(ValueError):
@@ -71,7 +77,7 @@ def test_loads_and_write_backs_of_any_count_copy_exactly_those_rows_in_bucket_sh
     assert ops.lengths == back.lengths == [bucket(n, CAP)]
 
 
-def test_a_copy_over_4096_rows_goes_in_chunks_of_fixed_shapes(tables, monkeypatch):
+def test_a_copy_over_max_bucket_rows_goes_in_chunks_of_fixed_shapes(tables, monkeypatch):
     host, cache = tables
     monkeypatch.setattr(device_copies, "MAX_BUCKET", 32)
     rows, slots = torch.arange(900, 1000), torch.arange(CAP).flip(0)
@@ -90,32 +96,34 @@ def test_rows_and_their_state_on_the_host_copy_as_before_without_padding(monkeyp
     def refuse(*args):
         raise AssertionError("a host-to-host copy took the device's path")
 
-    monkeypatch.setattr(device_copies, "copy_tensor", refuse)
+    for name in ("copy_tensor", "load", "write_back", "pad", "to_device"):
+        monkeypatch.setattr(device_copies, name, refuse)
     copy_rows(host, torch.tensor([7, 2]), cache, torch.tensor([1, 3]))
     assert torch.equal(cache.weight, torch.tensor([[0.0, 0], [14, 15], [0, 0], [4, 5]]))
     assert torch.equal(cache.states["m"], torch.tensor([0.0, 7, 0, 2]))
 
 
+def _adam_and_rowwise_rows(gen: torch.Generator, n: int) -> Rows:
+    """n rows of a bf16 weight with Adam's two states and a row-wise one (mixed widths)."""
+    return Rows(
+        torch.randn(n, DIM, generator=gen).to(torch.bfloat16),
+        {
+            "m": torch.randn(n, DIM, generator=gen),
+            "v": torch.rand(n, DIM, generator=gen),
+            "r": torch.rand(n, generator=gen),
+        },
+    )
+
+
 def test_a_write_back_moves_a_rows_weight_and_states_in_one_copy_per_chunk(monkeypatch):
     """Each device->host copy makes the host wait for the device: a write-back of rows with Adam's two
-    states and a row-wise one (mixed widths, a bf16 weight) is one copy per chunk of at most 4,096 rows,
-    every value exact."""
+    states and a row-wise one (mixed widths, a bf16 weight) is one copy per chunk, every value exact."""
     from tpurec.runtime import host_copies
 
     gen = torch.Generator().manual_seed(5)
+    monkeypatch.setattr(device_copies, "MAX_BUCKET", 4096)  # (chunks of a few thousand rows: a fast test)
     cap, rows = 5000, 9000
-
-    def side(n):
-        return Rows(
-            torch.randn(n, DIM, generator=gen).to(torch.bfloat16),
-            {
-                "m": torch.randn(n, DIM, generator=gen),
-                "v": torch.rand(n, DIM, generator=gen),
-                "r": torch.rand(n, generator=gen),
-            },
-        )
-
-    host, cache = side(rows), side(cap)
+    host, cache = _adam_and_rowwise_rows(gen, rows), _adam_and_rowwise_rows(gen, cap)
     on_cache = {t.data_ptr() for t in (cache.weight, *cache.states.values())}
     monkeypatch.setattr(device_copies, "on_host", lambda t: t.data_ptr() not in on_cache)
     copies = []
@@ -132,3 +140,56 @@ def test_a_write_back_moves_a_rows_weight_and_states_in_one_copy_per_chunk(monke
     assert copies == [((4096, 3 * DIM + 1), "host tier rows"), ((512, 3 * DIM + 1), "host tier rows")]
     assert torch.equal(host.weight, want.weight) and host.weight.dtype == torch.bfloat16
     assert all(torch.equal(host.states[k], want.states[k]) for k in want.states)
+
+
+def test_a_load_moves_a_rows_weight_and_states_in_one_values_copy_per_chunk(monkeypatch):
+    """Each host->device copy is a synchronous call of a fixed latency: a load of rows with Adam's two
+    states and a row-wise one (a bf16 weight) is, per chunk, ONE copy of the values (laid side by side
+    in float32) and one of the padded slots, in the chunk's bucket shape; on the device each cache tensor
+    takes its columns back in its own dtype, every value exact."""
+    monkeypatch.setattr(device_copies, "MAX_BUCKET", 4096)  # (chunks of a few thousand rows: a fast test)
+    gen = torch.Generator().manual_seed(6)
+    cap, rows = 5000, 9000
+    host, cache = _adam_and_rowwise_rows(gen, rows), _adam_and_rowwise_rows(gen, cap)
+    tensors = (cache.weight, *cache.states.values())
+    on_cache = {t.data_ptr() for t in tensors}
+    monkeypatch.setattr(device_copies, "on_host", lambda t: t.data_ptr() not in on_cache)
+    moved = []
+    monkeypatch.setattr(device_copies, "to_device", lambda t, device: moved.append((tuple(t.shape), t.dtype)) or t)
+    src = torch.randperm(rows, generator=gen)[:4500]
+    slots = torch.randperm(cap, generator=gen)[:4500]
+    want = Rows(cache.weight.clone(), {k: v.clone() for k, v in cache.states.items()})
+    want.weight[slots] = host.weight[src]
+    for k in want.states:
+        want.states[k][slots] = host.states[k][src]
+    with _CacheOps(*tensors) as ops:
+        copy_rows(host, src, cache, slots)
+    # 4,500 rows: a chunk of 4,096 and one of 404 padded to 512; DIM + DIM + DIM + 1 columns side by side
+    f32, i64 = torch.float32, torch.long
+    assert moved == [((4096, 3 * DIM + 1), f32), ((4096,), i64), ((512, 3 * DIM + 1), f32), ((512,), i64)]
+    assert ops.by_tensor == [(k, 4096) for k in range(4)] + [(k, 512) for k in range(4)]  # a scatter per tensor
+    assert torch.equal(cache.weight, want.weight) and cache.weight.dtype == torch.bfloat16
+    assert all(torch.equal(cache.states[k], want.states[k]) for k in want.states)
+
+
+def test_a_warm_up_runs_every_buckets_packed_load_and_write_back_and_changes_no_row_in_use(monkeypatch):
+    """`warm_up`: each bucket's load and write-back once (host row 0 into the empty slot 0 and back), two
+    host->device copies a bucket whatever the optimizer; the host table and every other slot unchanged."""
+    gen = torch.Generator().manual_seed(7)
+    host, cache = _adam_and_rowwise_rows(gen, ROWS), _adam_and_rowwise_rows(gen, CAP)
+    before_host = [t.clone() for t in (host.weight, *host.states.values())]
+    before_cache = [t.clone() for t in (cache.weight, *cache.states.values())]
+    tensors = (cache.weight, *cache.states.values())
+    on_cache = {t.data_ptr() for t in tensors}
+    monkeypatch.setattr(device_copies, "on_host", lambda t: t.data_ptr() not in on_cache)
+    moved = []
+    monkeypatch.setattr(device_copies, "to_device", lambda t, device: moved.append(t.shape[0]) or t)
+    with _CacheOps(*tensors) as ops:
+        device_copies.warm_up([host.weight, *host.states.values()], list(tensors))
+    assert moved == [size for size in buckets(CAP) for _ in range(2)]  # 16, 16, 32, 32, 64, 64, 100, 100
+    # per bucket: each tensor's scatter (the load), then each tensor's gather (the write-back)
+    assert ops.lengths == [size for size in buckets(CAP) for _ in range(2 * len(tensors))]
+    assert all(torch.equal(a, b) for a, b in zip((host.weight, *host.states.values()), before_host))
+    for t, b in zip(tensors, before_cache):
+        assert torch.equal(t[1:], b[1:])
+    assert torch.equal(cache.weight[0], host.weight[0]) and torch.equal(cache.states["r"][0], host.states["r"][0])

@@ -67,19 +67,24 @@ PROBE = textwrap.dedent(
     bucket = device_copies.bucket
     device_copies.bucket = lambda n, cap: sizes.append((n, cap, bucket(n, cap))) or bucket(n, cap)
     late = []  # programs a batch's copies (loads, write-backs, flushes) asked the device for first
-    copy_tensor = device_copies.copy_tensor
 
-    def recording_copy(*args):
-        known = len(device.RECORD.programs)
-        copy_tensor(*args)
-        late.extend(str(p)[:200] for p in list(device.RECORD.programs)[known:])
+    def recording(copy):
+        def recorded(*args):
+            known = len(device.RECORD.programs)
+            out = copy(*args)
+            late.extend(str(p)[:200] for p in list(device.RECORD.programs)[known:])
+            return out
 
-    device_copies.copy_tensor = recording_copy
+        return recorded
+
+    device_copies.load = recording(device_copies.load)
+    device_copies.start_write_back = recording(device_copies.start_write_back)
+    device_copies.PendingWriteBack.complete = recording(device_copies.PendingWriteBack.complete)
     for algorithm in ("LRU", "LFU"):
-        before, late[:] = copy_programs(), []
+        before = copy_programs()
         cache = {t: CacheParams(load_factor=0.1, algorithm=CacheAlgorithm[algorithm]) for t in ("t0", "t2")}
         tiered = training.build(optimizer, cache, device="tpu")
-        made = copy_programs()
+        made, late[:] = copy_programs(), []  # (the warm-up's copies, made by the build, are not late)
         losses = training.train(tiered, data).cpu().tolist()
         state = to_list(training.tables_and_state(tiered))  # (a flush: all the cache written back)
         for i, kjt in varied(2 * steps, 1):

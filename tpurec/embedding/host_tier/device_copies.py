@@ -6,19 +6,24 @@ with a device side goes in chunks of at most `MAX_BUCKET` rows, each chunk's ind
 bucket (`buckets`: the powers of two from `MIN_BUCKET` to `MAX_BUCKET` below the cache's row count,
 and that count when smaller) by repeating the chunk's last (source, destination) pair: a row read
 twice and written twice with the same value is the same copy, so no scratch row is needed. Per table
-and tensor (the weight, each optimizer state) the device ops then see one shape per bucket, at most
-`len(buckets(cache rows))` (9), whatever the batches do:
+the device ops then see one shape per bucket, at most `len(buckets(cache rows))` (12), whatever the
+batches do.
 
-* host -> device (loads): the rows gathered on the host (exact, unpadded), padded, moved to the device
-  in one tensor of the bucket's rows, and scattered there with the padded destination slots;
-* device -> host (write-backs): the rows gathered on the device with the padded source slots, moved
-  to the host, the padding dropped, and scattered into the host table. A row's weight and optimizer
-  state go back together (`write_back`): gathered, laid side by side in one float32 tensor on the
-  device and moved in ONE copy, since each device->host copy makes the host wait for the device
-  (float32 holds every stored dtype's values exactly: f32, and bf16/fp16 widened). The table tier
-  starts an eviction's write-back (`start_write_back`: the gather, queued on the device) and completes
-  it (the copy to the host) at the next batch, so the host does not wait for the device while the
-  current step is still to be queued (table_tier.py).
+A row travels with its weight and every optimizer state, laid side by side in one float32 tensor
+`[bucket, dim + state widths]` (float32 holds every stored dtype's values exactly: f32, and bf16/fp16
+widened), so that a chunk crosses the host link in ONE copy of its values whatever the optimizer: each
+transfer through TorchTPU is a synchronous call of a fixed latency, so their count, not their bytes,
+is what a chunk costs.
+
+* host -> device (`load`): the rows of every tensor gathered on the host with the padded source rows,
+  packed, moved to the device in one copy and the padded destination slots in another; there the
+  columns are split and scattered into each cache tensor (cast back to its dtype);
+* device -> host (`write_back`): the rows gathered on the device with the padded source slots, packed
+  there, moved to the host in one copy (each device->host copy also makes the host wait for the
+  device), the padding dropped, and scattered into the host tensors. The table tier starts an
+  eviction's write-back (`start_write_back`: the gather, queued on the device) and completes it (the
+  copy to the host) at the next batch, so the host does not wait for the device while the current
+  step is still to be queued (table_tier.py).
 
 `warm_up` runs every bucket's device ops once when the cache is made, so that a batch needing a bucket
 for the first time compiles nothing mid-run. Nothing is rounded: the values are the rows' own, in
@@ -34,7 +39,13 @@ import torch
 from tpurec.runtime.device import DeviceKind
 
 MIN_BUCKET = 16  # the smallest padded length: 1 to 16 misses share one small program (not 5: 1, 2, 4, 8, 16)
-MAX_BUCKET = 4096  # rows per chunk: larger copies (a flush of a large cache) go in chunks of this many
+# Rows per chunk: larger copies go in chunks of this many. Measured on a v5e (docs/results.md, session 31:
+# a 4M x 128 f32 table, row-wise Adagrad, batch 16,384 x 8 Zipf ids, a 20% cache) a step loads and writes
+# back ~24,400 rows: at 4,096 that was 6 chunks each way (24 host->device transfers a step for the loads
+# alone, ~3.7 us a row); at 32,768 it is one chunk, 2 transfers in and 1 out. The chunk's packed tensor is
+# transient HBM of at most 32,768 x 129 x 4 B = 16.9 MB (Adam at dim 128: 32,768 x 384 x 4 B = 50 MB) on
+# a 15.7 GiB chip, and a cache of 32,768 rows or more warms up 12 buckets (16 to 32,768) instead of 9.
+MAX_BUCKET = 32768
 
 
 def buckets(cap: int) -> list[int]:
@@ -64,24 +75,43 @@ def on_host(t: torch.Tensor) -> bool:
     return t.device.type == DeviceKind.CPU
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` (on the host) on `device`: every host->device copy of a load, in one place (tests count them)."""
+    return t.to(device)
+
+
 @torch.no_grad()
 def copy_tensor(src: torch.Tensor, src_index: torch.Tensor, dst: torch.Tensor, dst_index: torch.Tensor) -> None:
     """dst[dst_index] = src[src_index] (host int64 indices, one per row), one side on the host and the
-    other (the cache) on a device: the device's ops in the fixed shapes of the module docstring."""
+    other (the cache) on a device: a `load` or a `write_back` of that one tensor."""
+    if on_host(src):
+        load([src], src_index, [dst], dst_index)
+    else:
+        write_back([src], src_index, [dst], dst_index)
+
+
+@torch.no_grad()
+def load(srcs: list[torch.Tensor], src_index: torch.Tensor, dsts: list[torch.Tensor], dst_index: torch.Tensor) -> None:
+    """dsts[k][dst_index] = srcs[k][src_index] for each k: the host table's weight and states into the
+    cache's (on a device, rows along dim 0), two host->device copies per chunk for all of them (the
+    packed rows, the padded slots)."""
     for start in range(0, src_index.numel(), MAX_BUCKET):
-        _copy_chunk(src, src_index[start : start + MAX_BUCKET], dst, dst_index[start : start + MAX_BUCKET])
+        _load_chunk(srcs, src_index[start : start + MAX_BUCKET], dsts, dst_index[start : start + MAX_BUCKET])
 
 
-def _copy_chunk(src: torch.Tensor, src_index: torch.Tensor, dst: torch.Tensor, dst_index: torch.Tensor) -> None:
-    n = src_index.numel()
-    if on_host(src):  # a load: gathered on the host, scattered on the device
-        size = bucket(n, dst.shape[0])
-        values = pad(src.index_select(0, src_index), size).to(dst.device, dst.dtype)
-        dst.index_copy_(0, pad(dst_index, size).to(dst.device), values)
-        return
-    size = bucket(n, src.shape[0])  # a write-back: gathered on the device, scattered on the host
-    values = src.index_select(0, pad(src_index, size).to(src.device)).to("cpu")[:n]
-    dst.index_copy_(0, dst_index, values.to(dst.dtype))
+def _load_chunk(
+    srcs: list[torch.Tensor], src_index: torch.Tensor, dsts: list[torch.Tensor], dst_index: torch.Tensor
+) -> None:
+    cache = dsts[0]
+    size = bucket(src_index.numel(), cache.shape[0])
+    rows = pad(src_index, size)  # gathered padded on the host: no second copy to pad the values
+    widths = [s[0].numel() for s in srcs]  # a row's floats: dim, or 1 (a row-wise state)
+    packed = torch.empty(size, sum(widths), dtype=torch.float32)
+    for part, src in zip(packed.split(widths, dim=1), srcs):
+        part.copy_(src.index_select(0, rows).reshape(size, -1))  # (widened to float32: exact)
+    packed, slots = to_device(packed, cache.device), to_device(pad(dst_index, size), cache.device)
+    for part, dst in zip(packed.split(widths, dim=1), dsts):
+        dst.index_copy_(0, slots, part.reshape(size, *dst.shape[1:]).to(dst.dtype))
 
 
 @torch.no_grad()
@@ -139,11 +169,11 @@ def _gather_chunk(
 
 
 @torch.no_grad()
-def warm_up(host: torch.Tensor, cache: torch.Tensor) -> None:
-    """Run every bucket's load between `host` (a host table's tensor) and `cache` (its cache's, on a
-    device, holding no row yet) once: each copies host row 0 into cache slot 0, so the cache's contents
-    and the host table stay as they were for the rows in use. (Write-backs go with the row's states:
-    `write_back`, warmed up by host_rows.warm_up after these loads.)"""
-    for size in buckets(cache.shape[0]):
+def warm_up(hosts: list[torch.Tensor], caches: list[torch.Tensor]) -> None:
+    """Run every bucket's load and write-back between `hosts` (a host table's weight and states) and
+    `caches` (its cache's, on a device, holding no row yet) once: each copies host row 0 into cache
+    slot 0 and back, so the cache's contents and the host table stay as they were for the rows in use."""
+    for size in buckets(caches[0].shape[0]):
         zeros = torch.zeros(size, dtype=torch.long)
-        _copy_chunk(host, zeros, cache, zeros)
+        load(hosts, zeros, caches, zeros)
+        write_back(caches, zeros, hosts, zeros)  # slot 0 back into host row 0: its own value

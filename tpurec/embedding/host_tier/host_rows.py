@@ -59,26 +59,22 @@ def copy_rows(src: Rows, src_index: torch.Tensor, dst: Rows, dst_index: torch.Te
     if src_index.numel() == 0:
         return
     pairs = _pairs(src, dst)
-    if not device_copies.on_host(src.weight) and device_copies.on_host(dst.weight):  # a write-back
-        device_copies.write_back([a for a, _ in pairs], src_index, [b for _, b in pairs], dst_index)
-        return
-    for a, b in pairs:
-        if device_copies.on_host(a) and device_copies.on_host(b):
+    srcs, dsts = [a for a, _ in pairs], [b for _, b in pairs]
+    if device_copies.on_host(src.weight) and device_copies.on_host(dst.weight):
+        for a, b in pairs:
             b.index_copy_(0, dst_index, a.index_select(0, src_index).to(dtype=b.dtype))
-        else:
-            device_copies.copy_tensor(a, src_index, b, dst_index)
+    elif device_copies.on_host(src.weight):  # a load: the weight and states packed, two copies a chunk
+        device_copies.load(srcs, src_index, dsts, dst_index)
+    else:  # a write-back: one copy a chunk
+        device_copies.write_back(srcs, src_index, dsts, dst_index)
 
 
 def warm_up(host: Rows, cache: Rows) -> None:
     """A cache on a TPU, holding no row yet: every copy shape it will use run once (device_copies.py):
-    each tensor's load, and the write-back of the weight and states together."""
+    the packed load and write-back of the weight and states together, in each bucket."""
     if cache.weight.device.type == DeviceKind.TPU:
         pairs = _pairs(host, cache)
-        for a, b in pairs:
-            device_copies.warm_up(a, b)
-        for size in device_copies.buckets(cache.weight.shape[0]):
-            zeros = torch.zeros(size, dtype=torch.long)  # slot 0 back into host row 0: its own value
-            device_copies.write_back([b for _, b in pairs], zeros, [a for a, _ in pairs], zeros)
+        device_copies.warm_up([a for a, _ in pairs], [b for _, b in pairs])
 
 
 def _pairs(src: Rows, dst: Rows) -> list[tuple[torch.Tensor, torch.Tensor]]:
