@@ -16,7 +16,6 @@ feature (`stacked_samples`).
 from __future__ import annotations
 
 import math
-
 import threading
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping
@@ -26,7 +25,6 @@ from torchrec.modules.embedding_configs import PoolingType
 
 from tpurec.embedding import csr_build
 from tpurec.embedding.constraints import DIM_ALIGN, SEGMENT_ALIGN, round_up
-from tpurec.embedding.settings import FIRST_BATCH_HEADROOM
 from tpurec.embedding.cpu_path import writes_final_layout
 from tpurec.embedding.demand import ShardsDemand, TableShards
 from tpurec.embedding.kernel_table import KernelTable, out_of_range
@@ -36,7 +34,7 @@ from tpurec.embedding.multipass import MultiPassInput, split_into_passes, stacke
 from tpurec.embedding.optimizers.base import OptimizerSpec
 from tpurec.embedding.optimizers.weight_decay import DecayInput, decay_input
 from tpurec.embedding.preprocess import IdLimitExceededError, PreprocessStats, SparseCoreInput, preprocess
-from tpurec.embedding.settings import KernelSettings
+from tpurec.embedding.settings import FIRST_BATCH_HEADROOM, KernelSettings
 from tpurec.embedding.stack_limits import initial_limits
 from tpurec.errors import UserError
 from tpurec.runtime import device as _device
