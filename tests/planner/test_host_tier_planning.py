@@ -144,8 +144,8 @@ def test_a_model_half_again_over_hbm_is_planned_onto_the_host_tier_largest_table
     tiers = {t["name"]: t["tier"] for t in report["tables"]}
     assert tiers == {"t0": "host", "t1": "hbm", "t2": "hbm", "t3": "hbm", "t4": "hbm"}
     t0 = next(t for t in report["tables"] if t["name"] == "t0")
-    # the smallest load factor whose expected LRU hit rate reaches 90%: 0.05 (1.2 M rows, 92.7%) for
-    # Zipf(1.2) ids, 256 a batch (0.02: 89.7%)
+    # the smallest load factor whose expected LRU hit rate reaches 90%: 0.05 (1.2 M rows, 92.6%) for
+    # Zipf(1.2) ids, 256 a batch (0.02: 89.6%)
     assert (t0["load_factor"], t0["cache_rows"], t0["cache_algorithm"]) == (0.05, 1_200_000, "lru")
     assert t0["expected_hit_rate"] == round(estimate(curve, 1_200_000, 256).hit_rate, 4)
     assert t0["expected_hit_rate"] >= 0.9 > estimate(curve, 480_000, 256).hit_rate  # (0.02's cache: short of it)

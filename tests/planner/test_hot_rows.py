@@ -38,7 +38,8 @@ def test_equally_popular_rows_hit_in_proportion_to_the_cache():
     uniform = HotRows(10**6, 1.0, 1000, tuple(curve_points(1000)), tuple(k / 1000 for k in curve_points(1000)))
     for algorithm in ("lru", "lfu"):
         e = estimate(uniform, 200, ids_per_batch=512, algorithm=algorithm)
-        assert e.hit_rate == pytest.approx(0.2, abs=1e-6)
+        # (LRU: 0.19985, each id's row counted without that id: 999 of its 1,000 ids; LFU: exact)
+        assert e.hit_rate == pytest.approx(0.2, abs=2e-4)
         assert e.rows_per_batch == pytest.approx(1000 * (1 - (1 - 1 / 1000) ** 512), rel=1e-9)  # 401.0
     assert estimate(uniform, 1000, 512).hit_rate == 1.0  # every row seen fits
 
@@ -74,5 +75,22 @@ def test_the_lru_estimate_from_a_measured_curve_matches_a_simulated_cache():
     curve = tally.result()["t"]
     got = estimate(curve, 100, ids_per_batch=128).hit_rate
     simulated = _lru_hit_rate(batches, 100, warm=100)
-    assert abs(got - simulated) < 0.01, (got, simulated)  # 0.393 against 0.395
+    assert abs(got - simulated) < 0.01, (got, simulated)  # 0.396 against 0.395 (0.393 with its own ids counted)
     assert 0.3 < simulated < 0.5
+
+
+def test_rows_seen_a_few_times_are_not_taken_for_hot_ones():
+    """Uniform ids, 3 a row over the run (10,000 rows, 120 batches of 256): sampling noise makes the
+    counted curve look skewed. The estimate counts each id's row by its other ids (hit_rate.py), and
+    agrees with an LRU cache fed those batches within 1.5 points at 5%, 20% and 50% of the rows (each
+    row's own id counted too, it said 6.5, 25.4 and 60.5%)."""
+    rng = np.random.default_rng(0)
+    batches = rng.integers(0, 10_000, (120, 256))
+    tally = HotRowTally({"t": 10_000})
+    for b in batches:
+        tally.add("t", b, samples=b.size)
+    curve = tally.result()["t"]
+    for cached, want in ((500, 0.05), (2_000, 0.2), (5_000, 0.5)):
+        simulated = _lru_hit_rate(batches, cached, warm=40)
+        assert abs(simulated - want) < 0.01, (cached, simulated)
+        assert abs(estimate(curve, cached, ids_per_batch=256).hit_rate - simulated) < 0.015, cached

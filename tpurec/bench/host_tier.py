@@ -93,6 +93,7 @@ def run_dist(shape: dict, dist: str, load_factors: list[float], algorithm: str, 
             if env["progress"]:
                 line = {"dist": dist, "round": r + 1, "contender": name, "seconds": round(seconds, 4)}
                 print(strict_json.dumps(line), flush=True)
+    expected = s.planner_hit_rates(shape, [warm_data, *data], load_factors, algorithm)
     samples, later = shape["steps"] * shape["batch"], shape["steps"] * (shape["rounds"] - 1)
     out: dict[str, Any] = {"dist": dist, "device_bytes_in_use": in_use, "contenders": {}}
     for name, m in models.items():
@@ -104,13 +105,27 @@ def run_dist(shape: dict, dist: str, load_factors: list[float], algorithm: str, 
             "vs_resident": ratio_summary(secs[name], secs["resident"]),
             "losses_equal_resident": exact if env["bit_exact"] else diff <= TPU_LOSS_RTOL,
             "loss_max_rel_diff_round_1": diff,
-            "cache": s.steady(warm[name], s.counters(m), later, copies[name]),
+            "cache": _with_planner(s.steady(warm[name], s.counters(m), later, copies[name]), expected.get(name)),
             "kernel_device": str(m["ebc"].kernel.stack_weight(0).device),
             **setup[name],
         }
     models.clear()
     gc.collect()  # the next law's models take the chip's memory: these go first
     return out
+
+
+def _with_planner(cache: dict[str, Any] | None, expected: float | None) -> dict[str, Any] | None:
+    """The cache's figures with the planner's expected hit rate beside the measured one, and whether
+    the cache was full while measured (it evicted): the planner's figure is a full cache's."""
+    if cache is None or expected is None:
+        return cache
+    measured = cache["hit_rate_after_round_1"]
+    return {
+        **cache,
+        "planner_hit_rate": expected,
+        "measured_minus_planner_points": round(100 * (measured - expected), 2),
+        "cache_full": cache["evictions"] > 0,
+    }
 
 
 def _check_caches(shape: dict, dist: str, data: list[list], load_factor: float) -> None:

@@ -127,3 +127,29 @@ def steady(warm: dict[str, Any] | None, end: dict[str, Any] | None, steps: int, 
 def max_rel_diff(got: list[float], want: list[float]) -> float:
     """The largest |got - want| / max(|want|, 1e-12) over the steps."""
     return max((abs(g - w) / max(abs(w), 1e-12) for g, w in zip(got, want, strict=True)), default=0.0)
+
+
+def planner_hit_rates(shape: dict, data: list[list], load_factors: list[float], algorithm: str) -> dict[str, float]:
+    """{contender: the hit rate the planner expects of its cache} (planner/hit_rate.py, steady state),
+    from the hot-row curve of the ids in `data` (every batch the contenders train on), as `tpurec data
+    stats` would measure it for `tpurec plan`."""
+    import numpy as np
+
+    from tpurec.embedding.host_tier.params import host_tier_params
+    from tpurec.planner.hit_rate import estimate
+    from tpurec.planner.hot_rows import curve_of
+
+    ids = np.concatenate([kjt.values().cpu().numpy() for part in data for kjt, _ in part])
+    samples = sum(kjt.stride() for part in data for kjt, _ in part)
+    curve = curve_of(np.bincount(ids, minlength=shape["rows"]), samples)
+    out = {}
+    for lf in load_factors:
+        cached = host_tier_params("t", shape["rows"], _cache(lf)).cached_rows
+        out[f"host-{lf:g}"] = round(estimate(curve, cached, shape["batch"] * shape["pooling"], algorithm).hit_rate, 4)
+    return out
+
+
+def _cache(load_factor: float) -> Any:
+    from torchrec.distributed.types import CacheParams
+
+    return CacheParams(load_factor=load_factor)
