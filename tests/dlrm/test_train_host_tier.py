@@ -113,7 +113,7 @@ def test_on_an_emulated_tpu_the_host_tier_trains_the_resident_runs_losses(zipf_d
 @pytest.mark.parametrize(
     "flags,message",
     [
-        (["--host-tier", "auto"], "--host-tier auto is tpurec plan's"),
+        (["--host-tier", "auto", "--device", "cpu"], "--host-tier auto moves tables off a TPU's HBM (--device tpu"),
         (["--host-tier", "t_C3:0", "--device", "cpu"], "load factor '0' of t_C3 is not a number in (0, 1]"),
         (["--host-tier", "t_C3:0.2:fifo"], "eviction 'fifo' of t_C3 is not lru or lfu"),
         (["--host-tier", "t_C3", "--zch"], "--zch's managed-collision tables are not on the host tier yet"),
@@ -129,3 +129,16 @@ def test_a_table_the_model_lacks_is_named_with_the_models_tables(zipf_data, cach
     result, p = train("--data", zipf_data, "--steps", 2, "--host-tier", "t_C99", cache=cache, check=False)
     assert p.returncode == 2
     assert "--host-tier: no table t_C99 in the model (its tables: t_C1, t_C2" in p.stderr
+
+
+@pytest.mark.slow  # an emulated rank: about 25 s
+def test_host_tier_auto_on_a_tpu_plans_and_says_what_it_moved(zipf_data, cache):
+    """`--host-tier auto` is DMP's host_tier="auto" on a TPU rank (the emulated v5e here): dlrm-tiny fits
+    the chip's HBM, so it moves nothing and says so; the run trains as usual (what auto moves when a model
+    does not fit: tests/sharding/test_host_tier_dmp.py)."""
+    result, p = train(
+        "--data", zipf_data, "--batch-size", 256, "--steps", 4, "--emulate-tpu", "v5e-1", "--host-tier", "auto",
+        "--curves-out", "none", cache=cache,
+    )  # fmt: skip
+    assert "--host-tier auto: no table (all fit the HBM) on the host tier" in p.stderr
+    assert "host_tier" not in result and result["steps"] == 4

@@ -214,3 +214,46 @@ def test_on_an_emulated_tpu_rank_the_host_tier_trains_and_checkpoints_as_residen
             counters = runs[name]["counters"][table]
             assert counters["hits"] > 0 and counters["evictions"] > 0 and counters["writebacks"] > 0
         assert runs[name]["cached"] == {"t0/0": 100, "t2/0": 200}
+
+
+@pytest.mark.slow  # one emulated rank, three models: about 40 s alone
+@pytest.mark.multiprocess
+def test_host_tier_auto_moves_what_does_not_fit_a_tpu_and_trains_as_resident():
+    """`DistributedModelParallel(..., host_tier="auto")` on an emulated v5e-1 rank whose HBM is cut to
+    40 MB: t0 (200,000 x 64 with row-wise Adagrad, 51 MB) is refused without it; with it the planner
+    keeps t0 on the host tier behind a fifth of its rows (the update's stack copy counted at the cache's
+    rows, planners.stack_transient) and the model trains 5 steps to the all-resident model's losses
+    (host_tier_auto_program.py)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    program = str(Path(__file__).parent / "host_tier_auto_program.py")
+    env = dict(os.environ, PYTHONPATH=str(repo), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "tpurec.cli", "launch", "--emulate-tpu", "v5e-1", program]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=repo)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["refused"].startswith("plan does not fit on v5e-1 (1 device of 38.15 MiB")
+    assert got["host_tier"] == ["t0"] and got["cache_load_factor"] == {"t0": 0.2}
+    assert got["losses"] == pytest.approx(got["resident_losses"], rel=1e-6) and len(got["losses"]) == 5
+
+
+def test_host_tier_auto_is_for_dmp_s_own_plan_on_a_tpu():
+    """One line each: a value other than auto, auto with a plan given, auto on a CPU rank."""
+    from tpurec.runtime.device import DeviceKind
+    from tpurec.sharding.dmp import _host_tier_choice
+
+    assert (
+        _host_tier_choice(None, None, DeviceKind.TPU) is None and _host_tier_choice("off", None, DeviceKind.TPU) is None
+    )
+    assert _host_tier_choice("auto", None, DeviceKind.TPU) == "auto"
+    with pytest.raises(UserError, match=r"^host_tier= takes 'auto' or None, got 'yes'$"):
+        _host_tier_choice("yes", None, DeviceKind.TPU)
+    with pytest.raises(UserError, match=r"the given plan holds its own$"):
+        _host_tier_choice("auto", ShardingPlan({}), DeviceKind.TPU)
+    with pytest.raises(UserError, match=r"on the CPU name them \(ParameterConstraints\)$"):
+        _host_tier_choice("auto", None, DeviceKind.CPU)

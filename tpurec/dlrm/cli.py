@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     msg = _launch_problem(args, options)
     if args.emulate_tpu:
         # The ranks run the TPU code path; this launcher checks the rest as for a CPU run.
-        msg = msg or dataclasses.replace(options, device="cpu").check(nproc=args.nproc or 1)
+        msg = msg or dataclasses.replace(options, device="cpu").check(nproc=args.nproc or 1, tpu_ranks=True)
         options = dataclasses.replace(options, device="tpu")
     else:
         msg = msg or options.check(nproc=args.nproc or 1)

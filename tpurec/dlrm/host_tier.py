@@ -24,24 +24,38 @@ FLAG = "--host-tier"
 COUNTERS = ("hits", "misses", "evictions", "writebacks", "rows", "cache_rows")
 
 
-def problem(text: str | None, *, plan: str | None, zch: bool) -> str | None:
-    """Why `--host-tier text` cannot run with the other options (one line), or None."""
+def problem(text: str | None, *, plan: str | None, zch: bool, tpu: bool = False) -> str | None:
+    """Why `--host-tier text` cannot run with the other options (one line), or None. tpu: the run's
+    device is a TPU (real or emulated), where `auto` may move tables off its HBM."""
     if text is None:
         return None
     try:
         tables = host_tier_flag.parse(text, FLAG)
     except ValueError as e:
         return str(e)
-    if tables == host_tier_flag.AUTO:
+    if tables == host_tier_flag.AUTO and not tpu:
         return (
-            f"{FLAG} auto is tpurec plan's (it moves tables off a TPU slice's HBM); a CPU rank keeps both tiers in one "
-            f"memory: name the tables ({FLAG} TABLE[:LOAD_FACTOR[:lru|lfu]],...)"
+            f"{FLAG} auto moves tables off a TPU's HBM (--device tpu, or tpurec plan for a slice); a CPU rank keeps "
+            f"both tiers in one memory: name the tables ({FLAG} TABLE[:LOAD_FACTOR[:lru|lfu]],...)"
         )
     if plan:
         return f"{FLAG} plans the tables onto the host tier; --plan {plan} holds its own (its cache_params): give one"
     if zch:
         return f"{FLAG}: --zch's managed-collision tables are not on the host tier yet; leave out one of them"
     return None
+
+
+def is_auto(text: str | None) -> bool:
+    """`--host-tier auto`: the planner chooses the tables (DMP's host_tier="auto")."""
+    return text is not None and host_tier_flag.parse(text, FLAG) == host_tier_flag.AUTO
+
+
+def planned_tables(plan: Any) -> list[str]:
+    """The tables a ShardingPlan keeps on the host tier (those given cache_params by the planner)."""
+    from tpurec.planner.host_tier_choice import host_tier_tables
+    from tpurec.planner.plan_check import module_plans
+
+    return sorted({name for module in module_plans(plan).values() for name in host_tier_tables(module)})
 
 
 def constraints(
@@ -95,12 +109,7 @@ def table_names(text: str | None, plan: str | None) -> list[str]:
         return []
     from tpurec.planner.plan_io import plan_from_dict, read_doc
 
-    doc = read_doc(plan)
-    from tpurec.planner.host_tier_choice import host_tier_tables
-    from tpurec.planner.plan_check import module_plans
-
-    made = plan_from_dict(doc, source=f"--plan {plan}")
-    return sorted({name for module in module_plans(made).values() for name in host_tier_tables(module)})
+    return planned_tables(plan_from_dict(read_doc(plan), source=f"--plan {plan}"))
 
 
 def summary(figures: dict[str, dict[str, Any]]) -> str:

@@ -175,12 +175,14 @@ def shard(
     id_limits: str | None = None,
     constraints: dict[str, ParameterConstraints] | None = None,
     fixed_limits: bool | None = None,
+    host_tier: str | None = None,
 ) -> DistributedModelParallel:
     """tpurec.DistributedModelParallel (tpurec planner and SparseCore kernel), or with stock=True,
     torchrec's own DMP with the FBGEMM `fused` kernel (for the benchmark). id_limits: the `--limits`
     file, read by DMP (only it knows the layout the file must match) into KernelSettings.id_limits.
     constraints: a `--model-module` model's own, {} for none (None: the built-in DLRM's, planner_constraints).
-    fixed_limits: DMP's (every buffer shape fixed; EmbeddingCollections on their fixed-shape outputs)."""
+    fixed_limits: DMP's (every buffer shape fixed; EmbeddingCollections on their fixed-shape outputs).
+    host_tier: DMP's ("auto": tables that do not fit the TPU's HBM planned onto the host tier)."""
     if stock:
         from torchrec.distributed.model_parallel import DistributedModelParallel as TorchrecDMP
 
@@ -200,6 +202,7 @@ def shard(
         constraints=constraints or None,
         id_limits=id_limits,
         fixed_limits=fixed_limits,
+        host_tier=host_tier,
     )
 
 

@@ -228,9 +228,9 @@ class TrainOptions:
     host_tier: str | None = flag(
         None,
         "tables kept in host memory behind a cache of their rows on the run's device, each with its load factor "
-        "(share of rows cached, default 0.2) and eviction (lru, default, or lfu); hits, misses and the hit rate in "
-        "the result line (docs/host_tier.md)",
-        metavar="TABLE[:LF[:lru|lfu]],...",
+        "(share of rows cached, default 0.2) and eviction (lru, default, or lfu); `auto` on a TPU: the planner moves "
+        "tables that do not fit its HBM there; hits, misses and the hit rate in the result line (docs/host_tier.md)",
+        metavar="TABLE[:LF[:lru|lfu]],...|auto",
     )
     metrics_out: str | None = flag(None, "metrics as .csv or .jsonl; curves as FILE.png beside it", metavar="FILE")
     tensorboard: str | None = flag(
@@ -533,8 +533,9 @@ class TrainOptions:
             return f"{name} compares the evaluations of --eval-every N; give --eval-every (else only the end's)"
         return None
 
-    def check(self, nproc: int = 1) -> str | None:
-        """A one-line message for bad input, checked before anything heavy starts."""
+    def check(self, nproc: int = 1, tpu_ranks: bool = False) -> str | None:
+        """A one-line message for bad input, checked before anything heavy starts. tpu_ranks: the ranks
+        run on a TPU though this process checks as for a CPU run (`--emulate-tpu`'s launcher)."""
         problem = self._model_module_problem() or self._step_problem() or self._best_problem()
         if problem:
             return problem
@@ -546,7 +547,8 @@ class TrainOptions:
                 return problem
         from tpurec.dlrm import host_tier
 
-        problem = host_tier.problem(self.host_tier, plan=self.plan, zch=self.zch)
+        tpu = tpu_ranks or self.device == DeviceKind.TPU
+        problem = host_tier.problem(self.host_tier, plan=self.plan, zch=self.zch, tpu=tpu)
         problem = problem or self._zch_problem() or self._dense_transform_problem()
         if problem:
             return problem

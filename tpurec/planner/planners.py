@@ -232,6 +232,9 @@ class TpuStorageReservation(StorageReservation):
         self._last: Topology | None = None
         self.reserved_bytes = 0
         self._fixed: tuple[weakref.ref, int, int] | None = None  # (module, batch_size, bytes) last computed
+        # the tables the plan being made keeps on the host tier (make_planner sets it per attempt): the
+        # update's stack copy holds their caches' rows, not the whole tables
+        self.host_tier: Mapping[str, CacheParams] = {}
 
     def reserve(
         self,
@@ -243,7 +246,8 @@ class TpuStorageReservation(StorageReservation):
     ) -> Topology:
         reserved = copy.deepcopy(topology)
         on_cpu = topology.compute_device == DeviceKind.CPU
-        one_stack = 0 if on_cpu else stack_transient(spec_of(topology).generation.name, module, sharders)
+        generation = spec_of(topology).generation.name
+        one_stack = 0 if on_cpu else stack_transient(generation, module, sharders, self.host_tier)
         for device in reserved.devices:
             cap = device.storage.ddr if on_cpu else device.storage.hbm
             amount = min(cap, self.amount(module, batch_size, cap) + one_stack)
@@ -272,11 +276,24 @@ class TpuStorageReservation(StorageReservation):
         return copy.deepcopy(self._last)
 
 
-def stack_transient(generation: str, module: nn.Module, sharders: List[ModuleSharder] | None = None) -> int:
+def _for_host_tier(reservation: StorageReservation, host_tier: Mapping[str, CacheParams] | None) -> StorageReservation:
+    if isinstance(reservation, TpuStorageReservation):
+        reservation.host_tier = dict(host_tier or {})
+    return reservation
+
+
+def stack_transient(
+    generation: str,
+    module: nn.Module,
+    sharders: List[ModuleSharder] | None = None,
+    host_tier: Mapping[str, CacheParams] | None = None,
+) -> int:
     """Bytes of the new stack and state the TensorCore kernel's fused update holds besides the live
     ones, on a chip it drives (v5e, v4; else 0: per shard, estimators.py): its stacks are at most
     TENSORCORE_MAX_STACK_BYTES of rows and updated one by one, so one stack's copy at a time, at most
-    all the tables' rows, with the most optimizer state a row of theirs carries."""
+    all the tables' rows (a host-tier table's: its cache's), with the most optimizer state a row of
+    theirs carries."""
+    from tpurec.embedding.host_tier.params import host_tier_params
     from tpurec.embedding.settings import TENSORCORE_MAX_STACK_BYTES
     from tpurec.runtime.device import tensorcore_only
 
@@ -286,9 +303,14 @@ def stack_transient(generation: str, module: nn.Module, sharders: List[ModuleSha
     optimizer = spec_class(infer_optimizer(module, sharders) or "sgd")
     widths = {round_up(c.embedding_dim, DIM_ALIGN) for c in configs}
     state_per_weight = max(optimizer.state_bytes_per_row(w) / (4 * w) for w in widths)
-    rows = min(
-        TENSORCORE_MAX_STACK_BYTES, sum(c.num_embeddings * round_up(c.embedding_dim, DIM_ALIGN) * 4 for c in configs)
-    )
+    tier = host_tier or {}
+
+    def stored(c: BaseEmbeddingConfig) -> int:
+        return (
+            host_tier_params(c.name, c.num_embeddings, tier[c.name]).cached_rows if c.name in tier else c.num_embeddings
+        )
+
+    rows = min(TENSORCORE_MAX_STACK_BYTES, sum(stored(c) * round_up(c.embedding_dim, DIM_ALIGN) * 4 for c in configs))
     return int(rows * (1 + state_per_weight))
 
 
@@ -457,7 +479,7 @@ def make_planner(
         enumerator=TpuEnumerator(
             topology=topology, batch_size=batch_size, constraints=constraints, estimator=estimators
         ),
-        storage_reservation=storage_reservation or TpuStorageReservation(),
+        storage_reservation=_for_host_tier(storage_reservation or TpuStorageReservation(), host_tier),
         partitioner=TpuPartitioner(),  # TorchRec's greedy placement, its uniform step in one pass
         # torchrec's default proposers, then ours (see CriticalDeviceProposer), each within a work
         # budget once a plan fits (proposal_budget.py: planning time about linear in tables x devices)

@@ -217,6 +217,23 @@ def _read_id_limits(
     return load_limits(str(id_limits), layout, tables=embedding_tables(module))
 
 
+def _host_tier_choice(host_tier: str | None, plan: ShardingPlan | None, compute_device: DeviceKind) -> str | None:
+    """`host_tier="auto"`: a model whose tables do not fit the slice's device memory is planned with
+    tables moved to the host tier (planner/host_tier_plan.py), where host memory allows; None/"off":
+    refused as before. Only DMP's own planning, only on a TPU (a CPU rank has one memory)."""
+    from tpurec.planner.host_tier_plan import AUTO
+
+    if host_tier in (None, "off"):
+        return None
+    if host_tier != AUTO:
+        raise UserError(f"host_tier= takes 'auto' or None, got {host_tier!r}")
+    if plan is not None:
+        raise UserError("host_tier='auto' plans the tables onto the host tier; the given plan holds its own")
+    if compute_device != DeviceKind.TPU:
+        raise UserError("host_tier='auto' moves tables off a TPU's HBM; on the CPU name them (ParameterConstraints)")
+    return AUTO
+
+
 def _quiet_sharded_tensor_notice() -> None:
     """Drops torch's "Please use DTensor instead and we are deprecating ShardedTensor" FutureWarning of
     DCP: TorchRec's sharded modules hold their tables as ShardedTensors (its design, not the user's
@@ -315,6 +332,7 @@ class DistributedModelParallel(_TorchrecDMP):
         id_limits: IdLimitsArg = None,
         fixed_limits: bool | None = None,
         threads: int | None = None,
+        host_tier: str | None = None,
         **dmp_kwargs: Any,
     ) -> None:
         from tpurec.planner.topology import make_topology
@@ -351,6 +369,7 @@ class DistributedModelParallel(_TorchrecDMP):
             if sharders
             else default_sharders(num_sc, pooling_factors=_pooling_factors(constraints), settings=settings)
         )
+        auto = _host_tier_choice(host_tier, plan, compute_device)
         if plan is None:
             from tpurec.planner.planners import plan as make_plan
 
@@ -362,6 +381,7 @@ class DistributedModelParallel(_TorchrecDMP):
                 constraints=constraints,
                 sharders=sharders,
                 pg=env.process_group,
+                host_tier=auto,
             )
         else:
             plan = _checked_plan(plan, module, env.world_size, compute_device)

@@ -75,7 +75,10 @@ class ShardedModel:
             model = build_model(
                 cfg, table_sizes=data.table_sizes, feature_names=data.feature_names, zch=zch, num_dense=data.num_dense
             )
-        if o.host_tier:  # tables on the host tier, in the planner's words (tpurec/dlrm/host_tier.py)
+        from tpurec.dlrm import host_tier
+
+        auto = host_tier.is_auto(o.host_tier)
+        if o.host_tier and not auto:  # tables on the host tier, in the planner's words (tpurec/dlrm/host_tier.py)
             constraints = self._host_tier_constraints(model, constraints)
         plan = None
         if o.plan:
@@ -88,10 +91,21 @@ class ShardedModel:
         try:
             # the --limits file is read and checked against the model by DMP (tpurec/sharding/dmp.py)
             self.dmp = shard(
-                model, cfg, run.device, plan=plan, id_limits=o.id_limits, constraints=constraints, fixed_limits=fixed
+                model,
+                cfg,
+                run.device,
+                plan=plan,
+                id_limits=o.id_limits,
+                constraints=constraints,
+                fixed_limits=fixed,
+                host_tier="auto" if auto else None,
             )
         except PlanMismatchError as e:  # DMP says "the plan": name the file
             raise e.named(f"--plan {o.plan}") from None
+        if auto:  # the tables the planner moved there: their caches' figures in the result line
+            data.host_tier_tables = host_tier.planned_tables(self.dmp.plan)
+            moved = ", ".join(data.host_tier_tables) or "no table (all fit the HBM)"
+            run.say(f"--host-tier auto: {moved} on the host tier")
         if o.plan:  # after DMP's shard checks, as the launcher's preflight orders them
             from tpurec.planner.plan_check import check_plan_world
             from tpurec.planner.plan_io import read_doc
