@@ -139,7 +139,7 @@ def test_fixed_limits_left_to_the_first_batch_are_twice_its_fullest_partition():
 
 def test_the_tensorcore_kernel_sets_its_first_batch_limits_10_percent_over_the_batch(monkeypatch):
     """On a TPU without driven SparseCores every slot of the buffers is worked on: the first batch's
-    counts plus 10% (8-aligned), not twice them; a later batch over them runs in two passes, exact."""
+    ids plus 10% (8-aligned), not twice them; a later batch over them runs in two passes, exact."""
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     from tpurec.embedding.kernel import KernelTable, SparseCoreKernel
@@ -155,13 +155,16 @@ def test_the_tensorcore_kernel_sets_its_first_batch_limits_10_percent_over_the_b
         KernelSettings(first_batch_headroom=-0.1)
     settings = KernelSettings(fixed_limits=True, first_batch_headroom=0.1)
     kernel = SparseCoreKernel([KernelTable("t", 512, 8, ("f",))], SGDSpec(lr=0.1), 1, settings=settings)
-    # 100 ids of 60 distinct rows in one partition: 110 -> 112 ids, 66 -> 72 distinct (8-aligned)
-    ids = torch.cat([torch.arange(60), torch.arange(40)])
+    # 2 samples of the same 50 rows, 100 ids of 50 distinct rows in one partition: 110 -> 112 ids; distinct
+    # ids twice, 100 -> 104 (batches vary more in them, and the TensorCore kernel sizes nothing by them)
     lengths = torch.tensor([50, 50, 0, 0], dtype=torch.int32)
-    kernel.preprocess(KeyedJaggedTensor(["f"], ids, lengths=lengths))
-    assert kernel.stack_limits(0) == (112, 72) and kernel.multipass_batches == 0
+    kernel.preprocess(KeyedJaggedTensor(["f"], torch.cat([torch.arange(50), torch.arange(50)]), lengths=lengths))
+    assert kernel.stack_limits(0) == (112, 104) and kernel.multipass_batches == 0
+    # 100 ids of 75 distinct rows: within both (with distinct ids 10% over the first batch's: two passes)
+    kernel.preprocess(KeyedJaggedTensor(["f"], torch.cat([torch.arange(50), torch.arange(25, 75)]), lengths=lengths))
+    assert kernel.stack_limits(0) == (112, 104) and kernel.multipass_batches == 0
     kernel.preprocess(KeyedJaggedTensor(["f"], torch.arange(120), lengths=torch.tensor([60, 60, 0, 0])))
-    assert kernel.stack_limits(0) == (112, 72) and kernel.multipass_batches == 1
+    assert kernel.stack_limits(0) == (112, 104) and kernel.multipass_batches == 1
 
 
 @pytest.mark.parametrize(

@@ -355,8 +355,8 @@ class KernelInput:
 
     def _limits(self, i: int, entries: StackEntries, common: dict[str, Any]) -> tuple[int | None, int | None]:
         """Stack i's (max ids, max unique ids) for this batch: the given ones when limits follow the
-        batch, else the fixed ones, set from this first batch if none (its fullest partition's counts
-        times 1 + `first_batch_headroom`: KernelSettings)."""
+        batch, else the fixed ones, set from this first batch if none (its fullest partition's ids
+        times 1 + `first_batch_headroom`, KernelSettings; its distinct ids times 2)."""
         if not self.fixed_limits:
             return self.settings.max_ids_per_partition, self.settings.max_unique_ids_per_partition
         limits = self._stack_limits[i]
@@ -369,7 +369,10 @@ class KernelInput:
                 return round_up(max(SEGMENT_ALIGN, math.ceil(factor * n)), SEGMENT_ALIGN)
 
             max_ids = bound(first.max_ids_per_partition)
-            limits = self._stack_limits[i] = (max_ids, min(bound(first.max_unique_ids_per_partition), max_ids))
+            # distinct ids keep twice the first batch's: they vary more from batch to batch than the ids
+            # do (a batch over them runs in passes), and the TensorCore kernel sizes nothing by them
+            uniq = round_up(max(SEGMENT_ALIGN, 2 * first.max_unique_ids_per_partition), SEGMENT_ALIGN)
+            limits = self._stack_limits[i] = (max_ids, min(uniq, max_ids))
         return limits
 
     def stack_input(
