@@ -83,6 +83,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=16_384)
     p.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent of the ids (synth.zipf_ids)")
     p.add_argument("--limits", default="1.1,2", help="id-limit factors over the batch's fullest partition")
+    p.add_argument(
+        "--unique-factor",
+        type=float,
+        default=2.0,
+        help="unique-id limit factor over the batch's fullest partition (KernelInput._limits: 2); 0: each --limits",
+    )
     p.add_argument("--warmup", type=int, default=1, help="runs after the compiling one, untimed")
     p.add_argument("--reps", type=int, default=7, help="timed runs per program (median reported)")
     p.add_argument("--budget-s", type=float, default=200.0, help="skip programs started after this many seconds")
@@ -130,10 +136,14 @@ def stack_entries(lay: StackLayout, ids: list[np.ndarray], batch: int) -> tuple[
     return stacked, torch.cat(parts_smp), torch.ones(stacked.numel())
 
 
-def csr_at(entries: tuple[torch.Tensor, ...], device_batch: int, factor: float, demand: tuple[int, int]):
-    """The CSR input with limits at `factor` x the batch's own fullest partition (ids, unique ids)."""
+def csr_at(
+    entries: tuple[torch.Tensor, ...], device_batch: int, factor: float, unique_factor: float, demand: tuple[int, int]
+):
+    """The CSR input with limits at `factor` x the batch's own fullest partition's ids and
+    `unique_factor` (or `factor` if 0) x its unique ids, as KernelInput._limits sets them."""
     max_ids = round_up(max(SEGMENT_ALIGN, int(np.ceil(factor * demand[0]))), SEGMENT_ALIGN)
-    max_uniq = min(round_up(max(SEGMENT_ALIGN, int(np.ceil(factor * demand[1]))), SEGMENT_ALIGN), max_ids)
+    uf = unique_factor or factor
+    max_uniq = min(round_up(max(SEGMENT_ALIGN, int(np.ceil(uf * demand[1]))), SEGMENT_ALIGN), max_ids)
     csr, stats = preprocess(
         *entries,
         device_batch_size=device_batch,
@@ -224,17 +234,20 @@ def tpurec_pieces(num_rows: int, device_batch: int) -> dict[str, Callable[..., A
         starts = valid & (rows != before)
         return starts, jnp.cumsum(starts.astype(jnp.int32)) - 1
 
-    def segment_sum(contributions, segment):
-        n = contributions.shape[0]
-        return jax.ops.segment_sum(contributions, segment, num_segments=n, indices_are_sorted=True)
+    def segment_sum(contributions, segment, k):  # k: the distinct-rows bound (update_jax._distinct)
+        return jax.ops.segment_sum(contributions, segment, num_segments=k, indices_are_sorted=True)
 
-    def distinct_rows(rows, starts, segment):
-        n = rows.shape[0]
-        return jnp.full(n, num_rows, jnp.int32).at[jnp.where(starts, segment, n)].set(rows, mode="drop")
+    def distinct_rows(rows, starts, segment, k):
+        return jnp.full(k, num_rows, jnp.int32).at[jnp.where(starts, segment, k)].set(rows, mode="drop")
 
     fns: dict[str, Callable[..., Any]] = dict(decode=decode, grad_rows=grad_rows, segment_ids=segment_ids)
-    fns.update(segment_sum=segment_sum, distinct_rows=distinct_rows, apply=update_jax.adagrad)
-    return {k: jax.jit(f) for k, f in fns.items()}
+    jitted = {k: jax.jit(f) for k, f in fns.items()}
+    jitted.update(
+        segment_sum=jax.jit(segment_sum, static_argnums=2),
+        distinct_rows=jax.jit(distinct_rows, static_argnums=3),
+        apply=jax.jit(update_jax.adagrad),
+    )
+    return jitted
 
 
 def jax_programs(hots: list[int], batch: int, dim: int, lr: float, eps: float) -> tuple[Callable, Callable]:
@@ -308,7 +321,11 @@ class Setup:
 
     @property
     def layout(self) -> tuple[int, int, int]:
+        """The lookup's (device batch, SparseCores, partitions); an update's adds its unique limit."""
         return (len(self.rows) * self.a.batch, NUM_SC, self.lay.num_partitions)
+
+    def update_layout(self, csr: SparseCoreInput) -> tuple[int, int, int, int]:
+        return (*self.layout, csr.max_unique_ids_per_partition)
 
     @property
     def scalars(self) -> tuple[jax.Array, jax.Array]:
@@ -383,13 +400,13 @@ def setup(a: argparse.Namespace, doc: dict) -> Setup:
         j_ids=[jnp.asarray(x.reshape(-1).astype(np.int32)) for x in ids],
         j_grads=[grad[k * B : (k + 1) * B] for k in range(nf)],  # feature k's samples (stacked_samples)
     )
-    layout = s.layout
     s.progs = dict(
-        update=jax.jit(tpu_bridge.tc_adagrad, static_argnums=(9, 10, 11)),
-        update_donated=jax.jit(tpu_bridge.tc_adagrad, static_argnums=(9, 10, 11), donate_argnums=(4, 5)),
+        update=jax.jit(tpu_bridge.tc_adagrad, static_argnums=(9, 10, 11, 12)),
+        update_donated=jax.jit(tpu_bridge.tc_adagrad, static_argnums=(9, 10, 11, 12), donate_argnums=(4, 5)),
         lookup=jax.jit(tpu_bridge.tc_lookup, static_argnums=(5, 6, 7)),
         row_gradients=jax.jit(
-            lambda rp, emb, smp, gns, t, g: tpu_bridge._row_gradients(rp, emb, smp, gns, t, g, layout)[:2]
+            lambda rp, emb, smp, gns, t, g, lay: tpu_bridge._row_gradients(rp, emb, smp, gns, t, g, lay)[:2],
+            static_argnums=6,
         ),
         copy=jax.jit(lambda x, y: (x + 0, y + 0)),
         **tpurec_pieces(R, nf * B),
@@ -401,49 +418,52 @@ def setup(a: argparse.Namespace, doc: dict) -> Setup:
 
 def cell(s: Setup, clock: Clock, factor: float) -> dict:
     """One limit factor: tpurec's update program, donated too, its pieces, the lookup."""
-    csr = csr_at(s.entries, s.layout[0], factor, s.demand)
+    csr = csr_at(s.entries, s.layout[0], factor, s.a.unique_factor, s.demand)
     head = device_csr(csr)
     slots = int(csr.embedding_ids.numel())
+    ulay = s.update_layout(csr)
+    bound = update_jax.distinct_rows_bound(NUM_SC, s.lay.num_partitions, csr.max_unique_ids_per_partition)
     out: dict[str, Any] = {
         "limit_factor": factor,
         "max_ids_per_partition": csr.max_ids_per_partition,
         "max_unique_ids_per_partition": csr.max_unique_ids_per_partition,
         "slots": slots,
+        "rows_the_optimizer_touches": min(slots, bound),
         "ids": s.n_ids,
         "entries": s.demand[0],
         "distinct_rows": s.distinct,
         "programs": {},
     }
     clock.doc["cells"].append(out)
-    log(f"cell {factor}x: {slots} slots")
+    log(f"cell {factor}x: {slots} slots, the optimizer over {min(slots, bound)} rows")
     progs, p, t0, a0, g, layout = out["programs"], s.progs, s.table0, s.acc0, s.grad, s.layout
     lr, eps = s.scalars
     common = {"slots": slots, "ids": s.n_ids, "distinct_rows": s.distinct}
     upd = {**common, "row_bytes": s.useful_bytes}
     clock.time(
-        progs, "update_program", lambda: p["update"](*head, t0, a0, g, lr, eps, *layout), {**upd, "donated": False}
+        progs, "update_program", lambda: p["update"](*head, t0, a0, g, lr, eps, *ulay), {**upd, "donated": False}
     )
     state = [t0 + 0, a0 + 0]
 
     def donated_step() -> Any:
-        state[:] = p["update_donated"](*head, *state, g, lr, eps, *layout)
+        state[:] = p["update_donated"](*head, *state, g, lr, eps, *ulay)
         return state
 
     clock.time(progs, "update_program_donated", donated_step, {**upd, "donated": True})
     del state[:]
     if not s.a.no_pieces:
-        pieces(s, clock, head, out, common)
+        pieces(s, clock, head, out, common, ulay, min(slots, bound))
     out["pallas_pool"] = pallas_pool.fits(layout[0], s.lay.storage_dim, tpu_bridge._vmem_capacity())
     look = {**common, "row_bytes": s.demand[0] * s.lay.storage_dim * 4, "pallas_pool": out["pallas_pool"]}
     clock.time(progs, "lookup_program", lambda: p["lookup"](*head, t0, *layout), look)
     if "equal_work" not in clock.doc:
-        clock.doc["equal_work"] = equal_work(s, head)
+        clock.doc["equal_work"] = equal_work(s, head, ulay)
         clock.save()
         log(f"equal work: {json.dumps(clock.doc['equal_work'])}")
     return out
 
 
-def pieces(s: Setup, clock: Clock, head: tuple[jax.Array, ...], out: dict, common: dict) -> None:
+def pieces(s: Setup, clock: Clock, head: tuple[jax.Array, ...], out: dict, common: dict, ulay: tuple, k: int) -> None:
     """The update program's pieces, each timed on the previous one's outputs; then chained end to end
     against the program (the same operations: bit for bit expected)."""
     progs, p, t0, a0, g = out["programs"], s.progs, s.table0, s.acc0, s.grad
@@ -452,17 +472,18 @@ def pieces(s: Setup, clock: Clock, head: tuple[jax.Array, ...], out: dict, commo
     m["rows"], m["samples"], m["gains"], m["valid"] = p["decode"](*head)
     m["contrib"] = p["grad_rows"](m["samples"], m["gains"], m["valid"], g)
     m["starts"], m["segment"] = p["segment_ids"](m["rows"], m["valid"])
-    m["sums"] = p["segment_sum"](m["contrib"], m["segment"])
-    m["urows"] = p["distinct_rows"](m["rows"], m["starts"], m["segment"])
+    m["sums"] = p["segment_sum"](m["contrib"], m["segment"], k)
+    m["urows"] = p["distinct_rows"](m["rows"], m["starts"], m["segment"], k)
     slot_bytes = {**common, "row_bytes": 2 * out["slots"] * s.lay.storage_dim * 4}
     clock.time(progs, "decode", lambda: p["decode"](*head), dict(common))
     clock.time(progs, "grad_rows", lambda: p["grad_rows"](m["samples"], m["gains"], m["valid"], g), slot_bytes)
     clock.time(progs, "segment_ids", lambda: p["segment_ids"](m["rows"], m["valid"]), dict(common))
-    clock.time(progs, "segment_sum", lambda: p["segment_sum"](m["contrib"], m["segment"]), slot_bytes)
-    clock.time(progs, "distinct_rows", lambda: p["distinct_rows"](m["rows"], m["starts"], m["segment"]), dict(common))
+    clock.time(progs, "segment_sum", lambda: p["segment_sum"](m["contrib"], m["segment"], k), slot_bytes)
+    urows = lambda: p["distinct_rows"](m["rows"], m["starts"], m["segment"], k)  # noqa: E731
+    clock.time(progs, "distinct_rows", urows, dict(common))
     apply_rec = {**common, "row_bytes": s.useful_bytes, "donated": False}
     clock.time(progs, "apply", lambda: p["apply"](t0, a0, m["urows"], m["sums"], lr, eps), apply_rec)
-    clock.time(progs, "row_gradients", lambda: p["row_gradients"](*head, t0, g), slot_bytes)
+    clock.time(progs, "row_gradients", lambda: p["row_gradients"](*head, t0, g, ulay), slot_bytes)
     timed = [progs[k].get("ms") for k in PIECES]
     if all(isinstance(v, float) for v in timed):
         out["pieces_sum_ms"] = round(sum(float(v) for v in timed), 4)
@@ -472,7 +493,7 @@ def pieces(s: Setup, clock: Clock, head: tuple[jax.Array, ...], out: dict, commo
     try:
         got_t, got_a = p["apply"](t0, a0, urows, sums, lr, eps)
         del urows, sums
-        want_t, want_a = p["update"](*head, t0, a0, g, lr, eps, *s.layout)
+        want_t, want_a = p["update"](*head, t0, a0, g, lr, eps, *ulay)
         out["pieces_vs_program"] = {"table": close(got_t, want_t), "accumulator": close(got_a, want_a)}
     except Exception as ex:
         out["pieces_vs_program"] = {"error": f"{type(ex).__name__}: {str(ex)[:300]}"}
@@ -515,14 +536,14 @@ def contender(s: Setup, clock: Clock) -> None:
     clock.time(jc, "table_copy", lambda: p["copy"](s.table0, s.acc0), copy)
 
 
-def equal_work(s: Setup, head: tuple[jax.Array, ...]) -> dict:
+def equal_work(s: Setup, head: tuple[jax.Array, ...], ulay: tuple) -> dict:
     """tpurec's update and lookup against the contender's after one step from the same state: every row
     of the stack (the contender's tables put back at their offsets into the initial stack)."""
     p, t0, a0 = s.progs, s.table0, s.acc0
     lr, eps = s.scalars
     offs = [t.offset for t in s.lay.tables]
     try:
-        ours_t, ours_a = p["update"](*head, t0, a0, s.grad, lr, eps, *s.layout)
+        ours_t, ours_a = p["update"](*head, t0, a0, s.grad, lr, eps, *ulay)
         jt, ja = p["jax_update"](*s.j_tables(), s.j_ids, s.j_grads)
         theirs_t, theirs_a = t0, a0
         for o, r, t, acc in zip(offs, s.rows, jt, ja):

@@ -60,7 +60,7 @@ def _inputs(cell: Cell, seed: int) -> dict[str, Any]:
         "ids": jnp.asarray(ids.astype(np.int32)),
         "samples": jnp.asarray(samples.astype(np.int32)),
         "csr": head,
-        "layout": (csr.device_batch_size, csr.num_sc_per_device, csr.num_partitions),
+        "layout": (csr.device_batch_size, csr.num_sc_per_device, csr.num_partitions, csr.max_unique_ids_per_partition),
     }
 
 

@@ -45,7 +45,7 @@ def _pallas_pool(cell: Cell, interpret: bool) -> bool:
 
 
 def lookup_pair(cell: Cell, inp: dict[str, Any], interpret: bool) -> dict[str, Callable[[], Any]]:
-    batch, num_sc, parts = inp["layout"]
+    batch, num_sc, parts = inp["layout"][:3]
     table = _table(cell)
     ours = jax.jit(
         functools.partial(

@@ -128,3 +128,34 @@ def check_csr(
             f"{op}: sample_ids[{bad}]={int(smp[bad])} is outside [0, {per_sc}) (device_batch_size={device_batch_size} "
             f"/ num_sc_per_device={num_sc_per_device} samples per SparseCore)"
         )
+
+
+def check_distinct_ids(
+    embedding_ids: torch.Tensor,
+    row_pointers: torch.Tensor,
+    num_sc_per_device: int,
+    num_partitions: int,
+    max_unique_ids_per_partition: int,
+) -> None:
+    """No (SparseCore, partition) segment holds more distinct ids than `max_unique_ids_per_partition`:
+    the TensorCore update sizes the rows it touches by that limit (update_jax.distinct_rows_bound), so
+    an input over it would lose rows' updates. Checked where the JAX programs run on CPU (torch_ops.py),
+    so every path that builds an update's input is held to its limit by the tests; one sort of the slots."""
+    from tpurec.embedding.constraints import PADDING_ID
+
+    emb = embedding_ids.detach().contiguous().numpy().astype(np.int64).reshape(num_sc_per_device, -1)
+    ends = row_pointers.detach().contiguous().numpy().astype(np.int64).reshape(num_sc_per_device, -1)
+    slots = emb.shape[1]
+    part = np.stack(
+        [np.searchsorted(ends[s, :num_partitions], np.arange(slots), side="right") for s in range(len(emb))]
+    )
+    segment = np.arange(num_sc_per_device)[:, None] * num_partitions + part
+    valid = (emb != PADDING_ID) & (emb >= 0) & (part < num_partitions)
+    keys = np.unique(segment[valid] * 2**32 + emb[valid])
+    counts = np.bincount(keys >> 32, minlength=num_sc_per_device * num_partitions)
+    if counts.size and counts.max() > max_unique_ids_per_partition:
+        sc, p = divmod(int(counts.argmax()), num_partitions)
+        raise UserError(
+            f"update: SparseCore {sc}, partition {p} holds {int(counts.max())} distinct ids > "
+            f"max_unique_ids_per_partition={max_unique_ids_per_partition} (the limits the input was built with)"
+        )

@@ -370,7 +370,8 @@ class KernelInput:
 
             max_ids = bound(first.max_ids_per_partition)
             # distinct ids keep twice the first batch's: they vary more from batch to batch than the ids
-            # do (a batch over them runs in passes), and the TensorCore kernel sizes nothing by them
+            # do (a batch over them runs in passes); the TensorCore update's optimizer touches this many
+            # rows a partition (update_jax.distinct_rows_bound), the lookup none
             uniq = round_up(max(SEGMENT_ALIGN, 2 * first.max_unique_ids_per_partition), SEGMENT_ALIGN)
             limits = self._stack_limits[i] = (max_ids, min(uniq, max_ids))
         return limits

@@ -159,12 +159,13 @@ class KernelSettings:
 
     first_batch_headroom: float | None = None
     """With fixed limits and none given or measured, the first batch sets them: its fullest partition's
-    ids times 1 + this, 8-aligned (its distinct ids: twice them, at most the ids'; they vary more and the
-    TensorCore kernel sizes nothing by them); a later batch over them runs in passes (exact, slower).
+    ids times 1 + this, 8-aligned (its distinct ids: twice them, at most the ids'; they vary more from
+    batch to batch; the TensorCore update's optimizer works on that many rows a partition, not on every
+    slot); a later batch over them runs in passes (exact, slower).
     Default None: FIRST_BATCH_HEADROOM_TENSORCORE where the TensorCore kernel runs on a TPU (one
-    partition a stack: its ids per batch are a sum over every sample and vary little, and every slot of
-    the buffers is worked on, padding or not), else FIRST_BATCH_HEADROOM (a SparseCore partition's share
-    of a batch varies more)."""
+    partition a stack: its ids per batch are a sum over every sample and vary little, and the lookup and
+    the update's gradient merge work on every slot, padding or not), else FIRST_BATCH_HEADROOM (a
+    SparseCore partition's share of a batch varies more)."""
 
     id_limits: Mapping[str, TableLimits] | None = None
     """Measured limits by table name (a shard's `source` table or its own name; `tpurec data

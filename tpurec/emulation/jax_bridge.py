@@ -19,7 +19,12 @@ import jax
 import numpy as np
 import torch
 
+from tpurec.embedding.input_checks import check_distinct_ids
 from tpurec.emulation import device
+
+# The update programs size the rows they touch by their unique-id limit (tpu_bridge._row_gradients),
+# so an input over it would lose updates on the chip, which cannot check it; here every input is.
+_UPDATES = ("sgd", "adagrad", "adam")
 
 
 def _to_jax(value: Any) -> Any:
@@ -28,6 +33,10 @@ def _to_jax(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return jax.numpy.asarray(value.detach().contiguous().numpy())
     return value
+
+
+def _host(value: Any) -> torch.Tensor:
+    return value._data if isinstance(value, device.TpuTensor) else value
 
 
 def _to_device(array: Any) -> torch.Tensor:
@@ -48,6 +57,8 @@ def jax_op(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def call(*args: Any) -> Any:
             key = tuple(device._key_part(a) for a in args)
             device.RECORD.program("tensorcore", name, key)
+            if name.rsplit("::", 1)[-1] in _UPDATES:  # (rp, emb, ..., batch, num_sc, parts, max unique)
+                check_distinct_ids(_host(args[1]), _host(args[0]), *args[-3:])
             out = jitted(*(_to_jax(a) for a in args))
             return tuple(_to_device(o) for o in out) if isinstance(out, tuple) else _to_device(out)
 

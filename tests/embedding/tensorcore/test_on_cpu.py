@@ -78,4 +78,4 @@ def test_a_new_learning_rate_or_adam_step_does_not_recompile():
             if before is None:  # the first call may compile (or find the program compiled)
                 before = programs.trace_counts[kind]
         assert programs.trace_counts[kind] == before, f"{kind} traced again for a new learning rate"
-        assert programs.program(kind, *tail(csr)[:3])._cache_size() == 1
+        assert programs.program(kind, *tail(csr)[:3], tail(csr)[4])._cache_size() == 1

@@ -4,6 +4,7 @@ successive steps that carry their table and state, float32 and BF16 tables."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from tpurec.embedding import ops  # noqa: E402
 from tpurec.embedding import reference as R  # noqa: E402
 from tpurec.embedding.optimizers import adagrad, adam, sgd  # noqa: E402
 from tpurec.embedding.tensorcore import torch_ops, update_jax  # noqa: E402
+from tpurec.errors import UserError  # noqa: E402
 
 from .compare import assert_close_f32, assert_close_table  # noqa: E402
 from .inputs import Case, csr_input, head, table, tail  # noqa: E402
@@ -74,6 +76,23 @@ def test_three_steps_equal_the_reference_op(name, case):
             assert_close_f32(g, w)
 
 
+def _jax_row_gradients(case: Case, csr, t: torch.Tensor, grad: torch.Tensor, max_unique: int | None = None):
+    rp, emb, smp, gns = (torch_ops.to_jax(x) for x in head(csr))
+    return update_jax.row_gradients(
+        rp,
+        emb,
+        smp,
+        gns,
+        torch_ops.to_jax(grad),
+        num_rows=t.shape[0],
+        width=t.shape[1],
+        device_batch_size=case.device_batch_size,
+        num_sc=case.num_sc,
+        num_partitions=case.partitions,
+        max_unique=max_unique,
+    )
+
+
 @pytest.mark.parametrize(
     "case", [Case(num_sc=1), Case(num_sc=1, devices=3), Case(num_sc=4, pooling="weighted", batch=13)], ids=str
 )
@@ -88,15 +107,7 @@ def test_row_gradients_equal_the_reference(case, inf_row):
     if inf_row is not None:
         grad[inf_row] = float("inf")
     want_rows, want_grads = ops.row_gradients(*head(csr), t, grad, *tail(csr)[:3])
-    rows, grads = update_jax.row_gradients(
-        *(torch_ops.to_jax(x) for x in head(csr)),
-        torch_ops.to_jax(grad),
-        num_rows=t.shape[0],
-        width=t.shape[1],
-        device_batch_size=case.device_batch_size,
-        num_sc=case.num_sc,
-        num_partitions=case.partitions,
-    )
+    rows, grads = _jax_row_gradients(case, csr, t, grad)
     rows_t, grads_t = torch.from_dlpack(rows).long(), torch.from_dlpack(grads)
     n = want_rows.numel()
     assert torch.equal(rows_t[:n], want_rows)
@@ -117,3 +128,59 @@ def test_the_kernel_layout_gradient_view_is_taken_as_the_reference_takes_it():
     torch_ops.sgd_update(*head(csr), got, view, LR, *tail(csr))
     assert_close_table(got, want)
     assert torch.equal(got[:, 8:], t0[:, 8:])  # storage columns past dim: zero gradients
+
+
+def _tightest_unique_limit(csr) -> int:
+    """The least max_unique_ids_per_partition this input is within (the check refuses one less)."""
+    from tpurec.embedding.input_checks import check_distinct_ids
+
+    for m in range(1, csr.max_ids_per_partition + 1):
+        try:
+            check_distinct_ids(csr.embedding_ids, csr.row_pointers, csr.num_sc_per_device, csr.num_partitions, m)
+            return m
+        except UserError:
+            continue
+    raise AssertionError("no limit up to max_ids_per_partition holds the input")
+
+
+@pytest.mark.parametrize("name", ["sgd", "rowwise_adagrad", "adam"])
+@pytest.mark.parametrize("case", [Case(num_sc=1, devices=3), Case(num_sc=4, pooling="weighted", batch=13)], ids=str)
+def test_updates_at_the_tightest_unique_limit_equal_the_reference(name, case):
+    """The optimizer touches only as many rows as the unique-id limit allows (far fewer than the slots
+    here): at the least limit the input is within, every touched row still takes its whole step."""
+    gen = torch.Generator().manual_seed(8)
+    t0 = table(case, gen)
+    states = _states(name, *t0.shape)
+    want = [t0.clone(), *(s.clone() for s in states)]
+    got = [t0.clone(), *(s.clone() for s in states)]
+    for t in (1, 2):
+        csr = csr_input(case, gen)
+        tight = replace(csr, max_unique_ids_per_partition=_tightest_unique_limit(csr))
+        bound = update_jax.distinct_rows_bound(case.num_sc, case.partitions, tight.max_unique_ids_per_partition)
+        assert bound * 3 < csr.embedding_ids.numel(), "the limit should cut the rows well below the slots"
+        grad = torch.randn(case.device_batch_size, case.width, generator=gen)
+        _step(name, REFERENCE, csr, want, grad, t)
+        _step(name, JAX, tight, got, grad, t)
+        assert_close_table(got[0], want[0])
+        for g, w in zip(got[1:], want[1:]):
+            assert_close_f32(g, w)
+    over = replace(tight, max_unique_ids_per_partition=tight.max_unique_ids_per_partition - 1)
+    with pytest.raises(UserError, match=r"partition \d+ holds \d+ distinct ids > max_unique_ids_per_partition"):
+        _step(name, JAX, over, got, grad, 3)
+
+
+def test_row_gradients_cut_to_the_distinct_rows_bound():
+    """rows/grads are max_unique long: the distinct rows in order, then padding; the sums unchanged."""
+    case = Case(num_sc=4, pooling="weighted", batch=13)
+    gen = torch.Generator().manual_seed(3)
+    csr = csr_input(case, gen)
+    t = table(case, gen)
+    grad = torch.randn(case.device_batch_size, case.width, generator=gen)
+    want_rows, want_grads = ops.row_gradients(*head(csr), t, grad, *tail(csr)[:3])
+    n = want_rows.numel()
+    for k in (n, n + 5):
+        rows, grads = _jax_row_gradients(case, csr, t, grad, max_unique=k)
+        rows_t, grads_t = torch.from_dlpack(rows).long(), torch.from_dlpack(grads)
+        assert rows_t.shape == (k,) and grads_t.shape == (k, case.width)
+        assert torch.equal(rows_t[:n], want_rows) and bool((rows_t[n:] == t.shape[0]).all())
+        assert_close_f32(grads_t[:n], want_grads)

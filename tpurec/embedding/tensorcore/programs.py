@@ -1,7 +1,8 @@
 """The jitted programs the torch kernels run: one per op and static configuration, cached.
 
-Static: the counts the layout is read with (device batch, SparseCores, partitions) and, through the
-argument shapes, the buffer sizes and table shape. Runtime: the buffers, table, state and every
+Static: the counts the layout is read with (device batch, SparseCores, partitions), for the updates
+the unique-id limit (it sizes the rows the optimizer touches) and, through the argument shapes, the
+buffer sizes and table shape. Runtime: the buffers, table, state and every
 hyper-parameter (learning rate, eps, Adam's alpha_t and betas), so a learning-rate schedule or
 Adam's bias correction never recompiles. `trace_counts` counts each program's traces (a Python side
 effect runs only while tracing): what the no-recompile test reads.
@@ -21,7 +22,8 @@ from tpurec.embedding.tensorcore import lookup_jax, update_jax
 # program name -> times traced (a trace is a compile for a new shape or static configuration)
 trace_counts: Counter[str] = Counter()
 
-Layout = tuple[int, int, int]  # (device_batch_size, num_sc, num_partitions)
+# (device_batch_size, num_sc, num_partitions, max_unique_ids_per_partition; 0 for the lookup)
+Layout = tuple[int, int, int, int]
 Csr = tuple[jax.Array, jax.Array, jax.Array, jax.Array]  # (row_pointers, embedding_ids, sample_ids, gains)
 
 
@@ -29,12 +31,12 @@ def _lookup(
     layout: Layout, rp: jax.Array, emb: jax.Array, smp: jax.Array, gns: jax.Array, table: jax.Array
 ) -> jax.Array:
     trace_counts["lookup"] += 1
-    batch, num_sc, parts = layout
+    batch, num_sc, parts, _ = layout
     return lookup_jax.lookup(rp, emb, smp, gns, table, device_batch_size=batch, num_sc=num_sc, num_partitions=parts)
 
 
 def _row_gradients(layout: Layout, csr: Csr, table: jax.Array, grad: jax.Array) -> tuple[jax.Array, jax.Array]:
-    batch, num_sc, parts = layout
+    batch, num_sc, parts, max_unique = layout
     return update_jax.row_gradients(
         *csr,
         grad,
@@ -43,6 +45,7 @@ def _row_gradients(layout: Layout, csr: Csr, table: jax.Array, grad: jax.Array) 
         device_batch_size=batch,
         num_sc=num_sc,
         num_partitions=parts,
+        max_unique=update_jax.distinct_rows_bound(num_sc, parts, max_unique),
     )
 
 
@@ -85,7 +88,11 @@ _PROGRAMS: dict[str, Callable[..., Any]] = {"lookup": _lookup, "sgd": _sgd, "ada
 
 
 @functools.cache
-def program(name: str, device_batch_size: int, num_sc: int, num_partitions: int) -> Callable[..., Any]:
-    """The jitted program `name` for one layout; jax.jit's own cache then keys it on shapes and dtypes.
-    No buffer is donated: on CPU the inputs alias torch's tensors (torch_ops.py)."""
-    return jax.jit(functools.partial(_PROGRAMS[name], (device_batch_size, num_sc, num_partitions)))
+def program(
+    name: str, device_batch_size: int, num_sc: int, num_partitions: int, max_unique_ids_per_partition: int = 0
+) -> Callable[..., Any]:
+    """The jitted program `name` for one layout (the updates' with their unique-id limit); jax.jit's
+    own cache then keys it on shapes and dtypes. No buffer is donated: on CPU the inputs alias
+    torch's tensors (torch_ops.py)."""
+    layout = (device_batch_size, num_sc, num_partitions, max_unique_ids_per_partition)
+    return jax.jit(functools.partial(_PROGRAMS[name], layout))

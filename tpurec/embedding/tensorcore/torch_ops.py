@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from tpurec.embedding import ops
-from tpurec.embedding.input_checks import check_csr
+from tpurec.embedding.input_checks import check_csr, check_distinct_ids
 from tpurec.embedding.optimizers import adagrad, adam, sgd
 from tpurec.embedding.tensorcore import programs
 
@@ -112,7 +112,10 @@ def sgd_update(
     csr, grad = _head(
         "update", (row_pointers, embedding_ids, sample_ids, gains), embedding_table, activations_grad, *layout
     )
-    new_table = programs.program("sgd", *layout)(csr, to_jax(embedding_table), grad, _scalar(learning_rate))
+    check_distinct_ids(embedding_ids, row_pointers, *layout[1:], max_unique_ids_per_partition)
+    new_table = programs.program("sgd", *layout, max_unique_ids_per_partition)(
+        csr, to_jax(embedding_table), grad, _scalar(learning_rate)
+    )
     embedding_table.copy_(to_torch(new_table))
 
 
@@ -138,7 +141,8 @@ def adagrad_update(
     csr, grad = _head(
         "update", (row_pointers, embedding_ids, sample_ids, gains), embedding_table, activations_grad, *layout
     )
-    new_table, new_acc = programs.program("adagrad", *layout)(
+    check_distinct_ids(embedding_ids, row_pointers, *layout[1:], max_unique_ids_per_partition)
+    new_table, new_acc = programs.program("adagrad", *layout, max_unique_ids_per_partition)(
         csr, to_jax(embedding_table), to_jax(accumulator), grad, _scalar(learning_rate), _scalar(epsilon)
     )
     embedding_table.copy_(to_torch(new_table))
@@ -177,7 +181,8 @@ def adam_update(
     csr, grad = _head(
         "update", (row_pointers, embedding_ids, sample_ids, gains), embedding_table, activations_grad, *layout
     )
-    new_table, new_m, new_v = programs.program("adam", *layout)(
+    check_distinct_ids(embedding_ids, row_pointers, *layout[1:], max_unique_ids_per_partition)
+    new_table, new_m, new_v = programs.program("adam", *layout, max_unique_ids_per_partition)(
         csr,
         to_jax(embedding_table),
         to_jax(momentum),

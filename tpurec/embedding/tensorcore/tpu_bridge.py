@@ -41,12 +41,13 @@ def _row_gradients(
     rp: jax.Array, emb: jax.Array, smp: jax.Array, gns: jax.Array, table: jax.Array, grad: jax.Array, layout: tuple
 ) -> tuple[jax.Array, jax.Array, bool]:
     """(rows, gradients, whether the rows are sorted): duplicates merged by the Pallas kernel where
-    asked for and it serves (one SparseCore, the gradient within VMEM), else by XLA.
+    asked for and it serves (one SparseCore, the gradient within VMEM), else by XLA, their rows then
+    as many as the unique-id limit allows (layout: batch, SparseCores, partitions, that limit).
 
     Opt-in (TPUREC_PALLAS_MERGE=1): on v5e it took SGD's update from 7.4 to 6.2 ms through torch,
     bit-equal, but the one `tpurec train` run with it (batch 256, 200 steps) took 71.7 s against 32.3
     without it, same AUC, cause not yet known (docs/results.md, session 29)."""
-    batch, num_sc, parts = layout
+    batch, num_sc, parts, max_unique = layout
     merge = merge_chosen(batch, table.shape[1], num_sc)
     rows, g = update_jax.row_gradients(
         rp,
@@ -59,6 +60,7 @@ def _row_gradients(
         device_batch_size=batch,
         num_sc=num_sc,
         num_partitions=parts,
+        max_unique=update_jax.distinct_rows_bound(num_sc, parts, max_unique),
         merge_kernel=merge,
     )
     return rows, g, not merge
@@ -134,7 +136,7 @@ def _streamed(
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
     """The update by `pallas_stream` (interpret: on CPU, tests)."""
-    batch, num_sc, parts = layout
+    batch, num_sc, parts = layout[:3]
     e = decode(*csr, num_rows=table.shape[0], device_batch_size=batch, num_sc=num_sc, num_partitions=parts)
     grad = grad.astype(jnp.float32)
     if grad.shape[1] < table.shape[1]:  # storage columns past the gradient's: zero gradients
@@ -154,8 +156,9 @@ def tc_sgd(
     device_batch_size: int,
     num_sc: int,
     num_partitions: int,
+    max_unique_ids_per_partition: int,
 ) -> jax.Array:
-    layout = (device_batch_size, num_sc, num_partitions)
+    layout = (device_batch_size, num_sc, num_partitions, max_unique_ids_per_partition)
     if stream_chosen(table, emb.shape[0], device_batch_size, num_sc):
         return _streamed((rp, emb, smp, gns), table, None, grad, lr, None, layout)[0]
     rows, g, rows_sorted = _row_gradients(rp, emb, smp, gns, table, grad, layout)
@@ -175,8 +178,9 @@ def tc_adagrad(
     device_batch_size: int,
     num_sc: int,
     num_partitions: int,
+    max_unique_ids_per_partition: int,
 ) -> tuple[jax.Array, jax.Array]:
-    layout = (device_batch_size, num_sc, num_partitions)
+    layout = (device_batch_size, num_sc, num_partitions, max_unique_ids_per_partition)
     if accumulator.ndim == 1 and stream_chosen(table, emb.shape[0], device_batch_size, num_sc):
         new_table, new_acc = _streamed((rp, emb, smp, gns), table, accumulator, grad, lr, eps, layout)
         assert new_acc is not None
@@ -203,8 +207,10 @@ def tc_adam(
     device_batch_size: int,
     num_sc: int,
     num_partitions: int,
+    max_unique_ids_per_partition: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    rows, g, rows_sorted = _row_gradients(rp, emb, smp, gns, table, grad, (device_batch_size, num_sc, num_partitions))
+    layout = (device_batch_size, num_sc, num_partitions, max_unique_ids_per_partition)
+    rows, g, rows_sorted = _row_gradients(rp, emb, smp, gns, table, grad, layout)
     scalars = (alpha_t, beta_1, beta_2, epsilon, one_minus_beta_1, one_minus_beta_2)
     return update_jax.adam(table, momentum, velocity, rows, g, *scalars, rows_sorted=rows_sorted)
 
@@ -239,7 +245,7 @@ def device_ops() -> Any:
     return recorded(_registered())
 
 
-def _grad(grad: Tensor, table: Tensor, layout: tuple[int, int, int]) -> Tensor:
+def _grad(grad: Tensor, table: Tensor, layout: tuple[int, ...]) -> Tensor:
     from tpurec.embedding.tensorcore.torch_ops import device_layout_grad
 
     if grad.dim() == 3:  # the CPU reference's batch-major view; the op's own layout is [batch, width]
@@ -287,7 +293,7 @@ def sgd_update(
     max_unique_ids_per_partition: int,
     computation_name: str = "tpurec_sgd",
 ) -> None:
-    layout = (device_batch_size, num_sc_per_device, num_partitions)
+    layout = (device_batch_size, num_sc_per_device, num_partitions, max_unique_ids_per_partition)
     csr = (row_pointers, embedding_ids, sample_ids, gains)
     grad = _grad(activations_grad, embedding_table, layout)
     new = device_ops().sgd(*csr, embedding_table, grad, tpu_scalar(learning_rate, embedding_table), *layout)
@@ -311,7 +317,7 @@ def adagrad_update(
     max_unique_ids_per_partition: int,
     computation_name: str = "tpurec_adagrad",
 ) -> None:
-    layout = (device_batch_size, num_sc_per_device, num_partitions)
+    layout = (device_batch_size, num_sc_per_device, num_partitions, max_unique_ids_per_partition)
     csr = (row_pointers, embedding_ids, sample_ids, gains)
     grad = _grad(activations_grad, embedding_table, layout)
     lr, eps = (tpu_scalar(v, embedding_table) for v in (learning_rate, epsilon))
@@ -340,7 +346,7 @@ def adam_update(
     max_unique_ids_per_partition: int,
     computation_name: str = "tpurec_adam",
 ) -> None:
-    layout = (device_batch_size, num_sc_per_device, num_partitions)
+    layout = (device_batch_size, num_sc_per_device, num_partitions, max_unique_ids_per_partition)
     csr = (row_pointers, embedding_ids, sample_ids, gains)
     grad = _grad(activations_grad, embedding_table, layout)
     # 1 - beta in float64, rounded once, as the reference does (torch_ops.adam_scalars)

@@ -3,8 +3,11 @@
 `row_gradients` is `reference.row_gradients_csr`'s: the touched physical rows in increasing order
 and each row's float32 gradient, the sum over its entries of gain * activations_grad[sample]. Sizes
 are static: the entries are sorted by row with an argsort over every COO slot, duplicates merged by
-a sorted segment sum, and the unique rows padded to the slot count with `num_rows`, an index past
-the table that every scatter below drops (mode="drop"), so no dense table-sized gradient is formed.
+a sorted segment sum, and the unique rows padded with `num_rows`, an index past the table that
+every scatter below drops (mode="drop"), so no dense table-sized gradient is formed. The rows are
+`max_unique` long where given (the input's bound on distinct rows, `distinct_rows_bound`), else as
+long as the slots: the optimizer then gathers and scatters that many rows, not one per slot (on
+v5e the apply over every slot was two thirds of the update: docs/results.md, probe 10).
 A stable sort keeps a row's entries in slot order (SparseCore by SparseCore, then by sample), the
 reference's summation order.
 
@@ -37,17 +40,20 @@ def row_gradients(
     device_batch_size: int,
     num_sc: int,
     num_partitions: int,
+    max_unique: int | None = None,
     merge_kernel: bool = False,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """(rows int32 [slots], grads float32 [slots, width]): unique touched rows in increasing order,
-    then num_rows padding (their gradients are zero); activations_grad: [device_batch_size, <= width]
-    (columns past its width, a table's storage padding, get zero gradients).
+    """(rows int32 [k], grads float32 [k, width]): unique touched rows in increasing order, then
+    num_rows padding (their gradients are zero); k = min(slots, max_unique), max_unique a bound on
+    the distinct rows the input can hold (`distinct_rows_bound`; more would be lost: the host's
+    limits guarantee it); activations_grad: [device_batch_size, <= width] (columns past its width,
+    a table's storage padding, get zero gradients).
 
     merge_kernel (one SparseCore only; on CPU only with `interpret`): the rows merged by
     `pallas_merge`: each row's gradient at its last slot, num_rows at every other slot (with a
     partial sum there, which the optimizers' drop-padding gather and scatter ignore); the rows are
-    then not sorted: pass rows_sorted=False to the optimizers."""
+    then not sorted (pass rows_sorted=False to the optimizers) and [slots] long whatever max_unique."""
     e = decode(
         row_pointers,
         embedding_ids,
@@ -59,25 +65,40 @@ def row_gradients(
         num_partitions=num_partitions,
     )
     n = e.rows.shape[0]
+    k = n if max_unique is None else max(0, min(n, max_unique))
     grad = activations_grad.astype(jnp.float32)
     if grad.shape[1] < width:
         grad = jnp.pad(grad, ((0, 0), (0, width - grad.shape[1])))
     if num_sc == 1 and merge_kernel:
         return _merge_with_kernel(e, grad, num_rows, interpret)
     if num_sc == 1:
-        return _merge_in_slot_order(e, grad, num_rows)
+        return _merge_in_slot_order(e, grad, num_rows, k)
     order = jnp.argsort(e.rows, stable=True)  # invalid entries (row num_rows) sort last
     rows_sorted = e.rows[order]
     samples = jnp.where(e.valid, e.samples, 0)[order]  # invalid: sample 0 with gain 0
     contributions = jnp.where(e.valid[order][:, None], grad[samples] * e.gains[order][:, None], 0.0)
     starts = jnp.concatenate([jnp.ones(1, bool), rows_sorted[1:] != rows_sorted[:-1]]) if n else jnp.zeros(0, bool)
     segment = jnp.cumsum(starts.astype(jnp.int32)) - 1
-    grads = jax.ops.segment_sum(contributions, segment, num_segments=n, indices_are_sorted=True)
-    rows = jnp.full(n, num_rows, jnp.int32).at[jnp.where(starts, segment, n)].set(rows_sorted, mode="drop")
-    return rows, grads
+    return _distinct(rows_sorted, starts, segment, contributions, num_rows, k)
 
 
-def _merge_in_slot_order(e: Entries, grad: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
+def distinct_rows_bound(num_sc: int, num_partitions: int, max_unique_ids_per_partition: int) -> int:
+    """The most distinct rows an input within `max_unique_ids_per_partition` can touch: each
+    (SparseCore, partition) segment holds at most that many distinct ids, each one row."""
+    return num_sc * num_partitions * max_unique_ids_per_partition
+
+
+def _distinct(
+    rows: jax.Array, starts: jax.Array, segment: jax.Array, contributions: jax.Array, num_rows: int, k: int
+) -> tuple[jax.Array, jax.Array]:
+    """The first k distinct rows (segment i's row at i, num_rows after the last) and their summed
+    contributions; segments from k on are dropped (none, within the bound)."""
+    grads = jax.ops.segment_sum(contributions, segment, num_segments=k, indices_are_sorted=True)
+    out = jnp.full(k, num_rows, jnp.int32).at[jnp.where(starts, segment, k)].set(rows, mode="drop")
+    return out, grads
+
+
+def _merge_in_slot_order(e: Entries, grad: jax.Array, num_rows: int, k: int) -> tuple[jax.Array, jax.Array]:
     """`row_gradients` for one SparseCore's buffer, without a sort: there the valid entries' rows
     increase in slot order (partition p's segment holds rows p * rows_per_partition + id, sorted by
     id), so a row's entries are adjacent and a row starts where the slot before holds another row;
@@ -89,9 +110,7 @@ def _merge_in_slot_order(e: Entries, grad: jax.Array, num_rows: int) -> tuple[ja
     segment = jnp.cumsum(starts.astype(jnp.int32)) - 1  # invalid slots before the first row: -1, dropped
     samples = jnp.where(e.valid, e.samples, 0)
     contributions = jnp.where(e.valid[:, None], grad[samples] * e.gains[:, None], 0.0)
-    grads = jax.ops.segment_sum(contributions, segment, num_segments=n, indices_are_sorted=True)
-    rows = jnp.full(n, num_rows, jnp.int32).at[jnp.where(starts, segment, n)].set(e.rows, mode="drop")
-    return rows, grads
+    return _distinct(e.rows, starts, segment, contributions, num_rows, k)
 
 
 def _merge_with_kernel(e: Entries, grad: jax.Array, num_rows: int, interpret: bool) -> tuple[jax.Array, jax.Array]:
