@@ -86,17 +86,21 @@ def test_host_tier_training_gives_the_resident_runs_losses_and_a_saved_plan_runs
 def test_on_an_emulated_tpu_the_host_tier_trains_the_resident_runs_losses(zipf_data, cache, tmp_path):
     """`tpurec train --emulate-tpu v5e-1` (the TPU path, its TensorCore kernel) with t_C1 (LFU, 30%) and t_C3
     (LRU, 20%) on the host tier, their caches on the emulated device: the resident run's 30 losses and
-    evaluation bit for bit. Bit for bit on the TPU path too: dlrm-tiny's bags hold one id each, so no bag
-    sums rows in an order that follows the cache slots, and each row's gradient sums its entries in
-    sample order whatever its slot. Every copy shape was compiled before the first step."""
+    evaluation within 1e-6. dlrm-tiny's bags hold one id each, so no bag sums rows in an order that
+    follows the cache slots, and each row's gradient sums its entries in sample order whatever its slot
+    (bit for bit); but the update's optimizer works on as many rows as each stack's unique-id limit, which
+    differs between the runs, and XLA's CPU backend compiles row-wise Adagrad over fewer than 256 rows
+    differently (the last bit of a few rows: found in session 32). Every copy shape was compiled before
+    the first step."""
     common = ["--emulate-tpu", "v5e-1", "--data", zipf_data, "--batch-size", 256, "--steps", 30, "--eval-every", 15]
     common += ["--curves-out", "none"]
     resident, _ = train(*common, "--metrics-out", tmp_path / "a.jsonl", cache=cache)
     tiered, _ = train(*common, "--metrics-out", tmp_path / "b.jsonl", "--host-tier", "t_C1:0.3:lfu,t_C3", cache=cache)
     assert tiered["emulated_tpu"] == "v5e-1" and tiered["world_size"] == 1
     assert len(_losses(tmp_path / "a.jsonl")) == 30
-    assert _losses(tmp_path / "b.jsonl") == _losses(tmp_path / "a.jsonl")
-    assert (tiered["auc"], tiered["logloss"]) == (resident["auc"], resident["logloss"])
+    assert _losses(tmp_path / "b.jsonl") == pytest.approx(_losses(tmp_path / "a.jsonl"), rel=1e-6, abs=0)
+    assert tiered["auc"] == pytest.approx(resident["auc"], abs=1e-6)
+    assert tiered["logloss"] == pytest.approx(resident["logloss"], rel=1e-6)
     figures = tiered["host_tier"]
     assert (figures["t_C1"]["cache_rows"], figures["t_C1"]["algorithm"]) == (300, "lfu")
     assert (figures["t_C3"]["cache_rows"], figures["t_C3"]["algorithm"]) == (200, "lru")

@@ -308,7 +308,11 @@ class SparseCoreKernel(nn.Module):
     def lookup(self, csrs: list[StackInput], batch: int) -> torch.Tensor:
         """Device side: pooled embeddings [batch, sum(dims)] ([blocks x batch, ..] for the inputs of
         `preprocess_blocks`); backward applies the fused update."""
-        blocks = max((c.blocks for c in csrs if isinstance(c, MultiPassInput)), default=1)
+        # a plain loop: torch 2.13's Dynamo (the chip's) refuses max() over a generator with a default
+        blocks = 1
+        for c in csrs:
+            if isinstance(c, MultiPassInput):
+                blocks = max(blocks, c.blocks)
         compiling = torch.compiler.is_compiling()  # the ops with registered autograd (custom_ops.py)
         trigger = None
         if torch.is_grad_enabled():
