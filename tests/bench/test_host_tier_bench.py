@@ -55,6 +55,12 @@ def test_the_quick_run_trains_every_contender_to_the_resident_losses(capsys):
         100 * (small["hit_rate_after_round_1"] - small["planner_hit_rate"]), 2
     )
     assert not large["cache_full"] and large["planner_hit_rate"] == 1.0
+    # where the id mapping's host time goes, a step: its parts lie within the whole; a cache that
+    # never evicts chooses no victims
+    parts = small["host_ms_per_step"]
+    assert set(parts) == {"map_ids", "complete_write_backs", "victims", "start_write_back", "load_copy"}
+    assert 0 < parts["load_copy"] + parts["victims"] + parts["start_write_back"] < parts["map_ids"]
+    assert "victims" not in large["host_ms_per_step"] and large["host_ms_per_step"]["load_copy"] > 0
     for c in contenders.values():
         assert c["samples_per_s"] > 0 and len(c["vs_resident"]["round_ratios"]) == 3
 

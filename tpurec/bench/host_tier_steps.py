@@ -103,12 +103,14 @@ def counters(m: dict[str, Any]) -> dict[str, Any] | None:
     if found is None:
         return None
     c = found()["t"]
-    return {"hits": c.hits, "misses": c.misses, "evictions": c.evictions, "writebacks": c.writebacks}
+    figures = {"hits": c.hits, "misses": c.misses, "evictions": c.evictions, "writebacks": c.writebacks}
+    return {**figures, "seconds": dict(c.seconds)}
 
 
 def steady(warm: dict[str, Any] | None, end: dict[str, Any] | None, steps: int, copies: int) -> dict[str, Any] | None:
     """The counters after the first round (the cache warm) over its `steps` steps, with their hit rate,
-    rows loaded and written back a step, and `copies` (device->host write-back copies) a step."""
+    rows loaded and written back a step, `copies` (device->host write-back copies) a step and the host
+    milliseconds a step in each part of the tier's id mapping (table_tier.PHASES)."""
     if warm is None or end is None:
         return None
     hits, misses = end["hits"] - warm["hits"], end["misses"] - warm["misses"]
@@ -121,6 +123,9 @@ def steady(warm: dict[str, Any] | None, end: dict[str, Any] | None, steps: int, 
         "rows_loaded_per_step": round(misses / per, 1),
         "rows_written_back_per_step": round(writebacks / per, 1),
         "write_back_copies_per_step": round(copies / per, 2),
+        "host_ms_per_step": {
+            k: round(1e3 * (v - warm["seconds"].get(k, 0.0)) / per, 3) for k, v in end["seconds"].items()
+        },
     }
 
 

@@ -24,7 +24,10 @@ and whole-table reads and writes go through `flush`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -47,11 +50,19 @@ class CacheCounters:
     evictions: int = 0  # rows that left the cache to make room
     writebacks: int = 0  # rows copied back to the host (evicted or flushed after an update may have changed them)
     flushes: int = 0  # times the host table was made whole (state_dict, checkpoints, loads)
+    # host seconds spent in each part of `map_ids` (PHASES): on a chip, where a missed row's cost goes
+    seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:
         looked_up = self.hits + self.misses
         return self.hits / looked_up if looked_up else 0.0
+
+
+# `map_ids`' parts, timed on the host: the whole call; the wait for and copy of the last batch's
+# evictions into the host table; the choice of victims; their rows gathered on the device (queued);
+# the missing rows gathered on the host and copied into the cache.
+PHASES = ("map_ids", "complete_write_backs", "victims", "start_write_back", "load_copy")
 
 
 class TableTier:
@@ -74,11 +85,25 @@ class TableTier:
         self._reread_at: int | None = None  # flushed with rows in flight at this step count (`flush`)
         self._pending: list[PendingWriteBack] = []  # evictions' write-backs started, not on the host yet
 
+    @contextmanager
+    def _timed(self, phase: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            sec = self.counters.seconds
+            sec[phase] = sec.get(phase, 0.0) + time.perf_counter() - t0
+
     # -- a batch ---------------------------------------------------------------------------------
     def map_ids(self, ids: np.ndarray, step: int, grad: bool, cache: Rows) -> np.ndarray:
         """The cache slot of every id (int64, in [0, rows), checked by the caller), after loading the
         rows missing. step: the table's stack step count now; grad: the batch's update will run."""
-        self.complete_write_backs()  # the last batch's evictions: its step is queued by now
+        with self._timed("map_ids"):
+            return self._map_ids(ids, step, grad, cache)
+
+    def _map_ids(self, ids: np.ndarray, step: int, grad: bool, cache: Rows) -> np.ndarray:
+        with self._timed("complete_write_backs"):
+            self.complete_write_backs()  # the last batch's evictions: its step is queued by now
         self._reread_flight(step, cache)
         if self._flight_step != step:  # the stack stepped: earlier batches' updates have run
             self._flight[:] = False
@@ -110,13 +135,16 @@ class TableTier:
         free = self.slots.free()
         short = rows.size - free.size
         if short > 0:
-            victims = self._victims(keep, short)
-            self._pending += self._write_back(victims, cache, start_only=True)
+            with self._timed("victims"):
+                victims = self._victims(keep, short)
+            with self._timed("start_write_back"):
+                self._pending += self._write_back(victims, cache, start_only=True)
             self.slots.release(victims)
             self.counters.evictions += victims.size
             free = np.concatenate([free, victims])
         target = free[: rows.size]
-        copy_rows(self.host, torch.from_numpy(rows), cache, torch.from_numpy(target))
+        with self._timed("load_copy"):
+            copy_rows(self.host, torch.from_numpy(rows), cache, torch.from_numpy(target))
         self.slots.assign(rows, target)
         self._dirty[target] = False
         self._flight[target] = False
