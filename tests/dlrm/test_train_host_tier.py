@@ -97,6 +97,8 @@ def test_on_an_emulated_tpu_the_host_tier_trains_the_resident_runs_losses(zipf_d
     resident, _ = train(*common, "--metrics-out", tmp_path / "a.jsonl", cache=cache)
     tiered, _ = train(*common, "--metrics-out", tmp_path / "b.jsonl", "--host-tier", "t_C1:0.3:lfu,t_C3", cache=cache)
     assert tiered["emulated_tpu"] == "v5e-1" and tiered["world_size"] == 1
+    # the plan's HBM figure for the device; the emulated device's allocator gives no reading
+    assert tiered["hbm"]["planned_bytes"] > 0 and tiered["hbm"]["in_use_bytes"] is None
     assert len(_losses(tmp_path / "a.jsonl")) == 30
     assert _losses(tmp_path / "b.jsonl") == pytest.approx(_losses(tmp_path / "a.jsonl"), rel=1e-6, abs=0)
     assert tiered["auc"] == pytest.approx(resident["auc"], abs=1e-6)

@@ -134,6 +134,7 @@ def run_round(w: Workload, data: str, warmup: int, steps: int, device: str, extr
         "seconds": result.get("seconds"),
         "losses": [round(r["loss"], 6) for r in records if r.get("kind") == "train"],
         **({"host_tier": result["host_tier"]} if "host_tier" in result else {}),
+        **({"hbm": result["hbm"]} if "hbm" in result else {}),  # the plan's HBM figure and the bytes in use
         "command": "tpurec train " + " ".join(args),
     }
 

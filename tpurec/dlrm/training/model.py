@@ -53,6 +53,7 @@ class ShardedModel:
     def __init__(self, run: RankRun) -> None:
         self.run = run
         self.remap: RemapCounters | None = None
+        self.planned_hbm_bytes: int | None = None  # the plan's HBM figure for this rank's device, once planned
 
     def build(self, data: TrainingData) -> None:
         import torch
@@ -190,6 +191,8 @@ class ShardedModel:
             else:
                 report = plan_report(self.dmp, run.cfg, run.table_set, data.table_sizes, data.batch_size)
             run.say(plan_summary(report))
+            mine = [d for d in report["devices"] if d.get("rank") == run.rank]
+            self.planned_hbm_bytes = int(mine[0]["hbm_used_bytes"]) if mine else None
         except Exception as e:  # the summary is informative only; never fail a run on it
             run.say(f"(plan summary unavailable: {e})")
         # one writer per host (a later --plan reads it on every host)

@@ -70,6 +70,7 @@ class Reporting:
         out: dict = {"hosts": max(1, run.world // max(1, local))}
         if device == DeviceKind.TPU:
             out["uneven_all_to_all"] = getattr(self.model.dmp, "uneven_all_to_all", None)
+            out["hbm"] = self._hbm_figures()
         out.update(run.emulation.compile_figures(device))
         if device == DeviceKind.TPU:
             # tpurec's own device->host copies in the training steps (tpurec.runtime.host_copies): on an emulated
@@ -80,6 +81,20 @@ class Reporting:
             out["device_to_host_copies_per_step"] = round(sum(copies.values()) / max(1, steps), 4)
             out["device_to_host_copies"] = dict(sorted(copies.items()))
         return out
+
+    def _hbm_figures(self) -> dict:
+        """The plan's HBM figure for this rank's device beside the bytes the device's allocator holds at
+        the end of training (torch.accelerator; None where it gives no reading: the emulated device),
+        and planned / in use (issue #59's bar: within 10%)."""
+        import torch
+
+        planned = self.model.planned_hbm_bytes
+        try:
+            in_use: int | None = int(torch.accelerator.memory_allocated())
+        except Exception:  # no accelerator statistics here (the emulated device, a CPU build)
+            in_use = None
+        ratio = round(planned / in_use, 4) if planned and in_use else None
+        return {"planned_bytes": planned, "in_use_bytes": in_use, "planned_over_in_use": ratio}
 
     def _id_limit_figures(self, step: int) -> dict:
         """The limits used, the stack inputs run in several passes and the ids dropped (all ranks);
