@@ -46,6 +46,7 @@ def test_the_quick_run_trains_every_contender_to_the_resident_losses(capsys):
     # host memory to host memory: no device->host copy
     assert small["write_back_copies_per_step"] == 0 and small["rows_written_back_per_step"] > 0
     assert small["hit_rate_after_round_1"] < large["hit_rate_after_round_1"]
+    assert 0 < small["id_hit_rate_after_round_1"] < large["id_hit_rate_after_round_1"] <= 1
     assert 0.02 < small["hit_rate_after_round_1"] < 0.10
     # the planner's expected hit rate from the same ids' hot-row curve (planner/hit_rate.py), beside the
     # measured one: within 2 points for the full cache (4.54% against 4.48%); the cache that never filled

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from torchrec.distributed.planner.types import ParameterConstraints
 
 FLAG = "--host-tier"
-COUNTERS = ("hits", "misses", "evictions", "writebacks", "rows", "cache_rows")
+COUNTERS = ("hits", "misses", "evictions", "writebacks", "rows", "cache_rows", "id_hits", "id_misses")
 
 
 def problem(text: str | None, *, plan: str | None, zch: bool, tpu: bool = False) -> str | None:
@@ -83,7 +83,8 @@ def figures(dmp: nn.Module, tables: list[str], world_size: int) -> dict[str, dic
     algorithm: dict[str, str] = {}
     for tier in _tiers(dmp):
         c = tier.counters
-        row = (c.hits, c.misses, c.evictions, c.writebacks, tier.params.rows, tier.params.cached_rows)
+        p = tier.params
+        row = (c.hits, c.misses, c.evictions, c.writebacks, p.rows, p.cached_rows, c.id_hits, c.id_misses)
         counts[tables.index(tier.name)] += torch.tensor(row, dtype=torch.int64)
         algorithm[tier.name] = tier.params.algorithm.name.lower()
     if world_size > 1:
@@ -94,7 +95,9 @@ def figures(dmp: nn.Module, tables: list[str], world_size: int) -> dict[str, dic
     for name, row in zip(tables, counts.tolist()):
         f: dict[str, Any] = dict(zip(COUNTERS, row))
         looked_up = f["hits"] + f["misses"]
-        f["hit_rate"] = round(f["hits"] / looked_up, 6) if looked_up else None
+        f["hit_rate"] = round(f["hits"] / looked_up, 6) if looked_up else None  # of a batch's distinct rows
+        ids = f["id_hits"] + f["id_misses"]
+        f["id_hit_rate"] = round(f["id_hits"] / ids, 6) if ids else None  # of the ids (a hot row: once an id)
         f["algorithm"] = algorithm.get(name)
         out[name] = f
     return out

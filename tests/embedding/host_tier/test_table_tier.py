@@ -44,6 +44,9 @@ def test_a_batch_maps_to_slots_holding_its_rows_and_their_state():
     assert again[0] == slots[1]
     c = tier.counters
     assert (c.batches, c.hits, c.misses, c.evictions, c.writebacks) == (2, 1, 3, 0, 0)
+    # per id: the first batch's 4 ids all missed (row 3 three times), the second's id of row 7 hit
+    assert (c.id_hits, c.id_misses, c.id_hit_rate) == (1, 5, 1 / 6)
+    assert c.hit_rate == 0.25
 
 
 def test_rows_an_update_may_have_changed_are_written_back_when_evicted():

@@ -47,6 +47,8 @@ class CacheCounters:
     batches: int = 0
     hits: int = 0  # distinct rows a batch found cached
     misses: int = 0  # distinct rows loaded from the host for a batch
+    id_hits: int = 0  # ids whose row a batch found cached (a row used k times in a batch: k ids)
+    id_misses: int = 0  # ids whose row was loaded
     evictions: int = 0  # rows that left the cache to make room
     writebacks: int = 0  # rows copied back to the host (evicted or flushed after an update may have changed them)
     flushes: int = 0  # times the host table was made whole (state_dict, checkpoints, loads)
@@ -57,6 +59,13 @@ class CacheCounters:
     def hit_rate(self) -> float:
         looked_up = self.hits + self.misses
         return self.hits / looked_up if looked_up else 0.0
+
+    @property
+    def id_hit_rate(self) -> float:
+        """The share of ids served from the cache (a hot row counts once per id): higher than
+        `hit_rate` wherever the hot rows are reused within a batch."""
+        looked_up = self.id_hits + self.id_misses
+        return self.id_hits / looked_up if looked_up else 0.0
 
 
 # `map_ids`' parts, timed on the host: the whole call; the wait for and copy of the last batch's
@@ -127,6 +136,8 @@ class TableTier:
             self._flight_step = step
         c = self.counters
         c.batches, c.hits, c.misses = c.batches + 1, c.hits + rows.size - n_missing, c.misses + n_missing
+        missed_ids = int(counts[missing].sum())
+        c.id_hits, c.id_misses = c.id_hits + int(ids.size) - missed_ids, c.id_misses + missed_ids
         return slots[inverse.reshape(-1)]
 
     def _load(self, rows: np.ndarray, keep: np.ndarray, cache: Rows) -> np.ndarray:
