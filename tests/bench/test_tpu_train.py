@@ -125,10 +125,13 @@ def test_the_split_step_does_the_whole_step_s_work():
     w = dataclasses.replace(workload(300, 64), **CPU_DIMS)
     batches = host_batches(w, 2)
     split, whole = Step(w, batches, torch.device("cpu")), Step(w, batches, torch.device("cpu"))
-    drained = []
+    drained, readings = [], iter(range(100, 200))
     for i in range(2):
-        drained.append(split_step(split, i, lambda t: None))
+        times, held = split_step(split, i, lambda t: None, lambda: next(readings))
+        drained.append(times)
         whole.whole(i)
+        # the device's bytes in use read once after each piece, in the step's order
+        assert held == {p: 100 + 5 * i + k for k, p in enumerate(PHASES)}
     assert all(set(d) == set(PHASES) and min(d.values()) > 0 for d in drained)
     # the stacks' rows (padded to the partitions) and one row-wise Adagrad float a row
     assert sum(w.rows) * (16 + 1) * 4 <= split.table_state_bytes() < 1.2 * sum(w.rows) * (16 + 1) * 4

@@ -158,25 +158,45 @@ def _timed(fn: Callable[[], Any], drain: Callable[[Any], None]) -> tuple[Any, fl
     return out, (time.perf_counter() - t0) * 1e3
 
 
-def split_step(s: Step, i: int, drain: Callable[[Any], None]) -> dict[str, float]:
-    """Step i with the device drained after each piece: each piece's milliseconds."""
-    (csrs, dense, labels), host = _timed(lambda: s.inputs(i), lambda out: drain(out[1]))
-    pooled, lookup = _timed(lambda: s.lookup(csrs), drain)
-    (_, grad), dense_ms = _timed(lambda: s.dense_step(pooled, dense, labels), lambda out: drain(out[1]))
-    _, update = _timed(lambda: pooled.backward(grad), lambda _: drain(s.some_table()))
-    _, dense_update = _timed(s.dense_update, lambda _: drain(s.some_dense()))
-    return dict(zip(PHASES, (host, lookup, dense_ms, update, dense_update)))
+def split_step(
+    s: Step, i: int, drain: Callable[[Any], None], in_use: Callable[[], int | None] = lambda: None
+) -> tuple[dict[str, float], dict[str, int | None]]:
+    """Step i with the device drained after each piece: each piece's milliseconds, and the device
+    allocator's bytes in use after each (`in_use`; None where there is no reading): what the step holds
+    beyond the tables, piece by piece (the planner's HBM figure is compared with it, issue #59)."""
+    held: dict[str, int | None] = {}
+
+    def drained(phase: str, wait: Callable[[Any], None]) -> Callable[[Any], None]:
+        def then(out: Any) -> None:
+            wait(out)
+            held[phase] = in_use()
+
+        return then
+
+    (csrs, dense, labels), host = _timed(lambda: s.inputs(i), drained("host_ms", lambda out: drain(out[1])))
+    pooled, lookup = _timed(lambda: s.lookup(csrs), drained("lookup_ms", drain))
+    step = lambda: s.dense_step(pooled, dense, labels)  # noqa: E731
+    (_, grad), dense_ms = _timed(step, drained("dense_ms", lambda out: drain(out[1])))
+    _, update = _timed(lambda: pooled.backward(grad), drained("update_ms", lambda _: drain(s.some_table())))
+    _, dense_update = _timed(s.dense_update, drained("dense_update_ms", lambda _: drain(s.some_dense())))
+    return dict(zip(PHASES, (host, lookup, dense_ms, update, dense_update))), held
 
 
 def run(w: Workload, batches: list[dict[str, Any]], warmup: int, steps: int, device: Any) -> dict:
     """Warm-up steps, T split steps (median of each piece), then T whole steps undrained."""
     s = Step(w, batches, device)
+    in_use = lambda: _device_bytes(device)  # noqa: E731
+    held: dict[str, int | None] = {"built": in_use()}
     t0 = time.perf_counter()
     for i in range(warmup):
         loss = s.whole(i)
         _drain(loss)
     first_s = time.perf_counter() - t0
-    splits = [split_step(s, warmup + i, _drain) for i in range(steps)]
+    held["after_warmup"] = in_use()
+    timed = [split_step(s, warmup + i, _drain, in_use) for i in range(steps)]
+    splits = [t for t, _ in timed]
+    if timed:  # the last split step's readings, each after its piece (keys: the pieces' names)
+        held.update({f"after_{k.removesuffix('_ms')}": v for k, v in timed[-1][1].items()})
     t0 = time.perf_counter()
     for i in range(steps):
         loss = s.whole(warmup + steps + i)
@@ -190,6 +210,7 @@ def run(w: Workload, batches: list[dict[str, Any]], warmup: int, steps: int, dev
     out["stacks"] = len(s.ebc.kernel.stacks)
     out["table_state_bytes"] = s.table_state_bytes()
     out["device_bytes_in_use"] = _device_bytes(device)
+    out["device_bytes_by_piece"] = held if any(v is not None for v in held.values()) else None
     out["loss"] = round(float(loss.detach()), 6)
     return out
 
