@@ -1,0 +1,148 @@
+"""Chip probe 11: where the host tier's row copies go on a TPU, piece by piece, through TorchTPU.
+
+`tpurec bench host-tier --device tpu` (docs/results.md, session 32) spent 92 ms a step loading 23,068
+missed rows and 84 ms completing their evictions' write-backs (a 4M x 128 f32 table with row-wise
+Adagrad, a 20% cache): ~12 MB each way, ~130-140 MB/s. This probe tells the host link from the rest:
+
+- `h2d_<MB>` / `d2h_<MB>`: one float32 tensor of that size moved host->device (`.to(device)`, then
+  drained) and device->host (`.cpu()`), the raw transfer rate at the sizes a chunk has;
+- `host_gather`: the load's host side, as `device_copies._load_chunk` does it (the rows and the state
+  gathered from the host table with the padded row list into one packed [bucket, dim + 1] tensor);
+- `host_scatter`: the write-back's host side (the packed rows into the host table, `index_copy_`);
+- `device_scatter` / `device_gather`: the cache's side (`index_copy_` of the packed rows into a
+  [cache rows, dim] table on the device; `index_select` of as many slots), each drained;
+- `load` / `write_back`: `device_copies.load` and `write_back` whole (what the table tier calls).
+
+Median of `--reps` after one untimed run, ms, and MB/s of the rows moved. JSON on stdout (progress on
+stderr; the document so far in $OUT/link_partial.json after each piece when OUT is set). `--device cpu`
+runs it all on the CPU (a smoke run: the copies are then host to host).
+Usage: python3 scripts/tpu_probe_host_link.py [--device tpu|cpu] [--rows 4000000] [--cache-rows 800000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from tpurec.embedding.host_tier import device_copies
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
+    p.add_argument("--device", choices=("tpu", "cpu"), default="tpu")
+    p.add_argument("--rows", type=int, default=4_000_000, help="host table rows")
+    p.add_argument("--cache-rows", type=int, default=800_000, help="the cache's rows on the device")
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--n", type=int, default=23_068, help="rows a step loads (and writes back)")
+    p.add_argument("--sizes-mb", default="1,12,64", help="raw transfer sizes, MB")
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def drain(t: torch.Tensor) -> None:
+    """Wait for the device: one element read to the host (the op that wrote `t` is done)."""
+    t.reshape(-1)[:1].cpu()
+
+
+class Clock:
+    def __init__(self, reps: int, doc: dict) -> None:
+        self.reps, self.doc = reps, doc
+
+    def time(self, name: str, fn: Callable[[], Any], row_bytes: int | None = None) -> None:
+        """fn once untimed, then `reps` times; its median in ms (and MB/s of `row_bytes`)."""
+        try:
+            fn()
+            times = []
+            for _ in range(self.reps):
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+            ms = statistics.median(times)
+            rec: dict[str, Any] = {"ms": round(ms, 3), "min_ms": round(min(times), 3)}
+            if row_bytes:
+                rec["bytes"], rec["MBps"] = row_bytes, round(row_bytes / ms / 1e3, 1)
+            log(f"{name}: {rec}")
+        except Exception as ex:  # a piece that fails is recorded; the others still run
+            rec = {"error": f"{type(ex).__name__}: {str(ex)[:300]}"}
+            log(f"{name}: {rec['error']}")
+        self.doc["pieces"][name] = rec
+        out = os.environ.get("OUT")
+        if out:
+            with open(os.path.join(out, "link_partial.json"), "w") as f:
+                json.dump(self.doc, f, indent=1)
+
+
+def device_of(name: str) -> torch.device:
+    if name == "cpu":
+        return torch.device("cpu")
+    from tpurec.runtime.device import select_device
+
+    return select_device("tpu")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    a = parse(argv)
+    dev = device_of(a.device)
+    doc: dict[str, Any] = {"probe": "tpu_probe_host_link", "device": str(dev), "torch": torch.__version__}
+    doc["shape"] = {k: getattr(a, k) for k in ("rows", "cache_rows", "dim", "n", "reps")}
+    doc["pieces"] = {}
+    clock = Clock(a.reps, doc)
+    for mb in (float(x) for x in a.sizes_mb.split(",")):
+        host = torch.rand(int(mb * 2**20) // 4)
+        on_dev = host.to(dev)
+        clock.time(f"h2d_{mb:g}MB", lambda h=host: drain(h.to(dev)), host.numel() * 4)
+        clock.time(f"d2h_{mb:g}MB", lambda d=on_dev: d.cpu(), host.numel() * 4)
+        del host, on_dev
+    gen = np.random.default_rng(a.seed)
+    table, acc = torch.rand(a.rows, a.dim), torch.rand(a.rows)
+    cache, cache_acc = torch.zeros(a.cache_rows, a.dim, device=dev), torch.zeros(a.cache_rows, device=dev)
+    rows = torch.from_numpy(np.sort(gen.choice(a.rows, a.n, replace=False)))
+    slots = torch.from_numpy(np.sort(gen.choice(a.cache_rows, a.n, replace=False)))
+    size = device_copies.bucket(min(a.n, device_copies.MAX_BUCKET), a.cache_rows)
+    row_bytes = a.n * (a.dim + 1) * 4
+    doc["shape"]["bucket"] = size
+
+    def host_gather() -> torch.Tensor:
+        padded = device_copies.pad(rows[: device_copies.MAX_BUCKET], size)
+        packed = torch.empty(size, a.dim + 1)
+        packed[:, : a.dim].copy_(table.index_select(0, padded))
+        packed[:, a.dim :].copy_(acc.index_select(0, padded).reshape(size, 1))
+        return packed
+
+    packed = host_gather()
+    clock.time("host_gather", host_gather, row_bytes)
+    n = min(a.n, size)
+    clock.time("host_scatter", lambda: table.index_copy_(0, rows[:n], packed[:n, : a.dim]), row_bytes)
+    packed_dev = packed.to(dev)
+    slots_dev = device_copies.pad(slots[:n], size).to(dev)
+    scatter = lambda: drain(cache.index_copy_(0, slots_dev, packed_dev[:, : a.dim]))  # noqa: E731
+    clock.time("device_scatter", scatter, row_bytes)
+    clock.time("device_gather", lambda: drain(cache.index_select(0, slots_dev)), row_bytes)
+
+    def load() -> None:
+        device_copies.load([table, acc], rows, [cache, cache_acc], slots)
+        drain(cache)
+
+    clock.time("load", load, row_bytes)
+    clock.time("write_back", lambda: device_copies.write_back([cache, cache_acc], slots, [table, acc], rows), row_bytes)
+    text = json.dumps(doc, indent=1)
+    print(text, flush=True)
+    return doc
+
+
+if __name__ == "__main__":
+    main()
