@@ -156,15 +156,27 @@ def test_the_tensorcore_kernel_sets_its_first_batch_limits_10_percent_over_the_b
     settings = KernelSettings(fixed_limits=True, first_batch_headroom=0.1)
     kernel = SparseCoreKernel([KernelTable("t", 512, 8, ("f",))], SGDSpec(lr=0.1), 1, settings=settings)
     # 2 samples of the same 50 rows, 100 ids of 50 distinct rows in one partition: 110 -> 112 ids; distinct
-    # ids twice, 100 -> 104 (batches vary more in them, and the TensorCore kernel sizes nothing by them)
+    # ids 1 + 6 / sqrt(50) = 1.85 times, 92.5 -> 96 (a small count varies by its square root)
     lengths = torch.tensor([50, 50, 0, 0], dtype=torch.int32)
     kernel.preprocess(KeyedJaggedTensor(["f"], torch.cat([torch.arange(50), torch.arange(50)]), lengths=lengths))
-    assert kernel.stack_limits(0) == (112, 104) and kernel.multipass_batches == 0
+    assert kernel.stack_limits(0) == (112, 96) and kernel.multipass_batches == 0
     # 100 ids of 75 distinct rows: within both (with distinct ids 10% over the first batch's: two passes)
     kernel.preprocess(KeyedJaggedTensor(["f"], torch.cat([torch.arange(50), torch.arange(25, 75)]), lengths=lengths))
-    assert kernel.stack_limits(0) == (112, 104) and kernel.multipass_batches == 0
+    assert kernel.stack_limits(0) == (112, 96) and kernel.multipass_batches == 0
     kernel.preprocess(KeyedJaggedTensor(["f"], torch.arange(120), lengths=torch.tensor([60, 60, 0, 0])))
-    assert kernel.stack_limits(0) == (112, 104) and kernel.multipass_batches == 1
+    assert kernel.stack_limits(0) == (112, 96) and kernel.multipass_batches == 1
+
+
+def test_distinct_ids_get_the_ids_headroom_where_their_count_is_large():
+    """The TensorCore update's optimizer works on as many rows as the unique-id limit allows: a large
+    first count gets the ids' 10% (MLPerf's largest stack: 370,073 distinct rows, 2x was 740k rows to
+    update), a small one 6 Poisson deviations, never over 2x; SparseCore chips keep 2x."""
+    from tpurec.embedding.kernel_input import unique_factor
+
+    assert unique_factor(370_073, 0.1) == 1.1 and unique_factor(3_600, 0.1) == 1.1
+    assert unique_factor(100, 0.1) == pytest.approx(1.6) and unique_factor(10_000, 0.05) == pytest.approx(1.06)
+    assert unique_factor(1, 0.1) == unique_factor(4, 0.1) == 2.0
+    assert unique_factor(370_073, 1.0) == unique_factor(100, 1.0) == 2.0
 
 
 @pytest.mark.parametrize(

@@ -34,7 +34,7 @@ from tpurec.embedding.multipass import MultiPassInput, split_into_passes, stacke
 from tpurec.embedding.optimizers.base import OptimizerSpec
 from tpurec.embedding.optimizers.weight_decay import DecayInput, decay_input
 from tpurec.embedding.preprocess import IdLimitExceededError, PreprocessStats, SparseCoreInput, preprocess
-from tpurec.embedding.settings import FIRST_BATCH_HEADROOM, KernelSettings
+from tpurec.embedding.settings import FIRST_BATCH_HEADROOM, UNIQUE_SIGMAS, KernelSettings
 from tpurec.embedding.stack_limits import initial_limits
 from tpurec.errors import UserError
 from tpurec.runtime import device as _device
@@ -356,23 +356,25 @@ class KernelInput:
     def _limits(self, i: int, entries: StackEntries, common: dict[str, Any]) -> tuple[int | None, int | None]:
         """Stack i's (max ids, max unique ids) for this batch: the given ones when limits follow the
         batch, else the fixed ones, set from this first batch if none (its fullest partition's ids
-        times 1 + `first_batch_headroom`, KernelSettings; its distinct ids times 2)."""
+        times 1 + `first_batch_headroom`, KernelSettings; its distinct ids times 2, or under a smaller
+        headroom `unique_factor`'s)."""
         if not self.fixed_limits:
             return self.settings.max_ids_per_partition, self.settings.max_unique_ids_per_partition
         limits = self._stack_limits[i]
         if limits is None:
             _, first = preprocess(*entries, **common)
             headroom = self.settings.first_batch_headroom
-            factor = 1.0 + (FIRST_BATCH_HEADROOM if headroom is None else headroom)
+            headroom = FIRST_BATCH_HEADROOM if headroom is None else headroom
 
-            def bound(n: int) -> int:
+            def bound(n: int, factor: float) -> int:
                 return round_up(max(SEGMENT_ALIGN, math.ceil(factor * n)), SEGMENT_ALIGN)
 
-            max_ids = bound(first.max_ids_per_partition)
-            # distinct ids keep twice the first batch's: they vary more from batch to batch than the ids
-            # do (a batch over them runs in passes); the TensorCore update's optimizer touches this many
-            # rows a partition (update_jax.distinct_rows_bound), the lookup none
-            uniq = round_up(max(SEGMENT_ALIGN, 2 * first.max_unique_ids_per_partition), SEGMENT_ALIGN)
+            max_ids = bound(first.max_ids_per_partition, 1.0 + headroom)
+            # the TensorCore update's optimizer touches this many rows a partition
+            # (update_jax.distinct_rows_bound), the lookup none; a batch over it runs in passes
+            uniq = bound(
+                first.max_unique_ids_per_partition, unique_factor(first.max_unique_ids_per_partition, headroom)
+            )
             limits = self._stack_limits[i] = (max_ids, min(uniq, max_ids))
         return limits
 
@@ -508,3 +510,13 @@ def stacked_samples(slot: torch.Tensor, b: torch.Tensor, n: int, padded: int, nu
     per = padded // num_sc
     sc = b // per
     return sc * (n * per) + slot * per + (b - sc * per)
+
+
+def unique_factor(first_unique: int, headroom: float) -> float:
+    """The first batch's distinct ids times this make the fixed unique-id limit: 2 under the SparseCore
+    default headroom (distinct ids vary more between batches than ids do); under a smaller one (the
+    TensorCore kernel) 1 + the headroom, or + UNIQUE_SIGMAS / sqrt(count) where that is more (a
+    Poisson count's spread: 100 distinct ids vary by about 10), at most 2."""
+    if headroom >= FIRST_BATCH_HEADROOM:
+        return 2.0
+    return min(2.0, 1.0 + max(headroom, UNIQUE_SIGMAS / math.sqrt(max(first_unique, 1))))

@@ -34,6 +34,12 @@ TENSORCORE_MAX_STACK_BYTES = 1 << 30
 # 3.0M ids (docs/results.md, session 31). 10% is `tpurec data stats`' headroom (planner/id_limits.py).
 FIRST_BATCH_HEADROOM = 1.0
 FIRST_BATCH_HEADROOM_TENSORCORE = 0.10
+# The first batch's distinct ids, under a headroom below FIRST_BATCH_HEADROOM (the TensorCore kernel, whose
+# update's optimizer works on as many rows as that limit allows: at 2x, 740k rows for 370k distinct in
+# MLPerf's largest stack, 29 of its 65 ms on v5e, docs/results.md session 32): the same headroom, or
+# UNIQUE_SIGMAS standard deviations of a count that varies as a Poisson count does (sqrt of itself) where
+# that is more, so a small batch's distinct count (100 +- 10) keeps room; at most twice them.
+UNIQUE_SIGMAS = 6.0
 
 
 def _whole_limit(where: str, value: object) -> int:
@@ -159,9 +165,11 @@ class KernelSettings:
 
     first_batch_headroom: float | None = None
     """With fixed limits and none given or measured, the first batch sets them: its fullest partition's
-    ids times 1 + this, 8-aligned (its distinct ids: twice them, at most the ids'; they vary more from
-    batch to batch; the TensorCore update's optimizer works on that many rows a partition, not on every
-    slot); a later batch over them runs in passes (exact, slower).
+    ids times 1 + this, 8-aligned (its distinct ids: twice them under the SparseCore default, they vary
+    more from batch to batch; under a smaller headroom the same headroom, or UNIQUE_SIGMAS Poisson
+    deviations where that is more, at most twice: the TensorCore update's optimizer works on that many
+    rows a partition; `kernel_input.unique_factor`; at most the ids'); a later batch over them runs in
+    passes (exact, slower).
     Default None: FIRST_BATCH_HEADROOM_TENSORCORE where the TensorCore kernel runs on a TPU (one
     partition a stack: its ids per batch are a sum over every sample and vary little, and the lookup and
     the update's gradient merge work on every slot, padding or not), else FIRST_BATCH_HEADROOM (a

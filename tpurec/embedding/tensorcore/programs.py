@@ -36,17 +36,7 @@ def _lookup(
 
 
 def _row_gradients(layout: Layout, csr: Csr, table: jax.Array, grad: jax.Array) -> tuple[jax.Array, jax.Array]:
-    batch, num_sc, parts, max_unique = layout
-    return update_jax.row_gradients(
-        *csr,
-        grad,
-        num_rows=table.shape[0],
-        width=table.shape[1],
-        device_batch_size=batch,
-        num_sc=num_sc,
-        num_partitions=parts,
-        max_unique=update_jax.distinct_rows_bound(num_sc, parts, max_unique),
-    )
+    return update_jax.layout_row_gradients(csr, grad, table.shape, layout)
 
 
 def _sgd(layout: Layout, csr: Csr, table: jax.Array, grad: jax.Array, lr: jax.Array) -> jax.Array:

@@ -47,22 +47,8 @@ def _row_gradients(
     Opt-in (TPUREC_PALLAS_MERGE=1): on v5e it took SGD's update from 7.4 to 6.2 ms through torch,
     bit-equal, but the one `tpurec train` run with it (batch 256, 200 steps) took 71.7 s against 32.3
     without it, same AUC, cause not yet known (docs/results.md, session 29)."""
-    batch, num_sc, parts, max_unique = layout
-    merge = merge_chosen(batch, table.shape[1], num_sc)
-    rows, g = update_jax.row_gradients(
-        rp,
-        emb,
-        smp,
-        gns,
-        grad,
-        num_rows=table.shape[0],
-        width=table.shape[1],
-        device_batch_size=batch,
-        num_sc=num_sc,
-        num_partitions=parts,
-        max_unique=update_jax.distinct_rows_bound(num_sc, parts, max_unique),
-        merge_kernel=merge,
-    )
+    merge = merge_chosen(layout[0], table.shape[1], layout[1])
+    rows, g = update_jax.layout_row_gradients((rp, emb, smp, gns), grad, table.shape, layout, merge_kernel=merge)
     return rows, g, not merge
 
 

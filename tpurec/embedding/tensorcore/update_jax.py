@@ -82,6 +82,29 @@ def row_gradients(
     return _distinct(rows_sorted, starts, segment, contributions, num_rows, k)
 
 
+def layout_row_gradients(
+    csr: tuple[jax.Array, jax.Array, jax.Array, jax.Array],
+    grad: jax.Array,
+    table_shape: tuple[int, ...],
+    layout: tuple[int, int, int, int],
+    merge_kernel: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """`row_gradients` for a table of `table_shape` and an update program's static layout (device
+    batch, SparseCores, partitions, max_unique_ids_per_partition): rows as many as that limit allows."""
+    batch, num_sc, parts, max_unique = layout
+    return row_gradients(
+        *csr,
+        grad,
+        num_rows=table_shape[0],
+        width=table_shape[1],
+        device_batch_size=batch,
+        num_sc=num_sc,
+        num_partitions=parts,
+        max_unique=distinct_rows_bound(num_sc, parts, max_unique),
+        merge_kernel=merge_kernel,
+    )
+
+
 def distinct_rows_bound(num_sc: int, num_partitions: int, max_unique_ids_per_partition: int) -> int:
     """The most distinct rows an input within `max_unique_ids_per_partition` can touch: each
     (SparseCore, partition) segment holds at most that many distinct ids, each one row."""
