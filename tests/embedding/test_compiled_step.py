@@ -113,10 +113,31 @@ def _train_pair(
         eager_opt.zero_grad()
         eager_losses.append(float(loss.detach()))
         csrs = twin.ebc.kernel.preprocess(kjt)  # host side, outside the compiled step
+        twin.ebc.kernel.begin_compiled_step()  # the step's count and update scalars (step_scalars.py)
         compiled_losses.append(float(step(csrs, dense, labels)))
         if not dense_in_graph:
             _dense_sgd(twin)
     return model, twin, eager_losses, compiled_losses, counter
+
+
+def _first_batch(optimizer_name: str) -> tuple[TinyModel, list, torch.Tensor, torch.Tensor]:
+    """A fresh model and its first batch, preprocessed."""
+    torch.manual_seed(0)
+    tables = make_tables()
+    model = TinyModel(tables, *fused_optimizers()[optimizer_name])
+    kjt, dense, labels = _batches(tables)[0]
+    return model, model.ebc.kernel.preprocess(kjt), dense, labels
+
+
+def _device_half(model: TinyModel) -> Any:
+    """The step's device half on preprocessed inputs: lookup, head, loss, backward (the fused updates)."""
+
+    def part(csrs: list, dense: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = model.head(model.ebc.kernel.lookup(csrs, BATCH), dense, labels)
+        loss.backward()
+        return loss.detach()
+
+    return part
 
 
 def _dense_sgd(model: TinyModel) -> None:
@@ -156,18 +177,9 @@ def test_compiled_step_equals_eager_aot_eager(optimizer_name):
 
 
 def test_compiled_step_graph_holds_the_ops_and_no_break():
-    torch.manual_seed(0)
-    tables = make_tables()
-    model = TinyModel(tables, *fused_optimizers()["adagrad"])
-    kjt, dense, labels = _batches(tables)[0]
-    csrs = model.ebc.kernel.preprocess(kjt)
-
-    def part(csrs: list, dense: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = model.head(model.ebc.kernel.lookup(csrs, BATCH), dense, labels)
-        loss.backward()
-        return loss.detach()
-
-    explained = torch._dynamo.explain(part)(csrs, dense, labels)
+    model, csrs, dense, labels = _first_batch("adagrad")
+    model.ebc.kernel.begin_compiled_step()
+    explained = torch._dynamo.explain(_device_half(model))(csrs, dense, labels)
     assert explained.graph_break_count == 0 and explained.graph_count == 1
     code = explained.graphs[0].code
     stacks = len(model.ebc.kernel.stacks)
@@ -228,10 +240,12 @@ def test_opcheck_fused_lookup_and_update():
     states = [kernel.stack_state(0, s).clone() for s in kernel.optimizer.state_names]
     ints = (csr.device_batch_size, csr.num_sc_per_device, csr.num_partitions, 64, 64, kernel.custom_op_key, 0)
     trigger = torch.empty(0, requires_grad=True)
-    results = torch.library.opcheck(torch.ops.tpurec.fused_lookup.default, (trigger, *tensors, states, *ints))
+    feed = kernel.step_feed
+    kernel.begin_compiled_step()  # (its autograd check runs the update)
+    results = torch.library.opcheck(torch.ops.tpurec.fused_lookup.default, (trigger, *tensors, states, feed, *ints))
     assert set(results.values()) == {"SUCCESS"}, results
     grad = torch.randn(csr.device_batch_size, tensors[-1].shape[1])
-    results = torch.library.opcheck(torch.ops.tpurec.fused_update.default, (grad, *tensors, states, *ints))
+    results = torch.library.opcheck(torch.ops.tpurec.fused_update.default, (grad, *tensors, states, feed, *ints))
     assert set(results.values()) == {"SUCCESS"}, results
 
 
@@ -298,7 +312,9 @@ def test_torchrec_dlrm_step_compiles_with_preprocessed_features(backend):
         kjt = random_kjt(tables, 16, gen)
         dense, labels = torch.randn(16, 4, generator=gen), torch.randint(0, 2, (16,), generator=gen).float()
         want = step(model, dense, kjt, labels, True)
-        got = compiled(twin, dense, twin_ebc.preprocess(kjt), labels, dense_in_graph)
+        features = twin_ebc.preprocess(kjt)
+        twin_ebc.kernel.begin_compiled_step()  # the eager half: the update's count and scalars
+        got = compiled(twin, dense, features, labels, dense_in_graph)
         if not dense_in_graph:
             dense_sgd(twin)
         assert abs(float(got) - float(want)) <= tol
@@ -311,3 +327,34 @@ def test_torchrec_dlrm_step_compiles_with_preprocessed_features(backend):
     assert len(dense_params) == 8  # two layers in each MLP, weight and bias
     for n, p in dense_params.items():
         torch.testing.assert_close(twin_params[n], p, atol=tol, rtol=0)
+
+
+def test_a_compiled_update_without_a_begun_step_is_refused():
+    # On a TPU the update op's Python runs once, when the graph is compiled: it cannot count steps or
+    # read the lr itself (tpurec/embedding/step_scalars.py). A step whose eager half did not begin it
+    # would train on no scalars at all: refused, naming the call it lacks.
+    model, csrs, dense, labels = _first_batch("sgd")
+    step = torch.compile(_device_half(model), fullgraph=True, dynamic=False, backend="aot_eager")
+    with pytest.raises(RuntimeError, match=r"without SparseCoreKernel.begin_compiled_step\(\)"):
+        step(csrs, dense, labels)
+
+
+def test_begin_compiled_step_counts_the_step_and_feeds_the_groups_lr():
+    # Adam: its bias-corrected step size changes every step; the feed holds it for the step begun, at
+    # the param group's lr then (a scheduler's move included), as float32, one row per stack.
+    from tpurec.embedding.optimizers.adam import alpha_t
+
+    torch.manual_seed(0)
+    tables = make_tables()
+    model = TinyModel(tables, *fused_optimizers()["adam"])
+    kernel = model.ebc.kernel
+    for step in (1, 2):
+        if step == 2:
+            cast(dict, model.ebc.fused_optimizer.param_groups[0])["lr"] = 0.004
+        kernel.begin_compiled_step()
+        lr = 0.01 if step == 1 else 0.004
+        assert all(kernel.step_count(name) == step for name in kernel.table_names)
+        want = [alpha_t(lr, 0.9, 0.999, step), 0.9, 0.999, 1e-6, 1 - 0.9, 1 - 0.999]
+        for i in range(len(kernel.stacks)):
+            assert kernel.take_step_feed(i)[0] == lr
+            assert torch.equal(kernel.step_feed[i], torch.tensor([lr, *want], dtype=torch.float32))

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from tpurec.embedding import ops
+from tpurec.embedding import ops, step_scalars
 from tpurec.embedding.constraints import PADDING_ID
 from tpurec.embedding.preprocess import SparseCoreInput
 
@@ -76,6 +76,7 @@ def fused_lookup(
     gains: Tensor,
     embedding_table: Tensor,
     states: list[Tensor],
+    step_feed: Tensor,
     device_batch_size: int,
     num_sc_per_device: int,
     num_partitions: int,
@@ -85,7 +86,8 @@ def fused_lookup(
     stack: int,
 ) -> Tensor:
     """Stack `stack`'s pooled lookup, [device_batch_size, width] float32. `trigger` (a 0-dim tensor
-    that requires grad) makes autograd reach the update; `states` are only carried to it."""
+    that requires grad) makes autograd reach the update; `states` and `step_feed` (the kernel's, the
+    update's scalars: step_scalars.py) are only carried to it."""
     return torch.ops.tpurec.sparse_dense_matmul(
         row_pointers,
         embedding_ids,
@@ -109,6 +111,7 @@ def _(
     gains: Tensor,
     embedding_table: Tensor,
     states: list[Tensor],
+    step_feed: Tensor,
     device_batch_size: int,
     *_: Any,
 ) -> Tensor:
@@ -124,6 +127,7 @@ def fused_update(
     gains: Tensor,
     embedding_table: Tensor,
     states: list[Tensor],
+    step_feed: Tensor,
     device_batch_size: int,
     num_sc_per_device: int,
     num_partitions: int,
@@ -133,7 +137,9 @@ def fused_update(
     stack: int,
 ) -> None:
     """Stack `stack`'s fused update, in place on `embedding_table` and `states` (which may be the
-    compiler's copies of the kernel's storage: written here, copied back by the graph)."""
+    compiler's copies of the kernel's storage: written here, copied back by the graph). Its step count
+    and scalars are the step's that `begin_compiled_step` began: on a TPU this Python runs once, when
+    the graph is compiled, so it reads no per-step state of its own (step_scalars.py)."""
     csr = SparseCoreInput(
         row_pointers,
         embedding_ids,
@@ -146,26 +152,28 @@ def fused_update(
         max_unique_ids_per_partition,
     )
     k = _kernel(kernel)
-    k.apply_update(stack, csr, activations_grad, k.current_lr(), storage=(embedding_table, list(states)))
+    lr, values = k.take_step_feed(stack)
+    with step_scalars.feeding(step_scalars.Feed(step_feed[stack], values)):
+        k.apply_update(stack, csr, activations_grad, lr, new_step=False, storage=(embedding_table, list(states)))
 
 
 fused_update.register_fake(lambda *args, **kwargs: None)  # in place: nothing to compute under fake tensors
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-    _, rp, emb, smp, gains, table, states, *ints = inputs
-    ctx.save_for_backward(rp, emb, smp, gains, table, *states)
+    _, rp, emb, smp, gains, table, states, step_feed, *ints = inputs
+    ctx.save_for_backward(rp, emb, smp, gains, table, step_feed, *states)
     ctx.ints, ctx.num_states = ints, len(states)
 
 
 def _backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
-    rp, emb, smp, gains, table, *states = ctx.saved_tensors
+    rp, emb, smp, gains, table, step_feed, *states = ctx.saved_tensors
     # trainable per-id weights (a FeatureProcessedEmbeddingBagCollection's position weights, built
     # in the graph: tpurec/sharding/fp_preprocess.py): their gradient from the rows before the update
     gains_grad = gains_gradient(grad, rp, emb, smp, gains, table, *ctx.ints[:5]) if ctx.needs_input_grad[4] else None
-    torch.ops.tpurec.fused_update(grad, rp, emb, smp, gains, table, states, *ctx.ints)
+    torch.ops.tpurec.fused_update(grad, rp, emb, smp, gains, table, states, step_feed, *ctx.ints)
     # no gradient for the other inputs (the table's is consumed by the update); the states' as a list
-    return (None,) * 4 + (gains_grad, None, [None] * ctx.num_states) + (None,) * 7
+    return (None,) * 4 + (gains_grad, None, [None] * ctx.num_states, None) + (None,) * 7
 
 
 def gains_gradient(
@@ -243,6 +251,7 @@ def stack_lookup(
         csr.gains if gains is None else gains,
         kernel.stack_weight(i),
         states,
+        kernel.step_feed,
         csr.device_batch_size,
         csr.num_sc_per_device,
         csr.num_partitions,

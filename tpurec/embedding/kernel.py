@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 from torch import nn
 
-from tpurec.embedding import custom_ops, direct, dtypes, huge_pages, ops, reference  # noqa: F401  (ops registers torch.ops.tpurec.*)
+from tpurec.embedding import custom_ops, direct, dtypes, huge_pages, ops, reference, step_scalars  # noqa: F401  (ops registers torch.ops.tpurec.*)
 from tpurec.embedding.constraints import round_up
 from tpurec.embedding.cpu_path import grad_trigger as _trigger
 from tpurec.embedding.cpu_path import writes_final_layout as _writes_final_layout
@@ -114,6 +114,7 @@ class SparseCoreKernel(nn.Module):
         self._stack_of = {ts.name: i for i, plan in enumerate(self.stacks) for ts in plan.layout.tables}
         self._init_update_state()
         self._allocate_storage(device)
+        self._allocate_step_feed(device)
         self.reset_parameters()
         custom_ops.prepare(self)  # what a compiled lookup needs (custom_ops.py)
 
@@ -177,6 +178,42 @@ class SparseCoreKernel(nn.Module):
                 init = self.optimizer.initial_value(s)
                 state = huge_pages.filled(tuple(shape), init, torch.float32, device)
                 self.register_buffer(f"{s}_{i}", state, persistent=False)
+
+    def _allocate_step_feed(self, device: torch.device) -> None:
+        # A compiled step's scalars, one row per stack (step_scalars.py): an input of its graph, written
+        # before each step by begin_compiled_step. A plain attribute, not a buffer: no state, nothing a
+        # module walk (DDP's buffer broadcast, state_dict) should see.
+        n = len(self.optimizer.device_scalars(1.0, 1, 8, 8))
+        self.step_feed = torch.zeros((len(self.stacks), n), dtype=torch.float32, device=device)
+        # (the group's lr, the row's values by name) of the step begun last, per stack; None before one
+        self.step_feed_values: list[tuple[float, dict[str, float]] | None] = [None] * len(self.stacks)
+
+    def begin_compiled_step(self) -> None:
+        """Before a compiled training step (its eager half, after `preprocess`): count the step of every
+        stack and write the update's scalars at the param group's lr into `step_feed`, which the graph
+        takes as an input, as its update ops cannot read Python state on a TPU (step_scalars.py)."""
+        lr = self.current_lr()
+        rows = []
+        for i, plan in enumerate(self.stacks):
+            for hook in self.pre_update_hooks:  # as apply_update runs them at a new step
+                hook()
+            self._steps[i] += 1
+            width = self.stack_weight(i).shape[1]
+            values = self.optimizer.device_scalars(lr, self._steps[i], width, plan.layout.dim)
+            self.step_feed_values[i] = (lr, values)
+            rows.append(step_scalars.host_row(values))
+        if rows:
+            self.step_feed.copy_(torch.stack(rows))  # one host->device copy a step
+
+    def take_step_feed(self, i: int) -> tuple[float, dict[str, float]]:
+        """Stack i's (lr, scalars) of the step `begin_compiled_step` began last (none begun: refused)."""
+        begun = self.step_feed_values[i]
+        if begun is None:
+            raise RuntimeError(
+                "a compiled step's update ran without SparseCoreKernel.begin_compiled_step() before it (the "
+                "step's count and scalars, step_scalars.py): call it in the eager half of every compiled step"
+            )
+        return begun
 
     # -- the input half's figures (kernel_input.py), read and set here as before -----------------
     @property

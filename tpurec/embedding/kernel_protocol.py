@@ -109,6 +109,13 @@ class EmbeddingKernel(Protocol):
     @property
     def custom_op_trigger(self) -> torch.Tensor: ...
 
+    # -- a compiled step's update scalars (step_scalars.py) ------------------------------------------
+    step_feed: torch.Tensor
+
+    def begin_compiled_step(self) -> None: ...
+
+    def take_step_feed(self, i: int) -> tuple[float, dict[str, float]]: ...
+
     # -- stack limits: fixed ones are graph constants, so the ranks align them (rank_limits.py) --
     @property
     def fixed_limits(self) -> bool: ...

@@ -215,8 +215,9 @@ def output_dist_activations(module: Any, acts: ShardedActivations) -> KeyedTenso
 
 def update_sharded(module: Any, prepared: ShardedPreprocessed, grads: RawActivations) -> int:
     """SparseCore backward: each stack's fused update from its raw activations' gradient, through
-    `tpurec::fused_update` (the compiled backward's op: the same optimizer code, hooks, step counts
-    and learning rate as the eager step's). Returns the number of stack updates run."""
+    `tpurec::fused_update` (the compiled backward's op: the same optimizer code as the eager step's;
+    its step counts, hooks and learning rate those `pipeline_stages.begin_updates` began before it).
+    Returns the number of stack updates run."""
     _check_owner(module, prepared)
     count = 0
     for i in range(len(module._lookups)):
@@ -240,6 +241,7 @@ def update_kernel(kernel: EmbeddingKernel, inputs: list[StackInput], grads: list
             csr.gains,
             kernel.stack_weight(s),
             states,
+            kernel.step_feed,
             csr.device_batch_size,
             csr.num_sc_per_device,
             csr.num_partitions,

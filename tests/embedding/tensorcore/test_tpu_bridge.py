@@ -16,9 +16,13 @@ import torch
 
 jax = pytest.importorskip("jax")
 
-from tpurec.embedding import ops  # noqa: E402
+from tpurec.embedding import ops, step_scalars  # noqa: E402
 from tpurec.embedding.optimizers import adagrad, adam, sgd  # noqa: E402
+from tpurec.embedding.optimizers.adagrad import AdagradSpec  # noqa: E402
+from tpurec.embedding.optimizers.adam import AdamSpec  # noqa: E402
 from tpurec.embedding.optimizers.base import record_tpu_calls  # noqa: E402
+from tpurec.embedding.optimizers.rowwise_adagrad import RowWiseAdagradSpec  # noqa: E402
+from tpurec.embedding.optimizers.sgd import SGDSpec  # noqa: E402
 from tpurec.embedding.tensorcore import tpu_bridge  # noqa: E402
 
 from .compare import assert_close_f32, assert_close_table  # noqa: E402
@@ -74,15 +78,20 @@ def _args(name, csr, tensors, grad, t):
 OPS = {"sgd": sgd.op, "adagrad": adagrad.op, "rowwise_adagrad": adagrad.op, "adam": adam.op}
 
 
-@pytest.mark.parametrize("name", list(OPS))
-def test_three_steps_through_the_bridge_equal_the_reference(bridge, name):
+def _two_copies(name: str, seed: int) -> tuple[Case, torch.Generator, torch.Tensor, list, list]:
+    """A case, its generator, a table, and two copies of [table, optimizer `name`'s state]."""
     case = Case(num_sc=1, pooling="weighted")
-    gen = torch.Generator().manual_seed(3)
+    gen = torch.Generator().manual_seed(seed)
     t0 = table(case, gen)
     rows, width = t0.shape
     states = {"sgd": [], "adagrad": [torch.rand(rows, width)], "rowwise_adagrad": [torch.rand(rows)]}
     state = states.get(name, [torch.zeros(rows, width), torch.zeros(rows, width)])
-    want, got = [t0.clone(), *(s.clone() for s in state)], [t0.clone(), *(s.clone() for s in state)]
+    return case, gen, t0, [t0.clone(), *(s.clone() for s in state)], [t0.clone(), *(s.clone() for s in state)]
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_three_steps_through_the_bridge_equal_the_reference(bridge, name):
+    case, gen, t0, want, got = _two_copies(name, 3)
     storage = [g.data_ptr() for g in got]
     with record_tpu_calls() as calls:
         for t in (1, 2, 3):  # a learning rate (Adam: alpha_t) that changes every step
@@ -101,3 +110,63 @@ def test_three_steps_through_the_bridge_equal_the_reference(bridge, name):
     traces = [TRACES.count(f"tpurec_tensorcore::{n}") for n in (update, "lookup")]
     assert traces == [1, 1]  # hyper-parameters that change every step compile nothing new
     assert len({key for key in calls}) == 2  # one lookup and one update program, as selftest expects
+
+
+class _RecordingFeed(step_scalars.Feed):
+    def take(self, name, value):
+        TAKEN.append(name)
+        return super().take(name, value)
+
+
+TAKEN: list[str] = []
+
+
+def _spec(name: str, t: int):
+    """The spec whose `device_scalars` are what `_args` hands the kernel at step t."""
+    if name == "sgd":
+        return SGDSpec(lr=0.1)
+    if name == "adagrad":
+        return AdagradSpec(lr=0.1, eps=1e-6)
+    if name == "rowwise_adagrad":
+        return RowWiseAdagradSpec(lr=0.1, eps=1e-6)
+    return AdamSpec(lr=0.01 * t, eps=1e-6, beta1=0.9, beta2=0.999)
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_a_compiled_steps_update_takes_every_scalar_from_its_feed(bridge, name):
+    # Inside a compiled step's update the kernels' device scalars are the step feed's entries
+    # (tpurec/embedding/step_scalars.py: on a TPU a tensor made there from a host value is no input of
+    # the program). The feed a spec's `device_scalars` fills holds every scalar the TensorCore kernel
+    # asks for, with the value it computed: the same numbers, bit for bit, as without a feed.
+    case, gen, t0, plain, fed = _two_copies(name, 5)
+    width = t0.shape[1]
+    for t in (1, 2, 3):
+        csr = csr_input(case, gen)
+        grad = torch.randn(case.device_batch_size, case.width, generator=gen)
+        bridge[OPS[name]](*_args(name, csr, plain, grad, t))
+        spec = _spec(name, t)
+        values = spec.device_scalars(spec.lr, t, width, width)
+        TAKEN.clear()
+        with step_scalars.feeding(_RecordingFeed(step_scalars.host_row(values), values)):
+            bridge[OPS[name]](*_args(name, csr, fed, grad, t))
+        want = {"sgd": ["lr"], "adam": list(adam.DEVICE_SCALARS)}.get(name, ["lr", "eps"])
+        assert TAKEN == want
+        for p, f in zip(plain, fed):
+            assert torch.equal(p, f)
+    assert not torch.equal(fed[0], t0)
+
+
+def test_a_feed_refuses_a_value_it_does_not_hold(bridge):
+    case = Case(num_sc=1, pooling="weighted")
+    gen = torch.Generator().manual_seed(5)
+    t0 = table(case, gen)
+    csr = csr_input(case, gen)
+    grad = torch.randn(case.device_batch_size, case.width, generator=gen)
+    values = SGDSpec(lr=0.2).device_scalars(0.2, 1, t0.shape[1], t0.shape[1])  # the kernel is given 0.1
+    with step_scalars.feeding(step_scalars.Feed(step_scalars.host_row(values), values)):
+        with pytest.raises(AssertionError, match=r"computed lr=0.1, its feed holds 0.2"):
+            bridge[sgd.op](*_args("sgd", csr, [t0], grad, 1))
+    adagrad_values = {"lr": 0.1}  # no eps
+    with step_scalars.feeding(step_scalars.Feed(step_scalars.host_row(adagrad_values), adagrad_values)):
+        with pytest.raises(AssertionError, match=r"asked for 'eps'; its feed holds \['lr'\]"):
+            bridge[adagrad.op](*_args("adagrad", csr, [t0, torch.rand_like(t0)], grad, 1))

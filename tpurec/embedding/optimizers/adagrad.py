@@ -108,7 +108,7 @@ def tpu_update(
         embedding_table,
         accumulator,
         activations_grad.contiguous(),
-        tpu_scalar(learning_rate, embedding_table),
+        tpu_scalar(learning_rate, embedding_table, "lr"),
         epsilon,
         device_batch_size,
         max_ids_per_partition,
@@ -194,3 +194,6 @@ class AdagradSpec(OptimizerSpec):
     @classmethod
     def tpu_kernels(cls) -> dict[Any, Callable]:
         return {op: tpu_update}
+
+    def device_scalars(self, lr: float, step: int, width: int, dim: int) -> dict[str, float]:
+        return {**super().device_scalars(lr, step, width, dim), "eps": self.eps}

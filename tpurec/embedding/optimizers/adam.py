@@ -56,6 +56,11 @@ def reference_update(
     add_to_rows(table, rows, step.neg_())
 
 
+# The scalars the TensorCore kernel's Adam takes as device tensors, in its order (tpu_bridge.adam_update);
+# TorchTPU's SparseCore op takes the first alone (`tpu_update`). 1 - beta in float64, rounded once.
+DEVICE_SCALARS = ("alpha_t", "beta_1", "beta_2", "epsilon", "one_minus_beta_1", "one_minus_beta_2")
+
+
 def alpha_t(lr: float, beta1: float, beta2: float, step: int) -> float:
     """The bias-corrected step size of step t (1-based): lr sqrt(1-b2^t) / (1-b1^t)."""
     return lr * (1.0 - beta2**step) ** 0.5 / (1.0 - beta1**step)
@@ -133,7 +138,7 @@ def tpu_update(
         momentum,
         velocity,
         activations_grad.contiguous(),
-        tpu_scalar(alpha_t, embedding_table),
+        tpu_scalar(alpha_t, embedding_table, "alpha_t"),
         beta_1,
         beta_2,
         epsilon,
@@ -198,6 +203,11 @@ class AdamSpec(OptimizerSpec):
 
     def param_group_entries(self) -> dict:
         return {"eps": self.eps, "betas": (self.beta1, self.beta2)}
+
+    def device_scalars(self, lr: float, step: int, width: int, dim: int) -> dict[str, float]:
+        b1, b2 = self.beta1, self.beta2
+        values = (alpha_t(lr, b1, b2, step), b1, b2, self.eps, 1.0 - b1, 1.0 - b2)
+        return {**super().device_scalars(lr, step, width, dim), **dict(zip(DEVICE_SCALARS, values))}
 
     def apply_update(
         self,

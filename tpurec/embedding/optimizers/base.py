@@ -276,6 +276,15 @@ class OptimizerSpec(abc.ABC):
         """{tpurec custom op: TorchTPU call} that `tpurec.embedding.tpu.register` installs on a TPU host."""
         return {}
 
+    def device_scalars(self, lr: float, step: int, width: int, dim: int) -> dict[str, float]:
+        """The values this optimizer's TPU kernels take as device tensors (`tpu_scalar`), by name, for
+        an update at `lr` that is step `step` (1-based) of a stack stored `width` wide with rows `dim`
+        wide: a compiled step's feed holds them (step_scalars.py). Always in the same order."""
+        out = {"lr": lr}
+        if self.weight_decay_mode == "DECOUPLE":  # weight_decay.py's factor (of the group's lr)
+            out["decay_factor"] = 1.0 - lr * self.weight_decay
+        return out
+
 
 def check_hyperparameter(optimizer: str, name: str, value: float) -> None:
     """One-line UserError unless `value` is in the domain of hyper-parameter `name`: finite; lr >= 0;
@@ -346,9 +355,16 @@ def op_head(
     return (csr.row_pointers, csr.embedding_ids, csr.sample_ids, csr.gains, table)
 
 
-def tpu_scalar(value: float, like: torch.Tensor) -> torch.Tensor:
+def tpu_scalar(value: float, like: torch.Tensor, name: str) -> torch.Tensor:
     """TorchTPU takes learning rates (and Adam's alpha_t) as device tensors, so they can change per
-    step without recompiling."""
+    step without recompiling. `name`: the value's name in `OptimizerSpec.device_scalars`; inside a
+    compiled step's update the value is that entry of the step's feed (step_scalars.py), since a
+    tensor made there from a host value is not an input of the compiled program."""
+    from tpurec.embedding import step_scalars
+
+    feed = step_scalars.current()
+    if feed is not None:
+        return feed.take(name, value)
     return torch.tensor(value, dtype=torch.float32, device=like.device)
 
 

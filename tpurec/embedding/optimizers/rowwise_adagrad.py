@@ -70,6 +70,10 @@ class RowWiseAdagradSpec(AdagradSpec):
         grad, lr = _at_width(grad, lr, table.shape[1], dim)
         reference_update(table, accumulator, rows, grad, lr, self.eps)
 
+    def device_scalars(self, lr: float, step: int, width: int, dim: int) -> dict[str, float]:
+        out = super().device_scalars(lr, step, width, dim)
+        return {**out, "lr": _at_width_lr(lr, width, dim)}  # the op's lr (apply_update); the decay's stays
+
     def direct_update(self, head: DirectHead, states: Sequence[np.ndarray], lr: float, step: int) -> None:
         from tpurec.embedding import direct_kernels as dk
 
@@ -81,5 +85,8 @@ def _at_width(grad: torch.Tensor, lr: float, width: int, dim: int | None) -> tup
     """(gradient, lr) for a table stored `width` wide whose rows are `dim` wide (apply_update says why)."""
     if dim is None or dim == width:
         return grad, lr
-    s = (width / dim) ** 0.5
-    return grad * s, lr / s
+    return grad * (width / dim) ** 0.5, _at_width_lr(lr, width, dim)
+
+
+def _at_width_lr(lr: float, width: int, dim: int | None) -> float:
+    return lr if dim is None or dim == width else lr / (width / dim) ** 0.5

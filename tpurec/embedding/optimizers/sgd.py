@@ -87,7 +87,7 @@ def tpu_update(
         gains,
         embedding_table,
         activations_grad.contiguous(),
-        tpu_scalar(learning_rate, embedding_table),
+        tpu_scalar(learning_rate, embedding_table, "lr"),
         device_batch_size,
         max_ids_per_partition,
         max_unique_ids_per_partition,

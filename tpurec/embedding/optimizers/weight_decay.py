@@ -52,6 +52,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tpurec.embedding.optimizers.base import tpu_scalar
 from tpurec.embedding.preprocess import SparseCoreInput, preprocess
 from tpurec.errors import UserError
 
@@ -143,8 +144,9 @@ def decay_rows(spec: Any, table: torch.Tensor, grad: torch.Tensor, rows: torch.T
     if spec.weight_decay_mode == "L2":
         return grad.add(w, alpha=spec.weight_decay)
     # The factor as a device tensor: the learning rate may change every step (schedulers), and
-    # TorchTPU compiles a Python float into the program (as for the ops' learning rates, base.tpu_scalar).
-    factor = torch.tensor(1.0 - lr * spec.weight_decay, dtype=torch.float32, device=table.device)
+    # TorchTPU compiles a Python float into the program (as for the ops' learning rates, base.tpu_scalar;
+    # a compiled step's feed entry, step_scalars.py).
+    factor = tpu_scalar(1.0 - lr * spec.weight_decay, table, "decay_factor")
     table.index_copy_(0, rows, w.mul_(factor).to(table.dtype))
     return grad
 
@@ -246,7 +248,7 @@ def apply_decay(
         return decay.update, both.view(-1, width)
     if not decay.rows:
         return decay.update, grad
-    factor = torch.tensor(1.0 - lr * spec.weight_decay, dtype=torch.float32, device=table.device)
+    factor = tpu_scalar(1.0 - lr * spec.weight_decay, table, "decay_factor")
     for rows in decay.rows:
         table.index_copy_(0, rows, table.index_select(0, rows).to(torch.float32).mul_(factor).to(table.dtype))
     return decay.update, grad

@@ -282,7 +282,7 @@ def sgd_update(
     layout = (device_batch_size, num_sc_per_device, num_partitions, max_unique_ids_per_partition)
     csr = (row_pointers, embedding_ids, sample_ids, gains)
     grad = _grad(activations_grad, embedding_table, layout)
-    new = device_ops().sgd(*csr, embedding_table, grad, tpu_scalar(learning_rate, embedding_table), *layout)
+    new = device_ops().sgd(*csr, embedding_table, grad, tpu_scalar(learning_rate, embedding_table, "lr"), *layout)
     embedding_table.copy_(new)
 
 
@@ -306,7 +306,7 @@ def adagrad_update(
     layout = (device_batch_size, num_sc_per_device, num_partitions, max_unique_ids_per_partition)
     csr = (row_pointers, embedding_ids, sample_ids, gains)
     grad = _grad(activations_grad, embedding_table, layout)
-    lr, eps = (tpu_scalar(v, embedding_table) for v in (learning_rate, epsilon))
+    lr, eps = tpu_scalar(learning_rate, embedding_table, "lr"), tpu_scalar(epsilon, embedding_table, "eps")
     new_table, new_acc = device_ops().adagrad(*csr, embedding_table, accumulator, grad, lr, eps, *layout)
     embedding_table.copy_(new_table)
     accumulator.copy_(new_acc)
@@ -337,7 +337,7 @@ def adam_update(
     grad = _grad(activations_grad, embedding_table, layout)
     # 1 - beta in float64, rounded once, as the reference does (torch_ops.adam_scalars)
     values = (alpha_t, beta_1, beta_2, epsilon, 1.0 - beta_1, 1.0 - beta_2)
-    scalars = [tpu_scalar(v, embedding_table) for v in values]
+    scalars = [tpu_scalar(v, embedding_table, name) for v, name in zip(values, adam.DEVICE_SCALARS)]
     new_table, new_m, new_v = device_ops().adam(*csr, embedding_table, momentum, velocity, grad, *scalars, *layout)
     embedding_table.copy_(new_table)
     momentum.copy_(new_m)

@@ -15,8 +15,10 @@ The split is TorchRec's own (TrainPipelineSparseDist runs `input_dist` ahead of
   own state, the lr a graph input).
 
 The learning rates change without a new graph: the dense one is a tensor argument read from the
-optimizer's param group each step, and the fused update (an opaque op) reads its param group's lr
-when it runs (`custom_ops.fused_update`: `kernel.current_lr()`), so `LRSchedule` drives both.
+optimizer's param group each step, and the fused update's scalars at its param group's lr are written
+into each kernel's `step_feed`, a graph input, before the step (`SparseCoreKernel.begin_compiled_step`:
+on a TPU the update op's Python runs once, when the graph is compiled; step_scalars.py), so
+`LRSchedule` drives both.
 
 The model is DMP's unwrapped module: DDP's backward hooks are what the graph does itself. The
 graph is compiled for the batch's shape and each stack's SparseCore buffer sizes: fixed id limits
@@ -115,14 +117,24 @@ class CompiledStep:
             self.eager_steps += 1
         # loss.backward() inside the graph: Dynamo traces it only with this set (TorchRec's
         # SparseCoreTrainPipeline sets it for the whole process; here only around the step)
+        if run is self.compiled:
+            self._begin_updates()
         with torch._dynamo.config.patch(trace_autograd_ops=True), user_errors_of_the_trace():
             out: torch.Tensor = run(prepared, self.dense.lr_inputs(), self.dense.state_inputs())
         return out
+
+    def _begin_updates(self) -> None:
+        """The compiled updates' eager half: every kernel's step counted and its scalars written at the
+        tables' lr now (`SparseCoreKernel.begin_compiled_step`; step_scalars.py says why)."""
+        for module in self.fields.modules:
+            for kernel in step_inputs.kernels(module):
+                kernel.begin_compiled_step()
 
     def explain(self, batch: Any) -> Any:
         """torch._dynamo.explain of the compiled part on `batch` (it runs the step: the tables and
         dense parameters are updated)."""
         prepared = self.preprocess(batch)
+        self._begin_updates()
         with torch._dynamo.config.patch(trace_autograd_ops=True):
             return torch._dynamo.explain(self._step)(prepared, self.dense.lr_inputs(), self.dense.state_inputs())
 

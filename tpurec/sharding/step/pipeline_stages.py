@@ -29,6 +29,14 @@ def lookups(prepared: list[Prepared]) -> list[RawActivations]:
     ]
 
 
+def begin_updates(behind: Behind) -> None:
+    """The eager half of `updates`, before it (compiled or not): each kernel's step counted and its
+    scalars written at the tables' lr now (`SparseCoreKernel.begin_compiled_step`, step_scalars.py)."""
+    for prepared, _ in behind:
+        for kernel in step_inputs.kernels(prepared.owner):
+            kernel.begin_compiled_step()
+
+
 def updates(behind: Behind) -> None:
     """SparseCore backward of each sharded EBC's inputs from its activations' gradients."""
     for prepared, grads in behind:

@@ -150,6 +150,7 @@ class PipelinedStep:
             assert self._behind is not None
             # loss.backward() in the graph; t's table update (in it) at the lr t's model stage saw
             with torch._dynamo.config.patch(trace_autograd_ops=True), self._table_lr(self._behind_lr):
+                stages.begin_updates(self._behind)
                 dense = (self.dense.lr_inputs(), self.dense.state_inputs())
                 with user_errors_of_the_trace():
                     raw, grads, loss = self._steady_fn(self._behind, self._ahead, prepared, *dense)
@@ -175,6 +176,7 @@ class PipelinedStep:
             return
         if self._behind is not None:
             with self._table_lr(self._behind_lr):
+                stages.begin_updates(self._behind)
                 stages.updates(self._behind)
             self.updated_batches += 1
         grads, loss = self._tensor_core(self._ahead)
@@ -183,6 +185,7 @@ class PipelinedStep:
         self._ahead = None
         yield loss
         with self._table_lr(self._behind_lr):
+            stages.begin_updates(self._behind)
             stages.updates(self._behind)
         self.updated_batches += 1
         self.reset()
@@ -250,6 +253,7 @@ class PipelinedStep:
         if self._behind is None:
             raise ValueError("PipelinedStep.explain needs two steps first (the warm-up)")
         _, prepared = self.preprocess(batch)
+        stages.begin_updates(self._behind)
         with torch._dynamo.config.patch(trace_autograd_ops=True):
             dense = (self.dense.lr_inputs(), self.dense.state_inputs())
             return torch._dynamo.explain(self._steady)(self._behind, self._ahead, prepared, *dense)
