@@ -9,6 +9,7 @@ The result is a standard `ShardingPlan`.
 from __future__ import annotations
 
 import copy
+import math
 import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Dict, List, cast
@@ -40,7 +41,7 @@ from torchrec.distributed.planner.types import (
 from torchrec.distributed.types import CacheParams, ModuleSharder, ShardingPlan
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
-from tpurec.embedding.constraints import DIM_ALIGN, round_up
+from tpurec.embedding.constraints import DIM_ALIGN
 from tpurec.embedding.optimizers.registry import spec_class, spec_name_for, spec_names
 from tpurec.errors import UserError
 from tpurec.planner.estimators import (
@@ -224,7 +225,8 @@ def _table_configs(module: nn.Module) -> list[BaseEmbeddingConfig]:
 class TpuStorageReservation(StorageReservation):
     """Per device: dense parameters (x4: weights, grads, Adam moments), the pooled embeddings every
     rank receives for its local batch and their gradients, plus a headroom fraction; on a chip the
-    TensorCore kernel drives (v5e, v4), the fused update's copy of one stack (`stack_transient`)."""
+    TensorCore kernel drives (v5e, v4), the fused update's copy of one stack and its work arrays
+    (`stack_transient`)."""
 
     def __init__(self, headroom_fraction: float = DEFAULT_HEADROOM_FRACTION, dense_bytes: int = 0) -> None:
         self._headroom = headroom_fraction
@@ -235,6 +237,7 @@ class TpuStorageReservation(StorageReservation):
         # the tables the plan being made keeps on the host tier (make_planner sets it per attempt): the
         # update's stack copy holds their caches' rows, not the whole tables
         self.host_tier: Mapping[str, CacheParams] = {}
+        self.optimizer: str | None = None  # the plan's table optimizer (make_planner sets it): the copy's state
 
     def reserve(
         self,
@@ -246,8 +249,7 @@ class TpuStorageReservation(StorageReservation):
     ) -> Topology:
         reserved = copy.deepcopy(topology)
         on_cpu = topology.compute_device == DeviceKind.CPU
-        generation = spec_of(topology).generation.name
-        one_stack = 0 if on_cpu else stack_transient(generation, module, sharders, self.host_tier)
+        one_stack = self.update_transient(topology, batch_size, module, sharders, constraints)
         for device in reserved.devices:
             cap = device.storage.ddr if on_cpu else device.storage.hbm
             amount = min(cap, self.amount(module, batch_size, cap) + one_stack)
@@ -260,6 +262,39 @@ class TpuStorageReservation(StorageReservation):
             self.reserved_bytes = amount
         self._last = reserved
         return reserved
+
+    def update_transient(
+        self,
+        topology: Topology,
+        batch_size: int,
+        module: nn.Module,
+        sharders: List[ModuleSharder[nn.Module]] | None = None,
+        constraints: Dict[str, ParameterConstraints] | None = None,
+    ) -> int:
+        """`stack_transient` for this plan's topology (0 on CPU ranks) at `batch_size` per device."""
+        if topology.compute_device == DeviceKind.CPU:
+            return 0
+        return stack_transient(
+            spec_of(topology).generation.name,
+            module,
+            sharders,
+            self.host_tier,
+            batch_size=batch_size * topology.world_size,
+            constraints=constraints,
+            optimizer=self.optimizer,
+        )
+
+    def device_bytes(
+        self,
+        topology: Topology,
+        batch_size: int,
+        module: nn.Module,
+        capacity: int,
+        constraints: Dict[str, ParameterConstraints] | None = None,
+    ) -> int:
+        """What `reserve` takes from a device of `capacity` bytes: the plan report's reserved bytes."""
+        one_stack = self.update_transient(topology, batch_size, module, None, constraints)
+        return min(capacity, self.amount(module, batch_size, capacity) + one_stack)
 
     def amount(self, module: nn.Module, batch_size: int, capacity: int) -> int:
         # Asked once per device: the part that walks every table is kept for the same module and
@@ -276,10 +311,28 @@ class TpuStorageReservation(StorageReservation):
         return copy.deepcopy(self._last)
 
 
-def _for_host_tier(reservation: StorageReservation, host_tier: Mapping[str, CacheParams] | None) -> StorageReservation:
+def _for_host_tier(
+    reservation: StorageReservation, host_tier: Mapping[str, CacheParams] | None, optimizer: str | None = None
+) -> StorageReservation:
     if isinstance(reservation, TpuStorageReservation):
         reservation.host_tier = dict(host_tier or {})
+        reservation.optimizer = optimizer
     return reservation
+
+
+# The TensorCore update program's work arrays beside its new stack (update_jax.row_gradients over
+# csr_jax.decode's entries): per slot its gradient row times its gain ([slots, width] float32) and
+# its decoded entry (row, sample, gain, valid, segment: 18 bytes); per distinct row its summed
+# gradient ([distinct, width] float32). XLA's memory_analysis() of tpu_bridge.tc_adagrad, compiled
+# on CPU (TPU's buffers approximate it) at the eight stacks of `tpurec bench tpu-train`'s MLPerf
+# DLRM-DCNv2 (batch 16,384, rows capped at 2M), matched this within 0.3% for each stack: the largest,
+# 1,388,872 slots and 258,784 distinct rows of width 128, took 868,593,240 temp bytes (here 868,599,568).
+UPDATE_SLOT_EXTRA_BYTES = 18
+
+
+def update_work_bytes(slots: int, distinct: int, width: int) -> int:
+    """Temporary bytes of the TensorCore update program over `slots` ids and `distinct` rows."""
+    return slots * (4 * width + UPDATE_SLOT_EXTRA_BYTES) + distinct * 4 * width
 
 
 def stack_transient(
@@ -287,31 +340,54 @@ def stack_transient(
     module: nn.Module,
     sharders: List[ModuleSharder] | None = None,
     host_tier: Mapping[str, CacheParams] | None = None,
+    *,
+    batch_size: int = 0,
+    constraints: Dict[str, ParameterConstraints] | None = None,
+    optimizer: str | None = None,
 ) -> int:
-    """Bytes of the new stack and state the TensorCore kernel's fused update holds besides the live
-    ones, on a chip it drives (v5e, v4; else 0: per shard, estimators.py): its stacks are at most
-    TENSORCORE_MAX_STACK_BYTES of rows and updated one by one, so one stack's copy at a time, at most
-    all the tables' rows (a host-tier table's: its cache's), with the most optimizer state a row of
-    theirs carries."""
+    """Bytes the TensorCore kernel's fused update holds besides the live tables, on a chip it drives
+    (v5e, v4; else 0: per shard, estimators.py), for the stack that needs the most: its new rows and
+    state (the program returns them and they are copied back: tpu_bridge.py) and, given the global
+    `batch_size` (ids per sample from the constraints' pooling factors, else 1), the program's work
+    arrays (`update_work_bytes`). Stacks are updated one by one, so one at a time; they are cut as
+    the kernel cuts them (layout.build_stacks at TENSORCORE_MAX_STACK_BYTES), a host-tier table's
+    rows its cache's. Per stack its slots are its ids a batch plus the kernel's first-batch headroom
+    (FIRST_BATCH_HEADROOM_TENSORCORE) and its distinct rows at most those slots and its rows (the
+    unique-id limit, which only measured data would tighten): every table is assumed to serve the
+    whole global batch on the device, as table-wise sharding does (an upper bound otherwise)."""
     from tpurec.embedding.host_tier.params import host_tier_params
-    from tpurec.embedding.settings import TENSORCORE_MAX_STACK_BYTES
+    from tpurec.embedding.layout import build_stacks
+    from tpurec.embedding.settings import FIRST_BATCH_HEADROOM_TENSORCORE, TENSORCORE_MAX_STACK_BYTES
     from tpurec.runtime.device import tensorcore_only
 
     configs = _table_configs(module)
     if not tensorcore_only(generation) or not configs:
         return 0
-    optimizer = spec_class(infer_optimizer(module, sharders) or "sgd")
-    widths = {round_up(c.embedding_dim, DIM_ALIGN) for c in configs}
-    state_per_weight = max(optimizer.state_bytes_per_row(w) / (4 * w) for w in widths)
+    spec = spec_class(optimizer or infer_optimizer(module, sharders) or "sgd")
     tier = host_tier or {}
+    pooling = {
+        c.name: sum((constraints or {}).get(c.name, ParameterConstraints()).pooling_factors or [1.0]) for c in configs
+    }
 
     def stored(c: BaseEmbeddingConfig) -> int:
         return (
             host_tier_params(c.name, c.num_embeddings, tier[c.name]).cached_rows if c.name in tier else c.num_embeddings
         )
 
-    rows = min(TENSORCORE_MAX_STACK_BYTES, sum(stored(c) * round_up(c.embedding_dim, DIM_ALIGN) * 4 for c in configs))
-    return int(rows * (1 + state_per_weight))
+    stacks = build_stacks(
+        [(c.name, stored(c), c.embedding_dim) for c in configs],
+        1,  # the TensorCore kernel's stacks have one partition
+        expected_ids=pooling,
+        max_bytes=TENSORCORE_MAX_STACK_BYTES,
+    )
+    most = 0
+    for stack in stacks:
+        width, rows = stack.storage_dim, stack.total_rows
+        copy = rows * (4 * width + spec.state_bytes_per_row(width))
+        ids = batch_size * sum(pooling[t.name] for t in stack.tables)
+        slots = math.ceil(ids * (1 + FIRST_BATCH_HEADROOM_TENSORCORE))
+        most = max(most, copy + update_work_bytes(slots, min(slots, rows), width))
+    return most
 
 
 def infer_optimizer(module: nn.Module, sharders: List[ModuleSharder] | None = None) -> str | None:
@@ -479,7 +555,7 @@ def make_planner(
         enumerator=TpuEnumerator(
             topology=topology, batch_size=batch_size, constraints=constraints, estimator=estimators
         ),
-        storage_reservation=_for_host_tier(storage_reservation or TpuStorageReservation(), host_tier),
+        storage_reservation=_for_host_tier(storage_reservation or TpuStorageReservation(), host_tier, optimizer),
         partitioner=TpuPartitioner(),  # TorchRec's greedy placement, its uniform step in one pass
         # torchrec's default proposers, then ours (see CriticalDeviceProposer), each within a work
         # budget once a plan fits (proposal_budget.py: planning time about linear in tables x devices)

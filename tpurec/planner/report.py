@@ -488,6 +488,7 @@ def plan_module(
     where the bytes go: `fits` False, `refusal` (the planner's reason) and
     `smallest_fitting_topology` (per TPU generation, see sizing.py)."""
     from tpurec.planner import planners as P
+    from tpurec.planner.host_tier_choice import host_tier_tables
 
     # as planner.plan resolves it (what DMP plans with): the model's own, else SGD
     optimizer = optimizer or P.infer_optimizer(module) or "sgd"
@@ -509,6 +510,10 @@ def plan_module(
         unbounded = _topology_for(topology, hbm_cap=UNBOUNDED_MEMORY, **assumptions)
         plan = P.plan(module, unbounded, storage_reservation=P.TpuStorageReservation(headroom), **kw)
     cap = topo.spec.generation.hbm_bytes
+    # what the planner reserved on each device, the TensorCore update's stack copy and work included
+    reservation = P.TpuStorageReservation(headroom)
+    reservation.optimizer = optimizer
+    reservation.host_tier = {n: c for p in module_plans(plan).values() for n, c in host_tier_tables(p).items()}
     report = build_report(
         plan,
         tables,
@@ -516,7 +521,7 @@ def plan_module(
         batch_size=batch_size,
         optimizer=optimizer,
         compute_device=topo.compute_device,
-        reserved=P.TpuStorageReservation(headroom).amount(module, batch_size, cap),
+        reserved=reservation.device_bytes(topo, batch_size, module, cap, constraints),
         headroom_fraction=headroom,
         model=model,
         limits=limits,
