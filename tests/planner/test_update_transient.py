@@ -76,9 +76,10 @@ def test_no_batch_counts_the_copy_alone_and_sparsecore_chips_count_per_shard():
 
 def test_plan_report_reserves_what_the_planner_reserved():
     """`tpurec plan`'s reserved bytes on a v5e are what the planner took from the device (its
-    reservation's amount and the update's transient)."""
+    reservation's amount and the update's transient), and DMP's figure for `tpurec train` is the same."""
     from tpurec.data.catalog import TableSpec
     from tpurec.planner.report import plan_module
+    from tpurec.sharding.dmp import planned_reserved_bytes
 
     topo = make_topology("v5e-1")
     ebc, pooling = ebc_for(_configs()), _pooling()
@@ -92,3 +93,7 @@ def test_plan_report_reserves_what_the_planner_reserved():
     reservation = P.TpuStorageReservation()
     reservation.optimizer = "rowwise_adagrad"
     assert cap - reservation.reserve(topo, BATCH, ebc, [], pooling).devices[0].storage.hbm == expected
+    plan = P.plan(ebc, topo, batch_size=BATCH, constraints=pooling, optimizer="rowwise_adagrad")
+    # DMP reads the optimizer from the model (none set here: SGD's, no state): the row-wise state less
+    sgd = P.stack_transient("v5e", ebc, batch_size=BATCH, constraints=pooling)
+    assert planned_reserved_bytes(ebc, topo, BATCH, pooling, plan) == expected - transient + sgd

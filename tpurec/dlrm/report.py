@@ -34,9 +34,13 @@ def plan_report(dmp: Any, cfg: DLRMConfig, table_set: TableSet, table_sizes: lis
 
 def plan_report_of(dmp: Any, tables: list[TableSpec], batch_size: int, optimizer: str, model: str) -> dict:
     """The report of the plan the DMP runs over `tables` (a `--model-module` model's own)."""
+    from tpurec.planner.planners import DEFAULT_HEADROOM_FRACTION
     from tpurec.planner.report import build_report
 
     topo = dmp.topology
+    # the planner's reservation (dense model, pooled embeddings, headroom, the TensorCore update's
+    # stack copy and work), as `tpurec plan`'s report counts it; 0 where DMP could not say
+    reserved = getattr(dmp, "planned_reserved_bytes", None) or 0
     return build_report(
         dmp.plan,
         tables,
@@ -44,6 +48,8 @@ def plan_report_of(dmp: Any, tables: list[TableSpec], batch_size: int, optimizer
         batch_size=batch_size,
         optimizer=optimizer,
         compute_device=topo.compute_device,
+        reserved=reserved,
+        headroom_fraction=DEFAULT_HEADROOM_FRACTION if reserved else 0.0,
         model=model,
     )
 

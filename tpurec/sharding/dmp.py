@@ -395,8 +395,14 @@ class DistributedModelParallel(_TorchrecDMP):
             all_to_all = tpu_all_to_all.select(uneven_all_to_all)
             dmp_kwargs.setdefault("data_parallel_wrapper", TpuDataParallelWrapper())
         dmp_kwargs.setdefault("data_parallel_wrapper", QuietDataParallelWrapper())
+        # the planner's reservation beside the shards, on the module before sharding (the plan report's
+        # reserved bytes: tpurec train's planned HBM beside the device's bytes in use, issue #59)
+        reserved = planned_reserved_bytes(
+            module, topology, batch_size or DEFAULT_PLANNING_BATCH_SIZE, constraints, plan
+        )
         super().__init__(module, env=env, device=torch_device, plan=plan, sharders=sharders, **dmp_kwargs)
         self.topology = topology
+        self.planned_reserved_bytes = reserved
         # With TorchTPU's handshake of compiled collective graphs on, the ranks' graphs must be the same
         # code to stay one program: their fixed id limits made equal (rank_limits.py). Stacks raised here.
         self.limits_aligned = 0
@@ -413,6 +419,32 @@ class DistributedModelParallel(_TorchrecDMP):
         # device's ops belong to it.
         run_report.forward(self.training and torch.is_grad_enabled())
         return super().forward(*args, **kwargs)
+
+
+def planned_reserved_bytes(
+    module: nn.Module,
+    topology: Topology,
+    batch_size: int,
+    constraints: Dict[str, ParameterConstraints] | None,
+    plan: ShardingPlan,
+) -> int | None:
+    """Bytes the planner reserves on each device of `topology` for `module` (unsharded) beside its
+    embedding shards (planners.TpuStorageReservation: dense model, pooled embeddings, headroom, the
+    TensorCore update's stack copy and work), as `tpurec plan`'s report counts them; None where it
+    cannot say (the figure is informative: a run never fails on it)."""
+    from tpurec.planner.estimators import spec_of
+    from tpurec.planner.host_tier_choice import host_tier_tables
+    from tpurec.planner.plan_check import module_plans
+    from tpurec.planner.planners import TpuStorageReservation, infer_optimizer
+
+    try:
+        reservation = TpuStorageReservation()
+        reservation.optimizer = infer_optimizer(module)
+        reservation.host_tier = {n: c for p in module_plans(plan).values() for n, c in host_tier_tables(p).items()}
+        cap = spec_of(topology).generation.hbm_bytes  # as the report of `tpurec plan` takes it
+        return reservation.device_bytes(topology, batch_size, module, cap, constraints)
+    except Exception:  # noqa: BLE001 (an informative figure)
+        return None
 
 
 def _start_device(
