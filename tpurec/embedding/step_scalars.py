@@ -14,7 +14,7 @@ Python of an opaque custom op in it (`custom_ops.fused_update`) runs then, once.
 So a compiled step's update takes its scalars from a small float32 tensor per kernel, one row per
 stack (`SparseCoreKernel.step_feed`), that the eager half writes before each step
 (`SparseCoreKernel.begin_compiled_step`, which also counts the step) and the graph takes as an input;
-inside the op, `tpu_scalar` (optimizers/base.py) hands out that row's entries by name instead of
+inside the op, `tpu_scalar` hands out that row's entries by name instead of
 making tensors. The names and values a spec's TPU kernels ask for are its `device_scalars`; each
 request is checked against them where the Python runs with real values (every step on the CPU and
 the emulated device, the trace on a TPU), so a kernel asking for a value the feed does not hold, or
@@ -74,3 +74,14 @@ def current() -> Feed | None:
 def host_row(values: Mapping[str, float]) -> torch.Tensor:
     """The row's host copy, float32, in the order of `values` (what `Feed.take` indexes)."""
     return torch.tensor([float(v) for v in values.values()], dtype=torch.float32)
+
+
+def tpu_scalar(value: float, like: torch.Tensor, name: str) -> torch.Tensor:
+    """TorchTPU takes learning rates (and Adam's alpha_t) as device tensors, so they can change per
+    step without recompiling. `name`: the value's name in `OptimizerSpec.device_scalars`; inside a
+    compiled step's update the value is that entry of the step's feed, since a tensor made there from
+    a host value is not an input of the compiled program (module docstring)."""
+    feed = current()
+    if feed is not None:
+        return feed.take(name, value)
+    return torch.tensor(value, dtype=torch.float32, device=like.device)

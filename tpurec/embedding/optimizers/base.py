@@ -355,19 +355,6 @@ def op_head(
     return (csr.row_pointers, csr.embedding_ids, csr.sample_ids, csr.gains, table)
 
 
-def tpu_scalar(value: float, like: torch.Tensor, name: str) -> torch.Tensor:
-    """TorchTPU takes learning rates (and Adam's alpha_t) as device tensors, so they can change per
-    step without recompiling. `name`: the value's name in `OptimizerSpec.device_scalars`; inside a
-    compiled step's update the value is that entry of the step's feed (step_scalars.py), since a
-    tensor made there from a host value is not an input of the compiled program."""
-    from tpurec.embedding import step_scalars
-
-    feed = step_scalars.current()
-    if feed is not None:
-        return feed.take(name, value)
-    return torch.tensor(value, dtype=torch.float32, device=like.device)
-
-
 # While `record_tpu_calls()` is active: (op name, compile key) of every TorchTPU op call.
 _RECORDED: list | None = None
 

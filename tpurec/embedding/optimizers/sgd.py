@@ -16,8 +16,9 @@ import torch
 from torch import Tensor
 
 from tpurec.embedding import ops
-from tpurec.embedding.optimizers.base import OptimizerSpec, add_to_rows, op_head, op_tail, tpu_ops, tpu_scalar
+from tpurec.embedding.optimizers.base import OptimizerSpec, add_to_rows, op_head, op_tail, tpu_ops
 from tpurec.embedding.optimizers.defaults import fused_lr
+from tpurec.embedding.step_scalars import tpu_scalar
 
 if TYPE_CHECKING:
     from tpurec.embedding.optimizers.base import DirectHead

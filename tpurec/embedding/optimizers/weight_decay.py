@@ -52,8 +52,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tpurec.embedding.optimizers.base import tpu_scalar
 from tpurec.embedding.preprocess import SparseCoreInput, preprocess
+from tpurec.embedding.step_scalars import tpu_scalar
 from tpurec.errors import UserError
 
 # `spec` arguments are OptimizerSpecs, typed Any: optimizers/base.py imports this module.
@@ -144,7 +144,7 @@ def decay_rows(spec: Any, table: torch.Tensor, grad: torch.Tensor, rows: torch.T
     if spec.weight_decay_mode == "L2":
         return grad.add(w, alpha=spec.weight_decay)
     # The factor as a device tensor: the learning rate may change every step (schedulers), and
-    # TorchTPU compiles a Python float into the program (as for the ops' learning rates, base.tpu_scalar;
+    # TorchTPU compiles a Python float into the program (as for the ops' learning rates, step_scalars.tpu_scalar;
     # a compiled step's feed entry, step_scalars.py).
     factor = tpu_scalar(1.0 - lr * spec.weight_decay, table, "decay_factor")
     table.index_copy_(0, rows, w.mul_(factor).to(table.dtype))

@@ -29,7 +29,8 @@ from torch import Tensor
 
 from tpurec.embedding import ops
 from tpurec.embedding.optimizers import adagrad, adam, sgd
-from tpurec.embedding.optimizers.base import recorded, tpu_scalar
+from tpurec.embedding.optimizers.base import recorded
+from tpurec.embedding.step_scalars import tpu_scalar
 from tpurec.embedding.tensorcore import lookup_jax, pallas_merge, pallas_pool, pallas_stream, update_jax
 from tpurec.embedding.tensorcore.csr_jax import decode
 
