@@ -12,6 +12,11 @@ Adagrad, a 20% cache): ~12 MB each way, ~130-140 MB/s. This probe tells the host
 - `device_scatter` / `device_gather`: the cache's side (`index_copy_` of the packed rows into a
   [cache rows, dim] table on the device; `index_select` of as many slots), each drained;
 - `load` / `write_back`: `device_copies.load` and `write_back` whole (what the table tier calls).
+- on a device only, with host memory from the accelerator's pinned allocator (`pin_memory()`:
+  TorchTPU's `TpuPinnedAllocator`): `h2d_pinned_<MB>` (`.to(device)`), `h2d_pinned_async_<MB>`
+  (`non_blocking=True`, then drained), `d2h_pinned_<MB>` (`copy_(non_blocking=True)` into a pinned
+  tensor, then `torch.accelerator.synchronize()`), and `load_pinned` (`load` with
+  TPUREC_HOST_TIER_PINNED=1: its rows staged in a kept pinned buffer, device_copies.py).
 
 Median of `--reps` after one untimed run, ms, and MB/s of the rows moved. JSON on stdout (progress on
 stderr; the document so far in $OUT/link_partial.json after each piece when OUT is set). `--device cpu`
@@ -87,6 +92,25 @@ class Clock:
                 json.dump(self.doc, f, indent=1)
 
 
+def pinned_transfers(clock: Clock, host: torch.Tensor, on_dev: torch.Tensor, label: str) -> None:
+    """The raw transfers of `host`'s size from and into pinned host memory (module docstring)."""
+    dev, nbytes = on_dev.device, host.numel() * 4
+    try:
+        pinned, back = host.pin_memory(), torch.empty_like(host).pin_memory()
+    except RuntimeError as ex:
+        clock.doc["pieces"][f"h2d_pinned_{label}"] = {"error": f"pin_memory: {str(ex)[:300]}"}
+        return
+    clock.doc.setdefault("is_pinned", pinned.is_pinned())
+    clock.time(f"h2d_pinned_{label}", lambda: drain(pinned.to(dev)), nbytes)
+    clock.time(f"h2d_pinned_async_{label}", lambda: drain(pinned.to(dev, non_blocking=True)), nbytes)
+
+    def d2h() -> None:
+        back.copy_(on_dev, non_blocking=True)
+        torch.accelerator.synchronize()
+
+    clock.time(f"d2h_pinned_{label}", d2h, nbytes)
+
+
 def device_of(name: str) -> torch.device:
     if name == "cpu":
         return torch.device("cpu")
@@ -107,6 +131,8 @@ def main(argv: list[str] | None = None) -> dict:
         on_dev = host.to(dev)
         clock.time(f"h2d_{mb:g}MB", lambda h=host: drain(h.to(dev)), host.numel() * 4)
         clock.time(f"d2h_{mb:g}MB", lambda d=on_dev: d.cpu(), host.numel() * 4)
+        if dev.type != "cpu":  # pinning needs an accelerator's allocator
+            pinned_transfers(clock, host, on_dev, f"{mb:g}MB")
         del host, on_dev
     gen = np.random.default_rng(a.seed)
     table, acc = torch.rand(a.rows, a.dim), torch.rand(a.rows)
@@ -140,6 +166,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     clock.time("load", load, row_bytes)
     clock.time("write_back", lambda: device_copies.write_back([cache, cache_acc], slots, [table, acc], rows), row_bytes)
+    if dev.type != "cpu":
+        os.environ[device_copies.PINNED_ENV] = "1"  # the loads' rows staged in a kept pinned buffer
+        clock.time("load_pinned", load, row_bytes)
+        os.environ.pop(device_copies.PINNED_ENV)
+        doc["pinned_refused"] = device_copies._PINNED_REFUSED[:1]
     text = json.dumps(doc, indent=1)
     print(text, flush=True)
     return doc

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -193,3 +195,50 @@ def test_a_warm_up_runs_every_buckets_packed_load_and_write_back_and_changes_no_
     for t, b in zip(tensors, before_cache):
         assert torch.equal(t[1:], b[1:])
     assert torch.equal(cache.weight[0], host.weight[0]) and torch.equal(cache.states["r"][0], host.states["r"][0])
+
+
+def test_pinned_staging_keeps_one_buffer_per_bucket_and_loads_the_same_rows(tables, monkeypatch):
+    """TPUREC_HOST_TIER_PINNED=1: a load's packed rows are staged in a pinned host buffer made once per
+    (bucket, width) and reused by every later load of that shape (the copy to the device is synchronous:
+    the buffer is free again after it); the rows loaded are those of a pageable load."""
+    host, cache = tables
+    made, staged = [], []
+    monkeypatch.setenv(device_copies.PINNED_ENV, "1")
+    monkeypatch.setattr(device_copies, "_STAGING", {})
+    monkeypatch.setattr(device_copies, "on_host_device", lambda device: False)  # the cache is "on a TPU"
+    monkeypatch.setattr(device_copies, "pinned_empty", lambda r, w: made.append((r, w)) or torch.empty(r, w))
+    monkeypatch.setattr(device_copies, "to_device", lambda t, device: staged.append(t) or t.clone())
+    gen = torch.Generator().manual_seed(9)
+    for n in (20, 30, 5, 40):  # buckets 32, 32, 16, 64
+        rows, slots = torch.randperm(ROWS, generator=gen)[:n], torch.randperm(CAP, generator=gen)[:n]
+        want = cache.clone()
+        want[slots] = host[rows]
+        device_copies.copy_tensor(host, rows, cache, slots)
+        assert torch.equal(cache, want)
+    assert made == [(32, DIM), (16, DIM), (64, DIM)]  # one buffer per shape, made when first needed
+    values = [t for t in staged if t.dim() == 2]  # (the slots' index copies are the 1-D ones)
+    assert values[0] is values[1] and values[2] is not values[0]
+
+
+def test_without_a_pinned_allocator_loads_stage_in_pageable_memory_and_say_so_once(tables, monkeypatch):
+    host, cache = tables
+
+    def refuse(rows: int, width: int) -> torch.Tensor:
+        raise RuntimeError("Need to provide pin_memory allocator to use pin memory.")
+
+    monkeypatch.setenv(device_copies.PINNED_ENV, "1")
+    monkeypatch.setattr(device_copies, "_STAGING", {})
+    monkeypatch.setattr(device_copies, "_PINNED_REFUSED", [])
+    monkeypatch.setattr(device_copies, "on_host_device", lambda device: False)
+    monkeypatch.setattr(device_copies, "pinned_empty", refuse)
+    rows, slots = torch.arange(10), torch.arange(10, 20)
+    want = cache.clone()
+    want[slots] = host[rows]
+    with pytest.warns(UserWarning, match="TPUREC_HOST_TIER_PINNED: no pinned host memory here"):
+        device_copies.copy_tensor(host, rows, cache, slots)
+    assert torch.equal(cache, want)
+    with warnings.catch_warnings(record=True) as later:
+        warnings.simplefilter("always")
+        device_copies.copy_tensor(host, rows + 10, cache, slots)
+    assert later == []  # said once: no pinned buffer is tried again
+    assert torch.equal(cache[slots], host[rows + 10])

@@ -28,15 +28,28 @@ is what a chunk costs.
 `warm_up` runs every bucket's device ops once when the cache is made, so that a batch needing a bucket
 for the first time compiles nothing mid-run. Nothing is rounded: the values are the rows' own, in
 their stored dtype (host_rows.py).
+
+**Pinned staging (opt-in, `TPUREC_HOST_TIER_PINNED=1`).** A load's packed rows are gathered into a
+host buffer that TorchTPU's pinned allocator made (`torch.empty(..., pin_memory=True)`: torch-tpu 0.2.0
+has one, `torch_tpu::TpuPinnedAllocator`, strings on its glue library), one per (bucket, width), kept
+and reused: the copy to the device is synchronous (`.to(device)`), so the buffer is free again when it
+returns. Pageable memory (the default) may cross the link through a bounce buffer; whether pinned
+memory moves the ~12 MB a step faster than the ~130 MB/s measured is for the chip to say
+(scripts/tpu_probe_host_link.py's `h2d_pinned_*` and `load_pinned`). Where no pinned allocator exists
+(the CPU, the emulated device) the buffers are pageable, said once.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 
+from tpurec.runtime import env_flags
 from tpurec.runtime.device import DeviceKind
+
+PINNED_ENV = "TPUREC_HOST_TIER_PINNED"
 
 MIN_BUCKET = 16  # the smallest padded length: 1 to 16 misses share one small program (not 5: 1, 2, 4, 8, 16)
 # Rows per chunk: larger copies go in chunks of this many. Measured on a v5e (docs/results.md, session 31:
@@ -75,6 +88,37 @@ def on_host(t: torch.Tensor) -> bool:
     return t.device.type == DeviceKind.CPU
 
 
+# (rows, width) -> the pinned host buffer a load of that padded shape stages its rows in (module docstring)
+_STAGING: dict[tuple[int, int], torch.Tensor] = {}
+_PINNED_REFUSED: list[str] = []  # why this process has no pinned buffers, once known
+
+
+def pinned_empty(rows: int, width: int) -> torch.Tensor:
+    """A [rows, width] float32 host tensor from the accelerator's pinned allocator."""
+    return torch.empty(rows, width, dtype=torch.float32, pin_memory=True)
+
+
+def staging(rows: int, width: int, device: torch.device) -> torch.Tensor:
+    """The host tensor a load to `device` packs `rows` x `width` floats in: a kept pinned buffer when
+    TPUREC_HOST_TIER_PINNED is on and the accelerator pins memory, else a new pageable one."""
+    if on_host_device(device) or not env_flags.is_on(PINNED_ENV) or _PINNED_REFUSED:
+        return torch.empty(rows, width, dtype=torch.float32)
+    buf = _STAGING.get((rows, width))
+    if buf is None:
+        try:
+            buf = _STAGING[(rows, width)] = pinned_empty(rows, width)
+        except RuntimeError as ex:  # no pinned allocator (a CPU-only torch, the emulated device)
+            _PINNED_REFUSED.append(str(ex))
+            said = f"{PINNED_ENV}: no pinned host memory here ({str(ex)[:200]}); loads stage in pageable memory"
+            warnings.warn(said, stacklevel=2)
+            return torch.empty(rows, width, dtype=torch.float32)
+    return buf
+
+
+def on_host_device(device: torch.device) -> bool:
+    return device.type == DeviceKind.CPU
+
+
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`t` (on the host) on `device`: every host->device copy of a load, in one place (tests count them)."""
     return t.to(device)
@@ -106,7 +150,7 @@ def _load_chunk(
     size = bucket(src_index.numel(), cache.shape[0])
     rows = pad(src_index, size)  # gathered padded on the host: no second copy to pad the values
     widths = [s[0].numel() for s in srcs]  # a row's floats: dim, or 1 (a row-wise state)
-    packed = torch.empty(size, sum(widths), dtype=torch.float32)
+    packed = staging(size, sum(widths), cache.device)
     for part, src in zip(packed.split(widths, dim=1), srcs):
         part.copy_(src.index_select(0, rows).reshape(size, -1))  # (widened to float32: exact)
     packed, slots = to_device(packed, cache.device), to_device(pad(dst_index, size), cache.device)
