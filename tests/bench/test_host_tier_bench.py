@@ -85,8 +85,11 @@ def test_device_tpu_without_a_tpu_is_one_line(monkeypatch, capsys):
 
 def test_the_tpu_path_on_an_emulated_v5e_trains_the_resident_losses_with_its_cache_on_the_device():
     """`--emulate-tpu v5e-1`: the module and head on the emulated TPU (the TensorCore kernel, the caches'
-    fixed-shape copies), in a fresh interpreter (the emulation renames PrivateUse1 for the process)."""
+    fixed-shape copies), in a fresh interpreter (the emulation renames PrivateUse1 for the process).
+    `--pinned`: each host contender's twin stages its loads in pinned memory, which the emulated device
+    has none of (pageable, said once): the same cache and losses."""
     flags = ["--quick", "--json", "--seed", "3", "--dists", "zipf", "--load-factors", "0.05,0.5", "--warmup", "1"]
+    flags.append("--pinned")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     env.pop("TPUREC_EMULATE_TPU", None)
     cmd = [sys.executable, "-m", "tpurec.cli", "bench", "host-tier", "--emulate-tpu", "v5e-1", *flags]
@@ -97,7 +100,13 @@ def test_the_tpu_path_on_an_emulated_v5e_trains_the_resident_losses_with_its_cac
     assert doc["warmup"] == 1 and doc["equal_work"] == "relative 1e-05, warm-up and round 1"
     (result,) = doc["results"]
     contenders = result["contenders"]
-    assert list(contenders) == ["resident", "host-0.05", "host-0.5"]
+    assert list(contenders) == ["resident", "host-0.05", "host-0.5", "host-0.05-pinned", "host-0.5-pinned"]
+    assert done.stderr.count("TPUREC_HOST_TIER_PINNED: no pinned host memory here") == 1
+    for name in ("host-0.05", "host-0.5"):
+        plain, pinned = contenders[name]["cache"], contenders[f"{name}-pinned"]["cache"]
+        assert {k: plain[k] for k in ("hits", "misses", "evictions")} == {
+            k: pinned[k] for k in ("hits", "misses", "evictions")
+        }
     for c in contenders.values():
         assert c["kernel_device"] == "tpu:0" and c["losses_equal_resident"]
         assert c["loss_max_rel_diff_round_1"] <= 1e-5 and c["samples_per_s"] > 0

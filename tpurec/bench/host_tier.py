@@ -23,11 +23,14 @@ it; no figure of a chip). `--quick` is CI's smoke shape.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import math
+import os
 import random
 import statistics
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from tpurec import strict_json
@@ -48,7 +51,25 @@ QUICK = {"rows": 10_000, "dim": 16, "batch": 64, "pooling": 4, "steps": 4, "roun
 # refused); 2M rows would not hold them at 0.05. 3 rounds x 20 steps and a warm-up of 3: 315 steps a
 # law, most of them the host tier's (docs/bench.md has the run's expected time).
 CHIP = {"rows": 4_000_000, "dim": 128, "batch": 16_384, "pooling": 8, "steps": 20, "rounds": 3}
+PINNED_SUFFIX = "-pinned"  # --pinned: a host contender's twin whose loads stage in pinned memory
 TPU_LOSS_RTOL = 1e-5  # equal work on a TPU: the largest relative loss difference to resident allowed
+
+
+@contextlib.contextmanager
+def _staging_for(name: str) -> Iterator[None]:
+    """A `-pinned` contender's loads stage in pinned host memory (TPUREC_HOST_TIER_PINNED), the others'
+    in pageable memory: set around each of its calls, so the two interleave in one run."""
+    from tpurec.embedding.host_tier.device_copies import PINNED_ENV
+
+    before = os.environ.pop(PINNED_ENV, None)
+    if name.endswith(PINNED_SUFFIX):
+        os.environ[PINNED_ENV] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(PINNED_ENV, None)
+        if before is not None:
+            os.environ[PINNED_ENV] = before
 
 
 def run_dist(shape: dict, dist: str, load_factors: list[float], algorithm: str, rng: random.Random, env: dict) -> dict:
@@ -64,12 +85,15 @@ def run_dist(shape: dict, dist: str, load_factors: list[float], algorithm: str, 
     _check_caches(shape, dist, [warm_data, *data], min(load_factors))
     algo = CacheAlgorithm.LFU if algorithm == "lfu" else CacheAlgorithm.LRU
     caches = {"resident": None, **{f"host-{lf:g}": CacheParams(load_factor=lf, algorithm=algo) for lf in load_factors}}
+    if env.get("pinned"):  # each host contender again, its loads staged in pinned memory
+        caches.update({f"{k}{PINNED_SUFFIX}": c for k, c in caches.items() if c is not None})
     models, first, setup = {}, {}, {}
     for name, cache in caches.items():  # built, then warmed up (a TPU compiles here): not timed
         t0 = time.perf_counter()
         models[name] = s.model(shape, cache, device)
         t1 = time.perf_counter()
-        first[name] = s.train(models[name], warm_data)[0] if warm_data else []
+        with _staging_for(name):
+            first[name] = s.train(models[name], warm_data)[0] if warm_data else []
         setup[name] = {"build_s": round(t1 - t0, 2), "warmup_s": round(time.perf_counter() - t1, 2)}
         if env["progress"]:
             print(strict_json.dumps({"dist": dist, "contender": name, **setup[name]}), flush=True)
@@ -82,7 +106,8 @@ def run_dist(shape: dict, dist: str, load_factors: list[float], algorithm: str, 
         order = list(models)
         rng.shuffle(order)
         for name in order:
-            got, seconds, made = s.train(models[name], data[r])
+            with _staging_for(name):
+                got, seconds, made = s.train(models[name], data[r])
             secs[name].append(seconds)
             losses[name] += got
             if r == 0:
@@ -105,7 +130,9 @@ def run_dist(shape: dict, dist: str, load_factors: list[float], algorithm: str, 
             "vs_resident": ratio_summary(secs[name], secs["resident"]),
             "losses_equal_resident": exact if env["bit_exact"] else diff <= TPU_LOSS_RTOL,
             "loss_max_rel_diff_round_1": diff,
-            "cache": _with_planner(s.steady(warm[name], s.counters(m), later, copies[name]), expected.get(name)),
+            "cache": _with_planner(
+                s.steady(warm[name], s.counters(m), later, copies[name]), expected.get(name.removesuffix(PINNED_SUFFIX))
+            ),
             "kernel_device": str(m["ebc"].kernel.stack_weight(0).device),
             **setup[name],
         }
@@ -171,6 +198,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="SLICE",
         default=None,
         help="--device tpu on tpurec's emulated TPU (e.g. v5e-1) on this CPU: the TPU path's smoke run (docs/tpu.md)",
+    )
+    p.add_argument(
+        "--pinned",
+        action="store_true",
+        help="each host-tier contender twice: its loads staged in pageable and in pinned host memory "
+        "(TPUREC_HOST_TIER_PINNED; a TPU's pinned allocator, else pageable with a warning)",
     )
     p.add_argument("--quick", action="store_true", help="tiny shapes (CI's smoke run)")
     p.add_argument("--rows", type=positive_int, default=None, help="table rows (default 200,000; tpu 4,000,000)")
@@ -245,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
     load_factors, dists = _parse(args)
     env = _environment(args)
     shape = _shape(args, env["device"] == "tpu")
-    env.update(warmup=args.warmup, progress=not args.json)
+    env.update(warmup=args.warmup, progress=not args.json, pinned=args.pinned)
     seed = fresh_seed() if args.seed is None else args.seed
     rng = random.Random(seed)
     before = load_average()
