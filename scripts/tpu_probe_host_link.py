@@ -15,8 +15,9 @@ Adagrad, a 20% cache): ~12 MB each way, ~130-140 MB/s. This probe tells the host
 - on a device only, with host memory from the accelerator's pinned allocator (`pin_memory()`:
   TorchTPU's `TpuPinnedAllocator`): `h2d_pinned_<MB>` (`.to(device)`), `h2d_pinned_async_<MB>`
   (`non_blocking=True`, then drained), `d2h_pinned_<MB>` (`copy_(non_blocking=True)` into a pinned
-  tensor, then `torch.accelerator.synchronize()`), and `load_pinned` (`load` with
-  TPUREC_HOST_TIER_PINNED=1: its rows staged in a kept pinned buffer, device_copies.py).
+  tensor, then `torch.accelerator.synchronize()`), and `load_pinned` / `write_back_pinned` (`load` and
+  `write_back` with TPUREC_HOST_TIER_PINNED=1: the rows staged in kept pinned buffers, the write-back's
+  copy asynchronous until its event, device_copies.py).
 
 Median of `--reps` after one untimed run, ms, and MB/s of the rows moved. JSON on stdout (progress on
 stderr; the document so far in $OUT/link_partial.json after each piece when OUT is set). `--device cpu`
@@ -169,6 +170,8 @@ def main(argv: list[str] | None = None) -> dict:
     if dev.type != "cpu":
         os.environ[device_copies.PINNED_ENV] = "1"  # the loads' rows staged in a kept pinned buffer
         clock.time("load_pinned", load, row_bytes)
+        back = lambda: device_copies.write_back([cache, cache_acc], slots, [table, acc], rows)  # noqa: E731
+        clock.time("write_back_pinned", back, row_bytes)  # started (async into pinned memory), completed
         os.environ.pop(device_copies.PINNED_ENV)
         doc["pinned_refused"] = device_copies._PINNED_REFUSED[:1]
     text = json.dumps(doc, indent=1)

@@ -67,6 +67,12 @@ def to_host(x: torch.Tensor | KeyedJaggedTensor, what: str) -> torch.Tensor | Ke
     return x.to(torch.device("cpu")) if x.values().device.type != DeviceKind.CPU else x
 
 
+def count(what: str) -> None:
+    """A device->host copy made elsewhere (an asynchronous one into pinned memory: host_tier/
+    device_copies.py), counted as `to_host` counts its own."""
+    _counts[what] += 1
+
+
 def counts() -> dict[str, int]:
     """Copies counted so far in this process, by what was copied."""
     return dict(sorted(_counts.items()))

@@ -242,3 +242,47 @@ def test_without_a_pinned_allocator_loads_stage_in_pageable_memory_and_say_so_on
         device_copies.copy_tensor(host, rows + 10, cache, slots)
     assert later == []  # said once: no pinned buffer is tried again
     assert torch.equal(cache[slots], host[rows + 10])
+
+
+class _Event:
+    """A device event's stand-in: when it was recorded and waited for, in `log`."""
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def record(self) -> None:
+        self.log.append("record")
+
+    def synchronize(self) -> None:
+        self.log.append("synchronize")
+
+
+def test_a_pinned_write_back_copies_without_waiting_and_completes_after_its_event(tables, monkeypatch):
+    """TPUREC_HOST_TIER_PINNED=1: starting a write-back copies the gathered rows into a kept pinned buffer
+    per chunk (non_blocking) and records an event; nothing is read on the host until `complete`, which
+    waits for that event alone, then scatters the buffer's rows into the host table (counted as one
+    device->host copy, as the pageable path counts its own)."""
+    from tpurec.runtime import host_copies
+
+    host, cache = tables
+    log: list = []
+    made: list = []
+    monkeypatch.setenv(device_copies.PINNED_ENV, "1")
+    monkeypatch.setattr(device_copies, "_STAGING", {})
+    monkeypatch.setattr(device_copies, "on_host_device", lambda device: False)
+    monkeypatch.setattr(device_copies, "pinned_empty", lambda r, w: made.append((r, w)) or torch.empty(r, w))
+    monkeypatch.setattr(device_copies, "device_event", lambda device: _Event(log))
+    monkeypatch.setattr(device_copies, "MAX_BUCKET", 32)  # two chunks: one buffer each
+    slots, rows = torch.arange(40), torch.randperm(ROWS, generator=torch.Generator().manual_seed(4))[:40]
+    want = host.clone()
+    want[rows] = cache[slots]
+    before = host_copies.total()
+    pending = device_copies.start_write_back([cache], slots, [host], rows)
+    assert log == ["record", "record"] and made == [(32, DIM), (16, DIM)]
+    assert not torch.equal(host, want)  # nothing on the host table yet
+    for chunk in pending:
+        chunk.complete()
+    assert log == ["record", "record", "synchronize", "synchronize"]
+    assert torch.equal(host, want) and host_copies.total() - before == 2
+    again = device_copies.start_write_back([cache], slots, [host], rows)  # the same buffers, kept
+    assert all(a.packed is b.packed for a, b in zip(again, pending, strict=True)) and len(made) == 2

@@ -29,20 +29,33 @@ is what a chunk costs.
 for the first time compiles nothing mid-run. Nothing is rounded: the values are the rows' own, in
 their stored dtype (host_rows.py).
 
-**Pinned staging (opt-in, `TPUREC_HOST_TIER_PINNED=1`).** A load's packed rows are gathered into a
-host buffer that TorchTPU's pinned allocator made (`torch.empty(..., pin_memory=True)`: torch-tpu 0.2.0
-has one, `torch_tpu::TpuPinnedAllocator`, strings on its glue library), one per (bucket, width), kept
-and reused: the copy to the device is synchronous (`.to(device)`), so the buffer is free again when it
-returns. Pageable memory (the default) may cross the link through a bounce buffer; whether pinned
-memory moves the ~12 MB a step faster than the ~130 MB/s measured is for the chip to say
-(scripts/tpu_probe_host_link.py's `h2d_pinned_*` and `load_pinned`). Where no pinned allocator exists
-(the CPU, the emulated device) the buffers are pageable, said once.
+**Pinned staging (opt-in, `TPUREC_HOST_TIER_PINNED=1`).** Host buffers from TorchTPU's pinned
+allocator (`torch.empty(..., pin_memory=True)`: torch-tpu 0.2.0 has one, `torch_tpu::TpuPinnedAllocator`,
+strings on its glue library), made once per shape and kept:
+
+* a load's packed rows are gathered into one (per bucket and width) and copied to the device from it;
+  the copy is synchronous (`.to(device)`), so the buffer is free again when it returns;
+* a write-back's gathered rows are copied into one (per chunk, bucket and width) with
+  `non_blocking=True` when the write-back starts, an event recorded after it (`torch.tpu.Event`: its
+  `record()` snapshots the pending device->host copies, its `synchronize()` waits for those alone,
+  `_internal/stream/streams.py`), so the copy runs while the step does and `complete()` waits for that
+  copy only, then scatters from the buffer. TorchTPU does such a copy asynchronously only into a pinned
+  tensor ("non_blocking=True in .cpu() or .to('cpu') only works if the destination is already a
+  pinned tensor", strings on its glue library). A chunk's buffer is written again only by a later
+  write-back, which the table tier starts after completing this one.
+
+Pageable memory (the default) may cross the link through a bounce buffer; whether pinned memory moves
+the ~12 MB a step each way faster than the ~130 MB/s measured is for the chip to say
+(scripts/tpu_probe_host_link.py's `*_pinned*` pieces, `bench host-tier --pinned`). Where no pinned
+allocator exists (the CPU, the emulated device) every buffer is pageable and copies are as by default,
+said once.
 """
 
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -88,8 +101,9 @@ def on_host(t: torch.Tensor) -> bool:
     return t.device.type == DeviceKind.CPU
 
 
-# (rows, width) -> the pinned host buffer a load of that padded shape stages its rows in (module docstring)
-_STAGING: dict[tuple[int, int], torch.Tensor] = {}
+# (use, rows, width) -> a kept pinned host buffer (module docstring): use "load", or a write-back's
+# chunk number within its write-back
+_STAGING: dict[tuple[str | int, int, int], torch.Tensor] = {}
 _PINNED_REFUSED: list[str] = []  # why this process has no pinned buffers, once known
 
 
@@ -98,21 +112,28 @@ def pinned_empty(rows: int, width: int) -> torch.Tensor:
     return torch.empty(rows, width, dtype=torch.float32, pin_memory=True)
 
 
-def staging(rows: int, width: int, device: torch.device) -> torch.Tensor:
-    """The host tensor a load to `device` packs `rows` x `width` floats in: a kept pinned buffer when
-    TPUREC_HOST_TIER_PINNED is on and the accelerator pins memory, else a new pageable one."""
+def pinned_buffer(use: str | int, rows: int, width: int, device: torch.device) -> torch.Tensor | None:
+    """The kept pinned buffer of `use` in that shape when TPUREC_HOST_TIER_PINNED is on and the
+    accelerator of `device` pins memory; None otherwise (then pageable memory, as by default)."""
     if on_host_device(device) or not env_flags.is_on(PINNED_ENV) or _PINNED_REFUSED:
-        return torch.empty(rows, width, dtype=torch.float32)
-    buf = _STAGING.get((rows, width))
+        return None
+    buf = _STAGING.get((use, rows, width))
     if buf is None:
         try:
-            buf = _STAGING[(rows, width)] = pinned_empty(rows, width)
+            buf = _STAGING[(use, rows, width)] = pinned_empty(rows, width)
         except RuntimeError as ex:  # no pinned allocator (a CPU-only torch, the emulated device)
             _PINNED_REFUSED.append(str(ex))
-            said = f"{PINNED_ENV}: no pinned host memory here ({str(ex)[:200]}); loads stage in pageable memory"
+            said = f"{PINNED_ENV}: no pinned host memory here ({str(ex)[:200]}); rows cross in pageable memory"
             warnings.warn(said, stacklevel=2)
-            return torch.empty(rows, width, dtype=torch.float32)
+            return None
     return buf
+
+
+def staging(rows: int, width: int, device: torch.device) -> torch.Tensor:
+    """The host tensor a load to `device` packs `rows` x `width` floats in: the kept pinned buffer when
+    there is one (`pinned_buffer`), else a new pageable one."""
+    buf = pinned_buffer("load", rows, width, device)
+    return torch.empty(rows, width, dtype=torch.float32) if buf is None else buf
 
 
 def on_host_device(device: torch.device) -> bool:
@@ -176,8 +197,8 @@ def start_write_back(
     whatever later overwrites their slots), the host not waiting; each chunk's `complete()` moves them
     to the host table. Until then those host rows hold their older values."""
     return [
-        _gather_chunk(srcs, src_index[start : start + MAX_BUCKET], dsts, dst_index[start : start + MAX_BUCKET])
-        for start in range(0, src_index.numel(), MAX_BUCKET)
+        _gather_chunk(srcs, src_index[start : start + MAX_BUCKET], dsts, dst_index[start : start + MAX_BUCKET], k)
+        for k, start in enumerate(range(0, src_index.numel(), MAX_BUCKET))
     ]
 
 
@@ -185,31 +206,52 @@ def start_write_back(
 class PendingWriteBack:
     """A chunk of rows gathered on the device, side by side in float32, not yet on the host."""
 
-    packed: torch.Tensor  # [bucket, sum of widths] on the device
+    packed: torch.Tensor  # [bucket, sum of widths] on the device, or its pinned host copy on its way
     rows: int  # the chunk's real rows (the rest is padding)
     widths: list[int]
     dsts: list[torch.Tensor]
     dst_index: torch.Tensor
+    arrival: Any = None  # with `packed` pinned: the event its copy completes (module docstring)
 
     @torch.no_grad()
     def complete(self) -> None:
-        """One device->host copy (the host waits for the gather), then the rows into the host table."""
+        """One device->host copy (the host waits for the gather), or the wait for the one started into
+        pinned memory, then the rows into the host table."""
         from tpurec.runtime import host_copies
 
         n = self.rows
-        packed = host_copies.to_host(self.packed, "host tier rows")[:n]
+        if self.arrival is not None:
+            self.arrival.synchronize()
+            packed = self.packed[:n]
+        else:
+            packed = host_copies.to_host(self.packed, "host tier rows")[:n]
         for part, dst in zip(packed.split(self.widths, dim=1), self.dsts):
             dst.index_copy_(0, self.dst_index, part.reshape(n, *dst.shape[1:]).to(dst.dtype))
 
 
 def _gather_chunk(
-    srcs: list[torch.Tensor], src_index: torch.Tensor, dsts: list[torch.Tensor], dst_index: torch.Tensor
+    srcs: list[torch.Tensor], src_index: torch.Tensor, dsts: list[torch.Tensor], dst_index: torch.Tensor, k: int = 0
 ) -> PendingWriteBack:
     n, cache = src_index.numel(), srcs[0]
     size = bucket(n, cache.shape[0])
     index = pad(src_index, size).to(cache.device)
     parts = [s.index_select(0, index).reshape(size, -1).to(torch.float32) for s in srcs]
-    return PendingWriteBack(torch.cat(parts, dim=1), n, [p.shape[1] for p in parts], dsts, dst_index)
+    packed, widths = torch.cat(parts, dim=1), [p.shape[1] for p in parts]
+    pinned = pinned_buffer(k, size, packed.shape[1], cache.device)
+    if pinned is None:
+        return PendingWriteBack(packed, n, widths, dsts, dst_index)
+    from tpurec.runtime import host_copies
+
+    pinned.copy_(packed, non_blocking=True)
+    host_copies.count("host tier rows")  # a device->host copy, as `complete` counts its own
+    arrival = device_event(cache.device)
+    arrival.record()  # (after the copy: it snapshots the pending device->host copies)
+    return PendingWriteBack(pinned, n, widths, dsts, dst_index, arrival)
+
+
+def device_event(device: torch.device) -> Any:
+    """An event of `device`'s module (`torch.tpu.Event` on a TPU: record, synchronize)."""
+    return torch.get_device_module(device).Event()
 
 
 @torch.no_grad()
