@@ -212,6 +212,7 @@ class PendingWriteBack:
     dsts: list[torch.Tensor]
     dst_index: torch.Tensor
     arrival: Any = None  # with `packed` pinned: the event its copy completes (module docstring)
+    source: torch.Tensor | None = None  # the device rows that copy reads, held until it has
 
     @torch.no_grad()
     def complete(self) -> None:
@@ -222,7 +223,7 @@ class PendingWriteBack:
         n = self.rows
         if self.arrival is not None:
             self.arrival.synchronize()
-            packed = self.packed[:n]
+            packed, self.source = self.packed[:n], None
         else:
             packed = host_copies.to_host(self.packed, "host tier rows")[:n]
         for part, dst in zip(packed.split(self.widths, dim=1), self.dsts):
@@ -246,7 +247,7 @@ def _gather_chunk(
     host_copies.count("host tier rows")  # a device->host copy, as `complete` counts its own
     arrival = device_event(cache.device)
     arrival.record()  # (after the copy: it snapshots the pending device->host copies)
-    return PendingWriteBack(pinned, n, widths, dsts, dst_index, arrival)
+    return PendingWriteBack(pinned, n, widths, dsts, dst_index, arrival, packed)
 
 
 def device_event(device: torch.device) -> Any:
