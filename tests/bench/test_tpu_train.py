@@ -197,3 +197,20 @@ def test_tables_on_the_host_tier_leave_the_chip_s_budget():
     assert w.host_tier == big and w.describe()["host_tier"] == list(big)
     with pytest.raises(UserError, match=r"only tpurec keeps tables in host memory; give --contenders tpurec$"):
         settings("jax,tpurec", "--host-tier t_C1")
+
+
+def test_tables_out_writes_the_workloads_tables_for_the_planner(tmp_path, capsys):
+    # the chip's measured HBM against the planner's figure for the same tables, offline: the file is a
+    # `tpurec plan --tables` file of the capped MLPerf tables, each table's rows and multi-hot size
+    out = tmp_path / "tables.json"
+    assert main(["bench", "tpu-train", "--rows-cap", "50000", "--tables-out", str(out)]) == 0
+    assert "wrote 26 tables" in capsys.readouterr().out
+    tables = json.loads(out.read_text())
+    w = workload(50_000, 16_384)
+    assert [t["rows"] for t in tables] == list(w.rows) and [t["pooling_factor"] for t in tables] == list(w.hots)
+    assert {t["dim"] for t in tables} == {w.dim} and tables[20]["features"] == ["C21"]
+    plan = tmp_path / "plan.json"
+    args = ["--topology", "v5e-1", "--batch-size", "16384", "--optimizer", "rowwise_adagrad"]
+    assert main(["plan", "--tables", str(out), *args, "--format", "json", "--out", str(plan)]) == 0
+    (device,) = json.loads(plan.read_text())["devices"]
+    assert device["hbm_used_bytes"] > w.table_bytes()  # the weights and state, and the step's buffers beside

@@ -62,6 +62,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--work-dir", help="where the data and metrics go (kept); default: a temporary directory")
     p.add_argument("--seed", type=int, default=None, help="seed of the order of contenders (default: fresh, reported)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument(
+        "--tables-out",
+        metavar="FILE",
+        help="write the workload's tables as a `tpurec plan --tables` file and stop (nothing trains)",
+    )
     p.set_defaults(run=run)
 
 
@@ -258,6 +263,13 @@ def run(args: argparse.Namespace) -> int:
     from tpurec.bench.rounds import fresh_seed, load_average
 
     w, warmup, steps, rounds = _settings(args)
+    if args.tables_out:
+        from tpurec.bench.tpu_train_shapes import plan_tables
+
+        with open(args.tables_out, "w") as f:
+            f.write(strict_json.dumps(plan_tables(w), indent=1))
+        print(f"wrote {len(w.rows)} tables ({w.table_bytes() / 2**30:.2f} GiB with their state) to {args.tables_out}")
+        return 0
     args.seed = fresh_seed() if args.seed is None else args.seed
     with tempfile.TemporaryDirectory(prefix="tpurec-tpu-train-") as tmp:
         work = args.work_dir or tmp

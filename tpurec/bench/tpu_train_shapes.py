@@ -93,6 +93,15 @@ def table_names(w: Workload) -> list[str]:
     return [f"t_C{i + 1}" for i in range(len(w.rows))]
 
 
+def plan_tables(w: Workload) -> list[dict[str, Any]]:
+    """The workload's tables as a `tpurec plan --tables` file holds them (planner/tables_file.py): its
+    planner figure offline, for the chip's measured one (`bench tpu-train --tables-out`)."""
+    return [
+        {"name": name, "rows": rows, "dim": w.dim, "features": [name.removeprefix("t_")], "pooling_factor": hot}
+        for name, rows, hot in zip(table_names(w), w.rows, w.hots, strict=True)
+    ]
+
+
 def _mlperf_rows() -> list[int]:
     from tpurec.data.catalog import MLPERF_DCNV2_ROWS
 
