@@ -31,6 +31,19 @@ def _small_dlrm() -> tuple[Any, Any]:
     return dlrm_train(table_lr=TABLE_LR), None
 
 
+def _small_dlrm_host_tier() -> tuple[Any, Any]:
+    """The small DLRM with table t0 on the host tier (fused_uvm_caching, half its rows cached)."""
+    from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec.distributed.types import CacheParams
+
+    from tests.sharding.dlrm_case import dlrm_train
+
+    half = CacheParams(load_factor=0.5)
+    return dlrm_train(table_lr=TABLE_LR), {
+        "t0": ParameterConstraints(compute_kernels=["fused_uvm_caching"], cache_params=half)
+    }
+
+
 def _dlrm_tiny_every_sharding_type() -> tuple[Any, Any]:
     """tpurec's dlrm-tiny (26 tables, its DLRMTrain and table optimizer) with the constraints of
     tests/emulation/every_sharding_type.py: TW, CW, TWCW and RW in one plan."""
@@ -59,6 +72,7 @@ def _two_ebcs() -> tuple[Any, Any]:
 # "seq", "seq-mask": tests/helpers/sequence_model.py's EC and EBC model (built there), pooling
 # its sequences by a total (no lengths read) or by a mask from the offsets (on the device)
 MODELS = {"small": _small_dlrm, "dlrm-tiny": _dlrm_tiny_every_sharding_type, "two-ebcs": _two_ebcs, "seq": None}
+MODELS["small-host"] = _small_dlrm_host_tier
 MODELS["seq-mask"] = None
 
 
@@ -80,7 +94,7 @@ def _dmp(model_name: str) -> Any:
         constraints=constraints,
         # fixed limits every batch fits (one pass: a compiled step refuses more): a table-wise shard of
         # dlrm-tiny takes a feature's ids of the whole global batch
-        sharders=[SparseCoreEBCSharder(max_ids_per_partition=64 if model_name == "small" else 256)],
+        sharders=[SparseCoreEBCSharder(max_ids_per_partition=64 if model_name.startswith("small") else 256)],
     )
 
 
@@ -123,6 +137,16 @@ def _batches(dmp: Any, n: int, rank: int, world: int) -> list:
             keys=keys, values=ids[:, lo:hi].reshape(-1), lengths=torch.ones(len(keys) * BATCH, dtype=torch.long)
         )
         out.append(Batch(dense_features=dense[lo:hi].to("tpu"), sparse_features=kjt, labels=labels[lo:hi].to("tpu")))
+    return out
+
+
+def _host_tier_counters(dmp: Any) -> dict[str, dict[str, int]]:
+    """Each host-tier table's cache counters (hits, misses, evictions) in `dmp`'s kernels."""
+    out = {}
+    owners = [module for module in dmp.modules() if hasattr(module, "sparsecore_lookups")]
+    for lookup in [m for owner in owners for m in owner.sparsecore_lookups()]:
+        for name, c in (getattr(lookup.kernel, "host_tier", None) or {}).items():
+            out[name] = {"hits": c.counters.hits, "misses": c.counters.misses, "evictions": c.counters.evictions}
     return out
 
 
@@ -206,6 +230,7 @@ def main() -> None:
             {op for graph in compiled.COMPILED for kind, op, _ in graph if kind == "collective"}
         ),
         "plan": sorted({ps.sharding_type for mp in twin.plan.plan.values() for ps in mp.values()}),
+        "host_tier": _host_tier_counters(twin),
         **counts,
         **handshake.figures(),
     }

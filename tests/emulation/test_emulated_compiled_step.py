@@ -112,6 +112,17 @@ def test_compiled_dmp_step_on_the_emulated_device_is_one_graph_and_equals_eager(
     assert "got a host tensor of shape (32, 5)" in error
 
 
+def test_a_host_tier_table_trains_as_eager_in_the_compiled_step_on_the_emulated_device(tmp_path):
+    """Table t0 on the host tier (half its rows cached in the device's memory): CompiledStep's host half
+    maps each batch's ids to cache slots, loading and evicting rows, before the one graph runs; the
+    update's step count and scalars begun eagerly (step_scalars.py). Bit for bit the eager step's."""
+    seen = _one_rank(tmp_path, "--model", "small-host")
+    _assert_trains_as_eager(seen)
+    (counters,) = seen["host_tier"].values()
+    assert counters["hits"] > 0 and counters["misses"] > 0 and counters["evictions"] > 0
+    assert len(seen["compiled_programs"]) == 1 and seen["explain"]["breaks"] == 0, seen["explain"]["reasons"]
+
+
 @pytest.mark.slow  # session 28: make test-all (the default suite's 20 minutes)
 def test_two_sharded_ebcs_compile_to_one_program_on_the_emulated_device(tmp_path):
     """Two sharded EBCs fed a KJT field each (step_inputs.py): on the device, one graph, one program
