@@ -26,11 +26,13 @@ class EvictionPolicy:
         self.last_used = np.zeros(slots, np.int64)  # per slot: the batch that last used its row
         self.uses = np.zeros(rows if algorithm == CacheAlgorithm.LFU else 0, np.int64)  # per table row
 
-    def touch(self, rows: np.ndarray, counts: np.ndarray, slots: np.ndarray) -> None:
-        """A batch used `rows` (distinct), `counts` times each, now held in `slots`."""
+    def touch(self, rows: np.ndarray, counts: np.ndarray | None, slots: np.ndarray) -> None:
+        """A batch used `rows` (distinct), `counts` times each (LFU's alone: None for LRU), now held in
+        `slots`."""
         self.batch += 1
         self.last_used[slots] = self.batch
         if self.uses.size:
+            assert counts is not None
             self.uses[rows] += counts
 
     def victims(self, candidates: np.ndarray, row_of: np.ndarray, k: int) -> np.ndarray:
