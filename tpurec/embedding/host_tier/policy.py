@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import CacheAlgorithm
 
+from tpurec.embedding.host_tier.lru_queue import LruQueue
+
 # LFU's key packs (uses, last batch) into one int64: uses in the high 31 bits (a row used more than
 # 2**31 - 1 times ranks with those used exactly that often), the batch number in the low 32.
 _BATCH_BITS = 32
@@ -25,12 +27,16 @@ class EvictionPolicy:
         self.batch = 0  # batches seen: the clock of `last_used`
         self.last_used = np.zeros(slots, np.int64)  # per slot: the batch that last used its row
         self.uses = np.zeros(rows if algorithm == CacheAlgorithm.LFU else 0, np.int64)  # per table row
+        # LRU: the slots by last use, its victims in O(victims) (lru_queue.py); LFU sorts its keys
+        self.queue = LruQueue(self.last_used) if algorithm == CacheAlgorithm.LRU else None
 
     def touch(self, rows: np.ndarray, counts: np.ndarray | None, slots: np.ndarray) -> None:
         """A batch used `rows` (distinct), `counts` times each (LFU's alone: None for LRU), now held in
         `slots`."""
         self.batch += 1
         self.last_used[slots] = self.batch
+        if self.queue is not None:
+            self.queue.used(self.batch, slots)
         if self.uses.size:
             assert counts is not None
             self.uses[rows] += counts

@@ -182,6 +182,10 @@ class TableTier:
 
     def _victims(self, keep: np.ndarray, k: int) -> np.ndarray:
         """k occupied slots outside `keep`, rows in flight only when nothing else is left."""
+        if self.policy.queue is not None:  # LRU: from the front of its queue, O(victims)
+            kept = np.zeros(self.params.cached_rows, np.bool_)
+            kept[keep] = True
+            return self.policy.queue.oldest(k, self.slots.row_of, kept, self._flight)
         movable = np.ones(self.params.cached_rows, np.bool_)
         movable[keep] = False
         movable &= self.slots.row_of != EMPTY
