@@ -148,3 +148,27 @@ def test_host_tier_auto_on_a_tpu_plans_and_says_what_it_moved(zipf_data, cache):
     )  # fmt: skip
     assert "--host-tier auto: no table (all fit the HBM) on the host tier" in p.stderr
     assert "host_tier" not in result and result["steps"] == 4
+
+
+MULTI_HOT = "tests/dlrm/multi_hot_model.py:build"
+
+
+def test_the_expected_hit_rate_holds_for_a_multi_hot_table_within_5_points(cache, tmp_path):
+    """t_multi (20,000 rows, 10 Zipf ids a sample, as MLPerf's multi-hot tables are read) on the host tier
+    with an LRU cache of 20% of its rows, batch 256: the planner's expected hit rate from `data stats`'
+    hot-row curve against 300 steps of `tpurec train --model-module`."""
+    data, limits, report = tmp_path / "data", tmp_path / "limits.json", tmp_path / "plan.json"
+    assert main(["data", "synth", "--model-module", MULTI_HOT, "--rows", "20000", "--out", str(data), "--quiet"]) == 0
+    common = ["--model-module", MULTI_HOT, "--topology", "cpu-1", "--batch-size", "256"]
+    assert main(["data", "stats", str(data), *common, "--out", str(limits), "--quiet"]) == 0
+    plan = ["plan", *common, "--limits", str(limits), "--host-tier", "t_multi:0.2:lru"]
+    assert main([*plan, "--format", "json", "--out", str(report)]) == 0
+    row = next(t for t in json.loads(report.read_text())["tables"] if t["name"] == "t_multi")
+    assert (row["tier"], row["cache_rows"]) == ("host", 4000)
+    expected = row["expected_hit_rate"]
+    args = ["--model-module", MULTI_HOT, "--data", data, "--batch-size", 256, "--steps", 300]
+    result, _ = train(*args, "--host-tier", "t_multi:0.2:lru", "--curves-out", "none", cache=cache)
+    measured = result["host_tier"]["t_multi"]
+    assert measured["evictions"] > 0  # a full cache: the planner's figure is its steady state
+    assert abs(measured["hit_rate"] - expected) < 0.05, (expected, measured)
+    assert 0.2 < measured["hit_rate"] < 0.9
