@@ -1,0 +1,109 @@
+"""The chip measurements the open issues wait for, each a step with its time limit, run on a lent TPU VM
+(after the bundle's setup, `source .tpu-bundle/setup.sh .tpu-bundle`) with their results under $OUT:
+
+- `tt` (#59): `bench tpu-train` at MLPerf shapes: tpurec vs pure JAX, the split contender's step
+  pieces and the device's bytes in use after each (`device_bytes_by_piece`), the plan's HBM figure;
+- `host` (#60): `bench host-tier --device tpu` at a 20% cache with `--pinned` (pageable and pinned
+  host memory for the row copies, interleaved), Zipf ids drawn once for the run;
+- `link` (#60): chip probe 11 (`scripts/tpu_probe_host_link.py`), the host link's raw rates, pageable
+  and pinned, and the tier's copies piece by piece;
+- `compiled` (#59): `bench tpu-train --contenders tpurec --tpurec-args='--step compiled'` with
+  TPUREC_STEP_ON_TPU=1: whether TorchTPU compiles the step now that the update's scalars are graph
+  inputs (session 32 aborted in compiled_mode.cc:417).
+
+Each step writes `<step>.json` (stdout) under $OUT; stderr tails and start/end times go to
+$OUT/runs.log (the device returns at most 8 files). Steps run in the order given, each under its own
+time limit; one call of the device tool runs at most 600 s, so give each call the steps that fit:
+
+    python3 scripts/tpu_chip_runs.py tt            # ~470 s
+    python3 scripts/tpu_chip_runs.py host link     # ~330 + 250 s
+    python3 scripts/tpu_chip_runs.py --dry-run     # the commands, nothing run
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TPUREC = [sys.executable, "-m", "tpurec.cli"]
+
+
+@dataclass(frozen=True)
+class Step:
+    limit_s: int
+    argv: list[str]  # after `python -m tpurec.cli`, or a script's path and its flags
+    env: dict[str, str] = field(default_factory=dict)
+    script: bool = False  # argv[0] is a script of this repository, not a tpurec command
+    scratch: str | None = None  # a work directory under $OUT, removed after the step (its data, caches)
+
+
+def steps(out: str) -> dict[str, Step]:
+    train = ["bench", "tpu-train", "--json", "--rounds", "1", "--steps", "10", "--warmup", "5"]
+    return {
+        "tt": Step(480, [*train, "--work-dir", f"{out}/w"], scratch="w"),
+        "host": Step(
+            400,
+            ["bench", "host-tier", "--device", "tpu", "--seed", "7", "--steps", "10", "--warmup", "60"]
+            + ["--dists", "zipf", "--load-factors", "0.2", "--pinned", "--json"],
+        ),
+        "link": Step(250, ["scripts/tpu_probe_host_link.py"], script=True),
+        "compiled": Step(
+            430,
+            [*train, "--contenders", "tpurec", "--tpurec-args=--step compiled", "--work-dir", f"{out}/wc"],
+            env={"TPUREC_STEP_ON_TPU": "1"},
+            scratch="wc",
+        ),
+    }
+
+
+def command(step: Step) -> list[str]:
+    return [sys.executable, *step.argv] if step.script else [*TPUREC, *step.argv]
+
+
+def run(name: str, step: Step, out: Path) -> int:
+    log = out / "runs.log"
+    with open(log, "a") as f:
+        f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {name} start: {' '.join(command(step))}\n")
+    env = dict(os.environ, **step.env)
+    with open(out / f"{name}.json", "w") as stdout:
+        try:
+            cmd, limit = command(step), step.limit_s
+            done = subprocess.run(cmd, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=limit)
+            rc, err = done.returncode, done.stderr
+        except subprocess.TimeoutExpired as ex:
+            rc, err = 124, (ex.stderr.decode() if isinstance(ex.stderr, bytes) else ex.stderr) or ""
+    if step.scratch:
+        shutil.rmtree(out / step.scratch, ignore_errors=True)
+    with open(log, "a") as f:
+        f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {name} rc={rc}; stderr's end:\n{err[-4000:]}\n")
+    return rc
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
+    p.add_argument("names", nargs="*", help="steps to run, in order (default: tt host link compiled)")
+    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    a = p.parse_args(argv)
+    out = Path(os.environ.get("OUT") or ".")
+    table = steps(str(out))
+    names = a.names or list(table)
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        p.error(f"unknown steps {unknown}; choose from {list(table)}")
+    if a.dry_run:
+        for n in names:
+            s = table[n]
+            env = " ".join(f"{k}={v}" for k, v in s.env.items())
+            print(f"{n} ({s.limit_s} s): {env} {' '.join(command(s))}".replace("  ", " "))
+        return 0
+    return max(run(n, table[n], out) for n in names)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""scripts/tpu_chip_runs.py: every step's tpurec command is one tpurec's parser takes (a flag renamed or
+removed since would cost a chip session's device time to find out), and a step runs with its output,
+log and scratch where the device tool returns them."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from tpurec.cli import build_parser
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("tpu_chip_runs", REPO / "scripts" / "tpu_chip_runs.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_steps_command_parses_and_names_a_script_that_exists(tmp_path):
+    runs = _script()
+    steps = runs.steps(str(tmp_path))
+    assert list(steps) == ["tt", "host", "link", "compiled"]
+    for name, step in steps.items():
+        if step.script:
+            assert (REPO / step.argv[0]).is_file(), name
+            continue
+        args = build_parser().parse_args(step.argv)
+        assert callable(args.run), name
+        assert step.limit_s <= 590  # one call of the device tool runs 600 s at most
+    assert build_parser().parse_args(steps["host"].argv).pinned
+    assert build_parser().parse_args(steps["compiled"].argv).tpurec_args == "--step compiled"
+
+
+def test_a_step_writes_its_output_and_log_and_removes_its_scratch(tmp_path, monkeypatch):
+    runs = _script()
+    (tmp_path / "w").mkdir()
+    step = runs.Step(60, ["-c", "import sys; print('{}'); print('said', file=sys.stderr)"], scratch="w")
+    monkeypatch.setattr(runs, "command", lambda s: [sys.executable, *s.argv])
+    assert runs.run("probe", step, tmp_path) == 0
+    assert (tmp_path / "probe.json").read_text() == "{}\n"
+    log = (tmp_path / "runs.log").read_text()
+    assert "probe start" in log and "probe rc=0" in log and "said" in log
+    assert not (tmp_path / "w").exists()
+
+
+def test_an_unknown_step_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        _script().main(["tt", "nope"])
+    assert "unknown steps ['nope']" in capsys.readouterr().err
