@@ -18,12 +18,12 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, cast
 
 import torch
 from torchrec.modules.embedding_configs import PoolingType
 
-from tpurec.embedding import csr_build
+from tpurec.embedding import csr_build, input_copy
 from tpurec.embedding.constraints import DIM_ALIGN, SEGMENT_ALIGN, round_up
 from tpurec.embedding.cpu_path import writes_final_layout
 from tpurec.embedding.demand import ShardsDemand, TableShards
@@ -248,6 +248,9 @@ class KernelInput:
         # A kernel on "meta" holds no tables: a preprocessing-only kernel (benchmarks, pipelines
         # sizing buffers), whose inputs stay on the host.
         if device.type not in (DeviceKind.CPU, "meta"):
+            if csrs and all(type(c) is SparseCoreInput for c in csrs) and input_copy.wanted():
+                # one copy per dtype for every stack's tensors, not four a stack (input_copy.py)
+                return list(input_copy.inputs_to_device(cast("list[SparseCoreInput]", csrs), device))
             csrs = [c.to(device) for c in csrs]
         return csrs
 
