@@ -116,6 +116,34 @@ def test_on_an_emulated_tpu_the_host_tier_trains_the_resident_runs_losses(zipf_d
     assert 0 < extra <= 2, (tiered["device_to_host_copies"], resident["device_to_host_copies"])
 
 
+@pytest.mark.slow  # a plan and two runs of four emulated ranks: about 70 s
+@pytest.mark.multiprocess
+def test_a_row_wise_host_tier_table_on_four_emulated_tpu_ranks_trains_as_resident_on_the_same_plan(cache, tmp_path):
+    """`tpurec train --emulate-tpu v5e-4 --plan P`: t_C3 row-wise over the four ranks, each rank's shard on
+    the host tier (LRU, 60% of its 250 rows: evicting), against the same plan with t_C3 resident. A plan
+    made for the host tier is another plan (the planner's problem differs): the same plan for both runs,
+    its cache_params dropped for the resident one. Every loss within 2e-7 (float32 summation order)."""
+    common = ["--model", "dlrm-tiny", "--topology", "v5e-4", "--batch-size", "512", "--format", "json"]
+    tiered_plan = tmp_path / "tiered.json"
+    assert main(["plan", *common, "--host-tier", "t_C3:0.6:lru", "--out", str(tiered_plan)]) == 0
+    doc = json.loads(tiered_plan.read_text())
+    t_c3 = doc["plan"]["modules"][""]["t_C3"]
+    assert t_c3["sharding_type"] == "row_wise" and len(t_c3["ranks"]) == 4
+    t_c3.pop("cache_params")
+    resident_plan = tmp_path / "resident.json"
+    resident_plan.write_text(json.dumps(doc))
+    runs = {}
+    for name, plan in (("resident", resident_plan), ("tiered", tiered_plan)):
+        args = ["--emulate-tpu", "v5e-4", "--plan", plan, "--batch-size", 512, "--steps", 20, "--seed", 3]
+        args += ["--synth-rows", 20000, "--curves-out", "none", "--metrics-out", tmp_path / f"{name}.jsonl"]
+        runs[name], _ = train(*args, cache=cache, timeout=900)
+    assert runs["tiered"]["world_size"] == 4 and "host_tier" not in runs["resident"]
+    figures = runs["tiered"]["host_tier"]["t_C3"]
+    assert figures["cache_rows"] == 600 and figures["evictions"] > 0 and figures["writebacks"] > 0
+    want = _losses(tmp_path / "resident.jsonl")
+    assert len(want) == 20 and _losses(tmp_path / "tiered.jsonl") == pytest.approx(want, rel=0, abs=2e-7)
+
+
 @pytest.mark.parametrize(
     "flags,message",
     [
