@@ -1,8 +1,10 @@
 """The chip measurements the open issues wait for, each a step with its time limit, run on a lent TPU VM
 (after the bundle's setup, `source .tpu-bundle/setup.sh .tpu-bundle`) with their results under $OUT:
 
-- `tt` (#59): `bench tpu-train` at MLPerf shapes: tpurec vs pure JAX, the split contender's step
-  pieces and the device's bytes in use after each (`device_bytes_by_piece`), the plan's HBM figure;
+- `tt` (#59): `bench tpu-train` at MLPerf shapes: tpurec vs pure JAX (interleaved), the plan's HBM
+  figure beside the bytes in use;
+- `split` (#59): its split contender alone: the step's pieces (host with the inputs' one copy per
+  dtype, lookup, dense, update) and the device's bytes in use after each (`device_bytes_by_piece`);
 - `host` (#60): `bench host-tier --device tpu` at a 20% cache with `--pinned` (pageable and pinned
   host memory for the row copies, interleaved), Zipf ids drawn once for the run;
 - `link` (#60): chip probe 11 (`scripts/tpu_probe_host_link.py`), the host link's raw rates, pageable
@@ -15,8 +17,8 @@ Each step writes `<step>.json` (stdout) under $OUT; stderr tails and start/end t
 $OUT/runs.log (the device returns at most 8 files). Steps run in the order given, each under its own
 time limit; one call of the device tool runs at most 600 s, so give each call the steps that fit:
 
-    python3 scripts/tpu_chip_runs.py tt            # ~470 s
-    python3 scripts/tpu_chip_runs.py host link     # ~330 + 250 s
+    python3 scripts/tpu_chip_runs.py tt            # ~320 s (session 32: 470 s with split)
+    python3 scripts/tpu_chip_runs.py split host    # ~150 + 330 s
     python3 scripts/tpu_chip_runs.py --dry-run     # the commands, nothing run
 """
 
@@ -46,7 +48,8 @@ class Step:
 def steps(out: str) -> dict[str, Step]:
     train = ["bench", "tpu-train", "--json", "--rounds", "1", "--steps", "10", "--warmup", "5"]
     return {
-        "tt": Step(480, [*train, "--work-dir", f"{out}/w"], scratch="w"),
+        "tt": Step(420, [*train, "--contenders", "jax,tpurec", "--work-dir", f"{out}/w"], scratch="w"),
+        "split": Step(300, [*train, "--contenders", "split", "--work-dir", f"{out}/ws"], scratch="ws"),
         "host": Step(
             400,
             ["bench", "host-tier", "--device", "tpu", "--seed", "7", "--steps", "10", "--warmup", "60"]
@@ -87,7 +90,7 @@ def run(name: str, step: Step, out: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
-    p.add_argument("names", nargs="*", help="steps to run, in order (default: tt host link compiled)")
+    p.add_argument("names", nargs="*", help="steps to run, in order (default: tt split host link compiled)")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     a = p.parse_args(argv)
     out = Path(os.environ.get("OUT") or ".")
