@@ -42,7 +42,7 @@ from tpurec.runtime.device import DeviceKind
 from tpurec.sharding import rank_limits
 from tpurec.sharding.sharder import ShardedSparseCoreEBC
 from tpurec.sharding.step import inputs as step_inputs
-from tpurec.sharding.step.dense_update import DenseOptimizer
+from tpurec.sharding.step.dense_update import DenseOptimizer, scalar_device
 from tpurec.sharding.step.inputs import FieldMap
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -88,7 +88,9 @@ class CompiledStep:
         env = getattr(dmp, "_env", None)
         self.group = getattr(env, "process_group", None)
         self.world_size = self.group.size() if self.group is not None and dist.is_initialized() else 1
-        self.dense = DenseOptimizer(dense_optimizer, self.dense_params, self.group, self.world_size)
+        self.dense = DenseOptimizer(
+            dense_optimizer, self.dense_params, self.group, self.world_size, scalar_device(self.dense_params)
+        )
         self.backend = default_backend(self.sharded) if backend is None else backend
         self.compiled = torch.compile(self._step, fullgraph=True, dynamic=False, backend=self.backend)
         self.eager_steps = 0  # batches over their fixed id limits, stepped eagerly (`step`)

@@ -1,6 +1,7 @@
 """torch.optim's single-tensor CPU steps (`torch.optim.sgd/adagrad/adam._single_tensor_*`, what the
 eager trainer runs on CPU tensors) written so `torch.compile(fullgraph=True)` traces them, the lr a
-float64 tensor input: `UPDATE[kind](param, grad, state, lr, hp)`, used by dense_update.py.
+float64 tensor input (float32 on a TPU, dense_update.py `scalars_on`): `UPDATE[kind](param, grad, state,
+lr, hp)`, used by dense_update.py.
 
 The same numbers as torch.optim, op for op (bit-equal: tests/sharding/test_dense_update.py): a
 float64 scalar tensor rounded to float32 is the float32 a kernel makes of a Python float operand;
@@ -49,7 +50,7 @@ def _adagrad(param: torch.Tensor, grad: torch.Tensor, state: Sequence[torch.Tens
     step_t += 1
     if hp["weight_decay"] != 0:
         grad = _add(grad, param, hp["weight_decay"])
-    clr = lr / (1 + (step_t.to(torch.float64) - 1) * hp["lr_decay"])
+    clr = lr / (1 + (step_t.to(lr.dtype) - 1) * hp["lr_decay"])
     _addcmul_(state_sum, grad, grad, value=1)
     std = state_sum.sqrt().add_(hp["eps"])
     param.add_(grad * _scalar(-clr, param) / std)  # param.addcdiv_(grad, std, value=-clr)
@@ -68,12 +69,13 @@ def _adam(param: torch.Tensor, grad: torch.Tensor, state: Sequence[torch.Tensor]
             grad = _add(grad, param, hp["weight_decay"])
     torch.ops.aten.lerp_.Scalar(exp_avg, grad, 1 - beta1)
     _addcmul_(exp_avg_sq.mul_(beta2), grad, grad, value=1 - beta2)
-    step = step_t.to(torch.float64)
+    step = step_t.to(lr.dtype)
     bias_correction1 = 1 - torch.pow(beta1, step)
     bias_correction2 = 1 - torch.pow(beta2, step)
     step_size = lr / bias_correction1
     # Python's `x ** 0.5` is C pow(x, 0.5); torch's pow by the Scalar 0.5 is a sqrt: pow by a tensor
-    bias_correction2_sqrt = torch.pow(bias_correction2, torch.full((), 0.5, dtype=torch.float64))
+    # (made like `step`: on a TPU a host tensor made in the graph is no program input)
+    bias_correction2_sqrt = torch.pow(bias_correction2, torch.full_like(step, 0.5))
     second = exp_avg_sq
     if hp["amsgrad"]:
         # torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq): the same kernel, written back

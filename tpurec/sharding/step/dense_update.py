@@ -28,6 +28,7 @@ its own), split back; each element is summed over the same ranks as before.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,8 +42,22 @@ class DenseOptimizer:
     """`apply(lrs, states)` in the graph: the dense update; `lr_inputs()` / `state_inputs()` outside
     it, each step: the graph's arguments."""
 
-    def __init__(self, optimizer: Any, dense_params: Sequence[torch.Tensor], group: Any, world_size: int) -> None:
+    def __init__(
+        self,
+        optimizer: Any,
+        dense_params: Sequence[torch.Tensor],
+        group: Any,
+        world_size: int,
+        scalars_on: torch.device | None = None,
+    ) -> None:
+        """scalars_on: where the lrs, SGD's fresh flags and the optimizer's step counts live as graph
+        inputs. None: on the host, float64 (torch.optim's own arithmetic, bit-equal). A TorchTPU
+        device: there, float32 (`on_torchtpu`): a TorchTPU program takes no host tensor as an argument
+        (the chip refused Adagrad's 0-d CPU step count: "expected tensor to be on tpu, got cpu") and
+        the TPU has no float64."""
         self.optimizer = torch_optimizer(optimizer, dense_params)
+        self.scalars_on = scalars_on
+        dtype = torch.float64 if scalars_on is None else torch.float32
         self.kind = kind_of(self.optimizer)
         self.group, self.world_size = group, world_size
         check_groups(self.optimizer, self.kind)
@@ -53,14 +68,14 @@ class DenseOptimizer:
         self._params: list[list[torch.Tensor]] = [list(g["params"]) for g in self.optimizer.param_groups]
         # shape (1,), not 0-d: Dynamo reads a 0-d CPU tensor's value into a symbol (and restarts its
         # analysis once to specialize it away); a 1-element tensor is plain data
-        self._lrs = [torch.zeros(1, dtype=torch.float64) for _ in self._params]
+        self._lrs = [torch.zeros(1, dtype=dtype, device=scalars_on) for _ in self._params]
         if self.kind == "adam":
             self._init_adam_state()
         # SGD's momentum buffers: torch.optim makes each on its parameter's first step, as a clone
         # of the gradient; the graph cannot add a state entry, so `state_inputs` makes it (zeros)
         # before that step and flags it fresh here (1.0, float64 (1,) like the lrs): the graph's
         # first step then computes exactly the clone (dense_arithmetic.py `_sgd`) and clears the flag
-        self._fresh = [[torch.zeros(1, dtype=torch.float64) for _ in ps] for ps in self._params]
+        self._fresh = [[torch.zeros(1, dtype=dtype, device=scalars_on) for _ in ps] for ps in self._params]
         self._made: list[list[torch.Tensor | None]] = [[None for _ in ps] for ps in self._params]
         if self.kind == "sgd":
             # a buffer made but not stepped yet is none of torch.optim's: its own step and its
@@ -77,7 +92,7 @@ class DenseOptimizer:
             for p in ps:
                 state = self.optimizer.state[p]
                 if len(state) == 0:
-                    state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
+                    state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype(), device=self.scalars_on)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     if hp["amsgrad"]:
@@ -101,8 +116,18 @@ class DenseOptimizer:
                 continue
             keys: tuple[str, ...] = ("step", "sum") if self.kind == "adagrad" else ("step", "exp_avg", "exp_avg_sq")
             keys += ("max_exp_avg_sq",) if self.kind == "adam" and hp["amsgrad"] else ()
-            out.append([[self.optimizer.state[p][k] for k in keys] for p in ps])
+            out.append([[self._on_scalar_device(p, k) for k in keys] for p in ps])
         return out
+
+    def _on_scalar_device(self, p: torch.Tensor, key: str) -> torch.Tensor:
+        """The state tensor `key` of `p`; a step count moved to `scalars_on` (in the optimizer's
+        state: torch.optim's eager step reads a device step count as well, `_get_value`) when a
+        resume or torch.optim's own init left it on the host."""
+        state = self.optimizer.state[p]
+        t: torch.Tensor = state[key]
+        if self.scalars_on is not None and key == "step" and t.device != self.scalars_on:
+            t = state[key] = t.to(self.scalars_on)
+        return t
 
     def _momentum_state(self, gi: int, i: int, p: torch.Tensor) -> list[torch.Tensor]:
         """[momentum_buffer, fresh] of one parameter; the buffer made (zeros, flagged fresh) if it
@@ -163,6 +188,16 @@ class DenseOptimizer:
             for ps in self._params:
                 for p in ps:
                     p.grad = None
+
+
+def scalar_device(params: Sequence[torch.Tensor]) -> torch.device | None:
+    """Where `DenseOptimizer`'s scalars go for these parameters: their device when it is a TorchTPU
+    one (torch_tpu loaded: the emulated device, which has no such rule, keeps the host's float64
+    arithmetic that its tests hold bit-equal to torch.optim), else None (the host)."""
+    device = params[0].device if params else None
+    if device is None or device.type != "tpu" or "torch_tpu" not in sys.modules:
+        return None
+    return device
 
 
 def _mean_over_ranks(grads: list[torch.Tensor], group: Any, world_size: int) -> list[torch.Tensor]:

@@ -48,7 +48,7 @@ from tpurec.sharding.sharded_preprocess import RawActivations
 from tpurec.sharding.step import inputs as step_inputs
 from tpurec.sharding.step import pipeline_stages as stages
 from tpurec.sharding.step.compiled import LossFn, default_backend, model_loss, user_errors_of_the_trace
-from tpurec.sharding.step.dense_update import DenseOptimizer
+from tpurec.sharding.step.dense_update import DenseOptimizer, scalar_device
 from tpurec.sharding.step.inputs import FieldMap
 from tpurec.sharding.step.pipeline_stages import Behind, Prepared
 
@@ -85,7 +85,9 @@ class PipelinedStep:
         env = getattr(dmp, "_env", None)
         self.group = getattr(env, "process_group", None)
         self.world_size = self.group.size() if self.group is not None and dist.is_initialized() else 1
-        self.dense = DenseOptimizer(dense_optimizer, self.dense_params, self.group, self.world_size)
+        self.dense = DenseOptimizer(
+            dense_optimizer, self.dense_params, self.group, self.world_size, scalar_device(self.dense_params)
+        )
         self.backend = default_backend(self.sharded) if backend is None else backend
         self._steady_fn = (
             torch.compile(self._steady, fullgraph=True, dynamic=False, backend=self.backend)
