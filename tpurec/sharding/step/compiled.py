@@ -29,6 +29,7 @@ batch; without them they follow the batch's ids, and a batch with new sizes comp
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -92,7 +93,8 @@ class CompiledStep:
             dense_optimizer, self.dense_params, self.group, self.world_size, scalar_device(self.dense_params)
         )
         self.backend = default_backend(self.sharded) if backend is None else backend
-        self.compiled = torch.compile(self._step, fullgraph=True, dynamic=False, backend=self.backend)
+        backend_fn = host_values_logged(self.backend, os.environ.get(HOST_VALUES_ENV))
+        self.compiled = torch.compile(self._step, fullgraph=True, dynamic=False, backend=backend_fn)
         self.eager_steps = 0  # batches over their fixed id limits, stepped eagerly (`step`)
         self._first_done = False
 
@@ -167,6 +169,32 @@ def user_errors_of_the_trace() -> Iterator[None]:
         text = str(cause)
         found = re.search(r"exception \w+\(([\"'])(.*)\1\)", text, re.S)
         raise UserError(found.group(2) if found else text) from None
+
+
+# A file to list each value of the traced step that is a host tensor (on a TPU a program takes none)
+HOST_VALUES_ENV = "TPUREC_GRAPH_HOST_VALUES"
+
+
+def host_values_logged(backend: str | Any, path: str | None) -> str | Any:
+    """`backend`, or with `path` a backend that first appends to `path` every node of the Dynamo graph
+    whose value is a CPU tensor (its name, shape, dtype and the user code that made it), then
+    compiles with `backend`: what to read when TorchTPU says "expected tensor to be on tpu, got cpu"."""
+    if not path:
+        return backend
+    from torch._dynamo import lookup_backend
+
+    inner = lookup_backend(backend) if isinstance(backend, str) else backend
+
+    def compile_logged(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        with open(path, "a") as f:
+            for n in gm.graph.nodes:
+                v = n.meta.get("example_value")
+                if isinstance(v, torch.Tensor) and v.device.type == "cpu":
+                    trace = (n.meta.get("stack_trace") or "").strip().splitlines()[-4:]
+                    f.write(f"{n.op} {n.name} {n.target} {tuple(v.shape)} {v.dtype}\n  " + "\n  ".join(trace) + "\n")
+        return inner(gm, example_inputs)
+
+    return compile_logged
 
 
 def default_backend(sharded: ShardedSparseCoreEBC) -> str:
