@@ -34,6 +34,7 @@ from torch import Tensor
 from tpurec.embedding import ops, step_scalars
 from tpurec.embedding.constraints import PADDING_ID
 from tpurec.embedding.preprocess import SparseCoreInput
+from tpurec.runtime.device import on_torchtpu
 
 if TYPE_CHECKING:
     from tpurec.embedding.kernel_input import StackInput
@@ -56,8 +57,11 @@ def prepare(kernel: SparseCoreKernel) -> None:
     _KERNELS[key] = kernel
     kernel.custom_op_key = key
     # 0-dim: a scalar, which an op on device tensors may take from the host (torch's device rule; an
-    # empty host tensor of shape (0,) among a TPU's tensors is refused, by the emulated device too)
-    kernel.custom_op_trigger = torch.zeros((), requires_grad=True)
+    # empty host tensor of shape (0,) among a TPU's tensors is refused, by the emulated device too).
+    # On TorchTPU on the device: its compiled program takes no host tensor (the v5e refused this one)
+    feed = getattr(kernel, "step_feed", None)
+    device = feed.device if feed is not None and on_torchtpu(feed.device) else None
+    kernel.custom_op_trigger = torch.zeros((), requires_grad=True, device=device)
 
 
 def _kernel(key: int) -> SparseCoreKernel:

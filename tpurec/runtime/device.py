@@ -234,6 +234,13 @@ def emulated_slice() -> str | None:
     return env_flags.get(EMULATE_ENV) or None  # read per batch (tpu_path): the cheap read
 
 
+def on_torchtpu(device: Any) -> bool:
+    """Whether `device` (a torch.device) is a real TorchTPU one: a program there takes no host tensor
+    as an argument ("expected tensor to be on tpu, got cpu", measured on a v5e: docs/tpu.md). The
+    emulated device (type "tpu" too, without torch_tpu) takes host scalars as torch's CPU ops do."""
+    return device is not None and device.type == "tpu" and "torch_tpu" in sys.modules
+
+
 def resolve_choice(choice: DeviceChoice | DeviceKind) -> DeviceKind:
     """The kind a device choice names. "auto" (every command's default, a program's device=None) is
     the TPU when this process has one, a usable TPU or an emulated rank's, else the CPU: resolved here

@@ -28,12 +28,12 @@ its own), split back; each element is summed over the same ranks as before.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from tpurec.runtime.device import on_torchtpu
 from tpurec.sharding.step.dense_arithmetic import UPDATE
 from tpurec.sharding.step.dense_supported import check_groups, kind_of, torch_optimizer
 
@@ -195,9 +195,7 @@ def scalar_device(params: Sequence[torch.Tensor]) -> torch.device | None:
     one (torch_tpu loaded: the emulated device, which has no such rule, keeps the host's float64
     arithmetic that its tests hold bit-equal to torch.optim), else None (the host)."""
     device = params[0].device if params else None
-    if device is None or device.type != "tpu" or "torch_tpu" not in sys.modules:
-        return None
-    return device
+    return device if on_torchtpu(device) else None
 
 
 def _mean_over_ranks(grads: list[torch.Tensor], group: Any, world_size: int) -> list[torch.Tensor]:
