@@ -296,3 +296,47 @@ def test_a_batch_over_the_fixed_limits_steps_eagerly_and_the_graph_stays_one():
     assert sum(k.multipass_batches for k in kernels) >= 1
     after, twin_after = table_shards(eager), table_shards(twin)
     assert all(torch.equal(after[k], twin_after[k]) for k in after)
+
+
+def test_step_ahead_preprocesses_the_next_batch_after_queuing_this_one_and_trains_as_step():
+    """`step_ahead` (what `tpurec train --step compiled` runs): batch i+1's host half after step i is
+    queued (so it runs while the device runs step i), the same losses and tables as `step` on a twin,
+    bit for bit; a batch preprocessed ahead is preprocessed again after `forget_ahead` (an
+    evaluation between); StopIteration once the batches are done."""
+    from tpurec.sharding.step.compiled import CompiledStep
+
+    data = batches(6, BATCH, 0, 1)
+    plain, ahead = CompiledStep(dlrm_dmp(1, None), DENSE_LR), CompiledStep(dlrm_dmp(1, None), DENSE_LR)
+    events: list[str] = []
+    index = {id(b): i for i, b in enumerate(data)}
+    preprocess, run = ahead.preprocess, ahead.run_prepared
+
+    def logged_preprocess(batch):
+        events.append(f"pre {index[id(batch)]}")
+        return preprocess(batch)
+
+    def logged_run(prepared):
+        events.append("run")
+        return run(prepared)
+
+    ahead.preprocess, ahead.run_prepared = logged_preprocess, logged_run  # type: ignore[method-assign]
+    it = iter(data)
+    got = []
+    for i in range(len(data)):
+        if i == 3:
+            ahead.forget_ahead()
+        got.append(float(ahead.step_ahead(it)))
+    with pytest.raises(StopIteration):
+        ahead.step_ahead(it)
+    want = [float(plain.step(b)) for b in data]
+    assert got == want
+    assert events == ["pre 0", "run", "pre 1", "run", "pre 2", "run", "pre 3"] + [
+        "pre 3",
+        "run",
+        "pre 4",
+        "run",
+        "pre 5",
+        "run",
+    ]
+    a, b = table_shards(plain.module), table_shards(ahead.module)
+    assert all(torch.equal(a[k], b[k]) for k in a)

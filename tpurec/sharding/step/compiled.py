@@ -96,6 +96,7 @@ class CompiledStep:
         backend_fn = host_values_logged(self.backend, os.environ.get(HOST_VALUES_ENV))
         self.compiled = torch.compile(self._step, fullgraph=True, dynamic=False, backend=backend_fn)
         self.eager_steps = 0  # batches over their fixed id limits, stepped eagerly (`step`)
+        self._ahead: tuple[Any, Any] | None = None  # (batch, its preprocessed form or None): step_ahead
         self._first_done = False
 
     def preprocess(self, batch: Any) -> Any:
@@ -108,7 +109,29 @@ class CompiledStep:
         return prepared
 
     def step(self, batch: Any) -> torch.Tensor:
-        prepared = self.preprocess(batch)
+        return self.run_prepared(self.preprocess(batch))
+
+    def step_ahead(self, batches: Iterator[Any]) -> torch.Tensor:
+        """The step of the next of `batches`, and the batch after it preprocessed once this step is
+        queued on the device: the host's half of step i+1 runs while the device runs step i (what
+        TorchRec's pipelines do for their input dist), wherever the host must wait for the device
+        (a loss read, a buffer the step still reads). StopIteration when `batches` is done."""
+        raw, prepared = self._ahead if self._ahead is not None else (next(batches), None)
+        self._ahead = None
+        loss = self.run_prepared(self.preprocess(raw) if prepared is None else prepared)
+        upcoming = next(batches, None)
+        if upcoming is not None:
+            self._ahead = (upcoming, self.preprocess(upcoming))
+        return loss
+
+    def forget_ahead(self) -> None:
+        """The batch preprocessed ahead is preprocessed again before its step: a forward outside the
+        step (an evaluation) may have moved the host tier's rows it was mapped to."""
+        if self._ahead is not None:
+            self._ahead = (self._ahead[0], None)
+
+    def run_prepared(self, prepared: Any) -> torch.Tensor:
+        """One step of a batch `preprocess` made: compiled, or eagerly when over its id limits."""
         run = self.compiled
         device = self.dense_params[0].device if self.dense_params else None
         if step_inputs.any_rank_over_limits(step_inputs.parts(prepared), self.group, self.world_size, device):

@@ -54,10 +54,12 @@ class StepPipeline:
     def progress(self, batches: Iterator[Any]) -> tuple[torch.Tensor, Any, Any]:
         batches = map(self._to_device, batches)
         if not self.dmp.training:  # evaluation: the model's forward, nothing updated
+            if self._compiled is not None:
+                self._compiled.forget_ahead()
             out: tuple[torch.Tensor, Any, Any] = self.dmp(next(batches))[1]
             return out
-        if self._compiled is not None:
-            return self._compiled.step(next(batches)), None, None
+        if self._compiled is not None:  # the next batch's host half while the device runs this one
+            return self._compiled.step_ahead(batches), None, None
         loss = self._pipelined.progress(batches)
         while loss is None:  # the warm-up's first batch: looked up, not yet through the model
             loss = self._pipelined.progress(batches)
