@@ -319,7 +319,7 @@ def test_step_ahead_preprocesses_the_next_batch_after_queuing_this_one_and_train
         events.append("run")
         return run(prepared)
 
-    ahead.preprocess, ahead.run_prepared = logged_preprocess, logged_run  # type: ignore[method-assign]
+    ahead.preprocess, ahead.run_prepared = logged_preprocess, logged_run
     it = iter(data)
     got = []
     for i in range(len(data)):
