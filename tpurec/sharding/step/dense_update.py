@@ -53,8 +53,8 @@ class DenseOptimizer:
         """scalars_on: where the lrs, SGD's fresh flags and the optimizer's step counts live as graph
         inputs. None: on the host, float64 (torch.optim's own arithmetic, bit-equal). A TorchTPU
         device: there, float32 (`on_torchtpu`): a TorchTPU program takes no host tensor as an argument
-        (the chip refused Adagrad's 0-d CPU step count: "expected tensor to be on tpu, got cpu") and
-        the TPU has no float64."""
+        (the v5e: "expected tensor to be on tpu, got cpu", docs/tpu.md), and the TPU's units have no
+        native float64 (float64 through TorchTPU not tried)."""
         self.optimizer = torch_optimizer(optimizer, dense_params)
         self.scalars_on = scalars_on
         dtype = torch.float64 if scalars_on is None else torch.float32
