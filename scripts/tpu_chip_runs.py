@@ -8,7 +8,8 @@
 - `host` (#60): `bench host-tier --device tpu` at a 20% cache with `--pinned` (pageable and pinned
   host memory for the row copies, interleaved), Zipf ids drawn once for the run;
 - `link` (#60): chip probe 11 (`scripts/tpu_probe_host_link.py`), the host link's raw rates, pageable
-  and pinned, and the tier's copies piece by piece;
+  and pinned, the tier's copies piece by piece, and TorchTPU's batched transfers (`batch_*`: do rows
+  land where `host_tier/batch_transfer.py` reads the API, and how fast);
 - `compiled` (#59): `bench tpu-train --contenders tpurec --tpurec-args='--step compiled'` with
   TPUREC_STEP_ON_TPU=1: whether TorchTPU compiles the step now that the update's scalars are graph
   inputs (session 32 aborted in compiled_mode.cc:417).

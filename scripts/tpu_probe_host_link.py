@@ -17,7 +17,9 @@ Adagrad, a 20% cache): ~12 MB each way, ~130-140 MB/s. This probe tells the host
   (`non_blocking=True`, then drained), `d2h_pinned_<MB>` (`copy_(non_blocking=True)` into a pinned
   tensor, then `torch.accelerator.synchronize()`), and `load_pinned` / `write_back_pinned` (`load` and
   `write_back` with TPUREC_HOST_TIER_PINNED=1: the rows staged in kept pinned buffers, the write-back's
-  copy asynchronous until its event, device_copies.py).
+  copy asynchronous until its event, device_copies.py);
+- on a device only, TorchTPU's batched transfer API (`batch_*`, `batch_transfers` below): rows in one
+  range and in runs of 16 into scattered slots, each direction, whether they arrive where expected.
 
 Median of `--reps` after one untimed run, ms, and MB/s of the rows moved. JSON on stdout (progress on
 stderr; the document so far in $OUT/link_partial.json after each piece when OUT is set). `--device cpu`
@@ -112,6 +114,63 @@ def pinned_transfers(clock: Clock, host: torch.Tensor, on_dev: torch.Tensor, lab
     clock.time(f"d2h_pinned_{label}", d2h, nbytes)
 
 
+def batch_transfers(clock: Clock, dev: torch.device, n: int, dim: int, cache_rows: int, seed: int) -> None:
+    """TorchTPU's batched transfer (`host_tier/batch_transfer.py`, a private API read from the wheel):
+    `batch_h2d_one` / `batch_d2h_one` move n rows as one range (sync; `_async`: the future's wait),
+    `batch_h2d_runs` / `batch_d2h_runs` as runs of 16 rows into scattered cache slots (what a load
+    into free slots would be without a scatter program); each piece's `equal` says whether the rows
+    arrived where the reading in batch_transfer.py says they go."""
+    from tpurec.embedding.host_tier import batch_transfer as bt
+
+    host, back = torch.rand(n, dim), torch.zeros(n, dim)
+    cache = torch.zeros(cache_rows, dim, device=dev)
+    nbytes, run = n * dim * 4, 16
+    runs = n // run
+    starts = np.sort(np.random.default_rng(seed).choice(cache_rows // run, runs, replace=False)) * run
+    src_off, dst_off, sizes = [i * run for i in range(runs)], [int(x) for x in starts], [run] * runs
+    tensors = {"src": [host] * runs, "dst": [cache] * runs}
+
+    def verdict(name: str, ok: Callable[[], bool]) -> None:
+        rec = clock.doc["pieces"].get(name, {})
+        if "error" not in rec:
+            try:
+                rec["equal"] = bool(ok())
+            except Exception as ex:
+                rec["equal_error"] = f"{type(ex).__name__}: {str(ex)[:200]}"
+
+    def arrived() -> bool:
+        return torch.equal(cache[:n].cpu(), host)
+
+    def arrived_runs() -> bool:
+        got = cache.cpu()
+        return all(torch.equal(got[d : d + run], host[s : s + run]) for s, d in zip(src_off, dst_off))
+
+    clock.time("batch_h2d_one", lambda: drain(_then(bt.h2d([host], [cache], [0], [0], [n]), cache)), nbytes)
+    verdict("batch_h2d_one", arrived)
+    cache.zero_()
+    clock.time("batch_h2d_one_async", lambda: _waited(bt.h2d([host], [cache], [0], [0], [n], wait=False)), nbytes)
+    verdict("batch_h2d_one_async", arrived)
+    clock.time("batch_d2h_one", lambda: bt.d2h([cache], [back], [0], [0], [n]), nbytes)
+    verdict("batch_d2h_one", lambda: torch.equal(back, cache[:n].cpu()))
+    cache.zero_()
+    runs_bytes = runs * run * dim * 4
+    h2d_runs = lambda: bt.h2d(tensors["src"], tensors["dst"], src_off, dst_off, sizes)  # noqa: E731
+    clock.time("batch_h2d_runs", lambda: drain(_then(h2d_runs(), cache)), runs_bytes)
+    verdict("batch_h2d_runs", arrived_runs)
+    back.zero_()
+    d2h_runs = lambda: bt.d2h(tensors["dst"], [back] * runs, dst_off, src_off, sizes)  # noqa: E731
+    clock.time("batch_d2h_runs", d2h_runs, runs_bytes)
+    verdict("batch_d2h_runs", lambda: torch.equal(back[: runs * run], host[: runs * run]))
+
+
+def _then(_: Any, t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _waited(future: Any) -> None:
+    future.wait()
+
+
 def device_of(name: str) -> torch.device:
     if name == "cpu":
         return torch.device("cpu")
@@ -174,6 +233,7 @@ def main(argv: list[str] | None = None) -> dict:
         clock.time("write_back_pinned", back, row_bytes)  # started (async into pinned memory), completed
         os.environ.pop(device_copies.PINNED_ENV)
         doc["pinned_refused"] = device_copies._PINNED_REFUSED[:1]
+        batch_transfers(clock, dev, min(a.n, a.cache_rows // 2), a.dim, a.cache_rows, a.seed)
     text = json.dumps(doc, indent=1)
     print(text, flush=True)
     return doc
