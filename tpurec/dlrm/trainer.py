@@ -214,6 +214,7 @@ class Trainer:
                 if not self._batches.cut and (signum := self._stop.agreed(self.world)):
                     self._stopping, self._batches.cut = signum, True
                 mean = self._read_loss(p.loss_sum, p.loss_n)
+                p.sample_device_bytes()
                 p.log_train({**self._where(), "seconds": p.seconds(), "loss": mean}, sps, eta)
             p.bar.update(1)
         copies = host_copies.counts()

@@ -10,6 +10,7 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from tpurec.dlrm.report import MetricsLog
+from tpurec.runtime.device import DeviceKind
 
 if TYPE_CHECKING:
     import torch
@@ -77,8 +78,26 @@ class Progress:
             0.0  # the losses since the last logged step (a tensor once a step has run)
         )
         self.loss_n = 0
+        # the most bytes the device's allocator held at a logged step (the TPU path): what the plan's
+        # HBM figure is compared with, beside the end's reading (`sample_device_bytes`)
+        self.max_device_bytes: int | None = None
         self._last_tenth = -1
         self._t0 = self._mark = 0.0
+
+    def sample_device_bytes(self) -> None:
+        """At a logged step (the loss just read: steps up to it have run), the device allocator's bytes
+        in use, kept when the most so far; nothing where the device gives no reading (a CPU, the
+        emulated device). Steps queued after the logged one may hold more: a lower bound of the peak
+        (TorchTPU's own peak statistic is no reading: docs/tpu.md)."""
+        if self.run.device != DeviceKind.TPU:
+            return
+        import torch
+
+        try:
+            now = int(torch.accelerator.memory_allocated())
+        except Exception:  # no accelerator statistics here
+            return
+        self.max_device_bytes = max(self.max_device_bytes or 0, now)
 
     def segment_starts(self) -> None:
         self._t0 = self._mark = time.perf_counter()

@@ -84,8 +84,9 @@ class Reporting:
 
     def _hbm_figures(self) -> dict:
         """The plan's HBM figure for this rank's device beside the bytes the device's allocator holds at
-        the end of training (torch.accelerator; None where it gives no reading: the emulated device),
-        and planned / in use (issue #59's bar: within 10%)."""
+        the end of training and the most it held at a logged step (torch.accelerator; None where it
+        gives no reading: the emulated device), and planned over each (issue #59's bar: within 10%;
+        the end's reading is after the last step's temporaries are freed, so the most is the one)."""
         import torch
 
         planned = self.model.planned_hbm_bytes
@@ -93,8 +94,19 @@ class Reporting:
             in_use: int | None = int(torch.accelerator.memory_allocated())
         except Exception:  # no accelerator statistics here (the emulated device, a CPU build)
             in_use = None
-        ratio = round(planned / in_use, 4) if planned and in_use else None
-        return {"planned_bytes": planned, "in_use_bytes": in_use, "planned_over_in_use": ratio}
+        most = self.progress.max_device_bytes
+        most = max(most, in_use) if most is not None and in_use is not None else most or in_use
+
+        def over(x: int | None) -> float | None:
+            return round(planned / x, 4) if planned and x else None
+
+        return {
+            "planned_bytes": planned,
+            "in_use_bytes": in_use,
+            "planned_over_in_use": over(in_use),
+            "max_in_use_bytes": most,
+            "planned_over_max_in_use": over(most),
+        }
 
     def _id_limit_figures(self, step: int) -> dict:
         """The limits used, the stack inputs run in several passes and the ids dropped (all ranks);
