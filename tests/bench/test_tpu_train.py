@@ -30,6 +30,8 @@ def test_the_cpu_smoke_run_reports_both_contenders_and_their_ratio(capsys):
     assert sorted(rnd["order"]) == ["jax", "split", "tpurec"]
     pieces = doc["summary"]["split"]
     assert pieces["sum_ms"] == pytest.approx(sum(pieces[k] for k in PHASES), abs=0.01) and pieces["update_ms"] > 0
+    assert pieces["device_ms"] == pytest.approx(pieces["sum_ms"] - pieces["host_ms"], abs=0.01)
+    assert pieces["device_busy_at_most"] == pytest.approx(pieces["device_ms"] / pieces["step_ms"], abs=2e-3)
     jax_side, ours = rnd["jax"], rnd["tpurec"]
     assert jax_side["platform"] == "cpu" and len(jax_side["losses"]) == 2 + 3
     assert ours["steps_timed"] == 3 and "--model mlperf-dcnv2" in ours["command"]

@@ -248,7 +248,8 @@ def summary(results: list[dict]) -> dict:
                 "rounds": len(ok),
             }
             if name == "split":  # its pieces: where tpurec's step goes
-                out[name].update({k: ok[0][k] for k in (*PHASES, "sum_ms")})
+                keys = (*PHASES, "sum_ms", "device_ms", "device_busy_at_most")
+                out[name].update({k: ok[0][k] for k in keys if k in ok[0]})
         if errors:
             out.setdefault(name, {})["error"] = errors[0]
     both = [r for r in results if all(c in r and "error" not in r[c] for c in ("jax", "tpurec"))]
