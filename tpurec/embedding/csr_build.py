@@ -68,6 +68,15 @@ def available() -> bool:
     return not env_flags.is_on("TPUREC_NO_NUMBA") and _kernels() is not None
 
 
+def prepare() -> None:
+    """What every build shares, decided now in the calling thread: the sort this CPU runs faster
+    (key_sort.use_radix, timed once), which builds side by side on threads would time amid each other."""
+    if _kernels() is not None:
+        from tpurec.embedding import key_sort
+
+        key_sort.use_radix()
+
+
 def _kernels() -> tuple[Any, ...] | None:
     global _KERNELS
     if _KERNELS is None:

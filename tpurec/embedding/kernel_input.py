@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, cast
 import torch
 from torchrec.modules.embedding_configs import PoolingType
 
-from tpurec.embedding import csr_build, input_copy
+from tpurec.embedding import csr_build, host_threads, input_copy
 from tpurec.embedding.constraints import DIM_ALIGN, SEGMENT_ALIGN, round_up
 from tpurec.embedding.cpu_path import writes_final_layout
 from tpurec.embedding.demand import ShardsDemand, TableShards
@@ -180,14 +180,29 @@ class KernelInput:
         """Host side: one SparseCore input per stack (data-dependent; runs on the CPU).
 
         Vectorised over features: the KJT is put in stacked order once (a no-op when it already is),
-        then each stack's features are one contiguous slice of values and lengths.
+        then each stack's features are one contiguous slice of values and lengths. The stacks'
+        compiled builds run side by side on threads (host_threads.py); everything that records (stats,
+        counters, limits) runs after, in this thread, in stack order, as one stack after another would.
         """
         # Preprocessing is host work (data-dependent shapes). Under DMP the ids arrive on the host
         # (tpurec.sharding.host_input_dist); a KJT a caller put on the device is copied back, counted.
         self.stats_pending = None  # this batch's stats replace a direct step's
         features = host_copies.to_host(features, "ids")
         batch, padded, parts = self.stack_arrays(features)
-        return self._to_device([self.stack_input(i, *part, batch, padded) for i, part in enumerate(parts)])
+        built = self._compiled_stacks(parts, batch, padded)
+        return self._to_device([self._finish_stack(i, built[i], *part, batch, padded) for i, part in enumerate(parts)])
+
+    def _compiled_stacks(
+        self, parts: list[StackArrays], batch: int, padded: int
+    ) -> list[tuple[SparseCoreInput, PreprocessStats] | None]:
+        """Each stack's compiled build (`_compiled_csr`), on threads when there are several: the builds
+        read shared state only and release the GIL (numba, numpy's sort). The torch + numpy route of a
+        stack the build leaves (None) runs later in the calling thread: its torch ops use torch's own
+        threads, and on several pool threads at once they would take a core count each."""
+        if len(parts) < 2 or not csr_build.available():
+            return [self._compiled_csr(i, *part, batch, padded) for i, part in enumerate(parts)]
+        csr_build.prepare()  # the one-time sort choice, timed here and not amid the builds
+        return host_threads.map_tasks(lambda i: self._compiled_csr(i, *parts[i], batch, padded), len(parts))
 
     def preprocess_blocks(self, blocks: list[KeyedJaggedTensor]) -> list[StackInput]:
         """Several batches of one stride as one step: their lookups stacked along the output's rows
@@ -386,9 +401,24 @@ class KernelInput:
     ) -> StackInput:
         """Stack i's SparseCore input for its slice of the batch (`stack_arrays`): by the compiled
         build when it applies, else by `preprocess`; over the limits, in passes or dropped."""
-        compiled = self._compiled_stack_input(i, values, lengths, weights, batch, padded)
+        compiled = self._compiled_csr(i, values, lengths, weights, batch, padded)
+        return self._finish_stack(i, compiled, values, lengths, weights, batch, padded)
+
+    def _finish_stack(
+        self,
+        i: int,
+        compiled: tuple[SparseCoreInput, PreprocessStats] | None,
+        values: torch.Tensor,
+        lengths: torch.Tensor,
+        weights: torch.Tensor | None,
+        batch: int,
+        padded: int,
+    ) -> StackInput:
+        """`stack_input` given stack i's compiled build (`_compiled_csr`, None where it did not
+        apply): its stats recorded, or the torch + numpy route run."""
         if compiled is not None:
-            return self._row_slots(i, compiled, values, lengths, weights, batch, padded)
+            self._keep_stats(i, compiled[1])
+            return self._row_slots(i, compiled[0], values, lengths, weights, batch, padded)
         lay, n = self.stacks[i].layout, len(self.stacks[i].features)
         entries = self._stack_entries(i, values, lengths, weights, batch, padded)
         common: dict[str, Any] = dict(device_batch_size=n * padded, num_sc_per_device=self.num_sc, table_name=lay.name)
@@ -417,10 +447,14 @@ class KernelInput:
             )
             stats.passes = csr.passes
             self.multipass_batches += 1
-        self.stats()[lay.name] = stats
+        self._keep_stats(i, stats)
+        return self._row_slots(i, csr, values, lengths, weights, batch, padded)
+
+    def _keep_stats(self, i: int, stats: PreprocessStats) -> None:
+        """Stack i's stats of this batch: the last ones, the dropped ids, the tables' passes."""
+        self.stats()[self.stacks[i].layout.name] = stats
         self.dropped_id_count += stats.dropped_id_count
         self._record_passes(i, stats)
-        return self._row_slots(i, csr, values, lengths, weights, batch, padded)
 
     def _row_slots(
         self,
@@ -455,11 +489,12 @@ class KernelInput:
             return replace(csr, decays=[decay_input(spec, csr.updates[0], stacked_ids, samples, gains, **where)])
         return decay_input(spec, csr, stacked_ids, samples, gains, **where)
 
-    def _compiled_stack_input(
+    def _compiled_csr(
         self, i: int, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None, batch: int, padded: int
-    ) -> SparseCoreInput | None:
-        """The same SparseCore input from the compiled build (`csr_build`), or None: then the torch +
-        numpy route of `stack_input` runs, which also owns every error message and the dropping."""
+    ) -> tuple[SparseCoreInput, PreprocessStats] | None:
+        """The same SparseCore input from the compiled build (`csr_build`) and its stats, or None: then
+        the torch + numpy route of `stack_input` runs, which also owns every error message and the
+        dropping. Records nothing (`_finish_stack` does): it runs on the pool's threads."""
         if values.device.type != DeviceKind.CPU or not csr_build.available():
             return None
         lay = self.stacks[i].layout
@@ -496,10 +531,7 @@ class KernelInput:
         rp, emb, smp, gns, mi, mu, (ids_pp, uniq_pp, need) = out
         t_rp, t_emb, t_smp, t_gns = (torch.from_numpy(x) for x in (rp, emb, smp, gns))
         csr = SparseCoreInput(t_rp, t_emb, t_smp, t_gns, len(offsets) * padded, self.num_sc, lay.num_partitions, mi, mu)
-        stats = PreprocessStats(torch.from_numpy(ids_pp), torch.from_numpy(uniq_pp), need, 0)
-        self.stats()[lay.name] = stats
-        self._record_passes(i, stats)
-        return csr
+        return csr, PreprocessStats(torch.from_numpy(ids_pp), torch.from_numpy(uniq_pp), need, 0)
 
     def _raise_bad_ids(self, plan: StackPlan, ids: torch.Tensor, slot: torch.Tensor, bad: torch.Tensor) -> None:
         first = int(bad.nonzero()[0])
