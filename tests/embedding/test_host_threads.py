@@ -90,6 +90,8 @@ def test_threads_run_in_order_on_the_pool(monkeypatch):
     names = host_threads.map_tasks(lambda i: (i, threading.current_thread().name), 6)
     assert [i for i, _ in names] == list(range(6))
     assert all(n.startswith("tpurec-host") for _, n in names)
+    sized = host_threads.map_tasks(lambda i: i * 10, 5, sizes=[1, 9, 3, 7, 5])  # largest first, results in order
+    assert sized == [0, 10, 20, 30, 40]
     monkeypatch.delenv(host_threads.SWITCH)
     assert 1 <= host_threads.workers(100) <= 100
 

@@ -202,7 +202,8 @@ class KernelInput:
         if len(parts) < 2 or not csr_build.available():
             return [self._compiled_csr(i, *part, batch, padded) for i, part in enumerate(parts)]
         csr_build.prepare()  # the one-time sort choice, timed here and not amid the builds
-        return host_threads.map_tasks(lambda i: self._compiled_csr(i, *parts[i], batch, padded), len(parts))
+        sizes = [int(values.numel()) for values, _, _ in parts]
+        return host_threads.map_tasks(lambda i: self._compiled_csr(i, *parts[i], batch, padded), len(parts), sizes)
 
     def preprocess_blocks(self, blocks: list[KeyedJaggedTensor]) -> list[StackInput]:
         """Several batches of one stride as one step: their lookups stacked along the output's rows
