@@ -14,7 +14,8 @@ Contenders: `serial` (TPUREC_HOST_THREADS=1: the stacks one after another) and `
 the stacks' compiled builds on a thread pool, host_threads.py). Equal work is checked first: on every
 batch both give the same arrays and the same stats, else exit 1. Then `rounds` interleaved rounds (each
 contender once per round, in a random order: timer.interleaved); per contender the median and worst
-round (ms), the ratio serial / threaded per round, and the load average before and after.
+round (ms), the ratio serial / threaded per round, each stack's build alone (`stack_ms`: the largest
+bounds the threaded step on any core count) and the load average before and after.
 """
 
 from __future__ import annotations
@@ -119,6 +120,24 @@ def same(a: list[Any], b: list[Any], stats_a: dict, stats_b: dict) -> str | None
     return None
 
 
+def stack_ms(inputs: Any, kjt: Any, repeats: int = 5) -> list[float]:
+    """Each stack's compiled build alone (median ms): the largest bounds a threaded step on any number
+    of cores (a stack builds on one thread)."""
+    import statistics
+    import time
+
+    batch, padded, parts = inputs.stack_arrays(kjt, demand=False)
+    out = []
+    for i, part in enumerate(parts):
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            inputs._compiled_csr(i, *part, batch, padded)
+            times.append((time.perf_counter() - t) * 1e3)
+        out.append(round(statistics.median(times), 2))
+    return out
+
+
 def run(rounds: int, count: int, seed: int) -> dict:
     import torch
 
@@ -160,6 +179,7 @@ def run(rounds: int, count: int, seed: int) -> dict:
         out[f"{name}_ms"] = round(r.median * 1e3, 2)
         out[f"{name}_worst_ms"] = round(max(r.wall) * 1e3, 2)
     out["serial_over_threaded"] = ratio_summary(runs[1].wall, runs[0].wall)
+    out["stack_ms"] = stack_ms(inputs, kjts[0])
     out.update(rounds=rounds, seed=seed, load_before=load_before, load_after=load_average())
     return out
 
