@@ -19,7 +19,8 @@ Adagrad, a 20% cache): ~12 MB each way, ~130-140 MB/s. This probe tells the host
   `write_back` with TPUREC_HOST_TIER_PINNED=1: the rows staged in kept pinned buffers, the write-back's
   copy asynchronous until its event, device_copies.py);
 - on a device only, TorchTPU's batched transfer API (`batch_*`, `batch_transfers` below): rows in one
-  range and in runs of 16 into scattered slots, each direction, whether they arrive where expected.
+  range and in runs of 16 into scattered slots, each direction, whether they arrive where expected;
+  and JAX's `device_put` of the raw sizes and DLPack into torch (`jax_*`, `jax_transfers`).
 
 Median of `--reps` after one untimed run, ms, and MB/s of the rows moved. JSON on stdout (progress on
 stderr; the document so far in $OUT/link_partial.json after each piece when OUT is set). `--device cpu`
@@ -163,6 +164,30 @@ def batch_transfers(clock: Clock, dev: torch.device, n: int, dim: int, cache_row
     verdict("batch_d2h_runs", lambda: torch.equal(back[: runs * run], host[: runs * run]))
 
 
+def jax_transfers(clock: Clock, sizes_mb: list[float]) -> None:
+    """The same bytes through JAX in this process (TorchTPU runs on JAX's PJRT client): `jax_put_<MB>`
+    (`jax.device_put` of a numpy array, waited for) and `jax_to_torch_<MB>` (that array handed to torch by
+    DLPack, `torch.from_dlpack`: a device tensor without a copy, if TorchTPU takes it; `equal`, `device`):
+    whether a faster host->device path exists for the inputs and the host tier's rows."""
+    import jax
+
+    dev = jax.devices()[0]
+    for mb in sizes_mb:
+        host = np.random.default_rng(0).random(int(mb * 2**20) // 4, dtype=np.float32)
+        nbytes = host.nbytes
+        clock.time(f"jax_put_{mb:g}MB", lambda h=host: jax.device_put(h, dev).block_until_ready(), nbytes)
+        put = jax.device_put(host, dev).block_until_ready()
+        name = f"jax_to_torch_{mb:g}MB"
+        clock.time(name, lambda p=put: drain(torch.from_dlpack(p)), nbytes)
+        rec = clock.doc["pieces"].get(name, {})
+        if "error" not in rec:
+            try:
+                t = torch.from_dlpack(put)
+                rec["device"], rec["equal"] = str(t.device), bool(np.array_equal(t.cpu().numpy(), host))
+            except Exception as ex:
+                rec["equal_error"] = f"{type(ex).__name__}: {str(ex)[:200]}"
+
+
 def _then(_: Any, t: torch.Tensor) -> torch.Tensor:
     return t
 
@@ -234,6 +259,10 @@ def main(argv: list[str] | None = None) -> dict:
         os.environ.pop(device_copies.PINNED_ENV)
         doc["pinned_refused"] = device_copies._PINNED_REFUSED[:1]
         batch_transfers(clock, dev, min(a.n, a.cache_rows // 2), a.dim, a.cache_rows, a.seed)
+        try:
+            jax_transfers(clock, [float(x) for x in a.sizes_mb.split(",")])
+        except Exception as ex:  # JAX absent or refusing the device beside TorchTPU: said, not fatal
+            doc["pieces"]["jax"] = {"error": f"{type(ex).__name__}: {str(ex)[:300]}"}
     text = json.dumps(doc, indent=1)
     print(text, flush=True)
     return doc

@@ -89,3 +89,14 @@ def test_batch_transfer_refuses_ranges_it_cannot_mean():
         check_ranges([a], [torch.zeros(20, 5)], [0], [0], [1])
     with pytest.raises(ValueError, match="contiguous"):
         check_ranges([torch.zeros(4, 10).t()], [torch.zeros(10, 4)], [0], [0], [1])
+
+
+def test_jax_pieces_time_the_put_and_check_what_torch_receives(monkeypatch):
+    """On the CPU, JAX's device is the host: the pieces run, the DLPack tensor equals what was put."""
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    probe = _script()
+    clock = probe.Clock(1, {"pieces": {}})
+    probe.jax_transfers(clock, [0.25])
+    put, back = clock.doc["pieces"]["jax_put_0.25MB"], clock.doc["pieces"]["jax_to_torch_0.25MB"]
+    assert "error" not in put and put["bytes"] == 2**18
+    assert back["equal"] is True and back["device"] == "cpu"
