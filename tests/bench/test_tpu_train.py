@@ -31,6 +31,9 @@ def test_the_cpu_smoke_run_reports_both_contenders_and_their_ratio(capsys):
     pieces = doc["summary"]["split"]
     assert pieces["sum_ms"] == pytest.approx(sum(pieces[k] for k in PHASES), abs=0.01) and pieces["update_ms"] > 0
     assert pieces["device_ms"] == pytest.approx(pieces["sum_ms"] - pieces["host_ms"], abs=0.01)
+    # medians of the parts: near their steps' sums, each part timed
+    assert pieces["host_build_ms"] > 0 and pieces["host_copy_ms"] > 0
+    assert pieces["host_build_ms"] + pieces["host_copy_ms"] == pytest.approx(pieces["host_ms"], rel=0.5)
     assert pieces["device_busy_at_most"] == pytest.approx(pieces["device_ms"] / pieces["step_ms"], abs=2e-3)
     jax_side, ours = rnd["jax"], rnd["tpurec"]
     assert jax_side["platform"] == "cpu" and len(jax_side["losses"]) == 2 + 3
@@ -134,7 +137,8 @@ def test_the_split_step_does_the_whole_step_s_work():
         whole.whole(i)
         # the device's bytes in use read once after each piece, in the step's order
         assert held == {p: 100 + 5 * i + k for k, p in enumerate(PHASES)}
-    assert all(set(d) == set(PHASES) and min(d.values()) > 0 for d in drained)
+    assert all(set(d) == {*PHASES, "host_build_ms", "host_copy_ms"} and min(d.values()) > 0 for d in drained)
+    assert all(d["host_ms"] == d["host_build_ms"] + d["host_copy_ms"] for d in drained)
     # the stacks' rows (padded to the partitions) and one row-wise Adagrad float a row
     assert sum(w.rows) * (16 + 1) * 4 <= split.table_state_bytes() < 1.2 * sum(w.rows) * (16 + 1) * 4
     for t in ("t0", "t9", "t25"):

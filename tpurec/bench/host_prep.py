@@ -6,7 +6,7 @@ ids a sample) and its synthetic batches (tpu_train_jax.host_batches), laid out a
 (the TensorCore kernel's settings: fixed limits with its 10% headroom, 1 GiB stacks, one SparseCore
 layout: 8 stacks). The module is built on "meta": preprocessing reads the tables' row counts and
 layout, never their rows, so its inputs are the chip's without 6.3 GB of tables (and stay on the host:
-`KernelInput._to_device`). A step = `preprocess` (ids -> one CSR input per stack) then the packing
+`KernelInput.to_device`). A step = `preprocess` (ids -> one CSR input per stack) then the packing
 the TPU's copy does first (`input_copy.inputs_to_device`'s concatenation, one tensor per dtype); the
 copy over the host link itself is not here.
 

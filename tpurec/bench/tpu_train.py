@@ -248,7 +248,7 @@ def summary(results: list[dict]) -> dict:
                 "rounds": len(ok),
             }
             if name == "split":  # its pieces: where tpurec's step goes
-                keys = (*PHASES, "sum_ms", "device_ms", "device_busy_at_most")
+                keys = (*PHASES, "host_build_ms", "host_copy_ms", "sum_ms", "device_ms", "device_busy_at_most")
                 out[name].update({k: ok[0][k] for k in keys if k in ok[0]})
         if errors:
             out.setdefault(name, {})["error"] = errors[0]

@@ -3,8 +3,9 @@
 `python -m tpurec.bench.tpu_train_split WORKLOAD_JSON --warmup W --steps T --batches K --device D`
 prints one JSON line. It runs tpurec's pieces of the DLRM-DCNv2 step one after another with the device
 drained after each (a value read to the host), so that each piece's time is its own:
-- `host_ms`: the host input half (ids into one CSR input per table stack, `KernelInput.preprocess`,
-  and the dense features and labels to the device);
+- `host_ms`: the host input half, in two parts: `host_build_ms` (ids into one CSR input per table
+  stack, `KernelInput.preprocess_on_host`) and `host_copy_ms` (those inputs, the dense features and
+  the labels to the device, `KernelInput.to_device`, drained);
 - `lookup_ms`: the pooled lookup of every stack (`kernel.lookup`);
 - `dense_ms`: the dense model's forward and backward (TorchRec's DLRM_DCN arches) down to the pooled
   embeddings' gradient;
@@ -30,6 +31,7 @@ from typing import Any
 from tpurec.bench.tpu_train_shapes import Workload
 
 PHASES = ("host_ms", "lookup_ms", "dense_ms", "update_ms", "dense_update_ms")
+HOST_PARTS = ("host_build_ms", "host_copy_ms")  # host_ms's two parts: the CSR build, the copies to the device
 
 
 def _drain(t: Any) -> None:
@@ -92,9 +94,16 @@ class Step:
         self.loss_fn = torch.nn.BCEWithLogitsLoss()
 
     def inputs(self, i: int) -> tuple[Any, Any, Any]:
-        k = i % len(self.kjts)
-        dense, labels = (t.to(self.device) for t in self.host[k])
-        return self.ebc.kernel.inputs.preprocess(self.kjts[k]), dense, labels
+        return self.copy(i, self.build(i))
+
+    def build(self, i: int) -> Any:
+        """The batch's CSR inputs on the host (the ids' preprocessing alone)."""
+        return self.ebc.kernel.inputs.preprocess_on_host(self.kjts[i % len(self.kjts)])
+
+    def copy(self, i: int, csrs: Any) -> tuple[Any, Any, Any]:
+        """Those inputs, the dense features and the labels on the device."""
+        dense, labels = (t.to(self.device) for t in self.host[i % len(self.kjts)])
+        return self.ebc.kernel.inputs.to_device(csrs), dense, labels
 
     def lookup(self, csrs: Any) -> Any:
         return self.ebc.kernel.lookup(csrs, self.w.batch)
@@ -174,13 +183,22 @@ def split_step(
 
         return then
 
-    (csrs, dense, labels), host = _timed(lambda: s.inputs(i), drained("host_ms", lambda out: drain(out[1])))
+    host_csrs, build = _timed(lambda: s.build(i), lambda _: None)
+
+    def drain_inputs(out: Any) -> None:  # the CSR copies (ids, gains) and the dense features'
+        for t in (out[0][0].embedding_ids, out[0][0].gains, out[1]):
+            drain(t)
+
+    copied = drained("host_ms", drain_inputs)
+    (csrs, dense, labels), copy = _timed(lambda: s.copy(i, host_csrs), copied)
+    host = build + copy
     pooled, lookup = _timed(lambda: s.lookup(csrs), drained("lookup_ms", drain))
     step = lambda: s.dense_step(pooled, dense, labels)  # noqa: E731
     (_, grad), dense_ms = _timed(step, drained("dense_ms", lambda out: drain(out[1])))
     _, update = _timed(lambda: pooled.backward(grad), drained("update_ms", lambda _: drain(s.some_table())))
     _, dense_update = _timed(s.dense_update, drained("dense_update_ms", lambda _: drain(s.some_dense())))
-    return dict(zip(PHASES, (host, lookup, dense_ms, update, dense_update))), held
+    pieces = dict(zip(PHASES, (host, lookup, dense_ms, update, dense_update)))
+    return {**pieces, "host_build_ms": build, "host_copy_ms": copy}, held
 
 
 def run(w: Workload, batches: list[dict[str, Any]], warmup: int, steps: int, device: Any) -> dict:
@@ -203,7 +221,7 @@ def run(w: Workload, batches: list[dict[str, Any]], warmup: int, steps: int, dev
         loss = s.whole(warmup + steps + i)
     _drain(loss)
     step_ms = (time.perf_counter() - t0) * 1e3 / steps
-    out: dict[str, Any] = {k: round(statistics.median(x[k] for x in splits), 3) for k in PHASES}
+    out: dict[str, Any] = {k: round(statistics.median(x[k] for x in splits), 3) for k in (*PHASES, *HOST_PARTS)}
     out["sum_ms"] = round(sum(out[k] for k in PHASES), 3)
     out["step_ms"] = round(step_ms, 3)
     # The device's share of the undrained step (issue #59: busy >= 80%), at most: each drained piece

@@ -184,13 +184,18 @@ class KernelInput:
         compiled builds run side by side on threads (host_threads.py); everything that records (stats,
         counters, limits) runs after, in this thread, in stack order, as one stack after another would.
         """
+        return self.to_device(self.preprocess_on_host(features))
+
+    def preprocess_on_host(self, features: KeyedJaggedTensor) -> list[StackInput]:
+        """`preprocess` but its last move: the inputs on the host (`to_device` moves them; the
+        benchmarks time the two apart)."""
         # Preprocessing is host work (data-dependent shapes). Under DMP the ids arrive on the host
         # (tpurec.sharding.host_input_dist); a KJT a caller put on the device is copied back, counted.
         self.stats_pending = None  # this batch's stats replace a direct step's
         features = host_copies.to_host(features, "ids")
         batch, padded, parts = self.stack_arrays(features)
         built = self._compiled_stacks(parts, batch, padded)
-        return self._to_device([self._finish_stack(i, built[i], *part, batch, padded) for i, part in enumerate(parts)])
+        return [self._finish_stack(i, built[i], *part, batch, padded) for i, part in enumerate(parts)]
 
     def _compiled_stacks(
         self, parts: list[StackArrays], batch: int, padded: int
@@ -235,7 +240,7 @@ class KernelInput:
             out.append(blocked)
             self.stats()[plan.layout.name].passes = blocked.passes
         self.multipass_batches += 1
-        return self._to_device(out)
+        return self.to_device(out)
 
     def stack_arrays(self, features: KeyedJaggedTensor, demand: bool = True) -> tuple[int, int, list[StackArrays]]:
         """(batch, padded batch, per stack its (values, lengths, weights)): the KJT in stacked order,
@@ -259,7 +264,8 @@ class KernelInput:
             k0 += n
         return batch, padded, parts
 
-    def _to_device(self, csrs: list[StackInput]) -> list[StackInput]:
+    def to_device(self, csrs: list[StackInput]) -> list[StackInput]:
+        """Inputs made on the host, on the kernel's device (they stay on a CPU or "meta" kernel's host)."""
         device = self._storage(0).device if self.stacks else torch.device("cpu")
         # A kernel on "meta" holds no tables: a preprocessing-only kernel (benchmarks, pipelines
         # sizing buffers), whose inputs stay on the host.
