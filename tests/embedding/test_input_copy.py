@@ -7,6 +7,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tpurec.embedding import input_copy
+from tpurec.embedding.constraints import PADDING_ID
 from tpurec.embedding.preprocess import SparseCoreInput
 
 
@@ -16,7 +17,9 @@ class _Copies(TorchDispatchMode):
         self.copies: list[tuple[torch.dtype, int]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.name() == "aten::_to_copy":
+        # a move to another device (the widening casts on the device are _to_copy calls too)
+        device = (kwargs or {}).get("device")
+        if func.name() == "aten::_to_copy" and device is not None and device != args[0].device:
             self.copies.append((args[0].dtype, args[0].numel()))
         return func(*args, **(kwargs or {}))
 
@@ -42,7 +45,8 @@ def _inputs(stacks: int) -> list[SparseCoreInput]:
     return out
 
 
-def test_every_stacks_inputs_move_in_one_copy_per_dtype():
+def test_every_stacks_inputs_move_in_one_copy_per_dtype(monkeypatch):
+    monkeypatch.setenv(input_copy.NARROW_SWITCH, "0")
     csrs = _inputs(8)
     with _Copies() as mode:
         moved = input_copy.inputs_to_device(csrs, torch.device("meta"))
@@ -56,7 +60,8 @@ def test_every_stacks_inputs_move_in_one_copy_per_dtype():
         assert (m.device_batch_size, m.max_ids_per_partition) == (c.device_batch_size, c.max_ids_per_partition)
 
 
-def test_the_moved_tensors_hold_the_inputs_values():
+def test_the_moved_tensors_hold_the_inputs_values(monkeypatch):
+    monkeypatch.setenv(input_copy.NARROW_SWITCH, "0")
     csrs = _inputs(3)
     moved = input_copy.inputs_to_device(csrs, torch.device("cpu"))
     for c, m in zip(csrs, moved, strict=True):
@@ -65,3 +70,62 @@ def test_the_moved_tensors_hold_the_inputs_values():
     # views of one tensor per dtype
     assert moved[0].embedding_ids.untyped_storage().data_ptr() == moved[2].row_pointers.untyped_storage().data_ptr()
     assert moved[0].gains.untyped_storage().data_ptr() == moved[1].gains.untyped_storage().data_ptr()
+
+
+def _mlperf_like(stacks: int) -> list[SparseCoreInput]:
+    """Inputs as the kernel makes them: sample ids below the device batch (49,152: 3 features of
+    16,384) and the padding id in the padded slots, ids up to millions, gains that are repeat counts
+    (NaN padding)."""
+    gen = torch.Generator().manual_seed(7)
+    out = []
+    for s in range(stacks):
+        slots, used = 4096 * (s + 1), 3900 * (s + 1)
+        emb = torch.randint(0, 6_000_000, (slots,), dtype=torch.int32, generator=gen)
+        smp = torch.randint(0, 49_152, (slots,), dtype=torch.int32, generator=gen)
+        gains = torch.randint(1, 4, (slots,), generator=gen).float()
+        emb[used:], smp[used:], gains[used:] = PADDING_ID, PADDING_ID, float("nan")
+        rp = torch.arange(0, 8 * 512, 512, dtype=torch.int32)
+        out.append(SparseCoreInput(rp, emb, smp, gains, 49_152, 1, 8, slots, slots))
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
+def _assert_bit_equal(moved: list[SparseCoreInput], csrs: list[SparseCoreInput]) -> None:
+    for c, m in zip(csrs, moved, strict=True):
+        for f in ("row_pointers", "embedding_ids", "sample_ids", "gains"):
+            got, want = getattr(m, f), getattr(c, f)
+            assert got.dtype == want.dtype and torch.equal(_bits(got), _bits(want)), f
+
+
+def test_sample_ids_row_pointers_and_gains_cross_narrow_and_arrive_bit_equal():
+    """MLPerf's inputs: 2 of every 3 int32 fields as int16 and the gains as bfloat16, 42 -> 28 bytes a
+    slot for these, widened back to the same int32 and float32 bits (the padding id, NaN too)."""
+    csrs = _mlperf_like(3)
+    with _Copies() as mode:
+        input_copy.inputs_to_device(csrs, torch.device("meta"))
+    moved = input_copy.inputs_to_device(csrs, torch.device("cpu"))
+    slots = sum(c.embedding_ids.numel() for c in csrs)
+    rps = sum(c.row_pointers.numel() for c in csrs)
+    assert mode.copies == [(torch.int16, rps + slots), (torch.int32, slots), (torch.bfloat16, slots)]
+    _assert_bit_equal(moved, csrs)
+    # widened once per form: every stack's sample ids and row pointers are views of one tensor
+    ptr = moved[0].sample_ids.untyped_storage().data_ptr()
+    assert moved[2].row_pointers.untyped_storage().data_ptr() == ptr
+
+
+def test_a_field_that_does_not_fit_crosses_as_before(monkeypatch):
+    csrs = _mlperf_like(2)
+    csrs[1].sample_ids[5] = 65_535  # no int16 form: this stack's sample ids cross as int32
+    csrs[0].gains[3] = 0.1  # not exact in bfloat16: this stack's gains cross as float32
+    with _Copies() as mode:
+        input_copy.inputs_to_device(csrs, torch.device("meta"))
+    assert [d for d, _ in mode.copies] == [torch.int16, torch.int32, torch.float32, torch.bfloat16]
+    _assert_bit_equal(input_copy.inputs_to_device(csrs, torch.device("cpu")), csrs)
+    monkeypatch.setenv(input_copy.NARROW_SWITCH, "0")  # never narrowed
+    with _Copies() as mode:
+        input_copy.inputs_to_device(csrs, torch.device("meta"))
+    assert [d for d, _ in mode.copies] == [torch.int32, torch.float32]
+    _assert_bit_equal(input_copy.inputs_to_device(csrs, torch.device("cpu")), csrs)

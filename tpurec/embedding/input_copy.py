@@ -7,40 +7,107 @@ in 32 (row pointers, ids, sample ids and gains of each stack), in the 283 ms of 
 `bench tpu-train`'s split contender measured (session 32). So the int32 arrays of every stack are laid
 end to end in one host tensor, the float32 gains in another, each moved in one copy, and every input
 is a view of those on the device. TPUREC_ONE_INPUT_COPY=0 moves each tensor on its own (an A/B switch).
+
+Fewer bytes too (session 34: the copies' bytes, not their number, look like the cost on the chip:
+~42 MB of inputs a step for MLPerf DLRM-DCNv2, the host half 282 ms where building them takes ~60):
+the sample ids and row pointers cross as int16 when every value is in [0, 65535) or the padding id
+(`I16`), the gains as bfloat16 when each is exact there (sum pooling's repeat counts, NaN padding),
+widened back on the device to the same int32 and float32 values, bit for bit; a batch's field that
+does not fit crosses as before. 42 MB -> ~28 MB at MLPerf's shapes. TPUREC_NARROW_INPUTS=0: never.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
+import numpy as np
 import torch
 
+from tpurec.embedding import csr_build
+from tpurec.embedding.constraints import PADDING_ID
 from tpurec.embedding.preprocess import SparseCoreInput
 from tpurec.runtime import env_flags
 
 SWITCH = "TPUREC_ONE_INPUT_COPY"
+NARROW_SWITCH = "TPUREC_NARROW_INPUTS"
 _FIELDS = ("row_pointers", "embedding_ids", "sample_ids", "gains")
+_NARROW = {"row_pointers", "sample_ids", "gains"}  # fields whose values usually fit a narrower type
+I16 = "i16"  # int32 in [0, 65535) or PADDING_ID, sent as int16 (value - 32768; the padding id as 32767)
+BF16 = "bf16"  # float32 exact in bfloat16 (NaN too), sent as bfloat16
 
 
 def wanted() -> bool:
     return env_flags.get(SWITCH) != "0"
 
 
-def to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """`tensors` (host) on `device`, one copy per dtype: views of one device tensor each, their shapes kept."""
+def narrow_wanted() -> bool:
+    return env_flags.get(NARROW_SWITCH) != "0"
+
+
+def narrowed(t: torch.Tensor) -> tuple[str | torch.dtype, torch.Tensor]:
+    """(form, the tensor as it crosses): I16 or BF16 with its encoding where every value fits exactly
+    (narrow_kernels.py, one pass), else (its dtype, itself). Without numba nothing narrows."""
+    kernels = _kernels()
+    if kernels is None or t.numel() == 0 or t.dtype not in (torch.int32, torch.float32):
+        return t.dtype, t
+    src = t.reshape(-1).contiguous().numpy()
+    out = np.empty(src.size, np.int16)
+    if t.dtype == torch.int32:
+        return (I16, torch.from_numpy(out)) if kernels.to_i16(src, out) else (t.dtype, t)
+    if kernels.to_bf16_bits(src.view(np.int32), out):
+        return BF16, torch.from_numpy(out).view(torch.bfloat16)
+    return t.dtype, t
+
+
+_KERNELS: Any = None
+
+
+def _kernels() -> Any:
+    """narrow_kernels (numba), or None where numba is switched off or missing (csr_build's rule)."""
+    global _KERNELS
+    if _KERNELS is None:
+        _KERNELS = False
+        if csr_build.available():
+            from tpurec.embedding import narrow_kernels
+
+            _KERNELS = narrow_kernels
+    return _KERNELS or None
+
+
+def _decode(packed: torch.Tensor, form: str | torch.dtype) -> torch.Tensor:
+    """On the device: the narrow form widened back (`narrowed`'s inverse, exact)."""
+    if form == I16:
+        wide = packed.to(torch.int32).add_(32768)
+        return wide.masked_fill_(wide == 65535, PADDING_ID)
+    if form == BF16:
+        return packed.float()
+    return packed
+
+
+def to_device(
+    tensors: list[torch.Tensor], device: torch.device, narrow: list[bool] | None = None
+) -> list[torch.Tensor]:
+    """`tensors` (host) on `device`, one copy per form: views of one device tensor each, their shapes
+    and dtypes kept. narrow[i]: tensor i may cross in a narrower form (`narrowed`), widened there."""
+    wire = [narrowed(t) if narrow and narrow[i] else (t.dtype, t) for i, t in enumerate(tensors)]
+    forms = [form for form, _ in wire]
     out: list[torch.Tensor | None] = [None] * len(tensors)
-    for dtype in dict.fromkeys(t.dtype for t in tensors):
-        picked = [i for i, t in enumerate(tensors) if t.dtype == dtype]
-        packed = torch.cat([tensors[i].reshape(-1) for i in picked]).to(device)
-        parts = torch.split(packed, [tensors[i].numel() for i in picked])
+    for form in dict.fromkeys(forms):
+        picked = [i for i, f in enumerate(forms) if f == form]
+        packed = torch.cat([wire[i][1].reshape(-1) for i in picked]).to(device)
+        parts = torch.split(_decode(packed, form), [tensors[i].numel() for i in picked])
         for i, part in zip(picked, parts):
             out[i] = part.view(tensors[i].shape)
     return [t for t in out if t is not None]
 
 
 def inputs_to_device(csrs: list[SparseCoreInput], device: torch.device) -> list[SparseCoreInput]:
-    """Every stack's input on `device`, its four tensors moved with every other stack's (`to_device`)."""
-    moved = iter(to_device([getattr(c, f) for c in csrs for f in _FIELDS], device))
+    """Every stack's input on `device`, its four tensors moved with every other stack's (`to_device`),
+    the narrowable fields in their narrow forms where they fit (`narrow_wanted`)."""
+    tensors = [getattr(c, f) for c in csrs for f in _FIELDS]
+    narrow = [f in _NARROW for _ in csrs for f in _FIELDS] if narrow_wanted() else None
+    moved = iter(to_device(tensors, device, narrow))
     out = []
     for c in csrs:  # (each stack's four, in _FIELDS order)
         rp, emb, smp, gains = (next(moved) for _ in _FIELDS)
