@@ -68,9 +68,12 @@ def test_the_jax_model_learns_a_learnable_target():
     for b in batches:
         first_ids = b["ids"][0].reshape(64, w.hots[0])[:, 0]
         b["labels"] = (first_ids % 2).astype(np.float32)  # feature C1's first id decides the label
-    losses = train(w, batches, warmup=4, steps=16)["losses"]
-    assert len(losses) == 20
+    out = train(w, batches, warmup=4, steps=16)
+    losses = out["losses"]
+    assert len(losses) == 20 and out["feed"] == "host"
     assert losses[0] > 0.6 and np.mean(losses[-4:]) < 0.25, losses
+    # the batches put on the device once instead: the same steps on the same data, the same losses
+    assert train(w, batches, warmup=4, steps=16, feed="device")["losses"] == losses
 
 
 def test_row_wise_adagrad_sums_duplicate_ids_first():

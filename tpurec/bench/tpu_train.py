@@ -59,6 +59,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="more `tpurec train` flags as one string, given with =: --tpurec-args='--step compiled' (default: none)",
     )
     p.add_argument("--precision", default="default", help="JAX's default matmul precision (default: default)")
+    p.add_argument(
+        "--jax-feed",
+        choices=("host", "device"),
+        default="host",
+        help="the JAX contender's batches: moved from the host each step (default, as tpurec's are) or put on "
+        "the device once before the timing (no input cost: JAX's upper bound)",
+    )
     p.add_argument("--work-dir", help="where the data and metrics go (kept); default: a temporary directory")
     p.add_argument("--seed", type=int, default=None, help="seed of the order of contenders (default: fresh, reported)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
@@ -120,7 +127,8 @@ def _child_round(
 
     module = {"jax": "tpurec.bench.tpu_train_jax", "split": "tpurec.bench.tpu_train_split"}[name]
     cmd = ["-m", module, w.to_json(), "--warmup", str(warmup), "--steps", str(steps), "--batches", str(args.batches)]
-    cmd += ["--precision", args.precision] if name == "jax" else ["--device", "cpu" if args.cpu else "tpu"]
+    jax_args = ["--precision", args.precision, "--feed", args.jax_feed]
+    cmd += jax_args if name == "jax" else ["--device", "cpu" if args.cpu else "tpu"]
     p = subprocess.run(safe_path.python(*cmd), capture_output=True, text=True, env=env)
     lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
     if p.returncode != 0 or not lines:

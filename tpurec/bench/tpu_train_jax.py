@@ -9,8 +9,12 @@ figures where it gives them: a TPU does, a CPU does not).
 A process per round, as tpurec's side gets: a TPU is opened by one process at a time, so the JAX
 contender must let go of the chip before `tpurec train` can take it. The data: K batches of
 `tpurec.data.synth` (the generator `tpurec train`'s data come from: with the same seed and a row
-group per batch they are the first K row groups of the Parquet data tpurec's side reads), put on the
-device once and cycled: the JAX step's figure has no host input in it (an upper bound for JAX).
+group per batch they are the first K row groups of the Parquet data tpurec's side reads), cycled. With
+`--feed host` (the default since session 34) each step's batch crosses from the host as a JAX user's
+loop moves it (`jax.device_put` of its numpy arrays before the step; JAX's async dispatch overlaps
+it with the step before), as tpurec's side moves its inputs every step; `--feed device` puts them on
+the device once, before the timing: no host input in the figure (an upper bound for JAX, sessions
+29-34's contender).
 """
 
 from __future__ import annotations
@@ -57,8 +61,9 @@ def _bytes(tree: Any) -> int:
     return sum(int(x.nbytes) for x in jax.tree.leaves(tree))
 
 
-def train(w: Workload, batches: list[dict[str, Any]], warmup: int, steps: int) -> dict:
-    """W warm-up then T timed steps cycling over `batches`; the figures (see the module docstring)."""
+def train(w: Workload, batches: list[dict[str, Any]], warmup: int, steps: int, feed: str = "host") -> dict:
+    """W warm-up then T timed steps cycling over `batches`, each moved to the device at its step
+    (feed "host") or all once before (feed "device"); the figures (see the module docstring)."""
     import jax
 
     from tpurec.bench.tpu_train_jax_model import init_params
@@ -71,19 +76,23 @@ def train(w: Workload, batches: list[dict[str, Any]], warmup: int, steps: int) -
         "table_bytes": _bytes([params["tables"], state["tables"]]),
         "dense_bytes": _bytes([params["dense"], state["dense"]]),
     }
-    on_device = [jax.device_put(b) for b in batches]
+    kept = [jax.device_put(b) for b in batches] if feed == "device" else None
+
+    def batch(i: int) -> Any:
+        return kept[i % len(kept)] if kept is not None else jax.device_put(batches[i % len(batches)])
+
     t0 = time.perf_counter()
-    params, state, loss = step(params, state, on_device[0])
+    params, state, loss = step(params, state, batch(0))
     first: list[Any] = [float(jax.block_until_ready(loss))]
     first_s = time.perf_counter() - t0
     for i in range(1, warmup):
-        params, state, loss = step(params, state, on_device[i % len(on_device)])
+        params, state, loss = step(params, state, batch(i))
         first.append(loss)
     jax.block_until_ready((params, state))
     timed: list[Any] = []
     t0 = time.perf_counter()
     for i in range(steps):
-        params, state, loss = step(params, state, on_device[(warmup + i) % len(on_device)])
+        params, state, loss = step(params, state, batch(warmup + i))
         timed.append(loss)  # kept on the device: reading it here would sync every step
     jax.block_until_ready((params, state))
     secs = time.perf_counter() - t0
@@ -91,6 +100,7 @@ def train(w: Workload, batches: list[dict[str, Any]], warmup: int, steps: int) -
         "samples_per_s": round(steps * w.batch / secs, 1),
         "step_ms": round(secs / steps * 1e3, 3),
         "first_step_s": round(first_s, 3),
+        "feed": feed,
         "losses": [round(float(x), 6) for x in [*first, *timed]],
         **sizes,
         "memory": _memory_stats(),
@@ -115,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--batches", type=int, default=4, help="distinct batches cycled on the device")
     p.add_argument("--precision", default="default", help="jax_default_matmul_precision")
+    p.add_argument("--feed", choices=("host", "device"), default="host", help="batches moved each step, or once")
     args = p.parse_args(argv)
     import jax
 
@@ -122,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
 
     jax.config.update("jax_default_matmul_precision", args.precision)
     w = Workload.from_json(args.workload)
-    out = train(w, host_batches(w, args.batches), max(1, args.warmup), args.steps)
+    out = train(w, host_batches(w, args.batches), max(1, args.warmup), args.steps, args.feed)
     out.update(device=str(jax.devices()[0].device_kind), platform=jax.default_backend(), jax=jax.__version__)
     out["matmul_precision"] = args.precision
     print(strict_json.dumps(out), flush=True)
