@@ -15,6 +15,9 @@
   overlapped; `step_ahead` since);
 - `pipelined` (#59): the same with `--step pipelined` (SparseCore forward ahead, update behind), not
   yet run on a chip;
+- `split-jax`, `host-jax` (#59, #60): `split` and `host` (pageable) with TPUREC_H2D=jax, the inputs
+  and the loaded rows crossing by `jax.device_put` and DLPack (tpurec/runtime/h2d.py): run them after
+  `link` says that route is faster and lands on the device;
 - `kernels` (#59): `bench tpu-kernels` on five cells (width 128 and 16, pooling 32, Zipf, 4M rows):
   the kernel's lookup and updates against plain JAX since the unique-id limit and one-copy inputs.
 
@@ -72,6 +75,18 @@ def steps(out: str) -> dict[str, Step]:
             [*train, "--contenders", "tpurec", "--tpurec-args=--step pipelined", "--work-dir", f"{out}/wp"],
             env={"TPUREC_STEP_ON_TPU": "1"},
             scratch="wp",
+        ),
+        "split-jax": Step(
+            300,
+            [*train, "--contenders", "split", "--work-dir", f"{out}/wsj"],
+            env={"TPUREC_H2D": "jax"},
+            scratch="wsj",
+        ),
+        "host-jax": Step(
+            400,
+            ["bench", "host-tier", "--device", "tpu", "--seed", "7", "--steps", "10", "--warmup", "60"]
+            + ["--dists", "zipf", "--load-factors", "0.2", "--json"],
+            env={"TPUREC_H2D": "jax"},
         ),
         "kernels": Step(
             420,

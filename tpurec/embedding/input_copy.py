@@ -27,7 +27,7 @@ import torch
 from tpurec.embedding import csr_build
 from tpurec.embedding.constraints import PADDING_ID
 from tpurec.embedding.preprocess import SparseCoreInput
-from tpurec.runtime import env_flags
+from tpurec.runtime import env_flags, h2d
 
 SWITCH = "TPUREC_ONE_INPUT_COPY"
 NARROW_SWITCH = "TPUREC_NARROW_INPUTS"
@@ -95,7 +95,7 @@ def to_device(
     out: list[torch.Tensor | None] = [None] * len(tensors)
     for form in dict.fromkeys(forms):
         picked = [i for i, f in enumerate(forms) if f == form]
-        packed = torch.cat([wire[i][1].reshape(-1) for i in picked]).to(device)
+        packed = h2d.to_device(torch.cat([wire[i][1].reshape(-1) for i in picked]), device)
         parts = torch.split(_decode(packed, form), [tensors[i].numel() for i in picked])
         for i, part in zip(picked, parts):
             out[i] = part.view(tensors[i].shape)

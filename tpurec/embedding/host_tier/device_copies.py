@@ -59,7 +59,7 @@ from typing import Any
 
 import torch
 
-from tpurec.runtime import env_flags
+from tpurec.runtime import env_flags, h2d
 from tpurec.runtime.device import DeviceKind
 
 PINNED_ENV = "TPUREC_HOST_TIER_PINNED"
@@ -141,8 +141,9 @@ def on_host_device(device: torch.device) -> bool:
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`t` (on the host) on `device`: every host->device copy of a load, in one place (tests count them)."""
-    return t.to(device)
+    """`t` (on the host) on `device`: every host->device copy of a load, in one place (tests count them;
+    the route: tpurec/runtime/h2d.py)."""
+    return h2d.to_device(t, device)
 
 
 @torch.no_grad()
