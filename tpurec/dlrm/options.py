@@ -30,7 +30,8 @@ from tpurec.runtime import heartbeat, storage
 from tpurec.runtime.device import DeviceChoice, DeviceKind
 
 STEP_KINDS = ("eager", "compiled", "pipelined")  # --step: tpurec/sharding/step/kinds.py
-# Lets --step compiled/pipelined run on a real TPU, where they have not run yet (docs/tpu.md)
+# Lets --step compiled/pipelined run on a real TPU (compiled runs on a v5e, slower than eager so far;
+# pipelined has not run there: docs/tpu.md)
 STEP_ON_TPU_FLAG = "TPUREC_STEP_ON_TPU"
 # the dense optimizers their update implements (tpurec/sharding/step/dense_supported.py SUPPORTED; here
 # without importing torch, for the check before anything starts)
@@ -512,10 +513,12 @@ class TrainOptions:
         from tpurec.runtime.device import emulated_slice
 
         if self.device == DeviceKind.TPU and not emulated_slice() and not env_flags.is_on(STEP_ON_TPU_FLAG):
-            return (
-                f"--step {self.step} runs on --device cpu and on --emulate-tpu SLICE; not yet run on a real TPU "
-                f"(use --step eager there, or {STEP_ON_TPU_FLAG}=1 to try it)"
+            where = (
+                "runs on a TPU v5e but slower than --step eager so far (docs/results.md, session 34)"
+                if self.step == "compiled"
+                else "runs on --device cpu and on --emulate-tpu SLICE; not yet run on a real TPU"
             )
+            return f"--step {self.step} {where} (use --step eager there, or {STEP_ON_TPU_FLAG}=1 to try it)"
         return None
 
     def _best_problem(self) -> str | None:
