@@ -3,6 +3,7 @@ the same tensors, as views of one device tensor each."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -129,3 +130,22 @@ def test_a_field_that_does_not_fit_crosses_as_before(monkeypatch):
         input_copy.inputs_to_device(csrs, torch.device("meta"))
     assert [d for d, _ in mode.copies] == [torch.int32, torch.float32]
     _assert_bit_equal(input_copy.inputs_to_device(csrs, torch.device("cpu")), csrs)
+
+
+def test_a_device_that_refuses_a_narrow_form_gets_the_wide_ones_from_then_on(monkeypatch):
+    monkeypatch.setattr(input_copy, "_NARROW_REFUSED", [])
+    real = input_copy._decode
+
+    def refuse_int16(packed, form):
+        if form == input_copy.I16:
+            raise RuntimeError("int16 is not supported here")
+        return real(packed, form)
+
+    monkeypatch.setattr(input_copy, "_decode", refuse_int16)
+    csrs = _mlperf_like(2)
+    with pytest.warns(UserWarning, match="TPUREC_NARROW_INPUTS: RuntimeError: int16 is not supported here"):
+        moved = input_copy.inputs_to_device(csrs, torch.device("cpu"))
+    _assert_bit_equal(moved, csrs)
+    with _Copies() as mode:  # no second try
+        input_copy.inputs_to_device(csrs, torch.device("meta"))
+    assert [d for d, _ in mode.copies] == [torch.int32, torch.float32]

@@ -18,6 +18,7 @@ does not fit crosses as before. 42 MB -> ~28 MB at MLPerf's shapes. TPUREC_NARRO
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 from typing import Any
 
@@ -89,7 +90,21 @@ def to_device(
     tensors: list[torch.Tensor], device: torch.device, narrow: list[bool] | None = None
 ) -> list[torch.Tensor]:
     """`tensors` (host) on `device`, one copy per form: views of one device tensor each, their shapes
-    and dtypes kept. narrow[i]: tensor i may cross in a narrower form (`narrowed`), widened there."""
+    and dtypes kept. narrow[i]: tensor i may cross in a narrower form (`narrowed`), widened there; a
+    device that refuses a narrow form (its copy or its widening raises) gets none again (said once)."""
+    if narrow and not _NARROW_REFUSED:
+        try:
+            return _moved(tensors, device, narrow)
+        except RuntimeError as ex:  # e.g. a dtype the device has no copy or cast for: the wide forms
+            _NARROW_REFUSED.append(f"{type(ex).__name__}: {str(ex)[:300]}")
+            warnings.warn(f"{NARROW_SWITCH}: {_NARROW_REFUSED[0]}; inputs cross in their own dtypes", stacklevel=2)
+    return _moved(tensors, device, None)
+
+
+_NARROW_REFUSED: list[str] = []
+
+
+def _moved(tensors: list[torch.Tensor], device: torch.device, narrow: list[bool] | None) -> list[torch.Tensor]:
     wire = [narrowed(t) if narrow and narrow[i] else (t.dtype, t) for i, t in enumerate(tensors)]
     forms = [form for form, _ in wire]
     out: list[torch.Tensor | None] = [None] * len(tensors)
