@@ -164,11 +164,12 @@ def batch_transfers(clock: Clock, dev: torch.device, n: int, dim: int, cache_row
     verdict("batch_d2h_runs", lambda: torch.equal(back[: runs * run], host[: runs * run]))
 
 
-def jax_transfers(clock: Clock, sizes_mb: list[float]) -> None:
+def jax_transfers(clock: Clock, sizes_mb: list[float], torch_device: torch.device) -> None:
     """The same bytes through JAX in this process (TorchTPU runs on JAX's PJRT client): `jax_put_<MB>`
     (`jax.device_put` of a numpy array, waited for) and `jax_to_torch_<MB>` (that array handed to torch by
-    DLPack, `torch.from_dlpack`: a device tensor without a copy, if TorchTPU takes it; `equal`, `device`):
-    whether a faster host->device path exists for the inputs and the host tier's rows."""
+    DLPack, `torch.from_dlpack`: a device tensor without a copy, if TorchTPU takes it; `equal`, `device`),
+    and `torch_to_jax_d2h_<MB>` (a torch device tensor read by JAX through DLPack into numpy): whether
+    faster host<->device paths exist for the inputs, the host tier's rows and its write-backs."""
     import jax
 
     dev = jax.devices()[0]
@@ -186,6 +187,13 @@ def jax_transfers(clock: Clock, sizes_mb: list[float]) -> None:
                 rec["device"], rec["equal"] = str(t.device), bool(np.array_equal(t.cpu().numpy(), host))
             except Exception as ex:
                 rec["equal_error"] = f"{type(ex).__name__}: {str(ex)[:200]}"
+        # the other way, for the write-backs: a torch tensor read by JAX (DLPack) to the host
+        on_dev = torch.from_numpy(host).to(torch_device)
+        name = f"torch_to_jax_d2h_{mb:g}MB"
+        clock.time(name, lambda t=on_dev: np.asarray(jax.dlpack.from_dlpack(t)), nbytes)
+        rec = clock.doc["pieces"].get(name, {})
+        if "error" not in rec:
+            rec["equal"] = bool(np.array_equal(np.asarray(jax.dlpack.from_dlpack(on_dev)), host))
 
 
 def _then(_: Any, t: torch.Tensor) -> torch.Tensor:
@@ -260,7 +268,7 @@ def main(argv: list[str] | None = None) -> dict:
         doc["pinned_refused"] = device_copies._PINNED_REFUSED[:1]
         batch_transfers(clock, dev, min(a.n, a.cache_rows // 2), a.dim, a.cache_rows, a.seed)
         try:
-            jax_transfers(clock, [float(x) for x in a.sizes_mb.split(",")])
+            jax_transfers(clock, [float(x) for x in a.sizes_mb.split(",")], dev)
         except Exception as ex:  # JAX absent or refusing the device beside TorchTPU: said, not fatal
             doc["pieces"]["jax"] = {"error": f"{type(ex).__name__}: {str(ex)[:300]}"}
     text = json.dumps(doc, indent=1)

@@ -96,7 +96,8 @@ def test_jax_pieces_time_the_put_and_check_what_torch_receives(monkeypatch):
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     probe = _script()
     clock = probe.Clock(1, {"pieces": {}})
-    probe.jax_transfers(clock, [0.25])
+    probe.jax_transfers(clock, [0.25], __import__("torch").device("cpu"))
     put, back = clock.doc["pieces"]["jax_put_0.25MB"], clock.doc["pieces"]["jax_to_torch_0.25MB"]
     assert "error" not in put and put["bytes"] == 2**18
     assert back["equal"] is True and back["device"] == "cpu"
+    assert clock.doc["pieces"]["torch_to_jax_d2h_0.25MB"]["equal"] is True
