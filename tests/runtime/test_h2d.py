@@ -50,3 +50,25 @@ def test_the_route_applies_to_torchtpu_devices_only(monkeypatch):
     assert calls == [torch.device("meta")]
     monkeypatch.setenv(h2d.ROUTE_ENV, "torch")
     assert h2d.route() == "torch" and h2d.to_device(t, torch.device("meta")).device.type == "meta"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_jax_route_reads_a_device_tensor_back_bit_equal(dtype):
+    t = (torch.arange(-300, 300) * 0.37).to(dtype)
+    out = h2d.host_via_jax(t)
+    assert out.dtype == dtype and out.device.type == "cpu" and not h2d._REFUSED
+    assert torch.equal(
+        out.view(torch.int16) if dtype == torch.bfloat16 else out, t.view(torch.int16) if dtype == torch.bfloat16 else t
+    )
+    assert out.data_ptr() != t.data_ptr()  # a copy of its own: the device buffer may be reused
+
+
+def test_to_host_takes_the_jax_route_on_torchtpu_devices_only(monkeypatch):
+    calls = []
+    monkeypatch.setattr(h2d, "host_via_jax", lambda t: calls.append(t) or t)
+    monkeypatch.setenv(h2d.ROUTE_ENV, "jax")
+    t = torch.ones(3)
+    assert torch.equal(h2d.to_host(t), t) and calls == []
+    monkeypatch.setattr(h2d, "on_torchtpu", lambda d: True)
+    h2d.to_host(t)
+    assert len(calls) == 1

@@ -60,7 +60,7 @@ from typing import Any
 import torch
 
 from tpurec.runtime import env_flags, h2d
-from tpurec.runtime.device import DeviceKind
+from tpurec.runtime.device import DeviceKind, on_torchtpu
 
 PINNED_ENV = "TPUREC_HOST_TIER_PINNED"
 
@@ -146,6 +146,17 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return h2d.to_device(t, device)
 
 
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """`t` (the cache's gathered rows) on the host, counted: every device->host copy of a write-back
+    but the pinned ones, in one place (the route: tpurec/runtime/h2d.py)."""
+    from tpurec.runtime import host_copies
+
+    if h2d.route() == "jax" and on_torchtpu(t.device):
+        host_copies.count("host tier rows")
+        return h2d.to_host(t)
+    return host_copies.to_host(t, "host tier rows")
+
+
 @torch.no_grad()
 def copy_tensor(src: torch.Tensor, src_index: torch.Tensor, dst: torch.Tensor, dst_index: torch.Tensor) -> None:
     """dst[dst_index] = src[src_index] (host int64 indices, one per row), one side on the host and the
@@ -219,14 +230,12 @@ class PendingWriteBack:
     def complete(self) -> None:
         """One device->host copy (the host waits for the gather), or the wait for the one started into
         pinned memory, then the rows into the host table."""
-        from tpurec.runtime import host_copies
-
         n = self.rows
         if self.arrival is not None:
             self.arrival.synchronize()
             packed, self.source = self.packed[:n], None
         else:
-            packed = host_copies.to_host(self.packed, "host tier rows")[:n]
+            packed = to_host(self.packed)[:n]
         for part, dst in zip(packed.split(self.widths, dim=1), self.dsts):
             dst.index_copy_(0, self.dst_index, part.reshape(n, *dst.shape[1:]).to(dst.dtype))
 
