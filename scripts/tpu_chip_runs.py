@@ -15,6 +15,8 @@
   overlapped; `step_ahead` since);
 - `pipelined` (#59): the same with `--step pipelined` (SparseCore forward ahead, update behind), not
   yet run on a chip;
+- `split-wide` (#59): `split` with TPUREC_NARROW_INPUTS=0 (the inputs in their own dtypes, ~42 MB a
+  step against ~28): what the narrow inputs save of `host_copy_ms`;
 - `split-jax`, `host-jax` (#59, #60): `split` and `host` (pageable) with TPUREC_H2D=jax, the inputs
   and the loaded rows crossing by `jax.device_put` and DLPack (tpurec/runtime/h2d.py): run them after
   `link` says that route is faster and lands on the device;
@@ -75,6 +77,12 @@ def steps(out: str) -> dict[str, Step]:
             [*train, "--contenders", "tpurec", "--tpurec-args=--step pipelined", "--work-dir", f"{out}/wp"],
             env={"TPUREC_STEP_ON_TPU": "1"},
             scratch="wp",
+        ),
+        "split-wide": Step(
+            300,
+            [*train, "--contenders", "split", "--work-dir", f"{out}/wsw"],
+            env={"TPUREC_NARROW_INPUTS": "0"},
+            scratch="wsw",
         ),
         "split-jax": Step(
             300,

@@ -27,7 +27,18 @@ def _script():
 def test_every_steps_command_parses_and_names_a_script_that_exists(tmp_path):
     runs = _script()
     steps = runs.steps(str(tmp_path))
-    assert list(steps) == ["tt", "split", "host", "link", "compiled", "pipelined", "split-jax", "host-jax", "kernels"]
+    assert list(steps) == [
+        "tt",
+        "split",
+        "host",
+        "link",
+        "compiled",
+        "pipelined",
+        "split-wide",
+        "split-jax",
+        "host-jax",
+        "kernels",
+    ]
     for name, step in steps.items():
         if step.script:
             assert (REPO / step.argv[0]).is_file(), name
