@@ -27,9 +27,11 @@ Each step writes `<step>.json` (stdout) under $OUT; stderr tails and start/end t
 $OUT/runs.log (the device returns at most 8 files). Steps run in the order given, each under its own
 time limit; one call of the device tool runs at most 600 s, so give each call the steps that fit:
 
-    python3 scripts/tpu_chip_runs.py tt            # ~320 s (session 32: 470 s with split)
-    python3 scripts/tpu_chip_runs.py split host    # ~150 + 330 s
-    python3 scripts/tpu_chip_runs.py --dry-run     # the commands, nothing run
+    python3 scripts/tpu_chip_runs.py link                # ~250 s: which host<->device route is fast
+    python3 scripts/tpu_chip_runs.py split split-wide    # ~110 s each (session 34): build vs copy
+    python3 scripts/tpu_chip_runs.py tt                  # ~370 s (session 34: 368 with the setup)
+    python3 scripts/tpu_chip_runs.py compiled host       # ~170 + ~80 s (session 34)
+    python3 scripts/tpu_chip_runs.py --dry-run           # the commands, nothing run
 """
 
 from __future__ import annotations
