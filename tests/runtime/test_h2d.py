@@ -53,22 +53,18 @@ def test_the_route_applies_to_torchtpu_devices_only(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_jax_route_reads_a_device_tensor_back_bit_equal(dtype):
-    t = (torch.arange(-300, 300) * 0.37).to(dtype)
-    out = h2d.host_via_jax(t)
-    assert out.dtype == dtype and out.device.type == "cpu" and not h2d._REFUSED
-    assert torch.equal(
-        out.view(torch.int16) if dtype == torch.bfloat16 else out, t.view(torch.int16) if dtype == torch.bfloat16 else t
-    )
-    assert out.data_ptr() != t.data_ptr()  # a copy of its own: the device buffer may be reused
-
-
-def test_to_host_takes_the_jax_route_on_torchtpu_devices_only(monkeypatch):
-    calls = []
-    monkeypatch.setattr(h2d, "host_via_jax", lambda t: calls.append(t) or t)
+def test_a_started_host_copy_gives_the_same_bits(monkeypatch, dtype):
     monkeypatch.setenv(h2d.ROUTE_ENV, "jax")
-    t = torch.ones(3)
-    assert torch.equal(h2d.to_host(t), t) and calls == []
-    monkeypatch.setattr(h2d, "on_torchtpu", lambda d: True)
-    h2d.to_host(t)
-    assert len(calls) == 1
+    monkeypatch.setattr(h2d, "on_torchtpu", lambda d: True)  # JAX's CPU device stands for the chip
+    t = (torch.arange(-300, 300) * 0.37).to(dtype)
+    copy = h2d.start_to_host(t)
+    assert copy.array is not None and not h2d._REFUSED  # started through JAX
+    out = copy.result()
+    bits = (lambda x: x.view(torch.int16)) if dtype == torch.bfloat16 else (lambda x: x)
+    assert out.dtype == dtype and torch.equal(bits(out), bits(t)) and out.data_ptr() != t.data_ptr()
+
+
+def test_a_host_copy_off_the_route_is_torchs_at_result(monkeypatch):
+    t = torch.arange(6.0)
+    copy = h2d.start_to_host(t)  # no TPUREC_H2D: nothing started
+    assert copy.array is None and torch.equal(copy.result(), t)

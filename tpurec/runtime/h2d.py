@@ -1,7 +1,8 @@
 """Every bulk host->device copy of the TPU path (a batch's inputs, the host tier's loaded rows) and the
 host tier's device->host write-backs in one place, so the route can change in one place: torch's
 `.to(device)` / `.cpu()` through TorchTPU, or, with TPUREC_H2D=jax, JAX's `device_put` handed to torch
-by DLPack (and a device tensor read by JAX through DLPack into numpy, `to_host`).
+by DLPack (and a device tensor read by JAX through DLPack, its copy to the host started at once:
+`start_to_host`).
 
 Why a second route: on the v5e, TorchTPU's host->device copies ran at ~130-190 MB/s (session 34: the
 host tier's rows, the ~42 MB of a step's inputs; docs/results.md), far under a host link's rate, and
@@ -56,24 +57,36 @@ def via_jax(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return out.view(torch.bfloat16) if bf16 else out
 
 
-def to_host(t: torch.Tensor) -> torch.Tensor:
-    """`t` (a device tensor) on the host, by the route `route()` names where it is on a TorchTPU device:
-    JAX reads it through DLPack into numpy; `.cpu()` where that fails (said once, as `via_jax`)."""
+class HostCopy:
+    """A device->host copy started by `start_to_host`; `result()` waits for it and gives the host tensor."""
+
+    def __init__(self, source: torch.Tensor, array: object | None) -> None:
+        self.source, self.array = source, array  # the device rows, held until the copy is read
+
+    def result(self) -> torch.Tensor:
+        if self.array is None:  # the route refused (or torch's): torch's own, synchronous copy now
+            return self.source.cpu()
+        import numpy as np
+
+        bf16 = self.source.dtype == torch.bfloat16
+        out = torch.from_numpy(np.asarray(self.array).copy())
+        self.array = None
+        return out.view(torch.bfloat16) if bf16 else out
+
+
+def start_to_host(t: torch.Tensor) -> HostCopy:
+    """With the JAX route on a TorchTPU device, `t`'s copy to the host started now and not waited for
+    (JAX's `copy_to_host_async` on the DLPack view): what a write-back needs to overlap the device's
+    next steps without pinned memory. Else (or where refused, said once) a copy made at `result()`."""
     if not (route() == "jax" and on_torchtpu(t.device) and not _REFUSED):
-        return t.cpu()
-    return host_via_jax(t)
-
-
-def host_via_jax(t: torch.Tensor) -> torch.Tensor:
-    """`to_host`'s JAX route (bfloat16 as its bits)."""
+        return HostCopy(t, None)
     import jax.dlpack
-    import numpy as np
 
-    bf16 = t.dtype == torch.bfloat16
     try:
-        out = torch.from_numpy(np.asarray(jax.dlpack.from_dlpack(t.view(torch.int16) if bf16 else t)).copy())
-    except Exception as ex:  # the route refused here: torch's own copy from now on
+        array = jax.dlpack.from_dlpack(t.view(torch.int16) if t.dtype == torch.bfloat16 else t)
+        array.copy_to_host_async()
+    except Exception as ex:
         _REFUSED.append(f"{type(ex).__name__}: {str(ex)[:300]}")
         warnings.warn(f"{ROUTE_ENV}=jax: {_REFUSED[0]}; device->host copies go through torch", stacklevel=2)
-        return t.cpu()
-    return out.view(torch.bfloat16) if bf16 else out
+        return HostCopy(t, None)
+    return HostCopy(t, array)

@@ -146,17 +146,6 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return h2d.to_device(t, device)
 
 
-def to_host(t: torch.Tensor) -> torch.Tensor:
-    """`t` (the cache's gathered rows) on the host, counted: every device->host copy of a write-back
-    but the pinned ones, in one place (the route: tpurec/runtime/h2d.py)."""
-    from tpurec.runtime import host_copies
-
-    if h2d.route() == "jax" and on_torchtpu(t.device):
-        host_copies.count("host tier rows")
-        return h2d.to_host(t)
-    return host_copies.to_host(t, "host tier rows")
-
-
 @torch.no_grad()
 def copy_tensor(src: torch.Tensor, src_index: torch.Tensor, dst: torch.Tensor, dst_index: torch.Tensor) -> None:
     """dst[dst_index] = src[src_index] (host int64 indices, one per row), one side on the host and the
@@ -225,6 +214,7 @@ class PendingWriteBack:
     dst_index: torch.Tensor
     arrival: Any = None  # with `packed` pinned: the event its copy completes (module docstring)
     source: torch.Tensor | None = None  # the device rows that copy reads, held until it has
+    host_copy: h2d.HostCopy | None = None  # TPUREC_H2D=jax: the copy JAX started at the gather
 
     @torch.no_grad()
     def complete(self) -> None:
@@ -234,8 +224,12 @@ class PendingWriteBack:
         if self.arrival is not None:
             self.arrival.synchronize()
             packed, self.source = self.packed[:n], None
+        elif self.host_copy is not None:  # started by JAX at the gather (TPUREC_H2D=jax)
+            packed, self.host_copy = self.host_copy.result()[:n], None
         else:
-            packed = to_host(self.packed)[:n]
+            from tpurec.runtime import host_copies
+
+            packed = host_copies.to_host(self.packed, "host tier rows")[:n]
         for part, dst in zip(packed.split(self.widths, dim=1), self.dsts):
             dst.index_copy_(0, self.dst_index, part.reshape(n, *dst.shape[1:]).to(dst.dtype))
 
@@ -248,10 +242,14 @@ def _gather_chunk(
     index = pad(src_index, size).to(cache.device)
     parts = [s.index_select(0, index).reshape(size, -1).to(torch.float32) for s in srcs]
     packed, widths = torch.cat(parts, dim=1), [p.shape[1] for p in parts]
+    from tpurec.runtime import host_copies
+
+    if h2d.route() == "jax" and on_torchtpu(cache.device):  # started now, read at `complete`
+        host_copies.count("host tier rows")
+        return PendingWriteBack(packed, n, widths, dsts, dst_index, host_copy=h2d.start_to_host(packed))
     pinned = pinned_buffer(k, size, packed.shape[1], cache.device)
     if pinned is None:
         return PendingWriteBack(packed, n, widths, dsts, dst_index)
-    from tpurec.runtime import host_copies
 
     pinned.copy_(packed, non_blocking=True)
     host_copies.count("host tier rows")  # a device->host copy, as `complete` counts its own
