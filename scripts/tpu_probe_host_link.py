@@ -205,11 +205,9 @@ def _waited(future: Any) -> None:
 
 
 def device_of(name: str) -> torch.device:
-    if name == "cpu":
-        return torch.device("cpu")
-    from tpurec.runtime.device import select_device
+    from tpurec.runtime.device import resolve_device  # through tpurec's loading rules, also for "cpu"
 
-    return select_device("tpu")
+    return resolve_device(name)
 
 
 def main(argv: list[str] | None = None) -> dict:
