@@ -57,10 +57,22 @@ class Step:
     scratch: str | None = None  # a work directory under $OUT, removed after the step (its data, caches)
 
 
+TT = "/tmp/tpurec-tt"  # the tt-steps steps' data, made once, kept off $OUT (the machine is not kept)
+
+
 def steps(out: str) -> dict[str, Step]:
     train = ["bench", "tpu-train", "--json", "--rounds", "1", "--steps", "10", "--warmup", "5"]
     return {
         "tt": Step(420, [*train, "--contenders", "jax,tpurec", "--work-dir", f"{out}/w"], scratch="w"),
+        # tt's tpurec side alone, a loss read every step (its seconds per step in `logged_seconds`):
+        # session 35's tt gave it 2,243 ms a step where session 34's gave 325.9; `-plain` without the
+        # narrow inputs and the threaded builds of session 34 (the suspects), on the same data
+        "tt-steps": Step(300, [*train, "--contenders", "tpurec", "--tpurec-args=--log-every 1", "--work-dir", TT]),
+        "tt-steps-plain": Step(
+            300,
+            [*train, "--contenders", "tpurec", "--tpurec-args=--log-every 1", "--work-dir", TT],
+            env={"TPUREC_NARROW_INPUTS": "0", "TPUREC_HOST_THREADS": "1"},
+        ),
         "split": Step(300, [*train, "--contenders", "split", "--work-dir", f"{out}/ws"], scratch="ws"),
         "host": Step(
             400,

@@ -29,6 +29,8 @@ def test_every_steps_command_parses_and_names_a_script_that_exists(tmp_path):
     steps = runs.steps(str(tmp_path))
     assert list(steps) == [
         "tt",
+        "tt-steps",
+        "tt-steps-plain",
         "split",
         "host",
         "link",

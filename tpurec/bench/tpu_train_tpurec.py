@@ -133,6 +133,12 @@ def run_round(w: Workload, data: str, warmup: int, steps: int, device: str, extr
         "samples_per_s_all_steps": result.get("samples_per_s"),  # tpurec train's own, compile included
         "seconds": result.get("seconds"),
         "losses": [round(r["loss"], 6) for r in records if r.get("kind") == "train"],
+        # each logged step's (step, seconds since the start): with --log-every 1 a slow step stands out
+        "logged_seconds": [[r["step"], round(r["seconds"], 3)] for r in records if r.get("kind") == "train"],
+        # stack inputs over their fixed id limits (run in passes: other shapes, other programs) and
+        # tpurec's own device->host copies a step (each a wait for the device)
+        "multipass_batches": (result.get("id_limits") or {}).get("multipass_batches"),
+        "device_to_host_copies_per_step": result.get("device_to_host_copies_per_step"),
         **({"host_tier": result["host_tier"]} if "host_tier" in result else {}),
         **({"hbm": result["hbm"]} if "hbm" in result else {}),  # the plan's HBM figure and the bytes in use
         "command": "tpurec train " + " ".join(args),
