@@ -10,10 +10,19 @@ is a view of those on the device. TPUREC_ONE_INPUT_COPY=0 moves each tensor on i
 
 Fewer bytes too (session 34: the copies' bytes, not their number, look like the cost on the chip:
 ~42 MB of inputs a step for MLPerf DLRM-DCNv2, the host half 282 ms where building them takes ~60):
-the sample ids and row pointers cross as int16 when every value is in [0, 65535) or the padding id
-(`I16`), the gains as bfloat16 when each is exact there (sum pooling's repeat counts, NaN padding),
-widened back on the device to the same int32 and float32 values, bit for bit; a batch's field that
-does not fit crosses as before. 42 MB -> ~28 MB at MLPerf's shapes. TPUREC_NARROW_INPUTS=0: never.
+the sample ids cross as int16 when every value is in [0, 65535) or the padding id (`I16`), the gains
+as bfloat16 when each is exact there (sum pooling's repeat counts, NaN padding), widened back on the
+device to the same int32 and float32 values, bit for bit; a field that does not fit crosses as before.
+42 MB -> ~29 MB at MLPerf's shapes. TPUREC_NARROW_INPUTS=0: never.
+
+Each field's form is kept from batch to batch (`WireForms`): on TorchTPU every new layout of the
+packed tensors (which fields share a copy, at which offsets) is a new program for the widening and
+for every kernel op reading the views: on the v5e a batch whose fields narrowed differently from the
+one before took 7.5-28 s instead of ~0.3 (session 35: `tpurec train` at 1,167 ms a step, 307 without
+narrowing). So a field crosses in its first batch's form while it fits; the first batch it does not
+fit widens it for good (one new layout, said once), and no batch narrows it again. Row pointers are
+not narrowed at all: a few values a stack, and they follow each batch's per-partition counts, so
+whether they fit int16 changed from batch to batch.
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from tpurec.runtime import env_flags, h2d
 SWITCH = "TPUREC_ONE_INPUT_COPY"
 NARROW_SWITCH = "TPUREC_NARROW_INPUTS"
 _FIELDS = ("row_pointers", "embedding_ids", "sample_ids", "gains")
-_NARROW = {"row_pointers", "sample_ids", "gains"}  # fields whose values usually fit a narrower type
+_NARROW = {"sample_ids", "gains"}  # fields whose values usually fit a narrower type, batch after batch
 I16 = "i16"  # int32 in [0, 65535) or PADDING_ID, sent as int16 (value - 32768; the padding id as 32767)
 BF16 = "bf16"  # float32 exact in bfloat16 (NaN too), sent as bfloat16
 
@@ -86,15 +95,52 @@ def _decode(packed: torch.Tensor, form: str | torch.dtype) -> torch.Tensor:
     return packed
 
 
+class WireForms:
+    """The form each tensor of a caller's batches crossed in (`to_device`'s `forms`): kept, so the
+    packed layout stays the same from batch to batch (module docstring); a field widened once stays wide."""
+
+    def __init__(self) -> None:
+        self.forms: list[str | torch.dtype] | None = None
+        self.widened: list[int] = []  # tensors widened after their first batch, in order (said once)
+
+    def wire(self, tensors: list[torch.Tensor], narrow: list[bool]) -> list[tuple[str | torch.dtype, torch.Tensor]]:
+        """Each tensor in the form it crosses in: its kept form while it fits, else its own dtype."""
+        if self.forms is not None and len(self.forms) != len(tensors):
+            self.forms = None  # another caller's layout: decided afresh
+        out: list[tuple[str | torch.dtype, torch.Tensor]] = []
+        for i, t in enumerate(tensors):
+            kept = None if self.forms is None else self.forms[i]
+            if not narrow[i] or kept == t.dtype:
+                out.append((t.dtype, t))
+                continue
+            form, wire = narrowed(t)
+            if kept is not None and form != kept:  # no longer fits its narrow form: wide from now on
+                self.widened.append(i)
+                if len(self.widened) == 1:
+                    warnings.warn(
+                        f"{NARROW_SWITCH}: input {i} no longer fits {kept}; it crosses as {t.dtype} from now on "
+                        "(a new input layout: on a TPU, programs compiled once more)",
+                        stacklevel=3,
+                    )
+                form, wire = t.dtype, t
+            out.append((form, wire))
+        self.forms = [form for form, _ in out]
+        return out
+
+
 def to_device(
-    tensors: list[torch.Tensor], device: torch.device, narrow: list[bool] | None = None
+    tensors: list[torch.Tensor],
+    device: torch.device,
+    narrow: list[bool] | None = None,
+    forms: WireForms | None = None,
 ) -> list[torch.Tensor]:
     """`tensors` (host) on `device`, one copy per form: views of one device tensor each, their shapes
-    and dtypes kept. narrow[i]: tensor i may cross in a narrower form (`narrowed`), widened there; a
+    and dtypes kept. narrow[i]: tensor i may cross in a narrower form (`narrowed`), widened there;
+    `forms`: the caller's kept forms (`WireForms`: the layout stays put from batch to batch). A
     device that refuses a narrow form (its copy or its widening raises) gets none again (said once)."""
     if narrow and not _NARROW_REFUSED:
         try:
-            return _moved(tensors, device, narrow)
+            return _moved(tensors, device, narrow, forms)
         except RuntimeError as ex:  # e.g. a dtype the device has no copy or cast for: the wide forms
             _NARROW_REFUSED.append(f"{type(ex).__name__}: {str(ex)[:300]}")
             warnings.warn(f"{NARROW_SWITCH}: {_NARROW_REFUSED[0]}; inputs cross in their own dtypes", stacklevel=2)
@@ -104,8 +150,13 @@ def to_device(
 _NARROW_REFUSED: list[str] = []
 
 
-def _moved(tensors: list[torch.Tensor], device: torch.device, narrow: list[bool] | None) -> list[torch.Tensor]:
-    wire = [narrowed(t) if narrow and narrow[i] else (t.dtype, t) for i, t in enumerate(tensors)]
+def _moved(
+    tensors: list[torch.Tensor], device: torch.device, narrow: list[bool] | None, kept: WireForms | None = None
+) -> list[torch.Tensor]:
+    if narrow and kept is not None:
+        wire = kept.wire(tensors, narrow)
+    else:
+        wire = [narrowed(t) if narrow and narrow[i] else (t.dtype, t) for i, t in enumerate(tensors)]
     forms = [form for form, _ in wire]
     out: list[torch.Tensor | None] = [None] * len(tensors)
     for form in dict.fromkeys(forms):
@@ -117,12 +168,15 @@ def _moved(tensors: list[torch.Tensor], device: torch.device, narrow: list[bool]
     return [t for t in out if t is not None]
 
 
-def inputs_to_device(csrs: list[SparseCoreInput], device: torch.device) -> list[SparseCoreInput]:
+def inputs_to_device(
+    csrs: list[SparseCoreInput], device: torch.device, forms: WireForms | None = None
+) -> list[SparseCoreInput]:
     """Every stack's input on `device`, its four tensors moved with every other stack's (`to_device`),
-    the narrowable fields in their narrow forms where they fit (`narrow_wanted`)."""
+    the narrowable fields in their narrow forms where they fit (`narrow_wanted`), in the forms kept in
+    `forms` (the caller's, one per kernel: the layout then stays the same from batch to batch)."""
     tensors = [getattr(c, f) for c in csrs for f in _FIELDS]
     narrow = [f in _NARROW for _ in csrs for f in _FIELDS] if narrow_wanted() else None
-    moved = iter(to_device(tensors, device, narrow))
+    moved = iter(to_device(tensors, device, narrow, forms))
     out = []
     for c in csrs:  # (each stack's four, in _FIELDS order)
         rp, emb, smp, gains = (next(moved) for _ in _FIELDS)

@@ -97,6 +97,7 @@ class KernelInput:
         # Per stack: (max ids, max unique ids) once fixed; None until the first batch sets them.
         self._stack_limits = self._initial_limits()
         self._init_counters()
+        self.wire_forms = input_copy.WireForms()  # the inputs' forms on their way to the device, kept
 
     def _plan_stacks(self, stored: Mapping[str, torch.dtype]) -> list[StackPlan]:
         layouts = build_stacks(
@@ -272,7 +273,9 @@ class KernelInput:
         if device.type not in (DeviceKind.CPU, "meta"):
             if csrs and all(type(c) is SparseCoreInput for c in csrs) and input_copy.wanted():
                 # one copy per dtype for every stack's tensors, not four a stack (input_copy.py)
-                return list(input_copy.inputs_to_device(cast("list[SparseCoreInput]", csrs), device))
+                # in the forms this kernel's inputs crossed in before (input_copy.WireForms)
+                inputs = cast("list[SparseCoreInput]", csrs)
+                return list(input_copy.inputs_to_device(inputs, device, self.wire_forms))
             csrs = [c.to(device) for c in csrs]
         return csrs
 
