@@ -3,23 +3,24 @@
 
 - `tt` (#59): `bench tpu-train` at MLPerf shapes: tpurec vs pure JAX (interleaved), the plan's HBM
   figure beside the bytes in use;
-- `split` (#59): its split contender alone: the step's pieces (host with the inputs' one copy per
-  dtype, lookup, dense, update) and the device's bytes in use after each (`device_bytes_by_piece`);
+- `tt-steps`, `tt-steps-plain` (#59): tt's tpurec side alone with a loss read every step (each step's
+  seconds in `logged_seconds`: a recompiling batch stands out), with and without the narrow inputs and
+  threaded builds (session 35: 1,167 ms a step with them, spikes of 7.5-28 s where the inputs' layout
+  changed; 307.0 without; `input_copy.WireForms` since);
+- `split` (#59): its split contender alone: the step's pieces (host build and copies, lookup, dense,
+  update) and the device's bytes in use after each (`device_bytes_by_piece`);
+- `split-wide` (#59): `split` with TPUREC_NARROW_INPUTS=0 (the inputs in their own dtypes, ~42 MB a
+  step against ~29): what the narrow inputs save of `host_copy_ms`;
 - `host` (#60): `bench host-tier --device tpu` at a 20% cache with `--pinned` (pageable and pinned
   host memory for the row copies, interleaved), Zipf ids drawn once for the run;
 - `link` (#60): chip probe 11 (`scripts/tpu_probe_host_link.py`), the host link's raw rates, pageable
-  and pinned, the tier's copies piece by piece, and TorchTPU's batched transfers (`batch_*`: do rows
-  land where `host_tier/batch_transfer.py` reads the API, and how fast);
+  and pinned, through JAX too, and the tier's copies piece by piece (session 35: ~240 MB/s by every
+  route; TorchTPU's batched transfers refuse rank-2 tensors; DLPack refused both ways);
 - `compiled` (#59): `bench tpu-train --contenders tpurec --tpurec-args='--step compiled'` with
   TPUREC_STEP_ON_TPU=1 (session 34: it runs, 462.8 ms a step against eager's 325.9, the host half not
   overlapped; `step_ahead` since);
 - `pipelined` (#59): the same with `--step pipelined` (SparseCore forward ahead, update behind), not
   yet run on a chip;
-- `split-wide` (#59): `split` with TPUREC_NARROW_INPUTS=0 (the inputs in their own dtypes, ~42 MB a
-  step against ~28): what the narrow inputs save of `host_copy_ms`;
-- `split-jax`, `host-jax` (#59, #60): `split` and `host` (pageable) with TPUREC_H2D=jax, the inputs
-  and the loaded rows crossing by `jax.device_put` and DLPack (tpurec/runtime/h2d.py): run them after
-  `link` says that route is faster and lands on the device;
 - `kernels` (#59): `bench tpu-kernels` on five cells (width 128 and 16, pooling 32, Zipf, 4M rows):
   the kernel's lookup and updates against plain JAX since the unique-id limit and one-copy inputs.
 
@@ -27,10 +28,10 @@ Each step writes `<step>.json` (stdout) under $OUT; stderr tails and start/end t
 $OUT/runs.log (the device returns at most 8 files). Steps run in the order given, each under its own
 time limit; one call of the device tool runs at most 600 s, so give each call the steps that fit:
 
-    python3 scripts/tpu_chip_runs.py link                # ~250 s: which host<->device route is fast
-    python3 scripts/tpu_chip_runs.py split split-wide    # ~110 s each (session 34): build vs copy
-    python3 scripts/tpu_chip_runs.py tt                  # ~370 s (session 34: 368 with the setup)
-    python3 scripts/tpu_chip_runs.py compiled host       # ~170 + ~80 s (session 34)
+    python3 scripts/tpu_chip_runs.py tt-steps tt-steps-plain  # ~200 + ~120 s (session 35): WireForms
+    python3 scripts/tpu_chip_runs.py tt                  # ~380 s (session 35: 383 with the setup)
+    python3 scripts/tpu_chip_runs.py compiled split      # ~170 + ~125 s (sessions 34, 35)
+    python3 scripts/tpu_chip_runs.py kernels             # the kernels matrix (not run since session 30)
     python3 scripts/tpu_chip_runs.py --dry-run           # the commands, nothing run
 """
 
@@ -97,18 +98,6 @@ def steps(out: str) -> dict[str, Step]:
             [*train, "--contenders", "split", "--work-dir", f"{out}/wsw"],
             env={"TPUREC_NARROW_INPUTS": "0"},
             scratch="wsw",
-        ),
-        "split-jax": Step(
-            300,
-            [*train, "--contenders", "split", "--work-dir", f"{out}/wsj"],
-            env={"TPUREC_H2D": "jax"},
-            scratch="wsj",
-        ),
-        "host-jax": Step(
-            400,
-            ["bench", "host-tier", "--device", "tpu", "--seed", "7", "--steps", "10", "--warmup", "60"]
-            + ["--dists", "zipf", "--load-factors", "0.2", "--json"],
-            env={"TPUREC_H2D": "jax"},
         ),
         "kernels": Step(
             420,

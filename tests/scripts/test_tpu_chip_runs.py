@@ -37,8 +37,6 @@ def test_every_steps_command_parses_and_names_a_script_that_exists(tmp_path):
         "compiled",
         "pipelined",
         "split-wide",
-        "split-jax",
-        "host-jax",
         "kernels",
     ]
     for name, step in steps.items():

@@ -37,7 +37,7 @@ import torch
 from tpurec.embedding import csr_build
 from tpurec.embedding.constraints import PADDING_ID
 from tpurec.embedding.preprocess import SparseCoreInput
-from tpurec.runtime import env_flags, h2d
+from tpurec.runtime import env_flags
 
 SWITCH = "TPUREC_ONE_INPUT_COPY"
 NARROW_SWITCH = "TPUREC_NARROW_INPUTS"
@@ -161,7 +161,7 @@ def _moved(
     out: list[torch.Tensor | None] = [None] * len(tensors)
     for form in dict.fromkeys(forms):
         picked = [i for i, f in enumerate(forms) if f == form]
-        packed = h2d.to_device(torch.cat([wire[i][1].reshape(-1) for i in picked]), device)
+        packed = torch.cat([wire[i][1].reshape(-1) for i in picked]).to(device)
         parts = torch.split(_decode(packed, form), [tensors[i].numel() for i in picked])
         for i, part in zip(picked, parts):
             out[i] = part.view(tensors[i].shape)

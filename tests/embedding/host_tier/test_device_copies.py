@@ -286,34 +286,3 @@ def test_a_pinned_write_back_copies_without_waiting_and_completes_after_its_even
     assert torch.equal(host, want) and host_copies.total() - before == 2
     again = device_copies.start_write_back([cache], slots, [host], rows)  # the same buffers, kept
     assert all(a.packed is b.packed for a, b in zip(again, pending, strict=True)) and len(made) == 2
-
-
-def test_with_the_jax_route_a_write_back_starts_its_copy_at_the_gather(monkeypatch):
-    """TPUREC_H2D=jax (JAX's CPU device standing for the chip): each chunk's host copy is started by
-    JAX when its rows are gathered and read at `complete`; every value exact, each copy counted."""
-    from tpurec.runtime import h2d, host_copies
-
-    monkeypatch.setenv(h2d.ROUTE_ENV, "jax")
-    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    monkeypatch.setattr(h2d, "_REFUSED", [])
-    for module in (device_copies, h2d):
-        monkeypatch.setattr(module, "on_torchtpu", lambda d: True)
-    gen = torch.Generator().manual_seed(9)
-    monkeypatch.setattr(device_copies, "MAX_BUCKET", 4096)
-    host, cache = _adam_and_rowwise_rows(gen, 9000), _adam_and_rowwise_rows(gen, 5000)
-    slots, dest = torch.randperm(5000, generator=gen)[:4500], torch.randperm(9000, generator=gen)[:4500]
-    want = Rows(host.weight.clone(), {k: v.clone() for k, v in host.states.items()})
-    want.weight[dest] = cache.weight[slots]
-    for k in want.states:
-        want.states[k][dest] = cache.states[k][slots]
-    before = host_copies.counts().get("host tier rows", 0)
-    pending = device_copies.start_write_back(
-        [cache.weight, *cache.states.values()], slots, [host.weight, *host.states.values()], dest
-    )
-    assert [p.host_copy is not None and p.host_copy.array is not None for p in pending] == [True, True]
-    for p in pending:
-        p.complete()
-    assert host_copies.counts()["host tier rows"] - before == 2 and not h2d._REFUSED
-    assert torch.equal(host.weight, want.weight) and all(
-        torch.equal(host.states[k], want.states[k]) for k in want.states
-    )

@@ -59,8 +59,8 @@ from typing import Any
 
 import torch
 
-from tpurec.runtime import env_flags, h2d
-from tpurec.runtime.device import DeviceKind, on_torchtpu
+from tpurec.runtime import env_flags
+from tpurec.runtime.device import DeviceKind
 
 PINNED_ENV = "TPUREC_HOST_TIER_PINNED"
 
@@ -141,9 +141,8 @@ def on_host_device(device: torch.device) -> bool:
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`t` (on the host) on `device`: every host->device copy of a load, in one place (tests count them;
-    the route: tpurec/runtime/h2d.py)."""
-    return h2d.to_device(t, device)
+    """`t` (on the host) on `device`: every host->device copy of a load, in one place (tests count them)."""
+    return t.to(device)
 
 
 @torch.no_grad()
@@ -214,7 +213,6 @@ class PendingWriteBack:
     dst_index: torch.Tensor
     arrival: Any = None  # with `packed` pinned: the event its copy completes (module docstring)
     source: torch.Tensor | None = None  # the device rows that copy reads, held until it has
-    host_copy: h2d.HostCopy | None = None  # TPUREC_H2D=jax: the copy JAX started at the gather
 
     @torch.no_grad()
     def complete(self) -> None:
@@ -224,8 +222,6 @@ class PendingWriteBack:
         if self.arrival is not None:
             self.arrival.synchronize()
             packed, self.source = self.packed[:n], None
-        elif self.host_copy is not None:  # started by JAX at the gather (TPUREC_H2D=jax)
-            packed, self.host_copy = self.host_copy.result()[:n], None
         else:
             from tpurec.runtime import host_copies
 
@@ -244,9 +240,6 @@ def _gather_chunk(
     packed, widths = torch.cat(parts, dim=1), [p.shape[1] for p in parts]
     from tpurec.runtime import host_copies
 
-    if h2d.route() == "jax" and on_torchtpu(cache.device):  # started now, read at `complete`
-        host_copies.count("host tier rows")
-        return PendingWriteBack(packed, n, widths, dsts, dst_index, host_copy=h2d.start_to_host(packed))
     pinned = pinned_buffer(k, size, packed.shape[1], cache.device)
     if pinned is None:
         return PendingWriteBack(packed, n, widths, dsts, dst_index)
