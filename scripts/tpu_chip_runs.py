@@ -16,6 +16,9 @@
 - `link` (#60): chip probe 11 (`scripts/tpu_probe_host_link.py`), the host link's raw rates, pageable
   and pinned, through JAX too, and the tier's copies piece by piece (session 35: ~240 MB/s by every
   route; TorchTPU's batched transfers refuse rank-2 tensors; DLPack refused both ways);
+- `inplace` (#59): chip probe 12 (`scripts/tpu_probe_inplace.py`): the table update landed by a copy
+  (today), by `index_copy_` of the updated rows only, or donated and `set_`, on a 1 GiB stack, and
+  whether a state_dict view taken before sees the update: what ~38 ms of the step's copies could save;
 - `compiled` (#59): `bench tpu-train --contenders tpurec --tpurec-args='--step compiled'` with
   TPUREC_STEP_ON_TPU=1 (session 34: it runs, 462.8 ms a step against eager's 325.9, the host half not
   overlapped; `step_ahead` since);
@@ -29,6 +32,7 @@ $OUT/runs.log (the device returns at most 8 files). Steps run in the order given
 time limit; one call of the device tool runs at most 600 s, so give each call the steps that fit:
 
     python3 scripts/tpu_chip_runs.py tt-steps tt-steps-plain  # ~200 + ~120 s (session 35): WireForms
+    python3 scripts/tpu_chip_runs.py inplace split       # ~60 + ~125 s: the update's copies
     python3 scripts/tpu_chip_runs.py tt                  # ~380 s (session 35: 383 with the setup)
     python3 scripts/tpu_chip_runs.py compiled split      # ~170 + ~125 s (sessions 34, 35)
     python3 scripts/tpu_chip_runs.py kernels             # the kernels matrix (not run since session 30)
@@ -81,6 +85,7 @@ def steps(out: str) -> dict[str, Step]:
             + ["--dists", "zipf", "--load-factors", "0.2", "--pinned", "--json"],
         ),
         "link": Step(250, ["scripts/tpu_probe_host_link.py"], script=True),
+        "inplace": Step(200, ["scripts/tpu_probe_inplace.py"], script=True),
         "compiled": Step(
             430,
             [*train, "--contenders", "tpurec", "--tpurec-args=--step compiled", "--work-dir", f"{out}/wc"],

@@ -34,6 +34,7 @@ def test_every_steps_command_parses_and_names_a_script_that_exists(tmp_path):
         "split",
         "host",
         "link",
+        "inplace",
         "compiled",
         "pipelined",
         "split-wide",
