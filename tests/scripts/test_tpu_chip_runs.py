@@ -4,24 +4,19 @@ log and scratch where the device tool returns them."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.scripts import load_script
 from tpurec.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("tpu_chip_runs", REPO / "scripts" / "tpu_chip_runs.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tpu_chip_runs")
 
 
 def test_every_steps_command_parses_and_names_a_script_that_exists(tmp_path):

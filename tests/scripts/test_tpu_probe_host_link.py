@@ -3,22 +3,17 @@ as the table tier's copies are (a padded bucket, the rows with their row-wise st
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
+
+from tests.helpers.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 PIECES = ("host_gather", "host_scatter", "device_scatter", "device_gather", "load", "write_back")
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("tpu_probe_host_link", REPO / "scripts" / "tpu_probe_host_link.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tpu_probe_host_link")
 
 
 def test_cpu_smoke_run_times_every_piece(tmp_path, monkeypatch, capsys):

@@ -4,24 +4,19 @@ slots write the first real row's values (every index in range, repeats equal).""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 
+from tests.helpers.scripts import load_script
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("tpu_probe_inplace", REPO / "scripts" / "tpu_probe_inplace.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tpu_probe_inplace")
 
 
 def test_cpu_smoke_run_checks_every_route(tmp_path, monkeypatch, capsys):

@@ -3,22 +3,17 @@ update and lookup equal to the pure-JAX contender's, the pieces chained equal to
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
+
+from tests.helpers.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 PIECES = ("decode", "grad_rows", "segment_ids", "segment_sum", "distinct_rows", "apply")
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("tpu_probe_update", REPO / "scripts" / "tpu_probe_update.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tpu_probe_update")
 
 
 def test_cpu_smoke_run_times_every_program_and_checks_equal_work(tmp_path, monkeypatch, capsys):
