@@ -24,6 +24,9 @@
   overlapped; `step_ahead` since);
 - `pipelined` (#59): the same with `--step pipelined` (SparseCore forward ahead, update behind), not
   yet run on a chip;
+- `split-rows`, `tt-steps-rows` (#59): `split` and `tt-steps` with TPUREC_TC_UPDATE=rows (the table
+  updates landed by `index_copy_` of their rows, no table-sized copies: tpu_bridge.rows_route), after
+  `inplace` says TorchTPU's `index_copy_` does not copy the table;
 - `kernels` (#59): `bench tpu-kernels` on five cells (width 128 and 16, pooling 32, Zipf, 4M rows):
   the kernel's lookup and updates against plain JAX since the unique-id limit and one-copy inputs.
 
@@ -32,7 +35,7 @@ $OUT/runs.log (the device returns at most 8 files). Steps run in the order given
 time limit; one call of the device tool runs at most 600 s, so give each call the steps that fit:
 
     python3 scripts/tpu_chip_runs.py tt-steps tt-steps-plain  # ~200 + ~120 s (session 35): WireForms
-    python3 scripts/tpu_chip_runs.py inplace split       # ~60 + ~125 s: the update's copies
+    python3 scripts/tpu_chip_runs.py inplace split split-rows  # ~60 + 2 x ~125 s: the update's copies
     python3 scripts/tpu_chip_runs.py tt                  # ~380 s (session 35: 383 with the setup)
     python3 scripts/tpu_chip_runs.py compiled split      # ~170 + ~125 s (sessions 34, 35)
     python3 scripts/tpu_chip_runs.py kernels             # the kernels matrix (not run since session 30)
@@ -103,6 +106,17 @@ def steps(out: str) -> dict[str, Step]:
             [*train, "--contenders", "split", "--work-dir", f"{out}/wsw"],
             env={"TPUREC_NARROW_INPUTS": "0"},
             scratch="wsw",
+        ),
+        "split-rows": Step(
+            300,
+            [*train, "--contenders", "split", "--work-dir", f"{out}/wsr"],
+            env={"TPUREC_TC_UPDATE": "rows"},
+            scratch="wsr",
+        ),
+        "tt-steps-rows": Step(
+            300,
+            [*train, "--contenders", "tpurec", "--tpurec-args=--log-every 1", "--work-dir", TT],
+            env={"TPUREC_TC_UPDATE": "rows"},
         ),
         "kernels": Step(
             420,

@@ -29,6 +29,11 @@ def train(*args, cache, timeout=600, check=True, pythonpath=()) -> tuple[dict | 
     return (json.loads(lines[-1]) if lines and p.returncode == 0 else None), p
 
 
+def train_losses(path) -> list[float]:
+    """The training losses of a `--metrics-out` file, in step order."""
+    return [r["loss"] for r in map(json.loads, Path(path).read_text().splitlines()) if r["kind"] == "train"]
+
+
 def checkpoint_tensors(path) -> dict:
     """Every tensor of a DCP checkpoint, unsharded, by flattened key (via a torch.save conversion)."""
     import torch

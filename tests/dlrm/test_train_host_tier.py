@@ -9,7 +9,7 @@ import pytest
 
 from tpurec.cli import main
 
-from .helpers import train
+from .helpers import train, train_losses
 
 
 @pytest.fixture(scope="module")
@@ -23,10 +23,6 @@ def zipf_data(tmp_path_factory):
     out = tmp_path_factory.mktemp("zipf")
     assert main(["data", "synth", "--rows", "40000", "--out", str(out / "data"), "--quiet"]) == 0
     return out / "data"
-
-
-def _losses(path) -> list[float]:
-    return [r["loss"] for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == "train"]
 
 
 def test_the_planners_expected_hit_rate_is_within_5_points_of_the_measured_one(zipf_data, cache, tmp_path):
@@ -64,8 +60,8 @@ def test_host_tier_training_gives_the_resident_runs_losses_and_a_saved_plan_runs
         *common, "--metrics-out", tmp_path / "b.jsonl", "--host-tier", "t_C1:0.3:lfu,t_C3", "--save-plan",
         tmp_path / "p.json", cache=cache,
     )  # fmt: skip
-    assert len(_losses(tmp_path / "a.jsonl")) == 60
-    assert _losses(tmp_path / "b.jsonl") == _losses(tmp_path / "a.jsonl")
+    assert len(train_losses(tmp_path / "a.jsonl")) == 60
+    assert train_losses(tmp_path / "b.jsonl") == train_losses(tmp_path / "a.jsonl")
     assert (tiered["auc"], tiered["logloss"]) == (resident["auc"], resident["logloss"])
     assert "host_tier" not in resident
     figures = tiered["host_tier"]
@@ -77,13 +73,13 @@ def test_host_tier_training_gives_the_resident_runs_losses_and_a_saved_plan_runs
     assert module["t_C3"]["cache_params"] == {"load_factor": None, "algorithm": None}  # FBGEMM's defaults
     assert "cache_params" not in module["t_C2"]
     again, _ = train(*common, "--metrics-out", tmp_path / "c.jsonl", "--plan", tmp_path / "p.json", cache=cache)
-    assert _losses(tmp_path / "c.jsonl") == _losses(tmp_path / "a.jsonl")
+    assert train_losses(tmp_path / "c.jsonl") == train_losses(tmp_path / "a.jsonl")
     assert again["host_tier"] == figures  # the plan's tables on the host tier, the same caches, the same batches
 
 
 @pytest.mark.slow  # two emulated runs: about 40 s
 @pytest.mark.multiprocess
-def test_on_an_emulated_tpu_the_host_tier_trains_the_resident_runs_losses(zipf_data, cache, tmp_path):
+def test_on_an_emulated_tpu_the_host_tier_trains_the_resident_runstrain_losses(zipf_data, cache, tmp_path):
     """`tpurec train --emulate-tpu v5e-1` (the TPU path, its TensorCore kernel) with t_C1 (LFU, 30%) and t_C3
     (LRU, 20%) on the host tier, their caches on the emulated device: the resident run's 30 losses and
     evaluation within 1e-6. dlrm-tiny's bags hold one id each, so no bag sums rows in an order that
@@ -99,8 +95,8 @@ def test_on_an_emulated_tpu_the_host_tier_trains_the_resident_runs_losses(zipf_d
     assert tiered["emulated_tpu"] == "v5e-1" and tiered["world_size"] == 1
     # the plan's HBM figure for the device; the emulated device's allocator gives no reading
     assert tiered["hbm"]["planned_bytes"] > 0 and tiered["hbm"]["in_use_bytes"] is None
-    assert len(_losses(tmp_path / "a.jsonl")) == 30
-    assert _losses(tmp_path / "b.jsonl") == pytest.approx(_losses(tmp_path / "a.jsonl"), rel=1e-6, abs=0)
+    assert len(train_losses(tmp_path / "a.jsonl")) == 30
+    assert train_losses(tmp_path / "b.jsonl") == pytest.approx(train_losses(tmp_path / "a.jsonl"), rel=1e-6, abs=0)
     assert tiered["auc"] == pytest.approx(resident["auc"], abs=1e-6)
     assert tiered["logloss"] == pytest.approx(resident["logloss"], rel=1e-6)
     figures = tiered["host_tier"]
@@ -140,8 +136,8 @@ def test_a_row_wise_host_tier_table_on_four_emulated_tpu_ranks_trains_as_residen
     assert runs["tiered"]["world_size"] == 4 and "host_tier" not in runs["resident"]
     figures = runs["tiered"]["host_tier"]["t_C3"]
     assert figures["cache_rows"] == 600 and figures["evictions"] > 0 and figures["writebacks"] > 0
-    want = _losses(tmp_path / "resident.jsonl")
-    assert len(want) == 20 and _losses(tmp_path / "tiered.jsonl") == pytest.approx(want, rel=0, abs=2e-7)
+    want = train_losses(tmp_path / "resident.jsonl")
+    assert len(want) == 20 and train_losses(tmp_path / "tiered.jsonl") == pytest.approx(want, rel=0, abs=2e-7)
 
 
 @pytest.mark.parametrize(

@@ -33,6 +33,8 @@ def test_every_steps_command_parses_and_names_a_script_that_exists(tmp_path):
         "compiled",
         "pipelined",
         "split-wide",
+        "split-rows",
+        "tt-steps-rows",
         "kernels",
     ]
     for name, step in steps.items():

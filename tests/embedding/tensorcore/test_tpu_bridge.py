@@ -2,8 +2,8 @@
 for TorchTPU's `jax_op` that does what the 0.2.0 bridge does (torch_tpu/_internal/pallas/pallas.py):
 checks every argument is annotated, makes the non-array ones static, runs the function on the
 tensors' buffers and hands back torch tensors. What this checks is the wiring: argument order,
-the hyper-parameters as runtime arrays, the copy back into the module's storage, against the
-reference ops; and the compile keys `selftest --device tpu` counts."""
+the hyper-parameters as runtime arrays, the copy back into the module's storage (or the rows'
+`index_copy_`), against the reference ops; and the compile keys `selftest --device tpu` counts."""
 
 from __future__ import annotations
 
@@ -89,8 +89,12 @@ def _two_copies(name: str, seed: int) -> tuple[Case, torch.Generator, torch.Tens
     return case, gen, t0, [t0.clone(), *(s.clone() for s in state)], [t0.clone(), *(s.clone() for s in state)]
 
 
+@pytest.mark.parametrize("route", ["copy", "rows"])
 @pytest.mark.parametrize("name", list(OPS))
-def test_three_steps_through_the_bridge_equal_the_reference(bridge, name):
+def test_three_steps_through_the_bridge_equal_the_reference(bridge, name, route, monkeypatch):
+    """Either route (the new table copied back, or only its rows landed by `index_copy_`:
+    TPUREC_TC_UPDATE=rows) updates the storage in place, equal to the reference."""
+    monkeypatch.setenv(tpu_bridge.ROWS_ENV, route)
     case, gen, t0, want, got = _two_copies(name, 3)
     storage = [g.data_ptr() for g in got]
     with record_tpu_calls() as calls:
@@ -106,7 +110,7 @@ def test_three_steps_through_the_bridge_equal_the_reference(bridge, name):
             assert_close_f32(out, ops.sparse_dense_matmul(*head(csr), got[0], *tail(csr)))
     assert [g.data_ptr() for g in got] == storage  # updated in place: views of the storage stay live
     assert not torch.equal(got[0], t0)
-    update = "adagrad" if name == "rowwise_adagrad" else name
+    update = ("adagrad" if name == "rowwise_adagrad" else name) + ("_rows" if route == "rows" else "")
     traces = [TRACES.count(f"tpurec_tensorcore::{n}") for n in (update, "lookup")]
     assert traces == [1, 1]  # hyper-parameters that change every step compile nothing new
     assert len({key for key in calls}) == 2  # one lookup and one update program, as selftest expects

@@ -184,3 +184,32 @@ def test_row_gradients_cut_to_the_distinct_rows_bound():
         assert rows_t.shape == (k,) and grads_t.shape == (k, case.width)
         assert torch.equal(rows_t[:n], want_rows) and bool((rows_t[n:] == t.shape[0]).all())
         assert_close_f32(grads_t[:n], want_grads)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rows_in_range_land_as_the_scatter_does(dtype):
+    """update_jax.in_range: the rows an update changed, with their padding slots (rows past the table,
+    here interleaved as the Pallas merge leaves them) given the first real slot's row and values, so
+    `index_copy_`/`.at[idx].set` with repeats writes what the dropping scatter writes."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    gen = np.random.default_rng(4)
+    table = jnp.asarray(gen.standard_normal((12, 8), dtype=np.float32)).astype(dtype)
+    acc = jnp.asarray(gen.random(12, dtype=np.float32))
+    rows = jnp.asarray([12, 5, 12, 2, 9, 12], jnp.int32)
+    grads = jnp.asarray(gen.standard_normal((6, 8), dtype=np.float32))
+    lr, eps = jnp.float32(0.1), jnp.float32(1e-6)
+    want = update_jax.adagrad(table, acc, rows, grads, lr, eps, rows_sorted=False)
+    new = update_jax.adagrad_rows(table, acc, rows, grads, lr, eps, rows_sorted=False)
+    idx, new_rows, new_acc = update_jax.in_range(rows, [table, acc], new)
+    assert np.asarray(idx).tolist() == [5, 5, 5, 2, 9, 5] and new_rows.dtype == table.dtype
+    got = (table.at[idx].set(new_rows), acc.at[idx].set(new_acc))
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32)))
+    # no real row: row 0 written as it is
+    idx, none_rows, none_acc = update_jax.in_range(jnp.full(3, 12, jnp.int32), [table, acc], [new[0][:3], new[1][:3]])
+    assert np.asarray(idx).tolist() == [0, 0, 0]
+    as_f32 = lambda x: np.asarray(x.astype(jnp.float32))  # noqa: E731
+    np.testing.assert_array_equal(as_f32(table.at[idx].set(none_rows)), as_f32(table))
+    np.testing.assert_array_equal(as_f32(acc.at[idx].set(none_acc)), as_f32(acc))

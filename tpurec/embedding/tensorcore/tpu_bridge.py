@@ -33,6 +33,7 @@ from tpurec.embedding.optimizers.base import recorded
 from tpurec.embedding.step_scalars import tpu_scalar
 from tpurec.embedding.tensorcore import lookup_jax, pallas_merge, pallas_pool, pallas_stream, update_jax
 from tpurec.embedding.tensorcore.csr_jax import decode
+from tpurec.runtime import env_flags
 
 # torch_tpu's version the bridge was read from; `tpurec env` reports the installed one.
 BRIDGE_READ_FROM = "torch_tpu 0.2.0, torch_tpu/_internal/pallas/pallas.py (jax_op)"
@@ -202,6 +203,96 @@ def tc_adam(
     return update_jax.adam(table, momentum, velocity, rows, g, *scalars, rows_sorted=rows_sorted)
 
 
+# The same updates returning only the rows they change (`rows_route`): (indices, new rows, new state
+# rows), every index in range (update_jax.in_range), for an in-place `index_copy_` into the storage.
+def tc_sgd_rows(
+    rp: jax.Array,
+    emb: jax.Array,
+    smp: jax.Array,
+    gns: jax.Array,
+    table: jax.Array,
+    grad: jax.Array,
+    lr: jax.Array,
+    device_batch_size: int,
+    num_sc: int,
+    num_partitions: int,
+    max_unique_ids_per_partition: int,
+) -> tuple[jax.Array, jax.Array]:
+    layout = (device_batch_size, num_sc, num_partitions, max_unique_ids_per_partition)
+    rows, g, rows_sorted = _row_gradients(rp, emb, smp, gns, table, grad, layout)
+    new = update_jax.sgd_rows(table, rows, g, lr, rows_sorted=rows_sorted)
+    idx, new = update_jax.in_range(rows, [table], [new])
+    return idx, new
+
+
+def tc_adagrad_rows(
+    rp: jax.Array,
+    emb: jax.Array,
+    smp: jax.Array,
+    gns: jax.Array,
+    table: jax.Array,
+    accumulator: jax.Array,
+    grad: jax.Array,
+    lr: jax.Array,
+    eps: jax.Array,
+    device_batch_size: int,
+    num_sc: int,
+    num_partitions: int,
+    max_unique_ids_per_partition: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    layout = (device_batch_size, num_sc, num_partitions, max_unique_ids_per_partition)
+    rows, g, rows_sorted = _row_gradients(rp, emb, smp, gns, table, grad, layout)
+    new = update_jax.adagrad_rows(table, accumulator, rows, g, lr, eps, rows_sorted=rows_sorted)
+    idx, new_rows, new_acc = update_jax.in_range(rows, [table, accumulator], new)
+    return idx, new_rows, new_acc
+
+
+def tc_adam_rows(
+    rp: jax.Array,
+    emb: jax.Array,
+    smp: jax.Array,
+    gns: jax.Array,
+    table: jax.Array,
+    momentum: jax.Array,
+    velocity: jax.Array,
+    grad: jax.Array,
+    alpha_t: jax.Array,
+    beta_1: jax.Array,
+    beta_2: jax.Array,
+    epsilon: jax.Array,
+    one_minus_beta_1: jax.Array,
+    one_minus_beta_2: jax.Array,
+    device_batch_size: int,
+    num_sc: int,
+    num_partitions: int,
+    max_unique_ids_per_partition: int,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    layout = (device_batch_size, num_sc, num_partitions, max_unique_ids_per_partition)
+    rows, g, rows_sorted = _row_gradients(rp, emb, smp, gns, table, grad, layout)
+    scalars = (alpha_t, beta_1, beta_2, epsilon, one_minus_beta_1, one_minus_beta_2)
+    new = update_jax.adam_rows(table, momentum, velocity, rows, g, *scalars, rows_sorted=rows_sorted)
+    idx, new_rows, m, v = update_jax.in_range(rows, [table, momentum, velocity], new)
+    return idx, new_rows, m, v
+
+
+ROWS_ENV = "TPUREC_TC_UPDATE"
+
+
+def rows_route() -> bool:
+    """Whether the updates land by `index_copy_` of their rows (TPUREC_TC_UPDATE=rows) instead of
+    the new table's `copy_` (a table-sized copy inside the program and another in the `copy_`, ~6 ms
+    a 1 GiB stack on v5e; chip probe 12, scripts/tpu_probe_inplace.py, says which is faster): off
+    until measured. Those programs never stream the table (TPUREC_PALLAS_STREAM is for the other)."""
+    return env_flags.get(ROWS_ENV) == "rows"
+
+
+def _land(idx: Tensor, pairs: list[tuple[Tensor, Tensor]]) -> None:
+    """The rows into each storage tensor, in place (its views, state_dict()'s, stay live)."""
+    index = idx.to(torch.int64)
+    for storage, rows in pairs:
+        storage.index_copy_(0, index, rows)
+
+
 # A stand-in for TorchTPU's jax_op (the emulated device's, tpurec/emulation/jax_bridge.py), or None.
 _JAX_OP: Callable[[str], Callable[[Callable[..., Any]], Any]] | None = None
 
@@ -223,6 +314,7 @@ def _registered() -> SimpleNamespace:
         jax_op = torchtpu_jax_op
 
     fns = {"lookup": tc_lookup, "sgd": tc_sgd, "adagrad": tc_adagrad, "adam": tc_adam}
+    fns.update({"sgd_rows": tc_sgd_rows, "adagrad_rows": tc_adagrad_rows, "adam_rows": tc_adam_rows})
     return SimpleNamespace(**{name: jax_op(f"tpurec_tensorcore::{name}")(fn) for name, fn in fns.items()})
 
 
@@ -283,8 +375,12 @@ def sgd_update(
     layout = (device_batch_size, num_sc_per_device, num_partitions, max_unique_ids_per_partition)
     csr = (row_pointers, embedding_ids, sample_ids, gains)
     grad = _grad(activations_grad, embedding_table, layout)
-    new = device_ops().sgd(*csr, embedding_table, grad, tpu_scalar(learning_rate, embedding_table, "lr"), *layout)
-    embedding_table.copy_(new)
+    lr = tpu_scalar(learning_rate, embedding_table, "lr")
+    if rows_route():
+        idx, new_rows = device_ops().sgd_rows(*csr, embedding_table, grad, lr, *layout)
+        _land(idx, [(embedding_table, new_rows)])
+        return
+    embedding_table.copy_(device_ops().sgd(*csr, embedding_table, grad, lr, *layout))
 
 
 def adagrad_update(
@@ -308,6 +404,10 @@ def adagrad_update(
     csr = (row_pointers, embedding_ids, sample_ids, gains)
     grad = _grad(activations_grad, embedding_table, layout)
     lr, eps = tpu_scalar(learning_rate, embedding_table, "lr"), tpu_scalar(epsilon, embedding_table, "eps")
+    if rows_route():
+        idx, new_rows, new_acc = device_ops().adagrad_rows(*csr, embedding_table, accumulator, grad, lr, eps, *layout)
+        _land(idx, [(embedding_table, new_rows), (accumulator, new_acc)])
+        return
     new_table, new_acc = device_ops().adagrad(*csr, embedding_table, accumulator, grad, lr, eps, *layout)
     embedding_table.copy_(new_table)
     accumulator.copy_(new_acc)
@@ -339,6 +439,10 @@ def adam_update(
     # 1 - beta in float64, rounded once, as the reference does (torch_ops.adam_scalars)
     values = (alpha_t, beta_1, beta_2, epsilon, 1.0 - beta_1, 1.0 - beta_2)
     scalars = [tpu_scalar(v, embedding_table, name) for v, name in zip(values, adam.DEVICE_SCALARS)]
+    if rows_route():  # (Adam never streams)
+        idx, *new = device_ops().adam_rows(*csr, embedding_table, momentum, velocity, grad, *scalars, *layout)
+        _land(idx, list(zip((embedding_table, momentum, velocity), new)))
+        return
     new_table, new_m, new_v = device_ops().adam(*csr, embedding_table, momentum, velocity, grad, *scalars, *layout)
     embedding_table.copy_(new_table)
     momentum.copy_(new_m)

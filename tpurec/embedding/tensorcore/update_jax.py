@@ -20,6 +20,8 @@ then the sum once; otherwise the sum is formed in float32 and rounded once.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
 
@@ -160,21 +162,72 @@ def _scatter(values: jax.Array, rows: jax.Array, new: jax.Array, rows_sorted: bo
     return values.at[rows].set(new.astype(values.dtype), mode="drop", indices_are_sorted=rows_sorted)
 
 
-def _add_to_rows(table: jax.Array, rows: jax.Array, step: jax.Array, round_step: bool, rows_sorted: bool) -> jax.Array:
-    """`optimizers.base.add_to_rows` (float32 step; rows unique apart from the padding)."""
+def _new_rows(table: jax.Array, rows: jax.Array, step: jax.Array, round_step: bool, rows_sorted: bool) -> jax.Array:
+    """The rows of `optimizers.base.add_to_rows` (float32 step), in the table's dtype."""
     old = _gather(table, rows, rows_sorted)
     if table.dtype != jnp.float32 and round_step:
         step = step.astype(table.dtype)  # FBGEMM's `w -= step` on a Half: the step rounded first
-    return _scatter(table, rows, old.astype(jnp.float32) + step.astype(jnp.float32), rows_sorted)
+    return (old.astype(jnp.float32) + step.astype(jnp.float32)).astype(table.dtype)
+
+
+def in_range(rows: jax.Array, tables: Sequence[jax.Array], values: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+    """(indices, *values) for an in-place `index_copy_` of the updated rows into `tables` (their
+    first dimension): every index in range, a padding slot (a row past the tables) given the first
+    real slot's row and values, so repeated indices write equal values; with no real slot, row 0
+    with the tables' own row 0 (a write of what is there)."""
+    valid = (rows >= 0) & (rows < tables[0].shape[0])
+    first = jnp.argmax(valid)
+    any_real = valid[first]
+    out = [jnp.where(valid, rows, jnp.where(any_real, rows[first], 0))]
+    for table, new in zip(tables, values, strict=True):
+        fill = jnp.where(any_real, new[first], table[0].astype(new.dtype))
+        mask = valid.reshape(valid.shape + (1,) * (new.ndim - 1))
+        out.append(jnp.where(mask, new, fill))
+    return tuple(out)
+
+
+def _add_to_rows(table: jax.Array, rows: jax.Array, step: jax.Array, round_step: bool, rows_sorted: bool) -> jax.Array:
+    """`optimizers.base.add_to_rows` (float32 step; rows unique apart from the padding)."""
+    return _scatter(table, rows, _new_rows(table, rows, step, round_step, rows_sorted), rows_sorted)
 
 
 def _f32(value: Scalar) -> jax.Array:
     return jnp.asarray(value, jnp.float32)
 
 
+def sgd_rows(table: jax.Array, rows: jax.Array, grads: jax.Array, lr: Scalar, *, rows_sorted: bool = True) -> jax.Array:
+    """The new rows: w -= lr * g (`sgd.reference_update`)."""
+    return _new_rows(table, rows, grads * -_f32(lr), round_step=True, rows_sorted=rows_sorted)
+
+
 def sgd(table: jax.Array, rows: jax.Array, grads: jax.Array, lr: Scalar, *, rows_sorted: bool = True) -> jax.Array:
     """The new table: w -= lr * g on the given rows (`sgd.reference_update`)."""
-    return _add_to_rows(table, rows, grads * -_f32(lr), round_step=True, rows_sorted=rows_sorted)
+    return _scatter(table, rows, sgd_rows(table, rows, grads, lr, rows_sorted=rows_sorted), rows_sorted)
+
+
+def adagrad_rows(
+    table: jax.Array,
+    accumulator: jax.Array,
+    rows: jax.Array,
+    grads: jax.Array,
+    lr: Scalar,
+    eps: Scalar,
+    *,
+    rows_sorted: bool = True,
+) -> tuple[jax.Array, jax.Array]:
+    """(new rows, their new accumulator entries): element-wise Adagrad for a 2-D accumulator, row-wise
+    for a 1-D one (`adagrad.reference_update`)."""
+    lr, eps = _f32(lr), _f32(eps)
+    if accumulator.ndim == 1:
+        # the reference's mean(g*g) is a squared norm over the row: sqrt, square, / dim, as there
+        norm_sq = jnp.square(jnp.sqrt(jnp.sum(grads * grads, axis=1)))
+        acc = _gather(accumulator, rows, rows_sorted) + norm_sq / jnp.float32(grads.shape[1])
+        step = grads * (-lr / (jnp.sqrt(acc) + eps))[:, None]
+    else:
+        acc = _gather(accumulator, rows, rows_sorted) + grads * grads
+        step = (grads * -lr) / (jnp.sqrt(acc) + eps)
+    new = _new_rows(table, rows, step, round_step=accumulator.ndim != 1, rows_sorted=rows_sorted)
+    return new, acc.astype(accumulator.dtype)
 
 
 def adagrad(
@@ -187,19 +240,37 @@ def adagrad(
     *,
     rows_sorted: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
-    """(new table, new accumulator): element-wise Adagrad for a 2-D accumulator, row-wise for a 1-D
-    one (`adagrad.reference_update`)."""
-    lr, eps = _f32(lr), _f32(eps)
-    if accumulator.ndim == 1:
-        # the reference's mean(g*g) is a squared norm over the row: sqrt, square, / dim, as there
-        norm_sq = jnp.square(jnp.sqrt(jnp.sum(grads * grads, axis=1)))
-        acc = _gather(accumulator, rows, rows_sorted) + norm_sq / jnp.float32(grads.shape[1])
-        step = grads * (-lr / (jnp.sqrt(acc) + eps))[:, None]
-    else:
-        acc = _gather(accumulator, rows, rows_sorted) + grads * grads
-        step = (grads * -lr) / (jnp.sqrt(acc) + eps)
-    table = _add_to_rows(table, rows, step, round_step=accumulator.ndim != 1, rows_sorted=rows_sorted)
-    return table, _scatter(accumulator, rows, acc, rows_sorted)
+    """(new table, new accumulator): `adagrad_rows` scattered."""
+    new, acc = adagrad_rows(table, accumulator, rows, grads, lr, eps, rows_sorted=rows_sorted)
+    return _scatter(table, rows, new, rows_sorted), _scatter(accumulator, rows, acc, rows_sorted)
+
+
+def adam_rows(
+    table: jax.Array,
+    momentum: jax.Array,
+    velocity: jax.Array,
+    rows: jax.Array,
+    grads: jax.Array,
+    alpha_t: Scalar,
+    beta_1: Scalar,
+    beta_2: Scalar,
+    epsilon: Scalar,
+    one_minus_beta_1: Scalar | None = None,
+    one_minus_beta_2: Scalar | None = None,
+    *,
+    rows_sorted: bool = True,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(new rows, momentum rows, velocity rows): lazy Adam with the bias correction in alpha_t
+    (`adam.reference_update`). one_minus_beta_*: 1 - beta as the reference rounds it (from the
+    float64 beta, `torch_ops.adam_scalars`); by default 1 - beta in float32, which may differ by an ulp."""
+    b1, b2 = _f32(beta_1), _f32(beta_2)
+    c1 = 1 - b1 if one_minus_beta_1 is None else _f32(one_minus_beta_1)
+    c2 = 1 - b2 if one_minus_beta_2 is None else _f32(one_minus_beta_2)
+    m = _gather(momentum, rows, rows_sorted) * b1 + grads * c1
+    v = _gather(velocity, rows, rows_sorted) * b2 + c2 * grads * grads
+    step = (m * _f32(alpha_t)) / (jnp.sqrt(v) + _f32(epsilon))
+    new = _new_rows(table, rows, -step, round_step=False, rows_sorted=rows_sorted)
+    return new, m.astype(momentum.dtype), v.astype(velocity.dtype)
 
 
 def adam(
@@ -217,14 +288,11 @@ def adam(
     *,
     rows_sorted: bool = True,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(new table, momentum, velocity): lazy Adam with the bias correction in alpha_t
-    (`adam.reference_update`). one_minus_beta_*: 1 - beta as the reference rounds it (from the
-    float64 beta, `torch_ops.adam_scalars`); by default 1 - beta in float32, which may differ by an ulp."""
-    b1, b2 = _f32(beta_1), _f32(beta_2)
-    c1 = 1 - b1 if one_minus_beta_1 is None else _f32(one_minus_beta_1)
-    c2 = 1 - b2 if one_minus_beta_2 is None else _f32(one_minus_beta_2)
-    m = _gather(momentum, rows, rows_sorted) * b1 + grads * c1
-    v = _gather(velocity, rows, rows_sorted) * b2 + c2 * grads * grads
-    step = (m * _f32(alpha_t)) / (jnp.sqrt(v) + _f32(epsilon))
-    table = _add_to_rows(table, rows, -step, round_step=False, rows_sorted=rows_sorted)
-    return table, _scatter(momentum, rows, m, rows_sorted), _scatter(velocity, rows, v, rows_sorted)
+    """(new table, momentum, velocity): `adam_rows` scattered."""
+    scalars = (alpha_t, beta_1, beta_2, epsilon, one_minus_beta_1, one_minus_beta_2)
+    new, m, v = adam_rows(table, momentum, velocity, rows, grads, *scalars, rows_sorted=rows_sorted)
+    return (
+        _scatter(table, rows, new, rows_sorted),
+        _scatter(momentum, rows, m, rows_sorted),
+        _scatter(velocity, rows, v, rows_sorted),
+    )
