@@ -27,6 +27,9 @@
 - `split-rows`, `tt-steps-rows` (#59): `split` and `tt-steps` with TPUREC_TC_UPDATE=rows (the table
   updates landed by `index_copy_` of their rows, no table-sized copies: tpu_bridge.rows_route), after
   `inplace` says TorchTPU's `index_copy_` does not copy the table;
+- `split-xla` (#59): `split` with TPUREC_NO_PALLAS=1 (XLA's segment sum for the lookup's pooling):
+  the Pallas pooling won at 131k slots (session 28); at MLPerf's 1.6M-slot stack tpurec's lookup took
+  47 ms against the pure-JAX `take` + sum's 29 (session 32): which pooling the big stacks want;
 - `kernels` (#59): `bench tpu-kernels` on five cells (width 128 and 16, pooling 32, Zipf, 4M rows):
   the kernel's lookup and updates against plain JAX since the unique-id limit and one-copy inputs.
 
@@ -36,8 +39,9 @@ time limit; one call of the device tool runs at most 600 s, so give each call th
 
     python3 scripts/tpu_chip_runs.py tt-steps tt-steps-plain  # ~200 + ~120 s (session 35): WireForms
     python3 scripts/tpu_chip_runs.py inplace split split-rows  # ~60 + 2 x ~125 s: the update's copies
+    python3 scripts/tpu_chip_runs.py split-xla tt-steps-rows  # ~125 + ~150 s
     python3 scripts/tpu_chip_runs.py tt                  # ~380 s (session 35: 383 with the setup)
-    python3 scripts/tpu_chip_runs.py compiled split      # ~170 + ~125 s (sessions 34, 35)
+    python3 scripts/tpu_chip_runs.py compiled            # ~170 s (session 34; step_ahead since)
     python3 scripts/tpu_chip_runs.py kernels             # the kernels matrix (not run since session 30)
     python3 scripts/tpu_chip_runs.py --dry-run           # the commands, nothing run
 """
@@ -117,6 +121,12 @@ def steps(out: str) -> dict[str, Step]:
             300,
             [*train, "--contenders", "tpurec", "--tpurec-args=--log-every 1", "--work-dir", TT],
             env={"TPUREC_TC_UPDATE": "rows"},
+        ),
+        "split-xla": Step(
+            300,
+            [*train, "--contenders", "split", "--work-dir", f"{out}/wsx"],
+            env={"TPUREC_NO_PALLAS": "1"},
+            scratch="wsx",
         ),
         "kernels": Step(
             420,

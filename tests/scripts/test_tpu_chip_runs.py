@@ -35,6 +35,7 @@ def test_every_steps_command_parses_and_names_a_script_that_exists(tmp_path):
         "split-wide",
         "split-rows",
         "tt-steps-rows",
+        "split-xla",
         "kernels",
     ]
     for name, step in steps.items():
