@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -206,8 +207,9 @@ class Trainer:
         p = self.progress
         copies_before = host_copies.counts()
         p.segment_starts()
+        began = time.perf_counter()
         while (loss := self._advance()) is not None:
-            p.stepped(loss)
+            p.stepped(loss, self.step_count, time.perf_counter() - began)
             if self.step_count % p.log_every == 0 or self.step_count == end:
                 sps, eta = p.window(self.step_count)
                 # the same steps on every rank: where they agree to stop (the batches in flight drain)
@@ -217,6 +219,7 @@ class Trainer:
                 p.sample_device_bytes()
                 p.log_train({**self._where(), "seconds": p.seconds(), "loss": mean}, sps, eta)
             p.bar.update(1)
+            began = time.perf_counter()  # (a logged step's loss read waits for the device: not its own time)
         copies = host_copies.counts()
         p.segment_ends(Counter({what: n - copies_before.get(what, 0) for what, n in copies.items()}))
         id_feedback.record(self.dmp, False)

@@ -10,6 +10,7 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from tpurec.dlrm.report import MetricsLog
+from tpurec.dlrm.training.slow_steps import SlowSteps
 from tpurec.runtime.device import DeviceKind
 
 if TYPE_CHECKING:
@@ -81,6 +82,7 @@ class Progress:
         # the most bytes the device's allocator held at a logged step (the TPU path): what the plan's
         # HBM figure is compared with, beside the end's reading (`sample_device_bytes`)
         self.max_device_bytes: int | None = None
+        self.slow_steps = SlowSteps()  # steps far slower on the host than those before (new programs)
         self._last_tenth = -1
         self._t0 = self._mark = 0.0
 
@@ -102,7 +104,15 @@ class Progress:
     def segment_starts(self) -> None:
         self._t0 = self._mark = time.perf_counter()
 
-    def stepped(self, loss: torch.Tensor) -> None:
+    def stepped(self, loss: torch.Tensor, step: int, host_seconds: float) -> None:
+        """A step ran: `step` (its number), its loss (on the device), its seconds on the host (its
+        `advance`, `slow_steps.py`)."""
+        slow = self.slow_steps.add(step, host_seconds)
+        if slow is not None and len(self.slow_steps.slow) == 1 and self.run.rank == 0:
+            from tpurec.dlrm.rank_setup import log
+            from tpurec.dlrm.training.slow_steps import message
+
+            log.warning(message(slow))
         self.steps_run += 1
         self._window_steps += 1
         self.loss_sum = loss if self.loss_n == 0 else self.loss_sum + loss  # summed where computed

@@ -45,6 +45,8 @@ class Reporting:
             "model": run.model_name,
             "step": run.options.step,
             "seconds": round(time.perf_counter() - p.t_start, 2),
+            # steps far slower on the host than those before them: on a TPU, programs compiled mid-run
+            "slow_steps": p.slow_steps.figures(),
         }
         if self.data.oracle_auc:
             result["oracle_auc"] = self.data.oracle_auc
