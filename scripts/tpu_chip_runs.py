@@ -7,6 +7,8 @@
   seconds in `logged_seconds`: a recompiling batch stands out), with and without the narrow inputs and
   threaded builds (session 35: 1,167 ms a step with them, spikes of 7.5-28 s where the inputs' layout
   changed; 307.0 without; `input_copy.WireForms` since);
+- `tt-steps-dense` (#59): `tt-steps` with `--compile-dense` (the DCNv2 arches as compiled programs, the
+  embeddings eager: dense_compile.py; the eager dense half took 62.5 ms a step in session 35's split);
 - `split` (#59): its split contender alone: the step's pieces (host build and copies, lookup, dense,
   update) and the device's bytes in use after each (`device_bytes_by_piece`);
 - `split-wide` (#59): `split` with TPUREC_NARROW_INPUTS=0 (the inputs in their own dtypes, ~42 MB a
@@ -37,7 +39,7 @@ Each step writes `<step>.json` (stdout) under $OUT; stderr tails and start/end t
 $OUT/runs.log (the device returns at most 8 files). Steps run in the order given, each under its own
 time limit; one call of the device tool runs at most 600 s, so give each call the steps that fit:
 
-    python3 scripts/tpu_chip_runs.py tt-steps tt-steps-plain  # ~200 + ~120 s (session 35): WireForms
+    python3 scripts/tpu_chip_runs.py tt-steps tt-steps-dense  # ~200 + ~150 s: WireForms, --compile-dense
     python3 scripts/tpu_chip_runs.py inplace split split-rows  # ~60 + 2 x ~125 s: the update's copies
     python3 scripts/tpu_chip_runs.py split-xla tt-steps-rows  # ~125 + ~150 s
     python3 scripts/tpu_chip_runs.py tt                  # ~380 s (session 35: 383 with the setup)
@@ -84,6 +86,9 @@ def steps(out: str) -> dict[str, Step]:
             300,
             [*train, "--contenders", "tpurec", "--tpurec-args=--log-every 1", "--work-dir", TT],
             env={"TPUREC_NARROW_INPUTS": "0", "TPUREC_HOST_THREADS": "1"},
+        ),
+        "tt-steps-dense": Step(
+            300, [*train, "--contenders", "tpurec", "--tpurec-args=--log-every 1 --compile-dense", "--work-dir", TT]
         ),
         "split": Step(300, [*train, "--contenders", "split", "--work-dir", f"{out}/ws"], scratch="ws"),
         "host": Step(

@@ -26,6 +26,7 @@ def test_every_steps_command_parses_and_names_a_script_that_exists(tmp_path):
         "tt",
         "tt-steps",
         "tt-steps-plain",
+        "tt-steps-dense",
         "split",
         "host",
         "link",

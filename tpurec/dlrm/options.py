@@ -285,6 +285,12 @@ class TrainOptions:
         choices=STEP_KINDS,
     )
 
+    compile_dense: bool = flag(
+        False,
+        "with --step eager: each dense module of the model (those holding no embedding table: the DLRM's "
+        "arches) runs as a torch.compile program, the embedding lookups and updates eagerly (docs/dlrm.md)",
+    )
+
     # ---- building ----
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
@@ -496,6 +502,8 @@ class TrainOptions:
         emulated TPU (on a real one only when STEP_ON_TPU_FLAG asks: not yet run there)."""
         if self.step == "eager":
             return None
+        if self.compile_dense:
+            return f"--compile-dense is for --step eager (--step {self.step} compiles the dense part already)"
         try:
             cfg = self.config()
         except UserError as e:

@@ -103,6 +103,11 @@ class ShardedModel:
             )
         except PlanMismatchError as e:  # DMP says "the plan": name the file
             raise e.named(f"--plan {o.plan}") from None
+        if o.compile_dense:  # the dense modules as compiled programs, the embeddings eager (dense_compile.py)
+            from tpurec.dlrm.training.dense_compile import compile_dense
+
+            names = compile_dense(self.dmp.module, run.device)
+            run.say(f"--compile-dense: {', '.join(names) or 'no dense module'} compiled")
         if auto:  # the tables the planner moved there: their caches' figures in the result line
             data.host_tier_tables = host_tier.planned_tables(self.dmp.plan)
             moved = ", ".join(data.host_tier_tables) or "no table (all fit the HBM)"

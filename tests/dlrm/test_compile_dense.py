@@ -1,0 +1,76 @@
+"""`tpurec train --compile-dense` (tpurec/dlrm/training/dense_compile.py): the modules holding no embedding
+table run as torch.compile programs, the rest eagerly; the same training, the same state_dict."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torchrec.models.dlrm import DLRM_DCN
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from tpurec.cli import main
+from tpurec.dlrm.training.dense_compile import compile_dense
+
+from .helpers import train, train_losses
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("tpurec-cache")
+
+
+def _dcn() -> DLRM_DCN:
+    torch.manual_seed(0)
+    tables = [
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=50, feature_names=[f"f{i}"]) for i in (0, 1)
+    ]
+    ebc = EmbeddingBagCollection(tables)
+    return DLRM_DCN(ebc, dense_in_features=3, dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[16, 1],
+                    dcn_num_layers=2, dcn_low_rank_dim=4)  # fmt: skip
+
+
+def test_the_dcn_arches_are_compiled_and_the_tables_are_not():
+    model = _dcn()
+    keys = list(model.state_dict())
+    dense = torch.randn(4, 3)
+    ids, lengths = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8]), torch.ones(8, dtype=torch.int64)
+    kjt = KeyedJaggedTensor(["f0", "f1"], ids, lengths=lengths)
+    want = model(dense, kjt)
+    assert compile_dense(model, "cpu") == ["dense_arch", "inter_arch", "over_arch"]
+    assert list(model.state_dict()) == keys  # the modules stay; only their forward is compiled
+    assert torch.equal(model(dense, kjt), want)
+    assert "_torchdynamo_orig_callable" in dir(model.over_arch.forward)  # a Dynamo-compiled callable
+
+
+def test_train_with_compiled_dense_modules_gives_the_eager_runs_losses(cache, tmp_path):
+    common = ["--synth-rows", 30000, "--steps", 6, "--eval-every", 0, "--log-every", 1, "--curves-out", "none"]
+    eager, _ = train(*common, "--metrics-out", tmp_path / "a.jsonl", cache=cache)
+    compiled, p = train(*common, "--metrics-out", tmp_path / "b.jsonl", "--compile-dense", cache=cache)
+    assert "--compile-dense: model.dense_arch, model.over_arch compiled" in p.stderr
+    losses = train_losses(tmp_path / "a.jsonl")
+    assert len(losses) == 6 and train_losses(tmp_path / "b.jsonl") == losses
+    assert compiled is not None and eager is not None and compiled["auc"] == eager["auc"]
+
+
+def test_compile_dense_is_refused_with_a_compiled_step(capsys):
+    assert main(["train", "--compile-dense", "--step", "pipelined"]) == 2
+    err = capsys.readouterr().err
+    assert "--compile-dense is for --step eager (--step pipelined compiles the dense part already)" in err
+
+
+@pytest.mark.slow  # two emulated runs: about 40 s
+@pytest.mark.multiprocess
+def test_on_an_emulated_v5e_the_dense_modules_are_compiled_programs(cache, tmp_path):
+    common = ["--emulate-tpu", "v5e-1", "--synth-rows", 30000, "--steps", 8, "--eval-every", 0, "--log-every", 1]
+    common += ["--curves-out", "none"]
+    eager, _ = train(*common, "--metrics-out", tmp_path / "a.jsonl", cache=cache)
+    compiled, _ = train(*common, "--metrics-out", tmp_path / "b.jsonl", "--compile-dense", cache=cache)
+    assert eager is not None and compiled is not None
+    assert train_losses(tmp_path / "b.jsonl") == train_losses(tmp_path / "a.jsonl")
+    # the arches' forward and backward (training, then evaluation's forward) as compiled programs, fewer
+    # eager TensorCore programs; none compiled after the warm-up
+    assert eager["programs_compiled"]["compiled"] == 0 and compiled["programs_compiled"]["compiled"] > 0
+    assert compiled["programs_compiled"]["tensorcore"] < eager["programs_compiled"]["tensorcore"]
+    assert compiled["recompiles_after_warmup"] == 0
