@@ -44,6 +44,8 @@ def test_the_dcn_arches_are_compiled_and_the_tables_are_not():
     assert "_torchdynamo_orig_callable" in dir(model.over_arch.forward)  # a Dynamo-compiled callable
 
 
+@pytest.mark.slow  # two CPU runs: about 30 s (the unit test above checks the outputs in the default suite)
+@pytest.mark.multiprocess
 def test_train_with_compiled_dense_modules_gives_the_eager_runs_losses(cache, tmp_path):
     common = ["--synth-rows", 30000, "--steps", 6, "--eval-every", 0, "--log-every", 1, "--curves-out", "none"]
     eager, _ = train(*common, "--metrics-out", tmp_path / "a.jsonl", cache=cache)

@@ -27,9 +27,10 @@ def cache(tmp_path_factory):
 
 
 def _watch(seconds: list[float]) -> SlowSteps:
+    """The steps' seconds as the trainer gives them: the first step of the run not timed."""
     watch = SlowSteps()
     for step, s in enumerate(seconds, start=1):
-        watch.add(step, s)
+        watch.add(step, None if step == 1 else s)
     return watch
 
 
@@ -45,6 +46,7 @@ def test_short_steps_a_few_times_the_median_are_not_slow_steps():
     # a CPU run's 20 ms steps with a 0.5 s hiccup (25x, under the 1 s floor) and a 1.2 s one (counted)
     watch = _watch([3.0, 1.0] + [0.02] * 10 + [0.5] + [0.02] * 5 + [1.2])
     assert watch.figures()["count"] == 1 and watch.slow == [(19, 1.2, 0.02)]
+    assert watch.add(20, None) is None and len(watch.seconds) == 18  # a segment's first step: not timed
 
 
 def test_a_run_with_a_slow_step_reports_it_and_says_so_once(cache, tmp_path):

@@ -207,9 +207,10 @@ class Trainer:
         p = self.progress
         copies_before = host_copies.counts()
         p.segment_starts()
-        began = time.perf_counter()
+        began, first = time.perf_counter(), True
         while (loss := self._advance()) is not None:
-            p.stepped(loss, self.step_count, time.perf_counter() - began)
+            p.stepped(loss, self.step_count, None if first else time.perf_counter() - began)
+            first = False
             if self.step_count % p.log_every == 0 or self.step_count == end:
                 sps, eta = p.window(self.step_count)
                 # the same steps on every rank: where they agree to stop (the batches in flight drain)

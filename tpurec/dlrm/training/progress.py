@@ -104,9 +104,9 @@ class Progress:
     def segment_starts(self) -> None:
         self._t0 = self._mark = time.perf_counter()
 
-    def stepped(self, loss: torch.Tensor, step: int, host_seconds: float) -> None:
+    def stepped(self, loss: torch.Tensor, step: int, host_seconds: float | None) -> None:
         """A step ran: `step` (its number), its loss (on the device), its seconds on the host (its
-        `advance`, `slow_steps.py`)."""
+        `advance`, `slow_steps.py`; None for a segment's first)."""
         slow = self.slow_steps.add(step, host_seconds)
         if slow is not None and len(self.slow_steps.slow) == 1 and self.run.rank == 0:
             from tpurec.dlrm.rank_setup import log

@@ -7,15 +7,17 @@ device in another layout took 7.5-28 s instead of ~0.3 and brought the mean step
 (docs/results.md, session 35) with nothing in the run's output to say why. So each step's time on the
 host (its `advance`: the batch read, the host preprocessing, the ops issued; not the loss reads of the
 logged steps, which wait for the device) is compared with the median of the steps before it, and a
-step over FACTOR times that, and at least FLOOR_S seconds, after the first WARMUP steps (which compile
-everything once) is counted: the run's JSON gives `slow_steps`, and the first one is said on stderr.
+step over FACTOR times that, and at least FLOOR_S seconds, is counted: the run's JSON gives
+`slow_steps`, and the first one is said on stderr. Not timed: the first step of each training segment
+(the run's first compiles nearly everything; after an evaluation the input pipeline starts again);
+not counted: the first WARMUP timed steps (the second step compiles the rest: 12-13 s on the chip).
 """
 
 from __future__ import annotations
 
 import statistics
 
-WARMUP = 2  # the first steps compile most programs (the second its backward's): never counted
+WARMUP = 1  # timed steps never counted (the run's second step compiles what the first did not)
 FACTOR = 5.0  # a step over this many times the recent median...
 FLOOR_S = 1.0  # ... and at least this long (a CPU run's hiccups under load are shorter)
 RECENT = 20  # the steps the median is taken over
@@ -27,8 +29,11 @@ class SlowSteps:
         self.seconds: list[float] = []  # every step's host seconds, in order
         self.slow: list[tuple[int, float, float]] = []  # (step, seconds, the median it was compared with)
 
-    def add(self, step: int, seconds: float) -> tuple[int, float, float] | None:
-        """Step `step` took `seconds` on the host; the slow step's record when it was one."""
+    def add(self, step: int, seconds: float | None) -> tuple[int, float, float] | None:
+        """Step `step` took `seconds` on the host (None: not timed, a segment's first); the slow step's
+        record when it was one."""
+        if seconds is None:
+            return None
         self.seconds.append(seconds)
         steady = self.seconds[WARMUP:-1][-RECENT:]  # the steps before this one, past the warm-up
         if not steady:
