@@ -31,17 +31,44 @@ def _dcn() -> DLRM_DCN:
                     dcn_num_layers=2, dcn_low_rank_dim=4)  # fmt: skip
 
 
+def _kjt() -> KeyedJaggedTensor:
+    ids, lengths = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8]), torch.ones(8, dtype=torch.int64)
+    return KeyedJaggedTensor(["f0", "f1"], ids, lengths=lengths)
+
+
 def test_the_dcn_arches_are_compiled_and_the_tables_are_not():
     model = _dcn()
     keys = list(model.state_dict())
-    dense = torch.randn(4, 3)
-    ids, lengths = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8]), torch.ones(8, dtype=torch.int64)
-    kjt = KeyedJaggedTensor(["f0", "f1"], ids, lengths=lengths)
+    dense, kjt = torch.randn(4, 3), _kjt()
     want = model(dense, kjt)
     assert compile_dense(model, "cpu") == ["dense_arch", "inter_arch", "over_arch"]
     assert list(model.state_dict()) == keys  # the modules stay; only their forward is compiled
     assert torch.equal(model(dense, kjt), want)
     assert "_torchdynamo_orig_callable" in dir(model.over_arch.forward)  # a Dynamo-compiled callable
+
+
+def test_the_parameters_are_inputs_of_the_compiled_graphs_not_constants():
+    """TorchTPU's backend turns a graph's `get_attr` tensors into constants (docs/tpu.md): a parameter
+    reached that way would be frozen at its first value. Every AOTAutograd graph of the compiled arches
+    takes the parameters as inputs and holds no get_attr, and a changed weight changes the output."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def keep(gm, _inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    model = _dcn()
+    compile_dense(model, "cpu", backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+    dense, kjt = torch.randn(4, 3), _kjt()
+    model(dense, kjt).sum().backward()
+    assert len(graphs) == 6  # each arch's forward and backward
+    assert not [n for g in graphs for n in g.graph.nodes if n.op == "get_attr"]
+    with torch.no_grad():
+        before = model(dense, kjt)
+        next(model.over_arch.parameters()).add_(1.0)
+        assert not torch.equal(model(dense, kjt), before)
 
 
 @pytest.mark.slow  # two CPU runs: about 30 s (the unit test above checks the outputs in the default suite)

@@ -8,7 +8,9 @@ embedding half changes more at once (fixed limits, the dense update traced). Her
 that hold no embedding table are compiled, each as a whole: the walk from the model's root compiles
 a child with parameters and no embedding module in it (the built-in DLRM's dense, interaction and
 over arches), and goes into a child that holds one. Their `forward` is replaced, not the module, so
-`state_dict()` keys, checkpoints and the optimizer's parameters stay as they are. The backend is
+`state_dict()` keys, checkpoints and the optimizer's parameters stay as they are; Dynamo lifts the
+parameters into graph inputs (TorchTPU's backend would freeze a graph's `get_attr` tensors as
+constants, docs/tpu.md: a test checks none is left). The backend is
 TorchTPU's "tpu" on a TPU (the emulated device's stand-in on an emulated rank), AOTAutograd run by
 the eager kernels ("aot_eager") elsewhere: the same numbers as eager there.
 """
@@ -33,9 +35,10 @@ def backend_for(device: str) -> str:
     return "tpu" if device == DeviceKind.TPU else "aot_eager"
 
 
-def compile_dense(model: torch.nn.Module, device: str) -> list[str]:
-    """Compile the dense modules of `model` in place (module docstring); their names, in order."""
-    backend, kinds = backend_for(device), _embedding_kinds()
+def compile_dense(model: torch.nn.Module, device: str, backend: Any = None) -> list[str]:
+    """Compile the dense modules of `model` in place (module docstring); their names, in order.
+    backend: Dynamo's, by default the device's (`backend_for`)."""
+    backend, kinds = backend or backend_for(device), _embedding_kinds()
     names: list[str] = []
 
     def visit(module: torch.nn.Module, prefix: str) -> None:
