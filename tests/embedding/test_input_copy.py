@@ -141,6 +141,9 @@ def test_a_kept_form_holds_the_layout_from_batch_to_batch_and_widens_once_for_go
     assert forms.widened == [6]
     assert _layout(fits, forms) == widened  # fits again, yet stays wide: no third layout
     assert forms.forms is not None and forms.forms[6] == torch.int32 and forms.forms[2] == input_copy.I16
+    # a batch in passes moves more tensors (its own layout); the next batch is back to the kept forms
+    _layout(_mlperf_like(3), forms)
+    assert _layout(fits, forms) == widened and sorted(forms.kept) == [8, 12]
 
 
 def test_a_field_that_does_not_fit_crosses_as_before(monkeypatch):

@@ -100,16 +100,23 @@ class WireForms:
     packed layout stays the same from batch to batch (module docstring); a field widened once stays wide."""
 
     def __init__(self) -> None:
-        self.forms: list[str | torch.dtype] | None = None
+        # by the number of tensors: a batch run in passes (`preprocess_blocks`) moves more, and the
+        # batches after it go back to the forms of their own kind
+        self.kept: dict[int, list[str | torch.dtype]] = {}
+        self._last = 0  # the number of tensors of the last batch
         self.widened: list[int] = []  # tensors widened after their first batch, in order (said once)
+
+    @property
+    def forms(self) -> list[str | torch.dtype] | None:
+        """The forms of the last layout decided (None before any)."""
+        return self.kept[self._last] if self.kept else None
 
     def wire(self, tensors: list[torch.Tensor], narrow: list[bool]) -> list[tuple[str | torch.dtype, torch.Tensor]]:
         """Each tensor in the form it crosses in: its kept form while it fits, else its own dtype."""
-        if self.forms is not None and len(self.forms) != len(tensors):
-            self.forms = None  # another caller's layout: decided afresh
+        forms = self.kept.get(len(tensors))
         out: list[tuple[str | torch.dtype, torch.Tensor]] = []
         for i, t in enumerate(tensors):
-            kept = None if self.forms is None else self.forms[i]
+            kept = None if forms is None else forms[i]
             if not narrow[i] or kept == t.dtype:
                 out.append((t.dtype, t))
                 continue
@@ -124,7 +131,8 @@ class WireForms:
                     )
                 form, wire = t.dtype, t
             out.append((form, wire))
-        self.forms = [form for form, _ in out]
+        self._last = len(tensors)
+        self.kept[self._last] = [form for form, _ in out]
         return out
 
 
