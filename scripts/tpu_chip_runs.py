@@ -3,16 +3,17 @@
 
 - `tt` (#59): `bench tpu-train` at MLPerf shapes: tpurec vs pure JAX (interleaved), the plan's HBM
   figure beside the bytes in use;
-- `tt-steps`, `tt-steps-plain` (#59): tt's tpurec side alone with a loss read every step (each step's
-  seconds in `logged_seconds`: a recompiling batch stands out), with and without the narrow inputs and
-  threaded builds (session 35: 1,167 ms a step with them, spikes of 7.5-28 s where the inputs' layout
-  changed; 307.0 without; `input_copy.WireForms` since);
+- `tt-steps`, `tt-steps-narrow` (#59): tt's tpurec side alone with a loss read every step (each step's
+  seconds in `logged_seconds`, slow ones in `slow_steps`: a recompiling batch stands out), with the
+  inputs in their own dtypes (the default since session 35) and narrow (TPUREC_NARROW_INPUTS=1; session
+  35: 1,167 ms a step with them, spikes of 7.5-28 s where their layout changed, 307.0 without;
+  `input_copy.WireForms` since, not rerun);
 - `tt-steps-dense` (#59): `tt-steps` with `--compile-dense` (the DCNv2 arches as compiled programs, the
   embeddings eager: dense_compile.py; the eager dense half took 62.5 ms a step in session 35's split);
 - `split` (#59): its split contender alone: the step's pieces (host build and copies, lookup, dense,
   update) and the device's bytes in use after each (`device_bytes_by_piece`);
-- `split-wide` (#59): `split` with TPUREC_NARROW_INPUTS=0 (the inputs in their own dtypes, ~42 MB a
-  step against ~29): what the narrow inputs save of `host_copy_ms`;
+- `split-narrow` (#59): `split` with TPUREC_NARROW_INPUTS=1 (~29 MB of inputs a step against ~42):
+  what the narrow inputs save of `host_copy_ms`;
 - `host` (#60): `bench host-tier --device tpu` at a 20% cache with `--pinned` (pageable and pinned
   host memory for the row copies, interleaved), Zipf ids drawn once for the run;
 - `link` (#60): chip probe 11 (`scripts/tpu_probe_host_link.py`), the host link's raw rates, pageable
@@ -39,7 +40,7 @@ Each step writes `<step>.json` (stdout) under $OUT; stderr tails and start/end t
 $OUT/runs.log (the device returns at most 8 files). Steps run in the order given, each under its own
 time limit; one call of the device tool runs at most 600 s, so give each call the steps that fit:
 
-    python3 scripts/tpu_chip_runs.py tt-steps tt-steps-dense  # ~200 + ~150 s: WireForms, --compile-dense
+    python3 scripts/tpu_chip_runs.py tt-steps tt-steps-dense  # ~200 + ~150 s: the baseline, --compile-dense
     python3 scripts/tpu_chip_runs.py inplace split split-rows  # ~60 + 2 x ~125 s: the update's copies
     python3 scripts/tpu_chip_runs.py split-xla tt-steps-rows  # ~125 + ~150 s
     python3 scripts/tpu_chip_runs.py tt                  # ~380 s (session 35: 383 with the setup)
@@ -82,10 +83,10 @@ def steps(out: str) -> dict[str, Step]:
         # session 35's tt gave it 2,243 ms a step where session 34's gave 325.9; `-plain` without the
         # narrow inputs and the threaded builds of session 34 (the suspects), on the same data
         "tt-steps": Step(300, [*train, "--contenders", "tpurec", "--tpurec-args=--log-every 1", "--work-dir", TT]),
-        "tt-steps-plain": Step(
+        "tt-steps-narrow": Step(
             300,
             [*train, "--contenders", "tpurec", "--tpurec-args=--log-every 1", "--work-dir", TT],
-            env={"TPUREC_NARROW_INPUTS": "0", "TPUREC_HOST_THREADS": "1"},
+            env={"TPUREC_NARROW_INPUTS": "1"},
         ),
         "tt-steps-dense": Step(
             300, [*train, "--contenders", "tpurec", "--tpurec-args=--log-every 1 --compile-dense", "--work-dir", TT]
@@ -110,11 +111,11 @@ def steps(out: str) -> dict[str, Step]:
             env={"TPUREC_STEP_ON_TPU": "1"},
             scratch="wp",
         ),
-        "split-wide": Step(
+        "split-narrow": Step(
             300,
-            [*train, "--contenders", "split", "--work-dir", f"{out}/wsw"],
-            env={"TPUREC_NARROW_INPUTS": "0"},
-            scratch="wsw",
+            [*train, "--contenders", "split", "--work-dir", f"{out}/wsn"],
+            env={"TPUREC_NARROW_INPUTS": "1"},
+            scratch="wsn",
         ),
         "split-rows": Step(
             300,

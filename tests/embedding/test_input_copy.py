@@ -46,6 +46,19 @@ def _inputs(stacks: int) -> list[SparseCoreInput]:
     return out
 
 
+@pytest.fixture(autouse=True)
+def _narrow_on(monkeypatch):
+    """The narrow forms are opt-in (TPUREC_NARROW_INPUTS=1): on for these tests unless one says "0"."""
+    monkeypatch.setenv(input_copy.NARROW_SWITCH, "1")
+
+
+def test_inputs_cross_in_their_own_dtypes_unless_asked(monkeypatch):
+    monkeypatch.delenv(input_copy.NARROW_SWITCH)
+    with _Copies() as mode:
+        input_copy.inputs_to_device(_mlperf_like(2), torch.device("meta"), input_copy.WireForms())
+    assert [d for d, _ in mode.copies] == [torch.int32, torch.float32]
+
+
 def test_every_stacks_inputs_move_in_one_copy_per_dtype(monkeypatch):
     monkeypatch.setenv(input_copy.NARROW_SWITCH, "0")
     csrs = _inputs(8)

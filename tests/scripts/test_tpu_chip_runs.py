@@ -25,7 +25,7 @@ def test_every_steps_command_parses_and_names_a_script_that_exists(tmp_path):
     assert list(steps) == [
         "tt",
         "tt-steps",
-        "tt-steps-plain",
+        "tt-steps-narrow",
         "tt-steps-dense",
         "split",
         "host",
@@ -33,7 +33,7 @@ def test_every_steps_command_parses_and_names_a_script_that_exists(tmp_path):
         "inplace",
         "compiled",
         "pipelined",
-        "split-wide",
+        "split-narrow",
         "split-rows",
         "tt-steps-rows",
         "split-xla",

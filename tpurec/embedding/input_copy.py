@@ -13,7 +13,9 @@ Fewer bytes too (session 34: the copies' bytes, not their number, look like the 
 the sample ids cross as int16 when every value is in [0, 65535) or the padding id (`I16`), the gains
 as bfloat16 when each is exact there (sum pooling's repeat counts, NaN padding), widened back on the
 device to the same int32 and float32 values, bit for bit; a field that does not fit crosses as before.
-42 MB -> ~29 MB at MLPerf's shapes. TPUREC_NARROW_INPUTS=0: never.
+42 MB -> ~29 MB at MLPerf's shapes. Opt-in, TPUREC_NARROW_INPUTS=1: on the v5e the narrow inputs
+recompiled (below) and the step they shorten is the device's, not the host's (session 35: the host half
+215 ms, the device's 300); off until a chip run shows them no slower.
 
 Each field's form is kept from batch to batch (`WireForms`): on TorchTPU every new layout of the
 packed tensors (which fields share a copy, at which offsets) is a new program for the widening and
@@ -52,7 +54,7 @@ def wanted() -> bool:
 
 
 def narrow_wanted() -> bool:
-    return env_flags.get(NARROW_SWITCH) != "0"
+    return env_flags.get(NARROW_SWITCH) == "1"
 
 
 def narrowed(t: torch.Tensor) -> tuple[str | torch.dtype, torch.Tensor]:
