@@ -33,6 +33,8 @@
 - `split-xla` (#59): `split` with TPUREC_NO_PALLAS=1 (XLA's segment sum for the lookup's pooling):
   the Pallas pooling won at 131k slots (session 28); at MLPerf's 1.6M-slot stack tpurec's lookup took
   47 ms against the pure-JAX `take` + sum's 29 (session 32): which pooling the big stacks want;
+- `split-dense` (#59): `split` with its arches compiled (TPUREC_SPLIT_COMPILE_DENSE=1, as `tpurec
+  train --compile-dense` compiles them): `dense_ms` against the eager 62.5;
 - `kernels` (#59): `bench tpu-kernels` on five cells (width 128 and 16, pooling 32, Zipf, 4M rows):
   the kernel's lookup and updates against plain JAX since the unique-id limit and one-copy inputs.
 
@@ -133,6 +135,12 @@ def steps(out: str) -> dict[str, Step]:
             [*train, "--contenders", "split", "--work-dir", f"{out}/wsx"],
             env={"TPUREC_NO_PALLAS": "1"},
             scratch="wsx",
+        ),
+        "split-dense": Step(
+            300,
+            [*train, "--contenders", "split", "--work-dir", f"{out}/wsd"],
+            env={"TPUREC_SPLIT_COMPILE_DENSE": "1"},
+            scratch="wsd",
         ),
         "kernels": Step(
             420,

@@ -153,6 +153,26 @@ def test_the_split_step_does_the_whole_step_s_work():
     )
 
 
+def test_the_split_step_with_compiled_arches_trains_as_the_eager_one(monkeypatch):
+    """TPUREC_SPLIT_COMPILE_DENSE=1 (chip step split-dense): the arches' forward compiled (aot_eager
+    on a CPU), the same weights after 2 steps, bit for bit."""
+    import torch
+
+    from tpurec.bench.tpu_train_jax import host_batches
+    from tpurec.bench.tpu_train_split import COMPILE_DENSE_ENV, Step
+
+    w = dataclasses.replace(workload(300, 64), **CPU_DIMS)
+    batches = host_batches(w, 2)
+    eager = Step(w, batches, torch.device("cpu"))
+    monkeypatch.setenv(COMPILE_DENSE_ENV, "1")
+    compiled = Step(w, batches, torch.device("cpu"))
+    assert "_torchdynamo_orig_callable" in dir(compiled.dense["over"].forward)
+    for i in range(2):
+        assert torch.equal(compiled.whole(i), eager.whole(i))
+    for (name, a), b in zip(compiled.dense.named_parameters(), eager.dense.parameters()):
+        assert torch.equal(a, b), name
+
+
 def test_a_compiled_step_asked_for_gets_limits_measured_for_this_chip():
     """--tpurec-args with --step compiled/pipelined and no --limits: the bench measures them with
     `tpurec data stats` for one device of the chip it sees; on a chip it cannot name, one line."""

@@ -37,6 +37,7 @@ def test_every_steps_command_parses_and_names_a_script_that_exists(tmp_path):
         "split-rows",
         "tt-steps-rows",
         "split-xla",
+        "split-dense",
         "kernels",
     ]
     for name, step in steps.items():
