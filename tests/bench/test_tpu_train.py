@@ -43,6 +43,9 @@ def test_the_cpu_smoke_run_reports_both_contenders_and_their_ratio(capsys):
     assert s["jax"]["samples_per_s"] > 0 and s["tpurec"]["samples_per_s"] > 0
     # the ratio is tpurec's samples/s over JAX's, from the step times of the same round
     assert s["ratio_tpurec_vs_jax"]["ratio"] == pytest.approx(jax_side["step_ms"] / ours["step_ms"], rel=1e-3)
+    # the split's device pieces over tpurec train's step (#59's chip-busy share), at most 1
+    share = min(1.0, pieces["device_ms"] / s["tpurec"]["step_ms"])
+    assert s["device_share_of_train_step"] == pytest.approx(share, abs=1e-3)
     # the JAX side's tables and state: f32 rows of dim 16 and one accumulator per row
     assert doc["hbm_jax"]["table_bytes"] == sum(w["rows"]) * (16 + 1) * 4 and doc["hbm_jax"]["memory"] is None
 

@@ -265,6 +265,12 @@ def summary(results: list[dict]) -> dict:
     out["ratio_tpurec_vs_jax"] = (
         ratio_summary([r["tpurec"]["step_ms"] for r in both], [r["jax"]["step_ms"] for r in both]) if both else None
     )
+    # issue #59's "chip busy >= 80% of the step": the split's device pieces (drained one by one) over
+    # tpurec train's own step, where the host half runs ahead on the pipeline's threads (the split's
+    # undrained step does its host half inline, so its own `device_busy_at_most` reads lower)
+    split, train = out.get("split", {}), out.get("tpurec", {})
+    if split.get("device_ms") and train.get("step_ms"):
+        out["device_share_of_train_step"] = round(min(1.0, split["device_ms"] / train["step_ms"]), 3)
     return out
 
 
