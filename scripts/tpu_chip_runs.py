@@ -30,6 +30,9 @@
 - `split-rows`, `tt-steps-rows` (#59): `split` and `tt-steps` with TPUREC_TC_UPDATE=rows (the table
   updates landed by `index_copy_` of their rows, no table-sized copies: tpu_bridge.rows_route), after
   `inplace` says TorchTPU's `index_copy_` does not copy the table;
+- `tt-steps-rows-dense` (#59): `tt-steps-dense` with TPUREC_TC_UPDATE=rows (both levers at once);
+- `tt-dense`, `tt-dense-rows` (#59): `tt` with `--compile-dense` (and the rows route): the same-run
+  ratio against pure JAX with the levers that won;
 - `split-xla` (#59): `split` with TPUREC_NO_PALLAS=1 (XLA's segment sum for the lookup's pooling):
   the Pallas pooling won at 131k slots (session 28); at MLPerf's 1.6M-slot stack tpurec's lookup took
   47 ms against the pure-JAX `take` + sum's 29 (session 32): which pooling the big stacks want;
@@ -92,6 +95,23 @@ def steps(out: str) -> dict[str, Step]:
         ),
         "tt-steps-dense": Step(
             300, [*train, "--contenders", "tpurec", "--tpurec-args=--log-every 1 --compile-dense", "--work-dir", TT]
+        ),
+        "tt-steps-rows-dense": Step(
+            300,
+            [*train, "--contenders", "tpurec", "--tpurec-args=--log-every 1 --compile-dense", "--work-dir", TT],
+            env={"TPUREC_TC_UPDATE": "rows"},
+        ),
+        # tt with session 36's levers: the arches compiled, and with `-rows` the update's rows landed in place
+        "tt-dense": Step(
+            480,
+            [*train, "--contenders", "jax,tpurec", "--tpurec-args=--compile-dense", "--work-dir", f"{out}/w"],
+            scratch="w",
+        ),
+        "tt-dense-rows": Step(
+            480,
+            [*train, "--contenders", "jax,tpurec", "--tpurec-args=--compile-dense", "--work-dir", f"{out}/w"],
+            env={"TPUREC_TC_UPDATE": "rows"},
+            scratch="w",
         ),
         "split": Step(300, [*train, "--contenders", "split", "--work-dir", f"{out}/ws"], scratch="ws"),
         "host": Step(
