@@ -1,43 +1,32 @@
 """The chip measurements the open issues wait for, each a step with its time limit, run on a lent TPU VM
-(after the bundle's setup, `source .tpu-bundle/setup.sh .tpu-bundle`) with their results under $OUT:
+(after the bundle's setup, `source .tpu-bundle/setup.sh .tpu-bundle`) with their results under $OUT.
+tpurec's TPU defaults since session 36: the dense arches compiled (`tpurec train` on a real TPU, the
+split contender), the table updates landed by `index_copy_` of their rows (tpu_bridge.rows_route).
 
 - `tt` (#59): `bench tpu-train` at MLPerf shapes: tpurec vs pure JAX (interleaved), the plan's HBM
-  figure beside the bytes in use;
-- `tt-steps`, `tt-steps-narrow` (#59): tt's tpurec side alone with a loss read every step (each step's
-  seconds in `logged_seconds`, slow ones in `slow_steps`: a recompiling batch stands out), with the
-  inputs in their own dtypes (the default since session 35) and narrow (TPUREC_NARROW_INPUTS=1; session
-  35: 1,167 ms a step with them, spikes of 7.5-28 s where their layout changed, 307.0 without;
-  `input_copy.WireForms` since, not rerun);
-- `tt-steps-dense` (#59): `tt-steps` with `--compile-dense` (the DCNv2 arches as compiled programs, the
-  embeddings eager: dense_compile.py; the eager dense half took 62.5 ms a step in session 35's split);
+  figure beside the bytes in use (session 36 with these defaults: 254.4 ms a step, 1.29x);
+- `tt-split` (#59): `tt` with the split contender too: the same-run ratio and
+  `device_share_of_train_step` (#59's chip busy >= 80%) in one run;
+- `tt-steps` (#59): tt's tpurec side alone with a loss read every step (each step's seconds in
+  `logged_seconds`: a recompiling batch stands out); `-eager` with `--eager-dense`, `-copy` with
+  TPUREC_TC_UPDATE=copy (the new tables copied back), `-narrow` with TPUREC_NARROW_INPUTS=1 (session
+  35: spikes of 7.5-28 s where their layout changed; `input_copy.WireForms` since, not rerun);
 - `split` (#59): its split contender alone: the step's pieces (host build and copies, lookup, dense,
-  update) and the device's bytes in use after each (`device_bytes_by_piece`);
-- `split-narrow` (#59): `split` with TPUREC_NARROW_INPUTS=1 (~29 MB of inputs a step against ~42):
-  what the narrow inputs save of `host_copy_ms`;
+  update) and the device's bytes in use after each (`device_bytes_by_piece`); `-eager`
+  (TPUREC_SPLIT_COMPILE_DENSE=0), `-copy`, `-narrow` as above; `-xla` with TPUREC_NO_PALLAS=1 (XLA's
+  segment sum for the lookup's pooling: at MLPerf's 1.6M-slot stack tpurec's lookup took 47 ms against
+  the pure-JAX `take` + sum's 29, session 32); `-merge` with TPUREC_PALLAS_MERGE=1 (the update's row
+  gradients summed by `pallas_merge`, not XLA's gather and segment sum: the update is 132 ms of ~240);
 - `host` (#60): `bench host-tier --device tpu` at a 20% cache with `--pinned` (pageable and pinned
   host memory for the row copies, interleaved), Zipf ids drawn once for the run;
-- `link` (#60): chip probe 11 (`scripts/tpu_probe_host_link.py`), the host link's raw rates, pageable
-  and pinned, through JAX too, and the tier's copies piece by piece (session 35: ~240 MB/s by every
-  route; TorchTPU's batched transfers refuse rank-2 tensors; DLPack refused both ways);
-- `inplace` (#59): chip probe 12 (`scripts/tpu_probe_inplace.py`): the table update landed by a copy
-  (today), by `index_copy_` of the updated rows only, or donated and `set_`, on a 1 GiB stack, and
-  whether a state_dict view taken before sees the update: what ~38 ms of the step's copies could save;
+- `link` (#60): chip probe 11 (`scripts/tpu_probe_host_link.py`), the host link's raw rates (session
+  35: ~240 MB/s by every route);
+- `inplace` (#59): chip probe 12 (`scripts/tpu_probe_inplace.py`): the table update landed by a copy,
+  by `index_copy_` of the updated rows only, or donated and `set_`, on a 1 GiB stack, and whether a
+  state_dict view taken before sees the update;
 - `compiled` (#59): `bench tpu-train --contenders tpurec --tpurec-args='--step compiled'` with
   TPUREC_STEP_ON_TPU=1 (session 34: it runs, 462.8 ms a step against eager's 325.9, the host half not
-  overlapped; `step_ahead` since);
-- `pipelined` (#59): the same with `--step pipelined` (SparseCore forward ahead, update behind), not
-  yet run on a chip;
-- `split-rows`, `tt-steps-rows` (#59): `split` and `tt-steps` with TPUREC_TC_UPDATE=rows (the table
-  updates landed by `index_copy_` of their rows, no table-sized copies: tpu_bridge.rows_route), after
-  `inplace` says TorchTPU's `index_copy_` does not copy the table;
-- `tt-steps-rows-dense` (#59): `tt-steps-dense` with TPUREC_TC_UPDATE=rows (both levers at once);
-- `tt-dense`, `tt-dense-rows` (#59): `tt` with `--compile-dense` (and the rows route): the same-run
-  ratio against pure JAX with the levers that won;
-- `split-xla` (#59): `split` with TPUREC_NO_PALLAS=1 (XLA's segment sum for the lookup's pooling):
-  the Pallas pooling won at 131k slots (session 28); at MLPerf's 1.6M-slot stack tpurec's lookup took
-  47 ms against the pure-JAX `take` + sum's 29 (session 32): which pooling the big stacks want;
-- `split-dense` (#59): `split` with its arches compiled (TPUREC_SPLIT_COMPILE_DENSE=1, as `tpurec
-  train --compile-dense` compiles them): `dense_ms` against the eager 62.5;
+  overlapped; `step_ahead` since); `pipelined` the same with `--step pipelined` (not yet run on a chip);
 - `kernels` (#59): `bench tpu-kernels` on five cells (width 128 and 16, pooling 32, Zipf, 4M rows):
   the kernel's lookup and updates against plain JAX since the unique-id limit and one-copy inputs.
 
@@ -45,13 +34,12 @@ Each step writes `<step>.json` (stdout) under $OUT; stderr tails and start/end t
 $OUT/runs.log (the device returns at most 8 files). Steps run in the order given, each under its own
 time limit; one call of the device tool runs at most 600 s, so give each call the steps that fit:
 
-    python3 scripts/tpu_chip_runs.py tt-steps tt-steps-dense  # ~200 + ~150 s: the baseline, --compile-dense
-    python3 scripts/tpu_chip_runs.py inplace split split-rows  # ~60 + 2 x ~125 s: the update's copies
-    python3 scripts/tpu_chip_runs.py split-xla tt-steps-rows  # ~125 + ~150 s
-    python3 scripts/tpu_chip_runs.py tt                  # ~380 s (session 35: 383 with the setup)
-    python3 scripts/tpu_chip_runs.py compiled            # ~170 s (session 34; step_ahead since)
-    python3 scripts/tpu_chip_runs.py kernels             # the kernels matrix (not run since session 30)
-    python3 scripts/tpu_chip_runs.py --dry-run           # the commands, nothing run
+    python3 scripts/tpu_chip_runs.py tt-split               # ~430 s: the ratio and the chip's busy share
+    python3 scripts/tpu_chip_runs.py split-merge split-xla  # ~2 x 120 s: the update's and lookup's options
+    python3 scripts/tpu_chip_runs.py tt-steps tt-steps-narrow  # ~2 x 170 s
+    python3 scripts/tpu_chip_runs.py compiled               # ~170 s (session 34; step_ahead since)
+    python3 scripts/tpu_chip_runs.py kernels                # the kernels matrix (not run since session 30)
+    python3 scripts/tpu_chip_runs.py --dry-run              # the commands, nothing run
 """
 
 from __future__ import annotations
@@ -82,38 +70,32 @@ TT = "/tmp/tpurec-tt"  # the tt-steps steps' data, made once, kept off $OUT (the
 
 def steps(out: str) -> dict[str, Step]:
     train = ["bench", "tpu-train", "--json", "--rounds", "1", "--steps", "10", "--warmup", "5"]
+    tsteps = [*train, "--contenders", "tpurec", "--tpurec-args=--log-every 1", "--work-dir", TT]
     return {
         "tt": Step(420, [*train, "--contenders", "jax,tpurec", "--work-dir", f"{out}/w"], scratch="w"),
-        # tt's tpurec side alone, a loss read every step (its seconds per step in `logged_seconds`):
-        # session 35's tt gave it 2,243 ms a step where session 34's gave 325.9; `-plain` without the
-        # narrow inputs and the threaded builds of session 34 (the suspects), on the same data
-        "tt-steps": Step(300, [*train, "--contenders", "tpurec", "--tpurec-args=--log-every 1", "--work-dir", TT]),
-        "tt-steps-narrow": Step(
-            300,
-            [*train, "--contenders", "tpurec", "--tpurec-args=--log-every 1", "--work-dir", TT],
-            env={"TPUREC_NARROW_INPUTS": "1"},
+        "tt-split": Step(560, [*train, "--contenders", "jax,tpurec,split", "--work-dir", f"{out}/w"], scratch="w"),
+        "tt-steps": Step(300, tsteps),
+        "tt-steps-eager": Step(
+            300, [*train, "--contenders", "tpurec", "--tpurec-args=--log-every 1 --eager-dense", "--work-dir", TT]
         ),
-        "tt-steps-dense": Step(
-            300, [*train, "--contenders", "tpurec", "--tpurec-args=--log-every 1 --compile-dense", "--work-dir", TT]
-        ),
-        "tt-steps-rows-dense": Step(
-            300,
-            [*train, "--contenders", "tpurec", "--tpurec-args=--log-every 1 --compile-dense", "--work-dir", TT],
-            env={"TPUREC_TC_UPDATE": "rows"},
-        ),
-        # tt with session 36's levers: the arches compiled, and with `-rows` the update's rows landed in place
-        "tt-dense": Step(
-            480,
-            [*train, "--contenders", "jax,tpurec", "--tpurec-args=--compile-dense", "--work-dir", f"{out}/w"],
-            scratch="w",
-        ),
-        "tt-dense-rows": Step(
-            480,
-            [*train, "--contenders", "jax,tpurec", "--tpurec-args=--compile-dense", "--work-dir", f"{out}/w"],
-            env={"TPUREC_TC_UPDATE": "rows"},
-            scratch="w",
-        ),
-        "split": Step(300, [*train, "--contenders", "split", "--work-dir", f"{out}/ws"], scratch="ws"),
+        "tt-steps-copy": Step(300, tsteps, env={"TPUREC_TC_UPDATE": "copy"}),
+        "tt-steps-narrow": Step(300, tsteps, env={"TPUREC_NARROW_INPUTS": "1"}),
+        **{
+            f"split{suffix}": Step(
+                300,
+                [*train, "--contenders", "split", "--work-dir", f"{out}/ws{suffix}"],
+                env=env,
+                scratch=f"ws{suffix}",
+            )
+            for suffix, env in {
+                "": {},
+                "-eager": {"TPUREC_SPLIT_COMPILE_DENSE": "0"},
+                "-copy": {"TPUREC_TC_UPDATE": "copy"},
+                "-narrow": {"TPUREC_NARROW_INPUTS": "1"},
+                "-xla": {"TPUREC_NO_PALLAS": "1"},
+                "-merge": {"TPUREC_PALLAS_MERGE": "1"},
+            }.items()
+        },
         "host": Step(
             400,
             ["bench", "host-tier", "--device", "tpu", "--seed", "7", "--steps", "10", "--warmup", "60"]
@@ -132,35 +114,6 @@ def steps(out: str) -> dict[str, Step]:
             [*train, "--contenders", "tpurec", "--tpurec-args=--step pipelined", "--work-dir", f"{out}/wp"],
             env={"TPUREC_STEP_ON_TPU": "1"},
             scratch="wp",
-        ),
-        "split-narrow": Step(
-            300,
-            [*train, "--contenders", "split", "--work-dir", f"{out}/wsn"],
-            env={"TPUREC_NARROW_INPUTS": "1"},
-            scratch="wsn",
-        ),
-        "split-rows": Step(
-            300,
-            [*train, "--contenders", "split", "--work-dir", f"{out}/wsr"],
-            env={"TPUREC_TC_UPDATE": "rows"},
-            scratch="wsr",
-        ),
-        "tt-steps-rows": Step(
-            300,
-            [*train, "--contenders", "tpurec", "--tpurec-args=--log-every 1", "--work-dir", TT],
-            env={"TPUREC_TC_UPDATE": "rows"},
-        ),
-        "split-xla": Step(
-            300,
-            [*train, "--contenders", "split", "--work-dir", f"{out}/wsx"],
-            env={"TPUREC_NO_PALLAS": "1"},
-            scratch="wsx",
-        ),
-        "split-dense": Step(
-            300,
-            [*train, "--contenders", "split", "--work-dir", f"{out}/wsd"],
-            env={"TPUREC_SPLIT_COMPILE_DENSE": "1"},
-            scratch="wsd",
         ),
         "kernels": Step(
             420,

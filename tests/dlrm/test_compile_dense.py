@@ -103,3 +103,43 @@ def test_on_an_emulated_v5e_the_dense_modules_are_compiled_programs(cache, tmp_p
     assert eager["programs_compiled"]["compiled"] == 0 and compiled["programs_compiled"]["compiled"] > 0
     assert compiled["programs_compiled"]["tensorcore"] < eager["programs_compiled"]["tensorcore"]
     assert compiled["recompiles_after_warmup"] == 0
+
+
+@pytest.mark.parametrize(
+    ("flags", "device", "emulated", "compiled"),
+    [
+        ([], "tpu", False, True),  # a real TPU: compiled by default
+        ([], "tpu", True, False),  # the emulated one: eager, as its tests' programs are counted
+        ([], "cpu", False, False),  # a CPU: aot_eager is slower than eager
+        (["--compile-dense"], "cpu", False, True),
+        (["--eager-dense"], "tpu", False, False),
+        (["--step", "pipelined"], "tpu", False, False),  # the compiled steps compile the dense part anyway
+    ],
+)
+def test_the_dense_modules_are_compiled_by_default_on_a_real_tpu_only(flags, device, emulated, compiled):
+    from tpurec.dlrm.options import TrainOptions
+
+    assert TrainOptions(**_parsed(flags)).dense_compiled(device, emulated) is compiled
+
+
+def _parsed(flags: list[str]) -> dict:
+    import argparse
+
+    from tpurec.dlrm.options import TrainOptions
+
+    parser = argparse.ArgumentParser()
+    TrainOptions.add_arguments(parser)
+    return vars(parser.parse_args(flags))
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--compile-dense", "--eager-dense"], "--compile-dense and --eager-dense: choose one"),
+        (["--eager-dense", "--step", "pipelined"], "--eager-dense is for --step eager (--step pipelined"),
+    ],
+)
+def test_contradictory_dense_flags_are_refused_in_one_line(capsys, flags, message):
+    assert main(["train", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1

@@ -1,6 +1,7 @@
 """`tpurec train` on an emulated v5e (the TensorCore kernel's TPU kernels through the bridge's stand-in)
-with the table updates landed as the updated rows' `index_copy_` (TPUREC_TC_UPDATE=rows) instead of the
-new tables' `copy_`: the same training. Row-wise Adagrad loss for loss, bit for bit; Adam within 1e-6
+with the table updates landed as the updated rows' `index_copy_` (the default) instead of the new
+tables' `copy_` (TPUREC_TC_UPDATE=copy): the same training. Row-wise Adagrad loss for loss, bit for
+bit; Adam within 1e-6
 (XLA compiles the two programs' arithmetic into different fusions: the last bit of a row may differ,
 as it does for programs over different row counts, docs/results.md session 32)."""
 
@@ -31,9 +32,10 @@ def data(tmp_path_factory):
 def test_the_rows_route_trains_as_the_copy_route(data, cache, tmp_path, monkeypatch, optimizer):
     common = ["--emulate-tpu", "v5e-1", "--data", data, "--batch-size", 256, "--steps", 12, "--eval-every", 0]
     common += ["--curves-out", "none", "--log-every", 1, "--embedding-optimizer", optimizer]
-    copied, _ = train(*common, "--metrics-out", tmp_path / "copy.jsonl", cache=cache)
-    monkeypatch.setenv("TPUREC_TC_UPDATE", "rows")
+    monkeypatch.delenv("TPUREC_TC_UPDATE", raising=False)
     landed, _ = train(*common, "--metrics-out", tmp_path / "rows.jsonl", cache=cache)
+    monkeypatch.setenv("TPUREC_TC_UPDATE", "copy")
+    copied, _ = train(*common, "--metrics-out", tmp_path / "copy.jsonl", cache=cache)
     assert copied is not None and landed is not None and landed["emulated_tpu"] == "v5e-1"
     losses = train_losses(tmp_path / "copy.jsonl")
     assert len(losses) == 12

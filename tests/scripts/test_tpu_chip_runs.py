@@ -24,20 +24,22 @@ def test_every_steps_command_parses_and_names_a_script_that_exists(tmp_path):
     steps = runs.steps(str(tmp_path))
     assert list(steps) == [
         "tt",
+        "tt-split",
         "tt-steps",
+        "tt-steps-eager",
+        "tt-steps-copy",
         "tt-steps-narrow",
-        "tt-steps-dense",
         "split",
+        "split-eager",
+        "split-copy",
+        "split-narrow",
+        "split-xla",
+        "split-merge",
         "host",
         "link",
         "inplace",
         "compiled",
         "pipelined",
-        "split-narrow",
-        "split-rows",
-        "tt-steps-rows",
-        "split-xla",
-        "split-dense",
         "kernels",
     ]
     for name, step in steps.items():
@@ -49,6 +51,8 @@ def test_every_steps_command_parses_and_names_a_script_that_exists(tmp_path):
         assert step.limit_s <= 590  # one call of the device tool runs 600 s at most
     assert build_parser().parse_args(steps["host"].argv).pinned
     assert build_parser().parse_args(steps["compiled"].argv).tpurec_args == "--step compiled"
+    eager = build_parser().parse_args(steps["tt-steps-eager"].argv).tpurec_args.split()
+    assert build_parser().parse_args(["train", *eager]).eager_dense  # a flag `tpurec train` takes
 
 
 def test_a_step_writes_its_output_and_log_and_removes_its_scratch(tmp_path, monkeypatch):

@@ -32,7 +32,8 @@ from typing import Any
 from tpurec.bench.tpu_train_shapes import Workload
 
 PHASES = ("host_ms", "lookup_ms", "dense_ms", "update_ms", "dense_update_ms")
-# TPUREC_SPLIT_COMPILE_DENSE=1: the dense arches as torch.compile programs (`tpurec train --compile-dense`)
+# The dense arches as torch.compile programs on a TPU, as `tpurec train` runs them there by default (its
+# dense_compiled); TPUREC_SPLIT_COMPILE_DENSE=0 keeps them eager there, =1 compiles them on a CPU too
 COMPILE_DENSE_ENV = "TPUREC_SPLIT_COMPILE_DENSE"
 HOST_PARTS = ("host_build_ms", "host_copy_ms")  # host_ms's two parts: the CSR build, the copies to the device
 
@@ -71,10 +72,11 @@ def build(w: Workload, device: Any) -> tuple[Any, Any, Any]:
     )
     dense = torch.nn.ModuleDict({"dense": model.dense_arch, "inter": model.inter_arch, "over": model.over_arch})
     dense = dense.to(device)
-    if os.environ.get(COMPILE_DENSE_ENV) == "1":  # the arches as compiled programs (tpurec train --compile-dense)
+    on_tpu = str(device).startswith("tpu")
+    if os.environ.get(COMPILE_DENSE_ENV, "1" if on_tpu else "0") == "1":
         from tpurec.dlrm.training.dense_compile import compile_dense
 
-        compile_dense(dense, "tpu" if str(device).startswith("tpu") else "cpu")
+        compile_dense(dense, "tpu" if on_tpu else "cpu")
     opt = torch.optim.Adagrad(dense.parameters(), lr=w.dense_lr, eps=w.eps)
     return ebc, dense, opt
 

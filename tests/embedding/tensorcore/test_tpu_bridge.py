@@ -116,6 +116,29 @@ def test_three_steps_through_the_bridge_equal_the_reference(bridge, name, route,
     assert len({key for key in calls}) == 2  # one lookup and one update program, as selftest expects
 
 
+@pytest.mark.parametrize(
+    ("route", "stream", "rows"),
+    [(None, None, True), ("rows", None, True), ("copy", None, False), (None, "1", False), ("rows", "1", True)],
+)
+def test_the_rows_route_is_the_default_unless_copy_or_the_stream_is_asked_for(monkeypatch, route, stream, rows):
+    """Rows landed by `index_copy_` unless TPUREC_TC_UPDATE=copy, or TPUREC_PALLAS_STREAM=1 (which
+    writes whole tables) with no route named; a route named wins over the stream."""
+    for name, value in ((tpu_bridge.ROWS_ENV, route), ("TPUREC_PALLAS_STREAM", stream)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    assert tpu_bridge.rows_route() is rows
+
+
+def test_an_unknown_update_route_is_a_user_error_naming_the_variable(monkeypatch):
+    from tpurec.errors import UserError
+
+    monkeypatch.setenv(tpu_bridge.ROWS_ENV, "inplace")
+    with pytest.raises(UserError, match="TPUREC_TC_UPDATE='inplace': expected 'rows'"):
+        tpu_bridge.rows_route()
+
+
 class _RecordingFeed(step_scalars.Feed):
     def take(self, name, value):
         TAKEN.append(name)

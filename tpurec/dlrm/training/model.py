@@ -103,11 +103,12 @@ class ShardedModel:
             )
         except PlanMismatchError as e:  # DMP says "the plan": name the file
             raise e.named(f"--plan {o.plan}") from None
-        if o.compile_dense:  # the dense modules as compiled programs, the embeddings eager (dense_compile.py)
-            from tpurec.dlrm.training.dense_compile import compile_dense
+        if o.dense_compiled(run.device, emulated=run.emulation.topology is not None):
+            from tpurec.dlrm.training.dense_compile import compile_dense  # the embeddings stay eager
 
             names = compile_dense(self.dmp.module, run.device)
-            run.say(f"--compile-dense: {', '.join(names) or 'no dense module'} compiled")
+            why = "--compile-dense" if o.compile_dense else "on a TPU by default (--eager-dense keeps them eager)"
+            run.say(f"{why}: {', '.join(names) or 'no dense module'} compiled")
         if auto:  # the tables the planner moved there: their caches' figures in the result line
             data.host_tier_tables = host_tier.planned_tables(self.dmp.plan)
             moved = ", ".join(data.host_tier_tables) or "no table (all fit the HBM)"

@@ -33,6 +33,7 @@ from tpurec.embedding.optimizers.base import recorded
 from tpurec.embedding.step_scalars import tpu_scalar
 from tpurec.embedding.tensorcore import lookup_jax, pallas_merge, pallas_pool, pallas_stream, update_jax
 from tpurec.embedding.tensorcore.csr_jax import decode
+from tpurec.errors import UserError
 from tpurec.runtime import env_flags
 
 # torch_tpu's version the bridge was read from; `tpurec env` reports the installed one.
@@ -279,11 +280,18 @@ ROWS_ENV = "TPUREC_TC_UPDATE"
 
 
 def rows_route() -> bool:
-    """Whether the updates land by `index_copy_` of their rows (TPUREC_TC_UPDATE=rows) instead of
-    the new table's `copy_` (a table-sized copy inside the program and another in the `copy_`, ~6 ms
-    a 1 GiB stack on v5e; chip probe 12, scripts/tpu_probe_inplace.py, says which is faster): off
-    until measured. Those programs never stream the table (TPUREC_PALLAS_STREAM is for the other)."""
-    return env_flags.get(ROWS_ENV) == "rows"
+    """Whether the updates land by `index_copy_` of their rows (the default) instead of the new
+    table's `copy_` (TPUREC_TC_UPDATE=copy: a table-sized copy inside the program and another in the
+    `copy_`). On v5e the rows route took the MLPerf step's update from 162.7 to 132.0 ms and the most
+    HBM in use with compiled arches from 15.2 to 12.8 GB (docs/results.md, session 36). Those programs
+    never stream the table: TPUREC_PALLAS_STREAM=1 (a whole new table) takes the copy route unless
+    TPUREC_TC_UPDATE says otherwise."""
+    value = env_flags.get(ROWS_ENV)
+    if value not in (None, "", "rows", "copy"):
+        raise UserError(f"{ROWS_ENV}={value!r}: expected 'rows' (the default) or 'copy'")
+    if not value:
+        return not env_flags.is_on("TPUREC_PALLAS_STREAM")
+    return value == "rows"
 
 
 def _land(idx: Tensor, pairs: list[tuple[Tensor, Tensor]]) -> None:
