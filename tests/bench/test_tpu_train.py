@@ -157,8 +157,8 @@ def test_the_split_step_does_the_whole_step_s_work():
 
 
 def test_the_split_step_with_compiled_arches_trains_as_the_eager_one(monkeypatch):
-    """TPUREC_SPLIT_COMPILE_DENSE=1 (chip step split-dense): the arches' forward compiled (aot_eager
-    on a CPU), the same weights after 2 steps, bit for bit."""
+    """TPUREC_SPLIT_COMPILE_DENSE=1 (the default on a TPU): the arches' forward and the dense update
+    compiled (aot_eager on a CPU), the same weights after 2 steps, bit for bit."""
     import torch
 
     from tpurec.bench.tpu_train_jax import host_batches
@@ -170,6 +170,7 @@ def test_the_split_step_with_compiled_arches_trains_as_the_eager_one(monkeypatch
     monkeypatch.setenv(COMPILE_DENSE_ENV, "1")
     compiled = Step(w, batches, torch.device("cpu"))
     assert "_torchdynamo_orig_callable" in dir(compiled.dense["over"].forward)
+    assert "step" in vars(compiled.opt) and "step" not in vars(eager.opt)  # the compiled update in its place
     for i in range(2):
         assert torch.equal(compiled.whole(i), eager.whole(i))
     for (name, a), b in zip(compiled.dense.named_parameters(), eager.dense.parameters()):

@@ -78,6 +78,7 @@ def test_train_with_compiled_dense_modules_gives_the_eager_runs_losses(cache, tm
     eager, _ = train(*common, "--metrics-out", tmp_path / "a.jsonl", cache=cache)
     compiled, p = train(*common, "--metrics-out", tmp_path / "b.jsonl", "--compile-dense", cache=cache)
     assert "--compile-dense: model.dense_arch, model.over_arch compiled" in p.stderr
+    assert "--compile-dense: the dense update (" in p.stderr  # its optimizer too (dense_update_compile.py)
     losses = train_losses(tmp_path / "a.jsonl")
     assert len(losses) == 6 and train_losses(tmp_path / "b.jsonl") == losses
     assert compiled is not None and eager is not None and compiled["auc"] == eager["auc"]

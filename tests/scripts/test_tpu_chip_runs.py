@@ -24,6 +24,7 @@ def test_every_steps_command_parses_and_names_a_script_that_exists(tmp_path):
     steps = runs.steps(str(tmp_path))
     assert list(steps) == [
         "tt",
+        "tt-long",
         "tt-split",
         "tt-steps",
         "tt-steps-eager",

@@ -73,11 +73,13 @@ def build(w: Workload, device: Any) -> tuple[Any, Any, Any]:
     dense = torch.nn.ModuleDict({"dense": model.dense_arch, "inter": model.inter_arch, "over": model.over_arch})
     dense = dense.to(device)
     on_tpu = str(device).startswith("tpu")
-    if os.environ.get(COMPILE_DENSE_ENV, "1" if on_tpu else "0") == "1":
+    opt = torch.optim.Adagrad(dense.parameters(), lr=w.dense_lr, eps=w.eps)
+    if os.environ.get(COMPILE_DENSE_ENV, "1" if on_tpu else "0") == "1":  # arches and update, as tpurec train's
         from tpurec.dlrm.training.dense_compile import compile_dense
+        from tpurec.dlrm.training.dense_update_compile import compile_dense_update
 
         compile_dense(dense, "tpu" if on_tpu else "cpu")
-    opt = torch.optim.Adagrad(dense.parameters(), lr=w.dense_lr, eps=w.eps)
+        compile_dense_update(opt, dense, "tpu" if on_tpu else "cpu")
     return ebc, dense, opt
 
 

@@ -31,6 +31,14 @@ class TrainingStep:
         self.run, self.dmp = run, dmp
         self.optimizer = build_optimizer(dmp, cfg)
         self.schedule = LRSchedule(self.optimizer, cfg.warmup_steps, cfg.decay_start, cfg.decay_steps)
+        o = run.options
+        if o.dense_compiled(run.device, emulated=run.emulation.topology is not None):
+            from tpurec.dlrm.training.dense_update_compile import compile_dense_update
+
+            run.say(
+                f"{'--compile-dense' if o.compile_dense else 'on a TPU'}: "
+                + compile_dense_update(self.optimizer, dmp, run.device)
+            )
 
     def build_pipeline(self) -> None:
         import torch

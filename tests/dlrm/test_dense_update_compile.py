@@ -1,0 +1,90 @@
+"""The eager step's dense update compiled (tpurec/dlrm/training/dense_update_compile.py, part of
+`--compile-dense` and of a real TPU's default): the torch optimizer's step replaced by the compiled
+`DenseOptimizer.apply`, the same parameters and state as torch.optim's own step, bit for bit, a
+changing lr compiling nothing new; what it does not implement keeps torch.optim's step."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+
+from tpurec.dlrm.training.dense_update_compile import compile_dense_update
+
+OPTIMIZERS = {
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.05, eps=1e-8),
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
+}
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+
+def _keyed(model: torch.nn.Module, make) -> CombinedOptimizer:
+    """The trainer's shape of optimizer (model.build_optimizer): a CombinedOptimizer over a wrapper."""
+    return CombinedOptimizer([KeyedOptimizerWrapper(dict(model.named_parameters()), make)])
+
+
+class _Counting:
+    """A Dynamo backend that counts the graphs it is handed (aot_eager's numbers)."""
+
+    def __init__(self) -> None:
+        self.graphs = 0
+
+    def __call__(self, gm, inputs):
+        from torch._dynamo.backends.common import aot_autograd
+
+        self.graphs += 1
+        return aot_autograd(fw_compiler=lambda g, _: g.forward)(gm, inputs)
+
+
+def _train(model, opt, steps: int = 4) -> list[float]:
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for step in range(steps):
+        for g in opt.param_groups:  # a schedule: a new lr every step
+            g["lr"] = 0.05 / (step + 1)
+        x = torch.randn(32, 6, generator=gen)
+        loss = model(x).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_the_compiled_update_steps_as_torch_optim_bit_for_bit_and_compiles_once(name):
+    eager_model = _model()
+    compiled_model = copy.deepcopy(eager_model)
+    eager_opt = _keyed(eager_model, OPTIMIZERS[name])
+    compiled_opt = _keyed(compiled_model, OPTIMIZERS[name])
+    backend = _Counting()
+    said = compile_dense_update(compiled_opt, compiled_model, "cpu", backend=backend)
+    assert said.startswith(f"the dense update ({name.split('_')[0]}, 4 tensors) compiled")
+    assert _train(compiled_model, compiled_opt) == _train(eager_model, eager_opt)
+    for got, want in zip(compiled_model.parameters(), eager_model.parameters()):
+        assert torch.equal(got, want)
+    got_state, want_state = compiled_opt.state_dict()["state"], eager_opt.state_dict()["state"]
+    assert got_state.keys() == want_state.keys()
+    for key in want_state:
+        for k, v in want_state[key].items():
+            assert torch.equal(torch.as_tensor(got_state[key][k]).cpu(), torch.as_tensor(v)), (key, k)
+    assert backend.graphs == 1  # four steps, four lrs: one graph
+    assert all(p.grad is None for p in compiled_model.parameters())  # cleared, as the graph does
+
+
+def test_an_optimizer_it_does_not_implement_keeps_torch_optims_step():
+    model = _model()
+    opt = _keyed(model, lambda ps: torch.optim.RMSprop(ps, lr=0.01))
+    inner = opt.optimizers[0][1]._optimizer
+    said = compile_dense_update(opt, model, "cpu")
+    assert said.startswith("the dense update stays eager (") and "RMSprop" in said
+    assert "step" not in vars(inner)  # no instance attribute: the class's own step
+    reference = _model()
+    assert _train(model, opt) == _train(reference, _keyed(reference, lambda ps: torch.optim.RMSprop(ps, lr=0.01)))
