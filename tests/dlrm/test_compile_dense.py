@@ -104,6 +104,7 @@ def test_on_an_emulated_v5e_the_dense_modules_are_compiled_programs(cache, tmp_p
     assert eager["programs_compiled"]["compiled"] == 0 and compiled["programs_compiled"]["compiled"] > 0
     assert compiled["programs_compiled"]["tensorcore"] < eager["programs_compiled"]["tensorcore"]
     assert compiled["recompiles_after_warmup"] == 0
+    assert (eager["dense"], compiled["dense"]) == ("eager", "compiled")
 
 
 @pytest.mark.parametrize(

@@ -32,6 +32,7 @@ def test_emulated_single_host_slice_trains_on_the_tpu_path(tmp_path):
     assert result["recompiles_after_warmup"] == 0 and result["recompiled_ops"] == {}
     # the trainer's step is eager: nothing traced, no compiled-graph program
     assert result["graphs_compiled"] == 0 and result["graph_breaks"] == 0 and programs["compiled"] == 0
+    assert result["dense"] == "eager"  # an emulated TPU compiles the dense modules only when asked
     assert result["uneven_all_to_all"] == "padded"
     # The ids stay on the host from the reader to preprocessing: the only device->host copy of a step
     # after warm-up is the loss, read at each progress point (every step in a 3-step run). Before, the

@@ -139,6 +139,9 @@ def run_round(w: Workload, data: str, warmup: int, steps: int, device: str, extr
         # tpurec's own device->host copies a step (each a wait for the device)
         "multipass_batches": (result.get("id_limits") or {}).get("multipass_batches"),
         "device_to_host_copies_per_step": result.get("device_to_host_copies_per_step"),
+        "dense": result.get("dense"),  # the arches and their update compiled or eager
+        # the switches the run had (TPUREC_TC_UPDATE, TPUREC_NARROW_INPUTS, ...): which route ran
+        "tpurec_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("TPUREC_")},
         **({"host_tier": result["host_tier"]} if "host_tier" in result else {}),
         **({"hbm": result["hbm"]} if "hbm" in result else {}),  # the plan's HBM figure and the bytes in use
         "command": "tpurec train " + " ".join(args),

@@ -44,6 +44,11 @@ class Reporting:
             "batch_size": batch,
             "model": run.model_name,
             "step": run.options.step,
+            # the eager step's dense modules and their optimizer's step: compiled (--compile-dense, a real
+            # TPU's default) or eager
+            "dense": "compiled"
+            if run.options.dense_compiled(run.device, run.emulation.topology is not None)
+            else "eager",
             "seconds": round(time.perf_counter() - p.t_start, 2),
             # steps far slower on the host than those before them: on a TPU, programs compiled mid-run
             "slow_steps": p.slow_steps.figures(),
