@@ -8,10 +8,18 @@ single-tensor arithmetic, the lr a graph input so a schedule compiles nothing ne
 own: checkpoints unchanged). Here its `apply` is compiled alone and put in the place of the torch
 optimizer's `step`; the gradients arrive averaged (DDP's backward in the eager step), so it is told
 one rank. Optimizers or settings `DenseOptimizer` does not implement keep torch.optim's own step.
+
+DDP (TorchRec's DMP wraps the dense arches with `gradient_as_bucket_view=True`) leaves each gradient
+a view into a flat bucket. Dynamo hands a view's storage offset to the graph as a symbol even under
+`dynamic=False`, and TorchTPU's backend then fails ("No bounds found for SymInt s67/512 + 3456": the
+v5e, session 37). So the buckets go in whole and each gradient is cut from its bucket in the graph at
+an offset that is a constant of the graph (`_GradSlices`); DDP rebuilds its buckets once after the
+first step, a second graph.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -34,15 +42,58 @@ def compile_dense_update(optimizer: Any, module: torch.nn.Module, device: str, b
         dense = DenseOptimizer(optimizer, params, None, 1, scalar_device(params))
     except UserError as e:  # an optimizer or setting it does not implement: torch.optim's own step
         return f"the dense update stays eager ({e})"
-    compiled: Any = torch.compile(dense.apply, backend=backend or backend_for(device), fullgraph=True, dynamic=False)
+    flat_params = dense.flat_params()
+
+    def update(lrs: Any, states: Any, bases: list[torch.Tensor], cuts: tuple[Any, ...]) -> None:
+        dense.apply_grads(lrs, states, [_GradSlices.cut(bases, c) for c in cuts])
+
+    compiled: Any = torch.compile(update, backend=backend or backend_for(device), fullgraph=True, dynamic=False)
 
     def step(closure: Any = None) -> Any:
         loss = None
         if closure is not None:  # torch.optim's contract: the closure re-evaluates the loss first
             with torch.enable_grad():
                 loss = closure()
-        compiled(dense.lr_inputs(), dense.state_inputs())
+        slices = _GradSlices([p.grad for p in flat_params])
+        compiled(dense.lr_inputs(), dense.state_inputs(), slices.bases, slices.cuts)
         return loss
 
     dense.optimizer.step = step  # type: ignore[method-assign]  # what KeyedOptimizerWrapper.step calls
     return f"the dense update ({dense.kind}, {len(params)} tensors) compiled"
+
+
+class _GradSlices:
+    """The gradients as graph inputs without views: the tensors the graph takes (`bases`: a DDP
+    bucket once for all its views, any other gradient itself) and, per gradient, where it lies
+    (`cuts`: None for no gradient, (base, None, None) for a whole tensor, (base, offset, shape) for a
+    contiguous slice of a flat bucket), plain ints the graph holds as constants."""
+
+    def __init__(self, grads: list[torch.Tensor | None]) -> None:
+        self.bases: list[torch.Tensor] = []
+        index: dict[int, int] = {}
+        cuts: list[tuple[int, int | None, tuple[int, ...] | None] | None] = []
+        for g in grads:
+            if g is None:
+                cuts.append(None)
+                continue
+            base = g._base
+            sliceable = base is not None and base.dim() == 1 and base.is_contiguous() and g.is_contiguous()
+            whole: torch.Tensor = base if sliceable and base is not None else g
+            if id(whole) not in index:
+                index[id(whole)] = len(self.bases)
+                self.bases.append(whole)
+            if sliceable:
+                cuts.append((index[id(whole)], int(g.storage_offset() - whole.storage_offset()), tuple(g.shape)))
+            else:
+                cuts.append((index[id(whole)], None, None))
+        self.cuts = tuple(cuts)
+
+    @staticmethod
+    def cut(bases: list[torch.Tensor], cut: Any) -> torch.Tensor | None:
+        """One gradient, in the graph: its tensor, or its slice of its bucket."""
+        if cut is None:
+            return None
+        base, offset, shape = cut
+        if offset is None:
+            return bases[base]
+        return bases[base].narrow(0, offset, math.prod(shape)).view(shape)

@@ -171,18 +171,32 @@ class DenseOptimizer:
                 del packed[index[id(p)]]
         return {**state_dict, "state": packed}
 
+    def flat_params(self) -> list[torch.Tensor]:
+        """Every group's parameters in order: the order `apply_grads` takes their gradients in."""
+        return [p for ps in self._params for p in ps]
+
     def apply(self, lrs: Sequence[torch.Tensor], states: Sequence[Sequence[Sequence[torch.Tensor]]]) -> None:
         """The update of every parameter that has a gradient, averaged over the ranks first; clears
         the gradients. Traceable; eagerly it computes the same numbers."""
+        self.apply_grads(lrs, states, [p.grad for p in self.flat_params()])
+
+    def apply_grads(
+        self,
+        lrs: Sequence[torch.Tensor],
+        states: Sequence[Sequence[Sequence[torch.Tensor]]],
+        given: Sequence[torch.Tensor | None],
+    ) -> None:
+        """`apply` with each parameter's gradient handed in (`given`, every group's parameters in
+        order; None: no update): dense_update_compile.py hands DDP's bucket views in as slices of
+        their buckets, so the graph sees no view's storage offset. Clears the gradients."""
         with torch.no_grad():
-            have = [[(p, s) for p, s in zip(ps, ss) if p.grad is not None] for ps, ss in zip(self._params, states)]
-            local: list[torch.Tensor] = []
-            for pairs in have:
-                local += [p.grad for p, _ in pairs if p.grad is not None]
-            grads = _mean_over_ranks(local, self.group, self.world_size)
+            flat = iter(given)  # zip draws from it only while a group's parameters last
+            groups = zip(self._params, states)
+            have = [[(p, s, g) for p, s, g in zip(ps, ss, flat) if g is not None] for ps, ss in groups]
+            grads = _mean_over_ranks([g for pairs in have for _, _, g in pairs], self.group, self.world_size)
             i = 0
             for pairs, lr, hp in zip(have, lrs, self._groups):
-                for p, s in pairs:
+                for p, s, _ in pairs:
                     UPDATE[self.kind](p, grads[i], s, lr, hp)
                     i += 1
             for ps in self._params:
