@@ -16,6 +16,8 @@ Timed per cell, each its own jitted program, median of `--reps` after a warm-up 
 - `update_program`: tpu_bridge.tc_adagrad as the chip runs it (TorchTPU's jax_op: nothing donated, new
   table and accumulator returned, then copied back into the module's storage); `update_program_donated`:
   the same with table and accumulator donated (what in-place storage would cost; state chained);
+  `update_program_rows`: tpu_bridge.tc_adagrad_rows, the rows route (tpurec's default since session 36:
+  the changed rows, their accumulator and indices returned, landed by `index_copy_`);
 - its pieces, each taking the previous one's outputs: `decode` (CSR -> per-slot row, sample, gain),
   `grad_rows` (gather of the activations' gradient row per slot x gain), `segment_ids` (row starts and
   their running count), `segment_sum` (sorted segment sum of duplicates), `distinct_rows` (the merged rows'
@@ -403,6 +405,7 @@ def setup(a: argparse.Namespace, doc: dict) -> Setup:
     s.progs = dict(
         update=jax.jit(tpu_bridge.tc_adagrad, static_argnums=(9, 10, 11, 12)),
         update_donated=jax.jit(tpu_bridge.tc_adagrad, static_argnums=(9, 10, 11, 12), donate_argnums=(4, 5)),
+        update_rows=jax.jit(tpu_bridge.tc_adagrad_rows, static_argnums=(9, 10, 11, 12)),
         lookup=jax.jit(tpu_bridge.tc_lookup, static_argnums=(5, 6, 7)),
         row_gradients=jax.jit(
             lambda rp, emb, smp, gns, t, g, lay: tpu_bridge._row_gradients(rp, emb, smp, gns, t, g, lay)[:2],
@@ -443,6 +446,13 @@ def cell(s: Setup, clock: Clock, factor: float) -> dict:
     clock.time(
         progs, "update_program", lambda: p["update"](*head, t0, a0, g, lr, eps, *ulay), {**upd, "donated": False}
     )
+    clock.time(  # the default route since session 36: only the changed rows come back (index_copy_'d)
+        progs,
+        "update_program_rows",
+        lambda: p["update_rows"](*head, t0, a0, g, lr, eps, *ulay),
+        {**upd, "donated": False},
+    )
+    out["rows_route_vs_program"] = rows_route_check(p, head, t0, a0, g, lr, eps, ulay)
     state = [t0 + 0, a0 + 0]
 
     def donated_step() -> Any:
@@ -461,6 +471,18 @@ def cell(s: Setup, clock: Clock, factor: float) -> dict:
         clock.save()
         log(f"equal work: {json.dumps(clock.doc['equal_work'])}")
     return out
+
+
+def rows_route_check(p: dict, head: tuple, t0: Any, a0: Any, g: Any, lr: Any, eps: Any, ulay: tuple) -> dict:
+    """The rows route's rows and accumulator against the copy route's new table at those rows (the
+    same arithmetic: 0.0 expected), and how many rows it returned."""
+    new_t, new_a = p["update"](*head, t0, a0, g, lr, eps, *ulay)
+    idx, rows, acc = p["update_rows"](*head, t0, a0, g, lr, eps, *ulay)
+    return {
+        "rows_returned": int(idx.shape[0]),
+        "table_max_abs_diff": float(jnp.max(jnp.abs(new_t[idx] - rows))),
+        "accumulator_max_abs_diff": float(jnp.max(jnp.abs(new_a[idx] - acc.reshape(new_a[idx].shape)))),
+    }
 
 
 def pieces(s: Setup, clock: Clock, head: tuple[jax.Array, ...], out: dict, common: dict, ulay: tuple, k: int) -> None:

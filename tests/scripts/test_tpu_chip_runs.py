@@ -39,6 +39,7 @@ def test_every_steps_command_parses_and_names_a_script_that_exists(tmp_path):
         "host",
         "link",
         "inplace",
+        "update",
         "compiled",
         "pipelined",
         "kernels",

@@ -40,13 +40,17 @@ def test_cpu_smoke_run_times_every_program_and_checks_equal_work(tmp_path, monke
     assert doc["entries_after_merge"] <= small["slots"] < large["slots"]
     for c in doc["cells"]:
         progs = c["programs"]
-        want = {"update_program", "update_program_donated", *PIECES, "row_gradients", "lookup_program"}
+        want = {"update_program", "update_program_donated", "update_program_rows", *PIECES, "row_gradients"}
+        want.add("lookup_program")
         assert set(progs) == want
         for name, rec in progs.items():
             assert "error" not in rec and "skipped" not in rec, (name, rec)
             assert rec["ms"] > 0 and rec["slots"] == c["slots"] and rec["distinct_rows"] == doc["distinct_rows"]
         assert progs["update_program"]["donated"] is False and progs["update_program_donated"]["donated"] is True
         assert progs["update_program"]["GBps_rows"] > 0
+        rows = c["rows_route_vs_program"]  # the rows route lands the copy route's numbers
+        assert rows["table_max_abs_diff"] == rows["accumulator_max_abs_diff"] == 0.0
+        assert doc["distinct_rows"] <= rows["rows_returned"]
         assert c["pieces_sum_ms"] > 0
         assert c["pieces_vs_program"]["table"]["max_abs_diff"] == 0.0
         assert c["pieces_vs_program"]["accumulator"]["max_abs_diff"] == 0.0
@@ -60,7 +64,7 @@ def test_a_program_past_the_budget_is_skipped_and_the_document_still_printed(tmp
     monkeypatch.delenv("OUT", raising=False)
     doc = _script().main(["--cpu", "--limits", "1.1", "--no-pieces", "--budget-s", "0"])
     progs = doc["cells"][0]["programs"]
-    assert set(progs) == {"update_program", "update_program_donated", "lookup_program"}
+    assert set(progs) == {"update_program", "update_program_donated", "update_program_rows", "lookup_program"}
     assert all("skipped" in rec and "ms" not in rec for rec in progs.values())
     assert doc["equal_work"]["passed"] is True  # checked whatever the budget
     assert all("skipped" in rec for rec in doc["jax_contender"].values())
