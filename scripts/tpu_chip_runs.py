@@ -9,6 +9,8 @@ split contender), the table updates landed by `index_copy_` of their rows (tpu_b
   the later ones ~240; JAX's 328 from step 2);
 - `tt-split` (#59): `tt-long` with the split contender too: the same-run ratio and
   `device_share_of_train_step` (#59's chip busy >= 80%) in one run;
+- `tt-narrow` (#59): `tt-long` with TPUREC_NARROW_INPUTS=1 (sample ids as int16, gains as bfloat16
+  where exact: fewer bytes over the host link, whose copies were 117-196 ms a step in session 37);
 - `tt-steps` (#59): tt's tpurec side alone with a loss read every step (each step's seconds in
   `logged_seconds`: a recompiling batch stands out); `-eager` with `--eager-dense`, `-copy` with
   TPUREC_TC_UPDATE=copy (the new tables copied back), `-narrow` with TPUREC_NARROW_INPUTS=1 (session
@@ -39,7 +41,8 @@ Each step writes `<step>.json` (stdout) under $OUT; stderr tails and start/end t
 $OUT/runs.log (the device returns at most 8 files). Steps run in the order given, each under its own
 time limit; one call of the device tool runs at most 600 s, so give each call the steps that fit:
 
-    python3 scripts/tpu_chip_runs.py tt-split               # ~430 s: the ratio and the chip's busy share
+    python3 scripts/tpu_chip_runs.py tt-split               # ~480 s: the ratio and the chip's busy share
+    python3 scripts/tpu_chip_runs.py tt-narrow              # ~400 s: the ratio with the inputs narrowed
     python3 scripts/tpu_chip_runs.py split-merge split-xla  # ~2 x 120 s: the update's and lookup's options
     python3 scripts/tpu_chip_runs.py tt-steps tt-steps-narrow  # ~2 x 170 s
     python3 scripts/tpu_chip_runs.py compiled               # ~170 s (session 34; step_ahead since)
@@ -84,6 +87,14 @@ def steps(out: str) -> dict[str, Step]:
         # 36 (JAX's the same from step 2): the steady step of both, over the same steps
         "tt-long": Step(480, [*long, "--contenders", "jax,tpurec", "--work-dir", f"{out}/w"], scratch="w"),
         "tt-split": Step(560, [*long, "--contenders", "jax,tpurec,split", "--work-dir", f"{out}/w"], scratch="w"),
+        # tt-long with the inputs narrowed (TPUREC_NARROW_INPUTS=1: ~42 -> ~29 MB a step over a ~240 MB/s
+        # host link, session 35): the host copies took 117-196 ms of tpurec's 258 ms step in session 37
+        "tt-narrow": Step(
+            480,
+            [*long, "--contenders", "jax,tpurec", "--work-dir", f"{out}/w"],
+            env={"TPUREC_NARROW_INPUTS": "1"},
+            scratch="w",
+        ),
         "tt-steps": Step(300, tsteps),
         "tt-steps-eager": Step(
             300, [*train, "--contenders", "tpurec", "--tpurec-args=--log-every 1 --eager-dense", "--work-dir", TT]

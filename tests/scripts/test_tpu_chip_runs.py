@@ -26,6 +26,7 @@ def test_every_steps_command_parses_and_names_a_script_that_exists(tmp_path):
         "tt",
         "tt-long",
         "tt-split",
+        "tt-narrow",
         "tt-steps",
         "tt-steps-eager",
         "tt-steps-copy",
