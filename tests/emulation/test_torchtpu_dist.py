@@ -134,3 +134,41 @@ def test_a_rank_without_shards_answers_device_on_the_two_backend_group():
     """torch answered torch.cuda.current_device() (and crashed DCP's save) unless the backend is 'gloo'."""
     (d0, n0), (d1, n1) = run_ranks(_empty_sharded_tensor_device, 2)
     assert (d0, n0) == ("cpu", 1) and (d1, n1) == ("cpu", 0)
+
+
+def _one_rank_ddp_steps(rank, world_size, env):
+    """Two DDP steps of a small model on the emulated device, as tpurec's TPU wrapper leaves DDP on one
+    rank: (the collectives asked of the device, the last step's gradients on the host)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from tpurec.emulation import device, torchtpu_dist
+    from tpurec.sharding.dmp import _skip_one_rank_all_reduce
+
+    os.environ.update(LAUNCH, TORCH_TPU_SLICEBUILDER_ADDRESSES="localhost:8070", TORCH_TPU_TOPOLOGY="1,1,1")
+    os.environ.update(env)
+    torchtpu_dist.install_device_module(rank, world_size)
+    torchtpu_dist.register_backend()
+    torchtpu_dist.ddp_without_pinned_host_memory()
+    pg = dist.new_group(backend="cpu:gloo,tpu:tpu_dist")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)).to("tpu")
+    ddp = DistributedDataParallel(model, device_ids=[0], process_group=pg, gradient_as_bucket_view=True)
+    _skip_one_rank_all_reduce(ddp)
+    x = torch.randn(32, 8).to("tpu")
+    for _ in range(2):
+        ddp.zero_grad()
+        ddp(x).square().mean().backward()
+    collectives = sorted({op for kind, op, _ in device.RECORD.programs if kind == "collective"})
+    return collectives, [p.grad.cpu() for p in model.parameters()]
+
+
+@pytest.mark.multiprocess
+def test_one_rank_ddp_skips_the_all_reduce_with_the_same_gradients():
+    """On one rank DDP's bucket division and all-reduce change nothing but cost programs on TorchTPU:
+    tpurec's wrapper hands DDP the buckets as they are (TPUREC_ONE_RANK_ALL_REDUCE=1 keeps them)."""
+    ((skipped, grads),) = run_ranks(_one_rank_ddp_steps, 1, {"TPUREC_ONE_RANK_ALL_REDUCE": "0"})
+    ((kept, expected),) = run_ranks(_one_rank_ddp_steps, 1, {"TPUREC_ONE_RANK_ALL_REDUCE": "1"})
+    assert "c10d::allreduce_" in kept and "c10d::allreduce_" not in skipped
+    assert len(grads) == len(expected) == 4 and all(torch.equal(a, b) for a, b in zip(grads, expected))
+    assert all(g.abs().sum() > 0 for g in grads)

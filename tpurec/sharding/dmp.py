@@ -314,6 +314,29 @@ class TpuDataParallelWrapper(QuietDataParallelWrapper):
             super().wrap(dmp, env, device)
         finally:
             ddp._verify_param_shape_across_processes = saved
+        _skip_one_rank_all_reduce(dmp._dmp_wrapped_module)
+
+
+ONE_RANK_ALL_REDUCE_SWITCH = "TPUREC_ONE_RANK_ALL_REDUCE"
+
+
+def _skip_one_rank_all_reduce(ddp: nn.Module) -> None:
+    """On a one-rank TPU job, DDP's gradients go to the optimizer without the all-reduce.
+
+    DDP's default divides each gradient bucket by the world size and all-reduces it: on one rank both
+    leave the numbers as they are (x / 1 and a sum over one rank are exact), but on TorchTPU each is an
+    op of its own for every bucket and step (a TensorCore program and a `c10d::allreduce_` collective,
+    docs/tpu.md "every op is a program"). torch's `noop_hook` hands DDP the bucket as it is instead.
+    TPUREC_ONE_RANK_ALL_REDUCE=1 keeps DDP's default (to measure the difference, docs/dmp.md).
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(ddp, DistributedDataParallel) or ddp.process_group.size() != 1:
+        return
+    if os.environ.get(ONE_RANK_ALL_REDUCE_SWITCH, "") not in ("", "0"):
+        return
+    ddp.register_comm_hook(None, noop_hook)
 
 
 class DistributedModelParallel(_TorchrecDMP):
