@@ -79,6 +79,52 @@ def test_the_compiled_update_steps_as_torch_optim_bit_for_bit_and_compiles_once(
     assert all(p.grad is None for p in compiled_model.parameters())  # cleared, as the graph does
 
 
+class _Mutations(_Counting):
+    """`_Counting` that records how many of each graph's inputs AOTAutograd found mutated: with
+    `keep_inference_input_mutations=False` (TorchTPU's backend, and `_Counting`'s aot_autograd) each
+    is copied back by an eager `copy_` after the graph, an op of its own on TorchTPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mutated: list[int] = []
+
+    def __call__(self, gm, inputs):
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._guards import TracingContext
+
+        def forward(g, _):
+            context = TracingContext.try_get()
+            assert context is not None and context.fw_metadata is not None
+            self.mutated.append(context.fw_metadata.num_mutated_inp_runtime_indices)
+            return g.forward
+
+        self.graphs += 1
+        return aot_autograd(fw_compiler=forward)(gm, inputs)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_the_graph_mutates_no_input_and_the_live_tensors_take_the_results(name):
+    """The compiled update returns its results and one `_foreach_copy_` per device puts them back,
+    into the same tensors (an alias taken before the step sees the new values), instead of an eager
+    copy per parameter and state tensor after the graph."""
+    model = _model()
+    opt = _keyed(model, OPTIMIZERS[name])
+    backend = _Mutations()
+    compile_dense_update(opt, model, "cpu", backend=backend)
+    _train(model, opt, steps=2)  # compiled, and every state made
+    alias = model[0].weight.detach()
+    before = alias.clone()
+    state = opt.state_dict()["state"]
+    key = next(iter(state))
+    tensors = {k: v for k, v in state[key].items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+    kept = {k: v.clone() for k, v in tensors.items()}
+    model(torch.randn(4, 6)).sum().backward()
+    opt.step()
+    assert backend.graphs == 1 and backend.mutated == [0]
+    assert not torch.equal(alias, before) and alias.data_ptr() == model[0].weight.data_ptr()
+    assert tensors and all(not torch.equal(v, kept[k]) for k, v in tensors.items())
+
+
 def test_an_optimizer_it_does_not_implement_keeps_torch_optims_step():
     model = _model()
     opt = _keyed(model, lambda ps: torch.optim.RMSprop(ps, lr=0.01))

@@ -44,8 +44,13 @@ def compile_dense_update(optimizer: Any, module: torch.nn.Module, device: str, b
         return f"the dense update stays eager ({e})"
     flat_params = dense.flat_params()
 
-    def update(lrs: Any, states: Any, bases: list[torch.Tensor], cuts: tuple[Any, ...]) -> None:
-        dense.apply_grads(lrs, states, [_GradSlices.cut(bases, c) for c in cuts])
+    def update(lrs: Any, states: Any, bases: list[torch.Tensor], cuts: tuple[Any, ...]) -> Any:
+        # updates copies and returns them: no input is mutated in the graph (see `_copy_back`)
+        with torch.no_grad():
+            new_params = [p.clone() for p in flat_params]
+            new_states = [[[t.clone() for t in s] for s in group] for group in states]
+            dense.apply_grads(lrs, new_states, [_GradSlices.cut(bases, c) for c in cuts], into=new_params)
+        return new_params, new_states
 
     compiled: Any = torch.compile(update, backend=backend or backend_for(device), fullgraph=True, dynamic=False)
 
@@ -55,11 +60,42 @@ def compile_dense_update(optimizer: Any, module: torch.nn.Module, device: str, b
             with torch.enable_grad():
                 loss = closure()
         slices = _GradSlices([p.grad for p in flat_params])
-        compiled(dense.lr_inputs(), dense.state_inputs(), slices.bases, slices.cuts)
+        # cleared before the graph (it clears them anyway): a parameter whose `.grad` is a bucket's view,
+        # wrapped by Dynamo as a graph input, would bring the bucket in as a view's base, its size a
+        # symbol (TorchTPU's backend has no bound for it, as for the offsets below)
+        for p in flat_params:
+            p.grad = None
+        states = dense.state_inputs()
+        new_params, new_states = compiled(dense.lr_inputs(), states, slices.bases, slices.cuts)
+        _copy_back([*flat_params, *_flat(states)], [*new_params, *_flat(new_states)])
         return loss
 
     dense.optimizer.step = step  # type: ignore[method-assign]  # what KeyedOptimizerWrapper.step calls
     return f"the dense update ({dense.kind}, {len(params)} tensors) compiled"
+
+
+def _flat(states: Any) -> list[torch.Tensor]:
+    return [t for group in states for s in group for t in s]
+
+
+def _copy_back(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    """The updated parameters and state into the live tensors, one `_foreach_copy_` per device.
+
+    A graph that mutated them in place would get AOTAutograd's mutation epilogue: TorchTPU's backend
+    compiles with `keep_inference_input_mutations=False` (docs/tpu.md), so each mutated input is
+    copied back by an eager `copy_` of its own after the graph (a parameter's with a `detach` too),
+    ~100 ops a step for MLPerf DLRM-DCNv2's ~25 dense tensors under Adagrad, each a TorchTPU
+    dispatch. TorchTPU has a kernel of its own for `_foreach_copy_` (torchtpu_kernels.json): one
+    dispatch per device. Copies, not rebinding: what aliases a parameter or a state tensor
+    (`state_dict()`, a checkpoint's view) keeps seeing the live values."""
+    by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for t, v in zip(targets, values, strict=True):
+        dst, src = by_device.setdefault(t.device, ([], []))
+        dst.append(t)
+        src.append(v)
+    with torch.no_grad():
+        for dst, src in by_device.values():
+            torch._foreach_copy_(dst, src)
 
 
 class _GradSlices:

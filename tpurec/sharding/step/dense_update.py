@@ -185,13 +185,16 @@ class DenseOptimizer:
         lrs: Sequence[torch.Tensor],
         states: Sequence[Sequence[Sequence[torch.Tensor]]],
         given: Sequence[torch.Tensor | None],
+        into: Sequence[torch.Tensor] | None = None,
     ) -> None:
         """`apply` with each parameter's gradient handed in (`given`, every group's parameters in
         order; None: no update): dense_update_compile.py hands DDP's bucket views in as slices of
-        their buckets, so the graph sees no view's storage offset. Clears the gradients."""
+        their buckets, so the graph sees no view's storage offset. `into`: tensors updated in the
+        parameters' place (every group's in order; that module's copies). Clears the gradients."""
         with torch.no_grad():
             flat = iter(given)  # zip draws from it only while a group's parameters last
-            groups = zip(self._params, states)
+            targets = self._params if into is None else _grouped_like(into, self._params)
+            groups = zip(targets, states)
             have = [[(p, s, g) for p, s, g in zip(ps, ss, flat) if g is not None] for ps, ss in groups]
             grads = _mean_over_ranks([g for pairs in have for _, _, g in pairs], self.group, self.world_size)
             i = 0
@@ -202,6 +205,11 @@ class DenseOptimizer:
             for ps in self._params:
                 for p in ps:
                     p.grad = None
+
+
+def _grouped_like(flat: Sequence[torch.Tensor], groups: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+    it = iter(flat)
+    return [[next(it) for _ in g] for g in groups]
 
 
 def scalar_device(params: Sequence[torch.Tensor]) -> torch.device | None:
