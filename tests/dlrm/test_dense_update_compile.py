@@ -11,13 +11,22 @@ import pytest
 import torch
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 
-from tpurec.dlrm.training.dense_update_compile import compile_dense_update
+from tpurec.dlrm.training.dense_update_compile import FOREACH_SWITCH, compile_dense_update
 
 OPTIMIZERS = {
     "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.05, eps=1e-8),
     "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
     "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
 }
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test compiles its own updates: the closures share one code object, whose compilations
+    Dynamo caps per process (recompile_limit 8); a run of `tpurec train` compiles one."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
 
 
 def _model() -> torch.nn.Module:
@@ -58,8 +67,10 @@ def _train(model, opt, steps: int = 4) -> list[float]:
     return losses
 
 
+@pytest.mark.parametrize("foreach", ["0", "1"])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_the_compiled_update_steps_as_torch_optim_bit_for_bit_and_compiles_once(name):
+def test_the_compiled_update_steps_as_torch_optim_bit_for_bit_and_compiles_once(name, foreach, monkeypatch):
+    monkeypatch.setenv(FOREACH_SWITCH, foreach)
     eager_model = _model()
     compiled_model = copy.deepcopy(eager_model)
     eager_opt = _keyed(eager_model, OPTIMIZERS[name])
@@ -103,10 +114,12 @@ class _Mutations(_Counting):
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_the_graph_mutates_no_input_and_the_live_tensors_take_the_results(name):
-    """The compiled update returns its results and one `_foreach_copy_` per device puts them back,
-    into the same tensors (an alias taken before the step sees the new values), instead of an eager
-    copy per parameter and state tensor after the graph."""
+def test_with_foreach_copy_the_graph_mutates_no_input_and_the_live_tensors_take_the_results(name, monkeypatch):
+    """TPUREC_DENSE_FOREACH_COPY=1: the compiled update returns its results and one `_foreach_copy_`
+    per device puts them back, into the same tensors (an alias taken before the step sees the new
+    values), instead of an eager copy per parameter and state tensor after the graph (the default:
+    the graph mutates them, `mutated` 12 for Adagrad's 4 parameters, steps and sums)."""
+    monkeypatch.setenv(FOREACH_SWITCH, "1")
     model = _model()
     opt = _keyed(model, OPTIMIZERS[name])
     backend = _Mutations()
@@ -123,6 +136,12 @@ def test_the_graph_mutates_no_input_and_the_live_tensors_take_the_results(name):
     assert backend.graphs == 1 and backend.mutated == [0]
     assert not torch.equal(alias, before) and alias.data_ptr() == model[0].weight.data_ptr()
     assert tensors and all(not torch.equal(v, kept[k]) for k, v in tensors.items())
+    monkeypatch.setenv(FOREACH_SWITCH, "0")
+    in_place = _Mutations()
+    compile_dense_update(opt, model, "cpu", backend=in_place)
+    model(torch.randn(4, 6)).sum().backward()
+    opt.step()
+    assert in_place.mutated and in_place.mutated[0] >= 8  # the 4 parameters and their state
 
 
 def test_an_optimizer_it_does_not_implement_keeps_torch_optims_step():

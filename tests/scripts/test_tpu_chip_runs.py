@@ -31,6 +31,8 @@ def test_every_steps_command_parses_and_names_a_script_that_exists(tmp_path):
         "tt-steps-eager",
         "tt-steps-copy",
         "tt-steps-narrow",
+        "tt-steps-foreach",
+        "tt-foreach",
         "split",
         "split-eager",
         "split-copy",

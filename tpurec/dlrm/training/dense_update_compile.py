@@ -25,6 +25,11 @@ from typing import Any
 import torch
 
 from tpurec.errors import UserError
+from tpurec.runtime import env_flags
+
+# TPUREC_DENSE_FOREACH_COPY=1: the graph returns the updated tensors and one `_foreach_copy_` puts
+# them back (`_copy_back`), instead of mutating them in the graph
+FOREACH_SWITCH = "TPUREC_DENSE_FOREACH_COPY"
 
 
 def compile_dense_update(optimizer: Any, module: torch.nn.Module, device: str, backend: Any = None) -> str:
@@ -45,13 +50,17 @@ def compile_dense_update(optimizer: Any, module: torch.nn.Module, device: str, b
     flat_params = dense.flat_params()
 
     def update(lrs: Any, states: Any, bases: list[torch.Tensor], cuts: tuple[Any, ...]) -> Any:
+        grads = [_GradSlices.cut(bases, c) for c in cuts]
+        if not foreach:
+            return dense.apply_grads(lrs, states, grads)
         # updates copies and returns them: no input is mutated in the graph (see `_copy_back`)
         with torch.no_grad():
             new_params = [p.clone() for p in flat_params]
             new_states = [[[t.clone() for t in s] for s in group] for group in states]
-            dense.apply_grads(lrs, new_states, [_GradSlices.cut(bases, c) for c in cuts], into=new_params)
+            dense.apply_grads(lrs, new_states, grads, into=new_params)
         return new_params, new_states
 
+    foreach = env_flags.is_on(FOREACH_SWITCH)
     compiled: Any = torch.compile(update, backend=backend or backend_for(device), fullgraph=True, dynamic=False)
 
     def step(closure: Any = None) -> Any:
@@ -66,8 +75,9 @@ def compile_dense_update(optimizer: Any, module: torch.nn.Module, device: str, b
         for p in flat_params:
             p.grad = None
         states = dense.state_inputs()
-        new_params, new_states = compiled(dense.lr_inputs(), states, slices.bases, slices.cuts)
-        _copy_back([*flat_params, *_flat(states)], [*new_params, *_flat(new_states)])
+        out = compiled(dense.lr_inputs(), states, slices.bases, slices.cuts)
+        if foreach:
+            _copy_back([*flat_params, *_flat(states)], [*out[0], *_flat(out[1])])
         return loss
 
     dense.optimizer.step = step  # type: ignore[method-assign]  # what KeyedOptimizerWrapper.step calls
@@ -87,7 +97,8 @@ def _copy_back(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
     ~100 ops a step for MLPerf DLRM-DCNv2's ~25 dense tensors under Adagrad, each a TorchTPU
     dispatch. TorchTPU has a kernel of its own for `_foreach_copy_` (torchtpu_kernels.json): one
     dispatch per device. Copies, not rebinding: what aliases a parameter or a state tensor
-    (`state_dict()`, a checkpoint's view) keeps seeing the live values."""
+    (`state_dict()`, a checkpoint's view) keeps seeing the live values. Opt-in (FOREACH_SWITCH): its
+    one v5e run (session 38) was not faster than the in-place graph's (docs/results.md)."""
     by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for t, v in zip(targets, values, strict=True):
         dst, src = by_device.setdefault(t.device, ([], []))
