@@ -79,3 +79,36 @@ def test_switched_off_or_small_tables_are_never_advised(monkeypatch):
 def test_advise_covers_only_whole_granules():
     tiny = torch.zeros(16)  # 64 bytes: no whole 2 MiB granule inside
     assert huge_pages.advise(tiny) is False
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not THP.exists() or "[never]" in THP.read_text(),
+    reason="transparent huge pages are off on this host",
+)
+def test_move_onto_keeps_the_tensor_and_its_values_in_advised_memory():
+    probe = torch.empty(5 << 20, dtype=torch.uint8)
+    if not huge_pages.advise(probe):
+        pytest.skip("this host refuses madvise(MADV_HUGEPAGE) (a sandbox's seccomp, say)")
+    t = torch.nn.Parameter(torch.arange(100_000 * 64, dtype=torch.float32))  # 25.6 MB
+    before, ident = t.detach().clone(), id(t)
+    assert _advised_kib(t) < 11 * 2048  # torch's allocator did not advise it
+    assert huge_pages.move_onto(t) is True
+    assert id(t) == ident and torch.equal(t.detach(), before) and _advised_kib(t) >= 11 * 2048
+    small = torch.ones(10)
+    assert huge_pages.move_onto(small) is False and torch.equal(small, torch.ones(10))
+
+
+def test_the_fbgemm_peer_steps_from_memory_on_huge_pages_with_equal_work():
+    """The kernels benchmark's FBGEMM side: its weights and state moved (huge_pages.move_onto), its
+    step still equal to tpurec's on the same ids (equal_work), the moved memory what it reads."""
+    from tpurec.bench import contenders, equal_work, matrix
+
+    shape = matrix.Shape(tables=2, rows=40_000, dim=32, batch=64, zipf=False)  # 10.2 MB of weights
+    ours, theirs = contenders.build(shape.tables, shape.rows, shape.dim, "adagrad")
+    batch = matrix.make_batches(shape, 20, 1, 0)[0]
+    upstream = equal_work.upstream_gradient(shape.batch, shape.tables * shape.dim, 0)
+    assert equal_work.check(ours, theirs, batch, upstream)
+    if sys.platform.startswith("linux") and THP.exists() and "[never]" not in THP.read_text():
+        weights = theirs.tables()[0]
+        if huge_pages.advise(torch.empty(5 << 20, dtype=torch.uint8)):
+            assert _advised_kib(weights) > 0

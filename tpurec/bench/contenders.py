@@ -14,7 +14,8 @@ with a fixed upstream gradient. Every side exposes the same surface, so the equa
   torch.optim.Adam would update every row of every table each step: other work, other results.)
 
 The peer starts from tpurec's initial tables (copied), so one step on the same ids must give the
-same tables on both sides.
+same tables on both sides. FBGEMM's weights and optimizer state are moved onto transparent huge pages,
+as tpurec's own tables are (`tpurec.embedding.huge_pages`): both sides under the same memory conditions.
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ def tpurec_side(num_tables: int, rows: int, dim: int, optimizer: str, extra: dic
 def fbgemm_side(optimizer: str, initial: list) -> Side:
     import torch
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    from tpurec.embedding import huge_pages
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
         ComputeDevice,
@@ -102,6 +105,12 @@ def fbgemm_side(optimizer: str, initial: list) -> Side:
     with torch.no_grad():
         for w, src in zip(tbe.split_embedding_weights(), initial):
             w.copy_(src)
+    # Its weights and optimizer state on huge pages, as tpurec's (huge_pages.py): from torch's
+    # allocator they got them only where the process's history did, and a cell's FBGEMM step ranged
+    # 66-96 ms between runs with that (docs/results.md, session 38).
+    for name in ("weights_host", "momentum1_host", "momentum2_host"):
+        if isinstance(getattr(tbe, name, None), torch.Tensor):
+            huge_pages.move_onto(getattr(tbe, name))
 
     def step(kjt, upstream):
         out = tbe(kjt.values(), kjt.offsets())

@@ -42,6 +42,23 @@ def filled(shape: tuple[int, ...], value: float, dtype: torch.dtype, device: tor
     return out.fill_(value)  # the first write: the pages are faulted in now, huge where granted
 
 
+def move_onto(t: torch.Tensor) -> bool:
+    """`t`'s values into new memory advised onto huge pages before its first write, `t` taking that
+    storage (`set_`: the same tensor object, so whatever reads `t` later reads the new memory; views
+    made before keep the old). For tensors allocated elsewhere, such as a benchmark peer's tables
+    (tpurec/bench/contenders.py). Whether it moved (same rules as `filled`)."""
+    nbytes = t.numel() * t.element_size()
+    if t.device.type != DeviceKind.CPU or nbytes < MIN_BYTES or not _enabled() or not t.is_contiguous():
+        return False
+    new = torch.empty_like(t)
+    if not advise(new):
+        return False
+    with torch.no_grad():
+        new.copy_(t)  # the first write: the pages are faulted in now, huge where granted
+        t.set_(new)
+    return True
+
+
 def advise(t: torch.Tensor) -> bool:
     """madvise(MADV_HUGEPAGE) over the whole 2 MiB granules of t's memory; whether Linux accepted."""
     start = t.data_ptr()
