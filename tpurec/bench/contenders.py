@@ -85,13 +85,13 @@ def tpurec_side(num_tables: int, rows: int, dim: int, optimizer: str, extra: dic
 def fbgemm_side(optimizer: str, initial: list) -> Side:
     import torch
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
-
-    from tpurec.embedding import huge_pages
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
         ComputeDevice,
         SplitTableBatchedEmbeddingBagsCodegen,
     )
+
+    from tpurec.embedding import huge_pages
 
     _, kwargs, kind = OPTIMIZERS[optimizer]
     assert kind is not None, f"FBGEMM's TBE has no {optimizer}"  # peer_of picks another contender then
