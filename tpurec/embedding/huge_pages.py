@@ -55,7 +55,7 @@ def move_onto(t: torch.Tensor) -> bool:
         return False
     with torch.no_grad():
         new.copy_(t)  # the first write: the pages are faulted in now, huge where granted
-        t.set_(new)
+        t.set_(new.untyped_storage(), new.storage_offset(), new.size(), new.stride())
     return True
 
 
