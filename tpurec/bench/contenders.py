@@ -106,8 +106,7 @@ def fbgemm_side(optimizer: str, initial: list) -> Side:
         for w, src in zip(tbe.split_embedding_weights(), initial):
             w.copy_(src)
     # Its weights and optimizer state on huge pages, as tpurec's (huge_pages.py): from torch's
-    # allocator they got them only where the process's history did, and a cell's FBGEMM step ranged
-    # 66-96 ms between runs with that (docs/results.md, session 38).
+    # allocator they got them only where the process's history did (docs/results.md, session 38).
     for name in ("weights_host", "momentum1_host", "momentum2_host"):
         if isinstance(getattr(tbe, name, None), torch.Tensor):
             huge_pages.move_onto(getattr(tbe, name))
