@@ -29,8 +29,10 @@ def _keys(rng, sizes, row_bits, key_bits, dtype):
 
 @pytest.mark.parametrize(
     "row_bits, key_bits, dtype",
-    [(0, 8, np.uint32), (5, 10, np.uint32), (15, 15, np.uint32), (17, 15, np.uint32), (20, 30, np.int64)],
-)
+    # 13 and 15 row bits: the 5,000- and 40,000-key segments in one counting pass, the others by digits
+    [(0, 8, np.uint32), (5, 10, np.uint32), (13, 12, np.uint32), (15, 15, np.uint32), (17, 15, np.uint32),
+     (20, 30, np.int64)],
+)  # fmt: skip
 def test_the_radix_sort_gives_numpys_sorted_keys(row_bits, key_bits, dtype):
     rng = np.random.default_rng(row_bits)
     # empty and one-key segments, a few rows taking many keys (repeated keys), large segments
@@ -43,6 +45,13 @@ def test_the_radix_sort_gives_numpys_sorted_keys(row_bits, key_bits, dtype):
     assert got.dtype == expected.dtype and np.array_equal(got, expected)
     # with rows there was something to sort; without (1-row tables) the keys come sorted
     assert np.array_equal(keys, expected) == (row_bits == 0)
+
+
+def test_one_counting_pass_where_the_keys_are_a_sixth_of_the_buckets_or_more():
+    assert key_sort.one_pass(40_000, 15) and key_sort.one_pass(5_000, 13)  # 32,768 <= 240,000; 8,192 <= 30,000
+    assert not key_sort.one_pass(5_000, 15)  # 32,768 > 30,000: two 8-bit digits
+    assert not key_sort.one_pass(1_000_000, 11)  # one digit already
+    assert not key_sort.one_pass(1_000_000, 17)  # 131,072 counts: past L2, by digits
 
 
 @pytest.mark.parametrize("name", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
