@@ -16,7 +16,10 @@ split contender), the table updates landed by `index_copy_` of their rows (tpu_b
   TPUREC_TC_UPDATE=copy (the new tables copied back), `-narrow` with TPUREC_NARROW_INPUTS=1 (session
   35: spikes of 7.5-28 s where their layout changed; `input_copy.WireForms` since, not rerun),
   `-foreach` with TPUREC_DENSE_FOREACH_COPY=1 (the dense update's results put back in one
-  `_foreach_copy_`, not AOTAutograd's copy per tensor); `tt-foreach`: tt-long with it;
+  `_foreach_copy_`, not AOTAutograd's copy per tensor; session 39: a tie, 238.8 against 237.0 ms),
+  `-serial` with TPUREC_HOST_THREADS=1 (each stack's CSR build and host-to-device copy in the calling thread
+  one after another: whether copies from the pool's threads hold up the main thread's dispatch);
+  `tt-foreach`: tt-long with the foreach copy-back;
 - `split` (#59): its split contender alone: the step's pieces (host build and copies, lookup, dense,
   update) and the device's bytes in use after each (`device_bytes_by_piece`); `-eager`
   (TPUREC_SPLIT_COMPILE_DENSE=0), `-copy`, `-narrow` as above; `-xla` with TPUREC_NO_PALLAS=1 (XLA's
@@ -47,7 +50,7 @@ time limit; one call of the device tool runs at most 600 s, so give each call th
     python3 scripts/tpu_chip_runs.py tt-narrow              # ~400 s: the ratio with the inputs narrowed
     python3 scripts/tpu_chip_runs.py split-merge split-xla  # ~2 x 120 s: the update's and lookup's options
     python3 scripts/tpu_chip_runs.py tt-steps tt-steps-narrow  # ~2 x 170 s
-    python3 scripts/tpu_chip_runs.py tt-steps tt-steps-foreach  # ~2 x 170 s: the dense copy-back A/B
+    python3 scripts/tpu_chip_runs.py tt-steps tt-steps-serial  # ~2 x 170 s: the host threads A/B
     python3 scripts/tpu_chip_runs.py compiled               # ~170 s (session 34; step_ahead since)
     python3 scripts/tpu_chip_runs.py update                 # ~200 s: the table update's pieces
     python3 scripts/tpu_chip_runs.py kernels                # the kernels matrix (not run since session 30)
@@ -105,6 +108,7 @@ def steps(out: str) -> dict[str, Step]:
         "tt-steps-copy": Step(300, tsteps, env={"TPUREC_TC_UPDATE": "copy"}),
         "tt-steps-narrow": Step(300, tsteps, env={"TPUREC_NARROW_INPUTS": "1"}),
         "tt-steps-foreach": Step(300, tsteps, env={"TPUREC_DENSE_FOREACH_COPY": "1"}),
+        "tt-steps-serial": Step(300, tsteps, env={"TPUREC_HOST_THREADS": "1"}),
         # tt-long with the dense update's results put back by one _foreach_copy_ (session 38: 271.0 ms
         # in its one run, against 252.9 without two runs earlier; the windows of 10 steps 242-297 ms)
         "tt-foreach": Step(

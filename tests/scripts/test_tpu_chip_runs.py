@@ -32,6 +32,7 @@ def test_every_steps_command_parses_and_names_a_script_that_exists(tmp_path):
         "tt-steps-copy",
         "tt-steps-narrow",
         "tt-steps-foreach",
+        "tt-steps-serial",
         "tt-foreach",
         "split",
         "split-eager",
