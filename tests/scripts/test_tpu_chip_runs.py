@@ -44,6 +44,7 @@ def test_every_steps_command_parses_and_names_a_script_that_exists(tmp_path):
         "link",
         "inplace",
         "update",
+        "dense-bags",
         "compiled",
         "pipelined",
         "kernels",

@@ -36,6 +36,15 @@ OPS = ("lookup", "sgd", "rowwise_adagrad")
 
 def _inputs(cell: Cell, seed: int) -> dict[str, Any]:
     """Ids, samples (sample-major bags) and tpurec's CSR for the cell, on the default JAX device."""
+    import numpy as np
+
+    g = np.random.default_rng(seed)
+    ids = (g.zipf(1.1, cell.ids) - 1) % cell.rows if cell.dist == "zipf" else g.integers(0, cell.rows, cell.ids)
+    return inputs_for(ids, np.repeat(np.arange(cell.batch), cell.pooling), cell.batch)
+
+
+def inputs_for(ids: Any, samples: Any, batch: int) -> dict[str, Any]:
+    """`_inputs`' dict for given int64 ids and their samples (numpy, sample-major), on the default JAX device."""
     import jax.numpy as jnp
     import numpy as np
     import torch
@@ -43,17 +52,14 @@ def _inputs(cell: Cell, seed: int) -> dict[str, Any]:
     from tpurec.embedding.constraints import round_up
     from tpurec.embedding.preprocess import preprocess
 
-    g = np.random.default_rng(seed)
-    ids = (g.zipf(1.1, cell.ids) - 1) % cell.rows if cell.dist == "zipf" else g.integers(0, cell.rows, cell.ids)
-    samples = np.repeat(np.arange(cell.batch), cell.pooling)
     csr, _ = preprocess(
         torch.from_numpy(ids),
         torch.from_numpy(samples),
-        torch.ones(cell.ids),
-        device_batch_size=cell.batch,
+        torch.ones(ids.size),
+        device_batch_size=batch,
         num_sc_per_device=1,
         global_device_count=1,
-        max_ids_per_partition=round_up(cell.ids + 8, 8),
+        max_ids_per_partition=round_up(ids.size + 8, 8),
     )
     head = tuple(jnp.asarray(t.numpy()) for t in (csr.row_pointers, csr.embedding_ids, csr.sample_ids, csr.gains))
     return {
