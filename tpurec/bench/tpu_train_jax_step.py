@@ -76,6 +76,10 @@ def train_step(w: Workload, params: Params, state: Params, batch: Batch) -> tupl
     return {"tables": tables, "dense": dense}, {"tables": accs, "dense": dense_acc}, loss
 
 
+@functools.lru_cache(maxsize=4)
 def jitted_step(w: Workload) -> Callable[[Params, Params, Batch], tuple[Params, Params, jax.Array]]:
-    """train_step jitted end to end, the parameters and the state donated (updated in place)."""
+    """train_step jitted end to end, the parameters and the state donated (updated in place). One per
+    workload in a process: a later `train` of the same workload reuses its compiled program (a new
+    `jax.jit` of a new partial compiled it again). The bench runs a process per round, so this serves
+    in-process callers: the CPU tests that train one workload twice."""
     return jax.jit(functools.partial(train_step, w), donate_argnums=(0, 1))
