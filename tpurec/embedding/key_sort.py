@@ -17,8 +17,8 @@ by the row bits alone: within a table's keys `low` never decreases in input orde
 radix sort is stable, so rows that tie keep it and the array is the fully sorted one. The layout
 path's CSR build (csr_build.py) sorts whole keys: every bit.
 
-Which sort runs is measured once per process (`use_radix`): both sort the same 32k keys of two
-digits, the faster wins. The results are the same either way.
+Which sort runs is measured once per process (`use_radix`): both sort the same 32k keys of 15 row
+bits (the radix side in one counting pass there), the faster wins. The results are the same either way.
 """
 
 from __future__ import annotations
