@@ -45,6 +45,7 @@ def test_every_steps_command_parses_and_names_a_script_that_exists(tmp_path):
         "inplace",
         "update",
         "dense-bags",
+        "gather",
         "compiled",
         "pipelined",
         "kernels",

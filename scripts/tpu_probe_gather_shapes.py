@@ -1,0 +1,108 @@
+"""Chip probe 14: how XLA's row gather (`jnp.take`) on the v5e depends on the number of ids, the
+index mode and the ids' order (#59's lookup bar: the gather is the lookup's floor).
+
+Why: in probe 13 (session 40) `jnp.take` of 131,072 uniform ids from a 1M x 128 f32 table took
+1.17 ms (57 GB/s of rows) but of 130,396 ids 0.71 ms (94 GB/s), and the bag-major gather of
+262,144 slots 3.58 ms: the gather's cost is not linear in the ids. If some counts (a power of two,
+a size over 2^17) take a slow path, the TensorCore kernel can pad or split its gathers to the fast
+one, and the lookup floor drops with it.
+
+Contenders per size (interleaved in a random order per round, `tpu_kernels._time`; all gather the same
+rows, checked once):
+- `take_fill`: `jnp.take(t, ids, axis=0)` (mode "fill": the bench's XLA contender);
+- `index_clip`: `t[ids]` (clamped indices: tpurec's lookup);
+- `take_inbounds`: `t.at[ids].get(mode="promise_in_bounds")` (no clamp, no fill);
+- `halves`: two `take`s of half the ids each, concatenated (a gather under 2^17 ids each);
+- `sorted`: `take` of the same ids sorted (row locality; not the same output order).
+
+    python3 scripts/tpu_probe_gather_shapes.py          # on the chip: $OUT/gather_shapes.json
+    python3 scripts/tpu_probe_gather_shapes.py --cpu    # tiny sizes on CPU JAX (tests/scripts)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+ROWS = 1_000_000
+SIZES = [65_536, 98_304, 130_396, 131_064, 131_072, 131_080, 196_608, 262_144]  # ids a gather
+WIDTHS = {128: SIZES, 64: [130_396, 131_072], 16: [130_396, 131_072]}
+CPU = (2_000, {128: [96, 128]})
+
+
+def contenders(table: Any, ids: Any) -> dict[str, Any]:
+    """name -> a no-argument call gathering `ids`' rows of `table` (jitted; `sorted` on sorted ids)."""
+    import jax
+    import jax.numpy as jnp
+
+    h = ids.shape[0] // 2
+    fill = jax.jit(lambda t, i: jnp.take(t, i, axis=0))
+    clip = jax.jit(lambda t, i: t[i])
+    inb = jax.jit(lambda t, i: t.at[i].get(mode="promise_in_bounds"))
+    halves = jax.jit(lambda t, i: jnp.concatenate([jnp.take(t, i[:h], axis=0), jnp.take(t, i[h:], axis=0)]))
+    ordered = jnp.sort(ids)
+    return {
+        "take_fill": lambda: fill(table, ids),
+        "index_clip": lambda: clip(table, ids),
+        "take_inbounds": lambda: inb(table, ids),
+        "halves": lambda: halves(table, ids),
+        "sorted": lambda: fill(table, ordered),
+    }
+
+
+def run_size(rows: int, width: int, n: int, rounds: int, reps: int, rng: random.Random) -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from tpurec.bench import tpu_kernels
+
+    g = np.random.default_rng(n + width)
+    table = jax.random.normal(jax.random.key(width), (rows, width), jnp.float32)
+    ids = jnp.asarray(g.integers(0, rows, n).astype(np.int32))
+    calls = contenders(table, ids)
+    want = np.asarray(tpu_kernels._block(calls["take_fill"]()))
+    for k in ("index_clip", "take_inbounds", "halves"):  # equal work: the same rows in the same order
+        if not np.array_equal(np.asarray(tpu_kernels._block(calls[k]())), want):
+            raise AssertionError(f"{rows}x{width} {n} ids: {k} gathered other rows than take_fill")
+    secs = tpu_kernels._time(calls, rounds, reps, rng)
+    ms = {k: 1e3 * float(np.median(v)) for k, v in secs.items()}
+    return {
+        "table": f"{rows}x{width} float32",
+        "ids": n,
+        "ms": ms,
+        "GBps_rows": {k: n * width * 4 / v / 1e6 for k, v in ms.items()},
+        "ns_per_id": {k: v * 1e6 / n for k, v in ms.items()},
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cpu", action="store_true", help="tiny sizes on CPU JAX")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "gather_shapes.json"))
+    args = p.parse_args(argv)
+    import jax
+
+    rng = random.Random(0)
+    rounds, reps = (1, 1) if args.cpu else (args.rounds, args.reps)
+    rows, widths = CPU if args.cpu else (ROWS, WIDTHS)
+    doc: dict[str, Any] = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "cells": []}
+    for width, sizes in widths.items():
+        for n in sizes:
+            doc["cells"].append(run_size(rows, width, n, rounds, reps, rng))
+            print(json.dumps(doc["cells"][-1]), flush=True)
+            Path(args.out).write_text(json.dumps(doc, indent=1))  # after each cell: a timed-out run keeps them
+    return doc
+
+
+if __name__ == "__main__":
+    main()

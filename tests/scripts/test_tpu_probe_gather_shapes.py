@@ -1,0 +1,21 @@
+"""scripts/tpu_probe_gather_shapes.py's smoke run (--cpu): every gather form timed at each size, the
+forms that keep the ids' order equal to `jnp.take`'s (checked inside the run)."""
+
+from __future__ import annotations
+
+import json
+
+from tests.helpers.scripts import load_script
+
+
+def test_cpu_smoke_run_times_every_gather_form_at_each_size(tmp_path):
+    out = tmp_path / "g.json"
+    doc = load_script("tpu_probe_gather_shapes").main(["--cpu", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(doc))
+    assert [c["ids"] for c in doc["cells"]] == [96, 128]
+    for c in doc["cells"]:
+        assert set(c["ms"]) == {"take_fill", "index_clip", "take_inbounds", "halves", "sorted"}
+        assert min(c["ms"].values()) > 0
+        # the bytes of rows a second follow from the time: ids x width x 4 bytes
+        got = c["GBps_rows"]["take_fill"] * c["ms"]["take_fill"] * 1e6
+        assert abs(got - c["ids"] * 128 * 4) < 1e-6 * c["ids"] * 128 * 4
