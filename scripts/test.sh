@@ -19,4 +19,14 @@ export JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 TORCH_DEVICE_BACKEND_AUTOLOAD=0
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 marker=(-m "not slow and not tpu")
 if [ "${1:-}" = "--all" ]; then shift; marker=(-m "not tpu"); fi
-exec .venv/bin/python -m pytest "${marker[@]}" "$@"
+# Parallel workers (pytest-xdist), one per core of the 2-core VMs the suite is timed on; worksteal
+# hands a worker left idle the queued tests of a busier one. TPUREC_TEST_WORKERS=0 runs serially in
+# this one process (as pytest alone does); a later `-n N` among the arguments wins too.
+workers=${TPUREC_TEST_WORKERS:-2}
+parallel=()
+if [ "$workers" != 0 ]; then
+  parallel=(-n "$workers" --dist worksteal)
+  .venv/bin/python -c "import xdist" 2>/dev/null \
+    || { echo "tpurec: pytest-xdist is missing from .venv; run 'make install' (or TPUREC_TEST_WORKERS=0)" >&2; exit 1; }
+fi
+exec .venv/bin/python -m pytest "${marker[@]}" "${parallel[@]}" "$@"

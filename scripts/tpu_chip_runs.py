@@ -43,6 +43,8 @@ split contender), the table updates landed by `index_copy_` of their rows (tpu_b
   (a fixed-axis sum after the gather) against `bench tpu-kernels`' XLA contender and tpurec's kernel;
 - `gather` (#59): chip probe 14 (`scripts/tpu_probe_gather_shapes.py`): `jnp.take`'s time against the
   number of ids (powers of two and not), the index mode, two half gathers and sorted ids;
+- `lookup-pool` (#59): chip probe 15 (`scripts/tpu_probe_lookup_pool.py`): the TensorCore lookup's
+  decode + gather and its pooling alone, and the Pallas pooling's options (row tiles, no padding copy);
 - `kernels` (#59): `bench tpu-kernels` on five cells (width 128 and 16, pooling 32, Zipf, 4M rows):
   the kernel's lookup and updates against plain JAX since the unique-id limit and one-copy inputs.
 
@@ -58,7 +60,8 @@ time limit; one call of the device tool runs at most 600 s, so give each call th
     python3 scripts/tpu_chip_runs.py compiled               # ~170 s (session 34; step_ahead since)
     python3 scripts/tpu_chip_runs.py update                 # ~200 s: the table update's pieces
     python3 scripts/tpu_chip_runs.py dense-bags             # ~150 s: a bag-major lookup against XLA's
-    python3 scripts/tpu_chip_runs.py gather                 # ~150 s: the row gather against its shape
+    python3 scripts/tpu_chip_runs.py gather                 # ~60 s: the row gather against its shape
+    python3 scripts/tpu_chip_runs.py lookup-pool            # the lookup's pieces and pooling options
     python3 scripts/tpu_chip_runs.py kernels                # the kernels matrix (~150 s, session 40)
     python3 scripts/tpu_chip_runs.py --dry-run              # the commands, nothing run
 """
@@ -150,6 +153,7 @@ def steps(out: str) -> dict[str, Step]:
         "update": Step(300, ["scripts/tpu_probe_update.py", "--limits", "1.1", "--budget-s", "240"], script=True),
         "dense-bags": Step(300, ["scripts/tpu_probe_dense_bags.py"], script=True),
         "gather": Step(300, ["scripts/tpu_probe_gather_shapes.py"], script=True),
+        "lookup-pool": Step(300, ["scripts/tpu_probe_lookup_pool.py"], script=True),
         "compiled": Step(
             430,
             [*train, "--contenders", "tpurec", "--tpurec-args=--step compiled", "--work-dir", f"{out}/wc"],

@@ -46,6 +46,7 @@ def test_every_steps_command_parses_and_names_a_script_that_exists(tmp_path):
         "update",
         "dense-bags",
         "gather",
+        "lookup-pool",
         "compiled",
         "pipelined",
         "kernels",

@@ -15,18 +15,27 @@ from tpurec.embedding.tensorcore import lookup_jax, pallas_pool, torch_ops, tpu_
 from .inputs import Case, csr_input, head, table, tail  # noqa: E402
 
 
-def test_segment_sum_is_xlas_bit_for_bit_dropping_the_invalid_marker():
-    """Entries over several chunks and a ragged last one; samples in any order, repeated, and the
-    invalid marker (== num_segments) dropped; each sample's rows summed in entry order, as XLA's."""
+@pytest.mark.parametrize("rows_per_load", [1, 8])
+@pytest.mark.parametrize("pad_values", [True, False])
+def test_segment_sum_is_xlas_bit_for_bit_dropping_the_invalid_marker(rows_per_load, pad_values):
+    """Entries over several chunks and a ragged last one (read past the rows' end where they are not
+    padded); samples in any order, repeated, and the invalid marker (== num_segments) dropped; each
+    sample's rows summed in entry order, as XLA's; a row at a time or a sublane tile a load."""
     rng = np.random.default_rng(3)
     n, segments, width = 300, 37, 128
     values = jnp.asarray(rng.standard_normal((n, width)).astype(np.float32))
     samples = jnp.asarray(rng.integers(0, segments + 1, n).astype(np.int32))
-    got = pallas_pool.segment_sum(values, samples, num_segments=segments, chunk=128, interpret=True)
+    kw = {"rows_per_load": rows_per_load, "pad_values": pad_values}
+    got = pallas_pool.segment_sum(values, samples, num_segments=segments, chunk=128, interpret=True, **kw)
     want = jnp.zeros((segments + 1, width), jnp.float32).at[samples].add(values)[:segments]
     assert got.shape == (segments, width)
     assert bool((samples == segments).any()) and bool(jnp.abs(want).max() > 0)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_segment_sum_refuses_a_tile_that_does_not_divide_the_chunk():
+    with pytest.raises(ValueError, match="rows_per_load 4"):
+        pallas_pool.segment_sum(jnp.zeros((8, 128)), jnp.zeros(8, jnp.int32), num_segments=2, rows_per_load=4)
 
 
 @pytest.mark.parametrize("case", [Case(num_sc=1, pooling="weighted", width=128), Case(num_sc=1, devices=3)], ids=str)

@@ -28,7 +28,7 @@ CHUNK, UNROLL = 1024, 8
 LANES = 128  # a VMEM tile's lanes for 32-bit values (jax/_src/pallas/mosaic/tpu_info.py, num_lanes)
 
 
-def _kernel(samples: Ref, values: Ref, out: Ref, *, chunk: int, unroll: int) -> None:
+def _kernel(samples: Ref, values: Ref, out: Ref, *, chunk: int, unroll: int, rows_per_load: int) -> None:
     @pl.when(pl.program_id(0) == 0)
     def _first() -> None:
         out[...] = jnp.zeros_like(out)
@@ -37,7 +37,19 @@ def _kernel(samples: Ref, values: Ref, out: Ref, *, chunk: int, unroll: int) -> 
         s = samples[k]
         out[pl.ds(s, 1), :] += values[pl.ds(k, 1), :]
 
-    jax.lax.fori_loop(0, chunk, add, None, unroll=unroll)
+    def add_tile(j: jax.Array, carry: None) -> None:
+        # one load of a sublane tile of entries' rows, then each row into its sample: a row load
+        # per entry fewer (the output's read-modify-write stays per entry)
+        base = pl.multiple_of(j * rows_per_load, rows_per_load)
+        tile = values[pl.ds(base, rows_per_load), :]
+        for r in range(rows_per_load):
+            s = samples[base + r]
+            out[pl.ds(s, 1), :] += tile[r : r + 1, :]
+
+    if rows_per_load == 1:
+        jax.lax.fori_loop(0, chunk, add, None, unroll=unroll)
+    else:
+        jax.lax.fori_loop(0, chunk // rows_per_load, add_tile, None, unroll=max(unroll // rows_per_load, 1))
 
 
 def output_rows(num_segments: int) -> int:
@@ -59,7 +71,9 @@ def fits(num_segments: int, width: int, vmem_capacity: int | None) -> bool:
     return vmem_capacity is not None and vmem_bytes(num_segments, width) <= vmem_capacity * 3 // 4
 
 
-@functools.partial(jax.jit, static_argnames=("num_segments", "chunk", "unroll", "interpret"))
+@functools.partial(
+    jax.jit, static_argnames=("num_segments", "chunk", "unroll", "interpret", "rows_per_load", "pad_values")
+)
 def segment_sum(
     values: jax.Array,
     samples: jax.Array,
@@ -68,16 +82,26 @@ def segment_sum(
     chunk: int = CHUNK,
     unroll: int = UNROLL,
     interpret: bool = False,
+    rows_per_load: int = 1,
+    pad_values: bool = True,
 ) -> jax.Array:
     """jax.ops.segment_sum(values, samples, num_segments) for float32 values [n, width] and int32
-    samples in [0, num_segments] (num_segments: dropped), each segment summed in entry order."""
+    samples in [0, num_segments] (num_segments: dropped), each segment summed in entry order.
+
+    rows_per_load: entries' rows read a load (1, or 8: a sublane tile). pad_values=False: the rows
+    are not copied to whole chunks; the last chunk reads past their end, and those slots' samples
+    (padded with the invalid marker, a small copy) send whatever they read to the spare row."""
+    if rows_per_load not in (1, 8) or chunk % rows_per_load:
+        raise ValueError(f"rows_per_load {rows_per_load}: 1 or 8, dividing the chunk ({chunk})")
     n, width = values.shape
     padded = -(-max(n, 1) // chunk) * chunk
     samples = jnp.pad(samples.astype(jnp.int32), (0, padded - n), constant_values=num_segments)
-    values = jnp.pad(values.astype(jnp.float32), ((0, padded - n), (0, 0)))
+    values = values.astype(jnp.float32)
+    if pad_values or n == 0:
+        values = jnp.pad(values, ((0, padded - n), (0, 0)))
     rows = output_rows(num_segments)
     out = pl.pallas_call(
-        functools.partial(_kernel, chunk=chunk, unroll=unroll),
+        functools.partial(_kernel, chunk=chunk, unroll=unroll, rows_per_load=rows_per_load),
         grid=(padded // chunk,),
         in_specs=[
             pl.BlockSpec((chunk,), lambda i: (i,), memory_space=pltpu.SMEM),
