@@ -45,6 +45,8 @@ split contender), the table updates landed by `index_copy_` of their rows (tpu_b
   number of ids (powers of two and not), the index mode, two half gathers and sorted ids;
 - `lookup-pool` (#59): chip probe 15 (`scripts/tpu_probe_lookup_pool.py`): the TensorCore lookup's
   decode + gather and its pooling alone, and the Pallas pooling's options (row tiles, no padding copy);
+- `gather-sweep` (#59): probe 14 at width 128 over sizes near 2^17 and the MLPerf stack's 2.1M slots,
+  `jnp.take` and clamped indexing only: which id counts take the gather's fast path;
 - `kernels` (#59): `bench tpu-kernels` on five cells (width 128 and 16, pooling 32, Zipf, 4M rows):
   the kernel's lookup and updates against plain JAX since the unique-id limit and one-copy inputs.
 
@@ -62,6 +64,7 @@ time limit; one call of the device tool runs at most 600 s, so give each call th
     python3 scripts/tpu_chip_runs.py dense-bags             # ~150 s: a bag-major lookup against XLA's
     python3 scripts/tpu_chip_runs.py gather                 # ~60 s: the row gather against its shape
     python3 scripts/tpu_chip_runs.py lookup-pool            # the lookup's pieces and pooling options
+    python3 scripts/tpu_chip_runs.py gather-sweep           # the gather at sizes near 2^17 and the MLPerf stack's
     python3 scripts/tpu_chip_runs.py kernels                # the kernels matrix (~150 s, session 40)
     python3 scripts/tpu_chip_runs.py --dry-run              # the commands, nothing run
 """
@@ -89,6 +92,13 @@ class Step:
     scratch: str | None = None  # a work directory under $OUT, removed after the step (its data, caches)
 
 
+# probe 14's sweep: ids a gather near 2^17 (130,396 and 131,080 took 0.58 ms, 131,064 and 131,072 1.36 ms
+# at 1M x 128 in session 40) and near the MLPerf stack's 2.13M slots
+GATHER_SWEEP = ",".join(
+    str(n)
+    for n in (126976, 129024, 130048, 130560, 130944, 131000, 131064, 131068, 131070, 131071, 131072)
+    + (131073, 131076, 131080, 131088, 131200, 132096, 2000000, 2097152, 2127792, 2127800)
+)
 TT = "/tmp/tpurec-tt"  # the tt-steps steps' data, made once, kept off $OUT (the machine is not kept)
 
 
@@ -154,6 +164,18 @@ def steps(out: str) -> dict[str, Step]:
         "dense-bags": Step(300, ["scripts/tpu_probe_dense_bags.py"], script=True),
         "gather": Step(300, ["scripts/tpu_probe_gather_shapes.py"], script=True),
         "lookup-pool": Step(300, ["scripts/tpu_probe_lookup_pool.py"], script=True),
+        "gather-sweep": Step(
+            240,
+            [
+                "scripts/tpu_probe_gather_shapes.py",
+                "--forms",
+                "take_fill,index_clip",
+                "--out",
+                f"{out}/gather_sweep.json",
+            ]
+            + ["--sizes", GATHER_SWEEP],
+            script=True,
+        ),
         "compiled": Step(
             430,
             [*train, "--contenders", "tpurec", "--tpurec-args=--step compiled", "--work-dir", f"{out}/wc"],

@@ -37,8 +37,9 @@ WIDTHS = {128: SIZES, 64: [130_396, 131_072], 16: [130_396, 131_072]}
 CPU = (2_000, {128: [96, 128]})
 
 
-def contenders(table: Any, ids: Any) -> dict[str, Any]:
-    """name -> a no-argument call gathering `ids`' rows of `table` (jitted; `sorted` on sorted ids)."""
+def contenders(table: Any, ids: Any, forms: list[str] | None = None) -> dict[str, Any]:
+    """name -> a no-argument call gathering `ids`' rows of `table` (jitted; `sorted` on sorted ids);
+    only `forms` where given."""
     import jax
     import jax.numpy as jnp
 
@@ -48,16 +49,19 @@ def contenders(table: Any, ids: Any) -> dict[str, Any]:
     inb = jax.jit(lambda t, i: t.at[i].get(mode="promise_in_bounds"))
     halves = jax.jit(lambda t, i: jnp.concatenate([jnp.take(t, i[:h], axis=0), jnp.take(t, i[h:], axis=0)]))
     ordered = jnp.sort(ids)
-    return {
+    calls = {
         "take_fill": lambda: fill(table, ids),
         "index_clip": lambda: clip(table, ids),
         "take_inbounds": lambda: inb(table, ids),
         "halves": lambda: halves(table, ids),
         "sorted": lambda: fill(table, ordered),
     }
+    return {k: v for k, v in calls.items() if forms is None or k in forms}
 
 
-def run_size(rows: int, width: int, n: int, rounds: int, reps: int, rng: random.Random) -> dict[str, Any]:
+def run_size(
+    rows: int, width: int, n: int, rounds: int, reps: int, rng: random.Random, forms: list[str] | None = None
+) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -67,9 +71,9 @@ def run_size(rows: int, width: int, n: int, rounds: int, reps: int, rng: random.
     g = np.random.default_rng(n + width)
     table = jax.random.normal(jax.random.key(width), (rows, width), jnp.float32)
     ids = jnp.asarray(g.integers(0, rows, n).astype(np.int32))
-    calls = contenders(table, ids)
-    want = np.asarray(tpu_kernels._block(calls["take_fill"]()))
-    for k in ("index_clip", "take_inbounds", "halves"):  # equal work: the same rows in the same order
+    calls = contenders(table, ids, forms)
+    want = np.asarray(tpu_kernels._block(contenders(table, ids, ["take_fill"])["take_fill"]()))
+    for k in {"index_clip", "take_inbounds", "halves"} & set(calls):  # equal work: the same rows, in order
         if not np.array_equal(np.asarray(tpu_kernels._block(calls[k]())), want):
             raise AssertionError(f"{rows}x{width} {n} ids: {k} gathered other rows than take_fill")
     secs = tpu_kernels._time(calls, rounds, reps, rng)
@@ -88,17 +92,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--cpu", action="store_true", help="tiny sizes on CPU JAX")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--sizes", help="ids a gather, comma-separated, at width 128 (a sweep; default: SIZES, WIDTHS)")
+    p.add_argument("--forms", help="the contenders timed, comma-separated (default: all)")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "gather_shapes.json"))
     args = p.parse_args(argv)
+    forms = args.forms.split(",") if args.forms else None
     import jax
 
     rng = random.Random(0)
     rounds, reps = (1, 1) if args.cpu else (args.rounds, args.reps)
     rows, widths = CPU if args.cpu else (ROWS, WIDTHS)
+    if args.sizes:
+        widths = {128: [int(x) for x in args.sizes.split(",")]}
     doc: dict[str, Any] = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "cells": []}
     for width, sizes in widths.items():
         for n in sizes:
-            doc["cells"].append(run_size(rows, width, n, rounds, reps, rng))
+            doc["cells"].append(run_size(rows, width, n, rounds, reps, rng, forms))
             print(json.dumps(doc["cells"][-1]), flush=True)
             Path(args.out).write_text(json.dumps(doc, indent=1))  # after each cell: a timed-out run keeps them
     return doc

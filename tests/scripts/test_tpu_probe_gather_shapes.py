@@ -19,3 +19,10 @@ def test_cpu_smoke_run_times_every_gather_form_at_each_size(tmp_path):
         # the bytes of rows a second follow from the time: ids x width x 4 bytes
         got = c["GBps_rows"]["take_fill"] * c["ms"]["take_fill"] * 1e6
         assert abs(got - c["ids"] * 128 * 4) < 1e-6 * c["ids"] * 128 * 4
+
+
+def test_a_sweep_times_the_given_sizes_and_forms_only(tmp_path):
+    args = ["--cpu", "--sizes", "40,56", "--forms", "index_clip,sorted", "--out", str(tmp_path / "g.json")]
+    doc = load_script("tpu_probe_gather_shapes").main(args)
+    assert [(c["table"], c["ids"]) for c in doc["cells"]] == [("2000x128 float32", 40), ("2000x128 float32", 56)]
+    assert all(set(c["ms"]) == {"index_clip", "sorted"} for c in doc["cells"])
