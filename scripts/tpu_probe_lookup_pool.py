@@ -9,7 +9,8 @@ for 2.13M slots in probe 10 (22 ns a slot against the bench cell's 10), against 
 
 Per cell (the bench's CSR from `tpu_kernels.inputs_for`; interleaved in a random order per round):
 - `xla`: the bench's contender (`jnp.take` + `segment_sum`);
-- `lookup`: `lookup_jax.lookup` as the chip runs it (Pallas pooling where it fits: `pool_r1_pad`);
+- `lookup`: `lookup_jax.lookup` as the chip runs it (Pallas pooling where it fits: `pool_r1_pad` until
+  session 40, `pool_r1_nopad` since);
 - `pool_r{1,8}_{pad,nopad}`: the same decode and gather, pooled with those `pallas_pool.segment_sum`
   options; `xla_pool`: the decode and gather pooled by XLA's segment sum;
 - `decode_gather`: the decode and the gains-scaled gather alone (the pooling's input);

@@ -83,14 +83,16 @@ def segment_sum(
     unroll: int = UNROLL,
     interpret: bool = False,
     rows_per_load: int = 1,
-    pad_values: bool = True,
+    pad_values: bool = False,
 ) -> jax.Array:
     """jax.ops.segment_sum(values, samples, num_segments) for float32 values [n, width] and int32
     samples in [0, num_segments] (num_segments: dropped), each segment summed in entry order.
 
-    rows_per_load: entries' rows read a load (1, or 8: a sublane tile). pad_values=False: the rows
-    are not copied to whole chunks; the last chunk reads past their end, and those slots' samples
-    (padded with the invalid marker, a small copy) send whatever they read to the spare row."""
+    rows_per_load: entries' rows read a load (1, or 8: a sublane tile; no faster on v5e, probe 15).
+    pad_values=False (the default): the rows are not copied to whole chunks; the last chunk reads
+    past their end, and those slots' samples (padded with the invalid marker, a small copy) send
+    whatever they read to the spare row. The copy was 14-26% of the pooling on v5e (probe 15,
+    docs/results.md, session 40); pad_values=True keeps it for A/B runs."""
     if rows_per_load not in (1, 8) or chunk % rows_per_load:
         raise ValueError(f"rows_per_load {rows_per_load}: 1 or 8, dividing the chunk ({chunk})")
     n, width = values.shape
