@@ -15,6 +15,11 @@ rows, checked once):
 - `halves`: two `take`s of half the ids each, concatenated (a gather under 2^17 ids each);
 - `sorted`: `take` of the same ids sorted (row locality; not the same output order).
 
+Session 40's sweep (`gather-sweep`) found two speeds only (1M x 128: 0.58 ms or 1.36 ms at ~131k ids,
+clamped indexing) in runs of consecutive sizes: `--placements K` (step `gather-placement`) times each
+size with the table placed K ways and the same ids, and records the buffers' device addresses, to tell
+a size rule (which the kernel could pad to) from a placement one.
+
     python3 scripts/tpu_probe_gather_shapes.py          # on the chip: $OUT/gather_shapes.json
     python3 scripts/tpu_probe_gather_shapes.py --cpu    # tiny sizes on CPU JAX (tests/scripts)
 """
@@ -59,18 +64,40 @@ def contenders(table: Any, ids: Any, forms: list[str] | None = None) -> dict[str
     return {k: v for k, v in calls.items() if forms is None or k in forms}
 
 
+def _pointer(x: Any) -> int | None:
+    """The array's device address (where JAX gives it): does a fast gather follow the placement?"""
+    try:
+        return int(x.unsafe_buffer_pointer())
+    except Exception:  # noqa: BLE001 (not every backend or JAX version has it)
+        return None
+
+
 def run_size(
-    rows: int, width: int, n: int, rounds: int, reps: int, rng: random.Random, forms: list[str] | None = None
+    rows: int,
+    width: int,
+    n: int,
+    rounds: int,
+    reps: int,
+    rng: random.Random,
+    forms: list[str] | None = None,
+    placement: int | None = None,
 ) -> dict[str, Any]:
+    """One size timed. placement k (the --placements mode): the table allocated after a spacer of
+    k x (37 MiB + 4 KiB), kept alive while timed, and the ids the first n of one fixed draw (the same
+    ids at every size): the size and the buffers' placement apart from the ids' values."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from tpurec.bench import tpu_kernels
 
-    g = np.random.default_rng(n + width)
+    spacer = jnp.zeros(((37 << 20) + 4096) * placement // 4, jnp.float32) if placement else None
     table = jax.random.normal(jax.random.key(width), (rows, width), jnp.float32)
-    ids = jnp.asarray(g.integers(0, rows, n).astype(np.int32))
+    if placement is None:
+        ids_np = np.random.default_rng(n + width).integers(0, rows, n)
+    else:
+        ids_np = np.random.default_rng(0).integers(0, rows, max(n, 2_200_000))[:n]
+    ids = jnp.asarray(ids_np.astype(np.int32))
     calls = contenders(table, ids, forms)
     want = np.asarray(tpu_kernels._block(contenders(table, ids, ["take_fill"])["take_fill"]()))
     for k in {"index_clip", "take_inbounds", "halves"} & set(calls):  # equal work: the same rows, in order
@@ -78,9 +105,13 @@ def run_size(
             raise AssertionError(f"{rows}x{width} {n} ids: {k} gathered other rows than take_fill")
     secs = tpu_kernels._time(calls, rounds, reps, rng)
     ms = {k: 1e3 * float(np.median(v)) for k, v in secs.items()}
+    del spacer  # (alive until the timing's end)
     return {
         "table": f"{rows}x{width} float32",
         "ids": n,
+        "placement": placement,
+        "table_address": _pointer(table),
+        "ids_address": _pointer(ids),
         "ms": ms,
         "GBps_rows": {k: n * width * 4 / v / 1e6 for k, v in ms.items()},
         "ns_per_id": {k: v * 1e6 / n for k, v in ms.items()},
@@ -94,6 +125,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--sizes", help="ids a gather, comma-separated, at width 128 (a sweep; default: SIZES, WIDTHS)")
     p.add_argument("--forms", help="the contenders timed, comma-separated (default: all)")
+    p.add_argument("--placements", type=int, help="each size with the table placed K ways (run_size's placement)")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "gather_shapes.json"))
     args = p.parse_args(argv)
     forms = args.forms.split(",") if args.forms else None
@@ -107,9 +139,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     doc: dict[str, Any] = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "cells": []}
     for width, sizes in widths.items():
         for n in sizes:
-            doc["cells"].append(run_size(rows, width, n, rounds, reps, rng, forms))
-            print(json.dumps(doc["cells"][-1]), flush=True)
-            Path(args.out).write_text(json.dumps(doc, indent=1))  # after each cell: a timed-out run keeps them
+            for k in range(args.placements) if args.placements else [None]:
+                doc["cells"].append(run_size(rows, width, n, rounds, reps, rng, forms, placement=k))
+                print(json.dumps(doc["cells"][-1]), flush=True)
+                Path(args.out).write_text(json.dumps(doc, indent=1))  # after each: a timed-out run keeps them
     return doc
 
 

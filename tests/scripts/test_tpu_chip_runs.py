@@ -47,6 +47,7 @@ def test_every_steps_command_parses_and_names_a_script_that_exists(tmp_path):
         "dense-bags",
         "gather",
         "lookup-pool",
+        "gather-placement",
         "gather-sweep",
         "compiled",
         "pipelined",

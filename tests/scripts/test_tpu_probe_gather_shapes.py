@@ -26,3 +26,10 @@ def test_a_sweep_times_the_given_sizes_and_forms_only(tmp_path):
     doc = load_script("tpu_probe_gather_shapes").main(args)
     assert [(c["table"], c["ids"]) for c in doc["cells"]] == [("2000x128 float32", 40), ("2000x128 float32", 56)]
     assert all(set(c["ms"]) == {"index_clip", "sorted"} for c in doc["cells"])
+
+
+def test_placements_time_each_size_with_the_table_placed_k_ways_on_the_same_ids(tmp_path):
+    args = ["--cpu", "--sizes", "40", "--forms", "index_clip", "--placements", "2", "--out", str(tmp_path / "g.json")]
+    doc = load_script("tpu_probe_gather_shapes").main(args)
+    assert [(c["ids"], c["placement"]) for c in doc["cells"]] == [(40, 0), (40, 1)]
+    assert all(c["table_address"] is None or c["table_address"] > 0 for c in doc["cells"])
