@@ -4,17 +4,20 @@
 Why: probe 14 (session 40) put the row gather of tpurec's 131,080-slot CSR at 0.58 ms (116 GB/s at
 1M x 128), yet the lookup took 1.27-1.34 ms: ~0.7 ms is the decode, the gains and the pooling, which
 moves 75 MB (0.1 ms of HBM). The pooling kernel copies the gathered rows to whole 1,024-entry chunks
-(`pad_values`) and loads one row per entry (`rows_per_load`); and the MLPerf stack's lookup took 46.9 ms
+(`pad_values`) and adds each entry's row into its sample's output row, a read-modify-write each
+entry's waits on if it may alias the previous one (`accumulators`: 2 or 4 output copies taken in turn,
+folded at the end, since session 40's run; `rows_per_load`, 8 rows a load, ran then and gained
+nothing, and is gone); and the MLPerf stack's lookup took 46.9 ms
 for 2.13M slots in probe 10 (22 ns a slot against the bench cell's 10), against pure JAX's 29.3 ms.
 
 Per cell (the bench's CSR from `tpu_kernels.inputs_for`; interleaved in a random order per round):
 - `xla`: the bench's contender (`jnp.take` + `segment_sum`);
-- `lookup`: `lookup_jax.lookup` as the chip runs it (Pallas pooling where it fits: `pool_r1_pad` until
-  session 40, `pool_r1_nopad` since);
-- `pool_r{1,8}_{pad,nopad}`: the same decode and gather, pooled with those `pallas_pool.segment_sum`
+- `lookup`: `lookup_jax.lookup` as the chip runs it (Pallas pooling where it fits: `pool_a1_pad` until
+  session 40, `pool_a1_nopad` since);
+- `pool_a{1,2,4}_{pad,nopad}`: the same decode and gather, pooled with those `pallas_pool.segment_sum`
   options; `xla_pool`: the decode and gather pooled by XLA's segment sum;
 - `decode_gather`: the decode and the gains-scaled gather alone (the pooling's input);
-- `pool_only_r{1,8}_{pad,nopad}`: the pooling alone, of `decode_gather`'s rows.
+- `pool_only_a{1,2,4}_{pad,nopad}`: the pooling alone, of `decode_gather`'s rows.
 Equal work: every lookup variant's output within 1e-4 of `lookup`'s (checked once).
 
     python3 scripts/tpu_probe_lookup_pool.py          # on the chip: $OUT/lookup_pool.json
@@ -41,11 +44,11 @@ CELLS = [  # (rows, width, bags, pooling, dist)
     (2_000_000, 128, 16384, 100, "zipf"),  # about the MLPerf stack's 2M slots (probe 10)
 ]
 CPU_CELLS = [(2000, 128, 32, 4, "zipf")]
-OPTIONS = [(r, p) for r in (1, 8) for p in (True, False)]  # (rows_per_load, pad_values)
+OPTIONS = [(1, True), (1, False), (2, False), (4, False)]  # (accumulators, pad_values)
 
 
 def _name(r: int, pad: bool) -> str:
-    return f"r{r}_{'pad' if pad else 'nopad'}"
+    return f"a{r}_{'pad' if pad else 'nopad'}"
 
 
 def programs(batch: int, num_sc: int, parts: int, rows: int, interpret: bool) -> dict[str, Any]:
@@ -66,7 +69,7 @@ def programs(batch: int, num_sc: int, parts: int, rows: int, interpret: bool) ->
     def pool(r: int, pad: bool) -> Any:
         # interpreted (CPU): 128-entry chunks, the interpreter's loop a fraction of the chip's 1,024
         chunk = 128 if interpret else pallas_pool.CHUNK
-        opts = {"rows_per_load": r, "pad_values": pad, "chunk": chunk, "interpret": interpret}
+        opts = {"accumulators": r, "pad_values": pad, "chunk": chunk, "interpret": interpret}
         return jax.jit(functools.partial(pallas_pool.segment_sum, num_segments=batch, **opts))
 
     progs: dict[str, Any] = {"decode_gather": decode_gather}

@@ -17,7 +17,7 @@ def test_cpu_smoke_run_times_every_pooling_option_against_the_lookup(tmp_path):
     doc = script.main(["--cpu", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(doc))
     (c,) = doc["cells"]
-    options = ["r1_pad", "r1_nopad", "r8_pad", "r8_nopad"]
+    options = ["a1_pad", "a1_nopad", "a2_nopad", "a4_nopad"]
     want = {"xla", "lookup", "xla_pool", "decode_gather"} | {f"pool_{o}" for o in options}
     assert set(c["ms"]) == want | {f"pool_only_{o}" for o in options}
     assert min(c["ms"].values()) > 0 and c["slots"] >= c["ids"] == 32 * 4

@@ -15,27 +15,49 @@ from tpurec.embedding.tensorcore import lookup_jax, pallas_pool, torch_ops, tpu_
 from .inputs import Case, csr_input, head, table, tail  # noqa: E402
 
 
-@pytest.mark.parametrize("rows_per_load", [1, 8])
 @pytest.mark.parametrize("pad_values", [True, False])
-def test_segment_sum_is_xlas_bit_for_bit_dropping_the_invalid_marker(rows_per_load, pad_values):
+def test_segment_sum_is_xlas_bit_for_bit_dropping_the_invalid_marker(pad_values):
     """Entries over several chunks and a ragged last one (read past the rows' end where they are not
     padded); samples in any order, repeated, and the invalid marker (== num_segments) dropped; each
-    sample's rows summed in entry order, as XLA's; a row at a time or a sublane tile a load."""
+    sample's rows summed in entry order, as XLA's."""
     rng = np.random.default_rng(3)
     n, segments, width = 300, 37, 128
     values = jnp.asarray(rng.standard_normal((n, width)).astype(np.float32))
     samples = jnp.asarray(rng.integers(0, segments + 1, n).astype(np.int32))
-    kw = {"rows_per_load": rows_per_load, "pad_values": pad_values}
-    got = pallas_pool.segment_sum(values, samples, num_segments=segments, chunk=128, interpret=True, **kw)
+    got = pallas_pool.segment_sum(
+        values, samples, num_segments=segments, chunk=128, interpret=True, pad_values=pad_values
+    )
     want = jnp.zeros((segments + 1, width), jnp.float32).at[samples].add(values)[:segments]
     assert got.shape == (segments, width)
     assert bool((samples == segments).any()) and bool(jnp.abs(want).max() > 0)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-def test_segment_sum_refuses_a_tile_that_does_not_divide_the_chunk():
-    with pytest.raises(ValueError, match="rows_per_load 4"):
-        pallas_pool.segment_sum(jnp.zeros((8, 128)), jnp.zeros(8, jnp.int32), num_segments=2, rows_per_load=4)
+@pytest.mark.parametrize("accumulators", [2, 4])
+def test_segment_sum_over_several_accumulators_is_xlas_up_to_the_order(accumulators):
+    """Entries added into 2 or 4 copies of the output in turn, folded at the end: XLA's sums up to
+    float32 reordering; exact where every sample has at most one entry a copy (the test's first half)."""
+    rng = np.random.default_rng(5)
+    n, segments, width = 300, 37, 128
+    values = jnp.asarray(rng.standard_normal((n, width)).astype(np.float32))
+    samples = jnp.asarray(rng.integers(0, segments + 1, n).astype(np.int32))
+    kw = {"num_segments": segments, "chunk": 128, "interpret": True, "accumulators": accumulators}
+    got = pallas_pool.segment_sum(values, samples, **kw)
+    want = jnp.zeros((segments + 1, width), jnp.float32).at[samples].add(values)[:segments]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert float(jnp.abs(got - want).max()) < 1e-4 and float(jnp.abs(want).max()) > 1
+    # integers: every order sums them exactly, so the fold must equal XLA's bit for bit
+    ints = jnp.asarray(rng.integers(-8, 8, (n, width)).astype(np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(pallas_pool.segment_sum(ints, samples, **kw)),
+        np.asarray(jnp.zeros((segments + 1, width), jnp.float32).at[samples].add(ints)[:segments]),
+    )
+    assert pallas_pool.vmem_bytes(segments, width, 128, accumulators) > pallas_pool.vmem_bytes(segments, width, 128)
+
+
+def test_segment_sum_refuses_accumulators_it_does_not_take():
+    with pytest.raises(ValueError, match="accumulators 3"):
+        pallas_pool.segment_sum(jnp.zeros((8, 128)), jnp.zeros(8, jnp.int32), num_segments=2, accumulators=3)
 
 
 @pytest.mark.parametrize("case", [Case(num_sc=1, pooling="weighted", width=128), Case(num_sc=1, devices=3)], ids=str)

@@ -28,28 +28,36 @@ CHUNK, UNROLL = 1024, 8
 LANES = 128  # a VMEM tile's lanes for 32-bit values (jax/_src/pallas/mosaic/tpu_info.py, num_lanes)
 
 
-def _kernel(samples: Ref, values: Ref, out: Ref, *, chunk: int, unroll: int, rows_per_load: int) -> None:
+def _kernel(samples: Ref, values: Ref, out: Ref, *spare: Ref, chunk: int, unroll: int) -> None:
+    targets = (out, *spare)  # entry k adds into targets[k % len(targets)]
+
     @pl.when(pl.program_id(0) == 0)
     def _first() -> None:
-        out[...] = jnp.zeros_like(out)
+        for t in targets:
+            t[...] = jnp.zeros_like(t)
 
-    def add(k: jax.Array, carry: None) -> None:
-        s = samples[k]
-        out[pl.ds(s, 1), :] += values[pl.ds(k, 1), :]
+    def add(j: jax.Array, carry: None) -> None:
+        # consecutive entries into different accumulators: an entry's read-modify-write of its output
+        # row need not wait for the previous entry's store (the loop's cost with one: ~4 ns an entry)
+        for a, t in enumerate(targets):
+            k = j * len(targets) + a
+            s = samples[k]
+            t[pl.ds(s, 1), :] += values[pl.ds(k, 1), :]
 
-    def add_tile(j: jax.Array, carry: None) -> None:
-        # one load of a sublane tile of entries' rows, then each row into its sample: a row load
-        # per entry fewer (the output's read-modify-write stays per entry)
-        base = pl.multiple_of(j * rows_per_load, rows_per_load)
-        tile = values[pl.ds(base, rows_per_load), :]
-        for r in range(rows_per_load):
-            s = samples[base + r]
-            out[pl.ds(s, 1), :] += tile[r : r + 1, :]
+    jax.lax.fori_loop(0, chunk // len(targets), add, None, unroll=max(unroll // len(targets), 1))
 
-    if rows_per_load == 1:
-        jax.lax.fori_loop(0, chunk, add, None, unroll=unroll)
-    else:
-        jax.lax.fori_loop(0, chunk // rows_per_load, add_tile, None, unroll=max(unroll // rows_per_load, 1))
+    if spare:
+
+        @pl.when(pl.program_id(0) == pl.num_programs(0) - 1)
+        def _fold() -> None:
+            def fold(i: jax.Array, carry: None) -> None:
+                rows = pl.ds(pl.multiple_of(i * 8, 8), 8)
+                total = out[rows, :]
+                for t in spare:
+                    total += t[rows, :]
+                out[rows, :] = total
+
+            jax.lax.fori_loop(0, out.shape[0] // 8, fold, None, unroll=8)
 
 
 def output_rows(num_segments: int) -> int:
@@ -57,22 +65,23 @@ def output_rows(num_segments: int) -> int:
     return -(-(num_segments + 1) // 8) * 8
 
 
-def vmem_bytes(num_segments: int, width: int, chunk: int = CHUNK) -> int:
+def vmem_bytes(num_segments: int, width: int, chunk: int = CHUNK, accumulators: int = 1) -> int:
     """VMEM the kernel holds: the output and a chunk of rows, each double-buffered by the pipeline,
-    every row padded to whole 128-lane tiles (a width-16 output of 106,504 rows took 53 MiB on v5e:
-    the compiler's VMEM error, docs/results.md, session 28)."""
+    and the spare accumulators, every row padded to whole 128-lane tiles (a width-16 output of 106,504
+    rows took 53 MiB on v5e: the compiler's VMEM error, docs/results.md, session 28)."""
     lanes = -(-width // LANES) * LANES
-    return (2 * output_rows(num_segments) + 2 * chunk) * lanes * 4
+    return ((1 + accumulators) * output_rows(num_segments) + 2 * chunk) * lanes * 4
 
 
-def fits(num_segments: int, width: int, vmem_capacity: int | None) -> bool:
+def fits(num_segments: int, width: int, vmem_capacity: int | None, accumulators: int = 1) -> bool:
     """Whether the kernel serves a pooling on a chip of `vmem_capacity` bytes of VMEM (None: no TPU
     in this process). A quarter of VMEM stays for the compiler's own buffers."""
-    return vmem_capacity is not None and vmem_bytes(num_segments, width) <= vmem_capacity * 3 // 4
+    need = vmem_bytes(num_segments, width, accumulators=accumulators)
+    return vmem_capacity is not None and need <= vmem_capacity * 3 // 4
 
 
 @functools.partial(
-    jax.jit, static_argnames=("num_segments", "chunk", "unroll", "interpret", "rows_per_load", "pad_values")
+    jax.jit, static_argnames=("num_segments", "chunk", "unroll", "interpret", "accumulators", "pad_values")
 )
 def segment_sum(
     values: jax.Array,
@@ -82,19 +91,20 @@ def segment_sum(
     chunk: int = CHUNK,
     unroll: int = UNROLL,
     interpret: bool = False,
-    rows_per_load: int = 1,
+    accumulators: int = 1,
     pad_values: bool = False,
 ) -> jax.Array:
     """jax.ops.segment_sum(values, samples, num_segments) for float32 values [n, width] and int32
     samples in [0, num_segments] (num_segments: dropped), each segment summed in entry order.
 
-    rows_per_load: entries' rows read a load (1, or 8: a sublane tile; no faster on v5e, probe 15).
-    pad_values=False (the default): the rows are not copied to whole chunks; the last chunk reads
-    past their end, and those slots' samples (padded with the invalid marker, a small copy) send
-    whatever they read to the spare row. The copy was 14-26% of the pooling on v5e (probe 15,
-    docs/results.md, session 40); pad_values=True keeps it for A/B runs."""
-    if rows_per_load not in (1, 8) or chunk % rows_per_load:
-        raise ValueError(f"rows_per_load {rows_per_load}: 1 or 8, dividing the chunk ({chunk})")
+    accumulators: entries added into this many copies of the output in turn (1, 2 or 4), summed at
+    the end: each sample's entries in entry order within a copy, so float32 sums agree with XLA's up
+    to that order (bit-equal with 1). pad_values=False (the default): the rows are not copied to whole
+    chunks; the last chunk reads past their end, and those slots' samples (padded with the invalid
+    marker, a small copy) send whatever they read to the spare row. The copy was 14-26% of the pooling
+    on v5e (probe 15, docs/results.md, session 40); pad_values=True keeps it for A/B runs."""
+    if accumulators not in (1, 2, 4) or chunk % accumulators:
+        raise ValueError(f"accumulators {accumulators}: 1, 2 or 4, dividing the chunk ({chunk})")
     n, width = values.shape
     padded = -(-max(n, 1) // chunk) * chunk
     samples = jnp.pad(samples.astype(jnp.int32), (0, padded - n), constant_values=num_segments)
@@ -103,7 +113,7 @@ def segment_sum(
         values = jnp.pad(values, ((0, padded - n), (0, 0)))
     rows = output_rows(num_segments)
     out = pl.pallas_call(
-        functools.partial(_kernel, chunk=chunk, unroll=unroll, rows_per_load=rows_per_load),
+        functools.partial(_kernel, chunk=chunk, unroll=unroll),
         grid=(padded // chunk,),
         in_specs=[
             pl.BlockSpec((chunk,), lambda i: (i,), memory_space=pltpu.SMEM),
@@ -111,8 +121,10 @@ def segment_sum(
         ],
         out_specs=pl.BlockSpec((rows, width), lambda i: (0, 0)),
         out_shape=jax.ShapeDtypeStruct((rows, width), jnp.float32),
+        scratch_shapes=[pltpu.VMEM((rows, width), jnp.float32)] * (accumulators - 1),
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("arbitrary",), vmem_limit_bytes=vmem_bytes(num_segments, width, chunk) + (16 << 20)
+            dimension_semantics=("arbitrary",),
+            vmem_limit_bytes=vmem_bytes(num_segments, width, chunk, accumulators) + (16 << 20),
         ),
         interpret=pltpu.InterpretParams() if interpret else False,
     )(samples, values)
