@@ -47,6 +47,8 @@ split contender), the table updates landed by `index_copy_` of their rows (tpu_b
   decode + gather and its pooling alone, and the Pallas pooling's options (row tiles, no padding copy);
 - `gather-sweep` (#59): probe 14 at width 128 over sizes near 2^17 and the MLPerf stack's 2.1M slots,
   `jnp.take` and clamped indexing only: which id counts take the gather's fast path;
+- `update-copies` (#59): chip probe 16 (`scripts/tpu_probe_update_copies.py`): does the TPU compiler copy
+  the donated table in `bench tpu-kernels`' update programs (both sides grew with the table)?
 - `gather-placement` (#59): probe 14 with the table placed 4 ways per size (the same ids): is the
   gather's speed (two speeds in session 40's sweep) the id count's or the buffers' placement's?
 - `kernels` (#59): `bench tpu-kernels` on five cells (width 128 and 16, pooling 32, Zipf, 4M rows):
@@ -68,6 +70,7 @@ time limit; one call of the device tool runs at most 600 s, so give each call th
     python3 scripts/tpu_chip_runs.py lookup-pool            # the lookup's pieces and pooling options
     python3 scripts/tpu_chip_runs.py gather-sweep           # the gather at sizes near 2^17 and the MLPerf stack's
     python3 scripts/tpu_chip_runs.py gather-placement       # ~90 s: size rule or placement (first, session 41)
+    python3 scripts/tpu_chip_runs.py update-copies          # ~90 s: a table copy in the update programs?
     python3 scripts/tpu_chip_runs.py kernels                # the kernels matrix (~150 s, session 40)
     python3 scripts/tpu_chip_runs.py --dry-run              # the commands, nothing run
 """
@@ -173,6 +176,7 @@ def steps(out: str) -> dict[str, Step]:
             + ["--sizes", "130944,131000,131072,131080,2000000,2097152", "--out", f"{out}/gather_placement.json"],
             script=True,
         ),
+        "update-copies": Step(240, ["scripts/tpu_probe_update_copies.py"], script=True),
         "gather-sweep": Step(
             240,
             [

@@ -48,6 +48,7 @@ def test_every_steps_command_parses_and_names_a_script_that_exists(tmp_path):
         "gather",
         "lookup-pool",
         "gather-placement",
+        "update-copies",
         "gather-sweep",
         "compiled",
         "pipelined",
