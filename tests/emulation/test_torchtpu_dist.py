@@ -44,6 +44,9 @@ def _rules(rank, world_size, env):
         out["subgroup"] = _try(
             lambda: dist.new_group([0], backend="cpu:gloo,tpu:tpu_dist", use_local_synchronization=True)
         )
+    # A refused group's gloo half may still be finishing its connect on the other rank: a rank that
+    # returned and exited then broke it ("Gloo connectFullMesh failed", seen under load); wait for both.
+    dist.barrier()
     return out
 
 
