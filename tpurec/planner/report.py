@@ -20,6 +20,7 @@ from tpurec.planner.id_limits import IdLimits
 from tpurec.planner.kernel_choice import COMPUTE_KERNEL
 from tpurec.planner.plan_check import module_plans
 from tpurec.planner.report_text import diff_reports, fitting_text, format_text  # noqa: F401 (re-exported)
+from tpurec.planner.tensorcore_pooling import pooling_per_stack
 from tpurec.planner.topology import SliceSpec
 from tpurec.runtime.device import DeviceKind
 
@@ -118,6 +119,10 @@ def build_report(
         "assumptions": _assumptions(spec, headroom_fraction, limits),
         "tables": rows,
         "devices": devices,
+        # the TensorCore kernel's pooling per stack (v5e, v4; None elsewhere): Pallas or XLA's
+        "tensorcore_pooling": pooling_per_stack(by_name.values(), gen.name, batch_size * world)
+        if compute_device == DeviceKind.TPU
+        else None,
         "meta": _report_meta(by_name.values(), costing, model, reserved, headroom_fraction),
         "plan": plan_to_dict(plan),
     }

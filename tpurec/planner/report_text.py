@@ -155,6 +155,21 @@ def _host_tier_lines(report: dict) -> list[str]:
     return out
 
 
+def _pooling_lines(report: dict) -> list[str]:
+    """The TensorCore kernel's pooling per stack (v5e, v4): Pallas where its output fits VMEM."""
+    stacks = report.get("tensorcore_pooling") or []
+    if not stacks:
+        return []
+    out = ["", "TensorCore pooling per stack (Pallas where its output fits VMEM, else XLA's segment sum)"]
+    for s in stacks:
+        tables = ", ".join(s["tables"][:4]) + (f" +{len(s['tables']) - 4}" if len(s["tables"]) > 4 else "")
+        out.append(
+            f"  {s['stack']:<14} {s['segments']:>10,} segments x {s['width']:<4} {s['pooling']:<6} "
+            f"VMEM {format_bytes(s['vmem_bytes'])} of {format_bytes(s['vmem_capacity_bytes'])}: {tables}"
+        )
+    return out
+
+
 def format_text(report: dict, top: int = 5) -> str:
     a = report["assumptions"]
     cap = report["devices"][0]["hbm_capacity_bytes"]
@@ -199,6 +214,7 @@ def format_text(report: dict, top: int = 5) -> str:
             f"{t['sharding_type']:<16} {t['compute_kernel']:<18} {ranks_in_order(t['ranks']):<12} "
             f"{format_bytes(t['bytes']):>10} {t['time_ms']:>8.3f}" + (f" {_tier_cells(t)}" if tiered else "")
         )
+    out += _pooling_lines(report)
     out += ["", DEVICES_HEADER, *_device_rows(report["devices"])]
     out += ["", "slowest devices and the tables that take their time", *_hot_lines(report["devices"])]
     notes = [f"  {t['name']}: {t['note']}" for t in report["tables"] if t.get("note")]

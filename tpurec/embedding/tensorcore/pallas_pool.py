@@ -19,13 +19,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+# the VMEM arithmetic, jax-free for the planner (re-exported: tpu_bridge and the probes read it here)
+from tpurec.embedding.pool_vmem import CHUNK, UNROLL, fits, output_rows, vmem_bytes
+
+__all__ = ["CHUNK", "UNROLL", "fits", "output_rows", "segment_sum", "vmem_bytes"]
+
 # A kernel argument is a Pallas Ref (indexed, sliced with .at); JAX types it loosely.
 Ref = Any
-
-# Entries per grid step, and adds unrolled per loop turn: 1,024 and 8 were within 3% of the best of
-# (512, 8), (1024, 8), (2048, 16) in every cell measured on v5e (docs/results.md, session 28).
-CHUNK, UNROLL = 1024, 8
-LANES = 128  # a VMEM tile's lanes for 32-bit values (jax/_src/pallas/mosaic/tpu_info.py, num_lanes)
 
 
 def _kernel(samples: Ref, values: Ref, out: Ref, *spare: Ref, chunk: int, unroll: int) -> None:
@@ -58,26 +58,6 @@ def _kernel(samples: Ref, values: Ref, out: Ref, *spare: Ref, chunk: int, unroll
                 out[rows, :] = total
 
             jax.lax.fori_loop(0, out.shape[0] // 8, fold, None, unroll=8)
-
-
-def output_rows(num_segments: int) -> int:
-    """Rows of the kernel's output: the segments, a spare row for invalid entries, to a sublane tile."""
-    return -(-(num_segments + 1) // 8) * 8
-
-
-def vmem_bytes(num_segments: int, width: int, chunk: int = CHUNK, accumulators: int = 1) -> int:
-    """VMEM the kernel holds: the output and a chunk of rows, each double-buffered by the pipeline,
-    and the spare accumulators, every row padded to whole 128-lane tiles (a width-16 output of 106,504
-    rows took 53 MiB on v5e: the compiler's VMEM error, docs/results.md, session 28)."""
-    lanes = -(-width // LANES) * LANES
-    return ((1 + accumulators) * output_rows(num_segments) + 2 * chunk) * lanes * 4
-
-
-def fits(num_segments: int, width: int, vmem_capacity: int | None, accumulators: int = 1) -> bool:
-    """Whether the kernel serves a pooling on a chip of `vmem_capacity` bytes of VMEM (None: no TPU
-    in this process). A quarter of VMEM stays for the compiler's own buffers."""
-    need = vmem_bytes(num_segments, width, accumulators=accumulators)
-    return vmem_capacity is not None and need <= vmem_capacity * 3 // 4
 
 
 @functools.partial(

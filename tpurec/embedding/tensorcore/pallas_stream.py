@@ -29,8 +29,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from tpurec.embedding.pool_vmem import LANES
 from tpurec.embedding.tensorcore.csr_jax import Entries
-from tpurec.embedding.tensorcore.pallas_pool import LANES
 
 Ref = Any  # a kernel argument is a Pallas Ref; JAX types it loosely
 
