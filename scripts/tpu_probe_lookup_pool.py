@@ -15,7 +15,9 @@ Per cell (the bench's CSR from `tpu_kernels.inputs_for`; interleaved in a random
 - `lookup`: `lookup_jax.lookup` as the chip runs it (Pallas pooling where it fits: `pool_a1_pad` until
   session 40, `pool_a1_nopad` since);
 - `pool_a{1,2,4}_{pad,nopad}`: the same decode and gather, pooled with those `pallas_pool.segment_sum`
-  options; `xla_pool`: the decode and gather pooled by XLA's segment sum;
+  options; `xla_pool`: the decode and gather pooled by XLA's segment sum; `lookup_pool_gains`: the
+  lookup with the gains applied inside the pooling kernel (`pool_gains`: no pass over the gathered
+  rows to scale them, if XLA did not fuse it into the gather);
 - `decode_gather`: the decode and the gains-scaled gather alone (the pooling's input);
 - `pool_only_a{1,2,4}_{pad,nopad}`: the pooling alone, of `decode_gather`'s rows.
 Equal work: every lookup variant's output within 1e-4 of `lookup`'s (checked once).
@@ -75,6 +77,9 @@ def programs(batch: int, num_sc: int, parts: int, rows: int, interpret: bool) ->
     progs: dict[str, Any] = {"decode_gather": decode_gather}
     progs["lookup"] = jax.jit(functools.partial(lookup_jax.lookup, **kw, pallas_pool=True, interpret=interpret))
     progs["xla_pool"] = jax.jit(functools.partial(lookup_jax.lookup, **kw, pallas_pool=False))
+    progs["lookup_pool_gains"] = jax.jit(
+        functools.partial(lookup_jax.lookup, **kw, pallas_pool=True, interpret=interpret, pool_gains=True)
+    )
     for r, pad in OPTIONS:
         p = pool(r, pad)
         progs[f"pool_only_{_name(r, pad)}"] = p

@@ -18,7 +18,7 @@ def test_cpu_smoke_run_times_every_pooling_option_against_the_lookup(tmp_path):
     assert json.loads(out.read_text()) == json.loads(json.dumps(doc))
     (c,) = doc["cells"]
     options = ["a1_pad", "a1_nopad", "a2_nopad", "a4_nopad"]
-    want = {"xla", "lookup", "xla_pool", "decode_gather"} | {f"pool_{o}" for o in options}
+    want = {"xla", "lookup", "xla_pool", "lookup_pool_gains", "decode_gather"} | {f"pool_{o}" for o in options}
     assert set(c["ms"]) == want | {f"pool_only_{o}" for o in options}
     assert min(c["ms"].values()) > 0 and c["slots"] >= c["ids"] == 32 * 4
     assert set(c["max_error_vs_lookup"]) == set(c["ms"]) - {"decode_gather"}

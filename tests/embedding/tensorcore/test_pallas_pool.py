@@ -55,6 +55,23 @@ def test_segment_sum_over_several_accumulators_is_xlas_up_to_the_order(accumulat
     assert pallas_pool.vmem_bytes(segments, width, 128, accumulators) > pallas_pool.vmem_bytes(segments, width, 128)
 
 
+@pytest.mark.parametrize("accumulators", [1, 2])
+def test_segment_sum_with_gains_scales_each_row_as_it_adds_it(accumulators):
+    """gains given: the sums of row x gain, as XLA's segment sum of the scaled rows (the same products
+    added in the same order with one accumulator; a fused multiply-add on CPU may round once less)."""
+    rng = np.random.default_rng(7)
+    n, segments, width = 300, 37, 128
+    values = jnp.asarray(rng.standard_normal((n, width)).astype(np.float32))
+    samples = jnp.asarray(rng.integers(0, segments + 1, n).astype(np.int32))
+    gains = jnp.asarray(rng.standard_normal(n).astype(np.float32))
+    kw = {"num_segments": segments, "chunk": 128, "interpret": True, "accumulators": accumulators}
+    got = pallas_pool.segment_sum(values, samples, gains, **kw)
+    want = jnp.zeros((segments + 1, width), jnp.float32).at[samples].add(values * gains[:, None])[:segments]
+    unscaled = pallas_pool.segment_sum(values, samples, **kw)
+    assert float(jnp.abs(got - unscaled).max()) > 0.1  # the gains were applied
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
 def test_segment_sum_refuses_accumulators_it_does_not_take():
     with pytest.raises(ValueError, match="accumulators 3"):
         pallas_pool.segment_sum(jnp.zeros((8, 128)), jnp.zeros(8, jnp.int32), num_segments=2, accumulators=3)
@@ -72,6 +89,10 @@ def test_the_lookup_with_the_pallas_pooling_equals_the_xla_one(case):
     got = lookup_jax.lookup(*args, t, **kw, pallas_pool=True, interpret=True)
     assert float(jnp.abs(want).max()) > 0
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # the gains applied inside the kernel: the same products and sums, up to XLA on CPU contracting
+    # the kernel's `out + row * gain` into one fused multiply-add (a rounding fewer)
+    scaled_in_pool = lookup_jax.lookup(*args, t, **kw, pallas_pool=True, interpret=True, pool_gains=True)
+    np.testing.assert_allclose(np.asarray(scaled_in_pool), np.asarray(want), rtol=1e-6, atol=1e-6)
 
 
 def test_the_pallas_pooling_serves_what_fits_in_vmem_and_only_on_a_tpu():

@@ -27,11 +27,14 @@ def lookup(
     num_partitions: int,
     pallas_pool: bool = False,
     interpret: bool = False,
+    pool_gains: bool = False,
 ) -> jax.Array:
     """Pooled activations [device_batch_size, table width], float32; padding contributes nothing.
 
     pallas_pool: sum the rows into their samples with `pallas_pool.segment_sum` (a TPU kernel; on
-    CPU only with `interpret`) instead of XLA's segment sum: the same sums in the same order."""
+    CPU only with `interpret`) instead of XLA's segment sum: the same sums in the same order.
+    pool_gains (with pallas_pool): the gains applied inside the pooling kernel, not in a pass over
+    the gathered rows (the same products; an A/B option until measured on a chip)."""
     e = decode(
         row_pointers,
         embedding_ids,
@@ -45,9 +48,12 @@ def lookup(
     # invalid entries gather row 0 (mode="fill" would too, at a cost per slot) and are dropped by
     # their out-of-range sample below; their gain is 0 as well, so a NaN never reaches the sums
     rows = jnp.where(e.valid, e.rows, 0)
-    values = table[rows].astype(jnp.float32) * e.gains[:, None]
+    values = table[rows].astype(jnp.float32)
     if pallas_pool:
         from tpurec.embedding.tensorcore import pallas_pool as kernel  # Pallas: only when asked for
 
-        return kernel.segment_sum(values, e.samples, num_segments=device_batch_size, interpret=interpret)
-    return jax.ops.segment_sum(values, e.samples, num_segments=device_batch_size)
+        n = device_batch_size
+        if pool_gains:  # each row scaled as the kernel adds it
+            return kernel.segment_sum(values, e.samples, e.gains, num_segments=n, interpret=interpret)
+        return kernel.segment_sum(values * e.gains[:, None], e.samples, num_segments=n, interpret=interpret)
+    return jax.ops.segment_sum(values * e.gains[:, None], e.samples, num_segments=device_batch_size)

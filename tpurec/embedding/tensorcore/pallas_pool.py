@@ -28,7 +28,10 @@ __all__ = ["CHUNK", "UNROLL", "fits", "output_rows", "segment_sum", "vmem_bytes"
 Ref = Any
 
 
-def _kernel(samples: Ref, values: Ref, out: Ref, *spare: Ref, chunk: int, unroll: int) -> None:
+def _kernel(*refs: Ref, chunk: int, unroll: int, weighted: bool) -> None:
+    # refs: samples (SMEM), [gains (SMEM) if weighted], values, out, the spare accumulators
+    samples, gains = refs[0], (refs[1] if weighted else None)
+    values, out, *spare = refs[2 if weighted else 1 :]
     targets = (out, *spare)  # entry k adds into targets[k % len(targets)]
 
     @pl.when(pl.program_id(0) == 0)
@@ -42,7 +45,8 @@ def _kernel(samples: Ref, values: Ref, out: Ref, *spare: Ref, chunk: int, unroll
         for a, t in enumerate(targets):
             k = j * len(targets) + a
             s = samples[k]
-            t[pl.ds(s, 1), :] += values[pl.ds(k, 1), :]
+            row = values[pl.ds(k, 1), :]
+            t[pl.ds(s, 1), :] += row if gains is None else row * gains[k]
 
     jax.lax.fori_loop(0, chunk // len(targets), add, None, unroll=max(unroll // len(targets), 1))
 
@@ -66,6 +70,7 @@ def _kernel(samples: Ref, values: Ref, out: Ref, *spare: Ref, chunk: int, unroll
 def segment_sum(
     values: jax.Array,
     samples: jax.Array,
+    gains: jax.Array | None = None,
     *,
     num_segments: int,
     chunk: int = CHUNK,
@@ -77,6 +82,8 @@ def segment_sum(
     """jax.ops.segment_sum(values, samples, num_segments) for float32 values [n, width] and int32
     samples in [0, num_segments] (num_segments: dropped), each segment summed in entry order.
 
+    gains: float32 [n], each entry's row times its gain as it is added (the lookup's gains, applied
+    here rather than in a pass over the gathered rows; the same products, so the same sums).
     accumulators: entries added into this many copies of the output in turn (1, 2 or 4), summed at
     the end: each sample's entries in entry order within a copy, so float32 sums agree with XLA's up
     to that order (bit-equal with 1). pad_values=False (the default): the rows are not copied to whole
@@ -92,11 +99,12 @@ def segment_sum(
     if pad_values or n == 0:
         values = jnp.pad(values, ((0, padded - n), (0, 0)))
     rows = output_rows(num_segments)
+    scalars = [samples] if gains is None else [samples, jnp.pad(gains.astype(jnp.float32), (0, padded - n))]
     out = pl.pallas_call(
-        functools.partial(_kernel, chunk=chunk, unroll=unroll),
+        functools.partial(_kernel, chunk=chunk, unroll=unroll, weighted=gains is not None),
         grid=(padded // chunk,),
         in_specs=[
-            pl.BlockSpec((chunk,), lambda i: (i,), memory_space=pltpu.SMEM),
+            *[pl.BlockSpec((chunk,), lambda i: (i,), memory_space=pltpu.SMEM) for _ in scalars],
             pl.BlockSpec((chunk, width), lambda i: (i, 0)),
         ],
         out_specs=pl.BlockSpec((rows, width), lambda i: (0, 0)),
@@ -107,5 +115,5 @@ def segment_sum(
             vmem_limit_bytes=vmem_bytes(num_segments, width, chunk, accumulators) + (16 << 20),
         ),
         interpret=pltpu.InterpretParams() if interpret else False,
-    )(samples, values)
+    )(*scalars, values)
     return out[:num_segments]
