@@ -33,6 +33,8 @@ def test_every_steps_command_parses_and_names_a_script_that_exists(tmp_path):
         "tt-steps-narrow",
         "tt-steps-foreach",
         "tt-steps-serial",
+        "tt-steps-poolgains",
+        "tt-steps-acc2",
         "tt-foreach",
         "split",
         "split-eager",

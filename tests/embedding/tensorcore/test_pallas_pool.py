@@ -124,3 +124,21 @@ def test_a_tpu_seen_by_jax_takes_the_pallas_pooling_unless_turned_off(monkeypatc
         assert tpu_bridge._vmem_capacity() is None
     finally:
         tpu_bridge._vmem_capacity.cache_clear()
+
+
+def test_the_lookups_pooling_options_come_from_the_environment_where_the_kernel_serves(monkeypatch):
+    from tpurec.errors import UserError
+
+    monkeypatch.setattr(tpu_bridge, "_vmem_capacity", lambda: 128 << 20)
+    for k in ("TPUREC_POOL_GAINS", "TPUREC_POOL_ACCUMULATORS"):
+        monkeypatch.delenv(k, raising=False)
+    assert tpu_bridge.pool_options(16384, 128) == {"pallas_pool": True, "pool_gains": False, "pool_accumulators": 1}
+    monkeypatch.setenv("TPUREC_POOL_GAINS", "1")
+    monkeypatch.setenv("TPUREC_POOL_ACCUMULATORS", "4")
+    assert tpu_bridge.pool_options(16384, 128) == {"pallas_pool": True, "pool_gains": True, "pool_accumulators": 4}
+    # four output copies of 65,536 x 128 do not fit where one does: XLA's pooling, no options
+    assert pallas_pool.fits(65536, 128, 128 << 20) and not pallas_pool.fits(65536, 128, 128 << 20, 4)
+    assert tpu_bridge.pool_options(65536, 128) == {"pallas_pool": False, "pool_gains": False, "pool_accumulators": 1}
+    monkeypatch.setenv("TPUREC_POOL_ACCUMULATORS", "3")
+    with pytest.raises(UserError, match="TPUREC_POOL_ACCUMULATORS='3': expected 1, 2 or 4"):
+        tpu_bridge.pool_options(16384, 128)

@@ -28,13 +28,15 @@ def lookup(
     pallas_pool: bool = False,
     interpret: bool = False,
     pool_gains: bool = False,
+    pool_accumulators: int = 1,
 ) -> jax.Array:
     """Pooled activations [device_batch_size, table width], float32; padding contributes nothing.
 
     pallas_pool: sum the rows into their samples with `pallas_pool.segment_sum` (a TPU kernel; on
     CPU only with `interpret`) instead of XLA's segment sum: the same sums in the same order.
     pool_gains (with pallas_pool): the gains applied inside the pooling kernel, not in a pass over
-    the gathered rows (the same products; an A/B option until measured on a chip)."""
+    the gathered rows (the same products; an A/B option until measured on a chip). pool_accumulators:
+    `pallas_pool.segment_sum`'s accumulators (the same A/B)."""
     e = decode(
         row_pointers,
         embedding_ids,
@@ -52,8 +54,8 @@ def lookup(
     if pallas_pool:
         from tpurec.embedding.tensorcore import pallas_pool as kernel  # Pallas: only when asked for
 
-        n = device_batch_size
+        kw = {"num_segments": device_batch_size, "interpret": interpret, "accumulators": pool_accumulators}
         if pool_gains:  # each row scaled as the kernel adds it
-            return kernel.segment_sum(values, e.samples, e.gains, num_segments=n, interpret=interpret)
-        return kernel.segment_sum(values * e.gains[:, None], e.samples, num_segments=n, interpret=interpret)
+            return kernel.segment_sum(values, e.samples, e.gains, **kw)
+        return kernel.segment_sum(values * e.gains[:, None], e.samples, **kw)
     return jax.ops.segment_sum(values * e.gains[:, None], e.samples, num_segments=device_batch_size)

@@ -81,8 +81,21 @@ def tc_lookup(
         device_batch_size=device_batch_size,
         num_sc=num_sc,
         num_partitions=num_partitions,
-        pallas_pool=pallas_pool.fits(device_batch_size, table.shape[1], _vmem_capacity()),
+        **pool_options(device_batch_size, table.shape[1]),
     )
+
+
+def pool_options(device_batch_size: int, width: int) -> dict:
+    """The lookup's pooling: the Pallas kernel where its output fits VMEM (pool_vmem.fits), with the
+    options an A/B run asks for: TPUREC_POOL_GAINS=1 (the gains applied inside the kernel) and
+    TPUREC_POOL_ACCUMULATORS=2|4 (output copies taken in turn); neither measured in a train step yet."""
+    gains = os.environ.get("TPUREC_POOL_GAINS", "") not in ("", "0")
+    raw = os.environ.get("TPUREC_POOL_ACCUMULATORS", "") or "1"
+    if raw not in ("1", "2", "4"):
+        raise UserError(f"TPUREC_POOL_ACCUMULATORS={raw!r}: expected 1, 2 or 4")
+    acc = int(raw)
+    fits = pallas_pool.fits(device_batch_size, width, _vmem_capacity(), acc)
+    return {"pallas_pool": fits, "pool_gains": gains and fits, "pool_accumulators": acc if fits else 1}
 
 
 @functools.cache
