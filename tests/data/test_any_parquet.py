@@ -152,7 +152,7 @@ def test_the_dlrm_takes_the_datas_shape():
 
 
 @pytest.mark.slow
-def test_data_of_another_shape_trains_a_dlrm_of_its_shape(tmp_path):
+def test_data_of_another_shape_trains_a_dlrm_of_its_shape(tmp_path, capsys):
     """5 dense and 7 sparse columns: the built-in DLRM takes 5 dense features and has 7 tables."""
     import pandas as pd
 
@@ -160,8 +160,8 @@ def test_data_of_another_shape_trains_a_dlrm_of_its_shape(tmp_path):
     d: dict = {"label": rng.integers(0, 2, 1500), **{f"f{i}": rng.random(1500) for i in range(5)}}
     d |= {f"c{i}": rng.integers(0, 1000, 1500) for i in range(7)}
     pd.DataFrame(d).to_parquet(tmp_path / "small.parquet")
-    proc = _train(tmp_path / "small.parquet", "--sparse", "c*:1000", cache=tmp_path)
-    assert "label 'label', 5 dense, 7 sparse (7 int)" in proc.stderr
+    err = _train(capsys, tmp_path / "small.parquet", "--sparse", "c*:1000", cache=tmp_path)
+    assert "label 'label', 5 dense, 7 sparse (7 int)" in err
 
 
 def test_a_feature_past_the_models_tables_needs_its_rows(layouts, tmp_path, capsys):
@@ -192,23 +192,26 @@ def test_tpurecs_own_data_keeps_the_fast_path(synth_dir):
     assert isinstance(open_source(synth_dir, ColumnSpec(label="label")), MappedSource)
 
 
-def _train(data, *flags, cache):
-    from tests.dlrm.helpers import train
+def _train(capsys, data, *flags, cache) -> str:
+    """Three steps of `tpurec train` on `data` in this process: its stderr."""
+    from tests.dlrm.helpers import train_here
 
-    result, proc = train("--data", data, "--steps", "3", "--batch-size", "256", "--device", "cpu", *flags, cache=cache)
-    assert result is not None and result["steps"] == 3, proc.stderr[-2000:]
-    return proc
+    result, _, err = train_here(
+        capsys, "--data", data, "--steps", 3, "--batch-size", 256, "--device", "cpu", *flags, cache=cache
+    )
+    assert result is not None and result["steps"] == 3, err[-2000:]
+    return err
 
 
-def test_trains_on_a_hive_dataset_with_flags(layouts, tmp_path):
-    proc = _train(layouts["hive"], *FLAGS, cache=tmp_path)
-    assert "read through a column mapping: label 'clicked', 13 dense, 26 sparse" in proc.stderr + proc.stdout
+def test_trains_on_a_hive_dataset_with_flags(layouts, tmp_path, capsys):
+    err = _train(capsys, layouts["hive"], *FLAGS, cache=tmp_path)
+    assert "read through a column mapping: label 'clicked', 13 dense, 26 sparse" in err
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["file", "dir"])
-def test_trains_with_flags(layouts, tmp_path, layout):
-    _train(layouts[layout], *FLAGS, cache=tmp_path)
+def test_trains_with_flags(layouts, tmp_path, layout, capsys):
+    _train(capsys, layouts[layout], *FLAGS, cache=tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -216,9 +219,9 @@ def test_trains_with_flags(layouts, tmp_path, layout):
     # every layout slow: the default suite trains the Hive set with flags, and reads each layout inferred
     [pytest.param(x, marks=pytest.mark.slow) for x in ("file", "dir", "hive")],
 )
-def test_trains_with_the_inferred_mapping(layouts, tmp_path, layout):
-    proc = _train(layouts[layout], cache=tmp_path)
-    assert "26 sparse column(s) without :ROWS hash their ids into the dlrm-tiny table sizes" in proc.stderr
+def test_trains_with_the_inferred_mapping(layouts, tmp_path, layout, capsys):
+    err = _train(capsys, layouts[layout], cache=tmp_path)
+    assert "26 sparse column(s) without :ROWS hash their ids into the dlrm-tiny table sizes" in err
 
 
 def test_data_stats_reads_it(layouts, tmp_path):

@@ -29,6 +29,23 @@ def train(*args, cache, timeout=600, check=True, pythonpath=()) -> tuple[dict | 
     return (json.loads(lines[-1]) if lines and p.returncode == 0 else None), p
 
 
+def train_here(capsys, *args, cache, check=True) -> tuple[dict | None, int, str]:
+    """`tpurec train --quiet ARGS` in this process, its synthetic-data cache in `cache`: (final JSON, exit
+    code, stderr). `train` above pays an import of torch and TorchRec (5-8 s) for each run; this is for
+    tests whose runs need no process of their own (no ranks, signals, environment or exit of theirs)."""
+    import pytest
+
+    from tests.reliability.inproc import run_cli
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TPUREC_CACHE", str(cache))
+        code, out, err = run_cli(["train", "--quiet", *args], capsys)
+    if check and code != 0:
+        raise AssertionError(f"tpurec train {' '.join(map(str, args))} exited {code}:\n{err[-4000:]}")
+    lines = [line for line in out.splitlines() if line.strip()]
+    return (json.loads(lines[-1]) if lines and code == 0 else None), code, err
+
+
 def train_losses(path) -> list[float]:
     """The training losses of a `--metrics-out` file, in step order."""
     return [r["loss"] for r in map(json.loads, Path(path).read_text().splitlines()) if r["kind"] == "train"]

@@ -1,4 +1,5 @@
-"""`tpurec train` end to end, as a user runs it (subprocesses, real data files, real numbers)."""
+"""`tpurec train` end to end, as a user runs it (subprocesses, or this process where a run needs no process of
+its own; real data files, real numbers)."""
 
 import json
 import os
@@ -11,7 +12,7 @@ import time
 import pytest
 import torch
 
-from .helpers import REPO, checkpoint_tensors, train
+from .helpers import REPO, checkpoint_tensors, train, train_here
 
 
 def _png_size(path) -> tuple[int, int]:
@@ -107,16 +108,14 @@ def test_saved_plan_is_reused_and_inspectable(cache, tmp_path):
     assert show.returncode == 0 and "t_C1" in show.stdout
 
 
-def test_tiny_dataset_caps_batch_and_keeps_eval(cache, tmp_path):
+def test_tiny_dataset_caps_batch_and_keeps_eval(cache, tmp_path, capsys):
+    from tpurec.cli import main
+
     data = tmp_path / "tiny"
-    subprocess.run(
-        [sys.executable, "-m", "tpurec.cli", "data", "synth", "--rows", "50", "--out", str(data)],
-        check=True,
-        capture_output=True,
-        cwd=REPO,
-    )
-    result, p = train("--data", data, "--steps", 5, "--metrics-out", tmp_path / "m.csv", "--log-every", 2, cache=cache)
-    assert "capping the batch" in p.stderr
+    assert main(["data", "synth", "--rows", "50", "--out", str(data), "--quiet"]) == 0
+    args = ("--data", data, "--steps", 5, "--metrics-out", tmp_path / "m.csv", "--log-every", 2)
+    result, _, err = train_here(capsys, *args, cache=cache)
+    assert "capping the batch" in err
     assert result["batch_size"] < 512 and result["eval_rows"] >= 1 and result["steps"] == 5
     assert (tmp_path / "m.csv").read_text().startswith("kind,step")
     # --log-every 2: a loss read at steps 2 and 4, and at the run's end (its default here: every step)
@@ -125,7 +124,7 @@ def test_tiny_dataset_caps_batch_and_keeps_eval(cache, tmp_path):
     assert (tmp_path / "m.png").exists()
 
 
-def test_trains_on_converted_criteo_sample(cache, tmp_path, criteo_sample):
+def test_trains_on_converted_criteo_sample(cache, tmp_path, criteo_sample, capsys):
     data = tmp_path / "criteo"
     # raw ids + torchrec column names: the reader hashes into the model's tables, the model takes
     # the data's feature names
@@ -148,7 +147,7 @@ def test_trains_on_converted_criteo_sample(cache, tmp_path, criteo_sample):
         capture_output=True,
         cwd=REPO,
     )
-    result, p = train("--data", data, "--steps", 20, cache=cache)
+    result, _, _ = train_here(capsys, "--data", data, "--steps", 20, cache=cache)
     assert result["steps"] == 20 and result["eval_rows"] >= 1
     assert all(result[k] == result[k] for k in ("auc", "ne", "logloss")), result  # not NaN
 

@@ -9,7 +9,7 @@ import pytest
 
 from tpurec.cli import main
 
-from .helpers import train, train_losses
+from .helpers import train, train_here, train_losses
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def zipf_data(tmp_path_factory):
     return out / "data"
 
 
-def test_the_planners_expected_hit_rate_is_within_5_points_of_the_measured_one(zipf_data, cache, tmp_path):
+def test_the_planners_expected_hit_rate_is_within_5_points_of_the_measured_one(zipf_data, cache, tmp_path, capsys):
     """t_C3 (1,000 rows, 999 of them used) on the host tier with an LRU cache of 20% of its rows, batch 256:
     `tpurec data stats` measures its hot-row curve, `tpurec plan` expects a hit rate from it, and 300 steps
     of `tpurec train` (and their evaluation, at the same batch) measure one: 50.5% against 49.9%."""
@@ -37,9 +37,9 @@ def test_the_planners_expected_hit_rate_is_within_5_points_of_the_measured_one(z
     row = next(t for t in json.loads(report.read_text())["tables"] if t["name"] == "t_C3")
     assert (row["tier"], row["cache_rows"], row["cache_algorithm"]) == ("host", 200, "lru")
     expected = row["expected_hit_rate"]
-    result, p = train(
-        "--data", zipf_data, "--batch-size", 256, "--steps", 300, "--host-tier", "t_C3:0.2:lru", "--curves-out", "none",
-        cache=cache,
+    result, _, err = train_here(
+        capsys, "--data", zipf_data, "--batch-size", 256, "--steps", 300, "--host-tier", "t_C3:0.2:lru",
+        "--curves-out", "none", cache=cache,
     )  # fmt: skip
     measured = result["host_tier"]["t_C3"]
     assert (measured["rows"], measured["cache_rows"], measured["algorithm"]) == (1000, 200, "lru")
@@ -48,18 +48,25 @@ def test_the_planners_expected_hit_rate_is_within_5_points_of_the_measured_one(z
     assert measured["evictions"] >= measured["misses"] - 200  # a full cache evicts a row per miss
     assert abs(measured["hit_rate"] - expected) < 0.05, (expected, measured)
     assert 0.3 < measured["hit_rate"] < 0.7  # a test of the model, not of a cache that always or never hits
-    assert "host tier: t_C3 " in p.stderr and "cache 200 of 1,000 rows, lru" in p.stderr
+    assert "host tier: t_C3 " in err and "cache 200 of 1,000 rows, lru" in err
 
 
-def test_host_tier_training_gives_the_resident_runs_losses_and_a_saved_plan_runs_it_again(zipf_data, cache, tmp_path):
+def test_host_tier_training_gives_the_resident_runs_losses_and_a_saved_plan_runs_it_again(
+    zipf_data, cache, tmp_path, capsys
+):
     """Two tables on the host tier (LFU at 30%, LRU at the default 20%): every training loss and the final
     evaluation equal the resident run's; the plan saved keeps their caches and trains the same again."""
     common = ["--data", zipf_data, "--batch-size", 256, "--steps", 60, "--eval-every", 30, "--curves-out", "none"]
-    resident, _ = train(*common, "--metrics-out", tmp_path / "a.jsonl", cache=cache)
-    tiered, _ = train(
-        *common, "--metrics-out", tmp_path / "b.jsonl", "--host-tier", "t_C1:0.3:lfu,t_C3", "--save-plan",
-        tmp_path / "p.json", cache=cache,
-    )  # fmt: skip
+
+    def run(*args) -> dict:  # in this process: the three runs import torch and TorchRec once
+        result, _, _ = train_here(capsys, *common, *args, cache=cache)
+        assert result is not None
+        return result
+
+    resident = run("--metrics-out", tmp_path / "a.jsonl")
+    tiered = run(
+        "--metrics-out", tmp_path / "b.jsonl", "--host-tier", "t_C1:0.3:lfu,t_C3", "--save-plan", tmp_path / "p.json"
+    )
     assert len(train_losses(tmp_path / "a.jsonl")) == 60
     assert train_losses(tmp_path / "b.jsonl") == train_losses(tmp_path / "a.jsonl")
     assert (tiered["auc"], tiered["logloss"]) == (resident["auc"], resident["logloss"])
@@ -72,7 +79,7 @@ def test_host_tier_training_gives_the_resident_runs_losses_and_a_saved_plan_runs
     assert module["t_C1"]["cache_params"] == {"load_factor": 0.3, "algorithm": "LFU"}
     assert module["t_C3"]["cache_params"] == {"load_factor": None, "algorithm": None}  # FBGEMM's defaults
     assert "cache_params" not in module["t_C2"]
-    again, _ = train(*common, "--metrics-out", tmp_path / "c.jsonl", "--plan", tmp_path / "p.json", cache=cache)
+    again = run("--metrics-out", tmp_path / "c.jsonl", "--plan", tmp_path / "p.json")
     assert train_losses(tmp_path / "c.jsonl") == train_losses(tmp_path / "a.jsonl")
     assert again["host_tier"] == figures  # the plan's tables on the host tier, the same caches, the same batches
 
@@ -155,10 +162,12 @@ def test_a_host_tier_flag_the_run_cannot_take_is_one_line(flags, message, cache,
     assert len(err) == 1 and message in err[0], err
 
 
-def test_a_table_the_model_lacks_is_named_with_the_models_tables(zipf_data, cache):
-    result, p = train("--data", zipf_data, "--steps", 2, "--host-tier", "t_C99", cache=cache, check=False)
-    assert p.returncode == 2
-    assert "--host-tier: no table t_C99 in the model (its tables: t_C1, t_C2" in p.stderr
+def test_a_table_the_model_lacks_is_named_with_the_models_tables(zipf_data, cache, capsys):
+    _, code, err = train_here(
+        capsys, "--data", zipf_data, "--steps", 2, "--host-tier", "t_C99", cache=cache, check=False
+    )
+    assert code == 2
+    assert "--host-tier: no table t_C99 in the model (its tables: t_C1, t_C2" in err
 
 
 @pytest.mark.slow  # an emulated rank: about 25 s
@@ -177,7 +186,7 @@ def test_host_tier_auto_on_a_tpu_plans_and_says_what_it_moved(zipf_data, cache):
 MULTI_HOT = "tests/dlrm/multi_hot_model.py:build"
 
 
-def test_the_expected_hit_rate_holds_for_a_multi_hot_table_within_5_points(cache, tmp_path):
+def test_the_expected_hit_rate_holds_for_a_multi_hot_table_within_5_points(cache, tmp_path, capsys):
     """t_multi (20,000 rows, 10 Zipf ids a sample, as MLPerf's multi-hot tables are read) on the host tier
     with an LRU cache of 20% of its rows, batch 256: the planner's expected hit rate from `data stats`'
     hot-row curve against 300 steps of `tpurec train --model-module`."""
@@ -191,7 +200,7 @@ def test_the_expected_hit_rate_holds_for_a_multi_hot_table_within_5_points(cache
     assert (row["tier"], row["cache_rows"]) == ("host", 4000)
     expected = row["expected_hit_rate"]
     args = ["--model-module", MULTI_HOT, "--data", data, "--batch-size", 256, "--steps", 300]
-    result, _ = train(*args, "--host-tier", "t_multi:0.2:lru", "--curves-out", "none", cache=cache)
+    result, _, _ = train_here(capsys, *args, "--host-tier", "t_multi:0.2:lru", "--curves-out", "none", cache=cache)
     measured = result["host_tier"]["t_multi"]
     assert measured["evictions"] > 0  # a full cache: the planner's figure is its steady state
     assert abs(measured["hit_rate"] - expected) < 0.05, (expected, measured)

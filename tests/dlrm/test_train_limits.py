@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.dlrm.helpers import train
+from tests.dlrm.helpers import train_here
 from tpurec.cli import main
 from tpurec.planner.id_limits import load_limits
 
@@ -23,11 +23,11 @@ def data_and_limits(tmp_path_factory):
     return root, limits
 
 
-def test_training_takes_measured_limits_and_writes_its_own(data_and_limits, tmp_path):
+def test_training_takes_measured_limits_and_writes_its_own(data_and_limits, tmp_path, capsys):
     root, limits = data_and_limits
     out, metrics = tmp_path / "seen.json", tmp_path / "m.jsonl"
-    result, _ = train(
-        "--data", root / "data", "--batch-size", 64, "--steps", 12, "--limits", limits, "--limits-out", out,
+    result, _, _ = train_here(
+        capsys, "--data", root / "data", "--batch-size", 64, "--steps", 12, "--limits", limits, "--limits-out", out,
         "--metrics-out", metrics, cache=tmp_path,
     )  # fmt: skip
     assert result["id_limits"]["limits"] == str(limits) and result["id_limits"]["dropped_ids"] == 0
@@ -48,10 +48,9 @@ def test_training_takes_measured_limits_and_writes_its_own(data_and_limits, tmp_
         assert t["observed"]["max_ids"] <= 2 * measured[name]["observed"]["max_ids"] + 8
 
 
-def test_limits_for_another_layout_are_refused_naming_both(data_and_limits, tmp_path):
+def test_limits_for_another_layout_are_refused_naming_both(data_and_limits, tmp_path, capsys):
     root, limits = data_and_limits
-    _, p = train(
-        "--data", root / "data", "--batch-size", 32, "--steps", 2, "--limits", limits, cache=tmp_path, check=False
-    )
-    assert p.returncode != 0
-    assert "batch 64 per device" in p.stderr and "batch 32 per device" in p.stderr
+    args = ("--data", root / "data", "--batch-size", 32, "--steps", 2, "--limits", limits)
+    _, code, err = train_here(capsys, *args, cache=tmp_path, check=False)
+    assert code != 0
+    assert "batch 64 per device" in err and "batch 32 per device" in err

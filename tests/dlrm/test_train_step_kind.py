@@ -12,7 +12,7 @@ import torch
 
 from tests.reliability.inproc import run_cli
 
-from .helpers import checkpoint_tensors, train
+from .helpers import checkpoint_tensors, train, train_here
 
 # the default dense optimizer (adagrad) and every step of the 40 with another lr: 10 of warm-up,
 # then a decay from step 20 over 25 steps
@@ -25,11 +25,11 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("tpurec-cache")
 
 
-def test_train_step_pipelined_trains(cache, tmp_path):
+def test_train_step_pipelined_trains(cache, tmp_path, capsys):
     metrics = tmp_path / "m.jsonl"
-    result, p = train("--step", "pipelined", *COMMON, "--metrics-out", metrics, cache=cache)
+    result, _, err = train_here(capsys, "--step", "pipelined", *COMMON, "--metrics-out", metrics, cache=cache)
     assert result is not None and result["step"] == "pipelined" and result["steps"] == 40
-    assert "--step pipelined: the steady step runs eagerly" in p.stderr  # no --limits: not compiled
+    assert "--step pipelined: the steady step runs eagerly" in err  # no --limits: not compiled
     losses = [r["loss"] for r in map(json.loads, metrics.read_text().splitlines()) if r["kind"] == "train"]
     assert len(losses) >= 2 and all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0], losses  # it learns

@@ -12,7 +12,7 @@ import pytest
 
 from tpurec.data.catalog import DLRM_TINY_ROWS
 
-from .helpers import REPO, train
+from .helpers import REPO, train, train_here
 
 DISTINCT = 8  # raw ids per feature of the converted dataset
 BATCH, STEPS, INTERVAL = 64, 6, 2
@@ -52,10 +52,10 @@ def zipf_raw_ids(tmp_path_factory):
     return out
 
 
-def test_zch_counts_the_remap_below_capacity_exactly(cycling_raw_ids, cache, tmp_path):
+def test_zch_counts_the_remap_below_capacity_exactly(cycling_raw_ids, cache, tmp_path, capsys):
     metrics, ck = tmp_path / "m.jsonl", tmp_path / "ck"
-    result, _ = train(
-        "--data", cycling_raw_ids, "--zch", "--zch-eviction-interval", INTERVAL, "--steps", STEPS,
+    result, _, _ = train_here(
+        capsys, "--data", cycling_raw_ids, "--zch", "--zch-eviction-interval", INTERVAL, "--steps", STEPS,
         "--batch-size", BATCH, "--eval-every", 0, "--metrics-out", metrics, "--curves-out", "none",
         "--checkpoint-dir", ck, cache=cache,
     )  # fmt: skip
@@ -85,8 +85,8 @@ def test_zch_counts_the_remap_below_capacity_exactly(cycling_raw_ids, cache, tmp
     assert train_rows[0]["zch_hit_rate"] == 0.0  # before the first eviction step every id shares the last row
     # its checkpoint holds the remap's state: resuming it without --zch is refused in one line, naming the flag
     resume = ["--steps", STEPS + 1, "--checkpoint-dir", ck, "--resume"]
-    _, p = train("--data", cycling_raw_ids, *resume, cache=cache, check=False)
-    assert p.returncode == 2 and "written with --zch" in p.stderr.strip().splitlines()[-1]
+    _, code, err = train_here(capsys, "--data", cycling_raw_ids, *resume, cache=cache, check=False)
+    assert code == 2 and "written with --zch" in err.strip().splitlines()[-1]
 
 
 @pytest.mark.slow  # in make test-all since session 27: the default suite's 20 minutes
@@ -122,21 +122,25 @@ def test_zch_on_an_emulated_tpu_slice_keeps_the_remap_on_the_host(zipf_raw_ids, 
     assert set(result["device_to_host_copies"]) == {"tpurec.dlrm.trainer._read_loss"}
 
 
-def test_zch_on_hashed_data_or_without_data_is_refused_in_one_line(cache, tmp_path):
+def test_zch_on_hashed_data_or_without_data_is_refused_in_one_line(cache, tmp_path, capsys):
+    from tpurec.cli import main
+
     hashed = tmp_path / "hashed"
-    assert _cli("data", "synth", "--rows", 500, "--out", hashed, "--quiet").returncode == 0
-    _, p = train("--data", hashed, "--zch", cache=cache, check=False)
-    assert p.returncode == 2
-    (line,) = p.stderr.strip().splitlines()
+    assert main(["data", "synth", "--rows", "500", "--out", str(hashed), "--quiet"]) == 0
+    _, code, err = train_here(capsys, "--data", hashed, "--zch", cache=cache, check=False)
+    assert code == 2
+    (line,) = err.strip().splitlines()
     assert "--zch" in line and "--raw-ids" in line and str(hashed) in line
-    _, p = train("--zch", cache=cache, check=False)
-    assert p.returncode == 2 and "--zch" in p.stderr and "--data" in p.stderr
-    _, p = train("--zch-eviction", "lfu", cache=cache, check=False)
-    assert p.returncode == 2 and "--zch-eviction is for --zch" in p.stderr
+    _, code, err = train_here(capsys, "--zch", cache=cache, check=False)
+    assert code == 2 and "--zch" in err and "--data" in err
+    _, code, err = train_here(capsys, "--zch-eviction", "lfu", cache=cache, check=False)
+    assert code == 2 and "--zch-eviction is for --zch" in err
 
 
-def test_without_zch_raw_ids_keep_the_modulo_hash(cycling_raw_ids, cache):
-    result, _ = train("--data", cycling_raw_ids, "--steps", 2, "--batch-size", BATCH, "--eval-every", 0, cache=cache)
+def test_without_zch_raw_ids_keep_the_modulo_hash(cycling_raw_ids, cache, capsys):
+    result, _, _ = train_here(
+        capsys, "--data", cycling_raw_ids, "--steps", 2, "--batch-size", BATCH, "--eval-every", 0, cache=cache
+    )
     assert "zch" not in result and result["steps"] == 2
 
 

@@ -29,19 +29,33 @@ def _partition_loads(stacked_ids, layout, scheme: str):
     return float(counts.max() / counts.mean())
 
 
-def _case(tables, partitions, hashed: bool, batch: int, pooling, seed: int) -> dict:
-    """pooling: ids per sample, one for all tables or one per table. "placed": natural-order storage
-    with the stack's tables placed by those pooling factors (tpurec/embedding/stack_order.py)."""
+def _poolings(tables, pooling) -> list:
+    """pooling: ids per sample, one for all tables or one per table."""
+    return list(pooling) if isinstance(pooling, (list, tuple)) else [pooling] * len(tables)
+
+
+def _ids(tables, hashed: bool, batch: int, pooling, seed: int) -> list:
+    """Each table's ids, drawn from a generator seeded afresh: the same for every partition count (drawn
+    once for both: a hashed table's permutation of up to 40M rows takes most of the run's time)."""
     import numpy as np
 
     from tpurec.bench.workloads import zipf_ids
+
+    rng = np.random.default_rng(seed)
+    return [
+        zipf_ids(rng, batch * k, rows, scatter_seed=seed if hashed else None)
+        for (_, rows), k in zip(tables, _poolings(tables, pooling))
+    ]
+
+
+def _case(tables, partitions, local, pooling) -> dict:
+    """local: each table's ids (`_ids`). "placed": natural-order storage with the stack's tables placed
+    by their pooling factors (tpurec/embedding/stack_order.py)."""
+    import numpy as np
+
     from tpurec.embedding.layout import build_stacks
 
-    pooling = list(pooling) if isinstance(pooling, (list, tuple)) else [pooling] * len(tables)
-    rng = np.random.default_rng(seed)
-    local = [
-        zipf_ids(rng, batch * k, rows, scatter_seed=seed if hashed else None) for (_, rows), k in zip(tables, pooling)
-    ]
+    pooling = _poolings(tables, pooling)
     specs = [(name, rows, 8) for name, rows in tables]
     (stack,) = build_stacks(specs, partitions, pad_to=1)
     (placed,) = build_stacks(
@@ -67,9 +81,10 @@ def run(batch: int = 2048, pooling: int = 20, seed: int = 0) -> dict:
     }
     rows = []
     for name, (tables, pf) in workloads.items():
+        ids = {hashed: _ids(tables, hashed, batch, pf, seed) for hashed in (True, False)}
         for partitions in (4, 8):
             for hashed in (True, False):
-                loads = _case(tables, partitions, hashed, batch, pf, seed)
+                loads = _case(tables, partitions, ids[hashed], pf)
                 rows.append(
                     {
                         "tables": name,
