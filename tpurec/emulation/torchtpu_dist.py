@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 import types
 from typing import Any
 
@@ -175,6 +176,27 @@ def _check_local_rank() -> None:
 
 def _create_tpu_dist(options: Any, backend_options: Any = None) -> Any:
     """c10d's extended-API creator for `tpu_dist`: TorchTPU's rules, then gloo carries the tensors."""
+    try:
+        _check_rules(options)
+    except TorchTpuRuleError:
+        _all_ranks_refused(options)
+        raise
+    return dist.ProcessGroupGloo(options.store, options.group_rank, options.group_size, options.timeout)
+
+
+def _all_ranks_refused(options: Any) -> None:
+    """Wait until every rank of the group has reached its refusal. torch builds a "cpu:gloo,tpu:tpu_dist"
+    group's gloo half first; a rank that raised at once dropped its half while another rank was still
+    connecting to it ("Gloo connectFullMesh failed ... Connection closed by peer", seen under load)."""
+    key, size = "tpurec_tpu_dist_refused", options.group_size
+    options.store.add(key, 1)
+    timeout = getattr(options, "timeout", None)
+    deadline = time.monotonic() + (timeout.total_seconds() if timeout is not None else 300.0)
+    while options.store.add(key, 0) < size and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+def _check_rules(options: Any) -> None:
     ranks = list(options.global_ranks_in_group)
     world = dist.get_world_size() if dist.is_initialized() else options.group_size
     _check_launch_env(world if dist.is_initialized() else options.group_size)
@@ -186,7 +208,6 @@ def _create_tpu_dist(options: Any, backend_options: Any = None) -> Any:
             "supported in SPMD.'), its split_group is not yet implemented, and its handshake runs on the global "
             "group only; the emulation allows the global group alone"
         )
-    return dist.ProcessGroupGloo(options.store, options.group_rank, options.group_size, options.timeout)
 
 
 def register_backend() -> None:
