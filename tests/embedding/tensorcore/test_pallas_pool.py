@@ -33,6 +33,16 @@ def test_segment_sum_is_xlas_bit_for_bit_dropping_the_invalid_marker(pad_values)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def test_segment_sum_of_fewer_rows_than_a_chunk_pads_them():
+    """Under one chunk of rows the kernel pads them (no block past them all), pad_values or not."""
+    rng = np.random.default_rng(4)
+    values = jnp.asarray(rng.standard_normal((50, 128)).astype(np.float32))
+    samples = jnp.asarray(rng.integers(0, 6, 50).astype(np.int32))
+    got = pallas_pool.segment_sum(values, samples, num_segments=5, chunk=128, interpret=True)
+    want = jnp.zeros((6, 128), jnp.float32).at[samples].add(values)[:5]
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 @pytest.mark.parametrize("accumulators", [2, 4])
 def test_segment_sum_over_several_accumulators_is_xlas_up_to_the_order(accumulators):
     """Entries added into 2 or 4 copies of the output in turn, folded at the end: XLA's sums up to

@@ -87,16 +87,17 @@ def segment_sum(
     accumulators: entries added into this many copies of the output in turn (1, 2 or 4), summed at
     the end: each sample's entries in entry order within a copy, so float32 sums agree with XLA's up
     to that order (bit-equal with 1). pad_values=False (the default): the rows are not copied to whole
-    chunks; the last chunk reads past their end, and those slots' samples (padded with the invalid
-    marker, a small copy) send whatever they read to the spare row. The copy was 14-26% of the pooling
-    on v5e (probe 15, docs/results.md, session 40); pad_values=True keeps it for A/B runs."""
+    chunks (unless fewer than one); the last chunk reads past their end, and those slots' samples
+    (padded with the invalid marker, a small copy) send whatever they read to the spare row. The copy
+    was 14-26% of the pooling on v5e (probe 15, docs/results.md, session 40); pad_values=True keeps it
+    for A/B runs."""
     if accumulators not in (1, 2, 4) or chunk % accumulators:
         raise ValueError(f"accumulators {accumulators}: 1, 2 or 4, dividing the chunk ({chunk})")
     n, width = values.shape
     padded = -(-max(n, 1) // chunk) * chunk
     samples = jnp.pad(samples.astype(jnp.int32), (0, padded - n), constant_values=num_segments)
     values = values.astype(jnp.float32)
-    if pad_values or n == 0:
+    if pad_values or n < chunk:  # (fewer rows than a block: padded, a small copy, not a block past them all)
         values = jnp.pad(values, ((0, padded - n), (0, 0)))
     rows = output_rows(num_segments)
     scalars = [samples] if gains is None else [samples, jnp.pad(gains.astype(jnp.float32), (0, padded - n))]
