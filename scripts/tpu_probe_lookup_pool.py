@@ -10,16 +10,18 @@ folded at the end, since session 40's run; `rows_per_load`, 8 rows a load, ran t
 nothing, and is gone); and the MLPerf stack's lookup took 46.9 ms
 for 2.13M slots in probe 10 (22 ns a slot against the bench cell's 10), against pure JAX's 29.3 ms.
 
+Session 40's run: the padding copy went (`pad_values=False`), and 4 output copies and the gains
+inside the kernel each won in every cell, measured apart. Session 41 asks how they combine, and 8.
+
 Per cell (the bench's CSR from `tpu_kernels.inputs_for`; interleaved in a random order per round):
-- `xla`: the bench's contender (`jnp.take` + `segment_sum`);
-- `lookup`: `lookup_jax.lookup` as the chip runs it (Pallas pooling where it fits: `pool_a1_pad` until
-  session 40, `pool_a1_nopad` since);
-- `pool_a{1,2,4}_{pad,nopad}`: the same decode and gather, pooled with those `pallas_pool.segment_sum`
-  options; `xla_pool`: the decode and gather pooled by XLA's segment sum; `lookup_pool_gains`: the
-  lookup with the gains applied inside the pooling kernel (`pool_gains`: no pass over the gathered
-  rows to scale them, if XLA did not fuse it into the gather);
+- `xla`: the bench's contender (`jnp.take` + `segment_sum`); `xla_pool`: tpurec's decode and gather
+  pooled by XLA's segment sum;
+- `lookup`: `lookup_jax.lookup` with the chip's default pooling options (`tpu_bridge.pool_options`:
+  the gains inside the kernel, `pool_vmem.ACCUMULATORS` output copies);
+- `lookup_a{1,4,8}[_gains]`: the lookup with that many output copies, the gains inside the kernel or
+  in a pass over the gathered rows (`lookup_a1`: session 40's default);
 - `decode_gather`: the decode and the gains-scaled gather alone (the pooling's input);
-- `pool_only_a{1,2,4}_{pad,nopad}`: the pooling alone, of `decode_gather`'s rows.
+- `pool_only_a{1,4,8}`: the pooling alone, of `decode_gather`'s rows.
 Equal work: every lookup variant's output within 1e-4 of `lookup`'s (checked once).
 
     python3 scripts/tpu_probe_lookup_pool.py          # on the chip: $OUT/lookup_pool.json
@@ -46,18 +48,17 @@ CELLS = [  # (rows, width, bags, pooling, dist)
     (2_000_000, 128, 16384, 100, "zipf"),  # about the MLPerf stack's 2M slots (probe 10)
 ]
 CPU_CELLS = [(2000, 128, 32, 4, "zipf")]
-OPTIONS = [(1, True), (1, False), (2, False), (4, False)]  # (accumulators, pad_values)
-
-
-def _name(r: int, pad: bool) -> str:
-    return f"a{r}_{'pad' if pad else 'nopad'}"
+LOOKUPS = {"lookup_a1": (1, False), "lookup_a1_gains": (1, True), "lookup_a4": (4, False)}
+LOOKUPS |= {"lookup_a4_gains": (4, True), "lookup_a8": (8, False), "lookup_a8_gains": (8, True)}
+POOL_ONLY = (1, 4, 8)  # accumulators
 
 
 def programs(batch: int, num_sc: int, parts: int, rows: int, interpret: bool) -> dict[str, Any]:
-    """name -> jitted program: the lookup's decode + gather (`decode_gather`), pooled by each option."""
+    """name -> jitted program: the lookups with each pooling option, and their pieces."""
     import jax
     import jax.numpy as jnp
 
+    from tpurec.embedding import pool_vmem
     from tpurec.embedding.tensorcore import lookup_jax, pallas_pool
     from tpurec.embedding.tensorcore.csr_jax import decode
 
@@ -68,22 +69,18 @@ def programs(batch: int, num_sc: int, parts: int, rows: int, interpret: bool) ->
         e = decode(rp, emb, smp, gns, num_rows=t.shape[0], **kw)  # as lookup_jax.lookup
         return t[jnp.where(e.valid, e.rows, 0)].astype(jnp.float32) * e.gains[:, None], e.samples
 
-    def pool(r: int, pad: bool) -> Any:
-        # interpreted (CPU): 128-entry chunks, the interpreter's loop a fraction of the chip's 1,024
-        chunk = 128 if interpret else pallas_pool.CHUNK
-        opts = {"accumulators": r, "pad_values": pad, "chunk": chunk, "interpret": interpret}
-        return jax.jit(functools.partial(pallas_pool.segment_sum, num_segments=batch, **opts))
+    def lookup(acc: int, gains: bool) -> Any:
+        opts = {"pallas_pool": True, "interpret": interpret, "pool_gains": gains, "pool_accumulators": acc}
+        return jax.jit(functools.partial(lookup_jax.lookup, **kw, **opts))
 
-    progs: dict[str, Any] = {"decode_gather": decode_gather}
-    progs["lookup"] = jax.jit(functools.partial(lookup_jax.lookup, **kw, pallas_pool=True, interpret=interpret))
+    # interpreted (CPU): 128-entry chunks, the interpreter's loop a fraction of the chip's 1,024
+    chunk = 128 if interpret else pallas_pool.CHUNK
+    progs: dict[str, Any] = {"decode_gather": decode_gather, "lookup": lookup(pool_vmem.ACCUMULATORS, True)}
     progs["xla_pool"] = jax.jit(functools.partial(lookup_jax.lookup, **kw, pallas_pool=False))
-    progs["lookup_pool_gains"] = jax.jit(
-        functools.partial(lookup_jax.lookup, **kw, pallas_pool=True, interpret=interpret, pool_gains=True)
-    )
-    for r, pad in OPTIONS:
-        p = pool(r, pad)
-        progs[f"pool_only_{_name(r, pad)}"] = p
-        progs[f"pool_{_name(r, pad)}"] = jax.jit(lambda *a, p=p: p(*decode_gather(*a)))
+    progs |= {name: lookup(*opts) for name, opts in LOOKUPS.items()}
+    for r in POOL_ONLY:
+        opts = {"accumulators": r, "chunk": chunk, "interpret": interpret}
+        progs[f"pool_only_a{r}"] = jax.jit(functools.partial(pallas_pool.segment_sum, num_segments=batch, **opts))
     return progs
 
 

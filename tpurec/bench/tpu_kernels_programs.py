@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from tpurec.bench.tpu_kernel_cells import Cell
-from tpurec.embedding.tensorcore import lookup_jax, pallas_pool
+from tpurec.embedding import pool_vmem
+from tpurec.embedding.tensorcore import lookup_jax
 
 LR, EPS = 0.01, 1e-8
 
@@ -35,13 +36,14 @@ def _bridge() -> Any:
     return tpu_bridge
 
 
-def _pallas_pool(cell: Cell, interpret: bool) -> bool:
-    """The kernel's own choice on this chip (tpu_bridge), or the interpreted kernel on CPU."""
+def _pool_options(cell: Cell, interpret: bool) -> dict[str, Any]:
+    """The pooling the train step's lookup gets on this chip (tpu_bridge.pool_options), or on CPU the
+    interpreted kernel with the same default options."""
     if interpret:
-        return True
+        return {"pallas_pool": True, "pool_gains": True, "pool_accumulators": pool_vmem.ACCUMULATORS}
     from tpurec.embedding.tensorcore import tpu_bridge
 
-    return pallas_pool.fits(cell.batch, cell.width, tpu_bridge._vmem_capacity())
+    return tpu_bridge.pool_options(cell.batch, cell.width)
 
 
 def lookup_pair(cell: Cell, inp: dict[str, Any], interpret: bool) -> dict[str, Callable[[], Any]]:
@@ -53,7 +55,7 @@ def lookup_pair(cell: Cell, inp: dict[str, Any], interpret: bool) -> dict[str, C
             device_batch_size=batch,
             num_sc=num_sc,
             num_partitions=parts,
-            pallas_pool=_pallas_pool(cell, interpret),
+            **_pool_options(cell, interpret),
             interpret=interpret,
         )
     )

@@ -12,6 +12,12 @@ from __future__ import annotations
 # (512, 8), (1024, 8), (2048, 16) in every cell measured on v5e (docs/results.md, session 28).
 CHUNK, UNROLL = 1024, 8
 LANES = 128  # a VMEM tile's lanes for 32-bit values (jax/_src/pallas/mosaic/tpu_info.py, num_lanes)
+# Output copies the kernel adds into in turn: an entry's read-modify-write of its sample's row then
+# need not wait for the previous entry's. On v5e (1M x 128, 16,384 x 8 ids) the pooling alone took
+# 0.528 / 0.475 / 0.366 ms with 1 / 2 / 4 copies, and every cell of probe 15 ran fastest with 4
+# (docs/results.md, session 41). The kernel takes 1, 2, 4 or 8.
+ACCUMULATORS = 4
+ACCUMULATOR_CHOICES = (1, 2, 4, 8)
 
 
 def output_rows(num_segments: int) -> int:
@@ -32,3 +38,9 @@ def fits(num_segments: int, width: int, vmem_capacity: int | None, accumulators:
     in this process). A quarter of VMEM stays for the compiler's own buffers."""
     need = vmem_bytes(num_segments, width, accumulators=accumulators)
     return vmem_capacity is not None and need <= vmem_capacity * 3 // 4
+
+
+def accumulators_that_fit(num_segments: int, width: int, vmem_capacity: int | None, want: int = ACCUMULATORS) -> int:
+    """The most output copies, at most `want`, whose kernel fits the chip's VMEM; 0 where not even
+    one does (XLA's segment sum then pools)."""
+    return max((a for a in ACCUMULATOR_CHOICES if a <= want and fits(num_segments, width, vmem_capacity, a)), default=0)

@@ -160,11 +160,12 @@ def _pooling_lines(report: dict) -> list[str]:
     stacks = report.get("tensorcore_pooling") or []
     if not stacks:
         return []
-    out = ["", "TensorCore pooling per stack (Pallas where its output fits VMEM, else XLA's segment sum)"]
+    out = ["", "TensorCore pooling per stack (Pallas, x its output copies, where they fit VMEM; else XLA's)"]
     for s in stacks:
         tables = ", ".join(s["tables"][:4]) + (f" +{len(s['tables']) - 4}" if len(s["tables"]) > 4 else "")
+        how = f"pallas x{s['accumulators']}" if s["pooling"] == "pallas" else s["pooling"]
         out.append(
-            f"  {s['stack']:<14} {s['segments']:>10,} segments x {s['width']:<4} {s['pooling']:<6} "
+            f"  {s['stack']:<14} {s['segments']:>10,} segments x {s['width']:<4} {how:<9} "
             f"VMEM {format_bytes(s['vmem_bytes'])} of {format_bytes(s['vmem_capacity_bytes'])}: {tables}"
         )
     return out

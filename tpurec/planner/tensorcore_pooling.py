@@ -2,9 +2,10 @@
 build: tpurec's Pallas pooling where its output fits the chip's VMEM, else XLA's segment sum (#59:
 the kernel's choice per shape, recorded in the plan's report).
 
-The kernel decides at run time by the same rule (`tpu_bridge.tc_lookup`: `pool_vmem.fits` for the
-stack's segments and width); the planner cuts the stacks as the kernel does (`layout.build_stacks`,
-one partition, `TENSORCORE_MAX_STACK_BYTES`). On v5e the Pallas pooling took 1.17 ms against XLA's
+The kernel decides at run time by the same rule (`tpu_bridge.pool_options`: the most output copies,
+up to `pool_vmem.ACCUMULATORS`, that fit VMEM for the stack's segments and width; none: XLA's); the
+planner cuts the stacks as the kernel does (`layout.build_stacks`, one partition,
+`TENSORCORE_MAX_STACK_BYTES`). On v5e the Pallas pooling took 1.17 ms against XLA's
 segment sum's 1.71 for 131,072 ids at 1M x 128 (docs/results.md, session 40): a stack that falls to
 XLA's pays ~1.5x for its pooling.
 """
@@ -46,14 +47,16 @@ def pooling_per_stack(tables: Iterable[TableSpec], generation: str, samples: int
         names = [t.name for t in stack.tables]
         segments = samples * sum(len(pooled[n].feature_names) for n in names)
         width = stack.storage_dim
+        acc = pool_vmem.accumulators_that_fit(segments, width, capacity)
         rows.append(
             {
                 "stack": stack.name,
                 "tables": names,
                 "segments": segments,
                 "width": width,
-                "pooling": "pallas" if pool_vmem.fits(segments, width, capacity) else "xla",
-                "vmem_bytes": pool_vmem.vmem_bytes(segments, width),
+                "pooling": "pallas" if acc else "xla",
+                "accumulators": acc,
+                "vmem_bytes": pool_vmem.vmem_bytes(segments, width, accumulators=max(acc, 1)),
                 "vmem_capacity_bytes": capacity,
             }
         )

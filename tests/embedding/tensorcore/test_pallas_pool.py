@@ -43,7 +43,7 @@ def test_segment_sum_of_fewer_rows_than_a_chunk_pads_them():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-@pytest.mark.parametrize("accumulators", [2, 4])
+@pytest.mark.parametrize("accumulators", [2, 4, 8])
 def test_segment_sum_over_several_accumulators_is_xlas_up_to_the_order(accumulators):
     """Entries added into 2 or 4 copies of the output in turn, folded at the end: XLA's sums up to
     float32 reordering; exact where every sample has at most one entry a copy (the test's first half)."""
@@ -65,7 +65,7 @@ def test_segment_sum_over_several_accumulators_is_xlas_up_to_the_order(accumulat
     assert pallas_pool.vmem_bytes(segments, width, 128, accumulators) > pallas_pool.vmem_bytes(segments, width, 128)
 
 
-@pytest.mark.parametrize("accumulators", [1, 2])
+@pytest.mark.parametrize("accumulators", [1, 4])
 def test_segment_sum_with_gains_scales_each_row_as_it_adds_it(accumulators):
     """gains given: the sums of row x gain, as XLA's segment sum of the scaled rows (the same products
     added in the same order with one accumulator; a fused multiply-add on CPU may round once less)."""
@@ -136,19 +136,23 @@ def test_a_tpu_seen_by_jax_takes_the_pallas_pooling_unless_turned_off(monkeypatc
         tpu_bridge._vmem_capacity.cache_clear()
 
 
-def test_the_lookups_pooling_options_come_from_the_environment_where_the_kernel_serves(monkeypatch):
+def test_the_lookups_pooling_defaults_and_its_environment_overrides(monkeypatch):
     from tpurec.errors import UserError
 
     monkeypatch.setattr(tpu_bridge, "_vmem_capacity", lambda: 128 << 20)
     for k in ("TPUREC_POOL_GAINS", "TPUREC_POOL_ACCUMULATORS"):
         monkeypatch.delenv(k, raising=False)
-    assert tpu_bridge.pool_options(16384, 128) == {"pallas_pool": True, "pool_gains": False, "pool_accumulators": 1}
-    monkeypatch.setenv("TPUREC_POOL_GAINS", "1")
-    monkeypatch.setenv("TPUREC_POOL_ACCUMULATORS", "4")
+    # the measured defaults: gains inside the kernel, four output copies where they fit VMEM
     assert tpu_bridge.pool_options(16384, 128) == {"pallas_pool": True, "pool_gains": True, "pool_accumulators": 4}
-    # four output copies of 65,536 x 128 do not fit where one does: XLA's pooling, no options
-    assert pallas_pool.fits(65536, 128, 128 << 20) and not pallas_pool.fits(65536, 128, 128 << 20, 4)
-    assert tpu_bridge.pool_options(65536, 128) == {"pallas_pool": False, "pool_gains": False, "pool_accumulators": 1}
+    # three times the samples: four copies do not fit 96 of the 128 MiB, two do
+    assert tpu_bridge.pool_options(49152, 128)["pool_accumulators"] == 2
+    # not even one copy of 131,072 x 128: XLA's pooling, no options
+    assert tpu_bridge.pool_options(131072, 128) == {"pallas_pool": False, "pool_gains": False, "pool_accumulators": 1}
+    monkeypatch.setenv("TPUREC_POOL_GAINS", "0")
+    monkeypatch.setenv("TPUREC_POOL_ACCUMULATORS", "1")
+    assert tpu_bridge.pool_options(16384, 128) == {"pallas_pool": True, "pool_gains": False, "pool_accumulators": 1}
+    monkeypatch.setenv("TPUREC_POOL_ACCUMULATORS", "8")
+    assert tpu_bridge.pool_options(16384, 128)["pool_accumulators"] == 8
     monkeypatch.setenv("TPUREC_POOL_ACCUMULATORS", "3")
-    with pytest.raises(UserError, match="TPUREC_POOL_ACCUMULATORS='3': expected 1, 2 or 4"):
+    with pytest.raises(UserError, match=r"TPUREC_POOL_ACCUMULATORS='3': expected one of \(1, 2, 4, 8\)"):
         tpu_bridge.pool_options(16384, 128)

@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 # the VMEM arithmetic, jax-free for the planner (re-exported: tpu_bridge and the probes read it here)
-from tpurec.embedding.pool_vmem import CHUNK, UNROLL, fits, output_rows, vmem_bytes
+from tpurec.embedding.pool_vmem import ACCUMULATOR_CHOICES, CHUNK, UNROLL, fits, output_rows, vmem_bytes
 
 __all__ = ["CHUNK", "UNROLL", "fits", "output_rows", "segment_sum", "vmem_bytes"]
 
@@ -84,15 +84,15 @@ def segment_sum(
 
     gains: float32 [n], each entry's row times its gain as it is added (the lookup's gains, applied
     here rather than in a pass over the gathered rows; the same products, so the same sums).
-    accumulators: entries added into this many copies of the output in turn (1, 2 or 4), summed at
+    accumulators: entries added into this many copies of the output in turn (1, 2, 4 or 8), summed at
     the end: each sample's entries in entry order within a copy, so float32 sums agree with XLA's up
     to that order (bit-equal with 1). pad_values=False (the default): the rows are not copied to whole
     chunks (unless fewer than one); the last chunk reads past their end, and those slots' samples
     (padded with the invalid marker, a small copy) send whatever they read to the spare row. The copy
     was 14-26% of the pooling on v5e (probe 15, docs/results.md, session 40); pad_values=True keeps it
     for A/B runs."""
-    if accumulators not in (1, 2, 4) or chunk % accumulators:
-        raise ValueError(f"accumulators {accumulators}: 1, 2 or 4, dividing the chunk ({chunk})")
+    if accumulators not in ACCUMULATOR_CHOICES or chunk % accumulators:
+        raise ValueError(f"accumulators {accumulators}: one of {ACCUMULATOR_CHOICES}, dividing the chunk ({chunk})")
     n, width = values.shape
     padded = -(-max(n, 1) // chunk) * chunk
     samples = jnp.pad(samples.astype(jnp.int32), (0, padded - n), constant_values=num_segments)

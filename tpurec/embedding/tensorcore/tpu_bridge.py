@@ -27,11 +27,11 @@ import jax.numpy as jnp
 import torch
 from torch import Tensor
 
-from tpurec.embedding import ops
+from tpurec.embedding import ops, pool_vmem
 from tpurec.embedding.optimizers import adagrad, adam, sgd
 from tpurec.embedding.optimizers.base import recorded
 from tpurec.embedding.step_scalars import tpu_scalar
-from tpurec.embedding.tensorcore import lookup_jax, pallas_merge, pallas_pool, pallas_stream, update_jax
+from tpurec.embedding.tensorcore import lookup_jax, pallas_merge, pallas_stream, update_jax
 from tpurec.embedding.tensorcore.csr_jax import decode
 from tpurec.errors import UserError
 from tpurec.runtime import env_flags
@@ -86,16 +86,16 @@ def tc_lookup(
 
 
 def pool_options(device_batch_size: int, width: int) -> dict:
-    """The lookup's pooling: the Pallas kernel where its output fits VMEM (pool_vmem.fits), with the
-    options an A/B run asks for: TPUREC_POOL_GAINS=1 (the gains applied inside the kernel) and
-    TPUREC_POOL_ACCUMULATORS=2|4 (output copies taken in turn); neither measured in a train step yet."""
-    gains = os.environ.get("TPUREC_POOL_GAINS", "") not in ("", "0")
-    raw = os.environ.get("TPUREC_POOL_ACCUMULATORS", "") or "1"
-    if raw not in ("1", "2", "4"):
-        raise UserError(f"TPUREC_POOL_ACCUMULATORS={raw!r}: expected 1, 2 or 4")
-    acc = int(raw)
-    fits = pallas_pool.fits(device_batch_size, width, _vmem_capacity(), acc)
-    return {"pallas_pool": fits, "pool_gains": gains and fits, "pool_accumulators": acc if fits else 1}
+    """The lookup's pooling: the Pallas kernel where its output fits VMEM, with the gains applied
+    inside it and `pool_vmem.ACCUMULATORS` output copies (fewer where they do not fit VMEM): both
+    faster in every cell of probe 15 on v5e (docs/results.md, sessions 40-41). A/B overrides:
+    TPUREC_POOL_GAINS=0 (a pass over the gathered rows instead), TPUREC_POOL_ACCUMULATORS=1|2|4|8."""
+    gains = os.environ.get("TPUREC_POOL_GAINS", "1") not in ("", "0")
+    raw = os.environ.get("TPUREC_POOL_ACCUMULATORS", "") or str(pool_vmem.ACCUMULATORS)
+    if raw not in {str(a) for a in pool_vmem.ACCUMULATOR_CHOICES}:
+        raise UserError(f"TPUREC_POOL_ACCUMULATORS={raw!r}: expected one of {pool_vmem.ACCUMULATOR_CHOICES}")
+    acc = pool_vmem.accumulators_that_fit(device_batch_size, width, _vmem_capacity(), int(raw))
+    return {"pallas_pool": acc > 0, "pool_gains": gains and acc > 0, "pool_accumulators": max(acc, 1)}
 
 
 @functools.cache
