@@ -31,7 +31,7 @@ from tpurec.embedding.constraints import (
     worst_case_max_ids_per_partition,
 )
 from tpurec.embedding.optimizers.registry import spec_class
-from tpurec.planner import cpu_cost
+from tpurec.planner import cpu_cost, tensorcore_cost
 from tpurec.planner.id_limits import IdLimits
 from tpurec.planner.shard_costs import ShardCost
 from tpurec.planner.topology import CPU_GENERATION, SliceSpec, cpu_spec
@@ -150,6 +150,13 @@ def shard_cost(
     lookup_ms = ids * row_bytes / sc_bw * 1e3
     # Fused update per id: read gradient, read + write the row, read + write optimizer state.
     update_ms = ids * (3 * row_bytes + 2 * state_bytes) / sc_bw * 1e3
+    if tensorcore_only(spec.generation.name) and spec.cpu_costs is None:
+        # The TensorCore kernel (v5e, v4) is bound by XLA's row gather and scatter, not by bytes:
+        # priced from what its programs took on a v5e chip (tensorcore_cost, docs/planner.md).
+        gen = spec.generation
+        acc = tensorcore_cost.pooling_accumulators(gen.name, int(out_rows), cols) if pooled else None
+        lookup_ms = tensorcore_cost.lookup_ms(ids, cols, gen.name, gen.hbm_bw, acc)
+        update_ms = tensorcore_cost.update_ms(ids, cols, local_rows, optimizer, state_bytes, gen.name, gen.hbm_bw)
     if spec.cpu_costs is not None:
         # CPU reference kernel: the measured time per id (forward + fused backward together), split
         # between lookup and update in the proportion of the bytes above (only the sum is measured).

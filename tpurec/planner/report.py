@@ -22,7 +22,7 @@ from tpurec.planner.plan_check import module_plans
 from tpurec.planner.report_text import diff_reports, fitting_text, format_text  # noqa: F401 (re-exported)
 from tpurec.planner.tensorcore_pooling import pooling_per_stack
 from tpurec.planner.topology import SliceSpec
-from tpurec.runtime.device import DeviceKind
+from tpurec.runtime.device import DeviceKind, tensorcore_only
 
 if TYPE_CHECKING:
     from torch import nn
@@ -292,6 +292,9 @@ def _assumptions(spec: SliceSpec, headroom_fraction: float, limits: IdLimits | N
     return {
         "sc_gather_fraction_of_hbm_bw": spec.sc_gather_fraction,
         "sc_gather_bw_bytes_per_s": gen.hbm_bw * spec.sc_gather_fraction,
+        # how lookups and updates are priced: bytes at the SparseCore's share of HBM bandwidth, or
+        # the TensorCore kernel's per-id costs measured on a v5e chip (tensorcore_cost)
+        "kernel_time": "tensorcore-measured" if tensorcore_only(gen.name) else "sparsecore-bandwidth",
         "hbm_bw_bytes_per_s": gen.hbm_bw,
         "ici_bw_per_chip_bytes_per_s": gen.ici_bw_per_chip,
         "dcn_bw_per_host_bytes_per_s": spec.dcn_bw_per_host,

@@ -20,6 +20,7 @@ from tpurec.planner.report_text import (
     fitting_text,
     format_text,
     hot_devices,
+    kernel_assumption,
     rank_ranges,
     ranks_in_order,
 )
@@ -196,8 +197,7 @@ def _summary(report: dict) -> str:
         f"optimizer {report['optimizer']}; estimated embedding step time "
         f"<b>{report['estimated_step_time_ms']:.3f} ms</b>; imbalance (max/mean) time "
         f"{report['time_imbalance']:.2f}, HBM {report['hbm_imbalance']:.2f}.",
-        f"Assumptions: SparseCore gather {a['sc_gather_fraction_of_hbm_bw']:.0%} of HBM bandwidth "
-        f"({a['sc_gather_bw_bytes_per_s'] / 1e9:.0f} GB/s), all-to-all efficiency {a['all_to_all_efficiency']}, "
+        f"Assumptions: {kernel_assumption(a)}, all-to-all efficiency {a['all_to_all_efficiency']}, "
         f"DCN {a['dcn_bw_per_host_bytes_per_s'] / 1e9:.0f} GB/s per host, headroom {a['headroom_fraction']:.0%}.",
     ]
     if report.get("refusal"):

@@ -155,6 +155,14 @@ def _host_tier_lines(report: dict) -> list[str]:
     return out
 
 
+def kernel_assumption(a: dict) -> str:
+    """How the plan priced lookups and updates (the report's assumptions), in a few words."""
+    if a.get("kernel_time") == "tensorcore-measured":
+        return "TensorCore kernel at its per-id costs measured on v5e"
+    bw = a["sc_gather_bw_bytes_per_s"] / 1e9
+    return f"SparseCore gather {a['sc_gather_fraction_of_hbm_bw']:.0%} of HBM bw ({bw:.0f} GB/s)"
+
+
 def _pooling_lines(report: dict) -> list[str]:
     """The TensorCore kernel's pooling per stack (v5e, v4): Pallas where its output fits VMEM."""
     stacks = report.get("tensorcore_pooling") or []
@@ -183,8 +191,7 @@ def format_text(report: dict, top: int = 5) -> str:
         f"{report['estimated_step_time_ms']:.3f} ms    imbalance (max/mean): time "
         f"{report['time_imbalance']:.2f}, HBM {report['hbm_imbalance']:.2f}",
         *_pipelined_line(report),
-        f"assumptions: SparseCore gather {a['sc_gather_fraction_of_hbm_bw']:.0%} of HBM bw "
-        f"({a['sc_gather_bw_bytes_per_s'] / 1e9:.0f} GB/s), all-to-all efficiency {a['all_to_all_efficiency']}, "
+        f"assumptions: {kernel_assumption(a)}, all-to-all efficiency {a['all_to_all_efficiency']}, "
         f"DCN {a['dcn_bw_per_host_bytes_per_s'] / 1e9:.0f} GB/s per host, headroom {a['headroom_fraction']:.0%}",
     ]
     devices = report["devices"]

@@ -5,9 +5,9 @@ the kernel's choice per shape, recorded in the plan's report).
 The kernel decides at run time by the same rule (`tpu_bridge.pool_options`: the most output copies,
 up to `pool_vmem.ACCUMULATORS`, that fit VMEM for the stack's segments and width; none: XLA's); the
 planner cuts the stacks as the kernel does (`layout.build_stacks`, one partition,
-`TENSORCORE_MAX_STACK_BYTES`). On v5e the Pallas pooling took 1.17 ms against XLA's
-segment sum's 1.71 for 131,072 ids at 1M x 128 (docs/results.md, session 40): a stack that falls to
-XLA's pays ~1.5x for its pooling.
+`TENSORCORE_MAX_STACK_BYTES`). On v5e the lookup with the Pallas pooling took 0.99 ms against 1.72
+with XLA's segment sum for 131,072 ids at 1M x 128 (docs/results.md, session 41): a stack that falls
+to XLA's pays ~1.7x for its lookup (tensorcore_cost prices it so).
 """
 
 from __future__ import annotations
