@@ -12,7 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from tpurec.embedding.tensorcore.csr_jax import decode
+from tpurec.embedding.tensorcore.csr_jax import Entries, decode
+from tpurec.embedding.tensorcore.gather_count import fast_gather_count
 
 
 def lookup(
@@ -29,14 +30,17 @@ def lookup(
     interpret: bool = False,
     pool_gains: bool = False,
     pool_accumulators: int = 1,
+    pad_gather: bool = True,
 ) -> jax.Array:
     """Pooled activations [device_batch_size, table width], float32; padding contributes nothing.
 
     pallas_pool: sum the rows into their samples with `pallas_pool.segment_sum` (a TPU kernel; on
     CPU only with `interpret`) instead of XLA's segment sum: the same sums in the same order.
     pool_gains (with pallas_pool): the gains applied inside the pooling kernel, not in a pass over
-    the gathered rows (the same products; an A/B option until measured on a chip). pool_accumulators:
-    `pallas_pool.segment_sum`'s accumulators (the same A/B)."""
+    the gathered rows (the same products; the chip's default: tpu_bridge.pool_options).
+    pool_accumulators:
+    `pallas_pool.segment_sum`'s accumulators (the same A/B). pad_gather: dropped entries appended
+    up to a count v5e's row gather runs fast at (`gather_count`; False for A/B runs)."""
     e = decode(
         row_pointers,
         embedding_ids,
@@ -47,6 +51,8 @@ def lookup(
         num_sc=num_sc,
         num_partitions=num_partitions,
     )
+    if pad_gather:
+        e = _padded_to_a_fast_gather(e, device_batch_size, table.shape[1])
     # invalid entries gather row 0 (mode="fill" would too, at a cost per slot) and are dropped by
     # their out-of-range sample below; their gain is 0 as well, so a NaN never reaches the sums
     rows = jnp.where(e.valid, e.rows, 0)
@@ -59,3 +65,18 @@ def lookup(
             return kernel.segment_sum(values, e.samples, e.gains, **kw)
         return kernel.segment_sum(values * e.gains[:, None], e.samples, **kw)
     return jax.ops.segment_sum(values * e.gains[:, None], e.samples, num_segments=device_batch_size)
+
+
+def _padded_to_a_fast_gather(e: Entries, device_batch_size: int, width: int) -> Entries:
+    """The entries with invalid ones appended up to a count XLA's row gather runs fast at on v5e
+    (gather_count: up to 128 more; they gather row 0 and are dropped like any invalid entry)."""
+    n = e.rows.shape[0]
+    extra = fast_gather_count(n, width) - n
+    if not extra:
+        return e
+    return Entries(
+        rows=jnp.pad(e.rows, (0, extra)),
+        samples=jnp.pad(e.samples, (0, extra), constant_values=device_batch_size),
+        gains=jnp.pad(e.gains, (0, extra)),
+        valid=jnp.pad(e.valid, (0, extra)),
+    )

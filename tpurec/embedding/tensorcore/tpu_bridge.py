@@ -82,6 +82,7 @@ def tc_lookup(
         num_sc=num_sc,
         num_partitions=num_partitions,
         **pool_options(device_batch_size, table.shape[1]),
+        pad_gather=os.environ.get("TPUREC_GATHER_PAD", "1") not in ("", "0"),  # A/B: 0 keeps the count
     )
 
 
