@@ -3,16 +3,13 @@ program compiled mid-run. The detector on the chip's own step times, and a run t
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
+import time
 
 import pytest
 
 from tpurec.dlrm.training.slow_steps import SlowSteps, message
 
-from .helpers import REPO
+from .helpers import train_here
 
 # `tpurec train --device tpu` at MLPerf DLRM-DCNv2 shapes on a v5e, the seconds between steps 1-15
 # (session 35, docs/results.md `tt-steps`): with the narrow inputs' layout changing (steps 4 and 10
@@ -49,27 +46,24 @@ def test_short_steps_a_few_times_the_median_are_not_slow_steps():
     assert watch.add(20, None) is None and len(watch.seconds) == 18  # a segment's first step: not timed
 
 
-def test_a_run_with_a_slow_step_reports_it_and_says_so_once(cache, tmp_path):
+def test_a_run_with_a_slow_step_reports_it_and_says_so_once(cache, capsys, monkeypatch):
     """A DLRM run on the CPU whose 8th and 11th steps are held 1.5 s on the host (as a compile would hold
-    them): `slow_steps` counts both, stderr names the first."""
-    code = """
-import json, time
-from tpurec.dlrm import trainer as T
+    them): `slow_steps` counts both, stderr names the first. In this process (`train_here`): the
+    detector and its message need no process of their own, and a subprocess cost an import of torch
+    and TorchRec."""
+    from tpurec.dlrm import trainer as T
 
-advance = T.Trainer._advance
-def held(self):
-    out = advance(self)
-    if self.step_count in (8, 11):
-        time.sleep(1.5)
-    return out
-T.Trainer._advance = held
-t = T.Trainer(T.TrainOptions(synth_rows=30000, steps=14, eval_every=0, quiet=True))
-print(json.dumps(t.run()["slow_steps"]))
-"""
-    env = dict(os.environ, TPUREC_CACHE=str(cache), PYTHONPATH=str(REPO))
-    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert p.returncode == 0, p.stderr[-3000:]
-    slow = json.loads(p.stdout.strip().splitlines()[-1])
+    advance = T.Trainer._advance
+
+    def held(self):
+        out = advance(self)
+        if self.step_count in (8, 11):
+            time.sleep(1.5)
+        return out
+
+    monkeypatch.setattr(T.Trainer, "_advance", held)
+    result, _, err = train_here(capsys, "--synth-rows", 30000, "--steps", 14, "--eval-every", 0, cache=cache)
+    slow = result["slow_steps"]
     assert slow["count"] == 2 and [s[0] for s in slow["first"]] == [8, 11], slow
     assert all(s[1] >= 1.5 for s in slow["first"]) and slow["median_step_s"] < 0.3
-    assert p.stderr.count("took") == 1 and "step 8 took" in p.stderr, p.stderr[-2000:]
+    assert err.count("took") == 1 and "step 8 took" in err, err[-2000:]
