@@ -332,10 +332,12 @@ def test_a_log_file_gets_progress_lines_not_bar_updates(cache, tmp_path):
     assert 5 <= len(progress) <= 11, progress
 
 
-def test_architecture_flags_with_torchrecs_names_shape_the_model(cache, tmp_path):
+def test_architecture_flags_with_torchrecs_names_shape_the_model(cache, tmp_path, capsys):
+    # in this process (train_here): flags parsed into a model need no process of their own, and two
+    # subprocesses cost two imports of torch and TorchRec (about half the test's time)
     plan = tmp_path / "plan.json"
-    result, p = train(
-        "--synth-rows", 30000, "--steps", 3,
+    result, _, _ = train_here(
+        capsys, "--synth-rows", 30000, "--steps", 3,
         "--embedding_dim", 8, "--dense_arch_layer_sizes", "32,8", "--over-arch", "16,1",
         "--interaction_type", "dcn", "--dcn-low-rank-dim", 4, "--embedding-optimizer", "adam", "--eps", "1e-6",
         "--save-plan", plan, cache=cache,
@@ -344,8 +346,10 @@ def test_architecture_flags_with_torchrecs_names_shape_the_model(cache, tmp_path
     meta = json.loads(plan.read_text())["meta"]
     assert {t["embedding_dim"] for t in meta["tables"]} == {8}  # every table at --embedding-dim
     assert meta["optimizer"] == "adam"
-    _, p = train("--synth-rows", 30000, "--steps", 3, "--embedding-dim", 8, cache=cache, check=False)
-    assert p.returncode == 2 and "the bottom MLP must end in the embedding dim 8, got [64, 16]" in p.stderr
+    _, code, err = train_here(
+        capsys, "--synth-rows", 30000, "--steps", 3, "--embedding-dim", 8, cache=cache, check=False
+    )
+    assert code == 2 and "the bottom MLP must end in the embedding dim 8, got [64, 16]" in err
 
 
 def test_messages_on_a_terminal_start_their_own_line(cache, tmp_path):
