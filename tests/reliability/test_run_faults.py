@@ -1,5 +1,6 @@
 """Faults that need real processes: a rank stopped (SIGSTOP) or killed mid-training, a real full disk
-(a small tmpfs), resuming a checkpoint with another model config, a saved plan of another model.
+(a small tmpfs), resuming a checkpoint with another model config; and a saved plan of another model
+(in this process: a one-rank refusal).
 Each asserts the exit code, one line naming what and where, no traceback, and a time bound.
 
 Signals sent to the launcher itself (SIGTERM, SIGKILL) are in tests/runtime/test_lifecycle.py; a rank that
@@ -11,15 +12,15 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.dlrm.helpers import REPO, train
+from tests.dlrm.helpers import train, train_here
 from tests.helpers.processes import descendants, start_cli
+from tests.reliability.inproc import run_cli
 
 SMALL = ["--synth-rows", 30000, "--eval-every", 0, "--curves-out", "none"]
 
@@ -146,13 +147,14 @@ def test_resuming_with_another_model_config_is_refused_naming_the_field(cache, t
     assert "Traceback" not in p.stderr
 
 
-def test_a_saved_plan_of_another_model_is_refused_naming_the_file(cache, tmp_path):
+def test_a_saved_plan_of_another_model_is_refused_naming_the_file(cache, tmp_path, capsys):
+    # both commands in this process (run_cli, train_here): a one-rank refusal needs no process of its
+    # own, and two subprocesses cost two imports of torch and TorchRec (most of the test's time)
     plan = tmp_path / "kaggle.json"
-    cmd = ["plan", "--model", "criteo-kaggle", "--topology", "cpu-1", "--format", "json", "--out", str(plan)]
-    subprocess.run([sys.executable, "-m", "tpurec.cli", *cmd], check=True, capture_output=True, cwd=REPO)
-    _, p = train(*SMALL, "--steps", 2, "--plan", plan, cache=cache, check=False)
-    assert p.returncode == 2, p.stderr[-3000:]
-    assert (
-        f"tpurec train: error: rank 0: --plan {plan}, module 'model.sparse_arch.embedding_bag_collection'" in p.stderr
-    )
-    assert "a plan made for another model or other table sizes?" in p.stderr and "Traceback" not in p.stderr
+    cmd = ["plan", "--model", "criteo-kaggle", "--topology", "cpu-1", "--format", "json", "--out", plan]
+    code, _, err = run_cli(cmd, capsys)
+    assert code == 0, err
+    _, code, err = train_here(capsys, *SMALL, "--steps", 2, "--plan", plan, cache=cache, check=False)
+    assert code == 2, err[-3000:]
+    assert f"tpurec train: error: rank 0: --plan {plan}, module 'model.sparse_arch.embedding_bag_collection'" in err
+    assert "a plan made for another model or other table sizes?" in err and "Traceback" not in err
