@@ -19,8 +19,9 @@ split contender), the table updates landed by `index_copy_` of their rows (tpu_b
   `_foreach_copy_`, not AOTAutograd's copy per tensor; session 39: a tie, 238.8 against 237.0 ms),
   `-serial` with TPUREC_HOST_THREADS=1 (each stack's CSR build and host-to-device copy in the calling thread
   one after another: whether copies from the pool's threads hold up the main thread's dispatch);
-  `-poolgains` with TPUREC_POOL_GAINS=1 (the lookups' gains applied inside the Pallas pooling) and
-  `-acc2` with TPUREC_POOL_ACCUMULATORS=2 (two output copies taken in turn): probe 15's options in the step;
+  `-nogatherpad` with TPUREC_GATHER_PAD=0 (the lookup's gather at the CSR's own count, not padded to
+  one v5e gathers fast: tensorcore/gather_count.py) and `-s40pool` with session 40's pooling (one
+  output copy, the gains in a pass over the rows), each against session 41's defaults in `tt-steps`;
   `tt-foreach`: tt-long with the foreach copy-back;
 - `split` (#59): its split contender alone: the step's pieces (host build and copies, lookup, dense,
   update) and the device's bytes in use after each (`device_bytes_by_piece`); `-eager`
@@ -65,7 +66,8 @@ time limit; one call of the device tool runs at most 600 s, so give each call th
     python3 scripts/tpu_chip_runs.py split-merge split-xla  # ~2 x 120 s: the update's and lookup's options
     python3 scripts/tpu_chip_runs.py tt-steps tt-steps-narrow  # ~2 x 170 s
     python3 scripts/tpu_chip_runs.py tt-steps tt-steps-serial  # ~2 x 170 s: the host threads A/B
-    python3 scripts/tpu_chip_runs.py tt-steps-poolgains tt-steps  # ~2 x 170 s: the pooling's options A/B
+    python3 scripts/tpu_chip_runs.py tt-steps-nogatherpad tt-steps  # ~2 x 170 s: the gather-count padding A/B
+    python3 scripts/tpu_chip_runs.py tt-steps-s40pool tt-steps  # ~2 x 170 s: session 40's pooling A/B
     python3 scripts/tpu_chip_runs.py compiled               # ~170 s (session 34; step_ahead since)
     python3 scripts/tpu_chip_runs.py update                 # ~200 s: the table update's pieces
     python3 scripts/tpu_chip_runs.py dense-bags             # ~150 s: a bag-major lookup against XLA's
@@ -137,8 +139,10 @@ def steps(out: str) -> dict[str, Step]:
         "tt-steps-narrow": Step(300, tsteps, env={"TPUREC_NARROW_INPUTS": "1"}),
         "tt-steps-foreach": Step(300, tsteps, env={"TPUREC_DENSE_FOREACH_COPY": "1"}),
         "tt-steps-serial": Step(300, tsteps, env={"TPUREC_HOST_THREADS": "1"}),
-        "tt-steps-poolgains": Step(300, tsteps, env={"TPUREC_POOL_GAINS": "1"}),
-        "tt-steps-acc2": Step(300, tsteps, env={"TPUREC_POOL_ACCUMULATORS": "2"}),
+        # session 41's defaults off, one at a time: the lookup's gather at the CSR's own count, and
+        # session 40's pooling (one output copy, the gains in a pass over the gathered rows)
+        "tt-steps-nogatherpad": Step(300, tsteps, env={"TPUREC_GATHER_PAD": "0"}),
+        "tt-steps-s40pool": Step(300, tsteps, env={"TPUREC_POOL_GAINS": "0", "TPUREC_POOL_ACCUMULATORS": "1"}),
         # tt-long with the dense update's results put back by one _foreach_copy_ (session 38: 271.0 ms
         # in its one run, against 252.9 without two runs earlier; the windows of 10 steps 242-297 ms)
         "tt-foreach": Step(
