@@ -54,6 +54,7 @@ split contender), the table updates landed by `index_copy_` of their rows (tpu_b
   the donated table in `bench tpu-kernels`' update programs (both sides grew with the table)?
 - `gather-placement` (#59): probe 14 with the table placed 4 ways per size (the same ids): is the
   gather's speed (two speeds in session 40's sweep) the id count's or the buffers' placement's?
+  (The count's, session 41.) `scatter-rule`: does XLA's scatter follow the gather's count rule?
 - `kernels` (#59): `bench tpu-kernels` on five cells (width 128 and 16, pooling 32, Zipf, 4M rows):
   the kernel's lookup and updates against plain JAX since the unique-id limit and one-copy inputs.
 
@@ -75,6 +76,7 @@ time limit; one call of the device tool runs at most 600 s, so give each call th
     python3 scripts/tpu_chip_runs.py lookup-pool            # the lookup's pieces and pooling options
     python3 scripts/tpu_chip_runs.py gather-sweep           # the gather at sizes near 2^17 and the MLPerf stack's
     python3 scripts/tpu_chip_runs.py gather-placement       # ~90 s: size rule or placement (first, session 41)
+    python3 scripts/tpu_chip_runs.py scatter-rule           # ~60 s: the gather's count rule for XLA's scatter?
     python3 scripts/tpu_chip_runs.py update-copies          # ~90 s: a table copy in the update programs?
     python3 scripts/tpu_chip_runs.py kernels                # the kernels matrix (~150 s, session 40)
     python3 scripts/tpu_chip_runs.py --dry-run              # the commands, nothing run
@@ -186,6 +188,15 @@ def steps(out: str) -> dict[str, Step]:
             script=True,
         ),
         "update-copies": Step(240, ["scripts/tpu_probe_update_copies.py"], script=True),
+        # does XLA's scatter (the update programs') follow the gather's count rule? (session 41's rule:
+        # 130,945 / 131,072 / 2,127,799 slow, 130,943 / 131,073 / 2,127,873 fast for the gather)
+        "scatter-rule": Step(
+            240,
+            ["scripts/tpu_probe_gather_shapes.py", "--forms", "index_clip,scatter_add", "--rounds", "3"]
+            + ["--reps", "8", "--sizes", "130943,130945,131072,131073,2127799,2127873"]
+            + ["--out", f"{out}/scatter_rule.json"],
+            script=True,
+        ),
         "gather-sweep": Step(
             240,
             [

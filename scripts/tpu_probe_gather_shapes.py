@@ -13,7 +13,10 @@ rows, checked once):
 - `index_clip`: `t[ids]` (clamped indices: tpurec's lookup);
 - `take_inbounds`: `t.at[ids].get(mode="promise_in_bounds")` (no clamp, no fill);
 - `halves`: two `take`s of half the ids each, concatenated (a gather under 2^17 ids each);
-- `sorted`: `take` of the same ids sorted (row locality; not the same output order).
+- `sorted`: `take` of the same ids sorted (row locality; not the same output order);
+- `scatter_add` (only when named in --forms): `t.at[ids].add(u)` into a second table, donated and
+  chained call to call (the update programs' scatter): does the scatter follow the gather's count rule
+  (session 41: slow where padding the count to a multiple of 1,024 adds fewer than 128)?
 
 Session 40's sweep (`gather-sweep`) found two speeds only (1M x 128: 0.58 ms or 1.36 ms at ~131k ids,
 clamped indexing) in runs of consecutive sizes: `--placements K` (step `gather-placement`) times each
@@ -54,14 +57,33 @@ def contenders(table: Any, ids: Any, forms: list[str] | None = None) -> dict[str
     inb = jax.jit(lambda t, i: t.at[i].get(mode="promise_in_bounds"))
     halves = jax.jit(lambda t, i: jnp.concatenate([jnp.take(t, i[:h], axis=0), jnp.take(t, i[h:], axis=0)]))
     ordered = jnp.sort(ids)
-    calls = {
+    calls: dict[str, Any] = {
         "take_fill": lambda: fill(table, ids),
         "index_clip": lambda: clip(table, ids),
         "take_inbounds": lambda: inb(table, ids),
         "halves": lambda: halves(table, ids),
         "sorted": lambda: fill(table, ordered),
     }
+    if forms is not None and "scatter_add" in forms:
+        calls["scatter_add"] = _chained_scatter(table, ids)
     return {k: v for k, v in calls.items() if forms is None or k in forms}
+
+
+def _chained_scatter(table: Any, ids: Any) -> Any:
+    """A call adding a row per id into a copy of `table`, donated and carried from call to call (no
+    table copy per call, as the update programs run)."""
+    import jax
+    import jax.numpy as jnp
+
+    add = jax.jit(lambda t, i, u: t.at[i].add(u), donate_argnums=0)
+    updates = jnp.full((ids.shape[0], table.shape[1]), 1e-3, table.dtype)
+    state = {"t": table + 0}  # its own buffer: the gathers keep reading `table`
+
+    def call() -> Any:
+        state["t"] = add(state["t"], ids, updates)
+        return state["t"]
+
+    return call
 
 
 def _pointer(x: Any) -> int | None:

@@ -51,6 +51,7 @@ def test_every_steps_command_parses_and_names_a_script_that_exists(tmp_path):
         "lookup-pool",
         "gather-placement",
         "update-copies",
+        "scatter-rule",
         "gather-sweep",
         "compiled",
         "pipelined",

@@ -33,3 +33,19 @@ def test_placements_time_each_size_with_the_table_placed_k_ways_on_the_same_ids(
     doc = load_script("tpu_probe_gather_shapes").main(args)
     assert [(c["ids"], c["placement"]) for c in doc["cells"]] == [(40, 0), (40, 1)]
     assert all(c["table_address"] is None or c["table_address"] > 0 for c in doc["cells"])
+
+
+def test_the_scatter_form_runs_only_when_named_and_chains_its_donated_table(tmp_path):
+    script = load_script("tpu_probe_gather_shapes")
+    args = ["--cpu", "--sizes", "40", "--forms", "index_clip,scatter_add", "--out", str(tmp_path / "g.json")]
+    (c,) = script.main(args)["cells"]
+    assert set(c["ms"]) == {"index_clip", "scatter_add"} and min(c["ms"].values()) > 0
+
+    import jax.numpy as jnp
+
+    table, ids = jnp.zeros((10, 128), jnp.float32), jnp.array([1, 1, 3], jnp.int32)
+    call = script.contenders(table, ids, ["scatter_add"])["scatter_add"]
+    call()
+    out = call()  # the second call adds onto the first's table
+    assert float(out[1, 0]) == float(jnp.float32(4e-3)) and float(out[3, 0]) == float(jnp.float32(2e-3))
+    assert float(jnp.abs(table).max()) == 0.0  # the gathers' table untouched
