@@ -22,6 +22,7 @@ split contender), the table updates landed by `index_copy_` of their rows (tpu_b
   `-nogatherpad` with TPUREC_GATHER_PAD=0 (the lookup's gather at the CSR's own count, not padded to
   one v5e gathers fast: tensorcore/gather_count.py) and `-s40pool` with session 40's pooling (one
   output copy, the gains in a pass over the rows), each against session 41's defaults in `tt-steps`;
+  `-updatepad` with TPUREC_UPDATE_PAD=1 (the update's rows padded to a fast gather count, opt-in);
   `tt-foreach`: tt-long with the foreach copy-back;
 - `split` (#59): its split contender alone: the step's pieces (host build and copies, lookup, dense,
   update) and the device's bytes in use after each (`device_bytes_by_piece`); `-eager`
@@ -77,6 +78,7 @@ time limit; one call of the device tool runs at most 600 s, so give each call th
     python3 scripts/tpu_chip_runs.py gather-sweep           # the gather at sizes near 2^17 and the MLPerf stack's
     python3 scripts/tpu_chip_runs.py gather-placement       # ~90 s: size rule or placement (first, session 41)
     python3 scripts/tpu_chip_runs.py scatter-rule           # ~60 s: the gather's count rule for XLA's scatter?
+    python3 scripts/tpu_chip_runs.py kernels kernels-updatepad  # ~2 x 150 s: the update's padded rows A/B
     python3 scripts/tpu_chip_runs.py update-copies          # ~90 s: a table copy in the update programs?
     python3 scripts/tpu_chip_runs.py kernels                # the kernels matrix (~150 s, session 40)
     python3 scripts/tpu_chip_runs.py --dry-run              # the commands, nothing run
@@ -119,6 +121,7 @@ def steps(out: str) -> dict[str, Step]:
     train = ["bench", "tpu-train", "--json", "--rounds", "1", "--steps", "10", "--warmup", "5"]
     long = [*train[:5], "--steps", "20", "--warmup", "10"]
     tsteps = [*train, "--contenders", "tpurec", "--tpurec-args=--log-every 1", "--work-dir", TT]
+    kernels = ["bench", "tpu-kernels", "--json", "--cells", "0,3,5,6,8", "--rounds", "3", "--reps", "5", "--seed", "1"]
     return {
         "tt": Step(420, [*train, "--contenders", "jax,tpurec", "--work-dir", f"{out}/w"], scratch="w"),
         # 10 warm-up steps and 20 timed: tpurec's steps 6-8 took ~280 ms and those after ~240 in session
@@ -145,6 +148,8 @@ def steps(out: str) -> dict[str, Step]:
         # session 40's pooling (one output copy, the gains in a pass over the gathered rows)
         "tt-steps-nogatherpad": Step(300, tsteps, env={"TPUREC_GATHER_PAD": "0"}),
         "tt-steps-s40pool": Step(300, tsteps, env={"TPUREC_POOL_GAINS": "0", "TPUREC_POOL_ACCUMULATORS": "1"}),
+        # the update's rows padded to a count the gather runs fast at (opt-in until `scatter-rule`)
+        "tt-steps-updatepad": Step(300, tsteps, env={"TPUREC_UPDATE_PAD": "1"}),
         # tt-long with the dense update's results put back by one _foreach_copy_ (session 38: 271.0 ms
         # in its one run, against 252.9 without two runs earlier; the windows of 10 steps 242-297 ms)
         "tt-foreach": Step(
@@ -221,10 +226,8 @@ def steps(out: str) -> dict[str, Step]:
             env={"TPUREC_STEP_ON_TPU": "1"},
             scratch="wp",
         ),
-        "kernels": Step(
-            420,
-            ["bench", "tpu-kernels", "--json", "--cells", "0,3,5,6,8", "--rounds", "3", "--reps", "5", "--seed", "1"],
-        ),
+        "kernels": Step(420, kernels),
+        "kernels-updatepad": Step(420, kernels, env={"TPUREC_UPDATE_PAD": "1"}),
     }
 
 

@@ -35,6 +35,7 @@ def test_every_steps_command_parses_and_names_a_script_that_exists(tmp_path):
         "tt-steps-serial",
         "tt-steps-nogatherpad",
         "tt-steps-s40pool",
+        "tt-steps-updatepad",
         "tt-foreach",
         "split",
         "split-eager",
@@ -56,6 +57,7 @@ def test_every_steps_command_parses_and_names_a_script_that_exists(tmp_path):
         "compiled",
         "pipelined",
         "kernels",
+        "kernels-updatepad",
     ]
     for name, step in steps.items():
         if step.script:

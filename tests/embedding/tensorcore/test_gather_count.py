@@ -4,6 +4,7 @@ against every count measured on the chip, and the lookup's sums unchanged by the
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -53,3 +54,36 @@ def test_the_padded_gather_looks_up_the_same_sums(pallas):
     # the gather the program asks for: 1,025 rows of 128 with the padding, 1,024 without
     assert "tensor<1025x128xf32>" in padded.lower(*inp["csr"], table).as_text()
     assert "tensor<1025x128xf32>" not in plain.lower(*inp["csr"], table).as_text()
+
+
+def test_the_updates_padded_rows_change_nothing(monkeypatch):
+    # TPUREC_UPDATE_PAD=1: the update's 1,024 distinct-row slots become 1,025 (a padding row past the
+    # table): the same new table by the copy route, the same landed rows by the rows route
+    from tpurec.embedding.tensorcore import tpu_bridge
+
+    g = np.random.default_rng(5)
+    bags, pooling, rows = 127, 8, 5000
+    inp = tpu_kernels.inputs_for(g.integers(0, rows, bags * pooling), np.repeat(np.arange(bags), pooling), bags)
+    table = jax.random.normal(jax.random.key(1), (rows, 128), jnp.float32)
+    acc = jnp.abs(jax.random.normal(jax.random.key(2), (rows,), jnp.float32))
+    grad = jax.random.normal(jax.random.key(3), (bags, 128), jnp.float32)
+    lr, eps = jnp.float32(0.05), jnp.float32(1e-8)
+    rp, emb, smp, gns = inp["csr"]
+    layout: dict[str, Any] = dict(
+        zip(["device_batch_size", "num_sc", "num_partitions", "max_unique_ids_per_partition"], inp["layout"])
+    )
+
+    def run(pad: bool) -> tuple[np.ndarray, ...]:
+        monkeypatch.setenv("TPUREC_UPDATE_PAD", "1" if pad else "0")
+        sgd = jax.jit(lambda t: tpu_bridge.tc_sgd(rp, emb, smp, gns, t, grad, lr, **layout))(table)
+        rowwise = jax.jit(lambda t, a: tpu_bridge.tc_adagrad_rows(rp, emb, smp, gns, t, a, grad, lr, eps, **layout))
+        idx, new_rows, _ = rowwise(table, acc)
+        landed = np.asarray(table).copy()
+        landed[np.asarray(idx)] = np.asarray(new_rows)
+        return np.asarray(sgd), landed, np.asarray(idx)
+
+    (sgd, landed, idx), (sgd_p, landed_p, idx_p) = run(False), run(True)
+    assert idx.shape == (1024,) and idx_p.shape == (1025,)
+    np.testing.assert_array_equal(sgd_p, sgd)
+    np.testing.assert_array_equal(landed_p, landed)
+    assert not np.array_equal(sgd, np.asarray(table))  # the update did change rows

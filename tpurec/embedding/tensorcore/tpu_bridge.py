@@ -33,6 +33,7 @@ from tpurec.embedding.optimizers.base import recorded
 from tpurec.embedding.step_scalars import tpu_scalar
 from tpurec.embedding.tensorcore import lookup_jax, pallas_merge, pallas_stream, update_jax
 from tpurec.embedding.tensorcore.csr_jax import decode
+from tpurec.embedding.tensorcore.gather_count import fast_gather_count
 from tpurec.errors import UserError
 from tpurec.runtime import env_flags
 
@@ -52,7 +53,22 @@ def _row_gradients(
     without it, same AUC, cause not yet known (docs/results.md, session 29)."""
     merge = merge_chosen(layout[0], table.shape[1], layout[1])
     rows, g = update_jax.layout_row_gradients((rp, emb, smp, gns), grad, table.shape, layout, merge_kernel=merge)
+    if env_flags.is_on("TPUREC_UPDATE_PAD"):
+        rows, g = _padded_rows(rows, g, table.shape[0], table.shape[1])
     return rows, g, not merge
+
+
+def _padded_rows(rows: jax.Array, g: jax.Array, num_rows: int, width: int) -> tuple[jax.Array, jax.Array]:
+    """The update's rows with padding rows (num_rows: every gather reads zeros, every scatter drops
+    them; the rows route lands them on the first real row's value, update_jax.in_range) appended up
+    to a count v5e's row gather runs fast at (gather_count). Opt-in, TPUREC_UPDATE_PAD=1: whether
+    the update's scatters follow the gather's count rule is not measured yet (chip step
+    `scatter-rule`). Padding rows sort after every real row, so sorted rows stay sorted."""
+    k = rows.shape[0]
+    extra = fast_gather_count(k, width) - k
+    if not extra:
+        return rows, g
+    return jnp.pad(rows, (0, extra), constant_values=num_rows), jnp.pad(g, ((0, extra), (0, 0)))
 
 
 def merge_chosen(device_batch_size: int, width: int, num_sc: int) -> bool:
