@@ -59,7 +59,8 @@ split contender), the table updates landed by `index_copy_` of their rows (tpu_b
 - `kernels` (#59): `bench tpu-kernels` on five cells (width 128 and 16, pooling 32, Zipf, 4M rows):
   the kernel's lookup and updates against plain JAX since the unique-id limit and one-copy inputs.
 
-Each step writes `<step>.json` (stdout) under $OUT; stderr tails and start/end times go to
+Each tpurec step writes `<step>.json` (its stdout) under $OUT, each probe its own JSON and its stdout to
+the shared `probes.log`; stderr tails and start/end times go to
 $OUT/runs.log (the device returns at most 8 files). Steps run in the order given, each under its own
 time limit; one call of the device tool runs at most 600 s, so give each call the steps that fit:
 
@@ -240,7 +241,13 @@ def run(name: str, step: Step, out: Path) -> int:
     with open(log, "a") as f:
         f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {name} start: {' '.join(command(step))}\n")
     env = dict(os.environ, **step.env)
-    with open(out / f"{name}.json", "w") as stdout:
+    # A probe writes its own JSON (--out): its stdout, progress lines, goes to one shared probes.log,
+    # not a file a step (the device returns at most 8 files a call). A tpurec command's is its result.
+    path = out / ("probes.log" if step.script else f"{name}.json")
+    with open(path, "a" if step.script else "w") as stdout:
+        if step.script:
+            stdout.write(f"== {name}\n")
+            stdout.flush()
         try:
             cmd, limit = command(step), step.limit_s
             done = subprocess.run(cmd, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=limit)

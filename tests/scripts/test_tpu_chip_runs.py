@@ -77,11 +77,20 @@ def test_a_step_writes_its_output_and_log_and_removes_its_scratch(tmp_path, monk
     (tmp_path / "w").mkdir()
     step = runs.Step(60, ["-c", "import sys; print('{}'); print('said', file=sys.stderr)"], scratch="w")
     monkeypatch.setattr(runs, "command", lambda s: [sys.executable, *s.argv])
-    assert runs.run("probe", step, tmp_path) == 0
-    assert (tmp_path / "probe.json").read_text() == "{}\n"
+    assert runs.run("bench", step, tmp_path) == 0
+    assert (tmp_path / "bench.json").read_text() == "{}\n"
     log = (tmp_path / "runs.log").read_text()
-    assert "probe start" in log and "probe rc=0" in log and "said" in log
+    assert "bench start" in log and "bench rc=0" in log and "said" in log
     assert not (tmp_path / "w").exists()
+
+
+def test_probes_share_one_stdout_file_so_a_call_returns_fewer_files(tmp_path, monkeypatch):
+    runs = _script()
+    monkeypatch.setattr(runs, "command", lambda s: [sys.executable, *s.argv])
+    for name, said in (("p1", "one"), ("p2", "two")):
+        assert runs.run(name, runs.Step(60, ["-c", f"print({said!r})"], script=True), tmp_path) == 0
+    assert (tmp_path / "probes.log").read_text() == "== p1\none\n== p2\ntwo\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["probes.log", "runs.log"]
 
 
 def test_an_unknown_step_is_refused(capsys):
