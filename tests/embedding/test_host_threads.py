@@ -101,3 +101,28 @@ def test_a_bad_thread_count_is_refused(value, monkeypatch):
     monkeypatch.setenv(host_threads.SWITCH, value)
     with pytest.raises(UserError, match="TPUREC_HOST_THREADS"):
         host_threads.workers(4)
+
+
+def test_a_program_that_used_the_pool_ends_when_its_ending_waits_for_its_threads(tmp_path):
+    # `tpurec launch` ends a user's program waiting for its non-daemon threads; the pool's idle workers
+    # are not daemon threads, and a rank that had built its stacks on them hung there (session 41)
+    import subprocess
+    import sys
+
+    prog = tmp_path / "prog.py"
+    prog.write_text(
+        "import threading\n"
+        "from tpurec.embedding import host_threads\n"
+        "from tpurec.runtime.rank_exit import other_threads, run_and_exit\n"
+        "def main():\n"
+        "    assert host_threads.map_tasks(lambda i: i * i, 3) == [0, 1, 4]\n"
+        "    assert any(t.name.startswith('tpurec-host') for t in threading.enumerate())\n"
+        "    user = threading.Thread(target=lambda: print('user thread done', flush=True))\n"
+        "    user.start()\n"
+        "    print('pool workers waited for:', [t.name for t in other_threads() if t is not user], flush=True)\n"
+        "run_and_exit(main, wait_for_threads=True)\n"
+    )
+    env = {**__import__("os").environ, "TPUREC_HOST_THREADS": "2"}
+    p = subprocess.run([sys.executable, str(prog)], capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "pool workers waited for: []" in p.stdout and "user thread done" in p.stdout

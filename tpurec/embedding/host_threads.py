@@ -19,6 +19,7 @@ from typing import Callable, Sequence, TypeVar
 
 from tpurec.errors import UserError
 from tpurec.runtime import env_flags
+from tpurec.runtime.rank_exit import OWN_POOL_PREFIXES
 
 SWITCH = "TPUREC_HOST_THREADS"
 T = TypeVar("T")
@@ -51,7 +52,8 @@ def _pool(size: int) -> ThreadPoolExecutor:
             _pid = os.getpid()
         pool = _pools.get(size)
         if pool is None:
-            pool = _pools[size] = ThreadPoolExecutor(size, thread_name_prefix="tpurec-host")
+            # the name tells a program's ending not to wait for these idle workers (rank_exit)
+            pool = _pools[size] = ThreadPoolExecutor(size, thread_name_prefix=OWN_POOL_PREFIXES[0])
         return pool
 
 

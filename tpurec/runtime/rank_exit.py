@@ -52,10 +52,22 @@ def exit_code(e: SystemExit) -> int:
     return 1
 
 
+# Name prefixes of tpurec's own thread pools (`embedding.host_threads`): their workers are not daemon
+# threads (ThreadPoolExecutor's never are) and idle on their queue once a call has its results, so
+# waiting for them, as for a user's threads, would never end (a rank under `tpurec launch` hung at
+# its exit, found in session 41). Python's teardown stops them; exit_without_finalizing skips it.
+OWN_POOL_PREFIXES = ("tpurec-host",)
+
+
 def other_threads() -> list[threading.Thread]:
-    """Live non-daemon threads besides this one: those Python's teardown would wait for."""
+    """Live non-daemon threads besides this one and tpurec's own pools' idle workers: those a
+    program's ending waits for."""
     me = threading.current_thread()
-    return [t for t in threading.enumerate() if t is not me and not t.daemon and t.is_alive()]
+    return [
+        t
+        for t in threading.enumerate()
+        if t is not me and not t.daemon and t.is_alive() and not t.name.startswith(OWN_POOL_PREFIXES)
+    ]
 
 
 # True while a run_and_exit is running its main: a program it runs (an example ending itself so under
